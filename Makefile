@@ -1,0 +1,45 @@
+# buzz-broker: `make run` tries it, `make test` proves it. Both install what is missing.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Debian packages the daemon, its tests and the demo need. softhsm2: the development token;
+# opensc: pkcs11-tool for inspecting it; systemd: systemd-analyze for the unit lint;
+# curl: the demo's first request.
+APT_PACKAGES := softhsm2 opensc systemd curl
+
+.PHONY: all run test deps venv lint bench clean
+
+all: test
+
+deps:
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	$(PYTHON) -c 'import venv, ensurepip' >/dev/null 2>&1 || missing="$$missing python3-venv"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+$(VENV)/.installed: pyproject.toml | deps
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip >/dev/null
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+venv: deps $(VENV)/.installed
+
+test: venv
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: venv
+	$(PY) -m mypy daemon custody
+
+run: venv
+	$(PY) -m daemon.cli.demo
+
+bench: venv
+	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) run build *.egg-info
