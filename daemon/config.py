@@ -1,0 +1,430 @@
+"""The daemon's configuration: one TOML file, read once, checked whole, frozen.
+
+Rules:
+- Where it comes from: the ``path`` argument (``--config``), else ``$BUZZ_BROKER_CONFIG``,
+  else the built-in defaults (no file at all). An empty variable counts as unset.
+- Every key lives in `_KEYS`, one row per key: section, key, parser, default. That table is
+  the schema: a key not in it is an error naming the key, a section not in it is an error
+  naming the section, and docs/configuration.md documents exactly its rows.
+- Every fault is one `ConfigError` line naming the file and the key (``[server]
+  max_body_bytes``), never a traceback. Values are quoted back shortened: the file holds no
+  secret (the PIN lives in the file `pin_file` names, never here).
+- Relative paths in a file resolve against the directory of that file, so a config and
+  its state directory can move together (``dir = "state"`` next to the config).
+  `pkcs11.module` is the exception when it has no ``/`` at all: a bare library name is
+  handed to the dynamic loader's search, as dlopen(3) does.
+- The relay URL must be ``wss://``; ``ws://`` is allowed only to a loopback host (a local
+  development relay), because the relay sees every signed event in clear otherwise.
+- Durations are seconds (integer or float) or a string ``<number><s|m|h|d>``.
+
+WARNING: `_KEYS`, the dataclasses below, docs/configuration.md and docs/internals.md
+("daemon/config") must be kept in sync by hand; tests/test_config.py walks `_KEYS`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+__all__ = [
+    "load_config",
+    "ConfigError",
+    "Config",
+    "ServerConfig",
+    "StateConfig",
+    "Pkcs11Config",
+    "RelayConfig",
+    "PolicyConfig",
+    "LogConfig",
+    "MetricsConfig",
+    "ENV_VAR",
+    "ACTION_NAMES",
+]
+
+#: The environment variable naming the config file when ``--config`` is absent.
+ENV_VAR = "BUZZ_BROKER_CONFIG"
+
+#: The nine wire names (spec/agent-broker.md §Operations). Kept here rather than imported
+#: from daemon.contract so that check-config works even if the contract package fails to
+#: import; tests/test_config.py checks the two lists agree.
+ACTION_NAMES = frozenset(
+    {
+        "channel.read",
+        "message.post",
+        "message.reply",
+        "reaction.add",
+        "profile.set",
+        "storage.address",
+        "agents.create",
+        "agents.update",
+        "agents.delete",
+    }
+)
+
+#: Log levels accepted by [log] level (daemon/log.py LEVELS, restated to keep this module
+#: free of logging setup).
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(Exception):
+    """A bad or missing configuration: one line for the operator, naming file and key."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    socket: str
+    socket_mode: int
+    socket_group: str | None
+    max_connections: int
+    max_body_bytes: int
+    max_header_bytes: int
+    request_timeout: float
+    shutdown_grace: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateConfig:
+    dir: str
+    ledger_retention_seconds: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pkcs11Config:
+    module: str
+    token_label: str
+    pin_file: str | None
+    kek_label: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RelayConfig:
+    url: str
+    connect_timeout: float
+    ok_timeout: float
+    eose_timeout: float
+    idle_seconds: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PolicyConfig:
+    disabled_actions: frozenset[str]
+    max_agent_depth: int
+    runtimes: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LogConfig:
+    level: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MetricsConfig:
+    #: Path of the Prometheus admin socket; None = metrics off.
+    socket: str | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    server: ServerConfig
+    state: StateConfig
+    pkcs11: Pkcs11Config
+    relay: RelayConfig
+    policy: PolicyConfig
+    log: LogConfig
+    metrics: MetricsConfig
+    #: The file this came from (absolute), or None for the built-in defaults.
+    source: str | None = None
+
+
+# --------------------------------------------------------------------------- value parsers
+# A parser takes (raw TOML value, directory of the file or None) and returns the Python
+# value, or raises _Bad(expectation) - the caller turns that into a ConfigError line.
+
+
+class _Bad(Exception):
+    """A value does not fit its key; `args[0]` says what was expected."""
+
+
+_Parser = Callable[[object, Path | None], object]
+
+
+def _int_at_least(low: int, high: int | None = None) -> _Parser:
+    def parse(value: object, _base: Path | None) -> object:
+        # bool is an int subclass in Python; `true` is not a number in a config.
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _Bad(f"an integer >= {low}")
+        if value < low or (high is not None and value > high):
+            raise _Bad(f"an integer in {low}..{high}" if high is not None else f"an integer >= {low}")
+        return value
+
+    return parse
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smhd])")
+
+
+def _duration(value: object, _base: Path | None) -> object:
+    """Seconds as a number, or ``"<n><s|m|h|d>"``; strictly positive and finite."""
+    expectation = 'a positive duration: seconds, or a string like "10s", "5m", "7d"'
+    if isinstance(value, bool):
+        raise _Bad(expectation)
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := _DURATION.fullmatch(value.strip())):
+        seconds = float(m.group(1)) * _UNITS[m.group(2)]
+    else:
+        raise _Bad(expectation)
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise _Bad(expectation)
+    return seconds
+
+
+def _whole_seconds(value: object, base: Path | None) -> object:
+    seconds = _duration(value, base)
+    assert isinstance(seconds, float)
+    return max(1, int(seconds))
+
+
+def _text(value: object, _base: Path | None) -> object:
+    if not isinstance(value, str) or not value.strip() or "\0" in value:
+        raise _Bad("a non-empty string")
+    return value
+
+
+def _path(value: object, base: Path | None) -> object:
+    text = _text(value, base)
+    assert isinstance(text, str)
+    path = Path(text)
+    if not path.is_absolute() and base is not None:
+        path = base / path
+    return os.path.normpath(path)
+
+
+def _optional_path(value: object, base: Path | None) -> object:
+    # "" switches the thing off (metrics socket) or defers to systemd (pin_file).
+    if value == "":
+        return None
+    return _path(value, base)
+
+
+def _module_path(value: object, base: Path | None) -> object:
+    text = _text(value, base)
+    assert isinstance(text, str)
+    return text if "/" not in text else _path(text, base)
+
+
+def _mode(value: object, _base: Path | None) -> object:
+    expectation = 'an octal file mode such as "0660" (string) or 0o660 (integer)'
+    if isinstance(value, bool):
+        raise _Bad(expectation)
+    if isinstance(value, str) and re.fullmatch(r"0?[0-7]{3}", value):
+        mode = int(value, 8)
+    elif isinstance(value, int):
+        mode = value
+    else:
+        raise _Bad(expectation)
+    if not 0 <= mode <= 0o777:
+        raise _Bad(expectation)
+    return mode
+
+
+def _group(value: object, _base: Path | None) -> object:
+    if value == "":
+        return None
+    if isinstance(value, bool):
+        raise _Bad("a group name or numeric gid")
+    if isinstance(value, int) and value >= 0:
+        return str(value)
+    if isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\$?", value):
+        return value
+    raise _Bad("a group name or numeric gid")
+
+
+_LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost"})
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _relay_url(value: object, base: Path | None) -> object:
+    text = _text(value, base)
+    assert isinstance(text, str)
+    if text != text.strip():
+        raise _Bad("a URL without surrounding spaces")
+    try:
+        parts = urlsplit(text)
+        port = parts.port  # raises ValueError on a bad port
+    except ValueError:
+        raise _Bad("a ws:// or wss:// URL") from None
+    del port
+    if parts.scheme not in ("ws", "wss") or not parts.hostname:
+        raise _Bad("a wss:// URL (ws:// only to a loopback host)")
+    if parts.username is not None or parts.password is not None:
+        raise _Bad("a URL without user information")
+    if parts.scheme == "ws" and not _is_loopback(parts.hostname):
+        raise _Bad("wss:// for a non-loopback relay (ws:// sends events unencrypted)")
+    return text
+
+
+def _level(value: object, _base: Path | None) -> object:
+    if not isinstance(value, str) or value.lower() not in LOG_LEVELS:
+        raise _Bad("one of " + ", ".join(LOG_LEVELS))
+    return value.lower()
+
+
+def _string_set(allowed: frozenset[str] | None) -> _Parser:
+    def parse(value: object, _base: Path | None) -> object:
+        what = "an array of " + ("action names" if allowed is not None else "non-empty strings")
+        if not isinstance(value, list):
+            raise _Bad(what)
+        items: set[str] = set()
+        for item in value:
+            if not isinstance(item, str) or not item.strip():
+                raise _Bad(what)
+            if allowed is not None and item not in allowed:
+                raise _Bad(f"{what}; {item!r} is not one of " + ", ".join(sorted(allowed)))
+            items.add(item)
+        return frozenset(items)
+
+    return parse
+
+
+# --------------------------------------------------------------------------- the schema
+
+
+@dataclass(frozen=True, slots=True)
+class _Key:
+    section: str
+    key: str
+    field: str  # attribute of the section's dataclass
+    parse: _Parser
+    default: object  # a raw TOML value, parsed like a file's (so defaults are checked too)
+
+
+_KEYS: tuple[_Key, ...] = (
+    _Key("server", "socket", "socket", _path, "/run/buzz-broker/broker.sock"),
+    _Key("server", "socket_mode", "socket_mode", _mode, "0660"),
+    _Key("server", "socket_group", "socket_group", _group, ""),
+    _Key("server", "max_connections", "max_connections", _int_at_least(1), 1024),
+    _Key("server", "max_body_bytes", "max_body_bytes", _int_at_least(1024), 262144),
+    # Below ~1 KiB a normal request line plus Authorization header no longer fits.
+    _Key("server", "max_header_bytes", "max_header_bytes", _int_at_least(1024), 16384),
+    _Key("server", "request_timeout", "request_timeout", _duration, 10),
+    _Key("server", "shutdown_grace", "shutdown_grace", _duration, 10),
+    _Key("state", "dir", "dir", _path, "/var/lib/buzz-broker"),
+    _Key("state", "ledger_retention", "ledger_retention_seconds", _whole_seconds, "7d"),
+    _Key("pkcs11", "module", "module", _module_path, "/usr/lib/softhsm/libsofthsm2.so"),
+    _Key("pkcs11", "token_label", "token_label", _text, "buzz-broker"),
+    _Key("pkcs11", "pin_file", "pin_file", _optional_path, "/etc/buzz-broker/token-pin"),
+    _Key("pkcs11", "kek_label", "kek_label", _text, "buzz-broker-kek"),
+    _Key("relay", "url", "url", _relay_url, "wss://relay.example.com"),
+    _Key("relay", "connect_timeout", "connect_timeout", _duration, 10),
+    _Key("relay", "ok_timeout", "ok_timeout", _duration, 10),
+    _Key("relay", "eose_timeout", "eose_timeout", _duration, 10),
+    _Key("relay", "idle_seconds", "idle_seconds", _duration, 300),
+    _Key("policy", "disabled_actions", "disabled_actions", _string_set(ACTION_NAMES), []),
+    _Key("policy", "max_agent_depth", "max_agent_depth", _int_at_least(0, 64), 3),
+    _Key(
+        "policy",
+        "runtimes",
+        "runtimes",
+        _string_set(None),
+        ["goose", "claude", "codex", "buzz-agent", "buzz-acp"],
+    ),
+    _Key("log", "level", "level", _level, "info"),
+    _Key("metrics", "socket", "socket", _optional_path, ""),
+)
+
+_SECTIONS: dict[str, type] = {
+    "server": ServerConfig,
+    "state": StateConfig,
+    "pkcs11": Pkcs11Config,
+    "relay": RelayConfig,
+    "policy": PolicyConfig,
+    "log": LogConfig,
+    "metrics": MetricsConfig,
+}
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _build(tree: Mapping[str, object], where: str, base: Path | None, source: str | None) -> Config:
+    known = {(k.section, k.key) for k in _KEYS}
+    for section, body in tree.items():
+        if section not in _SECTIONS:
+            raise ConfigError(f"{where}: unknown section [{section}]")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{where}: [{section}] must be a table")
+        for key in body:
+            if (section, key) not in known:
+                raise ConfigError(f"{where}: unknown key [{section}] {key}")
+    fields: dict[str, dict[str, object]] = {name: {} for name in _SECTIONS}
+    for row in _KEYS:
+        body = tree.get(row.section, {})
+        assert isinstance(body, dict)
+        present = row.key in body
+        raw = body[row.key] if present else row.default
+        try:
+            # Defaults are absolute already; only values from the file resolve against it.
+            fields[row.section][row.field] = row.parse(raw, base if present else None)
+        except _Bad as bad:
+            raise ConfigError(
+                f"{where}: [{row.section}] {row.key}: expected {bad.args[0]}, got {_shown(raw)}"
+            ) from None
+    sections = {name: cls(**fields[name]) for name, cls in _SECTIONS.items()}
+    return Config(**sections, source=source)
+
+
+def load_config(path: str | None, environ: Mapping[str, str] = os.environ) -> Config:
+    """Read and check the configuration.
+
+    Args:
+        path: the ``--config`` value, or None.
+        environ: where ``$BUZZ_BROKER_CONFIG`` is looked up (injectable for tests).
+
+    Returns:
+        The frozen `Config`; built-in defaults when neither a path nor the variable is set.
+
+    Raises:
+        ConfigError: one line naming the file (and key) for a missing or unreadable file,
+            bad TOML, an unknown section or key, or a bad value.
+    """
+    chosen = path if path else environ.get(ENV_VAR) or None
+    if chosen is None:
+        return _build({}, "built-in defaults", None, None)
+    file = Path(chosen).absolute()
+    where = f"config {file}"
+    try:
+        data = file.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{where}: is a directory, not a file") from None
+    except PermissionError:
+        raise ConfigError(f"{where}: permission denied") from None
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read ({exc.strerror})") from None
+    try:
+        tree = tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where}: not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{where}: invalid TOML: {exc}") from None
+    return _build(tree, where, file.parent, str(file))
