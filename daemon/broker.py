@@ -1,0 +1,450 @@
+"""The pipeline: one HTTP request in, one verdict out, in the order the contract fixes.
+
+Order of judgement (README, "How a request is judged"):
+
+    correlate → authenticate → ledger → validate → authorize → execute → record → respond
+
+1. correlate: a body whose `requestId` cannot be read gets HTTP 400 and no envelope — any
+   envelope would be uncorrelated, which the client must treat as no answer anyway.
+2. authenticate: no valid credential → `failed` + `unauthenticated`, whatever else is wrong.
+   Not recorded: there is no principal to record it under.
+3. ledger: (principal, requestId) with the body's sha256. A finished record replays with
+   `replayed: true`; another digest is a `request_id_conflict` (the original untouched); an
+   identical request still running here is waited for; a pending record left by a crash or
+   an `indeterminate` is resumed by re-sending exactly its signed events.
+4. validate, 5. authorize: refusals become `failed` verdicts and are recorded, so one
+   requestId always has one verdict.
+6. execute: reads answer directly. A publishing operation signs everything first (a
+   `Plan`), the plan is committed durably as *pending*, and only then does anything reach
+   the relay.
+7. record, 8. respond: the verdict is committed (final unless `indeterminate`) and
+   returned with HTTP 200.
+
+Publishing outcomes (issue 5): every event accepted (`duplicate:` included) → `succeeded`;
+the *first* event refused or unsendable → nothing took hold → roll back host-local work and
+answer `failed` + `action_failed` with the relay's reason; no `OK` (timeout, dropped
+connection) → `indeterminate` + `outcome_unknown`; a refusal *after* an accepted event of a
+multi-event plan → partial effects exist, so `failed` would lie: `indeterminate` +
+`outcome_unknown`, and the identical retry re-sends the same events (accepted ones come back
+`duplicate:`) until the relay takes the rest.
+
+WARNING: the status/code pairs used here must be allowed by `daemon.contract.PAIRING`;
+`Verdict`'s constructors assert it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from custody import Custody, CustodyError, TokenConfig
+from daemon.config import Config, PolicyConfig
+from daemon.contract import (
+    MESSAGES,
+    ErrorCode,
+    Reading,
+    Status,
+    Verdict,
+    encode_response,
+    mark_replayed,
+    read_request,
+)
+from daemon.cursor import CursorCodec
+from daemon.http import HttpAnswer, HttpRequest
+from daemon.ledger import Conflict, Fresh, Ledger, LedgerKey, Replay, Resume
+from daemon.log import log_event
+from daemon.operations import OPERATIONS, Context, Plan
+from daemon.operations._base import OperationRefused
+from daemon.policy import authorize
+from daemon.relay import Accepted, RelayPool, RelayTimeouts, Unknown
+from daemon.sessions import Principal, SessionStore
+
+__all__ = ["Broker", "StartupError", "PENDING_FORMAT"]
+
+_log = logging.getLogger("buzz_broker.broker")
+
+#: Version of the pending record's JSON layout; a record of another version is never guessed at.
+PENDING_FORMAT = 1
+#: How often the ledger's retention sweep runs (design.md: the database stays bounded).
+SWEEP_INTERVAL_SECONDS = 3600.0
+#: Longest relay reason quoted back to an agent; the rest goes to the operator log only.
+MAX_REASON_CHARS = 200
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the message is one line for the operator."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """What the ledger holds between the pending commit and the verdict (design.md step 4)."""
+
+    action: str
+    events: tuple[Mapping[str, Any], ...]
+    success: bytes  # the encoded `succeeded` response, known before publishing
+    rollback: Mapping[str, Any] = field(default_factory=dict)
+    commit: Mapping[str, Any] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "v": PENDING_FORMAT,
+                "action": self.action,
+                "events": list(self.events),
+                "success": self.success.decode("utf-8"),
+                "rollback": dict(self.rollback),
+                "commit": dict(self.commit),
+            },
+            ensure_ascii=False,
+            separators=(",", ":"),
+        ).encode("utf-8")
+
+    @classmethod
+    def decode(cls, data: bytes) -> Pending:
+        obj = json.loads(data)
+        if obj.get("v") != PENDING_FORMAT:
+            raise ValueError(f"pending record format {obj.get('v')!r} is not {PENDING_FORMAT}")
+        return cls(
+            action=obj["action"],
+            events=tuple(obj["events"]),
+            success=obj["success"].encode("utf-8"),
+            rollback=obj.get("rollback", {}),
+            commit=obj.get("commit", {}),
+        )
+
+
+def _quote_reason(reason: str) -> str:
+    printable = "".join(ch if ch.isprintable() else " " for ch in reason).strip()
+    return printable[:MAX_REASON_CHARS] or "no reason given"
+
+
+class _AgentLocks:
+    """One lock per agent for read-merge-write operations, dropped when nobody holds it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[trio.Lock, int]] = {}
+
+    @asynccontextmanager
+    async def hold(self, agent: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(agent, (trio.Lock(), 0))
+        self._locks[agent] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[agent]
+            if users == 1:
+                del self._locks[agent]
+            else:
+                self._locks[agent] = (lock, users - 1)
+
+
+class Broker:
+    """The application `daemon.http.serve` hands each request to."""
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        custody: Custody,
+        sessions: SessionStore,
+        ledger: Ledger,
+        relay: RelayPool,
+        cursors: CursorCodec,
+        clock: Callable[[], float] = time.time,
+        config_loader: Callable[[], Config] | None = None,
+    ) -> None:
+        self._config = config
+        self._policy: PolicyConfig = config.policy
+        self._custody = custody
+        self._sessions = sessions
+        self._ledger = ledger
+        self._relay = relay
+        self._cursors = cursors
+        self._clock = clock
+        self._config_loader = config_loader
+        self._locks = _AgentLocks()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @classmethod
+    @asynccontextmanager
+    async def running(
+        cls, config: Config, *, config_loader: Callable[[], Config] | None = None
+    ) -> AsyncIterator[Broker]:
+        """Open custody, the stores and the relay pool; close them all on exit.
+
+        Raises:
+          StartupError: one line naming what is wrong (token, PIN, KEK, state directory).
+        """
+        state_dir = Path(config.state.dir)
+        try:
+            state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StartupError(f"state directory {state_dir}: {exc.strerror}") from None
+        token = TokenConfig(
+            module=config.pkcs11.module,
+            token_label=config.pkcs11.token_label,
+            pin_file=config.pkcs11.pin_file,
+            kek_label=config.pkcs11.kek_label,
+        )
+        try:
+            custody = await Custody.open(token, state_dir)
+        except CustodyError as exc:
+            raise StartupError(str(exc)) from None
+        try:
+            sessions = SessionStore.open(state_dir)
+            ledger = Ledger.open(
+                state_dir / "ledger.db", retention_seconds=config.state.ledger_retention_seconds
+            )
+            cursors = CursorCodec.open(state_dir)
+
+            async def sign_auth(agent: str, relay_url: str, challenge: str, created_at: int
+                                ) -> dict[str, Any]:
+                signed = await custody.sign_auth(agent, relay_url, challenge, created_at)
+                return dict(signed.to_json_obj())
+
+            timeouts = RelayTimeouts(
+                connect=config.relay.connect_timeout,
+                ok=config.relay.ok_timeout,
+                eose=config.relay.eose_timeout,
+                idle=config.relay.idle_seconds,
+            )
+            async with RelayPool.open(config.relay.url, sign_auth, timeouts=timeouts) as relay:
+                broker = cls(
+                    config=config,
+                    custody=custody,
+                    sessions=sessions,
+                    ledger=ledger,
+                    relay=relay,
+                    cursors=cursors,
+                    config_loader=config_loader,
+                )
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(broker._sweep_forever)
+                    log_event(_log, "broker.ready", agents=len(custody.agents()),
+                              relay=config.relay.url)
+                    try:
+                        yield broker
+                    finally:
+                        nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await custody.aclose()
+
+    def reload(self) -> None:
+        """SIGHUP: credentials and policy again from disk, without dropping connections."""
+        self._sessions.reload()
+        if self._config_loader is not None:
+            try:
+                self._policy = self._config_loader().policy
+            except Exception as exc:  # noqa: BLE001 - a bad file keeps the running policy
+                log_event(_log, "reload.config_rejected", error=type(exc).__name__,
+                          detail=str(exc))
+                return
+        log_event(_log, "reload.done")
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            removed = await self._ledger.sweep(int(self._clock()))
+            if removed:
+                log_event(_log, "ledger.swept", removed=removed)
+            await trio.sleep(SWEEP_INTERVAL_SECONDS)
+
+    # ---------------------------------------------------------------- the pipeline
+
+    async def handle(self, request: HttpRequest) -> HttpAnswer:
+        started = time.monotonic()
+        reading = read_request(request.body)
+        if reading.request_id is None:
+            log_event(_log, "request.uncorrelated", bytes=len(request.body),
+                      detail=reading.error.detail if reading.error else "")
+            return HttpAnswer(status=400, body=None)
+        request_id = reading.request_id
+        principal = self._sessions.authenticate(
+            request.authorization, request.peer_uid, int(self._clock())
+        )
+        if principal is None:
+            verdict = Verdict.failed(ErrorCode.UNAUTHENTICATED, MESSAGES[ErrorCode.UNAUTHENTICATED])
+            return self._respond(request_id, encode_response(request_id, verdict), started,
+                                 principal=None, action=None, verdict=verdict)
+
+        key = LedgerKey(principal=principal.agent, request_id=request_id)
+        begun = await self._ledger.begin(key, hashlib.sha256(request.body).digest())
+        if isinstance(begun, Replay):
+            return self._respond(request_id, mark_replayed(begun.response), started,
+                                 principal=principal, action=_action_of(reading), replayed=True)
+        if isinstance(begun, Conflict):
+            verdict = Verdict.failed(
+                ErrorCode.REQUEST_ID_CONFLICT, MESSAGES[ErrorCode.REQUEST_ID_CONFLICT]
+            )
+            return self._respond(request_id, encode_response(request_id, verdict), started,
+                                 principal=principal, action=_action_of(reading), verdict=verdict)
+        assert isinstance(begun, (Fresh, Resume))
+        try:
+            response, status = await self._judge(principal, reading, begun)
+        except BaseException:
+            self._ledger.release(begun.ticket)
+            raise
+        await self._ledger.finish(begun.ticket, response, final=status is not Status.INDETERMINATE)
+        return self._respond(request_id, response, started, principal=principal,
+                             action=_action_of(reading), status=status)
+
+    async def _judge(
+        self, principal: Principal, reading: Reading, begun: Fresh | Resume
+    ) -> tuple[bytes, Status]:
+        """Everything after the ledger let this request through: (response bytes, status)."""
+        request_id = reading.request_id
+        assert request_id is not None
+        if isinstance(begun, Resume):
+            return await self._publish(principal, request_id, Pending.decode(begun.pending),
+                                       resumed=True)
+        if reading.error is not None:
+            log_event(_log, "request.invalid", agent=principal.agent, request_id=request_id,
+                      code=reading.error.code.value, pointer=reading.error.pointer,
+                      detail=reading.error.detail)
+            return self._verdict(request_id, Verdict.failed(reading.error.code,
+                                                            MESSAGES[reading.error.code]))
+        request = reading.request
+        assert request is not None
+        refusal = authorize(principal, request, self._policy, self._custody)
+        if refusal is not None:
+            return self._verdict(request_id, Verdict.failed(refusal.code, refusal.message))
+
+        operation = OPERATIONS[request.action]
+        ctx = Context(
+            custody=self._custody,
+            relay=self._relay,
+            principal=principal,
+            host=self._policy,
+            cursors=self._cursors,
+            request_id=request_id,
+            now=lambda: int(self._clock()),
+        )
+        try:
+            if operation.execute is not None:
+                verdict: Verdict = await operation.execute(ctx, request.args)
+                return self._verdict(request_id, verdict)
+            assert operation.prepare is not None
+            if operation.serialize_per_agent:
+                async with self._locks.hold(principal.agent):
+                    return await self._plan_and_publish(ctx, operation.prepare, request,
+                                                        begun.ticket)
+            return await self._plan_and_publish(ctx, operation.prepare, request, begun.ticket)
+        except OperationRefused as refused:
+            if refused.detail:
+                log_event(_log, "operation.refused", agent=principal.agent,
+                          request_id=request_id, code=refused.code.value, detail=refused.detail)
+            return self._verdict(request_id, Verdict.failed(refused.code, refused.message))
+        except CustodyError as exc:
+            # Raised before anything was published (signing and minting precede the pending
+            # record), so the fault is a known no-op: failed + internal.
+            log_event(_log, "custody.fault", agent=principal.agent, request_id=request_id,
+                      error=type(exc).__name__, detail=str(exc))
+            return self._verdict(request_id, Verdict.failed(ErrorCode.INTERNAL,
+                                                            MESSAGES[ErrorCode.INTERNAL]))
+
+    async def _plan_and_publish(
+        self, ctx: Context, prepare: Callable[[Context, Any], Any], request: Any, ticket: Any
+    ) -> tuple[bytes, Status]:
+        result = await prepare(ctx, request.args)
+        if isinstance(result, Verdict):
+            return self._verdict(ctx.request_id, result)
+        assert isinstance(result, Plan)
+        pending = Pending(
+            action=request.action,
+            events=result.events,
+            success=encode_response(ctx.request_id, Verdict.succeeded(request.action,
+                                                                      result.outcome)),
+            rollback=result.rollback,
+            commit=result.commit,
+        )
+        await self._ledger.record_pending(ticket, pending.encode())
+        return await self._publish(ctx.principal, ctx.request_id, pending, resumed=False)
+
+    async def _publish(
+        self, principal: Principal, request_id: str, pending: Pending, *, resumed: bool
+    ) -> tuple[bytes, Status]:
+        accepted = 0
+        for event in pending.events:
+            result = await self._relay.publish(str(event["pubkey"]), dict(event))
+            if isinstance(result, Accepted):
+                accepted += 1
+                continue
+            reason = _quote_reason(getattr(result, "reason", ""))
+            log_event(_log, "relay.not_accepted", agent=principal.agent, request_id=request_id,
+                      event_id=event["id"], result=type(result).__name__, reason=reason,
+                      accepted_before=accepted, resumed=resumed)
+            if isinstance(result, Unknown):
+                return self._verdict(request_id, Verdict.indeterminate(
+                    ErrorCode.OUTCOME_UNKNOWN,
+                    "the relay did not confirm the event; retry the identical request"))
+            if accepted == 0:
+                await self._housekeeping(pending.rollback)
+                return self._verdict(request_id, Verdict.failed(
+                    ErrorCode.ACTION_FAILED, f"the relay did not accept the event: {reason}"))
+            return self._verdict(request_id, Verdict.indeterminate(
+                ErrorCode.OUTCOME_UNKNOWN,
+                f"the relay accepted {accepted} of {len(pending.events)} events and refused "
+                f"the next ({reason}); retry the identical request to finish"))
+        await self._housekeeping(pending.commit)
+        return pending.success, Status.SUCCEEDED
+
+    async def _housekeeping(self, work: Mapping[str, Any]) -> None:
+        """Host-local follow-ups named by a plan; each is safe to run twice."""
+        if "destroy_agent" in work:
+            pubkey = str(work["destroy_agent"])
+            record = self._custody.agent(pubkey)
+            if record is not None and record.deleted_at is None:
+                await self._custody.destroy_agent(pubkey)
+            self._sessions.revoke_agent(pubkey)
+        if "rename_agent" in work:
+            rename = work["rename_agent"]
+            await self._custody.rename_agent(str(rename["pubkey"]), str(rename["name"]))
+
+    # ---------------------------------------------------------------- answers
+
+    def _verdict(self, request_id: str, verdict: Verdict) -> tuple[bytes, Status]:
+        return encode_response(request_id, verdict), verdict.status
+
+    def _respond(
+        self,
+        request_id: str,
+        body: bytes,
+        started: float,
+        *,
+        principal: Principal | None,
+        action: str | None,
+        verdict: Verdict | None = None,
+        status: Status | None = None,
+        replayed: bool = False,
+    ) -> HttpAnswer:
+        fields: dict[str, Any] = {
+            "request_id": request_id,
+            "agent": principal.agent if principal else None,
+            "action": action,
+            "duration_ms": round((time.monotonic() - started) * 1000, 3),
+        }
+        if verdict is not None:
+            fields["status"] = verdict.status.value
+            fields["code"] = verdict.code.value if verdict.code else None
+        elif status is not None:
+            fields["status"] = status.value
+        if replayed:
+            fields["replayed"] = True
+        log_event(_log, "verdict", **{k: v for k, v in fields.items() if v is not None})
+        return HttpAnswer(status=200, body=body)
+
+
+def _action_of(reading: Reading) -> str | None:
+    return reading.request.action if reading.request is not None else None
+

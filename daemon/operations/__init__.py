@@ -1,0 +1,54 @@
+"""The nine operations, one module each, and the table the pipeline dispatches on.
+
+A read (`channel.read`, `storage.address`) exports `execute(ctx, args) -> Verdict`; a
+publishing operation exports `prepare(ctx, args) -> Plan | Verdict` and the pipeline
+records, publishes and finishes the plan. WARNING: `OPERATIONS` must name every action in
+`daemon.contract.ACTIONS`; a test iterates both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from daemon.operations import (
+    agents_create,
+    agents_delete,
+    agents_update,
+    channel_read,
+    message_post,
+    message_reply,
+    profile_set,
+    reaction_add,
+    storage_address,
+)
+from daemon.operations._base import Context, Plan
+
+__all__ = ["OPERATIONS", "Operation", "Context", "Plan"]
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    """How the pipeline runs one action: `execute` answers directly, `prepare` plans a publish.
+
+    `serialize_per_agent` marks read-merge-write operations: two of them for one agent at
+    once would each read the same old state and one update would be lost (design.md traps).
+    """
+
+    execute: Callable[[Context, Any], Awaitable[Any]] | None = None
+    prepare: Callable[[Context, Any], Awaitable[Any]] | None = None
+    serialize_per_agent: bool = False
+
+
+OPERATIONS: dict[str, Operation] = {
+    "channel.read": Operation(execute=channel_read.execute),
+    "storage.address": Operation(execute=storage_address.execute),
+    "message.post": Operation(prepare=message_post.prepare),
+    "message.reply": Operation(prepare=message_reply.prepare),
+    "reaction.add": Operation(prepare=reaction_add.prepare),
+    "profile.set": Operation(prepare=profile_set.prepare, serialize_per_agent=True),
+    "agents.create": Operation(prepare=agents_create.prepare, serialize_per_agent=True),
+    "agents.update": Operation(prepare=agents_update.prepare, serialize_per_agent=True),
+    "agents.delete": Operation(prepare=agents_delete.prepare, serialize_per_agent=True),
+}

@@ -1,0 +1,118 @@
+"""Small shared steps for operations that build events: tags, signing, replaceable clocks.
+
+Kept here so each operation module reads as the list of steps the relay spec gives for it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from custody import UnsignedEvent, verify_event
+from daemon.contract import ErrorCode
+from daemon.operations._base import Context, OperationRefused
+from daemon.relay import RelayRefused, RelayUnavailable
+
+__all__ = [
+    "sign",
+    "mention_tags",
+    "next_created_at",
+    "newest",
+    "json_object_or_none",
+    "tag_value",
+    "fetch",
+    "sign_all",
+]
+
+Tag = tuple[str, ...]
+
+
+async def sign(ctx: Context, author: str, kind: int, tags: Sequence[Tag], content: str,
+               created_at: int | None = None) -> dict[str, Any]:
+    """Sign one event as `author` in custody and return its seven-member object."""
+    unsigned = UnsignedEvent(
+        pubkey=author,
+        created_at=ctx.now() if created_at is None else created_at,
+        kind=kind,
+        tags=tuple(tuple(t) for t in tags),
+        content=content,
+    )
+    signed = await ctx.custody.sign_event(author, unsigned)
+    return dict(signed.to_json_obj())
+
+
+def mention_tags(mentions: Sequence[str]) -> list[Tag]:
+    """One `p` tag per mentioned pubkey (the contract has lowercased and de-duplicated them)."""
+    return [("p", pk) for pk in mentions]
+
+
+def next_created_at(now: int, previous: Mapping[str, Any] | None) -> int:
+    """created_at for a new version of a replaceable event.
+
+    Relays keep the lowest id when two versions share a second, not the newest write, so a
+    new version must be strictly later than the one it replaces (design.md traps; NIP-AE's
+    writer rule).
+    """
+    if previous is None:
+        return now
+    prev = previous.get("created_at")
+    return max(now, prev + 1) if isinstance(prev, int) else now
+
+
+def newest(events: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The version a relay would keep: highest created_at, then lowest id."""
+    best: Mapping[str, Any] | None = None
+    for ev in events:
+        if best is None or (ev["created_at"], _neg(ev["id"])) > (best["created_at"], _neg(best["id"])):
+            best = ev
+    return best
+
+
+def _neg(event_id: str) -> tuple[int, ...]:
+    return tuple(-b for b in bytes.fromhex(event_id))
+
+
+def json_object_or_none(text: str) -> dict[str, Any] | None:
+    """The content of a profile or managed-agent record, or None when it is not a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def tag_value(event: Mapping[str, Any], name: str) -> str | None:
+    """The first value of the first tag called `name`, if any."""
+    for tag in event.get("tags", ()):
+        if len(tag) >= 2 and tag[0] == name:
+            return str(tag[1])
+    return None
+
+
+async def fetch(ctx: Context, query_filter: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Read events as the requester; events whose id or signature fail are dropped.
+
+    Raises:
+      OperationRefused(action_failed): the relay could not be read. Nothing was published
+        yet, so `failed` is honest.
+    """
+    try:
+        events = await ctx.relay.query(ctx.principal.agent, [dict(query_filter)])
+    except (RelayUnavailable, RelayRefused) as exc:
+        raise OperationRefused(
+            ErrorCode.ACTION_FAILED, "the relay could not be read", detail=repr(exc)
+        ) from None
+    return [dict(e) for e in events if verify_event(e)]
+
+
+async def sign_all(ctx: Context, drafts: Sequence[tuple[str, int, Sequence[Tag], str, int]]
+                   ) -> list[dict[str, Any]]:
+    """Sign several events (author, kind, tags, content, created_at) in one custody hop."""
+    batch = [
+        (author, UnsignedEvent(pubkey=author, created_at=created_at, kind=kind,
+                               tags=tuple(tuple(t) for t in tags), content=content))
+        for author, kind, tags, content, created_at in drafts
+    ]
+    signed = await ctx.custody.sign_events(batch)
+    return [dict(s.to_json_obj()) for s in signed]

@@ -1,0 +1,31 @@
+"""agents.delete: remove a managed agent the requester owns.
+
+On the relay: an owner-signed kind 5 with `["a", "30177:<owner>:<agent>"]` and
+`["k", "30177"]`. Once the relay accepted it, the key is destroyed in custody (the public
+record stays as a tombstone) and the agent's credentials stop working — the `commit`
+housekeeping, which the pipeline runs again if a crash came between the two.
+"""
+
+from __future__ import annotations
+
+from daemon.contract import AgentsDeleteArgs, AgentsDeleteOutcome
+from daemon.operations._base import Context, Plan
+from daemon.operations._events import sign
+from daemon.operations._managed import KIND_DELETION, KIND_MANAGED_AGENT, coordinate, owned_target
+
+
+async def prepare(ctx: Context, args: AgentsDeleteArgs) -> Plan:
+    owner = ctx.principal.agent
+    agent = owned_target(ctx, args.target)
+    event = await sign(
+        ctx,
+        owner,
+        KIND_DELETION,
+        [("a", coordinate(owner, agent.pubkey)), ("k", str(KIND_MANAGED_AGENT))],
+        "",
+    )
+    return Plan(
+        events=(event,),
+        outcome=AgentsDeleteOutcome(pubkey=agent.pubkey, name=agent.name or ""),
+        commit={"destroy_agent": agent.pubkey},
+    )

@@ -1,0 +1,81 @@
+"""agents.update: patch a managed agent the requester owns.
+
+Steps (buzz-on-the-relay.md, "The nine operations"):
+1. Resolve the target (by pubkey or by name) among the requester's live agents (policy).
+2. Read the current 30177 record from the relay, merge the members given, and compute
+   `updatedFields`: the wire names whose value actually changed, sorted. A member given with
+   its current value is not an update.
+3. Nothing changed → succeed without publishing anything (a new version identical to the
+   old would only churn the relay).
+4. Publish the merged record (owner-signed, created_at after the previous version), and the
+   agent's own kind 0 when the name changed; then the keystore's name follows.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from daemon.contract import AgentsUpdateArgs, AgentsUpdateOutcome, Verdict
+from daemon.operations._base import Context, Plan
+from daemon.operations._events import (
+    fetch,
+    json_object_or_none,
+    newest,
+    next_created_at,
+    sign_all,
+)
+from daemon.operations._managed import (
+    ARG_ATTRIBUTES,
+    KIND_MANAGED_AGENT,
+    RECORD_MEMBERS,
+    owned_target,
+    record_content,
+)
+from daemon.operations.profile_set import KIND_METADATA, current_profile
+
+ACTION = "agents.update"
+
+
+async def prepare(ctx: Context, args: AgentsUpdateArgs) -> Plan | Verdict:
+    owner = ctx.principal.agent
+    agent = owned_target(ctx, args.target)
+    found = await fetch(
+        ctx, {"kinds": [KIND_MANAGED_AGENT], "authors": [owner], "#d": [agent.pubkey], "limit": 5}
+    )
+    previous = newest([e for e in found if e["pubkey"] == owner])
+    current: dict[str, Any] = (
+        (json_object_or_none(previous["content"]) or {}) if previous is not None else {}
+    )
+    current.setdefault("name", agent.name)
+
+    merged = dict(current)
+    updated: list[str] = []
+    for wire, member in RECORD_MEMBERS.items():
+        value = getattr(args, ARG_ATTRIBUTES[wire])
+        if value is not None and current.get(member) != value:
+            merged[member] = value
+            updated.append(wire)
+    name = str(merged.get("name") or agent.name)
+    outcome = AgentsUpdateOutcome(pubkey=agent.pubkey, name=name, updated_fields=tuple(sorted(updated)))
+    if not updated:
+        return Verdict.succeeded(ACTION, outcome)
+
+    now = ctx.now()
+    drafts = [
+        (owner, KIND_MANAGED_AGENT, [("d", agent.pubkey)], record_content(merged),
+         next_created_at(now, previous)),
+    ]
+    commit: dict[str, Any] = {}
+    if "displayName" in updated:
+        profile, profile_event = await current_profile(ctx, agent.pubkey)
+        profile["display_name"] = name
+        profile["name"] = name
+        drafts.append(
+            (agent.pubkey, KIND_METADATA, [],
+             json.dumps(profile, ensure_ascii=False, separators=(",", ":")),
+             next_created_at(now, profile_event))
+        )
+        commit["rename_agent"] = {"pubkey": agent.pubkey, "name": name}
+    events = await sign_all(ctx, drafts)
+    return Plan(events=tuple(events), outcome=outcome, commit=commit)

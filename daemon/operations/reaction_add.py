@@ -1,0 +1,29 @@
+"""reaction.add: a NIP-25 reaction, the one best-effort operation of version 1.
+
+On the relay: kind 7, content = the reaction, `["e", target]`. Buzz's own client adds
+neither `h` nor `p`; we add `["h", channel]` (the relay spec calls it the host's choice and
+harmless) so that a relay fanning out by channel sees the reaction where the message is.
+The target is not fetched first: a reaction to an unknown id harms nobody, and the fetch
+would double the cost of housekeeping the spec says must be cheap to skip. A host that
+switches reactions off answers `unsupported` from policy, before this runs.
+"""
+
+from __future__ import annotations
+
+from daemon.contract import PublishOutcome, ReactionAddArgs
+from daemon.operations._base import Context, Plan
+from daemon.operations._events import sign
+
+#: NIP-25 reaction.
+KIND_REACTION = 7
+
+
+async def prepare(ctx: Context, args: ReactionAddArgs) -> Plan:
+    tags = [("e", args.target_event_id), ("h", args.channel_id)]
+    event = await sign(ctx, ctx.principal.agent, KIND_REACTION, tags, args.reaction)
+    return Plan(
+        events=(event,),
+        outcome=PublishOutcome(
+            event_id=event["id"], kind=event["kind"], created_at=event["created_at"]
+        ),
+    )
