@@ -1,0 +1,92 @@
+"""One way to open the broker's SQLite databases (sessions.db, ledger.db).
+
+Rules:
+- Every database the broker keeps is private to its user: the file is created 0600 before
+  SQLite touches it, and the WAL and shared-memory side files are tightened to 0600 as
+  well (SQLite copies the main file's mode onto them, but a umask or an older file could
+  leave them wider; we do not rely on it).
+- WAL journal mode, so a reader (the CLI listing credentials, an audit) never blocks the
+  daemon's writer and the writer never blocks readers.
+- `synchronous=FULL`: a commit returns only after the WAL is fsynced. The ledger's whole
+  promise ("pending is durable BEFORE any side effect") rests on this; the sessions store
+  uses it too because a revocation must survive a crash.
+- Autocommit at the driver level (`isolation_level=None`): callers open transactions
+  themselves with explicit BEGIN/COMMIT, so it is visible where one fsync covers many writes.
+- `check_same_thread=False`: the ledger hands its one connection to trio worker threads,
+  one at a time under a CapacityLimiter(1); the limiter, not sqlite3's thread check, is
+  what keeps the connection single-user.
+
+WARNING: a database opened here is owned by exactly one object; nothing else may share the
+connection.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from pathlib import Path
+
+__all__ = ["open_private_db", "FILE_MODE", "BUSY_TIMEOUT_MS"]
+
+#: Owner read/write only: these files hold credential hashes and signed pending events.
+FILE_MODE = 0o600
+
+#: How long a statement waits for another connection's lock (the CLI writing while the
+#: daemon reads) before SQLite reports "database is locked". Writes here are tiny, so a
+#: few seconds is generous.
+BUSY_TIMEOUT_MS = 5000
+
+_SIDE_FILES = ("-wal", "-shm")
+
+
+def _tighten(path: Path) -> None:
+    for suffix in ("", *_SIDE_FILES):
+        p = Path(str(path) + suffix)
+        try:
+            if p.stat().st_mode & 0o777 != FILE_MODE:
+                os.chmod(p, FILE_MODE)
+        except FileNotFoundError:
+            continue
+
+
+def open_private_db(path: Path, schema: str) -> sqlite3.Connection:
+    """Open (creating if needed) a private WAL database and apply `schema`.
+
+    Args:
+        path: the database file. Its directory must exist.
+        schema: idempotent DDL (`CREATE ... IF NOT EXISTS`), run in one transaction.
+
+    Returns:
+        A connection in autocommit mode, WAL, synchronous=FULL.
+
+    Raises:
+        ValueError: `path` is a directory (a caller passed the state dir, not the file).
+        OSError / sqlite3.Error: the file cannot be created or opened.
+    """
+    if path.is_dir():
+        raise ValueError(f"expected a database file, got a directory: {path}")
+    # Create the file with the final mode atomically, so there is no moment at which a
+    # freshly created database is readable by others.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+    os.close(fd)
+    conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+    try:
+        conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise sqlite3.OperationalError(f"cannot enable WAL on {path} (got {mode})")
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in schema.split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+    except BaseException:
+        conn.close()
+        raise
+    _tighten(path)
+    return conn

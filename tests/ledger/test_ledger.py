@@ -1,0 +1,345 @@
+"""The idempotency ledger against a real SQLite file: states, in-flight dedup, conflicts,
+crash recovery (a real SIGKILL), retention."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from daemon.ledger import (
+    STALE_FACTOR,
+    TRANSITIONS,
+    Conflict,
+    Fresh,
+    Ledger,
+    LedgerEvent,
+    LedgerKey,
+    Replay,
+    Resume,
+    State,
+    advance,
+)
+
+RETENTION = 7 * 24 * 3600
+REPO = Path(__file__).resolve().parents[2]
+
+
+def digest(body: bytes) -> bytes:
+    return hashlib.sha256(body).digest()
+
+
+class Clock:
+    def __init__(self, t: float = 1_800_000_000) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def ledger(tmp_path: Path, clock: Clock) -> Iterator[Ledger]:
+    lg = Ledger.open(tmp_path / "ledger.db", retention_seconds=RETENTION, clock=clock)
+    yield lg
+    lg.close()
+
+
+# -- the transition table, row by row (style.md #7) ---------------------------------
+
+
+@pytest.mark.parametrize(("pair", "after"), list(TRANSITIONS.items()), ids=str)
+def test_every_transition_row(pair: tuple[State, LedgerEvent], after: State) -> None:
+    assert advance(*pair) is after
+
+
+def test_every_missing_pair_is_a_bug() -> None:
+    missing = [p for p in itertools.product(State, LedgerEvent) if p not in TRANSITIONS]
+    for state, event in missing:
+        with pytest.raises(AssertionError):
+            advance(state, event)
+    # Final is final; pending work is written once; nothing returns to NEW.
+    assert {e for s, e in missing if s is State.FINAL} == set(LedgerEvent)
+    assert (State.PENDING, LedgerEvent.RECORD_PENDING) in missing
+    assert State.NEW not in TRANSITIONS.values()
+
+
+# -- the pipeline's use, as a tiny scripted executor ---------------------------------
+
+
+async def execute(
+    ledger: Ledger,
+    key: LedgerKey,
+    body: bytes,
+    prepare: Callable[[], bytes],
+    publish: Callable[[bytes], Awaitable[bytes]],
+) -> tuple[str, bytes]:
+    """What the broker does around one publishing operation (ledger → execute → record)."""
+    begun = await ledger.begin(key, digest(body))
+    if isinstance(begun, Replay):
+        return "replay", begun.response
+    if isinstance(begun, Conflict):
+        return "conflict", b""
+    try:
+        if isinstance(begun, Fresh):
+            pending = prepare()
+            await ledger.record_pending(begun.ticket, pending)
+        else:
+            pending = begun.pending
+        response = await publish(pending)
+        await ledger.finish(begun.ticket, response, final=True)
+        return "executed", response
+    finally:
+        ledger.release(begun.ticket)
+
+
+async def test_fresh_then_replay_identical_bytes(ledger: Ledger) -> None:
+    key = LedgerKey("a" * 64, "req-1")
+    begun = await ledger.begin(key, digest(b"body"))
+    assert isinstance(begun, Fresh)
+    await ledger.finish(begun.ticket, b'{"verdict":1}', final=True)
+    again = await ledger.begin(key, digest(b"body"))
+    assert again == Replay(b'{"verdict":1}')
+
+
+async def test_two_principals_same_request_id_are_independent(ledger: Ledger) -> None:
+    a, b = LedgerKey("a" * 64, "shared-id"), LedgerKey("b" * 64, "shared-id")
+    first = await ledger.begin(a, digest(b"A's body"))
+    assert isinstance(first, Fresh)
+    await ledger.finish(first.ticket, b"A's verdict", final=True)
+    # B, with the same requestId and even A's exact bytes, gets a fresh execution.
+    second = await ledger.begin(b, digest(b"A's body"))
+    assert isinstance(second, Fresh)
+    await ledger.finish(second.ticket, b"B's verdict", final=True)
+    assert await ledger.begin(a, digest(b"A's body")) == Replay(b"A's verdict")
+    assert await ledger.begin(b, digest(b"A's body")) == Replay(b"B's verdict")
+    assert await ledger.count() == 2
+
+
+async def test_hundred_concurrent_identical_one_execution(ledger: Ledger) -> None:
+    key = LedgerKey("a" * 64, "burst")
+    body = b'{"the":"request"}'
+    prepared: list[int] = []
+    published: list[bytes] = []
+
+    def prepare() -> bytes:
+        prepared.append(1)
+        return b"signed-event-1"
+
+    async def publish(pending: bytes) -> bytes:
+        published.append(pending)
+        await trio.sleep(0.01)  # the relay round trip; everyone else piles up meanwhile
+        return b'{"status":"succeeded"}'
+
+    results: list[tuple[str, bytes]] = []
+
+    async def one() -> None:
+        results.append(await execute(ledger, key, body, prepare, publish))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(100):
+            nursery.start_soon(one)
+    assert len(prepared) == 1 and published == [b"signed-event-1"]
+    assert sorted(kind for kind, _ in results) == ["executed"] + ["replay"] * 99
+    assert {resp for _, resp in results} == {b'{"status":"succeeded"}'}
+    # Fewer transactions than requests: the waiters did not each go to disk.
+    assert ledger.commits < 20
+
+
+async def test_conflict_in_flight_and_recorded_original_untouched(ledger: Ledger) -> None:
+    key = LedgerKey("a" * 64, "req")
+    owner = await ledger.begin(key, digest(b"original"))
+    assert isinstance(owner, Fresh)
+    # While in flight: a different digest is refused at once, without waiting.
+    with trio.fail_after(1):
+        assert await ledger.begin(key, digest(b"originaL")) == Conflict()
+    await ledger.record_pending(owner.ticket, b"pending")
+    await ledger.finish(owner.ticket, b"the verdict", final=True)
+    assert await ledger.begin(key, digest(b"originaL")) == Conflict()
+    assert await ledger.begin(key, digest(b"original")) == Replay(b"the verdict")
+
+
+async def test_indeterminate_is_not_final(ledger: Ledger) -> None:
+    key = LedgerKey("a" * 64, "req")
+    owner = await ledger.begin(key, digest(b"x"))
+    assert isinstance(owner, Fresh)
+    await ledger.record_pending(owner.ticket, b"signed event")
+    await ledger.finish(owner.ticket, b"indeterminate verdict", final=False)
+    retry = await ledger.begin(key, digest(b"x"))
+    assert isinstance(retry, Resume) and retry.pending == b"signed event"
+    # The pending work is write-once: a retry re-sends, it never re-signs.
+    with pytest.raises(AssertionError):
+        await ledger.record_pending(retry.ticket, b"a new signature")
+    await ledger.finish(retry.ticket, b"succeeded verdict", final=True)
+    assert await ledger.begin(key, digest(b"x")) == Replay(b"succeeded verdict")
+
+
+async def test_indeterminate_without_pending_runs_fresh(ledger: Ledger) -> None:
+    key = LedgerKey("a" * 64, "req")
+    owner = await ledger.begin(key, digest(b"x"))
+    assert isinstance(owner, Fresh)
+    await ledger.finish(owner.ticket, b"internal, mid-way", final=False)
+    retry = await ledger.begin(key, digest(b"x"))
+    assert isinstance(retry, Fresh)
+    await ledger.record_pending(retry.ticket, b"now signed")
+    await ledger.finish(retry.ticket, b"done", final=True)
+    assert await ledger.begin(key, digest(b"other")) == Conflict()
+
+
+async def test_release_wakes_waiters_and_one_resumes(ledger: Ledger) -> None:
+    key = LedgerKey("a" * 64, "req")
+    owner = await ledger.begin(key, digest(b"x"))
+    assert isinstance(owner, Fresh)
+    await ledger.record_pending(owner.ticket, b"signed")
+    outcomes: list[object] = []
+
+    async def waiter() -> None:
+        begun = await ledger.begin(key, digest(b"x"))
+        outcomes.append(begun)
+        if isinstance(begun, Resume):
+            await ledger.finish(begun.ticket, b"verdict", final=True)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(5):
+            nursery.start_soon(waiter)
+        await trio.sleep(0.01)
+        assert outcomes == []  # all waiting on the owner
+        ledger.release(owner.ticket)  # e.g. the owner's task was cancelled
+    resumes = [o for o in outcomes if isinstance(o, Resume)]
+    assert len(resumes) == 1 and resumes[0].pending == b"signed"
+    assert [o for o in outcomes if not isinstance(o, Resume)] == [Replay(b"verdict")] * 4
+
+
+async def test_cancelled_waiter_leaves_no_trace(ledger: Ledger) -> None:
+    key = LedgerKey("a" * 64, "req")
+    owner = await ledger.begin(key, digest(b"x"))
+    assert isinstance(owner, Fresh)
+    with trio.move_on_after(0.01):
+        await ledger.begin(key, digest(b"x"))
+    await ledger.finish(owner.ticket, b"v", final=True)
+    assert await ledger.begin(key, digest(b"x")) == Replay(b"v")
+
+
+async def test_stale_ticket_is_refused(ledger: Ledger) -> None:
+    key = LedgerKey("a" * 64, "req")
+    owner = await ledger.begin(key, digest(b"x"))
+    assert isinstance(owner, Fresh)
+    await ledger.finish(owner.ticket, b"v", final=True)
+    with pytest.raises(AssertionError):
+        await ledger.finish(owner.ticket, b"again", final=True)
+    with pytest.raises(AssertionError):
+        await ledger.record_pending(owner.ticket, b"late")
+    ledger.release(owner.ticket)  # harmless after finish
+    assert await ledger.begin(key, digest(b"x")) == Replay(b"v")
+
+
+async def test_bad_digest_is_a_bug(ledger: Ledger) -> None:
+    with pytest.raises(ValueError):
+        await ledger.begin(LedgerKey("a", "r"), b"short")
+
+
+def test_files_are_private(tmp_path: Path) -> None:
+    lg = Ledger.open(tmp_path / "ledger.db", retention_seconds=60)
+    try:
+        for name in ("ledger.db", "ledger.db-wal", "ledger.db-shm"):
+            p = tmp_path / name
+            if p.exists():
+                assert stat.S_IMODE(p.stat().st_mode) == 0o600, name
+    finally:
+        lg.close()
+    with pytest.raises(ValueError):
+        Ledger.open(tmp_path, retention_seconds=60)
+
+
+async def test_sweep_keeps_the_database_bounded(ledger: Ledger, clock: Clock) -> None:
+    t0 = int(clock.t)
+    for i in range(50):
+        begun = await ledger.begin(LedgerKey("a" * 64, f"final-{i}"), digest(b"x"))
+        assert isinstance(begun, Fresh)
+        await ledger.finish(begun.ticket, b"v", final=True)
+    for i in range(5):
+        begun = await ledger.begin(LedgerKey("a" * 64, f"pending-{i}"), digest(b"x"))
+        assert isinstance(begun, Fresh)
+        await ledger.record_pending(begun.ticket, b"signed")
+        if i % 2:
+            await ledger.finish(begun.ticket, b"?", final=False)
+        else:
+            ledger.release(begun.ticket)  # a crash, as far as the ledger can tell
+    assert await ledger.count() == 55
+    # Within retention nothing goes.
+    assert await ledger.sweep(t0 + RETENTION - 1) == 0
+    # Past retention the final verdicts go; the pending/indeterminate ones stay.
+    assert await ledger.sweep(t0 + RETENTION + 1) == 50
+    assert await ledger.count() == 5
+    resumed = await ledger.begin(LedgerKey("a" * 64, "pending-0"), digest(b"x"))
+    assert isinstance(resumed, Resume)
+    # An owner in flight is never swept, however old.
+    assert await ledger.sweep(t0 + STALE_FACTOR * RETENTION + 1) == 4
+    assert await ledger.count() == 1
+    ledger.release(resumed.ticket)
+    assert await ledger.sweep(t0 + STALE_FACTOR * RETENTION + 1) == 1
+    assert await ledger.count() == 0
+
+
+# -- a real crash: SIGKILL between the pending commit and the verdict ------------------
+
+_CHILD = textwrap.dedent(
+    """
+    import hashlib, os, signal, sys
+    import trio
+    from daemon.ledger import Fresh, Ledger, LedgerKey
+
+    async def main(path):
+        ledger = Ledger.open(path, retention_seconds=3600)
+        begun = await ledger.begin(LedgerKey("a" * 64, "crash-1"), hashlib.sha256(b"body").digest())
+        assert isinstance(begun, Fresh)
+        await ledger.record_pending(begun.ticket, b"the one signed event")
+        # The relay is next; the process dies first, leaving no verdict behind.
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    trio.run(main, sys.argv[1])
+    """
+)
+
+
+async def test_sigkill_after_pending_resumes_with_the_recorded_event(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    proc = await trio.run_process(
+        [sys.executable, "-c", _CHILD, str(path)],
+        cwd=REPO,
+        check=False,
+        capture_stderr=True,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    ledger = Ledger.open(path, retention_seconds=3600)
+    try:
+        sent: list[bytes] = []
+
+        def prepare() -> bytes:
+            raise AssertionError("a retry must not prepare (sign) new events")
+
+        async def publish(pending: bytes) -> bytes:
+            sent.append(pending)
+            return b'{"status":"succeeded","duplicate":true}'
+
+        key = LedgerKey("a" * 64, "crash-1")
+        assert await ledger.begin(key, digest(b"body!")) == Conflict()
+        kind, response = await execute(ledger, key, b"body", prepare, publish)
+        assert kind == "executed" and sent == [b"the one signed event"]
+        kind, again = await execute(ledger, key, b"body", prepare, publish)
+        assert (kind, again) == ("replay", response) and len(sent) == 1
+    finally:
+        ledger.close()
