@@ -36,7 +36,7 @@ lint: venv
 	$(PY) -m mypy daemon custody
 
 run: venv
-	$(PY) -m daemon.cli.demo
+	$(PY) -m tests.demo
 
 bench: venv
 	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
