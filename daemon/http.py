@@ -1,0 +1,625 @@
+"""HTTP/1.1 on a Unix socket: trio for the I/O, h11 for the protocol, nothing of the contract.
+
+Theory of operation:
+- `serve()` owns one nursery. It accepts connections on a listening Unix socket (one it was
+  handed, e.g. by systemd socket activation, or one it binds with `bind_unix_socket`),
+  runs one task per connection, and calls ``task_status.started(control)`` only once the
+  socket is listening. `ServerControl.stop()` asks for a graceful stop; cancelling
+  `serve()` is the hard stop.
+- A connection task reads one request at a time with h11 (keep-alive; pipelined requests
+  are read one after another from h11's buffer, so they are answered in order), hands a
+  `HttpRequest` (body bytes, the raw Authorization value, the peer's uid/pid from
+  SO_PEERCRED) to the `Application`, and writes back its `HttpAnswer`. The application
+  decides everything about the body; this layer only enforces the transport.
+- Routing: ``POST /v1/action`` only. Another target is 404, another method on that target
+  is 405 with ``Allow: POST``; neither has a body (no envelope: the request was never
+  judged). Other transport faults are likewise bodiless: 400 (malformed HTTP), 408 (too
+  slow), 413 (body too large), 431 (headers too large), 500 (the application raised).
+
+Bounds (all from `HttpLimits`, set by [server] in the config):
+- header bytes: h11's ``max_incomplete_event_size`` while the head is arriving, and the
+  size of the parsed head once it is whole; beyond either, 431.
+- body bytes: a ``Content-Length`` above the limit is answered 413 before one body byte is
+  read (and before ``100 Continue``); a chunked body is counted as it arrives and answered
+  413 the moment it crosses the limit. Either way the connection is then closed, because
+  the rest of the body would have to be read to find the next request.
+- read time: one deadline covers reading a whole request (headers and body), and the same
+  deadline bounds how long an idle keep-alive connection is kept. A client that is too slow
+  mid-request gets 408 and is disconnected; an idle one is just closed. Writing the answer
+  has the same deadline, so a client that never reads cannot pin a task.
+- concurrent connections: a semaphore of ``max_connections`` slots is taken *before*
+  ``accept()``. At the limit we wait, we do not close: new clients queue in the kernel's
+  listen backlog and are served as slots free up (idle connections free theirs within
+  ``request_timeout``). Closing would turn a burst into transport failures that every
+  agent must retry; waiting turns it into latency.
+
+Credentials: the value of the single ``Authorization`` header is handed over as received
+(decoded as ASCII). Two or more Authorization headers, or a non-ASCII value, are handed
+over as ``""`` - present but malformed - so authentication fails for them as it does for
+any unusable credential, and nothing tries to guess which header was meant.
+
+Disconnects: a client that goes away mid-request ends its task at the next read (h11
+reports the truncated message); nothing is left behind. A client that goes away while the
+application is handling its request does not cancel the application (the pipeline must be
+allowed to record what it did); the answer's write fails and the task ends.
+
+Graceful stop: `ServerControl.stop()` closes the listener (no new connections), cuts every
+connection that is waiting for or reading a request, and lets connections whose request is
+with the application finish and write their answer (with ``Connection: close``), for up to
+``shutdown_grace`` seconds; then whatever is left is cancelled.
+
+Errors: an exception from the application never reaches the client. It is logged (type
+name only: its text could carry a secret) and answered 500 without a body, the very last
+resort - the application is expected to always answer.
+
+WARNING: the order of checks for a request (route -> 413 -> 100 Continue -> body) is what
+makes "413 before the body is read" true; keep `_Connection._read_request` in that order.
+"""
+
+from __future__ import annotations
+
+import errno
+import grp
+import logging
+import os
+import socket
+import stat
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import h11
+import trio
+
+from daemon.log import log_event
+
+__all__ = [
+    "HttpRequest",
+    "HttpAnswer",
+    "Application",
+    "HttpLimits",
+    "ServerControl",
+    "ListenError",
+    "serve",
+    "bind_unix_socket",
+    "ACTION_PATH",
+]
+
+_log = logging.getLogger("buzz_broker.http")
+
+#: The one endpoint (spec/agent-broker.md §HTTP binding).
+ACTION_PATH = b"/v1/action"
+
+#: How much we ask the kernel for per read. Requests are small (256 KiB at most).
+RECEIVE_SIZE = 65536
+
+#: After accept() fails for lack of descriptors/memory, pause before retrying rather than
+#: spinning; the same value trio's serve_listeners uses.
+ACCEPT_RETRY_SLEEP = 0.1
+_ACCEPT_RETRY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+#: listen(2) backlog: where clients wait while all connection slots are taken.
+LISTEN_BACKLOG = 1024
+
+#: sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL.
+MAX_SOCKET_PATH_BYTES = 107
+
+#: Bodiless reasons, sent as the status line's phrase.
+_REASONS: dict[int, bytes] = {
+    200: b"OK",
+    400: b"Bad Request",
+    404: b"Not Found",
+    405: b"Method Not Allowed",
+    408: b"Request Timeout",
+    413: b"Content Too Large",
+    431: b"Request Header Fields Too Large",
+    500: b"Internal Server Error",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class HttpRequest:
+    """What the application gets: never the path or method (they are fixed by routing)."""
+
+    body: bytes
+    #: The Authorization header's value as sent ("Bearer ..."), None if absent, "" if
+    #: unusable (repeated, non-ASCII). Never logged, never in repr.
+    authorization: str | None = field(repr=False)
+    peer_uid: int | None
+    peer_pid: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class HttpAnswer:
+    """What the application answers: an HTTP status and the body bytes (None = no body)."""
+
+    status: int
+    body: bytes | None
+    content_type: str = "application/json"
+
+
+class Application(Protocol):
+    """The pipeline behind the socket. `handle` must always return an answer."""
+
+    async def handle(self, request: HttpRequest) -> HttpAnswer: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HttpLimits:
+    """Transport bounds; defaults equal the [server] defaults in docs/configuration.md."""
+
+    max_connections: int = 1024
+    #: 256 KiB: the spec's largest request (64 KiB content, JSON-escaped up to 6x) fits.
+    max_body_bytes: int = 262144
+    #: 16 KiB, the header cap h11 itself defaults to (node, tomcat and IIS use 8-16 KiB).
+    max_header_bytes: int = 16384
+    #: Seconds to read one request, to keep an idle connection, and to write one answer.
+    request_timeout: float = 10.0
+    #: Seconds in-flight requests get to finish after a graceful stop.
+    shutdown_grace: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
+        if self.max_body_bytes < 0 or self.max_header_bytes < 1:
+            raise ValueError("max_body_bytes must be >= 0 and max_header_bytes >= 1")
+        if not self.request_timeout > 0 or self.shutdown_grace < 0:
+            raise ValueError("request_timeout must be > 0 and shutdown_grace >= 0")
+
+
+class ListenError(Exception):
+    """The socket could not be set up: one line for the operator (path and reason)."""
+
+
+# --------------------------------------------------------------------------- binding
+
+
+def _gid(group: str) -> int:
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ListenError(f"socket group {group!r} does not exist") from None
+
+
+def _replace_stale(path: str) -> None:
+    """Remove a socket file nobody listens on; refuse anything else at `path`."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        raise ListenError(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)  # stale: left behind by a process that died
+        return
+    except OSError as exc:
+        raise ListenError(f"{path}: cannot probe existing socket ({exc.strerror})") from None
+    finally:
+        probe.close()
+    raise ListenError(f"{path}: another process is already listening on this socket")
+
+
+def bind_unix_socket(path: str, *, mode: int = 0o660, group: str | None = None) -> socket.socket:
+    """Create the listening socket at `path`, with its permissions set before anyone can connect.
+
+    The directory is created 0750 if missing (and given `group`, so the group can reach
+    the socket). The socket is bound under a temporary name, chmod/chown'ed, set listening
+    and then renamed over `path`: there is no moment when `path` exists with the wrong
+    permissions, and a stale socket is replaced atomically.
+
+    Raises:
+        ListenError: one line naming the path and the reason.
+    """
+    path = os.path.abspath(path)
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
+        raise ListenError(f"{path}: socket path longer than {MAX_SOCKET_PATH_BYTES} bytes")
+    gid = _gid(group) if group is not None else None
+    directory = os.path.dirname(path)
+    try:
+        if not os.path.isdir(directory):
+            os.makedirs(directory, mode=0o750, exist_ok=True)
+            os.chmod(directory, 0o750)  # makedirs is subject to the umask
+            if gid is not None:
+                os.chown(directory, -1, gid)
+    except OSError as exc:
+        raise ListenError(f"{directory}: cannot create socket directory ({exc.strerror})") from None
+    _replace_stale(path)
+    # The temporary name must fit in sun_path too; keep it short and in the same directory.
+    temporary = os.path.join(directory, f".bb{os.getpid()}.tmp")
+    if len(os.fsencode(temporary)) > MAX_SOCKET_PATH_BYTES:
+        temporary = path + "~"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        try:
+            os.unlink(temporary)
+        except FileNotFoundError:
+            pass
+        sock.bind(temporary)
+        try:
+            os.chmod(temporary, mode)
+            if gid is not None:
+                os.chown(temporary, -1, gid)
+            sock.listen(LISTEN_BACKLOG)
+            os.rename(temporary, path)
+        except BaseException:
+            os.unlink(temporary)
+            raise
+    except OSError as exc:
+        sock.close()
+        raise ListenError(f"{path}: cannot bind socket ({exc.strerror})") from None
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+# --------------------------------------------------------------------------- the server
+
+
+class _Answered:
+    """Marker: the request was refused (404/405) and answered without the application."""
+
+
+_ANSWERED = _Answered()
+
+
+class _Closed(Exception):
+    """The connection is over (peer gone, protocol error already answered, or cut)."""
+
+
+def _peer_credentials(sock: trio.socket.SocketType) -> tuple[int | None, int | None]:
+    # Linux SO_PEERCRED: struct ucred { pid_t pid; uid_t uid; gid_t gid; }.
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (OSError, AttributeError):
+        return None, None
+    pid, uid, _gid_ = struct.unpack("3i", raw)
+    return uid, pid
+
+
+def _authorization(headers: list[tuple[bytes, bytes]]) -> str | None:
+    values = [value for name, value in headers if name == b"authorization"]
+    if not values:
+        return None
+    if len(values) > 1:
+        return ""
+    try:
+        return values[0].decode("ascii")
+    except UnicodeDecodeError:
+        return ""
+
+
+class ServerControl:
+    """Handed out by `serve` through ``task_status.started``: stop it, and watch it."""
+
+    def __init__(self) -> None:
+        self._stop = trio.Event()
+        self._idle = trio.Event()
+        self._idle.set()
+        #: Connections open now.
+        self.connections = 0
+        #: Requests handed to the application and not yet answered.
+        self.in_flight = 0
+        self._readers: set[trio.CancelScope] = set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def stop(self) -> None:
+        """Stop accepting, cut connections between requests, let in-flight requests finish."""
+        self._stop.set()
+        for scope in list(self._readers):
+            scope.cancel()
+
+    def _opened(self) -> None:
+        self.connections += 1
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+
+    def _closed(self) -> None:
+        self.connections -= 1
+        if self.connections == 0:
+            self._idle.set()
+
+
+class _Connection:
+    """One accepted connection: a loop of read request -> application -> write answer."""
+
+    def __init__(
+        self,
+        stream: trio.SocketStream,
+        app: Application,
+        limits: HttpLimits,
+        control: ServerControl,
+    ) -> None:
+        self.stream = stream
+        self.app = app
+        self.limits = limits
+        self.control = control
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
+        self.peer_uid, self.peer_pid = _peer_credentials(stream.socket)
+
+    async def run(self) -> None:
+        try:
+            while not self.control.stopping:
+                request = await self._read_with_deadline()
+                if request is None:
+                    return
+                if isinstance(request, _Answered):
+                    # Refused by routing and answered already; on to the next request.
+                    if self.h11.our_state is h11.MUST_CLOSE:
+                        return
+                    self.h11.start_next_cycle()
+                    continue
+                self.control.in_flight += 1
+                try:
+                    answer = await self._call_app(request)
+                finally:
+                    self.control.in_flight -= 1
+                await self._respond(answer.status, answer.body, answer.content_type)
+                if self.h11.our_state is h11.MUST_CLOSE or self.control.stopping:
+                    return
+                self.h11.start_next_cycle()
+        except _Closed:
+            return
+        finally:
+            with trio.move_on_after(0.5) as cleanup:
+                cleanup.shield = True
+                await self.stream.aclose()
+
+    async def _call_app(self, request: HttpRequest) -> HttpAnswer:
+        started = time.monotonic()
+        try:
+            answer = await self.app.handle(request)
+            if not isinstance(answer, HttpAnswer):
+                raise TypeError(f"application returned {type(answer).__name__}, not HttpAnswer")
+            return answer
+        except Exception as exc:  # noqa: BLE001 - the transport's last resort, logged
+            log_event(
+                _log,
+                "application_error",
+                level=logging.ERROR,
+                exception=type(exc).__name__,
+                duration_ms=round((time.monotonic() - started) * 1000, 1),
+            )
+            return HttpAnswer(500, None)
+
+    async def _read_with_deadline(self) -> HttpRequest | _Answered | None:
+        """The next request; `_ANSWERED` if it was refused here; None to end the connection."""
+        with trio.CancelScope() as reader:
+            reader.deadline = trio.current_time() + self.limits.request_timeout
+            self.control._readers.add(reader)
+            try:
+                return await self._read_request()
+            finally:
+                self.control._readers.discard(reader)
+        # Cut: by the deadline, or by a graceful stop.
+        idle = self.h11.their_state is h11.IDLE and not self.h11.trailing_data[0]
+        if not idle and not self.control.stopping:
+            log_event(_log, "request_timeout", level=logging.DEBUG, peer_uid=self.peer_uid)
+            await self._respond(408, None, close=True)
+        return None
+
+    async def _next_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
+        while True:
+            try:
+                event = self.h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                await self._protocol_error(exc)
+                raise _Closed from None
+            if event is not h11.NEED_DATA:
+                return event
+            try:
+                data = await self.stream.receive_some(RECEIVE_SIZE)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                raise _Closed from None
+            self.h11.receive_data(data)
+
+    async def _protocol_error(self, exc: h11.RemoteProtocolError) -> None:
+        # A truncated message (peer closed mid-request) has nobody to answer.
+        if self.h11.their_state is h11.ERROR and self.h11.trailing_data[1]:
+            return
+        status = exc.error_status_hint if exc.error_status_hint in _REASONS else 400
+        log_event(_log, "bad_request", level=logging.DEBUG, status=status, peer_uid=self.peer_uid)
+        if self.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            await self._respond(status, None, close=True)
+
+    async def _read_request(self) -> HttpRequest | _Answered | None:
+        event = await self._next_event()
+        if isinstance(event, h11.ConnectionClosed):
+            return None
+        if not isinstance(event, h11.Request):
+            raise _Closed  # pragma: no cover - h11 yields Request first in state IDLE
+        headers = list(event.headers)
+        # 0. Header bytes. h11's max_incomplete_event_size only bounds a head that has not
+        # arrived whole; a head that came in one read is measured here, as it was sent
+        # (request line + "name: value\r\n" per field + the blank line).
+        head_size = len(event.method) + len(event.target) + 12 + 2
+        head_size += sum(len(name) + len(value) + 4 for name, value in headers)
+        if head_size > self.limits.max_header_bytes:
+            await self._respond(431, None, close=True)
+            raise _Closed
+        # 1. Route. Neither refusal carries a body, so a bodiless request keeps its connection.
+        refusal: tuple[int, list[tuple[bytes, bytes]]] | None = None
+        if event.target != ACTION_PATH:
+            refusal = (404, [])
+        elif event.method != b"POST":
+            refusal = (405, [(b"Allow", b"POST")])
+        length_text = next((v for n, v in headers if n == b"content-length"), None)
+        chunked = any(n == b"transfer-encoding" for n, _ in headers)
+        has_body = chunked or (length_text is not None and int(length_text) > 0)
+        if refusal is not None:
+            if has_body:
+                await self._respond(refusal[0], None, extra=refusal[1], close=True)
+                raise _Closed
+            await self._next_event()  # the EndOfMessage of a bodiless request
+            await self._respond(refusal[0], None, extra=refusal[1])
+            return _ANSWERED
+        # 2. A declared length over the limit: refused before reading (or inviting) the body.
+        if length_text is not None and int(length_text) > self.limits.max_body_bytes:
+            await self._respond(413, None, close=True)
+            raise _Closed
+        # 3. Only now tell an "Expect: 100-continue" client to send the body.
+        if self.h11.they_are_waiting_for_100_continue:
+            await self._send(h11.InformationalResponse(status_code=100, headers=[]))
+        # 4. The body, counted as it arrives (chunked bodies have no declared length).
+        body = bytearray()
+        while True:
+            part = await self._next_event()
+            if isinstance(part, h11.Data):
+                body += part.data
+                if len(body) > self.limits.max_body_bytes:
+                    await self._respond(413, None, close=True)
+                    raise _Closed
+            elif isinstance(part, h11.EndOfMessage):
+                break
+            else:
+                raise _Closed  # pragma: no cover - h11 yields only Data/EndOfMessage here
+        return HttpRequest(
+            body=bytes(body),
+            authorization=_authorization(headers),
+            peer_uid=self.peer_uid,
+            peer_pid=self.peer_pid,
+        )
+
+    async def _respond(
+        self,
+        status: int,
+        body: bytes | None,
+        content_type: str = "application/json",
+        *,
+        extra: list[tuple[bytes, bytes]] | None = None,
+        close: bool = False,
+    ) -> None:
+        headers: list[tuple[bytes, bytes]] = list(extra or [])
+        payload = body or b""
+        if body is not None:
+            headers.append((b"Content-Type", content_type.encode("ascii")))
+        headers.append((b"Content-Length", str(len(payload)).encode("ascii")))
+        if close or self.control.stopping:
+            headers.append((b"Connection", b"close"))
+        reason = _REASONS.get(status, b"")
+        await self._send(h11.Response(status_code=status, headers=headers, reason=reason))
+        if payload:
+            await self._send(h11.Data(data=payload))
+        await self._send(h11.EndOfMessage())
+
+    async def _send(self, event: h11.Event) -> None:
+        try:
+            data = self.h11.send(event)
+        except h11.LocalProtocolError:
+            raise _Closed from None  # the state machine refuses: nothing sane left to send
+        if not data:
+            return
+        # The same deadline as reading: a client that never reads cannot hold the task.
+        with trio.move_on_after(self.limits.request_timeout) as scope:
+            try:
+                await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self.h11.send_failed()
+                raise _Closed from None
+            except BaseException:
+                self.h11.send_failed()
+                raise
+        if scope.cancelled_caught:
+            self.h11.send_failed()
+            raise _Closed
+
+
+async def serve(
+    app: Application,
+    listener: socket.socket | str,
+    limits: HttpLimits,
+    *,
+    socket_mode: int = 0o660,
+    socket_group: str | None = None,
+    task_status: trio.TaskStatus[ServerControl] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve `app` on `listener` until stopped.
+
+    Args:
+        app: answers every request.
+        listener: a listening AF_UNIX stream socket (socket activation), or a path to bind
+            with `bind_unix_socket` (then removed again when `serve` returns).
+        limits: transport bounds.
+        socket_mode, socket_group: permissions of a socket bound from a path.
+        task_status: ``started(control)`` once the socket is listening.
+
+    Returns:
+        After `ServerControl.stop()` and the drain (up to ``limits.shutdown_grace``).
+
+    Raises:
+        ListenError: the socket could not be bound (before `started`).
+
+    Cancellation:
+        Cancelling `serve` is the hard stop: every connection and in-flight request is
+        cancelled at once.
+
+    Resource handling:
+        Every connection's stream is closed by its task; the listener is closed, and a
+        socket file this call created is unlinked, before it returns.
+    """
+    bound_path: str | None = None
+    if isinstance(listener, str):
+        raw = bind_unix_socket(listener, mode=socket_mode, group=socket_group)
+        bound_path = os.path.abspath(listener)
+    else:
+        raw = listener
+    bound_inode = os.stat(bound_path).st_ino if bound_path else None
+    sock = trio.socket.from_stdlib_socket(raw)
+    control = ServerControl()
+    slots = trio.Semaphore(limits.max_connections)
+    try:
+        async with trio.open_nursery() as nursery:
+            accept_scope = trio.CancelScope()
+
+            async def handle(stream: trio.SocketStream) -> None:
+                try:
+                    await _Connection(stream, app, limits, control).run()
+                finally:
+                    control._closed()
+                    slots.release()
+
+            async def accept_loop() -> None:
+                with accept_scope:
+                    while True:
+                        await slots.acquire()
+                        try:
+                            conn, _ = await sock.accept()
+                        except OSError as exc:
+                            slots.release()
+                            if exc.errno in _ACCEPT_RETRY_ERRNOS:
+                                log_event(_log, "accept_retry", level=logging.WARNING, errno=exc.errno)
+                                await trio.sleep(ACCEPT_RETRY_SLEEP)
+                                continue
+                            raise
+                        except BaseException:
+                            slots.release()
+                            raise
+                        control._opened()
+                        nursery.start_soon(handle, trio.SocketStream(conn))
+
+            nursery.start_soon(accept_loop)
+            task_status.started(control)
+            await control._stop.wait()
+            accept_scope.cancel()
+            sock.close()  # new clients now get ECONNREFUSED instead of waiting in the backlog
+            with trio.move_on_after(limits.shutdown_grace):
+                await control._idle.wait()
+            if control.connections:
+                log_event(_log, "drain_deadline", level=logging.WARNING, cut=control.connections)
+            nursery.cancel_scope.cancel()
+    finally:
+        sock.close()
+        if bound_path is not None:
+            try:
+                if os.stat(bound_path).st_ino == bound_inode:
+                    os.unlink(bound_path)
+            except OSError:
+                pass

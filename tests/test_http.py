@@ -1,0 +1,567 @@
+"""daemon/http over a real Unix socket: routing, keep-alive, pipelining, bounds, drain.
+
+The client side is written by hand (raw bytes out, a small response reader in) so that
+the tests can do what well-behaved clients never do: pipeline, stall, flood, hang up.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import shutil
+import socket
+import stat
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+import trio
+
+from daemon.http import (
+    HttpAnswer,
+    HttpLimits,
+    HttpRequest,
+    ListenError,
+    ServerControl,
+    bind_unix_socket,
+    serve,
+)
+from daemon.log import setup_logging
+
+SECRET = "Bearer s3cret-credential-never-logged"
+
+
+@pytest.fixture
+def sockdir() -> Iterator[str]:
+    # Short and under /tmp: sun_path holds 107 bytes, and pytest's tmp_path can be longer.
+    path = tempfile.mkdtemp(prefix="bbh", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class EchoApp:
+    """Answers 200 with the body it got; remembers every request."""
+
+    def __init__(self) -> None:
+        self.seen: list[HttpRequest] = []
+
+    async def handle(self, request: HttpRequest) -> HttpAnswer:
+        self.seen.append(request)
+        return HttpAnswer(200, request.body)
+
+
+class SlowApp:
+    """Answers after `delay` seconds; counts how many requests it started."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.started = 0
+
+    async def handle(self, request: HttpRequest) -> HttpAnswer:
+        self.started += 1
+        await trio.sleep(self.delay)
+        return HttpAnswer(200, b'{"slow":true}')
+
+
+class RaisingApp:
+    async def handle(self, request: HttpRequest) -> HttpAnswer:
+        raise RuntimeError(f"boom {request.authorization}")
+
+
+def req(
+    body: bytes = b"{}",
+    *,
+    method: str = "POST",
+    target: str = "/v1/action",
+    headers: str = "",
+    length: int | None = None,
+) -> bytes:
+    n = len(body) if length is None else length
+    head = f"{method} {target} HTTP/1.1\r\nHost: broker\r\n"
+    if method == "POST" or body:
+        head += f"Content-Length: {n}\r\n"
+    return (head + headers + "\r\n").encode() + body
+
+
+class Reader:
+    """Reads HTTP/1.1 responses (Content-Length framed) off a stream, one at a time."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.buf = b""
+
+    async def _fill(self) -> bool:
+        data = await self.stream.receive_some(65536)
+        self.buf += data
+        return bool(data)
+
+    async def next(self) -> tuple[int, dict[str, str], bytes] | None:
+        while b"\r\n\r\n" not in self.buf:
+            if not await self._fill():
+                assert self.buf == b"", self.buf
+                return None
+        head, self.buf = self.buf.split(b"\r\n\r\n", 1)
+        lines = head.decode().split("\r\n")
+        status = int(lines[0].split()[1])
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, value = line.split(":", 1)
+            headers[name.strip().lower()] = value.strip()
+        if status == 100:
+            return status, headers, b""
+        n = int(headers["content-length"])
+        while len(self.buf) < n:
+            assert await self._fill(), "eof inside a body"
+        body, self.buf = self.buf[:n], self.buf[n:]
+        return status, headers, body
+
+    async def eof(self) -> bool:
+        """True once the server has closed the connection (with nothing more to read)."""
+        return self.buf == b"" and not await self._fill()
+
+
+async def start(
+    nursery: trio.Nursery, app: object, path: str, **limits: float
+) -> ServerControl:
+    control: ServerControl = await nursery.start(
+        serve, app, path, HttpLimits(**limits)  # type: ignore[arg-type]
+    )
+    return control
+
+
+async def connect(path: str) -> tuple[trio.SocketStream, Reader]:
+    stream = await trio.open_unix_socket(path)
+    return stream, Reader(stream)
+
+
+async def wait_until(predicate: object, timeout: float = 3.0) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():  # type: ignore[operator]
+            await trio.sleep(0.01)
+
+
+async def test_post_answered_with_app_bytes(sockdir: str) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    app = EchoApp()
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, app, path)
+        stream, reader = await connect(path)
+        await stream.send_all(req(b'{"x":1}', headers=f"Authorization: {SECRET}\r\n"))
+        answer = await reader.next()
+        assert answer is not None
+        status, headers, body = answer
+        assert (status, body) == (200, b'{"x":1}')
+        assert headers["content-type"] == "application/json"
+        assert app.seen[0].authorization == SECRET
+        assert SECRET not in repr(app.seen[0])
+        await stream.aclose()
+        control.stop()
+
+
+async def test_peer_uid_and_pid_delivered(sockdir: str) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    app = EchoApp()
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, app, path)
+        stream, reader = await connect(path)
+        await stream.send_all(req())
+        assert (await reader.next()) is not None
+        assert app.seen[0].peer_uid == os.getuid()
+        assert app.seen[0].peer_pid == os.getpid()
+        assert app.seen[0].authorization is None
+        control.stop()
+
+
+@pytest.mark.parametrize(
+    ("method", "target", "status", "allow"),
+    [
+        ("GET", "/v1/action", 405, "POST"),
+        ("PUT", "/v1/action", 405, "POST"),
+        ("DELETE", "/v1/action", 405, "POST"),
+        ("GET", "/", 404, None),
+        ("POST", "/v1/actions", 404, None),
+        ("POST", "/v1/action?x=1", 404, None),
+        ("POST", "/v2/action", 404, None),
+    ],
+)
+async def test_routing_refusals_have_no_body(
+    sockdir: str, method: str, target: str, status: int, allow: str | None
+) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    app = EchoApp()
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, app, path)
+        stream, reader = await connect(path)
+        body = b"{}" if method in ("POST", "PUT") else b""
+        await stream.send_all(req(body, method=method, target=target))
+        answer = await reader.next()
+        assert answer is not None
+        got, headers, payload = answer
+        assert (got, payload, headers["content-length"]) == (status, b"", "0")
+        assert "content-type" not in headers
+        assert headers.get("allow") == allow
+        assert app.seen == []
+        control.stop()
+
+
+async def test_bodiless_refusal_keeps_the_connection(sockdir: str) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, EchoApp(), path)
+        stream, reader = await connect(path)
+        await stream.send_all(req(b"", method="GET", target="/metrics"))
+        first = await reader.next()
+        await stream.send_all(req(b'"again"'))
+        second = await reader.next()
+        assert first is not None and second is not None
+        assert (first[0], second[0], second[2]) == (404, 200, b'"again"')
+        control.stop()
+
+
+async def test_keep_alive_two_sequential_requests(sockdir: str) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    app = EchoApp()
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, app, path)
+        stream, reader = await connect(path)
+        for n in range(2):
+            await stream.send_all(req(f'{{"n":{n}}}'.encode()))
+            answer = await reader.next()
+            assert answer is not None and answer[2] == f'{{"n":{n}}}'.encode()
+        assert control.connections == 1
+        control.stop()
+
+
+async def test_pipelined_pair_answered_in_order(sockdir: str) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    app = EchoApp()
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, app, path)
+        stream, reader = await connect(path)
+        await stream.send_all(req(b'"first"') + req(b'"second"'))
+        first, second = await reader.next(), await reader.next()
+        assert first is not None and second is not None
+        assert (first[2], second[2]) == (b'"first"', b'"second"')
+        control.stop()
+
+
+async def test_disconnect_mid_body_leaves_no_task(sockdir: str) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    app = EchoApp()
+    with trio.fail_after(3):
+        async with trio.open_nursery() as nursery:
+            control = await start(nursery, app, path, request_timeout=30, shutdown_grace=30)
+            stream, _ = await connect(path)
+            await stream.send_all(req(b'{"partial', length=100))
+            await wait_until(lambda: control.connections == 1)
+            await stream.aclose()
+            # The connection task notices the hang-up itself, long before any timeout.
+            await wait_until(lambda: control.connections == 0, timeout=1.0)
+            control.stop()
+    assert app.seen == []
+
+
+async def test_oversize_declared_body_refused_before_reading(sockdir: str) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    app = EchoApp()
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, app, path, max_body_bytes=1024)
+        stream, reader = await connect(path)
+        # Declares 1025 bytes and waits for "100 Continue" without sending any of them:
+        # the 413 can only come from the declared length.
+        await stream.send_all(req(b"", length=1025, headers="Expect: 100-continue\r\n"))
+        answer = await reader.next()
+        assert answer is not None and answer[0] == 413 and answer[2] == b""
+        assert answer[1]["connection"] == "close"
+        assert await reader.eof()
+        assert app.seen == []
+        control.stop()
+
+
+async def test_body_at_the_limit_is_accepted_with_100_continue(sockdir: str) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, EchoApp(), path, max_body_bytes=1024)
+        stream, reader = await connect(path)
+        await stream.send_all(req(b"", length=1024, headers="Expect: 100-continue\r\n"))
+        cont = await reader.next()
+        assert cont is not None and cont[0] == 100
+        await stream.send_all(b"a" * 1024)
+        answer = await reader.next()
+        assert answer is not None and answer[0] == 200 and len(answer[2]) == 1024
+        control.stop()
+
+
+async def test_oversize_chunked_body_counted_as_it_arrives(sockdir: str) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    app = EchoApp()
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, app, path, max_body_bytes=1024)
+        stream, reader = await connect(path)
+        head = b"POST /v1/action HTTP/1.1\r\nHost: b\r\nTransfer-Encoding: chunked\r\n\r\n"
+        chunk = b"200\r\n" + b"x" * 0x200 + b"\r\n"
+        # Three 512-byte chunks: the third crosses 1024. The terminating chunk is never sent.
+        await stream.send_all(head + chunk * 3)
+        answer = await reader.next()
+        assert answer is not None and answer[0] == 413
+        assert app.seen == []
+        control.stop()
+
+
+@pytest.mark.parametrize("complete", [True, False])
+async def test_header_flood_answered_431(sockdir: str, complete: bool) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, EchoApp(), path, max_header_bytes=4096)
+        stream, reader = await connect(path)
+        flood = "".join(f"X-Flood-{i}: {'v' * 100}\r\n" for i in range(60))
+        # complete: the whole head arrives at once; incomplete: it never ends.
+        data = req(headers=flood) if complete else req(headers=flood)[:-4]
+        try:
+            await stream.send_all(data)
+        except trio.BrokenResourceError:
+            pass  # the server may close while we are still writing; the answer is buffered
+        answer = await reader.next()
+        assert answer is not None and answer[0] == 431 and answer[2] == b""
+        control.stop()
+
+
+async def test_malformed_http_answered_400(sockdir: str) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, EchoApp(), path)
+        stream, reader = await connect(path)
+        await stream.send_all(b"POST /v1/action HTTP/1.1\r\nContent-Length: nope\r\n\r\n")
+        answer = await reader.next()
+        assert answer is not None and answer[0] == 400
+        assert await reader.eof()
+        control.stop()
+
+
+async def test_slow_client_cut_off(sockdir: str) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    app = EchoApp()
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, app, path, request_timeout=0.3)
+        stream, reader = await connect(path)
+        began = trio.current_time()
+        await stream.send_all(b"POST /v1/action HTTP/1.1\r\nHost: b\r\nContent-Le")
+        answer = await reader.next()
+        assert answer is not None and answer[0] == 408
+        assert await reader.eof()
+        assert 0.25 < trio.current_time() - began < 2.0
+        assert app.seen == []
+        control.stop()
+
+
+async def test_idle_keep_alive_closed_silently(sockdir: str) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, EchoApp(), path, request_timeout=0.2)
+        stream, reader = await connect(path)
+        await stream.send_all(req())
+        assert (await reader.next()) is not None
+        with trio.fail_after(2):
+            assert await reader.eof()  # no 408 for a client that sent nothing
+        control.stop()
+
+
+async def test_connection_cap_makes_new_clients_wait(sockdir: str) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, EchoApp(), path, max_connections=1, request_timeout=10)
+        first, first_reader = await connect(path)
+        await first.send_all(req(b'"one"'))
+        assert (await first_reader.next()) is not None
+        second, second_reader = await connect(path)  # queued in the listen backlog
+        await second.send_all(req(b'"two"'))
+        with trio.move_on_after(0.3) as waited:
+            await second_reader.next()
+        assert waited.cancelled_caught, "served beyond max_connections"
+        assert control.connections == 1
+        await first.aclose()
+        with trio.fail_after(2):
+            answer = await second_reader.next()
+        assert answer is not None and answer[2] == b'"two"'
+        control.stop()
+
+
+async def test_socket_permissions_and_directory(sockdir: str) -> None:
+    path = os.path.join(sockdir, "run", "b.sock")
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, EchoApp(), path)
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o750
+        info = os.lstat(path)
+        assert stat.S_ISSOCK(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o660
+        control.stop()
+    assert not os.path.exists(path), "serve removes the socket it bound"
+
+
+def test_socket_mode_and_group_options(sockdir: str) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    sock = bind_unix_socket(path, mode=0o600, group=str(os.getgid()))
+    try:
+        info = os.lstat(path)
+        assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_gid == os.getgid()
+    finally:
+        sock.close()
+    with pytest.raises(ListenError, match="does not exist"):
+        bind_unix_socket(os.path.join(sockdir, "c.sock"), group="no-such-group-bb")
+
+
+async def test_stale_socket_replaced(sockdir: str) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(path)
+    dead.close()  # the file stays: a stale socket from a crashed process
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, EchoApp(), path)
+        stream, reader = await connect(path)
+        await stream.send_all(req())
+        answer = await reader.next()
+        assert answer is not None and answer[0] == 200
+        control.stop()
+
+
+def test_live_socket_not_stolen(sockdir: str) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    live = bind_unix_socket(path)
+    try:
+        with pytest.raises(ListenError, match="already listening"):
+            bind_unix_socket(path)
+    finally:
+        live.close()
+
+
+def test_regular_file_at_socket_path_is_an_error(sockdir: str) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    with open(path, "w") as f:
+        f.write("precious")
+    with pytest.raises(ListenError, match="not a socket"):
+        bind_unix_socket(path)
+    with open(path) as f:
+        assert f.read() == "precious"
+
+
+def test_socket_path_too_long() -> None:
+    with pytest.raises(ListenError, match="longer than"):
+        bind_unix_socket("/tmp/" + "x" * 200 + ".sock")
+
+
+async def test_graceful_drain_finishes_in_flight_request(sockdir: str) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    app = SlowApp(0.4)
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            control = await start(nursery, app, path, shutdown_grace=5)
+            busy, busy_reader = await connect(path)
+            idle, idle_reader = await connect(path)
+            await busy.send_all(req())
+            await wait_until(lambda: control.in_flight == 1 and control.connections == 2)
+            control.stop()
+            # The idle connection is cut at once, new clients are refused...
+            assert await idle_reader.eof()
+            with pytest.raises(OSError):
+                await trio.open_unix_socket(path)
+            # ...and the in-flight request still gets its answer, marked as the last one.
+            answer = await busy_reader.next()
+            assert answer is not None and answer[0] == 200
+            assert answer[1]["connection"] == "close"
+            assert await busy_reader.eof()
+    assert control.connections == 0
+
+
+async def test_drain_deadline_cuts_what_is_left(sockdir: str) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    app = SlowApp(60)
+    began = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, app, path, shutdown_grace=0.2)
+        stream, reader = await connect(path)
+        await stream.send_all(req())
+        await wait_until(lambda: app.started == 1)
+        control.stop()
+    assert trio.current_time() - began < 2.0
+    assert await reader.eof()
+
+
+async def test_app_exception_is_500_without_traceback(sockdir: str) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    out = io.StringIO()
+    setup_logging("info", stream=out)
+    try:
+        async with trio.open_nursery() as nursery:
+            control = await start(nursery, RaisingApp(), path)
+            stream, reader = await connect(path)
+            await stream.send_all(req(headers=f"Authorization: {SECRET}\r\n"))
+            answer = await reader.next()
+            assert answer is not None and answer[0] == 500 and answer[2] == b""
+            # The connection survives the application's fault.
+            await stream.send_all(req())
+            again = await reader.next()
+            assert again is not None and again[0] == 500
+            control.stop()
+    finally:
+        setup_logging("info")
+    log = out.getvalue()
+    assert '"event":"application_error"' in log and "RuntimeError" in log
+    assert "s3cret" not in log and "Traceback" not in log
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ("", None),
+        ("Authorization: Bearer abc\r\n", "Bearer abc"),
+        ("Authorization: Bearer abc\r\nAuthorization: Bearer def\r\n", ""),
+        ("Authorization: Basic Zm9vOmJhcg==\r\n", "Basic Zm9vOmJhcg=="),
+    ],
+)
+async def test_authorization_handed_over_raw(
+    sockdir: str, headers: str, expected: str | None
+) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    app = EchoApp()
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, app, path)
+        stream, reader = await connect(path)
+        await stream.send_all(req(headers=headers))
+        assert (await reader.next()) is not None
+        assert app.seen[0].authorization == expected
+        control.stop()
+
+
+async def test_many_clients_at_once(sockdir: str) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    app = EchoApp()
+    answers: list[bytes] = []
+
+    async def client(n: int) -> None:
+        stream, reader = await connect(path)
+        await stream.send_all(req(f"{n}".encode()))
+        answer = await reader.next()
+        assert answer is not None
+        answers.append(answer[2])
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, app, path, max_connections=8)
+        async with trio.open_nursery() as clients:
+            for n in range(50):
+                clients.start_soon(client, n)
+        control.stop()
+    assert sorted(answers) == sorted(f"{n}".encode() for n in range(50))
+
+
+def test_limits_validated() -> None:
+    with pytest.raises(ValueError):
+        HttpLimits(max_connections=0)
+    with pytest.raises(ValueError):
+        HttpLimits(request_timeout=0)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logs() -> Iterator[None]:
+    yield
+    logging.getLogger("buzz_broker").handlers.clear()
