@@ -1,0 +1,223 @@
+"""paging.read_page against a relay that cuts inside seconds: every event exactly once, in order."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from daemon.cursor import Position
+from daemon.paging import (
+    MAX_ROUNDS,
+    Page,
+    RelayMisbehaved,
+    matches,
+    order_key,
+    read_page,
+)
+from tests.read.fake_relay import FakeRelay
+
+CHANNEL = "0b7b2f0e-1c5e-4f6a-9d3c-2a1b0c9d8e7f"
+ME = "a" * 64
+ROOT = "e" * 64
+BASE = {"kinds": [9, 40002], "#h": [CHANNEL]}
+
+
+def make_event(n: int, created_at: int, *, mention: bool = False, reply: bool = False, kind: int = 9) -> dict[str, object]:
+    tags: list[list[str]] = [["h", CHANNEL]]
+    if reply:
+        tags.append(["e", ROOT, "", "root"])
+    if mention:
+        tags.append(["p", ME])
+    return {
+        "id": hashlib.sha256(n.to_bytes(8, "big")).hexdigest(),
+        "pubkey": "b" * 64,
+        "created_at": created_at,
+        "kind": kind,
+        "tags": tags,
+        "content": f"m{n}",
+        "sig": "c" * 128,
+    }
+
+
+def declared_order(events: Sequence[Mapping[str, object]]) -> list[str]:
+    ordered = sorted(events, key=lambda ev: order_key(int(ev["created_at"]), str(ev["id"])))  # type: ignore[call-overload]
+    return [str(ev["id"]) for ev in ordered]
+
+
+def keep(item: Mapping[str, object]) -> Mapping[str, object] | None:
+    return item
+
+
+async def read_all(relay: FakeRelay, bases: Sequence[Mapping[str, object]], limit: int, cap: int, max_pages: int = 2000) -> tuple[list[str], list[Page[Mapping[str, object]]]]:
+    ids: list[str] = []
+    pages: list[Page[Mapping[str, object]]] = []
+    after: Position | None = None
+    for _ in range(max_pages):
+        page = await read_page(relay.query, bases, after=after, limit=limit, accept=keep, cap=cap)
+        assert len(page.items) <= limit
+        pages.append(page)
+        ids.extend(str(item["id"]) for item in page.items)
+        if page.next_position is None:
+            return ids, pages
+        after = page.next_position
+    raise AssertionError("paging did not end")
+
+
+# Seconds drawn from a tiny range so that many events share one second.
+event_specs = st.lists(
+    st.tuples(st.integers(0, 6), st.booleans(), st.booleans(), st.sampled_from([9, 40002, 7])),
+    max_size=120,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(specs=event_specs, limit=st.integers(1, 25), seed=st.integers(0, 2**32), scope=st.sampled_from(["all", "mentions", "thread"]))
+def test_every_event_once_in_order(specs: list[tuple[int, bool, bool, int]], limit: int, seed: int, scope: str) -> None:
+    cap = 64  # above the largest second (120 events over 7 seconds can exceed it rarely; see assume)
+    events = [make_event(n, 1_700_000_000 + t, mention=m, reply=r, kind=k) for n, (t, m, r, k) in enumerate(specs)]
+    if scope == "all":
+        bases: list[Mapping[str, object]] = [BASE]
+    elif scope == "mentions":
+        bases = [{**BASE, "#p": [ME]}]
+    else:
+        root = make_event(10_000, 1_700_000_000 + 3)
+        root["id"] = ROOT
+        events.append(root)
+        bases = [{**BASE, "#e": [ROOT]}, {**BASE, "ids": [ROOT]}]
+    expected = declared_order([ev for ev in events if any(matches(ev, b) for b in bases)])
+    per_second = max((sum(1 for ev in events if ev["created_at"] == s) for s in {e["created_at"] for e in events}), default=0)
+    assert per_second < cap
+    relay = FakeRelay(events, cap=cap, seed=seed)
+    ids, pages = trio.run(read_all, relay, bases, limit, cap)
+    assert ids == expected
+    # nextCursor only when more exists: the last page has none, every other page is full.
+    assert pages[-1].next_position is None
+    assert all(len(p.items) == limit for p in pages[:-1])
+    assert all(p.overflow_seconds == () for p in pages)
+
+
+async def test_three_hundred_in_one_second_at_the_real_cap() -> None:
+    events = [make_event(n, 1_700_000_000 + (n % 40 if n >= 300 else 500)) for n in range(1000)]
+    for limit in (7, 500, 1, 100):
+        relay = FakeRelay(events, cap=500, seed=limit)
+        ids, pages = await read_all(relay, [BASE], limit, 500)
+        assert ids == declared_order(events)
+        assert len(ids) == len(set(ids)) == 1000
+        # A page costs at most three round trips here (sweep+main, then boundary sweep).
+        assert max(p.rounds for p in pages) <= 3
+
+
+async def test_sparse_channel_pages_in_one_round_trip() -> None:
+    events = [make_event(n, 1_700_000_000 + n) for n in range(50)]
+    relay = FakeRelay(events, cap=500, seed=1)
+    ids, pages = await read_all(relay, [BASE], 10, 500)
+    assert ids == declared_order(events)
+    assert [p.rounds for p in pages] == [1] * len(pages)
+
+
+async def test_empty_channel_has_no_cursor() -> None:
+    page = await read_page(FakeRelay([], cap=500, seed=0).query, [BASE], after=None, limit=5, accept=keep)
+    assert page.items == () and page.next_position is None
+
+
+async def test_exact_multiple_has_no_dangling_cursor() -> None:
+    events = [make_event(n, 1_700_000_000 + n // 3) for n in range(20)]
+    ids, pages = await read_all(FakeRelay(events, cap=500, seed=3), [BASE], 10, 500)
+    assert len(pages) == 2 and pages[-1].next_position is None and ids == declared_order(events)
+
+
+async def test_second_over_the_cap_is_detected() -> None:
+    cap = 10
+    events = [make_event(n, 1_700_000_000) for n in range(25)] + [make_event(100 + n, 1_699_999_999) for n in range(3)]
+    relay = FakeRelay(events, cap=cap, seed=9)
+    ids, pages = await read_all(relay, [BASE], 5, cap)
+    assert any(p.overflow_seconds == (1_700_000_000,) for p in pages)
+    # What can be seen is still delivered at most once, in order, and the older second whole.
+    assert len(ids) == len(set(ids))
+    assert ids == [i for i in declared_order(events) if i in set(ids)]
+    assert set(declared_order(events[25:])) <= set(ids)
+
+
+async def test_rejected_events_are_skipped_not_counted() -> None:
+    events = [make_event(n, 1_700_000_000 + n // 4) for n in range(40)]
+    bad = {str(ev["id"]) for ev in events[::3]}
+
+    def accept(item: Mapping[str, object]) -> Mapping[str, object] | None:
+        return None if item["id"] in bad else item
+
+    after: Position | None = None
+    got: list[str] = []
+    relay = FakeRelay(events, cap=500, seed=5)
+    for _ in range(100):
+        page = await read_page(relay.query, [BASE], after=after, limit=4, accept=accept)
+        got.extend(str(i["id"]) for i in page.items)
+        if page.next_position is None:
+            break
+        assert len(page.items) == 4
+        after = page.next_position
+    assert got == [i for i in declared_order(events) if i not in bad]
+
+
+async def test_malformed_items_never_cause_a_skip() -> None:
+    events = [make_event(n, 1_700_000_000 + n // 5) for n in range(30)]
+    inner = FakeRelay(events, cap=500, seed=2)
+
+    async def noisy(filters: list[dict[str, object]]) -> list[object]:
+        reply = await inner.query(filters)
+        return [*reply, "junk", {"id": "zz", "created_at": 5}, {"id": "1" * 64, "created_at": 2_000_000_000}]
+
+    after: Position | None = None
+    got: list[str] = []
+    for _ in range(100):
+        page = await read_page(noisy, [BASE], after=after, limit=6, accept=lambda item: item)
+        got.extend(str(i["id"]) for i in page.items if i["id"] != "1" * 64)
+        assert page.malformed >= 3
+        if page.next_position is None:
+            break
+        after = page.next_position
+    assert got == declared_order(events)
+
+
+async def test_relay_that_fills_its_limit_with_garbage() -> None:
+    async def garbage(filters: list[dict[str, object]]) -> list[object]:
+        return ["x"] * 50
+
+    with pytest.raises(RelayMisbehaved):
+        await read_page(garbage, [BASE], after=None, limit=5, accept=keep)
+
+
+@pytest.mark.parametrize("limit", [5, 1])
+async def test_round_bound_returns_an_exact_resumable_page(limit: int) -> None:
+    # Four events per second: the first reply is cut inside its oldest second, so a second
+    # round is needed; with the bound at one round the page stops early (limit 5: four
+    # events and their position; limit 1: nothing yet, a position before the whole cut
+    # second) and resuming from it is exact.
+    events = [make_event(n, 1_700_000_000 - n // 4) for n in range(40)]
+    relay = FakeRelay(events, cap=500, seed=4)
+    page = await read_page(relay.query, [BASE], after=None, limit=limit, accept=keep, max_rounds=1)
+    assert page.rounds == 1 and page.next_position is not None
+    assert len(page.items) < limit
+    first = [str(i["id"]) for i in page.items]
+    rest, _ = await read_all_from(relay, page.next_position, 7)
+    assert first + rest == declared_order(events)
+
+
+async def read_all_from(relay: FakeRelay, after: Position, limit: int) -> tuple[list[str], int]:
+    ids: list[str] = []
+    for pages in range(1, 100):
+        page = await read_page(relay.query, [BASE], after=after, limit=limit, accept=keep)
+        ids.extend(str(i["id"]) for i in page.items)
+        if page.next_position is None:
+            return ids, pages
+        after = page.next_position
+    raise AssertionError("paging did not end")
+
+
+def test_limit_out_of_range_is_our_bug() -> None:
+    with pytest.raises(ValueError):
+        trio.run(lambda: read_page(FakeRelay([], cap=5, seed=0).query, [BASE], after=None, limit=0, accept=keep))
