@@ -1,0 +1,368 @@
+"""Credentials: a bearer token in, a `Principal` (or nothing) out.
+
+Rules (spec I2 "Authority comes from the session"; issue 4):
+- A token is `bzb_` followed by 43 base64url characters: 256 bits from `secrets`, with a
+  prefix that secret scanners and humans recognise. It exists only in the return value of
+  `issue()`; the store keeps its sha256 and the scope (agent, channels, actions, expiry,
+  optional Unix uid). sha256 without a salt is enough because the input is 256 random
+  bits: there is nothing to guess or precompute.
+- `authenticate` has one failure answer, `None`, for every cause (missing, malformed,
+  unknown, revoked, expired, wrong uid), like an opaque InvalidToken: the pipeline turns
+  it into `failed` + `unauthenticated` and the caller learns nothing about which check
+  failed. The operator log can say why; this module does not log tokens.
+- Parsing is strict and bounded BEFORE any work: the header must be exactly
+  `Bearer <token>` (scheme case-insensitive, RFC 7235 §2.1; exactly one space; no
+  trailing whitespace), and since a token has one fixed length, a header of any other
+  length is refused by comparing two integers. A 10 MB header costs a `len()`.
+- The credential is found by its hash in a dict (the hash of attacker input is not
+  attacker-steerable, so the lookup leaks nothing useful) and then confirmed with
+  `hmac.compare_digest` (style.md #14).
+- `Principal` can only be made here: its constructor demands a module-private key, and
+  `dataclasses.replace` cannot copy it (it is an InitVar), so no other code can mint
+  authority.
+
+Theory of operation — how the daemon sees credentials the CLI issued or revoked:
+the daemon keeps every unrevoked credential in memory, keyed by token hash. Before each
+lookup of a well-formed token it asks SQLite for `PRAGMA data_version`, which changes
+whenever another connection (the `credential` CLI) has committed to the database; a change
+reloads the table. So a newly issued credential works on its first request and a
+revocation takes effect on the very next request, without SIGHUP. The check reads
+SQLite's WAL index in shared memory (no disk read, no fsync). `reload()` (SIGHUP) forces
+the same reload; issue/revoke in this process reload too, because a connection's own
+commits do not move its data_version.
+
+WARNING: `TOKEN_PREFIX`, `_TOKEN_BODY_CHARS` and `MAX_AUTHORIZATION_CHARS` must agree;
+the schema below is read by `_load`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import secrets
+import sqlite3
+import time
+from dataclasses import InitVar, dataclass
+from pathlib import Path
+from typing import Final
+
+from daemon._sqlite import open_private_db
+
+__all__ = [
+    "Principal",
+    "CredentialInfo",
+    "SessionStore",
+    "SESSIONS_FILENAME",
+    "TOKEN_PREFIX",
+    "MAX_AUTHORIZATION_CHARS",
+]
+
+#: The file under the state directory.
+SESSIONS_FILENAME: Final = "sessions.db"
+
+#: Recognisable at a glance and by secret scanners ("buzz broker").
+TOKEN_PREFIX: Final = "bzb_"
+
+#: Bytes of randomness in a token: 256 bits (issue 4: "≥ 256 bits").
+_TOKEN_BYTES: Final = 32
+
+#: base64url without padding of 32 bytes is 43 characters.
+_TOKEN_BODY_CHARS: Final = 43
+
+_TOKEN_CHARS: Final = len(TOKEN_PREFIX) + _TOKEN_BODY_CHARS
+
+_SCHEME: Final = "bearer"
+
+#: A well-formed header is exactly `Bearer` + one space + a token, so its length is fixed.
+#: Anything else is refused before it is scanned, hashed or looked up.
+MAX_AUTHORIZATION_CHARS: Final = len(_SCHEME) + 1 + _TOKEN_CHARS
+
+_TOKEN_RE: Final = re.compile(
+    re.escape(TOKEN_PREFIX) + r"[A-Za-z0-9_-]{" + str(_TOKEN_BODY_CHARS) + r"}"
+)
+_AGENT_RE: Final = re.compile(r"[0-9a-f]{64}")
+#: Canonical channel ids only (spec: lowercase, hyphenated). Callers normalize first.
+_CHANNEL_RE: Final = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+#: Action names are the spec's wire names (`channel.read`, ...); the store checks shape,
+#: the CLI checks membership in the nine.
+_ACTION_RE: Final = re.compile(r"[a-z]+\.[a-z]+")
+_CREDENTIAL_ID_RE: Final = re.compile(r"cred_[0-9a-f]{16}")
+
+#: Only this module holds it: the one key that lets a Principal be constructed.
+_ISSUER: Final = object()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Principal:
+    """Who is acting, and within what scope. Made only by `SessionStore.authenticate`."""
+
+    credential_id: str
+    #: the agent's public key, 64 lowercase hex
+    agent: str
+    #: canonical lowercase channel UUIDs this credential is bound to
+    channels: frozenset[str]
+    #: wire action names this credential may ask for
+    actions: frozenset[str]
+    #: seconds since the epoch, or None for a credential that does not expire
+    expires_at: int | None
+    #: the Unix uid the peer must have (SO_PEERCRED), or None
+    uid: int | None
+    _key: InitVar[object]
+
+    def __post_init__(self, _key: object) -> None:
+        if _key is not _ISSUER:
+            raise TypeError("Principal is created only by SessionStore.authenticate")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CredentialInfo:
+    """What `credential list` shows: identity and scope, never the token or its hash."""
+
+    credential_id: str
+    agent: str
+    channels: tuple[str, ...]
+    actions: tuple[str, ...]
+    created_at: int
+    expires_at: int | None
+    uid: int | None
+    revoked_at: int | None
+
+    def active(self, now: int) -> bool:
+        """Not revoked and not expired at `now`."""
+        return self.revoked_at is None and (self.expires_at is None or now < self.expires_at)
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS credentials (
+    credential_id TEXT    PRIMARY KEY,
+    token_sha256  BLOB    NOT NULL UNIQUE,
+    agent         TEXT    NOT NULL,
+    channels      TEXT    NOT NULL,
+    actions       TEXT    NOT NULL,
+    created_at    INTEGER NOT NULL,
+    expires_at    INTEGER,
+    uid           INTEGER,
+    revoked_at    INTEGER
+);
+CREATE INDEX IF NOT EXISTS credentials_by_agent ON credentials (agent)
+"""
+
+_COLUMNS = "credential_id, agent, channels, actions, created_at, expires_at, uid, revoked_at"
+
+
+def _token_hash(token: str) -> bytes:
+    # The one place a presented token is hashed; tests count calls to prove that
+    # malformed input never gets here.
+    return hashlib.sha256(token.encode("ascii")).digest()
+
+
+def _parse_authorization_unverified(header_value: str | None) -> str | None:
+    """The token inside `Bearer <token>`, or None. Shape only; nothing is verified."""
+    if not isinstance(header_value, str) or len(header_value) != MAX_AUTHORIZATION_CHARS:
+        return None
+    scheme, space, token = (
+        header_value[: len(_SCHEME)],
+        header_value[len(_SCHEME)],
+        header_value[len(_SCHEME) + 1 :],
+    )
+    if scheme.lower() != _SCHEME or space != " ":
+        return None
+    # fullmatch on a fixed-length string: linear and tiny.
+    if _TOKEN_RE.fullmatch(token) is None:
+        return None
+    return token
+
+
+def _info(row: tuple[object, ...]) -> CredentialInfo:
+    cid, agent, channels, actions, created_at, expires_at, uid, revoked_at = row
+    return CredentialInfo(
+        credential_id=str(cid),
+        agent=str(agent),
+        channels=tuple(json.loads(str(channels))),
+        actions=tuple(json.loads(str(actions))),
+        created_at=int(created_at),  # type: ignore[call-overload]
+        expires_at=None if expires_at is None else int(expires_at),  # type: ignore[call-overload]
+        uid=None if uid is None else int(uid),  # type: ignore[call-overload]
+        revoked_at=None if revoked_at is None else int(revoked_at),  # type: ignore[call-overload]
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Active:
+    token_sha256: bytes
+    principal: Principal
+
+
+class SessionStore:
+    """Credentials in `<state>/sessions.db`. Create with `SessionStore.open(state_dir)`."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        # Private: use SessionStore.open().
+        self._conn = conn
+        self._active: dict[bytes, _Active] = {}
+        self._data_version: int | None = None
+        self.reload()
+
+    @classmethod
+    def open(cls, state_dir: Path | str) -> SessionStore:
+        """Open (creating if needed, 0600) the credential database under `state_dir`.
+
+        Raises:
+            OSError / sqlite3.Error: the directory or database cannot be opened.
+        """
+        directory = Path(state_dir)
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return cls(open_private_db(directory / SESSIONS_FILENAME, _SCHEMA))
+
+    def close(self) -> None:
+        self._conn.close()
+
+    # -- the daemon's side ------------------------------------------------------------
+
+    def reload(self) -> None:
+        """Re-read every unrevoked credential (SIGHUP, or another process committed)."""
+        self._data_version = int(self._conn.execute("PRAGMA data_version").fetchone()[0])
+        rows = self._conn.execute(
+            f"SELECT token_sha256, {_COLUMNS} FROM credentials WHERE revoked_at IS NULL"
+        ).fetchall()
+        active: dict[bytes, _Active] = {}
+        for row in rows:
+            info = _info(row[1:])
+            digest = bytes(row[0])
+            active[digest] = _Active(
+                digest,
+                Principal(
+                    credential_id=info.credential_id,
+                    agent=info.agent,
+                    channels=frozenset(info.channels),
+                    actions=frozenset(info.actions),
+                    expires_at=info.expires_at,
+                    uid=info.uid,
+                    _key=_ISSUER,
+                ),
+            )
+        self._active = active
+
+    def _refresh_if_changed(self) -> None:
+        version = int(self._conn.execute("PRAGMA data_version").fetchone()[0])
+        if version != self._data_version:
+            self.reload()
+
+    def authenticate(
+        self, header_value: str | None, peer_uid: int | None, now: int
+    ) -> Principal | None:
+        """The principal a request's Authorization header proves, or None.
+
+        Args:
+            header_value: the raw Authorization header value (None when absent).
+            peer_uid: the connecting process's uid from SO_PEERCRED (None when unknown).
+            now: seconds since the epoch.
+
+        Returns:
+            The Principal, or None for every failure (missing, malformed, unknown,
+            revoked, expired, wrong or unknown uid). There is deliberately no reason.
+        """
+        token = _parse_authorization_unverified(header_value)
+        if token is None:
+            return None
+        self._refresh_if_changed()
+        digest = _token_hash(token)
+        found = self._active.get(digest)
+        if found is None or not hmac.compare_digest(found.token_sha256, digest):
+            return None
+        principal = found.principal
+        if principal.expires_at is not None and now >= principal.expires_at:
+            return None
+        if principal.uid is not None and peer_uid != principal.uid:
+            return None
+        return principal
+
+    # -- the operator's side (the CLI) ---------------------------------------------------
+
+    def issue(
+        self,
+        *,
+        agent: str,
+        channels: frozenset[str],
+        actions: frozenset[str],
+        ttl_seconds: int | None,
+        uid: int | None,
+        now: int,
+    ) -> tuple[str, str]:
+        """Create a credential. Returns (credential_id, token); the token is never stored.
+
+        Args:
+            agent: the agent's pubkey, 64 lowercase hex (the caller checks the keystore).
+            channels: one or more canonical (lowercase, hyphenated) channel UUIDs.
+            actions: one or more wire action names.
+            ttl_seconds: lifetime, or None for a credential that does not expire.
+            uid: the Unix uid the peer must have, or None.
+            now: seconds since the epoch.
+
+        Raises:
+            ValueError: a malformed argument (message names the argument, never a token).
+        """
+        if not isinstance(agent, str) or _AGENT_RE.fullmatch(agent) is None:
+            raise ValueError("agent must be 64 lowercase hex characters")
+        if not channels or not all(
+            isinstance(c, str) and _CHANNEL_RE.fullmatch(c) for c in channels
+        ):
+            raise ValueError("channels must be one or more canonical lowercase UUIDs")
+        if not actions or not all(isinstance(a, str) and _ACTION_RE.fullmatch(a) for a in actions):
+            raise ValueError("actions must be one or more action names")
+        if ttl_seconds is not None and (
+            isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or ttl_seconds <= 0
+        ):
+            raise ValueError("ttl_seconds must be a positive int or None")
+        if uid is not None and (isinstance(uid, bool) or not isinstance(uid, int) or uid < 0):
+            raise ValueError("uid must be a non-negative int or None")
+        token = TOKEN_PREFIX + secrets.token_urlsafe(_TOKEN_BYTES)
+        assert _TOKEN_RE.fullmatch(token) is not None, "token shape and regex disagree"
+        credential_id = "cred_" + secrets.token_hex(8)
+        self._conn.execute(
+            "INSERT INTO credentials (credential_id, token_sha256, agent, channels, actions,"
+            " created_at, expires_at, uid, revoked_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL)",
+            (
+                credential_id,
+                _token_hash(token),
+                agent,
+                json.dumps(sorted(channels)),
+                json.dumps(sorted(actions)),
+                now,
+                None if ttl_seconds is None else now + ttl_seconds,
+                uid,
+            ),
+        )
+        self.reload()
+        return credential_id, token
+
+    def list(self) -> list[CredentialInfo]:
+        """Every credential ever issued (revoked ones too), oldest first. No tokens."""
+        rows = self._conn.execute(
+            f"SELECT {_COLUMNS} FROM credentials ORDER BY created_at, rowid"
+        ).fetchall()
+        return [_info(row) for row in rows]
+
+    def revoke(self, credential_id: str, *, now: int | None = None) -> bool:
+        """Revoke one credential. Returns False if it is unknown or already revoked."""
+        if not isinstance(credential_id, str) or _CREDENTIAL_ID_RE.fullmatch(credential_id) is None:
+            return False
+        at = int(time.time()) if now is None else now
+        changed = self._conn.execute(
+            "UPDATE credentials SET revoked_at = ? WHERE credential_id = ? AND revoked_at IS NULL",
+            (at, credential_id),
+        ).rowcount
+        self.reload()
+        return bool(changed)
+
+    def revoke_agent(self, agent_pubkey: str, *, now: int | None = None) -> int:
+        """Revoke every credential of a deleted agent. Returns how many were revoked."""
+        at = int(time.time()) if now is None else now
+        changed = self._conn.execute(
+            "UPDATE credentials SET revoked_at = ? WHERE agent = ? AND revoked_at IS NULL",
+            (at, agent_pubkey),
+        ).rowcount
+        self.reload()
+        return int(changed)
