@@ -222,7 +222,7 @@ def test_principal_cannot_be_forged(store: SessionStore) -> None:
     principal = store.authenticate(f"Bearer {token}", None, NOW)
     assert principal is not None
     with pytest.raises(ValueError):
-        dataclasses.replace(principal, agent=OTHER_AGENT)
+        dataclasses.replace(principal, agent=OTHER_AGENT)  # type: ignore[call-arg]
 
 
 @pytest.mark.parametrize(
