@@ -1,0 +1,147 @@
+"""Cursors: round trip, every tampered byte refused, foreign scope refused, expiry, restart."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from daemon.cursor import (
+    CURSOR_TTL_SECONDS,
+    KEY_FILE_NAME,
+    MAX_CLOCK_SKEW_SECONDS,
+    CursorCodec,
+    CursorKeyError,
+    CursorScope,
+    InvalidCursor,
+    Position,
+)
+
+NOW = 1_787_675_388
+SCOPE = CursorScope(agent="a" * 64, channel_id="0b7b2f0e-1c5e-4f6a-9d3c-2a1b0c9d8e7f", mentions_only=False, root_event_id=None)
+POS = Position(created_at=1_787_675_000, event_id="0123456789abcdef" * 4)
+_PRINTABLE_NO_SPACE = {chr(c) for c in range(0x21, 0x7F)}
+
+
+@pytest.fixture
+def codec(tmp_path: Path) -> CursorCodec:
+    return CursorCodec.open(tmp_path)
+
+
+def test_round_trip_and_shape(codec: CursorCodec) -> None:
+    token = codec.encode(POS, SCOPE, now=NOW)
+    assert 1 <= len(token.encode("ascii")) <= 256
+    assert set(token) <= _PRINTABLE_NO_SPACE
+    assert codec.decode(token, SCOPE, now=NOW) == POS
+
+
+@settings(max_examples=50, deadline=None)
+@given(created_at=st.integers(0, 2**64 - 1), event_id=st.binary(min_size=32, max_size=32), now=st.integers(0, 2**40))
+def test_round_trip_any_position(created_at: int, event_id: bytes, now: int) -> None:
+    codec = CursorCodec(b"k" * 32)
+    pos = Position(created_at=created_at, event_id=event_id.hex())
+    assert codec.decode(codec.encode(pos, SCOPE, now=now), SCOPE, now=now) == pos
+
+
+def test_every_tampered_character_is_refused(codec: CursorCodec) -> None:
+    token = codec.encode(POS, SCOPE, now=NOW)
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+    for i, ch in enumerate(token):
+        for replacement in (alphabet[(alphabet.index(ch) + 1) % 64], alphabet[(alphabet.index(ch) + 17) % 64]):
+            tampered = token[:i] + replacement + token[i + 1 :]
+            with pytest.raises(InvalidCursor):
+                codec.decode(tampered, SCOPE, now=NOW)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["", " ", "x", "é" * 108, "A" * 107, "A" * 109, "A" * 300, "=" * 108, "A" * 104 + "====", "\x00" * 108, "A" * 107 + " "],
+)
+def test_malformed_tokens_are_refused(codec: CursorCodec, bad: str) -> None:
+    with pytest.raises(InvalidCursor):
+        codec.decode(bad, SCOPE, now=NOW)
+
+
+def test_truncated_and_extended_tokens_are_refused(codec: CursorCodec) -> None:
+    token = codec.encode(POS, SCOPE, now=NOW)
+    for n in range(len(token)):
+        with pytest.raises(InvalidCursor):
+            codec.decode(token[:n], SCOPE, now=NOW)
+    with pytest.raises(InvalidCursor):
+        codec.decode(token + "A", SCOPE, now=NOW)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        CursorScope(agent="b" * 64, channel_id=SCOPE.channel_id, mentions_only=False, root_event_id=None),
+        CursorScope(agent=SCOPE.agent, channel_id="1b7b2f0e-1c5e-4f6a-9d3c-2a1b0c9d8e7f", mentions_only=False, root_event_id=None),
+        CursorScope(agent=SCOPE.agent, channel_id=SCOPE.channel_id, mentions_only=True, root_event_id=None),
+        CursorScope(agent=SCOPE.agent, channel_id=SCOPE.channel_id, mentions_only=False, root_event_id="e" * 64),
+    ],
+    ids=["principal", "channel", "mentions", "thread"],
+)
+def test_foreign_scope_is_refused(codec: CursorCodec, other: CursorScope) -> None:
+    token = codec.encode(POS, SCOPE, now=NOW)
+    with pytest.raises(InvalidCursor):
+        codec.decode(token, other, now=NOW)
+    # and the other way round
+    with pytest.raises(InvalidCursor):
+        codec.decode(codec.encode(POS, other, now=NOW), SCOPE, now=NOW)
+
+
+def test_expiry_with_an_injected_clock(codec: CursorCodec) -> None:
+    token = codec.encode(POS, SCOPE, now=NOW)
+    assert codec.decode(token, SCOPE, now=NOW + CURSOR_TTL_SECONDS) == POS
+    with pytest.raises(InvalidCursor):
+        codec.decode(token, SCOPE, now=NOW + CURSOR_TTL_SECONDS + 1)
+    assert codec.decode(token, SCOPE, now=NOW - MAX_CLOCK_SKEW_SECONDS) == POS
+    with pytest.raises(InvalidCursor):
+        codec.decode(token, SCOPE, now=NOW - MAX_CLOCK_SKEW_SECONDS - 1)
+
+
+def test_another_hosts_key_is_refused(tmp_path: Path, codec: CursorCodec) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    token = CursorCodec.open(other).encode(POS, SCOPE, now=NOW)
+    with pytest.raises(InvalidCursor):
+        codec.decode(token, SCOPE, now=NOW)
+
+
+def test_still_valid_after_a_restart(tmp_path: Path) -> None:
+    token = CursorCodec.open(tmp_path).encode(POS, SCOPE, now=NOW)
+    again = CursorCodec.open(tmp_path)
+    assert again.decode(token, SCOPE, now=NOW + 60) == POS
+    key = tmp_path / KEY_FILE_NAME
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert key.stat().st_size == 32
+    assert [p.name for p in tmp_path.iterdir()] == [KEY_FILE_NAME]  # no temporary left behind
+
+
+def test_unusable_key_files_are_refused_with_the_path(tmp_path: Path) -> None:
+    key = tmp_path / KEY_FILE_NAME
+    key.write_bytes(b"short")
+    os.chmod(key, 0o600)
+    with pytest.raises(CursorKeyError, match=KEY_FILE_NAME):
+        CursorCodec.open(tmp_path)
+    key.write_bytes(b"k" * 32)
+    os.chmod(key, 0o644)
+    with pytest.raises(CursorKeyError, match="readable by others"):
+        CursorCodec.open(tmp_path)
+
+
+def test_repr_redacts_the_key(tmp_path: Path) -> None:
+    codec = CursorCodec.open(tmp_path)
+    key = (tmp_path / KEY_FILE_NAME).read_bytes()
+    assert key.hex() not in repr(codec) and str(key) not in repr(codec)
+    assert "redacted" in repr(codec)
+
+
+def test_invalid_cursor_carries_nothing(codec: CursorCodec) -> None:
+    with pytest.raises(InvalidCursor) as info:
+        codec.decode("A" * 108, SCOPE, now=NOW)
+    assert str(info.value) == "" and info.value.args == ()
