@@ -1,0 +1,783 @@
+"""The broker as a Nostr client: NIP-01 over WebSocket with NIP-42 AUTH (trio-websocket).
+
+Rules:
+- `RelayPool` is the only thing in the daemon that talks to the relay. Message encoding
+  and strict parsing live in `daemon.relay_protocol` (sans-IO); this module owns sockets,
+  tasks, timeouts and the mapping of what happened to a `PublishResult`.
+- Ownership: `await nursery.start(pool.run)` starts the pool; every connection task runs
+  in the pool's own nursery and ends when `run` is cancelled. `publish`/`query` before
+  `run` has started (or after it ended) is a bug: RuntimeError.
+- Transport: ``wss://`` anywhere, ``ws://`` only to loopback, refused in the constructor
+  (ValueError). TCP_NODELAY on our socket; TCP_QUICKACK re-armed after every read (see
+  below).
+- AUTH (NIP-42) is per connection and per pubkey. The relay may send ``["AUTH", c]`` at
+  connect (Buzz does) or only after refusing something with ``auth-required:``
+  (nostr-sdk's LocalRelay does). A challenge already seen is answered before the next
+  EVENT/REQ is sent; an ``auth-required:`` answer makes us authenticate and resend
+  *once*. The AUTH event's ``relay`` tag is the configured URL exactly as written.
+- Publishing maps to four results, and nothing else (spec: issue 5 "Mapping"):
+    OK true (``duplicate:`` included)              -> Accepted(duplicate, message)
+    OK false with a reason                         -> Rejected(reason)
+    nothing could be sent (unreachable, AUTH failed before sending) -> NotSent(reason)
+    sent, then no OK before ``timeouts.ok`` or the connection dropped -> Unknown(reason)
+  Many publishes may share one connection; OKs are matched to them by event id.
+- Reading: REQ with a subscription id unique on the connection, events until EOSE, then
+  CLOSE -- always, also after a timeout, a CLOSED or a cancellation (best effort, shielded
+  and bounded). No EOSE within ``timeouts.eose`` -> RelayUnavailable; CLOSED
+  ``restricted:`` (or any CLOSED other than a first ``auth-required:``) -> RelayRefused.
+  Events are returned as the relay sent them (parsed dicts); the read path verifies them.
+- A relay that breaks NIP-01 (a frame `parse_relay_message` refuses) loses its
+  connection: everything waiting on it resolves at once (Unknown / RelayUnavailable)
+  instead of waiting for a timeout that a broken peer makes meaningless.
+- Reconnection: connections are opened on demand. After a failed connect the next
+  attempt waits an exponential backoff (``backoff_initial`` doubling to ``backoff_max``,
+  shared by the whole pool: the relay is one host). A caller never waits for a backoff
+  longer than its own connect timeout; it gets NotSent / RelayUnavailable instead.
+
+Connections: one per agent identity, kept warm, closed after ``idle_seconds`` unused.
+Alternatives weighed (figures from benchmarks/relay_connections.py, run against
+nostr-sdk's LocalRelay on loopback, see the report in that script's docstring):
+  * one connection per agent: AUTH once per connection; agents never wait for each
+    other; OKs and subscriptions of different agents never share a connection's state.
+  * one shared connection re-authenticated per agent: NIP-42 leaves it to the relay
+    whether a second AUTH adds a pubkey or replaces the first, so the shared connection
+    must serialize "AUTH as A, then act as A" for every request of every agent: one extra
+    round trip per switch of agent, and no concurrency between agents at all.
+  The per-agent connection costs one TCP+WebSocket+AUTH setup per agent per idle period
+  (measured ~1-2 ms on loopback) and one socket per active agent; it is the design that
+  stays correct whatever the relay does with repeated AUTHs, and it lets 64 agents publish
+  concurrently. That is why it is the choice.
+
+TCP_QUICKACK: LocalRelay does not set TCP_NODELAY on accepted sockets, so its second
+small frame (EOSE after an EVENT, an EVENT after an OK) waits for our delayed ACK
+(~40 ms). Re-arming TCP_QUICKACK after each read makes Linux ACK at once; the measured
+effect is in benchmarks/relay_connections.py. It costs one setsockopt per read and is
+harmless against a relay that does set TCP_NODELAY (Buzz's), so it is on by default and
+can be switched off (``tcp_quickack=False``) to measure.
+
+Cancellation: cancelling `publish` after its EVENT left is an Unknown for the caller's
+purposes (the ledger keeps the pending record); cancelling `query` still sends CLOSE.
+
+WARNING: `_Connection.mark_dead` must wake every waiter kind that `_Connection` keeps
+(OK waiters, subscriptions, the challenge event); a waiter added without it there would
+hang until its timeout after a drop.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Union, cast
+
+import trio
+import trio_websocket
+
+from daemon.log import log_event
+from daemon.relay_protocol import (
+    AuthChallenge,
+    Closed,
+    EndOfStoredEvents,
+    EventMessage,
+    Notice,
+    Ok,
+    Prefix,
+    RelayMessage,
+    RelayProtocolError,
+    RelayUrl,
+    check_relay_url,
+    encode_auth,
+    encode_close,
+    encode_event,
+    encode_req,
+    parse_relay_message,
+    subscription_id,
+)
+
+__all__ = [
+    "Accepted",
+    "AuthSigner",
+    "NotSent",
+    "PublishResult",
+    "Rejected",
+    "RelayError",
+    "RelayPool",
+    "RelayRefused",
+    "RelayTimeouts",
+    "RelayUnavailable",
+    "Unknown",
+]
+
+_logger = logging.getLogger("buzz_broker.relay")
+
+#: Largest frame we accept: Buzz's relay sends frames up to 512 KiB; twice that is room
+#: for a relay with a larger cap without letting one frame take unbounded memory.
+MAX_FRAME_BYTES = 1024 * 1024
+#: Most events one query collects before the relay is treated as broken: Buzz caps a
+#: filter at 500 results, and the read path never sends more than a few filters.
+MAX_EVENTS_PER_QUERY = 5_000
+#: Frames buffered between trio-websocket's reader and ours; a burst of EVENTs should
+#: not stall the socket reader on every frame.
+_MESSAGE_QUEUE = 64
+#: How long a best-effort CLOSE or WebSocket close may take during cleanup.
+_CLEANUP_SECONDS = 1.0
+
+#: auth_signer(agent_pubkey, relay_url, challenge, created_at) -> signed kind-22242 event.
+AuthSigner = Callable[[str, str, str, int], Awaitable[Mapping[str, Any]]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RelayTimeouts:
+    """Every deadline the pool applies, in seconds (defaults match the config's)."""
+
+    #: TCP + TLS + WebSocket handshake for a new connection.
+    connect: float = 5.0
+    #: from sending EVENT (or AUTH) to its OK.
+    ok: float = 10.0
+    #: from sending REQ to EOSE (or CLOSED).
+    eose: float = 10.0
+    #: a connection unused this long is closed.
+    idle_seconds: float = 300.0
+    #: first reconnect delay after a failed connect; doubles per failure ...
+    backoff_initial: float = 0.25
+    #: ... up to this.
+    backoff_max: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("connect", "ok", "eose", "idle_seconds", "backoff_initial", "backoff_max"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"RelayTimeouts.{name} must be a positive number of seconds")
+        if self.backoff_max < self.backoff_initial:
+            raise ValueError("RelayTimeouts.backoff_max must be >= backoff_initial")
+
+
+# --- results ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Accepted:
+    """OK true. ``duplicate``: the relay already had the event (a safe retry)."""
+
+    duplicate: bool
+    message: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rejected:
+    """OK false: the relay refused the event; ``reason`` is its message, prefix included."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NotSent:
+    """The event never left: relay unreachable, or AUTH failed before sending."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Unknown:
+    """The event left, and no OK came back in time (or the connection dropped)."""
+
+    reason: str
+
+
+PublishResult = Union[Accepted, Rejected, NotSent, Unknown]
+
+
+class RelayError(Exception):
+    """Remote error from a query; ``reason`` is operator text (may quote the relay)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class RelayUnavailable(RelayError):
+    """Unreachable, dropped, timed out, or broke the protocol: a retry may succeed."""
+
+
+class RelayRefused(RelayError):
+    """The relay answered and refused (CLOSED restricted:, AUTH refused, ...)."""
+
+
+class _Unreachable(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _AuthFailed(Exception):
+    """AUTH did not succeed. ``refused``: the relay said no (vs. no answer / no challenge)."""
+
+    def __init__(self, reason: str, *, refused: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.refused = refused
+
+
+# --- the socket ---------------------------------------------------------------------
+
+
+class _QuickAckStream(trio.abc.HalfCloseableStream):
+    """A SocketStream that re-arms TCP_QUICKACK after every read (Linux; see module doc)."""
+
+    def __init__(self, inner: trio.SocketStream, quickack: bool) -> None:
+        self._inner = inner
+        self._quickack = quickack and hasattr(socket, "TCP_QUICKACK")
+        inner.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._rearm()
+
+    def _rearm(self) -> None:
+        if self._quickack:
+            try:
+                self._inner.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+            except OSError:
+                # The socket is closing; the next read will report it.
+                pass
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self._inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._inner.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self._inner.send_eof()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        data = await self._inner.receive_some(max_bytes)
+        self._rearm()
+        return bytes(data)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+# --- one connection -------------------------------------------------------------------
+
+
+class _OkWaiter:
+    __slots__ = ("done", "ok", "dropped")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.ok: Ok | None = None
+        self.dropped = False
+
+
+class _Subscription:
+    __slots__ = ("done", "events", "closed", "dropped", "overflow")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.events: list[dict[str, Any]] = []
+        self.closed: str | None = None
+        self.dropped = False
+        self.overflow = False
+
+
+class _Connection:
+    """One WebSocket to the relay, used by one agent. State only; the pool drives it."""
+
+    def __init__(self, agent: str) -> None:
+        self.agent = agent
+        self.ws: trio_websocket.WebSocketConnection | None = None
+        self.scope: trio.CancelScope | None = None
+        self.alive = False
+        self.challenge: str | None = None
+        self.challenge_seen = trio.Event()
+        self.authenticated = False
+        #: bumped by every successful AUTH; a refusal of something sent under an older
+        #: generation is answered by resending, not by authenticating again.
+        self.auth_generation = 0
+        self.auth_lock = trio.Lock()
+        self.ok_waiters: dict[str, list[_OkWaiter]] = {}
+        self.subscriptions: dict[str, _Subscription] = {}
+        self.sub_counter = 0
+        self.in_use = 0
+        self.last_used = trio.current_time()
+
+    # waiters ------------------------------------------------------------------------
+
+    def expect_ok(self, event_id: str) -> _OkWaiter:
+        waiter = _OkWaiter()
+        if not self.alive:
+            waiter.dropped = True
+            waiter.done.set()
+        self.ok_waiters.setdefault(event_id, []).append(waiter)
+        return waiter
+
+    def forget_ok(self, event_id: str, waiter: _OkWaiter) -> None:
+        waiters = self.ok_waiters.get(event_id)
+        if waiters is not None and waiter in waiters:
+            waiters.remove(waiter)
+            if not waiters:
+                del self.ok_waiters[event_id]
+
+    def open_subscription(self) -> tuple[str, _Subscription]:
+        sub_id = subscription_id(self.sub_counter)
+        self.sub_counter += 1
+        sub = _Subscription()
+        if not self.alive:
+            sub.dropped = True
+            sub.done.set()
+        self.subscriptions[sub_id] = sub
+        return sub_id, sub
+
+    def mark_dead(self) -> None:
+        self.alive = False
+        for waiters in self.ok_waiters.values():
+            for waiter in waiters:
+                waiter.dropped = True
+                waiter.done.set()
+        for sub in self.subscriptions.values():
+            sub.dropped = True
+            sub.done.set()
+        # Wakes an AUTH waiting for a challenge; it then sees the connection is dead.
+        self.challenge_seen.set()
+
+    # incoming ------------------------------------------------------------------------
+
+    def dispatch(self, msg: RelayMessage) -> None:
+        """Apply one relay message to the waiters (one `match`, one arm per verb)."""
+        match msg:
+            case Ok(event_id=event_id):
+                for waiter in self.ok_waiters.pop(event_id, []):
+                    waiter.ok = msg
+                    waiter.done.set()
+            case EventMessage(subscription_id=sub_id, event=event):
+                sub = self.subscriptions.get(sub_id)
+                if sub is not None and not sub.done.is_set():
+                    if len(sub.events) >= MAX_EVENTS_PER_QUERY:
+                        sub.overflow = True
+                        sub.done.set()
+                    else:
+                        sub.events.append(event)
+            case EndOfStoredEvents(subscription_id=sub_id):
+                sub = self.subscriptions.get(sub_id)
+                if sub is not None:
+                    sub.done.set()
+            case Closed(subscription_id=sub_id, message=message):
+                sub = self.subscriptions.get(sub_id)
+                if sub is not None and not sub.done.is_set():
+                    sub.closed = message
+                    sub.done.set()
+            case AuthChallenge(challenge=challenge):
+                # A new challenge supersedes the old; NIP-42 says the latest is valid.
+                self.challenge = challenge
+                self.challenge_seen.set()
+            case Notice(message=message):
+                log_event(_logger, "relay_notice", agent=self.agent, notice=message[:200])
+
+    async def send(self, text: str) -> None:
+        if self.ws is None or not self.alive:
+            raise trio_websocket.ConnectionClosed(None)
+        await self.ws.send_message(text)
+
+
+# --- the pool -------------------------------------------------------------------------
+
+
+class RelayPool:
+    """Connections to one relay, one per agent, for publishing and querying.
+
+    Args:
+        url: ``wss://host[:port][/path]``, or ``ws://`` to a loopback host. Used exactly as
+            written in every AUTH event's ``relay`` tag.
+        auth_signer: ``await auth_signer(agent, url, challenge, created_at)`` returns the
+            agent's signed kind-22242 event as a dict (custody signs it).
+        timeouts: every deadline; see `RelayTimeouts`.
+        tcp_quickack: re-arm TCP_QUICKACK after reads (see the module docstring).
+
+    Raises:
+        ValueError: a URL the transport rule refuses, or a signer that is not callable.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        auth_signer: AuthSigner,
+        *,
+        timeouts: RelayTimeouts = RelayTimeouts(),
+        tcp_quickack: bool = True,
+    ) -> None:
+        self._url: RelayUrl = check_relay_url(url)
+        if not callable(auth_signer):
+            raise ValueError("auth_signer must be an async callable")
+        self._auth_signer = auth_signer
+        self._timeouts = timeouts
+        self._quickack = tcp_quickack
+        self._nursery: trio.Nursery | None = None
+        self._connections: dict[str, _Connection] = {}
+        self._connect_locks: dict[str, trio.Lock] = {}
+        self._failures = 0
+        self._retry_at = 0.0
+        self._ssl = ssl.create_default_context() if self._url.secure else None
+
+    @property
+    def url(self) -> str:
+        return self._url.text
+
+    # lifecycle ------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the connection tasks until cancelled; `started()` once requests may come.
+
+        Resource handling: on exit every connection is closed (a WebSocket close, bounded).
+        """
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._close_idle)
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+            for conn in self._connections.values():
+                conn.mark_dead()
+            self._connections.clear()
+
+    def _require_running(self) -> trio.Nursery:
+        if self._nursery is None:
+            raise RuntimeError("RelayPool.run() is not running")
+        return self._nursery
+
+    async def _close_idle(self) -> None:
+        period = min(self._timeouts.idle_seconds / 2, 30.0)
+        while True:
+            await trio.sleep(period)
+            now = trio.current_time()
+            for conn in list(self._connections.values()):
+                if conn.in_use == 0 and now - conn.last_used >= self._timeouts.idle_seconds:
+                    log_event(_logger, "relay_idle_close", agent=conn.agent)
+                    self._drop(conn)
+
+    def _drop(self, conn: _Connection) -> None:
+        conn.mark_dead()
+        if self._connections.get(conn.agent) is conn:
+            del self._connections[conn.agent]
+        if conn.scope is not None:
+            conn.scope.cancel()
+
+    # connecting -------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def _use(self, agent: str) -> AsyncIterator[_Connection]:
+        conn = await self._connection(agent)
+        conn.in_use += 1
+        try:
+            yield conn
+        finally:
+            conn.in_use -= 1
+            conn.last_used = trio.current_time()
+
+    async def _connection(self, agent: str) -> _Connection:
+        nursery = self._require_running()
+        conn = self._connections.get(agent)
+        if conn is not None and conn.alive:
+            return conn
+        lock = self._connect_locks.setdefault(agent, trio.Lock())
+        async with lock:
+            conn = self._connections.get(agent)
+            if conn is not None and conn.alive:
+                return conn
+            wait = self._retry_at - trio.current_time()
+            if wait > self._timeouts.connect:
+                raise _Unreachable(f"relay unreachable; next attempt in {wait:.1f}s")
+            if wait > 0:
+                await trio.sleep(wait)
+            conn = _Connection(agent)
+            try:
+                with trio.fail_after(self._timeouts.connect):
+                    await nursery.start(self._serve_connection, conn)
+            except trio.TooSlowError:
+                self._connect_failed(agent, f"no connection within {self._timeouts.connect}s")
+            except (OSError, trio.BrokenResourceError, trio_websocket.HandshakeError) as exc:
+                self._connect_failed(agent, f"cannot connect: {type(exc).__name__}: {exc}")
+            self._failures = 0
+            self._retry_at = 0.0
+            self._connections[agent] = conn
+            log_event(_logger, "relay_connected", agent=agent, url=self._url.text)
+            return conn
+
+    def _connect_failed(self, agent: str, reason: str) -> None:
+        delay = min(
+            self._timeouts.backoff_max, self._timeouts.backoff_initial * 2**self._failures
+        )
+        self._failures += 1
+        self._retry_at = trio.current_time() + delay
+        log_event(
+            _logger, "relay_connect_failed", level=logging.WARNING,
+            agent=agent, url=self._url.text, reason=reason, retry_in=round(delay, 3),
+        )
+        raise _Unreachable(reason)
+
+    async def _open_stream(self) -> trio.abc.HalfCloseableStream:
+        raw = await trio.open_tcp_stream(self._url.host, self._url.port)
+        stream: trio.abc.HalfCloseableStream = _QuickAckStream(raw, self._quickack)
+        if self._ssl is not None:
+            tls = trio.SSLStream(stream, self._ssl, server_hostname=self._url.host)
+            try:
+                await tls.do_handshake()
+            except BaseException:
+                await trio.aclose_forcefully(tls)
+                raise
+            return cast(trio.abc.HalfCloseableStream, tls)
+        return stream
+
+    async def _serve_connection(
+        self, conn: _Connection, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """One connection's life: connect, hand it over, read until it ends, clean up."""
+        stream = await self._open_stream()
+        reason = "closed"
+        try:
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    ws = await trio_websocket.wrap_client_stream(
+                        nursery,
+                        # trio-websocket only needs the Stream methods; the wrapper keeps
+                        # the QUICKACK re-arm under its reads.
+                        cast(trio.SocketStream, stream),
+                        self._url.host_header,
+                        self._url.resource,
+                        message_queue_size=_MESSAGE_QUEUE,
+                        max_message_size=MAX_FRAME_BYTES,
+                    )
+                    conn.ws, conn.scope, conn.alive = ws, scope, True
+                    task_status.started()
+                    reason = await self._read(conn, ws)
+                    nursery.cancel_scope.cancel()
+            if scope.cancelled_caught:
+                reason = "closed by the pool"
+        finally:
+            conn.mark_dead()
+            if self._connections.get(conn.agent) is conn:
+                del self._connections[conn.agent]
+            with trio.CancelScope(shield=True), trio.move_on_after(_CLEANUP_SECONDS):
+                if conn.ws is not None:
+                    await conn.ws.aclose()
+                await stream.aclose()
+            if conn.ws is not None:
+                log_event(_logger, "relay_disconnected", agent=conn.agent, reason=reason)
+
+    async def _read(self, conn: _Connection, ws: trio_websocket.WebSocketConnection) -> str:
+        while True:
+            try:
+                frame = await ws.get_message()
+            except trio_websocket.ConnectionClosed as exc:
+                return f"connection closed ({exc.reason.code if exc.reason else 'no close frame'})"
+            try:
+                msg = parse_relay_message(frame)
+            except RelayProtocolError as exc:
+                log_event(
+                    _logger, "relay_protocol_error", level=logging.WARNING,
+                    agent=conn.agent, code=exc.code, detail=exc.detail[:200],
+                )
+                return f"protocol error ({exc.code})"
+            conn.dispatch(msg)
+
+    # AUTH -------------------------------------------------------------------------------
+
+    async def _authenticate(self, conn: _Connection, seen_generation: int) -> None:
+        """Make `conn` authenticated as its agent (NIP-42).
+
+        Does nothing when someone else authenticated since `seen_generation` was read.
+        Waits up to ``timeouts.ok`` for a challenge if none came yet.
+
+        Raises:
+            _AuthFailed: no challenge, no OK, a dropped connection, or the relay said no.
+        """
+        async with conn.auth_lock:
+            if conn.auth_generation != seen_generation and conn.authenticated:
+                return
+            conn.authenticated = False
+            with trio.move_on_after(self._timeouts.ok):
+                await conn.challenge_seen.wait()
+            if not conn.alive:
+                raise _AuthFailed("connection dropped before AUTH", refused=False)
+            if conn.challenge is None:
+                raise _AuthFailed("the relay sent no AUTH challenge", refused=False)
+            try:
+                auth_event = dict(
+                    await self._auth_signer(conn.agent, self._url.text, conn.challenge, int(time.time()))
+                )
+                frame = encode_auth(auth_event)
+                event_id = str(auth_event["id"])
+            except (KeyError, ValueError, TypeError) as exc:
+                raise _AuthFailed(f"AUTH event unusable: {type(exc).__name__}", refused=False) from None
+            waiter = conn.expect_ok(event_id)
+            try:
+                try:
+                    await conn.send(frame)
+                except (trio_websocket.ConnectionClosed, trio.BrokenResourceError):
+                    raise _AuthFailed("connection dropped while sending AUTH", refused=False) from None
+                with trio.move_on_after(self._timeouts.ok):
+                    await waiter.done.wait()
+            finally:
+                conn.forget_ok(event_id, waiter)
+            if waiter.ok is None:
+                why = "connection dropped" if waiter.dropped else f"no OK within {self._timeouts.ok}s"
+                raise _AuthFailed(f"AUTH unanswered: {why}", refused=False)
+            if not waiter.ok.accepted:
+                log_event(
+                    _logger, "relay_auth_refused", level=logging.WARNING,
+                    agent=conn.agent, reason=waiter.ok.message[:200],
+                )
+                raise _AuthFailed(f"AUTH refused: {waiter.ok.message}", refused=True)
+            conn.authenticated = True
+            conn.auth_generation += 1
+            log_event(_logger, "relay_authenticated", agent=conn.agent)
+
+    async def _auth_if_challenged(self, conn: _Connection) -> None:
+        # A challenge sent at connect (Buzz) is answered before we send anything, which
+        # saves the refused round trip.
+        if conn.challenge is not None and not conn.authenticated:
+            await self._authenticate(conn, conn.auth_generation)
+
+    # publishing -------------------------------------------------------------------------
+
+    async def publish(self, agent: str, event: Mapping[str, Any]) -> PublishResult:
+        """Send one signed event as `agent` and report what the relay did with it.
+
+        Args:
+            agent: the pubkey whose connection (and AUTH) carries the event.
+            event: the signed event, sent exactly as given (a retry sends the same bytes).
+
+        Returns:
+            Accepted | Rejected | NotSent | Unknown (see the module docstring's mapping).
+
+        Raises:
+            ValueError: `event` has no 64-hex ``id`` (our bug). RuntimeError: pool not running.
+        """
+        event_id = event.get("id") if isinstance(event, Mapping) else None
+        if not isinstance(event_id, str) or len(event_id) != 64:
+            raise ValueError("publish needs a signed event with a 64-hex id")
+        frame = encode_event(event)
+        try:
+            async with self._use(agent) as conn:
+                return await self._publish_on(conn, event_id, frame)
+        except _Unreachable as exc:
+            return NotSent(reason=exc.reason)
+
+    async def _publish_on(self, conn: _Connection, event_id: str, frame: str) -> PublishResult:
+        refused_first: str | None = None
+        for _attempt in range(2):
+            try:
+                await self._auth_if_challenged(conn)
+            except _AuthFailed as exc:
+                if refused_first is not None:
+                    return Rejected(reason=f"{refused_first} ({exc.reason})")
+                return NotSent(reason=exc.reason)
+            generation = conn.auth_generation
+            if not conn.alive:
+                if refused_first is not None:
+                    return Rejected(reason=f"{refused_first} (connection dropped before resending)")
+                return NotSent(reason="connection closed before sending")
+            waiter = conn.expect_ok(event_id)
+            try:
+                try:
+                    await conn.send(frame)
+                except (trio_websocket.ConnectionClosed, trio.BrokenResourceError):
+                    # Part of the frame may have left: the relay might have it.
+                    return Unknown(reason="connection dropped while sending")
+                with trio.move_on_after(self._timeouts.ok):
+                    await waiter.done.wait()
+            finally:
+                conn.forget_ok(event_id, waiter)
+            ok = waiter.ok
+            if ok is None:
+                if waiter.dropped:
+                    return Unknown(reason="connection dropped before OK")
+                return Unknown(reason=f"no OK within {self._timeouts.ok}s")
+            if ok.accepted:
+                return Accepted(duplicate=ok.prefix is Prefix.DUPLICATE, message=ok.message)
+            if ok.prefix is Prefix.AUTH_REQUIRED and refused_first is None:
+                refused_first = ok.message
+                try:
+                    await self._authenticate(conn, generation)
+                except _AuthFailed as exc:
+                    return Rejected(reason=f"{ok.message} ({exc.reason})")
+                continue
+            return Rejected(reason=ok.message)
+        raise AssertionError("unreachable: the second attempt always returns")  # pragma: no cover
+
+    # reading ----------------------------------------------------------------------------
+
+    async def query(self, agent: str, filters: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """Stored events matching `filters`, read as `agent`, until EOSE.
+
+        Returns:
+            The events in the order the relay sent them, each the dict it sent.
+
+        Raises:
+            RelayUnavailable: unreachable, dropped, no EOSE in time, protocol broken.
+            RelayRefused: CLOSED (``restricted:`` or a second ``auth-required:``), AUTH refused.
+            ValueError: no filters, or a filter that is not a mapping (our bug).
+            RuntimeError: the pool is not running.
+        """
+        if not filters or not all(isinstance(f, Mapping) for f in filters):
+            raise ValueError("query needs at least one filter, each a mapping")
+        try:
+            async with self._use(agent) as conn:
+                return await self._query_on(conn, filters)
+        except _Unreachable as exc:
+            raise RelayUnavailable(exc.reason) from None
+
+    async def _query_on(
+        self, conn: _Connection, filters: Sequence[Mapping[str, Any]]
+    ) -> list[dict[str, Any]]:
+        for attempt in range(2):
+            try:
+                await self._auth_if_challenged(conn)
+            except _AuthFailed as exc:
+                raise (RelayRefused if exc.refused else RelayUnavailable)(exc.reason) from None
+            generation = conn.auth_generation
+            sub_id, sub = conn.open_subscription()
+            try:
+                try:
+                    await conn.send(encode_req(sub_id, filters))
+                except (trio_websocket.ConnectionClosed, trio.BrokenResourceError):
+                    raise RelayUnavailable("connection dropped while sending REQ") from None
+                with trio.move_on_after(self._timeouts.eose):
+                    await sub.done.wait()
+                if not sub.done.is_set():
+                    raise RelayUnavailable(f"no EOSE within {self._timeouts.eose}s")
+            finally:
+                await self._close_subscription(conn, sub_id)
+            if sub.dropped:
+                raise RelayUnavailable("connection dropped before EOSE")
+            if sub.overflow:
+                raise RelayUnavailable(f"relay sent more than {MAX_EVENTS_PER_QUERY} events")
+            if sub.closed is None:
+                return sub.events
+            closed = Closed(subscription_id=sub_id, message=sub.closed)
+            if closed.prefix is Prefix.AUTH_REQUIRED and attempt == 0:
+                try:
+                    await self._authenticate(conn, generation)
+                except _AuthFailed as exc:
+                    raise (RelayRefused if exc.refused else RelayUnavailable)(
+                        f"{closed.message} ({exc.reason})"
+                    ) from None
+                continue
+            raise RelayRefused(closed.message)
+        raise AssertionError("unreachable: the second attempt always returns")  # pragma: no cover
+
+    async def _close_subscription(self, conn: _Connection, sub_id: str) -> None:
+        # NIP-01: always CLOSE, also after CLOSED/timeout/cancel; bounded and shielded so a
+        # cancelled caller still frees the relay's subscription slot.
+        conn.subscriptions.pop(sub_id, None)
+        if not conn.alive:
+            return
+        with trio.CancelScope(shield=True), trio.move_on_after(_CLEANUP_SECONDS):
+            try:
+                await conn.send(encode_close(sub_id))
+            except (trio_websocket.ConnectionClosed, trio.BrokenResourceError):
+                pass

@@ -1,0 +1,71 @@
+"""RelayPool against a real relay: nostr-sdk's LocalRelay with NIP-42 AUTH required.
+
+LocalRelay sends its AUTH challenge only after refusing something (``auth-required:``),
+so every first publish/query here goes through "refused, authenticate, resend once".
+"""
+
+from __future__ import annotations
+
+import trio
+
+from daemon.relay import Accepted, RelayPool, RelayTimeouts
+from tests.fixtures.relay import TestKey, auth_signer_for, nostr_fetch, nostr_verify
+
+# Generous: LocalRelay on a shared 2-core machine; these are ceilings, not latencies.
+TIMEOUTS = RelayTimeouts(connect=10, ok=10, eose=10, idle_seconds=60)
+
+
+async def test_publish_duplicate_query_and_independent_read(local_relay: str) -> None:
+    alice = TestKey()
+    pool = RelayPool(local_relay, auth_signer_for(alice), timeouts=TIMEOUTS)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        event = alice.sign(1, "hello from the broker ✓", [["t", "relay-test"]])
+
+        first = await pool.publish(alice.pubkey, event)
+        assert first == Accepted(duplicate=False, message=first.message)  # type: ignore[union-attr]
+
+        again = await pool.publish(alice.pubkey, event)
+        assert isinstance(again, Accepted) and again.duplicate
+
+        got = await pool.query(alice.pubkey, [{"ids": [event["id"]]}])
+        assert got == [event]
+        nursery.cancel_scope.cancel()
+
+    # An independent client (nostr-sdk, its own keys and AUTH) sees the same bytes.
+    seen = await trio.to_thread.run_sync(nostr_fetch, local_relay, [{"ids": [event["id"]]}])
+    assert seen == [event]
+    assert nostr_verify(seen[0])
+
+
+async def test_two_agents_share_a_pool(local_relay: str) -> None:
+    alice, bob = TestKey(), TestKey()
+    pool = RelayPool(local_relay, auth_signer_for(alice, bob), timeouts=TIMEOUTS)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        events = {k.pubkey: [k.sign(1, f"{k.pubkey[:8]} #{i}") for i in range(5)] for k in (alice, bob)}
+        results: dict[str, list[object]] = {alice.pubkey: [], bob.pubkey: []}
+
+        async def post_all(agent: str) -> None:
+            async with trio.open_nursery() as inner:  # concurrent on one connection
+                for ev in events[agent]:
+                    async def one(ev: dict[str, object] = ev) -> None:
+                        results[agent].append(await pool.publish(agent, ev))
+                    inner.start_soon(one)
+
+        async with trio.open_nursery() as both:
+            both.start_soon(post_all, alice.pubkey)
+            both.start_soon(post_all, bob.pubkey)
+
+        for agent in (alice.pubkey, bob.pubkey):
+            assert len(results[agent]) == 5
+            assert all(isinstance(r, Accepted) and not r.duplicate for r in results[agent])
+
+        got = await pool.query(bob.pubkey, [{"authors": [alice.pubkey], "kinds": [1]}])
+        assert sorted(e["id"] for e in got) == sorted(e["id"] for e in events[alice.pubkey])
+        nursery.cancel_scope.cancel()
+
+    seen = await trio.to_thread.run_sync(
+        nostr_fetch, local_relay, [{"authors": [alice.pubkey, bob.pubkey]}]
+    )
+    assert len(seen) == 10 and all(nostr_verify(e) for e in seen)

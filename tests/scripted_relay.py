@@ -1,0 +1,211 @@
+"""A scripted relay for fault tests: a tiny NIP-01/NIP-42 relay whose answers follow a Script.
+
+It speaks just enough of NIP-01 to drive the broker's relay client into every fault the
+spec names: OK true / false / ``duplicate:``, no OK at all, a connection dropped right
+after an EVENT, CLOSED ``auth-required:`` / ``restricted:``, a REQ that never sees EOSE,
+and AUTH either at connect or only after a refusal. It stores accepted events in memory
+and answers a REQ with every stored event (filters are not interpreted: the fault tests
+only need "what was stored comes back").
+
+It checks AUTH events for real (kind 22242, id, BIP-340 signature, ``challenge`` tag, and
+a ``relay`` tag equal to ``expected_relay_tag``, which is the URL it serves unless the
+script says otherwise), because a client that signs a wrong AUTH must fail here as it
+would on Buzz. Everything it receives is recorded in ``received`` (per connection) so a
+test can assert what the client sent (e.g. that CLOSE always follows a REQ).
+
+Not a relay for anything but tests: no persistence, no filters, no limits.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+import coincurve
+import trio
+import trio_websocket
+
+
+class EventReply(enum.Enum):
+    """What the relay does with one EVENT."""
+
+    ACCEPT = "accept"  #: store it; OK true "" (or duplicate: if already stored)
+    DUPLICATE = "duplicate"  #: OK true "duplicate: ..." whether or not stored
+    REJECT = "reject"  #: OK false with Script.reject_reason
+    SILENT = "silent"  #: no OK at all
+    DROP = "drop"  #: close the TCP connection at once, no OK
+
+
+class ReqReply(enum.Enum):
+    """What the relay does with one REQ."""
+
+    EOSE = "eose"  #: every stored event, then EOSE
+    NEVER_EOSE = "never_eose"  #: every stored event, and then nothing
+    RESTRICTED = "restricted"  #: CLOSED "restricted: ..."
+    DROP = "drop"  #: close the connection
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Script:
+    """The relay's behaviour. ``events``/``reqs`` are consumed one per message across
+    the relay's life; when exhausted, ``default_event``/``default_req`` apply."""
+
+    challenge_at_connect: bool = False
+    require_auth: bool = False
+    accept_auth: bool = True
+    events: tuple[EventReply, ...] = ()
+    default_event: EventReply = EventReply.ACCEPT
+    reqs: tuple[ReqReply, ...] = ()
+    default_req: ReqReply = ReqReply.EOSE
+    reject_reason: str = "invalid: scripted refusal"
+    expected_relay_tag: str | None = None
+
+
+def _event_id(ev: dict[str, Any]) -> str:
+    serial = json.dumps(
+        [0, ev["pubkey"], ev["created_at"], ev["kind"], ev["tags"], ev["content"]],
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
+    return hashlib.sha256(serial.encode("utf-8")).hexdigest()
+
+
+def verify_event(ev: dict[str, Any]) -> bool:
+    """NIP-01 id and BIP-340 signature, with coincurve (independent of custody)."""
+    try:
+        if _event_id(ev) != ev["id"]:
+            return False
+        pub = coincurve.PublicKeyXOnly(bytes.fromhex(ev["pubkey"]))
+        return bool(pub.verify(bytes.fromhex(ev["sig"]), bytes.fromhex(ev["id"])))
+    except (KeyError, ValueError, TypeError):
+        return False
+
+
+@dataclass
+class ConnectionLog:
+    """What one client connection sent, and which pubkeys it authenticated as."""
+
+    received: list[list[Any]] = field(default_factory=list)
+    authed: set[str] = field(default_factory=set)
+
+
+class ScriptedRelay:
+    """Run with ``await nursery.start(relay.serve, port)``; ``url`` is set once started."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.url = ""
+        self.stored: dict[str, dict[str, Any]] = {}
+        self.connections: list[ConnectionLog] = []
+        self._events = list(script.events)
+        self._reqs = list(script.reqs)
+
+    def _next_event(self) -> EventReply:
+        return self._events.pop(0) if self._events else self.script.default_event
+
+    def _next_req(self) -> ReqReply:
+        return self._reqs.pop(0) if self._reqs else self.script.default_req
+
+    @property
+    def received(self) -> list[list[Any]]:
+        """Every message from every connection, in connection order."""
+        return [m for c in self.connections for m in c.received]
+
+    async def serve(
+        self, port: int, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Listen on 127.0.0.1:`port` until cancelled; started once listening."""
+        self.url = f"ws://127.0.0.1:{port}"
+        await trio_websocket.serve_websocket(
+            self._handle, "127.0.0.1", port, None, task_status=task_status
+        )
+
+    async def _handle(self, request: trio_websocket.WebSocketRequest) -> None:
+        ws = await request.accept()
+        log = ConnectionLog()
+        self.connections.append(log)
+        challenge = secrets.token_hex(16)
+        challenge_sent = False
+        if self.script.challenge_at_connect:
+            await ws.send_message(json.dumps(["AUTH", challenge]))
+            challenge_sent = True
+        try:
+            while True:
+                msg = json.loads(await ws.get_message())
+                log.received.append(msg)
+                verb = msg[0]
+                needs_auth = self.script.require_auth and not log.authed
+                if verb == "AUTH":
+                    ev = msg[1]
+                    tags = {t[0]: t[1] for t in ev.get("tags", []) if len(t) >= 2}
+                    relay_tag = self.script.expected_relay_tag or self.url
+                    ok = (
+                        self.script.accept_auth
+                        and ev.get("kind") == 22242
+                        and verify_event(ev)
+                        and challenge_sent
+                        and tags.get("challenge") == challenge
+                        and tags.get("relay") == relay_tag
+                    )
+                    if ok:
+                        log.authed.add(ev["pubkey"])
+                        await ws.send_message(json.dumps(["OK", ev["id"], True, ""]))
+                    else:
+                        await ws.send_message(
+                            json.dumps(["OK", ev["id"], False, "auth-required: bad AUTH"])
+                        )
+                elif verb == "EVENT":
+                    ev = msg[1]
+                    if needs_auth:
+                        if not challenge_sent:
+                            await ws.send_message(json.dumps(["AUTH", challenge]))
+                            challenge_sent = True
+                        await ws.send_message(
+                            json.dumps(["OK", ev["id"], False, "auth-required: authenticate first"])
+                        )
+                        continue
+                    reply = self._next_event()
+                    if reply is EventReply.DROP:
+                        return
+                    if reply is EventReply.SILENT:
+                        continue
+                    if reply is EventReply.REJECT:
+                        answer = ["OK", ev["id"], False, self.script.reject_reason]
+                    elif reply is EventReply.DUPLICATE or ev["id"] in self.stored:
+                        answer = ["OK", ev["id"], True, "duplicate: already have this event"]
+                    else:
+                        self.stored[ev["id"]] = ev
+                        answer = ["OK", ev["id"], True, ""]
+                    await ws.send_message(json.dumps(answer))
+                elif verb == "REQ":
+                    sub_id = msg[1]
+                    if needs_auth:
+                        if not challenge_sent:
+                            await ws.send_message(json.dumps(["AUTH", challenge]))
+                            challenge_sent = True
+                        await ws.send_message(
+                            json.dumps(["CLOSED", sub_id, "auth-required: authenticate first"])
+                        )
+                        continue
+                    req = self._next_req()
+                    if req is ReqReply.DROP:
+                        return
+                    if req is ReqReply.RESTRICTED:
+                        await ws.send_message(
+                            json.dumps(["CLOSED", sub_id, "restricted: not a member"])
+                        )
+                        continue
+                    for ev in list(self.stored.values()):
+                        await ws.send_message(json.dumps(["EVENT", sub_id, ev]))
+                    if req is ReqReply.EOSE:
+                        await ws.send_message(json.dumps(["EOSE", sub_id]))
+                # CLOSE and anything else: recorded, no answer.
+        except trio_websocket.ConnectionClosed:
+            return
+        finally:
+            # DROP: end the TCP connection without a close handshake.
+            await trio.aclose_forcefully(ws._stream)
