@@ -1,0 +1,409 @@
+"""Operational metrics: a small registry the broker owns, and a Prometheus admin socket.
+
+Rules:
+- No globals. The broker creates one `Metrics` and passes it where figures are made;
+  tests create their own. Nothing here is registered at import time.
+- Only figures, never content: label values are action names, statuses, error codes and
+  relay/token operation names. No pubkey, requestId, credential, argument or secret is
+  ever a label (that is also what keeps the number of series bounded).
+- Bounded cardinality: an action the contract does not know (an agent can send any
+  string) is counted as "other", and every family holds at most `MAX_SERIES` label sets;
+  later new sets fold into one all-"other" set rather than growing memory.
+- Not thread-safe by design: every update happens on the trio event-loop thread (the
+  token worker's latency is measured around the `to_thread` hop, on the loop thread).
+- `render()` is a pure function of the registry: Prometheus text exposition format 0.0.4.
+
+Theory of operation: a family is a name, help text, type and a dict from label tuple to
+a value (counter/gauge: a float; histogram: per-bucket counts, sum, count). Rendering
+walks the families in the fixed order they are declared in `Metrics.__init__`, and each
+family's series in sorted label order, so output is deterministic.
+
+`serve_metrics` answers `GET /metrics` on its own Unix socket (mode 0600: only the
+service user and root read it), one request per connection, with h11 on trio. It is off
+unless `[metrics] socket` is configured.
+
+WARNING - kept in sync by hand: the metric names and labels below are listed in
+docs/install.md ("Metrics"); dashboards depend on them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import h11
+import trio
+
+__all__ = [
+    "Metrics",
+    "serve_metrics",
+    "REQUEST_BUCKETS",
+    "RELAY_BUCKETS",
+    "TOKEN_BUCKETS",
+    "CONTENT_TYPE",
+    "MAX_SERIES",
+]
+
+#: Request latency buckets, seconds. The floor is a refusal or a replay (h11 parse 23 µs
+#: plus one token hop ≈150 µs, measured in design.md); the middle is a relay round trip
+#: (a LAN relay answers in ~1 ms; nostr-sdk's LocalRelay stalls 40 ms on delayed ACK);
+#: the top is the relay timeouts (seconds). Fixed: changing them breaks rate() history.
+REQUEST_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+#: Relay round trips (EVENT→OK, REQ→EOSE, AUTH→OK): network-bound, 1 ms to the timeouts.
+RELAY_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+#: Token calls (one worker hop: unseal + sign + wipe). SoftHSM: ≈150 µs hop + 26 µs unseal
+#: + 41 µs sign (design.md); a network HSM answers in milliseconds; seconds = trouble.
+TOKEN_BUCKETS: tuple[float, ...] = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 2.0)
+
+#: The exposition format we speak (Prometheus text format 0.0.4).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: Label sets per family before new ones fold into "other" (9 actions × 3 statuses ×
+#: ~20 codes is far below this; it only stops a bug or an attacker from growing memory).
+MAX_SERIES = 512
+OTHER = "other"
+#: Statuses a request can end in; "none" = answered without an envelope (HTTP 400/413/…).
+STATUSES = frozenset({"succeeded", "failed", "indeterminate", "none"})
+
+_PREFIX = "buzz_broker_"
+
+Labels = tuple[str, ...]
+
+
+@dataclass
+class _Histogram:
+    """Per-bucket (non-cumulative) counts; cumulated only when rendered."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.bounds)
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:  # Prometheus buckets are "less than or equal" (le)
+                self.counts[i] += 1
+                break
+        self.total += value
+        self.count += 1
+
+
+@dataclass
+class _Family:
+    name: str
+    kind: str  # "counter" | "gauge" | "histogram"
+    help: str
+    label_names: tuple[str, ...]
+    buckets: tuple[float, ...] = ()
+    values: dict[Labels, float] = field(default_factory=dict)
+    histograms: dict[Labels, _Histogram] = field(default_factory=dict)
+
+    def _key(self, labels: Labels) -> Labels:
+        if len(labels) != len(self.label_names):
+            raise ValueError(f"{self.name}: expected labels {self.label_names}, got {len(labels)} values")
+        series = self.histograms if self.kind == "histogram" else self.values
+        if labels in series or len(series) < MAX_SERIES:
+            return labels
+        return tuple(OTHER for _ in labels)
+
+    def add(self, labels: Labels, amount: float) -> None:
+        key = self._key(labels)
+        self.values[key] = self.values.get(key, 0.0) + amount
+
+    def set(self, labels: Labels, value: float) -> None:
+        self.values[self._key(labels)] = value
+
+    def observe(self, labels: Labels, value: float) -> None:
+        key = self._key(labels)
+        hist = self.histograms.get(key)
+        if hist is None:
+            hist = self.histograms[key] = _Histogram(self.buckets)
+        hist.observe(value)
+
+
+def escape_label_value(value: str) -> str:
+    """Text format 0.0.4: backslash, double quote and line feed are escaped in label values."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _escape_help(text: str) -> str:
+    # HELP lines escape backslash and line feed only (quotes are literal there).
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def format_value(value: float) -> str:
+    """A sample value as Prometheus reads it: integers without a fraction, +Inf/-Inf/NaN."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if value == int(value) and abs(value) < 2**53:
+        return str(int(value))
+    return repr(value)
+
+
+def _labels_text(names: Sequence[str], values: Sequence[str]) -> str:
+    if not names:
+        return ""
+    inner = ",".join(f'{n}="{escape_label_value(v)}"' for n, v in zip(names, values))
+    return "{" + inner + "}"
+
+
+def _render_family(fam: _Family, out: list[str]) -> None:
+    out.append(f"# HELP {fam.name} {_escape_help(fam.help)}")
+    out.append(f"# TYPE {fam.name} {fam.kind}")
+    if fam.kind != "histogram":
+        for labels in sorted(fam.values):
+            out.append(f"{fam.name}{_labels_text(fam.label_names, labels)} {format_value(fam.values[labels])}")
+        return
+    names = (*fam.label_names, "le")
+    for labels in sorted(fam.histograms):
+        hist = fam.histograms[labels]
+        cumulative = 0
+        for bound, n in zip(hist.bounds, hist.counts):
+            cumulative += n
+            out.append(f"{fam.name}_bucket{_labels_text(names, (*labels, format_value(bound)))} {cumulative}")
+        # +Inf holds every observation, including those above the last bound.
+        out.append(f"{fam.name}_bucket{_labels_text(names, (*labels, '+Inf'))} {hist.count}")
+        out.append(f"{fam.name}_sum{_labels_text(fam.label_names, labels)} {format_value(hist.total)}")
+        out.append(f"{fam.name}_count{_labels_text(fam.label_names, labels)} {hist.count}")
+
+
+class Metrics:
+    """The broker's figures. One instance per broker; see the module docstring for rules.
+
+    Args:
+        actions: the action names the contract knows (`daemon.contract.ACTIONS`); any
+            other action string an agent sends is counted as "other".
+    """
+
+    def __init__(self, *, actions: Iterable[str]) -> None:
+        self._actions = frozenset(actions)
+        self._requests = _Family(
+            _PREFIX + "requests_total", "counter",
+            "Requests answered, by action, status and error code (code is empty on success).",
+            ("action", "status", "code"),
+        )
+        self._latency = _Family(
+            _PREFIX + "request_duration_seconds", "histogram",
+            "Time from a request's last byte to its answer, by action.",
+            ("action",), REQUEST_BUCKETS,
+        )
+        self._relay_total = _Family(
+            _PREFIX + "relay_round_trips_total", "counter",
+            "Relay round trips (publish, query, auth), by operation and result.",
+            ("op", "result"),
+        )
+        self._relay_latency = _Family(
+            _PREFIX + "relay_round_trip_seconds", "histogram",
+            "Relay round-trip time, by operation.",
+            ("op",), RELAY_BUCKETS,
+        )
+        self._token = _Family(
+            _PREFIX + "token_call_seconds", "histogram",
+            "PKCS#11 token calls (one worker hop each), by operation.",
+            ("op",), TOKEN_BUCKETS,
+        )
+        self._ledger = _Family(
+            _PREFIX + "ledger_size", "gauge", "Records in the idempotency ledger.", ()
+        )
+        self._connections = _Family(
+            _PREFIX + "open_connections", "gauge", "Agent connections open now.", ()
+        )
+        self._ledger.set((), 0)
+        self._connections.set((), 0)
+        self._families = (
+            self._requests, self._latency, self._relay_total, self._relay_latency,
+            self._token, self._ledger, self._connections,
+        )
+
+    def request(self, action: str | None, status: str | None, code: str | None, seconds: float) -> None:
+        """Count one answered request and observe its latency.
+
+        Args:
+            action: the wire action name, or None when the request was not correlated.
+            status: the envelope status wire string, or None for an answer without one.
+            code: the error code wire string, or None on success.
+            seconds: time from the request's last byte to the answer.
+        """
+        act = action if action in self._actions else ("" if action is None else OTHER)
+        st = status if status in STATUSES else ("none" if status is None else OTHER)
+        self._requests.add((act, st, code or ""), 1)
+        self._latency.observe((act,), max(0.0, seconds))
+
+    def relay_round_trip(self, op: str, result: str, seconds: float) -> None:
+        """One relay round trip: op = publish|query|auth; result = accepted|rejected|timeout|…"""
+        self._relay_total.add((op, result), 1)
+        self._relay_latency.observe((op,), max(0.0, seconds))
+
+    def token_call(self, op: str, seconds: float) -> None:
+        """One token worker hop (op = sign|sign_auth|mint|memory_address|…)."""
+        self._token.observe((op,), max(0.0, seconds))
+
+    def set_ledger_size(self, records: int) -> None:
+        self._ledger.set((), records)
+
+    def connection_opened(self) -> None:
+        self._connections.add((), 1)
+
+    def connection_closed(self) -> None:
+        self._connections.add((), -1)
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text exposition format 0.0.4 (UTF-8, ends in a newline)."""
+        out: list[str] = []
+        for fam in self._families:
+            _render_family(fam, out)
+        return ("\n".join(out) + "\n").encode("utf-8")
+
+
+# --- the admin socket -----------------------------------------------------------------
+
+#: Admin connections served at once; more are closed unanswered (a scraper needs one).
+MAX_ADMIN_CONNECTIONS = 4
+#: A scrape request is one short GET: bound its headers (h11's limit for incomplete events).
+MAX_ADMIN_REQUEST_BYTES = 8 * 1024
+#: Seconds a client gets to send its request and read the answer.
+ADMIN_TIMEOUT = 5.0
+_READ_CHUNK = 4096
+
+
+async def _send(stream: trio.SocketStream, conn: h11.Connection, status: int, body: bytes, content_type: str,
+                extra: Sequence[tuple[str, str]] = ()) -> None:
+    headers = [
+        ("Content-Type", content_type),
+        ("Content-Length", str(len(body))),
+        ("Connection", "close"),
+        *extra,
+    ]
+    data = conn.send(h11.Response(status_code=status, headers=headers))
+    data = (data or b"") + (conn.send(h11.Data(data=body)) or b"") + (conn.send(h11.EndOfMessage()) or b"")
+    await stream.send_all(data)
+
+
+async def _handle(stream: trio.SocketStream, registry: Metrics) -> None:
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_ADMIN_REQUEST_BYTES)
+    request: h11.Request | None = None
+    with trio.move_on_after(ADMIN_TIMEOUT):
+        try:
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    conn.receive_data(await stream.receive_some(_READ_CHUNK))
+                    continue
+                if isinstance(event, h11.Request):
+                    request = event
+                    continue
+                if isinstance(event, h11.EndOfMessage) and request is not None:
+                    break
+                if isinstance(event, h11.ConnectionClosed):
+                    return
+                # h11.Data: a body on a scrape is read and dropped (ADMIN_TIMEOUT bounds it).
+            assert request is not None  # the loop leaves only after a whole request
+            target = request.target.split(b"?", 1)[0]
+            if target != b"/metrics":
+                await _send(stream, conn, 404, b"not found\n", "text/plain; charset=utf-8")
+            elif request.method not in (b"GET", b"HEAD"):
+                await _send(stream, conn, 405, b"method not allowed\n", "text/plain; charset=utf-8",
+                            [("Allow", "GET, HEAD")])
+            else:
+                body = registry.render()
+                if request.method == b"HEAD":
+                    # h11 expects no body bytes for HEAD but the real length in the header.
+                    data = conn.send(h11.Response(status_code=200, headers=[
+                        ("Content-Type", CONTENT_TYPE), ("Content-Length", str(len(body))),
+                        ("Connection", "close")]))
+                    await stream.send_all((data or b"") + (conn.send(h11.EndOfMessage()) or b""))
+                else:
+                    await _send(stream, conn, 200, body, CONTENT_TYPE)
+        except h11.RemoteProtocolError as exc:
+            if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                await _send(stream, conn, exc.error_status_hint, b"bad request\n", "text/plain; charset=utf-8")
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+
+
+def _prepare_path(socket_path: str) -> None:
+    """Replace a stale socket; refuse to clobber anything that is not a socket."""
+    try:
+        st = os.lstat(socket_path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ValueError(f"metrics socket path exists and is not a socket: {socket_path}")
+    os.unlink(socket_path)
+
+
+async def serve_metrics(
+    registry: Metrics,
+    socket_path: str,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve `GET /metrics` on a Unix socket (mode 0600) until cancelled.
+
+    Args:
+        registry: the broker's `Metrics`.
+        socket_path: where to bind; a stale socket there is replaced.
+        task_status: `started(socket_path)` once the socket is listening.
+
+    Raises:
+        ValueError: the path exists and is not a socket.
+        OSError: binding failed (directory missing, permission).
+
+    Resource handling: every connection is closed in `finally`; the socket file is
+    removed on exit if it is still ours. One request per connection; at most
+    `MAX_ADMIN_CONNECTIONS` at once (more are closed unanswered).
+    """
+    _prepare_path(socket_path)
+    sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    ident: tuple[int, int] | None = None
+    try:
+        # umask narrows the mode at bind time, so the socket is never briefly world-usable;
+        # chmod then states it exactly.
+        old_umask = os.umask(0o177)
+        try:
+            await sock.bind(socket_path)
+        finally:
+            os.umask(old_umask)
+        os.chmod(socket_path, 0o600)
+        st = os.lstat(socket_path)
+        ident = (st.st_dev, st.st_ino)
+        sock.listen(MAX_ADMIN_CONNECTIONS)
+        listener = trio.SocketListener(sock)
+        slots = trio.Semaphore(MAX_ADMIN_CONNECTIONS)
+        task_status.started(socket_path)
+
+        async def one(stream: trio.SocketStream) -> None:
+            try:
+                await _handle(stream, registry)
+            finally:
+                slots.release()
+                with trio.move_on_after(1):
+                    await stream.aclose()
+
+        async with trio.open_nursery() as nursery:
+            while True:
+                stream = await listener.accept()
+                try:
+                    slots.acquire_nowait()
+                except trio.WouldBlock:
+                    await stream.aclose()
+                    continue
+                nursery.start_soon(one, stream)
+    finally:
+        sock.close()
+        if ident is not None:
+            try:
+                st = os.lstat(socket_path)
+                if (st.st_dev, st.st_ino) == ident:
+                    os.unlink(socket_path)
+            except OSError:
+                pass

@@ -1,0 +1,194 @@
+"""daemon.metrics: the exposition format parsed back, and the admin socket over a real Unix socket."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+
+import pytest
+import trio
+
+from daemon.metrics import (
+    CONTENT_TYPE,
+    MAX_SERIES,
+    REQUEST_BUCKETS,
+    TOKEN_BUCKETS,
+    Metrics,
+    serve_metrics,
+)
+
+ACTIONS = ("channel.read", "message.post", "reaction.add")
+
+# One sample line of text format 0.0.4: name, optional {labels}, value.
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)$')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"(,|$)')
+
+
+def _unescape(v: str) -> str:
+    return re.sub(r'\\(.)', lambda m: {"n": "\n", "\\": "\\", '"': '"'}[m.group(1)], v)
+
+
+def parse(text: bytes) -> tuple[dict[str, tuple[str, str]], dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
+    """Strict reader: every line is HELP, TYPE or a sample of a family declared above it."""
+    meta: dict[str, tuple[str, str]] = {}
+    helps: dict[str, str] = {}
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    decoded = text.decode("utf-8")
+    assert decoded.endswith("\n")
+    for line in decoded[:-1].split("\n"):
+        if line.startswith("# HELP "):
+            name, _, h = line[7:].partition(" ")
+            helps[name] = h
+        elif line.startswith("# TYPE "):
+            name, _, kind = line[7:].partition(" ")
+            assert kind in ("counter", "gauge", "histogram"), line
+            assert name in helps and name not in meta, line
+            meta[name] = (kind, helps[name])
+        else:
+            m = _SAMPLE.match(line)
+            assert m, line
+            name, _, body, value = m.groups()
+            labels: list[tuple[str, str]] = []
+            if body:
+                consumed = 0
+                for lm in _LABEL.finditer(body):
+                    assert lm.start() == consumed, line
+                    labels.append((lm.group(1), _unescape(lm.group(2))))
+                    consumed = lm.end()
+                assert consumed == len(body), line
+            family = re.sub(r"_(bucket|sum|count)$", "", name) if name not in meta else name
+            assert family in meta, line
+            key = (name, tuple(labels))
+            assert key not in samples, line
+            samples[key] = float(value)
+    return meta, samples
+
+
+def test_render_parses_back_with_types_and_values() -> None:
+    m = Metrics(actions=ACTIONS)
+    m.request("message.post", "succeeded", None, 0.003)
+    m.request("message.post", "succeeded", None, 0.02)
+    m.request("message.post", "failed", "unauthorized", 0.0004)
+    m.request(None, None, None, 0.0001)
+    m.relay_round_trip("publish", "accepted", 0.012)
+    m.token_call("sign", 0.0002)
+    m.set_ledger_size(42)
+    m.connection_opened(); m.connection_opened(); m.connection_closed()
+    meta, s = parse(m.render())
+    assert meta["buzz_broker_requests_total"][0] == "counter"
+    assert meta["buzz_broker_request_duration_seconds"][0] == "histogram"
+    assert meta["buzz_broker_relay_round_trips_total"][0] == "counter"
+    assert meta["buzz_broker_relay_round_trip_seconds"][0] == "histogram"
+    assert meta["buzz_broker_token_call_seconds"][0] == "histogram"
+    assert meta["buzz_broker_ledger_size"][0] == "gauge"
+    assert meta["buzz_broker_open_connections"][0] == "gauge"
+    req = "buzz_broker_requests_total"
+    assert s[(req, (("action", "message.post"), ("status", "succeeded"), ("code", "")))] == 2
+    assert s[(req, (("action", "message.post"), ("status", "failed"), ("code", "unauthorized")))] == 1
+    assert s[(req, (("action", ""), ("status", "none"), ("code", "")))] == 1
+    assert s[("buzz_broker_ledger_size", ())] == 42
+    assert s[("buzz_broker_open_connections", ())] == 1
+    assert s[("buzz_broker_relay_round_trips_total", (("op", "publish"), ("result", "accepted")))] == 1
+    assert s[("buzz_broker_token_call_seconds_count", (("op", "sign"),))] == 1
+
+
+def test_histogram_buckets_are_cumulative_and_end_at_inf() -> None:
+    m = Metrics(actions=ACTIONS)
+    observations = [0.0004, 0.0005, 0.003, 0.003, 0.2, 99.0]  # 0.0005 sits exactly on a bound (le)
+    for x in observations:
+        m.request("channel.read", "succeeded", None, x)
+    _, s = parse(m.render())
+    name = "buzz_broker_request_duration_seconds"
+    buckets = [(float(dict(lbl)["le"]), v) for (n, lbl), v in s.items() if n == name + "_bucket"]
+    assert [b for b, _ in buckets] == [*REQUEST_BUCKETS, float("inf")]
+    for bound, count in buckets:
+        assert count == sum(1 for x in observations if x <= bound)
+    counts = [v for _, v in buckets]
+    assert counts == sorted(counts)
+    assert s[(name + "_count", (("action", "channel.read"),))] == len(observations)
+    assert s[(name + "_sum", (("action", "channel.read"),))] == pytest.approx(sum(observations))
+    assert buckets[-1][1] == len(observations)
+    assert b'le="+Inf"' in m.render()
+
+
+def test_label_escaping_round_trips() -> None:
+    m = Metrics(actions=ACTIONS)
+    nasty = 'a\\b"c\nd}e,f="g'
+    m.relay_round_trip("publish", nasty, 0.01)
+    text = m.render()
+    assert b'result="a\\\\b\\"c\\nd}e,f=\\"g"' in text
+    assert b"\nd}" not in text  # a raw line feed inside a label would end the sample line
+    _, s = parse(text)
+    assert s[("buzz_broker_relay_round_trips_total", (("op", "publish"), ("result", nasty)))] == 1
+
+
+def test_unknown_actions_and_series_are_bounded() -> None:
+    m = Metrics(actions=ACTIONS)
+    m.request("sign", "failed", "unknown_action", 0.001)  # an agent's string is not a label
+    _, s = parse(m.render())
+    assert (("buzz_broker_requests_total", (("action", "other"), ("status", "failed"), ("code", "unknown_action")))) in s
+    for i in range(MAX_SERIES + 50):
+        m.token_call(f"op{i}", 0.001)
+    _, s = parse(m.render())
+    ops = {dict(lbl)["op"] for (n, lbl), _ in s.items() if n == "buzz_broker_token_call_seconds_count"}
+    assert len(ops) == MAX_SERIES + 1 and "other" in ops
+    assert s[("buzz_broker_token_call_seconds_count", (("op", "other"),))] == 50
+    assert len(TOKEN_BUCKETS) == len(set(TOKEN_BUCKETS))
+
+
+def test_fresh_registry_renders_gauges_at_zero() -> None:
+    _, s = parse(Metrics(actions=ACTIONS).render())
+    assert s == {("buzz_broker_ledger_size", ()): 0, ("buzz_broker_open_connections", ()): 0}
+
+
+async def _http(path: str, raw: bytes) -> bytes:
+    stream = await trio.open_unix_socket(path)
+    async with stream:
+        await stream.send_all(raw)
+        chunks = []
+        with trio.fail_after(5):
+            while chunk := await stream.receive_some(65536):
+                chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def test_admin_socket_serves_metrics_and_404(tmp_path: Path) -> None:
+    m = Metrics(actions=ACTIONS)
+    m.request("message.post", "succeeded", None, 0.01)
+    path = str(tmp_path / "admin.sock")
+    async with trio.open_nursery() as nursery:
+        assert await nursery.start(serve_metrics, m, path) == path
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        ok = await _http(path, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        head, _, body = ok.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ")
+        assert f"content-type: {CONTENT_TYPE}".encode() in head.lower()
+        assert body == m.render()
+        parse(body)
+        missing = await _http(path, b"GET /other HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert missing.startswith(b"HTTP/1.1 404 ")
+        post = await _http(path, b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        assert post.startswith(b"HTTP/1.1 405 ")
+        garbage = await _http(path, b"\x00\x01 nonsense\r\n\r\n")
+        assert garbage.startswith(b"HTTP/1.1 400 ")
+        nursery.cancel_scope.cancel()
+    assert not os.path.exists(path)  # removed on exit
+
+
+async def test_admin_socket_replaces_stale_socket_and_refuses_a_file(tmp_path: Path) -> None:
+    import socket as pysocket
+    stale = tmp_path / "stale.sock"
+    s = pysocket.socket(pysocket.AF_UNIX)
+    s.bind(str(stale)); s.close()
+    m = Metrics(actions=ACTIONS)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_metrics, m, str(stale))
+        assert (await _http(str(stale), b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")).startswith(b"HTTP/1.1 200 ")
+        nursery.cancel_scope.cancel()
+    regular = tmp_path / "file"
+    regular.write_text("keep me")
+    with pytest.raises(ValueError):
+        await serve_metrics(m, str(regular))
+    assert regular.read_text() == "keep me"
