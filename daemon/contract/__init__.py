@@ -1,0 +1,61 @@
+"""daemon.contract: the wire contract of spec/agent-broker.md, pure (bytes in, values or
+bytes out). No I/O, no trio, no clock, no randomness, no logging; stdlib only.
+
+Modules, one job each:
+  _json       strict JSON reader over raw bytes (syntax faults vs strictness faults)
+  _codes      ErrorCode, Status, the PAIRING table, MESSAGES, ContractError
+  _limits     every limit, named, with its source
+  _ids        identities (channel UUIDs, 64-hex, secp256k1 x-only pubkeys) and scalar checkers
+  _shapes     table-driven strict objects (read, re-check in construction, write)
+  _args       the nine argument shapes
+  _outcomes   the outcome shapes and the seven-member Event
+  _envelopes  request/response envelopes, ACTIONS, read/encode/parse/build
+
+Two error families: `ContractError` (Remote: bad bytes or values from outside; carries a
+code and a JSON pointer) and ValueError/TypeError/AssertionError (Local: our bug).
+"""
+
+from ._args import (
+    RESPOND_TO, AgentsCreateArgs, AgentsDeleteArgs, AgentsUpdateArgs, AgentTarget,
+    ChannelReadArgs, MessagePostArgs, MessageReplyArgs, ProfileSetArgs, ReactionAddArgs,
+    StorageAddressArgs,
+)
+from ._codes import MESSAGES, PAIRING, ContractError, ErrorCode, Status
+from ._envelopes import (
+    ACTIONS, RESERVED_NAMES, ActionSpec, Args, MemberSet, Reading, Request, Response, Verdict,
+    build_request, encode_request, encode_response, mark_replayed, parse_response, read_request,
+)
+from ._ids import is_request_id, is_valid_pubkey, normalize_channel_id, normalize_hex64
+from ._limits import (
+    ACTION_VERSION, DEFAULT_LIMIT, MAX_ABOUT_CHARS, MAX_CONTENT_BYTES, MAX_CURSOR_BYTES,
+    MAX_DISPLAY_NAME_CHARS, MAX_JSON_INT, MAX_KIND, MAX_LIMIT, MAX_MENTIONS, MAX_NESTING,
+    MAX_PICTURE_CHARS, MAX_REACTION_CHARS, MAX_REQUEST_ID_BYTES, MAX_SCALAR_CHARS,
+    MAX_SLUG_BYTES, MAX_SYSTEM_PROMPT_CHARS, MIN_JSON_INT, MIN_LIMIT, PROTOCOL_VERSION,
+)
+from ._outcomes import (
+    AgentsCreateOutcome, AgentsDeleteOutcome, AgentsUpdateOutcome, Event, Outcome,
+    PublishOutcome, ReadOutcome, StorageAddressOutcome,
+)
+
+__all__ = [
+    # codes and tables
+    "ErrorCode", "Status", "PAIRING", "MESSAGES", "ContractError",
+    "ACTIONS", "ActionSpec", "MemberSet", "RESERVED_NAMES", "RESPOND_TO",
+    # requests
+    "read_request", "Reading", "Request", "Args", "build_request", "encode_request",
+    "ChannelReadArgs", "MessagePostArgs", "MessageReplyArgs", "ReactionAddArgs",
+    "ProfileSetArgs", "StorageAddressArgs", "AgentsCreateArgs", "AgentTarget",
+    "AgentsUpdateArgs", "AgentsDeleteArgs",
+    # responses
+    "Verdict", "encode_response", "mark_replayed", "parse_response", "Response", "Outcome",
+    "Event", "PublishOutcome", "ReadOutcome", "StorageAddressOutcome", "AgentsCreateOutcome",
+    "AgentsUpdateOutcome", "AgentsDeleteOutcome",
+    # identities
+    "normalize_channel_id", "normalize_hex64", "is_valid_pubkey", "is_request_id",
+    # limits
+    "PROTOCOL_VERSION", "ACTION_VERSION", "MAX_REQUEST_ID_BYTES", "MAX_CURSOR_BYTES",
+    "MAX_CONTENT_BYTES", "MAX_MENTIONS", "MIN_LIMIT", "MAX_LIMIT", "DEFAULT_LIMIT",
+    "MAX_DISPLAY_NAME_CHARS", "MAX_ABOUT_CHARS", "MAX_PICTURE_CHARS", "MAX_SYSTEM_PROMPT_CHARS",
+    "MAX_SCALAR_CHARS", "MAX_REACTION_CHARS", "MAX_SLUG_BYTES", "MAX_NESTING", "MIN_JSON_INT",
+    "MAX_JSON_INT", "MAX_KIND",
+]

@@ -1,0 +1,244 @@
+"""The nine argument shapes of spec §Operations, each a frozen, slotted, keyword-only value.
+
+Rules:
+- Field names are the snake_case of the wire names. An absent optional member is `None`
+  (arrays: `()`, mentionsOnly: `False`), and is omitted again when written.
+- Normalization happens on the way in (`_shapes.read_object`); a constructed value must
+  already be canonical, and `__post_init__` refuses anything else with ValueError.
+- Trimming: every string is trimmed and must be non-empty afterwards, except `content`
+  (published exactly as written, but not empty or whitespace-only, at most 64 KiB of UTF-8)
+  and `cursor` (opaque, shape only).
+- Mentions: each is normalized to lowercase and must be an x-only secp256k1 point; at most
+  50 as sent; a repeated mention is kept once, at its first position (the relay side
+  de-duplicates `p` tags anyway, buzz-on-the-relay.md "The nine operations", so a repeat
+  carries no meaning and refusing it would only punish sloppy callers).
+- At-least-one rules: profile.set needs one member; agents.update needs one member
+  besides `target`; `target` holds exactly one of `pubkey` | `name`.
+
+WARNING: each class below must have its table registered right after it, and the tables
+are the source of `ActionSpec.arg_members`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ._ids import boolean, channel_id, cursor, exact_text, hex64, integer, pubkey, slug, text
+from ._limits import (
+    DEFAULT_LIMIT, MAX_ABOUT_CHARS, MAX_CONTENT_BYTES, MAX_DISPLAY_NAME_CHARS, MAX_LIMIT,
+    MAX_MENTIONS, MAX_PICTURE_CHARS, MAX_REACTION_CHARS, MAX_SCALAR_CHARS,
+    MAX_SYSTEM_PROMPT_CHARS, MIN_LIMIT,
+)
+from ._shapes import Field, Shape, array_of, check_instance, nested, one_of, register
+
+__all__ = [
+    "ChannelReadArgs", "MessagePostArgs", "MessageReplyArgs", "ReactionAddArgs",
+    "ProfileSetArgs", "StorageAddressArgs", "AgentsCreateArgs", "AgentTarget",
+    "AgentsUpdateArgs", "AgentsDeleteArgs", "RESPOND_TO",
+]
+
+#: spec agents.create: the two respondTo modes (no allow-list mode exists).
+RESPOND_TO = ("owner-only", "anyone")
+
+_CHANNEL = Field("channelId", "channel_id", channel_id, required=True)
+_CONTENT = Field("content", "content", exact_text(MAX_CONTENT_BYTES), required=True)
+_MENTIONS = Field(
+    "mentions", "mentions",
+    array_of(pubkey, max_items=MAX_MENTIONS, allow_empty=False, dedupe=True), absent=(),
+)
+_DISPLAY_NAME = text(MAX_DISPLAY_NAME_CHARS)
+_PROMPT = text(MAX_SYSTEM_PROMPT_CHARS)
+_SCALAR = text(MAX_SCALAR_CHARS)
+_RESPOND_TO = one_of(*RESPOND_TO)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChannelReadArgs:
+    channel_id: str
+    root_event_id: str | None = None
+    mentions_only: bool = False
+    cursor: str | None = None
+    limit: int | None = None
+
+    def __post_init__(self) -> None:
+        check_instance(self)
+
+    @property
+    def effective_limit(self) -> int:
+        """The page size the response is held to: `limit`, or the default 100 when absent."""
+        return DEFAULT_LIMIT if self.limit is None else self.limit
+
+
+register(Shape(ChannelReadArgs, (
+    _CHANNEL,
+    Field("rootEventId", "root_event_id", hex64),
+    Field("mentionsOnly", "mentions_only", boolean, absent=False),
+    Field("cursor", "cursor", cursor),
+    Field("limit", "limit", integer(MIN_LIMIT, MAX_LIMIT)),
+)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MessagePostArgs:
+    channel_id: str
+    content: str
+    mentions: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_instance(self)
+
+
+register(Shape(MessagePostArgs, (_CHANNEL, _CONTENT, _MENTIONS)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MessageReplyArgs:
+    channel_id: str
+    reply_to_event_id: str
+    content: str
+    mentions: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_instance(self)
+
+
+register(Shape(MessageReplyArgs, (
+    _CHANNEL, Field("replyToEventId", "reply_to_event_id", hex64, required=True), _CONTENT, _MENTIONS,
+)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReactionAddArgs:
+    channel_id: str
+    target_event_id: str
+    reaction: str
+
+    def __post_init__(self) -> None:
+        check_instance(self)
+
+
+register(Shape(ReactionAddArgs, (
+    _CHANNEL,
+    Field("targetEventId", "target_event_id", hex64, required=True),
+    Field("reaction", "reaction", text(MAX_REACTION_CHARS), required=True),
+)))
+
+
+def _at_least_one(present: Mapping[str, object]) -> str | None:
+    return None if present else "at least one member must be present"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileSetArgs:
+    display_name: str | None = None
+    about: str | None = None
+    picture: str | None = None
+
+    def __post_init__(self) -> None:
+        check_instance(self)
+
+
+register(Shape(ProfileSetArgs, (
+    Field("displayName", "display_name", _DISPLAY_NAME),
+    Field("about", "about", text(MAX_ABOUT_CHARS)),
+    Field("picture", "picture", text(MAX_PICTURE_CHARS)),
+), _at_least_one))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StorageAddressArgs:
+    slug: str
+
+    def __post_init__(self) -> None:
+        check_instance(self)
+
+
+register(Shape(StorageAddressArgs, (Field("slug", "slug", slug, required=True),)))
+
+# agents.create / agents.update share these optional members (spec agents.create).
+_AGENT_OPTIONALS = (
+    Field("runtime", "runtime", _SCALAR),
+    Field("provider", "provider", _SCALAR),
+    Field("model", "model", _SCALAR),
+    Field("respondTo", "respond_to", _RESPOND_TO),
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentsCreateArgs:
+    channel_id: str
+    display_name: str
+    system_prompt: str
+    runtime: str | None = None
+    provider: str | None = None
+    model: str | None = None
+    respond_to: str | None = None
+
+    def __post_init__(self) -> None:
+        check_instance(self)
+
+
+register(Shape(AgentsCreateArgs, (
+    _CHANNEL,
+    Field("displayName", "display_name", _DISPLAY_NAME, required=True),
+    Field("systemPrompt", "system_prompt", _PROMPT, required=True),
+    *_AGENT_OPTIONALS,
+)))
+
+
+def _exactly_one(present: Mapping[str, object]) -> str | None:
+    return None if len(present) == 1 else "target must hold exactly one of pubkey, name"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentTarget:
+    pubkey: str | None = None
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        check_instance(self)
+
+
+_TARGET_SHAPE = register(Shape(AgentTarget, (
+    Field("pubkey", "pubkey", pubkey),
+    Field("name", "name", _DISPLAY_NAME),
+), _exactly_one))
+_TARGET = Field("target", "target", nested(lambda: _TARGET_SHAPE), required=True)
+
+
+def _beyond_target(present: Mapping[str, object]) -> str | None:
+    return None if len(present) > 1 else "at least one member besides target must be present"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentsUpdateArgs:
+    target: AgentTarget
+    display_name: str | None = None
+    system_prompt: str | None = None
+    runtime: str | None = None
+    provider: str | None = None
+    model: str | None = None
+    respond_to: str | None = None
+
+    def __post_init__(self) -> None:
+        check_instance(self)
+
+
+register(Shape(AgentsUpdateArgs, (
+    _TARGET,
+    Field("displayName", "display_name", _DISPLAY_NAME),
+    Field("systemPrompt", "system_prompt", _PROMPT),
+    *_AGENT_OPTIONALS,
+), _beyond_target))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentsDeleteArgs:
+    target: AgentTarget
+
+    def __post_init__(self) -> None:
+        check_instance(self)
+
+
+register(Shape(AgentsDeleteArgs, (_TARGET,)))

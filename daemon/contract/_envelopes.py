@@ -1,0 +1,458 @@
+"""Request and response envelopes (spec §Request, §Results), for both sides of the wire.
+
+Order of judgement in `read_request` (the first rule that fires decides; every later
+fault is ignored):
+
+  1. syntax: not UTF-8, not JSON, trailing bytes, NaN, nesting > MAX_NESTING
+     -> uncorrelated (request_id None), invalid_request
+  2. the top level is not an object -> uncorrelated
+  3. requestId missing, repeated, null, not a string, or not 1-128 bytes of 0x21-0x7E
+     -> uncorrelated (spec: "the one envelope error a host cannot answer")
+  -- from here on the reading is correlated --
+  4. strictness anywhere (null, repeated key, non-integer number, integer beyond 64 bits,
+     lone surrogate), first in document order                     -> invalid_request
+  5. `type` missing or not "broker_request"                         -> invalid_request
+  6. `protocolVersion` missing / not an integer -> invalid_request; an integer != 1
+     -> unsupported_protocol_version (checked before the member set, so a future envelope
+     with other members is told about the version, not about its members)
+  7. envelope members: unknown member (document order), then missing -> invalid_request
+  8. `action` not a string -> invalid_request; not one of the nine -> unknown_action
+     (reserved names sign/publish/encrypt/decrypt/auth never resolve)
+  9. `actionVersion` not an integer -> invalid_request; != 1 -> unsupported_action_version
+ 10. `args` strict per action (see _shapes for the order inside an object) -> invalid_request
+
+Responses: `encode_response` writes canonical compact bytes (members in spec order,
+`ensure_ascii=False`, optional members omitted); `mark_replayed` appends
+`"replayed":true` to stored bytes; `parse_response` is the client's strict reader and
+raises `ContractError` (always invalid_request: to a client every malformed response is
+"no answer", spec I5).
+
+WARNING: the member lists `_REQUEST_MEMBERS`, `_SUCCEEDED_MEMBERS`, `_ERROR_MEMBERS` are
+spec text; keep them in step with the encoders below.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from ._args import (
+    AgentsCreateArgs, AgentsDeleteArgs, AgentsUpdateArgs, ChannelReadArgs, MessagePostArgs,
+    MessageReplyArgs, ProfileSetArgs, ReactionAddArgs, StorageAddressArgs,
+)
+from ._codes import MESSAGES, PAIRING, ContractError, ErrorCode, Status
+from ._ids import any_string, fault, is_request_id
+from ._json import JsonSyntaxError, escape_token, is_object, parse, repeated_keys
+from ._limits import ACTION_VERSION, PROTOCOL_VERSION
+from ._outcomes import (
+    AgentsCreateOutcome, AgentsDeleteOutcome, AgentsUpdateOutcome, Outcome, PublishOutcome,
+    ReadOutcome, StorageAddressOutcome,
+)
+from ._shapes import SHAPES, read_object, to_wire
+
+__all__ = [
+    "MemberSet", "ActionSpec", "ACTIONS", "RESERVED_NAMES", "Request", "Reading", "read_request",
+    "build_request", "encode_request", "Verdict", "encode_response", "mark_replayed", "Response",
+    "parse_response", "Args",
+]
+
+Args = (
+    ChannelReadArgs | MessagePostArgs | MessageReplyArgs | ReactionAddArgs | ProfileSetArgs
+    | StorageAddressArgs | AgentsCreateArgs | AgentsUpdateArgs | AgentsDeleteArgs
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemberSet:
+    """The exact wire member names of one strict object."""
+
+    required: frozenset[str]
+    optional: frozenset[str]
+
+    def __post_init__(self) -> None:
+        if self.required & self.optional:
+            raise ValueError("a member cannot be both required and optional")
+
+    @property
+    def all(self) -> frozenset[str]:
+        return self.required | self.optional
+
+
+def _members(cls: type) -> MemberSet:
+    fields = SHAPES[cls].fields
+    return MemberSet(
+        required=frozenset(f.wire for f in fields if f.required),
+        optional=frozenset(f.wire for f in fields if not f.required),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ActionSpec:
+    name: str
+    args_type: type
+    outcome_type: type
+    arg_members: MemberSet
+    outcome_members: MemberSet
+    #: has side effects on the relay (prepare/Plan path) rather than being a read
+    publishing: bool
+    #: spec: a host may answer `unsupported` and the agent carries on (reaction.add only)
+    best_effort: bool
+
+
+def _spec(name: str, args: type, outcome: type, *, publishing: bool, best_effort: bool = False) -> ActionSpec:
+    return ActionSpec(
+        name=name, args_type=args, outcome_type=outcome, arg_members=_members(args),
+        outcome_members=_members(outcome), publishing=publishing, best_effort=best_effort,
+    )
+
+
+# spec §Operations: the closed set of nine. The 18 member sets come from the shape tables.
+ACTIONS: Mapping[str, ActionSpec] = MappingProxyType({
+    s.name: s for s in (
+        _spec("channel.read", ChannelReadArgs, ReadOutcome, publishing=False),
+        _spec("message.post", MessagePostArgs, PublishOutcome, publishing=True),
+        _spec("message.reply", MessageReplyArgs, PublishOutcome, publishing=True),
+        _spec("reaction.add", ReactionAddArgs, PublishOutcome, publishing=True, best_effort=True),
+        _spec("profile.set", ProfileSetArgs, PublishOutcome, publishing=True),
+        _spec("storage.address", StorageAddressArgs, StorageAddressOutcome, publishing=False),
+        _spec("agents.create", AgentsCreateArgs, AgentsCreateOutcome, publishing=True),
+        _spec("agents.update", AgentsUpdateArgs, AgentsUpdateOutcome, publishing=True),
+        _spec("agents.delete", AgentsDeleteArgs, AgentsDeleteOutcome, publishing=True),
+    )
+})
+
+# spec §Operations "Reserved against": these names never resolve (a test pins it).
+RESERVED_NAMES: frozenset[str] = frozenset({"sign", "publish", "encrypt", "decrypt", "auth"})
+if RESERVED_NAMES & ACTIONS.keys():  # pragma: no cover - a table edit gone wrong
+    raise AssertionError("a reserved name became an action")
+
+_REQUEST_MEMBERS = ("type", "protocolVersion", "requestId", "actionVersion", "action", "args")
+_SUCCEEDED_MEMBERS = frozenset({"type", "protocolVersion", "requestId", "status", "action", "outcome"})
+_ERROR_MEMBERS = frozenset({"type", "protocolVersion", "requestId", "status", "error"})
+_REPLAYED = "replayed"
+
+
+def _dumps(obj: object) -> bytes:
+    # Canonical form: compact, no ASCII escaping (as NIP-01 ids are computed), no NaN.
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Request:
+    """A valid request, frozen: the value operations consume."""
+
+    request_id: str
+    action: str
+    action_version: int
+    args: Args
+
+    def __post_init__(self) -> None:
+        if not is_request_id(self.request_id):
+            raise ValueError("Request.request_id is not a usable requestId")
+        spec = ACTIONS.get(self.action)
+        if spec is None:
+            raise ValueError("Request.action is not one of the nine")
+        if self.action_version != ACTION_VERSION or type(self.action_version) is not int:
+            raise ValueError("Request.action_version is not supported")
+        if type(self.args) is not spec.args_type:
+            raise ValueError("Request.args does not match the action")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reading:
+    """What one body said. Exactly one of `request` / `error` is set.
+
+    `request_id` None means the body cannot be correlated (HTTP 400, no envelope).
+    """
+
+    request_id: str | None
+    request: Request | None
+    error: ContractError | None
+
+    def __post_init__(self) -> None:
+        if (self.request is None) == (self.error is None):
+            raise ValueError("Reading holds exactly one of request, error")
+        if self.request is not None and self.request.request_id != self.request_id:
+            raise ValueError("Reading.request_id must be the request's")
+
+
+def _judge(top: dict[str, Any], strict_fault: tuple[str, str] | None) -> Request:
+    """Steps 4-10 of the order of judgement; raises ContractError."""
+    if strict_fault is not None:
+        raise fault(*strict_fault)
+    if top.get("type") != "broker_request":
+        raise fault("/type", "missing or not broker_request")
+    version = top.get("protocolVersion")
+    if type(version) is not int:
+        raise fault("/protocolVersion", "missing or not an integer")
+    if version != PROTOCOL_VERSION:
+        raise ContractError(ErrorCode.UNSUPPORTED_PROTOCOL_VERSION, "/protocolVersion", "not 1")
+    for key in top:
+        if key not in _REQUEST_MEMBERS:
+            raise fault(f"/{escape_token(key)}", "unknown member")
+    for key in _REQUEST_MEMBERS:
+        if key not in top:
+            raise fault(f"/{key}", "missing required member")
+    action = top["action"]
+    if type(action) is not str:
+        raise fault("/action", "not a string")
+    spec = ACTIONS.get(action)
+    if spec is None:
+        raise ContractError(ErrorCode.UNKNOWN_ACTION, "/action", "not one of the nine operations")
+    action_version = top["actionVersion"]
+    if type(action_version) is not int:
+        raise fault("/actionVersion", "not an integer")
+    if action_version != ACTION_VERSION:
+        raise ContractError(ErrorCode.UNSUPPORTED_ACTION_VERSION, "/actionVersion", "not 1")
+    args = read_object(top["args"], "/args", SHAPES[spec.args_type])
+    return Request(request_id=top["requestId"], action=action, action_version=action_version, args=args)
+
+
+def read_request(body: bytes) -> Reading:
+    """Judge one request body, parsing it exactly once.
+
+    Args:
+        body: the raw HTTP body, whole.
+
+    Returns:
+        A Reading: correlated (request_id set) with either the frozen Request or the first
+        fault, or uncorrelated (request_id None) with the fault that made it so.
+
+    Raises:
+        TypeError: body is not bytes (our bug). Bad bytes never raise.
+    """
+    try:
+        top, strict_fault = parse(body)
+    except JsonSyntaxError as exc:
+        return Reading(request_id=None, request=None, error=fault("", str(exc)))
+    if not is_object(top):
+        return Reading(request_id=None, request=None, error=fault("", "top level is not an object"))
+    obj: dict[str, Any] = top  # type: ignore[assignment]
+    request_id = obj.get("requestId")
+    if "requestId" in repeated_keys(obj) or not is_request_id(request_id):
+        return Reading(request_id=None, request=None,
+                       error=fault("/requestId", "missing, repeated, or not a usable requestId"))
+    assert type(request_id) is str  # narrowed by is_request_id
+    try:
+        request = _judge(obj, strict_fault)
+    except ContractError as exc:
+        return Reading(request_id=request_id, request=None, error=exc)
+    return Reading(request_id=request_id, request=request, error=None)
+
+
+def encode_request(request: Request) -> bytes:
+    """The frozen form a client sends, first attempt and every retry (spec I3).
+
+    Canonical: compact, members in spec order, absent optional members omitted.
+    """
+    return _dumps({
+        "type": "broker_request",
+        "protocolVersion": PROTOCOL_VERSION,
+        "requestId": request.request_id,
+        "actionVersion": request.action_version,
+        "action": request.action,
+        "args": to_wire(request.args),
+    })
+
+
+def build_request(
+    action: str, args: Mapping[str, object], *, request_id: str, action_version: int = 1
+) -> Request:
+    """Validate and normalize a client's request exactly as the host will read it.
+
+    The mapping is serialized and read back through `read_request`, so the wire rules (no
+    None, no NaN, strict members, limits, normalization) apply unchanged.
+
+    Raises:
+        ContractError: with the code and pointer the host would answer.
+    """
+    envelope = {
+        "type": "broker_request", "protocolVersion": PROTOCOL_VERSION, "requestId": request_id,
+        "actionVersion": action_version, "action": action, "args": dict(args),
+    }
+    try:
+        # ensure_ascii=True here: a lone surrogate in a Python str becomes a \\udXXX escape
+        # that the reader names, instead of an encode error.
+        body = json.dumps(envelope, separators=(",", ":"), allow_nan=False).encode("ascii")
+    except (TypeError, ValueError) as exc:
+        raise fault("/args", f"not representable as JSON ({type(exc).__name__})") from None
+    reading = read_request(body)
+    if reading.error is not None:
+        raise reading.error
+    assert reading.request is not None
+    return reading.request
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Verdict:
+    """What the host decided, before it is bound to a requestId.
+
+    Constructing a pairing the spec's table forbids raises AssertionError: that is our bug,
+    never an agent's.
+    """
+
+    status: Status
+    action: str | None = None
+    outcome: Outcome | None = None
+    code: ErrorCode | None = None
+    message: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.status is Status.SUCCEEDED:
+            spec = ACTIONS.get(self.action) if self.action is not None else None
+            if spec is None or type(self.outcome) is not spec.outcome_type:
+                raise AssertionError("succeeded needs one of the nine actions and its outcome type")
+            if self.code is not None or self.message is not None:
+                raise AssertionError("succeeded carries no error")
+        else:
+            if self.action is not None or self.outcome is not None:
+                raise AssertionError(f"{self.status.value} carries no action or outcome")
+            if not isinstance(self.code, ErrorCode) or type(self.message) is not str:
+                raise AssertionError(f"{self.status.value} needs a code and a message")
+            if self.status not in PAIRING[self.code]:
+                raise AssertionError(f"{self.code.value} may not travel with {self.status.value}")
+
+    @classmethod
+    def succeeded(cls, action: str, outcome: Outcome) -> Verdict:
+        return cls(status=Status.SUCCEEDED, action=action, outcome=outcome)
+
+    @classmethod
+    def failed(cls, code: ErrorCode, message: str | None = None) -> Verdict:
+        """`message` defaults to the fixed MESSAGES[code]."""
+        return cls(status=Status.FAILED, code=code, message=MESSAGES[code] if message is None else message)
+
+    @classmethod
+    def indeterminate(cls, code: ErrorCode, message: str | None = None) -> Verdict:
+        return cls(status=Status.INDETERMINATE, code=code,
+                   message=MESSAGES[code] if message is None else message)
+
+
+def encode_response(request_id: str, verdict: Verdict) -> bytes:
+    """Canonical bytes of a broker_result for `verdict`, correlated to `request_id`.
+
+    Raises:
+        ValueError: request_id is not usable (our bug: uncorrelated bodies get no envelope).
+    """
+    if not is_request_id(request_id):
+        raise ValueError("encode_response needs a usable requestId")
+    envelope: dict[str, object] = {
+        "type": "broker_result", "protocolVersion": PROTOCOL_VERSION, "requestId": request_id,
+        "status": verdict.status.value,
+    }
+    if verdict.status is Status.SUCCEEDED:
+        envelope["action"] = verdict.action
+        envelope["outcome"] = to_wire(verdict.outcome)
+    else:
+        assert verdict.code is not None
+        envelope["error"] = {"code": verdict.code.value, "message": verdict.message}
+    return _dumps(envelope)
+
+
+_REPLAYED_SUFFIX = b',"replayed":true}'
+
+
+def mark_replayed(response: bytes) -> bytes:
+    """The recorded response bytes with `"replayed":true` appended (spec I3).
+
+    Raises:
+        ValueError: `response` is not an object we encoded, or is already marked (our bug).
+    """
+    if not response.endswith(b"}") or response.endswith(_REPLAYED_SUFFIX):
+        raise ValueError("mark_replayed takes unmarked bytes from encode_response")
+    return response[:-1] + _REPLAYED_SUFFIX
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Response:
+    """A response as the client reads it; `replayed` is False when the member is absent."""
+
+    request_id: str
+    status: Status
+    action: str | None
+    outcome: Outcome | None
+    code: ErrorCode | None
+    message: str | None
+    replayed: bool
+
+    def __post_init__(self) -> None:
+        # Re-use the verdict rules: the same pairing and member rules bind both sides.
+        try:
+            Verdict(status=self.status, action=self.action, outcome=self.outcome,
+                    code=self.code, message=self.message)
+        except AssertionError as exc:
+            raise ValueError(f"Response: {exc}") from None
+        if not is_request_id(self.request_id):
+            raise ValueError("Response.request_id is not a usable requestId")
+
+
+_STATUS_BY_WIRE = {s.value: s for s in Status}
+_CODE_BY_WIRE = {c.value: c for c in ErrorCode}
+
+
+def parse_response(body: bytes) -> Response:
+    """The client's strict reader of a broker_result.
+
+    Checks exact member sets per status, no null, no repeated key, the pairing table, the
+    outcome typed for its action, and each event's seven members. It does not check the
+    response against a request (requestId, action, echoed identities, page size): that is
+    the caller's I5 check, which needs the request.
+
+    Raises:
+        ContractError: always invalid_request, with the pointer of the first fault.
+    """
+    try:
+        top, strict_fault = parse(body)
+    except JsonSyntaxError as exc:
+        raise fault("", str(exc)) from None
+    if not is_object(top):
+        raise fault("", "top level is not an object")
+    if strict_fault is not None:
+        raise fault(*strict_fault)
+    obj: dict[str, Any] = top  # type: ignore[assignment]
+    if obj.get("type") != "broker_result":
+        raise fault("/type", "missing or not broker_result")
+    if type(obj.get("protocolVersion")) is not int or obj["protocolVersion"] != PROTOCOL_VERSION:
+        raise fault("/protocolVersion", "missing or not 1")
+    status = _STATUS_BY_WIRE.get(obj["status"]) if type(obj.get("status")) is str else None
+    if status is None:
+        raise fault("/status", "missing or not a status")
+    expected = _SUCCEEDED_MEMBERS if status is Status.SUCCEEDED else _ERROR_MEMBERS
+    for key in obj:
+        if key not in expected and key != _REPLAYED:
+            raise fault(f"/{escape_token(key)}", f"member not allowed with {status.value}")
+    for key in expected:
+        if key not in obj:
+            raise fault(f"/{key}", "missing required member")
+    if not is_request_id(obj["requestId"]):
+        raise fault("/requestId", "not a usable requestId")
+    replayed = obj.get(_REPLAYED, False)
+    if _REPLAYED in obj and replayed is not True:
+        raise fault("/replayed", "present but not true (omit it when false)")
+    if status is Status.SUCCEEDED:
+        action = obj["action"]
+        spec = ACTIONS.get(action) if type(action) is str else None
+        if spec is None:
+            raise fault("/action", "not one of the nine operations")
+        outcome = read_object(obj["outcome"], "/outcome", SHAPES[spec.outcome_type])
+        return Response(request_id=obj["requestId"], status=status, action=action, outcome=outcome,
+                        code=None, message=None, replayed=replayed)
+    error = obj["error"]
+    if not is_object(error):
+        raise fault("/error", "expected an object")
+    for key in error:
+        if key not in ("code", "message"):
+            raise fault(f"/error/{escape_token(key)}", "unknown member")
+    for key in ("code", "message"):
+        if key not in error:
+            raise fault(f"/error/{key}", "missing required member")
+    code = _CODE_BY_WIRE.get(error["code"]) if type(error["code"]) is str else None
+    if code is None:
+        raise fault("/error/code", "not an error code")
+    if status not in PAIRING[code]:
+        raise fault("/error/code", f"{code.value} may not travel with {status.value}")
+    message = any_string(error["message"], "/error/message")
+    return Response(request_id=obj["requestId"], status=status, action=None, outcome=None,
+                    code=code, message=message, replayed=replayed)

@@ -1,0 +1,245 @@
+"""Identities and the scalar checkers every shape is built from.
+
+Rules (spec §Identities and spellings, §Operations):
+- A channel id is a UUID; canonical = lowercase hyphenated. Accepted spellings, after
+  trimming: hyphenated or 32-hex unhyphenated, any letter case, optionally wrapped in
+  braces `{…}` or prefixed `urn:uuid:` (prefix case-insensitive, RFC 8141). Braces and the
+  URN prefix are not combined, and hyphens only in the 8-4-4-4-12 places (unlike
+  `uuid.UUID`, which drops hyphens anywhere). Version and variant bits are not checked:
+  the id is Buzz's, not ours to judge.
+- Event ids, d-tags and public keys are 64 hex characters; canonical = lowercase. A public
+  key must also be the x coordinate of a point on secp256k1 (BIP-340 x-only): x < p and
+  x^3 + 7 a quadratic residue mod p (Legendre symbol, computed as a Jacobi symbol). We use the stdlib, not
+  coincurve, because `contract` imports nothing outside it; results are memoised because
+  the dataclasses re-check what the reader already checked.
+- Trimmed text: Python's `str.strip()` (Unicode whitespace). A trimmed field that is empty
+  afterwards is refused: an empty string would be a second spelling of "absent" (I6).
+- Characters are Unicode scalar values (`len(str)`); bytes are UTF-8. No string may hold a
+  lone surrogate (it has no UTF-8 form).
+
+Every checker has the signature `(value, pointer) -> canonical value` and raises
+`ContractError(invalid_request, pointer, detail)`; details never quote the value.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+
+from ._codes import ContractError, ErrorCode
+from ._limits import MAX_CURSOR_BYTES, MAX_JSON_INT, MAX_REQUEST_ID_BYTES, MAX_SLUG_BYTES
+
+__all__ = [
+    "normalize_channel_id", "normalize_hex64", "is_valid_pubkey", "is_request_id",
+    "Checker", "fault", "channel_id", "hex64", "pubkey", "lower_hex64_exact", "lower_hex128_exact",
+    "request_id", "cursor", "slug", "boolean", "integer", "text", "exact_text", "any_string",
+]
+
+Checker = Callable[[object, str], object]
+
+_HEX64 = re.compile(r"[0-9a-fA-F]{64}")
+_LOWER_HEX64 = re.compile(r"[0-9a-f]{64}")
+_LOWER_HEX128 = re.compile(r"[0-9a-f]{128}")
+_UUID_CORE = r"(?:[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}|[0-9a-fA-F]{32})"
+_UUID = re.compile(rf"(?:(?i:urn:uuid:)?(?P<plain>{_UUID_CORE})|\{{(?P<braced>{_UUID_CORE})\}})")
+# requestId and cursor: printable ASCII without space, 0x21-0x7E.
+_VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
+# NIP-AE slug grammar (spec buzz-on-the-relay.md, "Encrypted memory address").
+_SLUG = re.compile(r"core|mem/[a-z0-9][a-z0-9_-]{0,63}(?:/[a-z0-9][a-z0-9_-]{0,63})*")
+
+# secp256k1 field prime (SEC 2 §2.4.1).
+_P = 2**256 - 2**32 - 977
+
+
+def fault(pointer: str, detail: str) -> ContractError:
+    """The invalid_request error every checker raises."""
+    return ContractError(ErrorCode.INVALID_REQUEST, pointer, detail)
+
+
+def normalize_channel_id(value: str) -> str | None:
+    """Canonical (lowercase hyphenated) form of any legal UUID spelling, or None."""
+    match = _UUID.fullmatch(value.strip())
+    if match is None:
+        return None
+    digits = (match.group("plain") or match.group("braced")).replace("-", "").lower()
+    return f"{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:]}"
+
+
+def normalize_hex64(value: str) -> str | None:
+    """Lowercase form of 64 hex characters (surrounding whitespace trimmed), or None."""
+    value = value.strip()
+    return value.lower() if _HEX64.fullmatch(value) else None
+
+
+def _jacobi(a: int, n: int) -> int:
+    # The Jacobi symbol (a/n) by the binary algorithm (quadratic reciprocity). For prime n
+    # it is the Legendre symbol, i.e. Euler's criterion a^((n-1)/2) mod n, but measured
+    # here about 4x faster in pure Python than the 256-bit pow() (33 us vs 130 us).
+    a %= n
+    result = 1
+    while a:
+        while not a & 1:
+            a >>= 1
+            if n & 7 in (3, 5):
+                result = -result
+        a, n = n, a
+        if a & 3 == 3 and n & 3 == 3:
+            result = -result
+        a %= n
+    return result if n == 1 else 0
+
+
+@functools.lru_cache(maxsize=4096)
+def _on_curve(x: int) -> bool:
+    if x >= _P:
+        return False
+    y_squared = (pow(x, 3, _P) + 7) % _P
+    # A y exists iff x^3 + 7 is a square mod p: Legendre symbol 1 (or 0 for y = 0).
+    return _jacobi(y_squared, _P) >= 0
+
+
+def is_valid_pubkey(value: str) -> bool:
+    """True when `value` is 64 lowercase hex characters naming an x-only secp256k1 point."""
+    return type(value) is str and _LOWER_HEX64.fullmatch(value) is not None and _on_curve(int(value, 16))
+
+
+def is_request_id(value: object) -> bool:
+    """True for a usable requestId: 1-128 bytes of 0x21-0x7E (never trimmed)."""
+    return (
+        type(value) is str
+        and len(value) <= MAX_REQUEST_ID_BYTES
+        and _VISIBLE_ASCII.fullmatch(value) is not None
+    )
+
+
+def _string(value: object, pointer: str) -> str:
+    if type(value) is not str:
+        raise fault(pointer, "expected a string")
+    return value
+
+
+def _no_surrogates(value: str, pointer: str) -> None:
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise fault(pointer, "string holds a lone surrogate") from None
+
+
+def channel_id(value: object, pointer: str) -> str:
+    canonical = normalize_channel_id(_string(value, pointer))
+    if canonical is None:
+        raise fault(pointer, "expected a channel UUID")
+    return canonical
+
+
+def hex64(value: object, pointer: str) -> str:
+    canonical = normalize_hex64(_string(value, pointer))
+    if canonical is None:
+        raise fault(pointer, "expected 64 hex characters")
+    return canonical
+
+
+def pubkey(value: object, pointer: str) -> str:
+    canonical = hex64(value, pointer)
+    if not _on_curve(int(canonical, 16)):
+        raise fault(pointer, "not an x-only point on secp256k1")
+    return canonical
+
+
+def lower_hex64_exact(value: object, pointer: str) -> str:
+    """Verbatim fields of signed events: already canonical, never rewritten."""
+    if _LOWER_HEX64.fullmatch(_string(value, pointer)) is None:
+        raise fault(pointer, "expected 64 lowercase hex characters")
+    return value  # type: ignore[return-value]
+
+
+def lower_hex128_exact(value: object, pointer: str) -> str:
+    if _LOWER_HEX128.fullmatch(_string(value, pointer)) is None:
+        raise fault(pointer, "expected 128 lowercase hex characters")
+    return value  # type: ignore[return-value]
+
+
+def request_id(value: object, pointer: str) -> str:
+    if not is_request_id(value):
+        raise fault(pointer, f"expected 1-{MAX_REQUEST_ID_BYTES} bytes of printable ASCII without spaces")
+    return value  # type: ignore[return-value]
+
+
+def cursor(value: object, pointer: str) -> str:
+    # Opaque: never trimmed or altered, shape only (spec channel.read).
+    string = _string(value, pointer)
+    if len(string) > MAX_CURSOR_BYTES or _VISIBLE_ASCII.fullmatch(string) is None:
+        raise fault(pointer, f"expected 1-{MAX_CURSOR_BYTES} bytes of printable ASCII without spaces")
+    return string
+
+
+def slug(value: object, pointer: str) -> str:
+    string = _string(value, pointer).strip()
+    if len(string) > MAX_SLUG_BYTES or _SLUG.fullmatch(string) is None:
+        raise fault(pointer, "expected core or a mem/... slug of at most 255 bytes")
+    return string
+
+
+def boolean(value: object, pointer: str) -> bool:
+    if type(value) is not bool:
+        raise fault(pointer, "expected true or false")
+    return value
+
+
+def integer(low: int, high: int = MAX_JSON_INT) -> Checker:
+    """A checker for an integer in [low, high]; `true`, `1.0` and `1e0` are not integers."""
+
+    def check(value: object, pointer: str) -> int:
+        if type(value) is not int:
+            raise fault(pointer, "expected an integer")
+        if not low <= value <= high:
+            raise fault(pointer, f"integer outside {low}..{high}")
+        return value
+
+    return check
+
+
+def text(max_chars: int) -> Checker:
+    """Trimmed text, non-empty after trimming, at most `max_chars` scalar values."""
+
+    def check(value: object, pointer: str) -> str:
+        string = _string(value, pointer).strip()
+        if not string:
+            raise fault(pointer, "empty or whitespace-only")
+        if len(string) > max_chars:
+            raise fault(pointer, f"longer than {max_chars} characters")
+        _no_surrogates(string, pointer)
+        return string
+
+    return check
+
+
+def exact_text(max_bytes: int) -> Checker:
+    """Untrimmed text (message content): kept exactly, not whitespace-only, UTF-8 bytes bounded."""
+
+    def check(value: object, pointer: str) -> str:
+        string = _string(value, pointer)
+        if not string or string.isspace():
+            raise fault(pointer, "empty or whitespace-only")
+        # A scalar value is 1-4 UTF-8 bytes, so short strings skip the encode.
+        if len(string) > max_bytes:
+            raise fault(pointer, f"longer than {max_bytes} bytes")
+        if len(string) * 4 > max_bytes or not string.isascii():
+            try:
+                size = len(string.encode("utf-8"))
+            except UnicodeEncodeError:
+                raise fault(pointer, "string holds a lone surrogate") from None
+            if size > max_bytes:
+                raise fault(pointer, f"longer than {max_bytes} bytes")
+        return string
+
+    return check
+
+
+def any_string(value: object, pointer: str) -> str:
+    """A string kept verbatim (event content, error messages): only its type is checked."""
+    string = _string(value, pointer)
+    _no_surrogates(string, pointer)
+    return string

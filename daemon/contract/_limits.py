@@ -1,0 +1,56 @@
+"""Every numeric limit of the wire contract, each with its source.
+
+Rules: one named constant per limit; the validators import these and never spell a number.
+Characters are Unicode scalar values (Python `len(str)`); bytes are UTF-8 bytes.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MAX_REQUEST_ID_BYTES", "MAX_CURSOR_BYTES", "MAX_CONTENT_BYTES", "MAX_MENTIONS",
+    "MIN_LIMIT", "MAX_LIMIT", "DEFAULT_LIMIT", "MAX_DISPLAY_NAME_CHARS", "MAX_ABOUT_CHARS",
+    "MAX_PICTURE_CHARS", "MAX_SYSTEM_PROMPT_CHARS", "MAX_SCALAR_CHARS", "MAX_REACTION_CHARS",
+    "MAX_SLUG_BYTES", "MAX_NESTING", "MIN_JSON_INT", "MAX_JSON_INT", "MAX_KIND",
+    "PROTOCOL_VERSION", "ACTION_VERSION",
+]
+
+#: spec §Request: the envelope version this module speaks.
+PROTOCOL_VERSION = 1
+#: spec §Operations: all nine operations are at actionVersion 1.
+ACTION_VERSION = 1
+#: spec §Request: requestId is 1–128 bytes of printable ASCII without spaces.
+MAX_REQUEST_ID_BYTES = 128
+#: spec channel.read: a cursor is 1–256 bytes of printable ASCII without spaces.
+MAX_CURSOR_BYTES = 256
+#: spec message.post: content at most 64 KiB, counted in UTF-8 bytes.
+MAX_CONTENT_BYTES = 64 * 1024
+#: spec message.post: at most 50 mentions (counted as sent, before de-duplication).
+MAX_MENTIONS = 50
+#: spec channel.read: limit is 1–500; absent means the host's default page of 100.
+MIN_LIMIT = 1
+MAX_LIMIT = 500
+DEFAULT_LIMIT = 100
+#: spec profile.set / agents.create: names are at most 120 characters.
+MAX_DISPLAY_NAME_CHARS = 120
+#: spec profile.set: the blurb is at most 2,000 characters.
+MAX_ABOUT_CHARS = 2000
+#: spec profile.set: the picture URL is at most 300 characters.
+MAX_PICTURE_CHARS = 300
+#: spec agents.create: systemPrompt is at most 20,000 characters.
+MAX_SYSTEM_PROMPT_CHARS = 20_000
+#: spec agents.create: runtime, provider and model are short scalars of at most 300 characters.
+MAX_SCALAR_CHARS = 300
+#: spec reaction.add: a reaction is non-empty and at most 66 characters.
+MAX_REACTION_CHARS = 66
+#: spec storage.address / NIP-AE: a slug is at most 255 bytes (ASCII grammar: bytes == chars).
+MAX_SLUG_BYTES = 255
+#: Our bound on container nesting. The deepest legal document is a read response:
+#: top / outcome / messages / event / tags / tag = 6 levels. 16 leaves room and keeps a
+#: hostile 10,000-deep body far from the C decoder's recursion.
+MAX_NESTING = 16
+#: Our bound on any JSON integer: signed 64-bit. Nothing in the protocol needs more, and a
+#: 4,000-digit number is a denial-of-service vector, not a value.
+MIN_JSON_INT = -(2**63)
+MAX_JSON_INT = 2**63 - 1
+#: NIP-01: event kinds are 0..65535.
+MAX_KIND = 65535

@@ -1,0 +1,184 @@
+"""Outcome shapes (spec §Operations) and the strict seven-member signed event (I4).
+
+Rules:
+- Outcomes echo identities in canonical form (channel ids lowercase hyphenated, pubkeys
+  and ids lowercase); pubkeys must be secp256k1 points.
+- `Event` is held to exactly id, pubkey, created_at, kind, tags, content, sig. Its fields
+  are verbatim signed data, so nothing is rewritten: ids and pubkeys must already be
+  lowercase hex, sig 128 lowercase hex. Whether the signature verifies is the reader's
+  policy (custody.verify_event), not this module's.
+- `ReadOutcome.messages` is required and may be empty (an empty page is a fact, not an
+  absent member); it never holds more than MAX_LIMIT events. `nextCursor` is omitted when
+  there is nothing further.
+- `AgentsUpdateOutcome.updated_fields` is required and may be empty (an update that
+  changed nothing); per spec the client checks the entries are strings and nothing more.
+
+WARNING: the tables registered here are the source of `ActionSpec.outcome_members`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ._ids import (
+    any_string, channel_id, cursor, hex64, integer, lower_hex64_exact, lower_hex128_exact,
+    pubkey, text,
+)
+from ._limits import MAX_DISPLAY_NAME_CHARS, MAX_KIND, MAX_LIMIT
+from ._shapes import Field, Shape, array_of, check_instance, nested, read_object, register, to_wire
+
+__all__ = [
+    "Event", "PublishOutcome", "ReadOutcome", "StorageAddressOutcome", "AgentsCreateOutcome",
+    "AgentsUpdateOutcome", "AgentsDeleteOutcome", "Outcome",
+]
+
+_KIND = integer(0, MAX_KIND)
+_TIMESTAMP = integer(0)
+_NAME = text(MAX_DISPLAY_NAME_CHARS)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    id: str
+    pubkey: str
+    created_at: int
+    kind: int
+    tags: tuple[tuple[str, ...], ...]
+    content: str
+    sig: str
+
+    def __post_init__(self) -> None:
+        check_instance(self)
+
+    @classmethod
+    def from_json_obj(cls, obj: Mapping[str, Any]) -> Event:
+        """Strict: exactly the seven members, nothing null, nothing rewritten.
+
+        Raises:
+            ContractError: invalid_request with the pointer (relative to the event).
+        """
+        event: Event = read_object(dict(obj) if type(obj) is not dict else obj, "", _EVENT_SHAPE)
+        return event
+
+    def to_json_obj(self) -> dict[str, object]:
+        """The seven members as plain JSON values (tags as lists)."""
+        return to_wire(self)
+
+
+_EVENT_SHAPE = register(Shape(Event, (
+    Field("id", "id", lower_hex64_exact, required=True),
+    Field("pubkey", "pubkey", lower_hex64_exact, required=True),
+    Field("created_at", "created_at", _TIMESTAMP, required=True),
+    Field("kind", "kind", _KIND, required=True),
+    Field("tags", "tags", array_of(array_of(any_string, allow_empty=True), allow_empty=True), required=True),
+    Field("content", "content", any_string, required=True),
+    Field("sig", "sig", lower_hex128_exact, required=True),
+)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PublishOutcome:
+    """message.post, message.reply, reaction.add, profile.set: the event the host signed."""
+
+    event_id: str
+    kind: int
+    created_at: int
+
+    def __post_init__(self) -> None:
+        check_instance(self)
+
+
+register(Shape(PublishOutcome, (
+    Field("eventId", "event_id", hex64, required=True),
+    Field("kind", "kind", _KIND, required=True),
+    Field("createdAt", "created_at", _TIMESTAMP, required=True),
+)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadOutcome:
+    messages: tuple[Event, ...]
+    next_cursor: str | None = None
+
+    def __post_init__(self) -> None:
+        check_instance(self)
+
+
+register(Shape(ReadOutcome, (
+    Field("messages", "messages",
+          array_of(nested(lambda: _EVENT_SHAPE), max_items=MAX_LIMIT, allow_empty=True), required=True),
+    Field("nextCursor", "next_cursor", cursor),
+)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StorageAddressOutcome:
+    author_pubkey: str
+    kind: int
+    d_tag: str
+
+    def __post_init__(self) -> None:
+        check_instance(self)
+
+
+register(Shape(StorageAddressOutcome, (
+    Field("authorPubkey", "author_pubkey", pubkey, required=True),
+    Field("kind", "kind", _KIND, required=True),
+    Field("dTag", "d_tag", hex64, required=True),
+)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentsCreateOutcome:
+    agent_pubkey: str
+    display_name: str
+    channel_id: str
+
+    def __post_init__(self) -> None:
+        check_instance(self)
+
+
+register(Shape(AgentsCreateOutcome, (
+    Field("agentPubkey", "agent_pubkey", pubkey, required=True),
+    Field("displayName", "display_name", _NAME, required=True),
+    Field("channelId", "channel_id", channel_id, required=True),
+)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentsUpdateOutcome:
+    pubkey: str
+    name: str
+    updated_fields: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        check_instance(self)
+
+
+register(Shape(AgentsUpdateOutcome, (
+    Field("pubkey", "pubkey", pubkey, required=True),
+    Field("name", "name", _NAME, required=True),
+    Field("updatedFields", "updated_fields", array_of(any_string, allow_empty=True), required=True),
+)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentsDeleteOutcome:
+    pubkey: str
+    name: str
+
+    def __post_init__(self) -> None:
+        check_instance(self)
+
+
+register(Shape(AgentsDeleteOutcome, (
+    Field("pubkey", "pubkey", pubkey, required=True),
+    Field("name", "name", _NAME, required=True),
+)))
+
+Outcome = (
+    PublishOutcome | ReadOutcome | StorageAddressOutcome | AgentsCreateOutcome
+    | AgentsUpdateOutcome | AgentsDeleteOutcome
+)

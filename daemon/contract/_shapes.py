@@ -1,0 +1,195 @@
+"""Table-driven strict objects: one `Shape` per argument/outcome/event type.
+
+Rules:
+- A shape is a tuple of `Field`s (wire name, attribute, checker, required, absent value) plus
+  an optional cross-member rule. The same table drives three things: reading a wire object
+  (`read_object`), re-checking a constructed dataclass (`check_instance`, called from
+  `__post_init__`, so an invalid value cannot exist) and writing the canonical wire object
+  (`to_wire`, absent members omitted: never null, never `[]`, never `false` for a default).
+- Reading order, which fixes "the first fault" inside one object: unknown members in
+  document order, then members in table order (missing required, bad value), then the
+  cross-member rule (reported at the object's pointer).
+- Two error families: reading raises `ContractError` (Remote, carries a pointer);
+  constructing with a non-canonical or invalid value raises `ValueError` (Local, our bug).
+
+WARNING: the member sets in `ACTIONS` are derived from these tables; tests pin them with
+their own literal table, so adding a field means touching both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ._codes import ContractError
+from ._ids import Checker, fault
+from ._json import escape_token, is_object
+
+__all__ = ["Field", "Shape", "SHAPES", "register", "read_object", "check_instance", "to_wire",
+           "array_of", "nested", "one_of"]
+
+Rule = Callable[[Mapping[str, object]], "str | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    wire: str
+    attr: str
+    check: Checker
+    required: bool = False
+    #: the attribute value that means "absent" (None; () for arrays; False for mentionsOnly)
+    absent: object = None
+
+    @property
+    def suffix(self) -> str:
+        return "/" + escape_token(self.wire)
+
+    def is_absent(self, value: object) -> bool:
+        if self.absent is None:
+            return value is None
+        return type(value) is type(self.absent) and value == self.absent
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    cls: type
+    fields: tuple[Field, ...]
+    rule: Rule | None = None
+
+    @property
+    def wire_names(self) -> frozenset[str]:
+        return frozenset(f.wire for f in self.fields)
+
+
+SHAPES: dict[type, Shape] = {}
+
+
+def register(shape: Shape) -> Shape:
+    SHAPES[shape.cls] = shape
+    return shape
+
+
+def read_object(value: object, pointer: str, shape: Shape) -> Any:
+    """Read one strict wire object into `shape.cls`.
+
+    Raises:
+        ContractError: invalid_request with the pointer of the first fault.
+    """
+    if not is_object(value):
+        raise fault(pointer, "expected an object")
+    obj: dict[str, object] = value  # type: ignore[assignment]
+    names = shape.wire_names
+    for key in obj:
+        if key not in names:
+            raise fault(f"{pointer}/{escape_token(key)}", "unknown member")
+    kwargs: dict[str, object] = {}
+    for f in shape.fields:
+        if f.wire in obj:
+            kwargs[f.attr] = f.check(obj[f.wire], pointer + f.suffix)
+        elif f.required:
+            raise fault(pointer + f.suffix, "missing required member")
+    if shape.rule is not None:
+        broken = shape.rule(kwargs)
+        if broken is not None:
+            raise fault(pointer, broken)
+    return shape.cls(**kwargs)
+
+
+def check_instance(instance: object) -> None:
+    """`__post_init__` body: every value canonical and valid, every rule kept.
+
+    Raises:
+        ValueError: the instance could not have come from a valid wire object (our bug).
+    """
+    shape = SHAPES[type(instance)]
+    name = type(instance).__name__
+    present: dict[str, object] = {}
+    for f in shape.fields:
+        value = getattr(instance, f.attr)
+        if not f.required and f.is_absent(value):
+            continue
+        try:
+            canonical = f.check(value, f.attr)
+        except ContractError as exc:
+            raise ValueError(f"{name}.{f.attr}: {exc.detail}") from None
+        if canonical != value or type(canonical) is not type(value):
+            raise ValueError(f"{name}.{f.attr}: not in canonical form")
+        present[f.attr] = value
+    if shape.rule is not None:
+        broken = shape.rule(present)
+        if broken is not None:
+            raise ValueError(f"{name}: {broken}")
+
+
+def _wire_value(value: object) -> object:
+    if type(value) is tuple:
+        return [_wire_value(item) for item in value]
+    if type(value) in SHAPES:
+        return to_wire(value)
+    return value
+
+
+def to_wire(instance: object) -> dict[str, object]:
+    """The canonical wire object: members in table order, absent members omitted."""
+    shape = SHAPES[type(instance)]
+    out: dict[str, object] = {}
+    for f in shape.fields:
+        value = getattr(instance, f.attr)
+        if not f.required and f.is_absent(value):
+            continue
+        out[f.wire] = _wire_value(value)
+    return out
+
+
+def array_of(
+    item: Checker, *, max_items: int | None = None, allow_empty: bool, dedupe: bool = False
+) -> Checker:
+    """A checker for an array (a tuple once frozen).
+
+    `allow_empty=False` is I6 for optional arrays: absence is spelled by omission, so `[]`
+    is malformed. `dedupe` keeps the first occurrence of each canonical item; `max_items`
+    counts the array as sent.
+    """
+
+    def check(value: object, pointer: str) -> tuple[object, ...]:
+        if type(value) is not list and type(value) is not tuple:
+            raise fault(pointer, "expected an array")
+        items = value
+        if not items and not allow_empty:
+            raise fault(pointer, "empty array: omit the member instead")
+        if max_items is not None and len(items) > max_items:
+            raise fault(pointer, f"more than {max_items} items")
+        out = tuple(item(entry, f"{pointer}/{index}") for index, entry in enumerate(items))
+        if dedupe and len(set(out)) != len(out):
+            out = tuple(dict.fromkeys(out))
+        return out
+
+    return check
+
+
+def nested(shape_of: Callable[[], Shape]) -> Checker:
+    """A checker for a nested strict object; an already-built instance passes as is."""
+
+    def check(value: object, pointer: str) -> object:
+        shape = shape_of()
+        if type(value) is shape.cls:
+            return value
+        return read_object(value, pointer, shape)
+
+    return check
+
+
+def one_of(*choices: str) -> Checker:
+    """A trimmed string that must be one of `choices`."""
+    allowed = frozenset(choices)
+
+    def check(value: object, pointer: str) -> str:
+        if type(value) is not str:
+            raise fault(pointer, "expected a string")
+        string = value.strip()
+        if string not in allowed:
+            raise fault(pointer, "expected one of " + ", ".join(sorted(allowed)))
+        return string
+
+    return check
