@@ -1,0 +1,346 @@
+"""`buzz-broker serve`: the daemon in the foreground, as systemd (Type=notify) runs it.
+
+Startup, in order (each fault is one line on stderr and a non-zero exit, no traceback):
+
+1. read the config (`--config`, else ``$BUZZ_BROKER_CONFIG``, else defaults) and set up
+   JSON logging on stderr at [log] level;
+2. lock memory with ``mlockall(MCL_CURRENT|MCL_FUTURE)`` so unsealed keys are never
+   swapped out - only where it is safe (below), else a warning and carry on;
+3. take the listening socket: the one systemd passed (``LISTEN_FDS``/``LISTEN_PID``, fd 3)
+   or bind [server] socket. Binding comes before the token: clients that connect early
+   wait in the backlog, and a socket fault is reported before a slow token login;
+4. open the application (`daemon.broker.Broker.running`: custody logs into the token and
+   finds the KEK, the stores and the relay pool open) - `StartupError` is one line;
+5. serve HTTP, then send ``READY=1`` and a ``STATUS=`` line; ping ``WATCHDOG=1`` from the
+   event loop at half of ``WATCHDOG_USEC`` (a wedged loop stops the pings and systemd
+   restarts us).
+
+Signals: SIGTERM/SIGINT -> ``STOPPING=1``, stop accepting, drain in-flight requests up to
+[server] shutdown_grace, exit 0. SIGHUP -> ``app.reload()`` (credentials and policy) while
+connections stay open; a failed reload is logged and the running state kept.
+
+Memory locking: with ``MCL_FUTURE`` every later allocation counts against
+``RLIMIT_MEMLOCK``; under a small limit (the usual 8 MiB) Python would start failing
+allocations with MemoryError. So we lock only when the limit is unlimited, at least
+`MIN_MEMLOCK_BYTES` (the unit sets ``LimitMEMLOCK=256M``), or the process holds
+CAP_IPC_LOCK (which lifts the limit); otherwise we log ``serve.mlock_skipped``.
+
+`run_server` is the testable core: the application factory, the environment (for
+``NOTIFY_SOCKET``, ``LISTEN_FDS``, ``WATCHDOG_USEC``) and the memory locker are parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import errno
+import logging
+import os
+import resource
+import signal
+import socket
+import time
+from collections.abc import Callable, MutableMapping
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+import trio
+
+from daemon import notify
+from daemon.cli._common import CliError, config_from_args
+from daemon.config import Config, load_config
+from daemon.http import (
+    HttpAnswer,
+    HttpLimits,
+    HttpRequest,
+    ListenError,
+    ServerControl,
+    bind_unix_socket,
+    serve,
+)
+from daemon.log import log_event, setup_logging
+
+__all__ = [
+    "HELP",
+    "add_arguments",
+    "run",
+    "run_server",
+    "ReloadableApplication",
+    "MemoryLock",
+    "lock_memory",
+    "MIN_MEMLOCK_BYTES",
+]
+
+HELP = "run the daemon: serve agents on the Unix socket until SIGTERM"
+
+_log = logging.getLogger("buzz_broker.serve")
+
+#: Linux <sys/mman.h> (x86, arm, riscv; not powerpc/sparc/alpha, which we do not ship on).
+MCL_CURRENT = 1
+MCL_FUTURE = 2
+
+#: Smallest RLIMIT_MEMLOCK under which we dare MCL_FUTURE: the daemon's measured resident
+#: size is ~60 MiB with python-pkcs11, cryptography and SQLite loaded; 256 MiB leaves room
+#: for growth and is what systemd/buzz-broker.service sets (LimitMEMLOCK=256M).
+MIN_MEMLOCK_BYTES = 256 * 1024 * 1024
+
+#: CAP_IPC_LOCK's bit in /proc/self/status CapEff (linux/capability.h).
+_CAP_IPC_LOCK = 14
+
+
+class ReloadableApplication(Protocol):
+    """What `run_server` serves: an `Application` that can also reload (SIGHUP)."""
+
+    async def handle(self, request: HttpRequest) -> HttpAnswer: ...
+
+    def reload(self) -> None: ...
+
+
+AppFactory = Callable[[Config], AbstractAsyncContextManager[ReloadableApplication]]
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryLock:
+    """What `lock_memory` did: ``locked``, or why not (an errno name or a limit)."""
+
+    locked: bool
+    reason: str
+
+
+def _has_cap_ipc_lock() -> bool:
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_IPC_LOCK & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def lock_memory() -> MemoryLock:
+    """``mlockall(MCL_CURRENT|MCL_FUTURE)`` when it is safe (see the module docstring)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    enough = soft == resource.RLIM_INFINITY or soft >= MIN_MEMLOCK_BYTES
+    if not enough and not _has_cap_ipc_lock():
+        return MemoryLock(False, f"RLIMIT_MEMLOCK is {soft} bytes; needs >= {MIN_MEMLOCK_BYTES}")
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        result = libc.mlockall(MCL_CURRENT | MCL_FUTURE)
+    except (OSError, AttributeError):
+        return MemoryLock(False, "mlockall is not available")
+    if result != 0:
+        code = ctypes.get_errno()
+        return MemoryLock(False, errno.errorcode.get(code, str(code)))
+    return MemoryLock(True, "locked")
+
+
+def _activated_socket(fds: list[int]) -> socket.socket:
+    """The listening socket systemd passed; the first one if it passed several."""
+    sock = socket.socket(fileno=fds[0])
+    if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
+        sock.detach()
+        raise CliError("the socket passed by systemd (LISTEN_FDS) is not a Unix stream socket")
+    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        sock.detach()
+        raise CliError("the socket passed by systemd (LISTEN_FDS) is not listening")
+    for extra in fds[1:]:
+        os.close(extra)  # we serve one socket; close the rest rather than leak them
+    return sock
+
+
+def _send(environ: MutableMapping[str, str], *lines: str) -> None:
+    try:
+        notify.notify(*lines, environ=environ)
+    except OSError as exc:
+        log_event(_log, "serve.notify_failed", level=logging.WARNING, errno=exc.errno)
+
+
+async def run_server(
+    config: Config,
+    app_factory: AppFactory,
+    *,
+    environ: MutableMapping[str, str] | None = None,
+    memory_lock: Callable[[], MemoryLock] = lock_memory,
+    task_status: trio.TaskStatus[ServerControl] = trio.TASK_STATUS_IGNORED,
+) -> int:
+    """Run the daemon until SIGTERM/SIGINT; returns the exit status (0 after a clean drain).
+
+    Args:
+        config: the loaded configuration.
+        app_factory: opens the application (`Broker.running` in production).
+        environ: the environment for the systemd protocols (the process's unless given).
+        memory_lock: locks memory; tests pass a fake so the test process is not locked.
+        task_status: ``started(control)`` once READY=1 has been sent.
+
+    Raises:
+        CliError: the socket could not be taken, or the application failed to start.
+
+    Signals:
+        Installs SIGTERM, SIGINT and SIGHUP handlers for its duration (main thread only).
+    """
+    env = os.environ if environ is None else environ
+    started_at = time.monotonic()
+    log_event(_log, "serve.starting", pid=os.getpid(), config=config.source or "built-in defaults")
+
+    lock = memory_lock()
+    if lock.locked:
+        log_event(_log, "serve.mlock", locked=True)
+    else:
+        log_event(_log, "serve.mlock_skipped", level=logging.WARNING, reason=lock.reason)
+
+    server = config.server
+    try:
+        fds = notify.listen_fds(env)
+    except ValueError as exc:
+        raise CliError(f"socket activation: {exc}") from None
+    bound_path: str | None = None
+    if fds:
+        raw = _activated_socket(fds)
+        where = "socket passed by systemd"
+    else:
+        _send(env, notify.status(f"binding {server.socket}"))
+        try:
+            raw = bind_unix_socket(server.socket, mode=server.socket_mode, group=server.socket_group)
+        except ListenError as exc:
+            raise CliError(str(exc)) from None
+        bound_path = os.path.abspath(server.socket)
+        where = bound_path
+    bound_inode = os.stat(bound_path).st_ino if bound_path else None
+    log_event(_log, "serve.listening", socket=where, activated=bool(fds))
+    limits = HttpLimits(
+        max_connections=server.max_connections,
+        max_body_bytes=server.max_body_bytes,
+        max_header_bytes=server.max_header_bytes,
+        request_timeout=server.request_timeout,
+        shutdown_grace=server.shutdown_grace,
+    )
+    try:
+        watchdog = notify.watchdog_interval(env)
+    except ValueError as exc:
+        raw.close()
+        raise CliError(f"watchdog: {exc}") from None
+
+    try:
+        _send(env, notify.status("opening the token, the stores and the relay pool"))
+        async with app_factory(config) as app:
+            await _serve_until_signalled(app, raw, limits, env, watchdog, where, started_at, task_status)
+    finally:
+        raw.close()
+        if bound_path is not None:
+            try:
+                if os.stat(bound_path).st_ino == bound_inode:
+                    os.unlink(bound_path)
+            except OSError:
+                pass
+    log_event(_log, "serve.stopped")
+    return 0
+
+
+async def _serve_until_signalled(
+    app: ReloadableApplication,
+    raw: socket.socket,
+    limits: HttpLimits,
+    env: MutableMapping[str, str],
+    watchdog: float | None,
+    where: str,
+    started_at: float,
+    task_status: trio.TaskStatus[ServerControl],
+) -> None:
+    # The receiver is open before READY=1, so a SIGTERM right after readiness is not lost.
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def serve_then_finish(task_status: trio.TaskStatus[ServerControl]) -> None:
+                await serve(app, raw, limits, task_status=task_status)
+                nursery.cancel_scope.cancel()  # drained: stop the watchdog and signal tasks
+
+            control: ServerControl = await nursery.start(serve_then_finish)
+            _send(env, notify.READY, notify.status(f"serving on {where}"))
+            log_event(
+                _log,
+                "serve.ready",
+                socket=where,
+                startup_ms=round((time.monotonic() - started_at) * 1000, 1),
+                watchdog_seconds=watchdog,
+            )
+            if watchdog is not None:
+                nursery.start_soon(_watchdog, env, watchdog / 2)
+            task_status.started(control)
+            async for signum in signals:
+                if signum == signal.SIGHUP:
+                    _reload(app, env, where)
+                    continue
+                name = signal.Signals(signum).name
+                _send(
+                    env,
+                    notify.STOPPING,
+                    notify.status(f"stopping ({name}): draining {control.in_flight} request(s)"),
+                )
+                log_event(_log, "serve.stopping", signal=name, in_flight=control.in_flight,
+                          connections=control.connections)
+                control.stop()
+                break
+            # serve_then_finish cancels the nursery once the drain is over.
+
+
+def _reload(app: ReloadableApplication, env: MutableMapping[str, str], where: str) -> None:
+    try:
+        app.reload()
+    except Exception as exc:  # noqa: BLE001 - keep serving with the state we have
+        log_event(_log, "serve.reload_failed", level=logging.ERROR, error=type(exc).__name__)
+        _send(env, notify.status(f"serving on {where}; last reload failed"))
+        return
+    log_event(_log, "serve.reloaded")
+    _send(env, notify.status(f"serving on {where}; reloaded"))
+
+
+async def _watchdog(env: MutableMapping[str, str], every: float) -> None:
+    while True:
+        _send(env, notify.WATCHDOG)
+        await trio.sleep(every)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`serve` takes no arguments of its own: everything is in the config file."""
+
+
+def _broker_factory(config: Config) -> AbstractAsyncContextManager[ReloadableApplication]:
+    from daemon.broker import Broker
+
+    source = config.source
+
+    def reload_config() -> Config:
+        # SIGHUP re-reads the same file (policy); the environment is not consulted again.
+        return load_config(source, environ={})
+
+    return Broker.running(config, config_loader=reload_config if source else None)
+
+
+def _one_startup_error(exc: BaseException) -> str | None:
+    """The one line for a startup fault, looking through trio's exception groups."""
+    from daemon.broker import StartupError
+
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    if isinstance(exc, (StartupError, CliError)):
+        return str(exc)
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    setup_logging(config.log.level)
+    try:
+        return trio.run(run_server, config, _broker_factory)
+    except CliError:
+        raise
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - startup faults become one line
+        line = _one_startup_error(exc)
+        if line is None:
+            log_event(_log, "serve.crashed", level=logging.ERROR, error=type(exc).__name__)
+            raise
+        raise CliError(line) from None
