@@ -13,9 +13,9 @@ Rules (spec I6, §Request, issue 2):
   whose requestId is fine but whose args hold a `null`.
 
 Theory of operation (measured: see benchmarks/contract.py). The C decoder does the
-parsing. A fast decoder's hooks raise `_Slow` the moment they see a repeated key or a
-non-integer, and a few byte searches decide whether a walk is needed at all (no b"null",
-no surrogate escape, no 19-digit run -> the value is clean without visiting it). Only when
+parsing. A fast decoder's hooks raise `_Slow` the moment they see a repeated key, a
+non-integer or a 19+ digit integer, and two byte searches decide whether a walk is needed
+at all (no b"null", no surrogate escape -> the value is clean without visiting it). Only when
 something suspicious shows up do we re-parse with a marking decoder and walk the tree in
 document order to name the first fault. Nesting is bounded before the C decoder runs, so
 a 10,000-deep body is refused after a count and a short scan, never by RecursionError.
@@ -88,6 +88,13 @@ def _constant(text: str) -> object:
     raise _BadConstant(text)
 
 
+def _fast_int(text: str) -> int:
+    # 18 digits always fit in 64 bits; anything longer is range-checked on the slow path.
+    if len(text) > 18:
+        raise _Slow
+    return int(text)
+
+
 def _slow_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     obj = dict(pairs)
     if len(obj) == len(pairs):
@@ -121,7 +128,8 @@ def _slow_int(text: str) -> object:
 
 
 _FAST = json.JSONDecoder(
-    object_pairs_hook=_fast_pairs, parse_float=_fast_float, parse_constant=_constant
+    object_pairs_hook=_fast_pairs, parse_float=_fast_float, parse_int=_fast_int,
+    parse_constant=_constant,
 )
 _MARKING = json.JSONDecoder(
     object_pairs_hook=_slow_pairs,
@@ -135,8 +143,6 @@ _STRING_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 # Any escape of a UTF-16 surrogate; pairs are legal, so these only trigger the walk.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-# 19 digits in a row may be an integer beyond 64 bits (or just text; the walk decides).
-_LONG_DIGITS = re.compile(rb"[0-9]{19}")
 _OPEN = (0x5B, 0x7B)
 
 
@@ -246,12 +252,9 @@ def parse(body: bytes) -> tuple[object, tuple[str, str] | None]:
         raise JsonSyntaxError(f"{exc.args[0]} is not JSON") from None
     except json.JSONDecodeError as exc:
         raise JsonSyntaxError(f"{exc.msg} at character {exc.pos}") from None
-    except ValueError:
-        # int() refused a > 4300-digit literal; the marking decoder never calls int() on it.
-        return _parse_marking(text)
     except RecursionError:  # pragma: no cover - _too_deep bounds nesting first
         raise JsonSyntaxError("nesting too deep") from None
-    if b"null" in body or _SURROGATE_ESCAPE.search(body) or _LONG_DIGITS.search(body):
+    if b"null" in body or (b"\\u" in body and _SURROGATE_ESCAPE.search(body)):
         return value, first_fault(value)
     return value, None
 
