@@ -1,0 +1,254 @@
+"""Authorization: may this principal do this request here?
+
+Rules (spec I2, §Results; issue 4):
+- Runs after authentication and validation, before execution. Returns a `Refusal`
+  (a failed-only code and a fixed message) or None. It has no side effects and does no
+  I/O beyond reading the public agent directory it is handed.
+- The checks are data: `CHECKS` is an ordered table of (name, check); the first refusal
+  wins. The order puts the session's own scope first (action, then channel), then the
+  host's switches, then the action-specific rules, so a session never learns about host
+  configuration for actions it could not ask for anyway.
+- Messages are fixed templates (style.md #12); nothing from an exception or from
+  another agent's record ever reaches one.
+
+Decisions (recorded here because the spec leaves them to the host):
+- A `runtime` this host does not offer is `invalid_request`: the argument failed this
+  host's validation and nothing ran. `unsupported` is for an action the host does not
+  offer (spec: "host knows the action but does not offer it"), which is not the case;
+  `action_failed` promises the action ran, which it did not.
+- agents.update/delete by pubkey answer `unauthorized` with one message whether the
+  pubkey is unknown, deleted, or owned by someone else. Distinct answers would let any
+  session probe which pubkeys this host holds and who owns them; ownership is the only
+  thing authorization decides, so one answer says exactly that much. By name, the search
+  covers only the requester's own live agents, so "no such agent" and "ambiguous"
+  (`action_failed`, as the issue asks) reveal nothing about anyone else.
+- Depth: a human-owned agent is depth 1; an agent it creates is depth 2, and so on.
+  agents.create is refused (`unauthorized`, naming the limit) when requester depth + 1
+  exceeds `max_agent_depth`. A requester this host does not hold (or that was deleted)
+  may not create agents at all.
+
+WARNING: `CHANNEL_ACTIONS` must list exactly the actions whose arguments carry
+`channelId` (tests pin it against the contract); `CHECKS` is the only list of checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final, Protocol, TypeAlias, TypeVar
+
+from daemon.config import PolicyConfig
+from daemon.contract import ErrorCode
+from daemon.sessions import Principal
+
+__all__ = [
+    "Refusal",
+    "authorize",
+    "resolve_target",
+    "AgentView",
+    "AgentDirectory",
+    "CHECKS",
+    "CHANNEL_ACTIONS",
+    "RUNTIME_ACTIONS",
+    "TARGET_ACTIONS",
+    "REFUSALS",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A failed verdict decided before anything ran: a code and a fixed, secret-free message."""
+
+    code: ErrorCode
+    message: str
+
+
+class AgentView(Protocol):
+    """The public fields policy reads from an agent record (custody.AgentRecord has them)."""
+
+    @property
+    def pubkey(self) -> str: ...
+    @property
+    def owner(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def depth(self) -> int: ...
+    @property
+    def deleted_at(self) -> int | None: ...
+
+
+_R = TypeVar("_R", bound=AgentView, covariant=True)
+_R2 = TypeVar("_R2", bound=AgentView)
+
+
+class AgentDirectory(Protocol[_R]):
+    """Read-only public agent records: `custody.Custody` satisfies it."""
+
+    def agent(self, pubkey: str) -> _R | None: ...
+    def agents(self, *, include_deleted: bool = False) -> Sequence[_R]: ...
+
+
+class _Target(Protocol):
+    @property
+    def pubkey(self) -> str | None: ...
+    @property
+    def name(self) -> str | None: ...
+
+
+class _Request(Protocol):
+    @property
+    def action(self) -> str: ...
+    @property
+    def args(self) -> object: ...
+
+
+#: Actions whose arguments carry `channelId` (spec §Operations). The credential's
+#: channels must include it: a credential is bound to its conversation (spec §Conformance).
+CHANNEL_ACTIONS: Final = frozenset(
+    {"channel.read", "message.post", "message.reply", "reaction.add", "agents.create"}
+)
+
+#: Actions whose arguments may carry `runtime`; "a host refuses a runtime it cannot resolve".
+RUNTIME_ACTIONS: Final = frozenset({"agents.create", "agents.update"})
+
+#: Actions that act on an existing agent named by `target`: the requester must own it.
+TARGET_ACTIONS: Final = frozenset({"agents.update", "agents.delete"})
+
+#: The fixed refusals, keyed by reason. Depth's message names the configured limit.
+REFUSALS: Final = {
+    "action": Refusal(ErrorCode.UNAUTHORIZED, "this action is not permitted for this session"),
+    "channel": Refusal(ErrorCode.UNAUTHORIZED, "this channel is not permitted for this session"),
+    "disabled": Refusal(ErrorCode.UNSUPPORTED, "this host does not offer this action"),
+    "requester": Refusal(
+        ErrorCode.UNAUTHORIZED, "the requesting agent is not held by this host"
+    ),
+    "runtime": Refusal(ErrorCode.INVALID_REQUEST, "runtime is not offered by this host"),
+    "not_owned": Refusal(ErrorCode.UNAUTHORIZED, "the target is not an agent this session owns"),
+    "no_such_name": Refusal(ErrorCode.ACTION_FAILED, "no such agent"),
+    "ambiguous": Refusal(
+        ErrorCode.ACTION_FAILED,
+        "the name matches several of your agents; name the target by pubkey",
+    ),
+}
+
+_DEPTH_TEMPLATE: Final = "agents.create would exceed this host's agent depth limit of {limit}"
+
+
+def _depth_refusal(limit: int) -> Refusal:
+    return Refusal(ErrorCode.UNAUTHORIZED, _DEPTH_TEMPLATE.format(limit=int(limit)))
+
+
+def resolve_target(
+    principal: Principal, target: _Target, agents: AgentDirectory[_R2]
+) -> _R2 | Refusal:
+    """The live agent owned by the principal that `target` names, or the refusal.
+
+    By pubkey: it must exist, be live, and be owned by the principal; otherwise the one
+    `unauthorized` answer (see the module docstring). By name: among the principal's own
+    live agents; none -> action_failed "no such agent"; several -> action_failed saying
+    the name is ambiguous.
+    """
+    if target.pubkey is not None:
+        record = agents.agent(target.pubkey)
+        if record is None or record.deleted_at is not None or record.owner != principal.agent:
+            return REFUSALS["not_owned"]
+        return record
+    matches = [
+        a
+        for a in agents.agents()
+        if a.owner == principal.agent and a.deleted_at is None and a.name == target.name
+    ]
+    if not matches:
+        return REFUSALS["no_such_name"]
+    if len(matches) > 1:
+        return REFUSALS["ambiguous"]
+    return matches[0]
+
+
+_Dir: TypeAlias = AgentDirectory[AgentView]
+_Check: TypeAlias = Callable[[Principal, _Request, PolicyConfig, _Dir], Refusal | None]
+
+
+def _check_action(
+    p: Principal, r: _Request, host: PolicyConfig, agents: _Dir
+) -> Refusal | None:
+    return None if r.action in p.actions else REFUSALS["action"]
+
+
+def _check_channel(
+    p: Principal, r: _Request, host: PolicyConfig, agents: _Dir
+) -> Refusal | None:
+    if r.action not in CHANNEL_ACTIONS:
+        return None
+    channel = getattr(r.args, "channel_id")
+    return None if channel in p.channels else REFUSALS["channel"]
+
+
+def _check_disabled(
+    p: Principal, r: _Request, host: PolicyConfig, agents: _Dir
+) -> Refusal | None:
+    return REFUSALS["disabled"] if r.action in host.disabled_actions else None
+
+
+def _check_depth(
+    p: Principal, r: _Request, host: PolicyConfig, agents: _Dir
+) -> Refusal | None:
+    if r.action != "agents.create":
+        return None
+    requester = agents.agent(p.agent)
+    if requester is None or requester.deleted_at is not None:
+        return REFUSALS["requester"]
+    if requester.depth + 1 > host.max_agent_depth:
+        return _depth_refusal(host.max_agent_depth)
+    return None
+
+
+def _check_runtime(
+    p: Principal, r: _Request, host: PolicyConfig, agents: _Dir
+) -> Refusal | None:
+    if r.action not in RUNTIME_ACTIONS:
+        return None
+    runtime = getattr(r.args, "runtime")
+    return None if runtime is None or runtime in host.runtimes else REFUSALS["runtime"]
+
+
+def _check_target(
+    p: Principal, r: _Request, host: PolicyConfig, agents: _Dir
+) -> Refusal | None:
+    if r.action not in TARGET_ACTIONS:
+        return None
+    found = resolve_target(p, getattr(r.args, "target"), agents)
+    return found if isinstance(found, Refusal) else None
+
+
+#: The checks, in order; the first refusal wins.
+CHECKS: Final[tuple[tuple[str, _Check], ...]] = (
+    ("action", _check_action),
+    ("channel", _check_channel),
+    ("disabled", _check_disabled),
+    ("depth", _check_depth),
+    ("runtime", _check_runtime),
+    ("target", _check_target),
+)
+
+
+def authorize(
+    principal: Principal,
+    request: _Request,
+    host: PolicyConfig,
+    agents: AgentDirectory[AgentView],
+) -> Refusal | None:
+    """None if the principal may run this (validated) request on this host, else the refusal.
+
+    Args:
+        principal: from SessionStore.authenticate.
+        request: a validated contract Request (`.action`, `.args`).
+        host: the host's [policy] configuration.
+        agents: the public agent directory (custody.Custody or custody.PublicDirectory-like).
+    """
+    for _name, check in CHECKS:
+        refusal = check(principal, request, host, agents)
+        if refusal is not None:
+            return refusal
+    return None

@@ -1,0 +1,295 @@
+"""Authorization, driven by the same tables daemon/policy reads, over real Principals
+(issued and authenticated by a real SessionStore) and real contract Requests."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import coincurve
+import pytest
+
+from daemon.config import PolicyConfig
+from daemon.contract import (
+    ACTIONS,
+    PAIRING,
+    AgentsDeleteArgs,
+    AgentsUpdateArgs,
+    ErrorCode,
+    Request,
+    Status,
+    build_request,
+)
+from daemon.policy import (
+    CHANNEL_ACTIONS,
+    CHECKS,
+    REFUSALS,
+    RUNTIME_ACTIONS,
+    TARGET_ACTIONS,
+    Refusal,
+    authorize,
+    resolve_target,
+)
+from daemon.sessions import Principal, SessionStore
+
+CHANNEL = "123e4567-e89b-12d3-a456-426614174000"
+OTHER_CHANNEL = "223e4567-e89b-12d3-a456-426614174000"
+EVENT = "ee" * 32
+NOW = 1_800_000_000
+
+
+def pubkey(n: int) -> str:
+    # The x coordinate of a real secp256k1 point: the contract accepts only those.
+    return coincurve.PrivateKey(n.to_bytes(32, "big")).public_key.format()[1:].hex()
+
+
+HUMAN = pubkey(1)
+ME = pubkey(2)  # owned by HUMAN: depth 1
+CHILD = pubkey(3)  # owned by ME: depth 2
+DEAD_CHILD = pubkey(4)  # owned by ME, deleted
+FOREIGN = pubkey(5)  # owned by HUMAN, not by ME
+UNKNOWN = pubkey(6)  # held by nobody
+TWIN_A, TWIN_B = pubkey(7), pubkey(8)  # two of ME's agents with one name
+
+
+@dataclass(frozen=True)
+class Record:
+    """Test data with the public fields of custody's AgentRecord."""
+
+    pubkey: str
+    owner: str
+    name: str
+    depth: int
+    deleted_at: int | None = None
+
+
+class Directory:
+    """An agent directory holding fixed test records (the agent()/agents() read surface)."""
+
+    def __init__(self, records: Sequence[Record]) -> None:
+        self._records = {r.pubkey: r for r in records}
+
+    def agent(self, pubkey: str) -> Record | None:
+        return self._records.get(pubkey)
+
+    def agents(self, *, include_deleted: bool = False) -> list[Record]:
+        return [r for r in self._records.values() if include_deleted or r.deleted_at is None]
+
+
+AGENTS = Directory(
+    [
+        Record(ME, HUMAN, "me", 1),
+        Record(CHILD, ME, "child", 2),
+        Record(DEAD_CHILD, ME, "ghost", 2, deleted_at=NOW - 10),
+        Record(FOREIGN, HUMAN, "child", 1),
+        Record(TWIN_A, ME, "twin", 2),
+        Record(TWIN_B, ME, "twin", 2),
+    ]
+)
+
+HOST = PolicyConfig(disabled_actions=frozenset(), max_agent_depth=3, runtimes=frozenset({"goose"}))
+
+#: One valid argument object per action, inside CHANNEL where there is a channel.
+ARGS: dict[str, dict[str, object]] = {
+    "channel.read": {"channelId": CHANNEL},
+    "message.post": {"channelId": CHANNEL, "content": "hello"},
+    "message.reply": {"channelId": CHANNEL, "replyToEventId": EVENT, "content": "hi"},
+    "reaction.add": {"channelId": CHANNEL, "targetEventId": EVENT, "reaction": "+"},
+    "profile.set": {"displayName": "me"},
+    "storage.address": {"slug": "core"},
+    "agents.create": {"channelId": CHANNEL, "displayName": "kid", "systemPrompt": "be kind"},
+    "agents.update": {"target": {"pubkey": CHILD}, "displayName": "kid 2"},
+    "agents.delete": {"target": {"pubkey": CHILD}},
+}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SessionStore]:
+    s = SessionStore.open(tmp_path_factory.mktemp("sessions"))
+    yield s
+    s.close()
+
+
+def principal(
+    store: SessionStore,
+    *,
+    agent: str = ME,
+    actions: frozenset[str] = frozenset(ACTIONS),
+    channels: frozenset[str] = frozenset({CHANNEL}),
+) -> Principal:
+    _, token = store.issue(
+        agent=agent, channels=channels, actions=actions, ttl_seconds=None, uid=None, now=NOW
+    )
+    p = store.authenticate(f"Bearer {token}", None, NOW)
+    assert p is not None
+    return p
+
+
+def request(action: str, **overrides: object) -> Request:
+    return build_request(action, {**ARGS[action], **overrides}, request_id="r-1")
+
+
+# -- the tables agree with the contract ------------------------------------------------
+
+
+def _actions_with(member: str) -> frozenset[str]:
+    return frozenset(
+        name
+        for name, spec in ACTIONS.items()
+        if member in spec.arg_members.required | spec.arg_members.optional
+    )
+
+
+def test_tables_match_the_contract() -> None:
+    assert CHANNEL_ACTIONS == _actions_with("channelId")
+    assert RUNTIME_ACTIONS == _actions_with("runtime")
+    assert TARGET_ACTIONS == _actions_with("target")
+    assert set(ARGS) == set(ACTIONS)
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_every_refusal_is_a_failed_verdict(name: str) -> None:
+    assert Status.FAILED in PAIRING[REFUSALS[name].code]
+
+
+# -- each check, over every action it governs --------------------------------------------
+
+
+@pytest.mark.parametrize("action", list(ACTIONS))
+def test_allowed_request_passes(store: SessionStore, action: str) -> None:
+    assert authorize(principal(store), request(action), HOST, AGENTS) is None
+
+
+@pytest.mark.parametrize("action", list(ACTIONS))
+def test_action_outside_credential(store: SessionStore, action: str) -> None:
+    p = principal(store, actions=frozenset(ACTIONS) - {action})
+    assert authorize(p, request(action), HOST, AGENTS) == REFUSALS["action"]
+
+
+@pytest.mark.parametrize("action", sorted(CHANNEL_ACTIONS))
+def test_channel_outside_credential(store: SessionStore, action: str) -> None:
+    req = request(action, channelId=OTHER_CHANNEL)
+    assert authorize(principal(store), req, HOST, AGENTS) == REFUSALS["channel"]
+    # The same request is fine for a credential bound to both channels.
+    both = principal(store, channels=frozenset({CHANNEL, OTHER_CHANNEL}))
+    assert authorize(both, req, HOST, AGENTS) is None
+
+
+def test_channel_normalized_before_the_check(store: SessionStore) -> None:
+    req = request("message.post", channelId=CHANNEL.upper())
+    assert authorize(principal(store), req, HOST, AGENTS) is None
+
+
+@pytest.mark.parametrize("action", list(ACTIONS))
+def test_host_switched_off(store: SessionStore, action: str) -> None:
+    host = dataclasses.replace(HOST, disabled_actions=frozenset({action}))
+    refusal = authorize(principal(store), request(action), host, AGENTS)
+    assert refusal == REFUSALS["disabled"] and refusal.code is ErrorCode.UNSUPPORTED
+
+
+#: (requester, max_agent_depth, refused?) — a human-owned agent is depth 1.
+DEPTH_ROWS = [
+    (ME, 3, False),  # creates depth 2
+    (ME, 2, False),  # creates depth 2, at the limit
+    (ME, 1, True),
+    (CHILD, 3, False),  # creates depth 3
+    (CHILD, 2, True),
+    (ME, 0, True),
+]
+
+
+@pytest.mark.parametrize(("requester", "limit", "refused"), DEPTH_ROWS)
+def test_depth_limit(store: SessionStore, requester: str, limit: int, refused: bool) -> None:
+    host = dataclasses.replace(HOST, max_agent_depth=limit)
+    refusal = authorize(principal(store, agent=requester), request("agents.create"), host, AGENTS)
+    if refused:
+        assert refusal is not None and refusal.code is ErrorCode.UNAUTHORIZED
+        assert str(limit) in refusal.message  # names the limit
+    else:
+        assert refusal is None
+
+
+@pytest.mark.parametrize("requester", [UNKNOWN, DEAD_CHILD])
+def test_requester_not_held_cannot_create(store: SessionStore, requester: str) -> None:
+    refusal = authorize(principal(store, agent=requester), request("agents.create"), HOST, AGENTS)
+    assert refusal == REFUSALS["requester"]
+
+
+@pytest.mark.parametrize("action", sorted(RUNTIME_ACTIONS))
+def test_runtime_must_be_offered(store: SessionStore, action: str) -> None:
+    p = principal(store)
+    assert authorize(p, request(action, runtime="goose"), HOST, AGENTS) is None
+    refusal = authorize(p, request(action, runtime="skynet"), HOST, AGENTS)
+    assert refusal == REFUSALS["runtime"] and refusal.code is ErrorCode.INVALID_REQUEST
+
+
+# -- targets ---------------------------------------------------------------------------
+
+#: (target, expected): a pubkey string = resolved to that agent, else the refusal's name.
+TARGET_ROWS: list[tuple[dict[str, str], str]] = [
+    ({"pubkey": CHILD}, CHILD),
+    ({"pubkey": DEAD_CHILD}, "not_owned"),
+    ({"pubkey": FOREIGN}, "not_owned"),
+    ({"pubkey": UNKNOWN}, "not_owned"),
+    ({"pubkey": ME}, "not_owned"),  # an agent does not own itself
+    ({"name": "child"}, CHILD),  # FOREIGN is also "child" but not ME's: not a match
+    ({"name": "ghost"}, "no_such_name"),  # deleted
+    ({"name": "nobody"}, "no_such_name"),
+    ({"name": "twin"}, "ambiguous"),
+]
+
+
+@pytest.mark.parametrize(("target", "expected"), TARGET_ROWS, ids=repr)
+@pytest.mark.parametrize("action", sorted(TARGET_ACTIONS))
+def test_targets(store: SessionStore, action: str, target: dict[str, str], expected: str) -> None:
+    p = principal(store)
+    req = request(action, target=target)
+    assert isinstance(req.args, (AgentsUpdateArgs, AgentsDeleteArgs))
+    found = resolve_target(p, req.args.target, AGENTS)
+    refusal = authorize(p, req, HOST, AGENTS)
+    if expected in REFUSALS:
+        assert found == REFUSALS[expected] == refusal
+    else:
+        assert isinstance(found, Record) and found.pubkey == expected and refusal is None
+
+
+def test_foreign_agents_are_not_revealed(store: SessionStore) -> None:
+    p = principal(store)
+    answers = {
+        authorize(p, request("agents.delete", target={"pubkey": pk}), HOST, AGENTS)
+        for pk in (DEAD_CHILD, FOREIGN, UNKNOWN)
+    }
+    assert len(answers) == 1  # unknown, deleted and foreign look the same
+    (refusal,) = answers
+    assert isinstance(refusal, Refusal)
+    for secret in (FOREIGN, HUMAN, DEAD_CHILD):
+        assert secret not in refusal.message
+
+
+# -- order: the first failing check in CHECKS wins --------------------------------------
+
+
+def test_first_check_in_table_order_wins(store: SessionStore) -> None:
+    # A request that fails every check at once.
+    p = principal(store, agent=CHILD, actions=frozenset({"channel.read"}))
+    host = PolicyConfig(
+        disabled_actions=frozenset({"agents.create"}), max_agent_depth=1, runtimes=frozenset()
+    )
+    req = request("agents.create", channelId=OTHER_CHANNEL, runtime="skynet")
+    expected = [REFUSALS["action"], REFUSALS["channel"], REFUSALS["disabled"]]
+    names = [name for name, _ in CHECKS]
+    assert names[:3] == ["action", "channel", "disabled"]
+    for i, want in enumerate(expected):
+        # Remove the earlier failures one at a time; the next check in the table answers.
+        assert authorize(p, req, host, AGENTS) == want
+        if i == 0:
+            p = principal(store, agent=CHILD)
+        elif i == 1:
+            p = principal(store, agent=CHILD, channels=frozenset({OTHER_CHANNEL}))
+    host = dataclasses.replace(host, disabled_actions=frozenset())
+    depth = authorize(p, req, host, AGENTS)
+    assert depth is not None and "1" in depth.message
+    host = dataclasses.replace(host, max_agent_depth=3)
+    assert authorize(p, req, host, AGENTS) == REFUSALS["runtime"]
