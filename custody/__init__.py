@@ -1,0 +1,58 @@
+"""custody: HAZARDOUS MATERIALS. The only code in buzz-broker that ever sees a secret key.
+
+What it guards: agents' secp256k1 secret keys, sealed under a non-extractable AES-256 key
+in a PKCS#11 token, and the NIP-AE conversation keys derived from them. Nothing it returns,
+logs or raises contains a secret key, a K_c or a PIN.
+
+Who may import it: `daemon` (through this surface only: never a `custody._*` module), the
+command line, the tests and the benchmarks. `custody` imports nothing from `daemon`.
+
+Surface:
+- `Custody` (async facade: open/aclose, agent/agents, sign_event/sign_events/sign_auth,
+  memory_address, mint_agent, import_agent, destroy_agent) and `init_kek` (keys init).
+- Values: `TokenConfig`, `UnsignedEvent`, `SignedEvent`, `AgentRecord`, `MemoryAddress`.
+- Errors: `CustodyError`, `UnsealFailed`, `UnknownAgent`.
+- Public Nostr helpers (no secrets): `compute_event_id`, `verify_event`,
+  `verify_owner_tag`, `owner_tag_digest`, and `PublicDirectory` (the keystore's public
+  records without the token). `read_secret_text` reads secret text from a file descriptor
+  into a zeroable buffer for `Custody.import_agent`.
+
+Modules, one job each: _errors, _secret (buffers, wiping, parsing, randomness), _secp256k1
+(low-level curve ops), _nostr (public event data), _signer (events, AUTH, NIP-OA),
+_memory (NIP-AE), _worker (the one token thread), _token (PKCS#11), _sealed (blob format
+and the one unseal door), _keystore (SQLite), _facade (Custody).
+"""
+
+from custody._errors import CustodyError, UnknownAgent, UnsealFailed
+from custody._facade import Custody, init_kek
+from custody._keystore import AgentRecord, PublicDirectory
+from custody._memory import MemoryAddress
+from custody._nostr import (
+    SignedEvent,
+    UnsignedEvent,
+    compute_event_id,
+    owner_tag_digest,
+    verify_event,
+    verify_owner_tag,
+)
+from custody._secret import read_secret_text
+from custody._token import TokenConfig
+
+__all__ = [
+    "AgentRecord",
+    "Custody",
+    "CustodyError",
+    "MemoryAddress",
+    "PublicDirectory",
+    "SignedEvent",
+    "TokenConfig",
+    "UnknownAgent",
+    "UnsealFailed",
+    "UnsignedEvent",
+    "compute_event_id",
+    "init_kek",
+    "owner_tag_digest",
+    "read_secret_text",
+    "verify_event",
+    "verify_owner_tag",
+]

@@ -1,0 +1,371 @@
+"""`Custody`: the async facade the daemon and the CLI use. Intent-level calls only.
+
+Theory of operation:
+- `Custody.open` logs in to the token (or joins the process's session), finds and checks
+  the KEK, and opens the keystore. It unseals nothing: keys are opened lazily, one call at
+  a time, so opening costs the same for 10 or 10,000 agents.
+- Each call that needs a secret makes exactly one hop to the token worker (`_worker`), and
+  inside that hop: read the sealed blob, unseal (authenticate, decrypt, re-derive and
+  compare the pubkey), use the secret, wipe it. `sign_events` does a whole batch in one hop.
+  Reading the blob inside the hop means a key destroyed a moment ago can never sign.
+- Public checks that need no secret (does the agent exist, which owner tag does it carry,
+  is the slug valid) run on the caller's thread before the hop, so bad requests never
+  queue behind the token.
+- Nothing returned is secret: events, pubkeys, records, d-tags.
+
+Errors: `CustodyError` and its two children (see _errors) for custody faults; ValueError or
+TypeError for a caller's bug (a malformed pubkey, an event whose pubkey is not the agent's,
+a foreign `auth` tag, a bad slug).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+
+from custody._errors import CustodyError, UnknownAgent
+from custody._keystore import AgentRecord, Keystore
+from custody._memory import MEMORY_KIND, MemoryAddress, check_slug, d_tag
+from custody._nostr import SignedEvent, UnsignedEvent, is_hex64, verify_owner_tag
+from custody._sealed import seal, unseal
+from custody._secp256k1 import xonly_pubkey
+from custody._secret import Secret, parse_secret_text, random_secret
+from custody._signer import OwnerTag, auth_event, make_owner_tag, sign, with_owner_tag
+from custody._token import Token, TokenConfig
+from custody._worker import in_token_worker
+
+__all__ = ["Custody", "init_kek"]
+
+log = logging.getLogger("buzz_broker.custody")
+
+#: An agent whose owner is not held on this host (a human) is at depth 1.
+HUMAN_OWNED_DEPTH = 1
+
+
+def _require_pubkey(name: str, value: object) -> None:
+    if not is_hex64(value):
+        raise ValueError(f"{name} must be 64 lowercase hex characters")
+
+
+async def init_kek(token: TokenConfig) -> bool:
+    """`buzz-broker keys init`: create the KEK if absent, else check its attributes.
+
+    Returns:
+        True if the KEK was created, False if it was present and passed the checks.
+    Raises:
+        CustodyError: token, PIN or module faults, or a present KEK that could leave the token.
+    """
+    return await in_token_worker(lambda: Token.init_kek(token))
+
+
+class Custody:
+    """Sealed agent keys under a PKCS#11 token. Create with `await Custody.open(...)`."""
+
+    __slots__ = ("_token", "_keystore", "_closed", "_now")
+
+    def __init__(self, token: Token, keystore: Keystore, *, _factory: object = None) -> None:
+        if _factory is not _FACTORY:
+            raise TypeError("use `await Custody.open(token_config, state_dir)`")
+        self._token = token
+        self._keystore = keystore
+        self._closed = False
+        self._now: Callable[[], int] = lambda: int(time.time())
+
+    # --- lifecycle -----------------------------------------------------------------
+
+    @classmethod
+    async def open(cls, token: TokenConfig, state_dir: Path) -> Custody:
+        """Log in, find and check the KEK (refusing one that could leave the token), open
+        the keystore under `state_dir`.
+
+        Raises:
+            CustodyError: missing module or token, wrong PIN, no KEK, unsafe KEK, keystore
+                unreadable. The message names the fault and never a secret.
+        """
+
+        def work() -> Custody:
+            opened = Token.open(token)
+            try:
+                keystore = Keystore.open(Path(state_dir))
+            except BaseException:
+                opened.close()
+                raise
+            return cls(opened, keystore, _factory=_FACTORY)
+
+        custody = await in_token_worker(work)
+        log.info("custody open: token %r, keystore %s", token.token_label, custody._keystore.path)
+        return custody
+
+    async def aclose(self) -> None:
+        """Release the token session (logged out when the process's last user closes) and
+        the keystore. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+
+        def work() -> None:
+            try:
+                self._token.close()
+            finally:
+                self._keystore.close()
+
+        await in_token_worker(work)
+
+    async def __aenter__(self) -> Custody:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # --- public records (no token call) ----------------------------------------------
+
+    def agent(self, pubkey: str, *, include_deleted: bool = False) -> AgentRecord | None:
+        """The agent's public record; None if unknown (or destroyed, unless include_deleted)."""
+        self._check_open()
+        if not is_hex64(pubkey):
+            return None
+        record = self._keystore.get(pubkey)
+        if record is None or (not record.live and not include_deleted):
+            return None
+        return record
+
+    def agents(self, *, include_deleted: bool = False) -> list[AgentRecord]:
+        self._check_open()
+        return self._keystore.all(include_deleted=include_deleted)
+
+    def _live(self, pubkey: str) -> AgentRecord:
+        _require_pubkey("agent", pubkey)
+        record = self.agent(pubkey)
+        if record is None:
+            raise UnknownAgent(pubkey)
+        return record
+
+    # --- signing -------------------------------------------------------------------
+
+    async def sign_event(self, agent: str, unsigned: UnsignedEvent) -> SignedEvent:
+        """Sign `unsigned` as `agent`, adding the agent's NIP-OA owner tag (once) if it has one.
+
+        Raises:
+            UnknownAgent: no live agent `agent`.
+            UnsealFailed: its sealed key did not open as that agent.
+            ValueError: unsigned.pubkey != agent, or a foreign `auth` tag on the event.
+        """
+        return (await self.sign_events([(agent, unsigned)]))[0]
+
+    async def sign_events(self, requests: Sequence[tuple[str, UnsignedEvent]]) -> list[SignedEvent]:
+        """Sign many events (any agents) in one token hop. All or nothing: the first failure
+        raises and no signature is returned. Same errors as `sign_event`."""
+        self._check_open()
+        planned: list[tuple[str, UnsignedEvent]] = []
+        for agent, unsigned in requests:
+            if not isinstance(unsigned, UnsignedEvent):
+                raise TypeError("sign_events takes (agent, UnsignedEvent) pairs")
+            record = self._live(agent)
+            if unsigned.pubkey != agent:
+                raise ValueError("the event's pubkey is not the signing agent")
+            planned.append((agent, with_owner_tag(unsigned, record.auth_tag)))
+        if not planned:
+            return []
+
+        def work() -> list[SignedEvent]:
+            signed = []
+            for agent, unsigned in planned:
+                with self._unseal(agent) as secret:
+                    signed.append(sign(secret, unsigned))
+            return signed
+
+        return await in_token_worker(work)
+
+    async def sign_auth(
+        self, agent: str, relay_url: str, challenge: str, created_at: int
+    ) -> SignedEvent:
+        """NIP-42 AUTH (kind 22242, tags relay and challenge) signed as `agent`."""
+        self._check_open()
+        record = self._live(agent)
+        unsigned = auth_event(agent, relay_url, challenge, created_at, record.auth_tag)
+
+        def work() -> SignedEvent:
+            with self._unseal(agent) as secret:
+                return sign(secret, unsigned)
+
+        return await in_token_worker(work)
+
+    async def memory_address(self, agent: str, slug: str) -> MemoryAddress:
+        """NIP-AE address (author, kind 30174, d-tag) of `slug` for `agent`. K_c stays inside.
+
+        Raises:
+            UnknownAgent, UnsealFailed; ValueError for a slug NIP-AE does not allow.
+        """
+        self._check_open()
+        check_slug(slug)
+        record = self._live(agent)
+
+        def work() -> str:
+            with self._unseal(agent) as secret:
+                return d_tag(secret, record.owner, slug)
+
+        return MemoryAddress(author_pubkey=agent, kind=MEMORY_KIND, d_tag=await in_token_worker(work))
+
+    # --- agent lifecycle -----------------------------------------------------------
+
+    async def mint_agent(
+        self, *, owner: str, name: str, creator: str | None, depth: int, mint_ref: str | None
+    ) -> AgentRecord:
+        """Make a new agent key for `owner`, seal it, store its record. Idempotent on
+        `mint_ref`: a second call with the same mint_ref returns the first agent's record.
+
+        The key comes from the kernel CSPRNG (see `_secret.random_secret`). When the owner
+        is itself an agent held here, the agent's NIP-OA tag is signed now and stored.
+
+        Raises:
+            CustodyError: mint_ref already used for another owner; token or keystore faults.
+            ValueError: malformed owner/creator, empty name, depth < 1.
+        """
+        self._check_open()
+        _require_pubkey("owner", owner)
+        if creator is not None:
+            _require_pubkey("creator", creator)
+        if not isinstance(name, str) or not name:
+            raise ValueError("name must be a non-empty str")
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < HUMAN_OWNED_DEPTH:
+            raise ValueError("depth must be an int >= 1")
+        if mint_ref is not None and (not isinstance(mint_ref, str) or not mint_ref):
+            raise ValueError("mint_ref must be a non-empty str or None")
+
+        def work() -> AgentRecord:
+            if mint_ref is not None:
+                existing = self._keystore.by_mint_ref(mint_ref)
+                if existing is not None:
+                    if existing.owner != owner:
+                        raise CustodyError(f"mint_ref {mint_ref!r} was used for another owner")
+                    return existing
+            with random_secret() as secret:
+                return self._store(secret, owner=owner, name=name, creator=creator,
+                                   depth=depth, mint_ref=mint_ref, auth_tag=None)
+
+        record = await in_token_worker(work)
+        log.info("minted agent %s for owner %s (depth %d)", record.pubkey, owner, record.depth)
+        return record
+
+    async def import_agent(
+        self,
+        secret_text: bytearray,
+        *,
+        owner: str,
+        name: str,
+        auth_tag: Sequence[str] | None = None,
+        creator: str | None = None,
+    ) -> AgentRecord:
+        """Seal an existing key: `secret_text` is 64 hex digits or `nsec1…` (zeroed here).
+
+        `auth_tag`, if given, must be a NIP-OA tag by `owner` for this agent that verifies;
+        without one, a tag is signed when the owner is held here. Depth is the owner's + 1
+        when the owner is held here, else 1 (human-owned).
+
+        Raises:
+            CustodyError: malformed secret, owner == agent, agent already held (or
+                tombstoned), an auth tag that does not verify; token or keystore faults.
+        """
+        self._check_open()
+        _require_pubkey("owner", owner)
+        if creator is not None:
+            _require_pubkey("creator", creator)
+        if not isinstance(name, str) or not name:
+            raise ValueError("name must be a non-empty str")
+        if not isinstance(secret_text, bytearray):
+            raise TypeError("secret_text must be a bytearray (so it can be zeroed)")
+        tag: OwnerTag | None = None
+        if auth_tag is not None:
+            items = tuple(auth_tag)
+            if len(items) != 4 or not all(isinstance(item, str) for item in items):
+                raise CustodyError('auth tag must be ["auth", owner, conditions, sig]')
+            tag = (items[0], items[1], items[2], items[3])
+
+        def work() -> AgentRecord:
+            with parse_secret_text(secret_text) as secret:
+                agent = xonly_pubkey(secret).hex()
+                if agent == owner:
+                    raise CustodyError("owner equals the agent: an agent cannot own itself")
+                if self._keystore.get(agent) is not None:
+                    raise CustodyError(f"agent {agent} is already in the keystore")
+                if tag is not None and (tag[1] != owner or not verify_owner_tag(tag, agent)):
+                    raise CustodyError("auth tag does not verify for this agent and owner")
+                owner_record = self._keystore.get(owner)
+                depth = owner_record.depth + 1 if owner_record and owner_record.live else HUMAN_OWNED_DEPTH
+                return self._store(secret, owner=owner, name=name, creator=creator,
+                                   depth=depth, mint_ref=None, auth_tag=tag)
+
+        record = await in_token_worker(work)
+        log.info("imported agent %s for owner %s", record.pubkey, owner)
+        return record
+
+    async def destroy_agent(self, pubkey: str) -> AgentRecord:
+        """Remove the agent's sealed key; its public record stays as a tombstone.
+        Destroying an already destroyed agent returns its tombstone.
+
+        Raises:
+            UnknownAgent: never held here.
+        """
+        self._check_open()
+        _require_pubkey("agent", pubkey)
+
+        def work() -> AgentRecord | None:
+            return self._keystore.tombstone(pubkey, self._now())
+
+        record = await in_token_worker(work)
+        if record is None:
+            raise UnknownAgent(pubkey)
+        log.info("destroyed the key of agent %s (tombstone kept)", pubkey)
+        return record
+
+    # --- inside the worker -------------------------------------------------------------
+
+    def _unseal(self, agent: str) -> Secret:
+        blob = self._keystore.sealed_blob(agent)
+        if blob is None:
+            raise UnknownAgent(agent)  # destroyed since the caller's check
+        return unseal(self._token, blob, agent)
+
+    def _store(
+        self,
+        secret: Secret,
+        *,
+        owner: str,
+        name: str,
+        creator: str | None,
+        depth: int,
+        mint_ref: str | None,
+        auth_tag: OwnerTag | None,
+    ) -> AgentRecord:
+        agent = xonly_pubkey(secret).hex()
+        if agent == owner:
+            raise CustodyError("owner equals the agent: an agent cannot own itself")
+        if auth_tag is None and self._keystore.sealed_blob(owner) is not None:
+            with self._unseal(owner) as owner_secret:
+                auth_tag = make_owner_tag(owner_secret, owner, agent)
+        blob = seal(self._token, secret, agent)
+        now = self._now()
+        record = AgentRecord(
+            pubkey=agent, owner=owner, name=name, auth_tag=auth_tag, creator=creator,
+            depth=depth, created_at=now, deleted_at=None, mint_ref=mint_ref,
+        )
+        self._keystore.insert(record, blob, now)
+        return record
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CustodyError("custody is closed")
+
+    def __repr__(self) -> str:
+        return f"Custody({self._token!r}, {self._keystore!r}, closed={self._closed})"
+
+
+_FACTORY = object()

@@ -1,0 +1,287 @@
+"""The keystore: one SQLite table of agents, each a public record plus its sealed key.
+
+Rules:
+- `<state_dir>/keystore.db`; the directory is made 0700 (tightened if looser), the file
+  0600 before SQLite first opens it (SQLite gives its -wal/-shm files the same mode).
+- WAL journal and `synchronous=FULL`: a key reported minted must survive a power cut.
+- A row is written whole in one transaction, or not at all (nothing half-written).
+- Destroy keeps the row as a tombstone: `sealed` becomes NULL and `deleted_at` is set, in
+  one statement. The table's CHECKs hold that invariant and owner != agent.
+- Nothing is loaded at open: every lookup is one indexed query, so opening costs the same
+  with ten or ten thousand agents, and rows written by another process (the CLI while the
+  daemon runs) are seen at once.
+- One connection, shared by the event-loop thread (public reads) and the token worker
+  (blob reads, writes), serialized by a threading.Lock.
+- `PublicDirectory` opens the same file read-only and never sees a blob: it is what code
+  without the token (credential issue, policy, `agent list`) reads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import stat
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from custody._errors import CustodyError
+from custody._nostr import is_hex64
+
+__all__ = ["AgentRecord", "Keystore", "PublicDirectory", "KEYSTORE_FILE"]
+
+log = logging.getLogger("buzz_broker.custody")
+
+KEYSTORE_FILE = "keystore.db"
+SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS agents (
+    pubkey     TEXT PRIMARY KEY,
+    owner      TEXT NOT NULL,
+    name       TEXT NOT NULL,
+    auth_tag   TEXT,              -- NIP-OA tag as a JSON array of four strings; public
+    creator    TEXT,
+    depth      INTEGER NOT NULL CHECK (depth >= 1),
+    mint_ref   TEXT UNIQUE,
+    created_at INTEGER NOT NULL,
+    updated_at INTEGER NOT NULL,
+    deleted_at INTEGER,
+    sealed     BLOB,
+    CHECK (owner <> pubkey),
+    CHECK ((deleted_at IS NULL) = (sealed IS NOT NULL))
+) STRICT;
+CREATE INDEX IF NOT EXISTS agents_by_owner ON agents (owner, name);
+"""
+_PUBLIC_COLUMNS = "pubkey, owner, name, auth_tag, creator, depth, created_at, deleted_at, mint_ref"
+
+
+@dataclass(frozen=True, slots=True)
+class AgentRecord:
+    """An agent's public record. `deleted_at` is set on a tombstone (its key is destroyed)."""
+
+    pubkey: str
+    owner: str
+    name: str
+    auth_tag: tuple[str, str, str, str] | None
+    creator: str | None
+    depth: int
+    created_at: int
+    deleted_at: int | None
+    mint_ref: str | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.deleted_at is None
+
+    def to_json_obj(self) -> dict[str, object]:
+        return {
+            "pubkey": self.pubkey,
+            "owner": self.owner,
+            "name": self.name,
+            "authTag": list(self.auth_tag) if self.auth_tag else None,
+            "creator": self.creator,
+            "depth": self.depth,
+            "createdAt": self.created_at,
+            "deletedAt": self.deleted_at,
+        }
+
+
+def _record(row: tuple[Any, ...]) -> AgentRecord:
+    pubkey, owner, name, auth_tag, creator, depth, created_at, deleted_at, mint_ref = row
+    tag = tuple(json.loads(auth_tag)) if auth_tag is not None else None
+    return AgentRecord(
+        pubkey=pubkey,
+        owner=owner,
+        name=name,
+        auth_tag=tag,
+        creator=creator,
+        depth=depth,
+        created_at=created_at,
+        deleted_at=deleted_at,
+        mint_ref=mint_ref,
+    )
+
+
+def _prepare_dir(state_dir: Path) -> Path:
+    try:
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if stat.S_IMODE(state_dir.stat().st_mode) & 0o077:
+            os.chmod(state_dir, 0o700)
+        path = state_dir / KEYSTORE_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
+                os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise CustodyError(f"cannot prepare keystore in {state_dir}: {exc.strerror}") from None
+    return path
+
+
+class Keystore:
+    """Read-write keystore. Open with `Keystore.open(state_dir)`."""
+
+    __slots__ = ("_db", "_lock", "path")
+
+    def __init__(self, db: sqlite3.Connection, path: Path) -> None:
+        self._db = db
+        self._lock = threading.Lock()
+        self.path = path
+
+    @classmethod
+    def open(cls, state_dir: Path) -> Keystore:
+        path = _prepare_dir(state_dir)
+        try:
+            db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            db.execute("PRAGMA busy_timeout=5000")
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version not in (0, SCHEMA_VERSION):
+                db.close()
+                raise CustodyError(f"keystore {path} has unknown schema version {version}")
+            db.executescript(_SCHEMA)
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        except sqlite3.Error as exc:
+            raise CustodyError(f"cannot open keystore {path}: {exc}") from None
+        return cls(db, path)
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _query(self, sql: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def get(self, pubkey: str) -> AgentRecord | None:
+        rows = self._query(f"SELECT {_PUBLIC_COLUMNS} FROM agents WHERE pubkey = ?", (pubkey,))
+        return _record(rows[0]) if rows else None
+
+    def by_mint_ref(self, mint_ref: str) -> AgentRecord | None:
+        rows = self._query(f"SELECT {_PUBLIC_COLUMNS} FROM agents WHERE mint_ref = ?", (mint_ref,))
+        return _record(rows[0]) if rows else None
+
+    def all(self, *, include_deleted: bool = False) -> list[AgentRecord]:
+        where = "" if include_deleted else "WHERE deleted_at IS NULL"
+        rows = self._query(f"SELECT {_PUBLIC_COLUMNS} FROM agents {where} ORDER BY created_at, pubkey")
+        return [_record(row) for row in rows]
+
+    def sealed_blob(self, pubkey: str) -> bytes | None:
+        """The sealed key of a live agent, else None."""
+        rows = self._query("SELECT sealed FROM agents WHERE pubkey = ? AND deleted_at IS NULL", (pubkey,))
+        return bytes(rows[0][0]) if rows else None
+
+    def insert(self, record: AgentRecord, sealed: bytes, now: int) -> None:
+        """Add a live agent, whole or not at all.
+
+        Raises:
+            CustodyError: the pubkey (live or tombstoned) or the mint_ref is already present.
+        """
+        tag = json.dumps(list(record.auth_tag)) if record.auth_tag is not None else None
+        try:
+            with self._transaction() as db:
+                db.execute(
+                    "INSERT INTO agents (pubkey, owner, name, auth_tag, creator, depth, mint_ref,"
+                    " created_at, updated_at, deleted_at, sealed)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?)",
+                    (record.pubkey, record.owner, record.name, tag, record.creator,
+                     record.depth, record.mint_ref, record.created_at, now, sealed),
+                )
+        except sqlite3.IntegrityError:
+            existing = self.get(record.pubkey)
+            if existing is not None and existing.live:
+                raise CustodyError(f"agent {record.pubkey} is already held") from None
+            if existing is not None:
+                raise CustodyError(
+                    f"agent {record.pubkey} was removed; its tombstone is kept and it cannot return"
+                ) from None
+            raise CustodyError(f"mint_ref {record.mint_ref!r} is already used") from None
+        except sqlite3.Error as exc:
+            raise CustodyError(f"keystore write failed: {exc}") from None
+
+    def tombstone(self, pubkey: str, now: int) -> AgentRecord | None:
+        """Destroy the sealed key, keep the record. None if the agent was never held."""
+        try:
+            with self._transaction() as db:
+                db.execute(
+                    "UPDATE agents SET sealed = NULL, deleted_at = ?, updated_at = ?"
+                    " WHERE pubkey = ? AND deleted_at IS NULL",
+                    (now, now, pubkey),
+                )
+        except sqlite3.Error as exc:
+            raise CustodyError(f"keystore write failed: {exc}") from None
+        return self.get(pubkey)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __repr__(self) -> str:
+        return f"Keystore({str(self.path)!r})"
+
+
+class PublicDirectory:
+    """The keystore's public records, read-only, without the token.
+
+    `PublicDirectory.open(state_dir)`; a keystore that does not exist yet reads as empty.
+    """
+
+    __slots__ = ("_path", "_db", "_lock")
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._db: sqlite3.Connection | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, state_dir: Path | str) -> PublicDirectory:
+        return cls(Path(state_dir) / KEYSTORE_FILE)
+
+    def _rows(self, sql: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            if self._db is None:
+                if not self._path.exists():
+                    return []
+                try:
+                    self._db = sqlite3.connect(
+                        f"file:{self._path}?mode=ro", uri=True, check_same_thread=False
+                    )
+                except sqlite3.Error as exc:
+                    raise CustodyError(f"cannot open keystore {self._path}: {exc}") from None
+            try:
+                return self._db.execute(sql, args).fetchall()
+            except sqlite3.OperationalError as exc:
+                if "no such table" in str(exc):
+                    return []
+                raise CustodyError(f"cannot read keystore {self._path}: {exc}") from None
+
+    def get(self, pubkey: str) -> AgentRecord | None:
+        if not is_hex64(pubkey):
+            return None
+        rows = self._rows(f"SELECT {_PUBLIC_COLUMNS} FROM agents WHERE pubkey = ?", (pubkey,))
+        return _record(rows[0]) if rows else None
+
+    def all(self, *, include_deleted: bool = False) -> list[AgentRecord]:
+        where = "" if include_deleted else "WHERE deleted_at IS NULL"
+        rows = self._rows(f"SELECT {_PUBLIC_COLUMNS} FROM agents {where} ORDER BY created_at, pubkey")
+        return [_record(row) for row in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None

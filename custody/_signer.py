@@ -1,0 +1,97 @@
+"""The signer: NIP-01 events, NIP-42 AUTH events and NIP-OA owner tags, from an open Secret.
+
+Rules:
+- Callers hand in a `Secret` that `_sealed.unseal` already checked against the agent's
+  pubkey; this module signs and returns public values. It never keeps a Secret.
+- BIP-340 with 32 bytes of fresh aux randomness per signature (BIP-340's recommendation:
+  it hardens against fault and side-channel attacks). A private `_aux` seam fixes it for
+  test vectors; production code never passes it.
+- NIP-OA (buzz-on-the-relay.md, "Ownership tag"): an owned agent carries its owner's `auth`
+  tag on every event it signs, exactly once. `with_owner_tag` appends the stored tag when
+  the event has none; a caller-supplied `auth` tag is accepted only if it is that exact
+  tag (it is then kept once, in place); any other `auth` tag is refused with ValueError.
+  Refusing rather than replacing: a foreign ownership claim in a request is a bug or an
+  attack, and silently rewriting it would hide either.
+- NIP-42 AUTH: kind 22242, tags `["relay", url]` and `["challenge", c]`, empty content; an
+  owned agent's AUTH event carries its owner tag too (it is an event the agent signs).
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from custody._nostr import SignedEvent, Tags, UnsignedEvent, compute_event_id, owner_tag_digest
+from custody._secp256k1 import schnorr_sign
+from custody._secret import Secret
+
+__all__ = ["AUTH_KIND", "auth_event", "make_owner_tag", "sign", "with_owner_tag"]
+
+#: NIP-42 client authentication event kind.
+AUTH_KIND = 22242
+#: Buzz signs NIP-OA tags with empty conditions (buzz-on-the-relay.md).
+OWNER_TAG_CONDITIONS = ""
+
+OwnerTag = tuple[str, str, str, str]
+
+
+def sign(secret: Secret, unsigned: UnsignedEvent, *, _aux: bytes | None = None) -> SignedEvent:
+    """Sign `unsigned` with `secret` (whose pubkey the caller has checked equals unsigned.pubkey)."""
+    event_id = compute_event_id(
+        unsigned.pubkey, unsigned.created_at, unsigned.kind, unsigned.tags, unsigned.content
+    )
+    aux = secrets.token_bytes(32) if _aux is None else _aux
+    sig = schnorr_sign(secret, bytes.fromhex(event_id), aux)
+    return SignedEvent(
+        id=event_id,
+        pubkey=unsigned.pubkey,
+        created_at=unsigned.created_at,
+        kind=unsigned.kind,
+        tags=unsigned.tags,
+        content=unsigned.content,
+        sig=sig.hex(),
+    )
+
+
+def with_owner_tag(unsigned: UnsignedEvent, owner_tag: OwnerTag | None) -> UnsignedEvent:
+    """`unsigned` carrying `owner_tag` exactly once (see module rules).
+
+    Raises:
+        ValueError: the caller put an `auth` tag on the event that is not the agent's own.
+    """
+    present = [tag for tag in unsigned.tags if tag[:1] == ("auth",)]
+    if owner_tag is None:
+        if present:
+            raise ValueError("event carries an auth tag but the agent has no owner tag")
+        return unsigned
+    if any(tag != owner_tag for tag in present) or len(present) > 1:
+        raise ValueError("event carries an auth tag that is not the agent's owner tag")
+    if present:
+        return unsigned
+    tags: Tags = unsigned.tags + (owner_tag,)
+    return UnsignedEvent(unsigned.pubkey, unsigned.created_at, unsigned.kind, tags, unsigned.content)
+
+
+def auth_event(
+    agent: str, relay_url: str, challenge: str, created_at: int, owner_tag: OwnerTag | None
+) -> UnsignedEvent:
+    """The NIP-42 AUTH event to sign. `relay_url` is used exactly as configured (Buzz
+    compares it byte for byte with its own URL)."""
+    if not isinstance(relay_url, str) or not relay_url:
+        raise ValueError("relay_url must be a non-empty str")
+    if not isinstance(challenge, str):
+        raise TypeError("challenge must be str")
+    unsigned = UnsignedEvent(
+        agent, created_at, AUTH_KIND, (("relay", relay_url), ("challenge", challenge)), ""
+    )
+    return with_owner_tag(unsigned, owner_tag)
+
+
+def make_owner_tag(
+    owner_secret: Secret, owner: str, agent: str, *, _aux: bytes | None = None
+) -> OwnerTag:
+    """NIP-OA `["auth", owner, "", sig]` for `agent`, signed by the owner's (checked) secret."""
+    if owner == agent:
+        raise ValueError("an agent cannot own itself (NIP-OA: owner != agent)")
+    aux = secrets.token_bytes(32) if _aux is None else _aux
+    sig = schnorr_sign(owner_secret, owner_tag_digest(agent, OWNER_TAG_CONDITIONS), aux)
+    return ("auth", owner, OWNER_TAG_CONDITIONS, sig.hex())
