@@ -1,0 +1,279 @@
+"""The agent client's transport: one HTTP/1.1 POST /v1/action over a Unix socket or loopback TCP.
+
+Rules:
+- This module moves bytes and nothing else. It knows nothing of the contract: it sends
+  the frozen body it is handed, verbatim, and returns the status line and body it got
+  back. Deciding what those bytes mean is `daemon.client`'s job (spec §HTTP binding).
+- Every way an exchange can die — refused connect, a dropped connection, a timeout the
+  caller imposes, an HTTP framing the peer got wrong, a body over the bound — comes out
+  as one exception, `TransportFailure`, with a fixed-vocabulary `detail` for operators.
+  None of those is a verdict (spec §HTTP binding: "transport failures are never promoted
+  to verdicts").
+- Plain HTTP goes to loopback only (127.0.0.0/8, ::1, `localhost`). The spec says a host
+  served over anything else "is publishing that authority": the credential is the whole
+  of an agent's authority, so `Endpoint.parse` refuses any other host at construction,
+  before a byte can leave. There is no TLS here: an `https://` address is refused rather
+  than silently downgraded.
+- The credential is only ever written into the Authorization header. It is validated at
+  construction (`Credential`) so h11, whose errors quote a bad header value, never sees
+  an invalid one, and it has a redacting repr.
+
+One request per connection: the client opens a fresh connection for each attempt and
+closes it after the response. A retry therefore never inherits a half-read response
+from a connection that broke, and the host's per-connection limits never see a stale
+keep-alive socket. On a local socket the connect costs microseconds.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import urllib.parse
+from dataclasses import dataclass
+from typing import Literal
+
+import h11
+import trio
+
+__all__ = [
+    "Credential",
+    "Endpoint",
+    "HttpReply",
+    "TransportFailure",
+    "exchange",
+    "MAX_RESPONSE_BYTES",
+    "MAX_HEADER_BYTES",
+]
+
+#: The route, fixed by spec §HTTP binding ("One endpoint").
+ACTION_PATH = b"/v1/action"
+
+#: Bound on a response body. The largest legal answer is a 500-event page (spec
+#: channel.read limit) of events whose content may each be up to 64 KiB as published
+#: by other clients; JSON escaping can grow that several times. 64 MiB covers it and
+#: still stops a runaway peer from filling memory.
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+
+#: Bound on the response head, h11's own default (16 KiB, what common servers accept).
+MAX_HEADER_BYTES = 16 * 1024
+
+#: Read size per receive call.
+_RECEIVE_CHUNK = 64 * 1024
+
+#: Longest credential accepted. Session credentials are short opaque tokens; this only
+#: stops an accidental file (a key, a log) being sent as a header.
+MAX_CREDENTIAL_BYTES = 1024
+
+#: The Host header for a Unix socket, where there is no host name (RFC 9112 §3.2 still
+#: requires the header in HTTP/1.1).
+_UNIX_HOST = b"localhost"
+
+
+class TransportFailure(Exception):
+    """No HTTP response could be read: the request's fate is unknown.
+
+    `detail` is a fixed phrase for operators ("connect failed", "connection closed
+    before a response", ...). It never contains the credential or the body.
+    """
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class Credential:
+    """The bearer credential: opaque, held privately, never shown.
+
+    Raises:
+        ValueError: empty, too long, or not visible ASCII (RFC 9110 token68-ish: the
+            value must survive as a header field unchanged). The message never quotes it.
+    """
+
+    __slots__ = ("__value",)
+
+    def __init__(self, value: str) -> None:
+        if not isinstance(value, str):
+            raise TypeError("credential must be a str")
+        if not value:
+            raise ValueError("credential is empty")
+        if len(value) > MAX_CREDENTIAL_BYTES:
+            raise ValueError(f"credential is longer than {MAX_CREDENTIAL_BYTES} bytes")
+        if not all("\x21" <= c <= "\x7e" for c in value):
+            raise ValueError("credential must be visible ASCII with no spaces")
+        self.__value = value
+
+    def authorization(self) -> bytes:
+        """The Authorization header value. Call sites: `exchange` only."""
+        return b"Bearer " + self.__value.encode("ascii")
+
+    def __repr__(self) -> str:
+        return "Credential(<redacted>)"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> str | tuple[object, ...]:
+        # Pickling would write the secret wherever the pickle goes.
+        raise TypeError("a Credential cannot be pickled")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Endpoint:
+    """Where the host listens: a Unix socket path, or a loopback TCP address."""
+
+    kind: Literal["unix", "tcp"]
+    path: str | None = None
+    host: str | None = None
+    port: int | None = None
+
+    @classmethod
+    def parse(cls, address: str) -> Endpoint:
+        """Accept `/path/to.sock`, `unix:/path/to.sock`, or `http://<loopback>[:port][/]`.
+
+        Raises:
+            ValueError: anything else — a relative path, `https://`, a host that is not
+                loopback, a path or query after the authority.
+        """
+        if not isinstance(address, str) or not address:
+            raise ValueError("broker address is empty")
+        if address.startswith("unix:"):
+            address = address[len("unix:") :]
+            if not address.startswith("/"):
+                raise ValueError("a unix: address needs an absolute socket path")
+        if address.startswith("/"):
+            return cls(kind="unix", path=address)
+        parts = urllib.parse.urlsplit(address)
+        if parts.scheme != "http":
+            raise ValueError(
+                "broker address must be a socket path or http:// on loopback "
+                f"(scheme {parts.scheme or 'none'!r} refused)"
+            )
+        if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+            raise ValueError("broker http:// address takes only a host and a port")
+        host = parts.hostname
+        try:
+            port = parts.port or 80
+        except ValueError:
+            raise ValueError("broker http:// address has an invalid port") from None
+        if host is None:
+            raise ValueError("broker http:// address has no host")
+        if host.lower() == "localhost":
+            # Pin the name rather than resolving it: a hosts file that maps `localhost`
+            # elsewhere must not carry the credential off the machine.
+            return cls(kind="tcp", host="127.0.0.1", port=port)
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            raise ValueError(
+                "plain HTTP is refused except to loopback (127.0.0.0/8, ::1, localhost)"
+            ) from None
+        if not ip.is_loopback:
+            raise ValueError(
+                "plain HTTP is refused except to loopback (127.0.0.0/8, ::1, localhost)"
+            )
+        return cls(kind="tcp", host=str(ip), port=port)
+
+    def describe(self) -> str:
+        """A human form for logs and messages."""
+        if self.kind == "unix":
+            return f"unix:{self.path}"
+        host = f"[{self.host}]" if self.host and ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class HttpReply:
+    """What came back: the status code and the whole body (possibly empty)."""
+
+    status: int
+    body: bytes
+
+
+async def _connect(endpoint: Endpoint) -> trio.abc.Stream:
+    if endpoint.kind == "unix":
+        assert endpoint.path is not None
+        return await trio.open_unix_socket(endpoint.path)
+    assert endpoint.host is not None and endpoint.port is not None
+    return await trio.open_tcp_stream(endpoint.host, endpoint.port)
+
+
+async def exchange(endpoint: Endpoint, credential: Credential, body: bytes) -> HttpReply:
+    """POST `body` verbatim to /v1/action and read the whole response.
+
+    Args:
+        endpoint: where the host listens (already checked loopback-or-socket).
+        credential: sent only as `Authorization: Bearer …`.
+        body: the frozen request bytes; sent unchanged.
+
+    Returns:
+        The status code and body of the final (non-1xx) response.
+
+    Raises:
+        TransportFailure: for every way the exchange can fail.
+
+    Cancellation:
+        Safe at any point; the connection is closed. Deadlines are the caller's
+        (`trio.move_on_after` around this call).
+
+    Resource handling:
+        The connection is opened here and always closed here.
+    """
+    try:
+        stream = await _connect(endpoint)
+    except OSError:
+        raise TransportFailure("connect failed") from None
+    async with stream:
+        try:
+            return await _exchange_on(stream, endpoint, credential, body)
+        except h11.ProtocolError:
+            # h11's message can quote header bytes: keep it out.
+            raise TransportFailure("malformed HTTP from the host") from None
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            raise TransportFailure("connection broken") from None
+
+
+async def _exchange_on(
+    stream: trio.abc.Stream, endpoint: Endpoint, credential: Credential, body: bytes
+) -> HttpReply:
+    conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEADER_BYTES)
+    host = _UNIX_HOST if endpoint.kind == "unix" else endpoint.describe()[len("http://") :].encode()
+    head = h11.Request(
+        method=b"POST",
+        target=ACTION_PATH,
+        headers=[
+            (b"Host", host),
+            (b"Authorization", credential.authorization()),
+            (b"Content-Type", b"application/json"),
+            (b"Content-Length", str(len(body)).encode("ascii")),
+            (b"Connection", b"close"),
+        ],
+    )
+    out = b"".join(
+        part
+        for part in (conn.send(head), conn.send(h11.Data(data=body)), conn.send(h11.EndOfMessage()))
+        if part is not None
+    )
+    await stream.send_all(out)
+
+    status: int | None = None
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(bytes(await stream.receive_some(_RECEIVE_CHUNK)))
+            continue
+        if isinstance(event, h11.InformationalResponse):
+            continue  # 1xx: the real answer follows
+        if isinstance(event, h11.Response):
+            status = event.status_code
+        elif isinstance(event, h11.Data):
+            size += len(event.data)
+            if size > MAX_RESPONSE_BYTES:
+                raise TransportFailure("response body over the bound")
+            chunks.append(bytes(event.data))
+        elif isinstance(event, h11.EndOfMessage):
+            assert status is not None  # h11 orders Response before EndOfMessage
+            return HttpReply(status, b"".join(chunks))
+        elif isinstance(event, h11.ConnectionClosed):
+            raise TransportFailure("connection closed before a response")
+        else:  # pragma: no cover - h11 has no other client-side events
+            raise TransportFailure("unexpected HTTP event")

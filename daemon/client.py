@@ -1,0 +1,794 @@
+"""The agent side of the broker protocol: a client that meets the spec's [C1] list.
+
+Theory of operation (spec §Conformance [C1], invariants I2–I6):
+
+1. Freeze once. Every call is validated and normalized by the *same* contract code the
+   host runs (`daemon.contract.build_request`), then serialized exactly once
+   (`encode_request`). Those bytes, under that requestId, are what every attempt sends;
+   there is no code path that re-renders a request between attempts (I3).
+2. Send. One HTTP/1.1 POST /v1/action per attempt, `Authorization: Bearer …`, over a
+   Unix socket or plain HTTP to loopback only (`daemon._client_transport`).
+3. Judge. An envelope is parsed from every response whatever its HTTP status; a valid
+   envelope is the answer and the status line is decoration. No parseable envelope is a
+   transport failure (§HTTP binding). A parsed envelope is then read against the request
+   that produced it (I5): requestId equal; on success, the same action and the outcome
+   shape of that action; echoed identities equal as parsed values; a page no longer than
+   the effective limit; a status/code pair the table allows. Any failing check makes the
+   response *no answer* — never a verdict. Returned events are verified (id and BIP-340
+   signature) by default (I4); see `EventVerification` for the policy.
+4. Retry. No answer and `indeterminate` are retried with the identical bytes, with
+   exponential backoff, up to `RetryPolicy.max_attempts` attempts and
+   `RetryPolicy.total_seconds`. `succeeded`, `failed` and unsupported are final.
+
+The answer types (one base, `Result`; all frozen):
+
+=================  ==========================================================================
+`Succeeded`        the host did it; `outcome` says what; `replayed` marks a recorded replay.
+`Failed`           the host promises nothing happened (any code, including `unauthenticated`).
+`Unsupported`      `failed` + `unsupported` on a best-effort operation (reaction.add): a normal
+                   answer; carry on. On any other operation `unsupported` is a `Failed`.
+`Indeterminate`    fate unknown: the last attempt was answered `indeterminate` by the host.
+`NoAnswer`         fate unknown: the last attempt got no verdict (transport failure, no
+                   envelope, a response that failed I5, or an event that failed I4).
+=================  ==========================================================================
+
+`Indeterminate` and `NoAnswer` share the base `FateUnknown`: after the retry bound the
+caller must reconcile (read state) or retry later *with the same request id and bytes*
+(`FateUnknown.request` handed back to `send` does so).
+
+Rules:
+- The credential is held inside a `Credential` (redacting repr), written only into the
+  Authorization header, and never logged. Log lines carry the request id, the action,
+  the attempt and a fixed-vocabulary reason; never arguments or content.
+- Bad arguments are the caller's: `build_request` raises `ContractError` and nothing is
+  sent. A bad address or credential raises `ValueError` at construction.
+- `AsyncBrokerClient` is the one implementation. `BrokerClient` is the same methods run
+  under `trio.run`, one call at a time, for synchronous code.
+
+WARNING: the per-action echo checks (`_ECHO_CHECKS`) must list every action in
+`daemon.contract.ACTIONS`; a test asserts the key sets are equal.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Concatenate, Generic, ParamSpec, TypeAlias, TypeVar
+
+import trio
+
+from daemon._client_transport import Credential, Endpoint, HttpReply, TransportFailure, exchange
+from daemon.contract import (
+    ACTIONS,
+    PAIRING,
+    AgentsCreateOutcome,
+    AgentsDeleteOutcome,
+    AgentsUpdateOutcome,
+    ContractError,
+    ErrorCode,
+    Event,
+    PublishOutcome,
+    ReadOutcome,
+    Request,
+    Response,
+    Status,
+    StorageAddressOutcome,
+    build_request,
+    encode_request,
+    normalize_channel_id,
+    normalize_hex64,
+    parse_response,
+)
+
+__all__ = [
+    "AsyncBrokerClient",
+    "BrokerClient",
+    "RetryPolicy",
+    "EventVerification",
+    "Result",
+    "Succeeded",
+    "Failed",
+    "Unsupported",
+    "FateUnknown",
+    "Indeterminate",
+    "NoAnswer",
+    "NoAnswerReason",
+    "Answer",
+    "ReadAll",
+    "ReadEnd",
+    "judge",
+]
+
+_log = logging.getLogger("buzz_broker.client")
+
+O = TypeVar("O")
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Result:
+    """Base of every answer the client gives. Never instantiated itself.
+
+    `request_id` and `action` are those of the request that was sent; `attempts` is how
+    many times its bytes were sent.
+    """
+
+    request_id: str
+    action: str
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Succeeded(Result, Generic[O]):
+    """`succeeded`: the operation completed and `outcome` describes it.
+
+    `replayed` is True when the host replayed a recorded outcome (a retry of a request it
+    had already finished). `envelope` is the host's response body, verbatim.
+    """
+
+    outcome: O
+    replayed: bool
+    envelope: bytes = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Failed(Result):
+    """`failed`: the host promises no side effects took hold. Not retried.
+
+    `unsupported` lands here too for an operation that is not best-effort: the agent
+    cannot do that job on this host.
+    """
+
+    code: ErrorCode
+    message: str
+    envelope: bytes = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Unsupported(Result):
+    """`failed` + `unsupported` on a best-effort operation (reaction.add): carry on."""
+
+    message: str
+    envelope: bytes = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FateUnknown(Result):
+    """Base of the two "fate unknown" answers, returned once the retry bound is spent.
+
+    Nothing can be concluded about side effects. Retry later with the same request id
+    and bytes (the host deduplicates): `client.send(answer.request)` re-sends the same
+    frozen request (`encode_request` is canonical, so its bytes are the same). Or read
+    state to find out.
+    """
+
+    request: Request = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Indeterminate(FateUnknown):
+    """The last attempt's verdict was `indeterminate` (`outcome_unknown` or `internal`)."""
+
+    code: ErrorCode
+    message: str
+    envelope: bytes = field(repr=False)
+
+
+class NoAnswerReason(enum.Enum):
+    """Why an attempt produced no verdict (spec §HTTP binding, I4, I5)."""
+
+    #: connect refused, connection dropped, timed out, HTTP framing broken
+    TRANSPORT = "transport"
+    #: an HTTP response came back but its body is not a valid envelope (a proxy's 401,
+    #: a 502, a `null` member, an extra member, a forbidden status/code pair)
+    NO_ENVELOPE = "no_envelope"
+    #: a valid envelope that does not answer the request that was sent (I5)
+    MISMATCH = "mismatch"
+    #: a returned event whose id or signature does not verify (I4, default policy)
+    UNVERIFIED_EVENT = "unverified_event"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NoAnswer(FateUnknown):
+    """The last attempt got no verdict. `detail` is a fixed phrase for operators."""
+
+    reason: NoAnswerReason
+    detail: str
+
+
+#: What a typed method returns: a `Succeeded` whose outcome has that operation's shape,
+#: or one of the other answers.
+Answer: TypeAlias = Succeeded[O] | Failed | Unsupported | Indeterminate | NoAnswer
+
+
+# --------------------------------------------------------------------------- policy
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetryPolicy:
+    """How hard to try before answering "fate unknown".
+
+    Delays are deterministic (no jitter): one agent talks to one local host over its own
+    credential, so there is no herd to spread out, and tests can reason about timing.
+    """
+
+    #: attempts in all, the first included
+    max_attempts: int = 4
+    #: wait before the second attempt; multiplied by `multiplier` each time after
+    first_delay: float = 0.25
+    multiplier: float = 2.0
+    max_delay: float = 4.0
+    #: bound on one attempt (connect, send, read the whole response)
+    attempt_seconds: float = 30.0
+    #: bound on the whole call, waits included; no attempt starts after it
+    total_seconds: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        for name in ("first_delay", "max_delay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative")
+        if self.multiplier < 1:
+            raise ValueError("multiplier must be at least 1")
+        for name in ("attempt_seconds", "total_seconds"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+
+
+class EventVerification(enum.Enum):
+    """What to do with the signed events a read returns (I4: the caller's policy).
+
+    VERIFY (the default): check every event's id and BIP-340 signature locally. A page
+    holding any event that fails is *no answer* (`NoAnswerReason.UNVERIFIED_EVENT`), and
+    is retried like any other no-answer (a read has no side effects, so that is free).
+    Dropping just the bad event was rejected: it would hand the caller a page that looks
+    complete but is not, and a forged mention silently vanishing is the failure I4 exists
+    to expose.
+
+    SKIP: trust the host for authorship as well as completeness. Must be asked for by
+    name.
+    """
+
+    VERIFY = "verify"
+    SKIP = "skip"
+
+
+# --------------------------------------------------------------------------- judging
+
+
+def _same(value: str, expected: str, normalize: Callable[[str], str | None]) -> bool:
+    """Compare two identities as parsed values (spec §Identities and spellings).
+
+    An unparseable spelling matches nothing (the normalizers answer None for it).
+    """
+    parsed = normalize(value)
+    return parsed is not None and parsed == normalize(expected)
+
+
+def _has_tag(event: Event, name: str, value: str, normalize: Callable[[str], str | None]) -> bool:
+    return any(len(t) >= 2 and t[0] == name and _same(t[1], value, normalize) for t in event.tags)
+
+
+def _check_read(request: Request, outcome: object, me: str | None) -> str | None:
+    assert isinstance(outcome, ReadOutcome)
+    args: Any = request.args
+    if len(outcome.messages) > args.effective_limit:
+        return "page holds more events than the effective limit"
+    for event in outcome.messages:
+        # The host reads with `#h: [channel]` (buzz-on-the-relay §channel.read), so every
+        # event echoes the channel in its signed `h` tag.
+        if not _has_tag(event, "h", args.channel_id, normalize_channel_id):
+            return "an event is not from the requested channel"
+        if args.root_event_id is not None and not (
+            _same(event.id, args.root_event_id, normalize_hex64)
+            or _has_tag(event, "e", args.root_event_id, normalize_hex64)
+        ):
+            return "an event is not in the requested thread"
+        if args.mentions_only and me is not None and not _has_tag(event, "p", me, normalize_hex64):
+            return "an event in a mentions-only read does not mention the requester"
+    return None
+
+
+def _check_nothing(request: Request, outcome: object, me: str | None) -> str | None:
+    # The publishing outcomes are host-minted (eventId, kind, createdAt): nothing echoed.
+    return None
+
+
+def _check_storage(request: Request, outcome: object, me: str | None) -> str | None:
+    assert isinstance(outcome, StorageAddressOutcome)
+    if me is not None and not _same(outcome.author_pubkey, me, normalize_hex64):
+        return "storage address is for another author"
+    return None
+
+
+def _check_create(request: Request, outcome: object, me: str | None) -> str | None:
+    assert isinstance(outcome, AgentsCreateOutcome)
+    args: Any = request.args
+    if not _same(outcome.channel_id, args.channel_id, normalize_channel_id):
+        return "created agent's channel differs from the requested one"
+    return None
+
+
+def _check_target(request: Request, outcome: object, me: str | None) -> str | None:
+    assert isinstance(outcome, (AgentsUpdateOutcome, AgentsDeleteOutcome))
+    target: Any = request.args.target  # type: ignore[union-attr]
+    # By name, the reply cannot be checked (spec I5 Limits): a rename may be the call.
+    if target.pubkey is not None and not _same(outcome.pubkey, target.pubkey, normalize_hex64):
+        return "outcome names another agent than the target"
+    return None
+
+
+#: action -> the I5 echo check of a succeeded outcome. `me` is the agent's own pubkey
+#: when the caller told the client; checks that need it are skipped otherwise.
+_ECHO_CHECKS: Mapping[str, Callable[[Request, object, str | None], str | None]] = {
+    "channel.read": _check_read,
+    "message.post": _check_nothing,
+    "message.reply": _check_nothing,
+    "reaction.add": _check_nothing,
+    "profile.set": _check_nothing,
+    "storage.address": _check_storage,
+    "agents.create": _check_create,
+    "agents.update": _check_target,
+    "agents.delete": _check_target,
+}
+
+
+def _verify_events(outcome: object) -> bool:
+    if not isinstance(outcome, ReadOutcome) or not outcome.messages:
+        return True
+    # Imported on first use: custody's public-data helper (no secret is involved), and the
+    # only part of custody an agent process ever loads.
+    from custody import verify_event
+
+    return all(verify_event(event.to_json_obj()) for event in outcome.messages)
+
+
+def judge(
+    request: Request,
+    reply: HttpReply,
+    outcome_type: type[O],
+    *,
+    attempt: int,
+    verification: EventVerification = EventVerification.VERIFY,
+    me: str | None = None,
+) -> Answer[O]:
+    """Read one HTTP reply against the request that produced it (pure; no I/O).
+
+    Args:
+        request: the request as frozen (its parsed form; the bytes came from it).
+        reply: status and body as received.
+        outcome_type: the outcome class of `request.action`.
+        attempt: the attempt number, recorded in the answer.
+        verification: the I4 policy.
+        me: the agent's own pubkey, if known (enables the checks that need it).
+
+    Returns:
+        A verdict (`Succeeded`, `Failed`, `Unsupported`, `Indeterminate`) only when the
+        envelope parses and passes every I5 check; otherwise `NoAnswer`.
+    """
+    rid, action = request.request_id, request.action
+
+    def no_answer(reason: NoAnswerReason, detail: str) -> NoAnswer:
+        return NoAnswer(request_id=rid, action=action, attempts=attempt, request=request,
+                        reason=reason, detail=detail)
+
+    try:
+        response: Response = parse_response(reply.body)
+    except (ContractError, ValueError):  # ValueError: Response's own construction checks
+        # §HTTP binding: only now does the status line matter, as operator detail.
+        return no_answer(NoAnswerReason.NO_ENVELOPE, f"HTTP {reply.status} without a valid envelope")
+    if response.request_id != request.request_id:
+        return no_answer(NoAnswerReason.MISMATCH, "response is for another requestId")
+    if response.code is not None and response.status not in PAIRING[response.code]:
+        return no_answer(NoAnswerReason.MISMATCH, "status and error code contradict each other")
+
+    if response.status is Status.SUCCEEDED:
+        if response.action != request.action:
+            return no_answer(NoAnswerReason.MISMATCH, "succeeded outcome is for another action")
+        outcome = response.outcome
+        if not isinstance(outcome, outcome_type):
+            return no_answer(NoAnswerReason.MISMATCH, "outcome has another action's shape")
+        problem = _ECHO_CHECKS[request.action](request, outcome, me)
+        if problem is not None:
+            return no_answer(NoAnswerReason.MISMATCH, problem)
+        if verification is EventVerification.VERIFY and not _verify_events(outcome):
+            return no_answer(NoAnswerReason.UNVERIFIED_EVENT, "an event's id or signature does not verify")
+        return Succeeded(request_id=rid, action=action, attempts=attempt, outcome=outcome,
+                         replayed=response.replayed, envelope=reply.body)
+
+    assert response.code is not None and response.message is not None  # parse_response's shape rule
+    if response.status is Status.FAILED:
+        if response.code is ErrorCode.UNSUPPORTED and ACTIONS[request.action].best_effort:
+            return Unsupported(request_id=rid, action=action, attempts=attempt,
+                               message=response.message, envelope=reply.body)
+        return Failed(request_id=rid, action=action, attempts=attempt, code=response.code,
+                      message=response.message, envelope=reply.body)
+    return Indeterminate(request_id=rid, action=action, attempts=attempt, request=request,
+                         code=response.code, message=response.message, envelope=reply.body)
+
+
+# --------------------------------------------------------------------------- paging
+
+
+class ReadEnd(enum.Enum):
+    """Why `read_all` stopped."""
+
+    #: a page came back without nextCursor: everything was read
+    EXHAUSTED = "exhausted"
+    #: the caller's `stop_when` matched an event (it and the rest of its page are left out)
+    STOPPED = "stopped"
+    #: `max_pages` pages were read and a nextCursor remained
+    MAX_PAGES = "max_pages"
+    #: a page's answer was not `Succeeded`; see `ReadAll.last`
+    NOT_SUCCEEDED = "not_succeeded"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadAll:
+    """The result of following nextCursor.
+
+    `messages` are the events of every page read, in the host's order. `resume_cursor`
+    is the cursor to continue from (verbatim from the host) when `end` is MAX_PAGES or
+    NOT_SUCCEEDED (None when the failing page was the first and no cursor was given).
+    `last` is the last page's answer.
+    """
+
+    messages: tuple[Event, ...]
+    end: ReadEnd
+    pages: int
+    resume_cursor: str | None
+    last: Answer[ReadOutcome]
+
+
+# --------------------------------------------------------------------------- clients
+
+
+def _new_request_id() -> str:
+    return str(uuid.uuid4())
+
+
+def _wire(**members: object) -> dict[str, object]:
+    """The argument mapping with every absent member omitted (I6): None, False-as-default
+    and empty sequences are absence, never emitted."""
+    out: dict[str, object] = {}
+    for name, value in members.items():
+        if value is None or value is False:
+            continue
+        if isinstance(value, (list, tuple)):
+            if not value:
+                continue
+            value = list(value)
+        out[name] = value
+    return out
+
+
+def _target(pubkey: str | None, name: str | None) -> dict[str, object]:
+    return _wire(pubkey=pubkey, name=name)
+
+
+class AsyncBrokerClient:
+    """The [C1] client for trio code. Cheap to construct; holds no connection.
+
+    Args:
+        address: the host's Unix socket path (`/run/…/broker.sock`, or `unix:/…`), or
+            `http://127.0.0.1:PORT` / `http://[::1]:PORT` / `http://localhost:PORT`.
+        credential: the bearer credential this agent was handed. Held privately.
+        retry: the retry bound.
+        events: the I4 policy for returned events (default: verify).
+        agent_pubkey: this agent's own public key, if known: then a storage address for
+            another author, and a mentions-only page with an event not mentioning it,
+            are no answer too.
+        new_request_id: request-id factory (default uuid4).
+
+    Raises:
+        ValueError: an address that is not a socket path or loopback HTTP; a malformed
+            credential (the message never quotes it); a malformed agent_pubkey.
+
+    Every operation method raises `ContractError` (nothing sent) when its arguments break
+    the contract, and otherwise returns an `Answer`. They never raise for anything the
+    host or the transport does.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        credential: str,
+        *,
+        retry: RetryPolicy = RetryPolicy(),
+        events: EventVerification = EventVerification.VERIFY,
+        agent_pubkey: str | None = None,
+        new_request_id: Callable[[], str] = _new_request_id,
+    ) -> None:
+        self._endpoint = Endpoint.parse(address)
+        self._credential = Credential(credential)
+        self._retry = retry
+        self._events = events
+        me = normalize_hex64(agent_pubkey) if agent_pubkey is not None else None
+        if agent_pubkey is not None and me is None:
+            raise ValueError("agent_pubkey must be 64 hex characters")
+        self._me = me
+        self._new_request_id = new_request_id
+
+    def __repr__(self) -> str:
+        return f"AsyncBrokerClient({self._endpoint.describe()!r}, credential=<redacted>)"
+
+    # ----- the generic door
+
+    def freeze(self, action: str, args: Mapping[str, object], request_id: str | None = None) -> Request:
+        """Validate and normalize a request without sending it.
+
+        Raises:
+            ContractError: unknown action (reserved names included) or bad arguments.
+        """
+        return build_request(
+            action, args, request_id=request_id if request_id is not None else self._new_request_id()
+        )
+
+    async def call(
+        self, action: str, args: Mapping[str, object], request_id: str | None = None
+    ) -> Answer[Any]:
+        """Any of the nine operations by wire name, with wire-named arguments.
+
+        Raises:
+            ContractError: the request breaks the contract; nothing was sent.
+        """
+        request = self.freeze(action, args, request_id)
+        return await self.send(request)
+
+    async def send(self, request: Request) -> Answer[Any]:
+        """Send a frozen request (for example one kept from an earlier `FateUnknown`).
+
+        The request is serialized once here; every attempt sends those bytes.
+        """
+        return await self._send(request, ACTIONS[request.action].outcome_type)
+
+    async def _send(self, request: Request, outcome_type: type[O]) -> Answer[O]:
+        body = encode_request(request)  # the one serialization (I3)
+        policy = self._retry
+        deadline = trio.current_time() + policy.total_seconds
+        delay = policy.first_delay
+        attempt = 0
+        while True:
+            attempt += 1
+            answer = await self._attempt(request, body, outcome_type, attempt, deadline)
+            if not isinstance(answer, FateUnknown):
+                return answer
+            reason = answer.reason.value if isinstance(answer, NoAnswer) else "indeterminate"
+            if attempt >= policy.max_attempts or trio.current_time() + delay >= deadline:
+                _log.warning(
+                    "fate unknown after retries: request_id=%s action=%s attempts=%d reason=%s",
+                    request.request_id, request.action, attempt, reason,
+                )
+                return answer
+            _log.info(
+                "retrying identical bytes: request_id=%s action=%s attempt=%d reason=%s",
+                request.request_id, request.action, attempt, reason,
+            )
+            await trio.sleep(delay)
+            delay = min(delay * policy.multiplier, policy.max_delay)
+
+    async def _attempt(
+        self, request: Request, body: bytes, outcome_type: type[O], attempt: int, deadline: float
+    ) -> Answer[O]:
+        budget = min(self._retry.attempt_seconds, max(deadline - trio.current_time(), 0.0))
+        reply: HttpReply | None = None
+        detail = "timed out"
+        with trio.move_on_after(budget):
+            try:
+                reply = await exchange(self._endpoint, self._credential, body)
+            except TransportFailure as exc:
+                detail = exc.detail
+        if reply is None:
+            return NoAnswer(
+                request_id=request.request_id, action=request.action, attempts=attempt,
+                request=request, reason=NoAnswerReason.TRANSPORT, detail=detail,
+            )
+        return judge(
+            request, reply, outcome_type, attempt=attempt, verification=self._events, me=self._me
+        )
+
+    # ----- one method per operation (spec §Operations; wire names in the mapping)
+
+    async def channel_read(
+        self,
+        channel_id: str,
+        *,
+        root_event_id: str | None = None,
+        mentions_only: bool = False,
+        cursor: str | None = None,
+        limit: int | None = None,
+        request_id: str | None = None,
+    ) -> Answer[ReadOutcome]:
+        """One page of a channel, a thread (`root_event_id`) or this agent's mentions.
+
+        `cursor` must be a nextCursor from an earlier page, passed verbatim.
+        """
+        args = _wire(
+            channelId=channel_id, rootEventId=root_event_id, mentionsOnly=mentions_only,
+            cursor=cursor, limit=limit,
+        )
+        return await self._send(self.freeze("channel.read", args, request_id), ReadOutcome)
+
+    async def read_all(
+        self,
+        channel_id: str,
+        *,
+        root_event_id: str | None = None,
+        mentions_only: bool = False,
+        cursor: str | None = None,
+        limit: int | None = None,
+        max_pages: int = 100,
+        stop_when: Callable[[Event], bool] | None = None,
+    ) -> ReadAll:
+        """Follow nextCursor until it is absent (or `stop_when`, or `max_pages`).
+
+        Each page is its own request with its own request id; cursors go back verbatim
+        and are never compared or built here. `stop_when(event)` lets a wake loop stop at
+        the first event it has already seen.
+
+        Raises:
+            ContractError: bad arguments; nothing was sent.
+            ValueError: max_pages < 1.
+        """
+        if max_pages < 1:
+            raise ValueError("max_pages must be at least 1")
+        collected: list[Event] = []
+        pages = 0
+        while True:
+            answer = await self.channel_read(
+                channel_id, root_event_id=root_event_id, mentions_only=mentions_only,
+                cursor=cursor, limit=limit,
+            )
+            if not isinstance(answer, Succeeded):
+                return ReadAll(messages=tuple(collected), end=ReadEnd.NOT_SUCCEEDED,
+                               pages=pages, resume_cursor=cursor, last=answer)
+            pages += 1
+            for event in answer.outcome.messages:
+                if stop_when is not None and stop_when(event):
+                    return ReadAll(messages=tuple(collected), end=ReadEnd.STOPPED,
+                                   pages=pages, resume_cursor=None, last=answer)
+                collected.append(event)
+            cursor = answer.outcome.next_cursor
+            if cursor is None:
+                return ReadAll(messages=tuple(collected), end=ReadEnd.EXHAUSTED,
+                               pages=pages, resume_cursor=None, last=answer)
+            if pages >= max_pages:
+                return ReadAll(messages=tuple(collected), end=ReadEnd.MAX_PAGES,
+                               pages=pages, resume_cursor=cursor, last=answer)
+
+    async def message_post(
+        self, channel_id: str, content: str, *, mentions: Sequence[str] = (),
+        request_id: str | None = None,
+    ) -> Answer[PublishOutcome]:
+        """A top-level message; `content` is published exactly as written."""
+        args = _wire(channelId=channel_id, content=content, mentions=tuple(mentions))
+        return await self._send(self.freeze("message.post", args, request_id), PublishOutcome)
+
+    async def message_reply(
+        self, channel_id: str, reply_to_event_id: str, content: str, *,
+        mentions: Sequence[str] = (), request_id: str | None = None,
+    ) -> Answer[PublishOutcome]:
+        """A reply; the host derives the thread root from the parent's tags."""
+        args = _wire(channelId=channel_id, replyToEventId=reply_to_event_id, content=content,
+                     mentions=tuple(mentions))
+        return await self._send(self.freeze("message.reply", args, request_id), PublishOutcome)
+
+    async def reaction_add(
+        self, channel_id: str, target_event_id: str, reaction: str, *,
+        request_id: str | None = None,
+    ) -> Answer[PublishOutcome]:
+        """A reaction. Best-effort: an `Unsupported` answer is normal; carry on."""
+        args = _wire(channelId=channel_id, targetEventId=target_event_id, reaction=reaction)
+        return await self._send(self.freeze("reaction.add", args, request_id), PublishOutcome)
+
+    async def profile_set(
+        self, *, display_name: str | None = None, about: str | None = None,
+        picture: str | None = None, request_id: str | None = None,
+    ) -> Answer[PublishOutcome]:
+        """This agent's own profile; members left out are left as they are."""
+        args = _wire(displayName=display_name, about=about, picture=picture)
+        return await self._send(self.freeze("profile.set", args, request_id), PublishOutcome)
+
+    async def storage_address(
+        self, slug: str, *, request_id: str | None = None
+    ) -> Answer[StorageAddressOutcome]:
+        """The relay address of one encrypted-memory record (`core` or `mem/…`)."""
+        args = _wire(slug=slug)
+        return await self._send(self.freeze("storage.address", args, request_id), StorageAddressOutcome)
+
+    async def agents_create(
+        self, channel_id: str, display_name: str, system_prompt: str, *,
+        runtime: str | None = None, provider: str | None = None, model: str | None = None,
+        respond_to: str | None = None, request_id: str | None = None,
+    ) -> Answer[AgentsCreateOutcome]:
+        """Mint a managed agent owned by this agent; the outcome is public identity only."""
+        args = _wire(channelId=channel_id, displayName=display_name, systemPrompt=system_prompt,
+                     runtime=runtime, provider=provider, model=model, respondTo=respond_to)
+        return await self._send(self.freeze("agents.create", args, request_id), AgentsCreateOutcome)
+
+    async def agents_update(
+        self, *, target_pubkey: str | None = None, target_name: str | None = None,
+        display_name: str | None = None, system_prompt: str | None = None,
+        runtime: str | None = None, provider: str | None = None, model: str | None = None,
+        respond_to: str | None = None, request_id: str | None = None,
+    ) -> Answer[AgentsUpdateOutcome]:
+        """Patch an owned agent named by exactly one of `target_pubkey`, `target_name`."""
+        args = _wire(target=_target(target_pubkey, target_name), displayName=display_name,
+                     systemPrompt=system_prompt, runtime=runtime, provider=provider,
+                     model=model, respondTo=respond_to)
+        return await self._send(self.freeze("agents.update", args, request_id), AgentsUpdateOutcome)
+
+    async def agents_delete(
+        self, *, target_pubkey: str | None = None, target_name: str | None = None,
+        request_id: str | None = None,
+    ) -> Answer[AgentsDeleteOutcome]:
+        """Remove an owned agent named by exactly one of `target_pubkey`, `target_name`."""
+        args = _wire(target=_target(target_pubkey, target_name))
+        return await self._send(self.freeze("agents.delete", args, request_id), AgentsDeleteOutcome)
+
+
+def _blocking(
+    method: Callable[Concatenate[AsyncBrokerClient, P], Awaitable[R]],
+) -> Callable[Concatenate[BrokerClient, P], R]:
+    """The synchronous twin of an `AsyncBrokerClient` method: the same code under trio.run."""
+
+    @functools.wraps(method)
+    def run(self: BrokerClient, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        async def once() -> R:
+            return await method(self._client, *args, **kwargs)
+
+        return trio.run(once)
+
+    return run
+
+
+class BrokerClient:
+    """The same client for synchronous code: each call runs the async one under `trio.run`.
+
+    Not for use from inside a trio run (trio refuses a nested `trio.run`); use
+    `AsyncBrokerClient` there. Arguments and answers are exactly `AsyncBrokerClient`'s.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        credential: str,
+        *,
+        retry: RetryPolicy = RetryPolicy(),
+        events: EventVerification = EventVerification.VERIFY,
+        agent_pubkey: str | None = None,
+        new_request_id: Callable[[], str] = _new_request_id,
+    ) -> None:
+        self._client = AsyncBrokerClient(
+            address, credential, retry=retry, events=events, agent_pubkey=agent_pubkey,
+            new_request_id=new_request_id,
+        )
+
+    def __repr__(self) -> str:
+        return f"BrokerClient({self._client._endpoint.describe()!r}, credential=<redacted>)"
+
+    def freeze(self, action: str, args: Mapping[str, object], request_id: str | None = None) -> Request:
+        """See `AsyncBrokerClient.freeze`."""
+        return self._client.freeze(action, args, request_id)
+
+    call = _blocking(AsyncBrokerClient.call)
+    send = _blocking(AsyncBrokerClient.send)
+    channel_read = _blocking(AsyncBrokerClient.channel_read)
+    read_all = _blocking(AsyncBrokerClient.read_all)
+    message_post = _blocking(AsyncBrokerClient.message_post)
+    message_reply = _blocking(AsyncBrokerClient.message_reply)
+    reaction_add = _blocking(AsyncBrokerClient.reaction_add)
+    profile_set = _blocking(AsyncBrokerClient.profile_set)
+    storage_address = _blocking(AsyncBrokerClient.storage_address)
+    agents_create = _blocking(AsyncBrokerClient.agents_create)
+    agents_update = _blocking(AsyncBrokerClient.agents_update)
+    agents_delete = _blocking(AsyncBrokerClient.agents_delete)

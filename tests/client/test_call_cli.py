@@ -1,0 +1,196 @@
+"""`buzz-broker call` against the scripted host: exit codes, stdout, and no credential leak.
+
+`main` runs in a worker thread because the command calls `trio.run` itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import trio
+
+from daemon import cli
+from daemon.cli.call import (
+    EXIT_CANNOT_RUN,
+    EXIT_FAILED,
+    EXIT_INDETERMINATE,
+    EXIT_NO_ANSWER,
+    EXIT_SUCCEEDED,
+    EXIT_UNSUPPORTED,
+    EXIT_USAGE,
+)
+from tests.client.scripted_host import (
+    ScriptedHost,
+    drop,
+    errored,
+    publish_outcome,
+    succeeded,
+)
+
+CHANNEL = "5df7dfa8-e919-43df-8efd-f1dcb8af7071"
+TARGET = "cacf5f811cc8ef3f4af3f92cc222f92a86cdf6a26728a144c8e63b74ab6db359"
+CREDENTIAL = "bb1.cli-credential-0b5d4e8a9c713f2b6d8e4a10"
+
+
+@pytest.fixture
+def credential_file(tmp_path: Path) -> str:
+    path = tmp_path / "credential"
+    path.write_text(CREDENTIAL + "\n")
+    path.chmod(0o400)
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def only_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The real entry point, restricted to the command under test, so these tests do not
+    # depend on every other command importing cleanly.
+    monkeypatch.setattr(cli, "COMMANDS", {"call": "call"})
+
+
+async def run_cli(argv: list[str]) -> int:
+    return await trio.to_thread.run_sync(lambda: cli.main(argv))
+
+
+def post_args(host: ScriptedHost, credential_file: str, *extra: str) -> list[str]:
+    return ["call", "message.post", "--args", json.dumps({"channelId": CHANNEL, "content": "hi"}),
+            "--socket", host.path, "--credential-file", credential_file, *extra]
+
+
+def assert_no_credential(capsys: pytest.CaptureFixture[str]) -> tuple[str, str]:
+    out, err = capsys.readouterr()
+    assert CREDENTIAL not in out and CREDENTIAL not in err
+    return out, err
+
+
+async def test_succeeded_prints_the_envelope_and_exits_0(
+    host: ScriptedHost, credential_file: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    host.script = [succeeded(None, publish_outcome())]
+    code = await run_cli(post_args(host, credential_file, "--request-id", "cli-req-1"))
+    out, _ = assert_no_credential(capsys)
+    assert code == EXIT_SUCCEEDED
+    printed = json.loads(out)
+    assert printed["status"] == "succeeded" and printed["requestId"] == "cli-req-1"
+    assert out.encode() == host.answered[0] + b"\n"  # the host's envelope, verbatim
+    assert host.received[0].headers[b"authorization"] == b"Bearer " + CREDENTIAL.encode()
+
+
+@pytest.mark.parametrize(
+    ("steps", "action", "expected", "attempts"),
+    [
+        ([errored("failed", "unauthorized")], "message.post", EXIT_FAILED, 1),
+        ([errored("failed", "unsupported")], "reaction.add", EXIT_UNSUPPORTED, 1),
+        ([errored("failed", "unsupported")], "message.post", EXIT_FAILED, 1),
+        ([errored("indeterminate", "outcome_unknown")] * 4, "message.post", EXIT_INDETERMINATE, 4),
+        ([drop()] * 4, "message.post", EXIT_NO_ANSWER, 4),
+    ],
+)
+async def test_exit_code_per_verdict(
+    host: ScriptedHost, credential_file: str, capsys: pytest.CaptureFixture[str],
+    steps: list[object], action: str, expected: int, attempts: int,
+) -> None:
+    host.script = list(steps)  # type: ignore[arg-type]
+    args = ({"channelId": CHANNEL, "targetEventId": TARGET, "reaction": "+"}
+            if action == "reaction.add" else {"channelId": CHANNEL, "content": "hi"})
+    code = await run_cli(["call", action, "--args", json.dumps(args), "--socket", host.path,
+                          "--credential-file", credential_file])
+    out, _ = assert_no_credential(capsys)
+    assert code == expected
+    printed = json.loads(out)
+    if expected == EXIT_NO_ANSWER:
+        assert printed["type"] == "client_result" and printed["status"] == "no_answer"
+        assert printed["reason"] == "transport" and printed["attempts"] == attempts
+    else:
+        assert printed["type"] == "broker_result"
+    assert len(host.received) == attempts
+    assert len(set(host.bodies)) == 1  # every retry sent the same bytes
+
+
+async def test_credential_from_environment(
+    host: ScriptedHost, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BUZZ_BROKER_CREDENTIAL", CREDENTIAL)
+    host.script = [succeeded(None, publish_outcome())]
+    code = await run_cli(["call", "message.post", "--args",
+                          json.dumps({"channelId": CHANNEL, "content": "hi"}), "--socket", host.path])
+    assert_no_credential(capsys)
+    assert code == EXIT_SUCCEEDED
+    assert host.received[0].headers[b"authorization"] == b"Bearer " + CREDENTIAL.encode()
+
+
+@pytest.mark.parametrize(
+    "call_args",
+    ['{"channelId": ', "[1, 2]", '{"channelId":"nope","content":"hi"}',
+     '{"channelId":"%s","content":"hi","owner":"x"}' % CHANNEL,
+     '{"channelId":"%s","content":null}' % CHANNEL],
+)
+async def test_bad_args_is_a_usage_error_and_nothing_is_sent(
+    host: ScriptedHost, credential_file: str, capsys: pytest.CaptureFixture[str], call_args: str
+) -> None:
+    code = await run_cli(["call", "message.post", "--args", call_args, "--socket", host.path,
+                          "--credential-file", credential_file])
+    out, err = assert_no_credential(capsys)
+    assert code == EXIT_USAGE and out == ""
+    assert err.startswith("buzz-broker: ") and err.count("\n") == 1
+    assert host.received == []
+
+
+async def test_reserved_name_is_refused_before_sending(
+    host: ScriptedHost, credential_file: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = await run_cli(["call", "sign", "--args", "{}", "--socket", host.path,
+                          "--credential-file", credential_file])
+    assert_no_credential(capsys)
+    assert code == EXIT_USAGE and host.received == []
+
+
+async def test_no_credential_is_a_clear_error(
+    host: ScriptedHost, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    monkeypatch.delenv("BUZZ_BROKER_CREDENTIAL", raising=False)
+    args = ["call", "message.post", "--args", json.dumps({"channelId": CHANNEL, "content": "x"}),
+            "--socket", host.path]
+    assert await run_cli(args) == EXIT_CANNOT_RUN
+    assert "BUZZ_BROKER_CREDENTIAL" in capsys.readouterr().err
+    assert await run_cli([*args, "--credential-file", str(tmp_path / "missing")]) == EXIT_CANNOT_RUN
+    assert "cannot read credential file" in capsys.readouterr().err
+    assert host.received == []
+
+
+async def test_open_credential_file_warns_and_plain_http_elsewhere_is_refused(
+    host: ScriptedHost, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    loose = tmp_path / "loose"
+    loose.write_text(CREDENTIAL)
+    loose.chmod(0o644)
+    host.script = [succeeded(None, publish_outcome())]
+    assert await run_cli(post_args(host, str(loose))) == EXIT_SUCCEEDED
+    _, err = assert_no_credential(capsys)
+    assert "readable by others" in err
+    code = await run_cli(["call", "message.post", "--args",
+                          json.dumps({"channelId": CHANNEL, "content": "hi"}),
+                          "--socket", "http://192.0.2.1:80", "--credential-file", str(loose)])
+    _, err = assert_no_credential(capsys)
+    assert code == EXIT_CANNOT_RUN and "loopback" in err
+
+
+async def test_socket_defaults_to_the_configured_one(
+    host: ScriptedHost, credential_file: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    config = tmp_path / "broker.toml"
+    config.write_text(f'[server]\nsocket = "{host.path}"\n')
+    host.script = [succeeded(None, publish_outcome())]
+    code = await run_cli(["--config", str(config), "call", "message.post", "--args",
+                          json.dumps({"channelId": CHANNEL, "content": "hi"}),
+                          "--credential-file", credential_file])
+    assert_no_credential(capsys)
+    assert code == EXIT_SUCCEEDED and len(host.received) == 1
+
+
+def test_credential_file_fixture_is_0400(credential_file: str) -> None:
+    assert stat.S_IMODE(os.stat(credential_file).st_mode) == 0o400
