@@ -1,0 +1,69 @@
+"""Helpers for the channel.read tests: a real Principal, a Context, and page-through loops."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from daemon.config import PolicyConfig
+from daemon.contract import ChannelReadArgs, Event, Status, Verdict
+from daemon.cursor import CursorCodec
+from daemon.operations import channel_read
+from daemon.operations._base import Context
+from daemon.paging import order_key
+from daemon.sessions import Principal, SessionStore
+
+NOW = 1_787_675_388
+POLICY = PolicyConfig(disabled_actions=frozenset(), max_agent_depth=1, runtimes=frozenset())
+
+
+def new_channel() -> str:
+    return str(uuid.uuid4())
+
+
+def principal_for(state_dir: Path, agent: str, channels: Sequence[str]) -> Principal:
+    """A Principal made the only way one can be: issue a credential and authenticate it."""
+    store = SessionStore.open(state_dir / "sessions")
+    try:
+        _, token = store.issue(
+            agent=agent, channels=frozenset(channels), actions=frozenset({"channel.read"}),
+            ttl_seconds=None, uid=None, now=NOW,
+        )
+        principal = store.authenticate(f"Bearer {token}", None, NOW)
+    finally:
+        store.close()
+    assert principal is not None
+    return principal
+
+
+def context(relay: Any, principal: Principal, cursors: CursorCodec, *, now: Callable[[], int] = lambda: NOW) -> Context:
+    # channel.read never touches custody: None proves it (an attribute access would raise).
+    return Context(
+        custody=None,  # type: ignore[arg-type]
+        relay=relay, principal=principal, host=POLICY, cursors=cursors,
+        request_id="read-test", now=now,
+    )
+
+
+def declared_order(events: Sequence[Mapping[str, Any]]) -> list[str]:
+    return [str(e["id"]) for e in sorted(events, key=lambda e: order_key(int(e["created_at"]), str(e["id"])))]
+
+
+async def read_through(ctx: Context, *, max_pages: int = 2000, **args: Any) -> tuple[list[Event], list[Verdict]]:
+    """Every page of one read, following nextCursor until it is absent."""
+    events: list[Event] = []
+    verdicts: list[Verdict] = []
+    cursor: str | None = None
+    for _ in range(max_pages):
+        verdict = await channel_read.execute(ctx, ChannelReadArgs(cursor=cursor, **args))
+        verdicts.append(verdict)
+        assert verdict.status is Status.SUCCEEDED, verdict
+        outcome = verdict.outcome
+        assert outcome is not None
+        events.extend(outcome.messages)
+        if outcome.next_cursor is None:
+            return events, verdicts
+        cursor = outcome.next_cursor
+    raise AssertionError("paging did not end")
