@@ -40,8 +40,8 @@ import resource
 import signal
 import socket
 import time
-from collections.abc import Callable, MutableMapping
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Callable, MutableMapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -306,8 +306,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`serve` takes no arguments of its own: everything is in the config file."""
 
 
-def _broker_factory(config: Config) -> AbstractAsyncContextManager[ReloadableApplication]:
-    from daemon.broker import Broker
+@asynccontextmanager
+async def _broker_factory(config: Config) -> AsyncIterator[ReloadableApplication]:
+    """`Broker.running`, with its `StartupError` turned into the command's one-line fault."""
+    from daemon.broker import Broker, StartupError
 
     source = config.source
 
@@ -315,18 +317,18 @@ def _broker_factory(config: Config) -> AbstractAsyncContextManager[ReloadableApp
         # SIGHUP re-reads the same file (policy); the environment is not consulted again.
         return load_config(source, environ={})
 
-    return Broker.running(config, config_loader=reload_config if source else None)
+    try:
+        async with Broker.running(config, config_loader=reload_config if source else None) as app:
+            yield app
+    except StartupError as exc:
+        raise CliError(str(exc)) from None
 
 
-def _one_startup_error(exc: BaseException) -> str | None:
-    """The one line for a startup fault, looking through trio's exception groups."""
-    from daemon.broker import StartupError
-
+def _single(exc: BaseException) -> BaseException:
+    """Look through trio's exception groups of one member, to find a CliError."""
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
-    if isinstance(exc, (StartupError, CliError)):
-        return str(exc)
-    return None
+    return exc
 
 
 def run(args: argparse.Namespace) -> int:
@@ -334,13 +336,9 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(config.log.level)
     try:
         return trio.run(run_server, config, _broker_factory)
-    except CliError:
+    except BaseExceptionGroup as group:
+        inner = _single(group)
+        if isinstance(inner, (CliError, KeyboardInterrupt)):
+            raise inner from None
+        log_event(_log, "serve.crashed", level=logging.ERROR, error=type(inner).__name__)
         raise
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - startup faults become one line
-        line = _one_startup_error(exc)
-        if line is None:
-            log_event(_log, "serve.crashed", level=logging.ERROR, error=type(exc).__name__)
-            raise
-        raise CliError(line) from None
