@@ -1,0 +1,203 @@
+"""`buzz-broker credential issue|list|revoke`: the operator's side of daemon/sessions.
+
+Rules:
+- `issue` prints the new token alone on stdout, once, followed by a newline, and
+  nothing else there (so `TOKEN=$(buzz-broker credential issue ...)` just works). The
+  credential id goes to stderr for the operator's records. The token is never printed
+  again: `list` shows ids and scopes only.
+- The agent must be held by the keystore and not deleted (read through
+  `custody.PublicDirectory`, no token needed). Channels are normalized to the canonical
+  lowercase UUID form the spec defines; actions must be among the nine (all nine when
+  none is given); `--ttl` takes 30s / 30m / 12h / 7d (absent: the credential does not
+  expire — revocation is the control).
+- Faults raise CliError with one line that never holds a token.
+- The running daemon sees a new or revoked credential on its next request (it checks
+  the database's change counter per request; see daemon/sessions), so no SIGHUP needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+from daemon.cli._common import CliError, config_from_args
+
+if TYPE_CHECKING:
+    from daemon.sessions import SessionStore
+
+HELP = "issue, list and revoke agent credentials"
+
+#: Duration suffix -> seconds.
+_UNITS: Final = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION_RE: Final = re.compile(r"([1-9][0-9]{0,8})([smhd])")
+_CREDENTIAL_ID_RE: Final = re.compile(r"cred_[0-9a-f]{16}")
+
+
+def parse_duration(text: str) -> int:
+    """`30m` -> 1800. Raises CliError naming the accepted forms."""
+    match = _DURATION_RE.fullmatch(text.strip())
+    if match is None:
+        raise CliError("--ttl: expected a duration like 30s, 30m, 12h or 7d")
+    return int(match.group(1)) * _UNITS[match.group(2)]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="credential_command", metavar="SUBCOMMAND")
+    sub.required = True
+
+    issue = sub.add_parser("issue", help="issue a credential; prints the token once on stdout")
+    issue.add_argument("--agent", required=True, metavar="HEX", help="the agent's public key")
+    issue.add_argument(
+        "--channel",
+        required=True,
+        action="append",
+        metavar="UUID",
+        help="a channel the credential is bound to (repeat for several)",
+    )
+    issue.add_argument(
+        "--action",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="an action the credential allows (repeat; default: all nine)",
+    )
+    issue.add_argument("--ttl", metavar="DURATION", help="lifetime: 30m, 12h, 7d (default: none)")
+    issue.add_argument("--uid", type=int, metavar="UID", help="the Unix uid the agent runs as")
+    issue.set_defaults(_credential=_issue)
+
+    listing = sub.add_parser("list", help="list credentials (ids and scopes, never tokens)")
+    listing.add_argument("--json", action="store_true", help="one JSON object per line")
+    listing.set_defaults(_credential=_list)
+
+    revoke = sub.add_parser("revoke", help="revoke a credential by id")
+    revoke.add_argument("credential_id", metavar="ID")
+    revoke.set_defaults(_credential=_revoke)
+
+
+def run(args: argparse.Namespace) -> int:
+    code: int = args._credential(args)
+    return code
+
+
+def _store(args: argparse.Namespace) -> "SessionStore":
+    from daemon.sessions import SessionStore
+
+    config = config_from_args(args)
+    try:
+        return SessionStore.open(Path(config.state.dir))
+    except Exception as exc:  # noqa: BLE001 - an operator needs one line, not a traceback
+        raise CliError(
+            f"cannot open the credential store in {config.state.dir}: {type(exc).__name__}"
+        ) from None
+
+
+def _issue(args: argparse.Namespace) -> int:
+    from custody import PublicDirectory
+    from daemon.contract import ACTIONS, normalize_channel_id, normalize_hex64
+
+    agent = normalize_hex64(args.agent)
+    if agent is None:
+        raise CliError("--agent: expected the agent's public key as 64 hex characters")
+    channels: set[str] = set()
+    for raw in args.channel:
+        channel = normalize_channel_id(raw)
+        if channel is None:
+            # The value is not echoed: a mis-pasted token must not land in a terminal log.
+            raise CliError("--channel: expected a channel UUID")
+        channels.add(channel)
+    actions = frozenset(args.action) if args.action else frozenset(ACTIONS)
+    unknown = sorted(actions - frozenset(ACTIONS))
+    if unknown:
+        raise CliError(
+            f"--action: unknown action {unknown[0]!r}; expected one of {', '.join(sorted(ACTIONS))}"
+        )
+    ttl = None if args.ttl is None else parse_duration(args.ttl)
+    if args.uid is not None and args.uid < 0:
+        raise CliError("--uid: expected a non-negative integer")
+
+    config = config_from_args(args)
+    try:
+        directory = PublicDirectory.open(Path(config.state.dir))
+        record = directory.get(agent)
+    except Exception as exc:  # noqa: BLE001
+        raise CliError(f"cannot read the keystore in {config.state.dir}: {type(exc).__name__}") from None
+    if record is None:
+        raise CliError(f"no such agent in the keystore: {agent}")
+    if record.deleted_at is not None:
+        raise CliError(f"agent {agent} is deleted; it cannot be given a credential")
+
+    store = _store(args)
+    try:
+        credential_id, token = store.issue(
+            agent=agent,
+            channels=frozenset(channels),
+            actions=actions,
+            ttl_seconds=ttl,
+            uid=args.uid,
+            now=int(time.time()),
+        )
+    finally:
+        store.close()
+    print(f"issued {credential_id} for agent {agent}", file=sys.stderr)
+    sys.stdout.write(token + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    store = _store(args)
+    try:
+        infos = store.list()
+    finally:
+        store.close()
+    now = int(time.time())
+    for info in infos:
+        state = "active" if info.active(now) else ("revoked" if info.revoked_at else "expired")
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "id": info.credential_id,
+                        "agent": info.agent,
+                        "channels": list(info.channels),
+                        "actions": list(info.actions),
+                        "createdAt": info.created_at,
+                        "expiresAt": info.expires_at,
+                        "uid": info.uid,
+                        "revokedAt": info.revoked_at,
+                        "state": state,
+                    },
+                    separators=(",", ":"),
+                )
+            )
+        else:
+            expires = "never" if info.expires_at is None else time.strftime(
+                "%Y-%m-%dT%H:%M:%SZ", time.gmtime(info.expires_at)
+            )
+            uid = "-" if info.uid is None else str(info.uid)
+            print(
+                f"{info.credential_id}  {state:<7}  agent={info.agent}  "
+                f"channels={','.join(info.channels)}  actions={','.join(info.actions)}  "
+                f"expires={expires}  uid={uid}"
+            )
+    return 0
+
+
+def _revoke(args: argparse.Namespace) -> int:
+    if _CREDENTIAL_ID_RE.fullmatch(args.credential_id) is None:
+        # Not echoed: an operator who pastes a token here must not see it printed back.
+        raise CliError("expected a credential id (cred_ followed by 16 hex characters)")
+    store = _store(args)
+    try:
+        revoked = store.revoke(args.credential_id, now=int(time.time()))
+    finally:
+        store.close()
+    if not revoked:
+        raise CliError(f"no active credential with id {args.credential_id!r}")
+    print(f"revoked {args.credential_id}", file=sys.stderr)
+    return 0

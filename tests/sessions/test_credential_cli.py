@@ -1,0 +1,144 @@
+"""`buzz-broker credential ...` against a real keystore (SoftHSM token) and a real
+credential database: the token appears once on stdout and nowhere else."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from custody import Custody
+from daemon.cli import credential
+from daemon.cli._common import CliError
+from daemon.contract import ACTIONS
+from daemon.sessions import TOKEN_PREFIX, SessionStore
+
+HUMAN = "11" * 32
+CHANNEL = "123e4567-e89b-12d3-a456-426614174000"
+
+
+def cli(config: Path, argv: Sequence[str]) -> int:
+    """The credential command as `buzz-broker --config FILE credential ...` runs it."""
+    parser = argparse.ArgumentParser(prog="buzz-broker credential")
+    parser.add_argument("--config")
+    credential.add_arguments(parser)
+    args = parser.parse_args(["--config", str(config), *argv])
+    return credential.run(args)
+
+
+@pytest.fixture
+def config_file(tmp_path: Path, custody: Custody) -> Path:
+    # The custody fixture keeps its keystore in tmp_path/"state"; the CLI reads the same.
+    path = tmp_path / "broker.toml"
+    path.write_text(f'[state]\ndir = "{tmp_path / "state"}"\n')
+    return path
+
+
+async def test_issue_list_revoke(
+    custody: Custody, config_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    agent = await custody.mint_agent(owner=HUMAN, name="a", creator=None, depth=1, mint_ref=None)
+    seen: list[str] = []  # everything the CLI printed, except the one issue stdout
+
+    # Issue with defaults: all nine actions, no expiry; the channel is normalized.
+    assert cli(config_file, ["issue", "--agent", agent.pubkey.upper(), "--channel",
+                             CHANNEL.upper().replace("-", "")]) == 0
+    out, err = capsys.readouterr()
+    token = out.removesuffix("\n")
+    assert out == token + "\n" and token.startswith(TOKEN_PREFIX) and "\n" not in token
+    seen.append(err)
+
+    store = SessionStore.open(tmp_path / "state")
+    try:
+        p = store.authenticate(f"Bearer {token}", None, int(time.time()))
+        assert p is not None and p.agent == agent.pubkey
+        assert p.channels == frozenset({CHANNEL}) and p.actions == frozenset(ACTIONS)
+        assert p.expires_at is None and p.uid is None
+
+        # Scoped: one action, 30 minutes, a uid.
+        before = int(time.time())
+        assert cli(config_file, ["issue", "--agent", agent.pubkey, "--channel", CHANNEL,
+                                 "--action", "message.post", "--ttl", "30m", "--uid", "1000"]) == 0
+        out, err = capsys.readouterr()
+        scoped = out.strip()
+        seen.append(err)
+        q = store.authenticate(f"Bearer {scoped}", 1000, before)
+        assert q is not None and q.actions == frozenset({"message.post"}) and q.uid == 1000
+        assert q.expires_at is not None and before + 1800 <= q.expires_at <= before + 1800 + 60
+
+        assert cli(config_file, ["list"]) == 0
+        out, err = capsys.readouterr()
+        seen += [out, err]
+        assert p.credential_id in out and q.credential_id in out
+        assert cli(config_file, ["list", "--json"]) == 0
+        out, err = capsys.readouterr()
+        seen += [out, err]
+        rows = [json.loads(line) for line in out.splitlines()]
+        assert [r["id"] for r in rows] == [p.credential_id, q.credential_id]
+        assert rows[1]["actions"] == ["message.post"] and rows[0]["state"] == "active"
+
+        assert cli(config_file, ["revoke", p.credential_id]) == 0
+        seen += list(capsys.readouterr())
+        # The running store sees the revocation at once, without reload().
+        assert store.authenticate(f"Bearer {token}", None, int(time.time())) is None
+        with pytest.raises(CliError):
+            cli(config_file, ["revoke", p.credential_id])
+        # An operator pasting the token where the id goes does not see it printed back.
+        with pytest.raises(CliError) as pasted:
+            cli(config_file, ["revoke", token])
+        seen.append(str(pasted.value))
+        assert cli(config_file, ["list", "--json"]) == 0
+        out, err = capsys.readouterr()
+        seen += [out, err]
+        assert json.loads(out.splitlines()[0])["state"] == "revoked"
+    finally:
+        store.close()
+
+    for text in seen:
+        for t in (token, scoped):
+            assert t not in text and t[len(TOKEN_PREFIX):] not in text
+    blob = b"".join(f.read_bytes() for f in (tmp_path / "state").iterdir() if f.is_file())
+    for t in (token, scoped):
+        assert t.encode() not in blob and t[len(TOKEN_PREFIX):].encode() not in blob
+
+
+#: argv after `issue --agent <live agent>`, each refused with one line.
+BAD_ISSUES: dict[str, list[str]] = {
+    "no channel uuid": ["--channel", "not-a-uuid"],
+    "unknown action": ["--channel", CHANNEL, "--action", "sign"],
+    "bad ttl": ["--channel", CHANNEL, "--ttl", "5y"],
+    "zero ttl": ["--channel", CHANNEL, "--ttl", "0m"],
+    "negative uid": ["--channel", CHANNEL, "--uid", "-1"],
+}
+
+
+async def test_issue_refusals(
+    custody: Custody, config_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    live = await custody.mint_agent(owner=HUMAN, name="live", creator=None, depth=1, mint_ref=None)
+    dead = await custody.mint_agent(owner=HUMAN, name="dead", creator=None, depth=1, mint_ref=None)
+    await custody.destroy_agent(dead.pubkey)
+    for name, rest in BAD_ISSUES.items():
+        with pytest.raises(CliError) as refused:
+            cli(config_file, ["issue", "--agent", live.pubkey, *rest])
+        assert "\n" not in str(refused.value), name
+    for agent in ("22" * 32, dead.pubkey, "xyz"):
+        with pytest.raises(CliError) as refused:
+            cli(config_file, ["issue", "--agent", agent, "--channel", CHANNEL])
+    out, _ = capsys.readouterr()
+    assert out == ""  # nothing was issued, so nothing reached stdout
+    store = SessionStore.open(tmp_path / "state")
+    try:
+        assert store.list() == []
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("45s", 45), ("30m", 1800), ("12h", 43200),
+                                                 ("7d", 604800)])
+def test_durations(text: str, seconds: int) -> None:
+    assert credential.parse_duration(text) == seconds
