@@ -1,0 +1,319 @@
+"""`buzz-broker serve`: readiness, watchdog, SIGHUP reload, SIGTERM drain, startup faults.
+
+The application is a small fake injected through `run_server`'s factory, so these tests
+exercise the daemon's edges (socket, systemd protocols, signals) on their own. One test
+runs the daemon as a real child process with a socket passed through LISTEN_FDS.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+
+from daemon.cli import main
+from daemon.cli import serve as serve_cli
+from daemon.cli._common import CliError
+from daemon.cli.serve import MemoryLock, ReloadableApplication, run_server
+from daemon.config import Config, load_config
+from daemon.http import HttpAnswer, HttpRequest, bind_unix_socket
+from tests.test_http import Reader, req
+
+ROOT = Path(__file__).resolve().parent.parent
+CREDENTIAL = "Bearer tok-serve-secret-0123456789"
+
+
+class FakeApp:
+    """Echoes; a body of b"slow" takes 0.5 s; counts reloads."""
+
+    def __init__(self) -> None:
+        self.reloads = 0
+        self.opened = False
+        self.closed = False
+
+    async def handle(self, request: HttpRequest) -> HttpAnswer:
+        if request.body == b"slow":
+            await trio.sleep(0.5)
+        return HttpAnswer(200, b'{"echo":' + json.dumps(request.body.decode()).encode() + b"}")
+
+    def reload(self) -> None:
+        self.reloads += 1
+
+
+def fake_factory(app: FakeApp) -> serve_cli.AppFactory:
+    @asynccontextmanager
+    async def factory(config: Config) -> AsyncIterator[ReloadableApplication]:
+        app.opened = True
+        try:
+            yield app
+        finally:
+            app.closed = True
+
+    return factory
+
+
+def no_lock() -> MemoryLock:
+    # The test process must not lock its memory (it may well be permitted to here).
+    return MemoryLock(False, "not in tests")
+
+
+@pytest.fixture
+def sockdir() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="bbs", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def write_config(sockdir: str, socket_name: str = "b.sock", extra: str = "") -> Config:
+    path = Path(sockdir) / "broker.toml"
+    path.write_text(
+        f'[server]\nsocket = "{socket_name}"\nshutdown_grace = 5\n'
+        f'[state]\ndir = "state"\n{extra}'
+    )
+    return load_config(str(path), environ={})
+
+
+class Datagrams:
+    """The test's NOTIFY_SOCKET: collects what the daemon sends."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.path = path
+        self.seen: list[str] = []
+
+    async def bind(self) -> None:
+        await self.sock.bind(self.path)
+
+    async def until(self, wanted: str, timeout: float = 5.0) -> list[str]:
+        """Messages up to and including the first one containing `wanted`."""
+        got: list[str] = []
+        with trio.fail_after(timeout):
+            while True:
+                message = (await self.sock.recv(4096)).decode()
+                got.append(message)
+                self.seen.append(message)
+                if wanted in message.split("\n"):
+                    return got
+
+
+async def test_lifecycle_ready_watchdog_reload_drain(sockdir: str) -> None:
+    config = write_config(sockdir)
+    dgrams = Datagrams(os.path.join(sockdir, "notify"))
+    await dgrams.bind()
+    env = {"NOTIFY_SOCKET": dgrams.path, "WATCHDOG_USEC": "200000"}
+    app = FakeApp()
+    exit_codes: list[int] = []
+
+    async def runner(task_status: trio.TaskStatus[object]) -> None:
+        code = await run_server(
+            config, fake_factory(app), environ=env, memory_lock=no_lock, task_status=task_status
+        )
+        exit_codes.append(code)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            control = await nursery.start(runner)
+            before_ready = await dgrams.until("READY=1")
+            assert any(m.startswith("STATUS=opening") for m in before_ready)
+            assert app.opened
+            await dgrams.until("WATCHDOG=1", timeout=1.0)
+            await dgrams.until("WATCHDOG=1", timeout=1.0)  # pings keep coming
+
+            stream = await trio.open_unix_socket(config.server.socket)
+            reader = Reader(stream)
+            await stream.send_all(req(b"one", headers=f"Authorization: {CREDENTIAL}\r\n"))
+            first = await reader.next()
+            assert first is not None and first[0] == 200
+
+            # SIGHUP reloads without dropping the connection.
+            os.kill(os.getpid(), signal.SIGHUP)
+            with trio.fail_after(2):
+                while app.reloads == 0:
+                    await trio.sleep(0.01)
+            await stream.send_all(req(b"two"))
+            second = await reader.next()
+            assert second is not None and second[2] == b'{"echo":"two"}'
+
+            # SIGTERM while a request is in flight: STOPPING=1, and the request finishes.
+            await stream.send_all(req(b"slow"))
+            with trio.fail_after(2):
+                while control.in_flight == 0:  # type: ignore[attr-defined]
+                    await trio.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGTERM)
+            await dgrams.until("STOPPING=1", timeout=2.0)
+            last = await reader.next()
+            assert last is not None and last[0] == 200 and last[2] == b'{"echo":"slow"}'
+            assert last[1]["connection"] == "close"
+    assert exit_codes == [0]
+    assert app.closed
+    assert not os.path.exists(config.server.socket), "the socket it bound is removed"
+
+
+async def test_socket_fault_reported_before_the_app_opens(sockdir: str) -> None:
+    config = write_config(sockdir)
+    Path(config.server.socket).write_text("not a socket")
+    app = FakeApp()
+    with pytest.raises(CliError, match="not a socket"):
+        await run_server(config, fake_factory(app), environ={}, memory_lock=no_lock)
+    assert not app.opened
+
+
+async def test_bad_listen_fds_is_one_line(sockdir: str) -> None:
+    config = write_config(sockdir)
+    env = {"LISTEN_PID": str(os.getpid()), "LISTEN_FDS": "many"}
+    with pytest.raises(CliError, match="socket activation"):
+        await run_server(config, fake_factory(FakeApp()), environ=env, memory_lock=no_lock)
+
+
+async def test_failed_reload_keeps_serving(sockdir: str) -> None:
+    config = write_config(sockdir)
+
+    class BadReload(FakeApp):
+        def reload(self) -> None:
+            raise RuntimeError("store unreadable")
+
+    app = BadReload()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                functools.partial(
+                    run_server, config, fake_factory(app), environ={}, memory_lock=no_lock
+                )
+            )
+            os.kill(os.getpid(), signal.SIGHUP)
+            await trio.sleep(0.05)
+            stream = await trio.open_unix_socket(config.server.socket)
+            await stream.send_all(req(b"still"))
+            answer = await Reader(stream).next()
+            assert answer is not None and answer[0] == 200
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.fixture
+def only_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    # daemon.cli builds every command's parser; keep it to ours while others are written.
+    import daemon.cli
+
+    monkeypatch.setattr(daemon.cli, "COMMANDS", {"serve": "serve", "check-config": "check_config"})
+
+
+@pytest.mark.usefixtures("only_serve")
+def test_startup_error_is_one_line_and_nonzero(
+    sockdir: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_config(sockdir)
+
+    @asynccontextmanager
+    async def failing(config: Config) -> AsyncIterator[ReloadableApplication]:
+        # What _broker_factory turns a StartupError into; raised from inside a nursery so
+        # the exception-group unwrapping in `run` is exercised too.
+        async with trio.open_nursery():
+            raise CliError("token 'buzz-broker': not found in module")
+        yield FakeApp()  # pragma: no cover
+
+    monkeypatch.setattr(serve_cli, "_broker_factory", failing)
+    monkeypatch.setattr(serve_cli, "lock_memory", no_lock)
+    code = main(["--config", os.path.join(sockdir, "broker.toml"), "serve"])
+    err = capsys.readouterr().err
+    assert code == 1
+    lines = err.strip().split("\n")
+    # JSON log lines first (startup, listening), then exactly one plain line: the fault.
+    assert lines[-1] == "buzz-broker: token 'buzz-broker': not found in module"
+    assert all(line.startswith("{") for line in lines[:-1])
+    assert "Traceback" not in err
+
+
+@pytest.mark.usefixtures("only_serve")
+def test_regular_file_at_socket_is_one_line(
+    sockdir: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write_config(sockdir)
+    Path(config.server.socket).write_text("x")
+    monkeypatch.setattr(serve_cli, "lock_memory", no_lock)
+    assert main(["--config", os.path.join(sockdir, "broker.toml"), "serve"]) == 1
+    err = capsys.readouterr().err.strip().split("\n")
+    assert err[-1].startswith("buzz-broker: ") and "not a socket" in err[-1]
+
+
+def test_lock_memory_refuses_a_small_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (8 * 1024 * 1024, 8 * 1024 * 1024))
+    monkeypatch.setattr(serve_cli, "_has_cap_ipc_lock", lambda: False)
+    result = serve_cli.lock_memory()
+    assert not result.locked and "RLIMIT_MEMLOCK" in result.reason
+
+
+# --------------------------------------------------------------------------- a real process
+
+#: The wrapper a service manager would be: the listening socket moves to fd 3, LISTEN_PID
+#: names this very process, then the daemon's real startup runs (with the fake app).
+CHILD = """
+import functools, os, sys
+os.dup2(int(sys.argv[1]), 3)
+os.close(int(sys.argv[1]))
+os.environ["LISTEN_PID"] = str(os.getpid())
+os.environ["LISTEN_FDS"] = "1"
+import trio
+from daemon.config import load_config
+from daemon.log import setup_logging
+from daemon.cli.serve import run_server
+from tests.test_serve import FakeApp, fake_factory, no_lock
+config = load_config(sys.argv[2])
+setup_logging(config.log.level)
+sys.exit(trio.run(functools.partial(run_server, config, fake_factory(FakeApp()), memory_lock=no_lock)))
+"""
+
+
+async def test_socket_activated_child_ready_watchdog_stopping(sockdir: str) -> None:
+    config = write_config(sockdir, socket_name="never-bound.sock")
+    activated = os.path.join(sockdir, "activated.sock")
+    listening = bind_unix_socket(activated)
+    dgrams = Datagrams(os.path.join(sockdir, "notify"))
+    await dgrams.bind()
+    env = dict(os.environ, NOTIFY_SOCKET=dgrams.path, WATCHDOG_USEC="300000")
+    env.pop("BUZZ_BROKER_CONFIG", None)
+    with listening:
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-c", CHILD, str(listening.fileno()), config.source or ""],
+            pass_fds=(listening.fileno(),),
+            cwd=ROOT,
+            env=env,
+            stderr=subprocess.PIPE,
+        )
+    try:
+        with trio.fail_after(20):
+            await dgrams.until("READY=1", timeout=15)
+            await dgrams.until("WATCHDOG=1", timeout=2)
+            stream = await trio.open_unix_socket(activated)
+            reader = Reader(stream)
+            await stream.send_all(req(b"slow", headers=f"Authorization: {CREDENTIAL}\r\n"))
+            await trio.sleep(0.15)  # the slow request is now with the application
+            proc.send_signal(signal.SIGTERM)
+            await dgrams.until("STOPPING=1", timeout=2)
+            answer = await reader.next()
+            assert answer is not None and answer[0] == 200 and answer[2] == b'{"echo":"slow"}'
+            assert await proc.wait() == 0
+        assert proc.stderr is not None
+        log = (await proc.stderr.receive_some(1 << 20)).decode()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert not os.path.exists(config.server.socket), "activated: the configured path is not bound"
+    events = [json.loads(line)["event"] for line in log.strip().split("\n")]
+    assert events[:1] == ["serve.starting"]
+    assert {"serve.listening", "serve.ready", "serve.stopping", "serve.stopped"} <= set(events)
+    assert "tok-serve-secret" not in log
