@@ -34,9 +34,11 @@ subset. It is detected (`Page.overflow_seconds`) for the caller to log; paging g
 
 Everything the relay returns is judged here only structurally (an `id` of 64 hex, an int
 `created_at`, within the window). Whether an event may be delivered is the caller's
-`accept` callback (signature, channel tag, filter). An item that cannot be attributed to
-a filter still counts against every filter's limit (the relay did count it), which can
-only cause an extra sweep, never a skipped event.
+`accept` callback (signature, channel tag, filter). An item inside the main window that
+cannot be attributed to a filter (no usable id / created_at, or matching none of them)
+still counts against every filter's limit (the relay may have counted it), which can
+only cause an extra sweep, never a skipped event. An item with a usable created_at outside
+every window is dropped without counting: no honest relay picked it for this request.
 
 This module is pure except `read_page`, which awaits the caller's `query` callable and
 nothing else (no clock, no logging, no sockets).
@@ -225,7 +227,8 @@ def _absorb(items: Sequence[object], bases: Sequence[Filter], rnd: _Round, cap: 
         in_sweep = rnd.sweep is not None and created_at == rnd.sweep
         in_main = rnd.has_main and (rnd.upper is None or created_at <= rnd.upper)
         if not (in_sweep or in_main):
-            unattributed += 1
+            # Outside every window asked: no honest relay selected it for these filters,
+            # so it says nothing about where a limit was cut. Dropped, not counted.
             result.malformed += 1
             continue
         # Count each distinct id once: the relay may send one event once per filter that

@@ -163,6 +163,7 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
             after=after,
             limit=min(args.effective_limit, RELAY_MAX_LIMIT),
             accept=_Judge(args.channel_id, filters, ctx.request_id),
+            cap=RELAY_MAX_LIMIT,
         )
     except RelayUnavailable as exc:
         log_event(_log, "read.relay_unavailable", level=logging.WARNING, request_id=ctx.request_id, reason=exc.reason)

@@ -1,0 +1,156 @@
+"""channel.read without a network: a relay object that behaves like one, or fails like one."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.contract import ChannelReadArgs, ErrorCode, Status
+from daemon.cursor import CURSOR_TTL_SECONDS, CursorCodec
+from daemon.operations import channel_read
+from daemon.relay import RelayRefused, RelayUnavailable
+from tests.fixtures.relay import TestKey
+from tests.read._support import NOW, context, declared_order, new_channel, principal_for, read_through
+from tests.read.fake_relay import FakeRelay
+
+
+class PoolLike:
+    """RelayPool's query surface over a FakeRelay; records who read, can be made to fail."""
+
+    def __init__(self, events: Sequence[Mapping[str, Any]], *, cap: int = 500, fail: Exception | None = None) -> None:
+        self.inner = FakeRelay(events, cap=cap, seed=7)
+        self.fail = fail
+        self.agents: list[str] = []
+        self.extra: list[dict[str, Any]] = []
+
+    async def query(self, agent: str, filters: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        self.agents.append(agent)
+        if self.fail is not None:
+            raise self.fail
+        reply = await self.inner.query([dict(f) for f in filters])
+        return [*reply, *self.extra]  # type: ignore[list-item]
+
+
+def fields(caplog: pytest.LogCaptureFixture, event: str) -> list[Mapping[str, Any]]:
+    return [r.buzz_fields for r in caplog.records if getattr(r, "buzz_event", None) == event]  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def reader() -> TestKey:
+    return TestKey()
+
+
+def channel_events(author: TestKey, channel: str, n: int, *, per_second: int) -> list[dict[str, Any]]:
+    return [author.sign(9, f"m{i}", [["h", channel]], NOW - 100 - i // per_second) for i in range(n)]
+
+
+async def test_reads_as_the_requester_and_pages_exactly(tmp_path: Path, reader: TestKey) -> None:
+    channel = new_channel()
+    events = channel_events(TestKey(), channel, 60, per_second=12)
+    pool = PoolLike(events)
+    ctx = context(pool, principal_for(tmp_path, reader.pubkey, [channel]), CursorCodec.open(tmp_path))
+    got, verdicts = await read_through(ctx, channel_id=channel, limit=5)
+    assert [e.id for e in got] == declared_order(events)
+    assert set(pool.agents) == {reader.pubkey}
+    assert verdicts[-1].outcome.next_cursor is None  # type: ignore[union-attr]
+
+
+async def test_default_limit_is_one_hundred(tmp_path: Path, reader: TestKey) -> None:
+    channel = new_channel()
+    events = channel_events(TestKey(), channel, 150, per_second=30)
+    ctx = context(PoolLike(events), principal_for(tmp_path, reader.pubkey, [channel]), CursorCodec.open(tmp_path))
+    verdict = await channel_read.execute(ctx, ChannelReadArgs(channel_id=channel))
+    assert len(verdict.outcome.messages) == 100 and verdict.outcome.next_cursor is not None  # type: ignore[union-attr]
+
+
+async def test_undeliverable_events_are_dropped_and_logged(tmp_path: Path, reader: TestKey, caplog: pytest.LogCaptureFixture) -> None:
+    channel, other = new_channel(), new_channel()
+    alice = TestKey()
+    good = channel_events(alice, channel, 10, per_second=3)
+    forged = dict(alice.sign(9, "forged", [["h", channel]], NOW - 100))
+    forged["content"] = "tampered after signing"  # id no longer matches
+    bad_sig = dict(alice.sign(9, "bad sig", [["h", channel]], NOW - 100))
+    bad_sig["sig"] = ("0" if bad_sig["sig"][0] != "0" else "1") + bad_sig["sig"][1:]
+    no_h = alice.sign(9, "no h", [], NOW - 101)
+    foreign = alice.sign(9, "foreign", [["h", other]], NOW - 101)
+    extra_member = {**alice.sign(9, "extra", [["h", channel]], NOW - 101), "relay": "x"}
+    wrong_kind = alice.sign(1, "kind 1", [["h", channel]], NOW - 101)
+    pool = PoolLike(good)
+    # A misbehaving relay sends all of these whatever the filter says.
+    pool.extra = [forged, bad_sig, no_h, foreign, extra_member, wrong_kind]
+    caplog.set_level(logging.INFO, logger="buzz_broker.read")
+    ctx = context(pool, principal_for(tmp_path, reader.pubkey, [channel]), CursorCodec.open(tmp_path))
+    got, _ = await read_through(ctx, channel_id=channel, limit=4)
+    assert [e.id for e in got] == declared_order(good)
+    reasons = {(f["reason"], f["event_id"]) for f in fields(caplog, "read.event_dropped")}
+    assert reasons == {
+        ("bad_signature", forged["id"]),
+        ("bad_signature", bad_sig["id"]),
+        ("wrong_channel", no_h["id"]),
+        ("wrong_channel", foreign["id"]),
+        ("not_canonical", extra_member["id"]),
+        ("off_filter", wrong_kind["id"]),
+    }
+    # No content of any event reached the log.
+    assert "tampered" not in caplog.text and "forged" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("failure", "event"),
+    [(RelayUnavailable("no EOSE within 10s"), "read.relay_unavailable"), (RelayRefused("restricted: not a member"), "read.relay_refused")],
+)
+async def test_relay_faults_are_failed_action_failed(tmp_path: Path, reader: TestKey, caplog: pytest.LogCaptureFixture, failure: Exception, event: str) -> None:
+    channel = new_channel()
+    caplog.set_level(logging.INFO, logger="buzz_broker.read")
+    ctx = context(PoolLike([], fail=failure), principal_for(tmp_path, reader.pubkey, [channel]), CursorCodec.open(tmp_path))
+    verdict = await channel_read.execute(ctx, ChannelReadArgs(channel_id=channel))
+    assert verdict.status is Status.FAILED and verdict.code is ErrorCode.ACTION_FAILED
+    # the relay's reason is for the operator log, never the agent
+    assert verdict.message is not None and failure.args[0] not in verdict.message
+    assert [f["reason"] for f in fields(caplog, event)] == [failure.args[0]]
+
+
+async def test_garbage_relay_is_failed(tmp_path: Path, reader: TestKey) -> None:
+    channel = new_channel()
+    pool = PoolLike([])
+    pool.extra = [{"not": "an event"}] * 200
+    ctx = context(pool, principal_for(tmp_path, reader.pubkey, [channel]), CursorCodec.open(tmp_path))
+    verdict = await channel_read.execute(ctx, ChannelReadArgs(channel_id=channel, limit=5))
+    assert verdict.status is Status.FAILED and verdict.code is ErrorCode.ACTION_FAILED
+
+
+async def test_expired_forged_and_foreign_cursors_are_invalid_request(tmp_path: Path, reader: TestKey) -> None:
+    channel = new_channel()
+    events = channel_events(TestKey(), channel, 20, per_second=4)
+    pool = PoolLike(events)
+    clock = [NOW]
+    codec = CursorCodec.open(tmp_path)
+    ctx = context(pool, principal_for(tmp_path, reader.pubkey, [channel]), codec, now=lambda: clock[0])
+    first = await channel_read.execute(ctx, ChannelReadArgs(channel_id=channel, limit=3))
+    cursor = first.outcome.next_cursor  # type: ignore[union-attr]
+    assert cursor is not None
+    clock[0] = NOW + CURSOR_TTL_SECONDS
+    assert (await channel_read.execute(ctx, ChannelReadArgs(channel_id=channel, cursor=cursor))).status is Status.SUCCEEDED
+    asked = len(pool.agents)
+    bad = [cursor[:-1] + ("A" if cursor[-1] != "A" else "B"), "x", "~" * 256]
+    clock[0] = NOW + CURSOR_TTL_SECONDS + 1
+    verdicts = [await channel_read.execute(ctx, ChannelReadArgs(channel_id=channel, cursor=c)) for c in [cursor, *bad]]
+    assert {(v.status, v.code) for v in verdicts} == {(Status.FAILED, ErrorCode.INVALID_REQUEST)}
+    assert len({v.message for v in verdicts}) == 1  # one fixed message, no oracle
+    assert len(pool.agents) == asked  # refused before any relay I/O
+
+
+async def test_second_over_the_relay_cap_is_logged(tmp_path: Path, reader: TestKey, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A relay whose cap (and ours) is 20, with 30 events in one second: detected, logged.
+    monkeypatch.setattr(channel_read, "RELAY_MAX_LIMIT", 20)
+    channel = new_channel()
+    events = channel_events(TestKey(), channel, 30, per_second=30)
+    caplog.set_level(logging.INFO, logger="buzz_broker.read")
+    ctx = context(PoolLike(events, cap=20), principal_for(tmp_path, reader.pubkey, [channel]), CursorCodec.open(tmp_path))
+    got, _ = await read_through(ctx, channel_id=channel, limit=5)
+    assert len({e.id for e in got}) == len(got)
+    assert fields(caplog, "read.second_overflow")
