@@ -33,6 +33,10 @@ import trio
 class HttpAnswer:
     status: int
     body: bytes
+    #: send the response one byte per write (the client must reassemble it)
+    dribble: bool = False
+    #: frame the body with chunked transfer-encoding instead of Content-Length
+    chunked: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,12 @@ class ScriptedHost:
         task_status.started()
         await trio.serve_listeners(self._handle, [listener])
 
+    async def serve_tcp(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        """The same host on 127.0.0.1; started() reports the port."""
+        [listener] = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        task_status.started(listener.socket.getsockname()[1])
+        await trio.serve_listeners(self._handle, [listener])
+
     async def _handle(self, stream: trio.abc.Stream) -> None:
         async with stream:
             conn = h11.Connection(h11.SERVER)
@@ -111,18 +121,26 @@ class ScriptedHost:
                 await trio.sleep_forever()
             assert isinstance(answer, HttpAnswer)
             self.answered.append(answer.body)
+            framing = (("Transfer-Encoding", "chunked") if answer.chunked
+                       else ("Content-Length", str(len(answer.body))))
             out = conn.send(
                 h11.Response(
                     status_code=answer.status,
-                    headers=[
-                        ("Content-Type", "application/json"),
-                        ("Content-Length", str(len(answer.body))),
-                        ("Connection", "close"),
-                    ],
+                    headers=[("Content-Type", "application/json"), framing, ("Connection", "close")],
                 )
-            )
-            out += conn.send(h11.Data(data=answer.body)) + conn.send(h11.EndOfMessage())
-            await stream.send_all(out)
+            ) or b""
+            if answer.chunked:
+                half = len(answer.body) // 2
+                for piece in (answer.body[:half], answer.body[half:]):
+                    out += conn.send(h11.Data(data=piece)) or b""
+            else:
+                out += conn.send(h11.Data(data=answer.body)) or b""
+            out += conn.send(h11.EndOfMessage()) or b""
+            if answer.dribble:
+                for i in range(len(out)):
+                    await stream.send_all(out[i : i + 1])
+            else:
+                await stream.send_all(out)
 
 
 def socket_dir() -> str:

@@ -8,6 +8,7 @@ what reached the wire (every retry's bytes identical to the first).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 import trio
@@ -37,6 +38,8 @@ from daemon.contract import (
     encode_request,
 )
 from tests.client.scripted_host import (
+    HttpAnswer,
+    Received,
     ScriptedHost,
     Signer,
     drop,
@@ -146,6 +149,31 @@ async def test_fate_unknown_can_be_resent_later_with_the_same_bytes(host: Script
     later = await c.send(first.request)
     assert isinstance(later, Succeeded) and later.replayed
     assert_identical_retries(host, 4)
+
+
+@pytest.mark.parametrize(("dribble", "chunked"), [(True, False), (False, True), (True, True)])
+async def test_response_reassembled_whatever_its_framing(
+    host: ScriptedHost, dribble: bool, chunked: bool
+) -> None:
+    def step(got: Received) -> HttpAnswer:
+        answer = succeeded(None, publish_outcome())(got)
+        assert isinstance(answer, HttpAnswer)
+        return replace(answer, dribble=dribble, chunked=chunked)
+
+    host.script = [step]
+    answer = await client(host).message_post(CHANNEL, "hi")
+    assert isinstance(answer, Succeeded) and answer.envelope == host.answered[0]
+
+
+async def test_loopback_http_carries_the_same_exchange(nursery: trio.Nursery) -> None:
+    host = ScriptedHost(path="")
+    port = await nursery.start(host.serve_tcp)
+    host.script = [drop(), succeeded(None, publish_outcome(), replayed=True)]
+    c = AsyncBrokerClient(f"http://127.0.0.1:{port}", CREDENTIAL, retry=FAST)
+    answer = await c.message_post(CHANNEL, "hi")
+    assert isinstance(answer, Succeeded) and answer.replayed
+    assert host.received[0].headers[b"host"] == f"127.0.0.1:{port}".encode()
+    assert_identical_retries(host, 2)
 
 
 # ------------------------------------------------------------------ no answer (I5)
