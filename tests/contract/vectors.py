@@ -70,7 +70,7 @@ def envelope(action: str = "message.reply", args: Any = None, **over: Any) -> di
     env: dict[str, Any] = {
         "type": "broker_request", "protocolVersion": 1, "requestId": REQUEST_ID,
         "actionVersion": 1, "action": action,
-        "args": VALID_ARGS[action] if args is None else args,
+        "args": VALID_ARGS.get(action, VALID_ARGS["message.reply"]) if args is None else args,
     }
     env.update(over)
     return env
