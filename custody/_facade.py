@@ -260,12 +260,13 @@ class Custody:
         secret_text: bytearray,
         *,
         owner: str,
-        name: str,
+        name: str | None,
         auth_tag: Sequence[str] | None = None,
         creator: str | None = None,
     ) -> AgentRecord:
         """Seal an existing key: `secret_text` is 64 hex digits or `nsec1…` (zeroed here).
 
+        `name` None names the agent by the first 12 hex digits of its pubkey.
         `auth_tag`, if given, must be a NIP-OA tag by `owner` for this agent that verifies;
         without one, a tag is signed when the owner is held here. Depth is the owner's + 1
         when the owner is held here, else 1 (human-owned).
@@ -278,8 +279,8 @@ class Custody:
         _require_pubkey("owner", owner)
         if creator is not None:
             _require_pubkey("creator", creator)
-        if not isinstance(name, str) or not name:
-            raise ValueError("name must be a non-empty str")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError("name must be a non-empty str or None")
         if not isinstance(secret_text, bytearray):
             raise TypeError("secret_text must be a bytearray (so it can be zeroed)")
         tag: OwnerTag | None = None
@@ -300,7 +301,7 @@ class Custody:
                     raise CustodyError("auth tag does not verify for this agent and owner")
                 owner_record = self._keystore.get(owner)
                 depth = owner_record.depth + 1 if owner_record and owner_record.live else HUMAN_OWNED_DEPTH
-                return self._store(secret, owner=owner, name=name, creator=creator,
+                return self._store(secret, owner=owner, name=name or agent[:12], creator=creator,
                                    depth=depth, mint_ref=None, auth_tag=tag)
 
         record = await in_token_worker(work)

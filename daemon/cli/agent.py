@@ -1,0 +1,176 @@
+"""`buzz-broker agent import|create|list|remove`: the operator's side of the keystore.
+
+Rules:
+- `import` reads the agent's secret (64 hex digits or `nsec1…`) from stdin, straight into
+  a buffer custody zeroes; never from argv or the environment. It prints the agent's
+  pubkey hex, alone, on stdout.
+- `create` mints a new key for `--owner` and prints its pubkey alone on stdout.
+- `list` prints public records (table, or `--json`: one JSON array); it needs no token.
+- `remove PUBKEY` destroys the sealed key; the public record stays as a tombstone.
+- Faults are one CliError line naming the fault; no secret ever reaches output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+import trio
+
+from daemon.cli._common import CliError, config_from_args
+
+if TYPE_CHECKING:
+    from custody import AgentRecord, Custody, TokenConfig
+    from daemon.config import Config
+
+HELP = "import, create, list and remove agents held in custody"
+
+T = TypeVar("T")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="agent_command", metavar="SUBCOMMAND")
+    sub.required = True
+
+    p = sub.add_parser("import", help="seal an existing agent key read from stdin")
+    p.add_argument("--owner", required=True, metavar="HEX", help="the owner's pubkey (64 hex)")
+    p.add_argument("--name", default=None, help="a name for the agent (default: the first 12 hex of its pubkey)")
+    p.add_argument(
+        "--auth-tag",
+        default=None,
+        metavar="JSON",
+        help='the owner\'s NIP-OA tag, e.g. \'["auth","<owner>","","<sig>"]\' (verified)',
+    )
+
+    p = sub.add_parser("create", help="mint a new agent key for an owner")
+    p.add_argument("--owner", required=True, metavar="HEX", help="the owner's pubkey (64 hex)")
+    p.add_argument("--name", required=True, help="a name for the agent")
+
+    p = sub.add_parser("list", help="list agents (public records only)")
+    p.add_argument("--json", action="store_true", help="one JSON array on stdout")
+    p.add_argument("--all", action="store_true", help="include removed agents (tombstones)")
+
+    p = sub.add_parser("remove", help="destroy an agent's sealed key (tombstone kept)")
+    p.add_argument("pubkey", metavar="PUBKEY")
+
+
+def _token(config: Config) -> TokenConfig:
+    from custody import TokenConfig
+
+    return TokenConfig(
+        module=config.pkcs11.module,
+        token_label=config.pkcs11.token_label,
+        pin_file=config.pkcs11.pin_file,
+        kek_label=config.pkcs11.kek_label,
+    )
+
+
+def _pubkey(value: str, what: str) -> str:
+    from custody._nostr import is_hex64
+
+    if not is_hex64(value):
+        raise CliError(f"{what} must be 64 lowercase hex characters")
+    return value
+
+
+def _with_custody(config: Config, action: Callable[[Custody], Awaitable[T]]) -> T:
+    from custody import Custody, CustodyError
+
+    async def main() -> T:
+        custody = await Custody.open(_token(config), Path(config.state.dir))
+        try:
+            return await action(custody)
+        finally:
+            await custody.aclose()
+
+    try:
+        return trio.run(main)
+    except CustodyError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _import(args: argparse.Namespace, config: Config) -> int:
+    from custody import read_secret_text
+
+    owner = _pubkey(args.owner, "--owner")
+    auth_tag = None
+    if args.auth_tag is not None:
+        try:
+            auth_tag = json.loads(args.auth_tag)
+        except json.JSONDecodeError:
+            raise CliError("--auth-tag is not JSON") from None
+        if not isinstance(auth_tag, list) or not all(isinstance(x, str) for x in auth_tag):
+            raise CliError('--auth-tag must be a JSON array of strings: ["auth", owner, conditions, sig]')
+    if sys.stdin.isatty():
+        print("agent secret (64 hex or nsec1…), then Ctrl-D:", file=sys.stderr)
+    from custody import CustodyError
+
+    try:
+        secret_text = read_secret_text(sys.stdin.fileno())
+    except CustodyError as exc:
+        raise CliError(str(exc)) from None
+    record: AgentRecord = _with_custody(
+        config,
+        lambda c: c.import_agent(
+            secret_text, owner=owner, name=args.name, auth_tag=auth_tag
+        ),
+    )
+    print(record.pubkey)
+    return 0
+
+
+def _create(args: argparse.Namespace, config: Config) -> int:
+    owner = _pubkey(args.owner, "--owner")
+    if not args.name:
+        raise CliError("--name must not be empty")
+
+    async def mint(c: Custody) -> AgentRecord:
+        # An owner held here is itself an agent: the new agent sits one level below it.
+        owner_record = c.agent(owner)
+        depth = owner_record.depth + 1 if owner_record is not None else 1
+        return await c.mint_agent(owner=owner, name=args.name, creator=None, depth=depth, mint_ref=None)
+
+    record = _with_custody(config, mint)
+    print(record.pubkey)
+    return 0
+
+
+def _list(args: argparse.Namespace, config: Config) -> int:
+    from custody import CustodyError, PublicDirectory
+
+    try:
+        records = PublicDirectory.open(config.state.dir).all(include_deleted=args.all)
+    except CustodyError as exc:
+        raise CliError(str(exc)) from None
+    if args.json:
+        print(json.dumps([r.to_json_obj() for r in records], ensure_ascii=False))
+        return 0
+    for r in records:
+        state = "removed" if r.deleted_at is not None else "live"
+        tag = "auth-tag" if r.auth_tag else "-"
+        print(f"{r.pubkey}  owner={r.owner}  depth={r.depth}  {tag}  {state}  {r.name}")
+    return 0
+
+
+def _remove(args: argparse.Namespace, config: Config) -> int:
+    pubkey = _pubkey(args.pubkey, "PUBKEY")
+    record: AgentRecord = _with_custody(config, lambda c: c.destroy_agent(pubkey))
+    print(f"removed {record.pubkey} (tombstone kept)", file=sys.stderr)
+    return 0
+
+
+_SUBCOMMANDS: dict[str, Callable[[argparse.Namespace, "Config"], int]] = {
+    "import": _import,
+    "create": _create,
+    "list": _list,
+    "remove": _remove,
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    return _SUBCOMMANDS[args.agent_command](args, config)
