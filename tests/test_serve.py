@@ -28,7 +28,7 @@ from daemon.cli import serve as serve_cli
 from daemon.cli._common import CliError
 from daemon.cli.serve import MemoryLock, ReloadableApplication, run_server
 from daemon.config import Config, load_config
-from daemon.http import HttpAnswer, HttpRequest, bind_unix_socket
+from daemon.http import HttpAnswer, HttpRequest, ServerControl, bind_unix_socket
 from tests.test_http import Reader, req
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,7 +116,7 @@ async def test_lifecycle_ready_watchdog_reload_drain(sockdir: str) -> None:
     app = FakeApp()
     exit_codes: list[int] = []
 
-    async def runner(task_status: trio.TaskStatus[object]) -> None:
+    async def runner(task_status: trio.TaskStatus[ServerControl]) -> None:
         code = await run_server(
             config, fake_factory(app), environ=env, memory_lock=no_lock, task_status=task_status
         )
@@ -124,7 +124,7 @@ async def test_lifecycle_ready_watchdog_reload_drain(sockdir: str) -> None:
 
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            control = await nursery.start(runner)
+            control: ServerControl = await nursery.start(runner)
             before_ready = await dgrams.until("READY=1")
             assert any(m.startswith("STATUS=opening") for m in before_ready)
             assert app.opened
@@ -149,7 +149,7 @@ async def test_lifecycle_ready_watchdog_reload_drain(sockdir: str) -> None:
             # SIGTERM while a request is in flight: STOPPING=1, and the request finishes.
             await stream.send_all(req(b"slow"))
             with trio.fail_after(2):
-                while control.in_flight == 0:  # type: ignore[attr-defined]
+                while control.in_flight == 0:
                     await trio.sleep(0.01)
             os.kill(os.getpid(), signal.SIGTERM)
             await dgrams.until("STOPPING=1", timeout=2.0)
