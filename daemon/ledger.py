@@ -314,9 +314,20 @@ class Ledger:
                 with trio.CancelScope(shield=True):
                     while self._queue:
                         batch, self._queue = self._queue, []
-                        await trio.to_thread.run_sync(
-                            self._run_batch, batch, limiter=self._limiter
-                        )
+                        try:
+                            await trio.to_thread.run_sync(
+                                self._run_batch, batch, limiter=self._limiter
+                            )
+                        except BaseException as exc:
+                            # The hop itself failed (it should not: _run_batch catches
+                            # database errors). Fail everyone queued rather than leave
+                            # them waiting on a flusher that is gone.
+                            for queued in (*batch, *self._queue):
+                                if queued.error is None:
+                                    queued.error = RuntimeError("ledger flush failed")
+                                queued.done.set()
+                            self._queue = []
+                            raise exc
                         for queued in batch:
                             queued.done.set()
             finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import signal
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -343,3 +344,23 @@ async def test_sigkill_after_pending_resumes_with_the_recorded_event(tmp_path: P
         assert (kind, again) == ("replay", response) and len(sent) == 1
     finally:
         ledger.close()
+
+
+async def test_database_fault_reaches_the_caller_and_claims_nothing(
+    ledger: Ledger, tmp_path: Path
+) -> None:
+    key = LedgerKey("a" * 64, "req")
+    owner = await ledger.begin(key, digest(b"x"))
+    assert isinstance(owner, Fresh)
+    await ledger.record_pending(owner.ticket, b"signed")
+    # Break the table under the ledger (a disk fault stands in for this): the verdict
+    # cannot be recorded, the caller sees the database error, and the key is released.
+    other = sqlite3.connect(tmp_path / "ledger.db")
+    other.execute("DROP TABLE ledger")
+    other.commit()
+    other.close()
+    with pytest.raises(sqlite3.Error):
+        await ledger.finish(owner.ticket, b"v", final=True)
+    # Not owned any more: a new begin() goes to the database (and fails) instead of waiting.
+    with trio.fail_after(2), pytest.raises(sqlite3.Error):
+        await ledger.begin(key, digest(b"x"))
