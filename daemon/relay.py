@@ -123,8 +123,12 @@ MAX_EVENTS_PER_QUERY = 5_000
 #: Frames buffered between trio-websocket's reader and ours; a burst of EVENTs should
 #: not stall the socket reader on every frame.
 _MESSAGE_QUEUE = 64
-#: How long a best-effort CLOSE or WebSocket close may take during cleanup.
+#: How long a best-effort CLOSE may take to write during cleanup.
 _CLEANUP_SECONDS = 1.0
+#: How long we wait for the relay's answer to our WebSocket close frame before simply
+#: closing TCP: nothing is lost by not waiting (every result was already decided), and a
+#: stopping daemon or an idle close should not linger on a peer that is gone.
+_CLOSE_HANDSHAKE_SECONDS = 0.25
 
 #: auth_signer(agent_pubkey, relay_url, challenge, created_at) -> signed kind-22242 event.
 AuthSigner = Callable[[str, str, str, int], Awaitable[Mapping[str, Any]]]
@@ -382,6 +386,28 @@ class _Connection:
         await self.ws.send_message(text)
 
 
+#: What a failed connect may raise: the network, TLS (trio wraps it as BrokenResourceError)
+#: and the WebSocket handshake (HTTP refusal, peer closed mid-handshake).
+_CONNECT_ERRORS: tuple[type[Exception], ...] = (
+    OSError,
+    trio.BrokenResourceError,
+    trio_websocket.HandshakeError,
+    trio_websocket.ConnectionClosed,
+)
+
+
+def _connect_error(exc: BaseException) -> str | None:
+    """Operator text for a connect failure, or None when `exc` is not one (a bug)."""
+    if isinstance(exc, BaseExceptionGroup):
+        reasons = [_connect_error(e) for e in exc.exceptions]
+        if not reasons or any(r is None for r in reasons):
+            return None
+        return "; ".join(r for r in reasons if r is not None)
+    if isinstance(exc, _CONNECT_ERRORS):
+        return f"cannot connect: {type(exc).__name__}: {exc}"[:300]
+    return None
+
+
 # --- the pool -------------------------------------------------------------------------
 
 
@@ -499,8 +525,13 @@ class RelayPool:
                     await nursery.start(self._serve_connection, conn)
             except trio.TooSlowError:
                 self._connect_failed(agent, f"no connection within {self._timeouts.connect}s")
-            except (OSError, trio.BrokenResourceError, trio_websocket.HandshakeError) as exc:
-                self._connect_failed(agent, f"cannot connect: {type(exc).__name__}: {exc}")
+            except Exception as exc:
+                # The handshake runs inside the connection's nursery, so its errors may
+                # arrive wrapped in an ExceptionGroup; anything else is a bug and rises.
+                reason = _connect_error(exc)
+                if reason is None:
+                    raise
+                self._connect_failed(agent, reason)
             self._failures = 0
             self._retry_at = 0.0
             self._connections[agent] = conn
@@ -561,7 +592,7 @@ class RelayPool:
             conn.mark_dead()
             if self._connections.get(conn.agent) is conn:
                 del self._connections[conn.agent]
-            with trio.CancelScope(shield=True), trio.move_on_after(_CLEANUP_SECONDS):
+            with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_HANDSHAKE_SECONDS):
                 if conn.ws is not None:
                     await conn.ws.aclose()
                 await stream.aclose()

@@ -1,0 +1,322 @@
+"""RelayPool against the scripted relay: every fault maps as the spec says, within its timeout.
+
+Each test runs under a generous wall-clock ceiling (`bounded`), far above the short
+timeouts it configures but far below what a hang would cost: "does not wait past its
+timeout" is asserted, tight latency never is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import trio
+
+from daemon.relay import (
+    Accepted,
+    NotSent,
+    Rejected,
+    RelayPool,
+    RelayRefused,
+    RelayTimeouts,
+    RelayUnavailable,
+    Unknown,
+)
+from tests.fixtures.relay import TestKey, auth_signer_for, free_port
+from tests.scripted_relay import EventReply, ReqReply, Script, ScriptedRelay
+
+Start = Callable[[Script], Awaitable[ScriptedRelay]]
+
+SHORT = RelayTimeouts(connect=1.0, ok=0.5, eose=0.5, idle_seconds=30, backoff_initial=0.05, backoff_max=0.2)
+#: A fault test finishing later than this has waited past its timeouts.
+CEILING = 4.0
+
+
+class bounded:
+    """Fail the test if the block takes longer than CEILING seconds of real time."""
+
+    def __enter__(self) -> None:
+        self.start = trio.current_time()
+
+    def __exit__(self, *exc: object) -> None:
+        assert trio.current_time() - self.start < CEILING
+
+
+async def _pool(nursery: trio.Nursery, url: str, *keys: TestKey, timeouts: RelayTimeouts = SHORT) -> RelayPool:
+    pool = RelayPool(url, auth_signer_for(*keys), timeouts=timeouts)
+    await nursery.start(pool.run)
+    return pool
+
+
+def _verbs(relay: ScriptedRelay) -> list[str]:
+    return [m[0] for m in relay.received]
+
+
+async def _eventually(predicate: Callable[[], bool]) -> None:
+    """Wait (bounded) for the relay task to have processed what we sent."""
+    with trio.fail_after(CEILING):
+        while not predicate():
+            await trio.sleep(0.01)
+
+
+async def test_ok_false_is_rejected_with_the_reason(scripted_relay: Start, nursery: trio.Nursery) -> None:
+    relay = await scripted_relay(Script(events=(EventReply.REJECT,), reject_reason="blocked: go away"))
+    key = TestKey()
+    pool = await _pool(nursery, relay.url, key)
+    with bounded():
+        assert await pool.publish(key.pubkey, key.sign(1, "x")) == Rejected(reason="blocked: go away")
+
+
+async def test_ok_true_and_duplicate_are_accepted(scripted_relay: Start, nursery: trio.Nursery) -> None:
+    relay = await scripted_relay(Script())
+    key = TestKey()
+    pool = await _pool(nursery, relay.url, key)
+    ev = key.sign(1, "x")
+    first, second = await pool.publish(key.pubkey, ev), await pool.publish(key.pubkey, ev)
+    assert isinstance(first, Accepted) and not first.duplicate
+    assert isinstance(second, Accepted) and second.duplicate
+
+
+async def test_no_ok_is_unknown_within_the_timeout(scripted_relay: Start, nursery: trio.Nursery) -> None:
+    relay = await scripted_relay(Script(events=(EventReply.SILENT,)))
+    key = TestKey()
+    pool = await _pool(nursery, relay.url, key)
+    with bounded():
+        result = await pool.publish(key.pubkey, key.sign(1, "x"))
+    assert isinstance(result, Unknown)
+    # The same connection still works afterwards.
+    assert isinstance(await pool.publish(key.pubkey, key.sign(1, "y")), Accepted)
+
+
+async def test_drop_after_event_is_unknown_and_reconnects(scripted_relay: Start, nursery: trio.Nursery) -> None:
+    relay = await scripted_relay(Script(events=(EventReply.DROP,)))
+    key = TestKey()
+    pool = await _pool(nursery, relay.url, key)
+    ev = key.sign(1, "x")
+    with bounded():
+        assert isinstance(await pool.publish(key.pubkey, ev), Unknown)
+    # The ledger's retry re-sends the same event on a fresh connection.
+    assert await pool.publish(key.pubkey, ev) == Accepted(duplicate=False, message="")
+    assert len(relay.connections) == 2
+
+
+async def test_auth_required_on_event_authenticates_and_resends_once(
+    scripted_relay: Start, nursery: trio.Nursery
+) -> None:
+    relay = await scripted_relay(Script(require_auth=True))
+    key = TestKey()
+    pool = await _pool(nursery, relay.url, key)
+    ev = key.sign(1, "x")
+    with bounded():
+        assert isinstance(await pool.publish(key.pubkey, ev), Accepted)
+    assert _verbs(relay) == ["EVENT", "AUTH", "EVENT"]
+    auth = relay.received[1][1]
+    # NIP-42: the relay tag is the configured URL exactly as written.
+    assert ["relay", relay.url] in auth["tags"] and auth["pubkey"] == key.pubkey
+
+
+async def test_closed_auth_required_authenticates_and_retries_once(
+    scripted_relay: Start, nursery: trio.Nursery
+) -> None:
+    relay = await scripted_relay(Script(require_auth=True))
+    key = TestKey()
+    pool = await _pool(nursery, relay.url, key)
+    stored = key.sign(1, "x")
+    relay.stored[stored["id"]] = stored
+    with bounded():
+        assert await pool.query(key.pubkey, [{"kinds": [1]}]) == [stored]
+    await _eventually(lambda: _verbs(relay) == ["REQ", "CLOSE", "AUTH", "REQ", "CLOSE"])
+    # Every REQ is closed by us, also the one the relay CLOSED; ids are unique.
+    reqs = [m[1] for m in relay.received if m[0] == "REQ"]
+    closes = [m[1] for m in relay.received if m[0] == "CLOSE"]
+    assert len(set(reqs)) == 2 and sorted(closes) == sorted(reqs)
+
+
+async def test_auth_refused_is_a_refusal(scripted_relay: Start, nursery: trio.Nursery) -> None:
+    relay = await scripted_relay(Script(require_auth=True, accept_auth=False))
+    key = TestKey()
+    pool = await _pool(nursery, relay.url, key)
+    with bounded():
+        with pytest.raises(RelayRefused):
+            await pool.query(key.pubkey, [{"kinds": [1]}])
+        # The challenge is known now, so AUTH is tried before sending: nothing was sent.
+        result = await pool.publish(key.pubkey, key.sign(1, "x"))
+    assert isinstance(result, NotSent) and "AUTH refused" in result.reason
+    assert "EVENT" not in _verbs(relay)
+
+
+async def test_auth_refused_after_event_refusal_is_rejected(
+    scripted_relay: Start, nursery: trio.Nursery
+) -> None:
+    relay = await scripted_relay(Script(require_auth=True, accept_auth=False))
+    key = TestKey()
+    pool = await _pool(nursery, relay.url, key)
+    with bounded():
+        result = await pool.publish(key.pubkey, key.sign(1, "x"))
+    assert isinstance(result, Rejected) and result.reason.startswith("auth-required:")
+
+
+async def test_wrong_relay_tag_is_refused_by_a_strict_relay(
+    scripted_relay: Start, nursery: trio.Nursery
+) -> None:
+    # Buzz compares the relay tag with its own URL; a client writing another form fails.
+    relay = await scripted_relay(Script(require_auth=True, expected_relay_tag="wss://elsewhere"))
+    key = TestKey()
+    pool = await _pool(nursery, relay.url, key)
+    assert isinstance(await pool.publish(key.pubkey, key.sign(1, "x")), Rejected)
+
+
+async def test_challenge_at_connect_is_answered_before_the_next_send(
+    scripted_relay: Start, nursery: trio.Nursery
+) -> None:
+    # The relay challenges at connect but does not insist: the first EVENT may race the
+    # challenge; once it has been seen, AUTH goes out before the next EVENT.
+    relay = await scripted_relay(Script(challenge_at_connect=True))
+    key = TestKey()
+    pool = await _pool(nursery, relay.url, key)
+    assert isinstance(await pool.publish(key.pubkey, key.sign(1, "x")), Accepted)
+    assert isinstance(await pool.publish(key.pubkey, key.sign(1, "y")), Accepted)
+    assert _verbs(relay) in (["EVENT", "AUTH", "EVENT"], ["AUTH", "EVENT", "EVENT"])
+    assert relay.connections[0].authed == {key.pubkey}
+
+
+async def test_challenge_at_connect_with_auth_required(
+    scripted_relay: Start, nursery: trio.Nursery
+) -> None:
+    relay = await scripted_relay(Script(challenge_at_connect=True, require_auth=True))
+    key = TestKey()
+    pool = await _pool(nursery, relay.url, key)
+    with bounded():
+        assert isinstance(await pool.publish(key.pubkey, key.sign(1, "x")), Accepted)
+        assert await pool.query(key.pubkey, [{"kinds": [1]}]) != []
+    assert _verbs(relay).count("AUTH") == 1
+
+
+async def test_restricted_is_refused(scripted_relay: Start, nursery: trio.Nursery) -> None:
+    relay = await scripted_relay(Script(default_req=ReqReply.RESTRICTED))
+    key = TestKey()
+    pool = await _pool(nursery, relay.url, key)
+    with bounded():
+        with pytest.raises(RelayRefused) as info:
+            await pool.query(key.pubkey, [{"kinds": [1]}])
+    assert info.value.reason.startswith("restricted:")
+    await _eventually(lambda: _verbs(relay) == ["REQ", "CLOSE"])
+
+
+async def test_never_eose_times_out_and_closes(scripted_relay: Start, nursery: trio.Nursery) -> None:
+    relay = await scripted_relay(Script(default_req=ReqReply.NEVER_EOSE))
+    key = TestKey()
+    pool = await _pool(nursery, relay.url, key)
+    with bounded():
+        with pytest.raises(RelayUnavailable):
+            await pool.query(key.pubkey, [{"kinds": [1]}])
+    await _eventually(lambda: _verbs(relay) == ["REQ", "CLOSE"])
+
+
+async def test_relay_down_is_not_sent_and_unavailable(nursery: trio.Nursery) -> None:
+    key = TestKey()
+    pool = await _pool(nursery, f"ws://127.0.0.1:{free_port()}", key)
+    with bounded():
+        assert isinstance(await pool.publish(key.pubkey, key.sign(1, "x")), NotSent)
+        with pytest.raises(RelayUnavailable):
+            await pool.query(key.pubkey, [{"kinds": [1]}])
+
+
+async def test_reconnects_after_the_relay_comes_back(scripted_relay: Start, nursery: trio.Nursery) -> None:
+    port = free_port()
+    key = TestKey()
+    pool = await _pool(nursery, f"ws://127.0.0.1:{port}", key)
+    assert isinstance(await pool.publish(key.pubkey, key.sign(1, "x")), NotSent)
+    relay = ScriptedRelay(Script())
+    await nursery.start(relay.serve, port)
+    with bounded():
+        # The backoff (<= 0.2 s here) is shorter than the connect timeout: we wait it out.
+        assert isinstance(await pool.publish(key.pubkey, key.sign(1, "y")), Accepted)
+
+
+async def test_concurrent_publishes_are_matched_by_event_id(
+    scripted_relay: Start, nursery: trio.Nursery
+) -> None:
+    # Alternate accept/reject so a mismatched OK would show up as a wrong verdict.
+    replies = tuple(EventReply.ACCEPT if i % 2 == 0 else EventReply.REJECT for i in range(20))
+    relay = await scripted_relay(Script(events=replies))
+    key = TestKey()
+    pool = await _pool(nursery, relay.url, key)
+    events = [key.sign(1, f"m{i}") for i in range(20)]
+    results: dict[str, Any] = {}
+
+    async def one(ev: dict[str, Any]) -> None:
+        results[ev["id"]] = await pool.publish(key.pubkey, ev)
+
+    async with trio.open_nursery() as inner:
+        for ev in events:
+            inner.start_soon(one, ev)
+    accepted = {i for i, r in results.items() if isinstance(r, Accepted)}
+    assert accepted == set(relay.stored)
+    assert len(accepted) == 10 and len(relay.connections) == 1
+
+
+async def test_idle_connections_are_closed(scripted_relay: Start, nursery: trio.Nursery) -> None:
+    relay = await scripted_relay(Script())
+    key = TestKey()
+    timeouts = RelayTimeouts(connect=1, ok=0.5, eose=0.5, idle_seconds=0.2)
+    pool = await _pool(nursery, relay.url, key, timeouts=timeouts)
+    assert isinstance(await pool.publish(key.pubkey, key.sign(1, "x")), Accepted)
+    await trio.sleep(0.6)
+    assert isinstance(await pool.publish(key.pubkey, key.sign(1, "y")), Accepted)
+    assert len(relay.connections) == 2
+
+
+async def test_protocol_garbage_drops_the_connection_fast(nursery: trio.Nursery) -> None:
+    import trio_websocket
+
+    async def handler(request: trio_websocket.WebSocketRequest) -> None:
+        ws = await request.accept()
+        await ws.get_message()
+        await ws.send_message('["OK", "not-an-id", true, ""]')
+        await trio.sleep(10)
+
+    port = free_port()
+    await nursery.start(trio_websocket.serve_websocket, handler, "127.0.0.1", port, None)
+    key = TestKey()
+    pool = await _pool(nursery, f"ws://127.0.0.1:{port}", key, timeouts=RelayTimeouts(ok=30))
+    with bounded():
+        result = await pool.publish(key.pubkey, key.sign(1, "x"))
+    assert isinstance(result, Unknown)
+
+
+def test_transport_rule() -> None:
+    signer = auth_signer_for(TestKey())
+    for ok in ("ws://127.0.0.1:7777", "ws://localhost/", "ws://[::1]:80", "wss://relay.example.com"):
+        RelayPool(ok, signer)
+    for bad in ("ws://relay.example.com", "ws://10.0.0.1:80", "http://127.0.0.1", "wss://", " wss://x"):
+        with pytest.raises(ValueError):
+            RelayPool(bad, signer)
+
+
+async def test_not_running_is_a_bug() -> None:
+    key = TestKey()
+    pool = RelayPool("ws://127.0.0.1:1", auth_signer_for(key))
+    with pytest.raises(RuntimeError):
+        await pool.publish(key.pubkey, key.sign(1, "x"))
+
+
+async def test_a_server_that_is_not_a_relay_is_not_sent(nursery: trio.Nursery) -> None:
+    async def http_404(stream: trio.SocketStream) -> None:
+        await stream.receive_some(4096)
+        await stream.send_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+        await stream.aclose()
+
+    async def hang_up(stream: trio.SocketStream) -> None:
+        await stream.aclose()
+
+    for handler in (http_404, hang_up):
+        port = free_port()
+        await nursery.start(trio.serve_tcp, handler, port)
+        key = TestKey()
+        pool = await _pool(nursery, f"ws://127.0.0.1:{port}", key)
+        with bounded():
+            assert isinstance(await pool.publish(key.pubkey, key.sign(1, "x")), NotSent)
+            with pytest.raises(RelayUnavailable):
+                await pool.query(key.pubkey, [{"kinds": [1]}])
