@@ -125,6 +125,11 @@ class Result:
     action: str
     attempts: int
 
+    def __post_init__(self) -> None:
+        # The bases exist for isinstance checks; an answer is always one of the leaves.
+        if type(self) in (Result, FateUnknown):
+            raise TypeError(f"{type(self).__name__} is a base type; construct one of its answers")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Succeeded(Result, Generic[O]):

@@ -24,6 +24,7 @@ from daemon.client import (
     NoAnswer,
     NoAnswerReason,
     ReadEnd,
+    Result,
     RetryPolicy,
     Succeeded,
     Unsupported,
@@ -509,6 +510,13 @@ async def test_sync_client_is_the_same_client(host: ScriptedHost) -> None:
     assert_identical_retries(host, 2)
     reaction = await trio.to_thread.run_sync(lambda: sync.reaction_add(CHANNEL, OTHER, "+"))
     assert isinstance(reaction, Unsupported)
+
+
+def test_base_answer_types_are_not_answers() -> None:
+    with pytest.raises(TypeError):
+        FateUnknown(request_id="r", action="message.post", attempts=1, request=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        Result(request_id="r", action="message.post", attempts=1)
 
 
 def test_retry_policy_rejects_nonsense() -> None:
