@@ -295,8 +295,13 @@ class Custody:
                 agent = xonly_pubkey(secret).hex()
                 if agent == owner:
                     raise CustodyError("owner equals the agent: an agent cannot own itself")
-                if self._keystore.get(agent) is not None:
-                    raise CustodyError(f"agent {agent} is already in the keystore")
+                existing = self._keystore.get(agent)
+                if existing is not None and existing.live:
+                    raise CustodyError(f"agent {agent} is already held")
+                if existing is not None:
+                    raise CustodyError(
+                        f"agent {agent} was removed; its tombstone is kept, so it cannot be imported again"
+                    )
                 if tag is not None and (tag[1] != owner or not verify_owner_tag(tag, agent)):
                     raise CustodyError("auth tag does not verify for this agent and owner")
                 owner_record = self._keystore.get(owner)
