@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.config import PolicyConfig
-from daemon.contract import ChannelReadArgs, Event, Status, Verdict
+from daemon.contract import ChannelReadArgs, Event, ReadOutcome, Status, Verdict
 from daemon.cursor import CursorCodec
 from daemon.operations import channel_read
 from daemon.operations._base import Context
@@ -61,7 +61,7 @@ async def read_through(ctx: Context, *, max_pages: int = 2000, **args: Any) -> t
         verdicts.append(verdict)
         assert verdict.status is Status.SUCCEEDED, verdict
         outcome = verdict.outcome
-        assert outcome is not None
+        assert isinstance(outcome, ReadOutcome)
         events.extend(outcome.messages)
         if outcome.next_cursor is None:
             return events, verdicts

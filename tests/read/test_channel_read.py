@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 
 from daemon.contract import ChannelReadArgs, ErrorCode, Status
-from daemon.cursor import CURSOR_TTL_SECONDS, CursorCodec
+from daemon.cursor import CURSOR_TTL_SECONDS, KEY_FILE_NAME, CursorCodec
 from daemon.operations import channel_read
 from daemon.relay import RelayRefused, RelayUnavailable
 from tests.fixtures.relay import TestKey
@@ -95,8 +96,12 @@ async def test_undeliverable_events_are_dropped_and_logged(tmp_path: Path, reade
         ("not_canonical", extra_member["id"]),
         ("off_filter", wrong_kind["id"]),
     }
-    # No content of any event reached the log.
+    # No content of any event reached the log, nor the host's cursor key in any spelling.
     assert "tampered" not in caplog.text and "forged" not in caplog.text
+    key = (tmp_path / KEY_FILE_NAME).read_bytes()
+    logged = caplog.text + repr([getattr(r, "buzz_fields", None) for r in caplog.records])
+    for spelling in (key.hex(), base64.b64encode(key).decode(), base64.urlsafe_b64encode(key).decode(), repr(key)):
+        assert spelling not in logged
 
 
 @pytest.mark.parametrize(
