@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from custody import TokenConfig
 from daemon.cli import main
 from daemon.cli import serve as serve_cli
 from daemon.cli._common import CliError
@@ -317,3 +319,108 @@ async def test_socket_activated_child_ready_watchdog_stopping(sockdir: str) -> N
     assert events[:1] == ["serve.starting"]
     assert {"serve.listening", "serve.ready", "serve.stopping", "serve.stopped"} <= set(events)
     assert "tok-serve-secret" not in log
+
+
+# --------------------------------------------------------------------------- the real broker
+
+#: Socket activation by hand: fd 3, LISTEN_PID = this pid, then exec the real command.
+EXEC_WRAPPER = """
+import os, sys
+os.dup2(int(sys.argv[1]), 3)
+os.close(int(sys.argv[1]))
+os.environ["LISTEN_PID"] = str(os.getpid())
+os.environ["LISTEN_FDS"] = "1"
+os.execv(sys.executable, [sys.executable, "-m", "daemon.cli", "--config", sys.argv[2], "serve"])
+"""
+
+
+def _real_broker_ready() -> bool:
+    # The pipeline and the relay pool are built in parallel with this file; until their
+    # seam (RelayPool.open, used by Broker.running) exists the daemon cannot start.
+    from daemon.relay import RelayPool
+
+    return hasattr(RelayPool, "open")
+
+
+def _blocking_exchange(path: str, data: bytes) -> bytes:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+        client.settimeout(10)
+        client.connect(path)
+        client.sendall(data)
+        chunks: list[bytes] = []
+        while True:
+            chunk = client.recv(65536)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+
+
+@pytest.mark.skipif(not _real_broker_ready(), reason="Broker.running needs RelayPool.open")
+def test_real_broker_socket_activated(
+    custody_state: tuple[TokenConfig, Path], sockdir: str
+) -> None:
+    from daemon.contract import build_request, encode_request, parse_response
+    from tests.fixtures.relay import free_port
+
+    token, state_dir = custody_state
+    config_path = Path(sockdir) / "broker.toml"
+    config_path.write_text(
+        f'[server]\nsocket = "never-bound.sock"\nshutdown_grace = 5\n'
+        f'[state]\ndir = "{state_dir}"\n'
+        f'[pkcs11]\nmodule = "{token.module}"\ntoken_label = "{token.token_label}"\n'
+        f'pin_file = "{token.pin_file}"\nkek_label = "{token.kek_label}"\n'
+        f'[relay]\nurl = "ws://127.0.0.1:{free_port()}"\n'
+    )
+    activated = os.path.join(sockdir, "activated.sock")
+    listening = bind_unix_socket(activated)
+    notify_path = os.path.join(sockdir, "notify")
+    dgram = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    dgram.bind(notify_path)
+    dgram.settimeout(30)
+    env = dict(os.environ, NOTIFY_SOCKET=notify_path, WATCHDOG_USEC="1000000")
+    env.pop("BUZZ_BROKER_CONFIG", None)
+
+    def until(wanted: str) -> None:
+        while wanted not in dgram.recv(4096).decode().split("\n"):
+            pass
+
+    with listening, dgram:
+        began = time.monotonic()
+        proc = subprocess.Popen(
+            [sys.executable, "-c", EXEC_WRAPPER, str(listening.fileno()), str(config_path)],
+            pass_fds=(listening.fileno(),),
+            cwd=ROOT,
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            until("READY=1")
+            ready_after = time.monotonic() - began
+            until("WATCHDOG=1")
+            request = encode_request(build_request("storage.address", {"slug": "core"}, request_id="r-1"))
+            head = f"POST /v1/action HTTP/1.1\r\nHost: b\r\nConnection: close\r\nContent-Length: {len(request)}\r\n"
+            answer = _blocking_exchange(
+                activated, (head + f"Authorization: {CREDENTIAL}\r\n\r\n").encode() + request
+            )
+            assert answer.startswith(b"HTTP/1.1 200 ")
+            response = parse_response(answer.split(b"\r\n\r\n", 1)[1])
+            assert response.code is not None
+            assert (response.status.value, response.code.value) == ("failed", "unauthenticated")
+            garbage = b'{"requestId":'
+            answer = _blocking_exchange(
+                activated, (head.replace(str(len(request)), str(len(garbage))) + "\r\n").encode() + garbage
+            )
+            assert answer.startswith(b"HTTP/1.1 400 ") and answer.endswith(b"\r\n\r\n")
+            proc.send_signal(signal.SIGTERM)
+            until("STOPPING=1")
+            assert proc.wait(timeout=15) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.stderr is not None
+        log = proc.stderr.read()
+    print(f"process start to READY=1 with the real broker: {ready_after * 1000:.0f} ms")
+    assert "tok-serve-secret" not in log
+    assert not os.path.exists(os.path.join(sockdir, "never-bound.sock"))
