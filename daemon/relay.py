@@ -35,25 +35,28 @@ Rules:
   longer than its own connect timeout; it gets NotSent / RelayUnavailable instead.
 
 Connections: one per agent identity, kept warm, closed after ``idle_seconds`` unused.
-Alternatives weighed (figures from benchmarks/relay_connections.py, run against
-nostr-sdk's LocalRelay on loopback, see the report in that script's docstring):
-  * one connection per agent: AUTH once per connection; agents never wait for each
-    other; OKs and subscriptions of different agents never share a connection's state.
-  * one shared connection re-authenticated per agent: NIP-42 leaves it to the relay
-    whether a second AUTH adds a pubkey or replaces the first, so the shared connection
-    must serialize "AUTH as A, then act as A" for every request of every agent: one extra
-    round trip per switch of agent, and no concurrency between agents at all.
-  The per-agent connection costs one TCP+WebSocket+AUTH setup per agent per idle period
-  (measured ~1-2 ms on loopback) and one socket per active agent; it is the design that
-  stays correct whatever the relay does with repeated AUTHs, and it lets 64 agents publish
-  concurrently. That is why it is the choice.
+Measured with benchmarks/relay_connections.py against nostr-sdk's LocalRelay 0.45
+(NIP-42 required) on loopback, this machine (2 shared cores, so figures are noisy):
+  * per-agent connection: first publish of an agent (TCP + WebSocket + refused EVENT +
+    AUTH + resend) p50 2.3-3.9 ms; every later publish on the warm connection p50
+    0.36-0.54 ms. 16 agents x 10-20 events concurrently: 1,500-2,200 events/s.
+  * one shared connection re-authenticated per agent: impossible on LocalRelay. It
+    accepts one AUTH per challenge ("auth-required: received invalid challenge" for the
+    second), and once authenticated it sends no new challenge, so there is nothing to
+    re-authenticate with. (It also accepts EVENTs from *any* author once one pubkey has
+    authenticated; Buzz binds AUTH to the pubkey, so the broker cannot rely on that.)
+    Where a relay does allow it, every switch of agent costs an AUTH round trip and all
+    agents are serialized on one connection.
+  So: per-agent connections. They cost one setup (~3 ms) per agent per idle period and
+  one socket per active agent, stay correct whatever a relay does with repeated AUTHs,
+  and let agents publish concurrently.
 
 TCP_QUICKACK: LocalRelay does not set TCP_NODELAY on accepted sockets, so its second
-small frame (EOSE after an EVENT, an EVENT after an OK) waits for our delayed ACK
-(~40 ms). Re-arming TCP_QUICKACK after each read makes Linux ACK at once; the measured
-effect is in benchmarks/relay_connections.py. It costs one setsockopt per read and is
-harmless against a relay that does set TCP_NODELAY (Buzz's), so it is on by default and
-can be switched off (``tcp_quickack=False``) to measure.
+small frame (EOSE after an EVENT, an EVENT after an OK) waits for our delayed ACK.
+Measured (same benchmark, query returning one event = EVENT + EOSE): p50 44.0 ms without
+quick ACKs, 0.65 ms with TCP_QUICKACK re-armed after every read. It costs one setsockopt
+per read and is harmless against a relay that does set TCP_NODELAY, so it is on by
+default; ``tcp_quickack=False`` switches it off (for measuring).
 
 Cancellation: cancelling `publish` after its EVENT left is an Unknown for the caller's
 purposes (the ledger keeps the pending record); cancelling `query` still sends CLOSE.
