@@ -1,0 +1,94 @@
+"""`buzz-broker keys` and `buzz-broker agent` as an operator runs them: a subprocess each."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import nostr_sdk
+import pytest
+
+from tests.custody._secrets import PUB_1, PUB_2, SECRET_1, SECRET_2, SECRET_X, assert_no_secrets
+from tests.fixtures.token import REPO, SoftHsmToken
+
+BUZZ_BROKER = REPO / ".venv" / "bin" / "buzz-broker"
+
+
+class Cli:
+    def __init__(self, token: SoftHsmToken, directory: Path) -> None:
+        self.token = token
+        self.config = directory / "broker.toml"
+        self.state = directory / "state"
+        # A KEK per test: the token is shared by the session, "no KEK yet" must be true here.
+        self.kek_label = f"cli-kek-{directory.name}"
+        self.transcript = b""
+        self.write_config(token.pin_file)
+
+    def write_config(self, pin_file: str) -> None:
+        self.config.write_text(
+            f'[state]\ndir = "{self.state}"\n'
+            f'[pkcs11]\nmodule = "{self.token.module}"\ntoken_label = "{self.token.label}"\n'
+            f'pin_file = "{pin_file}"\nkek_label = "{self.kek_label}"\n'
+        )
+
+    def __call__(self, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [str(BUZZ_BROKER), "--config", str(self.config), *args],
+            input=stdin, capture_output=True, text=True, timeout=60, env=dict(os.environ),
+        )
+        self.transcript += (done.stdout + done.stderr).encode()
+        assert "Traceback" not in done.stderr
+        return done
+
+
+@pytest.fixture
+def cli(softhsm_token: SoftHsmToken, tmp_path: Path) -> Cli:
+    return Cli(softhsm_token, tmp_path)
+
+
+def test_done_when_import_of_secret_one_prints_its_pubkey(cli: Cli, tmp_path: Path) -> None:
+    done = cli("keys", "init")
+    assert done.returncode == 0 and cli.kek_label in done.stdout
+    assert cli("keys", "init").returncode == 0  # idempotent: found and checked
+    done = cli("agent", "import", "--owner", PUB_2, stdin=SECRET_1 + "\n")
+    assert (done.returncode, done.stdout) == (0, PUB_1 + "\n")
+    assert_no_secrets(cli.transcript + (cli.state / "keystore.db").read_bytes())
+
+
+def test_agent_lifecycle_and_faults(cli: Cli, tmp_path: Path) -> None:
+    assert cli("agent", "import", "--owner", PUB_2, stdin=SECRET_1).returncode == 1  # no KEK yet
+    assert cli("keys", "init").returncode == 0
+    nsec = nostr_sdk.SecretKey.parse(SECRET_X).to_bech32()
+    owner = cli("agent", "import", "--owner", PUB_2, "--name", "boss", stdin=nsec + "\n").stdout.strip()
+    assert owner == nostr_sdk.Keys.parse(SECRET_X).public_key().to_hex()
+    created = cli("agent", "create", "--owner", owner, "--name", "helper")
+    assert created.returncode == 0
+    helper = created.stdout.strip()
+    listed = json.loads(cli("agent", "list", "--json").stdout)
+    by_key = {r["pubkey"]: r for r in listed}
+    assert by_key[helper]["owner"] == owner and by_key[helper]["depth"] == 2
+    assert by_key[helper]["authTag"][:3] == ["auth", owner, ""]
+    assert cli("agent", "remove", helper).returncode == 0
+    assert helper not in cli("agent", "list").stdout
+    assert helper in cli("agent", "list", "--all").stdout
+
+    faults = [
+        (("agent", "import", "--owner", PUB_1), SECRET_1, "cannot own itself"),
+        (("agent", "import", "--owner", PUB_2), "0123", "malformed secret"),
+        (("agent", "import", "--owner", "XYZ"), SECRET_2, "--owner"),
+        (("agent", "import", "--owner", PUB_2), nsec, "already held"),
+        (("agent", "import", "--owner", PUB_2, "--auth-tag", "[1,"), SECRET_2, "not JSON"),
+        (("agent", "remove", "b" * 64), "", "unknown agent"),
+    ]
+    for args, stdin, message in faults:
+        done = cli(*args, stdin=stdin)
+        assert done.returncode == 1 and message in done.stderr and done.stdout == ""
+    wrong_pin = tmp_path / "wrong"
+    wrong_pin.write_text("nope\n")
+    wrong_pin.chmod(0o600)
+    cli.write_config(str(wrong_pin))
+    done = cli("agent", "create", "--owner", PUB_2, "--name", "x")
+    assert done.returncode == 1 and "wrong PIN" in done.stderr
+    assert_no_secrets(cli.transcript + (cli.state / "keystore.db").read_bytes())
