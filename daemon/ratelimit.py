@@ -1,0 +1,656 @@
+"""Per-credential rate limits (token buckets) and daily quotas, kept across restarts.
+
+Rules (issue 10):
+- A *rule* is `<count>/<window>`: `30/min`, `5/s`, `100/h` are token buckets (capacity
+  `count`, refilled continuously at `count` per window, so a burst of `count` is allowed
+  and the long-run rate is `count` per window); `1000/day` is a daily quota (a plain
+  counter per UTC calendar day, reset at 00:00 UTC). A rule applies to a *scope*: one
+  wire action name (`message.post`), or a class: `publish` (every publishing action,
+  counted together) or `read` (channel.read, storage.address).
+- The written form, one string per rule, is the same for the host and for a credential:
+  `<scope>=<count>/<window>`, e.g. `message.post=30/min`, `publish=60/min`,
+  `publish=1000/day`; `daily=<count>` is shorthand for `publish=<count>/day`.
+  `parse_rate` reads it; windows are `s`, `min`, `h`, `day` (and their long spellings).
+- Each scope has at most one bucket and one daily quota. A credential's overrides
+  replace the host's rule of the same scope and kind (bucket or daily) and leave the
+  others in force. A request is allowed only when every rule that applies to its
+  action (its own scope and its class) allows it; only then is one unit taken from each.
+  So a refused request costs nothing.
+- A refusal is `policy.Refusal(UNAUTHORIZED, <fixed template>)` naming the limit and the
+  whole seconds until it frees up (the longest wait when several limits are exhausted).
+- The caller asks only for *fresh* requests: the pipeline calls `take()` after the
+  ledger has said the request is not a replay, so a replayed request (same requestId and
+  bytes) never costs quota. This module cannot see replays; that rule lives in the caller.
+
+Theory of operation — the hot path and durability:
+`take()` is synchronous and touches only dicts (the daemon targets >= 2,500 posts/s).
+Changed counters are marked dirty; `flush()` writes them to `<state>/limits.db` (0600,
+WAL) in one transaction. `flush_periodically()` (a task in the daemon's nursery) does it
+every `FLUSH_INTERVAL_SECONDS` in a worker thread, and `close()` does it once more. A
+clean restart therefore keeps the day's counts and the bucket levels exactly; a crash may
+lose up to `FLUSH_INTERVAL_SECONDS` of counting — the trade-off we take instead of an
+fsync per request. Overrides are written at once (`credential issue --rate`, usually in
+another process) and read lazily, the first time this process sees a credential id;
+`reload()` (SIGHUP) forgets what was read.
+
+WARNING: `PUBLISH_ACTIONS`/`READ_ACTIONS` must cover exactly the wire actions
+(`daemon.contract.ACTIONS`, split on `publishing`); `_SCHEMA` is read by `_load`.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import math
+import re
+import sqlite3
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, Protocol
+
+import trio
+
+from daemon._sqlite import open_private_db
+from daemon.contract import ACTIONS, ErrorCode
+from daemon.log import log_event
+from daemon.policy import Refusal
+
+__all__ = [
+    "Rule",
+    "Window",
+    "RateConfig",
+    "RateLimiter",
+    "parse_rate",
+    "rate_config_from_table",
+    "format_rate",
+    "DEFAULT_RATE_CONFIG",
+    "LIMITS_FILENAME",
+    "FLUSH_INTERVAL_SECONDS",
+    "PUBLISH_ACTIONS",
+    "READ_ACTIONS",
+    "CLASSES",
+    "LIMITS_TABLE_KEYS",
+]
+
+_log = logging.getLogger("buzz_broker.ratelimit")
+
+#: The file under the state directory.
+LIMITS_FILENAME: Final = "limits.db"
+
+#: How often counts reach the disk. A crash loses at most this much counting; chosen so a
+#: runaway agent gains at most a few seconds' allowance per crash, while the daemon pays
+#: one small transaction every few seconds instead of one fsync per request.
+FLUSH_INTERVAL_SECONDS: Final = 5.0
+
+#: Largest count a rule may name: far beyond any sane limit, small enough to stay exact.
+MAX_COUNT: Final = 10**9
+
+#: Longest rule string accepted, before any parsing (bounded input, style.md #9).
+MAX_RULE_CHARS: Final = 64
+
+#: Most rules one credential may carry (there are 9 actions + 2 classes, x 2 kinds).
+MAX_RULES: Final = 32
+
+_DAY_SECONDS: Final = 86400
+
+PUBLISH_ACTIONS: Final = frozenset(name for name, spec in ACTIONS.items() if spec.publishing)
+READ_ACTIONS: Final = frozenset(name for name, spec in ACTIONS.items() if not spec.publishing)
+
+#: Class scope -> the actions it counts together.
+CLASSES: Final[Mapping[str, frozenset[str]]] = {
+    "publish": PUBLISH_ACTIONS,
+    "read": READ_ACTIONS,
+}
+
+_SCOPES: Final = frozenset(ACTIONS) | frozenset(CLASSES)
+
+
+class Window(enum.Enum):
+    """The window of a rule; the value is (seconds, canonical spelling)."""
+
+    #: token bucket refilled `count` per second
+    SECOND = (1, "s")
+    #: token bucket refilled `count` per minute
+    MINUTE = (60, "min")
+    #: token bucket refilled `count` per hour
+    HOUR = (3600, "h")
+    #: a quota: `count` per UTC calendar day, reset at 00:00 UTC
+    DAY = (_DAY_SECONDS, "day")
+
+    @property
+    def seconds(self) -> int:
+        return self.value[0]
+
+    @property
+    def spelling(self) -> str:
+        return self.value[1]
+
+
+_WINDOW_NAMES: Final[Mapping[str, Window]] = {
+    "s": Window.SECOND, "sec": Window.SECOND, "second": Window.SECOND,
+    "m": Window.MINUTE, "min": Window.MINUTE, "minute": Window.MINUTE,
+    "h": Window.HOUR, "hour": Window.HOUR,
+    "d": Window.DAY, "day": Window.DAY,
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rule:
+    """`count` per `window`: a token bucket, or a daily quota when the window is DAY."""
+
+    count: int
+    window: Window
+
+    def __post_init__(self) -> None:
+        if isinstance(self.count, bool) or not isinstance(self.count, int):
+            raise TypeError("Rule.count must be an int")
+        if not 1 <= self.count <= MAX_COUNT:
+            raise ValueError(f"Rule.count must be in 1..{MAX_COUNT}")
+        if not isinstance(self.window, Window):
+            raise TypeError("Rule.window must be a Window")
+
+    @property
+    def daily(self) -> bool:
+        return self.window is Window.DAY
+
+    def __str__(self) -> str:
+        return f"{self.count}/{self.window.spelling}"
+
+
+_RULE_RE: Final = re.compile(r"([a-z]+(?:\.[a-z]+)?)=([0-9]{1,10})(?:/([a-z]+))?")
+
+_RATE_FORM: Final = (
+    "expected <scope>=<count>/<window> (window s, min, h or day; scope an action name, "
+    "publish or read), or daily=<count>"
+)
+
+
+def parse_rate(text: str) -> tuple[str, Rule]:
+    """Read one rule: `message.post=30/min` -> ("message.post", Rule(30, MINUTE)).
+
+    `daily=N` is shorthand for `publish=N/day`. Surrounding spaces are ignored; case is not
+    (action names are lowercase on the wire).
+
+    Raises:
+        ValueError: a one-line message naming the accepted form (safe to show an operator;
+            it quotes nothing back but the scope when the scope is the fault).
+    """
+    if not isinstance(text, str):
+        raise TypeError("parse_rate takes a string")
+    if len(text) > MAX_RULE_CHARS:
+        raise ValueError(f"rate rule too long; {_RATE_FORM}")
+    match = _RULE_RE.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"bad rate rule; {_RATE_FORM}")
+    scope, count_text, unit = match.groups()
+    if scope == "daily":
+        if unit is not None:
+            raise ValueError("daily=<count> takes a bare count (it means publish=<count>/day)")
+        scope, window = "publish", Window.DAY
+    else:
+        if unit is None or unit not in _WINDOW_NAMES:
+            raise ValueError(f"bad rate window; {_RATE_FORM}")
+        window = _WINDOW_NAMES[unit]
+    if scope not in _SCOPES:
+        raise ValueError(
+            f"unknown rate scope {scope!r}; expected an action name, publish or read"
+        )
+    count = int(count_text)
+    if not 1 <= count <= MAX_COUNT:
+        raise ValueError(f"rate count must be in 1..{MAX_COUNT}")
+    return scope, Rule(count=count, window=window)
+
+
+def format_rate(scope: str, rule: Rule) -> str:
+    """The canonical written form `parse_rate` reads back: `publish=60/min`."""
+    return f"{scope}={rule}"
+
+
+def _identity(scope: str, rule: Rule) -> tuple[str, bool]:
+    # A scope holds one bucket and one daily quota; a later rule of the same kind replaces.
+    return scope, rule.daily
+
+
+def _merge(*layers: Iterable[tuple[str, Rule]]) -> tuple[tuple[str, Rule], ...]:
+    merged: dict[tuple[str, bool], tuple[str, Rule]] = {}
+    for layer in layers:
+        for scope, rule in layer:
+            merged[_identity(scope, rule)] = (scope, rule)
+    return tuple(sorted(merged.values(), key=lambda sr: (sr[0], sr[1].daily)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RateConfig:
+    """The host's limits (config `[limits]`). `rules` hold one bucket and one quota per scope."""
+
+    enabled: bool
+    rules: tuple[tuple[str, Rule], ...]
+
+    def __post_init__(self) -> None:
+        for scope, rule in self.rules:
+            if scope not in _SCOPES or not isinstance(rule, Rule):
+                raise ValueError(f"RateConfig: bad rule for scope {scope!r}")
+        if len({_identity(s, r) for s, r in self.rules}) != len(self.rules):
+            raise ValueError("RateConfig: two rules of one kind for one scope")
+
+
+#: Defaults a chat agent never meets but that stop a loop within a minute (issue 10):
+#: a person-paced agent posts a few messages a minute; reads page through history faster.
+DEFAULT_RULES: Final[tuple[tuple[str, Rule], ...]] = _merge([
+    ("publish", Rule(count=60, window=Window.MINUTE)),
+    ("publish", Rule(count=1000, window=Window.DAY)),
+    ("read", Rule(count=600, window=Window.MINUTE)),
+    ("read", Rule(count=50000, window=Window.DAY)),
+])
+
+DEFAULT_RATE_CONFIG: Final = RateConfig(enabled=True, rules=DEFAULT_RULES)
+
+#: `[limits]` keys and their defaults, as written in TOML (docs/operations.md lists them).
+LIMITS_TABLE_KEYS: Final[Mapping[str, object]] = {
+    "enabled": True,
+    "publish": "60/min",
+    "publish_daily": 1000,
+    "read": "600/min",
+    "read_daily": 50000,
+    "rules": [],
+}
+
+
+def rate_config_from_table(table: Mapping[str, object]) -> RateConfig:
+    """Read the `[limits]` TOML table (absent keys take `LIMITS_TABLE_KEYS` defaults).
+
+    Keys: `enabled` (bool), `publish` / `read` (bucket, `"<count>/<s|min|h>"`),
+    `publish_daily` / `read_daily` (integer per UTC day), `rules` (array of
+    `<scope>=<count>/<window>` strings, applied last: per-action limits live here).
+
+    Raises:
+        ValueError: one line naming the key (`[limits] publish: expected ...`); the config
+            loader turns it into a ConfigError.
+    """
+    for key in table:
+        if key not in LIMITS_TABLE_KEYS:
+            raise ValueError(f"[limits] unknown key {key}")
+    values = {**LIMITS_TABLE_KEYS, **table}
+
+    enabled = values["enabled"]
+    if not isinstance(enabled, bool):
+        raise ValueError("[limits] enabled: expected true or false")
+    rules: list[tuple[str, Rule]] = []
+    for scope in ("publish", "read"):
+        bucket = values[scope]
+        try:
+            if not isinstance(bucket, str):
+                raise ValueError
+            _, rule = parse_rate(f"{scope}={bucket}")
+            if rule.daily:
+                raise ValueError
+        except ValueError:
+            raise ValueError(
+                f'[limits] {scope}: expected a rate like "60/min" (window s, min or h)'
+            ) from None
+        rules.append((scope, rule))
+        daily = values[f"{scope}_daily"]
+        if isinstance(daily, bool) or not isinstance(daily, int) or not 1 <= daily <= MAX_COUNT:
+            raise ValueError(f"[limits] {scope}_daily: expected an integer in 1..{MAX_COUNT}")
+        rules.append((scope, Rule(count=daily, window=Window.DAY)))
+    extra = values["rules"]
+    if not isinstance(extra, list) or len(extra) > MAX_RULES:
+        raise ValueError(f"[limits] rules: expected an array of at most {MAX_RULES} strings")
+    parsed: list[tuple[str, Rule]] = []
+    for item in extra:
+        if not isinstance(item, str):
+            raise ValueError("[limits] rules: expected strings like \"message.post=30/min\"")
+        try:
+            parsed.append(parse_rate(item))
+        except ValueError as exc:
+            raise ValueError(f"[limits] rules: {exc}") from None
+    return RateConfig(enabled=enabled, rules=_merge(rules, parsed))
+
+
+class _Who(Protocol):
+    """What the limiter reads from a principal (`daemon.sessions.Principal` has it)."""
+
+    @property
+    def credential_id(self) -> str: ...
+
+
+@dataclass(slots=True)
+class _Bucket:
+    level: float
+    at: float
+
+
+_BUCKET_TEMPLATE: Final = "rate limit {scope} {rule} reached; retry in {seconds} s"
+_DAILY_TEMPLATE: Final = "daily quota {scope} {rule} reached; retry in {seconds} s"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS overrides (
+    credential_id TEXT PRIMARY KEY,
+    rules         TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS daily (
+    credential_id TEXT    NOT NULL,
+    scope         TEXT    NOT NULL,
+    day           INTEGER NOT NULL,
+    used          INTEGER NOT NULL,
+    PRIMARY KEY (credential_id, scope, day)
+);
+CREATE TABLE IF NOT EXISTS buckets (
+    credential_id TEXT NOT NULL,
+    scope         TEXT NOT NULL,
+    level         REAL NOT NULL,
+    at            REAL NOT NULL,
+    PRIMARY KEY (credential_id, scope)
+)
+"""
+
+_Key = tuple[str, str]  # (credential_id, scope)
+_DayKey = tuple[str, str, int]  # (credential_id, scope, UTC day number)
+
+
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    buckets: tuple[tuple[str, str, float, float], ...]
+    daily: tuple[tuple[str, str, int, int], ...]
+    oldest_day: int
+
+
+class RateLimiter:
+    """Buckets and quotas per credential. Create with `RateLimiter.open(state_dir, config)`."""
+
+    def __init__(self, conn: sqlite3.Connection, config: RateConfig) -> None:
+        # Private: use RateLimiter.open(). The connection is ours alone; `_db_lock` keeps
+        # the flusher thread and the event loop (override reads) from interleaving on it.
+        self._conn = conn
+        self._db_lock = threading.Lock()
+        self._config = config
+        self._buckets: dict[_Key, _Bucket] = {}
+        self._daily: dict[_DayKey, int] = {}
+        self._dirty_buckets: set[_Key] = set()
+        self._dirty_daily: set[_DayKey] = set()
+        self._overrides: dict[str, tuple[tuple[str, Rule], ...]] = {}
+        self._plans: dict[tuple[str, str], tuple[tuple[str, Rule], ...]] = {}
+        self._today = -1
+        self._closed = False
+
+    @classmethod
+    def open(cls, state_dir: Path | str, config: RateConfig) -> RateLimiter:
+        """Open or create `<state_dir>/limits.db` and load the saved counts.
+
+        Raises:
+            OSError / sqlite3.Error: the database cannot be opened (a startup fault).
+        """
+        conn = open_private_db(Path(state_dir) / LIMITS_FILENAME, _SCHEMA)
+        limiter = cls(conn, config)
+        limiter._load()
+        return limiter
+
+    def _load(self) -> None:
+        with self._db_lock:
+            for cid, scope, level, at in self._conn.execute(
+                "SELECT credential_id, scope, level, at FROM buckets"
+            ):
+                self._buckets[(str(cid), str(scope))] = _Bucket(float(level), float(at))
+            for cid, scope, day, used in self._conn.execute(
+                "SELECT credential_id, scope, day, used FROM daily"
+            ):
+                self._daily[(str(cid), str(scope), int(day))] = int(used)
+
+    # ------------------------------------------------------------------ configuration
+
+    def reconfigure(self, config: RateConfig) -> None:
+        """New host limits (SIGHUP). Counts and levels carry over."""
+        self._config = config
+        self._plans.clear()
+
+    def reload(self) -> None:
+        """Forget cached overrides; they are read again on each credential's next request."""
+        self._overrides.clear()
+        self._plans.clear()
+
+    def set_overrides(self, credential_id: str, rules: Sequence[tuple[str, Rule]]) -> None:
+        """Store `rules` (from `parse_rate`) for one credential, durably, replacing any before.
+
+        An empty sequence removes the overrides (the host's limits apply).
+
+        Raises:
+            ValueError: too many rules, or a scope that is not an action or class.
+        """
+        if len(rules) > MAX_RULES:
+            raise ValueError(f"at most {MAX_RULES} rate rules per credential")
+        for scope, rule in rules:
+            if scope not in _SCOPES or not isinstance(rule, Rule):
+                raise ValueError(f"unknown rate scope {scope!r}")
+        merged = _merge(rules)
+        encoded = json.dumps([format_rate(s, r) for s, r in merged])
+        with self._db_lock:
+            if merged:
+                self._conn.execute(
+                    "INSERT INTO overrides (credential_id, rules) VALUES (?, ?) "
+                    "ON CONFLICT (credential_id) DO UPDATE SET rules = excluded.rules",
+                    (credential_id, encoded),
+                )
+            else:
+                self._conn.execute(
+                    "DELETE FROM overrides WHERE credential_id = ?", (credential_id,)
+                )
+        self._overrides[credential_id] = merged
+        self._plans = {k: v for k, v in self._plans.items() if k[0] != credential_id}
+
+    def overrides(self, credential_id: str) -> tuple[tuple[str, Rule], ...]:
+        """The credential's own rules (empty when the host's apply unchanged)."""
+        cached = self._overrides.get(credential_id)
+        if cached is not None:
+            return cached
+        with self._db_lock:
+            row = self._conn.execute(
+                "SELECT rules FROM overrides WHERE credential_id = ?", (credential_id,)
+            ).fetchone()
+        rules: tuple[tuple[str, Rule], ...] = ()
+        if row is not None:
+            try:
+                rules = _merge(parse_rate(str(t)) for t in json.loads(str(row[0])))
+            except (ValueError, TypeError):
+                # A row we cannot read must not lift the limits: keep the host's rules and
+                # tell the operator (the row is only ever written by set_overrides).
+                log_event(_log, "ratelimit.override_unreadable", level=logging.ERROR,
+                          credential=credential_id)
+        self._overrides[credential_id] = rules
+        return rules
+
+    def _plan(self, credential_id: str, action: str) -> tuple[tuple[str, Rule], ...]:
+        key = (credential_id, action)
+        plan = self._plans.get(key)
+        if plan is None:
+            rules = _merge(self._config.rules, self.overrides(credential_id))
+            cls = "publish" if action in PUBLISH_ACTIONS else "read"
+            plan = tuple((s, r) for s, r in rules if s == action or s == cls)
+            self._plans[key] = plan
+        return plan
+
+    # ------------------------------------------------------------------ the hot path
+
+    def take(self, principal: _Who, action: str, now: float) -> Refusal | None:
+        """Take one unit from every limit on `action` for this credential, or refuse.
+
+        Call it only for fresh requests (after the ledger ruled out a replay): a replay
+        must never cost quota. A refused request takes nothing.
+
+        Args:
+            principal: the authenticated principal (its `credential_id` is the key).
+            action: a wire action name.
+            now: seconds since the epoch (injected; tests drive it).
+
+        Returns:
+            None when allowed (units taken), else `Refusal(UNAUTHORIZED, message)` naming the
+            limit and the whole seconds until it frees up.
+
+        Raises:
+            ValueError: `action` is not a wire action name (a bug: validation came first).
+        """
+        if action not in ACTIONS:
+            raise ValueError(f"not a wire action: {action!r}")
+        if not self._config.enabled:
+            return None
+        cid = principal.credential_id
+        day = int(now // _DAY_SECONDS)
+        if day != self._today:
+            self._new_day(day)
+        plan = self._plan(cid, action)
+
+        worst: tuple[float, str, Rule] | None = None
+        fills: list[tuple[_Key, _Bucket, float]] = []
+        for scope, rule in plan:
+            if rule.daily:
+                used = self._daily.get((cid, scope, day), 0)
+                if used >= rule.count:
+                    wait = (day + 1) * _DAY_SECONDS - now
+                    worst = _longer(worst, wait, scope, rule)
+                continue
+            key = (cid, scope)
+            bucket = self._buckets.get(key)
+            per_second = rule.count / rule.window.seconds
+            if bucket is None:
+                level = float(rule.count)
+                bucket = _Bucket(level, now)
+            else:
+                # A clock that stepped back refills nothing (never a negative refill).
+                elapsed = max(0.0, now - bucket.at)
+                level = min(float(rule.count), bucket.level + elapsed * per_second)
+            if level < 1.0:
+                worst = _longer(worst, (1.0 - level) / per_second, scope, rule)
+            fills.append((key, bucket, level))
+        if worst is not None:
+            wait, scope, rule = worst
+            template = _DAILY_TEMPLATE if rule.daily else _BUCKET_TEMPLATE
+            seconds = max(1, math.ceil(wait))
+            return Refusal(
+                ErrorCode.UNAUTHORIZED,
+                template.format(scope=scope, rule=rule, seconds=seconds),
+            )
+        for key, bucket, level in fills:
+            bucket.level = level - 1.0
+            bucket.at = max(now, bucket.at)
+            self._buckets[key] = bucket
+            self._dirty_buckets.add(key)
+        for scope, rule in plan:
+            if rule.daily:
+                dkey = (cid, scope, day)
+                self._daily[dkey] = self._daily.get(dkey, 0) + 1
+                self._dirty_daily.add(dkey)
+        return None
+
+    def used_today(self, credential_id: str, scope: str, now: float) -> int:
+        """How many units of `scope`'s daily quota the credential used on `now`'s UTC day."""
+        return self._daily.get((credential_id, scope, int(now // _DAY_SECONDS)), 0)
+
+    def _new_day(self, day: int) -> None:
+        # Yesterday's counters are kept one day (a clock a little behind still finds them);
+        # older ones are dropped here and from the database at the next flush.
+        self._today = day
+        for key in [k for k in self._daily if k[2] < day - 1]:
+            del self._daily[key]
+            self._dirty_daily.discard(key)
+
+    # ------------------------------------------------------------------ durability
+
+    def _snapshot(self) -> _Snapshot:
+        # On the event loop: copy what changed, so the worker thread never reads live dicts.
+        buckets = tuple(
+            (k[0], k[1], b.level, b.at)
+            for k in self._dirty_buckets
+            if (b := self._buckets.get(k)) is not None
+        )
+        daily = tuple(
+            (k[0], k[1], k[2], self._daily[k]) for k in self._dirty_daily if k in self._daily
+        )
+        self._dirty_buckets.clear()
+        self._dirty_daily.clear()
+        return _Snapshot(buckets, daily, self._today - 1)
+
+    def _write(self, snap: _Snapshot) -> None:
+        with self._db_lock:
+            conn = self._conn
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                conn.executemany(
+                    "INSERT INTO buckets (credential_id, scope, level, at) VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT (credential_id, scope) DO UPDATE SET "
+                    "level = excluded.level, at = excluded.at",
+                    snap.buckets,
+                )
+                conn.executemany(
+                    "INSERT INTO daily (credential_id, scope, day, used) VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT (credential_id, scope, day) DO UPDATE SET used = excluded.used",
+                    snap.daily,
+                )
+                conn.execute("DELETE FROM daily WHERE day < ?", (snap.oldest_day,))
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+
+    def _requeue(self, snap: _Snapshot) -> None:
+        self._dirty_buckets.update((c, s) for c, s, _, _ in snap.buckets)
+        self._dirty_daily.update((c, s, d) for c, s, d, _ in snap.daily)
+
+    def flush(self) -> None:
+        """Write changed counts now, on this thread (close() and tests use it).
+
+        Raises:
+            sqlite3.Error: the write failed; the counts stay marked for the next flush.
+        """
+        snap = self._snapshot()
+        try:
+            self._write(snap)
+        except BaseException:
+            self._requeue(snap)
+            raise
+
+    async def flush_periodically(
+        self,
+        interval: float = FLUSH_INTERVAL_SECONDS,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Run forever in the daemon's nursery: flush every `interval` seconds in a thread.
+
+        A failed write is logged (error) and retried next time; counting goes on in memory,
+        so a full disk never stops requests here (the audit log is what fails closed).
+        """
+        task_status.started()
+        while True:
+            await trio.sleep(interval)
+            snap = self._snapshot()
+            if not snap.buckets and not snap.daily:
+                continue
+            try:
+                # Shielded: a half-abandoned write would leave the lock held by a thread.
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(self._write, snap)
+            except sqlite3.Error as exc:
+                self._requeue(snap)
+                log_event(_log, "ratelimit.flush_failed", level=logging.ERROR,
+                          error=type(exc).__name__, detail=str(exc))
+
+    def close(self) -> None:
+        """Flush and close (daemon shutdown; after the last request)."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            self._conn.close()
+
+
+def _longer(
+    worst: tuple[float, str, Rule] | None, wait: float, scope: str, rule: Rule
+) -> tuple[float, str, Rule]:
+    # The request frees up only when every exhausted limit has, so name the slowest one.
+    if worst is None or wait > worst[0]:
+        return (wait, scope, rule)
+    return worst
