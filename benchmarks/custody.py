@@ -1,0 +1,126 @@
+"""Signatures per second through the custody facade, against coincurve's raw rate.
+
+Run: .venv/bin/python benchmarks/custody.py [--seconds S]
+
+It makes its own SoftHSM2 token with softhsm/make-token in a temporary directory (removed
+afterwards), runs `init_kek`, imports one random agent, and measures in one process:
+- baseline: coincurve `PrivateKey(secret).sign_schnorr(msg, aux)` on the calling thread,
+  no token, no thread hop (the key is a throwaway made for this run);
+- facade, sequential: `await custody.sign_event(...)` one at a time (one worker hop each:
+  unseal in SoftHSM + re-derive pubkey + BIP-340 + wipe);
+- facade, 8 concurrent trio tasks (they queue on the single token worker);
+- facade, batched: `sign_events` with 100 events per hop.
+Each figure is events/second over a fixed wall-clock window; the ratio is facade/baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import trio  # noqa: E402
+
+
+def make_token(directory: Path) -> dict[str, str]:
+    done = subprocess.run(
+        [sys.executable, str(REPO / "softhsm" / "make-token"), str(directory), "--label", "bench"],
+        capture_output=True, text=True, check=True,
+    )
+    return dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+
+
+def rate_sync(fn: Callable[[int], None], seconds: float) -> float:
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(100):
+            fn(count)
+            count += 1
+    return count / (time.perf_counter() - start)
+
+
+async def rate_async(fn: Callable[[int], Awaitable[int]], seconds: float) -> float:
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        count += await fn(count)
+    return count / (time.perf_counter() - start)
+
+
+async def bench(facts: dict[str, str], state_dir: Path, seconds: float) -> None:
+    from coincurve import PrivateKey
+
+    from custody import Custody, TokenConfig, UnsignedEvent, init_kek, verify_event
+
+    config = TokenConfig(facts["module"], facts["token_label"], facts["pin_file"], "bench-kek")
+    await init_kek(config)
+    custody = await Custody.open(config, state_dir)
+    try:
+        agent = (
+            await custody.import_agent(
+                bytearray(secrets.token_hex(32).encode()), owner="a" * 64, name="bench"
+            )
+        ).pubkey
+
+        def event(i: int) -> UnsignedEvent:
+            return UnsignedEvent(agent, 1_700_000_000 + i, 9, (("h", "bench"),), f"message {i}")
+
+        raw_key = PrivateKey()  # throwaway, not the custody key
+        message = bytes(32)
+        baseline = rate_sync(lambda i: raw_key.sign_schnorr(message, secrets.token_bytes(32)) and None, seconds)
+
+        async def one(i: int) -> int:
+            await custody.sign_event(agent, event(i))
+            return 1
+
+        sequential = await rate_async(one, seconds)
+
+        async def eight(i: int) -> int:
+            async with trio.open_nursery() as nursery:
+                for t in range(8):
+                    nursery.start_soon(custody.sign_event, agent, event(i + t))
+            return 8
+
+        concurrent = await rate_async(eight, seconds)
+
+        async def batch(i: int) -> int:
+            await custody.sign_events([(agent, event(i + k)) for k in range(100)])
+            return 100
+
+        batched = await rate_async(batch, seconds)
+        sample = await custody.sign_event(agent, event(0))
+        assert verify_event(sample.to_json_obj())
+    finally:
+        await custody.aclose()
+
+    print(f"machine: {os.cpu_count()} cores; SoftHSM2 token; window {seconds:.1f} s per figure")
+    print(f"baseline coincurve sign_schnorr (no token, no hop): {baseline:9.0f} sig/s")
+    for label, value in (
+        ("facade sign_event, sequential", sequential),
+        ("facade sign_event, 8 trio tasks", concurrent),
+        ("facade sign_events, 100 per hop", batched),
+    ):
+        print(f"{label:<34}: {value:9.0f} sig/s  ({value / baseline:.2f} x baseline)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=2.0, help="window per figure")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="buzz-bench-") as tmp:
+        facts = make_token(Path(tmp) / "token")
+        os.environ["SOFTHSM2_CONF"] = facts["SOFTHSM2_CONF"]  # before the module is loaded
+        trio.run(bench, facts, Path(tmp) / "state", args.seconds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
