@@ -6,10 +6,21 @@ so every first publish/query here goes through "refused, authenticate, resend on
 
 from __future__ import annotations
 
+import logging
+import signal
+
+import pytest
 import trio
 
-from daemon.relay import Accepted, RelayPool, RelayTimeouts
-from tests.fixtures.relay import TestKey, auth_signer_for, nostr_fetch, nostr_verify
+from daemon.relay import Accepted, NotSent, RelayPool, RelayTimeouts, RelayUnavailable, Unknown
+from tests.fixtures.relay import (
+    TestKey,
+    auth_signer_for,
+    free_port,
+    nostr_fetch,
+    nostr_verify,
+    start_devrelay,
+)
 
 # Generous: LocalRelay on a shared 2-core machine; these are ceilings, not latencies.
 TIMEOUTS = RelayTimeouts(connect=10, ok=10, eose=10, idle_seconds=60)
@@ -69,3 +80,36 @@ async def test_two_agents_share_a_pool(local_relay: str) -> None:
         nostr_fetch, local_relay, [{"authors": [alice.pubkey, bob.pubkey]}]
     )
     assert len(seen) == 10 and all(nostr_verify(e) for e in seen)
+
+
+async def test_relay_killed_and_restarted(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="buzz_broker")
+    alice = TestKey()
+    port = free_port()
+    pool = RelayPool(f"ws://127.0.0.1:{port}", auth_signer_for(alice),
+                     timeouts=RelayTimeouts(connect=5, ok=5, eose=5, backoff_initial=0.05, backoff_max=0.1))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        with start_devrelay(auth=True, port=port) as (_url, proc):
+            assert isinstance(await pool.publish(alice.pubkey, alice.sign(1, "before")), Accepted)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        with trio.fail_after(10):
+            # Dead relay: either we notice first (NotSent) or the frame dies in flight (Unknown).
+            down = await pool.publish(alice.pubkey, alice.sign(1, "while down"))
+            assert isinstance(down, (NotSent, Unknown))
+            with pytest.raises(RelayUnavailable):
+                await pool.query(alice.pubkey, [{"kinds": [1]}])
+        with start_devrelay(auth=True, port=port) as (_url, proc):
+            await trio.sleep(0.15)  # let the (0.1 s max) backoff pass; reconnect is on demand
+            with trio.fail_after(10):
+                again = await pool.publish(alice.pubkey, alice.sign(1, "after"))
+            assert isinstance(again, Accepted)
+            proc.terminate()
+            assert proc.wait(timeout=10) == 0  # the dev relay stops cleanly on SIGTERM
+        nursery.cancel_scope.cancel()
+    events = [r.__dict__.get("buzz_event") for r in caplog.records]
+    assert {"relay_connected", "relay_disconnected", "relay_connect_failed"} <= set(events)
+    # Nothing the relay client logs carries key material.
+    everything = caplog.text + repr([r.__dict__ for r in caplog.records])
+    assert alice.secret_hex not in everything
