@@ -57,7 +57,7 @@ async def test_import_prints_the_known_pubkey_and_signs_verifiable_events(custod
     agent = await import_hex(custody, SECRET_1, PUB_2)
     assert agent == PUB_1
     events = await custody.sign_events(
-        [(agent, UnsignedEvent(agent, 1_700_000_000 + i, 9, [["h", "c"]], text))
+        [(agent, UnsignedEvent(agent, 1_700_000_000 + i, 9, (("h", "c"),), text))
          for i, text in enumerate(TRICKY_CONTENT)]
     )
     for event, text in zip(events, TRICKY_CONTENT):
@@ -71,8 +71,8 @@ async def test_owned_agent_carries_its_owner_tag_exactly_once(custody: Custody) 
     minted = await custody.mint_agent(owner=owner, name="sub", creator=owner, depth=2, mint_ref=None)
     assert minted.auth_tag is not None and verify_owner_tag(minted.auth_tag, minted.pubkey)
     tag = minted.auth_tag
-    plain = await custody.sign_event(minted.pubkey, UnsignedEvent(minted.pubkey, 1, 1, [["t", "x"]], "hi"))
-    again = await custody.sign_event(minted.pubkey, UnsignedEvent(minted.pubkey, 1, 1, [tag, ["t", "x"]], "hi"))
+    plain = await custody.sign_event(minted.pubkey, UnsignedEvent(minted.pubkey, 1, 1, (("t", "x"),), "hi"))
+    again = await custody.sign_event(minted.pubkey, UnsignedEvent(minted.pubkey, 1, 1, (tag, ("t", "x")), "hi"))
     auth = await custody.sign_auth(minted.pubkey, "wss://relay.example/", "ch4ll", 5)
     for event in (plain, again, auth):
         assert [t for t in event.tags if t[0] == "auth"] == [tag]
@@ -80,10 +80,10 @@ async def test_owned_agent_carries_its_owner_tag_exactly_once(custody: Custody) 
     assert auth.kind == 22242 and auth.tags[:2] == (("relay", "wss://relay.example/"), ("challenge", "ch4ll"))
     forged = ("auth", HUMAN, "", "0" * 128)
     with pytest.raises(ValueError):
-        await custody.sign_event(minted.pubkey, UnsignedEvent(minted.pubkey, 1, 1, [forged], ""))
+        await custody.sign_event(minted.pubkey, UnsignedEvent(minted.pubkey, 1, 1, (forged,), ""))
     # An agent without a tag may not be given one by a caller either.
     with pytest.raises(ValueError):
-        await custody.sign_event(owner, UnsignedEvent(owner, 1, 1, [tag], ""))
+        await custody.sign_event(owner, UnsignedEvent(owner, 1, 1, (tag,), ""))
 
 
 async def test_mint_is_idempotent_on_mint_ref_and_depth_is_kept(custody: Custody) -> None:
@@ -114,7 +114,7 @@ async def test_destroy_keeps_a_tombstone_and_stops_signing(custody: Custody) -> 
     assert custody.agent(agent, include_deleted=True) == gone
     assert await custody.destroy_agent(agent) == gone  # idempotent
     with pytest.raises(UnknownAgent):
-        await custody.sign_event(agent, UnsignedEvent(agent, 1, 1, [], ""))
+        await custody.sign_event(agent, UnsignedEvent(agent, 1, 1, (), ""))
     with pytest.raises(UnknownAgent):
         await custody.destroy_agent(HUMAN)
     with pytest.raises(CustodyError, match="tombstone"):
@@ -123,14 +123,14 @@ async def test_destroy_keeps_a_tombstone_and_stops_signing(custody: Custody) -> 
 
 async def test_unknown_agent_and_caller_bugs(custody: Custody) -> None:
     with pytest.raises(UnknownAgent):
-        await custody.sign_event(HUMAN, UnsignedEvent(HUMAN, 1, 1, [], ""))
+        await custody.sign_event(HUMAN, UnsignedEvent(HUMAN, 1, 1, (), ""))
     with pytest.raises(UnknownAgent):
         await custody.memory_address(HUMAN, "core")
     agent = await import_hex(custody, SECRET_1, PUB_2)
     with pytest.raises(ValueError):  # event pubkey is not the signer
-        await custody.sign_event(agent, UnsignedEvent(HUMAN, 1, 1, [], ""))
+        await custody.sign_event(agent, UnsignedEvent(HUMAN, 1, 1, (), ""))
     with pytest.raises(ValueError):
-        await custody.sign_event("NOT-HEX", UnsignedEvent(agent, 1, 1, [], ""))
+        await custody.sign_event("NOT-HEX", UnsignedEvent(agent, 1, 1, (), ""))
 
 
 async def test_owner_equal_to_agent_is_refused_and_nothing_written(custody: Custody) -> None:
@@ -156,7 +156,7 @@ async def test_swapped_or_tampered_blob_fails_to_open(custody_state: tuple[Token
         db.execute("UPDATE agents SET sealed=? WHERE pubkey=?", (blob_a, b))  # a's key onto b
     async with await Custody.open(config, state_dir) as custody:
         with pytest.raises(UnsealFailed):
-            await custody.sign_event(b, UnsignedEvent(b, 1, 1, [], ""))
+            await custody.sign_event(b, UnsignedEvent(b, 1, 1, (), ""))
         for position in (0, 5, 20, len(blob_a) - 1):  # version, IV, ciphertext, tag
             tampered = bytearray(blob_a)
             tampered[position] ^= 0x01
@@ -174,7 +174,7 @@ async def test_eight_tasks_times_500_signatures_all_verify(custody: Custody) -> 
     async def worker(n: int) -> None:
         for i in range(500):
             agent = agents[(n + i) % 2]
-            results.append(await custody.sign_event(agent, UnsignedEvent(agent, i, 1, [["n", str(n)]], f"{n}/{i}")))
+            results.append(await custody.sign_event(agent, UnsignedEvent(agent, i, 1, (("n", str(n)),), f"{n}/{i}")))
 
     async with trio.open_nursery() as nursery:
         for n in range(8):
@@ -288,7 +288,7 @@ async def test_no_secret_in_logs_output_or_keystore(
     async with await Custody.open(config, state_dir) as custody:
         owner = await import_hex(custody, SECRET_X, HUMAN)
         sub = await custody.mint_agent(owner=owner, name="s", creator=owner, depth=2, mint_ref="r")
-        await custody.sign_event(sub.pubkey, UnsignedEvent(sub.pubkey, 1, 1, [], "x"))
+        await custody.sign_event(sub.pubkey, UnsignedEvent(sub.pubkey, 1, 1, (), "x"))
         await custody.memory_address(owner, "core")
         for bad in (SECRET_1 + "0", SECRET_X[:-1]):
             with pytest.raises(CustodyError) as caught:
