@@ -35,6 +35,7 @@ WARNING: the status/code pairs used here must be allowed by `daemon.contract.PAI
 from __future__ import annotations
 
 import hashlib
+import sqlite3
 import json
 import logging
 import time
@@ -58,7 +59,7 @@ from daemon.contract import (
     mark_replayed,
     read_request,
 )
-from daemon.cursor import CursorCodec
+from daemon.cursor import CursorCodec, CursorKeyError
 from daemon.http import HttpAnswer, HttpRequest
 from daemon.ledger import Conflict, Fresh, Ledger, LedgerKey, Replay, Resume
 from daemon.log import log_event
@@ -174,6 +175,15 @@ class Broker:
         self._config_loader = config_loader
         self._locks = _AgentLocks()
 
+    @property
+    def custody(self) -> Custody:
+        """The custody facade this broker signs with (for the admin paths and tests)."""
+        return self._custody
+
+    @property
+    def sessions(self) -> SessionStore:
+        return self._sessions
+
     # ---------------------------------------------------------------- lifecycle
 
     @classmethod
@@ -202,11 +212,15 @@ class Broker:
         except CustodyError as exc:
             raise StartupError(str(exc)) from None
         try:
-            sessions = SessionStore.open(state_dir)
-            ledger = Ledger.open(
-                state_dir / "ledger.db", retention_seconds=config.state.ledger_retention_seconds
-            )
-            cursors = CursorCodec.open(state_dir)
+            try:
+                sessions = SessionStore.open(state_dir)
+                ledger = Ledger.open(
+                    state_dir / "ledger.db",
+                    retention_seconds=config.state.ledger_retention_seconds,
+                )
+                cursors = CursorCodec.open(state_dir)
+            except (OSError, sqlite3.Error, CursorKeyError) as exc:
+                raise StartupError(f"state directory {state_dir}: {exc}") from None
 
             async def sign_auth(agent: str, relay_url: str, challenge: str, created_at: int
                                 ) -> dict[str, Any]:
@@ -217,26 +231,27 @@ class Broker:
                 connect=config.relay.connect_timeout,
                 ok=config.relay.ok_timeout,
                 eose=config.relay.eose_timeout,
-                idle=config.relay.idle_seconds,
+                idle_seconds=config.relay.idle_seconds,
             )
-            async with RelayPool.open(config.relay.url, sign_auth, timeouts=timeouts) as relay:
-                broker = cls(
-                    config=config,
-                    custody=custody,
-                    sessions=sessions,
-                    ledger=ledger,
-                    relay=relay,
-                    cursors=cursors,
-                    config_loader=config_loader,
-                )
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(broker._sweep_forever)
-                    log_event(_log, "broker.ready", agents=len(custody.agents()),
-                              relay=config.relay.url)
-                    try:
-                        yield broker
-                    finally:
-                        nursery.cancel_scope.cancel()
+            relay = RelayPool(config.relay.url, sign_auth, timeouts=timeouts)
+            broker = cls(
+                config=config,
+                custody=custody,
+                sessions=sessions,
+                ledger=ledger,
+                relay=relay,
+                cursors=cursors,
+                config_loader=config_loader,
+            )
+            async with trio.open_nursery() as nursery:
+                await nursery.start(relay.run)
+                nursery.start_soon(broker._sweep_forever)
+                log_event(_log, "broker.ready", agents=len(custody.agents()),
+                          relay=config.relay.url)
+                try:
+                    yield broker
+                finally:
+                    nursery.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):
                 await custody.aclose()

@@ -330,15 +330,6 @@ def test_config_is_frozen() -> None:
 # --------------------------------------------------------------------------- check-config
 
 
-@pytest.fixture(autouse=True)
-def _only_our_commands(monkeypatch: pytest.MonkeyPatch) -> None:
-    # daemon.cli builds every command's parser up front; while other commands are being
-    # written in parallel, keep the dispatcher to the two this file exercises.
-    import daemon.cli
-
-    monkeypatch.setattr(daemon.cli, "COMMANDS", {"serve": "serve", "check-config": "check_config"})
-
-
 def test_check_config_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check-config", write(tmp_path, EVERY_KEY)]) == 0
     out, err = capsys.readouterr()

@@ -203,15 +203,6 @@ async def test_failed_reload_keeps_serving(sockdir: str) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-@pytest.fixture
-def only_serve(monkeypatch: pytest.MonkeyPatch) -> None:
-    # daemon.cli builds every command's parser; keep it to ours while others are written.
-    import daemon.cli
-
-    monkeypatch.setattr(daemon.cli, "COMMANDS", {"serve": "serve", "check-config": "check_config"})
-
-
-@pytest.mark.usefixtures("only_serve")
 def test_startup_error_is_one_line_and_nonzero(
     sockdir: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -237,7 +228,6 @@ def test_startup_error_is_one_line_and_nonzero(
     assert "Traceback" not in err
 
 
-@pytest.mark.usefixtures("only_serve")
 def test_regular_file_at_socket_is_one_line(
     sockdir: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -334,14 +324,6 @@ os.execv(sys.executable, [sys.executable, "-m", "daemon.cli", "--config", sys.ar
 """
 
 
-def _real_broker_ready() -> bool:
-    # The pipeline and the relay pool are built in parallel with this file; until their
-    # seam (RelayPool.open, used by Broker.running) exists the daemon cannot start.
-    from daemon.relay import RelayPool
-
-    return hasattr(RelayPool, "open")
-
-
 def _blocking_exchange(path: str, data: bytes) -> bytes:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
         client.settimeout(10)
@@ -355,7 +337,6 @@ def _blocking_exchange(path: str, data: bytes) -> bytes:
             chunks.append(chunk)
 
 
-@pytest.mark.skipif(not _real_broker_ready(), reason="Broker.running needs RelayPool.open")
 def test_real_broker_socket_activated(
     custody_state: tuple[TokenConfig, Path], sockdir: str
 ) -> None:

@@ -22,23 +22,38 @@ from daemon.cli._common import CliError
 
 __all__ = ["main", "CliError", "COMMANDS"]
 
-#: command name -> module under daemon.cli (imported only when that command runs, so a
-#: command's dependencies never slow down or break another command).
-COMMANDS: dict[str, str] = {
-    "serve": "serve",
-    "check-config": "check_config",
-    "keys": "keys",
-    "agent": "agent",
-    "credential": "credential",
-    "call": "call",
-    "audit": "audit",
+#: command name -> (module under daemon.cli, one-line help). A command's module is imported
+#: only when that command runs, so one command's dependencies never slow down or break another.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("serve", "run the daemon in the foreground (as systemd does)"),
+    "check-config": ("check_config", "validate a configuration file"),
+    "keys": ("keys", "manage the token's key-encryption key"),
+    "agent": ("agent", "import, create, list and remove agent keys"),
+    "credential": ("credential", "issue, list and revoke agent credentials"),
+    "call": ("call", "send one request to the broker as an agent"),
+    "audit": ("audit", "verify and read the audit log"),
 }
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 70  # EX_SOFTWARE
 
 
-def _parser() -> argparse.ArgumentParser:
+def _selected(argv: Sequence[str]) -> str | None:
+    """The command named on the command line, if any (skipping `--config PATH`)."""
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--config":
+            skip = True
+        elif arg in COMMANDS:
+            return arg
+        elif not arg.startswith("-"):
+            return None
+    return None
+
+
+def _parser(selected: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="buzz-broker",
         description="Key-custody daemon for keyless Buzz agents.",
@@ -50,17 +65,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name, module_name in COMMANDS.items():
-        module = importlib.import_module(f"daemon.cli.{module_name}")
-        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
-        module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == selected:
+            module = importlib.import_module(f"daemon.cli.{module_name}")
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser(_selected(arguments))
+    args = parser.parse_args(arguments)
     try:
         code: int = args._run(args)
         return code

@@ -31,7 +31,9 @@ PROFILE_MEMBERS: dict[str, tuple[str, ...]] = {
 }
 
 
-async def current_profile(ctx: Context, author: str) -> tuple[dict[str, object], dict | None]:
+async def current_profile(
+    ctx: Context, author: str
+) -> tuple[dict[str, object], dict[str, object] | None]:
     """The author's newest kind 0 and its content (empty when absent or corrupt)."""
     found = await fetch(ctx, {"kinds": [KIND_METADATA], "authors": [author], "limit": 5})
     previous = newest([e for e in found if e["pubkey"] == author and e["kind"] == KIND_METADATA])

@@ -1,0 +1,230 @@
+"""Every operation through the Unix socket against LocalRelay (NIP-42 AUTH required), then an
+independent read of the relay with nostr-sdk's own client checking kinds, tags, authors, `auth`
+tags and signatures (issue 5, "Tests").
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import trio
+
+from custody import verify_owner_tag
+from tests.fixtures.broker import BrokerHarness, request_body
+from tests.fixtures.relay import nostr_fetch, nostr_verify
+
+
+def _fetch(harness: BrokerHarness, flt: dict[str, Any]) -> Any:
+    return trio.to_thread.run_sync(nostr_fetch, harness.relay_url, [flt])
+
+
+def _succeeded(envelope: dict[str, Any], action: str) -> dict[str, Any]:
+    assert envelope["status"] == "succeeded", envelope
+    assert envelope["action"] == action
+    return dict(envelope["outcome"])
+
+
+async def _agent_in(broker: BrokerHarness, channel: str, name: str = "agent") -> tuple[str, str]:
+    agent = await broker.human_owned_agent(name)
+    return agent, broker.credential(agent, [channel])
+
+
+async def test_post_reply_and_read_the_thread_back(broker: BrokerHarness) -> None:
+    channel = str(uuid.uuid4())
+    agent, cred = await _agent_in(broker, channel)
+    other = "c6047f9441ed7d6d3045406e95c07cd85c778e4b8cef3ca7abac09b95c709ee5"
+
+    post = _succeeded(await broker.call(cred, "message.post", {
+        "channelId": channel.upper(), "content": "hello 👋 \"world\" \\ 世界",
+        "mentions": [other.upper(), other]}), "message.post")
+    reply = _succeeded(await broker.call(cred, "message.reply", {
+        "channelId": channel, "replyToEventId": post["eventId"], "content": "first reply"}),
+        "message.reply")
+    nested = _succeeded(await broker.call(cred, "message.reply", {
+        "channelId": channel, "replyToEventId": reply["eventId"], "content": "nested"}),
+        "message.reply")
+
+    events = {e["id"]: e for e in await _fetch(broker, {"kinds": [9], "#h": [channel]})}
+    assert set(events) == {post["eventId"], reply["eventId"], nested["eventId"]}
+    for event in events.values():
+        assert nostr_verify(event)
+        assert event["pubkey"] == agent and event["kind"] == 9
+    top = events[post["eventId"]]
+    assert top["content"] == "hello 👋 \"world\" \\ 世界"
+    assert top["tags"] == [["h", channel], ["p", other]]
+    assert events[reply["eventId"]]["tags"] == [["h", channel], ["e", post["eventId"], "", "reply"]]
+    assert events[nested["eventId"]]["tags"] == [
+        ["h", channel], ["e", post["eventId"], "", "root"], ["e", reply["eventId"], "", "reply"]]
+
+    page = _succeeded(await broker.call(cred, "channel.read", {
+        "channelId": channel, "rootEventId": post["eventId"]}), "channel.read")
+    ids = [m["id"] for m in page["messages"]]
+    assert reply["eventId"] in ids and nested["eventId"] in ids
+    assert "nextCursor" not in page
+    for message in page["messages"]:
+        assert set(message) == {"id", "pubkey", "created_at", "kind", "tags", "content", "sig"}
+        assert nostr_verify(message)
+
+
+async def test_reply_to_missing_or_foreign_parent_fails(broker: BrokerHarness) -> None:
+    channel, elsewhere = str(uuid.uuid4()), str(uuid.uuid4())
+    agent = await broker.human_owned_agent()
+    cred = broker.credential(agent, [channel, elsewhere])
+    missing = await broker.call(cred, "message.reply", {
+        "channelId": channel, "replyToEventId": "ab" * 32, "content": "x"})
+    assert (missing["status"], missing["error"]["code"]) == ("failed", "action_failed")
+    post = _succeeded(await broker.call(cred, "message.post", {
+        "channelId": elsewhere, "content": "over there"}), "message.post")
+    foreign = await broker.call(cred, "message.reply", {
+        "channelId": channel, "replyToEventId": post["eventId"], "content": "x"})
+    assert (foreign["status"], foreign["error"]["code"]) == ("failed", "action_failed")
+
+
+async def test_reaction_and_profile(broker: BrokerHarness) -> None:
+    channel = str(uuid.uuid4())
+    agent, cred = await _agent_in(broker, channel)
+    post = _succeeded(await broker.call(cred, "message.post", {
+        "channelId": channel, "content": "react to me"}), "message.post")
+    reaction = _succeeded(await broker.call(cred, "reaction.add", {
+        "channelId": channel, "targetEventId": post["eventId"], "reaction": "👍"}),
+        "reaction.add")
+    assert reaction["kind"] == 7
+
+    first = _succeeded(await broker.call(cred, "profile.set", {
+        "displayName": "Scout", "about": "I find things"}), "profile.set")
+    second = _succeeded(await broker.call(cred, "profile.set", {"picture": "https://x.test/a.png"}),
+                        "profile.set")
+    assert second["createdAt"] > first["createdAt"] or second["createdAt"] >= first["createdAt"] + 1
+    profiles = await _fetch(broker, {"kinds": [0], "authors": [agent]})
+    newest = max(profiles, key=lambda e: e["created_at"])
+    assert newest["id"] == second["eventId"] and nostr_verify(newest)
+    assert json.loads(newest["content"]) == {
+        "display_name": "Scout", "name": "Scout", "about": "I find things",
+        "picture": "https://x.test/a.png"}
+    reactions = await _fetch(broker, {"kinds": [7], "#e": [post["eventId"]]})
+    assert [r["content"] for r in reactions] == ["👍"]
+
+
+async def test_storage_address_matches_the_nip_ae_vector(broker: BrokerHarness) -> None:
+    owner = "c6047f9441ed7d6d3045406e95c07cd85c778e4b8cef3ca7abac09b95c709ee5"
+    secret = bytearray(b"00" * 31 + b"01")
+    record = await broker.custody.import_agent(secret, owner=owner, name="vector")
+    cred = broker.credential(record.pubkey, [str(uuid.uuid4())])
+    outcome = _succeeded(await broker.call(cred, "storage.address", {"slug": "mem/example"}),
+                         "storage.address")
+    assert outcome == {
+        "authorPubkey": "79be667ef9dcbbac55a06295ce870b07029bfcdb2dce28d959f2815b16f81798",
+        "kind": 30174,
+        "dTag": "72d4f9629106451505d7d341ea85bb3ebad4f654fcfd2aad100d5a35f8a85cba",
+    }
+
+
+async def test_agents_create_update_delete(broker: BrokerHarness) -> None:
+    channel = str(uuid.uuid4())
+    owner, cred = await _agent_in(broker, channel, "owner")
+    created = _succeeded(await broker.call(cred, "agents.create", {
+        "channelId": channel, "displayName": "Helper", "systemPrompt": "be brief",
+        "runtime": "goose"}), "agents.create")
+    assert set(created) == {"agentPubkey", "displayName", "channelId"}
+    agent = created["agentPubkey"]
+    assert created["channelId"] == channel
+
+    put_user = await _fetch(broker, {"kinds": [9000], "#p": [agent]})
+    assert len(put_user) == 1 and put_user[0]["pubkey"] == owner
+    assert put_user[0]["tags"] == [["h", channel], ["p", agent], ["role", "bot"]]
+    records = await _fetch(broker, {"kinds": [30177], "authors": [owner], "#d": [agent]})
+    assert len(records) == 1 and nostr_verify(records[0])
+    assert json.loads(records[0]["content"]) == {
+        "name": "Helper", "system_prompt": "be brief", "runtime": "goose", "parallelism": 1,
+        "respond_to": "owner-only"}
+    profiles = await _fetch(broker, {"kinds": [0], "authors": [agent]})
+    assert len(profiles) == 1 and nostr_verify(profiles[0])
+    auth_tags = [t for t in profiles[0]["tags"] if t[0] == "auth"]
+    assert len(auth_tags) == 1 and auth_tags[0][1] == owner
+    assert verify_owner_tag(auth_tags[0], agent)
+
+    # The created agent's own events carry its owner tag exactly once.
+    agent_cred = broker.credential(agent, [channel])
+    post = _succeeded(await broker.call(agent_cred, "message.post", {
+        "channelId": channel, "content": "hi from the helper"}), "message.post")
+    [event] = await _fetch(broker, {"ids": [post["eventId"]]})
+    assert [t[0] for t in event["tags"]].count("auth") == 1
+
+    updated = _succeeded(await broker.call(cred, "agents.update", {
+        "target": {"name": "Helper"}, "displayName": "Helper 2", "systemPrompt": "be brief",
+        "model": "m-1"}), "agents.update")
+    assert updated == {"pubkey": agent, "name": "Helper 2",
+                       "updatedFields": ["displayName", "model"]}
+    assert broker.custody.agent(agent).name == "Helper 2"
+    records = await _fetch(broker, {"kinds": [30177], "authors": [owner], "#d": [agent]})
+    newest = max(records, key=lambda e: e["created_at"])
+    assert json.loads(newest["content"])["name"] == "Helper 2"
+
+    deleted = _succeeded(await broker.call(cred, "agents.delete", {"target": {"pubkey": agent}}),
+                         "agents.delete")
+    assert deleted == {"pubkey": agent, "name": "Helper 2"}
+    deletions = await _fetch(broker, {"kinds": [5], "authors": [owner]})
+    assert deletions[0]["tags"] == [["a", f"30177:{owner}:{agent}"], ["k", "30177"]]
+    # The deleted agent's key is gone and its credentials stop working.
+    assert broker.custody.agent(agent) is None
+    after = await broker.call(agent_cred, "message.post", {"channelId": channel, "content": "x"})
+    assert (after["status"], after["error"]["code"]) == ("failed", "unauthenticated")
+
+
+async def test_agents_policy_refusals(broker: BrokerHarness) -> None:
+    channel = str(uuid.uuid4())
+    owner, cred = await _agent_in(broker, channel, "owner")
+    unknown_runtime = await broker.call(cred, "agents.create", {
+        "channelId": channel, "displayName": "X", "systemPrompt": "p", "runtime": "nope"})
+    assert (unknown_runtime["status"], unknown_runtime["error"]["code"]) == (
+        "failed", "invalid_request")
+    # Depth: a human-owned agent is depth 1; the default cap is 3.
+    depth2 = _succeeded(await broker.call(cred, "agents.create", {
+        "channelId": channel, "displayName": "D2", "systemPrompt": "p"}), "agents.create")
+    cred2 = broker.credential(depth2["agentPubkey"], [channel])
+    depth3 = _succeeded(await broker.call(cred2, "agents.create", {
+        "channelId": channel, "displayName": "D3", "systemPrompt": "p"}), "agents.create")
+    cred3 = broker.credential(depth3["agentPubkey"], [channel])
+    too_deep = await broker.call(cred3, "agents.create", {
+        "channelId": channel, "displayName": "D4", "systemPrompt": "p"})
+    assert (too_deep["status"], too_deep["error"]["code"]) == ("failed", "unauthorized")
+    assert "3" in too_deep["error"]["message"]
+    # Another owner's agent cannot be touched.
+    stranger, stranger_cred = await _agent_in(broker, channel, "stranger")
+    foreign = await broker.call(stranger_cred, "agents.delete", {
+        "target": {"pubkey": depth2["agentPubkey"]}})
+    assert (foreign["status"], foreign["error"]["code"]) == ("failed", "unauthorized")
+
+
+async def test_order_of_judgement_and_replay(broker: BrokerHarness) -> None:
+    channel = str(uuid.uuid4())
+    agent, cred = await _agent_in(broker, channel)
+    # Uncorrelatable: HTTP 400, no envelope.
+    status, envelope = await broker.post(b'{"requestId":', cred)
+    assert (status, envelope) == (400, None)
+    # No credential: unauthenticated, even for an invalid body.
+    bad = request_body("message.post", {"channelId": channel, "content": ""})
+    status, envelope = await broker.post(bad, None)
+    assert status == 200 and envelope["error"]["code"] == "unauthenticated"
+    status, envelope = await broker.post(bad, cred)
+    assert envelope["error"]["code"] == "invalid_request"
+    # Outside the credential's channel: unauthorized.
+    outside = await broker.call(cred, "message.post", {"channelId": str(uuid.uuid4()),
+                                                       "content": "x"})
+    assert outside["error"]["code"] == "unauthorized"
+    # The same bytes twice: the second is the first verdict, replayed.
+    body = request_body("message.post", {"channelId": channel, "content": "once"})
+    _, first = await broker.post(body, cred)
+    _, second = await broker.post(body, cred)
+    assert first["status"] == "succeeded" and "replayed" not in first
+    assert second == {**first, "replayed": True}
+    # One byte changed under the same requestId: a conflict; the original still replays.
+    changed = body.replace(b'"once"', b'"twice"')
+    _, conflict = await broker.post(changed, cred)
+    assert (conflict["status"], conflict["error"]["code"]) == ("failed", "request_id_conflict")
+    _, third = await broker.post(body, cred)
+    assert third == second
+    events = await _fetch(broker, {"kinds": [9], "#h": [channel]})
+    assert [e["content"] for e in events] == ["once"]
