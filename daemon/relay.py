@@ -591,6 +591,17 @@ class RelayPool:
                     nursery.cancel_scope.cancel()
             if scope.cancelled_caught:
                 reason = "closed by the pool"
+        except Exception as exc:
+            # Before started(), the error belongs to the caller of start() (a failed
+            # connect). After it, one broken connection must not take the pool (and
+            # every other agent's connection) down: record it and end this one only.
+            if conn.ws is None:
+                raise
+            reason = f"connection failed: {type(exc).__name__}"
+            log_event(
+                _logger, "relay_connection_error", level=logging.WARNING,
+                agent=conn.agent, error=type(exc).__name__,
+            )
         finally:
             conn.mark_dead()
             if self._connections.get(conn.agent) is conn:

@@ -320,3 +320,13 @@ async def test_a_server_that_is_not_a_relay_is_not_sent(nursery: trio.Nursery) -
             assert isinstance(await pool.publish(key.pubkey, key.sign(1, "x")), NotSent)
             with pytest.raises(RelayUnavailable):
                 await pool.query(key.pubkey, [{"kinds": [1]}])
+
+
+async def test_cancelled_query_still_sends_close(scripted_relay: Start, nursery: trio.Nursery) -> None:
+    relay = await scripted_relay(Script(default_req=ReqReply.NEVER_EOSE))
+    key = TestKey()
+    pool = await _pool(nursery, relay.url, key, timeouts=RelayTimeouts(eose=30))
+    with trio.move_on_after(0.3) as scope:
+        await pool.query(key.pubkey, [{"kinds": [1]}])
+    assert scope.cancelled_caught
+    await _eventually(lambda: _verbs(relay) == ["REQ", "CLOSE"])
