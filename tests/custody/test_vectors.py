@@ -130,3 +130,17 @@ def test_malformed_secret_text_is_refused_without_echo(text: str) -> None:
 def test_secret_repr_redacts() -> None:
     with secret(SECRET_X) as s:
         assert "redacted" in repr(s) and SECRET_X not in repr(s) + str(s)
+
+
+def test_custody_imports_nothing_from_daemon() -> None:
+    import ast
+    from pathlib import Path
+
+    import custody
+
+    for path in Path(custody.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not any(n == "daemon" or n.startswith("daemon.") for n in names), path.name
