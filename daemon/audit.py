@@ -1,0 +1,747 @@
+"""The audit log: append-only, hash-chained JSON Lines, durable before a verdict leaves.
+
+Rules (issue 10):
+- One record per verdict after authentication, and one *intent* record before a
+  publishing operation sends anything. A record holds facts only: time, credential id,
+  agent pubkey, action, requestId, the body's sha256, status, code, event ids, and
+  whether it was a replay. Never argument content, credentials or secrets: `AuditRecord`
+  has no field that could carry them, and validates every field's shape in construction.
+- Each line is canonical JSON (sorted keys, compact separators, ASCII only) ending in
+  `\\n`. It carries `seq` (1, 2, 3, ... across all files), `prev` — the sha256 of the
+  previous line's exact bytes without its newline (`GENESIS` for the very first record) —
+  and `digest`, the sha256 of the line's own canonical JSON without `digest`. An edit
+  breaks the record's digest (or its canonical form); a deletion, insertion or
+  reordering breaks the next `prev`. `verify` names the first line where either fails.
+- Files are `<dir>/audit-000001.jsonl`, `-000002`, ... (they sort by name). When the
+  current file has reached `rotate_bytes`, the next record starts a new file; its `prev`
+  is the hash of the previous file's last line, so the chain runs across files.
+- Fail closed: `append` returns only after the record's bytes are fsynced; if they
+  cannot be (disk full, read-only, permission, the file replaced), it raises
+  `AuditUnavailable` with one fixed message and the operator log says why. The pipeline
+  then answers `failed` + `internal` before anything is sent (docs/operations.md).
+- Modes: the directory is 0700, files 0600, created with those modes (no window).
+
+Theory of operation — group commit: `append` queues the record; the first task to find
+no flush running becomes the flusher and, in a worker thread, encodes everything queued
+(chaining each line to the one before, in queue order), writes it with one `write` and
+one `fsync`, and repeats until the queue is empty. Many concurrent callers share one
+fsync; a lone caller pays one. A failed write truncates the file back to its last good
+length before the next batch, so a failure never leaves a torn line inside the chain.
+
+Opening: the last line of the last file is read back (it must be a well-formed record
+whose digest holds) and the chain continues from it. Bytes after the last newline are a
+line a crash tore mid-write: its `append` never returned, so no verdict relied on it;
+they are truncated and the operator log says how many bytes were dropped. A damaged
+last *complete* line is not guessed at: opening fails (AuditUnavailable) and the operator
+runs `buzz-broker audit verify`.
+
+Limits of a hash chain: someone who can rewrite the files can rewrite a whole suffix
+consistently, and removing the final records leaves a valid shorter chain. Anchor the
+head elsewhere: the daemon logs `audit.head` (seq and hash) to the operator log at open,
+rotation and close, and `verify(..., expect_head=...)` checks a remembered head.
+
+WARNING: `_FIELDS`, `AuditRecord`, `_record_obj`, `AuditRecord.from_json_obj` and the
+field table in docs/operations.md must be kept in sync; `FORMAT` changes when they do.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import hashlib
+import json
+import logging
+import os
+import re
+import stat
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Final
+
+import trio
+
+from daemon.contract import PAIRING, ErrorCode, Status, is_request_id
+from daemon.log import log_event
+
+__all__ = [
+    "AuditLog",
+    "AuditRecord",
+    "AuditUnavailable",
+    "Phase",
+    "VerifyResult",
+    "verify",
+    "read_records",
+    "AUDIT_DIRNAME",
+    "GENESIS",
+    "FORMAT",
+    "DEFAULT_ROTATE_BYTES",
+    "audit_files",
+]
+
+_log = logging.getLogger("buzz_broker.audit")
+
+#: The directory under the state directory.
+AUDIT_DIRNAME: Final = "audit"
+
+#: Version of the record layout (`v`); a reader refuses any other.
+FORMAT: Final = 1
+
+#: `prev` of the first record of the first file: a fixed, documented value.
+GENESIS: Final = hashlib.sha256(b"buzz-broker audit log genesis v1").hexdigest()
+
+#: Rotate when a file reaches this size. A record is ~450 bytes, so 64 MiB holds ~150,000
+#: verdicts: small enough to copy and verify in a second, few enough files for a year.
+DEFAULT_ROTATE_BYTES: Final = 64 * 1024 * 1024
+
+#: Smallest rotation size accepted (tests rotate after a few records).
+MIN_ROTATE_BYTES: Final = 1024
+
+#: The longest line `open` reads back when looking for the tail. A record is bounded
+#: (9 events at most in a plan, 128-byte requestId), so 64 KiB is far beyond any record.
+MAX_LINE_BYTES: Final = 64 * 1024
+
+#: Most event ids one record may list (an agents.create plan publishes a handful).
+MAX_EVENTS: Final = 64
+
+DIR_MODE: Final = 0o700
+FILE_MODE: Final = 0o600
+
+_FILE_RE: Final = re.compile(r"audit-([0-9]{6,})\.jsonl")
+_HEX64: Final = re.compile(r"[0-9a-f]{64}")
+_CREDENTIAL_RE: Final = re.compile(r"cred_[0-9a-f]{16}")
+_ACTION_RE: Final = re.compile(r"[a-z]+\.[a-z]+")
+_TIME_RE: Final = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{3}Z")
+
+#: The one message an `AuditUnavailable` carries (the operator log holds the cause).
+UNAVAILABLE_MESSAGE: Final = "the audit log cannot be written"
+
+
+class AuditUnavailable(Exception):
+    """A record could not be made durable; nothing may be answered as if it were.
+
+    `str()` is always `UNAVAILABLE_MESSAGE`. `detail` is the cause for the operator log
+    (an errno name and the file), never shown to agents.
+    """
+
+    def __init__(self, detail: str = "") -> None:
+        super().__init__(UNAVAILABLE_MESSAGE)
+        self.detail = detail
+
+
+class Phase(enum.Enum):
+    """Why a record was written."""
+
+    #: before a publishing operation sends anything; `events` are the ids about to go out
+    INTENT = "intent"
+    #: the verdict returned (or replayed) to the agent
+    VERDICT = "verdict"
+
+
+def _utc_text(at: float) -> str:
+    when = datetime.datetime.fromtimestamp(at, tz=datetime.timezone.utc)
+    return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _parse_time(text: str) -> float:
+    if _TIME_RE.fullmatch(text) is None:
+        raise ValueError("time")
+    when = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return when.timestamp()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AuditRecord:
+    """What one audit line says (without its chain fields). Validated in construction.
+
+    Fields:
+        phase: INTENT before publishing, VERDICT for the answer.
+        at: seconds since the epoch (written with millisecond precision, UTC).
+        credential_id: `cred_` + 16 hex, the credential that authenticated.
+        agent: 64 lowercase hex, the acting agent's pubkey.
+        action: the wire action name, or None when the body named no valid action.
+        request_id: the envelope's requestId (1-128 visible ASCII bytes).
+        body_sha256: 64 lowercase hex, sha256 of the request body bytes.
+        status: the verdict's status (VERDICT); None for INTENT.
+        code: the verdict's error code, or None.
+        events: event ids (64 hex): about to be published (INTENT) or published (VERDICT).
+        replayed: the verdict was a replay from the ledger (nothing ran again).
+    """
+
+    phase: Phase
+    at: float
+    credential_id: str
+    agent: str
+    action: str | None
+    request_id: str
+    body_sha256: str
+    status: Status | None
+    code: ErrorCode | None
+    events: tuple[str, ...] = ()
+    replayed: bool = False
+
+    def __post_init__(self) -> None:
+        # Local errors (our bug): the pipeline builds records from values it has checked.
+        if not isinstance(self.phase, Phase):
+            raise TypeError("AuditRecord.phase must be a Phase")
+        if isinstance(self.at, bool) or not isinstance(self.at, (int, float)) or not (
+            0 <= self.at < 253402300800  # year 10000: the time format has four digits
+        ):
+            raise ValueError("AuditRecord.at must be seconds since the epoch")
+        if not isinstance(self.credential_id, str) or not _CREDENTIAL_RE.fullmatch(
+            self.credential_id
+        ):
+            raise ValueError("AuditRecord.credential_id must be cred_ + 16 hex")
+        if not isinstance(self.agent, str) or not _HEX64.fullmatch(self.agent):
+            raise ValueError("AuditRecord.agent must be 64 lowercase hex")
+        if self.action is not None and (
+            not isinstance(self.action, str) or not _ACTION_RE.fullmatch(self.action)
+        ):
+            raise ValueError("AuditRecord.action must be a wire action name or None")
+        if not is_request_id(self.request_id):
+            raise ValueError("AuditRecord.request_id must be a valid requestId")
+        if not isinstance(self.body_sha256, str) or not _HEX64.fullmatch(self.body_sha256):
+            raise ValueError("AuditRecord.body_sha256 must be 64 lowercase hex")
+        if not isinstance(self.events, tuple) or len(self.events) > MAX_EVENTS or not all(
+            isinstance(e, str) and _HEX64.fullmatch(e) for e in self.events
+        ):
+            raise ValueError("AuditRecord.events must be a tuple of 64-hex event ids")
+        if not isinstance(self.replayed, bool):
+            raise TypeError("AuditRecord.replayed must be a bool")
+        if self.code is not None and not isinstance(self.code, ErrorCode):
+            raise TypeError("AuditRecord.code must be an ErrorCode or None")
+        if self.phase is Phase.INTENT:
+            if self.status is not None or self.code is not None or self.replayed:
+                raise ValueError("an intent record has no status, code or replay")
+            return
+        if not isinstance(self.status, Status):
+            raise ValueError("a verdict record needs a Status")
+        if self.status is Status.SUCCEEDED:
+            if self.code is not None:
+                raise ValueError("a succeeded verdict has no code")
+        elif self.code is None or self.status not in PAIRING[self.code]:
+            raise ValueError("the status/code pair is not allowed by the contract")
+
+    @classmethod
+    def from_json_obj(cls, obj: Mapping[str, object]) -> AuditRecord:
+        """Read the content fields of a parsed line (chain fields are checked by `verify`).
+
+        Raises:
+            ValueError: a field is missing, extra or malformed (message names the field).
+        """
+        if set(obj) != _FIELDS:
+            raise ValueError("fields")
+        if obj["v"] != FORMAT:
+            raise ValueError("v")
+        try:
+            phase = Phase(obj["phase"])
+            status = None if obj["status"] is None else Status(obj["status"])
+            code = None if obj["code"] is None else ErrorCode(obj["code"])
+        except ValueError:
+            raise ValueError("phase/status/code") from None
+        time_text, events = obj["time"], obj["events"]
+        if not isinstance(time_text, str) or not isinstance(events, list):
+            raise ValueError("time/events")
+        try:
+            return cls(
+                phase=phase,
+                at=_parse_time(time_text),
+                credential_id=obj["credential"],  # type: ignore[arg-type]
+                agent=obj["agent"],  # type: ignore[arg-type]
+                action=obj["action"],  # type: ignore[arg-type]
+                request_id=obj["requestId"],  # type: ignore[arg-type]
+                body_sha256=obj["bodySha256"],  # type: ignore[arg-type]
+                status=status,
+                code=code,
+                events=tuple(events),
+                replayed=obj["replayed"],  # type: ignore[arg-type]
+            )
+        except (TypeError, ValueError) as exc:
+            raise ValueError(str(exc)) from None
+
+
+#: Every member of a line, exactly (docs/operations.md has the table).
+_FIELDS: Final = frozenset({
+    "v", "seq", "prev", "digest", "time", "phase", "credential", "agent", "action",
+    "requestId", "bodySha256", "status", "code", "events", "replayed",
+})
+
+
+def _canonical(obj: Mapping[str, object]) -> bytes:
+    # ASCII only: the same object always has the same bytes, and no byte can end a line.
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode(
+        "ascii"
+    )
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _record_obj(record: AuditRecord, *, seq: int, prev: str) -> dict[str, object]:
+    return {
+        "v": FORMAT,
+        "seq": seq,
+        "prev": prev,
+        "time": _utc_text(record.at),
+        "phase": record.phase.value,
+        "credential": record.credential_id,
+        "agent": record.agent,
+        "action": record.action,
+        "requestId": record.request_id,
+        "bodySha256": record.body_sha256,
+        "status": None if record.status is None else record.status.value,
+        "code": None if record.code is None else record.code.value,
+        "events": list(record.events),
+        "replayed": record.replayed,
+    }
+
+
+def _encode_line(record: AuditRecord, *, seq: int, prev: str) -> bytes:
+    """The canonical line bytes (without the newline) with `digest` filled in."""
+    obj = _record_obj(record, seq=seq, prev=prev)
+    obj["digest"] = _sha256(_canonical(obj))
+    return _canonical(obj)
+
+
+def _check_line(line: bytes) -> tuple[dict[str, object] | None, str | None]:
+    """(parsed object, None) for a well-formed line, else (None, reason). No chain check."""
+    try:
+        obj = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None, "not a JSON object"
+    if not isinstance(obj, dict):
+        return None, "not a JSON object"
+    if _canonical(obj) != line:
+        return None, "not in canonical form (the line was edited)"
+    try:
+        AuditRecord.from_json_obj(obj)
+    except ValueError as exc:
+        return None, f"malformed record ({exc})"
+    seq, prev, digest = obj["seq"], obj["prev"], obj["digest"]
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+        return None, "malformed record (seq)"
+    if not isinstance(prev, str) or not _HEX64.fullmatch(prev):
+        return None, "malformed record (prev)"
+    body = {k: v for k, v in obj.items() if k != "digest"}
+    if digest != _sha256(_canonical(body)):
+        return None, "digest does not match the record (the record was edited)"
+    return obj, None
+
+
+def audit_files(directory: Path) -> list[tuple[int, Path]]:
+    """The audit files in `directory`, as (number, path), in chain order.
+
+    Other names in the directory are ignored.
+    """
+    found = []
+    for entry in os.scandir(directory):
+        match = _FILE_RE.fullmatch(entry.name)
+        if match is not None:
+            found.append((int(match.group(1)), Path(entry.path)))
+    return sorted(found)
+
+
+def _file_name(number: int) -> str:
+    return f"audit-{number:06d}.jsonl"
+
+
+# --------------------------------------------------------------------------- verify
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifyResult:
+    """What `verify` found.
+
+    ok: every record checked out (and the head matched, when one was expected).
+    records: how many records were checked before stopping.
+    head: sha256 of the last good line (GENESIS when there is none).
+    file, line, reason: the first bad record (1-based line), or None when ok.
+    torn_tail: the last file ends in a partial line without a newline (a crash mid-write;
+        never acknowledged, dropped by the daemon's next open). Does not make ok False.
+    """
+
+    ok: bool
+    records: int
+    head: str
+    file: str | None = None
+    line: int | None = None
+    reason: str | None = None
+    torn_tail: bool = False
+
+
+def verify(path: Path | str, *, expect_head: str | None = None) -> VerifyResult:
+    """Check the chain of an audit directory, or of one audit file.
+
+    A directory is checked whole: files numbered 1, 2, ... without a gap, the first
+    record's `prev` is `GENESIS`, and every record chains to the one before, across files.
+    A single file is checked on its own: its first `prev` is taken as given unless it is
+    file number 1.
+
+    Args:
+        path: the audit directory (normally `<state>/audit`) or one `audit-NNNNNN.jsonl`.
+        expect_head: a head hash remembered from before (the operator log's `audit.head`);
+            a log whose last good line hashes to something else fails (tail removed).
+
+    Raises:
+        OSError: the path cannot be read (the CLI reports it).
+    """
+    path = Path(path)
+    if path.is_dir():
+        files = audit_files(path)
+        for index, (number, file) in enumerate(files, start=1):
+            if number != index:
+                return VerifyResult(
+                    ok=False, records=0, head=GENESIS, file=str(file), line=None,
+                    reason=f"expected {_file_name(index)} here: an audit file is missing",
+                )
+        anchored = True
+    else:
+        match = _FILE_RE.fullmatch(path.name)
+        files = [(int(match.group(1)) if match else 0, path)]
+        anchored = match is not None and int(match.group(1)) == 1
+
+    records, head, seq = 0, GENESIS, 0
+    torn = False
+    for position, (_number, file) in enumerate(files):
+        last_file = position == len(files) - 1
+        with open(file, "rb") as handle:
+            for lineno, raw in enumerate(handle, start=1):
+                if not raw.endswith(b"\n"):
+                    if last_file:
+                        torn = True
+                        break
+                    return VerifyResult(ok=False, records=records, head=head, file=str(file),
+                                        line=lineno, reason="partial line inside the chain")
+                line = raw[:-1]
+                obj, reason = _check_line(line)
+                if obj is None:
+                    return VerifyResult(ok=False, records=records, head=head, file=str(file),
+                                        line=lineno, reason=reason)
+                if records == 0 and not anchored:
+                    # An unanchored single file: trust its first link, check the rest.
+                    head, seq = str(obj["prev"]), int(obj["seq"]) - 1  # type: ignore[call-overload]
+                if obj["prev"] != head:
+                    return VerifyResult(
+                        ok=False, records=records, head=head, file=str(file), line=lineno,
+                        reason="prev does not chain to the record before it (a record was "
+                               "removed, inserted or moved here, or the one before rewritten)",
+                    )
+                if obj["seq"] != seq + 1:
+                    return VerifyResult(
+                        ok=False, records=records, head=head, file=str(file), line=lineno,
+                        reason=f"seq {obj['seq']} where {seq + 1} was expected",
+                    )
+                seq += 1
+                records += 1
+                head = _sha256(line)
+    if expect_head is not None and expect_head != head:
+        return VerifyResult(
+            ok=False, records=records, head=head, file=None, line=None,
+            reason="the last record is not the expected head (records were removed from "
+                   "the end, or the log was replaced)",
+            torn_tail=torn,
+        )
+    return VerifyResult(ok=True, records=records, head=head, torn_tail=torn)
+
+
+def read_records(directory: Path | str) -> Iterator[tuple[str, int, AuditRecord | None]]:
+    """Every line of the log in order, as (file name, line number, record or None if damaged).
+
+    For display (`audit show`); it checks each line's form, not the chain (`verify` does).
+    """
+    for _number, file in audit_files(Path(directory)):
+        with open(file, "rb") as handle:
+            for lineno, raw in enumerate(handle, start=1):
+                record = None
+                if raw.endswith(b"\n"):
+                    obj, _reason = _check_line(raw[:-1])
+                    if obj is not None:
+                        record = AuditRecord.from_json_obj(obj)
+                yield file.name, lineno, record
+
+
+# --------------------------------------------------------------------------- the writer
+
+
+@dataclass(slots=True)
+class _Queued:
+    record: AuditRecord
+    done: trio.Event
+    failed: str | None = None  # the operator detail when this record was not written
+
+
+def _default_open(path: Path, flags: int) -> int:
+    return os.open(path, flags, FILE_MODE)
+
+
+class AuditLog:
+    """The writer. Create with `AuditLog.open(directory, rotate_bytes=...)`; one per daemon."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        rotate_bytes: int,
+        opener: Callable[[Path, int], int],
+    ) -> None:
+        # Private: use AuditLog.open(). State below is touched only by the flusher thread
+        # (one at a time, under `_limiter`) once open() has returned.
+        self._dir = directory
+        self._rotate_bytes = rotate_bytes
+        self._opener = opener
+        self._fd = -1
+        self._number = 0
+        self._size = 0  # bytes of the current file known durable
+        self._seq = 0
+        self._prev = GENESIS
+        self._dirty = False  # a write failed: truncate to `_size` before the next one
+        self._limiter = trio.CapacityLimiter(1)
+        self._queue: list[_Queued] = []
+        self._flushing = False
+        self._closed = False
+        #: how many write+fsync batches ran; the benchmark reports records per batch.
+        self.batches = 0
+
+    @classmethod
+    def open(
+        cls,
+        directory: Path | str,
+        *,
+        rotate_bytes: int = DEFAULT_ROTATE_BYTES,
+        _opener: Callable[[Path, int], int] = _default_open,
+    ) -> AuditLog:
+        """Open (creating if needed) the audit directory and continue its chain.
+
+        Args:
+            directory: normally `<state>/audit`; created 0700 (an existing one is tightened).
+            rotate_bytes: start a new file once the current one reaches this size.
+            _opener: test seam — how a file is opened (path, os flags) -> fd. Tests hand
+                back a descriptor on /dev/full to make every write fail with ENOSPC.
+
+        Raises:
+            AuditUnavailable: the directory or the last file cannot be opened or written,
+                or the last complete record is damaged (run `buzz-broker audit verify`).
+                `detail` says which; the daemon must not start.
+            ValueError: `rotate_bytes` below `MIN_ROTATE_BYTES` (a bug).
+        """
+        if isinstance(rotate_bytes, bool) or not isinstance(rotate_bytes, int):
+            raise TypeError("rotate_bytes must be an int")
+        if rotate_bytes < MIN_ROTATE_BYTES:
+            raise ValueError(f"rotate_bytes must be at least {MIN_ROTATE_BYTES}")
+        log = cls(Path(directory), rotate_bytes=rotate_bytes, opener=_opener)
+        try:
+            log._open_tail()
+        except OSError as exc:
+            log._close_fd()
+            raise _unavailable("open", exc, log._dir) from None
+        except _Damaged as exc:
+            log._close_fd()
+            detail = f"{exc.args[0]}; run `buzz-broker audit verify`"
+            log_event(_log, "audit.damaged", level=logging.ERROR, detail=detail)
+            raise AuditUnavailable(detail) from None
+        log_event(_log, "audit.head", seq=log._seq, head=log._prev, file=_file_name(log._number))
+        return log
+
+    @property
+    def head(self) -> tuple[int, str]:
+        """(seq, sha256) of the last durable record: anchor it elsewhere to detect truncation."""
+        return self._seq, self._prev
+
+    def _open_tail(self) -> None:
+        try:
+            os.mkdir(self._dir, DIR_MODE)
+        except FileExistsError:
+            pass
+        info = os.stat(self._dir, follow_symlinks=False)
+        if not stat.S_ISDIR(info.st_mode):
+            raise NotADirectoryError(20, "not a directory")
+        if info.st_mode & 0o777 != DIR_MODE:
+            os.chmod(self._dir, DIR_MODE)
+        files = audit_files(self._dir)
+        # The newest non-empty file holds the tail; a trailing empty file (a crash right
+        # after a rotation created it) is simply where writing continues.
+        tail_line: bytes | None = None
+        for number, path in reversed(files):
+            tail_line = self._read_tail(path, truncate=number == files[-1][0])
+            if tail_line is not None:
+                break
+        if tail_line is not None:
+            obj, reason = _check_line(tail_line)
+            if obj is None:
+                raise _Damaged(f"the last audit record is damaged: {reason}")
+            self._seq = int(obj["seq"])  # type: ignore[call-overload]
+            self._prev = _sha256(tail_line)
+        self._number = files[-1][0] if files else 1
+        path = self._dir / _file_name(self._number)
+        self._fd = self._opener(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC)
+        self._size = os.fstat(self._fd).st_size
+        if not files:
+            _fsync_dir(self._dir)
+
+    def _read_tail(self, path: Path, *, truncate: bool) -> bytes | None:
+        """The last complete line of `path`, or None if it has none; drops a torn tail."""
+        with open(path, "rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            if size == 0:
+                return None
+            start = max(0, size - MAX_LINE_BYTES)
+            handle.seek(start)
+            block = handle.read()
+        cut = block.rfind(b"\n")
+        if cut < 0:
+            if start > 0:
+                raise _Damaged(f"no line ending in the last {MAX_LINE_BYTES} bytes of {path.name}")
+            complete_end = 0
+        else:
+            complete_end = start + cut + 1
+        if complete_end < size:
+            if not truncate:
+                raise _Damaged(f"{path.name} ends in a partial line inside the chain")
+            # A torn final line: its append never returned, so nobody was told it was
+            # written. Dropping it is the only way the chain can continue.
+            with open(path, "r+b") as handle:
+                handle.truncate(complete_end)
+                os.fsync(handle.fileno())
+            log_event(_log, "audit.torn_tail_dropped", level=logging.WARNING,
+                      file=path.name, bytes=size - complete_end)
+        if complete_end == 0:
+            return None
+        body = block[:cut]
+        previous = body.rfind(b"\n")
+        if previous < 0 and start > 0:
+            raise _Damaged(f"the last line of {path.name} is longer than {MAX_LINE_BYTES} bytes")
+        return body[previous + 1:]
+
+    # ------------------------------------------------------------------ appending
+
+    async def append(self, record: AuditRecord) -> None:
+        """Write `record` durably (fsynced) at the end of the chain; return only then.
+
+        Concurrent callers are batched (one write + fsync for many); order is the order of
+        the calls.
+
+        Raises:
+            AuditUnavailable: it could not be written; it is not in the log.
+
+        Cancellation: a cancelled caller stops waiting, but its record may still be
+        written by the batch it joined (the flush itself is shielded, because the other
+        callers' durability depends on it).
+        """
+        if self._closed:
+            raise AuditUnavailable("the audit log is closed")
+        item = _Queued(record, trio.Event())
+        self._queue.append(item)
+        if not self._flushing:
+            self._flushing = True
+            try:
+                with trio.CancelScope(shield=True):
+                    while self._queue:
+                        batch, self._queue = self._queue, []
+                        await trio.to_thread.run_sync(
+                            self._write_batch, batch, limiter=self._limiter
+                        )
+                        for queued in batch:
+                            queued.done.set()
+            finally:
+                self._flushing = False
+        await item.done.wait()
+        if item.failed is not None:
+            raise AuditUnavailable(item.failed)
+
+    def _write_batch(self, batch: list[_Queued]) -> None:
+        # Worker thread. Writes `batch` in order, in as few write+fsync rounds as the
+        # rotation size allows; the chain state moves only after an fsync succeeded.
+        done = 0
+        try:
+            if self._dirty:
+                os.ftruncate(self._fd, self._size)
+                os.fsync(self._fd)
+                self._dirty = False
+            while done < len(batch):
+                if self._size >= self._rotate_bytes:
+                    self._rotate()
+                data = bytearray()
+                seq, prev = self._seq, self._prev
+                end = done
+                while end < len(batch) and (not data or self._size + len(data) < self._rotate_bytes):
+                    line = _encode_line(batch[end].record, seq=seq + 1, prev=prev)
+                    data += line + b"\n"
+                    seq, prev = seq + 1, _sha256(line)
+                    end += 1
+                self._dirty = True
+                _write_all(self._fd, bytes(data))
+                os.fsync(self._fd)
+                self._dirty = False
+                self._size += len(data)
+                self._seq, self._prev = seq, prev
+                self.batches += 1
+                done = end
+        except OSError as exc:
+            detail = _detail("write", exc, self._dir / _file_name(self._number))
+            log_event(_log, "audit.unavailable", level=logging.ERROR, detail=detail,
+                      lost=len(batch) - done)
+            for queued in batch[done:]:
+                queued.failed = detail
+
+    def _rotate(self) -> None:
+        # Open the next file first: if that fails, the current one stays in use and the
+        # next batch tries again (the size still says "rotate").
+        number = self._number + 1
+        path = self._dir / _file_name(number)
+        fd = self._opener(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
+        try:
+            _fsync_dir(self._dir)
+        except OSError:
+            os.close(fd)
+            raise
+        os.close(self._fd)
+        self._fd, self._number, self._size = fd, number, 0
+        log_event(_log, "audit.head", seq=self._seq, head=self._prev, file=_file_name(number),
+                  rotated=True)
+
+    def _close_fd(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    async def aclose(self) -> None:
+        """Stop accepting records, let a running flush finish, and close the file."""
+        self._closed = True
+        async with self._limiter:
+            pass
+        if self._fd >= 0:
+            log_event(_log, "audit.head", seq=self._seq, head=self._prev,
+                      file=_file_name(self._number), closed=True)
+        self._close_fd()
+
+
+class _Damaged(Exception):
+    """The tail cannot be continued safely (open refuses)."""
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _fsync_dir(directory: Path) -> None:
+    # A new file's name is durable only once its directory is fsynced.
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _detail(what: str, exc: OSError, where: Path) -> str:
+    name = os.strerror(exc.errno) if exc.errno is not None else type(exc).__name__
+    return f"audit {what} failed: {name} ({where})"
+
+
+def _unavailable(what: str, exc: OSError, where: Path) -> AuditUnavailable:
+    detail = _detail(what, exc, where)
+    log_event(_log, "audit.unavailable", level=logging.ERROR, detail=detail)
+    return AuditUnavailable(detail)
