@@ -332,6 +332,28 @@ class Custody:
         log.info("destroyed the key of agent %s (tombstone kept)", pubkey)
         return record
 
+    async def rename_agent(self, pubkey: str, name: str) -> AgentRecord:
+        """Set a live agent's public name (its managed record was renamed on the relay).
+
+        Public data only; it goes through the worker because the keystore's writes do.
+
+        Raises:
+            UnknownAgent: no live agent with that key.
+            ValueError: an empty name.
+        """
+        self._check_open()
+        _require_pubkey("agent", pubkey)
+        if not isinstance(name, str) or not name:
+            raise ValueError("name must be a non-empty str")
+
+        def work() -> AgentRecord | None:
+            return self._keystore.rename(pubkey, name, self._now())
+
+        record = await in_token_worker(work)
+        if record is None:
+            raise UnknownAgent(pubkey)
+        return record
+
     # --- inside the worker -------------------------------------------------------------
 
     def _unseal(self, agent: str) -> Secret:

@@ -226,6 +226,20 @@ class Keystore:
             raise CustodyError(f"keystore write failed: {exc}") from None
         return self.get(pubkey)
 
+    def rename(self, pubkey: str, name: str, now: int) -> AgentRecord | None:
+        """Set a live agent's public name. None if no live agent has that key."""
+        try:
+            with self._transaction() as db:
+                db.execute(
+                    "UPDATE agents SET name = ?, updated_at = ?"
+                    " WHERE pubkey = ? AND deleted_at IS NULL",
+                    (name, now, pubkey),
+                )
+        except sqlite3.Error as exc:
+            raise CustodyError(f"keystore write failed: {exc}") from None
+        record = self.get(pubkey)
+        return record if record is not None and record.live else None
+
     def close(self) -> None:
         with self._lock:
             self._db.close()

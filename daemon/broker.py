@@ -415,16 +415,24 @@ class Broker:
         return pending.success, Status.SUCCEEDED
 
     async def _housekeeping(self, work: Mapping[str, Any]) -> None:
-        """Host-local follow-ups named by a plan; each is safe to run twice."""
-        if "destroy_agent" in work:
-            pubkey = str(work["destroy_agent"])
-            record = self._custody.agent(pubkey)
-            if record is not None and record.deleted_at is None:
-                await self._custody.destroy_agent(pubkey)
-            self._sessions.revoke_agent(pubkey)
-        if "rename_agent" in work:
-            rename = work["rename_agent"]
-            await self._custody.rename_agent(str(rename["pubkey"]), str(rename["name"]))
+        """Host-local follow-ups named by a plan; each is safe to run twice.
+
+        A fault here cannot change the verdict (the relay has already answered), so it is
+        logged for the operator and the verdict stands.
+        """
+        try:
+            if "destroy_agent" in work:
+                pubkey = str(work["destroy_agent"])
+                if self._custody.agent(pubkey) is not None:
+                    await self._custody.destroy_agent(pubkey)
+                self._sessions.revoke_agent(pubkey)
+            if "rename_agent" in work:
+                rename = work["rename_agent"]
+                if self._custody.agent(str(rename["pubkey"])) is not None:
+                    await self._custody.rename_agent(str(rename["pubkey"]), str(rename["name"]))
+        except CustodyError as exc:
+            log_event(_log, "housekeeping.failed", level=logging.ERROR,
+                      work=sorted(work), error=type(exc).__name__, detail=str(exc))
 
     # ---------------------------------------------------------------- answers
 
