@@ -72,6 +72,7 @@ __all__ = [
     "VerifyResult",
     "verify",
     "read_records",
+    "LogLine",
     "AUDIT_DIRNAME",
     "GENESIS",
     "FORMAT",
@@ -445,20 +446,36 @@ def verify(path: Path | str, *, expect_head: str | None = None) -> VerifyResult:
     return VerifyResult(ok=True, records=records, head=head, torn_tail=torn)
 
 
-def read_records(directory: Path | str) -> Iterator[tuple[str, int, AuditRecord | None]]:
-    """Every line of the log in order, as (file name, line number, record or None if damaged).
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LogLine:
+    """One line of the log as `read_records` yields it."""
 
-    For display (`audit show`); it checks each line's form, not the chain (`verify` does).
+    file: str
+    line: int
+    #: the record, or None when the line is damaged (not well-formed, or torn)
+    record: AuditRecord | None
+    #: the line's bytes without the newline (canonical JSON when `record` is not None)
+    raw: bytes
+
+
+def read_records(directory: Path | str) -> Iterator[LogLine]:
+    """Every line of the log in order, for display (`audit show`).
+
+    It checks each line's form and digest, not the chain (`verify` does that).
+
+    Raises:
+        OSError: a file cannot be read.
     """
     for _number, file in audit_files(Path(directory)):
         with open(file, "rb") as handle:
             for lineno, raw in enumerate(handle, start=1):
                 record = None
+                line = raw[:-1] if raw.endswith(b"\n") else raw
                 if raw.endswith(b"\n"):
-                    obj, _reason = _check_line(raw[:-1])
+                    obj, _reason = _check_line(line)
                     if obj is not None:
                         record = AuditRecord.from_json_obj(obj)
-                yield file.name, lineno, record
+                yield LogLine(file=file.name, line=lineno, record=record, raw=line)
 
 
 # --------------------------------------------------------------------------- the writer

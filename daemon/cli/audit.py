@@ -1,0 +1,195 @@
+"""`buzz-broker audit verify|show`: check the audit chain, and read it as a human.
+
+Rules:
+- `verify [PATH] [--head HASH]` checks the hash chain of the audit directory (default:
+  `<state.dir>/audit` of the configured state directory) or of one file. It prints
+  `ok N records; head H` and exits 0, or prints the first broken record
+  (`broken: FILE line N: reason`) and exits `EXIT_BROKEN`. `--head` is a head hash
+  remembered from the operator log (`audit.head`): a log that no longer ends there was
+  cut short.
+- `show` prints records filtered by `--agent`, `--credential`, `--action`, `--since`,
+  `--until` as a table, or with `--json` the stored lines themselves (canonical JSON, one
+  per line). TIME is ISO-8601 (`2026-11-30`, `2026-11-30T15:00:00Z`; no zone = UTC) or
+  relative to now (`90s`, `30m`, `1h`, `7d`). `show` does not check the chain — `verify`
+  does — but marks any line it cannot read (on stderr).
+- The audit log holds no secrets, so everything in it may be printed.
+- Faults (missing path, unreadable file, bad filter) are one-line CliErrors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Final
+
+from daemon.cli._common import CliError, config_from_args
+
+HELP = "verify the audit log's hash chain, or show its records"
+
+#: Exit status when the chain is broken (1 is a fault, 2 a usage error).
+EXIT_BROKEN: Final = 3
+
+_UNITS: Final = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_RELATIVE_RE: Final = re.compile(r"([0-9]{1,9})([smhd])")
+_HEX64_RE: Final = re.compile(r"[0-9a-fA-F]{64}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="audit_command", metavar="SUBCOMMAND")
+    sub.required = True
+
+    check = sub.add_parser("verify", help="check the hash chain; print the first broken record")
+    check.add_argument("path", nargs="?", metavar="PATH",
+                       help="audit directory or one audit file (default: <state>/audit)")
+    check.add_argument("--head", metavar="HASH",
+                       help="the head hash the log must still end at (from audit.head)")
+    check.set_defaults(_audit=_verify)
+
+    show = sub.add_parser("show", help="show records as a table (filters combine)")
+    show.add_argument("--agent", metavar="HEX", help="only this agent's records")
+    show.add_argument("--credential", metavar="ID", help="only this credential's records")
+    show.add_argument("--action", metavar="NAME", help="only this action")
+    show.add_argument("--since", metavar="TIME", help="from TIME (ISO-8601, or 1h / 7d ago)")
+    show.add_argument("--until", metavar="TIME", help="up to TIME (ISO-8601, or 1h / 7d ago)")
+    show.add_argument("--json", action="store_true", help="the stored JSON lines")
+    show.add_argument("--path", metavar="DIR", help="audit directory (default: <state>/audit)")
+    show.set_defaults(_audit=_show)
+
+
+def run(args: argparse.Namespace) -> int:
+    code: int = args._audit(args)
+    return code
+
+
+def _audit_dir(args: argparse.Namespace, given: str | None) -> Path:
+    from daemon.audit import AUDIT_DIRNAME
+
+    if given:
+        path = Path(given)
+    else:
+        path = Path(config_from_args(args).state.dir) / AUDIT_DIRNAME
+    if not path.exists():
+        raise CliError(f"no audit log at {path}")
+    return path
+
+
+def parse_time(text: str, now: float) -> float:
+    """`--since`/`--until`: ISO-8601 (UTC unless a zone is given) or `<n><s|m|h|d>` ago."""
+    text = text.strip()
+    match = _RELATIVE_RE.fullmatch(text)
+    if match is not None:
+        return now - int(match.group(1)) * _UNITS[match.group(2)]
+    try:
+        when = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise CliError(
+            f"bad time {text[:40]!r}: expected ISO-8601 (2026-11-30T15:00:00Z) or 30m, 1h, 7d"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return when.timestamp()
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from daemon.audit import verify
+
+    path = _audit_dir(args, args.path)
+    if args.head is not None and not _HEX64_RE.fullmatch(args.head):
+        raise CliError("--head: expected a 64-hex sha256")
+    try:
+        result = verify(path, expect_head=args.head.lower() if args.head else None)
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror}") from None
+    if result.ok:
+        print(f"ok {result.records} records; head {result.head}")
+        if result.torn_tail:
+            print("note: the last file ends in a partial line (a crash mid-write; it was never "
+                  "acknowledged and the daemon drops it when it next starts)")
+        return 0
+    where = f"{Path(result.file).name} line {result.line}: " if result.file else ""
+    if result.file and result.line is None:
+        where = f"{Path(result.file).name}: "
+    print(f"broken: {where}{result.reason} ({result.records} records verified before it)")
+    return EXIT_BROKEN
+
+
+def _show(args: argparse.Namespace) -> int:
+    from daemon.audit import read_records
+
+    path = _audit_dir(args, args.path)
+    if not path.is_dir():
+        raise CliError(f"{path} is not a directory")
+    now = time.time()
+    since = parse_time(args.since, now) if args.since else None
+    until = parse_time(args.until, now) if args.until else None
+    agent = None
+    if args.agent is not None:
+        if not _HEX64_RE.fullmatch(args.agent):
+            raise CliError("--agent: expected 64 hex characters")
+        agent = args.agent.lower()
+    rows: list[tuple[str, ...]] = []
+    try:
+        for entry in read_records(path):
+            record = entry.record
+            if record is None:
+                print(f"audit: cannot read {entry.file} line {entry.line}; run `buzz-broker "
+                      f"audit verify`", file=sys.stderr)
+                continue
+            if agent is not None and record.agent != agent:
+                continue
+            if args.credential is not None and record.credential_id != args.credential:
+                continue
+            if args.action is not None and record.action != args.action:
+                continue
+            if since is not None and record.at < since:
+                continue
+            if until is not None and record.at > until:
+                continue
+            if args.json:
+                print(entry.raw.decode("ascii"))
+                continue
+            rows.append(_row(record))
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror}") from None
+    if not args.json:
+        _print_table(rows)
+    return 0
+
+
+_HEADER: Final = ("TIME (UTC)", "PHASE", "AGENT", "CREDENTIAL", "ACTION", "REQUEST ID",
+                  "STATUS", "CODE", "EVENTS")
+
+
+def _row(record: object) -> tuple[str, ...]:
+    from daemon.audit import AuditRecord
+
+    assert isinstance(record, AuditRecord)
+    when = datetime.datetime.fromtimestamp(record.at, tz=datetime.timezone.utc)
+    status = record.status.value if record.status else "-"
+    if record.replayed:
+        status += " (replay)"
+    events = ",".join(e[:12] for e in record.events) or "-"
+    return (
+        when.strftime("%Y-%m-%d %H:%M:%S"),
+        record.phase.value,
+        record.agent[:16],
+        record.credential_id,
+        record.action or "-",
+        record.request_id,
+        status,
+        record.code.value if record.code else "-",
+        events,
+    )
+
+
+def _print_table(rows: list[tuple[str, ...]]) -> None:
+    if not rows:
+        print("no matching records")
+        return
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(_HEADER)]
+    for line in (_HEADER, *rows):
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
