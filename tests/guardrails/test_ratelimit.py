@@ -1,0 +1,295 @@
+"""Rate limits and daily quotas: real credentials, a real limits.db, an injected clock."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from daemon.contract import ErrorCode
+from daemon.ledger import Fresh, Ledger, LedgerKey, Replay
+from daemon.ratelimit import (
+    DEFAULT_RATE_CONFIG,
+    LIMITS_FILENAME,
+    PUBLISH_ACTIONS,
+    READ_ACTIONS,
+    RateConfig,
+    RateLimiter,
+    Rule,
+    Window,
+    format_rate,
+    parse_rate,
+    rate_config_from_table,
+)
+from daemon.sessions import Principal, SessionStore
+
+CHANNEL = "123e4567-e89b-12d3-a456-426614174000"
+#: 2026-11-30 12:00:00 UTC: noon, so the UTC day has 43,200 s left.
+NOON = 1796040000.0
+_REFUSED = re.compile(r"(rate limit|daily quota) (\S+) (\d+/\w+) reached; retry in (\d+) s")
+
+
+@pytest.fixture
+def principals(tmp_path: Path) -> Iterator[tuple[Principal, Principal]]:
+    """Two real principals for two credentials of two agents."""
+    store = SessionStore.open(tmp_path)
+    out = []
+    for agent in ("aa" * 32, "bb" * 32):
+        _cid, token = store.issue(agent=agent, channels=frozenset({CHANNEL}),
+                                  actions=frozenset({"message.post"}), ttl_seconds=None,
+                                  uid=None, now=int(NOON))
+        p = store.authenticate(f"Bearer {token}", None, int(NOON))
+        assert p is not None
+        out.append(p)
+    yield out[0], out[1]
+
+
+def refused(result: object) -> tuple[str, str, str, int]:
+    """(kind, scope, rule, seconds) of a rate refusal; asserts it is one."""
+    assert result is not None
+    assert result.code is ErrorCode.UNAUTHORIZED  # type: ignore[attr-defined]
+    match = _REFUSED.fullmatch(result.message)  # type: ignore[attr-defined]
+    assert match is not None, result
+    return match.group(1), match.group(2), match.group(3), int(match.group(4))
+
+
+def test_parse_rate_forms() -> None:
+    table = {
+        "message.post=30/min": ("message.post", Rule(count=30, window=Window.MINUTE)),
+        " publish=60/min ": ("publish", Rule(count=60, window=Window.MINUTE)),
+        "publish=1000/day": ("publish", Rule(count=1000, window=Window.DAY)),
+        "daily=1000": ("publish", Rule(count=1000, window=Window.DAY)),
+        "read=5/s": ("read", Rule(count=5, window=Window.SECOND)),
+        "channel.read=100/hour": ("channel.read", Rule(count=100, window=Window.HOUR)),
+    }
+    for text, expected in table.items():
+        assert parse_rate(text) == expected
+        assert parse_rate(format_rate(*expected)) == expected
+    for bad in ("", "message.post", "message.post=30", "message.post=0/min", "sign=1/min",
+                "message.post=30/fortnight", "daily=5/day", "publish=-1/min", "x" * 65,
+                "message.post=30/min;drop", "PUBLISH=1/min", "publish=99999999999/min"):
+        with pytest.raises(ValueError):
+            parse_rate(bad)
+
+
+def test_limits_table() -> None:
+    assert rate_config_from_table({}) == DEFAULT_RATE_CONFIG
+    rules = dict(((s, r.daily), r) for s, r in DEFAULT_RATE_CONFIG.rules)
+    assert rules[("publish", False)] == Rule(count=60, window=Window.MINUTE)
+    assert rules[("publish", True)] == Rule(count=1000, window=Window.DAY)
+    assert rules[("read", False)] == Rule(count=600, window=Window.MINUTE)
+    assert rules[("read", True)] == Rule(count=50000, window=Window.DAY)
+    cfg = rate_config_from_table({"publish": "10/s", "read_daily": 7,
+                                  "rules": ["message.post=3/min", "read=1/h"]})
+    got = dict(((s, r.daily), r) for s, r in cfg.rules)
+    assert got[("publish", False)] == Rule(count=10, window=Window.SECOND)
+    assert got[("read", True)] == Rule(count=7, window=Window.DAY)
+    assert got[("read", False)] == Rule(count=1, window=Window.HOUR)  # rules win
+    assert got[("message.post", False)] == Rule(count=3, window=Window.MINUTE)
+    for table, key in (({"publish": "60/day"}, "publish"), ({"publish": 60}, "publish"),
+                       ({"read_daily": 0}, "read_daily"), ({"enabled": "yes"}, "enabled"),
+                       ({"rules": ["nope"]}, "rules"), ({"rules": "a=1/s"}, "rules"),
+                       ({"burst": 1}, "burst"), ({"publish_daily": True}, "publish_daily")):
+        with pytest.raises(ValueError, match=re.escape(f"[limits] {key}") + "|" +
+                           re.escape(f"[limits] unknown key {key}")):
+            rate_config_from_table(table)
+    assert PUBLISH_ACTIONS | READ_ACTIONS == {
+        "channel.read", "message.post", "message.reply", "reaction.add", "profile.set",
+        "storage.address", "agents.create", "agents.update", "agents.delete"}
+    assert READ_ACTIONS == {"channel.read", "storage.address"}
+
+
+def test_loop_of_200_posts(tmp_path: Path, principals: tuple[Principal, Principal]) -> None:
+    a, b = principals
+    limiter = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
+    limiter.set_overrides(a.credential_id, [parse_rate("message.post=30/min")])
+    results = [limiter.take(a, "message.post", NOON + i * 0.01) for i in range(200)]
+    assert results[:30] == [None] * 30
+    for result in results[30:]:
+        kind, scope, rule, seconds = refused(result)
+        # Empty bucket refilling 30/min: one token every 2 s.
+        assert (kind, scope, rule) == ("rate limit", "message.post", "30/min")
+        assert 1 <= seconds <= 2
+    # Another credential is unaffected, and meets the host's 60/min publish bucket.
+    others = [limiter.take(b, "message.post", NOON) for _ in range(200)]
+    assert others[:60] == [None] * 60
+    assert {refused(r)[1:3] for r in others[60:]} == {("publish", "60/min")}
+    # Reads have their own class: the exhausted publish bucket does not touch them.
+    assert limiter.take(a, "channel.read", NOON) is None
+    # The bucket refills at one token per 2 s: a second later one more post goes through,
+    # then the next is refused again.
+    assert limiter.take(a, "message.post", NOON + 3.0) is None
+    assert refused(limiter.take(a, "message.post", NOON + 3.0))[1] == "message.post"
+    assert limiter.used_today(a.credential_id, "publish", NOON) == 31
+    limiter.close()
+
+
+def test_refusal_takes_nothing(tmp_path: Path, principals: tuple[Principal, Principal]) -> None:
+    a, _ = principals
+    cfg = rate_config_from_table({"publish": "5/min", "rules": ["message.post=2/min"]})
+    limiter = RateLimiter.open(tmp_path, cfg)
+    for _ in range(2):
+        assert limiter.take(a, "message.post", NOON) is None
+    for _ in range(10):
+        assert refused(limiter.take(a, "message.post", NOON))[1] == "message.post"
+    # The refused posts took nothing from the class: three replies remain of five.
+    assert [limiter.take(a, "message.reply", NOON) for _ in range(4)][:3] == [None] * 3
+    assert limiter.used_today(a.credential_id, "publish", NOON) == 5
+    limiter.close()
+
+
+def test_daily_quota_and_the_longest_wait(
+    tmp_path: Path, principals: tuple[Principal, Principal]
+) -> None:
+    a, _ = principals
+    cfg = rate_config_from_table({"publish": "10/s", "publish_daily": 50})
+    limiter = RateLimiter.open(tmp_path, cfg)
+    allowed = sum(limiter.take(a, "reaction.add", NOON + i) is None for i in range(200))
+    assert allowed == 50
+    kind, scope, rule, seconds = refused(limiter.take(a, "reaction.add", NOON + 300))
+    assert (kind, scope, rule) == ("daily quota", "publish", "50/day")
+    assert seconds == 43200 - 300  # until 00:00 UTC
+    # Both exhausted: the message names the one that frees up last (the day).
+    for _ in range(10):
+        limiter.take(a, "reaction.add", NOON + 300)
+    assert refused(limiter.take(a, "reaction.add", NOON + 300))[0] == "daily quota"
+    # A new UTC day: allowed again.
+    assert limiter.take(a, "reaction.add", NOON + 43200) is None
+    limiter.close()
+
+
+def test_restart_keeps_the_days_count(
+    tmp_path: Path, principals: tuple[Principal, Principal]
+) -> None:
+    a, b = principals
+    cfg = rate_config_from_table({"publish": "100/s", "publish_daily": 40})
+    limiter = RateLimiter.open(tmp_path, cfg)
+    assert sum(limiter.take(a, "message.post", NOON + i) is None for i in range(25)) == 25
+    assert sum(limiter.take(b, "message.post", NOON + i) is None for i in range(3)) == 3
+    limiter.close()  # a clean stop flushes
+    path = tmp_path / LIMITS_FILENAME
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+    limiter = RateLimiter.open(tmp_path, cfg)
+    assert limiter.used_today(a.credential_id, "publish", NOON) == 25
+    allowed = sum(limiter.take(a, "message.post", NOON + 100 + i) is None for i in range(200))
+    assert allowed == 15  # 40 a day, 25 already used before the restart
+    assert limiter.used_today(b.credential_id, "publish", NOON) == 3
+    limiter.close()
+
+
+def test_restart_keeps_bucket_levels(
+    tmp_path: Path, principals: tuple[Principal, Principal]
+) -> None:
+    a, _ = principals
+    cfg = rate_config_from_table({"publish": "10/min"})
+    limiter = RateLimiter.open(tmp_path, cfg)
+    assert sum(limiter.take(a, "message.post", NOON) is None for _ in range(20)) == 10
+    limiter.close()
+    limiter = RateLimiter.open(tmp_path, cfg)
+    # A restart is not a fresh burst: the bucket is still empty one second later.
+    assert refused(limiter.take(a, "message.post", NOON + 1))[1] == "publish"
+    limiter.close()
+
+
+async def test_periodic_flush_and_crash_window(
+    tmp_path: Path, principals: tuple[Principal, Principal], autojump_clock: trio.abc.Clock
+) -> None:
+    a, _ = principals
+    limiter = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(limiter.flush_periodically, 5.0)
+        for _ in range(7):
+            assert limiter.take(a, "message.post", NOON) is None
+        # Before the first flush, another process reading the file sees nothing: the
+        # window a crash may lose (docs/operations.md).
+        peek = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
+        assert peek.used_today(a.credential_id, "publish", NOON) == 0
+        peek.close()
+        while limiter.flushes == 0:  # the flush runs in a thread; virtual time races ahead
+            await trio.sleep(1)
+        peek = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
+        assert peek.used_today(a.credential_id, "publish", NOON) == 7
+        peek.close()
+        nursery.cancel_scope.cancel()
+    limiter.close()
+
+
+def test_overrides_durable_and_seen_across_processes(
+    tmp_path: Path, principals: tuple[Principal, Principal]
+) -> None:
+    a, b = principals
+    daemon_side = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
+    # `credential issue --rate` runs in another process with its own connection.
+    cli_side = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
+    cli_side.set_overrides(a.credential_id, [parse_rate("daily=3"),
+                                             parse_rate("channel.read=2/min")])
+    cli_side.close()
+    assert [daemon_side.take(a, "message.post", NOON + i) is None for i in range(5)] == [
+        True, True, True, False, False]
+    assert [daemon_side.take(a, "channel.read", NOON) is None for _ in range(3)] == [
+        True, True, False]
+    assert daemon_side.take(b, "message.post", NOON) is None  # b keeps the host's limits
+    # Overrides replace only the rule of the same scope and kind: the bucket stays 60/min.
+    assert dict(((s, r.daily), r) for s, r in daemon_side.overrides(a.credential_id)) == {
+        ("publish", True): Rule(count=3, window=Window.DAY),
+        ("channel.read", False): Rule(count=2, window=Window.MINUTE),
+    }
+    # A later change is seen after reload() (SIGHUP), and survives a restart.
+    daemon_side.set_overrides(a.credential_id, [])
+    daemon_side.reload()
+    assert daemon_side.take(a, "message.post", NOON + 10) is None
+    daemon_side.close()
+    again = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
+    assert again.overrides(a.credential_id) == ()
+    again.close()
+    with pytest.raises(ValueError):
+        RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG).set_overrides(
+            a.credential_id, [("sign", Rule(count=1, window=Window.SECOND))])
+
+
+async def test_replay_never_costs_quota(
+    tmp_path: Path, principals: tuple[Principal, Principal]
+) -> None:
+    """The pipeline's rule, exercised with the real ledger: take() only for Fresh."""
+    a, _ = principals
+    limiter = RateLimiter.open(tmp_path, rate_config_from_table({"publish_daily": 2}))
+    ledger = Ledger.open(tmp_path / "ledger.db", retention_seconds=3600)
+    answered = []
+    body = b'{"requestId":"r1"}'
+    for attempt in range(5):  # the agent retries the same request five times
+        begun = await ledger.begin(LedgerKey(principal=a.agent, request_id="r1"),
+                                   hashlib.sha256(body).digest())
+        if isinstance(begun, Replay):
+            answered.append("replayed")
+            continue
+        assert isinstance(begun, Fresh) and attempt == 0
+        assert limiter.take(a, "message.post", NOON) is None
+        await ledger.finish(begun.ticket, b"verdict", final=True)
+        answered.append("fresh")
+    assert answered == ["fresh"] + ["replayed"] * 4
+    assert limiter.used_today(a.credential_id, "publish", NOON) == 1
+    ledger.close()
+    limiter.close()
+
+
+def test_disabled_and_clock_steps(tmp_path: Path, principals: tuple[Principal, Principal]) -> None:
+    a, _ = principals
+    off = RateLimiter.open(tmp_path, RateConfig(enabled=False, rules=DEFAULT_RATE_CONFIG.rules))
+    assert all(off.take(a, "message.post", NOON) is None for _ in range(500))
+    off.close()
+    limiter = RateLimiter.open(tmp_path / ".." / tmp_path.name, rate_config_from_table(
+        {"publish": "2/min"}))
+    assert limiter.take(a, "profile.set", NOON) is None
+    assert limiter.take(a, "profile.set", NOON) is None
+    # The clock stepped back an hour: no refill, no negative level, a sane wait.
+    assert 1 <= refused(limiter.take(a, "profile.set", NOON - 3600))[3] <= 30
+    with pytest.raises(ValueError):
+        limiter.take(a, "sign", NOON)
+    limiter.close()
