@@ -27,6 +27,7 @@ keep-alive socket. On a local socket the connect costs microseconds.
 from __future__ import annotations
 
 import ipaddress
+import os
 import urllib.parse
 from dataclasses import dataclass
 from typing import Literal
@@ -126,20 +127,22 @@ class Endpoint:
 
     @classmethod
     def parse(cls, address: str) -> Endpoint:
-        """Accept `/path/to.sock`, `unix:/path/to.sock`, or `http://<loopback>[:port][/]`.
+        """Accept a socket path (`/run/b.sock`, `b.sock`, `unix:…`) or `http://<loopback>[:port][/]`.
 
         Raises:
-            ValueError: anything else — a relative path, `https://`, a host that is not
+            ValueError: anything else — `https://` or another scheme, a host that is not
                 loopback, a path or query after the authority.
         """
         if not isinstance(address, str) or not address:
             raise ValueError("broker address is empty")
+        if address.startswith("unix://"):
+            raise ValueError("write a Unix socket as unix:/path (or just the path), not unix://")
         if address.startswith("unix:"):
-            address = address[len("unix:") :]
-            if not address.startswith("/"):
-                raise ValueError("a unix: address needs an absolute socket path")
-        if address.startswith("/"):
-            return cls(kind="unix", path=address)
+            return cls(kind="unix", path=os.path.abspath(address[len("unix:") :]))
+        if "://" not in address:
+            # A path, relative ones included (`--socket broker.sock` from the state dir):
+            # made absolute now, so a later chdir cannot change which socket is meant.
+            return cls(kind="unix", path=os.path.abspath(address))
         parts = urllib.parse.urlsplit(address)
         if parts.scheme != "http":
             raise ValueError(

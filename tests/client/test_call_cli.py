@@ -44,13 +44,6 @@ def credential_file(tmp_path: Path) -> str:
     return str(path)
 
 
-@pytest.fixture(autouse=True)
-def only_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The real entry point, restricted to the command under test, so these tests do not
-    # depend on every other command importing cleanly.
-    monkeypatch.setattr(cli, "COMMANDS", {"call": "call"})
-
-
 async def run_cli(argv: list[str]) -> int:
     return await trio.to_thread.run_sync(lambda: cli.main(argv))
 

@@ -461,7 +461,7 @@ async def test_contract_violation_raises_and_sends_nothing(host: ScriptedHost) -
 @pytest.mark.parametrize(
     "address",
     ["http://10.0.0.1:8080", "http://example.com", "http://192.168.1.2", "https://127.0.0.1:1",
-     "ftp://127.0.0.1", "relative/broker.sock", "http://127.0.0.1/v1/action",
+     "ftp://127.0.0.1", "unix://host/x.sock", "http://127.0.0.1/v1/action",
      "http://[::ffff:10.0.0.1]:80", "http://0.0.0.0:80", ""],
 )
 def test_plain_http_is_refused_except_to_loopback(address: str) -> None:
@@ -471,7 +471,8 @@ def test_plain_http_is_refused_except_to_loopback(address: str) -> None:
 
 @pytest.mark.parametrize(
     "address", ["http://127.0.0.1:8080", "http://127.9.9.9", "http://[::1]:80",
-                "http://localhost:1", "http://LOCALHOST:2/", "/run/b.sock", "unix:/run/b.sock"],
+                "http://localhost:1", "http://LOCALHOST:2/", "/run/b.sock", "unix:/run/b.sock",
+                "relative/b.sock"],
 )
 def test_loopback_and_sockets_are_accepted(address: str) -> None:
     AsyncBrokerClient(address, CREDENTIAL)
