@@ -1,0 +1,397 @@
+"""The audit log: chain, tampering, rotation, restart, fail-closed writes, and no secrets."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import shutil
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import trio
+
+from daemon.audit import (
+    GENESIS,
+    UNAVAILABLE_MESSAGE,
+    AuditLog,
+    AuditRecord,
+    AuditUnavailable,
+    Phase,
+    audit_files,
+    read_records,
+    verify,
+)
+from daemon.contract import ErrorCode, Status
+from daemon.sessions import SessionStore
+
+AGENT = "ab" * 32
+CRED = "cred_0123456789abcdef"
+NOON = 1796040000.0
+#: Small enough that 1,000 records span several files.
+ROTATE = 160 * 1024
+
+
+def record(i: int, *, phase: Phase = Phase.VERDICT, agent: str = AGENT,
+           action: str = "message.post", cred: str = CRED) -> AuditRecord:
+    verdicts = [(Status.SUCCEEDED, None), (Status.FAILED, ErrorCode.UNAUTHORIZED),
+                (Status.INDETERMINATE, ErrorCode.OUTCOME_UNKNOWN)]
+    status, code = verdicts[i % 3] if phase is Phase.VERDICT else (None, None)
+    return AuditRecord(
+        phase=phase, at=NOON + i, credential_id=cred, agent=agent, action=action,
+        request_id=f"req-{i:05d}", body_sha256=hashlib.sha256(b"%d" % i).hexdigest(),
+        status=status, code=code,
+        events=(hashlib.sha256(b"e%d" % i).hexdigest(),) if status is not Status.FAILED else (),
+        replayed=phase is Phase.VERDICT and i % 7 == 0,
+    )
+
+
+async def write_log(directory: Path, count: int, *, rotate: int = ROTATE,
+                    concurrency: int = 50) -> AuditLog:
+    """`count` records appended by `concurrency` tasks, each task's records in its order."""
+    log = AuditLog.open(directory, rotate_bytes=rotate)
+
+    async def worker(first: int) -> None:
+        for i in range(first, count, concurrency):
+            await log.append(record(i))
+
+    async with trio.open_nursery() as nursery:
+        for first in range(concurrency):
+            nursery.start_soon(worker, first)
+    await log.aclose()
+    return log
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One 1,000-record log across several files, written once; tests copy it."""
+    directory = tmp_path_factory.mktemp("pristine") / "audit"
+    trio.run(write_log, directory, 1000)
+    return directory
+
+
+@pytest.fixture
+def log_dir(pristine: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "audit"
+    shutil.copytree(pristine, target)
+    return target
+
+
+def lines_of(directory: Path) -> list[tuple[Path, int]]:
+    """(file, 1-based line) of every record, in chain order."""
+    out: list[tuple[Path, int]] = []
+    for _n, path in audit_files(directory):
+        count = path.read_bytes().count(b"\n")
+        out.extend((path, i) for i in range(1, count + 1))
+    return out
+
+
+def edit_file(path: Path, change: Callable[[list[bytes]], list[bytes]]) -> None:
+    path.write_bytes(b"".join(change(path.read_bytes().splitlines(keepends=True))))
+
+
+def test_untouched_log_verifies(log_dir: Path) -> None:
+    files = audit_files(log_dir)
+    assert len(files) >= 3  # the chain crosses at least two rotations
+    result = verify(log_dir)
+    assert result.ok and result.records == 1000 and not result.torn_tail
+    # The head is the hash of the last line; the first prev is the genesis value.
+    last = files[-1][1].read_bytes().splitlines()[-1]
+    assert result.head == hashlib.sha256(last).hexdigest()
+    first = json.loads(files[0][1].read_bytes().splitlines()[0])
+    assert first["prev"] == GENESIS and first["seq"] == 1
+    # Each file's first record chains to the previous file's last line.
+    for (_, before), (_, after) in zip(files, files[1:]):
+        tail = before.read_bytes().splitlines()[-1]
+        assert json.loads(after.read_bytes().splitlines()[0])["prev"] == \
+            hashlib.sha256(tail).hexdigest()
+    assert verify(log_dir, expect_head=result.head).ok
+    assert stat.S_IMODE(os.stat(log_dir).st_mode) == 0o700
+    assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for _, p in files)
+
+
+def positions(directory: Path) -> dict[str, int]:
+    """Interesting record indexes (0-based): edges of files and the middle."""
+    where = lines_of(directory)
+    second = next(i for i, (p, line) in enumerate(where) if line == 1 and i > 0)
+    return {"first": 0, "middle": 500, "end_of_file_1": second - 1,
+            "start_of_file_2": second, "last_but_one": len(where) - 2}
+
+
+TAMPERING = ("edit", "edit_and_rehash", "delete", "insert", "swap")
+
+
+@pytest.mark.parametrize("how", TAMPERING)
+@pytest.mark.parametrize("where", ["first", "middle", "end_of_file_1", "start_of_file_2",
+                                   "last_but_one"])
+def test_tampering_is_caught_at_the_first_bad_record(log_dir: Path, how: str,
+                                                     where: str) -> None:
+    where_all = lines_of(log_dir)
+    k = positions(log_dir)[where]
+    path, line = where_all[k]
+    expected = (path, line)  # where verify must point
+
+    if how in ("edit", "edit_and_rehash"):
+        def change(lines: list[bytes]) -> list[bytes]:
+            obj = json.loads(lines[line - 1])
+            obj["agent"] = "cd" * 32  # make the record say someone else did it
+            if how == "edit_and_rehash":
+                body = {k: v for k, v in obj.items() if k != "digest"}
+                obj["digest"] = hashlib.sha256(json.dumps(
+                    body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+            lines[line - 1] = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+            return lines
+        edit_file(path, change)
+        if how == "edit_and_rehash":
+            # A consistent rewrite of one record shows at the next record's prev.
+            expected = where_all[k + 1]
+    elif how == "delete":
+        edit_file(path, lambda lines: lines[: line - 1] + lines[line:])
+        nxt_path, nxt_line = where_all[k + 1]
+        expected = (nxt_path, nxt_line - 1 if nxt_path == path else nxt_line)
+    elif how == "insert":
+        # A copy of another record put in front of record k.
+        donor = where_all[(k + 10) % len(where_all)]
+        copy = donor[0].read_bytes().splitlines(keepends=True)[donor[1] - 1]
+        edit_file(path, lambda lines: lines[: line - 1] + [copy] + lines[line - 1:])
+    elif how == "swap":
+        nxt_path, nxt_line = where_all[k + 1]
+        if nxt_path == path:
+            edit_file(path, lambda lines: lines[: line - 1] + [lines[line], lines[line - 1]]
+                      + lines[line + 1:])
+        else:  # swap across the file boundary
+            mine = path.read_bytes().splitlines(keepends=True)
+            theirs = nxt_path.read_bytes().splitlines(keepends=True)
+            mine[-1], theirs[0] = theirs[0], mine[-1]
+            path.write_bytes(b"".join(mine))
+            nxt_path.write_bytes(b"".join(theirs))
+
+    result = verify(log_dir)
+    assert not result.ok
+    assert (Path(str(result.file)), result.line) == expected, result
+    assert result.records == k + (1 if how == "edit_and_rehash" else 0)
+
+
+def test_last_record_edit_and_tail_truncation(log_dir: Path) -> None:
+    head = verify(log_dir).head
+    last = audit_files(log_dir)[-1][1]
+    original = last.read_bytes()
+    lines = original.splitlines(keepends=True)
+    # Editing the very last record breaks its own digest.
+    last.write_bytes(b"".join(lines[:-1]) + lines[-1].replace(b"message.post", b"message.postx"))
+    bad = verify(log_dir)
+    assert not bad.ok and bad.line == len(lines) and bad.records == 999
+    # Removing it leaves a valid shorter chain: only a remembered head reveals that.
+    last.write_bytes(b"".join(lines[:-1]))
+    assert verify(log_dir).ok
+    cut = verify(log_dir, expect_head=head)
+    assert not cut.ok and cut.records == 999
+
+
+def test_missing_files_are_named(log_dir: Path) -> None:
+    files = audit_files(log_dir)
+    files[1][1].unlink()
+    result = verify(log_dir)
+    assert not result.ok and result.reason is not None and "audit-000002.jsonl" in result.reason
+    files[0][1].unlink()
+    assert "audit-000001.jsonl" in str(verify(log_dir).reason)
+
+
+def test_single_file_verifies_on_its_own(log_dir: Path) -> None:
+    files = audit_files(log_dir)
+    one = verify(files[1][1])
+    assert one.ok and one.records == files[1][1].read_bytes().count(b"\n")
+    edit_file(files[1][1], lambda lines: lines[:3] + lines[4:])
+    assert verify(files[1][1]).line == 4
+
+
+async def test_restart_continues_the_chain_and_drops_a_torn_tail(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="buzz_broker")
+    directory = tmp_path / "audit"
+    log = AuditLog.open(directory, rotate_bytes=4096)
+    for i in range(20):
+        await log.append(record(i))
+    seq, head = log.head
+    assert seq == 20
+    await log.aclose()
+    # A crash tore the next line mid-write (its append never returned).
+    last = audit_files(directory)[-1][1]
+    with open(last, "ab") as handle:
+        handle.write(b'{"action":"message.post","agent":"ab')
+    torn = verify(directory)
+    assert torn.ok and torn.torn_tail and torn.records == 20
+
+    log = AuditLog.open(directory, rotate_bytes=4096)
+    assert log.head == (seq, head)
+    assert "audit.torn_tail_dropped" in [r.__dict__.get("buzz_event") for r in caplog.records]
+    for i in range(20, 40):
+        await log.append(record(i))
+    await log.aclose()
+    result = verify(directory)
+    assert result.ok and result.records == 40 and not result.torn_tail
+    assert [e.record.request_id for e in read_records(directory) if e.record] == [
+        f"req-{i:05d}" for i in range(40)]
+
+
+async def test_a_damaged_last_record_stops_the_open(tmp_path: Path) -> None:
+    directory = tmp_path / "audit"
+    log = AuditLog.open(directory, rotate_bytes=4096)
+    await log.append(record(1))
+    await log.append(record(2))
+    await log.aclose()
+    path = audit_files(directory)[-1][1]
+    path.write_bytes(path.read_bytes().replace(b"req-00002", b"req-00009"))
+    with pytest.raises(AuditUnavailable) as info:
+        AuditLog.open(directory)
+    assert str(info.value) == UNAVAILABLE_MESSAGE and "verify" in info.value.detail
+
+
+async def test_concurrent_appends_keep_the_chain(tmp_path: Path) -> None:
+    directory = tmp_path / "audit"
+    log = await write_log(directory, 64 * 20, rotate=8192, concurrency=64)
+    result = verify(directory)
+    assert result.ok and result.records == 1280
+    assert log.batches < 1280  # group commit shared fsyncs
+    # Each task's records appear in the order that task appended them.
+    order = [int(e.record.request_id[4:]) for e in read_records(directory) if e.record]
+    assert sorted(order) == list(range(1280))
+    for task in range(64):
+        mine = [i for i in order if i % 64 == task]
+        assert mine == sorted(mine)
+
+
+def _dev_full(path: Path, flags: int) -> int:
+    # Every write fails with ENOSPC: a full disk, whoever we run as.
+    return os.open("/dev/full", os.O_WRONLY | os.O_CLOEXEC)
+
+
+async def test_full_disk_fails_closed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, logger="buzz_broker")
+    log = AuditLog.open(tmp_path / "audit", _opener=_dev_full)
+    with pytest.raises(AuditUnavailable) as info:
+        await log.append(record(1))
+    assert str(info.value) == UNAVAILABLE_MESSAGE
+    assert "No space left on device" in info.value.detail
+    events = [r.__dict__.get("buzz_event") for r in caplog.records]
+    assert "audit.unavailable" in events
+    # Concurrent appends in the same failing batch all fail; none is reported written.
+    failures = []
+
+    async def one(i: int) -> None:
+        try:
+            await log.append(record(i))
+        except AuditUnavailable:
+            failures.append(i)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(10):
+            nursery.start_soon(one, i)
+    assert sorted(failures) == list(range(10))
+    await log.aclose()
+    with pytest.raises(AuditUnavailable):
+        await log.append(record(2))  # closed
+
+
+async def test_failed_fsync_leaves_no_torn_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = tmp_path / "audit"
+    log = AuditLog.open(directory)
+    await log.append(record(1))
+    real_fsync = os.fsync
+    calls = {"n": 0}
+
+    def flaky(fd: int) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", flaky)
+    with pytest.raises(AuditUnavailable):
+        await log.append(record(2))  # its bytes reached the file, but were never durable
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    await log.append(record(3))
+    await log.aclose()
+    result = verify(directory)
+    assert result.ok and result.records == 2
+    assert [e.record.request_id for e in read_records(directory) if e.record] == [
+        "req-00001", "req-00003"]
+
+
+async def test_unwritable_paths_as_root_or_not(tmp_path: Path) -> None:
+    # The file the log must write next is a directory: rotation cannot happen.
+    directory = tmp_path / "audit"
+    log = AuditLog.open(directory, rotate_bytes=1024)
+    (directory / "audit-000002.jsonl").mkdir()
+    failed = 0
+    for i in range(10):
+        try:
+            await log.append(record(i))
+        except AuditUnavailable:
+            failed += 1
+    assert failed > 0
+    # Once the operator clears the way, appends continue on the same chain.
+    (directory / "audit-000002.jsonl").rmdir()
+    await log.append(record(99))
+    await log.aclose()
+    assert verify(directory).ok and verify(directory).records == 10 - failed + 1
+
+    # Opening: the current file is a directory, or the audit directory is a file.
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "audit-000001.jsonl").mkdir()
+    with pytest.raises(AuditUnavailable):
+        AuditLog.open(blocked)
+    (tmp_path / "a-file").write_bytes(b"")
+    with pytest.raises(AuditUnavailable):
+        AuditLog.open(tmp_path / "a-file")
+
+
+async def test_no_argument_content_credential_or_secret(tmp_path: Path) -> None:
+    store = SessionStore.open(tmp_path)
+    cred, token = store.issue(agent=AGENT, channels=frozenset(
+        {"123e4567-e89b-12d3-a456-426614174000"}), actions=frozenset({"message.post"}),
+        ttl_seconds=None, uid=None, now=int(NOON))
+    content = "the launch code is hunter2-7c1f9e"
+    body = json.dumps({"type": "broker_request", "requestId": "r-secret-test",
+                       "action": "message.post", "args": {"content": content}}).encode()
+    log = AuditLog.open(tmp_path / "audit")
+    common = dict(at=NOON, credential_id=cred, agent=AGENT, action="message.post",
+                  request_id="r-secret-test", body_sha256=hashlib.sha256(body).hexdigest())
+    await log.append(AuditRecord(phase=Phase.INTENT, status=None, code=None,
+                                 events=("ef" * 32,), **common))  # type: ignore[arg-type]
+    await log.append(AuditRecord(phase=Phase.VERDICT, status=Status.SUCCEEDED, code=None,
+                                 events=("ef" * 32,), **common))  # type: ignore[arg-type]
+    await log.aclose()
+    written = b"".join(p.read_bytes() for _, p in audit_files(tmp_path / "audit"))
+    token_hash = hashlib.sha256(token.encode()).hexdigest()
+    for needle in (token, token[4:], token_hash, content, "hunter2", body.decode()):
+        assert needle.encode() not in written
+    for line in written.splitlines():
+        assert set(json.loads(line)) == {
+            "v", "seq", "prev", "digest", "time", "phase", "credential", "agent", "action",
+            "requestId", "bodySha256", "status", "code", "events", "replayed"}
+
+
+def test_records_validate_in_construction() -> None:
+    good = record(0)
+    for change in ({"phase": Phase.INTENT},  # an intent with a status
+                   {"status": Status.SUCCEEDED, "code": ErrorCode.INTERNAL},
+                   {"status": Status.FAILED, "code": ErrorCode.OUTCOME_UNKNOWN},
+                   {"status": Status.FAILED, "code": None},
+                   {"agent": "AB" * 32}, {"credential_id": "bzb_token"},
+                   {"request_id": "has space"}, {"body_sha256": "00"},
+                   {"events": ("zz",)}, {"action": "Message Post"}, {"at": -1.0}):
+        fields = {f: getattr(good, f) for f in good.__dataclass_fields__}
+        fields.update(change)
+        with pytest.raises((ValueError, TypeError)):
+            AuditRecord(**fields)
+    with pytest.raises(ValueError):
+        AuditLog.open("/nonexistent-never", rotate_bytes=10)
