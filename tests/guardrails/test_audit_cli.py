@@ -1,0 +1,86 @@
+"""`buzz-broker audit verify|show` as an operator runs them: a subprocess, stdout, exit status."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+from daemon.audit import AuditLog, audit_files
+from daemon.cli.audit import EXIT_BROKEN
+
+from .test_audit import AGENT, record
+
+OTHER = "cd" * 32
+
+
+def buzz(*argv: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "BUZZ_BROKER_CONFIG"}
+    return subprocess.run([sys.executable, "-m", "daemon.cli", *argv], capture_output=True,
+                          text=True, timeout=60, env=env)
+
+
+async def make_log(state: Path) -> None:
+    log = AuditLog.open(state / "audit", rotate_bytes=4096)
+    now = time.time()
+    for i in range(30):
+        r = record(i, agent=AGENT if i % 3 else OTHER,
+                   action="channel.read" if i % 5 == 0 else "message.post")
+        # Spread over the last 30 hours: record i is (30 - i) hours old.
+        await log.append(r.__class__(**{**{f: getattr(r, f) for f in r.__dataclass_fields__},
+                                        "at": now - (30 - i) * 3600}))
+    await log.aclose()
+
+
+def test_verify_and_show(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    trio.run(make_log, state)
+    config = tmp_path / "broker.toml"
+    config.write_text(f'[state]\ndir = "{state}"\n')
+
+    # Default path: the configured state directory's audit directory.
+    ok = buzz("--config", str(config), "audit", "verify")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("ok 30 records; head ")
+    head = ok.stdout.split()[-1]
+
+    table = buzz("--config", str(config), "audit", "show", "--agent", AGENT.upper(),
+                 "--since", "12h")
+    assert table.returncode == 0, table.stderr
+    rows = table.stdout.splitlines()
+    assert rows[0].startswith("TIME (UTC)")
+    # Records 18..29 are under 12 h old; those with i % 3 != 0 belong to AGENT.
+    assert len(rows) - 1 == len([i for i in range(18, 30) if i % 3])
+
+    as_json = buzz("audit", "show", "--path", str(state / "audit"), "--json",
+                   "--action", "channel.read", "--until", "1h")
+    lines = [json.loads(line) for line in as_json.stdout.splitlines()]
+    assert [o["requestId"] for o in lines] == [f"req-{i:05d}" for i in range(0, 30, 5)]
+
+    # Tamper with one record: verify names the file and line and exits EXIT_BROKEN.
+    second = audit_files(state / "audit")[1][1]
+    text = second.read_bytes().splitlines(keepends=True)
+    second.write_bytes(b"".join(text[:1] + text[2:]))
+    broken = buzz("--config", str(config), "audit", "verify", str(state / "audit"))
+    assert broken.returncode == EXIT_BROKEN
+    assert broken.stdout.startswith(f"broken: {second.name} line 2: ")
+
+    restored = b"".join(text)
+    second.write_bytes(restored)
+    assert buzz("audit", "verify", str(state / "audit"), "--head", head).returncode == 0
+    assert buzz("audit", "verify", str(state / "audit"), "--head", "0" * 64).returncode == \
+        EXIT_BROKEN
+
+    # Faults are one line, no traceback.
+    for argv in (("audit", "verify", str(tmp_path / "nothing")),
+                 ("audit", "show", "--path", str(state / "audit"), "--since", "yesterday"),
+                 ("audit", "show", "--path", str(state / "audit"), "--agent", "xyz")):
+        fault = buzz(*argv)
+        assert fault.returncode == 1
+        assert fault.stderr.count("\n") == 1 and "Traceback" not in fault.stderr
