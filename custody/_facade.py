@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 from custody._errors import CustodyError, UnknownAgent
 from custody._keystore import AgentRecord, Keystore
@@ -36,6 +37,8 @@ from custody._secret import Secret, parse_secret_text, random_secret
 from custody._signer import OwnerTag, auth_event, make_owner_tag, sign, with_owner_tag
 from custody._token import Token, TokenConfig
 from custody._worker import in_token_worker
+
+T = TypeVar("T")
 
 __all__ = ["Custody", "init_kek"]
 
@@ -64,7 +67,7 @@ async def init_kek(token: TokenConfig) -> bool:
 class Custody:
     """Sealed agent keys under a PKCS#11 token. Create with `await Custody.open(...)`."""
 
-    __slots__ = ("_token", "_keystore", "_closed", "_now")
+    __slots__ = ("_token", "_keystore", "_closed", "_now", "_observer")
 
     def __init__(self, token: Token, keystore: Keystore, *, _factory: object = None) -> None:
         if _factory is not _FACTORY:
@@ -73,6 +76,7 @@ class Custody:
         self._keystore = keystore
         self._closed = False
         self._now: Callable[[], int] = lambda: int(time.time())
+        self._observer: Callable[[str, float], None] | None = None
 
     # --- lifecycle -----------------------------------------------------------------
 
@@ -182,7 +186,7 @@ class Custody:
                     signed.append(sign(secret, unsigned))
             return signed
 
-        return await in_token_worker(work)
+        return await self._hop("sign", work)
 
     async def sign_auth(
         self, agent: str, relay_url: str, challenge: str, created_at: int
@@ -196,7 +200,7 @@ class Custody:
             with self._unseal(agent) as secret:
                 return sign(secret, unsigned)
 
-        return await in_token_worker(work)
+        return await self._hop("sign_auth", work)
 
     async def memory_address(self, agent: str, slug: str) -> MemoryAddress:
         """NIP-AE address (author, kind 30174, d-tag) of `slug` for `agent`. K_c stays inside.
@@ -212,7 +216,7 @@ class Custody:
             with self._unseal(agent) as secret:
                 return d_tag(secret, record.owner, slug)
 
-        return MemoryAddress(author_pubkey=agent, kind=MEMORY_KIND, d_tag=await in_token_worker(work))
+        return MemoryAddress(author_pubkey=agent, kind=MEMORY_KIND, d_tag=await self._hop("memory_address", work))
 
     # --- agent lifecycle -----------------------------------------------------------
 
@@ -251,7 +255,7 @@ class Custody:
                 return self._store(secret, owner=owner, name=name, creator=creator,
                                    depth=depth, mint_ref=mint_ref, auth_tag=None)
 
-        record = await in_token_worker(work)
+        record = await self._hop("mint", work)
         log.info("minted agent %s for owner %s (depth %d)", record.pubkey, owner, record.depth)
         return record
 
@@ -309,7 +313,7 @@ class Custody:
                 return self._store(secret, owner=owner, name=name or agent[:12], creator=creator,
                                    depth=depth, mint_ref=None, auth_tag=tag)
 
-        record = await in_token_worker(work)
+        record = await self._hop("import", work)
         log.info("imported agent %s for owner %s", record.pubkey, owner)
         return record
 
@@ -326,7 +330,7 @@ class Custody:
         def work() -> AgentRecord | None:
             return self._keystore.tombstone(pubkey, self._now())
 
-        record = await in_token_worker(work)
+        record = await self._hop("destroy", work)
         if record is None:
             raise UnknownAgent(pubkey)
         log.info("destroyed the key of agent %s (tombstone kept)", pubkey)
@@ -349,10 +353,26 @@ class Custody:
         def work() -> AgentRecord | None:
             return self._keystore.rename(pubkey, name, self._now())
 
-        record = await in_token_worker(work)
+        record = await self._hop("rename", work)
         if record is None:
             raise UnknownAgent(pubkey)
         return record
+
+    def observe_token_calls(self, observer: Callable[[str, float], None] | None) -> None:
+        """Call `observer(op, seconds)` after every token worker hop (for metrics).
+
+        `op` is one of sign, sign_auth, memory_address, mint, import, destroy, rename; the
+        observer sees names and durations only, never an argument.
+        """
+        self._observer = observer
+
+    async def _hop(self, op: str, work: Callable[[], T]) -> T:
+        started = time.monotonic()
+        try:
+            return await in_token_worker(work)
+        finally:
+            if self._observer is not None:
+                self._observer(op, time.monotonic() - started)
 
     # --- inside the worker -------------------------------------------------------------
 

@@ -38,6 +38,7 @@ import hashlib
 import sqlite3
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -50,6 +51,7 @@ import trio
 from custody import Custody, CustodyError, TokenConfig
 from daemon.config import Config, PolicyConfig
 from daemon.contract import (
+    ACTIONS,
     MESSAGES,
     ErrorCode,
     Reading,
@@ -63,16 +65,23 @@ from daemon.cursor import CursorCodec, CursorKeyError
 from daemon.http import HttpAnswer, HttpRequest
 from daemon.ledger import Conflict, Fresh, Ledger, LedgerKey, Replay, Resume
 from daemon.log import log_event
+from daemon.metrics import Metrics
 from daemon.operations import OPERATIONS, Context, Plan
 from daemon.operations._base import OperationRefused
 from daemon.policy import authorize
 from daemon.relay import Accepted, RelayPool, RelayTimeouts, Unknown
 from daemon.sessions import Principal, SessionStore
 
-__all__ = ["Broker", "StartupError", "PENDING_FORMAT"]
+__all__ = ["Broker", "StartupError", "PENDING_FORMAT", "CHECKPOINTS"]
 
 _log = logging.getLogger("buzz_broker.broker")
 
+#: Steps a publishing request passes, named for the crash tests (design.md step 4):
+#:   before_pending -- the plan is signed, nothing durable yet
+#:   after_pending  -- the pending record is committed, nothing sent
+#:   after_verdict  -- the verdict is committed, the response not yet written
+#: The relay-side steps (EVENT sent, OK received) are the test relay's to kill at.
+CHECKPOINTS = ("before_pending", "after_pending", "after_verdict")
 #: Version of the pending record's JSON layout; a record of another version is never guessed at.
 PENDING_FORMAT = 1
 #: How often the ledger's retention sweep runs (design.md: the database stays bounded).
@@ -123,6 +132,16 @@ class Pending:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class _Judged:
+    """A verdict reached after the ledger: its bytes, and the facts the log and metrics need."""
+
+    response: bytes
+    status: Status
+    code: ErrorCode | None = None
+    event_ids: tuple[str, ...] = ()
+
+
 def _quote_reason(reason: str) -> str:
     printable = "".join(ch if ch.isprintable() else " " for ch in reason).strip()
     return printable[:MAX_REASON_CHARS] or "no reason given"
@@ -163,6 +182,8 @@ class Broker:
         cursors: CursorCodec,
         clock: Callable[[], float] = time.time,
         config_loader: Callable[[], Config] | None = None,
+        metrics: Metrics | None = None,
+        checkpoint: Callable[[str], None] | None = None,
     ) -> None:
         self._config = config
         self._policy: PolicyConfig = config.policy
@@ -174,6 +195,8 @@ class Broker:
         self._clock = clock
         self._config_loader = config_loader
         self._locks = _AgentLocks()
+        self.metrics = metrics if metrics is not None else Metrics(actions=ACTIONS)
+        self._checkpoint = checkpoint
 
     @property
     def custody(self) -> Custody:
@@ -189,9 +212,19 @@ class Broker:
     @classmethod
     @asynccontextmanager
     async def running(
-        cls, config: Config, *, config_loader: Callable[[], Config] | None = None
+        cls,
+        config: Config,
+        *,
+        config_loader: Callable[[], Config] | None = None,
+        checkpoint: Callable[[str], None] | None = None,
     ) -> AsyncIterator[Broker]:
         """Open custody, the stores and the relay pool; close them all on exit.
+
+        Args:
+          config: the loaded configuration.
+          config_loader: re-reads the configuration on SIGHUP (policy only).
+          checkpoint: called with the name of each step in `CHECKPOINTS` as a request
+            passes it. The crash tests kill the process there; production passes None.
 
         Raises:
           StartupError: one line naming what is wrong (token, PIN, KEK, state directory).
@@ -222,9 +255,17 @@ class Broker:
             except (OSError, sqlite3.Error, CursorKeyError) as exc:
                 raise StartupError(f"state directory {state_dir}: {exc}") from None
 
+            metrics = Metrics(actions=ACTIONS)
+            custody.observe_token_calls(metrics.token_call)
+
             async def sign_auth(agent: str, relay_url: str, challenge: str, created_at: int
                                 ) -> dict[str, Any]:
-                signed = await custody.sign_auth(agent, relay_url, challenge, created_at)
+                try:
+                    signed = await custody.sign_auth(agent, relay_url, challenge, created_at)
+                except CustodyError as exc:
+                    # The pool maps ValueError to "could not authenticate"; anything else
+                    # would escape a publish as a crash.
+                    raise ValueError(f"custody did not sign AUTH: {type(exc).__name__}") from None
                 return dict(signed.to_json_obj())
 
             timeouts = RelayTimeouts(
@@ -233,7 +274,11 @@ class Broker:
                 eose=config.relay.eose_timeout,
                 idle_seconds=config.relay.idle_seconds,
             )
-            relay = RelayPool(config.relay.url, sign_auth, timeouts=timeouts)
+            try:
+                relay = RelayPool(config.relay.url, sign_auth, timeouts=timeouts,
+                                  observer=metrics.relay_round_trip)
+            except ValueError as exc:
+                raise StartupError(f"relay url: {exc}") from None
             broker = cls(
                 config=config,
                 custody=custody,
@@ -242,6 +287,8 @@ class Broker:
                 relay=relay,
                 cursors=cursors,
                 config_loader=config_loader,
+                metrics=metrics,
+                checkpoint=checkpoint,
             )
             async with trio.open_nursery() as nursery:
                 await nursery.start(relay.run)
@@ -273,7 +320,12 @@ class Broker:
             removed = await self._ledger.sweep(int(self._clock()))
             if removed:
                 log_event(_log, "ledger.swept", removed=removed)
+            self.metrics.set_ledger_size(await self._ledger.count())
             await trio.sleep(SWEEP_INTERVAL_SECONDS)
+
+    def _passed(self, step: str) -> None:
+        if self._checkpoint is not None:
+            self._checkpoint(step)
 
     # ---------------------------------------------------------------- the pipeline
 
@@ -283,6 +335,7 @@ class Broker:
         if reading.request_id is None:
             log_event(_log, "request.uncorrelated", bytes=len(request.body),
                       detail=reading.error.detail if reading.error else "")
+            self.metrics.request(None, None, None, time.monotonic() - started)
             return HttpAnswer(status=400, body=None)
         request_id = reading.request_id
         principal = self._sessions.authenticate(
@@ -297,7 +350,8 @@ class Broker:
         begun = await self._ledger.begin(key, hashlib.sha256(request.body).digest())
         if isinstance(begun, Replay):
             return self._respond(request_id, mark_replayed(begun.response), started,
-                                 principal=principal, action=_action_of(reading), replayed=True)
+                                 principal=principal, action=_action_of(reading),
+                                 judged=_recorded(begun.response), replayed=True)
         if isinstance(begun, Conflict):
             verdict = Verdict.failed(
                 ErrorCode.REQUEST_ID_CONFLICT, MESSAGES[ErrorCode.REQUEST_ID_CONFLICT]
@@ -306,17 +360,19 @@ class Broker:
                                  principal=principal, action=_action_of(reading), verdict=verdict)
         assert isinstance(begun, (Fresh, Resume))
         try:
-            response, status = await self._judge(principal, reading, begun)
+            judged = await self._judge(principal, reading, begun)
         except BaseException:
             self._ledger.release(begun.ticket)
             raise
-        await self._ledger.finish(begun.ticket, response, final=status is not Status.INDETERMINATE)
-        return self._respond(request_id, response, started, principal=principal,
-                             action=_action_of(reading), status=status)
+        await self._ledger.finish(begun.ticket, judged.response,
+                                  final=judged.status is not Status.INDETERMINATE)
+        self._passed("after_verdict")
+        return self._respond(request_id, judged.response, started, principal=principal,
+                             action=_action_of(reading), judged=judged)
 
     async def _judge(
         self, principal: Principal, reading: Reading, begun: Fresh | Resume
-    ) -> tuple[bytes, Status]:
+    ) -> _Judged:
         """Everything after the ledger let this request through: (response bytes, status)."""
         request_id = reading.request_id
         assert request_id is not None
@@ -370,7 +426,7 @@ class Broker:
 
     async def _plan_and_publish(
         self, ctx: Context, prepare: Callable[[Context, Any], Any], request: Any, ticket: Any
-    ) -> tuple[bytes, Status]:
+    ) -> _Judged:
         result = await prepare(ctx, request.args)
         if isinstance(result, Verdict):
             return self._verdict(ctx.request_id, result)
@@ -383,12 +439,14 @@ class Broker:
             rollback=result.rollback,
             commit=result.commit,
         )
+        self._passed("before_pending")
         await self._ledger.record_pending(ticket, pending.encode())
+        self._passed("after_pending")
         return await self._publish(ctx.principal, ctx.request_id, pending, resumed=False)
 
     async def _publish(
         self, principal: Principal, request_id: str, pending: Pending, *, resumed: bool
-    ) -> tuple[bytes, Status]:
+    ) -> _Judged:
         accepted = 0
         for event in pending.events:
             result = await self._relay.publish(str(event["pubkey"]), dict(event))
@@ -412,7 +470,8 @@ class Broker:
                 f"the relay accepted {accepted} of {len(pending.events)} events and refused "
                 f"the next ({reason}); retry the identical request to finish"))
         await self._housekeeping(pending.commit)
-        return pending.success, Status.SUCCEEDED
+        return _Judged(pending.success, Status.SUCCEEDED,
+                       event_ids=tuple(str(e["id"]) for e in pending.events))
 
     async def _housekeeping(self, work: Mapping[str, Any]) -> None:
         """Host-local follow-ups named by a plan; each is safe to run twice.
@@ -436,8 +495,8 @@ class Broker:
 
     # ---------------------------------------------------------------- answers
 
-    def _verdict(self, request_id: str, verdict: Verdict) -> tuple[bytes, Status]:
-        return encode_response(request_id, verdict), verdict.status
+    def _verdict(self, request_id: str, verdict: Verdict) -> _Judged:
+        return _Judged(encode_response(request_id, verdict), verdict.status, verdict.code)
 
     def _respond(
         self,
@@ -448,7 +507,7 @@ class Broker:
         principal: Principal | None,
         action: str | None,
         verdict: Verdict | None = None,
-        status: Status | None = None,
+        judged: _Judged | None = None,
         replayed: bool = False,
     ) -> HttpAnswer:
         fields: dict[str, Any] = {
@@ -458,14 +517,35 @@ class Broker:
             "duration_ms": round((time.monotonic() - started) * 1000, 3),
         }
         if verdict is not None:
-            fields["status"] = verdict.status.value
-            fields["code"] = verdict.code.value if verdict.code else None
-        elif status is not None:
-            fields["status"] = status.value
+            judged = _Judged(body, verdict.status, verdict.code)
+        if judged is not None:
+            fields["status"] = judged.status.value
+            fields["code"] = judged.code.value if judged.code else None
+            if judged.event_ids:
+                fields["event_ids"] = list(judged.event_ids)
         if replayed:
             fields["replayed"] = True
         log_event(_log, "verdict", **{k: v for k, v in fields.items() if v is not None})
+        self.metrics.request(action, fields.get("status"), fields.get("code"),
+                             time.monotonic() - started)
         return HttpAnswer(status=200, body=body)
+
+
+#: In our own canonical encoding (compact, keys unescaped) these members can only appear as
+#: the envelope's: inside a string value every quote is escaped.
+_STATUS_MEMBER = re.compile(rb'"status":"([a-z]+)"')
+_CODE_MEMBER = re.compile(rb'"code":"([a-z_]+)"')
+
+
+def _recorded(response: bytes) -> _Judged:
+    """The status and code of a verdict the ledger recorded (for the log and metrics)."""
+    status = _STATUS_MEMBER.search(response)
+    code = _CODE_MEMBER.search(response)
+    return _Judged(
+        response,
+        Status(status.group(1).decode()) if status else Status.FAILED,
+        ErrorCode(code.group(1).decode()) if code else None,
+    )
 
 
 def _action_of(reading: Reading) -> str | None:

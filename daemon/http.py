@@ -66,6 +66,7 @@ import socket
 import stat
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -298,7 +299,8 @@ def _authorization(headers: list[tuple[bytes, bytes]]) -> str | None:
 class ServerControl:
     """Handed out by `serve` through ``task_status.started``: stop it, and watch it."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_connections: Callable[[int], None] | None = None) -> None:
+        self._on_connections = on_connections
         self._stop = trio.Event()
         self._idle = trio.Event()
         self._idle.set()
@@ -321,11 +323,15 @@ class ServerControl:
     def _opened(self) -> None:
         self.connections += 1
         self._idle = trio.Event() if self._idle.is_set() else self._idle
+        if self._on_connections is not None:
+            self._on_connections(self.connections)
 
     def _closed(self) -> None:
         self.connections -= 1
         if self.connections == 0:
             self._idle.set()
+        if self._on_connections is not None:
+            self._on_connections(self.connections)
 
 
 class _Connection:
@@ -539,6 +545,7 @@ async def serve(
     *,
     socket_mode: int = 0o660,
     socket_group: str | None = None,
+    on_connections: Callable[[int], None] | None = None,
     task_status: trio.TaskStatus[ServerControl] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` on `listener` until stopped.
@@ -549,6 +556,8 @@ async def serve(
             with `bind_unix_socket` (then removed again when `serve` returns).
         limits: transport bounds.
         socket_mode, socket_group: permissions of a socket bound from a path.
+        on_connections: called with the number of open connections whenever it changes
+            (the metrics gauge).
         task_status: ``started(control)`` once the socket is listening.
 
     Returns:
@@ -573,7 +582,7 @@ async def serve(
         raw = listener
     bound_inode = os.stat(bound_path).st_ino if bound_path else None
     sock = trio.socket.from_stdlib_socket(raw)
-    control = ServerControl()
+    control = ServerControl(on_connections)
     slots = trio.Semaphore(limits.max_connections)
     try:
         async with trio.open_nursery() as nursery:

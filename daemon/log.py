@@ -25,7 +25,7 @@ import logging
 import sys
 from typing import TextIO
 
-__all__ = ["log_event", "setup_logging", "LEVELS", "ROOT_LOGGER"]
+__all__ = ["log_event", "setup_logging", "format_record", "LEVELS", "ROOT_LOGGER"]
 
 #: The logger tree every module logs under (`buzz_broker.<module>`).
 ROOT_LOGGER = "buzz_broker"
@@ -83,6 +83,14 @@ class _JsonFormatter(logging.Formatter):
                 if key not in line:
                     line[key] = value
         return json.dumps(line, ensure_ascii=False, default=str, separators=(",", ":"))
+
+
+def format_record(record: logging.LogRecord) -> str:
+    """The JSON line `setup_logging`'s handler writes for `record` (tests scan these)."""
+    return _FORMATTER.format(record)
+
+
+_FORMATTER = _JsonFormatter()
 
 
 def setup_logging(level: str = "info", stream: TextIO | None = None) -> None:

@@ -250,6 +250,9 @@ class Metrics:
     def set_ledger_size(self, records: int) -> None:
         self._ledger.set((), records)
 
+    def set_open_connections(self, count: int) -> None:
+        self._connections.set((), count)
+
     def connection_opened(self) -> None:
         self._connections.add((), 1)
 

@@ -424,6 +424,9 @@ class RelayPool:
             agent's signed kind-22242 event as a dict (custody signs it).
         timeouts: every deadline; see `RelayTimeouts`.
         tcp_quickack: re-arm TCP_QUICKACK after reads (see the module docstring).
+        observer: called ``observer(op, result, seconds)`` after each publish
+            (result: accepted|rejected|notsent|unknown) and query (ok|refused|unavailable),
+            for metrics; it sees no event, filter or agent.
 
     Raises:
         ValueError: a URL the transport rule refuses, or a signer that is not callable.
@@ -436,6 +439,7 @@ class RelayPool:
         *,
         timeouts: RelayTimeouts = RelayTimeouts(),
         tcp_quickack: bool = True,
+        observer: Callable[[str, str, float], None] | None = None,
     ) -> None:
         self._url: RelayUrl = check_relay_url(url)
         if not callable(auth_signer):
@@ -443,6 +447,7 @@ class RelayPool:
         self._auth_signer = auth_signer
         self._timeouts = timeouts
         self._quickack = tcp_quickack
+        self._observer = observer
         self._nursery: trio.Nursery | None = None
         self._connections: dict[str, _Connection] = {}
         self._connect_locks: dict[str, trio.Lock] = {}
@@ -706,11 +711,15 @@ class RelayPool:
         if not isinstance(event_id, str) or len(event_id) != 64:
             raise ValueError("publish needs a signed event with a 64-hex id")
         frame = encode_event(event)
+        started = time.monotonic()
+        result: PublishResult
         try:
             async with self._use(agent) as conn:
-                return await self._publish_on(conn, event_id, frame)
+                result = await self._publish_on(conn, event_id, frame)
         except _Unreachable as exc:
-            return NotSent(reason=exc.reason)
+            result = NotSent(reason=exc.reason)
+        self._observe("publish", type(result).__name__.lower(), started)
+        return result
 
     async def _publish_on(self, conn: _Connection, event_id: str, frame: str) -> PublishResult:
         refused_first: str | None = None
@@ -770,11 +779,24 @@ class RelayPool:
         """
         if not filters or not all(isinstance(f, Mapping) for f in filters):
             raise ValueError("query needs at least one filter, each a mapping")
+        started = time.monotonic()
+        outcome = "unavailable"
         try:
             async with self._use(agent) as conn:
-                return await self._query_on(conn, filters)
+                events = await self._query_on(conn, filters)
+                outcome = "ok"
+                return events
         except _Unreachable as exc:
             raise RelayUnavailable(exc.reason) from None
+        except RelayRefused:
+            outcome = "refused"
+            raise
+        finally:
+            self._observe("query", outcome, started)
+
+    def _observe(self, op: str, result: str, started: float) -> None:
+        if self._observer is not None:
+            self._observer(op, result, time.monotonic() - started)
 
     async def _query_on(
         self, conn: _Connection, filters: Sequence[Mapping[str, Any]]

@@ -60,6 +60,7 @@ from daemon.http import (
     serve,
 )
 from daemon.log import log_event, setup_logging
+from daemon.metrics import Metrics, serve_metrics
 
 __all__ = [
     "HELP",
@@ -225,7 +226,8 @@ async def run_server(
     try:
         _send(env, notify.status("opening the token, the stores and the relay pool"))
         async with app_factory(config) as app:
-            await _serve_until_signalled(app, raw, limits, env, watchdog, where, started_at, task_status)
+            await _serve_until_signalled(app, raw, limits, env, watchdog, where, started_at,
+                                         task_status, config.metrics.socket)
     finally:
         raw.close()
         if bound_path is not None:
@@ -247,14 +249,30 @@ async def _serve_until_signalled(
     where: str,
     started_at: float,
     task_status: trio.TaskStatus[ServerControl],
+    metrics_socket: str | None = None,
 ) -> None:
+    # An application with a metrics registry (the broker) gets the connection gauge and,
+    # when [metrics] socket is set, the admin socket; a test application has neither.
+    metrics: Metrics | None = getattr(app, "metrics", None)
+    on_connections = None
+    if metrics is not None:
+        registry = metrics
+
+        def on_connections(count: int) -> None:
+            registry.set_open_connections(count)
+
     # The receiver is open before READY=1, so a SIGTERM right after readiness is not lost.
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
 
             async def serve_then_finish(task_status: trio.TaskStatus[ServerControl]) -> None:
-                await serve(app, raw, limits, task_status=task_status)
+                await serve(app, raw, limits, on_connections=on_connections,
+                            task_status=task_status)
                 nursery.cancel_scope.cancel()  # drained: stop the watchdog and signal tasks
+
+            if metrics is not None and metrics_socket:
+                await nursery.start(serve_metrics, metrics, metrics_socket)
+                log_event(_log, "serve.metrics", socket=metrics_socket)
 
             control: ServerControl = await nursery.start(serve_then_finish)
             _send(env, notify.READY, notify.status(f"serving on {where}"))
