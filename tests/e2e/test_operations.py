@@ -228,3 +228,28 @@ async def test_order_of_judgement_and_replay(broker: BrokerHarness) -> None:
     assert third == second
     events = await _fetch(broker, {"kinds": [9], "#h": [channel]})
     assert [e["content"] for e in events] == ["once"]
+
+
+async def test_credential_revoked_by_the_cli_stops_working_at_once(broker: BrokerHarness) -> None:
+    import os
+    import subprocess
+    import sys
+
+    channel = str(uuid.uuid4())
+    agent = await broker.human_owned_agent()
+    cred = broker.credential(agent, [channel])
+    ok = await broker.call(cred, "message.post", {"channelId": channel, "content": "before"})
+    assert ok["status"] == "succeeded"
+    listed = subprocess.run(
+        [sys.executable, "-m", "daemon.cli", "--config", str(broker.config_path),
+         "credential", "list", "--json"], capture_output=True, text=True, check=True,
+        env=dict(os.environ))
+    entries = [json.loads(line) for line in listed.stdout.splitlines()]
+    [entry] = [c for c in entries if c["agent"] == agent]
+    subprocess.run(
+        [sys.executable, "-m", "daemon.cli", "--config", str(broker.config_path),
+         "credential", "revoke", entry["id"]], capture_output=True, check=True,
+        env=dict(os.environ))
+    after = await broker.call(cred, "message.post", {"channelId": channel, "content": "after"})
+    assert (after["status"], after["error"]["code"]) == ("failed", "unauthenticated")
+    assert cred not in listed.stdout
