@@ -1,0 +1,83 @@
+"""I2 and I3 over the real socket: the session decides who acts, and a retry never acts twice."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import trio
+
+from tests.fixtures.broker import BrokerHarness, raw_post, request_body
+from tests.fixtures.relay import nostr_fetch
+
+
+async def test_hundred_concurrent_identical_requests_execute_once(broker: BrokerHarness) -> None:
+    channel = str(uuid.uuid4())
+    agent = await broker.human_owned_agent()
+    cred = broker.credential(agent, [channel])
+    body = request_body("message.post", {"channelId": channel, "content": "exactly once"})
+    answers: list[bytes] = []
+
+    async def send() -> None:
+        status, raw = await raw_post(broker.socket, body, cred)
+        assert status == 200
+        answers.append(raw)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(100):
+            nursery.start_soon(send)
+    originals = [a for a in answers if b'"replayed":true' not in a]
+    replays = [a for a in answers if b'"replayed":true' in a]
+    assert len(originals) == 1 and len(replays) == 99
+    assert b'"status":"succeeded"' in originals[0]
+    assert {r.replace(b',"replayed":true', b"") for r in replays} == {originals[0]}
+    events = await trio.to_thread.run_sync(nostr_fetch, broker.relay_url,
+                                           [{"kinds": [9], "#h": [channel]}])
+    assert len(events) == 1
+
+
+async def test_another_principal_reusing_a_request_id_gets_its_own_verdict(
+    broker: BrokerHarness,
+) -> None:
+    channel = str(uuid.uuid4())
+    alice, bob = await broker.human_owned_agent("alice"), await broker.human_owned_agent("bob")
+    alice_cred = broker.credential(alice, [channel])
+    bob_cred = broker.credential(bob, [channel])
+    request_id = "shared-id-1"
+    _, a = await broker.post(request_body("message.post", {"channelId": channel, "content": "A"},
+                                          request_id=request_id), alice_cred)
+    _, b = await broker.post(request_body("message.post", {"channelId": channel, "content": "B"},
+                                          request_id=request_id), bob_cred)
+    assert a is not None and b is not None
+    assert a["status"] == b["status"] == "succeeded"
+    assert "replayed" not in b and a["outcome"]["eventId"] != b["outcome"]["eventId"]
+    events = await trio.to_thread.run_sync(nostr_fetch, broker.relay_url,
+                                           [{"kinds": [9], "#h": [channel]}])
+    assert {(e["pubkey"], e["content"]) for e in events} == {(alice, "A"), (bob, "B")}
+
+
+async def test_bad_tokens_are_unauthenticated(broker: BrokerHarness) -> None:
+    channel = str(uuid.uuid4())
+    agent = await broker.human_owned_agent()
+    good = broker.credential(agent, [channel])
+    expired_id, expired = broker.app.sessions.issue(agent=agent, channels=[channel],
+                                                actions=["message.post"], ttl_seconds=1,
+                                                now=int(time.time()) - 10, uid=None)
+    revoked_id, revoked = broker.app.sessions.issue(agent=agent, channels=[channel],
+                                                actions=["message.post"], ttl_seconds=None,
+                                                now=int(time.time()), uid=None)
+    broker.app.sessions.revoke(revoked_id)
+    _, wrong_uid = broker.app.sessions.issue(agent=agent, channels=[channel],
+                                         actions=["message.post"], ttl_seconds=None,
+                                         now=int(time.time()), uid=os.getuid() + 1)
+    _, right_uid = broker.app.sessions.issue(agent=agent, channels=[channel],
+                                         actions=["message.post"], ttl_seconds=None,
+                                         now=int(time.time()), uid=os.getuid())
+    body = request_body("message.post", {"channelId": channel, "content": "x"})
+    for header in (expired, revoked, wrong_uid, good[:-1], good + " ", good.upper(), "x" * 4096):
+        status, envelope = await broker.post(body, header)
+        assert status == 200 and envelope is not None
+        assert (envelope["status"], envelope["error"]["code"]) == ("failed", "unauthenticated")
+    status, envelope = await broker.post(body, right_uid)
+    assert envelope is not None and envelope["status"] == "succeeded"
