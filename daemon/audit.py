@@ -591,7 +591,9 @@ class AuditLog:
             self._prev = _sha256(tail_line)
         self._number = files[-1][0] if files else 1
         path = self._dir / _file_name(self._number)
-        self._fd = self._opener(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC)
+        self._fd = self._opener(
+            path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        )
         self._size = os.fstat(self._fd).st_size
         if not files:
             _fsync_dir(self._dir)
@@ -706,7 +708,8 @@ class AuditLog:
         # next batch tries again (the size still says "rotate").
         number = self._number + 1
         path = self._dir / _file_name(number)
-        fd = self._opener(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
+        fd = self._opener(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                          | os.O_NOFOLLOW)
         try:
             _fsync_dir(self._dir)
         except OSError:
@@ -725,8 +728,9 @@ class AuditLog:
     async def aclose(self) -> None:
         """Stop accepting records, let a running flush finish, and close the file."""
         self._closed = True
-        async with self._limiter:
-            pass
+        # Let queued records finish: their callers are waiting for a durable answer.
+        while self._flushing or self._queue:
+            await trio.sleep(0.001)
         if self._fd >= 0:
             log_event(_log, "audit.head", seq=self._seq, head=self._prev,
                       file=_file_name(self._number), closed=True)

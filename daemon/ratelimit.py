@@ -556,6 +556,12 @@ class RateLimiter:
         for key in [k for k in self._daily if k[2] < day - 1]:
             del self._daily[key]
             self._dirty_daily.discard(key)
+        # A bucket untouched for a day is full again under any window up to an hour, which
+        # is what a missing bucket means: forget it (revoked credentials stop costing memory).
+        idle = (day - 1) * _DAY_SECONDS
+        for bkey in [k for k, b in self._buckets.items() if b.at < idle]:
+            del self._buckets[bkey]
+            self._dirty_buckets.discard(bkey)
 
     # ------------------------------------------------------------------ durability
 
@@ -590,6 +596,7 @@ class RateLimiter:
                     snap.daily,
                 )
                 conn.execute("DELETE FROM daily WHERE day < ?", (snap.oldest_day,))
+                conn.execute("DELETE FROM buckets WHERE at < ?", (snap.oldest_day * _DAY_SECONDS,))
                 conn.execute("COMMIT")
             except BaseException:
                 conn.execute("ROLLBACK")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from daemon.audit import (
     GENESIS,
@@ -264,6 +265,17 @@ async def test_concurrent_appends_keep_the_chain(tmp_path: Path) -> None:
     for task in range(64):
         mine = [i for i in order if i % 64 == task]
         assert mine == sorted(mine)
+
+
+async def test_close_waits_for_queued_records(tmp_path: Path) -> None:
+    log = AuditLog.open(tmp_path / "audit")
+    async with trio.open_nursery() as nursery:
+        for i in range(20):
+            nursery.start_soon(log.append, record(i))
+        await trio.testing.wait_all_tasks_blocked()
+        await log.aclose()  # every caller already queued gets its durable answer
+    result = verify(tmp_path / "audit")
+    assert result.ok and result.records == 20 and result.head == log.head[1]
 
 
 def _dev_full(path: Path, flags: int) -> int:
