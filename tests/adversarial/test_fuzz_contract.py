@@ -429,6 +429,7 @@ def _succeeded_verdicts() -> st.SearchStrategy[Verdict]:
         wire = {"type": "broker_result", "protocolVersion": 1, "requestId": "r", "status":
                 "succeeded", "action": action, "outcome": outcome}
         parsed = parse_response(json.dumps(wire, ensure_ascii=False).encode("utf-8"))
+        assert parsed.outcome is not None
         return Verdict.succeeded(action, parsed.outcome)
 
     return build()
