@@ -1,0 +1,189 @@
+"""Crash points (issue 8 item 2; issue 4 and 5's SIGKILL tests, end to end).
+
+The daemon runs as its own process (`tests.adversarial.crashing_daemon`) against a real
+LocalRelay through `KillingProxy`. The relay behind the proxy is the open one (no NIP-42):
+LocalRelay refuses an AUTH whose ``relay`` tag names the proxy rather than itself, and the
+crash points concern the ledger and the relay's copy, not authentication. For message.post, message.reply
+and agents.create it is SIGKILLed at each step of the pipeline:
+
+    before_pending  the plan is signed (agents.create: the key is minted), nothing durable
+    after_pending   the pending record is committed, nothing sent
+    event_unsent    the daemon sent EVENT; it never reached the relay
+    event_stored    the relay stored the event and said OK; the daemon never saw the OK
+    ok_delivered    the OK is in the daemon's socket; it never recorded the verdict
+    after_verdict   the verdict is committed; the response was never written
+
+agents.create publishes three events; the relay-side points are also taken at its second
+and third event (a crash between events of one ledger entry).
+
+After each kill: the client got no answer, the daemon is restarted on the same state dir,
+and the IDENTICAL bytes are sent again. Required: `succeeded`; on the relay (read directly,
+by an independent nostr-sdk client) every effect exactly once; when a pending record was
+committed, the events on the relay are exactly its events (the original ids, never
+re-signed ones); at most one minted agent for the owner, the one the outcome names.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from custody import PublicDirectory, TokenConfig
+from tests.adversarial._daemon import (
+    DaemonProcess,
+    KillingProxy,
+    Moment,
+    envelope,
+    pending_event_ids,
+    post,
+    request_body,
+    setup_state,
+)
+from tests.fixtures.broker import write_config
+from tests.fixtures.relay import TestKey, free_port, nostr_fetch, nostr_publish, nostr_verify
+
+#: (point, index of the EVENT frame for relay-side points)
+POINTS: tuple[tuple[str, int], ...] = (
+    ("before_pending", 0),
+    ("after_pending", 0),
+    ("event_unsent", 0),
+    ("event_stored", 0),
+    ("ok_delivered", 0),
+    ("after_verdict", 0),
+)
+#: agents.create's extra points: between its first and second, and after its last event.
+CREATE_EXTRA: tuple[tuple[str, int], ...] = (("event_stored", 1), ("ok_delivered", 2))
+CASES = [(a, p, i) for a in ("message.post", "message.reply", "agents.create")
+         for p, i in POINTS] + [("agents.create", p, i) for p, i in CREATE_EXTRA]
+CHECKPOINT_STEPS = {"before_pending", "after_pending", "after_verdict"}
+SIGKILLED = -9
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
+    with tempfile.TemporaryDirectory(prefix="bb-crash-") as name:
+        yield Path(name)
+
+
+@pytest.fixture
+async def proxy(nursery: trio.Nursery, local_relay_open: str) -> AsyncIterator[KillingProxy]:
+    relay_proxy = KillingProxy(local_relay_open)
+    await nursery.start(relay_proxy.serve, free_port())
+    yield relay_proxy
+
+
+def _fetch(url: str, flt: dict[str, Any]) -> Any:
+    return trio.to_thread.run_sync(nostr_fetch, url, [flt])
+
+
+@dataclass(frozen=True)
+class Scene:
+    body: bytes
+    request_id: str
+    channel: str
+
+
+async def _scene(action: str, channel: str, relay_url: str) -> Scene:
+    request_id = str(uuid.uuid4())
+    if action == "message.post":
+        args: dict[str, Any] = {"channelId": channel, "content": f"crash test {request_id}"}
+    elif action == "message.reply":
+        # The parent is published by an independent key straight to the relay, so the
+        # daemon under test passes no checkpoint before the request that crashes it.
+        author = TestKey()
+        parent = author.sign(9, "parent", [["h", channel]])
+        assert await trio.to_thread.run_sync(nostr_publish, relay_url, parent, author.secret_hex)
+        args = {"channelId": channel, "replyToEventId": parent["id"], "content": "a reply"}
+    else:
+        args = {"channelId": channel, "displayName": "Minted", "systemPrompt": "be brief"}
+    return Scene(request_body(action, args, request_id=request_id), request_id, channel)
+
+
+@pytest.mark.parametrize(("action", "point", "index"), CASES,
+                         ids=[f"{a}-{p}-{i}" for a, p, i in CASES])
+async def test_sigkill_then_identical_retry_finishes_exactly_once(
+    action: str, point: str, index: int, custody_state: tuple[TokenConfig, Path],
+    local_relay_open: str, proxy: KillingProxy, short_dir: Path,
+) -> None:
+    token, state_dir = custody_state
+    channel = str(uuid.uuid4())
+    requester = await setup_state(token, state_dir, [channel])
+    socket = short_dir / "b.sock"
+    config = write_config(short_dir / "broker.toml", token=token, state_dir=state_dir,
+                          socket=socket, relay_url=proxy.url)
+    scene = await _scene(action, channel, local_relay_open)
+
+    step = point if point in CHECKPOINT_STEPS else "none"
+    first = await DaemonProcess.start(config, socket, step=step)
+    try:
+        if step == "none":
+            proxy.arm(first.pid, Moment(point), index)
+        answer = await post(socket, scene.body, requester.credential)
+        assert answer is None, f"killed at {point}, yet answered: {answer}"
+        assert await first.wait_exit(10.0) == SIGKILLED, first.log()[-2000:]
+        if step == "none":
+            assert proxy.fired.is_set()
+    finally:
+        first.kill()
+    pending = pending_event_ids(state_dir, requester.agent, scene.request_id)
+    assert (pending is None) == (point == "before_pending"), pending
+
+    second = await DaemonProcess.start(config, socket)
+    try:
+        retried = envelope(await post(socket, scene.body, requester.credential))
+        assert retried["status"] == "succeeded", (retried.get("error"), second.log()[-3000:])
+        assert retried["requestId"] == scene.request_id
+        assert retried.get("replayed", False) is (point == "after_verdict")
+        again = envelope(await post(socket, scene.body, requester.credential))
+        assert again == {**retried, "replayed": True}
+        assert await second.stop() == 0
+    finally:
+        second.kill()
+
+    outcome = retried["outcome"]
+    if action == "agents.create":
+        on_relay = await _created_effects(local_relay_open, state_dir, requester.agent, channel,
+                                           outcome)
+    else:
+        on_relay = await _message_effects(local_relay_open, channel, outcome, action)
+    if pending is not None:
+        # The retry re-sent exactly the committed events: the original ids, nothing new.
+        assert sorted(on_relay) == sorted(pending)
+    for event in on_relay.values():
+        assert nostr_verify(event)
+
+
+async def _message_effects(relay: str, channel: str, outcome: dict[str, Any],
+                           action: str) -> dict[str, dict[str, Any]]:
+    found = await _fetch(relay, {"kinds": [9], "#h": [channel]})
+    ours = [e for e in found if e["content"] != "parent"]
+    assert len(found) == (2 if action == "message.reply" else 1), found
+    assert len(ours) == 1, ours
+    assert ours[0]["id"] == outcome["eventId"]
+    return {e["id"]: e for e in ours}
+
+
+async def _created_effects(relay: str, state_dir: Path, owner: str, channel: str,
+                           outcome: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    minted = [r for r in PublicDirectory.open(state_dir).all(include_deleted=True)
+              if r.owner == owner]
+    assert [r.pubkey for r in minted] == [outcome["agentPubkey"]], minted
+    assert minted[0].deleted_at is None
+    agent = outcome["agentPubkey"]
+    put_user = await _fetch(relay, {"kinds": [9000], "#h": [channel]})
+    records = await _fetch(relay, {"kinds": [30177], "authors": [owner]})
+    profiles = await _fetch(relay, {"kinds": [0], "authors": [agent]})
+    for found in (put_user, records, profiles):
+        assert len(found) == 1, found
+    assert put_user[0]["tags"] == [["h", channel], ["p", agent], ["role", "bot"]]
+    assert json.loads(records[0]["content"])["name"] == "Minted"
+    return {e["id"]: e for e in (*put_user, *records, *profiles)}
