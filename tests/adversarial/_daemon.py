@@ -51,6 +51,7 @@ __all__ = [
     "pending_event_ids",
     "KillingProxy",
     "Moment",
+    "write_config",
     "START_SECONDS",
     "ALL_ACTIONS",
 ]
@@ -62,6 +63,20 @@ ALL_ACTIONS = (
     "channel.read", "message.post", "message.reply", "reaction.add", "profile.set",
     "storage.address", "agents.create", "agents.update", "agents.delete",
 )
+
+
+def write_config(path: Path, *, token: TokenConfig, state_dir: Path, socket: Path,
+                 relay_url: str, relay_timeout: float = 1.0) -> Path:
+    """A daemon config whose relay timeouts are all `relay_timeout` (short: fault tests wait them)."""
+    path.write_text(
+        f'[server]\nsocket = "{socket}"\n'
+        f'[state]\ndir = "{state_dir}"\n'
+        f'[pkcs11]\nmodule = "{token.module}"\ntoken_label = "{token.token_label}"\n'
+        f'pin_file = "{token.pin_file}"\nkek_label = "{token.kek_label}"\n'
+        f'[relay]\nurl = "{relay_url}"\nconnect_timeout = {relay_timeout}\n'
+        f"ok_timeout = {relay_timeout}\neose_timeout = {relay_timeout}\n"
+    )
+    return path
 
 
 class DaemonDied(Exception):

@@ -1,0 +1,232 @@
+"""Relay faults through the daemon's socket (issue 5 "A scripted relay for faults", end to end).
+
+tests/relay/ proves the relay client maps each fault; here the same faults go through the
+whole daemon - HTTP on the Unix socket, sessions, ledger, operations, relay pool - and we
+check the verdict envelope the agent receives:
+
+    OK false                  -> failed + action_failed, quoting the relay's reason (final)
+    no OK / dropped after EVENT -> indeterminate + outcome_unknown; the identical retry, once
+                                 the relay behaves, -> succeeded with the SAME eventId, and
+                                 the relay holds the event once
+    relay down                -> failed + action_failed (publish and read)
+    CLOSED auth-required      -> the daemon authenticates and retries once -> succeeded
+    CLOSED restricted         -> failed + action_failed
+    never EOSE on channel.read -> failed + action_failed
+    agents.create refused at its first event -> failed, the minted key destroyed (rollback)
+    agents.create silent at its second event -> indeterminate; retry -> succeeded, the
+                                 relay holds each of the three events once, one agent
+
+Every relay timeout is 1 s; each request must be answered within its timeout plus a margin
+(none waits past its timeout). The daemon runs in this process on a real socket
+(`Broker.running` + `daemon.http.serve`), as tests/fixtures/broker.py does.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import coincurve
+import pytest
+import trio
+
+from custody import PublicDirectory, TokenConfig
+from daemon.broker import Broker
+from daemon.config import load_config
+from daemon.http import HttpLimits, serve
+from tests.adversarial._daemon import ALL_ACTIONS, envelope, post, request_body, write_config
+from tests.fixtures.relay import free_port
+from tests.scripted_relay import EventReply, ReqReply, Script, ScriptedRelay
+
+#: Every relay timeout of the daemon under test (connect, OK, EOSE), seconds.
+TIMEOUT = 1.0
+#: What a verdict may take beyond the timeout it waited (thread hops, fsync, a slow CI box).
+MARGIN = 2.0
+
+
+@dataclass
+class Rig:
+    relay: ScriptedRelay
+    socket: Path
+    agent: str
+    credential: str
+    state_dir: Path
+
+    async def call(self, action: str, args: dict[str, Any], *,
+                   body: bytes | None = None) -> tuple[dict[str, Any], float, bytes]:
+        body = body or request_body(action, args)
+        began = time.monotonic()
+        answer = envelope(await post(self.socket, body, self.credential, timeout=15.0))
+        return answer, time.monotonic() - began, body
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="bb-rf-") as name:
+        yield Path(name)
+
+
+@pytest.fixture
+async def rig(nursery: trio.Nursery, custody_state: tuple[TokenConfig, Path],
+              short_dir: Path) -> Callable[..., Awaitable[Rig]]:
+    token, state_dir = custody_state
+
+    async def start(script: Script, *, relay_down: bool = False) -> Rig:
+        relay = ScriptedRelay(script)
+        if relay_down:
+            relay.url = f"ws://127.0.0.1:{free_port()}"  # nothing listens there
+        else:
+            await nursery.start(relay.serve, free_port())
+        socket = short_dir / "b.sock"
+        config = load_config(str(write_config(
+            short_dir / "broker.toml", token=token, state_dir=state_dir, socket=socket,
+            relay_url=relay.url, relay_timeout=TIMEOUT)), environ={})
+        ready = trio.Event()
+        box: list[Rig] = []
+
+        async def run() -> None:
+            async with Broker.running(config) as app:
+                owner = coincurve.PrivateKey().public_key_xonly.format().hex()
+                secret = bytearray(coincurve.PrivateKey().secret.hex().encode("ascii"))
+                record = await app.custody.import_agent(secret, owner=owner, name="faulty")
+                _, credential = app.sessions.issue(
+                    agent=record.pubkey, channels=frozenset({CHANNEL}),
+                    actions=frozenset(ALL_ACTIONS), ttl_seconds=None, uid=None,
+                    now=int(time.time()))
+                box.append(Rig(relay, socket, record.pubkey, credential, state_dir))
+                async with trio.open_nursery() as inner:
+                    await inner.start(serve, app, str(socket),
+                                      HttpLimits(request_timeout=30.0, shutdown_grace=2.0))
+                    ready.set()
+                    await trio.sleep_forever()
+
+        nursery.start_soon(run)
+        with trio.fail_after(20):
+            await ready.wait()
+        return box[0]
+
+    return start
+
+
+CHANNEL = str(uuid.uuid4())
+
+
+def _post_args(text: str = "hello") -> dict[str, Any]:
+    return {"channelId": CHANNEL, "content": text}
+
+
+def _code(answer: dict[str, Any]) -> tuple[str, str | None]:
+    return answer["status"], answer.get("error", {}).get("code")
+
+
+async def test_ok_false_is_failed_action_failed_with_the_reason(rig: Any) -> None:
+    r: Rig = await rig(Script(default_event=EventReply.REJECT,
+                              reject_reason="blocked: scripted refusal 42"))
+    answer, took, body = await r.call("message.post", _post_args())
+    assert _code(answer) == ("failed", "action_failed")
+    assert "blocked: scripted refusal 42" in answer["error"]["message"]
+    assert took < TIMEOUT + MARGIN
+    # failed is final: the identical retry replays it, nothing is sent again.
+    sent = len([m for m in r.relay.received if m[0] == "EVENT"])
+    replay, _, _ = await r.call("message.post", {}, body=body)
+    assert replay == {**answer, "replayed": True}
+    assert len([m for m in r.relay.received if m[0] == "EVENT"]) == sent == 1
+
+
+@pytest.mark.parametrize("fault", [EventReply.SILENT, EventReply.DROP])
+async def test_no_ok_is_indeterminate_then_the_retry_succeeds_with_the_same_event(
+    rig: Any, fault: EventReply,
+) -> None:
+    r: Rig = await rig(Script(events=(fault,)))  # then ACCEPT: the relay is fixed
+    first, took, body = await r.call("message.post", _post_args())
+    assert _code(first) == ("indeterminate", "outcome_unknown")
+    assert took < TIMEOUT + MARGIN
+    assert r.relay.stored == {}
+    retried, took, _ = await r.call("message.post", {}, body=body)
+    assert retried["status"] == "succeeded", retried
+    assert "replayed" not in retried  # resumed and finished now, not replayed
+    assert took < TIMEOUT + MARGIN
+    sent = [m[1]["id"] for m in r.relay.received if m[0] == "EVENT"]
+    assert sent == [retried["outcome"]["eventId"]] * 2  # the same event both times
+    assert list(r.relay.stored) == [retried["outcome"]["eventId"]]
+    replay, _, _ = await r.call("message.post", {}, body=body)
+    assert replay == {**retried, "replayed": True}
+
+
+async def test_relay_down_fails_publish_and_read_within_the_connect_timeout(rig: Any) -> None:
+    r: Rig = await rig(Script(), relay_down=True)
+    posted, took, _ = await r.call("message.post", _post_args())
+    assert _code(posted) == ("failed", "action_failed")
+    assert took < TIMEOUT + MARGIN
+    read, took, _ = await r.call("channel.read", {"channelId": CHANNEL})
+    assert _code(read) == ("failed", "action_failed")
+    assert took < TIMEOUT + MARGIN
+
+
+async def test_auth_required_is_answered_and_the_request_succeeds(rig: Any) -> None:
+    r: Rig = await rig(Script(require_auth=True))
+    posted, _, _ = await r.call("message.post", _post_args("needs auth"))
+    assert posted["status"] == "succeeded", posted
+    read, _, _ = await r.call("channel.read", {"channelId": CHANNEL})
+    assert read["status"] == "succeeded", read
+    assert [m["id"] for m in read["outcome"]["messages"]] == [posted["outcome"]["eventId"]]
+    assert any(r.agent in c.authed for c in r.relay.connections)
+
+
+async def test_restricted_read_is_failed_action_failed(rig: Any) -> None:
+    r: Rig = await rig(Script(default_req=ReqReply.RESTRICTED))
+    read, took, _ = await r.call("channel.read", {"channelId": CHANNEL})
+    assert _code(read) == ("failed", "action_failed")
+    assert took < TIMEOUT + MARGIN
+
+
+async def test_never_eose_read_fails_within_the_eose_timeout(rig: Any) -> None:
+    r: Rig = await rig(Script(default_req=ReqReply.NEVER_EOSE))
+    read, took, _ = await r.call("channel.read", {"channelId": CHANNEL})
+    assert _code(read) == ("failed", "action_failed")
+    assert took < TIMEOUT + MARGIN
+    # A CLOSE follows every REQ, even one abandoned on a timeout.
+    reqs = [m[1] for m in r.relay.received if m[0] == "REQ"]
+    closes = [m[1] for m in r.relay.received if m[0] == "CLOSE"]
+    with trio.fail_after(5):
+        while len(closes) < len(reqs):
+            await trio.sleep(0.05)
+            closes = [m[1] for m in r.relay.received if m[0] == "CLOSE"]
+    assert sorted(reqs) == sorted(closes)
+
+
+def _minted(state_dir: Path, owner: str) -> list[Any]:
+    return [a for a in PublicDirectory.open(state_dir).all(include_deleted=True)
+            if a.owner == owner]
+
+
+async def test_create_refused_at_first_event_fails_and_destroys_the_minted_key(rig: Any) -> None:
+    r: Rig = await rig(Script(events=(EventReply.REJECT,)))
+    created, _, _ = await r.call("agents.create", {
+        "channelId": CHANNEL, "displayName": "Nope", "systemPrompt": "x"})
+    assert _code(created) == ("failed", "action_failed")
+    minted = _minted(r.state_dir, r.agent)
+    assert len(minted) == 1 and minted[0].deleted_at is not None  # tombstone, key destroyed
+    assert r.relay.stored == {}
+
+
+async def test_create_silent_midway_is_indeterminate_then_finished_once(rig: Any) -> None:
+    r: Rig = await rig(Script(events=(EventReply.ACCEPT, EventReply.SILENT)))
+    first, took, body = await r.call("agents.create", {
+        "channelId": CHANNEL, "displayName": "Midway", "systemPrompt": "x"})
+    assert _code(first) == ("indeterminate", "outcome_unknown")
+    assert took < TIMEOUT + MARGIN
+    assert len(r.relay.stored) == 1
+    retried, _, _ = await r.call("agents.create", {}, body=body)
+    assert retried["status"] == "succeeded", retried
+    agent = retried["outcome"]["agentPubkey"]
+    assert [a.pubkey for a in _minted(r.state_dir, r.agent)] == [agent]
+    stored = list(r.relay.stored.values())
+    assert sorted(e["kind"] for e in stored) == [0, 9000, 30177]
+    first_ids = [m[1]["id"] for m in r.relay.received if m[0] == "EVENT"][:2]
+    assert set(first_ids) <= set(r.relay.stored)  # the retry re-sent the same events
