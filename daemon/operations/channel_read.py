@@ -34,11 +34,12 @@ WARNING: the filters built by `_base_filters` may only use the members
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from custody import verify_event
+from custody import compute_event_id, verify_event
 from daemon.contract import (
     ChannelReadArgs,
     ContractError,
@@ -112,8 +113,44 @@ class _Judge:
         )
 
 
+#: How many verified (id, sig) pairs `_signature_ok` remembers (~250 bytes each, ~2.5 MB).
+VERIFIED_CACHE_SIZE = 10_000
+
+
+class _VerifiedCache:
+    """A bounded LRU of event id -> signature already verified by BIP-340.
+
+    Why it is safe: a hit still recomputes the event id from the item's own members (4 us),
+    so the id binds pubkey, created_at, kind, tags and content; the signature is then the
+    exact one already proven over that id by that pubkey. Only the Schnorr check (~50 us
+    of the ~55 us per event) is skipped. Repeat reads of a channel (every agent polls the
+    same recent page) then cost the id hash per event, not the signature.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._sigs: OrderedDict[str, str] = OrderedDict()
+
+    def verified(self, item: Mapping[str, object], event: Event) -> bool:
+        known = self._sigs.get(event.id)
+        if known is not None and known == event.sig:
+            if compute_event_id(event.pubkey, event.created_at, event.kind, event.tags, event.content) != event.id:
+                return False
+            self._sigs.move_to_end(event.id)
+            return True
+        if verify_event(item) is not True:
+            return False
+        self._sigs[event.id] = event.sig
+        if len(self._sigs) > self._size:
+            self._sigs.popitem(last=False)
+        return True
+
+
+_VERIFIED = _VerifiedCache(VERIFIED_CACHE_SIZE)
+
+
 def _signature_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bool:
-    return verify_event(item) is True
+    return _VERIFIED.verified(item, event)
 
 
 def _channel_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bool:
