@@ -291,10 +291,19 @@ def spawn_workers(args: argparse.Namespace, agents_file: Path, socket_path: Path
     return procs
 
 
-def run_load(args: argparse.Namespace, agents_file: Path, daemon: H.Daemon, label: str, **over: Any) -> dict[str, Any]:
+def run_load(args: argparse.Namespace, agents_file: Path, daemon: H.Daemon, label: str,
+             relay_pid: int | None = None, **over: Any) -> dict[str, Any]:
     """Run the generator processes once; returns the summary (also printed as JSON)."""
     before = H.proc_stat(daemon.pid)
+    relay_before = H.proc_stat(relay_pid) if relay_pid else None
     t0 = time.perf_counter()
+    spy = None
+    if args.profile:
+        # py-spy samples the daemon (collapsed stacks, idle frames included: waits show).
+        spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--format", "raw",
+                                "--idle", "--nonblocking", "-r", "200", "-d", str(int(args.duration)),
+                                "-o", f"{args.profile}.{label}.txt", "-p", str(daemon.pid)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     procs = spawn_workers(args, agents_file, daemon.socket, **over)
     outs = []
     for p in procs:
@@ -304,6 +313,8 @@ def run_load(args: argparse.Namespace, agents_file: Path, daemon: H.Daemon, labe
         outs.append(json.loads(out.strip().splitlines()[-1]))
     wall = time.perf_counter() - t0
     after = H.proc_stat(daemon.pid)
+    if spy is not None:
+        spy.wait(timeout=60)
     latencies = [x for o in outs for x in o["latencies"]]
     errors: Counter[str] = Counter()
     by_op: Counter[str] = Counter()
@@ -326,6 +337,8 @@ def run_load(args: argparse.Namespace, agents_file: Path, daemon: H.Daemon, labe
         "daemon_cores": round((after.cpu_seconds - before.cpu_seconds) / wall, 2),
         "generator_cores": round(sum(o["cpu"] for o in outs) / wall, 2),
     }
+    if relay_pid and relay_before:
+        summary["relay_cores"] = round((H.proc_stat(relay_pid).cpu_seconds - relay_before.cpu_seconds) / wall, 2)
     print(json.dumps(summary), flush=True)
     return summary
 
@@ -442,13 +455,13 @@ def orchestrate(args: argparse.Namespace) -> None:
                                   "daemon_rss_mb": round(H.proc_stat(daemon.pid).rss_bytes / 2**20, 1)}), flush=True)
                 trio.run(warm_up, daemon.socket, agents)
                 for rep in range(args.repeat):
-                    summary = run_load(args, agents_file, daemon, f"load#{rep + 1}")
+                    summary = run_load(args, agents_file, daemon, f"load#{rep + 1}", relay.pid)
                     if floor:
                         posts = summary["by_op"].get("post", 0) / max(1e-9, summary["answered"]) * summary["rps"]
                         print(f"  {summary['rps']:.0f} req/s ({posts:.0f} posts/s), p50 {summary['p50_ms']} ms, "
                               f"p99 {summary['p99_ms']} ms, max {summary['max_ms']} ms; errors {summary['errors'] or 'none'}; "
                               f"daemon {summary['daemon_cores']} cores, {summary['daemon_rss_mb']} MB; "
-                              f"generator {summary['generator_cores']} cores (same machine)")
+                              f"generator {summary['generator_cores']} cores, relay {summary.get('relay_cores')} cores (same machine)")
                         print(f"  ratio posts/s to custody floor: sign_event {posts / floor['sign_event_per_s']:.2f}, "
                               f"sign_events(64) {posts / floor['sign_events64_per_s']:.2f}, "
                               f"coincurve {posts / floor['coincurve_per_s']:.3f}", flush=True)
@@ -471,6 +484,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-floor", action="store_true", help="skip the custody floor baseline")
     parser.add_argument("--floor-seconds", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--profile", metavar="PREFIX", help="py-spy the daemon during each run (collapsed stacks to PREFIX.<run>.txt)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--agents-file", help=argparse.SUPPRESS)
     parser.add_argument("--socket", help=argparse.SUPPRESS)

@@ -83,7 +83,27 @@ def answer_req(events: Sequence[Mapping[str, Any]], filters: Sequence[Mapping[st
     return sorted(seen.values(), key=lambda e: (-e["created_at"], e["id"]))
 
 
-async def _connection(request: trio_websocket.WebSocketRequest, canned: list[dict[str, Any]]) -> None:
+class Answers:
+    """REQ answers, each event serialized once and each distinct filter list matched once:
+    the relay must cost far less than the daemon it measures."""
+
+    def __init__(self, canned: list[dict[str, Any]]) -> None:
+        self.canned = canned
+        self.cache: dict[str, list[str]] = {}
+
+    def frames(self, sub: str, filters: Sequence[Mapping[str, Any]]) -> list[str]:
+        key = json.dumps(filters, sort_keys=True)
+        bodies = self.cache.get(key)
+        if bodies is None:
+            bodies = [json.dumps(e) for e in answer_req(self.canned, filters)] if self.canned else []
+            if len(self.cache) > 4096:
+                self.cache.clear()
+            self.cache[key] = bodies
+        prefix = '["EVENT",' + json.dumps(sub) + ","
+        return [prefix + b + "]" for b in bodies]
+
+
+async def _connection(request: trio_websocket.WebSocketRequest, answers: Answers) -> None:
     ws = await request.accept()
     stream = ws._stream  # the accepted trio.SocketStream; only to set a socket option
     sock = getattr(stream, "socket", None)
@@ -98,8 +118,8 @@ async def _connection(request: trio_websocket.WebSocketRequest, canned: list[dic
                 await ws.send_message(json.dumps(["OK", message[1]["id"], True, ""]))
             elif verb == "REQ":
                 sub = message[1]
-                for event in answer_req(canned, message[2:]) if canned else ():
-                    await ws.send_message(json.dumps(["EVENT", sub, event]))
+                for frame in answers.frames(sub, message[2:]):
+                    await ws.send_message(frame)
                 await ws.send_message(json.dumps(["EOSE", sub]))
     except (trio_websocket.ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
         return
@@ -108,9 +128,10 @@ async def _connection(request: trio_websocket.WebSocketRequest, canned: list[dic
 
 
 async def _serve(port: int, canned: list[dict[str, Any]]) -> None:
+    answers = Answers(canned)
     async with trio.open_nursery() as nursery:
         async def handler(request: trio_websocket.WebSocketRequest) -> None:
-            await _connection(request, canned)
+            await _connection(request, answers)
 
         await nursery.start(
             lambda task_status: trio_websocket.serve_websocket(
