@@ -1,7 +1,7 @@
 """Helpers for tests that run the daemon as a separate process and kill it.
 
 - `DaemonProcess.start(config, step)`: ``python -m tests.adversarial.crashing_daemon``
-  with stderr captured to a file; returns once the Unix socket accepts connections (or
+  with stderr captured to a file; returns once it logged ``serve.ready`` (or
   raises `DaemonDied` with the tail of its log if the process exits first).
 - `post(socket, body, credential)`: one POST /v1/action with exactly `body`; returns an
   `Answer` (HTTP status and body bytes) or `None` when the daemon closed the connection
@@ -103,13 +103,14 @@ class DaemonProcess:
 
     @classmethod
     async def start(cls, config_path: Path, socket: Path, *, step: str = "none",
-                    log_path: Path | None = None, wait: bool = True) -> DaemonProcess:
+                    log_path: Path | None = None, wait: bool = True,
+                    env: Mapping[str, str] | None = None) -> DaemonProcess:
         log_path = log_path or config_path.with_name(f"daemon-{uuid.uuid4().hex[:8]}.log")
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.adversarial.crashing_daemon", str(config_path), step],
                 cwd=REPO, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                env={k: v for k, v in os.environ.items() if k != "BUZZ_BROKER_CONFIG"},
+                env={k: v for k, v in (env or os.environ).items() if k != "BUZZ_BROKER_CONFIG"},
             )
         daemon = cls(proc, socket, log_path)
         if wait:
@@ -117,18 +118,15 @@ class DaemonProcess:
         return daemon
 
     async def wait_ready(self, seconds: float = START_SECONDS) -> None:
+        """Until the daemon logged ``serve.ready``: the socket is bound *before* the token
+        is opened, so a connectable socket is not yet a serving daemon (nor one whose
+        SIGTERM handler is installed)."""
         with trio.move_on_after(seconds):
             while True:
                 if self.proc.poll() is not None:
                     raise DaemonDied(f"exit {self.proc.returncode}: {self.log()[-2000:]}")
-                if self.socket.exists():
-                    try:
-                        stream = await trio.open_unix_socket(str(self.socket))
-                    except OSError:
-                        pass
-                    else:
-                        await stream.aclose()
-                        return
+                if '"event":"serve.ready"' in self.log():
+                    return
                 await trio.sleep(0.02)
         self.kill()
         raise DaemonDied(f"not serving after {seconds} s: {self.log()[-2000:]}")
