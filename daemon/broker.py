@@ -40,15 +40,16 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from custody import Custody, CustodyError, TokenConfig
+from daemon.audit import AUDIT_DIRNAME, AuditLog, AuditRecord, AuditUnavailable, Phase
 from daemon.config import Config, PolicyConfig
 from daemon.contract import (
     ACTIONS,
@@ -69,6 +70,7 @@ from daemon.metrics import Metrics
 from daemon.operations import OPERATIONS, Context, Plan
 from daemon.operations._base import OperationRefused
 from daemon.policy import authorize
+from daemon.ratelimit import RateLimiter
 from daemon.relay import Accepted, RelayPool, RelayTimeouts, Unknown
 from daemon.sessions import Principal, SessionStore
 
@@ -134,12 +136,49 @@ class Pending:
 
 @dataclass(frozen=True, slots=True)
 class _Judged:
-    """A verdict reached after the ledger: its bytes, and the facts the log and metrics need."""
+    """A verdict reached after the ledger: its bytes, and the facts the log and metrics need.
+
+    `record` False: the ledger keeps nothing (the key is released), because the verdict
+    says "not now" rather than "this request's fate" (a rate limit, an audit or token
+    fault before any side effect). `published` True: the relay was asked, so what happened
+    there stands whatever the audit log can still record.
+    """
 
     response: bytes
     status: Status
     code: ErrorCode | None = None
     event_ids: tuple[str, ...] = ()
+    record: bool = True
+    published: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Facts:
+    """What the audit log says about one authenticated request (never its arguments)."""
+
+    credential_id: str
+    agent: str
+    action: str | None
+    request_id: str
+    body_sha256: str
+
+    def record(self, phase: Phase, at: float, *, status: Status | None = None,
+               code: ErrorCode | None = None, events: tuple[str, ...] = (),
+               replayed: bool = False) -> AuditRecord:
+        return AuditRecord(phase=phase, at=at, credential_id=self.credential_id,
+                           agent=self.agent, action=self.action, request_id=self.request_id,
+                           body_sha256=self.body_sha256, status=status, code=code,
+                           events=events, replayed=replayed)
+
+
+def _shielded(close: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+    """A close that still runs to the end when the daemon is being cancelled."""
+
+    async def run() -> None:
+        with trio.CancelScope(shield=True):
+            await close()
+
+    return run
 
 
 def _quote_reason(reason: str) -> str:
@@ -180,6 +219,8 @@ class Broker:
         ledger: Ledger,
         relay: RelayPool,
         cursors: CursorCodec,
+        limiter: RateLimiter,
+        audit: AuditLog,
         clock: Callable[[], float] = time.time,
         config_loader: Callable[[], Config] | None = None,
         metrics: Metrics | None = None,
@@ -192,6 +233,8 @@ class Broker:
         self._ledger = ledger
         self._relay = relay
         self._cursors = cursors
+        self._limiter = limiter
+        self._audit = audit
         self._clock = clock
         self._config_loader = config_loader
         self._locks = _AgentLocks()
@@ -240,20 +283,30 @@ class Broker:
             pin_file=config.pkcs11.pin_file,
             kek_label=config.pkcs11.kek_label,
         )
-        try:
-            custody = await Custody.open(token, state_dir)
-        except CustodyError as exc:
-            raise StartupError(str(exc)) from None
-        try:
+        async with AsyncExitStack() as stack:
+            try:
+                custody = await Custody.open(token, state_dir)
+            except CustodyError as exc:
+                raise StartupError(str(exc)) from None
+            stack.push_async_callback(_shielded(custody.aclose))
             try:
                 sessions = SessionStore.open(state_dir)
+                stack.callback(sessions.close)
                 ledger = Ledger.open(
                     state_dir / "ledger.db",
                     retention_seconds=config.state.ledger_retention_seconds,
                 )
+                stack.callback(ledger.close)
+                limiter = RateLimiter.open(state_dir, config.limits)
+                stack.callback(limiter.close)
                 cursors = CursorCodec.open(state_dir)
             except (OSError, sqlite3.Error, CursorKeyError) as exc:
                 raise StartupError(f"state directory {state_dir}: {exc}") from None
+            try:
+                audit = AuditLog.open(state_dir / AUDIT_DIRNAME)
+            except AuditUnavailable as exc:
+                raise StartupError(f"audit log: {exc.detail or exc}") from None
+            stack.push_async_callback(_shielded(audit.aclose))
 
             metrics = Metrics(actions=ACTIONS)
             custody.observe_token_calls(metrics.token_call)
@@ -286,12 +339,15 @@ class Broker:
                 ledger=ledger,
                 relay=relay,
                 cursors=cursors,
+                limiter=limiter,
+                audit=audit,
                 config_loader=config_loader,
                 metrics=metrics,
                 checkpoint=checkpoint,
             )
             async with trio.open_nursery() as nursery:
                 await nursery.start(relay.run)
+                await nursery.start(limiter.flush_periodically)
                 nursery.start_soon(broker._sweep_forever)
                 log_event(_log, "broker.ready", agents=len(custody.agents()),
                           relay=config.relay.url)
@@ -299,20 +355,20 @@ class Broker:
                     yield broker
                 finally:
                     nursery.cancel_scope.cancel()
-        finally:
-            with trio.CancelScope(shield=True):
-                await custody.aclose()
 
     def reload(self) -> None:
         """SIGHUP: credentials and policy again from disk, without dropping connections."""
         self._sessions.reload()
+        self._limiter.reload()
         if self._config_loader is not None:
             try:
-                self._policy = self._config_loader().policy
+                config = self._config_loader()
             except Exception as exc:  # noqa: BLE001 - a bad file keeps the running policy
                 log_event(_log, "reload.config_rejected", error=type(exc).__name__,
                           detail=str(exc))
                 return
+            self._policy = config.policy
+            self._limiter.reconfigure(config.limits)
         log_event(_log, "reload.done")
 
     async def _sweep_forever(self) -> None:
@@ -346,34 +402,55 @@ class Broker:
             return self._respond(request_id, encode_response(request_id, verdict), started,
                                  principal=None, action=None, verdict=verdict)
 
-        key = LedgerKey(principal=principal.agent, request_id=request_id)
-        begun = await self._ledger.begin(key, hashlib.sha256(request.body).digest())
+        digest = hashlib.sha256(request.body).digest()
+        facts = _Facts(credential_id=principal.credential_id, agent=principal.agent,
+                       action=_action_of(reading), request_id=request_id,
+                       body_sha256=digest.hex())
+        begun = await self._ledger.begin(
+            LedgerKey(principal=principal.agent, request_id=request_id), digest
+        )
         if isinstance(begun, Replay):
+            judged = _recorded(begun.response)
+            if not await self._audited(facts, judged, replayed=True):
+                judged = self._internal(request_id)
+                return self._respond(request_id, judged.response, started, principal=principal,
+                                     action=facts.action, judged=judged)
             return self._respond(request_id, mark_replayed(begun.response), started,
-                                 principal=principal, action=_action_of(reading),
-                                 judged=_recorded(begun.response), replayed=True)
+                                 principal=principal, action=facts.action, judged=judged,
+                                 replayed=True)
         if isinstance(begun, Conflict):
-            verdict = Verdict.failed(
-                ErrorCode.REQUEST_ID_CONFLICT, MESSAGES[ErrorCode.REQUEST_ID_CONFLICT]
-            )
-            return self._respond(request_id, encode_response(request_id, verdict), started,
-                                 principal=principal, action=_action_of(reading), verdict=verdict)
+            judged = self._verdict(request_id, Verdict.failed(ErrorCode.REQUEST_ID_CONFLICT))
+            if not await self._audited(facts, judged):
+                judged = self._internal(request_id)
+            return self._respond(request_id, judged.response, started, principal=principal,
+                                 action=facts.action, judged=judged)
         assert isinstance(begun, (Fresh, Resume))
         try:
-            judged = await self._judge(principal, reading, begun)
+            judged = await self._judge(principal, reading, begun, facts)
+            # No audit, no answer: a verdict with no side effects that cannot be audited
+            # becomes failed + internal, and the ledger keeps nothing for it.
+            if not judged.published and judged.record and not await self._audited(facts, judged):
+                judged = self._internal(request_id)
         except BaseException:
             self._ledger.release(begun.ticket)
             raise
-        await self._ledger.finish(begun.ticket, judged.response,
-                                  final=judged.status is not Status.INDETERMINATE)
+        if judged.record:
+            await self._ledger.finish(begun.ticket, judged.response,
+                                      final=judged.status is not Status.INDETERMINATE)
+        else:
+            self._ledger.release(begun.ticket)
+        if judged.published:
+            # The relay has answered; an audit failure now cannot change what happened. The
+            # intent record written before publishing already names these events.
+            await self._audited(facts, judged)
         self._passed("after_verdict")
         return self._respond(request_id, judged.response, started, principal=principal,
-                             action=_action_of(reading), judged=judged)
+                             action=facts.action, judged=judged)
 
     async def _judge(
-        self, principal: Principal, reading: Reading, begun: Fresh | Resume
+        self, principal: Principal, reading: Reading, begun: Fresh | Resume, facts: _Facts
     ) -> _Judged:
-        """Everything after the ledger let this request through: (response bytes, status)."""
+        """Everything after the ledger let this request through."""
         request_id = reading.request_id
         assert request_id is not None
         if isinstance(begun, Resume):
@@ -390,6 +467,13 @@ class Broker:
         refusal = authorize(principal, request, self._policy, self._custody)
         if refusal is not None:
             return self._verdict(request_id, Verdict.failed(refusal.code, refusal.message))
+        # Only a fresh request costs quota: replays and resumed retries returned above.
+        limited = self._limiter.take(principal, request.action, self._clock())
+        if limited is not None:
+            # Not recorded: the identical retry, once the limit frees up, is judged afresh.
+            return replace(self._verdict(request_id, Verdict.failed(limited.code,
+                                                                    limited.message)),
+                           record=False)
 
         operation = OPERATIONS[request.action]
         ctx = Context(
@@ -409,8 +493,9 @@ class Broker:
             if operation.serialize_per_agent:
                 async with self._locks.hold(principal.agent):
                     return await self._plan_and_publish(ctx, operation.prepare, request,
-                                                        begun.ticket)
-            return await self._plan_and_publish(ctx, operation.prepare, request, begun.ticket)
+                                                        begun.ticket, facts)
+            return await self._plan_and_publish(ctx, operation.prepare, request, begun.ticket,
+                                                facts)
         except OperationRefused as refused:
             if refused.detail:
                 log_event(_log, "operation.refused", agent=principal.agent,
@@ -418,14 +503,14 @@ class Broker:
             return self._verdict(request_id, Verdict.failed(refused.code, refused.message))
         except CustodyError as exc:
             # Raised before anything was published (signing and minting precede the pending
-            # record), so the fault is a known no-op: failed + internal.
-            log_event(_log, "custody.fault", agent=principal.agent, request_id=request_id,
-                      error=type(exc).__name__, detail=str(exc))
-            return self._verdict(request_id, Verdict.failed(ErrorCode.INTERNAL,
-                                                            MESSAGES[ErrorCode.INTERNAL]))
+            # record), so the fault is a known no-op: failed + internal, not recorded.
+            log_event(_log, "custody.fault", level=logging.ERROR, agent=principal.agent,
+                      request_id=request_id, error=type(exc).__name__, detail=str(exc))
+            return self._internal(request_id)
 
     async def _plan_and_publish(
-        self, ctx: Context, prepare: Callable[[Context, Any], Any], request: Any, ticket: Any
+        self, ctx: Context, prepare: Callable[[Context, Any], Any], request: Any, ticket: Any,
+        facts: _Facts,
     ) -> _Judged:
         result = await prepare(ctx, request.args)
         if isinstance(result, Verdict):
@@ -439,6 +524,14 @@ class Broker:
             rollback=result.rollback,
             commit=result.commit,
         )
+        # The intent record comes before the pending record: a pending record whose intent
+        # was never audited would be published by the next retry without one.
+        try:
+            await self._audit.append(facts.record(
+                Phase.INTENT, self._clock(), events=tuple(str(e["id"]) for e in pending.events)))
+        except AuditUnavailable as exc:
+            self._audit_failed(facts, exc)
+            return self._internal(ctx.request_id)
         self._passed("before_pending")
         await self._ledger.record_pending(ticket, pending.encode())
         self._passed("after_pending")
@@ -447,6 +540,18 @@ class Broker:
     async def _publish(
         self, principal: Principal, request_id: str, pending: Pending, *, resumed: bool
     ) -> _Judged:
+        """Send the pending events in order and say what the relay's answers mean."""
+        verdict = await self._publish_events(principal, request_id, pending, resumed=resumed)
+        ids = tuple(str(e["id"]) for e in pending.events)
+        if verdict is None:
+            return _Judged(pending.success, Status.SUCCEEDED, event_ids=ids, published=True)
+        return _Judged(encode_response(request_id, verdict), verdict.status, verdict.code,
+                       event_ids=ids, published=True)
+
+    async def _publish_events(
+        self, principal: Principal, request_id: str, pending: Pending, *, resumed: bool
+    ) -> Verdict | None:
+        """None when every event was accepted; otherwise the verdict (module docstring)."""
         accepted = 0
         for event in pending.events:
             result = await self._relay.publish(str(event["pubkey"]), dict(event))
@@ -458,20 +563,19 @@ class Broker:
                       event_id=event["id"], result=type(result).__name__, reason=reason,
                       accepted_before=accepted, resumed=resumed)
             if isinstance(result, Unknown):
-                return self._verdict(request_id, Verdict.indeterminate(
+                return Verdict.indeterminate(
                     ErrorCode.OUTCOME_UNKNOWN,
-                    "the relay did not confirm the event; retry the identical request"))
+                    "the relay did not confirm the event; retry the identical request")
             if accepted == 0:
                 await self._housekeeping(pending.rollback)
-                return self._verdict(request_id, Verdict.failed(
-                    ErrorCode.ACTION_FAILED, f"the relay did not accept the event: {reason}"))
-            return self._verdict(request_id, Verdict.indeterminate(
+                return Verdict.failed(
+                    ErrorCode.ACTION_FAILED, f"the relay did not accept the event: {reason}")
+            return Verdict.indeterminate(
                 ErrorCode.OUTCOME_UNKNOWN,
                 f"the relay accepted {accepted} of {len(pending.events)} events and refused "
-                f"the next ({reason}); retry the identical request to finish"))
+                f"the next ({reason}); retry the identical request to finish")
         await self._housekeeping(pending.commit)
-        return _Judged(pending.success, Status.SUCCEEDED,
-                       event_ids=tuple(str(e["id"]) for e in pending.events))
+        return None
 
     async def _housekeeping(self, work: Mapping[str, Any]) -> None:
         """Host-local follow-ups named by a plan; each is safe to run twice.
@@ -497,6 +601,28 @@ class Broker:
 
     def _verdict(self, request_id: str, verdict: Verdict) -> _Judged:
         return _Judged(encode_response(request_id, verdict), verdict.status, verdict.code)
+
+    def _internal(self, request_id: str) -> _Judged:
+        """failed + internal before any side effect, kept out of the ledger so that the
+        identical retry, once the fault is mended, is judged afresh."""
+        return replace(self._verdict(request_id, Verdict.failed(ErrorCode.INTERNAL)),
+                       record=False)
+
+    async def _audited(self, facts: _Facts, judged: _Judged, *, replayed: bool = False) -> bool:
+        """Append the verdict record; False (and an operator log line) when it cannot be."""
+        try:
+            await self._audit.append(facts.record(
+                Phase.VERDICT, self._clock(), status=judged.status, code=judged.code,
+                events=judged.event_ids if judged.status is Status.SUCCEEDED else (),
+                replayed=replayed))
+        except AuditUnavailable as exc:
+            self._audit_failed(facts, exc)
+            return False
+        return True
+
+    def _audit_failed(self, facts: _Facts, exc: AuditUnavailable) -> None:
+        log_event(_log, "audit.unavailable", level=logging.ERROR, agent=facts.agent,
+                  request_id=facts.request_id, action=facts.action, detail=exc.detail)
 
     def _respond(
         self,

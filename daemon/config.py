@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from daemon.ratelimit import DEFAULT_RATE_CONFIG, RateConfig, rate_config_from_table
+
 __all__ = [
     "load_config",
     "ConfigError",
@@ -139,6 +141,8 @@ class Config:
     policy: PolicyConfig
     log: LogConfig
     metrics: MetricsConfig
+    #: [limits]: rate limits and quotas, a table of rules of its own (daemon/ratelimit.py).
+    limits: RateConfig = DEFAULT_RATE_CONFIG
     #: The file this came from (absolute), or None for the built-in defaults.
     source: str | None = None
 
@@ -349,6 +353,9 @@ _KEYS: tuple[_Key, ...] = (
     _Key("metrics", "socket", "socket", _optional_path, ""),
 )
 
+#: The one section that is not rows of `_KEYS`: rate-limit rules (docs/operations.md).
+_LIMITS_SECTION = "limits"
+
 _SECTIONS: dict[str, type] = {
     "server": ServerConfig,
     "state": StateConfig,
@@ -368,6 +375,8 @@ def _shown(value: object) -> str:
 def _build(tree: Mapping[str, object], where: str, base: Path | None, source: str | None) -> Config:
     known = {(k.section, k.key) for k in _KEYS}
     for section, body in tree.items():
+        if section == _LIMITS_SECTION:
+            continue  # its rows are rules, checked whole by rate_config_from_table below
         if section not in _SECTIONS:
             raise ConfigError(f"{where}: unknown section [{section}]")
         if not isinstance(body, dict):
@@ -388,8 +397,15 @@ def _build(tree: Mapping[str, object], where: str, base: Path | None, source: st
             raise ConfigError(
                 f"{where}: [{row.section}] {row.key}: expected {bad.args[0]}, got {_shown(raw)}"
             ) from None
+    limits_table = tree.get(_LIMITS_SECTION, {})
+    if not isinstance(limits_table, dict):
+        raise ConfigError(f"{where}: [{_LIMITS_SECTION}] must be a table")
+    try:
+        limits = rate_config_from_table(limits_table)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
     sections = {name: cls(**fields[name]) for name, cls in _SECTIONS.items()}
-    return Config(**sections, source=source)
+    return Config(**sections, limits=limits, source=source)
 
 
 def load_config(path: str | None, environ: Mapping[str, str] = os.environ) -> Config:

@@ -35,11 +35,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final, Protocol, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Final, Protocol, TypeAlias, TypeVar
 
-from daemon.config import PolicyConfig
 from daemon.contract import ErrorCode
 from daemon.sessions import Principal
+
+if TYPE_CHECKING:
+    # Typing only: daemon.config reads [limits] through daemon.ratelimit, which imports
+    # Refusal from here, so a runtime import would be circular.
+    from daemon.config import PolicyConfig
 
 __all__ = [
     "Refusal",
@@ -167,7 +171,7 @@ def resolve_target(
 
 
 _Dir: TypeAlias = AgentDirectory[AgentView]
-_Check: TypeAlias = Callable[[Principal, _Request, PolicyConfig, _Dir], Refusal | None]
+_Check: TypeAlias = "Callable[[Principal, _Request, PolicyConfig, _Dir], Refusal | None]"
 
 
 def _check_action(

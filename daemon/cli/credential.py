@@ -68,6 +68,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     issue.add_argument("--ttl", metavar="DURATION", help="lifetime: 30m, 12h, 7d (default: none)")
     issue.add_argument("--uid", type=int, metavar="UID", help="the Unix uid the agent runs as")
+    issue.add_argument(
+        "--rate",
+        action="append",
+        default=None,
+        metavar="RULE",
+        help="a rate limit or quota for this credential, overriding the host's: "
+        "SCOPE=COUNT/WINDOW (message.post=30/min, publish=10/s, read=100/h, "
+        "publish=500/day) or daily=N (repeat; see docs/operations.md)",
+    )
     issue.set_defaults(_credential=_issue)
 
     listing = sub.add_parser("list", help="list credentials (ids and scopes, never tokens)")
@@ -99,6 +108,7 @@ def _store(args: argparse.Namespace) -> "SessionStore":
 def _issue(args: argparse.Namespace) -> int:
     from custody import PublicDirectory
     from daemon.contract import ACTIONS, normalize_channel_id, normalize_hex64
+    from daemon.ratelimit import RateLimiter, parse_rate
 
     agent = normalize_hex64(args.agent)
     if agent is None:
@@ -119,6 +129,12 @@ def _issue(args: argparse.Namespace) -> int:
     ttl = None if args.ttl is None else parse_duration(args.ttl)
     if args.uid is not None and args.uid < 0:
         raise CliError("--uid: expected a non-negative integer")
+    rules = []
+    for text in args.rate or ():
+        try:
+            rules.append(parse_rate(text))
+        except ValueError as exc:
+            raise CliError(f"--rate: {exc}") from None
 
     config = config_from_args(args)
     try:
@@ -143,6 +159,20 @@ def _issue(args: argparse.Namespace) -> int:
         )
     finally:
         store.close()
+    if rules:
+        limiter = RateLimiter.open(Path(config.state.dir), config.limits)
+        try:
+            limiter.set_overrides(credential_id, rules)
+        except ValueError as exc:
+            # Nothing half-done: a credential without the limits asked for is withdrawn.
+            store = _store(args)
+            try:
+                store.revoke(credential_id)
+            finally:
+                store.close()
+            raise CliError(f"--rate: {exc}; credential withdrawn") from None
+        finally:
+            limiter.close()
     print(f"issued {credential_id} for agent {agent}", file=sys.stderr)
     sys.stdout.write(token + "\n")
     sys.stdout.flush()
