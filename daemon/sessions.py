@@ -335,7 +335,23 @@ class SessionStore:
                 uid,
             ),
         )
-        self.reload()
+        # Add the one new credential instead of re-reading them all: issuing n credentials
+        # was O(n^2) (10,000 took minutes). Other processes' commits still trigger a full
+        # reload, exactly as before.
+        self._refresh_if_changed()
+        digest = _token_hash(token)
+        self._active[digest] = _Active(
+            digest,
+            Principal(
+                credential_id=credential_id,
+                agent=agent,
+                channels=frozenset(channels),
+                actions=frozenset(actions),
+                expires_at=None if ttl_seconds is None else now + ttl_seconds,
+                uid=uid,
+                _key=_ISSUER,
+            ),
+        )
         return credential_id, token
 
     def list(self) -> list[CredentialInfo]:
