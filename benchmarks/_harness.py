@@ -143,7 +143,14 @@ def bulk_agents(token: TokenConfig, state_dir: Path, n: int) -> list[str]:
     from custody._secret import random_secret
     from custody._secp256k1 import xonly_pubkey
     from custody._token import Token
+    from custody._worker import run_locked
 
+    return run_locked(lambda: _bulk_agents_locked(token, state_dir, n, AgentRecord, Keystore, seal,
+                                                  random_secret, xonly_pubkey, Token))
+
+
+def _bulk_agents_locked(token: TokenConfig, state_dir: Path, n: int, AgentRecord: Any, Keystore: Any,
+                        seal: Any, random_secret: Any, xonly_pubkey: Any, Token: Any) -> list[str]:
     opened = Token.open(token)
     keystore = Keystore.open(state_dir)
     now = int(time.time())

@@ -167,7 +167,7 @@ def make_request(op: str, st: AgentState, seq: int) -> tuple[bytes, bool]:
         return payload, False
     if op == "read":
         return body("channel.read", {"channelId": st.agent.channel, "limit": 100}), False
-    return body("storage.address", {"slug": f"notes-{seq % 16}"}), False
+    return body("storage.address", {"slug": f"mem/notes-{seq % 16}"}), False
 
 
 async def one(st: AgentState, op: str, seq: int, res: Results, origin: float) -> None:
@@ -184,7 +184,7 @@ async def one(st: AgentState, op: str, seq: int, res: Results, origin: float) ->
         return
     answer = json.loads(raw)
     if answer.get("status") != "succeeded":
-        res.errors[str(answer.get("code"))] += 1
+        res.errors[str((answer.get("error") or {}).get("code"))] += 1
     elif expect_replay and not answer.get("replayed"):
         res.errors["not_replayed"] += 1
 
@@ -417,7 +417,7 @@ async def warm_up(socket_path: Path, agents: list[H.Agent]) -> None:
             status, raw = await conn.post(payload)
             answer = json.loads(raw) if raw else {}
             if status != 200 or answer.get("status") != "succeeded":
-                raise SystemExit(f"warm-up failed: HTTP {status} {answer.get('code')}")
+                raise SystemExit(f"warm-up failed: HTTP {status} {(answer.get('error') or {}).get('code')}")
         await conn.close()
 
     limiter = trio.CapacityLimiter(16)
