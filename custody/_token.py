@@ -20,6 +20,11 @@ Rules:
   ALWAYS_SENSITIVE, not NEVER_EXTRACTABLE), naming the attribute.
 - A PKCS#11 error while decrypting (SoftHSM reports a bad GCM tag or AAD as a generic
   GeneralError) is reported as `UnsealFailed` by the caller, `_sealed`.
+- A handle the token no longer honours (`STALE_HANDLE_ERRORS`: the token was reset, its
+  store reloaded, the device re-plugged) is not a fault of the sealed key: the token logs
+  in again, finds the KEK by label, checks it, and retries the one operation once. The
+  process's shared session is replaced once per failure generation, so several `Token`s
+  sharing it do not each log in again.
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ import logging
 import os
 import secrets
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pkcs11
 from coincurve._libsecp256k1 import ffi
@@ -43,7 +49,9 @@ from custody._errors import CustodyError
 from custody._secret import SECRET_SIZE, Secret, wipe_bytes
 from custody._worker import require_lock
 
-__all__ = ["TokenConfig", "Token", "KEK_BITS", "GCM_IV_BYTES"]
+__all__ = ["TokenConfig", "Token", "KEK_BITS", "GCM_IV_BYTES", "STALE_HANDLE_ERRORS"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("buzz_broker.custody")
 
@@ -87,11 +95,26 @@ class TokenConfig:
     kek_label: str = "buzz-broker-kek"
 
 
+#: Errors that mean "this session or object handle is gone", not "this blob is bad".
+STALE_HANDLE_ERRORS: tuple[type[Exception], ...] = (
+    pkcs11.ObjectHandleInvalid,
+    pkcs11.KeyHandleInvalid,
+    pkcs11.SessionHandleInvalid,
+    pkcs11.SessionClosed,
+    pkcs11.UserNotLoggedIn,
+    pkcs11.DeviceRemoved,
+    pkcs11.TokenNotPresent,
+)
+
+
 @dataclass
 class _SharedSession:
+    #: None after a failed reconnect: the next operation logs in before it runs.
     session: Any
     pin_mac: bytes
     users: int = 0
+    #: Bumped each time the session is replaced after its handles went stale.
+    generation: int = 0
 
 
 @dataclass
@@ -203,10 +226,39 @@ def _release_session(key: tuple[str, str]) -> None:
     shared.users -= 1
     if shared.users == 0:
         del _PROCESS.sessions[key]
+        if shared.session is None:
+            return  # lost with the token; nothing is logged in
         try:
             shared.session.close()  # logs out: only now that no Token uses it
         except pkcs11.PKCS11Error as exc:
             log.warning("closing the token session failed (%s)", type(exc).__name__)
+
+
+def _find_token_afresh(config: TokenConfig) -> Any:
+    """The token, after every handle in the process went stale.
+
+    The module's view of its slots may have gone stale with the handles (SoftHSM, after its
+    token store vanished and came back, answers GeneralError until it is initialised
+    again), so on failure the module is started over: with every handle stale already,
+    that loses nothing.
+    """
+    lib = _load_lib(config.module)
+    try:
+        return _find_token(lib, config)
+    except pkcs11.PKCS11Error:
+        pass
+    try:
+        if lib.initialized:
+            lib.finalize()
+    except pkcs11.PKCS11Error:
+        pass  # finalising a module that already lost its state: nothing to keep
+    try:
+        lib.initialize()
+        return _find_token(lib, config)
+    except pkcs11.PKCS11Error as exc:
+        raise CustodyError(
+            f"token {config.token_label!r} is not available ({type(exc).__name__})"
+        ) from None
 
 
 def _find_kek(session: Any, config: TokenConfig) -> Any | None:
@@ -238,13 +290,15 @@ class Token:
     Create with `Token.open` inside the token worker; call every method there too.
     """
 
-    __slots__ = ("_config", "_key", "_kek", "_closed")
+    __slots__ = ("_config", "_key", "_kek", "_closed", "_generation")
 
-    def __init__(self, config: TokenConfig, key: tuple[str, str], kek: Any) -> None:
+    def __init__(self, config: TokenConfig, key: tuple[str, str], kek: Any,
+                 generation: int = 0) -> None:
         self._config = config
         self._key = key
         self._kek = kek
         self._closed = False
+        self._generation = generation
 
     @classmethod
     def open(cls, config: TokenConfig) -> Token:
@@ -266,7 +320,7 @@ class Token:
         except BaseException:
             _release_session(key)
             raise
-        return cls(config, key, kek)
+        return cls(config, key, kek, shared.generation)
 
     @staticmethod
     def init_kek(config: TokenConfig) -> bool:
@@ -313,11 +367,11 @@ class Token:
             # `_encrypt` (not `encrypt`): the public method only accepts `bytes` for
             # one-shot data, which would make an immutable copy of the secret; the Cython
             # method takes any buffer and passes its pointer to C_Encrypt.
-            sealed: bytes = self._kek._encrypt(
+            sealed: bytes = self._retrying_once(lambda kek: kek._encrypt(
                 plaintext,
                 mechanism=Mechanism.AES_GCM,
                 mechanism_param=GCMParams(iv, aad, GCM_TAG_BITS),
-            )
+            ))
         except pkcs11.PKCS11Error as exc:
             raise CustodyError(f"token refused to seal ({type(exc).__name__})") from None
         finally:
@@ -329,9 +383,9 @@ class Token:
         maps every one to UnsealFailed)."""
         require_lock()
         self._check_open()
-        plaintext: bytes = self._kek.decrypt(
+        plaintext: bytes = self._retrying_once(lambda kek: kek.decrypt(
             sealed, mechanism=Mechanism.AES_GCM, mechanism_param=GCMParams(iv, aad, GCM_TAG_BITS)
-        )
+        ))
         secret = Secret()
         try:
             if len(plaintext) != SECRET_SIZE:
@@ -343,6 +397,54 @@ class Token:
             raise
         finally:
             wipe_bytes(plaintext)
+
+    def _retrying_once(self, operation: Callable[[Any], T]) -> T:
+        """Run `operation(kek)`; after a stale handle, log in again and run it once more.
+
+        A session already known to be dead (an earlier reconnect failed, or another
+        `Token` replaced it) is reconnected before the operation instead of after.
+        """
+        shared = _PROCESS.sessions[self._key]
+        if shared.session is None or shared.generation != self._generation:
+            self._reconnect()
+        try:
+            return operation(self._kek)
+        except STALE_HANDLE_ERRORS as exc:
+            log.warning("token %r: %s; logging in again", self._config.token_label,
+                        type(exc).__name__)
+            self._reconnect()
+        return operation(self._kek)
+
+    def _reconnect(self) -> None:
+        """Replace the process's session (once per generation) and find the KEK again.
+
+        Raises:
+            CustodyError: the token is still not there, the PIN no longer works, or the
+                KEK is gone or no longer safe. The message names which; the next call
+                tries again.
+        """
+        shared = _PROCESS.sessions[self._key]
+        if shared.session is None or shared.generation == self._generation:
+            # The old session's handle is dead: closing it would only raise. Log in anew.
+            shared.session = None
+            token = _find_token_afresh(self._config)
+            pin = _read_pin(self._config)
+            try:
+                shared.session = _login(token, self._config, pin)
+            finally:
+                pin[:] = bytes(len(pin))
+            shared.generation += 1
+        kek = _find_kek(shared.session, self._config)
+        if kek is None:
+            raise CustodyError(
+                f"token {self._config.token_label!r} no longer has the key-encryption key "
+                f"{self._config.kek_label!r}"
+            )
+        _check_kek(kek, self._config)
+        self._kek = kek
+        self._generation = shared.generation
+        log.warning("token %r: logged in again; KEK found and checked",
+                    self._config.token_label)
 
     def close(self) -> None:
         require_lock()

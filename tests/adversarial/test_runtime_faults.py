@@ -190,11 +190,6 @@ async def test_token_directory_removed_while_running(private: Private) -> None:
         again.kill()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "custody keeps the KEK object handle found at open; once SoftHSM has invalidated it "
-    "(token directory gone and back) every unseal fails with ObjectHandleInvalid until the "
-    "daemon restarts. Fix: on ObjectHandleInvalid/SessionHandleInvalid custody should "
-    "re-open the session and find the KEK by label again, once, before failing."))
 async def test_token_directory_back_recovers_without_restart(private: Private) -> None:
     config, socket = private.config(f"ws://127.0.0.1:{free_port()}")
     daemon = await DaemonProcess.start(config, socket, env=private.env)
