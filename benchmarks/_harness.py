@@ -113,6 +113,10 @@ def write_config(path: Path, token: TokenConfig, state_dir: Path, sock: Path, re
         f'url = "{relay_url}"\n'
         "[log]\n"
         f'level = "{log_level}"\n'
+        # Rate limits off: the benchmark measures capacity, and one agent posting hundreds
+        # per second would be refused by the default 60/min (docs/configuration.md).
+        "[limits]\n"
+        "enabled = false\n"
     )
     return path
 

@@ -184,7 +184,11 @@ async def one(st: AgentState, op: str, seq: int, res: Results, origin: float) ->
         return
     answer = json.loads(raw)
     if answer.get("status") != "succeeded":
-        res.errors[str((answer.get("error") or {}).get("code"))] += 1
+        error = answer.get("error") or {}
+        code = str(error.get("code"))
+        if not res.errors[code]:  # the first of each code, for the operator
+            print(f"{op}: {code}: {error.get('message')}", file=sys.stderr)
+        res.errors[code] += 1
     elif expect_replay and not answer.get("replayed"):
         res.errors["not_replayed"] += 1
 
