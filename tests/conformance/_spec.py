@@ -1,0 +1,87 @@
+"""The spec's tables, transcribed by hand from spec/agent-broker.md and buzz-on-the-relay.md.
+
+Rules: nothing here is imported from `daemon` — a table copied from the code under review
+would agree with it by construction. Each table names the spec section it comes from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+#: §Operations: the nine wire names of version 1.
+ACTIONS: frozenset[str] = frozenset({
+    "channel.read", "message.post", "message.reply", "reaction.add", "profile.set",
+    "storage.address", "agents.create", "agents.update", "agents.delete",
+})
+
+#: §Operations "Reserved against" (sign, publish, encrypt, decrypt, relay authentication)
+#: and "Deferred, not refused" (presence.set, typing.set): none may resolve in version 1.
+NEVER_RESOLVE: tuple[str, ...] = (
+    "sign", "publish", "encrypt", "decrypt", "auth", "authenticate", "relay.auth",
+    "presence.set", "typing.set", "Message.Post", "message_post", "message.delete",
+)
+
+#: §Request: exactly these six members.
+REQUEST_MEMBERS: frozenset[str] = frozenset({
+    "type", "protocolVersion", "requestId", "actionVersion", "action", "args"})
+
+#: §Results: the member set per status (`replayed` is the one optional addition).
+SUCCEEDED_MEMBERS: frozenset[str] = frozenset({
+    "type", "protocolVersion", "requestId", "status", "action", "outcome"})
+ERROR_MEMBERS: frozenset[str] = frozenset({"type", "protocolVersion", "requestId", "status", "error"})
+ERROR_OBJECT_MEMBERS: frozenset[str] = frozenset({"code", "message"})
+
+#: §Results "The complete table": code -> statuses it may travel with.
+PAIRING: Mapping[str, frozenset[str]] = MappingProxyType({
+    "invalid_request": frozenset({"failed"}),
+    "unsupported_protocol_version": frozenset({"failed"}),
+    "unknown_action": frozenset({"failed"}),
+    "unsupported_action_version": frozenset({"failed"}),
+    "unsupported": frozenset({"failed"}),
+    "unauthenticated": frozenset({"failed"}),
+    "unauthorized": frozenset({"failed"}),
+    "request_id_conflict": frozenset({"failed"}),
+    "action_failed": frozenset({"failed"}),
+    "outcome_unknown": frozenset({"indeterminate"}),
+    "internal": frozenset({"failed", "indeterminate"}),
+})
+
+_PUBLISH = (frozenset({"eventId", "kind", "createdAt"}), frozenset())
+
+#: §Operations: each outcome's (required, optional) members.
+OUTCOME_MEMBERS: Mapping[str, tuple[frozenset[str], frozenset[str]]] = MappingProxyType({
+    "channel.read": (frozenset({"messages"}), frozenset({"nextCursor"})),
+    "message.post": _PUBLISH,
+    "message.reply": _PUBLISH,
+    "reaction.add": _PUBLISH,
+    "profile.set": _PUBLISH,
+    "storage.address": (frozenset({"authorPubkey", "kind", "dTag"}), frozenset()),
+    "agents.create": (frozenset({"agentPubkey", "displayName", "channelId"}), frozenset()),
+    "agents.update": (frozenset({"pubkey", "name", "updatedFields"}), frozenset()),
+    "agents.delete": (frozenset({"pubkey", "name"}), frozenset()),
+})
+
+#: I4: the canonical seven members of every returned event.
+EVENT_MEMBERS: frozenset[str] = frozenset({"id", "pubkey", "created_at", "kind", "tags", "content", "sig"})
+
+#: Arrays that are *required* members, where `[]` is a fact and not a second spelling of
+#: absence (I6 speaks of optional members): an event's signed `tags` (the spec's own
+#: example shows `"tags": []`), a page's `messages`, and `updatedFields`.
+REQUIRED_ARRAYS: frozenset[str] = frozenset({"tags", "messages", "updatedFields"})
+
+#: channel.read: "absent means the host's default page of 100"; limit is 1-500.
+DEFAULT_PAGE = 100
+MAX_LIMIT = 500
+#: message.post: content at most 64 KiB (bytes).
+MAX_CONTENT_BYTES = 64 * 1024
+
+#: buzz-on-the-relay.md "Channels": the message kinds a channel read may return.
+READ_KINDS: frozenset[int] = frozenset({9, 40002, 40008, 45001, 45003})
+
+#: buzz-on-the-relay.md "Managed agents": the 30177 content members.
+RECORD_REQUIRED: frozenset[str] = frozenset({"name", "parallelism", "respond_to"})
+RECORD_OPTIONAL: frozenset[str] = frozenset({"system_prompt", "model", "provider", "runtime"})
+
+#: buzz-on-the-relay.md "Ownership tag": the preimage prefix of a NIP-OA signature.
+NIP_OA_PREFIX = "nostr:agent-auth:"
