@@ -263,4 +263,6 @@ async def test_largest_valid_content_gets_a_verdict(broker: BrokerHarness) -> No
     reply = await Wire(broker).send_uncorrelated(body, who.credential)
     assert reply.status == 200, reply.status
     env = json.loads(reply.body)
-    assert env["status"] == "succeeded"
+    # Validation passed; the development relay may still refuse a 64 KiB+ event by size
+    # (a domain failure), which is a verdict all the same.
+    assert env["status"] == "succeeded" or env["error"]["code"] == "action_failed", env
