@@ -47,7 +47,8 @@ PAIRING: Mapping[str, frozenset[str]] = MappingProxyType({
     "internal": frozenset({"failed", "indeterminate"}),
 })
 
-_PUBLISH = (frozenset({"eventId", "kind", "createdAt"}), frozenset())
+_PUBLISH: tuple[frozenset[str], frozenset[str]] = (
+    frozenset({"eventId", "kind", "createdAt"}), frozenset())
 
 #: §Operations: each outcome's (required, optional) members.
 OUTCOME_MEMBERS: Mapping[str, tuple[frozenset[str], frozenset[str]]] = MappingProxyType({

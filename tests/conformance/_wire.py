@@ -174,7 +174,7 @@ def check_envelope(body: bytes, reply: HttpReply, *, first_sending: bool) -> dic
         assert not first_sending, ("replayed on a first sending", env)
     if status == "succeeded":
         assert members == _spec.SUCCEEDED_MEMBERS, env
-        assert env["action"] == action, (env["action"], action)
+        assert action is not None and env["action"] == action, (env["action"], action)
         required, optional = _spec.OUTCOME_MEMBERS[action]
         outcome = env["outcome"]
         assert isinstance(outcome, dict) and required <= set(outcome) <= required | optional, outcome

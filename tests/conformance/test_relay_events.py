@@ -154,7 +154,7 @@ async def test_managed_agent_lifecycle_on_the_relay(broker: BrokerHarness) -> No
     _signed_by_owned(profile0, a.pubkey)  # the created agent's owner is the requester
 
     record_filter = {"kinds": [30177], "authors": [a.pubkey], "#d": [k]}
-    expected = {"name": "Helper", "system_prompt": "be brief", "runtime": "goose",
+    expected: dict[str, object] = {"name": "Helper", "system_prompt": "be brief", "runtime": "goose",
                 "parallelism": 1, "respond_to": "owner-only"}
     record = await _newest(broker, record_filter)
     assert _split_auth(record)[0] == [["d", k]]
@@ -163,7 +163,7 @@ async def test_managed_agent_lifecycle_on_the_relay(broker: BrokerHarness) -> No
 
     # agents.update: (args, updatedFields = the wire names actually changed, sorted,
     # the record's members after the merge).
-    updates: list[tuple[dict[str, Any], list[str], dict[str, Any]]] = [
+    updates: list[tuple[dict[str, Any], list[str], dict[str, object]]] = [
         ({"target": {"pubkey": k.upper()}, "displayName": "Helper", "systemPrompt": "be brief"},
          [], {}),
         ({"target": {"name": "Helper"}, "model": "m-1", "runtime": "goose",
@@ -179,7 +179,7 @@ async def test_managed_agent_lifecycle_on_the_relay(broker: BrokerHarness) -> No
         previous = record
         outcome = await wire.ok(a, "agents.update", args)
         expected.update(change)
-        name = expected["name"]
+        name = str(expected["name"])
         assert outcome == {"pubkey": k, "name": name, "updatedFields": fields}
         record = await _newest(broker, record_filter)
         assert json.loads(record["content"]) == expected
