@@ -38,8 +38,11 @@ lint: venv
 run: venv
 	$(PY) -m tests.demo
 
+# Each benchmark prints its figures beside a baseline from the same run. load.py, e2e.py and
+# startup.py take options (see --help); _harness.py and null_relay.py are not benchmarks.
+BENCHMARKS := contract custody ledger audit read relay_connections startup e2e
 bench: venv
-	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	for b in $(BENCHMARKS); do echo "== benchmarks/$$b.py"; $(PY) benchmarks/$$b.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) run build *.egg-info

@@ -42,7 +42,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -138,17 +138,14 @@ class Pending:
 class _Judged:
     """A verdict reached after the ledger: its bytes, and the facts the log and metrics need.
 
-    `record` False: the ledger keeps nothing (the key is released), because the verdict
-    says "not now" rather than "this request's fate" (a rate limit, an audit or token
-    fault before any side effect). `published` True: the relay was asked, so what happened
-    there stands whatever the audit log can still record.
+    `published` True: the relay was asked, so what happened there stands whatever the
+    audit log can still record.
     """
 
     response: bytes
     status: Status
     code: ErrorCode | None = None
     event_ids: tuple[str, ...] = ()
-    record: bool = True
     published: bool = False
 
 
@@ -428,17 +425,14 @@ class Broker:
         try:
             judged = await self._judge(principal, reading, begun, facts)
             # No audit, no answer: a verdict with no side effects that cannot be audited
-            # becomes failed + internal, and the ledger keeps nothing for it.
-            if not judged.published and judged.record and not await self._audited(facts, judged):
+            # becomes failed + internal (a known no-op, recorded like any verdict).
+            if not judged.published and not await self._audited(facts, judged):
                 judged = self._internal(request_id)
         except BaseException:
             self._ledger.release(begun.ticket)
             raise
-        if judged.record:
-            await self._ledger.finish(begun.ticket, judged.response,
-                                      final=judged.status is not Status.INDETERMINATE)
-        else:
-            self._ledger.release(begun.ticket)
+        await self._ledger.finish(begun.ticket, judged.response,
+                                  final=judged.status is not Status.INDETERMINATE)
         if judged.published:
             # The relay has answered; an audit failure now cannot change what happened. The
             # intent record written before publishing already names these events.
@@ -470,10 +464,9 @@ class Broker:
         # Only a fresh request costs quota: replays and resumed retries returned above.
         limited = self._limiter.take(principal, request.action, self._clock())
         if limited is not None:
-            # Not recorded: the identical retry, once the limit frees up, is judged afresh.
-            return replace(self._verdict(request_id, Verdict.failed(limited.code,
-                                                                    limited.message)),
-                           record=False)
+            # Recorded like every verdict (I3): the identical bytes replay this refusal; a
+            # new attempt after the limit frees up is a new requestId.
+            return self._verdict(request_id, Verdict.failed(limited.code, limited.message))
 
         operation = OPERATIONS[request.action]
         ctx = Context(
@@ -603,10 +596,8 @@ class Broker:
         return _Judged(encode_response(request_id, verdict), verdict.status, verdict.code)
 
     def _internal(self, request_id: str) -> _Judged:
-        """failed + internal before any side effect, kept out of the ledger so that the
-        identical retry, once the fault is mended, is judged afresh."""
-        return replace(self._verdict(request_id, Verdict.failed(ErrorCode.INTERNAL)),
-                       record=False)
+        """failed + internal: a fault before any side effect (the spec's known no-op)."""
+        return self._verdict(request_id, Verdict.failed(ErrorCode.INTERNAL))
 
     async def _audited(self, facts: _Facts, judged: _Judged, *, replayed: bool = False) -> bool:
         """Append the verdict record; False (and an operator log line) when it cannot be."""

@@ -324,7 +324,7 @@ _KEYS: tuple[_Key, ...] = (
     _Key("server", "socket_mode", "socket_mode", _mode, "0660"),
     _Key("server", "socket_group", "socket_group", _group, ""),
     _Key("server", "max_connections", "max_connections", _int_at_least(1), 1024),
-    _Key("server", "max_body_bytes", "max_body_bytes", _int_at_least(1024), 262144),
+    _Key("server", "max_body_bytes", "max_body_bytes", _int_at_least(1024), 524288),
     # Below ~1 KiB a normal request line plus Authorization header no longer fits.
     _Key("server", "max_header_bytes", "max_header_bytes", _int_at_least(1024), 16384),
     _Key("server", "request_timeout", "request_timeout", _duration, 10),

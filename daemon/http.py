@@ -92,7 +92,7 @@ _log = logging.getLogger("buzz_broker.http")
 #: The one endpoint (spec/agent-broker.md §HTTP binding).
 ACTION_PATH = b"/v1/action"
 
-#: How much we ask the kernel for per read. Requests are small (256 KiB at most).
+#: How much we ask the kernel for per read. Requests are small (512 KiB at most).
 RECEIVE_SIZE = 65536
 
 #: After accept() fails for lack of descriptors/memory, pause before retrying rather than
@@ -151,8 +151,10 @@ class HttpLimits:
     """Transport bounds; defaults equal the [server] defaults in docs/configuration.md."""
 
     max_connections: int = 1024
-    #: 256 KiB: the spec's largest request (64 KiB content, JSON-escaped up to 6x) fits.
-    max_body_bytes: int = 262144
+    #: 512 KiB: the spec's largest valid request must get a verdict, not a 413 — 64 KiB of
+    #: content that JSON escapes 6x (control characters as \u00XX) is 384 KiB, plus the
+    #: envelope. Buzz's relay takes frames up to 512 KiB too.
+    max_body_bytes: int = 524288
     #: 16 KiB, the header cap h11 itself defaults to (node, tomcat and IIS use 8-16 KiB).
     max_header_bytes: int = 16384
     #: Seconds to read one request, to keep an idle connection, and to write one answer.

@@ -154,9 +154,11 @@ async def test_an_unwritable_audit_log_refuses_publishing_and_reading(
                                            [{"kinds": [9], "#h": [channel]}])
     assert sorted(e["content"] for e in events) == sorted(["before", *accepted])
 
-    # Room again: the identical request is judged afresh (the refusal was not recorded),
-    # and the chain is intact.
+    # Room again: the refused request keeps its verdict (I3: one requestId, one verdict),
+    # a new request goes through, and the chain is intact.
     filler.unlink()
     _, retried = await broker.post(body, cred)
-    assert retried["status"] == "succeeded" and "replayed" not in retried
+    assert retried == {**answer, "replayed": True}
+    fresh = await broker.call(cred, "message.post", {"channelId": channel, "content": "after"})
+    assert fresh["status"] == "succeeded"
     assert verify(full_audit_disk).ok
