@@ -148,12 +148,23 @@ async def test_idle_and_slow_drip_clients_do_not_starve_a_good_one(
 
         stop = trio.Event()
         async with trio.open_nursery() as nursery:
-            for _ in range(IDLE):
+            async def accepted(n: int) -> None:
+                # Open in batches the daemon has accepted, so the kernel's listen backlog
+                # (capped by net.core.somaxconn) never overflows while we connect.
+                with trio.fail_after(30):
+                    while daemon.control.connections < n:
+                        await trio.sleep(0.01)
+
+            for i in range(IDLE):
                 streams.append(await trio.open_unix_socket(str(daemon.socket)))
-            for _ in range(DRIPS):
+                if i % 100 == 99:
+                    await accepted(len(streams))
+            for i in range(DRIPS):
                 stream = await trio.open_unix_socket(str(daemon.socket))
                 streams.append(stream)
                 nursery.start_soon(drip, stream, stop)
+                if i % 100 == 99:
+                    await accepted(len(streams))
             # Every held connection has been accepted (none is waiting in the backlog).
             with trio.fail_after(30):
                 while daemon.control.connections < held:
