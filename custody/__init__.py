@@ -21,7 +21,22 @@ Modules, one job each: _errors, _secret (buffers, wiping, parsing, randomness), 
 (low-level curve ops), _nostr (public event data), _signer (events, AUTH, NIP-OA),
 _memory (NIP-AE), _worker (the one token thread), _token (PKCS#11), _sealed (blob format
 and the one unseal door), _keystore (SQLite), _facade (Custody).
+
+WARNING: custody refuses to be imported under `python -O`/`-OO`/PYTHONOPTIMIZE. Its own
+code checks every C return with `if`, never `assert`; the refusal is belt and braces for
+the libraries and future code it relies on, where a stripped check would not fail loudly
+but yield wrong keys.
 """
+
+import sys
+
+if sys.flags.optimize:
+    # ImportError, raised before anything else loads: a daemon or CLI started with -O
+    # stops at once with this line instead of signing with checks stripped.
+    raise ImportError(
+        "custody refuses to run under python -O or PYTHONOPTIMIZE: assert statements are "
+        "stripped there, and custody's safety checks must never be; start Python without -O"
+    )
 
 from custody._errors import CustodyError, UnknownAgent, UnsealFailed
 from custody._facade import Custody, init_kek

@@ -7,6 +7,10 @@ Rules:
   `secp256k1_keypair` struct, the ECDH point) is zeroed before returning.
 - Public values (x-only pubkeys, signatures) come back as `bytes`.
 - No Schnorr mechanism exists in PKCS#11, so BIP-340 runs here, in-process.
+- Every libsecp256k1 call's return value is checked with `if not ...: raise`, never with
+  `assert`: `python -O` strips asserts together with the calls inside them, which once
+  made every pubkey 32 zero bytes and every ECDH x zero. No `assert` in this package may
+  hold a call with an effect (and `custody/__init__` refuses -O anyway).
 - coincurve's GLOBAL_CONTEXT is created and randomized once at import and only read
   afterwards, so sharing it between threads is safe.
 """
@@ -44,9 +48,11 @@ def xonly_pubkey(secret: Secret) -> bytes:
     keypair = _keypair(secret)
     try:
         xonly = ffi.new("secp256k1_xonly_pubkey *")
-        assert lib.secp256k1_keypair_xonly_pub(_CTX, xonly, ffi.NULL, keypair)
+        if not lib.secp256k1_keypair_xonly_pub(_CTX, xonly, ffi.NULL, keypair):
+            raise ValueError("libsecp256k1 could not take the x-only key of a keypair")
         out = ffi.new("unsigned char[32]")
-        assert lib.secp256k1_xonly_pubkey_serialize(_CTX, out, xonly)
+        if not lib.secp256k1_xonly_pubkey_serialize(_CTX, out, xonly):
+            raise ValueError("libsecp256k1 could not serialize an x-only key")
         return bytes(ffi.buffer(out, 32))
     finally:
         _zero(keypair, _KEYPAIR_SIZE)
@@ -86,9 +92,10 @@ def ecdh_x(secret: Secret, peer_xonly: bytes) -> Secret:
         if not lib.secp256k1_ec_pubkey_tweak_mul(_CTX, point, secret.cdata):
             raise ValueError("not a valid secp256k1 secret key")
         size = ffi.new("size_t *", 33)
-        assert lib.secp256k1_ec_pubkey_serialize(
+        if not lib.secp256k1_ec_pubkey_serialize(
             _CTX, compressed, size, point, lib.SECP256K1_EC_COMPRESSED
-        )
+        ) or size[0] != 33:
+            raise ValueError("libsecp256k1 could not serialize the ECDH point")
         shared = Secret()
         ffi.memmove(shared.cdata, compressed + 1, 32)
         return shared

@@ -73,6 +73,12 @@ def _spellings(secret: bytes) -> list[bytes]:
 # ---------------------------------------------------------------------------------------
 
 _OPTIMIZED_PROBE = """
+import sys, types
+if sys.flags.optimize:
+    # custody/__init__ refuses -O (see the test below); load the curve modules without it
+    # to prove they are right under -O on their own, not only because of that refusal.
+    package = types.ModuleType("custody"); package.__path__ = ["custody"]
+    sys.modules["custody"] = package
 import coincurve
 from coincurve._libsecp256k1 import ffi
 from custody._secret import Secret
@@ -87,14 +93,24 @@ print("OK" if ok_pub and ok_x else "BROKEN")
 """
 
 
-@pytest.mark.xfail(strict=True, reason="finding 1: under python -O / PYTHONOPTIMIZE the asserts in "
-                   "custody/_secp256k1.py are stripped with the C calls inside them: xonly_pubkey "
-                   "returns 32 zero bytes for every key and ecdh_x a zero x (K_c constant)")
 def test_curve_operations_survive_python_optimize() -> None:
     done = subprocess.run([PYTHON, "-O", "-c", _OPTIMIZED_PROBE], cwd=REPO, capture_output=True,
                           text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr[-500:]
     assert done.stdout.strip() == "OK"
+
+
+@pytest.mark.parametrize("how", [["-O"], ["-OO"], ["PYTHONOPTIMIZE"]])
+def test_custody_refuses_to_import_under_python_optimize(how: list[str]) -> None:
+    env = dict(os.environ)
+    if how == ["PYTHONOPTIMIZE"]:
+        env["PYTHONOPTIMIZE"] = "1"
+        how = []
+    done = subprocess.run([PYTHON, *how, "-c", "import custody"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError:") and "-O" in last
 
 
 def test_curve_operations_are_right_without_optimize() -> None:
