@@ -69,7 +69,7 @@ from daemon.log import log_event
 from daemon.metrics import Metrics
 from daemon.operations import OPERATIONS, Context, Plan
 from daemon.operations._base import OperationRefused
-from daemon.policy import authorize
+from daemon.policy import authorize, within_credential
 from daemon.ratelimit import RateLimiter
 from daemon.relay import Accepted, RelayPool, RelayTimeouts, Unknown
 from daemon.sessions import Principal, SessionStore
@@ -403,9 +403,29 @@ class Broker:
         facts = _Facts(credential_id=principal.credential_id, agent=principal.agent,
                        action=_action_of(reading), request_id=request_id,
                        body_sha256=digest.hex())
-        begun = await self._ledger.begin(
-            LedgerKey(principal=principal.agent, request_id=request_id), digest
-        )
+        try:
+            begun = await self._ledger.begin(
+                LedgerKey(principal=principal.agent, request_id=request_id), digest
+            )
+        except sqlite3.Error as exc:
+            # Nothing has happened and nothing can be recorded: a fault before dispatch.
+            self._ledger_failed(facts, "begin", exc)
+            judged = self._internal(request_id)
+            return self._respond(request_id, judged.response, started, principal=principal,
+                                 action=facts.action, judged=judged)
+        if (isinstance(begun, Resume) or (
+                isinstance(begun, Replay) and _recorded(begun.response).status is not Status.FAILED
+        )) and reading.request is not None:
+            # The ledger is the agent's, shared by all of its credentials: a credential may
+            # only be handed an outcome (or finish a publish) its own scope allows. A recorded
+            # refusal tells nothing and replays as it is. The record is untouched.
+            refusal = within_credential(principal, reading.request)
+            if refusal is not None:
+                if isinstance(begun, Resume):
+                    self._ledger.release(begun.ticket)
+                verdict = Verdict.failed(refusal.code, refusal.message)
+                return self._respond(request_id, encode_response(request_id, verdict), started,
+                                     principal=principal, action=facts.action, verdict=verdict)
         if isinstance(begun, Replay):
             judged = _recorded(begun.response)
             if not await self._audited(facts, judged, replayed=True):
@@ -431,8 +451,15 @@ class Broker:
         except BaseException:
             self._ledger.release(begun.ticket)
             raise
-        await self._ledger.finish(begun.ticket, judged.response,
-                                  final=judged.status is not Status.INDETERMINATE)
+        try:
+            await self._ledger.finish(begun.ticket, judged.response,
+                                      final=judged.status is not Status.INDETERMINATE)
+        except sqlite3.Error as exc:
+            # The verdict stands; only its record is missing. A pending record, if one was
+            # committed, is still there, so the identical retry re-sends the same events
+            # and reaches the same verdict.
+            self._ledger_failed(facts, "finish", exc)
+            self._ledger.release(begun.ticket)
         if judged.published:
             # The relay has answered; an audit failure now cannot change what happened. The
             # intent record written before publishing already names these events.
@@ -452,7 +479,8 @@ class Broker:
                                        resumed=True)
         if reading.error is not None:
             log_event(_log, "request.invalid", agent=principal.agent, request_id=request_id,
-                      code=reading.error.code.value, pointer=reading.error.pointer,
+                      code=reading.error.code.value,
+                      pointer=_loggable_pointer(reading.error.pointer),
                       detail=reading.error.detail)
             return self._verdict(request_id, Verdict.failed(reading.error.code,
                                                             MESSAGES[reading.error.code]))
@@ -526,7 +554,11 @@ class Broker:
             self._audit_failed(facts, exc)
             return self._internal(ctx.request_id)
         self._passed("before_pending")
-        await self._ledger.record_pending(ticket, pending.encode())
+        try:
+            await self._ledger.record_pending(ticket, pending.encode())
+        except sqlite3.Error as exc:
+            self._ledger_failed(facts, "record_pending", exc)
+            return self._internal(ctx.request_id)  # nothing was sent
         self._passed("after_pending")
         return await self._publish(ctx.principal, ctx.request_id, pending, resumed=False)
 
@@ -611,6 +643,11 @@ class Broker:
             return False
         return True
 
+    def _ledger_failed(self, facts: _Facts, step: str, exc: sqlite3.Error) -> None:
+        log_event(_log, "ledger.fault", level=logging.ERROR, agent=facts.agent,
+                  request_id=facts.request_id, action=facts.action, step=step,
+                  error=type(exc).__name__, detail=str(exc))
+
     def _audit_failed(self, facts: _Facts, exc: AuditUnavailable) -> None:
         log_event(_log, "audit.unavailable", level=logging.ERROR, agent=facts.agent,
                   request_id=facts.request_id, action=facts.action, detail=exc.detail)
@@ -662,6 +699,25 @@ def _recorded(response: bytes) -> _Judged:
         response,
         Status(status.group(1).decode()) if status else Status.FAILED,
         ErrorCode(code.group(1).decode()) if code else None,
+    )
+
+
+#: Every member name the contract knows; any other pointer segment came from the agent.
+_KNOWN_MEMBERS = frozenset(
+    {"type", "protocolVersion", "requestId", "actionVersion", "action", "args", "target"}
+    | {m for spec in ACTIONS.values() for m in spec.arg_members.required | spec.arg_members.optional}
+)
+
+
+def _loggable_pointer(pointer: str) -> str:
+    """The JSON pointer with every segment the agent chose replaced.
+
+    An unknown member's name is the agent's text and could be anything, a credential pasted
+    in the wrong place included; the log keeps the shape of the path, not the name.
+    """
+    return "/".join(
+        seg if seg in _KNOWN_MEMBERS or seg.isdigit() or seg == "" else "<unknown>"
+        for seg in pointer.split("/")
     )
 
 

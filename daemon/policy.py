@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Refusal",
     "authorize",
+    "within_credential",
     "resolve_target",
     "AgentView",
     "AgentDirectory",
@@ -174,19 +175,26 @@ _Dir: TypeAlias = AgentDirectory[AgentView]
 _Check: TypeAlias = "Callable[[Principal, _Request, PolicyConfig, _Dir], Refusal | None]"
 
 
-def _check_action(
-    p: Principal, r: _Request, host: PolicyConfig, agents: _Dir
-) -> Refusal | None:
-    return None if r.action in p.actions else REFUSALS["action"]
+def within_credential(p: Principal, r: _Request) -> Refusal | None:
+    """The checks that depend on the credential alone: its actions and its channels.
+
+    The ledger belongs to the agent and is shared by all of the agent's credentials, so
+    these are also what a credential must pass to be handed a recorded verdict: a narrower
+    credential may not replay what a wider one did. (The host- and state-dependent checks
+    are not repeated for a replay: a deleted target must not turn a recorded success into
+    a refusal.)
+    """
+    if r.action not in p.actions:
+        return REFUSALS["action"]
+    if r.action in CHANNEL_ACTIONS and getattr(r.args, "channel_id") not in p.channels:
+        return REFUSALS["channel"]
+    return None
 
 
-def _check_channel(
+def _check_credential(
     p: Principal, r: _Request, host: PolicyConfig, agents: _Dir
 ) -> Refusal | None:
-    if r.action not in CHANNEL_ACTIONS:
-        return None
-    channel = getattr(r.args, "channel_id")
-    return None if channel in p.channels else REFUSALS["channel"]
+    return within_credential(p, r)
 
 
 def _check_disabled(
@@ -228,8 +236,7 @@ def _check_target(
 
 #: The checks, in order; the first refusal wins.
 CHECKS: Final[tuple[tuple[str, _Check], ...]] = (
-    ("action", _check_action),
-    ("channel", _check_channel),
+    ("credential", _check_credential),
     ("disabled", _check_disabled),
     ("depth", _check_depth),
     ("runtime", _check_runtime),

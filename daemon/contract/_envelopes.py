@@ -314,6 +314,11 @@ class Verdict:
                 raise AssertionError(f"{self.status.value} needs a code and a message")
             if self.status not in PAIRING[self.code]:
                 raise AssertionError(f"{self.code.value} may not travel with {self.status.value}")
+            try:
+                self.message.encode("utf-8")
+            except UnicodeEncodeError:
+                # A verdict that exists must encode: a lone surrogate has no UTF-8 form.
+                raise AssertionError("a verdict message must be encodable text") from None
 
     @classmethod
     def succeeded(cls, action: str, outcome: Outcome) -> Verdict:

@@ -397,7 +397,7 @@ def test_deep_nesting(depth: int, shape: str, where: str) -> None:
 
 _PK = ["79be667ef9dcbbac55a06295ce870b07029bfcdb2dce28d959f2815b16f81798",
        "c6047f9441ed7d6d3045406e95c07cd85c778e4b8cef3ca7abac09b95c709ee5"]
-#: Text an envelope can carry: every scalar value but lone surrogates (see the xfail below).
+#: Text an envelope can carry: every scalar value but lone surrogates (a Verdict refuses those).
 texts = st.text(alphabet=st.characters(blacklist_categories=["Cs"]), max_size=200)
 request_ids = st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7e), min_size=1,
                       max_size=128)
@@ -455,11 +455,6 @@ def test_encoded_verdicts_reparse(request_id: str, verdict: Verdict) -> None:
     assert not back.replayed
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Verdict accepts a message holding a lone surrogate, which encode_response cannot "
-    "encode (UnicodeEncodeError). Fix: Verdict.__post_init__ refuses lone surrogates in "
-    "`message` as Event does for its strings (AssertionError: our bug), so an unencodable "
-    "verdict cannot exist."))
 def test_a_verdict_that_exists_encodes() -> None:
     try:
         verdict = Verdict.failed(ErrorCode.ACTION_FAILED, "relay said \ud800")

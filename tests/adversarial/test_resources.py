@@ -374,11 +374,6 @@ def _event_of(record: logging.LogRecord) -> str:
         or record.getMessage()[:60]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "A SQLite fault in the ledger (disk full) escapes Broker.handle, so the transport "
-    "answers HTTP 500 without an envelope. Fix: in Broker.handle, catch sqlite3.Error "
-    "around ledger.begin/_judge/finish and answer failed+internal when no pending record "
-    "was committed (nothing reached the relay), indeterminate+internal once it was."))
 async def test_full_disk_answers_failed_internal(
     custody_state: tuple[TokenConfig, Path], small_disk: Path, local_relay: str, tmp_path: Path,
     caplog: pytest.LogCaptureFixture,

@@ -8,8 +8,8 @@ relay timeouts of 1 s. Cases:
   no hang, the PIN never printed;
 - the token's directory removed while the daemon runs -> requests get `failed` +
   `internal` at once (the fault comes before any side effect: signing precedes the pending
-  record), with an operator log line naming the custody fault; back in place + restart ->
-  served again. (Recovery *without* restart is an xfail: see the test.)
+  record), with an operator log line naming the custody fault; back in place -> served
+  again without a restart (custody logs in again and finds the KEK anew).
 - the relay going away and coming back: during the outage publishes are `failed` +
   `action_failed` (nothing could be sent) and reads `failed` + `action_failed`, each within
   its timeout; once the relay is back on the same address the very next requests succeed

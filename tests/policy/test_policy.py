@@ -280,7 +280,7 @@ def test_first_check_in_table_order_wins(store: SessionStore) -> None:
     req = request("agents.create", channelId=OTHER_CHANNEL, runtime="skynet")
     expected = [REFUSALS["action"], REFUSALS["channel"], REFUSALS["disabled"]]
     names = [name for name, _ in CHECKS]
-    assert names[:3] == ["action", "channel", "disabled"]
+    assert names[:2] == ["credential", "disabled"]  # credential: its actions, then channels
     for i, want in enumerate(expected):
         # Remove the earlier failures one at a time; the next check in the table answers.
         assert authorize(p, req, host, AGENTS) == want

@@ -41,10 +41,6 @@ UNIT = REPO / "systemd" / "buzz-broker.service"
 # Finding 8 (medium): a replay is served before authorization, across credentials.
 # ---------------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="finding 8: the ledger is keyed by the agent, and a Replay is "
-                   "answered before authorize(): a second credential of the same agent scoped to "
-                   "another channel and to channel.read only replays a recorded message.post "
-                   "(and a recorded channel.read of a channel it may not read)")
 async def test_a_narrower_credential_cannot_replay_another_credentials_verdict(
     broker: BrokerHarness,
 ) -> None:
@@ -69,9 +65,6 @@ async def test_a_narrower_credential_cannot_replay_another_credentials_verdict(
 # Finding 9 (low): an unknown member's *name* is copied into the operator log.
 # ---------------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="finding 9: request.invalid logs the JSON pointer of an "
-                   "unknown member, which quotes the member name verbatim: a credential, nsec or "
-                   "PIN sent as a member name lands in the operator log")
 async def test_a_secret_sent_as_a_member_name_is_not_logged(
     broker: BrokerHarness, caplog: pytest.LogCaptureFixture
 ) -> None:
