@@ -14,6 +14,23 @@ Rules:
   (blob reads, writes), serialized by a threading.Lock.
 - `PublicDirectory` opens the same file read-only and never sees a blob: it is what code
   without the token (credential issue, policy, `agent list`) reads.
+
+Destroying a key, and what is beyond reach:
+- `PRAGMA secure_delete=ON` at open: SQLite zeroes the bytes of deleted or shrunk content
+  in a page (a destroyed row's old blob) instead of leaving them in the page's free space
+  or on the freelist.
+- After the tombstone commits, `PRAGMA wal_checkpoint(TRUNCATE)` copies the zeroed page
+  into keystore.db and truncates keystore.db-wal to zero bytes, so the WAL frames that
+  still held the blob (from its insert and earlier writes) are gone from the files. A
+  reader in the middle of a read (another process's `PublicDirectory`, the sqlite3 shell)
+  makes the checkpoint wait up to CHECKPOINT_BUSY_MS and then report busy: that is logged
+  (warning) and the WAL is truncated by the next destroy or checkpoint instead. The
+  destroy itself has committed either way.
+- Beyond reach of any process: blocks the filesystem freed when the WAL was truncated or
+  a page rewritten (copy-on-write filesystems, journaling, snapshots, backups) and flash
+  cells an SSD's wear levelling remapped. A sealed blob is still ciphertext under a KEK
+  that never leaves the token; for a key that must be unrecoverable, destroy it and keep
+  the state directory on storage you can discard (or rotate the KEK).
 """
 
 from __future__ import annotations
@@ -38,6 +55,11 @@ __all__ = ["AgentRecord", "Keystore", "PublicDirectory", "KEYSTORE_FILE"]
 log = logging.getLogger("buzz_broker.custody")
 
 KEYSTORE_FILE = "keystore.db"
+#: How long a write waits for another process's write (the CLI while the daemon runs).
+BUSY_TIMEOUT_MS = 5000
+#: How long the post-destroy checkpoint waits for readers: it holds the token worker, and a
+#: blocked checkpoint only delays the WAL's truncation to the next one (module docstring).
+CHECKPOINT_BUSY_MS = 500
 SCHEMA_VERSION = 1
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS agents (
@@ -141,7 +163,9 @@ class Keystore:
             db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")
-            db.execute("PRAGMA busy_timeout=5000")
+            db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            # Zero deleted content in pages (a destroyed key's blob); see the module docstring.
+            db.execute("PRAGMA secure_delete=ON")
             version = db.execute("PRAGMA user_version").fetchone()[0]
             if version not in (0, SCHEMA_VERSION):
                 db.close()
@@ -224,7 +248,28 @@ class Keystore:
                 )
         except sqlite3.Error as exc:
             raise CustodyError(f"keystore write failed: {exc}") from None
+        self._checkpoint_truncate()
         return self.get(pubkey)
+
+    def _checkpoint_truncate(self) -> None:
+        """Move the WAL into the database file and truncate it: the frames that held a
+        destroyed blob go. Never fails the destroy that called it (already committed)."""
+        try:
+            with self._lock:
+                # The checkpoint waits on readers through the busy handler; it runs in the
+                # token worker, so wait briefly rather than the writers' full timeout.
+                self._db.execute(f"PRAGMA busy_timeout={CHECKPOINT_BUSY_MS}")
+                try:
+                    busy, _, _ = self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+                finally:
+                    self._db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        except sqlite3.Error as exc:
+            log.warning("keystore WAL checkpoint failed (%s); a destroyed key's sealed blob "
+                        "may remain in %s-wal until the next one", type(exc).__name__, self.path)
+            return
+        if busy:
+            log.warning("keystore WAL checkpoint was blocked by a reader; a destroyed key's "
+                        "sealed blob may remain in %s-wal until the next one", self.path)
 
     def rename(self, pubkey: str, name: str, now: int) -> AgentRecord | None:
         """Set a live agent's public name. None if no live agent has that key."""

@@ -123,9 +123,6 @@ def test_curve_operations_are_right_without_optimize() -> None:
 # Finding 2 (medium): a destroyed agent's sealed blob stays on disk (WAL, free space).
 # ---------------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="finding 2: destroy_agent sets sealed=NULL but the blob "
-                   "stays in keystore.db-wal (and in the page's free space) - no secure_delete, "
-                   "no WAL checkpoint/truncate; with the token PIN it still unseals")
 async def test_destroyed_blob_bytes_are_gone_from_the_keystore_files(
     custody: Custody, custody_state: tuple[TokenConfig, Path]
 ) -> None:
