@@ -15,12 +15,14 @@ Surface:
 - Public Nostr helpers (no secrets): `compute_event_id`, `verify_event`,
   `verify_owner_tag`, `owner_tag_digest`, and `PublicDirectory` (the keystore's public
   records without the token). `read_secret_text` reads secret text from a file descriptor
-  into a zeroable buffer for `Custody.import_agent`.
+  into a zeroable buffer for `Custody.import_agent`. `harden_process` (no core dumps, not
+  dumpable) runs inside `Custody.open`/`init_kek`; callers may run it earlier too.
 
 Modules, one job each: _errors, _secret (buffers, wiping, parsing, randomness), _secp256k1
 (low-level curve ops), _nostr (public event data), _signer (events, AUTH, NIP-OA),
-_memory (NIP-AE), _worker (the one token thread), _token (PKCS#11), _sealed (blob format
-and the one unseal door), _keystore (SQLite), _facade (Custody).
+_memory (NIP-AE), _process (core dumps off, undumpable), _worker (the one token thread),
+_token (PKCS#11), _sealed (blob format and the one unseal door), _keystore (SQLite),
+_facade (Custody).
 
 WARNING: custody refuses to be imported under `python -O`/`-OO`/PYTHONOPTIMIZE. Its own
 code checks every C return with `if`, never `assert`; the refusal is belt and braces for
@@ -50,6 +52,7 @@ from custody._nostr import (
     verify_event,
     verify_owner_tag,
 )
+from custody._process import harden_process
 from custody._secret import read_secret_text
 from custody._token import TokenConfig
 
@@ -65,6 +68,7 @@ __all__ = [
     "UnsealFailed",
     "UnsignedEvent",
     "compute_event_id",
+    "harden_process",
     "init_kek",
     "owner_tag_digest",
     "read_secret_text",

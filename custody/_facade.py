@@ -1,7 +1,8 @@
 """`Custody`: the async facade the daemon and the CLI use. Intent-level calls only.
 
 Theory of operation:
-- `Custody.open` logs in to the token (or joins the process's session), finds and checks
+- `Custody.open` first hardens the process (`_process`: no core dumps, not dumpable, no
+  same-uid ptrace), then logs in to the token (or joins the process's session), finds and checks
   the KEK, and opens the keystore. It unseals nothing: keys are opened lazily, one call at
   a time, so opening costs the same for 10 or 10,000 agents.
 - Each call that needs a secret makes exactly one hop to the token worker (`_worker`), and
@@ -31,6 +32,7 @@ from custody._errors import CustodyError, UnknownAgent
 from custody._keystore import AgentRecord, Keystore
 from custody._memory import MEMORY_KIND, MemoryAddress, check_slug, d_tag
 from custody._nostr import SignedEvent, UnsignedEvent, is_hex64, verify_owner_tag
+from custody._process import harden_process
 from custody._sealed import seal, unseal
 from custody._secp256k1 import xonly_pubkey
 from custody._secret import Secret, parse_secret_text, random_secret
@@ -61,6 +63,7 @@ async def init_kek(token: TokenConfig) -> bool:
     Raises:
         CustodyError: token, PIN or module faults, or a present KEK that could leave the token.
     """
+    harden_process()  # the PIN is about to be read: no core, no same-uid ptrace
     return await in_token_worker(lambda: Token.init_kek(token))
 
 
@@ -88,7 +91,11 @@ class Custody:
         Raises:
             CustodyError: missing module or token, wrong PIN, no KEK, unsafe KEK, keystore
                 unreadable. The message names the fault and never a secret.
+
+        First makes the process undumpable with core dumps off (`harden_process`): every
+        process that opens custody (daemon, CLI, tests) will hold unsealed keys and the PIN.
         """
+        harden_process()
 
         def work() -> Custody:
             opened = Token.open(token)

@@ -204,10 +204,6 @@ print(libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0), resource.getrlimit(resource.RLIMI
 """
 
 
-@pytest.mark.xfail(strict=True, reason="finding 5: nothing in custody or serve calls "
-                   "prctl(PR_SET_DUMPABLE, 0) / setrlimit(RLIMIT_CORE, 0); outside the systemd "
-                   "unit (CLI import, a hand-run serve, containers) a crash dumps unsealed keys "
-                   "and the PIN, and same-uid processes may ptrace the daemon")
 def test_a_process_that_opened_custody_is_not_dumpable(
     custody_state: tuple[TokenConfig, Path], tmp_path: Path
 ) -> None:
