@@ -275,7 +275,8 @@ class Custody:
         auth_tag: Sequence[str] | None = None,
         creator: str | None = None,
     ) -> AgentRecord:
-        """Seal an existing key: `secret_text` is 64 hex digits or `nsec1…` (zeroed here).
+        """Seal an existing key: `secret_text` is 64 hex digits or `nsec1…`, zeroed here on
+        every path (success, refusal, cancellation).
 
         `name` None names the agent by the first 12 hex digits of its pubkey.
         `auth_tag`, if given, must be a NIP-OA tag by `owner` for this agent that verifies;
@@ -286,41 +287,47 @@ class Custody:
             CustodyError: malformed secret, owner == agent, agent already held (or
                 tombstoned), an auth tag that does not verify; token or keystore faults.
         """
-        self._check_open()
-        _require_pubkey("owner", owner)
-        if creator is not None:
-            _require_pubkey("creator", creator)
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ValueError("name must be a non-empty str or None")
-        if not isinstance(secret_text, bytearray):
-            raise TypeError("secret_text must be a bytearray (so it can be zeroed)")
-        tag: OwnerTag | None = None
-        if auth_tag is not None:
-            items = tuple(auth_tag)
-            if len(items) != 4 or not all(isinstance(item, str) for item in items):
-                raise CustodyError('auth tag must be ["auth", owner, conditions, sig]')
-            tag = (items[0], items[1], items[2], items[3])
+        # Zeroed on every way out, the early refusals included (the worker hop is never
+        # abandoned, so this cannot race the parse that reads it).
+        try:
+            self._check_open()
+            _require_pubkey("owner", owner)
+            if creator is not None:
+                _require_pubkey("creator", creator)
+            if name is not None and (not isinstance(name, str) or not name):
+                raise ValueError("name must be a non-empty str or None")
+            if not isinstance(secret_text, bytearray):
+                raise TypeError("secret_text must be a bytearray (so it can be zeroed)")
+            tag: OwnerTag | None = None
+            if auth_tag is not None:
+                items = tuple(auth_tag)
+                if len(items) != 4 or not all(isinstance(item, str) for item in items):
+                    raise CustodyError('auth tag must be ["auth", owner, conditions, sig]')
+                tag = (items[0], items[1], items[2], items[3])
 
-        def work() -> AgentRecord:
-            with parse_secret_text(secret_text) as secret:
-                agent = xonly_pubkey(secret).hex()
-                if agent == owner:
-                    raise CustodyError("owner equals the agent: an agent cannot own itself")
-                existing = self._keystore.get(agent)
-                if existing is not None and existing.live:
-                    raise CustodyError(f"agent {agent} is already held")
-                if existing is not None:
-                    raise CustodyError(
-                        f"agent {agent} was removed; its tombstone is kept, so it cannot be imported again"
-                    )
-                if tag is not None and (tag[1] != owner or not verify_owner_tag(tag, agent)):
-                    raise CustodyError("auth tag does not verify for this agent and owner")
-                owner_record = self._keystore.get(owner)
-                depth = owner_record.depth + 1 if owner_record and owner_record.live else HUMAN_OWNED_DEPTH
-                return self._store(secret, owner=owner, name=name or agent[:12], creator=creator,
-                                   depth=depth, mint_ref=None, auth_tag=tag)
+            def work() -> AgentRecord:
+                with parse_secret_text(secret_text) as secret:
+                    agent = xonly_pubkey(secret).hex()
+                    if agent == owner:
+                        raise CustodyError("owner equals the agent: an agent cannot own itself")
+                    existing = self._keystore.get(agent)
+                    if existing is not None and existing.live:
+                        raise CustodyError(f"agent {agent} is already held")
+                    if existing is not None:
+                        raise CustodyError(
+                            f"agent {agent} was removed; its tombstone is kept, so it cannot be imported again"
+                        )
+                    if tag is not None and (tag[1] != owner or not verify_owner_tag(tag, agent)):
+                        raise CustodyError("auth tag does not verify for this agent and owner")
+                    owner_record = self._keystore.get(owner)
+                    depth = owner_record.depth + 1 if owner_record and owner_record.live else HUMAN_OWNED_DEPTH
+                    return self._store(secret, owner=owner, name=name or agent[:12], creator=creator,
+                                       depth=depth, mint_ref=None, auth_tag=tag)
 
-        record = await self._hop("import", work)
+            record = await self._hop("import", work)
+        finally:
+            if isinstance(secret_text, bytearray):
+                secret_text[:] = bytes(len(secret_text))
         log.info("imported agent %s for owner %s", record.pubkey, owner)
         return record
 

@@ -2,7 +2,8 @@
 
 Rules:
 - `import` reads the agent's secret (64 hex digits or `nsec1…`) from stdin, straight into
-  a buffer custody zeroes; never from argv or the environment. It prints the agent's
+  a buffer zeroed on every path (by custody, and here if custody never got it); never from
+  argv or the environment. On a terminal the prompt goes to stderr and echo is off. It prints the agent's
   pubkey hex, alone, on stdout.
 - `create` mints a new key for `--owner` and prints its pubkey alone on stdout.
 - `list` prints public records (table, or `--json`: one JSON array); it needs no token.
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import termios
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -94,8 +97,6 @@ def _with_custody(config: Config, action: Callable[[Custody], Awaitable[T]]) -> 
 
 
 def _import(args: argparse.Namespace, config: Config) -> int:
-    from custody import read_secret_text
-
     owner = _pubkey(args.owner, "--owner")
     auth_tag = None
     if args.auth_tag is not None:
@@ -105,22 +106,51 @@ def _import(args: argparse.Namespace, config: Config) -> int:
             raise CliError("--auth-tag is not JSON") from None
         if not isinstance(auth_tag, list) or not all(isinstance(x, str) for x in auth_tag):
             raise CliError('--auth-tag must be a JSON array of strings: ["auth", owner, conditions, sig]')
-    if sys.stdin.isatty():
-        print("agent secret (64 hex or nsec1…), then Ctrl-D:", file=sys.stderr)
     from custody import CustodyError
 
     try:
-        secret_text = read_secret_text(sys.stdin.fileno())
+        secret_text = _read_secret(sys.stdin.fileno())
     except CustodyError as exc:
         raise CliError(str(exc)) from None
-    record: AgentRecord = _with_custody(
-        config,
-        lambda c: c.import_agent(
-            secret_text, owner=owner, name=args.name, auth_tag=auth_tag
-        ),
-    )
+    try:
+        record: AgentRecord = _with_custody(
+            config,
+            lambda c: c.import_agent(
+                secret_text, owner=owner, name=args.name, auth_tag=auth_tag
+            ),
+        )
+    finally:
+        # import_agent zeroes it on every path, but custody may refuse before that call
+        # (wrong PIN, no KEK, unreadable keystore): zero it here too.
+        secret_text[:] = bytes(len(secret_text))
     print(record.pubkey)
     return 0
+
+
+def _read_secret(fd: int) -> bytearray:
+    """The secret text from `fd`; on a terminal, prompted on stderr and not echoed.
+
+    Echo is turned off with termios (ECHO cleared; canonical mode kept, so the operator can
+    still edit the line) and restored in `finally`, whatever ends the read (Ctrl-C too).
+    """
+    from custody import read_secret_text
+
+    if not os.isatty(fd):
+        return read_secret_text(fd)
+    print("agent secret (64 hex or nsec1…), not echoed; then Enter and Ctrl-D:",
+          file=sys.stderr, flush=True)
+    try:
+        saved = termios.tcgetattr(fd)
+    except termios.error:
+        return read_secret_text(fd)  # a tty that refuses termios: nothing to turn off
+    quiet = list(saved)
+    quiet[3] &= ~termios.ECHO  # lflags
+    termios.tcsetattr(fd, termios.TCSAFLUSH, quiet)
+    try:
+        return read_secret_text(fd)
+    finally:
+        termios.tcsetattr(fd, termios.TCSAFLUSH, saved)
+        print(file=sys.stderr, flush=True)  # the Enter the terminal did not echo
 
 
 def _create(args: argparse.Namespace, config: Config) -> int:

@@ -92,3 +92,73 @@ def test_agent_lifecycle_and_faults(cli: Cli, tmp_path: Path) -> None:
     done = cli("agent", "create", "--owner", PUB_2, "--name", "x")
     assert done.returncode == 1 and "wrong PIN" in done.stderr
     assert_no_secrets(cli.transcript + (cli.state / "keystore.db").read_bytes())
+
+
+def test_import_buffer_is_zeroed_when_custody_never_opens(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Custody refuses before import_agent runs (no KEK yet): the CLI zeroes the buffer."""
+    import argparse
+
+    from daemon.cli import agent as agent_cli
+    from daemon.cli._common import CliError
+    from daemon.config import load_config
+
+    held: list[bytearray] = []
+
+    def read(_fd: int) -> bytearray:
+        held.append(bytearray(SECRET_2.encode("ascii")))
+        return held[0]
+
+    monkeypatch.setattr(agent_cli, "_read_secret", read)
+    monkeypatch.setattr("sys.stdin", open(os.devnull))  # pytest's stdin has no fileno
+    args = argparse.Namespace(owner=PUB_2, name=None, auth_tag=None)
+    with pytest.raises(CliError) as raised:
+        agent_cli._import(args, load_config(str(cli.config)))
+    assert "keys init" in str(raised.value)  # control: custody refused at open, no KEK
+    assert held and held[0] == bytearray(len(SECRET_2))
+
+
+def test_import_on_a_terminal_prompts_on_stderr_and_does_not_echo(cli: Cli) -> None:
+    import pty
+    import select
+    import termios
+
+    assert cli("keys", "init").returncode == 0
+    master, slave = pty.openpty()
+    try:
+        child = subprocess.Popen(
+            [str(BUZZ_BROKER), "--config", str(cli.config), "agent", "import", "--owner", PUB_2],
+            stdin=slave, stdout=subprocess.PIPE, stderr=slave, env=dict(os.environ),
+        )
+        seen = b""
+
+        def read_until(needle: bytes) -> None:
+            nonlocal seen
+            for _ in range(200):  # bounded: 20 s at most
+                if needle in seen:
+                    return
+                if select.select([master], [], [], 0.1)[0]:
+                    seen += os.read(master, 4096)
+            raise AssertionError(f"never saw {needle!r}")
+
+        read_until(b"not echoed")
+        for _ in range(100):  # the child turns echo off right after the prompt
+            if not termios.tcgetattr(slave)[3] & termios.ECHO:
+                break
+            select.select([], [], [], 0.05)
+        assert not termios.tcgetattr(slave)[3] & termios.ECHO
+        os.write(master, SECRET_1.encode() + b"\n")
+        os.write(master, b"\x04")  # Ctrl-D: end of input
+        assert child.stdout is not None
+        out = child.stdout.read()
+        assert child.wait(timeout=60) == 0
+        read_until(b"\n")
+        if select.select([master], [], [], 0.2)[0]:
+            seen += os.read(master, 4096)
+        assert out == (PUB_1 + "\n").encode()
+        assert termios.tcgetattr(slave)[3] & termios.ECHO  # restored
+        assert SECRET_1.encode() not in seen and SECRET_1[:16].encode() not in seen
+    finally:
+        os.close(master)
+        os.close(slave)

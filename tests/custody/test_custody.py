@@ -300,3 +300,33 @@ async def test_no_secret_in_logs_output_or_keystore(
     assert_no_secrets(out.encode() + err.encode() + caplog.text.encode() + files)
     assert (state_dir.stat().st_mode & 0o777) == 0o700
     assert ((state_dir / "keystore.db").stat().st_mode & 0o777) == 0o600
+
+
+#: An early refusal of import_agent -> the arguments that provoke it.
+_IMPORT_REFUSALS: dict[str, dict[str, object]] = {
+    "bad owner": {"owner": "XYZ"},
+    "bad creator": {"creator": "nope"},
+    "empty name": {"name": ""},
+    "short auth tag": {"auth_tag": ["auth", PUB_2]},
+    "closed": {},  # custody closed before the call
+    "bad secret": {},  # the text is not a key (refused inside the worker)
+}
+
+
+@pytest.mark.parametrize("refusal", list(_IMPORT_REFUSALS))
+async def test_import_zeroes_the_secret_text_on_every_refusal(
+    custody_state: tuple[TokenConfig, Path], refusal: str
+) -> None:
+    """Security review: early refusals returned with the secret still in the caller's buffer."""
+    config, state_dir = custody_state
+    opened = await Custody.open(config, state_dir)
+    text = bytearray((SECRET_2 if refusal != "bad secret" else "zz" * 32).encode("ascii"))
+    kwargs: dict[str, object] = {"owner": PUB_2, "name": "n", **_IMPORT_REFUSALS[refusal]}
+    if refusal == "closed":
+        await opened.aclose()
+    try:
+        with pytest.raises((CustodyError, ValueError)):
+            await opened.import_agent(text, **kwargs)  # type: ignore[arg-type]
+    finally:
+        await opened.aclose()
+    assert text == bytearray(len(text))

@@ -152,9 +152,6 @@ async def test_destroyed_agent_never_signs_and_its_row_is_a_tombstone(
 # Finding 3 (low): import_agent leaves the secret text unzeroed on early failures.
 # ---------------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="finding 3: import_agent promises to zero secret_text, but "
-                   "a refusal before the worker hop (bad auth_tag shape, bad owner/name, closed "
-                   "custody) returns with the secret still in the caller's bytearray")
 async def test_import_zeroes_the_secret_text_even_when_refused_early(custody: Custody) -> None:
     text = _secret_text(coincurve.PrivateKey().secret)
     with pytest.raises(CustodyError):
