@@ -107,11 +107,14 @@ STALE_HANDLE_ERRORS: tuple[type[Exception], ...] = (
 )
 
 
+# repr=False on the PIN verifier and its key: together they let whoever reads a repr (a
+# log line, a debugger, a traceback with locals) test PIN guesses offline. The session is
+# hidden too: it is a logged-in handle, and nothing in its repr helps an operator.
 @dataclass
 class _SharedSession:
     #: None after a failed reconnect: the next operation logs in before it runs.
-    session: Any
-    pin_mac: bytes
+    session: Any = field(repr=False)
+    pin_mac: bytes = field(repr=False)
     users: int = 0
     #: Bumped each time the session is replaced after its handles went stale.
     generation: int = 0
@@ -121,7 +124,7 @@ class _SharedSession:
 class _ProcessState:
     libs: dict[str, Any] = field(default_factory=dict)
     sessions: dict[tuple[str, str], _SharedSession] = field(default_factory=dict)
-    pin_mac_key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
+    pin_mac_key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
 
 
 _PROCESS = _ProcessState()

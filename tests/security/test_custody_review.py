@@ -171,9 +171,6 @@ async def test_import_zeroes_the_secret_text_when_parsing_refuses(custody: Custo
 # Finding 4 (low): the process-wide PIN verifier and its key are in a plain dataclass repr.
 # ---------------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="finding 4: custody._token._ProcessState/_SharedSession are "
-                   "plain dataclasses: repr() prints pin_mac_key and pin_mac, which together let "
-                   "anyone who sees the repr brute-force a short PIN offline")
 async def test_process_state_repr_hides_the_pin_verifier(custody: Custody) -> None:
     state = token_module._PROCESS
     text = repr(state) + repr(list(state.sessions.values()))
