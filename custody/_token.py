@@ -15,9 +15,11 @@ Rules:
   credentials); never argv or the environment. A PIN file readable by group or others is
   refused.
 - The KEK is AES-256, generated in the token: SENSITIVE, not EXTRACTABLE, PRIVATE, TOKEN,
-  labelled, encrypt/decrypt only (no wrap/unwrap, not modifiable). `check_kek` refuses a
-  key that is or ever was able to leave the token (EXTRACTABLE, not SENSITIVE, not
-  ALWAYS_SENSITIVE, not NEVER_EXTRACTABLE), naming the attribute.
+  labelled, encrypt/decrypt only (no derive/wrap/unwrap, not modifiable). `check_kek`
+  (table `KEK_REQUIRED`) refuses a key that is or ever was able to leave the token
+  (EXTRACTABLE, not SENSITIVE, not ALWAYS_SENSITIVE, not NEVER_EXTRACTABLE) and one whose
+  usage goes beyond encrypt/decrypt (DERIVE, WRAP, UNWRAP, MODIFIABLE), naming the
+  attribute and why. WARNING: `KEK_TEMPLATE` must produce a key `KEK_REQUIRED` accepts.
 - A PKCS#11 error while decrypting (SoftHSM reports a bad GCM tag or AAD as a generic
   GeneralError) is reported as `UnsealFailed` by the caller, `_sealed`.
 - A handle the token no longer honours (`STALE_HANDLE_ERRORS`: the token was reset, its
@@ -72,6 +74,16 @@ KEK_REQUIRED: dict[Attribute, tuple[object, str]] = {
     Attribute.PRIVATE: (True, "PRIVATE is false: the key is usable without login"),
     Attribute.TOKEN: (True, "TOKEN is false: the key is not stored in the token"),
     Attribute.VALUE_LEN: (KEK_BITS // 8, "it is not a 256-bit key"),
+    # Usage: the KEK seals and opens agent keys with AES-GCM and nothing else. Each other
+    # use is a way to get key material out, or to turn the KEK into something that can.
+    Attribute.ENCRYPT: (True, "ENCRYPT is false: the key cannot seal agent keys"),
+    Attribute.DECRYPT: (True, "DECRYPT is false: the key cannot open sealed agent keys"),
+    Attribute.DERIVE: (False, "DERIVE is true: keys derived from it may be extractable"),
+    Attribute.WRAP: (False, "WRAP is true: it could wrap other token keys out of the token"),
+    Attribute.UNWRAP: (False, "UNWRAP is true: it could unwrap planted keys, or decrypt "
+                       "sealed agent keys into token objects"),
+    Attribute.MODIFIABLE: (False, "MODIFIABLE is true: its usage attributes could be changed "
+                           "after this check"),
 }
 
 #: The template `init_kek` generates with (in addition to label, store and AES-256).
@@ -81,6 +93,7 @@ KEK_TEMPLATE: dict[Attribute, Any] = {
     Attribute.PRIVATE: True,
     Attribute.WRAP: False,
     Attribute.UNWRAP: False,
+    Attribute.DERIVE: False,  # the PKCS#11 default, stated: KEK_REQUIRED refuses true
     Attribute.MODIFIABLE: False,
 }
 

@@ -216,9 +216,6 @@ def test_a_process_that_opened_custody_is_not_dumpable(
 # Finding 6 (low): the KEK check does not look at usage attributes.
 # ---------------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="finding 6: _check_kek accepts a KEK that may DERIVE, WRAP, "
-                   "UNWRAP or is MODIFIABLE (a planted or hand-made key); keys init never makes one, "
-                   "so refusing them costs nothing")
 async def test_kek_with_derive_and_wrap_is_refused(
     softhsm_token: SoftHsmToken, tmp_path: Path
 ) -> None:

@@ -1,0 +1,70 @@
+"""The KEK check refuses every usage beyond encrypt/decrypt, one attribute at a time.
+
+Security review: `_check_kek` looked only at whether the key could leave the token, so a
+planted or hand-made key that may DERIVE, WRAP or UNWRAP, or is MODIFIABLE, was used. Each
+row plants a key under its own label that is right in every way but one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import custody._token as token_module
+import custody._worker as worker_module
+from custody import Custody, CustodyError, init_kek
+from tests.fixtures.token import SoftHsmToken
+
+#: The one wrong attribute -> (capabilities, template changes) that make it wrong.
+_WRONG: dict[str, tuple[tuple[str, ...], dict[str, bool]]] = {
+    "DERIVE": (("ENCRYPT", "DECRYPT", "DERIVE"), {}),
+    "WRAP": (("ENCRYPT", "DECRYPT", "WRAP"), {}),
+    "UNWRAP": (("ENCRYPT", "DECRYPT", "UNWRAP"), {}),
+    "MODIFIABLE": (("ENCRYPT", "DECRYPT"), {"MODIFIABLE": True}),
+    "ENCRYPT": (("DECRYPT",), {}),
+    "DECRYPT": (("ENCRYPT",), {}),
+}
+
+
+@pytest.mark.parametrize("wrong", list(_WRONG))
+async def test_a_kek_wrong_in_one_usage_attribute_is_refused_by_name(
+    softhsm_token: SoftHsmToken, tmp_path: Path, wrong: str
+) -> None:
+    from pkcs11 import Attribute, KeyType, MechanismFlag
+
+    config = softhsm_token.config(kek_label=f"usage-{wrong.lower()}")
+    flags, changes = _WRONG[wrong]
+    capabilities = MechanismFlag(0)
+    for flag in flags:
+        capabilities |= MechanismFlag[flag]
+    template: dict[Any, Any] = {
+        Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: False, Attribute.PRIVATE: True,
+        Attribute.MODIFIABLE: False,
+    } | {Attribute[name]: value for name, value in changes.items()}
+
+    def plant() -> None:
+        key, shared = token_module._acquire_session(config)
+        try:
+            shared.session.generate_key(KeyType.AES, 256, label=config.kek_label, store=True,
+                                        capabilities=capabilities, template=template)
+        finally:
+            token_module._release_session(key)
+
+    await worker_module.in_token_worker(plant)
+    with pytest.raises(CustodyError, match=f"{wrong} is"):
+        opened = await Custody.open(config, tmp_path / "state")
+        await opened.aclose()
+    with pytest.raises(CustodyError, match=f"{wrong} is"):
+        await init_kek(config)  # keys init checks a present key the same way
+
+
+async def test_the_kek_keys_init_makes_passes_every_check(
+    softhsm_token: SoftHsmToken, tmp_path: Path
+) -> None:
+    config = softhsm_token.config(kek_label="usage-made-by-init")
+    assert await init_kek(config) is True
+    assert await init_kek(config) is False  # found again and checked
+    opened = await Custody.open(config, tmp_path / "state")
+    await opened.aclose()
