@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import logging
 import os
 import secrets
@@ -278,16 +279,28 @@ def _find_token_afresh(config: TokenConfig) -> Any:
 
 
 def _find_kek(session: Any, config: TokenConfig) -> Any | None:
+    """The one AES secret key labelled `kek_label`, None if there is none.
+
+    Not `session.get_key`: it raises MultipleObjectsReturned from inside an object search it
+    leaves open, and the search (C_FindObjectsFinal, and the session's operation lock) is
+    then finished by the garbage collector on whatever thread drops it, outside the token
+    lock. Here at most two objects are taken and the search generator is closed in
+    `finally`, on this thread, holding the lock.
+    """
+    search = session.get_objects({
+        Attribute.CLASS: ObjectClass.SECRET_KEY,
+        Attribute.KEY_TYPE: KeyType.AES,
+        Attribute.LABEL: config.kek_label,
+    })
     try:
-        return session.get_key(
-            object_class=ObjectClass.SECRET_KEY, key_type=KeyType.AES, label=config.kek_label
-        )
-    except pkcs11.NoSuchKey:
-        return None
-    except pkcs11.MultipleObjectsReturned:
+        found = list(itertools.islice(search, 2))
+    finally:
+        search.close()  # GeneratorExit inside the search: C_FindObjectsFinal runs now
+    if len(found) > 1:
         raise CustodyError(
             f"token {config.token_label!r} has more than one key labelled {config.kek_label!r}"
-        ) from None
+        )
+    return found[0] if found else None
 
 
 def _check_kek(kek: Any, config: TokenConfig) -> None:

@@ -68,3 +68,44 @@ async def test_the_kek_keys_init_makes_passes_every_check(
     assert await init_kek(config) is False  # found again and checked
     opened = await Custody.open(config, tmp_path / "state")
     await opened.aclose()
+
+
+async def test_a_refused_twin_kek_search_leaves_the_shared_session_usable(
+    softhsm_token: SoftHsmToken, tmp_path: Path
+) -> None:
+    """Two keys under one label: refused, and the search is finished at once, so the next
+    search on the process's shared session (another Custody held open) is not blocked by
+    an operation left active until the garbage collector runs."""
+    import gc
+
+    from pkcs11 import Attribute, KeyType, MechanismFlag
+
+    good = softhsm_token.config(kek_label="usage-good")
+    twin = softhsm_token.config(kek_label="usage-twin")
+    assert await init_kek(good) is True
+    assert await init_kek(twin) is True
+
+    def plant() -> None:
+        key, shared = token_module._acquire_session(twin)
+        try:
+            shared.session.generate_key(
+                KeyType.AES, 256, label=twin.kek_label, store=True,
+                capabilities=MechanismFlag.ENCRYPT | MechanismFlag.DECRYPT,
+                template={Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: False,
+                          Attribute.PRIVATE: True, Attribute.MODIFIABLE: False},
+            )
+        finally:
+            token_module._release_session(key)
+
+    await worker_module.in_token_worker(plant)
+    held = await Custody.open(good, tmp_path / "held")  # keeps the shared session alive
+    gc.disable()  # a collection must not be what finishes the search
+    try:
+        for _ in range(3):
+            with pytest.raises(CustodyError, match="more than one"):
+                await Custody.open(twin, tmp_path / "twin")
+            again = await Custody.open(good, tmp_path / "again")
+            await again.aclose()
+    finally:
+        gc.enable()
+        await held.aclose()

@@ -275,10 +275,6 @@ async def test_kek_checks_refuse_an_extractable_key_and_a_second_kek(
 # Finding 10 (low): a KEK search left open is finished by the garbage collector.
 # ---------------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="finding 10: with two keys under the KEK label, get_key raises "
-                   "MultipleObjectsReturned from inside an unfinished object search; the search "
-                   "(C_FindObjectsFinal) is finalized later by GC, outside the token lock, on "
-                   "whatever thread drops the exception - here after the session is gone")
 async def test_kek_search_is_finished_inside_the_worker(
     softhsm_token: SoftHsmToken, tmp_path: Path
 ) -> None:
