@@ -458,7 +458,9 @@ def test_no_pkcs11_call_outside_the_locked_worker(
     assert done.returncode == 0, done.stderr[-800:]
     entries = json.loads(done.stdout.splitlines()[-1])
     names = {e[0] for e in entries}
-    assert {"get_key", "decrypt"} <= names, names  # control: the watch sees token calls
+    # Control: the watch sees token calls. The KEK search (Session.get_objects, Cython, not
+    # seen by a profiler) shows as the template packing it calls back into Python for.
+    assert {"pack_attribute", "decrypt"} <= names, names
     outside = [e for e in entries if e[1] or not e[2]]  # on the event-loop thread, or unlocked
     assert outside == [], collections.Counter(tuple(e) for e in outside)
 
