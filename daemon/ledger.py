@@ -28,13 +28,23 @@ Theory of operation (design.md "Idempotency: the ledger"; spec I3):
 - States move only through `advance(state, event)`, one lookup in `TRANSITIONS`; a missing
   pair is our bug (AssertionError naming state and event).
 
-I/O: SQLite in WAL mode on one dedicated connection, used only from trio worker threads
-under this ledger's own CapacityLimiter(1) — never on the event loop. Group commit: every
-read and write is queued as an operation; the first task to find no flush running becomes
-the flusher and runs everything queued in one transaction (one fsync) per thread hop,
-repeating until the queue is empty. Under load, many concurrent requests share one fsync
-and one ~150 µs thread hop; a lone request pays one of each. The flush runs shielded from
-cancellation: other tasks' durability depends on it, and it is bounded by the batch.
+I/O: SQLite in WAL mode. Writes go through one dedicated connection, used only from trio
+worker threads under this ledger's own CapacityLimiter(1). Group commit: every write is
+queued as an operation; the first task to find no flush running becomes the flusher and
+runs everything queued in one transaction (one fsync) per thread hop, repeating until the
+queue is empty. Under load, many concurrent requests share one fsync and one ~150 µs
+thread hop; a lone request pays one of each. The flush runs shielded from cancellation:
+other tasks' durability depends on it, and it is bounded by the batch.
+
+`begin`'s lookup is the one read on the hot path, and it runs on the event-loop thread
+on a second, read-only connection: a primary-key SELECT costs ~10 µs, a thread hop ~150.
+That is safe because (a) in WAL mode a reader never waits for the writer (it reads the
+last committed snapshot), (b) the key is claimed in the in-flight map before the SELECT,
+and every write for a key is made by its in-process owner and committed before the owner
+lets go — so the snapshot the SELECT sees already holds everything an owner wrote, and
+(c) the SELECT is synchronous, so no other task runs between the claim and the answer.
+Its busy timeout is short (`READ_BUSY_TIMEOUT_MS`): a WAL reader is only ever kept waiting
+while SQLite rebuilds its shared index, and the event loop must not stall for long.
 
 Retention: `sweep(now)` deletes final records older than `retention_seconds` and
 pending/indeterminate ones older than `STALE_FACTOR` x retention (a retry that late gets
@@ -75,6 +85,7 @@ __all__ = [
     "DIGEST_BYTES",
     "STALE_FACTOR",
     "LEDGER_FILENAME",
+    "READ_BUSY_TIMEOUT_MS",
 ]
 
 #: The file name under the state directory (design.md: `<state>/ledger.db`).
@@ -87,6 +98,10 @@ DIGEST_BYTES: Final = 32
 #: may drop them: they are the only memory of events that may be on the relay, so they
 #: outlive final verdicts; but the database must stay bounded, so not forever.
 STALE_FACTOR: Final = 2
+
+#: How long `begin`'s read on the event-loop thread may wait for SQLite's shared index
+#: (module docstring); beyond that the read fails like any database fault.
+READ_BUSY_TIMEOUT_MS: Final = 100
 
 
 class State(enum.Enum):
@@ -245,12 +260,15 @@ class Ledger:
     def __init__(
         self,
         conn: sqlite3.Connection,
+        reader: sqlite3.Connection,
         *,
         retention_seconds: int,
         clock: Callable[[], float],
     ) -> None:
-        # Private: use Ledger.open(). The connection is ours alone.
+        # Private: use Ledger.open(). Both connections are ours alone: `conn` writes from
+        # worker threads, `reader` serves begin()'s lookup on the event-loop thread.
         self._conn = conn
+        self._reader = reader
         self._retention = retention_seconds
         self._clock = clock
         self._limiter = trio.CapacityLimiter(1)
@@ -286,12 +304,18 @@ class Ledger:
         if retention_seconds <= 0:
             raise ValueError("retention_seconds must be positive")
         conn = open_private_db(Path(path), _SCHEMA)
-        return cls(conn, retention_seconds=retention_seconds, clock=clock)
+        try:
+            reader = _open_reader(Path(path))
+        except BaseException:
+            conn.close()
+            raise
+        return cls(conn, reader, retention_seconds=retention_seconds, clock=clock)
 
     def close(self) -> None:
         """Close the connection. Call only when no request is in flight (daemon shutdown)."""
         if not self._closed:
             self._closed = True
+            self._reader.close()
             self._conn.close()
 
     # -- the group-commit engine -----------------------------------------------------
@@ -394,10 +418,13 @@ class Ledger:
 
         ticket = Ticket(key, digest)
         flight = _Flight(ticket, State.NEW, has_pending=False)
-        # Claim before the first await, so a concurrent begin() sees an owner.
+        # Claim before the lookup, so a concurrent begin() sees an owner. The lookup is
+        # synchronous on the event loop (module docstring: why that is safe and cheap).
         self._inflight[key] = flight
         try:
-            row = await self._run(lambda conn: _select(conn, key))
+            if self._closed:
+                raise RuntimeError("ledger is closed")
+            row = _select(self._reader, key)
         except BaseException:
             self._drop(flight)
             raise
@@ -543,6 +570,19 @@ class Ledger:
         if self._inflight.get(flight.ticket.key) is flight:
             del self._inflight[flight.ticket.key]
         flight.done.set()
+
+
+def _open_reader(path: Path) -> sqlite3.Connection:
+    """The read-only connection for begin() (the writer already made the file and schema)."""
+    reader = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+    try:
+        reader.execute(f"PRAGMA busy_timeout={READ_BUSY_TIMEOUT_MS}")
+        # Belt and braces: this connection can never write, whatever a bug asks of it.
+        reader.execute("PRAGMA query_only=ON")
+    except BaseException:
+        reader.close()
+        raise
+    return reader
 
 
 def _select(conn: sqlite3.Connection, key: LedgerKey) -> _Row | None:
