@@ -34,7 +34,7 @@ from custody._memory import MEMORY_KIND, MemoryAddress, check_slug, d_tag
 from custody._nostr import SignedEvent, UnsignedEvent, is_hex64, verify_owner_tag
 from custody._process import harden_process
 from custody._sealed import seal, unseal
-from custody._secp256k1 import xonly_pubkey
+from custody._secp256k1 import is_xonly_pubkey, xonly_pubkey
 from custody._secret import Secret, parse_secret_text, random_secret
 from custody._signer import OwnerTag, auth_event, make_owner_tag, sign, with_owner_tag
 from custody._token import Token, TokenConfig
@@ -53,6 +53,19 @@ HUMAN_OWNED_DEPTH = 1
 def _require_pubkey(name: str, value: object) -> None:
     if not is_hex64(value):
         raise ValueError(f"{name} must be 64 lowercase hex characters")
+
+
+def _require_owner_point(owner: str) -> None:
+    """An owner must be a real x-only key: it signs NIP-OA tags and is the NIP-AE peer.
+
+    A CustodyError, not a ValueError: the shape was already checked, and an owner that is
+    64 hex digits but no curve point is bad operator input (`agent create --owner`), which
+    the CLI shows as one line.
+    """
+    if not is_xonly_pubkey(bytes.fromhex(owner)):
+        raise CustodyError(
+            f"owner {owner} is not a secp256k1 x-only public key (no curve point has this x)"
+        )
 
 
 async def init_kek(token: TokenConfig) -> bool:
@@ -213,15 +226,26 @@ class Custody:
         """NIP-AE address (author, kind 30174, d-tag) of `slug` for `agent`. K_c stays inside.
 
         Raises:
-            UnknownAgent, UnsealFailed; ValueError for a slug NIP-AE does not allow.
+            UnknownAgent, UnsealFailed; CustodyError if the agent's stored owner is not a
+            curve point (an agent stored before owners were checked); ValueError for a slug
+            NIP-AE does not allow.
         """
         self._check_open()
         check_slug(slug)
         record = self._live(agent)
+        # Agents stored before owners were checked as points may have one that is not: no
+        # NIP-AE address exists for them, and that is custody's fault to report, not a bug.
+        _require_owner_point(record.owner)
 
         def work() -> str:
             with self._unseal(agent) as secret:
-                return d_tag(secret, record.owner, slug)
+                try:
+                    return d_tag(secret, record.owner, slug)
+                except ValueError:
+                    # Belt and braces for the check above: the derivation's own refusal.
+                    raise CustodyError(
+                        f"no NIP-AE address for agent {agent}: the derivation refused its owner"
+                    ) from None
 
         return MemoryAddress(author_pubkey=agent, kind=MEMORY_KIND, d_tag=await self._hop("memory_address", work))
 
@@ -237,11 +261,13 @@ class Custody:
         is itself an agent held here, the agent's NIP-OA tag is signed now and stored.
 
         Raises:
-            CustodyError: mint_ref already used for another owner; token or keystore faults.
+            CustodyError: an owner that is no curve point; mint_ref already used for another
+                owner; token or keystore faults.
             ValueError: malformed owner/creator, empty name, depth < 1.
         """
         self._check_open()
         _require_pubkey("owner", owner)
+        _require_owner_point(owner)
         if creator is not None:
             _require_pubkey("creator", creator)
         if not isinstance(name, str) or not name:
@@ -284,7 +310,8 @@ class Custody:
         when the owner is held here, else 1 (human-owned).
 
         Raises:
-            CustodyError: malformed secret, owner == agent, agent already held (or
+            CustodyError: malformed secret, an owner that is no curve point, owner ==
+                agent, agent already held (or
                 tombstoned), an auth tag that does not verify; token or keystore faults.
         """
         # Zeroed on every way out, the early refusals included (the worker hop is never
@@ -292,6 +319,7 @@ class Custody:
         try:
             self._check_open()
             _require_pubkey("owner", owner)
+            _require_owner_point(owner)
             if creator is not None:
                 _require_pubkey("creator", creator)
             if name is not None and (not isinstance(name, str) or not name):

@@ -24,7 +24,7 @@ from coincurve.context import GLOBAL_CONTEXT
 
 from custody._secret import Secret
 
-__all__ = ["xonly_pubkey", "schnorr_sign", "ecdh_x"]
+__all__ = ["xonly_pubkey", "schnorr_sign", "ecdh_x", "is_xonly_pubkey"]
 
 _CTX = GLOBAL_CONTEXT.ctx
 _KEYPAIR_SIZE = ffi.sizeof("secp256k1_keypair")
@@ -70,6 +70,18 @@ def schnorr_sign(secret: Secret, message32: bytes, aux32: bytes) -> bytes:
         return bytes(ffi.buffer(sig, 64))
     finally:
         _zero(keypair, _KEYPAIR_SIZE)
+
+
+def is_xonly_pubkey(candidate: bytes) -> bool:
+    """True iff `candidate` is 32 bytes that are the x-coordinate of a secp256k1 point.
+
+    About half of all 32-byte strings are not (x^3 + 7 has no square root mod p): such an
+    "owner" could never sign a NIP-OA tag nor be an ECDH peer for NIP-AE. Public data only.
+    """
+    if not isinstance(candidate, bytes) or len(candidate) != 32:
+        return False
+    parsed = ffi.new("secp256k1_xonly_pubkey *")
+    return bool(lib.secp256k1_xonly_pubkey_parse(_CTX, parsed, candidate))
 
 
 def ecdh_x(secret: Secret, peer_xonly: bytes) -> Secret:

@@ -78,6 +78,8 @@ def test_agent_lifecycle_and_faults(cli: Cli, tmp_path: Path) -> None:
         (("agent", "import", "--owner", PUB_1), SECRET_1, "cannot own itself"),
         (("agent", "import", "--owner", PUB_2), "0123", "malformed secret"),
         (("agent", "import", "--owner", "XYZ"), SECRET_2, "--owner"),
+        (("agent", "import", "--owner", "b" * 64), SECRET_2, "not a secp256k1"),
+        (("agent", "create", "--owner", "b" * 64, "--name", "x"), "", "not a secp256k1"),
         (("agent", "import", "--owner", PUB_2), nsec, "already held"),
         (("agent", "import", "--owner", PUB_2, "--auth-tag", "[1,"), SECRET_2, "not JSON"),
         (("agent", "remove", "b" * 64), "", "unknown agent"),

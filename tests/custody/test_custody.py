@@ -330,3 +330,60 @@ async def test_import_zeroes_the_secret_text_on_every_refusal(
     finally:
         await opened.aclose()
     assert text == bytearray(len(text))
+
+
+#: 64 hex digits that are no curve point's x (x^3 + 7 is not a square mod p).
+NOT_A_POINT = "b" * 64
+
+
+async def test_owners_that_are_no_curve_point_are_refused_with_a_custody_error(
+    custody: Custody,
+) -> None:
+    """Security review: such an owner was stored, and memory_address later raised a bare
+    ValueError (HTTP 500 in the daemon)."""
+    with pytest.raises(CustodyError, match="not a secp256k1"):
+        await custody.mint_agent(owner=NOT_A_POINT, name="m", creator=None, depth=1,
+                                 mint_ref=None)
+    text = bytearray(SECRET_2.encode("ascii"))
+    with pytest.raises(CustodyError, match="not a secp256k1"):
+        await custody.import_agent(text, owner=NOT_A_POINT, name="i")
+    assert text == bytearray(len(text))
+    assert custody.agents(include_deleted=True) == []
+
+
+async def test_an_agent_stored_with_an_off_curve_owner_gets_a_custody_error_for_memory(
+    custody: Custody, custody_state: tuple[TokenConfig, Path]
+) -> None:
+    """A keystore written before the check: memory_address answers CustodyError, and the
+    agent still signs (its key is fine; only NIP-AE needs the owner as a point)."""
+    _, state_dir = custody_state
+    agent = await import_hex(custody, SECRET_1, PUB_2)
+    db = sqlite3.connect(state_dir / "keystore.db", isolation_level=None)
+    try:
+        db.execute("UPDATE agents SET owner = ? WHERE pubkey = ?", (NOT_A_POINT, agent))
+    finally:
+        db.close()
+    with pytest.raises(CustodyError) as raised:
+        await custody.memory_address(agent, "core")
+    assert type(raised.value) is CustodyError and NOT_A_POINT in str(raised.value)
+    signed = await custody.sign_event(agent, UnsignedEvent(agent, 1, 1, (), "x"))
+    assert verify_event(signed.to_json_obj())
+
+
+@pytest.mark.parametrize(
+    ("candidate", "point"),
+    [
+        (bytes.fromhex(PUB_1), True),
+        (bytes.fromhex(PUB_2), True),
+        (bytes.fromhex("a" * 64), True),
+        (bytes.fromhex(NOT_A_POINT), False),
+        (bytes(32), False),  # x = 0: 7 is not a square mod p
+        (b"\xff" * 32, False),  # >= p: not a field element
+        (bytes.fromhex(PUB_1)[:31], False),
+        (b"\x02" + bytes.fromhex(PUB_1), False),  # compressed, not x-only
+    ],
+)
+def test_is_xonly_pubkey(candidate: bytes, point: bool) -> None:
+    from custody._secp256k1 import is_xonly_pubkey
+
+    assert is_xonly_pubkey(candidate) is point

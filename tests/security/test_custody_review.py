@@ -317,9 +317,6 @@ async def test_kek_search_is_finished_inside_the_worker(
 # Finding 7 (low): an owner is checked for shape only, not as a curve point.
 # ---------------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="finding 7: mint_agent/import_agent accept an owner that is "
-                   "64 hex but no curve point; memory_address then unseals the key and raises a "
-                   "bare ValueError from ecdh_x (the broker answers HTTP 500, no envelope)")
 async def test_an_owner_that_is_not_a_curve_point_is_refused_at_import(custody: Custody) -> None:
     text = _secret_text(coincurve.PrivateKey().secret)
     with pytest.raises((CustodyError, ValueError)):
@@ -423,7 +420,7 @@ threading.setprofile(watch)
 sys.setprofile(watch)
 from custody import Custody, TokenConfig, UnsignedEvent
 cfg = TokenConfig(module=sys.argv[1], token_label=sys.argv[2], pin_file=sys.argv[3], kek_label=sys.argv[4])
-HUMAN = "b" * 64  # shape only: no NIP-AE call uses this owner
+HUMAN = "a" * 64  # an x on the curve: owners must be points (finding 7)
 
 async def main():
     c = await Custody.open(cfg, sys.argv[5])
@@ -698,7 +695,7 @@ cfg = TokenConfig(module=sys.argv[1], token_label=sys.argv[2], pin_file=sys.argv
 state = sys.argv[5]
 async def main():
     c = await Custody.open(cfg, state)
-    await c.mint_agent(owner="b" * 64, name="u", creator=None, depth=1, mint_ref=None)
+    await c.mint_agent(owner="a" * 64, name="u", creator=None, depth=1, mint_ref=None)
     s = SessionStore.open(state)
     CursorCodec.open(state)
     for name in sorted(os.listdir(state)):
