@@ -12,8 +12,9 @@ Rules:
   PIN nor a plain hash of it stays in memory.
 - The token is found by label (SoftHSM slot ids are random).
 - The PIN comes from `pin_file`, else `$CREDENTIALS_DIRECTORY/token-pin` (systemd
-  credentials); never argv or the environment. A PIN file readable by group or others is
-  refused.
+  credentials); never argv or the environment. It is opened without following a symlink
+  and checked on the open descriptor: a regular file, no group/other bits, owned by this
+  process's effective uid or root (see `_read_pin`).
 - The KEK is AES-256, generated in the token: SENSITIVE, not EXTRACTABLE, PRIVATE, TOKEN,
   labelled, encrypt/decrypt only (no derive/wrap/unwrap, not modifiable). `check_kek`
   (table `KEK_REQUIRED`) refuses a key that is or ever was able to leave the token
@@ -31,6 +32,7 @@ Rules:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import itertools
@@ -65,6 +67,9 @@ GCM_IV_BYTES = 12
 GCM_TAG_BITS = 128
 #: systemd LoadCredential= name the unit uses for the PIN.
 CREDENTIAL_NAME = "token-pin"
+#: Longest PIN file read. PKCS#11 PINs are short (SoftHSM allows 4-255 bytes); anything
+#: longer is the wrong file, refused rather than read into memory.
+MAX_PIN_FILE_BYTES = 1024
 
 #: KEK attribute -> value it must have, and why a different value is refused.
 KEK_REQUIRED: dict[Attribute, tuple[object, str]] = {
@@ -145,6 +150,23 @@ _PROCESS = _ProcessState()
 
 
 def _read_pin(config: TokenConfig) -> bytearray:
+    """The PIN, read into a bytearray the caller zeroes (never a `bytes` or `str` copy here).
+
+    The file is opened once, O_NOFOLLOW (a symlink is refused: the checks below must be
+    about the file that is read, and a link could be re-pointed after them), O_NONBLOCK (a
+    FIFO put in its place cannot hang the token worker) and O_CLOEXEC; the checks are made
+    on the open descriptor with fstat and the bytes read from that descriptor, so nothing
+    can swap the file between check and read. The rules:
+    - a regular file;
+    - no group or other permission bits (chmod 600 or 400);
+    - owned by this process's effective uid or by root. Another user who owns the file can
+      read or rewrite the PIN whatever its mode says; root can do that to any file anyway,
+      so a root-owned file adds no one (a process with CAP_DAC_READ_SEARCH may read it).
+    systemd's LoadCredential= file passes: on its ramfs credentials directory systemd
+    chowns the file to the service user, mode 0400. Where it grants access with a POSIX ACL
+    instead (a tmpfs fallback), the ACL mask shows as group bits and the file is refused
+    as readable by group: a known limit (reading the ACL itself is not done here).
+    """
     if config.pin_file is not None:
         path = Path(config.pin_file)
         source = f"PIN file {path}"
@@ -158,20 +180,56 @@ def _read_pin(config: TokenConfig) -> bytearray:
         path = Path(credentials) / CREDENTIAL_NAME
         source = f"systemd credential {path}"
     try:
-        st = path.stat()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CustodyError(
+                f"{source} is a symbolic link; point the configuration at the file itself"
+            ) from None
+        raise CustodyError(f"cannot read {source}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CustodyError(f"{source} is not a regular file")
         if st.st_mode & 0o077:
             raise CustodyError(
                 f"{source} is readable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
                 "chmod 600 it"
             )
-        pin = bytearray(path.read_bytes())
+        if st.st_uid not in (os.geteuid(), 0):
+            raise CustodyError(
+                f"{source} is owned by uid {st.st_uid}, not by this process's user "
+                f"(uid {os.geteuid()}) or root; chown it"
+            )
+        pin = _read_fd(fd, source)
     except OSError as exc:
         raise CustodyError(f"cannot read {source}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
     while pin and pin[-1] in (0x0A, 0x0D):
         pin.pop()
     if not pin:
         raise CustodyError(f"{source} is empty")
     return pin
+
+
+def _read_fd(fd: int, source: str) -> bytearray:
+    """At most MAX_PIN_FILE_BYTES from `fd`, read straight into one bytearray."""
+    buf = bytearray(MAX_PIN_FILE_BYTES + 1)
+    filled = 0
+    while filled < len(buf):
+        with memoryview(buf) as whole, whole[filled:] as chunk:
+            got = os.readv(fd, [chunk])
+        if got == 0:
+            break
+        filled += got
+    if filled > MAX_PIN_FILE_BYTES:
+        buf[:] = bytes(len(buf))
+        raise CustodyError(f"{source} is longer than {MAX_PIN_FILE_BYTES} bytes: not a PIN")
+    # Zero the unused tail before cutting it off (del keeps the bytes in this one object).
+    buf[filled:] = bytes(len(buf) - filled)
+    del buf[filled:]
+    return buf
 
 
 def _load_lib(module: str) -> Any:
