@@ -17,7 +17,7 @@ from daemon.cli._common import CliError
 from daemon.contract import ACTIONS
 from daemon.sessions import TOKEN_PREFIX, SessionStore
 
-HUMAN = "11" * 32
+HUMAN = "22" * 32  # a curve point: custody refuses an owner that is not one
 CHANNEL = "123e4567-e89b-12d3-a456-426614174000"
 
 
