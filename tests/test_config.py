@@ -90,7 +90,7 @@ DEFAULTS: dict[tuple[str, str], object] = {
     ("server", "socket_mode"): 0o660,
     ("server", "socket_group"): None,
     ("server", "max_connections"): 1024,
-    ("server", "max_body_bytes"): 262144,
+    ("server", "max_body_bytes"): 524288,
     ("server", "max_header_bytes"): 16384,
     ("server", "request_timeout"): 10.0,
     ("server", "shutdown_grace"): 10.0,
