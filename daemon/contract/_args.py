@@ -30,7 +30,7 @@ from ._limits import (
     MAX_MENTIONS, MAX_PICTURE_CHARS, MAX_REACTION_CHARS, MAX_SCALAR_CHARS,
     MAX_SYSTEM_PROMPT_CHARS, MIN_LIMIT,
 )
-from ._shapes import Field, Shape, array_of, check_instance, nested, one_of, register
+from ._shapes import Checked, Field, Shape, array_of, nested, one_of, register
 
 __all__ = [
     "ChannelReadArgs", "MessagePostArgs", "MessageReplyArgs", "ReactionAddArgs",
@@ -54,15 +54,12 @@ _RESPOND_TO = one_of(*RESPOND_TO)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ChannelReadArgs:
+class ChannelReadArgs(Checked):
     channel_id: str
     root_event_id: str | None = None
     mentions_only: bool = False
     cursor: str | None = None
     limit: int | None = None
-
-    def __post_init__(self) -> None:
-        check_instance(self)
 
     @property
     def effective_limit(self) -> int:
@@ -80,27 +77,21 @@ register(Shape(ChannelReadArgs, (
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class MessagePostArgs:
+class MessagePostArgs(Checked):
     channel_id: str
     content: str
     mentions: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        check_instance(self)
 
 
 register(Shape(MessagePostArgs, (_CHANNEL, _CONTENT, _MENTIONS)))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class MessageReplyArgs:
+class MessageReplyArgs(Checked):
     channel_id: str
     reply_to_event_id: str
     content: str
     mentions: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        check_instance(self)
 
 
 register(Shape(MessageReplyArgs, (
@@ -109,13 +100,10 @@ register(Shape(MessageReplyArgs, (
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ReactionAddArgs:
+class ReactionAddArgs(Checked):
     channel_id: str
     target_event_id: str
     reaction: str
-
-    def __post_init__(self) -> None:
-        check_instance(self)
 
 
 register(Shape(ReactionAddArgs, (
@@ -130,13 +118,10 @@ def _at_least_one(present: Mapping[str, object]) -> str | None:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ProfileSetArgs:
+class ProfileSetArgs(Checked):
     display_name: str | None = None
     about: str | None = None
     picture: str | None = None
-
-    def __post_init__(self) -> None:
-        check_instance(self)
 
 
 register(Shape(ProfileSetArgs, (
@@ -147,11 +132,8 @@ register(Shape(ProfileSetArgs, (
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class StorageAddressArgs:
+class StorageAddressArgs(Checked):
     slug: str
-
-    def __post_init__(self) -> None:
-        check_instance(self)
 
 
 register(Shape(StorageAddressArgs, (Field("slug", "slug", slug, required=True),)))
@@ -166,7 +148,7 @@ _AGENT_OPTIONALS = (
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class AgentsCreateArgs:
+class AgentsCreateArgs(Checked):
     channel_id: str
     display_name: str
     system_prompt: str
@@ -174,9 +156,6 @@ class AgentsCreateArgs:
     provider: str | None = None
     model: str | None = None
     respond_to: str | None = None
-
-    def __post_init__(self) -> None:
-        check_instance(self)
 
 
 register(Shape(AgentsCreateArgs, (
@@ -192,12 +171,9 @@ def _exactly_one(present: Mapping[str, object]) -> str | None:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class AgentTarget:
+class AgentTarget(Checked):
     pubkey: str | None = None
     name: str | None = None
-
-    def __post_init__(self) -> None:
-        check_instance(self)
 
 
 _TARGET_SHAPE = register(Shape(AgentTarget, (
@@ -212,7 +188,7 @@ def _beyond_target(present: Mapping[str, object]) -> str | None:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class AgentsUpdateArgs:
+class AgentsUpdateArgs(Checked):
     target: AgentTarget
     display_name: str | None = None
     system_prompt: str | None = None
@@ -220,9 +196,6 @@ class AgentsUpdateArgs:
     provider: str | None = None
     model: str | None = None
     respond_to: str | None = None
-
-    def __post_init__(self) -> None:
-        check_instance(self)
 
 
 register(Shape(AgentsUpdateArgs, (
@@ -234,11 +207,8 @@ register(Shape(AgentsUpdateArgs, (
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class AgentsDeleteArgs:
+class AgentsDeleteArgs(Checked):
     target: AgentTarget
-
-    def __post_init__(self) -> None:
-        check_instance(self)
 
 
 register(Shape(AgentsDeleteArgs, (_TARGET,)))

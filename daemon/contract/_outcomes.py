@@ -27,7 +27,7 @@ from ._ids import (
     pubkey, text,
 )
 from ._limits import MAX_DISPLAY_NAME_CHARS, MAX_KIND, MAX_LIMIT
-from ._shapes import Field, Shape, array_of, check_instance, nested, read_object, register, to_wire
+from ._shapes import Checked, Field, Shape, array_of, nested, read_object, register, to_wire
 
 __all__ = [
     "Event", "PublishOutcome", "ReadOutcome", "StorageAddressOutcome", "AgentsCreateOutcome",
@@ -40,7 +40,7 @@ _NAME = text(MAX_DISPLAY_NAME_CHARS)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Event:
+class Event(Checked):
     id: str
     pubkey: str
     created_at: int
@@ -48,9 +48,6 @@ class Event:
     tags: tuple[tuple[str, ...], ...]
     content: str
     sig: str
-
-    def __post_init__(self) -> None:
-        check_instance(self)
 
     @classmethod
     def from_json_obj(cls, obj: Mapping[str, Any]) -> Event:
@@ -79,15 +76,12 @@ _EVENT_SHAPE = register(Shape(Event, (
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PublishOutcome:
+class PublishOutcome(Checked):
     """message.post, message.reply, reaction.add, profile.set: the event the host signed."""
 
     event_id: str
     kind: int
     created_at: int
-
-    def __post_init__(self) -> None:
-        check_instance(self)
 
 
 register(Shape(PublishOutcome, (
@@ -98,12 +92,9 @@ register(Shape(PublishOutcome, (
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ReadOutcome:
+class ReadOutcome(Checked):
     messages: tuple[Event, ...]
     next_cursor: str | None = None
-
-    def __post_init__(self) -> None:
-        check_instance(self)
 
 
 register(Shape(ReadOutcome, (
@@ -114,13 +105,10 @@ register(Shape(ReadOutcome, (
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class StorageAddressOutcome:
+class StorageAddressOutcome(Checked):
     author_pubkey: str
     kind: int
     d_tag: str
-
-    def __post_init__(self) -> None:
-        check_instance(self)
 
 
 register(Shape(StorageAddressOutcome, (
@@ -131,13 +119,10 @@ register(Shape(StorageAddressOutcome, (
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class AgentsCreateOutcome:
+class AgentsCreateOutcome(Checked):
     agent_pubkey: str
     display_name: str
     channel_id: str
-
-    def __post_init__(self) -> None:
-        check_instance(self)
 
 
 register(Shape(AgentsCreateOutcome, (
@@ -148,13 +133,10 @@ register(Shape(AgentsCreateOutcome, (
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class AgentsUpdateOutcome:
+class AgentsUpdateOutcome(Checked):
     pubkey: str
     name: str
     updated_fields: tuple[str, ...]
-
-    def __post_init__(self) -> None:
-        check_instance(self)
 
 
 register(Shape(AgentsUpdateOutcome, (
@@ -165,12 +147,9 @@ register(Shape(AgentsUpdateOutcome, (
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class AgentsDeleteOutcome:
+class AgentsDeleteOutcome(Checked):
     pubkey: str
     name: str
-
-    def __post_init__(self) -> None:
-        check_instance(self)
 
 
 register(Shape(AgentsDeleteOutcome, (

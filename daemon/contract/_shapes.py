@@ -4,7 +4,7 @@ Rules:
 - A shape is a tuple of `Field`s (wire name, attribute, checker, required, absent value) plus
   an optional cross-member rule. The same table drives three things: reading a wire object
   (`read_object`), re-checking a constructed dataclass (`check_instance`, called from
-  `__post_init__`, so an invalid value cannot exist) and writing the canonical wire object
+  `__post_init__`, inherited from `Checked`, so an invalid value cannot exist) and writing the canonical wire object
   (`to_wire`, absent members omitted: never null, never `[]`, never `false` for a default).
 - The reader builds its instance without calling `__init__` (it has already run every
   check); therefore a dataclass's defaults MUST equal its fields' `absent` values, and no
@@ -29,8 +29,8 @@ from ._codes import ContractError
 from ._ids import Checker, fault
 from ._json import escape_token, is_object
 
-__all__ = ["Field", "Shape", "SHAPES", "register", "read_object", "check_instance", "to_wire",
-           "array_of", "nested", "one_of"]
+__all__ = ["Field", "Shape", "SHAPES", "Checked", "register", "read_object", "check_instance",
+           "to_wire", "array_of", "nested", "one_of"]
 
 Rule = Callable[[Mapping[str, object]], "str | None"]
 
@@ -129,6 +129,20 @@ def check_instance(instance: object) -> None:
         broken = shape.rule(present)
         if broken is not None:
             raise ValueError(f"{name}: {broken}")
+
+
+class Checked:
+    """Base of every shape class: its `__post_init__` is `check_instance`, and nothing more.
+
+    One definition instead of one per class, so no shape class can drift into doing more
+    in `__post_init__` than the reader (which skips `__init__`) would do. Slot-less, so the
+    subclasses stay slotted dataclasses.
+    """
+
+    __slots__ = ()
+
+    def __post_init__(self) -> None:
+        check_instance(self)
 
 
 def _wire_value(value: object) -> object:
