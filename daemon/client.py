@@ -357,6 +357,12 @@ def _verify_events(outcome: object) -> bool:
     return all(verify_event(event.to_json_obj()) for event in outcome.messages)
 
 
+def _no_answer(request: Request, attempt: int, reason: NoAnswerReason, detail: str) -> NoAnswer:
+    """The one spelling of "this attempt got no verdict" (judging and transport alike)."""
+    return NoAnswer(request_id=request.request_id, action=request.action, attempts=attempt,
+                    request=request, reason=reason, detail=detail)
+
+
 def judge(
     request: Request,
     reply: HttpReply,
@@ -383,8 +389,7 @@ def judge(
     rid, action = request.request_id, request.action
 
     def no_answer(reason: NoAnswerReason, detail: str) -> NoAnswer:
-        return NoAnswer(request_id=rid, action=action, attempts=attempt, request=request,
-                        reason=reason, detail=detail)
+        return _no_answer(request, attempt, reason, detail)
 
     try:
         response: Response = parse_response(reply.body)
@@ -593,10 +598,7 @@ class AsyncBrokerClient:
             except TransportFailure as exc:
                 detail = exc.detail
         if reply is None:
-            return NoAnswer(
-                request_id=request.request_id, action=request.action, attempts=attempt,
-                request=request, reason=NoAnswerReason.TRANSPORT, detail=detail,
-            )
+            return _no_answer(request, attempt, NoAnswerReason.TRANSPORT, detail)
         return judge(
             request, reply, outcome_type, attempt=attempt, verification=self._events, me=self._me
         )
@@ -648,27 +650,28 @@ class AsyncBrokerClient:
             raise ValueError("max_pages must be at least 1")
         collected: list[Event] = []
         pages = 0
+
+        def ended(end: ReadEnd, resume_cursor: str | None, last: Answer[ReadOutcome]) -> ReadAll:
+            return ReadAll(messages=tuple(collected), end=end, pages=pages,
+                           resume_cursor=resume_cursor, last=last)
+
         while True:
             answer = await self.channel_read(
                 channel_id, root_event_id=root_event_id, mentions_only=mentions_only,
                 cursor=cursor, limit=limit,
             )
             if not isinstance(answer, Succeeded):
-                return ReadAll(messages=tuple(collected), end=ReadEnd.NOT_SUCCEEDED,
-                               pages=pages, resume_cursor=cursor, last=answer)
+                return ended(ReadEnd.NOT_SUCCEEDED, cursor, answer)
             pages += 1
             for event in answer.outcome.messages:
                 if stop_when is not None and stop_when(event):
-                    return ReadAll(messages=tuple(collected), end=ReadEnd.STOPPED,
-                                   pages=pages, resume_cursor=None, last=answer)
+                    return ended(ReadEnd.STOPPED, None, answer)
                 collected.append(event)
             cursor = answer.outcome.next_cursor
             if cursor is None:
-                return ReadAll(messages=tuple(collected), end=ReadEnd.EXHAUSTED,
-                               pages=pages, resume_cursor=None, last=answer)
+                return ended(ReadEnd.EXHAUSTED, None, answer)
             if pages >= max_pages:
-                return ReadAll(messages=tuple(collected), end=ReadEnd.MAX_PAGES,
-                               pages=pages, resume_cursor=cursor, last=answer)
+                return ended(ReadEnd.MAX_PAGES, cursor, answer)
 
     async def message_post(
         self, channel_id: str, content: str, *, mentions: Sequence[str] = (),
