@@ -13,7 +13,8 @@ import shutil
 import socket
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -135,6 +136,19 @@ async def connect(path: str) -> tuple[trio.SocketStream, Reader]:
     return stream, Reader(stream)
 
 
+@asynccontextmanager
+async def served(
+    app: object, sockdir: str, **limits: float
+) -> AsyncIterator[tuple[ServerControl, trio.SocketStream, Reader]]:
+    """A server on `sockdir`/b.sock with one client connected; stopped on the way out."""
+    path = os.path.join(sockdir, "b.sock")
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, app, path, **limits)
+        stream, reader = await connect(path)
+        yield control, stream, reader
+        control.stop()
+
+
 async def wait_until(predicate: object, timeout: float = 3.0) -> None:
     with trio.fail_after(timeout):
         while not predicate():  # type: ignore[operator]
@@ -142,11 +156,8 @@ async def wait_until(predicate: object, timeout: float = 3.0) -> None:
 
 
 async def test_post_answered_with_app_bytes(sockdir: str) -> None:
-    path = os.path.join(sockdir, "b.sock")
     app = EchoApp()
-    async with trio.open_nursery() as nursery:
-        control = await start(nursery, app, path)
-        stream, reader = await connect(path)
+    async with served(app, sockdir) as (control, stream, reader):
         await stream.send_all(req(b'{"x":1}', headers=f"Authorization: {SECRET}\r\n"))
         answer = await reader.next()
         assert answer is not None
@@ -156,21 +167,16 @@ async def test_post_answered_with_app_bytes(sockdir: str) -> None:
         assert app.seen[0].authorization == SECRET
         assert SECRET not in repr(app.seen[0])
         await stream.aclose()
-        control.stop()
 
 
 async def test_peer_uid_and_pid_delivered(sockdir: str) -> None:
-    path = os.path.join(sockdir, "b.sock")
     app = EchoApp()
-    async with trio.open_nursery() as nursery:
-        control = await start(nursery, app, path)
-        stream, reader = await connect(path)
+    async with served(app, sockdir) as (control, stream, reader):
         await stream.send_all(req())
         assert (await reader.next()) is not None
         assert app.seen[0].peer_uid == os.getuid()
         assert app.seen[0].peer_pid == os.getpid()
         assert app.seen[0].authorization is None
-        control.stop()
 
 
 @pytest.mark.parametrize(
@@ -188,11 +194,8 @@ async def test_peer_uid_and_pid_delivered(sockdir: str) -> None:
 async def test_routing_refusals_have_no_body(
     sockdir: str, method: str, target: str, status: int, allow: str | None
 ) -> None:
-    path = os.path.join(sockdir, "b.sock")
     app = EchoApp()
-    async with trio.open_nursery() as nursery:
-        control = await start(nursery, app, path)
-        stream, reader = await connect(path)
+    async with served(app, sockdir) as (control, stream, reader):
         body = b"{}" if method in ("POST", "PUT") else b""
         await stream.send_all(req(body, method=method, target=target))
         answer = await reader.next()
@@ -202,48 +205,35 @@ async def test_routing_refusals_have_no_body(
         assert "content-type" not in headers
         assert headers.get("allow") == allow
         assert app.seen == []
-        control.stop()
 
 
 async def test_bodiless_refusal_keeps_the_connection(sockdir: str) -> None:
-    path = os.path.join(sockdir, "b.sock")
-    async with trio.open_nursery() as nursery:
-        control = await start(nursery, EchoApp(), path)
-        stream, reader = await connect(path)
+    async with served(EchoApp(), sockdir) as (control, stream, reader):
         await stream.send_all(req(b"", method="GET", target="/metrics"))
         first = await reader.next()
         await stream.send_all(req(b'"again"'))
         second = await reader.next()
         assert first is not None and second is not None
         assert (first[0], second[0], second[2]) == (404, 200, b'"again"')
-        control.stop()
 
 
 async def test_keep_alive_two_sequential_requests(sockdir: str) -> None:
-    path = os.path.join(sockdir, "b.sock")
     app = EchoApp()
-    async with trio.open_nursery() as nursery:
-        control = await start(nursery, app, path)
-        stream, reader = await connect(path)
+    async with served(app, sockdir) as (control, stream, reader):
         for n in range(2):
             await stream.send_all(req(f'{{"n":{n}}}'.encode()))
             answer = await reader.next()
             assert answer is not None and answer[2] == f'{{"n":{n}}}'.encode()
         assert control.connections == 1
-        control.stop()
 
 
 async def test_pipelined_pair_answered_in_order(sockdir: str) -> None:
-    path = os.path.join(sockdir, "b.sock")
     app = EchoApp()
-    async with trio.open_nursery() as nursery:
-        control = await start(nursery, app, path)
-        stream, reader = await connect(path)
+    async with served(app, sockdir) as (control, stream, reader):
         await stream.send_all(req(b'"first"') + req(b'"second"'))
         first, second = await reader.next(), await reader.next()
         assert first is not None and second is not None
         assert (first[2], second[2]) == (b'"first"', b'"second"')
-        control.stop()
 
 
 async def test_disconnect_mid_body_leaves_no_task(sockdir: str) -> None:
@@ -263,11 +253,8 @@ async def test_disconnect_mid_body_leaves_no_task(sockdir: str) -> None:
 
 
 async def test_oversize_declared_body_refused_before_reading(sockdir: str) -> None:
-    path = os.path.join(sockdir, "b.sock")
     app = EchoApp()
-    async with trio.open_nursery() as nursery:
-        control = await start(nursery, app, path, max_body_bytes=1024)
-        stream, reader = await connect(path)
+    async with served(app, sockdir, max_body_bytes=1024) as (control, stream, reader):
         # Declares 1025 bytes and waits for "100 Continue" without sending any of them:
         # the 413 can only come from the declared length.
         await stream.send_all(req(b"", length=1025, headers="Expect: 100-continue\r\n"))
@@ -276,29 +263,21 @@ async def test_oversize_declared_body_refused_before_reading(sockdir: str) -> No
         assert answer[1]["connection"] == "close"
         assert await reader.eof()
         assert app.seen == []
-        control.stop()
 
 
 async def test_body_at_the_limit_is_accepted_with_100_continue(sockdir: str) -> None:
-    path = os.path.join(sockdir, "b.sock")
-    async with trio.open_nursery() as nursery:
-        control = await start(nursery, EchoApp(), path, max_body_bytes=1024)
-        stream, reader = await connect(path)
+    async with served(EchoApp(), sockdir, max_body_bytes=1024) as (control, stream, reader):
         await stream.send_all(req(b"", length=1024, headers="Expect: 100-continue\r\n"))
         cont = await reader.next()
         assert cont is not None and cont[0] == 100
         await stream.send_all(b"a" * 1024)
         answer = await reader.next()
         assert answer is not None and answer[0] == 200 and len(answer[2]) == 1024
-        control.stop()
 
 
 async def test_oversize_chunked_body_counted_as_it_arrives(sockdir: str) -> None:
-    path = os.path.join(sockdir, "b.sock")
     app = EchoApp()
-    async with trio.open_nursery() as nursery:
-        control = await start(nursery, app, path, max_body_bytes=1024)
-        stream, reader = await connect(path)
+    async with served(app, sockdir, max_body_bytes=1024) as (control, stream, reader):
         head = b"POST /v1/action HTTP/1.1\r\nHost: b\r\nTransfer-Encoding: chunked\r\n\r\n"
         chunk = b"200\r\n" + b"x" * 0x200 + b"\r\n"
         # Three 512-byte chunks: the third crosses 1024. The terminating chunk is never sent.
@@ -306,15 +285,11 @@ async def test_oversize_chunked_body_counted_as_it_arrives(sockdir: str) -> None
         answer = await reader.next()
         assert answer is not None and answer[0] == 413
         assert app.seen == []
-        control.stop()
 
 
 @pytest.mark.parametrize("complete", [True, False])
 async def test_header_flood_answered_431(sockdir: str, complete: bool) -> None:
-    path = os.path.join(sockdir, "b.sock")
-    async with trio.open_nursery() as nursery:
-        control = await start(nursery, EchoApp(), path, max_header_bytes=4096)
-        stream, reader = await connect(path)
+    async with served(EchoApp(), sockdir, max_header_bytes=4096) as (control, stream, reader):
         flood = "".join(f"X-Flood-{i}: {'v' * 100}\r\n" for i in range(60))
         # complete: the whole head arrives at once; incomplete: it never ends.
         data = req(headers=flood) if complete else req(headers=flood)[:-4]
@@ -324,27 +299,19 @@ async def test_header_flood_answered_431(sockdir: str, complete: bool) -> None:
             pass  # the server may close while we are still writing; the answer is buffered
         answer = await reader.next()
         assert answer is not None and answer[0] == 431 and answer[2] == b""
-        control.stop()
 
 
 async def test_malformed_http_answered_400(sockdir: str) -> None:
-    path = os.path.join(sockdir, "b.sock")
-    async with trio.open_nursery() as nursery:
-        control = await start(nursery, EchoApp(), path)
-        stream, reader = await connect(path)
+    async with served(EchoApp(), sockdir) as (control, stream, reader):
         await stream.send_all(b"POST /v1/action HTTP/1.1\r\nContent-Length: nope\r\n\r\n")
         answer = await reader.next()
         assert answer is not None and answer[0] == 400
         assert await reader.eof()
-        control.stop()
 
 
 async def test_slow_client_cut_off(sockdir: str) -> None:
-    path = os.path.join(sockdir, "b.sock")
     app = EchoApp()
-    async with trio.open_nursery() as nursery:
-        control = await start(nursery, app, path, request_timeout=0.3)
-        stream, reader = await connect(path)
+    async with served(app, sockdir, request_timeout=0.3) as (control, stream, reader):
         began = trio.current_time()
         await stream.send_all(b"POST /v1/action HTTP/1.1\r\nHost: b\r\nContent-Le")
         answer = await reader.next()
@@ -352,19 +319,14 @@ async def test_slow_client_cut_off(sockdir: str) -> None:
         assert await reader.eof()
         assert 0.25 < trio.current_time() - began < 2.0
         assert app.seen == []
-        control.stop()
 
 
 async def test_idle_keep_alive_closed_silently(sockdir: str) -> None:
-    path = os.path.join(sockdir, "b.sock")
-    async with trio.open_nursery() as nursery:
-        control = await start(nursery, EchoApp(), path, request_timeout=0.2)
-        stream, reader = await connect(path)
+    async with served(EchoApp(), sockdir, request_timeout=0.2) as (control, stream, reader):
         await stream.send_all(req())
         assert (await reader.next()) is not None
         with trio.fail_after(2):
             assert await reader.eof()  # no 408 for a client that sent nothing
-        control.stop()
 
 
 async def test_connection_cap_makes_new_clients_wait(sockdir: str) -> None:
@@ -415,13 +377,10 @@ async def test_stale_socket_replaced(sockdir: str) -> None:
     dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     dead.bind(path)
     dead.close()  # the file stays: a stale socket from a crashed process
-    async with trio.open_nursery() as nursery:
-        control = await start(nursery, EchoApp(), path)
-        stream, reader = await connect(path)
+    async with served(EchoApp(), sockdir) as (control, stream, reader):
         await stream.send_all(req())
         answer = await reader.next()
         assert answer is not None and answer[0] == 200
-        control.stop()
 
 
 def test_live_socket_not_stolen(sockdir: str) -> None:
@@ -473,15 +432,11 @@ async def test_graceful_drain_finishes_in_flight_request(sockdir: str) -> None:
 
 
 async def test_drain_deadline_cuts_what_is_left(sockdir: str) -> None:
-    path = os.path.join(sockdir, "b.sock")
     app = SlowApp(60)
     began = trio.current_time()
-    async with trio.open_nursery() as nursery:
-        control = await start(nursery, app, path, shutdown_grace=0.2)
-        stream, reader = await connect(path)
+    async with served(app, sockdir, shutdown_grace=0.2) as (control, stream, reader):
         await stream.send_all(req())
         await wait_until(lambda: app.started == 1)
-        control.stop()
     assert trio.current_time() - began < 2.0
     assert await reader.eof()
 
@@ -521,15 +476,11 @@ async def test_app_exception_is_500_without_traceback(sockdir: str) -> None:
 async def test_authorization_handed_over_raw(
     sockdir: str, headers: str, expected: str | None
 ) -> None:
-    path = os.path.join(sockdir, "b.sock")
     app = EchoApp()
-    async with trio.open_nursery() as nursery:
-        control = await start(nursery, app, path)
-        stream, reader = await connect(path)
+    async with served(app, sockdir) as (control, stream, reader):
         await stream.send_all(req(headers=headers))
         assert (await reader.next()) is not None
         assert app.seen[0].authorization == expected
-        control.stop()
 
 
 async def test_many_clients_at_once(sockdir: str) -> None:
