@@ -49,6 +49,25 @@ async def _pool(nursery: trio.Nursery, url: str, *keys: TestKey, timeouts: Relay
     return pool
 
 
+async def _scripted(
+    scripted_relay: Start, nursery: trio.Nursery, script: Script, *, timeouts: RelayTimeouts = SHORT
+) -> tuple[ScriptedRelay, TestKey, RelayPool]:
+    """A scripted relay playing `script`, one test key, and a running pool that signs AUTH for it."""
+    relay = await scripted_relay(script)
+    key = TestKey()
+    return relay, key, await _pool(nursery, relay.url, key, timeouts=timeouts)
+
+
+async def _assert_unreachable(nursery: trio.Nursery, url: str) -> None:
+    """Nothing relay-like answers at `url`: a publish is NotSent and a query RelayUnavailable."""
+    key = TestKey()
+    pool = await _pool(nursery, url, key)
+    with bounded():
+        assert isinstance(await pool.publish(key.pubkey, key.sign(1, "x")), NotSent)
+        with pytest.raises(RelayUnavailable):
+            await pool.query(key.pubkey, [{"kinds": [1]}])
+
+
 def _verbs(relay: ScriptedRelay) -> list[str]:
     return [m[0] for m in relay.received]
 
@@ -61,17 +80,13 @@ async def _eventually(predicate: Callable[[], bool]) -> None:
 
 
 async def test_ok_false_is_rejected_with_the_reason(scripted_relay: Start, nursery: trio.Nursery) -> None:
-    relay = await scripted_relay(Script(events=(EventReply.REJECT,), reject_reason="blocked: go away"))
-    key = TestKey()
-    pool = await _pool(nursery, relay.url, key)
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(events=(EventReply.REJECT,), reject_reason="blocked: go away"))
     with bounded():
         assert await pool.publish(key.pubkey, key.sign(1, "x")) == Rejected(reason="blocked: go away")
 
 
 async def test_ok_true_and_duplicate_are_accepted(scripted_relay: Start, nursery: trio.Nursery) -> None:
-    relay = await scripted_relay(Script())
-    key = TestKey()
-    pool = await _pool(nursery, relay.url, key)
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script())
     ev = key.sign(1, "x")
     first, second = await pool.publish(key.pubkey, ev), await pool.publish(key.pubkey, ev)
     assert isinstance(first, Accepted) and not first.duplicate
@@ -79,9 +94,7 @@ async def test_ok_true_and_duplicate_are_accepted(scripted_relay: Start, nursery
 
 
 async def test_no_ok_is_unknown_within_the_timeout(scripted_relay: Start, nursery: trio.Nursery) -> None:
-    relay = await scripted_relay(Script(events=(EventReply.SILENT,)))
-    key = TestKey()
-    pool = await _pool(nursery, relay.url, key)
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(events=(EventReply.SILENT,)))
     with bounded():
         result = await pool.publish(key.pubkey, key.sign(1, "x"))
     assert isinstance(result, Unknown)
@@ -90,9 +103,7 @@ async def test_no_ok_is_unknown_within_the_timeout(scripted_relay: Start, nurser
 
 
 async def test_drop_after_event_is_unknown_and_reconnects(scripted_relay: Start, nursery: trio.Nursery) -> None:
-    relay = await scripted_relay(Script(events=(EventReply.DROP,)))
-    key = TestKey()
-    pool = await _pool(nursery, relay.url, key)
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(events=(EventReply.DROP,)))
     ev = key.sign(1, "x")
     with bounded():
         assert isinstance(await pool.publish(key.pubkey, ev), Unknown)
@@ -104,9 +115,7 @@ async def test_drop_after_event_is_unknown_and_reconnects(scripted_relay: Start,
 async def test_auth_required_on_event_authenticates_and_resends_once(
     scripted_relay: Start, nursery: trio.Nursery
 ) -> None:
-    relay = await scripted_relay(Script(require_auth=True))
-    key = TestKey()
-    pool = await _pool(nursery, relay.url, key)
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(require_auth=True))
     ev = key.sign(1, "x")
     with bounded():
         assert isinstance(await pool.publish(key.pubkey, ev), Accepted)
@@ -119,9 +128,7 @@ async def test_auth_required_on_event_authenticates_and_resends_once(
 async def test_closed_auth_required_authenticates_and_retries_once(
     scripted_relay: Start, nursery: trio.Nursery
 ) -> None:
-    relay = await scripted_relay(Script(require_auth=True))
-    key = TestKey()
-    pool = await _pool(nursery, relay.url, key)
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(require_auth=True))
     stored = key.sign(1, "x")
     relay.stored[stored["id"]] = stored
     with bounded():
@@ -134,9 +141,7 @@ async def test_closed_auth_required_authenticates_and_retries_once(
 
 
 async def test_auth_refused_is_a_refusal(scripted_relay: Start, nursery: trio.Nursery) -> None:
-    relay = await scripted_relay(Script(require_auth=True, accept_auth=False))
-    key = TestKey()
-    pool = await _pool(nursery, relay.url, key)
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(require_auth=True, accept_auth=False))
     with bounded():
         with pytest.raises(RelayRefused):
             await pool.query(key.pubkey, [{"kinds": [1]}])
@@ -149,9 +154,7 @@ async def test_auth_refused_is_a_refusal(scripted_relay: Start, nursery: trio.Nu
 async def test_auth_refused_after_event_refusal_is_rejected(
     scripted_relay: Start, nursery: trio.Nursery
 ) -> None:
-    relay = await scripted_relay(Script(require_auth=True, accept_auth=False))
-    key = TestKey()
-    pool = await _pool(nursery, relay.url, key)
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(require_auth=True, accept_auth=False))
     with bounded():
         result = await pool.publish(key.pubkey, key.sign(1, "x"))
     assert isinstance(result, Rejected) and result.reason.startswith("auth-required:")
@@ -161,9 +164,7 @@ async def test_wrong_relay_tag_is_refused_by_a_strict_relay(
     scripted_relay: Start, nursery: trio.Nursery
 ) -> None:
     # Buzz compares the relay tag with its own URL; a client writing another form fails.
-    relay = await scripted_relay(Script(require_auth=True, expected_relay_tag="wss://elsewhere"))
-    key = TestKey()
-    pool = await _pool(nursery, relay.url, key)
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(require_auth=True, expected_relay_tag="wss://elsewhere"))
     assert isinstance(await pool.publish(key.pubkey, key.sign(1, "x")), Rejected)
 
 
@@ -172,9 +173,7 @@ async def test_challenge_at_connect_is_answered_before_the_next_send(
 ) -> None:
     # The relay challenges at connect but does not insist: the first EVENT may race the
     # challenge; once it has been seen, AUTH goes out before the next EVENT.
-    relay = await scripted_relay(Script(challenge_at_connect=True))
-    key = TestKey()
-    pool = await _pool(nursery, relay.url, key)
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(challenge_at_connect=True))
     assert isinstance(await pool.publish(key.pubkey, key.sign(1, "x")), Accepted)
     assert isinstance(await pool.publish(key.pubkey, key.sign(1, "y")), Accepted)
     assert _verbs(relay) in (["EVENT", "AUTH", "EVENT"], ["AUTH", "EVENT", "EVENT"])
@@ -184,9 +183,7 @@ async def test_challenge_at_connect_is_answered_before_the_next_send(
 async def test_challenge_at_connect_with_auth_required(
     scripted_relay: Start, nursery: trio.Nursery
 ) -> None:
-    relay = await scripted_relay(Script(challenge_at_connect=True, require_auth=True))
-    key = TestKey()
-    pool = await _pool(nursery, relay.url, key)
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(challenge_at_connect=True, require_auth=True))
     with bounded():
         assert isinstance(await pool.publish(key.pubkey, key.sign(1, "x")), Accepted)
         assert await pool.query(key.pubkey, [{"kinds": [1]}]) != []
@@ -194,9 +191,7 @@ async def test_challenge_at_connect_with_auth_required(
 
 
 async def test_restricted_is_refused(scripted_relay: Start, nursery: trio.Nursery) -> None:
-    relay = await scripted_relay(Script(default_req=ReqReply.RESTRICTED))
-    key = TestKey()
-    pool = await _pool(nursery, relay.url, key)
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(default_req=ReqReply.RESTRICTED))
     with bounded():
         with pytest.raises(RelayRefused) as info:
             await pool.query(key.pubkey, [{"kinds": [1]}])
@@ -205,9 +200,7 @@ async def test_restricted_is_refused(scripted_relay: Start, nursery: trio.Nurser
 
 
 async def test_never_eose_times_out_and_closes(scripted_relay: Start, nursery: trio.Nursery) -> None:
-    relay = await scripted_relay(Script(default_req=ReqReply.NEVER_EOSE))
-    key = TestKey()
-    pool = await _pool(nursery, relay.url, key)
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(default_req=ReqReply.NEVER_EOSE))
     with bounded():
         with pytest.raises(RelayUnavailable):
             await pool.query(key.pubkey, [{"kinds": [1]}])
@@ -215,12 +208,7 @@ async def test_never_eose_times_out_and_closes(scripted_relay: Start, nursery: t
 
 
 async def test_relay_down_is_not_sent_and_unavailable(nursery: trio.Nursery) -> None:
-    key = TestKey()
-    pool = await _pool(nursery, f"ws://127.0.0.1:{free_port()}", key)
-    with bounded():
-        assert isinstance(await pool.publish(key.pubkey, key.sign(1, "x")), NotSent)
-        with pytest.raises(RelayUnavailable):
-            await pool.query(key.pubkey, [{"kinds": [1]}])
+    await _assert_unreachable(nursery, f"ws://127.0.0.1:{free_port()}")
 
 
 async def test_reconnects_after_the_relay_comes_back(scripted_relay: Start, nursery: trio.Nursery) -> None:
@@ -240,9 +228,7 @@ async def test_concurrent_publishes_are_matched_by_event_id(
 ) -> None:
     # Alternate accept/reject so a mismatched OK would show up as a wrong verdict.
     replies = tuple(EventReply.ACCEPT if i % 2 == 0 else EventReply.REJECT for i in range(20))
-    relay = await scripted_relay(Script(events=replies))
-    key = TestKey()
-    pool = await _pool(nursery, relay.url, key)
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(events=replies))
     events = [key.sign(1, f"m{i}") for i in range(20)]
     results: dict[str, Any] = {}
 
@@ -258,10 +244,8 @@ async def test_concurrent_publishes_are_matched_by_event_id(
 
 
 async def test_idle_connections_are_closed(scripted_relay: Start, nursery: trio.Nursery) -> None:
-    relay = await scripted_relay(Script())
-    key = TestKey()
     timeouts = RelayTimeouts(connect=1, ok=0.5, eose=0.5, idle_seconds=0.2)
-    pool = await _pool(nursery, relay.url, key, timeouts=timeouts)
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(), timeouts=timeouts)
     assert isinstance(await pool.publish(key.pubkey, key.sign(1, "x")), Accepted)
     await trio.sleep(0.6)
     assert isinstance(await pool.publish(key.pubkey, key.sign(1, "y")), Accepted)
@@ -314,18 +298,11 @@ async def test_a_server_that_is_not_a_relay_is_not_sent(nursery: trio.Nursery) -
     for handler in (http_404, hang_up):
         port = free_port()
         await nursery.start(trio.serve_tcp, handler, port)
-        key = TestKey()
-        pool = await _pool(nursery, f"ws://127.0.0.1:{port}", key)
-        with bounded():
-            assert isinstance(await pool.publish(key.pubkey, key.sign(1, "x")), NotSent)
-            with pytest.raises(RelayUnavailable):
-                await pool.query(key.pubkey, [{"kinds": [1]}])
+        await _assert_unreachable(nursery, f"ws://127.0.0.1:{port}")
 
 
 async def test_cancelled_query_still_sends_close(scripted_relay: Start, nursery: trio.Nursery) -> None:
-    relay = await scripted_relay(Script(default_req=ReqReply.NEVER_EOSE))
-    key = TestKey()
-    pool = await _pool(nursery, relay.url, key, timeouts=RelayTimeouts(eose=30))
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(default_req=ReqReply.NEVER_EOSE), timeouts=RelayTimeouts(eose=30))
     with trio.move_on_after(0.3) as scope:
         await pool.query(key.pubkey, [{"kinds": [1]}])
     assert scope.cancelled_caught
