@@ -39,6 +39,14 @@ def digest(body: bytes) -> bytes:
     return hashlib.sha256(body).digest()
 
 
+async def _fresh(ledger: Ledger, body: bytes = b"x") -> tuple[LedgerKey, Fresh]:
+    """Begin the one key these tests share, with `body`'s digest; the caller owns it."""
+    key = LedgerKey("a" * 64, "req")
+    owner = await ledger.begin(key, digest(body))
+    assert isinstance(owner, Fresh)
+    return key, owner
+
+
 class Clock:
     def __init__(self, t: float = 1_800_000_000) -> None:
         self.t = t
@@ -161,9 +169,7 @@ async def test_hundred_concurrent_identical_one_execution(ledger: Ledger) -> Non
 
 
 async def test_conflict_in_flight_and_recorded_original_untouched(ledger: Ledger) -> None:
-    key = LedgerKey("a" * 64, "req")
-    owner = await ledger.begin(key, digest(b"original"))
-    assert isinstance(owner, Fresh)
+    key, owner = await _fresh(ledger, b"original")
     # While in flight: a different digest is refused at once, without waiting.
     with trio.fail_after(1):
         assert await ledger.begin(key, digest(b"originaL")) == Conflict()
@@ -174,9 +180,7 @@ async def test_conflict_in_flight_and_recorded_original_untouched(ledger: Ledger
 
 
 async def test_indeterminate_is_not_final(ledger: Ledger) -> None:
-    key = LedgerKey("a" * 64, "req")
-    owner = await ledger.begin(key, digest(b"x"))
-    assert isinstance(owner, Fresh)
+    key, owner = await _fresh(ledger)
     await ledger.record_pending(owner.ticket, b"signed event")
     await ledger.finish(owner.ticket, b"indeterminate verdict", final=False)
     retry = await ledger.begin(key, digest(b"x"))
@@ -189,9 +193,7 @@ async def test_indeterminate_is_not_final(ledger: Ledger) -> None:
 
 
 async def test_indeterminate_without_pending_runs_fresh(ledger: Ledger) -> None:
-    key = LedgerKey("a" * 64, "req")
-    owner = await ledger.begin(key, digest(b"x"))
-    assert isinstance(owner, Fresh)
+    key, owner = await _fresh(ledger)
     await ledger.finish(owner.ticket, b"internal, mid-way", final=False)
     retry = await ledger.begin(key, digest(b"x"))
     assert isinstance(retry, Fresh)
@@ -201,9 +203,7 @@ async def test_indeterminate_without_pending_runs_fresh(ledger: Ledger) -> None:
 
 
 async def test_release_wakes_waiters_and_one_resumes(ledger: Ledger) -> None:
-    key = LedgerKey("a" * 64, "req")
-    owner = await ledger.begin(key, digest(b"x"))
-    assert isinstance(owner, Fresh)
+    key, owner = await _fresh(ledger)
     await ledger.record_pending(owner.ticket, b"signed")
     outcomes: list[object] = []
 
@@ -225,9 +225,7 @@ async def test_release_wakes_waiters_and_one_resumes(ledger: Ledger) -> None:
 
 
 async def test_cancelled_waiter_leaves_no_trace(ledger: Ledger) -> None:
-    key = LedgerKey("a" * 64, "req")
-    owner = await ledger.begin(key, digest(b"x"))
-    assert isinstance(owner, Fresh)
+    key, owner = await _fresh(ledger)
     with trio.move_on_after(0.01):
         await ledger.begin(key, digest(b"x"))
     await ledger.finish(owner.ticket, b"v", final=True)
@@ -235,9 +233,7 @@ async def test_cancelled_waiter_leaves_no_trace(ledger: Ledger) -> None:
 
 
 async def test_stale_ticket_is_refused(ledger: Ledger) -> None:
-    key = LedgerKey("a" * 64, "req")
-    owner = await ledger.begin(key, digest(b"x"))
-    assert isinstance(owner, Fresh)
+    key, owner = await _fresh(ledger)
     await ledger.finish(owner.ticket, b"v", final=True)
     with pytest.raises(AssertionError):
         await ledger.finish(owner.ticket, b"again", final=True)
@@ -349,9 +345,7 @@ async def test_sigkill_after_pending_resumes_with_the_recorded_event(tmp_path: P
 async def test_database_fault_reaches_the_caller_and_claims_nothing(
     ledger: Ledger, tmp_path: Path
 ) -> None:
-    key = LedgerKey("a" * 64, "req")
-    owner = await ledger.begin(key, digest(b"x"))
-    assert isinstance(owner, Fresh)
+    key, owner = await _fresh(ledger)
     await ledger.record_pending(owner.ticket, b"signed")
     # Break the table under the ledger (a disk fault stands in for this): the verdict
     # cannot be recorded, the caller sees the database error, and the key is released.
