@@ -8,14 +8,11 @@ row plants a key under its own label that is right in every way but one.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-import custody._token as token_module
-import custody._worker as worker_module
 from custody import Custody, CustodyError, init_kek
-from tests.fixtures.token import SoftHsmToken
+from tests.fixtures.token import SoftHsmToken, plant_aes_key
 
 #: The one wrong attribute -> (capabilities, template changes) that make it wrong.
 _WRONG: dict[str, tuple[tuple[str, ...], dict[str, bool]]] = {
@@ -32,27 +29,9 @@ _WRONG: dict[str, tuple[tuple[str, ...], dict[str, bool]]] = {
 async def test_a_kek_wrong_in_one_usage_attribute_is_refused_by_name(
     softhsm_token: SoftHsmToken, tmp_path: Path, wrong: str
 ) -> None:
-    from pkcs11 import Attribute, KeyType, MechanismFlag
-
     config = softhsm_token.config(kek_label=f"usage-{wrong.lower()}")
     flags, changes = _WRONG[wrong]
-    capabilities = MechanismFlag(0)
-    for flag in flags:
-        capabilities |= MechanismFlag[flag]
-    template: dict[Any, Any] = {
-        Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: False, Attribute.PRIVATE: True,
-        Attribute.MODIFIABLE: False,
-    } | {Attribute[name]: value for name, value in changes.items()}
-
-    def plant() -> None:
-        key, shared = token_module._acquire_session(config)
-        try:
-            shared.session.generate_key(KeyType.AES, 256, label=config.kek_label, store=True,
-                                        capabilities=capabilities, template=template)
-        finally:
-            token_module._release_session(key)
-
-    await worker_module.in_token_worker(plant)
+    await plant_aes_key(config, capabilities=flags, **({"MODIFIABLE": False} | changes))
     with pytest.raises(CustodyError, match=f"{wrong} is"):
         opened = await Custody.open(config, tmp_path / "state")
         await opened.aclose()
@@ -78,26 +57,11 @@ async def test_a_refused_twin_kek_search_leaves_the_shared_session_usable(
     an operation left active until the garbage collector runs."""
     import gc
 
-    from pkcs11 import Attribute, KeyType, MechanismFlag
-
     good = softhsm_token.config(kek_label="usage-good")
     twin = softhsm_token.config(kek_label="usage-twin")
     assert await init_kek(good) is True
     assert await init_kek(twin) is True
-
-    def plant() -> None:
-        key, shared = token_module._acquire_session(twin)
-        try:
-            shared.session.generate_key(
-                KeyType.AES, 256, label=twin.kek_label, store=True,
-                capabilities=MechanismFlag.ENCRYPT | MechanismFlag.DECRYPT,
-                template={Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: False,
-                          Attribute.PRIVATE: True, Attribute.MODIFIABLE: False},
-            )
-        finally:
-            token_module._release_session(key)
-
-    await worker_module.in_token_worker(plant)
+    await plant_aes_key(twin, MODIFIABLE=False)
     held = await Custody.open(good, tmp_path / "held")  # keeps the shared session alive
     gc.disable()  # a collection must not be what finishes the search
     try:

@@ -25,7 +25,6 @@ import pytest
 import trio
 
 import custody._token as token_module
-import custody._worker as worker_module
 from custody import (
     Custody,
     CustodyError,
@@ -35,7 +34,7 @@ from custody import (
     init_kek,
 )
 from custody._secret import Secret, parse_secret_text, wipe_bytes
-from tests.fixtures.token import REPO, SoftHsmToken
+from tests.fixtures.token import REPO, SoftHsmToken, plant_aes_key
 from tests.security._support import (
     event_ok,
     nip_ae_d_tag,
@@ -219,24 +218,9 @@ def test_a_process_that_opened_custody_is_not_dumpable(
 async def test_kek_with_derive_and_wrap_is_refused(
     softhsm_token: SoftHsmToken, tmp_path: Path
 ) -> None:
-    from pkcs11 import Attribute, KeyType, MechanismFlag
-
     config = softhsm_token.config(kek_label="review-derive-kek")
-
-    def plant() -> None:
-        key, shared = token_module._acquire_session(config)
-        try:
-            shared.session.generate_key(
-                KeyType.AES, 256, label=config.kek_label, store=True,
-                capabilities=MechanismFlag.ENCRYPT | MechanismFlag.DECRYPT
-                | MechanismFlag.DERIVE | MechanismFlag.WRAP | MechanismFlag.UNWRAP,
-                template={Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: False,
-                          Attribute.PRIVATE: True, Attribute.MODIFIABLE: True},
-            )
-        finally:
-            token_module._release_session(key)
-
-    await worker_module.in_token_worker(plant)
+    await plant_aes_key(config, capabilities=("ENCRYPT", "DECRYPT", "DERIVE", "WRAP", "UNWRAP"),
+                        MODIFIABLE=True)
     with pytest.raises(CustodyError):
         opened = await Custody.open(config, tmp_path / "state")
         await opened.aclose()
@@ -245,28 +229,13 @@ async def test_kek_with_derive_and_wrap_is_refused(
 async def test_kek_checks_refuse_an_extractable_key_and_a_second_kek(
     softhsm_token: SoftHsmToken, tmp_path: Path
 ) -> None:
-    from pkcs11 import Attribute, KeyType, MechanismFlag
-
-    def plant(label: str, extractable: bool) -> None:
-        config = softhsm_token.config(kek_label=label)
-        key, shared = token_module._acquire_session(config)
-        try:
-            shared.session.generate_key(
-                KeyType.AES, 256, label=label, store=True,
-                capabilities=MechanismFlag.ENCRYPT | MechanismFlag.DECRYPT,
-                template={Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: extractable,
-                          Attribute.PRIVATE: True},
-            )
-        finally:
-            token_module._release_session(key)
-
-    await worker_module.in_token_worker(lambda: plant("review-extractable", True))
+    await plant_aes_key(softhsm_token.config(kek_label="review-extractable"), EXTRACTABLE=True)
     with pytest.raises(CustodyError, match="EXTRACTABLE"):
         await Custody.open(softhsm_token.config(kek_label="review-extractable"), tmp_path / "a")
     # A second key under the real KEK's label: refused, never "pick one".
     config = softhsm_token.config(kek_label="review-twin")
     assert await init_kek(config) is True
-    await worker_module.in_token_worker(lambda: plant("review-twin", False))
+    await plant_aes_key(config)
     with pytest.raises(CustodyError, match="more than one"):
         await Custody.open(config, tmp_path / "b")
 
@@ -280,24 +249,9 @@ async def test_kek_search_is_finished_inside_the_worker(
 ) -> None:
     import gc
 
-    from pkcs11 import Attribute, KeyType, MechanismFlag
-
     config = softhsm_token.config(kek_label="review-gc-twin")
     assert await init_kek(config) is True
-
-    def plant() -> None:
-        key, shared = token_module._acquire_session(config)
-        try:
-            shared.session.generate_key(
-                KeyType.AES, 256, label=config.kek_label, store=True,
-                capabilities=MechanismFlag.ENCRYPT | MechanismFlag.DECRYPT,
-                template={Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: False,
-                          Attribute.PRIVATE: True},
-            )
-        finally:
-            token_module._release_session(key)
-
-    await worker_module.in_token_worker(plant)
+    await plant_aes_key(config)
 
     def open_searches() -> int:
         gc.collect()
