@@ -133,6 +133,16 @@ class ScriptedRelay:
         if self.script.challenge_at_connect:
             await ws.send_message(json.dumps(["AUTH", challenge]))
             challenge_sent = True
+
+        async def refuse_unauthenticated(*frame: object) -> None:
+            # NIP-42: challenge (once per connection) if not done yet, then refuse with
+            # `auth-required:` — an OK false for an EVENT, a CLOSED for a REQ.
+            nonlocal challenge_sent
+            if not challenge_sent:
+                await ws.send_message(json.dumps(["AUTH", challenge]))
+                challenge_sent = True
+            await ws.send_message(json.dumps([*frame, "auth-required: authenticate first"]))
+
         try:
             while True:
                 msg = json.loads(await ws.get_message())
@@ -161,12 +171,7 @@ class ScriptedRelay:
                 elif verb == "EVENT":
                     ev = msg[1]
                     if needs_auth:
-                        if not challenge_sent:
-                            await ws.send_message(json.dumps(["AUTH", challenge]))
-                            challenge_sent = True
-                        await ws.send_message(
-                            json.dumps(["OK", ev["id"], False, "auth-required: authenticate first"])
-                        )
+                        await refuse_unauthenticated("OK", ev["id"], False)
                         continue
                     reply = self._next_event()
                     if reply is EventReply.DROP:
@@ -184,12 +189,7 @@ class ScriptedRelay:
                 elif verb == "REQ":
                     sub_id = msg[1]
                     if needs_auth:
-                        if not challenge_sent:
-                            await ws.send_message(json.dumps(["AUTH", challenge]))
-                            challenge_sent = True
-                        await ws.send_message(
-                            json.dumps(["CLOSED", sub_id, "auth-required: authenticate first"])
-                        )
+                        await refuse_unauthenticated("CLOSED", sub_id)
                         continue
                     req = self._next_req()
                     if req is ReqReply.DROP:
