@@ -31,7 +31,7 @@ import h11
 import trio
 
 from tests.conformance import _spec
-from tests.fixtures.broker import BrokerHarness
+from tests.fixtures.broker import BrokerHarness, read_response
 from tests.fixtures.relay import TestKey, nostr_fetch
 
 __all__ = ["HttpReply", "Exchange", "Wire", "exchange", "envelope_body", "strict_loads",
@@ -62,19 +62,7 @@ async def exchange(socket: Path, method: str, target: str, body: bytes,
             await stream.send_all(conn.send(h11.EndOfMessage()))
         except trio.BrokenResourceError:
             pass  # the server answered early (413) and closed; its answer is still readable
-        status, got, chunks = 0, {}, []
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(65536))
-                continue
-            if isinstance(event, h11.Response):
-                status = event.status_code
-                got = {n.decode().lower(): v.decode() for n, v in event.headers}
-            elif isinstance(event, h11.Data):
-                chunks.append(bytes(event.data))
-            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
-                return HttpReply(status, got, b"".join(chunks))
+        return HttpReply(*await read_response(conn, stream))
 
 
 def envelope_body(action: str, args: Mapping[str, Any], /, *, request_id: str | None = None,
