@@ -15,19 +15,10 @@ Order of judgement (README, "How a request is judged"):
 4. validate, 5. authorize: refusals become `failed` verdicts and are recorded, so one
    requestId always has one verdict.
 6. execute: reads answer directly. A publishing operation signs everything first (a
-   `Plan`), its *intent* is audited and the plan committed durably as *pending* — the two
-   writes run concurrently, and nothing reaches the relay unless both succeeded. A pending
-   record whose intent could not be audited is finished `failed` + `internal` (final, so
-   never resumed); a resumed request audits its intent again before re-sending (a crash
-   can fall between the two commits).
+   `Plan`), the plan is committed durably as *pending*, and only then does anything reach
+   the relay.
 7. record, 8. respond: the verdict is committed (final unless `indeterminate`) and
-   returned with HTTP 200. A verdict with no side effects is audited before its ledger
-   commit (an audit failure turns it into failed + internal); a published one is audited
-   and committed concurrently (the relay has answered: nothing can change it any more).
-
-Durable writes per message.post: ledger lookup on the event loop (no hop), sign (token
-hop), intent ∥ pending (two hops at once), verdict ∥ finish (two hops at once): three
-sequential thread hops where there were six.
+   returned with HTTP 200.
 
 Publishing outcomes (issue 5): every event accepted (`duplicate:` included) → `succeeded`;
 the *first* event refused or unsendable → nothing took hold → roll back host-local work and
@@ -73,7 +64,7 @@ from daemon.contract import (
 )
 from daemon.cursor import CursorCodec, CursorKeyError
 from daemon.http import HttpAnswer, HttpRequest
-from daemon.ledger import Conflict, Fresh, Ledger, LedgerKey, Replay, Resume, Ticket
+from daemon.ledger import Conflict, Fresh, Ledger, LedgerKey, Replay, Resume
 from daemon.log import log_event
 from daemon.metrics import Metrics
 from daemon.operations import OPERATIONS, Context, Plan
@@ -460,31 +451,22 @@ class Broker:
         except BaseException:
             self._ledger.release(begun.ticket)
             raise
-        if judged.published:
-            # The relay has answered; an audit failure now cannot change what happened (the
-            # intent record written before publishing already names these events), so the
-            # verdict's audit record and its ledger commit are independent: both at once,
-            # one durable-write latency instead of two.
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._audited, facts, judged)
-                await self._finish(begun.ticket, judged, facts)
-        else:
-            await self._finish(begun.ticket, judged, facts)
-        self._passed("after_verdict")
-        return self._respond(request_id, judged.response, started, principal=principal,
-                             action=facts.action, judged=judged)
-
-    async def _finish(self, ticket: Ticket, judged: _Judged, facts: _Facts) -> None:
-        """Commit the verdict to the ledger (final unless indeterminate)."""
         try:
-            await self._ledger.finish(ticket, judged.response,
+            await self._ledger.finish(begun.ticket, judged.response,
                                       final=judged.status is not Status.INDETERMINATE)
         except sqlite3.Error as exc:
             # The verdict stands; only its record is missing. A pending record, if one was
             # committed, is still there, so the identical retry re-sends the same events
             # and reaches the same verdict.
             self._ledger_failed(facts, "finish", exc)
-            self._ledger.release(ticket)
+            self._ledger.release(begun.ticket)
+        if judged.published:
+            # The relay has answered; an audit failure now cannot change what happened. The
+            # intent record written before publishing already names these events.
+            await self._audited(facts, judged)
+        self._passed("after_verdict")
+        return self._respond(request_id, judged.response, started, principal=principal,
+                             action=facts.action, judged=judged)
 
     async def _judge(
         self, principal: Principal, reading: Reading, begun: Fresh | Resume, facts: _Facts
@@ -493,24 +475,8 @@ class Broker:
         request_id = reading.request_id
         assert request_id is not None
         if isinstance(begun, Resume):
-            pending = Pending.decode(begun.pending)
-            # The intent is audited again before re-sending: the first attempt wrote its
-            # intent and its pending record at the same time, so a crash between the two
-            # commits can leave a pending record whose intent never reached the log.
-            try:
-                await self._audit.append(facts.record(Phase.INTENT, self._clock(),
-                                                      events=_event_ids(pending)))
-            except AuditUnavailable as exc:
-                self._audit_failed(facts, exc)
-                # Nothing is sent now, but an earlier attempt may have reached the relay:
-                # only indeterminate is true, and the pending record must stay for the
-                # next retry (published=True: not turned into a final failed+internal).
-                unsure = Verdict.indeterminate(
-                    ErrorCode.OUTCOME_UNKNOWN,
-                    "the request could not be finished now; retry the identical request")
-                return _Judged(encode_response(request_id, unsure), unsure.status,
-                               unsure.code, published=True)
-            return await self._publish(principal, request_id, pending, resumed=True)
+            return await self._publish(principal, request_id, Pending.decode(begun.pending),
+                                       resumed=True)
         if reading.error is not None:
             log_event(_log, "request.invalid", agent=principal.agent, request_id=request_id,
                       code=reading.error.code.value,
@@ -564,7 +530,7 @@ class Broker:
             return self._internal(request_id)
 
     async def _plan_and_publish(
-        self, ctx: Context, prepare: Callable[[Context, Any], Any], request: Any, ticket: Ticket,
+        self, ctx: Context, prepare: Callable[[Context, Any], Any], request: Any, ticket: Any,
         facts: _Facts,
     ) -> _Judged:
         result = await prepare(ctx, request.args)
@@ -579,53 +545,29 @@ class Broker:
             rollback=result.rollback,
             commit=result.commit,
         )
-        # The intent record and the pending record are both durable before anything is
-        # sent. They are written at the same time (one durable-write latency, not two);
-        # what keeps "no publish without an audited intent" is that nothing is sent
-        # unless both succeeded, that a pending record whose intent failed is finished
-        # failed + internal (final: never resumed), and that a resumed request audits its
-        # intent again before re-sending (a crash between the two commits).
-        intent = facts.record(Phase.INTENT, self._clock(), events=_event_ids(pending))
+        # The intent record comes before the pending record: a pending record whose intent
+        # was never audited would be published by the next retry without one.
+        try:
+            await self._audit.append(facts.record(
+                Phase.INTENT, self._clock(), events=tuple(str(e["id"]) for e in pending.events)))
+        except AuditUnavailable as exc:
+            self._audit_failed(facts, exc)
+            return self._internal(ctx.request_id)
         self._passed("before_pending")
-        audit_fault, ledger_fault = await self._intent_and_pending(intent, ticket,
-                                                                   pending.encode())
-        if ledger_fault is not None:
-            self._ledger_failed(facts, "record_pending", ledger_fault)
-        if audit_fault is not None:
-            self._audit_failed(facts, audit_fault)
-        if ledger_fault is not None or audit_fault is not None:
+        try:
+            await self._ledger.record_pending(ticket, pending.encode())
+        except sqlite3.Error as exc:
+            self._ledger_failed(facts, "record_pending", exc)
             return self._internal(ctx.request_id)  # nothing was sent
         self._passed("after_pending")
         return await self._publish(ctx.principal, ctx.request_id, pending, resumed=False)
-
-    async def _intent_and_pending(
-        self, intent: AuditRecord, ticket: Ticket, blob: bytes
-    ) -> tuple[AuditUnavailable | None, sqlite3.Error | None]:
-        """Append the intent and commit the pending record concurrently; each one's fault."""
-        audit_fault: AuditUnavailable | None = None
-
-        async def audit_intent() -> None:
-            nonlocal audit_fault
-            try:
-                await self._audit.append(intent)
-            except AuditUnavailable as exc:
-                audit_fault = exc
-
-        ledger_fault: sqlite3.Error | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(audit_intent)
-            try:
-                await self._ledger.record_pending(ticket, blob)
-            except sqlite3.Error as exc:
-                ledger_fault = exc
-        return audit_fault, ledger_fault
 
     async def _publish(
         self, principal: Principal, request_id: str, pending: Pending, *, resumed: bool
     ) -> _Judged:
         """Send the pending events in order and say what the relay's answers mean."""
         verdict = await self._publish_events(principal, request_id, pending, resumed=resumed)
-        ids = _event_ids(pending)
+        ids = tuple(str(e["id"]) for e in pending.events)
         if verdict is None:
             return _Judged(pending.success, Status.SUCCEEDED, event_ids=ids, published=True)
         return _Judged(encode_response(request_id, verdict), verdict.status, verdict.code,
@@ -777,10 +719,6 @@ def _loggable_pointer(pointer: str) -> str:
         seg if seg in _KNOWN_MEMBERS or seg.isdigit() or seg == "" else "<unknown>"
         for seg in pointer.split("/")
     )
-
-
-def _event_ids(pending: Pending) -> tuple[str, ...]:
-    return tuple(str(e["id"]) for e in pending.events)
 
 
 def _action_of(reading: Reading) -> str | None:
