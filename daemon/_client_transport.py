@@ -22,6 +22,9 @@ One request per connection: the client opens a fresh connection for each attempt
 closes it after the response. A retry therefore never inherits a half-read response
 from a connection that broke, and the host's per-connection limits never see a stale
 keep-alive socket. On a local socket the connect costs microseconds.
+
+WARNING: the address forms `Endpoint.parse` accepts are listed in docs/agents.md (section 1)
+and in `AsyncBrokerClient`'s docstring.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ Rules:
 The messages are fixed strings built here (`READY`, `STOPPING`, `WATCHDOG`, `status()`):
 a STATUS line is operator text and must not contain newlines (the protocol is one
 assignment per line).
+
+WARNING: the messages are systemd's protocol (sd_notify(3), sd_listen_fds(3)); docs/configuration.md
+("Outside the file") says which ones the daemon sends and when.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ Rules:
 - `list` prints public records (table, or `--json`: one JSON array); it needs no token.
 - `remove PUBKEY` destroys the sealed key; the public record stays as a tombstone.
 - Faults are one CliError line naming the fault; no secret ever reaches output.
+
+WARNING: README.md ("The command line") and docs/install.md (step 6) show these
+subcommands and flags; keep them in step with `add_arguments`.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ Rules:
   does — but marks any line it cannot read (on stderr).
 - The audit log holds no secrets, so everything in it may be printed.
 - Faults (missing path, unreadable file, bad filter) are one-line CliErrors.
+
+WARNING: `EXIT_BROKEN`, the `ok …`/`broken: …` lines and the TIME grammar are documented in
+docs/operations.md ("Verifying", "Reading"); keep them in step.
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ Exit codes (the only way a script should branch):
 The `client_result` object for "no answer":
 `{"type":"client_result","status":"no_answer","requestId":…,"action":…,"attempts":…,
 "reason":"transport|no_envelope|mismatch|unverified_event","detail":…}`.
+
+WARNING: the exit codes and the `client_result` object are also documented in
+docs/agents.md ("By hand") and pinned by tests/client/test_call_cli.py; change all three together.
 """
 
 from __future__ import annotations

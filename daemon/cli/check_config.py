@@ -7,6 +7,9 @@ Rules:
 - Prints ``ok`` on stdout and exits 0, or the one-line `ConfigError` on stderr and exits 1.
 - It checks the file only: whether the token, the PIN file or the socket group exist on
   this host is for `serve` to find out (a config is often checked on another machine).
+
+WARNING: the `ok` line and the exit codes are documented in docs/configuration.md and
+docs/install.md (step 4).
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ Rules:
 - Faults raise CliError with one line that never holds a token.
 - The running daemon sees a new or revoked credential on its next request (it checks
   the database's change counter per request; see daemon/sessions), so no SIGHUP needed.
+
+WARNING: README.md ("The command line"), docs/install.md (step 6) and, for `--rate`,
+docs/operations.md show these flags; keep them in step with `add_arguments`.
 """
 
 from __future__ import annotations

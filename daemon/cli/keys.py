@@ -6,6 +6,9 @@ Rules:
 - Prints one public line on stdout: whether the KEK was created or found and checked.
 - A KEK that could leave the token (extractable, not sensitive, ...) is a fault: CliError
   names the attribute, exit 1. Running it twice is safe.
+
+WARNING: README.md ("The command line") and docs/install.md (step 6) show this command;
+keep them in step with `add_arguments`.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ Modules, one job each:
 
 Two error families: `ContractError` (Remote: bad bytes or values from outside; carries a
 code and a JSON pointer) and ValueError/TypeError/AssertionError (Local: our bug).
+
+WARNING: `__all__` below is the package's one surface; docs/internals.md ("daemon/contract")
+tabulates it and changes with it.
 """
 
 from ._args import (

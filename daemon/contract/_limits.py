@@ -2,6 +2,10 @@
 
 Rules: one named constant per limit; the validators import these and never spell a number.
 Characters are Unicode scalar values (Python `len(str)`); bytes are UTF-8 bytes.
+
+WARNING: docs/configuration.md derives the default `max_body_bytes` (512 KiB) from
+MAX_CONTENT_BYTES (64 KiB of content, JSON-escaped up to 6x, plus the envelope); a larger
+content limit means re-deriving it (daemon/config.py `_KEYS`).
 """
 
 from __future__ import annotations
