@@ -51,6 +51,17 @@ NOT_A_POINT = "b" * 64
 PYTHON = str(REPO / ".venv" / "bin" / "python")
 
 
+def _run_probe(
+    probe: str, config: TokenConfig, state: str, *, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """Run `probe` in a fresh interpreter with the token settings and a state dir as argv."""
+    return subprocess.run(
+        [PYTHON, "-c", probe, config.module, config.token_label, str(config.pin_file),
+         config.kek_label, state],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False,
+    )
+
+
 def _secret_text(secret: bytes) -> bytearray:
     return bytearray(secret.hex().encode("ascii"))
 
@@ -201,11 +212,7 @@ def test_a_process_that_opened_custody_is_not_dumpable(
     custody_state: tuple[TokenConfig, Path], tmp_path: Path
 ) -> None:
     config, _ = custody_state
-    done = subprocess.run(
-        [PYTHON, "-c", _DUMPABLE_PROBE, config.module, config.token_label, str(config.pin_file),
-         config.kek_label, str(tmp_path / "dump-state")],
-        cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
-    )
+    done = _run_probe(_DUMPABLE_PROBE, config, str(tmp_path / "dump-state"), timeout=60)
     assert done.returncode == 0, done.stderr[-500:]
     dumpable, core = done.stdout.split()
     assert (dumpable, core) == ("0", "0")
@@ -401,11 +408,7 @@ def test_no_pkcs11_call_outside_the_locked_worker(
     custody_state: tuple[TokenConfig, Path], tmp_path: Path
 ) -> None:
     config, _ = custody_state
-    done = subprocess.run(
-        [PYTHON, "-c", _WATCH_PROBE, config.module, config.token_label, str(config.pin_file),
-         config.kek_label, str(tmp_path / "watch-state")],
-        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
-    )
+    done = _run_probe(_WATCH_PROBE, config, str(tmp_path / "watch-state"), timeout=120)
     assert done.returncode == 0, done.stderr[-800:]
     entries = json.loads(done.stdout.splitlines()[-1])
     names = {e[0] for e in entries}
@@ -666,11 +669,7 @@ def test_state_files_are_private_even_under_umask_zero(
 ) -> None:
     config, _ = custody_state
     state = tmp_path / "umask-state"
-    done = subprocess.run(
-        [PYTHON, "-c", _UMASK_PROBE, config.module, config.token_label, str(config.pin_file),
-         config.kek_label, str(state)],
-        cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
-    )
+    done = _run_probe(_UMASK_PROBE, config, str(state), timeout=60)
     assert done.returncode == 0, done.stderr[-800:]
     modes = dict(line.split() for line in done.stdout.splitlines())
     assert modes.pop(".") == "0o700"
