@@ -408,11 +408,10 @@ class Broker:
                 LedgerKey(principal=principal.agent, request_id=request_id), digest
             )
         except sqlite3.Error as exc:
-            # Nothing has happened and nothing can be recorded: a fault before dispatch.
+            # Nothing has happened and the ledger cannot record: a fault before dispatch.
             self._ledger_failed(facts, "begin", exc)
-            judged = self._internal(request_id)
-            return self._respond(request_id, judged.response, started, principal=principal,
-                                 action=facts.action, judged=judged)
+            return await self._audited_answer(facts, self._internal(request_id), started,
+                                              principal)
         if (isinstance(begun, Resume) or (
                 isinstance(begun, Replay) and _recorded(begun.response).status is not Status.FAILED
         )) and reading.request is not None:
@@ -423,24 +422,14 @@ class Broker:
             if refusal is not None:
                 if isinstance(begun, Resume):
                     self._ledger.release(begun.ticket)
-                verdict = Verdict.failed(refusal.code, refusal.message)
-                return self._respond(request_id, encode_response(request_id, verdict), started,
-                                     principal=principal, action=facts.action, verdict=verdict)
+                refused = self._verdict(request_id, Verdict.failed(refusal.code, refusal.message))
+                return await self._audited_answer(facts, refused, started, principal)
         if isinstance(begun, Replay):
-            judged = _recorded(begun.response)
-            if not await self._audited(facts, judged, replayed=True):
-                judged = self._internal(request_id)
-                return self._respond(request_id, judged.response, started, principal=principal,
-                                     action=facts.action, judged=judged)
-            return self._respond(request_id, mark_replayed(begun.response), started,
-                                 principal=principal, action=facts.action, judged=judged,
-                                 replayed=True)
+            return await self._audited_answer(facts, _recorded(begun.response), started,
+                                              principal, replayed=True)
         if isinstance(begun, Conflict):
-            judged = self._verdict(request_id, Verdict.failed(ErrorCode.REQUEST_ID_CONFLICT))
-            if not await self._audited(facts, judged):
-                judged = self._internal(request_id)
-            return self._respond(request_id, judged.response, started, principal=principal,
-                                 action=facts.action, judged=judged)
+            conflict = self._verdict(request_id, Verdict.failed(ErrorCode.REQUEST_ID_CONFLICT))
+            return await self._audited_answer(facts, conflict, started, principal)
         assert isinstance(begun, (Fresh, Resume))
         try:
             judged = await self._judge(principal, reading, begun, facts)
@@ -642,6 +631,19 @@ class Broker:
             self._audit_failed(facts, exc)
             return False
         return True
+
+    async def _audited_answer(self, facts: _Facts, judged: _Judged, started: float,
+                              principal: Principal, *, replayed: bool = False) -> HttpAnswer:
+        """Answer a verdict the ledger does not (re)record: audited first, or failed + internal.
+
+        No audit, no answer: when the record cannot be written the agent is told
+        failed + internal instead, which promises (truthfully) that nothing ran now.
+        """
+        if not await self._audited(facts, judged, replayed=replayed):
+            judged, replayed = self._internal(facts.request_id), False
+        body = mark_replayed(judged.response) if replayed else judged.response
+        return self._respond(facts.request_id, body, started, principal=principal,
+                             action=facts.action, judged=judged, replayed=replayed)
 
     def _ledger_failed(self, facts: _Facts, step: str, exc: sqlite3.Error) -> None:
         log_event(_log, "ledger.fault", level=logging.ERROR, agent=facts.agent,

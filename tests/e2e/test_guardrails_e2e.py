@@ -162,3 +162,33 @@ async def test_an_unwritable_audit_log_refuses_publishing_and_reading(
     fresh = await broker.call(cred, "message.post", {"channelId": channel, "content": "after"})
     assert fresh["status"] == "succeeded"
     assert verify(full_audit_disk).ok
+
+
+async def test_every_answer_after_authentication_is_audited(broker: BrokerHarness) -> None:
+    """Replays, conflicts and a narrower credential's refused replay each leave a record."""
+    from daemon.audit import read_records
+
+    channel, other = str(uuid.uuid4()), str(uuid.uuid4())
+    agent = await broker.human_owned_agent()
+    wide = broker.credential(agent, [channel])
+    narrow = broker.credential(agent, [other], actions=["channel.read"])
+    body = request_body("message.post", {"channelId": channel, "content": "audited"},
+                        request_id="audit-every-1")
+    _, first = await broker.post(body, wide)
+    _, replay = await broker.post(body, wide)
+    _, conflict = await broker.post(body.replace(b"audited", b"changed"), wide)
+    _, refused = await broker.post(body, narrow)
+    assert first["status"] == "succeeded" and replay["replayed"] is True
+    assert conflict["error"]["code"] == "request_id_conflict"
+    assert (refused["status"], refused["error"]["code"]) == ("failed", "unauthorized")
+    records = [line.record for line in read_records(broker.state_dir / AUDIT_DIRNAME)
+               if line.record is not None and line.record.request_id == "audit-every-1"]
+    verdicts = [(r.phase.value, r.status.value if r.status else None,
+                 r.code.value if r.code else None, r.replayed) for r in records]
+    assert verdicts == [
+        ("intent", None, None, False),
+        ("verdict", "succeeded", None, False),
+        ("verdict", "succeeded", None, True),
+        ("verdict", "failed", "request_id_conflict", False),
+        ("verdict", "failed", "unauthorized", False),
+    ]
