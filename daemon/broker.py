@@ -73,6 +73,7 @@ from daemon.policy import authorize, within_credential
 from daemon.ratelimit import RateLimiter
 from daemon.relay import Accepted, RelayPool, RelayTimeouts, Unknown
 from daemon.sessions import Principal, SessionStore
+from daemon.signing import SigningBatcher
 
 __all__ = ["Broker", "StartupError", "PENDING_FORMAT", "CHECKPOINTS"]
 
@@ -232,6 +233,7 @@ class Broker:
         self._cursors = cursors
         self._limiter = limiter
         self._audit = audit
+        self._signer = SigningBatcher(custody)
         self._clock = clock
         self._config_loader = config_loader
         self._locks = _AgentLocks()
@@ -344,6 +346,7 @@ class Broker:
             )
             async with trio.open_nursery() as nursery:
                 await nursery.start(relay.run)
+                await nursery.start(broker._signer.run)
                 await nursery.start(limiter.flush_periodically)
                 nursery.start_soon(broker._sweep_forever)
                 log_event(_log, "broker.ready", agents=len(custody.agents()),
@@ -488,6 +491,7 @@ class Broker:
         operation = OPERATIONS[request.action]
         ctx = Context(
             custody=self._custody,
+            signer=self._signer,
             relay=self._relay,
             principal=principal,
             host=self._policy,

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from daemon.cursor import CursorCodec
     from daemon.relay import RelayPool
     from daemon.sessions import Principal
+    from daemon.signing import SigningBatcher
 
 __all__ = ["Context", "Plan", "OperationRefused", "HOUSEKEEPING"]
 
@@ -43,6 +44,7 @@ class Context:
     """Everything an operation may use, for one request."""
 
     custody: Custody
+    signer: SigningBatcher
     relay: RelayPool
     principal: Principal
     host: PolicyConfig

@@ -42,6 +42,7 @@ def context(relay: Any, principal: Principal, cursors: CursorCodec, *, now: Call
     # channel.read never touches custody: None proves it (an attribute access would raise).
     return Context(
         custody=None,  # type: ignore[arg-type]
+        signer=None,  # type: ignore[arg-type]
         relay=relay, principal=principal, host=POLICY, cursors=cursors,
         request_id="read-test", now=now,
     )
