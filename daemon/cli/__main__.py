@@ -1,3 +1,5 @@
+"""`python -m daemon.cli`: the same command line as the `buzz-broker` console script."""
+
 import sys
 
 from daemon.cli import main

@@ -1,6 +1,17 @@
-"""Small shared steps for operations that build events: tags, signing, replaceable clocks.
+"""Small shared steps for operations that build events: tags, signing, reads, replaceable clocks.
 
 Kept here so each operation module reads as the list of steps the relay spec gives for it.
+
+Rules:
+- Operations sign only through `sign` / `sign_all`, which go through the context's
+  `SigningBatcher` to custody; nothing here sees a key.
+- Operations read the relay only through `fetch`, which reads as the requester and drops
+  every event whose id or signature does not verify: an operation never builds on an
+  event it could not check (a reply's parent, a profile's or a record's previous version).
+- A relay that cannot be read is `OperationRefused(action_failed)`: nothing was published
+  yet, so `failed` is honest.
+- Replaceable events (kind 0, kind 30177) get `next_created_at`: strictly after the version
+  they replace (design.md, "Replaceable events in one second").
 """
 
 from __future__ import annotations

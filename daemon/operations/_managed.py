@@ -3,6 +3,14 @@
 On the relay (buzz-on-the-relay.md, "Managed agents"): signed by the owner, `["d", agent]`,
 content JSON `{"name", "system_prompt"?, "model"?, "provider"?, "runtime"?, "parallelism": 1,
 "respond_to"}`. It never carries the agent's secret key or its auth tag.
+
+Rules:
+- The owner of every record is the requester (B2): there is no owner argument anywhere.
+- A target (by pubkey or by name) is resolved by policy among the requester's own live
+  agents only; an agent of another owner is refused exactly like an unknown one.
+
+WARNING: `RECORD_MEMBERS` and `ARG_ATTRIBUTES` must name the same wire members; the order
+of `RECORD_MEMBERS` is the order `updatedFields` is computed in (then sorted).
 """
 
 from __future__ import annotations
