@@ -83,7 +83,7 @@ def install_ndk(directory: Path, ndk_spec: str, timeout: float) -> str:
              ndk_spec, WS_PACKAGE],
             cwd=directory, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        raise BenchError(f"npm install {ndk_spec} took over {timeout:.0f} s (registry unreachable?)") from None
+        raise BenchError(f"npm install {ndk_spec} took over {timeout:g} s (registry unreachable?)") from None
     manifest = directory / "node_modules" / "@nostr-dev-kit" / "ndk" / "package.json"
     if done.returncode != 0 or not manifest.exists():
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
