@@ -8,17 +8,27 @@ Order of judgement (README, "How a request is judged"):
    envelope would be uncorrelated, which the client must treat as no answer anyway.
 2. authenticate: no valid credential → `failed` + `unauthenticated`, whatever else is wrong.
    Not recorded: there is no principal to record it under.
-3. ledger: (principal, requestId) with the body's sha256. A finished record replays with
+3. ledger: (agent, requestId) with the body's sha256. The ledger is the agent's, shared by
+   its credentials, so an outcome is only handed to a credential whose own scope covers
+   the request (`policy.within_credential`). A finished record replays with
    `replayed: true`; another digest is a `request_id_conflict` (the original untouched); an
    identical request still running here is waited for; a pending record left by a crash or
    an `indeterminate` is resumed by re-sending exactly its signed events.
-4. validate, 5. authorize: refusals become `failed` verdicts and are recorded, so one
-   requestId always has one verdict.
+4. validate, 5. authorize (credential scope, host switches, ownership, depth, runtime,
+   then rate limits and quotas): every refusal is a `failed` verdict and is recorded, so
+   one requestId always has one verdict.
 6. execute: reads answer directly. A publishing operation signs everything first (a
-   `Plan`), the plan is committed durably as *pending*, and only then does anything reach
+   `Plan`, through the `SigningBatcher`), then the audit *intent* record and the ledger's
+   *pending* record are written durably, in that order, and only then does anything reach
    the relay.
-7. record, 8. respond: the verdict is committed (final unless `indeterminate`) and
-   returned with HTTP 200.
+7. record, 8. respond: the verdict is committed to the ledger (final unless
+   `indeterminate`) and to the audit log, and returned with HTTP 200.
+
+No audit, no answer: a verdict that has no side effects and cannot be audited becomes
+`failed` + `internal`; once the relay has answered, the verdict stands whatever the audit
+log can still record (the intent record already names the events). A fault before any
+side effect (token, ledger, audit) is `failed` + `internal`, the spec's known no-op; no
+exception reaches the HTTP layer as a 500.
 
 Publishing outcomes (issue 5): every event accepted (`duplicate:` included) → `succeeded`;
 the *first* event refused or unsendable → nothing took hold → roll back host-local work and
@@ -29,16 +39,17 @@ multi-event plan → partial effects exist, so `failed` would lie: `indeterminat
 `duplicate:`) until the relay takes the rest.
 
 WARNING: the status/code pairs used here must be allowed by `daemon.contract.PAIRING`;
-`Verdict`'s constructors assert it.
+`Verdict`'s constructors assert it. `CHECKPOINTS` names the steps the crash tests kill at;
+keep it in step with the `_passed(...)` calls.
 """
 
 from __future__ import annotations
 
 import hashlib
-import sqlite3
 import json
 import logging
 import re
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -467,8 +478,16 @@ class Broker:
         request_id = reading.request_id
         assert request_id is not None
         if isinstance(begun, Resume):
-            return await self._publish(principal, request_id, Pending.decode(begun.pending),
-                                       resumed=True)
+            try:
+                pending = Pending.decode(begun.pending)
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                # A pending record this version cannot read: its events may or may not have
+                # reached the relay, so nothing can be promised and nothing is re-sent.
+                log_event(_log, "ledger.pending_unreadable", level=logging.ERROR,
+                          agent=principal.agent, request_id=request_id,
+                          error=type(exc).__name__)
+                return self._verdict(request_id, Verdict.indeterminate(ErrorCode.INTERNAL))
+            return await self._publish(principal, request_id, pending, resumed=True)
         if reading.error is not None:
             log_event(_log, "request.invalid", agent=principal.agent, request_id=request_id,
                       code=reading.error.code.value,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -83,3 +84,32 @@ async def test_bad_tokens_are_unauthenticated(broker: BrokerHarness) -> None:
         assert (envelope["status"], envelope["error"]["code"]) == ("failed", "unauthenticated")
     status, envelope = await broker.post(body, right_uid)
     assert envelope is not None and envelope["status"] == "succeeded"
+
+
+async def test_an_unreadable_pending_record_is_indeterminate_not_a_crash(
+    broker: BrokerHarness,
+) -> None:
+    """A pending record this version cannot read (another format, damage): its events may
+    have reached the relay, so the honest answer is indeterminate + internal, and nothing is
+    re-sent — never an HTTP 500."""
+    import hashlib
+
+    from daemon.ledger import Fresh, LedgerKey
+
+    channel = str(uuid.uuid4())
+    agent = await broker.human_owned_agent()
+    cred = broker.credential(agent, [channel])
+    body = request_body("message.post", {"channelId": channel, "content": "unreadable"})
+    request_id = json.loads(body)["requestId"]
+    ledger = broker.app._ledger  # white box: plant what a future format might have written
+    begun = await ledger.begin(LedgerKey(principal=agent, request_id=request_id),
+                               hashlib.sha256(body).digest())
+    assert isinstance(begun, Fresh)
+    await ledger.record_pending(begun.ticket, b'{"v":99,"events":[]}')
+    ledger.release(begun.ticket)
+    status, envelope = await broker.post(body, cred)
+    assert status == 200 and envelope is not None
+    assert (envelope["status"], envelope["error"]["code"]) == ("indeterminate", "internal")
+    events = await trio.to_thread.run_sync(nostr_fetch, broker.relay_url,
+                                           [{"kinds": [9], "#h": [channel]}])
+    assert events == []
