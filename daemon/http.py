@@ -84,6 +84,7 @@ __all__ = [
     "ListenError",
     "serve",
     "bind_unix_socket",
+    "unlink_if_ours",
     "ACTION_PATH",
 ]
 
@@ -206,6 +207,21 @@ def _replace_stale(path: str) -> None:
     finally:
         probe.close()
     raise ListenError(f"{path}: another process is already listening on this socket")
+
+
+def unlink_if_ours(path: str, inode: int | None) -> None:
+    """Remove the socket file at `path` if it is still the one we bound (same inode).
+
+    A newer daemon may already have replaced it (a restart racing our exit): its socket
+    must stay. Any error is ignored: the file is gone or was never ours.
+    """
+    if inode is None:
+        return
+    try:
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def bind_unix_socket(path: str, *, mode: int = 0o660, group: str | None = None) -> socket.socket:
@@ -629,8 +645,4 @@ async def serve(
     finally:
         sock.close()
         if bound_path is not None:
-            try:
-                if os.stat(bound_path).st_ino == bound_inode:
-                    os.unlink(bound_path)
-            except OSError:
-                pass
+            unlink_if_ours(bound_path, bound_inode)

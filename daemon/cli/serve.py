@@ -57,6 +57,7 @@ from daemon.http import (
     ListenError,
     ServerControl,
     bind_unix_socket,
+    unlink_if_ours,
     serve,
 )
 from daemon.log import log_event, setup_logging
@@ -231,11 +232,7 @@ async def run_server(
     finally:
         raw.close()
         if bound_path is not None:
-            try:
-                if os.stat(bound_path).st_ino == bound_inode:
-                    os.unlink(bound_path)
-            except OSError:
-                pass
+            unlink_if_ours(bound_path, bound_inode)
     log_event(_log, "serve.stopped")
     return 0
 
