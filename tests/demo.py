@@ -9,6 +9,7 @@ Under ./run/ (kept between runs, so a second `make run` reuses the token and the
   agent.pub       the demo agent's public key
   credential      the demo agent's bearer credential (0600; the printed command reads it)
   channel         the demo channel id
+  broker.log      the daemon's log, one JSON line per event
 
 It starts nostr-sdk's LocalRelay (the DEVELOPMENT relay, NIP-42 AUTH required, loopback
 only) and `buzz-broker serve` in the foreground, prints a `curl --unix-socket` command that
@@ -100,11 +101,11 @@ def _demo_agent(run_dir: Path, cli: list[str], env: dict[str, str]) -> str:
     return pubkey
 
 
-def _wait_for_socket(path: Path, process: subprocess.Popen[bytes]) -> None:
+def _wait_for_socket(path: Path, process: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + STARTUP_SECONDS
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise DemoError("buzz-broker serve exited during startup (its log is above)")
+            raise DemoError(f"buzz-broker serve exited during startup (see {log})")
         if path.is_socket():
             return
         time.sleep(0.1)
@@ -155,8 +156,13 @@ def main() -> int:
         print(f"demo agent {agent} in channel {channel}")
 
         socket_path = run_dir / "broker.sock"
-        daemon = subprocess.Popen([*cli, "serve"], env=env)
-        _wait_for_socket(socket_path, daemon)
+        log_path = run_dir / "broker.log"
+        with log_path.open("ab") as log:
+            # The daemon's JSON log lines go to a file, so the terminal shows the request and
+            # its answer; `tail -f run/broker.log` follows the daemon as journald would.
+            daemon = subprocess.Popen([*cli, "serve"], env=env, stderr=log)
+        _wait_for_socket(socket_path, daemon, log_path)
+        print(f"daemon log (one JSON line per event): {log_path}")
 
         body = ('{"type":"broker_request","protocolVersion":1,'
                 f'"requestId":"demo-{uuid.uuid4()}","actionVersion":1,"action":"message.post",'

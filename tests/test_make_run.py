@@ -25,8 +25,12 @@ def test_demo_posts_a_first_message_and_runs_again(tmp_path: Path) -> None:
         assert '"status":"succeeded"' in done.stdout
         assert "curl -sS --unix-socket" in done.stdout
     credential = (run_dir / "credential").read_text().strip()
-    assert credential not in done.stdout and credential not in done.stderr
+    daemon_log = (run_dir / "broker.log").read_text()
+    assert '"event":"verdict"' in daemon_log  # the first request is in the daemon's log
+    for text in (done.stdout, done.stderr, daemon_log):
+        assert credential not in text
     assert (run_dir / "credential").stat().st_mode & 0o077 == 0
     for pin in ("user-pin", "so-pin"):
         secret = (run_dir / "softhsm" / pin).read_text().strip()
-        assert secret not in done.stdout and secret not in done.stderr
+        for text in (done.stdout, done.stderr, daemon_log):
+            assert secret not in text
