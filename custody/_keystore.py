@@ -237,17 +237,20 @@ class Keystore:
         except sqlite3.Error as exc:
             raise CustodyError(f"keystore write failed: {exc}") from None
 
-    def tombstone(self, pubkey: str, now: int) -> AgentRecord | None:
-        """Destroy the sealed key, keep the record. None if the agent was never held."""
+    def _update_live(self, assignments: str, values: tuple[object, ...], pubkey: str) -> None:
+        """One UPDATE of a live agent's row (`assignments` is ours, never an agent's text)."""
         try:
             with self._transaction() as db:
                 db.execute(
-                    "UPDATE agents SET sealed = NULL, deleted_at = ?, updated_at = ?"
-                    " WHERE pubkey = ? AND deleted_at IS NULL",
-                    (now, now, pubkey),
+                    f"UPDATE agents SET {assignments} WHERE pubkey = ? AND deleted_at IS NULL",
+                    (*values, pubkey),
                 )
         except sqlite3.Error as exc:
             raise CustodyError(f"keystore write failed: {exc}") from None
+
+    def tombstone(self, pubkey: str, now: int) -> AgentRecord | None:
+        """Destroy the sealed key, keep the record. None if the agent was never held."""
+        self._update_live("sealed = NULL, deleted_at = ?, updated_at = ?", (now, now), pubkey)
         self._checkpoint_truncate()
         return self.get(pubkey)
 
@@ -273,15 +276,7 @@ class Keystore:
 
     def rename(self, pubkey: str, name: str, now: int) -> AgentRecord | None:
         """Set a live agent's public name. None if no live agent has that key."""
-        try:
-            with self._transaction() as db:
-                db.execute(
-                    "UPDATE agents SET name = ?, updated_at = ?"
-                    " WHERE pubkey = ? AND deleted_at IS NULL",
-                    (name, now, pubkey),
-                )
-        except sqlite3.Error as exc:
-            raise CustodyError(f"keystore write failed: {exc}") from None
+        self._update_live("name = ?, updated_at = ?", (name, now), pubkey)
         record = self.get(pubkey)
         return record if record is not None and record.live else None
 
