@@ -261,17 +261,19 @@ class Ledger:
     ) -> None:
         # Private: use Ledger.open(). Both connections are ours alone: `conn` writes from
         # worker threads, `reader` serves begin()'s lookup on the event-loop thread.
+        # The write side: every write is an op in `_group`'s next transaction on `conn`.
         self._conn = conn
-        self._reader = reader
-        self._retention = retention_seconds
-        self._clock = clock
-        self._inflight: dict[LedgerKey, _Flight] = {}
         self._group: GroupCommit[_Op, Any] = GroupCommit(
             self._run_batch, flush_failed=lambda: RuntimeError("ledger flush failed")
         )
-        self._closed = False
         #: how many transactions (fsyncs) the flusher ran; the benchmark reports it.
         self.commits = 0
+        # The read side and ownership: begin()'s lookup, and who owns which key.
+        self._reader = reader
+        self._inflight: dict[LedgerKey, _Flight] = {}
+        self._retention = retention_seconds
+        self._clock = clock
+        self._closed = False
 
     @classmethod
     def open(
