@@ -21,12 +21,13 @@ Rules (issue 10):
   then answers `failed` + `internal` before anything is sent (docs/operations.md).
 - Modes: the directory is 0700, files 0600, created with those modes (no window).
 
-Theory of operation — group commit: `append` queues the record; the first task to find
-no flush running becomes the flusher and, in a worker thread, encodes everything queued
-(chaining each line to the one before, in queue order), writes it with one `write` and
-one `fsync`, and repeats until the queue is empty. Many concurrent callers share one
-fsync; a lone caller pays one. A failed write truncates the file back to its last good
-length before the next batch, so a failure never leaves a torn line inside the chain.
+Theory of operation — group commit (the engine is daemon/_group_commit.py, shared with
+the ledger): `append` queues the record; the first task to find no flush running becomes
+the flusher and, in a worker thread, encodes everything queued (chaining each line to the
+one before, in queue order), writes it with one `write` and one `fsync`, and repeats
+until the queue is empty. Many concurrent callers share one fsync; a lone caller pays
+one. A failed write truncates the file back to its last good length before the next
+batch, so a failure never leaves a torn line inside the chain.
 
 Opening: the last line of the last file is read back (it must be a well-formed record
 whose digest holds) and the chain continues from it. Bytes after the last newline are a
@@ -54,13 +55,14 @@ import logging
 import os
 import re
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Final
 
 import trio
 
+from daemon._group_commit import Failed, GroupCommit
 from daemon.contract import PAIRING, ErrorCode, Status, is_request_id
 from daemon.log import log_event
 
@@ -481,13 +483,6 @@ def read_records(directory: Path | str) -> Iterator[LogLine]:
 # --------------------------------------------------------------------------- the writer
 
 
-@dataclass(slots=True)
-class _Queued:
-    record: AuditRecord
-    done: trio.Event
-    failed: str | None = None  # the operator detail when this record was not written
-
-
 def _default_open(path: Path, flags: int) -> int:
     return os.open(path, flags, FILE_MODE)
 
@@ -503,7 +498,7 @@ class AuditLog:
         opener: Callable[[Path, int], int],
     ) -> None:
         # Private: use AuditLog.open(). State below is touched only by the flusher thread
-        # (one at a time, under `_limiter`) once open() has returned.
+        # (one at a time, under `_group`'s limiter) once open() has returned.
         self._dir = directory
         self._rotate_bytes = rotate_bytes
         self._opener = opener
@@ -513,9 +508,10 @@ class AuditLog:
         self._seq = 0
         self._prev = GENESIS
         self._dirty = False  # a write failed: truncate to `_size` before the next one
-        self._limiter = trio.CapacityLimiter(1)
-        self._queue: list[_Queued] = []
-        self._flushing = False
+        # A flush that raises instead of answering is a bug; its callers still fail closed.
+        self._group: GroupCommit[AuditRecord, None] = GroupCommit(
+            self._write_batch, flush_failed=lambda: AuditUnavailable("audit flush failed")
+        )
         self._closed = False
         #: how many write+fsync batches ran; the benchmark reports records per batch.
         self.batches = 0
@@ -649,26 +645,9 @@ class AuditLog:
         """
         if self._closed:
             raise AuditUnavailable("the audit log is closed")
-        item = _Queued(record, trio.Event())
-        self._queue.append(item)
-        if not self._flushing:
-            self._flushing = True
-            try:
-                with trio.CancelScope(shield=True):
-                    while self._queue:
-                        batch, self._queue = self._queue, []
-                        await trio.to_thread.run_sync(
-                            self._write_batch, batch, limiter=self._limiter
-                        )
-                        for queued in batch:
-                            queued.done.set()
-            finally:
-                self._flushing = False
-        await item.done.wait()
-        if item.failed is not None:
-            raise AuditUnavailable(item.failed)
+        await self._group.submit(record)
 
-    def _write_batch(self, batch: list[_Queued]) -> None:
+    def _write_batch(self, batch: Sequence[AuditRecord]) -> list[None | Failed]:
         # Worker thread. Writes `batch` in order, in as few write+fsync rounds as the
         # rotation size allows; the chain state moves only after an fsync succeeded.
         done = 0
@@ -684,7 +663,7 @@ class AuditLog:
                 seq, prev = self._seq, self._prev
                 end = done
                 while end < len(batch) and (not data or self._size + len(data) < self._rotate_bytes):
-                    line = _encode_line(batch[end].record, seq=seq + 1, prev=prev)
+                    line = _encode_line(batch[end], seq=seq + 1, prev=prev)
                     data += line + b"\n"
                     seq, prev = seq + 1, _sha256(line)
                     end += 1
@@ -700,8 +679,10 @@ class AuditLog:
             detail = _detail("write", exc, self._dir / _file_name(self._number))
             log_event(_log, "audit.unavailable", level=logging.ERROR, detail=detail,
                       lost=len(batch) - done)
-            for queued in batch[done:]:
-                queued.failed = detail
+            # Each caller raises its own exception, with the cause for the operator log.
+            failed = [Failed(AuditUnavailable(detail)) for _ in batch[done:]]
+            return [None] * done + failed
+        return [None] * len(batch)
 
     def _rotate(self) -> None:
         # Open the next file first: if that fails, the current one stays in use and the
@@ -729,7 +710,7 @@ class AuditLog:
         """Stop accepting records, let a running flush finish, and close the file."""
         self._closed = True
         # Let queued records finish: their callers are waiting for a durable answer.
-        while self._flushing or self._queue:
+        while not self._group.idle:
             await trio.sleep(0.001)
         if self._fd >= 0:
             log_event(_log, "audit.head", seq=self._seq, head=self._prev,

@@ -29,9 +29,10 @@ Theory of operation (design.md "Idempotency: the ledger"; spec I3):
   pair is our bug (AssertionError naming state and event).
 
 I/O: SQLite in WAL mode. Writes go through one dedicated connection, used only from trio
-worker threads under this ledger's own CapacityLimiter(1). Group commit: every write is
-queued as an operation; the first task to find no flush running becomes the flusher and
-runs everything queued in one transaction (one fsync) per thread hop, repeating until the
+worker threads under this ledger's own CapacityLimiter(1). Group commit (the engine is
+daemon/_group_commit.py, shared with the audit log): every write is queued as an
+operation; the first task to find no flush running becomes the flusher and runs
+everything queued in one transaction (one fsync) per thread hop, repeating until the
 queue is empty. Under load, many concurrent requests share one fsync and one ~150 µs
 thread hop; a lone request pays one of each. The flush runs shielded from cancellation:
 other tasks' durability depends on it, and it is bounded by the batch.
@@ -60,13 +61,14 @@ from __future__ import annotations
 import enum
 import sqlite3
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, TypeAlias
 
 import trio
 
+from daemon._group_commit import Failed, GroupCommit
 from daemon._sqlite import open_private_db
 
 __all__ = [
@@ -246,14 +248,6 @@ CREATE INDEX IF NOT EXISTS ledger_by_age ON ledger (state, updated_at)
 _Op: TypeAlias = Callable[[sqlite3.Connection], Any]
 
 
-@dataclass(slots=True, eq=False)
-class _Queued:
-    op: _Op
-    done: trio.Event = field(default_factory=trio.Event)
-    result: Any = None
-    error: BaseException | None = None
-
-
 class Ledger:
     """The durable idempotency ledger. Create with `Ledger.open(path, retention_seconds=...)`."""
 
@@ -267,17 +261,19 @@ class Ledger:
     ) -> None:
         # Private: use Ledger.open(). Both connections are ours alone: `conn` writes from
         # worker threads, `reader` serves begin()'s lookup on the event-loop thread.
+        # The write side: every write is an op in `_group`'s next transaction on `conn`.
         self._conn = conn
-        self._reader = reader
-        self._retention = retention_seconds
-        self._clock = clock
-        self._limiter = trio.CapacityLimiter(1)
-        self._inflight: dict[LedgerKey, _Flight] = {}
-        self._queue: list[_Queued] = []
-        self._flushing = False
-        self._closed = False
+        self._group: GroupCommit[_Op, Any] = GroupCommit(
+            self._run_batch, flush_failed=lambda: RuntimeError("ledger flush failed")
+        )
         #: how many transactions (fsyncs) the flusher ran; the benchmark reports it.
         self.commits = 0
+        # The read side and ownership: begin()'s lookup, and who owns which key.
+        self._reader = reader
+        self._inflight: dict[LedgerKey, _Flight] = {}
+        self._retention = retention_seconds
+        self._clock = clock
+        self._closed = False
 
     @classmethod
     def open(
@@ -318,7 +314,7 @@ class Ledger:
             self._reader.close()
             self._conn.close()
 
-    # -- the group-commit engine -----------------------------------------------------
+    # -- group commit (daemon/_group_commit.py runs the queue) --------------------------
 
     async def _run(self, op: _Op) -> Any:
         """Queue `op` for the next transaction and wait until it is committed.
@@ -328,53 +324,21 @@ class Ledger:
         """
         if self._closed:
             raise RuntimeError("ledger is closed")
-        item = _Queued(op)
-        self._queue.append(item)
-        if not self._flushing:
-            self._flushing = True
-            try:
-                # Shielded: the queued operations of other tasks depend on this flush;
-                # each batch is short and bounded by what was queued.
-                with trio.CancelScope(shield=True):
-                    while self._queue:
-                        batch, self._queue = self._queue, []
-                        try:
-                            await trio.to_thread.run_sync(
-                                self._run_batch, batch, limiter=self._limiter
-                            )
-                        except BaseException as exc:
-                            # The hop itself failed (it should not: _run_batch catches
-                            # database errors). Fail everyone queued rather than leave
-                            # them waiting on a flusher that is gone.
-                            for queued in (*batch, *self._queue):
-                                if queued.error is None:
-                                    queued.error = RuntimeError("ledger flush failed")
-                                queued.done.set()
-                            self._queue = []
-                            raise exc
-                        for queued in batch:
-                            queued.done.set()
-            finally:
-                self._flushing = False
-        await item.done.wait()
-        if item.error is not None:
-            raise item.error
-        return item.result
+        return await self._group.submit(op)
 
-    def _run_batch(self, batch: list[_Queued]) -> None:
+    def _run_batch(self, batch: Sequence[_Op]) -> list[Any]:
         # Runs in a worker thread. One transaction, one fsync, for the whole batch.
         conn = self._conn
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
-            for queued in batch:
-                queued.error = exc
-            return
-        for queued in batch:
+            return [Failed(exc)] * len(batch)
+        results: list[Any] = []
+        for op in batch:
             try:
-                queued.result = queued.op(conn)
+                results.append(op(conn))
             except Exception as exc:  # noqa: BLE001 - handed back to the one caller it concerns
-                queued.error = exc
+                results.append(Failed(exc))
         try:
             conn.execute("COMMIT")
             self.commits += 1
@@ -384,9 +348,8 @@ class Ledger:
             except sqlite3.Error:
                 pass
             # Nothing in this batch is durable: every caller learns it.
-            for queued in batch:
-                if queued.error is None:
-                    queued.error = exc
+            return [r if isinstance(r, Failed) else Failed(exc) for r in results]
+        return results
 
     # -- the protocol ----------------------------------------------------------------
 
