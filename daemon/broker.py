@@ -508,27 +508,36 @@ class Broker:
             return self._verdict(request_id, Verdict.failed(limited.code, limited.message))
 
         operation = OPERATIONS[request.action]
-        ctx = Context(
-            custody=self._custody,
-            signer=self._signer,
-            relay=self._relay,
-            principal=principal,
-            host=self._policy,
-            cursors=self._cursors,
-            request_id=request_id,
-            now=lambda: int(self._clock()),
-        )
         try:
-            if operation.execute is not None:
-                verdict: Verdict = await operation.execute(ctx, request.args)
-                return self._verdict(request_id, verdict)
-            assert operation.prepare is not None
-            if operation.serialize_per_agent:
-                async with self._locks.hold(principal.agent):
-                    return await self._plan_and_publish(ctx, operation.prepare, request,
-                                                        begun.ticket, facts)
-            return await self._plan_and_publish(ctx, operation.prepare, request, begun.ticket,
-                                                facts)
+            # Locks a read-merge-write operation holds until its events are published: the
+            # requester's, and any agent it writes for (ctx.hold_agent). They are taken
+            # owner first; ownership is a tree, so two requests can never wait on each other.
+            async with AsyncExitStack() as held:
+                if operation.serialize_per_agent:
+                    await held.enter_async_context(self._locks.hold(principal.agent))
+
+                async def hold_agent(agent: str) -> None:
+                    if not operation.serialize_per_agent:
+                        raise AssertionError(f"{request.action} is not serialized per agent")
+                    await held.enter_async_context(self._locks.hold(agent))
+
+                ctx = Context(
+                    custody=self._custody,
+                    signer=self._signer,
+                    relay=self._relay,
+                    principal=principal,
+                    host=self._policy,
+                    cursors=self._cursors,
+                    request_id=request_id,
+                    now=lambda: int(self._clock()),
+                    hold_agent=hold_agent,
+                )
+                if operation.execute is not None:
+                    verdict: Verdict = await operation.execute(ctx, request.args)
+                    return self._verdict(request_id, verdict)
+                assert operation.prepare is not None
+                return await self._plan_and_publish(ctx, operation.prepare, request,
+                                                    begun.ticket, facts)
         except OperationRefused as refused:
             if refused.detail:
                 log_event(_log, "operation.refused", agent=principal.agent,

@@ -17,7 +17,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +51,10 @@ class Context:
     cursors: CursorCodec
     request_id: str
     now: Callable[[], int]
+    #: Serialize this request with every other read-merge-write of `agent` until its events
+    #: are published (only in operations marked serialize_per_agent; the requester's own
+    #: lock is already held). agents.update takes its target's, whose kind 0 it rewrites.
+    hold_agent: Callable[[str], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -253,3 +253,32 @@ async def test_credential_revoked_by_the_cli_stops_working_at_once(broker: Broke
     after = await broker.call(cred, "message.post", {"channelId": channel, "content": "after"})
     assert (after["status"], after["error"]["code"]) == ("failed", "unauthenticated")
     assert cred not in listed.stdout
+
+
+async def test_renaming_an_agent_waits_for_that_agents_own_profile_write(
+    broker: BrokerHarness,
+) -> None:
+    """agents.update rewrites its target's kind 0, which the target's own profile.set merges
+    into too: the rename holds the target's lock, so neither can lose the other's change."""
+    channel = str(uuid.uuid4())
+    owner, cred = await _agent_in(broker, channel, "owner")
+    created = _succeeded(await broker.call(cred, "agents.create", {
+        "channelId": channel, "displayName": "Before", "systemPrompt": "p"}), "agents.create")
+    agent = created["agentPubkey"]
+    done = trio.Event()
+
+    async def rename() -> None:
+        _succeeded(await broker.call(cred, "agents.update", {
+            "target": {"pubkey": agent}, "displayName": "After"}), "agents.update")
+        done.set()
+
+    async with trio.open_nursery() as nursery:
+        async with broker.app._locks.hold(agent):  # the agent's own profile.set, in flight
+            nursery.start_soon(rename)
+            await trio.sleep(0.5)
+            assert not done.is_set()  # the rename waits for the agent's write to finish
+        with trio.fail_after(10):
+            await done.wait()
+    profiles = await _fetch(broker, {"kinds": [0], "authors": [agent]})
+    newest = max(profiles, key=lambda e: e["created_at"])
+    assert json.loads(newest["content"])["display_name"] == "After"

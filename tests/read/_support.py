@@ -45,6 +45,7 @@ def context(relay: Any, principal: Principal, cursors: CursorCodec, *, now: Call
         signer=None,  # type: ignore[arg-type]
         relay=relay, principal=principal, host=POLICY, cursors=cursors,
         request_id="read-test", now=now,
+        hold_agent=None,  # type: ignore[arg-type]
     )
 
 
