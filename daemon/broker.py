@@ -411,7 +411,7 @@ class Broker:
         if principal is None:
             verdict = Verdict.failed(ErrorCode.UNAUTHENTICATED, MESSAGES[ErrorCode.UNAUTHENTICATED])
             return self._respond(request_id, encode_response(request_id, verdict), started,
-                                 principal=None, action=None, verdict=verdict)
+                                 principal=None, action=_action_of(reading), verdict=verdict)
 
         digest = hashlib.sha256(request.body).digest()
         facts = _Facts(credential_id=principal.credential_id, agent=principal.agent,

@@ -351,6 +351,7 @@ def test_real_broker_socket_activated(
         f'[pkcs11]\nmodule = "{token.module}"\ntoken_label = "{token.token_label}"\n'
         f'pin_file = "{token.pin_file}"\nkek_label = "{token.kek_label}"\n'
         f'[relay]\nurl = "ws://127.0.0.1:{free_port()}"\n'
+        f'[metrics]\nsocket = "admin.sock"\n'
     )
     activated = os.path.join(sockdir, "activated.sock")
     listening = bind_unix_socket(activated)
@@ -393,6 +394,15 @@ def test_real_broker_socket_activated(
                 activated, (head.replace(str(len(request)), str(len(garbage))) + "\r\n").encode() + garbage
             )
             assert answer.startswith(b"HTTP/1.1 400 ") and answer.endswith(b"\r\n\r\n")
+            # The admin socket serves the running daemon's figures, the two answers counted.
+            metrics = _blocking_exchange(
+                os.path.join(sockdir, "admin.sock"),
+                b"GET /metrics HTTP/1.1\r\nHost: b\r\nConnection: close\r\n\r\n",
+            )
+            assert metrics.startswith(b"HTTP/1.1 200 ")
+            assert (b'buzz_broker_requests_total{action="storage.address",status="failed",'
+                    b'code="unauthenticated"} 1') in metrics
+            assert b'buzz_broker_requests_total{action="",status="none",code=""} 1' in metrics
             proc.send_signal(signal.SIGTERM)
             until("STOPPING=1")
             assert proc.wait(timeout=15) == 0
