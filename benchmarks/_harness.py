@@ -47,6 +47,7 @@ if str(REPO) not in sys.path:
 
 from custody import Custody, TokenConfig, init_kek  # noqa: E402
 from daemon.sessions import SessionStore  # noqa: E402
+from tests.fixtures.broker import write_config as broker_config  # noqa: E402
 
 TOKEN_LABEL = "buzz-bench"
 KEK_LABEL = "buzz-bench-kek"
@@ -98,27 +99,14 @@ def make_token(directory: Path) -> TokenConfig:
 
 def write_config(path: Path, token: TokenConfig, state_dir: Path, sock: Path, relay_url: str,
                  *, log_level: str = "info") -> Path:
-    path.write_text(
-        "[server]\n"
-        f'socket = "{sock}"\n'
-        "max_connections = 4096\n"
-        "[state]\n"
-        f'dir = "{state_dir}"\n'
-        "[pkcs11]\n"
-        f'module = "{token.module}"\n'
-        f'token_label = "{token.token_label}"\n'
-        f'pin_file = "{token.pin_file}"\n'
-        f'kek_label = "{token.kek_label}"\n'
-        "[relay]\n"
-        f'url = "{relay_url}"\n'
-        "[log]\n"
-        f'level = "{log_level}"\n'
-        # Rate limits off: the benchmark measures capacity, and one agent posting hundreds
-        # per second would be refused by the default 60/min (docs/configuration.md).
-        "[limits]\n"
-        "enabled = false\n"
-    )
-    return path
+    # Rate limits off: the benchmark measures capacity, and one agent posting hundreds per
+    # second would be refused by the default 60/min (docs/configuration.md). Relay timeouts
+    # stay at the daemon's defaults.
+    return broker_config(path, token=token, state_dir=state_dir, socket=sock,
+                         relay_url=relay_url, relay_timeout=10.0,
+                         sections={"server": {"max_connections": 4096},
+                                   "log": {"level": log_level},
+                                   "limits": {"enabled": False}})
 
 
 def _owner() -> str:

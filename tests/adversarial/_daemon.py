@@ -38,6 +38,7 @@ import trio_websocket
 
 from custody import Custody, TokenConfig
 from daemon.sessions import SessionStore
+from tests.fixtures.broker import write_config as broker_config
 
 __all__ = [
     "Answer",
@@ -68,15 +69,8 @@ ALL_ACTIONS = (
 def write_config(path: Path, *, token: TokenConfig, state_dir: Path, socket: Path,
                  relay_url: str, relay_timeout: float = 1.0) -> Path:
     """A daemon config whose relay timeouts are all `relay_timeout` (short: fault tests wait them)."""
-    path.write_text(
-        f'[server]\nsocket = "{socket}"\n'
-        f'[state]\ndir = "{state_dir}"\n'
-        f'[pkcs11]\nmodule = "{token.module}"\ntoken_label = "{token.token_label}"\n'
-        f'pin_file = "{token.pin_file}"\nkek_label = "{token.kek_label}"\n'
-        f'[relay]\nurl = "{relay_url}"\nconnect_timeout = {relay_timeout}\n'
-        f"ok_timeout = {relay_timeout}\neose_timeout = {relay_timeout}\n"
-    )
-    return path
+    return broker_config(path, token=token, state_dir=state_dir, socket=socket,
+                         relay_url=relay_url, relay_timeout=relay_timeout)
 
 
 class DaemonDied(Exception):
