@@ -33,7 +33,7 @@ test: venv
 	$(PY) -m pytest -q -p no:cacheprovider
 
 lint: venv
-	$(PY) -m mypy daemon custody
+	$(PY) -m mypy daemon custody client/buzzwire
 
 run: venv
 	$(PY) -m tests.demo

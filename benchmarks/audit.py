@@ -23,7 +23,7 @@ from pathlib import Path
 import trio
 
 from daemon.audit import AuditLog, AuditRecord, Phase
-from daemon.contract import Status
+from buzzwire.contract import Status
 from daemon.ratelimit import DEFAULT_RATE_CONFIG, RateLimiter
 
 AGENT = "ab" * 32

@@ -12,7 +12,7 @@ import json
 import time
 from collections.abc import Callable
 
-from daemon.contract import read_request
+from buzzwire.contract import read_request
 
 MESSAGE_REPLY = json.dumps({
     "type": "broker_request",

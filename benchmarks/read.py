@@ -33,7 +33,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from custody import verify_event  # noqa: E402
-from daemon.contract import ChannelReadArgs, ReadOutcome, Status  # noqa: E402
+from buzzwire.contract import ChannelReadArgs, ReadOutcome, Status  # noqa: E402
 from daemon.cursor import CursorCodec  # noqa: E402
 from daemon.operations import channel_read  # noqa: E402
 from daemon.relay import Accepted, RelayPool, RelayTimeouts  # noqa: E402

@@ -19,7 +19,7 @@ Surface:
   dumpable) runs inside `Custody.open`/`init_kek`; callers may run it earlier too.
 
 Modules, one job each: _errors, _secret (buffers, wiping, parsing, randomness), _secp256k1
-(low-level curve ops), _nostr (public event data), _signer (events, AUTH, NIP-OA),
+(low-level curve ops), _signer (events, AUTH, NIP-OA),
 _memory (NIP-AE), _process (core dumps off, undumpable), _worker (the one token thread),
 _token (PKCS#11), _sealed (blob format and the one unseal door), _keystore (SQLite),
 _facade (Custody).
@@ -44,7 +44,7 @@ from custody._errors import CustodyError, UnknownAgent, UnsealFailed
 from custody._facade import Custody, init_kek
 from custody._keystore import AgentRecord, PublicDirectory
 from custody._memory import MemoryAddress
-from custody._nostr import (
+from buzzwire.nostr import (
     SignedEvent,
     UnsignedEvent,
     compute_event_id,

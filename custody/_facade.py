@@ -31,7 +31,7 @@ from typing import TypeVar
 from custody._errors import CustodyError, UnknownAgent
 from custody._keystore import AgentRecord, Keystore
 from custody._memory import MEMORY_KIND, MemoryAddress, check_slug, d_tag
-from custody._nostr import SignedEvent, UnsignedEvent, is_hex64, verify_owner_tag
+from buzzwire.nostr import SignedEvent, UnsignedEvent, is_hex64, verify_owner_tag
 from custody._process import harden_process
 from custody._sealed import seal, unseal
 from custody._secp256k1 import is_xonly_pubkey, xonly_pubkey

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from custody._errors import CustodyError
-from custody._nostr import is_hex64
+from buzzwire.nostr import is_hex64
 
 __all__ = ["AgentRecord", "Keystore", "PublicDirectory", "KEYSTORE_FILE"]
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import secrets
 
-from custody._nostr import SignedEvent, Tags, UnsignedEvent, compute_event_id, owner_tag_digest
+from buzzwire.nostr import SignedEvent, Tags, UnsignedEvent, compute_event_id, owner_tag_digest
 from custody._secp256k1 import schnorr_sign
 from custody._secret import Secret
 

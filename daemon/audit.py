@@ -63,7 +63,7 @@ from typing import Callable, Final
 import trio
 
 from daemon._group_commit import Failed, GroupCommit
-from daemon.contract import PAIRING, ErrorCode, Status, is_request_id
+from buzzwire.contract import PAIRING, ErrorCode, Status, is_request_id
 from daemon.log import log_event
 
 __all__ = [

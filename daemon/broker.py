@@ -38,7 +38,7 @@ multi-event plan → partial effects exist, so `failed` would lie: `indeterminat
 `outcome_unknown`, and the identical retry re-sends the same events (accepted ones come back
 `duplicate:`) until the relay takes the rest.
 
-WARNING: the status/code pairs used here must be allowed by `daemon.contract.PAIRING`;
+WARNING: the status/code pairs used here must be allowed by `buzzwire.contract.PAIRING`;
 `Verdict`'s constructors assert it. `CHECKPOINTS` names the steps the crash tests kill at;
 keep it in step with the `_passed(...)` calls.
 """
@@ -62,7 +62,7 @@ import trio
 from custody import Custody, CustodyError, TokenConfig
 from daemon.audit import AUDIT_DIRNAME, AuditLog, AuditRecord, AuditUnavailable, Phase
 from daemon.config import Config, PolicyConfig
-from daemon.contract import (
+from buzzwire.contract import (
     ACTIONS,
     MESSAGES,
     ErrorCode,

@@ -3,7 +3,7 @@
 Theory of operation (spec §Conformance [C1], invariants I2–I6):
 
 1. Freeze once. Every call is validated and normalized by the *same* contract code the
-   host runs (`daemon.contract.build_request`), then serialized exactly once
+   host runs (`buzzwire.contract.build_request`), then serialized exactly once
    (`encode_request`). Those bytes, under that requestId, are what every attempt sends;
    there is no code path that re-renders a request between attempts (I3).
 2. Send. One HTTP/1.1 POST /v1/action per attempt, `Authorization: Bearer …`, over a
@@ -46,7 +46,7 @@ Rules:
   under `trio.run`, one call at a time, for synchronous code.
 
 WARNING: the per-action echo checks (`_ECHO_CHECKS`) must list every action in
-`daemon.contract.ACTIONS`; a test asserts the key sets are equal.
+`buzzwire.contract.ACTIONS`; a test asserts the key sets are equal.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeAlias, TypeVar
 import trio
 
 from daemon._client_transport import Credential, Endpoint, HttpReply, TransportFailure, exchange
-from daemon.contract import (
+from buzzwire.contract import (
     ACTIONS,
     PAIRING,
     AgentsCreateOutcome,

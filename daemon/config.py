@@ -54,7 +54,7 @@ __all__ = [
 ENV_VAR = "BUZZ_BROKER_CONFIG"
 
 #: The nine wire names (spec/agent-broker.md §Operations). Kept here rather than imported
-#: from daemon.contract so that check-config works even if the contract package fails to
+#: from buzzwire.contract so that check-config works even if the contract package fails to
 #: import; tests/test_config.py checks the two lists agree.
 ACTION_NAMES = frozenset(
     {

@@ -180,7 +180,7 @@ class Metrics:
     """The broker's figures. One instance per broker; see the module docstring for rules.
 
     Args:
-        actions: the action names the contract knows (`daemon.contract.ACTIONS`); any
+        actions: the action names the contract knows (`buzzwire.contract.ACTIONS`); any
             other action string an agent sends is counted as "other".
     """
 

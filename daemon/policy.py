@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol, TypeAlias, TypeVar
 
-from daemon.contract import ErrorCode
+from buzzwire.contract import ErrorCode
 from daemon.sessions import Principal
 
 if TYPE_CHECKING:

@@ -34,7 +34,7 @@ another process) and read lazily, the first time this process sees a credential 
 `reload()` (SIGHUP) forgets what was read.
 
 WARNING: `PUBLISH_ACTIONS`/`READ_ACTIONS` must cover exactly the wire actions
-(`daemon.contract.ACTIONS`, split on `publishing`); `_SCHEMA` is read by `_load`.
+(`buzzwire.contract.ACTIONS`, split on `publishing`); `_SCHEMA` is read by `_load`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from typing import Final, Protocol
 import trio
 
 from daemon._sqlite import open_private_db
-from daemon.contract import ACTIONS, ErrorCode
+from buzzwire.contract import ACTIONS, ErrorCode
 from daemon.log import log_event
 from daemon.policy import Refusal
 

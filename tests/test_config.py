@@ -316,7 +316,7 @@ def test_precedence_path_then_env_then_defaults(tmp_path: Path) -> None:
 
 
 def test_action_names_match_the_contract() -> None:
-    from daemon.contract import ACTIONS
+    from buzzwire.contract import ACTIONS
 
     assert ACTION_NAMES == frozenset(ACTIONS)
 

@@ -340,7 +340,7 @@ def _blocking_exchange(path: str, data: bytes) -> bytes:
 def test_real_broker_socket_activated(
     custody_state: tuple[TokenConfig, Path], sockdir: str
 ) -> None:
-    from daemon.contract import build_request, encode_request, parse_response
+    from buzzwire.contract import build_request, encode_request, parse_response
     from tests.fixtures.relay import free_port
 
     token, state_dir = custody_state

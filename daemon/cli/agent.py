@@ -76,7 +76,7 @@ def _token(config: Config) -> TokenConfig:
 
 
 def _pubkey(value: str, what: str) -> str:
-    from custody._nostr import is_hex64
+    from buzzwire.nostr import is_hex64
 
     if not is_hex64(value):
         raise CliError(f"{what} must be 64 lowercase hex characters")

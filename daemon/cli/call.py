@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         Succeeded,
         Unsupported,
     )
-    from daemon.contract import ContractError
+    from buzzwire.contract import ContractError
 
     try:
         call_args = json.loads(args.call_args)

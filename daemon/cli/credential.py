@@ -110,7 +110,7 @@ def _store(args: argparse.Namespace) -> "SessionStore":
 
 def _issue(args: argparse.Namespace) -> int:
     from custody import PublicDirectory
-    from daemon.contract import ACTIONS, normalize_channel_id, normalize_hex64
+    from buzzwire.contract import ACTIONS, normalize_channel_id, normalize_hex64
     from daemon.ratelimit import RateLimiter, parse_rate
 
     agent = normalize_hex64(args.agent)

@@ -3,7 +3,7 @@
 A read (`channel.read`, `storage.address`) exports `execute(ctx, args) -> Verdict`; a
 publishing operation exports `prepare(ctx, args) -> Plan | Verdict` and the pipeline
 records, publishes and finishes the plan. WARNING: `OPERATIONS` must name every action in
-`daemon.contract.ACTIONS`; a test iterates both.
+`buzzwire.contract.ACTIONS`; a test iterates both.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from daemon.contract import ErrorCode
+from buzzwire.contract import ErrorCode
 
 if TYPE_CHECKING:
     from custody import Custody

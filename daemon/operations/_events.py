@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from custody import UnsignedEvent, verify_event
-from daemon.contract import ErrorCode
+from buzzwire.contract import ErrorCode
 from daemon.operations._base import Context, OperationRefused
 from daemon.relay import RelayRefused, RelayUnavailable
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from custody import AgentRecord
-from daemon.contract import AgentTarget, ErrorCode
+from buzzwire.contract import AgentTarget, ErrorCode
 from daemon.operations._base import Context, OperationRefused
 from daemon.policy import Refusal, resolve_target
 

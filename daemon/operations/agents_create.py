@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 
-from daemon.contract import AgentsCreateArgs, AgentsCreateOutcome
+from buzzwire.contract import AgentsCreateArgs, AgentsCreateOutcome
 from daemon.operations._base import Context, Plan
 from daemon.operations._events import sign_all
 from daemon.operations._managed import (

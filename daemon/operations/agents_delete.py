@@ -8,7 +8,7 @@ housekeeping, which the pipeline runs again if a crash came between the two.
 
 from __future__ import annotations
 
-from daemon.contract import AgentsDeleteArgs, AgentsDeleteOutcome
+from buzzwire.contract import AgentsDeleteArgs, AgentsDeleteOutcome
 from daemon.operations._base import Context, Plan
 from daemon.operations._events import sign
 from daemon.operations._managed import KIND_DELETION, KIND_MANAGED_AGENT, coordinate, owned_target

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from daemon.contract import AgentsUpdateArgs, AgentsUpdateOutcome, Verdict
+from buzzwire.contract import AgentsUpdateArgs, AgentsUpdateOutcome, Verdict
 from daemon.operations._base import Context, Plan
 from daemon.operations._events import (
     fetch,

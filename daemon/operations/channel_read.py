@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from custody import compute_event_id, verify_event
-from daemon.contract import (
+from buzzwire.contract import (
     ChannelReadArgs,
     ContractError,
     ErrorCode,

@@ -7,7 +7,7 @@ mention. The outcome is known before the relay answers.
 
 from __future__ import annotations
 
-from daemon.contract import MessagePostArgs, PublishOutcome
+from buzzwire.contract import MessagePostArgs, PublishOutcome
 from daemon.operations._base import Context, Plan
 from daemon.operations._events import mention_tags, sign
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from daemon.contract import ErrorCode, MessageReplyArgs, PublishOutcome
+from buzzwire.contract import ErrorCode, MessageReplyArgs, PublishOutcome
 from daemon.operations._base import Context, OperationRefused, Plan
 from daemon.operations._events import fetch, mention_tags, sign, tag_value
 from daemon.operations.message_post import KIND_STREAM_MESSAGE

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 
-from daemon.contract import ProfileSetArgs, PublishOutcome
+from buzzwire.contract import ProfileSetArgs, PublishOutcome
 from daemon.log import log_event
 from daemon.operations._base import Context, Plan
 from daemon.operations._events import fetch, json_object_or_none, newest, next_created_at, sign

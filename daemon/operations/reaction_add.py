@@ -10,7 +10,7 @@ switches reactions off answers `unsupported` from policy, before this runs.
 
 from __future__ import annotations
 
-from daemon.contract import PublishOutcome, ReactionAddArgs
+from buzzwire.contract import PublishOutcome, ReactionAddArgs
 from daemon.operations._base import Context, Plan
 from daemon.operations._events import sign
 

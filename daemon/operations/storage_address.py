@@ -6,7 +6,7 @@ agent's secret and its owner's public key; K_c never leaves custody, only the ad
 
 from __future__ import annotations
 
-from daemon.contract import StorageAddressArgs, StorageAddressOutcome, Verdict
+from buzzwire.contract import StorageAddressArgs, StorageAddressOutcome, Verdict
 from daemon.operations._base import Context
 
 ACTION = "storage.address"

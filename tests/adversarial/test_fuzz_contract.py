@@ -31,7 +31,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon.contract import (
+from buzzwire.contract import (
     ACTIONS,
     MESSAGES,
     PAIRING,

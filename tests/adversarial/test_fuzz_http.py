@@ -24,7 +24,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon.contract import ACTIONS, ErrorCode, parse_response, read_request
+from buzzwire.contract import ACTIONS, ErrorCode, parse_response, read_request
 from tests.adversarial import scaled, tally
 from tests.adversarial.test_fuzz_contract import all_mutations_of, json_values, mutate
 from tests.contract.vectors import dump

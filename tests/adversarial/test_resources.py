@@ -42,7 +42,7 @@ import trio
 from custody import TokenConfig
 from daemon.broker import Broker
 from daemon.config import load_config
-from daemon.contract import parse_response
+from buzzwire.contract import parse_response
 from daemon.http import HttpLimits, ServerControl, serve
 from tests.adversarial import scaled, tally
 from tests.fixtures.broker import raw_post, request_body, write_config

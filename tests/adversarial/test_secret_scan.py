@@ -33,7 +33,7 @@ import pytest
 import trio
 
 from custody import CustodyError
-from daemon.contract import read_request
+from buzzwire.contract import read_request
 from tests.adversarial import tally
 from tests.adversarial._secrets import Secret, SecretScan, files_under, key_secret, raw_secret, text_secret
 from tests.fixtures.broker import BrokerHarness, raw_post, request_body

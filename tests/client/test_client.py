@@ -29,7 +29,7 @@ from daemon.client import (
     Succeeded,
     Unsupported,
 )
-from daemon.contract import (
+from buzzwire.contract import (
     ACTIONS,
     AgentsCreateOutcome,
     ContractError,

@@ -9,7 +9,7 @@ from typing import Any
 import coincurve
 import pytest
 
-from daemon.contract import (
+from buzzwire.contract import (
     ACTIONS, DEFAULT_LIMIT, RESERVED_NAMES, AgentTarget, ContractError, ErrorCode,
     MessagePostArgs, build_request, encode_request, normalize_channel_id, read_request,
 )

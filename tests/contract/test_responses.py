@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from daemon.contract import (
+from buzzwire.contract import (
     ACTIONS, MESSAGES, PAIRING, ContractError, ErrorCode, Event, Response, Status, Verdict,
     encode_response, mark_replayed, parse_response,
 )
-from daemon.contract._shapes import SHAPES
+from buzzwire.contract._shapes import SHAPES
 from tests.contract.vectors import EVENT, REQUEST_ID, VALID_OUTCOMES, Pairs, body
 
 # The eighteen member sets, transcribed from spec §Operations by hand: (args required,

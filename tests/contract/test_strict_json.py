@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from daemon.contract import ErrorCode, read_request
+from buzzwire.contract import ErrorCode, read_request
 from tests.contract.vectors import REQUEST_ID, Pairs, body, dump, envelope
 
 VALID = body(envelope())
@@ -86,7 +86,7 @@ def test_brackets_inside_strings_do_not_count_as_nesting() -> None:
 
 
 def test_nesting_at_the_bound_is_readable_and_one_more_is_not() -> None:
-    from daemon.contract import MAX_NESTING
+    from buzzwire.contract import MAX_NESTING
     # top-level object is level 1; "x" nests MAX_NESTING - 1 more levels -> at the bound.
     at = VALID[:-1] + b',"x":' + b"[" * (MAX_NESTING - 1) + b"]" * (MAX_NESTING - 1) + b"}"
     invalid_at(at, "/x")  # readable: the fault is only the unknown member

@@ -27,7 +27,7 @@ from daemon.audit import (
     read_records,
     verify,
 )
-from daemon.contract import ErrorCode, Status
+from buzzwire.contract import ErrorCode, Status
 from daemon.sessions import SessionStore
 
 AGENT = "ab" * 32

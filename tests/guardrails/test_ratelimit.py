@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from daemon.contract import ErrorCode
+from buzzwire.contract import ErrorCode
 from daemon.ledger import Fresh, Ledger, LedgerKey, Replay
 from daemon.ratelimit import (
     DEFAULT_RATE_CONFIG,

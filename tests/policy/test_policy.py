@@ -12,7 +12,7 @@ import coincurve
 import pytest
 
 from daemon.config import PolicyConfig
-from daemon.contract import (
+from buzzwire.contract import (
     ACTIONS,
     PAIRING,
     AgentsDeleteArgs,

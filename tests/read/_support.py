@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.config import PolicyConfig
-from daemon.contract import ChannelReadArgs, Event, ReadOutcome, Status, Verdict
+from buzzwire.contract import ChannelReadArgs, Event, ReadOutcome, Status, Verdict
 from daemon.cursor import CursorCodec
 from daemon.operations import channel_read
 from daemon.operations._base import Context

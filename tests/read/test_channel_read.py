@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from daemon.contract import ChannelReadArgs, ErrorCode, Status
+from buzzwire.contract import ChannelReadArgs, ErrorCode, Status
 from daemon.cursor import CURSOR_TTL_SECONDS, KEY_FILE_NAME, CursorCodec
 from daemon.operations import channel_read
 from daemon.relay import RelayRefused, RelayUnavailable

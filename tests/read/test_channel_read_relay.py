@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import trio
 
-from daemon.contract import ChannelReadArgs, ErrorCode, Status
+from buzzwire.contract import ChannelReadArgs, ErrorCode, Status
 from daemon.cursor import CursorCodec
 from daemon.operations import channel_read
 from daemon.relay import Accepted, RelayPool, RelayTimeouts

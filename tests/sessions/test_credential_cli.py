@@ -14,7 +14,7 @@ import pytest
 from custody import Custody
 from daemon.cli import credential
 from daemon.cli._common import CliError
-from daemon.contract import ACTIONS
+from buzzwire.contract import ACTIONS
 from daemon.sessions import TOKEN_PREFIX, SessionStore
 
 HUMAN = "22" * 32  # a curve point: custody refuses an owner that is not one

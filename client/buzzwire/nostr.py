@@ -1,8 +1,8 @@
 """Public Nostr data: event values, NIP-01 serialization and id, verification, NIP-OA checks.
 
 Rules:
-- Nothing here touches a secret: it is the half of the signer that anyone may run (the
-  daemon's read path and the agent-side client import it through `custody`).
+- Nothing here touches a secret: it is the half of the signer that anyone may run. Custody,
+  the daemon's read path and the agent-side client all import it from here.
 - The id is NIP-01's: sha256 of the UTF-8 bytes of
   `json.dumps([0, pubkey, created_at, kind, tags, content], separators=(",", ":"),
   ensure_ascii=False)`. `ensure_ascii=False` matters: Python's default escapes every
