@@ -213,6 +213,8 @@ async def run_server(
     log_event(_log, "serve.listening", socket=where, activated=bool(fds))
     limits = HttpLimits(
         max_connections=server.max_connections,
+        max_connections_per_uid=server.max_connections_per_uid,
+        max_inflight_bytes=server.max_inflight_bytes,
         max_body_bytes=server.max_body_bytes,
         max_header_bytes=server.max_header_bytes,
         request_timeout=server.request_timeout,
