@@ -58,7 +58,7 @@ from tests.adversarial._daemon import (
 from tests.fixtures.broker import write_config
 
 #: Connections the attacker opens; each declares DECLARED bytes and sends SENT of them.
-ATTACKERS = scaled(500, 2000)
+ATTACKERS = scaled(500, 1000)
 DECLARED = 512 * 1024
 SENT = 400 * 1024
 #: The issue's target: peak resident set at most this much above idle.
@@ -83,7 +83,9 @@ pytestmark = [
 #: write is done or stalled for STALL seconds; print one JSON line of counts; hold every
 #: connection until stdin closes.
 ATTACKER = r"""
-import json, os, select, socket, sys, time
+import json, os, resource, select, socket, sys, time
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 path, n, declared, sent, stall = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
 head = (b"POST /v1/action HTTP/1.1\r\nHost: b\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n" % declared)
@@ -155,6 +157,11 @@ def reachable_dir() -> Iterator[Path]:
 async def _start_daemon(config: Path, socket: Path, log: Path, *, argv_prefix: tuple[str, ...] = (),
                         memlock: int | None = None) -> DaemonProcess:
     def limits() -> None:
+        # Room for every attacker connection (the daemon's own limit is not the subject).
+        _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = 4 * ATTACKERS + 1024
+        if hard == resource.RLIM_INFINITY or hard >= wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
         if memlock is not None:
             resource.setrlimit(resource.RLIMIT_MEMLOCK, (memlock, memlock))
 
