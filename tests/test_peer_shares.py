@@ -5,14 +5,13 @@ from __future__ import annotations
 import io
 import json
 import logging
-from collections.abc import Iterator
 
 import pytest
 import trio
 
 from daemon.fault_log import FaultLog
-from daemon.log import setup_logging
 from daemon.peer_shares import ByteBudget, ConnectionCounts
+from tests.adversarial.test_http_faults import captured_log  # noqa: F401 - the log fixture
 
 
 async def test_one_uid_alone_holds_half_and_leaves_a_share_for_another() -> None:
@@ -64,20 +63,11 @@ def test_connection_counts_cap_per_uid() -> None:
     assert counts.try_open(7) and counts.open(7) == 2
 
 
-@pytest.fixture
-def log() -> Iterator[io.StringIO]:
-    out = io.StringIO()
-    setup_logging("info", stream=out)
-    yield out
-    setup_logging("info")
-    logging.getLogger("buzz_broker").handlers.clear()
-
-
 def _lines(out: io.StringIO) -> list[dict[str, object]]:
     return [json.loads(line) for line in out.getvalue().splitlines()]
 
 
-def test_fault_log_writes_once_per_cause_per_interval(log: io.StringIO) -> None:
+def test_fault_log_writes_once_per_cause_per_interval(captured_log: io.StringIO) -> None:
     now = [0.0]
     faults = FaultLog(logging.getLogger("buzz_broker.test"), "fault", interval=60,
                       clock=lambda: now[0])
@@ -87,15 +77,15 @@ def test_fault_log_writes_once_per_cause_per_interval(log: io.StringIO) -> None:
     assert faults.record(("b",), kind="b")  # another cause has its own line
     now[0] = 61.0
     assert faults.record(("a",), kind="a")
-    lines = _lines(log)
+    lines = _lines(captured_log)
     assert [line["kind"] for line in lines] == ["a", "b", "a"]
     assert lines[2]["suppressed"] == 1000 and faults.total == 1003
 
 
-def test_fault_log_causes_are_a_bounded_set(log: io.StringIO) -> None:
+def test_fault_log_causes_are_a_bounded_set(captured_log: io.StringIO) -> None:
     faults = FaultLog(logging.getLogger("buzz_broker.test"), "fault", max_causes=4,
                       clock=lambda: 0.0)
     for n in range(1000):
         faults.record(("uid", n), uid=n)
     # Four causes of their own, then everything shares "other": five lines for 1,000 causes.
-    assert len(_lines(log)) == 5
+    assert len(_lines(captured_log)) == 5
