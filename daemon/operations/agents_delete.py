@@ -26,6 +26,6 @@ async def prepare(ctx: Context, args: AgentsDeleteArgs) -> Plan:
     )
     return Plan(
         events=(event,),
-        outcome=AgentsDeleteOutcome(pubkey=agent.pubkey, name=agent.name or ""),
+        outcome=AgentsDeleteOutcome(agent_pubkey=agent.pubkey, display_name=agent.name),
         commit={"destroy_agent": agent.pubkey},
     )

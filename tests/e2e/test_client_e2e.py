@@ -43,7 +43,7 @@ async def test_every_operation_through_the_client(broker: BrokerHarness) -> None
     updated = await client.agents_update(target_pubkey=sub, model="m-2")
     assert isinstance(updated, Succeeded) and updated.outcome.updated_fields == ("model",)
     deleted = await client.agents_delete(target_name="Sub")
-    assert isinstance(deleted, Succeeded) and deleted.outcome.pubkey == sub
+    assert isinstance(deleted, Succeeded) and deleted.outcome.agent_pubkey == sub
 
     again = await client.agents_delete(target_pubkey=sub)
     assert isinstance(again, Failed) and again.code.value == "unauthorized"
