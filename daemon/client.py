@@ -274,9 +274,11 @@ def _echo_check(action: str) -> Callable[[Request, object, str | None], str | No
     echoes = ACTIONS[action].echoes
 
     def check(request: Request, outcome: object, me: str | None) -> str | None:
-        if isinstance(outcome, ReadOutcome) and len(outcome.messages) > request.args.effective_limit:  # type: ignore[union-attr]
+        args: Any = request.args
+        if isinstance(outcome, ReadOutcome) and len(outcome.messages) > args.effective_limit:
             return "page holds more events than the effective limit"
-        return echo_mismatch(echoes, request.args, outcome, me)
+        problem: str | None = echo_mismatch(echoes, args, outcome, me)
+        return problem
 
     return check
 
