@@ -68,7 +68,10 @@ async def test_reaction_switched_off_is_unsupported_not_a_failure(broker: Broker
     channel = str(uuid.uuid4())
     agent = await broker.human_owned_agent()
     client = AsyncBrokerClient(str(broker.socket), broker.credential(agent, [channel]))
-    assert isinstance(await client.reaction_add(channel, "ab" * 32, "👍"), Succeeded)
+    post = await client.message_post(channel, "react to me")
+    assert isinstance(post, Succeeded), post
+    # The target must exist in the channel (issue 15: reaction.add checks it).
+    assert isinstance(await client.reaction_add(channel, post.outcome.event_id, "👍"), Succeeded)
     # The operator switches reactions off and reloads (SIGHUP): the next one is unsupported,
     # which the client keeps apart from a failure.
     broker.reconfigure('[policy]\ndisabled_actions = ["reaction.add"]\n')
