@@ -98,7 +98,7 @@ from daemon.runtimes import RuntimeStore
 from daemon.sessions import Principal, SessionStore
 from daemon.signing import SigningBatcher
 
-__all__ = ["Broker", "StartupError", "PENDING_FORMAT", "CHECKPOINTS"]
+__all__ = ["Broker", "StartupError", "PENDING_FORMAT", "CHECKPOINTS", "relay_pool"]
 
 _log = logging.getLogger("buzz_broker.broker")
 
@@ -118,6 +118,33 @@ MAX_REASON_CHARS = 200
 
 class StartupError(Exception):
     """The daemon cannot start; the message is one line for the operator."""
+
+
+def relay_pool(config: Config, custody: Custody,
+               observer: Callable[[str, str, float], None] | None = None) -> RelayPool:
+    """The relay pool for `config`, authenticating each agent's connection through custody.
+
+    Raises:
+        ValueError: the relay URL is refused (see daemon.relay.check_relay_url).
+    """
+
+    async def sign_auth(agent: str, relay_url: str, challenge: str, created_at: int
+                        ) -> dict[str, Any]:
+        try:
+            signed = await custody.sign_auth(agent, relay_url, challenge, created_at)
+        except CustodyError as exc:
+            # The pool maps ValueError to "could not authenticate"; anything else would
+            # escape a publish as a crash.
+            raise ValueError(f"custody did not sign AUTH: {type(exc).__name__}") from None
+        return dict(signed.to_json_obj())
+
+    timeouts = RelayTimeouts(
+        connect=config.relay.connect_timeout,
+        ok=config.relay.ok_timeout,
+        eose=config.relay.eose_timeout,
+        idle_seconds=config.relay.idle_seconds,
+    )
+    return RelayPool(config.relay.url, sign_auth, timeouts=timeouts, observer=observer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,25 +383,8 @@ class Broker:
             metrics = Metrics(actions=ACTIONS)
             custody.observe_token_calls(metrics.token_call)
 
-            async def sign_auth(agent: str, relay_url: str, challenge: str, created_at: int
-                                ) -> dict[str, Any]:
-                try:
-                    signed = await custody.sign_auth(agent, relay_url, challenge, created_at)
-                except CustodyError as exc:
-                    # The pool maps ValueError to "could not authenticate"; anything else
-                    # would escape a publish as a crash.
-                    raise ValueError(f"custody did not sign AUTH: {type(exc).__name__}") from None
-                return dict(signed.to_json_obj())
-
-            timeouts = RelayTimeouts(
-                connect=config.relay.connect_timeout,
-                ok=config.relay.ok_timeout,
-                eose=config.relay.eose_timeout,
-                idle_seconds=config.relay.idle_seconds,
-            )
             try:
-                relay = RelayPool(config.relay.url, sign_auth, timeouts=timeouts,
-                                  observer=metrics.relay_round_trip)
+                relay = relay_pool(config, custody, observer=metrics.relay_round_trip)
             except ValueError as exc:
                 raise StartupError(f"relay url: {exc}") from None
             broker = cls(
@@ -398,6 +408,13 @@ class Broker:
                 nursery.start_soon(broker._sweep_forever)
                 log_event(_log, "broker.ready", agents=len(custody.agents()),
                           relay=config.relay.url)
+                for record in custody.agents():
+                    if record.auth_tag is None:
+                        # Its owner is a person whose key is not here: its events carry no
+                        # NIP-OA tag until the owner signs one (`agent attach-auth`).
+                        log_event(_log, "agent.auth_tag_missing", level=logging.WARNING,
+                                  agent=record.pubkey, owner=record.owner,
+                                  fix="buzz-broker agent attach-auth")
                 try:
                     yield broker
                 finally:
