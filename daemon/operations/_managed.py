@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from custody import AgentRecord
-from buzzwire.contract import AgentTarget, ErrorCode
+from buzzwire.contract import MAX_DISPLAY_NAME_CHARS, AgentTarget, ErrorCode
 from daemon.operations._base import Context, OperationRefused
 from daemon.policy import Refusal, resolve_target
 
@@ -85,6 +85,19 @@ def record_content(fields: Mapping[str, Any], *, read: Mapping[str, Any] | None 
     ordered = {m: merged[m] for m in CONTENT_ORDER if m in merged}
     ordered.update((k, v) for k, v in merged.items() if k not in ordered)
     return json.dumps(ordered, ensure_ascii=False, separators=(",", ":"))
+
+
+def outcome_name(name: object, pubkey: str) -> str:
+    """A name an outcome can carry (`displayName`: trimmed, 1-120 characters, encodable).
+
+    Names come from records that may hold anything: an operator's `agent import --name`
+    with padding, or another client's 30177 on the relay. The outcome must still be built
+    (a bad name once became a bodiless 500), so the name is trimmed, cut to the limit, and
+    the first 12 hex of the pubkey stand in for an empty one.
+    """
+    text = name if isinstance(name, str) else ""
+    text = text.encode("utf-8", "replace").decode("utf-8").strip()
+    return text[:MAX_DISPLAY_NAME_CHARS].strip() or pubkey[:12]
 
 
 def coordinate(owner: str, agent: str) -> str:

@@ -32,6 +32,7 @@ from daemon.operations._managed import (
     ARG_ATTRIBUTES,
     KIND_MANAGED_AGENT,
     RECORD_MEMBERS,
+    outcome_name,
     owned_target,
     record_content,
 )
@@ -67,7 +68,7 @@ async def prepare(ctx: Context, args: AgentsUpdateArgs) -> Plan | Verdict:
         assert runtimes is not None, "agents.update needs the host's runtime record"
         if runtimes.get(agent.pubkey) != args.runtime:
             updated.append("runtime")
-    name = str(fields.get("name") or current.get("name") or agent.name)
+    name = outcome_name(fields.get("name") or current.get("name") or agent.name, agent.pubkey)
     outcome = AgentsUpdateOutcome(agent_pubkey=agent.pubkey, display_name=name,
                                   updated_fields=tuple(sorted(updated)))
     if not updated:

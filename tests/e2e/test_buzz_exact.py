@@ -131,3 +131,19 @@ async def test_a_reaction_to_another_channels_event_is_refused(broker: BrokerHar
     reactions = await trio.to_thread.run_sync(
         nostr_fetch, broker.relay_url, [{"kinds": [7], "#e": [target]}])
     assert reactions == []
+
+
+async def test_agents_with_untidy_names_still_get_a_buzz_shaped_answer(broker: BrokerHarness) -> None:
+    """An imported agent named with padding (once a bodiless 500 on agents.delete), and a
+    name too long for `displayName`, answer with a trimmed, bounded name."""
+    import coincurve
+
+    channel = str(uuid.uuid4())
+    owner = await broker.human_owned_agent("owner")
+    cred = broker.credential(owner, [channel])
+    for name, shown in (("  Padded  ", "Padded"), ("x" * 130, "x" * 120)):
+        secret = bytearray(coincurve.PrivateKey().secret.hex().encode("ascii"))
+        kid = await broker.custody.import_agent(secret, owner=owner, name=name)
+        deleted = await broker.call(cred, "agents.delete", {"target": {"pubkey": kid.pubkey}})
+        assert deleted["status"] == "succeeded", deleted
+        assert deleted["outcome"] == {"agentPubkey": kid.pubkey, "displayName": shown}
