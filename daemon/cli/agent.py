@@ -107,14 +107,7 @@ def _with_custody(config: Config, action: Callable[[Custody], Awaitable[T]]) -> 
 
 def _import(args: argparse.Namespace, config: Config) -> int:
     owner = _pubkey(args.owner, "--owner")
-    auth_tag = None
-    if args.auth_tag is not None:
-        try:
-            auth_tag = json.loads(args.auth_tag)
-        except json.JSONDecodeError:
-            raise CliError("--auth-tag is not JSON") from None
-        if not isinstance(auth_tag, list) or not all(isinstance(x, str) for x in auth_tag):
-            raise CliError('--auth-tag must be a JSON array of strings: ["auth", owner, conditions, sig]')
+    auth_tag = None if args.auth_tag is None else agent_auth.parse_tag(args.auth_tag, "--auth-tag")
     from custody import CustodyError
 
     try:

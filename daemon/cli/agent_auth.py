@@ -71,15 +71,21 @@ def request_text(agent: str, owner: str, conditions: str = DEFAULT_CONDITIONS) -
     )
 
 
+def parse_tag(text: str, flag: str) -> list[str]:
+    """A NIP-OA tag given on the command line as JSON (`flag` names the option). Its
+    signature is custody's to verify; this only checks the shape."""
+    try:
+        tag = json.loads(text)
+    except json.JSONDecodeError:
+        raise CliError(f"{flag} is not JSON") from None
+    if not isinstance(tag, list) or not all(isinstance(x, str) for x in tag):
+        raise CliError(f'{flag} must be a JSON array of strings: ["auth", owner, conditions, sig]')
+    return tag
+
+
 def _tag_from_args(args: argparse.Namespace, owner: str) -> list[str]:
     if args.tag is not None:
-        try:
-            tag = json.loads(args.tag)
-        except json.JSONDecodeError:
-            raise CliError("--tag is not JSON") from None
-        if not isinstance(tag, list) or not all(isinstance(x, str) for x in tag):
-            raise CliError('--tag must be a JSON array of strings: ["auth", owner, conditions, sig]')
-        return tag
+        return parse_tag(args.tag, "--tag")
     return ["auth", owner, args.conditions, args.sig.strip().lower()]
 
 
