@@ -22,6 +22,7 @@ from typing import Any
 from custody import AgentRecord
 from buzzwire.contract import AgentTarget, ErrorCode
 from daemon.operations._base import Context, OperationRefused
+from daemon.operations._events import tag_value
 from daemon.policy import Refusal, resolve_target
 
 #: Buzz's managed-agent record (parameterized replaceable).
@@ -64,6 +65,15 @@ def record_content(fields: Mapping[str, Any]) -> str:
     content["parallelism"] = 1
     content["respond_to"] = fields.get("respond_to") or DEFAULT_RESPOND_TO
     return json.dumps(content, ensure_ascii=False, separators=(",", ":"))
+
+
+def is_record_of(event: Mapping[str, Any], owner: str, agent: str) -> bool:
+    """Exactly `agent`'s managed record by `owner`: kind 30177, author, and `d` tag."""
+    return (
+        event.get("kind") == KIND_MANAGED_AGENT
+        and event.get("pubkey") == owner
+        and tag_value(event, "d") == agent
+    )
 
 
 def coordinate(owner: str, agent: str) -> str:
