@@ -48,6 +48,7 @@ __all__ = [
     "MetricsConfig",
     "ENV_VAR",
     "ACTION_NAMES",
+    "WORLD_BITS",
 ]
 
 #: The environment variable naming the config file when ``--config`` is absent.
