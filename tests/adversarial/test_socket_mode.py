@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.config import WORLD_BITS, ConfigError, load_config
+from daemon.config import ConfigError, load_config
 
 
 def _config(tmp_path: Path, value: str) -> Path:
@@ -35,4 +35,4 @@ def test_world_accessible_socket_mode_is_refused(tmp_path: Path, value: str) -> 
                                              ("0o770", 0o770), ('"0640"', 0o640)])
 def test_owner_and_group_modes_still_load(tmp_path: Path, value: str, mode: int) -> None:
     config = load_config(str(_config(tmp_path, value)), environ={})
-    assert config.server.socket_mode == mode and not config.server.socket_mode & WORLD_BITS
+    assert config.server.socket_mode == mode and not config.server.socket_mode & 0o007
