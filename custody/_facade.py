@@ -165,6 +165,13 @@ class Custody:
         self._check_open()
         return self._keystore.all(include_deleted=include_deleted)
 
+    def records_version(self) -> tuple[int, int]:
+        """A value that changes whenever any agent record may have changed, in this process
+        or another (`agent remove` beside the daemon): a caller may keep `agent()` answers
+        for as long as it stays the same. Costs no disk read."""
+        self._check_open()
+        return self._keystore.version()
+
     def _live(self, pubkey: str) -> AgentRecord:
         _require_pubkey("agent", pubkey)
         record = self.agent(pubkey)

@@ -278,6 +278,9 @@ class Broker:
         self._clock = clock
         self._config_loader = config_loader
         self._locks = _AgentLocks()
+        #: agent -> live, valid while custody.records_version() is `_live_version`
+        self._live: dict[str, bool] = {}
+        self._live_version: tuple[int, int] | None = None
         self.metrics = metrics if metrics is not None else Metrics(actions=ACTIONS)
         self._checkpoint = checkpoint
 
@@ -435,16 +438,28 @@ class Broker:
     def _agent_live(self, principal: Principal) -> bool:
         """Authority ends when the agent ends (issue 13): a credential whose agent is gone —
         removed by `agent remove`, agents.delete, or any other path, its credentials
-        revoked or not — authenticates nothing. One primary-key read of the keystore.
+        revoked or not — authenticates nothing.
+
+        Checked on every request. The answers are kept while custody's records version
+        stays the same (any keystore commit, in any process, changes it), so a request
+        costs one read of SQLite's change counter, not a keystore query
+        (benchmarks/authenticate.py). The cache holds one entry per agent that presented
+        a valid credential: bounded by the credentials issued, not by clients.
 
         Raises:
             CustodyError: the keystore cannot be read.
         """
-        if self._custody.agent(principal.agent) is not None:
-            return True
-        log_event(_log, "auth.agent_not_live", credential_id=principal.credential_id,
-                  agent=principal.agent)
-        return False
+        version = self._custody.records_version()
+        if version != self._live_version:
+            self._live.clear()
+            self._live_version = version
+        live = self._live.get(principal.agent)
+        if live is None:
+            live = self._live[principal.agent] = self._custody.agent(principal.agent) is not None
+        if not live:
+            log_event(_log, "auth.agent_not_live", credential_id=principal.credential_id,
+                      agent=principal.agent)
+        return live
 
     def _passed(self, step: str) -> None:
         if self._checkpoint is not None:
@@ -592,7 +607,8 @@ class Broker:
             return self._internal(request_id)
 
     def _lock_set(self, principal: Principal, request: Any) -> tuple[str, ...]:
-        """The agents a serialized request locks: the requester, and the target it names."""
+        """The agents a serialized request locks: the requester, and the target it names
+        (agents.update, agents.delete)."""
         agents = [principal.agent]
         if request.action in TARGET_ACTIONS:
             found = resolve_target(principal, request.args.target, self._custody)
