@@ -23,7 +23,6 @@ import argparse
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,17 +32,9 @@ if str(REPO) not in sys.path:
 import trio  # noqa: E402
 
 from benchmarks._harness import import_agents, issue_credentials, make_token, workdir  # noqa: E402
+from benchmarks.custody import rate_sync as rate  # noqa: E402
 from custody import Custody, TokenConfig  # noqa: E402
 from daemon.sessions import SessionStore  # noqa: E402
-
-
-def rate(fn: Callable[[int], None], seconds: float) -> float:
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        for _ in range(50):
-            fn(count)
-            count += 1
-    return count / (time.perf_counter() - start)
 
 
 async def bench(token: TokenConfig, state: Path, seconds: float, n: int) -> None:
