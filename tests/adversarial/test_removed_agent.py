@@ -8,8 +8,10 @@ Proven here against the daemon in this process (real token, real LocalRelay, rea
 with the operator's CLI as a separate process:
 - `agent remove --yes` revokes every credential of the agent: the next request is
   `failed` + `unauthenticated`, and `credential list` shows them revoked;
-- an agent removed without any revocation (custody's destroy, as another path would) is
-  refused at authentication all the same: liveness is checked per request;
+- an agent removed without any revocation (custody's destroy in this process, or the
+  keystore written by another process) is refused at authentication all the same:
+  liveness is checked per request, and an answer the daemon keeps is dropped as soon as
+  the keystore changes;
 - `agent remove` without `--yes` asks, and anything but `yes` removes nothing.
 """
 
@@ -17,12 +19,14 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import uuid
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pytest
 import trio
 
 from tests.fixtures.broker import BrokerHarness
@@ -65,14 +69,29 @@ async def test_agent_remove_revokes_every_credential(broker: BrokerHarness) -> N
     assert [r["state"] for r in rows if r["agent"] == agent] == ["revoked", "revoked"]
 
 
+async def _tombstone_from_another_process(harness: BrokerHarness, agent: str) -> None:
+    # Another connection, as another process (or a restored keystore) would write it.
+    db = sqlite3.connect(harness.state_dir / "keystore.db")
+    with db:
+        db.execute("UPDATE agents SET sealed = NULL, deleted_at = 1 WHERE pubkey = ?", (agent,))
+    db.close()
+
+
+async def _destroy_in_custody(harness: BrokerHarness, agent: str) -> None:
+    await harness.custody.destroy_agent(agent)
+
+
+@pytest.mark.parametrize("remove", [_destroy_in_custody, _tombstone_from_another_process],
+                         ids=["custody in this process", "keystore written by another process"])
 async def test_an_agent_removed_by_another_path_authenticates_nothing(
-    broker: BrokerHarness,
+    broker: BrokerHarness, remove: Callable[[BrokerHarness, str], Awaitable[None]],
 ) -> None:
     agent = await broker.human_owned_agent("gone")
     credential = broker.credential(agent, [CHANNEL])
+    # Answered first, so any answer the daemon keeps about this agent is a "live" one.
     assert _code(await _address(broker, credential)) == ("succeeded", None)
-    # Not `agent remove`, not agents.delete: no credential is revoked on this path.
-    await broker.custody.destroy_agent(agent)
+    # Not `agent remove`, not agents.delete: no credential is revoked on these paths.
+    await remove(broker, agent)
     for action, args in (("storage.address", {"slug": "mem/x"}),
                          ("message.post", {"channelId": CHANNEL, "content": "still here?"})):
         assert _code(await broker.call(credential, action, args)) == ("failed", "unauthenticated")
