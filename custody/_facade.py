@@ -165,6 +165,13 @@ class Custody:
         self._check_open()
         return self._keystore.all(include_deleted=include_deleted)
 
+    def records_version(self) -> tuple[int, int]:
+        """A value that changes whenever any agent record may have changed, in this process
+        or another (`agent remove` beside the daemon): a caller may keep `agent()` answers
+        for as long as it stays the same. Costs no disk read."""
+        self._check_open()
+        return self._keystore.version()
+
     def _live(self, pubkey: str) -> AgentRecord:
         _require_pubkey("agent", pubkey)
         record = self.agent(pubkey)
@@ -311,7 +318,8 @@ class Custody:
 
         Raises:
             CustodyError: malformed secret, an owner that is no curve point, owner ==
-                agent, agent already held (or
+                agent, an ownership cycle (the agent already owns the owner, directly or
+                through its agents), agent already held (or
                 tombstoned), an auth tag that does not verify; token or keystore faults.
         """
         # Zeroed on every way out, the early refusals included (the worker hop is never
@@ -338,6 +346,13 @@ class Custody:
                     agent = xonly_pubkey(secret).hex()
                     if agent == owner:
                         raise CustodyError("owner equals the agent: an agent cannot own itself")
+                    if self._owned_through(owner, agent):
+                        # A cycle would make the owner graph no tree: each agent could act
+                        # for the other (and a lock order by ownership would deadlock).
+                        raise CustodyError(
+                            f"ownership cycle: {agent} already owns {owner}, directly or "
+                            "through its agents; it cannot be owned by it"
+                        )
                     existing = self._keystore.get(agent)
                     if existing is not None and existing.live:
                         raise CustodyError(f"agent {agent} is already held")
@@ -480,6 +495,22 @@ class Custody:
         )
         self._keystore.insert(record, blob, now)
         return record
+
+    def _owned_through(self, start: str, ancestor: str) -> bool:
+        """True iff `ancestor` is an owner of `start`, or of its owner, and so on (tombstones
+        included). Ends on a record this keystore does not hold, or on a loop already
+        stored by an older version."""
+        seen: set[str] = set()
+        current = start
+        while current not in seen:
+            seen.add(current)
+            record = self._keystore.get(current)
+            if record is None:
+                return False
+            if record.owner == ancestor:
+                return True
+            current = record.owner
+        return False
 
     def _check_open(self) -> None:
         if self._closed:

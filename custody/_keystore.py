@@ -149,12 +149,14 @@ def _prepare_dir(state_dir: Path) -> Path:
 class Keystore:
     """Read-write keystore. Open with `Keystore.open(state_dir)`."""
 
-    __slots__ = ("_db", "_lock", "path")
+    __slots__ = ("_db", "_lock", "path", "_writes")
 
     def __init__(self, db: sqlite3.Connection, path: Path) -> None:
         self._db = db
         self._lock = threading.Lock()
         self.path = path
+        #: transactions this object ran (its own commits do not move its data_version)
+        self._writes = 0
 
     @classmethod
     def open(cls, state_dir: Path) -> Keystore:
@@ -179,6 +181,7 @@ class Keystore:
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
+            self._writes += 1
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
@@ -186,6 +189,12 @@ class Keystore:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+
+    def version(self) -> tuple[int, int]:
+        """Changes whenever a record may have changed: a commit by another connection
+        (SQLite's data_version, read from shared memory) or a transaction of ours."""
+        with self._lock:
+            return int(self._db.execute("PRAGMA data_version").fetchone()[0]), self._writes
 
     def _query(self, sql: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
         with self._lock:

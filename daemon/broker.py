@@ -8,9 +8,13 @@ Order of judgement (README, "How a request is judged"):
    envelope would be uncorrelated, which the client must treat as no answer anyway.
 2. authenticate: no valid credential → `failed` + `unauthenticated`, whatever else is wrong.
    Not recorded: there is no principal to record it under.
+2b. the agent must be live (held and not removed): a credential of a removed agent is
+   `unauthenticated` too, however the agent was removed (issue 13).
 3. ledger: (agent, requestId) with the body's sha256. The ledger is the agent's, shared by
-   its credentials, so an outcome is only handed to a credential whose own scope covers
-   the request (`policy.within_credential`). A finished record replays with
+   its credentials. A request outside its credential's own scope
+   (`policy.within_credential`) is keyed `<agent>/<credential id>` instead, so it is
+   never handed the agent's record and its refusal never pre-empts the requestId for the
+   agent's other credentials (`_ledger_principal`). A finished record replays with
    `replayed: true`; another digest is a `request_id_conflict` (the original untouched); an
    identical request still running here is waited for; a pending record left by a crash or
    an `indeterminate` is resumed by re-sending exactly its signed events.
@@ -61,7 +65,7 @@ import logging
 import re
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,13 +93,13 @@ from daemon.http import HttpAnswer, HttpRequest
 from daemon.ledger import Conflict, Fresh, Ledger, LedgerKey, Replay, Resume
 from daemon.log import log_event
 from daemon.metrics import Metrics
-from daemon.operations import OPERATIONS, Context, Plan
+from daemon.operations import OPERATIONS, Context, Operation, Plan
 from daemon.operations._base import OperationRefused
-from daemon.policy import authorize, within_credential
+from daemon.policy import TARGET_ACTIONS, Refusal, authorize, resolve_target, within_credential
 from daemon.ratelimit import RateLimiter
 from daemon.relay import Accepted, RelayPool, RelayTimeouts, Unknown
 from daemon.runtimes import RuntimeStore
-from daemon.sessions import Principal, SessionStore
+from daemon.sessions import LAST_USE_FLUSH_SECONDS, Principal, SessionStore
 from daemon.signing import SigningBatcher
 
 __all__ = ["Broker", "StartupError", "PENDING_FORMAT", "CHECKPOINTS", "relay_pool"]
@@ -145,6 +149,19 @@ def relay_pool(config: Config, custody: Custody,
         idle_seconds=config.relay.idle_seconds,
     )
     return RelayPool(config.relay.url, sign_auth, timeouts=timeouts, observer=observer)
+
+
+class _Relock(Exception):
+    """An operation asked for an agent's lock it was not given up front (see `_judge`)."""
+
+    def __init__(self, agent: str) -> None:
+        super().__init__(agent)
+        self.agent = agent
+
+
+#: How often a request takes its locks again because its target changed while it waited;
+#: past that, `failed` + `internal` (nothing has happened).
+_LOCK_ATTEMPTS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,10 +266,23 @@ def _quote_reason(reason: str) -> str:
 
 
 class _AgentLocks:
-    """One lock per agent for read-merge-write operations, dropped when nobody holds it."""
+    """One lock per agent for read-merge-write operations, dropped when nobody holds it.
+
+    A request that needs several agents' locks takes them with `hold_all`, in one global
+    order (sorted pubkeys), so two requests can never each hold a lock the other waits for
+    — whatever the ownership records say (a keystore imported before cycles were refused
+    may hold a cycle; issue 13).
+    """
 
     def __init__(self) -> None:
         self._locks: dict[str, tuple[trio.Lock, int]] = {}
+
+    @asynccontextmanager
+    async def hold_all(self, agents: Iterable[str]) -> AsyncIterator[None]:
+        async with AsyncExitStack() as held:
+            for agent in sorted(set(agents)):
+                await held.enter_async_context(self.hold(agent))
+            yield
 
     @asynccontextmanager
     async def hold(self, agent: str) -> AsyncIterator[None]:
@@ -303,6 +333,9 @@ class Broker:
         self._clock = clock
         self._config_loader = config_loader
         self._locks = _AgentLocks()
+        #: agent -> live, valid while custody.records_version() is `_live_version`
+        self._live: dict[str, bool] = {}
+        self._live_version: tuple[int, int] | None = None
         self.metrics = metrics if metrics is not None else Metrics(actions=ACTIONS)
         self._checkpoint = checkpoint
 
@@ -406,6 +439,7 @@ class Broker:
                 await nursery.start(broker._signer.run)
                 await nursery.start(limiter.flush_periodically)
                 nursery.start_soon(broker._sweep_forever)
+                nursery.start_soon(broker._flush_last_use_forever)
                 log_event(_log, "broker.ready", agents=len(custody.agents()),
                           relay=config.relay.url)
                 for record in custody.agents():
@@ -442,6 +476,43 @@ class Broker:
                 log_event(_log, "ledger.swept", removed=removed)
             self.metrics.set_ledger_size(await self._ledger.count())
             await trio.sleep(SWEEP_INTERVAL_SECONDS)
+
+    async def _flush_last_use_forever(self) -> None:
+        # Last use is noted in memory per request and written here (daemon/sessions: no
+        # write per request); `SessionStore.close` writes the rest at shutdown.
+        while True:
+            await trio.sleep(LAST_USE_FLUSH_SECONDS)
+            try:
+                self._sessions.flush_last_use()
+            except sqlite3.Error as exc:
+                log_event(_log, "sessions.last_use_unwritten", level=logging.WARNING,
+                          error=type(exc).__name__, detail=str(exc))
+
+    def _agent_live(self, principal: Principal) -> bool:
+        """Authority ends when the agent ends (issue 13): a credential whose agent is gone —
+        removed by `agent remove`, agents.delete, or any other path, its credentials
+        revoked or not — authenticates nothing.
+
+        Checked on every request. The answers are kept while custody's records version
+        stays the same (any keystore commit, in any process, changes it), so a request
+        costs one read of SQLite's change counter, not a keystore query
+        (benchmarks/authenticate.py). The cache holds one entry per agent that presented
+        a valid credential: bounded by the credentials issued, not by clients.
+
+        Raises:
+            CustodyError: the keystore cannot be read.
+        """
+        version = self._custody.records_version()
+        if version != self._live_version:
+            self._live.clear()
+            self._live_version = version
+        live = self._live.get(principal.agent)
+        if live is None:
+            live = self._live[principal.agent] = self._custody.agent(principal.agent) is not None
+        if not live:
+            log_event(_log, "auth.agent_not_live", credential_id=principal.credential_id,
+                      agent=principal.agent)
+        return live
 
     def _passed(self, step: str) -> None:
         if self._checkpoint is not None:
@@ -483,6 +554,18 @@ class Broker:
         principal = self._sessions.authenticate(
             request.authorization, request.peer_uid, int(self._clock())
         )
+        if principal is not None:
+            try:
+                live = self._agent_live(principal)
+            except CustodyError as exc:
+                log_event(_log, "custody.fault", level=logging.ERROR, agent=principal.agent,
+                          request_id=request_id, error=type(exc).__name__, detail=str(exc))
+                verdict = Verdict.failed(ErrorCode.INTERNAL)
+                return self._respond(request_id, encode_response(request_id, verdict), started,
+                                     principal=principal, action=_action_of(reading),
+                                     verdict=verdict)
+            if not live:
+                principal = None
         if principal is None:
             verdict = Verdict.failed(ErrorCode.UNAUTHENTICATED, MESSAGES[ErrorCode.UNAUTHENTICATED])
             return self._respond(request_id, encode_response(request_id, verdict), started,
@@ -494,25 +577,14 @@ class Broker:
                        body_sha256=digest.hex())
         try:
             begun = await self._ledger.begin(
-                LedgerKey(principal=principal.agent, request_id=request_id), digest
+                LedgerKey(principal=_ledger_principal(principal, reading), request_id=request_id),
+                digest,
             )
         except sqlite3.Error as exc:
             # Nothing has happened and the ledger cannot record: a fault before dispatch.
             self._ledger_failed(facts, "begin", exc)
             return await self._audited_answer(facts, self._internal(request_id), started,
                                               principal)
-        if (isinstance(begun, Resume) or (
-                isinstance(begun, Replay) and _recorded(begun.response).status is not Status.FAILED
-        )) and reading.request is not None:
-            # The ledger is the agent's, shared by all of its credentials: a credential may
-            # only be handed an outcome (or finish a publish) its own scope allows. A recorded
-            # refusal tells nothing and replays as it is. The record is untouched.
-            refusal = within_credential(principal, reading.request)
-            if refusal is not None:
-                if isinstance(begun, Resume):
-                    self._ledger.release(begun.ticket)
-                refused = self._verdict(request_id, Verdict.failed(refusal.code, refusal.message))
-                return await self._audited_answer(facts, refused, started, principal)
         if isinstance(begun, Replay):
             replay = _recorded(begun.response)
             progress.effects_possible = replay.status is not Status.FAILED
@@ -594,35 +666,18 @@ class Broker:
         operation = OPERATIONS[request.action]
         try:
             # Locks a read-merge-write operation holds until its events are published: the
-            # requester's, and any agent it writes for (ctx.hold_agent). They are taken
-            # owner first; ownership is a tree, so two requests can never wait on each other.
-            async with AsyncExitStack() as held:
-                if operation.serialize_per_agent:
-                    await held.enter_async_context(self._locks.hold(principal.agent))
-
-                async def hold_agent(agent: str) -> None:
-                    if not operation.serialize_per_agent:
-                        raise AssertionError(f"{request.action} is not serialized per agent")
-                    await held.enter_async_context(self._locks.hold(agent))
-
-                ctx = Context(
-                    custody=self._custody,
-                    signer=self._signer,
-                    relay=self._relay,
-                    principal=principal,
-                    host=self._policy,
-                    cursors=self._cursors,
-                    request_id=request_id,
-                    now=lambda: int(self._clock()),
-                    hold_agent=hold_agent,
-                    runtimes=self._runtimes,
-                )
-                if operation.execute is not None:
-                    verdict: Verdict = await operation.execute(ctx, request.args)
-                    return self._verdict(request_id, verdict)
-                assert operation.prepare is not None
-                return await self._plan_and_publish(ctx, operation.prepare, request,
-                                                    begun.ticket, facts, progress)
+            # requester's and its target's, all taken up front in one global order
+            # (`_AgentLocks.hold_all`). If the target an operation resolves under the locks
+            # is not the one resolved before them (renamed or replaced meanwhile), nothing
+            # has happened yet (hold_agent comes first): take the locks again with it.
+            locked = self._lock_set(principal, request) if operation.serialize_per_agent else ()
+            for _attempt in range(_LOCK_ATTEMPTS):
+                try:
+                    return await self._run_locked(operation, locked, principal, request,
+                                                  begun, facts, progress)
+                except _Relock as relock:
+                    locked = (*locked, relock.agent)
+            return self._internal(request_id)
         except OperationRefused as refused:
             if refused.detail:
                 log_event(_log, "operation.refused", agent=principal.agent,
@@ -634,6 +689,45 @@ class Broker:
             log_event(_log, "custody.fault", level=logging.ERROR, agent=principal.agent,
                       request_id=request_id, error=type(exc).__name__, detail=str(exc))
             return self._internal(request_id)
+
+    def _lock_set(self, principal: Principal, request: Any) -> tuple[str, ...]:
+        """The agents a serialized request locks: the requester, and the target it names
+        (agents.update, agents.delete)."""
+        agents = [principal.agent]
+        if request.action in TARGET_ACTIONS:
+            found = resolve_target(principal, request.args.target, self._custody)
+            if not isinstance(found, Refusal):
+                agents.append(found.pubkey)
+        return tuple(agents)
+
+    async def _run_locked(self, operation: Operation, locked: tuple[str, ...],
+                          principal: Principal, request: Any, begun: Fresh | Resume,
+                          facts: _Facts, progress: _Progress) -> _Judged:
+        async def hold_agent(agent: str) -> None:
+            if not operation.serialize_per_agent:
+                raise AssertionError(f"{request.action} is not serialized per agent")
+            if agent not in locked:
+                raise _Relock(agent)
+
+        async with self._locks.hold_all(locked):
+            ctx = Context(
+                custody=self._custody,
+                signer=self._signer,
+                relay=self._relay,
+                principal=principal,
+                host=self._policy,
+                cursors=self._cursors,
+                request_id=facts.request_id,
+                now=lambda: int(self._clock()),
+                hold_agent=hold_agent,
+                runtimes=self._runtimes,
+            )
+            if operation.execute is not None:
+                verdict: Verdict = await operation.execute(ctx, request.args)
+                return self._verdict(facts.request_id, verdict)
+            assert operation.prepare is not None
+            return await self._plan_and_publish(ctx, operation.prepare, request,
+                                                begun.ticket, facts, progress)
 
     async def _plan_and_publish(
         self, ctx: Context, prepare: Callable[[Context, Any], Any], request: Any, ticket: Any,
@@ -901,6 +995,21 @@ def _loggable_pointer(pointer: str) -> str:
         seg if seg in _KNOWN_MEMBERS or seg.isdigit() or seg == "" else "<unknown>"
         for seg in pointer.split("/")
     )
+
+
+def _ledger_principal(principal: Principal, reading: Reading) -> str:
+    """Whose record a request's verdict goes into (spec I3: per principal and requestId).
+
+    The agent's, shared by all of its credentials, so a credential rotated between two
+    attempts still replays the first one's verdict. But a request outside the credential's
+    own scope (its actions or channels) is recorded under `<agent>/<credential id>`: a
+    narrow credential's refusal must not pre-empt the requestId for the agent's wider
+    credentials, and it must not be handed anything the agent's record holds (issue 13).
+    A request that could not be read is the agent's: no scope decided it.
+    """
+    if reading.request is not None and within_credential(principal, reading.request) is not None:
+        return f"{principal.agent}/{principal.credential_id}"
+    return principal.agent
 
 
 def _action_of(reading: Reading) -> str | None:

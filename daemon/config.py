@@ -49,6 +49,7 @@ __all__ = [
     "MetricsConfig",
     "ENV_VAR",
     "ACTION_NAMES",
+    "WORLD_BITS",
 ]
 
 #: The environment variable naming the config file when ``--config`` is absent.
@@ -229,6 +230,22 @@ def _mode(value: object, _base: Path | None) -> object:
     return mode
 
 
+#: Permission bits for "every other local user" (o+rwx). A socket with any of them lets
+#: any process on the machine knock on the daemon without a credential (issue 13).
+WORLD_BITS = 0o007
+
+
+def _socket_mode(value: object, base: Path | None) -> object:
+    mode = _mode(value, base)
+    assert isinstance(mode, int)
+    if mode & WORLD_BITS:
+        raise _Bad(
+            'a mode that grants other users nothing, such as "0660" or "0600" (a '
+            "world-accessible socket lets every local user reach the daemon)"
+        )
+    return mode
+
+
 def _group(value: object, _base: Path | None) -> object:
     if value == "":
         return None
@@ -310,7 +327,7 @@ class _Key:
 
 _KEYS: tuple[_Key, ...] = (
     _Key("server", "socket", "socket", _path, "/run/buzz-broker/broker.sock"),
-    _Key("server", "socket_mode", "socket_mode", _mode, "0660"),
+    _Key("server", "socket_mode", "socket_mode", _socket_mode, "0660"),
     _Key("server", "socket_group", "socket_group", _group, ""),
     _Key("server", "max_connections", "max_connections", _int_at_least(1), 1024),
     _Key("server", "max_connections_per_uid", "max_connections_per_uid", _int_at_least(1), 128),

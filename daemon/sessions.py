@@ -31,6 +31,20 @@ SQLite's WAL index in shared memory (no disk read, no fsync). `reload()` (SIGHUP
 the same reload; issue/revoke in this process reload too, because a connection's own
 commits do not move its data_version.
 
+Last use (issue 13, `credential list`): `authenticate` notes the second a credential was
+last used in a dict (no I/O per request). `flush_last_use()` writes the noted seconds in
+one transaction on this connection, so the daemon's own write does not move its
+data_version and trigger a reload; the daemon calls it every `LAST_USE_FLUSH_SECONDS` and
+at shutdown. A crash loses at most that much of last-use history, never a credential or a
+revocation. The alternative, a durable write per request, would put an fsync on every
+request's path for a number only an operator reads.
+
+Labels: an optional operator note (`--label`), printable, at most `MAX_LABEL_CHARS`; it
+is shown by `credential list` and is never a secret.
+
+Schema upgrades: `label` and `last_used_at` were added after the first release; `open`
+adds them to an older database (ALTER TABLE ADD COLUMN, which rewrites nothing).
+
 WARNING: `TOKEN_PREFIX`, `_TOKEN_BODY_CHARS` and `MAX_AUTHORIZATION_CHARS` must agree;
 the schema below is read by `_load`.
 """
@@ -51,6 +65,9 @@ from typing import Final
 from daemon._sqlite import open_private_db
 
 __all__ = [
+    "LAST_USE_FLUSH_SECONDS",
+    "MAX_LABEL_CHARS",
+    "check_label",
     "Principal",
     "CredentialInfo",
     "SessionStore",
@@ -90,6 +107,13 @@ _CHANNEL_RE: Final = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4
 _ACTION_RE: Final = re.compile(r"[a-z]+\.[a-z]+")
 _CREDENTIAL_ID_RE: Final = re.compile(r"cred_[0-9a-f]{16}")
 
+#: How often the daemon writes the last-use seconds it noted (see the module docstring):
+#: `credential list` may lag by this much.
+LAST_USE_FLUSH_SECONDS: Final = 60.0
+
+#: Longest `--label`: a note for a terminal line, not a document.
+MAX_LABEL_CHARS: Final = 80
+
 #: Only this module holds it: the one key that lets a Principal be constructed.
 _ISSUER: Final = object()
 
@@ -128,6 +152,10 @@ class CredentialInfo:
     expires_at: int | None
     uid: int | None
     revoked_at: int | None
+    label: str | None = None
+    #: seconds since the epoch of the last authenticated use the daemon wrote (see
+    #: LAST_USE_FLUSH_SECONDS), or None if never used
+    last_used_at: int | None = None
 
     def active(self, now: int) -> bool:
         """Not revoked and not expired at `now`."""
@@ -144,12 +172,20 @@ CREATE TABLE IF NOT EXISTS credentials (
     created_at    INTEGER NOT NULL,
     expires_at    INTEGER,
     uid           INTEGER,
-    revoked_at    INTEGER
+    revoked_at    INTEGER,
+    label         TEXT,
+    last_used_at  INTEGER
 );
 CREATE INDEX IF NOT EXISTS credentials_by_agent ON credentials (agent)
 """
 
-_COLUMNS = "credential_id, agent, channels, actions, created_at, expires_at, uid, revoked_at"
+#: Columns added after the first release: (name, type), added by `_upgrade` when missing.
+_ADDED_COLUMNS: Final = (("label", "TEXT"), ("last_used_at", "INTEGER"))
+
+_COLUMNS = (
+    "credential_id, agent, channels, actions, created_at, expires_at, uid, revoked_at,"
+    " label, last_used_at"
+)
 
 
 def _token_hash(token: str) -> bytes:
@@ -175,8 +211,31 @@ def _parse_authorization_unverified(header_value: str | None) -> str | None:
     return token
 
 
+def _upgrade(conn: sqlite3.Connection) -> None:
+    """Add the columns an older sessions.db lacks (nothing is rewritten)."""
+    present = {str(row[1]) for row in conn.execute("PRAGMA table_info(credentials)")}
+    for name, kind in _ADDED_COLUMNS:
+        if name not in present:
+            try:
+                conn.execute(f"ALTER TABLE credentials ADD COLUMN {name} {kind}")
+            except sqlite3.OperationalError as exc:
+                # Another process (the CLI beside the daemon) added it first.
+                if "duplicate column" not in str(exc):
+                    raise
+
+
+def check_label(label: str | None) -> None:
+    """Raises ValueError unless `label` is None or 1..MAX_LABEL_CHARS printable characters."""
+    if label is None:
+        return
+    if (not isinstance(label, str) or not label or len(label) > MAX_LABEL_CHARS
+            or not label.isprintable()):
+        raise ValueError(f"label must be 1 to {MAX_LABEL_CHARS} printable characters")
+
+
 def _info(row: tuple[object, ...]) -> CredentialInfo:
-    cid, agent, channels, actions, created_at, expires_at, uid, revoked_at = row
+    (cid, agent, channels, actions, created_at, expires_at, uid, revoked_at, label,
+     last_used_at) = row
     return CredentialInfo(
         credential_id=str(cid),
         agent=str(agent),
@@ -186,6 +245,8 @@ def _info(row: tuple[object, ...]) -> CredentialInfo:
         expires_at=None if expires_at is None else int(expires_at),  # type: ignore[call-overload]
         uid=None if uid is None else int(uid),  # type: ignore[call-overload]
         revoked_at=None if revoked_at is None else int(revoked_at),  # type: ignore[call-overload]
+        label=None if label is None else str(label),
+        last_used_at=None if last_used_at is None else int(last_used_at),  # type: ignore[call-overload]
     )
 
 
@@ -203,6 +264,9 @@ class SessionStore:
         self._conn = conn
         self._active: dict[bytes, _Active] = {}
         self._data_version: int | None = None
+        #: credential_id -> last second it authenticated, not yet written
+        self._last_used: dict[str, int] = {}
+        _upgrade(conn)
         self.reload()
 
     @classmethod
@@ -217,7 +281,36 @@ class SessionStore:
         return cls(open_private_db(directory / SESSIONS_FILENAME, _SCHEMA))
 
     def close(self) -> None:
-        self._conn.close()
+        """Write the last-use seconds still held in memory, then close."""
+        try:
+            self.flush_last_use()
+        finally:
+            self._conn.close()
+
+    def flush_last_use(self) -> int:
+        """Write every noted last-use second in one transaction. Returns how many rows.
+
+        On a database error the noted seconds are kept for the next flush and the error is
+        raised (the caller logs it; requests go on).
+        """
+        if not self._last_used:
+            return 0
+        noted, self._last_used = self._last_used, {}
+        try:
+            self._conn.execute("BEGIN")
+            self._conn.executemany(
+                "UPDATE credentials SET last_used_at = ? WHERE credential_id = ?"
+                " AND (last_used_at IS NULL OR last_used_at < ?)",
+                [(at, cid, at) for cid, at in noted.items()],
+            )
+            self._conn.execute("COMMIT")
+        except sqlite3.Error:
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+            for cid, at in noted.items():
+                self._last_used[cid] = max(at, self._last_used.get(cid, at))
+            raise
+        return len(noted)
 
     # -- the daemon's side ------------------------------------------------------------
 
@@ -277,6 +370,7 @@ class SessionStore:
             return None
         if principal.uid is not None and peer_uid != principal.uid:
             return None
+        self._last_used[principal.credential_id] = now
         return principal
 
     # -- the operator's side (the CLI) ---------------------------------------------------
@@ -290,6 +384,7 @@ class SessionStore:
         ttl_seconds: int | None,
         uid: int | None,
         now: int,
+        label: str | None = None,
     ) -> tuple[str, str]:
         """Create a credential. Returns (credential_id, token); the token is never stored.
 
@@ -300,6 +395,7 @@ class SessionStore:
             ttl_seconds: lifetime, or None for a credential that does not expire.
             uid: the Unix uid the peer must have, or None.
             now: seconds since the epoch.
+            label: an operator's note shown by `credential list`, or None.
 
         Raises:
             ValueError: a malformed argument (message names the argument, never a token).
@@ -318,12 +414,14 @@ class SessionStore:
             raise ValueError("ttl_seconds must be a positive int or None")
         if uid is not None and (isinstance(uid, bool) or not isinstance(uid, int) or uid < 0):
             raise ValueError("uid must be a non-negative int or None")
+        check_label(label)
         token = TOKEN_PREFIX + secrets.token_urlsafe(_TOKEN_BYTES)
         assert _TOKEN_RE.fullmatch(token) is not None, "token shape and regex disagree"
         credential_id = "cred_" + secrets.token_hex(8)
         self._conn.execute(
             "INSERT INTO credentials (credential_id, token_sha256, agent, channels, actions,"
-            " created_at, expires_at, uid, revoked_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL)",
+            " created_at, expires_at, uid, revoked_at, label)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL, ?)",
             (
                 credential_id,
                 _token_hash(token),
@@ -333,6 +431,7 @@ class SessionStore:
                 now,
                 None if ttl_seconds is None else now + ttl_seconds,
                 uid,
+                label,
             ),
         )
         # Add the one new credential instead of re-reading them all: issuing n credentials
@@ -374,7 +473,7 @@ class SessionStore:
         return bool(changed)
 
     def revoke_agent(self, agent_pubkey: str, *, now: int | None = None) -> int:
-        """Revoke every credential of a deleted agent. Returns how many were revoked."""
+        """Revoke every credential of a removed or deleted agent. Returns how many."""
         at = int(time.time()) if now is None else now
         changed = self._conn.execute(
             "UPDATE credentials SET revoked_at = ? WHERE agent = ? AND revoked_at IS NULL",

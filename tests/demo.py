@@ -147,7 +147,7 @@ def main() -> int:
             channel_file.write_text(str(uuid.uuid4()) + "\n")
         channel = channel_file.read_text().strip()
         credential = _run([*cli, "credential", "issue", "--agent", agent, "--channel", channel,
-                           "--ttl", "1d"], env)
+                           "--all-actions", "--ttl", "1d", "--uid", str(os.getuid())], env)
         cred_file = run_dir / "credential"
         cred_file.touch(mode=0o600)
         os.chmod(cred_file, 0o600)

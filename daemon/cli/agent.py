@@ -10,7 +10,13 @@ Rules:
 - `attach-auth` stores an owner-signed NIP-OA tag after creation (daemon/cli/agent_auth.py).
 - `list` prints public records (table, or `--json`: one JSON array); it needs no token.
   A live agent without a NIP-OA tag shows `NO-AUTH-TAG` (`"authTagMissing": true`).
-- `remove PUBKEY` destroys the sealed key; the public record stays as a tombstone.
+- `import` refuses an ownership cycle (the agent already owns `--owner`, directly or
+  through its agents): custody checks it where the agent's pubkey is first known.
+- `remove PUBKEY` destroys the sealed key (the public record stays as a tombstone) and
+  revokes every credential of the agent; the running daemon refuses them from its next
+  request (it also refuses any credential whose agent is not live, however it was
+  removed). It asks for confirmation — the word `yes` on stdin, prompted on stderr — unless
+  `--yes` is given. Running it again on a removed agent revokes what is left.
 - Faults are one CliError line naming the fault; no secret ever reaches output.
 
 WARNING: README.md ("The command line") and docs/install.md (step 6) show these
@@ -64,8 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON array on stdout")
     p.add_argument("--all", action="store_true", help="include removed agents (tombstones)")
 
-    p = sub.add_parser("remove", help="destroy an agent's sealed key (tombstone kept)")
+    p = sub.add_parser(
+        "remove", help="destroy an agent's sealed key and revoke its credentials (tombstone kept)"
+    )
     p.add_argument("pubkey", metavar="PUBKEY")
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
 
     agent_auth.add_arguments(sub)
 
@@ -192,10 +201,40 @@ def _list(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+#: What `agent remove` must read on stdin to go ahead without `--yes`.
+CONFIRM_WORD = "yes"
+
+
+def _confirmed(pubkey: str) -> bool:
+    print(f"remove agent {pubkey}: its key is destroyed for good and its credentials "
+          f"revoked. Type {CONFIRM_WORD!r} to go on:", file=sys.stderr, flush=True)
+    # One short line is all that is read: stdin may be anything.
+    answer = sys.stdin.readline(len(CONFIRM_WORD) + 2)
+    return answer.strip() == CONFIRM_WORD
+
+
 def _remove(args: argparse.Namespace, config: Config) -> int:
+    from daemon.sessions import SessionStore
+
     pubkey = _pubkey(args.pubkey, "PUBKEY")
+    if not args.yes and not _confirmed(pubkey):
+        raise CliError("not confirmed; nothing removed (pass --yes to skip the question)")
     record: AgentRecord = _with_custody(config, lambda c: c.destroy_agent(pubkey))
-    print(f"removed {record.pubkey} (tombstone kept)", file=sys.stderr)
+    try:
+        store = SessionStore.open(Path(config.state.dir))
+        try:
+            revoked = store.revoke_agent(pubkey)
+        finally:
+            store.close()
+    except Exception as exc:  # noqa: BLE001 - one line for the operator, not a traceback
+        # The daemon refuses a removed agent's credentials anyway (liveness at
+        # authentication); running `agent remove` again revokes them.
+        raise CliError(
+            f"removed {record.pubkey}, but its credentials could not be revoked: "
+            f"{type(exc).__name__}; run agent remove again"
+        ) from None
+    print(f"removed {record.pubkey} (tombstone kept); revoked {revoked} credential(s)",
+          file=sys.stderr)
     return 0
 
 

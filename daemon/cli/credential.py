@@ -7,9 +7,15 @@ Rules:
   again: `list` shows ids and scopes only.
 - The agent must be held by the keystore and not deleted (read through
   `custody.PublicDirectory`, no token needed). Channels are normalized to the canonical
-  lowercase UUID form the spec defines; actions must be among the nine (all nine when
-  none is given); `--ttl` takes 30s / 30m / 12h / 7d (absent: the credential does not
-  expire — revocation is the control).
+  lowercase UUID form the spec defines.
+- Safe defaults (issue 13): the scope is always said out loud — `--action NAME`
+  (repeatable, each among the nine) or `--all-actions`, never neither. `--ttl` takes
+  30s / 30m / 12h / 7d, or `never`; absent, the credential lives `DEFAULT_TTL` (30 days:
+  long enough that an agent is not cut off mid-task, short enough that a forgotten token
+  dies on its own; rotation is `issue` then `revoke`). Without `--uid`, any local process
+  that holds the token can use it: `issue` says so on stderr.
+- `list` shows label, agent, actions, channels, uid, expiry and last use (last use as the
+  daemon last wrote it: up to `LAST_USE_FLUSH_SECONDS` behind, see daemon/sessions).
 - Faults raise CliError with one line that never holds a token.
 - The running daemon sees a new or revoked credential on its next request (it checks
   the database's change counter per request; see daemon/sessions), so no SIGHUP needed.
@@ -40,13 +46,29 @@ _UNITS: Final = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _DURATION_RE: Final = re.compile(r"([1-9][0-9]{0,8})([smhd])")
 _CREDENTIAL_ID_RE: Final = re.compile(r"cred_[0-9a-f]{16}")
 
+#: `--ttl` when none is given (see the module docstring for why 30 days).
+DEFAULT_TTL: Final = "30d"
+#: `--ttl` spelling for a credential that does not expire (revocation is then the control).
+TTL_NEVER: Final = "never"
+
+#: What `issue` says on stderr when no `--uid` binds the credential to one Unix user.
+NO_UID_WARNING: Final = (
+    "warning: no --uid given: any local process that can reach the socket and holds this "
+    "token can use it; pass --uid UID to bind it to the agent's Unix user"
+)
+
 
 def parse_duration(text: str) -> int:
     """`30m` -> 1800. Raises CliError naming the accepted forms."""
     match = _DURATION_RE.fullmatch(text.strip())
     if match is None:
-        raise CliError("--ttl: expected a duration like 30s, 30m, 12h or 7d")
+        raise CliError("--ttl: expected a duration like 30s, 30m, 12h or 7d, or never")
     return int(match.group(1)) * _UNITS[match.group(2)]
+
+
+def parse_ttl(text: str) -> int | None:
+    """`--ttl`: seconds, or None for `never`."""
+    return None if text.strip() == TTL_NEVER else parse_duration(text)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,15 +84,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="UUID",
         help="a channel the credential is bound to (repeat for several)",
     )
-    issue.add_argument(
+    scope = issue.add_mutually_exclusive_group(required=True)
+    scope.add_argument(
         "--action",
         action="append",
         default=None,
         metavar="NAME",
-        help="an action the credential allows (repeat; default: all nine)",
+        help="an action the credential allows (repeat for several)",
     )
-    issue.add_argument("--ttl", metavar="DURATION", help="lifetime: 30m, 12h, 7d (default: none)")
-    issue.add_argument("--uid", type=int, metavar="UID", help="the Unix uid the agent runs as")
+    scope.add_argument(
+        "--all-actions", action="store_true", help="allow all nine actions (say so explicitly)"
+    )
+    issue.add_argument(
+        "--ttl",
+        metavar="DURATION",
+        default=DEFAULT_TTL,
+        help=f"lifetime: 30m, 12h, 7d, or {TTL_NEVER} (default: {DEFAULT_TTL})",
+    )
+    issue.add_argument(
+        "--uid", type=int, metavar="UID", help="the Unix uid the agent runs as (recommended)"
+    )
+    issue.add_argument("--label", metavar="TEXT", help="a note shown by `credential list`")
     issue.add_argument(
         "--rate",
         action="append",
@@ -112,6 +146,7 @@ def _issue(args: argparse.Namespace) -> int:
     from custody import PublicDirectory
     from buzzwire.contract import ACTIONS, normalize_channel_id, normalize_hex64
     from daemon.ratelimit import RateLimiter, parse_rate
+    from daemon.sessions import check_label
 
     agent = normalize_hex64(args.agent)
     if agent is None:
@@ -123,15 +158,21 @@ def _issue(args: argparse.Namespace) -> int:
             # The value is not echoed: a mis-pasted token must not land in a terminal log.
             raise CliError("--channel: expected a channel UUID")
         channels.add(channel)
-    actions = frozenset(args.action) if args.action else frozenset(ACTIONS)
+    # argparse makes --action and --all-actions exclusive and one of them required.
+    actions = frozenset(ACTIONS) if args.all_actions else frozenset(args.action)
     unknown = sorted(actions - frozenset(ACTIONS))
     if unknown:
         raise CliError(
             f"--action: unknown action {unknown[0]!r}; expected one of {', '.join(sorted(ACTIONS))}"
         )
-    ttl = None if args.ttl is None else parse_duration(args.ttl)
+    ttl = parse_ttl(args.ttl)
     if args.uid is not None and args.uid < 0:
         raise CliError("--uid: expected a non-negative integer")
+    label = args.label
+    try:
+        check_label(label)
+    except ValueError as exc:
+        raise CliError(f"--label: {exc}") from None
     rules = []
     for text in args.rate or ():
         try:
@@ -159,6 +200,7 @@ def _issue(args: argparse.Namespace) -> int:
             ttl_seconds=ttl,
             uid=args.uid,
             now=int(time.time()),
+            label=label,
         )
     finally:
         store.close()
@@ -176,6 +218,8 @@ def _issue(args: argparse.Namespace) -> int:
             raise CliError(f"--rate: {exc}; credential withdrawn") from None
         finally:
             limiter.close()
+    if args.uid is None:
+        print(NO_UID_WARNING, file=sys.stderr)
     print(f"issued {credential_id} for agent {agent}", file=sys.stderr)
     sys.stdout.write(token + "\n")
     sys.stdout.flush()
@@ -203,22 +247,29 @@ def _list(args: argparse.Namespace) -> int:
                         "expiresAt": info.expires_at,
                         "uid": info.uid,
                         "revokedAt": info.revoked_at,
+                        "label": info.label,
+                        "lastUsedAt": info.last_used_at,
                         "state": state,
                     },
                     separators=(",", ":"),
                 )
             )
         else:
-            expires = "never" if info.expires_at is None else time.strftime(
-                "%Y-%m-%dT%H:%M:%SZ", time.gmtime(info.expires_at)
-            )
             uid = "-" if info.uid is None else str(info.uid)
+            # The label is the operator's own text, printable by construction; quoted so a
+            # space in it cannot be read as the next column.
+            label = "-" if info.label is None else json.dumps(info.label, ensure_ascii=False)
             print(
-                f"{info.credential_id}  {state:<7}  agent={info.agent}  "
-                f"channels={','.join(info.channels)}  actions={','.join(info.actions)}  "
-                f"expires={expires}  uid={uid}"
+                f"{info.credential_id}  {state:<7}  label={label}  agent={info.agent}  "
+                f"actions={','.join(info.actions)}  channels={','.join(info.channels)}  "
+                f"uid={uid}  expires={_when(info.expires_at, 'never')}  "
+                f"last-used={_when(info.last_used_at, 'never')}"
             )
     return 0
+
+
+def _when(at: int | None, absent: str) -> str:
+    return absent if at is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
 
 
 def _revoke(args: argparse.Namespace) -> int:

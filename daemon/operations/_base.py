@@ -54,8 +54,11 @@ class Context:
     request_id: str
     now: Callable[[], int]
     #: Serialize this request with every other read-merge-write of `agent` until its events
-    #: are published (only in operations marked serialize_per_agent; the requester's own
-    #: lock is already held). agents.update takes its target's, whose kind 0 it rewrites.
+    #: are published (only in operations marked serialize_per_agent). The pipeline takes
+    #: the requester's and the target's locks up front, in one global order; call this
+    #: before reading, minting or signing anything, because an agent not locked up front
+    #: makes the pipeline start the operation again with it. agents.update holds its
+    #: target's, whose kind 0 it rewrites.
     hold_agent: Callable[[str], Awaitable[None]]
     #: the host's own record of each managed agent's runtime (never published)
     runtimes: RuntimeStore | None = None

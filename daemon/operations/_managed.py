@@ -30,6 +30,7 @@ from typing import Any
 from custody import AgentRecord
 from buzzwire.contract import MAX_DISPLAY_NAME_CHARS, AgentTarget, ErrorCode
 from daemon.operations._base import Context, OperationRefused
+from daemon.operations._events import tag_value
 from daemon.policy import Refusal, resolve_target
 
 #: Buzz's managed-agent record (parameterized replaceable).
@@ -98,6 +99,15 @@ def outcome_name(name: object, pubkey: str) -> str:
     text = name if isinstance(name, str) else ""
     text = text.encode("utf-8", "replace").decode("utf-8").strip()
     return text[:MAX_DISPLAY_NAME_CHARS].strip() or pubkey[:12]
+
+
+def is_record_of(event: Mapping[str, Any], owner: str, agent: str) -> bool:
+    """Exactly `agent`'s managed record by `owner`: kind 30177, author, and `d` tag."""
+    return (
+        event.get("kind") == KIND_MANAGED_AGENT
+        and event.get("pubkey") == owner
+        and tag_value(event, "d") == agent
+    )
 
 
 def coordinate(owner: str, agent: str) -> str:

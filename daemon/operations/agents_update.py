@@ -12,6 +12,12 @@ Steps (buzz-on-the-relay.md, "The nine operations"):
    own kind 0 when the name changed; then the keystore's name follows.
 5. `runtime` is the host's own record (daemon/runtimes.py), compared and written there; an
    update of the runtime alone publishes nothing.
+
+Rule (issue 13, relay data is checked before it is signed over): the owner re-signs what
+it merges, so every record the relay answers must be exactly the one asked for — kind
+30177, authored by the owner, `d` tag the agent's pubkey. A relay that answers anything
+else (another agent's record, another author's, another kind) is lying or broken:
+`action_failed`, and nothing is signed.
 """
 
 from __future__ import annotations
@@ -19,19 +25,21 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from buzzwire.contract import AgentsUpdateArgs, AgentsUpdateOutcome, Verdict
-from daemon.operations._base import Context, Plan
+from buzzwire.contract import AgentsUpdateArgs, AgentsUpdateOutcome, ErrorCode, Verdict
+from daemon.operations._base import Context, OperationRefused, Plan
 from daemon.operations._events import (
     fetch,
     json_object_or_none,
     newest,
     next_created_at,
     sign_all,
+    tag_value,
 )
 from daemon.operations._managed import (
     ARG_ATTRIBUTES,
     KIND_MANAGED_AGENT,
     RECORD_MEMBERS,
+    is_record_of,
     outcome_name,
     owned_target,
     record_content,
@@ -49,7 +57,15 @@ async def prepare(ctx: Context, args: AgentsUpdateArgs) -> Plan | Verdict:
     found = await fetch(
         ctx, {"kinds": [KIND_MANAGED_AGENT], "authors": [owner], "#d": [agent.pubkey], "limit": 5}
     )
-    previous = newest([e for e in found if e["pubkey"] == owner])
+    for event in found:
+        if not is_record_of(event, owner, agent.pubkey):
+            raise OperationRefused(
+                ErrorCode.ACTION_FAILED,
+                "the relay answered with a record that is not this agent's",
+                detail=f"event {event['id']} kind {event['kind']} by {event['pubkey']}"
+                       f" d {str(tag_value(event, 'd'))[:80]!r}",
+            )
+    previous = newest(found)
     current: dict[str, Any] = (
         (json_object_or_none(previous["content"]) or {}) if previous is not None else {}
     )

@@ -5,6 +5,11 @@ Steps (buzz-on-the-relay.md, "Replies"):
 2. Its root is its `e` tag marked `root`, else its `e` tag marked `reply`, else the parent.
 3. root == parent: one tag `["e", parent, "", "reply"]`; otherwise `["e", root, "", "root"]`
    then `["e", parent, "", "reply"]` — between the `h` tag and the `p` tags.
+
+Rule (issue 13, relay data is checked before it is signed over): every event id copied
+into a tag must be an event id — lowercase 64 hex. The parent's id is (its id and signature
+were verified); the root comes from the parent's tags, which whoever wrote the parent
+chose, so a root that is not 64 hex is `action_failed` and nothing is signed.
 """
 
 from __future__ import annotations
@@ -12,8 +17,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from buzzwire.contract import MessageReplyArgs, PublishOutcome
-from daemon.operations._base import Context, Plan
+from buzzwire.contract import ErrorCode, MessageReplyArgs, PublishOutcome
+from buzzwire.nostr import is_hex64
+from daemon.operations._base import Context, OperationRefused, Plan
 from daemon.operations._events import fetch_in_channel, mention_tags, sign
 from daemon.operations.message_post import KIND_STREAM_MESSAGE
 
@@ -28,8 +34,16 @@ def thread_root(parent: Mapping[str, Any]) -> str:
 
 
 def thread_tags(parent: Mapping[str, Any]) -> list[tuple[str, ...]]:
+    """The reply's `e` tags; refuses (action_failed) an id that is not 64 lowercase hex."""
     parent_id = str(parent["id"])
     root = thread_root(parent)
+    for copied in (parent_id, root):
+        if not is_hex64(copied):
+            raise OperationRefused(
+                ErrorCode.ACTION_FAILED,
+                "the message replied to names a thread root that is not an event id",
+                detail=f"parent {parent_id[:64]!r} names root {copied[:80]!r}",
+            )
     if root == parent_id:
         return [("e", parent_id, "", "reply")]
     return [("e", root, "", "root"), ("e", parent_id, "", "reply")]

@@ -70,7 +70,7 @@ def test_agent_lifecycle_and_faults(cli: Cli, tmp_path: Path) -> None:
     by_key = {r["pubkey"]: r for r in listed}
     assert by_key[helper]["owner"] == owner and by_key[helper]["depth"] == 2
     assert by_key[helper]["authTag"][:3] == ["auth", owner, ""]
-    assert cli("agent", "remove", helper).returncode == 0
+    assert cli("agent", "remove", "--yes", helper).returncode == 0
     assert helper not in cli("agent", "list").stdout
     assert helper in cli("agent", "list", "--all").stdout
 
@@ -82,7 +82,7 @@ def test_agent_lifecycle_and_faults(cli: Cli, tmp_path: Path) -> None:
         (("agent", "create", "--owner", "b" * 64, "--name", "x"), "", "not a secp256k1"),
         (("agent", "import", "--owner", PUB_2), nsec, "already held"),
         (("agent", "import", "--owner", PUB_2, "--auth-tag", "[1,"), SECRET_2, "not JSON"),
-        (("agent", "remove", "b" * 64), "", "unknown agent"),
+        (("agent", "remove", "--yes", "b" * 64), "", "unknown agent"),
     ]
     for args, stdin, message in faults:
         done = cli(*args, stdin=stdin)

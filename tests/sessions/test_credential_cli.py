@@ -44,9 +44,10 @@ async def test_issue_list_revoke(
     agent = await custody.mint_agent(owner=HUMAN, name="a", creator=None, depth=1, mint_ref=None)
     seen: list[str] = []  # everything the CLI printed, except the one issue stdout
 
-    # Issue with defaults: all nine actions, no expiry; the channel is normalized.
+    # All nine actions, no expiry, both said explicitly; the channel is normalized.
     assert cli(config_file, ["issue", "--agent", agent.pubkey.upper(), "--channel",
-                             CHANNEL.upper().replace("-", "")]) == 0
+                             CHANNEL.upper().replace("-", ""), "--all-actions",
+                             "--ttl", "never"]) == 0
     out, err = capsys.readouterr()
     token = out.removesuffix("\n")
     assert out == token + "\n" and token.startswith(TOKEN_PREFIX) and "\n" not in token
@@ -108,11 +109,12 @@ async def test_issue_list_revoke(
 
 #: argv after `issue --agent <live agent>`, each refused with one line.
 BAD_ISSUES: dict[str, list[str]] = {
-    "no channel uuid": ["--channel", "not-a-uuid"],
+    "no channel uuid": ["--channel", "not-a-uuid", "--all-actions"],
     "unknown action": ["--channel", CHANNEL, "--action", "sign"],
-    "bad ttl": ["--channel", CHANNEL, "--ttl", "5y"],
-    "zero ttl": ["--channel", CHANNEL, "--ttl", "0m"],
-    "negative uid": ["--channel", CHANNEL, "--uid", "-1"],
+    "bad ttl": ["--channel", CHANNEL, "--all-actions", "--ttl", "5y"],
+    "zero ttl": ["--channel", CHANNEL, "--all-actions", "--ttl", "0m"],
+    "negative uid": ["--channel", CHANNEL, "--all-actions", "--uid", "-1"],
+    "unprintable label": ["--channel", CHANNEL, "--all-actions", "--label", "a\x1b[2Jb"],
 }
 
 
@@ -128,7 +130,7 @@ async def test_issue_refusals(
         assert "\n" not in str(refused.value), name
     for agent in ("22" * 32, dead.pubkey, "xyz"):
         with pytest.raises(CliError) as refused:
-            cli(config_file, ["issue", "--agent", agent, "--channel", CHANNEL])
+            cli(config_file, ["issue", "--agent", agent, "--channel", CHANNEL, "--all-actions"])
     out, _ = capsys.readouterr()
     assert out == ""  # nothing was issued, so nothing reached stdout
     store = SessionStore.open(tmp_path / "state")

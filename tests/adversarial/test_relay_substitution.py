@@ -1,0 +1,198 @@
+"""Relay data is checked before it is signed over (issue 13, item 6).
+
+Attack: a malicious relay answers the daemon's reads with events of its choosing, so that
+an owner re-signs what the relay picked:
+- agents.update merges "the previous 30177 record" and the owner signs the merge. The relay
+  substitutes another agent's record (same owner, another `d`), a record by another author
+  for this agent, or another kind of event by the owner. Each is `failed` + `action_failed`.
+- message.reply copies its parent's root `e` value into the signed reply. The relay serves a
+  (validly signed) parent whose root is not an event id. `failed` + `action_failed`.
+In every refused case nothing is signed and nothing is published. Positive controls (the
+exact record; a well-formed root) succeed through the same rig, so a refusal here is the
+check's and not a broken rig's.
+
+The relay is tests/scripted_relay.py: it answers every REQ with every event it holds,
+unfiltered, which is exactly a relay that substitutes.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from custody import TokenConfig, UnsignedEvent
+from daemon import signing
+from daemon.broker import Broker
+from daemon.config import load_config
+from daemon.http import HttpLimits, serve
+from tests.fixtures.broker import BrokerHarness, write_config
+from tests.fixtures.relay import TestKey, free_port
+from tests.scripted_relay import Script, ScriptedRelay
+
+CHANNEL = str(uuid.uuid4())
+KIND_RECORD = 30177
+
+
+@dataclass
+class Rig:
+    harness: BrokerHarness
+    relay: ScriptedRelay
+    signed: list[int]  # one entry per SigningBatcher.sign call, with its batch size
+
+    def published(self) -> list[dict[str, Any]]:
+        return [m[1] for m in self.relay.received if m[0] == "EVENT"]
+
+    async def sign_as(self, author: str, kind: int, tags: list[list[str]], content: str
+                      ) -> dict[str, Any]:
+        """An event signed in custody by an agent this daemon holds (the owner)."""
+        event = await self.harness.custody.sign_event(author, UnsignedEvent(
+            pubkey=author, created_at=1_700_000_000, kind=kind,
+            tags=tuple(tuple(t) for t in tags), content=content))
+        return dict(event.to_json_obj())
+
+    def serve(self, event: dict[str, Any]) -> None:
+        self.relay.stored[event["id"]] = event
+
+
+@pytest.fixture
+async def rig(nursery: trio.Nursery, custody_state: tuple[TokenConfig, Path],
+              monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Rig]:
+    token, state_dir = custody_state
+    relay = ScriptedRelay(Script())
+    await nursery.start(relay.serve, free_port())
+    signed: list[int] = []
+    real_sign = signing.SigningBatcher.sign
+
+    async def counting(self: signing.SigningBatcher, requests: Any) -> Any:
+        signed.append(len(requests))
+        return await real_sign(self, requests)
+
+    monkeypatch.setattr(signing.SigningBatcher, "sign", counting)
+    with tempfile.TemporaryDirectory(prefix="bb-sub-") as short:
+        socket = Path(short) / "b.sock"
+        config_path = write_config(Path(short) / "broker.toml", token=token, state_dir=state_dir,
+                                   socket=socket, relay_url=relay.url, relay_timeout=2.0)
+        config = load_config(str(config_path), environ={})
+        async with Broker.running(config) as app:
+            async with trio.open_nursery() as inner:
+                control = await inner.start(serve, app, str(socket),
+                                            HttpLimits(request_timeout=10.0, shutdown_grace=2.0))
+                yield Rig(BrokerHarness(socket=socket, config=config, config_path=config_path,
+                                        state_dir=state_dir, relay_url=relay.url, app=app,
+                                        control=control, custody=app.custody,
+                                        _sessions=app.sessions), relay, signed)
+                inner.cancel_scope.cancel()
+
+
+async def _owner_and_agents(rig: Rig) -> tuple[str, str, str, str]:
+    """An owner held here with two managed agents, and the owner's credential."""
+    h = rig.harness
+    owner = await h.human_owned_agent("owner")
+    target = (await h.custody.mint_agent(owner=owner, name="target", creator=owner, depth=2,
+                                         mint_ref=None)).pubkey
+    other = (await h.custody.mint_agent(owner=owner, name="other", creator=owner, depth=2,
+                                        mint_ref=None)).pubkey
+    return owner, target, other, h.credential(owner, [CHANNEL])
+
+
+def _record(name: str, prompt: str) -> str:
+    return json.dumps({"name": name, "system_prompt": prompt, "parallelism": 1,
+                       "respond_to": "owner-only"})
+
+
+def _refused(envelope: dict[str, Any]) -> None:
+    assert envelope["status"] == "failed", envelope
+    assert envelope["error"]["code"] == "action_failed", envelope
+
+
+#: name -> how the relay's substitute is made: (rig, owner, target, other) -> event
+Substitute = Callable[[Rig, str, str, str], Any]
+SUBSTITUTES: dict[str, Substitute] = {
+    "another agent's record": lambda rig, owner, target, other: rig.sign_as(
+        owner, KIND_RECORD, [["d", other]], _record("other", "the other agent's prompt")),
+    "another author's record": lambda rig, owner, target, other: _signed_by_stranger(
+        KIND_RECORD, [["d", target]], _record("target", "a stranger's prompt")),
+    "another kind by the owner": lambda rig, owner, target, other: rig.sign_as(
+        owner, 30078, [["d", target]], _record("target", "not a managed record")),
+    "the record without its d tag": lambda rig, owner, target, other: rig.sign_as(
+        owner, KIND_RECORD, [], _record("target", "no d tag")),
+}
+
+
+async def _signed_by_stranger(kind: int, tags: list[list[str]], content: str) -> dict[str, Any]:
+    return TestKey().sign(kind, content, tags, created_at=1_700_000_000)
+
+
+@pytest.mark.parametrize("substitute", sorted(SUBSTITUTES))
+async def test_a_substituted_record_is_refused_and_nothing_signed(
+    rig: Rig, substitute: str
+) -> None:
+    owner, target, other, credential = await _owner_and_agents(rig)
+    rig.serve(await SUBSTITUTES[substitute](rig, owner, target, other))
+    signs_before, published_before = len(rig.signed), len(rig.published())
+
+    _refused(await rig.harness.call(credential, "agents.update",
+                                    {"target": {"pubkey": target}, "model": "m2"}))
+    assert len(rig.signed) == signs_before, "nothing may be signed over a substituted record"
+    assert len(rig.published()) == published_before, "nothing may be published"
+
+
+async def test_control_the_exact_record_is_merged(rig: Rig) -> None:
+    owner, target, _other, credential = await _owner_and_agents(rig)
+    rig.serve(await rig.sign_as(owner, KIND_RECORD, [["d", target]],
+                                _record("target", "kept prompt")))
+    answer = await rig.harness.call(credential, "agents.update",
+                                    {"target": {"pubkey": target}, "model": "m2"})
+    assert answer["status"] == "succeeded", answer
+    [record] = [e for e in rig.published() if e["kind"] == KIND_RECORD]
+    assert record["pubkey"] == owner and ["d", target] in record["tags"]
+    content = json.loads(record["content"])
+    assert (content["system_prompt"], content["model"]) == ("kept prompt", "m2")
+
+
+#: name -> the parent's thread tags (after its `h` tag); each names a root that is no event id.
+BAD_ROOTS: dict[str, list[list[str]]] = {
+    "not hex": [["e", "not-an-event-id", "", "root"]],
+    "uppercase hex": [["e", "AB" * 32, "", "root"]],
+    "63 hex": [["e", "a" * 63, "", "root"]],
+    "65 hex": [["e", "a" * 65, "", "root"]],
+    "empty": [["e", "", "", "root"]],
+    "bad reply-marked root": [["e", "zz" * 32, "", "reply"]],
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_ROOTS))
+async def test_a_parent_with_a_bad_root_id_is_refused_and_nothing_signed(
+    rig: Rig, bad: str
+) -> None:
+    author = await rig.harness.human_owned_agent("replier")
+    credential = rig.harness.credential(author, [CHANNEL])
+    parent = TestKey().sign(9, "parent", [["h", CHANNEL], *BAD_ROOTS[bad]])
+    rig.serve(parent)
+    signs_before, published_before = len(rig.signed), len(rig.published())
+
+    _refused(await rig.harness.call(credential, "message.reply", {
+        "channelId": CHANNEL, "replyToEventId": parent["id"], "content": "hi"}))
+    assert len(rig.signed) == signs_before, "nothing may be signed over a bad root id"
+    assert len(rig.published()) == published_before, "nothing may be published"
+
+
+async def test_control_a_well_formed_root_is_copied(rig: Rig) -> None:
+    author = await rig.harness.human_owned_agent("replier")
+    credential = rig.harness.credential(author, [CHANNEL])
+    root = "ab" * 32
+    parent = TestKey().sign(9, "parent", [["h", CHANNEL], ["e", root, "", "root"]])
+    rig.serve(parent)
+    answer = await rig.harness.call(credential, "message.reply", {
+        "channelId": CHANNEL, "replyToEventId": parent["id"], "content": "hi"})
+    assert answer["status"] == "succeeded", answer
+    [reply] = [e for e in rig.published() if e["pubkey"] == author]
+    assert ["e", root, "", "root"] in reply["tags"] and ["e", parent["id"], "", "reply"] in reply["tags"]

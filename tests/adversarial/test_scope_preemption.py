@@ -1,0 +1,63 @@
+"""A narrow credential's refusal does not pre-empt a requestId (issue 13, item 7).
+
+Attack: the ledger is the agent's, shared by all of its credentials (spec I3 keys it on the
+principal; a credential rotated between attempts must still replay). A refusal that came
+from the credential's own scope used to be recorded there too, so a narrow credential (or
+whoever holds it) could burn a requestId the agent's wide credential was about to use: the
+wide credential's request then replayed `failed` instead of running.
+
+Now a request outside its credential's own actions or channels is recorded under
+`<agent>/<credential id>` (daemon/broker.py `_ledger_principal`). Proven here: the wide
+credential's request with the same requestId (the very same bytes) runs and succeeds; the
+narrow credential's refusal is still recorded (its retry replays it), per credential (a
+second narrow credential is judged afresh), and never handed the wide one's success.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tests.fixtures.broker import BrokerHarness, request_body
+
+CHANNEL = str(uuid.uuid4())
+OTHER_CHANNEL = str(uuid.uuid4())
+
+
+def _verdict(envelope: dict[str, object] | None) -> tuple[object, object, object]:
+    assert envelope is not None
+    error = envelope.get("error")
+    code = error.get("code") if isinstance(error, dict) else None
+    return envelope["status"], code, envelope.get("replayed", False)
+
+
+#: name -> the narrow credential's scope (channels, actions): each leaves out what the
+#: request needs.
+NARROW = {
+    "action": ([CHANNEL], ["channel.read"]),
+    "channel": ([OTHER_CHANNEL], ["message.post"]),
+}
+
+
+@pytest.mark.parametrize("left_out", sorted(NARROW))
+async def test_a_scope_refusal_does_not_pre_empt_the_wide_credential(
+    broker: BrokerHarness, left_out: str
+) -> None:
+    agent = await broker.human_owned_agent("scoped")
+    channels, actions = NARROW[left_out]
+    narrow = broker.credential(agent, channels, actions=actions)
+    other_narrow = broker.credential(agent, channels, actions=actions)
+    wide = broker.credential(agent, [CHANNEL])
+    body = request_body("message.post", {"channelId": CHANNEL, "content": "mine"},
+                        request_id=str(uuid.uuid4()))
+
+    assert _verdict((await broker.post(body, narrow))[1]) == ("failed", "unauthorized", False)
+    # Recorded, for that credential: the identical retry replays the refusal.
+    assert _verdict((await broker.post(body, narrow))[1]) == ("failed", "unauthorized", True)
+    # The wide credential's request under the same requestId runs, and is then the agent's.
+    assert _verdict((await broker.post(body, wide))[1]) == ("succeeded", None, False)
+    assert _verdict((await broker.post(body, wide))[1]) == ("succeeded", None, True)
+    # Per credential: another narrow credential is judged afresh, and is handed nothing.
+    assert _verdict((await broker.post(body, other_narrow))[1]) == ("failed", "unauthorized", False)
+    assert _verdict((await broker.post(body, narrow))[1]) == ("failed", "unauthorized", True)
