@@ -278,14 +278,17 @@ async def test_close_waits_for_queued_records(tmp_path: Path) -> None:
     assert result.ok and result.records == 20 and result.head == log.head[1]
 
 
-def _dev_full(path: Path, flags: int) -> int:
-    # Every write fails with ENOSPC: a full disk, whoever we run as.
-    return os.open("/dev/full", os.O_WRONLY | os.O_CLOEXEC)
+def _disk_full(fd: int, data: bytes) -> None:
+    # Every write fails with ENOSPC: a full disk, whoever we run as. (A descriptor on
+    # /dev/full no longer passes for the audit file: the path must name the open file.)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-async def test_full_disk_fails_closed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+async def test_full_disk_fails_closed(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
     caplog.set_level(logging.ERROR, logger="buzz_broker")
-    log = AuditLog.open(tmp_path / "audit", _opener=_dev_full)
+    monkeypatch.setattr("daemon.audit._write_all", _disk_full)
+    log = AuditLog.open(tmp_path / "audit")
     with pytest.raises(AuditUnavailable) as info:
         await log.append(record(1))
     assert str(info.value) == UNAVAILABLE_MESSAGE
