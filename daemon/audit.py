@@ -546,7 +546,7 @@ class VerifyResult:
 
 
 def verify(path: Path | str, *, expect_head: str | None = None,
-           anchor: tuple[int, str] | None = None) -> VerifyResult:
+           anchor: tuple[int, str] | None = None, archived: bool = False) -> VerifyResult:
     """Check the chain of an audit directory, or of one audit file.
 
     A directory is checked whole: files numbered 1, 2, ... without a gap, the first
@@ -560,6 +560,9 @@ def verify(path: Path | str, *, expect_head: str | None = None,
             a log whose last good line hashes to something else fails (tail removed).
         anchor: (seq, hash) the log must reach (the state database's anchor): record
             `seq` must hash to `hash`. The log may go on past it.
+        archived: the oldest files were moved to an archive (docs/operations.md): the
+            directory may start at any number, and its first record's `prev` is taken as
+            given. The files present must still be consecutive.
 
     Raises:
         OSError: the path cannot be read (the CLI reports it).
@@ -567,13 +570,14 @@ def verify(path: Path | str, *, expect_head: str | None = None,
     path = Path(path)
     if path.is_dir():
         files = audit_files(path)
-        for index, (number, file) in enumerate(files, start=1):
+        first = files[0][0] if archived and files else 1
+        for index, (number, file) in enumerate(files, start=first):
             if number != index:
                 return VerifyResult(
                     ok=False, records=0, head=GENESIS, file=str(file), line=None,
                     reason=f"expected {_file_name(index)} here: an audit file is missing",
                 )
-        anchored = True
+        anchored = first == 1
     else:
         match = _FILE_RE.fullmatch(path.name)
         files = [(int(match.group(1)) if match else 0, path)]

@@ -7,7 +7,8 @@ Rules:
   (`broken: FILE line N: reason`) and exits `EXIT_BROKEN`. `--head` is a head hash
   remembered from the operator log (`audit.head`): a log that no longer ends there was
   cut short. Without PATH the log must also reach the anchor the state database holds
-  (`<state>/ledger.db`); a missing log with an anchor is broken too.
+  (`<state>/ledger.db`); a missing log with an anchor is broken too. `--archived`: the
+  oldest files were moved away (docs/operations.md, "Retention and archiving").
 - `reanchor [--yes]` is for an operator who restored a disk from an older backup: the log
   (which must verify on its own) is accepted as it is. It writes a `reanchor` record
   naming the anchor given up, then anchors the new head. It asks first unless `--yes`,
@@ -55,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="audit directory or one audit file (default: <state>/audit)")
     check.add_argument("--head", metavar="HASH",
                        help="the head hash the log must still end at (from audit.head)")
+    check.add_argument("--archived", action="store_true",
+                       help="the oldest files were archived: start at the first file present")
     check.set_defaults(_audit=_verify)
 
     again = sub.add_parser("reanchor", help="accept the log as it is after a restore from "
@@ -136,7 +139,7 @@ def _verify(args: argparse.Namespace) -> int:
         raise CliError("--head: expected a 64-hex sha256")
     try:
         result = verify(path, expect_head=args.head.lower() if args.head else None,
-                        anchor=anchor)
+                        anchor=anchor, archived=args.archived)
     except OSError as exc:
         raise CliError(f"cannot read {path}: {exc.strerror}") from None
     if result.ok:
@@ -168,14 +171,14 @@ def _reanchor(args: argparse.Namespace) -> int:
         return 0
     if path.exists():
         try:
-            own = verify(path)
+            own = verify(path, archived=True)
         except OSError as exc:
             raise CliError(f"cannot read {path}: {exc.strerror}") from None
         if not own.ok:
             raise CliError(
                 f"the audit log itself is broken ({own.reason}); move {path} aside (keep it "
                 "as evidence) and run this again to start a new chain")
-        if verify(path, anchor=anchor).ok:
+        if verify(path, anchor=anchor, archived=True).ok:
             print(f"the log reaches its anchor (record {anchor[0]}): nothing to do")
             return 0
         records, head = own.records, own.head

@@ -544,3 +544,19 @@ async def test_refusal_counts_and_reanchor_records_chain(tmp_path: Path) -> None
                   "action": None, "code": ErrorCode.UNAUTHORIZED, "count": 1, **bad}
         with pytest.raises((ValueError, TypeError)):
             RefusalCount(**fields)
+
+
+def test_an_archived_head_of_the_series_verifies_only_when_said(log_dir: Path) -> None:
+    whole = verify(log_dir)
+    files = audit_files(log_dir)
+    archive = log_dir.parent / "archive"
+    archive.mkdir()
+    files[0][1].rename(archive / files[0][1].name)
+    assert not verify(log_dir).ok  # audit-000001.jsonl is missing
+    rest = verify(log_dir, archived=True, anchor=(1000, whole.head))
+    assert rest.ok and rest.head == whole.head and rest.records < 1000
+    # The archive verifies on its own, and the files left still form one chain with it.
+    assert verify(archive / files[0][1].name).ok
+    # What the anchor still catches: the newest file gone.
+    files[-1][1].unlink()
+    assert not verify(log_dir, archived=True, anchor=(1000, whole.head)).ok
