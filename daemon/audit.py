@@ -36,13 +36,26 @@ they are truncated and the operator log says how many bytes were dropped. A dama
 last *complete* line is not guessed at: opening fails (AuditUnavailable) and the operator
 runs `buzz-broker audit verify`.
 
-Limits of a hash chain: someone who can rewrite the files can rewrite a whole suffix
-consistently, and removing the final records leaves a valid shorter chain. Anchor the
-head elsewhere: the daemon logs `audit.head` (seq and hash) to the operator log at open,
-rotation and close, and `verify(..., expect_head=...)` checks a remembered head.
+Identity (issue 13): before each batch the writer checks that the path still names the
+open file (fstat of the descriptor vs stat of the path: device, inode, one link). A
+renamed, deleted, replaced or hard-linked file fails the batch (AuditUnavailable,
+`audit.unavailable`): records must never go where nobody will verify them. One writer per
+log: `open` takes an exclusive flock on the directory.
 
-WARNING: `_FIELDS`, `AuditRecord`, `_record_obj`, `AuditRecord.from_json_obj` and the
-field table in docs/operations.md must be kept in sync; `FORMAT` changes when they do.
+Anchor (issue 13): a hash chain alone cannot show a cut tail or a consistently rewritten
+suffix. The ledger writes `head` — only ever a durable record — into the state database
+with its commits (daemon/ledger.py); `open(anchor=...)` refuses a log that does not reach
+it (`_check_anchor`: from the file that holds the anchored record to the tail), and
+`verify(anchor=...)` checks it whole. An operator who restored an older disk writes a
+`Reanchor` record (`buzz-broker audit reanchor`). The daemon also logs `audit.head` to the
+operator log at open, rotation and close: the anchor whoever can write both files and
+database cannot move. No token-held HMAC key: docs/operations.md, "Anchoring", says why.
+
+Kinds of line: `AuditRecord` (intent, verdict), `RefusalCount` (refusals past a burst,
+daemon/refusal_audit.py) and `Reanchor`; `_READERS` maps each phase to its reader.
+
+WARNING: `_FIELDS` / `_REFUSAL_FIELDS` / `_REANCHOR_FIELDS`, the entry classes, `_content`,
+their `from_json_obj` and the field tables in docs/operations.md must be kept in sync.
 """
 
 from __future__ import annotations
@@ -161,6 +174,26 @@ def _parse_time(text: str) -> float:
     return when.timestamp()
 
 
+def _check_times(kind: str, times: tuple[float, ...]) -> None:
+    for value in times:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 <= value < 253402300800  # year 10000: the time format has four digits
+        ):
+            raise ValueError(f"{kind} times must be seconds since the epoch")
+
+
+def _check_who(kind: str, times: tuple[float, ...], credential_id: str, agent: str,
+               action: str | None) -> None:
+    """The shape of the facts every per-credential line carries (a local error: our bug)."""
+    _check_times(kind, times)
+    if not isinstance(credential_id, str) or not _CREDENTIAL_RE.fullmatch(credential_id):
+        raise ValueError(f"{kind}.credential_id must be cred_ + 16 hex")
+    if not isinstance(agent, str) or not _HEX64.fullmatch(agent):
+        raise ValueError(f"{kind}.agent must be 64 lowercase hex")
+    if action is not None and (not isinstance(action, str) or not _ACTION_RE.fullmatch(action)):
+        raise ValueError(f"{kind}.action must be a wire action name or None")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AuditRecord:
     """What one audit line says (without its chain fields). Validated in construction.
@@ -197,20 +230,7 @@ class AuditRecord:
             raise TypeError("AuditRecord.phase must be a Phase")
         if self.phase not in (Phase.INTENT, Phase.VERDICT):
             raise ValueError("AuditRecord.phase is intent or verdict (other kinds have types)")
-        if isinstance(self.at, bool) or not isinstance(self.at, (int, float)) or not (
-            0 <= self.at < 253402300800  # year 10000: the time format has four digits
-        ):
-            raise ValueError("AuditRecord.at must be seconds since the epoch")
-        if not isinstance(self.credential_id, str) or not _CREDENTIAL_RE.fullmatch(
-            self.credential_id
-        ):
-            raise ValueError("AuditRecord.credential_id must be cred_ + 16 hex")
-        if not isinstance(self.agent, str) or not _HEX64.fullmatch(self.agent):
-            raise ValueError("AuditRecord.agent must be 64 lowercase hex")
-        if self.action is not None and (
-            not isinstance(self.action, str) or not _ACTION_RE.fullmatch(self.action)
-        ):
-            raise ValueError("AuditRecord.action must be a wire action name or None")
+        _check_who("AuditRecord", (self.at,), self.credential_id, self.agent, self.action)
         if not is_request_id(self.request_id):
             raise ValueError("AuditRecord.request_id must be a valid requestId")
         if not isinstance(self.body_sha256, str) or not _HEX64.fullmatch(self.body_sha256):
@@ -317,21 +337,8 @@ class RefusalCount:
         return Phase.REFUSALS
 
     def __post_init__(self) -> None:
-        for value in (self.at, self.since):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                0 <= value < 253402300800
-            ):
-                raise ValueError("RefusalCount times must be seconds since the epoch")
-        if not isinstance(self.credential_id, str) or not _CREDENTIAL_RE.fullmatch(
-            self.credential_id
-        ):
-            raise ValueError("RefusalCount.credential_id must be cred_ + 16 hex")
-        if not isinstance(self.agent, str) or not _HEX64.fullmatch(self.agent):
-            raise ValueError("RefusalCount.agent must be 64 lowercase hex")
-        if self.action is not None and (
-            not isinstance(self.action, str) or not _ACTION_RE.fullmatch(self.action)
-        ):
-            raise ValueError("RefusalCount.action must be a wire action name or None")
+        _check_who("RefusalCount", (self.at, self.since), self.credential_id, self.agent,
+                   self.action)
         if not isinstance(self.code, ErrorCode) or Status.FAILED not in PAIRING[self.code]:
             raise ValueError("RefusalCount.code must be an ErrorCode allowed with failed")
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
@@ -378,10 +385,7 @@ class Reanchor:
         return Phase.REANCHOR
 
     def __post_init__(self) -> None:
-        if isinstance(self.at, bool) or not isinstance(self.at, (int, float)) or not (
-            0 <= self.at < 253402300800
-        ):
-            raise ValueError("Reanchor.at must be seconds since the epoch")
+        _check_times("Reanchor", (self.at,))
         for number in (self.anchored_seq, self.uid):
             if isinstance(number, bool) or not isinstance(number, int) or number < 0:
                 raise ValueError("Reanchor.anchored_seq and uid must be non-negative ints")

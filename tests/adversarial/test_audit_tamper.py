@@ -81,6 +81,15 @@ class Scene:
     async def start(self) -> DaemonProcess:
         return await DaemonProcess.start(self.config, self.socket)
 
+    async def serve_once(self, credential: str, count: int) -> None:
+        """Start, answer `count` requests, stop cleanly."""
+        daemon = await self.start()
+        try:
+            await _served(daemon, credential, count)
+            assert await daemon.stop() == 0
+        finally:
+            daemon.kill()
+
 
 @pytest.fixture
 async def scene(custody_state: tuple[TokenConfig, Path], short_dir: Path) -> Scene:
@@ -126,12 +135,7 @@ async def test_a_moved_or_deleted_live_file_fails_closed(scene: Scene, how: str)
 
 async def test_a_cut_tail_stops_serve_until_reanchored(scene: Scene) -> None:
     agent = await setup_state(scene.token, scene.state_dir, [str(uuid.uuid4())])
-    daemon = await scene.start()
-    try:
-        await _served(daemon, agent.credential, 5)
-        assert await daemon.stop() == 0
-    finally:
-        daemon.kill()
+    await scene.serve_once(agent.credential, 5)
     assert buzz(scene.config, "audit", "verify").returncode == 0
     [(_n, live)] = audit_files(scene.audit)
     lines = live.read_bytes().splitlines(keepends=True)
@@ -154,23 +158,13 @@ async def test_a_cut_tail_stops_serve_until_reanchored(scene: Scene) -> None:
     last = [line.record for line in read_records(scene.audit)][-1]
     assert last is not None and last.phase.value == "reanchor"
 
-    daemon = await scene.start()
-    try:
-        await _served(daemon, agent.credential, 1)
-        assert await daemon.stop() == 0
-    finally:
-        daemon.kill()
+    await scene.serve_once(agent.credential, 1)
     assert buzz(scene.config, "audit", "verify").returncode == 0
 
 
 async def test_a_deleted_log_stops_serve(scene: Scene) -> None:
     agent = await setup_state(scene.token, scene.state_dir, [str(uuid.uuid4())])
-    daemon = await scene.start()
-    try:
-        await _served(daemon, agent.credential, 2)
-        assert await daemon.stop() == 0
-    finally:
-        daemon.kill()
+    await scene.serve_once(agent.credential, 2)
     shutil.rmtree(scene.audit)
     checked = buzz(scene.config, "audit", "verify")
     assert checked.returncode == EXIT_BROKEN, checked.stdout + checked.stderr

@@ -82,13 +82,21 @@ async def refuse_many(daemon: DaemonProcess, agent: AgentState, bodies: list[byt
             nursery.start_soon(worker)
 
 
-async def test_refusals_cost_little_disk(custody_state: tuple[TokenConfig, Path],
-                                         short_dir: Path) -> None:
+async def _daemon_setup(custody_state: tuple[TokenConfig, Path], short_dir: Path,
+                        **state: object) -> tuple[AgentState, Path, Path]:
+    """An agent with a credential for one channel; (agent, config, socket)."""
     token, state_dir = custody_state
     agent = await setup_state(token, state_dir, [str(uuid.uuid4())])
     socket = short_dir / "b.sock"
     config = write_config(short_dir / "broker.toml", token=token, state_dir=state_dir,
-                          socket=socket, relay_url=NO_RELAY)
+                          socket=socket, relay_url=NO_RELAY, sections={"state": state})
+    return agent, config, socket
+
+
+async def test_refusals_cost_little_disk(custody_state: tuple[TokenConfig, Path],
+                                         short_dir: Path) -> None:
+    state_dir = custody_state[1]
+    agent, config, socket = await _daemon_setup(custody_state, short_dir)
 
     daemon = await DaemonProcess.start(config, socket)
     try:
@@ -137,12 +145,8 @@ async def test_refusals_cost_little_disk(custody_state: tuple[TokenConfig, Path]
 
 async def test_the_ledger_cap_refuses_unrecorded(custody_state: tuple[TokenConfig, Path],
                                                  short_dir: Path) -> None:
-    token, state_dir = custody_state
-    agent = await setup_state(token, state_dir, [str(uuid.uuid4())])
-    socket = short_dir / "b.sock"
-    config = write_config(short_dir / "broker.toml", token=token, state_dir=state_dir,
-                          socket=socket, relay_url=NO_RELAY,
-                          sections={"state": {"ledger_max_bytes_per_agent": 4096}})
+    agent, config, socket = await _daemon_setup(custody_state, short_dir,
+                                                ledger_max_bytes_per_agent=4096)
     daemon = await DaemonProcess.start(config, socket)
     try:
         recorded = refused_post("first")
