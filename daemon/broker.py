@@ -22,7 +22,9 @@ Order of judgement (README, "How a request is judged"):
    *pending* record are written durably, in that order, and only then does anything reach
    the relay.
 7. record, 8. respond: the verdict is committed to the ledger (final unless
-   `indeterminate`) and to the audit log, and returned with HTTP 200.
+   `indeterminate`; a refusal as its code, daemon/verdict_store.py) and to the audit log
+   (past a credential's burst, refusals are counted: daemon/refusal_audit.py), and
+   returned with HTTP 200.
 
 No audit, no answer: a verdict that has no side effects and cannot be audited becomes
 `failed` + `internal`; once the relay has answered, the verdict stands whatever the audit
@@ -458,7 +460,15 @@ class Broker:
             full = self._verdict(request_id, Verdict.failed(ErrorCode.UNAUTHORIZED, LEDGER_FULL))
             return await self._audited_answer(facts, full, started, principal)
         if isinstance(begun, Replay):
-            begun = Replay(expanded_form(request_id, begun.response))
+            try:
+                begun = Replay(expanded_form(request_id, begun.response))
+            except ValueError:
+                # A compact refusal this version cannot read (a newer code): it was a
+                # failed verdict, so failed + internal promises nothing new.
+                log_event(_log, "ledger.record_unreadable", level=logging.ERROR,
+                          agent=principal.agent, request_id=request_id)
+                return await self._audited_answer(facts, self._internal(request_id), started,
+                                                  principal)
         if (isinstance(begun, Resume) or (
                 isinstance(begun, Replay) and _recorded(begun.response).status is not Status.FAILED
         )) and reading.request is not None:

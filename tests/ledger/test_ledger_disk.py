@@ -63,6 +63,9 @@ def test_a_refusal_is_stored_as_its_code_and_replays_byte_for_byte() -> None:
     assert stored_form("req-1", unknown, Status.INDETERMINATE, ErrorCode.OUTCOME_UNKNOWN
                        ) == unknown
     assert expanded_form("req-1", unknown) == unknown
+    # A compact form from a newer version (an unknown code) is refused, never guessed at.
+    with pytest.raises(ValueError):
+        expanded_form("req-1", b"\x00payment_required")
     # A response that does not re-encode the same way is never compacted.
     odd = encode_response("req-1", Verdict.failed(ErrorCode.UNAUTHORIZED)).replace(b",", b", ")
     assert stored_form("req-1", odd, Status.FAILED, ErrorCode.UNAUTHORIZED) == odd
