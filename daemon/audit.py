@@ -36,19 +36,33 @@ they are truncated and the operator log says how many bytes were dropped. A dama
 last *complete* line is not guessed at: opening fails (AuditUnavailable) and the operator
 runs `buzz-broker audit verify`.
 
-Limits of a hash chain: someone who can rewrite the files can rewrite a whole suffix
-consistently, and removing the final records leaves a valid shorter chain. Anchor the
-head elsewhere: the daemon logs `audit.head` (seq and hash) to the operator log at open,
-rotation and close, and `verify(..., expect_head=...)` checks a remembered head.
+Identity (issue 13): before each batch the writer checks that the path still names the
+open file (fstat of the descriptor vs stat of the path: device, inode, one link). A
+renamed, deleted, replaced or hard-linked file fails the batch (AuditUnavailable,
+`audit.unavailable`): records must never go where nobody will verify them. One writer per
+log: `open` takes an exclusive flock on the directory.
 
-WARNING: `_FIELDS`, `AuditRecord`, `_record_obj`, `AuditRecord.from_json_obj` and the
-field table in docs/operations.md must be kept in sync; `FORMAT` changes when they do.
+Anchor (issue 13): a hash chain alone cannot show a cut tail or a consistently rewritten
+suffix. The ledger writes `head` — only ever a durable record — into the state database
+with its commits (daemon/ledger.py); `open(anchor=...)` refuses a log that does not reach
+it (`_check_anchor`: from the file that holds the anchored record to the tail), and
+`verify(anchor=...)` checks it whole. An operator who restored an older disk writes a
+`Reanchor` record (`buzz-broker audit reanchor`). The daemon also logs `audit.head` to the
+operator log at open, rotation and close: the anchor whoever can write both files and
+database cannot move. No token-held HMAC key: docs/operations.md, "Anchoring", says why.
+
+Kinds of line: `AuditRecord` (intent, verdict), `RefusalCount` (refusals past a burst,
+daemon/refusal_audit.py) and `Reanchor`; `_READERS` maps each phase to its reader.
+
+WARNING: `_FIELDS` / `_REFUSAL_FIELDS` / `_REANCHOR_FIELDS`, the entry classes, `_content`,
+their `from_json_obj` and the field tables in docs/operations.md must be kept in sync.
 """
 
 from __future__ import annotations
 
 import datetime
 import enum
+import fcntl
 import hashlib
 import json
 import logging
@@ -58,7 +72,7 @@ import stat
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Final
+from typing import Callable, Final, TypeAlias
 
 import trio
 
@@ -69,6 +83,9 @@ from daemon.log import log_event
 __all__ = [
     "AuditLog",
     "AuditRecord",
+    "RefusalCount",
+    "Reanchor",
+    "Entry",
     "AuditUnavailable",
     "Phase",
     "VerifyResult",
@@ -139,6 +156,10 @@ class Phase(enum.Enum):
     INTENT = "intent"
     #: the verdict returned (or replayed) to the agent
     VERDICT = "verdict"
+    #: refusals past a credential's burst, counted (`RefusalCount`)
+    REFUSALS = "refusals"
+    #: an operator moved the anchor to the log's head (`Reanchor`)
+    REANCHOR = "reanchor"
 
 
 def _utc_text(at: float) -> str:
@@ -151,6 +172,26 @@ def _parse_time(text: str) -> float:
         raise ValueError("time")
     when = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
     return when.timestamp()
+
+
+def _check_times(kind: str, times: tuple[float, ...]) -> None:
+    for value in times:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 <= value < 253402300800  # year 10000: the time format has four digits
+        ):
+            raise ValueError(f"{kind} times must be seconds since the epoch")
+
+
+def _check_who(kind: str, times: tuple[float, ...], credential_id: str, agent: str,
+               action: str | None) -> None:
+    """The shape of the facts every per-credential line carries (a local error: our bug)."""
+    _check_times(kind, times)
+    if not isinstance(credential_id, str) or not _CREDENTIAL_RE.fullmatch(credential_id):
+        raise ValueError(f"{kind}.credential_id must be cred_ + 16 hex")
+    if not isinstance(agent, str) or not _HEX64.fullmatch(agent):
+        raise ValueError(f"{kind}.agent must be 64 lowercase hex")
+    if action is not None and (not isinstance(action, str) or not _ACTION_RE.fullmatch(action)):
+        raise ValueError(f"{kind}.action must be a wire action name or None")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -187,20 +228,9 @@ class AuditRecord:
         # Local errors (our bug): the pipeline builds records from values it has checked.
         if not isinstance(self.phase, Phase):
             raise TypeError("AuditRecord.phase must be a Phase")
-        if isinstance(self.at, bool) or not isinstance(self.at, (int, float)) or not (
-            0 <= self.at < 253402300800  # year 10000: the time format has four digits
-        ):
-            raise ValueError("AuditRecord.at must be seconds since the epoch")
-        if not isinstance(self.credential_id, str) or not _CREDENTIAL_RE.fullmatch(
-            self.credential_id
-        ):
-            raise ValueError("AuditRecord.credential_id must be cred_ + 16 hex")
-        if not isinstance(self.agent, str) or not _HEX64.fullmatch(self.agent):
-            raise ValueError("AuditRecord.agent must be 64 lowercase hex")
-        if self.action is not None and (
-            not isinstance(self.action, str) or not _ACTION_RE.fullmatch(self.action)
-        ):
-            raise ValueError("AuditRecord.action must be a wire action name or None")
+        if self.phase not in (Phase.INTENT, Phase.VERDICT):
+            raise ValueError("AuditRecord.phase is intent or verdict (other kinds have types)")
+        _check_who("AuditRecord", (self.at,), self.credential_id, self.agent, self.action)
         if not is_request_id(self.request_id):
             raise ValueError("AuditRecord.request_id must be a valid requestId")
         if not isinstance(self.body_sha256, str) or not _HEX64.fullmatch(self.body_sha256):
@@ -281,30 +311,176 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _record_obj(record: AuditRecord, *, seq: int, prev: str) -> dict[str, object]:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RefusalCount:
+    """Refusals past a credential's burst, counted instead of written one by one.
+
+    Every one of them is still in the ledger under (agent, requestId) with its digest and
+    verdict (spec I3); this line says how many the audit log did not list, and when.
+
+    Fields:
+        at: when the count was written; since: when the first counted refusal was answered.
+        credential_id, agent, action, code: what every counted refusal shares.
+        count: how many (at least 1).
+    """
+
+    at: float
+    since: float
+    credential_id: str
+    agent: str
+    action: str | None
+    code: ErrorCode
+    count: int
+
+    @property
+    def phase(self) -> Phase:
+        return Phase.REFUSALS
+
+    def __post_init__(self) -> None:
+        _check_who("RefusalCount", (self.at, self.since), self.credential_id, self.agent,
+                   self.action)
+        if not isinstance(self.code, ErrorCode) or Status.FAILED not in PAIRING[self.code]:
+            raise ValueError("RefusalCount.code must be an ErrorCode allowed with failed")
+        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
+            raise ValueError("RefusalCount.count must be a positive int")
+
+    @classmethod
+    def from_json_obj(cls, obj: Mapping[str, object]) -> RefusalCount:
+        """Read a `refusals` line's content fields. Raises ValueError naming the field."""
+        if set(obj) != _REFUSAL_FIELDS or obj["v"] != FORMAT or obj["status"] != "failed":
+            raise ValueError("fields")
+        try:
+            code = ErrorCode(obj["code"])
+        except ValueError:
+            raise ValueError("code") from None
+        time_text, since_text = obj["time"], obj["since"]
+        if not isinstance(time_text, str) or not isinstance(since_text, str):
+            raise ValueError("time/since")
+        try:
+            return cls(at=_parse_time(time_text), since=_parse_time(since_text),
+                       credential_id=obj["credential"],  # type: ignore[arg-type]
+                       agent=obj["agent"],  # type: ignore[arg-type]
+                       action=obj["action"],  # type: ignore[arg-type]
+                       code=code, count=obj["count"])  # type: ignore[arg-type]
+        except (TypeError, ValueError) as exc:
+            raise ValueError(str(exc)) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reanchor:
+    """An operator accepted this log's head in place of the anchor it no longer reaches.
+
+    Fields:
+        at: when. anchored_seq, anchored_head: the anchor that was given up (what the log
+        reached before, e.g., a disk was restored from an older backup). uid: who ran it.
+    """
+
+    at: float
+    anchored_seq: int
+    anchored_head: str
+    uid: int
+
+    @property
+    def phase(self) -> Phase:
+        return Phase.REANCHOR
+
+    def __post_init__(self) -> None:
+        _check_times("Reanchor", (self.at,))
+        for number in (self.anchored_seq, self.uid):
+            if isinstance(number, bool) or not isinstance(number, int) or number < 0:
+                raise ValueError("Reanchor.anchored_seq and uid must be non-negative ints")
+        if not isinstance(self.anchored_head, str) or not _HEX64.fullmatch(self.anchored_head):
+            raise ValueError("Reanchor.anchored_head must be 64 lowercase hex")
+
+    @classmethod
+    def from_json_obj(cls, obj: Mapping[str, object]) -> Reanchor:
+        """Read a `reanchor` line's content fields. Raises ValueError naming the field."""
+        if set(obj) != _REANCHOR_FIELDS or obj["v"] != FORMAT:
+            raise ValueError("fields")
+        time_text = obj["time"]
+        if not isinstance(time_text, str):
+            raise ValueError("time")
+        try:
+            return cls(at=_parse_time(time_text),
+                       anchored_seq=obj["anchoredSeq"],  # type: ignore[arg-type]
+                       anchored_head=obj["anchoredHead"],  # type: ignore[arg-type]
+                       uid=obj["uid"])  # type: ignore[arg-type]
+        except (TypeError, ValueError) as exc:
+            raise ValueError(str(exc)) from None
+
+
+#: Anything the log holds: one line each.
+Entry: TypeAlias = AuditRecord | RefusalCount | Reanchor
+
+_CHAIN_FIELDS: Final = frozenset({"v", "seq", "prev", "digest", "time", "phase"})
+_REFUSAL_FIELDS: Final = _CHAIN_FIELDS | {
+    "since", "credential", "agent", "action", "status", "code", "count"}
+_REANCHOR_FIELDS: Final = _CHAIN_FIELDS | {"anchoredSeq", "anchoredHead", "uid"}
+
+#: phase -> how its content is read (the table `_check_line` and `read_records` use).
+_READERS: Final[Mapping[str, Callable[[Mapping[str, object]], Entry]]] = {
+    Phase.INTENT.value: AuditRecord.from_json_obj,
+    Phase.VERDICT.value: AuditRecord.from_json_obj,
+    Phase.REFUSALS.value: RefusalCount.from_json_obj,
+    Phase.REANCHOR.value: Reanchor.from_json_obj,
+}
+
+
+def _content(entry: Entry) -> dict[str, object]:
+    if isinstance(entry, RefusalCount):
+        return {
+            "time": _utc_text(entry.at),
+            "phase": Phase.REFUSALS.value,
+            "since": _utc_text(entry.since),
+            "credential": entry.credential_id,
+            "agent": entry.agent,
+            "action": entry.action,
+            "status": Status.FAILED.value,
+            "code": entry.code.value,
+            "count": entry.count,
+        }
+    if isinstance(entry, Reanchor):
+        return {
+            "time": _utc_text(entry.at),
+            "phase": Phase.REANCHOR.value,
+            "anchoredSeq": entry.anchored_seq,
+            "anchoredHead": entry.anchored_head,
+            "uid": entry.uid,
+        }
     return {
-        "v": FORMAT,
-        "seq": seq,
-        "prev": prev,
-        "time": _utc_text(record.at),
-        "phase": record.phase.value,
-        "credential": record.credential_id,
-        "agent": record.agent,
-        "action": record.action,
-        "requestId": record.request_id,
-        "bodySha256": record.body_sha256,
-        "status": None if record.status is None else record.status.value,
-        "code": None if record.code is None else record.code.value,
-        "events": list(record.events),
-        "replayed": record.replayed,
+        "time": _utc_text(entry.at),
+        "phase": entry.phase.value,
+        "credential": entry.credential_id,
+        "agent": entry.agent,
+        "action": entry.action,
+        "requestId": entry.request_id,
+        "bodySha256": entry.body_sha256,
+        "status": None if entry.status is None else entry.status.value,
+        "code": None if entry.code is None else entry.code.value,
+        "events": list(entry.events),
+        "replayed": entry.replayed,
     }
 
 
-def _encode_line(record: AuditRecord, *, seq: int, prev: str) -> bytes:
+def _record_obj(record: Entry, *, seq: int, prev: str) -> dict[str, object]:
+    return {"v": FORMAT, "seq": seq, "prev": prev, **_content(record)}
+
+
+def _encode_line(record: Entry, *, seq: int, prev: str) -> bytes:
     """The canonical line bytes (without the newline) with `digest` filled in."""
     obj = _record_obj(record, seq=seq, prev=prev)
     obj["digest"] = _sha256(_canonical(obj))
     return _canonical(obj)
+
+
+def _read_entry(obj: Mapping[str, object]) -> Entry:
+    """The entry a parsed line holds. Raises ValueError naming what is wrong."""
+    phase = obj.get("phase")
+    reader = _READERS.get(phase) if isinstance(phase, str) else None
+    if reader is None:
+        raise ValueError("phase")
+    entry: Entry = reader(obj)
+    return entry
 
 
 def _check_line(line: bytes) -> tuple[dict[str, object] | None, str | None]:
@@ -318,7 +494,7 @@ def _check_line(line: bytes) -> tuple[dict[str, object] | None, str | None]:
     if _canonical(obj) != line:
         return None, "not in canonical form (the line was edited)"
     try:
-        AuditRecord.from_json_obj(obj)
+        _read_entry(obj)
     except ValueError as exc:
         return None, f"malformed record ({exc})"
     seq, prev, digest = obj["seq"], obj["prev"], obj["digest"]
@@ -373,7 +549,8 @@ class VerifyResult:
     torn_tail: bool = False
 
 
-def verify(path: Path | str, *, expect_head: str | None = None) -> VerifyResult:
+def verify(path: Path | str, *, expect_head: str | None = None,
+           anchor: tuple[int, str] | None = None, archived: bool = False) -> VerifyResult:
     """Check the chain of an audit directory, or of one audit file.
 
     A directory is checked whole: files numbered 1, 2, ... without a gap, the first
@@ -385,6 +562,11 @@ def verify(path: Path | str, *, expect_head: str | None = None) -> VerifyResult:
         path: the audit directory (normally `<state>/audit`) or one `audit-NNNNNN.jsonl`.
         expect_head: a head hash remembered from before (the operator log's `audit.head`);
             a log whose last good line hashes to something else fails (tail removed).
+        anchor: (seq, hash) the log must reach (the state database's anchor): record
+            `seq` must hash to `hash`. The log may go on past it.
+        archived: the oldest files were moved to an archive (docs/operations.md): the
+            directory may start at any number, and its first record's `prev` is taken as
+            given. The files present must still be consecutive.
 
     Raises:
         OSError: the path cannot be read (the CLI reports it).
@@ -392,13 +574,14 @@ def verify(path: Path | str, *, expect_head: str | None = None) -> VerifyResult:
     path = Path(path)
     if path.is_dir():
         files = audit_files(path)
-        for index, (number, file) in enumerate(files, start=1):
+        first = files[0][0] if archived and files else 1
+        for index, (number, file) in enumerate(files, start=first):
             if number != index:
                 return VerifyResult(
                     ok=False, records=0, head=GENESIS, file=str(file), line=None,
                     reason=f"expected {_file_name(index)} here: an audit file is missing",
                 )
-        anchored = True
+        anchored = first == 1
     else:
         match = _FILE_RE.fullmatch(path.name)
         files = [(int(match.group(1)) if match else 0, path)]
@@ -438,6 +621,19 @@ def verify(path: Path | str, *, expect_head: str | None = None) -> VerifyResult:
                 seq += 1
                 records += 1
                 head = _sha256(line)
+                if anchor is not None and seq == anchor[0] and head != anchor[1]:
+                    return VerifyResult(
+                        ok=False, records=records, head=head, file=str(file), line=lineno,
+                        reason=f"record {seq} is not the anchored head (the log was "
+                               "rewritten from here, or replaced)",
+                    )
+    if anchor is not None and seq < anchor[0]:
+        return VerifyResult(
+            ok=False, records=records, head=head, file=None, line=None,
+            reason=f"the log ends at record {seq} but the anchored head is record "
+                   f"{anchor[0]} (records were cut from the end, or a file was deleted)",
+            torn_tail=torn,
+        )
     if expect_head is not None and expect_head != head:
         return VerifyResult(
             ok=False, records=records, head=head, file=None, line=None,
@@ -454,8 +650,8 @@ class LogLine:
 
     file: str
     line: int
-    #: the record, or None when the line is damaged (not well-formed, or torn)
-    record: AuditRecord | None
+    #: the entry, or None when the line is damaged (not well-formed, or torn)
+    record: Entry | None
     #: the line's bytes without the newline (canonical JSON when `record` is not None)
     raw: bytes
 
@@ -471,12 +667,12 @@ def read_records(directory: Path | str) -> Iterator[LogLine]:
     for _number, file in audit_files(Path(directory)):
         with open(file, "rb") as handle:
             for lineno, raw in enumerate(handle, start=1):
-                record = None
+                record: Entry | None = None
                 line = raw[:-1] if raw.endswith(b"\n") else raw
                 if raw.endswith(b"\n"):
                     obj, _reason = _check_line(line)
                     if obj is not None:
-                        record = AuditRecord.from_json_obj(obj)
+                        record = _read_entry(obj)
                 yield LogLine(file=file.name, line=lineno, record=record, raw=line)
 
 
@@ -508,8 +704,12 @@ class AuditLog:
         self._seq = 0
         self._prev = GENESIS
         self._dirty = False  # a write failed: truncate to `_size` before the next one
+        # (seq, hash) of the last fsynced record, as one tuple so another thread (the
+        # ledger's flusher, writing the anchor) reads a consistent pair without a lock.
+        self._durable: tuple[int, str] = (0, GENESIS)
+        self._dir_fd = -1  # holds the flock that keeps a second writer out
         # A flush that raises instead of answering is a bug; its callers still fail closed.
-        self._group: GroupCommit[AuditRecord, None] = GroupCommit(
+        self._group: GroupCommit[Entry, None] = GroupCommit(
             self._write_batch, flush_failed=lambda: AuditUnavailable("audit flush failed")
         )
         self._closed = False
@@ -522,6 +722,7 @@ class AuditLog:
         directory: Path | str,
         *,
         rotate_bytes: int = DEFAULT_ROTATE_BYTES,
+        anchor: tuple[int, str] | None = None,
         _opener: Callable[[Path, int], int] = _default_open,
     ) -> AuditLog:
         """Open (creating if needed) the audit directory and continue its chain.
@@ -529,13 +730,17 @@ class AuditLog:
         Args:
             directory: normally `<state>/audit`; created 0700 (an existing one is tightened).
             rotate_bytes: start a new file once the current one reaches this size.
-            _opener: test seam — how a file is opened (path, os flags) -> fd. Tests hand
-                back a descriptor on /dev/full to make every write fail with ENOSPC.
+            anchor: (seq, hash) the log must still reach (the state database's anchor);
+                None when there is none yet. The records from it to the tail are checked.
+            _opener: test seam — how a file is opened (path, os flags) -> fd. The
+                descriptor must be the file at that path (every batch checks it is).
 
         Raises:
             AuditUnavailable: the directory or the last file cannot be opened or written,
-                or the last complete record is damaged (run `buzz-broker audit verify`).
-                `detail` says which; the daemon must not start.
+                or the last complete record is damaged (run `buzz-broker audit verify`), or
+                the log does not reach `anchor` (cut, deleted, replaced: `audit verify`,
+                then restore it or `buzz-broker audit reanchor`), or another process holds
+                the log. `detail` says which; the daemon must not start.
             ValueError: `rotate_bytes` below `MIN_ROTATE_BYTES` (a bug).
         """
         if isinstance(rotate_bytes, bool) or not isinstance(rotate_bytes, int):
@@ -545,9 +750,16 @@ class AuditLog:
         log = cls(Path(directory), rotate_bytes=rotate_bytes, opener=_opener)
         try:
             log._open_tail()
+            if anchor is not None:
+                _check_anchor(audit_files(log._dir), anchor, tail=log._durable)
         except OSError as exc:
             log._close_fd()
             raise _unavailable("open", exc, log._dir) from None
+        except _Locked:
+            log._close_fd()
+            detail = f"another process has the audit log open ({log._dir})"
+            log_event(_log, "audit.unavailable", level=logging.ERROR, detail=detail)
+            raise AuditUnavailable(detail) from None
         except _Damaged as exc:
             log._close_fd()
             detail = f"{exc.args[0]}; run `buzz-broker audit verify`"
@@ -558,8 +770,11 @@ class AuditLog:
 
     @property
     def head(self) -> tuple[int, str]:
-        """(seq, sha256) of the last durable record: anchor it elsewhere to detect truncation."""
-        return self._seq, self._prev
+        """(seq, sha256) of the last durable record: anchor it elsewhere to detect truncation.
+
+        Safe to read from any thread (the ledger's flusher writes it into the anchor).
+        """
+        return self._durable
 
     def _open_tail(self) -> None:
         try:
@@ -571,6 +786,13 @@ class AuditLog:
             raise NotADirectoryError(20, "not a directory")
         if info.st_mode & 0o777 != DIR_MODE:
             os.chmod(self._dir, DIR_MODE)
+        # One writer per log: a second daemon, or `audit reanchor` while one serves, would
+        # fork the chain. The lock lives on the directory, so it needs no extra file.
+        self._dir_fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(self._dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _Locked() from None
         files = audit_files(self._dir)
         # The newest non-empty file holds the tail; a trailing empty file (a crash right
         # after a rotation created it) is simply where writing continues.
@@ -585,6 +807,7 @@ class AuditLog:
                 raise _Damaged(f"the last audit record is damaged: {reason}")
             self._seq = int(obj["seq"])  # type: ignore[call-overload]
             self._prev = _sha256(tail_line)
+            self._durable = (self._seq, self._prev)
         self._number = files[-1][0] if files else 1
         path = self._dir / _file_name(self._number)
         self._fd = self._opener(
@@ -630,7 +853,7 @@ class AuditLog:
 
     # ------------------------------------------------------------------ appending
 
-    async def append(self, record: AuditRecord) -> None:
+    async def append(self, record: Entry) -> None:
         """Write `record` durably (fsynced) at the end of the chain; return only then.
 
         Concurrent callers are batched (one write + fsync for many); order is the order of
@@ -647,7 +870,7 @@ class AuditLog:
             raise AuditUnavailable("the audit log is closed")
         await self._group.submit(record)
 
-    def _write_batch(self, batch: Sequence[AuditRecord]) -> list[None | Failed]:
+    def _write_batch(self, batch: Sequence[Entry]) -> list[None | Failed]:
         # Worker thread. Writes `batch` in order, in as few write+fsync rounds as the
         # rotation size allows; the chain state moves only after an fsync succeeded.
         done = 0
@@ -659,6 +882,7 @@ class AuditLog:
             while done < len(batch):
                 if self._size >= self._rotate_bytes:
                     self._rotate()
+                self._check_identity()
                 data = bytearray()
                 seq, prev = self._seq, self._prev
                 end = done
@@ -673,16 +897,35 @@ class AuditLog:
                 self._dirty = False
                 self._size += len(data)
                 self._seq, self._prev = seq, prev
+                self._durable = (seq, prev)
                 self.batches += 1
                 done = end
-        except OSError as exc:
-            detail = _detail("write", exc, self._dir / _file_name(self._number))
+        except (OSError, _Replaced) as exc:
+            where = self._dir / _file_name(self._number)
+            detail = (f"audit file replaced: {exc.args[0]} ({where})" if isinstance(exc, _Replaced)
+                      else _detail("write", exc, where))
             log_event(_log, "audit.unavailable", level=logging.ERROR, detail=detail,
                       lost=len(batch) - done)
             # Each caller raises its own exception, with the cause for the operator log.
             failed = [Failed(AuditUnavailable(detail)) for _ in batch[done:]]
             return [None] * done + failed
         return [None] * len(batch)
+
+    def _check_identity(self) -> None:
+        """The path must still name the open file, and nothing else may link to it.
+
+        A renamed, deleted or replaced file would take records nobody could find (or the
+        verifier would read a different file than the one written): fail closed instead.
+        """
+        mine = os.fstat(self._fd)
+        try:
+            there = os.stat(self._dir / _file_name(self._number), follow_symlinks=False)
+        except FileNotFoundError:
+            raise _Replaced("the path no longer exists (renamed or deleted)") from None
+        if (there.st_dev, there.st_ino) != (mine.st_dev, mine.st_ino):
+            raise _Replaced("the path names another file than the one open")
+        if mine.st_nlink != 1:
+            raise _Replaced(f"the open file has {mine.st_nlink} links, not 1")
 
     def _rotate(self) -> None:
         # Open the next file first: if that fails, the current one stays in use and the
@@ -705,6 +948,9 @@ class AuditLog:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)  # releases the flock
+            self._dir_fd = -1
 
     async def aclose(self) -> None:
         """Stop accepting records, let a running flush finish, and close the file."""
@@ -720,6 +966,82 @@ class AuditLog:
 
 class _Damaged(Exception):
     """The tail cannot be continued safely (open refuses)."""
+
+
+class _Locked(Exception):
+    """Another open log (a process, or an object here) holds the directory's lock."""
+
+
+class _Replaced(Exception):
+    """The audit file's path no longer names the open file (`_check_identity`)."""
+
+
+def _check_anchor(files: list[tuple[int, Path]], anchor: tuple[int, str], *,
+                  tail: tuple[int, str]) -> None:
+    """Raise `_Damaged` unless record `anchor[0]` hashes to `anchor[1]` and chains to `tail`.
+
+    Reads only from the file that holds the anchored record onwards: the records before it
+    are counted, not parsed (the chain up to the anchor was checked when it was written;
+    `audit verify` checks it whole).
+    """
+    seq, head = anchor
+    if seq == 0:
+        if head != GENESIS:
+            raise _Damaged("the anchor names record 0 with a hash other than GENESIS")
+        return
+    if tail[0] < seq:
+        raise _Damaged(
+            f"the log ends at record {tail[0]} but the anchored head is record {seq}: records "
+            "were cut from the end or a file was deleted (restore it, or after a restore from "
+            "backup run `buzz-broker audit reanchor`)")
+    start = 0
+    for index in range(len(files) - 1, -1, -1):
+        first = _first_seq(files[index][1])
+        if first is not None and first <= seq:
+            start = index
+            break
+    else:
+        raise _Damaged(f"no audit file holds the anchored record {seq}")
+    expected: int | None = None
+    current: str | None = None
+    for _number, path in files[start:]:
+        with open(path, "rb") as handle:
+            for raw in handle:
+                if not raw.endswith(b"\n"):
+                    break  # open() truncated a torn tail; nothing else can end without one
+                line = raw[:-1]
+                if expected is None:
+                    obj, reason = _check_line(line)
+                    if obj is None:
+                        raise _Damaged(f"the first record of {path.name} is damaged: {reason}")
+                    expected = int(obj["seq"])  # type: ignore[call-overload]
+                if expected < seq:
+                    expected += 1
+                    continue
+                obj, reason = _check_line(line)
+                if obj is None or obj["seq"] != expected or (
+                        current is not None and obj["prev"] != current):
+                    raise _Damaged(
+                        f"{path.name}: record {expected} is damaged or does not chain "
+                        f"({reason or 'seq/prev'}); the log was rewritten after the anchor")
+                current = _sha256(line)
+                if expected == seq and current != head:
+                    raise _Damaged(
+                        f"record {seq} is not the anchored head: the log was rewritten or "
+                        "replaced (after a restore from backup run `buzz-broker audit reanchor`)")
+                expected += 1
+    if current != tail[1]:
+        raise _Damaged("the records after the anchor do not lead to the log's last record")
+
+
+def _first_seq(path: Path) -> int | None:
+    """seq of the first record of `path`, or None when it has none that can be read."""
+    with open(path, "rb") as handle:
+        first = handle.readline(MAX_LINE_BYTES)
+    if not first.endswith(b"\n"):
+        return None
+    obj, _reason = _check_line(first[:-1])
+    return None if obj is None else int(obj["seq"])  # type: ignore[call-overload]
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -26,7 +26,9 @@ Order of judgement (README, "How a request is judged"):
    *pending* record are written durably, in that order, and only then does anything reach
    the relay.
 7. record, 8. respond: the verdict is committed to the ledger (final unless
-   `indeterminate`) and to the audit log, and returned with HTTP 200.
+   `indeterminate`; a refusal as its code, daemon/verdict_store.py) and to the audit log
+   (past a credential's burst, refusals are counted: daemon/refusal_audit.py), and
+   returned with HTTP 200.
 
 No audit, no answer: a verdict that has no side effects and cannot be audited becomes
 `failed` + `internal`; once the relay has answered, the verdict stands whatever the audit
@@ -90,7 +92,9 @@ from buzzwire.contract import (
 )
 from daemon.cursor import CursorCodec, CursorKeyError
 from daemon.http import HttpAnswer, HttpRequest
-from daemon.ledger import Conflict, Fresh, Ledger, LedgerKey, Replay, Resume
+from daemon.ledger import Conflict, Fresh, Full, Ledger, LedgerKey, Replay, Resume
+from daemon.refusal_audit import RefusalAudit
+from daemon.verdict_store import expanded_form, stored_form
 from daemon.log import log_event
 from daemon.metrics import Metrics
 from daemon.operations import OPERATIONS, Context, Operation, Plan
@@ -116,6 +120,9 @@ CHECKPOINTS = ("before_pending", "after_pending", "after_verdict")
 PENDING_FORMAT = 1
 #: How often the ledger's retention sweep runs (design.md: the database stays bounded).
 SWEEP_INTERVAL_SECONDS = 3600.0
+#: The refusal when an agent's ledger records reach `state.ledger_max_bytes_per_agent`.
+LEDGER_FULL = ("this agent's request records are at the host's limit; retry after older "
+               "records expire")
 #: Longest relay reason quoted back to an agent; the rest goes to the operator log only.
 MAX_REASON_CHARS = 200
 
@@ -338,6 +345,7 @@ class Broker:
         self._live_version: tuple[int, int] | None = None
         self.metrics = metrics if metrics is not None else Metrics(actions=ACTIONS)
         self._checkpoint = checkpoint
+        self.refusals = RefusalAudit(audit, clock)
 
     @property
     def custody(self) -> Custody:
@@ -398,6 +406,7 @@ class Broker:
                 ledger = Ledger.open(
                     state_dir / "ledger.db",
                     retention_seconds=config.state.ledger_retention_seconds,
+                    max_bytes_per_principal=config.state.ledger_max_bytes_per_agent,
                 )
                 stack.callback(ledger.close)
                 limiter = RateLimiter.open(state_dir, config.limits)
@@ -408,10 +417,16 @@ class Broker:
             except (OSError, sqlite3.Error, CursorKeyError) as exc:
                 raise StartupError(f"state directory {state_dir}: {exc}") from None
             try:
-                audit = AuditLog.open(state_dir / AUDIT_DIRNAME)
+                audit = AuditLog.open(state_dir / AUDIT_DIRNAME, anchor=ledger.audit_anchor)
             except AuditUnavailable as exc:
                 raise StartupError(f"audit log: {exc.detail or exc}") from None
             stack.push_async_callback(_shielded(audit.aclose))
+            if ledger.audit_anchor is None and audit.head[0] > 0:
+                # A ledger from before anchors, or one deleted: nothing to hold the log to.
+                log_event(_log, "audit.anchor_adopted", level=logging.WARNING,
+                          seq=audit.head[0], head=audit.head[1])
+            # From here every ledger commit records the audit head it follows.
+            ledger.anchor_audit(lambda: audit.head)
 
             metrics = Metrics(actions=ACTIONS)
             custody.observe_token_calls(metrics.token_call)
@@ -434,12 +449,24 @@ class Broker:
                 metrics=metrics,
                 checkpoint=checkpoint,
             )
+
+            async def last_counts() -> None:
+                # Before the audit log closes: the open refusal counts, then the anchor.
+                await broker.refusals.flush(everything=True)
+                try:
+                    await ledger.anchor()
+                except sqlite3.Error as exc:
+                    log_event(_log, "ledger.fault", level=logging.ERROR, step="anchor",
+                              error=type(exc).__name__, detail=str(exc))
+
+            stack.push_async_callback(_shielded(last_counts))
             async with trio.open_nursery() as nursery:
                 await nursery.start(relay.run)
                 await nursery.start(broker._signer.run)
                 await nursery.start(limiter.flush_periodically)
                 nursery.start_soon(broker._sweep_forever)
                 nursery.start_soon(broker._flush_last_use_forever)
+                await nursery.start(broker.refusals.run)
                 log_event(_log, "broker.ready", agents=len(custody.agents()),
                           relay=config.relay.url)
                 for record in custody.agents():
@@ -585,6 +612,22 @@ class Broker:
             self._ledger_failed(facts, "begin", exc)
             return await self._audited_answer(facts, self._internal(request_id), started,
                                               principal)
+        if isinstance(begun, Full):
+            # Not recorded: recording it would grow what the cap bounds (docs/operations.md).
+            log_event(_log, "ledger.agent_full", level=logging.WARNING, agent=principal.agent,
+                      request_id=request_id)
+            full = self._verdict(request_id, Verdict.failed(ErrorCode.UNAUTHORIZED, LEDGER_FULL))
+            return await self._audited_answer(facts, full, started, principal)
+        if isinstance(begun, Replay):
+            try:
+                begun = Replay(expanded_form(request_id, begun.response))
+            except ValueError:
+                # A compact refusal this version cannot read (a newer code): it was a
+                # failed verdict, so failed + internal promises nothing new.
+                log_event(_log, "ledger.record_unreadable", level=logging.ERROR,
+                          agent=principal.agent, request_id=request_id)
+                return await self._audited_answer(facts, self._internal(request_id), started,
+                                                  principal)
         if isinstance(begun, Replay):
             replay = _recorded(begun.response)
             progress.effects_possible = replay.status is not Status.FAILED
@@ -610,8 +653,14 @@ class Broker:
             self._ledger.release(begun.ticket)
             raise
         try:
-            await self._ledger.finish(begun.ticket, judged.response,
-                                      final=judged.status is not Status.INDETERMINATE)
+            # A refusal is kept as its code (verdict_store); a read's page only briefly.
+            await self._ledger.finish(
+                begun.ticket,
+                stored_form(request_id, judged.response, judged.status, judged.code)
+                if not judged.published else judged.response,
+                final=judged.status is not Status.INDETERMINATE,
+                keep_seconds=self._config.state.read_retention_seconds
+                if judged.status is Status.SUCCEEDED and not judged.published else None)
         except Exception as exc:  # noqa: BLE001 - sqlite3.Error or worse: the verdict stands
             # The verdict stands; only its record is missing. A pending record, if one was
             # committed, is still there, so the identical retry re-sends the same events
@@ -888,7 +937,15 @@ class Broker:
         return judged
 
     async def _audited(self, facts: _Facts, judged: _Judged, *, replayed: bool = False) -> bool:
-        """Append the verdict record; False (and an operator log line) when it cannot be."""
+        """Append the verdict record; False (and an operator log line) when it cannot be.
+
+        A refusal (failed, nothing published) past its credential's burst is counted
+        instead (daemon/refusal_audit.py); the ledger still records it.
+        """
+        if (judged.status is Status.FAILED and not judged.published and judged.code is not None
+                and not self.refusals.admit(facts.credential_id)):
+            self.refusals.count(facts.credential_id, facts.agent, facts.action, judged.code)
+            return True
         try:
             await self._audit.append(facts.record(
                 Phase.VERDICT, self._clock(), status=judged.status, code=judged.code,
@@ -916,6 +973,11 @@ class Broker:
             else:
                 judged = self._internal(facts.request_id)
             replayed = False
+        try:
+            # No ledger commit follows this answer: anchor the audit head now.
+            await self._ledger.anchor()
+        except sqlite3.Error as exc:
+            self._ledger_failed(facts, "anchor", exc)
         body = mark_replayed(judged.response) if replayed else judged.response
         return self._respond(facts.request_id, body, started, principal=principal,
                              action=facts.action, judged=judged, replayed=replayed)

@@ -85,6 +85,10 @@ class ServerConfig:
 class StateConfig:
     dir: str
     ledger_retention_seconds: int
+    #: how long a read's verdict (its page) is kept for replay (docs/configuration.md)
+    read_retention_seconds: int
+    #: the cap on one agent's ledger records, in counted bytes (daemon/ledger.py)
+    ledger_max_bytes_per_agent: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -340,6 +344,9 @@ _KEYS: tuple[_Key, ...] = (
     _Key("server", "shutdown_grace", "shutdown_grace", _duration, 10),
     _Key("state", "dir", "dir", _path, "/var/lib/buzz-broker"),
     _Key("state", "ledger_retention", "ledger_retention_seconds", _whole_seconds, "7d"),
+    _Key("state", "read_retention", "read_retention_seconds", _whole_seconds, "15m"),
+    _Key("state", "ledger_max_bytes_per_agent", "ledger_max_bytes_per_agent",
+         _int_at_least(4096), 256 * 1024 * 1024),
     _Key("pkcs11", "module", "module", _module_path, "/usr/lib/softhsm/libsofthsm2.so"),
     _Key("pkcs11", "token_label", "token_label", _text, "buzz-broker"),
     _Key("pkcs11", "pin_file", "pin_file", _optional_path, "/etc/buzz-broker/token-pin"),

@@ -47,18 +47,34 @@ lets go — so the snapshot the SELECT sees already holds everything an owner wr
 Its busy timeout is short (`READ_BUSY_TIMEOUT_MS`): a WAL reader is only ever kept waiting
 while SQLite rebuilds its shared index, and the event loop must not stall for long.
 
-Retention: `sweep(now)` deletes final records older than `retention_seconds` and
-pending/indeterminate ones older than `STALE_FACTOR` x retention (a retry that late gets
-a fresh execution; the database must stay bounded). Keys in flight are never swept.
+Retention: every record carries the time it `expires`: a final verdict `retention_seconds`
+after it was recorded (or the shorter `keep_seconds` the caller passes: reads), a
+pending/indeterminate one `STALE_FACTOR` x retention after its last write. `sweep(now)`
+deletes what has expired (a retry that late gets a fresh execution; the database must stay
+bounded). Keys in flight are never swept.
+
+Disk (issue 13): a record is stored compactly. The principal is a small integer
+(`principals` table), the requestId its 16-byte `request_key` (sha256, truncated: the key
+must be exact, the text is not needed — the caller holds it on every lookup, and the
+audit log has it), and one index (by expiry) beside the primary key. A refusal's response
+is whatever compact bytes the caller hands in (daemon/verdict_store.py). Per principal,
+the ledger counts `ROW_BYTES` + its blobs for every record; at `max_bytes_per_principal` a
+request that would add a record gets `Full()` (the pipeline refuses it, unrecorded).
+Replays and resumed work add nothing and are never refused.
+
+Audit anchor (issue 13): the audit log's head (seq, hash) is written into `audit_anchor`
+in every transaction, when it has moved, so the verdict and the audit record it followed
+become durable together. The audit log at start must reach it (daemon/audit.py).
 
 WARNING: one process owns a ledger file. The in-flight map is per process; a second daemon
 on the same file would not see the first one's owners. Keep `TRANSITIONS`, the `State`
-values stored in SQLite, and `_SCHEMA` in sync.
+values stored in SQLite, `_SCHEMA` and `_migrate_v1` in sync.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import sqlite3
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -79,6 +95,7 @@ __all__ = [
     "Resume",
     "Replay",
     "Conflict",
+    "Full",
     "Begin",
     "State",
     "LedgerEvent",
@@ -88,6 +105,11 @@ __all__ = [
     "STALE_FACTOR",
     "LEDGER_FILENAME",
     "READ_BUSY_TIMEOUT_MS",
+    "ROW_BYTES",
+    "request_key",
+    "read_anchor",
+    "write_anchor",
+    "read_record",
 ]
 
 #: The file name under the state directory (design.md: `<state>/ledger.db`).
@@ -100,6 +122,15 @@ DIGEST_BYTES: Final = 32
 #: may drop them: they are the only memory of events that may be on the relay, so they
 #: outlive final verdicts; but the database must stay bounded, so not forever.
 STALE_FACTOR: Final = 2
+
+#: What one record costs beyond its blobs, as the per-principal cap counts it: the key,
+#: digest, state and expiry, the expiry index entry and B-tree slack (measured on a
+#: table of refusals: ~150 bytes of file per record; rounded up).
+ROW_BYTES: Final = 160
+
+#: Bytes of sha256(requestId) kept as the key: 128 bits, so two requestIds of one
+#: principal collide only by a ~2^64 effort of that principal against itself.
+REQUEST_KEY_BYTES: Final = 16
 
 #: How long `begin`'s read on the event-loop thread may wait for SQLite's shared index
 #: (module docstring); beyond that the read fails like any database fault.
@@ -207,7 +238,17 @@ class Conflict:
     """Same key, different digest: request_id_conflict. The original record is untouched."""
 
 
-Begin: TypeAlias = Fresh | Resume | Replay | Conflict
+@dataclass(frozen=True, slots=True)
+class Full:
+    """No record exists and the principal's records are at the cap: nothing was claimed."""
+
+
+Begin: TypeAlias = Fresh | Resume | Replay | Conflict | Full
+
+
+def request_key(request_id: str) -> bytes:
+    """The stored form of a requestId (module docstring: why a hash)."""
+    return hashlib.sha256(request_id.encode("utf-8")).digest()[:REQUEST_KEY_BYTES]
 
 
 @dataclass(slots=True, eq=False)
@@ -231,19 +272,30 @@ class _Row:
 
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS ledger (
-    principal   TEXT    NOT NULL,
-    request_id  TEXT    NOT NULL,
+CREATE TABLE IF NOT EXISTS principals (
+    id          INTEGER PRIMARY KEY,
+    principal   TEXT    NOT NULL UNIQUE
+);
+CREATE TABLE IF NOT EXISTS entries (
+    pid         INTEGER NOT NULL,
+    rid         BLOB    NOT NULL,
     digest      BLOB    NOT NULL,
     state       TEXT    NOT NULL,
     pending     BLOB,
     response    BLOB,
-    created_at  INTEGER NOT NULL,
-    updated_at  INTEGER NOT NULL,
-    PRIMARY KEY (principal, request_id)
+    expires     INTEGER NOT NULL,
+    PRIMARY KEY (pid, rid)
 ) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS ledger_by_age ON ledger (state, updated_at)
+CREATE INDEX IF NOT EXISTS entries_by_expiry ON entries (expires);
+CREATE TABLE IF NOT EXISTS audit_anchor (
+    id          INTEGER PRIMARY KEY CHECK (id = 1),
+    seq         INTEGER NOT NULL,
+    head        TEXT    NOT NULL
+)
 """
+
+#: The size a record counts against its principal's cap (SQL over an `entries` row).
+_SIZE_SQL = f"{ROW_BYTES} + coalesce(length(pending), 0) + coalesce(length(response), 0)"
 
 _Op: TypeAlias = Callable[[sqlite3.Connection], Any]
 
@@ -257,6 +309,7 @@ class Ledger:
         reader: sqlite3.Connection,
         *,
         retention_seconds: int,
+        max_bytes_per_principal: int | None,
         clock: Callable[[], float],
     ) -> None:
         # Private: use Ledger.open(). Both connections are ours alone: `conn` writes from
@@ -272,8 +325,24 @@ class Ledger:
         self._reader = reader
         self._inflight: dict[LedgerKey, _Flight] = {}
         self._retention = retention_seconds
+        self._max_bytes = max_bytes_per_principal
         self._clock = clock
         self._closed = False
+        # principal -> id, and id -> counted bytes. Written only by the flusher thread
+        # (inside a transaction), read on the event loop: a stale read is off by the
+        # records of one batch, which the cap tolerates.
+        self._pids: dict[str, int] = dict(
+            conn.execute("SELECT principal, id FROM principals").fetchall())
+        self._usage: dict[int, int] = {
+            int(pid): int(size) for pid, size in conn.execute(
+                f"SELECT pid, total({_SIZE_SQL}) FROM entries GROUP BY pid").fetchall()}
+        # Made in the running transaction; joined to `_pids` / `_usage` only once it
+        # commits (a rolled-back id could otherwise be handed to another principal).
+        self._new_pids: dict[str, int] = {}
+        self._deltas: dict[int, int] = {}
+        # The audit head to anchor (daemon/audit.py), and the one the database holds.
+        self._head_source: Callable[[], tuple[int, str]] | None = None
+        self._anchored = self._read_anchor(conn)
 
     @classmethod
     def open(
@@ -281,6 +350,7 @@ class Ledger:
         path: Path | str,
         *,
         retention_seconds: int,
+        max_bytes_per_principal: int | None = None,
         clock: Callable[[], float] = time.time,
     ) -> Ledger:
         """Open or create the ledger database file (normally `<state>/ledger.db`).
@@ -289,23 +359,37 @@ class Ledger:
             path: the database file (not the state directory).
             retention_seconds: how long final verdicts are kept (config
                 `state.ledger_retention_seconds`, default 7 days).
+            max_bytes_per_principal: the cap on one principal's records (config
+                `state.ledger_max_bytes_per_agent`); None = no cap.
             clock: seconds since the epoch, for the records' timestamps (tests inject it).
 
         Raises:
-            ValueError: bad retention, or `path` is a directory.
+            ValueError: bad retention or cap, or `path` is a directory.
             OSError / sqlite3.Error: the database cannot be opened.
         """
         if isinstance(retention_seconds, bool) or not isinstance(retention_seconds, int):
             raise TypeError("retention_seconds must be an int")
         if retention_seconds <= 0:
             raise ValueError("retention_seconds must be positive")
+        if max_bytes_per_principal is not None and (
+                isinstance(max_bytes_per_principal, bool)
+                or not isinstance(max_bytes_per_principal, int)
+                or max_bytes_per_principal <= 0):
+            raise ValueError("max_bytes_per_principal must be a positive int or None")
         conn = open_private_db(Path(path), _SCHEMA)
         try:
+            _migrate_v1(conn, retention_seconds)
             reader = _open_reader(Path(path))
         except BaseException:
             conn.close()
             raise
-        return cls(conn, reader, retention_seconds=retention_seconds, clock=clock)
+        try:
+            return cls(conn, reader, retention_seconds=retention_seconds,
+                       max_bytes_per_principal=max_bytes_per_principal, clock=clock)
+        except BaseException:
+            reader.close()
+            conn.close()
+            raise
 
     def close(self) -> None:
         """Close the connection. Call only when no request is in flight (daemon shutdown)."""
@@ -313,6 +397,31 @@ class Ledger:
             self._closed = True
             self._reader.close()
             self._conn.close()
+
+    # -- the audit anchor ----------------------------------------------------------------
+
+    def anchor_audit(self, head: Callable[[], tuple[int, str]]) -> None:
+        """From now on every transaction records `head()` when it has moved.
+
+        `head` is called from the flusher thread: it must be thread-safe and must never
+        name a record that is not durable yet (AuditLog.head is both).
+        """
+        self._head_source = head
+
+    @property
+    def audit_anchor(self) -> tuple[int, str] | None:
+        """The anchored audit head (seq, hash), or None when none was ever recorded."""
+        return self._anchored
+
+    async def anchor(self) -> None:
+        """Commit the audit head now if it moved (after a verdict the ledger did not record)."""
+        if self._head_source is not None and self._head_source() != self._anchored:
+            await self._run(lambda conn: None)
+
+    @staticmethod
+    def _read_anchor(conn: sqlite3.Connection) -> tuple[int, str] | None:
+        row = conn.execute("SELECT seq, head FROM audit_anchor WHERE id = 1").fetchone()
+        return None if row is None else (int(row[0]), str(row[1]))
 
     # -- group commit (daemon/_group_commit.py runs the queue) --------------------------
 
@@ -333,13 +442,31 @@ class Ledger:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
             return [Failed(exc)] * len(batch)
+        # Usage and new ids count only when the transaction commits; an op that fails is
+        # rolled back to its savepoint, with what it noted here.
+        self._deltas, self._new_pids = {}, {}
         results: list[Any] = []
         for op in batch:
+            noted = dict(self._deltas), dict(self._new_pids)
             try:
+                conn.execute("SAVEPOINT op")
                 results.append(op(conn))
+                conn.execute("RELEASE op")
             except Exception as exc:  # noqa: BLE001 - handed back to the one caller it concerns
+                self._deltas, self._new_pids = noted
+                try:
+                    conn.execute("ROLLBACK TO op")
+                    conn.execute("RELEASE op")
+                except sqlite3.Error:
+                    pass
                 results.append(Failed(exc))
+        head = self._head_source() if self._head_source is not None else None
         try:
+            if head is not None and head != self._anchored:
+                conn.execute(
+                    "INSERT INTO audit_anchor (id, seq, head) VALUES (1, ?, ?)"
+                    " ON CONFLICT (id) DO UPDATE SET seq = excluded.seq, head = excluded.head",
+                    head)
             conn.execute("COMMIT")
             self.commits += 1
         except sqlite3.Error as exc:
@@ -349,7 +476,45 @@ class Ledger:
                 pass
             # Nothing in this batch is durable: every caller learns it.
             return [r if isinstance(r, Failed) else Failed(exc) for r in results]
+        if head is not None:
+            self._anchored = head
+        self._pids.update(self._new_pids)
+        for pid, delta in self._deltas.items():
+            self._usage[pid] = max(0, self._usage.get(pid, 0) + delta)
         return results
+
+    def _pid(self, conn: sqlite3.Connection, principal: str) -> int:
+        """The principal's id, made in this transaction if new (flusher thread only)."""
+        pid = self._pids.get(principal)
+        if pid is None:
+            conn.execute("INSERT OR IGNORE INTO principals (principal) VALUES (?)", (principal,))
+            pid = int(conn.execute("SELECT id FROM principals WHERE principal = ?",
+                                   (principal,)).fetchone()[0])
+            self._new_pids[principal] = pid
+        return pid
+
+    def _upsert(self, conn: sqlite3.Connection, key: LedgerKey, digest: bytes, state: State,
+                expires: int, *, pending: bytes | None = None,
+                response: bytes | None = None) -> None:
+        """Write one record (flusher thread); counts its size change for the cap."""
+        pid = self._pid(conn, key.principal)
+        rid = request_key(key.request_id)
+        old = conn.execute(f"SELECT {_SIZE_SQL} FROM entries WHERE pid = ? AND rid = ?",
+                           (pid, rid)).fetchone()
+        # A column given as None keeps what the record holds (pending is write-once;
+        # an indeterminate response stays until the verdict replaces it).
+        conn.execute(
+            "INSERT INTO entries (pid, rid, digest, state, pending, response, expires)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (pid, rid) DO UPDATE SET state = excluded.state,"
+            " pending = coalesce(excluded.pending, pending),"
+            " response = coalesce(excluded.response, response),"
+            " expires = excluded.expires",
+            (pid, rid, digest, state.value, pending, response, expires),
+        )
+        new = conn.execute(f"SELECT {_SIZE_SQL} FROM entries WHERE pid = ? AND rid = ?",
+                           (pid, rid)).fetchone()
+        self._deltas[pid] = self._deltas.get(pid, 0) + int(new[0]) - (int(old[0]) if old else 0)
 
     # -- the protocol ----------------------------------------------------------------
 
@@ -358,7 +523,8 @@ class Ledger:
 
         Returns:
             Fresh / Resume (the caller now owns the key: it must call finish() or
-            release()), Replay, or Conflict.
+            release()), Replay, Conflict, or Full (no record, and the principal is at its
+            cap: nothing claimed, nothing recorded).
 
         Raises:
             ValueError: the digest is not 32 bytes (our bug).
@@ -387,11 +553,16 @@ class Ledger:
         try:
             if self._closed:
                 raise RuntimeError("ledger is closed")
-            row = _select(self._reader, key)
+            pid = self._pids.get(key.principal)
+            row = None if pid is None else _select(self._reader, pid, key)
         except BaseException:
             self._drop(flight)
             raise
         if row is None:
+            if self._max_bytes is not None and pid is not None and (
+                    self._usage.get(pid, 0) >= self._max_bytes):
+                self._drop(flight)
+                return Full()
             return Fresh(ticket)
         if row.digest != digest:
             self._drop(flight)
@@ -418,31 +589,24 @@ class Ledger:
         if flight.has_pending:
             raise AssertionError("ledger: pending work is write-once; re-send the recorded work")
         new_state = advance(flight.state, LedgerEvent.RECORD_PENDING)
-        now = int(self._clock())
+        expires = int(self._clock()) + STALE_FACTOR * self._retention
         key, digest = ticket.key, ticket.digest
-
-        def op(conn: sqlite3.Connection) -> None:
-            conn.execute(
-                "INSERT INTO ledger (principal, request_id, digest, state, pending, response,"
-                " created_at, updated_at) VALUES (?, ?, ?, ?, ?, NULL, ?, ?)"
-                " ON CONFLICT (principal, request_id) DO UPDATE SET"
-                " state = excluded.state, pending = excluded.pending,"
-                " updated_at = excluded.updated_at",
-                (key.principal, key.request_id, digest, new_state.value, pending, now, now),
-            )
-
-        await self._run(op)
+        await self._run(lambda conn: self._upsert(conn, key, digest, new_state, expires,
+                                                  pending=pending))
         flight.state = new_state
         flight.has_pending = True
 
-    async def finish(self, ticket: Ticket, response: bytes, *, final: bool) -> None:
+    async def finish(self, ticket: Ticket, response: bytes, *, final: bool,
+                     keep_seconds: int | None = None) -> None:
         """Record the verdict and end ownership; waiters wake.
 
         Args:
-            response: the encoded broker_result, replayed verbatim (final) or kept for the
-                record (indeterminate).
+            response: the bytes to replay (final) or keep for the record (indeterminate);
+                opaque here (the pipeline may hand in a compact form).
             final: True for succeeded/failed; False for indeterminate, which keeps the
                 pending work so the next identical retry gets Resume.
+            keep_seconds: keep a final record this long instead of the retention (reads:
+                their pages are large and replaying them is only a convenience).
 
         Raises:
             AssertionError: the ticket does not own its key, or the transition is illegal.
@@ -453,21 +617,12 @@ class Ledger:
             raise TypeError("response must be bytes")
         event = LedgerEvent.FINISH_FINAL if final else LedgerEvent.FINISH_INDETERMINATE
         new_state = advance(flight.state, event)
-        now = int(self._clock())
+        keep = self._retention if keep_seconds is None else min(keep_seconds, self._retention)
+        expires = int(self._clock()) + (keep if final else STALE_FACTOR * self._retention)
         key, digest = ticket.key, ticket.digest
-
-        def op(conn: sqlite3.Connection) -> None:
-            conn.execute(
-                "INSERT INTO ledger (principal, request_id, digest, state, pending, response,"
-                " created_at, updated_at) VALUES (?, ?, ?, ?, NULL, ?, ?, ?)"
-                " ON CONFLICT (principal, request_id) DO UPDATE SET"
-                " state = excluded.state, response = excluded.response,"
-                " updated_at = excluded.updated_at",
-                (key.principal, key.request_id, digest, new_state.value, response, now, now),
-            )
-
         try:
-            await self._run(op)
+            await self._run(lambda conn: self._upsert(conn, key, digest, new_state, expires,
+                                                      response=response))
         except BaseException:
             self._drop(flight)
             raise
@@ -489,27 +644,20 @@ class Ledger:
 
     async def sweep(self, now: int) -> int:
         """Drop expired records; returns how many. Keys in flight are kept."""
-        final_before = now - self._retention
-        stale_before = now - STALE_FACTOR * self._retention
         busy = list(self._inflight)
 
         def op(conn: sqlite3.Connection) -> int:
-            # A final record in flight cannot exist (final keys are never claimed).
-            removed = conn.execute(
-                "DELETE FROM ledger WHERE state = ? AND updated_at < ?",
-                (State.FINAL.value, final_before),
-            ).rowcount
-            stale = conn.execute(
-                "SELECT principal, request_id FROM ledger WHERE state != ? AND updated_at < ?",
-                (State.FINAL.value, stale_before),
+            expired = conn.execute(
+                f"SELECT pid, rid, {_SIZE_SQL} FROM entries WHERE expires < ?", (now,)
             ).fetchall()
             # An owner in this process may be about to finish a stale key: keep it.
-            busy_set = {(k.principal, k.request_id) for k in busy}
-            doomed = [row for row in stale if (row[0], row[1]) not in busy_set]
-            conn.executemany(
-                "DELETE FROM ledger WHERE principal = ? AND request_id = ?", doomed
-            )
-            return int(removed) + len(doomed)
+            busy_set = {(self._pids.get(k.principal), request_key(k.request_id)) for k in busy}
+            doomed = [row for row in expired if (row[0], bytes(row[1])) not in busy_set]
+            conn.executemany("DELETE FROM entries WHERE pid = ? AND rid = ?",
+                             [(pid, rid) for pid, rid, _size in doomed])
+            for pid, _rid, size in doomed:
+                self._deltas[pid] = self._deltas.get(pid, 0) - int(size)
+            return len(doomed)
 
         removed: int = await self._run(op)
         return removed
@@ -517,9 +665,14 @@ class Ledger:
     async def count(self) -> int:
         """How many records the database holds (for tests, metrics and the benchmark)."""
         n: int = await self._run(
-            lambda conn: conn.execute("SELECT count(*) FROM ledger").fetchone()[0]
+            lambda conn: conn.execute("SELECT count(*) FROM entries").fetchone()[0]
         )
         return n
+
+    def usage(self, principal: str) -> int:
+        """Bytes the principal's records count against its cap (ROW_BYTES + blobs each)."""
+        pid = self._pids.get(principal)
+        return 0 if pid is None else self._usage.get(pid, 0)
 
     # -- ownership ---------------------------------------------------------------------
 
@@ -535,6 +688,79 @@ class Ledger:
         flight.done.set()
 
 
+def _migrate_v1(conn: sqlite3.Connection, retention: int) -> None:
+    """Move records from the first layout (`ledger`: text keys, `updated_at`) into `entries`.
+
+    One transaction; afterwards the old table is gone. Expiry is what the old sweep would
+    have applied: retention after the last write for final records, STALE_FACTOR x for
+    the rest.
+    """
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'ledger'"
+                    ).fetchone() is None:
+        return
+    conn.create_function("request_key", 1, lambda text: request_key(str(text)),
+                         deterministic=True)
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.execute("INSERT OR IGNORE INTO principals (principal)"
+                     " SELECT DISTINCT principal FROM ledger")
+        conn.execute(
+            "INSERT OR REPLACE INTO entries (pid, rid, digest, state, pending, response, expires)"
+            " SELECT p.id, request_key(l.request_id), l.digest, l.state, l.pending, l.response,"
+            " l.updated_at + CASE WHEN l.state = ? THEN ? ELSE ? END"
+            " FROM ledger AS l JOIN principals AS p ON p.principal = l.principal",
+            (State.FINAL.value, retention, STALE_FACTOR * retention))
+        conn.execute("DROP TABLE ledger")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def read_anchor(path: Path | str) -> tuple[int, str] | None:
+    """The audit anchor in a ledger file, read-only (the CLI; the daemon may be running).
+
+    None when the file or the anchor does not exist. Raises sqlite3.Error on a bad file.
+    """
+    if not Path(path).is_file():
+        return None
+    conn = sqlite3.connect(f"file:{Path(path)}?mode=ro", uri=True)
+    try:
+        conn.execute(f"PRAGMA busy_timeout={READ_BUSY_TIMEOUT_MS * 10}")
+        has_table = conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'audit_anchor'"
+                                 ).fetchone()
+        return None if has_table is None else Ledger._read_anchor(conn)
+    finally:
+        conn.close()
+
+
+def write_anchor(path: Path | str, head: tuple[int, str]) -> None:
+    """Set the audit anchor (`audit reanchor`; the daemon must not be running)."""
+    conn = open_private_db(Path(path), _SCHEMA)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute(
+            "INSERT INTO audit_anchor (id, seq, head) VALUES (1, ?, ?)"
+            " ON CONFLICT (id) DO UPDATE SET seq = excluded.seq, head = excluded.head", head)
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+def read_record(path: Path | str, principal: str, request_id: str
+                ) -> tuple[State, bytes | None, bytes | None] | None:
+    """(state, pending, response) of one record, read from the file (tests and tools)."""
+    conn = sqlite3.connect(str(path))
+    try:
+        row = conn.execute(
+            "SELECT e.state, e.pending, e.response FROM entries AS e"
+            " JOIN principals AS p ON p.id = e.pid WHERE p.principal = ? AND e.rid = ?",
+            (principal, request_key(request_id))).fetchone()
+    finally:
+        conn.close()
+    return None if row is None else (State(row[0]), row[1], row[2])
+
+
 def _open_reader(path: Path) -> sqlite3.Connection:
     """The read-only connection for begin() (the writer already made the file and schema)."""
     reader = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
@@ -548,11 +774,10 @@ def _open_reader(path: Path) -> sqlite3.Connection:
     return reader
 
 
-def _select(conn: sqlite3.Connection, key: LedgerKey) -> _Row | None:
+def _select(conn: sqlite3.Connection, pid: int, key: LedgerKey) -> _Row | None:
     row = conn.execute(
-        "SELECT digest, state, pending, response FROM ledger"
-        " WHERE principal = ? AND request_id = ?",
-        (key.principal, key.request_id),
+        "SELECT digest, state, pending, response FROM entries WHERE pid = ? AND rid = ?",
+        (pid, request_key(key.request_id)),
     ).fetchone()
     if row is None:
         return None

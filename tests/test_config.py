@@ -34,6 +34,8 @@ shutdown_grace = 3
 [state]
 dir = "/srv/bb/state"
 ledger_retention = "2h"
+read_retention = "5m"
+ledger_max_bytes_per_agent = 1048576
 
 [pkcs11]
 module = "/opt/hsm/libvendor.so"
@@ -73,6 +75,8 @@ EXPECTED: dict[tuple[str, str], object] = {
     ("server", "shutdown_grace"): 3.0,
     ("state", "dir"): "/srv/bb/state",
     ("state", "ledger_retention_seconds"): 7200,
+    ("state", "read_retention_seconds"): 300,
+    ("state", "ledger_max_bytes_per_agent"): 1048576,
     ("pkcs11", "module"): "/opt/hsm/libvendor.so",
     ("pkcs11", "token_label"): "other-token",
     ("pkcs11", "pin_file"): "/etc/bb/pin",
@@ -102,6 +106,8 @@ DEFAULTS: dict[tuple[str, str], object] = {
     ("server", "shutdown_grace"): 10.0,
     ("state", "dir"): "/var/lib/buzz-broker",
     ("state", "ledger_retention_seconds"): 7 * 86400,
+    ("state", "read_retention_seconds"): 15 * 60,
+    ("state", "ledger_max_bytes_per_agent"): 256 * 1024 * 1024,
     ("pkcs11", "module"): "/usr/lib/softhsm/libsofthsm2.so",
     ("pkcs11", "token_label"): "buzz-broker",
     ("pkcs11", "pin_file"): "/etc/buzz-broker/token-pin",
@@ -233,6 +239,7 @@ def test_wrong_type_names_key_and_file(tmp_path: Path, row: object) -> None:
         ("server", "request_timeout", "nan"),
         ("server", "socket", '""'),
         ("state", "ledger_retention", '"7 days"'),
+        ("state", "ledger_max_bytes_per_agent", "100"),
         ("pkcs11", "token_label", '"  "'),
         ("relay", "url", '"http://relay.example.com"'),
         ("relay", "url", '"wss://"'),

@@ -1,4 +1,4 @@
-"""`buzz-broker audit verify|show`: check the audit chain, and read it as a human.
+"""`buzz-broker audit verify|show|reanchor`: check the audit chain, read it, re-anchor it.
 
 Rules:
 - `verify [PATH] [--head HASH]` checks the hash chain of the audit directory (default:
@@ -6,7 +6,13 @@ Rules:
   `ok N records; head H` and exits 0, or prints the first broken record
   (`broken: FILE line N: reason`) and exits `EXIT_BROKEN`. `--head` is a head hash
   remembered from the operator log (`audit.head`): a log that no longer ends there was
-  cut short.
+  cut short. Without PATH the log must also reach the anchor the state database holds
+  (`<state>/ledger.db`); a missing log with an anchor is broken too. `--archived`: the
+  oldest files were moved away (docs/operations.md, "Retention and archiving").
+- `reanchor [--yes]` is for an operator who restored a disk from an older backup: the log
+  (which must verify on its own) is accepted as it is. It writes a `reanchor` record
+  naming the anchor given up, then anchors the new head. It asks first unless `--yes`,
+  refuses without a terminal, and refuses while the daemon holds the log.
 - `show` prints records filtered by `--agent`, `--credential`, `--action`, `--since`,
   `--until` as a table, or with `--json` the stored lines themselves (canonical JSON, one
   per line). TIME is ISO-8601 (`2026-11-30`, `2026-11-30T15:00:00Z`; no zone = UTC) or
@@ -50,7 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="audit directory or one audit file (default: <state>/audit)")
     check.add_argument("--head", metavar="HASH",
                        help="the head hash the log must still end at (from audit.head)")
+    check.add_argument("--archived", action="store_true",
+                       help="the oldest files were archived: start at the first file present")
     check.set_defaults(_audit=_verify)
+
+    again = sub.add_parser("reanchor", help="accept the log as it is after a restore from "
+                                           "backup (writes a reanchor record)")
+    again.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    again.set_defaults(_audit=_reanchor)
 
     show = sub.add_parser("show", help="show records as a table (filters combine)")
     show.add_argument("--agent", metavar="HEX", help="only this agent's records")
@@ -97,18 +110,42 @@ def parse_time(text: str, now: float) -> float:
     return when.timestamp()
 
 
+def _state_anchor(args: argparse.Namespace) -> tuple[Path, tuple[int, str] | None]:
+    """The configured audit directory and the anchor its state database holds."""
+    import sqlite3
+
+    from daemon.audit import AUDIT_DIRNAME
+    from daemon.ledger import LEDGER_FILENAME, read_anchor
+
+    state = Path(config_from_args(args).state.dir)
+    try:
+        return state / AUDIT_DIRNAME, read_anchor(state / LEDGER_FILENAME)
+    except sqlite3.Error as exc:
+        raise CliError(f"cannot read the anchor in {state / LEDGER_FILENAME}: {exc}") from None
+
+
 def _verify(args: argparse.Namespace) -> int:
     from daemon.audit import verify
 
+    anchor = None
+    if args.path is None:
+        path, anchor = _state_anchor(args)
+        if not path.exists() and anchor is not None and anchor[0] > 0:
+            print(f"broken: {path} is missing, but the anchor is record {anchor[0]} "
+                  f"(the log was deleted)")
+            return EXIT_BROKEN
     path = _audit_dir(args, args.path)
     if args.head is not None and not _HEX64_RE.fullmatch(args.head):
         raise CliError("--head: expected a 64-hex sha256")
     try:
-        result = verify(path, expect_head=args.head.lower() if args.head else None)
+        result = verify(path, expect_head=args.head.lower() if args.head else None,
+                        anchor=anchor, archived=args.archived)
     except OSError as exc:
         raise CliError(f"cannot read {path}: {exc.strerror}") from None
     if result.ok:
         print(f"ok {result.records} records; head {result.head}")
+        if anchor is not None:
+            print(f"reaches the anchored record {anchor[0]}")
         if result.torn_tail:
             print("note: the last file ends in a partial line (a crash mid-write; it was never "
                   "acknowledged and the daemon drops it when it next starts)")
@@ -118,6 +155,63 @@ def _verify(args: argparse.Namespace) -> int:
         where = f"{Path(result.file).name}: "
     print(f"broken: {where}{result.reason} ({result.records} records verified before it)")
     return EXIT_BROKEN
+
+
+def _reanchor(args: argparse.Namespace) -> int:
+    import os
+
+    import trio
+
+    from daemon.audit import GENESIS, AuditLog, AuditUnavailable, Reanchor, verify
+    from daemon.ledger import LEDGER_FILENAME, write_anchor
+
+    path, anchor = _state_anchor(args)
+    if anchor is None:
+        print("no anchor is recorded: nothing to re-anchor (serve adopts the log's head)")
+        return 0
+    if path.exists():
+        try:
+            own = verify(path, archived=True)
+        except OSError as exc:
+            raise CliError(f"cannot read {path}: {exc.strerror}") from None
+        if not own.ok:
+            raise CliError(
+                f"the audit log itself is broken ({own.reason}); move {path} aside (keep it "
+                "as evidence) and run this again to start a new chain")
+        if verify(path, anchor=anchor, archived=True).ok:
+            print(f"the log reaches its anchor (record {anchor[0]}): nothing to do")
+            return 0
+        records, head = own.records, own.head
+    else:
+        records, head = 0, GENESIS
+    print(f"The audit log ends at record {records} (head {head}),\n"
+          f"but the anchor is record {anchor[0]} (head {anchor[1]}).\n"
+          "Re-anchoring accepts the log as it is: whatever came after its end is given up.\n"
+          "A reanchor record naming the old anchor is added to the log.")
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise CliError("re-anchoring needs confirmation: run it in a terminal, or pass --yes")
+        if input("Re-anchor? [y/N] ").strip().lower() not in ("y", "yes"):
+            print("not re-anchored")
+            return 1
+
+    async def write() -> tuple[int, str]:
+        log = AuditLog.open(path)
+        try:
+            await log.append(Reanchor(at=time.time(), anchored_seq=anchor[0],
+                                      anchored_head=anchor[1], uid=os.getuid()))
+        finally:
+            await log.aclose()
+        return log.head
+
+    try:
+        new_head = trio.run(write)
+    except AuditUnavailable as exc:
+        raise CliError(f"cannot write the audit log: {exc.detail or exc} (is the daemon "
+                       "running? stop it first)") from None
+    write_anchor(path.parent / LEDGER_FILENAME, new_head)
+    print(f"re-anchored at record {new_head[0]} (head {new_head[1]})")
+    return 0
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -142,11 +236,12 @@ def _show(args: argparse.Namespace) -> int:
                 print(f"audit: cannot read {entry.file} line {entry.line}; run `buzz-broker "
                       f"audit verify`", file=sys.stderr)
                 continue
-            if agent is not None and record.agent != agent:
+            if agent is not None and getattr(record, "agent", None) != agent:
                 continue
-            if args.credential is not None and record.credential_id != args.credential:
+            if args.credential is not None and getattr(record, "credential_id",
+                                                       None) != args.credential:
                 continue
-            if args.action is not None and record.action != args.action:
+            if args.action is not None and getattr(record, "action", None) != args.action:
                 continue
             if since is not None and record.at < since:
                 continue
@@ -168,8 +263,15 @@ _HEADER: Final = ("TIME (UTC)", "PHASE", "AGENT", "CREDENTIAL", "ACTION", "REQUE
 
 
 def _row(record: object) -> tuple[str, ...]:
-    from daemon.audit import AuditRecord
+    from daemon.audit import AuditRecord, Reanchor, RefusalCount
 
+    if isinstance(record, RefusalCount):
+        return (_when(record.at), "refusals", record.agent[:16], record.credential_id,
+                record.action or "-", f"{record.count} counted", "failed", record.code.value,
+                "-")
+    if isinstance(record, Reanchor):
+        return (_when(record.at), "reanchor", "-", f"uid {record.uid}", "-",
+                f"gave up record {record.anchored_seq}", "-", "-", "-")
     assert isinstance(record, AuditRecord)
     when = datetime.datetime.fromtimestamp(record.at, tz=datetime.timezone.utc)
     status = record.status.value if record.status else "-"
@@ -187,6 +289,11 @@ def _row(record: object) -> tuple[str, ...]:
         record.code.value if record.code else "-",
         events,
     )
+
+
+def _when(at: float) -> str:
+    return datetime.datetime.fromtimestamp(at, tz=datetime.timezone.utc).strftime(
+        "%Y-%m-%d %H:%M:%S")
 
 
 def _print_table(rows: list[tuple[str, ...]]) -> None:

@@ -275,17 +275,12 @@ def pending_event_ids(state_dir: Path, principal: str, request_id: str) -> list[
     None: no pending record was committed. The daemon is dead, so reading its WAL database
     from here is safe (one process owns a ledger file at a time).
     """
-    import sqlite3
+    from daemon.ledger import read_record
 
-    db = sqlite3.connect(str(state_dir / "ledger.db"))
-    try:
-        row = db.execute("SELECT pending FROM ledger WHERE principal = ? AND request_id = ?",
-                         (principal, request_id)).fetchone()
-    finally:
-        db.close()
-    if row is None or row[0] is None:
+    row = read_record(state_dir / "ledger.db", principal, request_id)
+    if row is None or row[1] is None:
         return None
-    return [str(e["id"]) for e in json.loads(row[0])["events"]]
+    return [str(e["id"]) for e in json.loads(row[1])["events"]]
 
 
 class Moment(enum.Enum):

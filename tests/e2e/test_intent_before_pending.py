@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 import trio
 
-from daemon.audit import AUDIT_DIRNAME, AuditRecord, AuditUnavailable, Phase, verify
+from daemon.audit import AUDIT_DIRNAME, AuditRecord, AuditUnavailable, Entry, Phase, verify
+from daemon.ledger import request_key
 from tests.fixtures.broker import BrokerHarness, request_body
 from tests.fixtures.relay import nostr_fetch
 
@@ -30,8 +31,8 @@ from tests.fixtures.relay import nostr_fetch
 def _ledger_row(state_dir: Path, request_id: str) -> tuple[str, bytes | None]:
     conn = sqlite3.connect(state_dir / "ledger.db")
     try:
-        row = conn.execute("SELECT state, pending FROM ledger WHERE request_id = ?",
-                           (request_id,)).fetchone()
+        row = conn.execute("SELECT state, pending FROM entries WHERE rid = ?",
+                           (request_key(request_id),)).fetchone()
     finally:
         conn.close()
     assert row is not None, "the request left no ledger record"
@@ -48,13 +49,13 @@ def _failing_intents(broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch,
     real = audit.append
     refused: list[tuple[str, str | None]] = []
 
-    async def append(record: AuditRecord) -> None:
-        if record.phase is Phase.INTENT:
+    async def append(record: Entry) -> None:
+        if isinstance(record, AuditRecord) and record.phase is Phase.INTENT:
             await trio.sleep(delay)  # let the concurrent pending commit land first
             conn = sqlite3.connect(broker.state_dir / "ledger.db")
             try:
-                row = conn.execute("SELECT state FROM ledger WHERE request_id = ?",
-                                   (record.request_id,)).fetchone()
+                row = conn.execute("SELECT state FROM entries WHERE rid = ?",
+                                   (request_key(record.request_id),)).fetchone()
             finally:
                 conn.close()
             refused.append((record.request_id, None if row is None else str(row[0])))

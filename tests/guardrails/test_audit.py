@@ -23,6 +23,8 @@ from daemon.audit import (
     AuditRecord,
     AuditUnavailable,
     Phase,
+    Reanchor,
+    RefusalCount,
     audit_files,
     read_records,
     verify,
@@ -236,7 +238,7 @@ async def test_restart_continues_the_chain_and_drops_a_torn_tail(
     await log.aclose()
     result = verify(directory)
     assert result.ok and result.records == 40 and not result.torn_tail
-    assert [e.record.request_id for e in read_records(directory) if e.record] == [
+    assert [e.record.request_id for e in read_records(directory) if isinstance(e.record, AuditRecord)] == [
         f"req-{i:05d}" for i in range(40)]
 
 
@@ -260,7 +262,7 @@ async def test_concurrent_appends_keep_the_chain(tmp_path: Path) -> None:
     assert result.ok and result.records == 1280
     assert log.batches < 1280  # group commit shared fsyncs
     # Each task's records appear in the order that task appended them.
-    order = [int(e.record.request_id[4:]) for e in read_records(directory) if e.record]
+    order = [int(e.record.request_id[4:]) for e in read_records(directory) if isinstance(e.record, AuditRecord)]
     assert sorted(order) == list(range(1280))
     for task in range(64):
         mine = [i for i in order if i % 64 == task]
@@ -278,14 +280,17 @@ async def test_close_waits_for_queued_records(tmp_path: Path) -> None:
     assert result.ok and result.records == 20 and result.head == log.head[1]
 
 
-def _dev_full(path: Path, flags: int) -> int:
-    # Every write fails with ENOSPC: a full disk, whoever we run as.
-    return os.open("/dev/full", os.O_WRONLY | os.O_CLOEXEC)
+def _disk_full(fd: int, data: bytes) -> None:
+    # Every write fails with ENOSPC: a full disk, whoever we run as. (A descriptor on
+    # /dev/full no longer passes for the audit file: the path must name the open file.)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-async def test_full_disk_fails_closed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+async def test_full_disk_fails_closed(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
     caplog.set_level(logging.ERROR, logger="buzz_broker")
-    log = AuditLog.open(tmp_path / "audit", _opener=_dev_full)
+    monkeypatch.setattr("daemon.audit._write_all", _disk_full)
+    log = AuditLog.open(tmp_path / "audit")
     with pytest.raises(AuditUnavailable) as info:
         await log.append(record(1))
     assert str(info.value) == UNAVAILABLE_MESSAGE
@@ -333,7 +338,7 @@ async def test_failed_fsync_leaves_no_torn_record(
     await log.aclose()
     result = verify(directory)
     assert result.ok and result.records == 2
-    assert [e.record.request_id for e in read_records(directory) if e.record] == [
+    assert [e.record.request_id for e in read_records(directory) if isinstance(e.record, AuditRecord)] == [
         "req-00001", "req-00003"]
 
 
@@ -407,3 +412,151 @@ def test_records_validate_in_construction() -> None:
             AuditRecord(**fields)
     with pytest.raises(ValueError):
         AuditLog.open("/nonexistent-never", rotate_bytes=10)
+
+
+# ---------------------------------------------------------------- issue 13: identity, anchor
+
+
+@pytest.mark.parametrize("how", ["rename", "delete", "hard_link", "replace", "rename_dir"])
+async def test_the_path_must_still_name_the_open_file(
+    tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="buzz_broker")
+    directory = tmp_path / "audit"
+    log = AuditLog.open(directory)
+    await log.append(record(1))
+    live = audit_files(directory)[-1][1]
+    aside = tmp_path / "aside.jsonl"
+    if how == "rename":
+        live.rename(aside)
+    elif how == "delete":
+        live.unlink()
+    elif how == "hard_link":
+        os.link(live, aside)
+    elif how == "replace":
+        # The same name, another file (a copy whose tail the editor controls).
+        shutil.copy(live, aside)
+        os.replace(aside, live)
+    else:
+        directory.rename(tmp_path / "moved")
+    with pytest.raises(AuditUnavailable) as info:
+        await log.append(record(2))
+    assert "replaced" in info.value.detail
+    assert "audit.unavailable" in [r.__dict__.get("buzz_event") for r in caplog.records]
+    assert log.head[0] == 1  # nothing was counted as written
+    await log.aclose()
+
+
+async def test_a_renamed_file_put_back_continues_the_chain(tmp_path: Path) -> None:
+    directory = tmp_path / "audit"
+    log = AuditLog.open(directory)
+    await log.append(record(1))
+    live = audit_files(directory)[-1][1]
+    live.rename(tmp_path / "aside.jsonl")
+    with pytest.raises(AuditUnavailable):
+        await log.append(record(2))
+    (tmp_path / "aside.jsonl").rename(live)
+    await log.append(record(3))
+    await log.aclose()
+    assert verify(directory).ok and verify(directory).records == 2
+
+
+async def _anchored_log(directory: Path, count: int) -> tuple[int, str]:
+    log = AuditLog.open(directory, rotate_bytes=4096)
+    for i in range(count):
+        await log.append(record(i))
+    await log.aclose()
+    return log.head
+
+
+async def test_open_refuses_a_log_that_does_not_reach_its_anchor(tmp_path: Path) -> None:
+    directory = tmp_path / "audit"
+    anchor = await _anchored_log(directory, 30)
+    middle = (10, verify_head_at(directory, 10))
+    # Reaching the anchor, at the tail or before it, opens; the records after it are checked.
+    for good in (anchor, middle, (0, GENESIS)):
+        AuditLog.open(directory, anchor=good)._close_fd()
+    last = audit_files(directory)[-1][1]
+    pristine = last.read_bytes()
+    lines = pristine.splitlines(keepends=True)
+
+    # A cut tail: a valid shorter chain.
+    last.write_bytes(b"".join(lines[:-1]))
+    assert verify(directory).ok
+    with pytest.raises(AuditUnavailable) as info:
+        AuditLog.open(directory, anchor=anchor)
+    assert "anchored head" in info.value.detail
+    result = verify(directory, anchor=anchor)
+    assert not result.ok and "anchored head" in str(result.reason)
+
+    # A suffix rewritten consistently (digests and links recomputed) from record 26 on:
+    # the same first 25 records, then five others. Each line is valid, the chain holds.
+    shutil.rmtree(directory)
+    log = AuditLog.open(directory, rotate_bytes=4096)
+    for i in range(30):
+        await log.append(record(i) if i < 25 else record(i, action="agents.delete"))
+    await log.aclose()
+    assert verify(directory).ok and log.head[0] == anchor[0] and log.head[1] != anchor[1]
+    with pytest.raises(AuditUnavailable) as info:
+        AuditLog.open(directory, anchor=anchor)
+    assert "not the anchored head" in info.value.detail
+    assert not verify(directory, anchor=anchor).ok
+    # What the anchor cannot show: a rewrite after the anchored record (anchor at 10).
+    AuditLog.open(directory, anchor=middle)._close_fd()
+
+    # A deleted log: the directory comes back empty.
+    shutil.rmtree(directory)
+    with pytest.raises(AuditUnavailable):
+        AuditLog.open(directory, anchor=anchor)
+    assert not verify(directory, anchor=anchor).ok
+
+
+def verify_head_at(directory: Path, seq: int) -> str:
+    """The hash of record `seq` (what an anchor taken then would hold)."""
+    lines = [line for _n, p in audit_files(directory) for line in p.read_bytes().splitlines()]
+    return hashlib.sha256(lines[seq - 1]).hexdigest()
+
+
+async def test_one_writer_per_log(tmp_path: Path) -> None:
+    directory = tmp_path / "audit"
+    log = AuditLog.open(directory)
+    with pytest.raises(AuditUnavailable) as info:
+        AuditLog.open(directory)  # a second daemon, or `audit reanchor` while one serves
+    assert "another process" in info.value.detail
+    await log.aclose()
+    AuditLog.open(directory)._close_fd()
+
+
+async def test_refusal_counts_and_reanchor_records_chain(tmp_path: Path) -> None:
+    directory = tmp_path / "audit"
+    log = AuditLog.open(directory)
+    await log.append(record(0))
+    await log.append(RefusalCount(at=NOON + 60, since=NOON, credential_id=CRED, agent=AGENT,
+                                  action="message.post", code=ErrorCode.UNAUTHORIZED, count=4980))
+    await log.append(Reanchor(at=NOON + 61, anchored_seq=9, anchored_head="cd" * 32, uid=0))
+    await log.aclose()
+    assert verify(directory).ok and verify(directory).records == 3
+    entries = [line.record for line in read_records(directory)]
+    assert isinstance(entries[1], RefusalCount) and entries[1].count == 4980
+    assert isinstance(entries[2], Reanchor) and entries[2].anchored_seq == 9
+    for bad in ({"count": 0}, {"code": ErrorCode.OUTCOME_UNKNOWN}, {"agent": "x"}):
+        fields = {"at": NOON, "since": NOON, "credential_id": CRED, "agent": AGENT,
+                  "action": None, "code": ErrorCode.UNAUTHORIZED, "count": 1, **bad}
+        with pytest.raises((ValueError, TypeError)):
+            RefusalCount(**fields)
+
+
+def test_an_archived_head_of_the_series_verifies_only_when_said(log_dir: Path) -> None:
+    whole = verify(log_dir)
+    files = audit_files(log_dir)
+    archive = log_dir.parent / "archive"
+    archive.mkdir()
+    files[0][1].rename(archive / files[0][1].name)
+    assert not verify(log_dir).ok  # audit-000001.jsonl is missing
+    rest = verify(log_dir, archived=True, anchor=(1000, whole.head))
+    assert rest.ok and rest.head == whole.head and rest.records < 1000
+    # The archive verifies on its own, and the files left still form one chain with it.
+    assert verify(archive / files[0][1].name).ok
+    # What the anchor still catches: the newest file gone.
+    files[-1][1].unlink()
+    assert not verify(log_dir, archived=True, anchor=(1000, whole.head)).ok

@@ -84,3 +84,47 @@ def test_verify_and_show(tmp_path: Path) -> None:
         fault = buzz(*argv)
         assert fault.returncode == 1
         assert fault.stderr.count("\n") == 1 and "Traceback" not in fault.stderr
+
+
+def _answer_on_a_terminal(argv: list[str], answer: bytes) -> tuple[int, str]:
+    """Run `buzz-broker argv` with a terminal for stdin, typing `answer`; (status, output)."""
+    import pty
+
+    main_fd, terminal = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if k != "BUZZ_BROKER_CONFIG"}
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", *argv], stdin=terminal,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        os.write(main_fd, answer)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        os.close(main_fd)
+        os.close(terminal)
+    return proc.returncode, out.decode()
+
+
+def test_reanchor_asks_and_is_itself_audited(tmp_path: Path) -> None:
+    from daemon.audit import Reanchor, read_records, verify
+    from daemon.ledger import read_anchor, write_anchor
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    trio.run(make_log, state)
+    config = tmp_path / "broker.toml"
+    config.write_text(f'[state]\ndir = "{state}"\n')
+    whole = verify(state / "audit")
+    # The anchor a restored disk no longer reaches: two records further than the log.
+    write_anchor(state / "ledger.db", (whole.records + 2, "ef" * 32))
+    assert buzz("--config", str(config), "audit", "verify").returncode == EXIT_BROKEN
+
+    status, out = _answer_on_a_terminal(["--config", str(config), "audit", "reanchor"], b"n\n")
+    assert status == 1 and "not re-anchored" in out
+    assert read_anchor(state / "ledger.db") == (whole.records + 2, "ef" * 32)
+
+    status, out = _answer_on_a_terminal(["--config", str(config), "audit", "reanchor"], b"y\n")
+    assert status == 0 and "re-anchored at record 31" in out, out
+    assert buzz("--config", str(config), "audit", "verify").returncode == 0
+    last = list(read_records(state / "audit"))[-1].record
+    assert isinstance(last, Reanchor) and last.anchored_seq == whole.records + 2
+    assert last.anchored_head == "ef" * 32 and last.uid == os.getuid()
+    assert read_anchor(state / "ledger.db") == (31, verify(state / "audit").head)

@@ -350,7 +350,7 @@ async def test_database_fault_reaches_the_caller_and_claims_nothing(
     # Break the table under the ledger (a disk fault stands in for this): the verdict
     # cannot be recorded, the caller sees the database error, and the key is released.
     other = sqlite3.connect(tmp_path / "ledger.db")
-    other.execute("DROP TABLE ledger")
+    other.execute("DROP TABLE entries")
     other.commit()
     other.close()
     with pytest.raises(sqlite3.Error):

@@ -1,0 +1,214 @@
+"""The ledger's disk bounds and the audit anchor (issue 13): compact refusals, short-lived
+reads, the per-principal cap, the first layout's migration, the anchor's commit."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+import trio
+
+from buzzwire.contract import MESSAGES, ErrorCode, Status, Verdict, encode_response
+from daemon.audit import AuditLog, RefusalCount, read_records
+from daemon.ledger import (
+    ROW_BYTES,
+    Fresh,
+    Full,
+    Ledger,
+    LedgerKey,
+    Replay,
+    read_anchor,
+    read_record,
+    write_anchor,
+)
+from daemon.refusal_audit import RefusalAudit
+from daemon.verdict_store import expanded_form, stored_form
+
+AGENT = "a" * 64
+T0 = 1_800_000_000
+
+
+def digest(body: bytes) -> bytes:
+    return hashlib.sha256(body).digest()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = float(T0)
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def _record(ledger: Ledger, request_id: str, response: bytes, *,
+                  keep: int | None = None, principal: str = AGENT) -> None:
+    begun = await ledger.begin(LedgerKey(principal, request_id), digest(request_id.encode()))
+    assert isinstance(begun, Fresh)
+    await ledger.finish(begun.ticket, response, final=True, keep_seconds=keep)
+
+
+def test_a_refusal_is_stored_as_its_code_and_replays_byte_for_byte() -> None:
+    for verdict in (Verdict.failed(ErrorCode.UNAUTHORIZED),
+                    Verdict.failed(ErrorCode.UNAUTHORIZED, "this channel is not permitted"),
+                    Verdict.failed(ErrorCode.INVALID_REQUEST, "ünïcode ✓ message")):
+        response = encode_response("req-1", verdict)
+        stored = stored_form("req-1", response, verdict.status, verdict.code)
+        assert len(stored) < 64 < len(response)
+        assert expanded_form("req-1", stored) == response
+    # Anything else is kept verbatim, and verbatim bytes expand to themselves.
+    unknown = encode_response("req-1", Verdict.indeterminate(ErrorCode.OUTCOME_UNKNOWN))
+    assert stored_form("req-1", unknown, Status.INDETERMINATE, ErrorCode.OUTCOME_UNKNOWN
+                       ) == unknown
+    assert expanded_form("req-1", unknown) == unknown
+    # A compact form from a newer version (an unknown code) is refused, never guessed at.
+    with pytest.raises(ValueError):
+        expanded_form("req-1", b"\x00payment_required")
+    # A response that does not re-encode the same way is never compacted.
+    odd = encode_response("req-1", Verdict.failed(ErrorCode.UNAUTHORIZED)).replace(b",", b", ")
+    assert stored_form("req-1", odd, Status.FAILED, ErrorCode.UNAUTHORIZED) == odd
+    assert MESSAGES[ErrorCode.UNAUTHORIZED].encode() not in stored_form(
+        "req-1", encode_response("req-1", Verdict.failed(ErrorCode.UNAUTHORIZED)),
+        Status.FAILED, ErrorCode.UNAUTHORIZED)
+
+
+async def test_reads_expire_first_and_an_expired_read_runs_again(tmp_path: Path) -> None:
+    clock = Clock()
+    ledger = Ledger.open(tmp_path / "ledger.db", retention_seconds=3600, clock=clock)
+    try:
+        await _record(ledger, "read", b'{"page":1}', keep=60)
+        await _record(ledger, "refusal", b"\x00unauthorized")
+        clock.t += 61
+        assert await ledger.sweep(int(clock.t)) == 1
+        again = await ledger.begin(LedgerKey(AGENT, "read"), digest(b"read"))
+        assert isinstance(again, Fresh)  # runs afresh: a read has no effect to repeat
+        ledger.release(again.ticket)
+        kept = await ledger.begin(LedgerKey(AGENT, "refusal"), digest(b"refusal"))
+        assert isinstance(kept, Replay)
+    finally:
+        ledger.close()
+
+
+async def test_the_cap_refuses_new_records_only(tmp_path: Path) -> None:
+    clock = Clock()
+    cap = 10 * ROW_BYTES
+    ledger = Ledger.open(tmp_path / "ledger.db", retention_seconds=3600,
+                         max_bytes_per_principal=cap, clock=clock)
+    try:
+        i = 0
+        while ledger.usage(AGENT) < cap:
+            await _record(ledger, f"r{i}", b"\x00unauthorized")
+            i += 1
+        assert i == 10 - 1 or i == 10
+        full = await ledger.begin(LedgerKey(AGENT, "one-more"), digest(b"one-more"))
+        assert isinstance(full, Full)
+        # Nothing claimed: the same key asks again and gets the same answer, not a wait.
+        with trio.fail_after(1):
+            assert isinstance(await ledger.begin(LedgerKey(AGENT, "one-more"),
+                                                 digest(b"one-more")), Full)
+        # Replays add nothing and still answer; another principal has its own share.
+        assert isinstance(await ledger.begin(LedgerKey(AGENT, "r0"), digest(b"r0")), Replay)
+        await _record(ledger, "theirs", b"x", principal="b" * 64)
+        # Records expire, the share frees.
+        clock.t += 3601
+        await ledger.sweep(int(clock.t))
+        assert ledger.usage(AGENT) == 0
+        again = await ledger.begin(LedgerKey(AGENT, "one-more"), digest(b"one-more"))
+        assert isinstance(again, Fresh)
+        await ledger.finish(again.ticket, b"x", final=True)
+        assert ledger.usage(AGENT) == ROW_BYTES + 1
+    finally:
+        ledger.close()
+    # The usage is rebuilt from the file at open.
+    reopened = Ledger.open(tmp_path / "ledger.db", retention_seconds=3600)
+    try:
+        assert reopened.usage(AGENT) == ROW_BYTES + 1
+    finally:
+        reopened.close()
+
+
+async def test_records_of_the_first_layout_are_migrated(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    old = sqlite3.connect(path)
+    old.executescript("""
+        CREATE TABLE ledger (principal TEXT NOT NULL, request_id TEXT NOT NULL,
+            digest BLOB NOT NULL, state TEXT NOT NULL, pending BLOB, response BLOB,
+            created_at INTEGER NOT NULL, updated_at INTEGER NOT NULL,
+            PRIMARY KEY (principal, request_id)) WITHOUT ROWID;
+        CREATE INDEX ledger_by_age ON ledger (state, updated_at);
+    """)
+    old.execute("INSERT INTO ledger VALUES (?, 'old-final', ?, 'final', NULL, ?, ?, ?)",
+                (AGENT, digest(b"old-final"), b'{"v":1}', T0, T0))
+    old.execute("INSERT INTO ledger VALUES (?, 'old-pending', ?, 'pending', ?, NULL, ?, ?)",
+                (AGENT, digest(b"old-pending"), b"signed", T0, T0))
+    old.commit()
+    old.close()
+    clock = Clock()
+    ledger = Ledger.open(path, retention_seconds=3600, clock=clock)
+    try:
+        replay = await ledger.begin(LedgerKey(AGENT, "old-final"), digest(b"old-final"))
+        assert replay == Replay(b'{"v":1}')
+        assert read_record(path, AGENT, "old-pending")[1] == b"signed"  # type: ignore[index]
+        clock.t += 3601  # the final one expires on the old schedule; pending lives longer
+        assert await ledger.sweep(int(clock.t)) == 1
+    finally:
+        ledger.close()
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT name FROM sqlite_master WHERE name = 'ledger'").fetchone() is None
+    conn.close()
+
+
+async def test_the_audit_head_is_anchored_with_the_verdict(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    ledger = Ledger.open(path, retention_seconds=3600)
+    audit = AuditLog.open(tmp_path / "audit")
+    try:
+        assert read_anchor(path) is None and ledger.audit_anchor is None
+        ledger.anchor_audit(lambda: audit.head)
+        refusals = RefusalAudit(audit, Clock())
+        await refusals.flush(everything=True)  # nothing counted: nothing written
+        assert audit.head[0] == 0
+        await audit.append(RefusalCount(at=T0, since=T0, credential_id="cred_" + "0" * 16,
+                                        agent=AGENT, action=None, code=ErrorCode.UNAUTHORIZED,
+                                        count=1))
+        # The next ledger commit carries the head that was durable before it.
+        await _record(ledger, "r", b"x")
+        assert read_anchor(path) == audit.head == ledger.audit_anchor
+        await audit.append(RefusalCount(at=T0, since=T0, credential_id="cred_" + "0" * 16,
+                                        agent=AGENT, action=None, code=ErrorCode.UNAUTHORIZED,
+                                        count=2))
+        await ledger.anchor()  # no verdict to ride on: a commit of its own
+        assert read_anchor(path) == audit.head and audit.head[0] == 2
+    finally:
+        await audit.aclose()
+        ledger.close()
+    write_anchor(path, (1, "ef" * 32))  # the re-anchor command's write
+    assert read_anchor(path) == (1, "ef" * 32)
+
+
+async def test_refusals_past_the_burst_are_counted(tmp_path: Path) -> None:
+    clock = Clock()
+    audit = AuditLog.open(tmp_path / "audit")
+    refusals = RefusalAudit(audit, clock, burst=3, refill_per_second=0.5, window_seconds=60)
+    cred = "cred_" + "1" * 16
+    admitted = [refusals.admit(cred) for _ in range(10)]
+    assert admitted == [True] * 3 + [False] * 7
+    assert refusals.admit("cred_" + "2" * 16)  # another credential has its own burst
+    for _ in range(7):
+        refusals.count(cred, AGENT, "message.post", ErrorCode.UNAUTHORIZED)
+    refusals.count(cred, AGENT, None, ErrorCode.INVALID_REQUEST)
+    clock.t += 2
+    assert refusals.admit(cred)  # refilled one
+    await refusals.flush()
+    assert audit.head[0] == 0 and refusals.counted == 8  # the window is still open
+    clock.t += 60
+    await refusals.flush()
+    assert refusals.counted == 0
+    await audit.aclose()
+    counts = sorted((r.record.code.value, r.record.count) for r in read_records(tmp_path / "audit")
+                    if isinstance(r.record, RefusalCount))
+    assert counts == [("invalid_request", 1), ("unauthorized", 7)]
+    assert json.loads((tmp_path / "audit" / "audit-000001.jsonl").read_text().splitlines()[0]
+                      )["since"] == "2027-01-15T08:00:00.000Z"
