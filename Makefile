@@ -33,7 +33,7 @@ test: venv
 	$(PY) -m pytest -q -p no:cacheprovider
 
 lint: venv
-	$(PY) -m mypy daemon custody client/buzzwire
+	$(PY) -m mypy daemon custody client/buzzwire client/buzz_broker_client
 
 run: venv
 	$(PY) -m tests.demo
