@@ -26,7 +26,8 @@ The answer types (one base, `Result`; all frozen):
 
 =================  ==========================================================================
 `Succeeded`        the host did it; `outcome` says what; `replayed` marks a recorded replay.
-`Failed`           the host promises nothing happened (any code, including `unauthenticated`).
+`Failed`           the host promises nothing happened (any code; for `unauthenticated` the
+                   methods raise `CredentialRefused` carrying it, `judge` returns it).
 `Unsupported`      `failed` + `unsupported` on a best-effort operation (reaction.add): a normal
                    answer; carry on. On any other operation `unsupported` is a `Failed`.
 `Indeterminate`    fate unknown: the last attempt was answered `indeterminate` by the host.
@@ -603,12 +604,16 @@ class AsyncBrokerClient:
                 raise self._setup_error(connect)  # retrying cannot grant a permission
             reason = answer.reason.value if isinstance(answer, NoAnswer) else "indeterminate"
             if attempt >= policy.max_attempts or anyio.current_time() + delay >= deadline:
+                if nothing_sent and connect is not None:
+                    _log.warning(
+                        "broker unreachable, nothing sent: request_id=%s action=%s attempts=%d connect=%s",
+                        request.request_id, request.action, attempt, connect,
+                    )
+                    raise self._setup_error(connect)
                 _log.warning(
                     "fate unknown after retries: request_id=%s action=%s attempts=%d reason=%s",
                     request.request_id, request.action, attempt, reason,
                 )
-                if nothing_sent and connect is not None:
-                    raise self._setup_error(connect)
                 return answer
             _log.info(
                 "retrying identical bytes: request_id=%s action=%s attempt=%d reason=%s",

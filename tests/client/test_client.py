@@ -491,6 +491,20 @@ async def test_socket_file_with_nobody_listening_is_nothing_listening() -> None:
     assert not isinstance(refused.value, SocketMissing)
 
 
+async def test_loopback_port_with_nobody_listening_is_nothing_listening(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # a port that was free a moment ago: nobody listens on it
+    with pytest.raises(NothingListening) as refused:
+        await AsyncBrokerClient(f"http://127.0.0.1:{port}", CREDENTIAL,
+                                retry=FAST).message_post(CHANNEL, "hi")
+    assert f"http://127.0.0.1:{port}" in str(refused.value)
+    assert "broker unreachable, nothing sent" in caplog.text and "fate unknown" not in caplog.text
+
+
 async def test_lost_request_then_missing_socket_is_fate_unknown(host: ScriptedHost) -> None:
     # The first attempt reached the host, which vanished mid-request: its fate is unknown,
     # so the later "no socket" attempts must not turn that into "nothing happened".
@@ -779,3 +793,31 @@ def test_blocking_client_raises_what_the_async_one_raises() -> None:
             sync.message_post(CHANNEL, "hi")
         with pytest.raises(ContractError):
             sync.message_post("not-a-uuid", "hi")
+
+
+# ------------------------------------------------------------------ installable alone
+
+
+def test_the_client_distribution_imports_only_its_declared_dependencies() -> None:
+    """What client/pyproject.toml ships imports the stdlib, its own packages and the three
+    dependencies it declares: never custody, the daemon, trio or python-pkcs11. (The fresh
+    venv of tests/docs/test_agents_doc.py proves the same by running without them.)"""
+    import ast
+
+    allowed = set(sys.stdlib_module_names) | {"buzzwire", "buzz_broker_client", "anyio", "h11",
+                                              "coincurve"}
+    root = Path(__file__).resolve().parent.parent.parent / "client"
+    seen: set[str] = set()
+    for path in sorted(root.glob("*/**/*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                seen.add(top)
+                assert top in allowed, f"{path.relative_to(root)} imports {name}"
+    assert {"anyio", "h11", "coincurve", "buzzwire"} <= seen
