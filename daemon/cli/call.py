@@ -20,7 +20,8 @@ Exit codes (the only way a script should branch):
 
 ====  =================================================================
 0     succeeded
-1     could not run: no credential, unreadable file, bad config, no socket, no permission
+1     could not run: no credential, unreadable file, bad config, no socket, nothing
+      listening, no permission on the socket
 2     usage: bad --args JSON, or arguments the contract rejects (nothing sent)
 3     failed — the host promises nothing happened
 4     unsupported on a best-effort operation (reaction.add) — carry on
@@ -54,7 +55,6 @@ EXIT_FAILED = 3
 EXIT_UNSUPPORTED = 4
 EXIT_INDETERMINATE = 5
 EXIT_NO_ANSWER = 6
-
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -92,6 +92,13 @@ def assert_identical_retries(host: ScriptedHost, attempts: int) -> None:
     assert len({r.json()["requestId"] for r in host.received}) == 1
 
 
+async def test_each_run_is_on_the_loop_it_names(loop_backend: str) -> None:
+    # Guards the harness in conftest.py: "asyncio" must really be asyncio.
+    import sniffio
+
+    assert sniffio.current_async_library() == loop_backend
+
+
 # ------------------------------------------------------------------ verdicts
 
 
