@@ -147,8 +147,14 @@ def _object(shape: Shape) -> dict[str, object]:
     return out
 
 
-def _defs(classes: list[type]) -> dict[str, object]:
-    return {cls.__name__: _object(SHAPES[cls]) for cls in classes}
+def _document(title: str, variants: list[dict[str, object]], classes: list[type]) -> dict[str, object]:
+    """One schema file: any one of `variants`, with the shapes they refer to under $defs."""
+    return {
+        "$schema": DIALECT,
+        "title": title,
+        "oneOf": variants,
+        "$defs": {cls.__name__: _object(SHAPES[cls]) for cls in dict.fromkeys(classes)},
+    }
 
 
 def _envelope(members: dict[str, object], order: tuple[str, ...] | frozenset[str],
@@ -174,13 +180,8 @@ def request_schema() -> dict[str, object]:
         }
         assert tuple(members) == _REQUEST_MEMBERS
         variants.append(_envelope(members, _REQUEST_MEMBERS))
-    classes = [spec.args_type for spec in ACTIONS.values()] + [AgentTarget]
-    return {
-        "$schema": DIALECT,
-        "title": "broker_request (spec/agent-broker.md §Request, §Operations)",
-        "oneOf": variants,
-        "$defs": _defs(list(dict.fromkeys(classes))),
-    }
+    return _document("broker_request (spec/agent-broker.md §Request, §Operations)", variants,
+                     [spec.args_type for spec in ACTIONS.values()] + [AgentTarget])
 
 
 def response_schema() -> dict[str, object]:
@@ -205,13 +206,8 @@ def response_schema() -> dict[str, object]:
         members = {**common, "status": {"const": status.value}, "error": error, **replayed}
         assert set(members) - {"replayed"} == _ERROR_MEMBERS
         variants.append(_envelope(members, _ERROR_MEMBERS))
-    classes = [spec.outcome_type for spec in ACTIONS.values()] + [Event]
-    return {
-        "$schema": DIALECT,
-        "title": "broker_result (spec/agent-broker.md §Results and errors, §Operations)",
-        "oneOf": variants,
-        "$defs": _defs(list(dict.fromkeys(classes))),
-    }
+    return _document("broker_result (spec/agent-broker.md §Results and errors, §Operations)",
+                     variants, [spec.outcome_type for spec in ACTIONS.values()] + [Event])
 
 
 def render() -> dict[str, str]:
