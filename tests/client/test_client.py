@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -385,6 +386,29 @@ async def test_event_with_bad_signature_is_no_answer_by_default(host: ScriptedHo
     # The caller may choose, by name, to trust the host for authorship.
     trusting = client(host, events=EventVerification.SKIP)
     assert isinstance(await trusting.channel_read(CHANNEL), Succeeded)
+
+
+def test_events_are_verified_under_python_O() -> None:
+    """I4 holds with asserts stripped: verification is buzzwire.nostr's, not an assert."""
+    s = Signer()
+    good = s.event(content="ok", tags=[["h", CHANNEL]])
+    forged = {**s.event(content="original", tags=[["h", CHANNEL]]), "content": "tampered"}
+    script = (
+        "import json, sys\n"
+        "from buzz_broker_client import judge, NoAnswer, Succeeded\n"
+        "from buzz_broker_client._transport import HttpReply\n"
+        "from buzzwire.contract import ReadOutcome, build_request\n"
+        f"request = build_request('channel.read', {{'channelId': {CHANNEL!r}}}, request_id='r1')\n"
+        "for events in json.loads(sys.argv[1]):\n"
+        "    body = json.dumps({'type': 'broker_result', 'protocolVersion': 1, 'requestId': 'r1',\n"
+        "        'status': 'succeeded', 'action': 'channel.read', 'outcome': {'messages': events}})\n"
+        "    answer = judge(request, HttpReply(200, body.encode()), ReadOutcome, attempt=1)\n"
+        "    print(type(answer).__name__, getattr(answer, 'reason', None))\n"
+    )
+    done = subprocess.run([sys.executable, "-O", "-c", script, json.dumps([[good], [good, forged]])],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["Succeeded None", "NoAnswer NoAnswerReason.UNVERIFIED_EVENT"]
 
 
 async def test_event_with_extra_or_null_member_is_no_answer(host: ScriptedHost) -> None:

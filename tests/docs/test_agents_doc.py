@@ -64,8 +64,8 @@ def _run_env(broker: BrokerHarness, tmp_path: Path, credential: str, channel: st
     }
 
 
-async def _run(python: str, script: Path, env: dict[str, str]) -> str:
-    done = await trio.run_process([python, str(script)], cwd=script.parent, env=env,
+async def _run(python: str, script: Path, env: dict[str, str], *flags: str) -> str:
+    done = await trio.run_process([python, *flags, str(script)], cwd=script.parent, env=env,
                                   capture_stdout=True, capture_stderr=True, check=False)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     return done.stdout.decode()
@@ -98,8 +98,10 @@ async def test_agent_scripts_run_in_a_venv_with_only_the_client(
     [line] = out.splitlines()
     assert line.startswith("replied ") and line.endswith(f" to {mention_id}")
     reply_id = line.split()[1]
-    # A second poll finds nothing new: the handled mention is remembered.
-    assert await _run(client_only_python, asyncio_script, env) == ""
+    # A second poll finds nothing new: the handled mention is remembered. It runs under
+    # `python -O`, which the client must survive (the forged-event case under -O is
+    # tests/client/test_client.py::test_events_are_verified_under_python_O).
+    assert await _run(client_only_python, asyncio_script, env, "-O") == ""
 
     thread_script = tmp_path / "agent_threads.py"
     thread_script.write_text(block(AGENTS_MD, "agent-threads"))
