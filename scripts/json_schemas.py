@@ -38,7 +38,8 @@ from buzzwire.contract import (  # noqa: E402
     PAIRING, PROTOCOL_VERSION, ACTION_VERSION, RESPOND_TO, AgentsUpdateArgs, AgentTarget,
     ErrorCode, Event, ProfileSetArgs, Status,
 )
-from buzzwire.contract._envelopes import _ERROR_MEMBERS, _REQUEST_MEMBERS, _SUCCEEDED_MEMBERS  # noqa: E402
+from buzzwire.contract import REQUEST_MEMBERS  # noqa: E402
+from buzzwire.contract._envelopes import _ERROR_MEMBERS, _SUCCEEDED_MEMBERS  # noqa: E402
 from buzzwire.contract._ids import _SLUG  # noqa: E402
 from buzzwire.contract._shapes import SHAPES, Shape  # noqa: E402
 
@@ -178,8 +179,8 @@ def request_schema() -> dict[str, object]:
             "action": {"const": name},
             "args": {"$ref": f"#/$defs/{spec.args_type.__name__}"},
         }
-        assert tuple(members) == _REQUEST_MEMBERS
-        variants.append(_envelope(members, _REQUEST_MEMBERS))
+        assert tuple(members) == REQUEST_MEMBERS
+        variants.append(_envelope(members, REQUEST_MEMBERS))
     return _document("broker_request (spec/agent-broker.md §Request, §Operations)", variants,
                      [spec.args_type for spec in ACTIONS.values()] + [AgentTarget])
 
