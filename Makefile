@@ -5,8 +5,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # Debian packages the daemon, its tests and the demo need. softhsm2: the development token;
 # opensc: pkcs11-tool for inspecting it; systemd: systemd-analyze for the unit lint;
-# curl: the demo's first request.
-APT_PACKAGES := softhsm2 opensc systemd curl
+# curl: the demo's first request. systemd-container + debootstrap: the real-systemd test
+# boots a Debian 12 guest with systemd-nspawn (tests/nspawn/; it caches the image and a
+# wheel cache under /var/cache/buzz-broker-tests, outside the checkout).
+APT_PACKAGES := softhsm2 opensc systemd curl systemd-container debootstrap
 
 .PHONY: all run test deps venv lint bench clean
 

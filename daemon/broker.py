@@ -61,7 +61,7 @@ import trio
 
 from custody import Custody, CustodyError, TokenConfig
 from daemon.audit import AUDIT_DIRNAME, AuditLog, AuditRecord, AuditUnavailable, Phase
-from daemon.config import Config, PolicyConfig
+from daemon.config import Config, ConfigError, PolicyConfig, require_relay
 from buzzwire.contract import (
     ACTIONS,
     MESSAGES,
@@ -282,6 +282,10 @@ class Broker:
         Raises:
           StartupError: one line naming what is wrong (token, PIN, KEK, state directory).
         """
+        try:
+            relay_url = require_relay(config)  # before the slow token login
+        except ConfigError as exc:
+            raise StartupError(str(exc)) from None
         state_dir = Path(config.state.dir)
         try:
             state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -338,7 +342,7 @@ class Broker:
                 idle_seconds=config.relay.idle_seconds,
             )
             try:
-                relay = RelayPool(config.relay.url, sign_auth, timeouts=timeouts,
+                relay = RelayPool(relay_url, sign_auth, timeouts=timeouts,
                                   observer=metrics.relay_round_trip)
             except ValueError as exc:
                 raise StartupError(f"relay url: {exc}") from None
@@ -361,7 +365,7 @@ class Broker:
                 await nursery.start(limiter.flush_periodically)
                 nursery.start_soon(broker._sweep_forever)
                 log_event(_log, "broker.ready", agents=len(custody.agents()),
-                          relay=config.relay.url)
+                          relay=relay_url)
                 try:
                     yield broker
                 finally:

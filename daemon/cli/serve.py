@@ -16,8 +16,15 @@ Startup, in order (each fault is one line on stderr and a non-zero exit, no trac
    restarts us).
 
 Signals: SIGTERM/SIGINT -> ``STOPPING=1``, stop accepting, drain in-flight requests up to
-[server] shutdown_grace, exit 0. SIGHUP -> ``app.reload()`` (credentials and policy) while
-connections stay open; a failed reload is logged and the running state kept.
+[server] shutdown_grace, exit 0. SIGHUP -> ``RELOADING=1`` (with ``MONOTONIC_USEC``, which
+systemd 253's Type=notify-reload requires; 252 ignores it), ``app.reload()`` (credentials
+and policy) while connections stay open, then ``READY=1``; a failed reload is logged and
+the running state kept (READY=1 still follows: the daemon serves on).
+
+One daemon per state directory: `run_server` holds an exclusive flock on
+``<state>/serve.lock`` (holding its pid) while it runs; a second `serve` is refused, and
+`buzz-broker status` reads the lock to tell "running" without connecting to the agents'
+socket (which would start the service through socket activation).
 
 Memory locking: with ``MCL_FUTURE`` every later allocation counts against
 ``RLIMIT_MEMLOCK``; under a small limit (the usual 8 MiB) Python would start failing
@@ -61,7 +68,8 @@ from daemon.http import (
     serve,
 )
 from daemon.log import log_event, setup_logging
-from daemon.metrics import Metrics, serve_metrics
+from daemon.metrics import Metrics, serve_metrics, serve_metrics_tcp
+from daemon.runlock import RunLock, RunLockHeld
 
 __all__ = [
     "HELP",
@@ -184,7 +192,8 @@ async def run_server(
     """
     env = os.environ if environ is None else environ
     started_at = time.monotonic()
-    log_event(_log, "serve.starting", pid=os.getpid(), config=config.source or "built-in defaults")
+    log_event(_log, "serve.starting", pid=os.getpid(), config=config.source or "built-in defaults",
+              config_origin=config.origin, pin=config.pkcs11.pin_origin)
 
     lock = memory_lock()
     if lock.locked:
@@ -192,6 +201,24 @@ async def run_server(
     else:
         log_event(_log, "serve.mlock_skipped", level=logging.WARNING, reason=lock.reason)
 
+    # Before the socket: a second daemon must not even bind (or unlink) the first one's.
+    try:
+        run_lock = RunLock.acquire(config.state.dir)
+    except RunLockHeld as exc:
+        raise CliError(str(exc)) from None
+    try:
+        return await _run_locked(config, app_factory, env, started_at, task_status)
+    finally:
+        run_lock.release()
+
+
+async def _run_locked(
+    config: Config,
+    app_factory: AppFactory,
+    env: MutableMapping[str, str],
+    started_at: float,
+    task_status: trio.TaskStatus[ServerControl],
+) -> int:
     server = config.server
     try:
         fds = notify.listen_fds(env)
@@ -228,7 +255,8 @@ async def run_server(
         _send(env, notify.status("opening the token, the stores and the relay pool"))
         async with app_factory(config) as app:
             await _serve_until_signalled(app, raw, limits, env, watchdog, where, started_at,
-                                         task_status, config.metrics.socket)
+                                         task_status, config.metrics.socket,
+                                         config.metrics.listen)
     finally:
         raw.close()
         if bound_path is not None:
@@ -247,6 +275,7 @@ async def _serve_until_signalled(
     started_at: float,
     task_status: trio.TaskStatus[ServerControl],
     metrics_socket: str | None = None,
+    metrics_listen: tuple[str, int] | None = None,
 ) -> None:
     # An application with a metrics registry (the broker) gets the connection gauge and,
     # when [metrics] socket is set, the admin socket; a test application has neither.
@@ -270,6 +299,9 @@ async def _serve_until_signalled(
             if metrics is not None and metrics_socket:
                 await nursery.start(serve_metrics, metrics, metrics_socket)
                 log_event(_log, "serve.metrics", socket=metrics_socket)
+            if metrics is not None and metrics_listen is not None:
+                host, port = await nursery.start(serve_metrics_tcp, metrics, *metrics_listen)
+                log_event(_log, "serve.metrics", listen=f"{host}:{port}")
 
             control: ServerControl = await nursery.start(serve_then_finish)
             _send(env, notify.READY, notify.status(f"serving on {where}"))
@@ -301,14 +333,16 @@ async def _serve_until_signalled(
 
 
 def _reload(app: ReloadableApplication, env: MutableMapping[str, str], where: str) -> None:
+    # systemd shows the unit "reloading" from RELOADING=1 until READY=1.
+    _send(env, notify.RELOADING, notify.monotonic_usec(), notify.status("reloading"))
     try:
         app.reload()
     except Exception as exc:  # noqa: BLE001 - keep serving with the state we have
         log_event(_log, "serve.reload_failed", level=logging.ERROR, error=type(exc).__name__)
-        _send(env, notify.status(f"serving on {where}; last reload failed"))
+        _send(env, notify.READY, notify.status(f"serving on {where}; last reload failed"))
         return
     log_event(_log, "serve.reloaded")
-    _send(env, notify.status(f"serving on {where}; reloaded"))
+    _send(env, notify.READY, notify.status(f"serving on {where}; reloaded"))
 
 
 async def _watchdog(env: MutableMapping[str, str], every: float) -> None:
