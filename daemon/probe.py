@@ -68,6 +68,11 @@ async def check_relay(config: Config) -> Check:
     except trio.TooSlowError:
         return Check("relay", False, f"{url}: no WebSocket within {timeout:g}s")
     except trio_websocket.HandshakeError as exc:
+        # trio-websocket wraps a refused or failed TCP connect in HandshakeError too.
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, OSError):
+            return Check("relay", False,
+                         f"{url}: cannot connect ({cause.strerror or type(cause).__name__})")
         return Check("relay", False, f"{url}: WebSocket handshake failed ({type(exc).__name__})")
     except (OSError, ssl.SSLError, trio.BrokenResourceError) as exc:
         reason = getattr(exc, "strerror", None) or type(exc).__name__
