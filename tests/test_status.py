@@ -56,7 +56,7 @@ def test_status_running_then_stopped(custody_state: tuple[TokenConfig, Path], lo
     try:
         deadline = time.monotonic() + 30
         while not socket_path.exists():
-            assert daemon.poll() is None and time.monotonic() < deadline, daemon.stderr.read()
+            assert daemon.poll() is None and time.monotonic() < deadline, daemon.stderr and daemon.stderr.read()
             time.sleep(0.05)
         post = _cli(config, "call", "message.post", "--args",
                     json.dumps({"channelId": channel, "content": "status"}),

@@ -71,10 +71,10 @@ def debian_mirror(text: str | None = None) -> str | None:
     """The first Debian archive URI apt uses for `SUITE` (deb822 or one-line form)."""
     text = _apt_sources_text() if text is None else text
     for stanza in re.split(r"\n\s*\n", text):
-        fields = dict(
-            (m.group(1).lower(), m.group(2).strip())
+        fields: dict[str, str] = {
+            m.group(1).lower(): m.group(2).strip()
             for m in re.finditer(r"^([A-Za-z-]+):\s*(.*)$", stanza, re.M)
-        )
+        }
         if "deb" in fields.get("types", "").split() and SUITE in fields.get("suites", "").split():
             for uri in fields.get("uris", "").split():
                 if not uri.rstrip("/").endswith("-security"):
@@ -184,9 +184,6 @@ class Guest:
             raise GuestError(f"guest command failed: {inner}\n{result.text()}")
         return result
 
-    def sh(self, script: str, **kwargs: object) -> Done:
-        """Run a bash script (the test's own text) in the guest."""
-        return self.run(["bash", "-euo", "pipefail", "-c", script], **kwargs)  # type: ignore[arg-type]
 
 
 def _pid1_of(nspawn: int, deadline: float) -> int:
@@ -209,7 +206,7 @@ def booted(image: Path, work: Path, *, binds: Sequence[tuple[Path, str]] = ()) -
     (root / "etc" / "hostname").write_text("buzz-guest\n")
     flags = ["--boot", f"--directory={root}", "--console=read-only",
              "--capability=CAP_BPF,CAP_NET_ADMIN,CAP_PERFMON", "--system-call-filter=bpf",
-             "--machine=buzz-guest", "--quiet"]
+             f"--machine=buzz-guest-{os.getpid()}", "--quiet"]
     if not Path("/run/systemd/system").exists():
         flags += ["--register=no", "--keep-unit"]
     for host_path, guest_path in binds:
