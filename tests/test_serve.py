@@ -183,6 +183,51 @@ async def test_second_daemon_on_the_same_state_is_refused(sockdir: str) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+async def test_metrics_listener_on_a_taken_port_is_one_line_before_ready(sockdir: str) -> None:
+    """[metrics] listen: served with the daemon; a port already taken fails the start."""
+    import socket as pysocket
+
+    from daemon.metrics import Metrics
+    from tests.fixtures.relay import free_port
+
+    class WithMetrics(FakeApp):
+        metrics = Metrics(actions=("message.post",))
+
+    port = free_port()
+    config = write_config(sockdir, extra=f'[metrics]\nlisten = "127.0.0.1:{port}"\n')
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(
+                run_server, config, fake_factory(WithMetrics()), environ={}, memory_lock=no_lock))
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                answer = await stream.receive_some(65536)
+            assert answer.startswith(b"HTTP/1.1 200 ")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    taken = pysocket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        busy = write_config(sockdir, extra='[metrics]\nlisten = "127.0.0.1:%d"\n'
+                            % taken.getsockname()[1])
+        dgrams = Datagrams(os.path.join(sockdir, "notify"))
+        await dgrams.bind()
+        with pytest.raises(BaseExceptionGroup) as info:  # `run` unwraps it to the one line
+            await run_server(busy, fake_factory(WithMetrics()),
+                             environ={"NOTIFY_SOCKET": dgrams.path}, memory_lock=no_lock)
+        fault = serve_cli._single(info.value)
+        assert isinstance(fault, CliError)
+        assert re.fullmatch(r"\[metrics\] listen 127\.0\.0\.1:[0-9]+: Address already in use",
+                            str(fault))
+        with trio.move_on_after(0.2):
+            await dgrams.until("READY=1")
+            raise AssertionError("READY=1 was sent although the metrics port was taken")
+    finally:
+        taken.close()
+
+
 async def test_socket_fault_reported_before_the_app_opens(sockdir: str) -> None:
     config = write_config(sockdir)
     Path(config.server.socket).write_text("not a socket")

@@ -297,10 +297,18 @@ async def _serve_until_signalled(
                 nursery.cancel_scope.cancel()  # drained: stop the watchdog and signal tasks
 
             if metrics is not None and metrics_socket:
-                await nursery.start(serve_metrics, metrics, metrics_socket)
+                try:
+                    await nursery.start(serve_metrics, metrics, metrics_socket)
+                except (OSError, ValueError) as exc:
+                    raise CliError(f"[metrics] socket {metrics_socket}: "
+                                   f"{getattr(exc, 'strerror', None) or exc}") from None
                 log_event(_log, "serve.metrics", socket=metrics_socket)
             if metrics is not None and metrics_listen is not None:
-                host, port = await nursery.start(serve_metrics_tcp, metrics, *metrics_listen)
+                try:
+                    host, port = await nursery.start(serve_metrics_tcp, metrics, *metrics_listen)
+                except OSError as exc:  # the port is taken: one line, before READY=1
+                    raise CliError(f"[metrics] listen {metrics_listen[0]}:{metrics_listen[1]}: "
+                                   f"{exc.strerror}") from None
                 log_event(_log, "serve.metrics", listen=f"{host}:{port}")
 
             control: ServerControl = await nursery.start(serve_then_finish)
