@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from buzzwire.contract import ACTIONS
 from daemon.ratelimit import DEFAULT_RATE_CONFIG, RateConfig, rate_config_from_table
 
 __all__ = [
@@ -72,22 +73,8 @@ SYSTEM_CONFIG = "/etc/buzz-broker/broker.toml"
 #: The systemd credential holding the token PIN (``LoadCredential=token-pin:...``).
 PIN_CREDENTIAL = "token-pin"
 
-#: The nine wire names (spec/agent-broker.md §Operations). Kept here rather than imported
-#: from buzzwire.contract so that check-config works even if the contract package fails to
-#: import; tests/test_config.py checks the two lists agree.
-ACTION_NAMES = frozenset(
-    {
-        "channel.read",
-        "message.post",
-        "message.reply",
-        "reaction.add",
-        "profile.set",
-        "storage.address",
-        "agents.create",
-        "agents.update",
-        "agents.delete",
-    }
-)
+#: The nine wire names (spec/agent-broker.md §Operations), from the contract's ActionSpec table.
+ACTION_NAMES = frozenset(ACTIONS)
 
 #: Log levels accepted by [log] level (daemon/log.py LEVELS, restated to keep this module
 #: free of logging setup).
@@ -104,6 +91,8 @@ class ServerConfig:
     socket_mode: int
     socket_group: str | None
     max_connections: int
+    max_connections_per_uid: int
+    max_inflight_bytes: int
     max_body_bytes: int
     max_header_bytes: int
     request_timeout: float
@@ -376,6 +365,9 @@ _KEYS: tuple[_Key, ...] = (
     _Key("server", "socket_mode", "socket_mode", _mode, "0660"),
     _Key("server", "socket_group", "socket_group", _group, ""),
     _Key("server", "max_connections", "max_connections", _int_at_least(1), 1024),
+    _Key("server", "max_connections_per_uid", "max_connections_per_uid", _int_at_least(1), 128),
+    # 64 MiB: 128 requests of the largest size; each uid gets total / (uids holding + 1).
+    _Key("server", "max_inflight_bytes", "max_inflight_bytes", _int_at_least(1024), 67108864),
     _Key("server", "max_body_bytes", "max_body_bytes", _int_at_least(1024), 524288),
     # Below ~1 KiB a normal request line plus Authorization header no longer fits.
     _Key("server", "max_header_bytes", "max_header_bytes", _int_at_least(1024), 16384),
@@ -478,6 +470,12 @@ def _build(tree: Mapping[str, object], where: str, base: Path | None, source: st
         raise ConfigError(f"{where}: {exc}") from None
     pin_file, pin_origin = _pin(fields["pkcs11"]["pin_file"], environ)
     fields["pkcs11"].update(pin_file=pin_file, pin_origin=pin_origin)
+    server = fields["server"]
+    if server["max_inflight_bytes"] < server["max_body_bytes"]:  # type: ignore[operator]
+        raise ConfigError(
+            f"{where}: [server] max_inflight_bytes: expected at least max_body_bytes "
+            f"({server['max_body_bytes']}), got {server['max_inflight_bytes']}"
+        )
     sections = {name: cls(**fields[name]) for name, cls in _SECTIONS.items()}
     return Config(**sections, limits=limits, source=source, origin=origin)
 

@@ -20,8 +20,9 @@ Rules:
   (the image cannot be built, the guest does not boot) is a failure.
 - The base image and a pip wheel cache live outside the checkout (tests/nspawn/guest.py:
   CACHE); a run after the first needs no network.
-- Not provable here: the guest's PID 1 lacks CAP_SYS_RESOURCE, so LimitMEMLOCK=256M stays
-  at 8 MiB and the daemon logs serve.mlock_skipped (which the journald check uses).
+- Not provable here: the guest's PID 1 lacks CAP_SYS_RESOURCE, so LimitMEMLOCK=infinity is
+  not granted (the limit stays finite) and the daemon logs serve.mlock_skipped (which the
+  journald check uses).
 """
 
 from __future__ import annotations
