@@ -386,6 +386,7 @@ def test_systemd_analyze_security_at_most_1_5(installed: Installed) -> None:
     out = installed.sh("systemd-analyze security --no-pager buzz-broker.service").stdout
     match = re.search(r"Overall exposure level for buzz-broker\.service: ([0-9.]+)", out)
     assert match, out[-2000:]
+    print(f"systemd-analyze security on systemd 252: {match.group(1)}")
     assert float(match.group(1)) <= 1.5, out[-2000:]
 
 
