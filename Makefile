@@ -7,8 +7,10 @@ PY := $(VENV)/bin/python
 # opensc: pkcs11-tool for inspecting it; systemd: systemd-analyze for the unit lint;
 # curl: the demo's first request; curl and node-typescript: docs/protocol.md's examples run
 # by tests/docs (node itself: nodejs and npm, installed only when no `node` is on PATH, so a
-# node from elsewhere is left alone).
-APT_PACKAGES := softhsm2 opensc systemd curl node-typescript
+# node from elsewhere is left alone). systemd-container + debootstrap: the real-systemd test
+# boots a Debian 12 guest with systemd-nspawn (tests/nspawn/; it caches the image and a
+# wheel cache under /var/cache/buzz-broker-tests, outside the checkout).
+APT_PACKAGES := softhsm2 opensc systemd curl node-typescript systemd-container debootstrap
 
 .PHONY: all run test deps venv lint bench clean
 

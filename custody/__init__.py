@@ -9,7 +9,8 @@ command line, the tests and the benchmarks. `custody` imports nothing from `daem
 
 Surface:
 - `Custody` (async facade: open/aclose, agent/agents, sign_event/sign_events/sign_auth,
-  memory_address, mint_agent, import_agent, destroy_agent) and `init_kek` (keys init).
+  memory_address, mint_agent, import_agent, destroy_agent), `init_kek` (keys init) and
+  `check_token` (log in and check the KEK only: check-config --deep, status).
 - Values: `TokenConfig`, `UnsignedEvent`, `SignedEvent`, `AgentRecord`, `MemoryAddress`.
 - Errors: `CustodyError`, `UnsealFailed`, `UnknownAgent`.
 - Public Nostr helpers (no secrets): `compute_event_id`, `verify_event`,
@@ -41,7 +42,7 @@ if sys.flags.optimize:
     )
 
 from custody._errors import CustodyError, UnknownAgent, UnsealFailed
-from custody._facade import Custody, init_kek
+from custody._facade import Custody, check_token, init_kek
 from custody._keystore import AgentRecord, PublicDirectory
 from custody._memory import MemoryAddress
 from buzzwire.nostr import (
@@ -59,6 +60,7 @@ from custody._token import TokenConfig
 __all__ = [
     "AgentRecord",
     "Custody",
+    "check_token",
     "CustodyError",
     "MemoryAddress",
     "PublicDirectory",

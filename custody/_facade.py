@@ -80,6 +80,19 @@ async def init_kek(token: TokenConfig) -> bool:
     return await in_token_worker(lambda: Token.init_kek(token))
 
 
+async def check_token(token: TokenConfig) -> None:
+    """`check-config --deep` and `status`: log in, find and check the KEK, log out.
+
+    Touches no keystore and creates nothing. Raises CustodyError as `Custody.open` does.
+    """
+    harden_process()  # the PIN is about to be read: no core, no same-uid ptrace
+
+    def work() -> None:
+        Token.open(token).close()
+
+    await in_token_worker(work)
+
+
 class Custody:
     """Sealed agent keys under a PKCS#11 token. Create with `await Custody.open(...)`."""
 

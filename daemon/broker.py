@@ -77,7 +77,7 @@ import trio
 
 from custody import Custody, CustodyError, TokenConfig
 from daemon.audit import AUDIT_DIRNAME, AuditLog, AuditRecord, AuditUnavailable, Phase
-from daemon.config import Config, PolicyConfig
+from daemon.config import Config, ConfigError, PolicyConfig, require_relay
 from buzzwire.contract import (
     ACTIONS,
     MESSAGES,
@@ -155,6 +155,8 @@ def relay_pool(config: Config, custody: Custody,
         eose=config.relay.eose_timeout,
         idle_seconds=config.relay.idle_seconds,
     )
+    if config.relay.url is None:  # no default relay (daemon/config.py)
+        raise ValueError("[relay] url is not set")
     return RelayPool(config.relay.url, sign_auth, timeouts=timeouts, observer=observer)
 
 
@@ -383,6 +385,10 @@ class Broker:
         Raises:
           StartupError: one line naming what is wrong (token, PIN, KEK, state directory).
         """
+        try:
+            relay_url = require_relay(config)  # before the slow token login
+        except ConfigError as exc:
+            raise StartupError(str(exc)) from None
         state_dir = Path(config.state.dir)
         try:
             state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -468,7 +474,7 @@ class Broker:
                 nursery.start_soon(broker._flush_last_use_forever)
                 await nursery.start(broker.refusals.run)
                 log_event(_log, "broker.ready", agents=len(custody.agents()),
-                          relay=config.relay.url)
+                          relay=relay_url)
                 for record in custody.agents():
                     if record.auth_tag is None:
                         # Its owner is a person whose key is not here: its events carry no

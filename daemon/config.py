@@ -1,8 +1,18 @@
 """The daemon's configuration: one TOML file, read once, checked whole, frozen.
 
 Rules:
-- Where it comes from: the ``path`` argument (``--config``), else ``$BUZZ_BROKER_CONFIG``,
-  else the built-in defaults (no file at all). An empty variable counts as unset.
+- Where it comes from, first match wins (stated here once; docs/configuration.md and
+  tests/test_config.py::test_precedence_* follow it): the ``path`` argument
+  (``--config``), else ``$BUZZ_BROKER_CONFIG``, else `SYSTEM_CONFIG` when that file
+  exists, else the built-in defaults (no file at all). An empty variable counts as unset.
+  A file named by ``--config`` or the variable must exist; `SYSTEM_CONFIG` is optional.
+  `Config.origin` says which of the four it was, so no command runs on a silent default.
+- ``[relay] url`` has no default: a config without it loads (the admin commands never
+  talk to the relay) with ``url = None``, and `serve`, `status` and `check-config` refuse it.
+- The token PIN: ``$CREDENTIALS_DIRECTORY/token-pin`` (the systemd credential the unit
+  hands over) when that file exists, else ``[pkcs11] pin_file``; `Pkcs11Config.pin_origin`
+  names the source. The credential wins because it is what the unit provides; a
+  ``pin_file`` pointing at the root-only original would only fail with EACCES.
 - Every key lives in `_KEYS`, one row per key: section, key, parser, default. That table is
   the schema: a key not in it is an error naming the key, a section not in it is an error
   naming the section, and docs/configuration.md documents exactly its rows.
@@ -38,6 +48,7 @@ from daemon.ratelimit import DEFAULT_RATE_CONFIG, RateConfig, rate_config_from_t
 
 __all__ = [
     "load_config",
+    "require_relay",
     "ConfigError",
     "Config",
     "ServerConfig",
@@ -48,12 +59,20 @@ __all__ = [
     "LogConfig",
     "MetricsConfig",
     "ENV_VAR",
+    "SYSTEM_CONFIG",
+    "PIN_CREDENTIAL",
     "ACTION_NAMES",
     "WORLD_BITS",
 ]
 
 #: The environment variable naming the config file when ``--config`` is absent.
 ENV_VAR = "BUZZ_BROKER_CONFIG"
+
+#: The file read when neither ``--config`` nor `ENV_VAR` names one, if it exists.
+SYSTEM_CONFIG = "/etc/buzz-broker/broker.toml"
+
+#: The systemd credential holding the token PIN (``LoadCredential=token-pin:...``).
+PIN_CREDENTIAL = "token-pin"
 
 #: The nine wire names (spec/agent-broker.md §Operations), from the contract's ActionSpec table.
 ACTION_NAMES = frozenset(ACTIONS)
@@ -95,13 +114,17 @@ class StateConfig:
 class Pkcs11Config:
     module: str
     token_label: str
+    #: The resolved PIN file: the systemd credential when present, else [pkcs11] pin_file.
     pin_file: str | None
     kek_label: str
+    #: Where `pin_file` came from: "systemd credential", "[pkcs11] pin_file" or "none".
+    pin_origin: str = "none"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RelayConfig:
-    url: str
+    #: None when the file names no relay (there is no default relay).
+    url: str | None
     connect_timeout: float
     ok_timeout: float
     eose_timeout: float
@@ -124,6 +147,8 @@ class LogConfig:
 class MetricsConfig:
     #: Path of the Prometheus admin socket; None = metrics off.
     socket: str | None
+    #: Loopback (host, port) for a TCP scrape listener; None = off. Any local user can read it.
+    listen: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -139,6 +164,9 @@ class Config:
     limits: RateConfig = DEFAULT_RATE_CONFIG
     #: The file this came from (absolute), or None for the built-in defaults.
     source: str | None = None
+    #: How it was chosen: "--config", "$BUZZ_BROKER_CONFIG", "system file" or
+    #: "built-in defaults" (the precedence in the module docstring).
+    origin: str = "built-in defaults"
 
 
 # --------------------------------------------------------------------------- value parsers
@@ -294,6 +322,29 @@ def _relay_url(value: object, base: Path | None) -> object:
     return text
 
 
+def _loopback_listen(value: object, _base: Path | None) -> object:
+    """``"127.0.0.1:9464"`` / ``"[::1]:9464"`` / ``"localhost:9464"``; "" = off.
+
+    Loopback only: the port is readable by every local user already, and anything wider
+    belongs behind a proxy the operator chooses.
+    """
+    expectation = 'a loopback "host:port" such as "127.0.0.1:9464" or "[::1]:9464" ("" = off)'
+    if value == "":
+        return None
+    if not isinstance(value, str):
+        raise _Bad(expectation)
+    match = re.fullmatch(r"(?:\[([0-9A-Fa-f:.]+)\]|([^:\[\]]+)):([0-9]{1,5})", value)
+    if match is None:
+        raise _Bad(expectation)
+    host = match.group(1) or match.group(2)
+    port = int(match.group(3))
+    if not 0 < port < 65536 or not _is_loopback(host):
+        raise _Bad(expectation)
+    if host.lower().startswith("localhost") or host.lower() == "ip6-localhost":
+        host = "127.0.0.1"  # a name could resolve elsewhere; bind the address it means
+    return host, port
+
+
 def _level(value: object, _base: Path | None) -> object:
     if not isinstance(value, str) or value.lower() not in LOG_LEVELS:
         raise _Bad("one of " + ", ".join(LOG_LEVELS))
@@ -326,7 +377,8 @@ class _Key:
     key: str
     field: str  # attribute of the section's dataclass
     parse: _Parser
-    default: object  # a raw TOML value, parsed like a file's (so defaults are checked too)
+    # A raw TOML value, parsed like a file's (so defaults are checked too); None: no default.
+    default: object
 
 
 _KEYS: tuple[_Key, ...] = (
@@ -349,9 +401,12 @@ _KEYS: tuple[_Key, ...] = (
          _int_at_least(4096), 256 * 1024 * 1024),
     _Key("pkcs11", "module", "module", _module_path, "/usr/lib/softhsm/libsofthsm2.so"),
     _Key("pkcs11", "token_label", "token_label", _text, "buzz-broker"),
-    _Key("pkcs11", "pin_file", "pin_file", _optional_path, "/etc/buzz-broker/token-pin"),
+    # "": no file; the PIN comes from the systemd credential `PIN_CREDENTIAL` (the unit's
+    # LoadCredential=). A default naming the root-only original would only fail with EACCES.
+    _Key("pkcs11", "pin_file", "pin_file", _optional_path, ""),
     _Key("pkcs11", "kek_label", "kek_label", _text, "buzz-broker-kek"),
-    _Key("relay", "url", "url", _relay_url, "wss://relay.example.com"),
+    # No default: a placeholder relay would only fail later, far from the config file.
+    _Key("relay", "url", "url", _relay_url, None),
     _Key("relay", "connect_timeout", "connect_timeout", _duration, 10),
     _Key("relay", "ok_timeout", "ok_timeout", _duration, 10),
     _Key("relay", "eose_timeout", "eose_timeout", _duration, 10),
@@ -367,6 +422,7 @@ _KEYS: tuple[_Key, ...] = (
     ),
     _Key("log", "level", "level", _level, "info"),
     _Key("metrics", "socket", "socket", _optional_path, ""),
+    _Key("metrics", "listen", "listen", _loopback_listen, ""),
 )
 
 #: The one section that is not rows of `_KEYS`: rate-limit rules (docs/operations.md).
@@ -388,7 +444,20 @@ def _shown(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _build(tree: Mapping[str, object], where: str, base: Path | None, source: str | None) -> Config:
+def _pin(configured: object, environ: Mapping[str, str]) -> tuple[str | None, str]:
+    """The PIN file and its origin: the systemd credential when it exists, else pin_file."""
+    credentials = environ.get("CREDENTIALS_DIRECTORY", "")
+    if credentials:
+        candidate = os.path.join(credentials, PIN_CREDENTIAL)
+        if os.path.lexists(candidate):
+            return candidate, "systemd credential"
+    if isinstance(configured, str):
+        return configured, "[pkcs11] pin_file"
+    return None, "none"
+
+
+def _build(tree: Mapping[str, object], where: str, base: Path | None, source: str | None,
+           origin: str, environ: Mapping[str, str]) -> Config:
     known = {(k.section, k.key) for k in _KEYS}
     for section, body in tree.items():
         if section == _LIMITS_SECTION:
@@ -406,6 +475,9 @@ def _build(tree: Mapping[str, object], where: str, base: Path | None, source: st
         assert isinstance(body, dict)
         present = row.key in body
         raw = body[row.key] if present else row.default
+        if raw is None:  # a key without a default, absent: its commands refuse it
+            fields[row.section][row.field] = None
+            continue
         try:
             # Defaults are absolute already; only values from the file resolve against it.
             fields[row.section][row.field] = row.parse(raw, base if present else None)
@@ -420,6 +492,8 @@ def _build(tree: Mapping[str, object], where: str, base: Path | None, source: st
         limits = rate_config_from_table(limits_table)
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+    pin_file, pin_origin = _pin(fields["pkcs11"]["pin_file"], environ)
+    fields["pkcs11"].update(pin_file=pin_file, pin_origin=pin_origin)
     server = fields["server"]
     if server["max_inflight_bytes"] < server["max_body_bytes"]:  # type: ignore[operator]
         raise ConfigError(
@@ -427,26 +501,35 @@ def _build(tree: Mapping[str, object], where: str, base: Path | None, source: st
             f"({server['max_body_bytes']}), got {server['max_inflight_bytes']}"
         )
     sections = {name: cls(**fields[name]) for name, cls in _SECTIONS.items()}
-    return Config(**sections, limits=limits, source=source)
+    return Config(**sections, limits=limits, source=source, origin=origin)
 
 
-def load_config(path: str | None, environ: Mapping[str, str] = os.environ) -> Config:
-    """Read and check the configuration.
+def load_config(path: str | None, environ: Mapping[str, str] = os.environ,
+                *, system_file: str | None = None) -> Config:
+    """Read and check the configuration (precedence: the module docstring).
 
     Args:
         path: the ``--config`` value, or None.
-        environ: where ``$BUZZ_BROKER_CONFIG`` is looked up (injectable for tests).
+        environ: where ``$BUZZ_BROKER_CONFIG`` and ``$CREDENTIALS_DIRECTORY`` are looked up
+            (injectable for tests).
+        system_file: the optional system-wide file; `SYSTEM_CONFIG` unless given (tests).
 
     Returns:
-        The frozen `Config`; built-in defaults when neither a path nor the variable is set.
+        The frozen `Config`; built-in defaults when no file is named and `system_file`
+        does not exist.
 
     Raises:
         ConfigError: one line naming the file (and key) for a missing or unreadable file,
             bad TOML, an unknown section or key, or a bad value.
     """
-    chosen = path if path else environ.get(ENV_VAR) or None
-    if chosen is None:
-        return _build({}, "built-in defaults", None, None)
+    if path:
+        chosen, origin = path, "--config"
+    elif environ.get(ENV_VAR):
+        chosen, origin = environ[ENV_VAR], f"${ENV_VAR}"
+    elif os.path.lexists(system := system_file or SYSTEM_CONFIG):
+        chosen, origin = system, "system file"
+    else:
+        return _build({}, "built-in defaults", None, None, "built-in defaults", environ)
     file = Path(chosen).absolute()
     where = f"config {file}"
     try:
@@ -465,4 +548,13 @@ def load_config(path: str | None, environ: Mapping[str, str] = os.environ) -> Co
         raise ConfigError(f"{where}: not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{where}: invalid TOML: {exc}") from None
-    return _build(tree, where, file.parent, str(file))
+    return _build(tree, where, file.parent, str(file), origin, environ)
+
+
+def require_relay(config: Config) -> str:
+    """The relay URL, or a ConfigError naming the file: there is no default relay."""
+    if config.relay.url is None:
+        where = f"config {config.source}" if config.source else "built-in defaults"
+        raise ConfigError(f"{where}: [relay] url is not set (there is no default relay; "
+                          'name yours, e.g. url = "wss://relay.example.org")')
+    return config.relay.url

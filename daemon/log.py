@@ -12,6 +12,11 @@ Rules:
 - `setup_logging(level)` is called once by `serve` (and by other commands that log). It
   installs one stderr handler on the ``buzz_broker`` logger tree; plain `logging` records
   (custody logs that way) come out in the same JSON shape, their text as ``message``.
+- Under journald (``$JOURNAL_STREAM`` names the device and inode of our stderr, as
+  systemd.exec(5) says to check) each line starts with the syslog priority ``<N>``
+  (`PRIORITIES`), which journald strips and stores as PRIORITY, so ``journalctl -p
+  warning`` finds warnings. The JSON after it is unchanged. Anywhere else (a terminal, a
+  file, a pipe) no prefix is written.
 
 WARNING: journald splits on newlines, so a field value must never break the line; that is
 why everything goes through `json.dumps` (which escapes control characters).
@@ -20,12 +25,18 @@ why everything goes through `json.dumps` (which escapes control characters).
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import logging
+import os
 import sys
+from collections.abc import Mapping
 from typing import TextIO
 
-__all__ = ["log_event", "setup_logging", "format_record", "LEVELS", "ROOT_LOGGER"]
+__all__ = [
+    "log_event", "setup_logging", "format_record", "journald_stream", "LEVELS", "PRIORITIES",
+    "ROOT_LOGGER",
+]
 
 #: The logger tree every module logs under (`buzz_broker.<module>`).
 ROOT_LOGGER = "buzz_broker"
@@ -37,6 +48,15 @@ LEVELS: dict[str, int] = {
     "warning": logging.WARNING,
     "error": logging.ERROR,
 }
+
+#: logging level -> syslog priority (sd-daemon(3) prefixes): the nearest one at or above.
+PRIORITIES: tuple[tuple[int, int], ...] = (
+    (logging.CRITICAL, 2),
+    (logging.ERROR, 3),
+    (logging.WARNING, 4),
+    (logging.INFO, 6),
+    (logging.DEBUG, 7),
+)
 
 _FIELDS_ATTR = "buzz_fields"
 _EVENT_ATTR = "buzz_event"
@@ -58,8 +78,35 @@ def log_event(
     logger.log(level, name, extra={_EVENT_ATTR: name, _FIELDS_ATTR: fields})
 
 
+def _priority(levelno: int) -> int:
+    for level, priority in PRIORITIES:
+        if levelno >= level:
+            return priority
+    return 7
+
+
+def journald_stream(stream: TextIO, environ: Mapping[str, str] | None = None) -> bool:
+    """True when `stream` is the journald stream ``$JOURNAL_STREAM`` names (device:inode)."""
+    env = os.environ if environ is None else environ
+    wanted = env.get("JOURNAL_STREAM", "")
+    if not wanted:
+        return False
+    try:
+        st = os.fstat(stream.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):
+        return False
+    return wanted == f"{st.st_dev}:{st.st_ino}"
+
+
 class _JsonFormatter(logging.Formatter):
-    """Formats any record as one JSON line; `log_event` records carry their fields."""
+    """Formats any record as one JSON line; `log_event` records carry their fields.
+
+    With `prefix`, the line starts with ``<N>`` (the record's syslog priority) for journald.
+    """
+
+    def __init__(self, prefix: bool = False) -> None:
+        super().__init__()
+        self._prefix = prefix
 
     def format(self, record: logging.LogRecord) -> str:
         when = datetime.datetime.fromtimestamp(record.created, tz=datetime.timezone.utc)
@@ -82,7 +129,8 @@ class _JsonFormatter(logging.Formatter):
             for key, value in fields.items():
                 if key not in line:
                     line[key] = value
-        return json.dumps(line, ensure_ascii=False, default=str, separators=(",", ":"))
+        text = json.dumps(line, ensure_ascii=False, default=str, separators=(",", ":"))
+        return f"<{_priority(record.levelno)}>{text}" if self._prefix else text
 
 
 def format_record(record: logging.LogRecord) -> str:
@@ -93,12 +141,14 @@ def format_record(record: logging.LogRecord) -> str:
 _FORMATTER = _JsonFormatter()
 
 
-def setup_logging(level: str = "info", stream: TextIO | None = None) -> None:
+def setup_logging(level: str = "info", stream: TextIO | None = None,
+                  environ: Mapping[str, str] | None = None) -> None:
     """Send the ``buzz_broker`` logger tree to `stream` (stderr) as JSON lines.
 
     Args:
         level: one of `LEVELS` (the config has already validated it).
         stream: where the lines go; stderr unless a test gives another.
+        environ: where ``$JOURNAL_STREAM`` is read (the process's unless given).
 
     Raises:
         ValueError: `level` is not one of `LEVELS` (a bug: the config checks it).
@@ -110,8 +160,9 @@ def setup_logging(level: str = "info", stream: TextIO | None = None) -> None:
     for handler in list(root.handlers):
         if getattr(handler, "_buzz_broker", False):
             root.removeHandler(handler)
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    handler.setFormatter(_JsonFormatter())
+    target = stream if stream is not None else sys.stderr
+    handler = logging.StreamHandler(target)
+    handler.setFormatter(_JsonFormatter(prefix=journald_stream(target, environ)))
     setattr(handler, "_buzz_broker", True)
     root.addHandler(handler)
     root.setLevel(LEVELS[level])

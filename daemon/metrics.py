@@ -1,4 +1,4 @@
-"""Operational metrics: a small registry the broker owns, and a Prometheus admin socket.
+"""Operational metrics: a small registry the broker owns, and where Prometheus scrapes it.
 
 Rules:
 - No globals. The broker creates one `Metrics` and passes it where figures are made;
@@ -11,7 +11,9 @@ Rules:
   later new sets fold into one all-"other" set rather than growing memory.
 - Not thread-safe by design: every update happens on the trio event-loop thread (the
   token worker's latency is measured around the `to_thread` hop, on the loop thread).
-- `render()` is a pure function of the registry: Prometheus text exposition format 0.0.4.
+- `render()` is the registry plus two read-at-scrape sets, in Prometheus text exposition
+  format 0.0.4: `process_*` (the names of Prometheus's own process collector, read from
+  /proc/self) and ``buzz_broker_build_info{version,python} 1``. Nothing else is read.
 
 Theory of operation: a family is a name, help text, type and a dict from label tuple to
 a value (counter/gauge: a float; histogram: per-bucket counts, sum, count). Rendering
@@ -20,7 +22,12 @@ family's series in sorted label order, so output is deterministic.
 
 `serve_metrics` answers `GET /metrics` on its own Unix socket (mode 0600: only the
 service user and root read it), one request per connection, with h11 on trio. It is off
-unless `[metrics] socket` is configured.
+unless `[metrics] socket` is configured. `serve_metrics_tcp` answers the same on a
+loopback TCP address (`[metrics] listen`, off unless set) because Prometheus cannot
+scrape a 0600 Unix socket; config refuses any non-loopback address. ANY local user can
+read that port: what it shows is exactly `render()` (counts by action/status/code,
+latencies, relay/token timings, ledger size, open connections, process figures, the
+version) - never a pubkey, credential, argument, agent content or key.
 
 WARNING - kept in sync by hand: the metric names and labels below are listed in
 docs/install.md ("Metrics"); dashboards depend on them.
@@ -30,9 +37,13 @@ from __future__ import annotations
 
 import math
 import os
+import platform
+import resource
 import stat
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from importlib import metadata
 
 import h11
 import trio
@@ -40,6 +51,8 @@ import trio
 __all__ = [
     "Metrics",
     "serve_metrics",
+    "serve_metrics_tcp",
+    "process_lines",
     "REQUEST_BUCKETS",
     "RELAY_BUCKETS",
     "TOKEN_BUCKETS",
@@ -264,7 +277,72 @@ class Metrics:
         out: list[str] = []
         for fam in self._families:
             _render_family(fam, out)
+        out.extend(process_lines())
         return ("\n".join(out) + "\n").encode("utf-8")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("buzz-broker")
+    except metadata.PackageNotFoundError:
+        return "unknown"  # run from a checkout that was never installed
+
+
+#: Read once: the package's version cannot change under a running process.
+_BUILD = (_version(), platform.python_version())
+#: Clock ticks per second, for /proc/self/stat's utime/stime.
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _boot_time() -> float:
+    # Not /proc/stat's btime: the unit's ProcSubset=pid hides it. The boot clock is the
+    # kernel's uptime, which the start time in /proc/self/stat counts from.
+    return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def _gauge(name: str, kind: str, help_text: str, value: float) -> list[str]:
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {format_value(value)}"]
+
+
+def process_lines() -> list[str]:
+    """``buzz_broker_build_info`` and the standard ``process_*`` families, read now.
+
+    A figure /proc cannot give (not Linux, a hardened /proc) is left out, not invented.
+    """
+    version, python = _BUILD
+    out = [
+        "# HELP buzz_broker_build_info The running version (value is always 1).",
+        "# TYPE buzz_broker_build_info gauge",
+        f'buzz_broker_build_info{{version="{escape_label_value(version)}",'
+        f'python="{escape_label_value(python)}"}} 1',
+    ]
+    try:
+        with open("/proc/self/stat", encoding="ascii") as handle:
+            # Fields after the ")" that closes comm (comm may hold spaces and parentheses).
+            fields = handle.read().rsplit(")", 1)[1].split()
+        utime, stime = int(fields[11]), int(fields[12])
+        start_ticks, vsize, rss_pages = int(fields[19]), int(fields[20]), int(fields[21])
+    except (OSError, ValueError, IndexError):
+        return out
+    out += _gauge("process_cpu_seconds_total", "counter",
+                  "Total user and system CPU time spent in seconds.", (utime + stime) / _TICKS)
+    out += _gauge("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.",
+                  rss_pages * resource.getpagesize())
+    out += _gauge("process_virtual_memory_bytes", "gauge", "Virtual memory size in bytes.",
+                  vsize)
+    out += _gauge("process_start_time_seconds", "gauge",
+                  "Start time of the process since unix epoch in seconds.",
+                  _boot_time() + start_ticks / _TICKS)
+    try:
+        open_fds = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return out
+    out += _gauge("process_open_fds", "gauge", "Number of open file descriptors.", open_fds)
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY:
+        out += _gauge("process_max_fds", "gauge", "Maximum number of open file descriptors.",
+                      soft)
+    return out
 
 
 # --- the admin socket -----------------------------------------------------------------
@@ -333,6 +411,61 @@ async def _handle(stream: trio.SocketStream, registry: Metrics) -> None:
             return
 
 
+async def _accept_forever(listener: trio.SocketListener, registry: Metrics) -> None:
+    """Serve scrapes on `listener`: one request per connection, `MAX_ADMIN_CONNECTIONS` at once."""
+    slots = trio.Semaphore(MAX_ADMIN_CONNECTIONS)
+
+    async def one(stream: trio.SocketStream) -> None:
+        try:
+            await _handle(stream, registry)
+        finally:
+            slots.release()
+            with trio.move_on_after(1):
+                await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        while True:
+            stream = await listener.accept()
+            try:
+                slots.acquire_nowait()
+            except trio.WouldBlock:
+                await stream.aclose()
+                continue
+            nursery.start_soon(one, stream)
+
+
+async def serve_metrics_tcp(
+    registry: Metrics,
+    host: str,
+    port: int,
+    *,
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve `GET /metrics` on a loopback TCP address until cancelled.
+
+    Args:
+        registry: the broker's `Metrics`.
+        host, port: `[metrics] listen`, already checked to be loopback by the config.
+        task_status: `started((host, port))` with the bound port (port 0 picks one).
+
+    Raises:
+        OSError: binding failed (address in use).
+
+    Any local user can connect: see the module docstring for what it shows.
+    """
+    family = trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET
+    sock = trio.socket.socket(family, trio.socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+        await sock.bind((host, port))
+        sock.listen(MAX_ADMIN_CONNECTIONS)
+        bound = sock.getsockname()
+        task_status.started((str(bound[0]), int(bound[1])))
+        await _accept_forever(trio.SocketListener(sock), registry)
+    finally:
+        sock.close()
+
+
 def _prepare_path(socket_path: str) -> None:
     """Replace a stale socket; refuse to clobber anything that is not a socket."""
     try:
@@ -380,27 +513,8 @@ async def serve_metrics(
         st = os.lstat(socket_path)
         ident = (st.st_dev, st.st_ino)
         sock.listen(MAX_ADMIN_CONNECTIONS)
-        listener = trio.SocketListener(sock)
-        slots = trio.Semaphore(MAX_ADMIN_CONNECTIONS)
         task_status.started(socket_path)
-
-        async def one(stream: trio.SocketStream) -> None:
-            try:
-                await _handle(stream, registry)
-            finally:
-                slots.release()
-                with trio.move_on_after(1):
-                    await stream.aclose()
-
-        async with trio.open_nursery() as nursery:
-            while True:
-                stream = await listener.accept()
-                try:
-                    slots.acquire_nowait()
-                except trio.WouldBlock:
-                    await stream.aclose()
-                    continue
-                nursery.start_soon(one, stream)
+        await _accept_forever(trio.SocketListener(sock), registry)
     finally:
         sock.close()
         if ident is not None:

@@ -14,7 +14,8 @@ Rules:
   returns the interval in seconds; the caller pings at half of it, as sd_watchdog_enabled(3)
   recommends.
 
-The messages are fixed strings built here (`READY`, `STOPPING`, `WATCHDOG`, `status()`):
+The messages are fixed strings built here (`READY`, `STOPPING`, `WATCHDOG`, `RELOADING`,
+`status()`, `monotonic_usec()`):
 a STATUS line is operator text and must not contain newlines (the protocol is one
 assignment per line).
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Mapping, MutableMapping
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "RELOADING",
     "LISTEN_FDS_START",
     "status",
+    "monotonic_usec",
     "notify",
     "listen_fds",
     "watchdog_interval",
@@ -52,6 +55,11 @@ LISTEN_FDS_START = 3
 def status(text: str) -> str:
     """A ``STATUS=`` line; newlines would start a new assignment, so they become spaces."""
     return "STATUS=" + text.replace("\n", " ").replace("\r", " ")
+
+
+def monotonic_usec() -> str:
+    """``MONOTONIC_USEC=`` now: systemd 253's Type=notify-reload needs it beside RELOADING=1."""
+    return f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}"
 
 
 def _address(raw: str) -> str | bytes:

@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 
 from daemon.cli import main
+import daemon.config
 from daemon.config import (
     _KEYS,
     ACTION_NAMES,
     ENV_VAR,
+    PIN_CREDENTIAL,
     Config,
     ConfigError,
     load_config,
@@ -60,6 +62,7 @@ level = "debug"
 
 [metrics]
 socket = "/run/bb/metrics.sock"
+listen = "[::1]:9464"
 """
 
 EXPECTED: dict[tuple[str, str], object] = {
@@ -91,6 +94,7 @@ EXPECTED: dict[tuple[str, str], object] = {
     ("policy", "runtimes"): frozenset({"goose"}),
     ("log", "level"): "debug",
     ("metrics", "socket"): "/run/bb/metrics.sock",
+    ("metrics", "listen"): ("::1", 9464),
 }
 
 DEFAULTS: dict[tuple[str, str], object] = {
@@ -110,9 +114,9 @@ DEFAULTS: dict[tuple[str, str], object] = {
     ("state", "ledger_max_bytes_per_agent"): 256 * 1024 * 1024,
     ("pkcs11", "module"): "/usr/lib/softhsm/libsofthsm2.so",
     ("pkcs11", "token_label"): "buzz-broker",
-    ("pkcs11", "pin_file"): "/etc/buzz-broker/token-pin",
+    ("pkcs11", "pin_file"): None,  # the systemd credential, when there is one
     ("pkcs11", "kek_label"): "buzz-broker-kek",
-    ("relay", "url"): "wss://relay.example.com",
+    ("relay", "url"): None,  # no placeholder relay
     ("relay", "connect_timeout"): 10.0,
     ("relay", "ok_timeout"): 10.0,
     ("relay", "eose_timeout"): 10.0,
@@ -122,6 +126,7 @@ DEFAULTS: dict[tuple[str, str], object] = {
     ("policy", "runtimes"): frozenset({"goose", "claude", "codex", "buzz-agent", "buzz-acp"}),
     ("log", "level"): "info",
     ("metrics", "socket"): None,
+    ("metrics", "listen"): None,
 }
 
 
@@ -140,9 +145,17 @@ def test_tables_cover_every_key() -> None:
     assert fields == set(DEFAULTS) == set(EXPECTED)
 
 
+@pytest.fixture(autouse=True)
+def no_system_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's own /etc/buzz-broker/broker.toml (absent unless the test writes it)."""
+    path = tmp_path / "etc-broker.toml"
+    monkeypatch.setattr(daemon.config, "SYSTEM_CONFIG", str(path))
+    return path
+
+
 def test_defaults_without_a_file() -> None:
     config = load_config(None, environ={})
-    assert config.source is None
+    assert config.source is None and config.origin == "built-in defaults"
     for (section, field), expected in DEFAULTS.items():
         assert value(config, section, field) == expected, (section, field)
 
@@ -251,6 +264,13 @@ def test_wrong_type_names_key_and_file(tmp_path: Path, row: object) -> None:
         ("policy", "max_agent_depth", "-1"),
         ("policy", "max_agent_depth", "65"),
         ("log", "level", '"loud"'),
+        ("metrics", "listen", '"0.0.0.0:9464"'),
+        ("metrics", "listen", '"10.0.0.1:9464"'),
+        ("metrics", "listen", '"127.0.0.1"'),
+        ("metrics", "listen", '"127.0.0.1:0"'),
+        ("metrics", "listen", '"[::1]:70000"'),
+        ("metrics", "listen", '"localhost.evil.com:80"'),
+        ("metrics", "listen", "9464"),
     ],
 )
 def test_bad_values_named(tmp_path: Path, section: str, key: str, bad: str) -> None:
@@ -328,6 +348,58 @@ def test_precedence_path_then_env_then_defaults(tmp_path: Path) -> None:
     assert load_config(None, environ={}).source is None
 
 
+def test_precedence_flag_env_system_file_defaults(tmp_path: Path, no_system_file: Path) -> None:
+    """--config > $BUZZ_BROKER_CONFIG > /etc/buzz-broker/broker.toml > built-in defaults."""
+    from_arg = write(tmp_path, '[log]\nlevel = "error"\n', "arg.toml")
+    from_env = write(tmp_path, '[log]\nlevel = "debug"\n', "env.toml")
+    no_system_file.write_text('[log]\nlevel = "warning"\n')
+    env = {ENV_VAR: from_env}
+    chosen = [(c.log.level, c.origin) for c in (
+        load_config(from_arg, environ=env),
+        load_config(None, environ=env),
+        load_config(None, environ={}),
+    )]
+    assert chosen == [("error", "--config"), ("debug", "$BUZZ_BROKER_CONFIG"),
+                      ("warning", "system file")]
+    assert load_config(None, environ={}).source == str(no_system_file)
+    no_system_file.unlink()
+    defaults = load_config(None, environ={})
+    assert (defaults.log.level, defaults.origin, defaults.source) == (
+        "info", "built-in defaults", None)
+    # A file named on purpose must exist; the system file is optional.
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(None, environ={ENV_VAR: str(tmp_path / "gone.toml")})
+
+
+def test_pin_from_credentials_directory_when_it_exists(tmp_path: Path) -> None:
+    credentials = tmp_path / "credentials"
+    credentials.mkdir()
+    path = write(tmp_path, '[pkcs11]\npin_file = "/etc/elsewhere/pin"\n')
+    env = {"CREDENTIALS_DIRECTORY": str(credentials)}
+    # The directory without the credential: the configured file.
+    config = load_config(path, environ=env)
+    assert (config.pkcs11.pin_file, config.pkcs11.pin_origin) == (
+        "/etc/elsewhere/pin", "[pkcs11] pin_file")
+    (credentials / PIN_CREDENTIAL).write_text("1234\n")
+    config = load_config(path, environ=env)
+    assert (config.pkcs11.pin_file, config.pkcs11.pin_origin) == (
+        str(credentials / PIN_CREDENTIAL), "systemd credential")
+    # No pin_file at all (the default): the credential, else nothing.
+    assert load_config(None, environ=env).pkcs11.pin_file == str(credentials / PIN_CREDENTIAL)
+    bare = load_config(None, environ={})
+    assert (bare.pkcs11.pin_file, bare.pkcs11.pin_origin) == (None, "none")
+
+
+def test_relay_url_has_no_default(tmp_path: Path) -> None:
+    from daemon.config import require_relay
+
+    config = load_config(write(tmp_path, "[log]\nlevel = \"info\"\n"), environ={})
+    assert config.relay.url is None
+    with pytest.raises(ConfigError, match=r"\[relay\] url is not set") as info:
+        require_relay(config)
+    assert config.source is not None and config.source in str(info.value)
+
+
 def test_action_names_match_the_contract() -> None:
     from buzzwire.contract import ACTIONS
 
@@ -344,9 +416,11 @@ def test_config_is_frozen() -> None:
 
 
 def test_check_config_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check-config", write(tmp_path, EVERY_KEY)]) == 0
+    path = write(tmp_path, EVERY_KEY)
+    assert main(["check-config", path]) == 0
     out, err = capsys.readouterr()
-    assert (out, err) == ("ok\n", "")
+    assert err == ""
+    assert out == f"config: {path} (--config)\npin: /etc/bb/pin ([pkcs11] pin_file)\nok\n"
 
 
 def test_check_config_error_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -359,7 +433,7 @@ def test_check_config_error_one_line(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_check_config_path_beats_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    good = write(tmp_path, "", "good.toml")
+    good = write(tmp_path, '[relay]\nurl = "wss://relay.example.org"\n', "good.toml")
     bad = write(tmp_path, "[nope]\n", "bad.toml")
     assert main(["--config", bad, "check-config", good]) == 0
     assert main(["--config", bad, "check-config"]) == 1
@@ -375,8 +449,10 @@ def test_check_config_uses_env(
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "missing.toml"))
     assert main(["check-config"]) == 1
     monkeypatch.delenv(ENV_VAR)
-    assert main(["check-config"]) == 0
-    assert capsys.readouterr().out == "ok\n"
+    capsys.readouterr()
+    # The built-in defaults name no relay: refused, saying so.
+    assert main(["check-config"]) == 1
+    assert "built-in defaults: [relay] url is not set" in capsys.readouterr().err
 
 
 def test_serve_with_bad_config_is_one_line(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from daemon.metrics import (
     TOKEN_BUCKETS,
     Metrics,
     serve_metrics,
+    serve_metrics_tcp,
 )
 
 ACTIONS = ("channel.read", "message.post", "reaction.add")
@@ -138,9 +140,46 @@ def test_unknown_actions_and_series_are_bounded() -> None:
     assert len(TOKEN_BUCKETS) == len(set(TOKEN_BUCKETS))
 
 
+def _registry_only(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]
+                   ) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The samples the registry holds: without the read-at-scrape process_* and build info."""
+    return {k: v for k, v in samples.items()
+            if not k[0].startswith("process_") and k[0] != "buzz_broker_build_info"}
+
+
 def test_fresh_registry_renders_gauges_at_zero() -> None:
     _, s = parse(Metrics(actions=ACTIONS).render())
-    assert s == {("buzz_broker_ledger_size", ()): 0, ("buzz_broker_open_connections", ()): 0}
+    assert _registry_only(s) == {("buzz_broker_ledger_size", ()): 0,
+                                 ("buzz_broker_open_connections", ()): 0}
+
+
+def test_process_and_build_info_families() -> None:
+    from importlib import metadata
+    import platform
+    import resource
+
+    meta, s = parse(Metrics(actions=ACTIONS).render())
+    version = metadata.version("buzz-broker")
+    assert s[("buzz_broker_build_info", (("version", version),
+                                         ("python", platform.python_version())))] == 1
+    assert meta["process_cpu_seconds_total"][0] == "counter"
+    assert abs(s[("process_open_fds", ())] - len(os.listdir("/proc/self/fd"))) <= 1
+    assert s[("process_max_fds", ())] == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    rss = s[("process_resident_memory_bytes", ())]
+    assert 10 * 2**20 < rss < s[("process_virtual_memory_bytes", ())]
+
+
+def test_process_start_time_is_when_the_process_started() -> None:
+    import subprocess
+    import sys
+
+    spawned = time.time()
+    out = subprocess.run(
+        [sys.executable, "-c", "from daemon.metrics import process_lines; "
+         "print([l for l in process_lines() if l.startswith('process_start_time_seconds ')][0])"],
+        capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent)
+    started = float(out.stdout.split()[1])
+    assert spawned - 1 < started < spawned + 5
 
 
 async def _http(path: str, raw: bytes) -> bytes:
@@ -165,8 +204,9 @@ async def test_admin_socket_serves_metrics_and_404(tmp_path: Path) -> None:
         head, _, body = ok.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200 ")
         assert f"content-type: {CONTENT_TYPE}".encode() in head.lower()
-        assert body == m.render()
-        parse(body)
+        served = parse(body)[1]
+        assert _registry_only(served) == _registry_only(parse(m.render())[1])
+        assert ("process_open_fds", ()) in served
         missing = await _http(path, b"GET /other HTTP/1.1\r\nHost: x\r\n\r\n")
         assert missing.startswith(b"HTTP/1.1 404 ")
         post = await _http(path, b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
@@ -192,3 +232,31 @@ async def test_admin_socket_replaces_stale_socket_and_refuses_a_file(tmp_path: P
     with pytest.raises(ValueError):
         await serve_metrics(m, str(regular))
     assert regular.read_text() == "keep me"
+
+
+async def test_tcp_listener_serves_metrics_on_loopback() -> None:
+    """[metrics] listen: what any local user can read over TCP, and nothing identifying."""
+    from tests.fixtures.relay import free_port
+
+    m = Metrics(actions=ACTIONS)
+    m.request("message.post", "succeeded", None, 0.01)
+    m.request("not-an-action-" + "a" * 64, "failed", "unauthorized", 0.01)
+    async with trio.open_nursery() as nursery:
+        host, port = await nursery.start(serve_metrics_tcp, m, "127.0.0.1", free_port())
+        stream = await trio.open_tcp_stream(host, port)
+        async with stream:
+            await stream.send_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            chunks = []
+            with trio.fail_after(5):
+                while chunk := await stream.receive_some(65536):
+                    chunks.append(chunk)
+        head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ")
+        _, served = parse(body)
+        assert served[("buzz_broker_requests_total",
+                       (("action", "message.post"), ("status", "succeeded"), ("code", "")))] == 1
+        assert ("process_resident_memory_bytes", ()) in served
+        assert b"not-an-action" not in body  # an agent's string never becomes a label
+        nursery.cancel_scope.cancel()
+    with pytest.raises(OSError):  # closed with its nursery
+        await trio.open_tcp_stream(host, port)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -139,11 +140,15 @@ async def test_lifecycle_ready_watchdog_reload_drain(sockdir: str) -> None:
             first = await reader.next()
             assert first is not None and first[0] == 200
 
-            # SIGHUP reloads without dropping the connection.
+            # SIGHUP reloads without dropping the connection, between RELOADING=1 (with
+            # the MONOTONIC_USEC systemd 253's notify-reload wants) and READY=1.
             os.kill(os.getpid(), signal.SIGHUP)
-            with trio.fail_after(2):
-                while app.reloads == 0:
-                    await trio.sleep(0.01)
+            reloading = (await dgrams.until("RELOADING=1", timeout=2.0))[-1].split("\n")
+            assert reloading[0] == "RELOADING=1"
+            assert any(re.fullmatch(r"MONOTONIC_USEC=[1-9][0-9]*", m) for m in reloading)
+            ready_again = (await dgrams.until("READY=1", timeout=2.0))[-1].split("\n")
+            assert ready_again[0] == "READY=1" and ready_again[1].endswith("; reloaded")
+            assert app.reloads == 1  # READY=1 came after the reload, not before
             await stream.send_all(req(b"two"))
             second = await reader.next()
             assert second is not None and second[2] == b'{"echo":"two"}'
@@ -161,6 +166,66 @@ async def test_lifecycle_ready_watchdog_reload_drain(sockdir: str) -> None:
     assert exit_codes == [0]
     assert app.closed
     assert not os.path.exists(config.server.socket), "the socket it bound is removed"
+
+
+async def test_second_daemon_on_the_same_state_is_refused(sockdir: str) -> None:
+    config = write_config(sockdir)
+    app = FakeApp()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(
+                run_server, config, fake_factory(app), environ={}, memory_lock=no_lock))
+            other = write_config(sockdir, socket_name="other.sock")
+            second = FakeApp()
+            with pytest.raises(CliError, match=rf"another buzz-broker serve \(pid {os.getpid()}\)"):
+                await run_server(other, fake_factory(second), environ={}, memory_lock=no_lock)
+            assert not second.opened
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+async def test_metrics_listener_on_a_taken_port_is_one_line_before_ready(sockdir: str) -> None:
+    """[metrics] listen: served with the daemon; a port already taken fails the start."""
+    import socket as pysocket
+
+    from daemon.metrics import Metrics
+    from tests.fixtures.relay import free_port
+
+    class WithMetrics(FakeApp):
+        metrics = Metrics(actions=("message.post",))
+
+    port = free_port()
+    config = write_config(sockdir, extra=f'[metrics]\nlisten = "127.0.0.1:{port}"\n')
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(
+                run_server, config, fake_factory(WithMetrics()), environ={}, memory_lock=no_lock))
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                answer = await stream.receive_some(65536)
+            assert answer.startswith(b"HTTP/1.1 200 ")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    taken = pysocket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        busy = write_config(sockdir, extra='[metrics]\nlisten = "127.0.0.1:%d"\n'
+                            % taken.getsockname()[1])
+        dgrams = Datagrams(os.path.join(sockdir, "notify"))
+        await dgrams.bind()
+        with pytest.raises(BaseExceptionGroup) as info:  # `run` unwraps it to the one line
+            await run_server(busy, fake_factory(WithMetrics()),
+                             environ={"NOTIFY_SOCKET": dgrams.path}, memory_lock=no_lock)
+        fault = serve_cli._single(info.value)
+        assert isinstance(fault, CliError)
+        assert re.fullmatch(r"\[metrics\] listen 127\.0\.0\.1:[0-9]+: Address already in use",
+                            str(fault))
+        with trio.move_on_after(0.2):
+            await dgrams.until("READY=1")
+            raise AssertionError("READY=1 was sent although the metrics port was taken")
+    finally:
+        taken.close()
 
 
 async def test_socket_fault_reported_before_the_app_opens(sockdir: str) -> None:

@@ -35,8 +35,9 @@ UNITS = REPO / "systemd"
 SERVICE = UNITS / "buzz-broker.service"
 SOCKET = UNITS / "buzz-broker.socket"
 
-#: The issue's target for `systemd-analyze security`.
-MAX_EXPOSURE = 2.0
+#: The issue's target for `systemd-analyze security` (issue 14: <= 1.5, also checked on a
+#: booted systemd by tests/nspawn/test_real_systemd.py).
+MAX_EXPOSURE = 1.5
 #: Where the host keeps its packaged units (Debian: /usr/lib/systemd/system).
 HOST_UNIT_DIRS = (Path("/usr/lib/systemd/system"), Path("/lib/systemd/system"))
 
@@ -76,7 +77,9 @@ def _verify_root(tmp_path: Path, service_text: str | None = None) -> Path:
     (etc / SERVICE.name).write_text(service_text if service_text is not None else SERVICE.read_text())
     shutil.copyfile(SOCKET, etc / SOCKET.name)
     d = _directives(SERVICE)
-    for exe in (_exec_path(d["ExecStart"][0]), _exec_path(d["ExecReload"][0])):
+    s = _directives(SOCKET)
+    for exe in (_exec_path(d["ExecStart"][0]), _exec_path(d["ExecReload"][0]),
+                _exec_path(s["ExecStartPre"][0])):
         # A bare name (`kill`) is looked up by systemd in /usr/bin among others.
         target = root / (exe.lstrip("/") if exe.startswith("/") else f"usr/bin/{exe}")
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -109,7 +112,7 @@ def test_verify_catches_a_misspelt_directive(tmp_path: Path) -> None:
 
 
 @needs_analyze
-def test_security_exposure_at_most_two() -> None:
+def test_security_exposure_at_most_one_and_a_half() -> None:
     assert ANALYZE is not None
     proc = subprocess.run(
         [ANALYZE, "security", "--offline=true", "--no-pager", str(SERVICE)],
@@ -129,12 +132,14 @@ SERVICE_REQUIRED: dict[str, str] = {
     "NotifyAccess": "main",
     "WatchdogSec": "30s",
     "ExecStart": "/opt/buzz-broker/venv/bin/buzz-broker serve",
-    "ExecReload": "kill -HUP $MAINPID",
+    # The shell's kill: a minimal Debian has no procps.
+    "ExecReload": "/bin/sh -c 'kill -s HUP \"$$MAINPID\"'",
     "Restart": "on-failure",
     "User": "buzz-broker",
     "StateDirectory": "buzz-broker",
     "StateDirectoryMode": "0700",
-    "RuntimeDirectory": "buzz-broker",
+    # Not RuntimeDirectory=: see test_runtime_directory_is_not_the_services.
+    "ReadWritePaths": "/run/buzz-broker",
     "ConfigurationDirectory": "buzz-broker",
     "LoadCredential": "token-pin:/etc/buzz-broker/token-pin",
     "LimitCORE": "0",
@@ -165,6 +170,7 @@ SERVICE_REQUIRED: dict[str, str] = {
 }
 
 SOCKET_REQUIRED: dict[str, str] = {
+    "ExecStartPre": "systemd-tmpfiles --create buzz-broker.conf",
     "ListenStream": "/run/buzz-broker/broker.sock",
     "SocketMode": "0660",
     "SocketGroup": "buzz-agents",
@@ -180,6 +186,34 @@ def test_service_has(key: str) -> None:
 @pytest.mark.parametrize("key", sorted(SOCKET_REQUIRED))
 def test_socket_has(key: str) -> None:
     assert _directives(SOCKET).get(key) == [SOCKET_REQUIRED[key]], key
+
+
+def test_runtime_directory_is_not_the_services() -> None:
+    """RuntimeDirectory= re-owns /run/buzz-broker and broker.sock to the service's user and
+    group at every start (seen on systemd 252): agents in buzz-agents would get EACCES.
+    tmpfiles.d owns the directory instead, buzz-broker:buzz-agents 0750."""
+    d = _directives(SERVICE)
+    assert not any(k.startswith("RuntimeDirectory") for k in d)
+    tmpfiles = (UNITS / "buzz-broker.tmpfiles").read_text().splitlines()
+    entries = [line.split() for line in tmpfiles if line and not line.startswith("#")]
+    assert entries == [["d", "/run/buzz-broker", "0750", "buzz-broker", "buzz-agents", "-"]]
+    assert os.path.dirname(_directives(SOCKET)["ListenStream"][0]) == entries[0][1]
+
+
+def test_admin_wrapper_matches_the_unit() -> None:
+    """systemd/buzz-broker-admin runs commands with the unit's user, umask, credential,
+    environment and binary, so what it creates the daemon can open."""
+    wrapper = (UNITS / "buzz-broker-admin").read_text()
+    props = dict(p.split("=", 1) for p in re.findall(r"-p (\S+)", wrapper)
+                 if not p.startswith("Environment="))
+    envs = [p.split("=", 1)[1] for p in re.findall(r"-p (Environment=\S+)", wrapper)]
+    d = _directives(SERVICE)
+    for key in ("User", "Group", "UMask", "LimitCORE", "LoadCredential"):
+        assert d[key] == [props[key]], key
+    assert sorted(envs) == sorted(d["Environment"])
+    binary = d["ExecStart"][0].split()[0]
+    assert f'{binary} "$@"' in wrapper
+    assert subprocess.run(["sh", "-n", str(UNITS / "buzz-broker-admin")]).returncode == 0
 
 
 def test_service_environment_and_filters() -> None:

@@ -9,6 +9,9 @@ Rules:
   unexpected exception could carry a secret).
 - Secrets (PINs, credentials, secret keys) never come from argv: files, stdin, or the
   environment variables each command documents.
+- A command in `STATE_COMMANDS` opens files under ``[state] dir``. Run as root on a state
+  directory another user owns (the daemon's), it is refused before it starts: it would
+  leave root-owned files the daemon cannot open (`_common.refuse_foreign_state`).
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from daemon.cli._common import CliError
+from daemon.cli._common import CliError, config_from_args, refuse_foreign_state
 
-__all__ = ["main", "CliError", "COMMANDS"]
+__all__ = ["main", "CliError", "COMMANDS", "STATE_COMMANDS"]
 
 #: command name -> (module under daemon.cli, one-line help). A command's module is imported
 #: only when that command runs, so one command's dependencies never slow down or break another.
@@ -32,7 +35,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "credential": ("credential", "issue, list and revoke agent credentials"),
     "call": ("call", "send one request to the broker as an agent"),
     "audit": ("audit", "verify and read the audit log"),
+    "status": ("status", "is the daemon running; token, relay, agents, credentials, audit"),
 }
+
+#: Commands that create or open files under [state] dir (SQLite opens create -wal/-shm
+#: files even to read). `call` and `check-config` do not.
+STATE_COMMANDS = frozenset({"serve", "keys", "agent", "credential", "audit", "status"})
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 70  # EX_SOFTWARE
@@ -61,7 +69,8 @@ def _parser(selected: str | None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--config",
         metavar="PATH",
-        help="TOML configuration file (default: $BUZZ_BROKER_CONFIG, else built-in defaults)",
+        help="TOML configuration file (default: $BUZZ_BROKER_CONFIG, else "
+        "/etc/buzz-broker/broker.toml if it exists, else built-in defaults)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -79,6 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser(_selected(arguments))
     args = parser.parse_args(arguments)
     try:
+        if args.command in STATE_COMMANDS:
+            refuse_foreign_state(config_from_args(args))
         code: int = args._run(args)
         return code
     except CliError as exc:

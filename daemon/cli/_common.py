@@ -2,11 +2,20 @@
 
 Rules: a command reports every fault as one `CliError` line (never a traceback, never a
 secret in the text); `config_from_args` is the only way a command reads its configuration,
-so `--config`, `$BUZZ_BROKER_CONFIG` and the defaults mean the same everywhere.
+so `--config`, `$BUZZ_BROKER_CONFIG`, /etc/buzz-broker/broker.toml and the defaults mean
+the same everywhere (daemon/config.py states the precedence).
+
+`refuse_foreign_state`: root must not create files in the daemon's state directory. SQLite
+databases, their -wal/-shm files and SoftHSM objects made by root are 0600 root: the
+daemon's user could no longer open them, and the service would fail at its next start.
+Refusing (and naming the way to run as that user) is simpler and safer than chowning
+after the fact.
 """
 
 from __future__ import annotations
 
+import os
+import pwd
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # typing only: the configuration is imported when a command runs
@@ -21,8 +30,38 @@ class CliError(Exception):
         self.exit_code = exit_code
 
 
+#: What an operator runs instead (systemd/buzz-broker-admin, installed by docs/install.md).
+ADMIN_WRAPPER = "buzz-broker-admin"
+
+
+def refuse_foreign_state(config: Config, *, euid: int | None = None) -> None:
+    """As root, refuse a state directory owned by another user (see the module docstring).
+
+    A missing directory, or one root owns (a root-run daemon), is fine.
+    """
+    if (os.geteuid() if euid is None else euid) != 0:
+        return
+    try:
+        owner = os.stat(config.state.dir).st_uid
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise CliError(f"state directory {config.state.dir}: {exc.strerror}") from None
+    if owner == 0:
+        return
+    try:
+        name = pwd.getpwuid(owner).pw_name
+    except KeyError:
+        name = f"uid {owner}"
+    raise CliError(
+        f"refusing to run as root on {config.state.dir}: it belongs to {name}, the daemon's "
+        f"user, and files root creates there would be unreadable to it; run the command as "
+        f"that user: {ADMIN_WRAPPER} <command> (or runuser -u {name} -- buzz-broker <command>)"
+    )
+
+
 def config_from_args(args: object) -> Config:
-    """The configuration a command runs with: `--config`, else $BUZZ_BROKER_CONFIG, else defaults."""
+    """The configuration a command runs with (the precedence is daemon/config.py's)."""
     from daemon.config import ConfigError, load_config
 
     try:

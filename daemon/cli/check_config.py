@@ -1,15 +1,21 @@
-"""`buzz-broker check-config [PATH]`: validate a configuration file without starting anything.
+"""`buzz-broker check-config [PATH] [--deep]`: validate a configuration, and with --deep the setup.
 
 Rules:
 - Which file: PATH if given, else the global ``--config``, else ``$BUZZ_BROKER_CONFIG``,
-  else the built-in defaults (which are checked like a file, so "ok" means the daemon
-  would start with exactly this configuration as far as the file can tell).
-- Prints ``ok`` on stdout and exits 0, or the one-line `ConfigError` on stderr and exits 1.
-- It checks the file only: whether the token, the PIN file or the socket group exist on
-  this host is for `serve` to find out (a config is often checked on another machine).
+  else /etc/buzz-broker/broker.toml if it exists, else the built-in defaults (checked like
+  a file). The first line on stdout names what was read and why (``config: <file>
+  (--config)`` or ``config: built-in defaults (no file ...)``); the second where the PIN
+  will come from. No silent default.
+- ``[relay] url`` must be set (there is no default relay): the daemon would refuse to start.
+- Without --deep it checks the file only (a config is often checked on another machine):
+  ``ok`` last on stdout, exit 0; or the one-line `ConfigError` on stderr, exit 1.
+- With --deep it also logs in to the token, finds and checks the KEK, and opens a
+  WebSocket to the relay (daemon/probe.py), one line each; any failure is the one-line
+  error on stderr (naming the step) and exit 1. Run it as the daemon runs (the
+  `buzz-broker-admin` wrapper), so the PIN credential and the token files are its own.
 
-WARNING: the `ok` line and the exit codes are documented in docs/configuration.md and
-docs/install.md (step 4).
+WARNING: the output lines and the exit codes are documented in docs/configuration.md and
+docs/install.md (step 4); tests/test_check_config.py checks them.
 """
 
 from __future__ import annotations
@@ -17,10 +23,12 @@ from __future__ import annotations
 import argparse
 import os
 
-from daemon.cli._common import CliError
-from daemon.config import ConfigError, load_config
+import trio
 
-HELP = "validate a configuration file; prints ok or the one-line error"
+from daemon.cli._common import CliError
+from daemon.config import SYSTEM_CONFIG, Config, ConfigError, load_config, require_relay
+
+HELP = "validate a configuration; --deep also logs in to the token and reaches the relay"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,15 +36,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "path",
         nargs="?",
         metavar="PATH",
-        help="the file to check (default: --config, $BUZZ_BROKER_CONFIG, built-in defaults)",
+        help="the file to check (default: --config, $BUZZ_BROKER_CONFIG, "
+        f"{SYSTEM_CONFIG}, built-in defaults)",
     )
+    parser.add_argument(
+        "--deep",
+        action="store_true",
+        help="also log in to the token, check the KEK and open a WebSocket to the relay",
+    )
+
+
+def describe(config: Config) -> str:
+    """The ``config:`` line: which file was read and by which rule."""
+    if config.source is None:
+        return (f"config: built-in defaults (no --config, no $BUZZ_BROKER_CONFIG, "
+                f"no {SYSTEM_CONFIG})")
+    return f"config: {config.source} ({config.origin})"
+
+
+def describe_pin(config: Config) -> str:
+    """The ``pin:`` line: where the token PIN will be read from (never the PIN)."""
+    pkcs11 = config.pkcs11
+    if pkcs11.pin_file is None:
+        return ("pin: none here (no $CREDENTIALS_DIRECTORY/token-pin and no [pkcs11] "
+                "pin_file; under the unit, LoadCredential= provides it)")
+    return f"pin: {pkcs11.pin_file} ({pkcs11.pin_origin})"
 
 
 def run(args: argparse.Namespace) -> int:
     path = getattr(args, "path", None) or getattr(args, "config", None)
     try:
-        load_config(path, os.environ)
+        config = load_config(path, os.environ)
+        require_relay(config)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
+    print(describe(config))
+    print(describe_pin(config))
+    if getattr(args, "deep", False):
+        from daemon.probe import check_relay, check_token_and_kek
+
+        for check in (check_token_and_kek, check_relay):
+            result = trio.run(check, config)
+            if not result.ok:
+                raise CliError(f"check-config --deep: {result.name}: {result.detail}")
+            print(f"{result.name}: {result.detail}")
     print("ok")
     return 0

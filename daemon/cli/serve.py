@@ -16,8 +16,15 @@ Startup, in order (each fault is one line on stderr and a non-zero exit, no trac
    restarts us).
 
 Signals: SIGTERM/SIGINT -> ``STOPPING=1``, stop accepting, drain in-flight requests up to
-[server] shutdown_grace, exit 0. SIGHUP -> ``app.reload()`` (credentials and policy) while
-connections stay open; a failed reload is logged and the running state kept.
+[server] shutdown_grace, exit 0. SIGHUP -> ``RELOADING=1`` (with ``MONOTONIC_USEC``, which
+systemd 253's Type=notify-reload requires; 252 ignores it), ``app.reload()`` (credentials
+and policy) while connections stay open, then ``READY=1``; a failed reload is logged and
+the running state kept (READY=1 still follows: the daemon serves on).
+
+One daemon per state directory: `run_server` holds an exclusive flock on
+``<state>/serve.lock`` (holding its pid) while it runs; a second `serve` is refused, and
+`buzz-broker status` reads the lock to tell "running" without connecting to the agents'
+socket (which would start the service through socket activation).
 
 Memory locking: with ``MCL_FUTURE`` every later mapping counts against ``RLIMIT_MEMLOCK``
 - its whole size, not the pages in use (malloc arenas, thread stacks) - and a mapping past
@@ -73,7 +80,8 @@ from daemon.http import (
     serve,
 )
 from daemon.log import log_event, setup_logging
-from daemon.metrics import Metrics, serve_metrics
+from daemon.metrics import Metrics, serve_metrics, serve_metrics_tcp
+from daemon.runlock import RunLock, RunLockHeld
 
 __all__ = [
     "HELP",
@@ -197,7 +205,8 @@ async def run_server(
     """
     env = os.environ if environ is None else environ
     started_at = time.monotonic()
-    log_event(_log, "serve.starting", pid=os.getpid(), config=config.source or "built-in defaults")
+    log_event(_log, "serve.starting", pid=os.getpid(), config=config.source or "built-in defaults",
+              config_origin=config.origin, pin=config.pkcs11.pin_origin)
 
     lock = memory_lock()
     if lock.locked:
@@ -205,6 +214,24 @@ async def run_server(
     else:
         log_event(_log, "serve.mlock_skipped", level=logging.WARNING, reason=lock.reason)
 
+    # Before the socket: a second daemon must not even bind (or unlink) the first one's.
+    try:
+        run_lock = RunLock.acquire(config.state.dir)
+    except RunLockHeld as exc:
+        raise CliError(str(exc)) from None
+    try:
+        return await _run_locked(config, app_factory, env, started_at, task_status)
+    finally:
+        run_lock.release()
+
+
+async def _run_locked(
+    config: Config,
+    app_factory: AppFactory,
+    env: MutableMapping[str, str],
+    started_at: float,
+    task_status: trio.TaskStatus[ServerControl],
+) -> int:
     server = config.server
     try:
         fds = notify.listen_fds(env)
@@ -243,7 +270,8 @@ async def run_server(
         _send(env, notify.status("opening the token, the stores and the relay pool"))
         async with app_factory(config) as app:
             await _serve_until_signalled(app, raw, limits, env, watchdog, where, started_at,
-                                         task_status, config.metrics.socket)
+                                         task_status, config.metrics.socket,
+                                         config.metrics.listen)
     finally:
         raw.close()
         if bound_path is not None:
@@ -262,6 +290,7 @@ async def _serve_until_signalled(
     started_at: float,
     task_status: trio.TaskStatus[ServerControl],
     metrics_socket: str | None = None,
+    metrics_listen: tuple[str, int] | None = None,
 ) -> None:
     # An application with a metrics registry (the broker) gets the connection gauge and,
     # when [metrics] socket is set, the admin socket; a test application has neither.
@@ -283,8 +312,19 @@ async def _serve_until_signalled(
                 nursery.cancel_scope.cancel()  # drained: stop the watchdog and signal tasks
 
             if metrics is not None and metrics_socket:
-                await nursery.start(serve_metrics, metrics, metrics_socket)
+                try:
+                    await nursery.start(serve_metrics, metrics, metrics_socket)
+                except (OSError, ValueError) as exc:
+                    raise CliError(f"[metrics] socket {metrics_socket}: "
+                                   f"{getattr(exc, 'strerror', None) or exc}") from None
                 log_event(_log, "serve.metrics", socket=metrics_socket)
+            if metrics is not None and metrics_listen is not None:
+                try:
+                    host, port = await nursery.start(serve_metrics_tcp, metrics, *metrics_listen)
+                except OSError as exc:  # the port is taken: one line, before READY=1
+                    raise CliError(f"[metrics] listen {metrics_listen[0]}:{metrics_listen[1]}: "
+                                   f"{exc.strerror}") from None
+                log_event(_log, "serve.metrics", listen=f"{host}:{port}")
 
             control: ServerControl = await nursery.start(serve_then_finish)
             _send(env, notify.READY, notify.status(f"serving on {where}"))
@@ -316,14 +356,16 @@ async def _serve_until_signalled(
 
 
 def _reload(app: ReloadableApplication, env: MutableMapping[str, str], where: str) -> None:
+    # systemd shows the unit "reloading" from RELOADING=1 until READY=1.
+    _send(env, notify.RELOADING, notify.monotonic_usec(), notify.status("reloading"))
     try:
         app.reload()
     except Exception as exc:  # noqa: BLE001 - keep serving with the state we have
         log_event(_log, "serve.reload_failed", level=logging.ERROR, error=type(exc).__name__)
-        _send(env, notify.status(f"serving on {where}; last reload failed"))
+        _send(env, notify.READY, notify.status(f"serving on {where}; last reload failed"))
         return
     log_event(_log, "serve.reloaded")
-    _send(env, notify.status(f"serving on {where}; reloaded"))
+    _send(env, notify.READY, notify.status(f"serving on {where}; reloaded"))
 
 
 async def _watchdog(env: MutableMapping[str, str], every: float) -> None:

@@ -1,0 +1,81 @@
+"""The deep checks an operator asks for: can this config log in to the token and reach the relay?
+
+Rules:
+- Shared by `check-config --deep` and `status`; each check answers a `Check` (name, ok,
+  one line of detail) and never raises for the fault it checks: a failed check is an
+  answer, not a crash.
+- The token check logs in with the configured PIN, finds the KEK and checks its
+  attributes (`custody.check_token`), then logs out. It creates nothing: no KEK (that is
+  `keys init`), no keystore.
+- The relay check opens a WebSocket to ``[relay] url`` within ``connect_timeout`` and
+  closes it: the relay is reachable and speaks WebSocket. It sends no event and no AUTH
+  (no agent key is touched), so a relay that refuses unauthenticated REQs still passes.
+- Details never carry the PIN (custody's messages name files, never their content).
+"""
+
+from __future__ import annotations
+
+import ssl
+import time
+from dataclasses import dataclass
+
+import trio
+import trio_websocket
+
+from daemon.config import Config
+
+__all__ = ["Check", "check_token_and_kek", "check_relay"]
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One check's answer: `name` (token, relay), `ok`, and one line of `detail`."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+async def check_token_and_kek(config: Config) -> Check:
+    """Log in to the configured token, find and check the KEK, log out."""
+    from custody import CustodyError, TokenConfig, check_token
+
+    pkcs11 = config.pkcs11
+    token = TokenConfig(module=pkcs11.module, token_label=pkcs11.token_label,
+                        pin_file=pkcs11.pin_file, kek_label=pkcs11.kek_label)
+    try:
+        await check_token(token)
+    except CustodyError as exc:
+        return Check("token", False, str(exc))
+    return Check("token", True, f"logged in to {pkcs11.token_label!r} (PIN from "
+                 f"{pkcs11.pin_origin}); KEK {pkcs11.kek_label!r} found and checked")
+
+
+async def check_relay(config: Config) -> Check:
+    """Open and close a WebSocket to the relay within its connect timeout."""
+    url = config.relay.url
+    if url is None:
+        return Check("relay", False, "[relay] url is not set")
+    timeout = config.relay.connect_timeout
+    started = time.monotonic()
+    context = ssl.create_default_context() if url.startswith("wss:") else None
+    try:
+        with trio.fail_after(timeout):
+            async with trio_websocket.open_websocket_url(
+                url, ssl_context=context, connect_timeout=timeout, disconnect_timeout=1
+            ):
+                pass
+    except trio.TooSlowError:
+        return Check("relay", False, f"{url}: no WebSocket within {timeout:g}s")
+    except trio_websocket.HandshakeError as exc:
+        # trio-websocket wraps a refused or failed TCP connect in HandshakeError too.
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, OSError):
+            return Check("relay", False,
+                         f"{url}: cannot connect ({cause.strerror or type(cause).__name__})")
+        return Check("relay", False, f"{url}: WebSocket handshake failed ({type(exc).__name__})")
+    except (OSError, ssl.SSLError, trio.BrokenResourceError) as exc:
+        reason = getattr(exc, "strerror", None) or type(exc).__name__
+        return Check("relay", False, f"{url}: cannot connect ({reason})")
+    elapsed = (time.monotonic() - started) * 1000
+    return Check("relay", True, f"{url}: WebSocket opened in {elapsed:.0f} ms")

@@ -1,0 +1,432 @@
+"""docs/install.md on real systemd: a Debian 12 container with systemd as PID 1 (issue 14).
+
+What it proves, as an agent user in `buzz-agents`, a second agent user and an outsider:
+the doc's marked blocks run as written; the agent's first request starts the service
+(socket activation); Type=notify readiness, and a start that fails before READY=1 fails
+the job; `systemctl reload` keeps the PID; restart; SIGKILL and Restart=on-failure; the
+watchdog restarts a stopped event loop; a uid-bound credential is refused for another uid;
+the outsider cannot reach the socket; the metrics scrape; `systemd-analyze security` <= 1.5;
+`journalctl -p warning` finds the daemon's warnings (the `<N>` prefix); `status` on a
+running and a stopped daemon; upgrade and uninstall.
+
+Rules:
+- The doc is the script: `install_blocks()` takes every fenced block that follows an
+  ``<!-- install-test step=NAME [as=agent|outsider] [file=PATH] -->`` marker, in order,
+  and the test runs exactly those (after replacing the placeholders in `PLACEHOLDERS`).
+  `test_install_doc_is_marked` fails if a step the test relies on is missing.
+- What only the test adds is `TEST_ONLY`, nothing else; systemd/README.md lists it too.
+- It skips only when this machine cannot boot a container (guest.cannot_boot), and then
+  says so loudly (a warning, the skip reason, and a banner on stderr). Any other fault
+  (the image cannot be built, the guest does not boot) is a failure.
+- The base image and a pip wheel cache live outside the checkout (tests/nspawn/guest.py:
+  CACHE); a run after the first needs no network.
+- Not provable here: the guest's PID 1 lacks CAP_SYS_RESOURCE, so LimitMEMLOCK=infinity is
+  not granted (the limit stays finite) and the daemon logs serve.mlock_skipped (which the
+  journald check uses).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.relay import TestKey, free_port, start_devrelay
+from tests.nspawn import guest as guest_mod
+from tests.nspawn.guest import Guest, GuestError
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+INSTALL_MD = REPO / "docs" / "install.md"
+
+AGENT = "scout"
+SECOND_AGENT = "scout2"
+OUTSIDER = "outsider"
+USERS = {"agent": AGENT, "second": SECOND_AGENT, "outsider": OUTSIDER}
+#: The doc's metrics address; the guest shares the host's network, so the test moves it.
+DOC_METRICS = "127.0.0.1:9464"
+GUEST_WHEELS = "/var/cache/buzz-broker-wheels"
+
+#: Everything the test does that docs/install.md does not say (systemd/README.md repeats it).
+TEST_ONLY = {
+    "checkout": "the checkout under test is copied to /opt/buzz-broker/src (the doc's git clone)",
+    "pip": f"pip installs offline from a wheel cache bind-mounted at {GUEST_WHEELS} "
+           "(PIP_NO_INDEX, PIP_FIND_LINKS); built on the host from pyproject.toml",
+    "users": f"Unix users {AGENT} and {SECOND_AGENT} (agents, in buzz-agents) and {OUTSIDER} (not)",
+    "placeholders": "<agent-user>, <owner-pubkey-hex> (a throwaway key), <channel-uuid>, "
+                    "<relay-url> (nostr-sdk's LocalRelay on the host's loopback), and the "
+                    f"metrics port instead of {DOC_METRICS.split(':')[1]} (shared network)",
+    "watchdog": "a drop-in buzz-broker.service.d/test-watchdog.conf with WatchdogSec=3s",
+    "faults": "a drop-in pointing BUZZ_BROKER_CONFIG at a config whose KEK is missing (failed "
+              "start), SIGKILL, SIGSTOP/SIGCONT (watchdog), and the scout credential copied "
+              "to scout2 (uid binding)",
+}
+
+
+# --------------------------------------------------------------------------- the doc
+
+
+@dataclass(frozen=True)
+class Block:
+    step: str
+    user: str  # "root", "agent", "outsider"
+    file: str | None
+    text: str
+
+
+_MARKER = re.compile(r"<!-- install-test ([^>]*?)-->\s*\n```[a-z]*\n(.*?)\n```", re.S)
+
+
+def install_blocks(text: str | None = None) -> list[Block]:
+    """The marked blocks of docs/install.md, in order."""
+    text = INSTALL_MD.read_text() if text is None else text
+    blocks = []
+    for match in _MARKER.finditer(text):
+        attrs = dict(part.split("=", 1) for part in match.group(1).split())
+        blocks.append(Block(attrs["step"], attrs.get("as", "root"), attrs.get("file"),
+                            match.group(2)))
+    return blocks
+
+
+#: The steps this test drives, in the doc's order.
+STEPS = ("packages", "program", "units", "agent-group", "token", "config", "check-config",
+         "keys", "agent", "start", "first-request", "check", "metrics", "upgrade", "uninstall")
+
+
+def test_install_doc_is_marked() -> None:
+    """Every step the real-systemd test runs is a marked block of docs/install.md."""
+    steps = [b.step for b in install_blocks()]
+    assert steps == list(STEPS)
+
+
+# --------------------------------------------------------------------------- the guest
+
+
+def _loud_skip(reason: str) -> None:
+    banner = f"\n{'!' * 78}\n!! REAL-SYSTEMD TEST NOT RUN: {reason}\n{'!' * 78}\n"
+    if sys.__stderr__ is not None:  # past pytest's capture: on the terminal, in CI's log
+        sys.__stderr__.write(banner)
+    warnings.warn(f"real-systemd test not run: {reason}", stacklevel=2)
+    pytest.skip(f"REAL-SYSTEMD TEST NOT RUN: this machine cannot boot a container: {reason}")
+
+
+def _wheel_cache() -> Path:
+    """Wheels for the project's dependencies, built on the host once per pyproject.toml."""
+    key = hashlib.sha256((REPO / "pyproject.toml").read_bytes()).hexdigest()[:12]
+    wheels = guest_mod.CACHE / f"wheels-{key}"
+    with guest_mod._locked("wheels"):
+        if (wheels / ".complete").exists():
+            return wheels
+        scratch = guest_mod.CACHE / f".wheels-{os.getpid()}"
+        shutil.rmtree(scratch, ignore_errors=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(scratch),
+             str(REPO), "setuptools>=68", "wheel"],
+            capture_output=True, text=True, timeout=900,
+        )
+        if done.returncode != 0:
+            raise RuntimeError("pip wheel failed: " + done.stderr[-2000:])
+        for own in scratch.glob("buzz_broker-*.whl"):
+            own.unlink()  # the guest builds the project itself, as the doc says
+        (scratch / ".complete").touch()
+        shutil.rmtree(wheels, ignore_errors=True)
+        scratch.rename(wheels)
+        return wheels
+
+
+def _copy_checkout(root: Path) -> None:
+    dest = root / "opt" / "buzz-broker" / "src"
+    skip = shutil.ignore_patterns(".venv", ".git", "__pycache__", "*.egg-info", "build", "run",
+                                  ".mypy_cache", ".pytest_cache")
+    shutil.copytree(REPO, dest, ignore=skip, symlinks=True)
+
+
+@dataclass
+class Installed:
+    guest: Guest
+    placeholders: dict[str, str]
+    metrics_port: int
+    facts: dict[str, str]
+    env: dict[str, str]
+
+    def block(self, block: Block) -> None:
+        text = block.text
+        for name, value in self.placeholders.items():
+            text = text.replace(name, value)
+        if block.file is not None:
+            (self.guest.root / block.file.lstrip("/")).write_text(text + "\n")
+            return
+        user = None if block.user == "root" else USERS[block.user]
+        self.sh(text, user=user, what=f"docs/install.md step {block.step}")
+
+    def sh(self, script: str, *, user: str | None = None, what: str = "",
+           check: bool = True) -> guest_mod.Done:
+        env = dict(self.env)
+        if user is not None:
+            env["HOME"] = f"/home/{user}"
+        done = self.guest.run(["bash", "-euo", "pipefail", "-c", script], user=user, env=env,
+                              check=False, timeout=300)
+        if check and done.returncode != 0:
+            raise GuestError(f"{what or script[:60]!r} failed\n{done.text()}")
+        return done
+
+    def show(self, prop: str, unit: str = "buzz-broker.service") -> str:
+        return self.sh(f"systemctl show -p {prop} --value {unit}").stdout.strip()
+
+    def call(self, user: str, credential: str = "~/.config/buzz-broker/credential",
+             content: str = "ping") -> guest_mod.Done:
+        args = json.dumps({"channelId": self.placeholders["<channel-uuid>"], "content": content})
+        return self.sh(f"buzz-broker call message.post --args '{args}' "
+                       f"--credential-file {credential}", user=user, check=False)
+
+    def wait_for(self, what: str, predicate: Callable[[], bool], timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(0.3)
+        raise AssertionError(f"timed out waiting for {what}\n" + self.sh(
+            "systemctl status --no-pager buzz-broker.service; "
+            "journalctl -u buzz-broker.service --no-pager -n 30", check=False).stdout)
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
+    reason = guest_mod.cannot_boot()
+    if reason is not None:
+        _loud_skip(reason)
+    image = guest_mod.base_image()
+    wheels = _wheel_cache()
+    work = tmp_path_factory.mktemp("nspawn")
+    blocks = {b.step: b for b in install_blocks()}
+    with start_devrelay(auth=True) as (relay_url, _relay), guest_mod.booted(
+        image, work, binds=[(wheels, GUEST_WHEELS)]
+    ) as guest:
+        metrics_port = free_port()
+        placeholders = {
+            "<agent-user>": AGENT,
+            "<owner-pubkey-hex>": TestKey().pubkey,
+            "<channel-uuid>": str(uuid.uuid4()),
+            "<relay-url>": relay_url,
+            DOC_METRICS: f"127.0.0.1:{metrics_port}",
+        }
+        env = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": GUEST_WHEELS,
+               "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+        inst = Installed(guest, placeholders, metrics_port, {}, env)
+        _copy_checkout(guest.root)
+        for user in (AGENT, SECOND_AGENT, OUTSIDER):
+            inst.sh(f"useradd --create-home --shell /bin/bash {user}")
+        for step in STEPS[:STEPS.index("start")]:
+            inst.block(blocks[step])
+            if step == "units":
+                # TEST_ONLY["watchdog"]: a short watchdog, so its test takes seconds.
+                inst.sh("mkdir -p /etc/systemd/system/buzz-broker.service.d && printf "
+                        "'[Service]\\nWatchdogSec=3s\\n' > "
+                        "/etc/systemd/system/buzz-broker.service.d/test-watchdog.conf && "
+                        f"systemctl daemon-reload && usermod -a -G buzz-agents {SECOND_AGENT}")
+        inst.block(blocks["start"])
+        inst.facts["before-first-request"] = inst.show("ActiveState")
+        inst.facts["socket-dir"] = inst.sh("stat -c '%U:%G %a' /run/buzz-broker").stdout.strip()
+        inst.block(blocks["first-request"])
+        inst.facts["after-first-request"] = inst.show("ActiveState")
+        inst.facts["status-text"] = inst.show("StatusText")
+        inst.block(blocks["check"])
+        yield inst
+
+
+# --------------------------------------------------------------------------- the checks
+
+
+def test_socket_activation_by_the_agents_first_request(installed: Installed) -> None:
+    facts = installed.facts
+    assert facts["socket-dir"] == "buzz-broker:buzz-agents 750"
+    assert facts["before-first-request"] == "inactive"
+    assert facts["after-first-request"] == "active"
+    assert facts["status-text"].startswith("serving on socket passed by systemd")
+    sock = installed.sh("stat -c '%U:%G %a' /run/buzz-broker/broker.sock").stdout.strip()
+    assert sock == "root:buzz-agents 660"
+    # The service's start did not re-own the directory (RuntimeDirectory= would have).
+    assert installed.sh("stat -c '%U:%G' /run/buzz-broker").stdout.strip() == \
+        "buzz-broker:buzz-agents"
+
+
+def test_type_notify_readiness_and_a_failed_start_fails_the_job(installed: Installed) -> None:
+    inst = installed
+    inst.sh("systemctl stop buzz-broker.service")
+    done = inst.sh("systemctl start buzz-broker.service")
+    assert done.returncode == 0
+    # start returned: READY=1 was sent, so the daemon is serving right now.
+    assert inst.show("ActiveState") == "active" and inst.show("SubState") == "running"
+    assert inst.call(AGENT).returncode == 0
+
+    # A config whose KEK does not exist: the daemon exits before READY=1.
+    inst.sh("sed 's/^token_label = .*/&\\nkek_label = \"no-such-kek\"/' "
+            "/etc/buzz-broker/broker.toml > /etc/buzz-broker/broken.toml && "
+            "chmod 0644 /etc/buzz-broker/broken.toml && "
+            "printf '[Service]\\nEnvironment=BUZZ_BROKER_CONFIG=/etc/buzz-broker/broken.toml\\n'"
+            " > /etc/systemd/system/buzz-broker.service.d/test-broken.conf && "
+            "systemctl daemon-reload && systemctl stop buzz-broker.service")
+    try:
+        failed = inst.sh("systemctl start buzz-broker.service", check=False)
+        assert failed.returncode != 0, failed.text()
+        journal = inst.sh("journalctl -u buzz-broker.service --no-pager -n 20 -o cat").stdout
+        assert "no-such-kek" in journal or "KEK" in journal, journal
+    finally:
+        inst.sh("systemctl stop buzz-broker.service; "
+                "rm -f /etc/systemd/system/buzz-broker.service.d/test-broken.conf "
+                "/etc/buzz-broker/broken.toml && systemctl daemon-reload && "
+                "systemctl reset-failed buzz-broker.service buzz-broker.socket; "
+                "systemctl start buzz-broker.socket")
+    assert inst.call(AGENT).returncode == 0
+    assert inst.show("ActiveState") == "active"
+
+
+def test_reload_keeps_the_process_and_restart_replaces_it(installed: Installed) -> None:
+    inst = installed
+    assert inst.call(AGENT).returncode == 0
+    pid = inst.show("MainPID")
+    inst.sh("systemctl reload buzz-broker.service")
+    inst.wait_for("serve.reloaded", lambda: "serve.reloaded" in inst.sh(
+        f"journalctl _PID={pid} --no-pager -o cat").stdout)
+    inst.wait_for("READY=1 after RELOADING=1", lambda: inst.show("ActiveState") == "active")
+    assert inst.show("MainPID") == pid
+    assert inst.show("StatusText").endswith("reloaded")
+    assert inst.call(AGENT).returncode == 0
+
+    inst.sh("systemctl restart buzz-broker.service")
+    assert inst.show("MainPID") not in (pid, "0")
+    assert inst.call(AGENT).returncode == 0
+
+
+def _restarted_once(inst: Installed, after: str, pid: str, restarts: int) -> None:
+    """Restart=on-failure brought up a new, ready process, once, and agents get answers."""
+    inst.wait_for(f"a restart after {after}", lambda: inst.show("MainPID") not in (pid, "0")
+                  and inst.show("ActiveState") == "active")
+    assert int(inst.show("NRestarts")) == restarts + 1
+    assert inst.call(AGENT).returncode == 0
+
+
+def test_sigkill_is_restarted_by_restart_on_failure(installed: Installed) -> None:
+    inst = installed
+    assert inst.call(AGENT).returncode == 0
+    pid, restarts = inst.show("MainPID"), int(inst.show("NRestarts"))
+    inst.sh(f"kill -KILL {pid}")
+    _restarted_once(inst, "SIGKILL", pid, restarts)
+
+
+def test_watchdog_restarts_a_stuck_daemon(installed: Installed) -> None:
+    inst = installed
+    assert inst.call(AGENT).returncode == 0
+    assert inst.show("WatchdogUSec") == "3s"
+    pid, restarts = inst.show("MainPID"), int(inst.show("NRestarts"))
+    time.sleep(4.5)  # longer than WatchdogSec: a daemon that did not ping would be gone
+    assert inst.show("MainPID") == pid and int(inst.show("NRestarts")) == restarts
+    inst.sh(f"kill -STOP {pid}")
+    try:
+        inst.wait_for("the watchdog timeout", lambda: "Watchdog timeout" in inst.sh(
+            "journalctl -u buzz-broker.service --no-pager -o cat -n 50").stdout, timeout=15)
+    finally:
+        inst.sh(f"kill -CONT {pid}", check=False)  # SIGABRT (WatchdogSignal) lands now
+    _restarted_once(inst, "the watchdog", pid, restarts)
+
+
+def test_uid_bound_credential_is_refused_for_another_uid(installed: Installed) -> None:
+    inst = installed
+    inst.sh(f"install -m 0400 -o {SECOND_AGENT} /home/{AGENT}/.config/buzz-broker/credential "
+            f"/home/{SECOND_AGENT}/stolen-credential")
+    assert inst.call(AGENT).returncode == 0
+    refused = inst.call(SECOND_AGENT, credential=f"/home/{SECOND_AGENT}/stolen-credential")
+    assert refused.returncode == 3, refused.text()
+    assert json.loads(refused.stdout)["error"]["code"] == "unauthenticated"
+
+
+def test_outsider_cannot_reach_the_socket(installed: Installed) -> None:
+    inst = installed
+    inst.sh(f"install -m 0400 -o {OUTSIDER} /home/{AGENT}/.config/buzz-broker/credential "
+            f"/home/{OUTSIDER}/credential")
+    done = inst.call(OUTSIDER, credential=f"/home/{OUTSIDER}/credential")
+    assert done.returncode == 6 and json.loads(done.stdout)["reason"] == "transport", done.text()
+    # Why: the directory is closed to it (EACCES on connect), not a daemon refusal.
+    raw = inst.sh("python3 -c \"import socket; socket.socket(socket.AF_UNIX)"
+                  ".connect('/run/buzz-broker/broker.sock')\"", user=OUTSIDER, check=False)
+    assert raw.returncode != 0 and "PermissionError" in raw.stderr, raw.text()
+    assert inst.call(AGENT).returncode == 0  # the same credential works for its own user
+
+
+def test_metrics_scrape_on_loopback(installed: Installed) -> None:
+    inst = installed
+    assert inst.call(AGENT).returncode == 0
+    blocks = {b.step: b for b in install_blocks()}
+    inst.block(blocks["metrics"])  # the doc's scrape, as a user outside buzz-agents
+    body = inst.sh(f"curl --silent --fail http://127.0.0.1:{inst.metrics_port}/metrics",
+                   user=OUTSIDER).stdout
+    assert re.search(r'^buzz_broker_requests_total\{action="message.post",status="succeeded"'
+                     r',code=""\} [1-9]', body, re.M), body[:2000]
+    assert re.search(r"^process_open_fds [1-9]", body, re.M)
+    assert re.search(r'^buzz_broker_build_info\{version="[^"]+",python="3\.11', body, re.M)
+    placeholders = inst.placeholders
+    for secret_ish in (placeholders["<channel-uuid>"], placeholders["<owner-pubkey-hex>"]):
+        assert secret_ish not in body
+
+
+def test_systemd_analyze_security_at_most_1_5(installed: Installed) -> None:
+    out = installed.sh("systemd-analyze security --no-pager buzz-broker.service").stdout
+    match = re.search(r"Overall exposure level for buzz-broker\.service: ([0-9.]+)", out)
+    assert match, out[-2000:]
+    print(f"systemd-analyze security on systemd 252: {match.group(1)}")
+    assert float(match.group(1)) <= 1.5, out[-2000:]
+
+
+def test_journald_priority_finds_warnings_only(installed: Installed) -> None:
+    inst = installed
+    warning = inst.sh("journalctl -u buzz-broker.service -p warning --no-pager -o cat").stdout
+    # The guest cannot raise RLIMIT_MEMLOCK (no CAP_SYS_RESOURCE): mlock_skipped is a warning.
+    assert '"event":"serve.mlock_skipped"' in warning, warning[-2000:]
+    assert '"event":"serve.ready"' not in warning  # info stays out of -p warning
+    everything = inst.sh("journalctl -u buzz-broker.service --no-pager -o cat").stdout
+    ready = [line for line in everything.splitlines() if '"event":"serve.ready"' in line]
+    assert ready and all(line.startswith("{") for line in ready)  # prefix stripped, JSON kept
+    assert json.loads(ready[-1])["level"] == "info"
+
+
+def test_status_running_then_stopped(installed: Installed) -> None:
+    inst = installed
+    assert inst.call(AGENT).returncode == 0
+    running = inst.sh("buzz-broker-admin status --json", check=False)
+    assert running.returncode == 0, running.text()
+    facts = json.loads(running.stdout)
+    assert facts["daemon"] == f"running (pid {inst.show('MainPID')})"
+    assert facts["agents"].startswith("1 live") and facts["credentials"].startswith("1 active")
+    assert facts["relay"].startswith(inst.placeholders["<relay-url>"])
+    assert re.match(r"[1-9][0-9]* records, head [0-9a-f]{64}$", facts["audit"]), facts
+    inst.sh("systemctl stop buzz-broker.service")
+    stopped = inst.sh("buzz-broker-admin status", check=False)
+    assert stopped.returncode == 3, stopped.text()
+    assert re.search(r"^daemon: +stopped$", stopped.stdout, re.M)
+    assert inst.show("ActiveState") == "inactive"  # status did not activate the socket
+
+
+def test_upgrade_then_uninstall(installed: Installed) -> None:
+    inst = installed
+    blocks = {b.step: b for b in install_blocks()}
+    assert inst.call(AGENT).returncode == 0
+    pid = inst.show("MainPID")
+    inst.block(blocks["upgrade"])
+    assert inst.show("MainPID") not in (pid, "0")
+    assert inst.call(AGENT).returncode == 0
+    inst.block(blocks["uninstall"])
+    assert inst.sh("test ! -e /run/buzz-broker/broker.sock && "
+                   "! systemctl cat buzz-broker.service 2>/dev/null", check=False).returncode == 0

@@ -1,0 +1,114 @@
+"""`check-config --deep` against a real SoftHSM token and LocalRelay: a good setup, broken ones.
+
+Each run is a subprocess (`python -m daemon.cli`), as an operator runs it: the token's
+process-wide login state stays out of the test process. The PIN comes from a systemd-style
+``$CREDENTIALS_DIRECTORY/token-pin`` in the good case, which is also how the daemon is
+proven to read it there (no pin_file in the config at all).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from custody import TokenConfig
+from tests.fixtures.broker import write_config
+from tests.fixtures.relay import free_port
+from tests.fixtures.token import SoftHsmToken
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("BUZZ_BROKER_CONFIG", "CREDENTIALS_DIRECTORY")}
+    return subprocess.run([sys.executable, "-m", "daemon.cli", *argv], cwd=REPO,
+                          env={**base, **(env or {})}, capture_output=True, text=True, timeout=60)
+
+
+def _credentials(tmp_path: Path, pin_source: str) -> Path:
+    """A systemd-like credentials directory holding token-pin (0400), as LoadCredential= makes."""
+    directory = tmp_path / "credentials"
+    directory.mkdir()
+    shutil.copyfile(pin_source, directory / "token-pin")
+    os.chmod(directory / "token-pin", 0o400)
+    return directory
+
+
+def _config(tmp_path: Path, token: TokenConfig, relay_url: str, **pkcs11: object) -> Path:
+    no_pin = TokenConfig(module=token.module, token_label=token.token_label, pin_file=None,
+                         kek_label=token.kek_label)
+    return write_config(tmp_path / "broker.toml", token=no_pin, state_dir=tmp_path / "state",
+                        socket=tmp_path / "b.sock", relay_url=relay_url,
+                        sections={"pkcs11": pkcs11} if pkcs11 else None)
+
+
+def test_deep_good_setup_with_the_pin_as_a_systemd_credential(
+    custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path,
+    softhsm_token: SoftHsmToken,
+) -> None:
+    token, _state = custody_state
+    path = _config(tmp_path, token, local_relay)
+    credentials = _credentials(tmp_path, softhsm_token.pin_file)
+    done = _run("check-config", "--deep", env={"BUZZ_BROKER_CONFIG": str(path),
+                                               "CREDENTIALS_DIRECTORY": str(credentials)})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"config: {path} ($BUZZ_BROKER_CONFIG)"
+    assert lines[1] == f"pin: {credentials / 'token-pin'} (systemd credential)"
+    assert lines[2].startswith(f"token: logged in to {token.token_label!r} (PIN from systemd "
+                               f"credential); KEK {token.kek_label!r} found and checked")
+    assert lines[3].startswith(f"relay: {local_relay}: WebSocket opened in ")
+    assert lines[4:] == ["ok"] and done.stderr == ""
+    pin = Path(softhsm_token.pin_file).read_text().strip()
+    assert pin not in done.stdout + done.stderr
+
+
+def test_deep_without_a_pin_names_where_it_looked(
+    custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path
+) -> None:
+    token, _state = custody_state
+    path = _config(tmp_path, token, local_relay)
+    shallow = _run("--config", str(path), "check-config")
+    assert shallow.returncode == 0 and shallow.stdout.splitlines()[1].startswith("pin: none here")
+    deep = _run("--config", str(path), "check-config", "--deep")
+    assert deep.returncode == 1 and deep.stdout.endswith("(--config)\n" + shallow.stdout.splitlines()[1] + "\n")
+    assert deep.stderr.count("\n") == 1
+    assert deep.stderr.startswith("buzz-broker: check-config --deep: token: no token PIN")
+
+
+def test_deep_broken_kek_and_broken_relay_each_named(
+    custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path,
+    softhsm_token: SoftHsmToken,
+) -> None:
+    token, _state = custody_state
+    credentials = _credentials(tmp_path, softhsm_token.pin_file)
+    env = {"CREDENTIALS_DIRECTORY": str(credentials)}
+
+    no_kek = _config(tmp_path, token, local_relay, kek_label="never-made-kek")
+    done = _run("--config", str(no_kek), "check-config", "--deep", env=env)
+    assert done.returncode == 1 and "ok" not in done.stdout.splitlines()
+    assert done.stderr.startswith("buzz-broker: check-config --deep: token: ")
+    assert "never-made-kek" in done.stderr and done.stderr.count("\n") == 1
+
+    dead_relay = f"ws://127.0.0.1:{free_port()}"
+    unreachable = _config(tmp_path, token, dead_relay)
+    done = _run("--config", str(unreachable), "check-config", "--deep", env=env)
+    assert done.returncode == 1
+    assert done.stdout.splitlines()[2].startswith("token: logged in")  # the token step passed
+    assert done.stderr.startswith(f"buzz-broker: check-config --deep: relay: {dead_relay}: "
+                                  "cannot connect")
+
+    wrong_pin = tmp_path / "wrong"
+    wrong_pin.mkdir()
+    (wrong_pin / "token-pin").write_text("not-the-pin-0000\n")
+    os.chmod(wrong_pin / "token-pin", 0o400)
+    done = _run("--config", str(no_kek), "check-config", "--deep",
+                env={"CREDENTIALS_DIRECTORY": str(wrong_pin)})
+    assert done.returncode == 1 and "token: " in done.stderr
+    assert "not-the-pin-0000" not in done.stdout + done.stderr
+    for result in (done,):
+        assert "Traceback" not in result.stderr

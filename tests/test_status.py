@@ -1,0 +1,128 @@
+"""`buzz-broker status` on a running and then a stopped daemon (a real `serve` subprocess,
+SoftHSM token, LocalRelay), and the root guard on the daemon's state directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from custody import TokenConfig
+from daemon.cli import main
+from tests.fixtures.broker import write_config
+from tests.fixtures.relay import TestKey
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _cli(config: Path, *argv: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "BUZZ_BROKER_CONFIG"}
+    return subprocess.run([sys.executable, "-m", "daemon.cli", "--config", str(config), *argv],
+                          cwd=REPO, env=env, input=stdin, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_status_running_then_stopped(custody_state: tuple[TokenConfig, Path], local_relay: str,
+                                     tmp_path: Path) -> None:
+    token, state = custody_state
+    socket_path = tmp_path / "b.sock"
+    config = write_config(tmp_path / "broker.toml", token=token, state_dir=state,
+                          socket=socket_path, relay_url=local_relay)
+    channel = str(uuid.uuid4())
+    agent = _cli(config, "agent", "create", "--owner", TestKey().pubkey, "--name", "s")
+    assert agent.returncode == 0, agent.stderr
+    credential = _cli(config, "credential", "issue", "--agent", agent.stdout.strip(),
+                      "--channel", channel, "--action", "message.post", "--ttl", "1h")
+    assert credential.returncode == 0, credential.stderr
+    cred_file = tmp_path / "credential"
+    cred_file.write_text(credential.stdout)
+    cred_file.chmod(0o400)
+
+    before = _cli(config, "status")
+    assert before.returncode == 3, before.stdout + before.stderr
+    assert re.search(r"^daemon: +stopped$", before.stdout, re.M)
+
+    daemon = subprocess.Popen([sys.executable, "-m", "daemon.cli", "--config", str(config),
+                               "serve"], cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not socket_path.exists():
+            assert daemon.poll() is None and time.monotonic() < deadline, daemon.stderr and daemon.stderr.read()
+            time.sleep(0.05)
+        post = _cli(config, "call", "message.post", "--args",
+                    json.dumps({"channelId": channel, "content": "status"}),
+                    "--credential-file", str(cred_file), "--socket", str(socket_path))
+        assert post.returncode == 0, post.stdout + post.stderr
+
+        running = _cli(config, "status", "--json")
+        assert running.returncode == 0, running.stdout + running.stderr
+        facts = json.loads(running.stdout)
+        assert facts["daemon"] == f"running (pid {daemon.pid})"
+        assert facts["config"] == f"{config} (--config)"
+        assert facts["socket"].startswith(f"{socket_path}: socket, mode 0660, ")
+        assert facts["token"].startswith(f"logged in to {token.token_label!r}")
+        assert facts["relay"].startswith(f"{local_relay}: WebSocket opened")
+        assert facts["agents"] == "1 live, 0 deleted"
+        assert facts["credentials"] == "1 active, 0 revoked or expired"
+        assert re.fullmatch(r"[1-9][0-9]* records, head [0-9a-f]{64}", facts["audit"]), facts
+        assert (facts["running"], facts["ok"], facts["exit"]) == (True, True, 0)
+        assert credential.stdout.strip() not in running.stdout
+        text = _cli(config, "status")
+        assert re.search(rf"^daemon: +running \(pid {daemon.pid}\)$", text.stdout, re.M)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=30)
+    assert daemon.returncode == 0
+
+    stopped = _cli(config, "status", "--json")
+    assert stopped.returncode == 3, stopped.stdout + stopped.stderr
+    facts = json.loads(stopped.stdout)
+    assert facts["daemon"] == "stopped" and facts["running"] is False
+    assert facts["socket"] == f"{socket_path}: absent"
+    assert facts["agents"] == "1 live, 0 deleted"  # the stores are read without the daemon
+    assert facts["token"].startswith("logged in")
+
+
+def test_status_with_a_broken_relay_is_degraded_not_a_crash(
+    custody_state: tuple[TokenConfig, Path], tmp_path: Path
+) -> None:
+    from tests.fixtures.relay import free_port
+
+    token, state = custody_state
+    config = write_config(tmp_path / "broker.toml", token=token, state_dir=state,
+                          socket=tmp_path / "b.sock", relay_url=f"ws://127.0.0.1:{free_port()}",
+                          relay_timeout=1.0)
+    done = _cli(config, "status")
+    assert done.returncode == 3  # not running outranks the failed check
+    assert re.search(r"^relay: +FAILED: ws://127\.0\.0\.1:[0-9]+: cannot connect", done.stdout,
+                     re.M), done.stdout
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the guard is about commands run as root")
+def test_root_is_refused_on_a_state_directory_the_daemon_user_owns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    os.chown(state, 65534, 65534)  # nobody: stands for the daemon's user
+    config = tmp_path / "broker.toml"
+    config.write_text(f'[state]\ndir = "{state}"\n[relay]\nurl = "ws://127.0.0.1:9"\n')
+    for argv in (["credential", "list"], ["agent", "list"], ["status"], ["keys", "init"]):
+        assert main(["--config", str(config), *argv]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"buzz-broker: refusing to run as root on {state}: it belongs to ")
+        assert "buzz-broker-admin" in err and err.count("\n") == 1
+    assert list(state.iterdir()) == []  # nothing was created
+    # check-config touches no state: it still runs.
+    assert main(["--config", str(config), "check-config"]) == 0
+    capsys.readouterr()
