@@ -15,8 +15,8 @@ Rules (each one is the exposure it bounds):
   and a warning says why. And every access runs in the token worker holding the token
   lock (`require_lock`), the same place unsealed keys already live.
 - A hit needs the agent's CURRENT blob to be byte-identical to the one the key was
-  unsealed from: a destroyed agent (no blob) or a resealed one (rotation) never hits, and
-  `evict` wipes a destroyed agent's entry at once. The key was checked by every defence
+  unsealed from: a destroyed agent (no blob) or a resealed one (rotation) never hits; a
+  stale entry is wiped when found, and `evict` wipes a destroyed agent's entry at once. The key was checked by every defence
   of `_sealed.unseal` when it entered; a hit copies it into a fresh `Secret` the caller
   wipes as usual.
 - `clear()` (custody close) wipes every slot.
@@ -123,7 +123,10 @@ class UnsealedCache:
             return False
         self._sweep()
         entry = self._entries.get(agent)
-        if entry is None or entry.blob != blob:
+        if entry is None:
+            return False
+        if entry.blob != blob:
+            self.evict(agent)  # the record was resealed or swapped: that key is stale
             return False
         self._entries.move_to_end(agent)
         ffi.memmove(into.cdata, self._slot(entry.slot), SECRET_SIZE)
