@@ -38,7 +38,10 @@ GCM IV equals an EtM nonce, two random 96-bit values (about n²/2^97 for n blobs
   pubkey          the key opened re-derives the pubkey of the agent asked for
 Only then does the caller get a `Secret`. Every refusal is the same opaque `UnsealFailed`
 for the caller (and so for any agent); the operator log alone says which defence refused.
-A token that fails while opening (not a refusal of the blob) is a `CustodyError`.
+A token that fails while opening (its handles gone after the one retry, or any PKCS#11
+error around encrypt-then-MAC, whose MAC takes any bytes) is no verdict on the blob: the
+same `UnsealFailed`, logged as "the token failed (<error>)". A token that cannot be
+logged in to again is a `CustodyError`.
 
 `seal` trusts its caller that `agent` is the secret's own pubkey (the facade derives it
 from the secret): the tests use that to build blobs that exactly one defence can catch.
@@ -60,7 +63,7 @@ from coincurve._libsecp256k1 import ffi
 from custody._errors import CustodyError, UnsealFailed
 from custody._secp256k1 import xonly_pubkey
 from custody._secret import SECRET_SIZE, Secret, wipe_bytes
-from custody._token import GCM_IV_BYTES, KekRefused, Token
+from custody._token import GCM_IV_BYTES, STALE_HANDLE_ERRORS, KekRefused, Token
 
 __all__ = ["DEFENCES", "FORMAT_VERSION", "SEAL_CODES", "blob_kek", "seal", "unseal"]
 
@@ -87,6 +90,10 @@ DEFENCES: dict[str, str] = {
                       "not verify (AES-GCM tag or HMAC-SHA256)",
     "pubkey": "the key opened does not derive the pubkey of the agent asked for",
 }
+
+
+class _TokenFault(Exception):
+    """The token failed while opening (not a verdict on the blob). Becomes UnsealFailed."""
 
 
 class _Refused(Exception):
@@ -183,6 +190,8 @@ def _etm_seal(token: Token, kek: str, nonce: bytes, plaintext: bytearray, aad: b
 def _gcm_open(token: Token, blob: _Blob, secret: Secret) -> None:
     try:
         plaintext = token.gcm_decrypt(blob.kek, blob.nonce, blob.body, blob.aad)
+    except STALE_HANDLE_ERRORS as exc:
+        raise _TokenFault(type(exc).__name__) from None
     except pkcs11.PKCS11Error as exc:
         # SoftHSM reports a wrong tag or AAD as a generic error: the token refused the blob.
         raise _Refused("authentication", type(exc).__name__) from None
@@ -256,7 +265,8 @@ def unseal(token: Token, blob: bytes, agent: str) -> Secret:
         except KekRefused as exc:
             raise _Refused("kek", str(exc)) from None
         except pkcs11.PKCS11Error as exc:
-            raise _Refused("authentication", type(exc).__name__) from None
+            # EtM computes its MAC over any bytes: an error here is the token's, not the blob's.
+            raise _TokenFault(type(exc).__name__) from None
         try:
             derived = xonly_pubkey(secret)
         except ValueError:
@@ -267,6 +277,10 @@ def unseal(token: Token, blob: bytes, agent: str) -> Secret:
         secret.wipe()
         log.warning("unseal refused for agent %s by the %s defence (%s)", agent,
                     refused.defence, refused.detail)
+        raise UnsealFailed(agent) from None
+    except _TokenFault as fault:
+        secret.wipe()
+        log.warning("unseal failed for agent %s: the token failed (%s)", agent, fault)
         raise UnsealFailed(agent) from None
     except BaseException:
         secret.wipe()
