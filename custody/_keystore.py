@@ -14,6 +14,11 @@ Rules:
   (blob reads, writes), serialized by a threading.Lock.
 - `PublicDirectory` opens the same file read-only and never sees a blob: it is what code
   without the token (credential issue, policy, `agent list`) reads.
+- Two more tables, both public and written only by custody: `custody_meta` (name -> value:
+  the active token and KEK after a rotation or migration, and a rotation's plan and
+  retiring KEK while one is under way) and `reseal` (a rotation's staged blobs: new
+  ciphertext, swapped in by `swap_staged` in ONE transaction with the meta, or discarded).
+  Both are created IF NOT EXISTS, so a keystore from before them opens unchanged.
 
 Destroying a key, and what is beyond reach:
 - `PRAGMA secure_delete=ON` at open: SQLite zeroes the bytes of deleted or shrunk content
