@@ -38,7 +38,14 @@ from custody._keystore import AgentRecord, Keystore, PublicDirectory
 from custody._memory import MEMORY_KIND, MemoryAddress, check_slug, d_tag
 from buzzwire.nostr import SignedEvent, UnsignedEvent, is_hex64, verify_owner_tag
 from custody._process import harden_process
-from custody._rotation import ActiveKek, RotationReport, active_kek, require_configured, rotate
+from custody._rotation import (
+    ActiveKek,
+    RotationReport,
+    active_kek,
+    interrupted,
+    require_configured,
+    rotate,
+)
 from custody._sealed import seal, unseal
 from custody._statelock import StateLock
 from custody._secp256k1 import is_xonly_pubkey, xonly_pubkey
@@ -179,10 +186,15 @@ class Custody:
                 lock = StateLock.shared(Path(state_dir))
                 try:
                     keystore = Keystore.open(Path(state_dir))
-                    if active_kek(keystore.meta(), token) != active:
+                    meta = keystore.meta()
+                    if active_kek(meta, token) != active:
                         keystore.close()
                         raise CustodyError("a key rotation finished while custody was "
                                            "opening; open it again")
+                    left = interrupted(meta)
+                    if left is not None:  # every agent works; the operator should finish
+                        log.warning("an interrupted `keys rotate`/`keys migrate`: %s; run it "
+                                    "again (daemon stopped) to finish", left)
                 except BaseException:
                     lock.release()
                     raise

@@ -97,6 +97,17 @@ def require_configured(active: ActiveKek, config: TokenConfig) -> None:
         )
 
 
+def interrupted(meta: dict[str, str]) -> str | None:
+    """What an interrupted rotation or migration left for the next run, if anything."""
+    if RETIRING_KEK in meta:
+        return (f"the old KEK {meta[RETIRING_KEK]!r} in token {meta[RETIRING_TOKEN]!r} "
+                "is not yet recorded as destroyed")
+    if PLAN_KEK in meta:
+        return (f"a rotation to KEK {meta[PLAN_KEK]!r} in token {meta[PLAN_TOKEN]!r} "
+                "did not finish (the agents are still under the old KEK)")
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class RotationReport:
     """What a run did. Public facts only."""
