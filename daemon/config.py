@@ -90,6 +90,8 @@ class ServerConfig:
     socket_mode: int
     socket_group: str | None
     max_connections: int
+    max_connections_per_uid: int
+    max_inflight_bytes: int
     max_body_bytes: int
     max_header_bytes: int
     request_timeout: float
@@ -366,6 +368,9 @@ _KEYS: tuple[_Key, ...] = (
     _Key("server", "socket_mode", "socket_mode", _mode, "0660"),
     _Key("server", "socket_group", "socket_group", _group, ""),
     _Key("server", "max_connections", "max_connections", _int_at_least(1), 1024),
+    _Key("server", "max_connections_per_uid", "max_connections_per_uid", _int_at_least(1), 128),
+    # 64 MiB: 128 requests of the largest size; each uid gets total / (uids holding + 1).
+    _Key("server", "max_inflight_bytes", "max_inflight_bytes", _int_at_least(1024), 67108864),
     _Key("server", "max_body_bytes", "max_body_bytes", _int_at_least(1024), 524288),
     # Below ~1 KiB a normal request line plus Authorization header no longer fits.
     _Key("server", "max_header_bytes", "max_header_bytes", _int_at_least(1024), 16384),
@@ -452,6 +457,12 @@ def _build(tree: Mapping[str, object], where: str, base: Path | None, source: st
         limits = rate_config_from_table(limits_table)
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+    server = fields["server"]
+    if server["max_inflight_bytes"] < server["max_body_bytes"]:  # type: ignore[operator]
+        raise ConfigError(
+            f"{where}: [server] max_inflight_bytes: expected at least max_body_bytes "
+            f"({server['max_body_bytes']}), got {server['max_inflight_bytes']}"
+        )
     sections = {name: cls(**fields[name]) for name, cls in _SECTIONS.items()}
     return Config(**sections, limits=limits, source=source)
 

@@ -24,6 +24,8 @@ socket = "/srv/bb/agents.sock"
 socket_mode = "0600"
 socket_group = "buzz-agents"
 max_connections = 7
+max_connections_per_uid = 3
+max_inflight_bytes = 8192
 max_body_bytes = 4096
 max_header_bytes = 2048
 request_timeout = "1.5s"
@@ -66,6 +68,8 @@ EXPECTED: dict[tuple[str, str], object] = {
     ("server", "socket_mode"): 0o600,
     ("server", "socket_group"): "buzz-agents",
     ("server", "max_connections"): 7,
+    ("server", "max_connections_per_uid"): 3,
+    ("server", "max_inflight_bytes"): 8192,
     ("server", "max_body_bytes"): 4096,
     ("server", "max_header_bytes"): 2048,
     ("server", "request_timeout"): 1.5,
@@ -96,6 +100,8 @@ DEFAULTS: dict[tuple[str, str], object] = {
     ("server", "socket_mode"): 0o660,
     ("server", "socket_group"): None,
     ("server", "max_connections"): 1024,
+    ("server", "max_connections_per_uid"): 128,
+    ("server", "max_inflight_bytes"): 64 * 1024 * 1024,
     ("server", "max_body_bytes"): 524288,
     ("server", "max_header_bytes"): 16384,
     ("server", "request_timeout"): 10.0,
@@ -388,3 +394,10 @@ def test_env_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
     before = dict(os.environ)
     load_config(None)
     assert dict(os.environ) == before
+
+
+def test_inflight_budget_must_hold_one_largest_body(tmp_path: Path) -> None:
+    # A budget smaller than one body could never admit the largest request: refused whole.
+    path = write(tmp_path, "[server]\nmax_body_bytes = 4096\nmax_inflight_bytes = 2048\n")
+    with pytest.raises(ConfigError, match=r"\[server\] max_inflight_bytes"):
+        load_config(path, environ={})
