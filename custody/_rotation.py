@@ -50,9 +50,9 @@ from pathlib import Path
 
 from custody._errors import CustodyError
 from custody._keystore import Keystore
-from custody._sealed import kek_label_ok, seal, unseal
+from custody._sealed import seal, unseal
 from custody._statelock import StateLock
-from custody._token import Token, TokenConfig
+from custody._token import Token, TokenConfig, require_kek_label
 from custody._worker import require_lock
 
 __all__ = [
@@ -159,8 +159,7 @@ def _rotate(keystore: Keystore, source: TokenConfig, target: TokenConfig,
     label = planned or new_kek or (
         target.kek_label if target.token_label != source.token_label
         else f"{source.kek_label}-{secrets.token_hex(4)}")
-    if not kek_label_ok(label):
-        raise CustodyError(f"KEK label {label!r} must be 1-64 printable ASCII characters")
+    require_kek_label(label)
     if ActiveKek(target.token_label, label) == current:
         raise CustodyError(f"KEK {label!r} in token {target.token_label!r} is the active one")
     keystore.set_meta({PLAN_TOKEN: target.token_label, PLAN_KEK: label})

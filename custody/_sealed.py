@@ -4,8 +4,8 @@ Format 2 (every new blob; one SQLite BLOB):
     offset  size  field
     0       1     version 0x02
     1       1     seal kind: 0x01 AES-256-GCM, 0x02 encrypt-then-MAC (`SEAL_CODES`)
-    2       1     n = length of the KEK label, 1..MAX_KEK_LABEL
-    3       n     KEK label, printable ASCII: the KEK the blob is sealed under
+    2       1     n = length of the KEK label, 1..255 (`_token.MAX_KEK_LABEL`)
+    3       n     KEK label, printable ASCII (0x20-0x7E): the KEK the blob is sealed under
     3+n     12    nonce (GCM: the IV), random per seal, from the OS CSPRNG
     15+n    32    ciphertext of the 32-byte agent key
     47+n    16|32 tag: the GCM tag, or the HMAC-SHA256
@@ -63,9 +63,15 @@ from coincurve._libsecp256k1 import ffi
 from custody._errors import CustodyError, UnsealFailed
 from custody._secp256k1 import xonly_pubkey
 from custody._secret import SECRET_SIZE, Secret, wipe_bytes
-from custody._token import GCM_IV_BYTES, STALE_HANDLE_ERRORS, KekRefused, Token
+from custody._token import (
+    GCM_IV_BYTES,
+    STALE_HANDLE_ERRORS,
+    KekRefused,
+    Token,
+    kek_label_ok,
+)
 
-__all__ = ["DEFENCES", "FORMAT_VERSION", "SEAL_CODES", "blob_kek", "seal", "unseal"]
+__all__ = ["DEFENCES", "FORMAT_VERSION", "SEAL_CODES", "seal", "unseal"]
 
 log = logging.getLogger("buzz_broker.custody")
 
@@ -78,7 +84,6 @@ SEAL_CODES: dict[str, int] = {"gcm": 0x01, "etm": 0x02}
 _KIND_BY_CODE = {code: kind for kind, code in SEAL_CODES.items()}
 #: Seal kind -> tag length.
 _TAG_BYTES: dict[str, int] = {"gcm": 16, "etm": 32}
-MAX_KEK_LABEL = 64
 _HEADER_FIXED = 3
 _BLOCK = 16
 
@@ -125,11 +130,6 @@ def _aad(header: bytes, agent: str) -> bytes:
     return _AAD_LABEL + header + bytes.fromhex(agent)
 
 
-def kek_label_ok(label: str) -> bool:
-    """Whether `label` can name a KEK in a blob: 1..MAX_KEK_LABEL printable ASCII."""
-    return 0 < len(label) <= MAX_KEK_LABEL and all(0x21 <= ord(c) <= 0x7E for c in label)
-
-
 def _parse(token: Token, blob: bytes, agent: str) -> _Blob:
     if not blob:
         raise _Refused("format", "empty")
@@ -154,14 +154,6 @@ def _parse(token: Token, blob: bytes, agent: str) -> _Blob:
         raise _Refused("format", "wrong length")
     return _Blob(kind, kek, _aad(blob[:end], agent), blob[end:end + GCM_IV_BYTES],
                  blob[end + GCM_IV_BYTES:])
-
-
-def blob_kek(token: Token, blob: bytes) -> str | None:
-    """The KEK label a blob names (format 1: the configured KEK); None if unreadable."""
-    try:
-        return _parse(token, blob, "00" * 32).kek
-    except _Refused:
-        return None
 
 
 # --- the seals ----------------------------------------------------------------------------
