@@ -487,6 +487,37 @@ class Custody:
             raise UnknownAgent(pubkey)
         return record
 
+    async def attach_auth_tag(self, pubkey: str, tag: Sequence[str]) -> AgentRecord:
+        """Store an owner-made NIP-OA tag for a live agent whose owner signs elsewhere (a
+        person): from then on every event the agent signs carries exactly this tag.
+
+        Verified first: `["auth", owner, conditions, sig]`, the owner the agent's recorded
+        owner, and the owner's BIP-340 signature over the agent's pubkey and conditions.
+
+        Raises:
+            UnknownAgent: no live agent with that key.
+            CustodyError: a malformed tag, another owner, a signature that does not verify.
+        """
+        self._check_open()
+        record = self._live(pubkey)
+        items = tuple(tag)
+        if len(items) != 4 or not all(isinstance(item, str) for item in items) or items[0] != "auth":
+            raise CustodyError('auth tag must be ["auth", owner, conditions, sig]')
+        if items[1] != record.owner:
+            raise CustodyError("auth tag names another owner than the agent's")
+        if not verify_owner_tag(items, pubkey):
+            raise CustodyError("auth tag does not verify for this agent and owner")
+        owner_tag: OwnerTag = (items[0], items[1], items[2], items[3])
+
+        def work() -> AgentRecord | None:
+            return self._keystore.set_auth_tag(pubkey, owner_tag, self._now())
+
+        updated = await self._hop("attach_auth", work)
+        if updated is None:
+            raise UnknownAgent(pubkey)
+        log.info("attached the owner's NIP-OA tag to agent %s", pubkey)
+        return updated
+
     def observe_token_calls(self, observer: Callable[[str, float], None] | None) -> None:
         """Call `observer(op, seconds)` after every token worker hop (for metrics).
 

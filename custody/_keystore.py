@@ -299,6 +299,13 @@ class Keystore:
             log.warning("keystore WAL checkpoint was blocked by a reader; a destroyed key's "
                         "sealed blob may remain in %s-wal until the next one", self.path)
 
+    def set_auth_tag(self, pubkey: str, tag: tuple[str, str, str, str], now: int
+                     ) -> AgentRecord | None:
+        """Store a live agent's NIP-OA tag (public data). None if no live agent has that key."""
+        self._update_live("auth_tag = ?, updated_at = ?", (json.dumps(list(tag)), now), pubkey)
+        record = self.get(pubkey)
+        return record if record is not None and record.live else None
+
     def rename(self, pubkey: str, name: str, now: int) -> AgentRecord | None:
         """Set a live agent's public name. None if no live agent has that key."""
         self._update_live("name = ?, updated_at = ?", (name, now), pubkey)

@@ -31,10 +31,10 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from typing import TYPE_CHECKING
-
+from buzzwire.contract import ACTIONS
 from daemon.ratelimit import DEFAULT_RATE_CONFIG, RateConfig, rate_config_from_table
 
 if TYPE_CHECKING:
@@ -58,22 +58,8 @@ __all__ = [
 #: The environment variable naming the config file when ``--config`` is absent.
 ENV_VAR = "BUZZ_BROKER_CONFIG"
 
-#: The nine wire names (spec/agent-broker.md §Operations). Kept here rather than imported
-#: from buzzwire.contract so that check-config works even if the contract package fails to
-#: import; tests/test_config.py checks the two lists agree.
-ACTION_NAMES = frozenset(
-    {
-        "channel.read",
-        "message.post",
-        "message.reply",
-        "reaction.add",
-        "profile.set",
-        "storage.address",
-        "agents.create",
-        "agents.update",
-        "agents.delete",
-    }
-)
+#: The nine wire names (spec/agent-broker.md §Operations), from the contract's ActionSpec table.
+ACTION_NAMES = frozenset(ACTIONS)
 
 #: Log levels accepted by [log] level (daemon/log.py LEVELS, restated to keep this module
 #: free of logging setup).
