@@ -675,6 +675,16 @@ class Token:
             _release_session(key)
 
     @staticmethod
+    def kek_obtainable(config: TokenConfig, label: str) -> bool:
+        """Whether KEK `label` is in the token already or the token can generate it."""
+        key, shared = _acquire_session(config)
+        try:
+            return (_find_key(shared.session, config.token_label, label, KeyType.AES)
+                    is not None or _can_generate(shared.session))
+        finally:
+            _release_session(key)
+
+    @staticmethod
     def destroy_kek(config: TokenConfig, label: str) -> tuple[str, ...]:
         """Destroy KEK `label` (both halves) in `config`'s token. Returns the labels
         destroyed (none if already gone). The caller makes sure it is not the active KEK

@@ -287,3 +287,27 @@ async def test_a_resealed_blob_that_does_not_open_is_caught_before_the_swap(
     assert {agent: blob_of(state, agent) for agent in agents} == before
     assert await _labels_present(config, config.kek_label) == {config.kek_label}
     assert "active_kek" not in _meta(state, staged_empty=False)
+
+
+async def test_a_token_that_cannot_generate_needs_operator_made_keys_and_says_so(
+    softhsm_token: SoftHsmToken, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a TPM: no C_GenerateKey. Rotation without a label is refused before anything is
+    recorded; with the label of a pair the operator made, it runs; a label named by the
+    operator replaces an interrupted run's plan."""
+    config = softhsm_token.config(kek_label=f"nogen-{tmp_path.name}"[:50])
+    state = tmp_path / "state"
+    agents = await _populate(config, state)
+    made = f"{config.kek_label}-made"
+    await init_kek(dataclasses.replace(config, kek_label=made))  # "tpm2_ptool addkey"
+    monkeypatch.setattr(token_module, "_can_generate", lambda session: False)
+    with pytest.raises(CustodyError, match="cannot generate keys.*--new-kek-label"):
+        await rotate_keys(config, state)
+    assert "rotation_target_kek" not in _meta(state)
+    db = sqlite3.connect(state / "keystore.db", isolation_level=None)  # an interrupted plan
+    db.execute("INSERT INTO custody_meta VALUES ('rotation_target_token', ?),"
+               " ('rotation_target_kek', 'never-made')", (config.token_label,))
+    db.close()
+    report = await rotate_keys(config, state, new_kek_label=made)
+    assert report.new.kek_label == made and report.agents == len(agents)
+    assert _meta(state) == {"active_token": config.token_label, "active_kek": made}
