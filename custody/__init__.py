@@ -9,9 +9,11 @@ command line, the tests and the benchmarks. `custody` imports nothing from `daem
 
 Surface:
 - `Custody` (async facade: open/aclose, agent/agents, sign_event/sign_events/sign_auth,
-  memory_address, mint_agent, import_agent, destroy_agent), `init_kek` (keys init) and
+  memory_address, mint_agent, import_agent, destroy_agent), `init_keys`/`init_kek` (keys
+  init), `rotate_keys` (keys rotate, keys migrate; `ROTATION_CHECKPOINTS`) and
   `check_token` (log in and check the KEK only: check-config --deep, status).
-- Values: `TokenConfig`, `UnsignedEvent`, `SignedEvent`, `AgentRecord`, `MemoryAddress`.
+- Values: `TokenConfig`, `CachePolicy`, `TokenReport`, `RotationReport`, `UnsignedEvent`,
+  `SignedEvent`, `AgentRecord`, `MemoryAddress`.
 - Errors: `CustodyError`, `UnsealFailed`, `UnknownAgent`.
 - Public Nostr helpers (no secrets): `compute_event_id`, `verify_event`,
   `verify_owner_tag`, `owner_tag_digest`, and `PublicDirectory` (the keystore's public
@@ -22,8 +24,10 @@ Surface:
 Modules, one job each: _errors, _secret (buffers, wiping, parsing, randomness), _secp256k1
 (low-level curve ops), _signer (events, AUTH, NIP-OA),
 _memory (NIP-AE), _process (core dumps off, undumpable), _worker (the one token thread),
-_token (PKCS#11), _sealed (blob format and the one unseal door), _keystore (SQLite),
-_facade (Custody).
+_token (PKCS#11: login, KEKs, mechanisms, the seal choice), _sealed (blob formats, the two
+seals and the one unseal door with its named defences), _cache (the unsealed-key cache,
+off by default), _keystore (SQLite), _statelock (who may use the state directory),
+_rotation (keys rotate / migrate), _facade (Custody).
 
 WARNING: custody refuses to be imported under `python -O`/`-OO`/PYTHONOPTIMIZE. Its own
 code checks every C return with `if`, never `assert`; the refusal is belt and braces for
@@ -42,7 +46,8 @@ if sys.flags.optimize:
     )
 
 from custody._errors import CustodyError, UnknownAgent, UnsealFailed
-from custody._facade import Custody, check_token, init_kek
+from custody._cache import CachePolicy
+from custody._facade import Custody, check_token, init_kek, init_keys, rotate_keys
 from custody._keystore import AgentRecord, PublicDirectory
 from custody._memory import MemoryAddress
 from buzzwire.nostr import (
@@ -55,25 +60,33 @@ from buzzwire.nostr import (
 )
 from custody._process import harden_process
 from custody._secret import read_secret_text
-from custody._token import TokenConfig
+from custody._rotation import CHECKPOINTS as ROTATION_CHECKPOINTS
+from custody._rotation import RotationReport
+from custody._token import TokenConfig, TokenReport
 
 __all__ = [
+    "ROTATION_CHECKPOINTS",
     "AgentRecord",
+    "CachePolicy",
     "Custody",
     "check_token",
     "CustodyError",
     "MemoryAddress",
     "PublicDirectory",
+    "RotationReport",
     "SignedEvent",
     "TokenConfig",
+    "TokenReport",
     "UnknownAgent",
     "UnsealFailed",
     "UnsignedEvent",
     "compute_event_id",
     "harden_process",
     "init_kek",
+    "init_keys",
     "owner_tag_digest",
     "read_secret_text",
+    "rotate_keys",
     "verify_event",
     "verify_owner_tag",
 ]

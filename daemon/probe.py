@@ -38,13 +38,11 @@ class Check:
 
 async def check_token_and_kek(config: Config) -> Check:
     """Log in to the configured token, find and check the KEK, log out."""
-    from custody import CustodyError, TokenConfig, check_token
+    from custody import CustodyError, check_token
 
     pkcs11 = config.pkcs11
-    token = TokenConfig(module=pkcs11.module, token_label=pkcs11.token_label,
-                        pin_file=pkcs11.pin_file, kek_label=pkcs11.kek_label)
     try:
-        await check_token(token)
+        await check_token(pkcs11.token())
     except CustodyError as exc:
         return Check("token", False, str(exc))
     return Check("token", True, f"logged in to {pkcs11.token_label!r} (PIN from "

@@ -44,6 +44,9 @@ module = "/opt/hsm/libvendor.so"
 token_label = "other-token"
 pin_file = "/etc/bb/pin"
 kek_label = "other-kek"
+seal = "etm"
+unsealed_cache_entries = 64
+unsealed_cache_seconds = "2m"
 
 [relay]
 url = "ws://127.0.0.1:7777"
@@ -84,6 +87,9 @@ EXPECTED: dict[tuple[str, str], object] = {
     ("pkcs11", "token_label"): "other-token",
     ("pkcs11", "pin_file"): "/etc/bb/pin",
     ("pkcs11", "kek_label"): "other-kek",
+    ("pkcs11", "seal"): "etm",
+    ("pkcs11", "unsealed_cache_entries"): 64,
+    ("pkcs11", "unsealed_cache_seconds"): 120.0,
     ("relay", "url"): "ws://127.0.0.1:7777",
     ("relay", "connect_timeout"): 2.0,
     ("relay", "ok_timeout"): 3.5,
@@ -116,6 +122,9 @@ DEFAULTS: dict[tuple[str, str], object] = {
     ("pkcs11", "token_label"): "buzz-broker",
     ("pkcs11", "pin_file"): None,  # the systemd credential, when there is one
     ("pkcs11", "kek_label"): "buzz-broker-kek",
+    ("pkcs11", "seal"): "auto",
+    ("pkcs11", "unsealed_cache_entries"): 0,
+    ("pkcs11", "unsealed_cache_seconds"): 30.0,
     ("relay", "url"): None,  # no placeholder relay
     ("relay", "connect_timeout"): 10.0,
     ("relay", "ok_timeout"): 10.0,
