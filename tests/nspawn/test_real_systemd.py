@@ -358,7 +358,10 @@ def test_outsider_cannot_reach_the_socket(installed: Installed) -> None:
     inst.sh(f"install -m 0400 -o {OUTSIDER} /home/{AGENT}/.config/buzz-broker/credential "
             f"/home/{OUTSIDER}/credential")
     done = inst.call(OUTSIDER, credential=f"/home/{OUTSIDER}/credential")
-    assert done.returncode == 6 and json.loads(done.stdout)["reason"] == "transport", done.text()
+    # `call` says what to do about it (the client's SocketPermissionDenied, exit 1), and
+    # nothing reached the daemon: no envelope on stdout.
+    assert done.returncode == 1 and done.stdout == "", done.text()
+    assert "permission denied on the broker socket" in done.stderr, done.text()
     # Why: the directory is closed to it (EACCES on connect), not a daemon refusal.
     raw = inst.sh("python3 -c \"import socket; socket.socket(socket.AF_UNIX)"
                   ".connect('/run/buzz-broker/broker.sock')\"", user=OUTSIDER, check=False)
