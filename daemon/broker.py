@@ -75,7 +75,7 @@ from typing import Any
 
 import trio
 
-from custody import Custody, CustodyError, TokenConfig
+from custody import Custody, CustodyError
 from daemon.audit import AUDIT_DIRNAME, AuditLog, AuditRecord, AuditUnavailable, Phase
 from daemon.config import Config, PolicyConfig
 from buzzwire.contract import (
@@ -101,7 +101,7 @@ from daemon.operations import OPERATIONS, Context, Operation, Plan
 from daemon.operations._base import OperationRefused
 from daemon.policy import TARGET_ACTIONS, Refusal, authorize, resolve_target, within_credential
 from daemon.ratelimit import RateLimiter
-from daemon.relay import Accepted, RelayPool, RelayTimeouts, Unknown
+from daemon.relay import Accepted, AuthNotSigned, RelayPool, RelayTimeouts, Unknown
 from daemon.runtimes import RuntimeStore
 from daemon.sessions import LAST_USE_FLUSH_SECONDS, Principal, SessionStore
 from daemon.signing import SigningBatcher
@@ -144,9 +144,7 @@ def relay_pool(config: Config, custody: Custody,
         try:
             signed = await custody.sign_auth(agent, relay_url, challenge, created_at)
         except CustodyError as exc:
-            # The pool maps ValueError to "could not authenticate"; anything else would
-            # escape a publish as a crash.
-            raise ValueError(f"custody did not sign AUTH: {type(exc).__name__}") from None
+            raise AuthNotSigned(type(exc).__name__) from None
         return dict(signed.to_json_obj())
 
     timeouts = RelayTimeouts(
@@ -388,12 +386,7 @@ class Broker:
             state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise StartupError(f"state directory {state_dir}: {exc.strerror}") from None
-        token = TokenConfig(
-            module=config.pkcs11.module,
-            token_label=config.pkcs11.token_label,
-            pin_file=config.pkcs11.pin_file,
-            kek_label=config.pkcs11.kek_label,
-        )
+        token = config.pkcs11.token()
         async with AsyncExitStack() as stack:
             try:
                 custody = await Custody.open(token, state_dir)

@@ -23,7 +23,6 @@ WARNING: `_KEYS`, the dataclasses below, docs/configuration.md and docs/internal
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import os
 import re
@@ -31,10 +30,15 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from buzzwire.contract import ACTIONS
+from daemon.relay_protocol import check_relay_url, is_loopback_host
 from daemon.ratelimit import DEFAULT_RATE_CONFIG, RateConfig, rate_config_from_table
+
+if TYPE_CHECKING:
+    from custody import TokenConfig
 
 __all__ = [
     "load_config",
@@ -97,6 +101,14 @@ class Pkcs11Config:
     token_label: str
     pin_file: str | None
     kek_label: str
+
+    def token(self) -> TokenConfig:
+        """The token custody opens: the one mapping from [pkcs11] to `custody.TokenConfig`
+        (the daemon and every command that opens the token use it)."""
+        from custody import TokenConfig  # custody loads the PKCS#11 binding: only when used
+
+        return TokenConfig(module=self.module, token_label=self.token_label,
+                           pin_file=self.pin_file, kek_label=self.kek_label)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -262,18 +274,6 @@ def _group(value: object, _base: Path | None) -> object:
     raise _Bad("a group name or numeric gid")
 
 
-_LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost"})
-
-
-def _is_loopback(host: str) -> bool:
-    if host.lower() in _LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _relay_url(value: object, base: Path | None) -> object:
     text = _text(value, base)
     assert isinstance(text, str)
@@ -289,8 +289,13 @@ def _relay_url(value: object, base: Path | None) -> object:
         raise _Bad("a wss:// URL (ws:// only to a loopback host)")
     if parts.username is not None or parts.password is not None:
         raise _Bad("a URL without user information")
-    if parts.scheme == "ws" and not _is_loopback(parts.hostname):
+    if parts.scheme == "ws" and not is_loopback_host(parts.hostname):
         raise _Bad("wss:// for a non-loopback relay (ws:// sends events unencrypted)")
+    try:
+        # The pool's own rule has the last word: what passes here must start.
+        check_relay_url(text)
+    except ValueError as exc:
+        raise _Bad(f"a relay URL the daemon can use ({exc})") from None
     return text
 
 

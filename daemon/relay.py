@@ -107,6 +107,7 @@ from daemon.relay_protocol import (
 
 __all__ = [
     "Accepted",
+    "AuthNotSigned",
     "AuthSigner",
     "NotSent",
     "PublishResult",
@@ -222,6 +223,18 @@ class RelayUnavailable(RelayError):
 
 class RelayRefused(RelayError):
     """The relay answered and refused (CLOSED restricted:, AUTH refused, ...)."""
+
+
+class AuthNotSigned(Exception):
+    """The AUTH signer could not sign the challenge (custody refused or failed).
+
+    The signer raises this, and only this, to say so; the pool answers as it does for any
+    AUTH that did not succeed. `reason` names the cause's type, never its text.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class _Unreachable(Exception):
@@ -677,6 +690,8 @@ class RelayPool:
                 )
                 frame = encode_auth(auth_event)
                 event_id = str(auth_event["id"])
+            except AuthNotSigned as exc:
+                raise _AuthFailed(f"AUTH not signed: {exc.reason}", refused=False) from None
             except (KeyError, ValueError, TypeError) as exc:
                 raise _AuthFailed(f"AUTH event unusable: {type(exc).__name__}", refused=False) from None
             waiter = conn.expect_ok(event_id)

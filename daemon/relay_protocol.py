@@ -38,6 +38,8 @@ from typing import Any, Union
 from urllib.parse import urlsplit
 
 __all__ = [
+    "LOOPBACK_NAMES",
+    "is_loopback_host",
     "AUTH_KIND",
     "MAX_SUBSCRIPTION_ID_CHARS",
     "AuthChallenge",
@@ -344,8 +346,17 @@ class RelayUrl:
 _DEFAULT_PORTS = {"ws": 80, "wss": 443}
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
+#: Host names that mean this machine whatever the resolver is told (RFC 6761 §6.3). Other
+#: names (`ip6-localhost`, `localhost.localdomain`) are loopback only if /etc/hosts says
+#: so, which a configuration check cannot promise for the machine the daemon starts on:
+#: they need wss:// like any other name.
+LOOPBACK_NAMES = frozenset({"localhost", "localhost."})
+
+
+def is_loopback_host(host: str) -> bool:
+    """The one loopback rule (config check and the pool's constructor both use it):
+    a loopback IP literal or a name in `LOOPBACK_NAMES`, compared without case."""
+    if host.lower() in LOOPBACK_NAMES:
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -374,7 +385,7 @@ def check_relay_url(url: str) -> RelayUrl:
     except ValueError:
         raise ValueError("relay url has an invalid port") from None
     secure = parts.scheme == "wss"
-    if not secure and not _is_loopback(host):
+    if not secure and not is_loopback_host(host):
         # Plain ws:// would expose AUTH events and every message to the network.
         raise ValueError("ws:// is allowed only to a loopback host; use wss://")
     resource = parts.path or "/"

@@ -148,8 +148,6 @@ def attach(args: argparse.Namespace, config: Config) -> int:
     from buzzwire.nostr import is_hex64
     from custody import Custody, CustodyError
 
-    from daemon.cli.agent import _token
-
     agent = args.agent.strip().lower()
     if not is_hex64(agent):
         raise CliError("--agent must be 64 hex characters")
@@ -157,7 +155,7 @@ def attach(args: argparse.Namespace, config: Config) -> int:
     async def main() -> tuple[AgentRecord, str]:
         from pathlib import Path
 
-        custody = await Custody.open(_token(config), Path(config.state.dir))
+        custody = await Custody.open(config.pkcs11.token(), Path(config.state.dir))
         try:
             record = custody.agent(agent)
             if record is None:

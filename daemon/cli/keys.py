@@ -32,15 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from custody import CustodyError, TokenConfig, init_kek
+    from custody import CustodyError, init_kek
 
     config = config_from_args(args)
-    token = TokenConfig(
-        module=config.pkcs11.module,
-        token_label=config.pkcs11.token_label,
-        pin_file=config.pkcs11.pin_file,
-        kek_label=config.pkcs11.kek_label,
-    )
+    token = config.pkcs11.token()
     try:
         created = trio.run(init_kek, token)
     except CustodyError as exc:

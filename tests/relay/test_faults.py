@@ -15,6 +15,7 @@ import trio
 
 from daemon.relay import (
     Accepted,
+    AuthNotSigned,
     NotSent,
     Rejected,
     RelayPool,
@@ -268,6 +269,27 @@ async def test_protocol_garbage_drops_the_connection_fast(nursery: trio.Nursery)
     with bounded():
         result = await pool.publish(key.pubkey, key.sign(1, "x"))
     assert isinstance(result, Unknown)
+
+
+async def test_a_signer_that_cannot_sign_auth_is_not_sent(
+    scripted_relay: Start, nursery: trio.Nursery
+) -> None:
+    # Custody refusing to sign AUTH arrives as AuthNotSigned, its own type (issue 16), and
+    # is a failed AUTH like any other: nothing sent, the read unavailable, no crash.
+    relay = await scripted_relay(Script(require_auth=True, challenge_at_connect=True))
+    key = TestKey()
+
+    async def refuses(agent: str, relay_url: str, challenge: str, created_at: int) -> Any:
+        raise AuthNotSigned("UnsealFailed")
+
+    pool = RelayPool(relay.url, refuses, timeouts=SHORT)
+    await nursery.start(pool.run)
+    with bounded():
+        with pytest.raises(RelayUnavailable):
+            await pool.query(key.pubkey, [{"kinds": [1]}])
+        result = await pool.publish(key.pubkey, key.sign(1, "x"))
+    assert isinstance(result, NotSent) and "AUTH not signed: UnsealFailed" in result.reason
+    assert "EVENT" not in _verbs(relay)
 
 
 def test_transport_rule() -> None:
