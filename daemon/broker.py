@@ -64,7 +64,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -613,7 +612,8 @@ class Broker:
             return await self._audited_answer(facts, full, started, principal)
         if isinstance(begun, Replay):
             try:
-                begun = Replay(expanded_form(request_id, begun.response))
+                begun = Replay(expanded_form(request_id, begun.response), begun.status,
+                               begun.code)
             except ValueError:
                 # A compact refusal this version cannot read (a newer code): it was a
                 # failed verdict, so failed + internal promises nothing new.
@@ -622,7 +622,7 @@ class Broker:
                 return await self._audited_answer(facts, self._internal(request_id), started,
                                                   principal)
         if isinstance(begun, Replay):
-            replay = _recorded(begun.response)
+            replay = _Judged(begun.response, begun.status, begun.code)
             progress.effects_possible = replay.status is not Status.FAILED
             return await self._audited_answer(facts, replay, started, principal, replayed=True)
         if isinstance(begun, Conflict):
@@ -651,7 +651,7 @@ class Broker:
                 begun.ticket,
                 stored_form(request_id, judged.response, judged.status, judged.code)
                 if not judged.published else judged.response,
-                final=judged.status is not Status.INDETERMINATE,
+                judged.status, judged.code,
                 keep_seconds=self._config.state.read_retention_seconds
                 if judged.status is Status.SUCCEEDED and not judged.published else None)
         except Exception as exc:  # noqa: BLE001 - sqlite3.Error or worse: the verdict stands
@@ -1017,23 +1017,6 @@ class Broker:
         self.metrics.request(action, fields.get("status"), fields.get("code"),
                              time.monotonic() - started)
         return HttpAnswer(status=200, body=body)
-
-
-#: In our own canonical encoding (compact, keys unescaped) these members can only appear as
-#: the envelope's: inside a string value every quote is escaped.
-_STATUS_MEMBER = re.compile(rb'"status":"([a-z]+)"')
-_CODE_MEMBER = re.compile(rb'"code":"([a-z_]+)"')
-
-
-def _recorded(response: bytes) -> _Judged:
-    """The status and code of a verdict the ledger recorded (for the log and metrics)."""
-    status = _STATUS_MEMBER.search(response)
-    code = _CODE_MEMBER.search(response)
-    return _Judged(
-        response,
-        Status(status.group(1).decode()) if status else Status.FAILED,
-        ErrorCode(code.group(1).decode()) if code else None,
-    )
 
 
 #: Every member name the contract knows; any other pointer segment came from the agent.

@@ -21,10 +21,11 @@ Theory of operation (design.md "Idempotency: the ledger"; spec I3):
 - `record_pending` commits before it returns (synchronous=FULL) — the caller must not let
   anything reach the relay before it returns. The pending blob is write-once: a retry
   re-sends exactly those events, never re-signed ones.
-- `finish(final=True)` records a final verdict (succeeded or failed; the ledger does not
-  read the verdict bytes, so both are the one state FINAL). `finish(final=False)` records
-  an indeterminate verdict and keeps the pending blob: indeterminate is never final, the
-  next identical retry gets `Resume`.
+- `finish(ticket, response, status, code)` records a verdict: its bytes (opaque: the
+  ledger never reads them) and its status and code as columns, which a replay hands back
+  beside the bytes (the log and metrics need them; nothing parses them back out of the
+  bytes). succeeded and failed are the one state FINAL; indeterminate is never final, it
+  keeps the pending blob, and the next identical retry gets `Resume`.
 - States move only through `advance(state, event)`, one lookup in `TRANSITIONS`; a missing
   pair is our bug (AssertionError naming state and event).
 
@@ -66,6 +67,9 @@ Audit anchor (issue 13): the audit log's head (seq, hash) is written into `audit
 in every transaction, when it has moved, so the verdict and the audit record it followed
 become durable together. The audit log at start must reach it (daemon/audit.py).
 
+Migrations: `_migrate_v1` moves the first layout's table in; `_migrate_verdict_columns`
+adds `status` and `code` to a file made before they were columns.
+
 WARNING: one process owns a ledger file. The in-flight map is per process; a second daemon
 on the same file would not see the first one's owners. Keep `TRANSITIONS`, the `State`
 values stored in SQLite, `_SCHEMA` and `_migrate_v1` in sync.
@@ -84,8 +88,10 @@ from typing import Any, Final, TypeAlias
 
 import trio
 
+from buzzwire.contract import ErrorCode, Status
 from daemon._group_commit import Failed, GroupCommit
 from daemon._sqlite import open_private_db
+from daemon.verdict_store import verdict_of
 
 __all__ = [
     "LedgerKey",
@@ -228,9 +234,13 @@ class Resume:
 
 @dataclass(frozen=True, slots=True)
 class Replay:
-    """A final verdict is recorded: answer `response` (the caller adds replayed:true)."""
+    """A final verdict is recorded: answer `response` (the caller adds replayed:true).
+
+    `status` and `code` are the verdict's, as recorded beside the bytes."""
 
     response: bytes
+    status: Status
+    code: ErrorCode | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,8 +269,8 @@ class _Flight:
     state: State
     has_pending: bool
     done: trio.Event = field(default_factory=trio.Event)
-    #: set by finish(final=True), so waiters replay without a database round trip.
-    final_response: bytes | None = None
+    #: set by a final finish(), so waiters replay without a database round trip.
+    final: Replay | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,6 +279,8 @@ class _Row:
     state: State
     pending: bytes | None
     response: bytes | None
+    status: str | None
+    code: str | None
 
 
 _SCHEMA = """
@@ -283,6 +295,8 @@ CREATE TABLE IF NOT EXISTS entries (
     state       TEXT    NOT NULL,
     pending     BLOB,
     response    BLOB,
+    status      TEXT,
+    code        TEXT,
     expires     INTEGER NOT NULL,
     PRIMARY KEY (pid, rid)
 ) WITHOUT ROWID;
@@ -378,7 +392,8 @@ class Ledger:
             raise ValueError("max_bytes_per_principal must be a positive int or None")
         conn = open_private_db(Path(path), _SCHEMA)
         try:
-            _migrate_v1(conn, retention_seconds)
+            moved = _migrate_v1(conn, retention_seconds)
+            _migrate_verdict_columns(conn, backfill=moved)
             reader = _open_reader(Path(path))
         except BaseException:
             conn.close()
@@ -495,7 +510,8 @@ class Ledger:
 
     def _upsert(self, conn: sqlite3.Connection, key: LedgerKey, digest: bytes, state: State,
                 expires: int, *, pending: bytes | None = None,
-                response: bytes | None = None) -> None:
+                response: bytes | None = None, status: Status | None = None,
+                code: ErrorCode | None = None) -> None:
         """Write one record (flusher thread); counts its size change for the cap."""
         pid = self._pid(conn, key.principal)
         rid = request_key(key.request_id)
@@ -504,13 +520,17 @@ class Ledger:
         # A column given as None keeps what the record holds (pending is write-once;
         # an indeterminate response stays until the verdict replaces it).
         conn.execute(
-            "INSERT INTO entries (pid, rid, digest, state, pending, response, expires)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?)"
+            "INSERT INTO entries (pid, rid, digest, state, pending, response, status, code,"
+            " expires) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT (pid, rid) DO UPDATE SET state = excluded.state,"
             " pending = coalesce(excluded.pending, pending),"
             " response = coalesce(excluded.response, response),"
+            " status = CASE WHEN excluded.response IS NULL THEN status ELSE excluded.status END,"
+            " code = CASE WHEN excluded.response IS NULL THEN code ELSE excluded.code END,"
             " expires = excluded.expires",
-            (pid, rid, digest, state.value, pending, response, expires),
+            (pid, rid, digest, state.value, pending, response,
+             None if status is None else status.value, None if code is None else code.value,
+             expires),
         )
         new = conn.execute(f"SELECT {_SIZE_SQL} FROM entries WHERE pid = ? AND rid = ?",
                            (pid, rid)).fetchone()
@@ -541,8 +561,8 @@ class Ledger:
             if flight.ticket.digest != digest:
                 return Conflict()
             await flight.done.wait()
-            if flight.final_response is not None:
-                return Replay(flight.final_response)
+            if flight.final is not None:
+                return flight.final
             # Ended indeterminate or released: loop, and the first waiter to run claims it.
 
         ticket = Ticket(key, digest)
@@ -569,8 +589,10 @@ class Ledger:
             return Conflict()
         if row.state is State.FINAL:
             self._drop(flight)
-            assert row.response is not None, "a final ledger record always holds a response"
-            return Replay(row.response)
+            assert row.response is not None and row.status is not None, (
+                "a final ledger record always holds a response and its status")
+            return Replay(row.response, Status(row.status),
+                          None if row.code is None else ErrorCode(row.code))
         flight.state = row.state
         if row.pending is not None:
             flight.has_pending = True
@@ -596,15 +618,15 @@ class Ledger:
         flight.state = new_state
         flight.has_pending = True
 
-    async def finish(self, ticket: Ticket, response: bytes, *, final: bool,
-                     keep_seconds: int | None = None) -> None:
+    async def finish(self, ticket: Ticket, response: bytes, status: Status,
+                     code: ErrorCode | None = None, *, keep_seconds: int | None = None) -> None:
         """Record the verdict and end ownership; waiters wake.
 
         Args:
             response: the bytes to replay (final) or keep for the record (indeterminate);
                 opaque here (the pipeline may hand in a compact form).
-            final: True for succeeded/failed; False for indeterminate, which keeps the
-                pending work so the next identical retry gets Resume.
+            status, code: the verdict's, stored as columns. succeeded/failed are final;
+                indeterminate keeps the pending work so the next identical retry gets Resume.
             keep_seconds: keep a final record this long instead of the retention (reads:
                 their pages are large and replaying them is only a convenience).
 
@@ -615,6 +637,9 @@ class Ledger:
         flight = self._owner(ticket)
         if not isinstance(response, bytes):
             raise TypeError("response must be bytes")
+        if not isinstance(status, Status):
+            raise TypeError("status must be a Status")
+        final = status is not Status.INDETERMINATE
         event = LedgerEvent.FINISH_FINAL if final else LedgerEvent.FINISH_INDETERMINATE
         new_state = advance(flight.state, event)
         keep = self._retention if keep_seconds is None else min(keep_seconds, self._retention)
@@ -622,13 +647,14 @@ class Ledger:
         key, digest = ticket.key, ticket.digest
         try:
             await self._run(lambda conn: self._upsert(conn, key, digest, new_state, expires,
-                                                      response=response))
+                                                      response=response, status=status,
+                                                      code=code))
         except BaseException:
             self._drop(flight)
             raise
         flight.state = new_state
         if final:
-            flight.final_response = response
+            flight.final = Replay(response, status, code)
         self._drop(flight)
 
     def release(self, ticket: Ticket) -> None:
@@ -688,7 +714,7 @@ class Ledger:
         flight.done.set()
 
 
-def _migrate_v1(conn: sqlite3.Connection, retention: int) -> None:
+def _migrate_v1(conn: sqlite3.Connection, retention: int) -> bool:
     """Move records from the first layout (`ledger`: text keys, `updated_at`) into `entries`.
 
     One transaction; afterwards the old table is gone. Expiry is what the old sweep would
@@ -697,7 +723,7 @@ def _migrate_v1(conn: sqlite3.Connection, retention: int) -> None:
     """
     if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'ledger'"
                     ).fetchone() is None:
-        return
+        return False
     conn.create_function("request_key", 1, lambda text: request_key(str(text)),
                          deterministic=True)
     conn.execute("BEGIN IMMEDIATE")
@@ -711,6 +737,34 @@ def _migrate_v1(conn: sqlite3.Connection, retention: int) -> None:
             " FROM ledger AS l JOIN principals AS p ON p.principal = l.principal",
             (State.FINAL.value, retention, STALE_FACTOR * retention))
         conn.execute("DROP TABLE ledger")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return True
+
+
+def _migrate_verdict_columns(conn: sqlite3.Connection, *, backfill: bool) -> None:
+    """Add the `status` and `code` columns to a ledger made before them (issue 16).
+
+    One transaction. Each recorded verdict's status and code are read once from its
+    stored bytes (daemon/verdict_store.verdict_of); from then on they are columns.
+    `backfill`: fill them although the columns exist (records `_migrate_v1` just moved in).
+    """
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(entries)").fetchall()}
+    if "status" in columns and not backfill:
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        if "status" not in columns:
+            conn.execute("ALTER TABLE entries ADD COLUMN status TEXT")
+            conn.execute("ALTER TABLE entries ADD COLUMN code TEXT")
+        rows = conn.execute("SELECT pid, rid, response FROM entries"
+                            " WHERE response IS NOT NULL AND status IS NULL").fetchall()
+        for pid, rid, response in rows:
+            status, code = verdict_of(bytes(response))
+            conn.execute("UPDATE entries SET status = ?, code = ? WHERE pid = ? AND rid = ?",
+                         (status.value, None if code is None else code.value, pid, rid))
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
@@ -776,9 +830,11 @@ def _open_reader(path: Path) -> sqlite3.Connection:
 
 def _select(conn: sqlite3.Connection, pid: int, key: LedgerKey) -> _Row | None:
     row = conn.execute(
-        "SELECT digest, state, pending, response FROM entries WHERE pid = ? AND rid = ?",
+        "SELECT digest, state, pending, response, status, code FROM entries"
+        " WHERE pid = ? AND rid = ?",
         (pid, request_key(key.request_id)),
     ).fetchone()
     if row is None:
         return None
-    return _Row(digest=bytes(row[0]), state=State(row[1]), pending=row[2], response=row[3])
+    return _Row(digest=bytes(row[0]), state=State(row[1]), pending=row[2], response=row[3],
+                status=row[4], code=row[5])
