@@ -98,7 +98,7 @@ from daemon.log import log_event
 from daemon.metrics import Metrics
 from daemon.operations import OPERATIONS, Context, Operation, Plan
 from daemon.operations._base import OperationRefused
-from daemon.policy import TARGET_ACTIONS, Refusal, authorize, resolve_target, within_credential
+from daemon.policy import Authorized, Refusal, authorize, within_credential
 from daemon.ratelimit import RateLimiter
 from daemon.relay import Accepted, AuthNotSigned, RelayPool, RelayTimeouts, Unknown
 from daemon.runtimes import RuntimeStore
@@ -153,14 +153,6 @@ def relay_pool(config: Config, custody: Custody,
         idle_seconds=config.relay.idle_seconds,
     )
     return RelayPool(config.relay.url, sign_auth, timeouts=timeouts, observer=observer)
-
-
-class _Relock(Exception):
-    """An operation asked for an agent's lock it was not given up front (see `_judge`)."""
-
-    def __init__(self, agent: str) -> None:
-        super().__init__(agent)
-        self.agent = agent
 
 
 #: How often a request takes its locks again because its target changed while it waited;
@@ -695,9 +687,9 @@ class Broker:
                                                             MESSAGES[reading.error.code]))
         request = reading.request
         assert request is not None
-        refusal = authorize(principal, request, self._policy, self._custody)
-        if refusal is not None:
-            return self._verdict(request_id, Verdict.failed(refusal.code, refusal.message))
+        decision = authorize(principal, request, self._policy, self._custody)
+        if isinstance(decision, Refusal):
+            return self._verdict(request_id, Verdict.failed(decision.code, decision.message))
         # Only a fresh request costs quota: replays and resumed retries returned above.
         limited = self._limiter.take(principal, request.action, self._clock())
         if limited is not None:
@@ -707,18 +699,26 @@ class Broker:
 
         operation = OPERATIONS[request.action]
         try:
-            # Locks a read-merge-write operation holds until its events are published: the
-            # requester's and its target's, all taken up front in one global order
-            # (`_AgentLocks.hold_all`). If the target an operation resolves under the locks
-            # is not the one resolved before them (renamed or replaced meanwhile), nothing
-            # has happened yet (hold_agent comes first): take the locks again with it.
-            locked = self._lock_set(principal, request) if operation.serialize_per_agent else ()
+            if not operation.serialize_per_agent:
+                return await self._run(operation, decision, principal, request, begun, facts,
+                                       progress)
+            # A read-merge-write operation holds the requester's and its target's locks
+            # until its events are published, taken in one global order
+            # (`_AgentLocks.hold_all`), and is authorized again under them: what it acts
+            # on cannot change meanwhile. If the target resolved under the locks is not
+            # one they cover (renamed or replaced while waiting), nothing has happened
+            # yet: take the locks again with it.
+            locked = _lock_set(principal, decision)
             for _attempt in range(_LOCK_ATTEMPTS):
-                try:
-                    return await self._run_locked(operation, locked, principal, request,
-                                                  begun, facts, progress)
-                except _Relock as relock:
-                    locked = (*locked, relock.agent)
+                async with self._locks.hold_all(locked):
+                    decision = authorize(principal, request, self._policy, self._custody)
+                    if isinstance(decision, Refusal):
+                        return self._verdict(request_id,
+                                             Verdict.failed(decision.code, decision.message))
+                    if set(_lock_set(principal, decision)) <= set(locked):
+                        return await self._run(operation, decision, principal, request, begun,
+                                               facts, progress)
+                locked = (*locked, *_lock_set(principal, decision))
             return self._internal(request_id)
         except OperationRefused as refused:
             if refused.detail:
@@ -732,44 +732,27 @@ class Broker:
                       request_id=request_id, error=type(exc).__name__, detail=str(exc))
             return self._internal(request_id)
 
-    def _lock_set(self, principal: Principal, request: Any) -> tuple[str, ...]:
-        """The agents a serialized request locks: the requester, and the target it names
-        (agents.update, agents.delete)."""
-        agents = [principal.agent]
-        if request.action in TARGET_ACTIONS:
-            found = resolve_target(principal, request.args.target, self._custody)
-            if not isinstance(found, Refusal):
-                agents.append(found.pubkey)
-        return tuple(agents)
-
-    async def _run_locked(self, operation: Operation, locked: tuple[str, ...],
-                          principal: Principal, request: Any, begun: Fresh | Resume,
-                          facts: _Facts, progress: _Progress) -> _Judged:
-        async def hold_agent(agent: str) -> None:
-            if not operation.serialize_per_agent:
-                raise AssertionError(f"{request.action} is not serialized per agent")
-            if agent not in locked:
-                raise _Relock(agent)
-
-        async with self._locks.hold_all(locked):
-            ctx = Context(
-                custody=self._custody,
-                signer=self._signer,
-                relay=self._relay,
-                principal=principal,
-                host=self._policy,
-                cursors=self._cursors,
-                request_id=facts.request_id,
-                now=lambda: int(self._clock()),
-                hold_agent=hold_agent,
-                runtimes=self._runtimes,
-            )
-            if operation.execute is not None:
-                verdict: Verdict = await operation.execute(ctx, request.args)
-                return self._verdict(facts.request_id, verdict)
-            assert operation.prepare is not None
-            return await self._plan_and_publish(ctx, operation.prepare, request,
-                                                begun.ticket, facts, progress)
+    async def _run(self, operation: Operation, decision: Authorized, principal: Principal,
+                   request: Any, begun: Fresh | Resume, facts: _Facts, progress: _Progress
+                   ) -> _Judged:
+        ctx = Context(
+            custody=self._custody,
+            signer=self._signer,
+            relay=self._relay,
+            principal=principal,
+            host=self._policy,
+            cursors=self._cursors,
+            request_id=facts.request_id,
+            now=lambda: int(self._clock()),
+            authorized=decision,
+            runtimes=self._runtimes,
+        )
+        if operation.execute is not None:
+            verdict: Verdict = await operation.execute(ctx, request.args)
+            return self._verdict(facts.request_id, verdict)
+        assert operation.prepare is not None
+        return await self._plan_and_publish(ctx, operation.prepare, request,
+                                            begun.ticket, facts, progress)
 
     async def _plan_and_publish(
         self, ctx: Context, prepare: Callable[[Context, Any], Any], request: Any, ticket: Any,
@@ -1048,6 +1031,14 @@ def _ledger_principal(principal: Principal, reading: Reading) -> str:
     if reading.request is not None and within_credential(principal, reading.request) is not None:
         return f"{principal.agent}/{principal.credential_id}"
     return principal.agent
+
+
+def _lock_set(principal: Principal, decision: Authorized) -> tuple[str, ...]:
+    """The agents a serialized request locks: the requester, and the target authorization
+    resolved (agents.update, agents.delete)."""
+    if decision.target is None:
+        return (principal.agent,)
+    return (principal.agent, decision.target.pubkey)
 
 
 def _action_of(reading: Reading) -> str | None:

@@ -17,7 +17,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,7 @@ from buzzwire.contract import ErrorCode
 if TYPE_CHECKING:
     from custody import Custody
     from daemon.config import PolicyConfig
+    from daemon.policy import Authorized
     from daemon.cursor import CursorCodec
     from daemon.relay import RelayPool
     from daemon.runtimes import RuntimeStore
@@ -53,13 +54,11 @@ class Context:
     cursors: CursorCodec
     request_id: str
     now: Callable[[], int]
-    #: Serialize this request with every other read-merge-write of `agent` until its events
-    #: are published (only in operations marked serialize_per_agent). The pipeline takes
-    #: the requester's and the target's locks up front, in one global order; call this
-    #: before reading, minting or signing anything, because an agent not locked up front
-    #: makes the pipeline start the operation again with it. agents.update holds its
-    #: target's, whose kind 0 it rewrites.
-    hold_agent: Callable[[str], Awaitable[None]]
+    #: The records authorization resolved: the requester's (agents.create) and the target
+    #: (agents.update/delete). The operation acts on exactly these and resolves nothing
+    #: itself. For an operation marked serialize_per_agent they were resolved under the
+    #: requester's and the target's locks, which stay held until its events are published.
+    authorized: Authorized
     #: the host's own record of each managed agent's runtime (never published)
     runtimes: RuntimeStore | None = None
 

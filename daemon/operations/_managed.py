@@ -10,8 +10,9 @@ host's own record (daemon/runtimes.py), never here.
 
 Rules:
 - The owner of every record is the requester (B2): there is no owner argument anywhere.
-- A target (by pubkey or by name) is resolved by policy among the requester's own live
-  agents only; an agent of another owner is refused exactly like an unknown one.
+- A target (by pubkey or by name) is resolved once, by policy's `authorize`, among the
+  requester's own live agents only (an agent of another owner is refused exactly like an
+  unknown one); the operation takes it from `ctx.authorized` (`target`).
 - Create writes `parallelism: 1`. A republish starts from the content read: every member
   the host does not set (`persona_id`, `respond_to_allowlist`, `parallelism`, members of a
   later Buzz) is kept as read; only `runtime` is dropped (an earlier version of this host
@@ -27,11 +28,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from custody import AgentRecord
-from buzzwire.contract import MAX_DISPLAY_NAME_CHARS, AgentTarget, ErrorCode
-from daemon.operations._base import Context, OperationRefused
+from buzzwire.contract import MAX_DISPLAY_NAME_CHARS
+from daemon.operations._base import Context
 from daemon.operations._events import tag_value
-from daemon.policy import Refusal, resolve_target
+from daemon.policy import AgentView
 
 #: Buzz's managed-agent record (parameterized replaceable).
 KIND_MANAGED_AGENT = 30177
@@ -115,13 +115,9 @@ def coordinate(owner: str, agent: str) -> str:
     return f"{KIND_MANAGED_AGENT}:{owner}:{agent}"
 
 
-def owned_target(ctx: Context, target: AgentTarget) -> AgentRecord:
-    """The live agent the requester owns that `target` names; refuses otherwise."""
-    found = resolve_target(ctx.principal, target, ctx.custody)
-    if isinstance(found, Refusal):
-        raise OperationRefused(found.code, found.message)
-    return found
-
-
-def refuse_unknown_requester() -> OperationRefused:
-    return OperationRefused(ErrorCode.UNAUTHORIZED, "the requesting agent is not held by this host")
+def owned_target(ctx: Context) -> AgentView:
+    """The live agent the requester owns that the request names, as authorization
+    resolved it (agents.update, agents.delete)."""
+    target = ctx.authorized.target
+    assert target is not None, "authorize resolves the target of every target action"
+    return target

@@ -28,7 +28,6 @@ from daemon.operations._managed import (
     KIND_MANAGED_AGENT,
     KIND_PUT_USER,
     record_content,
-    refuse_unknown_requester,
 )
 from daemon.operations.profile_set import KIND_METADATA
 
@@ -38,9 +37,8 @@ AGENT_ROLE = "bot"
 
 async def prepare(ctx: Context, args: AgentsCreateArgs) -> Plan:
     owner = ctx.principal.agent
-    requester = ctx.custody.agent(owner)
-    if requester is None or requester.deleted_at is not None:
-        raise refuse_unknown_requester()
+    requester = ctx.authorized.requester
+    assert requester is not None, "authorize resolves the requester of agents.create"
     agent = await ctx.custody.mint_agent(
         owner=owner,
         name=args.display_name,

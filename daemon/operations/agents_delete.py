@@ -22,7 +22,7 @@ from daemon.operations._managed import (
 
 async def prepare(ctx: Context, args: AgentsDeleteArgs) -> Plan:
     owner = ctx.principal.agent
-    agent = owned_target(ctx, args.target)
+    agent = owned_target(ctx)
     event = await sign(
         ctx,
         owner,

@@ -51,9 +51,9 @@ ACTION = "agents.update"
 
 async def prepare(ctx: Context, args: AgentsUpdateArgs) -> Plan | Verdict:
     owner = ctx.principal.agent
-    agent = owned_target(ctx, args.target)
-    # The agent's own profile.set merges into the same kind 0 this may rewrite.
-    await ctx.hold_agent(agent.pubkey)
+    # Its lock is held (the pipeline took it with the requester's): the agent's own
+    # profile.set merges into the same kind 0 this may rewrite.
+    agent = owned_target(ctx)
     found = await fetch(
         ctx, {"kinds": [KIND_MANAGED_AGENT], "authors": [owner], "#d": [agent.pubkey], "limit": 5}
     )
