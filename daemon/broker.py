@@ -74,6 +74,8 @@ from typing import Any
 
 import trio
 
+from buzzwire.nostr import SignedEvent
+
 from custody import Custody, CustodyError
 from daemon.audit import AUDIT_DIRNAME, AuditLog, AuditRecord, AuditUnavailable, Phase
 from daemon.config import Config, PolicyConfig
@@ -98,6 +100,7 @@ from daemon.log import log_event
 from daemon.metrics import Metrics
 from daemon.operations import OPERATIONS, Context, Operation, Plan
 from daemon.operations._base import OperationRefused
+from daemon.pending import Cleanup, DestroyAgent, Pending, RenameAgent, steps_named
 from daemon.policy import Authorized, Refusal, authorize, within_credential
 from daemon.ratelimit import RateLimiter
 from daemon.relay import Accepted, AuthNotSigned, RelayPool, RelayTimeouts, Unknown
@@ -105,7 +108,7 @@ from daemon.runtimes import RuntimeStore
 from daemon.sessions import LAST_USE_FLUSH_SECONDS, Principal, SessionStore
 from daemon.signing import SigningBatcher
 
-__all__ = ["Broker", "StartupError", "PENDING_FORMAT", "CHECKPOINTS", "relay_pool"]
+__all__ = ["Broker", "StartupError", "CHECKPOINTS", "relay_pool"]
 
 _log = logging.getLogger("buzz_broker.broker")
 
@@ -115,8 +118,6 @@ _log = logging.getLogger("buzz_broker.broker")
 #:   after_verdict  -- the verdict is committed, the response not yet written
 #: The relay-side steps (EVENT sent, OK received) are the test relay's to kill at.
 CHECKPOINTS = ("before_pending", "after_pending", "after_verdict")
-#: Version of the pending record's JSON layout; a record of another version is never guessed at.
-PENDING_FORMAT = 1
 #: How often the ledger's retention sweep runs (design.md: the database stays bounded).
 SWEEP_INTERVAL_SECONDS = 3600.0
 #: The refusal when an agent's ledger records reach `state.ledger_max_bytes_per_agent`.
@@ -139,12 +140,11 @@ def relay_pool(config: Config, custody: Custody,
     """
 
     async def sign_auth(agent: str, relay_url: str, challenge: str, created_at: int
-                        ) -> dict[str, Any]:
+                        ) -> SignedEvent:
         try:
-            signed = await custody.sign_auth(agent, relay_url, challenge, created_at)
+            return await custody.sign_auth(agent, relay_url, challenge, created_at)
         except CustodyError as exc:
             raise AuthNotSigned(type(exc).__name__) from None
-        return dict(signed.to_json_obj())
 
     timeouts = RelayTimeouts(
         connect=config.relay.connect_timeout,
@@ -158,44 +158,6 @@ def relay_pool(config: Config, custody: Custody,
 #: How often a request takes its locks again because its target changed while it waited;
 #: past that, `failed` + `internal` (nothing has happened).
 _LOCK_ATTEMPTS = 3
-
-
-@dataclass(frozen=True, slots=True)
-class Pending:
-    """What the ledger holds between the pending commit and the verdict (design.md step 4)."""
-
-    action: str
-    events: tuple[Mapping[str, Any], ...]
-    success: bytes  # the encoded `succeeded` response, known before publishing
-    rollback: Mapping[str, Any] = field(default_factory=dict)
-    commit: Mapping[str, Any] = field(default_factory=dict)
-
-    def encode(self) -> bytes:
-        return json.dumps(
-            {
-                "v": PENDING_FORMAT,
-                "action": self.action,
-                "events": list(self.events),
-                "success": self.success.decode("utf-8"),
-                "rollback": dict(self.rollback),
-                "commit": dict(self.commit),
-            },
-            ensure_ascii=False,
-            separators=(",", ":"),
-        ).encode("utf-8")
-
-    @classmethod
-    def decode(cls, data: bytes) -> Pending:
-        obj = json.loads(data)
-        if obj.get("v") != PENDING_FORMAT:
-            raise ValueError(f"pending record format {obj.get('v')!r} is not {PENDING_FORMAT}")
-        return cls(
-            action=obj["action"],
-            events=tuple(obj["events"]),
-            success=obj["success"].encode("utf-8"),
-            rollback=obj.get("rollback", {}),
-            commit=obj.get("commit", {}),
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -774,7 +736,7 @@ class Broker:
         # was never audited would be published by the next retry without one.
         try:
             await self._audit.append(facts.record(
-                Phase.INTENT, self._clock(), events=tuple(str(e["id"]) for e in pending.events)))
+                Phase.INTENT, self._clock(), events=tuple(e.id for e in pending.events)))
         except Exception as exc:  # noqa: BLE001 - AuditUnavailable or worse: nothing was sent
             self._audit_failed(facts, exc)
             return self._internal(ctx.request_id)
@@ -793,7 +755,7 @@ class Broker:
         resumed: bool,
     ) -> _Judged:
         """Send the pending events in order and say what the relay's answers mean."""
-        ids = tuple(str(e["id"]) for e in pending.events)
+        ids = tuple(e.id for e in pending.events)
         progress.event_ids = ids
         verdict = await self._publish_events(principal, request_id, pending, progress,
                                              resumed=resumed)
@@ -810,13 +772,13 @@ class Broker:
         accepted = 0
         for event in pending.events:
             progress.effects_possible = True
-            result = await self._relay.publish(str(event["pubkey"]), dict(event))
+            result = await self._relay.publish(event.pubkey, event)
             if isinstance(result, Accepted):
                 accepted += 1
                 continue
             reason = _quote_reason(getattr(result, "reason", ""))
             log_event(_log, "relay.not_accepted", agent=principal.agent, request_id=request_id,
-                      event_id=event["id"], result=type(result).__name__, reason=reason,
+                      event_id=event.id, result=type(result).__name__, reason=reason,
                       accepted_before=accepted, resumed=resumed)
             if isinstance(result, Unknown):
                 return Verdict.indeterminate(
@@ -833,29 +795,29 @@ class Broker:
         await self._housekeeping(pending.commit)
         return None
 
-    async def _housekeeping(self, work: Mapping[str, Any]) -> None:
-        """Host-local follow-ups named by a plan; each is safe to run twice.
+    async def _housekeeping(self, steps: tuple[Cleanup, ...]) -> None:
+        """Run a plan's cleanup steps in order; each is safe to run twice.
 
         A fault here cannot change the verdict (the relay has already answered), so it is
         logged for the operator and the verdict stands.
         """
         try:
-            if "destroy_agent" in work:
-                pubkey = str(work["destroy_agent"])
-                if self._custody.agent(pubkey) is not None:
-                    await self._custody.destroy_agent(pubkey)
-                self._sessions.revoke_agent(pubkey)
-            if "rename_agent" in work:
-                rename = work["rename_agent"]
-                if self._custody.agent(str(rename["pubkey"])) is not None:
-                    await self._custody.rename_agent(str(rename["pubkey"]), str(rename["name"]))
-            if "set_runtime" in work:
-                runtime = work["set_runtime"]
-                self._runtimes.set(str(runtime["pubkey"]), str(runtime["runtime"]),
-                                   int(self._clock()))
+            for step in steps:
+                await self._cleanup(step)
         except Exception as exc:  # noqa: BLE001 - CustodyError, sqlite3.Error or worse
             log_event(_log, "housekeeping.failed", level=logging.ERROR,
-                      work=sorted(work), error=type(exc).__name__, where=_where(exc))
+                      work=steps_named(steps), error=type(exc).__name__, where=_where(exc))
+
+    async def _cleanup(self, step: Cleanup) -> None:
+        if isinstance(step, DestroyAgent):
+            if self._custody.agent(step.pubkey) is not None:
+                await self._custody.destroy_agent(step.pubkey)
+            self._sessions.revoke_agent(step.pubkey)
+        elif isinstance(step, RenameAgent):
+            if self._custody.agent(step.pubkey) is not None:
+                await self._custody.rename_agent(step.pubkey, step.name)
+        else:
+            self._runtimes.set(step.pubkey, step.runtime, int(self._clock()))
 
     # ---------------------------------------------------------------- answers
 

@@ -84,6 +84,8 @@ from typing import Any, Union, cast
 import trio
 import trio_websocket
 
+from buzzwire.nostr import SignedEvent
+
 from daemon.log import log_event
 from daemon.relay_protocol import (
     AuthChallenge,
@@ -145,7 +147,7 @@ _CLEANUP_SECONDS = 1.0
 _CLOSE_HANDSHAKE_SECONDS = 0.25
 
 #: auth_signer(agent_pubkey, relay_url, challenge, created_at) -> signed kind-22242 event.
-AuthSigner = Callable[[str, str, str, int], Awaitable[Mapping[str, Any]]]
+AuthSigner = Callable[[str, str, str, int], Awaitable[SignedEvent]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -685,15 +687,14 @@ class RelayPool:
             if conn.challenge is None:
                 raise _AuthFailed("the relay sent no AUTH challenge", refused=False)
             try:
-                auth_event = dict(
-                    await self._auth_signer(conn.agent, self._url.text, conn.challenge, int(time.time()))
-                )
+                auth_event = await self._auth_signer(
+                    conn.agent, self._url.text, conn.challenge, int(time.time()))
                 frame = encode_auth(auth_event)
-                event_id = str(auth_event["id"])
             except AuthNotSigned as exc:
                 raise _AuthFailed(f"AUTH not signed: {exc.reason}", refused=False) from None
-            except (KeyError, ValueError, TypeError) as exc:
+            except ValueError as exc:  # not a kind-22242 event: our signer's bug
                 raise _AuthFailed(f"AUTH event unusable: {type(exc).__name__}", refused=False) from None
+            event_id = auth_event.id
             waiter = conn.expect_ok(event_id)
             try:
                 try:
@@ -725,7 +726,7 @@ class RelayPool:
 
     # publishing -------------------------------------------------------------------------
 
-    async def publish(self, agent: str, event: Mapping[str, Any]) -> PublishResult:
+    async def publish(self, agent: str, event: SignedEvent) -> PublishResult:
         """Send one signed event as `agent` and report what the relay did with it.
 
         Args:
@@ -736,11 +737,11 @@ class RelayPool:
             Accepted | Rejected | NotSent | Unknown (see the module docstring's mapping).
 
         Raises:
-            ValueError: `event` has no 64-hex ``id`` (our bug). RuntimeError: pool not running.
+            TypeError: `event` is not a SignedEvent (our bug). RuntimeError: pool not running.
         """
-        event_id = event.get("id") if isinstance(event, Mapping) else None
-        if not isinstance(event_id, str) or len(event_id) != 64:
-            raise ValueError("publish needs a signed event with a 64-hex id")
+        if not isinstance(event, SignedEvent):
+            raise TypeError("publish needs a SignedEvent")
+        event_id = event.id
         frame = encode_event(event)
         started = time.monotonic()
         result: PublishResult

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from typing import Any, Union
 from urllib.parse import urlsplit
 
+from buzzwire.nostr import SignedEvent
+
 __all__ = [
     "LOOPBACK_NAMES",
     "is_loopback_host",
@@ -293,16 +295,16 @@ def _dumps(value: object) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
-def encode_event(event: Mapping[str, Any]) -> str:
-    """["EVENT", event] — the event is sent exactly as given (same bytes on a retry)."""
-    return _dumps(["EVENT", dict(event)])
+def encode_event(event: SignedEvent) -> str:
+    """["EVENT", event] — the same event always encodes to the same bytes (a retry)."""
+    return _dumps(["EVENT", event.to_json_obj()])
 
 
-def encode_auth(event: Mapping[str, Any]) -> str:
+def encode_auth(event: SignedEvent) -> str:
     """["AUTH", event] — NIP-42: the signed kind-22242 answer to a challenge."""
-    if event.get("kind") != AUTH_KIND:
+    if event.kind != AUTH_KIND:
         raise ValueError(f"an AUTH event must be kind {AUTH_KIND}")
-    return _dumps(["AUTH", dict(event)])
+    return _dumps(["AUTH", event.to_json_obj()])
 
 
 def encode_req(sub_id: str, filters: Sequence[Mapping[str, Any]]) -> str:

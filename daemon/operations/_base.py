@@ -11,17 +11,20 @@ Rules:
   very same events instead of signing new ones.
 - `Plan.rollback` and `Plan.commit` name host-local work that finishes the operation
   (destroy a minted key when the first event is refused; destroy a deleted agent's key
-  after the relay accepted its deletion). They are data, not closures, because they are
-  stored in the pending record and must still mean the same after a restart.
+  after the relay accepted its deletion): cleanup steps from daemon/pending.py, data and
+  not closures, because they are stored in the pending record and must still mean the
+  same after a restart.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from buzzwire.contract import ErrorCode
+from buzzwire.contract import ErrorCode, Outcome
+from buzzwire.nostr import SignedEvent
+from daemon.pending import Cleanup
 
 if TYPE_CHECKING:
     from custody import Custody
@@ -33,13 +36,7 @@ if TYPE_CHECKING:
     from daemon.sessions import Principal
     from daemon.signing import SigningBatcher
 
-__all__ = ["Context", "Plan", "OperationRefused", "HOUSEKEEPING"]
-
-#: Host-local follow-ups a plan may name, each run after the relay answered.
-#:   destroy_agent: PUBKEY                    -- seal gone, record tombstoned, credentials revoked
-#:   rename_agent: {"pubkey": P, "name": N}  -- the keystore's name follows the published one
-#:   set_runtime: {"pubkey": P, "runtime": R} -- the host's own record of the agent's runtime
-HOUSEKEEPING = frozenset({"destroy_agent", "rename_agent", "set_runtime"})
+__all__ = ["Context", "Plan", "OperationRefused"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,25 +65,22 @@ class Plan:
     """Signed events to publish, in order, and what success will report.
 
     Attributes:
-      events: NIP-01 event objects (seven members each), published in this order; each goes
-        out on its author's relay connection.
+      events: signed events, published in this order; each goes out on its author's relay
+        connection.
       outcome: the contract outcome the agent receives when every event is accepted.
-      rollback: housekeeping run when the *first* event is refused (nothing took hold), as
-        a mapping of HOUSEKEEPING name -> argument.
-      commit: housekeeping run once every event was accepted.
+      rollback: cleanup steps run, in order, when the *first* event is refused (nothing
+        took hold).
+      commit: cleanup steps run, in order, once every event was accepted.
     """
 
-    events: tuple[Mapping[str, Any], ...]
-    outcome: Any
-    rollback: Mapping[str, Any] = field(default_factory=dict)
-    commit: Mapping[str, Any] = field(default_factory=dict)
+    events: tuple[SignedEvent, ...]
+    outcome: Outcome
+    rollback: tuple[Cleanup, ...] = ()
+    commit: tuple[Cleanup, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.events:
             raise ValueError("a plan publishes at least one event")
-        unknown = (set(self.rollback) | set(self.commit)) - HOUSEKEEPING
-        if unknown:
-            raise ValueError(f"unknown housekeeping: {sorted(unknown)}")
 
 
 class OperationRefused(Exception):

@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
 
 from buzzwire.contract import MAX_DISPLAY_NAME_CHARS
 from daemon.operations._base import Context
-from daemon.operations._events import tag_value
+from buzzwire.nostr import SignedEvent
 from daemon.policy import AgentView
 
 #: Buzz's managed-agent record (parameterized replaceable).
@@ -70,13 +69,14 @@ NEVER_PUBLISHED = frozenset({"runtime"})
 DEFAULT_PARALLELISM = 1
 
 
-def record_content(fields: Mapping[str, Any], *, read: Mapping[str, Any] | None = None) -> str:
+def record_content(fields: Mapping[str, object], *, read: Mapping[str, object] | None = None
+                   ) -> str:
     """The 30177 content: the record `read` (if any) with `fields` set over it.
 
     `fields` holds the members the host sets (None = not given). Every other member of
     `read` is kept as read, in Buzz's order and then the order read; `runtime` is dropped.
     """
-    merged: dict[str, Any] = {k: v for k, v in (read or {}).items() if k not in NEVER_PUBLISHED}
+    merged: dict[str, object] = {k: v for k, v in (read or {}).items() if k not in NEVER_PUBLISHED}
     for member, value in fields.items():
         if value is not None:
             merged[member] = value
@@ -101,12 +101,12 @@ def outcome_name(name: object, pubkey: str) -> str:
     return text[:MAX_DISPLAY_NAME_CHARS].strip() or pubkey[:12]
 
 
-def is_record_of(event: Mapping[str, Any], owner: str, agent: str) -> bool:
+def is_record_of(event: SignedEvent, owner: str, agent: str) -> bool:
     """Exactly `agent`'s managed record by `owner`: kind 30177, author, and `d` tag."""
     return (
-        event.get("kind") == KIND_MANAGED_AGENT
-        and event.get("pubkey") == owner
-        and tag_value(event, "d") == agent
+        event.kind == KIND_MANAGED_AGENT
+        and event.pubkey == owner
+        and event.tag_value("d") == agent
     )
 
 

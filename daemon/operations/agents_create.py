@@ -30,6 +30,7 @@ from daemon.operations._managed import (
     record_content,
 )
 from daemon.operations.profile_set import KIND_METADATA
+from daemon.pending import DestroyAgent, SetRuntime
 
 #: NIP-29 role given to a created agent in its channel.
 AGENT_ROLE = "bot"
@@ -75,7 +76,7 @@ async def prepare(ctx: Context, args: AgentsCreateArgs) -> Plan:
         outcome=AgentsCreateOutcome(
             agent_pubkey=agent.pubkey, display_name=args.display_name, channel_id=args.channel_id
         ),
-        rollback={"destroy_agent": agent.pubkey},
-        commit=({"set_runtime": {"pubkey": agent.pubkey, "runtime": args.runtime}}
-                if args.runtime is not None else {}),
+        rollback=(DestroyAgent(pubkey=agent.pubkey),),
+        commit=((SetRuntime(pubkey=agent.pubkey, runtime=args.runtime),)
+                if args.runtime is not None else ()),
     )

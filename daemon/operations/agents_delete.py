@@ -18,6 +18,7 @@ from daemon.operations._managed import (
     outcome_name,
     owned_target,
 )
+from daemon.pending import DestroyAgent
 
 
 async def prepare(ctx: Context, args: AgentsDeleteArgs) -> Plan:
@@ -34,5 +35,5 @@ async def prepare(ctx: Context, args: AgentsDeleteArgs) -> Plan:
         events=(event,),
         outcome=AgentsDeleteOutcome(agent_pubkey=agent.pubkey,
                                     display_name=outcome_name(agent.name, agent.pubkey)),
-        commit={"destroy_agent": agent.pubkey},
+        commit=(DestroyAgent(pubkey=agent.pubkey),),
     )

@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from custody import compute_event_id, verify_event
+from buzzwire.nostr import compute_event_id, verify_event
 from buzzwire.contract import (
     ChannelReadArgs,
     ContractError,
