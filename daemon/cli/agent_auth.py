@@ -96,7 +96,7 @@ async def _republish_profile(config: Config, custody: Custody, record: AgentReco
     Raises:
         CliError: the relay could not be read or did not accept the profile.
     """
-    from daemon.broker import relay_pool
+    from daemon.wiring import relay_pool
 
     pool = relay_pool(config, custody)
     fault: str | None = None

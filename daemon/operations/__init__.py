@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from buzzwire.contract import ACTIONS
+from buzzwire.contract import ACTIONS, Verdict
 from daemon.operations import (
     agents_create,
     agents_delete,
@@ -38,8 +38,9 @@ class Operation:
     once would each read the same old state and one update would be lost (design.md traps).
     """
 
-    execute: Callable[[Context, Any], Awaitable[Any]] | None = None
-    prepare: Callable[[Context, Any], Awaitable[Any]] | None = None
+    # The arguments' type is each operation's own (ChannelReadArgs, ...): Any here.
+    execute: Callable[[Context, Any], Awaitable[Verdict]] | None = None
+    prepare: Callable[[Context, Any], Awaitable[Plan | Verdict]] | None = None
     serialize_per_agent: bool = False
 
 
