@@ -426,7 +426,9 @@ def _build(tree: Mapping[str, object], where: str, base: Path | None, source: st
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     server = fields["server"]
-    if server["max_inflight_bytes"] < server["max_body_bytes"]:  # type: ignore[operator]
+    inflight, body = server["max_inflight_bytes"], server["max_body_bytes"]
+    assert isinstance(inflight, int) and isinstance(body, int)  # both parsed as sizes above
+    if inflight < body:
         raise ConfigError(
             f"{where}: [server] max_inflight_bytes: expected at least max_body_bytes "
             f"({server['max_body_bytes']}), got {server['max_inflight_bytes']}"

@@ -84,7 +84,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, TypeAlias
+from typing import Final, TypeAlias, TypeVar, cast
 
 import trio
 
@@ -311,7 +311,8 @@ CREATE TABLE IF NOT EXISTS audit_anchor (
 #: The size a record counts against its principal's cap (SQL over an `entries` row).
 _SIZE_SQL = f"{ROW_BYTES} + coalesce(length(pending), 0) + coalesce(length(response), 0)"
 
-_Op: TypeAlias = Callable[[sqlite3.Connection], Any]
+_Op: TypeAlias = Callable[[sqlite3.Connection], object]
+_T = TypeVar("_T")
 
 
 class Ledger:
@@ -330,7 +331,7 @@ class Ledger:
         # worker threads, `reader` serves begin()'s lookup on the event-loop thread.
         # The write side: every write is an op in `_group`'s next transaction on `conn`.
         self._conn = conn
-        self._group: GroupCommit[_Op, Any] = GroupCommit(
+        self._group: GroupCommit[_Op, object] = GroupCommit(
             self._run_batch, flush_failed=lambda: RuntimeError("ledger flush failed")
         )
         #: how many transactions (fsyncs) the flusher ran; the benchmark reports it.
@@ -440,17 +441,18 @@ class Ledger:
 
     # -- group commit (daemon/_group_commit.py runs the queue) --------------------------
 
-    async def _run(self, op: _Op) -> Any:
-        """Queue `op` for the next transaction and wait until it is committed.
+    async def _run(self, op: Callable[[sqlite3.Connection], _T]) -> _T:
+        """Queue `op` for the next transaction and wait until it is committed; its result.
 
         Cancellation: if the waiting task is cancelled, its operation still runs in the
         next batch (it may already be in a transaction); the caller just stops waiting.
         """
         if self._closed:
             raise RuntimeError("ledger is closed")
-        return await self._group.submit(op)
+        # The group hands each op back its own result: the type `op` returns.
+        return cast(_T, await self._group.submit(op))
 
-    def _run_batch(self, batch: Sequence[_Op]) -> list[Any]:
+    def _run_batch(self, batch: Sequence[_Op]) -> list[object]:
         # Runs in a worker thread. One transaction, one fsync, for the whole batch.
         conn = self._conn
         try:
@@ -460,7 +462,7 @@ class Ledger:
         # Usage and new ids count only when the transaction commits; an op that fails is
         # rolled back to its savepoint, with what it noted here.
         self._deltas, self._new_pids = {}, {}
-        results: list[Any] = []
+        results: list[object] = []
         for op in batch:
             noted = dict(self._deltas), dict(self._new_pids)
             try:
@@ -690,8 +692,8 @@ class Ledger:
 
     async def count(self) -> int:
         """How many records the database holds (for tests, metrics and the benchmark)."""
-        n: int = await self._run(
-            lambda conn: conn.execute("SELECT count(*) FROM entries").fetchone()[0]
+        n = await self._run(
+            lambda conn: int(conn.execute("SELECT count(*) FROM entries").fetchone()[0])
         )
         return n
 

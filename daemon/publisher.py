@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from typing import Final
 
 from buzzwire.contract import ErrorCode, Request, Status, Verdict, encode_response
 from custody import Custody
@@ -52,8 +52,8 @@ CHECKPOINTS: Final = ("before_pending", "after_pending", "after_verdict")
 #: Longest relay reason quoted back to an agent; the rest goes to the operator log only.
 MAX_REASON_CHARS: Final = 200
 
-#: A publishing operation's `prepare` (its arguments' type is the operation's own).
-Prepare = Callable[[Context, Any], Awaitable[Plan | Verdict]]
+#: A publishing operation's `prepare`: (Context, its own argument type) -> plan or verdict.
+Prepare = Callable[..., Awaitable[Plan | Verdict]]
 
 
 def _quote_reason(reason: str) -> str:

@@ -79,7 +79,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Union, cast
+from typing import Union, cast
 
 import trio
 import trio_websocket
@@ -309,7 +309,7 @@ class _Subscription:
 
     def __init__(self) -> None:
         self.done = trio.Event()
-        self.events: list[dict[str, Any]] = []
+        self.events: list[dict[str, object]] = []
         #: Characters of the EVENT frames collected (the frame's size as received).
         self.size = 0
         self.closed: str | None = None
@@ -797,7 +797,8 @@ class RelayPool:
 
     # reading ----------------------------------------------------------------------------
 
-    async def query(self, agent: str, filters: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    async def query(self, agent: str, filters: Sequence[Mapping[str, object]]
+                    ) -> list[dict[str, object]]:
         """Stored events matching `filters`, read as `agent`, until EOSE.
 
         Returns:
@@ -831,8 +832,8 @@ class RelayPool:
             self._observer(op, result, time.monotonic() - started)
 
     async def _query_on(
-        self, conn: _Connection, filters: Sequence[Mapping[str, Any]]
-    ) -> list[dict[str, Any]]:
+        self, conn: _Connection, filters: Sequence[Mapping[str, object]]
+    ) -> list[dict[str, object]]:
         for attempt in range(2):
             try:
                 await self._auth_if_challenged(conn)

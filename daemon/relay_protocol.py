@@ -34,7 +34,7 @@ import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import NoReturn, Union
 from urllib.parse import urlsplit
 
 from buzzwire.nostr import SignedEvent
@@ -127,7 +127,7 @@ class EventMessage:
     """["EVENT", subscription_id, event]: one stored or live event, kept verbatim."""
 
     subscription_id: str
-    event: dict[str, Any]
+    event: dict[str, object]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -192,14 +192,14 @@ def _subid(value: object) -> str:
     return s
 
 
-def _read_event(items: list[Any]) -> RelayMessage:
+def _read_event(items: list[object]) -> RelayMessage:
     event = items[2]
     if not isinstance(event, dict):
         raise RelayProtocolError("bad_member", "EVENT payload is not an object")
     return EventMessage(subscription_id=_subid(items[1]), event=event)
 
 
-def _read_ok(items: list[Any]) -> RelayMessage:
+def _read_ok(items: list[object]) -> RelayMessage:
     event_id = _str(items[1], "OK event id")
     if not _HEX64.fullmatch(event_id):
         raise RelayProtocolError("bad_member", "OK event id is not 64 lowercase hex")
@@ -209,19 +209,19 @@ def _read_ok(items: list[Any]) -> RelayMessage:
     return Ok(event_id=event_id, accepted=items[2], message=_str(items[3], "OK message"))
 
 
-def _read_eose(items: list[Any]) -> RelayMessage:
+def _read_eose(items: list[object]) -> RelayMessage:
     return EndOfStoredEvents(subscription_id=_subid(items[1]))
 
 
-def _read_closed(items: list[Any]) -> RelayMessage:
+def _read_closed(items: list[object]) -> RelayMessage:
     return Closed(subscription_id=_subid(items[1]), message=_str(items[2], "CLOSED message"))
 
 
-def _read_notice(items: list[Any]) -> RelayMessage:
+def _read_notice(items: list[object]) -> RelayMessage:
     return Notice(message=_str(items[1], "NOTICE message"))
 
 
-def _read_auth(items: list[Any]) -> RelayMessage:
+def _read_auth(items: list[object]) -> RelayMessage:
     challenge = _str(items[1], "AUTH challenge")
     if not challenge:
         raise RelayProtocolError("bad_member", "AUTH challenge is empty")
@@ -229,7 +229,7 @@ def _read_auth(items: list[Any]) -> RelayMessage:
 
 
 #: verb → (number of array items including the verb, reader).
-_READERS: Mapping[str, tuple[int, Callable[[list[Any]], RelayMessage]]] = {
+_READERS: Mapping[str, tuple[int, Callable[[list[object]], RelayMessage]]] = {
     "EVENT": (3, _read_event),
     "OK": (4, _read_ok),
     "EOSE": (2, _read_eose),
@@ -239,9 +239,9 @@ _READERS: Mapping[str, tuple[int, Callable[[list[Any]], RelayMessage]]] = {
 }
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
     # A duplicate key makes an event's meaning depend on the parser; refuse it.
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for key, value in pairs:
         if key in out:
             raise RelayProtocolError("not_json", f"duplicate key {key!r}")
@@ -249,7 +249,7 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _no_constants(name: str) -> Any:
+def _no_constants(name: str) -> NoReturn:
     raise RelayProtocolError("not_json", f"{name} is not JSON")
 
 
@@ -307,7 +307,7 @@ def encode_auth(event: SignedEvent) -> str:
     return _dumps(["AUTH", event.to_json_obj()])
 
 
-def encode_req(sub_id: str, filters: Sequence[Mapping[str, Any]]) -> str:
+def encode_req(sub_id: str, filters: Sequence[Mapping[str, object]]) -> str:
     """["REQ", sub_id, filter...]; NIP-01 needs at least one filter."""
     if not filters:
         raise ValueError("a REQ needs at least one filter")

@@ -25,7 +25,7 @@ import argparse
 import json
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -42,7 +42,7 @@ DEFAULT_CONDITIONS = ""
 KIND_METADATA = 0
 
 
-def add_arguments(sub: Any) -> None:
+def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("attach-auth",
                        help="attach an owner-signed NIP-OA tag to an agent and republish its profile")
     p.add_argument("--agent", required=True, metavar="PUBKEY", help="the agent's pubkey (64 hex)")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 from buzzwire.contract import ACTIONS, Verdict
 from daemon.operations import (
@@ -38,9 +37,10 @@ class Operation:
     once would each read the same old state and one update would be lost (design.md traps).
     """
 
-    # The arguments' type is each operation's own (ChannelReadArgs, ...): Any here.
-    execute: Callable[[Context, Any], Awaitable[Verdict]] | None = None
-    prepare: Callable[[Context, Any], Awaitable[Plan | Verdict]] | None = None
+    # Each takes (Context, its own argument type): the contract's ActionSpec fixes which,
+    # per action, and the pipeline passes the `args` the contract built for that action.
+    execute: Callable[..., Awaitable[Verdict]] | None = None
+    prepare: Callable[..., Awaitable[Plan | Verdict]] | None = None
     serialize_per_agent: bool = False
 
 
