@@ -5,8 +5,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # Debian packages the daemon, its tests and the demo need. softhsm2: the development token;
 # opensc: pkcs11-tool for inspecting it; systemd: systemd-analyze for the unit lint;
-# curl: the demo's first request.
-APT_PACKAGES := softhsm2 opensc systemd curl
+# curl: the demo's first request; curl and node-typescript: docs/protocol.md's examples run
+# by tests/docs (node itself: nodejs and npm, installed only when no `node` is on PATH, so a
+# node from elsewhere is left alone).
+APT_PACKAGES := softhsm2 opensc systemd curl node-typescript
 
 .PHONY: all run test deps venv lint bench clean
 
@@ -15,6 +17,7 @@ all: test
 deps:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	$(PYTHON) -c 'import venv, ensurepip' >/dev/null 2>&1 || missing="$$missing python3-venv"; \
+	command -v node >/dev/null 2>&1 || missing="$$missing nodejs npm"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
@@ -33,7 +36,7 @@ test: venv
 	$(PY) -m pytest -q -p no:cacheprovider
 
 lint: venv
-	$(PY) -m mypy daemon custody client/buzzwire
+	$(PY) -m mypy daemon custody client/buzzwire client/buzz_broker_client
 
 run: venv
 	$(PY) -m tests.demo

@@ -58,9 +58,11 @@ Disk (issue 13): a record is stored compactly. The principal is a small integer
 (`principals` table), the requestId its 16-byte `request_key` (sha256, truncated: the key
 must be exact, the text is not needed — the caller holds it on every lookup, and the
 audit log has it), and one index (by expiry) beside the primary key. A refusal's response
-is whatever compact bytes the caller hands in (daemon/verdict_store.py). Per principal,
+is whatever compact bytes the caller hands in (daemon/verdict_store.py). Per account,
 the ledger counts `ROW_BYTES` + its blobs for every record; at `max_bytes_per_principal` a
-request that would add a record gets `Full()` (the pipeline refuses it, unrecorded).
+request that would add a record gets `Full()` (the pipeline refuses it, unrecorded). The
+account of a principal `A/sub` (the records the pipeline keeps apart for one credential
+of agent A) is `A`'s: one agent's records share one cap however they are keyed.
 Replays and resumed work add nothing and are never refused.
 
 Audit anchor (issue 13): the audit log's head (seq, hash) is written into `audit_anchor`
@@ -190,6 +192,11 @@ def advance(state: State, event: LedgerEvent) -> State:
         return TRANSITIONS[(state, event)]
     except KeyError:
         raise AssertionError(f"ledger: {event.name} is not allowed in state {state.name}") from None
+
+
+def account_of(principal: str) -> str:
+    """The account whose cap a principal's records count against (module docstring)."""
+    return principal.partition("/")[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,9 +355,13 @@ class Ledger:
         # records of one batch, which the cap tolerates.
         self._pids: dict[str, int] = dict(
             conn.execute("SELECT principal, id FROM principals").fetchall())
-        self._usage: dict[int, int] = {
-            int(pid): int(size) for pid, size in conn.execute(
-                f"SELECT pid, total({_SIZE_SQL}) FROM entries GROUP BY pid").fetchall()}
+        self._accounts: dict[int, str] = {
+            pid: account_of(principal) for principal, pid in self._pids.items()}
+        self._usage: dict[str, int] = {}
+        for pid, size in conn.execute(
+                f"SELECT pid, total({_SIZE_SQL}) FROM entries GROUP BY pid").fetchall():
+            account = self._accounts[int(pid)]
+            self._usage[account] = self._usage.get(account, 0) + int(size)
         # Made in the running transaction; joined to `_pids` / `_usage` only once it
         # commits (a rolled-back id could otherwise be handed to another principal).
         self._new_pids: dict[str, int] = {}
@@ -496,8 +507,11 @@ class Ledger:
         if head is not None:
             self._anchored = head
         self._pids.update(self._new_pids)
+        self._accounts.update(
+            (pid, account_of(principal)) for principal, pid in self._new_pids.items())
         for pid, delta in self._deltas.items():
-            self._usage[pid] = max(0, self._usage.get(pid, 0) + delta)
+            account = self._accounts[pid]
+            self._usage[account] = max(0, self._usage.get(account, 0) + delta)
         return results
 
     def _pid(self, conn: sqlite3.Connection, principal: str) -> int:
@@ -581,8 +595,8 @@ class Ledger:
             self._drop(flight)
             raise
         if row is None:
-            if self._max_bytes is not None and pid is not None and (
-                    self._usage.get(pid, 0) >= self._max_bytes):
+            if self._max_bytes is not None and (
+                    self._usage.get(account_of(key.principal), 0) >= self._max_bytes):
                 self._drop(flight)
                 return Full()
             return Fresh(ticket)
@@ -698,9 +712,8 @@ class Ledger:
         return n
 
     def usage(self, principal: str) -> int:
-        """Bytes the principal's records count against its cap (ROW_BYTES + blobs each)."""
-        pid = self._pids.get(principal)
-        return 0 if pid is None else self._usage.get(pid, 0)
+        """Bytes the principal's account counts against its cap (ROW_BYTES + blobs each)."""
+        return self._usage.get(account_of(principal), 0)
 
     # -- ownership ---------------------------------------------------------------------
 

@@ -12,7 +12,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_daemon_and_custody_pass_mypy_strict() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "daemon", "custody", "client/buzzwire"],
+        [sys.executable, "-m", "mypy", "--strict", "daemon", "custody", "client/buzzwire",
+         "client/buzz_broker_client"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

@@ -1,11 +1,17 @@
 """`buzz-broker call ACTION --args JSON`: one operation through the agent client, by hand.
 
 Rules:
-- The request is built and checked by the same client an agent uses (`daemon.client`):
-  frozen once, retried with identical bytes, and judged against itself (spec [C1]).
-  Bad `--args` JSON or a contract violation is a one-line error and nothing is sent.
-- The credential comes from `--credential-file` or `$BUZZ_BROKER_CREDENTIAL`, never
-  from argv (argv is visible to every user of the machine through /proc).
+- The request is built and checked by the same client an agent uses
+  (`buzz_broker_client`): frozen once, retried with identical bytes, and judged against
+  itself (spec [C1]). Bad `--args` JSON or a contract violation is a one-line error and
+  nothing is sent.
+- The credential comes from `--credential-file`, `$BUZZ_BROKER_CREDENTIAL` or
+  `$BUZZ_BROKER_CREDENTIAL_FILE` (the client's own rules, `buzz_broker_client._env`),
+  never from argv (argv is visible to every user of the machine through /proc).
+- The socket is `--socket`, else `$BUZZ_BROKER_SOCKET`, else `server.socket` from the config.
+- The client's setup errors (no socket, no permission on it, nothing listening) are a
+  one-line error saying what to fix, exit 1; a refused credential prints the host's
+  `failed` envelope like any failure (exit 3) and says what to do on stderr.
 - stdout carries exactly one JSON object: the host's verdict envelope as received, or,
   when there was no verdict, a `client_result` object saying so (below). The credential
   never appears in it, nor in any error line.
@@ -14,7 +20,8 @@ Exit codes (the only way a script should branch):
 
 ====  =================================================================
 0     succeeded
-1     could not run: no credential, unreadable file, bad config
+1     could not run: no credential, unreadable file, bad config, no socket, nothing
+      listening, no permission on the socket
 2     usage: bad --args JSON, or arguments the contract rejects (nothing sent)
 3     failed — the host promises nothing happened
 4     unsupported on a best-effort operation (reaction.add) — carry on
@@ -35,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import stat
 import sys
 
 from daemon.cli._common import CliError, config_from_args
@@ -50,12 +56,6 @@ EXIT_UNSUPPORTED = 4
 EXIT_INDETERMINATE = 5
 EXIT_NO_ANSWER = 6
 
-#: The environment variable a credential may come from when no file is named.
-CREDENTIAL_ENV = "BUZZ_BROKER_CREDENTIAL"
-
-#: Bound on the credential file: a session credential is a short token.
-_MAX_CREDENTIAL_FILE = 4096
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", metavar="ACTION", help="operation wire name, e.g. message.post")
@@ -65,11 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--credential-file", metavar="FILE",
-        help=f"file holding the session credential (default: ${CREDENTIAL_ENV})",
+        help="file holding the session credential "
+             "(default: $BUZZ_BROKER_CREDENTIAL or $BUZZ_BROKER_CREDENTIAL_FILE)",
     )
     parser.add_argument(
         "--socket", metavar="PATH",
-        help="broker socket path, or http://127.0.0.1:PORT (default: server.socket from the config)",
+        help="broker socket path, or http://127.0.0.1:PORT "
+             "(default: $BUZZ_BROKER_SOCKET, else server.socket from the config)",
     )
     parser.add_argument(
         "--request-id", metavar="ID",
@@ -77,47 +79,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _read_credential(path: str | None) -> str:
-    if path is None:
-        value = os.environ.get(CREDENTIAL_ENV, "")
-        if not value.strip():
-            raise CliError(f"no credential: pass --credential-file or set ${CREDENTIAL_ENV}")
-        return value.strip()
-    try:
-        with open(path, "rb") as handle:
-            mode = os.fstat(handle.fileno()).st_mode
-            raw = handle.read(_MAX_CREDENTIAL_FILE + 1)
-    except OSError as exc:
-        raise CliError(f"cannot read credential file {path}: {exc.strerror}") from None
-    if len(raw) > _MAX_CREDENTIAL_FILE:
-        raise CliError(f"credential file {path} is too large to be a credential")
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        # Like ssh with a private key, but a warning: the file may be on a mount that
-        # cannot express modes. The guide asks for 0400.
-        print(
-            f"buzz-broker: warning: credential file {path} is readable by others "
-            f"(mode {stat.S_IMODE(mode):04o}); make it 0400",
-            file=sys.stderr,
-        )
-    try:
-        value = raw.decode("ascii").strip()
-    except UnicodeDecodeError:
-        raise CliError(f"credential file {path} does not hold an ASCII credential") from None
-    if not value:
-        raise CliError(f"credential file {path} is empty")
-    return value
-
-
 def run(args: argparse.Namespace) -> int:
     # Imported here so other commands never pay for (or break on) the client's imports.
-    from daemon.client import (
+    import anyio
+
+    from buzz_broker_client import (
+        CREDENTIAL_FILE_ENV,
+        SOCKET_ENV,
         AsyncBrokerClient,
+        CredentialRefused,
         Failed,
         Indeterminate,
         NoAnswer,
+        SetupError,
         Succeeded,
         Unsupported,
     )
+    from buzz_broker_client._env import resolve_credential
     from buzzwire.contract import ContractError
 
     try:
@@ -127,12 +105,21 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(call_args, dict):
         raise CliError("--args must be a JSON object", EXIT_USAGE)
 
-    address = args.socket if args.socket else config_from_args(args).server.socket
-    credential = _read_credential(args.credential_file)
+    address = args.socket or os.environ.get(SOCKET_ENV, "").strip() or config_from_args(args).server.socket
     try:
+        credential, read = resolve_credential(None, args.credential_file)
+        if read is not None and read.loose_mode is not None:
+            # Like ssh with a private key, but a warning: the file may be on a mount that
+            # cannot express modes. The guide asks for 0400.
+            print(
+                f"buzz-broker: warning: credential file "
+                f"{args.credential_file or os.environ.get(CREDENTIAL_FILE_ENV)} is readable by "
+                f"others (mode {read.loose_mode:04o}); make it 0400",
+                file=sys.stderr,
+            )
         client = AsyncBrokerClient(address, credential)
     except ValueError as exc:
-        # The client's messages never quote the credential.
+        # NotConfigured is a ValueError too. The client's messages never quote the credential.
         raise CliError(str(exc), EXIT_CANNOT_RUN) from None
     try:
         request = client.freeze(args.action, call_args, args.request_id)
@@ -141,9 +128,14 @@ def run(args: argparse.Namespace) -> int:
             f"{args.action}: {exc.code.value} at {exc.pointer or '/'}: {exc.detail}", EXIT_USAGE
         ) from None
 
-    import trio
-
-    answer = trio.run(client.send, request)
+    try:
+        answer = anyio.run(client.send, request)
+    except CredentialRefused as refused:
+        # A verdict (nothing happened): printed like any failure, with what to do.
+        print(f"buzz-broker: {refused}", file=sys.stderr)
+        answer = refused.answer
+    except SetupError as exc:
+        raise CliError(str(exc), EXIT_CANNOT_RUN) from None
 
     if isinstance(answer, NoAnswer):
         sys.stdout.write(

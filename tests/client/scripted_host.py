@@ -1,4 +1,6 @@
-"""A scripted broker host for the client tests: trio + h11 on a Unix socket.
+"""A scripted broker host for the client tests: anyio + h11 on a Unix socket (or loopback TCP).
+
+It runs on whichever event loop the test runs on (asyncio or trio), beside the client.
 
 It records every request it receives (method, target, headers, body bytes, exactly as
 they arrived) and answers each one with the next step of its script, or with its
@@ -24,9 +26,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
+import anyio.abc
 import coincurve
 import h11
-import trio
 
 
 @dataclass(frozen=True)
@@ -70,21 +73,18 @@ class ScriptedHost:
     def bodies(self) -> list[bytes]:
         return [r.body for r in self.received]
 
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-        await sock.bind(self.path)
-        sock.listen(16)
-        listener = trio.SocketListener(sock)
+    async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        listener = await anyio.create_unix_listener(self.path)
         task_status.started()
-        await trio.serve_listeners(self._handle, [listener])
+        await listener.serve(self._handle)
 
-    async def serve_tcp(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve_tcp(self, *, task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
         """The same host on 127.0.0.1; started() reports the port."""
-        [listener] = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        task_status.started(listener.socket.getsockname()[1])
-        await trio.serve_listeners(self._handle, [listener])
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        task_status.started(listener.extra(anyio.abc.SocketAttribute.local_port))
+        await listener.serve(self._handle)
 
-    async def _handle(self, stream: trio.abc.Stream) -> None:
+    async def _handle(self, stream: anyio.abc.ByteStream) -> None:
         async with stream:
             conn = h11.Connection(h11.SERVER)
             head: h11.Request | None = None
@@ -92,8 +92,9 @@ class ScriptedHost:
             while True:
                 event = conn.next_event()
                 if event is h11.NEED_DATA:
-                    data = await stream.receive_some(65536)
-                    if not data:
+                    try:
+                        data = await stream.receive(65536)
+                    except (anyio.EndOfStream, anyio.BrokenResourceError):
                         return
                     conn.receive_data(bytes(data))
                 elif isinstance(event, h11.Request):
@@ -118,7 +119,7 @@ class ScriptedHost:
             if answer is DROP:
                 return
             if answer is STALL:
-                await trio.sleep_forever()
+                await anyio.sleep_forever()
             assert isinstance(answer, HttpAnswer)
             self.answered.append(answer.body)
             framing = (("Transfer-Encoding", "chunked") if answer.chunked
@@ -136,11 +137,14 @@ class ScriptedHost:
             else:
                 out += conn.send(h11.Data(data=answer.body)) or b""
             out += conn.send(h11.EndOfMessage()) or b""
-            if answer.dribble:
-                for i in range(len(out)):
-                    await stream.send_all(out[i : i + 1])
-            else:
-                await stream.send_all(out)
+            try:
+                if answer.dribble:
+                    for i in range(len(out)):
+                        await stream.send(out[i : i + 1])
+                else:
+                    await stream.send(out)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                return  # the client gave up on this attempt (a timeout): not the host's fault
 
 
 def socket_dir() -> str:

@@ -1,6 +1,7 @@
 """`buzz-broker call` against the scripted host: exit codes, stdout, and no credential leak.
 
-`main` runs in a worker thread because the command calls `trio.run` itself.
+`main` runs in a worker thread because the command runs an event loop itself; the scripted
+host runs on the test's loop, asyncio and trio in turn (`any_loop`).
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ import os
 import stat
 from pathlib import Path
 
+import anyio
 import pytest
-import trio
 
 from daemon import cli
 from daemon.cli.call import (
@@ -35,6 +36,8 @@ CHANNEL = "5df7dfa8-e919-43df-8efd-f1dcb8af7071"
 TARGET = "cacf5f811cc8ef3f4af3f92cc222f92a86cdf6a26728a144c8e63b74ab6db359"
 CREDENTIAL = "bb1.cli-credential-0b5d4e8a9c713f2b6d8e4a10"
 
+pytestmark = pytest.mark.any_loop
+
 
 @pytest.fixture
 def credential_file(tmp_path: Path) -> str:
@@ -45,7 +48,7 @@ def credential_file(tmp_path: Path) -> str:
 
 
 async def run_cli(argv: list[str]) -> int:
-    return await trio.to_thread.run_sync(lambda: cli.main(argv))
+    return await anyio.to_thread.run_sync(lambda: cli.main(argv))
 
 
 def post_args(host: ScriptedHost, credential_file: str, *extra: str) -> list[str]:
@@ -187,3 +190,30 @@ async def test_socket_defaults_to_the_configured_one(
 
 def test_credential_file_fixture_is_0400(credential_file: str) -> None:
     assert stat.S_IMODE(os.stat(credential_file).st_mode) == 0o400
+
+
+async def test_socket_from_the_environment_and_a_missing_one_said_plainly(
+    host: ScriptedHost, credential_file: str, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("BUZZ_BROKER_SOCKET", host.path)
+    host.script = [succeeded(None, publish_outcome())]
+    args = ["call", "message.post", "--args", json.dumps({"channelId": CHANNEL, "content": "hi"}),
+            "--credential-file", credential_file]
+    assert await run_cli(args) == EXIT_SUCCEEDED and len(host.received) == 1
+    assert_no_credential(capsys)
+    monkeypatch.setenv("BUZZ_BROKER_SOCKET", "/tmp/bbc-nonexistent/broker.sock")
+    assert await run_cli(args) == EXIT_CANNOT_RUN
+    out, err = assert_no_credential(capsys)
+    assert out == "" and "no broker socket at unix:/tmp/bbc-nonexistent/broker.sock" in err
+    assert err.count("\n") == 1
+
+
+async def test_refused_credential_prints_the_verdict_and_says_what_to_do(
+    host: ScriptedHost, credential_file: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    host.script = [errored("failed", "unauthenticated")]
+    assert await run_cli(post_args(host, credential_file)) == EXIT_FAILED
+    out, err = assert_no_credential(capsys)
+    assert out.encode() == host.answered[0] + b"\n"
+    assert "refused this credential" in err and len(host.received) == 1

@@ -2,21 +2,40 @@
 
 Each test scripts what the host answers and then asserts two things: what the client
 reported (a verdict, or no answer, exactly as spec §Results and §HTTP binding say), and
-what reached the wire (every retry's bytes identical to the first).
+what reached the wire (every retry's bytes identical to the first). Every coroutine test
+runs twice, on asyncio and on trio (`any_loop`, tests/client/conftest.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
+import anyio
+import anyio.abc
 import pytest
-import trio
 
-from daemon.client import (
+from buzz_broker_client import (
+    BrokerClient,
+    CredentialRefused,
+    NotConfigured,
+    NothingListening,
+    SocketMissing,
+)
+from buzz_broker_client.client import (
     _ECHO_CHECKS,
     AsyncBrokerClient,
-    BrokerClient,
     EventVerification,
     Failed,
     FateUnknown,
@@ -37,6 +56,7 @@ from buzzwire.contract import (
     PublishOutcome,
     ReadOutcome,
     encode_request,
+    parse_response,
 )
 from tests.client.scripted_host import (
     HttpAnswer,
@@ -46,7 +66,9 @@ from tests.client.scripted_host import (
     drop,
     errored,
     publish_outcome,
+    dumps,
     raw,
+    socket_dir,
     stall,
     succeeded,
 )
@@ -54,6 +76,8 @@ from tests.client.scripted_host import (
 CHANNEL = "5df7dfa8-e919-43df-8efd-f1dcb8af7071"
 CREDENTIAL = "bb1.test-credential-9f3c2e10b5d4e8a9c713f2b6d8e4a10"
 OTHER = "d31d54af61c73c47053822d496ce341eac337252ee1aa7c41c9751fa3060d121"
+pytestmark = pytest.mark.any_loop
+
 FAST = RetryPolicy(max_attempts=3, first_delay=0.001, max_delay=0.005,
                    attempt_seconds=5.0, total_seconds=20.0)
 
@@ -67,6 +91,13 @@ def assert_identical_retries(host: ScriptedHost, attempts: int) -> None:
     assert len(host.received) == attempts
     assert all(body == host.bodies[0] for body in host.bodies), "a retry re-rendered the request"
     assert len({r.json()["requestId"] for r in host.received}) == 1
+
+
+async def test_each_run_is_on_the_loop_it_names(loop_backend: str) -> None:
+    # Guards the harness in conftest.py: "asyncio" must really be asyncio.
+    import sniffio
+
+    assert sniffio.current_async_library() == loop_backend
 
 
 # ------------------------------------------------------------------ verdicts
@@ -110,9 +141,15 @@ async def test_http_500_with_valid_envelope_is_that_verdict(host: ScriptedHost) 
 
 async def test_unauthenticated_is_a_failed_verdict_not_a_transport_error(host: ScriptedHost) -> None:
     host.script = [errored("failed", "unauthenticated", status=401)]
-    answer = await client(host).message_post(CHANNEL, "hi")
+    with pytest.raises(CredentialRefused) as refused:
+        await client(host).message_post(CHANNEL, "hi")
+    # The verdict rides on the exception: failed, nothing happened, never retried.
+    answer = refused.value.answer
     assert isinstance(answer, Failed) and answer.code is ErrorCode.UNAUTHENTICATED
+    assert answer.envelope == host.answered[0]
     assert len(host.received) == 1
+    assert "credential issue" in str(refused.value) and "BUZZ_BROKER_CREDENTIAL_FILE" in str(refused.value)
+    assert CREDENTIAL not in str(refused.value)
 
 
 async def test_unsupported_is_normal_on_reaction_add_and_failed_elsewhere(host: ScriptedHost) -> None:
@@ -166,9 +203,9 @@ async def test_response_reassembled_whatever_its_framing(
     assert isinstance(answer, Succeeded) and answer.envelope == host.answered[0]
 
 
-async def test_loopback_http_carries_the_same_exchange(nursery: trio.Nursery) -> None:
+async def test_loopback_http_carries_the_same_exchange(task_group: anyio.abc.TaskGroup) -> None:
     host = ScriptedHost(path="")
-    port = await nursery.start(host.serve_tcp)
+    port = await task_group.start(host.serve_tcp)
     host.script = [drop(), succeeded(None, publish_outcome(), replayed=True)]
     c = AsyncBrokerClient(f"http://127.0.0.1:{port}", CREDENTIAL, retry=FAST)
     answer = await c.message_post(CHANNEL, "hi")
@@ -351,6 +388,29 @@ async def test_event_with_bad_signature_is_no_answer_by_default(host: ScriptedHo
     assert isinstance(await trusting.channel_read(CHANNEL), Succeeded)
 
 
+def test_events_are_verified_under_python_O() -> None:
+    """I4 holds with asserts stripped: verification is buzzwire.nostr's, not an assert."""
+    s = Signer()
+    good = s.event(content="ok", tags=[["h", CHANNEL]])
+    forged = {**s.event(content="original", tags=[["h", CHANNEL]]), "content": "tampered"}
+    script = (
+        "import json, sys\n"
+        "from buzz_broker_client import judge, NoAnswer, Succeeded\n"
+        "from buzz_broker_client._transport import HttpReply\n"
+        "from buzzwire.contract import ReadOutcome, build_request\n"
+        f"request = build_request('channel.read', {{'channelId': {CHANNEL!r}}}, request_id='r1')\n"
+        "for events in json.loads(sys.argv[1]):\n"
+        "    body = json.dumps({'type': 'broker_result', 'protocolVersion': 1, 'requestId': 'r1',\n"
+        "        'status': 'succeeded', 'action': 'channel.read', 'outcome': {'messages': events}})\n"
+        "    answer = judge(request, HttpReply(200, body.encode()), ReadOutcome, attempt=1)\n"
+        "    print(type(answer).__name__, getattr(answer, 'reason', None))\n"
+    )
+    done = subprocess.run([sys.executable, "-O", "-c", script, json.dumps([[good], [good, forged]])],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["Succeeded None", "NoAnswer NoAnswerReason.UNVERIFIED_EVENT"]
+
+
 async def test_event_with_extra_or_null_member_is_no_answer(host: ScriptedHost) -> None:
     s = Signer()
     extra = {**s.event(content="x", tags=[["h", CHANNEL]]), "relay": "wss://x"}
@@ -419,27 +479,107 @@ async def test_read_all_stops_at_seen_event_and_at_max_pages(host: ScriptedHost)
 async def test_attempt_timeout_is_no_answer(host: ScriptedHost) -> None:
     host.default = stall()
     policy = RetryPolicy(max_attempts=2, first_delay=0.001, attempt_seconds=0.2, total_seconds=5)
-    start = trio.current_time()
+    start = anyio.current_time()
     answer = await client(host, retry=policy).message_post(CHANNEL, "hi")
     assert isinstance(answer, NoAnswer) and answer.reason is NoAnswerReason.TRANSPORT
-    assert answer.attempts == 2 and trio.current_time() - start < 2
+    assert answer.attempts == 2 and anyio.current_time() - start < 2
     assert_identical_retries(host, 2)
 
 
 async def test_total_time_bounds_the_attempts(host: ScriptedHost) -> None:
     host.default = stall()
     policy = RetryPolicy(max_attempts=50, first_delay=0.01, attempt_seconds=5, total_seconds=0.3)
-    start = trio.current_time()
+    start = anyio.current_time()
     answer = await client(host, retry=policy).message_post(CHANNEL, "hi")
-    assert isinstance(answer, NoAnswer) and trio.current_time() - start < 1.5
+    assert isinstance(answer, NoAnswer) and anyio.current_time() - start < 1.5
     assert answer.attempts < 50
 
 
-async def test_no_host_listening_is_no_answer() -> None:
+async def test_no_socket_is_socket_missing_after_the_retries(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
     c = AsyncBrokerClient("/tmp/bbc-nonexistent/broker.sock", CREDENTIAL, retry=FAST)
-    answer = await c.message_post(CHANNEL, "hi")
+    with pytest.raises(SocketMissing) as missing:
+        await c.message_post(CHANNEL, "hi")
+    message = str(missing.value)
+    assert "no broker socket at unix:/tmp/bbc-nonexistent/broker.sock" in message
+    assert "BUZZ_BROKER_SOCKET" in message and "start buzz-broker" in message
+    # Retried first (a restarting broker has no socket for a moment), then told.
+    assert caplog.text.count("retrying identical bytes") == FAST.max_attempts - 1
+
+
+async def test_socket_file_with_nobody_listening_is_nothing_listening() -> None:
+    directory = socket_dir()
+    path = f"{directory}/broker.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)  # bound, never listening: what a killed broker leaves behind
+    try:
+        with pytest.raises(NothingListening) as refused:
+            await AsyncBrokerClient(path, CREDENTIAL, retry=FAST).message_post(CHANNEL, "hi")
+    finally:
+        stale.close()
+        shutil.rmtree(directory)
+    assert "nothing is listening" in str(refused.value) and "not running" in str(refused.value)
+    assert not isinstance(refused.value, SocketMissing)
+
+
+async def test_loopback_port_with_nobody_listening_is_nothing_listening(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # a port that was free a moment ago: nobody listens on it
+    with pytest.raises(NothingListening) as refused:
+        await AsyncBrokerClient(f"http://127.0.0.1:{port}", CREDENTIAL,
+                                retry=FAST).message_post(CHANNEL, "hi")
+    assert f"http://127.0.0.1:{port}" in str(refused.value)
+    assert "broker unreachable, nothing sent" in caplog.text and "fate unknown" not in caplog.text
+
+
+async def test_lost_request_then_missing_socket_is_fate_unknown(host: ScriptedHost) -> None:
+    # The first attempt reached the host, which vanished mid-request: its fate is unknown,
+    # so the later "no socket" attempts must not turn that into "nothing happened".
+    def vanish(got: Received) -> object:
+        os.unlink(host.path)
+        return drop()(got)
+
+    host.script = [vanish]
+    answer = await client(host).message_post(CHANNEL, "hi")
     assert isinstance(answer, NoAnswer) and answer.reason is NoAnswerReason.TRANSPORT
-    assert answer.attempts == 3
+    assert answer.attempts == FAST.max_attempts and len(host.received) == 1
+
+
+def test_socket_permission_problem_is_its_own_error(tmp_path: Path) -> None:
+    """A real EACCES from the kernel: the socket is mode 0000 and the client runs without
+    the root capability that would bypass it (or as a user that is not root)."""
+    directory = socket_dir()
+    path = f"{directory}/broker.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen()
+    os.chmod(path, 0)
+    script = tmp_path / "agent.py"
+    script.write_text(
+        "import sys\n"
+        "from buzz_broker_client import BrokerClient, SocketPermissionDenied\n"
+        f"client = BrokerClient({path!r}, {CREDENTIAL!r})\n"
+        "try:\n"
+        f"    client.message_post({CHANNEL!r}, 'hi')\n"
+        "except SocketPermissionDenied as exc:\n"
+        "    print(exc)\n"
+        "    sys.exit(3)\n"
+    )
+    prefix = (["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
+              if os.geteuid() == 0 else [])
+    try:
+        done = subprocess.run([*prefix, sys.executable, str(script)], capture_output=True,
+                              text=True, timeout=60, check=False)
+    finally:
+        listener.close()
+        shutil.rmtree(directory)
+    assert done.returncode == 3, done.stderr
+    assert f"permission denied on the broker socket unix:{path}" in done.stdout
+    assert "server.socket_group" in done.stdout and CREDENTIAL not in done.stdout + done.stderr
 
 
 async def test_contract_violation_raises_and_sends_nothing(host: ScriptedHost) -> None:
@@ -506,10 +646,10 @@ async def test_sync_client_is_the_same_client(host: ScriptedHost) -> None:
                    succeeded(None, publish_outcome(), replayed=True),
                    errored("failed", "unsupported")]
     sync = BrokerClient(host.path, CREDENTIAL, retry=FAST)
-    answer = await trio.to_thread.run_sync(lambda: sync.message_post(CHANNEL, "hi"))
+    answer = await anyio.to_thread.run_sync(lambda: sync.message_post(CHANNEL, "hi"))
     assert isinstance(answer, Succeeded) and answer.replayed and answer.attempts == 2
     assert_identical_retries(host, 2)
-    reaction = await trio.to_thread.run_sync(lambda: sync.reaction_add(CHANNEL, OTHER, "+"))
+    reaction = await anyio.to_thread.run_sync(lambda: sync.reaction_add(CHANNEL, OTHER, "+"))
     assert isinstance(reaction, Unsupported)
 
 
@@ -525,3 +665,190 @@ def test_retry_policy_rejects_nonsense() -> None:
                 {"attempt_seconds": 0}, {"total_seconds": -1}):
         with pytest.raises(ValueError):
             RetryPolicy(**bad)
+
+
+# ------------------------------------------------------------------ what Buzz's client tolerates
+
+
+def _replayed_false(got: Received) -> HttpAnswer:
+    env = {"type": "broker_result", "protocolVersion": 1, "requestId": got.json()["requestId"],
+           "status": "succeeded", "action": "message.post", "outcome": publish_outcome(),
+           "replayed": False}
+    return HttpAnswer(200, dumps(env))
+
+
+async def test_replayed_false_is_read_as_absent(host: ScriptedHost) -> None:
+    # wire-schema.md "What Buzz's client tolerates": the reference client reads the member
+    # with a default. The host must still omit it: the contract's strict reading (the one
+    # the daemon's own tests use) refuses it, and only the client chooses to accept it.
+    host.script = [_replayed_false]
+    answer = await client(host).message_post(CHANNEL, "hi")
+    assert isinstance(answer, Succeeded) and answer.replayed is False and answer.attempts == 1
+    with pytest.raises(ContractError):
+        parse_response(host.answered[0])
+    assert parse_response(host.answered[0], accept_replayed_false=True).replayed is False
+
+
+@pytest.mark.parametrize("value", ["false", "0", '"false"', "null"])
+async def test_replayed_other_than_true_or_false_is_still_no_answer(
+    host: ScriptedHost, value: str
+) -> None:
+    def step(got: Received) -> HttpAnswer:
+        body = _replayed_false(got).body.replace(b'"replayed":false', f'"replayed":{value}'.encode())
+        return HttpAnswer(200, body)
+
+    host.default = step
+    answer = await client(host).message_post(CHANNEL, "hi")
+    assert isinstance(answer, Succeeded if value == "false" else NoAnswer)
+
+
+# ------------------------------------------------------------------ environment defaults
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in ("BUZZ_BROKER_SOCKET", "BUZZ_BROKER_CREDENTIAL", "BUZZ_BROKER_CREDENTIAL_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+async def test_socket_and_credential_from_the_environment(
+    host: ScriptedHost, clean_env: pytest.MonkeyPatch
+) -> None:
+    clean_env.setenv("BUZZ_BROKER_SOCKET", host.path)
+    clean_env.setenv("BUZZ_BROKER_CREDENTIAL", CREDENTIAL)
+    host.script = [succeeded(None, publish_outcome())]
+    assert isinstance(await AsyncBrokerClient(retry=FAST).message_post(CHANNEL, "hi"), Succeeded)
+    assert host.received[0].headers[b"authorization"] == b"Bearer " + CREDENTIAL.encode()
+
+
+async def test_credential_file_from_the_environment(
+    host: ScriptedHost, clean_env: pytest.MonkeyPatch, tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    path = tmp_path / "credential"
+    path.write_text(CREDENTIAL + "\n")
+    path.chmod(0o400)
+    clean_env.setenv("BUZZ_BROKER_SOCKET", host.path)
+    clean_env.setenv("BUZZ_BROKER_CREDENTIAL_FILE", str(path))
+    host.script = [succeeded(None, publish_outcome())]
+    assert isinstance(await AsyncBrokerClient(retry=FAST).message_post(CHANNEL, "hi"), Succeeded)
+    assert host.received[0].headers[b"authorization"] == b"Bearer " + CREDENTIAL.encode()
+    assert "readable by others" not in caplog.text
+    path.chmod(0o644)
+    AsyncBrokerClient()
+    assert "readable by others (mode 0644)" in caplog.text and CREDENTIAL not in caplog.text
+
+
+def test_address_defaults_to_the_brokers_default_socket(clean_env: pytest.MonkeyPatch) -> None:
+    c = AsyncBrokerClient(credential=CREDENTIAL)
+    assert repr(c) == "AsyncBrokerClient('unix:/run/buzz-broker/broker.sock', credential=<redacted>)"
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, "no credential: set $BUZZ_BROKER_CREDENTIAL_FILE"),
+        ({"BUZZ_BROKER_CREDENTIAL": CREDENTIAL, "BUZZ_BROKER_CREDENTIAL_FILE": "/x"}, "set only one"),
+        ({"BUZZ_BROKER_CREDENTIAL_FILE": "/tmp/bbc-nonexistent/credential"},
+         "cannot read credential file /tmp/bbc-nonexistent/credential: there is no such file"),
+    ],
+)
+def test_missing_or_ambiguous_credential_says_what_to_do(
+    clean_env: pytest.MonkeyPatch, env: dict[str, str], expected: str
+) -> None:
+    for name, value in env.items():
+        clean_env.setenv(name, value)
+    with pytest.raises(NotConfigured) as info:
+        AsyncBrokerClient("/run/b.sock")
+    assert expected in str(info.value) and CREDENTIAL not in str(info.value)
+
+
+# ------------------------------------------------------------------ the blocking facade
+
+
+@contextlib.contextmanager
+def served_elsewhere(host: ScriptedHost) -> Iterator[None]:
+    """Serve `host` on a loop in another thread, for callers that block their own loop."""
+    with anyio.from_thread.start_blocking_portal() as portal:
+        future, _ = portal.start_task(host.serve)
+        try:
+            yield
+        finally:
+            future.cancel()
+
+
+def test_blocking_client_from_many_threads_at_once(host: ScriptedHost) -> None:
+    host.default = succeeded(None, publish_outcome())
+    results: list[object] = []
+    with served_elsewhere(host), BrokerClient(host.path, CREDENTIAL, retry=FAST) as sync:
+        threads = [threading.Thread(target=lambda i=i: results.append(
+            sync.message_post(CHANNEL, f"from thread {i}"))) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        loop_thread = sync._loop._thread
+        assert loop_thread is not None and loop_thread.is_alive() and loop_thread.daemon
+    assert not loop_thread.is_alive()  # close() stopped the private loop
+    assert len(results) == 8 and all(isinstance(r, Succeeded) for r in results)
+    assert sorted(r.json()["args"]["content"] for r in host.received) == sorted(
+        f"from thread {i}" for i in range(8))
+
+
+@pytest.mark.parametrize("runner", ["asyncio", "trio"])
+def test_blocking_client_inside_a_running_event_loop(host: ScriptedHost, runner: str) -> None:
+    """Called straight from a coroutine of a running asyncio (or trio) program: no nested
+    `asyncio.run`/`trio.run`, no "cannot be called from a running event loop"."""
+    host.script = [errored("indeterminate", "outcome_unknown"),
+                   succeeded(None, publish_outcome(), replayed=True)]
+    sync = BrokerClient(host.path, CREDENTIAL, retry=FAST)
+
+    async def agent() -> object:
+        return sync.message_post(CHANNEL, "hi")  # blocking, on purpose, inside the loop
+
+    with served_elsewhere(host), sync:
+        if runner == "asyncio":
+            answer = asyncio.run(agent())
+        else:
+            import trio
+
+            answer = trio.run(agent)
+    assert isinstance(answer, Succeeded) and answer.replayed and answer.attempts == 2
+    assert_identical_retries(host, 2)
+
+
+def test_blocking_client_raises_what_the_async_one_raises() -> None:
+    with BrokerClient("/tmp/bbc-nonexistent/broker.sock", CREDENTIAL, retry=FAST) as sync:
+        with pytest.raises(SocketMissing):
+            sync.message_post(CHANNEL, "hi")
+        with pytest.raises(ContractError):
+            sync.message_post("not-a-uuid", "hi")
+
+
+# ------------------------------------------------------------------ installable alone
+
+
+def test_the_client_distribution_imports_only_its_declared_dependencies() -> None:
+    """What client/pyproject.toml ships imports the stdlib, its own packages and the three
+    dependencies it declares: never custody, the daemon, trio or python-pkcs11. (The fresh
+    venv of tests/docs/test_agents_doc.py proves the same by running without them.)"""
+    import ast
+
+    allowed = set(sys.stdlib_module_names) | {"buzzwire", "buzz_broker_client", "anyio", "h11",
+                                              "coincurve"}
+    root = Path(__file__).resolve().parent.parent.parent / "client"
+    seen: set[str] = set()
+    for path in sorted(root.glob("*/**/*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                seen.add(top)
+                assert top in allowed, f"{path.relative_to(root)} imports {name}"
+    assert {"anyio", "h11", "coincurve", "buzzwire"} <= seen

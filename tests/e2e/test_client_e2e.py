@@ -11,7 +11,7 @@ import uuid
 
 import trio
 
-from daemon.client import AsyncBrokerClient, BrokerClient, Failed, ReadEnd, Succeeded, Unsupported
+from buzz_broker_client import AsyncBrokerClient, BrokerClient, Failed, ReadEnd, Succeeded, Unsupported
 from tests.fixtures.broker import BrokerHarness
 
 

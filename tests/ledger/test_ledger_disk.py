@@ -184,6 +184,36 @@ async def test_records_before_verdict_columns_get_them(tmp_path: Path) -> None:
     conn.close()
 
 
+async def test_a_credentials_own_records_count_against_its_agents_cap(tmp_path: Path) -> None:
+    # Scope refusals are kept under `<agent>/<credential>` (daemon/broker.py), so that a
+    # narrow credential cannot pre-empt a requestId; they still fill the agent's one cap.
+    cap = 4 * ROW_BYTES
+    path = tmp_path / "ledger.db"
+    ledger = Ledger.open(path, retention_seconds=3600, max_bytes_per_principal=cap)
+    apart = f"{AGENT}/cred-1"
+    try:
+        i = 0
+        while ledger.usage(AGENT) < cap:
+            await _record(ledger, f"r{i}", b"\x00unauthorized", principal=apart)
+            i += 1
+        assert ledger.usage(apart) == ledger.usage(AGENT) >= cap
+        for principal in (AGENT, apart, f"{AGENT}/cred-2"):
+            full = await ledger.begin(LedgerKey(principal, "one-more"), digest(b"one-more"))
+            assert isinstance(full, Full), principal
+        fresh = await ledger.begin(LedgerKey("b" * 64, "one-more"), digest(b"one-more"))
+        assert isinstance(fresh, Fresh)
+        ledger.release(fresh.ticket)
+    finally:
+        ledger.close()
+    reopened = Ledger.open(path, retention_seconds=3600, max_bytes_per_principal=cap)
+    try:
+        assert reopened.usage(AGENT) >= cap
+        full = await reopened.begin(LedgerKey(AGENT, "one-more"), digest(b"one-more"))
+        assert isinstance(full, Full)
+    finally:
+        reopened.close()
+
+
 async def test_records_of_the_first_layout_are_migrated(tmp_path: Path) -> None:
     path = tmp_path / "ledger.db"
     old = sqlite3.connect(path)

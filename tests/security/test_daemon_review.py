@@ -26,8 +26,8 @@ import pytest
 
 import daemon.cursor as cursor_module
 import daemon.sessions as sessions_module
-from daemon._client_transport import Credential
-from daemon.client import AsyncBrokerClient
+from buzz_broker_client._transport import Credential
+from buzz_broker_client import AsyncBrokerClient
 from daemon.cursor import CursorCodec, CursorScope, InvalidCursor, Position
 from daemon.log import format_record
 from daemon.sessions import SessionStore

@@ -472,13 +472,18 @@ _STATUS_BY_WIRE = {s.value: s for s in Status}
 _CODE_BY_WIRE = {c.value: c for c in ErrorCode}
 
 
-def parse_response(body: bytes) -> Response:
+def parse_response(body: bytes, *, accept_replayed_false: bool = False) -> Response:
     """The client's strict reader of a broker_result.
 
     Checks exact member sets per status, no null, no repeated key, the pairing table, the
     outcome typed for its action, and each event's seven members. It does not check the
     response against a request (requestId, action, echoed identities, page size): that is
     the caller's I5 check, which needs the request.
+
+    `"replayed": false` is refused by default: a host must omit the member (the tests that
+    hold the daemon to the wire read strictly). `accept_replayed_false=True` is the agent
+    client's reading: Buzz's reference client reads the member with a default, so it takes
+    `false` as absent (wire-schema.md, "What Buzz's client tolerates").
 
     Raises:
         ContractError: always invalid_request, with the pointer of the first fault.
@@ -509,9 +514,10 @@ def parse_response(body: bytes) -> Response:
             raise fault(f"/{key}", "missing required member")
     if not is_request_id(obj["requestId"]):
         raise fault("/requestId", "not a usable requestId")
-    if _REPLAYED in obj and obj[_REPLAYED] is not True:
+    if _REPLAYED in obj and obj[_REPLAYED] is not True and not (
+            accept_replayed_false and obj[_REPLAYED] is False):
         raise fault("/replayed", "present but not true (omit it when false)")
-    replayed = _REPLAYED in obj
+    replayed = obj.get(_REPLAYED) is True
     if status is Status.SUCCEEDED:
         action = obj["action"]
         if type(action) is not str or action not in ACTIONS:

@@ -21,7 +21,7 @@ Every checker has the signature `(value, pointer) -> canonical value` and raises
 `ContractError(invalid_request, pointer, detail)`; details never quote the value.
 
 WARNING: the accepted spellings are the ones spec §Identities lists, and the client's echo
-checks (daemon/client.py `_same`) rely on the normalizers answering None for a value they
+checks (client/buzz_broker_client/client.py `_same`) rely on the normalizers answering None for a value they
 cannot parse.
 """
 

@@ -6,7 +6,7 @@ Rules:
 - `Event` is held to exactly id, pubkey, created_at, kind, tags, content, sig. Its fields
   are verbatim signed data, so nothing is rewritten: ids and pubkeys must already be
   lowercase hex, sig 128 lowercase hex. Whether the signature verifies is the reader's
-  policy (custody.verify_event), not this module's.
+  policy (buzzwire.nostr.verify_event), not this module's.
 - `ReadOutcome.messages` is required and may be empty (an empty page is a fact, not an
   absent member); it never holds more than MAX_LIMIT events. `nextCursor` is omitted when
   there is nothing further.

@@ -7,7 +7,7 @@ Theory of operation (spec §Conformance [C1], invariants I2–I6):
    (`encode_request`). Those bytes, under that requestId, are what every attempt sends;
    there is no code path that re-renders a request between attempts (I3).
 2. Send. One HTTP/1.1 POST /v1/action per attempt, `Authorization: Bearer …`, over a
-   Unix socket or plain HTTP to loopback only (`daemon._client_transport`).
+   Unix socket or plain HTTP to loopback only (`buzz_broker_client._transport`).
 3. Judge. An envelope is parsed from every response whatever its HTTP status; a valid
    envelope is the answer and the status line is decoration. No parseable envelope is a
    transport failure (§HTTP binding). A parsed envelope is then read against the request
@@ -15,7 +15,9 @@ Theory of operation (spec §Conformance [C1], invariants I2–I6):
    shape of that action; echoed identities equal as parsed values; a page no longer than
    the effective limit; a status/code pair the table allows. Any failing check makes the
    response *no answer* — never a verdict. Returned events are verified (id and BIP-340
-   signature) by default (I4); see `EventVerification` for the policy.
+   signature, `buzzwire.nostr`) by default (I4); see `EventVerification` for the policy.
+   The one leniency is Buzz's reference client's: `"replayed": false` reads as absent
+   (`parse_response(accept_replayed_false=True)`); the host still omits it.
 4. Retry. No answer and `indeterminate` are retried with the identical bytes, with
    exponential backoff, up to `RetryPolicy.max_attempts` attempts and
    `RetryPolicy.total_seconds`. `succeeded`, `failed` and unsupported are final.
@@ -24,7 +26,8 @@ The answer types (one base, `Result`; all frozen):
 
 =================  ==========================================================================
 `Succeeded`        the host did it; `outcome` says what; `replayed` marks a recorded replay.
-`Failed`           the host promises nothing happened (any code, including `unauthenticated`).
+`Failed`           the host promises nothing happened (any code; for `unauthenticated` the
+                   methods raise `CredentialRefused` carrying it, `judge` returns it).
 `Unsupported`      `failed` + `unsupported` on a best-effort operation (reaction.add): a normal
                    answer; carry on. On any other operation `unsupported` is a `Failed`.
 `Indeterminate`    fate unknown: the last attempt was answered `indeterminate` by the host.
@@ -36,14 +39,22 @@ The answer types (one base, `Result`; all frozen):
 caller must reconcile (read state) or retry later *with the same request id and bytes*
 (`FateUnknown.request` handed back to `send` does so).
 
+Setup problems raise instead (`buzz_broker_client._errors`, table `SETUP_PROBLEMS`): a
+connect that failed as "missing", "refused" or "permission" on every attempt of a call
+(nothing was sent; permission is not retried), and the verdict `failed` + `unauthenticated`
+(`CredentialRefused`, carrying that `Failed`). Each is "nothing happened" with a message
+saying what to fix; an agent cannot usefully go on without fixing it.
+
 Rules:
 - The credential is held inside a `Credential` (redacting repr), written only into the
   Authorization header, and never logged. Log lines carry the request id, the action,
   the attempt and a fixed-vocabulary reason; never arguments or content.
 - Bad arguments are the caller's: `build_request` raises `ContractError` and nothing is
   sent. A bad address or credential raises `ValueError` at construction.
-- `AsyncBrokerClient` is the one implementation. `BrokerClient` is the same methods run
-  under `trio.run`, one call at a time, for synchronous code.
+- `AsyncBrokerClient` is the one implementation; it runs on asyncio or trio (anyio).
+  `BrokerClient` (`_blocking`) is the same methods for threads and synchronous code.
+- The address and credential default from the environment (`_env`): `BUZZ_BROKER_SOCKET`,
+  `BUZZ_BROKER_CREDENTIAL` / `BUZZ_BROKER_CREDENTIAL_FILE`.
 
 The per-action echo checks (`_ECHO_CHECKS`) are built from `ActionSpec.echoes`.
 """
@@ -51,16 +62,14 @@ The per-action echo checks (`_ECHO_CHECKS`) are built from `ActionSpec.echoes`.
 from __future__ import annotations
 
 import enum
-import functools
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Concatenate, Generic, ParamSpec, TypeAlias, TypeVar
+from typing import Any, Generic, TypeAlias, TypeVar
 
-import trio
+import anyio
 
-from daemon._client_transport import Credential, Endpoint, HttpReply, TransportFailure, exchange
 from buzzwire.contract import (
     ACTIONS,
     PAIRING,
@@ -83,10 +92,16 @@ from buzzwire.contract import (
     normalize_hex64,
     parse_response,
 )
+from buzzwire.nostr import verify_event
+
+from ._env import resolve_address, resolve_credential
+from ._errors import SETUP_PROBLEMS, CredentialRefused, SetupError
+from ._transport import (
+    ConnectFailure, ConnectKind, Credential, Endpoint, HttpReply, TransportFailure, exchange,
+)
 
 __all__ = [
     "AsyncBrokerClient",
-    "BrokerClient",
     "RetryPolicy",
     "EventVerification",
     "Result",
@@ -106,8 +121,6 @@ __all__ = [
 _log = logging.getLogger("buzz_broker.client")
 
 O = TypeVar("O")
-P = ParamSpec("P")
-R = TypeVar("R")
 
 
 # --------------------------------------------------------------------------- results
@@ -293,10 +306,6 @@ _ECHO_CHECKS: Mapping[str, Callable[[Request, object, str | None], str | None]] 
 def _verify_events(outcome: object) -> bool:
     if not isinstance(outcome, ReadOutcome) or not outcome.messages:
         return True
-    # Imported on first use: custody's public-data helper (no secret is involved), and the
-    # only part of custody an agent process ever loads.
-    from custody import verify_event
-
     return all(verify_event(event.to_json_obj()) for event in outcome.messages)
 
 
@@ -335,7 +344,8 @@ def judge(
         return _no_answer(request, attempt, reason, detail)
 
     try:
-        response: Response = parse_response(reply.body)
+        # Buzz's reference client reads `replayed` with a default, so `false` is an answer.
+        response: Response = parse_response(reply.body, accept_replayed_false=True)
     except (ContractError, ValueError):  # ValueError: Response's own construction checks
         # §HTTP binding: only now does the status line matter, as operator detail.
         return no_answer(NoAnswerReason.NO_ENVELOPE, f"HTTP {reply.status} without a valid envelope")
@@ -429,12 +439,17 @@ def _target(pubkey: str | None, name: str | None) -> dict[str, object]:
 
 
 class AsyncBrokerClient:
-    """The [C1] client for trio code. Cheap to construct; holds no connection.
+    """The [C1] client for async code on asyncio or trio. Cheap to construct; holds no
+    connection, so one instance may serve many tasks at once.
 
     Args:
         address: the host's Unix socket path (`/run/…/broker.sock`, or `unix:/…`), or
             `http://127.0.0.1:PORT` / `http://[::1]:PORT` / `http://localhost:PORT`.
+            Default: `$BUZZ_BROKER_SOCKET`, else `/run/buzz-broker/broker.sock`.
         credential: the bearer credential this agent was handed. Held privately.
+            Default: `$BUZZ_BROKER_CREDENTIAL`, or the file `$BUZZ_BROKER_CREDENTIAL_FILE`.
+        credential_file: read the credential from this file instead (mode 0400; a file
+            others can read is used, with a logged warning).
         retry: the retry bound.
         events: the I4 policy for returned events (default: verify).
         agent_pubkey: this agent's own public key, if known: then a storage address for
@@ -443,26 +458,33 @@ class AsyncBrokerClient:
         new_request_id: request-id factory (default uuid4).
 
     Raises:
+        NotConfigured: no credential given or in the environment, or an unusable
+            credential file (a `ValueError` too).
         ValueError: an address that is not a socket path or loopback HTTP; a malformed
             credential (the message never quotes it); a malformed agent_pubkey.
 
     Every operation method raises `ContractError` (nothing sent) when its arguments break
-    the contract, and otherwise returns an `Answer`. They never raise for anything the
-    host or the transport does.
+    the contract, a `SetupError` when the broker cannot be used at all (nothing happened;
+    see the module docstring), and otherwise returns an `Answer`.
     """
 
     def __init__(
         self,
-        address: str,
-        credential: str,
+        address: str | None = None,
+        credential: str | None = None,
         *,
+        credential_file: str | None = None,
         retry: RetryPolicy = RetryPolicy(),
         events: EventVerification = EventVerification.VERIFY,
         agent_pubkey: str | None = None,
         new_request_id: Callable[[], str] = _new_request_id,
     ) -> None:
-        self._endpoint = Endpoint.parse(address)
-        self._credential = Credential(credential)
+        self._endpoint = Endpoint.parse(resolve_address(address))
+        secret, read = resolve_credential(credential, credential_file)
+        if read is not None and read.loose_mode is not None:
+            _log.warning("credential file is readable by others (mode %04o); make it 0400",
+                         read.loose_mode)
+        self._credential = Credential(secret)
         self._retry = retry
         self._events = events
         me = normalize_hex64(agent_pubkey) if agent_pubkey is not None else None
@@ -507,16 +529,30 @@ class AsyncBrokerClient:
     async def _send(self, request: Request, outcome_type: type[O]) -> Answer[O]:
         body = encode_request(request)  # the one serialization (I3)
         policy = self._retry
-        deadline = trio.current_time() + policy.total_seconds
+        deadline = anyio.current_time() + policy.total_seconds
         delay = policy.first_delay
         attempt = 0
+        # Stays True while every attempt failed before a byte left (connect refused,
+        # missing, forbidden): only then is a setup error the truth about this call.
+        nothing_sent = True
         while True:
             attempt += 1
-            answer = await self._attempt(request, body, outcome_type, attempt, deadline)
+            answer, connect = await self._attempt(request, body, outcome_type, attempt, deadline)
+            nothing_sent = nothing_sent and connect in SETUP_PROBLEMS
+            if isinstance(answer, Failed) and answer.code is ErrorCode.UNAUTHENTICATED:
+                raise CredentialRefused(answer)
             if not isinstance(answer, FateUnknown):
                 return answer
+            if nothing_sent and connect == "permission":
+                raise self._setup_error(connect)  # retrying cannot grant a permission
             reason = answer.reason.value if isinstance(answer, NoAnswer) else "indeterminate"
-            if attempt >= policy.max_attempts or trio.current_time() + delay >= deadline:
+            if attempt >= policy.max_attempts or anyio.current_time() + delay >= deadline:
+                if nothing_sent and connect is not None:
+                    _log.warning(
+                        "broker unreachable, nothing sent: request_id=%s action=%s attempts=%d connect=%s",
+                        request.request_id, request.action, attempt, connect,
+                    )
+                    raise self._setup_error(connect)
                 _log.warning(
                     "fate unknown after retries: request_id=%s action=%s attempts=%d reason=%s",
                     request.request_id, request.action, attempt, reason,
@@ -526,25 +562,33 @@ class AsyncBrokerClient:
                 "retrying identical bytes: request_id=%s action=%s attempt=%d reason=%s",
                 request.request_id, request.action, attempt, reason,
             )
-            await trio.sleep(delay)
+            await anyio.sleep(delay)
             delay = min(delay * policy.multiplier, policy.max_delay)
+
+    def _setup_error(self, connect: ConnectKind) -> SetupError:
+        return SETUP_PROBLEMS[connect](self._endpoint.describe())
 
     async def _attempt(
         self, request: Request, body: bytes, outcome_type: type[O], attempt: int, deadline: float
-    ) -> Answer[O]:
-        budget = min(self._retry.attempt_seconds, max(deadline - trio.current_time(), 0.0))
+    ) -> tuple[Answer[O], ConnectKind | None]:
+        """One attempt; also how its connect failed, when it did (None otherwise)."""
+        budget = min(self._retry.attempt_seconds, max(deadline - anyio.current_time(), 0.0))
         reply: HttpReply | None = None
         detail = "timed out"
-        with trio.move_on_after(budget):
+        connect: ConnectKind | None = None
+        with anyio.move_on_after(budget):
             try:
                 reply = await exchange(self._endpoint, self._credential, body)
+            except ConnectFailure as exc:
+                detail, connect = exc.detail, exc.kind
             except TransportFailure as exc:
                 detail = exc.detail
         if reply is None:
-            return _no_answer(request, attempt, NoAnswerReason.TRANSPORT, detail)
-        return judge(
+            return _no_answer(request, attempt, NoAnswerReason.TRANSPORT, detail), connect
+        answer = judge(
             request, reply, outcome_type, attempt=attempt, verification=self._events, me=self._me
         )
+        return answer, None
 
     # ----- one method per operation (spec §Operations; wire names in the mapping)
 
@@ -685,61 +729,3 @@ class AsyncBrokerClient:
         """Remove an owned agent named by exactly one of `target_pubkey`, `target_name`."""
         args = _wire(target=_target(target_pubkey, target_name))
         return await self._send(self.freeze("agents.delete", args, request_id), AgentsDeleteOutcome)
-
-
-def _blocking(
-    method: Callable[Concatenate[AsyncBrokerClient, P], Awaitable[R]],
-) -> Callable[Concatenate[BrokerClient, P], R]:
-    """The synchronous twin of an `AsyncBrokerClient` method: the same code under trio.run."""
-
-    @functools.wraps(method)
-    def run(self: BrokerClient, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        async def once() -> R:
-            return await method(self._client, *args, **kwargs)
-
-        return trio.run(once)
-
-    return run
-
-
-class BrokerClient:
-    """The same client for synchronous code: each call runs the async one under `trio.run`.
-
-    Not for use from inside a trio run (trio refuses a nested `trio.run`); use
-    `AsyncBrokerClient` there. Arguments and answers are exactly `AsyncBrokerClient`'s.
-    """
-
-    def __init__(
-        self,
-        address: str,
-        credential: str,
-        *,
-        retry: RetryPolicy = RetryPolicy(),
-        events: EventVerification = EventVerification.VERIFY,
-        agent_pubkey: str | None = None,
-        new_request_id: Callable[[], str] = _new_request_id,
-    ) -> None:
-        self._client = AsyncBrokerClient(
-            address, credential, retry=retry, events=events, agent_pubkey=agent_pubkey,
-            new_request_id=new_request_id,
-        )
-
-    def __repr__(self) -> str:
-        return f"BrokerClient({self._client._endpoint.describe()!r}, credential=<redacted>)"
-
-    def freeze(self, action: str, args: Mapping[str, object], request_id: str | None = None) -> Request:
-        """See `AsyncBrokerClient.freeze`."""
-        return self._client.freeze(action, args, request_id)
-
-    call = _blocking(AsyncBrokerClient.call)
-    send = _blocking(AsyncBrokerClient.send)
-    channel_read = _blocking(AsyncBrokerClient.channel_read)
-    read_all = _blocking(AsyncBrokerClient.read_all)
-    message_post = _blocking(AsyncBrokerClient.message_post)
-    message_reply = _blocking(AsyncBrokerClient.message_reply)
-    reaction_add = _blocking(AsyncBrokerClient.reaction_add)
-    profile_set = _blocking(AsyncBrokerClient.profile_set)
-    storage_address = _blocking(AsyncBrokerClient.storage_address)
-    agents_create = _blocking(AsyncBrokerClient.agents_create)
-    agents_update = _blocking(AsyncBrokerClient.agents_update)
-    agents_delete = _blocking(AsyncBrokerClient.agents_delete)

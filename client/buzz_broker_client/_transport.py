@@ -3,12 +3,16 @@
 Rules:
 - This module moves bytes and nothing else. It knows nothing of the contract: it sends
   the frozen body it is handed, verbatim, and returns the status line and body it got
-  back. Deciding what those bytes mean is `daemon.client`'s job (spec §HTTP binding).
+  back. Deciding what those bytes mean is `buzz_broker_client.client`'s job (spec §HTTP
+  binding).
+- It runs on any event loop anyio supports (asyncio, trio): every await is anyio's.
 - Every way an exchange can die — refused connect, a dropped connection, a timeout the
   caller imposes, an HTTP framing the peer got wrong, a body over the bound — comes out
   as one exception, `TransportFailure`, with a fixed-vocabulary `detail` for operators.
   None of those is a verdict (spec §HTTP binding: "transport failures are never promoted
-  to verdicts").
+  to verdicts"). A failure to *connect* is its subclass `ConnectFailure`, whose `kind`
+  (`CONNECT_KINDS`) says why: before the connect succeeds not one byte has left, which is
+  what lets the client tell a setup problem (no socket, no permission) from a lost request.
 - Plain HTTP goes to loopback only (127.0.0.0/8, ::1, `localhost`). The spec says a host
   served over anything else "is publishing that authority": the credential is the whole
   of an agent's authority, so `Endpoint.parse` refuses any other host at construction,
@@ -29,20 +33,27 @@ and in `AsyncBrokerClient`'s docstring.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import urllib.parse
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Literal
 
+import anyio
+import anyio.abc
 import h11
-import trio
 
 __all__ = [
     "Credential",
     "Endpoint",
     "HttpReply",
     "TransportFailure",
+    "ConnectFailure",
+    "ConnectKind",
+    "CONNECT_KINDS",
     "exchange",
     "MAX_RESPONSE_BYTES",
     "MAX_HEADER_BYTES",
@@ -82,6 +93,39 @@ class TransportFailure(Exception):
     def __init__(self, detail: str) -> None:
         super().__init__(detail)
         self.detail = detail
+
+
+ConnectKind = Literal["missing", "permission", "refused", "other"]
+
+#: errno of a failed connect -> what it means for an agent. ENOENT/ENOTDIR: no socket at the
+#: path. EACCES/EPERM: the socket (or a directory on its path) is not open to this user.
+#: ECONNREFUSED: a socket file with nobody listening (a broker that died) or a TCP port
+#: nobody serves. Everything else is "other".
+CONNECT_KINDS: Mapping[int, ConnectKind] = MappingProxyType({
+    errno.ENOENT: "missing",
+    errno.ENOTDIR: "missing",
+    errno.EACCES: "permission",
+    errno.EPERM: "permission",
+    errno.ECONNREFUSED: "refused",
+})
+
+
+class ConnectFailure(TransportFailure):
+    """The connect itself failed: nothing was sent. `kind` is from `CONNECT_KINDS`."""
+
+    def __init__(self, kind: ConnectKind) -> None:
+        super().__init__("connect failed" if kind == "other" else f"connect failed ({kind})")
+        self.kind: ConnectKind = kind
+
+
+def _connect_kind(exc: OSError) -> ConnectKind:
+    # anyio's TCP connect wraps the per-address errors in ConnectionFailed (an OSError
+    # without errno); its cause carries the real one.
+    for candidate in (exc, exc.__cause__):
+        code = candidate.errno if isinstance(candidate, OSError) else None
+        if code is not None and code in CONNECT_KINDS:
+            return CONNECT_KINDS[code]
+    return "other"
 
 
 class Credential:
@@ -193,12 +237,12 @@ class HttpReply:
     body: bytes
 
 
-async def _connect(endpoint: Endpoint) -> trio.abc.Stream:
+async def _connect(endpoint: Endpoint) -> anyio.abc.ByteStream:
     if endpoint.kind == "unix":
         assert endpoint.path is not None
-        return await trio.open_unix_socket(endpoint.path)
+        return await anyio.connect_unix(endpoint.path)
     assert endpoint.host is not None and endpoint.port is not None
-    return await trio.open_tcp_stream(endpoint.host, endpoint.port)
+    return await anyio.connect_tcp(endpoint.host, endpoint.port)
 
 
 async def exchange(endpoint: Endpoint, credential: Credential, body: bytes) -> HttpReply:
@@ -213,31 +257,32 @@ async def exchange(endpoint: Endpoint, credential: Credential, body: bytes) -> H
         The status code and body of the final (non-1xx) response.
 
     Raises:
-        TransportFailure: for every way the exchange can fail.
+        ConnectFailure: the connect failed; nothing was sent.
+        TransportFailure: for every other way the exchange can fail.
 
     Cancellation:
         Safe at any point; the connection is closed. Deadlines are the caller's
-        (`trio.move_on_after` around this call).
+        (`anyio.move_on_after` around this call).
 
     Resource handling:
         The connection is opened here and always closed here.
     """
     try:
         stream = await _connect(endpoint)
-    except OSError:
-        raise TransportFailure("connect failed") from None
+    except OSError as exc:
+        raise ConnectFailure(_connect_kind(exc)) from None
     async with stream:
         try:
             return await _exchange_on(stream, endpoint, credential, body)
         except h11.ProtocolError:
             # h11's message can quote header bytes: keep it out.
             raise TransportFailure("malformed HTTP from the host") from None
-        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+        except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
             raise TransportFailure("connection broken") from None
 
 
 async def _exchange_on(
-    stream: trio.abc.Stream, endpoint: Endpoint, credential: Credential, body: bytes
+    stream: anyio.abc.ByteStream, endpoint: Endpoint, credential: Credential, body: bytes
 ) -> HttpReply:
     conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEADER_BYTES)
     host = _UNIX_HOST if endpoint.kind == "unix" else endpoint.describe()[len("http://") :].encode()
@@ -257,7 +302,7 @@ async def _exchange_on(
         for part in (conn.send(head), conn.send(h11.Data(data=body)), conn.send(h11.EndOfMessage()))
         if part is not None
     )
-    await stream.send_all(out)
+    await stream.send(out)
 
     status: int | None = None
     chunks: list[bytes] = []
@@ -265,7 +310,11 @@ async def _exchange_on(
     while True:
         event = conn.next_event()
         if event is h11.NEED_DATA:
-            conn.receive_data(bytes(await stream.receive_some(_RECEIVE_CHUNK)))
+            try:
+                data = bytes(await stream.receive(_RECEIVE_CHUNK))
+            except anyio.EndOfStream:
+                data = b""  # h11 reads b"" as the peer closing, and answers ConnectionClosed
+            conn.receive_data(data)
             continue
         if isinstance(event, h11.InformationalResponse):
             continue  # 1xx: the real answer follows

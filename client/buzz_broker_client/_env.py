@@ -1,0 +1,116 @@
+"""Where the broker is and which credential to show it, from arguments or the environment.
+
+Rules:
+- Precedence, each item decided alone: an explicit argument, then the environment
+  (`BUZZ_BROKER_SOCKET`; `BUZZ_BROKER_CREDENTIAL` *or* `BUZZ_BROKER_CREDENTIAL_FILE`), then,
+  for the address only, the broker's default socket path. There is no default credential.
+- Both credential variables set at once is refused rather than ranked: a harness that sets
+  both has a mistake in it, and guessing would hide which credential the agent runs with.
+- A credential file is read once, bounded (`MAX_CREDENTIAL_FILE_BYTES`), ASCII, trimmed.
+  A file readable by group or others is reported back (`CredentialFile.loose_mode`) so the
+  caller can warn; it is not refused (the file may live on a mount that cannot express
+  modes). Error messages name the file and the fix, never its contents.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ._errors import CREDENTIAL_ENV, CREDENTIAL_FILE_ENV, SOCKET_ENV, NotConfigured
+
+__all__ = [
+    "DEFAULT_SOCKET",
+    "MAX_CREDENTIAL_FILE_BYTES",
+    "CredentialFile",
+    "read_credential_file",
+    "resolve_address",
+    "resolve_credential",
+]
+
+#: The broker's own default `server.socket` (docs/configuration.md).
+DEFAULT_SOCKET = "/run/buzz-broker/broker.sock"
+
+#: Bound on a credential file: a session credential is a short token.
+MAX_CREDENTIAL_FILE_BYTES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class CredentialFile:
+    """A credential read from a file. `loose_mode` is the file's mode when group or others
+    may read it (the caller warns), else None."""
+
+    value: str = field(repr=False)
+    loose_mode: int | None
+
+
+def read_credential_file(path: str) -> CredentialFile:
+    """Read one credential file.
+
+    Raises:
+        NotConfigured: missing, unreadable, too large, not ASCII, or empty.
+    """
+    try:
+        with open(path, "rb") as handle:
+            mode = os.fstat(handle.fileno()).st_mode
+            raw = handle.read(MAX_CREDENTIAL_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise NotConfigured(f"cannot read credential file {path}: there is no such file; "
+                            f"check ${CREDENTIAL_FILE_ENV} or the path you passed") from None
+    except PermissionError:
+        raise NotConfigured(f"cannot read credential file {path}: permission denied; it must "
+                            "be owned by (and readable only by) the agent's user, mode 0400") from None
+    except OSError as exc:
+        raise NotConfigured(f"cannot read credential file {path}: {exc.strerror}") from None
+    if len(raw) > MAX_CREDENTIAL_FILE_BYTES:
+        raise NotConfigured(f"credential file {path} is too large to be a credential")
+    try:
+        value = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise NotConfigured(f"credential file {path} does not hold an ASCII credential") from None
+    if not value:
+        raise NotConfigured(f"credential file {path} is empty")
+    loose = stat.S_IMODE(mode) if mode & (stat.S_IRWXG | stat.S_IRWXO) else None
+    return CredentialFile(value=value, loose_mode=loose)
+
+
+def resolve_address(address: str | None, environ: Mapping[str, str] = os.environ) -> str:
+    """The broker address: `address`, else `$BUZZ_BROKER_SOCKET`, else the default socket."""
+    if address is not None:
+        return address
+    from_env = environ.get(SOCKET_ENV, "").strip()
+    return from_env if from_env else DEFAULT_SOCKET
+
+
+def resolve_credential(
+    credential: str | None,
+    credential_file: str | None,
+    environ: Mapping[str, str] = os.environ,
+) -> tuple[str, CredentialFile | None]:
+    """The credential, and the file it came from when it came from one.
+
+    Raises:
+        NotConfigured: none given and none in the environment; both given; both variables
+            set; or the file cannot be used (see `read_credential_file`).
+    """
+    if credential is not None and credential_file is not None:
+        raise NotConfigured("pass credential= or credential_file=, not both")
+    if credential is not None:
+        return credential, None
+    if credential_file is not None:
+        read = read_credential_file(credential_file)
+        return read.value, read
+    value = environ.get(CREDENTIAL_ENV, "").strip()
+    path = environ.get(CREDENTIAL_FILE_ENV, "").strip()
+    if value and path:
+        raise NotConfigured(f"both ${CREDENTIAL_ENV} and ${CREDENTIAL_FILE_ENV} are set; "
+                            "set only one")
+    if value:
+        return value, None
+    if path:
+        read = read_credential_file(path)
+        return read.value, read
+    raise NotConfigured(f"no credential: set ${CREDENTIAL_FILE_ENV} to the file the operator "
+                        f"handed this agent (or ${CREDENTIAL_ENV}), or pass credential_file=")

@@ -1,0 +1,116 @@
+"""The client's setup errors: the broker cannot be used at all, and nothing was done.
+
+Rules:
+- An operation method answers everything about *its request* with an `Answer` (a verdict,
+  or "fate unknown"); it raises only for the problems below, each of which means the
+  request provably had no effect, and each of whose messages says what to do.
+- Which is which is a table (`SETUP_PROBLEMS`), read by the client and by the tests:
+  a connect that failed with "missing", "permission" or "refused" on *every* attempt
+  (so not one byte reached a host), or the host's verdict `failed` + `unauthenticated`.
+- Messages name paths and environment variables, never the credential (which they
+  cannot reach: the exceptions are built from the endpoint's description and fixed text).
+
+WARNING: docs/agents.md ("When it cannot work at all") lists these types and their
+messages' advice; change both together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .client import Failed
+
+__all__ = [
+    "SetupError",
+    "NotConfigured",
+    "BrokerUnreachable",
+    "SocketMissing",
+    "NothingListening",
+    "SocketPermissionDenied",
+    "CredentialRefused",
+    "SETUP_PROBLEMS",
+    "SOCKET_ENV",
+    "CREDENTIAL_ENV",
+    "CREDENTIAL_FILE_ENV",
+]
+
+#: The environment variables an agent's harness hands it the broker in (as SSH_AUTH_SOCK
+#: does for ssh-agent).
+SOCKET_ENV = "BUZZ_BROKER_SOCKET"
+CREDENTIAL_ENV = "BUZZ_BROKER_CREDENTIAL"
+CREDENTIAL_FILE_ENV = "BUZZ_BROKER_CREDENTIAL_FILE"
+
+
+class SetupError(Exception):
+    """This client cannot act through the broker at all. Nothing was done; read the message."""
+
+
+class NotConfigured(SetupError, ValueError):
+    """No address or credential given and none in the environment, or an unusable one."""
+
+
+class BrokerUnreachable(SetupError):
+    """No broker answered at the address on any attempt (nothing was sent)."""
+
+    def __init__(self, where: str, message: str) -> None:
+        super().__init__(message)
+        self.where = where
+
+
+class SocketMissing(BrokerUnreachable):
+    """There is no socket at the path."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(where, (
+            f"no broker socket at {where}: start buzz-broker (systemctl start buzz-broker), "
+            f"or set ${SOCKET_ENV} to its server.socket path"
+        ))
+
+
+class NothingListening(BrokerUnreachable):
+    """The socket file (or TCP port) is there but nobody accepts: the broker is not running."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(where, (
+            f"nothing is listening at {where}: the broker is not running (a socket left "
+            f"behind by a stopped one?); start buzz-broker, or check ${SOCKET_ENV}"
+        ))
+
+
+class SocketPermissionDenied(SetupError):
+    """The socket exists but this user may not open it."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(
+            f"permission denied on the broker socket {where}: this user may not open it; "
+            "add the agent's user to the socket's group (server.socket_group in the broker's "
+            "config) and start a new login session, or ask the broker's operator"
+        )
+        self.where = where
+
+
+class CredentialRefused(SetupError):
+    """The host's verdict was `failed` + `unauthenticated`: nothing happened.
+
+    `answer` is that verdict (a `Failed`, with the envelope as received).
+    """
+
+    def __init__(self, answer: Failed) -> None:
+        super().__init__(
+            "the broker refused this credential (unauthenticated): it is wrong, expired or "
+            "revoked, or bound to another user; ask the broker's operator for a new one "
+            f"(buzz-broker credential issue) and point ${CREDENTIAL_FILE_ENV} at it"
+        )
+        self.answer = answer
+
+
+#: connect kind (transport `CONNECT_KINDS`) -> the setup error it becomes when every
+#: attempt failed that way. "other" connect failures stay "no answer".
+SETUP_PROBLEMS: Mapping[str, Callable[[str], SetupError]] = MappingProxyType({
+    "missing": SocketMissing,
+    "refused": NothingListening,
+    "permission": SocketPermissionDenied,
+})

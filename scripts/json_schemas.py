@@ -1,0 +1,243 @@
+"""Generate docs/schema/{request,response}.schema.json from the wire contract's tables.
+
+    python scripts/json_schemas.py          # rewrite the two files
+    python scripts/json_schemas.py --check  # exit 1 if they are not what the contract says
+
+What comes from `buzzwire.contract` itself: the nine actions (`ACTIONS`), every shape's
+member names and which are required (`SHAPES`), the envelopes' members, the error codes
+and which status each may travel with (`PAIRING`), every limit (`_limits`) and the slug
+grammar. What this file adds is the one thing the contract keeps as code rather than data:
+what each member's checker accepts, as JSON Schema (`VALUES`, by wire name, and
+`OBJECT_RULES` for the cross-member rules). A member with no entry there is an error, so a
+new member cannot ship without its schema; tests/docs/test_protocol_doc.py holds the files
+to this script.
+
+The schemas describe what a conforming client sends and a conforming host answers. They
+are necessary, not sufficient: JSON Schema cannot say that a pubkey is a point on
+secp256k1, that content is at most 65,536 UTF-8 *bytes*, or that a trimmed field is
+trimmed before it is measured (a member padded with spaces may pass the host and fail
+`maxLength`). The host's checks are the contract's; docs/protocol.md says so too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "client"))
+
+from buzzwire.contract import (  # noqa: E402
+    ACTIONS, MAX_ABOUT_CHARS, MAX_CONTENT_BYTES, MAX_CURSOR_BYTES, MAX_DISPLAY_NAME_CHARS,
+    MAX_JSON_INT, MAX_KIND, MAX_LIMIT, MAX_MENTIONS, MAX_PICTURE_CHARS, MAX_REACTION_CHARS,
+    MAX_REQUEST_ID_BYTES, MAX_SCALAR_CHARS, MAX_SLUG_BYTES, MAX_SYSTEM_PROMPT_CHARS, MIN_LIMIT,
+    PAIRING, PROTOCOL_VERSION, ACTION_VERSION, RESPOND_TO, AgentsUpdateArgs, AgentTarget,
+    ErrorCode, Event, ProfileSetArgs, Status,
+)
+from buzzwire.contract import REQUEST_MEMBERS  # noqa: E402
+from buzzwire.contract._envelopes import _ERROR_MEMBERS, _SUCCEEDED_MEMBERS  # noqa: E402
+from buzzwire.contract._ids import _SLUG  # noqa: E402
+from buzzwire.contract._shapes import SHAPES, Shape  # noqa: E402
+
+OUT = REPO / "docs" / "schema"
+DIALECT = "https://json-schema.org/draft/2020-12/schema"
+
+_HEX = "[0-9a-fA-F]"
+_UUID = f"(?:{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}|{_HEX}{{32}})"
+_VISIBLE = "[\\x21-\\x7e]"
+
+
+def _string(pattern: str | None = None, **more: object) -> dict[str, object]:
+    out: dict[str, object] = {"type": "string"}
+    if pattern is not None:
+        out["pattern"] = pattern
+    out.update(more)
+    return out
+
+
+def _text(max_chars: int) -> dict[str, object]:
+    # Trimmed text: something besides whitespace, at most max_chars once trimmed.
+    return _string("\\S", maxLength=max_chars)
+
+
+def _integer(low: int, high: int = MAX_JSON_INT) -> dict[str, object]:
+    return {"type": "integer", "minimum": low, "maximum": high}
+
+
+CHANNEL_ID = _string(f"^\\s*(?:(?:[uU][rR][nN]:[uU][uU][iI][dD]:)?{_UUID}|\\{{{_UUID}\\}})\\s*$")
+HEX64 = _string(f"^\\s*{_HEX}{{64}}\\s*$")
+LOWER_HEX64 = _string("^[0-9a-f]{64}$")
+CURSOR = _string(f"^{_VISIBLE}{{1,{MAX_CURSOR_BYTES}}}$")
+NAME = _text(MAX_DISPLAY_NAME_CHARS)
+SCALAR = _text(MAX_SCALAR_CHARS)
+KIND = _integer(0, MAX_KIND)
+TIMESTAMP = _integer(0)
+
+#: wire name -> what its checker accepts. One entry per name: a name means one thing in
+#: every shape that has it (the contract's shape tables reuse their fields that way).
+VALUES: Mapping[str, dict[str, object]] = {
+    "channelId": CHANNEL_ID,
+    "rootEventId": HEX64,
+    "replyToEventId": HEX64,
+    "targetEventId": HEX64,
+    "eventId": HEX64,
+    "dTag": HEX64,
+    "pubkey": HEX64,
+    "authorPubkey": HEX64,
+    "agentPubkey": HEX64,
+    "mentionsOnly": {"type": "boolean"},
+    "cursor": CURSOR,
+    "nextCursor": CURSOR,
+    "limit": _integer(MIN_LIMIT, MAX_LIMIT),
+    # content: published as written, not whitespace-only; the bound is in UTF-8 bytes,
+    # which a character count can only approximate from above.
+    "content": _string("\\S", maxLength=MAX_CONTENT_BYTES),
+    "mentions": {"type": "array", "items": HEX64, "minItems": 1, "maxItems": MAX_MENTIONS},
+    "reaction": _text(MAX_REACTION_CHARS),
+    "displayName": NAME,
+    "name": NAME,
+    "about": _text(MAX_ABOUT_CHARS),
+    "picture": _text(MAX_PICTURE_CHARS),
+    "systemPrompt": _text(MAX_SYSTEM_PROMPT_CHARS),
+    "runtime": SCALAR,
+    "provider": SCALAR,
+    "model": SCALAR,
+    "respondTo": {"type": "string", "enum": list(RESPOND_TO)},
+    "slug": _string(f"^\\s*(?:{_SLUG.pattern})\\s*$", maxLength=MAX_SLUG_BYTES),
+    "target": {"$ref": "#/$defs/AgentTarget"},
+    "kind": KIND,
+    "createdAt": TIMESTAMP,
+    "messages": {"type": "array", "items": {"$ref": "#/$defs/Event"}, "maxItems": MAX_LIMIT},
+    "updatedFields": {"type": "array", "items": {"type": "string"}},
+}
+
+#: The signed event is verbatim relay data: its own spellings (NIP-01), exact case.
+EVENT_VALUES: Mapping[str, dict[str, object]] = {
+    "id": LOWER_HEX64,
+    "pubkey": LOWER_HEX64,
+    "created_at": TIMESTAMP,
+    "kind": KIND,
+    "tags": {"type": "array", "items": {"type": "array", "items": {"type": "string"}}},
+    "content": {"type": "string"},
+    "sig": _string("^[0-9a-f]{128}$"),
+}
+
+#: The cross-member rules of the shapes that have one (`Shape.rule`), as JSON Schema.
+OBJECT_RULES: Mapping[type, dict[str, object]] = {
+    ProfileSetArgs: {"minProperties": 1},
+    AgentsUpdateArgs: {"minProperties": 2},  # target and at least one more
+    AgentTarget: {"minProperties": 1, "maxProperties": 1},  # exactly one of pubkey, name
+}
+
+
+def _object(shape: Shape) -> dict[str, object]:
+    values = EVENT_VALUES if shape.cls is Event else VALUES
+    if shape.rule is not None and shape.cls not in OBJECT_RULES:
+        raise KeyError(f"{shape.cls.__name__} has a cross-member rule with no schema")
+    out: dict[str, object] = {
+        "type": "object",
+        "properties": {f.wire: values[f.wire] for f in shape.fields},
+        "required": [f.wire for f in shape.fields if f.required],
+        "additionalProperties": False,
+    }
+    out.update(OBJECT_RULES.get(shape.cls, {}))
+    return out
+
+
+def _document(title: str, variants: list[dict[str, object]], classes: list[type]) -> dict[str, object]:
+    """One schema file: any one of `variants`, with the shapes they refer to under $defs."""
+    return {
+        "$schema": DIALECT,
+        "title": title,
+        "oneOf": variants,
+        "$defs": {cls.__name__: _object(SHAPES[cls]) for cls in dict.fromkeys(classes)},
+    }
+
+
+def _envelope(members: dict[str, object], order: tuple[str, ...] | frozenset[str],
+              optional: tuple[str, ...] = ()) -> dict[str, object]:
+    return {
+        "type": "object",
+        "properties": members,
+        "required": [m for m in members if m in order and m not in optional],
+        "additionalProperties": False,
+    }
+
+
+def request_schema() -> dict[str, object]:
+    variants = []
+    for name, spec in ACTIONS.items():
+        members = {
+            "type": {"const": "broker_request"},
+            "protocolVersion": {"const": PROTOCOL_VERSION},
+            "requestId": _string(f"^{_VISIBLE}{{1,{MAX_REQUEST_ID_BYTES}}}$"),
+            "actionVersion": {"const": ACTION_VERSION},
+            "action": {"const": name},
+            "args": {"$ref": f"#/$defs/{spec.args_type.__name__}"},
+        }
+        assert tuple(members) == REQUEST_MEMBERS
+        variants.append(_envelope(members, REQUEST_MEMBERS))
+    return _document("broker_request (spec/agent-broker.md §Request, §Operations)", variants,
+                     [spec.args_type for spec in ACTIONS.values()] + [AgentTarget])
+
+
+def response_schema() -> dict[str, object]:
+    common = {
+        "type": {"const": "broker_result"},
+        "protocolVersion": {"const": PROTOCOL_VERSION},
+        "requestId": _string(f"^{_VISIBLE}{{1,{MAX_REQUEST_ID_BYTES}}}$"),
+    }
+    # replayed: only ever true; a host omits it otherwise (Buzz's client tolerates false,
+    # a host never sends it).
+    replayed = {"replayed": {"const": True}}
+    variants = []
+    for name, spec in ACTIONS.items():
+        members = {**common, "status": {"const": Status.SUCCEEDED.value}, "action": {"const": name},
+                   "outcome": {"$ref": f"#/$defs/{spec.outcome_type.__name__}"}, **replayed}
+        assert set(members) - {"replayed"} == _SUCCEEDED_MEMBERS
+        variants.append(_envelope(members, _SUCCEEDED_MEMBERS))
+    for status in (Status.FAILED, Status.INDETERMINATE):
+        codes = [code.value for code in ErrorCode if status in PAIRING[code]]
+        error = {"type": "object", "additionalProperties": False, "required": ["code", "message"],
+                 "properties": {"code": {"enum": codes}, "message": {"type": "string"}}}
+        members = {**common, "status": {"const": status.value}, "error": error, **replayed}
+        assert set(members) - {"replayed"} == _ERROR_MEMBERS
+        variants.append(_envelope(members, _ERROR_MEMBERS))
+    return _document("broker_result (spec/agent-broker.md §Results and errors, §Operations)",
+                     variants, [spec.outcome_type for spec in ACTIONS.values()] + [Event])
+
+
+def render() -> dict[str, str]:
+    """File name -> its exact text."""
+    return {
+        name: json.dumps(schema, indent=2, ensure_ascii=False) + "\n"
+        for name, schema in (("request.schema.json", request_schema()),
+                             ("response.schema.json", response_schema()))
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare instead of writing")
+    args = parser.parse_args(argv)
+    stale = []
+    for name, text in render().items():
+        path = OUT / name
+        if args.check:
+            if not path.exists() or path.read_text(encoding="utf-8") != text:
+                stale.append(name)
+        else:
+            OUT.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+    if stale:
+        print("stale: " + ", ".join(stale) + " (run python scripts/json_schemas.py)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""docs/protocol.md holds: its JSON examples, its schemas and its three programs.
+
+- The schemas in docs/schema/ are exactly what scripts/json_schemas.py makes from the
+  contract's tables (so a contract change without regenerating them fails here).
+- Every JSON block labelled `request-…`/`response-…` validates against them, and
+  round-trips through `buzzwire.contract` to the same bytes (the examples are written in
+  the canonical form the contract writes). Every action has both.
+- The curl, httpx and TypeScript programs run as written against the real daemon (SoftHSM2
+  token, nostr-sdk's LocalRelay); the curl one twice, to show the replay.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import jsonschema
+import pytest
+import trio
+
+from buzzwire.contract import (
+    ACTIONS, ContractError, Status, Verdict, encode_request, encode_response, mark_replayed, parse_response,
+    read_request,
+)
+from buzzwire.nostr import verify_event
+from tests.docs.snippets import REPO, block, blocks
+from tests.fixtures.broker import BrokerHarness
+
+PROTOCOL_MD = REPO / "docs" / "protocol.md"
+SCHEMAS = REPO / "docs" / "schema"
+EXAMPLE_CHANNEL = "5df7dfa8-e919-43df-8efd-f1dcb8af7071"
+
+
+def _generator() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("json_schemas", REPO / "scripts" / "json_schemas.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _validator(name: str) -> jsonschema.Draft202012Validator:
+    schema = json.loads((SCHEMAS / f"{name}.schema.json").read_text(encoding="utf-8"))
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def _examples(kind: str) -> dict[str, str]:
+    out = {label: body.strip() for lang, label, body in blocks(PROTOCOL_MD)
+           if lang == "json" and label is not None and label.startswith(kind + "-")}
+    assert out, f"no {kind} examples"
+    return out
+
+
+def test_schemas_are_generated_from_the_contract() -> None:
+    rendered = _generator().render()
+    assert sorted(rendered) == sorted(p.name for p in SCHEMAS.glob("*.json"))
+    for name, text in rendered.items():
+        assert (SCHEMAS / name).read_text(encoding="utf-8") == text, (
+            f"docs/schema/{name} is stale: run python scripts/json_schemas.py")
+
+
+def test_every_action_has_a_request_and_a_response_example() -> None:
+    assert {f"request-{a}" for a in ACTIONS} <= set(_examples("request"))
+    assert {f"response-{a}" for a in ACTIONS} <= set(_examples("response"))
+
+
+@pytest.mark.parametrize("label", sorted(_examples("request")))
+def test_request_example_validates_and_round_trips(label: str) -> None:
+    text = _examples("request")[label]
+    _validator("request").validate(json.loads(text))
+    reading = read_request(text.encode("utf-8"))
+    assert reading.request is not None, reading.error
+    assert encode_request(reading.request) == text.encode("utf-8")
+
+
+def _reencode(body: bytes) -> bytes:
+    response = parse_response(body)
+    if response.status is Status.SUCCEEDED:
+        assert response.action is not None and response.outcome is not None
+        verdict = Verdict.succeeded(response.action, response.outcome)
+    else:
+        assert response.code is not None
+        verdict = Verdict(status=response.status, code=response.code, message=response.message)
+    out = encode_response(response.request_id, verdict)
+    return mark_replayed(out) if response.replayed else out
+
+
+@pytest.mark.parametrize("label", sorted(_examples("response")))
+def test_response_example_validates_and_round_trips(label: str) -> None:
+    text = _examples("response")[label]
+    envelope = json.loads(text)
+    _validator("response").validate(envelope)
+    assert _reencode(text.encode("utf-8")) == text.encode("utf-8")
+    for event in envelope.get("outcome", {}).get("messages", []):
+        assert verify_event(event), "the doc's events are real, signed ones"
+
+
+@pytest.mark.parametrize(
+    ("kind", "mutate"),
+    [
+        ("request", lambda e: e["args"].update(mentions=None)),
+        ("request", lambda e: e["args"].update(mentions=[])),
+        ("request", lambda e: e.update(requester="a" * 64)),
+        ("request", lambda e: e["args"].update(content=" \n ")),
+        ("request", lambda e: e.update(action="sign")),
+        ("response", lambda e: e.update(replayed=False)),
+        ("response", lambda e: e.update(error={"code": "outcome_unknown", "message": "x"})),
+        ("response", lambda e: e["outcome"].update(secretKey="00" * 32)),
+    ],
+)
+def test_schemas_refuse_what_the_contract_refuses(kind: str, mutate: Any) -> None:
+    envelope = json.loads(_examples(kind)[f"{kind}-message.post"])
+    mutate(envelope)
+    assert not _validator(kind).is_valid(envelope)
+    body = json.dumps(envelope).encode()
+    if kind == "request":
+        assert read_request(body).request is None
+    else:
+        with pytest.raises(ContractError):
+            parse_response(body)
+
+
+def _node_with_typescript() -> tuple[str, str]:
+    node = shutil.which("node")
+    assert node is not None, "node is missing: `make deps` installs nodejs"
+    for root in ("/usr/share/nodejs", "/usr/lib/node_modules", "/usr/local/lib/node_modules"):
+        if (Path(root) / "typescript" / "package.json").exists():
+            return node, root
+    raise AssertionError("TypeScript is missing: `make deps` installs node-typescript")
+
+
+async def _run(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+    done = await trio.run_process(argv, env=env, capture_stdout=True, capture_stderr=True,
+                                  check=False)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    envelope = json.loads(done.stdout)
+    assert isinstance(envelope, dict)
+    return envelope
+
+
+async def test_curl_httpx_and_typescript_examples_run_against_a_real_broker(
+    broker: BrokerHarness, tmp_path: Path
+) -> None:
+    assert shutil.which("curl") and shutil.which("bash"), "`make deps` installs curl"
+    node, typescript_root = _node_with_typescript()
+    agent = await broker.human_owned_agent("protocol-doc")
+    credential = broker.credential(agent, [EXAMPLE_CHANNEL])
+    path = tmp_path / "credential"
+    path.write_text(credential + "\n")
+    path.chmod(0o400)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path),
+           "BUZZ_BROKER_SOCKET": str(broker.socket), "BUZZ_BROKER_CREDENTIAL_FILE": str(path)}
+
+    curl = block(PROTOCOL_MD, "curl")
+    assert credential not in curl
+    first = await _run(["bash", "-c", curl], env)
+    assert first["status"] == "succeeded" and "replayed" not in first, first
+    again = await _run(["bash", "-c", curl], env)  # the same bytes: the recorded answer
+    assert again == {**first, "replayed": True}
+
+    script = tmp_path / "httpx_example.py"
+    script.write_text(block(PROTOCOL_MD, "httpx"))
+    answer = await _run([sys.executable, str(script)], env)
+    assert answer["status"] == "succeeded" and answer["action"] == "message.post", answer
+
+    source = tmp_path / "example.ts"
+    source.write_text(block(PROTOCOL_MD, "node"))
+    compiled = tmp_path / "example.js"
+    transpile = (
+        "const ts = require('typescript'); const fs = require('fs');"
+        f"const out = ts.transpileModule(fs.readFileSync({str(source)!r}, 'utf8'),"
+        " {compilerOptions: {module: ts.ModuleKind.CommonJS, target: ts.ScriptTarget.ES2020},"
+        "  reportDiagnostics: true});"
+        "if (out.diagnostics.length) { console.error(JSON.stringify(out.diagnostics.map(d => d.messageText))); process.exit(1); }"
+        f"fs.writeFileSync({str(compiled)!r}, out.outputText);"
+    )
+    await trio.run_process([node, "-e", transpile], env={**env, "NODE_PATH": typescript_root})
+    answer = await _run([node, str(compiled)], env)
+    assert answer["status"] == "succeeded" and answer["action"] == "message.post", answer
+
+    page = await broker.call(credential, "channel.read", {"channelId": EXAMPLE_CHANNEL})
+    assert sorted(e["content"] for e in page["outcome"]["messages"]) == [
+        "Hello from TypeScript", "Hello from curl", "Hello from httpx"]
