@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from buzzwire.contract import ACTIONS
-from daemon.relay_protocol import check_relay_url, is_loopback_host
+from buzzwire.loopback import is_loopback_host
+from daemon.relay_protocol import check_relay_url
 from daemon.ratelimit import DEFAULT_RATE_CONFIG, RateConfig, rate_config_from_table
 
 if TYPE_CHECKING:

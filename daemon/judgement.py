@@ -31,7 +31,7 @@ from daemon.sessions import Principal
 
 __all__ = ["Admission", "Admitted", "JUDGEMENT", "judge"]
 
-_log = logging.getLogger("buzz_broker.broker")
+_log = logging.getLogger("buzz_broker.judgement")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

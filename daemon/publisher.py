@@ -41,7 +41,7 @@ from daemon.sessions import SessionStore
 
 __all__ = ["Publisher", "CHECKPOINTS", "MAX_REASON_CHARS", "Prepare"]
 
-_log = logging.getLogger("buzz_broker.broker")
+_log = logging.getLogger("buzz_broker.publisher")
 
 #: Steps a publishing request passes, named for the crash tests (design.md step 4):
 #:   before_pending -- the plan is signed, nothing durable yet

@@ -38,7 +38,7 @@ from daemon.verdict_store import stored_form
 
 __all__ = ["Judged", "Facts", "Progress", "Recorder", "where"]
 
-_log = logging.getLogger("buzz_broker.broker")
+_log = logging.getLogger("buzz_broker.recorder")
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,8 +15,8 @@ Rules:
 - `machine_prefix` reads the NIP-01 machine-readable prefix of an OK/CLOSED message
   (``duplicate:``, ``auth-required:``, ``restricted:``, ...). An unknown prefix is
   `None`, not an error: relays add their own.
-- `check_relay_url` is the transport rule: ``ws://`` only to a loopback host, ``wss://``
-  otherwise.
+- `check_relay_url` is the transport rule: ``ws://`` only to a loopback host
+  (`buzzwire.loopback`, the one rule), ``wss://`` otherwise.
 
 Theory of operation (NIP-01, NIP-42):
     client → relay: ["EVENT", ev] | ["REQ", subid, filter...] | ["CLOSE", subid] | ["AUTH", ev]
@@ -29,7 +29,6 @@ WARNING: `_READERS` and the `RelayMessage` union must list the same verbs.
 from __future__ import annotations
 
 import enum
-import ipaddress
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -37,11 +36,10 @@ from dataclasses import dataclass
 from typing import NoReturn, Union
 from urllib.parse import urlsplit
 
+from buzzwire.loopback import is_loopback_host
 from buzzwire.nostr import SignedEvent
 
 __all__ = [
-    "LOOPBACK_NAMES",
-    "is_loopback_host",
     "AUTH_KIND",
     "MAX_SUBSCRIPTION_ID_CHARS",
     "AuthChallenge",
@@ -348,22 +346,6 @@ class RelayUrl:
 _DEFAULT_PORTS = {"ws": 80, "wss": 443}
 
 
-#: Host names that mean this machine whatever the resolver is told (RFC 6761 §6.3). Other
-#: names (`ip6-localhost`, `localhost.localdomain`) are loopback only if /etc/hosts says
-#: so, which a configuration check cannot promise for the machine the daemon starts on:
-#: they need wss:// like any other name.
-LOOPBACK_NAMES = frozenset({"localhost", "localhost."})
-
-
-def is_loopback_host(host: str) -> bool:
-    """The one loopback rule (config check and the pool's constructor both use it):
-    a loopback IP literal or a name in `LOOPBACK_NAMES`, compared without case."""
-    if host.lower() in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_relay_url(url: str) -> RelayUrl:

@@ -41,7 +41,7 @@ from daemon.sessions import LAST_USE_FLUSH_SECONDS, SessionStore
 
 __all__ = ["running", "relay_pool", "StartupError", "SWEEP_INTERVAL_SECONDS"]
 
-_log = logging.getLogger("buzz_broker.broker")
+_log = logging.getLogger("buzz_broker.wiring")
 
 #: How often the ledger's retention sweep runs (design.md: the database stays bounded).
 SWEEP_INTERVAL_SECONDS: Final = 3600.0
