@@ -15,7 +15,8 @@ Who does what (each in its own module; this one only walks the order):
   `request_id_conflict`; an identical request running here is waited for; a pending
   record is resumed by re-sending exactly its signed events (daemon/publisher.py).
 - validate, authorize (and rate limits): daemon/judgement.py, an ordered table of steps;
-  `authorize` resolves the agent records the operation acts on, once.
+  `authorize` resolves the agent records the operation acts on (nothing else resolves
+  them; a read-merge-write is authorized again under its locks, see `_execute`).
 - execute: the operation (daemon/operations/). A read answers directly; a publishing
   operation's plan goes to daemon/publisher.py (intent → pending → publish → cleanup). A
   read-merge-write operation runs under its requester's and target's locks, taken in one
