@@ -2,7 +2,7 @@
 dict doing the same bookkeeping in the same run (the baseline ratio).
 
 A first-time request is what the pipeline does for a publishing operation:
-begin() -> Fresh, record_pending() (durable, synchronous=FULL), finish(final=True).
+begin() -> Fresh, record_pending() (durable, synchronous=FULL), finish(..., Status.SUCCEEDED).
 A replay is begin() on a key whose final verdict is recorded.
 
 Requests run as `--concurrency` trio tasks at once, so group commit can share one
@@ -29,6 +29,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from buzzwire.contract import Status  # noqa: E402
 from daemon.ledger import Fresh, Ledger, LedgerKey, Replay  # noqa: E402
 
 PENDING = b'{"events":[{"id":"' + b"e" * 64 + b'","sig":"' + b"s" * 128 + b'"}]}' + b" " * 300
@@ -95,7 +96,7 @@ async def bench_sqlite(path: Path, n: int, concurrency: int) -> tuple[float, flo
         begun = await ledger.begin(LedgerKey("a" * 64, f"{tag}-{i}"), digest)
         assert isinstance(begun, Fresh)
         await ledger.record_pending(begun.ticket, PENDING)
-        await ledger.finish(begun.ticket, RESPONSE, final=True)
+        await ledger.finish(begun.ticket, RESPONSE, Status.SUCCEEDED)
 
     async def replay(i: int) -> None:
         begun = await ledger.begin(LedgerKey("a" * 64, f"{tag}-{i}"), digest)

@@ -72,7 +72,7 @@ import stat
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Final, TypeAlias
+from typing import Callable, Final, TypeAlias, TypeVar
 
 import trio
 
@@ -165,6 +165,22 @@ class Phase(enum.Enum):
 def _utc_text(at: float) -> str:
     when = datetime.datetime.fromtimestamp(at, tz=datetime.timezone.utc)
     return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+_T = TypeVar("_T")
+
+
+def _member(obj: Mapping[str, object], name: str, kind: type[_T]) -> _T:
+    """`obj[name]`, which must be a `kind` (bool is not an int here); ValueError naming it."""
+    value = obj[name]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(name)
+    return value
+
+
+def _optional(obj: Mapping[str, object], name: str, kind: type[_T]) -> _T | None:
+    """`obj[name]`, which must be None or a `kind`."""
+    return None if obj[name] is None else _member(obj, name, kind)
 
 
 def _parse_time(text: str) -> float:
@@ -279,15 +295,15 @@ class AuditRecord:
             return cls(
                 phase=phase,
                 at=_parse_time(time_text),
-                credential_id=obj["credential"],  # type: ignore[arg-type]
-                agent=obj["agent"],  # type: ignore[arg-type]
-                action=obj["action"],  # type: ignore[arg-type]
-                request_id=obj["requestId"],  # type: ignore[arg-type]
-                body_sha256=obj["bodySha256"],  # type: ignore[arg-type]
+                credential_id=_member(obj, "credential", str),
+                agent=_member(obj, "agent", str),
+                action=_optional(obj, "action", str),
+                request_id=_member(obj, "requestId", str),
+                body_sha256=_member(obj, "bodySha256", str),
                 status=status,
                 code=code,
                 events=tuple(events),
-                replayed=obj["replayed"],  # type: ignore[arg-type]
+                replayed=_member(obj, "replayed", bool),
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(str(exc)) from None
@@ -358,10 +374,10 @@ class RefusalCount:
             raise ValueError("time/since")
         try:
             return cls(at=_parse_time(time_text), since=_parse_time(since_text),
-                       credential_id=obj["credential"],  # type: ignore[arg-type]
-                       agent=obj["agent"],  # type: ignore[arg-type]
-                       action=obj["action"],  # type: ignore[arg-type]
-                       code=code, count=obj["count"])  # type: ignore[arg-type]
+                       credential_id=_member(obj, "credential", str),
+                       agent=_member(obj, "agent", str),
+                       action=_optional(obj, "action", str),
+                       code=code, count=_member(obj, "count", int))
         except (TypeError, ValueError) as exc:
             raise ValueError(str(exc)) from None
 
@@ -402,9 +418,9 @@ class Reanchor:
             raise ValueError("time")
         try:
             return cls(at=_parse_time(time_text),
-                       anchored_seq=obj["anchoredSeq"],  # type: ignore[arg-type]
-                       anchored_head=obj["anchoredHead"],  # type: ignore[arg-type]
-                       uid=obj["uid"])  # type: ignore[arg-type]
+                       anchored_seq=_member(obj, "anchoredSeq", int),
+                       anchored_head=_member(obj, "anchoredHead", str),
+                       uid=_member(obj, "uid", int))
         except (TypeError, ValueError) as exc:
             raise ValueError(str(exc)) from None
 
@@ -606,7 +622,7 @@ def verify(path: Path | str, *, expect_head: str | None = None,
                                         line=lineno, reason=reason)
                 if records == 0 and not anchored:
                     # An unanchored single file: trust its first link, check the rest.
-                    head, seq = str(obj["prev"]), int(obj["seq"]) - 1  # type: ignore[call-overload]
+                    head, seq = str(obj["prev"]), _member(obj, "seq", int) - 1
                 if obj["prev"] != head:
                     return VerifyResult(
                         ok=False, records=records, head=head, file=str(file), line=lineno,
@@ -805,7 +821,7 @@ class AuditLog:
             obj, reason = _check_line(tail_line)
             if obj is None:
                 raise _Damaged(f"the last audit record is damaged: {reason}")
-            self._seq = int(obj["seq"])  # type: ignore[call-overload]
+            self._seq = _member(obj, "seq", int)
             self._prev = _sha256(tail_line)
             self._durable = (self._seq, self._prev)
         self._number = files[-1][0] if files else 1
@@ -1014,7 +1030,7 @@ def _check_anchor(files: list[tuple[int, Path]], anchor: tuple[int, str], *,
                     obj, reason = _check_line(line)
                     if obj is None:
                         raise _Damaged(f"the first record of {path.name} is damaged: {reason}")
-                    expected = int(obj["seq"])  # type: ignore[call-overload]
+                    expected = _member(obj, "seq", int)
                 if expected < seq:
                     expected += 1
                     continue
@@ -1041,7 +1057,7 @@ def _first_seq(path: Path) -> int | None:
     if not first.endswith(b"\n"):
         return None
     obj, _reason = _check_line(first[:-1])
-    return None if obj is None else int(obj["seq"])  # type: ignore[call-overload]
+    return None if obj is None else _member(obj, "seq", int)
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -33,7 +33,6 @@ WARNING: `_KEYS`, the dataclasses below, docs/configuration.md and docs/internal
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import os
 import re
@@ -45,6 +44,8 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from buzzwire.contract import ACTIONS
+from buzzwire.loopback import LOOPBACK_NAMES, is_loopback_host
+from daemon.relay_protocol import check_relay_url
 from daemon.ratelimit import DEFAULT_RATE_CONFIG, RateConfig, rate_config_from_table
 
 if TYPE_CHECKING:
@@ -130,8 +131,9 @@ class Pkcs11Config:
     unsealed_cache_seconds: float = 30.0
 
     def token(self) -> TokenConfig:
-        """The custody view of this section (where the token is, which seal)."""
-        from custody import TokenConfig
+        """The token custody opens: the one mapping from [pkcs11] to `custody.TokenConfig`
+        (the daemon and every command that opens the token use it)."""
+        from custody import TokenConfig  # custody loads the PKCS#11 binding: only when used
 
         return TokenConfig(module=self.module, token_label=self.token_label,
                            pin_file=self.pin_file, kek_label=self.kek_label, seal=self.seal)
@@ -322,18 +324,6 @@ def _group(value: object, _base: Path | None) -> object:
     raise _Bad("a group name or numeric gid")
 
 
-_LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost"})
-
-
-def _is_loopback(host: str) -> bool:
-    if host.lower() in _LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _relay_url(value: object, base: Path | None) -> object:
     text = _text(value, base)
     assert isinstance(text, str)
@@ -349,8 +339,13 @@ def _relay_url(value: object, base: Path | None) -> object:
         raise _Bad("a wss:// URL (ws:// only to a loopback host)")
     if parts.username is not None or parts.password is not None:
         raise _Bad("a URL without user information")
-    if parts.scheme == "ws" and not _is_loopback(parts.hostname):
+    if parts.scheme == "ws" and not is_loopback_host(parts.hostname):
         raise _Bad("wss:// for a non-loopback relay (ws:// sends events unencrypted)")
+    try:
+        # The pool's own rule has the last word: what passes here must start.
+        check_relay_url(text)
+    except ValueError as exc:
+        raise _Bad(f"a relay URL the daemon can use ({exc})") from None
     return text
 
 
@@ -370,9 +365,9 @@ def _loopback_listen(value: object, _base: Path | None) -> object:
         raise _Bad(expectation)
     host = match.group(1) or match.group(2)
     port = int(match.group(3))
-    if not 0 < port < 65536 or not _is_loopback(host):
+    if not 0 < port < 65536 or not is_loopback_host(host):
         raise _Bad(expectation)
-    if host.lower().startswith("localhost") or host.lower() == "ip6-localhost":
+    if host.lower() in LOOPBACK_NAMES:
         host = "127.0.0.1"  # a name could resolve elsewhere; bind the address it means
     return host, port
 
@@ -542,7 +537,9 @@ def _build(tree: Mapping[str, object], where: str, base: Path | None, source: st
     pin_file, pin_origin = _pin(fields["pkcs11"]["pin_file"], environ)
     fields["pkcs11"].update(pin_file=pin_file, pin_origin=pin_origin)
     server = fields["server"]
-    if server["max_inflight_bytes"] < server["max_body_bytes"]:  # type: ignore[operator]
+    inflight, body = server["max_inflight_bytes"], server["max_body_bytes"]
+    assert isinstance(inflight, int) and isinstance(body, int)  # both parsed as sizes above
+    if inflight < body:
         raise ConfigError(
             f"{where}: [server] max_inflight_bytes: expected at least max_body_bytes "
             f"({server['max_body_bytes']}), got {server['max_inflight_bytes']}"

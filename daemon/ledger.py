@@ -21,10 +21,11 @@ Theory of operation (design.md "Idempotency: the ledger"; spec I3):
 - `record_pending` commits before it returns (synchronous=FULL) — the caller must not let
   anything reach the relay before it returns. The pending blob is write-once: a retry
   re-sends exactly those events, never re-signed ones.
-- `finish(final=True)` records a final verdict (succeeded or failed; the ledger does not
-  read the verdict bytes, so both are the one state FINAL). `finish(final=False)` records
-  an indeterminate verdict and keeps the pending blob: indeterminate is never final, the
-  next identical retry gets `Resume`.
+- `finish(ticket, response, status, code)` records a verdict: its bytes (opaque: the
+  ledger never reads them) and its status and code as columns, which a replay hands back
+  beside the bytes (the log and metrics need them; nothing parses them back out of the
+  bytes). succeeded and failed are the one state FINAL; indeterminate is never final, it
+  keeps the pending blob, and the next identical retry gets `Resume`.
 - States move only through `advance(state, event)`, one lookup in `TRANSITIONS`; a missing
   pair is our bug (AssertionError naming state and event).
 
@@ -68,6 +69,9 @@ Audit anchor (issue 13): the audit log's head (seq, hash) is written into `audit
 in every transaction, when it has moved, so the verdict and the audit record it followed
 become durable together. The audit log at start must reach it (daemon/audit.py).
 
+Migrations: `_migrate_v1` moves the first layout's table in; `_migrate_verdict_columns`
+adds `status` and `code` to a file made before they were columns.
+
 WARNING: one process owns a ledger file. The in-flight map is per process; a second daemon
 on the same file would not see the first one's owners. Keep `TRANSITIONS`, the `State`
 values stored in SQLite, `_SCHEMA` and `_migrate_v1` in sync.
@@ -82,12 +86,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, TypeAlias
+from typing import Final, TypeAlias, TypeVar, cast
 
 import trio
 
+from buzzwire.contract import ErrorCode, Status
 from daemon._group_commit import Failed, GroupCommit
 from daemon._sqlite import open_private_db
+from daemon.verdict_store import verdict_of
 
 __all__ = [
     "LedgerKey",
@@ -235,9 +241,13 @@ class Resume:
 
 @dataclass(frozen=True, slots=True)
 class Replay:
-    """A final verdict is recorded: answer `response` (the caller adds replayed:true)."""
+    """A final verdict is recorded: answer `response` (the caller adds replayed:true).
+
+    `status` and `code` are the verdict's, as recorded beside the bytes."""
 
     response: bytes
+    status: Status
+    code: ErrorCode | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,8 +276,8 @@ class _Flight:
     state: State
     has_pending: bool
     done: trio.Event = field(default_factory=trio.Event)
-    #: set by finish(final=True), so waiters replay without a database round trip.
-    final_response: bytes | None = None
+    #: set by a final finish(), so waiters replay without a database round trip.
+    final: Replay | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +286,8 @@ class _Row:
     state: State
     pending: bytes | None
     response: bytes | None
+    status: str | None
+    code: str | None
 
 
 _SCHEMA = """
@@ -290,6 +302,8 @@ CREATE TABLE IF NOT EXISTS entries (
     state       TEXT    NOT NULL,
     pending     BLOB,
     response    BLOB,
+    status      TEXT,
+    code        TEXT,
     expires     INTEGER NOT NULL,
     PRIMARY KEY (pid, rid)
 ) WITHOUT ROWID;
@@ -304,7 +318,8 @@ CREATE TABLE IF NOT EXISTS audit_anchor (
 #: The size a record counts against its principal's cap (SQL over an `entries` row).
 _SIZE_SQL = f"{ROW_BYTES} + coalesce(length(pending), 0) + coalesce(length(response), 0)"
 
-_Op: TypeAlias = Callable[[sqlite3.Connection], Any]
+_Op: TypeAlias = Callable[[sqlite3.Connection], object]
+_T = TypeVar("_T")
 
 
 class Ledger:
@@ -323,7 +338,7 @@ class Ledger:
         # worker threads, `reader` serves begin()'s lookup on the event-loop thread.
         # The write side: every write is an op in `_group`'s next transaction on `conn`.
         self._conn = conn
-        self._group: GroupCommit[_Op, Any] = GroupCommit(
+        self._group: GroupCommit[_Op, object] = GroupCommit(
             self._run_batch, flush_failed=lambda: RuntimeError("ledger flush failed")
         )
         #: how many transactions (fsyncs) the flusher ran; the benchmark reports it.
@@ -389,7 +404,8 @@ class Ledger:
             raise ValueError("max_bytes_per_principal must be a positive int or None")
         conn = open_private_db(Path(path), _SCHEMA)
         try:
-            _migrate_v1(conn, retention_seconds)
+            moved = _migrate_v1(conn, retention_seconds)
+            _migrate_verdict_columns(conn, backfill=moved)
             reader = _open_reader(Path(path))
         except BaseException:
             conn.close()
@@ -436,17 +452,18 @@ class Ledger:
 
     # -- group commit (daemon/_group_commit.py runs the queue) --------------------------
 
-    async def _run(self, op: _Op) -> Any:
-        """Queue `op` for the next transaction and wait until it is committed.
+    async def _run(self, op: Callable[[sqlite3.Connection], _T]) -> _T:
+        """Queue `op` for the next transaction and wait until it is committed; its result.
 
         Cancellation: if the waiting task is cancelled, its operation still runs in the
         next batch (it may already be in a transaction); the caller just stops waiting.
         """
         if self._closed:
             raise RuntimeError("ledger is closed")
-        return await self._group.submit(op)
+        # The group hands each op back its own result: the type `op` returns.
+        return cast(_T, await self._group.submit(op))
 
-    def _run_batch(self, batch: Sequence[_Op]) -> list[Any]:
+    def _run_batch(self, batch: Sequence[_Op]) -> list[object]:
         # Runs in a worker thread. One transaction, one fsync, for the whole batch.
         conn = self._conn
         try:
@@ -456,7 +473,7 @@ class Ledger:
         # Usage and new ids count only when the transaction commits; an op that fails is
         # rolled back to its savepoint, with what it noted here.
         self._deltas, self._new_pids = {}, {}
-        results: list[Any] = []
+        results: list[object] = []
         for op in batch:
             noted = dict(self._deltas), dict(self._new_pids)
             try:
@@ -509,7 +526,8 @@ class Ledger:
 
     def _upsert(self, conn: sqlite3.Connection, key: LedgerKey, digest: bytes, state: State,
                 expires: int, *, pending: bytes | None = None,
-                response: bytes | None = None) -> None:
+                response: bytes | None = None, status: Status | None = None,
+                code: ErrorCode | None = None) -> None:
         """Write one record (flusher thread); counts its size change for the cap."""
         pid = self._pid(conn, key.principal)
         rid = request_key(key.request_id)
@@ -518,13 +536,17 @@ class Ledger:
         # A column given as None keeps what the record holds (pending is write-once;
         # an indeterminate response stays until the verdict replaces it).
         conn.execute(
-            "INSERT INTO entries (pid, rid, digest, state, pending, response, expires)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?)"
+            "INSERT INTO entries (pid, rid, digest, state, pending, response, status, code,"
+            " expires) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT (pid, rid) DO UPDATE SET state = excluded.state,"
             " pending = coalesce(excluded.pending, pending),"
             " response = coalesce(excluded.response, response),"
+            " status = CASE WHEN excluded.response IS NULL THEN status ELSE excluded.status END,"
+            " code = CASE WHEN excluded.response IS NULL THEN code ELSE excluded.code END,"
             " expires = excluded.expires",
-            (pid, rid, digest, state.value, pending, response, expires),
+            (pid, rid, digest, state.value, pending, response,
+             None if status is None else status.value, None if code is None else code.value,
+             expires),
         )
         new = conn.execute(f"SELECT {_SIZE_SQL} FROM entries WHERE pid = ? AND rid = ?",
                            (pid, rid)).fetchone()
@@ -555,8 +577,8 @@ class Ledger:
             if flight.ticket.digest != digest:
                 return Conflict()
             await flight.done.wait()
-            if flight.final_response is not None:
-                return Replay(flight.final_response)
+            if flight.final is not None:
+                return flight.final
             # Ended indeterminate or released: loop, and the first waiter to run claims it.
 
         ticket = Ticket(key, digest)
@@ -583,8 +605,10 @@ class Ledger:
             return Conflict()
         if row.state is State.FINAL:
             self._drop(flight)
-            assert row.response is not None, "a final ledger record always holds a response"
-            return Replay(row.response)
+            assert row.response is not None and row.status is not None, (
+                "a final ledger record always holds a response and its status")
+            return Replay(row.response, Status(row.status),
+                          None if row.code is None else ErrorCode(row.code))
         flight.state = row.state
         if row.pending is not None:
             flight.has_pending = True
@@ -610,15 +634,15 @@ class Ledger:
         flight.state = new_state
         flight.has_pending = True
 
-    async def finish(self, ticket: Ticket, response: bytes, *, final: bool,
-                     keep_seconds: int | None = None) -> None:
+    async def finish(self, ticket: Ticket, response: bytes, status: Status,
+                     code: ErrorCode | None = None, *, keep_seconds: int | None = None) -> None:
         """Record the verdict and end ownership; waiters wake.
 
         Args:
             response: the bytes to replay (final) or keep for the record (indeterminate);
                 opaque here (the pipeline may hand in a compact form).
-            final: True for succeeded/failed; False for indeterminate, which keeps the
-                pending work so the next identical retry gets Resume.
+            status, code: the verdict's, stored as columns. succeeded/failed are final;
+                indeterminate keeps the pending work so the next identical retry gets Resume.
             keep_seconds: keep a final record this long instead of the retention (reads:
                 their pages are large and replaying them is only a convenience).
 
@@ -629,6 +653,9 @@ class Ledger:
         flight = self._owner(ticket)
         if not isinstance(response, bytes):
             raise TypeError("response must be bytes")
+        if not isinstance(status, Status):
+            raise TypeError("status must be a Status")
+        final = status is not Status.INDETERMINATE
         event = LedgerEvent.FINISH_FINAL if final else LedgerEvent.FINISH_INDETERMINATE
         new_state = advance(flight.state, event)
         keep = self._retention if keep_seconds is None else min(keep_seconds, self._retention)
@@ -636,13 +663,14 @@ class Ledger:
         key, digest = ticket.key, ticket.digest
         try:
             await self._run(lambda conn: self._upsert(conn, key, digest, new_state, expires,
-                                                      response=response))
+                                                      response=response, status=status,
+                                                      code=code))
         except BaseException:
             self._drop(flight)
             raise
         flight.state = new_state
         if final:
-            flight.final_response = response
+            flight.final = Replay(response, status, code)
         self._drop(flight)
 
     def release(self, ticket: Ticket) -> None:
@@ -678,8 +706,8 @@ class Ledger:
 
     async def count(self) -> int:
         """How many records the database holds (for tests, metrics and the benchmark)."""
-        n: int = await self._run(
-            lambda conn: conn.execute("SELECT count(*) FROM entries").fetchone()[0]
+        n = await self._run(
+            lambda conn: int(conn.execute("SELECT count(*) FROM entries").fetchone()[0])
         )
         return n
 
@@ -701,7 +729,7 @@ class Ledger:
         flight.done.set()
 
 
-def _migrate_v1(conn: sqlite3.Connection, retention: int) -> None:
+def _migrate_v1(conn: sqlite3.Connection, retention: int) -> bool:
     """Move records from the first layout (`ledger`: text keys, `updated_at`) into `entries`.
 
     One transaction; afterwards the old table is gone. Expiry is what the old sweep would
@@ -710,7 +738,7 @@ def _migrate_v1(conn: sqlite3.Connection, retention: int) -> None:
     """
     if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'ledger'"
                     ).fetchone() is None:
-        return
+        return False
     conn.create_function("request_key", 1, lambda text: request_key(str(text)),
                          deterministic=True)
     conn.execute("BEGIN IMMEDIATE")
@@ -724,6 +752,34 @@ def _migrate_v1(conn: sqlite3.Connection, retention: int) -> None:
             " FROM ledger AS l JOIN principals AS p ON p.principal = l.principal",
             (State.FINAL.value, retention, STALE_FACTOR * retention))
         conn.execute("DROP TABLE ledger")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return True
+
+
+def _migrate_verdict_columns(conn: sqlite3.Connection, *, backfill: bool) -> None:
+    """Add the `status` and `code` columns to a ledger made before them (issue 16).
+
+    One transaction. Each recorded verdict's status and code are read once from its
+    stored bytes (daemon/verdict_store.verdict_of); from then on they are columns.
+    `backfill`: fill them although the columns exist (records `_migrate_v1` just moved in).
+    """
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(entries)").fetchall()}
+    if "status" in columns and not backfill:
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        if "status" not in columns:
+            conn.execute("ALTER TABLE entries ADD COLUMN status TEXT")
+            conn.execute("ALTER TABLE entries ADD COLUMN code TEXT")
+        rows = conn.execute("SELECT pid, rid, response FROM entries"
+                            " WHERE response IS NOT NULL AND status IS NULL").fetchall()
+        for pid, rid, response in rows:
+            status, code = verdict_of(bytes(response))
+            conn.execute("UPDATE entries SET status = ?, code = ? WHERE pid = ? AND rid = ?",
+                         (status.value, None if code is None else code.value, pid, rid))
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
@@ -789,9 +845,11 @@ def _open_reader(path: Path) -> sqlite3.Connection:
 
 def _select(conn: sqlite3.Connection, pid: int, key: LedgerKey) -> _Row | None:
     row = conn.execute(
-        "SELECT digest, state, pending, response FROM entries WHERE pid = ? AND rid = ?",
+        "SELECT digest, state, pending, response, status, code FROM entries"
+        " WHERE pid = ? AND rid = ?",
         (pid, request_key(key.request_id)),
     ).fetchone()
     if row is None:
         return None
-    return _Row(digest=bytes(row[0]), state=State(row[1]), pending=row[2], response=row[3])
+    return _Row(digest=bytes(row[0]), state=State(row[1]), pending=row[2], response=row[3],
+                status=row[4], code=row[5])

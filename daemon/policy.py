@@ -2,8 +2,11 @@
 
 Rules (spec I2, §Results; issue 4):
 - Runs after authentication and validation, before execution. Returns a `Refusal`
-  (a failed-only code and a fixed message) or None. It has no side effects and does no
-  I/O beyond reading the public agent directory it is handed.
+  (a failed-only code and a fixed message) or `Authorized`: the agent records it resolved
+  (the requester's for agents.create, the target's for agents.update/delete). That is
+  the one resolution: the operation acts on exactly these records and resolves nothing
+  itself, and the pipeline locks the target it names. It has no side effects and does
+  no I/O beyond reading the public agent directory it is handed.
 - The checks are data: `CHECKS` is an ordered table of (name, check); the first refusal
   wins. The order puts the session's own scope first (action, then channel), then the
   host's switches, then the action-specific rules, so a session never learns about host
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
     from daemon.config import PolicyConfig
 
 __all__ = [
+    "Authorized",
     "Refusal",
     "authorize",
     "within_credential",
@@ -81,6 +85,19 @@ class AgentView(Protocol):
     def depth(self) -> int: ...
     @property
     def deleted_at(self) -> int | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Authorized:
+    """The request may go ahead, on these records (resolved once, by `authorize`).
+
+    `requester`: the requester's own live record, for the actions that need it
+    (agents.create: its depth); `target`: the live agent it owns that `target` names
+    (agents.update, agents.delete). None where the action has no such agent.
+    """
+
+    requester: AgentView | None = None
+    target: AgentView | None = None
 
 
 _R = TypeVar("_R", bound=AgentView, covariant=True)
@@ -170,7 +187,8 @@ def resolve_target(
 
 
 _Dir: TypeAlias = AgentDirectory[AgentView]
-_Check: TypeAlias = "Callable[[Principal, _Request, PolicyConfig, _Dir], Refusal | None]"
+#: A check answers a refusal, nothing, or what it resolved (merged into `Authorized`).
+_Check: TypeAlias = "Callable[[Principal, _Request, PolicyConfig, _Dir], Refusal | Authorized | None]"
 
 
 def within_credential(p: Principal, r: _Request) -> Refusal | None:
@@ -203,7 +221,7 @@ def _check_disabled(
 
 def _check_depth(
     p: Principal, r: _Request, host: PolicyConfig, agents: _Dir
-) -> Refusal | None:
+) -> Refusal | Authorized | None:
     if r.action != "agents.create":
         return None
     requester = agents.agent(p.agent)
@@ -211,7 +229,7 @@ def _check_depth(
         return REFUSALS["requester"]
     if requester.depth + 1 > host.max_agent_depth:
         return _depth_refusal(host.max_agent_depth)
-    return None
+    return Authorized(requester=requester)
 
 
 def _check_runtime(
@@ -225,11 +243,11 @@ def _check_runtime(
 
 def _check_target(
     p: Principal, r: _Request, host: PolicyConfig, agents: _Dir
-) -> Refusal | None:
+) -> Refusal | Authorized | None:
     if r.action not in TARGET_ACTIONS:
         return None
     found = resolve_target(p, getattr(r.args, "target"), agents)
-    return found if isinstance(found, Refusal) else None
+    return found if isinstance(found, Refusal) else Authorized(target=found)
 
 
 #: The checks, in order; the first refusal wins.
@@ -247,17 +265,26 @@ def authorize(
     request: _Request,
     host: PolicyConfig,
     agents: AgentDirectory[AgentView],
-) -> Refusal | None:
-    """None if the principal may run this (validated) request on this host, else the refusal.
+) -> Authorized | Refusal:
+    """What the principal may run this (validated) request on, or the refusal.
 
     Args:
         principal: from SessionStore.authenticate.
         request: a validated contract Request (`.action`, `.args`).
         host: the host's [policy] configuration.
         agents: the public agent directory (custody.Custody or custody.PublicDirectory-like).
+
+    Returns:
+        The first check's refusal, in `CHECKS` order; else `Authorized` with the records
+        the checks resolved.
     """
+    requester: AgentView | None = None
+    target: AgentView | None = None
     for _name, check in CHECKS:
-        refusal = check(principal, request, host, agents)
-        if refusal is not None:
-            return refusal
-    return None
+        answer = check(principal, request, host, agents)
+        if isinstance(answer, Refusal):
+            return answer
+        if answer is not None:
+            requester = answer.requester or requester
+            target = answer.target or target
+    return Authorized(requester=requester, target=target)

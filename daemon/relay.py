@@ -79,10 +79,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Union, cast
+from typing import Union, cast
 
 import trio
 import trio_websocket
+
+from buzzwire.nostr import SignedEvent
 
 from daemon.log import log_event
 from daemon.relay_protocol import (
@@ -107,6 +109,7 @@ from daemon.relay_protocol import (
 
 __all__ = [
     "Accepted",
+    "AuthNotSigned",
     "AuthSigner",
     "NotSent",
     "PublishResult",
@@ -144,7 +147,7 @@ _CLEANUP_SECONDS = 1.0
 _CLOSE_HANDSHAKE_SECONDS = 0.25
 
 #: auth_signer(agent_pubkey, relay_url, challenge, created_at) -> signed kind-22242 event.
-AuthSigner = Callable[[str, str, str, int], Awaitable[Mapping[str, Any]]]
+AuthSigner = Callable[[str, str, str, int], Awaitable[SignedEvent]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -224,6 +227,18 @@ class RelayRefused(RelayError):
     """The relay answered and refused (CLOSED restricted:, AUTH refused, ...)."""
 
 
+class AuthNotSigned(Exception):
+    """The AUTH signer could not sign the challenge (custody refused or failed).
+
+    The signer raises this, and only this, to say so; the pool answers as it does for any
+    AUTH that did not succeed. `reason` names the cause's type, never its text.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class _Unreachable(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -294,7 +309,7 @@ class _Subscription:
 
     def __init__(self) -> None:
         self.done = trio.Event()
-        self.events: list[dict[str, Any]] = []
+        self.events: list[dict[str, object]] = []
         #: Characters of the EVENT frames collected (the frame's size as received).
         self.size = 0
         self.closed: str | None = None
@@ -672,13 +687,14 @@ class RelayPool:
             if conn.challenge is None:
                 raise _AuthFailed("the relay sent no AUTH challenge", refused=False)
             try:
-                auth_event = dict(
-                    await self._auth_signer(conn.agent, self._url.text, conn.challenge, int(time.time()))
-                )
+                auth_event = await self._auth_signer(
+                    conn.agent, self._url.text, conn.challenge, int(time.time()))
                 frame = encode_auth(auth_event)
-                event_id = str(auth_event["id"])
-            except (KeyError, ValueError, TypeError) as exc:
+            except AuthNotSigned as exc:
+                raise _AuthFailed(f"AUTH not signed: {exc.reason}", refused=False) from None
+            except ValueError as exc:  # not a kind-22242 event: our signer's bug
                 raise _AuthFailed(f"AUTH event unusable: {type(exc).__name__}", refused=False) from None
+            event_id = auth_event.id
             waiter = conn.expect_ok(event_id)
             try:
                 try:
@@ -710,7 +726,7 @@ class RelayPool:
 
     # publishing -------------------------------------------------------------------------
 
-    async def publish(self, agent: str, event: Mapping[str, Any]) -> PublishResult:
+    async def publish(self, agent: str, event: SignedEvent) -> PublishResult:
         """Send one signed event as `agent` and report what the relay did with it.
 
         Args:
@@ -721,11 +737,11 @@ class RelayPool:
             Accepted | Rejected | NotSent | Unknown (see the module docstring's mapping).
 
         Raises:
-            ValueError: `event` has no 64-hex ``id`` (our bug). RuntimeError: pool not running.
+            TypeError: `event` is not a SignedEvent (our bug). RuntimeError: pool not running.
         """
-        event_id = event.get("id") if isinstance(event, Mapping) else None
-        if not isinstance(event_id, str) or len(event_id) != 64:
-            raise ValueError("publish needs a signed event with a 64-hex id")
+        if not isinstance(event, SignedEvent):
+            raise TypeError("publish needs a SignedEvent")
+        event_id = event.id
         frame = encode_event(event)
         started = time.monotonic()
         result: PublishResult
@@ -781,7 +797,8 @@ class RelayPool:
 
     # reading ----------------------------------------------------------------------------
 
-    async def query(self, agent: str, filters: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    async def query(self, agent: str, filters: Sequence[Mapping[str, object]]
+                    ) -> list[dict[str, object]]:
         """Stored events matching `filters`, read as `agent`, until EOSE.
 
         Returns:
@@ -815,8 +832,8 @@ class RelayPool:
             self._observer(op, result, time.monotonic() - started)
 
     async def _query_on(
-        self, conn: _Connection, filters: Sequence[Mapping[str, Any]]
-    ) -> list[dict[str, Any]]:
+        self, conn: _Connection, filters: Sequence[Mapping[str, object]]
+    ) -> list[dict[str, object]]:
         for attempt in range(2):
             try:
                 await self._auth_if_challenged(conn)

@@ -15,8 +15,8 @@ Rules:
 - `machine_prefix` reads the NIP-01 machine-readable prefix of an OK/CLOSED message
   (``duplicate:``, ``auth-required:``, ``restricted:``, ...). An unknown prefix is
   `None`, not an error: relays add their own.
-- `check_relay_url` is the transport rule: ``ws://`` only to a loopback host, ``wss://``
-  otherwise.
+- `check_relay_url` is the transport rule: ``ws://`` only to a loopback host
+  (`buzzwire.loopback`, the one rule), ``wss://`` otherwise.
 
 Theory of operation (NIP-01, NIP-42):
     client → relay: ["EVENT", ev] | ["REQ", subid, filter...] | ["CLOSE", subid] | ["AUTH", ev]
@@ -29,13 +29,15 @@ WARNING: `_READERS` and the `RelayMessage` union must list the same verbs.
 from __future__ import annotations
 
 import enum
-import ipaddress
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import NoReturn, Union
 from urllib.parse import urlsplit
+
+from buzzwire.loopback import is_loopback_host
+from buzzwire.nostr import SignedEvent
 
 __all__ = [
     "AUTH_KIND",
@@ -123,7 +125,7 @@ class EventMessage:
     """["EVENT", subscription_id, event]: one stored or live event, kept verbatim."""
 
     subscription_id: str
-    event: dict[str, Any]
+    event: dict[str, object]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -188,14 +190,14 @@ def _subid(value: object) -> str:
     return s
 
 
-def _read_event(items: list[Any]) -> RelayMessage:
+def _read_event(items: list[object]) -> RelayMessage:
     event = items[2]
     if not isinstance(event, dict):
         raise RelayProtocolError("bad_member", "EVENT payload is not an object")
     return EventMessage(subscription_id=_subid(items[1]), event=event)
 
 
-def _read_ok(items: list[Any]) -> RelayMessage:
+def _read_ok(items: list[object]) -> RelayMessage:
     event_id = _str(items[1], "OK event id")
     if not _HEX64.fullmatch(event_id):
         raise RelayProtocolError("bad_member", "OK event id is not 64 lowercase hex")
@@ -205,19 +207,19 @@ def _read_ok(items: list[Any]) -> RelayMessage:
     return Ok(event_id=event_id, accepted=items[2], message=_str(items[3], "OK message"))
 
 
-def _read_eose(items: list[Any]) -> RelayMessage:
+def _read_eose(items: list[object]) -> RelayMessage:
     return EndOfStoredEvents(subscription_id=_subid(items[1]))
 
 
-def _read_closed(items: list[Any]) -> RelayMessage:
+def _read_closed(items: list[object]) -> RelayMessage:
     return Closed(subscription_id=_subid(items[1]), message=_str(items[2], "CLOSED message"))
 
 
-def _read_notice(items: list[Any]) -> RelayMessage:
+def _read_notice(items: list[object]) -> RelayMessage:
     return Notice(message=_str(items[1], "NOTICE message"))
 
 
-def _read_auth(items: list[Any]) -> RelayMessage:
+def _read_auth(items: list[object]) -> RelayMessage:
     challenge = _str(items[1], "AUTH challenge")
     if not challenge:
         raise RelayProtocolError("bad_member", "AUTH challenge is empty")
@@ -225,7 +227,7 @@ def _read_auth(items: list[Any]) -> RelayMessage:
 
 
 #: verb → (number of array items including the verb, reader).
-_READERS: Mapping[str, tuple[int, Callable[[list[Any]], RelayMessage]]] = {
+_READERS: Mapping[str, tuple[int, Callable[[list[object]], RelayMessage]]] = {
     "EVENT": (3, _read_event),
     "OK": (4, _read_ok),
     "EOSE": (2, _read_eose),
@@ -235,9 +237,9 @@ _READERS: Mapping[str, tuple[int, Callable[[list[Any]], RelayMessage]]] = {
 }
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
     # A duplicate key makes an event's meaning depend on the parser; refuse it.
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for key, value in pairs:
         if key in out:
             raise RelayProtocolError("not_json", f"duplicate key {key!r}")
@@ -245,7 +247,7 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _no_constants(name: str) -> Any:
+def _no_constants(name: str) -> NoReturn:
     raise RelayProtocolError("not_json", f"{name} is not JSON")
 
 
@@ -291,19 +293,19 @@ def _dumps(value: object) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
-def encode_event(event: Mapping[str, Any]) -> str:
-    """["EVENT", event] — the event is sent exactly as given (same bytes on a retry)."""
-    return _dumps(["EVENT", dict(event)])
+def encode_event(event: SignedEvent) -> str:
+    """["EVENT", event] — the same event always encodes to the same bytes (a retry)."""
+    return _dumps(["EVENT", event.to_json_obj()])
 
 
-def encode_auth(event: Mapping[str, Any]) -> str:
+def encode_auth(event: SignedEvent) -> str:
     """["AUTH", event] — NIP-42: the signed kind-22242 answer to a challenge."""
-    if event.get("kind") != AUTH_KIND:
+    if event.kind != AUTH_KIND:
         raise ValueError(f"an AUTH event must be kind {AUTH_KIND}")
-    return _dumps(["AUTH", dict(event)])
+    return _dumps(["AUTH", event.to_json_obj()])
 
 
-def encode_req(sub_id: str, filters: Sequence[Mapping[str, Any]]) -> str:
+def encode_req(sub_id: str, filters: Sequence[Mapping[str, object]]) -> str:
     """["REQ", sub_id, filter...]; NIP-01 needs at least one filter."""
     if not filters:
         raise ValueError("a REQ needs at least one filter")
@@ -344,13 +346,6 @@ class RelayUrl:
 _DEFAULT_PORTS = {"ws": 80, "wss": 443}
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_relay_url(url: str) -> RelayUrl:
@@ -374,7 +369,7 @@ def check_relay_url(url: str) -> RelayUrl:
     except ValueError:
         raise ValueError("relay url has an invalid port") from None
     secure = parts.scheme == "wss"
-    if not secure and not _is_loopback(host):
+    if not secure and not is_loopback_host(host):
         # Plain ws:// would expose AUTH events and every message to the network.
         raise ValueError("ws:// is allowed only to a loopback host; use wss://")
     resource = parts.path or "/"

@@ -241,13 +241,20 @@ def _info(row: tuple[object, ...]) -> CredentialInfo:
         agent=str(agent),
         channels=tuple(json.loads(str(channels))),
         actions=tuple(json.loads(str(actions))),
-        created_at=int(created_at),  # type: ignore[call-overload]
-        expires_at=None if expires_at is None else int(expires_at),  # type: ignore[call-overload]
-        uid=None if uid is None else int(uid),  # type: ignore[call-overload]
-        revoked_at=None if revoked_at is None else int(revoked_at),  # type: ignore[call-overload]
+        created_at=_integer(created_at),
+        expires_at=None if expires_at is None else _integer(expires_at),
+        uid=None if uid is None else _integer(uid),
+        revoked_at=None if revoked_at is None else _integer(revoked_at),
         label=None if label is None else str(label),
-        last_used_at=None if last_used_at is None else int(last_used_at),  # type: ignore[call-overload]
+        last_used_at=None if last_used_at is None else _integer(last_used_at),
     )
+
+
+def _integer(value: object) -> int:
+    """An INTEGER column of our own table (the schema makes it one)."""
+    if not isinstance(value, int):
+        raise AssertionError(f"sessions: an INTEGER column held {type(value).__name__}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)

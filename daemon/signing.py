@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 import trio
 
-from custody import Custody, SignedEvent, UnsignedEvent
+from buzzwire.nostr import SignedEvent, UnsignedEvent
+from custody import Custody
 
 __all__ = ["SigningBatcher", "MAX_EVENTS_PER_HOP"]
 

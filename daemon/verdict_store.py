@@ -20,7 +20,7 @@ from typing import Final
 
 from buzzwire.contract import MESSAGES, ErrorCode, Status, Verdict, encode_response
 
-__all__ = ["stored_form", "expanded_form", "STORED_MARK"]
+__all__ = ["stored_form", "expanded_form", "verdict_of", "STORED_MARK"]
 
 #: First byte of a compact refusal, and the separator before a non-default message.
 STORED_MARK: Final = b"\x00"
@@ -59,3 +59,31 @@ def expanded_form(request_id: str, stored: bytes) -> bytes:
     text = message.decode("utf-8") if _mark else None
     response: bytes = encode_response(request_id, Verdict.failed(code, text))
     return response
+
+
+def verdict_of(stored: bytes) -> tuple[Status, ErrorCode | None]:
+    """The status and code of a stored verdict, read from its bytes.
+
+    Only the ledger's one-time migration calls this (a record written before status and
+    code were columns); the pipeline gets both from the ledger's columns. A record that
+    cannot be read counts as `failed` without a code: the bytes still replay verbatim,
+    only the log line and the metric lose precision.
+    """
+    if stored.startswith(STORED_MARK):
+        code_text = stored[1:].partition(STORED_MARK)[0].decode("ascii", "replace")
+        return Status.FAILED, _code_or_none(code_text)
+    try:
+        obj = json.loads(stored)
+        status = Status(obj["status"])
+    except (ValueError, KeyError, TypeError):
+        return Status.FAILED, None
+    error = obj.get("error")
+    code = error.get("code") if isinstance(error, dict) else None
+    return status, _code_or_none(code) if isinstance(code, str) else None
+
+
+def _code_or_none(text: str) -> ErrorCode | None:
+    try:
+        return ErrorCode(text)
+    except ValueError:
+        return None

@@ -305,6 +305,43 @@ def test_plain_ws_refused_off_loopback(tmp_path: Path, url: str) -> None:
         load_config(write(tmp_path, f'[relay]\nurl = "{url}"\n'), environ={})
 
 
+#: Relay URLs at the edges of the loopback rule and the pool's other rules (issue 16): a
+#: name only /etc/hosts calls loopback, another case, a trailing dot, a fragment.
+_EDGE_URLS = ["ws://ip6-localhost:7777", "ws://LOCALHOST:7777", "ws://localhost.:7777",
+              "ws://localhost.localdomain", "ws://[::1]:7777", "ws://127.0.0.1:7777",
+              "wss://relay.example.com/#frag", "ws://relay.example.com", "wss://h:0x1"]
+
+
+@pytest.mark.parametrize("url", _EDGE_URLS)
+def test_check_config_and_the_pool_agree_on_relay_urls(tmp_path: Path, url: str) -> None:
+    # One rule: what check-config accepts, the pool's constructor accepts at start, and
+    # what the pool refuses, check-config refuses (ip6-localhost once passed one and
+    # failed the other).
+    from daemon.relay_protocol import check_relay_url
+
+    try:
+        check_relay_url(url)
+        pool_accepts = True
+    except ValueError:
+        pool_accepts = False
+    try:
+        load_config(write(tmp_path, f'[relay]\nurl = "{url}"\n'), environ={})
+        config_accepts = True
+    except ConfigError:
+        config_accepts = False
+    assert config_accepts == pool_accepts
+    assert pool_accepts is (url in ("ws://LOCALHOST:7777", "ws://localhost.:7777",
+                                    "ws://[::1]:7777", "ws://127.0.0.1:7777"))
+
+
+def test_one_token_mapping(tmp_path: Path) -> None:
+    text = ('[pkcs11]\nmodule = "/opt/p11.so"\ntoken_label = "t1"\npin_file = "/run/pin"\n'
+            'kek_label = "k1"\n')
+    token = load_config(write(tmp_path, text), environ={}).pkcs11.token()
+    assert (token.module, token.token_label, token.pin_file, token.kek_label) == (
+        "/opt/p11.so", "t1", "/run/pin", "k1")
+
+
 def test_durations(tmp_path: Path) -> None:
     text = '[state]\nledger_retention = 90\n[server]\nrequest_timeout = "250ms"\n'
     with pytest.raises(ConfigError, match="request_timeout"):

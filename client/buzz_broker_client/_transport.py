@@ -46,6 +46,8 @@ import anyio
 import anyio.abc
 import h11
 
+from buzzwire.loopback import LOOPBACK_NAMES, is_loopback_host
+
 __all__ = [
     "Credential",
     "Endpoint",
@@ -205,21 +207,15 @@ class Endpoint:
             raise ValueError("broker http:// address has an invalid port") from None
         if host is None:
             raise ValueError("broker http:// address has no host")
-        if host.lower() == "localhost":
-            # Pin the name rather than resolving it: a hosts file that maps `localhost`
-            # elsewhere must not carry the credential off the machine.
-            return cls(kind="tcp", host="127.0.0.1", port=port)
-        try:
-            ip = ipaddress.ip_address(host)
-        except ValueError:
-            raise ValueError(
-                "plain HTTP is refused except to loopback (127.0.0.0/8, ::1, localhost)"
-            ) from None
-        if not ip.is_loopback:
+        if not is_loopback_host(host):
             raise ValueError(
                 "plain HTTP is refused except to loopback (127.0.0.0/8, ::1, localhost)"
             )
-        return cls(kind="tcp", host=str(ip), port=port)
+        if host.lower() in LOOPBACK_NAMES:
+            # Pin the name rather than resolving it: a hosts file that maps `localhost`
+            # elsewhere must not carry the credential off the machine.
+            return cls(kind="tcp", host="127.0.0.1", port=port)
+        return cls(kind="tcp", host=str(ipaddress.ip_address(host)), port=port)
 
     def describe(self) -> str:
         """A human form for logs and messages."""

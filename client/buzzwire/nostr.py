@@ -9,6 +9,9 @@ Rules:
   non-ASCII character and the id would differ from every other implementation's.
   (buzz-on-the-relay.md, first section.)
 - Event values validate in construction: an `UnsignedEvent` that exists is well-formed.
+- `SignedEvent` is the one event type from builder to custody to relay to ledger record:
+  `SignedEvent.from_json_obj` is the only way in from JSON (a relay's answer, a ledger
+  record), and it checks shape only; `verify_signed` checks id and signature.
 - NIP-OA owner tag: `["auth", owner, conditions, sig]`, sig = the owner's BIP-340 signature
   over sha256(utf8("nostr:agent-auth:" + agent_pubkey_hex + ":" + conditions)).
 """
@@ -29,6 +32,7 @@ __all__ = [
     "serialize_event",
     "compute_event_id",
     "verify_event",
+    "verify_signed",
     "owner_tag_digest",
     "verify_owner_tag",
     "is_hex64",
@@ -65,6 +69,18 @@ def _freeze_tags(tags: Iterable[Iterable[str]]) -> Tags:
             raise TypeError("tag items must be str")
         frozen.append(items)
     return tuple(frozen)
+
+
+def _tags_of(value: object) -> Tags:
+    """JSON tags (an array of arrays of strings) as `Tags`; TypeError for anything else."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError("tags must be an array")
+    tags = []
+    for tag in value:
+        if not isinstance(tag, (list, tuple)) or not all(isinstance(i, str) for i in tag):
+            raise TypeError("each tag must be an array of strings")
+        tags.append(tuple(str(i) for i in tag))
+    return tuple(tags)
 
 
 def _check_common(pubkey: object, created_at: object, kind: object, content: object) -> None:
@@ -110,6 +126,34 @@ class SignedEvent:
         if not is_hex64(self.id) or not isinstance(self.sig, str) or not _HEX128.fullmatch(self.sig):
             raise ValueError("id must be 64 and sig 128 lowercase hex characters")
 
+    @classmethod
+    def from_json_obj(cls, obj: Mapping[str, object]) -> SignedEvent:
+        """The event a NIP-01 JSON object spells (its seven members; others are ignored).
+
+        Checks the shape only (members, types, hex forms), not the id or signature: see
+        `verify_signed`. Raises ValueError for anything else, whatever is wrong.
+        """
+        try:
+            id_, pubkey, created_at, kind, content, sig = (
+                obj["id"], obj["pubkey"], obj["created_at"], obj["kind"], obj["content"],
+                obj["sig"])
+            tags = _tags_of(obj["tags"])
+        except (KeyError, TypeError):
+            raise ValueError("not a NIP-01 event object") from None
+        if not (isinstance(id_, str) and isinstance(pubkey, str) and isinstance(sig, str)
+                and isinstance(created_at, int) and isinstance(kind, int)
+                and isinstance(content, str)):
+            raise ValueError("not a NIP-01 event object")
+        return cls(id=id_, pubkey=pubkey, created_at=created_at, kind=kind, tags=tags,
+                   content=content, sig=sig)
+
+    def tag_value(self, name: str) -> str | None:
+        """The first value of the first tag called `name`, if any."""
+        for tag in self.tags:
+            if len(tag) >= 2 and tag[0] == name:
+                return tag[1]
+        return None
+
     def to_json_obj(self) -> dict[str, object]:
         """The seven NIP-01 members, tags as lists (ready for json.dumps)."""
         return {
@@ -151,17 +195,14 @@ def verify_event(obj: Mapping[str, object]) -> bool:
     Public data only. Never raises for bad input: anything malformed is simply False.
     """
     try:
-        event = SignedEvent(
-            id=obj["id"],  # type: ignore[arg-type]
-            pubkey=obj["pubkey"],  # type: ignore[arg-type]
-            created_at=obj["created_at"],  # type: ignore[arg-type]
-            kind=obj["kind"],  # type: ignore[arg-type]
-            tags=obj["tags"],  # type: ignore[arg-type]
-            content=obj["content"],  # type: ignore[arg-type]
-            sig=obj["sig"],  # type: ignore[arg-type]
-        )
-    except (KeyError, TypeError, ValueError):
+        event = SignedEvent.from_json_obj(obj)
+    except (ValueError, TypeError):
         return False
+    return verify_signed(event)
+
+
+def verify_signed(event: SignedEvent) -> bool:
+    """True iff the event's id is its NIP-01 id and its BIP-340 signature is valid."""
     expected = compute_event_id(event.pubkey, event.created_at, event.kind, event.tags, event.content)
     if expected != event.id:
         return False

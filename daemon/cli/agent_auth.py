@@ -25,7 +25,7 @@ import argparse
 import json
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -34,6 +34,7 @@ from daemon.cli._common import CliError
 if TYPE_CHECKING:
     from custody import AgentRecord, Custody
     from daemon.config import Config
+    from daemon.relay import RelayPool
 
 #: Buzz's conditions: none.
 DEFAULT_CONDITIONS = ""
@@ -41,7 +42,7 @@ DEFAULT_CONDITIONS = ""
 KIND_METADATA = 0
 
 
-def add_arguments(sub: Any) -> None:
+def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("attach-auth",
                        help="attach an owner-signed NIP-OA tag to an agent and republish its profile")
     p.add_argument("--agent", required=True, metavar="PUBKEY", help="the agent's pubkey (64 hex)")
@@ -95,7 +96,7 @@ async def _republish_profile(config: Config, custody: Custody, record: AgentReco
     Raises:
         CliError: the relay could not be read or did not accept the profile.
     """
-    from daemon.broker import relay_pool
+    from daemon.wiring import relay_pool
 
     pool = relay_pool(config, custody)
     fault: str | None = None
@@ -114,11 +115,10 @@ async def _republish_profile(config: Config, custody: Custody, record: AgentReco
     return event_id
 
 
-async def _publish_profile(pool: Any, custody: Custody, record: AgentRecord
+async def _publish_profile(pool: RelayPool, custody: Custody, record: AgentRecord
                            ) -> tuple[str, str | None]:
-    from buzzwire.nostr import verify_event
     from custody import CustodyError, UnsignedEvent
-    from daemon.operations._events import json_object_or_none, newest, next_created_at
+    from daemon.operations._events import json_object_or_none, newest, next_created_at, verified
     from daemon.relay import Accepted, RelayRefused, RelayUnavailable
 
     try:
@@ -126,9 +126,9 @@ async def _publish_profile(pool: Any, custody: Custody, record: AgentRecord
             {"kinds": [KIND_METADATA], "authors": [record.pubkey], "limit": 5}])
     except (RelayUnavailable, RelayRefused) as exc:
         return "", f"the relay could not be read ({type(exc).__name__})"
-    previous = newest([e for e in found if verify_event(e)
-                       and e["pubkey"] == record.pubkey and e["kind"] == KIND_METADATA])
-    content = (json_object_or_none(str(previous["content"])) if previous else None) or {
+    previous = newest([e for e in verified(found)
+                       if e.pubkey == record.pubkey and e.kind == KIND_METADATA])
+    content = (json_object_or_none(previous.content) if previous else None) or {
         "display_name": record.name, "name": record.name}
     try:
         signed = await custody.sign_event(record.pubkey, UnsignedEvent(
@@ -137,11 +137,10 @@ async def _publish_profile(pool: Any, custody: Custody, record: AgentRecord
             content=json.dumps(content, ensure_ascii=False, separators=(",", ":"))))
     except CustodyError as exc:
         return "", f"the profile could not be signed ({exc})"
-    event = dict(signed.to_json_obj())
-    result = await pool.publish(record.pubkey, event)
+    result = await pool.publish(record.pubkey, signed)
     if not isinstance(result, Accepted):
         return "", f"the relay did not accept the profile ({type(result).__name__})"
-    return str(event["id"]), None
+    return signed.id, None
 
 
 def attach(args: argparse.Namespace, config: Config) -> int:

@@ -9,7 +9,7 @@ Startup, in order (each fault is one line on stderr and a non-zero exit, no trac
 3. take the listening socket: the one systemd passed (``LISTEN_FDS``/``LISTEN_PID``, fd 3)
    or bind [server] socket. Binding comes before the token: clients that connect early
    wait in the backlog, and a socket fault is reported before a slow token login;
-4. open the application (`daemon.broker.Broker.running`: custody logs into the token and
+4. open the application (`daemon.wiring.running`: custody logs into the token and
    finds the KEK, the stores and the relay pool open) - `StartupError` is one line;
 5. serve HTTP, then send ``READY=1`` and a ``STATUS=`` line; ping ``WATCHDOG=1`` from the
    event loop at half of ``WATCHDOG_USEC`` (a wedged loop stops the pings and systemd
@@ -192,7 +192,7 @@ async def run_server(
 
     Args:
         config: the loaded configuration.
-        app_factory: opens the application (`Broker.running` in production).
+        app_factory: opens the application (`daemon.wiring.running` in production).
         environ: the environment for the systemd protocols (the process's unless given).
         memory_lock: locks memory; tests pass a fake so the test process is not locked.
         task_status: ``started(control)`` once READY=1 has been sent.
@@ -380,8 +380,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @asynccontextmanager
 async def _broker_factory(config: Config) -> AsyncIterator[ReloadableApplication]:
-    """`Broker.running`, with its `StartupError` turned into the command's one-line fault."""
-    from daemon.broker import Broker, StartupError
+    """`daemon.wiring.running`, with its `StartupError` turned into the command's one-line fault."""
+    from daemon.wiring import StartupError, running
 
     source = config.source
 
@@ -390,7 +390,7 @@ async def _broker_factory(config: Config) -> AsyncIterator[ReloadableApplication
         return load_config(source, environ={})
 
     try:
-        async with Broker.running(config, config_loader=reload_config if source else None) as app:
+        async with running(config, config_loader=reload_config if source else None) as app:
             yield app
     except StartupError as exc:
         raise CliError(str(exc)) from None

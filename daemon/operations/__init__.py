@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
-from buzzwire.contract import ACTIONS
+from buzzwire.contract import ACTIONS, Verdict
 from daemon.operations import (
     agents_create,
     agents_delete,
@@ -38,8 +37,10 @@ class Operation:
     once would each read the same old state and one update would be lost (design.md traps).
     """
 
-    execute: Callable[[Context, Any], Awaitable[Any]] | None = None
-    prepare: Callable[[Context, Any], Awaitable[Any]] | None = None
+    # Each takes (Context, its own argument type): the contract's ActionSpec fixes which,
+    # per action, and the pipeline passes the `args` the contract built for that action.
+    execute: Callable[..., Awaitable[Verdict]] | None = None
+    prepare: Callable[..., Awaitable[Plan | Verdict]] | None = None
     serialize_per_agent: bool = False
 
 

@@ -11,34 +11,32 @@ Rules:
   very same events instead of signing new ones.
 - `Plan.rollback` and `Plan.commit` name host-local work that finishes the operation
   (destroy a minted key when the first event is refused; destroy a deleted agent's key
-  after the relay accepted its deletion). They are data, not closures, because they are
-  stored in the pending record and must still mean the same after a restart.
+  after the relay accepted its deletion): cleanup steps from daemon/pending.py, data and
+  not closures, because they are stored in the pending record and must still mean the
+  same after a restart.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from buzzwire.contract import ErrorCode
+from buzzwire.contract import ErrorCode, Outcome
+from buzzwire.nostr import SignedEvent
+from daemon.pending import Cleanup
 
 if TYPE_CHECKING:
     from custody import Custody
     from daemon.config import PolicyConfig
+    from daemon.policy import Authorized
     from daemon.cursor import CursorCodec
     from daemon.relay import RelayPool
     from daemon.runtimes import RuntimeStore
     from daemon.sessions import Principal
     from daemon.signing import SigningBatcher
 
-__all__ = ["Context", "Plan", "OperationRefused", "HOUSEKEEPING"]
-
-#: Host-local follow-ups a plan may name, each run after the relay answered.
-#:   destroy_agent: PUBKEY                    -- seal gone, record tombstoned, credentials revoked
-#:   rename_agent: {"pubkey": P, "name": N}  -- the keystore's name follows the published one
-#:   set_runtime: {"pubkey": P, "runtime": R} -- the host's own record of the agent's runtime
-HOUSEKEEPING = frozenset({"destroy_agent", "rename_agent", "set_runtime"})
+__all__ = ["Context", "Plan", "OperationRefused"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,13 +51,11 @@ class Context:
     cursors: CursorCodec
     request_id: str
     now: Callable[[], int]
-    #: Serialize this request with every other read-merge-write of `agent` until its events
-    #: are published (only in operations marked serialize_per_agent). The pipeline takes
-    #: the requester's and the target's locks up front, in one global order; call this
-    #: before reading, minting or signing anything, because an agent not locked up front
-    #: makes the pipeline start the operation again with it. agents.update holds its
-    #: target's, whose kind 0 it rewrites.
-    hold_agent: Callable[[str], Awaitable[None]]
+    #: The records authorization resolved: the requester's (agents.create) and the target
+    #: (agents.update/delete). The operation acts on exactly these and resolves nothing
+    #: itself. For an operation marked serialize_per_agent they were resolved under the
+    #: requester's and the target's locks, which stay held until its events are published.
+    authorized: Authorized
     #: the host's own record of each managed agent's runtime (never published)
     runtimes: RuntimeStore | None = None
 
@@ -69,25 +65,22 @@ class Plan:
     """Signed events to publish, in order, and what success will report.
 
     Attributes:
-      events: NIP-01 event objects (seven members each), published in this order; each goes
-        out on its author's relay connection.
+      events: signed events, published in this order; each goes out on its author's relay
+        connection.
       outcome: the contract outcome the agent receives when every event is accepted.
-      rollback: housekeeping run when the *first* event is refused (nothing took hold), as
-        a mapping of HOUSEKEEPING name -> argument.
-      commit: housekeeping run once every event was accepted.
+      rollback: cleanup steps run, in order, when the *first* event is refused (nothing
+        took hold).
+      commit: cleanup steps run, in order, once every event was accepted.
     """
 
-    events: tuple[Mapping[str, Any], ...]
-    outcome: Any
-    rollback: Mapping[str, Any] = field(default_factory=dict)
-    commit: Mapping[str, Any] = field(default_factory=dict)
+    events: tuple[SignedEvent, ...]
+    outcome: Outcome
+    rollback: tuple[Cleanup, ...] = ()
+    commit: tuple[Cleanup, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.events:
             raise ValueError("a plan publishes at least one event")
-        unknown = (set(self.rollback) | set(self.commit)) - HOUSEKEEPING
-        if unknown:
-            raise ValueError(f"unknown housekeeping: {sorted(unknown)}")
 
 
 class OperationRefused(Exception):

@@ -8,6 +8,8 @@ Rules:
 - Operations read the relay only through `fetch`, which reads as the requester and drops
   every event whose id or signature does not verify: an operation never builds on an
   event it could not check (a reply's parent, a profile's or a record's previous version).
+- Events are `buzzwire.nostr.SignedEvent` both ways: what custody signs, what a plan
+  publishes and what `fetch` hands back (checked, then typed). No event is a dict here.
 - A relay that cannot be read is `OperationRefused(action_failed)`: nothing was published
   yet, so `failed` is honest.
 - Replaceable events (kind 0, kind 30177) get `next_created_at`: strictly after the version
@@ -17,11 +19,10 @@ Rules:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
 
-from custody import UnsignedEvent, verify_event
 from buzzwire.contract import ErrorCode
+from buzzwire.nostr import SignedEvent, UnsignedEvent, verify_signed
 from daemon.operations._base import Context, OperationRefused
 from daemon.relay import RelayRefused, RelayUnavailable
 
@@ -34,6 +35,7 @@ __all__ = [
     "tag_value",
     "fetch",
     "fetch_in_channel",
+    "verified",
     "sign_all",
 ]
 
@@ -41,7 +43,7 @@ Tag = tuple[str, ...]
 
 
 async def sign(ctx: Context, author: str, kind: int, tags: Sequence[Tag], content: str,
-               created_at: int | None = None) -> dict[str, Any]:
+               created_at: int | None = None) -> SignedEvent:
     """Sign one event as `author` in custody and return its seven-member object.
 
     It goes through the batcher: under load, concurrent requests share one token hop."""
@@ -53,7 +55,7 @@ async def sign(ctx: Context, author: str, kind: int, tags: Sequence[Tag], conten
         content=content,
     )
     [signed] = await ctx.signer.sign([(author, unsigned)])
-    return dict(signed.to_json_obj())
+    return signed
 
 
 def mention_tags(mentions: Sequence[str]) -> list[Tag]:
@@ -61,7 +63,7 @@ def mention_tags(mentions: Sequence[str]) -> list[Tag]:
     return [("p", pk) for pk in mentions]
 
 
-def next_created_at(now: int, previous: Mapping[str, Any] | None) -> int:
+def next_created_at(now: int, previous: SignedEvent | None) -> int:
     """created_at for a new version of a replaceable event.
 
     Relays keep the lowest id when two versions share a second, not the newest write, so a
@@ -70,15 +72,14 @@ def next_created_at(now: int, previous: Mapping[str, Any] | None) -> int:
     """
     if previous is None:
         return now
-    prev = previous.get("created_at")
-    return max(now, prev + 1) if isinstance(prev, int) else now
+    return max(now, previous.created_at + 1)
 
 
-def newest(events: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+def newest(events: Sequence[SignedEvent]) -> SignedEvent | None:
     """The version a relay would keep: highest created_at, then lowest id."""
-    best: Mapping[str, Any] | None = None
+    best: SignedEvent | None = None
     for ev in events:
-        if best is None or (ev["created_at"], _neg(ev["id"])) > (best["created_at"], _neg(best["id"])):
+        if best is None or (ev.created_at, _neg(ev.id)) > (best.created_at, _neg(best.id)):
             best = ev
     return best
 
@@ -87,7 +88,7 @@ def _neg(event_id: str) -> tuple[int, ...]:
     return tuple(-b for b in bytes.fromhex(event_id))
 
 
-def json_object_or_none(text: str) -> dict[str, Any] | None:
+def json_object_or_none(text: str) -> dict[str, object] | None:
     """The content of a profile or managed-agent record, or None when it is not a JSON object."""
     try:
         value = json.loads(text)
@@ -96,15 +97,12 @@ def json_object_or_none(text: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def tag_value(event: Mapping[str, Any], name: str) -> str | None:
+def tag_value(event: SignedEvent, name: str) -> str | None:
     """The first value of the first tag called `name`, if any."""
-    for tag in event.get("tags", ()):
-        if len(tag) >= 2 and tag[0] == name:
-            return str(tag[1])
-    return None
+    return event.tag_value(name)
 
 
-async def fetch(ctx: Context, query_filter: Mapping[str, Any]) -> list[dict[str, Any]]:
+async def fetch(ctx: Context, query_filter: Mapping[str, object]) -> list[SignedEvent]:
     """Read events as the requester; events whose id or signature fail are dropped.
 
     Raises:
@@ -117,11 +115,24 @@ async def fetch(ctx: Context, query_filter: Mapping[str, Any]) -> list[dict[str,
         raise OperationRefused(
             ErrorCode.ACTION_FAILED, "the relay could not be read", detail=repr(exc)
         ) from None
-    return [dict(e) for e in events if verify_event(e)]
+    return verified(events)
+
+
+def verified(events: Iterable[Mapping[str, object]]) -> list[SignedEvent]:
+    """The events, as read from a relay, whose shape, id and signature check out."""
+    checked = []
+    for raw in events:
+        try:
+            event = SignedEvent.from_json_obj(raw)
+        except ValueError:
+            continue
+        if verify_signed(event):
+            checked.append(event)
+    return checked
 
 
 async def fetch_in_channel(ctx: Context, event_id: str, channel_id: str, *, what: str
-                           ) -> dict[str, Any]:
+                           ) -> SignedEvent:
     """The verified event `event_id`, which must carry `["h", channel_id]`.
 
     Raises:
@@ -130,7 +141,7 @@ async def fetch_in_channel(ctx: Context, event_id: str, channel_id: str, *, what
         replied to"); it is our fixed text, never the agent's.
     """
     found = await fetch(ctx, {"ids": [event_id], "limit": 1})
-    event = next((e for e in found if e["id"] == event_id), None)
+    event = next((e for e in found if e.id == event_id), None)
     if event is None:
         raise OperationRefused(ErrorCode.ACTION_FAILED, f"{what} was not found")
     if tag_value(event, "h") != channel_id:
@@ -139,12 +150,11 @@ async def fetch_in_channel(ctx: Context, event_id: str, channel_id: str, *, what
 
 
 async def sign_all(ctx: Context, drafts: Sequence[tuple[str, int, Sequence[Tag], str, int]]
-                   ) -> list[dict[str, Any]]:
+                   ) -> list[SignedEvent]:
     """Sign several events (author, kind, tags, content, created_at) in one custody hop."""
     batch = [
         (author, UnsignedEvent(pubkey=author, created_at=created_at, kind=kind,
                                tags=tuple(tuple(t) for t in tags), content=content))
         for author, kind, tags, content, created_at in drafts
     ]
-    signed = await ctx.signer.sign(batch)
-    return [dict(s.to_json_obj()) for s in signed]
+    return await ctx.signer.sign(batch)

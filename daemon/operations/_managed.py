@@ -10,8 +10,9 @@ host's own record (daemon/runtimes.py), never here.
 
 Rules:
 - The owner of every record is the requester (B2): there is no owner argument anywhere.
-- A target (by pubkey or by name) is resolved by policy among the requester's own live
-  agents only; an agent of another owner is refused exactly like an unknown one.
+- A target (by pubkey or by name) is resolved once, by policy's `authorize`, among the
+  requester's own live agents only (an agent of another owner is refused exactly like an
+  unknown one); the operation takes it from `ctx.authorized` (`target`).
 - Create writes `parallelism: 1`. A republish starts from the content read: every member
   the host does not set (`persona_id`, `respond_to_allowlist`, `parallelism`, members of a
   later Buzz) is kept as read; only `runtime` is dropped (an earlier version of this host
@@ -25,13 +26,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
 
-from custody import AgentRecord
-from buzzwire.contract import MAX_DISPLAY_NAME_CHARS, AgentTarget, ErrorCode
-from daemon.operations._base import Context, OperationRefused
-from daemon.operations._events import tag_value
-from daemon.policy import Refusal, resolve_target
+from buzzwire.contract import MAX_DISPLAY_NAME_CHARS
+from daemon.operations._base import Context
+from buzzwire.nostr import SignedEvent
+from daemon.policy import AgentView
 
 #: Buzz's managed-agent record (parameterized replaceable).
 KIND_MANAGED_AGENT = 30177
@@ -70,13 +69,14 @@ NEVER_PUBLISHED = frozenset({"runtime"})
 DEFAULT_PARALLELISM = 1
 
 
-def record_content(fields: Mapping[str, Any], *, read: Mapping[str, Any] | None = None) -> str:
+def record_content(fields: Mapping[str, object], *, read: Mapping[str, object] | None = None
+                   ) -> str:
     """The 30177 content: the record `read` (if any) with `fields` set over it.
 
     `fields` holds the members the host sets (None = not given). Every other member of
     `read` is kept as read, in Buzz's order and then the order read; `runtime` is dropped.
     """
-    merged: dict[str, Any] = {k: v for k, v in (read or {}).items() if k not in NEVER_PUBLISHED}
+    merged: dict[str, object] = {k: v for k, v in (read or {}).items() if k not in NEVER_PUBLISHED}
     for member, value in fields.items():
         if value is not None:
             merged[member] = value
@@ -101,12 +101,12 @@ def outcome_name(name: object, pubkey: str) -> str:
     return text[:MAX_DISPLAY_NAME_CHARS].strip() or pubkey[:12]
 
 
-def is_record_of(event: Mapping[str, Any], owner: str, agent: str) -> bool:
+def is_record_of(event: SignedEvent, owner: str, agent: str) -> bool:
     """Exactly `agent`'s managed record by `owner`: kind 30177, author, and `d` tag."""
     return (
-        event.get("kind") == KIND_MANAGED_AGENT
-        and event.get("pubkey") == owner
-        and tag_value(event, "d") == agent
+        event.kind == KIND_MANAGED_AGENT
+        and event.pubkey == owner
+        and event.tag_value("d") == agent
     )
 
 
@@ -115,13 +115,9 @@ def coordinate(owner: str, agent: str) -> str:
     return f"{KIND_MANAGED_AGENT}:{owner}:{agent}"
 
 
-def owned_target(ctx: Context, target: AgentTarget) -> AgentRecord:
-    """The live agent the requester owns that `target` names; refuses otherwise."""
-    found = resolve_target(ctx.principal, target, ctx.custody)
-    if isinstance(found, Refusal):
-        raise OperationRefused(found.code, found.message)
-    return found
-
-
-def refuse_unknown_requester() -> OperationRefused:
-    return OperationRefused(ErrorCode.UNAUTHORIZED, "the requesting agent is not held by this host")
+def owned_target(ctx: Context) -> AgentView:
+    """The live agent the requester owns that the request names, as authorization
+    resolved it (agents.update, agents.delete)."""
+    target = ctx.authorized.target
+    assert target is not None, "authorize resolves the target of every target action"
+    return target

@@ -28,9 +28,9 @@ from daemon.operations._managed import (
     KIND_MANAGED_AGENT,
     KIND_PUT_USER,
     record_content,
-    refuse_unknown_requester,
 )
 from daemon.operations.profile_set import KIND_METADATA
+from daemon.pending import DestroyAgent, SetRuntime
 
 #: NIP-29 role given to a created agent in its channel.
 AGENT_ROLE = "bot"
@@ -38,9 +38,8 @@ AGENT_ROLE = "bot"
 
 async def prepare(ctx: Context, args: AgentsCreateArgs) -> Plan:
     owner = ctx.principal.agent
-    requester = ctx.custody.agent(owner)
-    if requester is None or requester.deleted_at is not None:
-        raise refuse_unknown_requester()
+    requester = ctx.authorized.requester
+    assert requester is not None, "authorize resolves the requester of agents.create"
     agent = await ctx.custody.mint_agent(
         owner=owner,
         name=args.display_name,
@@ -77,7 +76,7 @@ async def prepare(ctx: Context, args: AgentsCreateArgs) -> Plan:
         outcome=AgentsCreateOutcome(
             agent_pubkey=agent.pubkey, display_name=args.display_name, channel_id=args.channel_id
         ),
-        rollback={"destroy_agent": agent.pubkey},
-        commit=({"set_runtime": {"pubkey": agent.pubkey, "runtime": args.runtime}}
-                if args.runtime is not None else {}),
+        rollback=(DestroyAgent(pubkey=agent.pubkey),),
+        commit=((SetRuntime(pubkey=agent.pubkey, runtime=args.runtime),)
+                if args.runtime is not None else ()),
     )

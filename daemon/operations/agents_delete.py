@@ -18,11 +18,12 @@ from daemon.operations._managed import (
     outcome_name,
     owned_target,
 )
+from daemon.pending import DestroyAgent
 
 
 async def prepare(ctx: Context, args: AgentsDeleteArgs) -> Plan:
     owner = ctx.principal.agent
-    agent = owned_target(ctx, args.target)
+    agent = owned_target(ctx)
     event = await sign(
         ctx,
         owner,
@@ -34,5 +35,5 @@ async def prepare(ctx: Context, args: AgentsDeleteArgs) -> Plan:
         events=(event,),
         outcome=AgentsDeleteOutcome(agent_pubkey=agent.pubkey,
                                     display_name=outcome_name(agent.name, agent.pubkey)),
-        commit={"destroy_agent": agent.pubkey},
+        commit=(DestroyAgent(pubkey=agent.pubkey),),
     )

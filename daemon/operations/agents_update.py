@@ -23,7 +23,6 @@ else (another agent's record, another author's, another kind) is lying or broken
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from buzzwire.contract import AgentsUpdateArgs, AgentsUpdateOutcome, ErrorCode, Verdict
 from daemon.operations._base import Context, OperationRefused, Plan
@@ -45,15 +44,16 @@ from daemon.operations._managed import (
     record_content,
 )
 from daemon.operations.profile_set import KIND_METADATA, current_profile
+from daemon.pending import Cleanup, RenameAgent, SetRuntime
 
 ACTION = "agents.update"
 
 
 async def prepare(ctx: Context, args: AgentsUpdateArgs) -> Plan | Verdict:
     owner = ctx.principal.agent
-    agent = owned_target(ctx, args.target)
-    # The agent's own profile.set merges into the same kind 0 this may rewrite.
-    await ctx.hold_agent(agent.pubkey)
+    # Its lock is held (the pipeline took it with the requester's): the agent's own
+    # profile.set merges into the same kind 0 this may rewrite.
+    agent = owned_target(ctx)
     found = await fetch(
         ctx, {"kinds": [KIND_MANAGED_AGENT], "authors": [owner], "#d": [agent.pubkey], "limit": 5}
     )
@@ -62,16 +62,16 @@ async def prepare(ctx: Context, args: AgentsUpdateArgs) -> Plan | Verdict:
             raise OperationRefused(
                 ErrorCode.ACTION_FAILED,
                 "the relay answered with a record that is not this agent's",
-                detail=f"event {event['id']} kind {event['kind']} by {event['pubkey']}"
+                detail=f"event {event.id} kind {event.kind} by {event.pubkey}"
                        f" d {str(tag_value(event, 'd'))[:80]!r}",
             )
     previous = newest(found)
-    current: dict[str, Any] = (
-        (json_object_or_none(previous["content"]) or {}) if previous is not None else {}
+    current: dict[str, object] = (
+        (json_object_or_none(previous.content) or {}) if previous is not None else {}
     )
     current.setdefault("name", agent.name)
 
-    fields: dict[str, Any] = {}
+    fields: dict[str, object] = {}
     updated: list[str] = []
     for wire, member in RECORD_MEMBERS.items():
         value = getattr(args, ARG_ATTRIBUTES[wire])
@@ -101,9 +101,10 @@ async def prepare(ctx: Context, args: AgentsUpdateArgs) -> Plan | Verdict:
         (owner, KIND_MANAGED_AGENT, [("d", agent.pubkey)], record_content(fields, read=current),
          next_created_at(now, previous)),
     ]
-    commit: dict[str, Any] = {}
+    commit: list[Cleanup] = []
     if "runtime" in updated:
-        commit["set_runtime"] = {"pubkey": agent.pubkey, "runtime": args.runtime}
+        assert args.runtime is not None
+        commit.append(SetRuntime(pubkey=agent.pubkey, runtime=args.runtime))
     if "displayName" in updated:
         profile, profile_event = await current_profile(ctx, agent.pubkey)
         profile["display_name"] = name
@@ -113,6 +114,6 @@ async def prepare(ctx: Context, args: AgentsUpdateArgs) -> Plan | Verdict:
              json.dumps(profile, ensure_ascii=False, separators=(",", ":")),
              next_created_at(now, profile_event))
         )
-        commit["rename_agent"] = {"pubkey": agent.pubkey, "name": name}
+        commit.append(RenameAgent(pubkey=agent.pubkey, name=name))
     events = await sign_all(ctx, drafts)
-    return Plan(events=tuple(events), outcome=outcome, commit=commit)
+    return Plan(events=tuple(events), outcome=outcome, commit=tuple(commit))

@@ -42,9 +42,8 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from custody import compute_event_id, verify_event
+from buzzwire.nostr import compute_event_id, verify_event
 from buzzwire.contract import (
     ChannelReadArgs,
     ContractError,
@@ -208,7 +207,7 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
 
     filters = _base_filters(args, requester)
 
-    async def query(batch: list[dict[str, object]]) -> list[dict[str, Any]]:
+    async def query(batch: list[dict[str, object]]) -> list[dict[str, object]]:
         return await ctx.relay.query(requester, batch)
 
     try:

@@ -14,28 +14,25 @@ chose, so a root that is not 64 hex is `action_failed` and nothing is signed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from buzzwire.contract import ErrorCode, MessageReplyArgs, PublishOutcome
-from buzzwire.nostr import is_hex64
+from buzzwire.nostr import SignedEvent, is_hex64
 from daemon.operations._base import Context, OperationRefused, Plan
 from daemon.operations._events import fetch_in_channel, mention_tags, sign
 from daemon.operations.message_post import KIND_STREAM_MESSAGE
 
 
-def thread_root(parent: Mapping[str, Any]) -> str:
+def thread_root(parent: SignedEvent) -> str:
     """Buzz's rule for the root of the thread a parent belongs to."""
     for marker in ("root", "reply"):
-        for tag in parent.get("tags", ()):
+        for tag in parent.tags:
             if len(tag) >= 4 and tag[0] == "e" and tag[3] == marker:
-                return str(tag[1])
-    return str(parent["id"])
+                return tag[1]
+    return parent.id
 
 
-def thread_tags(parent: Mapping[str, Any]) -> list[tuple[str, ...]]:
+def thread_tags(parent: SignedEvent) -> list[tuple[str, ...]]:
     """The reply's `e` tags; refuses (action_failed) an id that is not 64 lowercase hex."""
-    parent_id = str(parent["id"])
+    parent_id = parent.id
     root = thread_root(parent)
     for copied in (parent_id, root):
         if not is_hex64(copied):
@@ -57,6 +54,6 @@ async def prepare(ctx: Context, args: MessageReplyArgs) -> Plan:
     return Plan(
         events=(event,),
         outcome=PublishOutcome(
-            event_id=event["id"], kind=event["kind"], created_at=event["created_at"]
+            event_id=event.id, kind=event.kind, created_at=event.created_at
         ),
     )

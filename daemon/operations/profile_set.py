@@ -14,6 +14,7 @@ import json
 import logging
 
 from buzzwire.contract import ProfileSetArgs, PublishOutcome
+from buzzwire.nostr import SignedEvent
 from daemon.log import log_event
 from daemon.operations._base import Context, Plan
 from daemon.operations._events import fetch, json_object_or_none, newest, next_created_at, sign
@@ -33,17 +34,17 @@ PROFILE_MEMBERS: dict[str, tuple[str, ...]] = {
 
 async def current_profile(
     ctx: Context, author: str
-) -> tuple[dict[str, object], dict[str, object] | None]:
+) -> tuple[dict[str, object], SignedEvent | None]:
     """The author's newest kind 0 and its content (empty when absent or corrupt)."""
     found = await fetch(ctx, {"kinds": [KIND_METADATA], "authors": [author], "limit": 5})
-    previous = newest([e for e in found if e["pubkey"] == author and e["kind"] == KIND_METADATA])
+    previous = newest([e for e in found if e.pubkey == author and e.kind == KIND_METADATA])
     if previous is None:
         return {}, None
-    content = json_object_or_none(previous["content"])
+    content = json_object_or_none(previous.content)
     if content is None:
-        log_event(_log, "profile.corrupt_replaced", agent=author, event_id=previous["id"])
-        return {}, dict(previous)
-    return content, dict(previous)
+        log_event(_log, "profile.corrupt_replaced", agent=author, event_id=previous.id)
+        return {}, previous
+    return content, previous
 
 
 async def prepare(ctx: Context, args: ProfileSetArgs) -> Plan:
@@ -65,6 +66,6 @@ async def prepare(ctx: Context, args: ProfileSetArgs) -> Plan:
     return Plan(
         events=(event,),
         outcome=PublishOutcome(
-            event_id=event["id"], kind=event["kind"], created_at=event["created_at"]
+            event_id=event.id, kind=event.kind, created_at=event.created_at
         ),
     )

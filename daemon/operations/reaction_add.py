@@ -28,6 +28,6 @@ async def prepare(ctx: Context, args: ReactionAddArgs) -> Plan:
     return Plan(
         events=(event,),
         outcome=PublishOutcome(
-            event_id=event["id"], kind=event["kind"], created_at=event["created_at"]
+            event_id=event.id, kind=event.kind, created_at=event.created_at
         ),
     )

@@ -2,12 +2,12 @@
 
     python -m tests.adversarial.crashing_daemon CONFIG STEP
 
-STEP is one of `daemon.broker.CHECKPOINTS` (``before_pending``, ``after_pending``,
+STEP is one of `daemon.publisher.CHECKPOINTS` (``before_pending``, ``after_pending``,
 ``after_verdict``) or ``none``. The first request to pass STEP kills the process with
 SIGKILL - no ``finally``, no flush, no atexit: exactly what a power cut or the OOM killer
 does to the daemon. ``none`` runs the daemon unchanged (the restart after a crash).
 
-Why a wrapper and not a flag in the daemon: the kill seam (`Broker.running(checkpoint=)`)
+Why a wrapper and not a flag in the daemon: the kill seam (`daemon.wiring.running(checkpoint=)`)
 is a test-only parameter; production's ``serve`` never passes it. This program is
 `daemon.cli.serve.run` with that one argument added, so everything else - socket binding,
 token login, relay pool, ledger, signals - is the production code path.
@@ -27,7 +27,8 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from daemon.broker import CHECKPOINTS, Broker, StartupError
+from daemon.publisher import CHECKPOINTS
+from daemon.wiring import StartupError, running
 from daemon.cli._common import CliError
 from daemon.cli.serve import MemoryLock, ReloadableApplication, run_server
 from daemon.config import Config, ConfigError, load_config
@@ -73,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     @asynccontextmanager
     async def factory(cfg: Config) -> AsyncIterator[ReloadableApplication]:
         try:
-            async with Broker.running(cfg, checkpoint=checkpoint) as app:
+            async with running(cfg, checkpoint=checkpoint) as app:
                 yield app
         except StartupError as exc:
             raise CliError(str(exc)) from None

@@ -69,6 +69,13 @@ def refused_post(request_id: str, *, content: str = "not yours") -> bytes:
                         request_id=request_id)
 
 
+def refused_delete(request_id: str) -> bytes:
+    # An agent this requester does not own: refused by authorization, within the
+    # credential's own scope (it may ask for agents.delete).
+    return request_body("agents.delete", {"target": {"pubkey": "f" * 64}},
+                        request_id=request_id)
+
+
 async def refuse_many(daemon: DaemonProcess, agent: AgentState, bodies: list[bytes]) -> None:
     queue = list(bodies)
 
@@ -149,10 +156,12 @@ async def test_the_ledger_cap_refuses_unrecorded(custody_state: tuple[TokenConfi
                                                 ledger_max_bytes_per_agent=4096)
     daemon = await DaemonProcess.start(config, socket)
     try:
-        recorded = refused_post("first")
+        # Refused within the credential's scope, so recorded in the agent's own ledger
+        # (a post to a channel outside it would be the credential's: issue 13's scope keys).
+        recorded = refused_delete("first")
         messages = []
         for i in range(60):
-            body = recorded if i == 0 else refused_post(f"fill-{i}")
+            body = recorded if i == 0 else refused_delete(f"fill-{i}")
             messages.append(envelope(await post(socket, body, agent.credential))["error"])
         assert messages[0]["message"] != LEDGER_FULL
         full = [m for m in messages if m["message"] == LEDGER_FULL]

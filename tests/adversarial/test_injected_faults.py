@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-import daemon.broker
+import daemon.judgement
 from buzzwire.contract import ACTIONS
 from daemon.audit import AuditLog, Phase
 from daemon.ledger import Ledger
@@ -67,7 +67,7 @@ def _phase(phase: Phase) -> Callable[[tuple[Any, ...]], bool]:
 #: Every seam an unexpected exception can come from, by name.
 STEPS: dict[str, Step] = {
     "begin": Step(Ledger, "begin"),
-    "authorize": Step(daemon.broker, "authorize"),
+    "authorize": Step(daemon.judgement, "authorize"),
     "rate_limit": Step(RateLimiter, "take"),
     "relay_read": Step(RelayPool, "query"),
     "mint": Step(Custody, "mint_agent"),

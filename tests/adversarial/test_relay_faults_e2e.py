@@ -18,7 +18,7 @@ check the verdict envelope the agent receives:
 
 Every relay timeout is 1 s; each request must be answered within its timeout plus a margin
 (none waits past its timeout). The daemon runs in this process on a real socket
-(`Broker.running` + `daemon.http.serve`), as tests/fixtures/broker.py does.
+(`daemon.wiring.running` + `daemon.http.serve`), as tests/fixtures/broker.py does.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import pytest
 import trio
 
 from custody import PublicDirectory, TokenConfig
-from daemon.broker import Broker
+from daemon.wiring import running
 from daemon.config import load_config
 from daemon.http import HttpLimits, serve
 from tests.adversarial._daemon import ALL_ACTIONS, envelope, post, request_body, write_config
@@ -90,7 +90,7 @@ async def rig(nursery: trio.Nursery, custody_state: tuple[TokenConfig, Path],
         box: list[Rig] = []
 
         async def run() -> None:
-            async with Broker.running(config) as app:
+            async with running(config) as app:
                 owner = coincurve.PrivateKey().public_key_xonly.format().hex()
                 secret = bytearray(coincurve.PrivateKey().secret.hex().encode("ascii"))
                 record = await app.custody.import_agent(secret, owner=owner, name="faulty")

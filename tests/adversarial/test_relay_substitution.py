@@ -30,7 +30,7 @@ import trio
 
 from custody import TokenConfig, UnsignedEvent
 from daemon import signing
-from daemon.broker import Broker
+from daemon.wiring import running
 from daemon.config import load_config
 from daemon.http import HttpLimits, serve
 from tests.fixtures.broker import BrokerHarness, write_config
@@ -81,7 +81,7 @@ async def rig(nursery: trio.Nursery, custody_state: tuple[TokenConfig, Path],
         config_path = write_config(Path(short) / "broker.toml", token=token, state_dir=state_dir,
                                    socket=socket, relay_url=relay.url, relay_timeout=2.0)
         config = load_config(str(config_path), environ={})
-        async with Broker.running(config) as app:
+        async with running(config) as app:
             async with trio.open_nursery() as inner:
                 control = await inner.start(serve, app, str(socket),
                                             HttpLimits(request_timeout=10.0, shutdown_grace=2.0))

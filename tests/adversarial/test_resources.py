@@ -41,6 +41,7 @@ import trio
 
 from custody import TokenConfig
 from daemon.broker import Broker
+from daemon.wiring import running
 from daemon.config import load_config
 from buzzwire.contract import parse_response
 from daemon.http import HttpLimits, ServerControl, serve
@@ -89,7 +90,7 @@ async def running_daemon(tmp_path: Path, token: TokenConfig, state_dir: Path, re
     socket = tmp_path / "res.sock"
     config = load_config(str(write_config(tmp_path / "res.toml", token=token, state_dir=state_dir,
                                           socket=socket, relay_url=relay_url)))
-    async with Broker.running(config) as app:
+    async with running(config) as app:
         async with trio.open_nursery() as nursery:
             control = await nursery.start(serve, app, str(socket), limits)
             yield Daemon(app, control, socket, relay_url, state_dir)

@@ -20,6 +20,7 @@ import trio
 from custody import TokenConfig
 from daemon.audit import AUDIT_DIRNAME, verify
 from daemon.broker import Broker
+from daemon.wiring import running
 from daemon.config import load_config
 from daemon.http import HttpRequest
 from tests.fixtures.broker import BrokerHarness, request_body, write_config
@@ -49,7 +50,7 @@ async def test_a_loop_of_posts_hits_the_credential_limit_and_the_count_survives_
         assert answer.status == 200 and answer.body is not None
         return dict(json.loads(answer.body))
 
-    async with Broker.running(config) as app:
+    async with running(config) as app:
         owner = coincurve.PrivateKey().public_key_xonly.format().hex()
         record = await app.custody.import_agent(
             bytearray(coincurve.PrivateKey().secret.hex().encode()), owner=owner, name="looper")
@@ -81,7 +82,7 @@ async def test_a_loop_of_posts_hits_the_credential_limit_and_the_count_survives_
     assert len(events) == 21
 
     # After a restart of the whole daemon on the same state, the day's count stands.
-    async with Broker.running(config) as restarted:
+    async with running(config) as restarted:
         again = await post(restarted, bodies[100], looping)
         assert (again["status"], again["error"]["code"]) == ("failed", "unauthorized")
 

@@ -22,7 +22,7 @@ import trio
 
 from buzzwire.nostr import owner_tag_digest, verify_owner_tag
 from custody import Custody, TokenConfig
-from daemon.broker import Broker
+from daemon.wiring import running
 from daemon.config import load_config
 from tests.fixtures.broker import BrokerHarness, write_config
 from tests.fixtures.relay import nostr_fetch, nostr_verify
@@ -116,7 +116,7 @@ async def test_serve_warns_at_start_for_each_agent_without_a_tag(
     config = load_config(str(write_config(tmp_path / "b.toml", token=token, state_dir=state_dir,
                                           socket=tmp_path / "b.sock", relay_url=local_relay)))
     caplog.set_level(logging.WARNING, logger="buzz_broker")
-    async with Broker.running(config):
+    async with running(config):
         pass
     warned = [getattr(r, "buzz_fields", {}) for r in caplog.records
               if r.getMessage() == "agent.auth_tag_missing"]

@@ -10,7 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 import trio
+
+from buzzwire.contract import Status
 
 from buzzwire.contract import ErrorCode
 from daemon.ledger import Fresh, Ledger, LedgerKey, Replay
@@ -271,7 +274,7 @@ async def test_replay_never_costs_quota(
             continue
         assert isinstance(begun, Fresh) and attempt == 0
         assert limiter.take(a, "message.post", NOON) is None
-        await ledger.finish(begun.ticket, b"verdict", final=True)
+        await ledger.finish(begun.ticket, b"verdict", Status.SUCCEEDED)
         answered.append("fresh")
     assert answered == ["fresh"] + ["replayed"] * 4
     assert limiter.used_today(a.credential_id, "publish", NOON) == 1

@@ -15,7 +15,10 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 import trio
+
+from buzzwire.contract import Status
 
 from daemon.ledger import (
     STALE_FACTOR,
@@ -109,7 +112,7 @@ async def execute(
         else:
             pending = begun.pending
         response = await publish(pending)
-        await ledger.finish(begun.ticket, response, final=True)
+        await ledger.finish(begun.ticket, response, Status.SUCCEEDED)
         return "executed", response
     finally:
         ledger.release(begun.ticket)
@@ -119,22 +122,22 @@ async def test_fresh_then_replay_identical_bytes(ledger: Ledger) -> None:
     key = LedgerKey("a" * 64, "req-1")
     begun = await ledger.begin(key, digest(b"body"))
     assert isinstance(begun, Fresh)
-    await ledger.finish(begun.ticket, b'{"verdict":1}', final=True)
+    await ledger.finish(begun.ticket, b'{"verdict":1}', Status.SUCCEEDED)
     again = await ledger.begin(key, digest(b"body"))
-    assert again == Replay(b'{"verdict":1}')
+    assert again == Replay(b'{"verdict":1}', Status.SUCCEEDED)
 
 
 async def test_two_principals_same_request_id_are_independent(ledger: Ledger) -> None:
     a, b = LedgerKey("a" * 64, "shared-id"), LedgerKey("b" * 64, "shared-id")
     first = await ledger.begin(a, digest(b"A's body"))
     assert isinstance(first, Fresh)
-    await ledger.finish(first.ticket, b"A's verdict", final=True)
+    await ledger.finish(first.ticket, b"A's verdict", Status.SUCCEEDED)
     # B, with the same requestId and even A's exact bytes, gets a fresh execution.
     second = await ledger.begin(b, digest(b"A's body"))
     assert isinstance(second, Fresh)
-    await ledger.finish(second.ticket, b"B's verdict", final=True)
-    assert await ledger.begin(a, digest(b"A's body")) == Replay(b"A's verdict")
-    assert await ledger.begin(b, digest(b"A's body")) == Replay(b"B's verdict")
+    await ledger.finish(second.ticket, b"B's verdict", Status.SUCCEEDED)
+    assert await ledger.begin(a, digest(b"A's body")) == Replay(b"A's verdict", Status.SUCCEEDED)
+    assert await ledger.begin(b, digest(b"A's body")) == Replay(b"B's verdict", Status.SUCCEEDED)
     assert await ledger.count() == 2
 
 
@@ -174,31 +177,31 @@ async def test_conflict_in_flight_and_recorded_original_untouched(ledger: Ledger
     with trio.fail_after(1):
         assert await ledger.begin(key, digest(b"originaL")) == Conflict()
     await ledger.record_pending(owner.ticket, b"pending")
-    await ledger.finish(owner.ticket, b"the verdict", final=True)
+    await ledger.finish(owner.ticket, b"the verdict", Status.SUCCEEDED)
     assert await ledger.begin(key, digest(b"originaL")) == Conflict()
-    assert await ledger.begin(key, digest(b"original")) == Replay(b"the verdict")
+    assert await ledger.begin(key, digest(b"original")) == Replay(b"the verdict", Status.SUCCEEDED)
 
 
 async def test_indeterminate_is_not_final(ledger: Ledger) -> None:
     key, owner = await _fresh(ledger)
     await ledger.record_pending(owner.ticket, b"signed event")
-    await ledger.finish(owner.ticket, b"indeterminate verdict", final=False)
+    await ledger.finish(owner.ticket, b"indeterminate verdict", Status.INDETERMINATE)
     retry = await ledger.begin(key, digest(b"x"))
     assert isinstance(retry, Resume) and retry.pending == b"signed event"
     # The pending work is write-once: a retry re-sends, it never re-signs.
     with pytest.raises(AssertionError):
         await ledger.record_pending(retry.ticket, b"a new signature")
-    await ledger.finish(retry.ticket, b"succeeded verdict", final=True)
-    assert await ledger.begin(key, digest(b"x")) == Replay(b"succeeded verdict")
+    await ledger.finish(retry.ticket, b"succeeded verdict", Status.SUCCEEDED)
+    assert await ledger.begin(key, digest(b"x")) == Replay(b"succeeded verdict", Status.SUCCEEDED)
 
 
 async def test_indeterminate_without_pending_runs_fresh(ledger: Ledger) -> None:
     key, owner = await _fresh(ledger)
-    await ledger.finish(owner.ticket, b"internal, mid-way", final=False)
+    await ledger.finish(owner.ticket, b"internal, mid-way", Status.INDETERMINATE)
     retry = await ledger.begin(key, digest(b"x"))
     assert isinstance(retry, Fresh)
     await ledger.record_pending(retry.ticket, b"now signed")
-    await ledger.finish(retry.ticket, b"done", final=True)
+    await ledger.finish(retry.ticket, b"done", Status.SUCCEEDED)
     assert await ledger.begin(key, digest(b"other")) == Conflict()
 
 
@@ -211,7 +214,7 @@ async def test_release_wakes_waiters_and_one_resumes(ledger: Ledger) -> None:
         begun = await ledger.begin(key, digest(b"x"))
         outcomes.append(begun)
         if isinstance(begun, Resume):
-            await ledger.finish(begun.ticket, b"verdict", final=True)
+            await ledger.finish(begun.ticket, b"verdict", Status.SUCCEEDED)
 
     async with trio.open_nursery() as nursery:
         for _ in range(5):
@@ -221,26 +224,26 @@ async def test_release_wakes_waiters_and_one_resumes(ledger: Ledger) -> None:
         ledger.release(owner.ticket)  # e.g. the owner's task was cancelled
     resumes = [o for o in outcomes if isinstance(o, Resume)]
     assert len(resumes) == 1 and resumes[0].pending == b"signed"
-    assert [o for o in outcomes if not isinstance(o, Resume)] == [Replay(b"verdict")] * 4
+    assert [o for o in outcomes if not isinstance(o, Resume)] == [Replay(b"verdict", Status.SUCCEEDED)] * 4
 
 
 async def test_cancelled_waiter_leaves_no_trace(ledger: Ledger) -> None:
     key, owner = await _fresh(ledger)
     with trio.move_on_after(0.01):
         await ledger.begin(key, digest(b"x"))
-    await ledger.finish(owner.ticket, b"v", final=True)
-    assert await ledger.begin(key, digest(b"x")) == Replay(b"v")
+    await ledger.finish(owner.ticket, b"v", Status.SUCCEEDED)
+    assert await ledger.begin(key, digest(b"x")) == Replay(b"v", Status.SUCCEEDED)
 
 
 async def test_stale_ticket_is_refused(ledger: Ledger) -> None:
     key, owner = await _fresh(ledger)
-    await ledger.finish(owner.ticket, b"v", final=True)
+    await ledger.finish(owner.ticket, b"v", Status.SUCCEEDED)
     with pytest.raises(AssertionError):
-        await ledger.finish(owner.ticket, b"again", final=True)
+        await ledger.finish(owner.ticket, b"again", Status.SUCCEEDED)
     with pytest.raises(AssertionError):
         await ledger.record_pending(owner.ticket, b"late")
     ledger.release(owner.ticket)  # harmless after finish
-    assert await ledger.begin(key, digest(b"x")) == Replay(b"v")
+    assert await ledger.begin(key, digest(b"x")) == Replay(b"v", Status.SUCCEEDED)
 
 
 async def test_bad_digest_is_a_bug(ledger: Ledger) -> None:
@@ -266,13 +269,13 @@ async def test_sweep_keeps_the_database_bounded(ledger: Ledger, clock: Clock) ->
     for i in range(50):
         begun = await ledger.begin(LedgerKey("a" * 64, f"final-{i}"), digest(b"x"))
         assert isinstance(begun, Fresh)
-        await ledger.finish(begun.ticket, b"v", final=True)
+        await ledger.finish(begun.ticket, b"v", Status.SUCCEEDED)
     for i in range(5):
         begun = await ledger.begin(LedgerKey("a" * 64, f"pending-{i}"), digest(b"x"))
         assert isinstance(begun, Fresh)
         await ledger.record_pending(begun.ticket, b"signed")
         if i % 2:
-            await ledger.finish(begun.ticket, b"?", final=False)
+            await ledger.finish(begun.ticket, b"?", Status.INDETERMINATE)
         else:
             ledger.release(begun.ticket)  # a crash, as far as the ledger can tell
     assert await ledger.count() == 55
@@ -354,7 +357,7 @@ async def test_database_fault_reaches_the_caller_and_claims_nothing(
     other.commit()
     other.close()
     with pytest.raises(sqlite3.Error):
-        await ledger.finish(owner.ticket, b"v", final=True)
+        await ledger.finish(owner.ticket, b"v", Status.SUCCEEDED)
     # Not owned any more: a new begin() goes to the database (and fails) instead of waiting.
     with trio.fail_after(2), pytest.raises(sqlite3.Error):
         await ledger.begin(key, digest(b"x"))

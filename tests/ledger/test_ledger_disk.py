@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 import trio
 
-from buzzwire.contract import MESSAGES, ErrorCode, Status, Verdict, encode_response
+from buzzwire.contract import (
+    MESSAGES,
+    ErrorCode,
+    PublishOutcome,
+    Status,
+    Verdict,
+    encode_response,
+)
 from daemon.audit import AuditLog, RefusalCount, read_records
 from daemon.ledger import (
     ROW_BYTES,
@@ -22,6 +29,7 @@ from daemon.ledger import (
     Replay,
     read_anchor,
     read_record,
+    request_key,
     write_anchor,
 )
 from daemon.refusal_audit import RefusalAudit
@@ -47,7 +55,7 @@ async def _record(ledger: Ledger, request_id: str, response: bytes, *,
                   keep: int | None = None, principal: str = AGENT) -> None:
     begun = await ledger.begin(LedgerKey(principal, request_id), digest(request_id.encode()))
     assert isinstance(begun, Fresh)
-    await ledger.finish(begun.ticket, response, final=True, keep_seconds=keep)
+    await ledger.finish(begun.ticket, response, Status.SUCCEEDED, keep_seconds=keep)
 
 
 def test_a_refusal_is_stored_as_its_code_and_replays_byte_for_byte() -> None:
@@ -117,7 +125,7 @@ async def test_the_cap_refuses_new_records_only(tmp_path: Path) -> None:
         assert ledger.usage(AGENT) == 0
         again = await ledger.begin(LedgerKey(AGENT, "one-more"), digest(b"one-more"))
         assert isinstance(again, Fresh)
-        await ledger.finish(again.ticket, b"x", final=True)
+        await ledger.finish(again.ticket, b"x", Status.SUCCEEDED)
         assert ledger.usage(AGENT) == ROW_BYTES + 1
     finally:
         ledger.close()
@@ -127,6 +135,53 @@ async def test_the_cap_refuses_new_records_only(tmp_path: Path) -> None:
         assert reopened.usage(AGENT) == ROW_BYTES + 1
     finally:
         reopened.close()
+
+
+OLD_SUCCESS = encode_response("old-final", Verdict.succeeded(
+    "message.post", PublishOutcome(event_id="e" * 64, kind=9, created_at=T0)))
+
+
+async def test_records_before_verdict_columns_get_them(tmp_path: Path) -> None:
+    # A ledger of the layout before status and code were columns (issue 13's): its
+    # records replay with the status and code their bytes held, never re-parsed later.
+    path = tmp_path / "ledger.db"
+    refusal = stored_form("r-refused", encode_response(
+        "r-refused", Verdict.failed(ErrorCode.UNAUTHORIZED)), Status.FAILED,
+        ErrorCode.UNAUTHORIZED)
+    assert refusal.startswith(b"\x00")
+    unknown = encode_response("r-unknown", Verdict.indeterminate(ErrorCode.OUTCOME_UNKNOWN))
+    old = sqlite3.connect(path)
+    old.executescript("""
+        CREATE TABLE principals (id INTEGER PRIMARY KEY, principal TEXT NOT NULL UNIQUE);
+        CREATE TABLE entries (pid INTEGER NOT NULL, rid BLOB NOT NULL, digest BLOB NOT NULL,
+            state TEXT NOT NULL, pending BLOB, response BLOB, expires INTEGER NOT NULL,
+            PRIMARY KEY (pid, rid)) WITHOUT ROWID;
+        CREATE INDEX entries_by_expiry ON entries (expires);
+        CREATE TABLE audit_anchor (id INTEGER PRIMARY KEY CHECK (id = 1),
+            seq INTEGER NOT NULL, head TEXT NOT NULL);
+    """)
+    old.execute("INSERT INTO principals VALUES (1, ?)", (AGENT,))
+    far = T0 + 10**6
+    for rid, state, pending, response in [("old-final", "final", None, OLD_SUCCESS),
+                                          ("r-refused", "final", None, refusal),
+                                          ("r-unknown", "indeterminate", b"signed", unknown)]:
+        old.execute("INSERT INTO entries VALUES (1, ?, ?, ?, ?, ?, ?)",
+                    (request_key(rid), digest(rid.encode()), state, pending, response, far))
+    old.commit()
+    old.close()
+    ledger = Ledger.open(path, retention_seconds=3600, clock=Clock())
+    try:
+        assert await ledger.begin(LedgerKey(AGENT, "old-final"), digest(b"old-final")) == (
+            Replay(OLD_SUCCESS, Status.SUCCEEDED))
+        assert await ledger.begin(LedgerKey(AGENT, "r-refused"), digest(b"r-refused")) == (
+            Replay(refusal, Status.FAILED, ErrorCode.UNAUTHORIZED))
+    finally:
+        ledger.close()
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT status, code FROM entries WHERE rid = ?",
+                        (request_key("r-unknown"),)).fetchone() == (
+        "indeterminate", "outcome_unknown")
+    conn.close()
 
 
 async def test_a_credentials_own_records_count_against_its_agents_cap(tmp_path: Path) -> None:
@@ -170,7 +225,7 @@ async def test_records_of_the_first_layout_are_migrated(tmp_path: Path) -> None:
         CREATE INDEX ledger_by_age ON ledger (state, updated_at);
     """)
     old.execute("INSERT INTO ledger VALUES (?, 'old-final', ?, 'final', NULL, ?, ?, ?)",
-                (AGENT, digest(b"old-final"), b'{"v":1}', T0, T0))
+                (AGENT, digest(b"old-final"), OLD_SUCCESS, T0, T0))
     old.execute("INSERT INTO ledger VALUES (?, 'old-pending', ?, 'pending', ?, NULL, ?, ?)",
                 (AGENT, digest(b"old-pending"), b"signed", T0, T0))
     old.commit()
@@ -179,7 +234,7 @@ async def test_records_of_the_first_layout_are_migrated(tmp_path: Path) -> None:
     ledger = Ledger.open(path, retention_seconds=3600, clock=clock)
     try:
         replay = await ledger.begin(LedgerKey(AGENT, "old-final"), digest(b"old-final"))
-        assert replay == Replay(b'{"v":1}')
+        assert replay == Replay(OLD_SUCCESS, Status.SUCCEEDED)
         assert read_record(path, AGENT, "old-pending")[1] == b"signed"  # type: ignore[index]
         clock.t += 3601  # the final one expires on the old schedule; pending lives longer
         assert await ledger.sweep(int(clock.t)) == 1

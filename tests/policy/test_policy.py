@@ -28,6 +28,7 @@ from daemon.policy import (
     REFUSALS,
     RUNTIME_ACTIONS,
     TARGET_ACTIONS,
+    Authorized,
     Refusal,
     authorize,
     resolve_target,
@@ -159,7 +160,7 @@ def test_every_refusal_is_a_failed_verdict(name: str) -> None:
 
 @pytest.mark.parametrize("action", list(ACTIONS))
 def test_allowed_request_passes(store: SessionStore, action: str) -> None:
-    assert authorize(principal(store), request(action), HOST, AGENTS) is None
+    assert isinstance(authorize(principal(store), request(action), HOST, AGENTS), Authorized)
 
 
 @pytest.mark.parametrize("action", list(ACTIONS))
@@ -174,12 +175,12 @@ def test_channel_outside_credential(store: SessionStore, action: str) -> None:
     assert authorize(principal(store), req, HOST, AGENTS) == REFUSALS["channel"]
     # The same request is fine for a credential bound to both channels.
     both = principal(store, channels=frozenset({CHANNEL, OTHER_CHANNEL}))
-    assert authorize(both, req, HOST, AGENTS) is None
+    assert isinstance(authorize(both, req, HOST, AGENTS), Authorized)
 
 
 def test_channel_normalized_before_the_check(store: SessionStore) -> None:
     req = request("message.post", channelId=CHANNEL.upper())
-    assert authorize(principal(store), req, HOST, AGENTS) is None
+    assert authorize(principal(store), req, HOST, AGENTS) == Authorized()
 
 
 @pytest.mark.parametrize("action", list(ACTIONS))
@@ -205,10 +206,12 @@ def test_depth_limit(store: SessionStore, requester: str, limit: int, refused: b
     host = dataclasses.replace(HOST, max_agent_depth=limit)
     refusal = authorize(principal(store, agent=requester), request("agents.create"), host, AGENTS)
     if refused:
-        assert refusal is not None and refusal.code is ErrorCode.UNAUTHORIZED
+        assert isinstance(refusal, Refusal) and refusal.code is ErrorCode.UNAUTHORIZED
         assert str(limit) in refusal.message  # names the limit
     else:
-        assert refusal is None
+        # What the operation receives: the requester's own record, resolved here once.
+        assert isinstance(refusal, Authorized) and refusal.target is None
+        assert refusal.requester is not None and refusal.requester.pubkey == requester
 
 
 @pytest.mark.parametrize("requester", [UNKNOWN, DEAD_CHILD])
@@ -220,7 +223,7 @@ def test_requester_not_held_cannot_create(store: SessionStore, requester: str) -
 @pytest.mark.parametrize("action", sorted(RUNTIME_ACTIONS))
 def test_runtime_must_be_offered(store: SessionStore, action: str) -> None:
     p = principal(store)
-    assert authorize(p, request(action, runtime="goose"), HOST, AGENTS) is None
+    assert isinstance(authorize(p, request(action, runtime="goose"), HOST, AGENTS), Authorized)
     refusal = authorize(p, request(action, runtime="skynet"), HOST, AGENTS)
     assert refusal == REFUSALS["runtime"] and refusal.code is ErrorCode.INVALID_REQUEST
 
@@ -252,7 +255,9 @@ def test_targets(store: SessionStore, action: str, target: dict[str, str], expec
     if expected in REFUSALS:
         assert found == REFUSALS[expected] == refusal
     else:
-        assert isinstance(found, Record) and found.pubkey == expected and refusal is None
+        # The operation acts on the record authorize resolved (issue 16: one resolution).
+        assert isinstance(found, Record) and found.pubkey == expected
+        assert isinstance(refusal, Authorized) and refusal.target is found
 
 
 def test_foreign_agents_are_not_revealed(store: SessionStore) -> None:
@@ -290,6 +295,6 @@ def test_first_check_in_table_order_wins(store: SessionStore) -> None:
             p = principal(store, agent=CHILD, channels=frozenset({OTHER_CHANNEL}))
     host = dataclasses.replace(host, disabled_actions=frozenset())
     depth = authorize(p, req, host, AGENTS)
-    assert depth is not None and "1" in depth.message
+    assert isinstance(depth, Refusal) and "1" in depth.message
     host = dataclasses.replace(host, max_agent_depth=3)
     assert authorize(p, req, host, AGENTS) == REFUSALS["runtime"]

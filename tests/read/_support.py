@@ -10,6 +10,7 @@ from typing import Any
 from daemon.config import PolicyConfig
 from buzzwire.contract import ChannelReadArgs, Event, ReadOutcome, Status, Verdict
 from daemon.cursor import CursorCodec
+from daemon.policy import Authorized
 from daemon.operations import channel_read
 from daemon.operations._base import Context
 from daemon.paging import order_key
@@ -45,7 +46,7 @@ def context(relay: Any, principal: Principal, cursors: CursorCodec, *, now: Call
         signer=None,  # type: ignore[arg-type]
         relay=relay, principal=principal, host=POLICY, cursors=cursors,
         request_id="read-test", now=now,
-        hold_agent=None,  # type: ignore[arg-type]
+        authorized=Authorized(),
     )
 
 

@@ -20,7 +20,7 @@ from buzzwire.contract import ChannelReadArgs, ErrorCode, Status
 from daemon.cursor import CursorCodec
 from daemon.operations import channel_read
 from daemon.relay import Accepted, RelayPool, RelayTimeouts
-from tests.fixtures.relay import TestKey, auth_signer_for, nostr_verify
+from tests.fixtures.relay import TestKey, auth_signer_for, signed, nostr_verify
 from tests.read._support import NOW, context, declared_order, new_channel, principal_for, read_through
 
 TIMEOUTS = RelayTimeouts(connect=10, ok=10, eose=10, idle_seconds=60)
@@ -46,7 +46,7 @@ async def _publish_all(pool: RelayPool, events: list[dict[str, Any]]) -> None:
 
     async def one(ev: dict[str, Any]) -> None:
         async with limiter:
-            result = await pool.publish(ev["pubkey"], ev)
+            result = await pool.publish(ev["pubkey"], signed(ev))
         assert isinstance(result, Accepted), result
 
     async with trio.open_nursery() as nursery:

@@ -15,6 +15,7 @@ import trio
 
 from daemon.relay import (
     Accepted,
+    AuthNotSigned,
     NotSent,
     Rejected,
     RelayPool,
@@ -23,7 +24,7 @@ from daemon.relay import (
     RelayUnavailable,
     Unknown,
 )
-from tests.fixtures.relay import TestKey, auth_signer_for, free_port
+from tests.fixtures.relay import TestKey, auth_signer_for, signed, free_port
 from tests.scripted_relay import EventReply, ReqReply, Script, ScriptedRelay
 
 Start = Callable[[Script], Awaitable[ScriptedRelay]]
@@ -63,7 +64,7 @@ async def _assert_unreachable(nursery: trio.Nursery, url: str) -> None:
     key = TestKey()
     pool = await _pool(nursery, url, key)
     with bounded():
-        assert isinstance(await pool.publish(key.pubkey, key.sign(1, "x")), NotSent)
+        assert isinstance(await pool.publish(key.pubkey, signed(key.sign(1, "x"))), NotSent)
         with pytest.raises(RelayUnavailable):
             await pool.query(key.pubkey, [{"kinds": [1]}])
 
@@ -82,13 +83,13 @@ async def _eventually(predicate: Callable[[], bool]) -> None:
 async def test_ok_false_is_rejected_with_the_reason(scripted_relay: Start, nursery: trio.Nursery) -> None:
     relay, key, pool = await _scripted(scripted_relay, nursery, Script(events=(EventReply.REJECT,), reject_reason="blocked: go away"))
     with bounded():
-        assert await pool.publish(key.pubkey, key.sign(1, "x")) == Rejected(reason="blocked: go away")
+        assert await pool.publish(key.pubkey, signed(key.sign(1, "x"))) == Rejected(reason="blocked: go away")
 
 
 async def test_ok_true_and_duplicate_are_accepted(scripted_relay: Start, nursery: trio.Nursery) -> None:
     relay, key, pool = await _scripted(scripted_relay, nursery, Script())
     ev = key.sign(1, "x")
-    first, second = await pool.publish(key.pubkey, ev), await pool.publish(key.pubkey, ev)
+    first, second = await pool.publish(key.pubkey, signed(ev)), await pool.publish(key.pubkey, signed(ev))
     assert isinstance(first, Accepted) and not first.duplicate
     assert isinstance(second, Accepted) and second.duplicate
 
@@ -96,19 +97,19 @@ async def test_ok_true_and_duplicate_are_accepted(scripted_relay: Start, nursery
 async def test_no_ok_is_unknown_within_the_timeout(scripted_relay: Start, nursery: trio.Nursery) -> None:
     relay, key, pool = await _scripted(scripted_relay, nursery, Script(events=(EventReply.SILENT,)))
     with bounded():
-        result = await pool.publish(key.pubkey, key.sign(1, "x"))
+        result = await pool.publish(key.pubkey, signed(key.sign(1, "x")))
     assert isinstance(result, Unknown)
     # The same connection still works afterwards.
-    assert isinstance(await pool.publish(key.pubkey, key.sign(1, "y")), Accepted)
+    assert isinstance(await pool.publish(key.pubkey, signed(key.sign(1, "y"))), Accepted)
 
 
 async def test_drop_after_event_is_unknown_and_reconnects(scripted_relay: Start, nursery: trio.Nursery) -> None:
     relay, key, pool = await _scripted(scripted_relay, nursery, Script(events=(EventReply.DROP,)))
     ev = key.sign(1, "x")
     with bounded():
-        assert isinstance(await pool.publish(key.pubkey, ev), Unknown)
+        assert isinstance(await pool.publish(key.pubkey, signed(ev)), Unknown)
     # The ledger's retry re-sends the same event on a fresh connection.
-    assert await pool.publish(key.pubkey, ev) == Accepted(duplicate=False, message="")
+    assert await pool.publish(key.pubkey, signed(ev)) == Accepted(duplicate=False, message="")
     assert len(relay.connections) == 2
 
 
@@ -118,7 +119,7 @@ async def test_auth_required_on_event_authenticates_and_resends_once(
     relay, key, pool = await _scripted(scripted_relay, nursery, Script(require_auth=True))
     ev = key.sign(1, "x")
     with bounded():
-        assert isinstance(await pool.publish(key.pubkey, ev), Accepted)
+        assert isinstance(await pool.publish(key.pubkey, signed(ev)), Accepted)
     assert _verbs(relay) == ["EVENT", "AUTH", "EVENT"]
     auth = relay.received[1][1]
     # NIP-42: the relay tag is the configured URL exactly as written.
@@ -146,7 +147,7 @@ async def test_auth_refused_is_a_refusal(scripted_relay: Start, nursery: trio.Nu
         with pytest.raises(RelayRefused):
             await pool.query(key.pubkey, [{"kinds": [1]}])
         # The challenge is known now, so AUTH is tried before sending: nothing was sent.
-        result = await pool.publish(key.pubkey, key.sign(1, "x"))
+        result = await pool.publish(key.pubkey, signed(key.sign(1, "x")))
     assert isinstance(result, NotSent) and "AUTH refused" in result.reason
     assert "EVENT" not in _verbs(relay)
 
@@ -156,7 +157,7 @@ async def test_auth_refused_after_event_refusal_is_rejected(
 ) -> None:
     relay, key, pool = await _scripted(scripted_relay, nursery, Script(require_auth=True, accept_auth=False))
     with bounded():
-        result = await pool.publish(key.pubkey, key.sign(1, "x"))
+        result = await pool.publish(key.pubkey, signed(key.sign(1, "x")))
     assert isinstance(result, Rejected) and result.reason.startswith("auth-required:")
 
 
@@ -165,7 +166,7 @@ async def test_wrong_relay_tag_is_refused_by_a_strict_relay(
 ) -> None:
     # Buzz compares the relay tag with its own URL; a client writing another form fails.
     relay, key, pool = await _scripted(scripted_relay, nursery, Script(require_auth=True, expected_relay_tag="wss://elsewhere"))
-    assert isinstance(await pool.publish(key.pubkey, key.sign(1, "x")), Rejected)
+    assert isinstance(await pool.publish(key.pubkey, signed(key.sign(1, "x"))), Rejected)
 
 
 async def test_challenge_at_connect_is_answered_before_the_next_send(
@@ -174,8 +175,8 @@ async def test_challenge_at_connect_is_answered_before_the_next_send(
     # The relay challenges at connect but does not insist: the first EVENT may race the
     # challenge; once it has been seen, AUTH goes out before the next EVENT.
     relay, key, pool = await _scripted(scripted_relay, nursery, Script(challenge_at_connect=True))
-    assert isinstance(await pool.publish(key.pubkey, key.sign(1, "x")), Accepted)
-    assert isinstance(await pool.publish(key.pubkey, key.sign(1, "y")), Accepted)
+    assert isinstance(await pool.publish(key.pubkey, signed(key.sign(1, "x"))), Accepted)
+    assert isinstance(await pool.publish(key.pubkey, signed(key.sign(1, "y"))), Accepted)
     assert _verbs(relay) in (["EVENT", "AUTH", "EVENT"], ["AUTH", "EVENT", "EVENT"])
     assert relay.connections[0].authed == {key.pubkey}
 
@@ -185,7 +186,7 @@ async def test_challenge_at_connect_with_auth_required(
 ) -> None:
     relay, key, pool = await _scripted(scripted_relay, nursery, Script(challenge_at_connect=True, require_auth=True))
     with bounded():
-        assert isinstance(await pool.publish(key.pubkey, key.sign(1, "x")), Accepted)
+        assert isinstance(await pool.publish(key.pubkey, signed(key.sign(1, "x"))), Accepted)
         assert await pool.query(key.pubkey, [{"kinds": [1]}]) != []
     assert _verbs(relay).count("AUTH") == 1
 
@@ -215,12 +216,12 @@ async def test_reconnects_after_the_relay_comes_back(scripted_relay: Start, nurs
     port = free_port()
     key = TestKey()
     pool = await _pool(nursery, f"ws://127.0.0.1:{port}", key)
-    assert isinstance(await pool.publish(key.pubkey, key.sign(1, "x")), NotSent)
+    assert isinstance(await pool.publish(key.pubkey, signed(key.sign(1, "x"))), NotSent)
     relay = ScriptedRelay(Script())
     await nursery.start(relay.serve, port)
     with bounded():
         # The backoff (<= 0.2 s here) is shorter than the connect timeout: we wait it out.
-        assert isinstance(await pool.publish(key.pubkey, key.sign(1, "y")), Accepted)
+        assert isinstance(await pool.publish(key.pubkey, signed(key.sign(1, "y"))), Accepted)
 
 
 async def test_concurrent_publishes_are_matched_by_event_id(
@@ -233,7 +234,7 @@ async def test_concurrent_publishes_are_matched_by_event_id(
     results: dict[str, Any] = {}
 
     async def one(ev: dict[str, Any]) -> None:
-        results[ev["id"]] = await pool.publish(key.pubkey, ev)
+        results[ev["id"]] = await pool.publish(key.pubkey, signed(ev))
 
     async with trio.open_nursery() as inner:
         for ev in events:
@@ -246,9 +247,9 @@ async def test_concurrent_publishes_are_matched_by_event_id(
 async def test_idle_connections_are_closed(scripted_relay: Start, nursery: trio.Nursery) -> None:
     timeouts = RelayTimeouts(connect=1, ok=0.5, eose=0.5, idle_seconds=0.2)
     relay, key, pool = await _scripted(scripted_relay, nursery, Script(), timeouts=timeouts)
-    assert isinstance(await pool.publish(key.pubkey, key.sign(1, "x")), Accepted)
+    assert isinstance(await pool.publish(key.pubkey, signed(key.sign(1, "x"))), Accepted)
     await trio.sleep(0.6)
-    assert isinstance(await pool.publish(key.pubkey, key.sign(1, "y")), Accepted)
+    assert isinstance(await pool.publish(key.pubkey, signed(key.sign(1, "y"))), Accepted)
     assert len(relay.connections) == 2
 
 
@@ -266,8 +267,29 @@ async def test_protocol_garbage_drops_the_connection_fast(nursery: trio.Nursery)
     key = TestKey()
     pool = await _pool(nursery, f"ws://127.0.0.1:{port}", key, timeouts=RelayTimeouts(ok=30))
     with bounded():
-        result = await pool.publish(key.pubkey, key.sign(1, "x"))
+        result = await pool.publish(key.pubkey, signed(key.sign(1, "x")))
     assert isinstance(result, Unknown)
+
+
+async def test_a_signer_that_cannot_sign_auth_is_not_sent(
+    scripted_relay: Start, nursery: trio.Nursery
+) -> None:
+    # Custody refusing to sign AUTH arrives as AuthNotSigned, its own type (issue 16), and
+    # is a failed AUTH like any other: nothing sent, the read unavailable, no crash.
+    relay = await scripted_relay(Script(require_auth=True, challenge_at_connect=True))
+    key = TestKey()
+
+    async def refuses(agent: str, relay_url: str, challenge: str, created_at: int) -> Any:
+        raise AuthNotSigned("UnsealFailed")
+
+    pool = RelayPool(relay.url, refuses, timeouts=SHORT)
+    await nursery.start(pool.run)
+    with bounded():
+        with pytest.raises(RelayUnavailable):
+            await pool.query(key.pubkey, [{"kinds": [1]}])
+        result = await pool.publish(key.pubkey, signed(key.sign(1, "x")))
+    assert isinstance(result, NotSent) and "AUTH not signed: UnsealFailed" in result.reason
+    assert "EVENT" not in _verbs(relay)
 
 
 def test_transport_rule() -> None:
@@ -283,7 +305,7 @@ async def test_not_running_is_a_bug() -> None:
     key = TestKey()
     pool = RelayPool("ws://127.0.0.1:1", auth_signer_for(key))
     with pytest.raises(RuntimeError):
-        await pool.publish(key.pubkey, key.sign(1, "x"))
+        await pool.publish(key.pubkey, signed(key.sign(1, "x")))
 
 
 async def test_a_server_that_is_not_a_relay_is_not_sent(nursery: trio.Nursery) -> None:

@@ -14,6 +14,7 @@ import trio
 
 from daemon.relay import Accepted, NotSent, RelayPool, RelayTimeouts, RelayUnavailable, Unknown
 from tests.fixtures.relay import (
+    signed,
     TestKey,
     auth_signer_for,
     free_port,
@@ -33,10 +34,10 @@ async def test_publish_duplicate_query_and_independent_read(local_relay: str) ->
         await nursery.start(pool.run)
         event = alice.sign(1, "hello from the broker ✓", [["t", "relay-test"]])
 
-        first = await pool.publish(alice.pubkey, event)
+        first = await pool.publish(alice.pubkey, signed(event))
         assert first == Accepted(duplicate=False, message=first.message)  # type: ignore[union-attr]
 
-        again = await pool.publish(alice.pubkey, event)
+        again = await pool.publish(alice.pubkey, signed(event))
         assert isinstance(again, Accepted) and again.duplicate
 
         got = await pool.query(alice.pubkey, [{"ids": [event["id"]]}])
@@ -61,7 +62,7 @@ async def test_two_agents_share_a_pool(local_relay: str) -> None:
             async with trio.open_nursery() as inner:  # concurrent on one connection
                 for ev in events[agent]:
                     async def one(ev: dict[str, object] = ev) -> None:
-                        results[agent].append(await pool.publish(agent, ev))
+                        results[agent].append(await pool.publish(agent, signed(ev)))
                     inner.start_soon(one)
 
         async with trio.open_nursery() as both:
@@ -91,19 +92,19 @@ async def test_relay_killed_and_restarted(caplog: pytest.LogCaptureFixture) -> N
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
         with start_devrelay(auth=True, port=port) as (_url, proc):
-            assert isinstance(await pool.publish(alice.pubkey, alice.sign(1, "before")), Accepted)
+            assert isinstance(await pool.publish(alice.pubkey, signed(alice.sign(1, "before"))), Accepted)
             proc.send_signal(signal.SIGKILL)
             proc.wait()
         with trio.fail_after(10):
             # Dead relay: either we notice first (NotSent) or the frame dies in flight (Unknown).
-            down = await pool.publish(alice.pubkey, alice.sign(1, "while down"))
+            down = await pool.publish(alice.pubkey, signed(alice.sign(1, "while down")))
             assert isinstance(down, (NotSent, Unknown))
             with pytest.raises(RelayUnavailable):
                 await pool.query(alice.pubkey, [{"kinds": [1]}])
         with start_devrelay(auth=True, port=port) as (_url, proc):
             await trio.sleep(0.15)  # let the (0.1 s max) backoff pass; reconnect is on demand
             with trio.fail_after(10):
-                again = await pool.publish(alice.pubkey, alice.sign(1, "after"))
+                again = await pool.publish(alice.pubkey, signed(alice.sign(1, "after")))
             assert isinstance(again, Accepted)
             proc.terminate()
             assert proc.wait(timeout=10) == 0  # the dev relay stops cleanly on SIGTERM

@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from buzzwire.nostr import SignedEvent
+
 from daemon.relay_protocol import (
     AuthChallenge,
     Closed,
@@ -100,14 +102,15 @@ def test_prefixes() -> None:
 
 
 def test_encoders_round_trip_and_keep_utf8() -> None:
-    assert encode_event(EV) == '["EVENT",' + json.dumps(EV, separators=(",", ":"), ensure_ascii=False) + "]"
-    assert "héllo" in encode_event(EV)
+    assert encode_event(SignedEvent.from_json_obj(EV)) == (
+        '["EVENT",' + json.dumps(EV, separators=(",", ":"), ensure_ascii=False) + "]")
+    assert "héllo" in encode_event(SignedEvent.from_json_obj(EV))
     assert json.loads(encode_req("q0", [{"kinds": [9]}, {"ids": [ID]}])) == ["REQ", "q0", {"kinds": [9]}, {"ids": [ID]}]
     assert encode_close("q0") == '["CLOSE","q0"]'
     auth = dict(EV, kind=22242)
-    assert json.loads(encode_auth(auth)) == ["AUTH", auth]
+    assert json.loads(encode_auth(SignedEvent.from_json_obj(auth))) == ["AUTH", auth]
     with pytest.raises(ValueError):
-        encode_auth(EV)
+        encode_auth(SignedEvent.from_json_obj(EV))
     with pytest.raises(ValueError):
         encode_req("q0", [])
     assert subscription_id(0) != subscription_id(1)

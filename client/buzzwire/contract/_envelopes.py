@@ -305,7 +305,7 @@ def read_request(body: bytes) -> Reading:
         return Reading(request_id=None, request=None, error=fault("", str(exc)))
     if not is_object(top):
         return Reading(request_id=None, request=None, error=fault("", "top level is not an object"))
-    obj: dict[str, Any] = top  # type: ignore[assignment]
+    obj: dict[str, object] = top
     request_id = obj.get("requestId")
     if "requestId" in repeated_keys(obj) or not is_request_id(request_id):
         return Reading(request_id=None, request=None,
@@ -496,12 +496,13 @@ def parse_response(body: bytes, *, accept_replayed_false: bool = False) -> Respo
         raise fault("", "top level is not an object")
     if strict_fault is not None:
         raise fault(*strict_fault)
-    obj: dict[str, Any] = top  # type: ignore[assignment]
+    obj: dict[str, object] = top
     if obj.get("type") != "broker_result":
         raise fault("/type", "missing or not broker_result")
     if type(obj.get("protocolVersion")) is not int or obj["protocolVersion"] != PROTOCOL_VERSION:
         raise fault("/protocolVersion", "missing or not 1")
-    status = _STATUS_BY_WIRE.get(obj["status"]) if type(obj.get("status")) is str else None
+    status_text = obj.get("status")
+    status = _STATUS_BY_WIRE.get(status_text) if type(status_text) is str else None
     if status is None:
         raise fault("/status", "missing or not a status")
     expected = _SUCCEEDED_MEMBERS if status is Status.SUCCEEDED else _ERROR_MEMBERS
@@ -513,14 +514,15 @@ def parse_response(body: bytes, *, accept_replayed_false: bool = False) -> Respo
             raise fault(f"/{key}", "missing required member")
     if not is_request_id(obj["requestId"]):
         raise fault("/requestId", "not a usable requestId")
-    replayed = obj.get(_REPLAYED, False)
-    if _REPLAYED in obj and replayed is not True and not (accept_replayed_false and replayed is False):
+    if _REPLAYED in obj and obj[_REPLAYED] is not True and not (
+            accept_replayed_false and obj[_REPLAYED] is False):
         raise fault("/replayed", "present but not true (omit it when false)")
+    replayed = obj.get(_REPLAYED) is True
     if status is Status.SUCCEEDED:
         action = obj["action"]
-        spec = ACTIONS.get(action) if type(action) is str else None
-        if spec is None:
+        if type(action) is not str or action not in ACTIONS:
             raise fault("/action", "not one of the nine operations")
+        spec = ACTIONS[action]
         outcome = read_object(obj["outcome"], "/outcome", SHAPES[spec.outcome_type])
         return Response(request_id=obj["requestId"], status=status, action=action, outcome=outcome,
                         code=None, message=None, replayed=replayed)
@@ -533,7 +535,8 @@ def parse_response(body: bytes, *, accept_replayed_false: bool = False) -> Respo
     for key in ("code", "message"):
         if key not in error:
             raise fault(f"/error/{key}", "missing required member")
-    code = _CODE_BY_WIRE.get(error["code"]) if type(error["code"]) is str else None
+    code_text = error["code"]
+    code = _CODE_BY_WIRE.get(code_text) if type(code_text) is str else None
     if code is None:
         raise fault("/error/code", "not an error code")
     if status not in PAIRING[code]:

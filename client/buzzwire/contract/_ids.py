@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable
+from typing import TypeGuard
 
 from ._codes import ContractError, ErrorCode
 from ._limits import MAX_CURSOR_BYTES, MAX_JSON_INT, MAX_REQUEST_ID_BYTES, MAX_SLUG_BYTES
@@ -108,7 +109,7 @@ def is_valid_pubkey(value: str) -> bool:
     return type(value) is str and _LOWER_HEX64.fullmatch(value) is not None and _on_curve(int(value, 16))
 
 
-def is_request_id(value: object) -> bool:
+def is_request_id(value: object) -> TypeGuard[str]:
     """True for a usable requestId: 1-128 bytes of 0x21-0x7E (never trimmed)."""
     return (
         type(value) is str
@@ -154,21 +155,23 @@ def pubkey(value: object, pointer: str) -> str:
 
 def lower_hex64_exact(value: object, pointer: str) -> str:
     """Verbatim fields of signed events: already canonical, never rewritten."""
-    if _LOWER_HEX64.fullmatch(_string(value, pointer)) is None:
+    text = _string(value, pointer)
+    if _LOWER_HEX64.fullmatch(text) is None:
         raise fault(pointer, "expected 64 lowercase hex characters")
-    return value  # type: ignore[return-value]
+    return text
 
 
 def lower_hex128_exact(value: object, pointer: str) -> str:
-    if _LOWER_HEX128.fullmatch(_string(value, pointer)) is None:
+    text = _string(value, pointer)
+    if _LOWER_HEX128.fullmatch(text) is None:
         raise fault(pointer, "expected 128 lowercase hex characters")
-    return value  # type: ignore[return-value]
+    return text
 
 
 def request_id(value: object, pointer: str) -> str:
     if not is_request_id(value):
         raise fault(pointer, f"expected 1-{MAX_REQUEST_ID_BYTES} bytes of printable ASCII without spaces")
-    return value  # type: ignore[return-value]
+    return value
 
 
 def cursor(value: object, pointer: str) -> str:

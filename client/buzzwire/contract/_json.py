@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, TypeGuard
 
 from ._limits import MAX_JSON_INT, MAX_NESTING, MIN_JSON_INT
 
@@ -169,7 +169,7 @@ def escape_token(token: str) -> str:
     return token
 
 
-def is_object(value: object) -> bool:
+def is_object(value: object) -> TypeGuard[dict[str, object]]:
     """True for a JSON object as this module returns it (including a faulty one)."""
     return type(value) is dict or type(value) is _Repeated
 

@@ -81,7 +81,7 @@ def read_object(value: object, pointer: str, shape: Shape) -> Any:
     """
     if not is_object(value):
         raise fault(pointer, "expected an object")
-    obj: dict[str, object] = value  # type: ignore[assignment]
+    obj: dict[str, object] = value
     names = shape.wire_names
     for key in obj:
         if key not in names:

@@ -1,0 +1,123 @@
+"""The judgement steps: may this fresh, authenticated request run, and on what?
+
+Rules (README "How a request is judged", steps 4 and 5):
+- The steps are data: `JUDGEMENT` is an ordered table of (phase, name, step); `judge`
+  walks it and the first step that answers a `Verdict` decides (always `failed`: every
+  judgement refusal is recorded like any verdict, so one requestId has one verdict).
+- A step answers a refusal, nothing, or what it resolved (`policy.Authorized`, the agent
+  records the operation will act on). `judge` returns `Admitted`: the validated request
+  and those records. Nothing else resolves them again.
+- Runs only for a fresh request: the ledger has already answered replays, conflicts and
+  resumed work, so a replay never costs quota (the rate limit step takes units).
+- Steps have no side effects beyond the rate limiter's units and operator log lines.
+
+WARNING: `PIPELINE` in daemon/broker.py names the phases in order; the phases here must be
+a contiguous run of it (tests/policy/test_judgement.py checks both, and README's list).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final, TypeAlias
+
+from buzzwire.contract import ACTIONS, MESSAGES, REQUEST_MEMBERS, Reading, Request, Verdict
+from daemon.config import PolicyConfig
+from daemon.log import log_event
+from daemon.policy import AgentDirectory, AgentView, Authorized, Refusal, authorize
+from daemon.ratelimit import RateLimiter
+from daemon.sessions import Principal
+
+__all__ = ["Admission", "Admitted", "JUDGEMENT", "judge"]
+
+_log = logging.getLogger("buzz_broker.judgement")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Admission:
+    """One fresh, authenticated request, and what the judgement steps consult."""
+
+    principal: Principal
+    reading: Reading
+    policy: PolicyConfig
+    agents: AgentDirectory[AgentView]
+    limiter: RateLimiter
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """The request may run: validated, and on the records authorization resolved."""
+
+    request: Request
+    authorized: Authorized
+
+
+Step: TypeAlias = Callable[[Admission], "Verdict | Authorized | None"]
+
+
+def _validate(a: Admission) -> Verdict | None:
+    error = a.reading.error
+    if error is None:
+        return None
+    log_event(_log, "request.invalid", agent=a.principal.agent, request_id=a.reading.request_id,
+              code=error.code.value, pointer=_loggable_pointer(error.pointer),
+              detail=error.detail)
+    return Verdict.failed(error.code, MESSAGES[error.code])
+
+
+def _authorize(a: Admission) -> Verdict | Authorized:
+    decision = authorize(a.principal, _request(a), a.policy, a.agents)
+    if isinstance(decision, Refusal):
+        return Verdict.failed(decision.code, decision.message)
+    return decision
+
+
+def _rate_limit(a: Admission) -> Verdict | None:
+    # Recorded like every verdict (I3): the identical bytes replay this refusal; a new
+    # attempt after the limit frees up is a new requestId.
+    limited = a.limiter.take(a.principal, _request(a).action, a.now)
+    return None if limited is None else Verdict.failed(limited.code, limited.message)
+
+
+#: (phase in daemon.broker.PIPELINE, step name, step), in order; the first verdict wins.
+JUDGEMENT: Final[tuple[tuple[str, str, Step], ...]] = (
+    ("validate", "validate", _validate),
+    ("authorize", "authorize", _authorize),
+    ("authorize", "rate_limit", _rate_limit),
+)
+
+
+def judge(admission: Admission) -> Verdict | Admitted:
+    """Walk `JUDGEMENT`: the first refusal, or the request admitted with its records."""
+    authorized = Authorized()
+    for _phase, _name, step in JUDGEMENT:
+        answer = step(admission)
+        if isinstance(answer, Verdict):
+            return answer
+        if answer is not None:
+            authorized = answer
+    return Admitted(_request(admission), authorized)
+
+
+def _request(a: Admission) -> Request:
+    # Every step after `validate` sees a request that passed it.
+    assert a.reading.request is not None, "judgement: a step ran before validate passed"
+    return a.reading.request
+
+
+#: Every member name the contract knows; any other pointer segment came from the agent.
+_KNOWN_MEMBERS = frozenset(REQUEST_MEMBERS).union(*(s.member_names for s in ACTIONS.values()))
+
+
+def _loggable_pointer(pointer: str) -> str:
+    """The JSON pointer with every segment the agent chose replaced.
+
+    An unknown member's name is the agent's text and could be anything, a credential pasted
+    in the wrong place included; the log keeps the shape of the path, not the name.
+    """
+    return "/".join(
+        seg if seg in _KNOWN_MEMBERS or seg.isdigit() or seg == "" else "<unknown>"
+        for seg in pointer.split("/")
+    )

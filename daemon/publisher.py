@@ -1,0 +1,217 @@
+"""The publisher: intent → pending → publish → cleanup, for every publishing request.
+
+Order (design.md step 4; README "How a request is judged", step 6): the operation has
+signed everything (its `Plan`); the audit *intent* record is written, then the ledger's
+*pending* record (daemon/pending.py) is committed, and only then does anything reach the
+relay. A retry that finds the pending record resumes here with exactly those events.
+
+Publishing outcomes (issue 5): every event accepted (`duplicate:` included) → `succeeded`,
+then the plan's `commit` cleanup; the *first* event refused or unsendable → nothing took
+hold → the `rollback` cleanup and `failed` + `action_failed` with the relay's reason; no
+`OK` (timeout, dropped connection) → `indeterminate` + `outcome_unknown`; a refusal
+*after* an accepted event of a multi-event plan → partial effects exist, so `failed`
+would lie: `indeterminate` + `outcome_unknown`, and the identical retry re-sends the same
+events (accepted ones come back `duplicate:`) until the relay takes the rest.
+
+Cleanup steps run in order, each safe to run twice; a fault in one is logged and the
+verdict stands (the relay has already answered). An agents.create that ends `failed`
+leaves no key behind (`destroy_minted`).
+
+WARNING: `CHECKPOINTS` names the steps the crash tests kill at; keep it in step with the
+`checkpoint(...)` calls here and in daemon/broker.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+from buzzwire.contract import ErrorCode, Request, Status, Verdict, encode_response
+from custody import Custody
+from daemon.ledger import Ledger, Ticket
+from daemon.log import log_event
+from daemon.operations import Context, Plan
+from daemon.pending import Cleanup, DestroyAgent, Pending, RenameAgent, SetRuntime, steps_named
+from daemon.recorder import Facts, Judged, Progress, Recorder, where
+from daemon.relay import Accepted, RelayPool, Unknown
+from daemon.runtimes import RuntimeStore
+from daemon.sessions import SessionStore
+
+__all__ = ["Publisher", "CHECKPOINTS", "MAX_REASON_CHARS", "Prepare"]
+
+_log = logging.getLogger("buzz_broker.publisher")
+
+#: Steps a publishing request passes, named for the crash tests (design.md step 4):
+#:   before_pending -- the plan is signed, nothing durable yet
+#:   after_pending  -- the pending record is committed, nothing sent
+#:   after_verdict  -- the verdict is committed, the response not yet written
+#: The relay-side steps (EVENT sent, OK received) are the test relay's to kill at.
+CHECKPOINTS: Final = ("before_pending", "after_pending", "after_verdict")
+#: Longest relay reason quoted back to an agent; the rest goes to the operator log only.
+MAX_REASON_CHARS: Final = 200
+
+#: A publishing operation's `prepare`: (Context, its own argument type) -> plan or verdict.
+Prepare = Callable[..., Awaitable[Plan | Verdict]]
+
+
+def _quote_reason(reason: str) -> str:
+    printable = "".join(ch if ch.isprintable() else " " for ch in reason).strip()
+    return printable[:MAX_REASON_CHARS] or "no reason given"
+
+
+class Publisher:
+    """Owns a publishing request from its signed plan to its cleanup (module docstring)."""
+
+    def __init__(self, *, custody: Custody, sessions: SessionStore, runtimes: RuntimeStore,
+                 relay: RelayPool, ledger: Ledger, recorder: Recorder,
+                 clock: Callable[[], float], checkpoint: Callable[[str], None]) -> None:
+        self._custody = custody
+        self._sessions = sessions
+        self._runtimes = runtimes
+        self._relay = relay
+        self._ledger = ledger
+        self._recorder = recorder
+        self._clock = clock
+        self._checkpoint = checkpoint
+        #: cleanup step type -> how it runs (a table, not an if-chain: daemon/pending.py
+        #: names the types, this names what each does).
+        self._cleanups: dict[type[Cleanup], Callable[[Cleanup], Awaitable[None]]] = {
+            DestroyAgent: self._destroy_agent,
+            RenameAgent: self._rename_agent,
+            SetRuntime: self._set_runtime,
+        }
+
+    async def plan_and_publish(self, ctx: Context, prepare: Prepare, request: Request,
+                               ticket: Ticket, facts: Facts, progress: Progress) -> Judged:
+        """Prepare the plan, then intent, pending, publish, cleanup."""
+        result = await prepare(ctx, request.args)
+        if isinstance(result, Verdict):
+            return Judged.of(ctx.request_id, result)
+        pending = Pending(
+            action=request.action,
+            events=result.events,
+            success=encode_response(ctx.request_id,
+                                    Verdict.succeeded(request.action, result.outcome)),
+            rollback=result.rollback,
+            commit=result.commit,
+        )
+        # The intent record comes before the pending record: a pending record whose intent
+        # was never audited would be published by the next retry without one.
+        if not await self._recorder.intent(facts, tuple(e.id for e in pending.events)):
+            return Judged.internal(ctx.request_id)  # nothing was sent
+        self._checkpoint("before_pending")
+        try:
+            await self._ledger.record_pending(ticket, pending.encode())
+        except sqlite3.Error as exc:
+            self._recorder.ledger_failed(facts, "record_pending", exc)
+            return Judged.internal(ctx.request_id)  # nothing was sent
+        self._checkpoint("after_pending")
+        return await self.publish(facts, pending, progress, resumed=False)
+
+    async def resume(self, facts: Facts, recorded: bytes, progress: Progress) -> Judged:
+        """Finish a pending record left by a crash or an `indeterminate`: re-send its events."""
+        try:
+            pending = Pending.decode(recorded)
+        except ValueError as exc:
+            # A pending record this version cannot read: its events may or may not have
+            # reached the relay, so nothing can be promised and nothing is re-sent.
+            log_event(_log, "ledger.pending_unreadable", level=logging.ERROR,
+                      agent=facts.agent, request_id=facts.request_id,
+                      error=type(exc).__name__)
+            return Judged.of(facts.request_id, Verdict.indeterminate(ErrorCode.INTERNAL))
+        return await self.publish(facts, pending, progress, resumed=True)
+
+    async def publish(self, facts: Facts, pending: Pending, progress: Progress, *,
+                      resumed: bool) -> Judged:
+        """Send the pending events in order and say what the relay's answers mean."""
+        ids = tuple(e.id for e in pending.events)
+        progress.event_ids = ids
+        verdict = await self._publish_events(facts, pending, progress, resumed=resumed)
+        if verdict is None:
+            return Judged(pending.success, Status.SUCCEEDED, event_ids=ids,
+                          published=True)
+        return Judged(encode_response(facts.request_id, verdict), verdict.status, verdict.code,
+                      event_ids=ids, published=True)
+
+    async def _publish_events(self, facts: Facts, pending: Pending, progress: Progress, *,
+                              resumed: bool) -> Verdict | None:
+        """None when every event was accepted; otherwise the verdict (module docstring)."""
+        accepted = 0
+        for event in pending.events:
+            progress.effects_possible = True
+            result = await self._relay.publish(event.pubkey, event)
+            if isinstance(result, Accepted):
+                accepted += 1
+                continue
+            reason = _quote_reason(getattr(result, "reason", ""))
+            log_event(_log, "relay.not_accepted", agent=facts.agent,
+                      request_id=facts.request_id, event_id=event.id,
+                      result=type(result).__name__, reason=reason,
+                      accepted_before=accepted, resumed=resumed)
+            if isinstance(result, Unknown):
+                return Verdict.indeterminate(
+                    ErrorCode.OUTCOME_UNKNOWN,
+                    "the relay did not confirm the event; retry the identical request")
+            if accepted == 0:
+                await self.cleanup(pending.rollback)
+                return Verdict.failed(
+                    ErrorCode.ACTION_FAILED, f"the relay did not accept the event: {reason}")
+            return Verdict.indeterminate(
+                ErrorCode.OUTCOME_UNKNOWN,
+                f"the relay accepted {accepted} of {len(pending.events)} events and refused "
+                f"the next ({reason}); retry the identical request to finish")
+        await self.cleanup(pending.commit)
+        return None
+
+    async def cleanup(self, steps: tuple[Cleanup, ...]) -> None:
+        """Run cleanup steps in order; each is safe to run twice.
+
+        A fault here cannot change the verdict (the relay has already answered), so it is
+        logged for the operator and the verdict stands.
+        """
+        try:
+            for step in steps:
+                await self._cleanups[type(step)](step)
+        except Exception as exc:  # noqa: BLE001 - CustodyError, sqlite3.Error or worse
+            log_event(_log, "housekeeping.failed", level=logging.ERROR,
+                      work=steps_named(steps), error=type(exc).__name__, where=where(exc))
+
+    async def _destroy_agent(self, step: Cleanup) -> None:
+        assert isinstance(step, DestroyAgent)
+        if self._custody.agent(step.pubkey) is not None:
+            await self._custody.destroy_agent(step.pubkey)
+        self._sessions.revoke_agent(step.pubkey)
+
+    async def _rename_agent(self, step: Cleanup) -> None:
+        assert isinstance(step, RenameAgent)
+        if self._custody.agent(step.pubkey) is not None:
+            await self._custody.rename_agent(step.pubkey, step.name)
+
+    async def _set_runtime(self, step: Cleanup) -> None:
+        assert isinstance(step, SetRuntime)
+        self._runtimes.set(step.pubkey, step.runtime, int(self._clock()))
+
+    async def destroy_minted(self, facts: Facts, judged: Judged) -> Judged:
+        """An agents.create that ends `failed` leaves no key behind (failed = no effect).
+
+        The key minted for this request (found by its mint reference) is destroyed. If it
+        cannot be, the answer becomes `indeterminate` + `internal` instead, recorded as not
+        final without pending work: the identical retry starts afresh, finds the same key
+        through its mint reference, and carries on with it.
+        """
+        mint_ref = f"{facts.agent}/{facts.request_id}"
+        minted = next((a for a in self._custody.agents() if a.mint_ref == mint_ref), None)
+        if minted is None:
+            return judged
+        try:
+            await self._custody.destroy_agent(minted.pubkey)
+            self._sessions.revoke_agent(minted.pubkey)
+        except Exception as exc:  # noqa: BLE001 - the key survives: say so, do not lie
+            self._recorder.fault("destroy_minted", facts.agent, facts.request_id,
+                                 facts.action, exc)
+            return Judged.of(facts.request_id, Verdict.indeterminate(ErrorCode.INTERNAL))
+        log_event(_log, "agents.create.minted_destroyed", agent=facts.agent,
+                  request_id=facts.request_id, minted=minted.pubkey)
+        return judged

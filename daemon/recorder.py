@@ -1,0 +1,245 @@
+"""The recorder: each verdict written to the ledger, the audit log, the log and the metrics.
+
+Rules (README "How a request is judged", steps 7 and 8):
+- Every verdict reached after authentication goes to the ledger (final unless
+  `indeterminate`; a refusal as its code, daemon/verdict_store.py, with its status and
+  code as columns) and to the hash-chained audit log (past a credential's burst,
+  refusals are counted: daemon/refusal_audit.py). Every answer, recorded or not, is one
+  `verdict` log line and one request in the metrics.
+- No audit, no answer: a verdict with no side effects whose audit record cannot be
+  written becomes `failed` + `internal` (a known no-op). Once the relay was asked
+  (`Judged.published`), the verdict stands whatever the audit log can still record: the
+  intent record written before publishing already names the events.
+- A fault in the ledger or audit log is logged for the operator (the exception's type and
+  where it was raised; sqlite's text is ours to show, other exceptions' text is not) and
+  never escapes: the pipeline decides what the agent is told.
+
+This module does not decide verdicts; it only writes them. `Judged`, `Facts` and
+`Progress` are the values the pipeline, the publisher and the recorder pass each other.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from buzzwire.contract import ErrorCode, Status, Verdict, encode_response, mark_replayed
+from daemon.audit import AuditLog, AuditRecord, AuditUnavailable, Phase
+from daemon.http import HttpAnswer
+from daemon.ledger import Ledger, Ticket
+from daemon.log import log_event
+from daemon.metrics import Metrics
+from daemon.refusal_audit import RefusalAudit
+from daemon.verdict_store import stored_form
+
+__all__ = ["Judged", "Facts", "Progress", "Recorder", "where"]
+
+_log = logging.getLogger("buzz_broker.recorder")
+
+
+@dataclass(frozen=True, slots=True)
+class Judged:
+    """A verdict reached after the ledger: its bytes, and the facts the log and metrics need.
+
+    `published` True: the relay was asked, so what happened there stands whatever the
+    audit log can still record.
+    """
+
+    response: bytes
+    status: Status
+    code: ErrorCode | None = None
+    event_ids: tuple[str, ...] = ()
+    published: bool = False
+
+    @classmethod
+    def of(cls, request_id: str, verdict: Verdict) -> Judged:
+        return cls(encode_response(request_id, verdict), verdict.status, verdict.code)
+
+    @classmethod
+    def internal(cls, request_id: str) -> Judged:
+        """failed + internal: a fault before any side effect (the spec's known no-op)."""
+        return cls.of(request_id, Verdict.failed(ErrorCode.INTERNAL))
+
+
+@dataclass(slots=True)
+class Progress:
+    """How far one request got: what an unexpected fault may still promise.
+
+    `effects_possible` turns True the moment something may have taken hold: the first
+    event handed to the relay, a resumed pending record (an earlier attempt may have sent
+    it), or a recorded non-failed verdict being replayed. From then on a fault answers
+    `indeterminate`, never `failed`.
+    """
+
+    effects_possible: bool = False
+    event_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Facts:
+    """What the audit log says about one authenticated request (never its arguments)."""
+
+    credential_id: str
+    agent: str
+    action: str | None
+    request_id: str
+    body_sha256: str
+
+    def record(self, phase: Phase, at: float, *, status: Status | None = None,
+               code: ErrorCode | None = None, events: tuple[str, ...] = (),
+               replayed: bool = False) -> AuditRecord:
+        return AuditRecord(phase=phase, at=at, credential_id=self.credential_id,
+                           agent=self.agent, action=self.action, request_id=self.request_id,
+                           body_sha256=self.body_sha256, status=status, code=code,
+                           events=events, replayed=replayed)
+
+
+class Recorder:
+    """Writes verdicts (module docstring). One per daemon; the pipeline owns it."""
+
+    def __init__(self, *, ledger: Ledger, audit: AuditLog, refusals: RefusalAudit,
+                 metrics: Metrics, clock: Callable[[], float],
+                 read_retention_seconds: int) -> None:
+        self._ledger = ledger
+        self._audit = audit
+        self._refusals = refusals
+        self._metrics = metrics
+        self._clock = clock
+        self._read_retention = read_retention_seconds
+
+    async def intent(self, facts: Facts, event_ids: tuple[str, ...]) -> bool:
+        """The audit intent record, before the pending record; False when it cannot be."""
+        try:
+            await self._audit.append(facts.record(Phase.INTENT, self._clock(), events=event_ids))
+        except Exception as exc:  # noqa: BLE001 - AuditUnavailable or worse: nothing was sent
+            self.audit_failed(facts, exc)
+            return False
+        return True
+
+    async def audited(self, facts: Facts, judged: Judged, *, replayed: bool = False) -> bool:
+        """Append the verdict record; False (and an operator log line) when it cannot be.
+
+        A refusal (failed, nothing published) past its credential's burst is counted
+        instead (daemon/refusal_audit.py); the ledger still records it.
+        """
+        if (judged.status is Status.FAILED and not judged.published and judged.code is not None
+                and not self._refusals.admit(facts.credential_id)):
+            self._refusals.count(facts.credential_id, facts.agent, facts.action, judged.code)
+            return True
+        try:
+            await self._audit.append(facts.record(
+                Phase.VERDICT, self._clock(), status=judged.status, code=judged.code,
+                events=judged.event_ids if judged.status is Status.SUCCEEDED else (),
+                replayed=replayed))
+        except Exception as exc:  # noqa: BLE001 - AuditUnavailable or worse: not recorded
+            self.audit_failed(facts, exc)
+            return False
+        return True
+
+    async def finish(self, ticket: Ticket, facts: Facts, judged: Judged) -> Judged:
+        """Record a verdict the ledger let run: audit first when nothing was published.
+
+        Returns the verdict to answer: `judged`, or failed + internal when it had no side
+        effects and its audit record could not be written. A ledger fault leaves the
+        verdict standing (a pending record, if one was committed, is still there, so the
+        identical retry re-sends the same events and reaches the same verdict).
+        """
+        if not judged.published and not await self.audited(facts, judged):
+            judged = Judged.internal(facts.request_id)
+        try:
+            # A refusal is kept as its code (verdict_store); a read's page only briefly.
+            await self._ledger.finish(
+                ticket,
+                stored_form(facts.request_id, judged.response, judged.status, judged.code)
+                if not judged.published else judged.response,
+                judged.status, judged.code,
+                keep_seconds=self._read_retention
+                if judged.status is Status.SUCCEEDED and not judged.published else None)
+        except Exception as exc:  # noqa: BLE001 - sqlite3.Error or worse: the verdict stands
+            self.ledger_failed(facts, "finish", exc)
+            self._ledger.release(ticket)
+        if judged.published:
+            await self.audited(facts, judged)
+        return judged
+
+    async def unrecorded(self, facts: Facts, judged: Judged, started: float, *,
+                         replayed: bool = False) -> HttpAnswer:
+        """Answer a verdict the ledger does not (re)record: audited first, or internal.
+
+        No audit, no answer: when the record cannot be written the agent is told
+        failed + internal instead, which promises (truthfully) that nothing ran now; a
+        replayed verdict that was not `failed` becomes indeterminate + internal (a recorded
+        success is never turned into failed: it would promise no effect took hold).
+        """
+        if not await self.audited(facts, judged, replayed=replayed):
+            if replayed and judged.status is not Status.FAILED:
+                judged = Judged.of(facts.request_id, Verdict.indeterminate(ErrorCode.INTERNAL))
+            else:
+                judged = Judged.internal(facts.request_id)
+            replayed = False
+        try:
+            # No ledger commit follows this answer: anchor the audit head now.
+            await self._ledger.anchor()
+        except sqlite3.Error as exc:
+            self.ledger_failed(facts, "anchor", exc)
+        return self.respond(facts.request_id, judged, started, agent=facts.agent,
+                            action=facts.action, replayed=replayed)
+
+    def respond(self, request_id: str, judged: Judged, started: float, *, agent: str | None,
+                action: str | None, replayed: bool = False) -> HttpAnswer:
+        """The answer: one `verdict` log line, one request in the metrics, HTTP 200."""
+        elapsed = time.monotonic() - started
+        fields: dict[str, object] = {
+            "request_id": request_id,
+            "agent": agent,
+            "action": action,
+            "duration_ms": round(elapsed * 1000, 3),
+            "status": judged.status.value,
+            "code": judged.code.value if judged.code else None,
+            "event_ids": list(judged.event_ids) if judged.event_ids else None,
+            "replayed": True if replayed else None,
+        }
+        log_event(_log, "verdict", level=logging.INFO,
+                  **{k: v for k, v in fields.items() if v is not None})
+        self._metrics.request(action, judged.status.value,
+                              judged.code.value if judged.code else None, elapsed)
+        body = mark_replayed(judged.response) if replayed else judged.response
+        return HttpAnswer(status=200, body=body)
+
+    def uncorrelated(self, started: float) -> HttpAnswer:
+        """HTTP 400 without an envelope: counted, not recorded (there is no requestId)."""
+        self._metrics.request(None, None, None, time.monotonic() - started)
+        return HttpAnswer(status=400, body=None)
+
+    def ledger_failed(self, facts: Facts, step: str, exc: Exception) -> None:
+        detail = str(exc) if isinstance(exc, sqlite3.Error) else where(exc)
+        log_event(_log, "ledger.fault", level=logging.ERROR, agent=facts.agent,
+                  request_id=facts.request_id, action=facts.action, step=step,
+                  error=type(exc).__name__, detail=detail)
+
+    def audit_failed(self, facts: Facts, exc: Exception) -> None:
+        detail = exc.detail if isinstance(exc, AuditUnavailable) else where(exc)
+        log_event(_log, "audit.unavailable", level=logging.ERROR, agent=facts.agent,
+                  request_id=facts.request_id, action=facts.action, detail=detail)
+
+    def fault(self, step: str, agent: str | None, request_id: str, action: str | None,
+              exc: BaseException) -> None:
+        # The exception's type and where it was raised, never its text: an unexpected
+        # exception's message is not ours to vouch for (it could quote anything).
+        log_event(_log, "pipeline.fault", level=logging.ERROR, step=step, agent=agent,
+                  request_id=request_id, action=action, error=type(exc).__name__,
+                  where=where(exc))
+
+
+def where(exc: BaseException) -> str:
+    """`file:line` where an exception was raised (its innermost frame), for the operator."""
+    tb = exc.__traceback__
+    if tb is None:
+        return "unknown"
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{Path(tb.tb_frame.f_code.co_filename).name}:{tb.tb_lineno}"

@@ -1,0 +1,222 @@
+"""Wiring: open custody, the stores, the audit log and the relay pool; build the pipeline.
+
+Rules:
+- This is the one module that builds and connects the daemon's components, and the one
+  that closes them: `running` is an async context manager owning every resource and every
+  background task (trio: its nursery owns them; `started()` of each long-lived task is
+  awaited before the broker is handed out). Nothing here judges a request.
+- A component that cannot open is one `StartupError` line for the operator (token, PIN,
+  KEK, state directory, audit log, relay URL); nothing half-open is left behind.
+- Order at exit (reverse of opening): the background tasks stop, the open refusal counts
+  and the audit anchor are written while the audit log is still open, then the audit log,
+  the stores and custody close, each shielded so a cancelled daemon still closes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Final
+
+import trio
+
+from buzzwire.contract import ACTIONS
+from buzzwire.nostr import SignedEvent
+from custody import Custody, CustodyError
+from daemon.audit import AUDIT_DIRNAME, AuditLog, AuditUnavailable
+from daemon.broker import Broker
+from daemon.config import Config, ConfigError, require_relay
+from daemon.cursor import CursorCodec, CursorKeyError
+from daemon.ledger import Ledger
+from daemon.log import log_event
+from daemon.metrics import Metrics
+from daemon.ratelimit import RateLimiter
+from daemon.relay import AuthNotSigned, RelayPool, RelayTimeouts
+from daemon.runtimes import RuntimeStore
+from daemon.sessions import LAST_USE_FLUSH_SECONDS, SessionStore
+
+__all__ = ["running", "relay_pool", "StartupError", "SWEEP_INTERVAL_SECONDS"]
+
+_log = logging.getLogger("buzz_broker.wiring")
+
+#: How often the ledger's retention sweep runs (design.md: the database stays bounded).
+SWEEP_INTERVAL_SECONDS: Final = 3600.0
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the message is one line for the operator."""
+
+
+def relay_pool(config: Config, custody: Custody,
+               observer: Callable[[str, str, float], None] | None = None) -> RelayPool:
+    """The relay pool for `config`, authenticating each agent's connection through custody.
+
+    Raises:
+        ValueError: the relay URL is refused (see daemon.relay_protocol.check_relay_url).
+    """
+
+    async def sign_auth(agent: str, relay_url: str, challenge: str, created_at: int
+                        ) -> SignedEvent:
+        try:
+            return await custody.sign_auth(agent, relay_url, challenge, created_at)
+        except CustodyError as exc:
+            raise AuthNotSigned(type(exc).__name__) from None
+
+    timeouts = RelayTimeouts(
+        connect=config.relay.connect_timeout,
+        ok=config.relay.ok_timeout,
+        eose=config.relay.eose_timeout,
+        idle_seconds=config.relay.idle_seconds,
+    )
+    if config.relay.url is None:  # no default relay (daemon/config.py)
+        raise ValueError("[relay] url is not set")
+    return RelayPool(config.relay.url, sign_auth, timeouts=timeouts, observer=observer)
+
+
+def _shielded(close: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+    """A close that still runs to the end when the daemon is being cancelled."""
+
+    async def run() -> None:
+        with trio.CancelScope(shield=True):
+            await close()
+
+    return run
+
+
+@asynccontextmanager
+async def running(
+    config: Config,
+    *,
+    config_loader: Callable[[], Config] | None = None,
+    checkpoint: Callable[[str], None] | None = None,
+) -> AsyncIterator[Broker]:
+    """Open custody, the stores and the relay pool, and the broker over them; close all on exit.
+
+    Args:
+      config: the loaded configuration.
+      config_loader: re-reads the configuration on SIGHUP (policy only).
+      checkpoint: called with the name of each step in `daemon.publisher.CHECKPOINTS` as
+        a request passes it. The crash tests kill the process there; production passes None.
+
+    Raises:
+      StartupError: one line naming what is wrong (token, PIN, KEK, state directory).
+    """
+    try:
+        relay_url = require_relay(config)  # before the slow token login
+    except ConfigError as exc:
+        raise StartupError(str(exc)) from None
+    state_dir = Path(config.state.dir)
+    try:
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StartupError(f"state directory {state_dir}: {exc.strerror}") from None
+    async with AsyncExitStack() as stack:
+        try:
+            custody = await Custody.open(config.pkcs11.token(), state_dir, config.pkcs11.cache())
+        except CustodyError as exc:
+            raise StartupError(str(exc)) from None
+        stack.push_async_callback(_shielded(custody.aclose))
+        try:
+            sessions = SessionStore.open(state_dir)
+            stack.callback(sessions.close)
+            ledger = Ledger.open(
+                state_dir / "ledger.db",
+                retention_seconds=config.state.ledger_retention_seconds,
+                max_bytes_per_principal=config.state.ledger_max_bytes_per_agent,
+            )
+            stack.callback(ledger.close)
+            limiter = RateLimiter.open(state_dir, config.limits)
+            stack.callback(limiter.close)
+            cursors = CursorCodec.open(state_dir)
+            runtimes = RuntimeStore.open(state_dir)
+            stack.callback(runtimes.close)
+        except (OSError, sqlite3.Error, CursorKeyError) as exc:
+            raise StartupError(f"state directory {state_dir}: {exc}") from None
+        try:
+            audit = AuditLog.open(state_dir / AUDIT_DIRNAME, anchor=ledger.audit_anchor)
+        except AuditUnavailable as exc:
+            raise StartupError(f"audit log: {exc.detail or exc}") from None
+        stack.push_async_callback(_shielded(audit.aclose))
+        if ledger.audit_anchor is None and audit.head[0] > 0:
+            # A ledger from before anchors, or one deleted: nothing to hold the log to.
+            log_event(_log, "audit.anchor_adopted", level=logging.WARNING,
+                      seq=audit.head[0], head=audit.head[1])
+        # From here every ledger commit records the audit head it follows.
+        ledger.anchor_audit(lambda: audit.head)
+
+        metrics = Metrics(actions=ACTIONS)
+        custody.observe_token_calls(metrics.token_call)
+
+        try:
+            relay = relay_pool(config, custody, observer=metrics.relay_round_trip)
+        except ValueError as exc:
+            raise StartupError(f"relay url: {exc}") from None
+        broker = Broker(
+            config=config,
+            custody=custody,
+            sessions=sessions,
+            ledger=ledger,
+            relay=relay,
+            cursors=cursors,
+            limiter=limiter,
+            audit=audit,
+            runtimes=runtimes,
+            config_loader=config_loader,
+            metrics=metrics,
+            checkpoint=checkpoint,
+        )
+
+        async def last_counts() -> None:
+            # Before the audit log closes: the open refusal counts, then the anchor.
+            await broker.refusals.flush(everything=True)
+            try:
+                await ledger.anchor()
+            except sqlite3.Error as exc:
+                log_event(_log, "ledger.fault", level=logging.ERROR, step="anchor",
+                          error=type(exc).__name__, detail=str(exc))
+
+        stack.push_async_callback(_shielded(last_counts))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(relay.run)
+            await nursery.start(broker.signer.run)
+            await nursery.start(limiter.flush_periodically)
+            nursery.start_soon(_sweep_forever, ledger, metrics)
+            nursery.start_soon(_flush_last_use_forever, sessions)
+            await nursery.start(broker.refusals.run)
+            log_event(_log, "broker.ready", agents=len(custody.agents()), relay=relay_url)
+            for record in custody.agents():
+                if record.auth_tag is None:
+                    # Its owner is a person whose key is not here: its events carry no
+                    # NIP-OA tag until the owner signs one (`agent attach-auth`).
+                    log_event(_log, "agent.auth_tag_missing", level=logging.WARNING,
+                              agent=record.pubkey, owner=record.owner,
+                              fix="buzz-broker agent attach-auth")
+            try:
+                yield broker
+            finally:
+                nursery.cancel_scope.cancel()
+
+
+async def _sweep_forever(ledger: Ledger, metrics: Metrics) -> None:
+    while True:
+        removed = await ledger.sweep(int(time.time()))
+        if removed:
+            log_event(_log, "ledger.swept", removed=removed)
+        metrics.set_ledger_size(await ledger.count())
+        await trio.sleep(SWEEP_INTERVAL_SECONDS)
+
+
+async def _flush_last_use_forever(sessions: SessionStore) -> None:
+    # Last use is noted in memory per request and written here (daemon/sessions: no
+    # write per request); `SessionStore.close` writes the rest at shutdown.
+    while True:
+        await trio.sleep(LAST_USE_FLUSH_SECONDS)
+        try:
+            sessions.flush_last_use()
+        except sqlite3.Error as exc:
+            log_event(_log, "sessions.last_use_unwritten", level=logging.WARNING,
+                      error=type(exc).__name__, detail=str(exc))
