@@ -7,8 +7,13 @@ PY := $(VENV)/bin/python
 # opensc: pkcs11-tool for inspecting it; systemd: systemd-analyze for the unit lint;
 # curl: the demo's first request.
 APT_PACKAGES := softhsm2 opensc systemd curl
+# The other PKCS#11 tokens the custody suite runs on (tests/tokens/kinds.py says which kind
+# needs which): a software TPM 2.0 with tpm2-pkcs11, opencryptoki's software token, and a
+# SoftHSM token behind `p11-kit server`. age: `age-keygen` for backup identities.
+TOKEN_PACKAGES := swtpm swtpm-tools tpm2-tools tpm2-abrmd libtss2-tcti-tabrmd0 libtpm2-pkcs11-1 libtpm2-pkcs11-tools opencryptoki p11-kit p11-kit-modules dbus util-linux
+APT_PACKAGES += $(TOKEN_PACKAGES) age
 
-.PHONY: all run test deps venv lint bench clean
+.PHONY: all run test test-tokens deps venv lint bench clean
 
 all: test
 
@@ -31,6 +36,17 @@ venv: deps $(VENV)/.installed
 
 test: venv
 	$(PY) -m pytest -q -p no:cacheprovider
+	$(MAKE) --no-print-directory test-tokens
+
+# The custody suite once per token kind, each token started and torn down by with-token.
+# TOKEN_KINDS=tpm make test-tokens runs one kind. SoftHSM is also the main suite's token.
+TOKEN_KINDS ?= softhsm tpm opencryptoki p11kit
+CUSTODY_SUITE := tests/custody tests/tokens tests/backup
+test-tokens: venv
+	@failed=""; for k in $(TOKEN_KINDS); do echo "== custody suite on the $$k token"; \
+	  $(PY) tests/tokens/with-token $$k -- $(PY) -m pytest -q -p no:cacheprovider $(CUSTODY_SUITE) \
+	    || failed="$$failed $$k"; done; \
+	if [ -n "$$failed" ]; then echo "custody suite failed on:$$failed"; exit 1; fi
 
 lint: venv
 	$(PY) -m mypy daemon custody client/buzzwire
