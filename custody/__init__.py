@@ -11,6 +11,8 @@ Surface:
 - `Custody` (async facade: open/aclose, agent/agents, sign_event/sign_events/sign_auth,
   memory_address, mint_agent, import_agent, destroy_agent) and `init_kek` (keys init).
 - Values: `TokenConfig`, `UnsignedEvent`, `SignedEvent`, `AgentRecord`, `MemoryAddress`.
+- Backups (`_backup`): `export_backup` (every live agent encrypted in memory to age
+  recipients), `open_backup` (decrypt and check one), `restore_plan`, `restore_backup`.
 - Errors: `CustodyError`, `UnsealFailed`, `UnknownAgent`.
 - Public Nostr helpers (no secrets): `compute_event_id`, `verify_event`,
   `verify_owner_tag`, `owner_tag_digest`, and `PublicDirectory` (the keystore's public
@@ -20,7 +22,7 @@ Surface:
 
 Modules, one job each: _errors, _secret (buffers, wiping, parsing, randomness), _secp256k1
 (low-level curve ops), _signer (events, AUTH, NIP-OA),
-_memory (NIP-AE), _process (core dumps off, undumpable), _worker (the one token thread),
+_memory (NIP-AE), _backup (age backups and restore), _process (core dumps off, undumpable), _worker (the one token thread),
 _token (PKCS#11), _sealed (blob format and the one unseal door), _keystore (SQLite),
 _facade (Custody).
 
@@ -40,6 +42,17 @@ if sys.flags.optimize:
         "stripped there, and custody's safety checks must never be; start Python without -O"
     )
 
+from custody._backup import (
+    MAX_BACKUP_BYTES,
+    MAX_IDENTITY_BYTES,
+    BackupContents,
+    ExportedBackup,
+    RestoreResult,
+    export_backup,
+    open_backup,
+    restore_backup,
+    restore_plan,
+)
 from custody._errors import CustodyError, UnknownAgent, UnsealFailed
 from custody._facade import Custody, init_kek
 from custody._keystore import AgentRecord, PublicDirectory
@@ -57,7 +70,16 @@ from custody._secret import read_secret_text
 from custody._token import TokenConfig
 
 __all__ = [
+    "MAX_BACKUP_BYTES",
+    "MAX_IDENTITY_BYTES",
     "AgentRecord",
+    "BackupContents",
+    "ExportedBackup",
+    "RestoreResult",
+    "export_backup",
+    "open_backup",
+    "restore_backup",
+    "restore_plan",
     "Custody",
     "CustodyError",
     "MemoryAddress",

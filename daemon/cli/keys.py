@@ -1,4 +1,5 @@
 """`buzz-broker keys init`: create the token's key-encryption key, or check the one there.
+`keys backup` / `keys restore` live in keys_backup.py (their rules are there).
 
 Rules:
 - Reads the token settings from the configuration ([pkcs11]); the PIN from the file
@@ -17,6 +18,7 @@ import argparse
 
 import trio
 
+from daemon.cli import keys_backup
 from daemon.cli._common import CliError, config_from_args
 
 HELP = "create (or check) the key-encryption key in the PKCS#11 token"
@@ -29,9 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "init",
         help="create the AES-256 KEK (sensitive, non-extractable) if absent, else check it",
     )
+    keys_backup.add_arguments(sub)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.keys_command in keys_backup.SUBCOMMANDS:
+        return keys_backup.run(args)
     from custody import CustodyError, TokenConfig, init_kek
 
     config = config_from_args(args)
