@@ -9,8 +9,10 @@ command line, the tests and the benchmarks. `custody` imports nothing from `daem
 
 Surface:
 - `Custody` (async facade: open/aclose, agent/agents, sign_event/sign_events/sign_auth,
-  memory_address, mint_agent, import_agent, destroy_agent) and `init_kek` (keys init).
-- Values: `TokenConfig`, `UnsignedEvent`, `SignedEvent`, `AgentRecord`, `MemoryAddress`.
+  memory_address, mint_agent, import_agent, destroy_agent), `init_keys`/`init_kek` (keys
+  init) and `rotate_keys` (keys rotate, keys migrate; `ROTATION_CHECKPOINTS`).
+- Values: `TokenConfig`, `CachePolicy`, `TokenReport`, `RotationReport`, `UnsignedEvent`,
+  `SignedEvent`, `AgentRecord`, `MemoryAddress`.
 - Backups (`_backup`): `export_backup` (every live agent encrypted in memory to age
   recipients), `open_backup` (decrypt and check one), `restore_plan`, `restore_backup`.
 - Errors: `CustodyError`, `UnsealFailed`, `UnknownAgent`.
@@ -23,8 +25,10 @@ Surface:
 Modules, one job each: _errors, _secret (buffers, wiping, parsing, randomness), _secp256k1
 (low-level curve ops), _signer (events, AUTH, NIP-OA),
 _memory (NIP-AE), _backup (age backups and restore), _process (core dumps off, undumpable), _worker (the one token thread),
-_token (PKCS#11), _sealed (blob format and the one unseal door), _keystore (SQLite),
-_facade (Custody).
+_token (PKCS#11: login, KEKs, mechanisms, the seal choice), _sealed (blob formats, the two
+seals and the one unseal door with its named defences), _cache (the unsealed-key cache,
+off by default), _keystore (SQLite), _statelock (who may use the state directory),
+_rotation (keys rotate / migrate), _facade (Custody).
 
 WARNING: custody refuses to be imported under `python -O`/`-OO`/PYTHONOPTIMIZE. Its own
 code checks every C return with `if`, never `assert`; the refusal is belt and braces for
@@ -54,7 +58,8 @@ from custody._backup import (
     restore_plan,
 )
 from custody._errors import CustodyError, UnknownAgent, UnsealFailed
-from custody._facade import Custody, init_kek
+from custody._cache import CachePolicy
+from custody._facade import Custody, init_kek, init_keys, rotate_keys
 from custody._keystore import AgentRecord, PublicDirectory
 from custody._memory import MemoryAddress
 from buzzwire.nostr import (
@@ -67,13 +72,17 @@ from buzzwire.nostr import (
 )
 from custody._process import harden_process
 from custody._secret import read_secret_text
-from custody._token import TokenConfig
+from custody._rotation import CHECKPOINTS as ROTATION_CHECKPOINTS
+from custody._rotation import RotationReport
+from custody._token import TokenConfig, TokenReport
 
 __all__ = [
     "MAX_BACKUP_BYTES",
     "MAX_IDENTITY_BYTES",
+    "ROTATION_CHECKPOINTS",
     "AgentRecord",
     "BackupContents",
+    "CachePolicy",
     "ExportedBackup",
     "RestoreResult",
     "export_backup",
@@ -84,16 +93,20 @@ __all__ = [
     "CustodyError",
     "MemoryAddress",
     "PublicDirectory",
+    "RotationReport",
     "SignedEvent",
     "TokenConfig",
+    "TokenReport",
     "UnknownAgent",
     "UnsealFailed",
     "UnsignedEvent",
     "compute_event_id",
     "harden_process",
     "init_kek",
+    "init_keys",
     "owner_tag_digest",
     "read_secret_text",
+    "rotate_keys",
     "verify_event",
     "verify_owner_tag",
 ]

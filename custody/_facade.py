@@ -2,9 +2,13 @@
 
 Theory of operation:
 - `Custody.open` first hardens the process (`_process`: no core dumps, not dumpable, no
-  same-uid ptrace), then logs in to the token (or joins the process's session), finds and checks
-  the KEK, and opens the keystore. It unseals nothing: keys are opened lazily, one call at
-  a time, so opening costs the same for 10 or 10,000 agents.
+  same-uid ptrace), takes the state directory's lock shared (`_statelock`: no rotation
+  runs meanwhile), opens the keystore, then logs in to the token (or joins the process's
+  session) and finds and checks the active KEK (the keystore's record after a rotation,
+  else the configured one). It unseals nothing: keys are opened lazily, one call at a
+  time, so opening costs the same for 10 or 10,000 agents.
+- With the unsealed-key cache on (`_cache`, off by default) a key unsealed once is reused
+  from locked memory for a bounded time; off, every call unseals.
 - Each call that needs a secret makes exactly one hop to the token worker (`_worker`), and
   inside that hop: read the sealed blob, unseal (authenticate, decrypt, re-derive and
   compare the pubkey), use the secret, wipe it. `sign_events` does a whole batch in one hop.
@@ -28,21 +32,24 @@ from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
 
+from custody._cache import CachePolicy, UnsealedCache
 from custody._errors import CustodyError, UnknownAgent
-from custody._keystore import AgentRecord, Keystore
+from custody._keystore import AgentRecord, Keystore, PublicDirectory
 from custody._memory import MEMORY_KIND, MemoryAddress, check_slug, d_tag
 from buzzwire.nostr import SignedEvent, UnsignedEvent, is_hex64, verify_owner_tag
 from custody._process import harden_process
+from custody._rotation import ActiveKek, RotationReport, active_kek, require_configured, rotate
 from custody._sealed import seal, unseal
+from custody._statelock import StateLock
 from custody._secp256k1 import is_xonly_pubkey, xonly_pubkey
 from custody._secret import Secret, parse_secret_text, random_secret
 from custody._signer import OwnerTag, auth_event, make_owner_tag, sign, with_owner_tag
-from custody._token import Token, TokenConfig
+from custody._token import Token, TokenConfig, TokenReport
 from custody._worker import in_token_worker
 
 T = TypeVar("T")
 
-__all__ = ["Custody", "init_kek"]
+__all__ = ["Custody", "init_kek", "init_keys", "rotate_keys"]
 
 log = logging.getLogger("buzz_broker.custody")
 
@@ -68,28 +75,80 @@ def _require_owner_point(owner: str) -> None:
         )
 
 
-async def init_kek(token: TokenConfig) -> bool:
-    """`buzz-broker keys init`: create the KEK if absent, else check its attributes.
+async def init_keys(token: TokenConfig, state_dir: Path | None = None) -> TokenReport:
+    """`buzz-broker keys init`: choose the seal by what the token offers, create the KEK
+    (both halves for encrypt-then-MAC) where absent, else check it.
+
+    With `state_dir`, the KEK is the one its keystore records as active (after a rotation),
+    and a keystore whose keys are in another token is refused.
 
     Returns:
-        True if the KEK was created, False if it was present and passed the checks.
+        What the token offers, the seal chosen, and which keys were created.
     Raises:
-        CustodyError: token, PIN or module faults, or a present KEK that could leave the token.
+        CustodyError: token, PIN or module faults, a forced seal the token lacks, a token
+            that cannot generate a missing key, or a present key that fails its checks.
     """
     harden_process()  # the PIN is about to be read: no core, no same-uid ptrace
-    return await in_token_worker(lambda: Token.init_kek(token))
+    label = token.kek_label
+    if state_dir is not None:
+        label = _recorded_kek(token, Path(state_dir)).kek_label
+    return await in_token_worker(lambda: Token.init_kek(token, label))
+
+
+def _recorded_kek(token: TokenConfig, state_dir: Path) -> ActiveKek:
+    """The active KEK the keystore records (read-only: creates nothing), checked to be in
+    the configured token."""
+    directory = PublicDirectory.open(state_dir)
+    try:
+        active = active_kek(directory.meta(), token)
+    finally:
+        directory.close()
+    require_configured(active, token)
+    return active
+
+
+async def init_kek(token: TokenConfig) -> bool:
+    """`init_keys` without a state directory. True if any key was created."""
+    return bool((await init_keys(token)).created)
+
+
+async def rotate_keys(
+    source: TokenConfig,
+    state_dir: Path,
+    *,
+    target: TokenConfig | None = None,
+    new_kek_label: str | None = None,
+    checkpoint: Callable[[str], None] | None = None,
+) -> RotationReport:
+    """`keys rotate` (target None: a new KEK in the same token) and `keys migrate` (the
+    token `target` names). See `_rotation` for the steps and the crash guarantees.
+
+    `checkpoint` is a test seam (the crash tests kill the process there); production
+    passes None.
+
+    Raises:
+        CustodyError: custody in use (the daemon runs), a wrong token, a blob that does
+            not open, a token that refuses; the message says what to do.
+    """
+    harden_process()
+
+    return await in_token_worker(
+        lambda: rotate(source, target or source, Path(state_dir), new_kek_label, checkpoint))
 
 
 class Custody:
     """Sealed agent keys under a PKCS#11 token. Create with `await Custody.open(...)`."""
 
-    __slots__ = ("_token", "_keystore", "_closed", "_now", "_observer")
+    __slots__ = ("_token", "_keystore", "_closed", "_now", "_observer", "_lock", "_cache")
 
-    def __init__(self, token: Token, keystore: Keystore, *, _factory: object = None) -> None:
+    def __init__(self, token: Token, keystore: Keystore, lock: StateLock, cache: UnsealedCache,
+                 *, _factory: object = None) -> None:
         if _factory is not _FACTORY:
             raise TypeError("use `await Custody.open(token_config, state_dir)`")
         self._token = token
         self._keystore = keystore
+        self._lock = lock
+        self._cache = cache
         self._closed = False
         self._now: Callable[[], int] = lambda: int(time.time())
         self._observer: Callable[[str, float], None] | None = None
@@ -97,13 +156,15 @@ class Custody:
     # --- lifecycle -----------------------------------------------------------------
 
     @classmethod
-    async def open(cls, token: TokenConfig, state_dir: Path) -> Custody:
+    async def open(cls, token: TokenConfig, state_dir: Path,
+                   cache: CachePolicy = CachePolicy()) -> Custody:
         """Log in, find and check the KEK (refusing one that could leave the token), open
-        the keystore under `state_dir`.
+        the keystore under `state_dir`. `cache` turns the unsealed-key cache on (`_cache`).
 
         Raises:
             CustodyError: missing module or token, wrong PIN, no KEK, unsafe KEK, keystore
-                unreadable. The message names the fault and never a secret.
+                unreadable, a rotation running, a configuration naming another token than
+                the keys were moved to. The message names the fault and never a secret.
 
         First makes the process undumpable with core dumps off (`harden_process`): every
         process that opens custody (daemon, CLI, tests) will hold unsealed keys and the PIN.
@@ -111,13 +172,24 @@ class Custody:
         harden_process()
 
         def work() -> Custody:
-            opened = Token.open(token)
+            # Log in before anything is written: a wrong PIN leaves no state directory.
+            active = _recorded_kek(token, Path(state_dir))
+            opened = Token.open(token, active.kek_label)
             try:
-                keystore = Keystore.open(Path(state_dir))
+                lock = StateLock.shared(Path(state_dir))
+                try:
+                    keystore = Keystore.open(Path(state_dir))
+                    if active_kek(keystore.meta(), token) != active:
+                        keystore.close()
+                        raise CustodyError("a key rotation finished while custody was "
+                                           "opening; open it again")
+                except BaseException:
+                    lock.release()
+                    raise
             except BaseException:
                 opened.close()
                 raise
-            return cls(opened, keystore, _factory=_FACTORY)
+            return cls(opened, keystore, lock, UnsealedCache(cache), _factory=_FACTORY)
 
         custody = await in_token_worker(work)
         log.info("custody open: token %r, keystore %s", token.token_label, custody._keystore.path)
@@ -132,9 +204,11 @@ class Custody:
 
         def work() -> None:
             try:
+                self._cache.clear()
                 self._token.close()
             finally:
                 self._keystore.close()
+                self._lock.release()
 
         await in_token_worker(work)
 
@@ -370,6 +444,7 @@ class Custody:
         _require_pubkey("agent", pubkey)
 
         def work() -> AgentRecord | None:
+            self._cache.evict(pubkey)
             return self._keystore.tombstone(pubkey, self._now())
 
         record = await self._hop("destroy", work)
@@ -422,7 +497,13 @@ class Custody:
         blob = self._keystore.sealed_blob(agent)
         if blob is None:
             raise UnknownAgent(agent)  # destroyed since the caller's check
-        return unseal(self._token, blob, agent)
+        if self._cache.enabled:
+            cached = Secret()
+            if self._cache.get(agent, blob, cached):
+                return cached
+        secret = unseal(self._token, blob, agent)
+        self._cache.put(agent, blob, secret)
+        return secret
 
     def _store(
         self,

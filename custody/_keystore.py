@@ -78,6 +78,17 @@ CREATE TABLE IF NOT EXISTS agents (
     CHECK ((deleted_at IS NULL) = (sealed IS NOT NULL))
 ) STRICT;
 CREATE INDEX IF NOT EXISTS agents_by_owner ON agents (owner, name);
+-- Public facts about custody's keys: which token and KEK the blobs are sealed under, and
+-- a rotation or migration in progress (custody/_rotation.py). Never a secret.
+CREATE TABLE IF NOT EXISTS custody_meta (
+    name  TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+) STRICT;
+-- Blobs resealed under a rotation's new KEK, waiting for the one swap transaction.
+CREATE TABLE IF NOT EXISTS reseal (
+    pubkey TEXT PRIMARY KEY REFERENCES agents (pubkey),
+    sealed BLOB NOT NULL
+) STRICT;
 """
 _PUBLIC_COLUMNS = "pubkey, owner, name, auth_tag, creator, depth, created_at, deleted_at, mint_ref"
 
@@ -127,6 +138,15 @@ def _record(row: tuple[Any, ...]) -> AgentRecord:
         deleted_at=deleted_at,
         mint_ref=mint_ref,
     )
+
+
+def _write_meta(db: sqlite3.Connection, values: dict[str, str | None]) -> None:
+    for name, value in values.items():
+        if value is None:
+            db.execute("DELETE FROM custody_meta WHERE name = ?", (name,))
+        else:
+            db.execute("INSERT INTO custody_meta (name, value) VALUES (?, ?)"
+                       " ON CONFLICT (name) DO UPDATE SET value = excluded.value", (name, value))
 
 
 def _prepare_dir(state_dir: Path) -> Path:
@@ -280,6 +300,67 @@ class Keystore:
         record = self.get(pubkey)
         return record if record is not None and record.live else None
 
+    # --- custody's own facts, and the rotation's staging (custody/_rotation.py) --------
+
+    def meta(self) -> dict[str, str]:
+        return dict(self._query("SELECT name, value FROM custody_meta"))
+
+    def set_meta(self, values: dict[str, str | None]) -> None:
+        """Set (a str) or clear (None) each name, all in one transaction."""
+        try:
+            with self._transaction() as db:
+                _write_meta(db, values)
+        except sqlite3.Error as exc:
+            raise CustodyError(f"keystore write failed: {exc}") from None
+
+    def live_blobs(self) -> list[tuple[str, bytes]]:
+        """(pubkey, sealed blob) of every live agent."""
+        rows = self._query("SELECT pubkey, sealed FROM agents WHERE deleted_at IS NULL"
+                           " ORDER BY pubkey")
+        return [(pubkey, bytes(sealed)) for pubkey, sealed in rows]
+
+    def stage(self, blobs: list[tuple[str, bytes]]) -> None:
+        """Replace the staging table's contents with `blobs`, in one transaction."""
+        try:
+            with self._transaction() as db:
+                db.execute("DELETE FROM reseal")
+                db.executemany("INSERT INTO reseal (pubkey, sealed) VALUES (?, ?)", blobs)
+        except sqlite3.Error as exc:
+            raise CustodyError(f"keystore write failed: {exc}") from None
+
+    def staged(self) -> list[tuple[str, bytes]]:
+        rows = self._query("SELECT pubkey, sealed FROM reseal ORDER BY pubkey")
+        return [(pubkey, bytes(sealed)) for pubkey, sealed in rows]
+
+    def swap_staged(self, expected: list[tuple[str, bytes]], meta: dict[str, str | None],
+                    now: int) -> None:
+        """In ONE transaction: every live agent's blob becomes its staged blob, `meta` is
+        set, the staging table emptied. `expected` is each live agent's blob the staged one
+        was made from: if any differs, or an agent has no staged blob, nothing changes.
+
+        Raises:
+            CustodyError: the keystore changed since staging, or the write failed.
+        """
+        try:
+            with self._transaction() as db:
+                live = db.execute("SELECT pubkey, sealed FROM agents WHERE deleted_at IS NULL"
+                                  " ORDER BY pubkey").fetchall()
+                if [(p, bytes(b)) for p, b in live] != expected:
+                    raise CustodyError("the keystore changed during the rotation; run it again")
+                changed = db.execute(
+                    "UPDATE agents SET sealed = (SELECT sealed FROM reseal"
+                    " WHERE reseal.pubkey = agents.pubkey), updated_at = ?"
+                    " WHERE deleted_at IS NULL"
+                    " AND pubkey IN (SELECT pubkey FROM reseal)", (now,)).rowcount
+                if changed != len(expected):
+                    raise CustodyError("not every live agent has a resealed blob; run it again")
+                _write_meta(db, meta)
+                db.execute("DELETE FROM reseal")
+        except sqlite3.Error as exc:
+            raise CustodyError(f"keystore write failed: {exc}") from None
+        # The old blobs are still in WAL frames: move the pages home and truncate the WAL.
+        self._checkpoint_truncate()
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
@@ -328,6 +409,10 @@ class PublicDirectory:
             return None
         rows = self._rows(f"SELECT {_PUBLIC_COLUMNS} FROM agents WHERE pubkey = ?", (pubkey,))
         return _record(rows[0]) if rows else None
+
+    def meta(self) -> dict[str, str]:
+        """Custody's public facts (active token and KEK); empty before any rotation."""
+        return dict(self._rows("SELECT name, value FROM custody_meta"))
 
     def all(self, *, include_deleted: bool = False) -> list[AgentRecord]:
         where = "" if include_deleted else "WHERE deleted_at IS NULL"

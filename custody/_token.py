@@ -1,4 +1,6 @@
-"""The PKCS#11 token: module, login, the key-encryption key (KEK), AES-GCM seal and open.
+"""The PKCS#11 token: module, login, the key-encryption keys (KEKs) and the mechanisms
+the seals are built from (AES-GCM; AES-ECB and HMAC-SHA256). The seals themselves, and the
+blob format, are `_sealed`'s.
 
 Rules:
 - Every function here that calls PKCS#11 runs in the token worker (`_worker`), and says so
@@ -15,19 +17,33 @@ Rules:
   credentials); never argv or the environment. It is opened without following a symlink
   and checked on the open descriptor: a regular file, no group/other bits, owned by this
   process's effective uid or root (see `_read_pin`).
-- The KEK is AES-256, generated in the token: SENSITIVE, not EXTRACTABLE, PRIVATE, TOKEN,
-  labelled, encrypt/decrypt only (no derive/wrap/unwrap, not modifiable). `check_kek`
-  (table `KEK_REQUIRED`) refuses a key that is or ever was able to leave the token
-  (EXTRACTABLE, not SENSITIVE, not ALWAYS_SENSITIVE, not NEVER_EXTRACTABLE) and one whose
-  usage goes beyond encrypt/decrypt (DERIVE, WRAP, UNWRAP, MODIFIABLE), naming the
-  attribute and why. WARNING: `KEK_TEMPLATE` must produce a key `KEK_REQUIRED` accepts.
-- A PKCS#11 error while decrypting (SoftHSM reports a bad GCM tag or AAD as a generic
+
+The seal, chosen by what the token offers (`choose_seal`, never a silent downgrade):
+- `TokenConfig.seal` is "auto" (default), "gcm" or "etm". "auto" takes AES-GCM where the
+  token lists `CKM_AES_GCM` (SoftHSM), else encrypt-then-MAC, which needs only
+  `CKM_AES_ECB` and `CKM_SHA256_HMAC` (every token tried: TPM 2.0, opencryptoki, p11-kit).
+  A forced seal the token lacks is refused with the mechanisms it needs.
+- Key labels. A KEK named L is the AES-256 key labelled L; for encrypt-then-MAC it is a
+  pair: L (AES-256) and `L-mac` (`mac_label`: HMAC, a generic-secret or SHA256-HMAC key
+  of 256 bits). Blobs name L; the pair is found by label.
+- Every KEK half is checked on first use against a table: `KEK_REQUIRED` (+
+  `GCM_REQUIRED` for GCM) for the AES key, `MAC_REQUIRED` for the HMAC key. Refused: a key
+  that is or ever was able to leave the token (EXTRACTABLE, not SENSITIVE, not
+  ALWAYS_SENSITIVE, not NEVER_EXTRACTABLE), usable without login, and one whose usage
+  goes beyond what the seal needs (DERIVE, WRAP, UNWRAP, MODIFIABLE; an HMAC key that can
+  ENCRYPT/DECRYPT), naming the attribute and why. WARNING: `KEK_TEMPLATE` and
+  `MAC_KEY_TEMPLATE` must produce keys the tables accept.
+- Where the token cannot generate keys (a TPM through tpm2-pkcs11), the operator makes
+  both halves (`tpm2_ptool addkey --algorithm=aes256 --key-label=L` and
+  `--algorithm=hmac:sha256 --key-label=L-mac`; docs/install.md) and `keys init` finds
+  and checks them like generated ones.
+- A PKCS#11 error while opening a blob (SoftHSM reports a bad GCM tag or AAD as a generic
   GeneralError) is reported as `UnsealFailed` by the caller, `_sealed`.
 - A handle the token no longer honours (`STALE_HANDLE_ERRORS`: the token was reset, its
   store reloaded, the device re-plugged) is not a fault of the sealed key: the token logs
-  in again, finds the KEK by label, checks it, and retries the one operation once. The
-  process's shared session is replaced once per failure generation, so several `Token`s
-  sharing it do not each log in again.
+  in again, finds the active KEK by label, checks it, and retries the one operation once.
+  The process's shared session is replaced once per failure generation, so several
+  `Token`s sharing it do not each log in again.
 """
 
 from __future__ import annotations
@@ -46,15 +62,24 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pkcs11
-from coincurve._libsecp256k1 import ffi
 from pkcs11 import Attribute, KeyType, Mechanism, MechanismFlag, ObjectClass
 from pkcs11.mechanisms import GCMParams
 
 from custody._errors import CustodyError
-from custody._secret import SECRET_SIZE, Secret, wipe_bytes
 from custody._worker import require_lock
 
-__all__ = ["TokenConfig", "Token", "KEK_BITS", "GCM_IV_BYTES", "STALE_HANDLE_ERRORS"]
+__all__ = [
+    "GCM_IV_BYTES",
+    "KEK_BITS",
+    "KekRefused",
+    "SEAL_CHOICES",
+    "STALE_HANDLE_ERRORS",
+    "Token",
+    "TokenConfig",
+    "TokenReport",
+    "choose_seal",
+    "mac_label",
+]
 
 T = TypeVar("T")
 
@@ -71,7 +96,7 @@ CREDENTIAL_NAME = "token-pin"
 #: longer is the wrong file, refused rather than read into memory.
 MAX_PIN_FILE_BYTES = 1024
 
-#: KEK attribute -> value it must have, and why a different value is refused.
+#: AES key attribute -> value it must have, and why a different value is refused.
 KEK_REQUIRED: dict[Attribute, tuple[object, str]] = {
     Attribute.EXTRACTABLE: (False, "EXTRACTABLE is true: the key could leave the token"),
     Attribute.SENSITIVE: (True, "SENSITIVE is false: the key value can be read out"),
@@ -80,10 +105,9 @@ KEK_REQUIRED: dict[Attribute, tuple[object, str]] = {
     Attribute.PRIVATE: (True, "PRIVATE is false: the key is usable without login"),
     Attribute.TOKEN: (True, "TOKEN is false: the key is not stored in the token"),
     Attribute.VALUE_LEN: (KEK_BITS // 8, "it is not a 256-bit key"),
-    # Usage: the KEK seals and opens agent keys with AES-GCM and nothing else. Each other
-    # use is a way to get key material out, or to turn the KEK into something that can.
+    # Usage: the KEK seals and opens agent keys and nothing else. Each other use is a way
+    # to get key material out, or to turn the KEK into something that can.
     Attribute.ENCRYPT: (True, "ENCRYPT is false: the key cannot seal agent keys"),
-    Attribute.DECRYPT: (True, "DECRYPT is false: the key cannot open sealed agent keys"),
     Attribute.DERIVE: (False, "DERIVE is true: keys derived from it may be extractable"),
     Attribute.WRAP: (False, "WRAP is true: it could wrap other token keys out of the token"),
     Attribute.UNWRAP: (False, "UNWRAP is true: it could unwrap planted keys, or decrypt "
@@ -91,8 +115,46 @@ KEK_REQUIRED: dict[Attribute, tuple[object, str]] = {
     Attribute.MODIFIABLE: (False, "MODIFIABLE is true: its usage attributes could be changed "
                            "after this check"),
 }
+#: Only AES-GCM decrypts with the KEK; encrypt-then-MAC opens with an encrypted keystream.
+GCM_REQUIRED: dict[Attribute, tuple[object, str]] = {
+    Attribute.DECRYPT: (True, "DECRYPT is false: the key cannot open sealed agent keys"),
+}
+#: The HMAC half of an encrypt-then-MAC KEK.
+MAC_REQUIRED: dict[Attribute, tuple[object, str]] = {
+    Attribute.EXTRACTABLE: KEK_REQUIRED[Attribute.EXTRACTABLE],
+    Attribute.SENSITIVE: KEK_REQUIRED[Attribute.SENSITIVE],
+    Attribute.ALWAYS_SENSITIVE: KEK_REQUIRED[Attribute.ALWAYS_SENSITIVE],
+    Attribute.NEVER_EXTRACTABLE: KEK_REQUIRED[Attribute.NEVER_EXTRACTABLE],
+    Attribute.PRIVATE: KEK_REQUIRED[Attribute.PRIVATE],
+    Attribute.TOKEN: KEK_REQUIRED[Attribute.TOKEN],
+    Attribute.SIGN: (True, "SIGN is false: the key cannot compute the seal's HMAC"),
+    Attribute.ENCRYPT: (False, "ENCRYPT is true: an HMAC key must not also encrypt"),
+    Attribute.DECRYPT: (False, "DECRYPT is true: an HMAC key must not also decrypt"),
+    Attribute.DERIVE: KEK_REQUIRED[Attribute.DERIVE],
+    Attribute.WRAP: KEK_REQUIRED[Attribute.WRAP],
+    Attribute.UNWRAP: KEK_REQUIRED[Attribute.UNWRAP],
+    Attribute.MODIFIABLE: KEK_REQUIRED[Attribute.MODIFIABLE],
+}
+#: Key types an HMAC-SHA256 key has: SoftHSM and opencryptoki use generic secrets,
+#: tpm2-pkcs11 its own CKK_SHA256_HMAC.
+MAC_KEY_TYPES = (KeyType.GENERIC_SECRET, KeyType.SHA256_HMAC)
+MAC_KEY_BITS = 256
+MAC_LABEL_SUFFIX = "-mac"
 
-#: The template `init_kek` generates with (in addition to label, store and AES-256).
+#: Seal kind -> the mechanisms it needs in the token.
+SEAL_MECHANISMS: dict[str, tuple[Mechanism, ...]] = {
+    "gcm": (Mechanism.AES_GCM,),
+    "etm": (Mechanism.AES_ECB, Mechanism.SHA256_HMAC),
+}
+SEAL_DESCRIPTIONS: dict[str, str] = {
+    "gcm": "AES-256-GCM, host IV",
+    "etm": "encrypt-then-MAC: AES-256-ECB keystream (CTR) + HMAC-SHA256",
+}
+#: What "auto" takes, first offered first.
+SEAL_PREFERENCE = ("gcm", "etm")
+SEAL_CHOICES = ("auto", *SEAL_PREFERENCE)
+
+#: The templates `keys init` generates with (in addition to label, store and the size).
 KEK_TEMPLATE: dict[Attribute, Any] = {
     Attribute.SENSITIVE: True,
     Attribute.EXTRACTABLE: False,
@@ -102,16 +164,30 @@ KEK_TEMPLATE: dict[Attribute, Any] = {
     Attribute.DERIVE: False,  # the PKCS#11 default, stated: KEK_REQUIRED refuses true
     Attribute.MODIFIABLE: False,
 }
+MAC_KEY_TEMPLATE: dict[Attribute, Any] = KEK_TEMPLATE | {
+    Attribute.ENCRYPT: False,
+    Attribute.DECRYPT: False,
+}
 
 
 @dataclass(frozen=True, slots=True)
 class TokenConfig:
-    """Where the token is. Public: it names the PIN's file, never the PIN."""
+    """Where the token is, and which seal new blobs get. Public: it names the PIN's file,
+    never the PIN.
+
+    `kek_label` is the first KEK's label; after `keys rotate` the keystore names the active
+    one. `seal` is "auto", "gcm" or "etm" (module docstring).
+    """
 
     module: str
     token_label: str
     pin_file: str | None
     kek_label: str = "buzz-broker-kek"
+    seal: str = "auto"
+
+
+class KekRefused(CustodyError):
+    """The KEK a blob names is not in the token, or fails its checks (one safe line)."""
 
 
 #: Errors that mean "this session or object handle is gone", not "this blob is bad".
@@ -336,8 +412,8 @@ def _find_token_afresh(config: TokenConfig) -> Any:
         ) from None
 
 
-def _find_kek(session: Any, config: TokenConfig) -> Any | None:
-    """The one AES secret key labelled `kek_label`, None if there is none.
+def _find_key(session: Any, token_label: str, label: str, key_type: Any | None) -> Any | None:
+    """The one secret key labelled `label` (of `key_type`, if given), None if there is none.
 
     Not `session.get_key`: it raises MultipleObjectsReturned from inside an object search it
     leaves open, and the search (C_FindObjectsFinal, and the session's operation lock) is
@@ -345,165 +421,362 @@ def _find_kek(session: Any, config: TokenConfig) -> Any | None:
     lock. Here at most two objects are taken and the search generator is closed in
     `finally`, on this thread, holding the lock.
     """
-    search = session.get_objects({
+    template: dict[Attribute, Any] = {
         Attribute.CLASS: ObjectClass.SECRET_KEY,
-        Attribute.KEY_TYPE: KeyType.AES,
-        Attribute.LABEL: config.kek_label,
-    })
+        Attribute.LABEL: label,
+    }
+    if key_type is not None:
+        template[Attribute.KEY_TYPE] = key_type
+    search = session.get_objects(template)
     try:
         found = list(itertools.islice(search, 2))
     finally:
         search.close()  # GeneratorExit inside the search: C_FindObjectsFinal runs now
     if len(found) > 1:
-        raise CustodyError(
-            f"token {config.token_label!r} has more than one key labelled {config.kek_label!r}"
-        )
+        raise CustodyError(f"token {token_label!r} has more than one key labelled {label!r}")
     return found[0] if found else None
 
 
-def _check_kek(kek: Any, config: TokenConfig) -> None:
-    for attribute, (required, fault) in KEK_REQUIRED.items():
+def _check_key(key: Any, what: str, label: str,
+               required: dict[Attribute, tuple[object, str]]) -> None:
+    for attribute, (wanted, fault) in required.items():
         try:
-            value = kek[attribute]
+            value = key[attribute]
         except pkcs11.PKCS11Error:
             value = None
-        if value != required:
-            raise CustodyError(f"refusing KEK {config.kek_label!r}: {fault}")
+        if value != wanted:
+            raise CustodyError(f"refusing {what} {label!r}: {fault}")
+
+
+def _check_mac_key(key: Any, label: str) -> None:
+    try:
+        key_type = key[Attribute.KEY_TYPE]
+    except pkcs11.PKCS11Error:
+        key_type = None
+    if key_type not in MAC_KEY_TYPES:
+        raise CustodyError(
+            f"refusing KEK HMAC key {label!r}: not an HMAC key (generic secret or SHA256-HMAC)"
+        )
+    _check_key(key, "KEK HMAC key", label, MAC_REQUIRED)
+
+
+def mac_label(kek_label: str) -> str:
+    """The HMAC key's label for the encrypt-then-MAC KEK pair named `kek_label`."""
+    return kek_label + MAC_LABEL_SUFFIX
+
+
+def _offered_seals(session: Any) -> frozenset[str]:
+    """Seal kinds whose mechanisms the token lists (SEAL_MECHANISMS)."""
+    try:
+        mechanisms = set(session.token.slot.get_mechanisms())
+    except pkcs11.PKCS11Error:
+        mechanisms = set()
+    return frozenset(kind for kind, needed in SEAL_MECHANISMS.items()
+                     if all(m in mechanisms for m in needed))
+
+
+def _can_generate(session: Any) -> bool:
+    """Whether the token lists the key generation mechanisms both KEK halves need."""
+    try:
+        mechanisms = set(session.token.slot.get_mechanisms())
+    except pkcs11.PKCS11Error:
+        return False
+    return Mechanism.AES_KEY_GEN in mechanisms and Mechanism.GENERIC_SECRET_KEY_GEN in mechanisms
+
+
+def choose_seal(wanted: str, offered: frozenset[str], token_label: str) -> str:
+    """The seal new blobs get: `wanted` ("auto", "gcm" or "etm") against what the token offers.
+
+    "auto" takes AES-GCM only where the token lists it, else encrypt-then-MAC. A seal the
+    operator forced and the token lacks is refused, never replaced by another.
+    """
+    if wanted not in SEAL_CHOICES:
+        raise CustodyError(f"unknown seal {wanted!r}; use one of {', '.join(SEAL_CHOICES)}")
+    if wanted == "auto":
+        for kind in SEAL_PREFERENCE:
+            if kind in offered:
+                return kind
+        raise CustodyError(
+            f"token {token_label!r} offers neither AES-GCM nor AES-ECB with SHA256-HMAC; "
+            "it cannot seal agent keys"
+        )
+    if wanted not in offered:
+        raise CustodyError(
+            f"token {token_label!r} does not offer the mechanisms of seal {wanted!r} "
+            f"({SEAL_DESCRIPTIONS[wanted]})"
+        )
+    return wanted
+
+
+@dataclass
+class _Kek:
+    """One KEK's object handles: the AES key, and (encrypt-then-MAC) its HMAC partner."""
+
+    aes: Any = field(repr=False)
+    mac: Any = field(repr=False, default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenReport:
+    """What `keys init` tells the operator: public facts about the token and its KEK."""
+
+    token_label: str
+    kek_label: str
+    offered: tuple[str, ...]
+    can_generate: bool
+    seal: str
+    created: tuple[str, ...]
+
+
+def _load_kek(session: Any, config: TokenConfig, label: str, seal: str) -> _Kek | None:
+    """The KEK pair `label` as `seal` needs it, checked; None if its AES key is absent.
+
+    Raises:
+        CustodyError: a key that fails its attribute checks, a twin under one label, or an
+            encrypt-then-MAC KEK without its HMAC key.
+    """
+    aes = _find_key(session, config.token_label, label, KeyType.AES)
+    if aes is None:
+        return None
+    _check_key(aes, "KEK", label, KEK_REQUIRED)
+    if seal == "gcm":
+        _check_key(aes, "KEK", label, GCM_REQUIRED)
+        return _Kek(aes)
+    mac = _find_key(session, config.token_label, mac_label(label), None)
+    if mac is None:
+        raise CustodyError(
+            f"token {config.token_label!r} has the AES key {label!r} but not its HMAC key "
+            f"{mac_label(label)!r}; run `buzz-broker keys init`"
+        )
+    _check_mac_key(mac, mac_label(label))
+    return _Kek(aes, mac)
+
+
+def _generate(session: Any, config: TokenConfig, label: str, key_type: Any, bits: int,
+              flags: Any, template: dict[Attribute, Any]) -> Any:
+    try:
+        return session.generate_key(key_type, bits, label=label, store=True,
+                                    capabilities=flags, template=template)
+    except pkcs11.PKCS11Error as exc:
+        raise CustodyError(
+            f"token {config.token_label!r} refused to generate key {label!r} "
+            f"({type(exc).__name__}); on a token that cannot generate keys (a TPM), make "
+            "them as docs/install.md says and run this again"
+        ) from None
 
 
 class Token:
-    """An open token with its KEK: seal and open 32-byte secrets with AES-256-GCM.
+    """An open token: the seal mechanisms of its KEKs, by label.
 
+    `active` is the KEK new blobs are sealed under and `seal` the seal kind they get;
+    blobs name their own KEK, so others in the same token are found (and checked) on use.
     Create with `Token.open` inside the token worker; call every method there too.
     """
 
-    __slots__ = ("_config", "_key", "_kek", "_closed", "_generation")
+    __slots__ = ("_config", "_key", "_keks", "_closed", "_generation", "active", "seal")
 
-    def __init__(self, config: TokenConfig, key: tuple[str, str], kek: Any,
-                 generation: int = 0) -> None:
+    def __init__(self, config: TokenConfig, key: tuple[str, str], active: str, seal: str,
+                 kek: _Kek, generation: int = 0) -> None:
         self._config = config
         self._key = key
-        self._kek = kek
+        self._keks: dict[tuple[str, str], _Kek] = {(active, seal): kek}
         self._closed = False
         self._generation = generation
+        self.active = active
+        self.seal = seal
+
+    @property
+    def label(self) -> str:
+        return self._config.token_label
+
+    @property
+    def legacy_kek(self) -> str:
+        """The KEK a format-1 blob (no KEK name in it) was sealed under: the configured one."""
+        return self._config.kek_label
 
     @classmethod
-    def open(cls, config: TokenConfig) -> Token:
-        """Log in (or join the process's session) and find and check the KEK.
+    def open(cls, config: TokenConfig, kek_label: str | None = None) -> Token:
+        """Log in (or join the process's session), choose the seal, find and check the KEK.
+
+        `kek_label` names the active KEK when it is not the configured one (after a
+        rotation, the keystore records it).
 
         Raises:
             CustodyError: missing module or token, PIN problems, no KEK (run `keys init`),
-                or a KEK that could leave the token.
+                a KEK that could leave the token, or a seal the token does not offer.
         """
+        label = kek_label or config.kek_label
         key, shared = _acquire_session(config)
         try:
-            kek = _find_kek(shared.session, config)
+            seal = choose_seal(config.seal, _offered_seals(shared.session), config.token_label)
+            kek = _load_kek(shared.session, config, label, seal)
             if kek is None:
                 raise CustodyError(
                     f"token {config.token_label!r} has no key-encryption key labelled "
-                    f"{config.kek_label!r}; run `buzz-broker keys init`"
+                    f"{label!r}; run `buzz-broker keys init`"
                 )
-            _check_kek(kek, config)
         except BaseException:
             _release_session(key)
             raise
-        return cls(config, key, kek, shared.generation)
+        return cls(config, key, label, seal, kek, shared.generation)
 
     @staticmethod
-    def init_kek(config: TokenConfig) -> bool:
-        """Create the KEK if absent, else check it. Returns True if it was created.
+    def init_kek(config: TokenConfig, kek_label: str | None = None) -> TokenReport:
+        """Create the KEK (both halves for encrypt-then-MAC) where absent, else check it.
+
+        Keys already in the token (a TPM's, made by the operator) are found by label and
+        checked like generated ones; only missing halves are generated.
 
         Raises:
-            CustodyError: as `open`, or the token refused to generate the key.
+            CustodyError: as `open`, or the token refused to generate a missing key.
+        """
+        label = kek_label or config.kek_label
+        key, shared = _acquire_session(config)
+        try:
+            session = shared.session
+            offered = _offered_seals(session)
+            seal = choose_seal(config.seal, offered, config.token_label)
+            created: list[str] = []
+            if _find_key(session, config.token_label, label, KeyType.AES) is None:
+                _generate(session, config, label, KeyType.AES, KEK_BITS,
+                          MechanismFlag.ENCRYPT | MechanismFlag.DECRYPT, KEK_TEMPLATE)
+                created.append(label)
+            if seal == "etm" and _find_key(session, config.token_label, mac_label(label),
+                                           None) is None:
+                _generate(session, config, mac_label(label), KeyType.GENERIC_SECRET,
+                          MAC_KEY_BITS, MechanismFlag.SIGN | MechanismFlag.VERIFY,
+                          MAC_KEY_TEMPLATE)
+                created.append(mac_label(label))
+            if _load_kek(session, config, label, seal) is None:
+                raise CustodyError(f"token {config.token_label!r} lost key {label!r}")
+            for made in created:
+                log.info("created key %r in token %r", made, config.token_label)
+            return TokenReport(
+                token_label=config.token_label, kek_label=label,
+                offered=tuple(k for k in SEAL_PREFERENCE if k in offered),
+                can_generate=_can_generate(session), seal=seal, created=tuple(created),
+            )
+        finally:
+            _release_session(key)
+
+    @staticmethod
+    def destroy_kek(config: TokenConfig, label: str) -> tuple[str, ...]:
+        """Destroy KEK `label` (both halves) in `config`'s token. Returns the labels
+        destroyed (none if already gone). The caller makes sure it is not the active KEK
+        (`_rotation`: only a KEK the keystore records as retiring).
+
+        Raises:
+            CustodyError: the token refused to destroy a key.
         """
         key, shared = _acquire_session(config)
         try:
-            kek = _find_kek(shared.session, config)
-            if kek is not None:
-                _check_kek(kek, config)
-                return False
-            try:
-                kek = shared.session.generate_key(
-                    KeyType.AES,
-                    KEK_BITS,
-                    label=config.kek_label,
-                    store=True,
-                    capabilities=MechanismFlag.ENCRYPT | MechanismFlag.DECRYPT,
-                    template=KEK_TEMPLATE,
-                )
-            except pkcs11.PKCS11Error as exc:
-                raise CustodyError(
-                    f"token {config.token_label!r} refused to generate the KEK "
-                    f"({type(exc).__name__})"
-                ) from None
-            _check_kek(kek, config)
-            log.info("created KEK %r in token %r", config.kek_label, config.token_label)
-            return True
+            destroyed = []
+            for name, key_type in ((label, KeyType.AES), (mac_label(label), None)):
+                found = _find_key(shared.session, config.token_label, name, key_type)
+                if found is None:
+                    continue
+                try:
+                    found.destroy()
+                except pkcs11.PKCS11Error as exc:
+                    raise CustodyError(
+                        f"token {config.token_label!r} refused to destroy key {name!r} "
+                        f"({type(exc).__name__})"
+                    ) from None
+                log.info("destroyed key %r in token %r", name, config.token_label)
+                destroyed.append(name)
+            return tuple(destroyed)
         finally:
             _release_session(key)
 
-    def seal(self, secret: Secret, aad: bytes) -> tuple[bytes, bytes]:
-        """AES-256-GCM under the KEK with a fresh random IV. Returns (iv, ciphertext||tag)."""
-        require_lock()
-        self._check_open()
-        iv = secrets.token_bytes(GCM_IV_BYTES)
-        # A bytearray we zero afterwards: python-pkcs11 needs bytes/bytearray, not a C buffer.
-        plaintext = bytearray(SECRET_SIZE)
-        try:
-            ffi.memmove(plaintext, secret.cdata, SECRET_SIZE)
-            # `_encrypt` (not `encrypt`): the public method only accepts `bytes` for
-            # one-shot data, which would make an immutable copy of the secret; the Cython
-            # method takes any buffer and passes its pointer to C_Encrypt.
-            sealed: bytes = self._retrying_once(lambda kek: kek._encrypt(
-                plaintext,
-                mechanism=Mechanism.AES_GCM,
-                mechanism_param=GCMParams(iv, aad, GCM_TAG_BITS),
-            ))
-        except pkcs11.PKCS11Error as exc:
-            raise CustodyError(f"token refused to seal ({type(exc).__name__})") from None
-        finally:
-            ffi.memmove(plaintext, bytes(SECRET_SIZE), SECRET_SIZE)
-        return iv, sealed
+    # --- the mechanisms `_sealed` builds its seals from ---------------------------------
 
-    def open_sealed(self, iv: bytes, sealed: bytes, aad: bytes) -> Secret:
-        """Decrypt and authenticate. Raises pkcs11.PKCS11Error on any failure (the caller
-        maps every one to UnsealFailed)."""
+    def gcm_encrypt(self, label: str, iv: bytes, plaintext: bytearray, aad: bytes) -> bytes:
+        """AES-256-GCM under KEK `label`: ciphertext || 128-bit tag."""
         require_lock()
-        self._check_open()
-        plaintext: bytes = self._retrying_once(lambda kek: kek.decrypt(
-            sealed, mechanism=Mechanism.AES_GCM, mechanism_param=GCMParams(iv, aad, GCM_TAG_BITS)
+        # `_encrypt` (not `encrypt`): the public method only accepts `bytes` for one-shot
+        # data, which would make an immutable copy of the secret; the Cython method takes
+        # any buffer and passes its pointer to C_Encrypt.
+        sealed: bytes = self._retrying_once(label, "gcm", lambda kek: kek.aes._encrypt(
+            plaintext, mechanism=Mechanism.AES_GCM,
+            mechanism_param=GCMParams(iv, aad, GCM_TAG_BITS),
         ))
-        secret = Secret()
-        try:
-            if len(plaintext) != SECRET_SIZE:
-                raise pkcs11.GeneralError("sealed payload has the wrong length")
-            ffi.memmove(secret.cdata, plaintext, SECRET_SIZE)
-            return secret
-        except BaseException:
-            secret.wipe()
-            raise
-        finally:
-            wipe_bytes(plaintext)
+        return sealed
 
-    def _retrying_once(self, operation: Callable[[Any], T]) -> T:
+    def gcm_decrypt(self, label: str, iv: bytes, sealed: bytes, aad: bytes) -> bytes:
+        """Authenticate and decrypt in the token; the caller wipes the plaintext."""
+        require_lock()
+        plaintext: bytes = self._retrying_once(label, "gcm", lambda kek: kek.aes.decrypt(
+            sealed, mechanism=Mechanism.AES_GCM,
+            mechanism_param=GCMParams(iv, aad, GCM_TAG_BITS),
+        ))
+        return plaintext
+
+    def keystream(self, label: str, counter_blocks: bytes) -> bytes:
+        """AES-256-ECB of `counter_blocks` under KEK `label`; the caller wipes the result."""
+        require_lock()
+        stream: bytes = self._retrying_once(label, "etm", lambda kek: kek.aes.encrypt(
+            counter_blocks, mechanism=Mechanism.AES_ECB))
+        return stream
+
+    def mac(self, label: str, data: bytes) -> bytes:
+        """HMAC-SHA256 of `data` under KEK `label`'s HMAC key."""
+        require_lock()
+        tag: bytes = self._retrying_once(label, "etm", lambda kek: kek.mac.sign(
+            data, mechanism=Mechanism.SHA256_HMAC))
+        return tag
+
+    # --- handles -------------------------------------------------------------------------
+
+    def _session(self) -> _SharedSession:
+        shared = _PROCESS.sessions[self._key]
+        if shared.session is None or shared.generation != self._generation:
+            self._reconnect()
+        return shared
+
+    def _kek(self, label: str, seal: str) -> _Kek:
+        """KEK `label` for `seal`, found and checked on first use.
+
+        Raises:
+            KekRefused: absent, or fails its checks. `_sealed` reports that as the
+                "kek" defence.
+        """
+        kek = self._keks.get((label, seal))
+        if kek is None:
+            session = self._session().session
+            try:
+                found = _load_kek(session, self._config, label, seal)
+            except CustodyError as exc:
+                raise KekRefused(str(exc)) from None
+            if found is None:
+                raise KekRefused(
+                    f"token {self._config.token_label!r} has no key labelled {label!r}"
+                )
+            self._keks[(label, seal)] = kek = found
+        return kek
+
+    def _retrying_once(self, label: str, seal: str, operation: Callable[[_Kek], T]) -> T:
         """Run `operation(kek)`; after a stale handle, log in again and run it once more.
 
         A session already known to be dead (an earlier reconnect failed, or another
         `Token` replaced it) is reconnected before the operation instead of after.
         """
+        self._check_open()
         shared = _PROCESS.sessions[self._key]
         if shared.session is None or shared.generation != self._generation:
             self._reconnect()
+        kek = self._kek(label, seal)
         try:
-            return operation(self._kek)
+            return operation(kek)
         except STALE_HANDLE_ERRORS as exc:
             log.warning("token %r: %s; logging in again", self._config.token_label,
                         type(exc).__name__)
             self._reconnect()
-        return operation(self._kek)
+        return operation(self._kek(label, seal))
 
     def _reconnect(self) -> None:
-        """Replace the process's session (once per generation) and find the KEK again.
+        """Replace the process's session (once per generation) and find the active KEK again.
+
+        Other KEKs are found again on their next use.
 
         Raises:
             CustodyError: the token is still not there, the PIN no longer works, or the
@@ -521,14 +794,13 @@ class Token:
             finally:
                 pin[:] = bytes(len(pin))
             shared.generation += 1
-        kek = _find_kek(shared.session, self._config)
+        kek = _load_kek(shared.session, self._config, self.active, self.seal)
         if kek is None:
             raise CustodyError(
                 f"token {self._config.token_label!r} no longer has the key-encryption key "
-                f"{self._config.kek_label!r}"
+                f"{self.active!r}"
             )
-        _check_kek(kek, self._config)
-        self._kek = kek
+        self._keks = {(self.active, self.seal): kek}
         self._generation = shared.generation
         log.warning("token %r: logged in again; KEK found and checked",
                     self._config.token_label)
@@ -537,6 +809,7 @@ class Token:
         require_lock()
         if not self._closed:
             self._closed = True
+            self._keks.clear()
             _release_session(self._key)
 
     def _check_open(self) -> None:
@@ -544,4 +817,5 @@ class Token:
             raise CustodyError("the token has been closed")
 
     def __repr__(self) -> str:
-        return f"Token(label={self._config.token_label!r}, kek={self._config.kek_label!r})"
+        return (f"Token(label={self._config.token_label!r}, kek={self.active!r}, "
+                f"seal={self.seal!r})")

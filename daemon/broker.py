@@ -59,7 +59,7 @@ from typing import Any
 
 import trio
 
-from custody import Custody, CustodyError, TokenConfig
+from custody import Custody, CustodyError
 from daemon.audit import AUDIT_DIRNAME, AuditLog, AuditRecord, AuditUnavailable, Phase
 from daemon.config import Config, PolicyConfig
 from buzzwire.contract import (
@@ -287,15 +287,10 @@ class Broker:
             state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise StartupError(f"state directory {state_dir}: {exc.strerror}") from None
-        token = TokenConfig(
-            module=config.pkcs11.module,
-            token_label=config.pkcs11.token_label,
-            pin_file=config.pkcs11.pin_file,
-            kek_label=config.pkcs11.kek_label,
-        )
+        token = config.pkcs11.token()
         async with AsyncExitStack() as stack:
             try:
-                custody = await Custody.open(token, state_dir)
+                custody = await Custody.open(token, state_dir, config.pkcs11.cache())
             except CustodyError as exc:
                 raise StartupError(str(exc)) from None
             stack.push_async_callback(_shielded(custody.aclose))

@@ -33,7 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from typing import TYPE_CHECKING
+
 from daemon.ratelimit import DEFAULT_RATE_CONFIG, RateConfig, rate_config_from_table
+
+if TYPE_CHECKING:
+    from custody import CachePolicy, TokenConfig
 
 __all__ = [
     "load_config",
@@ -103,6 +108,23 @@ class Pkcs11Config:
     token_label: str
     pin_file: str | None
     kek_label: str
+    #: "auto", "gcm" or "etm" (custody._token: the seal new blobs get).
+    seal: str = "auto"
+    #: The unsealed-key cache (custody._cache): off at 0 entries.
+    unsealed_cache_entries: int = 0
+    unsealed_cache_seconds: float = 30.0
+
+    def token(self) -> TokenConfig:
+        """The custody view of this section (where the token is, which seal)."""
+        from custody import TokenConfig
+
+        return TokenConfig(module=self.module, token_label=self.token_label,
+                           pin_file=self.pin_file, kek_label=self.kek_label, seal=self.seal)
+
+    def cache(self) -> CachePolicy:
+        from custody import CachePolicy
+
+        return CachePolicy(self.unsealed_cache_entries, self.unsealed_cache_seconds)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -189,6 +211,17 @@ def _duration(value: object, _base: Path | None) -> object:
     if not math.isfinite(seconds) or seconds <= 0:
         raise _Bad(expectation)
     return seconds
+
+
+def _duration_at_most(high: float) -> _Parser:
+    def parse(value: object, base: Path | None) -> object:
+        seconds = _duration(value, base)
+        assert isinstance(seconds, float)
+        if seconds > high:
+            raise _Bad(f"a positive duration of at most {high:g} seconds")
+        return seconds
+
+    return parse
 
 
 def _whole_seconds(value: object, base: Path | None) -> object:
@@ -290,6 +323,15 @@ def _level(value: object, _base: Path | None) -> object:
     return value.lower()
 
 
+def _one_of(*allowed: str) -> _Parser:
+    def parse(value: object, _base: Path | None) -> object:
+        if not isinstance(value, str) or value not in allowed:
+            raise _Bad("one of " + ", ".join(f'"{a}"' for a in allowed))
+        return value
+
+    return parse
+
+
 def _string_set(allowed: frozenset[str] | None) -> _Parser:
     def parse(value: object, _base: Path | None) -> object:
         what = "an array of " + ("action names" if allowed is not None else "non-empty strings")
@@ -335,6 +377,12 @@ _KEYS: tuple[_Key, ...] = (
     _Key("pkcs11", "token_label", "token_label", _text, "buzz-broker"),
     _Key("pkcs11", "pin_file", "pin_file", _optional_path, "/etc/buzz-broker/token-pin"),
     _Key("pkcs11", "kek_label", "kek_label", _text, "buzz-broker-kek"),
+    _Key("pkcs11", "seal", "seal", _one_of("auto", "gcm", "etm"), "auto"),
+    # Bounds as custody._cache's CachePolicy: 64 Ki keys, an hour.
+    _Key("pkcs11", "unsealed_cache_entries", "unsealed_cache_entries",
+         _int_at_least(0, 65536), 0),
+    _Key("pkcs11", "unsealed_cache_seconds", "unsealed_cache_seconds",
+         _duration_at_most(3600), 30),
     _Key("relay", "url", "url", _relay_url, "wss://relay.example.com"),
     _Key("relay", "connect_timeout", "connect_timeout", _duration, 10),
     _Key("relay", "ok_timeout", "ok_timeout", _duration, 10),

@@ -30,7 +30,7 @@ import trio
 from daemon.cli._common import CliError, config_from_args
 
 if TYPE_CHECKING:
-    from custody import AgentRecord, Custody, TokenConfig
+    from custody import AgentRecord, Custody
     from daemon.config import Config
 
 HELP = "import, create, list and remove agents held in custody"
@@ -64,17 +64,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("pubkey", metavar="PUBKEY")
 
 
-def _token(config: Config) -> TokenConfig:
-    from custody import TokenConfig
-
-    return TokenConfig(
-        module=config.pkcs11.module,
-        token_label=config.pkcs11.token_label,
-        pin_file=config.pkcs11.pin_file,
-        kek_label=config.pkcs11.kek_label,
-    )
-
-
 def _pubkey(value: str, what: str) -> str:
     from buzzwire.nostr import is_hex64
 
@@ -87,7 +76,7 @@ def _with_custody(config: Config, action: Callable[[Custody], Awaitable[T]]) -> 
     from custody import Custody, CustodyError
 
     async def main() -> T:
-        custody = await Custody.open(_token(config), Path(config.state.dir))
+        custody = await Custody.open(config.pkcs11.token(), Path(config.state.dir))
         try:
             return await action(custody)
         finally:

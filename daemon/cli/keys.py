@@ -1,27 +1,50 @@
-"""`buzz-broker keys init`: create the token's key-encryption key, or check the one there.
+"""`buzz-broker keys init|rotate|migrate`: the token's key-encryption keys.
 `keys backup` / `keys restore` live in keys_backup.py (their rules are there).
 
 Rules:
 - Reads the token settings from the configuration ([pkcs11]); the PIN from the file
   `pin_file` names, or the systemd credential `token-pin`. Never argv.
-- Prints one public line on stdout: whether the KEK was created or found and checked.
-- A KEK that could leave the token (extractable, not sensitive, ...) is a fault: CliError
-  names the attribute, exit 1. Running it twice is safe.
+- Prints public lines only on stdout: what the token offers, the seal chosen, each key
+  created or found and checked; for rotate/migrate, what moved where and what was destroyed.
+- `init` never downgrades silently: it says which seals the token offers and which one new
+  blobs get, and a seal forced by `[pkcs11] seal` that the token lacks is an error. A key
+  that could leave the token (extractable, not sensitive, ...) is a fault: CliError names
+  the attribute, exit 1. Running it twice is safe.
+- `rotate` and `migrate` run with the daemon DOWN: custody's state lock refuses them while
+  the daemon (or any other custody command) has the state directory open, and refuses the
+  daemon while they run (custody/_statelock.py). Run again after a crash, they finish the
+  interrupted run (custody/_rotation.py).
+- `migrate --to-config OTHER` reads only OTHER's [pkcs11] table: the token the agents move
+  to. Afterwards this configuration's [pkcs11] must name that token (the daemon refuses to
+  start with the old one, saying so).
 
-WARNING: README.md ("The command line") and docs/install.md (step 6) show this command;
-keep them in step with `add_arguments`.
+WARNING: README.md ("The command line") and docs/install.md ("rotate", "move to another
+token") show these commands; keep them in step with `add_arguments`.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
 from daemon.cli import keys_backup
 from daemon.cli._common import CliError, config_from_args
+from daemon.config import ConfigError, load_config
 
-HELP = "create (or check) the key-encryption key in the PKCS#11 token"
+if TYPE_CHECKING:
+    from custody import RotationReport, TokenConfig, TokenReport
+
+HELP = "create, check, rotate or move the key-encryption key in the PKCS#11 token"
+
+#: Seal kind -> how `keys init` names it.
+SEAL_NAMES = {
+    "gcm": "AES-256-GCM with a host IV",
+    "etm": "encrypt-then-MAC (AES-256-ECB keystream + HMAC-SHA256)",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,30 +52,100 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub.required = True
     sub.add_parser(
         "init",
-        help="create the AES-256 KEK (sensitive, non-extractable) if absent, else check it",
+        help="choose the seal by what the token offers; create the KEK (sensitive, "
+             "non-extractable) if absent, else check it",
     )
+    p = sub.add_parser("rotate", help="reseal every agent under a new KEK, then destroy the "
+                                      "old one (daemon stopped)")
+    p.add_argument("--new-kek-label", metavar="LABEL",
+                   help="the new KEK's label (a TPM: the keys you made with tpm2_ptool); "
+                        "default <kek_label>-<8 hex>, generated in the token")
+    p = sub.add_parser("migrate", help="reseal every agent under a KEK in another token, then "
+                                       "destroy the old KEK (daemon stopped)")
+    p.add_argument("--to-config", metavar="PATH", required=True,
+                   help="a configuration whose [pkcs11] table names the target token")
+    p.add_argument("--new-kek-label", metavar="LABEL",
+                   help="the KEK's label in the target token (default: its kek_label)")
     keys_backup.add_arguments(sub)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.keys_command in keys_backup.SUBCOMMANDS:
         return keys_backup.run(args)
-    from custody import CustodyError, TokenConfig, init_kek
-
     config = config_from_args(args)
-    token = TokenConfig(
-        module=config.pkcs11.module,
-        token_label=config.pkcs11.token_label,
-        pin_file=config.pkcs11.pin_file,
-        kek_label=config.pkcs11.kek_label,
-    )
+    if args.keys_command == "init":
+        return _init(config.pkcs11.token(), Path(config.state.dir))
+    return rotate(args)
+
+
+def _init(token: TokenConfig, state_dir: Path) -> int:
+    from custody import CustodyError, init_keys
+
     try:
-        created = trio.run(init_kek, token)
+        report = trio.run(init_keys, token, state_dir)
     except CustodyError as exc:
         raise CliError(str(exc)) from None
-    verb = "created" if created else "present and checked:"
-    print(
-        f"KEK {token.kek_label!r} {verb} sensitive, non-extractable, private, "
-        f"in token {token.token_label!r}"
-    )
+    for line in init_lines(report, forced=token.seal != "auto"):
+        print(line)
     return 0
+
+
+def init_lines(report: TokenReport, *, forced: bool) -> list[str]:
+    """What `keys init` prints: the token's abilities, the seal chosen, each key's state."""
+    offered = ", ".join(f"{kind} ({SEAL_NAMES[kind]})" for kind in report.offered) or "none"
+    why = "forced by [pkcs11] seal" if forced else "chosen: the best seal the token offers"
+    lines = [
+        f"token {report.token_label!r} offers: {offered}; generates keys: "
+        f"{'yes' if report.can_generate else 'no'}",
+        f"seal for new keys: {report.seal} ({SEAL_NAMES[report.seal]}), {why}",
+    ]
+    keys = [report.kek_label] + ([f"{report.kek_label}-mac"] if report.seal == "etm" else [])
+    for label in keys:
+        verb = "created" if label in report.created else "present and checked:"
+        lines.append(f"KEK {label!r} {verb} sensitive, non-extractable, private, "
+                     f"in token {report.token_label!r}")
+    return lines
+
+
+def rotate(args: argparse.Namespace, checkpoint: Callable[[str], None] | None = None) -> int:
+    """`keys rotate` / `keys migrate`. `checkpoint` is the crash tests' seam (None here)."""
+    from custody import CustodyError, rotate_keys
+
+    config = config_from_args(args)
+    source = config.pkcs11.token()
+    target = None
+    if args.keys_command == "migrate":
+        try:
+            target = load_config(args.to_config).pkcs11.token()
+        except ConfigError as exc:
+            raise CliError(str(exc)) from None
+        if target.token_label == source.token_label and target.module == source.module:
+            raise CliError("--to-config names the same token; use `keys rotate`")
+    try:
+        report = trio.run(lambda: rotate_keys(source, Path(config.state.dir), target=target,
+                                              new_kek_label=args.new_kek_label,
+                                              checkpoint=checkpoint))
+    except CustodyError as exc:
+        raise CliError(str(exc)) from None
+    for line in rotation_lines(report):
+        print(line)
+    return 0
+
+
+def rotation_lines(report: RotationReport) -> list[str]:
+    lines = []
+    if report.outcome == "finished":
+        lines.append("an interrupted run had already moved every agent; finished it")
+    else:
+        lines.append(
+            f"resealed {report.agents} agent(s): KEK {report.old.kek_label!r} in token "
+            f"{report.old.token_label!r} -> KEK {report.new.kek_label!r} in token "
+            f"{report.new.token_label!r} (seal {report.seal}); each opened again before "
+            "the swap"
+        )
+    destroyed = ", ".join(repr(label) for label in report.destroyed) or "nothing (already gone)"
+    lines.append(f"destroyed in token {report.old.token_label!r}: {destroyed}")
+    if report.new.token_label != report.old.token_label:
+        lines.append(f"now set [pkcs11] in this configuration to token "
+                     f"{report.new.token_label!r} before starting the daemon")
+    return lines

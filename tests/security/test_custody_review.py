@@ -139,12 +139,12 @@ async def test_destroyed_blob_bytes_are_gone_from_the_keystore_files(
     _, state_dir = custody_state
     _, agent = await _import(custody)
     blob = sealed_blob(state_dir, agent)
-    assert blob is not None and len(blob) == 61
-    assert blob[13:] in raw_files(state_dir)  # control: the scan sees a live blob
+    assert blob is not None and blob[0] == 2
+    assert blob[-48:] in raw_files(state_dir)  # control: the scan sees a live blob
     await custody.destroy_agent(agent)
     assert sealed_blob(state_dir, agent) is None
     # What a copy of the state directory holds right after the destroy (daemon still up).
-    assert blob[13:] not in raw_files(state_dir)
+    assert blob[-48:] not in raw_files(state_dir)
 
 
 async def test_destroyed_agent_never_signs_and_its_row_is_a_tombstone(
@@ -321,7 +321,7 @@ async def test_every_tampered_byte_of_a_blob_fails_the_same_way(
     kinds = set()
     try:
         variants = [blob[:i] + bytes([blob[i] ^ 0x01]) + blob[i + 1:] for i in range(len(blob))]
-        variants += [blob[:-1], blob + b"\x00", bytes([2]) + blob[1:], b""]
+        variants += [blob[:-1], blob + b"\x00", bytes([1]) + blob[1:], bytes([3]) + blob[1:], b""]
         for variant in variants:
             db.execute("UPDATE agents SET sealed = ? WHERE pubkey = ?", (variant, agent))
             with pytest.raises(UnsealFailed) as raised:
@@ -344,13 +344,16 @@ async def test_seal_uses_a_fresh_random_iv_and_aad_names_version_and_agent(
         record = await custody.mint_agent(owner=HUMAN, name=f"m{i}", creator=None, depth=1,
                                           mint_ref=None)
         blob = sealed_blob(state_dir, record.pubkey)
-        assert blob is not None and blob[0] == 1 and len(blob) == 1 + 12 + 32 + 16
-        ivs.append(blob[1:13])
+        label = custody._token.active.encode()
+        header = bytes([2, 1, len(label)]) + label  # format 2, AES-GCM, the KEK's label
+        assert blob is not None and blob.startswith(header)
+        assert len(blob) == len(header) + 12 + 32 + 16
+        ivs.append(blob[len(header):len(header) + 12])
     assert len(set(ivs)) == len(ivs) and bytes(12) not in ivs
     from custody._sealed import _aad
 
     agent = "c" * 64
-    assert _aad(agent) == b"buzz-broker/agent-key/v1:" + bytes.fromhex(agent)
+    assert _aad(header, agent) == b"buzz-broker/agent-key/v2\x00" + header + bytes.fromhex(agent)
 
 
 _WATCH_PROBE = """
@@ -421,7 +424,7 @@ def test_no_pkcs11_call_outside_the_locked_worker(
 
 async def test_require_lock_refuses_a_token_call_outside_the_worker(custody: Custody) -> None:
     with pytest.raises(AssertionError):
-        custody._token.seal(Secret(), b"aad")
+        custody._token.gcm_encrypt(custody._token.active, bytes(12), bytearray(32), b"aad")
 
 
 async def test_reprs_of_secret_holding_objects_are_redacted(
@@ -634,7 +637,7 @@ async def test_custody_logs_carry_no_secret(
     with pytest.raises(UnsealFailed):
         await custody.sign_event(agent, UnsignedEvent(agent, 1, 1, (), "x"))
     lines = "\n".join(format_record(r) for r in caplog.records)
-    assert "unseal failed" in lines  # control: the fault was logged
+    assert "unseal refused" in lines  # control: the fault was logged
     pin = Path(str(config.pin_file)).read_text().strip()
     assert pin not in lines
     assert blob is not None and blob.hex() not in lines

@@ -1,0 +1,213 @@
+"""Rotation and migration: every agent resealed under a new KEK, in this token or another.
+
+One machine for both (`rotate`): `keys rotate` targets a new KEK in the same token,
+`keys migrate` the KEK a second token's configuration names. The secrets never leave
+custody: each is unsealed by the source token and sealed by the target token inside the
+one token worker, as a signature would be.
+
+The steps, each a named checkpoint (`CHECKPOINTS`; the tests SIGKILL the process at each):
+  planned            the target (token, KEK label) is recorded in the keystore
+  new_kek            the target KEK exists in the target token and passed its checks
+                     (generated where missing; a TPM's are operator-made, found by label)
+  staged             every live agent's key resealed under it, in the `reseal` table
+  verified           every staged blob opened again through the target token, its pubkey
+                     re-derived (the same door, `_sealed.unseal`, that signing uses)
+  swapped            ONE transaction: each agent's blob replaced by its staged one, the
+                     active (token, KEK) recorded, the old one recorded as retiring
+  old_kek_destroyed  the old KEK (both halves) destroyed in its token
+Then the retiring record is cleared.
+
+Why a crash anywhere leaves every agent usable: before `swapped` commits, every blob is
+still the old one, under the old KEK, which nothing has touched; from the commit on, every
+blob is a new one, under the new KEK, which was made and checked before. Blobs name their
+KEK (format 2) and the keystore names the active token and KEK, so the daemon opens the
+right one either way. A run after a crash finishes what is left: a retiring KEK recorded
+means only its destruction is left (done, and nothing else); a plan recorded means the
+same target is used again (its KEK found, staging redone from scratch).
+
+Rules:
+- It holds the state directory's lock EXCLUSIVELY (`_statelock`): the daemon and every
+  other custody command must be stopped, and cannot start while it runs.
+- Nothing is destroyed before the swap has committed, and only a KEK the keystore records
+  as retiring (never the active one).
+- A blob that does not open (any defence) stops the run before anything changes, naming
+  the agent: rotation never drops an agent.
+- Other keys in the token are not touched: rotation and migration move only the agents'
+  KEK. The cursor MAC key is not a token key (`<state_dir>/cursor-mac.key`, daemon.cursor):
+  cursors stay valid across both. There is no audit MAC key (the audit log is a hash
+  chain, daemon.audit).
+- One state directory per KEK: destroying the old KEK breaks any other state directory
+  that shares it (tests use one KEK label each).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from custody._errors import CustodyError
+from custody._keystore import Keystore
+from custody._sealed import kek_label_ok, seal, unseal
+from custody._statelock import StateLock
+from custody._token import Token, TokenConfig
+from custody._worker import require_lock
+
+__all__ = [
+    "CHECKPOINTS",
+    "ActiveKek",
+    "RotationReport",
+    "active_kek",
+    "rotate",
+]
+
+CHECKPOINTS = ("planned", "new_kek", "staged", "verified", "swapped", "old_kek_destroyed")
+
+#: custody_meta names (public facts only).
+ACTIVE_TOKEN = "active_token"
+ACTIVE_KEK = "active_kek"
+PLAN_TOKEN = "rotation_target_token"
+PLAN_KEK = "rotation_target_kek"
+RETIRING_TOKEN = "retiring_token"
+RETIRING_KEK = "retiring_kek"
+
+
+@dataclass(frozen=True, slots=True)
+class ActiveKek:
+    """Where the agents' blobs are sealed: a token label and a KEK label in it."""
+
+    token_label: str
+    kek_label: str
+
+
+def active_kek(meta: dict[str, str], config: TokenConfig) -> ActiveKek:
+    """The keystore's record, else (before any rotation) the configured token and KEK."""
+    return ActiveKek(meta.get(ACTIVE_TOKEN, config.token_label),
+                     meta.get(ACTIVE_KEK, config.kek_label))
+
+
+def require_configured(active: ActiveKek, config: TokenConfig) -> None:
+    """Refuse a configuration that names another token than the one holding the keys."""
+    if active.token_label != config.token_label:
+        raise CustodyError(
+            f"the agents' keys are sealed in token {active.token_label!r} (moved by `keys "
+            f"migrate`), not {config.token_label!r}: point [pkcs11] at that token"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RotationReport:
+    """What a run did. Public facts only."""
+
+    agents: int
+    old: ActiveKek
+    new: ActiveKek
+    seal: str
+    destroyed: tuple[str, ...]
+    #: "rotated", or "finished" (an interrupted run's last step was all that was left).
+    outcome: str
+
+
+def rotate(source: TokenConfig, target: TokenConfig, state_dir: Path,
+           new_kek: str | None = None,
+           checkpoint: Callable[[str], None] | None = None) -> RotationReport:
+    """Reseal every live agent from `source`'s active KEK to a new KEK in `target`'s token.
+
+    `target` is `source` for a rotation. `new_kek` names the new KEK (required where the
+    token cannot generate keys and the operator made them); else a rotation makes
+    `<kek_label>-<8 hex>` and a migration uses `target.kek_label`. `checkpoint(name)` is
+    called after each step (tests kill the process there).
+
+    Raises:
+        CustodyError: custody in use, a configuration that names the wrong token, a blob
+            that does not open, a token that refuses a key; nothing is changed before the
+            swap, and a later run finishes after it.
+    """
+    require_lock()
+    lock = StateLock.exclusive(state_dir)
+    try:
+        keystore = Keystore.open(state_dir)
+        try:
+            return _rotate(keystore, source, target, new_kek, checkpoint or (lambda _: None))
+        finally:
+            keystore.close()
+    finally:
+        lock.release()
+
+
+def _rotate(keystore: Keystore, source: TokenConfig, target: TokenConfig,
+            new_kek: str | None, checkpoint: Callable[[str], None]) -> RotationReport:
+    meta = keystore.meta()
+    if RETIRING_KEK in meta:
+        return _finish(keystore, meta, source, target, checkpoint)
+    current = active_kek(meta, source)
+    require_configured(current, source)
+    planned = meta.get(PLAN_KEK) if meta.get(PLAN_TOKEN) == target.token_label else None
+    label = planned or new_kek or (
+        target.kek_label if target.token_label != source.token_label
+        else f"{source.kek_label}-{secrets.token_hex(4)}")
+    if not kek_label_ok(label):
+        raise CustodyError(f"KEK label {label!r} must be 1-64 printable ASCII characters")
+    if ActiveKek(target.token_label, label) == current:
+        raise CustodyError(f"KEK {label!r} in token {target.token_label!r} is the active one")
+    keystore.set_meta({PLAN_TOKEN: target.token_label, PLAN_KEK: label})
+    checkpoint("planned")
+    Token.init_kek(target, label)
+    checkpoint("new_kek")
+
+    source_token = Token.open(source, current.kek_label)
+    try:
+        target_token = Token.open(target, label)
+        try:
+            originals = keystore.live_blobs()
+            staged = []
+            for agent, blob in originals:
+                with unseal(source_token, blob, agent) as secret:
+                    staged.append((agent, seal(target_token, secret, agent)))
+            keystore.stage(staged)
+            checkpoint("staged")
+            for agent, blob in keystore.staged():
+                with unseal(target_token, blob, agent):
+                    pass
+            checkpoint("verified")
+            new = ActiveKek(target.token_label, label)
+            keystore.swap_staged(originals, {
+                ACTIVE_TOKEN: new.token_label, ACTIVE_KEK: new.kek_label,
+                PLAN_TOKEN: None, PLAN_KEK: None,
+                RETIRING_TOKEN: current.token_label, RETIRING_KEK: current.kek_label,
+            }, int(time.time()))
+            seal_kind = target_token.seal
+        finally:
+            target_token.close()
+    finally:
+        source_token.close()
+    checkpoint("swapped")
+    destroyed = _destroy_retiring(keystore, source, current, checkpoint)
+    return RotationReport(len(originals), current, new, seal_kind, destroyed, "rotated")
+
+
+def _finish(keystore: Keystore, meta: dict[str, str], source: TokenConfig,
+            target: TokenConfig, checkpoint: Callable[[str], None]) -> RotationReport:
+    """An earlier run committed its swap and died before destroying the old KEK."""
+    retiring = ActiveKek(meta[RETIRING_TOKEN], meta[RETIRING_KEK])
+    new = active_kek(meta, source)
+    config = next((c for c in (source, target) if c.token_label == retiring.token_label), None)
+    if config is None:
+        raise CustodyError(
+            f"an interrupted run left KEK {retiring.kek_label!r} to destroy in token "
+            f"{retiring.token_label!r}: run this with a configuration for that token"
+        )
+    destroyed = _destroy_retiring(keystore, config, retiring, checkpoint)
+    return RotationReport(len(keystore.live_blobs()), retiring, new, "", destroyed, "finished")
+
+
+def _destroy_retiring(keystore: Keystore, config: TokenConfig, retiring: ActiveKek,
+                      checkpoint: Callable[[str], None]) -> tuple[str, ...]:
+    if active_kek(keystore.meta(), config) == retiring:
+        raise CustodyError("refusing to destroy the active KEK")  # the swap's record says not
+    destroyed = Token.destroy_kek(config, retiring.kek_label)
+    checkpoint("old_kek_destroyed")
+    keystore.set_meta({RETIRING_TOKEN: None, RETIRING_KEK: None})
+    return destroyed

@@ -1,0 +1,174 @@
+"""Test helpers that build sealed blobs custody itself would never write, in the token worker.
+
+Each defence test needs a blob that gets past every defence but one; these helpers make
+them with custody's own seal (`_sealed.seal`) and raw token handles, never a copy of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sqlite3
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from coincurve._libsecp256k1 import ffi
+from pkcs11 import Attribute, KeyType, MechanismFlag
+
+import custody._sealed as sealed_module
+import custody._token as token_module
+from custody import Custody, TokenConfig, UnsealFailed, UnsignedEvent, init_kek
+from custody._secret import Secret
+from custody._worker import in_token_worker
+from tests.custody._secrets import PUB_1, PUB_2, SECRET_1, SECRET_2
+from tests.fixtures.token import SoftHsmToken
+
+#: Every seal kind custody writes; each defence test runs for each.
+SEAL_KINDS = ("gcm", "etm")
+HUMAN = "f9308a019258c31049344f85f89d5229b531c845836f99b08601f113bce036f9"
+_REFUSAL = "unseal refused for agent {agent} by the {defence} defence"
+
+
+@dataclass
+class Held:
+    custody: Custody
+    config: TokenConfig
+    state: Path
+    kind: str
+    #: (secret hex, pubkey) of two agents held.
+    a: tuple[str, str] = (SECRET_1, PUB_1)
+    b: tuple[str, str] = (SECRET_2, PUB_2)
+
+
+def config_for(token: SoftHsmToken, kind: str, label: str) -> TokenConfig:
+    return dataclasses.replace(token.config(kek_label=label), seal=kind)
+
+
+@asynccontextmanager
+async def held_custody(token: SoftHsmToken, kind: str, state: Path,
+                       label: str | None = None) -> AsyncIterator[Held]:
+    """Custody sealing with `kind`, agents A and B imported."""
+    config = config_for(token, kind, label or f"sealing-{kind}")
+    await init_kek(config)
+    opened = await Custody.open(config, state)
+    try:
+        held = Held(opened, config, state, kind)
+        for secret, _ in (held.a, held.b):
+            await opened.import_agent(bytearray(secret.encode()), owner=HUMAN, name="x")
+        yield held
+    finally:
+        await opened.aclose()
+
+
+def secret_of(hex_secret: str) -> Secret:
+    secret = Secret()
+    ffi.memmove(secret.cdata, bytes.fromhex(hex_secret), 32)
+    return secret
+
+
+async def seal_as(held: Held, hex_secret: str, agent: str) -> bytes:
+    """`hex_secret` sealed by custody's own seal with `agent`'s AAD (the key's own or not)."""
+    def work() -> bytes:
+        with secret_of(hex_secret) as secret:
+            return sealed_module.seal(held.custody._token, secret, agent)
+
+    return await in_token_worker(work)
+
+
+def blob_of(state: Path, agent: str) -> bytes:
+    db = sqlite3.connect(state / "keystore.db")
+    try:
+        return bytes(db.execute("SELECT sealed FROM agents WHERE pubkey = ?", (agent,))
+                     .fetchone()[0])
+    finally:
+        db.close()
+
+
+def put_blob(state: Path, agent: str, blob: bytes) -> None:
+    db = sqlite3.connect(state / "keystore.db", isolation_level=None)
+    try:
+        db.execute("UPDATE agents SET sealed = ? WHERE pubkey = ?", (blob, agent))
+    finally:
+        db.close()
+
+
+def event(agent: str) -> UnsignedEvent:
+    return UnsignedEvent(agent, 1_700_000_000, 1, (), "defence")
+
+
+async def refused_by(held: Held, agent: str, caplog: pytest.LogCaptureFixture) -> str:
+    """Sign as `agent`, which must fail with the one opaque UnsealFailed; return the name of
+    the defence the operator log says refused."""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="buzz_broker.custody"):
+        with pytest.raises(UnsealFailed) as raised:
+            await held.custody.sign_event(agent, event(agent))
+    # What the caller (and so an agent) learns: the same text for every defence, no cause.
+    assert str(raised.value) == f"sealed key of agent {agent} failed to open"
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
+    named = [d for d in sealed_module.DEFENCES
+             if _REFUSAL.format(agent=agent, defence=d) in caplog.text]
+    assert len(named) == 1, caplog.text
+    return named[0]
+
+
+@contextmanager
+def counting_keystream() -> Iterator[list[int]]:
+    """Count calls of the token's keystream (the decrypting half of encrypt-then-MAC)."""
+    calls: list[int] = []
+    original = token_module.Token.keystream
+
+    def counted(self: token_module.Token, label: str, blocks: bytes) -> bytes:
+        calls.append(1)
+        return original(self, label, blocks)
+
+    token_module.Token.keystream = counted  # type: ignore[method-assign]
+    try:
+        yield calls
+    finally:
+        token_module.Token.keystream = original  # type: ignore[method-assign]
+
+
+async def plant_unsafe_kek(config: TokenConfig, label: str, kind: str) -> None:
+    """A KEK (both halves for etm) labelled `label` that is right in every way but one:
+    its AES key is EXTRACTABLE."""
+    def plant() -> None:
+        key, shared = token_module._acquire_session(config)
+        try:
+            template = dict(token_module.KEK_TEMPLATE) | {Attribute.EXTRACTABLE: True}
+            shared.session.generate_key(KeyType.AES, 256, label=label, store=True,
+                                        capabilities=MechanismFlag.ENCRYPT
+                                        | MechanismFlag.DECRYPT, template=template)
+            if kind == "etm":
+                shared.session.generate_key(
+                    KeyType.GENERIC_SECRET, 256, label=token_module.mac_label(label),
+                    store=True, capabilities=MechanismFlag.SIGN | MechanismFlag.VERIFY,
+                    template=token_module.MAC_KEY_TEMPLATE)
+        finally:
+            token_module._release_session(key)
+
+    await in_token_worker(plant)
+
+
+async def seal_under_unchecked(held: Held, label: str, hex_secret: str, agent: str) -> bytes:
+    """Custody's own seal, with the KEK `label` handed to the token WITHOUT its checks."""
+    def work() -> bytes:
+        token = held.custody._token
+        session = token_module._PROCESS.sessions[token._key].session
+        aes = token_module._find_key(session, held.config.token_label, label, KeyType.AES)
+        mac = token_module._find_key(session, held.config.token_label,
+                                     token_module.mac_label(label), None)
+        saved = token.active
+        token._keks[(label, held.kind)] = token_module._Kek(aes, mac)
+        token.active = label
+        try:
+            with secret_of(hex_secret) as secret:
+                return sealed_module.seal(token, secret, agent)
+        finally:
+            token.active = saved
+            del token._keks[(label, held.kind)]
+
+    return await in_token_worker(work)
