@@ -21,7 +21,7 @@ import trio
 from custody import Custody, PublicDirectory, TokenConfig
 from tests.custody._secrets import PUB_1, PUB_2, PUB_3, SECRET_1, SECRET_X, assert_no_secrets
 from tests.custody.test_cli import Cli
-from tests.fixtures.token import SoftHsmToken, ensure_operator_keys
+from tests.fixtures.token import SoftHsmToken
 
 SLUGS = ("core", "mem/plans")
 
@@ -41,7 +41,6 @@ class Host:
         directory.mkdir()
         self.cli = Cli(token, directory)
         self.token = token
-        ensure_operator_keys(token, self.cli.kek_label)  # a TPM's operator makes the KEK
         assert self.cli("keys", "init").returncode == 0
 
     def __call__(self, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:

@@ -11,7 +11,7 @@ import nostr_sdk
 import pytest
 
 from tests.custody._secrets import PUB_1, PUB_2, SECRET_1, SECRET_2, SECRET_X, assert_no_secrets
-from tests.fixtures.token import REPO, SoftHsmToken
+from tests.fixtures.token import REPO, SoftHsmToken, ensure_operator_keys
 
 BUZZ_BROKER = REPO / ".venv" / "bin" / "buzz-broker"
 
@@ -34,6 +34,8 @@ class Cli:
         )
 
     def __call__(self, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+        if args[:2] == ("keys", "init"):
+            ensure_operator_keys(self.token, self.kek_label)  # a TPM's operator makes the KEK
         done = subprocess.run(
             [str(BUZZ_BROKER), "--config", str(self.config), *args],
             input=stdin, capture_output=True, text=True, timeout=60, env=dict(os.environ),

@@ -79,38 +79,50 @@ class Kind:
     packages: tuple[str, ...]
     #: Mechanism name -> offered, as the probe sees it through python-pkcs11.
     offers: Mapping[str, bool]
+    #: The field lab's measured cost of one unseal, upper end (ms): what a test of
+    #: thousands of unseals costs on this kind (marker `token_unseals`).
+    unseal_ms: float
 
 
 def _lib_paths(*relative: str) -> tuple[str, ...]:
     return tuple(f"/usr/lib/{arch}/{rel}" for rel in relative for arch in _MULTIARCH)
 
 
-#: CKM_AES_GCM with a host IV, CKM_AES_ECB, CKM_SHA256_HMAC, C_GenerateKey of an AES key.
+#: CKM_AES_GCM with a host IV, CKM_AES_ECB, CKM_SHA256_HMAC, C_GenerateKey of an AES key,
+#: C_CreateObject of an AES key of a known value (a test's known-answer key).
 KINDS: dict[str, Kind] = {
     "softhsm": Kind(
         "softhsm",
         ("/usr/lib/softhsm/libsofthsm2.so", *_lib_paths("softhsm/libsofthsm2.so")),
         ("softhsm2",),
-        {"AES_GCM": True, "AES_ECB": True, "SHA256_HMAC": True, "GENERATE_KEY": True},
+        {"AES_GCM": True, "AES_ECB": True, "SHA256_HMAC": True, "GENERATE_KEY": True,
+         "CREATE_AES_KEY": True},
+        0.10,
     ),
     "tpm": Kind(
         "tpm",
         _lib_paths("pkcs11/libtpm2_pkcs11.so", "libtpm2_pkcs11.so.1"),
         ("swtpm", "swtpm-tools", "tpm2-tools", "tpm2-abrmd", "libtss2-tcti-tabrmd0",
          "libtpm2-pkcs11-1", "libtpm2-pkcs11-tools", "dbus"),
-        {"AES_GCM": False, "AES_ECB": True, "SHA256_HMAC": True, "GENERATE_KEY": False},
+        {"AES_GCM": False, "AES_ECB": True, "SHA256_HMAC": True, "GENERATE_KEY": False,
+         "CREATE_AES_KEY": False},
+        15.0,
     ),
     "opencryptoki": Kind(
         "opencryptoki",
         _lib_paths("opencryptoki/libopencryptoki.so.0", "pkcs11/libopencryptoki.so"),
         ("opencryptoki", "util-linux"),
-        {"AES_GCM": False, "AES_ECB": True, "SHA256_HMAC": True, "GENERATE_KEY": True},
+        {"AES_GCM": False, "AES_ECB": True, "SHA256_HMAC": True, "GENERATE_KEY": True,
+         "CREATE_AES_KEY": True},
+        0.08,
     ),
     "p11kit": Kind(
         "p11kit",
         _lib_paths("pkcs11/p11-kit-client.so"),
         ("p11-kit", "p11-kit-modules", "softhsm2"),
-        {"AES_GCM": False, "AES_ECB": True, "SHA256_HMAC": True, "GENERATE_KEY": True},
+        {"AES_GCM": False, "AES_ECB": True, "SHA256_HMAC": True, "GENERATE_KEY": True,
+         "CREATE_AES_KEY": True},
+        0.45,
     ),
 }
 
@@ -161,9 +173,9 @@ class Children:
     def start(self, name: str, argv: list[str], env: Mapping[str, str], log: Path,
               **popen: object) -> subprocess.Popen[bytes]:
         with open(log, "ab") as out:
-            proc = subprocess.Popen(argv, env=dict(env), stdin=subprocess.DEVNULL,
-                                    stdout=popen.pop("stdout", out), stderr=out,
-                                    **popen)  # type: ignore[call-overload]
+            proc: subprocess.Popen[bytes] = subprocess.Popen(
+                argv, env=dict(env), stdin=subprocess.DEVNULL,
+                stdout=popen.pop("stdout", out), stderr=out, **popen)  # type: ignore[call-overload]
         self._procs.append((name, proc))
         return proc
 

@@ -14,6 +14,7 @@ mechanism and refuse it (p11-kit 0.24's client drops every AES mechanism with a 
 - AES_ECB: encrypt two blocks and decrypt them back (the key never leaves the token, so
   a round trip is the check).
 - SHA256_HMAC: sign and verify with a SHA256-HMAC (TPM) or generic-secret key.
+- CREATE_AES_KEY: C_CreateObject of a session AES key of a known value that encrypts.
 Where the token cannot generate keys (TPM), the probe's keys come from `tpm2_ptool addkey`.
 """
 
@@ -36,9 +37,12 @@ PROBE_LABEL = "buzz-probe"
 _SENSITIVE = {Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: False, Attribute.PRIVATE: True}
 
 
-def _find(session: Any, label: str, key_class: ObjectClass = ObjectClass.SECRET_KEY) -> Any | None:
-    found = list(session.get_objects({Attribute.CLASS: key_class, Attribute.LABEL: label}))
-    return found[0] if found else None
+def _find(session: Any, label: str) -> Any:
+    found = list(session.get_objects({Attribute.CLASS: ObjectClass.SECRET_KEY,
+                                      Attribute.LABEL: label}))
+    if not found:
+        raise SystemExit(f"probe key {label!r} is not in the token")
+    return found[0]
 
 
 def _works(attempt: Callable[[], bool]) -> bool:
@@ -93,7 +97,15 @@ def _operations(session: Any, aes_label: str, mac_label: str) -> dict[str, bool]
         tag = mac.sign(data, mechanism=Mechanism.SHA256_HMAC)
         return len(tag) == 32 and bool(mac.verify(data, tag, mechanism=Mechanism.SHA256_HMAC))
 
-    return {"AES_GCM": _works(gcm), "AES_ECB": _works(ecb), "SHA256_HMAC": _works(hmac)}
+    def create() -> bool:
+        known = session.create_object({
+            Attribute.CLASS: ObjectClass.SECRET_KEY, Attribute.KEY_TYPE: KeyType.AES,
+            Attribute.VALUE: bytes(32), Attribute.ENCRYPT: True, Attribute.TOKEN: False,
+        })
+        return len(known.encrypt(bytes(16), mechanism=Mechanism.AES_ECB)) == 16
+
+    return {"AES_GCM": _works(gcm), "AES_ECB": _works(ecb), "SHA256_HMAC": _works(hmac),
+            "CREATE_AES_KEY": _works(create)}
 
 
 if __name__ == "__main__":
