@@ -135,9 +135,12 @@ async def export_backup(custody: Custody, recipients: Sequence[str]) -> Exported
             (UnsealFailed), token or keystore faults. No partial backup is returned.
     """
     parsed = _recipients(recipients)
-    records = sorted(custody.agents(), key=lambda r: (r.depth, r.created_at, r.pubkey))
+    listed: list[AgentRecord] = []
 
     def work() -> bytes:
+        # Listed inside the hop: no agent minted or destroyed meanwhile is half in it.
+        records = sorted(custody._keystore.all(), key=lambda r: (r.depth, r.created_at, r.pubkey))
+        listed.extend(records)
         plaintext = bytearray(MAGIC)
         plaintext += _canonical({"agents": len(records), "createdAt": int(time.time())}) + b"\n"
         copy = b""
@@ -155,8 +158,9 @@ async def export_backup(custody: Custody, recipients: Sequence[str]) -> Exported
             wipe_bytes(copy)
             _zero(plaintext)
 
+    custody._check_open()
     ciphertext = await custody._hop("backup", work)
-    return ExportedBackup(ciphertext=ciphertext, agents=tuple(r.pubkey for r in records))
+    return ExportedBackup(ciphertext=ciphertext, agents=tuple(r.pubkey for r in listed))
 
 
 @dataclass(frozen=True, slots=True)
