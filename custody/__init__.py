@@ -19,7 +19,8 @@ Surface:
 - Public Nostr helpers (no secrets): `compute_event_id`, `verify_event`,
   `verify_owner_tag`, `owner_tag_digest`, and `PublicDirectory` (the keystore's public
   records without the token). `read_secret_text` reads secret text from a file descriptor
-  into a zeroable buffer for `Custody.import_agent`. `harden_process` (no core dumps, not
+  into a zeroable buffer for `Custody.import_agent`; `read_limited` reads any bounded
+  secret file (an age identity) the same way. `harden_process` (no core dumps, not
   dumpable) runs inside `Custody.open`/`init_kek`; callers may run it earlier too.
 
 Modules, one job each: _errors, _secret (buffers, wiping, parsing, randomness), _secp256k1
@@ -71,7 +72,7 @@ from buzzwire.nostr import (
     verify_owner_tag,
 )
 from custody._process import harden_process
-from custody._secret import read_secret_text
+from custody._secret import read_limited, read_secret_text
 from custody._rotation import CHECKPOINTS as ROTATION_CHECKPOINTS
 from custody._rotation import RotationReport
 from custody._token import TokenConfig, TokenReport
@@ -105,6 +106,7 @@ __all__ = [
     "init_kek",
     "init_keys",
     "owner_tag_digest",
+    "read_limited",
     "read_secret_text",
     "rotate_keys",
     "verify_event",

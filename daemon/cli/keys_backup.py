@@ -161,7 +161,12 @@ def _backup(args: argparse.Namespace, config: Config) -> int:
 
 
 def _read_bounded(path: Path, limit: int, what: str, *, private: bool) -> bytearray:
-    """Read `path` (no symlink, regular file, at most `limit` bytes) into a bytearray."""
+    """Read `path` (no symlink, regular file, at most `limit` bytes) into a bytearray.
+
+    `private`: refuse a file with group or other permission bits (it holds a secret).
+    """
+    from custody import read_limited
+
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
@@ -177,19 +182,10 @@ def _read_bounded(path: Path, limit: int, what: str, *, private: bool) -> bytear
                            f"(mode {stat.S_IMODE(st.st_mode):o}); chmod 600 it")
         if st.st_size > limit:
             raise CliError(f"{what} {path} is larger than {limit} bytes")
-        buf = bytearray(min(st.st_size, limit) + 1)
-        filled = 0
-        while filled < len(buf):
-            with memoryview(buf) as whole, whole[filled:] as chunk:
-                got = os.readv(fd, [chunk])
-            if got == 0:
-                break
-            filled += got
-        if filled > limit:
-            buf[:] = bytes(len(buf))
-            raise CliError(f"{what} {path} is larger than {limit} bytes")
-        buf[filled:] = bytes(len(buf) - filled)
-        del buf[filled:]
+        # Sized by fstat: a file that grows while it is read is refused, not followed.
+        buf = read_limited(fd, st.st_size)
+        if buf is None:
+            raise CliError(f"{what} {path} changed while it was read")
         return buf
     except OSError as exc:
         raise CliError(f"cannot read {what} {path}: {exc.strerror}") from None
