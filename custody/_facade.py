@@ -38,7 +38,14 @@ from custody._keystore import AgentRecord, Keystore, PublicDirectory
 from custody._memory import MEMORY_KIND, MemoryAddress, check_slug, d_tag
 from buzzwire.nostr import SignedEvent, UnsignedEvent, is_hex64, verify_owner_tag
 from custody._process import harden_process
-from custody._rotation import ActiveKek, RotationReport, active_kek, require_configured, rotate
+from custody._rotation import (
+    ActiveKek,
+    RotationReport,
+    active_kek,
+    interrupted,
+    require_configured,
+    rotate,
+)
 from custody._sealed import seal, unseal
 from custody._statelock import StateLock
 from custody._secp256k1 import is_xonly_pubkey, xonly_pubkey
@@ -179,10 +186,15 @@ class Custody:
                 lock = StateLock.shared(Path(state_dir))
                 try:
                     keystore = Keystore.open(Path(state_dir))
-                    if active_kek(keystore.meta(), token) != active:
+                    meta = keystore.meta()
+                    if active_kek(meta, token) != active:
                         keystore.close()
                         raise CustodyError("a key rotation finished while custody was "
                                            "opening; open it again")
+                    left = interrupted(meta)
+                    if left is not None:  # every agent works; the operator should finish
+                        log.warning("an interrupted `keys rotate`/`keys migrate`: %s; run it "
+                                    "again (daemon stopped) to finish", left)
                 except BaseException:
                     lock.release()
                     raise
@@ -474,6 +486,37 @@ class Custody:
         if record is None:
             raise UnknownAgent(pubkey)
         return record
+
+    async def attach_auth_tag(self, pubkey: str, tag: Sequence[str]) -> AgentRecord:
+        """Store an owner-made NIP-OA tag for a live agent whose owner signs elsewhere (a
+        person): from then on every event the agent signs carries exactly this tag.
+
+        Verified first: `["auth", owner, conditions, sig]`, the owner the agent's recorded
+        owner, and the owner's BIP-340 signature over the agent's pubkey and conditions.
+
+        Raises:
+            UnknownAgent: no live agent with that key.
+            CustodyError: a malformed tag, another owner, a signature that does not verify.
+        """
+        self._check_open()
+        record = self._live(pubkey)
+        items = tuple(tag)
+        if len(items) != 4 or not all(isinstance(item, str) for item in items) or items[0] != "auth":
+            raise CustodyError('auth tag must be ["auth", owner, conditions, sig]')
+        if items[1] != record.owner:
+            raise CustodyError("auth tag names another owner than the agent's")
+        if not verify_owner_tag(items, pubkey):
+            raise CustodyError("auth tag does not verify for this agent and owner")
+        owner_tag: OwnerTag = (items[0], items[1], items[2], items[3])
+
+        def work() -> AgentRecord | None:
+            return self._keystore.set_auth_tag(pubkey, owner_tag, self._now())
+
+        updated = await self._hop("attach_auth", work)
+        if updated is None:
+            raise UnknownAgent(pubkey)
+        log.info("attached the owner's NIP-OA tag to agent %s", pubkey)
+        return updated
 
     def observe_token_calls(self, observer: Callable[[str, float], None] | None) -> None:
         """Call `observer(op, seconds)` after every token worker hop (for metrics).

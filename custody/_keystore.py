@@ -14,6 +14,11 @@ Rules:
   (blob reads, writes), serialized by a threading.Lock.
 - `PublicDirectory` opens the same file read-only and never sees a blob: it is what code
   without the token (credential issue, policy, `agent list`) reads.
+- Two more tables, both public and written only by custody: `custody_meta` (name -> value:
+  the active token and KEK after a rotation or migration, and a rotation's plan and
+  retiring KEK while one is under way) and `reseal` (a rotation's staged blobs: new
+  ciphertext, swapped in by `swap_staged` in ONE transaction with the meta, or discarded).
+  Both are created IF NOT EXISTS, so a keystore from before them opens unchanged.
 
 Destroying a key, and what is beyond reach:
 - `PRAGMA secure_delete=ON` at open: SQLite zeroes the bytes of deleted or shrunk content
@@ -293,6 +298,13 @@ class Keystore:
         if busy:
             log.warning("keystore WAL checkpoint was blocked by a reader; a destroyed key's "
                         "sealed blob may remain in %s-wal until the next one", self.path)
+
+    def set_auth_tag(self, pubkey: str, tag: tuple[str, str, str, str], now: int
+                     ) -> AgentRecord | None:
+        """Store a live agent's NIP-OA tag (public data). None if no live agent has that key."""
+        self._update_live("auth_tag = ?, updated_at = ?", (json.dumps(list(tag)), now), pubkey)
+        record = self.get(pubkey)
+        return record if record is not None and record.live else None
 
     def rename(self, pubkey: str, name: str, now: int) -> AgentRecord | None:
         """Set a live agent's public name. None if no live agent has that key."""

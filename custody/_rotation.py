@@ -23,7 +23,8 @@ blob is a new one, under the new KEK, which was made and checked before. Blobs n
 KEK (format 2) and the keystore names the active token and KEK, so the daemon opens the
 right one either way. A run after a crash finishes what is left: a retiring KEK recorded
 means only its destruction is left (done, and nothing else); a plan recorded means the
-same target is used again (its KEK found, staging redone from scratch).
+same target is used again (its KEK found, staging redone from scratch), unless the
+operator names another with --new-kek-label (a warning names the planned one, unused).
 
 Rules:
 - It holds the state directory's lock EXCLUSIVELY (`_statelock`): the daemon and every
@@ -42,6 +43,7 @@ Rules:
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import Callable
@@ -50,9 +52,9 @@ from pathlib import Path
 
 from custody._errors import CustodyError
 from custody._keystore import Keystore
-from custody._sealed import kek_label_ok, seal, unseal
+from custody._sealed import seal, unseal
 from custody._statelock import StateLock
-from custody._token import Token, TokenConfig
+from custody._token import Token, TokenConfig, require_kek_label
 from custody._worker import require_lock
 
 __all__ = [
@@ -62,6 +64,8 @@ __all__ = [
     "active_kek",
     "rotate",
 ]
+
+log = logging.getLogger("buzz_broker.custody")
 
 CHECKPOINTS = ("planned", "new_kek", "staged", "verified", "swapped", "old_kek_destroyed")
 
@@ -97,6 +101,17 @@ def require_configured(active: ActiveKek, config: TokenConfig) -> None:
         )
 
 
+def interrupted(meta: dict[str, str]) -> str | None:
+    """What an interrupted rotation or migration left for the next run, if anything."""
+    if RETIRING_KEK in meta:
+        return (f"the old KEK {meta[RETIRING_KEK]!r} in token {meta[RETIRING_TOKEN]!r} "
+                "is not yet recorded as destroyed")
+    if PLAN_KEK in meta:
+        return (f"a rotation to KEK {meta[PLAN_KEK]!r} in token {meta[PLAN_TOKEN]!r} "
+                "did not finish (the agents are still under the old KEK)")
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class RotationReport:
     """What a run did. Public facts only."""
@@ -116,8 +131,9 @@ def rotate(source: TokenConfig, target: TokenConfig, state_dir: Path,
     """Reseal every live agent from `source`'s active KEK to a new KEK in `target`'s token.
 
     `target` is `source` for a rotation. `new_kek` names the new KEK (required where the
-    token cannot generate keys and the operator made them); else a rotation makes
-    `<kek_label>-<8 hex>` and a migration uses `target.kek_label`. `checkpoint(name)` is
+    token cannot generate keys and the operator made them); else an interrupted run's
+    planned KEK is used again, else a rotation makes `<kek_label>-<8 hex>` and a migration
+    uses `target.kek_label`. `checkpoint(name)` is
     called after each step (tests kill the process there).
 
     Raises:
@@ -145,13 +161,21 @@ def _rotate(keystore: Keystore, source: TokenConfig, target: TokenConfig,
     current = active_kek(meta, source)
     require_configured(current, source)
     planned = meta.get(PLAN_KEK) if meta.get(PLAN_TOKEN) == target.token_label else None
-    label = planned or new_kek or (
+    label = new_kek or planned or (
         target.kek_label if target.token_label != source.token_label
         else f"{source.kek_label}-{secrets.token_hex(4)}")
-    if not kek_label_ok(label):
-        raise CustodyError(f"KEK label {label!r} must be 1-64 printable ASCII characters")
+    require_kek_label(label)
     if ActiveKek(target.token_label, label) == current:
         raise CustodyError(f"KEK {label!r} in token {target.token_label!r} is the active one")
+    if not Token.kek_obtainable(target, label):
+        raise CustodyError(
+            f"token {target.token_label!r} cannot generate keys: make the new KEK pair "
+            f"(AES-256 and HMAC-SHA256, labels LABEL and LABEL-mac) as docs/install.md says, "
+            "then run this again with --new-kek-label LABEL")
+    if meta.get(PLAN_KEK) not in (None, label):
+        log.warning("an interrupted run planned KEK %r in token %r; moving to %r instead "
+                    "(the planned key, if it was made, is unused: remove it from the token)",
+                    meta[PLAN_KEK], meta.get(PLAN_TOKEN), label)
     keystore.set_meta({PLAN_TOKEN: target.token_label, PLAN_KEK: label})
     checkpoint("planned")
     Token.init_kek(target, label)

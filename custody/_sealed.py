@@ -4,8 +4,8 @@ Format 2 (every new blob; one SQLite BLOB):
     offset  size  field
     0       1     version 0x02
     1       1     seal kind: 0x01 AES-256-GCM, 0x02 encrypt-then-MAC (`SEAL_CODES`)
-    2       1     n = length of the KEK label, 1..MAX_KEK_LABEL
-    3       n     KEK label, printable ASCII: the KEK the blob is sealed under
+    2       1     n = length of the KEK label, 1..255 (`_token.MAX_KEK_LABEL`)
+    3       n     KEK label, printable ASCII (0x20-0x7E): the KEK the blob is sealed under
     3+n     12    nonce (GCM: the IV), random per seal, from the OS CSPRNG
     15+n    32    ciphertext of the 32-byte agent key
     47+n    16|32 tag: the GCM tag, or the HMAC-SHA256
@@ -38,7 +38,10 @@ GCM IV equals an EtM nonce, two random 96-bit values (about n²/2^97 for n blobs
   pubkey          the key opened re-derives the pubkey of the agent asked for
 Only then does the caller get a `Secret`. Every refusal is the same opaque `UnsealFailed`
 for the caller (and so for any agent); the operator log alone says which defence refused.
-A token that fails while opening (not a refusal of the blob) is a `CustodyError`.
+A token that fails while opening (its handles gone after the one retry, or any PKCS#11
+error around encrypt-then-MAC, whose MAC takes any bytes) is no verdict on the blob: the
+same `UnsealFailed`, logged as "the token failed (<error>)". A token that cannot be
+logged in to again is a `CustodyError`.
 
 `seal` trusts its caller that `agent` is the secret's own pubkey (the facade derives it
 from the secret): the tests use that to build blobs that exactly one defence can catch.
@@ -60,9 +63,15 @@ from coincurve._libsecp256k1 import ffi
 from custody._errors import CustodyError, UnsealFailed
 from custody._secp256k1 import xonly_pubkey
 from custody._secret import SECRET_SIZE, Secret, wipe_bytes
-from custody._token import GCM_IV_BYTES, KekRefused, Token
+from custody._token import (
+    GCM_IV_BYTES,
+    STALE_HANDLE_ERRORS,
+    KekRefused,
+    Token,
+    kek_label_ok,
+)
 
-__all__ = ["DEFENCES", "FORMAT_VERSION", "SEAL_CODES", "blob_kek", "seal", "unseal"]
+__all__ = ["DEFENCES", "FORMAT_VERSION", "SEAL_CODES", "seal", "unseal"]
 
 log = logging.getLogger("buzz_broker.custody")
 
@@ -75,7 +84,6 @@ SEAL_CODES: dict[str, int] = {"gcm": 0x01, "etm": 0x02}
 _KIND_BY_CODE = {code: kind for kind, code in SEAL_CODES.items()}
 #: Seal kind -> tag length.
 _TAG_BYTES: dict[str, int] = {"gcm": 16, "etm": 32}
-MAX_KEK_LABEL = 64
 _HEADER_FIXED = 3
 _BLOCK = 16
 
@@ -87,6 +95,10 @@ DEFENCES: dict[str, str] = {
                       "not verify (AES-GCM tag or HMAC-SHA256)",
     "pubkey": "the key opened does not derive the pubkey of the agent asked for",
 }
+
+
+class _TokenFault(Exception):
+    """The token failed while opening (not a verdict on the blob). Becomes UnsealFailed."""
 
 
 class _Refused(Exception):
@@ -118,11 +130,6 @@ def _aad(header: bytes, agent: str) -> bytes:
     return _AAD_LABEL + header + bytes.fromhex(agent)
 
 
-def kek_label_ok(label: str) -> bool:
-    """Whether `label` can name a KEK in a blob: 1..MAX_KEK_LABEL printable ASCII."""
-    return 0 < len(label) <= MAX_KEK_LABEL and all(0x21 <= ord(c) <= 0x7E for c in label)
-
-
 def _parse(token: Token, blob: bytes, agent: str) -> _Blob:
     if not blob:
         raise _Refused("format", "empty")
@@ -147,14 +154,6 @@ def _parse(token: Token, blob: bytes, agent: str) -> _Blob:
         raise _Refused("format", "wrong length")
     return _Blob(kind, kek, _aad(blob[:end], agent), blob[end:end + GCM_IV_BYTES],
                  blob[end + GCM_IV_BYTES:])
-
-
-def blob_kek(token: Token, blob: bytes) -> str | None:
-    """The KEK label a blob names (format 1: the configured KEK); None if unreadable."""
-    try:
-        return _parse(token, blob, "00" * 32).kek
-    except _Refused:
-        return None
 
 
 # --- the seals ----------------------------------------------------------------------------
@@ -183,6 +182,8 @@ def _etm_seal(token: Token, kek: str, nonce: bytes, plaintext: bytearray, aad: b
 def _gcm_open(token: Token, blob: _Blob, secret: Secret) -> None:
     try:
         plaintext = token.gcm_decrypt(blob.kek, blob.nonce, blob.body, blob.aad)
+    except STALE_HANDLE_ERRORS as exc:
+        raise _TokenFault(type(exc).__name__) from None
     except pkcs11.PKCS11Error as exc:
         # SoftHSM reports a wrong tag or AAD as a generic error: the token refused the blob.
         raise _Refused("authentication", type(exc).__name__) from None
@@ -256,7 +257,8 @@ def unseal(token: Token, blob: bytes, agent: str) -> Secret:
         except KekRefused as exc:
             raise _Refused("kek", str(exc)) from None
         except pkcs11.PKCS11Error as exc:
-            raise _Refused("authentication", type(exc).__name__) from None
+            # EtM computes its MAC over any bytes: an error here is the token's, not the blob's.
+            raise _TokenFault(type(exc).__name__) from None
         try:
             derived = xonly_pubkey(secret)
         except ValueError:
@@ -267,6 +269,10 @@ def unseal(token: Token, blob: bytes, agent: str) -> Secret:
         secret.wipe()
         log.warning("unseal refused for agent %s by the %s defence (%s)", agent,
                     refused.defence, refused.detail)
+        raise UnsealFailed(agent) from None
+    except _TokenFault as fault:
+        secret.wipe()
+        log.warning("unseal failed for agent %s: the token failed (%s)", agent, fault)
         raise UnsealFailed(agent) from None
     except BaseException:
         secret.wipe()

@@ -72,6 +72,7 @@ from custody._worker import require_lock
 __all__ = [
     "GCM_IV_BYTES",
     "KEK_BITS",
+    "MAX_KEK_LABEL",
     "KekRefused",
     "SEAL_CHOICES",
     "STALE_HANDLE_ERRORS",
@@ -79,7 +80,9 @@ __all__ = [
     "TokenConfig",
     "TokenReport",
     "choose_seal",
+    "kek_label_ok",
     "mac_label",
+    "require_kek_label",
 ]
 
 T = TypeVar("T")
@@ -141,6 +144,8 @@ MAC_REQUIRED: dict[Attribute, tuple[object, str]] = {
 MAC_KEY_TYPES = (KeyType.GENERIC_SECRET, KeyType.SHA256_HMAC)
 MAC_KEY_BITS = 256
 MAC_LABEL_SUFFIX = "-mac"
+#: A KEK label is written into every blob with a one-byte length (`_sealed`).
+MAX_KEK_LABEL = 255
 
 #: Seal kind -> the mechanisms it needs in the token.
 SEAL_MECHANISMS: dict[str, tuple[Mechanism, ...]] = {
@@ -450,6 +455,18 @@ def _check_mac_key(key: Any, label: str) -> None:
     _check_key(key, "KEK HMAC key", label, MAC_REQUIRED)
 
 
+def kek_label_ok(label: str) -> bool:
+    """Whether `label` can name a KEK in a blob: 1..MAX_KEK_LABEL printable ASCII."""
+    return 0 < len(label) <= MAX_KEK_LABEL and all(0x20 <= ord(c) <= 0x7E for c in label)
+
+
+def require_kek_label(label: str) -> None:
+    """Refuse a label no blob could name (CustodyError)."""
+    if not kek_label_ok(label):
+        raise CustodyError(f"KEK label {label!r} must be 1-{MAX_KEK_LABEL} printable ASCII "
+                           "characters: every sealed key names it")
+
+
 def mac_label(kek_label: str) -> str:
     """The HMAC key's label for the encrypt-then-MAC KEK pair named `kek_label`."""
     return kek_label + MAC_LABEL_SUFFIX
@@ -576,10 +593,6 @@ class Token:
         self.seal = seal
 
     @property
-    def label(self) -> str:
-        return self._config.token_label
-
-    @property
     def legacy_kek(self) -> str:
         """The KEK a format-1 blob (no KEK name in it) was sealed under: the configured one."""
         return self._config.kek_label
@@ -596,6 +609,7 @@ class Token:
                 a KEK that could leave the token, or a seal the token does not offer.
         """
         label = kek_label or config.kek_label
+        require_kek_label(label)
         key, shared = _acquire_session(config)
         try:
             seal = choose_seal(config.seal, _offered_seals(shared.session), config.token_label)
@@ -621,6 +635,7 @@ class Token:
             CustodyError: as `open`, or the token refused to generate a missing key.
         """
         label = kek_label or config.kek_label
+        require_kek_label(label)
         key, shared = _acquire_session(config)
         try:
             session = shared.session
@@ -646,6 +661,16 @@ class Token:
                 offered=tuple(k for k in SEAL_PREFERENCE if k in offered),
                 can_generate=_can_generate(session), seal=seal, created=tuple(created),
             )
+        finally:
+            _release_session(key)
+
+    @staticmethod
+    def kek_obtainable(config: TokenConfig, label: str) -> bool:
+        """Whether KEK `label` is in the token already or the token can generate it."""
+        key, shared = _acquire_session(config)
+        try:
+            return (_find_key(shared.session, config.token_label, label, KeyType.AES)
+                    is not None or _can_generate(shared.session))
         finally:
             _release_session(key)
 

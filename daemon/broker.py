@@ -30,6 +30,16 @@ log can still record (the intent record already names the events). A fault befor
 side effect (token, ledger, audit) is `failed` + `internal`, the spec's known no-op; no
 exception reaches the HTTP layer as a 500.
 
+Unexpected faults (issue 15 item 4, issue 13 item 1): any exception at any step, once the
+requestId is known, is still an envelope, recorded like every verdict where the ledger
+can. `_Progress.effects_possible` decides which: `failed` + `internal` while nothing can
+have taken hold; `indeterminate` + `internal` once an event was handed to the relay, a
+pending record is being resumed, or a recorded non-failed verdict is being replayed (a
+recorded success is never turned into `failed`). After every event was accepted, a fault
+in housekeeping, the ledger's finish or the verdict's audit record leaves the verdict
+standing. An agents.create that ends `failed` destroys the key it minted
+(`_destroy_minted`); one that ends `indeterminate` keeps it for the identical retry.
+
 Publishing outcomes (issue 5): every event accepted (`duplicate:` included) → `succeeded`;
 the *first* event refused or unsendable → nothing took hold → roll back host-local work and
 answer `failed` + `action_failed` with the relay's reason; no `OK` (timeout, dropped
@@ -65,6 +75,7 @@ from daemon.config import Config, PolicyConfig
 from buzzwire.contract import (
     ACTIONS,
     MESSAGES,
+    REQUEST_MEMBERS,
     ErrorCode,
     Reading,
     Status,
@@ -83,10 +94,11 @@ from daemon.operations._base import OperationRefused
 from daemon.policy import authorize, within_credential
 from daemon.ratelimit import RateLimiter
 from daemon.relay import Accepted, RelayPool, RelayTimeouts, Unknown
+from daemon.runtimes import RuntimeStore
 from daemon.sessions import Principal, SessionStore
 from daemon.signing import SigningBatcher
 
-__all__ = ["Broker", "StartupError", "PENDING_FORMAT", "CHECKPOINTS"]
+__all__ = ["Broker", "StartupError", "PENDING_FORMAT", "CHECKPOINTS", "relay_pool"]
 
 _log = logging.getLogger("buzz_broker.broker")
 
@@ -106,6 +118,33 @@ MAX_REASON_CHARS = 200
 
 class StartupError(Exception):
     """The daemon cannot start; the message is one line for the operator."""
+
+
+def relay_pool(config: Config, custody: Custody,
+               observer: Callable[[str, str, float], None] | None = None) -> RelayPool:
+    """The relay pool for `config`, authenticating each agent's connection through custody.
+
+    Raises:
+        ValueError: the relay URL is refused (see daemon.relay.check_relay_url).
+    """
+
+    async def sign_auth(agent: str, relay_url: str, challenge: str, created_at: int
+                        ) -> dict[str, Any]:
+        try:
+            signed = await custody.sign_auth(agent, relay_url, challenge, created_at)
+        except CustodyError as exc:
+            # The pool maps ValueError to "could not authenticate"; anything else would
+            # escape a publish as a crash.
+            raise ValueError(f"custody did not sign AUTH: {type(exc).__name__}") from None
+        return dict(signed.to_json_obj())
+
+    timeouts = RelayTimeouts(
+        connect=config.relay.connect_timeout,
+        ok=config.relay.ok_timeout,
+        eose=config.relay.eose_timeout,
+        idle_seconds=config.relay.idle_seconds,
+    )
+    return RelayPool(config.relay.url, sign_auth, timeouts=timeouts, observer=observer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +198,20 @@ class _Judged:
     code: ErrorCode | None = None
     event_ids: tuple[str, ...] = ()
     published: bool = False
+
+
+@dataclass(slots=True)
+class _Progress:
+    """How far one request got: what an unexpected fault may still promise (module docstring).
+
+    `effects_possible` turns True the moment something may have taken hold: the first
+    event handed to the relay, a resumed pending record (an earlier attempt may have sent
+    it), or a recorded non-failed verdict being replayed. From then on a fault answers
+    `indeterminate`, never `failed`.
+    """
+
+    effects_possible: bool = False
+    event_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -230,6 +283,7 @@ class Broker:
         cursors: CursorCodec,
         limiter: RateLimiter,
         audit: AuditLog,
+        runtimes: RuntimeStore,
         clock: Callable[[], float] = time.time,
         config_loader: Callable[[], Config] | None = None,
         metrics: Metrics | None = None,
@@ -244,6 +298,7 @@ class Broker:
         self._cursors = cursors
         self._limiter = limiter
         self._audit = audit
+        self._runtimes = runtimes
         self._signer = SigningBatcher(custody)
         self._clock = clock
         self._config_loader = config_loader
@@ -259,6 +314,11 @@ class Broker:
     @property
     def sessions(self) -> SessionStore:
         return self._sessions
+
+    @property
+    def runtimes(self) -> RuntimeStore:
+        """The host's own record of each managed agent's runtime (for the CLI and tests)."""
+        return self._runtimes
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -305,6 +365,8 @@ class Broker:
                 limiter = RateLimiter.open(state_dir, config.limits)
                 stack.callback(limiter.close)
                 cursors = CursorCodec.open(state_dir)
+                runtimes = RuntimeStore.open(state_dir)
+                stack.callback(runtimes.close)
             except (OSError, sqlite3.Error, CursorKeyError) as exc:
                 raise StartupError(f"state directory {state_dir}: {exc}") from None
             try:
@@ -316,25 +378,8 @@ class Broker:
             metrics = Metrics(actions=ACTIONS)
             custody.observe_token_calls(metrics.token_call)
 
-            async def sign_auth(agent: str, relay_url: str, challenge: str, created_at: int
-                                ) -> dict[str, Any]:
-                try:
-                    signed = await custody.sign_auth(agent, relay_url, challenge, created_at)
-                except CustodyError as exc:
-                    # The pool maps ValueError to "could not authenticate"; anything else
-                    # would escape a publish as a crash.
-                    raise ValueError(f"custody did not sign AUTH: {type(exc).__name__}") from None
-                return dict(signed.to_json_obj())
-
-            timeouts = RelayTimeouts(
-                connect=config.relay.connect_timeout,
-                ok=config.relay.ok_timeout,
-                eose=config.relay.eose_timeout,
-                idle_seconds=config.relay.idle_seconds,
-            )
             try:
-                relay = RelayPool(config.relay.url, sign_auth, timeouts=timeouts,
-                                  observer=metrics.relay_round_trip)
+                relay = relay_pool(config, custody, observer=metrics.relay_round_trip)
             except ValueError as exc:
                 raise StartupError(f"relay url: {exc}") from None
             broker = cls(
@@ -346,6 +391,7 @@ class Broker:
                 cursors=cursors,
                 limiter=limiter,
                 audit=audit,
+                runtimes=runtimes,
                 config_loader=config_loader,
                 metrics=metrics,
                 checkpoint=checkpoint,
@@ -357,6 +403,13 @@ class Broker:
                 nursery.start_soon(broker._sweep_forever)
                 log_event(_log, "broker.ready", agents=len(custody.agents()),
                           relay=config.relay.url)
+                for record in custody.agents():
+                    if record.auth_tag is None:
+                        # Its owner is a person whose key is not here: its events carry no
+                        # NIP-OA tag until the owner signs one (`agent attach-auth`).
+                        log_event(_log, "agent.auth_tag_missing", level=logging.WARNING,
+                                  agent=record.pubkey, owner=record.owner,
+                                  fix="buzz-broker agent attach-auth")
                 try:
                     yield broker
                 finally:
@@ -392,7 +445,29 @@ class Broker:
     # ---------------------------------------------------------------- the pipeline
 
     async def handle(self, request: HttpRequest) -> HttpAnswer:
+        """One request in, one answer out; an unexpected fault is still an envelope.
+
+        A fault the pipeline did not contain itself answers `failed` + `internal` while
+        nothing can have taken hold, else `indeterminate` + `internal` (`_Progress`); only
+        a body without a usable requestId gets no envelope (HTTP 400).
+        """
         started = time.monotonic()
+        progress = _Progress()
+        try:
+            return await self._handle(request, started, progress)
+        except Exception as exc:  # noqa: BLE001 - the one place nothing may escape past
+            reading = read_request(request.body)
+            if reading.request_id is None:
+                raise
+            self._fault("pipeline", None, reading.request_id, _action_of(reading), exc)
+            verdict = (Verdict.indeterminate(ErrorCode.INTERNAL) if progress.effects_possible
+                       else Verdict.failed(ErrorCode.INTERNAL))
+            return self._respond(reading.request_id,
+                                 encode_response(reading.request_id, verdict), started,
+                                 principal=None, action=_action_of(reading), verdict=verdict)
+
+    async def _handle(self, request: HttpRequest, started: float, progress: _Progress
+                      ) -> HttpAnswer:
         reading = read_request(request.body)
         if reading.request_id is None:
             log_event(_log, "request.uncorrelated", bytes=len(request.body),
@@ -434,14 +509,22 @@ class Broker:
                 refused = self._verdict(request_id, Verdict.failed(refusal.code, refusal.message))
                 return await self._audited_answer(facts, refused, started, principal)
         if isinstance(begun, Replay):
-            return await self._audited_answer(facts, _recorded(begun.response), started,
-                                              principal, replayed=True)
+            replay = _recorded(begun.response)
+            progress.effects_possible = replay.status is not Status.FAILED
+            return await self._audited_answer(facts, replay, started, principal, replayed=True)
         if isinstance(begun, Conflict):
             conflict = self._verdict(request_id, Verdict.failed(ErrorCode.REQUEST_ID_CONFLICT))
             return await self._audited_answer(facts, conflict, started, principal)
         assert isinstance(begun, (Fresh, Resume))
+        # A pending record being resumed may already be on the relay (an earlier attempt).
+        progress.effects_possible = isinstance(begun, Resume)
         try:
-            judged = await self._judge(principal, reading, begun, facts)
+            try:
+                judged = await self._judge(principal, reading, begun, facts, progress)
+            except Exception as exc:  # noqa: BLE001 - contained: an envelope, recorded
+                judged = self._contained(facts, progress, exc)
+            if facts.action == "agents.create" and judged.status is Status.FAILED:
+                judged = await self._destroy_minted(facts, judged)
             # No audit, no answer: a verdict with no side effects that cannot be audited
             # becomes failed + internal (a known no-op, recorded like any verdict).
             if not judged.published and not await self._audited(facts, judged):
@@ -452,7 +535,7 @@ class Broker:
         try:
             await self._ledger.finish(begun.ticket, judged.response,
                                       final=judged.status is not Status.INDETERMINATE)
-        except sqlite3.Error as exc:
+        except Exception as exc:  # noqa: BLE001 - sqlite3.Error or worse: the verdict stands
             # The verdict stands; only its record is missing. A pending record, if one was
             # committed, is still there, so the identical retry re-sends the same events
             # and reaches the same verdict.
@@ -467,7 +550,8 @@ class Broker:
                              action=facts.action, judged=judged)
 
     async def _judge(
-        self, principal: Principal, reading: Reading, begun: Fresh | Resume, facts: _Facts
+        self, principal: Principal, reading: Reading, begun: Fresh | Resume, facts: _Facts,
+        progress: _Progress,
     ) -> _Judged:
         """Everything after the ledger let this request through."""
         request_id = reading.request_id
@@ -482,7 +566,7 @@ class Broker:
                           agent=principal.agent, request_id=request_id,
                           error=type(exc).__name__)
                 return self._verdict(request_id, Verdict.indeterminate(ErrorCode.INTERNAL))
-            return await self._publish(principal, request_id, pending, resumed=True)
+            return await self._publish(principal, request_id, pending, progress, resumed=True)
         if reading.error is not None:
             log_event(_log, "request.invalid", agent=principal.agent, request_id=request_id,
                       code=reading.error.code.value,
@@ -526,13 +610,14 @@ class Broker:
                     request_id=request_id,
                     now=lambda: int(self._clock()),
                     hold_agent=hold_agent,
+                    runtimes=self._runtimes,
                 )
                 if operation.execute is not None:
                     verdict: Verdict = await operation.execute(ctx, request.args)
                     return self._verdict(request_id, verdict)
                 assert operation.prepare is not None
                 return await self._plan_and_publish(ctx, operation.prepare, request,
-                                                    begun.ticket, facts)
+                                                    begun.ticket, facts, progress)
         except OperationRefused as refused:
             if refused.detail:
                 log_event(_log, "operation.refused", agent=principal.agent,
@@ -547,7 +632,7 @@ class Broker:
 
     async def _plan_and_publish(
         self, ctx: Context, prepare: Callable[[Context, Any], Any], request: Any, ticket: Any,
-        facts: _Facts,
+        facts: _Facts, progress: _Progress,
     ) -> _Judged:
         result = await prepare(ctx, request.args)
         if isinstance(result, Verdict):
@@ -566,7 +651,7 @@ class Broker:
         try:
             await self._audit.append(facts.record(
                 Phase.INTENT, self._clock(), events=tuple(str(e["id"]) for e in pending.events)))
-        except AuditUnavailable as exc:
+        except Exception as exc:  # noqa: BLE001 - AuditUnavailable or worse: nothing was sent
             self._audit_failed(facts, exc)
             return self._internal(ctx.request_id)
         self._passed("before_pending")
@@ -576,25 +661,31 @@ class Broker:
             self._ledger_failed(facts, "record_pending", exc)
             return self._internal(ctx.request_id)  # nothing was sent
         self._passed("after_pending")
-        return await self._publish(ctx.principal, ctx.request_id, pending, resumed=False)
+        return await self._publish(ctx.principal, ctx.request_id, pending, progress,
+                                   resumed=False)
 
     async def _publish(
-        self, principal: Principal, request_id: str, pending: Pending, *, resumed: bool
+        self, principal: Principal, request_id: str, pending: Pending, progress: _Progress, *,
+        resumed: bool,
     ) -> _Judged:
         """Send the pending events in order and say what the relay's answers mean."""
-        verdict = await self._publish_events(principal, request_id, pending, resumed=resumed)
         ids = tuple(str(e["id"]) for e in pending.events)
+        progress.event_ids = ids
+        verdict = await self._publish_events(principal, request_id, pending, progress,
+                                             resumed=resumed)
         if verdict is None:
             return _Judged(pending.success, Status.SUCCEEDED, event_ids=ids, published=True)
         return _Judged(encode_response(request_id, verdict), verdict.status, verdict.code,
                        event_ids=ids, published=True)
 
     async def _publish_events(
-        self, principal: Principal, request_id: str, pending: Pending, *, resumed: bool
+        self, principal: Principal, request_id: str, pending: Pending, progress: _Progress, *,
+        resumed: bool,
     ) -> Verdict | None:
         """None when every event was accepted; otherwise the verdict (module docstring)."""
         accepted = 0
         for event in pending.events:
+            progress.effects_possible = True
             result = await self._relay.publish(str(event["pubkey"]), dict(event))
             if isinstance(result, Accepted):
                 accepted += 1
@@ -634,9 +725,13 @@ class Broker:
                 rename = work["rename_agent"]
                 if self._custody.agent(str(rename["pubkey"])) is not None:
                     await self._custody.rename_agent(str(rename["pubkey"]), str(rename["name"]))
-        except CustodyError as exc:
+            if "set_runtime" in work:
+                runtime = work["set_runtime"]
+                self._runtimes.set(str(runtime["pubkey"]), str(runtime["runtime"]),
+                                   int(self._clock()))
+        except Exception as exc:  # noqa: BLE001 - CustodyError, sqlite3.Error or worse
             log_event(_log, "housekeeping.failed", level=logging.ERROR,
-                      work=sorted(work), error=type(exc).__name__, detail=str(exc))
+                      work=sorted(work), error=type(exc).__name__, where=_where(exc))
 
     # ---------------------------------------------------------------- answers
 
@@ -647,6 +742,52 @@ class Broker:
         """failed + internal: a fault before any side effect (the spec's known no-op)."""
         return self._verdict(request_id, Verdict.failed(ErrorCode.INTERNAL))
 
+    def _fault(self, step: str, agent: str | None, request_id: str, action: str | None,
+               exc: BaseException) -> None:
+        # The exception's type and where it was raised, never its text: an unexpected
+        # exception's message is not ours to vouch for (it could quote anything).
+        log_event(_log, "pipeline.fault", level=logging.ERROR, step=step, agent=agent,
+                  request_id=request_id, action=action, error=type(exc).__name__,
+                  where=_where(exc))
+
+    def _contained(self, facts: _Facts, progress: _Progress, exc: Exception) -> _Judged:
+        """The verdict for an unexpected fault inside the operation: an envelope, recorded.
+
+        `failed` + `internal` while nothing can have taken hold; `indeterminate` +
+        `internal` once something may have (its pending record is kept, so the identical
+        retry re-sends exactly the same events and reaches the relay's verdict).
+        """
+        self._fault("operation", facts.agent, facts.request_id, facts.action, exc)
+        if not progress.effects_possible:
+            return self._internal(facts.request_id)
+        verdict = Verdict.indeterminate(ErrorCode.INTERNAL)
+        return _Judged(encode_response(facts.request_id, verdict), verdict.status, verdict.code,
+                       event_ids=progress.event_ids, published=True)
+
+    async def _destroy_minted(self, facts: _Facts, judged: _Judged) -> _Judged:
+        """An agents.create that ends `failed` leaves no key behind (failed = no effect).
+
+        The key minted for this request (found by its mint reference) is destroyed. If it
+        cannot be, the answer becomes `indeterminate` + `internal` instead, recorded as not
+        final without pending work: the identical retry starts afresh, finds the same key
+        through its mint reference, and carries on with it.
+        """
+        mint_ref = f"{facts.agent}/{facts.request_id}"
+        minted = next((a for a in self._custody.agents() if a.mint_ref == mint_ref), None)
+        if minted is None:
+            return judged
+        try:
+            await self._custody.destroy_agent(minted.pubkey)
+            self._sessions.revoke_agent(minted.pubkey)
+        except Exception as exc:  # noqa: BLE001 - the key survives: say so, do not lie
+            self._fault("destroy_minted", facts.agent, facts.request_id, facts.action, exc)
+            verdict = Verdict.indeterminate(ErrorCode.INTERNAL)
+            return _Judged(encode_response(facts.request_id, verdict), verdict.status,
+                           verdict.code)
+        log_event(_log, "agents.create.minted_destroyed", agent=facts.agent,
+                  request_id=facts.request_id, minted=minted.pubkey)
+        return judged
+
     async def _audited(self, facts: _Facts, judged: _Judged, *, replayed: bool = False) -> bool:
         """Append the verdict record; False (and an operator log line) when it cannot be."""
         try:
@@ -654,7 +795,7 @@ class Broker:
                 Phase.VERDICT, self._clock(), status=judged.status, code=judged.code,
                 events=judged.event_ids if judged.status is Status.SUCCEEDED else (),
                 replayed=replayed))
-        except AuditUnavailable as exc:
+        except Exception as exc:  # noqa: BLE001 - AuditUnavailable or worse: not recorded
             self._audit_failed(facts, exc)
             return False
         return True
@@ -667,19 +808,29 @@ class Broker:
         failed + internal instead, which promises (truthfully) that nothing ran now.
         """
         if not await self._audited(facts, judged, replayed=replayed):
-            judged, replayed = self._internal(facts.request_id), False
+            if replayed and judged.status is not Status.FAILED:
+                # A recorded success (or pending fate) is never turned into failed: that
+                # would promise no effect took hold, and one did (or may have).
+                verdict = Verdict.indeterminate(ErrorCode.INTERNAL)
+                judged = _Judged(encode_response(facts.request_id, verdict), verdict.status,
+                                 verdict.code)
+            else:
+                judged = self._internal(facts.request_id)
+            replayed = False
         body = mark_replayed(judged.response) if replayed else judged.response
         return self._respond(facts.request_id, body, started, principal=principal,
                              action=facts.action, judged=judged, replayed=replayed)
 
-    def _ledger_failed(self, facts: _Facts, step: str, exc: sqlite3.Error) -> None:
+    def _ledger_failed(self, facts: _Facts, step: str, exc: Exception) -> None:
+        detail = str(exc) if isinstance(exc, sqlite3.Error) else _where(exc)
         log_event(_log, "ledger.fault", level=logging.ERROR, agent=facts.agent,
                   request_id=facts.request_id, action=facts.action, step=step,
-                  error=type(exc).__name__, detail=str(exc))
+                  error=type(exc).__name__, detail=detail)
 
-    def _audit_failed(self, facts: _Facts, exc: AuditUnavailable) -> None:
+    def _audit_failed(self, facts: _Facts, exc: Exception) -> None:
+        detail = exc.detail if isinstance(exc, AuditUnavailable) else _where(exc)
         log_event(_log, "audit.unavailable", level=logging.ERROR, agent=facts.agent,
-                  request_id=facts.request_id, action=facts.action, detail=exc.detail)
+                  request_id=facts.request_id, action=facts.action, detail=detail)
 
     def _respond(
         self,
@@ -732,10 +883,7 @@ def _recorded(response: bytes) -> _Judged:
 
 
 #: Every member name the contract knows; any other pointer segment came from the agent.
-_KNOWN_MEMBERS = frozenset(
-    {"type", "protocolVersion", "requestId", "actionVersion", "action", "args", "target"}
-    | {m for spec in ACTIONS.values() for m in spec.arg_members.required | spec.arg_members.optional}
-)
+_KNOWN_MEMBERS = frozenset(REQUEST_MEMBERS).union(*(s.member_names for s in ACTIONS.values()))
 
 
 def _loggable_pointer(pointer: str) -> str:
@@ -753,3 +901,12 @@ def _loggable_pointer(pointer: str) -> str:
 def _action_of(reading: Reading) -> str | None:
     return reading.request.action if reading.request is not None else None
 
+
+def _where(exc: BaseException) -> str:
+    """`file:line` where an exception was raised (its innermost frame), for the operator."""
+    tb = exc.__traceback__
+    if tb is None:
+        return "unknown"
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{Path(tb.tb_frame.f_code.co_filename).name}:{tb.tb_lineno}"

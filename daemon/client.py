@@ -45,8 +45,7 @@ Rules:
 - `AsyncBrokerClient` is the one implementation. `BrokerClient` is the same methods run
   under `trio.run`, one call at a time, for synchronous code.
 
-WARNING: the per-action echo checks (`_ECHO_CHECKS`) must list every action in
-`buzzwire.contract.ACTIONS`; a test asserts the key sets are equal.
+The per-action echo checks (`_ECHO_CHECKS`) are built from `ActionSpec.echoes`.
 """
 
 from __future__ import annotations
@@ -78,6 +77,7 @@ from buzzwire.contract import (
     Status,
     StorageAddressOutcome,
     build_request,
+    echo_mismatch,
     encode_request,
     normalize_channel_id,
     normalize_hex64,
@@ -270,80 +270,23 @@ class EventVerification(enum.Enum):
 # --------------------------------------------------------------------------- judging
 
 
-def _same(value: str, expected: str, normalize: Callable[[str], str | None]) -> bool:
-    """Compare two identities as parsed values (spec §Identities and spellings).
+def _echo_check(action: str) -> Callable[[Request, object, str | None], str | None]:
+    echoes = ACTIONS[action].echoes
 
-    An unparseable spelling matches nothing (the normalizers answer None for it).
-    """
-    parsed = normalize(value)
-    return parsed is not None and parsed == normalize(expected)
+    def check(request: Request, outcome: object, me: str | None) -> str | None:
+        args: Any = request.args
+        if isinstance(outcome, ReadOutcome) and len(outcome.messages) > args.effective_limit:
+            return "page holds more events than the effective limit"
+        problem: str | None = echo_mismatch(echoes, args, outcome, me)
+        return problem
 
-
-def _has_tag(event: Event, name: str, value: str, normalize: Callable[[str], str | None]) -> bool:
-    return any(len(t) >= 2 and t[0] == name and _same(t[1], value, normalize) for t in event.tags)
-
-
-def _check_read(request: Request, outcome: object, me: str | None) -> str | None:
-    assert isinstance(outcome, ReadOutcome)
-    args: Any = request.args
-    if len(outcome.messages) > args.effective_limit:
-        return "page holds more events than the effective limit"
-    for event in outcome.messages:
-        # The host reads with `#h: [channel]` (buzz-on-the-relay §channel.read), so every
-        # event echoes the channel in its signed `h` tag.
-        if not _has_tag(event, "h", args.channel_id, normalize_channel_id):
-            return "an event is not from the requested channel"
-        if args.root_event_id is not None and not (
-            _same(event.id, args.root_event_id, normalize_hex64)
-            or _has_tag(event, "e", args.root_event_id, normalize_hex64)
-        ):
-            return "an event is not in the requested thread"
-        if args.mentions_only and me is not None and not _has_tag(event, "p", me, normalize_hex64):
-            return "an event in a mentions-only read does not mention the requester"
-    return None
+    return check
 
 
-def _check_nothing(request: Request, outcome: object, me: str | None) -> str | None:
-    # The publishing outcomes are host-minted (eventId, kind, createdAt): nothing echoed.
-    return None
-
-
-def _check_storage(request: Request, outcome: object, me: str | None) -> str | None:
-    assert isinstance(outcome, StorageAddressOutcome)
-    if me is not None and not _same(outcome.author_pubkey, me, normalize_hex64):
-        return "storage address is for another author"
-    return None
-
-
-def _check_create(request: Request, outcome: object, me: str | None) -> str | None:
-    assert isinstance(outcome, AgentsCreateOutcome)
-    args: Any = request.args
-    if not _same(outcome.channel_id, args.channel_id, normalize_channel_id):
-        return "created agent's channel differs from the requested one"
-    return None
-
-
-def _check_target(request: Request, outcome: object, me: str | None) -> str | None:
-    assert isinstance(outcome, (AgentsUpdateOutcome, AgentsDeleteOutcome))
-    target: Any = request.args.target  # type: ignore[union-attr]
-    # By name, the reply cannot be checked (spec I5 Limits): a rename may be the call.
-    if target.pubkey is not None and not _same(outcome.pubkey, target.pubkey, normalize_hex64):
-        return "outcome names another agent than the target"
-    return None
-
-
-#: action -> the I5 echo check of a succeeded outcome. `me` is the agent's own pubkey
-#: when the caller told the client; checks that need it are skipped otherwise.
+#: action -> the I5 echo check of a succeeded outcome, from `ActionSpec.echoes`. `me` is the
+#: agent's own pubkey when the caller told the client; echoes that need it are skipped otherwise.
 _ECHO_CHECKS: Mapping[str, Callable[[Request, object, str | None], str | None]] = {
-    "channel.read": _check_read,
-    "message.post": _check_nothing,
-    "message.reply": _check_nothing,
-    "reaction.add": _check_nothing,
-    "profile.set": _check_nothing,
-    "storage.address": _check_storage,
-    "agents.create": _check_create,
-    "agents.update": _check_target,
-    "agents.delete": _check_target,
+    action: _echo_check(action) for action in ACTIONS
 }
 
 

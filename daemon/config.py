@@ -31,10 +31,10 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from typing import TYPE_CHECKING
-
+from buzzwire.contract import ACTIONS
 from daemon.ratelimit import DEFAULT_RATE_CONFIG, RateConfig, rate_config_from_table
 
 if TYPE_CHECKING:
@@ -58,22 +58,8 @@ __all__ = [
 #: The environment variable naming the config file when ``--config`` is absent.
 ENV_VAR = "BUZZ_BROKER_CONFIG"
 
-#: The nine wire names (spec/agent-broker.md §Operations). Kept here rather than imported
-#: from buzzwire.contract so that check-config works even if the contract package fails to
-#: import; tests/test_config.py checks the two lists agree.
-ACTION_NAMES = frozenset(
-    {
-        "channel.read",
-        "message.post",
-        "message.reply",
-        "reaction.add",
-        "profile.set",
-        "storage.address",
-        "agents.create",
-        "agents.update",
-        "agents.delete",
-    }
-)
+#: The nine wire names (spec/agent-broker.md §Operations), from the contract's ActionSpec table.
+ACTION_NAMES = frozenset(ACTIONS)
 
 #: Log levels accepted by [log] level (daemon/log.py LEVELS, restated to keep this module
 #: free of logging setup).
@@ -90,6 +76,8 @@ class ServerConfig:
     socket_mode: int
     socket_group: str | None
     max_connections: int
+    max_connections_per_uid: int
+    max_inflight_bytes: int
     max_body_bytes: int
     max_header_bytes: int
     request_timeout: float
@@ -366,6 +354,9 @@ _KEYS: tuple[_Key, ...] = (
     _Key("server", "socket_mode", "socket_mode", _mode, "0660"),
     _Key("server", "socket_group", "socket_group", _group, ""),
     _Key("server", "max_connections", "max_connections", _int_at_least(1), 1024),
+    _Key("server", "max_connections_per_uid", "max_connections_per_uid", _int_at_least(1), 128),
+    # 64 MiB: 128 requests of the largest size; each uid gets total / (uids holding + 1).
+    _Key("server", "max_inflight_bytes", "max_inflight_bytes", _int_at_least(1024), 67108864),
     _Key("server", "max_body_bytes", "max_body_bytes", _int_at_least(1024), 524288),
     # Below ~1 KiB a normal request line plus Authorization header no longer fits.
     _Key("server", "max_header_bytes", "max_header_bytes", _int_at_least(1024), 16384),
@@ -452,6 +443,12 @@ def _build(tree: Mapping[str, object], where: str, base: Path | None, source: st
         limits = rate_config_from_table(limits_table)
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+    server = fields["server"]
+    if server["max_inflight_bytes"] < server["max_body_bytes"]:  # type: ignore[operator]
+        raise ConfigError(
+            f"{where}: [server] max_inflight_bytes: expected at least max_body_bytes "
+            f"({server['max_body_bytes']}), got {server['max_inflight_bytes']}"
+        )
     sections = {name: cls(**fields[name]) for name, cls in _SECTIONS.items()}
     return Config(**sections, limits=limits, source=source)
 

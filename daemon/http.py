@@ -32,6 +32,17 @@ Bounds (all from `HttpLimits`, set by [server] in the config):
   listen backlog and are served as slots free up (idle connections free theirs within
   ``request_timeout``). Closing would turn a burst into transport failures that every
   agent must retry; waiting turns it into latency.
+- connections per peer uid: past ``max_connections_per_uid`` open connections of one uid
+  (SO_PEERCRED), a new connection of that uid is answered 503 and closed at once. It
+  cannot wait like the global cap does: the uid is only known after ``accept()``, and a
+  waiting connection would hold a global slot that another user's agent needs.
+- body bytes in flight: ``max_inflight_bytes``, shared per peer uid (`daemon.peer_shares`).
+  A request's declared length (``max_body_bytes`` for a chunked body) is reserved before
+  ``100 Continue`` and before one body byte is read, and released once its answer is
+  written. Past its uid's share a connection waits and reads nothing (back-pressure: the
+  client's writes block in the kernel); the read deadline bounds the wait (408). Until a
+  connection holds a reservation it reads at most `HEAD_RECEIVE_SIZE` bytes at a time, so
+  what h11 buffers beyond a head is small and bounded per connection.
 
 Credentials: the value of the single ``Authorization`` header is handed over as received
 (decoded as ASCII). Two or more Authorization headers, or a non-ASCII value, are handed
@@ -50,10 +61,16 @@ with the application finish and write their answer (with ``Connection: close``),
 
 Errors: an exception from the application never reaches the client. It is logged (type
 name only: its text could carry a secret) and answered 500 without a body, the very last
-resort - the application is expected to always answer.
+resort - the application is expected to always answer. Any other unexpected exception in a
+connection task (from h11, from writing an unusable answer, from this module) ends that
+connection only - answered 500 first if no response was started - and never `serve`.
+Faults are logged through `daemon.fault_log.FaultLog`: once per cause, then at most one
+line per cause per minute with a count, because a client that can trip a fault at will
+must not be able to fill the log's disk.
 
-WARNING: the order of checks for a request (route -> 413 -> 100 Continue -> body) is what
-makes "413 before the body is read" true; keep `_Connection._read_request` in that order.
+WARNING: the order of checks for a request (route -> 413 -> reserve -> 100 Continue ->
+body) is what makes "413 before the body is read" and "no body byte read beyond the
+uid's share" true; keep `_Connection._read_request` in that order.
 """
 
 from __future__ import annotations
@@ -73,7 +90,9 @@ from typing import Protocol
 import h11
 import trio
 
+from daemon.fault_log import FaultLog
 from daemon.log import log_event
+from daemon.peer_shares import ByteBudget, ConnectionCounts
 
 __all__ = [
     "HttpRequest",
@@ -93,8 +112,11 @@ _log = logging.getLogger("buzz_broker.http")
 #: The one endpoint (spec/agent-broker.md §HTTP binding).
 ACTION_PATH = b"/v1/action"
 
-#: How much we ask the kernel for per read. Requests are small (512 KiB at most).
+#: How much we ask the kernel for per read of a body whose bytes are reserved.
 RECEIVE_SIZE = 65536
+#: How much we ask for per read while a connection holds no reservation (a head, or the
+#: next request on a keep-alive connection): bytes h11 keeps beyond the head stay small.
+HEAD_RECEIVE_SIZE = 4096
 
 #: After accept() fails for lack of descriptors/memory, pause before retrying rather than
 #: spinning; the same value trio's serve_listeners uses.
@@ -117,7 +139,16 @@ _REASONS: dict[int, bytes] = {
     413: b"Content Too Large",
     431: b"Request Header Fields Too Large",
     500: b"Internal Server Error",
+    503: b"Service Unavailable",
 }
+
+#: What a connection past its uid's cap gets before it is closed (no request was read, so
+#: h11 cannot write it: a server may not answer before a request in its state machine).
+_TOO_MANY_FROM_UID = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+)
+#: How long that answer may take to write before the connection is simply closed.
+_REFUSE_WRITE_SECONDS = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +183,10 @@ class HttpLimits:
     """Transport bounds; defaults equal the [server] defaults in docs/configuration.md."""
 
     max_connections: int = 1024
+    #: Open connections one peer uid may hold; an agent runtime needs a handful.
+    max_connections_per_uid: int = 128
+    #: Bytes of request bodies in flight, shared per peer uid (module docstring).
+    max_inflight_bytes: int = 64 * 1024 * 1024
     #: 512 KiB: the spec's largest valid request must get a verdict, not a 413 — 64 KiB of
     #: content that JSON escapes 6x (control characters as \u00XX) is 384 KiB, plus the
     #: envelope. Buzz's relay takes frames up to 512 KiB too.
@@ -164,8 +199,10 @@ class HttpLimits:
     shutdown_grace: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.max_connections < 1:
-            raise ValueError("max_connections must be >= 1")
+        if self.max_connections < 1 or self.max_connections_per_uid < 1:
+            raise ValueError("max_connections and max_connections_per_uid must be >= 1")
+        if self.max_inflight_bytes < self.max_body_bytes:
+            raise ValueError("max_inflight_bytes must be >= max_body_bytes")
         if self.max_body_bytes < 0 or self.max_header_bytes < 1:
             raise ValueError("max_body_bytes must be >= 0 and max_header_bytes >= 1")
         if not self.request_timeout > 0 or self.shutdown_grace < 0:
@@ -317,8 +354,23 @@ def _authorization(headers: list[tuple[bytes, bytes]]) -> str | None:
 class ServerControl:
     """Handed out by `serve` through ``task_status.started``: stop it, and watch it."""
 
-    def __init__(self, on_connections: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        on_connections: Callable[[int], None] | None = None,
+        limits: HttpLimits | None = None,
+    ) -> None:
+        limits = limits or HttpLimits()
         self._on_connections = on_connections
+        #: Request body bytes in flight, per peer uid.
+        self.budget = ByteBudget(limits.max_inflight_bytes)
+        #: Open connections per peer uid.
+        self.per_uid = ConnectionCounts(limits.max_connections_per_uid)
+        #: Unexpected faults in connection tasks, rate-bounded.
+        self.faults = FaultLog(_log, "connection_fault")
+        #: Exceptions the application raised instead of answering, rate-bounded.
+        self.app_faults = FaultLog(_log, "application_error")
+        #: Connections refused past their uid's cap, rate-bounded per uid.
+        self.refusals = FaultLog(_log, "uid_connection_cap", level=logging.WARNING)
         self._stop = trio.Event()
         self._idle = trio.Event()
         self._idle.set()
@@ -361,13 +413,16 @@ class _Connection:
         app: Application,
         limits: HttpLimits,
         control: ServerControl,
+        peer: tuple[int | None, int | None],
     ) -> None:
         self.stream = stream
         self.app = app
         self.limits = limits
         self.control = control
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
-        self.peer_uid, self.peer_pid = _peer_credentials(stream.socket)
+        self.peer_uid, self.peer_pid = peer
+        #: Body bytes this connection holds of its uid's share (0 between requests).
+        self.reserved = 0
 
     async def run(self) -> None:
         try:
@@ -387,15 +442,38 @@ class _Connection:
                 finally:
                     self.control.in_flight -= 1
                 await self._respond(answer.status, answer.body, answer.content_type)
+                self._release()
                 if self.h11.our_state is h11.MUST_CLOSE or self.control.stopping:
                     return
                 self.h11.start_next_cycle()
         except _Closed:
             return
+        except Exception as exc:  # noqa: BLE001 - one connection's fault must not end serve
+            self.control.faults.record(
+                ("connection", type(exc).__name__),
+                where="connection",
+                exception=type(exc).__name__,
+                peer_uid=self.peer_uid,
+            )
+            await self._answer_fault()
         finally:
+            self._release()
             with trio.move_on_after(0.5) as cleanup:
                 cleanup.shield = True
                 await self.stream.aclose()
+
+    def _release(self) -> None:
+        self.control.budget.release(self.peer_uid, self.reserved)
+        self.reserved = 0
+
+    async def _answer_fault(self) -> None:
+        """A bodiless 500 if a request was read and no response begun; else nothing."""
+        if self.h11.our_state is not h11.SEND_RESPONSE:
+            return
+        try:
+            await self._respond(500, None, close=True)
+        except Exception:  # noqa: BLE001 - the connection is being closed either way
+            pass
 
     async def _call_app(self, request: HttpRequest) -> HttpAnswer:
         started = time.monotonic()
@@ -405,10 +483,8 @@ class _Connection:
                 raise TypeError(f"application returned {type(answer).__name__}, not HttpAnswer")
             return answer
         except Exception as exc:  # noqa: BLE001 - the transport's last resort, logged
-            log_event(
-                _log,
-                "application_error",
-                level=logging.ERROR,
+            self.control.app_faults.record(
+                (type(exc).__name__,),
                 exception=type(exc).__name__,
                 duration_ms=round((time.monotonic() - started) * 1000, 1),
             )
@@ -439,8 +515,9 @@ class _Connection:
                 raise _Closed from None
             if event is not h11.NEED_DATA:
                 return event
+            size = RECEIVE_SIZE if self.reserved else HEAD_RECEIVE_SIZE
             try:
-                data = await self.stream.receive_some(RECEIVE_SIZE)
+                data = await self.stream.receive_some(size)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 raise _Closed from None
             self.h11.receive_data(data)
@@ -489,10 +566,15 @@ class _Connection:
         if length_text is not None and int(length_text) > self.limits.max_body_bytes:
             await self._respond(413, None, close=True)
             raise _Closed
-        # 3. Only now tell an "Expect: 100-continue" client to send the body.
+        # 3. Reserve the body's bytes of this uid's share; until they fit, read nothing.
+        if has_body:
+            size = self.limits.max_body_bytes if chunked or length_text is None else int(length_text)
+            await self.control.budget.reserve(self.peer_uid, size)
+            self.reserved = size
+        # 4. Only now tell an "Expect: 100-continue" client to send the body.
         if self.h11.they_are_waiting_for_100_continue:
             await self._send(h11.InformationalResponse(status_code=100, headers=[]))
-        # 4. The body, counted as it arrives (chunked bodies have no declared length).
+        # 5. The body, counted as it arrives (chunked bodies have no declared length).
         body = bytearray()
         while True:
             part = await self._next_event()
@@ -600,16 +682,28 @@ async def serve(
         raw = listener
     bound_inode = os.stat(bound_path).st_ino if bound_path else None
     sock = trio.socket.from_stdlib_socket(raw)
-    control = ServerControl(on_connections)
+    control = ServerControl(on_connections, limits)
     slots = trio.Semaphore(limits.max_connections)
     try:
         async with trio.open_nursery() as nursery:
             accept_scope = trio.CancelScope()
 
-            async def handle(stream: trio.SocketStream) -> None:
+            async def handle(stream: trio.SocketStream, peer: tuple[int | None, int | None]) -> None:
                 try:
-                    await _Connection(stream, app, limits, control).run()
+                    await _Connection(stream, app, limits, control, peer).run()
                 finally:
+                    control.per_uid.close(peer[0])
+                    control._closed()
+                    slots.release()
+
+            async def refuse(stream: trio.SocketStream) -> None:
+                try:
+                    with trio.move_on_after(_REFUSE_WRITE_SECONDS):
+                        await stream.send_all(_TOO_MANY_FROM_UID)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+                finally:
+                    await trio.aclose_forcefully(stream)
                     control._closed()
                     slots.release()
 
@@ -630,7 +724,13 @@ async def serve(
                             slots.release()
                             raise
                         control._opened()
-                        nursery.start_soon(handle, trio.SocketStream(conn))
+                        peer = _peer_credentials(conn)
+                        if control.per_uid.try_open(peer[0]):
+                            nursery.start_soon(handle, trio.SocketStream(conn), peer)
+                        else:
+                            control.refusals.record(("uid", peer[0]), peer_uid=peer[0],
+                                                    cap=limits.max_connections_per_uid)
+                            nursery.start_soon(refuse, trio.SocketStream(conn))
 
             nursery.start_soon(accept_loop)
             task_status.started(control)

@@ -28,6 +28,11 @@ rounds are disjoint, so nothing repeats; each appended window is complete, so no
 skipped. Rounds stop once limit+1 events are known: the +1 is how `nextCursor` is
 present only when more exists.
 
+Bytes: a page may also be cut by `max_bytes` (the sum of `size_of` over its items): once
+the next item would cross it, the page ends there with a cursor from its last item, exactly
+as when the round bound is hit. A page holds at least one item, so a single item larger
+than the bound still gets through (alone): paging never stalls.
+
 The one case that cannot page exactly: a second holding at least the relay's per-filter
 cap (RELAY_MAX_LIMIT, 500 on Buzz) matching events — the sweep can only see a cap-sized
 subset. It is detected (`Page.overflow_seconds`) for the caller to log; paging goes on.
@@ -104,6 +109,8 @@ class Page(Generic[T]):
     overflow_seconds: tuple[int, ...] = ()
     #: items without a usable id / created_at, or outside the window asked for
     malformed: int = 0
+    #: the page ended early because its items reached `max_bytes`
+    cut_by_bytes: bool = False
 
 
 def order_key(created_at: int, event_id: str) -> SortKey:
@@ -277,6 +284,8 @@ async def read_page(
     accept: Callable[[Mapping[str, object]], T | None],
     cap: int = RELAY_MAX_LIMIT,
     max_rounds: int = MAX_ROUNDS,
+    max_bytes: int | None = None,
+    size_of: Callable[[T], int] | None = None,
 ) -> Page[T]:
     """Read the page of events after `after` (None: from the newest) matching any of `bases`.
 
@@ -289,6 +298,8 @@ async def read_page(
             callback logs why). Called once per distinct event id that paging places.
         cap: the relay's per-filter result cap.
         max_rounds: bound on round trips for this page.
+        max_bytes, size_of: cut the page before the item that would take the sum of
+            `size_of` over its items past `max_bytes` (None: no byte bound).
 
     Returns:
         The page; `next_position` is set only when at least one more event is known to
@@ -302,6 +313,10 @@ async def read_page(
         raise ValueError(f"limit must be in 1..{cap}")
     if not bases:
         raise ValueError("at least one base filter is needed")
+    if (max_bytes is None) != (size_of is None):
+        raise ValueError("max_bytes and size_of go together")
+    held_bytes = 0
+    cut_by_bytes = False
     out: list[tuple[SortKey, T]] = []
     placed: set[str] = set()
     overflow: list[int] = []
@@ -332,9 +347,15 @@ async def read_page(
             value = accept(item)
             if value is None:
                 continue
+            if size_of is not None and max_bytes is not None:
+                size = size_of(value)
+                if out and held_bytes + size > max_bytes:
+                    cut_by_bytes = True
+                    break
+                held_bytes += size
             placed.add(key[1])
             out.append((key, value))
-        if len(out) > limit:
+        if len(out) > limit or cut_by_bytes:
             break
         if cut is None:
             exhausted = True
@@ -348,8 +369,8 @@ async def read_page(
     if len(out) > limit:
         last = out[limit - 1][0]
         next_position = Position(created_at=-last[0], event_id=last[1])
-    elif not exhausted:
-        # Stopped by the round bound: continue exactly from the frontier.
+    elif not exhausted or cut_by_bytes:
+        # Stopped by the round or byte bound: continue exactly from the frontier.
         if out:
             last = out[-1][0]
             next_position = Position(created_at=-last[0], event_id=last[1])
@@ -363,4 +384,5 @@ async def read_page(
         rounds=rounds,
         overflow_seconds=tuple(overflow),
         malformed=malformed,
+        cut_by_bytes=cut_by_bytes,
     )

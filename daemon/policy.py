@@ -27,8 +27,8 @@ Decisions (recorded here because the spec leaves them to the host):
   exceeds `max_agent_depth`. A requester this host does not hold (or that was deleted)
   may not create agents at all.
 
-WARNING: `CHANNEL_ACTIONS` must list exactly the actions whose arguments carry
-`channelId` (tests pin it against the contract); `CHECKS` is the only list of checks.
+The three action sets below derive from the contract's `ActionSpec` facts (their
+argument members); `CHECKS` is the only list of checks.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol, TypeAlias, TypeVar
 
-from buzzwire.contract import ErrorCode
+from buzzwire.contract import ACTIONS, ErrorCode
 from daemon.sessions import Principal
 
 if TYPE_CHECKING:
@@ -110,15 +110,13 @@ class _Request(Protocol):
 
 #: Actions whose arguments carry `channelId` (spec §Operations). The credential's
 #: channels must include it: a credential is bound to its conversation (spec §Conformance).
-CHANNEL_ACTIONS: Final = frozenset(
-    {"channel.read", "message.post", "message.reply", "reaction.add", "agents.create"}
-)
+CHANNEL_ACTIONS: Final = frozenset(n for n, spec in ACTIONS.items() if spec.channel_scoped)
 
 #: Actions whose arguments may carry `runtime`; "a host refuses a runtime it cannot resolve".
-RUNTIME_ACTIONS: Final = frozenset({"agents.create", "agents.update"})
+RUNTIME_ACTIONS: Final = frozenset(n for n, spec in ACTIONS.items() if spec.takes_runtime)
 
 #: Actions that act on an existing agent named by `target`: the requester must own it.
-TARGET_ACTIONS: Final = frozenset({"agents.update", "agents.delete"})
+TARGET_ACTIONS: Final = frozenset(n for n, spec in ACTIONS.items() if spec.targets_agent)
 
 #: The fixed refusals, keyed by reason. Depth's message names the configured limit.
 REFUSALS: Final = {

@@ -34,7 +34,7 @@ another process) and read lazily, the first time this process sees a credential 
 `reload()` (SIGHUP) forgets what was read.
 
 WARNING: `PUBLISH_ACTIONS`/`READ_ACTIONS` must cover exactly the wire actions
-(`buzzwire.contract.ACTIONS`, split on `publishing`); `_SCHEMA` is read by `_load`.
+(`buzzwire.contract.ACTIONS`, split on `ActionSpec.rate_class`); `_SCHEMA` is read by `_load`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from typing import Final, Protocol
 import trio
 
 from daemon._sqlite import open_private_db
-from buzzwire.contract import ACTIONS, ErrorCode
+from buzzwire.contract import ACTIONS, ErrorCode, RateClass
 from daemon.log import log_event
 from daemon.policy import Refusal
 
@@ -96,8 +96,10 @@ MAX_RULES: Final = 32
 
 _DAY_SECONDS: Final = 86400
 
-PUBLISH_ACTIONS: Final = frozenset(name for name, spec in ACTIONS.items() if spec.publishing)
-READ_ACTIONS: Final = frozenset(name for name, spec in ACTIONS.items() if not spec.publishing)
+PUBLISH_ACTIONS: Final = frozenset(
+    name for name, spec in ACTIONS.items() if spec.rate_class is RateClass.PUBLISH)
+READ_ACTIONS: Final = frozenset(
+    name for name, spec in ACTIONS.items() if spec.rate_class is RateClass.READ)
 
 #: Class scope -> the actions it counts together.
 CLASSES: Final[Mapping[str, frozenset[str]]] = {

@@ -26,6 +26,10 @@ Rules:
   and bounded). No EOSE within ``timeouts.eose`` -> RelayUnavailable; CLOSED
   ``restricted:`` (or any CLOSED other than a first ``auth-required:``) -> RelayRefused.
   Events are returned as the relay sent them (parsed dicts); the read path verifies them.
+- Memory a relay can make us hold: one frame <= MAX_FRAME_BYTES; one connection's queue
+  <= _MESSAGE_QUEUE frames; one query <= MAX_EVENTS_PER_QUERY events and MAX_QUERY_BYTES
+  bytes of EVENT frames. Past a query's bound the query fails (RelayUnavailable) and what
+  it had collected is dropped at once.
 - A relay that breaks NIP-01 (a frame `parse_relay_message` refuses) loses its
   connection: everything waiting on it resolves at once (Unknown / RelayUnavailable)
   instead of waiting for a timeout that a broken peer makes meaningless.
@@ -123,9 +127,15 @@ MAX_FRAME_BYTES = 1024 * 1024
 #: Most events one query collects before the relay is treated as broken: Buzz caps a
 #: filter at 500 results, and the read path never sends more than a few filters.
 MAX_EVENTS_PER_QUERY = 5_000
+#: Bytes of EVENT frames one query may collect before the relay is treated as broken:
+#: without it a relay could fill MAX_EVENTS_PER_QUERY events of MAX_FRAME_BYTES each (5 GB)
+#: into one read. An honest page is far smaller (daemon/operations/channel_read.py cuts a
+#: page at MAX_PAGE_BYTES); a read past this bound fails with action_failed, logged.
+MAX_QUERY_BYTES = 16 * 1024 * 1024
 #: Frames buffered between trio-websocket's reader and ours; a burst of EVENTs should
-#: not stall the socket reader on every frame.
-_MESSAGE_QUEUE = 64
+#: not stall the socket reader on every frame. Times MAX_FRAME_BYTES, this is what one
+#: relay connection may hold in its queue (16 MiB), so it is kept small.
+_MESSAGE_QUEUE = 16
 #: How long a best-effort CLOSE may take to write during cleanup.
 _CLEANUP_SECONDS = 1.0
 #: How long we wait for the relay's answer to our WebSocket close frame before simply
@@ -280,11 +290,13 @@ class _OkWaiter:
 
 
 class _Subscription:
-    __slots__ = ("done", "events", "closed", "dropped", "overflow")
+    __slots__ = ("done", "events", "size", "closed", "dropped", "overflow")
 
     def __init__(self) -> None:
         self.done = trio.Event()
         self.events: list[dict[str, Any]] = []
+        #: Characters of the EVENT frames collected (the frame's size as received).
+        self.size = 0
         self.closed: str | None = None
         self.dropped = False
         self.overflow = False
@@ -352,8 +364,9 @@ class _Connection:
 
     # incoming ------------------------------------------------------------------------
 
-    def dispatch(self, msg: RelayMessage) -> None:
-        """Apply one relay message to the waiters (one `match`, one arm per verb)."""
+    def dispatch(self, msg: RelayMessage, size: int = 0) -> None:
+        """Apply one relay message (a frame of `size` characters) to the waiters (one
+        `match`, one arm per verb)."""
         match msg:
             case Ok(event_id=event_id):
                 for waiter in self.ok_waiters.pop(event_id, []):
@@ -362,11 +375,14 @@ class _Connection:
             case EventMessage(subscription_id=sub_id, event=event):
                 sub = self.subscriptions.get(sub_id)
                 if sub is not None and not sub.done.is_set():
-                    if len(sub.events) >= MAX_EVENTS_PER_QUERY:
+                    if (len(sub.events) >= MAX_EVENTS_PER_QUERY
+                            or sub.size + size > MAX_QUERY_BYTES):
                         sub.overflow = True
+                        sub.events.clear()  # the query fails; free what it held at once
                         sub.done.set()
                     else:
                         sub.events.append(event)
+                        sub.size += size
             case EndOfStoredEvents(subscription_id=sub_id):
                 sub = self.subscriptions.get(sub_id)
                 if sub is not None:
@@ -632,7 +648,7 @@ class RelayPool:
                     agent=conn.agent, code=exc.code, detail=exc.detail[:200],
                 )
                 return f"protocol error ({exc.code})"
-            conn.dispatch(msg)
+            conn.dispatch(msg, len(frame))
 
     # AUTH -------------------------------------------------------------------------------
 
@@ -822,7 +838,10 @@ class RelayPool:
             if sub.dropped:
                 raise RelayUnavailable("connection dropped before EOSE")
             if sub.overflow:
-                raise RelayUnavailable(f"relay sent more than {MAX_EVENTS_PER_QUERY} events")
+                raise RelayUnavailable(
+                    f"relay sent more than {MAX_EVENTS_PER_QUERY} events or "
+                    f"{MAX_QUERY_BYTES} bytes for one query"
+                )
             if sub.closed is None:
                 return sub.events
             closed = Closed(subscription_id=sub_id, message=sub.closed)

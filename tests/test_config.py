@@ -24,6 +24,8 @@ socket = "/srv/bb/agents.sock"
 socket_mode = "0600"
 socket_group = "buzz-agents"
 max_connections = 7
+max_connections_per_uid = 3
+max_inflight_bytes = 8192
 max_body_bytes = 4096
 max_header_bytes = 2048
 request_timeout = "1.5s"
@@ -38,6 +40,9 @@ module = "/opt/hsm/libvendor.so"
 token_label = "other-token"
 pin_file = "/etc/bb/pin"
 kek_label = "other-kek"
+seal = "etm"
+unsealed_cache_entries = 64
+unsealed_cache_seconds = "2m"
 
 [relay]
 url = "ws://127.0.0.1:7777"
@@ -63,6 +68,8 @@ EXPECTED: dict[tuple[str, str], object] = {
     ("server", "socket_mode"): 0o600,
     ("server", "socket_group"): "buzz-agents",
     ("server", "max_connections"): 7,
+    ("server", "max_connections_per_uid"): 3,
+    ("server", "max_inflight_bytes"): 8192,
     ("server", "max_body_bytes"): 4096,
     ("server", "max_header_bytes"): 2048,
     ("server", "request_timeout"): 1.5,
@@ -73,6 +80,9 @@ EXPECTED: dict[tuple[str, str], object] = {
     ("pkcs11", "token_label"): "other-token",
     ("pkcs11", "pin_file"): "/etc/bb/pin",
     ("pkcs11", "kek_label"): "other-kek",
+    ("pkcs11", "seal"): "etm",
+    ("pkcs11", "unsealed_cache_entries"): 64,
+    ("pkcs11", "unsealed_cache_seconds"): 120.0,
     ("relay", "url"): "ws://127.0.0.1:7777",
     ("relay", "connect_timeout"): 2.0,
     ("relay", "ok_timeout"): 3.5,
@@ -90,6 +100,8 @@ DEFAULTS: dict[tuple[str, str], object] = {
     ("server", "socket_mode"): 0o660,
     ("server", "socket_group"): None,
     ("server", "max_connections"): 1024,
+    ("server", "max_connections_per_uid"): 128,
+    ("server", "max_inflight_bytes"): 64 * 1024 * 1024,
     ("server", "max_body_bytes"): 524288,
     ("server", "max_header_bytes"): 16384,
     ("server", "request_timeout"): 10.0,
@@ -100,6 +112,9 @@ DEFAULTS: dict[tuple[str, str], object] = {
     ("pkcs11", "token_label"): "buzz-broker",
     ("pkcs11", "pin_file"): "/etc/buzz-broker/token-pin",
     ("pkcs11", "kek_label"): "buzz-broker-kek",
+    ("pkcs11", "seal"): "auto",
+    ("pkcs11", "unsealed_cache_entries"): 0,
+    ("pkcs11", "unsealed_cache_seconds"): 30.0,
     ("relay", "url"): "wss://relay.example.com",
     ("relay", "connect_timeout"): 10.0,
     ("relay", "ok_timeout"): 10.0,
@@ -379,3 +394,10 @@ def test_env_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
     before = dict(os.environ)
     load_config(None)
     assert dict(os.environ) == before
+
+
+def test_inflight_budget_must_hold_one_largest_body(tmp_path: Path) -> None:
+    # A budget smaller than one body could never admit the largest request: refused whole.
+    path = write(tmp_path, "[server]\nmax_body_bytes = 4096\nmax_inflight_bytes = 2048\n")
+    with pytest.raises(ConfigError, match=r"\[server\] max_inflight_bytes"):
+        load_config(path, environ={})

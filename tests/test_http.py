@@ -516,3 +516,74 @@ def test_limits_validated() -> None:
 def _quiet_logs() -> Iterator[None]:
     yield
     logging.getLogger("buzz_broker").handlers.clear()
+
+
+class GateApp:
+    """Holds every request until `gate` is set; counts requests handed over."""
+
+    def __init__(self) -> None:
+        self.gate = trio.Event()
+        self.seen = 0
+
+    async def handle(self, request: HttpRequest) -> HttpAnswer:
+        self.seen += 1
+        await self.gate.wait()
+        return HttpAnswer(200, b"{}")
+
+
+async def test_body_is_not_read_past_the_uid_share(sockdir: str) -> None:
+    # One uid alone may hold max_inflight_bytes // 2 = one 4 KiB body. While the first
+    # request holds it (its app call is gated), a second connection of the same uid gets no
+    # "100 Continue" and nothing of its body is read; once the first is answered, it does.
+    path = os.path.join(sockdir, "b.sock")
+    app = GateApp()
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, app, path, max_body_bytes=4096, max_inflight_bytes=8192)
+        first, first_reader = await connect(path)
+        await first.send_all(req(b"a" * 4096))
+        await wait_until(lambda: app.seen == 1)
+        assert control.budget.held(os.getuid()) == 4096
+        second, second_reader = await connect(path)
+        await second.send_all(req(b"", length=4096, headers="Expect: 100-continue\r\n"))
+        with trio.move_on_after(0.3) as waited:
+            await second_reader.next()
+        assert waited.cancelled_caught, "the second body was invited past the uid's share"
+        app.gate.set()
+        answer = await first_reader.next()
+        assert answer is not None and answer[0] == 200
+        cont = await second_reader.next()
+        assert cont is not None and cont[0] == 100
+        await second.send_all(b"b" * 4096)
+        answer = await second_reader.next()
+        assert answer is not None and answer[0] == 200
+        await wait_until(lambda: control.budget.used == 0)
+        control.stop()
+
+
+async def test_connections_past_the_uid_cap_get_503_and_close(sockdir: str) -> None:
+    path = os.path.join(sockdir, "b.sock")
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, EchoApp(), path, max_connections_per_uid=2)
+        held = [await connect(path) for _ in range(2)]
+        await wait_until(lambda: control.connections == 2)
+        _extra, extra_reader = await connect(path)
+        answer = await extra_reader.next()
+        assert answer is not None and answer[0] == 503 and answer[1]["connection"] == "close"
+        assert await extra_reader.eof()
+        # The held ones still work; once one closes, the uid may connect again.
+        await held[0][0].send_all(req(b"{}"))
+        assert (await held[0][1].next()) is not None
+        await held[1][0].aclose()
+        await wait_until(lambda: control.connections == 1)
+        again, again_reader = await connect(path)
+        await again.send_all(req(b"{}"))
+        answer = await again_reader.next()
+        assert answer is not None and answer[0] == 200
+        control.stop()
+
+
+def test_inflight_budget_must_hold_one_body() -> None:
+    with pytest.raises(ValueError):
+        HttpLimits(max_body_bytes=4096, max_inflight_bytes=4095)
+    with pytest.raises(ValueError):
+        HttpLimits(max_connections_per_uid=0)

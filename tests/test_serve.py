@@ -239,10 +239,16 @@ def test_regular_file_at_socket_is_one_line(
     assert err[-1].startswith("buzz-broker: ") and "not a socket" in err[-1]
 
 
-def test_lock_memory_refuses_a_small_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("limit_mib", [8, 256, 4096])
+def test_lock_memory_refuses_any_finite_limit(
+    monkeypatch: pytest.MonkeyPatch, limit_mib: int
+) -> None:
+    # 256 MiB is what the unit used to set: under it a burst of held request bodies ended
+    # the daemon with MemoryError (issue 13). No finite limit is safe under MCL_FUTURE.
     import resource
 
-    monkeypatch.setattr(resource, "getrlimit", lambda _which: (8 * 1024 * 1024, 8 * 1024 * 1024))
+    limit = limit_mib * 1024 * 1024
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (limit, limit))
     monkeypatch.setattr(serve_cli, "_has_cap_ipc_lock", lambda: False)
     result = serve_cli.lock_memory()
     assert not result.locked and "RLIMIT_MEMLOCK" in result.reason

@@ -138,7 +138,7 @@ SERVICE_REQUIRED: dict[str, str] = {
     "ConfigurationDirectory": "buzz-broker",
     "LoadCredential": "token-pin:/etc/buzz-broker/token-pin",
     "LimitCORE": "0",
-    "LimitMEMLOCK": "256M",
+    "LimitMEMLOCK": "infinity",
     "UMask": "0077",
     "NoNewPrivileges": "yes",
     "CapabilityBoundingSet": "",

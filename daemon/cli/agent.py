@@ -5,8 +5,11 @@ Rules:
   a buffer zeroed on every path (by custody, and here if custody never got it); never from
   argv or the environment. On a terminal the prompt goes to stderr and echo is off. It prints the agent's
   pubkey hex, alone, on stdout.
-- `create` mints a new key for `--owner` and prints its pubkey alone on stdout.
+- `create` mints a new key for `--owner` and prints its pubkey alone on stdout; when the
+  owner is a person (not held here), stderr says exactly what the owner must sign.
+- `attach-auth` stores an owner-signed NIP-OA tag after creation (daemon/cli/agent_auth.py).
 - `list` prints public records (table, or `--json`: one JSON array); it needs no token.
+  A live agent without a NIP-OA tag shows `NO-AUTH-TAG` (`"authTagMissing": true`).
 - `remove PUBKEY` destroys the sealed key; the public record stays as a tombstone.
 - Faults are one CliError line naming the fault; no secret ever reaches output.
 
@@ -27,13 +30,14 @@ from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
+from daemon.cli import agent_auth
 from daemon.cli._common import CliError, config_from_args
 
 if TYPE_CHECKING:
     from custody import AgentRecord, Custody
     from daemon.config import Config
 
-HELP = "import, create, list and remove agents held in custody"
+HELP = "import, create, list, remove agents held in custody, and attach owners' NIP-OA tags"
 
 T = TypeVar("T")
 
@@ -63,6 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("remove", help="destroy an agent's sealed key (tombstone kept)")
     p.add_argument("pubkey", metavar="PUBKEY")
 
+    agent_auth.add_arguments(sub)
+
 
 def _pubkey(value: str, what: str) -> str:
     from buzzwire.nostr import is_hex64
@@ -90,14 +96,7 @@ def _with_custody(config: Config, action: Callable[[Custody], Awaitable[T]]) -> 
 
 def _import(args: argparse.Namespace, config: Config) -> int:
     owner = _pubkey(args.owner, "--owner")
-    auth_tag = None
-    if args.auth_tag is not None:
-        try:
-            auth_tag = json.loads(args.auth_tag)
-        except json.JSONDecodeError:
-            raise CliError("--auth-tag is not JSON") from None
-        if not isinstance(auth_tag, list) or not all(isinstance(x, str) for x in auth_tag):
-            raise CliError('--auth-tag must be a JSON array of strings: ["auth", owner, conditions, sig]')
+    auth_tag = None if args.auth_tag is None else agent_auth.parse_tag(args.auth_tag, "--auth-tag")
     from custody import CustodyError
 
     try:
@@ -158,6 +157,8 @@ def _create(args: argparse.Namespace, config: Config) -> int:
 
     record = _with_custody(config, mint)
     print(record.pubkey)
+    if record.auth_tag is None:
+        print(agent_auth.request_text(record.pubkey, record.owner), file=sys.stderr)
     return 0
 
 
@@ -169,11 +170,13 @@ def _list(args: argparse.Namespace, config: Config) -> int:
     except CustodyError as exc:
         raise CliError(str(exc)) from None
     if args.json:
-        print(json.dumps([r.to_json_obj() for r in records], ensure_ascii=False))
+        # `authTagMissing`: a live agent whose owner (a person) has not signed its NIP-OA tag.
+        print(json.dumps([{**r.to_json_obj(), "authTagMissing": r.live and r.auth_tag is None}
+                          for r in records], ensure_ascii=False))
         return 0
     for r in records:
         state = "removed" if r.deleted_at is not None else "live"
-        tag = "auth-tag" if r.auth_tag else "-"
+        tag = "auth-tag" if r.auth_tag else ("NO-AUTH-TAG" if r.live else "-")
         print(f"{r.pubkey}  owner={r.owner}  depth={r.depth}  {tag}  {state}  {r.name}")
     return 0
 
@@ -190,6 +193,7 @@ _SUBCOMMANDS: dict[str, Callable[[argparse.Namespace, "Config"], int]] = {
     "create": _create,
     "list": _list,
     "remove": _remove,
+    "attach-auth": agent_auth.attach,
 }
 
 

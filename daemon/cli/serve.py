@@ -4,8 +4,8 @@ Startup, in order (each fault is one line on stderr and a non-zero exit, no trac
 
 1. read the config (`--config`, else ``$BUZZ_BROKER_CONFIG``, else defaults) and set up
    JSON logging on stderr at [log] level;
-2. lock memory with ``mlockall(MCL_CURRENT|MCL_FUTURE)`` so unsealed keys are never
-   swapped out - only where it is safe (below), else a warning and carry on;
+2. lock memory with ``mlockall(MCL_CURRENT|MCL_FUTURE|MCL_ONFAULT)`` so unsealed keys are
+   never swapped out - only where it is safe (below), else a warning and carry on;
 3. take the listening socket: the one systemd passed (``LISTEN_FDS``/``LISTEN_PID``, fd 3)
    or bind [server] socket. Binding comes before the token: clients that connect early
    wait in the backlog, and a socket fault is reported before a slow token login;
@@ -19,11 +19,23 @@ Signals: SIGTERM/SIGINT -> ``STOPPING=1``, stop accepting, drain in-flight reque
 [server] shutdown_grace, exit 0. SIGHUP -> ``app.reload()`` (credentials and policy) while
 connections stay open; a failed reload is logged and the running state kept.
 
-Memory locking: with ``MCL_FUTURE`` every later allocation counts against
-``RLIMIT_MEMLOCK``; under a small limit (the usual 8 MiB) Python would start failing
-allocations with MemoryError. So we lock only when the limit is unlimited, at least
-`MIN_MEMLOCK_BYTES` (the unit sets ``LimitMEMLOCK=256M``), or the process holds
-CAP_IPC_LOCK (which lifts the limit); otherwise we log ``serve.mlock_skipped``.
+Memory locking: with ``MCL_FUTURE`` every later mapping counts against ``RLIMIT_MEMLOCK``
+- its whole size, not the pages in use (malloc arenas, thread stacks) - and a mapping past
+the limit fails, which CPython reports as MemoryError wherever it happens to allocate. No
+finite limit can be derived for that: the address space CPython and glibc map is not
+bounded by our configuration, only the bytes we hold are. (Issue 13 measured it: under
+``LimitMEMLOCK=256M`` a burst of held request bodies ended the daemon with MemoryError.)
+And CPython cannot lock only the bytes that hold a secret (they are copied through
+interpreter buffers). So we lock *all* memory, but only where no limit can turn a burst
+into MemoryError: ``RLIMIT_MEMLOCK`` unlimited (the unit sets ``LimitMEMLOCK=infinity``)
+or CAP_IPC_LOCK (which lifts the limit). Under any finite limit we skip and log
+``serve.mlock_skipped``. ``MCL_ONFAULT`` locks pages as they are touched instead of
+populating every mapping at once, so locking adds nothing to the resident set (a thread's
+whole stack is not made resident); where the kernel lacks it (before 4.4, EINVAL) we lock
+without it. What bounds the memory then is the configuration ([server]
+max_inflight_bytes, max_connections_per_uid, the relay and read-page byte bounds), proven
+by tests/adversarial/test_memory_attack.py under ``RLIMIT_MEMLOCK=infinity`` with the
+lock taken.
 
 `run_server` is the testable core: the application factory, the environment (for
 ``NOTIFY_SOCKET``, ``LISTEN_FDS``, ``WATCHDOG_USEC``) and the memory locker are parameters.
@@ -71,7 +83,6 @@ __all__ = [
     "ReloadableApplication",
     "MemoryLock",
     "lock_memory",
-    "MIN_MEMLOCK_BYTES",
 ]
 
 HELP = "run the daemon: serve agents on the Unix socket until SIGTERM"
@@ -81,11 +92,7 @@ _log = logging.getLogger("buzz_broker.serve")
 #: Linux <sys/mman.h> (x86, arm, riscv; not powerpc/sparc/alpha, which we do not ship on).
 MCL_CURRENT = 1
 MCL_FUTURE = 2
-
-#: Smallest RLIMIT_MEMLOCK under which we dare MCL_FUTURE: the daemon's measured resident
-#: size is ~60 MiB with python-pkcs11, cryptography and SQLite loaded; 256 MiB leaves room
-#: for growth and is what systemd/buzz-broker.service sets (LimitMEMLOCK=256M).
-MIN_MEMLOCK_BYTES = 256 * 1024 * 1024
+MCL_ONFAULT = 4
 
 #: CAP_IPC_LOCK's bit in /proc/self/status CapEff (linux/capability.h).
 _CAP_IPC_LOCK = 14
@@ -122,14 +129,20 @@ def _has_cap_ipc_lock() -> bool:
 
 
 def lock_memory() -> MemoryLock:
-    """``mlockall(MCL_CURRENT|MCL_FUTURE)`` when it is safe (see the module docstring)."""
+    """``mlockall(MCL_CURRENT|MCL_FUTURE|MCL_ONFAULT)`` when no limit can make it fail
+    later (see the module docstring)."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    enough = soft == resource.RLIM_INFINITY or soft >= MIN_MEMLOCK_BYTES
-    if not enough and not _has_cap_ipc_lock():
-        return MemoryLock(False, f"RLIMIT_MEMLOCK is {soft} bytes; needs >= {MIN_MEMLOCK_BYTES}")
+    if soft != resource.RLIM_INFINITY and not _has_cap_ipc_lock():
+        return MemoryLock(
+            False,
+            f"RLIMIT_MEMLOCK is {soft} bytes; locking all future memory under a finite "
+            "limit turns a burst into MemoryError, so it needs an unlimited RLIMIT_MEMLOCK",
+        )
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        result = libc.mlockall(MCL_CURRENT | MCL_FUTURE)
+        result = libc.mlockall(MCL_CURRENT | MCL_FUTURE | MCL_ONFAULT)
+        if result != 0 and ctypes.get_errno() == errno.EINVAL:
+            result = libc.mlockall(MCL_CURRENT | MCL_FUTURE)  # a kernel without MCL_ONFAULT
     except (OSError, AttributeError):
         return MemoryLock(False, "mlockall is not available")
     if result != 0:
@@ -213,6 +226,8 @@ async def run_server(
     log_event(_log, "serve.listening", socket=where, activated=bool(fds))
     limits = HttpLimits(
         max_connections=server.max_connections,
+        max_connections_per_uid=server.max_connections_per_uid,
+        max_inflight_bytes=server.max_inflight_bytes,
         max_body_bytes=server.max_body_bytes,
         max_header_bytes=server.max_header_bytes,
         request_timeout=server.request_timeout,

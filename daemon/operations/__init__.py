@@ -2,8 +2,9 @@
 
 A read (`channel.read`, `storage.address`) exports `execute(ctx, args) -> Verdict`; a
 publishing operation exports `prepare(ctx, args) -> Plan | Verdict` and the pipeline
-records, publishes and finishes the plan. WARNING: `OPERATIONS` must name every action in
-`buzzwire.contract.ACTIONS`; a test iterates both.
+records, publishes and finishes the plan. `OPERATIONS` is checked at import against the
+contract's `ActionSpec` table: the same nine names, and `prepare` exactly for the
+publishing ones.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from buzzwire.contract import ACTIONS
 from daemon.operations import (
     agents_create,
     agents_delete,
@@ -52,3 +54,16 @@ OPERATIONS: dict[str, Operation] = {
     "agents.update": Operation(prepare=agents_update.prepare, serialize_per_agent=True),
     "agents.delete": Operation(prepare=agents_delete.prepare, serialize_per_agent=True),
 }
+
+
+def _check_against_contract() -> None:
+    if OPERATIONS.keys() != ACTIONS.keys():
+        raise AssertionError("OPERATIONS and the contract's ACTIONS name different actions")
+    for name, op in OPERATIONS.items():
+        if (op.execute is None) == (op.prepare is None):
+            raise AssertionError(f"{name}: exactly one of execute, prepare")
+        if (op.prepare is not None) != ACTIONS[name].publishing:
+            raise AssertionError(f"{name}: prepare must match ActionSpec.publishing")
+
+
+_check_against_contract()

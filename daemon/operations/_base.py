@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from daemon.config import PolicyConfig
     from daemon.cursor import CursorCodec
     from daemon.relay import RelayPool
+    from daemon.runtimes import RuntimeStore
     from daemon.sessions import Principal
     from daemon.signing import SigningBatcher
 
@@ -36,7 +37,8 @@ __all__ = ["Context", "Plan", "OperationRefused", "HOUSEKEEPING"]
 #: Host-local follow-ups a plan may name, each run after the relay answered.
 #:   destroy_agent: PUBKEY                    -- seal gone, record tombstoned, credentials revoked
 #:   rename_agent: {"pubkey": P, "name": N}  -- the keystore's name follows the published one
-HOUSEKEEPING = frozenset({"destroy_agent", "rename_agent"})
+#:   set_runtime: {"pubkey": P, "runtime": R} -- the host's own record of the agent's runtime
+HOUSEKEEPING = frozenset({"destroy_agent", "rename_agent", "set_runtime"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,6 +57,8 @@ class Context:
     #: are published (only in operations marked serialize_per_agent; the requester's own
     #: lock is already held). agents.update takes its target's, whose kind 0 it rewrites.
     hold_agent: Callable[[str], Awaitable[None]]
+    #: the host's own record of each managed agent's runtime (never published)
+    runtimes: RuntimeStore | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

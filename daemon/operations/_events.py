@@ -33,6 +33,7 @@ __all__ = [
     "json_object_or_none",
     "tag_value",
     "fetch",
+    "fetch_in_channel",
     "sign_all",
 ]
 
@@ -117,6 +118,24 @@ async def fetch(ctx: Context, query_filter: Mapping[str, Any]) -> list[dict[str,
             ErrorCode.ACTION_FAILED, "the relay could not be read", detail=repr(exc)
         ) from None
     return [dict(e) for e in events if verify_event(e)]
+
+
+async def fetch_in_channel(ctx: Context, event_id: str, channel_id: str, *, what: str
+                           ) -> dict[str, Any]:
+    """The verified event `event_id`, which must carry `["h", channel_id]`.
+
+    Raises:
+      OperationRefused(action_failed): not found (or unverifiable), in another channel, or
+        the relay could not be read. `what` names it in the agent's message ("the message
+        replied to"); it is our fixed text, never the agent's.
+    """
+    found = await fetch(ctx, {"ids": [event_id], "limit": 1})
+    event = next((e for e in found if e["id"] == event_id), None)
+    if event is None:
+        raise OperationRefused(ErrorCode.ACTION_FAILED, f"{what} was not found")
+    if tag_value(event, "h") != channel_id:
+        raise OperationRefused(ErrorCode.ACTION_FAILED, f"{what} is not in this channel")
+    return event
 
 
 async def sign_all(ctx: Context, drafts: Sequence[tuple[str, int, Sequence[Tag], str, int]]

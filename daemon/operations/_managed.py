@@ -1,13 +1,21 @@
 """The managed-agent record (kind 30177) shared by agents.create, agents.update and agents.delete.
 
-On the relay (buzz-on-the-relay.md, "Managed agents"): signed by the owner, `["d", agent]`,
-content JSON `{"name", "system_prompt"?, "model"?, "provider"?, "runtime"?, "parallelism": 1,
-"respond_to"}`. It never carries the agent's secret key or its auth tag.
+On the relay (buzz-on-the-relay.md "Managed agents", wire-schema.md "The managed-agent
+record"): signed by the owner, `["d", agent]`, content JSON as Buzz's desktop writes it
+(`ManagedAgentEventContent`): `{"name", "persona_id"?, "system_prompt"?, "model"?,
+"provider"?, "persona_source_version"?, "parallelism", "respond_to",
+"respond_to_allowlist"?}`. It is world-readable, so it never carries the agent's secret key,
+its auth tag, env vars or runtime fields: the runtime an agent resolved to is kept in the
+host's own record (daemon/runtimes.py), never here.
 
 Rules:
 - The owner of every record is the requester (B2): there is no owner argument anywhere.
 - A target (by pubkey or by name) is resolved by policy among the requester's own live
   agents only; an agent of another owner is refused exactly like an unknown one.
+- Create writes `parallelism: 1`. A republish starts from the content read: every member
+  the host does not set (`persona_id`, `respond_to_allowlist`, `parallelism`, members of a
+  later Buzz) is kept as read; only `runtime` is dropped (an earlier version of this host
+  wrote it there).
 
 WARNING: `RECORD_MEMBERS` and `ARG_ATTRIBUTES` must name the same wire members; the order
 of `RECORD_MEMBERS` is the order `updatedFields` is computed in (then sorted).
@@ -20,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from custody import AgentRecord
-from buzzwire.contract import AgentTarget, ErrorCode
+from buzzwire.contract import MAX_DISPLAY_NAME_CHARS, AgentTarget, ErrorCode
 from daemon.operations._base import Context, OperationRefused
 from daemon.policy import Refusal, resolve_target
 
@@ -34,13 +42,12 @@ KIND_DELETION = 5
 DEFAULT_RESPOND_TO = "owner-only"
 
 #: wire member of agents.create/update -> member of the 30177 content. The order is the
-#: order Buzz writes them in.
+#: order Buzz writes them in. `runtime` is not one: it is the host's own record.
 RECORD_MEMBERS: dict[str, str] = {
     "displayName": "name",
     "systemPrompt": "system_prompt",
     "model": "model",
     "provider": "provider",
-    "runtime": "runtime",
     "respondTo": "respond_to",
 }
 
@@ -50,20 +57,47 @@ ARG_ATTRIBUTES: dict[str, str] = {
     "systemPrompt": "system_prompt",
     "model": "model",
     "provider": "provider",
-    "runtime": "runtime",
     "respondTo": "respond_to",
 }
 
+#: `ManagedAgentEventContent`'s members in the order Buzz's desktop serializes them.
+CONTENT_ORDER = ("name", "persona_id", "system_prompt", "model", "provider",
+                 "persona_source_version", "parallelism", "respond_to", "respond_to_allowlist")
+#: Members the 30177 content must never carry (Buzz's kind registry: no runtime fields).
+NEVER_PUBLISHED = frozenset({"runtime"})
+#: `parallelism` at create, and when a record read has none (Buzz requires the member).
+DEFAULT_PARALLELISM = 1
 
-def record_content(fields: Mapping[str, Any]) -> str:
-    """The 30177 content for the given record members (absent ones omitted)."""
-    content: dict[str, Any] = {}
-    for member in ("name", "system_prompt", "model", "provider", "runtime"):
-        if fields.get(member) is not None:
-            content[member] = fields[member]
-    content["parallelism"] = 1
-    content["respond_to"] = fields.get("respond_to") or DEFAULT_RESPOND_TO
-    return json.dumps(content, ensure_ascii=False, separators=(",", ":"))
+
+def record_content(fields: Mapping[str, Any], *, read: Mapping[str, Any] | None = None) -> str:
+    """The 30177 content: the record `read` (if any) with `fields` set over it.
+
+    `fields` holds the members the host sets (None = not given). Every other member of
+    `read` is kept as read, in Buzz's order and then the order read; `runtime` is dropped.
+    """
+    merged: dict[str, Any] = {k: v for k, v in (read or {}).items() if k not in NEVER_PUBLISHED}
+    for member, value in fields.items():
+        if value is not None:
+            merged[member] = value
+    merged.setdefault("parallelism", DEFAULT_PARALLELISM)
+    if not merged.get("respond_to"):
+        merged["respond_to"] = DEFAULT_RESPOND_TO
+    ordered = {m: merged[m] for m in CONTENT_ORDER if m in merged}
+    ordered.update((k, v) for k, v in merged.items() if k not in ordered)
+    return json.dumps(ordered, ensure_ascii=False, separators=(",", ":"))
+
+
+def outcome_name(name: object, pubkey: str) -> str:
+    """A name an outcome can carry (`displayName`: trimmed, 1-120 characters, encodable).
+
+    Names come from records that may hold anything: an operator's `agent import --name`
+    with padding, or another client's 30177 on the relay. The outcome must still be built
+    (a bad name once became a bodiless 500), so the name is trimmed, cut to the limit, and
+    the first 12 hex of the pubkey stand in for an empty one.
+    """
+    text = name if isinstance(name, str) else ""
+    text = text.encode("utf-8", "replace").decode("utf-8").strip()
+    return text[:MAX_DISPLAY_NAME_CHARS].strip() or pubkey[:12]
 
 
 def coordinate(owner: str, agent: str) -> str:

@@ -7,7 +7,8 @@ Steps (buzz-on-the-relay.md, "Managed agents"; design.md "Multi-event operations
 2. Sign, in one custody hop and in publish order:
    a. the owner's kind 9000 put-user `["h", channel] ["p", agent] ["role", "bot"]` — first,
       because it is the event a relay is most likely to refuse (channel permissions);
-   b. the owner's kind 30177 record;
+   b. the owner's kind 30177 record, as Buzz writes it (`parallelism: 1`, no runtime: the
+      runtime goes to the host's own record once the relay took the events, `set_runtime`);
    c. the agent's own kind 0 (`display_name`, `name`), which custody tags with `auth`.
 3. If the first event is refused nothing took hold on the relay: the pipeline destroys the
    minted key (`rollback`) and answers `failed`. A refusal after an accepted event is not a
@@ -54,7 +55,6 @@ async def prepare(ctx: Context, args: AgentsCreateArgs) -> Plan:
             "system_prompt": args.system_prompt,
             "model": args.model,
             "provider": args.provider,
-            "runtime": args.runtime,
             "respond_to": args.respond_to,
         }
     )
@@ -78,4 +78,6 @@ async def prepare(ctx: Context, args: AgentsCreateArgs) -> Plan:
             agent_pubkey=agent.pubkey, display_name=args.display_name, channel_id=args.channel_id
         ),
         rollback={"destroy_agent": agent.pubkey},
+        commit=({"set_runtime": {"pubkey": agent.pubkey, "runtime": args.runtime}}
+                if args.runtime is not None else {}),
     )

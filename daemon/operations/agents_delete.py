@@ -11,7 +11,13 @@ from __future__ import annotations
 from buzzwire.contract import AgentsDeleteArgs, AgentsDeleteOutcome
 from daemon.operations._base import Context, Plan
 from daemon.operations._events import sign
-from daemon.operations._managed import KIND_DELETION, KIND_MANAGED_AGENT, coordinate, owned_target
+from daemon.operations._managed import (
+    KIND_DELETION,
+    KIND_MANAGED_AGENT,
+    coordinate,
+    outcome_name,
+    owned_target,
+)
 
 
 async def prepare(ctx: Context, args: AgentsDeleteArgs) -> Plan:
@@ -26,6 +32,7 @@ async def prepare(ctx: Context, args: AgentsDeleteArgs) -> Plan:
     )
     return Plan(
         events=(event,),
-        outcome=AgentsDeleteOutcome(pubkey=agent.pubkey, name=agent.name or ""),
+        outcome=AgentsDeleteOutcome(agent_pubkey=agent.pubkey,
+                                    display_name=outcome_name(agent.name, agent.pubkey)),
         commit={"destroy_agent": agent.pubkey},
     )

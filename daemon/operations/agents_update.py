@@ -7,8 +7,11 @@ Steps (buzz-on-the-relay.md, "The nine operations"):
    its current value is not an update.
 3. Nothing changed → succeed without publishing anything (a new version identical to the
    old would only churn the relay).
-4. Publish the merged record (owner-signed, created_at after the previous version), and the
-   agent's own kind 0 when the name changed; then the keystore's name follows.
+4. Publish the merged record (owner-signed, created_at after the previous version; every
+   member read and not set kept, `parallelism` included, `runtime` never), and the agent's
+   own kind 0 when the name changed; then the keystore's name follows.
+5. `runtime` is the host's own record (daemon/runtimes.py), compared and written there; an
+   update of the runtime alone publishes nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from daemon.operations._managed import (
     ARG_ATTRIBUTES,
     KIND_MANAGED_AGENT,
     RECORD_MEMBERS,
+    outcome_name,
     owned_target,
     record_content,
 )
@@ -51,24 +55,39 @@ async def prepare(ctx: Context, args: AgentsUpdateArgs) -> Plan | Verdict:
     )
     current.setdefault("name", agent.name)
 
-    merged = dict(current)
+    fields: dict[str, Any] = {}
     updated: list[str] = []
     for wire, member in RECORD_MEMBERS.items():
         value = getattr(args, ARG_ATTRIBUTES[wire])
         if value is not None and current.get(member) != value:
-            merged[member] = value
+            fields[member] = value
             updated.append(wire)
-    name = str(merged.get("name") or agent.name)
-    outcome = AgentsUpdateOutcome(pubkey=agent.pubkey, name=name, updated_fields=tuple(sorted(updated)))
+    record_changed = bool(updated)
+    runtimes = ctx.runtimes
+    if args.runtime is not None:
+        assert runtimes is not None, "agents.update needs the host's runtime record"
+        if runtimes.get(agent.pubkey) != args.runtime:
+            updated.append("runtime")
+    name = outcome_name(fields.get("name") or current.get("name") or agent.name, agent.pubkey)
+    outcome = AgentsUpdateOutcome(agent_pubkey=agent.pubkey, display_name=name,
+                                  updated_fields=tuple(sorted(updated)))
     if not updated:
+        return Verdict.succeeded(ACTION, outcome)
+    if not record_changed:
+        # Only the runtime changed: it is the host's own record (the 30177 carries no runtime
+        # fields), so nothing goes to the relay. The upsert is idempotent.
+        assert runtimes is not None and args.runtime is not None
+        runtimes.set(agent.pubkey, args.runtime, ctx.now())
         return Verdict.succeeded(ACTION, outcome)
 
     now = ctx.now()
     drafts = [
-        (owner, KIND_MANAGED_AGENT, [("d", agent.pubkey)], record_content(merged),
+        (owner, KIND_MANAGED_AGENT, [("d", agent.pubkey)], record_content(fields, read=current),
          next_created_at(now, previous)),
     ]
     commit: dict[str, Any] = {}
+    if "runtime" in updated:
+        commit["set_runtime"] = {"pubkey": agent.pubkey, "runtime": args.runtime}
     if "displayName" in updated:
         profile, profile_event = await current_profile(ctx, agent.pubkey)
         profile["display_name"] = name

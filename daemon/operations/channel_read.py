@@ -21,6 +21,11 @@ Decisions (each documented here because Buzz leaves them to the host):
 * A cursor that fails for any reason (forged, truncated, foreign principal / channel /
   filter, expired, another host's key) -> `failed` + `invalid_request` with one fixed
   message: no oracle for which check failed.
+* A page is held to MAX_PAGE_BYTES (the events' content and tags, plus a fixed allowance
+  per event for the other members): past it the page ends early with a `nextCursor`, which
+  the contract allows (a page is at most `limit`, and `nextCursor` says more exists). So
+  one read answer - and the read verdict the ledger stores - stays bounded whatever the
+  relay holds; the relay's reply itself is bounded by `daemon.relay.MAX_QUERY_BYTES`.
 * Every event the relay sends is checked before it is delivered, in the order of
   `_CHECKS`: exactly the seven canonical members (contract `Event`), a valid id and
   BIP-340 signature, the channel's `h` tag and no other `h` tag, and a match with the
@@ -54,7 +59,7 @@ from daemon.operations._base import Context
 from daemon.paging import RELAY_MAX_LIMIT, Page, RelayMisbehaved, matches, read_page
 from daemon.relay import RelayRefused, RelayUnavailable
 
-__all__ = ["ACTION", "READ_KINDS", "execute"]
+__all__ = ["ACTION", "MAX_PAGE_BYTES", "READ_KINDS", "execute"]
 
 ACTION = "channel.read"
 #: Channel message kinds read (buzz-on-the-relay.md "Channels": 9 stream message,
@@ -62,6 +67,19 @@ ACTION = "channel.read"
 READ_KINDS: tuple[int, ...] = (9, 40002)
 
 _log = logging.getLogger("buzz_broker.read")
+
+#: The bytes one page may hold (see the module docstring): 500 events of 8 KiB each, or
+#: 64 of the largest (64 KiB content).
+MAX_PAGE_BYTES = 4 * 1024 * 1024
+#: What an event's fixed members (id, pubkey, sig, kind, created_at, JSON punctuation)
+#: add to its content and tags.
+_EVENT_OVERHEAD = 300
+
+
+def _event_bytes(event: Event) -> int:
+    """An event's size as the page counts it: UTF-8 content, tag strings, fixed members."""
+    tag_bytes = sum(len(value.encode("utf-8")) + 3 for tag in event.tags for value in tag)
+    return len(event.content.encode("utf-8")) + tag_bytes + _EVENT_OVERHEAD
 
 #: Fixed agent-facing messages (style.md rule 12): never built from an exception's text.
 _BAD_CURSOR = "the cursor is not valid for this read; start again without one"
@@ -201,6 +219,8 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
             limit=min(args.effective_limit, RELAY_MAX_LIMIT),
             accept=_Judge(args.channel_id, filters, ctx.request_id),
             cap=RELAY_MAX_LIMIT,
+            max_bytes=MAX_PAGE_BYTES,
+            size_of=_event_bytes,
         )
     except RelayUnavailable as exc:
         log_event(_log, "read.relay_unavailable", level=logging.WARNING, request_id=ctx.request_id, reason=exc.reason)
@@ -222,6 +242,9 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
             created_at=second,
             relay_cap=RELAY_MAX_LIMIT,
         )
+    if page.cut_by_bytes:
+        log_event(_log, "read.page_cut", request_id=ctx.request_id, items=len(page.items),
+                  max_bytes=MAX_PAGE_BYTES)
     if page.malformed:
         log_event(_log, "read.malformed_items", level=logging.WARNING, request_id=ctx.request_id, count=page.malformed)
     next_cursor = None

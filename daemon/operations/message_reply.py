@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from buzzwire.contract import ErrorCode, MessageReplyArgs, PublishOutcome
-from daemon.operations._base import Context, OperationRefused, Plan
-from daemon.operations._events import fetch, mention_tags, sign, tag_value
+from buzzwire.contract import MessageReplyArgs, PublishOutcome
+from daemon.operations._base import Context, Plan
+from daemon.operations._events import fetch_in_channel, mention_tags, sign
 from daemon.operations.message_post import KIND_STREAM_MESSAGE
 
 
@@ -36,14 +36,8 @@ def thread_tags(parent: Mapping[str, Any]) -> list[tuple[str, ...]]:
 
 
 async def prepare(ctx: Context, args: MessageReplyArgs) -> Plan:
-    found = await fetch(ctx, {"ids": [args.reply_to_event_id], "limit": 1})
-    parent = next((e for e in found if e["id"] == args.reply_to_event_id), None)
-    if parent is None:
-        raise OperationRefused(ErrorCode.ACTION_FAILED, "the message replied to was not found")
-    if tag_value(parent, "h") != args.channel_id:
-        raise OperationRefused(
-            ErrorCode.ACTION_FAILED, "the message replied to is not in this channel"
-        )
+    parent = await fetch_in_channel(ctx, args.reply_to_event_id, args.channel_id,
+                                    what="the message replied to")
     tags = [("h", args.channel_id), *thread_tags(parent), *mention_tags(args.mentions)]
     event = await sign(ctx, ctx.principal.agent, KIND_STREAM_MESSAGE, tags, args.content)
     return Plan(

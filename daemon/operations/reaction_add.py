@@ -3,22 +3,26 @@
 On the relay: kind 7, content = the reaction, `["e", target]`. Buzz's own client adds
 neither `h` nor `p`; we add `["h", channel]` (the relay spec calls it the host's choice and
 harmless) so that a relay fanning out by channel sees the reaction where the message is.
-The target is not fetched first: a reaction to an unknown id harms nobody, and the fetch
-would double the cost of housekeeping the spec says must be cheap to skip. A host that
-switches reactions off answers `unsupported` from policy, before this runs.
+
+The target is fetched first, like a reply's parent: a target that cannot be found, or that
+is in another channel than the request's, is `action_failed`. Without that check a
+credential bound to channel A could react to an event of channel B, acting outside its
+channels and labelling the reaction `["h", A]` for every Buzz reader. A host that switches
+reactions off answers `unsupported` from policy, before this runs.
 """
 
 from __future__ import annotations
 
 from buzzwire.contract import PublishOutcome, ReactionAddArgs
 from daemon.operations._base import Context, Plan
-from daemon.operations._events import sign
+from daemon.operations._events import fetch_in_channel, sign
 
 #: NIP-25 reaction.
 KIND_REACTION = 7
 
 
 async def prepare(ctx: Context, args: ReactionAddArgs) -> Plan:
+    await fetch_in_channel(ctx, args.target_event_id, args.channel_id, what="the reaction's target")
     tags = [("e", args.target_event_id), ("h", args.channel_id)]
     event = await sign(ctx, ctx.principal.agent, KIND_REACTION, tags, args.reaction)
     return Plan(

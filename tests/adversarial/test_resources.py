@@ -124,7 +124,10 @@ async def test_idle_and_slow_drip_clients_do_not_starve_a_good_one(
     # Both ends of every connection live in this process, plus the daemon's own files.
     _raise_nofile(2 * held + 512)
     token, state_dir = custody_state
-    limits = HttpLimits(max_connections=held + 64, request_timeout=120.0, shutdown_grace=1.0)
+    # Every client here is this process's uid, so the per-uid cap is lifted with the global
+    # one (the per-uid defences are tests/adversarial/test_memory_attack.py's subject).
+    limits = HttpLimits(max_connections=held + 64, max_connections_per_uid=held + 64,
+                        request_timeout=120.0, shutdown_grace=1.0)
     async with running_daemon(tmp_path, token, state_dir, local_relay, limits) as daemon:
         channel = str(uuid.uuid4())
         _agent, cred = await daemon.agent(channel)

@@ -274,16 +274,16 @@ async def test_agent_target_pubkey_echo(host: ScriptedHost, action: str) -> None
     extra = {"updatedFields": ["displayName"]} if action == "agents.update" else {}
     patch = {"displayName": "New"} if action == "agents.update" else {}
 
-    host.script = [succeeded(None, {"pubkey": target, "name": "New", **extra})]
+    host.script = [succeeded(None, {"agentPubkey": target, "displayName": "New", **extra})]
     ok = await c.call(action, {"target": {"pubkey": target.upper()}, **patch})
     assert isinstance(ok, Succeeded)
 
-    host.script = [succeeded(None, {"pubkey": OTHER, "name": "New", **extra})] * 3
+    host.script = [succeeded(None, {"agentPubkey": OTHER, "displayName": "New", **extra})] * 3
     bad = await c.call(action, {"target": {"pubkey": target}, **patch})
     assert isinstance(bad, NoAnswer) and bad.reason is NoAnswerReason.MISMATCH
 
     # By name the reply cannot be checked (spec I5 Limits): any pubkey is a verdict.
-    host.script = [succeeded(None, {"pubkey": OTHER, "name": "New", **extra})]
+    host.script = [succeeded(None, {"agentPubkey": OTHER, "displayName": "New", **extra})]
     by_name = await c.call(action, {"target": {"name": "Old"}, **patch})
     assert isinstance(by_name, Succeeded)
 

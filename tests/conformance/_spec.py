@@ -59,8 +59,8 @@ OUTCOME_MEMBERS: Mapping[str, tuple[frozenset[str], frozenset[str]]] = MappingPr
     "profile.set": _PUBLISH,
     "storage.address": (frozenset({"authorPubkey", "kind", "dTag"}), frozenset()),
     "agents.create": (frozenset({"agentPubkey", "displayName", "channelId"}), frozenset()),
-    "agents.update": (frozenset({"pubkey", "name", "updatedFields"}), frozenset()),
-    "agents.delete": (frozenset({"pubkey", "name"}), frozenset()),
+    "agents.update": (frozenset({"agentPubkey", "displayName", "updatedFields"}), frozenset()),
+    "agents.delete": (frozenset({"agentPubkey", "displayName"}), frozenset()),
 })
 
 #: I4: the canonical seven members of every returned event.
@@ -80,9 +80,13 @@ MAX_CONTENT_BYTES = 64 * 1024
 #: buzz-on-the-relay.md "Channels": the message kinds a channel read may return.
 READ_KINDS: frozenset[int] = frozenset({9, 40002, 40008, 45001, 45003})
 
-#: buzz-on-the-relay.md "Managed agents": the 30177 content members.
+#: buzz-on-the-relay.md "Managed agents" / wire-schema.md: the 30177 content members
+#: (Buzz's `ManagedAgentEventContent`), and what it must never carry.
 RECORD_REQUIRED: frozenset[str] = frozenset({"name", "parallelism", "respond_to"})
-RECORD_OPTIONAL: frozenset[str] = frozenset({"system_prompt", "model", "provider", "runtime"})
+RECORD_OPTIONAL: frozenset[str] = frozenset({
+    "persona_id", "system_prompt", "model", "provider", "persona_source_version",
+    "respond_to_allowlist"})
+RECORD_NEVER: frozenset[str] = frozenset({"runtime"})
 
 #: buzz-on-the-relay.md "Ownership tag": the preimage prefix of a NIP-OA signature.
 NIP_OA_PREFIX = "nostr:agent-auth:"

@@ -154,8 +154,9 @@ async def test_managed_agent_lifecycle_on_the_relay(broker: BrokerHarness) -> No
     _signed_by_owned(profile0, a.pubkey)  # the created agent's owner is the requester
 
     record_filter = {"kinds": [30177], "authors": [a.pubkey], "#d": [k]}
-    expected: dict[str, object] = {"name": "Helper", "system_prompt": "be brief", "runtime": "goose",
-                "parallelism": 1, "respond_to": "owner-only"}
+    # No runtime in the world-readable record (Buzz's kind registry); the host keeps it.
+    expected: dict[str, object] = {"name": "Helper", "system_prompt": "be brief",
+                                   "parallelism": 1, "respond_to": "owner-only"}
     record = await _newest(broker, record_filter)
     assert _split_auth(record)[0] == [["d", k]]
     assert json.loads(record["content"]) == expected
@@ -180,10 +181,11 @@ async def test_managed_agent_lifecycle_on_the_relay(broker: BrokerHarness) -> No
         outcome = await wire.ok(a, "agents.update", args)
         expected.update(change)
         name = str(expected["name"])
-        assert outcome == {"pubkey": k, "name": name, "updatedFields": fields}
+        assert outcome == {"agentPubkey": k, "displayName": name, "updatedFields": fields}
         record = await _newest(broker, record_filter)
         assert json.loads(record["content"]) == expected
         assert set(expected) <= _spec.RECORD_REQUIRED | _spec.RECORD_OPTIONAL
+        assert not set(expected) & _spec.RECORD_NEVER
         if fields:
             assert record["created_at"] > previous["created_at"], "30177 not strictly later"
             _signed_by_owned(record, a.owner.pubkey)
@@ -202,7 +204,7 @@ async def test_managed_agent_lifecycle_on_the_relay(broker: BrokerHarness) -> No
     _signed_by_owned(event, a.pubkey)
 
     deleted = await wire.ok(a, "agents.delete", {"target": {"name": "Helper Two"}})
-    assert deleted == {"pubkey": k, "name": "Helper Two"}
+    assert deleted == {"agentPubkey": k, "displayName": "Helper Two"}
     [deletion] = await fetch(broker, {"kinds": [5], "authors": [a.pubkey]})
     assert _split_auth(deletion)[0] == [["a", f"30177:{a.pubkey}:{k}"], ["k", "30177"]]
     _signed_by_owned(deletion, a.owner.pubkey)

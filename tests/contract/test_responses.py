@@ -16,7 +16,8 @@ from buzzwire.contract import (
 from buzzwire.contract._shapes import SHAPES
 from tests.contract.vectors import EVENT, REQUEST_ID, VALID_OUTCOMES, Pairs, body
 
-# The eighteen member sets, transcribed from spec §Operations by hand: (args required,
+# The eighteen member sets, transcribed from spec §Operations and wire-schema.md by hand
+# (tests/contract/test_wire_schema.py checks this transcription against wire-schema.md): (args required,
 # args optional, outcome required, outcome optional). Changing a shape means changing this.
 SPEC_MEMBERS: dict[str, tuple[set[str], set[str], set[str], set[str]]] = {
     "channel.read": ({"channelId"}, {"rootEventId", "mentionsOnly", "cursor", "limit"},
@@ -31,8 +32,8 @@ SPEC_MEMBERS: dict[str, tuple[set[str], set[str], set[str], set[str]]] = {
                       {"runtime", "provider", "model", "respondTo"},
                       {"agentPubkey", "displayName", "channelId"}, set()),
     "agents.update": ({"target"}, {"displayName", "systemPrompt", "runtime", "provider", "model", "respondTo"},
-                      {"pubkey", "name", "updatedFields"}, set()),
-    "agents.delete": ({"target"}, set(), {"pubkey", "name"}, set()),
+                      {"agentPubkey", "displayName", "updatedFields"}, set()),
+    "agents.delete": ({"target"}, set(), {"agentPubkey", "displayName"}, set()),
 }
 
 # spec §Results, the complete table: code -> (with failed, with indeterminate)

@@ -46,8 +46,9 @@ VALID_OUTCOMES: dict[str, dict[str, Any]] = {
     "storage.address": {"authorPubkey": PK1, "kind": 30174,
                         "dTag": "bdc233238ffe52e272b44cc233c8f33a2bc510b08be04495b225964283be4a90"},
     "agents.create": {"agentPubkey": PK2, "displayName": "Scout", "channelId": CHANNEL},
-    "agents.update": {"pubkey": PK2, "name": "Scout 2", "updatedFields": ["displayName", "systemPrompt"]},
-    "agents.delete": {"pubkey": PK2, "name": "Scout"},
+    "agents.update": {"agentPubkey": PK2, "displayName": "Scout 2",
+                      "updatedFields": ["displayName", "systemPrompt"]},
+    "agents.delete": {"agentPubkey": PK2, "displayName": "Scout"},
 }
 
 

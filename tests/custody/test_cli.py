@@ -166,3 +166,68 @@ def test_import_on_a_terminal_prompts_on_stderr_and_does_not_echo(cli: Cli) -> N
     finally:
         os.close(master)
         os.close(slave)
+
+
+def test_keys_init_says_what_the_token_offers_and_which_seal_it_uses(cli: Cli) -> None:
+    done = cli("keys", "init")
+    assert done.returncode == 0
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(f"token {cli.token.label!r} offers: gcm (")
+    assert "etm (" in lines[0] and lines[0].endswith("generates keys: yes")
+    assert lines[1].startswith("seal for new keys: gcm (AES-256-GCM") and "chosen" in lines[1]
+    assert lines[2] == (f"KEK {cli.kek_label!r} created sensitive, non-extractable, private, "
+                        f"in token {cli.token.label!r}")
+    cli.config.write_text(cli.config.read_text() + 'seal = "etm"\n')  # [pkcs11] is last
+    done = cli("keys", "init")
+    assert done.returncode == 0 and "seal for new keys: etm" in done.stdout
+    assert "forced by [pkcs11] seal" in done.stdout
+    assert f"KEK '{cli.kek_label}-mac' created" in done.stdout
+    assert f"KEK {cli.kek_label!r} present and checked" in done.stdout
+
+
+def test_keys_rotate_through_the_cli_and_its_refusals(cli: Cli) -> None:
+    assert cli("keys", "init").returncode == 0
+    assert cli("agent", "import", "--owner", PUB_2, stdin=SECRET_1).returncode == 0
+    done = cli("keys", "rotate")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"resealed 1 agent(s): KEK {cli.kek_label!r}")
+    assert f"destroyed in token {cli.token.label!r}: {cli.kek_label!r}" in done.stdout
+    # keys init now checks the KEK the keystore names, not the configured first one.
+    init = cli("keys", "init")
+    assert init.returncode == 0 and f"KEK {cli.kek_label!r}" not in init.stdout
+    assert "present and checked" in init.stdout
+    created = cli("agent", "create", "--owner", PUB_2, "--name", "after")
+    assert created.returncode == 0  # custody opens with the rotated KEK
+    same = cli("keys", "migrate", "--to-config", str(cli.config))
+    assert same.returncode == 1 and "use `keys rotate`" in same.stderr
+    assert_no_secrets(cli.transcript + (cli.state / "keystore.db").read_bytes())
+
+
+def test_keys_rotate_refuses_while_the_daemon_holds_custody(cli: Cli) -> None:
+    """Another process (here, a held-open custody like the daemon's) has the state
+    directory: the rotation refuses at once and says to stop the daemon."""
+    assert cli("keys", "init").returncode == 0
+    holder = subprocess.Popen(
+        [str(REPO / ".venv" / "bin" / "python"), "-c",
+         "import sys, trio\n"
+         "from pathlib import Path\n"
+         "from daemon.config import load_config\n"
+         "from custody import Custody\n"
+         "c = load_config(sys.argv[1])\n"
+         "async def main():\n"
+         "    opened = await Custody.open(c.pkcs11.token(), Path(c.state.dir))\n"
+         "    print('open', flush=True)\n"
+         "    sys.stdin.read()\n"
+         "    await opened.aclose()\n"
+         "trio.run(main)\n", str(cli.config)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO, env=dict(os.environ),
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "open\n"
+        done = cli("keys", "rotate")
+        assert done.returncode == 1 and "stop the daemon" in done.stderr
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert cli("keys", "rotate").returncode == 0

@@ -13,12 +13,17 @@ same text), and name its defence in the operator log only (`refused_by`).
 
 from __future__ import annotations
 
+import json
+import logging
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+import custody._sealed as sealed_module
 from custody import verify_event
+from custody._worker import in_token_worker
 from tests.custody._sealing import (
     SEAL_KINDS,
     Held,
@@ -32,6 +37,7 @@ from tests.custody._sealing import (
     seal_as,
     seal_under_unchecked,
 )
+from tests.fixtures.broker import BrokerHarness
 from tests.fixtures.token import SoftHsmToken
 
 
@@ -133,3 +139,25 @@ async def test_the_format_check_alone_refuses_an_unreadable_header(
     }[change]
     put_blob(held.state, b, bad)
     assert await refused_by(held, b, caplog) == "format"
+
+
+async def test_the_daemon_tells_the_agent_nothing_and_the_operator_which_defence(
+    broker: BrokerHarness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Through the real daemon: the agent whose key fails the re-derivation gets the
+    ordinary `internal` failure; only the operator log names the defence."""
+    a, b = await broker.human_owned_agent("a"), await broker.human_owned_agent("b")
+    custody = broker.custody
+
+    def a_key_as_b() -> bytes:
+        with custody._unseal(a) as secret:
+            return sealed_module.seal(custody._token, secret, b)
+
+    put_blob(broker.state_dir, b, await in_token_worker(a_key_as_b))
+    credential = broker.credential(b, [str(uuid.uuid4())])
+    with caplog.at_level(logging.INFO):
+        envelope = await broker.call(credential, "storage.address", {"slug": "mem/x"})
+    assert envelope["status"] == "failed" and envelope["error"]["code"] == "internal"
+    told = json.dumps(envelope)
+    assert not any(word in told for word in ("defence", "pubkey", "refused", "unseal"))
+    assert f"unseal refused for agent {b} by the pubkey defence" in caplog.text

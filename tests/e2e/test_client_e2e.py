@@ -43,7 +43,7 @@ async def test_every_operation_through_the_client(broker: BrokerHarness) -> None
     updated = await client.agents_update(target_pubkey=sub, model="m-2")
     assert isinstance(updated, Succeeded) and updated.outcome.updated_fields == ("model",)
     deleted = await client.agents_delete(target_name="Sub")
-    assert isinstance(deleted, Succeeded) and deleted.outcome.pubkey == sub
+    assert isinstance(deleted, Succeeded) and deleted.outcome.agent_pubkey == sub
 
     again = await client.agents_delete(target_pubkey=sub)
     assert isinstance(again, Failed) and again.code.value == "unauthorized"
@@ -68,7 +68,10 @@ async def test_reaction_switched_off_is_unsupported_not_a_failure(broker: Broker
     channel = str(uuid.uuid4())
     agent = await broker.human_owned_agent()
     client = AsyncBrokerClient(str(broker.socket), broker.credential(agent, [channel]))
-    assert isinstance(await client.reaction_add(channel, "ab" * 32, "👍"), Succeeded)
+    post = await client.message_post(channel, "react to me")
+    assert isinstance(post, Succeeded), post
+    # The target must exist in the channel (issue 15: reaction.add checks it).
+    assert isinstance(await client.reaction_add(channel, post.outcome.event_id, "👍"), Succeeded)
     # The operator switches reactions off and reloads (SIGHUP): the next one is unsupported,
     # which the client keeps apart from a failure.
     broker.reconfigure('[policy]\ndisabled_actions = ["reaction.add"]\n')

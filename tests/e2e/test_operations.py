@@ -137,8 +137,10 @@ async def test_agents_create_update_delete(broker: BrokerHarness) -> None:
     records = await _fetch(broker, {"kinds": [30177], "authors": [owner], "#d": [agent]})
     assert len(records) == 1 and nostr_verify(records[0])
     assert json.loads(records[0]["content"]) == {
-        "name": "Helper", "system_prompt": "be brief", "runtime": "goose", "parallelism": 1,
+        "name": "Helper", "system_prompt": "be brief", "parallelism": 1,
         "respond_to": "owner-only"}
+    # The runtime is the host's own record, never the world-readable 30177.
+    assert broker.app.runtimes.get(agent) == "goose"
     profiles = await _fetch(broker, {"kinds": [0], "authors": [agent]})
     assert len(profiles) == 1 and nostr_verify(profiles[0])
     auth_tags = [t for t in profiles[0]["tags"] if t[0] == "auth"]
@@ -155,7 +157,7 @@ async def test_agents_create_update_delete(broker: BrokerHarness) -> None:
     updated = _succeeded(await broker.call(cred, "agents.update", {
         "target": {"name": "Helper"}, "displayName": "Helper 2", "systemPrompt": "be brief",
         "model": "m-1"}), "agents.update")
-    assert updated == {"pubkey": agent, "name": "Helper 2",
+    assert updated == {"agentPubkey": agent, "displayName": "Helper 2",
                        "updatedFields": ["displayName", "model"]}
     assert broker.custody.agent(agent).name == "Helper 2"
     records = await _fetch(broker, {"kinds": [30177], "authors": [owner], "#d": [agent]})
@@ -164,7 +166,7 @@ async def test_agents_create_update_delete(broker: BrokerHarness) -> None:
 
     deleted = _succeeded(await broker.call(cred, "agents.delete", {"target": {"pubkey": agent}}),
                          "agents.delete")
-    assert deleted == {"pubkey": agent, "name": "Helper 2"}
+    assert deleted == {"agentPubkey": agent, "displayName": "Helper 2"}
     deletions = await _fetch(broker, {"kinds": [5], "authors": [owner]})
     assert deletions[0]["tags"] == [["a", f"30177:{owner}:{agent}"], ["k", "30177"]]
     # The deleted agent's key is gone and its credentials stop working.

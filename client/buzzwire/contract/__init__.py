@@ -9,7 +9,9 @@ Modules, one job each:
   _shapes     table-driven strict objects (read, re-check in construction, write)
   _args       the nine argument shapes
   _outcomes   the outcome shapes and the seven-member Event
-  _envelopes  request/response envelopes, ACTIONS, read/encode/parse/build
+  _echoes     the identities an outcome echoes from its request (I5), as data, and the check
+  _envelopes  request/response envelopes, ActionSpec and ACTIONS (every fixed fact of an
+              action), read/encode/parse/build
 
 Two error families: `ContractError` (Remote: bad bytes or values from outside; carries a
 code and a JSON pointer) and ValueError/TypeError/AssertionError (Local: our bug).
@@ -24,9 +26,10 @@ from ._args import (
     StorageAddressArgs,
 )
 from ._codes import MESSAGES, PAIRING, ContractError, ErrorCode, Status
+from ._echoes import REQUESTER, Echo, Identity, echo_mismatch
 from ._envelopes import (
-    ACTIONS, RESERVED_NAMES, ActionSpec, Args, MemberSet, Reading, Request, Response, Verdict,
-    build_request, encode_request, encode_response, mark_replayed, parse_response, read_request,
+    ACTIONS, REQUEST_MEMBERS, RESERVED_NAMES, ActionSpec, Args, MemberSet, RateClass, Reading,
+    Request, Response, Verdict, build_request, encode_request, encode_response, mark_replayed, parse_response, read_request,
 )
 from ._ids import is_request_id, is_valid_pubkey, normalize_channel_id, normalize_hex64
 from ._limits import (
@@ -43,7 +46,8 @@ from ._outcomes import (
 __all__ = [
     # codes and tables
     "ErrorCode", "Status", "PAIRING", "MESSAGES", "ContractError",
-    "ACTIONS", "ActionSpec", "MemberSet", "RESERVED_NAMES", "RESPOND_TO",
+    "ACTIONS", "ActionSpec", "MemberSet", "RateClass", "RESERVED_NAMES", "RESPOND_TO",
+    "REQUEST_MEMBERS", "Echo", "Identity", "REQUESTER", "echo_mismatch",
     # requests
     "read_request", "Reading", "Request", "Args", "build_request", "encode_request",
     "ChannelReadArgs", "MessagePostArgs", "MessageReplyArgs", "ReactionAddArgs",

@@ -27,12 +27,13 @@ Responses: `encode_response` writes canonical compact bytes (members in spec ord
 raises `ContractError` (always invalid_request: to a client every malformed response is
 "no answer", spec I5).
 
-WARNING: the member lists `_REQUEST_MEMBERS`, `_SUCCEEDED_MEMBERS`, `_ERROR_MEMBERS` are
+WARNING: the member lists `REQUEST_MEMBERS`, `_SUCCEEDED_MEMBERS`, `_ERROR_MEMBERS` are
 spec text; keep them in step with the encoders below.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,10 +41,11 @@ from types import MappingProxyType
 from typing import Any
 
 from ._args import (
-    AgentsCreateArgs, AgentsDeleteArgs, AgentsUpdateArgs, ChannelReadArgs, MessagePostArgs,
-    MessageReplyArgs, ProfileSetArgs, ReactionAddArgs, StorageAddressArgs,
+    AgentsCreateArgs, AgentsDeleteArgs, AgentsUpdateArgs, AgentTarget, ChannelReadArgs,
+    MessagePostArgs, MessageReplyArgs, ProfileSetArgs, ReactionAddArgs, StorageAddressArgs,
 )
 from ._codes import MESSAGES, PAIRING, ContractError, ErrorCode, Status
+from ._echoes import REQUESTER, Echo, Identity
 from ._ids import any_string, fault, is_request_id
 from ._json import JsonSyntaxError, escape_token, is_object, parse, repeated_keys
 from ._limits import ACTION_VERSION, PROTOCOL_VERSION
@@ -54,7 +56,8 @@ from ._outcomes import (
 from ._shapes import SHAPES, read_object, to_wire
 
 __all__ = [
-    "MemberSet", "ActionSpec", "ACTIONS", "RESERVED_NAMES", "Request", "Reading", "read_request",
+    "MemberSet", "ActionSpec", "RateClass", "ACTIONS", "REQUEST_MEMBERS", "RESERVED_NAMES",
+    "Request", "Reading", "read_request",
     "build_request", "encode_request", "Verdict", "encode_response", "mark_replayed", "Response",
     "parse_response", "Args",
 ]
@@ -89,8 +92,21 @@ def _members(cls: type) -> MemberSet:
     )
 
 
+class RateClass(enum.Enum):
+    """The class rate scope an action is counted under besides its own name (config [limits])."""
+
+    PUBLISH = "publish"
+    READ = "read"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ActionSpec:
+    """Every fixed fact of one action. Every other table (config, policy, the operations'
+    dispatch, the rate limiter's classes, the client's echo checks, the log's member names,
+    the tests) derives from `ACTIONS`, so a fact is written once.
+    """
+
+    #: the wire name
     name: str
     args_type: type
     outcome_type: type
@@ -100,27 +116,85 @@ class ActionSpec:
     publishing: bool
     #: spec: a host may answer `unsupported` and the agent carries on (reaction.add only)
     best_effort: bool
+    #: counted under its own name and this class by the rate limiter
+    rate_class: RateClass
+    #: the identities a succeeded outcome must echo from the request (I5)
+    echoes: tuple[Echo, ...]
+    #: member names of nested argument objects (`target`'s), for the log's pointer filter
+    nested_arg_members: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if (self.rate_class is RateClass.PUBLISH) != self.publishing:
+            raise AssertionError(f"{self.name}: rate class and publishing disagree")
+        for echo in self.echoes:
+            root = echo.outcome.split("[", 1)[0]
+            if root not in self.outcome_members.all:
+                raise AssertionError(f"{self.name}: echo of unknown outcome member {root}")
+            if echo.source != REQUESTER and echo.source.split(".", 1)[0] not in self.arg_members.all:
+                raise AssertionError(f"{self.name}: echo of unknown argument {echo.source}")
+
+    @property
+    def channel_scoped(self) -> bool:
+        """Its arguments name a channel, which a credential's channels must include."""
+        return "channelId" in self.arg_members.all
+
+    @property
+    def takes_runtime(self) -> bool:
+        """Its arguments may name a runtime, which the host must offer."""
+        return "runtime" in self.arg_members.all
+
+    @property
+    def targets_agent(self) -> bool:
+        """It acts on an existing agent named by `target`, which the requester must own."""
+        return "target" in self.arg_members.all
+
+    @property
+    def member_names(self) -> frozenset[str]:
+        """Every member name its arguments may carry, nested ones included."""
+        return self.arg_members.all | self.nested_arg_members
 
 
-def _spec(name: str, args: type, outcome: type, *, publishing: bool, best_effort: bool = False) -> ActionSpec:
+_PUBLISHED: tuple[Echo, ...] = ()  # eventId, kind, createdAt are the host's: nothing echoed
+_TARGET_ECHO = (Echo(outcome="agentPubkey", source="target.pubkey", identity=Identity.HEX),)
+
+
+def _spec(name: str, args: type, outcome: type, *, publishing: bool, echoes: tuple[Echo, ...],
+          best_effort: bool = False) -> ActionSpec:
+    arg_members = _members(args)
     return ActionSpec(
-        name=name, args_type=args, outcome_type=outcome, arg_members=_members(args),
+        name=name, args_type=args, outcome_type=outcome, arg_members=arg_members,
         outcome_members=_members(outcome), publishing=publishing, best_effort=best_effort,
+        rate_class=RateClass.PUBLISH if publishing else RateClass.READ, echoes=echoes,
+        nested_arg_members=_members(AgentTarget).all if "target" in arg_members.all else frozenset(),
     )
 
 
 # spec §Operations: the closed set of nine. The 18 member sets come from the shape tables.
 ACTIONS: Mapping[str, ActionSpec] = MappingProxyType({
     s.name: s for s in (
-        _spec("channel.read", ChannelReadArgs, ReadOutcome, publishing=False),
-        _spec("message.post", MessagePostArgs, PublishOutcome, publishing=True),
-        _spec("message.reply", MessageReplyArgs, PublishOutcome, publishing=True),
-        _spec("reaction.add", ReactionAddArgs, PublishOutcome, publishing=True, best_effort=True),
-        _spec("profile.set", ProfileSetArgs, PublishOutcome, publishing=True),
-        _spec("storage.address", StorageAddressArgs, StorageAddressOutcome, publishing=False),
-        _spec("agents.create", AgentsCreateArgs, AgentsCreateOutcome, publishing=True),
-        _spec("agents.update", AgentsUpdateArgs, AgentsUpdateOutcome, publishing=True),
-        _spec("agents.delete", AgentsDeleteArgs, AgentsDeleteOutcome, publishing=True),
+        _spec("channel.read", ChannelReadArgs, ReadOutcome, publishing=False, echoes=(
+            # The host reads with `#h`, `#e` and `#p` (buzz-on-the-relay.md channel.read), so
+            # every returned event carries what was asked for in its signed tags.
+            Echo(outcome="messages[].h", source="channelId", identity=Identity.CHANNEL),
+            Echo(outcome="messages[].e", source="rootEventId", identity=Identity.HEX,
+                 or_event_id=True),
+            Echo(outcome="messages[].p", source=REQUESTER, identity=Identity.HEX,
+                 when="mentionsOnly"),
+        )),
+        _spec("message.post", MessagePostArgs, PublishOutcome, publishing=True, echoes=_PUBLISHED),
+        _spec("message.reply", MessageReplyArgs, PublishOutcome, publishing=True,
+              echoes=_PUBLISHED),
+        _spec("reaction.add", ReactionAddArgs, PublishOutcome, publishing=True, best_effort=True,
+              echoes=_PUBLISHED),
+        _spec("profile.set", ProfileSetArgs, PublishOutcome, publishing=True, echoes=_PUBLISHED),
+        _spec("storage.address", StorageAddressArgs, StorageAddressOutcome, publishing=False,
+              echoes=(Echo(outcome="authorPubkey", source=REQUESTER, identity=Identity.HEX),)),
+        _spec("agents.create", AgentsCreateArgs, AgentsCreateOutcome, publishing=True, echoes=(
+            Echo(outcome="channelId", source="channelId", identity=Identity.CHANNEL),)),
+        _spec("agents.update", AgentsUpdateArgs, AgentsUpdateOutcome, publishing=True,
+              echoes=_TARGET_ECHO),
+        _spec("agents.delete", AgentsDeleteArgs, AgentsDeleteOutcome, publishing=True,
+              echoes=_TARGET_ECHO),
     )
 })
 
@@ -129,7 +203,8 @@ RESERVED_NAMES: frozenset[str] = frozenset({"sign", "publish", "encrypt", "decry
 if RESERVED_NAMES & ACTIONS.keys():  # pragma: no cover - a table edit gone wrong
     raise AssertionError("a reserved name became an action")
 
-_REQUEST_MEMBERS = ("type", "protocolVersion", "requestId", "actionVersion", "action", "args")
+#: spec §Request: the envelope's six members, in the order a request is written.
+REQUEST_MEMBERS = ("type", "protocolVersion", "requestId", "actionVersion", "action", "args")
 _SUCCEEDED_MEMBERS = frozenset({"type", "protocolVersion", "requestId", "status", "action", "outcome"})
 _ERROR_MEMBERS = frozenset({"type", "protocolVersion", "requestId", "status", "error"})
 _REPLAYED = "replayed"
@@ -191,9 +266,9 @@ def _judge(top: dict[str, Any], strict_fault: tuple[str, str] | None) -> Request
     if version != PROTOCOL_VERSION:
         raise ContractError(ErrorCode.UNSUPPORTED_PROTOCOL_VERSION, "/protocolVersion", "not 1")
     for key in top:
-        if key not in _REQUEST_MEMBERS:
+        if key not in REQUEST_MEMBERS:
             raise fault(f"/{escape_token(key)}", "unknown member")
-    for key in _REQUEST_MEMBERS:
+    for key in REQUEST_MEMBERS:
         if key not in top:
             raise fault(f"/{key}", "missing required member")
     action = top["action"]

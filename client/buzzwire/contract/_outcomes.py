@@ -10,6 +10,8 @@ Rules:
 - `ReadOutcome.messages` is required and may be empty (an empty page is a fact, not an
   absent member); it never holds more than MAX_LIMIT events. `nextCursor` is omitted when
   there is nothing further.
+- The agents.* outcomes are spelled as Buzz pins them (shared/spec/wire-schema.md):
+  `agentPubkey`, `displayName` (and `updatedFields` for agents.update), never `pubkey`/`name`.
 - `AgentsUpdateOutcome.updated_fields` is required and may be empty (an update that
   changed nothing); per spec the client checks the entries are strings and nothing more.
 
@@ -134,27 +136,27 @@ register(Shape(AgentsCreateOutcome, (
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AgentsUpdateOutcome(Checked):
-    pubkey: str
-    name: str
+    agent_pubkey: str
+    display_name: str
     updated_fields: tuple[str, ...]
 
 
 register(Shape(AgentsUpdateOutcome, (
-    Field("pubkey", "pubkey", pubkey, required=True),
-    Field("name", "name", _NAME, required=True),
+    Field("agentPubkey", "agent_pubkey", pubkey, required=True),
+    Field("displayName", "display_name", _NAME, required=True),
     Field("updatedFields", "updated_fields", array_of(any_string, allow_empty=True), required=True),
 )))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AgentsDeleteOutcome(Checked):
-    pubkey: str
-    name: str
+    agent_pubkey: str
+    display_name: str
 
 
 register(Shape(AgentsDeleteOutcome, (
-    Field("pubkey", "pubkey", pubkey, required=True),
-    Field("name", "name", _NAME, required=True),
+    Field("agentPubkey", "agent_pubkey", pubkey, required=True),
+    Field("displayName", "display_name", _NAME, required=True),
 )))
 
 Outcome = (

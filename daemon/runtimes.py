@@ -1,0 +1,59 @@
+"""The runtime each managed agent resolved to: the host's own record, never the relay's.
+
+Buzz's kind registry says the kind 30177 record is a world-readable allowlist projection
+that never carries runtime fields (shared/spec/wire-schema.md), so the runtime an
+`agents.create` / `agents.update` named lives here, beside the state the host keeps.
+
+Rules:
+- One row per agent (`pubkey`, `runtime`); writing is idempotent (the pipeline's
+  housekeeping may run twice after a crash), so `set` is an upsert.
+- Public data only: a runtime name, never a key or credential.
+- Faults are `sqlite3.Error`; the pipeline turns them into `internal` verdicts or
+  housekeeping log lines like every other store fault.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from daemon._sqlite import open_private_db
+
+__all__ = ["RuntimeStore", "RUNTIMES_DB"]
+
+#: File name inside the state directory.
+RUNTIMES_DB = "runtimes.db"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runtimes (
+    pubkey     TEXT PRIMARY KEY,
+    runtime    TEXT NOT NULL,
+    updated_at INTEGER NOT NULL
+) STRICT;
+"""
+
+
+class RuntimeStore:
+    """agent pubkey -> the runtime the host resolved for it."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    @classmethod
+    def open(cls, state_dir: Path) -> RuntimeStore:
+        return cls(open_private_db(state_dir / RUNTIMES_DB, _SCHEMA))
+
+    def get(self, pubkey: str) -> str | None:
+        row = self._db.execute("SELECT runtime FROM runtimes WHERE pubkey = ?", (pubkey,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set(self, pubkey: str, runtime: str, now: int) -> None:
+        self._db.execute(
+            "INSERT INTO runtimes (pubkey, runtime, updated_at) VALUES (?, ?, ?) "
+            "ON CONFLICT (pubkey) DO UPDATE SET runtime = excluded.runtime, "
+            "updated_at = excluded.updated_at",
+            (pubkey, runtime, now),
+        )
+
+    def close(self) -> None:
+        self._db.close()

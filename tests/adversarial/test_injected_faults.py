@@ -1,0 +1,241 @@
+"""An unexpected exception at each step of each operation is an envelope, recorded
+(issue 15 item 4; the envelope part of issue 13 item 1).
+
+Table-driven twice over: `STEPS` names every seam of the pipeline a fault can come from
+(the broker's collaborators, patched at their class), and each operation is first run
+once with every seam traced, so the steps an operation really passes are discovered, not
+listed by hand. Then, for each step it passes, the operation runs again with the first
+call at that step raising, and the answer must be:
+
+- before anything was handed to the relay: `failed` + `internal` (a known no-op), and the
+  identical retry replays exactly that record (a fault of the ledger's own `begin` leaves
+  nothing to replay: the retry runs afresh);
+- at the relay hand-off: `indeterminate` + `internal`, and the identical retry finishes
+  the same events (`succeeded`);
+- after every event was accepted (housekeeping, the ledger's finish, the verdict's audit
+  record): the verdict stands (`succeeded`).
+
+Reads have no relay hand-off: a fault in their verdict's audit record is `failed` +
+`internal` (no audit, no answer), one in the ledger's finish leaves the verdict standing.
+For agents.create the key minted for a request that ends `failed` is gone, and the one
+whose request ends `indeterminate` is the same one the retry completes with.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+import daemon.broker
+from buzzwire.contract import ACTIONS
+from daemon.audit import AuditLog, Phase
+from daemon.ledger import Ledger
+from daemon.ratelimit import RateLimiter
+from daemon.relay import RelayPool
+from daemon.runtimes import RuntimeStore
+from daemon.signing import SigningBatcher
+from custody import Custody
+from tests.fixtures.broker import BrokerHarness, request_body
+
+
+class Injected(RuntimeError):
+    """The fault this test raises; its text must never reach an answer."""
+
+
+@dataclass(frozen=True)
+class Step:
+    owner: Any  # the class whose method is wrapped, or the module whose function is
+    method: str
+    #: which calls of the method count as this step (None: every call)
+    applies: Callable[[tuple[Any, ...]], bool] | None = None
+
+    @property
+    def bound(self) -> bool:
+        return isinstance(self.owner, type)
+
+
+def _phase(phase: Phase) -> Callable[[tuple[Any, ...]], bool]:
+    return lambda args: getattr(args[0], "phase", None) is phase
+
+
+#: Every seam an unexpected exception can come from, by name.
+STEPS: dict[str, Step] = {
+    "begin": Step(Ledger, "begin"),
+    "authorize": Step(daemon.broker, "authorize"),
+    "rate_limit": Step(RateLimiter, "take"),
+    "relay_read": Step(RelayPool, "query"),
+    "mint": Step(Custody, "mint_agent"),
+    "memory_address": Step(Custody, "memory_address"),
+    "sign": Step(SigningBatcher, "sign"),
+    "audit_intent": Step(AuditLog, "append", _phase(Phase.INTENT)),
+    "record_pending": Step(Ledger, "record_pending"),
+    "publish": Step(RelayPool, "publish"),
+    "destroy": Step(Custody, "destroy_agent"),
+    "rename": Step(Custody, "rename_agent"),
+    "runtime_record": Step(RuntimeStore, "set"),
+    "finish": Step(Ledger, "finish"),
+    "audit_verdict": Step(AuditLog, "append", _phase(Phase.VERDICT)),
+}
+_AFTER_RELAY = {"destroy", "rename", "runtime_record", "finish", "audit_verdict"}
+
+
+class Seams:
+    """Wraps every step's method: records the order steps are passed, raises at one."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.trace: list[str] = []
+        self.fail_at: str | None = None
+        self.failed = False
+        for name, step in STEPS.items():
+            monkeypatch.setattr(step.owner, step.method, self._wrap(name, step))
+
+    def _hit(self, name: str, step: Step, args: tuple[Any, ...]) -> None:
+        if step.applies is not None and not step.applies(args):
+            return
+        self.trace.append(name)
+        if self.fail_at == name and not self.failed:
+            self.failed = True
+            raise Injected(f"injected at {name}: a secret-looking text nsec1qqqq")
+
+    def _wrap(self, name: str, step: Step) -> Any:
+        original = getattr(step.owner, step.method)
+        skip = 1 if step.bound else 0  # the instance is not one of the step's arguments
+        if inspect.iscoroutinefunction(original):
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                self._hit(name, step, args[skip:])
+                return await original(*args, **kwargs)
+            return async_wrapper
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self._hit(name, step, args[skip:])
+            return original(*args, **kwargs)
+        return wrapper
+
+    def arm(self, name: str | None) -> None:
+        self.trace, self.fail_at, self.failed = [], name, False
+
+
+_counter = itertools.count()
+
+
+async def _args_for(broker: BrokerHarness, action: str, owner_cred: str, channel: str,
+                    seams: Seams) -> dict[str, Any]:
+    """Fresh arguments (and state) for one run of `action`, made with no fault armed."""
+    seams.arm(None)
+    n = next(_counter)
+    if action in ("message.reply", "reaction.add"):
+        post = await broker.call(owner_cred, "message.post", {"channelId": channel, "content": f"p{n}"})
+        target = post["outcome"]["eventId"]
+        if action == "reaction.add":
+            return {"channelId": channel, "targetEventId": target, "reaction": "+"}
+        return {"channelId": channel, "replyToEventId": target, "content": f"r{n}"}
+    if action in ("agents.update", "agents.delete"):
+        made = await broker.call(owner_cred, "agents.create", {
+            "channelId": channel, "displayName": f"kid{n}", "systemPrompt": "p"})
+        kid = made["outcome"]["agentPubkey"]
+        if action == "agents.delete":
+            return {"target": {"pubkey": kid}}
+        return {"target": {"pubkey": kid}, "displayName": f"kid{n}b", "runtime": "codex"}
+    return {
+        "channel.read": {"channelId": channel, "limit": 5},
+        "message.post": {"channelId": channel, "content": f"m{n}"},
+        "profile.set": {"about": f"a{n}"},
+        "storage.address": {"slug": "core"},
+        "agents.create": {"channelId": channel, "displayName": f"new{n}", "systemPrompt": "p",
+                          "runtime": "goose"},
+    }[action]
+
+
+def _expected(action: str, step: str, trace: list[str]) -> tuple[str, str | None]:
+    if not ACTIONS[action].publishing:
+        return ("succeeded", None) if step == "finish" else ("failed", "internal")
+    if step == "publish":
+        return ("indeterminate", "internal")
+    if step in _AFTER_RELAY:
+        return ("succeeded", None)
+    return ("failed", "internal")
+
+
+def _minted(broker: BrokerHarness, owner: str, request_id: str) -> list[Any]:
+    ref = f"{owner}/{request_id}"
+    return [a for a in broker.custody.agents() if a.mint_ref == ref]
+
+
+@pytest.mark.parametrize("action", sorted(ACTIONS))
+async def test_a_fault_at_each_step_is_an_envelope(
+    broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch, action: str
+) -> None:
+    channel = str(uuid.uuid4())
+    owner = await broker.human_owned_agent("owner")
+    cred = broker.credential(owner, [channel])
+    seams = Seams(monkeypatch)
+
+    args = await _args_for(broker, action, cred, channel, seams)
+    seams.arm(None)
+    clean = await broker.call(cred, action, args)
+    assert clean["status"] == "succeeded", clean
+    passed = list(dict.fromkeys(seams.trace))
+    assert {"finish", "audit_verdict"} <= set(passed), passed
+    if ACTIONS[action].publishing:
+        assert {"sign", "audit_intent", "record_pending", "publish"} <= set(passed), passed
+
+    for step in passed:
+        args = await _args_for(broker, action, cred, channel, seams)
+        request_id = f"fault-{action}-{step}-{next(_counter)}"
+        body = request_body(action, args, request_id=request_id)
+        seams.arm(step)
+        status, answer = await broker.post(body, cred)
+        assert seams.failed, (action, step, seams.trace)
+        assert status == 200 and answer is not None, (action, step, status)
+        want_status, want_code = _expected(action, step, passed)
+        got = (answer["status"], answer.get("error", {}).get("code"))
+        assert got == (want_status, want_code), (action, step, answer)
+        assert "nsec1qqqq" not in str(answer) and "injected" not in str(answer)
+
+        if action == "agents.create":
+            minted = _minted(broker, owner, request_id)
+            if want_status == "failed":
+                assert all(not a.live for a in minted), (step, minted)  # no orphan key
+            else:
+                assert len(minted) == 1 and minted[0].live, (step, minted)  # no lost key
+
+        # Recorded either way: the identical retry replays a failure as it was, and
+        # finishes what may have started.
+        seams.arm(None)
+        status, again = await broker.post(body, cred)
+        assert status == 200 and again is not None
+        if step == "begin":
+            # The ledger itself faulted: nothing was recorded and nothing ran, so the
+            # identical retry runs afresh.
+            assert again["status"] == "succeeded" and "replayed" not in again, (action, again)
+        elif want_status == "failed":
+            assert again.get("replayed") is True and again["error"] == answer["error"], (step, again)
+        else:
+            assert again["status"] == "succeeded", (action, step, again)
+            if answer["status"] == "succeeded":
+                assert again["outcome"] == answer["outcome"]
+        if action == "agents.create" and want_status != "failed":
+            [kept] = _minted(broker, owner, request_id)
+            assert again["outcome"]["agentPubkey"] == kept.pubkey and kept.live
+
+
+async def test_a_fault_before_authentication_is_still_an_envelope(
+    broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from daemon.sessions import SessionStore
+
+    def broken(*_: Any, **__: Any) -> Any:
+        raise Injected("authenticate")
+
+    monkeypatch.setattr(SessionStore, "authenticate", broken)
+    status, answer = await broker.post(request_body("storage.address", {"slug": "core"},
+                                                    request_id="before-auth"), "bad")
+    assert status == 200 and answer is not None
+    assert (answer["status"], answer["error"]["code"]) == ("failed", "internal")
+    assert answer["requestId"] == "before-auth"

@@ -1,0 +1,169 @@
+"""Byte bounds on what the relay can make the daemon hold (issue 13 item 2).
+
+Invariants:
+- One query holds at most `daemon.relay.MAX_QUERY_BYTES` of EVENT frames: a relay that
+  answers a REQ with more fails that query (RelayUnavailable, so the read is `failed` +
+  `action_failed`) instead of being buffered, and the pool keeps serving the next query on
+  the same connection. (Before: only the count was bounded, 5,000 events of up to 1 MiB.)
+- One read page holds at most `max_bytes` of events: past it the page ends early with a
+  cursor, and following the cursors still yields every event exactly once, in the declared
+  order (the exactness the paging driver promises holds under the byte cut too).
+
+The hostile relay is a small WebSocket server of this file's own (a real relay would not
+send 18 MiB for one REQ); paging runs against tests/read/fake_relay.py, which cuts seconds
+the way a NIP-01 relay may.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import trio
+import trio_websocket
+
+from daemon.cursor import Position
+from daemon.paging import Page, order_key, read_page
+from daemon.relay import MAX_QUERY_BYTES, RelayPool, RelayTimeouts, RelayUnavailable
+from tests.fixtures.relay import free_port
+from tests.read.fake_relay import FakeRelay
+
+CHANNEL = "0b7b2f0e-1c5e-4f6a-9d3c-2a1b0c9d8e7f"
+AGENT = "a" * 64
+#: Content of one flood event: under the 1 MiB frame cap, so only the query bound can stop it.
+FLOOD_CONTENT = 900 * 1024
+
+
+class FloodRelay:
+    """Answers every REQ with `count` events of `content` characters each, then EOSE."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.content = 0
+        self.sent_bytes = 0
+
+    async def serve(self, port: int, *, task_status: trio.TaskStatus[Any]
+                    = trio.TASK_STATUS_IGNORED) -> None:
+        await trio_websocket.serve_websocket(self._handle, "127.0.0.1", port, None,
+                                             task_status=task_status, max_message_size=2**22)
+
+    async def _handle(self, request: trio_websocket.WebSocketRequest) -> None:
+        ws = await request.accept()
+        try:
+            while True:
+                frame = json.loads(await ws.get_message())
+                if frame[0] != "REQ":
+                    continue
+                sub = frame[1]
+                for n in range(self.count):
+                    event = {"id": hashlib.sha256(f"{n}".encode()).hexdigest(), "pubkey": "b" * 64,
+                             "created_at": 1_700_000_000 - n, "kind": 9, "tags": [["h", CHANNEL]],
+                             "content": "x" * self.content, "sig": "c" * 128}
+                    text = json.dumps(["EVENT", sub, event])
+                    self.sent_bytes += len(text)
+                    await ws.send_message(text)
+                await ws.send_message(json.dumps(["EOSE", sub]))
+        except trio_websocket.ConnectionClosed:
+            pass
+
+
+async def _no_auth(*_args: object) -> Mapping[str, Any]:
+    raise AssertionError("this relay never asks for AUTH")
+
+
+async def test_query_past_its_byte_bound_fails_and_the_pool_serves_on() -> None:
+    relay = FloodRelay()
+    port = free_port()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(relay.serve, port)
+        pool = RelayPool(f"ws://127.0.0.1:{port}", _no_auth,
+                         timeouts=RelayTimeouts(connect=5, ok=5, eose=10))
+        await nursery.start(pool.run)
+        relay.count, relay.content = MAX_QUERY_BYTES // FLOOD_CONTENT + 3, FLOOD_CONTENT
+        with pytest.raises(RelayUnavailable, match="bytes"):
+            await pool.query(AGENT, [{"kinds": [9]}])
+        assert relay.sent_bytes > MAX_QUERY_BYTES
+        # The connection and the pool are fine: an honest reply is read in full.
+        relay.count, relay.content = 10, 100
+        events = await pool.query(AGENT, [{"kinds": [9]}])
+        assert len(events) == 10
+        nursery.cancel_scope.cancel()
+
+
+def _event(n: int, created_at: int, size: int) -> dict[str, object]:
+    return {"id": hashlib.sha256(n.to_bytes(8, "big")).hexdigest(), "pubkey": "b" * 64,
+            "created_at": created_at, "kind": 9, "tags": [["h", CHANNEL]],
+            "content": "y" * size, "sig": "c" * 128}
+
+
+def _size(item: Mapping[str, object]) -> int:
+    return len(str(item["content"]))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_page_cut_by_bytes_still_pages_every_event_once_in_order(seed: int) -> None:
+    # 120 events over 6 seconds (many per second, so cuts fall inside seconds), sizes from
+    # 1 KiB to 120 KiB; a page may hold 256 KiB.
+    max_bytes = 256 * 1024
+    events = [_event(n, 1_700_000_000 + n % 6, 1024 * (1 + (n * 37) % 120)) for n in range(120)]
+    relay = FakeRelay(events, cap=64, seed=seed)
+    expected = [str(ev["id"]) for ev in sorted(
+        events, key=lambda ev: order_key(int(ev["created_at"]), str(ev["id"])))]  # type: ignore[call-overload]
+    ids: list[str] = []
+    after: Position | None = None
+    cut = 0
+    for _ in range(500):
+        page: Page[Mapping[str, object]] = await read_page(
+            relay.query, [{"kinds": [9], "#h": [CHANNEL]}], after=after, limit=50,
+            accept=lambda item: item, cap=64, max_bytes=max_bytes, size_of=_size)
+        held = sum(_size(item) for item in page.items)
+        assert held <= max_bytes or len(page.items) == 1
+        cut += page.cut_by_bytes
+        if page.cut_by_bytes:
+            assert page.next_position is not None
+        ids.extend(str(item["id"]) for item in page.items)
+        if page.next_position is None:
+            break
+        after = page.next_position
+    assert ids == expected
+    assert cut > 0  # the byte bound did cut pages
+
+
+async def test_an_item_larger_than_the_page_bound_is_delivered_alone() -> None:
+    events = [_event(n, 1_700_000_000 + n, 8192) for n in range(3)]
+    page = await read_page(FakeRelay(events, cap=64, seed=0).query,
+                           [{"kinds": [9], "#h": [CHANNEL]}], after=None, limit=10,
+                           accept=lambda item: item, cap=64, max_bytes=1000, size_of=_size)
+    assert len(page.items) == 1 and page.cut_by_bytes and page.next_position is not None
+
+
+async def test_channel_read_page_is_held_to_its_byte_bound_end_to_end(broker: Any) -> None:
+    # The real pipeline on the real relay: 70 messages of 60 KiB (4.1 MiB) do not fit one
+    # page of MAX_PAGE_BYTES (4 MiB), whatever the limit; the cursor brings the rest.
+    from daemon.operations.channel_read import MAX_PAGE_BYTES
+
+    channel = "0b6f6a1e-0000-4000-8000-00000000000d"
+    broker.reconfigure("[limits]\nenabled = false\n")  # 70 posts exceed the default 60/min
+    agent = await broker.human_owned_agent()
+    credential = broker.credential(agent, [channel])
+    posted = 70
+    content = "z" * (60 * 1024)
+    assert posted * len(content) > MAX_PAGE_BYTES
+    for n in range(posted):
+        answer = await broker.call(credential, "message.post",
+                                   {"channelId": channel, "content": f"{n:03d}{content}"})
+        assert answer["status"] == "succeeded", (n, answer.get("error"))
+    first = await broker.call(credential, "channel.read", {"channelId": channel, "limit": 100})
+    assert first["status"] == "succeeded", first
+    page = first["outcome"]["messages"]
+    assert 0 < len(page) < posted and "nextCursor" in first["outcome"]
+    assert sum(len(m["content"]) for m in page) <= MAX_PAGE_BYTES
+    second = await broker.call(credential, "channel.read",
+                               {"channelId": channel, "limit": 100,
+                                "cursor": first["outcome"]["nextCursor"]})
+    rest = second["outcome"]["messages"]
+    assert "nextCursor" not in second["outcome"]
+    assert sorted(m["content"][:3] for m in page + rest) == [f"{n:03d}" for n in range(posted)]

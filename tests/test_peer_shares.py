@@ -1,0 +1,91 @@
+"""daemon.peer_shares and daemon.fault_log: the bookkeeping behind the HTTP layer's bounds."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import pytest
+import trio
+
+from daemon.fault_log import FaultLog
+from daemon.peer_shares import ByteBudget, ConnectionCounts
+from tests.adversarial.test_http_faults import captured_log  # noqa: F401 - the log fixture
+
+
+async def test_one_uid_alone_holds_half_and_leaves_a_share_for_another() -> None:
+    budget = ByteBudget(1000)
+    await budget.reserve(1, 300)
+    await budget.reserve(1, 200)  # 500 = total // (1 holder + 1)
+    assert not budget.fits(1, 1)
+    # Another uid holding nothing gets in at once, though uid 1 is at its share.
+    with trio.fail_after(1):
+        await budget.reserve(2, 300)
+    assert budget.used == 800
+    # Two holders: a share is 1000 // 3, and uid 1 (500) is over it; a third uid asking
+    # would make it 1000 // 4 (one share always kept for a uid not yet holding).
+    assert budget.share(1) == 333 and not budget.fits(1, 1) and budget.share(3) == 250
+
+
+async def test_a_waiting_reservation_proceeds_when_bytes_are_released() -> None:
+    budget = ByteBudget(1000)
+    await budget.reserve(1, 500)
+    got = trio.Event()
+
+    async def second() -> None:
+        await budget.reserve(1, 400)
+        got.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(second)
+        await trio.sleep(0.05)
+        assert not got.is_set()  # back-pressure: it waits
+        budget.release(1, 500)
+        with trio.fail_after(1):
+            await got.wait()
+    assert budget.held(1) == 400
+
+
+def test_budget_refuses_impossible_and_unbalanced_use() -> None:
+    budget = ByteBudget(100)
+    with pytest.raises(ValueError):
+        budget.release(1, 1)
+    with pytest.raises(ValueError):
+        trio.run(budget.reserve, 1, 101)
+
+
+def test_connection_counts_cap_per_uid() -> None:
+    counts = ConnectionCounts(2)
+    assert counts.try_open(7) and counts.try_open(7) and not counts.try_open(7)
+    assert counts.try_open(8)  # another uid is not affected
+    counts.close(7)
+    assert counts.try_open(7) and counts.open(7) == 2
+
+
+def _lines(out: io.StringIO) -> list[dict[str, object]]:
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+def test_fault_log_writes_once_per_cause_per_interval(captured_log: io.StringIO) -> None:
+    now = [0.0]
+    faults = FaultLog(logging.getLogger("buzz_broker.test"), "fault", interval=60,
+                      clock=lambda: now[0])
+    assert faults.record(("a",), kind="a")
+    for _ in range(1000):
+        assert not faults.record(("a",), kind="a")
+    assert faults.record(("b",), kind="b")  # another cause has its own line
+    now[0] = 61.0
+    assert faults.record(("a",), kind="a")
+    lines = _lines(captured_log)
+    assert [line["kind"] for line in lines] == ["a", "b", "a"]
+    assert lines[2]["suppressed"] == 1000 and faults.total == 1003
+
+
+def test_fault_log_causes_are_a_bounded_set(captured_log: io.StringIO) -> None:
+    faults = FaultLog(logging.getLogger("buzz_broker.test"), "fault", max_causes=4,
+                      clock=lambda: 0.0)
+    for n in range(1000):
+        faults.record(("uid", n), uid=n)
+    # Four causes of their own, then everything shares "other": five lines for 1,000 causes.
+    assert len(_lines(captured_log)) == 5
