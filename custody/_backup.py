@@ -26,6 +26,8 @@ Rules:
 - Errors are `CustodyError` with one line that never quotes a secret. pyrage's own error
   text is not passed on (only "does not decrypt with this identity").
 
+Every buffer that holds secrets is allocated at its final size and filled in place (a
+bytearray that grows leaves what it held in the buffer it outgrew, freed unzeroed).
 What is best effort (as in `_secret`): pyrage takes and returns immutable `bytes`, so the
 whole plaintext exists once as a `bytes` object on each side; it is zeroed in place by
 `wipe_bytes` (CPython) right after use. The age identity passes through a `str` (the only
@@ -94,13 +96,13 @@ def _zero(buf: bytearray) -> None:
     buf[:] = bytes(len(buf))
 
 
-def _append_hex(out: bytearray, secret: Secret) -> None:
-    """Append the secret as 64 lowercase hex digits, byte by byte (no bytes/str copy)."""
+def _write_hex(out: bytearray, at: int, secret: Secret) -> None:
+    """Write the secret as 64 lowercase hex digits at `out[at:]`, byte by byte (no copy)."""
     data = secret.cdata
     for i in range(SECRET_SIZE):
         value = data[i]
-        out.append(_HEX_DIGITS[value >> 4])
-        out.append(_HEX_DIGITS[value & 15])
+        out[at + 2 * i] = _HEX_DIGITS[value >> 4]
+        out[at + 2 * i + 1] = _HEX_DIGITS[value & 15]
 
 
 def _recipients(texts: Sequence[str]) -> list[pyrage.x25519.Recipient]:
@@ -141,14 +143,20 @@ async def export_backup(custody: Custody, recipients: Sequence[str]) -> Exported
         # Listed inside the hop: no agent minted or destroyed meanwhile is half in it.
         records = sorted(custody._keystore.all(), key=lambda r: (r.depth, r.created_at, r.pubkey))
         listed.extend(records)
-        plaintext = bytearray(MAGIC)
-        plaintext += _canonical({"agents": len(records), "createdAt": int(time.time())}) + b"\n"
+        header = MAGIC + _canonical({"agents": len(records), "createdAt": int(time.time())})
+        lines = [b" " + _record_json(record) + b"\n" for record in records]
+        # Sized once and filled in place: a bytearray that grew would leave the secrets it
+        # held so far in the freed, unzeroed buffer it outgrew.
+        plaintext = bytearray(len(header) + 1 + sum(_SECRET_HEX + len(line) for line in lines))
+        plaintext[: len(header) + 1] = header + b"\n"
+        at = len(header) + 1
         copy = b""
         try:
-            for record in records:
+            for record, line in zip(records, lines):
                 with custody._unseal(record.pubkey) as secret:
-                    _append_hex(plaintext, secret)
-                plaintext += b" " + _record_json(record) + b"\n"
+                    _write_hex(plaintext, at, secret)
+                plaintext[at + _SECRET_HEX : at + _SECRET_HEX + len(line)] = line
+                at += _SECRET_HEX + len(line)
             copy = bytes(plaintext)  # pyrage takes bytes only: one immutable copy, wiped below
             ciphertext: bytes = pyrage.encrypt(copy, parsed)
             return ciphertext

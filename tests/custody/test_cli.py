@@ -168,6 +168,7 @@ def test_import_on_a_terminal_prompts_on_stderr_and_does_not_echo(cli: Cli) -> N
         os.close(slave)
 
 
+@pytest.mark.token_offers("AES_GCM", "GENERATE_KEY")  # SoftHSM's report, then etm forced
 def test_keys_init_says_what_the_token_offers_and_which_seal_it_uses(cli: Cli) -> None:
     done = cli("keys", "init")
     assert done.returncode == 0
@@ -185,6 +186,7 @@ def test_keys_init_says_what_the_token_offers_and_which_seal_it_uses(cli: Cli) -
     assert f"KEK {cli.kek_label!r} present and checked" in done.stdout
 
 
+@pytest.mark.token_offers("GENERATE_KEY")  # rotation without --new-kek-label makes one
 def test_keys_rotate_through_the_cli_and_its_refusals(cli: Cli) -> None:
     assert cli("keys", "init").returncode == 0
     assert cli("agent", "import", "--owner", PUB_2, stdin=SECRET_1).returncode == 0
@@ -203,6 +205,7 @@ def test_keys_rotate_through_the_cli_and_its_refusals(cli: Cli) -> None:
     assert_no_secrets(cli.transcript + (cli.state / "keystore.db").read_bytes())
 
 
+@pytest.mark.token_offers("GENERATE_KEY")  # rotation without --new-kek-label makes one
 def test_keys_rotate_refuses_while_the_daemon_holds_custody(cli: Cli) -> None:
     """Another process (here, a held-open custody like the daemon's) has the state
     directory: the rotation refuses at once and says to stop the daemon."""
