@@ -11,7 +11,7 @@ Kinds (`KINDS`, the one table the runner, the fixtures, the probes and the Makef
   Its paths are compiled in (/etc/opencryptoki, /var/lib/opencryptoki, /run, /dev/shm), so
   everything runs in a private mount + IPC namespace (`unshare -m -i`) with those paths
   bind-mounted from the temp dir; clients must run in that namespace (`with-token` runs
-  the command there).
+  the command there). Mounting needs root (CI runs as root, `.ci/run`).
 - `p11kit`: a SoftHSM2 token reached through `p11-kit server` over a Unix socket, through
   `p11-kit-client.so`: the shape of a remote token. The client never sees SOFTHSM2_CONF.
 
