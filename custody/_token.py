@@ -56,7 +56,8 @@ import logging
 import os
 import secrets
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -380,6 +381,16 @@ def _release_session(key: tuple[str, str]) -> None:
             log.warning("closing the token session failed (%s)", type(exc).__name__)
 
 
+@contextmanager
+def _logged_in(config: TokenConfig) -> Iterator[Any]:
+    """The process's logged-in session for `config`, held for the block."""
+    key, shared = _acquire_session(config)
+    try:
+        yield shared.session
+    finally:
+        _release_session(key)
+
+
 def _find_token_afresh(config: TokenConfig) -> Any:
     """The token, after every handle in the process went stale.
 
@@ -636,9 +647,7 @@ class Token:
         """
         label = kek_label or config.kek_label
         require_kek_label(label)
-        key, shared = _acquire_session(config)
-        try:
-            session = shared.session
+        with _logged_in(config) as session:
             offered = _offered_seals(session)
             seal = choose_seal(config.seal, offered, config.token_label)
             created: list[str] = []
@@ -661,18 +670,13 @@ class Token:
                 offered=tuple(k for k in SEAL_PREFERENCE if k in offered),
                 can_generate=_can_generate(session), seal=seal, created=tuple(created),
             )
-        finally:
-            _release_session(key)
 
     @staticmethod
     def kek_obtainable(config: TokenConfig, label: str) -> bool:
         """Whether KEK `label` is in the token already or the token can generate it."""
-        key, shared = _acquire_session(config)
-        try:
-            return (_find_key(shared.session, config.token_label, label, KeyType.AES)
-                    is not None or _can_generate(shared.session))
-        finally:
-            _release_session(key)
+        with _logged_in(config) as session:
+            return (_find_key(session, config.token_label, label, KeyType.AES) is not None
+                    or _can_generate(session))
 
     @staticmethod
     def destroy_kek(config: TokenConfig, label: str) -> tuple[str, ...]:
@@ -683,11 +687,10 @@ class Token:
         Raises:
             CustodyError: the token refused to destroy a key.
         """
-        key, shared = _acquire_session(config)
-        try:
+        with _logged_in(config) as session:
             destroyed = []
             for name, key_type in ((label, KeyType.AES), (mac_label(label), None)):
-                found = _find_key(shared.session, config.token_label, name, key_type)
+                found = _find_key(session, config.token_label, name, key_type)
                 if found is None:
                     continue
                 try:
@@ -700,8 +703,6 @@ class Token:
                 log.info("destroyed key %r in token %r", name, config.token_label)
                 destroyed.append(name)
             return tuple(destroyed)
-        finally:
-            _release_session(key)
 
     # --- the mechanisms `_sealed` builds its seals from ---------------------------------
 
