@@ -11,8 +11,13 @@ PY := $(VENV)/bin/python
 # boots a Debian 12 guest with systemd-nspawn (tests/nspawn/; it caches the image and a
 # wheel cache under /var/cache/buzz-broker-tests, outside the checkout).
 APT_PACKAGES := softhsm2 opensc systemd curl node-typescript systemd-container debootstrap
+# The other PKCS#11 tokens the custody suite runs on (tests/tokens/kinds.py says which kind
+# needs which): a software TPM 2.0 with tpm2-pkcs11, opencryptoki's software token, and a
+# SoftHSM token behind `p11-kit server`. age: `age-keygen` for backup identities.
+TOKEN_PACKAGES := swtpm swtpm-tools tpm2-tools tpm2-abrmd libtss2-tcti-tabrmd0 libtpm2-pkcs11-1 libtpm2-pkcs11-tools opencryptoki p11-kit p11-kit-modules dbus util-linux
+APT_PACKAGES += $(TOKEN_PACKAGES) age
 
-.PHONY: all run test deps venv lint bench clean
+.PHONY: all run test test-tokens deps venv lint bench clean
 
 all: test
 
@@ -36,6 +41,18 @@ venv: deps $(VENV)/.installed
 
 test: venv
 	$(PY) -m pytest -q -p no:cacheprovider
+	$(MAKE) --no-print-directory test-tokens
+
+# The custody suite once per other token kind, each token started and torn down by
+# with-token (the main suite above already ran it on SoftHSM, its own token).
+# TOKEN_KINDS=tpm make test-tokens runs one kind; softhsm is a kind too.
+TOKEN_KINDS ?= tpm opencryptoki p11kit
+CUSTODY_SUITE := tests/custody tests/tokens tests/backup
+test-tokens: venv
+	@failed=""; for k in $(TOKEN_KINDS); do echo "== custody suite on the $$k token"; \
+	  $(PY) tests/tokens/with-token $$k -- $(PY) -m pytest -q -p no:cacheprovider $(CUSTODY_SUITE) \
+	    || failed="$$failed $$k"; done; \
+	if [ -n "$$failed" ]; then echo "custody suite failed on:$$failed"; exit 1; fi
 
 lint: venv
 	$(PY) -m mypy daemon custody client/buzzwire client/buzz_broker_client
@@ -45,7 +62,7 @@ run: venv
 
 # Each benchmark prints its figures beside a baseline from the same run. load.py, e2e.py and
 # startup.py take options (see --help); _harness.py and null_relay.py are not benchmarks.
-BENCHMARKS := contract custody ledger audit read relay_connections startup e2e bunker
+BENCHMARKS := contract custody ledger audit read relay_connections startup e2e bunker authenticate seals tokens
 bench: venv
 	for b in $(BENCHMARKS); do echo "== benchmarks/$$b.py"; $(PY) benchmarks/$$b.py || exit 1; done
 

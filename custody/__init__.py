@@ -14,16 +14,19 @@ Surface:
   `check_token` (log in and check the KEK only: check-config --deep, status).
 - Values: `TokenConfig`, `CachePolicy`, `TokenReport`, `RotationReport`, `UnsignedEvent`,
   `SignedEvent`, `AgentRecord`, `MemoryAddress`.
+- Backups (`_backup`): `export_backup` (every live agent encrypted in memory to age
+  recipients), `open_backup` (decrypt and check one), `restore_plan`, `restore_backup`.
 - Errors: `CustodyError`, `UnsealFailed`, `UnknownAgent`.
 - Public Nostr helpers (no secrets): `compute_event_id`, `verify_event`,
   `verify_owner_tag`, `owner_tag_digest`, and `PublicDirectory` (the keystore's public
   records without the token). `read_secret_text` reads secret text from a file descriptor
-  into a zeroable buffer for `Custody.import_agent`. `harden_process` (no core dumps, not
+  into a zeroable buffer for `Custody.import_agent`; `read_limited` reads any bounded
+  secret file (an age identity) the same way. `harden_process` (no core dumps, not
   dumpable) runs inside `Custody.open`/`init_kek`; callers may run it earlier too.
 
 Modules, one job each: _errors, _secret (buffers, wiping, parsing, randomness), _secp256k1
 (low-level curve ops), _signer (events, AUTH, NIP-OA),
-_memory (NIP-AE), _process (core dumps off, undumpable), _worker (the one token thread),
+_memory (NIP-AE), _backup (age backups and restore), _process (core dumps off, undumpable), _worker (the one token thread),
 _token (PKCS#11: login, KEKs, mechanisms, the seal choice), _sealed (blob formats, the two
 seals and the one unseal door with its named defences), _cache (the unsealed-key cache,
 off by default), _keystore (SQLite), _statelock (who may use the state directory),
@@ -45,6 +48,17 @@ if sys.flags.optimize:
         "stripped there, and custody's safety checks must never be; start Python without -O"
     )
 
+from custody._backup import (
+    MAX_BACKUP_BYTES,
+    MAX_IDENTITY_BYTES,
+    BackupContents,
+    ExportedBackup,
+    RestoreResult,
+    export_backup,
+    open_backup,
+    restore_backup,
+    restore_plan,
+)
 from custody._errors import CustodyError, UnknownAgent, UnsealFailed
 from custody._cache import CachePolicy
 from custody._facade import Custody, check_token, init_kek, init_keys, rotate_keys
@@ -59,15 +73,24 @@ from buzzwire.nostr import (
     verify_owner_tag,
 )
 from custody._process import harden_process
-from custody._secret import read_secret_text
+from custody._secret import read_limited, read_secret_text
 from custody._rotation import CHECKPOINTS as ROTATION_CHECKPOINTS
 from custody._rotation import RotationReport
 from custody._token import TokenConfig, TokenReport
 
 __all__ = [
+    "MAX_BACKUP_BYTES",
+    "MAX_IDENTITY_BYTES",
     "ROTATION_CHECKPOINTS",
     "AgentRecord",
+    "BackupContents",
     "CachePolicy",
+    "ExportedBackup",
+    "RestoreResult",
+    "export_backup",
+    "open_backup",
+    "restore_backup",
+    "restore_plan",
     "Custody",
     "check_token",
     "CustodyError",
@@ -85,6 +108,7 @@ __all__ = [
     "init_kek",
     "init_keys",
     "owner_tag_digest",
+    "read_limited",
     "read_secret_text",
     "rotate_keys",
     "verify_event",

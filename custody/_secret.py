@@ -46,6 +46,7 @@ __all__ = [
     "Secret",
     "parse_secret_text",
     "random_secret",
+    "read_limited",
     "read_secret_text",
     "wipe_bytes",
 ]
@@ -136,28 +137,38 @@ def random_secret() -> Secret:
                 return secret
 
 
+def read_limited(fd: int, limit: int) -> bytearray | None:
+    """At most `limit` bytes from `fd`, read straight into one bytearray (no other copy).
+
+    Returns None, with the buffer zeroed, if `fd` holds more than `limit` bytes.
+    Used for every secret read from a file or stdin (PIN, secret text, age identity).
+    """
+    buf = bytearray(limit + 1)
+    filled = 0
+    while filled < len(buf):
+        with memoryview(buf) as whole, whole[filled:] as chunk:
+            got = os.readv(fd, [chunk])
+        if got == 0:
+            break
+        filled += got
+    if filled > limit:
+        _zero(buf)
+        return None
+    # Zero the unused tail before cutting it off (del keeps the bytes in this one object).
+    buf[filled:] = bytes(len(buf) - filled)
+    del buf[filled:]
+    return buf
+
+
 def read_secret_text(fd: int) -> bytearray:
     """Read at most MAX_SECRET_TEXT bytes of secret text from `fd` into a bytearray.
 
     Raises:
         CustodyError: more than MAX_SECRET_TEXT bytes (the buffer is zeroed first).
     """
-    buf = bytearray(MAX_SECRET_TEXT + 1)
-    filled = 0
-    while filled < len(buf):
-        chunk = memoryview(buf)[filled:]
-        got = os.readv(fd, [chunk])
-        chunk.release()
-        if got == 0:
-            break
-        filled += got
-    if filled > MAX_SECRET_TEXT:
-        _zero(buf)
+    buf = read_limited(fd, MAX_SECRET_TEXT)
+    if buf is None:
         raise CustodyError(f"malformed secret: more than {MAX_SECRET_TEXT} bytes of input")
-    # Shrinking in place keeps the bytes in this one object (del does not copy them out).
-    for i in range(filled, len(buf)):
-        buf[i] = 0
-    del buf[filled:]
     return buf
 
 

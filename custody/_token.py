@@ -67,6 +67,7 @@ from pkcs11 import Attribute, KeyType, Mechanism, MechanismFlag, ObjectClass
 from pkcs11.mechanisms import GCMParams
 
 from custody._errors import CustodyError
+from custody._secret import read_limited
 from custody._worker import require_lock
 
 __all__ = [
@@ -297,20 +298,9 @@ def _read_pin(config: TokenConfig) -> bytearray:
 
 def _read_fd(fd: int, source: str) -> bytearray:
     """At most MAX_PIN_FILE_BYTES from `fd`, read straight into one bytearray."""
-    buf = bytearray(MAX_PIN_FILE_BYTES + 1)
-    filled = 0
-    while filled < len(buf):
-        with memoryview(buf) as whole, whole[filled:] as chunk:
-            got = os.readv(fd, [chunk])
-        if got == 0:
-            break
-        filled += got
-    if filled > MAX_PIN_FILE_BYTES:
-        buf[:] = bytes(len(buf))
+    buf = read_limited(fd, MAX_PIN_FILE_BYTES)
+    if buf is None:
         raise CustodyError(f"{source} is longer than {MAX_PIN_FILE_BYTES} bytes: not a PIN")
-    # Zero the unused tail before cutting it off (del keeps the bytes in this one object).
-    buf[filled:] = bytes(len(buf) - filled)
-    del buf[filled:]
     return buf
 
 

@@ -30,7 +30,7 @@ __all__ = ["main", "CliError", "COMMANDS", "STATE_COMMANDS"]
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("serve", "run the daemon in the foreground (as systemd does)"),
     "check-config": ("check_config", "validate a configuration file"),
-    "keys": ("keys", "manage the token's key-encryption key"),
+    "keys": ("keys", "manage the token's key-encryption key; back up and restore agents"),
     "agent": ("agent", "import, create, list and remove agent keys"),
     "credential": ("credential", "issue, list and revoke agent credentials"),
     "call": ("call", "send one request to the broker as an agent"),

@@ -1,4 +1,5 @@
 """`buzz-broker keys init|rotate|migrate`: the token's key-encryption keys.
+`keys backup` / `keys restore` live in keys_backup.py (their rules are there).
 
 Rules:
 - Reads the token settings from the configuration ([pkcs11]); the PIN from the file
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from daemon.cli import keys_backup
 from daemon.cli._common import CliError, config_from_args
 from daemon.config import ConfigError, load_config
 
@@ -64,9 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a configuration whose [pkcs11] table names the target token")
     p.add_argument("--new-kek-label", metavar="LABEL",
                    help="the KEK's label in the target token (default: its kek_label)")
+    keys_backup.add_arguments(sub)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.keys_command in keys_backup.SUBCOMMANDS:
+        return keys_backup.run(args)
     config = config_from_args(args)
     if args.keys_command == "init":
         return _init(config.pkcs11.token(), Path(config.state.dir))

@@ -167,6 +167,7 @@ async def test_swapped_or_tampered_blob_fails_to_open(custody_state: tuple[Token
     db.close()
 
 
+@pytest.mark.token_unseals(4000)
 async def test_eight_tasks_times_500_signatures_all_verify(custody: Custody) -> None:
     agents = [await import_hex(custody, SECRET_1, PUB_2), await import_hex(custody, SECRET_X, HUMAN)]
     results: list[SignedEvent] = []
@@ -205,6 +206,7 @@ async def test_open_is_fast_with_ten_thousand_agents(custody_state: tuple[TokenC
     assert opened < 0.25
 
 
+@pytest.mark.token_offers("GENERATE_KEY")
 def test_extractable_kek_is_refused(softhsm_token: SoftHsmToken, tmp_path: Path) -> None:
     # A separate process makes the bad key, so this process's shared session is untouched.
     script = (

@@ -97,6 +97,7 @@ async def test_the_tag_alone_refuses_a_changed_ciphertext_before_anything_is_dec
     assert len(keystream_calls) == (1 if held.kind == "etm" else 0)
 
 
+@pytest.mark.token_offers("GENERATE_KEY")  # plants an extractable key
 async def test_the_kek_check_alone_refuses_a_blob_under_an_unsafe_key(
     held: Held, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:

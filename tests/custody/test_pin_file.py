@@ -87,6 +87,7 @@ async def test_a_bad_pin_file_is_refused_by_what_is_wrong(
     assert pin not in f"{raised.value}{raised.value!r}" and raised.value.__cause__ is None
 
 
+@pytest.mark.token_offers("GENERATE_KEY")
 async def test_a_pin_file_owned_by_us_with_mode_400_and_crlf_opens(
     softhsm_token: SoftHsmToken, tmp_path: Path
 ) -> None:

@@ -82,6 +82,7 @@ def _meta(state: Path, *, staged_empty: bool = True) -> dict[str, str]:
         db.close()
 
 
+@pytest.mark.token_offers("GENERATE_KEY")  # rotation without --new-kek-label makes one
 @pytest.mark.parametrize("kind", SEAL_KINDS)
 async def test_rotate_reseals_every_agent_and_destroys_the_old_kek(
     softhsm_token: SoftHsmToken, tmp_path: Path, kind: str
@@ -113,6 +114,7 @@ async def test_rotate_reseals_every_agent_and_destroys_the_old_kek(
         await opened.aclose()
 
 
+@pytest.mark.token_offers("GENERATE_KEY")  # rotation without --new-kek-label makes one
 async def test_rotate_refuses_while_custody_is_open_and_custody_refuses_while_it_runs(
     softhsm_token: SoftHsmToken, tmp_path: Path
 ) -> None:
@@ -134,6 +136,7 @@ async def test_rotate_refuses_while_custody_is_open_and_custody_refuses_while_it
     assert (await rotate_keys(config, state)).agents == 3
 
 
+@pytest.mark.token_offers("GENERATE_KEY")  # rotation without --new-kek-label makes one
 async def test_a_blob_that_does_not_open_stops_the_rotation_before_anything_changes(
     softhsm_token: SoftHsmToken, tmp_path: Path
 ) -> None:
@@ -197,10 +200,14 @@ def _cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def second_token(softhsm_token: SoftHsmToken) -> str:
     """A second token in the session's SoftHSM (same PIN files): the migration target."""
+    if softhsm_token.kind != "softhsm":
+        pytest.skip(f"the migration target is a second token beside the session's; the "
+                    f"{softhsm_token.kind} run has one token")
     make_token(softhsm_token.directory, SECOND_TOKEN)
     return SECOND_TOKEN
 
 
+@pytest.mark.token_offers("GENERATE_KEY")  # rotation without --new-kek-label makes one
 @pytest.mark.parametrize("operation", ["rotate", "migrate"])
 @pytest.mark.parametrize("step", ROTATION_CHECKPOINTS)
 async def test_a_kill_at_each_step_leaves_every_agent_usable_and_a_rerun_finishes(
@@ -264,6 +271,7 @@ def _append_seal(path: Path, seal: str) -> None:
     path.write_text(text)
 
 
+@pytest.mark.token_offers("GENERATE_KEY")  # rotation without --new-kek-label makes one
 async def test_a_resealed_blob_that_does_not_open_is_caught_before_the_swap(
     softhsm_token: SoftHsmToken, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -299,7 +307,7 @@ async def test_a_token_that_cannot_generate_needs_operator_made_keys_and_says_so
     state = tmp_path / "state"
     agents = await _populate(config, state)
     made = f"{config.kek_label}-made"
-    await init_kek(dataclasses.replace(config, kek_label=made))  # "tpm2_ptool addkey"
+    await init_kek(softhsm_token.config(kek_label=made))  # "tpm2_ptool addkey" (real on a TPM)
     monkeypatch.setattr(token_module, "_can_generate", lambda session: False)
     with pytest.raises(CustodyError, match="cannot generate keys.*--new-kek-label"):
         await rotate_keys(config, state)

@@ -29,6 +29,7 @@ from tests.custody._sealing import (
 )
 from tests.custody._secrets import PUB_2, SECRET_2
 from tests.fixtures.token import SoftHsmToken
+from tests.tokens.kinds import KINDS
 
 _KEY = bytes(range(32))
 _NONCE = bytes.fromhex("000102030405060708090a0b")
@@ -36,6 +37,7 @@ _NONCE = bytes.fromhex("000102030405060708090a0b")
 
 # --- the construction, byte for byte ---------------------------------------------------
 
+@pytest.mark.token_offers("CREATE_AES_KEY")
 async def test_the_token_keystream_is_aes_ctr_byte_for_byte(softhsm_token: SoftHsmToken) -> None:
     """CKM_AES_ECB in SoftHSM over nonce||BE32(0), nonce||BE32(1) (custody's counter
     blocks) equals `cryptography`'s AES-CTR from nonce||0^32, under one known key."""
@@ -97,6 +99,7 @@ def test_an_etm_blob_is_ctr_ciphertext_and_hmac_over_len_aad_aad_nonce_ct() -> N
 
 # --- format 1 keeps opening -------------------------------------------------------------
 
+@pytest.mark.token_offers("AES_GCM")
 async def test_a_format_1_blob_still_opens_and_signs(
     softhsm_token: SoftHsmToken, tmp_path: Path
 ) -> None:
@@ -135,6 +138,7 @@ async def test_new_blobs_record_their_seal_and_kek_and_every_kind_signs(
         assert (await held.custody.sign_event(PUB_2, event(PUB_2))).pubkey == PUB_2
 
 
+@pytest.mark.token_offers("AES_GCM")
 async def test_blobs_of_both_kinds_open_side_by_side(
     softhsm_token: SoftHsmToken, tmp_path: Path
 ) -> None:
@@ -184,10 +188,13 @@ async def test_keys_init_reports_what_the_token_offers_and_the_seal_it_uses(
 ) -> None:
     config = config_for(softhsm_token, kind, f"report-{kind}-{tmp_path.name}"[:60])
     report = await init_keys(config)
-    assert report.offered == ("gcm", "etm") and report.can_generate
-    assert report.seal == ("gcm" if kind == "auto" else kind)
+    offers = KINDS[softhsm_token.kind].offers  # what the probe measured (tests/tokens)
+    assert report.offered == (("gcm",) if offers["AES_GCM"] else ()) + ("etm",)
+    assert report.can_generate is offers["GENERATE_KEY"]
+    assert report.seal == (("gcm" if offers["AES_GCM"] else "etm") if kind == "auto" else kind)
     made = (config.kek_label,) + ((config.kek_label + "-mac",) if report.seal == "etm" else ())
-    assert report.created == made
+    # A token that cannot generate keys has the operator's (made by `config_for`).
+    assert report.created == (made if report.can_generate else ())
     assert (await init_keys(config)).created == ()  # found and checked the second time
 
 
@@ -215,6 +222,7 @@ async def _plant_pair(config: TokenConfig, *, mac_flags: MechanismFlag,
     await in_token_worker(plant)
 
 
+@pytest.mark.token_offers("GENERATE_KEY")
 async def test_keys_init_finds_operator_made_keys_by_label_and_makes_none(
     softhsm_token: SoftHsmToken, tmp_path: Path
 ) -> None:
@@ -226,6 +234,7 @@ async def test_keys_init_finds_operator_made_keys_by_label_and_makes_none(
     await opened.aclose()
 
 
+@pytest.mark.token_offers("GENERATE_KEY")
 @pytest.mark.parametrize(("wrong", "flags", "changes"), [
     ("EXTRACTABLE", MechanismFlag.SIGN | MechanismFlag.VERIFY, {Attribute.EXTRACTABLE: True}),
     ("SENSITIVE", MechanismFlag.SIGN | MechanismFlag.VERIFY, {Attribute.SENSITIVE: False}),

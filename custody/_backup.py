@@ -1,0 +1,433 @@
+"""Backups of every live agent to offline age recipients, and their restore. HAZARDOUS.
+
+The one deliberate, bounded exception to "a secret never leaves custody" (design.md): the
+secrets are unsealed here, inside one token-worker hop, written into one buffer, encrypted
+in memory to the operator's age X25519 recipients (pyrage), and wiped; only ciphertext
+leaves this module. Restore is the mirror: decrypt in memory, check everything, seal each
+secret under this host's KEK, wipe.
+
+Plaintext format v1 (only ever inside the age file; never on disk in clear):
+    b"buzz-broker-backup/v1 " canonical-JSON header b"\\n"   header: {"agents": N, "createdAt": T}
+    per agent:  64 lowercase hex (the secret key) b" " canonical-JSON record b"\\n"
+    record: {"authTag", "createdAt", "creator", "depth", "mintRef", "name", "owner", "pubkey"}
+The secret sits at a fixed offset of its line, so it is copied from the decrypted buffer
+into a bytearray and decoded by `parse_secret_text` without a `str` of it ever existing;
+only the public record goes through `json`.
+
+Rules:
+- age authenticates nothing about who wrote a file: anyone who knows a recipient can make
+  one. `open_backup` therefore treats the plaintext as hostile: bounded sizes, every field
+  checked, each secret must derive its record's pubkey, each NIP-OA tag must verify against
+  its owner, no pubkey twice. Any fault refuses the whole backup, naming the entry.
+- `restore_backup` refuses the whole restore (before writing anything) if an agent is held
+  here under another owner, was removed here (its tombstone stays, the key cannot return),
+  or its mint reference names another agent. An agent already held with the same owner is
+  left as it is ("already held").
+- Errors are `CustodyError` with one line that never quotes a secret. pyrage's own error
+  text is not passed on (only "does not decrypt with this identity").
+
+Every buffer that holds secrets is allocated at its final size and filled in place (a
+bytearray that grows leaves what it held in the buffer it outgrew, freed unzeroed).
+What is best effort (as in `_secret`): pyrage takes and returns immutable `bytes`, so the
+whole plaintext exists once as a `bytes` object on each side; it is zeroed in place by
+`wipe_bytes` (CPython) right after use. The age identity passes through a `str` (the only
+form pyrage takes). The Rust side's own buffers are out of our reach.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import pyrage
+
+from custody._errors import CustodyError
+from custody._keystore import AgentRecord
+from custody._secp256k1 import is_xonly_pubkey, xonly_pubkey
+from custody._sealed import seal
+from custody._secret import SECRET_SIZE, Secret, parse_secret_text, wipe_bytes
+from buzzwire.nostr import is_hex64, verify_owner_tag
+
+if TYPE_CHECKING:
+    from custody._facade import Custody
+
+__all__ = ["BackupContents", "ExportedBackup", "RestoreResult", "export_backup", "open_backup",
+           "restore_backup", "restore_plan", "MAX_BACKUP_BYTES", "MAX_IDENTITY_BYTES"]
+
+MAGIC = b"buzz-broker-backup/v1 "
+#: A backup's ciphertext is read whole into memory: 64 MiB holds well over 100,000 agents
+#: (about 400 bytes each) and bounds what a hostile file can make us allocate.
+MAX_BACKUP_BYTES = 64 * 1024 * 1024
+#: An identity file from `age-keygen` is about 200 bytes; a few identities fit easily.
+MAX_IDENTITY_BYTES = 16 * 1024
+#: Bounds on a record's public fields (a hostile backup must not smuggle megabytes in).
+MAX_NAME_CHARS = 256
+MAX_MINT_REF_CHARS = 512
+MAX_DEPTH = 1_000
+_HEX_DIGITS = b"0123456789abcdef"
+_SECRET_HEX = 2 * SECRET_SIZE
+_RECORD_KEYS = frozenset(
+    {"authTag", "createdAt", "creator", "depth", "mintRef", "name", "owner", "pubkey"}
+)
+
+
+def _canonical(obj: object) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def _record_json(record: AgentRecord) -> bytes:
+    return _canonical({
+        "authTag": list(record.auth_tag) if record.auth_tag is not None else None,
+        "createdAt": record.created_at,
+        "creator": record.creator,
+        "depth": record.depth,
+        "mintRef": record.mint_ref,
+        "name": record.name,
+        "owner": record.owner,
+        "pubkey": record.pubkey,
+    })
+
+
+def _zero(buf: bytearray) -> None:
+    buf[:] = bytes(len(buf))
+
+
+def _write_hex(out: bytearray, at: int, secret: Secret) -> None:
+    """Write the secret as 64 lowercase hex digits at `out[at:]`, byte by byte (no copy)."""
+    data = secret.cdata
+    for i in range(SECRET_SIZE):
+        value = data[i]
+        out[at + 2 * i] = _HEX_DIGITS[value >> 4]
+        out[at + 2 * i + 1] = _HEX_DIGITS[value & 15]
+
+
+def _recipients(texts: Sequence[str]) -> list[pyrage.x25519.Recipient]:
+    if not texts:
+        raise CustodyError("a backup needs at least one age recipient (age1…)")
+    recipients = []
+    for text in texts:
+        try:
+            recipients.append(pyrage.x25519.Recipient.from_str(text.strip()))
+        except (pyrage.RecipientError, ValueError, TypeError):
+            raise CustodyError(f"{text!r} is not an age X25519 recipient (age1…)") from None
+    return recipients
+
+
+@dataclass(frozen=True, slots=True)
+class ExportedBackup:
+    """What a backup wrote: ciphertext only, and the public keys of the agents inside."""
+
+    ciphertext: bytes
+    agents: tuple[str, ...]
+
+
+async def export_backup(custody: Custody, recipients: Sequence[str]) -> ExportedBackup:
+    """Encrypt every live agent (secret key and public record) to `recipients`, in memory.
+
+    Each secret is unsealed (authenticated, re-derived and compared, like any use) and hex
+    encoded into one buffer inside a single token-worker hop; the buffer is encrypted with
+    age and zeroed before the hop ends. Owners come before the agents they own.
+
+    Raises:
+        CustodyError: a recipient that is not `age1…`, an agent whose key does not open
+            (UnsealFailed), token or keystore faults. No partial backup is returned.
+    """
+    parsed = _recipients(recipients)
+    listed: list[AgentRecord] = []
+
+    def work() -> bytes:
+        # Listed inside the hop: no agent minted or destroyed meanwhile is half in it.
+        records = sorted(custody._keystore.all(), key=lambda r: (r.depth, r.created_at, r.pubkey))
+        listed.extend(records)
+        header = MAGIC + _canonical({"agents": len(records), "createdAt": int(time.time())})
+        lines = [b" " + _record_json(record) + b"\n" for record in records]
+        # Sized once and filled in place: a bytearray that grew would leave the secrets it
+        # held so far in the freed, unzeroed buffer it outgrew.
+        plaintext = bytearray(len(header) + 1 + sum(_SECRET_HEX + len(line) for line in lines))
+        plaintext[: len(header) + 1] = header + b"\n"
+        at = len(header) + 1
+        copy = b""
+        try:
+            for record, line in zip(records, lines):
+                with custody._unseal(record.pubkey) as secret:
+                    _write_hex(plaintext, at, secret)
+                plaintext[at + _SECRET_HEX : at + _SECRET_HEX + len(line)] = line
+                at += _SECRET_HEX + len(line)
+            copy = bytes(plaintext)  # pyrage takes bytes only: one immutable copy, wiped below
+            ciphertext: bytes = pyrage.encrypt(copy, parsed)
+            return ciphertext
+        except pyrage.EncryptError:
+            raise CustodyError("age encryption of the backup failed") from None
+        finally:
+            wipe_bytes(copy)
+            _zero(plaintext)
+
+    custody._check_open()
+    ciphertext = await custody._hop("backup", work)
+    return ExportedBackup(ciphertext=ciphertext, agents=tuple(r.pubkey for r in listed))
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    record: AgentRecord
+    #: Where the entry's 64 secret hex digits start in the plaintext buffer.
+    offset: int
+
+
+class BackupContents:
+    """A decrypted, checked backup: public records plus the plaintext buffer holding the
+    secrets. Wipe it (`with` block, or `wipe()`) as soon as the restore is done.
+
+    Only `open_backup` makes one.
+    """
+
+    __slots__ = ("_plaintext", "_entries", "created_at")
+
+    def __init__(self, plaintext: bytearray, entries: tuple[_Entry, ...], created_at: int,
+                 *, _factory: object = None) -> None:
+        if _factory is not _FACTORY:
+            raise TypeError("use custody.open_backup(...)")
+        self._plaintext = plaintext
+        self._entries = entries
+        self.created_at = created_at
+
+    @property
+    def records(self) -> tuple[AgentRecord, ...]:
+        return tuple(entry.record for entry in self._entries)
+
+    def _secrets(self) -> Iterator[tuple[AgentRecord, Secret]]:
+        """Each entry's record and a fresh Secret the caller wipes (use `with`)."""
+        for entry in self._entries:
+            text = bytearray(_SECRET_HEX)
+            text[:] = memoryview(self._plaintext)[entry.offset : entry.offset + _SECRET_HEX]
+            yield entry.record, parse_secret_text(text)  # zeroes `text`
+
+    def wipe(self) -> None:
+        _zero(self._plaintext)
+
+    def __enter__(self) -> BackupContents:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.wipe()
+
+    def __repr__(self) -> str:
+        return f"BackupContents(<{len(self._entries)} agents, secrets redacted>)"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> str:
+        raise TypeError("a BackupContents cannot be pickled")
+
+
+_FACTORY = object()
+
+
+def _identities(identity_text: bytearray) -> list[pyrage.x25519.Identity]:
+    """The `AGE-SECRET-KEY-1…` lines of an identity file (comments and blanks skipped)."""
+    identities = []
+    lines = identity_text.splitlines()  # bytearrays: zeroed below
+    try:
+        for line in lines:
+            text = line.strip()
+            try:
+                if not text or text.startswith(b"#"):
+                    continue
+                identities.append(pyrage.x25519.Identity.from_str(text.decode("ascii")))
+            except (pyrage.IdentityError, UnicodeDecodeError, ValueError):
+                raise CustodyError("the identity file holds a line that is not an age "
+                                   "X25519 identity (AGE-SECRET-KEY-1…)") from None
+            finally:
+                _zero(text)
+    finally:
+        for line in lines:
+            _zero(line)
+    if not identities:
+        raise CustodyError("the identity file holds no age identity (AGE-SECRET-KEY-1…)")
+    return identities
+
+
+def open_backup(ciphertext: bytes, identity_text: bytearray) -> BackupContents:
+    """Decrypt a backup with the identities in `identity_text` (zeroed here) and check it.
+
+    Checks, every one refusing the whole backup: the format line; each entry's shape and
+    bounds; its secret derives its `pubkey`; its owner is a curve point and not the agent;
+    its NIP-OA tag (if any) is by its owner and verifies; no pubkey appears twice; the
+    header's count matches.
+
+    Raises:
+        CustodyError: too large, does not decrypt with these identities (wrong identity,
+            a damaged or altered file), or the first entry that fails a check (by number
+            and pubkey; never a secret).
+    """
+    try:
+        if len(ciphertext) > MAX_BACKUP_BYTES:
+            raise CustodyError(f"the backup is larger than {MAX_BACKUP_BYTES} bytes")
+        identities = _identities(identity_text)
+    finally:
+        _zero(identity_text)
+    try:
+        decrypted = pyrage.decrypt(ciphertext, identities)
+    except pyrage.DecryptError:
+        raise CustodyError("the backup does not decrypt with this identity (wrong identity, "
+                           "or the file is damaged, altered or not an age file)") from None
+    plaintext = bytearray(decrypted)
+    wipe_bytes(decrypted)
+    try:
+        entries, created_at = _parse(plaintext)
+    except BaseException:
+        _zero(plaintext)
+        raise
+    return BackupContents(plaintext, entries, created_at, _factory=_FACTORY)
+
+
+def _fault(number: int, what: str) -> CustodyError:
+    return CustodyError(f"backup entry {number}: {what}; nothing restored")
+
+
+def _parse(plaintext: bytearray) -> tuple[tuple[_Entry, ...], int]:
+    view = memoryview(plaintext)
+    end = plaintext.find(b"\n")
+    if not plaintext.startswith(MAGIC) or end < 0:
+        raise CustodyError("not a buzz-broker backup (format line missing)")
+    try:
+        header = json.loads(bytes(view[len(MAGIC) : end]))
+        count, created_at = header["agents"], header["createdAt"]
+    except (ValueError, KeyError, TypeError):
+        raise CustodyError("not a buzz-broker backup (header unreadable)") from None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+               for v in (count, created_at)):
+        raise CustodyError("not a buzz-broker backup (header unreadable)")
+    entries: list[_Entry] = []
+    seen: set[str] = set()
+    position = end + 1
+    while position < len(plaintext):
+        number = len(entries) + 1
+        end = plaintext.find(b"\n", position)
+        if end < 0 or end - position < _SECRET_HEX + 2 or plaintext[position + _SECRET_HEX] != 0x20:
+            raise _fault(number, "malformed line")
+        record = _record(bytes(view[position + _SECRET_HEX + 1 : end]), number)
+        if record.pubkey in seen:
+            raise _fault(number, f"agent {record.pubkey} appears twice")
+        seen.add(record.pubkey)
+        entry = _Entry(record=record, offset=position)
+        _check_secret(plaintext, entry, number)
+        entries.append(entry)
+        position = end + 1
+    if len(entries) != count:
+        raise CustodyError(f"the backup says {count} agents but holds {len(entries)}")
+    return tuple(entries), created_at
+
+
+def _check_secret(plaintext: bytearray, entry: _Entry, number: int) -> None:
+    text = bytearray(_SECRET_HEX)
+    text[:] = memoryview(plaintext)[entry.offset : entry.offset + _SECRET_HEX]
+    try:
+        with parse_secret_text(text) as secret:
+            derived = xonly_pubkey(secret).hex()
+    except CustodyError:
+        raise _fault(number, "the secret key is malformed") from None
+    if derived != entry.record.pubkey:
+        raise _fault(number, f"the secret key does not derive pubkey {entry.record.pubkey}")
+
+
+def _optional_hex(value: object) -> bool:
+    return value is None or is_hex64(value)
+
+
+def _record(data: bytes, number: int) -> AgentRecord:
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        raise _fault(number, "the record is not JSON") from None
+    if not isinstance(obj, dict) or set(obj) != _RECORD_KEYS:
+        raise _fault(number, "the record's fields are not the expected ones")
+    pubkey, owner, name, tag = obj["pubkey"], obj["owner"], obj["name"], obj["authTag"]
+    depth, created_at, mint_ref = obj["depth"], obj["createdAt"], obj["mintRef"]
+    if not is_hex64(pubkey) or not is_hex64(owner) or not _optional_hex(obj["creator"]):
+        raise _fault(number, "a pubkey is not 64 lowercase hex")
+    if owner == pubkey or not is_xonly_pubkey(bytes.fromhex(owner)):
+        raise _fault(number, f"agent {pubkey}: its owner is not a valid owner key")
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
+        raise _fault(number, f"agent {pubkey}: bad name")
+    if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= MAX_DEPTH:
+        raise _fault(number, f"agent {pubkey}: bad depth")
+    if not isinstance(created_at, int) or isinstance(created_at, bool) or created_at < 0:
+        raise _fault(number, f"agent {pubkey}: bad createdAt")
+    if mint_ref is not None and (not isinstance(mint_ref, str)
+                                 or not 0 < len(mint_ref) <= MAX_MINT_REF_CHARS):
+        raise _fault(number, f"agent {pubkey}: bad mintRef")
+    auth_tag: tuple[str, str, str, str] | None = None
+    if tag is not None:
+        if (not isinstance(tag, list) or len(tag) != 4 or not all(isinstance(t, str) for t in tag)
+                or tag[1] != owner or not verify_owner_tag(tag, pubkey)):
+            raise _fault(number, f"agent {pubkey}: its NIP-OA tag does not verify against its owner")
+        auth_tag = (tag[0], tag[1], tag[2], tag[3])
+    return AgentRecord(pubkey=pubkey, owner=owner, name=name, auth_tag=auth_tag,
+                       creator=obj["creator"], depth=depth, created_at=created_at,
+                       deleted_at=None, mint_ref=mint_ref)
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreResult:
+    """Public keys restored (sealed here now) and those already held unchanged."""
+
+    restored: tuple[str, ...]
+    already_held: tuple[str, ...]
+
+
+def restore_plan(custody: Custody, contents: BackupContents) -> RestoreResult:
+    """What `restore_backup` would do, from public records only (no token call).
+
+    Raises:
+        CustodyError: an agent held here under another owner, removed here, or a mint
+            reference used by another agent here.
+    """
+    restored, held = [], []
+    for record in contents.records:
+        existing = custody._keystore.get(record.pubkey)
+        if existing is not None and not existing.live:
+            raise CustodyError(f"agent {record.pubkey} was removed on this host; its tombstone "
+                               "is kept and it cannot return; nothing restored")
+        if existing is not None and existing.owner != record.owner:
+            raise CustodyError(f"agent {record.pubkey} is held here for another owner "
+                               f"({existing.owner}); refusing to overwrite; nothing restored")
+        if existing is not None:
+            held.append(record.pubkey)
+            continue
+        if record.mint_ref is not None:
+            other = custody._keystore.by_mint_ref(record.mint_ref)
+            if other is not None:
+                raise CustodyError(f"agent {record.pubkey}: its mint reference is used here by "
+                                   f"agent {other.pubkey}; refusing to overwrite; nothing restored")
+        restored.append(record.pubkey)
+    return RestoreResult(restored=tuple(restored), already_held=tuple(held))
+
+
+async def restore_backup(custody: Custody, contents: BackupContents) -> RestoreResult:
+    """Seal every agent of `contents` not already held under this host's KEK, in one hop.
+
+    The plan is checked again inside the hop (the daemon may have minted meanwhile); every
+    agent is sealed and inserted with its backed-up record (same pubkey, owner, NIP-OA tag,
+    depth, name, mint reference). Each agent is one keystore transaction: a crash midway
+    leaves some restored, and running the restore again finishes the rest.
+
+    Raises:
+        CustodyError: as `restore_plan`; token or keystore faults.
+    """
+    def work() -> RestoreResult:
+        plan = restore_plan(custody, contents)
+        wanted = set(plan.restored)
+        now = int(time.time())
+        for record, secret in contents._secrets():
+            with secret:
+                if record.pubkey in wanted:
+                    custody._keystore.insert(record, seal(custody._token, secret, record.pubkey), now)
+        return plan
+
+    return await custody._hop("restore", work)

@@ -1,0 +1,259 @@
+"""`buzz-broker keys backup` and `keys restore`: every live agent to an offline age key and back.
+
+Rules:
+- backup: `--recipient age1…` (one or more) and `--out FILE`. FILE is created with O_EXCL
+  and mode 0600 before anything is unsealed (an existing file is never overwritten or
+  followed), receives the age ciphertext only (custody encrypts in memory:
+  `custody.export_backup`), and is fsynced with its directory. On any fault it is removed.
+- restore: `--identity FILE` (an `age-keygen` identity, mode 0600 or stricter, never a
+  symlink) and the backup file. Custody decrypts and checks every entry (secret derives
+  its pubkey, NIP-OA tag verifies against its owner) before anything is shown; the command
+  lists what it will import on stdout and asks on the terminal, or takes `--yes`. Without
+  a terminal and without `--yes` it refuses. It refuses to overwrite a different agent.
+- Both append one line to the key-event log, `<state dir>/key-events.jsonl` (0600, fsynced):
+  time, event, the operator's uid and user name, how many agents, their pubkeys, the
+  backup file's sha256 and the recipients (public keys). Never a secret. It is not the
+  daemon's hash-chained audit log: the daemon holds that chain open, and a second writer
+  would fork it.
+- What a backup does not hold: credentials and the ledger (docs/install.md, "Restore").
+
+WARNING: docs/install.md ("Back up", "Restore") shows these flags; keep them in step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import errno
+import hashlib
+import json
+import os
+import pwd
+import stat
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import trio
+
+from daemon.cli._common import CliError, config_from_args
+
+if TYPE_CHECKING:
+    from custody import RestoreResult, TokenConfig
+    from daemon.config import Config
+
+KEY_EVENTS_FILE = "key-events.jsonl"
+#: Answers that confirm a restore at the prompt.
+_YES = frozenset({"y", "yes"})
+
+
+def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "backup",
+        help="write every live agent, encrypted to age recipients, to a new file",
+    )
+    p.add_argument("--recipient", action="append", required=True, metavar="AGE_RECIPIENT",
+                   help="an age X25519 recipient (age1…); repeat for several")
+    p.add_argument("--out", required=True, metavar="FILE", type=Path,
+                   help="the backup file to create (must not exist; written 0600)")
+    p = sub.add_parser(
+        "restore",
+        help="seal every agent of a backup under this host's KEK",
+    )
+    p.add_argument("--identity", required=True, metavar="FILE", type=Path,
+                   help="the age identity file (AGE-SECRET-KEY-1…) the backup was made for")
+    p.add_argument("backup", metavar="BACKUP", type=Path)
+    p.add_argument("--yes", action="store_true", help="restore without asking")
+
+
+def _token(config: Config) -> TokenConfig:
+    from custody import TokenConfig
+
+    return TokenConfig(
+        module=config.pkcs11.module,
+        token_label=config.pkcs11.token_label,
+        pin_file=config.pkcs11.pin_file,
+        kek_label=config.pkcs11.kek_label,
+    )
+
+
+def _operator() -> dict[str, object]:
+    uid = os.getuid()
+    try:
+        name: str | None = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        name = None
+    return {"uid": uid, "user": name}
+
+
+def record_key_event(state_dir: Path, event: dict[str, object]) -> None:
+    """Append one JSON line to `<state_dir>/key-events.jsonl` and fsync it (0600, no symlink)."""
+    at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    line = json.dumps({"time": at.replace("+00:00", "Z"), **_operator(), **event},
+                      sort_keys=True, separators=(",", ":")) + "\n"
+    path = state_dir / KEY_EVENTS_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            os.write(fd, line.encode("utf-8"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise CliError(f"cannot record the key event in {path}: {exc.strerror}") from None
+
+
+def _create_exclusive(path: Path) -> int:
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                       0o600)
+    except FileExistsError:
+        raise CliError(f"{path} exists; a backup never overwrites a file") from None
+    except OSError as exc:
+        raise CliError(f"cannot create {path}: {exc.strerror}") from None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _backup(args: argparse.Namespace, config: Config) -> int:
+    from custody import Custody, CustodyError, export_backup
+
+    out: Path = args.out
+    fd = _create_exclusive(out)
+    done = False
+    try:
+        async def main() -> tuple[bytes, tuple[str, ...]]:
+            async with await Custody.open(_token(config), Path(config.state.dir)) as custody:
+                exported = await export_backup(custody, args.recipient)
+                return exported.ciphertext, exported.agents
+
+        try:
+            ciphertext, agents = trio.run(main)
+        except CustodyError as exc:
+            raise CliError(str(exc)) from None
+        try:
+            _write_all(fd, ciphertext)
+            os.fsync(fd)
+            dir_fd = os.open(out.parent if str(out.parent) else Path("."), os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as exc:
+            raise CliError(f"cannot write {out}: {exc.strerror}") from None
+        done = True
+    finally:
+        os.close(fd)
+        if not done:
+            out.unlink(missing_ok=True)
+    digest = hashlib.sha256(ciphertext).hexdigest()
+    record_key_event(Path(config.state.dir), {
+        "event": "backup", "agents": len(agents), "pubkeys": list(agents),
+        "file": str(out), "sha256": digest, "recipients": [r.strip() for r in args.recipient],
+    })
+    print(f"backed up {len(agents)} agents to {out} (sha256 {digest})")
+    return 0
+
+
+def _read_bounded(path: Path, limit: int, what: str, *, private: bool) -> bytearray:
+    """Read `path` (no symlink, regular file, at most `limit` bytes) into a bytearray.
+
+    `private`: refuse a file with group or other permission bits (it holds a secret).
+    """
+    from custody import read_limited
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CliError(f"{what} {path} is a symbolic link; name the file itself") from None
+        raise CliError(f"cannot read {what} {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CliError(f"{what} {path} is not a regular file")
+        if private and st.st_mode & 0o077:
+            raise CliError(f"{what} {path} is readable by group or others "
+                           f"(mode {stat.S_IMODE(st.st_mode):o}); chmod 600 it")
+        if st.st_size > limit:
+            raise CliError(f"{what} {path} is larger than {limit} bytes")
+        # Sized by fstat: a file that grows while it is read is refused, not followed.
+        buf = read_limited(fd, st.st_size)
+        if buf is None:
+            raise CliError(f"{what} {path} changed while it was read")
+        return buf
+    except OSError as exc:
+        raise CliError(f"cannot read {what} {path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+def _confirm(count: int, yes: bool) -> bool:
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        raise CliError("restore not confirmed: no terminal to ask on; pass --yes")
+    print(f"restore {count} agents under this host's KEK? [y/N] ", end="", file=sys.stderr,
+          flush=True)
+    return sys.stdin.readline().strip().lower() in _YES
+
+
+def _restore(args: argparse.Namespace, config: Config) -> int:
+    from custody import (
+        MAX_BACKUP_BYTES,
+        MAX_IDENTITY_BYTES,
+        Custody,
+        CustodyError,
+        open_backup,
+        restore_backup,
+        restore_plan,
+    )
+
+    ciphertext = bytes(_read_bounded(args.backup, MAX_BACKUP_BYTES, "backup", private=False))
+    identity = _read_bounded(args.identity, MAX_IDENTITY_BYTES, "identity file", private=True)
+
+    async def main() -> RestoreResult | None:
+        try:
+            contents = open_backup(ciphertext, identity)  # zeroes `identity`
+        finally:
+            identity[:] = bytes(len(identity))
+        with contents:
+            async with await Custody.open(_token(config), Path(config.state.dir)) as custody:
+                plan = restore_plan(custody, contents)
+                held = set(plan.already_held)
+                for record in contents.records:
+                    state = "already held" if record.pubkey in held else "restore"
+                    print(f"{record.pubkey}  owner={record.owner}  depth={record.depth}  "
+                          f"{'auth-tag' if record.auth_tag else '-'}  {state}  {record.name}")
+                if not plan.restored:
+                    return plan
+                if not _confirm(len(plan.restored), args.yes):
+                    return None
+                return await restore_backup(custody, contents)
+
+    try:
+        result = trio.run(main)
+    except CustodyError as exc:
+        raise CliError(str(exc)) from None
+    if result is None:
+        raise CliError("restore not confirmed; nothing restored")
+    record_key_event(Path(config.state.dir), {
+        "event": "restore", "agents": len(result.restored), "pubkeys": list(result.restored),
+        "alreadyHeld": len(result.already_held), "file": str(args.backup),
+        "sha256": hashlib.sha256(ciphertext).hexdigest(),
+    })
+    print(f"restored {len(result.restored)} agents; {len(result.already_held)} already held",
+          file=sys.stderr)
+    return 0
+
+
+SUBCOMMANDS = {"backup": _backup, "restore": _restore}
+
+
+def run(args: argparse.Namespace) -> int:
+    return SUBCOMMANDS[args.keys_command](args, config_from_args(args))

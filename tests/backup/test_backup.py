@@ -1,0 +1,261 @@
+"""`buzz-broker keys backup` / `keys restore` as an operator runs them, against the session's
+token (SoftHSM in the main suite; every kind in the four-token run).
+
+"Another host" here is a second state directory under a second KEK: restore must seal under
+that KEK (the drill, tests/backup/test_drill.py, does it with a new token and the daemon).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyrage
+import pytest
+import trio
+
+from custody import Custody, PublicDirectory, TokenConfig
+from tests.custody._secrets import PUB_1, PUB_2, PUB_3, SECRET_1, SECRET_X, assert_no_secrets
+from tests.custody.test_cli import Cli
+from tests.fixtures.token import SoftHsmToken
+
+SLUGS = ("core", "mem/plans")
+
+
+def age_identity(path: Path) -> str:
+    """`age-keygen -o path` (Debian's age): returns the public recipient it printed."""
+    done = subprocess.run(["age-keygen", "-o", str(path)], capture_output=True, text=True,
+                          check=True, timeout=30)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    return done.stderr.strip().removeprefix("Public key: ")
+
+
+class Host:
+    """One host: its own state dir and KEK in the session token, driven through the CLI."""
+
+    def __init__(self, token: SoftHsmToken, directory: Path) -> None:
+        directory.mkdir()
+        self.cli = Cli(token, directory)
+        self.token = token
+        assert self.cli("keys", "init").returncode == 0
+
+    def __call__(self, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+        return self.cli(*args, stdin=stdin)
+
+    @property
+    def config(self) -> TokenConfig:
+        return self.token.config(kek_label=self.cli.kek_label)
+
+    def agents(self) -> list[dict[str, object]]:
+        """The live agents' public records (as `agent list --json` prints them)."""
+        directory = PublicDirectory.open(self.cli.state)
+        try:
+            return [r.to_json_obj() for r in sorted(directory.all(), key=lambda r: r.pubkey)]
+        finally:
+            directory.close()
+
+    def d_tags(self) -> dict[str, list[str]]:
+        async def derive() -> dict[str, list[str]]:
+            async with await Custody.open(self.config, self.cli.state) as custody:
+                return {r.pubkey: [(await custody.memory_address(r.pubkey, s)).d_tag for s in SLUGS]
+                        for r in custody.agents()}
+
+        return trio.run(derive)
+
+    def files(self) -> bytes:
+        return b"".join(p.read_bytes() for p in sorted(self.cli.state.iterdir()) if p.is_file())
+
+
+@dataclass(frozen=True)
+class Made:
+    """The module's source host, made once: three agents, backed up once."""
+
+    host: Host
+    out: Path
+    identity: Path
+    #: The source's agents and d-tags, read right after the backup.
+    agents: list[dict[str, object]]
+    d_tags: dict[str, list[str]]
+
+
+@pytest.fixture(scope="module")
+def made(softhsm_token: SoftHsmToken, tmp_path_factory: pytest.TempPathFactory) -> Made:
+    """A human-owned boss, its helper (NIP-OA tagged by boss), and one more agent."""
+    directory = tmp_path_factory.mktemp("backup-source")
+    host = Host(softhsm_token, directory / "source")
+    boss = host("agent", "import", "--owner", PUB_2, "--name", "boss", stdin=SECRET_X).stdout.strip()
+    assert host("agent", "create", "--owner", boss, "--name", "helper").returncode == 0
+    assert host("agent", "import", "--owner", PUB_3, stdin=SECRET_1).stdout.strip() == PUB_1
+    identity = directory / "identity.txt"
+    out = directory / "agents.age"
+    done = host("keys", "backup", "--recipient", age_identity(identity), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    return Made(host, out, identity, host.agents(), host.d_tags())
+
+
+@pytest.fixture
+def target(softhsm_token: SoftHsmToken, tmp_path: Path) -> Host:
+    return Host(softhsm_token, tmp_path / "target")
+
+
+def test_round_trip_keeps_pubkeys_nip_oa_tags_and_d_tags(made: Made, target: Host) -> None:
+    source, out, identity = made.host, made.out, made.identity
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+    assert out.read_bytes().startswith(b"age-encryption.org/v1\n")
+    done = target("keys", "restore", "--identity", str(identity), str(out), "--yes")
+    assert done.returncode == 0, done.stderr
+    assert target.agents() == made.agents and len(made.agents) == 3
+    assert done.stdout.count("  restore  ") == 3
+    assert target.d_tags() == made.d_tags
+    # Sealed under the target's own KEK: the source's blobs are not what the target holds.
+    assert target.files() != source.files()
+    # Restoring again changes nothing: every agent is already held, with the same owner.
+    again = target("keys", "restore", "--identity", str(identity), str(out))
+    assert again.returncode == 0 and again.stdout.count("already held") == 3
+    events = [json.loads(line) for line in (target.cli.state / "key-events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["agents"]) for e in events] == [("restore", 3), ("restore", 0)]
+    backed = json.loads((source.cli.state / "key-events.jsonl").read_text())
+    assert backed["event"] == "backup" and backed["agents"] == 3 and backed["uid"] == os.getuid()
+    scanned = (source.cli.transcript + target.cli.transcript + out.read_bytes()
+               + source.files() + target.files())
+    assert_no_secrets(scanned)
+    assert b"AGE-SECRET-KEY" not in scanned
+
+
+def test_the_backup_is_a_plain_age_file_holding_the_documented_format(made: Made) -> None:
+    out, identity = made.out, made.identity
+    # age's own tool opens it (to stdout, kept in memory: never write this in clear).
+    plain = subprocess.run(["age", "--decrypt", "--identity", str(identity), str(out)],
+                           capture_output=True, check=True, timeout=30).stdout
+    lines = plain.splitlines()
+    assert lines[0].startswith(b"buzz-broker-backup/v1 ")
+    assert json.loads(lines[0].split(b" ", 1)[1])["agents"] == 3 == len(lines) - 1
+    secrets = {line[:64] for line in lines[1:]}
+    assert SECRET_X.encode() in secrets and SECRET_1.encode() in secrets
+
+
+def test_wrong_identity_or_a_damaged_file_restores_nothing(
+    made: Made, target: Host, tmp_path: Path
+) -> None:
+    out = made.out
+    stranger = tmp_path / "stranger.txt"
+    age_identity(stranger)
+    done = target("keys", "restore", "--identity", str(stranger), str(out), "--yes")
+    assert done.returncode == 1 and "does not decrypt" in done.stderr
+    damaged = tmp_path / "damaged.age"
+    data = bytearray(out.read_bytes())
+    data[-20] ^= 1
+    damaged.write_bytes(bytes(data))
+    done = target("keys", "restore", "--identity", str(made.identity), str(damaged), "--yes")
+    assert done.returncode == 1 and "does not decrypt" in done.stderr
+    assert target.agents() == []
+    assert "Traceback" not in target.cli.transcript.decode()
+
+
+def forge(out: Path, identity: Path, tmp_path: Path, edit: object) -> Path:
+    """What anyone who knows the recipient can do: decrypt nothing, write a new backup.
+
+    Here the test decrypts the real one (it holds the identity), edits one record with
+    `edit(record) -> None`, and encrypts the result to the same recipient.
+    """
+    ident = pyrage.x25519.Identity.from_str(
+        next(l for l in identity.read_text().splitlines() if l.startswith("AGE-SECRET-KEY")))
+    lines = pyrage.decrypt(out.read_bytes(), [ident]).split(b"\n")
+    secret, record = lines[1].split(b" ", 1)
+    obj = json.loads(record)
+    edit(obj)  # type: ignore[operator]
+    lines[1] = secret + b" " + json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    forged = tmp_path / f"forged-{len(list(tmp_path.glob('forged-*')))}.age"
+    forged.write_bytes(pyrage.encrypt(b"\n".join(lines), [ident.to_public()]))
+    return forged
+
+
+def _other_pubkey(record: dict[str, object]) -> None:
+    record["pubkey"] = "ab" * 32  # hex, no owner's key: only the derivation check can refuse
+
+
+def _bad_tag_signature(record: dict[str, object]) -> None:
+    tag = record["authTag"]
+    assert isinstance(tag, list)
+    tag[3] = tag[3][:-1] + ("0" if tag[3][-1] != "0" else "1")
+
+
+def _tag_of_another_owner(record: dict[str, object]) -> None:
+    record["owner"] = PUB_3
+
+
+@pytest.mark.parametrize("edit, tagged, message", [
+    (_other_pubkey, False, "does not derive pubkey"),
+    (_bad_tag_signature, True, "NIP-OA tag does not verify"),
+    (_tag_of_another_owner, True, "NIP-OA tag does not verify"),
+])
+def test_a_forged_backup_is_refused_whole(
+    made: Made, target: Host, tmp_path: Path, edit: object, tagged: bool, message: str
+) -> None:
+    identity = made.identity
+    out = tmp_path / "reordered.age"
+
+    def checked(record: dict[str, object]) -> None:
+        assert (record["authTag"] is not None) is tagged
+        edit(record)  # type: ignore[operator]
+
+    # Put a record with (or without) a NIP-OA tag first: the edit hits that one, so each
+    # case proves one check (an untagged record's forged pubkey meets no tag check).
+    ident = pyrage.x25519.Identity.from_str(
+        next(l for l in identity.read_text().splitlines() if l.startswith("AGE-SECRET-KEY")))
+    lines = pyrage.decrypt(made.out.read_bytes(), [ident]).split(b"\n")
+    body = [l for l in lines[1:] if l]
+    body.sort(key=lambda l: (b'"authTag":null' in l) == tagged)
+    out.write_bytes(pyrage.encrypt(b"\n".join([lines[0], *body, b""]), [ident.to_public()]))
+    forged = forge(out, identity, tmp_path, checked)
+    done = target("keys", "restore", "--identity", str(identity), str(forged), "--yes")
+    assert done.returncode == 1 and message in done.stderr and "entry 1" in done.stderr
+    assert target.agents() == []
+    assert_no_secrets(target.cli.transcript)
+
+
+def test_restore_refuses_to_overwrite_a_different_agent(made: Made, target: Host) -> None:
+    # The target already holds PUB_1's key, for another owner than the backup says.
+    assert target("agent", "import", "--owner", PUB_2, stdin=SECRET_1).stdout.strip() == PUB_1
+    before = target.agents()
+    done = target("keys", "restore", "--identity", str(made.identity), str(made.out), "--yes")
+    assert done.returncode == 1 and "for another owner" in done.stderr
+    assert target.agents() == before
+
+
+def test_a_removed_agent_does_not_come_back_through_a_backup(made: Made, target: Host) -> None:
+    assert target("agent", "import", "--owner", PUB_3, stdin=SECRET_1).returncode == 0
+    assert target("agent", "remove", PUB_1).returncode == 0
+    done = target("keys", "restore", "--identity", str(made.identity), str(made.out), "--yes")
+    assert done.returncode == 1 and "was removed on this host" in done.stderr
+    assert target.agents() == []
+
+
+def test_restore_asks_and_refuses_without_a_terminal_or_yes(made: Made, target: Host) -> None:
+    done = target("keys", "restore", "--identity", str(made.identity), str(made.out))
+    assert done.returncode == 1 and "--yes" in done.stderr
+    assert done.stdout.count("  restore  ") == 3  # it listed what it would import
+    assert target.agents() == []
+
+
+def test_backup_never_overwrites_and_identity_must_be_private(
+    made: Made, target: Host, tmp_path: Path
+) -> None:
+    source, out = made.host, made.out
+    before = out.read_bytes()
+    recipient = age_identity(tmp_path / "second.txt")
+    done = source("keys", "backup", "--recipient", recipient, "--out", str(out))
+    assert done.returncode == 1 and "exists" in done.stderr and out.read_bytes() == before
+    bad = source("keys", "backup", "--recipient", "age1notakey", "--out", str(tmp_path / "x.age"))
+    assert bad.returncode == 1 and "not an age X25519 recipient" in bad.stderr
+    assert not (tmp_path / "x.age").exists()  # removed: nothing half-written stays
+    loose = tmp_path / "loose.txt"
+    loose.write_bytes(made.identity.read_bytes())
+    loose.chmod(0o644)
+    done = target("keys", "restore", "--identity", str(loose), str(out), "--yes")
+    assert done.returncode == 1 and "readable by group or others" in done.stderr
+    assert target.agents() == []
