@@ -11,9 +11,11 @@ Startup, in order (each fault is one line on stderr and a non-zero exit, no trac
    wait in the backlog, and a socket fault is reported before a slow token login;
 4. open the application (`daemon.wiring.running`: custody logs into the token and
    finds the KEK, the stores and the relay pool open) - `StartupError` is one line;
-5. serve HTTP, then send ``READY=1`` and a ``STATUS=`` line; ping ``WATCHDOG=1`` from the
-   event loop at half of ``WATCHDOG_USEC`` (a wedged loop stops the pings and systemd
-   restarts us).
+5. bind the [metrics] socket and/or listen address (if set; a taken one is one line),
+   serve HTTP on every socket with `daemon.http.serve` (agents: `action_routes`; metrics:
+   `daemon.metrics.scrape_routes` under its `SCRAPE_LIMITS`), then send ``READY=1`` and a
+   ``STATUS=`` line; ping ``WATCHDOG=1`` from the event loop at half of
+   ``WATCHDOG_USEC`` (a wedged loop stops the pings and systemd restarts us).
 
 Signals: SIGTERM/SIGINT -> ``STOPPING=1``, stop accepting, drain in-flight requests up to
 [server] shutdown_grace, exit 0. SIGHUP -> ``RELOADING=1`` (with ``MONOTONIC_USEC``, which
@@ -295,8 +297,8 @@ async def _serve_until_signalled(
     metrics_socket: str | None = None,
     metrics_listen: tuple[str, int] | None = None,
 ) -> None:
-    # An application with a metrics registry (the broker) gets the connection gauge and,
-    # when [metrics] socket is set, the admin socket; a test application has neither.
+    # An application with a metrics registry (the broker) gets the connection gauge and
+    # the [metrics] listeners that are configured; a test application has neither.
     metrics: Metrics | None = getattr(app, "metrics", None)
     on_connections = None
     if metrics is not None:
