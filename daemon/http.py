@@ -26,7 +26,8 @@ Theory of operation:
   request is answered with its handler's status and headers (the real Content-Length)
   and no body, as HTTP requires; only a table that lists HEAD routes it.
 
-Bounds (all from `HttpLimits`, set by [server] in the config):
+Bounds (all from `HttpLimits`: [server] in the config for the agents' socket, the fixed and
+smaller `daemon.metrics.SCRAPE_LIMITS` for the metrics listeners):
 - header bytes: h11's ``max_incomplete_event_size`` while the head is arriving, and the
   size of the parsed head once it is whole; beyond either, 431.
 - body bytes: a ``Content-Length`` above the limit is answered 413 before one body byte is
