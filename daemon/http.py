@@ -1,22 +1,33 @@
-"""HTTP/1.1 on a Unix socket: trio for the I/O, h11 for the protocol, nothing of the contract.
+"""HTTP/1.1 servers: trio for the I/O, h11 for the protocol, nothing of the contract.
+
+The daemon's every HTTP endpoint goes through `serve`: the agents' socket (``POST
+/v1/action``, `action_routes`) and the metrics admin socket and loopback TCP listener
+(``GET``/``HEAD /metrics``, `daemon.metrics.scrape_routes`, with the smaller
+`daemon.metrics.SCRAPE_LIMITS`). One server, so one set of bounds, one fault containment
+and one stale-socket check for all of them.
 
 Theory of operation:
-- `serve()` owns one nursery. It accepts connections on a listening Unix socket (one it was
-  handed, e.g. by systemd socket activation, or one it binds with `bind_unix_socket`),
-  runs one task per connection, and calls ``task_status.started(control)`` only once the
-  socket is listening. `ServerControl.stop()` asks for a graceful stop; cancelling
-  `serve()` is the hard stop.
-- A connection task reads one request at a time with h11 (keep-alive; pipelined requests
-  are read one after another from h11's buffer, so they are answered in order), hands a
-  `HttpRequest` (body bytes, the raw Authorization value, the peer's uid/pid from
-  SO_PEERCRED) to the `Application`, and writes back its `HttpAnswer`. The application
-  decides everything about the body; this layer only enforces the transport.
-- Routing: ``POST /v1/action`` only. Another target is 404, another method on that target
-  is 405 with ``Allow: POST``; neither has a body (no envelope: the request was never
+- `serve()` owns one nursery. It accepts connections on a listening stream socket (one it
+  was handed - by systemd socket activation, or `bind_tcp_socket` for metrics - or a Unix
+  socket it binds with `bind_unix_socket`), runs one task per connection, and calls
+  ``task_status.started(control)`` only once the socket is listening.
+  `ServerControl.stop()` asks for a graceful stop; cancelling `serve()` is the hard stop.
+- A connection task reads one request at a time with h11 (keep-alive unless
+  ``limits.keep_alive`` is off; pipelined requests are read one after another from h11's
+  buffer, so they are answered in order), hands a `HttpRequest` (body bytes, the raw
+  Authorization value, the peer's uid/pid from SO_PEERCRED on a Unix socket) to the
+  handler its `Routes` table names, and writes back its `HttpAnswer`. The handler decides
+  everything about the body; this layer only enforces the transport.
+- Routing is a table, (method, path) -> handler (`Routes`). A path the table has with
+  another method is 405 with ``Allow`` listing the path's methods; any other target is
+  404. Neither has a body (on the agents' socket: no envelope, the request was never
   judged). Other transport faults are likewise bodiless: 400 (malformed HTTP), 408 (too
-  slow), 413 (body too large), 431 (headers too large), 500 (the application raised).
+  slow), 413 (body too large), 431 (headers too large), 500 (the handler raised). A HEAD
+  request is answered with its handler's status and headers (the real Content-Length)
+  and no body, as HTTP requires; only a table that lists HEAD routes it.
 
-Bounds (all from `HttpLimits`, set by [server] in the config):
+Bounds (all from `HttpLimits`: [server] in the config for the agents' socket, the fixed and
+smaller `daemon.metrics.SCRAPE_LIMITS` for the metrics listeners):
 - header bytes: h11's ``max_incomplete_event_size`` while the head is arriving, and the
   size of the parsed head once it is whole; beyond either, 431.
 - body bytes: a ``Content-Length`` above the limit is answered 413 before one body byte is
@@ -50,18 +61,18 @@ over as ``""`` - present but malformed - so authentication fails for them as it 
 any unusable credential, and nothing tries to guess which header was meant.
 
 Disconnects: a client that goes away mid-request ends its task at the next read (h11
-reports the truncated message); nothing is left behind. A client that goes away while the
-application is handling its request does not cancel the application (the pipeline must be
+reports the truncated message); nothing is left behind. A client that goes away while a
+handler is handling its request does not cancel the handler (the pipeline must be
 allowed to record what it did); the answer's write fails and the task ends.
 
 Graceful stop: `ServerControl.stop()` closes the listener (no new connections), cuts every
 connection that is waiting for or reading a request, and lets connections whose request is
-with the application finish and write their answer (with ``Connection: close``), for up to
+with a handler finish and write their answer (with ``Connection: close``), for up to
 ``shutdown_grace`` seconds; then whatever is left is cancelled.
 
-Errors: an exception from the application never reaches the client. It is logged (type
+Errors: an exception from a handler never reaches the client. It is logged (type
 name only: its text could carry a secret) and answered 500 without a body, the very last
-resort - the application is expected to always answer. Any other unexpected exception in a
+resort - a handler is expected to always answer. Any other unexpected exception in a
 connection task (from h11, from writing an unusable answer, from this module) ends that
 connection only - answered 500 first if no response was started - and never `serve`.
 Faults are logged through `daemon.fault_log.FaultLog`: once per cause, then at most one
@@ -83,7 +94,7 @@ import socket
 import stat
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -98,11 +109,15 @@ __all__ = [
     "HttpRequest",
     "HttpAnswer",
     "Application",
+    "Handler",
+    "Routes",
+    "action_routes",
     "HttpLimits",
     "ServerControl",
     "ListenError",
     "serve",
     "bind_unix_socket",
+    "bind_tcp_socket",
     "unlink_if_ours",
     "ACTION_PATH",
 ]
@@ -153,7 +168,7 @@ _REFUSE_WRITE_SECONDS = 1.0
 
 @dataclass(frozen=True, slots=True)
 class HttpRequest:
-    """What the application gets: never the path or method (they are fixed by routing)."""
+    """What a handler gets: never the path or method (its route fixed them)."""
 
     body: bytes
     #: The Authorization header's value as sent ("Bearer ..."), None if absent, "" if
@@ -165,7 +180,7 @@ class HttpRequest:
 
 @dataclass(frozen=True, slots=True)
 class HttpAnswer:
-    """What the application answers: an HTTP status and the body bytes (None = no body)."""
+    """What a handler answers: an HTTP status and the body bytes (None = no body)."""
 
     status: int
     body: bytes | None
@@ -173,9 +188,56 @@ class HttpAnswer:
 
 
 class Application(Protocol):
-    """The pipeline behind the socket. `handle` must always return an answer."""
+    """The pipeline behind the agents' socket. `handle` must always return an answer."""
 
     async def handle(self, request: HttpRequest) -> HttpAnswer: ...
+
+
+#: What a route calls; like `Application.handle`, it must always return an answer.
+Handler = Callable[[HttpRequest], Awaitable[HttpAnswer]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    """A request routing turns away here, before any handler: a status and its headers."""
+
+    status: int
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+_NOT_FOUND = _Refusal(404)
+
+
+@dataclass(frozen=True, slots=True)
+class Routes:
+    """What one socket serves: a table from (method, path) to the handler that answers.
+
+    A path the table has with another method is refused 405 with ``Allow`` naming the
+    path's methods (sorted); any other target is 404. Methods and paths are bytes as they
+    appear on the request line (methods upper case).
+    """
+
+    table: Mapping[tuple[bytes, bytes], Handler]
+    #: Match the path without its ``?query`` (a Prometheus scrape config may add
+    #: parameters). False: the target must equal a path byte for byte, as the spec's one
+    #: agent endpoint does (``/v1/action?x=1`` is 404).
+    ignore_query: bool = False
+
+    def find(self, method: bytes, target: bytes) -> Handler | _Refusal:
+        """The handler for this request line, or how routing refuses it."""
+        path = target.split(b"?", 1)[0] if self.ignore_query else target
+        handler = self.table.get((method, path))
+        if handler is not None:
+            return handler
+        allowed = sorted(m for m, p in self.table if p == path)
+        if not allowed:
+            return _NOT_FOUND
+        return _Refusal(405, ((b"Allow", b", ".join(allowed)),))
+
+
+def action_routes(app: Application) -> Routes:
+    """The agents' socket: ``POST /v1/action`` and nothing else (spec §HTTP binding)."""
+    return Routes({(b"POST", ACTION_PATH): app.handle})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -197,6 +259,9 @@ class HttpLimits:
     request_timeout: float = 10.0
     #: Seconds in-flight requests get to finish after a graceful stop.
     shutdown_grace: float = 10.0
+    #: False: one request per connection, its answer sent with ``Connection: close`` (the
+    #: metrics listeners: a scraper reconnects per scrape, so an idle one holds no slot).
+    keep_alive: bool = True
 
     def __post_init__(self) -> None:
         if self.max_connections < 1 or self.max_connections_per_uid < 1:
@@ -315,11 +380,34 @@ def bind_unix_socket(path: str, *, mode: int = 0o660, group: str | None = None) 
     return sock
 
 
+def bind_tcp_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on `host`:`port` (port 0 picks a free one).
+
+    This module does not judge the address: the one caller (the metrics listener) is
+    handed a loopback address the config already checked (``[metrics] listen``).
+
+    Raises:
+        ListenError: ``"<host>:<port>: <reason>"`` (IPv6 hosts in brackets).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+    sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        # A restart must not wait out TIME_WAIT of the last scrape's connection.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        sock.close()
+        raise ListenError(f"{where}: {exc.strerror or exc}") from None
+    return sock
+
+
 # --------------------------------------------------------------------------- the server
 
 
 class _Answered:
-    """Marker: the request was refused (404/405) and answered without the application."""
+    """Marker: the request was refused (404/405) and answered without a handler."""
 
 
 _ANSWERED = _Answered()
@@ -330,7 +418,11 @@ class _Closed(Exception):
 
 
 def _peer_credentials(sock: trio.socket.SocketType) -> tuple[int | None, int | None]:
-    # Linux SO_PEERCRED: struct ucred { pid_t pid; uid_t uid; gid_t gid; }.
+    # Linux SO_PEERCRED: struct ucred { pid_t pid; uid_t uid; gid_t gid; }. Only a Unix
+    # socket has a peer process to name: on TCP Linux answers pid 0 and uid -1, made-up
+    # values, so a TCP peer is None (all TCP peers share one key in the per-uid bounds).
+    if sock.family != socket.AF_UNIX:
+        return None, None
     try:
         raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     except (OSError, AttributeError):
@@ -367,7 +459,7 @@ class ServerControl:
         self.per_uid = ConnectionCounts(limits.max_connections_per_uid)
         #: Unexpected faults in connection tasks, rate-bounded.
         self.faults = FaultLog(_log, "connection_fault")
-        #: Exceptions the application raised instead of answering, rate-bounded.
+        #: Exceptions a handler raised instead of answering, rate-bounded.
         self.app_faults = FaultLog(_log, "application_error")
         #: Connections refused past their uid's cap, rate-bounded per uid.
         self.refusals = FaultLog(_log, "uid_connection_cap", level=logging.WARNING)
@@ -376,7 +468,7 @@ class ServerControl:
         self._idle.set()
         #: Connections open now.
         self.connections = 0
-        #: Requests handed to the application and not yet answered.
+        #: Requests handed to a handler and not yet answered.
         self.in_flight = 0
         self._readers: set[trio.CancelScope] = set()
 
@@ -405,24 +497,26 @@ class ServerControl:
 
 
 class _Connection:
-    """One accepted connection: a loop of read request -> application -> write answer."""
+    """One accepted connection: a loop of read request -> handler -> write answer."""
 
     def __init__(
         self,
         stream: trio.SocketStream,
-        app: Application,
+        routes: Routes,
         limits: HttpLimits,
         control: ServerControl,
         peer: tuple[int | None, int | None],
     ) -> None:
         self.stream = stream
-        self.app = app
+        self.routes = routes
         self.limits = limits
         self.control = control
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
         self.peer_uid, self.peer_pid = peer
         #: Body bytes this connection holds of its uid's share (0 between requests).
         self.reserved = 0
+        #: The request being answered is HEAD: its answer goes without body bytes.
+        self.head = False
 
     async def run(self) -> None:
         try:
@@ -438,7 +532,7 @@ class _Connection:
                     continue
                 self.control.in_flight += 1
                 try:
-                    answer = await self._call_app(request)
+                    answer = await self._call(*request)
                 finally:
                     self.control.in_flight -= 1
                 await self._respond(answer.status, answer.body, answer.content_type)
@@ -475,12 +569,12 @@ class _Connection:
         except Exception:  # noqa: BLE001 - the connection is being closed either way
             pass
 
-    async def _call_app(self, request: HttpRequest) -> HttpAnswer:
+    async def _call(self, handler: Handler, request: HttpRequest) -> HttpAnswer:
         started = time.monotonic()
         try:
-            answer = await self.app.handle(request)
+            answer = await handler(request)
             if not isinstance(answer, HttpAnswer):
-                raise TypeError(f"application returned {type(answer).__name__}, not HttpAnswer")
+                raise TypeError(f"handler returned {type(answer).__name__}, not HttpAnswer")
             return answer
         except Exception as exc:  # noqa: BLE001 - the transport's last resort, logged
             self.control.app_faults.record(
@@ -490,7 +584,7 @@ class _Connection:
             )
             return HttpAnswer(500, None)
 
-    async def _read_with_deadline(self) -> HttpRequest | _Answered | None:
+    async def _read_with_deadline(self) -> tuple[Handler, HttpRequest] | _Answered | None:
         """The next request; `_ANSWERED` if it was refused here; None to end the connection."""
         with trio.CancelScope() as reader:
             reader.deadline = trio.current_time() + self.limits.request_timeout
@@ -531,7 +625,8 @@ class _Connection:
         if self.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             await self._respond(status, None, close=True)
 
-    async def _read_request(self) -> HttpRequest | _Answered | None:
+    async def _read_request(self) -> tuple[Handler, HttpRequest] | _Answered | None:
+        self.head = False
         event = await self._next_event()
         if isinstance(event, h11.ConnectionClosed):
             return None
@@ -546,21 +641,19 @@ class _Connection:
         if head_size > self.limits.max_header_bytes:
             await self._respond(431, None, close=True)
             raise _Closed
-        # 1. Route. Neither refusal carries a body, so a bodiless request keeps its connection.
-        refusal: tuple[int, list[tuple[bytes, bytes]]] | None = None
-        if event.target != ACTION_PATH:
-            refusal = (404, [])
-        elif event.method != b"POST":
-            refusal = (405, [(b"Allow", b"POST")])
+        self.head = event.method == b"HEAD"
+        # 1. Route. No refusal carries a body, so a bodiless request keeps its connection.
+        route = self.routes.find(event.method, event.target)
         length_text = next((v for n, v in headers if n == b"content-length"), None)
         chunked = any(n == b"transfer-encoding" for n, _ in headers)
         has_body = chunked or (length_text is not None and int(length_text) > 0)
-        if refusal is not None:
+        if isinstance(route, _Refusal):
+            extra = list(route.headers)
             if has_body:
-                await self._respond(refusal[0], None, extra=refusal[1], close=True)
+                await self._respond(route.status, None, extra=extra, close=True)
                 raise _Closed
             await self._next_event()  # the EndOfMessage of a bodiless request
-            await self._respond(refusal[0], None, extra=refusal[1])
+            await self._respond(route.status, None, extra=extra)
             return _ANSWERED
         # 2. A declared length over the limit: refused before reading (or inviting) the body.
         if length_text is not None and int(length_text) > self.limits.max_body_bytes:
@@ -587,7 +680,7 @@ class _Connection:
                 break
             else:
                 raise _Closed  # pragma: no cover - h11 yields only Data/EndOfMessage here
-        return HttpRequest(
+        return route, HttpRequest(
             body=bytes(body),
             authorization=_authorization(headers),
             peer_uid=self.peer_uid,
@@ -608,11 +701,12 @@ class _Connection:
         if body is not None:
             headers.append((b"Content-Type", content_type.encode("ascii")))
         headers.append((b"Content-Length", str(len(payload)).encode("ascii")))
-        if close or self.control.stopping:
+        if close or self.control.stopping or not self.limits.keep_alive:
             headers.append((b"Connection", b"close"))
         reason = _REASONS.get(status, b"")
         await self._send(h11.Response(status_code=status, headers=headers, reason=reason))
-        if payload:
+        # HEAD: the headers a GET would get (Content-Length included), never the bytes.
+        if payload and not self.head:
             await self._send(h11.Data(data=payload))
         await self._send(h11.EndOfMessage())
 
@@ -639,7 +733,7 @@ class _Connection:
 
 
 async def serve(
-    app: Application,
+    routes: Routes,
     listener: socket.socket | str,
     limits: HttpLimits,
     *,
@@ -648,12 +742,13 @@ async def serve(
     on_connections: Callable[[int], None] | None = None,
     task_status: trio.TaskStatus[ServerControl] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve `app` on `listener` until stopped.
+    """Serve the `routes` table on `listener` until stopped.
 
     Args:
-        app: answers every request.
-        listener: a listening AF_UNIX stream socket (socket activation), or a path to bind
-            with `bind_unix_socket` (then removed again when `serve` returns).
+        routes: which handler answers which (method, path); anything else is 404/405.
+        listener: a listening stream socket (AF_UNIX from socket activation, or TCP from
+            `bind_tcp_socket`), or a path to bind with `bind_unix_socket` (then removed
+            again when `serve` returns, if it is still the socket we bound).
         limits: transport bounds.
         socket_mode, socket_group: permissions of a socket bound from a path.
         on_connections: called with the number of open connections whenever it changes
@@ -690,7 +785,7 @@ async def serve(
 
             async def handle(stream: trio.SocketStream, peer: tuple[int | None, int | None]) -> None:
                 try:
-                    await _Connection(stream, app, limits, control, peer).run()
+                    await _Connection(stream, routes, limits, control, peer).run()
                 finally:
                     control.per_uid.close(peer[0])
                     control._closed()

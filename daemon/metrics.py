@@ -20,14 +20,16 @@ a value (counter/gauge: a float; histogram: per-bucket counts, sum, count). Rend
 walks the families in the fixed order they are declared in `Metrics.__init__`, and each
 family's series in sorted label order, so output is deterministic.
 
-`serve_metrics` answers `GET /metrics` on its own Unix socket (mode 0600: only the
-service user and root read it), one request per connection, with h11 on trio. It is off
-unless `[metrics] socket` is configured. `serve_metrics_tcp` answers the same on a
-loopback TCP address (`[metrics] listen`, off unless set) because Prometheus cannot
-scrape a 0600 Unix socket; config refuses any non-loopback address. ANY local user can
-read that port: what it shows is exactly `render()` (counts by action/status/code,
-latencies, relay/token timings, ledger size, open connections, process figures, the
-version) - never a pubkey, credential, argument, agent content or key.
+Where it is scraped: `scrape_routes` is the route table (``GET``/``HEAD /metrics``) that
+`daemon.http.serve` serves, under `SCRAPE_LIMITS`, on a Unix socket (`[metrics] socket`,
+mode 0600: only the service user and root read it) and/or a loopback TCP address
+(`[metrics] listen`, because Prometheus cannot scrape a 0600 Unix socket; config refuses
+any non-loopback address). Both are off unless configured; daemon/cli/serve.py starts
+them. There is no HTTP server in this module: the transport's bounds, fault containment
+and stale-socket check are daemon/http.py's. ANY local user can read the TCP port: what
+it shows is exactly `render()` (counts by action/status/code, latencies, relay/token
+timings, ledger size, open connections, process figures, the version) - never a pubkey,
+credential, argument, agent content or key.
 
 WARNING - kept in sync by hand: the metric names and labels below are listed in
 docs/install.md ("Metrics"); dashboards depend on them.
@@ -39,19 +41,18 @@ import math
 import os
 import platform
 import resource
-import stat
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 
-import h11
-import trio
+from daemon.http import HttpAnswer, HttpLimits, HttpRequest, Routes
 
 __all__ = [
     "Metrics",
-    "serve_metrics",
-    "serve_metrics_tcp",
+    "scrape_routes",
+    "SCRAPE_LIMITS",
+    "METRICS_PATH",
     "process_lines",
     "REQUEST_BUCKETS",
     "RELAY_BUCKETS",
@@ -75,6 +76,8 @@ TOKEN_BUCKETS: tuple[float, ...] = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.00
 
 #: The exposition format we speak (Prometheus text format 0.0.4).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: Where Prometheus looks by default.
+METRICS_PATH = b"/metrics"
 #: Label sets per family before new ones fold into "other" (9 actions × 3 statuses ×
 #: ~20 codes is far below this; it only stops a bug or an attacker from growing memory).
 MAX_SERIES = 512
@@ -345,182 +348,38 @@ def process_lines() -> list[str]:
     return out
 
 
-# --- the admin socket -----------------------------------------------------------------
+# --- where it is scraped --------------------------------------------------------------
 
-#: Admin connections served at once; more are closed unanswered (a scraper needs one).
-MAX_ADMIN_CONNECTIONS = 4
-#: A scrape request is one short GET: bound its headers (h11's limit for incomplete events).
-MAX_ADMIN_REQUEST_BYTES = 8 * 1024
-#: Seconds a client gets to send its request and read the answer.
-ADMIN_TIMEOUT = 5.0
-_READ_CHUNK = 4096
-
-
-async def _send(stream: trio.SocketStream, conn: h11.Connection, status: int, body: bytes, content_type: str,
-                extra: Sequence[tuple[str, str]] = ()) -> None:
-    headers = [
-        ("Content-Type", content_type),
-        ("Content-Length", str(len(body))),
-        ("Connection", "close"),
-        *extra,
-    ]
-    data = conn.send(h11.Response(status_code=status, headers=headers))
-    data = (data or b"") + (conn.send(h11.Data(data=body)) or b"") + (conn.send(h11.EndOfMessage()) or b"")
-    await stream.send_all(data)
-
-
-async def _handle(stream: trio.SocketStream, registry: Metrics) -> None:
-    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_ADMIN_REQUEST_BYTES)
-    request: h11.Request | None = None
-    with trio.move_on_after(ADMIN_TIMEOUT):
-        try:
-            while True:
-                event = conn.next_event()
-                if event is h11.NEED_DATA:
-                    conn.receive_data(await stream.receive_some(_READ_CHUNK))
-                    continue
-                if isinstance(event, h11.Request):
-                    request = event
-                    continue
-                if isinstance(event, h11.EndOfMessage) and request is not None:
-                    break
-                if isinstance(event, h11.ConnectionClosed):
-                    return
-                # h11.Data: a body on a scrape is read and dropped (ADMIN_TIMEOUT bounds it).
-            assert request is not None  # the loop leaves only after a whole request
-            target = request.target.split(b"?", 1)[0]
-            if target != b"/metrics":
-                await _send(stream, conn, 404, b"not found\n", "text/plain; charset=utf-8")
-            elif request.method not in (b"GET", b"HEAD"):
-                await _send(stream, conn, 405, b"method not allowed\n", "text/plain; charset=utf-8",
-                            [("Allow", "GET, HEAD")])
-            else:
-                body = registry.render()
-                if request.method == b"HEAD":
-                    # h11 expects no body bytes for HEAD but the real length in the header.
-                    data = conn.send(h11.Response(status_code=200, headers=[
-                        ("Content-Type", CONTENT_TYPE), ("Content-Length", str(len(body))),
-                        ("Connection", "close")]))
-                    await stream.send_all((data or b"") + (conn.send(h11.EndOfMessage()) or b""))
-                else:
-                    await _send(stream, conn, 200, body, CONTENT_TYPE)
-        except h11.RemoteProtocolError as exc:
-            if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-                await _send(stream, conn, exc.error_status_hint, b"bad request\n", "text/plain; charset=utf-8")
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return
+#: The bounds of the metrics listeners (the admin socket and the TCP listener), smaller
+#: than the agents' socket's because a scrape is one short GET from one scraper:
+#: - 4 connections at once (per peer uid too; every TCP peer counts as one), further
+#:   clients wait in the listen backlog as on the agents' socket;
+#: - one request per connection (``Connection: close``): an idle scraper holds no slot;
+#: - 8 KiB of request head; no body (any body is 413, nothing is held: the byte budget
+#:   is the 1-byte minimum `daemon.http.HttpLimits` allows);
+#: - 5 s to send the request and to read the answer.
+#: The metrics servers are cancelled (hard stop) once the agents' socket has drained, so
+#: the grace period is never used.
+SCRAPE_LIMITS = HttpLimits(
+    max_connections=4,
+    max_connections_per_uid=4,
+    max_inflight_bytes=1,
+    max_body_bytes=0,
+    max_header_bytes=8 * 1024,
+    request_timeout=5.0,
+    shutdown_grace=0.0,
+    keep_alive=False,
+)
 
 
-async def _accept_forever(listener: trio.SocketListener, registry: Metrics) -> None:
-    """Serve scrapes on `listener`: one request per connection, `MAX_ADMIN_CONNECTIONS` at once."""
-    slots = trio.Semaphore(MAX_ADMIN_CONNECTIONS)
+def scrape_routes(registry: Metrics) -> Routes:
+    """``GET``/``HEAD /metrics`` (any query string ignored) answered with `registry.render()`.
 
-    async def one(stream: trio.SocketStream) -> None:
-        try:
-            await _handle(stream, registry)
-        finally:
-            slots.release()
-            with trio.move_on_after(1):
-                await stream.aclose()
-
-    async with trio.open_nursery() as nursery:
-        while True:
-            stream = await listener.accept()
-            try:
-                slots.acquire_nowait()
-            except trio.WouldBlock:
-                await stream.aclose()
-                continue
-            nursery.start_soon(one, stream)
-
-
-async def serve_metrics_tcp(
-    registry: Metrics,
-    host: str,
-    port: int,
-    *,
-    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve `GET /metrics` on a loopback TCP address until cancelled.
-
-    Args:
-        registry: the broker's `Metrics`.
-        host, port: `[metrics] listen`, already checked to be loopback by the config.
-        task_status: `started((host, port))` with the bound port (port 0 picks one).
-
-    Raises:
-        OSError: binding failed (address in use).
-
-    Any local user can connect: see the module docstring for what it shows.
+    Another method on /metrics is 405 (``Allow: GET, HEAD``); any other path is 404.
     """
-    family = trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET
-    sock = trio.socket.socket(family, trio.socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
-        await sock.bind((host, port))
-        sock.listen(MAX_ADMIN_CONNECTIONS)
-        bound = sock.getsockname()
-        task_status.started((str(bound[0]), int(bound[1])))
-        await _accept_forever(trio.SocketListener(sock), registry)
-    finally:
-        sock.close()
 
+    async def scrape(request: HttpRequest) -> HttpAnswer:
+        return HttpAnswer(200, registry.render(), CONTENT_TYPE)
 
-def _prepare_path(socket_path: str) -> None:
-    """Replace a stale socket; refuse to clobber anything that is not a socket."""
-    try:
-        st = os.lstat(socket_path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise ValueError(f"metrics socket path exists and is not a socket: {socket_path}")
-    os.unlink(socket_path)
-
-
-async def serve_metrics(
-    registry: Metrics,
-    socket_path: str,
-    *,
-    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve `GET /metrics` on a Unix socket (mode 0600) until cancelled.
-
-    Args:
-        registry: the broker's `Metrics`.
-        socket_path: where to bind; a stale socket there is replaced.
-        task_status: `started(socket_path)` once the socket is listening.
-
-    Raises:
-        ValueError: the path exists and is not a socket.
-        OSError: binding failed (directory missing, permission).
-
-    Resource handling: every connection is closed in `finally`; the socket file is
-    removed on exit if it is still ours. One request per connection; at most
-    `MAX_ADMIN_CONNECTIONS` at once (more are closed unanswered).
-    """
-    _prepare_path(socket_path)
-    sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-    ident: tuple[int, int] | None = None
-    try:
-        # umask narrows the mode at bind time, so the socket is never briefly world-usable;
-        # chmod then states it exactly.
-        old_umask = os.umask(0o177)
-        try:
-            await sock.bind(socket_path)
-        finally:
-            os.umask(old_umask)
-        os.chmod(socket_path, 0o600)
-        st = os.lstat(socket_path)
-        ident = (st.st_dev, st.st_ino)
-        sock.listen(MAX_ADMIN_CONNECTIONS)
-        task_status.started(socket_path)
-        await _accept_forever(trio.SocketListener(sock), registry)
-    finally:
-        sock.close()
-        if ident is not None:
-            try:
-                st = os.lstat(socket_path)
-                if (st.st_dev, st.st_ino) == ident:
-                    os.unlink(socket_path)
-            except OSError:
-                pass
+    return Routes({(b"GET", METRICS_PATH): scrape, (b"HEAD", METRICS_PATH): scrape},
+                  ignore_query=True)

@@ -24,7 +24,10 @@ from daemon.http import (
     HttpLimits,
     HttpRequest,
     ListenError,
+    Routes,
     ServerControl,
+    action_routes,
+    bind_tcp_socket,
     bind_unix_socket,
     serve,
 )
@@ -126,7 +129,7 @@ async def start(
     nursery: trio.Nursery, app: object, path: str, **limits: float
 ) -> ServerControl:
     control: ServerControl = await nursery.start(
-        serve, app, path, HttpLimits(**limits)  # type: ignore[arg-type]
+        serve, action_routes(app), path, HttpLimits(**limits)  # type: ignore[arg-type]
     )
     return control
 
@@ -587,3 +590,71 @@ def test_inflight_budget_must_hold_one_body() -> None:
         HttpLimits(max_body_bytes=4096, max_inflight_bytes=4095)
     with pytest.raises(ValueError):
         HttpLimits(max_connections_per_uid=0)
+
+
+class Tagged:
+    """A handler that answers with its own tag, so a test sees which route was taken."""
+
+    def __init__(self, tag: bytes, seen: list[bytes]) -> None:
+        self.tag, self.seen = tag, seen
+
+    async def __call__(self, request: HttpRequest) -> HttpAnswer:
+        self.seen.append(self.tag)
+        return HttpAnswer(200, self.tag, "text/plain")
+
+
+@pytest.mark.parametrize(
+    ("method", "target", "status", "allow", "body"),
+    [
+        ("GET", "/a", 200, None, b"get-a"),
+        ("POST", "/a", 200, None, b"post-a"),
+        ("POST", "/b", 200, None, b"post-b"),
+        ("PUT", "/a", 405, "GET, POST", b""),
+        ("GET", "/b", 405, "POST", b""),
+        ("GET", "/a?x=1", 404, None, b""),  # exact targets unless the table ignores queries
+        ("GET", "/c", 404, None, b""),
+    ],
+)
+async def test_route_table_dispatch(
+    sockdir: str, method: str, target: str, status: int, allow: str | None, body: bytes
+) -> None:
+    seen: list[bytes] = []
+    routes = Routes({(b"GET", b"/a"): Tagged(b"get-a", seen), (b"POST", b"/a"): Tagged(b"post-a", seen),
+                     (b"POST", b"/b"): Tagged(b"post-b", seen)})
+    path = os.path.join(sockdir, "b.sock")
+    async with trio.open_nursery() as nursery:
+        control = await nursery.start(serve, routes, path, HttpLimits())
+        stream, reader = await connect(path)
+        await stream.send_all(req(b"", method=method, target=target))
+        answer = await reader.next()
+        assert answer is not None
+        assert (answer[0], answer[1].get("allow"), answer[2]) == (status, allow, body)
+        assert seen == ([body] if status == 200 else [])
+        control.stop()
+
+
+async def test_keep_alive_off_answers_one_request_per_connection(sockdir: str) -> None:
+    app = EchoApp()
+    async with served(app, sockdir, keep_alive=False) as (control, stream, reader):
+        await stream.send_all(req(b'"one"') + req(b'"two"'))
+        answer = await reader.next()
+        assert answer is not None and answer[2] == b'"one"'
+        assert answer[1]["connection"] == "close"
+        assert await reader.eof()
+        assert len(app.seen) == 1
+
+
+async def test_tcp_listener_and_its_peers_have_no_uid() -> None:
+    # SO_PEERCRED names a process only on a Unix socket; a TCP peer must not be counted
+    # under the made-up uid -1 / pid 0 Linux reports for it.
+    app = EchoApp()
+    tcp = bind_tcp_socket("127.0.0.1", 0)
+    host, port = tcp.getsockname()
+    async with trio.open_nursery() as nursery:
+        control = await nursery.start(serve, action_routes(app), tcp, HttpLimits())
+        stream = await trio.open_tcp_stream(host, port)
+        await stream.send_all(req(b'"tcp"'))
+        answer = await Reader(stream).next()
+        assert answer is not None and answer[2] == b'"tcp"'
+        assert (app.seen[0].peer_uid, app.seen[0].peer_pid) == (None, None)
+        control.stop()

@@ -1,7 +1,9 @@
-"""daemon.metrics: the exposition format parsed back, and the admin socket over a real Unix socket."""
+"""daemon.metrics: the exposition format parsed back, and the scrape endpoint served by
+daemon.http over a real Unix socket and a real loopback TCP socket."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import stat
@@ -11,14 +13,15 @@ from pathlib import Path
 import pytest
 import trio
 
+from daemon.http import ListenError, ServerControl, bind_tcp_socket, bind_unix_socket, serve
 from daemon.metrics import (
     CONTENT_TYPE,
     MAX_SERIES,
     REQUEST_BUCKETS,
+    SCRAPE_LIMITS,
     TOKEN_BUCKETS,
     Metrics,
-    serve_metrics,
-    serve_metrics_tcp,
+    scrape_routes,
 )
 
 ACTIONS = ("channel.read", "message.post", "reaction.add")
@@ -182,8 +185,8 @@ def test_process_start_time_is_when_the_process_started() -> None:
     assert spawned - 1 < started < spawned + 5
 
 
-async def _http(path: str, raw: bytes) -> bytes:
-    stream = await trio.open_unix_socket(path)
+async def _exchange(stream: trio.abc.Stream, raw: bytes) -> bytes:
+    """Send `raw`, read until the server closes (a scrape is one request per connection)."""
     async with stream:
         await stream.send_all(raw)
         chunks = []
@@ -193,28 +196,73 @@ async def _http(path: str, raw: bytes) -> bytes:
     return b"".join(chunks)
 
 
+async def _http(path: str, raw: bytes) -> bytes:
+    return await _exchange(await trio.open_unix_socket(path), raw)
+
+
+async def _serve_socket(nursery: trio.Nursery, registry: Metrics, path: str) -> ServerControl:
+    """What daemon/cli/serve.py does for `[metrics] socket`."""
+    control: ServerControl = await nursery.start(functools.partial(
+        serve, scrape_routes(registry), path, SCRAPE_LIMITS, socket_mode=0o600))
+    return control
+
+
 async def test_admin_socket_serves_metrics_and_404(tmp_path: Path) -> None:
     m = Metrics(actions=ACTIONS)
     m.request("message.post", "succeeded", None, 0.01)
     path = str(tmp_path / "admin.sock")
     async with trio.open_nursery() as nursery:
-        assert await nursery.start(serve_metrics, m, path) == path
+        await _serve_socket(nursery, m, path)
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         ok = await _http(path, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
         head, _, body = ok.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200 ")
         assert f"content-type: {CONTENT_TYPE}".encode() in head.lower()
+        assert b"connection: close" in head.lower()
         served = parse(body)[1]
         assert _registry_only(served) == _registry_only(parse(m.render())[1])
         assert ("process_open_fds", ()) in served
+        # A Prometheus scrape config may add parameters: the path alone routes.
+        query = await _http(path, b"GET /metrics?module=x HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert query.startswith(b"HTTP/1.1 200 ")
         missing = await _http(path, b"GET /other HTTP/1.1\r\nHost: x\r\n\r\n")
         assert missing.startswith(b"HTTP/1.1 404 ")
         post = await _http(path, b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
-        assert post.startswith(b"HTTP/1.1 405 ")
+        assert post.startswith(b"HTTP/1.1 405 ") and b"\r\nAllow: GET, HEAD\r\n" in post
         garbage = await _http(path, b"\x00\x01 nonsense\r\n\r\n")
         assert garbage.startswith(b"HTTP/1.1 400 ")
         nursery.cancel_scope.cancel()
     assert not os.path.exists(path)  # removed on exit
+
+
+async def test_head_gets_the_length_of_get_and_no_body(tmp_path: Path) -> None:
+    path = str(tmp_path / "admin.sock")
+    m = Metrics(actions=ACTIONS)
+    async with trio.open_nursery() as nursery:
+        await _serve_socket(nursery, m, path)
+        got = await _http(path, b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        head, _, body = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ") and body == b""
+        declared = re.search(rb"(?i)content-length: (\d+)", head)
+        assert declared is not None
+        length = int(declared.group(1))
+        get = await _http(path, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        # The same registry, one scrape later: only read-at-scrape figures may differ.
+        assert abs(len(get.partition(b"\r\n\r\n")[2]) - length) < 64
+        nursery.cancel_scope.cancel()
+
+
+async def test_scrape_bounds_body_and_head(tmp_path: Path) -> None:
+    """SCRAPE_LIMITS: a scrape carries no body (413) and at most 8 KiB of head (431)."""
+    path = str(tmp_path / "admin.sock")
+    async with trio.open_nursery() as nursery:
+        await _serve_socket(nursery, Metrics(actions=ACTIONS), path)
+        body = await _http(path, b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello")
+        assert body.startswith(b"HTTP/1.1 413 ")
+        flood = b"".join(b"X-F%d: %s\r\n" % (i, b"v" * 100) for i in range(90))
+        big = await _http(path, b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + flood + b"\r\n")
+        assert big.startswith(b"HTTP/1.1 431 ")
+        nursery.cancel_scope.cancel()
 
 
 async def test_admin_socket_replaces_stale_socket_and_refuses_a_file(tmp_path: Path) -> None:
@@ -224,33 +272,44 @@ async def test_admin_socket_replaces_stale_socket_and_refuses_a_file(tmp_path: P
     s.bind(str(stale)); s.close()
     m = Metrics(actions=ACTIONS)
     async with trio.open_nursery() as nursery:
-        await nursery.start(serve_metrics, m, str(stale))
+        await _serve_socket(nursery, m, str(stale))
         assert (await _http(str(stale), b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")).startswith(b"HTTP/1.1 200 ")
         nursery.cancel_scope.cancel()
     regular = tmp_path / "file"
     regular.write_text("keep me")
-    with pytest.raises(ValueError):
-        await serve_metrics(m, str(regular))
+    with pytest.raises(ListenError, match="not a socket"):
+        await serve(scrape_routes(m), str(regular), SCRAPE_LIMITS)
     assert regular.read_text() == "keep me"
+
+
+async def test_admin_socket_leaves_a_live_socket_alone(tmp_path: Path) -> None:
+    """The stale-socket check the old metrics server lacked: it unlinked whatever socket
+    was at its path, so a second daemon (or a typo'd path) cut off a live listener."""
+    path = str(tmp_path / "admin.sock")
+    live = bind_unix_socket(path, mode=0o600)
+    try:
+        with pytest.raises(ListenError, match="already listening"):
+            await serve(scrape_routes(Metrics(actions=ACTIONS)), path, SCRAPE_LIMITS)
+        assert os.path.exists(path)
+        probe = trio.socket.socket(trio.socket.AF_UNIX)
+        with probe:
+            await probe.connect(path)  # still the live listener's
+    finally:
+        live.close()
 
 
 async def test_tcp_listener_serves_metrics_on_loopback() -> None:
     """[metrics] listen: what any local user can read over TCP, and nothing identifying."""
-    from tests.fixtures.relay import free_port
-
     m = Metrics(actions=ACTIONS)
     m.request("message.post", "succeeded", None, 0.01)
     m.request("not-an-action-" + "a" * 64, "failed", "unauthorized", 0.01)
+    tcp = bind_tcp_socket("127.0.0.1", 0)
+    host, port = tcp.getsockname()
     async with trio.open_nursery() as nursery:
-        host, port = await nursery.start(serve_metrics_tcp, m, "127.0.0.1", free_port())
-        stream = await trio.open_tcp_stream(host, port)
-        async with stream:
-            await stream.send_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-            chunks = []
-            with trio.fail_after(5):
-                while chunk := await stream.receive_some(65536):
-                    chunks.append(chunk)
-        head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+        await nursery.start(serve, scrape_routes(m), tcp, SCRAPE_LIMITS)
+        got = await _exchange(await trio.open_tcp_stream(host, port),
+                              b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        head, _, body = got.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200 ")
         _, served = parse(body)
         assert served[("buzz_broker_requests_total",
@@ -260,3 +319,14 @@ async def test_tcp_listener_serves_metrics_on_loopback() -> None:
         nursery.cancel_scope.cancel()
     with pytest.raises(OSError):  # closed with its nursery
         await trio.open_tcp_stream(host, port)
+
+
+def test_tcp_port_taken_is_one_line() -> None:
+    taken = bind_tcp_socket("127.0.0.1", 0)
+    try:
+        port = taken.getsockname()[1]
+        with pytest.raises(ListenError) as info:
+            bind_tcp_socket("127.0.0.1", port)
+        assert str(info.value) == f"127.0.0.1:{port}: Address already in use"
+    finally:
+        taken.close()

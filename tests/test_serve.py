@@ -228,6 +228,36 @@ async def test_metrics_listener_on_a_taken_port_is_one_line_before_ready(sockdir
         taken.close()
 
 
+async def test_metrics_socket_taken_by_a_live_listener_is_one_line_before_ready(sockdir: str) -> None:
+    """[metrics] socket: a socket another process listens on is left alone and fails the start."""
+    from daemon.metrics import Metrics
+
+    class WithMetrics(FakeApp):
+        metrics = Metrics(actions=("message.post",))
+
+    admin = os.path.join(sockdir, "admin.sock")
+    live = bind_unix_socket(admin, mode=0o600)
+    try:
+        config = write_config(sockdir, extra='[metrics]\nsocket = "admin.sock"\n')
+        dgrams = Datagrams(os.path.join(sockdir, "notify"))
+        await dgrams.bind()
+        with pytest.raises(BaseExceptionGroup) as info:
+            await run_server(config, fake_factory(WithMetrics()),
+                             environ={"NOTIFY_SOCKET": dgrams.path}, memory_lock=no_lock)
+        fault = serve_cli._single(info.value)
+        assert isinstance(fault, CliError)
+        assert str(fault) == (f"[metrics] socket {admin}: another process is already "
+                              "listening on this socket")
+        with trio.move_on_after(0.2):
+            await dgrams.until("READY=1")
+            raise AssertionError("READY=1 was sent although the metrics socket was taken")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with probe:
+            probe.connect(admin)  # the live listener's socket is still there
+    finally:
+        live.close()
+
+
 async def test_socket_fault_reported_before_the_app_opens(sockdir: str) -> None:
     config = write_config(sockdir)
     Path(config.server.socket).write_text("not a socket")

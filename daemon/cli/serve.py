@@ -11,9 +11,11 @@ Startup, in order (each fault is one line on stderr and a non-zero exit, no trac
    wait in the backlog, and a socket fault is reported before a slow token login;
 4. open the application (`daemon.wiring.running`: custody logs into the token and
    finds the KEK, the stores and the relay pool open) - `StartupError` is one line;
-5. serve HTTP, then send ``READY=1`` and a ``STATUS=`` line; ping ``WATCHDOG=1`` from the
-   event loop at half of ``WATCHDOG_USEC`` (a wedged loop stops the pings and systemd
-   restarts us).
+5. bind the [metrics] socket and/or listen address (if set; a taken one is one line),
+   serve HTTP on every socket with `daemon.http.serve` (agents: `action_routes`; metrics:
+   `daemon.metrics.scrape_routes` under its `SCRAPE_LIMITS`), then send ``READY=1`` and a
+   ``STATUS=`` line; ping ``WATCHDOG=1`` from the event loop at half of
+   ``WATCHDOG_USEC`` (a wedged loop stops the pings and systemd restarts us).
 
 Signals: SIGTERM/SIGINT -> ``STOPPING=1``, stop accepting, drain in-flight requests up to
 [server] shutdown_grace, exit 0. SIGHUP -> ``RELOADING=1`` (with ``MONOTONIC_USEC``, which
@@ -53,6 +55,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import errno
+import functools
 import logging
 import os
 import resource
@@ -75,12 +78,14 @@ from daemon.http import (
     HttpRequest,
     ListenError,
     ServerControl,
+    action_routes,
+    bind_tcp_socket,
     bind_unix_socket,
     unlink_if_ours,
     serve,
 )
 from daemon.log import log_event, setup_logging
-from daemon.metrics import Metrics, serve_metrics, serve_metrics_tcp
+from daemon.metrics import SCRAPE_LIMITS, Metrics, scrape_routes
 from daemon.runlock import RunLock, RunLockHeld
 
 __all__ = [
@@ -292,8 +297,8 @@ async def _serve_until_signalled(
     metrics_socket: str | None = None,
     metrics_listen: tuple[str, int] | None = None,
 ) -> None:
-    # An application with a metrics registry (the broker) gets the connection gauge and,
-    # when [metrics] socket is set, the admin socket; a test application has neither.
+    # An application with a metrics registry (the broker) gets the connection gauge and
+    # the [metrics] listeners that are configured; a test application has neither.
     metrics: Metrics | None = getattr(app, "metrics", None)
     on_connections = None
     if metrics is not None:
@@ -307,24 +312,12 @@ async def _serve_until_signalled(
         async with trio.open_nursery() as nursery:
 
             async def serve_then_finish(task_status: trio.TaskStatus[ServerControl]) -> None:
-                await serve(app, raw, limits, on_connections=on_connections,
+                await serve(action_routes(app), raw, limits, on_connections=on_connections,
                             task_status=task_status)
                 nursery.cancel_scope.cancel()  # drained: stop the watchdog and signal tasks
 
-            if metrics is not None and metrics_socket:
-                try:
-                    await nursery.start(serve_metrics, metrics, metrics_socket)
-                except (OSError, ValueError) as exc:
-                    raise CliError(f"[metrics] socket {metrics_socket}: "
-                                   f"{getattr(exc, 'strerror', None) or exc}") from None
-                log_event(_log, "serve.metrics", socket=metrics_socket)
-            if metrics is not None and metrics_listen is not None:
-                try:
-                    host, port = await nursery.start(serve_metrics_tcp, metrics, *metrics_listen)
-                except OSError as exc:  # the port is taken: one line, before READY=1
-                    raise CliError(f"[metrics] listen {metrics_listen[0]}:{metrics_listen[1]}: "
-                                   f"{exc.strerror}") from None
-                log_event(_log, "serve.metrics", listen=f"{host}:{port}")
+            if metrics is not None:
+                await _start_metrics(nursery, metrics, metrics_socket, metrics_listen)
 
             control: ServerControl = await nursery.start(serve_then_finish)
             _send(env, notify.READY, notify.status(f"serving on {where}"))
@@ -353,6 +346,35 @@ async def _serve_until_signalled(
                 control.stop()
                 break
             # serve_then_finish cancels the nursery once the drain is over.
+
+
+async def _start_metrics(
+    nursery: trio.Nursery,
+    registry: Metrics,
+    socket_path: str | None,
+    listen: tuple[str, int] | None,
+) -> None:
+    """The configured metrics listeners, served by `daemon.http.serve` in `nursery`.
+
+    Both are bound before READY=1, so a taken path or port fails the start with one line.
+    They are cancelled with the nursery, after the agents' socket has drained: a scrape
+    during the drain still shows it.
+    """
+    if socket_path:
+        try:
+            await nursery.start(functools.partial(
+                serve, scrape_routes(registry), socket_path, SCRAPE_LIMITS, socket_mode=0o600))
+        except ListenError as exc:  # its text begins with the path
+            raise CliError(f"[metrics] socket {exc}") from None
+        log_event(_log, "serve.metrics", socket=socket_path)
+    if listen is not None:
+        try:
+            tcp = bind_tcp_socket(*listen)
+        except ListenError as exc:  # the port is taken: "<host>:<port>: <reason>"
+            raise CliError(f"[metrics] listen {exc}") from None
+        host, port = tcp.getsockname()[:2]
+        await nursery.start(serve, scrape_routes(registry), tcp, SCRAPE_LIMITS)
+        log_event(_log, "serve.metrics", listen=f"{host}:{port}")
 
 
 def _reload(app: ReloadableApplication, env: MutableMapping[str, str], where: str) -> None:

@@ -28,7 +28,7 @@ import h11
 import pytest
 import trio
 
-from daemon.http import HttpAnswer, HttpLimits, HttpRequest, serve
+from daemon.http import HttpAnswer, HttpLimits, HttpRequest, action_routes, serve
 from daemon.log import setup_logging
 from tests.fixtures.broker import BrokerHarness, raw_post, request_body
 
@@ -148,7 +148,7 @@ async def test_injected_fault_ends_one_connection_and_the_next_client_is_served(
         monkeypatch.setattr(h11.Connection, "next_event", next_event)
     async with trio.open_nursery() as nursery:
         control = await nursery.start(
-            serve, FaultyApp(broker.app, mode), str(socket),
+            serve, action_routes(FaultyApp(broker.app, mode)), str(socket),
             HttpLimits(request_timeout=10.0, shutdown_grace=2.0))
         for _ in range(REPEATS):
             status, _body = await _raw_exchange(socket, _request_bytes(injected, credential))

@@ -38,7 +38,7 @@ import trio
 from custody import PublicDirectory, TokenConfig
 from daemon.wiring import running
 from daemon.config import load_config
-from daemon.http import HttpLimits, serve
+from daemon.http import HttpLimits, action_routes, serve
 from tests.adversarial._daemon import ALL_ACTIONS, envelope, post, request_body, write_config
 from tests.fixtures.relay import free_port
 from tests.scripted_relay import EventReply, ReqReply, Script, ScriptedRelay
@@ -100,7 +100,7 @@ async def rig(nursery: trio.Nursery, custody_state: tuple[TokenConfig, Path],
                     now=int(time.time()))
                 box.append(Rig(relay, socket, record.pubkey, credential, state_dir))
                 async with trio.open_nursery() as inner:
-                    await inner.start(serve, app, str(socket),
+                    await inner.start(serve, action_routes(app), str(socket),
                                       HttpLimits(request_timeout=30.0, shutdown_grace=2.0))
                     ready.set()
                     await trio.sleep_forever()

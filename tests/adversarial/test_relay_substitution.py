@@ -32,7 +32,7 @@ from custody import TokenConfig, UnsignedEvent
 from daemon import signing
 from daemon.wiring import running
 from daemon.config import load_config
-from daemon.http import HttpLimits, serve
+from daemon.http import HttpLimits, action_routes, serve
 from tests.fixtures.broker import BrokerHarness, write_config
 from tests.fixtures.relay import TestKey, free_port
 from tests.scripted_relay import Script, ScriptedRelay
@@ -83,7 +83,7 @@ async def rig(nursery: trio.Nursery, custody_state: tuple[TokenConfig, Path],
         config = load_config(str(config_path), environ={})
         async with running(config) as app:
             async with trio.open_nursery() as inner:
-                control = await inner.start(serve, app, str(socket),
+                control = await inner.start(serve, action_routes(app), str(socket),
                                             HttpLimits(request_timeout=10.0, shutdown_grace=2.0))
                 yield Rig(BrokerHarness(socket=socket, config=config, config_path=config_path,
                                         state_dir=state_dir, relay_url=relay.url, app=app,

@@ -44,7 +44,7 @@ from daemon.broker import Broker
 from daemon.wiring import running
 from daemon.config import load_config
 from buzzwire.contract import parse_response
-from daemon.http import HttpLimits, ServerControl, serve
+from daemon.http import HttpLimits, ServerControl, action_routes, serve
 from tests.adversarial import scaled, tally
 from tests.fixtures.broker import raw_post, request_body, write_config
 from tests.fixtures.relay import nostr_fetch
@@ -92,7 +92,7 @@ async def running_daemon(tmp_path: Path, token: TokenConfig, state_dir: Path, re
                                           socket=socket, relay_url=relay_url)))
     async with running(config) as app:
         async with trio.open_nursery() as nursery:
-            control = await nursery.start(serve, app, str(socket), limits)
+            control = await nursery.start(serve, action_routes(app), str(socket), limits)
             yield Daemon(app, control, socket, relay_url, state_dir)
             nursery.cancel_scope.cancel()
 
