@@ -81,7 +81,7 @@ from daemon.http import (
 )
 from daemon.log import log_event, setup_logging
 from daemon.metrics import Metrics, serve_metrics, serve_metrics_tcp
-from daemon.runlock import RunLock, RunLockHeld
+from daemon.state.runlock import RunLock, RunLockHeld
 
 __all__ = [
     "HELP",
