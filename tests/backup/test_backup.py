@@ -229,7 +229,7 @@ def test_restore_refuses_to_overwrite_a_different_agent(made: Made, target: Host
 
 def test_a_removed_agent_does_not_come_back_through_a_backup(made: Made, target: Host) -> None:
     assert target("agent", "import", "--owner", PUB_3, stdin=SECRET_1).returncode == 0
-    assert target("agent", "remove", PUB_1).returncode == 0
+    assert target("agent", "remove", PUB_1, "--yes").returncode == 0
     done = target("keys", "restore", "--identity", str(made.identity), str(made.out), "--yes")
     assert done.returncode == 1 and "was removed on this host" in done.stderr
     assert target.agents() == []

@@ -93,7 +93,8 @@ class Host:
         self("keys", "init")
 
     def credential(self, agent: str, channel: str) -> str:
-        return self("credential", "issue", "--agent", agent, "--channel", channel).strip()
+        return self("credential", "issue", "--agent", agent, "--channel", channel,
+                    "--all-actions").strip()
 
 
 @pytest.fixture
