@@ -1,10 +1,10 @@
 """The pipeline: one request from its envelope to its answer.
 
-Modules: `broker` (walks `PIPELINE`, the order stated once in README.md, "The pipeline"),
-`judgement` (validate → authorize → rate limit, an ordered table), `policy` (who may act
-for whom), `publisher` (intent → pending → publish → cleanup), `pending` (the pending record
-and its cleanup steps), `recorder` (each verdict to ledger, audit log, log and metrics),
-`signing` (concurrent signing coalesced into one custody hop).
+Modules: `broker` (walks `PIPELINE`, the order stated once in README, "How a request is
+judged"), `judgement` (validate → authorize → rate limit, an ordered table), `policy` (who
+may act for whom), `publisher` (intent → pending → publish → cleanup), `pending` (the
+pending record and its cleanup steps), `recorder` (each verdict to ledger, audit log, log
+and metrics), `signing` (concurrent signing coalesced into one custody hop).
 
 Rules:
 - Data flows one way: the pipeline reads and writes `daemon.state` and asks `daemon.relay`

@@ -18,8 +18,8 @@ Who does what (each in its own module; this one only walks the order):
   `authorize` resolves the agent records the operation acts on (nothing else resolves
   them; a read-merge-write is authorized again under its locks, see `_execute`).
 - execute: the operation (daemon/operations/). A read answers directly; a publishing
-  operation's plan goes to daemon/pipeline/publisher.py (intent → pending → publish → cleanup). A
-  read-merge-write operation runs under its requester's and target's locks, taken in one
+  operation's plan goes to daemon/pipeline/publisher.py (intent → pending → publish →
+  cleanup). A read-merge-write operation runs under its requester's and target's locks, taken in one
   global order, and is authorized again under them (`_execute`).
 - record, respond: daemon/pipeline/recorder.py (ledger, audit log, log line, metrics).
 

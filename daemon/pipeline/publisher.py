@@ -33,7 +33,8 @@ from custody import Custody
 from daemon.state.ledger import Ledger, Ticket
 from daemon.log import log_event
 from daemon.operations import Context, Plan
-from daemon.pipeline.pending import Cleanup, DestroyAgent, Pending, RenameAgent, SetRuntime, steps_named
+from daemon.pipeline.pending import (Cleanup, DestroyAgent, Pending, RenameAgent, SetRuntime,
+                                      steps_named)
 from daemon.pipeline.recorder import Facts, Judged, Progress, Recorder, where
 from daemon.relay.pool import Accepted, RelayPool, Unknown
 from daemon.state.runtimes import RuntimeStore
