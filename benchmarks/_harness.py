@@ -46,7 +46,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from custody import Custody, TokenConfig, init_kek  # noqa: E402
-from daemon.sessions import SessionStore  # noqa: E402
+from daemon.state.sessions import SessionStore  # noqa: E402
 from tests.fixtures.broker import write_config as broker_config  # noqa: E402
 
 TOKEN_LABEL = "buzz-bench"

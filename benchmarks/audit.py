@@ -22,9 +22,9 @@ from pathlib import Path
 
 import trio
 
-from daemon.audit import AuditLog, AuditRecord, Phase
+from daemon.state.audit import AuditLog, AuditRecord, Phase
 from buzzwire.contract import Status
-from daemon.ratelimit import DEFAULT_RATE_CONFIG, RateLimiter
+from daemon.state.ratelimit import DEFAULT_RATE_CONFIG, RateLimiter
 
 AGENT = "ab" * 32
 CRED = "cred_0123456789abcdef"
@@ -86,7 +86,7 @@ async def main(directory: Path, seconds: float) -> None:
 
     # The limiter's hot path: a dict walk per request, no I/O.
     with tempfile.TemporaryDirectory(dir=directory) as state:
-        from daemon.sessions import SessionStore
+        from daemon.state.sessions import SessionStore
 
         store = SessionStore.open(Path(state))
         _cid, token = store.issue(agent=AGENT, channels=frozenset(

@@ -34,7 +34,7 @@ import trio  # noqa: E402
 from benchmarks._harness import import_agents, issue_credentials, make_token, workdir  # noqa: E402
 from benchmarks.custody import rate_sync as rate  # noqa: E402
 from custody import Custody, TokenConfig  # noqa: E402
-from daemon.sessions import SessionStore  # noqa: E402
+from daemon.state.sessions import SessionStore  # noqa: E402
 
 
 async def bench(token: TokenConfig, state: Path, seconds: float, n: int) -> None:
@@ -58,7 +58,7 @@ async def bench(token: TokenConfig, state: Path, seconds: float, n: int) -> None
         seen: list[tuple[int, int] | None] = [None]
 
         def with_liveness_cached(i: int) -> None:
-            # What daemon/broker.py `_agent_live` does.
+            # What daemon/pipeline/broker.py `_agent_live` does.
             principal = store.authenticate(headers[i % n], None, now)
             assert principal is not None
             version = custody.records_version()

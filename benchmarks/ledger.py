@@ -30,7 +30,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from buzzwire.contract import Status  # noqa: E402
-from daemon.ledger import Fresh, Ledger, LedgerKey, Replay  # noqa: E402
+from daemon.state.ledger import Fresh, Ledger, LedgerKey, Replay  # noqa: E402
 
 PENDING = b'{"events":[{"id":"' + b"e" * 64 + b'","sig":"' + b"s" * 128 + b'"}]}' + b" " * 300
 RESPONSE = b'{"type":"broker_result","status":"succeeded","outcome":{"eventId":"' + b"e" * 64 + b'"}}'

@@ -12,7 +12,7 @@ and NIP-42 for the broker:
 - every ``REQ`` is answered with the canned events of ``--events`` (a JSON array, newest
   first, pre-signed by the benchmark) that match the filters, then ``EOSE``. Filter
   members understood: ids, kinds, authors, since, until, limit, ``#<letter>`` — what the
-  read path sends (daemon/paging.py), so paging behaves exactly as against a real relay.
+  read path sends (daemon/relay/paging.py), so paging behaves exactly as against a real relay.
   Without ``--events`` every REQ gets EOSE alone;
 - ``CLOSE`` is ignored (there is no live subscription to close).
 

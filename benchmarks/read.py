@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from custody import verify_event  # noqa: E402
 from buzzwire.contract import ChannelReadArgs, ReadOutcome, Status  # noqa: E402
-from daemon.cursor import CursorCodec  # noqa: E402
+from daemon.relay.cursor import CursorCodec  # noqa: E402
 from daemon.operations import channel_read  # noqa: E402
-from daemon.relay import Accepted, RelayPool, RelayTimeouts  # noqa: E402
+from daemon.relay.pool import Accepted, RelayPool, RelayTimeouts  # noqa: E402
 from tests.fixtures.relay import TestKey, auth_signer_for, start_devrelay  # noqa: E402
 from tests.read._support import NOW, context, new_channel, principal_for  # noqa: E402
 

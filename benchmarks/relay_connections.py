@@ -45,7 +45,7 @@ import trio_websocket
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from daemon.relay import Accepted, RelayPool, RelayTimeouts  # noqa: E402
+from daemon.relay.pool import Accepted, RelayPool, RelayTimeouts  # noqa: E402
 from tests.fixtures.relay import TestKey, auth_signer_for, start_devrelay  # noqa: E402
 
 TIMEOUTS = RelayTimeouts(connect=10, ok=10, eose=10, idle_seconds=600)

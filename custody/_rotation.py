@@ -34,9 +34,9 @@ Rules:
 - A blob that does not open (any defence) stops the run before anything changes, naming
   the agent: rotation never drops an agent.
 - Other keys in the token are not touched: rotation and migration move only the agents'
-  KEK. The cursor MAC key is not a token key (`<state_dir>/cursor-mac.key`, daemon.cursor):
+  KEK. The cursor MAC key is not a token key (`<state_dir>/cursor-mac.key`, daemon.relay.cursor):
   cursors stay valid across both. There is no audit MAC key (the audit log is a hash
-  chain, daemon.audit).
+  chain, daemon.state.audit).
 - One state directory per KEK: destroying the old KEK breaks any other state directory
   that shares it (tests use one KEK label each).
 """

@@ -45,8 +45,8 @@ from urllib.parse import urlsplit
 
 from buzzwire.contract import ACTIONS
 from buzzwire.loopback import LOOPBACK_NAMES, is_loopback_host
-from daemon.relay_protocol import check_relay_url
-from daemon.ratelimit import DEFAULT_RATE_CONFIG, RateConfig, rate_config_from_table
+from daemon.relay.protocol import check_relay_url
+from daemon.state.ratelimit import DEFAULT_RATE_CONFIG, RateConfig, rate_config_from_table
 
 if TYPE_CHECKING:
     from custody import CachePolicy, TokenConfig
@@ -111,7 +111,7 @@ class StateConfig:
     ledger_retention_seconds: int
     #: how long a read's verdict (its page) is kept for replay (docs/configuration.md)
     read_retention_seconds: int
-    #: the cap on one agent's ledger records, in counted bytes (daemon/ledger.py)
+    #: the cap on one agent's ledger records, in counted bytes (daemon/state/ledger.py)
     ledger_max_bytes_per_agent: int
 
 
@@ -183,7 +183,7 @@ class Config:
     policy: PolicyConfig
     log: LogConfig
     metrics: MetricsConfig
-    #: [limits]: rate limits and quotas, a table of rules of its own (daemon/ratelimit.py).
+    #: [limits]: rate limits and quotas, a table of rules of its own (daemon/state/ratelimit.py).
     limits: RateConfig = DEFAULT_RATE_CONFIG
     #: The file this came from (absolute), or None for the built-in defaults.
     source: str | None = None

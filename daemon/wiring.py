@@ -27,17 +27,17 @@ import trio
 from buzzwire.contract import ACTIONS
 from buzzwire.nostr import SignedEvent
 from custody import Custody, CustodyError
-from daemon.audit import AUDIT_DIRNAME, AuditLog, AuditUnavailable
-from daemon.broker import Broker
+from daemon.state.audit import AUDIT_DIRNAME, AuditLog, AuditUnavailable
+from daemon.pipeline.broker import Broker
 from daemon.config import Config, ConfigError, require_relay
-from daemon.cursor import CursorCodec, CursorKeyError
-from daemon.ledger import Ledger
+from daemon.relay.cursor import CursorCodec, CursorKeyError
+from daemon.state.ledger import Ledger
 from daemon.log import log_event
 from daemon.metrics import Metrics
-from daemon.ratelimit import RateLimiter
-from daemon.relay import AuthNotSigned, RelayPool, RelayTimeouts
-from daemon.runtimes import RuntimeStore
-from daemon.sessions import LAST_USE_FLUSH_SECONDS, SessionStore
+from daemon.state.ratelimit import RateLimiter
+from daemon.relay.pool import AuthNotSigned, RelayPool, RelayTimeouts
+from daemon.state.runtimes import RuntimeStore
+from daemon.state.sessions import LAST_USE_FLUSH_SECONDS, SessionStore
 
 __all__ = ["running", "relay_pool", "StartupError", "SWEEP_INTERVAL_SECONDS"]
 
@@ -56,7 +56,7 @@ def relay_pool(config: Config, custody: Custody,
     """The relay pool for `config`, authenticating each agent's connection through custody.
 
     Raises:
-        ValueError: the relay URL is refused (see daemon.relay_protocol.check_relay_url).
+        ValueError: the relay URL is refused (see daemon.relay.protocol.check_relay_url).
     """
 
     async def sign_auth(agent: str, relay_url: str, challenge: str, created_at: int
@@ -99,7 +99,7 @@ async def running(
     Args:
       config: the loaded configuration.
       config_loader: re-reads the configuration on SIGHUP (policy only).
-      checkpoint: called with the name of each step in `daemon.publisher.CHECKPOINTS` as
+      checkpoint: called with the name of each step in `daemon.pipeline.publisher.CHECKPOINTS` as
         a request passes it. The crash tests kill the process there; production passes None.
 
     Raises:
@@ -211,7 +211,7 @@ async def _sweep_forever(ledger: Ledger, metrics: Metrics) -> None:
 
 
 async def _flush_last_use_forever(sessions: SessionStore) -> None:
-    # Last use is noted in memory per request and written here (daemon/sessions: no
+    # Last use is noted in memory per request and written here (daemon/state/sessions: no
     # write per request); `SessionStore.close` writes the rest at shutdown.
     while True:
         await trio.sleep(LAST_USE_FLUSH_SECONDS)

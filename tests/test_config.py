@@ -317,7 +317,7 @@ def test_check_config_and_the_pool_agree_on_relay_urls(tmp_path: Path, url: str)
     # One rule: what check-config accepts, the pool's constructor accepts at start, and
     # what the pool refuses, check-config refuses (ip6-localhost once passed one and
     # failed the other).
-    from daemon.relay_protocol import check_relay_url
+    from daemon.relay.protocol import check_relay_url
 
     try:
         check_relay_url(url)

@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 
-from daemon._group_commit import Failed, GroupCommit
+from daemon.state._group_commit import Failed, GroupCommit
 
 
 class Recorder:

@@ -14,7 +14,7 @@ import pytest
 from buzz_broker_client._transport import Endpoint
 from buzzwire.loopback import is_loopback_host
 from daemon.config import ConfigError, load_config
-from daemon.relay_protocol import check_relay_url
+from daemon.relay.protocol import check_relay_url
 
 #: host (as written in a URL) -> loopback?
 HOSTS = {

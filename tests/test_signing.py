@@ -7,7 +7,7 @@ import coincurve
 import trio
 
 from custody import Custody, UnknownAgent, UnsignedEvent, verify_event
-from daemon.signing import MAX_EVENTS_PER_HOP, SigningBatcher
+from daemon.pipeline.signing import MAX_EVENTS_PER_HOP, SigningBatcher
 
 
 async def _agent(custody: Custody) -> str:

@@ -203,7 +203,7 @@ def _confirmed(pubkey: str) -> bool:
 
 
 def _remove(args: argparse.Namespace, config: Config) -> int:
-    from daemon.sessions import SessionStore
+    from daemon.state.sessions import SessionStore
 
     pubkey = _pubkey(args.pubkey, "PUBKEY")
     if not args.yes and not _confirmed(pubkey):

@@ -34,7 +34,7 @@ from daemon.cli._common import CliError
 if TYPE_CHECKING:
     from custody import AgentRecord, Custody
     from daemon.config import Config
-    from daemon.relay import RelayPool
+    from daemon.relay.pool import RelayPool
 
 #: Buzz's conditions: none.
 DEFAULT_CONDITIONS = ""
@@ -119,7 +119,7 @@ async def _publish_profile(pool: RelayPool, custody: Custody, record: AgentRecor
                            ) -> tuple[str, str | None]:
     from custody import CustodyError, UnsignedEvent
     from daemon.operations._events import json_object_or_none, newest, next_created_at, verified
-    from daemon.relay import Accepted, RelayRefused, RelayUnavailable
+    from daemon.relay.pool import Accepted, RelayRefused, RelayUnavailable
 
     try:
         found = await pool.query(record.pubkey, [

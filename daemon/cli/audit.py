@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _audit_dir(args: argparse.Namespace, given: str | None) -> Path:
-    from daemon.audit import AUDIT_DIRNAME
+    from daemon.state.audit import AUDIT_DIRNAME
 
     if given:
         path = Path(given)
@@ -114,8 +114,8 @@ def _state_anchor(args: argparse.Namespace) -> tuple[Path, tuple[int, str] | Non
     """The configured audit directory and the anchor its state database holds."""
     import sqlite3
 
-    from daemon.audit import AUDIT_DIRNAME
-    from daemon.ledger import LEDGER_FILENAME, read_anchor
+    from daemon.state.audit import AUDIT_DIRNAME
+    from daemon.state.ledger import LEDGER_FILENAME, read_anchor
 
     state = Path(config_from_args(args).state.dir)
     try:
@@ -125,7 +125,7 @@ def _state_anchor(args: argparse.Namespace) -> tuple[Path, tuple[int, str] | Non
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from daemon.audit import verify
+    from daemon.state.audit import verify
 
     anchor = None
     if args.path is None:
@@ -162,8 +162,8 @@ def _reanchor(args: argparse.Namespace) -> int:
 
     import trio
 
-    from daemon.audit import GENESIS, AuditLog, AuditUnavailable, Reanchor, verify
-    from daemon.ledger import LEDGER_FILENAME, write_anchor
+    from daemon.state.audit import GENESIS, AuditLog, AuditUnavailable, Reanchor, verify
+    from daemon.state.ledger import LEDGER_FILENAME, write_anchor
 
     path, anchor = _state_anchor(args)
     if anchor is None:
@@ -215,7 +215,7 @@ def _reanchor(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from daemon.audit import read_records
+    from daemon.state.audit import read_records
 
     path = _audit_dir(args, args.path)
     if not path.is_dir():
@@ -263,7 +263,7 @@ _HEADER: Final = ("TIME (UTC)", "PHASE", "AGENT", "CREDENTIAL", "ACTION", "REQUE
 
 
 def _row(record: object) -> tuple[str, ...]:
-    from daemon.audit import AuditRecord, Reanchor, RefusalCount
+    from daemon.state.audit import AuditRecord, Reanchor, RefusalCount
 
     if isinstance(record, RefusalCount):
         return (_when(record.at), "refusals", record.agent[:16], record.credential_id,

@@ -1,4 +1,4 @@
-"""`buzz-broker credential issue|list|revoke`: the operator's side of daemon/sessions.
+"""`buzz-broker credential issue|list|revoke`: the operator's side of daemon/state/sessions.
 
 Rules:
 - `issue` prints the new token alone on stdout, once, followed by a newline, and
@@ -15,10 +15,10 @@ Rules:
   dies on its own; rotation is `issue` then `revoke`). Without `--uid`, any local process
   that holds the token can use it: `issue` says so on stderr.
 - `list` shows label, agent, actions, channels, uid, expiry and last use (last use as the
-  daemon last wrote it: up to `LAST_USE_FLUSH_SECONDS` behind, see daemon/sessions).
+  daemon last wrote it: up to `LAST_USE_FLUSH_SECONDS` behind, see daemon/state/sessions).
 - Faults raise CliError with one line that never holds a token.
 - The running daemon sees a new or revoked credential on its next request (it checks
-  the database's change counter per request; see daemon/sessions), so no SIGHUP needed.
+  the database's change counter per request; see daemon/state/sessions), so no SIGHUP needed.
 
 WARNING: README.md ("The command line"), docs/install.md (step 6) and, for `--rate`,
 docs/operations.md show these flags; keep them in step with `add_arguments`.
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Final
 from daemon.cli._common import CliError, config_from_args
 
 if TYPE_CHECKING:
-    from daemon.sessions import SessionStore
+    from daemon.state.sessions import SessionStore
 
 HELP = "issue, list and revoke agent credentials"
 
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _store(args: argparse.Namespace) -> "SessionStore":
-    from daemon.sessions import SessionStore
+    from daemon.state.sessions import SessionStore
 
     config = config_from_args(args)
     try:
@@ -145,8 +145,8 @@ def _store(args: argparse.Namespace) -> "SessionStore":
 def _issue(args: argparse.Namespace) -> int:
     from custody import PublicDirectory
     from buzzwire.contract import ACTIONS, normalize_channel_id, normalize_hex64
-    from daemon.ratelimit import RateLimiter, parse_rate
-    from daemon.sessions import check_label
+    from daemon.state.ratelimit import RateLimiter, parse_rate
+    from daemon.state.sessions import check_label
 
     agent = normalize_hex64(args.agent)
     if agent is None:

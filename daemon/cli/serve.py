@@ -86,7 +86,7 @@ from daemon.http import (
 )
 from daemon.log import log_event, setup_logging
 from daemon.metrics import SCRAPE_LIMITS, Metrics, scrape_routes
-from daemon.runlock import RunLock, RunLockHeld
+from daemon.state.runlock import RunLock, RunLockHeld
 
 __all__ = [
     "HELP",

@@ -2,7 +2,7 @@
 
 Rules:
 - One line per fact, in this order: config (which file, by which rule), daemon (running
-  with its pid, or stopped: from the run lock, daemon/runlock.py), socket (the configured
+  with its pid, or stopped: from the run lock, daemon/state/runlock.py), socket (the configured
   path: a socket? its mode and owner), token (login and KEK, daemon/probe.py), relay
   (WebSocket reachable), agents (live / deleted), credentials (active / revoked or
   expired), audit (records and head hash, verified). ``--json`` prints the same facts as
@@ -86,7 +86,7 @@ def _agents(state_dir: Path) -> tuple[bool, str]:
 
 
 def _credentials(state_dir: Path) -> tuple[bool, str]:
-    from daemon.sessions import SESSIONS_FILENAME, SessionStore
+    from daemon.state.sessions import SESSIONS_FILENAME, SessionStore
 
     path = state_dir / SESSIONS_FILENAME
     if not path.exists():  # SessionStore.open would create it: status creates nothing
@@ -105,7 +105,7 @@ def _credentials(state_dir: Path) -> tuple[bool, str]:
 
 
 def _audit(state_dir: Path) -> tuple[bool, str]:
-    from daemon.audit import AUDIT_DIRNAME, verify
+    from daemon.state.audit import AUDIT_DIRNAME, verify
 
     path = state_dir / AUDIT_DIRNAME
     if not path.exists():
@@ -122,7 +122,7 @@ def _audit(state_dir: Path) -> tuple[bool, str]:
 def gather(config: Config) -> tuple[dict[str, str], bool, bool]:
     """The facts (name -> one line), whether the daemon runs, whether every check passed."""
     from daemon.probe import check_relay, check_token_and_kek
-    from daemon.runlock import running_pid
+    from daemon.state.runlock import running_pid
 
     state_dir = Path(config.state.dir)
     facts: dict[str, str] = {"config": describe(config).removeprefix("config: ")}

@@ -11,7 +11,7 @@ Rules:
   very same events instead of signing new ones.
 - `Plan.rollback` and `Plan.commit` name host-local work that finishes the operation
   (destroy a minted key when the first event is refused; destroy a deleted agent's key
-  after the relay accepted its deletion): cleanup steps from daemon/pending.py, data and
+  after the relay accepted its deletion): cleanup steps from daemon/pipeline/pending.py, data and
   not closures, because they are stored in the pending record and must still mean the
   same after a restart.
 """
@@ -24,17 +24,17 @@ from typing import TYPE_CHECKING
 
 from buzzwire.contract import ErrorCode, Outcome
 from buzzwire.nostr import SignedEvent
-from daemon.pending import Cleanup
+from daemon.pipeline.pending import Cleanup
 
 if TYPE_CHECKING:
     from custody import Custody
     from daemon.config import PolicyConfig
-    from daemon.policy import Authorized
-    from daemon.cursor import CursorCodec
-    from daemon.relay import RelayPool
-    from daemon.runtimes import RuntimeStore
-    from daemon.sessions import Principal
-    from daemon.signing import SigningBatcher
+    from daemon.pipeline.policy import Authorized
+    from daemon.relay.cursor import CursorCodec
+    from daemon.relay.pool import RelayPool
+    from daemon.state.runtimes import RuntimeStore
+    from daemon.state.sessions import Principal
+    from daemon.pipeline.signing import SigningBatcher
 
 __all__ = ["Context", "Plan", "OperationRefused"]
 

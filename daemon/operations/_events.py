@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from buzzwire.contract import ErrorCode
 from buzzwire.nostr import SignedEvent, UnsignedEvent, verify_signed
 from daemon.operations._base import Context, OperationRefused
-from daemon.relay import RelayRefused, RelayUnavailable
+from daemon.relay.pool import RelayRefused, RelayUnavailable
 
 __all__ = [
     "sign",

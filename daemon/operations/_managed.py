@@ -6,7 +6,7 @@ record"): signed by the owner, `["d", agent]`, content JSON as Buzz's desktop wr
 "provider"?, "persona_source_version"?, "parallelism", "respond_to",
 "respond_to_allowlist"?}`. It is world-readable, so it never carries the agent's secret key,
 its auth tag, env vars or runtime fields: the runtime an agent resolved to is kept in the
-host's own record (daemon/runtimes.py), never here.
+host's own record (daemon/state/runtimes.py), never here.
 
 Rules:
 - The owner of every record is the requester (B2): there is no owner argument anywhere.
@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from buzzwire.contract import MAX_DISPLAY_NAME_CHARS
 from daemon.operations._base import Context
 from buzzwire.nostr import SignedEvent
-from daemon.policy import AgentView
+from daemon.pipeline.policy import AgentView
 
 #: Buzz's managed-agent record (parameterized replaceable).
 KIND_MANAGED_AGENT = 30177

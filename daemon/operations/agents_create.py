@@ -13,7 +13,7 @@ Steps (buzz-on-the-relay.md, "Managed agents"; design.md "Multi-event operations
 3. If the first event is refused nothing took hold on the relay: the pipeline destroys the
    minted key (`rollback`) and answers `failed`. A refusal after an accepted event is not a
    clean failure; the pipeline answers `indeterminate` and the identical retry re-sends the
-   same three events (see daemon/broker.py).
+   same three events (see daemon/pipeline/broker.py).
 Depth and runtime are policy's, checked before this runs.
 """
 
@@ -30,7 +30,7 @@ from daemon.operations._managed import (
     record_content,
 )
 from daemon.operations.profile_set import KIND_METADATA
-from daemon.pending import DestroyAgent, SetRuntime
+from daemon.pipeline.pending import DestroyAgent, SetRuntime
 
 #: NIP-29 role given to a created agent in its channel.
 AGENT_ROLE = "bot"

@@ -18,7 +18,7 @@ from daemon.operations._managed import (
     outcome_name,
     owned_target,
 )
-from daemon.pending import DestroyAgent
+from daemon.pipeline.pending import DestroyAgent
 
 
 async def prepare(ctx: Context, args: AgentsDeleteArgs) -> Plan:

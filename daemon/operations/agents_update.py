@@ -10,7 +10,7 @@ Steps (buzz-on-the-relay.md, "The nine operations"):
 4. Publish the merged record (owner-signed, created_at after the previous version; every
    member read and not set kept, `parallelism` included, `runtime` never), and the agent's
    own kind 0 when the name changed; then the keystore's name follows.
-5. `runtime` is the host's own record (daemon/runtimes.py), compared and written there; an
+5. `runtime` is the host's own record (daemon/state/runtimes.py), compared and written there; an
    update of the runtime alone publishes nothing.
 
 Rule (issue 13, relay data is checked before it is signed over): the owner re-signs what
@@ -44,7 +44,7 @@ from daemon.operations._managed import (
     record_content,
 )
 from daemon.operations.profile_set import KIND_METADATA, current_profile
-from daemon.pending import Cleanup, RenameAgent, SetRuntime
+from daemon.pipeline.pending import Cleanup, RenameAgent, SetRuntime
 
 ACTION = "agents.update"
 

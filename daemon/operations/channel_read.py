@@ -3,7 +3,7 @@
 On the relay (buzz-on-the-relay.md "The nine operations", "Channels", "Reading"): a REQ
 authenticated as the requester, `kinds` = READ_KINDS, `#h` = [channel]; `#p` = [requester]
 for mentionsOnly; for a thread, the union of `#e` = [root] (the replies) and `ids` =
-[root] (the root itself). Paging and cursors: daemon/paging.py and daemon/cursor.py.
+[root] (the root itself). Paging and cursors: daemon/relay/paging.py and daemon/relay/cursor.py.
 
 Decisions (each documented here because Buzz leaves them to the host):
 
@@ -25,7 +25,7 @@ Decisions (each documented here because Buzz leaves them to the host):
   per event for the other members): past it the page ends early with a `nextCursor`, which
   the contract allows (a page is at most `limit`, and `nextCursor` says more exists). So
   one read answer - and the read verdict the ledger stores - stays bounded whatever the
-  relay holds; the relay's reply itself is bounded by `daemon.relay.MAX_QUERY_BYTES`.
+  relay holds; the relay's reply itself is bounded by `daemon.relay.pool.MAX_QUERY_BYTES`.
 * Every event the relay sends is checked before it is delivered, in the order of
   `_CHECKS`: exactly the seven canonical members (contract `Event`), a valid id and
   BIP-340 signature, the channel's `h` tag and no other `h` tag, and a match with the
@@ -33,7 +33,7 @@ Decisions (each documented here because Buzz leaves them to the host):
   content) and never counted in the page.
 
 WARNING: the filters built by `_base_filters` may only use the members
-`daemon.paging.matches` implements.
+`daemon.relay.paging.matches` implements.
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ from buzzwire.contract import (
     ReadOutcome,
     Verdict,
 )
-from daemon.cursor import CursorScope, InvalidCursor
+from daemon.relay.cursor import CursorScope, InvalidCursor
 from daemon.log import log_event
 from daemon.operations._base import Context
-from daemon.paging import RELAY_MAX_LIMIT, Page, RelayMisbehaved, matches, read_page
-from daemon.relay import RelayRefused, RelayUnavailable
+from daemon.relay.paging import RELAY_MAX_LIMIT, Page, RelayMisbehaved, matches, read_page
+from daemon.relay.pool import RelayRefused, RelayUnavailable
 
 __all__ = ["ACTION", "MAX_PAGE_BYTES", "READ_KINDS", "execute"]
 

@@ -37,7 +37,7 @@ import trio
 import trio_websocket
 
 from custody import Custody, TokenConfig
-from daemon.sessions import SessionStore
+from daemon.state.sessions import SessionStore
 from tests.fixtures.broker import write_config as broker_config
 
 __all__ = [
@@ -275,7 +275,7 @@ def pending_event_ids(state_dir: Path, principal: str, request_id: str) -> list[
     None: no pending record was committed. The daemon is dead, so reading its WAL database
     from here is safe (one process owns a ledger file at a time).
     """
-    from daemon.ledger import read_record
+    from daemon.state.ledger import read_record
 
     row = read_record(state_dir / "ledger.db", principal, request_id)
     if row is None or row[1] is None:

@@ -2,7 +2,7 @@
 
     python -m tests.adversarial.crashing_daemon CONFIG STEP
 
-STEP is one of `daemon.publisher.CHECKPOINTS` (``before_pending``, ``after_pending``,
+STEP is one of `daemon.pipeline.publisher.CHECKPOINTS` (``before_pending``, ``after_pending``,
 ``after_verdict``) or ``none``. The first request to pass STEP kills the process with
 SIGKILL - no ``finally``, no flush, no atexit: exactly what a power cut or the OOM killer
 does to the daemon. ``none`` runs the daemon unchanged (the restart after a crash).
@@ -27,7 +27,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from daemon.publisher import CHECKPOINTS
+from daemon.pipeline.publisher import CHECKPOINTS
 from daemon.wiring import StartupError, running
 from daemon.cli._common import CliError
 from daemon.cli.serve import MemoryLock, ReloadableApplication, run_server

@@ -34,7 +34,7 @@ import pytest
 import trio
 
 from custody import TokenConfig
-from daemon.audit import AUDIT_DIRNAME, audit_files, read_records
+from daemon.state.audit import AUDIT_DIRNAME, audit_files, read_records
 from daemon.cli.audit import EXIT_BROKEN
 from tests.adversarial._daemon import (
     DaemonDied,

@@ -27,7 +27,7 @@ import pytest
 from custody import Custody
 from daemon.cli import credential
 from daemon.cli._common import CliError
-from daemon.sessions import SessionStore
+from daemon.state.sessions import SessionStore
 
 HUMAN = "22" * 32
 CHANNEL = "123e4567-e89b-12d3-a456-426614174000"

@@ -30,8 +30,8 @@ import pytest
 import trio
 
 from custody import TokenConfig
-from daemon.audit import AUDIT_DIRNAME, AuditRecord, RefusalCount, audit_files, read_records
-from daemon.broker import LEDGER_FULL
+from daemon.state.audit import AUDIT_DIRNAME, AuditRecord, RefusalCount, audit_files, read_records
+from daemon.pipeline.broker import LEDGER_FULL
 from tests.adversarial._daemon import (
     AgentState,
     DaemonProcess,

@@ -32,14 +32,14 @@ from typing import Any
 
 import pytest
 
-import daemon.judgement
+import daemon.pipeline.judgement
 from buzzwire.contract import ACTIONS
-from daemon.audit import AuditLog, Phase
-from daemon.ledger import Ledger
-from daemon.ratelimit import RateLimiter
-from daemon.relay import RelayPool
-from daemon.runtimes import RuntimeStore
-from daemon.signing import SigningBatcher
+from daemon.state.audit import AuditLog, Phase
+from daemon.state.ledger import Ledger
+from daemon.state.ratelimit import RateLimiter
+from daemon.relay.pool import RelayPool
+from daemon.state.runtimes import RuntimeStore
+from daemon.pipeline.signing import SigningBatcher
 from custody import Custody
 from tests.fixtures.broker import BrokerHarness, request_body
 
@@ -67,7 +67,7 @@ def _phase(phase: Phase) -> Callable[[tuple[Any, ...]], bool]:
 #: Every seam an unexpected exception can come from, by name.
 STEPS: dict[str, Step] = {
     "begin": Step(Ledger, "begin"),
-    "authorize": Step(daemon.judgement, "authorize"),
+    "authorize": Step(daemon.pipeline.judgement, "authorize"),
     "rate_limit": Step(RateLimiter, "take"),
     "relay_read": Step(RelayPool, "query"),
     "mint": Step(Custody, "mint_agent"),
@@ -228,7 +228,7 @@ async def test_a_fault_at_each_step_is_an_envelope(
 async def test_a_fault_before_authentication_is_still_an_envelope(
     broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from daemon.sessions import SessionStore
+    from daemon.state.sessions import SessionStore
 
     def broken(*_: Any, **__: Any) -> Any:
         raise Injected("authenticate")

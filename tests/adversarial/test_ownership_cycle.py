@@ -32,7 +32,7 @@ import pytest
 import trio
 
 from custody import Custody, CustodyError, TokenConfig
-from daemon import broker as broker_module
+from daemon.pipeline import broker as broker_module
 from tests.fixtures.broker import BrokerHarness, write_config
 
 CHANNEL = str(uuid.uuid4())

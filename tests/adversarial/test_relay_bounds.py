@@ -1,7 +1,7 @@
 """Byte bounds on what the relay can make the daemon hold (issue 13 item 2).
 
 Invariants:
-- One query holds at most `daemon.relay.MAX_QUERY_BYTES` of EVENT frames: a relay that
+- One query holds at most `daemon.relay.pool.MAX_QUERY_BYTES` of EVENT frames: a relay that
   answers a REQ with more fails that query (RelayUnavailable, so the read is `failed` +
   `action_failed`) instead of being buffered, and the pool keeps serving the next query on
   the same connection. (Before: only the count was bounded, 5,000 events of up to 1 MiB.)
@@ -25,9 +25,9 @@ import pytest
 import trio
 import trio_websocket
 
-from daemon.cursor import Position
-from daemon.paging import Page, order_key, read_page
-from daemon.relay import MAX_QUERY_BYTES, RelayPool, RelayTimeouts, RelayUnavailable
+from daemon.relay.cursor import Position
+from daemon.relay.paging import Page, order_key, read_page
+from daemon.relay.pool import MAX_QUERY_BYTES, RelayPool, RelayTimeouts, RelayUnavailable
 from tests.fixtures.relay import free_port
 from tests.read.fake_relay import FakeRelay
 

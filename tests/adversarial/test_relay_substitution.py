@@ -29,7 +29,7 @@ import pytest
 import trio
 
 from custody import TokenConfig, UnsignedEvent
-from daemon import signing
+from daemon.pipeline import signing
 from daemon.wiring import running
 from daemon.config import load_config
 from daemon.http import HttpLimits, action_routes, serve

@@ -40,7 +40,7 @@ import pytest
 import trio
 
 from custody import TokenConfig
-from daemon.broker import Broker
+from daemon.pipeline.broker import Broker
 from daemon.wiring import running
 from daemon.config import load_config
 from buzzwire.contract import parse_response

@@ -37,7 +37,7 @@ import pytest
 import trio
 
 from custody import TokenConfig
-from daemon.sessions import SessionStore
+from daemon.state.sessions import SessionStore
 from tests.adversarial._daemon import (
     ALL_ACTIONS,
     REPO,

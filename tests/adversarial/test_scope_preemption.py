@@ -7,7 +7,7 @@ whoever holds it) could burn a requestId the agent's wide credential was about t
 wide credential's request then replayed `failed` instead of running.
 
 Now a request outside its credential's own actions or channels is recorded under
-`<agent>/<credential id>` (daemon/broker.py `_ledger_principal`). Proven here: the wide
+`<agent>/<credential id>` (daemon/pipeline/broker.py `_ledger_principal`). Proven here: the wide
 credential's request with the same requestId (the very same bytes) runs and succeeds; the
 narrow credential's refusal is still recorded (its retry replays it), per credential (a
 second narrow credential is judged afresh), and never handed the wide one's success.

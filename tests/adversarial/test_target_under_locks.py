@@ -23,7 +23,7 @@ import coincurve
 import pytest
 import trio
 
-from daemon import broker as broker_module
+from daemon.pipeline import broker as broker_module
 from tests.fixtures.broker import BrokerHarness
 from tests.fixtures.relay import nostr_fetch
 

@@ -18,8 +18,8 @@ import pytest
 import trio
 
 from custody import TokenConfig
-from daemon.audit import AUDIT_DIRNAME, verify
-from daemon.broker import Broker
+from daemon.state.audit import AUDIT_DIRNAME, verify
+from daemon.pipeline.broker import Broker
 from daemon.wiring import running
 from daemon.config import load_config
 from daemon.http import HttpRequest
@@ -167,7 +167,7 @@ async def test_an_unwritable_audit_log_refuses_publishing_and_reading(
 
 async def test_every_answer_after_authentication_is_audited(broker: BrokerHarness) -> None:
     """Replays, conflicts and a narrower credential's refused replay each leave a record."""
-    from daemon.audit import read_records
+    from daemon.state.audit import read_records
 
     channel, other = str(uuid.uuid4()), str(uuid.uuid4())
     agent = await broker.human_owned_agent()

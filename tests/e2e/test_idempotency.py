@@ -94,7 +94,7 @@ async def test_an_unreadable_pending_record_is_indeterminate_not_a_crash(
     re-sent — never an HTTP 500."""
     import hashlib
 
-    from daemon.ledger import Fresh, LedgerKey
+    from daemon.state.ledger import Fresh, LedgerKey
 
     channel = str(uuid.uuid4())
     agent = await broker.human_owned_agent()

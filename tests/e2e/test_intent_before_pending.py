@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import trio
 
-from daemon.audit import AUDIT_DIRNAME, AuditRecord, AuditUnavailable, Entry, Phase, verify
-from daemon.ledger import request_key
+from daemon.state.audit import AUDIT_DIRNAME, AuditRecord, AuditUnavailable, Entry, Phase, verify
+from daemon.state.ledger import request_key
 from tests.fixtures.broker import BrokerHarness, request_body
 from tests.fixtures.relay import nostr_fetch
 

@@ -16,7 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from daemon.audit import (
+from daemon.state.audit import (
     GENESIS,
     UNAVAILABLE_MESSAGE,
     AuditLog,
@@ -30,7 +30,7 @@ from daemon.audit import (
     verify,
 )
 from buzzwire.contract import ErrorCode, Status
-from daemon.sessions import SessionStore
+from daemon.state.sessions import SessionStore
 
 AGENT = "ab" * 32
 CRED = "cred_0123456789abcdef"
@@ -289,7 +289,7 @@ def _disk_full(fd: int, data: bytes) -> None:
 async def test_full_disk_fails_closed(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     caplog.set_level(logging.ERROR, logger="buzz_broker")
-    monkeypatch.setattr("daemon.audit._write_all", _disk_full)
+    monkeypatch.setattr("daemon.state.audit._write_all", _disk_full)
     log = AuditLog.open(tmp_path / "audit")
     with pytest.raises(AuditUnavailable) as info:
         await log.append(record(1))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import trio
 
-from daemon.audit import AuditLog, audit_files
+from daemon.state.audit import AuditLog, audit_files
 from daemon.cli.audit import EXIT_BROKEN
 
 from .test_audit import AGENT, record
@@ -104,8 +104,8 @@ def _answer_on_a_terminal(argv: list[str], answer: bytes) -> tuple[int, str]:
 
 
 def test_reanchor_asks_and_is_itself_audited(tmp_path: Path) -> None:
-    from daemon.audit import Reanchor, read_records, verify
-    from daemon.ledger import read_anchor, write_anchor
+    from daemon.state.audit import Reanchor, read_records, verify
+    from daemon.state.ledger import read_anchor, write_anchor
 
     state = tmp_path / "state"
     state.mkdir(mode=0o700)

@@ -16,8 +16,8 @@ import trio
 from buzzwire.contract import Status
 
 from buzzwire.contract import ErrorCode
-from daemon.ledger import Fresh, Ledger, LedgerKey, Replay
-from daemon.ratelimit import (
+from daemon.state.ledger import Fresh, Ledger, LedgerKey, Replay
+from daemon.state.ratelimit import (
     DEFAULT_RATE_CONFIG,
     LIMITS_FILENAME,
     PUBLISH_ACTIONS,
@@ -30,7 +30,7 @@ from daemon.ratelimit import (
     parse_rate,
     rate_config_from_table,
 )
-from daemon.sessions import Principal, SessionStore
+from daemon.state.sessions import Principal, SessionStore
 
 CHANNEL = "123e4567-e89b-12d3-a456-426614174000"
 #: 2026-11-30 12:00:00 UTC: noon, so the UTC day has 43,200 s left.

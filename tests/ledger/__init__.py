@@ -1,1 +1,1 @@
-"""Tests for daemon/ledger."""
+"""Tests for daemon/state/ledger."""

@@ -20,7 +20,7 @@ import trio
 
 from buzzwire.contract import Status
 
-from daemon.ledger import (
+from daemon.state.ledger import (
     STALE_FACTOR,
     TRANSITIONS,
     Conflict,
@@ -300,7 +300,7 @@ _CHILD = textwrap.dedent(
     """
     import hashlib, os, signal, sys
     import trio
-    from daemon.ledger import Fresh, Ledger, LedgerKey
+    from daemon.state.ledger import Fresh, Ledger, LedgerKey
 
     async def main(path):
         ledger = Ledger.open(path, retention_seconds=3600)

@@ -19,8 +19,8 @@ from buzzwire.contract import (
     Verdict,
     encode_response,
 )
-from daemon.audit import AuditLog, RefusalCount, read_records
-from daemon.ledger import (
+from daemon.state.audit import AuditLog, RefusalCount, read_records
+from daemon.state.ledger import (
     ROW_BYTES,
     Fresh,
     Full,
@@ -32,8 +32,8 @@ from daemon.ledger import (
     request_key,
     write_anchor,
 )
-from daemon.refusal_audit import RefusalAudit
-from daemon.verdict_store import expanded_form, stored_form
+from daemon.state.refusal_audit import RefusalAudit
+from daemon.state.verdict_store import expanded_form, stored_form
 
 AGENT = "a" * 64
 T0 = 1_800_000_000
@@ -185,7 +185,7 @@ async def test_records_before_verdict_columns_get_them(tmp_path: Path) -> None:
 
 
 async def test_a_credentials_own_records_count_against_its_agents_cap(tmp_path: Path) -> None:
-    # Scope refusals are kept under `<agent>/<credential>` (daemon/broker.py), so that a
+    # Scope refusals are kept under `<agent>/<credential>` (daemon/pipeline/broker.py), so that a
     # narrow credential cannot pre-empt a requestId; they still fill the agent's one cap.
     cap = 4 * ROW_BYTES
     path = tmp_path / "ledger.db"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from buzzwire.nostr import SignedEvent, verify_signed
-from daemon.pending import (
+from daemon.pipeline.pending import (
     PENDING_FORMAT,
     STEPS,
     Cleanup,

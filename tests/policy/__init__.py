@@ -1,1 +1,1 @@
-"""Tests for daemon/policy."""
+"""Tests for daemon/pipeline/policy."""

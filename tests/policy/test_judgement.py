@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from buzzwire.contract import ErrorCode, Verdict, encode_request, read_request
-from daemon.broker import PIPELINE
-from daemon.judgement import JUDGEMENT, Admission, Admitted, judge
-from daemon.policy import REFUSALS
-from daemon.ratelimit import RateLimiter, rate_config_from_table
-from daemon.sessions import SessionStore
+from daemon.pipeline.broker import PIPELINE
+from daemon.pipeline.judgement import JUDGEMENT, Admission, Admitted, judge
+from daemon.pipeline.policy import REFUSALS
+from daemon.state.ratelimit import RateLimiter, rate_config_from_table
+from daemon.state.sessions import SessionStore
 from tests.policy.test_policy import AGENTS, CHILD, HOST, ME, NOW, principal, request
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -35,6 +35,28 @@ def _readme_steps() -> list[str]:
 
 def test_the_pipeline_is_readmes_list() -> None:
     assert _readme_steps() == list(PIPELINE)
+
+
+def _restatements(text: str) -> list[str]:
+    """Every compact run of the eight step names in order (a list or an arrow chain); the
+    README's numbered list is not compact (a paragraph between steps), so it is not one."""
+    gap = r"[^\n]{0,24}?(?:\n[ \t]*)?[^\n]{0,24}?"
+    pattern = gap.join(re.escape(step) for step in PIPELINE)
+    return re.findall(pattern, text, flags=re.DOTALL)
+
+
+def test_the_pipeline_order_is_stated_once() -> None:
+    """README states the order; `PIPELINE` is it as data; nothing else restates it (issue 16
+    item 5): a second statement is one more place to forget when the order changes."""
+    repo = README.parent
+    found = {}
+    for path in [README, *sorted((repo / "docs").rglob("*.md")),
+                 *sorted((repo / "daemon").rglob("*.py"))]:
+        hits = _restatements(path.read_text(encoding="utf-8"))
+        if hits:
+            found[str(path.relative_to(repo))] = len(hits)
+    assert found == {"daemon/pipeline/broker.py": 1}  # the `PIPELINE` tuple itself
+    assert _restatements(repr(PIPELINE))
 
 
 def test_judgement_phases_are_a_run_of_the_pipeline() -> None:

@@ -1,4 +1,4 @@
-"""Authorization, driven by the same tables daemon/policy reads, over real Principals
+"""Authorization, driven by the same tables daemon/pipeline/policy reads, over real Principals
 (issued and authenticated by a real SessionStore) and real contract Requests."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from buzzwire.contract import (
     Status,
     build_request,
 )
-from daemon.policy import (
+from daemon.pipeline.policy import (
     CHANNEL_ACTIONS,
     CHECKS,
     REFUSALS,
@@ -33,7 +33,7 @@ from daemon.policy import (
     authorize,
     resolve_target,
 )
-from daemon.sessions import Principal, SessionStore
+from daemon.state.sessions import Principal, SessionStore
 
 CHANNEL = "123e4567-e89b-12d3-a456-426614174000"
 OTHER_CHANNEL = "223e4567-e89b-12d3-a456-426614174000"

@@ -9,12 +9,12 @@ from typing import Any
 
 from daemon.config import PolicyConfig
 from buzzwire.contract import ChannelReadArgs, Event, ReadOutcome, Status, Verdict
-from daemon.cursor import CursorCodec
-from daemon.policy import Authorized
+from daemon.relay.cursor import CursorCodec
+from daemon.pipeline.policy import Authorized
 from daemon.operations import channel_read
 from daemon.operations._base import Context
-from daemon.paging import order_key
-from daemon.sessions import Principal, SessionStore
+from daemon.relay.paging import order_key
+from daemon.state.sessions import Principal, SessionStore
 
 NOW = 1_787_675_388
 POLICY = PolicyConfig(disabled_actions=frozenset(), max_agent_depth=1, runtimes=frozenset())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 
-from daemon.paging import matches
+from daemon.relay.paging import matches
 
 
 class FakeRelay:

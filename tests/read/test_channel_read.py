@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from buzzwire.contract import ChannelReadArgs, ErrorCode, Status
-from daemon.cursor import CURSOR_TTL_SECONDS, KEY_FILE_NAME, CursorCodec
+from daemon.relay.cursor import CURSOR_TTL_SECONDS, KEY_FILE_NAME, CursorCodec
 from daemon.operations import channel_read
-from daemon.relay import RelayRefused, RelayUnavailable
+from daemon.relay.pool import RelayRefused, RelayUnavailable
 from tests.fixtures.relay import TestKey
 from tests.read._support import NOW, context, declared_order, new_channel, principal_for, read_through
 from tests.read.fake_relay import FakeRelay

@@ -17,9 +17,9 @@ import pytest
 import trio
 
 from buzzwire.contract import ChannelReadArgs, ErrorCode, Status
-from daemon.cursor import CursorCodec
+from daemon.relay.cursor import CursorCodec
 from daemon.operations import channel_read
-from daemon.relay import Accepted, RelayPool, RelayTimeouts
+from daemon.relay.pool import Accepted, RelayPool, RelayTimeouts
 from tests.fixtures.relay import TestKey, auth_signer_for, signed, nostr_verify
 from tests.read._support import NOW, context, declared_order, new_channel, principal_for, read_through
 

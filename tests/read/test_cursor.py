@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.cursor import (
+from daemon.relay.cursor import (
     CURSOR_TTL_SECONDS,
     KEY_FILE_NAME,
     MAX_CLOCK_SKEW_SECONDS,

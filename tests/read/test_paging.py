@@ -10,8 +10,8 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon.cursor import Position
-from daemon.paging import (
+from daemon.relay.cursor import Position
+from daemon.relay.paging import (
     MAX_ROUNDS,
     Page,
     RelayMisbehaved,

@@ -1,1 +1,1 @@
-"""Tests of daemon/relay and daemon/relay_protocol, against LocalRelay and a scripted relay."""
+"""Tests of daemon/relay/pool and daemon/relay/protocol, against LocalRelay and a scripted relay."""

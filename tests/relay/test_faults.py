@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import trio
 
-from daemon.relay import (
+from daemon.relay.pool import (
     Accepted,
     AuthNotSigned,
     NotSent,

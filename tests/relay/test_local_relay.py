@@ -12,7 +12,7 @@ import signal
 import pytest
 import trio
 
-from daemon.relay import Accepted, NotSent, RelayPool, RelayTimeouts, RelayUnavailable, Unknown
+from daemon.relay.pool import Accepted, NotSent, RelayPool, RelayTimeouts, RelayUnavailable, Unknown
 from tests.fixtures.relay import (
     signed,
     TestKey,

@@ -1,4 +1,4 @@
-"""daemon.relay_protocol: one table of frames drives the parser; refusals assert codes."""
+"""daemon.relay.protocol: one table of frames drives the parser; refusals assert codes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from buzzwire.nostr import SignedEvent
 
-from daemon.relay_protocol import (
+from daemon.relay.protocol import (
     AuthChallenge,
     Closed,
     EndOfStoredEvents,

@@ -649,8 +649,8 @@ _UMASK_PROBE = """
 import os, sys, stat, trio
 os.umask(0)
 from custody import Custody, TokenConfig
-from daemon.sessions import SessionStore
-from daemon.cursor import CursorCodec
+from daemon.state.sessions import SessionStore
+from daemon.relay.cursor import CursorCodec
 cfg = TokenConfig(module=sys.argv[1], token_label=sys.argv[2], pin_file=sys.argv[3], kek_label=sys.argv[4])
 state = sys.argv[5]
 async def main():

@@ -24,13 +24,13 @@ from typing import Any
 
 import pytest
 
-import daemon.cursor as cursor_module
-import daemon.sessions as sessions_module
+import daemon.relay.cursor as cursor_module
+import daemon.state.sessions as sessions_module
 from buzz_broker_client._transport import Credential
 from buzz_broker_client import AsyncBrokerClient
-from daemon.cursor import CursorCodec, CursorScope, InvalidCursor, Position
+from daemon.relay.cursor import CursorCodec, CursorScope, InvalidCursor, Position
 from daemon.log import format_record
-from daemon.sessions import SessionStore
+from daemon.state.sessions import SessionStore
 from tests.fixtures.broker import BrokerHarness, request_body
 from tests.fixtures.token import REPO
 

@@ -1,1 +1,1 @@
-"""Tests for daemon/sessions."""
+"""Tests for daemon/state/sessions."""

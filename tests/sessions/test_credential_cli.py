@@ -15,7 +15,7 @@ from custody import Custody
 from daemon.cli import credential
 from daemon.cli._common import CliError
 from buzzwire.contract import ACTIONS
-from daemon.sessions import TOKEN_PREFIX, SessionStore
+from daemon.state.sessions import TOKEN_PREFIX, SessionStore
 
 HUMAN = "22" * 32  # a curve point: custody refuses an owner that is not one
 CHANNEL = "123e4567-e89b-12d3-a456-426614174000"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-import daemon.sessions as sessions_module
-from daemon.sessions import (
+import daemon.state.sessions as sessions_module
+from daemon.state.sessions import (
     MAX_AUTHORIZATION_CHARS,
     TOKEN_PREFIX,
     Principal,

@@ -11,7 +11,7 @@ Rules (README "How a request is judged", steps 4 and 5):
   resumed work, so a replay never costs quota (the rate limit step takes units).
 - Steps have no side effects beyond the rate limiter's units and operator log lines.
 
-WARNING: `PIPELINE` in daemon/broker.py names the phases in order; the phases here must be
+WARNING: `PIPELINE` in daemon/pipeline/broker.py names the phases in order; the phases here must be
 a contiguous run of it (tests/policy/test_judgement.py checks both, and README's list).
 """
 
@@ -25,9 +25,9 @@ from typing import Final, TypeAlias
 from buzzwire.contract import ACTIONS, MESSAGES, REQUEST_MEMBERS, Reading, Request, Verdict
 from daemon.config import PolicyConfig
 from daemon.log import log_event
-from daemon.policy import AgentDirectory, AgentView, Authorized, Refusal, authorize
-from daemon.ratelimit import RateLimiter
-from daemon.sessions import Principal
+from daemon.pipeline.policy import AgentDirectory, AgentView, Authorized, Refusal, authorize
+from daemon.state.ratelimit import RateLimiter
+from daemon.state.sessions import Principal
 
 __all__ = ["Admission", "Admitted", "JUDGEMENT", "judge"]
 
@@ -81,7 +81,7 @@ def _rate_limit(a: Admission) -> Verdict | None:
     return None if limited is None else Verdict.failed(limited.code, limited.message)
 
 
-#: (phase in daemon.broker.PIPELINE, step name, step), in order; the first verdict wins.
+#: (phase in daemon.pipeline.broker.PIPELINE, step name, step), in order; the first verdict wins.
 JUDGEMENT: Final[tuple[tuple[str, str, Step], ...]] = (
     ("validate", "validate", _validate),
     ("authorize", "authorize", _authorize),

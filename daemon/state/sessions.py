@@ -62,7 +62,7 @@ from dataclasses import InitVar, dataclass
 from pathlib import Path
 from typing import Final
 
-from daemon._sqlite import open_private_db
+from daemon.state._sqlite import open_private_db
 
 __all__ = [
     "LAST_USE_FLUSH_SECONDS",

@@ -2,7 +2,7 @@
 
 Rules:
 - Pure functions and frozen dataclasses: no trio, no sockets, no clock, no logging. The
-  I/O lives in `daemon.relay`; everything here can be tested with strings alone.
+  I/O lives in `daemon.relay.pool`; everything here can be tested with strings alone.
 - Client messages are encoded as compact JSON with ``ensure_ascii=False`` (the relay
   sees the same UTF-8 a Buzz client would send).
 - Relay messages are parsed strictly: a frame that is not one JSON array with a known

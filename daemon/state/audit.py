@@ -21,7 +21,7 @@ Rules (issue 10):
   then answers `failed` + `internal` before anything is sent (docs/operations.md).
 - Modes: the directory is 0700, files 0600, created with those modes (no window).
 
-Theory of operation — group commit (the engine is daemon/_group_commit.py, shared with
+Theory of operation — group commit (the engine is daemon/state/_group_commit.py, shared with
 the ledger): `append` queues the record; the first task to find no flush running becomes
 the flusher and, in a worker thread, encodes everything queued (chaining each line to the
 one before, in queue order), writes it with one `write` and one `fsync`, and repeats
@@ -44,7 +44,7 @@ log: `open` takes an exclusive flock on the directory.
 
 Anchor (issue 13): a hash chain alone cannot show a cut tail or a consistently rewritten
 suffix. The ledger writes `head` — only ever a durable record — into the state database
-with its commits (daemon/ledger.py); `open(anchor=...)` refuses a log that does not reach
+with its commits (daemon/state/ledger.py); `open(anchor=...)` refuses a log that does not reach
 it (`_check_anchor`: from the file that holds the anchored record to the tail), and
 `verify(anchor=...)` checks it whole. An operator who restored an older disk writes a
 `Reanchor` record (`buzz-broker audit reanchor`). The daemon also logs `audit.head` to the
@@ -52,7 +52,7 @@ operator log at open, rotation and close: the anchor whoever can write both file
 database cannot move. No token-held HMAC key: docs/operations.md, "Anchoring", says why.
 
 Kinds of line: `AuditRecord` (intent, verdict), `RefusalCount` (refusals past a burst,
-daemon/refusal_audit.py) and `Reanchor`; `_READERS` maps each phase to its reader.
+daemon/state/refusal_audit.py) and `Reanchor`; `_READERS` maps each phase to its reader.
 
 WARNING: `_FIELDS` / `_REFUSAL_FIELDS` / `_REANCHOR_FIELDS`, the entry classes, `_content`,
 their `from_json_obj` and the field tables in docs/operations.md must be kept in sync.
@@ -76,7 +76,7 @@ from typing import Callable, Final, TypeAlias, TypeVar
 
 import trio
 
-from daemon._group_commit import Failed, GroupCommit
+from daemon.state._group_commit import Failed, GroupCommit
 from buzzwire.contract import PAIRING, ErrorCode, Status, is_request_id
 from daemon.log import log_event
 

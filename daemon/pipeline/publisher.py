@@ -2,7 +2,7 @@
 
 Order (design.md step 4; README "How a request is judged", step 6): the operation has
 signed everything (its `Plan`); the audit *intent* record is written, then the ledger's
-*pending* record (daemon/pending.py) is committed, and only then does anything reach the
+*pending* record (daemon/pipeline/pending.py) is committed, and only then does anything reach the
 relay. A retry that finds the pending record resumes here with exactly those events.
 
 Publishing outcomes (issue 5): every event accepted (`duplicate:` included) → `succeeded`,
@@ -18,7 +18,7 @@ verdict stands (the relay has already answered). An agents.create that ends `fai
 leaves no key behind (`destroy_minted`).
 
 WARNING: `CHECKPOINTS` names the steps the crash tests kill at; keep it in step with the
-`checkpoint(...)` calls here and in daemon/broker.py.
+`checkpoint(...)` calls here and in daemon/pipeline/broker.py.
 """
 
 from __future__ import annotations
@@ -30,14 +30,15 @@ from typing import Final
 
 from buzzwire.contract import ErrorCode, Request, Status, Verdict, encode_response
 from custody import Custody
-from daemon.ledger import Ledger, Ticket
+from daemon.state.ledger import Ledger, Ticket
 from daemon.log import log_event
 from daemon.operations import Context, Plan
-from daemon.pending import Cleanup, DestroyAgent, Pending, RenameAgent, SetRuntime, steps_named
-from daemon.recorder import Facts, Judged, Progress, Recorder, where
-from daemon.relay import Accepted, RelayPool, Unknown
-from daemon.runtimes import RuntimeStore
-from daemon.sessions import SessionStore
+from daemon.pipeline.pending import (Cleanup, DestroyAgent, Pending, RenameAgent, SetRuntime,
+                                      steps_named)
+from daemon.pipeline.recorder import Facts, Judged, Progress, Recorder, where
+from daemon.relay.pool import Accepted, RelayPool, Unknown
+from daemon.state.runtimes import RuntimeStore
+from daemon.state.sessions import SessionStore
 
 __all__ = ["Publisher", "CHECKPOINTS", "MAX_REASON_CHARS", "Prepare"]
 
@@ -75,7 +76,7 @@ class Publisher:
         self._recorder = recorder
         self._clock = clock
         self._checkpoint = checkpoint
-        #: cleanup step type -> how it runs (a table, not an if-chain: daemon/pending.py
+        #: cleanup step type -> how it runs (a table, not an if-chain: daemon/pipeline/pending.py
         #: names the types, this names what each does).
         self._cleanups: dict[type[Cleanup], Callable[[Cleanup], Awaitable[None]]] = {
             DestroyAgent: self._destroy_agent,

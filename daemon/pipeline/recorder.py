@@ -2,9 +2,9 @@
 
 Rules (README "How a request is judged", steps 7 and 8):
 - Every verdict reached after authentication goes to the ledger (final unless
-  `indeterminate`; a refusal as its code, daemon/verdict_store.py, with its status and
+  `indeterminate`; a refusal as its code, daemon/state/verdict_store.py, with its status and
   code as columns) and to the hash-chained audit log (past a credential's burst,
-  refusals are counted: daemon/refusal_audit.py). Every answer, recorded or not, is one
+  refusals are counted: daemon/state/refusal_audit.py). Every answer, recorded or not, is one
   `verdict` log line and one request in the metrics.
 - No audit, no answer: a verdict with no side effects whose audit record cannot be
   written becomes `failed` + `internal` (a known no-op). Once the relay was asked
@@ -28,13 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from buzzwire.contract import ErrorCode, Status, Verdict, encode_response, mark_replayed
-from daemon.audit import AuditLog, AuditRecord, AuditUnavailable, Phase
+from daemon.state.audit import AuditLog, AuditRecord, AuditUnavailable, Phase
 from daemon.http import HttpAnswer
-from daemon.ledger import Ledger, Ticket
+from daemon.state.ledger import Ledger, Ticket
 from daemon.log import log_event
 from daemon.metrics import Metrics
-from daemon.refusal_audit import RefusalAudit
-from daemon.verdict_store import stored_form
+from daemon.state.refusal_audit import RefusalAudit
+from daemon.state.verdict_store import stored_form
 
 __all__ = ["Judged", "Facts", "Progress", "Recorder", "where"]
 
@@ -124,7 +124,7 @@ class Recorder:
         """Append the verdict record; False (and an operator log line) when it cannot be.
 
         A refusal (failed, nothing published) past its credential's burst is counted
-        instead (daemon/refusal_audit.py); the ledger still records it.
+        instead (daemon/state/refusal_audit.py); the ledger still records it.
         """
         if (judged.status is Status.FAILED and not judged.published and judged.code is not None
                 and not self._refusals.admit(facts.credential_id)):

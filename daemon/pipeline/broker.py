@@ -1,8 +1,8 @@
 """The pipeline: one HTTP request in, one verdict out, in the order the contract fixes.
 
-Order (README, "How a request is judged"; `PIPELINE` below is that list, as data):
-
-    correlate → authenticate → ledger → validate → authorize → execute → record → respond
+Order: README, "How a request is judged", is the one statement of it; `PIPELINE` below is
+that list as data (tests/policy/test_judgement.py holds them equal), and `Broker.handle`
+walks it.
 
 Who does what (each in its own module; this one only walks the order):
 - correlate, authenticate, ledger: here. A body whose `requestId` cannot be read gets
@@ -13,15 +13,15 @@ Who does what (each in its own module; this one only walks the order):
   own scope is keyed `<agent>/<credential id>` instead (`_ledger_principal`, issue 13). A
   finished record replays with `replayed: true`; another digest is a
   `request_id_conflict`; an identical request running here is waited for; a pending
-  record is resumed by re-sending exactly its signed events (daemon/publisher.py).
-- validate, authorize (and rate limits): daemon/judgement.py, an ordered table of steps;
+  record is resumed by re-sending exactly its signed events (daemon/pipeline/publisher.py).
+- validate, authorize (and rate limits): daemon/pipeline/judgement.py, an ordered table of steps;
   `authorize` resolves the agent records the operation acts on (nothing else resolves
   them; a read-merge-write is authorized again under its locks, see `_execute`).
 - execute: the operation (daemon/operations/). A read answers directly; a publishing
-  operation's plan goes to daemon/publisher.py (intent → pending → publish → cleanup). A
-  read-merge-write operation runs under its requester's and target's locks, taken in one
+  operation's plan goes to daemon/pipeline/publisher.py (intent → pending → publish →
+  cleanup). A read-merge-write operation runs under its requester's and target's locks, taken in one
   global order, and is authorized again under them (`_execute`).
-- record, respond: daemon/recorder.py (ledger, audit log, log line, metrics).
+- record, respond: daemon/pipeline/recorder.py (ledger, audit log, log line, metrics).
 
 Unexpected faults (issue 15 item 4, issue 13 item 1): any exception at any step, once the
 requestId is known, is still an envelope, recorded like every verdict where the ledger
@@ -35,8 +35,8 @@ HTTP layer as a 500. An agents.create that ends `failed` destroys the key it min
 
 WARNING: the status/code pairs used here must be allowed by `buzzwire.contract.PAIRING`;
 `Verdict`'s constructors assert it. `PIPELINE` must match README's numbered list and
-`daemon.judgement.JUDGEMENT`'s phases (tests/policy/test_judgement.py);
-`daemon.publisher.CHECKPOINTS` names the steps the crash tests kill at.
+`daemon.pipeline.judgement.JUDGEMENT`'s phases (tests/policy/test_judgement.py);
+`daemon.pipeline.publisher.CHECKPOINTS` names the steps the crash tests kill at.
 """
 
 from __future__ import annotations
@@ -63,26 +63,26 @@ from buzzwire.contract import (
     read_request,
 )
 from custody import Custody, CustodyError
-from daemon.audit import AuditLog
+from daemon.state.audit import AuditLog
 from daemon.config import Config, PolicyConfig
-from daemon.cursor import CursorCodec
+from daemon.relay.cursor import CursorCodec
 from daemon.http import HttpAnswer, HttpRequest
-from daemon.judgement import Admission, judge
-from daemon.ledger import Conflict, Full, Ledger, LedgerKey, Replay, Resume, Ticket
+from daemon.pipeline.judgement import Admission, judge
+from daemon.state.ledger import Conflict, Full, Ledger, LedgerKey, Replay, Resume, Ticket
 from daemon.log import log_event
 from daemon.metrics import Metrics
 from daemon.operations import OPERATIONS, Context, Operation
 from daemon.operations._base import OperationRefused
-from daemon.policy import Authorized, Refusal, authorize, within_credential
-from daemon.publisher import Publisher
-from daemon.ratelimit import RateLimiter
-from daemon.recorder import Facts, Judged, Progress, Recorder
-from daemon.refusal_audit import RefusalAudit
-from daemon.relay import RelayPool
-from daemon.runtimes import RuntimeStore
-from daemon.sessions import Principal, SessionStore
-from daemon.signing import SigningBatcher
-from daemon.verdict_store import expanded_form
+from daemon.pipeline.policy import Authorized, Refusal, authorize, within_credential
+from daemon.pipeline.publisher import Publisher
+from daemon.state.ratelimit import RateLimiter
+from daemon.pipeline.recorder import Facts, Judged, Progress, Recorder
+from daemon.state.refusal_audit import RefusalAudit
+from daemon.relay.pool import RelayPool
+from daemon.state.runtimes import RuntimeStore
+from daemon.state.sessions import Principal, SessionStore
+from daemon.pipeline.signing import SigningBatcher
+from daemon.state.verdict_store import expanded_form
 
 __all__ = ["Broker", "PIPELINE", "LEDGER_FULL"]
 
@@ -353,7 +353,7 @@ class Broker:
 
     async def _judge_and_execute(self, principal: Principal, reading: Reading, ticket: Ticket,
                                  facts: Facts, progress: Progress) -> Judged:
-        """validate → authorize (daemon/judgement.py), then execute."""
+        """validate → authorize (daemon/pipeline/judgement.py), then execute."""
         request_id = facts.request_id
         admitted = judge(Admission(principal=principal, reading=reading, policy=self._policy,
                                    agents=self._custody, limiter=self._limiter,

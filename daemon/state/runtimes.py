@@ -17,7 +17,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from daemon._sqlite import open_private_db
+from daemon.state._sqlite import open_private_db
 
 __all__ = ["RuntimeStore", "RUNTIMES_DB"]
 

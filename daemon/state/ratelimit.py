@@ -53,10 +53,10 @@ from typing import Final, Protocol
 
 import trio
 
-from daemon._sqlite import open_private_db
+from daemon.state._sqlite import open_private_db
 from buzzwire.contract import ACTIONS, ErrorCode, RateClass
 from daemon.log import log_event
-from daemon.policy import Refusal
+from daemon.pipeline.policy import Refusal
 
 __all__ = [
     "Rule",
@@ -313,7 +313,7 @@ def rate_config_from_table(table: Mapping[str, object]) -> RateConfig:
 
 
 class _Who(Protocol):
-    """What the limiter reads from a principal (`daemon.sessions.Principal` has it)."""
+    """What the limiter reads from a principal (`daemon.state.sessions.Principal` has it)."""
 
     @property
     def credential_id(self) -> str: ...

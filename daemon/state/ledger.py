@@ -31,7 +31,7 @@ Theory of operation (design.md "Idempotency: the ledger"; spec I3):
 
 I/O: SQLite in WAL mode. Writes go through one dedicated connection, used only from trio
 worker threads under this ledger's own CapacityLimiter(1). Group commit (the engine is
-daemon/_group_commit.py, shared with the audit log): every write is queued as an
+daemon/state/_group_commit.py, shared with the audit log): every write is queued as an
 operation; the first task to find no flush running becomes the flusher and runs
 everything queued in one transaction (one fsync) per thread hop, repeating until the
 queue is empty. Under load, many concurrent requests share one fsync and one ~150 µs
@@ -58,7 +58,7 @@ Disk (issue 13): a record is stored compactly. The principal is a small integer
 (`principals` table), the requestId its 16-byte `request_key` (sha256, truncated: the key
 must be exact, the text is not needed — the caller holds it on every lookup, and the
 audit log has it), and one index (by expiry) beside the primary key. A refusal's response
-is whatever compact bytes the caller hands in (daemon/verdict_store.py). Per account,
+is whatever compact bytes the caller hands in (daemon/state/verdict_store.py). Per account,
 the ledger counts `ROW_BYTES` + its blobs for every record; at `max_bytes_per_principal` a
 request that would add a record gets `Full()` (the pipeline refuses it, unrecorded). The
 account of a principal `A/sub` (the records the pipeline keeps apart for one credential
@@ -67,7 +67,7 @@ Replays and resumed work add nothing and are never refused.
 
 Audit anchor (issue 13): the audit log's head (seq, hash) is written into `audit_anchor`
 in every transaction, when it has moved, so the verdict and the audit record it followed
-become durable together. The audit log at start must reach it (daemon/audit.py).
+become durable together. The audit log at start must reach it (daemon/state/audit.py).
 
 Migrations: `_migrate_v1` moves the first layout's table in; `_migrate_verdict_columns`
 adds `status` and `code` to a file made before they were columns.
@@ -91,9 +91,9 @@ from typing import Final, TypeAlias, TypeVar, cast
 import trio
 
 from buzzwire.contract import ErrorCode, Status
-from daemon._group_commit import Failed, GroupCommit
-from daemon._sqlite import open_private_db
-from daemon.verdict_store import verdict_of
+from daemon.state._group_commit import Failed, GroupCommit
+from daemon.state._sqlite import open_private_db
+from daemon.state.verdict_store import verdict_of
 
 __all__ = [
     "LedgerKey",
@@ -366,7 +366,7 @@ class Ledger:
         # commits (a rolled-back id could otherwise be handed to another principal).
         self._new_pids: dict[str, int] = {}
         self._deltas: dict[int, int] = {}
-        # The audit head to anchor (daemon/audit.py), and the one the database holds.
+        # The audit head to anchor (daemon/state/audit.py), and the one the database holds.
         self._head_source: Callable[[], tuple[int, str]] | None = None
         self._anchored = self._read_anchor(conn)
 
@@ -450,7 +450,7 @@ class Ledger:
         row = conn.execute("SELECT seq, head FROM audit_anchor WHERE id = 1").fetchone()
         return None if row is None else (int(row[0]), str(row[1]))
 
-    # -- group commit (daemon/_group_commit.py runs the queue) --------------------------
+    # -- group commit (daemon/state/_group_commit.py runs the queue) --------------------------
 
     async def _run(self, op: Callable[[sqlite3.Connection], _T]) -> _T:
         """Queue `op` for the next transaction and wait until it is committed; its result.
@@ -763,7 +763,7 @@ def _migrate_verdict_columns(conn: sqlite3.Connection, *, backfill: bool) -> Non
     """Add the `status` and `code` columns to a ledger made before them (issue 16).
 
     One transaction. Each recorded verdict's status and code are read once from its
-    stored bytes (daemon/verdict_store.verdict_of); from then on they are columns.
+    stored bytes (daemon/state/verdict_store.verdict_of); from then on they are columns.
     `backfill`: fill them although the columns exist (records `_migrate_v1` just moved in).
     """
     columns = {row[1] for row in conn.execute("PRAGMA table_info(entries)").fetchall()}

@@ -5,14 +5,14 @@ Rules:
   verdict (spec I3). What this module bounds is the *audit log's* share: a credential
   may have `BURST` refusals written one line each, refilled at `REFILL_PER_SECOND`; past
   that, refusals are counted per (credential, agent, action, code) and a `refusals` line
-  (daemon/audit.py `RefusalCount`: the count and when the first was counted) is written
+  (daemon/state/audit.py `RefusalCount`: the count and when the first was counted) is written
   once the first counted one is `WINDOW_SECONDS` old, and at shutdown. So a flood from
   one credential costs the log one ~330-byte line per key per window, not one per request.
 - A refusal is a `failed` verdict that published nothing (validation, authorization,
   rate limit, conflict, the ledger cap, a fault before dispatch), a replayed one
   included. It discloses nothing and changed nothing, which is why it may be answered
   before its count is durable. Successes, reads and anything published are never counted:
-  no audit, no answer holds for them (daemon/broker.py).
+  no audit, no answer holds for them (daemon/pipeline/broker.py).
 - Lost on a crash (SIGKILL, power): the counts not yet written, at most
   `WINDOW_SECONDS` plus one flush interval (`WINDOW_SECONDS / 4`) of them. The ledger
   still holds each of those refusals.
@@ -30,7 +30,7 @@ from typing import Final
 import trio
 
 from buzzwire.contract import ErrorCode
-from daemon.audit import AuditLog, AuditUnavailable, RefusalCount
+from daemon.state.audit import AuditLog, AuditUnavailable, RefusalCount
 from daemon.log import log_event
 
 __all__ = ["RefusalAudit", "BURST", "REFILL_PER_SECOND", "WINDOW_SECONDS"]

@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol, TypeAlias, TypeVar
 
 from buzzwire.contract import ACTIONS, ErrorCode
-from daemon.sessions import Principal
+from daemon.state.sessions import Principal
 
 if TYPE_CHECKING:
-    # Typing only: daemon.config reads [limits] through daemon.ratelimit, which imports
+    # Typing only: daemon.config reads [limits] through daemon.state.ratelimit, which imports
     # Refusal from here, so a runtime import would be circular.
     from daemon.config import PolicyConfig
 

@@ -59,7 +59,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from daemon.cursor import Position
+from daemon.relay.cursor import Position
 
 __all__ = [
     "MAX_ROUNDS",

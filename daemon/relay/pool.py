@@ -2,7 +2,7 @@
 
 Rules:
 - `RelayPool` is the only thing in the daemon that talks to the relay. Message encoding
-  and strict parsing live in `daemon.relay_protocol` (sans-IO); this module owns sockets,
+  and strict parsing live in `daemon.relay.protocol` (sans-IO); this module owns sockets,
   tasks, timeouts and the mapping of what happened to a `PublishResult`.
 - Ownership: `await nursery.start(pool.run)` starts the pool; every connection task runs
   in the pool's own nursery and ends when `run` is cancelled. `publish`/`query` before
@@ -87,7 +87,7 @@ import trio_websocket
 from buzzwire.nostr import SignedEvent
 
 from daemon.log import log_event
-from daemon.relay_protocol import (
+from daemon.relay.protocol import (
     AuthChallenge,
     Closed,
     EndOfStoredEvents,
