@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+
 from ._ids import normalize_channel_id, normalize_hex64
 from ._shapes import to_wire
 

@@ -157,8 +157,8 @@ _PUBLISHED: tuple[Echo, ...] = ()  # eventId, kind, createdAt are the host's: no
 _TARGET_ECHO = (Echo(outcome="agentPubkey", source="target.pubkey", identity=Identity.HEX),)
 
 
-def _spec(name: str, args: type[Args], outcome: type[Outcome], *, publishing: bool, echoes: tuple[Echo, ...],
-          best_effort: bool = False) -> ActionSpec:
+def _spec(name: str, args: type[Args], outcome: type[Outcome], *, publishing: bool,
+          echoes: tuple[Echo, ...], best_effort: bool = False) -> ActionSpec:
     arg_members = _members(args)
     return ActionSpec(
         name=name, args_type=args, outcome_type=outcome, arg_members=arg_members,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+
 from ._ids import (
     any_string, channel_id, cursor, hex64, integer, lower_hex64_exact, lower_hex128_exact,
     pubkey, text,
