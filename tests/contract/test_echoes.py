@@ -33,6 +33,7 @@ def test_an_event_of_another_channel_or_without_h_breaks_the_echo() -> None:
     assert mismatch(args, event(("h", CHANNEL)), event(("h", OTHER_CHANNEL))) == (
         "an event of the page has no h tag echoing the request's channelId")
     assert mismatch(args, event(("h",))) is not None  # a tag with no value names nothing
+    assert mismatch(args, event(("d", CHANNEL))) is not None  # the value under another tag
     assert mismatch(args, event()) is not None
 
 
