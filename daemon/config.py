@@ -170,7 +170,7 @@ class LogConfig:
 class MetricsConfig:
     #: Path of the Prometheus admin socket; None = metrics off.
     socket: str | None
-    #: Loopback (host, port) for a TCP scrape listener; None = off. Any local user can read it.
+    #: Loopback (host, port) for a TCP scrape listener; None = off. Every local user can read it.
     listen: tuple[str, int] | None = None
 
 

@@ -72,7 +72,7 @@ with a handler finish and write their answer (with ``Connection: close``), for u
 
 Errors: an exception from a handler never reaches the client. It is logged (type
 name only: its text could carry a secret) and answered 500 without a body, the very last
-resort - a handler is expected to always answer. Any other unexpected exception in a
+resort - a handler is expected to always answer. Every other unexpected exception in a
 connection task (from h11, from writing an unusable answer, from this module) ends that
 connection only - answered 500 first if no response was started - and never `serve`.
 Faults are logged through `daemon.fault_log.FaultLog`: once per cause, then at most one
@@ -315,7 +315,7 @@ def unlink_if_ours(path: str, inode: int | None) -> None:
     """Remove the socket file at `path` if it is still the one we bound (same inode).
 
     A newer daemon may already have replaced it (a restart racing our exit): its socket
-    must stay. Any error is ignored: the file is gone or was never ours.
+    must stay. Every error is ignored: the file is gone or was never ours.
     """
     if inode is None:
         return

@@ -134,7 +134,7 @@ OBJECT_RULES: Mapping[type, dict[str, object]] = {
 }
 
 
-def _object(shape: Shape) -> dict[str, object]:
+def _object(shape: Shape[object]) -> dict[str, object]:
     values = EVENT_VALUES if shape.cls is Event else VALUES
     if shape.rule is not None and shape.cls not in OBJECT_RULES:
         raise KeyError(f"{shape.cls.__name__} has a cross-member rule with no schema")

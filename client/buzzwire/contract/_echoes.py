@@ -20,7 +20,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from ._ids import normalize_channel_id, normalize_hex64
 from ._shapes import to_wire
@@ -77,17 +76,33 @@ def _same(a: object, b: str, identity: Identity) -> bool:
     return left is not None and left == right
 
 
-def _source_value(echo: Echo, wire_args: Mapping[str, Any], me: str | None) -> str | None:
+def _source_value(echo: Echo, wire_args: Mapping[str, object], me: str | None) -> str | None:
     if echo.when is not None and not wire_args.get(echo.when):
         return None
     if echo.source == REQUESTER:
         return me
-    value: Any = wire_args
+    value: object = wire_args
     for part in echo.source.split("."):
-        if not isinstance(value, Mapping) or part not in value:
+        if not isinstance(value, dict) or part not in value:
             return None
         value = value[part]
     return value if type(value) is str else None
+
+
+def _page_events(wire_outcome: Mapping[str, object]) -> list[dict[str, object]]:
+    # `to_wire` writes a page's events as a list of wire objects; anything else is no page.
+    events = wire_outcome.get("messages", ())
+    if not isinstance(events, list):
+        return []
+    return [event for event in events if isinstance(event, dict)]
+
+
+def _tag_values(event: Mapping[str, object], tag: str) -> list[object]:
+    """The first value of every `tag` tag of one wire event (tags are lists of strings)."""
+    tags = event.get("tags", ())
+    if not isinstance(tags, list):
+        return []
+    return [t[1] for t in tags if isinstance(t, list) and len(t) >= 2 and t[0] == tag]
 
 
 def echo_mismatch(echoes: tuple[Echo, ...], args: object, outcome: object,
@@ -111,11 +126,9 @@ def echo_mismatch(echoes: tuple[Echo, ...], args: object, outcome: object,
             if not _same(wire_outcome.get(echo.outcome), wanted, echo.identity):
                 return f"outcome {echo.outcome} does not echo the request's {echo.source}"
             continue
-        events: Any = wire_outcome.get("messages", ())
-        for event in events:
+        for event in _page_events(wire_outcome):
             if echo.or_event_id and _same(event.get("id"), wanted, echo.identity):
                 continue
-            if not any(len(t) >= 2 and t[0] == tag and _same(t[1], wanted, echo.identity)
-                       for t in event.get("tags", ())):
+            if not any(_same(value, wanted, echo.identity) for value in _tag_values(event, tag)):
                 return f"an event of the page has no {tag} tag echoing the request's {echo.source}"
     return None

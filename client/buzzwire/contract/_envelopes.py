@@ -38,7 +38,6 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
 
 from ._args import (
     AgentsCreateArgs, AgentsDeleteArgs, AgentsUpdateArgs, AgentTarget, ChannelReadArgs,
@@ -53,7 +52,7 @@ from ._outcomes import (
     AgentsCreateOutcome, AgentsDeleteOutcome, AgentsUpdateOutcome, Outcome, PublishOutcome,
     ReadOutcome, StorageAddressOutcome,
 )
-from ._shapes import SHAPES, read_object, to_wire
+from ._shapes import SHAPES, read_object, shape_for, to_wire
 
 __all__ = [
     "MemberSet", "ActionSpec", "RateClass", "ACTIONS", "REQUEST_MEMBERS", "RESERVED_NAMES",
@@ -108,8 +107,8 @@ class ActionSpec:
 
     #: the wire name
     name: str
-    args_type: type
-    outcome_type: type
+    args_type: type[Args]
+    outcome_type: type[Outcome]
     arg_members: MemberSet
     outcome_members: MemberSet
     #: has side effects on the relay (prepare/Plan path) rather than being a read
@@ -158,8 +157,8 @@ _PUBLISHED: tuple[Echo, ...] = ()  # eventId, kind, createdAt are the host's: no
 _TARGET_ECHO = (Echo(outcome="agentPubkey", source="target.pubkey", identity=Identity.HEX),)
 
 
-def _spec(name: str, args: type, outcome: type, *, publishing: bool, echoes: tuple[Echo, ...],
-          best_effort: bool = False) -> ActionSpec:
+def _spec(name: str, args: type[Args], outcome: type[Outcome], *, publishing: bool,
+          echoes: tuple[Echo, ...], best_effort: bool = False) -> ActionSpec:
     arg_members = _members(args)
     return ActionSpec(
         name=name, args_type=args, outcome_type=outcome, arg_members=arg_members,
@@ -254,8 +253,10 @@ class Reading:
             raise ValueError("Reading.request_id must be the request's")
 
 
-def _judge(top: dict[str, Any], strict_fault: tuple[str, str] | None) -> Request:
-    """Steps 4-10 of the order of judgement; raises ContractError."""
+def _judge(top: dict[str, object], request_id: str,
+           strict_fault: tuple[str, str] | None) -> Request:
+    """Steps 4-10 of the order of judgement, for a body already correlated by `request_id`
+    (its `requestId`, checked); raises ContractError."""
     if strict_fault is not None:
         raise fault(*strict_fault)
     if top.get("type") != "broker_request":
@@ -282,8 +283,8 @@ def _judge(top: dict[str, Any], strict_fault: tuple[str, str] | None) -> Request
         raise fault("/actionVersion", "not an integer")
     if action_version != ACTION_VERSION:
         raise ContractError(ErrorCode.UNSUPPORTED_ACTION_VERSION, "/actionVersion", "not 1")
-    args = read_object(top["args"], "/args", SHAPES[spec.args_type])
-    return Request(request_id=top["requestId"], action=action, action_version=action_version, args=args)
+    args = read_object(top["args"], "/args", shape_for(spec.args_type))
+    return Request(request_id=request_id, action=action, action_version=action_version, args=args)
 
 
 def read_request(body: bytes) -> Reading:
@@ -312,7 +313,7 @@ def read_request(body: bytes) -> Reading:
                        error=fault("/requestId", "missing, repeated, or not a usable requestId"))
     assert type(request_id) is str  # narrowed by is_request_id
     try:
-        request = _judge(obj, strict_fault)
+        request = _judge(obj, request_id, strict_fault)
     except ContractError as exc:
         return Reading(request_id=request_id, request=None, error=exc)
     return Reading(request_id=request_id, request=request, error=None)
@@ -523,7 +524,7 @@ def parse_response(body: bytes, *, accept_replayed_false: bool = False) -> Respo
         if type(action) is not str or action not in ACTIONS:
             raise fault("/action", "not one of the nine operations")
         spec = ACTIONS[action]
-        outcome = read_object(obj["outcome"], "/outcome", SHAPES[spec.outcome_type])
+        outcome = read_object(obj["outcome"], "/outcome", shape_for(spec.outcome_type))
         return Response(request_id=obj["requestId"], status=status, action=action, outcome=outcome,
                         code=None, message=None, replayed=replayed)
     error = obj["error"]

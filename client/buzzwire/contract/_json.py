@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, TypeGuard
+from typing import TypeAlias, TypeGuard
 
 from ._limits import MAX_JSON_INT, MAX_NESTING, MIN_JSON_INT
 
@@ -50,13 +50,6 @@ class _BadConstant(Exception):
     """NaN / Infinity / -Infinity: not JSON."""
 
 
-class _Repeated(dict[str, Any]):
-    """An object in which at least one key appeared more than once."""
-
-    __slots__ = ("repeated",)
-    repeated: tuple[str, ...]
-
-
 class _NonInteger:
     """A number written with a fraction or an exponent."""
 
@@ -69,11 +62,25 @@ class _OutOfRange:
     __slots__ = ()
 
 
+#: What either decoder can hand back: JSON's values with `null` still in (strictness is
+#: judged afterwards), plus the slow path's markers (a `_Repeated` is a dict).
+_Decoded: TypeAlias = (
+    "str | int | bool | None | _NonInteger | _OutOfRange | list[_Decoded] | dict[str, _Decoded]"
+)
+
+
+class _Repeated(dict[str, _Decoded]):
+    """An object in which at least one key appeared more than once."""
+
+    __slots__ = ("repeated",)
+    repeated: tuple[str, ...]
+
+
 _NON_INTEGER = _NonInteger()
 _OUT_OF_RANGE = _OutOfRange()
 
 
-def _fast_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _fast_pairs(pairs: list[tuple[str, _Decoded]]) -> dict[str, _Decoded]:
     obj = dict(pairs)
     if len(obj) != len(pairs):
         raise _Slow
@@ -95,7 +102,7 @@ def _fast_int(text: str) -> int:
     return int(text)
 
 
-def _slow_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _slow_pairs(pairs: list[tuple[str, _Decoded]]) -> dict[str, _Decoded]:
     obj = dict(pairs)
     if len(obj) == len(pairs):
         return obj
@@ -112,11 +119,11 @@ def _slow_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return marked
 
 
-def _slow_float(_text: str) -> object:
+def _slow_float(_text: str) -> _NonInteger:
     return _NON_INTEGER
 
 
-def _slow_int(text: str) -> object:
+def _slow_int(text: str) -> int | _OutOfRange:
     # 20 characters hold every signed 64-bit value with its sign; a longer literal is out of
     # range and is never handed to int() (which refuses > 4300 digits with a ValueError).
     if len(text) > 20:
@@ -141,7 +148,7 @@ _MARKING = json.JSONDecoder(
 # A complete JSON string token (unrolled loop: linear, no backtracking blow-up).
 _STRING_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
-# Any escape of a UTF-16 surrogate; pairs are legal, so these only trigger the walk.
+# An escape of a UTF-16 surrogate; pairs are legal, so these only trigger the walk.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _OPEN = (0x5B, 0x7B)
 

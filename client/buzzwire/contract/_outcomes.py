@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from ._ids import (
     any_string, channel_id, cursor, hex64, integer, lower_hex64_exact, lower_hex128_exact,
@@ -52,14 +51,13 @@ class Event(Checked):
     sig: str
 
     @classmethod
-    def from_json_obj(cls, obj: Mapping[str, Any]) -> Event:
+    def from_json_obj(cls, obj: Mapping[str, object]) -> Event:
         """Strict: exactly the seven members, nothing null, nothing rewritten.
 
         Raises:
             ContractError: invalid_request with the pointer (relative to the event).
         """
-        event: Event = read_object(dict(obj) if type(obj) is not dict else obj, "", _EVENT_SHAPE)
-        return event
+        return read_object(dict(obj) if type(obj) is not dict else obj, "", _EVENT_SHAPE)
 
     def to_json_obj(self) -> dict[str, object]:
         """The seven members as plain JSON values (tags as lists)."""
