@@ -55,7 +55,6 @@ from pathlib import Path
 from typing import Any
 
 from custody._errors import CustodyError
-from buzzwire.nostr import is_hex64
 
 __all__ = ["AgentRecord", "Keystore", "KEYSTORE_FILE", "read_meta"]
 

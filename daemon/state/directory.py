@@ -2,9 +2,10 @@
 
 No secret is here. Custody keeps the secrets (each agent's sealed key, its owner and its
 NIP-OA tag) and the calls that need one; everything else about an agent is read, and its
-name is changed, through this module, without custody and without the token. This is what
-`agent list`, `status`, `credential issue`, the renames agents.update makes and the
-daemon's startup listing read.
+name is changed, through this module, without custody and without the token: policy
+(requester, target by name, depth), agents.update's rename, the minted-key lookup of a
+failed agents.create, the daemon's startup listing, `agent list`, `status` and
+`credential issue`.
 
 Where the rows live, and why there: in the `agents` table of custody's keystore.db, the
 same rows the key is sealed in. A key and its public record are written in ONE transaction
@@ -18,9 +19,11 @@ Rules:
 - The depth rule is stated here once (`child_depth`): an agent whose owner is not held
   here (a person) is at depth 1; an agent owned by a live agent held here sits one level
   below it. Policy's limit, agents.create and `agent create`/`agent import` all use it.
-- Opened read-only until the first rename; a keystore that does not exist yet reads as
-  empty. A rename opens its own read-write connection (WAL: it never blocks custody's
-  readers, and custody's records_version sees the commit as another connection's).
+- Reads go through one read-only connection; a keystore that does not exist yet reads as
+  empty and is not created. A rename opens its own short read-write connection (WAL: it
+  never blocks custody's readers, and custody's records_version sees the commit as
+  another connection's, so the broker's liveness cache stays right) with secure_delete on,
+  as custody's own is: the rewritten row sits in a page beside sealed blobs.
 - Faults are `DirectoryError`, whose message names the file and never a row's content.
 """
 
@@ -146,6 +149,7 @@ class AgentDirectory:
             db = sqlite3.connect(self._path, isolation_level=None)
             try:
                 db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+                db.execute("PRAGMA secure_delete=ON")
                 db.execute("UPDATE agents SET name = ?, updated_at = ?"
                            " WHERE pubkey = ? AND deleted_at IS NULL", (name, stamp, pubkey))
             finally:
