@@ -120,7 +120,7 @@ async def import_agents(token: TokenConfig, state_dir: Path, n: int) -> list[str
         out = []
         for i in range(n):
             secret = bytearray(coincurve.PrivateKey().secret.hex().encode("ascii"))
-            record = await custody.import_agent(secret, owner=_owner(), name=f"bench-{i}")
+            record = await custody.import_agent(secret, owner=_owner(), depth=1, name=f"bench-{i}")
             out.append(record.pubkey)
         return out
     finally:

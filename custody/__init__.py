@@ -18,8 +18,9 @@ Surface:
   recipients), `open_backup` (decrypt and check one), `restore_plan`, `restore_backup`.
 - Errors: `CustodyError`, `UnsealFailed`, `UnknownAgent`.
 - Public Nostr helpers (no secrets): `compute_event_id`, `verify_event`,
-  `verify_owner_tag`, `owner_tag_digest`, and `PublicDirectory` (the keystore's public
-  records without the token). `read_secret_text` reads secret text from a file descriptor
+  `verify_owner_tag`, `owner_tag_digest`. The public agent directory (names, depth,
+  renames, listing) is not here: the daemon reads it (daemon/state/directory.py).
+  `read_secret_text` reads secret text from a file descriptor
   into a zeroable buffer for `Custody.import_agent`; `read_limited` reads any bounded
   secret file (an age identity) the same way. `harden_process` (no core dumps, not
   dumpable) runs inside `Custody.open`/`init_kek`; callers may run it earlier too.
@@ -62,7 +63,7 @@ from custody._backup import (
 from custody._errors import CustodyError, UnknownAgent, UnsealFailed
 from custody._cache import CachePolicy
 from custody._facade import Custody, check_token, init_kek, init_keys, rotate_keys
-from custody._keystore import AgentRecord, PublicDirectory
+from custody._keystore import AgentRecord
 from custody._memory import MemoryAddress
 from buzzwire.nostr import (
     SignedEvent,
@@ -95,7 +96,6 @@ __all__ = [
     "check_token",
     "CustodyError",
     "MemoryAddress",
-    "PublicDirectory",
     "RotationReport",
     "SignedEvent",
     "TokenConfig",

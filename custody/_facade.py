@@ -34,7 +34,7 @@ from typing import TypeVar
 
 from custody._cache import CachePolicy, UnsealedCache
 from custody._errors import CustodyError, UnknownAgent
-from custody._keystore import AgentRecord, Keystore, PublicDirectory
+from custody._keystore import AgentRecord, Keystore, read_meta
 from custody._memory import MEMORY_KIND, MemoryAddress, check_slug, d_tag
 from buzzwire.nostr import SignedEvent, UnsignedEvent, is_hex64, verify_owner_tag
 from custody._process import harden_process
@@ -60,13 +60,19 @@ __all__ = ["Custody", "init_kek", "init_keys", "rotate_keys"]
 
 log = logging.getLogger("buzz_broker.custody")
 
-#: An agent whose owner is not held on this host (a human) is at depth 1.
-HUMAN_OWNED_DEPTH = 1
+#: The least depth a record may carry (the keystore's CHECK). The depth rule itself is the
+#: caller's: custody stores the depth it is given and never derives one.
+MIN_DEPTH = 1
 
 
 def _require_pubkey(name: str, value: object) -> None:
     if not is_hex64(value):
         raise ValueError(f"{name} must be 64 lowercase hex characters")
+
+
+def _require_depth(depth: object) -> None:
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < MIN_DEPTH:
+        raise ValueError(f"depth must be an int >= {MIN_DEPTH}")
 
 
 def _require_owner_point(owner: str) -> None:
@@ -105,11 +111,7 @@ async def init_keys(token: TokenConfig, state_dir: Path | None = None) -> TokenR
 def _recorded_kek(token: TokenConfig, state_dir: Path) -> ActiveKek:
     """The active KEK the keystore records (read-only: creates nothing), checked to be in
     the configured token."""
-    directory = PublicDirectory.open(state_dir)
-    try:
-        active = active_kek(directory.meta(), token)
-    finally:
-        directory.close()
+    active = active_kek(read_meta(state_dir), token)
     require_configured(active, token)
     return active
 
@@ -378,8 +380,7 @@ class Custody:
             _require_pubkey("creator", creator)
         if not isinstance(name, str) or not name:
             raise ValueError("name must be a non-empty str")
-        if not isinstance(depth, int) or isinstance(depth, bool) or depth < HUMAN_OWNED_DEPTH:
-            raise ValueError("depth must be an int >= 1")
+        _require_depth(depth)
         if mint_ref is not None and (not isinstance(mint_ref, str) or not mint_ref):
             raise ValueError("mint_ref must be a non-empty str or None")
 
@@ -403,6 +404,7 @@ class Custody:
         secret_text: bytearray,
         *,
         owner: str,
+        depth: int,
         name: str | None,
         auth_tag: Sequence[str] | None = None,
         creator: str | None = None,
@@ -412,14 +414,15 @@ class Custody:
 
         `name` None names the agent by the first 12 hex digits of its pubkey.
         `auth_tag`, if given, must be a NIP-OA tag by `owner` for this agent that verifies;
-        without one, a tag is signed when the owner is held here. Depth is the owner's + 1
-        when the owner is held here, else 1 (human-owned).
+        without one, a tag is signed when the owner is held here. `depth` is stored as
+        given (the caller's rule: daemon/state/directory.py `child_depth`).
 
         Raises:
             CustodyError: malformed secret, an owner that is no curve point, owner ==
                 agent, an ownership cycle (the agent already owns the owner, directly or
                 through its agents), agent already held (or
                 tombstoned), an auth tag that does not verify; token or keystore faults.
+            ValueError: malformed owner/creator, empty name, depth < 1.
         """
         # Zeroed on every way out, the early refusals included (the worker hop is never
         # abandoned, so this cannot race the parse that reads it).
@@ -427,6 +430,7 @@ class Custody:
             self._check_open()
             _require_pubkey("owner", owner)
             _require_owner_point(owner)
+            _require_depth(depth)
             if creator is not None:
                 _require_pubkey("creator", creator)
             if name is not None and (not isinstance(name, str) or not name):
@@ -461,8 +465,6 @@ class Custody:
                         )
                     if tag is not None and (tag[1] != owner or not verify_owner_tag(tag, agent)):
                         raise CustodyError("auth tag does not verify for this agent and owner")
-                    owner_record = self._keystore.get(owner)
-                    depth = owner_record.depth + 1 if owner_record and owner_record.live else HUMAN_OWNED_DEPTH
                     return self._store(secret, owner=owner, name=name or agent[:12], creator=creator,
                                        depth=depth, mint_ref=None, auth_tag=tag)
 
@@ -491,28 +493,6 @@ class Custody:
         if record is None:
             raise UnknownAgent(pubkey)
         log.info("destroyed the key of agent %s (tombstone kept)", pubkey)
-        return record
-
-    async def rename_agent(self, pubkey: str, name: str) -> AgentRecord:
-        """Set a live agent's public name (its managed record was renamed on the relay).
-
-        Public data only; it goes through the worker because the keystore's writes do.
-
-        Raises:
-            UnknownAgent: no live agent with that key.
-            ValueError: an empty name.
-        """
-        self._check_open()
-        _require_pubkey("agent", pubkey)
-        if not isinstance(name, str) or not name:
-            raise ValueError("name must be a non-empty str")
-
-        def work() -> AgentRecord | None:
-            return self._keystore.rename(pubkey, name, self._now())
-
-        record = await self._hop("rename", work)
-        if record is None:
-            raise UnknownAgent(pubkey)
         return record
 
     async def attach_auth_tag(self, pubkey: str, tag: Sequence[str]) -> AgentRecord:
@@ -549,7 +529,7 @@ class Custody:
     def observe_token_calls(self, observer: Callable[[str, float], None] | None) -> None:
         """Call `observer(op, seconds)` after every token worker hop (for metrics).
 
-        `op` is one of sign, sign_auth, memory_address, mint, import, destroy, rename; the
+        `op` is one of sign, sign_auth, memory_address, mint, import, destroy, attach_auth; the
         observer sees names and durations only, never an argument.
         """
         self._observer = observer

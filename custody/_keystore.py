@@ -12,8 +12,10 @@ Rules:
   daemon runs) are seen at once.
 - One connection, shared by the event-loop thread (public reads) and the token worker
   (blob reads, writes), serialized by a threading.Lock.
-- `PublicDirectory` opens the same file read-only and never sees a blob: it is what code
-  without the token (credential issue, policy, `agent list`) reads.
+- The public columns (name, depth, creator, mint_ref, timestamps) are written here only
+  as part of a whole row (mint, import, restore) or a tombstone: the daemon's agent
+  directory (daemon/state/directory.py) reads them and renames without custody.
+  `read_meta` reads `custody_meta` read-only, for code that must create nothing.
 - Two more tables, both public and written only by custody: `custody_meta` (name -> value:
   the active token and KEK after a rotation or migration, and a rotation's plan and
   retiring KEK while one is under way) and `reseal` (a rotation's staged blobs: new
@@ -27,7 +29,7 @@ Destroying a key, and what is beyond reach:
 - After the tombstone commits, `PRAGMA wal_checkpoint(TRUNCATE)` copies the zeroed page
   into keystore.db and truncates keystore.db-wal to zero bytes, so the WAL frames that
   still held the blob (from its insert and earlier writes) are gone from the files. A
-  reader in the middle of a read (another process's `PublicDirectory`, the sqlite3 shell)
+  reader in the middle of a read (another process's directory reader, the sqlite3 shell)
   makes the checkpoint wait up to CHECKPOINT_BUSY_MS and then report busy: that is logged
   (warning) and the WAL is truncated by the next destroy or checkpoint instead. The
   destroy itself has committed either way.
@@ -53,9 +55,8 @@ from pathlib import Path
 from typing import Any
 
 from custody._errors import CustodyError
-from buzzwire.nostr import is_hex64
 
-__all__ = ["AgentRecord", "Keystore", "PublicDirectory", "KEYSTORE_FILE"]
+__all__ = ["AgentRecord", "Keystore", "KEYSTORE_FILE", "read_meta"]
 
 log = logging.getLogger("buzz_broker.custody")
 
@@ -315,12 +316,6 @@ class Keystore:
         record = self.get(pubkey)
         return record if record is not None and record.live else None
 
-    def rename(self, pubkey: str, name: str, now: int) -> AgentRecord | None:
-        """Set a live agent's public name. None if no live agent has that key."""
-        self._update_live("name = ?, updated_at = ?", (name, now), pubkey)
-        record = self.get(pubkey)
-        return record if record is not None and record.live else None
-
     # --- custody's own facts, and the rotation's staging (custody/_rotation.py) --------
 
     def meta(self) -> dict[str, str]:
@@ -390,58 +385,21 @@ class Keystore:
         return f"Keystore({str(self.path)!r})"
 
 
-class PublicDirectory:
-    """The keystore's public records, read-only, without the token.
-
-    `PublicDirectory.open(state_dir)`; a keystore that does not exist yet reads as empty.
-    """
-
-    __slots__ = ("_path", "_db", "_lock")
-
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self._db: sqlite3.Connection | None = None
-        self._lock = threading.Lock()
-
-    @classmethod
-    def open(cls, state_dir: Path | str) -> PublicDirectory:
-        return cls(Path(state_dir) / KEYSTORE_FILE)
-
-    def _rows(self, sql: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
-        with self._lock:
-            if self._db is None:
-                if not self._path.exists():
-                    return []
-                try:
-                    self._db = sqlite3.connect(
-                        f"file:{self._path}?mode=ro", uri=True, check_same_thread=False
-                    )
-                except sqlite3.Error as exc:
-                    raise CustodyError(f"cannot open keystore {self._path}: {exc}") from None
-            try:
-                return self._db.execute(sql, args).fetchall()
-            except sqlite3.OperationalError as exc:
-                if "no such table" in str(exc):
-                    return []
-                raise CustodyError(f"cannot read keystore {self._path}: {exc}") from None
-
-    def get(self, pubkey: str) -> AgentRecord | None:
-        if not is_hex64(pubkey):
-            return None
-        rows = self._rows(f"SELECT {_PUBLIC_COLUMNS} FROM agents WHERE pubkey = ?", (pubkey,))
-        return _record(rows[0]) if rows else None
-
-    def meta(self) -> dict[str, str]:
-        """Custody's public facts (active token and KEK); empty before any rotation."""
-        return dict(self._rows("SELECT name, value FROM custody_meta"))
-
-    def all(self, *, include_deleted: bool = False) -> list[AgentRecord]:
-        where = "" if include_deleted else "WHERE deleted_at IS NULL"
-        rows = self._rows(f"SELECT {_PUBLIC_COLUMNS} FROM agents {where} ORDER BY created_at, pubkey")
-        return [_record(row) for row in rows]
-
-    def close(self) -> None:
-        with self._lock:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
+def read_meta(state_dir: Path) -> dict[str, str]:
+    """Custody's public facts (active token and KEK) read-only, creating nothing: empty
+    before any rotation or when no keystore exists yet."""
+    path = Path(state_dir) / KEYSTORE_FILE
+    if not path.exists():
+        return {}
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            return dict(db.execute("SELECT name, value FROM custody_meta").fetchall())
+        finally:
+            db.close()
+    except sqlite3.OperationalError as exc:
+        if "no such table" in str(exc):
+            return {}
+        raise CustodyError(f"cannot read keystore {path}: {exc}") from None
+    except sqlite3.Error as exc:
+        raise CustodyError(f"cannot read keystore {path}: {exc}") from None

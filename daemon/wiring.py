@@ -27,6 +27,7 @@ import trio
 from buzzwire.contract import ACTIONS
 from buzzwire.nostr import SignedEvent
 from custody import Custody, CustodyError
+from daemon.state.directory import AgentDirectory
 from daemon.state.audit import AUDIT_DIRNAME, AuditLog, AuditUnavailable
 from daemon.pipeline.broker import Broker
 from daemon.config import Config, ConfigError, require_relay
@@ -120,6 +121,8 @@ async def running(
         except CustodyError as exc:
             raise StartupError(str(exc)) from None
         stack.push_async_callback(_shielded(custody.aclose))
+        directory = AgentDirectory.open(state_dir)
+        stack.callback(directory.close)
         try:
             sessions = SessionStore.open(state_dir)
             stack.callback(sessions.close)
@@ -158,6 +161,7 @@ async def running(
         broker = Broker(
             config=config,
             custody=custody,
+            directory=directory,
             sessions=sessions,
             ledger=ledger,
             relay=relay,
@@ -187,8 +191,9 @@ async def running(
             nursery.start_soon(_sweep_forever, ledger, metrics)
             nursery.start_soon(_flush_last_use_forever, sessions)
             await nursery.start(broker.refusals.run)
-            log_event(_log, "broker.ready", agents=len(custody.agents()), relay=relay_url)
-            for record in custody.agents():
+            live = directory.agents()
+            log_event(_log, "broker.ready", agents=len(live), relay=relay_url)
+            for record in live:
                 if record.auth_tag is None:
                     # Its owner is a person whose key is not here: its events carry no
                     # NIP-OA tag until the owner signs one (`agent attach-auth`).

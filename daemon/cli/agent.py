@@ -38,6 +38,7 @@ import trio
 
 from daemon.cli import agent_auth
 from daemon.cli._common import CliError, config_from_args
+from daemon.state.directory import child_depth
 
 if TYPE_CHECKING:
     from custody import AgentRecord, Custody
@@ -116,7 +117,8 @@ def _import(args: argparse.Namespace, config: Config) -> int:
         record: AgentRecord = _with_custody(
             config,
             lambda c: c.import_agent(
-                secret_text, owner=owner, name=args.name, auth_tag=auth_tag
+                secret_text, owner=owner, depth=child_depth(c.agent(owner)), name=args.name,
+                auth_tag=auth_tag,
             ),
         )
     finally:
@@ -159,9 +161,7 @@ def _create(args: argparse.Namespace, config: Config) -> int:
         raise CliError("--name must not be empty")
 
     async def mint(c: Custody) -> AgentRecord:
-        # An owner held here is itself an agent: the new agent sits one level below it.
-        owner_record = c.agent(owner)
-        depth = owner_record.depth + 1 if owner_record is not None else 1
+        depth = child_depth(c.agent(owner))
         return await c.mint_agent(owner=owner, name=args.name, creator=None, depth=depth, mint_ref=None)
 
     record = _with_custody(config, mint)
@@ -172,11 +172,11 @@ def _create(args: argparse.Namespace, config: Config) -> int:
 
 
 def _list(args: argparse.Namespace, config: Config) -> int:
-    from custody import CustodyError, PublicDirectory
+    from daemon.state.directory import AgentDirectory, DirectoryError
 
     try:
-        records = PublicDirectory.open(config.state.dir).all(include_deleted=args.all)
-    except CustodyError as exc:
+        records = AgentDirectory.open(config.state.dir).agents(include_deleted=args.all)
+    except DirectoryError as exc:
         raise CliError(str(exc)) from None
     if args.json:
         # `authTagMissing`: a live agent whose owner (a person) has not signed its NIP-OA tag.

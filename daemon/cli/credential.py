@@ -6,7 +6,7 @@ Rules:
   credential id goes to stderr for the operator's records. The token is never printed
   again: `list` shows ids and scopes only.
 - The agent must be held by the keystore and not deleted (read through
-  `custody.PublicDirectory`, no token needed). Channels are normalized to the canonical
+  `daemon.state.directory`, no token needed). Channels are normalized to the canonical
   lowercase UUID form the spec defines.
 - Safe defaults (issue 13): the scope is always said out loud — `--action NAME`
   (repeatable, each among the nine) or `--all-actions`, never neither. `--ttl` takes
@@ -143,7 +143,7 @@ def _store(args: argparse.Namespace) -> "SessionStore":
 
 
 def _issue(args: argparse.Namespace) -> int:
-    from custody import PublicDirectory
+    from daemon.state.directory import AgentDirectory
     from buzzwire.contract import ACTIONS, normalize_channel_id, normalize_hex64
     from daemon.state.ratelimit import RateLimiter, parse_rate
     from daemon.state.sessions import check_label
@@ -182,7 +182,7 @@ def _issue(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     try:
-        directory = PublicDirectory.open(Path(config.state.dir))
+        directory = AgentDirectory.open(Path(config.state.dir))
         record = directory.get(agent)
     except Exception as exc:  # noqa: BLE001
         raise CliError(f"cannot read the keystore in {config.state.dir}: {type(exc).__name__}") from None

@@ -75,11 +75,11 @@ def _socket(path: str) -> tuple[bool, str]:
 
 
 def _agents(state_dir: Path) -> tuple[bool, str]:
-    from custody import CustodyError, PublicDirectory
+    from daemon.state.directory import AgentDirectory, DirectoryError
 
     try:
-        records = PublicDirectory.open(state_dir).all(include_deleted=True)
-    except CustodyError as exc:
+        records = AgentDirectory.open(state_dir).agents(include_deleted=True)
+    except DirectoryError as exc:
         return False, str(exc)
     live = sum(1 for r in records if r.live)
     return True, f"{live} live, {len(records) - live} deleted"

@@ -31,6 +31,7 @@ from daemon.operations._managed import (
 )
 from daemon.operations.profile_set import KIND_METADATA
 from daemon.pipeline.pending import DestroyAgent, SetRuntime
+from daemon.state.directory import child_depth
 
 #: NIP-29 role given to a created agent in its channel.
 AGENT_ROLE = "bot"
@@ -44,7 +45,7 @@ async def prepare(ctx: Context, args: AgentsCreateArgs) -> Plan:
         owner=owner,
         name=args.display_name,
         creator=owner,
-        depth=requester.depth + 1,
+        depth=child_depth(requester),
         mint_ref=f"{owner}/{ctx.request_id}",
     )
     now = ctx.now()

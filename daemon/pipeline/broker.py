@@ -63,6 +63,7 @@ from buzzwire.contract import (
     read_request,
 )
 from custody import Custody, CustodyError
+from daemon.state.directory import AgentDirectory
 from daemon.state.audit import AuditLog
 from daemon.config import Config, PolicyConfig
 from daemon.relay.cursor import CursorCodec
@@ -141,6 +142,7 @@ class Broker:
         *,
         config: Config,
         custody: Custody,
+        directory: AgentDirectory,
         sessions: SessionStore,
         ledger: Ledger,
         relay: RelayPool,
@@ -156,6 +158,7 @@ class Broker:
         self._config = config
         self._policy: PolicyConfig = config.policy
         self._custody = custody
+        self._directory = directory
         self._sessions = sessions
         self._ledger = ledger
         self._relay = relay
@@ -176,9 +179,14 @@ class Broker:
         self._recorder = Recorder(ledger=ledger, audit=audit, refusals=self.refusals,
                                   metrics=self.metrics, clock=clock,
                                   read_retention_seconds=config.state.read_retention_seconds)
-        self._publisher = Publisher(custody=custody, sessions=sessions, runtimes=runtimes,
+        self._publisher = Publisher(custody=custody, directory=directory, sessions=sessions, runtimes=runtimes,
                                     relay=relay, ledger=ledger, recorder=self._recorder,
                                     clock=clock, checkpoint=self._passed)
+
+    @property
+    def directory(self) -> AgentDirectory:
+        """The public agent directory (names, depth, listing; daemon/state/directory.py)."""
+        return self._directory
 
     @property
     def custody(self) -> Custody:
@@ -356,7 +364,7 @@ class Broker:
         """validate → authorize (daemon/pipeline/judgement.py), then execute."""
         request_id = facts.request_id
         admitted = judge(Admission(principal=principal, reading=reading, policy=self._policy,
-                                   agents=self._custody, limiter=self._limiter,
+                                   agents=self._directory, limiter=self._limiter,
                                    now=self._clock()))
         if isinstance(admitted, Verdict):
             return Judged.of(request_id, admitted)
@@ -393,7 +401,7 @@ class Broker:
         locked = _lock_set(principal, decision)
         for _attempt in range(_LOCK_ATTEMPTS):
             async with self._locks.hold_all(locked):
-                again = authorize(principal, request, self._policy, self._custody)
+                again = authorize(principal, request, self._policy, self._directory)
                 if isinstance(again, Refusal):
                     return Judged.of(facts.request_id, Verdict.failed(again.code, again.message))
                 if set(_lock_set(principal, again)) <= set(locked):

@@ -25,7 +25,7 @@ from typing import Final, TypeAlias
 from buzzwire.contract import ACTIONS, MESSAGES, REQUEST_MEMBERS, Reading, Request, Verdict
 from daemon.config import PolicyConfig
 from daemon.log import log_event
-from daemon.pipeline.policy import AgentDirectory, AgentView, Authorized, Refusal, authorize
+from daemon.pipeline.policy import AgentLookup, AgentView, Authorized, Refusal, authorize
 from daemon.state.ratelimit import RateLimiter
 from daemon.state.sessions import Principal
 
@@ -41,7 +41,7 @@ class Admission:
     principal: Principal
     reading: Reading
     policy: PolicyConfig
-    agents: AgentDirectory[AgentView]
+    agents: AgentLookup[AgentView]
     limiter: RateLimiter
     now: float
 

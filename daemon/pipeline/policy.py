@@ -25,8 +25,8 @@ Decisions (recorded here because the spec leaves them to the host):
   thing authorization decides, so one answer says exactly that much. By name, the search
   covers only the requester's own live agents, so "no such agent" and "ambiguous"
   (`action_failed`, as the issue asks) reveal nothing about anyone else.
-- Depth: a human-owned agent is depth 1; an agent it creates is depth 2, and so on.
-  agents.create is refused (`unauthorized`, naming the limit) when requester depth + 1
+- Depth (the rule itself is `daemon.state.directory.child_depth`): agents.create is
+  refused (`unauthorized`, naming the limit) when the depth of the agent it would make
   exceeds `max_agent_depth`. A requester this host does not hold (or that was deleted)
   may not create agents at all.
 
@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol, TypeAlias, TypeVar
 
 from buzzwire.contract import ACTIONS, ErrorCode
+from daemon.state.directory import child_depth
 from daemon.state.sessions import Principal
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ __all__ = [
     "within_credential",
     "resolve_target",
     "AgentView",
-    "AgentDirectory",
+    "AgentLookup",
     "CHECKS",
     "CHANNEL_ACTIONS",
     "RUNTIME_ACTIONS",
@@ -104,8 +105,8 @@ _R = TypeVar("_R", bound=AgentView, covariant=True)
 _R2 = TypeVar("_R2", bound=AgentView)
 
 
-class AgentDirectory(Protocol[_R]):
-    """Read-only public agent records: `custody.Custody` satisfies it."""
+class AgentLookup(Protocol[_R]):
+    """Read-only public agent records: `daemon.state.directory.AgentDirectory` satisfies it."""
 
     def agent(self, pubkey: str) -> _R | None: ...
     def agents(self, *, include_deleted: bool = False) -> Sequence[_R]: ...
@@ -160,7 +161,7 @@ def _depth_refusal(limit: int) -> Refusal:
 
 
 def resolve_target(
-    principal: Principal, target: _Target, agents: AgentDirectory[_R2]
+    principal: Principal, target: _Target, agents: AgentLookup[_R2]
 ) -> _R2 | Refusal:
     """The live agent owned by the principal that `target` names, or the refusal.
 
@@ -186,7 +187,7 @@ def resolve_target(
     return matches[0]
 
 
-_Dir: TypeAlias = AgentDirectory[AgentView]
+_Dir: TypeAlias = AgentLookup[AgentView]
 #: A check answers a refusal, nothing, or what it resolved (merged into `Authorized`).
 _Check: TypeAlias = "Callable[[Principal, _Request, PolicyConfig, _Dir], Refusal | Authorized | None]"
 
@@ -227,7 +228,7 @@ def _check_depth(
     requester = agents.agent(p.agent)
     if requester is None or requester.deleted_at is not None:
         return REFUSALS["requester"]
-    if requester.depth + 1 > host.max_agent_depth:
+    if child_depth(requester) > host.max_agent_depth:
         return _depth_refusal(host.max_agent_depth)
     return Authorized(requester=requester)
 
@@ -264,7 +265,7 @@ def authorize(
     principal: Principal,
     request: _Request,
     host: PolicyConfig,
-    agents: AgentDirectory[AgentView],
+    agents: AgentLookup[AgentView],
 ) -> Authorized | Refusal:
     """What the principal may run this (validated) request on, or the refusal.
 
@@ -272,7 +273,7 @@ def authorize(
         principal: from SessionStore.authenticate.
         request: a validated contract Request (`.action`, `.args`).
         host: the host's [policy] configuration.
-        agents: the public agent directory (custody.Custody or custody.PublicDirectory-like).
+        agents: the public agent directory (daemon.state.directory.AgentDirectory).
 
     Returns:
         The first check's refusal, in `CHECKS` order; else `Authorized` with the records

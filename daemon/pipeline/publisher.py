@@ -28,8 +28,11 @@ import sqlite3
 from collections.abc import Awaitable, Callable
 from typing import Final
 
+import trio
+
 from buzzwire.contract import ErrorCode, Request, Status, Verdict, encode_response
 from custody import Custody
+from daemon.state.directory import AgentDirectory
 from daemon.state.ledger import Ledger, Ticket
 from daemon.log import log_event
 from daemon.operations import Context, Plan
@@ -65,10 +68,12 @@ def _quote_reason(reason: str) -> str:
 class Publisher:
     """Owns a publishing request from its signed plan to its cleanup (module docstring)."""
 
-    def __init__(self, *, custody: Custody, sessions: SessionStore, runtimes: RuntimeStore,
+    def __init__(self, *, custody: Custody, directory: AgentDirectory, sessions: SessionStore,
+                 runtimes: RuntimeStore,
                  relay: RelayPool, ledger: Ledger, recorder: Recorder,
                  clock: Callable[[], float], checkpoint: Callable[[str], None]) -> None:
         self._custody = custody
+        self._directory = directory
         self._sessions = sessions
         self._runtimes = runtimes
         self._relay = relay
@@ -187,8 +192,8 @@ class Publisher:
 
     async def _rename_agent(self, step: Cleanup) -> None:
         assert isinstance(step, RenameAgent)
-        if self._custody.agent(step.pubkey) is not None:
-            await self._custody.rename_agent(step.pubkey, step.name)
+        # Public data only: the directory writes it, off the event loop, without custody.
+        await trio.to_thread.run_sync(self._directory.rename, step.pubkey, step.name)
 
     async def _set_runtime(self, step: Cleanup) -> None:
         assert isinstance(step, SetRuntime)
@@ -203,7 +208,9 @@ class Publisher:
         through its mint reference, and carries on with it.
         """
         mint_ref = f"{facts.agent}/{facts.request_id}"
-        minted = next((a for a in self._custody.agents() if a.mint_ref == mint_ref), None)
+        minted = self._directory.by_mint_ref(mint_ref)
+        if minted is not None and not minted.live:
+            minted = None
         if minted is None:
             return judged
         try:

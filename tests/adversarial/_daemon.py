@@ -38,6 +38,7 @@ import trio_websocket
 
 from custody import Custody, TokenConfig
 from daemon.state.sessions import SessionStore
+from daemon.state.directory import child_depth
 from tests.fixtures.broker import write_config as broker_config
 
 __all__ = [
@@ -256,7 +257,7 @@ async def setup_state(token: TokenConfig, state_dir: Path, channels: Sequence[st
     try:
         owner = coincurve.PrivateKey().public_key_xonly.format().hex()
         secret = bytearray(coincurve.PrivateKey().secret.hex().encode("ascii"))
-        record = await custody.import_agent(secret, owner=owner, name=name)
+        record = await custody.import_agent(secret, owner=owner, depth=child_depth(custody.agent(owner)), name=name)
     finally:
         await custody.aclose()
     store = SessionStore.open(state_dir)

@@ -36,7 +36,8 @@ from typing import Any
 import pytest
 import trio
 
-from custody import PublicDirectory, TokenConfig
+from custody import TokenConfig
+from daemon.state.directory import AgentDirectory
 from tests.adversarial._daemon import (
     DaemonProcess,
     KillingProxy,
@@ -174,7 +175,7 @@ async def _message_effects(relay: str, channel: str, outcome: dict[str, Any],
 
 async def _created_effects(relay: str, state_dir: Path, owner: str, channel: str,
                            outcome: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    minted = [r for r in PublicDirectory.open(state_dir).all(include_deleted=True)
+    minted = [r for r in AgentDirectory.open(state_dir).agents(include_deleted=True)
               if r.owner == owner]
     assert [r.pubkey for r in minted] == [outcome["agentPubkey"]], minted
     assert minted[0].deleted_at is None

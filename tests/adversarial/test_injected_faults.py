@@ -35,6 +35,7 @@ import pytest
 import daemon.pipeline.judgement
 from buzzwire.contract import ACTIONS
 from daemon.state.audit import AuditLog, Phase
+from daemon.state.directory import AgentDirectory
 from daemon.state.ledger import Ledger
 from daemon.state.ratelimit import RateLimiter
 from daemon.relay.pool import RelayPool
@@ -77,7 +78,7 @@ STEPS: dict[str, Step] = {
     "record_pending": Step(Ledger, "record_pending"),
     "publish": Step(RelayPool, "publish"),
     "destroy": Step(Custody, "destroy_agent"),
-    "rename": Step(Custody, "rename_agent"),
+    "rename": Step(AgentDirectory, "rename"),
     "runtime_record": Step(RuntimeStore, "set"),
     "finish": Step(Ledger, "finish"),
     "audit_verdict": Step(AuditLog, "append", _phase(Phase.VERDICT)),
@@ -164,7 +165,7 @@ def _expected(action: str, step: str, trace: list[str]) -> tuple[str, str | None
 
 def _minted(broker: BrokerHarness, owner: str, request_id: str) -> list[Any]:
     ref = f"{owner}/{request_id}"
-    return [a for a in broker.custody.agents() if a.mint_ref == ref]
+    return [a for a in broker.app.directory.agents() if a.mint_ref == ref]
 
 
 @pytest.mark.parametrize("action", sorted(ACTIONS))

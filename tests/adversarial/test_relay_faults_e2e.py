@@ -35,7 +35,8 @@ import coincurve
 import pytest
 import trio
 
-from custody import PublicDirectory, TokenConfig
+from custody import TokenConfig
+from daemon.state.directory import AgentDirectory, child_depth
 from daemon.wiring import running
 from daemon.config import load_config
 from daemon.http import HttpLimits, action_routes, serve
@@ -93,7 +94,7 @@ async def rig(nursery: trio.Nursery, custody_state: tuple[TokenConfig, Path],
             async with running(config) as app:
                 owner = coincurve.PrivateKey().public_key_xonly.format().hex()
                 secret = bytearray(coincurve.PrivateKey().secret.hex().encode("ascii"))
-                record = await app.custody.import_agent(secret, owner=owner, name="faulty")
+                record = await app.custody.import_agent(secret, owner=owner, depth=child_depth(app.custody.agent(owner)), name="faulty")
                 _, credential = app.sessions.issue(
                     agent=record.pubkey, channels=frozenset({CHANNEL}),
                     actions=frozenset(ALL_ACTIONS), ttl_seconds=None, uid=None,
@@ -201,7 +202,7 @@ async def test_never_eose_read_fails_within_the_eose_timeout(rig: Any) -> None:
 
 
 def _minted(state_dir: Path, owner: str) -> list[Any]:
-    return [a for a in PublicDirectory.open(state_dir).all(include_deleted=True)
+    return [a for a in AgentDirectory.open(state_dir).agents(include_deleted=True)
             if a.owner == owner]
 
 

@@ -24,6 +24,7 @@ import pytest
 import trio
 
 from daemon.pipeline import broker as broker_module
+from daemon.state.directory import child_depth
 from tests.fixtures.broker import BrokerHarness
 from tests.fixtures.relay import nostr_fetch
 
@@ -32,7 +33,8 @@ CHANNEL = str(uuid.uuid4())
 
 async def _kid(broker: BrokerHarness, owner: str, name: str) -> str:
     secret = bytearray(coincurve.PrivateKey().secret.hex().encode("ascii"))
-    return (await broker.custody.import_agent(secret, owner=owner, name=name)).pubkey
+    return (await broker.custody.import_agent(
+        secret, owner=owner, depth=child_depth(broker.custody.agent(owner)), name=name)).pubkey
 
 
 async def test_a_target_renamed_before_the_locks_is_the_one_acted_on(
@@ -53,8 +55,8 @@ async def test_a_target_renamed_before_the_locks_is_the_one_acted_on(
         taken.append(agents)
         if len(taken) == 1:
             # While the request waits for its locks, "kid" comes to mean the other agent.
-            await broker.custody.rename_agent(first, "was-kid")
-            await broker.custody.rename_agent(second, "kid")
+            broker.app.directory.rename(first, "was-kid")
+            broker.app.directory.rename(second, "kid")
         async with real_hold_all(self, agents):
             yield
 

@@ -18,7 +18,8 @@ import pyrage
 import pytest
 import trio
 
-from custody import Custody, PublicDirectory, TokenConfig
+from custody import Custody, TokenConfig
+from daemon.state.directory import AgentDirectory
 from tests.custody._secrets import PUB_1, PUB_2, PUB_3, SECRET_1, SECRET_X, assert_no_secrets
 from tests.custody.test_cli import Cli
 from tests.fixtures.token import SoftHsmToken
@@ -52,9 +53,9 @@ class Host:
 
     def agents(self) -> list[dict[str, object]]:
         """The live agents' public records (as `agent list --json` prints them)."""
-        directory = PublicDirectory.open(self.cli.state)
+        directory = AgentDirectory.open(self.cli.state)
         try:
-            return [r.to_json_obj() for r in sorted(directory.all(), key=lambda r: r.pubkey)]
+            return [r.to_json_obj() for r in sorted(directory.agents(), key=lambda r: r.pubkey)]
         finally:
             directory.close()
 

@@ -57,7 +57,7 @@ async def held_custody(token: SoftHsmToken, kind: str, state: Path,
     try:
         held = Held(opened, config, state, kind)
         for secret, _ in (held.a, held.b):
-            await opened.import_agent(bytearray(secret.encode()), owner=HUMAN, name="x")
+            await opened.import_agent(bytearray(secret.encode()), owner=HUMAN, depth=1, name="x")
         yield held
     finally:
         await opened.aclose()

@@ -26,6 +26,7 @@ from custody import (
     verify_event,
     verify_owner_tag,
 )
+from daemon.state.directory import child_depth
 from tests.custody._secrets import PUB_1, PUB_2, SECRET_1, SECRET_2, SECRET_X, assert_no_secrets
 from tests.fixtures.token import SoftHsmToken
 
@@ -49,7 +50,8 @@ def nostr_sdk_verifies(event: SignedEvent) -> bool:
 
 
 async def import_hex(custody: Custody, secret_hex: str, owner: str, name: str = "a") -> str:
-    record = await custody.import_agent(bytearray(secret_hex.encode()), owner=owner, name=name)
+    record = await custody.import_agent(bytearray(secret_hex.encode()), owner=owner,
+                                          depth=child_depth(custody.agent(owner)), name=name)
     return record.pubkey
 
 
@@ -140,7 +142,7 @@ async def test_owner_equal_to_agent_is_refused_and_nothing_written(custody: Cust
         await import_hex(custody, "not a key", PUB_2)
     with pytest.raises(CustodyError, match="does not verify"):
         await custody.import_agent(
-            bytearray(SECRET_1.encode()), owner=PUB_2, name="a", auth_tag=["auth", PUB_2, "", "0" * 128]
+            bytearray(SECRET_1.encode()), owner=PUB_2, depth=1, name="a", auth_tag=["auth", PUB_2, "", "0" * 128]
         )
     assert custody.agents(include_deleted=True) == []
 
@@ -309,6 +311,7 @@ _IMPORT_REFUSALS: dict[str, dict[str, object]] = {
     "bad owner": {"owner": "XYZ"},
     "bad creator": {"creator": "nope"},
     "empty name": {"name": ""},
+    "depth below 1": {"depth": 0},
     "short auth tag": {"auth_tag": ["auth", PUB_2]},
     "closed": {},  # custody closed before the call
     "bad secret": {},  # the text is not a key (refused inside the worker)
@@ -323,7 +326,8 @@ async def test_import_zeroes_the_secret_text_on_every_refusal(
     config, state_dir = custody_state
     opened = await Custody.open(config, state_dir)
     text = bytearray((SECRET_2 if refusal != "bad secret" else "zz" * 32).encode("ascii"))
-    kwargs: dict[str, object] = {"owner": PUB_2, "name": "n", **_IMPORT_REFUSALS[refusal]}
+    kwargs: dict[str, object] = {"owner": PUB_2, "depth": 1, "name": "n",
+                                 **_IMPORT_REFUSALS[refusal]}
     if refusal == "closed":
         await opened.aclose()
     try:
@@ -348,7 +352,7 @@ async def test_owners_that_are_no_curve_point_are_refused_with_a_custody_error(
                                  mint_ref=None)
     text = bytearray(SECRET_2.encode("ascii"))
     with pytest.raises(CustodyError, match="not a secp256k1"):
-        await custody.import_agent(text, owner=NOT_A_POINT, name="i")
+        await custody.import_agent(text, owner=NOT_A_POINT, depth=1, name="i")
     assert text == bytearray(len(text))
     assert custody.agents(include_deleted=True) == []
 

@@ -22,7 +22,7 @@ HUMAN = coincurve.PrivateKey(b"\x02" * 32).public_key_xonly.format().hex()
 
 async def _import(c: Custody, name: str) -> str:
     text = bytearray(coincurve.PrivateKey().secret.hex().encode("ascii"))
-    return (await c.import_agent(text, owner=HUMAN, name=name)).pubkey
+    return (await c.import_agent(text, owner=HUMAN, depth=1, name=name)).pubkey
 
 
 async def test_destroying_one_agent_among_many_leaves_only_its_blob_gone(

@@ -66,7 +66,7 @@ async def _populate(config: TokenConfig, state: Path) -> list[str]:
     await init_kek(config)
     opened = await Custody.open(config, state)
     try:
-        return [(await opened.import_agent(bytearray(s.encode()), owner=HUMAN, name="r")).pubkey
+        return [(await opened.import_agent(bytearray(s.encode()), owner=HUMAN, depth=1, name="r")).pubkey
                 for s in SECRETS]
     finally:
         await opened.aclose()

@@ -34,6 +34,7 @@ from custody import (
     init_kek,
 )
 from custody._secret import Secret, parse_secret_text, wipe_bytes
+from daemon.state.directory import child_depth
 from tests.fixtures.token import REPO, SoftHsmToken, plant_aes_key
 from tests.security._support import (
     event_ok,
@@ -68,7 +69,8 @@ def _secret_text(secret: bytes) -> bytearray:
 
 async def _import(c: Custody, owner: str = HUMAN, name: str = "x") -> tuple[bytes, str]:
     secret = coincurve.PrivateKey().secret
-    record = await c.import_agent(_secret_text(secret), owner=owner, name=name)
+    record = await c.import_agent(_secret_text(secret), owner=owner,
+                                  depth=child_depth(c.agent(owner)), name=name)
     return secret, record.pubkey
 
 
@@ -165,14 +167,14 @@ async def test_destroyed_agent_never_signs_and_its_row_is_a_tombstone(
 async def test_import_zeroes_the_secret_text_even_when_refused_early(custody: Custody) -> None:
     text = _secret_text(coincurve.PrivateKey().secret)
     with pytest.raises(CustodyError):
-        await custody.import_agent(text, owner=HUMAN, name="x", auth_tag=["auth", HUMAN])
+        await custody.import_agent(text, owner=HUMAN, depth=1, name="x", auth_tag=["auth", HUMAN])
     assert text == bytearray(len(text))
 
 
 async def test_import_zeroes_the_secret_text_when_parsing_refuses(custody: Custody) -> None:
     text = bytearray(b"ff" * 32)  # >= n: not a key
     with pytest.raises(CustodyError) as raised:
-        await custody.import_agent(text, owner=HUMAN, name="x")
+        await custody.import_agent(text, owner=HUMAN, depth=1, name="x")
     assert text == bytearray(len(text))
     assert "ff" * 8 not in str(raised.value).lower()
 
@@ -281,7 +283,7 @@ async def test_kek_search_is_finished_inside_the_worker(
 async def test_an_owner_that_is_not_a_curve_point_is_refused_at_import(custody: Custody) -> None:
     text = _secret_text(coincurve.PrivateKey().secret)
     with pytest.raises((CustodyError, ValueError)):
-        await custody.import_agent(text, owner=NOT_A_POINT, name="x")
+        await custody.import_agent(text, owner=NOT_A_POINT, depth=1, name="x")
 
 
 # ---------------------------------------------------------------------------------------
@@ -391,7 +393,7 @@ async def main():
     owner = await c.mint_agent(owner=HUMAN, name="o", creator=None, depth=1, mint_ref=None)
     child = await c.mint_agent(owner=owner.pubkey, name="c", creator=None, depth=2, mint_ref="r1")
     text = bytearray(b"11" * 32)
-    imported = (await c.import_agent(text, owner=HUMAN, name="i")).pubkey
+    imported = (await c.import_agent(text, owner=HUMAN, depth=1, name="i")).pubkey
     async with trio.open_nursery() as nursery:  # concurrent callers share the one worker
         for i in range(8):
             nursery.start_soon(c.sign_event, child.pubkey, UnsignedEvent(child.pubkey, i, 1, (), "x"))
@@ -580,7 +582,7 @@ async def test_nip_oa_tag_preimage_uniqueness_and_caller_supplied_tags(custody: 
         await custody.sign_event(owner, UnsignedEvent(owner, 1, 9, (tag,), "x"))
     # owner == agent: refused at import.
     with pytest.raises(CustodyError):
-        await custody.import_agent(_secret_text(owner_secret), owner=owner, name="self")
+        await custody.import_agent(_secret_text(owner_secret), owner=owner, depth=1, name="self")
 
 
 async def test_nip42_auth_event_shape(custody: Custody) -> None:
