@@ -8,7 +8,8 @@ Rules it holds:
 - Folders import in one direction (`FORBIDDEN` below, a table): the relay knows nothing of
   state, pipeline or operations; state knows nothing of the relay or operations and of the
   pipeline only the `Refusal` value its rate limiter answers with; custody and the client
-  side know nothing of the daemon; only `daemon/cli/` imports `daemon.wiring`.
+  side know nothing of the daemon; operations and the relay import nothing of custody,
+  not even for typing; only `daemon/cli/` imports `daemon.wiring`.
 - pyproject.toml lists every package (a folder missing there is absent from the wheel,
   though an editable install hides it); README's layout table names every folder and
   top-level module of daemon/ and only paths that exist; docs/internals.md names no
@@ -43,6 +44,10 @@ FORBIDDEN: tuple[tuple[str, str, frozenset[tuple[str, str]]], ...] = (
      frozenset({("daemon.state.ratelimit", "daemon.pipeline.policy")})),
     ("daemon.pipeline", "daemon.wiring", frozenset()),
     ("daemon.operations", "daemon.wiring", frozenset()),
+    # Issue 16: operations and the relay reach custody only through what they are handed
+    # (`operations._base.Custodian`, the signer, the AUTH callback), never by import.
+    ("daemon.operations", "custody", frozenset()),
+    ("daemon.relay", "custody", frozenset()),
     ("custody", "daemon", frozenset()),
     ("buzzwire", "daemon", frozenset()),
     ("buzzwire", "custody", frozenset()),

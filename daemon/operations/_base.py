@@ -20,14 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from buzzwire.contract import ErrorCode, Outcome
 from buzzwire.nostr import SignedEvent
 from daemon.pipeline.pending import Cleanup
 
 if TYPE_CHECKING:
-    from custody import Custody
     from daemon.config import PolicyConfig
     from daemon.pipeline.policy import Authorized
     from daemon.relay.cursor import CursorCodec
@@ -36,14 +35,42 @@ if TYPE_CHECKING:
     from daemon.state.sessions import Principal
     from daemon.pipeline.signing import SigningBatcher
 
-__all__ = ["Context", "Plan", "OperationRefused"]
+__all__ = ["Context", "Custodian", "Plan", "OperationRefused"]
+
+
+class _Minted(Protocol):
+    @property
+    def pubkey(self) -> str: ...
+
+
+class _Address(Protocol):
+    @property
+    def author_pubkey(self) -> str: ...
+    @property
+    def kind(self) -> int: ...
+    @property
+    def d_tag(self) -> str: ...
+
+
+class Custodian(Protocol):
+    """The two custody intents an operation calls itself; `custody.Custody` meets it.
+
+    Everything else an operation needs from custody goes through the `SigningBatcher`
+    (signing) or the cleanup steps the publisher runs (destroy). Operations name this
+    protocol, never the custody package: they hold no key and import no PKCS#11 binding.
+    """
+
+    async def mint_agent(self, *, owner: str, name: str, creator: str | None, depth: int,
+                         mint_ref: str | None) -> _Minted: ...
+
+    async def memory_address(self, agent: str, slug: str) -> _Address: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Context:
     """Everything an operation may use, for one request."""
 
-    custody: Custody
+    custody: Custodian
     signer: SigningBatcher
     relay: RelayPool
     principal: Principal
