@@ -19,10 +19,8 @@ stderr and exit status 1, as ``buzz-broker serve`` reports them.
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import trio
@@ -33,22 +31,13 @@ from daemon.cli._common import CliError
 from daemon.cli.serve import MemoryLock, ReloadableApplication, run_server
 from daemon.config import Config, ConfigError, load_config
 from daemon.log import setup_logging
+from tests.fixtures.kill import kill_at
 
 __all__ = ["main", "STEPS"]
 
 #: Steps this program accepts: the pipeline's checkpoints, or no kill at all.
 STEPS = (*CHECKPOINTS, "none")
 
-
-def _kill_at(step: str) -> Callable[[str], None]:
-    def checkpoint(name: str) -> None:
-        if name == step:
-            # One line the test can match, then the signal nothing can catch.
-            sys.stderr.write(f"crashing_daemon.kill step={name}\n")
-            sys.stderr.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return checkpoint
 
 
 def _no_lock() -> MemoryLock:
@@ -69,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"crashing_daemon: {exc}", file=sys.stderr)
         return 1
     setup_logging(config.log.level)
-    checkpoint = None if step == "none" else _kill_at(step)
+    checkpoint = None if step == "none" else kill_at("crashing_daemon", step)
 
     @asynccontextmanager
     async def factory(cfg: Config) -> AsyncIterator[ReloadableApplication]:

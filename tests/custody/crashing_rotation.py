@@ -20,23 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import trio
 
+from tests.fixtures.kill import kill_at
 
-def _kill_at(step: str) -> Callable[[str], None]:
-    def checkpoint(name: str) -> None:
-        if name == step:
-            sys.stderr.write(f"crashing_rotation.kill step={name}\n")
-            sys.stderr.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return checkpoint
 
 
 def _check(config_path: str) -> int:
@@ -76,7 +66,7 @@ def main() -> int:
     args = argparse.Namespace(config=config, keys_command=command, new_kek_label=None,
                               to_config=to[0] if to else None)
     try:
-        return rotate(args, checkpoint=_kill_at(step))
+        return rotate(args, checkpoint=kill_at("crashing_rotation", step))
     except CliError as exc:
         sys.stderr.write(f"{exc}\n")
         return 1
