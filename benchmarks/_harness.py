@@ -120,7 +120,7 @@ async def import_agents(token: TokenConfig, state_dir: Path, n: int) -> list[str
         out = []
         for i in range(n):
             secret = bytearray(coincurve.PrivateKey().secret.hex().encode("ascii"))
-            record = await custody.import_agent(secret, owner=_owner(), depth=1, name=f"bench-{i}")
+            record = await custody.import_agent(secret, owner=_owner())
             out.append(record.pubkey)
         return out
     finally:
@@ -130,18 +130,18 @@ async def import_agents(token: TokenConfig, state_dir: Path, n: int) -> list[str
 def bulk_agents(token: TokenConfig, state_dir: Path, n: int) -> list[str]:
     """n agents sealed under the token exactly as custody seals them, written in one
     transaction (see the module docstring: the startup benchmark needs 10,000)."""
-    from custody._keystore import AgentRecord, Keystore
+    from custody._keystore import KeyRecord, Keystore
     from custody._sealed import seal
     from custody._secret import random_secret
     from custody._secp256k1 import xonly_pubkey
     from custody._token import Token
     from custody._worker import run_locked
 
-    return run_locked(lambda: _bulk_agents_locked(token, state_dir, n, AgentRecord, Keystore, seal,
+    return run_locked(lambda: _bulk_agents_locked(token, state_dir, n, KeyRecord, Keystore, seal,
                                                   random_secret, xonly_pubkey, Token))
 
 
-def _bulk_agents_locked(token: TokenConfig, state_dir: Path, n: int, AgentRecord: Any, Keystore: Any,
+def _bulk_agents_locked(token: TokenConfig, state_dir: Path, n: int, KeyRecord: Any, Keystore: Any,
                         seal: Any, random_secret: Any, xonly_pubkey: Any, Token: Any) -> list[str]:
     opened = Token.open(token)
     keystore = Keystore.open(state_dir)
@@ -151,11 +151,11 @@ def _bulk_agents_locked(token: TokenConfig, state_dir: Path, n: int, AgentRecord
         for i in range(n):
             with random_secret() as secret:
                 pubkey = xonly_pubkey(secret).hex()
-                rows.append((pubkey, _owner(), f"bench-{i}", 1, now, now, seal(opened, secret, pubkey)))
+                rows.append((pubkey, _owner(), now, now, seal(opened, secret, pubkey)))
         with keystore._transaction() as db:
             db.executemany(
-                "INSERT INTO agents (pubkey, owner, name, auth_tag, creator, depth, mint_ref,"
-                " created_at, updated_at, deleted_at, sealed) VALUES (?, ?, ?, NULL, NULL, ?, NULL, ?, ?, NULL, ?)",
+                "INSERT INTO keys (pubkey, owner, auth_tag, mint_ref, created_at, updated_at,"
+                " deleted_at, sealed) VALUES (?, ?, NULL, NULL, ?, ?, NULL, ?)",
                 rows,
             )
     finally:
@@ -165,7 +165,7 @@ def _bulk_agents_locked(token: TokenConfig, state_dir: Path, n: int, AgentRecord
     check = Keystore.open(state_dir)
     try:
         record = check.get(rows[0][0]) if rows else None
-        assert record is None or isinstance(record, AgentRecord) and record.live
+        assert record is None or isinstance(record, KeyRecord) and record.live
     finally:
         check.close()
     return [row[0] for row in rows]

@@ -66,8 +66,7 @@ async def bench(facts: dict[str, str], state_dir: Path, seconds: float) -> None:
     try:
         agent = (
             await custody.import_agent(
-                bytearray(secrets.token_hex(32).encode()), owner="a" * 64, depth=1, name="bench"
-            )
+                bytearray(secrets.token_hex(32).encode()), owner="a" * 64)
         ).pubkey
 
         def event(i: int) -> UnsignedEvent:

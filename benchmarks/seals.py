@@ -80,8 +80,7 @@ async def bench(base: object, state: Path, kinds: list[str], seconds: float) -> 
         opened = await Custody.open(config, state / kind)
         try:
             agent = (await opened.import_agent(bytearray(secrets.token_hex(32).encode()),
-                                               owner="79be667ef9dcbbac55a06295ce870b07029bfcdb2dce28d959f2815b16f81798",
-                                               depth=1, name="bench")).pubkey
+                                               owner="79be667ef9dcbbac55a06295ce870b07029bfcdb2dce28d959f2815b16f81798")).pubkey
             token = opened._token
             blob = opened._keystore.sealed_blob(agent)
             assert blob is not None

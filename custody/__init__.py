@@ -13,13 +13,16 @@ Surface:
   init), `rotate_keys` (keys rotate, keys migrate; `ROTATION_CHECKPOINTS`) and
   `check_token` (log in and check the KEK only: check-config --deep, status).
 - Values: `TokenConfig`, `CachePolicy`, `TokenReport`, `RotationReport`, `UnsignedEvent`,
-  `SignedEvent`, `AgentRecord`, `MemoryAddress`.
+  `SignedEvent`, `KeyRecord` (an agent key's public facts: owner, NIP-OA tag, mint
+  reference, when made and destroyed), `MemoryAddress`.
+- `KeyIndex`: those records read-only, without the token (the daemon's directory).
 - Backups (`_backup`): `export_backup` (every live agent encrypted in memory to age
-  recipients), `open_backup` (decrypt and check one), `restore_plan`, `restore_backup`.
+  recipients, with the caller's public entry for each), `open_backup` (decrypt and check
+  one), `restore_plan`, `restore_backup`.
 - Errors: `CustodyError`, `UnsealFailed`, `UnknownAgent`.
 - Public Nostr helpers (no secrets): `compute_event_id`, `verify_event`,
-  `verify_owner_tag`, `owner_tag_digest`. The public agent directory (names, depth,
-  renames, listing) is not here: the daemon reads it (daemon/state/directory.py).
+  `verify_owner_tag`, `owner_tag_digest`. The public agent directory (names, creators,
+  depth, renames, listing) is not here: it is the daemon's (daemon/state/directory.py).
   `read_secret_text` reads secret text from a file descriptor
   into a zeroable buffer for `Custody.import_agent`; `read_limited` reads any bounded
   secret file (an age identity) the same way. `harden_process` (no core dumps, not
@@ -52,6 +55,7 @@ if sys.flags.optimize:
 from custody._backup import (
     MAX_BACKUP_BYTES,
     MAX_IDENTITY_BYTES,
+    MAX_PUBLIC_BYTES,
     BackupContents,
     ExportedBackup,
     RestoreResult,
@@ -63,7 +67,7 @@ from custody._backup import (
 from custody._errors import CustodyError, UnknownAgent, UnsealFailed
 from custody._cache import CachePolicy
 from custody._facade import Custody, check_token, init_kek, init_keys, rotate_keys
-from custody._keystore import AgentRecord
+from custody._keystore import KeyIndex, KeyRecord
 from custody._memory import MemoryAddress
 from buzzwire.nostr import (
     SignedEvent,
@@ -82,8 +86,10 @@ from custody._token import TokenConfig, TokenReport
 __all__ = [
     "MAX_BACKUP_BYTES",
     "MAX_IDENTITY_BYTES",
+    "MAX_PUBLIC_BYTES",
     "ROTATION_CHECKPOINTS",
-    "AgentRecord",
+    "KeyIndex",
+    "KeyRecord",
     "BackupContents",
     "CachePolicy",
     "ExportedBackup",

@@ -6,11 +6,16 @@ in memory to the operator's age X25519 recipients (pyrage), and wiped; only ciph
 leaves this module. Restore is the mirror: decrypt in memory, check everything, seal each
 secret under this host's KEK, wipe.
 
-Plaintext format v1 (only ever inside the age file; never on disk in clear):
-    b"buzz-broker-backup/v1 " canonical-JSON header b"\\n"   header: {"agents": N, "createdAt": T}
+Plaintext format (only ever inside the age file; never on disk in clear):
+    b"buzz-broker-backup/v2 " canonical-JSON header b"\\n"   header: {"agents": N, "createdAt": T}
     per agent:  64 lowercase hex (the secret key) b" " canonical-JSON record b"\\n"
-    record: {"authTag", "createdAt", "creator", "depth", "mintRef", "name", "owner", "pubkey"}
-The secret sits at a fixed offset of its line, so it is copied from the decrypted buffer
+    record v2: {"authTag", "createdAt", "mintRef", "owner", "pubkey", "public"}
+`public` is the JSON object the caller handed in for that agent (the daemon's directory
+entry: its name and creator), bounded by MAX_PUBLIC_BYTES and otherwise opaque: custody
+holds no names, so it carries them for the caller and gives them back on restore.
+Version 1 (written before custody held only keys) is still read (`_RECORD_READERS`): its
+record's `name` and `creator` become `public`, its `depth` is dropped (the directory
+derives depth from the owner chain). The secret sits at a fixed offset of its line, so it is copied from the decrypted buffer
 into a bytearray and decoded by `parse_secret_text` without a `str` of it ever existing;
 only the public record goes through `json`.
 
@@ -38,15 +43,15 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
+from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING
 
 import pyrage
 
 from custody._errors import CustodyError
-from custody._keystore import AgentRecord
+from custody._keystore import KeyRecord
 from custody._secp256k1 import is_xonly_pubkey, xonly_pubkey
 from custody._sealed import seal
 from custody._secret import SECRET_SIZE, Secret, parse_secret_text, wipe_bytes
@@ -56,9 +61,13 @@ if TYPE_CHECKING:
     from custody._facade import Custody
 
 __all__ = ["BackupContents", "ExportedBackup", "RestoreResult", "export_backup", "open_backup",
-           "restore_backup", "restore_plan", "MAX_BACKUP_BYTES", "MAX_IDENTITY_BYTES"]
+           "restore_backup", "restore_plan", "MAX_BACKUP_BYTES", "MAX_IDENTITY_BYTES",
+           "MAX_PUBLIC_BYTES"]
 
-MAGIC = b"buzz-broker-backup/v1 "
+#: The format line's prefix; the version follows it.
+PREFIX = b"buzz-broker-backup/v"
+#: The version `export_backup` writes.
+FORMAT = 2
 #: A backup's ciphertext is read whole into memory: 64 MiB holds well over 100,000 agents
 #: (about 400 bytes each) and bounds what a hostile file can make us allocate.
 MAX_BACKUP_BYTES = 64 * 1024 * 1024
@@ -68,27 +77,28 @@ MAX_IDENTITY_BYTES = 16 * 1024
 MAX_NAME_CHARS = 256
 MAX_MINT_REF_CHARS = 512
 MAX_DEPTH = 1_000
+#: The caller's public object for one agent, canonical JSON.
+MAX_PUBLIC_BYTES = 4096
 _HEX_DIGITS = b"0123456789abcdef"
 _SECRET_HEX = 2 * SECRET_SIZE
-_RECORD_KEYS = frozenset(
-    {"authTag", "createdAt", "creator", "depth", "mintRef", "name", "owner", "pubkey"}
-)
+_KEY_FIELDS = frozenset({"authTag", "createdAt", "mintRef", "owner", "pubkey"})
 
 
 def _canonical(obj: object) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
-def _record_json(record: AgentRecord) -> bytes:
+def _record_json(record: KeyRecord, public: Mapping[str, object]) -> bytes:
+    if len(_canonical(dict(public))) > MAX_PUBLIC_BYTES:
+        raise CustodyError(f"agent {record.pubkey}: its public entry is larger than "
+                           f"{MAX_PUBLIC_BYTES} bytes")
     return _canonical({
         "authTag": list(record.auth_tag) if record.auth_tag is not None else None,
         "createdAt": record.created_at,
-        "creator": record.creator,
-        "depth": record.depth,
         "mintRef": record.mint_ref,
-        "name": record.name,
         "owner": record.owner,
         "pubkey": record.pubkey,
+        "public": dict(public),
     })
 
 
@@ -125,26 +135,33 @@ class ExportedBackup:
     agents: tuple[str, ...]
 
 
-async def export_backup(custody: Custody, recipients: Sequence[str]) -> ExportedBackup:
-    """Encrypt every live agent (secret key and public record) to `recipients`, in memory.
+async def export_backup(custody: Custody, recipients: Sequence[str],
+                        public: Mapping[str, Mapping[str, object]] | None = None
+                        ) -> ExportedBackup:
+    """Encrypt every live agent (secret key, key record, and `public[pubkey]`: the caller's
+    public entry, `{}` if absent) to `recipients`, in memory.
 
     Each secret is unsealed (authenticated, re-derived and compared, like any use) and hex
     encoded into one buffer inside a single token-worker hop; the buffer is encrypted with
-    age and zeroed before the hop ends. Owners come before the agents they own.
+    age and zeroed before the hop ends. Agents are in the order they were made.
 
     Raises:
-        CustodyError: a recipient that is not `age1…`, an agent whose key does not open
-            (UnsealFailed), token or keystore faults. No partial backup is returned.
+        CustodyError: a recipient that is not `age1…`, a public entry over MAX_PUBLIC_BYTES,
+            an agent whose key does not open (UnsealFailed), token or keystore faults. No
+            partial backup is returned.
     """
     parsed = _recipients(recipients)
-    listed: list[AgentRecord] = []
+    entries = public or {}
+    listed: list[KeyRecord] = []
 
     def work() -> bytes:
         # Listed inside the hop: no agent minted or destroyed meanwhile is half in it.
-        records = sorted(custody._keystore.all(), key=lambda r: (r.depth, r.created_at, r.pubkey))
+        records = custody._keystore.all()
         listed.extend(records)
-        header = MAGIC + _canonical({"agents": len(records), "createdAt": int(time.time())})
-        lines = [b" " + _record_json(record) + b"\n" for record in records]
+        header = (PREFIX + str(FORMAT).encode() + b" "
+                  + _canonical({"agents": len(records), "createdAt": int(time.time())}))
+        lines = [b" " + _record_json(record, entries.get(record.pubkey, {})) + b"\n"
+                 for record in records]
         # Sized once and filled in place: a bytearray that grew would leave the secrets it
         # held so far in the freed, unzeroed buffer it outgrew.
         plaintext = bytearray(len(header) + 1 + sum(_SECRET_HEX + len(line) for line in lines))
@@ -173,7 +190,9 @@ async def export_backup(custody: Custody, recipients: Sequence[str]) -> Exported
 
 @dataclass(frozen=True, slots=True)
 class _Entry:
-    record: AgentRecord
+    record: KeyRecord
+    #: the caller's public entry, as exported (v1: the name and creator it held)
+    public: Mapping[str, object]
     #: Where the entry's 64 secret hex digits start in the plaintext buffer.
     offset: int
 
@@ -196,10 +215,17 @@ class BackupContents:
         self.created_at = created_at
 
     @property
-    def records(self) -> tuple[AgentRecord, ...]:
+    def records(self) -> tuple[KeyRecord, ...]:
         return tuple(entry.record for entry in self._entries)
 
-    def _secrets(self) -> Iterator[tuple[AgentRecord, Secret]]:
+    def public(self, pubkey: str) -> Mapping[str, object]:
+        """The public entry exported with the agent (`{}` if none, or not in the backup)."""
+        for entry in self._entries:
+            if entry.record.pubkey == pubkey:
+                return entry.public
+        return MappingProxyType({})
+
+    def _secrets(self) -> Iterator[tuple[KeyRecord, Secret]]:
         """Each entry's record and a fresh Secret the caller wipes (use `with`)."""
         for entry in self._entries:
             text = bytearray(_SECRET_HEX)
@@ -293,10 +319,14 @@ def _fault(number: int, what: str) -> CustodyError:
 def _parse(plaintext: bytearray) -> tuple[tuple[_Entry, ...], int]:
     view = memoryview(plaintext)
     end = plaintext.find(b"\n")
-    if not plaintext.startswith(MAGIC) or end < 0:
+    space = plaintext.find(b" ", 0, end)
+    if not plaintext.startswith(PREFIX) or end < 0 or space < 0:
         raise CustodyError("not a buzz-broker backup (format line missing)")
+    reader = _RECORD_READERS.get(bytes(view[len(PREFIX) : space]))
+    if reader is None:
+        raise CustodyError("a buzz-broker backup of a format this version does not know")
     try:
-        header = json.loads(bytes(view[len(MAGIC) : end]))
+        header = json.loads(bytes(view[space + 1 : end]))
         count, created_at = header["agents"], header["createdAt"]
     except (ValueError, KeyError, TypeError):
         raise CustodyError("not a buzz-broker backup (header unreadable)") from None
@@ -311,11 +341,11 @@ def _parse(plaintext: bytearray) -> tuple[tuple[_Entry, ...], int]:
         end = plaintext.find(b"\n", position)
         if end < 0 or end - position < _SECRET_HEX + 2 or plaintext[position + _SECRET_HEX] != 0x20:
             raise _fault(number, "malformed line")
-        record = _record(bytes(view[position + _SECRET_HEX + 1 : end]), number)
+        record, public = _record(bytes(view[position + _SECRET_HEX + 1 : end]), number, reader)
         if record.pubkey in seen:
             raise _fault(number, f"agent {record.pubkey} appears twice")
         seen.add(record.pubkey)
-        entry = _Entry(record=record, offset=position)
+        entry = _Entry(record=record, public=public, offset=position)
         _check_secret(plaintext, entry, number)
         entries.append(entry)
         position = end + 1
@@ -340,23 +370,56 @@ def _optional_hex(value: object) -> bool:
     return value is None or is_hex64(value)
 
 
-def _record(data: bytes, number: int) -> AgentRecord:
-    try:
-        obj = json.loads(data)
-    except ValueError:
-        raise _fault(number, "the record is not JSON") from None
-    if not isinstance(obj, dict) or set(obj) != _RECORD_KEYS:
-        raise _fault(number, "the record's fields are not the expected ones")
-    pubkey, owner, name, tag = obj["pubkey"], obj["owner"], obj["name"], obj["authTag"]
-    depth, created_at, mint_ref = obj["depth"], obj["createdAt"], obj["mintRef"]
-    if not is_hex64(pubkey) or not is_hex64(owner) or not _optional_hex(obj["creator"]):
+def _public_v1(obj: dict[str, object], number: int, pubkey: str) -> dict[str, object]:
+    """A version-1 record's name, creator and depth, checked; name and creator kept."""
+    name, creator, depth = obj["name"], obj["creator"], obj["depth"]
+    if not _optional_hex(creator):
         raise _fault(number, "a pubkey is not 64 lowercase hex")
-    if owner == pubkey or not is_xonly_pubkey(bytes.fromhex(owner)):
-        raise _fault(number, f"agent {pubkey}: its owner is not a valid owner key")
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
         raise _fault(number, f"agent {pubkey}: bad name")
     if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= MAX_DEPTH:
         raise _fault(number, f"agent {pubkey}: bad depth")
+    return {"name": name, "creator": creator}
+
+
+def _public_v2(obj: dict[str, object], number: int, pubkey: str) -> dict[str, object]:
+    public = obj["public"]
+    if not isinstance(public, dict) or len(_canonical(public)) > MAX_PUBLIC_BYTES:
+        raise _fault(number, f"agent {pubkey}: bad public entry")
+    return public
+
+
+@dataclass(frozen=True, slots=True)
+class _RecordReader:
+    """One format version's record: the fields beyond the key's, and how they become the
+    public entry."""
+
+    extra: frozenset[str]
+    public: Callable[[dict[str, object], int, str], dict[str, object]]
+
+
+#: format version (as written on the format line) -> its record reader
+_RECORD_READERS: Mapping[bytes, _RecordReader] = {
+    b"1": _RecordReader(frozenset({"creator", "depth", "name"}), _public_v1),
+    b"2": _RecordReader(frozenset({"public"}), _public_v2),
+}
+
+
+def _record(data: bytes, number: int, reader: _RecordReader
+            ) -> tuple[KeyRecord, Mapping[str, object]]:
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        raise _fault(number, "the record is not JSON") from None
+    if not isinstance(obj, dict) or set(obj) != _KEY_FIELDS | reader.extra:
+        raise _fault(number, "the record's fields are not the expected ones")
+    pubkey, owner, tag = obj["pubkey"], obj["owner"], obj["authTag"]
+    created_at, mint_ref = obj["createdAt"], obj["mintRef"]
+    if not is_hex64(pubkey) or not is_hex64(owner):
+        raise _fault(number, "a pubkey is not 64 lowercase hex")
+    if owner == pubkey or not is_xonly_pubkey(bytes.fromhex(owner)):
+        raise _fault(number, f"agent {pubkey}: its owner is not a valid owner key")
+    public = reader.public(obj, number, pubkey)
     if not isinstance(created_at, int) or isinstance(created_at, bool) or created_at < 0:
         raise _fault(number, f"agent {pubkey}: bad createdAt")
     if mint_ref is not None and (not isinstance(mint_ref, str)
@@ -368,9 +431,9 @@ def _record(data: bytes, number: int) -> AgentRecord:
                 or tag[1] != owner or not verify_owner_tag(tag, pubkey)):
             raise _fault(number, f"agent {pubkey}: its NIP-OA tag does not verify against its owner")
         auth_tag = (tag[0], tag[1], tag[2], tag[3])
-    return AgentRecord(pubkey=pubkey, owner=owner, name=name, auth_tag=auth_tag,
-                       creator=obj["creator"], depth=depth, created_at=created_at,
+    record = KeyRecord(pubkey=pubkey, owner=owner, auth_tag=auth_tag, created_at=created_at,
                        deleted_at=None, mint_ref=mint_ref)
+    return record, MappingProxyType(public)
 
 
 @dataclass(frozen=True, slots=True)
@@ -413,8 +476,8 @@ async def restore_backup(custody: Custody, contents: BackupContents) -> RestoreR
     """Seal every agent of `contents` not already held under this host's KEK, in one hop.
 
     The plan is checked again inside the hop (the daemon may have minted meanwhile); every
-    agent is sealed and inserted with its backed-up record (same pubkey, owner, NIP-OA tag,
-    depth, name, mint reference). Each agent is one keystore transaction: a crash midway
+    agent is sealed and inserted with its backed-up key record (same pubkey, owner, NIP-OA
+    tag, mint reference); its public entry is the caller's to write (`contents.public`). Each agent is one keystore transaction: a crash midway
     leaves some restored, and running the restore again finishes the rest.
 
     Raises:

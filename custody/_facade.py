@@ -34,7 +34,7 @@ from typing import TypeVar
 
 from custody._cache import CachePolicy, UnsealedCache
 from custody._errors import CustodyError, UnknownAgent
-from custody._keystore import AgentRecord, Keystore, read_meta
+from custody._keystore import KeyRecord, Keystore, read_meta
 from custody._memory import MEMORY_KIND, MemoryAddress, check_slug, d_tag
 from buzzwire.nostr import SignedEvent, UnsignedEvent, is_hex64, verify_owner_tag
 from custody._process import harden_process
@@ -60,19 +60,9 @@ __all__ = ["Custody", "init_kek", "init_keys", "rotate_keys"]
 
 log = logging.getLogger("buzz_broker.custody")
 
-#: The least depth a record may carry (the keystore's CHECK). The depth rule itself is the
-#: caller's: custody stores the depth it is given and never derives one.
-MIN_DEPTH = 1
-
-
 def _require_pubkey(name: str, value: object) -> None:
     if not is_hex64(value):
         raise ValueError(f"{name} must be 64 lowercase hex characters")
-
-
-def _require_depth(depth: object) -> None:
-    if not isinstance(depth, int) or isinstance(depth, bool) or depth < MIN_DEPTH:
-        raise ValueError(f"depth must be an int >= {MIN_DEPTH}")
 
 
 def _require_owner_point(owner: str) -> None:
@@ -250,10 +240,11 @@ class Custody:
     ) -> None:
         await self.aclose()
 
-    # --- public records (no token call) ----------------------------------------------
+    # --- public facts about the keys (no token call) ----------------------------------
 
-    def agent(self, pubkey: str, *, include_deleted: bool = False) -> AgentRecord | None:
-        """The agent's public record; None if unknown (or destroyed, unless include_deleted)."""
+    def agent(self, pubkey: str, *, include_deleted: bool = False) -> KeyRecord | None:
+        """The agent key's public record (owner, tag, when made): None if unknown (or
+        destroyed, unless include_deleted). Names and depth are the daemon's directory's."""
         self._check_open()
         if not is_hex64(pubkey):
             return None
@@ -262,7 +253,7 @@ class Custody:
             return None
         return record
 
-    def agents(self, *, include_deleted: bool = False) -> list[AgentRecord]:
+    def agents(self, *, include_deleted: bool = False) -> list[KeyRecord]:
         self._check_open()
         return self._keystore.all(include_deleted=include_deleted)
 
@@ -273,7 +264,7 @@ class Custody:
         self._check_open()
         return self._keystore.version()
 
-    def _live(self, pubkey: str) -> AgentRecord:
+    def _live(self, pubkey: str) -> KeyRecord:
         _require_pubkey("agent", pubkey)
         record = self.agent(pubkey)
         if record is None:
@@ -359,9 +350,7 @@ class Custody:
 
     # --- agent lifecycle -----------------------------------------------------------
 
-    async def mint_agent(
-        self, *, owner: str, name: str, creator: str | None, depth: int, mint_ref: str | None
-    ) -> AgentRecord:
+    async def mint_agent(self, *, owner: str, mint_ref: str | None = None) -> KeyRecord:
         """Make a new agent key for `owner`, seal it, store its record. Idempotent on
         `mint_ref`: a second call with the same mint_ref returns the first agent's record.
 
@@ -371,20 +360,15 @@ class Custody:
         Raises:
             CustodyError: an owner that is no curve point; mint_ref already used for another
                 owner; token or keystore faults.
-            ValueError: malformed owner/creator, empty name, depth < 1.
+            ValueError: a malformed owner or mint_ref.
         """
         self._check_open()
         _require_pubkey("owner", owner)
         _require_owner_point(owner)
-        if creator is not None:
-            _require_pubkey("creator", creator)
-        if not isinstance(name, str) or not name:
-            raise ValueError("name must be a non-empty str")
-        _require_depth(depth)
         if mint_ref is not None and (not isinstance(mint_ref, str) or not mint_ref):
             raise ValueError("mint_ref must be a non-empty str or None")
 
-        def work() -> AgentRecord:
+        def work() -> KeyRecord:
             if mint_ref is not None:
                 existing = self._keystore.by_mint_ref(mint_ref)
                 if existing is not None:
@@ -392,11 +376,10 @@ class Custody:
                         raise CustodyError(f"mint_ref {mint_ref!r} was used for another owner")
                     return existing
             with random_secret() as secret:
-                return self._store(secret, owner=owner, name=name, creator=creator,
-                                   depth=depth, mint_ref=mint_ref, auth_tag=None)
+                return self._store(secret, owner=owner, mint_ref=mint_ref, auth_tag=None)
 
         record = await self._hop("mint", work)
-        log.info("minted agent %s for owner %s (depth %d)", record.pubkey, owner, record.depth)
+        log.info("minted agent %s for owner %s", record.pubkey, owner)
         return record
 
     async def import_agent(
@@ -404,25 +387,20 @@ class Custody:
         secret_text: bytearray,
         *,
         owner: str,
-        depth: int,
-        name: str | None,
         auth_tag: Sequence[str] | None = None,
-        creator: str | None = None,
-    ) -> AgentRecord:
+    ) -> KeyRecord:
         """Seal an existing key: `secret_text` is 64 hex digits or `nsec1…`, zeroed here on
         every path (success, refusal, cancellation).
 
-        `name` None names the agent by the first 12 hex digits of its pubkey.
         `auth_tag`, if given, must be a NIP-OA tag by `owner` for this agent that verifies;
-        without one, a tag is signed when the owner is held here. `depth` is stored as
-        given (the caller's rule: daemon/state/directory.py `child_depth`).
+        without one, a tag is signed when the owner is held here.
 
         Raises:
             CustodyError: malformed secret, an owner that is no curve point, owner ==
                 agent, an ownership cycle (the agent already owns the owner, directly or
                 through its agents), agent already held (or
                 tombstoned), an auth tag that does not verify; token or keystore faults.
-            ValueError: malformed owner/creator, empty name, depth < 1.
+            ValueError: a malformed owner.
         """
         # Zeroed on every way out, the early refusals included (the worker hop is never
         # abandoned, so this cannot race the parse that reads it).
@@ -430,11 +408,6 @@ class Custody:
             self._check_open()
             _require_pubkey("owner", owner)
             _require_owner_point(owner)
-            _require_depth(depth)
-            if creator is not None:
-                _require_pubkey("creator", creator)
-            if name is not None and (not isinstance(name, str) or not name):
-                raise ValueError("name must be a non-empty str or None")
             if not isinstance(secret_text, bytearray):
                 raise TypeError("secret_text must be a bytearray (so it can be zeroed)")
             tag: OwnerTag | None = None
@@ -444,7 +417,7 @@ class Custody:
                     raise CustodyError('auth tag must be ["auth", owner, conditions, sig]')
                 tag = (items[0], items[1], items[2], items[3])
 
-            def work() -> AgentRecord:
+            def work() -> KeyRecord:
                 with parse_secret_text(secret_text) as secret:
                     agent = xonly_pubkey(secret).hex()
                     if agent == owner:
@@ -465,8 +438,7 @@ class Custody:
                         )
                     if tag is not None and (tag[1] != owner or not verify_owner_tag(tag, agent)):
                         raise CustodyError("auth tag does not verify for this agent and owner")
-                    return self._store(secret, owner=owner, name=name or agent[:12], creator=creator,
-                                       depth=depth, mint_ref=None, auth_tag=tag)
+                    return self._store(secret, owner=owner, mint_ref=None, auth_tag=tag)
 
             record = await self._hop("import", work)
         finally:
@@ -475,7 +447,7 @@ class Custody:
         log.info("imported agent %s for owner %s", record.pubkey, owner)
         return record
 
-    async def destroy_agent(self, pubkey: str) -> AgentRecord:
+    async def destroy_agent(self, pubkey: str) -> KeyRecord:
         """Remove the agent's sealed key; its public record stays as a tombstone.
         Destroying an already destroyed agent returns its tombstone.
 
@@ -485,7 +457,7 @@ class Custody:
         self._check_open()
         _require_pubkey("agent", pubkey)
 
-        def work() -> AgentRecord | None:
+        def work() -> KeyRecord | None:
             self._cache.evict(pubkey)
             return self._keystore.tombstone(pubkey, self._now())
 
@@ -495,7 +467,7 @@ class Custody:
         log.info("destroyed the key of agent %s (tombstone kept)", pubkey)
         return record
 
-    async def attach_auth_tag(self, pubkey: str, tag: Sequence[str]) -> AgentRecord:
+    async def attach_auth_tag(self, pubkey: str, tag: Sequence[str]) -> KeyRecord:
         """Store an owner-made NIP-OA tag for a live agent whose owner signs elsewhere (a
         person): from then on every event the agent signs carries exactly this tag.
 
@@ -517,7 +489,7 @@ class Custody:
             raise CustodyError("auth tag does not verify for this agent and owner")
         owner_tag: OwnerTag = (items[0], items[1], items[2], items[3])
 
-        def work() -> AgentRecord | None:
+        def work() -> KeyRecord | None:
             return self._keystore.set_auth_tag(pubkey, owner_tag, self._now())
 
         updated = await self._hop("attach_auth", work)
@@ -561,12 +533,9 @@ class Custody:
         secret: Secret,
         *,
         owner: str,
-        name: str,
-        creator: str | None,
-        depth: int,
         mint_ref: str | None,
         auth_tag: OwnerTag | None,
-    ) -> AgentRecord:
+    ) -> KeyRecord:
         agent = xonly_pubkey(secret).hex()
         if agent == owner:
             raise CustodyError("owner equals the agent: an agent cannot own itself")
@@ -575,10 +544,8 @@ class Custody:
                 auth_tag = make_owner_tag(owner_secret, owner, agent)
         blob = seal(self._token, secret, agent)
         now = self._now()
-        record = AgentRecord(
-            pubkey=agent, owner=owner, name=name, auth_tag=auth_tag, creator=creator,
-            depth=depth, created_at=now, deleted_at=None, mint_ref=mint_ref,
-        )
+        record = KeyRecord(pubkey=agent, owner=owner, auth_tag=auth_tag, created_at=now,
+                           deleted_at=None, mint_ref=mint_ref)
         self._keystore.insert(record, blob, now)
         return record
 

@@ -1,4 +1,8 @@
-"""The keystore: one SQLite table of agents, each a public record plus its sealed key.
+"""The keystore: one SQLite table of keys, each an agent's sealed key and custody's few
+public facts about it (owner, NIP-OA tag, mint reference, when made and destroyed).
+
+Custody holds secrets and nothing else: an agent's name, who created it and its depth are
+the daemon's public directory (daemon/state/directory.py, its own file), never here.
 
 Rules:
 - `<state_dir>/keystore.db`; the directory is made 0700 (tightened if looser), the file
@@ -12,15 +16,22 @@ Rules:
   daemon runs) are seen at once.
 - One connection, shared by the event-loop thread (public reads) and the token worker
   (blob reads, writes), serialized by a threading.Lock.
-- The public columns (name, depth, creator, mint_ref, timestamps) are written here only
-  as part of a whole row (mint, import, restore) or a tombstone: the daemon's agent
-  directory (daemon/state/directory.py) reads them and renames without custody.
-  `read_meta` reads `custody_meta` read-only, for code that must create nothing.
+- `KeyIndex` reads the public columns (never `sealed`) read-only, without the token and
+  creating nothing: the daemon's directory and `agent list` read key facts through it.
+  `read_meta` reads `custody_meta` the same way.
 - Two more tables, both public and written only by custody: `custody_meta` (name -> value:
   the active token and KEK after a rotation or migration, and a rotation's plan and
   retiring KEK while one is under way) and `reseal` (a rotation's staged blobs: new
   ciphertext, swapped in by `swap_staged` in ONE transaction with the meta, or discarded).
-  Both are created IF NOT EXISTS, so a keystore from before them opens unchanged.
+
+Schema versions (`PRAGMA user_version`):
+  1: table `agents` also held each agent's name, creator and depth.
+  2: table `keys` holds only what custody needs. Opening a version-1 file read-write
+     upgrades it in ONE transaction: the key columns are copied into `keys`, the names
+     and creators into `v1_names` (public, frozen: custody never reads or writes it
+     again; the directory reads it for agents it has no name of its own for), and
+     `agents` is dropped (secure_delete zeroes its freed pages). Depth is not kept: the
+     directory derives it from the owner chain.
 
 Destroying a key, and what is beyond reach:
 - `PRAGMA secure_delete=ON` at open: SQLite zeroes the bytes of deleted or shrunk content
@@ -56,7 +67,7 @@ from typing import Any
 
 from custody._errors import CustodyError
 
-__all__ = ["AgentRecord", "Keystore", "KEYSTORE_FILE", "read_meta"]
+__all__ = ["KeyRecord", "KeyIndex", "Keystore", "KEYSTORE_FILE", "read_meta"]
 
 log = logging.getLogger("buzz_broker.custody")
 
@@ -66,15 +77,15 @@ BUSY_TIMEOUT_MS = 5000
 #: How long the post-destroy checkpoint waits for readers: it holds the token worker, and a
 #: blocked checkpoint only delays the WAL's truncation to the next one (module docstring).
 CHECKPOINT_BUSY_MS = 500
-SCHEMA_VERSION = 1
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS agents (
+SCHEMA_VERSION = 2
+#: The version-1 table's name, and the table its public names are kept in by the upgrade.
+V1_TABLE = "agents"
+V1_NAMES = "v1_names"
+_KEYS = """
+CREATE TABLE IF NOT EXISTS keys (
     pubkey     TEXT PRIMARY KEY,
     owner      TEXT NOT NULL,
-    name       TEXT NOT NULL,
-    auth_tag   TEXT,              -- NIP-OA tag as a JSON array of four strings; public
-    creator    TEXT,
-    depth      INTEGER NOT NULL CHECK (depth >= 1),
+    auth_tag   TEXT,              -- NIP-OA tag as a JSON array of four strings, public
     mint_ref   TEXT UNIQUE,
     created_at INTEGER NOT NULL,
     updated_at INTEGER NOT NULL,
@@ -83,7 +94,9 @@ CREATE TABLE IF NOT EXISTS agents (
     CHECK (owner <> pubkey),
     CHECK ((deleted_at IS NULL) = (sealed IS NOT NULL))
 ) STRICT;
-CREATE INDEX IF NOT EXISTS agents_by_owner ON agents (owner, name);
+CREATE INDEX IF NOT EXISTS keys_by_owner ON keys (owner);
+"""
+_SCHEMA = _KEYS + """
 -- Public facts about custody's keys: which token and KEK the blobs are sealed under, and
 -- a rotation or migration in progress (custody/_rotation.py). Never a secret.
 CREATE TABLE IF NOT EXISTS custody_meta (
@@ -92,23 +105,37 @@ CREATE TABLE IF NOT EXISTS custody_meta (
 ) STRICT;
 -- Blobs resealed under a rotation's new KEK, waiting for the one swap transaction.
 CREATE TABLE IF NOT EXISTS reseal (
-    pubkey TEXT PRIMARY KEY REFERENCES agents (pubkey),
+    pubkey TEXT PRIMARY KEY REFERENCES keys (pubkey),
     sealed BLOB NOT NULL
 ) STRICT;
 """
-_PUBLIC_COLUMNS = "pubkey, owner, name, auth_tag, creator, depth, created_at, deleted_at, mint_ref"
+#: Version 1 -> 2, run inside one transaction (see the module docstring).
+_UPGRADE_FROM_1 = _KEYS + f"""
+INSERT INTO keys (pubkey, owner, auth_tag, mint_ref, created_at, updated_at, deleted_at, sealed)
+    SELECT pubkey, owner, auth_tag, mint_ref, created_at, updated_at, deleted_at, sealed
+    FROM {V1_TABLE};
+CREATE TABLE {V1_NAMES} (pubkey TEXT PRIMARY KEY, name TEXT NOT NULL, creator TEXT) STRICT;
+INSERT INTO {V1_NAMES} (pubkey, name, creator) SELECT pubkey, name, creator FROM {V1_TABLE};
+CREATE TABLE reseal_v2 (
+    pubkey TEXT PRIMARY KEY REFERENCES keys (pubkey),
+    sealed BLOB NOT NULL
+) STRICT;
+INSERT INTO reseal_v2 (pubkey, sealed) SELECT pubkey, sealed FROM reseal;
+DROP TABLE reseal;
+ALTER TABLE reseal_v2 RENAME TO reseal;
+DROP TABLE {V1_TABLE};
+"""
+_PUBLIC_COLUMNS = "pubkey, owner, auth_tag, created_at, deleted_at, mint_ref"
 
 
 @dataclass(frozen=True, slots=True)
-class AgentRecord:
-    """An agent's public record. `deleted_at` is set on a tombstone (its key is destroyed)."""
+class KeyRecord:
+    """Custody's public facts about one agent key. `deleted_at` is set on a tombstone (the
+    key is destroyed). No secret, and nothing custody does not need (no name, no depth)."""
 
     pubkey: str
     owner: str
-    name: str
     auth_tag: tuple[str, str, str, str] | None
-    creator: str | None
-    depth: int
     created_at: int
     deleted_at: int | None
     mint_ref: str | None = None
@@ -117,33 +144,12 @@ class AgentRecord:
     def live(self) -> bool:
         return self.deleted_at is None
 
-    def to_json_obj(self) -> dict[str, object]:
-        return {
-            "pubkey": self.pubkey,
-            "owner": self.owner,
-            "name": self.name,
-            "authTag": list(self.auth_tag) if self.auth_tag else None,
-            "creator": self.creator,
-            "depth": self.depth,
-            "createdAt": self.created_at,
-            "deletedAt": self.deleted_at,
-        }
 
-
-def _record(row: tuple[Any, ...]) -> AgentRecord:
-    pubkey, owner, name, auth_tag, creator, depth, created_at, deleted_at, mint_ref = row
+def _record(row: tuple[Any, ...]) -> KeyRecord:
+    pubkey, owner, auth_tag, created_at, deleted_at, mint_ref = row
     tag = tuple(json.loads(auth_tag)) if auth_tag is not None else None
-    return AgentRecord(
-        pubkey=pubkey,
-        owner=owner,
-        name=name,
-        auth_tag=tag,
-        creator=creator,
-        depth=depth,
-        created_at=created_at,
-        deleted_at=deleted_at,
-        mint_ref=mint_ref,
-    )
+    return KeyRecord(pubkey=pubkey, owner=owner, auth_tag=tag, created_at=created_at,
+                     deleted_at=deleted_at, mint_ref=mint_ref)
 
 
 def _write_meta(db: sqlite3.Connection, values: dict[str, str | None]) -> None:
@@ -153,6 +159,25 @@ def _write_meta(db: sqlite3.Connection, values: dict[str, str | None]) -> None:
         else:
             db.execute("INSERT INTO custody_meta (name, value) VALUES (?, ?)"
                        " ON CONFLICT (name) DO UPDATE SET value = excluded.value", (name, value))
+
+
+def _upgrade_from_1(db: sqlite3.Connection) -> bool:
+    """Version 1 -> 2 in one transaction (module docstring). False if another process
+    upgraded it first (the table is gone once we hold the write lock)."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        present = db.execute("SELECT 1 FROM sqlite_schema WHERE type = 'table' AND name = ?",
+                             (V1_TABLE,)).fetchone()
+        if present:
+            for statement in _UPGRADE_FROM_1.split(";"):
+                if statement.strip():
+                    db.execute(statement)
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+    return bool(present)
 
 
 def _prepare_dir(state_dir: Path) -> Path:
@@ -172,7 +197,30 @@ def _prepare_dir(state_dir: Path) -> Path:
     return path
 
 
-class Keystore:
+class _PublicReads:
+    """The public lookups both readers offer, over their own `_rows` (one SELECT of
+    `_PUBLIC_COLUMNS`, `where` being ours, never a caller's text)."""
+
+    __slots__ = ()
+
+    def _rows(self, where: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
+        raise NotImplementedError
+
+    def get(self, pubkey: str) -> KeyRecord | None:
+        """The key's record, tombstones included; None if never held here."""
+        rows = self._rows("WHERE pubkey = ?", (pubkey,))
+        return _record(rows[0]) if rows else None
+
+    def by_mint_ref(self, mint_ref: str) -> KeyRecord | None:
+        rows = self._rows("WHERE mint_ref = ?", (mint_ref,))
+        return _record(rows[0]) if rows else None
+
+    def all(self, *, include_deleted: bool = False) -> list[KeyRecord]:
+        where = "" if include_deleted else "WHERE deleted_at IS NULL"
+        return [_record(row) for row in self._rows(f"{where} ORDER BY created_at, pubkey")]
+
+
+class Keystore(_PublicReads):
     """Read-write keystore. Open with `Keystore.open(state_dir)`."""
 
     __slots__ = ("_db", "_lock", "path", "_writes")
@@ -195,14 +243,21 @@ class Keystore:
             # Zero deleted content in pages (a destroyed key's blob); see the module docstring.
             db.execute("PRAGMA secure_delete=ON")
             version = db.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, SCHEMA_VERSION):
+            if version not in (0, 1, SCHEMA_VERSION):
                 db.close()
                 raise CustodyError(f"keystore {path} has unknown schema version {version}")
+            upgraded = version == 1 and _upgrade_from_1(db)
             db.executescript(_SCHEMA)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error as exc:
             raise CustodyError(f"cannot open keystore {path}: {exc}") from None
-        return cls(db, path)
+        keystore = cls(db, path)
+        if upgraded:
+            log.info("keystore %s upgraded to schema version %d: names left custody",
+                     path, SCHEMA_VERSION)
+            # The dropped table's pages are zeroed; move them home and truncate the WAL.
+            keystore._checkpoint_truncate()
+        return keystore
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
@@ -226,25 +281,15 @@ class Keystore:
         with self._lock:
             return self._db.execute(sql, args).fetchall()
 
-    def get(self, pubkey: str) -> AgentRecord | None:
-        rows = self._query(f"SELECT {_PUBLIC_COLUMNS} FROM agents WHERE pubkey = ?", (pubkey,))
-        return _record(rows[0]) if rows else None
-
-    def by_mint_ref(self, mint_ref: str) -> AgentRecord | None:
-        rows = self._query(f"SELECT {_PUBLIC_COLUMNS} FROM agents WHERE mint_ref = ?", (mint_ref,))
-        return _record(rows[0]) if rows else None
-
-    def all(self, *, include_deleted: bool = False) -> list[AgentRecord]:
-        where = "" if include_deleted else "WHERE deleted_at IS NULL"
-        rows = self._query(f"SELECT {_PUBLIC_COLUMNS} FROM agents {where} ORDER BY created_at, pubkey")
-        return [_record(row) for row in rows]
+    def _rows(self, where: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
+        return self._query(f"SELECT {_PUBLIC_COLUMNS} FROM keys {where}", args)
 
     def sealed_blob(self, pubkey: str) -> bytes | None:
         """The sealed key of a live agent, else None."""
-        rows = self._query("SELECT sealed FROM agents WHERE pubkey = ? AND deleted_at IS NULL", (pubkey,))
+        rows = self._query("SELECT sealed FROM keys WHERE pubkey = ? AND deleted_at IS NULL", (pubkey,))
         return bytes(rows[0][0]) if rows else None
 
-    def insert(self, record: AgentRecord, sealed: bytes, now: int) -> None:
+    def insert(self, record: KeyRecord, sealed: bytes, now: int) -> None:
         """Add a live agent, whole or not at all.
 
         Raises:
@@ -254,11 +299,10 @@ class Keystore:
         try:
             with self._transaction() as db:
                 db.execute(
-                    "INSERT INTO agents (pubkey, owner, name, auth_tag, creator, depth, mint_ref,"
-                    " created_at, updated_at, deleted_at, sealed)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?)",
-                    (record.pubkey, record.owner, record.name, tag, record.creator,
-                     record.depth, record.mint_ref, record.created_at, now, sealed),
+                    "INSERT INTO keys (pubkey, owner, auth_tag, mint_ref, created_at, updated_at,"
+                    " deleted_at, sealed) VALUES (?, ?, ?, ?, ?, ?, NULL, ?)",
+                    (record.pubkey, record.owner, tag, record.mint_ref, record.created_at,
+                     now, sealed),
                 )
         except sqlite3.IntegrityError:
             existing = self.get(record.pubkey)
@@ -277,13 +321,13 @@ class Keystore:
         try:
             with self._transaction() as db:
                 db.execute(
-                    f"UPDATE agents SET {assignments} WHERE pubkey = ? AND deleted_at IS NULL",
+                    f"UPDATE keys SET {assignments} WHERE pubkey = ? AND deleted_at IS NULL",
                     (*values, pubkey),
                 )
         except sqlite3.Error as exc:
             raise CustodyError(f"keystore write failed: {exc}") from None
 
-    def tombstone(self, pubkey: str, now: int) -> AgentRecord | None:
+    def tombstone(self, pubkey: str, now: int) -> KeyRecord | None:
         """Destroy the sealed key, keep the record. None if the agent was never held."""
         self._update_live("sealed = NULL, deleted_at = ?, updated_at = ?", (now, now), pubkey)
         self._checkpoint_truncate()
@@ -310,7 +354,7 @@ class Keystore:
                         "sealed blob may remain in %s-wal until the next one", self.path)
 
     def set_auth_tag(self, pubkey: str, tag: tuple[str, str, str, str], now: int
-                     ) -> AgentRecord | None:
+                     ) -> KeyRecord | None:
         """Store a live agent's NIP-OA tag (public data). None if no live agent has that key."""
         self._update_live("auth_tag = ?, updated_at = ?", (json.dumps(list(tag)), now), pubkey)
         record = self.get(pubkey)
@@ -331,7 +375,7 @@ class Keystore:
 
     def live_blobs(self) -> list[tuple[str, bytes]]:
         """(pubkey, sealed blob) of every live agent."""
-        rows = self._query("SELECT pubkey, sealed FROM agents WHERE deleted_at IS NULL"
+        rows = self._query("SELECT pubkey, sealed FROM keys WHERE deleted_at IS NULL"
                            " ORDER BY pubkey")
         return [(pubkey, bytes(sealed)) for pubkey, sealed in rows]
 
@@ -359,13 +403,13 @@ class Keystore:
         """
         try:
             with self._transaction() as db:
-                live = db.execute("SELECT pubkey, sealed FROM agents WHERE deleted_at IS NULL"
+                live = db.execute("SELECT pubkey, sealed FROM keys WHERE deleted_at IS NULL"
                                   " ORDER BY pubkey").fetchall()
                 if [(p, bytes(b)) for p, b in live] != expected:
                     raise CustodyError("the keystore changed during the rotation; run it again")
                 changed = db.execute(
-                    "UPDATE agents SET sealed = (SELECT sealed FROM reseal"
-                    " WHERE reseal.pubkey = agents.pubkey), updated_at = ?"
+                    "UPDATE keys SET sealed = (SELECT sealed FROM reseal"
+                    " WHERE reseal.pubkey = keys.pubkey), updated_at = ?"
                     " WHERE deleted_at IS NULL"
                     " AND pubkey IN (SELECT pubkey FROM reseal)", (now,)).rowcount
                 if changed != len(expected):
@@ -383,6 +427,70 @@ class Keystore:
 
     def __repr__(self) -> str:
         return f"Keystore({str(self.path)!r})"
+
+
+class KeyIndex(_PublicReads):
+    """Custody's public facts about every key, read-only: no token, no secret column, and
+    nothing created (a missing keystore reads as empty). Thread-safe. A version-1 file not
+    yet upgraded is read through its old table; the upgrade is seen at the next query.
+
+    Raises `CustodyError` (naming the file, never a row) when the file cannot be read.
+    """
+
+    __slots__ = ("path", "_db", "_lock")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._db: sqlite3.Connection | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, state_dir: Path | str) -> KeyIndex:
+        return cls(Path(state_dir) / KEYSTORE_FILE)
+
+    def _first(self, queries: tuple[str, ...], args: tuple[object, ...] = ()
+               ) -> list[tuple[Any, ...]]:
+        """The rows of the first query whose table exists (the current table before the
+        version-1 one); none if no table does, or no keystore exists yet."""
+        with self._lock:
+            if self._db is None:
+                if not self.path.exists():
+                    return []
+                try:
+                    self._db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True,
+                                               check_same_thread=False)
+                except sqlite3.Error as exc:
+                    raise CustodyError(f"cannot open keystore {self.path}: {exc}") from None
+            for sql in queries:
+                try:
+                    return self._db.execute(sql, args).fetchall()
+                except sqlite3.OperationalError as exc:
+                    if "no such table" not in str(exc):
+                        raise CustodyError(f"cannot read keystore {self.path}: {exc}") from None
+                except sqlite3.Error as exc:
+                    raise CustodyError(f"cannot read keystore {self.path}: {exc}") from None
+            return []
+
+    def _rows(self, where: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
+        return self._first(tuple(f"SELECT {_PUBLIC_COLUMNS} FROM {table} {where}"
+                                 for table in ("keys", V1_TABLE)), args)
+
+    def v1_names(self) -> dict[str, tuple[str, str | None]]:
+        """pubkey -> (name, creator) as a version-1 keystore held them (schema versions in
+        the module docstring): public, for the daemon's directory to take over. Empty for
+        a keystore made at version 2."""
+        rows = self._first(tuple(f"SELECT pubkey, name, creator FROM {table}"
+                                 for table in (V1_NAMES, V1_TABLE)))
+        return {pubkey: (name, creator) for pubkey, name, creator in rows}
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+    def __repr__(self) -> str:
+        return f"KeyIndex({str(self.path)!r})"
 
 
 def read_meta(state_dir: Path) -> dict[str, str]:

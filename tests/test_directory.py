@@ -1,48 +1,46 @@
-"""The public agent directory (daemon/state/directory.py): out of custody, the depth rule
-stated once, renames that never touch a sealed key, and keystores written before it."""
+"""The public agent directory (daemon/state/directory.py) and custody that holds keys only.
+
+Custody keeps each key's owner, NIP-OA tag and mint reference; names, creators and depth
+are the directory's (its own file), depth derived from the owner chain by the one rule.
+A keystore written before the move (schema version 1) is read as it is, upgraded in one
+transaction when custody opens it, and its names are carried into the directory.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import sqlite3
 from pathlib import Path
 
 import pytest
 
 import custody
-from custody import Custody, TokenConfig
-from custody._keystore import AgentRecord, Keystore
-from daemon.state.directory import HUMAN_OWNED_DEPTH, AgentDirectory, child_depth
+from custody import Custody, KeyRecord, TokenConfig
+from daemon.state.directory import (
+    DIRECTORY_FILE,
+    HUMAN_OWNED_DEPTH,
+    AgentDirectory,
+    AgentRecord,
+    child_depth,
+)
 
 HUMAN = "a" * 64
-#: The keystore's schema as written before the directory left custody (schema version 1),
-#: frozen here: the directory must read and rename such a file in place.
-BEFORE_THE_MOVE = """
-PRAGMA journal_mode=WAL;
-CREATE TABLE agents (
-    pubkey TEXT PRIMARY KEY, owner TEXT NOT NULL, name TEXT NOT NULL, auth_tag TEXT,
-    creator TEXT, depth INTEGER NOT NULL CHECK (depth >= 1), mint_ref TEXT UNIQUE,
-    created_at INTEGER NOT NULL, updated_at INTEGER NOT NULL, deleted_at INTEGER,
-    sealed BLOB, CHECK (owner <> pubkey), CHECK ((deleted_at IS NULL) = (sealed IS NOT NULL))
-) STRICT;
-CREATE INDEX agents_by_owner ON agents (owner, name);
-CREATE TABLE custody_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL) STRICT;
-CREATE TABLE reseal (pubkey TEXT PRIMARY KEY REFERENCES agents (pubkey), sealed BLOB NOT NULL) STRICT;
-PRAGMA user_version=1;
-"""
 SECRET = "11" * 32
+#: What only the directory may hold; custody's record and table must have none of it.
+PUBLIC_ONLY = {"name", "creator", "depth"}
 
 
-def _record(depth: int, deleted_at: int | None) -> AgentRecord:
+def _placed(depth: int) -> AgentRecord:
     return AgentRecord(pubkey="b" * 64, owner=HUMAN, name="n", auth_tag=None, creator=None,
-                       depth=depth, created_at=1, deleted_at=deleted_at)
+                       depth=depth, created_at=1, deleted_at=None)
 
 
-#: owner record -> the depth of an agent it owns
+#: owner record (None: not held here) -> the depth of an agent it owns
 DEPTHS: list[tuple[AgentRecord | None, int]] = [
-    (None, HUMAN_OWNED_DEPTH),          # owner not held here: a person
-    (_record(1, None), 2),              # owned by a human-owned agent
-    (_record(3, None), 4),
-    (_record(2, 1_700_000_000), HUMAN_OWNED_DEPTH),  # a removed owner holds no place
+    (None, HUMAN_OWNED_DEPTH),
+    (_placed(1), 2),
+    (_placed(3), 4),
 ]
 
 
@@ -51,84 +49,135 @@ def test_child_depth_is_the_one_rule(owner: AgentRecord | None, depth: int) -> N
     assert child_depth(owner) == depth
 
 
-def test_custody_offers_no_directory_and_derives_no_depth() -> None:
-    """Names, renames and listing without the token left custody's surface; import takes
-    the depth it is told (a missing one is a caller's bug, not a default)."""
-    assert not hasattr(custody, "PublicDirectory")
-    assert not hasattr(Custody, "rename_agent")
-    assert not hasattr(Keystore, "rename")
+def test_custody_holds_no_name_creator_or_depth() -> None:
+    assert not PUBLIC_ONLY & {f.name for f in dataclasses.fields(KeyRecord)}
+    for call in (Custody.mint_agent, Custody.import_agent):
+        assert not PUBLIC_ONLY & set(inspect.signature(call).parameters)
+    assert not hasattr(custody, "AgentRecord") and not hasattr(Custody, "rename_agent")
 
 
-async def test_directory_reads_and_renames_what_custody_wrote(
+async def test_names_and_depth_live_in_the_directory(
     custody_state: tuple[TokenConfig, Path],
 ) -> None:
     config, state_dir = custody_state
     opened = await Custody.open(config, state_dir)
     directory = AgentDirectory.open(state_dir)
     try:
-        owner = await opened.import_agent(bytearray(SECRET.encode()), owner=HUMAN,
-                                          depth=child_depth(directory.agent(HUMAN)), name="o")
-        kid = await opened.mint_agent(owner=owner.pubkey, name="kid", creator=owner.pubkey,
-                                      depth=child_depth(directory.agent(owner.pubkey)),
-                                      mint_ref="ref-1")
-        assert (owner.depth, kid.depth) == (1, 2)
-        assert [r.pubkey for r in directory.agents()] == [r.pubkey for r in opened.agents()]
-        assert directory.by_mint_ref("ref-1") == kid
+        owner = await opened.import_agent(bytearray(SECRET.encode()), owner=HUMAN)
+        kid = await opened.mint_agent(owner=owner.pubkey, mint_ref="ref-1")
+        grandkid = await opened.mint_agent(owner=kid.pubkey, mint_ref="ref-2")
+        columns = {row[1] for row in sqlite3.connect(state_dir / "keystore.db").execute(
+            "PRAGMA table_info(keys)")}
+        assert not PUBLIC_ONLY & columns and "sealed" in columns
 
-        blob = sqlite3.connect(state_dir / "keystore.db").execute(
-            "SELECT sealed FROM agents WHERE pubkey = ?", (kid.pubkey,)).fetchone()[0]
-        version = opened.records_version()
+        # Unnamed: listed under its pubkey's first 12 hex digits; named by enroll.
+        assert directory.agent(owner.pubkey).name == owner.pubkey[:12]  # type: ignore[union-attr]
+        assert directory.enroll(kid.pubkey, "kid", creator=owner.pubkey) is not None
+        assert directory.enroll(kid.pubkey, "again") is not None  # a replay keeps the name
+        listed = {r.pubkey: r for r in directory.agents()}
+        assert [listed[p].depth for p in (owner.pubkey, kid.pubkey, grandkid.pubkey)] == [1, 2, 3]
+        assert (listed[kid.pubkey].name, listed[kid.pubkey].creator) == ("kid", owner.pubkey)
+        assert directory.by_mint_ref("ref-2") == listed[grandkid.pubkey]
+        assert [r.pubkey for r in directory.agents()] == [r.pubkey for r in opened.agents()]
+
+        # A rename touches only the directory's file: custody's records do not change.
+        version, blob = opened.records_version(), _blob(state_dir, kid.pubkey)
         renamed = directory.rename(kid.pubkey, "kid-2")
         assert renamed is not None and renamed.name == "kid-2"
-        # Custody sees the rename at once (the broker's liveness cache keys on this) ...
-        assert opened.records_version() != version
-        assert opened.agent(kid.pubkey) is not None
-        assert opened.agent(kid.pubkey).name == "kid-2"  # type: ignore[union-attr]
-        # ... and the sealed key is untouched: the agent still signs.
-        assert sqlite3.connect(state_dir / "keystore.db").execute(
-            "SELECT sealed FROM agents WHERE pubkey = ?", (kid.pubkey,)).fetchone()[0] == blob
+        assert opened.records_version() == version and _blob(state_dir, kid.pubkey) == blob
         assert (await opened.memory_address(kid.pubkey, "core")).author_pubkey == kid.pubkey
 
-        await opened.destroy_agent(kid.pubkey)
-        assert directory.rename(kid.pubkey, "ghost") is None
-        tomb = directory.get(kid.pubkey)
-        assert tomb is not None and tomb.name == "kid-2" and not tomb.live
-        assert directory.agent(kid.pubkey) is None
-        assert {r.pubkey for r in directory.agents(include_deleted=True)} == {owner.pubkey, kid.pubkey}
+        # Depth never changes after an agent is made: removing its owner leaves it in place.
+        await opened.destroy_agent(owner.pubkey)
+        assert directory.agent(kid.pubkey).depth == 2  # type: ignore[union-attr]
+        assert directory.agent(owner.pubkey) is None and directory.get(owner.pubkey) is not None
+        assert directory.rename(owner.pubkey, "ghost") is None
+        assert directory.enroll(owner.pubkey, "ghost") is None
         with pytest.raises(ValueError):
-            directory.rename(owner.pubkey, "")
+            directory.rename(kid.pubkey, "")
         with pytest.raises(ValueError):
             directory.rename("not-a-key", "x")
+        with pytest.raises(ValueError):
+            directory.enroll(kid.pubkey, "x", creator="nope")
     finally:
         directory.close()
         await opened.aclose()
 
 
-def test_a_keystore_from_before_the_directory_opens_unchanged(tmp_path: Path) -> None:
-    """State directories written before the move: the same `agents` table, read and renamed
-    in place (no migration), and a missing keystore reads as empty and is not created."""
+def _blob(state_dir: Path, pubkey: str) -> bytes:
+    db = sqlite3.connect(state_dir / "keystore.db")
+    try:
+        return bytes(db.execute("SELECT sealed FROM keys WHERE pubkey = ?", (pubkey,)).fetchone()[0])
+    finally:
+        db.close()
+
+
+def test_a_missing_state_directory_reads_as_empty_and_is_not_created(tmp_path: Path) -> None:
     empty = AgentDirectory.open(tmp_path / "none")
-    assert empty.agents(include_deleted=True) == [] and empty.get(HUMAN) is None
-    assert empty.rename("b" * 64, "x") is None
+    try:
+        assert empty.agents(include_deleted=True) == [] and empty.get(HUMAN) is None
+        assert empty.rename("b" * 64, "x") is None
+    finally:
+        empty.close()
     assert not (tmp_path / "none").exists()
 
-    state = tmp_path / "state"
-    state.mkdir()
-    record = _record(1, None)
-    db = sqlite3.connect(state / "keystore.db", isolation_level=None)
-    db.executescript(BEFORE_THE_MOVE)
-    db.execute("INSERT INTO agents (pubkey, owner, name, auth_tag, creator, depth, mint_ref,"
-               " created_at, updated_at, deleted_at, sealed)"
-               " VALUES (?, ?, 'n', NULL, NULL, 1, NULL, 1, 1, NULL, ?)",
-               (record.pubkey, HUMAN, b"sealed-bytes"))
+
+#: A version-1 keystore as the release before the move wrote it (`agents` held the names),
+#: made here from a real version-2 file so its sealed blobs are real.
+TO_VERSION_1 = """
+CREATE TABLE agents (
+    pubkey TEXT PRIMARY KEY, owner TEXT NOT NULL, name TEXT NOT NULL, auth_tag TEXT,
+    creator TEXT, depth INTEGER NOT NULL CHECK (depth >= 1), mint_ref TEXT UNIQUE,
+    created_at INTEGER NOT NULL, updated_at INTEGER NOT NULL, deleted_at INTEGER,
+    sealed BLOB, CHECK (owner <> pubkey), CHECK ((deleted_at IS NULL) = (sealed IS NOT NULL))
+) STRICT;
+CREATE INDEX agents_by_owner ON agents (owner, name);
+INSERT INTO agents SELECT pubkey, owner, 'old-' || substr(pubkey, 1, 4), auth_tag, NULL, 1,
+    mint_ref, created_at, updated_at, deleted_at, sealed FROM keys;
+DROP TABLE reseal;
+CREATE TABLE reseal (pubkey TEXT PRIMARY KEY REFERENCES agents (pubkey), sealed BLOB NOT NULL) STRICT;
+DROP TABLE keys;
+PRAGMA user_version=1;
+"""
+
+
+async def test_a_version_1_keystore_is_read_upgraded_and_its_names_carried_over(
+    custody_state: tuple[TokenConfig, Path],
+) -> None:
+    config, state_dir = custody_state
+    async with await Custody.open(config, state_dir) as opened:
+        agent = (await opened.import_agent(bytearray(SECRET.encode()), owner=HUMAN)).pubkey
+    db = sqlite3.connect(state_dir / "keystore.db", isolation_level=None)
+    db.executescript(TO_VERSION_1)
     db.close()
-    directory = AgentDirectory.open(state)
+    old_name = f"old-{agent[:4]}"
+
+    # Before custody upgrades it: the directory reads the old table, and writes nothing.
+    directory = AgentDirectory.open(state_dir)
     try:
-        assert directory.agents() == [record]
-        assert directory.rename(record.pubkey, "renamed") == AgentRecord(
-            pubkey=record.pubkey, owner=HUMAN, name="renamed", auth_tag=None, creator=None,
-            depth=1, created_at=1, deleted_at=None)
+        assert [(r.pubkey, r.name, r.depth) for r in directory.agents()] == [(agent, old_name, 1)]
     finally:
         directory.close()
-    sealed = sqlite3.connect(state / "keystore.db").execute("SELECT sealed FROM agents").fetchone()
-    assert sealed == (b"sealed-bytes",)
+    assert not (state_dir / DIRECTORY_FILE).exists()
+
+    async with await Custody.open(config, state_dir) as opened:  # upgrades, in one transaction
+        tables = {row[0] for row in sqlite3.connect(state_dir / "keystore.db").execute(
+            "SELECT name FROM sqlite_schema WHERE type = 'table'")}
+        assert {"keys", "v1_names", "custody_meta", "reseal"} <= tables and "agents" not in tables
+        assert (await opened.memory_address(agent, "core")).author_pubkey == agent  # still opens
+        version = sqlite3.connect(state_dir / "keystore.db").execute(
+            "PRAGMA user_version").fetchone()[0]
+        assert version == 2
+
+    directory = AgentDirectory.open(state_dir)
+    try:
+        assert directory.agent(agent).name == old_name  # type: ignore[union-attr]
+        # The directory's first write makes its file and takes the old names with it.
+        renamed = directory.rename(agent, "new")
+        assert renamed is not None and renamed.name == "new"
+        names = sqlite3.connect(state_dir / DIRECTORY_FILE).execute(
+            "SELECT pubkey, name FROM names").fetchall()
+        assert names == [(agent, "new")]
+        assert (state_dir / DIRECTORY_FILE).stat().st_mode & 0o777 == 0o600
+    finally:
+        directory.close()

@@ -8,13 +8,12 @@ import trio
 
 from custody import Custody, UnknownAgent, UnsignedEvent, verify_event
 from daemon.pipeline.signing import MAX_EVENTS_PER_HOP, SigningBatcher
-from daemon.state.directory import child_depth
 
 
 async def _agent(custody: Custody) -> str:
     owner = coincurve.PrivateKey().public_key_xonly.format().hex()
     secret = bytearray(coincurve.PrivateKey().secret.hex().encode())
-    return (await custody.import_agent(secret, owner=owner, depth=child_depth(custody.agent(owner)), name="signer")).pubkey
+    return (await custody.import_agent(secret, owner=owner)).pubkey
 
 
 def _event(agent: str, n: int) -> UnsignedEvent:

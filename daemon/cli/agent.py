@@ -1,4 +1,5 @@
-"""`buzz-broker agent import|create|list|remove`: the operator's side of the keystore.
+"""`buzz-broker agent import|create|name|list|remove`: the operator's side of the keystore
+and of the public directory (daemon/state/directory.py).
 
 Rules:
 - `import` reads the agent's secret (64 hex digits or `nsec1…`) from stdin, straight into
@@ -7,6 +8,10 @@ Rules:
   pubkey hex, alone, on stdout.
 - `create` mints a new key for `--owner` and prints its pubkey alone on stdout; when the
   owner is a person (not held here), stderr says exactly what the owner must sign.
+- A name is the directory's, never custody's: `create --name` and `import --name` seal the
+  key first and then write the name (an agent imported without one is listed under the
+  first 12 hex digits of its pubkey); `name PUBKEY NAME` sets it later. The name is this
+  host's only: nothing is published (agents.update renames a managed agent on the relay).
 - `attach-auth` stores an owner-signed NIP-OA tag after creation (daemon/cli/agent_auth.py).
 - `list` prints public records (table, or `--json`: one JSON array); it needs no token.
   A live agent without a NIP-OA tag shows `NO-AUTH-TAG` (`"authTagMissing": true`).
@@ -38,10 +43,10 @@ import trio
 
 from daemon.cli import agent_auth
 from daemon.cli._common import CliError, config_from_args
-from daemon.state.directory import child_depth
+from daemon.state.directory import AgentDirectory, DirectoryError
 
 if TYPE_CHECKING:
-    from custody import AgentRecord, Custody
+    from custody import Custody, KeyRecord
     from daemon.config import Config
 
 HELP = "import, create, list, remove agents held in custody, and attach owners' NIP-OA tags"
@@ -66,6 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("create", help="mint a new agent key for an owner")
     p.add_argument("--owner", required=True, metavar="HEX", help="the owner's pubkey (64 hex)")
     p.add_argument("--name", required=True, help="a name for the agent")
+
+    p = sub.add_parser("name", help="set the name this host lists an agent under (not "
+                       "published; agents.update renames a managed agent on the relay)")
+    p.add_argument("pubkey", metavar="PUBKEY")
+    p.add_argument("name", metavar="NAME")
 
     p = sub.add_parser("list", help="list agents (public records only)")
     p.add_argument("--json", action="store_true", help="one JSON array on stdout")
@@ -106,6 +116,8 @@ def _with_custody(config: Config, action: Callable[[Custody], Awaitable[T]]) -> 
 
 def _import(args: argparse.Namespace, config: Config) -> int:
     owner = _pubkey(args.owner, "--owner")
+    if args.name is not None and not args.name:
+        raise CliError("--name must not be empty")
     auth_tag = None if args.auth_tag is None else agent_auth.parse_tag(args.auth_tag, "--auth-tag")
     from custody import CustodyError
 
@@ -114,18 +126,45 @@ def _import(args: argparse.Namespace, config: Config) -> int:
     except CustodyError as exc:
         raise CliError(str(exc)) from None
     try:
-        record: AgentRecord = _with_custody(
-            config,
-            lambda c: c.import_agent(
-                secret_text, owner=owner, depth=child_depth(c.agent(owner)), name=args.name,
-                auth_tag=auth_tag,
-            ),
-        )
+        record: KeyRecord = _with_custody(
+            config, lambda c: c.import_agent(secret_text, owner=owner, auth_tag=auth_tag))
     finally:
         # import_agent zeroes it on every path, but custody may refuse before that call
         # (wrong PIN, no KEK, unreadable keystore): zero it here too.
         secret_text[:] = bytes(len(secret_text))
+    if args.name is not None:
+        _enroll(config, record.pubkey, args.name)
     print(record.pubkey)
+    return 0
+
+
+def _enroll(config: Config, pubkey: str, name: str) -> None:
+    """Write the agent's name into the directory (custody holds no names)."""
+    directory = AgentDirectory.open(config.state.dir)
+    try:
+        directory.enroll(pubkey, name)
+    except DirectoryError as exc:
+        raise CliError(f"{pubkey} is held, but its name was not stored ({exc}); name it "
+                       f"with: buzz-broker agent name {pubkey} NAME") from None
+    finally:
+        directory.close()
+
+
+def _name(args: argparse.Namespace, config: Config) -> int:
+    pubkey = _pubkey(args.pubkey, "PUBKEY")
+    if not args.name:
+        raise CliError("NAME must not be empty")
+    directory = AgentDirectory.open(config.state.dir)
+    try:
+        record = directory.rename(pubkey, args.name)
+    except DirectoryError as exc:
+        raise CliError(str(exc)) from None
+    finally:
+        directory.close()
+    if record is None:
+        raise CliError(f"no live agent {pubkey} is held here")
+    print(f"{record.pubkey} is named {record.name!r} on this host (not published)",
+          file=sys.stderr)
     return 0
 
 
@@ -159,12 +198,8 @@ def _create(args: argparse.Namespace, config: Config) -> int:
     owner = _pubkey(args.owner, "--owner")
     if not args.name:
         raise CliError("--name must not be empty")
-
-    async def mint(c: Custody) -> AgentRecord:
-        depth = child_depth(c.agent(owner))
-        return await c.mint_agent(owner=owner, name=args.name, creator=None, depth=depth, mint_ref=None)
-
-    record = _with_custody(config, mint)
+    record: KeyRecord = _with_custody(config, lambda c: c.mint_agent(owner=owner))
+    _enroll(config, record.pubkey, args.name)
     print(record.pubkey)
     if record.auth_tag is None:
         print(agent_auth.request_text(record.pubkey, record.owner), file=sys.stderr)
@@ -172,8 +207,6 @@ def _create(args: argparse.Namespace, config: Config) -> int:
 
 
 def _list(args: argparse.Namespace, config: Config) -> int:
-    from daemon.state.directory import AgentDirectory, DirectoryError
-
     try:
         records = AgentDirectory.open(config.state.dir).agents(include_deleted=args.all)
     except DirectoryError as exc:
@@ -208,7 +241,7 @@ def _remove(args: argparse.Namespace, config: Config) -> int:
     pubkey = _pubkey(args.pubkey, "PUBKEY")
     if not args.yes and not _confirmed(pubkey):
         raise CliError("not confirmed; nothing removed (pass --yes to skip the question)")
-    record: AgentRecord = _with_custody(config, lambda c: c.destroy_agent(pubkey))
+    record: KeyRecord = _with_custody(config, lambda c: c.destroy_agent(pubkey))
     try:
         store = SessionStore.open(Path(config.state.dir))
         try:
@@ -230,6 +263,7 @@ def _remove(args: argparse.Namespace, config: Config) -> int:
 _SUBCOMMANDS: dict[str, Callable[[argparse.Namespace, "Config"], int]] = {
     "import": _import,
     "create": _create,
+    "name": _name,
     "list": _list,
     "remove": _remove,
     "attach-auth": agent_auth.attach,

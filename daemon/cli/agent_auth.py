@@ -32,7 +32,7 @@ import trio
 from daemon.cli._common import CliError
 
 if TYPE_CHECKING:
-    from custody import AgentRecord, Custody
+    from custody import Custody, KeyRecord
     from daemon.config import Config
     from daemon.relay.pool import RelayPool
 
@@ -90,7 +90,8 @@ def _tag_from_args(args: argparse.Namespace, owner: str) -> list[str]:
     return ["auth", owner, args.conditions, args.sig.strip().lower()]
 
 
-async def _republish_profile(config: Config, custody: Custody, record: AgentRecord) -> str:
+async def _republish_profile(config: Config, custody: Custody, record: KeyRecord, name: str
+                             ) -> str:
     """Re-sign the agent's newest kind 0 (custody adds the tag) and publish it; its id.
 
     Raises:
@@ -106,7 +107,7 @@ async def _republish_profile(config: Config, custody: Custody, record: AgentReco
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
         try:
-            event_id, fault = await _publish_profile(pool, custody, record)
+            event_id, fault = await _publish_profile(pool, custody, record, name)
         finally:
             nursery.cancel_scope.cancel()
     if fault is not None:
@@ -115,8 +116,10 @@ async def _republish_profile(config: Config, custody: Custody, record: AgentReco
     return event_id
 
 
-async def _publish_profile(pool: RelayPool, custody: Custody, record: AgentRecord
+async def _publish_profile(pool: RelayPool, custody: Custody, record: KeyRecord, name: str
                            ) -> tuple[str, str | None]:
+    """Publish the newest kind 0 re-signed (or, with none on the relay, one carrying the
+    directory's `name`); its id, or the fault as one line."""
     from custody import CustodyError, UnsignedEvent
     from daemon.operations._events import json_object_or_none, newest, next_created_at, verified
     from daemon.relay.pool import Accepted, RelayRefused, RelayUnavailable
@@ -129,7 +132,7 @@ async def _publish_profile(pool: RelayPool, custody: Custody, record: AgentRecor
     previous = newest([e for e in verified(found)
                        if e.pubkey == record.pubkey and e.kind == KIND_METADATA])
     content = (json_object_or_none(previous.content) if previous else None) or {
-        "display_name": record.name, "name": record.name}
+        "display_name": name, "name": name}
     try:
         signed = await custody.sign_event(record.pubkey, UnsignedEvent(
             pubkey=record.pubkey, created_at=next_created_at(int(time.time()), previous),
@@ -151,17 +154,24 @@ def attach(args: argparse.Namespace, config: Config) -> int:
     if not is_hex64(agent):
         raise CliError("--agent must be 64 hex characters")
 
-    async def main() -> tuple[AgentRecord, str]:
+    async def main() -> tuple[KeyRecord, str]:
         from pathlib import Path
 
+        from daemon.state.directory import AgentDirectory, DirectoryError
+
         custody = await Custody.open(config.pkcs11.token(), Path(config.state.dir))
+        directory = AgentDirectory.open(config.state.dir)
         try:
+            listed = directory.agent(agent)
             record = custody.agent(agent)
-            if record is None:
+            if record is None or listed is None:
                 raise CliError(f"no live agent {agent} is held here")
             stored = await custody.attach_auth_tag(agent, _tag_from_args(args, record.owner))
-            return stored, await _republish_profile(config, custody, stored)
+            return stored, await _republish_profile(config, custody, stored, listed.name)
+        except DirectoryError as exc:
+            raise CliError(str(exc)) from None
         finally:
+            directory.close()
             await custody.aclose()
 
     try:

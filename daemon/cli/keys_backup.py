@@ -15,6 +15,10 @@ Rules:
   backup file's sha256 and the recipients (public keys). Never a secret. It is not the
   daemon's hash-chained audit log: the daemon holds that chain open, and a second writer
   would fork it.
+- Names: custody holds none, so backup hands custody each live agent's directory entry
+  (name, creator) to carry, and restore writes the restored agents' entries back into the
+  directory (`AgentDirectory.enroll`; an entry that is not a valid name is skipped and
+  said, the key is restored either way). Depth is derived again from the owners.
 - What a backup does not hold: credentials and the ledger (docs/install.md, "Restore").
 
 WARNING: docs/install.md ("Back up", "Restore") shows these flags; keep them in step.
@@ -31,6 +35,7 @@ import os
 import pwd
 import stat
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -129,7 +134,8 @@ def _backup(args: argparse.Namespace, config: Config) -> int:
     try:
         async def main() -> tuple[bytes, tuple[str, ...]]:
             async with await Custody.open(_token(config), Path(config.state.dir)) as custody:
-                exported = await export_backup(custody, args.recipient)
+                exported = await export_backup(custody, args.recipient,
+                                               _public_entries(config))
                 return exported.ciphertext, exported.agents
 
         try:
@@ -158,6 +164,41 @@ def _backup(args: argparse.Namespace, config: Config) -> int:
     })
     print(f"backed up {len(agents)} agents to {out} (sha256 {digest})")
     return 0
+
+
+def _public_entries(config: Config) -> dict[str, dict[str, object]]:
+    """Each live agent's directory entry, for custody to carry in the backup."""
+    from daemon.state.directory import AgentDirectory, DirectoryError
+
+    directory = AgentDirectory.open(config.state.dir)
+    try:
+        return {r.pubkey: {"name": r.name, "creator": r.creator} for r in directory.agents()}
+    except DirectoryError as exc:
+        raise CliError(str(exc)) from None
+    finally:
+        directory.close()
+
+
+def _enroll_restored(config: Config, entries: dict[str, Mapping[str, object]]) -> None:
+    """Write the backed-up names of agents that have none here; a bad entry is said."""
+    from daemon.state.directory import AgentDirectory, DirectoryError
+
+    directory = AgentDirectory.open(config.state.dir)
+    try:
+        for pubkey, entry in entries.items():
+            name, creator = entry.get("name"), entry.get("creator")
+            try:
+                if not isinstance(name, str) or not (creator is None or isinstance(creator, str)):
+                    raise ValueError("no valid name in the backup")
+                directory.enroll(pubkey, name, creator)
+            except ValueError as exc:
+                print(f"{pubkey}: restored without its name ({exc}); set one with "
+                      f"buzz-broker agent name {pubkey} NAME", file=sys.stderr)
+    except DirectoryError as exc:
+        raise CliError(f"the keys are restored, but their names were not ({exc}); run the "
+                       "restore again to write them") from None
+    finally:
+        directory.close()
 
 
 def _read_bounded(path: Path, limit: int, what: str, *, private: bool) -> bytearray:
@@ -217,6 +258,8 @@ def _restore(args: argparse.Namespace, config: Config) -> int:
     ciphertext = bytes(_read_bounded(args.backup, MAX_BACKUP_BYTES, "backup", private=False))
     identity = _read_bounded(args.identity, MAX_IDENTITY_BYTES, "identity file", private=True)
 
+    entries: dict[str, Mapping[str, object]] = {}
+
     async def main() -> RestoreResult | None:
         try:
             contents = open_backup(ciphertext, identity)  # zeroes `identity`
@@ -228,8 +271,12 @@ def _restore(args: argparse.Namespace, config: Config) -> int:
                 held = set(plan.already_held)
                 for record in contents.records:
                     state = "already held" if record.pubkey in held else "restore"
-                    print(f"{record.pubkey}  owner={record.owner}  depth={record.depth}  "
-                          f"{'auth-tag' if record.auth_tag else '-'}  {state}  {record.name}")
+                    name = contents.public(record.pubkey).get("name")
+                    # json.dumps: a hostile backup's name cannot reach the terminal raw.
+                    print(f"{record.pubkey}  owner={record.owner}  "
+                          f"{'auth-tag' if record.auth_tag else '-'}  {state}  "
+                          f"{json.dumps(name, ensure_ascii=False) if isinstance(name, str) else '-'}")
+                    entries[record.pubkey] = contents.public(record.pubkey)
                 if not plan.restored:
                     return plan
                 if not _confirm(len(plan.restored), args.yes):
@@ -242,6 +289,9 @@ def _restore(args: argparse.Namespace, config: Config) -> int:
         raise CliError(str(exc)) from None
     if result is None:
         raise CliError("restore not confirmed; nothing restored")
+    # Every agent of the backup held here now: `enroll` keeps a name already set, and a
+    # rerun writes the names a failed first run did not.
+    _enroll_restored(config, entries)
     record_key_event(Path(config.state.dir), {
         "event": "restore", "agents": len(result.restored), "pubkeys": list(result.restored),
         "alreadyHeld": len(result.already_held), "file": str(args.backup),

@@ -18,7 +18,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -60,8 +60,7 @@ class Custodian(Protocol):
     protocol, never the custody package: they hold no key and import no PKCS#11 binding.
     """
 
-    async def mint_agent(self, *, owner: str, name: str, creator: str | None, depth: int,
-                         mint_ref: str | None) -> _Minted: ...
+    async def mint_agent(self, *, owner: str, mint_ref: str | None) -> _Minted: ...
 
     async def memory_address(self, agent: str, slug: str) -> _Address: ...
 
@@ -85,6 +84,9 @@ class Context:
     authorized: Authorized
     #: the host's own record of each managed agent's runtime (never published)
     runtimes: RuntimeStore | None = None
+    #: Names a key just minted in the public directory (pubkey, name, creator), off the
+    #: event loop; a name already set is kept (daemon/state/directory.py `enroll`).
+    enroll: Callable[[str, str, str | None], Awaitable[object]] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -3,7 +3,9 @@
 Steps (buzz-on-the-relay.md, "Managed agents"; design.md "Multi-event operations"):
 1. Mint the key in custody, idempotently on (requester, requestId): a retry after a crash
    that came before the pending record finds the same agent instead of minting another.
-   Custody makes the owner's NIP-OA tag, since the owner is a key this host holds.
+   Custody makes the owner's NIP-OA tag, since the owner is a key this host holds. Then
+   name it in the public directory (custody holds no names); the retry names it again, a
+   no-op once named. Its depth is the directory's, derived from the owner chain.
 2. Sign, in one custody hop and in publish order:
    a. the owner's kind 9000 put-user `["h", channel] ["p", agent] ["role", "bot"]` — first,
       because it is the event a relay is most likely to refuse (channel permissions);
@@ -31,7 +33,6 @@ from daemon.operations._managed import (
 )
 from daemon.operations.profile_set import KIND_METADATA
 from daemon.pipeline.pending import DestroyAgent, SetRuntime
-from daemon.state.directory import child_depth
 
 #: NIP-29 role given to a created agent in its channel.
 AGENT_ROLE = "bot"
@@ -39,15 +40,10 @@ AGENT_ROLE = "bot"
 
 async def prepare(ctx: Context, args: AgentsCreateArgs) -> Plan:
     owner = ctx.principal.agent
-    requester = ctx.authorized.requester
-    assert requester is not None, "authorize resolves the requester of agents.create"
-    agent = await ctx.custody.mint_agent(
-        owner=owner,
-        name=args.display_name,
-        creator=owner,
-        depth=child_depth(requester),
-        mint_ref=f"{owner}/{ctx.request_id}",
-    )
+    assert ctx.authorized.requester is not None, "authorize resolves the requester of agents.create"
+    assert ctx.enroll is not None, "agents.create names the agent it mints"
+    agent = await ctx.custody.mint_agent(owner=owner, mint_ref=f"{owner}/{ctx.request_id}")
+    await ctx.enroll(agent.pubkey, args.display_name, owner)
     now = ctx.now()
     record = record_content(
         {

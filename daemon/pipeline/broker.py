@@ -424,12 +424,17 @@ class Broker:
             now=lambda: int(self._clock()),
             authorized=decision,
             runtimes=self._runtimes,
+            enroll=self._enroll,
         )
         if operation.execute is not None:
             return Judged.of(facts.request_id, await operation.execute(ctx, request.args))
         assert operation.prepare is not None
         return await self._publisher.plan_and_publish(ctx, operation.prepare, request, ticket,
                                                       facts, progress)
+
+    async def _enroll(self, pubkey: str, name: str, creator: str | None) -> None:
+        # A short SQLite write with fsync: off the event loop, as the publisher's renames.
+        await trio.to_thread.run_sync(self._directory.enroll, pubkey, name, creator)
 
     def _contained(self, facts: Facts, progress: Progress, exc: Exception) -> Judged:
         """The verdict for an unexpected fault inside the operation: an envelope, recorded.

@@ -56,7 +56,7 @@ class DestroyAgent:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RenameAgent:
-    """The keystore's name for the agent follows the name just published."""
+    """The directory's name for the agent follows the name just published."""
 
     pubkey: str
     name: str

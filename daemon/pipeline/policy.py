@@ -74,7 +74,7 @@ class Refusal:
 
 
 class AgentView(Protocol):
-    """The public fields policy reads from an agent record (custody.AgentRecord has them)."""
+    """The public fields policy reads from an agent record (the directory's AgentRecord)."""
 
     @property
     def pubkey(self) -> str: ...

@@ -4,12 +4,13 @@ Modules: `sessions` (credential -> principal), `ledger` (idempotency, the pendin
 bytes), `audit` (the tamper-evident audit log) and `refusal_audit` (refusals past a burst
 counted into it), `verdict_store` (a refusal stored as its code), `ratelimit` (limits and
 quotas), `runtimes` (the host's record of each agent's runtime), `directory` (the public
-agent directory: names, depth, renames, listing), `runlock` (one daemon per state
+agent directory: names, creators, depth, renames, listing), `runlock` (one daemon per state
 directory); `_group_commit` and `_sqlite` are the shared engines.
 
 Rules:
 - Every store is opened and closed by `daemon.wiring`; nothing here talks to the relay or
-  calls custody (`directory` uses only custody's value type `AgentRecord`), and nothing
+  calls custody (`directory` reads custody's public key facts through `custody.KeyIndex`,
+  read-only and without the token), and nothing
   here decides a request: the pipeline asks, state answers.
 - Files are created private (`_sqlite.open_private_db`); what is written is bounded by
   configuration, never by what a client sends.

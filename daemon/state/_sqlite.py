@@ -1,4 +1,4 @@
-"""One way to open the broker's SQLite databases (sessions.db, ledger.db).
+"""One way to open the broker's SQLite databases (sessions.db, ledger.db, directory.db, …).
 
 Rules:
 - Every database the broker keeps is private to its user: the file is created 0600 before

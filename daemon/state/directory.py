@@ -1,53 +1,105 @@
-"""The public agent directory: names, depth, renames, tombstones, mint references, listing.
+"""The public agent directory: names, creators, depth, renames, listing.
 
-No secret is here. Custody keeps the secrets (each agent's sealed key, its owner and its
-NIP-OA tag) and the calls that need one; everything else about an agent is read, and its
-name is changed, through this module, without custody and without the token: policy
-(requester, target by name, depth), agents.update's rename, the minted-key lookup of a
-failed agents.create, the daemon's startup listing, `agent list`, `status` and
-`credential issue`.
+Custody holds secrets and the few public facts it needs to use them (each key's owner,
+NIP-OA tag, mint reference, and when it was made and destroyed: `custody.KeyRecord`).
+Everything else public about an agent is here, in `<state_dir>/directory.db`, written by
+the daemon and the command line and never by custody. A directory record joins the two:
+custody's key record, read without the token through `custody.KeyIndex` (read-only, no
+secret column), and this file's row for the agent.
 
-Where the rows live, and why there: in the `agents` table of custody's keystore.db, the
-same rows the key is sealed in. A key and its public record are written in ONE transaction
-when custody mints, imports or restores (a crash leaves neither or both, never a name
-without a key), and destroyed as ONE tombstone; a second file would need a two-file commit
-that SQLite does not give. So custody writes a row whole, and this module reads only the
-public columns of it (never `sealed`) and writes only `name` (and `updated_at`). State
-directories from before this module need no migration: the table is the same.
+Who reads it: policy (requester, target by name, depth), agents.update's rename, the
+minted-key lookup of a failed agents.create, the daemon's startup listing, `agent list`,
+`status`, `credential issue`, `keys backup` (the public entry each agent is backed up
+with) and `keys restore` (which writes it back).
 
 Rules:
-- The depth rule is stated here once (`child_depth`): an agent whose owner is not held
-  here (a person) is at depth 1; an agent owned by a live agent held here sits one level
-  below it. Policy's limit, agents.create and `agent create`/`agent import` all use it.
-- Reads go through one read-only connection; a keystore that does not exist yet reads as
-  empty and is not created. A rename opens its own short read-write connection (WAL: it
-  never blocks custody's readers, and custody's records_version sees the commit as
-  another connection's, so the broker's liveness cache stays right) with secure_delete on,
-  as custody's own is: the rewritten row sits in a page beside sealed blobs.
+- Depth is derived, never stored, and the rule is stated once (`child_depth`): an agent
+  whose owner is not held here (a person) is at depth 1; an agent whose owner is a key
+  held here, live or since removed, sits one level below it. So an agent's depth never
+  changes after it is made, and policy's limit, agents.create and `agent create`/`agent
+  import` all read it from the owner chain custody keeps.
+- A name is this file's row for the agent; else, for a state directory from before names
+  left custody, the name custody's schema upgrade set aside (`KeyIndex.v1_names`, copied
+  into this file when the file is made); else the first 12 hex digits of the pubkey (an
+  agent imported without a name, or a key minted by an agents.create that crashed before
+  its name was written: the identical retry writes it).
+- Two writes, each one short transaction on its own connection (`_sqlite.open_private_db`:
+  0600, WAL, synchronous=FULL, busy timeout; and secure_delete): `enroll` names a key that has no name here yet (a replayed
+  agents.create never undoes a later rename), `rename` sets a live agent's name. Both
+  refuse a key custody does not hold live, and answer None.
+- Reads go through one read-only connection, made when the file exists: a reader (`agent
+  list` as root, `status`) creates nothing; with no file yet, names come from the
+  version-1 fallback alone.
 - Faults are `DirectoryError`, whose message names the file and never a row's content.
 """
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from custody import AgentRecord
 from buzzwire.nostr import is_hex64
+from custody import CustodyError, KeyIndex, KeyRecord
+from daemon.state._sqlite import open_private_db
 
-__all__ = ["AgentDirectory", "DirectoryError", "HUMAN_OWNED_DEPTH", "child_depth", "KEYSTORE_FILE"]
+__all__ = ["AgentDirectory", "AgentRecord", "DirectoryError", "DIRECTORY_FILE",
+           "HUMAN_OWNED_DEPTH", "child_depth"]
 
-#: The file custody keeps its keystore in (custody's own name for it; the table is shared).
-KEYSTORE_FILE = "keystore.db"
+T = TypeVar("T")
+
+DIRECTORY_FILE = "directory.db"
 #: An agent whose owner is not held on this host (a human) is at depth 1.
 HUMAN_OWNED_DEPTH = 1
-#: How long a rename waits for custody's write (a mint in progress) before it fails.
-BUSY_TIMEOUT_MS = 5000
-_COLUMNS = "pubkey, owner, name, auth_tag, creator, depth, created_at, deleted_at, mint_ref"
+#: The longest name kept (a display name is at most 120; a restored backup's is bounded).
+MAX_NAME_CHARS = 256
+#: How many hex digits of its pubkey name an agent that was given no name.
+DEFAULT_NAME_DIGITS = 12
+SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS names (
+    pubkey     TEXT PRIMARY KEY,
+    name       TEXT NOT NULL CHECK (length(name) > 0),
+    creator    TEXT,
+    updated_at INTEGER NOT NULL
+) STRICT;
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class AgentRecord:
+    """An agent's public record: custody's key facts and the directory's own."""
+
+    pubkey: str
+    owner: str
+    name: str
+    auth_tag: tuple[str, str, str, str] | None
+    creator: str | None
+    depth: int
+    created_at: int
+    deleted_at: int | None
+    mint_ref: str | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.deleted_at is None
+
+    def to_json_obj(self) -> dict[str, object]:
+        return {
+            "pubkey": self.pubkey,
+            "owner": self.owner,
+            "name": self.name,
+            "authTag": list(self.auth_tag) if self.auth_tag else None,
+            "creator": self.creator,
+            "depth": self.depth,
+            "createdAt": self.created_at,
+            "deletedAt": self.deleted_at,
+        }
 
 
 class _Placed(Protocol):
@@ -55,8 +107,6 @@ class _Placed(Protocol):
 
     @property
     def depth(self) -> int: ...
-    @property
-    def deleted_at(self) -> int | None: ...
 
 
 class DirectoryError(Exception):
@@ -64,58 +114,58 @@ class DirectoryError(Exception):
 
 
 def child_depth(owner: _Placed | None) -> int:
-    """The depth of an agent owned by `owner` (None: not held here, or removed)."""
-    if owner is None or owner.deleted_at is not None:
-        return HUMAN_OWNED_DEPTH
-    return owner.depth + 1
+    """The depth of an agent owned by `owner`: its record if the owner is a key held here
+    (live or removed), None if it is not (a person)."""
+    return HUMAN_OWNED_DEPTH if owner is None else owner.depth + 1
 
 
-def _record(row: tuple[Any, ...]) -> AgentRecord:
-    pubkey, owner, name, auth_tag, creator, depth, created_at, deleted_at, mint_ref = row
-    tag = tuple(json.loads(auth_tag)) if auth_tag is not None else None
-    return AgentRecord(pubkey=pubkey, owner=owner, name=name, auth_tag=tag, creator=creator,
-                       depth=depth, created_at=created_at, deleted_at=deleted_at,
-                       mint_ref=mint_ref)
+def _depths(keys: Mapping[str, KeyRecord], wanted: Iterator[str]) -> dict[str, int]:
+    """Each wanted agent's depth by `child_depth` along its owner chain in `keys`. A loop
+    (stored by a version from before cycles were refused) ends the chain where it closes."""
+    known: dict[str, int] = {}
+    for start in wanted:
+        chain: list[str] = []
+        seen: set[str] = set()
+        current = start
+        while current in keys and current not in known and current not in seen:
+            seen.add(current)
+            chain.append(current)
+            current = keys[current].owner
+        # The chain ends at a key not held here (a person: depth 0 above depth 1), at one
+        # already known, or where a loop closes (treated as a person).
+        depth = known.get(current, HUMAN_OWNED_DEPTH - 1)
+        for pubkey in reversed(chain):
+            depth = depth + 1
+            known[pubkey] = depth
+    return known
 
 
 class AgentDirectory:
     """Every agent's public record. `AgentDirectory.open(state_dir)`; thread-safe."""
 
-    __slots__ = ("_path", "_db", "_lock")
+    __slots__ = ("_path", "_keys", "_db", "_lock")
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, keys: KeyIndex) -> None:
         self._path = path
+        self._keys = keys
         self._db: sqlite3.Connection | None = None
         self._lock = threading.Lock()
 
     @classmethod
     def open(cls, state_dir: Path | str) -> AgentDirectory:
-        return cls(Path(state_dir) / KEYSTORE_FILE)
+        return cls(Path(state_dir) / DIRECTORY_FILE, KeyIndex.open(state_dir))
 
-    def _rows(self, sql: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
-        with self._lock:
-            if self._db is None:
-                if not self._path.exists():
-                    return []
-                try:
-                    self._db = sqlite3.connect(
-                        f"file:{self._path}?mode=ro", uri=True, check_same_thread=False
-                    )
-                except sqlite3.Error as exc:
-                    raise DirectoryError(f"cannot open keystore {self._path}: {exc}") from None
-            try:
-                return self._db.execute(sql, args).fetchall()
-            except sqlite3.OperationalError as exc:
-                if "no such table" in str(exc):
-                    return []
-                raise DirectoryError(f"cannot read keystore {self._path}: {exc}") from None
+    # --- reads ---------------------------------------------------------------------
 
     def get(self, pubkey: str) -> AgentRecord | None:
         """The record, tombstones included; None if never held (or not a pubkey)."""
         if not is_hex64(pubkey):
             return None
-        rows = self._rows(f"SELECT {_COLUMNS} FROM agents WHERE pubkey = ?", (pubkey,))
-        return _record(rows[0]) if rows else None
+        chain = self._chain(pubkey)
+        if not chain:
+            return None
+        return self._join(chain[0], self._names([pubkey]), _depths(
+            {k.pubkey: k for k in chain}, iter([pubkey]))[pubkey])
 
     def agent(self, pubkey: str) -> AgentRecord | None:
         """The live agent's record; None if unknown or removed."""
@@ -123,43 +173,147 @@ class AgentDirectory:
         return record if record is not None and record.live else None
 
     def by_mint_ref(self, mint_ref: str) -> AgentRecord | None:
-        rows = self._rows(f"SELECT {_COLUMNS} FROM agents WHERE mint_ref = ?", (mint_ref,))
-        return _record(rows[0]) if rows else None
+        key = _call(lambda: self._keys.by_mint_ref(mint_ref))
+        return self.get(key.pubkey) if key is not None else None
 
     def agents(self, *, include_deleted: bool = False) -> list[AgentRecord]:
-        where = "" if include_deleted else "WHERE deleted_at IS NULL"
-        rows = self._rows(f"SELECT {_COLUMNS} FROM agents {where} ORDER BY created_at, pubkey")
-        return [_record(row) for row in rows]
+        """Every live agent (and every removed one, with include_deleted), oldest first."""
+        every = _call(lambda: self._keys.all(include_deleted=True))
+        keys = {k.pubkey: k for k in every}
+        listed = [k for k in every if include_deleted or k.live]
+        depths = _depths(keys, (k.pubkey for k in listed))
+        names = self._names(None)
+        return [self._join(k, names, depths[k.pubkey]) for k in listed]
+
+    def _chain(self, pubkey: str) -> list[KeyRecord]:
+        """The key and its owners held here, nearest first; stops at a loop."""
+        chain: list[KeyRecord] = []
+        seen: set[str] = set()
+        current = pubkey
+        while current not in seen:
+            seen.add(current)
+            key = _call(lambda: self._keys.get(current))
+            if key is None:
+                break
+            chain.append(key)
+            current = key.owner
+        return chain
+
+    def _join(self, key: KeyRecord, names: Mapping[str, tuple[str, str | None]],
+              depth: int) -> AgentRecord:
+        name, creator = names.get(key.pubkey, (key.pubkey[:DEFAULT_NAME_DIGITS], None))
+        return AgentRecord(pubkey=key.pubkey, owner=key.owner, name=name,
+                           auth_tag=key.auth_tag, creator=creator, depth=depth,
+                           created_at=key.created_at, deleted_at=key.deleted_at,
+                           mint_ref=key.mint_ref)
+
+    def _names(self, only: list[str] | None) -> dict[str, tuple[str, str | None]]:
+        """pubkey -> (name, creator): this file's rows, or the version-1 fallback."""
+        rows = self._read(only)
+        if rows is None:
+            names = _call(self._keys.v1_names)
+            return names if only is None else {p: names[p] for p in only if p in names}
+        return {pubkey: (name, creator) for pubkey, name, creator in rows}
+
+    def _read(self, only: list[str] | None) -> list[tuple[Any, ...]] | None:
+        """This file's rows (None if the file does not exist yet)."""
+        where, args = ("", ()) if only is None else (
+            f"WHERE pubkey IN ({','.join('?' * len(only))})", tuple(only))
+        with self._lock:
+            if self._db is None:
+                if not self._path.exists():
+                    return None
+                try:
+                    self._db = sqlite3.connect(f"file:{self._path}?mode=ro", uri=True,
+                                               check_same_thread=False)
+                except sqlite3.Error as exc:
+                    raise DirectoryError(f"cannot open {self._path}: {exc}") from None
+            try:
+                return self._db.execute(
+                    f"SELECT pubkey, name, creator FROM names {where}", args).fetchall()
+            except sqlite3.OperationalError as exc:
+                if "no such table" in str(exc):  # made by a writer that has not finished
+                    return []
+                raise DirectoryError(f"cannot read {self._path}: {exc}") from None
+
+    # --- writes --------------------------------------------------------------------
+
+    def enroll(self, pubkey: str, name: str, creator: str | None = None,
+               now: int | None = None) -> AgentRecord | None:
+        """Name a live key that has no name here yet (a name already set is kept).
+        None if custody holds no live key `pubkey`.
+
+        Raises:
+            ValueError: an empty or overlong name, a malformed pubkey or creator.
+            DirectoryError: the file could not be written.
+        """
+        return self._write(pubkey, name, creator, now, " ON CONFLICT (pubkey) DO NOTHING")
 
     def rename(self, pubkey: str, name: str, now: int | None = None) -> AgentRecord | None:
         """Set a live agent's public name. None if no live agent has that key.
 
         Raises:
-            ValueError: an empty name or a malformed pubkey.
-            DirectoryError: the keystore could not be written.
+            ValueError: an empty or overlong name, or a malformed pubkey.
+            DirectoryError: the file could not be written.
         """
+        return self._write(pubkey, name, None, now, " ON CONFLICT (pubkey) DO UPDATE SET"
+                           " name = excluded.name, updated_at = excluded.updated_at")
+
+    def _write(self, pubkey: str, name: str, creator: str | None, now: int | None,
+               conflict: str) -> AgentRecord | None:
         if not is_hex64(pubkey):
             raise ValueError("agent must be 64 lowercase hex characters")
-        if not isinstance(name, str) or not name:
-            raise ValueError("name must be a non-empty str")
-        if not self._path.exists():
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
+            raise ValueError(f"name must be a str of 1 to {MAX_NAME_CHARS} characters")
+        if creator is not None and not is_hex64(creator):
+            raise ValueError("creator must be 64 lowercase hex characters or None")
+        if self.agent(pubkey) is None:
             return None
         stamp = int(time.time()) if now is None else now
+        with self._writer() as db:
+            db.execute("INSERT INTO names (pubkey, name, creator, updated_at)"
+                       " VALUES (?, ?, ?, ?)" + conflict, (pubkey, name, creator, stamp))
+        return self.agent(pubkey)
+
+    @contextmanager
+    def _writer(self) -> Iterator[sqlite3.Connection]:
+        """One transaction on a short read-write connection. The file's first writer also
+        copies in the version-1 names, in the transaction that marks them copied."""
         try:
-            db = sqlite3.connect(self._path, isolation_level=None)
+            db = open_private_db(self._path, _SCHEMA)
             try:
-                db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
                 db.execute("PRAGMA secure_delete=ON")
-                db.execute("UPDATE agents SET name = ?, updated_at = ?"
-                           " WHERE pubkey = ? AND deleted_at IS NULL", (name, stamp, pubkey))
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    if db.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:
+                        db.executemany(
+                            "INSERT OR IGNORE INTO names (pubkey, name, creator, updated_at)"
+                            " VALUES (?, ?, ?, 0)",
+                            [(p, n, c) for p, (n, c) in _call(self._keys.v1_names).items()])
+                        db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+                    yield db
+                except BaseException:
+                    db.execute("ROLLBACK")
+                    raise
+                db.execute("COMMIT")
             finally:
                 db.close()
         except sqlite3.Error as exc:
-            raise DirectoryError(f"cannot write keystore {self._path}: {exc}") from None
-        return self.agent(pubkey)
+            raise DirectoryError(f"cannot write {self._path}: {exc}") from None
+        except OSError as exc:
+            raise DirectoryError(f"cannot write {self._path}: {exc.strerror}") from None
 
     def close(self) -> None:
         with self._lock:
             if self._db is not None:
                 self._db.close()
                 self._db = None
+        self._keys.close()
+
+
+def _call(read: Callable[[], T]) -> T:
+    """A read of custody's key index, its fault re-raised as the directory's."""
+    try:
+        return read()
+    except CustodyError as exc:
+        raise DirectoryError(str(exc)) from None

@@ -38,7 +38,7 @@ import trio_websocket
 
 from custody import Custody, TokenConfig
 from daemon.state.sessions import SessionStore
-from daemon.state.directory import child_depth
+from daemon.state.directory import AgentDirectory
 from tests.fixtures.broker import write_config as broker_config
 
 __all__ = [
@@ -257,9 +257,14 @@ async def setup_state(token: TokenConfig, state_dir: Path, channels: Sequence[st
     try:
         owner = coincurve.PrivateKey().public_key_xonly.format().hex()
         secret = bytearray(coincurve.PrivateKey().secret.hex().encode("ascii"))
-        record = await custody.import_agent(secret, owner=owner, depth=child_depth(custody.agent(owner)), name=name)
+        record = await custody.import_agent(secret, owner=owner)
     finally:
         await custody.aclose()
+    directory = AgentDirectory.open(state_dir)
+    try:
+        directory.enroll(record.pubkey, name)
+    finally:
+        directory.close()
     store = SessionStore.open(state_dir)
     try:
         _, credential = store.issue(agent=record.pubkey, channels=frozenset(channels),

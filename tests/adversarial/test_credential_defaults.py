@@ -50,7 +50,7 @@ def config_file(tmp_path: Path, custody: Custody) -> Path:
 
 @pytest.fixture
 async def agent(custody: Custody) -> str:
-    record = await custody.mint_agent(owner=HUMAN, name="a", creator=None, depth=1, mint_ref=None)
+    record = await custody.mint_agent(owner=HUMAN, mint_ref=None)
     return record.pubkey
 
 

@@ -72,6 +72,7 @@ STEPS: dict[str, Step] = {
     "rate_limit": Step(RateLimiter, "take"),
     "relay_read": Step(RelayPool, "query"),
     "mint": Step(Custody, "mint_agent"),
+    "enroll": Step(AgentDirectory, "enroll"),
     "memory_address": Step(Custody, "memory_address"),
     "sign": Step(SigningBatcher, "sign"),
     "audit_intent": Step(AuditLog, "append", _phase(Phase.INTENT)),

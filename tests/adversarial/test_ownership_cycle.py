@@ -33,7 +33,6 @@ import trio
 
 from custody import Custody, CustodyError, TokenConfig
 from daemon.pipeline import broker as broker_module
-from daemon.state.directory import child_depth
 from tests.fixtures.broker import BrokerHarness, write_config
 
 CHANNEL = str(uuid.uuid4())
@@ -48,16 +47,16 @@ async def test_import_refuses_an_ownership_cycle(custody: Custody) -> None:
     human = _key()[1]
     (a_secret, a), (b_secret, b), (c_secret, c) = _key(), _key(), _key()
     # b owned by a (a not held yet), c owned by b: a chain c -> b -> a.
-    await custody.import_agent(b_secret, owner=a, depth=1, name="b")
-    await custody.import_agent(c_secret, owner=b, depth=2, name="c")
+    await custody.import_agent(b_secret, owner=a)
+    await custody.import_agent(c_secret, owner=b)
     # a owned by c would close it through the chain; a owned by b, directly.
     for owner in (c, b):
         secret = bytearray(a_secret)  # import zeroes what it is given
         with pytest.raises(CustodyError, match="ownership cycle"):
-            await custody.import_agent(secret, owner=owner, depth=child_depth(custody.agent(owner)), name="a")
+            await custody.import_agent(secret, owner=owner)
         assert custody.agent(a, include_deleted=True) is None
     # A tree is fine: a owned by a human.
-    assert (await custody.import_agent(a_secret, owner=human, depth=1, name="a")).pubkey == a
+    assert (await custody.import_agent(a_secret, owner=human)).pubkey == a
 
 
 def test_agent_import_cli_refuses_an_ownership_cycle(
@@ -87,11 +86,11 @@ async def test_crossed_agents_updates_in_a_cycle_do_not_deadlock(
     broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a = await broker.human_owned_agent("a")
-    b = (await broker.custody.import_agent(_key()[0], owner=a, depth=2, name="b")).pubkey
+    b = (await broker.custody.import_agent(_key()[0], owner=a)).pubkey
     # The cycle an older version let in: a is now owned by b (and b by a).
     db = sqlite3.connect(broker.state_dir / "keystore.db")
     with db:
-        db.execute("UPDATE agents SET owner = ? WHERE pubkey = ?", (b, a))
+        db.execute("UPDATE keys SET owner = ? WHERE pubkey = ?", (b, a))
     db.close()
     assert broker.custody.agent(a).owner == b  # type: ignore[union-attr]
     cred_a, cred_b = broker.credential(a, [CHANNEL]), broker.credential(b, [CHANNEL])

@@ -36,7 +36,7 @@ import pytest
 import trio
 
 from custody import TokenConfig
-from daemon.state.directory import AgentDirectory, child_depth
+from daemon.state.directory import AgentDirectory
 from daemon.wiring import running
 from daemon.config import load_config
 from daemon.http import HttpLimits, action_routes, serve
@@ -94,7 +94,7 @@ async def rig(nursery: trio.Nursery, custody_state: tuple[TokenConfig, Path],
             async with running(config) as app:
                 owner = coincurve.PrivateKey().public_key_xonly.format().hex()
                 secret = bytearray(coincurve.PrivateKey().secret.hex().encode("ascii"))
-                record = await app.custody.import_agent(secret, owner=owner, depth=child_depth(app.custody.agent(owner)), name="faulty")
+                record = await app.custody.import_agent(secret, owner=owner)
                 _, credential = app.sessions.issue(
                     agent=record.pubkey, channels=frozenset({CHANNEL}),
                     actions=frozenset(ALL_ACTIONS), ttl_seconds=None, uid=None,

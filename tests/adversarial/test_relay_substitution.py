@@ -96,9 +96,9 @@ async def _owner_and_agents(rig: Rig) -> tuple[str, str, str, str]:
     """An owner held here with two managed agents, and the owner's credential."""
     h = rig.harness
     owner = await h.human_owned_agent("owner")
-    target = (await h.custody.mint_agent(owner=owner, name="target", creator=owner, depth=2,
+    target = (await h.custody.mint_agent(owner=owner,
                                          mint_ref=None)).pubkey
-    other = (await h.custody.mint_agent(owner=owner, name="other", creator=owner, depth=2,
+    other = (await h.custody.mint_agent(owner=owner,
                                         mint_ref=None)).pubkey
     return owner, target, other, h.credential(owner, [CHANNEL])
 

@@ -73,7 +73,7 @@ async def _tombstone_from_another_process(harness: BrokerHarness, agent: str) ->
     # Another connection, as another process (or a restored keystore) would write it.
     db = sqlite3.connect(harness.state_dir / "keystore.db")
     with db:
-        db.execute("UPDATE agents SET sealed = NULL, deleted_at = 1 WHERE pubkey = ?", (agent,))
+        db.execute("UPDATE keys SET sealed = NULL, deleted_at = 1 WHERE pubkey = ?", (agent,))
     db.close()
 
 

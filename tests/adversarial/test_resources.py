@@ -45,7 +45,6 @@ from daemon.wiring import running
 from daemon.config import load_config
 from buzzwire.contract import parse_response
 from daemon.http import HttpLimits, ServerControl, action_routes, serve
-from daemon.state.directory import child_depth
 from tests.adversarial import scaled, tally
 from tests.fixtures.broker import raw_post, request_body, write_config
 from tests.fixtures.relay import nostr_fetch
@@ -73,7 +72,7 @@ class Daemon:
 
         owner = coincurve.PrivateKey().public_key_xonly.format().hex()
         secret = bytearray(coincurve.PrivateKey().secret.hex().encode("ascii"))
-        agent = (await self.app.custody.import_agent(secret, owner=owner, depth=child_depth(self.app.custody.agent(owner)), name="res")).pubkey
+        agent = (await self.app.custody.import_agent(secret, owner=owner)).pubkey
         _cid, token = self.app.sessions.issue(
             agent=agent, channels=frozenset([channel]),
             actions=frozenset({"channel.read", "message.post", "storage.address"}),

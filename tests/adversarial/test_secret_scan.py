@@ -115,11 +115,9 @@ async def test_no_secret_leaks_anywhere(broker: BrokerHarness, softhsm_token: So
     hex_secret, nsec_secret = _new_secret_hex(), _new_secret_hex()
     scan.add(key_secret("agent A secret", hex_secret))
     scan.add(key_secret("agent B secret", nsec_secret))
-    agent_a = (await broker.custody.import_agent(bytearray(hex_secret.encode()), owner=owner, depth=1,
-                                                 name="alpha")).pubkey
+    agent_a = (await broker.custody.import_agent(bytearray(hex_secret.encode()), owner=owner)).pubkey
     nsec_text = nostr_sdk.SecretKey.parse(nsec_secret).to_bech32()
-    agent_b = (await broker.custody.import_agent(bytearray(nsec_text.encode()), owner=owner, depth=1,
-                                                 name="beta")).pubkey
+    agent_b = (await broker.custody.import_agent(bytearray(nsec_text.encode()), owner=owner)).pubkey
     assert (agent_a, agent_b) == (_pubkey_of(hex_secret), _pubkey_of(nsec_secret))
     cred_a = broker.credential(agent_a, [channel])
     cred_b = broker.credential(agent_b, [channel, other_channel])
@@ -177,7 +175,7 @@ async def test_no_secret_leaks_anywhere(broker: BrokerHarness, softhsm_token: So
     near_nsec = nsec_text[:-1] + ("q" if nsec_text[-1] != "q" else "p")  # checksum broken
     for candidate in (invalid, invalid.upper(), hex_secret[:-2], near_nsec, hex_secret):
         with pytest.raises((CustodyError, ValueError)) as raised:
-            await broker.custody.import_agent(bytearray(candidate.encode()), owner=owner, depth=1, name="x")
+            await broker.custody.import_agent(bytearray(candidate.encode()), owner=owner)
         run.keep("CustodyError text", f"{raised.value}{raised.value!r}{raised.value.args}")
 
     # --- the operator CLI, as a subprocess, against the running daemon's state -----------

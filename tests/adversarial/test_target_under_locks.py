@@ -24,7 +24,6 @@ import pytest
 import trio
 
 from daemon.pipeline import broker as broker_module
-from daemon.state.directory import child_depth
 from tests.fixtures.broker import BrokerHarness
 from tests.fixtures.relay import nostr_fetch
 
@@ -33,8 +32,7 @@ CHANNEL = str(uuid.uuid4())
 
 async def _kid(broker: BrokerHarness, owner: str, name: str) -> str:
     secret = bytearray(coincurve.PrivateKey().secret.hex().encode("ascii"))
-    return (await broker.custody.import_agent(
-        secret, owner=owner, depth=child_depth(broker.custody.agent(owner)), name=name)).pubkey
+    return await broker.hold(secret, owner=owner, name=name)
 
 
 async def test_a_target_renamed_before_the_locks_is_the_one_acted_on(

@@ -133,7 +133,7 @@ def test_the_backup_is_a_plain_age_file_holding_the_documented_format(made: Made
     plain = subprocess.run(["age", "--decrypt", "--identity", str(identity), str(out)],
                            capture_output=True, check=True, timeout=30).stdout
     lines = plain.splitlines()
-    assert lines[0].startswith(b"buzz-broker-backup/v1 ")
+    assert lines[0].startswith(b"buzz-broker-backup/v2 ")
     assert json.loads(lines[0].split(b" ", 1)[1])["agents"] == 3 == len(lines) - 1
     secrets = {line[:64] for line in lines[1:]}
     assert SECRET_X.encode() in secrets and SECRET_1.encode() in secrets
@@ -260,3 +260,59 @@ def test_backup_never_overwrites_and_identity_must_be_private(
     done = target("keys", "restore", "--identity", str(loose), str(out), "--yes")
     assert done.returncode == 1 and "readable by group or others" in done.stderr
     assert target.agents() == []
+
+
+def _rewrite(made: Made, tmp_path: Path, format_line: bytes | None, edit: object) -> Path:
+    """The made backup re-encrypted with its format line replaced and `edit(record)` applied
+    to every record (anyone who knows the recipient can write such a file)."""
+    ident = pyrage.x25519.Identity.from_str(
+        next(l for l in made.identity.read_text().splitlines() if l.startswith("AGE-SECRET-KEY")))
+    lines = pyrage.decrypt(made.out.read_bytes(), [ident]).split(b"\n")
+    if format_line is not None:
+        lines[0] = format_line + b" " + lines[0].split(b" ", 1)[1]
+    for i, line in enumerate(lines[1:], start=1):
+        if line:
+            secret, record = line.split(b" ", 1)
+            obj = json.loads(record)
+            edit(obj)  # type: ignore[operator]
+            lines[i] = secret + b" " + json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    out = tmp_path / "rewritten.age"
+    out.write_bytes(pyrage.encrypt(b"\n".join(lines), [ident.to_public()]))
+    return out
+
+
+def _as_version_1(record: dict[str, object]) -> None:
+    public = record.pop("public")
+    assert isinstance(public, dict)
+    record.update(name=public["name"], creator=public["creator"], depth=1)
+
+
+def test_a_version_1_backup_restores_with_its_names(made: Made, target: Host, tmp_path: Path) -> None:
+    """Backups written when custody still held names (format v1) restore unchanged: the
+    names go to the directory, the stored depth is dropped and derived again."""
+    old = _rewrite(made, tmp_path, b"buzz-broker-backup/v1", _as_version_1)
+    done = target("keys", "restore", "--identity", str(made.identity), str(old), "--yes")
+    assert done.returncode == 0, done.stderr
+    assert target.agents() == made.agents
+    assert sorted(r["depth"] for r in made.agents) == [1, 1, 2]  # not the file's depth 1
+
+
+def test_a_backup_entry_without_a_valid_name_restores_the_key(
+    made: Made, target: Host, tmp_path: Path
+) -> None:
+    def nameless(record: dict[str, object]) -> None:
+        record["public"] = {"name": ["\x1b[2J"], "creator": None}
+
+    done = target("keys", "restore", "--identity", str(made.identity),
+                  str(_rewrite(made, tmp_path, None, nameless)), "--yes")
+    assert done.returncode == 0 and done.stderr.count("restored without its name") == 3
+    assert [r["name"] for r in target.agents()] == [r["pubkey"][:12] for r in target.agents()]
+    assert "\x1b" not in done.stdout + done.stderr
+
+    def oversized(record: dict[str, object]) -> None:
+        record["public"] = {"name": "x" * 5000}
+
+    fresh = Host(target.token, tmp_path / "fresh")
+    done = fresh("keys", "restore", "--identity", str(made.identity),
+                 str(_rewrite(made, tmp_path, None, oversized)), "--yes")
+    assert done.returncode == 1 and "bad public entry" in done.stderr and fresh.agents() == []

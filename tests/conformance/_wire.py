@@ -223,9 +223,8 @@ async def known_agent(broker: BrokerHarness, name: str, channels: Sequence[str])
     """Import an agent whose secret (and whose human owner's secret) this test holds,
     with its NIP-OA tag, so the test can sign as it and check the tag the host adds."""
     owner, key = TestKey(), TestKey()
-    await broker.custody.import_agent(bytearray(key.secret_hex.encode("ascii")),
-                                      owner=owner.pubkey, depth=1, name=name,
-                                      auth_tag=owner_tag(owner, key.pubkey))
+    await broker.hold(bytearray(key.secret_hex.encode("ascii")), owner=owner.pubkey,
+                      name=name, auth_tag=owner_tag(owner, key.pubkey))
     return Principal(key=key, owner=owner, credential=broker.credential(key.pubkey, channels),
                      channel=channels[0])
 

@@ -57,7 +57,7 @@ async def held_custody(token: SoftHsmToken, kind: str, state: Path,
     try:
         held = Held(opened, config, state, kind)
         for secret, _ in (held.a, held.b):
-            await opened.import_agent(bytearray(secret.encode()), owner=HUMAN, depth=1, name="x")
+            await opened.import_agent(bytearray(secret.encode()), owner=HUMAN)
         yield held
     finally:
         await opened.aclose()
@@ -81,7 +81,7 @@ async def seal_as(held: Held, hex_secret: str, agent: str) -> bytes:
 def blob_of(state: Path, agent: str) -> bytes:
     db = sqlite3.connect(state / "keystore.db")
     try:
-        return bytes(db.execute("SELECT sealed FROM agents WHERE pubkey = ?", (agent,))
+        return bytes(db.execute("SELECT sealed FROM keys WHERE pubkey = ?", (agent,))
                      .fetchone()[0])
     finally:
         db.close()
@@ -90,7 +90,7 @@ def blob_of(state: Path, agent: str) -> bytes:
 def put_blob(state: Path, agent: str, blob: bytes) -> None:
     db = sqlite3.connect(state / "keystore.db", isolation_level=None)
     try:
-        db.execute("UPDATE agents SET sealed = ? WHERE pubkey = ?", (blob, agent))
+        db.execute("UPDATE keys SET sealed = ? WHERE pubkey = ?", (blob, agent))
     finally:
         db.close()
 

@@ -72,6 +72,14 @@ def test_agent_lifecycle_and_faults(cli: Cli, tmp_path: Path) -> None:
     by_key = {r["pubkey"]: r for r in listed}
     assert by_key[helper]["owner"] == owner and by_key[helper]["depth"] == 2
     assert by_key[helper]["authTag"][:3] == ["auth", owner, ""]
+    assert (by_key[owner]["name"], by_key[helper]["name"]) == ("boss", "helper")
+    # Names are the directory's: `agent name` sets one, and nothing in custody changes.
+    keystore = (cli.state / "keystore.db").read_bytes()
+    named = cli("agent", "name", helper, "scout")
+    assert named.returncode == 0 and "'scout'" in named.stderr
+    assert {r["pubkey"]: r["name"] for r in json.loads(cli("agent", "list", "--json").stdout)
+            }[helper] == "scout"
+    assert (cli.state / "keystore.db").read_bytes() == keystore
     assert cli("agent", "remove", "--yes", helper).returncode == 0
     assert helper not in cli("agent", "list").stdout
     assert helper in cli("agent", "list", "--all").stdout
@@ -85,6 +93,9 @@ def test_agent_lifecycle_and_faults(cli: Cli, tmp_path: Path) -> None:
         (("agent", "import", "--owner", PUB_2), nsec, "already held"),
         (("agent", "import", "--owner", PUB_2, "--auth-tag", "[1,"), SECRET_2, "not JSON"),
         (("agent", "remove", "--yes", "b" * 64), "", "unknown agent"),
+        (("agent", "name", helper, "ghost"), "", "no live agent"),
+        (("agent", "name", owner, ""), "", "must not be empty"),
+        (("agent", "import", "--owner", PUB_2, "--name", ""), SECRET_2, "must not be empty"),
     ]
     for args, stdin, message in faults:
         done = cli(*args, stdin=stdin)

@@ -26,7 +26,6 @@ from custody import (
     verify_event,
     verify_owner_tag,
 )
-from daemon.state.directory import child_depth
 from tests.custody._secrets import PUB_1, PUB_2, SECRET_1, SECRET_2, SECRET_X, assert_no_secrets
 from tests.fixtures.token import SoftHsmToken
 
@@ -50,8 +49,7 @@ def nostr_sdk_verifies(event: SignedEvent) -> bool:
 
 
 async def import_hex(custody: Custody, secret_hex: str, owner: str, name: str = "a") -> str:
-    record = await custody.import_agent(bytearray(secret_hex.encode()), owner=owner,
-                                          depth=child_depth(custody.agent(owner)), name=name)
+    record = await custody.import_agent(bytearray(secret_hex.encode()), owner=owner)
     return record.pubkey
 
 
@@ -70,7 +68,7 @@ async def test_import_prints_the_known_pubkey_and_signs_verifiable_events(custod
 
 async def test_owned_agent_carries_its_owner_tag_exactly_once(custody: Custody) -> None:
     owner = await import_hex(custody, SECRET_X, HUMAN)
-    minted = await custody.mint_agent(owner=owner, name="sub", creator=owner, depth=2, mint_ref=None)
+    minted = await custody.mint_agent(owner=owner, mint_ref=None)
     assert minted.auth_tag is not None and verify_owner_tag(minted.auth_tag, minted.pubkey)
     tag = minted.auth_tag
     plain = await custody.sign_event(minted.pubkey, UnsignedEvent(minted.pubkey, 1, 1, (("t", "x"),), "hi"))
@@ -88,14 +86,14 @@ async def test_owned_agent_carries_its_owner_tag_exactly_once(custody: Custody) 
         await custody.sign_event(owner, UnsignedEvent(owner, 1, 1, (tag,), ""))
 
 
-async def test_mint_is_idempotent_on_mint_ref_and_depth_is_kept(custody: Custody) -> None:
-    first = await custody.mint_agent(owner=HUMAN, name="m", creator=None, depth=1, mint_ref="req-1")
-    second = await custody.mint_agent(owner=HUMAN, name="m", creator=None, depth=1, mint_ref="req-1")
-    other = await custody.mint_agent(owner=HUMAN, name="m", creator=None, depth=1, mint_ref="req-2")
+async def test_mint_is_idempotent_on_mint_ref(custody: Custody) -> None:
+    first = await custody.mint_agent(owner=HUMAN, mint_ref="req-1")
+    second = await custody.mint_agent(owner=HUMAN, mint_ref="req-1")
+    other = await custody.mint_agent(owner=HUMAN, mint_ref="req-2")
     assert first == second and other.pubkey != first.pubkey
-    assert first.auth_tag is None and first.depth == 1  # owner not held: a human
+    assert first.auth_tag is None  # owner not held (a human): nobody here signs its tag
     with pytest.raises(CustodyError, match="another owner"):
-        await custody.mint_agent(owner=PUB_2, name="m", creator=None, depth=1, mint_ref="req-1")
+        await custody.mint_agent(owner=PUB_2, mint_ref="req-1")
     assert {r.pubkey for r in custody.agents()} == {first.pubkey, other.pubkey}
 
 
@@ -142,7 +140,7 @@ async def test_owner_equal_to_agent_is_refused_and_nothing_written(custody: Cust
         await import_hex(custody, "not a key", PUB_2)
     with pytest.raises(CustodyError, match="does not verify"):
         await custody.import_agent(
-            bytearray(SECRET_1.encode()), owner=PUB_2, depth=1, name="a", auth_tag=["auth", PUB_2, "", "0" * 128]
+            bytearray(SECRET_1.encode()), owner=PUB_2, auth_tag=["auth", PUB_2, "", "0" * 128]
         )
     assert custody.agents(include_deleted=True) == []
 
@@ -153,9 +151,9 @@ async def test_swapped_or_tampered_blob_fails_to_open(custody_state: tuple[Token
         a = await import_hex(custody, SECRET_1, HUMAN)
         b = await import_hex(custody, SECRET_2, HUMAN)
     db = sqlite3.connect(state_dir / "keystore.db")
-    blob_a = db.execute("SELECT sealed FROM agents WHERE pubkey=?", (a,)).fetchone()[0]
+    blob_a = db.execute("SELECT sealed FROM keys WHERE pubkey=?", (a,)).fetchone()[0]
     with db:
-        db.execute("UPDATE agents SET sealed=? WHERE pubkey=?", (blob_a, b))  # a's key onto b
+        db.execute("UPDATE keys SET sealed=? WHERE pubkey=?", (blob_a, b))  # a's key onto b
     async with await Custody.open(config, state_dir) as custody:
         with pytest.raises(UnsealFailed):
             await custody.sign_event(b, UnsignedEvent(b, 1, 1, (), ""))
@@ -163,7 +161,7 @@ async def test_swapped_or_tampered_blob_fails_to_open(custody_state: tuple[Token
             tampered = bytearray(blob_a)
             tampered[position] ^= 0x01
             with db:
-                db.execute("UPDATE agents SET sealed=? WHERE pubkey=?", (bytes(tampered), a))
+                db.execute("UPDATE keys SET sealed=? WHERE pubkey=?", (bytes(tampered), a))
             with pytest.raises(UnsealFailed):
                 await custody.memory_address(a, "core")
     db.close()
@@ -192,11 +190,11 @@ async def test_open_is_fast_with_ten_thousand_agents(custody_state: tuple[TokenC
     async with await Custody.open(config, state_dir) as custody:
         await import_hex(custody, SECRET_1, PUB_2)
     db = sqlite3.connect(state_dir / "keystore.db")
-    blob = db.execute("SELECT sealed FROM agents").fetchone()[0]
+    blob = db.execute("SELECT sealed FROM keys").fetchone()[0]
     with db:
         db.executemany(
-            "INSERT INTO agents (pubkey, owner, name, depth, created_at, updated_at, sealed)"
-            " VALUES (?, ?, 'x', 1, 0, 0, ?)",
+            "INSERT INTO keys (pubkey, owner, created_at, updated_at, sealed)"
+            " VALUES (?, ?, 0, 0, ?)",
             ((f"{i:064x}", HUMAN, blob) for i in range(1, 10_001)),
         )
     db.close()
@@ -291,7 +289,7 @@ async def test_no_secret_in_logs_output_or_keystore(
     config, state_dir = custody_state
     async with await Custody.open(config, state_dir) as custody:
         owner = await import_hex(custody, SECRET_X, HUMAN)
-        sub = await custody.mint_agent(owner=owner, name="s", creator=owner, depth=2, mint_ref="r")
+        sub = await custody.mint_agent(owner=owner, mint_ref="r")
         await custody.sign_event(sub.pubkey, UnsignedEvent(sub.pubkey, 1, 1, (), "x"))
         await custody.memory_address(owner, "core")
         for bad in (SECRET_1 + "0", SECRET_X[:-1]):
@@ -309,9 +307,6 @@ async def test_no_secret_in_logs_output_or_keystore(
 #: An early refusal of import_agent -> the arguments that provoke it.
 _IMPORT_REFUSALS: dict[str, dict[str, object]] = {
     "bad owner": {"owner": "XYZ"},
-    "bad creator": {"creator": "nope"},
-    "empty name": {"name": ""},
-    "depth below 1": {"depth": 0},
     "short auth tag": {"auth_tag": ["auth", PUB_2]},
     "closed": {},  # custody closed before the call
     "bad secret": {},  # the text is not a key (refused inside the worker)
@@ -326,8 +321,7 @@ async def test_import_zeroes_the_secret_text_on_every_refusal(
     config, state_dir = custody_state
     opened = await Custody.open(config, state_dir)
     text = bytearray((SECRET_2 if refusal != "bad secret" else "zz" * 32).encode("ascii"))
-    kwargs: dict[str, object] = {"owner": PUB_2, "depth": 1, "name": "n",
-                                 **_IMPORT_REFUSALS[refusal]}
+    kwargs: dict[str, object] = {"owner": PUB_2, **_IMPORT_REFUSALS[refusal]}
     if refusal == "closed":
         await opened.aclose()
     try:
@@ -348,11 +342,11 @@ async def test_owners_that_are_no_curve_point_are_refused_with_a_custody_error(
     """Security review: such an owner was stored, and memory_address later raised a bare
     ValueError (HTTP 500 in the daemon)."""
     with pytest.raises(CustodyError, match="not a secp256k1"):
-        await custody.mint_agent(owner=NOT_A_POINT, name="m", creator=None, depth=1,
+        await custody.mint_agent(owner=NOT_A_POINT,
                                  mint_ref=None)
     text = bytearray(SECRET_2.encode("ascii"))
     with pytest.raises(CustodyError, match="not a secp256k1"):
-        await custody.import_agent(text, owner=NOT_A_POINT, depth=1, name="i")
+        await custody.import_agent(text, owner=NOT_A_POINT)
     assert text == bytearray(len(text))
     assert custody.agents(include_deleted=True) == []
 
@@ -366,7 +360,7 @@ async def test_an_agent_stored_with_an_off_curve_owner_gets_a_custody_error_for_
     agent = await import_hex(custody, SECRET_1, PUB_2)
     db = sqlite3.connect(state_dir / "keystore.db", isolation_level=None)
     try:
-        db.execute("UPDATE agents SET owner = ? WHERE pubkey = ?", (NOT_A_POINT, agent))
+        db.execute("UPDATE keys SET owner = ? WHERE pubkey = ?", (NOT_A_POINT, agent))
     finally:
         db.close()
     with pytest.raises(CustodyError) as raised:

@@ -22,7 +22,7 @@ HUMAN = coincurve.PrivateKey(b"\x02" * 32).public_key_xonly.format().hex()
 
 async def _import(c: Custody, name: str) -> str:
     text = bytearray(coincurve.PrivateKey().secret.hex().encode("ascii"))
-    return (await c.import_agent(text, owner=HUMAN, depth=1, name=name)).pubkey
+    return (await c.import_agent(text, owner=HUMAN)).pubkey
 
 
 async def test_destroying_one_agent_among_many_leaves_only_its_blob_gone(
@@ -57,7 +57,7 @@ async def test_a_reader_blocking_the_checkpoint_is_logged_and_the_destroy_holds(
     reader = sqlite3.connect(state_dir / "keystore.db", isolation_level=None)
     try:
         reader.execute("BEGIN")
-        reader.execute("SELECT count(*) FROM agents").fetchone()  # holds an old snapshot
+        reader.execute("SELECT count(*) FROM keys").fetchone()  # holds an old snapshot
         with caplog.at_level(logging.WARNING, logger="buzz_broker.custody"):
             record = await custody.destroy_agent(agent)
         assert record.deleted_at is not None

@@ -66,7 +66,7 @@ async def _populate(config: TokenConfig, state: Path) -> list[str]:
     await init_kek(config)
     opened = await Custody.open(config, state)
     try:
-        return [(await opened.import_agent(bytearray(s.encode()), owner=HUMAN, depth=1, name="r")).pubkey
+        return [(await opened.import_agent(bytearray(s.encode()), owner=HUMAN)).pubkey
                 for s in SECRETS]
     finally:
         await opened.aclose()
@@ -106,7 +106,7 @@ async def test_rotate_reseals_every_agent_and_destroys_the_old_kek(
             assert blob != before[agent]
             assert blob[3:3 + blob[2]].decode() == report.new.kek_label  # names its KEK
             assert (await opened.sign_event(agent, event(agent))).pubkey == agent
-        minted = await opened.mint_agent(owner=HUMAN, name="after", creator=None, depth=1,
+        minted = await opened.mint_agent(owner=HUMAN,
                                          mint_ref=None)  # new blobs go under the new KEK
         assert blob_of(state, minted.pubkey)[3:3 + blob_of(state, minted.pubkey)[2]].decode() \
             == report.new.kek_label

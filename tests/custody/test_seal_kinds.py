@@ -150,7 +150,7 @@ async def test_blobs_of_both_kinds_open_side_by_side(
     await init_keys(config)  # adds the HMAC half
     opened = await Custody.open(config, tmp_path / "state")
     try:
-        minted = await opened.mint_agent(owner=PUB_2, name="new", creator=None, depth=1,
+        minted = await opened.mint_agent(owner=PUB_2,
                                          mint_ref=None)
         assert blob_of(tmp_path / "state", minted.pubkey)[1] == sealed_module.SEAL_CODES["etm"]
         assert blob_of(tmp_path / "state", PUB_2)[1] == sealed_module.SEAL_CODES["gcm"]

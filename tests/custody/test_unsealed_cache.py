@@ -48,7 +48,7 @@ async def _open(token: SoftHsmToken, state: Path, policy: CachePolicy) -> tuple[
     opened = await Custody.open(config, state, policy)
     agents = []
     for secret in (SECRET_1, SECRET_2, SECRET_X):
-        record = await opened.import_agent(bytearray(secret.encode()), owner=HUMAN, depth=1, name="c")
+        record = await opened.import_agent(bytearray(secret.encode()), owner=HUMAN)
         agents.append(record.pubkey)
     return opened, agents
 

@@ -143,7 +143,7 @@ async def test_agents_with_untidy_names_still_get_a_buzz_shaped_answer(broker: B
     cred = broker.credential(owner, [channel])
     for name, shown in (("  Padded  ", "Padded"), ("x" * 130, "x" * 120)):
         secret = bytearray(coincurve.PrivateKey().secret.hex().encode("ascii"))
-        kid = await broker.custody.import_agent(secret, owner=owner, depth=2, name=name)
-        deleted = await broker.call(cred, "agents.delete", {"target": {"pubkey": kid.pubkey}})
+        kid = await broker.hold(secret, owner=owner, name=name)
+        deleted = await broker.call(cred, "agents.delete", {"target": {"pubkey": kid}})
         assert deleted["status"] == "succeeded", deleted
-        assert deleted["outcome"] == {"agentPubkey": kid.pubkey, "displayName": shown}
+        assert deleted["outcome"] == {"agentPubkey": kid, "displayName": shown}

@@ -53,7 +53,7 @@ async def test_a_loop_of_posts_hits_the_credential_limit_and_the_count_survives_
     async with running(config) as app:
         owner = coincurve.PrivateKey().public_key_xonly.format().hex()
         record = await app.custody.import_agent(
-            bytearray(coincurve.PrivateKey().secret.hex().encode()), owner=owner, depth=1, name="looper")
+            bytearray(coincurve.PrivateKey().secret.hex().encode()), owner=owner)
         issued = subprocess.run(
             [sys.executable, "-m", "daemon.cli", "--config", str(config_path), "credential",
              "issue", "--agent", record.pubkey, "--channel", channel, "--all-actions",

@@ -108,10 +108,9 @@ async def test_serve_warns_at_start_for_each_agent_without_a_tag(
     token, state_dir = custody_state
     owner = _xonly(coincurve.PrivateKey())
     async with await Custody.open(token, state_dir) as custody:
-        bare = await custody.mint_agent(owner=owner, name="bare", creator=None, depth=1,
+        bare = await custody.mint_agent(owner=owner,
                                         mint_ref=None)
-        tagged = await custody.mint_agent(owner=bare.pubkey, name="tagged", creator=None,
-                                          depth=2, mint_ref=None)
+        tagged = await custody.mint_agent(owner=bare.pubkey, mint_ref=None)
     assert tagged.auth_tag is not None  # its owner is held here: custody made the tag
     config = load_config(str(write_config(tmp_path / "b.toml", token=token, state_dir=state_dir,
                                           socket=tmp_path / "b.sock", relay_url=local_relay)))

@@ -12,7 +12,6 @@ from typing import Any
 import trio
 
 from custody import verify_owner_tag
-from daemon.state.directory import child_depth
 from tests.fixtures.broker import BrokerHarness, request_body
 from tests.fixtures.relay import nostr_fetch, nostr_verify
 
@@ -111,7 +110,7 @@ async def test_reaction_and_profile(broker: BrokerHarness) -> None:
 async def test_storage_address_matches_the_nip_ae_vector(broker: BrokerHarness) -> None:
     owner = "c6047f9441ed7d6d3045406e95c07cd85c778e4b8cef3ca7abac09b95c709ee5"
     secret = bytearray(b"00" * 31 + b"01")
-    record = await broker.custody.import_agent(secret, owner=owner, depth=child_depth(broker.custody.agent(owner)), name="vector")
+    record = await broker.custody.import_agent(secret, owner=owner)
     cred = broker.credential(record.pubkey, [str(uuid.uuid4())])
     outcome = _succeeded(await broker.call(cred, "storage.address", {"slug": "mem/example"}),
                          "storage.address")
@@ -160,7 +159,7 @@ async def test_agents_create_update_delete(broker: BrokerHarness) -> None:
         "model": "m-1"}), "agents.update")
     assert updated == {"agentPubkey": agent, "displayName": "Helper 2",
                        "updatedFields": ["displayName", "model"]}
-    assert broker.custody.agent(agent).name == "Helper 2"
+    assert broker.app.directory.agent(agent).name == "Helper 2"
     records = await _fetch(broker, {"kinds": [30177], "authors": [owner], "#d": [agent]})
     newest = max(records, key=lambda e: e["created_at"])
     assert json.loads(newest["content"])["name"] == "Helper 2"

@@ -52,7 +52,7 @@ def nip_ae_d_tag(agent_secret: bytes, owner_pubkey: str, slug: str) -> str:
 def sealed_blob(state_dir: Path, pubkey: str) -> bytes | None:
     db = sqlite3.connect(f"file:{state_dir / KEYSTORE}?mode=ro", uri=True)
     try:
-        row = db.execute("SELECT sealed FROM agents WHERE pubkey = ?", (pubkey,)).fetchone()
+        row = db.execute("SELECT sealed FROM keys WHERE pubkey = ?", (pubkey,)).fetchone()
     finally:
         db.close()
     return None if row is None or row[0] is None else bytes(row[0])

@@ -34,7 +34,6 @@ from custody import (
     init_kek,
 )
 from custody._secret import Secret, parse_secret_text, wipe_bytes
-from daemon.state.directory import child_depth
 from tests.fixtures.token import REPO, SoftHsmToken, plant_aes_key
 from tests.security._support import (
     event_ok,
@@ -69,8 +68,7 @@ def _secret_text(secret: bytes) -> bytearray:
 
 async def _import(c: Custody, owner: str = HUMAN, name: str = "x") -> tuple[bytes, str]:
     secret = coincurve.PrivateKey().secret
-    record = await c.import_agent(_secret_text(secret), owner=owner,
-                                  depth=child_depth(c.agent(owner)), name=name)
+    record = await c.import_agent(_secret_text(secret), owner=owner)
     return secret, record.pubkey
 
 
@@ -167,14 +165,14 @@ async def test_destroyed_agent_never_signs_and_its_row_is_a_tombstone(
 async def test_import_zeroes_the_secret_text_even_when_refused_early(custody: Custody) -> None:
     text = _secret_text(coincurve.PrivateKey().secret)
     with pytest.raises(CustodyError):
-        await custody.import_agent(text, owner=HUMAN, depth=1, name="x", auth_tag=["auth", HUMAN])
+        await custody.import_agent(text, owner=HUMAN, auth_tag=["auth", HUMAN])
     assert text == bytearray(len(text))
 
 
 async def test_import_zeroes_the_secret_text_when_parsing_refuses(custody: Custody) -> None:
     text = bytearray(b"ff" * 32)  # >= n: not a key
     with pytest.raises(CustodyError) as raised:
-        await custody.import_agent(text, owner=HUMAN, depth=1, name="x")
+        await custody.import_agent(text, owner=HUMAN)
     assert text == bytearray(len(text))
     assert "ff" * 8 not in str(raised.value).lower()
 
@@ -283,7 +281,7 @@ async def test_kek_search_is_finished_inside_the_worker(
 async def test_an_owner_that_is_not_a_curve_point_is_refused_at_import(custody: Custody) -> None:
     text = _secret_text(coincurve.PrivateKey().secret)
     with pytest.raises((CustodyError, ValueError)):
-        await custody.import_agent(text, owner=NOT_A_POINT, depth=1, name="x")
+        await custody.import_agent(text, owner=NOT_A_POINT)
 
 
 # ---------------------------------------------------------------------------------------
@@ -299,8 +297,8 @@ async def test_a_blob_swapped_between_two_agents_never_signs(
     blob_a, blob_b = sealed_blob(state_dir, a), sealed_blob(state_dir, b)
     db = sqlite3.connect(state_dir / "keystore.db", isolation_level=None)
     try:
-        db.execute("UPDATE agents SET sealed = ? WHERE pubkey = ?", (blob_b, a))
-        db.execute("UPDATE agents SET sealed = ? WHERE pubkey = ?", (blob_a, b))
+        db.execute("UPDATE keys SET sealed = ? WHERE pubkey = ?", (blob_b, a))
+        db.execute("UPDATE keys SET sealed = ? WHERE pubkey = ?", (blob_a, b))
     finally:
         db.close()
     texts = set()
@@ -325,11 +323,11 @@ async def test_every_tampered_byte_of_a_blob_fails_the_same_way(
         variants = [blob[:i] + bytes([blob[i] ^ 0x01]) + blob[i + 1:] for i in range(len(blob))]
         variants += [blob[:-1], blob + b"\x00", bytes([1]) + blob[1:], bytes([3]) + blob[1:], b""]
         for variant in variants:
-            db.execute("UPDATE agents SET sealed = ? WHERE pubkey = ?", (variant, agent))
+            db.execute("UPDATE keys SET sealed = ? WHERE pubkey = ?", (variant, agent))
             with pytest.raises(UnsealFailed) as raised:
                 await custody.sign_event(agent, UnsignedEvent(agent, 1, 1, (), "x"))
             kinds.add((type(raised.value), str(raised.value)))
-        db.execute("UPDATE agents SET sealed = ? WHERE pubkey = ?", (blob, agent))
+        db.execute("UPDATE keys SET sealed = ? WHERE pubkey = ?", (blob, agent))
     finally:
         db.close()
     assert len(kinds) == 1
@@ -343,7 +341,7 @@ async def test_seal_uses_a_fresh_random_iv_and_aad_names_version_and_agent(
     _, state_dir = custody_state
     ivs = []
     for i in range(12):
-        record = await custody.mint_agent(owner=HUMAN, name=f"m{i}", creator=None, depth=1,
+        record = await custody.mint_agent(owner=HUMAN,
                                           mint_ref=None)
         blob = sealed_blob(state_dir, record.pubkey)
         label = custody._token.active.encode()
@@ -390,10 +388,10 @@ HUMAN = "a" * 64  # an x on the curve: owners must be points (finding 7)
 
 async def main():
     c = await Custody.open(cfg, sys.argv[5])
-    owner = await c.mint_agent(owner=HUMAN, name="o", creator=None, depth=1, mint_ref=None)
-    child = await c.mint_agent(owner=owner.pubkey, name="c", creator=None, depth=2, mint_ref="r1")
+    owner = await c.mint_agent(owner=HUMAN, mint_ref=None)
+    child = await c.mint_agent(owner=owner.pubkey, mint_ref="r1")
     text = bytearray(b"11" * 32)
-    imported = (await c.import_agent(text, owner=HUMAN, depth=1, name="i")).pubkey
+    imported = (await c.import_agent(text, owner=HUMAN)).pubkey
     async with trio.open_nursery() as nursery:  # concurrent callers share the one worker
         for i in range(8):
             nursery.start_soon(c.sign_event, child.pubkey, UnsignedEvent(child.pubkey, i, 1, (), "x"))
@@ -560,7 +558,7 @@ async def test_bip340_aux_is_fresh_per_signature(custody: Custody) -> None:
 
 async def test_nip_oa_tag_preimage_uniqueness_and_caller_supplied_tags(custody: Custody) -> None:
     owner_secret, owner = await _import(custody, name="owner")
-    child = await custody.mint_agent(owner=owner, name="child", creator=owner, depth=2,
+    child = await custody.mint_agent(owner=owner,
                                      mint_ref=None)
     tag = child.auth_tag
     assert tag is not None and tag[0] == "auth" and tag[1] == owner and tag[2] == ""
@@ -582,7 +580,7 @@ async def test_nip_oa_tag_preimage_uniqueness_and_caller_supplied_tags(custody: 
         await custody.sign_event(owner, UnsignedEvent(owner, 1, 9, (tag,), "x"))
     # owner == agent: refused at import.
     with pytest.raises(CustodyError):
-        await custody.import_agent(_secret_text(owner_secret), owner=owner, depth=1, name="self")
+        await custody.import_agent(_secret_text(owner_secret), owner=owner)
 
 
 async def test_nip42_auth_event_shape(custody: Custody) -> None:
@@ -634,7 +632,7 @@ async def test_custody_logs_carry_no_secret(
     await custody.memory_address(agent, "core")
     blob = sealed_blob(state_dir, agent)
     db = sqlite3.connect(state_dir / "keystore.db", isolation_level=None)
-    db.execute("UPDATE agents SET sealed = ? WHERE pubkey = ?", (bytes(61), agent))
+    db.execute("UPDATE keys SET sealed = ? WHERE pubkey = ?", (bytes(61), agent))
     db.close()
     with pytest.raises(UnsealFailed):
         await custody.sign_event(agent, UnsignedEvent(agent, 1, 1, (), "x"))
@@ -657,7 +655,7 @@ cfg = TokenConfig(module=sys.argv[1], token_label=sys.argv[2], pin_file=sys.argv
 state = sys.argv[5]
 async def main():
     c = await Custody.open(cfg, state)
-    await c.mint_agent(owner="a" * 64, name="u", creator=None, depth=1, mint_ref=None)
+    await c.mint_agent(owner="a" * 64, mint_ref=None)
     s = SessionStore.open(state)
     CursorCodec.open(state)
     for name in sorted(os.listdir(state)):

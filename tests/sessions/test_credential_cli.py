@@ -41,7 +41,7 @@ def config_file(tmp_path: Path, custody: Custody) -> Path:
 async def test_issue_list_revoke(
     custody: Custody, config_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    agent = await custody.mint_agent(owner=HUMAN, name="a", creator=None, depth=1, mint_ref=None)
+    agent = await custody.mint_agent(owner=HUMAN, mint_ref=None)
     seen: list[str] = []  # everything the CLI printed, except the one issue stdout
 
     # All nine actions, no expiry, both said explicitly; the channel is normalized.
@@ -121,8 +121,8 @@ BAD_ISSUES: dict[str, list[str]] = {
 async def test_issue_refusals(
     custody: Custody, config_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    live = await custody.mint_agent(owner=HUMAN, name="live", creator=None, depth=1, mint_ref=None)
-    dead = await custody.mint_agent(owner=HUMAN, name="dead", creator=None, depth=1, mint_ref=None)
+    live = await custody.mint_agent(owner=HUMAN, mint_ref=None)
+    dead = await custody.mint_agent(owner=HUMAN, mint_ref=None)
     await custody.destroy_agent(dead.pubkey)
     for name, rest in BAD_ISSUES.items():
         with pytest.raises(CliError) as refused:
