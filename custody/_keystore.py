@@ -63,13 +63,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from custody._errors import CustodyError
 
 __all__ = ["KeyRecord", "KeyIndex", "Keystore", "KEYSTORE_FILE", "read_meta"]
 
 log = logging.getLogger("buzz_broker.custody")
+
+#: One SQLite row: its column types are the table's, which the driver does not type.
+Row: TypeAlias = tuple[Any, ...]
 
 KEYSTORE_FILE = "keystore.db"
 #: How long a write waits for another process's write (the CLI while the daemon runs).
@@ -145,7 +148,7 @@ class KeyRecord:
         return self.deleted_at is None
 
 
-def _record(row: tuple[Any, ...]) -> KeyRecord:
+def _record(row: Row) -> KeyRecord:
     pubkey, owner, auth_tag, created_at, deleted_at, mint_ref = row
     tag = tuple(json.loads(auth_tag)) if auth_tag is not None else None
     return KeyRecord(pubkey=pubkey, owner=owner, auth_tag=tag, created_at=created_at,
@@ -203,7 +206,7 @@ class _PublicReads:
 
     __slots__ = ()
 
-    def _rows(self, where: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
+    def _rows(self, where: str, args: tuple[object, ...] = ()) -> list[Row]:
         raise NotImplementedError
 
     def get(self, pubkey: str) -> KeyRecord | None:
@@ -277,11 +280,11 @@ class Keystore(_PublicReads):
         with self._lock:
             return int(self._db.execute("PRAGMA data_version").fetchone()[0]), self._writes
 
-    def _query(self, sql: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
+    def _query(self, sql: str, args: tuple[object, ...] = ()) -> list[Row]:
         with self._lock:
             return self._db.execute(sql, args).fetchall()
 
-    def _rows(self, where: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
+    def _rows(self, where: str, args: tuple[object, ...] = ()) -> list[Row]:
         return self._query(f"SELECT {_PUBLIC_COLUMNS} FROM keys {where}", args)
 
     def sealed_blob(self, pubkey: str) -> bytes | None:
@@ -449,7 +452,7 @@ class KeyIndex(_PublicReads):
         return cls(Path(state_dir) / KEYSTORE_FILE)
 
     def _first(self, queries: tuple[str, ...], args: tuple[object, ...] = ()
-               ) -> list[tuple[Any, ...]]:
+               ) -> list[Row]:
         """The rows of the first query whose table exists (the current table before the
         version-1 one); none if no table does, or no keystore exists yet."""
         with self._lock:
@@ -471,7 +474,7 @@ class KeyIndex(_PublicReads):
                     raise CustodyError(f"cannot read keystore {self.path}: {exc}") from None
             return []
 
-    def _rows(self, where: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
+    def _rows(self, where: str, args: tuple[object, ...] = ()) -> list[Row]:
         return self._first(tuple(f"SELECT {_PUBLIC_COLUMNS} FROM {table} {where}"
                                  for table in ("keys", V1_TABLE)), args)
 

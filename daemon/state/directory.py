@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from buzzwire.nostr import is_hex64
 from custody import CustodyError, KeyIndex, KeyRecord
@@ -215,7 +215,7 @@ class AgentDirectory:
             return names if only is None else {p: names[p] for p in only if p in names}
         return {pubkey: (name, creator) for pubkey, name, creator in rows}
 
-    def _read(self, only: list[str] | None) -> list[tuple[Any, ...]] | None:
+    def _read(self, only: list[str] | None) -> list[tuple[str, str, str | None]] | None:
         """This file's rows (None if the file does not exist yet)."""
         where, args = ("", ()) if only is None else (
             f"WHERE pubkey IN ({','.join('?' * len(only))})", tuple(only))
