@@ -40,7 +40,6 @@ AGENT_ROLE = "bot"
 
 async def prepare(ctx: Context, args: AgentsCreateArgs) -> Plan:
     owner = ctx.principal.agent
-    assert ctx.authorized.requester is not None, "authorize resolves the requester of agents.create"
     assert ctx.enroll is not None, "agents.create names the agent it mints"
     agent = await ctx.custody.mint_agent(owner=owner, mint_ref=f"{owner}/{ctx.request_id}")
     await ctx.enroll(agent.pubkey, args.display_name, owner)
