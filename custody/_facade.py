@@ -34,7 +34,7 @@ from typing import TypeVar
 
 from custody._cache import CachePolicy, UnsealedCache
 from custody._errors import CustodyError, UnknownAgent
-from custody._keystore import KeyRecord, Keystore, read_meta
+from custody._keystore import KeyIndex, KeyRecord, Keystore, read_meta
 from custody._memory import MEMORY_KIND, MemoryAddress, check_slug, d_tag
 from buzzwire.nostr import SignedEvent, UnsignedEvent, is_hex64, verify_owner_tag
 from custody._process import harden_process
@@ -151,7 +151,8 @@ async def check_token(token: TokenConfig) -> None:
 class Custody:
     """Sealed agent keys under a PKCS#11 token. Create with `await Custody.open(...)`."""
 
-    __slots__ = ("_token", "_keystore", "_closed", "_now", "_observer", "_lock", "_cache")
+    __slots__ = ("_token", "_keystore", "_index", "_closed", "_now", "_observer", "_lock",
+                 "_cache")
 
     def __init__(self, token: Token, keystore: Keystore, lock: StateLock, cache: UnsealedCache,
                  *, _factory: object = None) -> None:
@@ -159,6 +160,8 @@ class Custody:
             raise TypeError("use `await Custody.open(token_config, state_dir)`")
         self._token = token
         self._keystore = keystore
+        #: the public reads' own read-only connection (see _keystore: never the writer's lock)
+        self._index = KeyIndex(keystore.path)
         self._lock = lock
         self._cache = cache
         self._closed = False
@@ -224,6 +227,7 @@ class Custody:
                 self._cache.clear()
                 self._token.close()
             finally:
+                self._index.close()
                 self._keystore.close()
                 self._lock.release()
 
@@ -248,21 +252,21 @@ class Custody:
         self._check_open()
         if not is_hex64(pubkey):
             return None
-        record = self._keystore.get(pubkey)
+        record = self._index.get(pubkey)
         if record is None or (not record.live and not include_deleted):
             return None
         return record
 
     def agents(self, *, include_deleted: bool = False) -> list[KeyRecord]:
         self._check_open()
-        return self._keystore.all(include_deleted=include_deleted)
+        return self._index.all(include_deleted=include_deleted)
 
-    def records_version(self) -> tuple[int, int]:
+    def records_version(self) -> int:
         """A value that changes whenever any agent record may have changed, in this process
         or another (`agent remove` beside the daemon): a caller may keep `agent()` answers
         for as long as it stays the same. Costs no disk read."""
         self._check_open()
-        return self._keystore.version()
+        return self._index.version()
 
     def _live(self, pubkey: str) -> KeyRecord:
         _require_pubkey("agent", pubkey)

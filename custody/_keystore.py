@@ -14,8 +14,11 @@ Rules:
 - Nothing is loaded at open: every lookup is one indexed query, so opening costs the same
   with ten or ten thousand agents, and rows written by another process (the CLI while the
   daemon runs) are seen at once.
-- One connection, shared by the event-loop thread (public reads) and the token worker
-  (blob reads, writes), serialized by a threading.Lock.
+- The token worker's connection (blob reads, writes) is serialized by its own lock. The
+  public reads (`Custody.agent`, `agents`, `records_version`) go through a second,
+  read-only connection with its own lock (`KeyIndex`): WAL readers never wait for the
+  writer, so a liveness check on the event loop never waits behind a mint's fsync or a
+  destroy's checkpoint in the worker.
 - `KeyIndex` reads the public columns (never `sealed`) read-only, without the token and
   creating nothing: the daemon's directory and `agent list` read key facts through it.
   `read_meta` reads `custody_meta` the same way.
@@ -226,14 +229,12 @@ class _PublicReads:
 class Keystore(_PublicReads):
     """Read-write keystore. Open with `Keystore.open(state_dir)`."""
 
-    __slots__ = ("_db", "_lock", "path", "_writes")
+    __slots__ = ("_db", "_lock", "path")
 
     def __init__(self, db: sqlite3.Connection, path: Path) -> None:
         self._db = db
         self._lock = threading.Lock()
         self.path = path
-        #: transactions this object ran (its own commits do not move its data_version)
-        self._writes = 0
 
     @classmethod
     def open(cls, state_dir: Path) -> Keystore:
@@ -265,7 +266,6 @@ class Keystore(_PublicReads):
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
-            self._writes += 1
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
@@ -273,12 +273,6 @@ class Keystore(_PublicReads):
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
-
-    def version(self) -> tuple[int, int]:
-        """Changes whenever a record may have changed: a commit by another connection
-        (SQLite's data_version, read from shared memory) or a transaction of ours."""
-        with self._lock:
-            return int(self._db.execute("PRAGMA data_version").fetchone()[0]), self._writes
 
     def _query(self, sql: str, args: tuple[object, ...] = ()) -> list[Row]:
         with self._lock:
@@ -477,6 +471,13 @@ class KeyIndex(_PublicReads):
     def _rows(self, where: str, args: tuple[object, ...] = ()) -> list[Row]:
         return self._first(tuple(f"SELECT {_PUBLIC_COLUMNS} FROM {table} {where}"
                                  for table in ("keys", V1_TABLE)), args)
+
+    def version(self) -> int:
+        """Changes whenever a key record may have changed: a commit by any other connection,
+        custody's own writer and other processes included (SQLite's data_version, read
+        from shared memory: no disk read). 0 while no keystore exists."""
+        rows = self._first(("PRAGMA data_version",))
+        return int(rows[0][0]) if rows else 0
 
     def v1_names(self) -> dict[str, tuple[str, str | None]]:
         """pubkey -> (name, creator) as a version-1 keystore held them (schema versions in

@@ -172,7 +172,7 @@ class Broker:
         self._locks = _AgentLocks()
         #: agent -> live, valid while custody.records_version() is `_live_version`
         self._live: dict[str, bool] = {}
-        self._live_version: tuple[int, int] | None = None
+        self._live_version: int | None = None
         self.metrics = metrics if metrics is not None else Metrics(actions=ACTIONS)
         self._checkpoint = checkpoint
         self.refusals = RefusalAudit(audit, clock)

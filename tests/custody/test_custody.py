@@ -7,6 +7,7 @@ import logging
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -387,3 +388,26 @@ def test_is_xonly_pubkey(candidate: bytes, point: bool) -> None:
     from custody._secp256k1 import is_xonly_pubkey
 
     assert is_xonly_pubkey(candidate) is point
+
+
+async def test_public_reads_never_wait_for_the_token_workers_connection(custody: Custody) -> None:
+    """The liveness check runs on the event loop: it must not queue behind the worker's
+    keystore lock (held through a mint's fsync, or a destroy's checkpoint of up to 500 ms).
+    The lock is held here for the whole check: a read that needed it could never finish."""
+    agent = await import_hex(custody, SECRET_1, PUB_2)
+    before = custody.records_version()
+    answers: list[object] = []
+
+    def read() -> None:
+        answers.extend([custody.agent(agent), custody.agents(), custody.records_version()])
+
+    with custody._keystore._lock:
+        reader = threading.Thread(target=read)
+        reader.start()
+        reader.join(timeout=30)  # a deadlock, not a slow day, is what would exceed this
+        assert not reader.is_alive()
+    record, listed, version = answers
+    assert record is not None and listed == [record] and version == before
+    # A commit through the worker's connection moves the version the reads see.
+    await custody.mint_agent(owner=PUB_2)
+    assert custody.records_version() != before and len(custody.agents()) == 2
