@@ -27,7 +27,7 @@ import trio
 from buzzwire.contract import ACTIONS
 from buzzwire.nostr import SignedEvent
 from custody import Custody, CustodyError
-from daemon.state.directory import AgentDirectory
+from daemon.state.directory import AgentDirectory, DirectoryError
 from daemon.state.audit import AUDIT_DIRNAME, AuditLog, AuditUnavailable
 from daemon.pipeline.broker import Broker
 from daemon.config import Config, ConfigError, require_relay
@@ -124,6 +124,10 @@ async def running(
         directory = AgentDirectory.open(state_dir)
         stack.callback(directory.close)
         try:
+            live = directory.agents()  # read now: an unreadable directory stops the start
+        except DirectoryError as exc:
+            raise StartupError(f"agent directory: {exc}") from None
+        try:
             sessions = SessionStore.open(state_dir)
             stack.callback(sessions.close)
             ledger = Ledger.open(
@@ -191,7 +195,6 @@ async def running(
             nursery.start_soon(_sweep_forever, ledger, metrics)
             nursery.start_soon(_flush_last_use_forever, sessions)
             await nursery.start(broker.refusals.run)
-            live = directory.agents()
             log_event(_log, "broker.ready", agents=len(live), relay=relay_url)
             for record in live:
                 if record.auth_tag is None:

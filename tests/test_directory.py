@@ -181,3 +181,24 @@ async def test_a_version_1_keystore_is_read_upgraded_and_its_names_carried_over(
         assert (state_dir / DIRECTORY_FILE).stat().st_mode & 0o777 == 0o600
     finally:
         directory.close()
+
+
+async def test_an_unreadable_directory_stops_the_start_with_one_line(
+    custody_state: tuple[TokenConfig, Path], tmp_path: Path
+) -> None:
+    from daemon.config import load_config
+    from daemon.wiring import StartupError, running
+    from tests.fixtures.broker import write_config
+
+    token, state_dir = custody_state
+    state_dir.mkdir(mode=0o700, exist_ok=True)
+    (state_dir / DIRECTORY_FILE).write_bytes(b"not a database, " * 512)
+    config = load_config(str(write_config(
+        tmp_path / "broker.toml", token=token, state_dir=state_dir,
+        socket=tmp_path / "broker.sock", relay_url="ws://127.0.0.1:9")))
+    with pytest.raises(StartupError) as raised:
+        async with running(config):
+            pass
+    message = str(raised.value)
+    assert message.startswith("agent directory: ") and DIRECTORY_FILE in message
+    assert "\n" not in message

@@ -231,7 +231,7 @@ class AgentDirectory:
             try:
                 return self._db.execute(
                     f"SELECT pubkey, name, creator FROM names {where}", args).fetchall()
-            except sqlite3.OperationalError as exc:
+            except sqlite3.Error as exc:
                 if "no such table" in str(exc):  # made by a writer that has not finished
                     return []
                 raise DirectoryError(f"cannot read {self._path}: {exc}") from None
