@@ -143,7 +143,7 @@ def _store(args: argparse.Namespace) -> "SessionStore":
 
 
 def _issue(args: argparse.Namespace) -> int:
-    from daemon.state.directory import AgentDirectory
+    from daemon.state.directory import AgentDirectory, DirectoryError
     from buzzwire.contract import ACTIONS, normalize_channel_id, normalize_hex64
     from daemon.state.ratelimit import RateLimiter, parse_rate
     from daemon.state.sessions import check_label
@@ -181,13 +181,15 @@ def _issue(args: argparse.Namespace) -> int:
             raise CliError(f"--rate: {exc}") from None
 
     config = config_from_args(args)
+    directory = AgentDirectory.open(Path(config.state.dir))
     try:
-        directory = AgentDirectory.open(Path(config.state.dir))
         record = directory.get(agent)
-    except Exception as exc:  # noqa: BLE001
-        raise CliError(f"cannot read the keystore in {config.state.dir}: {type(exc).__name__}") from None
+    except DirectoryError as exc:
+        raise CliError(str(exc)) from None
+    finally:
+        directory.close()
     if record is None:
-        raise CliError(f"no such agent in the keystore: {agent}")
+        raise CliError(f"no such agent held here: {agent}")
     if record.deleted_at is not None:
         raise CliError(f"agent {agent} is deleted; it cannot be given a credential")
 
