@@ -15,7 +15,9 @@ entry: its name and creator), bounded by MAX_PUBLIC_BYTES and otherwise opaque: 
 holds no names, so it carries them for the caller and gives them back on restore.
 Version 1 (written before custody held only keys) is still read (`_RECORD_READERS`): its
 record's `name` and `creator` become `public`, its `depth` is dropped (the directory
-derives depth from the owner chain). The secret sits at a fixed offset of its line, so it is copied from the decrypted buffer
+derives depth from the owner chain).
+
+The secret sits at a fixed offset of its line, so it is copied from the decrypted buffer
 into a bytearray and decoded by `parse_secret_text` without a `str` of it ever existing;
 only the public record goes through `json`.
 
