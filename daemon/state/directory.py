@@ -114,8 +114,8 @@ class DirectoryError(Exception):
 
 
 def child_depth(owner: _Placed | None) -> int:
-    """The depth of an agent owned by `owner`: its record if the owner is a key held here
-    (live or removed), None if it is not (a person)."""
+    """The depth of an agent owned by `owner`. `owner` is the owner's record when the owner
+    is a key held here (live or removed), None when it is not (a person)."""
     return HUMAN_OWNED_DEPTH if owner is None else owner.depth + 1
 
 
