@@ -21,6 +21,11 @@ from tests.fixtures.broker import BrokerHarness
 from tests.fixtures.relay import TestKey, nostr_publish, nostr_verify
 
 TOTAL_POSTS = 131  # more than the default page of 100, not a multiple of any limit used
+#: Posts in flight at once while filling. Each holds one connection of this process's uid,
+#: and the daemon answers 503 past its per-uid connection cap (http.HttpLimits, 128): on a
+#: loaded machine every post can be waiting on the relay at the same moment, so the fill
+#: must never hold more connections than the cap allows, however slowly posts complete.
+POSTS_IN_FLIGHT = 16
 
 
 def _declared_order(messages: list[dict[str, Any]]) -> bool:
@@ -56,9 +61,16 @@ async def _fill(broker: BrokerHarness, wire: Wire, writer: Principal, reader: Pr
         if index % 10 == 0:
             mentioning.add(out["eventId"])
 
+    assert POSTS_IN_FLIGHT < broker.control.per_uid.per_uid
+    in_flight = trio.CapacityLimiter(POSTS_IN_FLIGHT)
+
+    async def post_when_free(index: int) -> None:
+        async with in_flight:
+            await post(index)
+
     async with trio.open_nursery() as nursery:
         for index in range(TOTAL_POSTS):
-            nursery.start_soon(post, index)
+            nursery.start_soon(post_when_free, index)
     stranger = TestKey()
     foreign = stranger.sign(9, "from outside the broker — ünïcödé \"q\" \\", [
         ["h", channel], ["client", "elsewhere"], ["p", reader.pubkey], ["x", "", "extra"]],
