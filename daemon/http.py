@@ -22,7 +22,9 @@ Theory of operation:
   another method is 405 with ``Allow`` listing the path's methods; any other target is
   404. Neither has a body (on the agents' socket: no envelope, the request was never
   judged). Other transport faults are likewise bodiless: 400 (malformed HTTP), 408 (too
-  slow), 413 (body too large), 431 (headers too large), 500 (the handler raised). A HEAD
+  slow), 413 (body too large), 431 (headers too large), 500 (the handler raised), 505 (an
+  HTTP version other than 1.0 and 1.1, which h11 would otherwise treat as 1.1; the
+  connection is closed). A HEAD
   request is answered with its handler's status and headers (the real Content-Length)
   and no body, as HTTP requires; only a table that lists HEAD routes it.
 
@@ -155,7 +157,11 @@ _REASONS: dict[int, bytes] = {
     431: b"Request Header Fields Too Large",
     500: b"Internal Server Error",
     503: b"Service Unavailable",
+    505: b"HTTP Version Not Supported",
 }
+
+#: The HTTP versions served; h11 parses any `HTTP/d.d` and keeps it alive like 1.1.
+_VERSIONS = frozenset({b"1.0", b"1.1"})
 
 #: What a connection past its uid's cap gets before it is closed (no request was read, so
 #: h11 cannot write it: a server may not answer before a request in its state machine).
@@ -640,6 +646,9 @@ class _Connection:
         head_size += sum(len(name) + len(value) + 4 for name, value in headers)
         if head_size > self.limits.max_header_bytes:
             await self._respond(431, None, close=True)
+            raise _Closed
+        if event.http_version not in _VERSIONS:
+            await self._respond(505, None, close=True)
             raise _Closed
         self.head = event.method == b"HEAD"
         # 1. Route. No refusal carries a body, so a bodiless request keeps its connection.

@@ -2,7 +2,8 @@
 
 Invariant: whatever bytes a client writes, the daemon never answers 500 and never dies;
 every answer is either HTTP 200 with an envelope `parse_response` accepts whose requestId
-is the one the body carried, or a 4xx without an envelope; each exchange ends, with the
+is the one the body carried, or a 4xx (505 for an HTTP version other than 1.0 and 1.1)
+without an envelope; each exchange ends, with the
 daemon closing the connection, within a bounded time; after each abuse a well-formed
 request is still answered; and the process's resident memory does not grow beyond a
 generous bound over the whole run.
@@ -104,7 +105,8 @@ async def exchange(broker: BrokerHarness, raw: bytes, *, close_write: bool = Fal
 
 
 def check_answer(answer: Answer, sent_body: bytes | None) -> None:
-    """The per-answer invariant: no 500; 200 = correlated envelope; 4xx = no envelope."""
+    """The per-answer invariant: no 500; 200 = correlated envelope; a transport refusal
+    (4xx, or 505 for an HTTP version not served) = no envelope."""
     status, _headers, body = answer
     assert status != 500, "HTTP 500"
     if status == 100:
@@ -116,7 +118,7 @@ def check_answer(answer: Answer, sent_body: bytes | None) -> None:
             assert reading.request_id is not None
             assert response.request_id == reading.request_id
         return
-    assert 400 <= status < 500, status
+    assert 400 <= status < 500 or status == 505, status
     assert body == b"", f"a {status} carries a body"
 
 
@@ -184,9 +186,10 @@ async def test_header_abuse_table(broker: BrokerHarness) -> None:
          True, [200]),
         ("garbage request line", b"GARBAGE\r\n\r\n", False, [400]),
         ("binary noise", bytes(range(256)) * 4, True, [400]),
-        # h11 keeps a connection of any version from 1.1 up alive after answering; the
-        # client's EOF is what ends this one.
-        ("HTTP/9.9", b"POST /v1/action HTTP/9.9\r\nHost: b\r\n\r\n", True, [400]),
+        # Only 1.0 and 1.1 are served: another version is 505 and the connection closed.
+        ("HTTP/9.9", b"POST /v1/action HTTP/9.9\r\nHost: b\r\n\r\n", False, [505]),
+        ("HTTP/2.0 with a body", http_request(body, credential=cred).replace(
+            b"HTTP/1.1", b"HTTP/2.0", 1), False, [505]),
         ("no Host in HTTP/1.1", b"POST /v1/action HTTP/1.1\r\nContent-Length: 0\r\n\r\n",
          False, [400]),
         ("huge header", http_request(body, credential=cred, extra="X-Big: " + "a" * 40000 + "\r\n"),
