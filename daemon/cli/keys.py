@@ -33,7 +33,9 @@ import trio
 
 from daemon.cli import keys_backup
 from daemon.cli._common import CliError, config_from_args
+from daemon.cli._key_trail import clip, recorded
 from daemon.config import ConfigError, load_config
+from daemon.state.audit import MAX_KEY_LABEL, KeyAction
 
 if TYPE_CHECKING:
     from custody import RotationReport, TokenConfig, TokenReport
@@ -121,15 +123,29 @@ def rotate(args: argparse.Namespace, checkpoint: Callable[[str], None] | None = 
             raise CliError(str(exc)) from None
         if target.token_label == source.token_label and target.module == source.module:
             raise CliError("--to-config names the same token; use `keys rotate`")
-    try:
-        report = trio.run(lambda: rotate_keys(source, Path(config.state.dir), target=target,
-                                              new_kek_label=args.new_kek_label,
-                                              checkpoint=checkpoint))
-    except CustodyError as exc:
-        raise CliError(str(exc)) from None
+    action = KeyAction.MIGRATE if target is not None else KeyAction.ROTATE
+    # The intent names what is known before custody runs: the active KEK is custody's to
+    # read (it may differ from kek_label after an earlier rotation), a default new label is
+    # made by custody. The outcome names all four.
+    with recorded(Path(config.state.dir), action, old_token=_label(source.token_label),
+                  new_token=_label((target or source).token_label),
+                  new_kek=_label(args.new_kek_label) if args.new_kek_label else None) as trail:
+        try:
+            report = trio.run(lambda: rotate_keys(source, Path(config.state.dir), target=target,
+                                                  new_kek_label=args.new_kek_label,
+                                                  checkpoint=checkpoint))
+        except CustodyError as exc:
+            raise CliError(str(exc)) from None
+        trail.done(agents=report.agents,
+                   old_token=_label(report.old.token_label), old_kek=_label(report.old.kek_label),
+                   new_token=_label(report.new.token_label), new_kek=_label(report.new.kek_label))
     for line in rotation_lines(report):
         print(line)
     return 0
+
+
+def _label(text: str) -> str:
+    return clip(text, MAX_KEY_LABEL)
 
 
 def rotation_lines(report: RotationReport) -> list[str]:
