@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -67,11 +67,11 @@ class KeyTrail:
                    else exc.detail or str(exc))
             raise CliError(f"cannot write the key-event log {where}: {why}") from None
 
-    def done(self, **facts: object) -> None:
+    def done(self, *, pubkeys: Sequence[str] = (), **facts: object) -> None:
         """Write the DONE outcome (what moved). Raises CliError if it cannot be written."""
         self.finished = True  # whatever happens now, no FAILED line follows it
         outcome = replace(self._intent, at=time.time(), stage=KeyStage.DONE, **facts)  # type: ignore[arg-type]
-        self._write(*key_events.outcome_lines(outcome))
+        self._write(*key_events.outcome_lines(outcome, pubkeys))
 
     def failed(self, fault: str) -> None:
         """Write the FAILED outcome (once; nothing after `done`)."""

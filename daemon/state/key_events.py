@@ -68,13 +68,12 @@ def operator() -> tuple[int, str | None]:
         return uid, None
 
 
-def outcome_lines(event: KeyEvent) -> list[KeyEvent]:
-    """`event`, split into lines of at most MAX_KEY_PUBKEYS pubkeys (one when it fits)."""
-    keys = event.pubkeys
-    if len(keys) <= MAX_KEY_PUBKEYS:
-        return [event]
-    return [replace(event, pubkeys=keys[i:i + MAX_KEY_PUBKEYS])
-            for i in range(0, len(keys), MAX_KEY_PUBKEYS)]
+def outcome_lines(event: KeyEvent, pubkeys: Sequence[str]) -> list[KeyEvent]:
+    """`event` listing `pubkeys`: one line, or one per MAX_KEY_PUBKEYS of them."""
+    if len(pubkeys) <= MAX_KEY_PUBKEYS:
+        return [replace(event, pubkeys=tuple(pubkeys))]
+    return [replace(event, pubkeys=tuple(pubkeys[i:i + MAX_KEY_PUBKEYS]))
+            for i in range(0, len(pubkeys), MAX_KEY_PUBKEYS)]
 
 
 def read_head(state_dir: Path) -> tuple[int, str] | None:
