@@ -1,10 +1,13 @@
 """`buzz-broker audit verify|show|reanchor`: check the audit chain, read it, re-anchor it.
 
 Rules:
-- `verify [PATH] [--head HASH]` checks the hash chain of the audit directory (default:
-  `<state.dir>/audit` of the configured state directory) or of one file. It prints
-  `ok N records; head H` and exits 0, or prints the first broken record
-  (`broken: FILE line N: reason`) and exits `EXIT_BROKEN`. `--head` is a head hash
+- `verify [PATH] [--head HASH]` checks the hash chain of an audit directory or of one
+  file. It prints `ok N records; head H` and exits 0, or prints the first broken record
+  (`broken: FILE line N: reason`) and exits `EXIT_BROKEN`. Without PATH it checks the
+  configured `<state.dir>/audit`, then the key-event log `<state.dir>/key-events` against
+  its anchor `key-events.head` (daemon/state/key_events.py) when either exists, each line
+  prefixed `audit log: ` or `key-event log: `; it exits `EXIT_BROKEN` if either is broken.
+  A plain `key-events.jsonl` from an earlier version is noted, never read as a chain. `--head` is a head hash
   remembered from the operator log (`audit.head`): a log that no longer ends there was
   cut short. Without PATH the log must also reach the anchor the state database holds
   (`<state>/ledger.db`); a missing log with an anchor is broken too. `--archived`: the
@@ -313,8 +316,12 @@ _HEADER: Final = ("TIME (UTC)", "PHASE", "AGENT", "CREDENTIAL", "ACTION", "REQUE
 
 
 def _row(record: object) -> tuple[str, ...]:
-    from daemon.state.audit import AuditRecord, Reanchor, RefusalCount
+    from daemon.state.audit import AuditRecord, KeyEvent, Reanchor, RefusalCount
 
+    if isinstance(record, KeyEvent):  # `show --path <state>/key-events`
+        return (_when(record.at), f"key {record.stage.value}", "-", f"uid {record.uid}",
+                f"keys.{record.action.value}", f"op {record.op}", "-", "-",
+                f"{record.agents} agents" if record.agents is not None else "-")
     if isinstance(record, RefusalCount):
         return (_when(record.at), "refusals", record.agent[:16], record.credential_id,
                 record.action or "-", f"{record.count} counted", "failed", record.code.value,

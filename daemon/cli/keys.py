@@ -14,6 +14,10 @@ Rules:
   the daemon (or any other custody command) has the state directory open, and refuses the
   daemon while they run (custody/_statelock.py). Run again after a crash, they finish the
   interrupted run (custody/_rotation.py).
+- `rotate` and `migrate` write an intent line to the key-event log (daemon/cli/_key_trail.py)
+  before custody runs, naming the old token and the new token and KEK label as far as they
+  are known (the active KEK is custody's to read), and an outcome after: `done` with the
+  old and new token/KEK labels and the count, or `failed` with the fault. No intent, no run.
 - `migrate --to-config OTHER` reads only OTHER's [pkcs11] table: the token the agents move
   to. Afterwards this configuration's [pkcs11] must name that token (the daemon refuses to
   start with the old one, saying so).

@@ -10,11 +10,20 @@ Rules:
   its pubkey, NIP-OA tag verifies against its owner) before anything is shown; the command
   lists what it will import on stdout and asks on the terminal, or takes `--yes`. Without
   a terminal and without `--yes` it refuses. It refuses to overwrite a different agent.
-- Both append one line to the key-event log, `<state dir>/key-events.jsonl` (0600, fsynced):
-  time, event, the operator's uid and user name, how many agents, their pubkeys, the
-  backup file's sha256 and the recipients (public keys). Never a secret. It is not the
-  daemon's hash-chained audit log: the daemon holds that chain open, and a second writer
-  would fork it.
+- Recorded, intent first (daemon/cli/_key_trail.py, daemon/state/key_events.py): both
+  write an intent line to the key-event log `<state dir>/key-events/` (the audit log's
+  hash chain, in a directory of its own: the running daemon holds its audit directory)
+  and fsync it BEFORE anything is unsealed (backup: before the file is created) or sealed
+  (restore: before the backup is decrypted). If it cannot be written the command stops:
+  one CliError line, exit 1, nothing unsealed, no file. After the work, one outcome line:
+  `done` (backup: the file's sha256, the pubkeys; restore: the pubkeys sealed, how many
+  were already held) or `failed` (the fault's one line). A backup whose outcome cannot be
+  written removes its file. Lines hold the time, the operator's uid and user name, the
+  file's path and sha256, the recipients (public keys), counts and pubkeys: never a
+  secret, never the identity file. `buzz-broker audit verify` checks the chain and its
+  anchor (`key-events.head`). Tests: tests/backup/test_key_events.py; what it does not
+  prove: docs/install.md, "The key-event log".
+- A malformed recipient is refused before anything is recorded or done.
 - Names: custody holds none, so backup hands custody each live agent's directory entry
   (name, creator) to carry, and restore writes the restored agents' entries back into the
   directory (`AgentDirectory.enroll`; an entry that is not a valid name is skipped and

@@ -52,10 +52,19 @@ operator log at open, rotation and close: the anchor whoever can write both file
 database cannot move. No token-held HMAC key: docs/operations.md, "Anchoring", says why.
 
 Kinds of line: `AuditRecord` (intent, verdict), `RefusalCount` (refusals past a burst,
-daemon/state/refusal_audit.py) and `Reanchor`; `_READERS` maps each phase to its reader.
+daemon/state/refusal_audit.py), `Reanchor` and `KeyEvent` (the key commands' intents and
+outcomes, written by daemon/state/key_events.py into a chain of their own,
+`<state>/key-events/`: the daemon holds this directory's lock while the commands run);
+`_READERS` maps each phase to its reader. One chain code for both logs: `verify`, the
+writer and the line format are the same.
 
-WARNING: `_FIELDS` / `_REFUSAL_FIELDS` / `_REANCHOR_FIELDS`, the entry classes, `_content`,
-their `from_json_obj` and the field tables in docs/operations.md must be kept in sync.
+Lock wait: the daemon opens with `lock_wait=0` (a second daemon fails at once); the key
+commands wait a bounded time for each other (`open(lock_wait=...)`), so two at once take
+turns instead of one failing or both forking the chain.
+
+WARNING: `_FIELDS` / `_REFUSAL_FIELDS` / `_REANCHOR_FIELDS` / `_KEY_FIELDS`, the entry
+classes, `_content`, their `from_json_obj`, the field tables in docs/operations.md and
+"The key-event log" in docs/install.md must be kept in sync.
 """
 
 from __future__ import annotations

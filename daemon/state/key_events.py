@@ -115,7 +115,7 @@ def _write_head(state_dir: Path, head: tuple[int, str]) -> None:
 
 
 def write(state_dir: Path, events: Sequence[KeyEvent], *,
-          lock_wait: float = LOCK_WAIT_SECONDS) -> tuple[int, str]:
+          lock_wait: float | None = None) -> tuple[int, str]:
     """Append `events` to `<state_dir>/key-events/` durably, in order; return the new head.
 
     Under the log's lock it first checks the whole chain and that it reaches the anchor
@@ -125,7 +125,8 @@ def write(state_dir: Path, events: Sequence[KeyEvent], *,
 
     Raises:
         AuditUnavailable: the log cannot be opened or written (`detail` says why; `busy`
-            when another command held it past `lock_wait`), or it is broken (`detail`
+            when another command held it past `lock_wait`, default LOCK_WAIT_SECONDS), or
+            it is broken (`detail`
             names the first bad line). Lines before a failing one may be in the log; the
             anchor then lags behind the log, which `verify` accepts.
     """
@@ -135,9 +136,10 @@ def write(state_dir: Path, events: Sequence[KeyEvent], *,
     except OSError as exc:
         raise AuditUnavailable(f"cannot create {state_dir}: {exc.strerror}") from None
     directory = state_dir / KEY_EVENTS_DIRNAME
+    wait = LOCK_WAIT_SECONDS if lock_wait is None else lock_wait
 
     async def append() -> tuple[int, str]:
-        log = AuditLog.open(directory, lock_wait=lock_wait)
+        log = AuditLog.open(directory, lock_wait=wait)
         try:
             _check(state_dir, directory)
             for event in events:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from daemon.cli._common import CliError
+from daemon.cli._key_trail import recorded
 from daemon.cli.audit import EXIT_BROKEN
 from daemon.state.audit import (
     MAX_KEY_PUBKEYS,
@@ -199,10 +201,17 @@ def test_audit_verify_reports_an_edit_a_deleted_line_and_a_cut_tail(
     assert "audit log: none at" in whole.stdout
     assert f"key-event log: ok {len(lines)} records; head " in whole.stdout
     assert b'"agents":2' in lines[1]  # the first backup's outcome
-    log.write_bytes(b"".join(damage(lines)))  # type: ignore[operator]
+    log.write_bytes(b"".join(damage(list(lines))))  # type: ignore[operator]
     broken = _verify(config)
     assert broken.returncode == EXIT_BROKEN, broken.stdout + broken.stderr
     assert "key-event log: " + expected.format(m=len(lines) - 1, n=len(lines)) in broken.stdout
+    # A head kept elsewhere (what verify printed) checks one log given by path.
+    head = whole.stdout.split("key-event log: ok ")[1].split("\n")[0].split()[-1]
+    log.write_bytes(b"".join(lines))
+    kept = [str(BUZZ_BROKER), "audit", "verify", str(state / KEY_EVENTS_DIRNAME), "--head"]
+    assert subprocess.run([*kept, head], capture_output=True).returncode == 0
+    assert subprocess.run([*kept, "0" * 64], capture_output=True).returncode == EXIT_BROKEN
+    log.write_bytes(b"".join(damage(list(lines))))  # type: ignore[operator]
     # A command does not continue a broken log (a line after a cut would hide the cut):
     # the intent cannot be written, so the backup does not run.
     host = logged.host
@@ -230,6 +239,14 @@ def test_audit_verify_reports_a_deleted_log_and_notes_the_old_plain_file(
     assert gone.returncode == EXIT_BROKEN
     assert "key-event log: broken: " in gone.stdout and "the log was deleted" in gone.stdout
     assert (state / LEGACY_FILE).read_bytes() == legacy  # kept as it was
+    # Kept as evidence, the anchor too (docs/install.md): the next command starts afresh.
+    (state / HEAD_FILE).rename(state / "key-events.head.broken")
+    key_events.write(state, [_intent()])
+    fresh = _verify(config)
+    assert fresh.returncode == 0 and "key-event log: ok 1 records" in fresh.stdout
+    shown = subprocess.run([str(BUZZ_BROKER), "audit", "show", "--path",
+                            str(state / KEY_EVENTS_DIRNAME)], capture_output=True, text=True)
+    assert shown.returncode == 0 and "keys.backup" in shown.stdout, shown.stderr
 
 
 def _keystore(host: Host) -> dict[str, list[tuple[object, ...]]]:
@@ -285,7 +302,7 @@ for i in range(5):
 
 
 def test_writers_at_once_take_turns_and_a_held_lock_is_a_clear_error(
-    logged: Logged, tmp_path: Path
+    logged: Logged, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Processes, as two operators' commands are: the lock is a flock between processes.
     host = logged.host
@@ -309,6 +326,11 @@ def test_writers_at_once_take_turns_and_a_held_lock_is_a_clear_error(
         with pytest.raises(AuditUnavailable) as caught:
             key_events.write(host.cli.state, [event], lock_wait=0.2)
         assert caught.value.busy and "waited 0.2 s" in caught.value.detail
+        # What the command says (a shorter wait than the commands' 10 s).
+        monkeypatch.setattr(key_events, "LOCK_WAIT_SECONDS", 0.2)
+        with pytest.raises(CliError, match="another command is writing it"):
+            with recorded(host.cli.state, KeyAction.BACKUP, recipients=(RECIPIENT,)):
+                pass  # pragma: no cover - the intent is refused
     finally:
         os.close(held)
     assert events_of(host.cli.state) == lines
