@@ -9,7 +9,7 @@ Rules:
   line (for an unexpected exception, its type name only: its text could carry a secret)
   and the fault is raised on. If the outcome cannot be written the command fails too and
   says so: the log then shows an intent without an outcome, which is what an operator
-  must look at (docs/install.md, "What is recorded").
+  must look at (docs/install.md, "The key-event log").
 - Faults are clipped to what a `KeyEvent` holds (`MAX_KEY_TEXT`); they are CliError
   lines, which never carry a secret (daemon/cli/__init__.py).
 """
@@ -70,7 +70,9 @@ class KeyTrail:
     def done(self, *, pubkeys: Sequence[str] = (), **facts: object) -> None:
         """Write the DONE outcome (what moved). Raises CliError if it cannot be written."""
         self.finished = True  # whatever happens now, no FAILED line follows it
-        outcome = replace(self._intent, at=time.time(), stage=KeyStage.DONE, **facts)  # type: ignore[arg-type]
+        # `facts` are KeyEvent fields; KeyEvent checks their types in construction.
+        outcome = replace(self._intent, at=time.time(), stage=KeyStage.DONE,
+                          **facts)  # type: ignore[arg-type]
         self._write(*key_events.outcome_lines(outcome, pubkeys))
 
     def failed(self, fault: str) -> None:
@@ -93,7 +95,8 @@ def recorded(state_dir: Path, action: KeyAction, **facts: object) -> Iterator[Ke
     uid, user = key_events.operator()
     intent = KeyEvent(at=time.time(), op=key_events.new_op(), action=action,
                       stage=KeyStage.INTENT, uid=uid,
-                      user=None if user is None else clip(user, MAX_KEY_LABEL), **facts)  # type: ignore[arg-type]
+                      user=None if user is None else clip(user, MAX_KEY_LABEL),
+                      **facts)  # type: ignore[arg-type]
     trail = KeyTrail(state_dir, intent)
     trail._write(intent)
     try:

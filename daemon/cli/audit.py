@@ -7,9 +7,10 @@ Rules:
   configured `<state.dir>/audit`, then the key-event log `<state.dir>/key-events` against
   its anchor `key-events.head` (daemon/state/key_events.py) when either exists, each line
   prefixed `audit log: ` or `key-event log: `; it exits `EXIT_BROKEN` if either is broken.
-  A plain `key-events.jsonl` from an earlier version is noted, never read as a chain. `--head` is a head hash
-  remembered from the operator log (`audit.head`): a log that no longer ends there was
-  cut short. Without PATH the log must also reach the anchor the state database holds
+  A plain `key-events.jsonl` from an earlier version is noted, never read as a chain.
+  `--head` is a head hash remembered from the operator log (`audit.head`; with PATH, any
+  log's printed head): a log that no longer ends there was cut short. Without PATH the
+  audit log must also reach the anchor the state database holds
   (`<state>/ledger.db`); a missing log with an anchor is broken too. `--archived`: the
   oldest files were moved away (docs/operations.md, "Retention and archiving").
 - `reanchor [--yes]` is for an operator who restored a disk from an older backup: the log

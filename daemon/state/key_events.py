@@ -37,8 +37,8 @@ import trio
 
 from daemon.state.audit import MAX_KEY_PUBKEYS, AuditLog, AuditUnavailable, KeyEvent, verify
 
-__all__ = ["KEY_EVENTS_DIRNAME", "HEAD_FILE", "LEGACY_FILE", "read_head", "LOCK_WAIT_SECONDS", "new_op", "operator",
-           "outcome_lines", "write"]
+__all__ = ["KEY_EVENTS_DIRNAME", "HEAD_FILE", "LEGACY_FILE", "LOCK_WAIT_SECONDS", "new_op",
+           "operator", "outcome_lines", "read_head", "write"]
 
 #: The key-event log's directory under the state directory.
 KEY_EVENTS_DIRNAME: Final = "key-events"
@@ -126,9 +126,8 @@ def write(state_dir: Path, events: Sequence[KeyEvent], *,
     Raises:
         AuditUnavailable: the log cannot be opened or written (`detail` says why; `busy`
             when another command held it past `lock_wait`, default LOCK_WAIT_SECONDS), or
-            it is broken (`detail`
-            names the first bad line). Lines before a failing one may be in the log; the
-            anchor then lags behind the log, which `verify` accepts.
+            it is broken (`detail` names the first bad line). Lines before a failing one
+            may be in the log; the anchor then lags behind the log, which `verify` accepts.
     """
     try:
         # As custody's keystore does: a command may be the first to write the state dir.
