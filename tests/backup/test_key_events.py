@@ -15,11 +15,14 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import tempfile
+import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 
+from custody import TokenConfig
 from daemon.cli._common import CliError
 from daemon.cli._key_trail import recorded
 from daemon.cli.audit import EXIT_BROKEN
@@ -37,6 +40,7 @@ from daemon.state.audit import (
 )
 from daemon.state import key_events
 from daemon.state.key_events import HEAD_FILE, KEY_EVENTS_DIRNAME, LEGACY_FILE
+from tests.adversarial._daemon import DaemonProcess, setup_state, write_config
 from tests.backup.test_backup import Host, age_identity, key_event_bytes, key_events as events_of
 from tests.custody._secrets import PUB_2, PUB_3, SECRET_1, SECRET_X, assert_no_secrets
 from tests.custody.test_cli import BUZZ_BROKER
@@ -384,3 +388,31 @@ def test_a_written_log_verifies_and_each_write_moves_the_anchor(tmp_path: Path) 
     assert second[0] == 3 and key_events.read_head(state) == second
     assert verify(state / KEY_EVENTS_DIRNAME, anchor=second).ok
     assert oct((state / KEY_EVENTS_DIRNAME).stat().st_mode & 0o777) == "0o700"
+
+
+async def test_a_backup_with_the_daemon_up_is_recorded_and_both_logs_verify(
+    custody_state: tuple[TokenConfig, Path], tmp_path: Path
+) -> None:
+    """The daemon holds its audit directory's lock; the key-event log is another one."""
+    token, state = custody_state
+    agent = await setup_state(token, state, [str(uuid.uuid4())])
+    with tempfile.TemporaryDirectory(prefix="bb-keys-") as short:  # a short socket path
+        socket = Path(short) / "b.sock"
+        config = write_config(Path(short) / "broker.toml", token=token, state_dir=state,
+                              socket=socket, relay_url="ws://127.0.0.1:9")
+        daemon = await DaemonProcess.start(config, socket)
+        try:
+            out = tmp_path / "up.age"
+            backup = subprocess.run(
+                [str(BUZZ_BROKER), "--config", str(config), "keys", "backup", "--recipient",
+                 age_identity(tmp_path / "identity.txt"), "--out", str(out)],
+                capture_output=True, text=True, timeout=60)
+            assert backup.returncode == 0, backup.stderr
+            checked = _verify(config)
+            assert await daemon.stop() == 0
+        finally:
+            daemon.kill()
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "audit log: ok " in checked.stdout and "key-event log: ok 2 records" in checked.stdout
+    done = events_of(state)[-1]
+    assert (done["stage"], done["pubkeys"]) == ("done", [agent.agent])
