@@ -54,7 +54,7 @@ database cannot move. No token-held HMAC key: docs/operations.md, "Anchoring", s
 Kinds of line: `AuditRecord` (intent, verdict), `RefusalCount` (refusals past a burst,
 daemon/state/refusal_audit.py), `Reanchor` and `KeyEvent` (the key commands' intents and
 outcomes, written by daemon/state/key_events.py into a chain of their own,
-`<state>/key-events/`: the daemon holds this directory's lock while the commands run);
+`<state>/key-events/`, since the running daemon holds the lock of `<state>/audit/`);
 `_READERS` maps each phase to its reader. One chain code for both logs: `verify`, the
 writer and the line format are the same.
 
