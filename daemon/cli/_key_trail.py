@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Unpack
 
 from daemon.cli._common import CliError
 from daemon.state import key_events
@@ -31,6 +32,7 @@ from daemon.state.audit import (
     AuditUnavailable,
     KeyAction,
     KeyEvent,
+    KeyFacts,
     KeyStage,
     text_fits,
 )
@@ -67,12 +69,10 @@ class KeyTrail:
                    else exc.detail or str(exc))
             raise CliError(f"cannot write the key-event log {where}: {why}") from None
 
-    def done(self, *, pubkeys: Sequence[str] = (), **facts: object) -> None:
+    def done(self, *, pubkeys: Sequence[str] = (), **facts: Unpack[KeyFacts]) -> None:
         """Write the DONE outcome (what moved). Raises CliError if it cannot be written."""
         self.finished = True  # whatever happens now, no FAILED line follows it
-        # `facts` are KeyEvent fields; KeyEvent checks their types in construction.
-        outcome = replace(self._intent, at=time.time(), stage=KeyStage.DONE,
-                          **facts)  # type: ignore[arg-type]
+        outcome = replace(self._intent, at=time.time(), stage=KeyStage.DONE, **facts)
         self._write(*key_events.outcome_lines(outcome, pubkeys))
 
     def failed(self, fault: str) -> None:
@@ -85,7 +85,8 @@ class KeyTrail:
 
 
 @contextmanager
-def recorded(state_dir: Path, action: KeyAction, **facts: object) -> Iterator[KeyTrail]:
+def recorded(state_dir: Path, action: KeyAction, **facts: Unpack[KeyFacts]
+             ) -> Iterator[KeyTrail]:
     """Write the intent for `action` with `facts`; yield the trail; record a failure.
 
     Raises:
@@ -95,8 +96,7 @@ def recorded(state_dir: Path, action: KeyAction, **facts: object) -> Iterator[Ke
     uid, user = key_events.operator()
     intent = KeyEvent(at=time.time(), op=key_events.new_op(), action=action,
                       stage=KeyStage.INTENT, uid=uid,
-                      user=None if user is None else clip(user, MAX_KEY_LABEL),
-                      **facts)  # type: ignore[arg-type]
+                      user=None if user is None else clip(user, MAX_KEY_LABEL), **facts)
     trail = KeyTrail(state_dir, intent)
     trail._write(intent)
     try:

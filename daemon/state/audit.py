@@ -82,7 +82,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Final, TypeAlias, TypeVar
+from typing import Callable, Final, TypeAlias, TypedDict, TypeVar
 
 import trio
 
@@ -506,6 +506,21 @@ def _check_text(kind: str, name: str, value: object, limit: int) -> None:
     if value is not None and (not isinstance(value, str) or not text_fits(value, limit)):
         raise ValueError(f"{kind}.{name} must be None or 1-{limit} bytes of JSON text")
 
+
+
+class KeyFacts(TypedDict, total=False):
+    """What a command adds to its key events: `KeyEvent`'s optional fields but `pubkeys`
+    (the outcome lists those itself, split by `outcome_lines`)."""
+
+    agents: int | None
+    held: int | None
+    file: str | None
+    sha256: str | None
+    recipients: tuple[str, ...]
+    old_token: str | None
+    old_kek: str | None
+    new_token: str | None
+    new_kek: str | None
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KeyEvent:
