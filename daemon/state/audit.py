@@ -507,7 +507,6 @@ def _check_text(kind: str, name: str, value: object, limit: int) -> None:
         raise ValueError(f"{kind}.{name} must be None or 1-{limit} bytes of JSON text")
 
 
-
 class KeyFacts(TypedDict, total=False):
     """What a command adds to its key events: `KeyEvent`'s optional fields but `pubkeys`
     (the outcome lists those itself, split by `outcome_lines`)."""
@@ -521,6 +520,7 @@ class KeyFacts(TypedDict, total=False):
     old_kek: str | None
     new_token: str | None
     new_kek: str | None
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KeyEvent:
