@@ -1,12 +1,16 @@
 """`buzz-broker audit verify|show|reanchor`: check the audit chain, read it, re-anchor it.
 
 Rules:
-- `verify [PATH] [--head HASH]` checks the hash chain of the audit directory (default:
-  `<state.dir>/audit` of the configured state directory) or of one file. It prints
-  `ok N records; head H` and exits 0, or prints the first broken record
-  (`broken: FILE line N: reason`) and exits `EXIT_BROKEN`. `--head` is a head hash
-  remembered from the operator log (`audit.head`): a log that no longer ends there was
-  cut short. Without PATH the log must also reach the anchor the state database holds
+- `verify [PATH] [--head HASH]` checks the hash chain of an audit directory or of one
+  file. It prints `ok N records; head H` and exits 0, or prints the first broken record
+  (`broken: FILE line N: reason`) and exits `EXIT_BROKEN`. Without PATH it checks the
+  configured `<state.dir>/audit`, then the key-event log `<state.dir>/key-events` against
+  its anchor `key-events.head` (daemon/state/key_events.py) when either exists, each line
+  prefixed `audit log: ` or `key-event log: `; it exits `EXIT_BROKEN` if either is broken.
+  A plain `key-events.jsonl` from an earlier version is noted, never read as a chain.
+  `--head` is a head hash remembered from the operator log (`audit.head`; with PATH, any
+  log's printed head): a log that no longer ends there was cut short. Without PATH the
+  audit log must also reach the anchor the state database holds
   (`<state>/ledger.db`); a missing log with an anchor is broken too. `--archived`: the
   oldest files were moved away (docs/operations.md, "Retention and archiving").
 - `reanchor [--yes]` is for an operator who restored a disk from an older backup: the log
@@ -125,35 +129,85 @@ def _state_anchor(args: argparse.Namespace) -> tuple[Path, tuple[int, str] | Non
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from daemon.state.audit import verify
-
-    anchor = None
-    if args.path is None:
-        path, anchor = _state_anchor(args)
-        if not path.exists() and anchor is not None and anchor[0] > 0:
-            print(f"broken: {path} is missing, but the anchor is record {anchor[0]} "
-                  f"(the log was deleted)")
-            return EXIT_BROKEN
-    path = _audit_dir(args, args.path)
+    """PATH: that one log, unlabelled. Else the audit log and the key-event log, labelled."""
     if args.head is not None and not _HEX64_RE.fullmatch(args.head):
         raise CliError("--head: expected a 64-hex sha256")
+    if args.path is not None:
+        return _verify_one(_audit_dir(args, args.path), label="", anchor=None, head=args.head,
+                           archived=args.archived)
+    from daemon.state.key_events import HEAD_FILE, KEY_EVENTS_DIRNAME, LEGACY_FILE
+
+    path, anchor = _state_anchor(args)
+    keys = path.parent / KEY_EVENTS_DIRNAME
+    has_keys = keys.exists() or keys.is_symlink() or (path.parent / HEAD_FILE).exists()
+    if not path.exists() and anchor is not None and anchor[0] > 0:
+        print(f"audit log: broken: {path} is missing, but the anchor is record {anchor[0]} "
+              f"(the log was deleted)")
+        code = EXIT_BROKEN
+    elif not path.exists() and has_keys:
+        print(f"audit log: none at {path} (the daemon has not run here)")
+        code = 0
+    else:
+        code = _verify_one(_audit_dir(args, str(path)), label="audit log: ", anchor=anchor,
+                           head=args.head, archived=args.archived)
+    code = max(code, _verify_key_events(path.parent))
+    legacy = path.parent / LEGACY_FILE
+    if legacy.exists():
+        print(f"note: {legacy} holds plain, unchained key events from an earlier version; "
+              "it is kept as it is and not verified (newer events are in the key-event log)")
+    return code
+
+
+def _verify_key_events(state: Path) -> int:
+    """The key-event log, against its anchor (`key-events.head`); 0 when there is none."""
+    from daemon.state.key_events import HEAD_FILE, KEY_EVENTS_DIRNAME, read_head
+
+    keys = state / KEY_EVENTS_DIRNAME
     try:
-        result = verify(path, expect_head=args.head.lower() if args.head else None,
-                        anchor=anchor, archived=args.archived)
+        anchor = read_head(state)
+    except ValueError as exc:
+        print(f"key-event log: broken: {exc} (the anchor was damaged or edited)")
+        return EXIT_BROKEN
+    except OSError as exc:
+        raise CliError(f"cannot read {state / HEAD_FILE}: {exc.strerror}") from None
+    if not (keys.exists() or keys.is_symlink()):
+        if anchor is None or anchor[0] == 0:
+            return 0
+        print(f"key-event log: broken: {keys} is missing, but its anchor is record "
+              f"{anchor[0]} (the log was deleted)")
+        return EXIT_BROKEN
+    if keys.is_symlink() or not keys.is_dir():
+        print(f"key-event log: broken: {keys} is not a directory")
+        return EXIT_BROKEN
+    # Never archived: key events are few; the chain is checked from its first record.
+    return _verify_one(keys, label="key-event log: ", anchor=anchor, head=None, archived=False)
+
+
+def _verify_one(path: Path, *, label: str, anchor: tuple[int, str] | None, head: str | None,
+                archived: bool) -> int:
+    """Verify one chain directory (or file); print its lines, prefixed with `label`."""
+    from daemon.state.audit import verify
+
+    if path.is_symlink() or not (path.is_dir() or path.is_file()):
+        print(f"{label}broken: {path} is not a directory of audit files")
+        return EXIT_BROKEN
+    try:
+        result = verify(path, expect_head=head.lower() if head else None,
+                        anchor=anchor, archived=archived)
     except OSError as exc:
         raise CliError(f"cannot read {path}: {exc.strerror}") from None
     if result.ok:
-        print(f"ok {result.records} records; head {result.head}")
+        print(f"{label}ok {result.records} records; head {result.head}")
         if anchor is not None:
-            print(f"reaches the anchored record {anchor[0]}")
+            print(f"{label}reaches the anchored record {anchor[0]}")
         if result.torn_tail:
-            print("note: the last file ends in a partial line (a crash mid-write; it was never "
-                  "acknowledged and the daemon drops it when it next starts)")
+            print(f"{label}note: the last file ends in a partial line (a crash mid-write; it "
+                  "was never acknowledged and the next writer drops it when it opens the log)")
         return 0
     where = f"{Path(result.file).name} line {result.line}: " if result.file else ""
     if result.file and result.line is None:
         where = f"{Path(result.file).name}: "
-    print(f"broken: {where}{result.reason} ({result.records} records verified before it)")
+    print(f"{label}broken: {where}{result.reason} ({result.records} records verified before it)")
     return EXIT_BROKEN
 
 
@@ -263,8 +317,12 @@ _HEADER: Final = ("TIME (UTC)", "PHASE", "AGENT", "CREDENTIAL", "ACTION", "REQUE
 
 
 def _row(record: object) -> tuple[str, ...]:
-    from daemon.state.audit import AuditRecord, Reanchor, RefusalCount
+    from daemon.state.audit import AuditRecord, KeyEvent, Reanchor, RefusalCount
 
+    if isinstance(record, KeyEvent):  # `show --path <state>/key-events`
+        return (_when(record.at), f"key {record.stage.value}", "-", f"uid {record.uid}",
+                f"keys.{record.action.value}", f"op {record.op}", "-", "-",
+                f"{record.agents} agents" if record.agents is not None else "-")
     if isinstance(record, RefusalCount):
         return (_when(record.at), "refusals", record.agent[:16], record.credential_id,
                 record.action or "-", f"{record.count} counted", "failed", record.code.value,

@@ -14,6 +14,10 @@ Rules:
   the daemon (or any other custody command) has the state directory open, and refuses the
   daemon while they run (custody/_statelock.py). Run again after a crash, they finish the
   interrupted run (custody/_rotation.py).
+- `rotate` and `migrate` write an intent line to the key-event log (daemon/cli/_key_trail.py)
+  before custody runs, naming the old token and the new token and KEK label as far as they
+  are known (the active KEK is custody's to read), and an outcome after: `done` with the
+  old and new token/KEK labels and the count, or `failed` with the fault. No intent, no run.
 - `migrate --to-config OTHER` reads only OTHER's [pkcs11] table: the token the agents move
   to. Afterwards this configuration's [pkcs11] must name that token (the daemon refuses to
   start with the old one, saying so).
@@ -33,7 +37,9 @@ import trio
 
 from daemon.cli import keys_backup
 from daemon.cli._common import CliError, config_from_args
+from daemon.cli._key_trail import clip, recorded
 from daemon.config import ConfigError, load_config
+from daemon.state.audit import MAX_KEY_LABEL, KeyAction
 
 if TYPE_CHECKING:
     from custody import RotationReport, TokenConfig, TokenReport
@@ -121,15 +127,29 @@ def rotate(args: argparse.Namespace, checkpoint: Callable[[str], None] | None = 
             raise CliError(str(exc)) from None
         if target.token_label == source.token_label and target.module == source.module:
             raise CliError("--to-config names the same token; use `keys rotate`")
-    try:
-        report = trio.run(lambda: rotate_keys(source, Path(config.state.dir), target=target,
-                                              new_kek_label=args.new_kek_label,
-                                              checkpoint=checkpoint))
-    except CustodyError as exc:
-        raise CliError(str(exc)) from None
+    action = KeyAction.MIGRATE if target is not None else KeyAction.ROTATE
+    # The intent names what is known before custody runs: the active KEK is custody's to
+    # read (it may differ from kek_label after an earlier rotation), a default new label is
+    # made by custody. The outcome names all four.
+    with recorded(Path(config.state.dir), action, old_token=_label(source.token_label),
+                  new_token=_label((target or source).token_label),
+                  new_kek=_label(args.new_kek_label) if args.new_kek_label else None) as trail:
+        try:
+            report = trio.run(lambda: rotate_keys(source, Path(config.state.dir), target=target,
+                                                  new_kek_label=args.new_kek_label,
+                                                  checkpoint=checkpoint))
+        except CustodyError as exc:
+            raise CliError(str(exc)) from None
+        trail.done(agents=report.agents,
+                   old_token=_label(report.old.token_label), old_kek=_label(report.old.kek_label),
+                   new_token=_label(report.new.token_label), new_kek=_label(report.new.kek_label))
     for line in rotation_lines(report):
         print(line)
     return 0
+
+
+def _label(text: str) -> str:
+    return clip(text, MAX_KEY_LABEL)
 
 
 def rotation_lines(report: RotationReport) -> list[str]:

@@ -10,11 +10,20 @@ Rules:
   its pubkey, NIP-OA tag verifies against its owner) before anything is shown; the command
   lists what it will import on stdout and asks on the terminal, or takes `--yes`. Without
   a terminal and without `--yes` it refuses. It refuses to overwrite a different agent.
-- Both append one line to the key-event log, `<state dir>/key-events.jsonl` (0600, fsynced):
-  time, event, the operator's uid and user name, how many agents, their pubkeys, the
-  backup file's sha256 and the recipients (public keys). Never a secret. It is not the
-  daemon's hash-chained audit log: the daemon holds that chain open, and a second writer
-  would fork it.
+- Recorded, intent first (daemon/cli/_key_trail.py, daemon/state/key_events.py): both
+  write an intent line to the key-event log `<state dir>/key-events/` (the audit log's
+  hash chain, in a directory of its own: the running daemon holds its audit directory)
+  and fsync it BEFORE anything is unsealed (backup: before the file is created) or sealed
+  (restore: before the backup is decrypted). If it cannot be written the command stops:
+  one CliError line, exit 1, nothing unsealed, no file. After the work, one outcome line:
+  `done` (backup: the file's sha256, the pubkeys; restore: the pubkeys sealed, how many
+  were already held) or `failed` (the fault's one line). A backup whose outcome cannot be
+  written removes its file. Lines hold the time, the operator's uid and user name, the
+  file's path and sha256, the recipients (public keys), counts and pubkeys: never a
+  secret, never the identity file. `buzz-broker audit verify` checks the chain and its
+  anchor (`key-events.head`). Tests: tests/backup/test_key_events.py; what it does not
+  prove: docs/install.md, "The key-event log".
+- A malformed recipient is refused before anything is recorded or done.
 - Names: custody holds none, so backup hands custody each live agent's directory entry
   (name, creator) to carry, and restore writes the restored agents' entries back into the
   directory (`AgentDirectory.enroll`; an entry that is not a valid name is skipped and
@@ -27,12 +36,10 @@ WARNING: docs/install.md ("Back up", "Restore") shows these flags; keep them in 
 from __future__ import annotations
 
 import argparse
-import datetime
 import errno
 import hashlib
 import json
 import os
-import pwd
 import stat
 import sys
 from collections.abc import Mapping
@@ -42,12 +49,13 @@ from typing import TYPE_CHECKING
 import trio
 
 from daemon.cli._common import CliError, config_from_args
+from daemon.cli._key_trail import KeyTrail, clip, recorded
+from daemon.state.audit import KeyAction
 
 if TYPE_CHECKING:
     from custody import RestoreResult, TokenConfig
     from daemon.config import Config
 
-KEY_EVENTS_FILE = "key-events.jsonl"
 #: Answers that confirm a restore at the prompt.
 _YES = frozenset({"y", "yes"})
 
@@ -82,31 +90,18 @@ def _token(config: Config) -> TokenConfig:
     )
 
 
-def _operator() -> dict[str, object]:
-    uid = os.getuid()
-    try:
-        name: str | None = pwd.getpwuid(uid).pw_name
-    except KeyError:
-        name = None
-    return {"uid": uid, "user": name}
+def _recipients(texts: list[str]) -> tuple[str, ...]:
+    """The recipients as the key-event log names them; a malformed one stops the command
+    before anything is recorded or done (custody checks each one's checksum again)."""
+    from daemon.state.audit import AGE_RECIPIENT_RE, MAX_KEY_RECIPIENTS
 
-
-def record_key_event(state_dir: Path, event: dict[str, object]) -> None:
-    """Append one JSON line to `<state_dir>/key-events.jsonl` and fsync it (0600, no symlink)."""
-    at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    line = json.dumps({"time": at.replace("+00:00", "Z"), **_operator(), **event},
-                      sort_keys=True, separators=(",", ":")) + "\n"
-    path = state_dir / KEY_EVENTS_FILE
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        try:
-            os.write(fd, line.encode("utf-8"))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise CliError(f"cannot record the key event in {path}: {exc.strerror}") from None
+    if len(texts) > MAX_KEY_RECIPIENTS:
+        raise CliError(f"at most {MAX_KEY_RECIPIENTS} recipients")
+    recipients = tuple(text.strip() for text in texts)
+    for text in recipients:
+        if AGE_RECIPIENT_RE.fullmatch(text) is None:
+            raise CliError(f"{clip(text, 80)!r} is not an age X25519 recipient (age1…)")
+    return recipients
 
 
 def _create_exclusive(path: Path) -> int:
@@ -126,16 +121,30 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _backup(args: argparse.Namespace, config: Config) -> int:
+    recipients = _recipients(args.recipient)
+    out: Path = args.out
+    with recorded(Path(config.state.dir), KeyAction.BACKUP, file=clip(str(out)),
+                  recipients=recipients) as trail:
+        agents, digest = _write_backup(config, recipients, out, trail)
+    print(f"backed up {len(agents)} agents to {out} (sha256 {digest})")
+    return 0
+
+
+def _write_backup(config: Config, recipients: tuple[str, ...], out: Path,
+                  trail: KeyTrail) -> tuple[tuple[str, ...], str]:
+    """Create `out`, unseal and encrypt every live agent into it, record the outcome.
+
+    The file is removed on any fault, including an outcome that cannot be recorded: a
+    backup the key-event log does not name (by sha256) is not left behind.
+    """
     from custody import Custody, CustodyError, export_backup
 
-    out: Path = args.out
     fd = _create_exclusive(out)
     done = False
     try:
         async def main() -> tuple[bytes, tuple[str, ...]]:
             async with await Custody.open(_token(config), Path(config.state.dir)) as custody:
-                exported = await export_backup(custody, args.recipient,
-                                               _public_entries(config))
+                exported = await export_backup(custody, recipients, _public_entries(config))
                 return exported.ciphertext, exported.agents
 
         try:
@@ -152,18 +161,14 @@ def _backup(args: argparse.Namespace, config: Config) -> int:
                 os.close(dir_fd)
         except OSError as exc:
             raise CliError(f"cannot write {out}: {exc.strerror}") from None
+        digest = hashlib.sha256(ciphertext).hexdigest()
+        trail.done(agents=len(agents), pubkeys=agents, sha256=digest)
         done = True
     finally:
         os.close(fd)
         if not done:
             out.unlink(missing_ok=True)
-    digest = hashlib.sha256(ciphertext).hexdigest()
-    record_key_event(Path(config.state.dir), {
-        "event": "backup", "agents": len(agents), "pubkeys": list(agents),
-        "file": str(out), "sha256": digest, "recipients": [r.strip() for r in args.recipient],
-    })
-    print(f"backed up {len(agents)} agents to {out} (sha256 {digest})")
-    return 0
+    return agents, digest
 
 
 def _public_entries(config: Config) -> dict[str, dict[str, object]]:
@@ -245,8 +250,21 @@ def _confirm(count: int, yes: bool) -> bool:
 
 
 def _restore(args: argparse.Namespace, config: Config) -> int:
+    from custody import MAX_BACKUP_BYTES
+
+    ciphertext = bytes(_read_bounded(args.backup, MAX_BACKUP_BYTES, "backup", private=False))
+    with recorded(Path(config.state.dir), KeyAction.RESTORE, file=clip(str(args.backup)),
+                  sha256=hashlib.sha256(ciphertext).hexdigest()) as trail:
+        result = _restore_keys(args, config, ciphertext, trail)
+    print(f"restored {len(result.restored)} agents; {len(result.already_held)} already held",
+          file=sys.stderr)
+    return 0
+
+
+def _restore_keys(args: argparse.Namespace, config: Config, ciphertext: bytes,
+                  trail: KeyTrail) -> RestoreResult:
+    """Decrypt, check, confirm and seal the backup's agents; record what was sealed."""
     from custody import (
-        MAX_BACKUP_BYTES,
         MAX_IDENTITY_BYTES,
         Custody,
         CustodyError,
@@ -255,7 +273,6 @@ def _restore(args: argparse.Namespace, config: Config) -> int:
         restore_plan,
     )
 
-    ciphertext = bytes(_read_bounded(args.backup, MAX_BACKUP_BYTES, "backup", private=False))
     identity = _read_bounded(args.identity, MAX_IDENTITY_BYTES, "identity file", private=True)
 
     entries: dict[str, Mapping[str, object]] = {}
@@ -289,17 +306,13 @@ def _restore(args: argparse.Namespace, config: Config) -> int:
         raise CliError(str(exc)) from None
     if result is None:
         raise CliError("restore not confirmed; nothing restored")
+    # Recorded before the names: the keys are sealed now, whatever happens to the names.
+    trail.done(agents=len(result.restored), pubkeys=tuple(result.restored),
+               held=len(result.already_held))
     # Every agent of the backup held here now: `enroll` keeps a name already set, and a
     # rerun writes the names a failed first run did not.
     _enroll_restored(config, entries)
-    record_key_event(Path(config.state.dir), {
-        "event": "restore", "agents": len(result.restored), "pubkeys": list(result.restored),
-        "alreadyHeld": len(result.already_held), "file": str(args.backup),
-        "sha256": hashlib.sha256(ciphertext).hexdigest(),
-    })
-    print(f"restored {len(result.restored)} agents; {len(result.already_held)} already held",
-          file=sys.stderr)
-    return 0
+    return result
 
 
 SUBCOMMANDS = {"backup": _backup, "restore": _restore}

@@ -52,10 +52,19 @@ operator log at open, rotation and close: the anchor whoever can write both file
 database cannot move. No token-held HMAC key: docs/operations.md, "Anchoring", says why.
 
 Kinds of line: `AuditRecord` (intent, verdict), `RefusalCount` (refusals past a burst,
-daemon/state/refusal_audit.py) and `Reanchor`; `_READERS` maps each phase to its reader.
+daemon/state/refusal_audit.py), `Reanchor` and `KeyEvent` (the key commands' intents and
+outcomes, written by daemon/state/key_events.py into a chain of their own,
+`<state>/key-events/`, since the running daemon holds the lock of `<state>/audit/`);
+`_READERS` maps each phase to its reader. One chain code for both logs: `verify`, the
+writer and the line format are the same.
 
-WARNING: `_FIELDS` / `_REFUSAL_FIELDS` / `_REANCHOR_FIELDS`, the entry classes, `_content`,
-their `from_json_obj` and the field tables in docs/operations.md must be kept in sync.
+Lock wait: the daemon opens with `lock_wait=0` (a second daemon fails at once); the key
+commands wait a bounded time for each other (`open(lock_wait=...)`), so two at once take
+turns instead of one failing or both forking the chain.
+
+WARNING: `_FIELDS` / `_REFUSAL_FIELDS` / `_REANCHOR_FIELDS` / `_KEY_FIELDS`, the entry
+classes, `_content`, their `from_json_obj`, the field tables in docs/operations.md and
+"The key-event log" in docs/install.md must be kept in sync.
 """
 
 from __future__ import annotations
@@ -69,10 +78,11 @@ import logging
 import os
 import re
 import stat
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Final, TypeAlias, TypeVar
+from typing import Callable, Final, TypeAlias, TypedDict, TypeVar
 
 import trio
 
@@ -85,6 +95,15 @@ __all__ = [
     "AuditRecord",
     "RefusalCount",
     "Reanchor",
+    "KeyEvent",
+    "KeyAction",
+    "KeyStage",
+    "MAX_KEY_PUBKEYS",
+    "MAX_KEY_RECIPIENTS",
+    "MAX_KEY_TEXT",
+    "MAX_KEY_LABEL",
+    "AGE_RECIPIENT_RE",
+    "text_fits",
     "Entry",
     "AuditUnavailable",
     "Phase",
@@ -124,6 +143,9 @@ MAX_LINE_BYTES: Final = 64 * 1024
 #: Most event ids one record may list (an agents.create plan publishes a handful).
 MAX_EVENTS: Final = 64
 
+#: How often `open(lock_wait=...)` tries the lock again.
+_LOCK_POLL_SECONDS: Final = 0.02
+
 DIR_MODE: Final = 0o700
 FILE_MODE: Final = 0o600
 
@@ -144,9 +166,11 @@ class AuditUnavailable(Exception):
     (an errno name and the file), never shown to agents.
     """
 
-    def __init__(self, detail: str = "") -> None:
+    def __init__(self, detail: str = "", *, busy: bool = False) -> None:
         super().__init__(UNAVAILABLE_MESSAGE)
         self.detail = detail
+        #: another writer held the log's lock (for longer than `open` was told to wait)
+        self.busy = busy
 
 
 class Phase(enum.Enum):
@@ -160,6 +184,8 @@ class Phase(enum.Enum):
     REFUSALS = "refusals"
     #: an operator moved the anchor to the log's head (`Reanchor`)
     REANCHOR = "reanchor"
+    #: a key-custody command's intent or outcome (`KeyEvent`, the key-event log)
+    KEY = "key"
 
 
 def _utc_text(at: float) -> str:
@@ -425,13 +451,207 @@ class Reanchor:
             raise ValueError(str(exc)) from None
 
 
+class KeyAction(enum.Enum):
+    """Which key-custody command a `KeyEvent` is about."""
+
+    BACKUP = "backup"
+    RESTORE = "restore"
+    ROTATE = "rotate"
+    MIGRATE = "migrate"
+
+
+class KeyStage(enum.Enum):
+    """Where in its command a `KeyEvent` was written."""
+
+    #: before anything is unsealed or sealed; written and fsynced, or the command stops
+    INTENT = "intent"
+    #: the command finished: what it moved
+    DONE = "done"
+    #: the command stopped on a fault: its one line
+    FAILED = "failed"
+
+
+#: Most pubkeys one key-event line lists (~67 bytes each, far below MAX_LINE_BYTES). A
+#: command that moved more writes several `done` lines with the same `op` (`key_events`).
+MAX_KEY_PUBKEYS: Final = 256
+#: Most age recipients one backup may name (the line must stay far below MAX_LINE_BYTES).
+MAX_KEY_RECIPIENTS: Final = 64
+#: Longest file path or fault line a key event holds, and longest label or user name,
+#: counted as written (JSON-escaped): with 256 pubkeys and 64 recipients a line stays
+#: under half of MAX_LINE_BYTES.
+MAX_KEY_TEXT: Final = 4096
+MAX_KEY_LABEL: Final = 256
+
+_OP_RE: Final = re.compile(r"[0-9a-f]{16}")
+#: An age X25519 recipient: `age1` + 58 bech32 characters (custody checks the checksum).
+AGE_RECIPIENT_RE: Final = re.compile(r"age1[02-9ac-hj-np-z]{58}")
+
+#: action -> the optional facts a line about it may carry (the others are null / empty).
+_KEY_FACTS: Final[Mapping[KeyAction, frozenset[str]]] = {
+    KeyAction.BACKUP: frozenset({"agents", "pubkeys", "file", "sha256", "recipients"}),
+    KeyAction.RESTORE: frozenset({"agents", "pubkeys", "held", "file", "sha256"}),
+    KeyAction.ROTATE: frozenset({"agents", "old_token", "old_kek", "new_token", "new_kek"}),
+    KeyAction.MIGRATE: frozenset({"agents", "old_token", "old_kek", "new_token", "new_kek"}),
+}
+#: Facts only an outcome knows: what was moved.
+_KEY_DONE_ONLY: Final = frozenset({"agents", "pubkeys", "held"})
+
+
+def text_fits(value: str, limit: int) -> bool:
+    """`value` is not empty and takes at most `limit` bytes as a JSON string."""
+    return bool(value) and len(json.dumps(value, ensure_ascii=True)) - 2 <= limit
+
+
+def _check_text(kind: str, name: str, value: object, limit: int) -> None:
+    if value is not None and (not isinstance(value, str) or not text_fits(value, limit)):
+        raise ValueError(f"{kind}.{name} must be None or 1-{limit} bytes of JSON text")
+
+
+class KeyFacts(TypedDict, total=False):
+    """What a command adds to its key events: `KeyEvent`'s optional fields but `pubkeys`
+    (the outcome lists those itself, split by `outcome_lines`)."""
+
+    agents: int | None
+    held: int | None
+    file: str | None
+    sha256: str | None
+    recipients: tuple[str, ...]
+    old_token: str | None
+    old_kek: str | None
+    new_token: str | None
+    new_kek: str | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KeyEvent:
+    """One line of the key-event log: a key-custody command's intent or its outcome.
+
+    The commands that move agent keys across custody's edge (`keys backup`, `keys
+    restore`, `keys rotate`, `keys migrate`) write one INTENT before anything is unsealed
+    or sealed, then a DONE or FAILED line with the same `op`. Facts only, never a secret:
+    there is no field that could hold one (an identity file's contents, a PIN, a key).
+
+    Fields:
+        at: seconds since the epoch. op: 16 lowercase hex, one per command run (pairs the
+        intent with its outcome when two commands interleave). action, stage: see the enums.
+        uid, user: the operator (user None when the uid has no passwd entry).
+        agents: how many agents were moved (DONE only). pubkeys: their pubkeys (DONE
+        only, at most MAX_KEY_PUBKEYS a line). held: restore: agents already held here.
+        file, sha256: the backup file's path and the sha256 of its bytes.
+        recipients: backup: the age recipients (public keys) it is encrypted to.
+        old_token, old_kek, new_token, new_kek: rotate/migrate: token and KEK labels
+        (an intent names what is known before custody runs; the outcome names all four).
+        fault: FAILED only: the one line the command reported.
+    """
+
+    at: float
+    op: str
+    action: KeyAction
+    stage: KeyStage
+    uid: int
+    user: str | None
+    agents: int | None = None
+    pubkeys: tuple[str, ...] = ()
+    held: int | None = None
+    file: str | None = None
+    sha256: str | None = None
+    recipients: tuple[str, ...] = ()
+    old_token: str | None = None
+    old_kek: str | None = None
+    new_token: str | None = None
+    new_kek: str | None = None
+    fault: str | None = None
+
+    @property
+    def phase(self) -> Phase:
+        return Phase.KEY
+
+    def __post_init__(self) -> None:
+        # Local errors (our bug): the commands build events from values they have checked.
+        _check_times("KeyEvent", (self.at,))
+        if not isinstance(self.op, str) or not _OP_RE.fullmatch(self.op):
+            raise ValueError("KeyEvent.op must be 16 lowercase hex")
+        if not isinstance(self.action, KeyAction) or not isinstance(self.stage, KeyStage):
+            raise TypeError("KeyEvent.action/stage must be a KeyAction/KeyStage")
+        for name in ("uid", "agents", "held"):
+            number = getattr(self, name)
+            if (number is not None or name == "uid") and (
+                    isinstance(number, bool) or not isinstance(number, int) or number < 0):
+                raise ValueError(f"KeyEvent.{name} must be a non-negative int")
+        for name in ("file", "fault"):
+            _check_text("KeyEvent", name, getattr(self, name), MAX_KEY_TEXT)
+        for name in ("user", "old_token", "old_kek", "new_token", "new_kek"):
+            _check_text("KeyEvent", name, getattr(self, name), MAX_KEY_LABEL)
+        if self.sha256 is not None and (
+                not isinstance(self.sha256, str) or not _HEX64.fullmatch(self.sha256)):
+            raise ValueError("KeyEvent.sha256 must be 64 lowercase hex")
+        if not isinstance(self.pubkeys, tuple) or len(self.pubkeys) > MAX_KEY_PUBKEYS or not all(
+                isinstance(p, str) and _HEX64.fullmatch(p) for p in self.pubkeys):
+            raise ValueError(f"KeyEvent.pubkeys must be a tuple of at most {MAX_KEY_PUBKEYS} "
+                             "64-hex pubkeys")
+        if not isinstance(self.recipients, tuple) or len(
+                self.recipients) > MAX_KEY_RECIPIENTS or not all(
+                isinstance(r, str) and AGE_RECIPIENT_RE.fullmatch(r) for r in self.recipients):
+            raise ValueError(f"KeyEvent.recipients must be a tuple of at most "
+                             f"{MAX_KEY_RECIPIENTS} age recipients (age1…)")
+        allowed = _KEY_FACTS[self.action]
+        present = {name for name in _KEY_OPTIONAL if getattr(self, name) not in (None, ())}
+        if present - allowed:
+            raise ValueError(f"KeyEvent: {self.action.value} has no {sorted(present - allowed)}")
+        if self.stage is not KeyStage.DONE and present & _KEY_DONE_ONLY:
+            raise ValueError("KeyEvent: agents, pubkeys and held are facts of a done outcome")
+        if self.stage is KeyStage.DONE and self.agents is None:
+            raise ValueError("KeyEvent: a done outcome says how many agents it moved")
+        if self.agents is not None and len(self.pubkeys) > self.agents:
+            raise ValueError("KeyEvent: more pubkeys than agents")
+        if (self.fault is not None) != (self.stage is KeyStage.FAILED):
+            raise ValueError("KeyEvent: a fault is what a failed outcome, and only it, carries")
+        if self.action is KeyAction.BACKUP and not self.recipients:
+            raise ValueError("KeyEvent: a backup names its recipients")
+
+    @classmethod
+    def from_json_obj(cls, obj: Mapping[str, object]) -> KeyEvent:
+        """Read a `key` line's content fields. Raises ValueError naming the field."""
+        if set(obj) != _KEY_FIELDS or obj["v"] != FORMAT:
+            raise ValueError("fields")
+        try:
+            action, stage = KeyAction(obj["event"]), KeyStage(obj["stage"])
+        except ValueError:
+            raise ValueError("event/stage") from None
+        time_text, pubkeys, recipients = obj["time"], obj["pubkeys"], obj["recipients"]
+        if not isinstance(time_text, str) or not isinstance(pubkeys, list) or not isinstance(
+                recipients, list):
+            raise ValueError("time/pubkeys/recipients")
+        try:
+            return cls(
+                at=_parse_time(time_text), op=_member(obj, "op", str), action=action,
+                stage=stage, uid=_member(obj, "uid", int), user=_optional(obj, "user", str),
+                agents=_optional(obj, "agents", int), pubkeys=tuple(pubkeys),
+                held=_optional(obj, "held", int), file=_optional(obj, "file", str),
+                sha256=_optional(obj, "sha256", str), recipients=tuple(recipients),
+                old_token=_optional(obj, "oldToken", str), old_kek=_optional(obj, "oldKek", str),
+                new_token=_optional(obj, "newToken", str), new_kek=_optional(obj, "newKek", str),
+                fault=_optional(obj, "fault", str),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ValueError(str(exc)) from None
+
+
+#: The facts `_KEY_FACTS` governs (attribute names).
+_KEY_OPTIONAL: Final = ("agents", "pubkeys", "held", "file", "sha256", "recipients",
+                        "old_token", "old_kek", "new_token", "new_kek")
+
+
 #: Anything the log holds: one line each.
-Entry: TypeAlias = AuditRecord | RefusalCount | Reanchor
+Entry: TypeAlias = AuditRecord | RefusalCount | Reanchor | KeyEvent
 
 _CHAIN_FIELDS: Final = frozenset({"v", "seq", "prev", "digest", "time", "phase"})
 _REFUSAL_FIELDS: Final = _CHAIN_FIELDS | {
     "since", "credential", "agent", "action", "status", "code", "count"}
 _REANCHOR_FIELDS: Final = _CHAIN_FIELDS | {"anchoredSeq", "anchoredHead", "uid"}
+_KEY_FIELDS: Final = _CHAIN_FIELDS | {
+    "op", "event", "stage", "uid", "user", "agents", "pubkeys", "held", "file", "sha256",
+    "recipients", "oldToken", "oldKek", "newToken", "newKek", "fault"}
 
 #: phase -> how its content is read (the table `_check_line` and `read_records` use).
 _READERS: Final[Mapping[str, Callable[[Mapping[str, object]], Entry]]] = {
@@ -439,6 +659,7 @@ _READERS: Final[Mapping[str, Callable[[Mapping[str, object]], Entry]]] = {
     Phase.VERDICT.value: AuditRecord.from_json_obj,
     Phase.REFUSALS.value: RefusalCount.from_json_obj,
     Phase.REANCHOR.value: Reanchor.from_json_obj,
+    Phase.KEY.value: KeyEvent.from_json_obj,
 }
 
 
@@ -462,6 +683,27 @@ def _content(entry: Entry) -> dict[str, object]:
             "anchoredSeq": entry.anchored_seq,
             "anchoredHead": entry.anchored_head,
             "uid": entry.uid,
+        }
+    if isinstance(entry, KeyEvent):
+        return {
+            "time": _utc_text(entry.at),
+            "phase": Phase.KEY.value,
+            "op": entry.op,
+            "event": entry.action.value,
+            "stage": entry.stage.value,
+            "uid": entry.uid,
+            "user": entry.user,
+            "agents": entry.agents,
+            "pubkeys": list(entry.pubkeys),
+            "held": entry.held,
+            "file": entry.file,
+            "sha256": entry.sha256,
+            "recipients": list(entry.recipients),
+            "oldToken": entry.old_token,
+            "oldKek": entry.old_kek,
+            "newToken": entry.new_token,
+            "newKek": entry.new_kek,
+            "fault": entry.fault,
         }
     return {
         "time": _utc_text(entry.at),
@@ -739,6 +981,7 @@ class AuditLog:
         *,
         rotate_bytes: int = DEFAULT_ROTATE_BYTES,
         anchor: tuple[int, str] | None = None,
+        lock_wait: float = 0.0,
         _opener: Callable[[Path, int], int] = _default_open,
     ) -> AuditLog:
         """Open (creating if needed) the audit directory and continue its chain.
@@ -748,6 +991,9 @@ class AuditLog:
             rotate_bytes: start a new file once the current one reaches this size.
             anchor: (seq, hash) the log must still reach (the state database's anchor);
                 None when there is none yet. The records from it to the tail are checked.
+            lock_wait: seconds to wait for another writer to let go of the log (0: do not
+                wait; the daemon). A command that writes a few lines and closes (the
+                key-event log) waits, so two commands run at once take turns.
             _opener: test seam — how a file is opened (path, os flags) -> fd. The
                 descriptor must be the file at that path (every batch checks it is).
 
@@ -756,7 +1002,7 @@ class AuditLog:
                 or the last complete record is damaged (run `buzz-broker audit verify`), or
                 the log does not reach `anchor` (cut, deleted, replaced: `audit verify`,
                 then restore it or `buzz-broker audit reanchor`), or another process holds
-                the log. `detail` says which; the daemon must not start.
+                the log (`busy` is then True). `detail` says which; the daemon must not start.
             ValueError: `rotate_bytes` below `MIN_ROTATE_BYTES` (a bug).
         """
         if isinstance(rotate_bytes, bool) or not isinstance(rotate_bytes, int):
@@ -765,7 +1011,7 @@ class AuditLog:
             raise ValueError(f"rotate_bytes must be at least {MIN_ROTATE_BYTES}")
         log = cls(Path(directory), rotate_bytes=rotate_bytes, opener=_opener)
         try:
-            log._open_tail()
+            log._open_tail(lock_wait)
             if anchor is not None:
                 _check_anchor(audit_files(log._dir), anchor, tail=log._durable)
         except OSError as exc:
@@ -773,9 +1019,10 @@ class AuditLog:
             raise _unavailable("open", exc, log._dir) from None
         except _Locked:
             log._close_fd()
-            detail = f"another process has the audit log open ({log._dir})"
+            waited = f" (waited {lock_wait:g} s)" if lock_wait else ""
+            detail = f"another process has the log open{waited} ({log._dir})"
             log_event(_log, "audit.unavailable", level=logging.ERROR, detail=detail)
-            raise AuditUnavailable(detail) from None
+            raise AuditUnavailable(detail, busy=True) from None
         except _Damaged as exc:
             log._close_fd()
             detail = f"{exc.args[0]}; run `buzz-broker audit verify`"
@@ -792,7 +1039,7 @@ class AuditLog:
         """
         return self._durable
 
-    def _open_tail(self) -> None:
+    def _open_tail(self, lock_wait: float) -> None:
         try:
             os.mkdir(self._dir, DIR_MODE)
         except FileExistsError:
@@ -805,10 +1052,16 @@ class AuditLog:
         # One writer per log: a second daemon, or `audit reanchor` while one serves, would
         # fork the chain. The lock lives on the directory, so it needs no extra file.
         self._dir_fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            fcntl.flock(self._dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise _Locked() from None
+        deadline = time.monotonic() + lock_wait
+        while True:
+            try:
+                fcntl.flock(self._dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                # Polled, not a blocking flock: the wait must end at the deadline.
+                if time.monotonic() >= deadline:
+                    raise _Locked() from None
+                time.sleep(_LOCK_POLL_SECONDS)
         files = audit_files(self._dir)
         # The newest non-empty file holds the tail; a trailing empty file (a crash right
         # after a rotation created it) is simply where writing continues.

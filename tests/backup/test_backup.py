@@ -7,6 +7,7 @@ that KEK (the drill, tests/backup/test_drill.py, does it with a new token and th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -19,7 +20,9 @@ import pytest
 import trio
 
 from custody import Custody, TokenConfig
+from daemon.state.audit import verify
 from daemon.state.directory import AgentDirectory
+from daemon.state.key_events import KEY_EVENTS_DIRNAME
 from tests.custody._secrets import PUB_1, PUB_2, PUB_3, SECRET_1, SECRET_X, assert_no_secrets
 from tests.custody.test_cli import Cli
 from tests.fixtures.token import SoftHsmToken
@@ -71,6 +74,18 @@ class Host:
         return b"".join(p.read_bytes() for p in sorted(self.cli.state.iterdir()) if p.is_file())
 
 
+def key_event_bytes(state: Path) -> bytes:
+    """Every byte of the key-event log (after checking its chain)."""
+    log = state / KEY_EVENTS_DIRNAME
+    assert verify(log).ok
+    return b"".join(p.read_bytes() for p in sorted(log.iterdir()))
+
+
+def key_events(state: Path) -> list[dict[str, object]]:
+    """The key-event log's lines, parsed, in order."""
+    return [json.loads(line) for line in key_event_bytes(state).splitlines()]
+
+
 @dataclass(frozen=True)
 class Made:
     """The module's source host, made once: three agents, backed up once."""
@@ -117,12 +132,22 @@ def test_round_trip_keeps_pubkeys_nip_oa_tags_and_d_tags(made: Made, target: Hos
     # Restoring again changes nothing: every agent is already held, with the same owner.
     again = target("keys", "restore", "--identity", str(identity), str(out))
     assert again.returncode == 0 and again.stdout.count("already held") == 3
-    events = [json.loads(line) for line in (target.cli.state / "key-events.jsonl").read_text().splitlines()]
-    assert [(e["event"], e["agents"]) for e in events] == [("restore", 3), ("restore", 0)]
-    backed = json.loads((source.cli.state / "key-events.jsonl").read_text())
-    assert backed["event"] == "backup" and backed["agents"] == 3 and backed["uid"] == os.getuid()
+    # The key-event log (a hash chain of its own): intent, then outcome, for each run.
+    events = key_events(target.cli.state)
+    assert [(e["event"], e["stage"], e["agents"]) for e in events] == [
+        ("restore", "intent", None), ("restore", "done", 3),
+        ("restore", "intent", None), ("restore", "done", 0)]
+    assert events[1]["held"] == 0 and events[3]["held"] == 3
+    assert sorted(events[1]["pubkeys"]) == sorted(str(a["pubkey"]) for a in made.agents)
+    assert {e["sha256"] for e in events} == {hashlib.sha256(out.read_bytes()).hexdigest()}
+    backed = key_events(source.cli.state)
+    assert [(e["event"], e["stage"]) for e in backed] == [("backup", "intent"), ("backup", "done")]
+    assert backed[1]["agents"] == 3 and backed[1]["uid"] == os.getuid()
+    assert backed[1]["sha256"] == hashlib.sha256(out.read_bytes()).hexdigest()
+    assert not (source.cli.state / "key-events.jsonl").exists()  # the old plain file: no more
     scanned = (source.cli.transcript + target.cli.transcript + out.read_bytes()
-               + source.files() + target.files())
+               + source.files() + target.files() + key_event_bytes(source.cli.state)
+               + key_event_bytes(target.cli.state))
     assert_no_secrets(scanned)
     assert b"AGE-SECRET-KEY" not in scanned
 

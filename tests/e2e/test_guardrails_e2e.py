@@ -104,7 +104,7 @@ async def test_audit_log_records_every_verdict_and_verifies(broker: BrokerHarnes
     assert first["outcome"]["eventId"] in text
     assert secret_words not in text and cred not in text
     shown = _cli(broker, "audit", "verify")
-    assert shown.returncode == 0 and shown.stdout.startswith("ok ")
+    assert shown.returncode == 0 and shown.stdout.startswith("audit log: ok ")
 
 
 @pytest.fixture

@@ -47,7 +47,7 @@ def test_verify_and_show(tmp_path: Path) -> None:
     # Default path: the configured state directory's audit directory.
     ok = buzz("--config", str(config), "audit", "verify")
     assert ok.returncode == 0, ok.stderr
-    assert ok.stdout.startswith("ok 30 records; head ")
+    assert ok.stdout.startswith("audit log: ok 30 records; head ")
     head = ok.stdout.split()[-1]
 
     table = buzz("--config", str(config), "audit", "show", "--agent", AGENT.upper(),
