@@ -10,16 +10,23 @@ databases, their -wal/-shm files and SoftHSM objects made by root are 0600 root:
 daemon's user could no longer open them, and the service would fail at its next start.
 Refusing (and naming the way to run as that user) is simpler and safer than chowning
 after the fact.
+
+`agent_directory`: the public agent directory for one command, closed after, its faults
+one CliError line.
 """
 
 from __future__ import annotations
 
 import os
 import pwd
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # typing only: the configuration is imported when a command runs
     from daemon.config import Config
+    from daemon.state.directory import AgentDirectory
 
 
 class CliError(Exception):
@@ -69,3 +76,18 @@ def config_from_args(args: object) -> Config:
     except ConfigError as exc:
         raise CliError(str(exc)) from None
 
+
+
+@contextmanager
+def agent_directory(state_dir: Path | str, fault: str = "{}") -> Iterator[AgentDirectory]:
+    """The directory under `state_dir`, closed when the block ends. A `DirectoryError`
+    leaving the block becomes one CliError line: `fault` with `{}` for its message."""
+    from daemon.state.directory import AgentDirectory, DirectoryError
+
+    directory = AgentDirectory.open(state_dir)
+    try:
+        yield directory
+    except DirectoryError as exc:
+        raise CliError(fault.format(exc)) from None
+    finally:
+        directory.close()

@@ -42,8 +42,7 @@ from typing import TYPE_CHECKING, TypeVar
 import trio
 
 from daemon.cli import agent_auth
-from daemon.cli._common import CliError, config_from_args
-from daemon.state.directory import AgentDirectory, DirectoryError
+from daemon.cli._common import CliError, agent_directory, config_from_args
 
 if TYPE_CHECKING:
     from custody import Custody, KeyRecord
@@ -140,27 +139,17 @@ def _import(args: argparse.Namespace, config: Config) -> int:
 
 def _enroll(config: Config, pubkey: str, name: str) -> None:
     """Write the agent's name into the directory (custody holds no names)."""
-    directory = AgentDirectory.open(config.state.dir)
-    try:
-        directory.enroll(pubkey, name)
-    except DirectoryError as exc:
-        raise CliError(f"{pubkey} is held, but its name was not stored ({exc}); name it "
-                       f"with: buzz-broker agent name {pubkey} NAME") from None
-    finally:
-        directory.close()
+    with agent_directory(config.state.dir, f"{pubkey} is held, but its name was not stored "
+                         f"({{}}); name it with: buzz-broker agent name {pubkey} NAME") as d:
+        d.enroll(pubkey, name)
 
 
 def _name(args: argparse.Namespace, config: Config) -> int:
     pubkey = _pubkey(args.pubkey, "PUBKEY")
     if not args.name:
         raise CliError("NAME must not be empty")
-    directory = AgentDirectory.open(config.state.dir)
-    try:
+    with agent_directory(config.state.dir) as directory:
         record = directory.rename(pubkey, args.name)
-    except DirectoryError as exc:
-        raise CliError(str(exc)) from None
-    finally:
-        directory.close()
     if record is None:
         raise CliError(f"no live agent {pubkey} is held here")
     print(f"{record.pubkey} is named {record.name!r} on this host (not published)",
@@ -207,10 +196,8 @@ def _create(args: argparse.Namespace, config: Config) -> int:
 
 
 def _list(args: argparse.Namespace, config: Config) -> int:
-    try:
-        records = AgentDirectory.open(config.state.dir).agents(include_deleted=args.all)
-    except DirectoryError as exc:
-        raise CliError(str(exc)) from None
+    with agent_directory(config.state.dir) as directory:
+        records = directory.agents(include_deleted=args.all)
     if args.json:
         # `authTagMissing`: a live agent whose owner (a person) has not signed its NIP-OA tag.
         print(json.dumps([{**r.to_json_obj(), "authTagMissing": r.live and r.auth_tag is None}

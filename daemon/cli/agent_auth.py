@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from daemon.cli._common import CliError
+from daemon.cli._common import CliError, agent_directory
 
 if TYPE_CHECKING:
     from custody import Custody, KeyRecord
@@ -157,21 +157,16 @@ def attach(args: argparse.Namespace, config: Config) -> int:
     async def main() -> tuple[KeyRecord, str]:
         from pathlib import Path
 
-        from daemon.state.directory import AgentDirectory, DirectoryError
-
         custody = await Custody.open(config.pkcs11.token(), Path(config.state.dir))
-        directory = AgentDirectory.open(config.state.dir)
         try:
-            listed = directory.agent(agent)
+            with agent_directory(config.state.dir) as directory:
+                listed = directory.agent(agent)
             record = custody.agent(agent)
             if record is None or listed is None:
                 raise CliError(f"no live agent {agent} is held here")
             stored = await custody.attach_auth_tag(agent, _tag_from_args(args, record.owner))
             return stored, await _republish_profile(config, custody, stored, listed.name)
-        except DirectoryError as exc:
-            raise CliError(str(exc)) from None
         finally:
-            directory.close()
             await custody.aclose()
 
     try:

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from daemon.cli._common import CliError, config_from_args
+from daemon.cli._common import CliError, agent_directory, config_from_args
 
 if TYPE_CHECKING:
     from daemon.state.sessions import SessionStore
@@ -143,7 +143,6 @@ def _store(args: argparse.Namespace) -> "SessionStore":
 
 
 def _issue(args: argparse.Namespace) -> int:
-    from daemon.state.directory import AgentDirectory, DirectoryError
     from buzzwire.contract import ACTIONS, normalize_channel_id, normalize_hex64
     from daemon.state.ratelimit import RateLimiter, parse_rate
     from daemon.state.sessions import check_label
@@ -181,13 +180,8 @@ def _issue(args: argparse.Namespace) -> int:
             raise CliError(f"--rate: {exc}") from None
 
     config = config_from_args(args)
-    directory = AgentDirectory.open(Path(config.state.dir))
-    try:
+    with agent_directory(config.state.dir) as directory:
         record = directory.get(agent)
-    except DirectoryError as exc:
-        raise CliError(str(exc)) from None
-    finally:
-        directory.close()
     if record is None:
         raise CliError(f"no such agent held here: {agent}")
     if record.deleted_at is not None:

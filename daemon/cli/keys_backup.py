@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from daemon.cli._common import CliError, config_from_args
+from daemon.cli._common import CliError, agent_directory, config_from_args
 from daemon.cli._key_trail import KeyTrail, clip, recorded
 from daemon.state.audit import KeyAction
 
@@ -173,23 +173,14 @@ def _write_backup(config: Config, recipients: tuple[str, ...], out: Path,
 
 def _public_entries(config: Config) -> dict[str, dict[str, object]]:
     """Each live agent's directory entry, for custody to carry in the backup."""
-    from daemon.state.directory import AgentDirectory, DirectoryError
-
-    directory = AgentDirectory.open(config.state.dir)
-    try:
+    with agent_directory(config.state.dir) as directory:
         return {r.pubkey: {"name": r.name, "creator": r.creator} for r in directory.agents()}
-    except DirectoryError as exc:
-        raise CliError(str(exc)) from None
-    finally:
-        directory.close()
 
 
 def _enroll_restored(config: Config, entries: dict[str, Mapping[str, object]]) -> None:
     """Write the backed-up names of agents that have none here; a bad entry is said."""
-    from daemon.state.directory import AgentDirectory, DirectoryError
-
-    directory = AgentDirectory.open(config.state.dir)
-    try:
+    with agent_directory(config.state.dir, "the keys are restored, but their names were not "
+                         "({}); run the restore again to write them") as directory:
         for pubkey, entry in entries.items():
             name, creator = entry.get("name"), entry.get("creator")
             try:
@@ -199,11 +190,6 @@ def _enroll_restored(config: Config, entries: dict[str, Mapping[str, object]]) -
             except ValueError as exc:
                 print(f"{pubkey}: restored without its name ({exc}); set one with "
                       f"buzz-broker agent name {pubkey} NAME", file=sys.stderr)
-    except DirectoryError as exc:
-        raise CliError(f"the keys are restored, but their names were not ({exc}); run the "
-                       "restore again to write them") from None
-    finally:
-        directory.close()
 
 
 def _read_bounded(path: Path, limit: int, what: str, *, private: bool) -> bytearray:

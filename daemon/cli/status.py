@@ -77,10 +77,13 @@ def _socket(path: str) -> tuple[bool, str]:
 def _agents(state_dir: Path) -> tuple[bool, str]:
     from daemon.state.directory import AgentDirectory, DirectoryError
 
+    directory = AgentDirectory.open(state_dir)
     try:
-        records = AgentDirectory.open(state_dir).agents(include_deleted=True)
+        records = directory.agents(include_deleted=True)
     except DirectoryError as exc:
         return False, str(exc)
+    finally:
+        directory.close()
     live = sum(1 for r in records if r.live)
     return True, f"{live} live, {len(records) - live} deleted"
 
