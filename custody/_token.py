@@ -326,16 +326,15 @@ def _load_lib(module: str) -> Any:
     return lib
 
 
-#: What a first login retries (after starting the module over where nothing else in the
-#: process uses it): SoftHSM 2.6's answers in a process that read its token file while
-#: another process was rewriting it. Every C_Login rewrites that file (the PIN-retry
-#: flags), and SoftHSM releases the file's lock before the rewrite reaches the disk; a
-#: reader then sees it empty or cut short and answers GeneralError (C_GetTokenInfo,
-#: C_Login), or, if it was C_Initialize that read it, lists no such token. The failed
-#: read also marks the token invalid in that process for good (only C_Finalize clears
-#: it), so plain retries are not enough. Measured: tests/custody/test_concurrent_processes.py.
-#: Never retried: a wrong or locked PIN (a token may count failed logins), or two tokens
-#: under one label.
+#: What a login retries (`_login`): SoftHSM 2.6's answers in a process that read its token
+#: file while another process was rewriting it. Every C_Login rewrites that file (the
+#: PIN-retry flags), and SoftHSM releases the file's lock before the rewrite reaches the
+#: disk; a reader then sees it empty or cut short and answers GeneralError
+#: (C_GetTokenInfo, C_Login), or, if it was C_Initialize that read it, lists no such
+#: token. The failed read can also mark the token invalid in that process for good (only
+#: C_Finalize clears it), so plain retries are not always enough. Shown by
+#: tests/custody/test_concurrent_processes.py. Never retried: a wrong or locked PIN (a
+#: token may count failed logins), or two tokens under one label.
 LOGIN_RETRY_ERRORS: tuple[type[Exception], ...] = (
     pkcs11.GeneralError, pkcs11.NoSuchToken, *STALE_HANDLE_ERRORS,
 )
@@ -404,7 +403,7 @@ def _login(config: TokenConfig, pin: bytearray, *, may_restart: bool) -> Any:
         except LOGIN_RETRY_ERRORS as exc:
             if attempt == LOGIN_ATTEMPTS:
                 raise _login_fault(exc, config) from None
-            log.warning("token %r: login attempt %d failed (%s); trying again",
+            log.info("token %r: login attempt %d failed (%s); trying again",
                         config.token_label, attempt, type(exc).__name__)
         except pkcs11.PKCS11Error as exc:
             raise _login_fault(exc, config) from None

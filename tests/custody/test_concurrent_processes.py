@@ -14,6 +14,7 @@ rewritten, so a key already found keeps working.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -22,8 +23,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from custody import Custody, TokenConfig
-from tests.fixtures.token import REPO
+import custody._token as token_module
+from custody import Custody, CustodyError, TokenConfig
+from tests.fixtures.token import REPO, SoftHsmToken
 
 #: Processes at once, and the rounds each runs (open, unseal every agent, close).
 PROCESSES = 3
@@ -63,3 +65,18 @@ def test_processes_opening_and_unsealing_at_once_all_succeed(
         assert result["faults"] == {}, results
         assert result["opened"] == ROUNDS
         assert result["unsealed"] == ROUNDS * AGENTS
+
+
+def test_a_wrong_pin_is_tried_once(
+    softhsm_token: SoftHsmToken, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Only a transient token fault is retried: a token may count failed logins, and
+    # retrying a wrong PIN would spend an operator's tries (LOGIN_RETRY_ERRORS).
+    assert not token_module._PROCESS.sessions  # so C_Login runs, not the PIN comparison
+    wrong = tmp_path / "wrong-pin"
+    wrong.write_text("not-the-pin\n")
+    wrong.chmod(0o600)
+    caplog.set_level(logging.INFO, logger="buzz_broker.custody")
+    with pytest.raises(CustodyError, match="wrong PIN"):
+        trio.run(Custody.open, softhsm_token.config(pin_file=str(wrong)), tmp_path / "state")
+    assert not [r for r in caplog.records if "login attempt" in r.getMessage()]
