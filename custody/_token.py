@@ -363,6 +363,8 @@ def _login_fault(exc: Exception, config: TokenConfig) -> CustodyError:
         return CustodyError(f"token {label!r}: login failed, wrong PIN")
     if isinstance(exc, pkcs11.PinLocked):
         return CustodyError(f"token {label!r}: the user PIN is locked")
+    if isinstance(exc, LOGIN_RETRY_ERRORS):  # still failing after the last attempt
+        return CustodyError(f"token {label!r} is not available ({type(exc).__name__})")
     return CustodyError(f"token {label!r}: login failed ({type(exc).__name__})")
 
 
