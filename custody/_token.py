@@ -378,7 +378,7 @@ def _restart_module(lib: Any) -> None:
     try:
         lib.initialize()
     except pkcs11.PKCS11Error:
-        pass  # the next attempt's C_GetSlotList says what is wrong
+        pass  # the next attempt initializes again, and says what is wrong
 
 
 def _login(config: TokenConfig, pin: bytearray, *, may_restart: bool) -> Any:
@@ -401,6 +401,8 @@ def _login(config: TokenConfig, pin: bytearray, *, may_restart: bool) -> Any:
     pause = LOGIN_PAUSE_SECONDS
     for attempt in range(1, LOGIN_ATTEMPTS + 1):
         try:
+            if not lib.initialized:  # a restart whose C_Initialize failed (the store was away)
+                lib.initialize()
             return lib.get_token(token_label=config.token_label).open(rw=True, user_pin=text)
         except LOGIN_RETRY_ERRORS as exc:
             if attempt == LOGIN_ATTEMPTS:
