@@ -6,9 +6,10 @@ PIN-retry flags), and SoftHSM unlocks that file before its rewrite reaches the d
 process reading it in that window (C_GetTokenInfo, C_Login, C_Initialize) fails with
 GeneralError or lists no such token, and can be left with the token marked invalid until
 its module is started over. Before custody retried logins (`_token.LOGIN_RETRY_ERRORS`),
-about one `Custody.open` in ten failed in this test's load, some with a raw pkcs11
-traceback. The unseals themselves never failed: the KEK's own object file is never
-rewritten, so a key already found keeps working.
+about one `Custody.open` in ten failed with several processes re-opening in a loop, some
+as a raw pkcs11 traceback (this test failed on that code in every run). The unseals
+themselves never failed: the KEK's own object file is never rewritten, so a key already
+found keeps working.
 """
 
 from __future__ import annotations
