@@ -44,6 +44,12 @@ The seal, chosen by what the token offers (`choose_seal`, never a silent downgra
   in again, finds the active KEK by label, checks it, and retries the one operation once.
   The process's shared session is replaced once per failure generation, so several
   `Token`s sharing it do not each log in again.
+- Other processes log in to the same token at the same time (the daemon, a CLI command,
+  a backup). SoftHSM 2.6 then sometimes fails a login or a token lookup with
+  GeneralError, or lists no such token (`LOGIN_RETRY_ERRORS` says why): a login is tried
+  again a bounded number of times, starting the module over first where nothing else in
+  the process uses it. Only logins are retried; an operation on a sealed key never is
+  (a refusal there stays a refusal, `_sealed`).
 """
 
 from __future__ import annotations
@@ -54,8 +60,10 @@ import hmac
 import itertools
 import logging
 import os
+import random
 import secrets
 import stat
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -318,46 +326,111 @@ def _load_lib(module: str) -> Any:
     return lib
 
 
-def _find_token(lib: Any, config: TokenConfig) -> Any:
+#: What a login retries (`_login`): SoftHSM 2.6's answers in a process that read its token
+#: file while another process was rewriting it. Every C_Login rewrites that file (the
+#: PIN-retry flags), and SoftHSM releases the file's lock before the rewrite reaches the
+#: disk; a reader then sees it empty or cut short and answers GeneralError
+#: (C_GetTokenInfo, C_Login), or, if it was C_Initialize that read it, lists no such
+#: token. The failed read can also mark the token invalid in that process for good (only
+#: C_Finalize clears it), so plain retries are not always enough. Shown by
+#: tests/custody/test_concurrent_processes.py. Never retried: a wrong or locked PIN (a
+#: token may count failed logins), or two tokens under one label.
+LOGIN_RETRY_ERRORS: tuple[type[Exception], ...] = (
+    pkcs11.GeneralError, pkcs11.NoSuchToken, *STALE_HANDLE_ERRORS,
+)
+#: Attempts at a login. The race lasts microseconds, but processes that queue behind one
+#: login's file lock all wake into it, so under heavy login traffic a few attempts in a row
+#: can fail. The pauses between attempts are random (processes that collided once do not
+#: collide again in step), doubling from LOGIN_PAUSE_SECONDS up to LOGIN_PAUSE_CAP_SECONDS:
+#: at most about 0.6 s in all before the last attempt's error is reported.
+LOGIN_ATTEMPTS = 12
+LOGIN_PAUSE_SECONDS = 0.002
+LOGIN_PAUSE_CAP_SECONDS = 0.1
+#: From this attempt on the module is started over first (where allowed): a plain retry
+#: clears a torn read, but not a token SoftHSM has marked invalid for the process; and a
+#: fresh C_Initialize reads the whole store, so it is the slower cure, not the first one.
+LOGIN_RESTART_FROM = 3
+
+
+def _login_fault(exc: Exception, config: TokenConfig) -> CustodyError:
+    """The one line the operator reads for a login that failed with `exc`."""
+    label = config.token_label
+    if isinstance(exc, pkcs11.NoSuchToken):
+        return CustodyError(f"no token labelled {label!r} in PKCS#11 module {config.module}")
+    if isinstance(exc, pkcs11.MultipleTokensReturned):
+        return CustodyError(f"more than one token labelled {label!r} in {config.module}")
+    if isinstance(exc, pkcs11.PinIncorrect):
+        return CustodyError(f"token {label!r}: login failed, wrong PIN")
+    if isinstance(exc, pkcs11.PinLocked):
+        return CustodyError(f"token {label!r}: the user PIN is locked")
+    if isinstance(exc, LOGIN_RETRY_ERRORS):  # still failing after the last attempt
+        return CustodyError(f"token {label!r} is not available ({type(exc).__name__})")
+    return CustodyError(f"token {label!r}: login failed ({type(exc).__name__})")
+
+
+def _restart_module(lib: Any) -> None:
+    """C_Finalize and C_Initialize `lib`: every handle the process holds in it dies."""
     try:
-        return lib.get_token(token_label=config.token_label)
-    except pkcs11.NoSuchToken:
-        raise CustodyError(
-            f"no token labelled {config.token_label!r} in PKCS#11 module {config.module}"
-        ) from None
-    except pkcs11.MultipleTokensReturned:
-        raise CustodyError(
-            f"more than one token labelled {config.token_label!r} in {config.module}"
-        ) from None
+        if lib.initialized:
+            lib.finalize()
+    except pkcs11.PKCS11Error:
+        pass  # finalising a module that already lost its state: nothing to keep
+    try:
+        lib.initialize()
+    except pkcs11.PKCS11Error:
+        pass  # the next attempt initializes again, and says what is wrong
 
 
-def _login(token: Any, config: TokenConfig, pin: bytearray) -> Any:
+def _login(config: TokenConfig, pin: bytearray, *, may_restart: bool) -> Any:
+    """Find the token by label and open a logged-in read-write session on it.
+
+    A failure in LOGIN_RETRY_ERRORS is tried again, up to LOGIN_ATTEMPTS times; from
+    attempt LOGIN_RESTART_FROM on, the module is started over first if `may_restart` (the
+    caller holds no handle in it that must survive). Other failures are reported at once.
+
+    Raises:
+        CustodyError: no such token, two under one label, a wrong, locked or non-UTF-8 PIN,
+            or a token still failing after the last attempt (named by its error).
+    """
+    lib = _load_lib(config.module)
     try:
         # python-pkcs11 takes the PIN as str: the one unavoidable immutable copy of it.
-        return token.open(rw=True, user_pin=pin.decode("utf-8"))
+        text = pin.decode("utf-8")
     except UnicodeDecodeError:
         raise CustodyError("the token PIN is not UTF-8 text") from None
-    except pkcs11.PinIncorrect:
-        raise CustodyError(f"token {config.token_label!r}: login failed, wrong PIN") from None
-    except pkcs11.PinLocked:
-        raise CustodyError(f"token {config.token_label!r}: the user PIN is locked") from None
-    except pkcs11.PKCS11Error as exc:
-        raise CustodyError(
-            f"token {config.token_label!r}: login failed ({type(exc).__name__})"
-        ) from None
+    pause = LOGIN_PAUSE_SECONDS
+    for attempt in range(1, LOGIN_ATTEMPTS + 1):
+        try:
+            if not lib.initialized:  # a restart whose C_Initialize failed (the store was away)
+                lib.initialize()
+            return lib.get_token(token_label=config.token_label).open(rw=True, user_pin=text)
+        except LOGIN_RETRY_ERRORS as exc:
+            if attempt == LOGIN_ATTEMPTS:
+                raise _login_fault(exc, config) from None
+            log.info("token %r: login attempt %d failed (%s); trying again",
+                        config.token_label, attempt, type(exc).__name__)
+        except pkcs11.PKCS11Error as exc:
+            raise _login_fault(exc, config) from None
+        time.sleep(random.uniform(pause / 2, pause))
+        pause = min(2 * pause, LOGIN_PAUSE_CAP_SECONDS)
+        if may_restart and attempt + 1 >= LOGIN_RESTART_FROM:
+            _restart_module(lib)
+    raise AssertionError("unreachable")
 
 
 def _acquire_session(config: TokenConfig) -> tuple[tuple[str, str], _SharedSession]:
     require_lock()
-    lib = _load_lib(config.module)
+    _load_lib(config.module)  # a missing module is said before the PIN is read
     key = (os.path.realpath(config.module), config.token_label)
     pin = _read_pin(config)
     try:
         pin_mac = hmac.digest(_PROCESS.pin_mac_key, pin, hashlib.sha256)
         shared = _PROCESS.sessions.get(key)
         if shared is None:
-            token = _find_token(lib, config)
-            shared = _SharedSession(session=_login(token, config, pin), pin_mac=pin_mac)
+            # The module may start over only while no other token's session lives in it.
+            alone = all(module != key[0] for module, _ in _PROCESS.sessions)
+            shared = _SharedSession(session=_login(config, pin, may_restart=alone),
+                                    pin_mac=pin_mac)
             _PROCESS.sessions[key] = shared
         elif not hmac.compare_digest(shared.pin_mac, pin_mac):
             raise CustodyError(f"token {config.token_label!r}: login failed, wrong PIN")
@@ -389,33 +462,6 @@ def _logged_in(config: TokenConfig) -> Iterator[Any]:
         yield shared.session
     finally:
         _release_session(key)
-
-
-def _find_token_afresh(config: TokenConfig) -> Any:
-    """The token, after every handle in the process went stale.
-
-    The module's view of its slots may have gone stale with the handles (SoftHSM, after its
-    token store vanished and came back, answers GeneralError until it is initialised
-    again), so on failure the module is started over: with every handle stale already,
-    that loses nothing.
-    """
-    lib = _load_lib(config.module)
-    try:
-        return _find_token(lib, config)
-    except pkcs11.PKCS11Error:
-        pass
-    try:
-        if lib.initialized:
-            lib.finalize()
-    except pkcs11.PKCS11Error:
-        pass  # finalising a module that already lost its state: nothing to keep
-    try:
-        lib.initialize()
-        return _find_token(lib, config)
-    except pkcs11.PKCS11Error as exc:
-        raise CustodyError(
-            f"token {config.token_label!r} is not available ({type(exc).__name__})"
-        ) from None
 
 
 def _find_key(session: Any, token_label: str, label: str, key_type: Any | None) -> Any | None:
@@ -803,10 +849,12 @@ class Token:
         if shared.session is None or shared.generation == self._generation:
             # The old session's handle is dead: closing it would only raise. Log in anew.
             shared.session = None
-            token = _find_token_afresh(self._config)
             pin = _read_pin(self._config)
             try:
-                shared.session = _login(token, self._config, pin)
+                # Every handle is stale already: starting the module over loses nothing,
+                # and SoftHSM, after its token store vanished and came back, answers
+                # GeneralError until it is.
+                shared.session = _login(self._config, pin, may_restart=True)
             finally:
                 pin[:] = bytes(len(pin))
             shared.generation += 1
