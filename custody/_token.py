@@ -408,7 +408,7 @@ def _login(config: TokenConfig, pin: bytearray, *, may_restart: bool) -> Any:
             if attempt == LOGIN_ATTEMPTS:
                 raise _login_fault(exc, config) from None
             log.info("token %r: login attempt %d failed (%s); trying again",
-                        config.token_label, attempt, type(exc).__name__)
+                     config.token_label, attempt, type(exc).__name__)
         except pkcs11.PKCS11Error as exc:
             raise _login_fault(exc, config) from None
         time.sleep(random.uniform(pause / 2, pause))
