@@ -164,7 +164,7 @@ class AgentDirectory:
         chain = self._chain(pubkey)
         if not chain:
             return None
-        return self._join(chain[0], self._names([pubkey]), _depths(
+        return self._join(chain[0], self._names(pubkey), _depths(
             {k.pubkey: k for k in chain}, iter([pubkey]))[pubkey])
 
     def agent(self, pubkey: str) -> AgentRecord | None:
@@ -207,18 +207,20 @@ class AgentDirectory:
                            created_at=key.created_at, deleted_at=key.deleted_at,
                            mint_ref=key.mint_ref)
 
-    def _names(self, only: list[str] | None) -> dict[str, tuple[str, str | None]]:
-        """pubkey -> (name, creator): this file's rows, or the version-1 fallback."""
+    def _names(self, only: str | None) -> dict[str, tuple[str, str | None]]:
+        """pubkey -> (name, creator) for every agent, or for the one pubkey `only`: this
+        file's rows, or the version-1 fallback."""
         rows = self._read(only)
         if rows is None:
             names = _call(self._keys.v1_names)
-            return names if only is None else {p: names[p] for p in only if p in names}
+            if only is None:
+                return names
+            return {only: names[only]} if only in names else {}
         return {pubkey: (name, creator) for pubkey, name, creator in rows}
 
-    def _read(self, only: list[str] | None) -> list[tuple[str, str, str | None]] | None:
+    def _read(self, only: str | None) -> list[tuple[str, str, str | None]] | None:
         """This file's rows (None if the file does not exist yet)."""
-        where, args = ("", ()) if only is None else (
-            f"WHERE pubkey IN ({','.join('?' * len(only))})", tuple(only))
+        where, args = ("", ()) if only is None else ("WHERE pubkey = ?", (only,))
         with self._lock:
             if self._db is None:
                 if not self._path.exists():
