@@ -9,9 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import trio
 
 from daemon.state.audit import AuditLog, audit_files
+from daemon.cli import EXIT_CLOSED_PIPE
 from daemon.cli.audit import EXIT_BROKEN
 
 from .test_audit import AGENT, record
@@ -128,3 +130,31 @@ def test_reanchor_asks_and_is_itself_audited(tmp_path: Path) -> None:
     assert isinstance(last, Reanchor) and last.anchored_seq == whole.records + 2
     assert last.anchored_head == "ef" * 32 and last.uid == os.getuid()
     assert read_anchor(state / "ledger.db") == (31, verify(state / "audit").head)
+
+
+@pytest.mark.parametrize("form", [(), ("--json",)], ids=["table", "json"])
+def test_a_reader_that_went_away_ends_the_output_quietly(tmp_path: Path,
+                                                          form: tuple[str, ...]) -> None:
+    """`audit show | head`: the reader is gone before the first write. Before, the table
+    form said "internal error (BrokenPipeError)" and exited 70, the JSON form "cannot read
+    …: Broken pipe"; a pipeline wants nothing on stderr and the shell's 141."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    trio.run(make_log, state)
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {k: v for k, v in os.environ.items() if k != "BUZZ_BROKER_CONFIG"}
+    try:
+        done = subprocess.run([sys.executable, "-m", "daemon.cli", "audit", "show", "--path",
+                               str(state / "audit"), *form], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=60, env=env)
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (EXIT_CLOSED_PIPE, "")
+
+
+def test_a_broken_pipe_elsewhere_is_not_a_closed_stdout(tmp_path: Path) -> None:
+    """Only standard output's own reader going away is quiet: with stdout open, a command
+    fault is still its one line (here: no audit directory)."""
+    done = buzz("audit", "show", "--path", str(tmp_path / "none"))
+    assert done.returncode == 1 and done.stderr.startswith("buzz-broker: ")
