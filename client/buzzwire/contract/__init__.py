@@ -31,6 +31,8 @@ from ._envelopes import (
     ACTIONS, REQUEST_MEMBERS, RESERVED_NAMES, ActionSpec, Args, MemberSet, RateClass, Reading,
     Request, Response, Verdict, build_request, encode_request, encode_response, mark_replayed, parse_response, read_request,
 )
+from ._json import JsonSyntaxError
+from ._json import parse as parse_json
 from ._ids import is_request_id, is_valid_pubkey, normalize_channel_id, normalize_hex64
 from ._limits import (
     ACTION_VERSION, DEFAULT_LIMIT, MAX_ABOUT_CHARS, MAX_CONTENT_BYTES, MAX_CURSOR_BYTES,
@@ -57,6 +59,8 @@ __all__ = [
     "Verdict", "encode_response", "mark_replayed", "parse_response", "Response", "Outcome",
     "Event", "PublishOutcome", "ReadOutcome", "StorageAddressOutcome", "AgentsCreateOutcome",
     "AgentsUpdateOutcome", "AgentsDeleteOutcome",
+    # strict JSON (the wire's reader, for tools that read JSON as the host does)
+    "parse_json", "JsonSyntaxError",
     # identities
     "normalize_channel_id", "normalize_hex64", "is_valid_pubkey", "is_request_id",
     # limits
