@@ -7,7 +7,7 @@ Modules, one job each:
   _limits     every limit, named, with its source
   _ids        identities (channel UUIDs, 64-hex, secp256k1 x-only pubkeys) and scalar checkers
   _shapes     table-driven strict objects (read, re-check in construction, write)
-  _args       the nine argument shapes
+  _args       the argument shapes (the nine, then NIP-BA's additions)
   _outcomes   the outcome shapes and the seven-member Event
   _echoes     the identities an outcome echoes from its request (I5), as data, and the check
   _envelopes  request/response envelopes, ActionSpec and ACTIONS (every fixed fact of an
@@ -23,7 +23,7 @@ tabulates it and changes with it.
 from ._args import (
     RESPOND_TO, AgentsCreateArgs, AgentsDeleteArgs, AgentsUpdateArgs, AgentTarget,
     ChannelReadArgs, MessagePostArgs, MessageReplyArgs, ProfileSetArgs, ReactionAddArgs,
-    StorageAddressArgs,
+    StorageAddressArgs, PRESENCE_STATUSES, PresenceSetArgs, TypingSetArgs,
 )
 from ._codes import MESSAGES, PAIRING, ContractError, ErrorCode, Status
 from ._echoes import REQUESTER, Echo, Identity, echo_mismatch
@@ -54,7 +54,8 @@ __all__ = [
     "read_request", "Reading", "Request", "Args", "build_request", "encode_request",
     "ChannelReadArgs", "MessagePostArgs", "MessageReplyArgs", "ReactionAddArgs",
     "ProfileSetArgs", "StorageAddressArgs", "AgentsCreateArgs", "AgentTarget",
-    "AgentsUpdateArgs", "AgentsDeleteArgs",
+    "AgentsUpdateArgs", "AgentsDeleteArgs", "PresenceSetArgs", "TypingSetArgs",
+    "PRESENCE_STATUSES",
     # responses
     "Verdict", "encode_response", "mark_replayed", "parse_response", "Response", "Outcome",
     "Event", "PublishOutcome", "ReadOutcome", "StorageAddressOutcome", "AgentsCreateOutcome",
