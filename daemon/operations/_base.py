@@ -52,6 +52,11 @@ class _Address(Protocol):
     def d_tag(self) -> str: ...
 
 
+class _KeyRecord(Protocol):
+    @property
+    def owner(self) -> str: ...
+
+
 class Custodian(Protocol):
     """The custody intents an operation calls itself; `custody.Custody` meets it.
 
@@ -61,6 +66,9 @@ class Custodian(Protocol):
     """
 
     async def mint_agent(self, *, owner: str, mint_ref: str | None) -> _Minted: ...
+
+    #: the agent key's public record (its owner), None if unknown or destroyed
+    def agent(self, pubkey: str) -> _KeyRecord | None: ...
 
     async def memory_address(self, agent: str, slug: str) -> _Address: ...
 

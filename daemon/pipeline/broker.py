@@ -84,6 +84,7 @@ from daemon.state.runtimes import RuntimeStore
 from daemon.state.sessions import Principal, SessionStore
 from daemon.pipeline.signing import SigningBatcher
 from daemon.state.verdict_store import expanded_form
+from daemon.pipeline import sealed_verdict
 
 __all__ = ["Broker", "PIPELINE", "LEDGER_FULL"]
 
@@ -280,8 +281,17 @@ class Broker:
             full = Judged.of(request_id, Verdict.failed(ErrorCode.UNAUTHORIZED, LEDGER_FULL))
             return await self._recorder.unrecorded(facts, full, started)
         if isinstance(begun, Replay):
+            stored = begun.response
+            if sealed_verdict.is_sealed(stored):
+                opened = await sealed_verdict.unseal(self._custody, principal.agent, stored)
+                if opened is None:  # a read's verdict: answering internal promises nothing
+                    log_event(_log, "ledger.sealed_unreadable", level=logging.ERROR,
+                              agent=principal.agent, request_id=request_id)
+                    return await self._recorder.unrecorded(facts, Judged.internal(request_id),
+                                                           started)
+                stored = opened
             try:
-                replay = Judged(expanded_form(request_id, begun.response), begun.status,
+                replay = Judged(expanded_form(request_id, stored), begun.status,
                                 begun.code)
             except ValueError:
                 # A compact refusal this version cannot read (a newer code): it was a
@@ -427,7 +437,12 @@ class Broker:
             enroll=self._enroll,
         )
         if operation.execute is not None:
-            return Judged.of(facts.request_id, await operation.execute(ctx, request.args))
+            judged = Judged.of(facts.request_id, await operation.execute(ctx, request.args))
+            if operation.seal_verdict and judged.status is Status.SUCCEEDED:
+                # The answer holds a secret: the ledger keeps it sealed (sealed_verdict).
+                judged = dataclasses.replace(judged, stored=await sealed_verdict.seal(
+                    self._custody, principal.agent, judged.response))
+            return judged
         assert operation.prepare is not None
         return await self._publisher.plan_and_publish(ctx, operation.prepare, request, ticket,
                                                       facts, progress)

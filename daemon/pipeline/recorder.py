@@ -54,6 +54,9 @@ class Judged:
     code: ErrorCode | None = None
     event_ids: tuple[str, ...] = ()
     published: bool = False
+    #: what the ledger keeps instead of `response` (a sealed verdict,
+    #: daemon/pipeline/sealed_verdict.py); None: the response's own stored form
+    stored: bytes | None = None
 
     @classmethod
     def of(cls, request_id: str, verdict: Verdict) -> Judged:
@@ -154,7 +157,8 @@ class Recorder:
             # A refusal is kept as its code (verdict_store); a read's page only briefly.
             await self._ledger.finish(
                 ticket,
-                stored_form(facts.request_id, judged.response, judged.status, judged.code)
+                judged.stored if judged.stored is not None
+                else stored_form(facts.request_id, judged.response, judged.status, judged.code)
                 if not judged.published else judged.response,
                 judged.status, judged.code,
                 keep_seconds=self._read_retention
