@@ -250,3 +250,24 @@ async def test_an_unreadable_relay_is_failed_never_empty(rig: Rig) -> None:
                          ("storage.put", {"slug": "mem/x", "value": "v"})):
         answer = await rig.harness.call(cred, action, args)
         assert (answer["status"], answer["error"]["code"]) == ("failed", "action_failed"), action
+
+
+async def test_the_protocol_examples_run_as_written(broker: BrokerHarness) -> None:
+    """docs/protocol.md's storage.put and storage.get examples, sent byte for byte."""
+    from tests.docs.snippets import REPO, blocks
+
+    examples = {label: body.strip().encode() for lang, label, body in
+                blocks(REPO / "docs" / "protocol.md") if lang == "json" and label}
+    agent = await broker.human_owned_agent("protocol-memory")
+    cred = broker.credential(agent, [str(uuid.uuid4())])
+    for action in ("storage.put", "storage.get"):
+        status, answer = await broker.post(examples[f"request-{action}"], cred)
+        expected = json.loads(examples[f"response-{action}"])
+        assert status == 200 and answer is not None
+        assert (answer["status"], answer["action"], answer["requestId"]) == (
+            expected["status"], action, expected["requestId"])
+        if action == "storage.get":
+            assert answer["outcome"] == expected["outcome"]
+        else:
+            assert set(answer["outcome"]) == set(expected["outcome"])
+            assert answer["outcome"]["kind"] == expected["outcome"]["kind"]
