@@ -271,3 +271,29 @@ async def test_the_protocol_examples_run_as_written(broker: BrokerHarness) -> No
         else:
             assert set(answer["outcome"]) == set(expected["outcome"])
             assert answer["outcome"]["kind"] == expected["outcome"]["kind"]
+
+
+async def test_buzz_broker_call_puts_and_gets(broker: BrokerHarness, tmp_path: Any,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """`buzz-broker call` speaks both actions through the agent client (exit 0, the
+    host's envelope on stdout)."""
+    from daemon import cli
+
+    agent = await broker.human_owned_agent("cli-memory")
+    path = tmp_path / "credential"
+    path.write_text(broker.credential(agent, [str(uuid.uuid4())]) + "\n")
+    path.chmod(0o400)
+
+    def call(action: str, args: dict[str, str]) -> tuple[int, dict[str, Any]]:
+        code = cli.main(["--config", str(broker.config_path), "call", action, "--args",
+                         json.dumps(args), "--socket", str(broker.socket),
+                         "--credential-file", str(path)])
+        out = capsys.readouterr().out
+        return code, json.loads(out) if out.strip() else {}
+
+    code, put = await trio.to_thread.run_sync(call, "storage.put", {"slug": "mem/cli", "value": "by hand"})
+    assert code == 0 and put["outcome"]["kind"] == KIND
+    code, got = await trio.to_thread.run_sync(call, "storage.get", {"slug": "mem/cli"})
+    assert code == 0 and got["outcome"] == {"value": "by hand"}
+    code, _bad = await trio.to_thread.run_sync(call, "storage.put", {"slug": "mem/cli", "value": " "})
+    assert code == 2  # usage: the client refuses a blank value before sending

@@ -104,8 +104,9 @@ def test_limits_table() -> None:
             rate_config_from_table(table)
     assert PUBLISH_ACTIONS | READ_ACTIONS == {
         "channel.read", "message.post", "message.reply", "reaction.add", "profile.set",
-        "storage.address", "agents.create", "agents.update", "agents.delete"}
-    assert READ_ACTIONS == {"channel.read", "storage.address"}
+        "storage.address", "agents.create", "agents.update", "agents.delete",
+        "storage.get", "storage.put"}
+    assert READ_ACTIONS == {"channel.read", "storage.address", "storage.get"}
 
 
 def test_loop_of_200_posts(tmp_path: Path, principals: tuple[Principal, Principal]) -> None:
