@@ -4,7 +4,7 @@ Rules (NIP-BA: memory payloads "MUST be protected in transit, logs, and retry st
 - The ledger keeps a read's succeeded verdict for replay (`[state]` read retention,
   daemon/pipeline/recorder.py). For an operation marked `seal_verdict` that verdict is
   stored as `SEALED_MARK` followed by NIP-44 v2 payloads of the response bytes (chunks of
-  at most 65,535 bytes, newline-separated), encrypted in custody from the agent to its
+  at most 65,535 bytes, each cut between characters, newline-separated), encrypted in custody from the agent to its
   owner (`Custody.encrypt_to_owner`, one unseal). The key is the agent↔owner conversation
   key, which exists only inside custody (derived from the agent's secret, sealed under
   the token's KEK): the ledger file alone does not open it. The owner can open it, as it
@@ -34,9 +34,22 @@ def is_sealed(stored: bytes) -> bool:
 
 async def seal(custody: Custodian, agent: str, response: bytes) -> bytes:
     """The stored form of `response`, sealed to the agent↔owner pair."""
-    chunks = [response[i:i + _CHUNK] for i in range(0, len(response), _CHUNK)]
-    payloads = await custody.encrypt_to_owner(agent, chunks)
+    payloads = await custody.encrypt_to_owner(agent, _utf8_chunks(response))
     return SEALED_MARK + "\n".join(payloads).encode("ascii")
+
+
+def _utf8_chunks(data: bytes) -> list[bytes]:
+    """`data` (UTF-8) cut into pieces of at most 65,535 bytes, each whole UTF-8 text:
+    NIP-44 plaintexts are text, and an owner's library (rust-nostr) refuses a cut
+    character."""
+    chunks, start = [], 0
+    while start < len(data):
+        end = min(start + _CHUNK, len(data))
+        while end < len(data) and data[end] & 0xC0 == 0x80:  # never inside a character
+            end -= 1
+        chunks.append(data[start:end])
+        start = end
+    return chunks
 
 
 async def unseal(custody: Custodian, agent: str, stored: bytes) -> bytes | None:

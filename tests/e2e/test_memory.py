@@ -297,3 +297,23 @@ async def test_buzz_broker_call_puts_and_gets(broker: BrokerHarness, tmp_path: A
     assert code == 0 and got["outcome"] == {"value": "by hand"}
     code, _bad = await trio.to_thread.run_sync(call, "storage.put", {"slug": "mem/cli", "value": " "})
     assert code == 2  # usage: the client refuses a blank value before sending
+
+
+async def test_a_sealed_verdict_opens_only_in_custody_for_its_agent(broker: BrokerHarness) -> None:
+    from daemon.pipeline import sealed_verdict
+
+    agent, _cred = await _agent(broker)
+    other = await broker.human_owned_agent("other")
+    response = json.dumps({"outcome": {"value": "sealed plaintext " + "é" * 70_000}},
+                          ensure_ascii=False).encode()  # more than one NIP-44 chunk
+    stored = await sealed_verdict.seal(broker.custody, agent, response)
+    assert sealed_verdict.is_sealed(stored) and b"sealed plaintext" not in stored
+    assert stored.count(b"\n") == 2  # three payloads
+    assert await sealed_verdict.unseal(broker.custody, agent, stored) == response
+    # The owner can open it too (the pair's key), as it can every memory record.
+    for payload in stored[1:].decode().split("\n"):
+        assert _owner_reads(agent, payload)
+    assert await sealed_verdict.unseal(broker.custody, other, stored) is None
+    tampered = stored[:-5] + (b"AAAA=" if stored[-5:] != b"AAAA=" else b"BBBB=")
+    assert await sealed_verdict.unseal(broker.custody, agent, tampered) is None
+    assert await sealed_verdict.unseal(broker.custody, agent, b"\x01\xff") is None
