@@ -91,6 +91,8 @@ class Facts:
     action: str | None
     request_id: str
     body_sha256: str
+    #: the NIP-AE d tag a memory action touches (never its slug), once known
+    d_tag: str | None = None
 
     def record(self, phase: Phase, at: float, *, status: Status | None = None,
                code: ErrorCode | None = None, events: tuple[str, ...] = (),
@@ -98,7 +100,7 @@ class Facts:
         return AuditRecord(phase=phase, at=at, credential_id=self.credential_id,
                            agent=self.agent, action=self.action, request_id=self.request_id,
                            body_sha256=self.body_sha256, status=status, code=code,
-                           events=events, replayed=replayed)
+                           events=events, replayed=replayed, d_tag=self.d_tag)
 
 
 class Recorder:

@@ -317,3 +317,28 @@ async def test_a_sealed_verdict_opens_only_in_custody_for_its_agent(broker: Brok
     tampered = stored[:-5] + (b"AAAA=" if stored[-5:] != b"AAAA=" else b"BBBB=")
     assert await sealed_verdict.unseal(broker.custody, agent, tampered) is None
     assert await sealed_verdict.unseal(broker.custody, agent, b"\x01\xff") is None
+
+
+async def test_audit_lines_carry_the_d_tag_never_the_slug(broker: BrokerHarness) -> None:
+    from daemon.state.audit import AUDIT_DIRNAME, verify
+
+    _agent_pk, cred = await _agent(broker)
+    slug = "mem/audited/private-slug-name"
+    put = _succeeded(await broker.call(cred, "storage.put", {"slug": slug, "value": "v"}),
+                     "storage.put")
+    _succeeded(await broker.call(cred, "storage.get", {"slug": slug}), "storage.get")
+    d = await _d_tag(broker, cred, slug)
+    audit_dir = broker.state_dir / AUDIT_DIRNAME
+    assert verify(audit_dir).ok  # the chain still verifies with the new member
+    lines = [json.loads(line) for path in sorted(audit_dir.iterdir()) if path.is_file()
+             for line in path.read_text().splitlines() if line.startswith("{")]
+    memory = [ln for ln in lines if ln.get("action") in ("storage.put", "storage.get")]
+    assert {(ln["action"], ln["phase"]) for ln in memory} >= {
+        ("storage.put", "intent"), ("storage.put", "verdict"), ("storage.get", "verdict")}
+    assert all(ln["dTag"] == d for ln in memory)
+    assert any(put["eventId"] in ln["events"] for ln in memory)
+    assert all("dTag" not in ln for ln in lines if ln.get("action") not in
+               ("storage.put", "storage.get"))
+    for path in audit_dir.iterdir():
+        if path.is_file():
+            assert slug.encode() not in path.read_bytes()
