@@ -86,6 +86,7 @@ from buzzwire.contract import (
     Response,
     Status,
     StorageAddressOutcome,
+    StorageGetOutcome,
     build_request,
     echo_mismatch,
     encode_request,
@@ -719,6 +720,21 @@ class AsyncBrokerClient:
         `Unsupported` is a normal answer; carry on."""
         args = _wire(channelId=channel_id)
         return await self._send(self.freeze("typing.set", args, request_id), PublishOutcome)
+    async def storage_get(
+        self, slug: str, *, request_id: str | None = None
+    ) -> Answer[StorageGetOutcome]:
+        """One encrypted-memory record's value, decrypted by the host: `outcome.value` is
+        None when there is no record (or a tombstone). Not best-effort: a failure is a failure."""
+        args = _wire(slug=slug)
+        return await self._send(self.freeze("storage.get", args, request_id), StorageGetOutcome)
+
+    async def storage_put(
+        self, slug: str, value: str, *, request_id: str | None = None
+    ) -> Answer[PublishOutcome]:
+        """Replace one encrypted-memory record (`core`'s profile, or a `mem/…` value);
+        `value` is stored exactly as written."""
+        args = _wire(slug=slug, value=value)
+        return await self._send(self.freeze("storage.put", args, request_id), PublishOutcome)
 
     async def agents_create(
         self, channel_id: str, display_name: str, system_prompt: str, *,

@@ -106,7 +106,8 @@ def test_limits_table() -> None:
     assert {"channel.read", "message.post", "message.reply", "reaction.add", "profile.set",
             "storage.address", "agents.create", "agents.update", "agents.delete"} <= (
         PUBLISH_ACTIONS | READ_ACTIONS)
-    assert {"channel.read", "storage.address"} <= READ_ACTIONS
+    assert {"channel.read", "storage.address", "storage.get"} <= READ_ACTIONS
+    assert "storage.put" in PUBLISH_ACTIONS
     assert {"presence.set", "typing.set"} <= LIVE_ACTIONS
     assert not LIVE_ACTIONS & (PUBLISH_ACTIONS | READ_ACTIONS)
     assert PUBLISH_ACTIONS | READ_ACTIONS | LIVE_ACTIONS == set(ACTIONS)

@@ -42,7 +42,7 @@ from types import MappingProxyType
 from ._args import (
     AgentsCreateArgs, AgentsDeleteArgs, AgentsUpdateArgs, AgentTarget, ChannelReadArgs,
     MessagePostArgs, MessageReplyArgs, PresenceSetArgs, ProfileSetArgs, ReactionAddArgs,
-    StorageAddressArgs, TypingSetArgs,
+    StorageAddressArgs, StorageGetArgs, StoragePutArgs, TypingSetArgs,
 )
 from ._codes import MESSAGES, PAIRING, ContractError, ErrorCode, Status
 from ._echoes import REQUESTER, Echo, Identity
@@ -51,7 +51,7 @@ from ._json import JsonSyntaxError, escape_token, is_object, parse, repeated_key
 from ._limits import ACTION_VERSION, PROTOCOL_VERSION
 from ._outcomes import (
     AgentsCreateOutcome, AgentsDeleteOutcome, AgentsUpdateOutcome, Outcome, PublishOutcome,
-    ReadOutcome, StorageAddressOutcome,
+    ReadOutcome, StorageAddressOutcome, StorageGetOutcome,
 )
 from ._shapes import SHAPES, read_object, shape_for, to_wire
 
@@ -65,7 +65,7 @@ __all__ = [
 Args = (
     ChannelReadArgs | MessagePostArgs | MessageReplyArgs | ReactionAddArgs | ProfileSetArgs
     | StorageAddressArgs | AgentsCreateArgs | AgentsUpdateArgs | AgentsDeleteArgs
-    | PresenceSetArgs | TypingSetArgs
+    | PresenceSetArgs | TypingSetArgs | StorageGetArgs | StoragePutArgs
 )
 
 
@@ -204,6 +204,10 @@ ACTIONS: Mapping[str, ActionSpec] = MappingProxyType({
               kind=0),
         _spec("storage.address", StorageAddressArgs, StorageAddressOutcome, publishing=False,
               echoes=(Echo(outcome="authorPubkey", source=REQUESTER, identity=Identity.HEX),)),
+        # NIP-BA Memory: NIP-AE records (kind 30174) the host reads and writes encrypted.
+        _spec("storage.get", StorageGetArgs, StorageGetOutcome, publishing=False, echoes=()),
+        _spec("storage.put", StoragePutArgs, PublishOutcome, publishing=True, echoes=_PUBLISHED,
+              kind=30174),
         _spec("agents.create", AgentsCreateArgs, AgentsCreateOutcome, publishing=True, echoes=(
             Echo(outcome="channelId", source="channelId", identity=Identity.CHANNEL),)),
         _spec("agents.update", AgentsUpdateArgs, AgentsUpdateOutcome, publishing=True,
