@@ -35,7 +35,7 @@ from buzzwire.contract import (  # noqa: E402
     ACTIONS, MAX_ABOUT_CHARS, MAX_CONTENT_BYTES, MAX_CURSOR_BYTES, MAX_DISPLAY_NAME_CHARS,
     MAX_JSON_INT, MAX_KIND, MAX_LIMIT, MAX_MENTIONS, MAX_PICTURE_CHARS, MAX_REACTION_CHARS,
     MAX_REQUEST_ID_BYTES, MAX_SCALAR_CHARS, MAX_SLUG_BYTES, MAX_SYSTEM_PROMPT_CHARS, MIN_LIMIT,
-    PAIRING, PROTOCOL_VERSION, ACTION_VERSION, RESPOND_TO, AgentsUpdateArgs, AgentTarget,
+    PAIRING, PROTOCOL_VERSION, ACTION_VERSION, RESPOND_TO, PRESENCE_STATUSES, AgentsUpdateArgs, AgentTarget,
     ErrorCode, Event, ProfileSetArgs, Status,
 )
 from buzzwire.contract import REQUEST_MEMBERS  # noqa: E402
@@ -107,6 +107,7 @@ VALUES: Mapping[str, dict[str, object]] = {
     "provider": SCALAR,
     "model": SCALAR,
     "respondTo": {"type": "string", "enum": list(RESPOND_TO)},
+    "status": {"type": "string", "enum": list(PRESENCE_STATUSES)},
     "slug": _string(f"^\\s*(?:{_SLUG.pattern})\\s*$", maxLength=MAX_SLUG_BYTES),
     "target": {"$ref": "#/$defs/AgentTarget"},
     "kind": KIND,

@@ -148,3 +148,5 @@ class BrokerClient:
     agents_create = _blocking(AsyncBrokerClient.agents_create)
     agents_update = _blocking(AsyncBrokerClient.agents_update)
     agents_delete = _blocking(AsyncBrokerClient.agents_delete)
+    presence_set = _blocking(AsyncBrokerClient.presence_set)
+    typing_set = _blocking(AsyncBrokerClient.typing_set)

@@ -1,9 +1,9 @@
-"""The nine operations, one module each, and the table the pipeline dispatches on.
+"""The operations, one module each, and the table the pipeline dispatches on.
 
 A read (`channel.read`, `storage.address`) exports `execute(ctx, args) -> Verdict`; a
 publishing operation exports `prepare(ctx, args) -> Plan | Verdict` and the pipeline
 records, publishes and finishes the plan. `OPERATIONS` is checked at import against the
-contract's `ActionSpec` table: the same nine names, and `prepare` exactly for the
+contract's `ActionSpec` table: the same names, and `prepare` exactly for the
 publishing ones.
 """
 
@@ -20,9 +20,11 @@ from daemon.operations import (
     channel_read,
     message_post,
     message_reply,
+    presence_set,
     profile_set,
     reaction_add,
     storage_address,
+    typing_set,
 )
 from daemon.operations._base import Context, Plan
 
@@ -54,6 +56,8 @@ OPERATIONS: dict[str, Operation] = {
     "agents.create": Operation(prepare=agents_create.prepare, serialize_per_agent=True),
     "agents.update": Operation(prepare=agents_update.prepare, serialize_per_agent=True),
     "agents.delete": Operation(prepare=agents_delete.prepare, serialize_per_agent=True),
+    "presence.set": Operation(prepare=presence_set.prepare),
+    "typing.set": Operation(prepare=typing_set.prepare),
 }
 
 

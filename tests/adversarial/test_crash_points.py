@@ -3,8 +3,10 @@
 The daemon runs as its own process (`tests.adversarial.crashing_daemon`) against a real
 LocalRelay through `KillingProxy`. The relay behind the proxy is the open one (no NIP-42):
 LocalRelay refuses an AUTH whose ``relay`` tag names the proxy rather than itself, and the
-crash points concern the ledger and the relay's copy, not authentication. For message.post, message.reply
-and agents.create it is SIGKILLed at each step of the pipeline:
+crash points concern the ledger and the relay's copy, not authentication. For message.post, message.reply,
+agents.create and typing.set (a live signal: ephemeral, so the relay keeps no copy to
+count, and the retry must finish with the committed event, never a new one) it is
+SIGKILLed at each step of the pipeline:
 
     before_pending  the plan is signed (agents.create: the key is minted), nothing durable
     after_pending   the pending record is committed, nothing sent
@@ -62,7 +64,7 @@ POINTS: tuple[tuple[str, int], ...] = (
 )
 #: agents.create's extra points: between its first and second, and after its last event.
 CREATE_EXTRA: tuple[tuple[str, int], ...] = (("event_stored", 1), ("ok_delivered", 2))
-CASES = [(a, p, i) for a in ("message.post", "message.reply", "agents.create")
+CASES = [(a, p, i) for a in ("message.post", "message.reply", "agents.create", "typing.set")
          for p, i in POINTS] + [("agents.create", p, i) for p, i in CREATE_EXTRA]
 CHECKPOINT_STEPS = {"before_pending", "after_pending", "after_verdict"}
 SIGKILLED = -9
@@ -104,6 +106,8 @@ async def _scene(action: str, channel: str, relay_url: str) -> Scene:
         parent = author.sign(9, "parent", [["h", channel]])
         assert await trio.to_thread.run_sync(nostr_publish, relay_url, parent, author.secret_hex)
         args = {"channelId": channel, "replyToEventId": parent["id"], "content": "a reply"}
+    elif action == "typing.set":
+        args = {"channelId": channel}
     else:
         args = {"channelId": channel, "displayName": "Minted", "systemPrompt": "be brief"}
     return Scene(request_body(action, args, request_id=request_id), request_id, channel)
@@ -151,6 +155,14 @@ async def test_sigkill_then_identical_retry_finishes_exactly_once(
         second.kill()
 
     outcome = retried["outcome"]
+    if action == "typing.set":
+        # A live signal is ephemeral: the relay forwards it and keeps nothing, so there is
+        # no copy to count. What a crash must not do is sign a second signal: the retry
+        # finishes with the very event the pending record committed.
+        assert outcome["kind"] == 20002
+        if pending is not None:
+            assert sorted(pending) == [outcome["eventId"]]
+        return
     if action == "agents.create":
         on_relay = await _created_effects(local_relay_open, state_dir, requester.agent, channel,
                                            outcome)

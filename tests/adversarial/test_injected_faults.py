@@ -151,6 +151,8 @@ async def _args_for(broker: BrokerHarness, action: str, owner_cred: str, channel
         "storage.address": {"slug": "core"},
         "agents.create": {"channelId": channel, "displayName": f"new{n}", "systemPrompt": "p",
                           "runtime": "goose"},
+        "presence.set": {"status": ("online", "away", "offline")[n % 3]},
+        "typing.set": {"channelId": channel},
     }[action]
 
 

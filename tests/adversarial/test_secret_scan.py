@@ -142,6 +142,8 @@ async def test_no_secret_leaks_anywhere(broker: BrokerHarness, softhsm_token: So
     _ok(await run.call(cred_a, "agents.update", {"target": {"name": "Minted"},
                                                   "displayName": "Minted 2", "systemPrompt": "p"}))
     _ok(await run.call(cred_a, "agents.delete", {"target": {"pubkey": created["agentPubkey"]}}))
+    _ok(await run.call(cred_a, "presence.set", {"status": "online"}))
+    _ok(await run.call(cred_b, "typing.set", {"channelId": other_channel}))
 
     # The cursor MAC key exists now; it is a secret too.
     mac_key_path = broker.state_dir / "cursor-mac.key"
@@ -161,6 +163,8 @@ async def test_no_secret_leaks_anywhere(broker: BrokerHarness, softhsm_token: So
                  {"channelId": channel, "cursor": hex_secret}, {"channelId": nsec_text}):
         assert _code(await run.call(cred_a, "channel.read", args)) == "invalid_request"
     assert _code(await run.call(cred_a, "storage.address", {"slug": nsec_text + " x"})) == "invalid_request"
+    assert _code(await run.call(cred_a, "presence.set", {"status": user_pin})) == "invalid_request"
+    assert _code(await run.call(cred_a, "typing.set", {"channelId": hex_secret})) == "invalid_request"
     assert _code(await run.call(cred_a, "message.post", {"channelId": other_channel,
                                                           "content": "x"})) == "unauthorized"
     status, env = await run.post(b'{"requestId":"' + cred_a.encode() + b'",', cred_a)
@@ -205,6 +209,10 @@ async def test_no_secret_leaks_anywhere(broker: BrokerHarness, softhsm_token: So
                      "--args", json.dumps({"channelId": channel, "content": "from the CLI"}))
     assert called.returncode == 0, called.stderr
     assert json.loads(called.stdout)["status"] == "succeeded"
+    typed = await run.cli("call", "typing.set", "--credential-file", str(cred_file),
+                          "--socket", str(broker.socket), "--args", json.dumps({"channelId": channel}))
+    assert typed.returncode == 0, typed.stderr
+    assert json.loads(typed.stdout)["outcome"]["kind"] == 20002
     refused = await run.cli("call", "channel.read", "--credential-file", str(tmp_path / "missing"),
                       "--socket", str(broker.socket), "--args", json.dumps({"channelId": channel}))
     assert refused.returncode != 0

@@ -29,6 +29,8 @@ VALID_ARGS: dict[str, dict[str, Any]] = {
     "agents.update": {"target": {"pubkey": PK2}, "displayName": "Scout 2", "systemPrompt": "s",
                       "runtime": "goose", "provider": "p", "model": "m", "respondTo": "anyone"},
     "agents.delete": {"target": {"name": "Scout"}},
+    "presence.set": {"status": "away"},
+    "typing.set": {"channelId": CHANNEL},
 }
 
 EVENT: dict[str, Any] = {
@@ -49,6 +51,8 @@ VALID_OUTCOMES: dict[str, dict[str, Any]] = {
     "agents.update": {"agentPubkey": PK2, "displayName": "Scout 2",
                       "updatedFields": ["displayName", "systemPrompt"]},
     "agents.delete": {"agentPubkey": PK2, "displayName": "Scout"},
+    "presence.set": {"eventId": EVENT_ID, "kind": 20001, "createdAt": 1787675471},
+    "typing.set": {"eventId": EVENT_ID, "kind": 20002, "createdAt": 1787675471},
 }
 
 

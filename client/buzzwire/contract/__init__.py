@@ -7,7 +7,7 @@ Modules, one job each:
   _limits     every limit, named, with its source
   _ids        identities (channel UUIDs, 64-hex, secp256k1 x-only pubkeys) and scalar checkers
   _shapes     table-driven strict objects (read, re-check in construction, write)
-  _args       the nine argument shapes
+  _args       the argument shapes (the nine, then NIP-BA's additions)
   _outcomes   the outcome shapes and the seven-member Event
   _echoes     the identities an outcome echoes from its request (I5), as data, and the check
   _envelopes  request/response envelopes, ActionSpec and ACTIONS (every fixed fact of an
@@ -23,7 +23,7 @@ tabulates it and changes with it.
 from ._args import (
     RESPOND_TO, AgentsCreateArgs, AgentsDeleteArgs, AgentsUpdateArgs, AgentTarget,
     ChannelReadArgs, MessagePostArgs, MessageReplyArgs, ProfileSetArgs, ReactionAddArgs,
-    StorageAddressArgs,
+    StorageAddressArgs, PRESENCE_STATUSES, PresenceSetArgs, TypingSetArgs,
 )
 from ._codes import MESSAGES, PAIRING, ContractError, ErrorCode, Status
 from ._echoes import REQUESTER, Echo, Identity, echo_mismatch
@@ -31,6 +31,8 @@ from ._envelopes import (
     ACTIONS, REQUEST_MEMBERS, RESERVED_NAMES, ActionSpec, Args, MemberSet, RateClass, Reading,
     Request, Response, Verdict, build_request, encode_request, encode_response, mark_replayed, parse_response, read_request,
 )
+from ._json import JsonSyntaxError
+from ._json import parse as parse_json
 from ._ids import is_request_id, is_valid_pubkey, normalize_channel_id, normalize_hex64
 from ._limits import (
     ACTION_VERSION, DEFAULT_LIMIT, MAX_ABOUT_CHARS, MAX_CONTENT_BYTES, MAX_CURSOR_BYTES,
@@ -52,11 +54,14 @@ __all__ = [
     "read_request", "Reading", "Request", "Args", "build_request", "encode_request",
     "ChannelReadArgs", "MessagePostArgs", "MessageReplyArgs", "ReactionAddArgs",
     "ProfileSetArgs", "StorageAddressArgs", "AgentsCreateArgs", "AgentTarget",
-    "AgentsUpdateArgs", "AgentsDeleteArgs",
+    "AgentsUpdateArgs", "AgentsDeleteArgs", "PresenceSetArgs", "TypingSetArgs",
+    "PRESENCE_STATUSES",
     # responses
     "Verdict", "encode_response", "mark_replayed", "parse_response", "Response", "Outcome",
     "Event", "PublishOutcome", "ReadOutcome", "StorageAddressOutcome", "AgentsCreateOutcome",
     "AgentsUpdateOutcome", "AgentsDeleteOutcome",
+    # strict JSON (the wire's reader, for tools that read JSON as the host does)
+    "parse_json", "JsonSyntaxError",
     # identities
     "normalize_channel_id", "normalize_hex64", "is_valid_pubkey", "is_request_id",
     # limits

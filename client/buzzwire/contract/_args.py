@@ -35,11 +35,15 @@ from ._shapes import Checked, Field, Shape, array_of, nested, one_of, register
 __all__ = [
     "ChannelReadArgs", "MessagePostArgs", "MessageReplyArgs", "ReactionAddArgs",
     "ProfileSetArgs", "StorageAddressArgs", "AgentsCreateArgs", "AgentTarget",
-    "AgentsUpdateArgs", "AgentsDeleteArgs", "RESPOND_TO",
+    "AgentsUpdateArgs", "AgentsDeleteArgs", "RESPOND_TO", "PresenceSetArgs", "TypingSetArgs",
+    "PRESENCE_STATUSES",
 ]
 
 #: spec agents.create: the two respondTo modes (no allow-list mode exists).
 RESPOND_TO = ("owner-only", "anyone")
+
+#: NIP-BA presence.set: the three statuses (published as the kind 20001 content).
+PRESENCE_STATUSES = ("online", "away", "offline")
 
 _CHANNEL = Field("channelId", "channel_id", channel_id, required=True)
 _CONTENT = Field("content", "content", exact_text(MAX_CONTENT_BYTES), required=True)
@@ -212,3 +216,25 @@ class AgentsDeleteArgs(Checked):
 
 
 register(Shape(AgentsDeleteArgs, (_TARGET,)))
+
+
+# NIP-BA "Live signals": presence.set and typing.set. The status is read like respondTo (a
+# trimmed choice among fixed words); typing names only its channel.
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PresenceSetArgs(Checked):
+    status: str
+
+
+register(Shape(PresenceSetArgs, (
+    Field("status", "status", one_of(*PRESENCE_STATUSES), required=True),
+)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TypingSetArgs(Checked):
+    channel_id: str
+
+
+register(Shape(TypingSetArgs, (_CHANNEL,)))
