@@ -28,7 +28,8 @@ Rules:
   its owner, no pubkey twice. Any fault refuses the whole backup, naming the entry.
 - `restore_backup` refuses the whole restore (before writing anything) if an agent is held
   here under another owner, was removed here (its tombstone stays, the key cannot return),
-  or its mint reference names another agent. An agent already held with the same owner is
+  its mint reference names another agent, or it would close an ownership cycle (the one
+  check `import_agent` makes, `_ownership`). An agent already held with the same owner is
   left as it is ("already held").
 - Errors are `CustodyError` with one line that never quotes a secret. pyrage's own error
   text is not passed on (only "does not decrypt with this identity").
@@ -54,6 +55,7 @@ import pyrage
 
 from custody._errors import CustodyError
 from custody._keystore import KeyRecord
+from custody._ownership import owned_through
 from custody._secp256k1 import is_xonly_pubkey, xonly_pubkey
 from custody._sealed import seal
 from custody._secret import SECRET_SIZE, Secret, parse_secret_text, wipe_bytes
@@ -450,9 +452,20 @@ def restore_plan(custody: Custody, contents: BackupContents) -> RestoreResult:
     """What `restore_backup` would do, from public records only (no token call).
 
     Raises:
-        CustodyError: an agent held here under another owner, removed here, or a mint
-            reference used by another agent here.
+        CustodyError: an agent held here under another owner, removed here, a mint
+            reference used by another agent here, or an ownership cycle (with the agents
+            held here and the backup's others together: the check `import_agent` makes).
     """
+    in_backup = {record.pubkey: record.owner for record in contents.records}
+
+    def owner_of(pubkey: str) -> str | None:
+        # The graph as it would be after the restore. A held agent's owner is the same
+        # in both (a different one is refused below), so the backup's answer is right.
+        if pubkey in in_backup:
+            return in_backup[pubkey]
+        existing = custody._keystore.get(pubkey)
+        return None if existing is None else existing.owner
+
     restored, held = [], []
     for record in contents.records:
         existing = custody._keystore.get(record.pubkey)
@@ -470,6 +483,10 @@ def restore_plan(custody: Custody, contents: BackupContents) -> RestoreResult:
             if other is not None:
                 raise CustodyError(f"agent {record.pubkey}: its mint reference is used here by "
                                    f"agent {other.pubkey}; refusing to overwrite; nothing restored")
+        if owned_through(record.owner, record.pubkey, owner_of):
+            raise CustodyError(f"agent {record.pubkey}: ownership cycle: it would own its own "
+                               f"owner {record.owner}, directly or through its agents; "
+                               "nothing restored")
         restored.append(record.pubkey)
     return RestoreResult(restored=tuple(restored), already_held=tuple(held))
 

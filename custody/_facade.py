@@ -49,6 +49,7 @@ from custody._nip44 import (
     decrypt,
     encrypt,
 )
+from custody._ownership import owned_through
 from buzzwire.nostr import SignedEvent, UnsignedEvent, is_hex64, verify_owner_tag
 from custody._process import harden_process
 from custody._rotation import (
@@ -524,7 +525,7 @@ class Custody:
                     agent = xonly_pubkey(secret).hex()
                     if agent == owner:
                         raise CustodyError("owner equals the agent: an agent cannot own itself")
-                    if self._owned_through(owner, agent):
+                    if owned_through(owner, agent, self._owner_of):
                         # A cycle would make the owner graph no tree: each agent could act
                         # for the other (and a lock order by ownership would deadlock).
                         raise CustodyError(
@@ -652,21 +653,10 @@ class Custody:
         self._keystore.insert(record, blob, now)
         return record
 
-    def _owned_through(self, start: str, ancestor: str) -> bool:
-        """True iff `ancestor` is an owner of `start`, or of its owner, and so on (tombstones
-        included). Ends on a record this keystore does not hold, or on a loop already
-        stored by an older version."""
-        seen: set[str] = set()
-        current = start
-        while current not in seen:
-            seen.add(current)
-            record = self._keystore.get(current)
-            if record is None:
-                return False
-            if record.owner == ancestor:
-                return True
-            current = record.owner
-        return False
+    def _owner_of(self, pubkey: str) -> str | None:
+        """The recorded owner of a key held here (tombstones included), else None."""
+        record = self._keystore.get(pubkey)
+        return None if record is None else record.owner
 
     def _check_open(self) -> None:
         if self._closed:

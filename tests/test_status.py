@@ -40,7 +40,8 @@ def test_status_running_then_stopped(custody_state: tuple[TokenConfig, Path], lo
     agent = _cli(config, "agent", "create", "--owner", TestKey().pubkey, "--name", "s")
     assert agent.returncode == 0, agent.stderr
     credential = _cli(config, "credential", "issue", "--agent", agent.stdout.strip(),
-                      "--channel", channel, "--action", "message.post", "--ttl", "1h")
+                      "--channel", channel, "--action", "message.post", "--ttl", "1h",
+                      "--uid", str(os.getuid()))
     assert credential.returncode == 0, credential.stderr
     cred_file = tmp_path / "credential"
     cred_file.write_text(credential.stdout)

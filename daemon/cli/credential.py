@@ -19,8 +19,12 @@ Rules:
   offer (those are left out, never stored as names the daemon would not know). `--ttl` takes
   30s / 30m / 12h / 7d, or `never`; absent, the credential lives `DEFAULT_TTL` (30 days:
   long enough that an agent is not cut off mid-task, short enough that a forgotten token
-  dies on its own; rotation is `issue` then `revoke`). Without `--uid`, any local process
-  that holds the token can use it: `issue` says so on stderr.
+  dies on its own; rotation is `issue` then `revoke`). The uid is said out loud too
+  (issue 22): `--uid UID` (a number or a local user's name) binds the credential to the
+  agent's Unix user, `--any-uid` lets any local process that holds the token use it (and
+  `issue` says so on stderr); neither is refused. There is no default uid: the operator
+  runs `issue` as root or as the daemon's user, never as the agent, so the caller's own
+  uid would be the wrong one.
 - `list` shows label, agent, actions, channels, uid, expiry and last use (last use as the
   daemon last wrote it: up to `LAST_USE_FLUSH_SECONDS` behind, see daemon/state/sessions).
 - Faults raise CliError with one line that never holds a token.
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pwd
 import re
 import sys
 import time
@@ -69,10 +74,10 @@ DEFAULT_TTL: Final = "30d"
 #: `--ttl` spelling for a credential that does not expire (revocation is then the control).
 TTL_NEVER: Final = "never"
 
-#: What `issue` says on stderr when no `--uid` binds the credential to one Unix user.
+#: What `issue --any-uid` says on stderr: the credential is bound to no Unix user.
 NO_UID_WARNING: Final = (
-    "warning: no --uid given: any local process that can reach the socket and holds this "
-    "token can use it; pass --uid UID to bind it to the agent's Unix user"
+    "warning: --any-uid: any local process that can reach the socket and holds this "
+    "token can use it; pass --uid UID instead to bind it to the agent's Unix user"
 )
 
 
@@ -82,6 +87,20 @@ def parse_duration(text: str) -> int:
     if match is None:
         raise CliError("--ttl: expected a duration like 30s, 30m, 12h or 7d, or never")
     return int(match.group(1)) * _UNITS[match.group(2)]
+
+
+def parse_uid(text: str) -> int:
+    """`--uid`: a non-negative number, or the name of a local user (its uid).
+
+    Raises CliError; the text is not echoed (like `--channel`, it may be a mis-paste).
+    """
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    try:
+        return pwd.getpwnam(text).pw_uid
+    except (KeyError, ValueError):
+        raise CliError("--uid: expected a non-negative uid or the name of a local user") from None
 
 
 def parse_ttl(text: str) -> int | None:
@@ -117,8 +136,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_TTL,
         help=f"lifetime: 30m, 12h, 7d, or {TTL_NEVER} (default: {DEFAULT_TTL})",
     )
-    issue.add_argument(
-        "--uid", type=int, metavar="UID", help="the Unix uid the agent runs as (recommended)"
+    bound = issue.add_mutually_exclusive_group(required=True)
+    bound.add_argument(
+        "--uid", metavar="UID", help="the Unix user the agent runs as: a uid or a user name"
+    )
+    bound.add_argument(
+        "--any-uid", action="store_true",
+        help="bind no Unix user: the token alone is enough (say so explicitly)",
     )
     issue.add_argument("--label", metavar="TEXT", help="a note shown by `credential list`")
     issue.add_argument(
@@ -222,8 +246,8 @@ def _issue(args: argparse.Namespace) -> int:
     # argparse makes --action, --preset and --all-actions exclusive and one required.
     actions = _chosen_actions(args)
     ttl = parse_ttl(args.ttl)
-    if args.uid is not None and args.uid < 0:
-        raise CliError("--uid: expected a non-negative integer")
+    # argparse makes --uid and --any-uid exclusive and one of them required.
+    uid = None if args.any_uid else parse_uid(args.uid)
     label = args.label
     try:
         check_label(label)
@@ -251,7 +275,7 @@ def _issue(args: argparse.Namespace) -> int:
             channels=frozenset(channels),
             actions=actions,
             ttl_seconds=ttl,
-            uid=args.uid,
+            uid=uid,
             now=int(time.time()),
             label=label,
         )
@@ -271,7 +295,7 @@ def _issue(args: argparse.Namespace) -> int:
             raise CliError(f"--rate: {exc}; credential withdrawn") from None
         finally:
             limiter.close()
-    if args.uid is None:
+    if uid is None:
         print(NO_UID_WARNING, file=sys.stderr)
     print(f"issued {credential_id} for agent {agent}", file=sys.stderr)
     sys.stdout.write(token + "\n")

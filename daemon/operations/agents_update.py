@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 
+import trio
+
 from buzzwire.contract import AgentsUpdateArgs, AgentsUpdateOutcome, ErrorCode, Verdict
 from daemon.operations._base import Context, OperationRefused, Plan
 from daemon.operations._events import (
@@ -93,7 +95,7 @@ async def prepare(ctx: Context, args: AgentsUpdateArgs) -> Plan | Verdict:
         # Only the runtime changed: it is the host's own record (the 30177 carries no runtime
         # fields), so nothing goes to the relay. The upsert is idempotent.
         assert runtimes is not None and args.runtime is not None
-        runtimes.set(agent.pubkey, args.runtime, ctx.now())
+        await trio.to_thread.run_sync(runtimes.set, agent.pubkey, args.runtime, ctx.now())
         return Verdict.succeeded(ACTION, outcome)
 
     now = ctx.now()

@@ -188,7 +188,8 @@ class Publisher:
         assert isinstance(step, DestroyAgent)
         if self._custody.agent(step.pubkey) is not None:
             await self._custody.destroy_agent(step.pubkey)
-        self._sessions.revoke_agent(step.pubkey)
+        # Off the event loop: a commit's fsync (issue 22, L6).
+        await trio.to_thread.run_sync(self._sessions.revoke_agent, step.pubkey)
 
     async def _rename_agent(self, step: Cleanup) -> None:
         assert isinstance(step, RenameAgent)
@@ -197,7 +198,8 @@ class Publisher:
 
     async def _set_runtime(self, step: Cleanup) -> None:
         assert isinstance(step, SetRuntime)
-        self._runtimes.set(step.pubkey, step.runtime, int(self._clock()))
+        await trio.to_thread.run_sync(self._runtimes.set, step.pubkey, step.runtime,
+                                      int(self._clock()))
 
     async def destroy_minted(self, facts: Facts, judged: Judged) -> Judged:
         """An agents.create that ends `failed` leaves no key behind (failed = no effect).
@@ -215,7 +217,7 @@ class Publisher:
             return judged
         try:
             await self._custody.destroy_agent(minted.pubkey)
-            self._sessions.revoke_agent(minted.pubkey)
+            await trio.to_thread.run_sync(self._sessions.revoke_agent, minted.pubkey)
         except Exception as exc:  # noqa: BLE001 - the key survives: say so, do not lie
             self._recorder.fault("destroy_minted", facts.agent, facts.request_id,
                                  facts.action, exc)

@@ -10,6 +10,10 @@ Rules:
 - Public data only: a runtime name, never a key or credential.
 - Faults are `sqlite3.Error`; the pipeline turns them into `internal` verdicts or
   housekeeping log lines like every other store fault.
+- `set` blocks for a commit's fsync (synchronous=FULL), so the daemon runs it in a worker
+  thread (`trio.to_thread.run_sync`), never on the event loop (issue 22, L6). It writes on
+  a connection of its own, opened in that thread: the store's own connection stays the
+  loop's, for `get`, and a reader there never waits on the writer's fsync (WAL).
 """
 
 from __future__ import annotations
@@ -36,24 +40,35 @@ CREATE TABLE IF NOT EXISTS runtimes (
 class RuntimeStore:
     """agent pubkey -> the runtime the host resolved for it."""
 
-    def __init__(self, db: sqlite3.Connection) -> None:
+    def __init__(self, db: sqlite3.Connection, path: Path) -> None:
         self._db = db
+        self._path = path
 
     @classmethod
     def open(cls, state_dir: Path) -> RuntimeStore:
-        return cls(open_private_db(state_dir / RUNTIMES_DB, _SCHEMA))
+        path = state_dir / RUNTIMES_DB
+        return cls(open_private_db(path, _SCHEMA), path)
 
     def get(self, pubkey: str) -> str | None:
         row = self._db.execute("SELECT runtime FROM runtimes WHERE pubkey = ?", (pubkey,)).fetchone()
         return None if row is None else str(row[0])
 
     def set(self, pubkey: str, runtime: str, now: int) -> None:
-        self._db.execute(
-            "INSERT INTO runtimes (pubkey, runtime, updated_at) VALUES (?, ?, ?) "
-            "ON CONFLICT (pubkey) DO UPDATE SET runtime = excluded.runtime, "
-            "updated_at = excluded.updated_at",
-            (pubkey, runtime, now),
-        )
+        """Upsert the agent's runtime, durably. Blocking: call it from a worker thread.
+
+        A connection per call: writes are rare (agents.create / update), and a connection
+        used by one thread only needs no lock.
+        """
+        writer = open_private_db(self._path, "")
+        try:
+            writer.execute(
+                "INSERT INTO runtimes (pubkey, runtime, updated_at) VALUES (?, ?, ?) "
+                "ON CONFLICT (pubkey) DO UPDATE SET runtime = excluded.runtime, "
+                "updated_at = excluded.updated_at",
+                (pubkey, runtime, now),
+            )
+        finally:
+            writer.close()
 
     def close(self) -> None:
         self._db.close()

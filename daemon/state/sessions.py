@@ -266,9 +266,10 @@ class _Active:
 class SessionStore:
     """Credentials in `<state>/sessions.db`. Create with `SessionStore.open(state_dir)`."""
 
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
         # Private: use SessionStore.open().
         self._conn = conn
+        self._path = path
         self._active: dict[bytes, _Active] = {}
         self._data_version: int | None = None
         #: credential_id -> last second it authenticated, not yet written
@@ -285,7 +286,8 @@ class SessionStore:
         """
         directory = Path(state_dir)
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return cls(open_private_db(directory / SESSIONS_FILENAME, _SCHEMA))
+        path = directory / SESSIONS_FILENAME
+        return cls(open_private_db(path, _SCHEMA), path)
 
     def close(self) -> None:
         """Write the last-use seconds still held in memory, then close."""
@@ -522,11 +524,23 @@ class SessionStore:
         return bool(changed)
 
     def revoke_agent(self, agent_pubkey: str, *, now: int | None = None) -> int:
-        """Revoke every credential of a removed or deleted agent. Returns how many."""
+        """Revoke every credential of a removed or deleted agent. Returns how many.
+
+        Blocking (a commit's fsync): the daemon calls it from a worker thread, never on the
+        event loop (issue 22, L6). So it writes on a connection of its own, opened in that
+        thread, and leaves this store's connection and its in-memory table to the loop:
+        sharing them would let the loop's `flush_last_use` transaction swallow (and a
+        rollback undo) the revocation, and the loop's reads wait on the thread's fsync.
+        The write moves this connection's data_version, so the very next `authenticate`
+        reloads and the revocation holds from the next request on, as for the CLI's.
+        """
         at = int(time.time()) if now is None else now
-        changed = self._conn.execute(
-            "UPDATE credentials SET revoked_at = ? WHERE agent = ? AND revoked_at IS NULL",
-            (at, agent_pubkey),
-        ).rowcount
-        self.reload()
+        writer = open_private_db(self._path, "")
+        try:
+            changed = writer.execute(
+                "UPDATE credentials SET revoked_at = ? WHERE agent = ? AND revoked_at IS NULL",
+                (at, agent_pubkey),
+            ).rowcount
+        finally:
+            writer.close()
         return int(changed)

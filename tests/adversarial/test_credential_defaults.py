@@ -6,7 +6,8 @@ grant all nine actions, forever, to any local uid, silently. Now:
   both) is refused and nothing is issued;
 - a credential expires after `DEFAULT_TTL` (30 days) unless `--ttl` says otherwise, and a
   credential that never expires takes `--ttl never`;
-- without `--uid` the command warns on stderr (the token alone is then enough);
+- the uid is said out loud as well (issue 22): `--uid UID` (or a user name) or
+  `--any-uid`, never neither; `--any-uid` warns on stderr (the token alone is then enough);
 - `--label` names a credential, and `credential list` shows label, agent, actions,
   channels, uid, expiry and last use;
 - last use costs no write per request: it is noted in memory and written by
@@ -72,20 +73,41 @@ async def test_the_scope_must_be_explicit(
 ) -> None:
     for argv in ([], ["--action", "message.post", "--all-actions"]):
         with pytest.raises(SystemExit) as refused:
-            cli(config_file, ["issue", "--agent", agent, "--channel", CHANNEL, *argv])
+            cli(config_file, ["issue", "--agent", agent, "--channel", CHANNEL, "--any-uid",
+                              *argv])
         assert refused.value.code == 2
         out, err = capsys.readouterr()
         assert out == "" and "--action" in err and "--all-actions" in err
     assert _rows(config_file, capsys) == []
 
     token, _ = _issued(config_file, tmp_path, ["--agent", agent, "--channel", CHANNEL,
-                                               "--action", "message.post",
+                                               "--action", "message.post", "--any-uid",
                                                "--action", "channel.read"], capsys)
     assert _rows(config_file, capsys)[0]["actions"] == ["channel.read", "message.post"]
-    _issued(config_file, tmp_path, ["--agent", agent, "--channel", CHANNEL, "--all-actions"],
-            capsys)
+    _issued(config_file, tmp_path, ["--agent", agent, "--channel", CHANNEL, "--all-actions",
+                                    "--any-uid"], capsys)
     # every action this build offers, as the explicit list (not a wildcard)
     assert _rows(config_file, capsys)[1]["actions"] == sorted(ACTIONS)
+
+
+async def test_the_uid_must_be_explicit(
+    config_file: Path, agent: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 22 L3: without a uid, a token read from another process's environment or
+    file works from any uid; so binding is the default and the opt-out is named."""
+    for argv in ([], ["--uid", "1000", "--any-uid"]):
+        with pytest.raises(SystemExit) as refused:
+            cli(config_file, ["issue", "--agent", agent, "--channel", CHANNEL,
+                              "--all-actions", *argv])
+        assert refused.value.code == 2
+        out, err = capsys.readouterr()
+        assert out == "" and "--uid" in err and "--any-uid" in err
+    assert _rows(config_file, capsys) == []
+    _issued(config_file, tmp_path, ["--agent", agent, "--channel", CHANNEL, "--all-actions",
+                                    "--uid", "root"], capsys)
+    _issued(config_file, tmp_path, ["--agent", agent, "--channel", CHANNEL, "--all-actions",
+                                    "--uid", " 1000 "], capsys)
+    assert [row["uid"] for row in _rows(config_file, capsys)] == [0, 1000]
 
 
 async def test_default_ttl_never_and_the_uid_warning(
@@ -93,7 +115,7 @@ async def test_default_ttl_never_and_the_uid_warning(
 ) -> None:
     before = int(time.time())
     _, err = _issued(config_file, tmp_path, ["--agent", agent, "--channel", CHANNEL,
-                                             "--all-actions"], capsys)
+                                             "--all-actions", "--any-uid"], capsys)
     assert credential.NO_UID_WARNING in err
     _, err = _issued(config_file, tmp_path, ["--agent", agent, "--channel", CHANNEL,
                                              "--all-actions", "--ttl", "never", "--uid", "1000"],
@@ -106,7 +128,7 @@ async def test_default_ttl_never_and_the_uid_warning(
     assert forever["expiresAt"] is None and forever["uid"] == 1000
     with pytest.raises(CliError):
         cli(config_file, ["issue", "--agent", agent, "--channel", CHANNEL, "--all-actions",
-                          "--ttl", "forever"])
+                          "--ttl", "forever", "--any-uid"])
 
 
 async def test_list_shows_label_scope_and_last_use_written_cheaply(

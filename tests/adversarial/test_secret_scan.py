@@ -211,7 +211,7 @@ async def test_no_secret_leaks_anywhere(broker: BrokerHarness, softhsm_token: So
     assert (await run.cli("agent", "import", "--owner", owner, stdin="nsec1" + cli_secret + "\n")).returncode != 0
     assert (await run.cli("agent", "list", "--json")).returncode == 0
     issued = await run.cli("credential", "issue", "--agent", agent_c, "--channel", channel,
-                          "--all-actions")
+                          "--all-actions", "--uid", str(os.getuid()))
     assert issued.returncode == 0
     cred_c = issued.stdout.strip()
     scan.add(text_secret("credential C (CLI issued)", cred_c, prefix=TOKEN_PREFIX))

@@ -94,7 +94,7 @@ class Host:
 
     def credential(self, agent: str, channel: str) -> str:
         return self("credential", "issue", "--agent", agent, "--channel", channel,
-                    "--all-actions", "--ttl", "1d").strip()
+                    "--all-actions", "--ttl", "1d", "--uid", str(os.getuid())).strip()
 
 
 @pytest.fixture

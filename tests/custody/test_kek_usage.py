@@ -1,4 +1,5 @@
-"""The KEK check refuses every usage beyond encrypt/decrypt, one attribute at a time.
+"""The KEK check refuses every usage beyond encrypt/decrypt, one attribute at a time, and
+a KEK usable without login (PRIVATE false).
 
 Security review: `_check_kek` looked only at whether the key could leave the token, so a
 planted or hand-made key that may DERIVE, WRAP or UNWRAP, or is MODIFIABLE, was used. Each
@@ -20,6 +21,9 @@ _WRONG: dict[str, tuple[tuple[str, ...], dict[str, bool]]] = {
     "WRAP": (("ENCRYPT", "DECRYPT", "WRAP"), {}),
     "UNWRAP": (("ENCRYPT", "DECRYPT", "UNWRAP"), {}),
     "MODIFIABLE": (("ENCRYPT", "DECRYPT"), {"MODIFIABLE": True}),
+    # Not a usage, but the same kind of hole: a public key object is usable by any
+    # session on the token, logged in or not (issue 22: no test guarded it).
+    "PRIVATE": (("ENCRYPT", "DECRYPT"), {"PRIVATE": False}),
     "ENCRYPT": (("DECRYPT",), {}),
     "DECRYPT": (("ENCRYPT",), {}),
 }

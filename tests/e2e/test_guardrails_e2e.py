@@ -57,7 +57,7 @@ async def test_a_loop_of_posts_hits_the_credential_limit_and_the_count_survives_
         issued = subprocess.run(
             [sys.executable, "-m", "daemon.cli", "--config", str(config_path), "credential",
              "issue", "--agent", record.pubkey, "--channel", channel, "--all-actions",
-             "--rate", "message.post=20/day"],
+             "--rate", "message.post=20/day", "--any-uid"],  # in process: no peer uid
             capture_output=True, text=True, env=dict(os.environ))
         assert issued.returncode == 0, issued.stderr
         looping = issued.stdout.strip()

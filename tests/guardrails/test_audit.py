@@ -417,7 +417,8 @@ def test_records_validate_in_construction() -> None:
 # ---------------------------------------------------------------- issue 13: identity, anchor
 
 
-@pytest.mark.parametrize("how", ["rename", "delete", "hard_link", "replace", "rename_dir"])
+@pytest.mark.parametrize("how", ["rename", "delete", "hard_link", "replace", "rename_dir",
+                                 "rename_aside_then_create"])
 async def test_the_path_must_still_name_the_open_file(
     tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -437,6 +438,11 @@ async def test_the_path_must_still_name_the_open_file(
         # The same name, another file (a copy whose tail the editor controls).
         shutil.copy(live, aside)
         os.replace(aside, live)
+    elif how == "rename_aside_then_create":
+        # The open file keeps its one link under another name, and a new file takes the
+        # path: only the (device, inode) comparison tells the two apart (issue 22).
+        live.rename(aside)
+        shutil.copy(aside, live)
     else:
         directory.rename(tmp_path / "moved")
     with pytest.raises(AuditUnavailable) as info:

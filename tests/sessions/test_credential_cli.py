@@ -47,7 +47,7 @@ async def test_issue_list_revoke(
     # All nine actions, no expiry, both said explicitly; the channel is normalized.
     assert cli(config_file, ["issue", "--agent", agent.pubkey.upper(), "--channel",
                              CHANNEL.upper().replace("-", ""), "--all-actions",
-                             "--ttl", "never"]) == 0
+                             "--ttl", "never", "--any-uid"]) == 0
     out, err = capsys.readouterr()
     token = out.removesuffix("\n")
     assert out == token + "\n" and token.startswith(TOKEN_PREFIX) and "\n" not in token
@@ -109,12 +109,14 @@ async def test_issue_list_revoke(
 
 #: argv after `issue --agent <live agent>`, each refused with one line.
 BAD_ISSUES: dict[str, list[str]] = {
-    "no channel uuid": ["--channel", "not-a-uuid", "--all-actions"],
-    "unknown action": ["--channel", CHANNEL, "--action", "sign"],
-    "bad ttl": ["--channel", CHANNEL, "--all-actions", "--ttl", "5y"],
-    "zero ttl": ["--channel", CHANNEL, "--all-actions", "--ttl", "0m"],
+    "no channel uuid": ["--channel", "not-a-uuid", "--all-actions", "--any-uid"],
+    "unknown action": ["--channel", CHANNEL, "--action", "sign", "--any-uid"],
+    "bad ttl": ["--channel", CHANNEL, "--all-actions", "--ttl", "5y", "--any-uid"],
+    "zero ttl": ["--channel", CHANNEL, "--all-actions", "--ttl", "0m", "--any-uid"],
     "negative uid": ["--channel", CHANNEL, "--all-actions", "--uid", "-1"],
-    "unprintable label": ["--channel", CHANNEL, "--all-actions", "--label", "a\x1b[2Jb"],
+    "unknown user": ["--channel", CHANNEL, "--all-actions", "--uid", "no-such-user-here"],
+    "unprintable label": ["--channel", CHANNEL, "--all-actions", "--label", "a\x1b[2Jb",
+                          "--any-uid"],
 }
 
 
@@ -130,7 +132,8 @@ async def test_issue_refusals(
         assert "\n" not in str(refused.value), name
     for agent in ("22" * 32, dead.pubkey, "xyz"):
         with pytest.raises(CliError) as refused:
-            cli(config_file, ["issue", "--agent", agent, "--channel", CHANNEL, "--all-actions"])
+            cli(config_file, ["issue", "--agent", agent, "--channel", CHANNEL, "--all-actions",
+                              "--any-uid"])
     out, _ = capsys.readouterr()
     assert out == ""  # nothing was issued, so nothing reached stdout
     store = SessionStore.open(tmp_path / "state")
@@ -153,10 +156,10 @@ async def test_grant_adds_actions_to_a_live_credential_and_nothing_else(
     # `--all-actions` stores the actions this build offers, as an explicit list: the row
     # holds names, never "all", so a later release's actions cannot reach it by themselves.
     assert cli(config_file, ["issue", "--agent", agent.pubkey, "--channel", CHANNEL,
-                             "--all-actions"]) == 0
+                             "--all-actions", "--any-uid"]) == 0
     everything = capsys.readouterr().out.strip()
     assert cli(config_file, ["issue", "--agent", agent.pubkey, "--channel", CHANNEL,
-                             "--action", "channel.read"]) == 0
+                             "--action", "channel.read", "--any-uid"]) == 0
     narrow = capsys.readouterr().out.strip()
 
     store = SessionStore.open(tmp_path / "state")  # the daemon's view, open throughout

@@ -1,0 +1,144 @@
+"""Each check `restore_backup` makes before it writes, proven one at a time (issue 22).
+
+A backup is hostile input (anyone who knows a recipient can write one), so each test
+writes its own age file in memory, the way an attacker would, and restores it into the
+session's real SoftHSM token. Every refusal must leave the keystore as it was: a backup
+with a good agent first and the bad one second would otherwise restore the first and fail
+on the second, so "nothing restored" is what each test checks besides the refusal.
+
+- L2: an ownership cycle, through the agents held here or inside the backup itself, is
+  refused by the same function `agent import` asks (custody/_ownership.py).
+- A mint reference another agent here already uses.
+- The same pubkey twice in one backup.
+- The plan checked again inside the token hop: an agent imported after the caller looked
+  at the plan and before the hop ran.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import coincurve
+import pyrage
+import pytest
+
+from custody import Custody, CustodyError, open_backup, restore_backup, restore_plan
+from custody._backup import BackupContents
+
+PERSON = coincurve.PrivateKey().public_key_xonly.format().hex()
+
+
+def _key() -> tuple[str, str]:
+    """A fresh (secret hex, x-only pubkey hex)."""
+    secret = coincurve.PrivateKey()
+    return secret.secret.hex(), secret.public_key_xonly.format().hex()
+
+
+def _canonical(obj: object) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _backup(entries: list[tuple[str, str, str, str | None]]) -> BackupContents:
+    """An age backup of (secret, pubkey, owner, mintRef) entries, opened with its identity."""
+    identity = pyrage.x25519.Identity.generate()
+    lines = [b"buzz-broker-backup/v2 " + _canonical({"agents": len(entries), "createdAt": 1})]
+    for secret, pubkey, owner, mint_ref in entries:
+        record = {"authTag": None, "createdAt": 1, "mintRef": mint_ref, "owner": owner,
+                  "pubkey": pubkey, "public": {}}
+        lines.append(secret.encode() + b" " + _canonical(record))
+    ciphertext = pyrage.encrypt(b"\n".join(lines) + b"\n", [identity.to_public()])
+    return open_backup(ciphertext, bytearray(str(identity).encode()))
+
+
+async def _import(custody: Custody, secret: str, owner: str) -> None:
+    await custody.import_agent(bytearray(secret.encode()), owner=owner)
+
+
+def _held(custody: Custody) -> set[str]:
+    return {record.pubkey for record in custody.agents()}
+
+
+async def _refused_and_nothing_restored(custody: Custody, contents: BackupContents) -> None:
+    before = _held(custody)
+    with contents, pytest.raises(CustodyError, match="nothing restored"):
+        await restore_backup(custody, contents)
+    assert _held(custody) == before
+
+
+async def test_restore_refuses_a_cycle_through_an_agent_held_here(custody: Custody) -> None:
+    """Here: B owned by A (a key held elsewhere). The backup: A owned by B."""
+    secret_a, pub_a = _key()
+    secret_b, pub_b = _key()
+    await _import(custody, secret_b, pub_a)
+    # `agent import` refuses the same edge: the two doors agree.
+    with pytest.raises(CustodyError, match="cycle"):
+        await _import(custody, secret_a, pub_b)
+    good_secret, good = _key()
+    await _refused_and_nothing_restored(
+        custody, _backup([(good_secret, good, PERSON, None), (secret_a, pub_a, pub_b, None)]))
+    assert good not in _held(custody)
+
+
+async def test_restore_refuses_a_cycle_inside_the_backup(custody: Custody) -> None:
+    """Nothing held here; the backup holds A owned by B and B owned by A."""
+    secret_a, pub_a = _key()
+    secret_b, pub_b = _key()
+    await _refused_and_nothing_restored(
+        custody, _backup([(secret_a, pub_a, pub_b, None), (secret_b, pub_b, pub_a, None)]))
+
+
+async def test_restore_accepts_a_chain_in_any_order(custody: Custody) -> None:
+    """The check is no wider than a cycle: child before its owner in the file restores."""
+    secret_a, pub_a = _key()
+    secret_b, pub_b = _key()
+    with _backup([(secret_b, pub_b, pub_a, None), (secret_a, pub_a, PERSON, None)]) as contents:
+        result = await restore_backup(custody, contents)
+    assert set(result.restored) == {pub_a, pub_b} == _held(custody)
+
+
+async def test_restore_refuses_a_mint_reference_another_agent_holds(custody: Custody) -> None:
+    minted = await custody.mint_agent(owner=PERSON, mint_ref="owner/create-1")
+    good_secret, good = _key()
+    other_secret, other = _key()
+    await _refused_and_nothing_restored(custody, _backup([
+        (good_secret, good, PERSON, None),
+        (other_secret, other, PERSON, "owner/create-1"),
+    ]))
+    assert custody._keystore.by_mint_ref("owner/create-1") == minted
+
+
+async def test_a_backup_naming_one_pubkey_twice_is_refused_at_open(custody: Custody) -> None:
+    secret, pubkey = _key()
+    with pytest.raises(CustodyError, match="twice"):
+        _backup([(secret, pubkey, PERSON, None), (secret, pubkey, PERSON, None)])
+    assert _held(custody) == set()
+
+
+async def test_restore_checks_its_plan_again_inside_the_token_hop(
+    custody: Custody, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan the caller saw is stale by the time the hop runs: an import of one of the
+    backup's agents, for another owner, lands between them (as the daemon may mint or an
+    operator import meanwhile). The hop's own plan refuses; nothing is written."""
+    good_secret, good = _key()
+    late_secret, late = _key()
+    contents = _backup([(good_secret, good, PERSON, None), (late_secret, late, PERSON, None)])
+    assert set(restore_plan(custody, contents).restored) == {good, late}
+
+    other_owner = _key()[1]
+    real_hop = Custody._hop
+
+    async def hop(self: Custody, op: str, work: Callable[[], Any]) -> Any:
+        if op == "restore":
+            await _import(self, late_secret, other_owner)  # lands just before the hop
+        return await real_hop(self, op, work)
+
+    monkeypatch.setattr(Custody, "_hop", hop)
+    before = {late}
+    with contents, pytest.raises(CustodyError, match="another owner"):
+        await restore_backup(custody, contents)
+    assert _held(custody) == before
+    record = custody.agent(late)
+    assert record is not None and record.owner == other_owner
