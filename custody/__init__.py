@@ -30,8 +30,9 @@ Surface:
   dumpable) runs inside `Custody.open`/`init_kek`; callers may run it earlier too.
 
 Modules, one job each: _errors, _secret (buffers, wiping, parsing, randomness), _secp256k1
-(low-level curve ops), _signer (events, AUTH, NIP-OA),
-_nip44 (NIP-44 v2 payloads), _memory (NIP-AE), _backup (age backups and restore), _ownership (the owner graph's cycle check), _process (core dumps off, undumpable), _worker (the one token thread),
+(low-level curve ops), _signer (events, AUTH, NIP-OA), _nip44 (NIP-44 v2 payloads), _memory
+(NIP-AE), _backup (age backups and restore), _ownership (the owner graph's cycle check),
+_process (core dumps off, undumpable), _worker (the one token thread),
 _token (PKCS#11: login, KEKs, mechanisms, the seal choice), _sealed (blob formats, the two
 seals and the one unseal door with its named defences), _cache (the unsealed-key cache,
 off by default), _keystore (SQLite), _statelock (who may use the state directory),
