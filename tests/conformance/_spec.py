@@ -9,11 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-#: §Operations: the nine wire names of version 1, and the NIP-BA actions served since.
+#: §Operations: the nine wire names of version 1 (NIP-BA's six more: NIP_BA_ADDED below).
 ACTIONS: frozenset[str] = frozenset({
     "channel.read", "message.post", "message.reply", "reaction.add", "profile.set",
     "storage.address", "agents.create", "agents.update", "agents.delete",
-    "storage.get", "storage.put",  # NIP-BA Memory (issue 23)
 })
 
 #: §Operations "Reserved against" (sign, publish, encrypt, decrypt, relay authentication):
@@ -61,8 +60,6 @@ OUTCOME_MEMBERS: Mapping[str, tuple[frozenset[str], frozenset[str]]] = MappingPr
     "profile.set": _PUBLISH,
     "storage.address": (frozenset({"authorPubkey", "kind", "dTag"}), frozenset()),
     # NIP-BA Memory
-    "storage.get": (frozenset(), frozenset({"value"})),
-    "storage.put": _PUBLISH,
     "agents.create": (frozenset({"agentPubkey", "displayName", "channelId"}), frozenset()),
     "agents.update": (frozenset({"agentPubkey", "displayName", "updatedFields"}), frozenset()),
     "agents.delete": (frozenset({"agentPubkey", "displayName"}), frozenset()),
