@@ -27,7 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from buzzwire.contract import ErrorCode, Status, Verdict, encode_response, mark_replayed
+from buzzwire.contract import (ACTIONS, ErrorCode, Status, Verdict, encode_response,
+                               mark_replayed)
 from daemon.state.audit import AuditLog, AuditRecord, AuditUnavailable, Phase
 from daemon.http import HttpAnswer
 from daemon.state.ledger import Ledger, Ticket
@@ -36,7 +37,7 @@ from daemon.metrics import Metrics
 from daemon.state.refusal_audit import RefusalAudit
 from daemon.state.verdict_store import stored_form
 
-__all__ = ["Judged", "Facts", "Progress", "Recorder", "where"]
+__all__ = ["Judged", "Facts", "Progress", "Recorder", "Keeping", "keeping", "where"]
 
 _log = logging.getLogger("buzz_broker.recorder")
 
@@ -77,6 +78,14 @@ class Progress:
 
     effects_possible: bool = False
     event_ids: tuple[str, ...] = ()
+    #: the ledger held a record of this key without pending work (`Fresh.recorded`)
+    recorded: bool = False
+    #: the request could not be read: validation refused it
+    invalid: bool = False
+    #: the operation began: judgement (validate, authorize, rate limits) let it through
+    executed: bool = False
+    #: the agents.create key this attempt bound to its record (`Publisher.mint`)
+    minted: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,6 +105,41 @@ class Facts:
                            agent=self.agent, action=self.action, request_id=self.request_id,
                            body_sha256=self.body_sha256, status=status, code=code,
                            events=events, replayed=replayed)
+
+
+@dataclass(frozen=True, slots=True)
+class Keeping:
+    """How the ledger keeps one verdict (docs/operations.md, "Disk").
+
+    `seconds`: how long the full record is kept (None: the ledger's retention).
+    `refusal_of`: the credential whose refusal share pays for it, not its agent's account.
+    `tombstone`: (K, D) outlive the record, so the requestId never runs again.
+    """
+
+    seconds: int | None
+    refusal_of: str | None
+    tombstone: bool
+
+
+def keeping(facts: Facts, judged: Judged, progress: Progress, short_seconds: int) -> Keeping:
+    """The one rule (issue 22 M1, issue 23 item 7), first match wins:
+
+    1. A refusal reached before execution (validate, authorize, rate limits) claimed
+       nothing (NIP-BA claims K after those checks): it is charged to its credential's
+       refusal share, and one validation refused is kept only `short_seconds` (the same
+       bytes are refused the same way again; replaying it is a convenience).
+    2. A read (an action that is not `publishing`: channel.read, storage.address, and
+       what the contract adds as reads) keeps today's rule: its page `short_seconds`,
+       any other verdict the retention; no tombstone (decided by the fleet issue).
+    3. Everything else ran an action with effects: the retention, then a tombstone.
+    """
+    if judged.status is Status.FAILED and not progress.executed and not judged.published:
+        return Keeping(short_seconds if progress.invalid else None, facts.credential_id, False)
+    spec = ACTIONS.get(facts.action) if facts.action is not None else None
+    if spec is None or not spec.publishing:
+        page = judged.status is Status.SUCCEEDED and not judged.published
+        return Keeping(short_seconds if page else None, None, False)
+    return Keeping(None, None, True)
 
 
 class Recorder:
@@ -140,7 +184,8 @@ class Recorder:
             return False
         return True
 
-    async def finish(self, ticket: Ticket, facts: Facts, judged: Judged) -> Judged:
+    async def finish(self, ticket: Ticket, facts: Facts, judged: Judged, progress: Progress
+                     ) -> Judged:
         """Record a verdict the ledger let run: audit first when nothing was published.
 
         Returns the verdict to answer: `judged`, or failed + internal when it had no side
@@ -150,15 +195,16 @@ class Recorder:
         """
         if not judged.published and not await self.audited(facts, judged):
             judged = Judged.internal(facts.request_id)
+        kept = keeping(facts, judged, progress, self._read_retention)
         try:
-            # A refusal is kept as its code (verdict_store); a read's page only briefly.
+            # A refusal is kept as its code (verdict_store); how long and on whose share
+            # is `keeping`'s.
             await self._ledger.finish(
                 ticket,
                 stored_form(facts.request_id, judged.response, judged.status, judged.code)
                 if not judged.published else judged.response,
-                judged.status, judged.code,
-                keep_seconds=self._read_retention
-                if judged.status is Status.SUCCEEDED and not judged.published else None)
+                judged.status, judged.code, keep_seconds=kept.seconds,
+                refusal_of=kept.refusal_of, tombstone=kept.tombstone)
         except Exception as exc:  # noqa: BLE001 - sqlite3.Error or worse: the verdict stands
             self.ledger_failed(facts, "finish", exc)
             self._ledger.release(ticket)

@@ -1,0 +1,114 @@
+"""Issue 22 H1 and M1, issue 23 item 7 (retention), on the real daemon, token and relay.
+
+- H1: a refused `agents.create` must not destroy the child an earlier create with the same
+  requestId made. The narrow credential's refusal is keyed apart from the agent's record
+  (`<agent>/<credential>`), so it is neither a replay nor a conflict; before the fix its
+  `failed` verdict destroyed the key found by the mint reference `<agent>/<requestId>`.
+- Retention: after the ledger's retention a requestId of an action with effects is never
+  new again: a compact tombstone answers the identical retry `indeterminate` +
+  `outcome_unknown` and another body `request_id_conflict`, and nothing runs.
+- A mint reference whose ledger record is gone altogether (a lost ledger file, records
+  swept before tombstones existed) is refused `request_id_conflict`: the create never
+  adopts, re-publishes or destroys the agent that reference made.
+- M1: a narrow credential's refusals fill its own share, not its agent's: the agent's
+  other credentials keep working.
+
+In each H1 test the child proves it is whole: its owner can still update it (custody
+signs the owner's 30177 for it), and its own credential still posts (custody signs as it).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+import uuid
+from typing import Any
+
+from daemon.state.ledger import LEDGER_FILENAME
+from tests.fixtures.broker import BrokerHarness, request_body
+
+CREATE_ID = "create-1"
+
+
+def _args(channel: str, name: str = "Child") -> dict[str, Any]:
+    return {"channelId": channel, "displayName": name, "systemPrompt": "be brief"}
+
+
+async def _owner_with_child(broker: BrokerHarness) -> tuple[str, str, str, str]:
+    """(channel, owner's wide credential, child pubkey, child's credential)."""
+    channel = str(uuid.uuid4())
+    owner = await broker.human_owned_agent("owner")
+    wide = broker.credential(owner, [channel])
+    created = await broker.call(wide, "agents.create", _args(channel), request_id=CREATE_ID)
+    assert created["status"] == "succeeded", created
+    child = created["outcome"]["agentPubkey"]
+    return channel, wide, child, broker.credential(child, [channel])
+
+
+async def _assert_child_whole(broker: BrokerHarness, channel: str, wide: str, child: str,
+                              child_cred: str) -> None:
+    assert broker.custody.agent(child) is not None, "the child's key was destroyed"
+    posted = await broker.call(child_cred, "message.post",
+                               {"channelId": channel, "content": "still here"})
+    assert posted["status"] == "succeeded", posted
+    updated = await broker.call(wide, "agents.update",
+                                {"target": {"pubkey": child}, "model": "m-2"})
+    assert updated["status"] == "succeeded", updated
+
+
+def _forget_ledger_records(broker: BrokerHarness) -> None:
+    """What a lost or older ledger file looks like: no record, no tombstone."""
+    conn = sqlite3.connect(str(broker.state_dir / LEDGER_FILENAME))
+    try:
+        for table in ("entries", "tombstones"):
+            if conn.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (table,)).fetchone():
+                conn.execute(f"DELETE FROM {table}")
+        conn.commit()
+    finally:
+        conn.close()
+
+
+async def test_a_narrow_credentials_refused_create_leaves_the_child_whole(
+    broker: BrokerHarness,
+) -> None:
+    channel, wide, child, child_cred = await _owner_with_child(broker)
+    owner = broker.custody.agent(child)
+    assert owner is not None
+    narrow = broker.credential(owner.owner, [channel], actions=["channel.read"])
+    refused = await broker.call(narrow, "agents.create", _args(channel), request_id=CREATE_ID)
+    assert (refused["status"], refused["error"]["code"]) == ("failed", "unauthorized")
+    await _assert_child_whole(broker, channel, wide, child, child_cred)
+
+
+async def test_after_retention_the_requestid_is_a_tombstone_not_new(
+    broker: BrokerHarness,
+) -> None:
+    channel, wide, child, child_cred = await _owner_with_child(broker)
+    ledger = broker.app._ledger  # white box: run the sweep as if the retention had passed
+    assert await ledger.sweep(int(time.time()) + 10 * 365 * 86400) >= 1
+    # Another body (one validation refuses) under the spent id: a conflict, nothing runs.
+    bad = await broker.call(wide, "agents.create", {**_args(channel), "runtime": "nope"},
+                            request_id=CREATE_ID)
+    assert (bad["status"], bad["error"]["code"]) == ("failed", "request_id_conflict"), bad
+    # The identical retry: the outcome is no longer known, and it is not run again.
+    status, same = await broker.post(request_body("agents.create", _args(channel),
+                                                  request_id=CREATE_ID), wide)
+    assert status == 200 and same is not None
+    assert (same["status"], same["error"]["code"]) == ("indeterminate", "outcome_unknown"), same
+    await _assert_child_whole(broker, channel, wide, child, child_cred)
+
+
+async def test_a_create_whose_mint_reference_outlived_its_record_is_refused(
+    broker: BrokerHarness,
+) -> None:
+    channel, wide, child, child_cred = await _owner_with_child(broker)
+    _forget_ledger_records(broker)
+    # The identical body: before the fix it adopted the child and re-published it.
+    again = await broker.call(wide, "agents.create", _args(channel), request_id=CREATE_ID)
+    assert (again["status"], again["error"]["code"]) == ("failed", "request_id_conflict"), again
+    # A body refused by validation: before the fix its `failed` destroyed the child.
+    _forget_ledger_records(broker)
+    bad = await broker.call(wide, "agents.create", {**_args(channel), "runtime": "nope"},
+                            request_id=CREATE_ID)
+    assert (bad["status"], bad["error"]["code"]) == ("failed", "invalid_request"), bad
+    await _assert_child_whole(broker, channel, wide, child, child_cred)
