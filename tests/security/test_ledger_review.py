@@ -24,6 +24,9 @@ import time
 import uuid
 from typing import Any
 
+import pytest
+
+from daemon.pipeline.broker import REFUSALS_FULL
 from daemon.state.ledger import LEDGER_FILENAME
 from tests.fixtures.broker import BrokerHarness, request_body
 
@@ -112,3 +115,57 @@ async def test_a_create_whose_mint_reference_outlived_its_record_is_refused(
                             request_id=CREATE_ID)
     assert (bad["status"], bad["error"]["code"]) == ("failed", "invalid_request"), bad
     await _assert_child_whole(broker, channel, wide, child, child_cred)
+
+
+def _invalid_read(channel: str) -> dict[str, Any]:
+    return {"channelId": channel, "limit": 0}  # limit is 1–500: refused by validation
+
+
+@pytest.mark.broker_config(state={"ledger_max_bytes_per_agent": 4096})
+async def test_a_narrow_credentials_refusals_do_not_lock_its_agent_out(
+    broker: BrokerHarness,
+) -> None:
+    channel = str(uuid.uuid4())
+    agent = await broker.human_owned_agent()
+    wide = broker.credential(agent, [channel])
+    narrow = broker.credential(agent, [channel], actions=["channel.read"])
+    for _ in range(60):  # ~20 of these filled the agent's 4 KiB share before the fix
+        refused = await broker.call(narrow, "channel.read", _invalid_read(channel))
+        assert refused["error"]["code"] == "invalid_request", refused
+    posted = await broker.call(wide, "message.post", {"channelId": channel, "content": "hi"})
+    assert posted["status"] == "succeeded", posted
+
+
+@pytest.mark.broker_config(state={"ledger_max_bytes_per_agent": 4096,
+                                  "ledger_max_refusal_bytes_per_credential": 4096,
+                                  "read_retention": "15m"})
+async def test_a_full_refusal_share_turns_away_only_its_credential(
+    broker: BrokerHarness,
+) -> None:
+    channel = str(uuid.uuid4())
+    agent = await broker.human_owned_agent()
+    wide = broker.credential(agent, [channel])
+    narrow = broker.credential(agent, [channel], actions=["channel.read"])
+    # One refusal by authorization (kept the retention), then validation refusals.
+    kept = request_body("message.post", {"channelId": channel, "content": "no"},
+                        request_id="kept-refusal")
+    status, first = await broker.post(kept, narrow)
+    assert status == 200 and first is not None and first["error"]["code"] == "unauthorized"
+    answers = [await broker.call(narrow, "channel.read", _invalid_read(channel))
+               for _ in range(60)]
+    full = [a for a in answers if a["error"]["message"] == REFUSALS_FULL]
+    assert full and all(a["error"]["code"] == "unauthorized" for a in full)
+    # Only the narrow credential is turned away; the agent's other credentials are not.
+    posted = await broker.call(wide, "message.post", {"channelId": channel, "content": "hi"})
+    assert posted["status"] == "succeeded", posted
+    # What was recorded still replays.
+    status, again = await broker.post(kept, narrow)
+    assert again is not None and again.get("replayed") is True
+    assert again["error"] == first["error"]
+    # Validation refusals are kept only the read retention; the authorization one stays.
+    ledger = broker.app._ledger  # white box: run the sweep as if 15 minutes had passed
+    await ledger.sweep(int(time.time()) + 15 * 60 + 60)
+    read = await broker.call(narrow, "channel.read", {"channelId": channel})
+    assert read["status"] == "succeeded", read
+    status, still = await broker.post(kept, narrow)
+    assert still is not None and still.get("replayed") is True
