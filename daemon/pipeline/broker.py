@@ -259,15 +259,16 @@ class Broker:
         # correlate
         reading = read_request(request.body)
         if reading.request_id is None:
-            log_event(_log, "request.uncorrelated", bytes=len(request.body),
-                      detail=reading.error.detail if reading.error else "")
-            return self._recorder.uncorrelated(started)
+            return self._recorder.uncorrelated(
+                started, request.peer_uid, len(request.body),
+                reading.error.detail if reading.error else "")
         request_id = reading.request_id
         # authenticate
         principal = self._authenticate(request, request_id)
         if isinstance(principal, Judged):
-            return self._recorder.respond(request_id, principal, started, agent=None,
-                                          action=_action_of(reading))
+            return self._recorder.respond(
+                request_id, principal, started, agent=None, action=_action_of(reading),
+                unvouched=principal.code is ErrorCode.UNAUTHENTICATED, peer_uid=request.peer_uid)
         # ledger
         digest = hashlib.sha256(request.body).digest()
         facts = Facts(credential_id=principal.credential_id, agent=principal.agent,

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from buzzwire.contract import (ACTIONS, ErrorCode, Status, Verdict, encode_response,
                                mark_replayed)
+from daemon.fault_log import FaultLog
 from daemon.state.audit import AuditLog, AuditRecord, AuditUnavailable, Phase
 from daemon.http import HttpAnswer
 from daemon.state.ledger import Ledger, Ticket
@@ -154,6 +155,12 @@ class Recorder:
         self._metrics = metrics
         self._clock = clock
         self._read_retention = read_retention_seconds
+        # Answers no credential vouches for (issue 22 L1): anyone who reaches the socket
+        # can send them at will, and one line each would have journald's per-unit rate
+        # limit drop the daemon's lines wholesale, audit.unavailable and the anchors
+        # included. Per cause (the peer's uid), one line a minute, then a count.
+        self.unvouched = FaultLog(_log, "verdict", level=logging.INFO)
+        self.uncorrelated_log = FaultLog(_log, "request.uncorrelated", level=logging.INFO)
 
     async def intent(self, facts: Facts, event_ids: tuple[str, ...]) -> bool:
         """The audit intent record, before the pending record; False when it cannot be."""
@@ -236,8 +243,13 @@ class Recorder:
                             action=facts.action, replayed=replayed)
 
     def respond(self, request_id: str, judged: Judged, started: float, *, agent: str | None,
-                action: str | None, replayed: bool = False) -> HttpAnswer:
-        """The answer: one `verdict` log line, one request in the metrics, HTTP 200."""
+                action: str | None, replayed: bool = False,
+                unvouched: bool = False, peer_uid: int | None = None) -> HttpAnswer:
+        """The answer: one `verdict` log line, one request in the metrics, HTTP 200.
+
+        `unvouched`: the answer is `unauthenticated` (for a peer of `peer_uid`); its line
+        goes through the rate-bounded `unvouched` log.
+        """
         elapsed = time.monotonic() - started
         fields: dict[str, object] = {
             "request_id": request_id,
@@ -249,15 +261,23 @@ class Recorder:
             "event_ids": list(judged.event_ids) if judged.event_ids else None,
             "replayed": True if replayed else None,
         }
-        log_event(_log, "verdict", level=logging.INFO,
-                  **{k: v for k, v in fields.items() if v is not None})
+        shown = {k: v for k, v in fields.items() if v is not None}
+        if unvouched:
+            self.unvouched.record(("unauthenticated", peer_uid), peer_uid=peer_uid, **shown)
+        else:
+            log_event(_log, "verdict", level=logging.INFO, **shown)
         self._metrics.request(action, judged.status.value,
                               judged.code.value if judged.code else None, elapsed)
         body = mark_replayed(judged.response) if replayed else judged.response
         return HttpAnswer(status=200, body=body)
 
-    def uncorrelated(self, started: float) -> HttpAnswer:
-        """HTTP 400 without an envelope: counted, not recorded (there is no requestId)."""
+    def uncorrelated(self, started: float, peer_uid: int | None, body_bytes: int,
+                     detail: str) -> HttpAnswer:
+        """HTTP 400 without an envelope: counted, not recorded (there is no requestId).
+
+        Its log line is rate-bounded per peer uid, as `unvouched` (L1)."""
+        self.uncorrelated_log.record(("uncorrelated", peer_uid), peer_uid=peer_uid,
+                                     bytes=body_bytes, detail=detail)
         self._metrics.request(None, None, None, time.monotonic() - started)
         return HttpAnswer(status=400, body=None)
 

@@ -19,6 +19,7 @@ signs the owner's 30177 for it), and its own credential still posts (custody sig
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import time
 import uuid
@@ -169,3 +170,30 @@ async def test_a_full_refusal_share_turns_away_only_its_credential(
     assert read["status"] == "succeeded", read
     status, still = await broker.post(kept, narrow)
     assert still is not None and still.get("replayed") is True
+
+
+async def test_unauthenticated_and_uncorrelated_lines_are_rate_bounded(
+    broker: BrokerHarness, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 22 L1: a flood anyone on the socket can send costs one line per cause."""
+    caplog.set_level(logging.INFO, logger="buzz_broker")
+    for i in range(50):
+        status, answer = await broker.post(request_body(
+            "storage.address", {"slug": "mem/x"}, request_id=f"anon-{i}"), "bzb_not_a_token")
+        assert answer is not None and answer["error"]["code"] == "unauthenticated"
+        status, _ = await broker.post(b'{"type":"broker_request"}', None)
+        assert status == 400
+    events = [r.getMessage() for r in caplog.records
+              if r.name.startswith("buzz_broker")]
+    assert events.count("verdict") == 1 and events.count("request.uncorrelated") == 1, events
+    recorder = broker.app._recorder  # white box: every one of them was still counted
+    assert recorder.unvouched.total == 50 and recorder.uncorrelated_log.total == 50
+    # An authenticated request's verdict line is not bounded.
+    agent = await broker.human_owned_agent()
+    cred = broker.credential(agent, [str(uuid.uuid4())])
+    for _ in range(3):
+        assert (await broker.call(cred, "storage.address", {"slug": "mem/x"}))["status"] == (
+            "succeeded")
+    events = [r.getMessage() for r in caplog.records
+              if r.name.startswith("buzz_broker")]
+    assert events.count("verdict") == 4
