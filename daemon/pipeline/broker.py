@@ -30,8 +30,11 @@ have taken hold; `indeterminate` + `internal` once an event was handed to the re
 pending record is being resumed, or a recorded non-failed verdict is being replayed (a
 recorded success is never turned into `failed`). A fault before any side effect (token,
 ledger, audit) is `failed` + `internal`, the spec's known no-op; no exception reaches the
-HTTP layer as a 500. An agents.create that ends `failed` destroys the key it minted
-(`Publisher.destroy_minted`); one that ends `indeterminate` keeps it for the retry.
+HTTP layer as a 500. An agents.create that ends `failed` destroys the key this attempt
+bound to its ledger record (`Publisher.mint`, `Publisher.destroy_minted`), never one found
+by its mint reference alone (issue 22 H1); one that ends `indeterminate` keeps it for the
+retry. A key only a tombstone remembers answers `indeterminate` + `outcome_unknown`
+(`FORGOTTEN`), unrecorded.
 
 WARNING: the status/code pairs used here must be allowed by `buzzwire.contract.PAIRING`;
 `Verdict`'s constructors assert it. `PIPELINE` must match README's numbered list and

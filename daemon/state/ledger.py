@@ -13,10 +13,12 @@ Theory of operation (design.md "Idempotency: the ledger"; spec I3):
     1. the same key is in flight in this process with another digest -> `Conflict()` at once;
     2. the same key and digest is in flight -> wait for its owner, then look again
        (a final verdict the owner just recorded is handed over without touching SQLite);
-    3. no record -> `Fresh(ticket)`; a record with another digest -> `Conflict()` (the
-       record is untouched); a final record -> `Replay(response)`; a pending or
-       indeterminate record that holds pending work -> `Resume(ticket, pending)`; an
-       indeterminate record without pending work (nothing was ever sent) -> `Fresh(ticket)`.
+    3. no record -> a tombstone with the same digest -> `Forgotten()`, with another ->
+       `Conflict()`; else `Fresh(ticket)` (or `Full()` at a cap); a record with another
+       digest -> `Conflict()` (the record is untouched); a final record ->
+       `Replay(response)`; a pending or indeterminate record that holds pending work ->
+       `Resume(ticket, pending)`; an indeterminate record without pending work (nothing
+       was ever sent; perhaps reserved) -> `Fresh(ticket, recorded=True)`.
   Whoever receives a ticket owns the key in this process until `finish()` or `release()`.
 - `record_pending` commits before it returns (synchronous=FULL) — the caller must not let
   anything reach the relay before it returns. The pending blob is write-once: a retry
@@ -51,8 +53,12 @@ while SQLite rebuilds its shared index, and the event loop must not stall for lo
 Retention: every record carries the time it `expires`: a final verdict `retention_seconds`
 after it was recorded (or the shorter `keep_seconds` the caller passes: reads), a
 pending/indeterminate one `STALE_FACTOR` x retention after its last write. `sweep(now)`
-deletes what has expired (a retry that late gets a fresh execution; the database must stay
-bounded). Keys in flight are never swept.
+deletes what has expired. Keys in flight are never swept. Tombstones (issue 23 item 7,
+NIP-BA's retry protection): a record that may stand for an effect — pending work, an
+indeterminate verdict, a `reserve`d key, or a final verdict the caller marks `tombstone`
+(an action with effects that ran) — writes (K, 16 bytes of D) into `tombstones` in the same
+transaction; the sweep never deletes them, so such a requestId is never new again. A record
+without one (a refusal before execution, a read) is forgotten: a retry that late runs.
 
 Disk (issue 13): a record is stored compactly. The principal is a small integer
 (`principals` table), the requestId its 16-byte `request_key` (sha256, truncated: the key
@@ -62,8 +68,12 @@ is whatever compact bytes the caller hands in (daemon/state/verdict_store.py). P
 the ledger counts `ROW_BYTES` + its blobs for every record; at `max_bytes_per_principal` a
 request that would add a record gets `Full()` (the pipeline refuses it, unrecorded). The
 account of a principal `A/sub` (the records the pipeline keeps apart for one credential
-of agent A) is `A`'s: one agent's records share one cap however they are keyed.
-Replays and resumed work add nothing and are never refused.
+of agent A) is `A`'s: one agent's records share one cap however they are keyed. A record
+`finish`ed with `refusal_of=<credential>` is charged instead to the account `A/<credential>`
+(its `charge` column), capped by `max_refusal_bytes_per_credential` (issue 22 M1): a
+credential's refusals fill its own share, never its agent's. Tombstones count
+`TOMBSTONE_BYTES` each against `A`. Replays and resumed work add nothing and are never
+refused.
 
 Audit anchor (issue 13): the audit log's head (seq, hash) is written into `audit_anchor`
 in every transaction, when it has moved, so the verdict and the audit record it followed

@@ -118,6 +118,14 @@ async def test_a_create_whose_mint_reference_outlived_its_record_is_refused(
     await _assert_child_whole(broker, channel, wide, child, child_cred)
 
 
+async def _wide_and_narrow(broker: BrokerHarness) -> tuple[str, str, str]:
+    """(channel, a credential for every action, one for channel.read only) of one agent."""
+    channel = str(uuid.uuid4())
+    agent = await broker.human_owned_agent()
+    return (channel, broker.credential(agent, [channel]),
+            broker.credential(agent, [channel], actions=["channel.read"]))
+
+
 def _invalid_read(channel: str) -> dict[str, Any]:
     return {"channelId": channel, "limit": 0}  # limit is 1–500: refused by validation
 
@@ -126,10 +134,7 @@ def _invalid_read(channel: str) -> dict[str, Any]:
 async def test_a_narrow_credentials_refusals_do_not_lock_its_agent_out(
     broker: BrokerHarness,
 ) -> None:
-    channel = str(uuid.uuid4())
-    agent = await broker.human_owned_agent()
-    wide = broker.credential(agent, [channel])
-    narrow = broker.credential(agent, [channel], actions=["channel.read"])
+    channel, wide, narrow = await _wide_and_narrow(broker)
     for _ in range(60):  # ~20 of these filled the agent's 4 KiB share before the fix
         refused = await broker.call(narrow, "channel.read", _invalid_read(channel))
         assert refused["error"]["code"] == "invalid_request", refused
@@ -143,10 +148,7 @@ async def test_a_narrow_credentials_refusals_do_not_lock_its_agent_out(
 async def test_a_full_refusal_share_turns_away_only_its_credential(
     broker: BrokerHarness,
 ) -> None:
-    channel = str(uuid.uuid4())
-    agent = await broker.human_owned_agent()
-    wide = broker.credential(agent, [channel])
-    narrow = broker.credential(agent, [channel], actions=["channel.read"])
+    channel, wide, narrow = await _wide_and_narrow(broker)
     # One refusal by authorization (kept the retention), then validation refusals.
     kept = request_body("message.post", {"channelId": channel, "content": "no"},
                         request_id="kept-refusal")
