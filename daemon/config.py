@@ -113,6 +113,8 @@ class StateConfig:
     read_retention_seconds: int
     #: the cap on one agent's ledger records, in counted bytes (daemon/state/ledger.py)
     ledger_max_bytes_per_agent: int
+    #: the cap on one credential's refusal records, kept apart from its agent's (issue 22)
+    ledger_max_refusal_bytes_per_credential: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -435,6 +437,9 @@ _KEYS: tuple[_Key, ...] = (
     _Key("state", "read_retention", "read_retention_seconds", _whole_seconds, "15m"),
     _Key("state", "ledger_max_bytes_per_agent", "ledger_max_bytes_per_agent",
          _int_at_least(4096), 256 * 1024 * 1024),
+    # 4 MiB: ~26,000 refusals at ~160 bytes each (docs/operations.md, "Disk").
+    _Key("state", "ledger_max_refusal_bytes_per_credential",
+         "ledger_max_refusal_bytes_per_credential", _int_at_least(4096), 4 * 1024 * 1024),
     _Key("pkcs11", "module", "module", _module_path, "/usr/lib/softhsm/libsofthsm2.so"),
     _Key("pkcs11", "token_label", "token_label", _text, "buzz-broker"),
     # "": no file; the PIN comes from the systemd credential `PIN_CREDENTIAL` (the unit's

@@ -134,6 +134,8 @@ async def running(
                 state_dir / "ledger.db",
                 retention_seconds=config.state.ledger_retention_seconds,
                 max_bytes_per_principal=config.state.ledger_max_bytes_per_agent,
+                max_refusal_bytes_per_credential=(
+                    config.state.ledger_max_refusal_bytes_per_credential),
             )
             stack.callback(ledger.close)
             limiter = RateLimiter.open(state_dir, config.limits)

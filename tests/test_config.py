@@ -38,6 +38,7 @@ dir = "/srv/bb/state"
 ledger_retention = "2h"
 read_retention = "5m"
 ledger_max_bytes_per_agent = 1048576
+ledger_max_refusal_bytes_per_credential = 65536
 
 [pkcs11]
 module = "/opt/hsm/libvendor.so"
@@ -83,6 +84,7 @@ EXPECTED: dict[tuple[str, str], object] = {
     ("state", "ledger_retention_seconds"): 7200,
     ("state", "read_retention_seconds"): 300,
     ("state", "ledger_max_bytes_per_agent"): 1048576,
+    ("state", "ledger_max_refusal_bytes_per_credential"): 65536,
     ("pkcs11", "module"): "/opt/hsm/libvendor.so",
     ("pkcs11", "token_label"): "other-token",
     ("pkcs11", "pin_file"): "/etc/bb/pin",
@@ -118,6 +120,7 @@ DEFAULTS: dict[tuple[str, str], object] = {
     ("state", "ledger_retention_seconds"): 7 * 86400,
     ("state", "read_retention_seconds"): 15 * 60,
     ("state", "ledger_max_bytes_per_agent"): 256 * 1024 * 1024,
+    ("state", "ledger_max_refusal_bytes_per_credential"): 4 * 1024 * 1024,
     ("pkcs11", "module"): "/usr/lib/softhsm/libsofthsm2.so",
     ("pkcs11", "token_label"): "buzz-broker",
     ("pkcs11", "pin_file"): None,  # the systemd credential, when there is one

@@ -104,6 +104,10 @@ class Context:
     #: Names a key just minted in the public directory (pubkey, name, creator), off the
     #: event loop; a name already set is kept (daemon/state/directory.py `enroll`).
     enroll: Callable[[str, str, str | None], Awaitable[object]] | None = None
+    #: Mints agents.create's key bound to this request's ledger record, or refuses
+    #: (`OperationRefused`) when the mint reference outlived its record (issue 22 H1;
+    #: daemon/pipeline/publisher.py `Publisher.mint`).
+    mint: Callable[[], Awaitable[_Minted]] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,8 +1,10 @@
 """agents.create: mint a managed agent owned by the requester.
 
 Steps (buzz-on-the-relay.md, "Managed agents"; design.md "Multi-event operations"):
-1. Mint the key in custody, idempotently on (requester, requestId): a retry after a crash
-   that came before the pending record finds the same agent instead of minting another.
+1. Mint the key in custody, idempotently on (requester, requestId), bound to the request's
+   ledger record (`ctx.mint`, daemon/pipeline/publisher.py): a retry after a crash that came
+   before the pending record finds the same agent instead of minting another, and a key
+   whose record is gone is never adopted (issue 22 H1).
    Custody makes the owner's NIP-OA tag, since the owner is a key this host holds. Then
    name it in the public directory (custody holds no names); the retry names it again, a
    no-op once named. Its depth is the directory's, derived from the owner chain.
@@ -40,8 +42,8 @@ AGENT_ROLE = "bot"
 
 async def prepare(ctx: Context, args: AgentsCreateArgs) -> Plan:
     owner = ctx.principal.agent
-    assert ctx.enroll is not None, "agents.create names the agent it mints"
-    agent = await ctx.custody.mint_agent(owner=owner, mint_ref=f"{owner}/{ctx.request_id}")
+    assert ctx.enroll is not None and ctx.mint is not None, "agents.create mints and names"
+    agent = await ctx.mint()
     await ctx.enroll(agent.pubkey, args.display_name, owner)
     now = ctx.now()
     record = record_content(

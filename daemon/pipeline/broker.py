@@ -30,8 +30,11 @@ have taken hold; `indeterminate` + `internal` once an event was handed to the re
 pending record is being resumed, or a recorded non-failed verdict is being replayed (a
 recorded success is never turned into `failed`). A fault before any side effect (token,
 ledger, audit) is `failed` + `internal`, the spec's known no-op; no exception reaches the
-HTTP layer as a 500. An agents.create that ends `failed` destroys the key it minted
-(`Publisher.destroy_minted`); one that ends `indeterminate` keeps it for the retry.
+HTTP layer as a 500. An agents.create that ends `failed` destroys the key this attempt
+bound to its ledger record (`Publisher.mint`, `Publisher.destroy_minted`), never one found
+by its mint reference alone (issue 22 H1); one that ends `indeterminate` keeps it for the
+retry. A key only a tombstone remembers answers `indeterminate` + `outcome_unknown`
+(`FORGOTTEN`), unrecorded.
 
 WARNING: the status/code pairs used here must be allowed by `buzzwire.contract.PAIRING`;
 `Verdict`'s constructors assert it. `PIPELINE` must match README's numbered list and
@@ -69,7 +72,8 @@ from daemon.config import Config, PolicyConfig
 from daemon.relay.cursor import CursorCodec
 from daemon.http import HttpAnswer, HttpRequest
 from daemon.pipeline.judgement import Admission, judge
-from daemon.state.ledger import Conflict, Full, Ledger, LedgerKey, Replay, Resume, Ticket
+from daemon.state.ledger import (Conflict, Forgotten, Fresh, Full, Ledger, LedgerKey, Replay,
+                                 Resume, Ticket)
 from daemon.log import log_event
 from daemon.metrics import Metrics
 from daemon.operations import OPERATIONS, Context, Operation
@@ -86,7 +90,7 @@ from daemon.pipeline.signing import SigningBatcher
 from daemon.state.verdict_store import expanded_form
 from daemon.pipeline import sealed_verdict
 
-__all__ = ["Broker", "PIPELINE", "LEDGER_FULL"]
+__all__ = ["Broker", "PIPELINE", "LEDGER_FULL", "REFUSALS_FULL", "FORGOTTEN"]
 
 _log = logging.getLogger("buzz_broker.broker")
 
@@ -94,8 +98,16 @@ _log = logging.getLogger("buzz_broker.broker")
 PIPELINE: Final = ("correlate", "authenticate", "ledger", "validate", "authorize", "execute",
                    "record", "respond")
 #: The refusal when an agent's ledger records reach `state.ledger_max_bytes_per_agent`.
-LEDGER_FULL: Final = ("this agent's request records are at the host's limit; retry after "
-                      "older records expire")
+#: Tombstones do not expire (issue 23 item 7): the operator raises the cap.
+LEDGER_FULL: Final = ("this agent's request records are at the host's limit; the operator "
+                      "must raise it")
+#: The refusal when a credential's refusals reach
+#: `state.ledger_max_refusal_bytes_per_credential`: only that credential is turned away.
+REFUSALS_FULL: Final = ("this credential's refused requests are at the host's limit; retry "
+                        "after they expire")
+#: The answer to the identical retry of a requestId only a tombstone remembers.
+FORGOTTEN: Final = ("this requestId ran here and its result is no longer kept; its outcome "
+                    "is unknown: do not run it again under a new requestId without checking")
 #: The memory actions whose audit lines name their record's d tag (issue 23: the d tag,
 #: never the slug). storage.address returns the d tag itself.
 _D_TAGGED: Final = frozenset({"storage.get", "storage.put"})
@@ -254,15 +266,16 @@ class Broker:
         # correlate
         reading = read_request(request.body)
         if reading.request_id is None:
-            log_event(_log, "request.uncorrelated", bytes=len(request.body),
-                      detail=reading.error.detail if reading.error else "")
-            return self._recorder.uncorrelated(started)
+            return self._recorder.uncorrelated(
+                started, request.peer_uid, len(request.body),
+                reading.error.detail if reading.error else "")
         request_id = reading.request_id
         # authenticate
         principal = self._authenticate(request, request_id)
         if isinstance(principal, Judged):
-            return self._recorder.respond(request_id, principal, started, agent=None,
-                                          action=_action_of(reading))
+            return self._recorder.respond(
+                request_id, principal, started, agent=None, action=_action_of(reading),
+                unvouched=principal.code is ErrorCode.UNAUTHENTICATED, peer_uid=request.peer_uid)
         # ledger
         digest = hashlib.sha256(request.body).digest()
         facts = Facts(credential_id=principal.credential_id, agent=principal.agent,
@@ -271,7 +284,7 @@ class Broker:
         try:
             begun = await self._ledger.begin(
                 LedgerKey(principal=_ledger_principal(principal, reading), request_id=request_id),
-                digest,
+                digest, credential=principal.credential_id,
             )
         except sqlite3.Error as exc:
             # Nothing has happened and the ledger cannot record: a fault before dispatch.
@@ -279,10 +292,18 @@ class Broker:
             return await self._recorder.unrecorded(facts, Judged.internal(request_id), started)
         if isinstance(begun, Full):
             # Not recorded: recording it would grow what the cap bounds (docs/operations.md).
-            log_event(_log, "ledger.agent_full", level=logging.WARNING, agent=principal.agent,
-                      request_id=request_id)
-            full = Judged.of(request_id, Verdict.failed(ErrorCode.UNAUTHORIZED, LEDGER_FULL))
+            log_event(_log, "ledger.credential_full" if begun.credential else "ledger.agent_full",
+                      level=logging.WARNING, agent=principal.agent,
+                      credential_id=principal.credential_id, request_id=request_id)
+            full = Judged.of(request_id, Verdict.failed(
+                ErrorCode.UNAUTHORIZED, REFUSALS_FULL if begun.credential else LEDGER_FULL))
             return await self._recorder.unrecorded(facts, full, started)
+        if isinstance(begun, Forgotten):
+            # Not recorded: the tombstone already says all this host knows (NIP-BA).
+            progress.effects_possible = True
+            forgotten = Judged.of(request_id, Verdict.indeterminate(ErrorCode.OUTCOME_UNKNOWN,
+                                                                    FORGOTTEN))
+            return await self._recorder.unrecorded(facts, forgotten, started)
         if isinstance(begun, Replay):
             stored = begun.response
             if sealed_verdict.is_sealed(stored):
@@ -310,6 +331,8 @@ class Broker:
             return await self._recorder.unrecorded(facts, conflict, started)
         # A pending record being resumed may already be on the relay (an earlier attempt).
         progress.effects_possible = isinstance(begun, Resume)
+        progress.recorded = isinstance(begun, Fresh) and begun.recorded
+        progress.invalid = reading.error is not None
         try:
             try:
                 if isinstance(begun, Resume):
@@ -320,9 +343,9 @@ class Broker:
             except Exception as exc:  # noqa: BLE001 - contained: an envelope, recorded
                 judged = self._contained(facts, progress, exc)
             if facts.action == "agents.create" and judged.status is Status.FAILED:
-                judged = await self._publisher.destroy_minted(facts, judged)
+                judged = await self._publisher.destroy_minted(facts, judged, progress)
             # record
-            judged = await self._recorder.finish(begun.ticket, facts, judged)
+            judged = await self._recorder.finish(begun.ticket, facts, judged, progress)
         except BaseException:
             self._ledger.release(begun.ticket)  # a no-op once the verdict is recorded
             raise
@@ -438,6 +461,7 @@ class Broker:
     async def _run(self, operation: Operation, decision: Authorized, principal: Principal,
                    request: Request, ticket: Ticket, facts: Facts, progress: Progress
                    ) -> Judged:
+        progress.executed = True
         ctx = Context(
             custody=self._custody,
             signer=self.signer,
@@ -450,6 +474,7 @@ class Broker:
             authorized=decision,
             runtimes=self._runtimes,
             enroll=self._enroll,
+            mint=lambda: self._publisher.mint(ticket, facts, progress),
         )
         if operation.execute is not None:
             judged = Judged.of(facts.request_id, await operation.execute(ctx, request.args))

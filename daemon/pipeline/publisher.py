@@ -31,11 +31,12 @@ from typing import Final
 import trio
 
 from buzzwire.contract import ErrorCode, Request, Status, Verdict, encode_response
-from custody import Custody
+from custody import Custody, KeyRecord
 from daemon.state.directory import AgentDirectory
 from daemon.state.ledger import Ledger, Ticket
 from daemon.log import log_event
 from daemon.operations import Context, Plan
+from daemon.operations._base import OperationRefused
 from daemon.pipeline.pending import (Cleanup, DestroyAgent, Pending, RenameAgent, SetRuntime,
                                       steps_named)
 from daemon.pipeline.recorder import Facts, Judged, Progress, Recorder, where
@@ -43,7 +44,7 @@ from daemon.relay.pool import Accepted, RelayPool, Unknown
 from daemon.state.runtimes import RuntimeStore
 from daemon.state.sessions import SessionStore
 
-__all__ = ["Publisher", "CHECKPOINTS", "MAX_REASON_CHARS", "Prepare"]
+__all__ = ["Publisher", "CHECKPOINTS", "MAX_REASON_CHARS", "Prepare", "MINT_REF_TAKEN"]
 
 _log = logging.getLogger("buzz_broker.publisher")
 
@@ -53,6 +54,9 @@ _log = logging.getLogger("buzz_broker.publisher")
 #:   after_verdict  -- the verdict is committed, the response not yet written
 #: The relay-side steps (EVENT sent, OK received) are the test relay's to kill at.
 CHECKPOINTS: Final = ("before_pending", "after_pending", "after_verdict")
+#: The refusal of an agents.create whose mint reference exists without its ledger record.
+MINT_REF_TAKEN: Final = ("this requestId already made an agent here and its record is gone; "
+                         "use a new requestId")
 #: Longest relay reason quoted back to an agent; the rest goes to the operator log only.
 MAX_REASON_CHARS: Final = 200
 
@@ -201,27 +205,55 @@ class Publisher:
         await trio.to_thread.run_sync(self._runtimes.set, step.pubkey, step.runtime,
                                       int(self._clock()))
 
-    async def destroy_minted(self, facts: Facts, judged: Judged) -> Judged:
-        """An agents.create that ends `failed` leaves no key behind (failed = no effect).
+    async def mint(self, ticket: Ticket, facts: Facts, progress: Progress) -> KeyRecord:
+        """agents.create's key, bound to this request's ledger record (issue 22 H1).
 
-        The key minted for this request (found by its mint reference) is destroyed. If it
-        cannot be, the answer becomes `indeterminate` + `internal` instead, recorded as not
-        final without pending work: the identical retry starts afresh, finds the same key
-        through its mint reference, and carries on with it.
+        The record is reserved (durable, with its tombstone) before custody mints, so the
+        mint reference `<agent>/<requestId>` never exists without one. A key custody
+        already holds under that reference is this record's own only when an earlier
+        attempt of this very record left it (`Progress.recorded`: it reserved, then
+        crashed or ended indeterminate before sending). Otherwise its record is gone (a
+        lost ledger file, or records swept before tombstones existed): the key belongs to
+        a create whose verdict this host no longer knows, so the request is refused
+        `request_id_conflict` and the key is left alone. Only a key bound here
+        (`Progress.minted`) is destroyed when the request ends failed.
+
+        Raises:
+            OperationRefused: the mint reference outlived its record.
+            CustodyError, sqlite3.Error: custody or the ledger failed (nothing published).
         """
         mint_ref = f"{facts.agent}/{facts.request_id}"
-        minted = self._directory.by_mint_ref(mint_ref)
-        if minted is not None and not minted.live:
-            minted = None
-        if minted is None:
+        # Nobody else mints this reference meanwhile: it is this ticket's requestId, and
+        # the ticket owns it in the one process that owns the ledger.
+        found = self._directory.by_mint_ref(mint_ref)
+        if found is not None and not progress.recorded:
+            raise OperationRefused(ErrorCode.REQUEST_ID_CONFLICT, MINT_REF_TAKEN,
+                                   detail=f"mint reference held by {found.pubkey}")
+        await self._ledger.reserve(ticket)
+        record = await self._custody.mint_agent(owner=facts.agent, mint_ref=mint_ref)
+        progress.minted = record.pubkey
+        return record
+
+    async def destroy_minted(self, facts: Facts, judged: Judged, progress: Progress) -> Judged:
+        """An agents.create that ends `failed` leaves no key of its own behind.
+
+        Only the key this attempt bound (`mint`, `Progress.minted`) is destroyed; a verdict
+        reached before execution, or a resumed record, has none (a resumed record's
+        rollback is its pending cleanup). If it cannot be destroyed, the answer becomes
+        `indeterminate` + `internal` instead, recorded as not final without pending work:
+        the identical retry starts afresh, finds the same key bound to its record, and
+        carries on with it.
+        """
+        pubkey = progress.minted
+        if pubkey is None or self._custody.agent(pubkey) is None:
             return judged
         try:
-            await self._custody.destroy_agent(minted.pubkey)
-            await trio.to_thread.run_sync(self._sessions.revoke_agent, minted.pubkey)
+            await self._custody.destroy_agent(pubkey)
+            await trio.to_thread.run_sync(self._sessions.revoke_agent, pubkey)
         except Exception as exc:  # noqa: BLE001 - the key survives: say so, do not lie
             self._recorder.fault("destroy_minted", facts.agent, facts.request_id,
                                  facts.action, exc)
             return Judged.of(facts.request_id, Verdict.indeterminate(ErrorCode.INTERNAL))
         log_event(_log, "agents.create.minted_destroyed", agent=facts.agent,
-                  request_id=facts.request_id, minted=minted.pubkey)
+                  request_id=facts.request_id, minted=pubkey)
         return judged

@@ -27,7 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from buzzwire.contract import ErrorCode, Status, Verdict, encode_response, mark_replayed
+from buzzwire.contract import (ACTIONS, ErrorCode, Status, Verdict, encode_response,
+                               mark_replayed)
+from daemon.fault_log import FaultLog
 from daemon.state.audit import AuditLog, AuditRecord, AuditUnavailable, Phase
 from daemon.http import HttpAnswer
 from daemon.state.ledger import Ledger, Ticket
@@ -36,7 +38,7 @@ from daemon.metrics import Metrics
 from daemon.state.refusal_audit import RefusalAudit
 from daemon.state.verdict_store import stored_form
 
-__all__ = ["Judged", "Facts", "Progress", "Recorder", "where"]
+__all__ = ["Judged", "Facts", "Progress", "Recorder", "Keeping", "keeping", "where"]
 
 _log = logging.getLogger("buzz_broker.recorder")
 
@@ -80,6 +82,14 @@ class Progress:
 
     effects_possible: bool = False
     event_ids: tuple[str, ...] = ()
+    #: the ledger held a record of this key without pending work (`Fresh.recorded`)
+    recorded: bool = False
+    #: the request could not be read: validation refused it
+    invalid: bool = False
+    #: the operation began: judgement (validate, authorize, rate limits) let it through
+    executed: bool = False
+    #: the agents.create key this attempt bound to its record (`Publisher.mint`)
+    minted: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,6 +113,41 @@ class Facts:
                            events=events, replayed=replayed, d_tag=self.d_tag)
 
 
+@dataclass(frozen=True, slots=True)
+class Keeping:
+    """How the ledger keeps one verdict (docs/operations.md, "Disk").
+
+    `seconds`: how long the full record is kept (None: the ledger's retention).
+    `refusal_of`: the credential whose refusal share pays for it, not its agent's account.
+    `tombstone`: (K, D) outlive the record, so the requestId never runs again.
+    """
+
+    seconds: int | None
+    refusal_of: str | None
+    tombstone: bool
+
+
+def keeping(facts: Facts, judged: Judged, progress: Progress, short_seconds: int) -> Keeping:
+    """The one rule (issue 22 M1, issue 23 item 7), first match wins:
+
+    1. A refusal reached before execution (validate, authorize, rate limits) claimed
+       nothing (NIP-BA claims K after those checks): it is charged to its credential's
+       refusal share, and one validation refused is kept only `short_seconds` (the same
+       bytes are refused the same way again; replaying it is a convenience).
+    2. A read (an action that is not `publishing`: channel.read, storage.address, and
+       what the contract adds as reads) keeps today's rule: its page `short_seconds`,
+       any other verdict the retention; no tombstone (decided by the fleet issue).
+    3. Everything else ran an action with effects: the retention, then a tombstone.
+    """
+    if judged.status is Status.FAILED and not progress.executed and not judged.published:
+        return Keeping(short_seconds if progress.invalid else None, facts.credential_id, False)
+    spec = ACTIONS.get(facts.action) if facts.action is not None else None
+    if spec is None or not spec.publishing:
+        page = judged.status is Status.SUCCEEDED and not judged.published
+        return Keeping(short_seconds if page else None, None, False)
+    return Keeping(None, None, True)
+
+
 class Recorder:
     """Writes verdicts (module docstring). One per daemon; the pipeline owns it."""
 
@@ -115,6 +160,12 @@ class Recorder:
         self._metrics = metrics
         self._clock = clock
         self._read_retention = read_retention_seconds
+        # Answers no credential vouches for (issue 22 L1): anyone who reaches the socket
+        # can send them at will, and one line each would have journald's per-unit rate
+        # limit drop the daemon's lines wholesale, audit.unavailable and the anchors
+        # included. Per cause (the peer's uid), one line a minute, then a count.
+        self.unvouched = FaultLog(_log, "verdict", level=logging.INFO)
+        self.uncorrelated_log = FaultLog(_log, "request.uncorrelated", level=logging.INFO)
 
     async def intent(self, facts: Facts, event_ids: tuple[str, ...]) -> bool:
         """The audit intent record, before the pending record; False when it cannot be."""
@@ -145,7 +196,8 @@ class Recorder:
             return False
         return True
 
-    async def finish(self, ticket: Ticket, facts: Facts, judged: Judged) -> Judged:
+    async def finish(self, ticket: Ticket, facts: Facts, judged: Judged, progress: Progress
+                     ) -> Judged:
         """Record a verdict the ledger let run: audit first when nothing was published.
 
         Returns the verdict to answer: `judged`, or failed + internal when it had no side
@@ -155,16 +207,17 @@ class Recorder:
         """
         if not judged.published and not await self.audited(facts, judged):
             judged = Judged.internal(facts.request_id)
+        kept = keeping(facts, judged, progress, self._read_retention)
         try:
-            # A refusal is kept as its code (verdict_store); a read's page only briefly.
+            # A refusal is kept as its code (verdict_store); how long and on whose share
+            # is `keeping`'s.
             await self._ledger.finish(
                 ticket,
                 judged.stored if judged.stored is not None
                 else stored_form(facts.request_id, judged.response, judged.status, judged.code)
                 if not judged.published else judged.response,
-                judged.status, judged.code,
-                keep_seconds=self._read_retention
-                if judged.status is Status.SUCCEEDED and not judged.published else None)
+                judged.status, judged.code, keep_seconds=kept.seconds,
+                refusal_of=kept.refusal_of, tombstone=kept.tombstone)
         except Exception as exc:  # noqa: BLE001 - sqlite3.Error or worse: the verdict stands
             self.ledger_failed(facts, "finish", exc)
             self._ledger.release(ticket)
@@ -196,8 +249,13 @@ class Recorder:
                             action=facts.action, replayed=replayed)
 
     def respond(self, request_id: str, judged: Judged, started: float, *, agent: str | None,
-                action: str | None, replayed: bool = False) -> HttpAnswer:
-        """The answer: one `verdict` log line, one request in the metrics, HTTP 200."""
+                action: str | None, replayed: bool = False,
+                unvouched: bool = False, peer_uid: int | None = None) -> HttpAnswer:
+        """The answer: one `verdict` log line, one request in the metrics, HTTP 200.
+
+        `unvouched`: the answer is `unauthenticated` (for a peer of `peer_uid`); its line
+        goes through the rate-bounded `unvouched` log.
+        """
         elapsed = time.monotonic() - started
         fields: dict[str, object] = {
             "request_id": request_id,
@@ -209,15 +267,23 @@ class Recorder:
             "event_ids": list(judged.event_ids) if judged.event_ids else None,
             "replayed": True if replayed else None,
         }
-        log_event(_log, "verdict", level=logging.INFO,
-                  **{k: v for k, v in fields.items() if v is not None})
+        shown = {k: v for k, v in fields.items() if v is not None}
+        if unvouched:
+            self.unvouched.record(("unauthenticated", peer_uid), peer_uid=peer_uid, **shown)
+        else:
+            log_event(_log, "verdict", level=logging.INFO, **shown)
         self._metrics.request(action, judged.status.value,
                               judged.code.value if judged.code else None, elapsed)
         body = mark_replayed(judged.response) if replayed else judged.response
         return HttpAnswer(status=200, body=body)
 
-    def uncorrelated(self, started: float) -> HttpAnswer:
-        """HTTP 400 without an envelope: counted, not recorded (there is no requestId)."""
+    def uncorrelated(self, started: float, peer_uid: int | None, body_bytes: int,
+                     detail: str) -> HttpAnswer:
+        """HTTP 400 without an envelope: counted, not recorded (there is no requestId).
+
+        Its log line is rate-bounded per peer uid, as `unvouched` (L1)."""
+        self.uncorrelated_log.record(("uncorrelated", peer_uid), peer_uid=peer_uid,
+                                     bytes=body_bytes, detail=detail)
         self._metrics.request(None, None, None, time.monotonic() - started)
         return HttpAnswer(status=400, body=None)
 

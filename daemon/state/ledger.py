@@ -13,10 +13,12 @@ Theory of operation (design.md "Idempotency: the ledger"; spec I3):
     1. the same key is in flight in this process with another digest -> `Conflict()` at once;
     2. the same key and digest is in flight -> wait for its owner, then look again
        (a final verdict the owner just recorded is handed over without touching SQLite);
-    3. no record -> `Fresh(ticket)`; a record with another digest -> `Conflict()` (the
-       record is untouched); a final record -> `Replay(response)`; a pending or
-       indeterminate record that holds pending work -> `Resume(ticket, pending)`; an
-       indeterminate record without pending work (nothing was ever sent) -> `Fresh(ticket)`.
+    3. no record -> a tombstone with the same digest -> `Forgotten()`, with another ->
+       `Conflict()`; else `Fresh(ticket)` (or `Full()` at a cap); a record with another
+       digest -> `Conflict()` (the record is untouched); a final record ->
+       `Replay(response)`; a pending or indeterminate record that holds pending work ->
+       `Resume(ticket, pending)`; an indeterminate record without pending work (nothing
+       was ever sent; perhaps reserved) -> `Fresh(ticket, recorded=True)`.
   Whoever receives a ticket owns the key in this process until `finish()` or `release()`.
 - `record_pending` commits before it returns (synchronous=FULL) — the caller must not let
   anything reach the relay before it returns. The pending blob is write-once: a retry
@@ -51,8 +53,12 @@ while SQLite rebuilds its shared index, and the event loop must not stall for lo
 Retention: every record carries the time it `expires`: a final verdict `retention_seconds`
 after it was recorded (or the shorter `keep_seconds` the caller passes: reads), a
 pending/indeterminate one `STALE_FACTOR` x retention after its last write. `sweep(now)`
-deletes what has expired (a retry that late gets a fresh execution; the database must stay
-bounded). Keys in flight are never swept.
+deletes what has expired. Keys in flight are never swept. Tombstones (issue 23 item 7,
+NIP-BA's retry protection): a record that may stand for an effect — pending work, an
+indeterminate verdict, a `reserve`d key, or a final verdict the caller marks `tombstone`
+(an action with effects that ran) — writes (K, 16 bytes of D) into `tombstones` in the same
+transaction; the sweep never deletes them, so such a requestId is never new again. A record
+without one (a refusal before execution, a read) is forgotten: a retry that late runs.
 
 Disk (issue 13): a record is stored compactly. The principal is a small integer
 (`principals` table), the requestId its 16-byte `request_key` (sha256, truncated: the key
@@ -62,8 +68,12 @@ is whatever compact bytes the caller hands in (daemon/state/verdict_store.py). P
 the ledger counts `ROW_BYTES` + its blobs for every record; at `max_bytes_per_principal` a
 request that would add a record gets `Full()` (the pipeline refuses it, unrecorded). The
 account of a principal `A/sub` (the records the pipeline keeps apart for one credential
-of agent A) is `A`'s: one agent's records share one cap however they are keyed.
-Replays and resumed work add nothing and are never refused.
+of agent A) is `A`'s: one agent's records share one cap however they are keyed. A record
+`finish`ed with `refusal_of=<credential>` is charged instead to the account `A/<credential>`
+(its `charge` column), capped by `max_refusal_bytes_per_credential` (issue 22 M1): a
+credential's refusals fill its own share, never its agent's. Tombstones count
+`TOMBSTONE_BYTES` each against `A`. Replays and resumed work add nothing and are never
+refused.
 
 Audit anchor (issue 13): the audit log's head (seq, hash) is written into `audit_anchor`
 in every transaction, when it has moved, so the verdict and the audit record it followed
@@ -104,6 +114,7 @@ __all__ = [
     "Replay",
     "Conflict",
     "Full",
+    "Forgotten",
     "Begin",
     "State",
     "LedgerEvent",
@@ -114,6 +125,7 @@ __all__ = [
     "LEDGER_FILENAME",
     "READ_BUSY_TIMEOUT_MS",
     "ROW_BYTES",
+    "TOMBSTONE_BYTES",
     "request_key",
     "read_anchor",
     "write_anchor",
@@ -135,6 +147,16 @@ STALE_FACTOR: Final = 2
 #: digest, state and expiry, the expiry index entry and B-tree slack (measured on a
 #: table of refusals: ~150 bytes of file per record; rounded up).
 ROW_BYTES: Final = 160
+
+#: What one tombstone costs against its agent's cap: (principal id, request key, 16 bytes
+#: of the body digest) in a WITHOUT ROWID table, with B-tree slack (measured by
+#: tests/ledger/test_tombstones.py::test_a_tombstone_costs_tens_of_bytes; rounded up).
+TOMBSTONE_BYTES: Final = 64
+
+#: Bytes of sha256(body) a tombstone keeps: as the request key, 128 bits, so another body
+#: passes for the identical one only by a ~2^64 effort of the principal against itself,
+#: and what it would win is an `indeterminate` answer, never an execution.
+TOMBSTONE_DIGEST_BYTES: Final = 16
 
 #: Bytes of sha256(requestId) kept as the key: 128 bits, so two requestIds of one
 #: principal collide only by a ~2^64 effort of that principal against itself.
@@ -163,6 +185,9 @@ class LedgerEvent(enum.Enum):
     """What an owner reports about its execution."""
 
     RECORD_PENDING = "record_pending"
+    #: the request is about to make an effect outside the ledger (agents.create mints a
+    #: key): the record must exist first, so that effect is bound to it (issue 22 H1).
+    RESERVE = "reserve"
     FINISH_FINAL = "finish_final"
     FINISH_INDETERMINATE = "finish_indeterminate"
 
@@ -173,6 +198,8 @@ TRANSITIONS: Final[Mapping[tuple[State, LedgerEvent], State]] = {
     # A fresh request either plans side effects (pending first) or ends at once
     # (a read, a refusal, a fault before dispatch).
     (State.NEW, LedgerEvent.RECORD_PENDING): State.PENDING,
+    (State.NEW, LedgerEvent.RESERVE): State.INDETERMINATE,
+    (State.INDETERMINATE, LedgerEvent.RESERVE): State.INDETERMINATE,
     (State.NEW, LedgerEvent.FINISH_FINAL): State.FINAL,
     (State.NEW, LedgerEvent.FINISH_INDETERMINATE): State.INDETERMINATE,
     # The relay answered (or did not): the verdict settles the pending work.
@@ -226,9 +253,14 @@ class Ticket:
 
 @dataclass(frozen=True, slots=True)
 class Fresh:
-    """Run the request: nothing durable exists for it (or nothing was ever sent)."""
+    """Run the request: nothing durable exists for it (or nothing was ever sent).
+
+    `recorded`: an earlier attempt left a record without pending work (it reserved the
+    key, or ended indeterminate before sending): whatever it made outside the ledger (a
+    minted key) is this record's own. False: this requestId has no history here."""
 
     ticket: Ticket
+    recorded: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,10 +289,21 @@ class Conflict:
 
 @dataclass(frozen=True, slots=True)
 class Full:
-    """No record exists and the principal's records are at the cap: nothing was claimed."""
+    """No record exists and an account is at its cap: nothing was claimed.
+
+    `credential`: the credential's refusal share is full (only it is turned away), not the
+    agent's account."""
+
+    credential: bool = False
 
 
-Begin: TypeAlias = Fresh | Resume | Replay | Conflict | Full
+@dataclass(frozen=True, slots=True)
+class Forgotten:
+    """Only a tombstone is left of this key, with the same digest: the request ran (or may
+    have) and its verdict is gone. Answer indeterminate + outcome_unknown; never run it."""
+
+
+Begin: TypeAlias = Fresh | Resume | Replay | Conflict | Full | Forgotten
 
 
 def request_key(request_id: str) -> bytes:
@@ -305,9 +348,16 @@ CREATE TABLE IF NOT EXISTS entries (
     status      TEXT,
     code        TEXT,
     expires     INTEGER NOT NULL,
+    charge      INTEGER,
     PRIMARY KEY (pid, rid)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS entries_by_expiry ON entries (expires);
+CREATE TABLE IF NOT EXISTS tombstones (
+    pid         INTEGER NOT NULL,
+    rid         BLOB    NOT NULL,
+    digest      BLOB    NOT NULL,
+    PRIMARY KEY (pid, rid)
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS audit_anchor (
     id          INTEGER PRIMARY KEY CHECK (id = 1),
     seq         INTEGER NOT NULL,
@@ -332,6 +382,7 @@ class Ledger:
         *,
         retention_seconds: int,
         max_bytes_per_principal: int | None,
+        max_refusal_bytes_per_credential: int | None,
         clock: Callable[[], float],
     ) -> None:
         # Private: use Ledger.open(). Both connections are ours alone: `conn` writes from
@@ -348,6 +399,7 @@ class Ledger:
         self._inflight: dict[LedgerKey, _Flight] = {}
         self._retention = retention_seconds
         self._max_bytes = max_bytes_per_principal
+        self._max_refusal_bytes = max_refusal_bytes_per_credential
         self._clock = clock
         self._closed = False
         # principal -> id, and id -> counted bytes. Written only by the flusher thread
@@ -355,17 +407,21 @@ class Ledger:
         # records of one batch, which the cap tolerates.
         self._pids: dict[str, int] = dict(
             conn.execute("SELECT principal, id FROM principals").fetchall())
-        self._accounts: dict[int, str] = {
-            pid: account_of(principal) for principal, pid in self._pids.items()}
+        self._names: dict[int, str] = {pid: name for name, pid in self._pids.items()}
         self._usage: dict[str, int] = {}
-        for pid, size in conn.execute(
-                f"SELECT pid, total({_SIZE_SQL}) FROM entries GROUP BY pid").fetchall():
-            account = self._accounts[int(pid)]
+        for pid, charge, size in conn.execute(
+                f"SELECT pid, charge, total({_SIZE_SQL}) FROM entries GROUP BY pid, charge"
+        ).fetchall():
+            account = self._account(int(pid), None if charge is None else int(charge))
             self._usage[account] = self._usage.get(account, 0) + int(size)
+        for pid, count in conn.execute(
+                "SELECT pid, count(*) FROM tombstones GROUP BY pid").fetchall():
+            account = self._account(int(pid), None)
+            self._usage[account] = self._usage.get(account, 0) + TOMBSTONE_BYTES * int(count)
         # Made in the running transaction; joined to `_pids` / `_usage` only once it
         # commits (a rolled-back id could otherwise be handed to another principal).
         self._new_pids: dict[str, int] = {}
-        self._deltas: dict[int, int] = {}
+        self._deltas: dict[str, int] = {}
         # The audit head to anchor (daemon/state/audit.py), and the one the database holds.
         self._head_source: Callable[[], tuple[int, str]] | None = None
         self._anchored = self._read_anchor(conn)
@@ -377,6 +433,7 @@ class Ledger:
         *,
         retention_seconds: int,
         max_bytes_per_principal: int | None = None,
+        max_refusal_bytes_per_credential: int | None = None,
         clock: Callable[[], float] = time.time,
     ) -> Ledger:
         """Open or create the ledger database file (normally `<state>/ledger.db`).
@@ -387,6 +444,9 @@ class Ledger:
                 `state.ledger_retention_seconds`, default 7 days).
             max_bytes_per_principal: the cap on one principal's records (config
                 `state.ledger_max_bytes_per_agent`); None = no cap.
+            max_refusal_bytes_per_credential: the cap on one credential's refusal
+                records, kept apart from its agent's account (config
+                `state.ledger_max_refusal_bytes_per_credential`); None = no cap.
             clock: seconds since the epoch, for the records' timestamps (tests inject it).
 
         Raises:
@@ -402,17 +462,25 @@ class Ledger:
                 or not isinstance(max_bytes_per_principal, int)
                 or max_bytes_per_principal <= 0):
             raise ValueError("max_bytes_per_principal must be a positive int or None")
+        if max_refusal_bytes_per_credential is not None and (
+                isinstance(max_refusal_bytes_per_credential, bool)
+                or not isinstance(max_refusal_bytes_per_credential, int)
+                or max_refusal_bytes_per_credential <= 0):
+            raise ValueError("max_refusal_bytes_per_credential must be a positive int or None")
         conn = open_private_db(Path(path), _SCHEMA)
         try:
             moved = _migrate_v1(conn, retention_seconds)
             _migrate_verdict_columns(conn, backfill=moved)
+            _migrate_charge_column(conn)
             reader = _open_reader(Path(path))
         except BaseException:
             conn.close()
             raise
         try:
             return cls(conn, reader, retention_seconds=retention_seconds,
-                       max_bytes_per_principal=max_bytes_per_principal, clock=clock)
+                       max_bytes_per_principal=max_bytes_per_principal,
+                       max_refusal_bytes_per_credential=max_refusal_bytes_per_credential,
+                       clock=clock)
         except BaseException:
             reader.close()
             conn.close()
@@ -507,12 +575,24 @@ class Ledger:
         if head is not None:
             self._anchored = head
         self._pids.update(self._new_pids)
-        self._accounts.update(
-            (pid, account_of(principal)) for principal, pid in self._new_pids.items())
-        for pid, delta in self._deltas.items():
-            account = self._accounts[pid]
+        self._names.update((pid, name) for name, pid in self._new_pids.items())
+        for account, delta in self._deltas.items():
             self._usage[account] = max(0, self._usage.get(account, 0) + delta)
         return results
+
+    def _account(self, pid: int, charge: int | None) -> str:
+        """Whose cap a record counts against: its agent's, or the credential's refusal
+        share it is charged to (`A/<credential>`, kept apart from `A`)."""
+        if charge is not None:
+            return self._names.get(charge) or self._new_name(charge)
+        return account_of(self._names.get(pid) or self._new_name(pid))
+
+    def _new_name(self, pid: int) -> str:
+        # A principal made in the running transaction (flusher thread only).
+        return next(name for name, new in self._new_pids.items() if new == pid)
+
+    def _charge(self, account: str, size: int) -> None:
+        self._deltas[account] = self._deltas.get(account, 0) + size
 
     def _pid(self, conn: sqlite3.Connection, principal: str) -> int:
         """The principal's id, made in this transaction if new (flusher thread only)."""
@@ -527,40 +607,56 @@ class Ledger:
     def _upsert(self, conn: sqlite3.Connection, key: LedgerKey, digest: bytes, state: State,
                 expires: int, *, pending: bytes | None = None,
                 response: bytes | None = None, status: Status | None = None,
-                code: ErrorCode | None = None) -> None:
-        """Write one record (flusher thread); counts its size change for the cap."""
+                code: ErrorCode | None = None, charge: str | None = None,
+                tombstone: bool = False) -> None:
+        """Write one record (flusher thread); counts its size change for the caps.
+
+        `charge`: the refusal account that pays for it (None: the agent's). `tombstone`:
+        keep (K, D) once the record expires; written now, in the same transaction, so no
+        crash can leave a claimed key without one."""
         pid = self._pid(conn, key.principal)
+        charge_pid = None if charge is None else self._pid(conn, charge)
         rid = request_key(key.request_id)
-        old = conn.execute(f"SELECT {_SIZE_SQL} FROM entries WHERE pid = ? AND rid = ?",
+        old = conn.execute(f"SELECT {_SIZE_SQL}, charge FROM entries WHERE pid = ? AND rid = ?",
                            (pid, rid)).fetchone()
         # A column given as None keeps what the record holds (pending is write-once;
         # an indeterminate response stays until the verdict replaces it).
         conn.execute(
             "INSERT INTO entries (pid, rid, digest, state, pending, response, status, code,"
-            " expires) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " expires, charge) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT (pid, rid) DO UPDATE SET state = excluded.state,"
             " pending = coalesce(excluded.pending, pending),"
             " response = coalesce(excluded.response, response),"
             " status = CASE WHEN excluded.response IS NULL THEN status ELSE excluded.status END,"
             " code = CASE WHEN excluded.response IS NULL THEN code ELSE excluded.code END,"
-            " expires = excluded.expires",
+            " expires = excluded.expires, charge = excluded.charge",
             (pid, rid, digest, state.value, pending, response,
              None if status is None else status.value, None if code is None else code.value,
-             expires),
+             expires, charge_pid),
         )
         new = conn.execute(f"SELECT {_SIZE_SQL} FROM entries WHERE pid = ? AND rid = ?",
                            (pid, rid)).fetchone()
-        self._deltas[pid] = self._deltas.get(pid, 0) + int(new[0]) - (int(old[0]) if old else 0)
+        if old is not None:
+            self._charge(self._account(pid, old[1]), -int(old[0]))
+        self._charge(self._account(pid, charge_pid), int(new[0]))
+        if tombstone and conn.execute(
+                "INSERT OR IGNORE INTO tombstones (pid, rid, digest) VALUES (?, ?, ?)",
+                (pid, rid, digest[:TOMBSTONE_DIGEST_BYTES])).rowcount == 1:
+            self._charge(self._account(pid, None), TOMBSTONE_BYTES)
 
     # -- the protocol ----------------------------------------------------------------
 
-    async def begin(self, key: LedgerKey, digest: bytes) -> Begin:
+    async def begin(self, key: LedgerKey, digest: bytes, *,
+                    credential: str | None = None) -> Begin:
         """Decide what a request with this key and digest must do. See the module docstring.
+
+        `credential`: the credential presented; its refusal share is checked with the
+        agent's account before a new record is claimed.
 
         Returns:
             Fresh / Resume (the caller now owns the key: it must call finish() or
-            release()), Replay, Conflict, or Full (no record, and the principal is at its
-            cap: nothing claimed, nothing recorded).
+            release()), Replay, Conflict, Forgotten (only a tombstone is left), or Full
+            (no record, and an account is at its cap: nothing claimed, nothing recorded).
 
         Raises:
             ValueError: the digest is not 32 bytes (our bug).
@@ -595,10 +691,10 @@ class Ledger:
             self._drop(flight)
             raise
         if row is None:
-            if self._max_bytes is not None and (
-                    self._usage.get(account_of(key.principal), 0) >= self._max_bytes):
+            answer = self._unrecorded(key, digest, pid, credential)
+            if answer is not None:
                 self._drop(flight)
-                return Full()
+                return answer
             return Fresh(ticket)
         if row.digest != digest:
             self._drop(flight)
@@ -613,7 +709,23 @@ class Ledger:
         if row.pending is not None:
             flight.has_pending = True
             return Resume(ticket, row.pending)
-        return Fresh(ticket)
+        return Fresh(ticket, recorded=True)
+
+    def _unrecorded(self, key: LedgerKey, digest: bytes, pid: int | None,
+                    credential: str | None) -> Begin | None:
+        """No record: what a tombstone or a full account answers, or None (a fresh key)."""
+        kept = None if pid is None else self._reader.execute(
+            "SELECT digest FROM tombstones WHERE pid = ? AND rid = ?",
+            (pid, request_key(key.request_id))).fetchone()
+        if kept is not None:
+            return Forgotten() if bytes(kept[0]) == digest[:TOMBSTONE_DIGEST_BYTES] else Conflict()
+        agent = account_of(key.principal)
+        if self._max_bytes is not None and self._usage.get(agent, 0) >= self._max_bytes:
+            return Full()
+        if (credential is not None and self._max_refusal_bytes is not None
+                and self._usage.get(f"{agent}/{credential}", 0) >= self._max_refusal_bytes):
+            return Full(credential=True)
+        return None
 
     async def record_pending(self, ticket: Ticket, pending: bytes) -> None:
         """Durably record the signed work BEFORE any of it reaches the relay.
@@ -630,12 +742,28 @@ class Ledger:
         expires = int(self._clock()) + STALE_FACTOR * self._retention
         key, digest = ticket.key, ticket.digest
         await self._run(lambda conn: self._upsert(conn, key, digest, new_state, expires,
-                                                  pending=pending))
+                                                  pending=pending, tombstone=True))
         flight.state = new_state
         flight.has_pending = True
 
+    async def reserve(self, ticket: Ticket) -> None:
+        """Durably record the key BEFORE an effect outside the ledger (a minted key).
+
+        The record is indeterminate without pending work, and a tombstone, from the
+        commit on: a retry finds it (`Fresh.recorded`), and so does one after any
+        retention. Raises AssertionError if the ticket does not own its key.
+        """
+        flight = self._owner(ticket)
+        new_state = advance(flight.state, LedgerEvent.RESERVE)
+        expires = int(self._clock()) + STALE_FACTOR * self._retention
+        key, digest = ticket.key, ticket.digest
+        await self._run(lambda conn: self._upsert(conn, key, digest, new_state, expires,
+                                                  tombstone=True))
+        flight.state = new_state
+
     async def finish(self, ticket: Ticket, response: bytes, status: Status,
-                     code: ErrorCode | None = None, *, keep_seconds: int | None = None) -> None:
+                     code: ErrorCode | None = None, *, keep_seconds: int | None = None,
+                     refusal_of: str | None = None, tombstone: bool = False) -> None:
         """Record the verdict and end ownership; waiters wake.
 
         Args:
@@ -645,6 +773,10 @@ class Ledger:
                 indeterminate keeps the pending work so the next identical retry gets Resume.
             keep_seconds: keep a final record this long instead of the retention (reads:
                 their pages are large and replaying them is only a convenience).
+            refusal_of: the credential whose refusal share pays for this record (a refusal
+                reached before execution), instead of its agent's account.
+            tombstone: keep (K, D) after the record expires (an action with effects that
+                ran). An indeterminate verdict always keeps one.
 
         Raises:
             AssertionError: the ticket does not own its key, or the transition is illegal.
@@ -661,10 +793,13 @@ class Ledger:
         keep = self._retention if keep_seconds is None else min(keep_seconds, self._retention)
         expires = int(self._clock()) + (keep if final else STALE_FACTOR * self._retention)
         key, digest = ticket.key, ticket.digest
+        charge = None if refusal_of is None else f"{account_of(key.principal)}/{refusal_of}"
+        keep_tomb = tombstone or not final
         try:
             await self._run(lambda conn: self._upsert(conn, key, digest, new_state, expires,
                                                       response=response, status=status,
-                                                      code=code))
+                                                      code=code, charge=charge,
+                                                      tombstone=keep_tomb))
         except BaseException:
             self._drop(flight)
             raise
@@ -690,15 +825,15 @@ class Ledger:
 
         def op(conn: sqlite3.Connection) -> int:
             expired = conn.execute(
-                f"SELECT pid, rid, {_SIZE_SQL} FROM entries WHERE expires < ?", (now,)
+                f"SELECT pid, rid, {_SIZE_SQL}, charge FROM entries WHERE expires < ?", (now,)
             ).fetchall()
             # An owner in this process may be about to finish a stale key: keep it.
             busy_set = {(self._pids.get(k.principal), request_key(k.request_id)) for k in busy}
             doomed = [row for row in expired if (row[0], bytes(row[1])) not in busy_set]
             conn.executemany("DELETE FROM entries WHERE pid = ? AND rid = ?",
-                             [(pid, rid) for pid, rid, _size in doomed])
-            for pid, _rid, size in doomed:
-                self._deltas[pid] = self._deltas.get(pid, 0) - int(size)
+                             [(pid, rid) for pid, rid, _size, _charge in doomed])
+            for pid, _rid, size, charge in doomed:
+                self._charge(self._account(pid, charge), -int(size))
             return len(doomed)
 
         removed: int = await self._run(op)
@@ -712,8 +847,19 @@ class Ledger:
         return n
 
     def usage(self, principal: str) -> int:
-        """Bytes the principal's account counts against its cap (ROW_BYTES + blobs each)."""
+        """Bytes the principal's account counts against its cap (ROW_BYTES + blobs each,
+        TOMBSTONE_BYTES per tombstone); refusals charged to a credential are not in it."""
         return self._usage.get(account_of(principal), 0)
+
+    def refusal_usage(self, agent: str, credential: str) -> int:
+        """Bytes of refusal records charged to one credential of `agent`."""
+        return self._usage.get(f"{agent}/{credential}", 0)
+
+    async def tombstones(self) -> int:
+        """How many tombstones the database holds (tests, the sizing in the docs)."""
+        n = await self._run(
+            lambda conn: int(conn.execute("SELECT count(*) FROM tombstones").fetchone()[0]))
+        return n
 
     # -- ownership ---------------------------------------------------------------------
 
@@ -784,6 +930,14 @@ def _migrate_verdict_columns(conn: sqlite3.Connection, *, backfill: bool) -> Non
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+
+
+def _migrate_charge_column(conn: sqlite3.Connection) -> None:
+    """Add `charge` to a ledger made before refusals were charged to their credential
+    (issue 22 M1). Existing records stay their agent's: NULL is the agent's account."""
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(entries)").fetchall()}
+    if "charge" not in columns:
+        conn.execute("ALTER TABLE entries ADD COLUMN charge INTEGER")
 
 
 def read_anchor(path: Path | str) -> tuple[int, str] | None:

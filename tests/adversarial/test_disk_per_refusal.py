@@ -9,10 +9,12 @@
   byte for byte with `replayed: true` and another body under the same requestId is a
   `request_id_conflict`; the audit log accounts for all of them, one line each up to the
   burst and counted after it.
-- `test_the_ledger_cap_refuses_unrecorded`: with `ledger_max_bytes_per_agent` at its
-  minimum, refusals fill the agent's share; then a new request is refused `failed` +
-  `unauthorized` and not recorded (its identical retry is judged again, never replayed),
-  while a recorded verdict still replays.
+- `test_the_ledger_cap_refuses_unrecorded`: with the credential's refusal share at its
+  minimum, refusals fill it (not the agent's share: issue 22 M1); then a new request from
+  that credential is refused `failed` + `unauthorized` and not recorded (its identical
+  retry is judged again, never replayed), while a recorded verdict still replays.
+- `test_the_agents_cap_refuses_unrecorded`: the same for the agent's own share, filled by
+  records that are the agent's (succeeded reads).
 
 The figure goes to docs/reliability.md ("Disk per refusal").
 """
@@ -31,7 +33,7 @@ import trio
 
 from custody import TokenConfig
 from daemon.state.audit import AUDIT_DIRNAME, AuditRecord, RefusalCount, audit_files, read_records
-from daemon.pipeline.broker import LEDGER_FULL
+from daemon.pipeline.broker import LEDGER_FULL, REFUSALS_FULL
 from tests.adversarial._daemon import (
     AgentState,
     DaemonProcess,
@@ -152,30 +154,55 @@ async def test_refusals_cost_little_disk(custody_state: tuple[TokenConfig, Path]
 
 async def test_the_ledger_cap_refuses_unrecorded(custody_state: tuple[TokenConfig, Path],
                                                  short_dir: Path) -> None:
-    agent, config, socket = await _daemon_setup(custody_state, short_dir,
-                                                ledger_max_bytes_per_agent=4096)
+    agent, config, socket = await _daemon_setup(
+        custody_state, short_dir, ledger_max_bytes_per_agent=4096,
+        ledger_max_refusal_bytes_per_credential=4096)
     daemon = await DaemonProcess.start(config, socket)
     try:
-        # Refused within the credential's scope, so recorded in the agent's own ledger
-        # (a post to a channel outside it would be the credential's: issue 13's scope keys).
+        # Refused within the credential's scope: charged to the credential's refusal share
+        # (issue 22 M1), which fills first and turns away that credential alone.
         recorded = refused_delete("first")
         messages = []
         for i in range(60):
             body = recorded if i == 0 else refused_delete(f"fill-{i}")
             messages.append(envelope(await post(socket, body, agent.credential))["error"])
-        assert messages[0]["message"] != LEDGER_FULL
-        full = [m for m in messages if m["message"] == LEDGER_FULL]
+        assert messages[0]["message"] != REFUSALS_FULL
+        full = [m for m in messages if m["message"] == REFUSALS_FULL]
         assert 0 < len(full) < 50 and all(m["code"] == "unauthorized" for m in full)
 
-        # A new request of any kind is refused at the cap, and not recorded.
+        # A new request of any kind from that credential is refused, and not recorded.
         read = request_body("storage.address", {"slug": "mem/x"}, request_id="a-read")
         for _ in range(2):
             answer = envelope(await post(socket, read, agent.credential))
-            assert answer["error"] == {"code": "unauthorized", "message": LEDGER_FULL}
+            assert answer["error"] == {"code": "unauthorized", "message": REFUSALS_FULL}
             assert "replayed" not in answer
         # What was recorded still replays.
         replay = envelope(await post(socket, recorded, agent.credential))
         assert replay.get("replayed") is True and replay["error"] == messages[0]
+        events = [e for e in daemon.log_events() if e.get("event") == "ledger.credential_full"]
+        assert events
+        assert await daemon.stop() == 0
+    finally:
+        daemon.kill()
+
+
+async def test_the_agents_cap_refuses_unrecorded(custody_state: tuple[TokenConfig, Path],
+                                                 short_dir: Path) -> None:
+    agent, config, socket = await _daemon_setup(custody_state, short_dir,
+                                                ledger_max_bytes_per_agent=4096)
+    daemon = await DaemonProcess.start(config, socket)
+    try:
+        # Reads that succeed are the agent's records (their pages): they fill its account.
+        answers = [envelope(await post(socket, request_body(
+            "storage.address", {"slug": "mem/x"}, request_id=f"read-{i}"), agent.credential))
+            for i in range(40)]
+        first = answers[0]
+        assert first["status"] == "succeeded"
+        full = [a for a in answers if a.get("error", {}).get("message") == LEDGER_FULL]
+        assert full and all(a["error"]["code"] == "unauthorized" for a in full)
+        again = envelope(await post(socket, request_body(
+            "storage.address", {"slug": "mem/x"}, request_id="read-0"), agent.credential))
+        assert again.get("replayed") is True
         events = [e for e in daemon.log_events() if e.get("event") == "ledger.agent_full"]
         assert events
         assert await daemon.stop() == 0

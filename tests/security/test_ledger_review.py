@@ -1,0 +1,201 @@
+"""Issue 22 H1 and M1, issue 23 item 7 (retention), on the real daemon, token and relay.
+
+- H1: a refused `agents.create` must not destroy the child an earlier create with the same
+  requestId made. The narrow credential's refusal is keyed apart from the agent's record
+  (`<agent>/<credential>`), so it is neither a replay nor a conflict; before the fix its
+  `failed` verdict destroyed the key found by the mint reference `<agent>/<requestId>`.
+- Retention: after the ledger's retention a requestId of an action with effects is never
+  new again: a compact tombstone answers the identical retry `indeterminate` +
+  `outcome_unknown` and another body `request_id_conflict`, and nothing runs.
+- A mint reference whose ledger record is gone altogether (a lost ledger file, records
+  swept before tombstones existed) is refused `request_id_conflict`: the create never
+  adopts, re-publishes or destroys the agent that reference made.
+- M1: a narrow credential's refusals fill its own share, not its agent's: the agent's
+  other credentials keep working.
+
+In each H1 test the child proves it is whole: its owner can still update it (custody
+signs the owner's 30177 for it), and its own credential still posts (custody signs as it).
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from daemon.pipeline.broker import REFUSALS_FULL
+from daemon.state.ledger import LEDGER_FILENAME
+from tests.fixtures.broker import BrokerHarness, request_body
+
+CREATE_ID = "create-1"
+
+
+def _args(channel: str, name: str = "Child") -> dict[str, Any]:
+    return {"channelId": channel, "displayName": name, "systemPrompt": "be brief"}
+
+
+async def _owner_with_child(broker: BrokerHarness) -> tuple[str, str, str, str]:
+    """(channel, owner's wide credential, child pubkey, child's credential)."""
+    channel = str(uuid.uuid4())
+    owner = await broker.human_owned_agent("owner")
+    wide = broker.credential(owner, [channel])
+    created = await broker.call(wide, "agents.create", _args(channel), request_id=CREATE_ID)
+    assert created["status"] == "succeeded", created
+    child = created["outcome"]["agentPubkey"]
+    return channel, wide, child, broker.credential(child, [channel])
+
+
+async def _assert_child_whole(broker: BrokerHarness, channel: str, wide: str, child: str,
+                              child_cred: str) -> None:
+    assert broker.custody.agent(child) is not None, "the child's key was destroyed"
+    posted = await broker.call(child_cred, "message.post",
+                               {"channelId": channel, "content": "still here"})
+    assert posted["status"] == "succeeded", posted
+    updated = await broker.call(wide, "agents.update",
+                                {"target": {"pubkey": child}, "model": "m-2"})
+    assert updated["status"] == "succeeded", updated
+
+
+def _forget_ledger_records(broker: BrokerHarness) -> None:
+    """What a lost or older ledger file looks like: no record, no tombstone."""
+    conn = sqlite3.connect(str(broker.state_dir / LEDGER_FILENAME))
+    try:
+        for table in ("entries", "tombstones"):
+            if conn.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (table,)).fetchone():
+                conn.execute(f"DELETE FROM {table}")
+        conn.commit()
+    finally:
+        conn.close()
+
+
+async def test_a_narrow_credentials_refused_create_leaves_the_child_whole(
+    broker: BrokerHarness,
+) -> None:
+    channel, wide, child, child_cred = await _owner_with_child(broker)
+    owner = broker.custody.agent(child)
+    assert owner is not None
+    narrow = broker.credential(owner.owner, [channel], actions=["channel.read"])
+    refused = await broker.call(narrow, "agents.create", _args(channel), request_id=CREATE_ID)
+    assert (refused["status"], refused["error"]["code"]) == ("failed", "unauthorized")
+    await _assert_child_whole(broker, channel, wide, child, child_cred)
+
+
+async def test_after_retention_the_requestid_is_a_tombstone_not_new(
+    broker: BrokerHarness,
+) -> None:
+    channel, wide, child, child_cred = await _owner_with_child(broker)
+    ledger = broker.app._ledger  # white box: run the sweep as if the retention had passed
+    assert await ledger.sweep(int(time.time()) + 10 * 365 * 86400) >= 1
+    # Another body (one validation refuses) under the spent id: a conflict, nothing runs.
+    bad = await broker.call(wide, "agents.create", {**_args(channel), "runtime": "nope"},
+                            request_id=CREATE_ID)
+    assert (bad["status"], bad["error"]["code"]) == ("failed", "request_id_conflict"), bad
+    # The identical retry: the outcome is no longer known, and it is not run again.
+    status, same = await broker.post(request_body("agents.create", _args(channel),
+                                                  request_id=CREATE_ID), wide)
+    assert status == 200 and same is not None
+    assert (same["status"], same["error"]["code"]) == ("indeterminate", "outcome_unknown"), same
+    await _assert_child_whole(broker, channel, wide, child, child_cred)
+
+
+async def test_a_create_whose_mint_reference_outlived_its_record_is_refused(
+    broker: BrokerHarness,
+) -> None:
+    channel, wide, child, child_cred = await _owner_with_child(broker)
+    _forget_ledger_records(broker)
+    # The identical body: before the fix it adopted the child and re-published it.
+    again = await broker.call(wide, "agents.create", _args(channel), request_id=CREATE_ID)
+    assert (again["status"], again["error"]["code"]) == ("failed", "request_id_conflict"), again
+    # A body refused by validation: before the fix its `failed` destroyed the child.
+    _forget_ledger_records(broker)
+    bad = await broker.call(wide, "agents.create", {**_args(channel), "runtime": "nope"},
+                            request_id=CREATE_ID)
+    assert (bad["status"], bad["error"]["code"]) == ("failed", "invalid_request"), bad
+    await _assert_child_whole(broker, channel, wide, child, child_cred)
+
+
+async def _wide_and_narrow(broker: BrokerHarness) -> tuple[str, str, str]:
+    """(channel, a credential for every action, one for channel.read only) of one agent."""
+    channel = str(uuid.uuid4())
+    agent = await broker.human_owned_agent()
+    return (channel, broker.credential(agent, [channel]),
+            broker.credential(agent, [channel], actions=["channel.read"]))
+
+
+def _invalid_read(channel: str) -> dict[str, Any]:
+    return {"channelId": channel, "limit": 0}  # limit is 1–500: refused by validation
+
+
+@pytest.mark.broker_config(state={"ledger_max_bytes_per_agent": 4096})
+async def test_a_narrow_credentials_refusals_do_not_lock_its_agent_out(
+    broker: BrokerHarness,
+) -> None:
+    channel, wide, narrow = await _wide_and_narrow(broker)
+    for _ in range(60):  # ~20 of these filled the agent's 4 KiB share before the fix
+        refused = await broker.call(narrow, "channel.read", _invalid_read(channel))
+        assert refused["error"]["code"] == "invalid_request", refused
+    posted = await broker.call(wide, "message.post", {"channelId": channel, "content": "hi"})
+    assert posted["status"] == "succeeded", posted
+
+
+@pytest.mark.broker_config(state={"ledger_max_bytes_per_agent": 4096,
+                                  "ledger_max_refusal_bytes_per_credential": 4096,
+                                  "read_retention": "15m"})
+async def test_a_full_refusal_share_turns_away_only_its_credential(
+    broker: BrokerHarness,
+) -> None:
+    channel, wide, narrow = await _wide_and_narrow(broker)
+    # One refusal by authorization (kept the retention), then validation refusals.
+    kept = request_body("message.post", {"channelId": channel, "content": "no"},
+                        request_id="kept-refusal")
+    status, first = await broker.post(kept, narrow)
+    assert status == 200 and first is not None and first["error"]["code"] == "unauthorized"
+    answers = [await broker.call(narrow, "channel.read", _invalid_read(channel))
+               for _ in range(60)]
+    full = [a for a in answers if a["error"]["message"] == REFUSALS_FULL]
+    assert full and all(a["error"]["code"] == "unauthorized" for a in full)
+    # Only the narrow credential is turned away; the agent's other credentials are not.
+    posted = await broker.call(wide, "message.post", {"channelId": channel, "content": "hi"})
+    assert posted["status"] == "succeeded", posted
+    # What was recorded still replays.
+    status, again = await broker.post(kept, narrow)
+    assert again is not None and again.get("replayed") is True
+    assert again["error"] == first["error"]
+    # Validation refusals are kept only the read retention; the authorization one stays.
+    ledger = broker.app._ledger  # white box: run the sweep as if 15 minutes had passed
+    await ledger.sweep(int(time.time()) + 15 * 60 + 60)
+    read = await broker.call(narrow, "channel.read", {"channelId": channel})
+    assert read["status"] == "succeeded", read
+    status, still = await broker.post(kept, narrow)
+    assert still is not None and still.get("replayed") is True
+
+
+async def test_unauthenticated_and_uncorrelated_lines_are_rate_bounded(
+    broker: BrokerHarness, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 22 L1: a flood anyone on the socket can send costs one line per cause."""
+    caplog.set_level(logging.INFO, logger="buzz_broker")
+    for i in range(50):
+        status, answer = await broker.post(request_body(
+            "storage.address", {"slug": "mem/x"}, request_id=f"anon-{i}"), "bzb_not_a_token")
+        assert answer is not None and answer["error"]["code"] == "unauthenticated"
+        status, _ = await broker.post(b'{"type":"broker_request"}', None)
+        assert status == 400
+    events = [r.getMessage() for r in caplog.records
+              if r.name.startswith("buzz_broker")]
+    assert events.count("verdict") == 1 and events.count("request.uncorrelated") == 1, events
+    recorder = broker.app._recorder  # white box: every one of them was still counted
+    assert recorder.unvouched.total == 50 and recorder.uncorrelated_log.total == 50
+    # An authenticated request's verdict line is not bounded.
+    agent = await broker.human_owned_agent()
+    cred = broker.credential(agent, [str(uuid.uuid4())])
+    for _ in range(3):
+        assert (await broker.call(cred, "storage.address", {"slug": "mem/x"}))["status"] == (
+            "succeeded")
+    events = [r.getMessage() for r in caplog.records
+              if r.name.startswith("buzz_broker")]
+    assert events.count("verdict") == 4
