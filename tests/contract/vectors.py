@@ -29,6 +29,9 @@ VALID_ARGS: dict[str, dict[str, Any]] = {
     "agents.update": {"target": {"pubkey": PK2}, "displayName": "Scout 2", "systemPrompt": "s",
                       "runtime": "goose", "provider": "p", "model": "m", "respondTo": "anyone"},
     "agents.delete": {"target": {"name": "Scout"}},
+    "observer.emit": {"frames": [{"kind": "acp_read", "payload": '{"jsonrpc":"2.0","id":1}'},
+                                 {"kind": "turn_started", "payload": "not json"}]},
+    "liveness.ping": {"channelId": CHANNEL, "turnId": "turn-7"},
 }
 
 EVENT: dict[str, Any] = {
@@ -49,6 +52,8 @@ VALID_OUTCOMES: dict[str, dict[str, Any]] = {
     "agents.update": {"agentPubkey": PK2, "displayName": "Scout 2",
                       "updatedFields": ["displayName", "systemPrompt"]},
     "agents.delete": {"agentPubkey": PK2, "displayName": "Scout"},
+    "observer.emit": {"accepted": 2},
+    "liveness.ping": {"eventId": EVENT_ID, "kind": 24200, "createdAt": 1787675471},
 }
 
 

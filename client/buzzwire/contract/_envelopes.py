@@ -41,7 +41,8 @@ from types import MappingProxyType
 
 from ._args import (
     AgentsCreateArgs, AgentsDeleteArgs, AgentsUpdateArgs, AgentTarget, ChannelReadArgs,
-    MessagePostArgs, MessageReplyArgs, ProfileSetArgs, ReactionAddArgs, StorageAddressArgs,
+    LivenessPingArgs, MessagePostArgs, MessageReplyArgs, ObserverEmitArgs, ProfileSetArgs,
+    ReactionAddArgs, StorageAddressArgs,
 )
 from ._codes import MESSAGES, PAIRING, ContractError, ErrorCode, Status
 from ._echoes import REQUESTER, Echo, Identity
@@ -49,8 +50,8 @@ from ._ids import any_string, fault, is_request_id
 from ._json import JsonSyntaxError, escape_token, is_object, parse, repeated_keys
 from ._limits import ACTION_VERSION, PROTOCOL_VERSION
 from ._outcomes import (
-    AgentsCreateOutcome, AgentsDeleteOutcome, AgentsUpdateOutcome, Outcome, PublishOutcome,
-    ReadOutcome, StorageAddressOutcome,
+    AgentsCreateOutcome, AgentsDeleteOutcome, AgentsUpdateOutcome, ObserverEmitOutcome, Outcome,
+    PublishOutcome, ReadOutcome, StorageAddressOutcome,
 )
 from ._shapes import SHAPES, read_object, shape_for, to_wire
 
@@ -64,6 +65,7 @@ __all__ = [
 Args = (
     ChannelReadArgs | MessagePostArgs | MessageReplyArgs | ReactionAddArgs | ProfileSetArgs
     | StorageAddressArgs | AgentsCreateArgs | AgentsUpdateArgs | AgentsDeleteArgs
+    | ObserverEmitArgs | LivenessPingArgs
 )
 
 
@@ -194,6 +196,14 @@ ACTIONS: Mapping[str, ActionSpec] = MappingProxyType({
               echoes=_TARGET_ECHO),
         _spec("agents.delete", AgentsDeleteArgs, AgentsDeleteOutcome, publishing=True,
               echoes=_TARGET_ECHO),
+        # NIP-BA "Live signals": best effort. observer.emit's effect is intake into the
+        # host's publication queue (daemon/pipeline/observer.py), so it is an effect, but
+        # its outcome is a count the client bounds by the frames sent, not an identity.
+        # Until a live-signal rate class exists both count under `publish`.
+        _spec("observer.emit", ObserverEmitArgs, ObserverEmitOutcome, publishing=True,
+              best_effort=True, echoes=()),
+        _spec("liveness.ping", LivenessPingArgs, PublishOutcome, publishing=True,
+              best_effort=True, echoes=_PUBLISHED),
     )
 })
 
