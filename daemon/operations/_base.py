@@ -28,6 +28,7 @@ from daemon.pipeline.pending import Cleanup
 
 if TYPE_CHECKING:
     from daemon.config import PolicyConfig
+    from daemon.pipeline.observer import ObserverIntake
     from daemon.pipeline.policy import Authorized
     from daemon.relay.cursor import CursorCodec
     from daemon.relay.pool import RelayPool
@@ -41,6 +42,11 @@ __all__ = ["Context", "Custodian", "Plan", "OperationRefused"]
 class _Minted(Protocol):
     @property
     def pubkey(self) -> str: ...
+
+
+class _Owned(Protocol):
+    @property
+    def owner(self) -> str: ...
 
 
 class _Address(Protocol):
@@ -63,6 +69,8 @@ class Custodian(Protocol):
     async def mint_agent(self, *, owner: str, mint_ref: str | None) -> _Minted: ...
 
     async def memory_address(self, agent: str, slug: str) -> _Address: ...
+
+    def agent(self, pubkey: str) -> _Owned | None: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,6 +95,8 @@ class Context:
     #: Names a key just minted in the public directory (pubkey, name, creator), off the
     #: event loop; a name already set is kept (daemon/state/directory.py `enroll`).
     enroll: Callable[[str, str, str | None], Awaitable[object]] | None = None
+    #: observer.emit's queue, seq store and clock (daemon/pipeline/observer.py)
+    observer: ObserverIntake | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

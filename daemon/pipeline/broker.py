@@ -74,6 +74,7 @@ from daemon.log import log_event
 from daemon.metrics import Metrics
 from daemon.operations import OPERATIONS, Context, Operation
 from daemon.operations._base import OperationRefused
+from daemon.pipeline.observer import ObserverIntake
 from daemon.pipeline.policy import Authorized, Refusal, authorize, within_credential
 from daemon.pipeline.publisher import Publisher
 from daemon.state.ratelimit import RateLimiter
@@ -154,8 +155,10 @@ class Broker:
         config_loader: Callable[[], Config] | None = None,
         metrics: Metrics | None = None,
         checkpoint: Callable[[str], None] | None = None,
+        observer: ObserverIntake | None = None,
     ) -> None:
         self._config = config
+        self._observer = observer
         self._policy: PolicyConfig = config.policy
         self._custody = custody
         self._directory = directory
@@ -297,6 +300,10 @@ class Broker:
             return await self._recorder.unrecorded(facts, conflict, started)
         # A pending record being resumed may already be on the relay (an earlier attempt).
         progress.effects_possible = isinstance(begun, Resume)
+        # observer.emit's admitted frames wait, held, for this verdict's record: released
+        # to the relay only when it records success, dropped otherwise (and on any fault
+        # or cancellation), so `failed` keeps its promise of no effects.
+        recorded: Judged | None = None
         try:
             try:
                 if isinstance(begun, Resume):
@@ -309,10 +316,15 @@ class Broker:
             if facts.action == "agents.create" and judged.status is Status.FAILED:
                 judged = await self._publisher.destroy_minted(facts, judged)
             # record
-            judged = await self._recorder.finish(begun.ticket, facts, judged)
+            judged = recorded = await self._recorder.finish(begun.ticket, facts, judged)
         except BaseException:
             self._ledger.release(begun.ticket)  # a no-op once the verdict is recorded
             raise
+        finally:
+            if self._observer is not None:
+                self._observer.queue.settle(
+                    (principal.agent, request_id),
+                    keep=recorded is not None and recorded.status is Status.SUCCEEDED)
         self._passed("after_verdict")
         return self._recorder.respond(request_id, judged, started, agent=principal.agent,
                                       action=facts.action)
@@ -425,6 +437,7 @@ class Broker:
             authorized=decision,
             runtimes=self._runtimes,
             enroll=self._enroll,
+            observer=self._observer,
         )
         if operation.execute is not None:
             return Judged.of(facts.request_id, await operation.execute(ctx, request.args))

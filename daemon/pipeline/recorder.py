@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from buzzwire.contract import ErrorCode, Status, Verdict, encode_response, mark_replayed
+from buzzwire.contract import ACTIONS, ErrorCode, Status, Verdict, encode_response, mark_replayed
 from daemon.state.audit import AuditLog, AuditRecord, AuditUnavailable, Phase
 from daemon.http import HttpAnswer
 from daemon.state.ledger import Ledger, Ticket
@@ -150,15 +150,19 @@ class Recorder:
         """
         if not judged.published and not await self.audited(facts, judged):
             judged = Judged.internal(facts.request_id)
+        # A read's page is kept only briefly. An action with effects keeps its success for
+        # the whole retention even when it published nothing itself (observer.emit's
+        # intake): a replay must find it, never run it again.
+        brief = (judged.status is Status.SUCCEEDED and not judged.published
+                 and not (facts.action in ACTIONS and ACTIONS[facts.action].publishing))
         try:
-            # A refusal is kept as its code (verdict_store); a read's page only briefly.
+            # A refusal is kept as its code (verdict_store).
             await self._ledger.finish(
                 ticket,
                 stored_form(facts.request_id, judged.response, judged.status, judged.code)
                 if not judged.published else judged.response,
                 judged.status, judged.code,
-                keep_seconds=self._read_retention
-                if judged.status is Status.SUCCEEDED and not judged.published else None)
+                keep_seconds=self._read_retention if brief else None)
         except Exception as exc:  # noqa: BLE001 - sqlite3.Error or worse: the verdict stands
             self.ledger_failed(facts, "finish", exc)
             self._ledger.release(ticket)
