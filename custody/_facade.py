@@ -323,7 +323,7 @@ class Custody:
         def work() -> list[SignedEvent]:
             # One unseal per run of one agent's events, not per event: observer.emit signs
             # up to 256 at once, and a TPM unseals in 8-15 ms (field-lab.md).
-            signed = []
+            signed: list[SignedEvent] = []
             for agent, run in itertools.groupby(planned, key=lambda pair: pair[0]):
                 with self._unseal(agent) as secret:
                     signed.extend(sign(secret, unsigned) for _, unsigned in run)

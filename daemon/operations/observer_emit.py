@@ -45,11 +45,12 @@ from daemon.pipeline.observer import KIND_OBSERVER_FRAME
 __all__ = ["prepare", "observer_event", "is_json_text", "MAX_WRAPPED_BYTES", "ACTION"]
 
 ACTION: Final = "observer.emit"
-#: The largest ObserverEvent this host encrypts, in UTF-8 bytes. NIP-44 v2 and NIP-AO
-#: allow 65,535; rust-nostr (Buzz's SDK, and nostr-sdk here) refuses plaintexts above
-#: 65,408, so a larger frame would reach an owner whose client cannot open it
-#: (tests/e2e/test_observer.py shows nostr-sdk's refusal). Such a frame is not counted.
-MAX_WRAPPED_BYTES: Final = 65_408
+#: The largest ObserverEvent this host encrypts, in UTF-8 bytes: NIP-44 v2's plaintext cap,
+#: which NIP-AO repeats ("Decrypted payload MUST NOT exceed 65,535 bytes"). rust-nostr
+#: (Buzz's SDK) will not *write* above 65,408 but reads up to 65,535, so an owner's client
+#: opens every frame this host sends (tests/e2e/test_observer.py decrypts one of 65,535
+#: bytes with nostr-sdk). A frame whose ObserverEvent is larger is not counted.
+MAX_WRAPPED_BYTES: Final = 65_535
 
 
 class _NotJson(Exception):
@@ -101,10 +102,10 @@ async def prepare(ctx: Context, args: ObserverEmitArgs) -> Verdict:
     channel = next(iter(ctx.principal.channels)) if len(ctx.principal.channels) == 1 else None
     plaintexts = [
         observer_event(seq=seq, timestamp=stamp, kind=frame.kind, payload=frame.payload,
-                       channel_id=channel)
+                       channel_id=channel).encode("utf-8")
         for seq, frame in zip(seqs, args.frames)
     ]
-    fits = [len(p.encode("utf-8")) <= MAX_WRAPPED_BYTES for p in plaintexts]
+    fits = [len(p) <= MAX_WRAPPED_BYTES for p in plaintexts]
     ciphertexts = iter(await ctx.custody.encrypt_to_owner(
         agent, tuple(p for p, ok in zip(plaintexts, fits) if ok)))
     del plaintexts

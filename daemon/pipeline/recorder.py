@@ -154,7 +154,8 @@ class Recorder:
         # the whole retention even when it published nothing itself (observer.emit's
         # intake): a replay must find it, never run it again.
         brief = (judged.status is Status.SUCCEEDED and not judged.published
-                 and not (facts.action in ACTIONS and ACTIONS[facts.action].publishing))
+                 and not (facts.action is not None and facts.action in ACTIONS
+                          and ACTIONS[facts.action].publishing))
         try:
             # A refusal is kept as its code (verdict_store).
             await self._ledger.finish(

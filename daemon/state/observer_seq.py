@@ -70,7 +70,8 @@ class ObserverSeq:
         if n < 1:
             raise ValueError("take at least one number")
         async with self._lock:
-            start, ceiling = self._next.get(agent) or await trio.to_thread.run_sync(
+            known = self._next.get(agent)
+            start, ceiling = known if known is not None else await trio.to_thread.run_sync(
                 self._stored, agent)
             end = start + n
             if end > ceiling:
