@@ -148,3 +148,5 @@ class BrokerClient:
     agents_create = _blocking(AsyncBrokerClient.agents_create)
     agents_update = _blocking(AsyncBrokerClient.agents_update)
     agents_delete = _blocking(AsyncBrokerClient.agents_delete)
+    observer_emit = _blocking(AsyncBrokerClient.observer_emit)
+    liveness_ping = _blocking(AsyncBrokerClient.liveness_ping)
