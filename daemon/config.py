@@ -189,6 +189,9 @@ class ObserverConfig:
     publish_per_second: int
     #: events awaiting the relay's OK at once
     max_in_flight: int
+    #: the largest signed event (its JSON) the relay takes: a frame whose event is larger
+    #: is not counted
+    max_event_bytes: int = 65_536
 
 
 #: The [observer] defaults, as `_KEYS` spells them (kept equal by tests/test_config.py).
@@ -500,6 +503,9 @@ _KEYS: tuple[_Key, ...] = (
          _int_at_least(65536), 2 * 1024 * 1024),
     _Key("observer", "publish_per_second", "publish_per_second", _int_at_least(1, 10000), 50),
     _Key("observer", "max_in_flight", "max_in_flight", _int_at_least(1, 256), 8),
+    # What strfry and nostr-sdk's LocalRelay accept by default (measured on LocalRelay:
+    # 65,536 bytes of event JSON, one more is refused); raise it for a relay that takes more.
+    _Key("observer", "max_event_bytes", "max_event_bytes", _int_at_least(4096), 65_536),
 )
 
 #: The one section that is not rows of `_KEYS`: rate-limit rules (docs/operations.md).

@@ -10,7 +10,9 @@ Theory of operation (NIP-BA "Live signals"; issue 23 item 3):
   `max_queued_bytes`, and one credential's within `max_queued_bytes_per_credential` (its
   *share*). A frame that does not fit is not admitted, and the operation does not count it.
   A flood from one credential fills its own share and nothing else, so another
-  credential's frames still get in (the total is sized for many full shares).
+  credential's frames still get in (the total is sized for many full shares). An event
+  larger than the relay takes (`max_event_bytes`, of its JSON) is not admitted either: it
+  could only be refused there.
 - Held until recorded: a request's admitted events are *held* under (agent, requestId) and
   the pacer does not see them until the pipeline has recorded the verdict and calls
   `settle(keep=True)`. A verdict that turned into failed + internal (no audit record), a
@@ -61,6 +63,9 @@ KIND_OBSERVER_FRAME: Final = 24200
 HoldKey = tuple[str, str]
 
 Publish = Callable[[str, SignedEvent], Awaitable[PublishResult]]
+
+#: `["EVENT",` and `]` around the event's JSON in its relay frame.
+_FRAME_OVERHEAD: Final = len('["EVENT",]')
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +143,8 @@ class ObserverQueue:
                 admitted.append(False)
                 continue
             size = len(encode_event(event).encode("utf-8"))
-            fits = (share.bytes + size <= self._config.max_queued_bytes_per_credential
+            fits = (size - _FRAME_OVERHEAD <= self._config.max_event_bytes
+                    and share.bytes + size <= self._config.max_queued_bytes_per_credential
                     and self._total + size <= self._config.max_queued_bytes)
             admitted.append(fits)
             if fits:
