@@ -315,6 +315,7 @@ class Broker:
                 judged = self._contained(facts, progress, exc)
             if facts.action == "agents.create" and judged.status is Status.FAILED:
                 judged = await self._publisher.destroy_minted(facts, judged)
+            self._passed("before_verdict")
             # record
             judged = recorded = await self._recorder.finish(begun.ticket, facts, judged)
         except BaseException:

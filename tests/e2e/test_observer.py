@@ -12,15 +12,13 @@ What is proven here (docs/protocol.md, "observer.emit" and "liveness.ping"):
   `unauthorized` outside the credential's channel.
 
 Ephemeral events are not stored by a relay, so the owner's side is a live nostr-sdk
-subscription (`OwnerWatch`), opened and proven live (a probe seen) before anything is sent.
+subscription (tests/fixtures/observer.py), proven live before anything is sent.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,73 +37,10 @@ from daemon.http import HttpLimits, action_routes, serve
 from daemon.operations.observer_emit import observer_event
 from daemon.wiring import running
 from tests.fixtures.broker import BrokerHarness, request_body, write_config
-from tests.fixtures.relay import TestKey, _client, _run_asyncio, nostr_verify
+from tests.fixtures.observer import OwnerWatch, decrypt
+from tests.fixtures.relay import TestKey, nostr_verify
 
 CHANNEL = "5df7dfa8-e919-43df-8efd-f1dcb8af7071"
-#: Only a guard against a hang; nothing asserts how fast anything is.
-_GUARD_SECONDS = 60.0
-
-
-class OwnerWatch:
-    """The owner's live subscription to kind 24200 `#p` owner, in a thread of its own."""
-
-    def __init__(self, url: str, owner: TestKey, want: int) -> None:
-        self._url, self._owner, self._want = url, owner, want
-        self.events: list[dict[str, Any]] = []
-        self.ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        _run_asyncio(self._watch)
-
-    async def _watch(self) -> None:
-        client = await _client(self._url, self._owner.secret_hex)
-        other = await _client(self._url, None)
-        try:
-            flt = nostr_sdk.Filter.from_json(json.dumps({"kinds": [24200], "#p": [self._owner.pubkey]}))
-            notes = client.notifications()
-            await client.subscribe(nostr_sdk.ReqTarget.auto([flt]))
-            # A probe from another key proves the subscription is live before we return.
-            probe = TestKey().sign(24200, "probe", [["p", self._owner.pubkey]])
-            await other.send_event(nostr_sdk.Event.from_json(json.dumps(probe)))
-            deadline = time.monotonic() + _GUARD_SECONDS
-            while len(self.events) < self._want and time.monotonic() < deadline:
-                try:
-                    note = await asyncio.wait_for(notes.next(), deadline - time.monotonic())
-                except asyncio.TimeoutError:
-                    break
-                if not note.is_new_event():
-                    continue
-                event = json.loads(note.event.as_json())
-                if event["id"] == probe["id"]:
-                    self.ready.set()
-                elif self.ready.is_set():
-                    self.events.append(event)
-        finally:
-            self.ready.set()
-            await client.shutdown()
-            await other.shutdown()
-
-    async def __aenter__(self) -> OwnerWatch:
-        self._thread.start()
-        await trio.to_thread.run_sync(self.ready.wait, _GUARD_SECONDS)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
-
-    async def collected(self) -> list[dict[str, Any]]:
-        await trio.to_thread.run_sync(self._thread.join, _GUARD_SECONDS)
-        return self.events
-
-
-def decrypt(owner: TestKey, event: dict[str, Any]) -> dict[str, Any]:
-    """The ObserverEvent, opened by nostr-sdk with the owner's key (independent of custody)."""
-    plain = nostr_sdk.nip44_decrypt(nostr_sdk.SecretKey.parse(owner.secret_hex),
-                                    nostr_sdk.PublicKey.parse(event["pubkey"]), event["content"])
-    value = json.loads(plain)
-    assert isinstance(value, dict)
-    return value
 
 
 async def owned_agent(harness: BrokerHarness, owner: TestKey, name: str) -> str:
