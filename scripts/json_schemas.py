@@ -36,7 +36,8 @@ from buzzwire.contract import (  # noqa: E402
     MAX_JSON_INT, MAX_KIND, MAX_LIMIT, MAX_MENTIONS, MAX_PICTURE_CHARS, MAX_REACTION_CHARS,
     MAX_REQUEST_ID_BYTES, MAX_SCALAR_CHARS, MAX_SLUG_BYTES, MAX_SYSTEM_PROMPT_CHARS, MIN_LIMIT,
     PAIRING, PROTOCOL_VERSION, ACTION_VERSION, RESPOND_TO, AgentsUpdateArgs, AgentTarget,
-    ErrorCode, Event, ProfileSetArgs, Status,
+    ErrorCode, Event, ProfileSetArgs, Status, MAX_FRAMES, MAX_OBSERVER_BYTES, MAX_U32,
+    ObserverEmitArgs, ObserverFrame,
 )
 from buzzwire.contract import REQUEST_MEMBERS  # noqa: E402
 from buzzwire.contract._envelopes import _ERROR_MEMBERS, _SUCCEEDED_MEMBERS  # noqa: E402
@@ -113,6 +114,19 @@ VALUES: Mapping[str, dict[str, object]] = {
     "createdAt": TIMESTAMP,
     "messages": {"type": "array", "items": {"$ref": "#/$defs/Event"}, "maxItems": MAX_LIMIT},
     "updatedFields": {"type": "array", "items": {"type": "string"}},
+    # observer.emit / liveness.ping (NIP-BA "Live signals"): payload kept as sent, bounded
+    # in UTF-8 bytes like content; the whole compact body's 65,535 bytes is the host's.
+    "frames": {"type": "array", "items": {"$ref": "#/$defs/ObserverFrame"},
+               "minItems": 1, "maxItems": MAX_FRAMES},
+    "payload": _string("\\S", maxLength=MAX_OBSERVER_BYTES),
+    "turnId": SCALAR,
+    "accepted": _integer(0, MAX_U32),
+}
+
+#: The one name that means something else in one shape: an observer frame's `kind` is the
+#: runtime's discriminator, a scalar string, not a Nostr kind (NIP-BA "Live signals").
+SHAPE_VALUES: Mapping[type, Mapping[str, dict[str, object]]] = {
+    ObserverFrame: {"kind": SCALAR},
 }
 
 #: The signed event is verbatim relay data: its own spellings (NIP-01), exact case.
@@ -131,6 +145,9 @@ OBJECT_RULES: Mapping[type, dict[str, object]] = {
     ProfileSetArgs: {"minProperties": 1},
     AgentsUpdateArgs: {"minProperties": 2},  # target and at least one more
     AgentTarget: {"minProperties": 1, "maxProperties": 1},  # exactly one of pubkey, name
+    # The compact-encoding bound (65,535 bytes for the whole {"frames":...}) has no JSON
+    # Schema spelling; the host checks it.
+    ObserverEmitArgs: {},
 }
 
 
@@ -140,7 +157,8 @@ def _object(shape: Shape[object]) -> dict[str, object]:
         raise KeyError(f"{shape.cls.__name__} has a cross-member rule with no schema")
     out: dict[str, object] = {
         "type": "object",
-        "properties": {f.wire: values[f.wire] for f in shape.fields},
+        "properties": {f.wire: SHAPE_VALUES.get(shape.cls, {}).get(f.wire) or values[f.wire]
+                       for f in shape.fields},
         "required": [f.wire for f in shape.fields if f.required],
         "additionalProperties": False,
     }
@@ -182,7 +200,7 @@ def request_schema() -> dict[str, object]:
         assert tuple(members) == REQUEST_MEMBERS
         variants.append(_envelope(members, REQUEST_MEMBERS))
     return _document("broker_request (spec/agent-broker.md §Request, §Operations)", variants,
-                     [spec.args_type for spec in ACTIONS.values()] + [AgentTarget])
+                     [spec.args_type for spec in ACTIONS.values()] + [AgentTarget, ObserverFrame])
 
 
 def response_schema() -> dict[str, object]:

@@ -36,7 +36,8 @@ from daemon.config import load_config
 from daemon.http import HttpLimits, action_routes, serve
 from daemon.operations.observer_emit import observer_event
 from daemon.wiring import running
-from tests.fixtures.broker import BrokerHarness, request_body, write_config
+from tests.docs.snippets import REPO, blocks
+from tests.fixtures.broker import BrokerHarness, raw_post, request_body, write_config
 from tests.fixtures.observer import OwnerWatch, decrypt
 from tests.fixtures.relay import TestKey, nostr_verify
 
@@ -275,3 +276,21 @@ async def test_liveness_ping_is_unsupported_after_strict_validation(broker: Brok
     elsewhere = await broker.call(credential, "liveness.ping",
                                   {"channelId": str(uuid.uuid4()), "turnId": "t"})
     assert elsewhere["error"]["code"] == "unauthorized"
+
+
+# ------------------------------------------------------------------ docs/protocol.md's examples
+
+
+@pytest.mark.parametrize("action", ["observer.emit", "liveness.ping"])
+async def test_the_protocol_doc_examples_get_the_documented_answers(broker: BrokerHarness,
+                                                                     action: str) -> None:
+    examples = {label: text.strip() for lang, label, text in blocks(REPO / "docs" / "protocol.md")
+                if lang == "json" and label in (f"request-{action}", f"response-{action}")}
+    request = json.loads(examples[f"request-{action}"])
+    owner = TestKey()
+    agent = await owned_agent(broker, owner, "documented")
+    channel = request["args"].get("channelId", CHANNEL)
+    credential = broker.credential(agent, [channel])
+    status, raw = await raw_post(broker.socket, examples[f"request-{action}"].encode(), credential)
+    assert status == 200
+    assert raw.decode() == examples[f"response-{action}"]

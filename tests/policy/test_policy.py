@@ -103,6 +103,8 @@ ARGS: dict[str, dict[str, object]] = {
     "agents.create": {"channelId": CHANNEL, "displayName": "kid", "systemPrompt": "be kind"},
     "agents.update": {"target": {"pubkey": CHILD}, "displayName": "kid 2"},
     "agents.delete": {"target": {"pubkey": CHILD}},
+    "observer.emit": {"frames": [{"kind": "k", "payload": "p"}]},
+    "liveness.ping": {"channelId": CHANNEL, "turnId": "t"},
 }
 
 
