@@ -145,6 +145,8 @@ class BrokerClient:
     reaction_add = _blocking(AsyncBrokerClient.reaction_add)
     profile_set = _blocking(AsyncBrokerClient.profile_set)
     storage_address = _blocking(AsyncBrokerClient.storage_address)
+    storage_get = _blocking(AsyncBrokerClient.storage_get)
+    storage_put = _blocking(AsyncBrokerClient.storage_put)
     agents_create = _blocking(AsyncBrokerClient.agents_create)
     agents_update = _blocking(AsyncBrokerClient.agents_update)
     agents_delete = _blocking(AsyncBrokerClient.agents_delete)

@@ -86,6 +86,7 @@ from buzzwire.contract import (
     Response,
     Status,
     StorageAddressOutcome,
+    StorageGetOutcome,
     build_request,
     echo_mismatch,
     encode_request,
@@ -286,11 +287,14 @@ class EventVerification(enum.Enum):
 
 def _echo_check(action: str) -> Callable[[Request, object, str | None], str | None]:
     echoes = ACTIONS[action].echoes
+    kind = ACTIONS[action].published_kind
 
     def check(request: Request, outcome: object, me: str | None) -> str | None:
         args: Any = request.args
         if isinstance(outcome, ReadOutcome) and len(outcome.messages) > args.effective_limit:
             return "page holds more events than the effective limit"
+        if kind is not None and isinstance(outcome, PublishOutcome) and outcome.kind != kind:
+            return "published event is of another kind than the action's"
         # NIP-BA: observer receipts must fit the submitted frame count.
         if isinstance(outcome, ObserverEmitOutcome) and outcome.accepted > len(args.frames):
             return "accepted counts more frames than were sent"
@@ -703,6 +707,22 @@ class AsyncBrokerClient:
         """The relay address of one encrypted-memory record (`core` or `mem/…`)."""
         args = _wire(slug=slug)
         return await self._send(self.freeze("storage.address", args, request_id), StorageAddressOutcome)
+
+    async def storage_get(
+        self, slug: str, *, request_id: str | None = None
+    ) -> Answer[StorageGetOutcome]:
+        """One encrypted-memory record's value, decrypted by the host: `outcome.value` is
+        None when there is no record (or a tombstone). Not best-effort: a failure is a failure."""
+        args = _wire(slug=slug)
+        return await self._send(self.freeze("storage.get", args, request_id), StorageGetOutcome)
+
+    async def storage_put(
+        self, slug: str, value: str, *, request_id: str | None = None
+    ) -> Answer[PublishOutcome]:
+        """Replace one encrypted-memory record (`core`'s profile, or a `mem/…` value);
+        `value` is stored exactly as written."""
+        args = _wire(slug=slug, value=value)
+        return await self._send(self.freeze("storage.put", args, request_id), PublishOutcome)
 
     async def observer_emit(
         self, frames: Sequence[tuple[str, str]], *, request_id: str | None = None,

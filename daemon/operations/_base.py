@@ -44,11 +44,6 @@ class _Minted(Protocol):
     def pubkey(self) -> str: ...
 
 
-class _Owned(Protocol):
-    @property
-    def owner(self) -> str: ...
-
-
 class _Address(Protocol):
     @property
     def author_pubkey(self) -> str: ...
@@ -56,6 +51,11 @@ class _Address(Protocol):
     def kind(self) -> int: ...
     @property
     def d_tag(self) -> str: ...
+
+
+class _KeyRecord(Protocol):
+    @property
+    def owner(self) -> str: ...
 
 
 class Custodian(Protocol):
@@ -68,6 +68,9 @@ class Custodian(Protocol):
 
     async def mint_agent(self, *, owner: str, mint_ref: str | None) -> _Minted: ...
 
+    #: the agent key's public record (its owner), None if unknown or destroyed
+    def agent(self, pubkey: str) -> _KeyRecord | None: ...
+
     async def memory_address(self, agent: str, slug: str) -> _Address: ...
 
     #: NIP-44 v2 from `agent` to its recorded owner; one unseal per call, the conversation
@@ -78,9 +81,6 @@ class Custodian(Protocol):
     async def decrypt_from_owner_pair(
         self, agent: str, payloads: Sequence[str]
     ) -> tuple[bytes | None, ...]: ...
-
-    #: custody's public record of a live agent (its owner), None if unknown.
-    def agent(self, pubkey: str) -> _Owned | None: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

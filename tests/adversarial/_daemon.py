@@ -63,7 +63,8 @@ REPO = Path(__file__).resolve().parents[2]
 START_SECONDS = 20.0
 ALL_ACTIONS = (
     "channel.read", "message.post", "message.reply", "reaction.add", "profile.set",
-    "storage.address", "agents.create", "agents.update", "agents.delete",
+    "storage.address", "agents.create", "agents.update", "agents.delete", "storage.get",
+    "storage.put",
 )
 
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from buzzwire.contract import (
-    MAX_FRAMES, MAX_OBSERVER_BYTES, ErrorCode, ObserverEmitArgs, compact_size, read_request,
+    MAX_FRAMES, MAX_OBSERVER_BYTES, ErrorCode, ObserverEmitArgs, compact_json, read_request,
 )
 from daemon.operations.observer_emit import is_json_text, observer_event
 from tests.adversarial import scaled
@@ -38,6 +38,10 @@ _payload = st.one_of(
 _frame = st.fixed_dictionaries({"kind": _text, "payload": _payload})
 
 
+def len_compact(value: object) -> int:
+    return len(compact_json(value))
+
+
 @FUZZ
 @given(st.lists(_frame, max_size=MAX_FRAMES + 4))
 def test_any_frames_are_judged_and_what_is_accepted_is_in_bounds(frames: list[dict[str, str]]) -> None:
@@ -49,7 +53,7 @@ def test_any_frames_are_judged_and_what_is_accepted_is_in_bounds(frames: list[di
     args = reading.request.args
     assert isinstance(args, ObserverEmitArgs)
     assert 1 <= len(args.frames) <= MAX_FRAMES
-    assert compact_size({"frames": [{"kind": f.kind, "payload": f.payload}
+    assert len_compact({"frames": [{"kind": f.kind, "payload": f.payload}
                                     for f in args.frames]}) <= MAX_OBSERVER_BYTES
     assert [f.payload for f in args.frames] == [f["payload"] for f in frames]
 

@@ -336,6 +336,24 @@ async def test_storage_address_for_another_author_is_no_answer(host: ScriptedHos
     assert isinstance(bad, NoAnswer) and bad.reason is NoAnswerReason.MISMATCH
 
 
+async def test_storage_put_of_another_kind_is_no_answer_and_get_reads_the_value(
+    host: ScriptedHost
+) -> None:
+    """NIP-BA: a client checks the published kind per action (storage.put: 30174)."""
+    c = client(host)
+    host.script = [succeeded(None, {"eventId": "ab" * 32, "kind": 30174, "createdAt": 1})]
+    assert isinstance(await c.storage_put("mem/a", "v"), Succeeded)
+    host.default = succeeded(None, {"eventId": "ab" * 32, "kind": 9, "createdAt": 1})
+    bad = await c.storage_put("mem/a", "v")
+    assert isinstance(bad, NoAnswer) and bad.reason is NoAnswerReason.MISMATCH
+    host.default = None
+    host.script = [succeeded(None, {"value": ""}), succeeded(None, {})]
+    got = await c.storage_get("mem/a")
+    assert isinstance(got, Succeeded) and got.outcome.value == ""
+    absent = await c.storage_get("mem/a")
+    assert isinstance(absent, Succeeded) and absent.outcome.value is None
+
+
 async def test_observer_receipt_must_fit_the_frames_sent(host: ScriptedHost) -> None:
     # NIP-BA: "observer receipts [must fit] the submitted frame count"; more is no answer.
     c = client(host)

@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-#: §Operations: the nine wire names of version 1.
+#: §Operations: the nine wire names of version 1, and the NIP-BA actions served since.
 ACTIONS: frozenset[str] = frozenset({
     "channel.read", "message.post", "message.reply", "reaction.add", "profile.set",
     "storage.address", "agents.create", "agents.update", "agents.delete",
+    "storage.get", "storage.put",  # NIP-BA Memory (issue 23)
 })
 
 #: §Operations "Reserved against" (sign, publish, encrypt, decrypt, relay authentication)
@@ -58,6 +59,9 @@ OUTCOME_MEMBERS: Mapping[str, tuple[frozenset[str], frozenset[str]]] = MappingPr
     "reaction.add": _PUBLISH,
     "profile.set": _PUBLISH,
     "storage.address": (frozenset({"authorPubkey", "kind", "dTag"}), frozenset()),
+    # NIP-BA Memory
+    "storage.get": (frozenset(), frozenset({"value"})),
+    "storage.put": _PUBLISH,
     "agents.create": (frozenset({"agentPubkey", "displayName", "channelId"}), frozenset()),
     "agents.update": (frozenset({"agentPubkey", "displayName", "updatedFields"}), frozenset()),
     "agents.delete": (frozenset({"agentPubkey", "displayName"}), frozenset()),

@@ -28,6 +28,8 @@ SPEC_MEMBERS: dict[str, tuple[set[str], set[str], set[str], set[str]]] = {
     "reaction.add": ({"channelId", "targetEventId", "reaction"}, set(), {"eventId", "kind", "createdAt"}, set()),
     "profile.set": (set(), {"displayName", "about", "picture"}, {"eventId", "kind", "createdAt"}, set()),
     "storage.address": ({"slug"}, set(), {"authorPubkey", "kind", "dTag"}, set()),
+    "storage.get": ({"slug"}, set(), set(), {"value"}),
+    "storage.put": ({"slug", "value"}, set(), {"eventId", "kind", "createdAt"}, set()),
     "agents.create": ({"channelId", "displayName", "systemPrompt"},
                       {"runtime", "provider", "model", "respondTo"},
                       {"agentPubkey", "displayName", "channelId"}, set()),
@@ -58,7 +60,7 @@ def test_the_eighteen_member_sets() -> None:
         assert (spec.outcome_members.required, spec.outcome_members.optional) == (o_req, o_opt), name
     assert {n for n, s in ACTIONS.items() if s.best_effort} >= {
         "reaction.add", "observer.emit", "liveness.ping"}
-    assert {n for n, s in ACTIONS.items() if not s.publishing} == {"channel.read", "storage.address"}
+    assert {n for n, s in ACTIONS.items() if not s.publishing} == {"channel.read", "storage.address", "storage.get"}
 
 
 def test_event_has_exactly_seven_members() -> None:

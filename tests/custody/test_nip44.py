@@ -25,6 +25,7 @@ from custody._nip44 import (
 )
 from custody._secret import Secret
 from tests.custody._secrets import PUB_1, PUB_2, SECRET_1, SECRET_2, SECRET_X
+from tests.custody.test_unsealed_cache import unseals  # noqa: F401 - the fixture
 
 VECTORS: dict[str, Any] = json.loads(
     (Path(__file__).parent / "vectors" / "nip44.vectors.json").read_text()
@@ -182,23 +183,11 @@ async def owned_agent(custody: Custody) -> str:
     return record.pubkey
 
 
-def count_unseals(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    seen: list[str] = []
-    real = facade.unseal
-
-    def counting(token: Any, blob: bytes, agent: str) -> Secret:
-        seen.append(agent)
-        return real(token, blob, agent)
-
-    monkeypatch.setattr(facade, "unseal", counting)
-    return seen
-
-
 async def test_encrypt_to_owner_is_one_unseal_and_the_owner_reads_it(
-    custody: Custody, monkeypatch: pytest.MonkeyPatch
+    custody: Custody, unseals: list[str]
 ) -> None:
     agent = await owned_agent(custody)
-    unseals = count_unseals(monkeypatch)
+    unseals.clear()
     texts = [f"frame {n} 🐝".encode() for n in range(40)]
     payloads = await custody.encrypt_to_owner(agent, texts)
     assert unseals == [agent]
@@ -211,7 +200,7 @@ async def test_encrypt_to_owner_is_one_unseal_and_the_owner_reads_it(
 
 
 async def test_decrypt_from_owner_pair_opens_only_the_pair(
-    custody: Custody, monkeypatch: pytest.MonkeyPatch
+    custody: Custody, unseals: list[str]
 ) -> None:
     agent = await owned_agent(custody)
     owner = nostr_sdk.SecretKey.parse(SECRET_2)
@@ -221,7 +210,7 @@ async def test_decrypt_from_owner_pair_opens_only_the_pair(
     stranger = nostr_sdk.SecretKey.parse(SECRET_1)
     from_stranger = nostr_sdk.nip44_encrypt(stranger, agent_pub, "not yours", nostr_sdk.Nip44Version.V2)
     (from_agent,) = await custody.encrypt_to_owner(agent, [b"from the agent"])
-    unseals = count_unseals(monkeypatch)
+    unseals.clear()
     opened = await custody.decrypt_from_owner_pair(
         agent, [from_owner, from_stranger, from_agent, "not a payload", "#future"])
     assert opened == (b"from the owner", None, b"from the agent", None, None)

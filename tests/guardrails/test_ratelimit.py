@@ -105,10 +105,10 @@ def test_limits_table() -> None:
     assert PUBLISH_ACTIONS | READ_ACTIONS >= {
         "channel.read", "message.post", "message.reply", "reaction.add", "profile.set",
         "storage.address", "agents.create", "agents.update", "agents.delete",
-        "observer.emit", "liveness.ping"}
+        "storage.get", "storage.put", "observer.emit", "liveness.ping"}
     # Until a live-signal class exists, the two live signals count under `publish`.
     assert {"observer.emit", "liveness.ping"} <= PUBLISH_ACTIONS
-    assert READ_ACTIONS == {"channel.read", "storage.address"}
+    assert READ_ACTIONS == {"channel.read", "storage.address", "storage.get"}
 
 
 def test_loop_of_200_posts(tmp_path: Path, principals: tuple[Principal, Principal]) -> None:

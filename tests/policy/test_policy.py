@@ -100,6 +100,8 @@ ARGS: dict[str, dict[str, object]] = {
     "reaction.add": {"channelId": CHANNEL, "targetEventId": EVENT, "reaction": "+"},
     "profile.set": {"displayName": "me"},
     "storage.address": {"slug": "core"},
+    "storage.get": {"slug": "core"},
+    "storage.put": {"slug": "core", "value": "I am a test agent."},
     "agents.create": {"channelId": CHANNEL, "displayName": "kid", "systemPrompt": "be kind"},
     "agents.update": {"target": {"pubkey": CHILD}, "displayName": "kid 2"},
     "agents.delete": {"target": {"pubkey": CHILD}},

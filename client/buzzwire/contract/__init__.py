@@ -23,7 +23,8 @@ tabulates it and changes with it.
 from ._args import (
     RESPOND_TO, AgentsCreateArgs, AgentsDeleteArgs, AgentsUpdateArgs, AgentTarget,
     ChannelReadArgs, LivenessPingArgs, MessagePostArgs, MessageReplyArgs, ObserverEmitArgs,
-    ObserverFrame, ProfileSetArgs, ReactionAddArgs, StorageAddressArgs,
+    ObserverFrame, ProfileSetArgs, ReactionAddArgs, StorageAddressArgs, StorageGetArgs,
+    StoragePutArgs, compact_json,
 )
 from ._codes import MESSAGES, PAIRING, ContractError, ErrorCode, Status
 from ._echoes import REQUESTER, Echo, Identity, echo_mismatch
@@ -36,14 +37,13 @@ from ._limits import (
     ACTION_VERSION, DEFAULT_LIMIT, MAX_ABOUT_CHARS, MAX_CONTENT_BYTES, MAX_CURSOR_BYTES,
     MAX_DISPLAY_NAME_CHARS, MAX_JSON_INT, MAX_KIND, MAX_LIMIT, MAX_MENTIONS, MAX_NESTING,
     MAX_PICTURE_CHARS, MAX_REACTION_CHARS, MAX_REQUEST_ID_BYTES, MAX_SCALAR_CHARS,
-    MAX_SLUG_BYTES, MAX_SYSTEM_PROMPT_CHARS, MIN_JSON_INT, MIN_LIMIT, PROTOCOL_VERSION,
-    MAX_FRAMES, MAX_OBSERVER_BYTES, MAX_U32,
+    MAX_MEMORY_BODY_BYTES, MAX_SLUG_BYTES, MAX_SYSTEM_PROMPT_CHARS, MIN_JSON_INT, MIN_LIMIT,
+    PROTOCOL_VERSION, MAX_FRAMES, MAX_OBSERVER_BYTES, MAX_U32,
 )
 from ._outcomes import (
     AgentsCreateOutcome, AgentsDeleteOutcome, AgentsUpdateOutcome, Event, ObserverEmitOutcome,
-    Outcome, PublishOutcome, ReadOutcome, StorageAddressOutcome,
+    Outcome, PublishOutcome, ReadOutcome, StorageAddressOutcome, StorageGetOutcome,
 )
-from ._json import compact_size
 
 __all__ = [
     # codes and tables
@@ -54,12 +54,12 @@ __all__ = [
     "read_request", "Reading", "Request", "Args", "build_request", "encode_request",
     "ChannelReadArgs", "MessagePostArgs", "MessageReplyArgs", "ReactionAddArgs",
     "ProfileSetArgs", "StorageAddressArgs", "AgentsCreateArgs", "AgentTarget",
-    "AgentsUpdateArgs", "AgentsDeleteArgs", "ObserverFrame", "ObserverEmitArgs",
-    "LivenessPingArgs", "compact_size",
+    "AgentsUpdateArgs", "AgentsDeleteArgs", "StorageGetArgs", "StoragePutArgs", "compact_json",
+    "ObserverFrame", "ObserverEmitArgs", "LivenessPingArgs",
     # responses
     "Verdict", "encode_response", "mark_replayed", "parse_response", "Response", "Outcome",
     "Event", "PublishOutcome", "ReadOutcome", "StorageAddressOutcome", "AgentsCreateOutcome",
-    "AgentsUpdateOutcome", "AgentsDeleteOutcome", "ObserverEmitOutcome",
+    "AgentsUpdateOutcome", "AgentsDeleteOutcome", "StorageGetOutcome", "ObserverEmitOutcome",
     # identities
     "normalize_channel_id", "normalize_hex64", "is_valid_pubkey", "is_request_id",
     # limits
@@ -67,5 +67,6 @@ __all__ = [
     "MAX_CONTENT_BYTES", "MAX_MENTIONS", "MIN_LIMIT", "MAX_LIMIT", "DEFAULT_LIMIT",
     "MAX_DISPLAY_NAME_CHARS", "MAX_ABOUT_CHARS", "MAX_PICTURE_CHARS", "MAX_SYSTEM_PROMPT_CHARS",
     "MAX_SCALAR_CHARS", "MAX_REACTION_CHARS", "MAX_SLUG_BYTES", "MAX_NESTING", "MIN_JSON_INT",
-    "MAX_JSON_INT", "MAX_KIND", "MAX_FRAMES", "MAX_OBSERVER_BYTES", "MAX_U32",
+    "MAX_JSON_INT", "MAX_KIND", "MAX_MEMORY_BODY_BYTES", "MAX_FRAMES", "MAX_OBSERVER_BYTES",
+    "MAX_U32",
 ]

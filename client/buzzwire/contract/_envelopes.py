@@ -42,7 +42,7 @@ from types import MappingProxyType
 from ._args import (
     AgentsCreateArgs, AgentsDeleteArgs, AgentsUpdateArgs, AgentTarget, ChannelReadArgs,
     LivenessPingArgs, MessagePostArgs, MessageReplyArgs, ObserverEmitArgs, ProfileSetArgs,
-    ReactionAddArgs, StorageAddressArgs,
+    ReactionAddArgs, StorageAddressArgs, StorageGetArgs, StoragePutArgs,
 )
 from ._codes import MESSAGES, PAIRING, ContractError, ErrorCode, Status
 from ._echoes import REQUESTER, Echo, Identity
@@ -51,7 +51,7 @@ from ._json import JsonSyntaxError, escape_token, is_object, parse, repeated_key
 from ._limits import ACTION_VERSION, PROTOCOL_VERSION
 from ._outcomes import (
     AgentsCreateOutcome, AgentsDeleteOutcome, AgentsUpdateOutcome, ObserverEmitOutcome, Outcome,
-    PublishOutcome, ReadOutcome, StorageAddressOutcome,
+    PublishOutcome, ReadOutcome, StorageAddressOutcome, StorageGetOutcome,
 )
 from ._shapes import SHAPES, read_object, shape_for, to_wire
 
@@ -65,7 +65,7 @@ __all__ = [
 Args = (
     ChannelReadArgs | MessagePostArgs | MessageReplyArgs | ReactionAddArgs | ProfileSetArgs
     | StorageAddressArgs | AgentsCreateArgs | AgentsUpdateArgs | AgentsDeleteArgs
-    | ObserverEmitArgs | LivenessPingArgs
+    | StorageGetArgs | StoragePutArgs | ObserverEmitArgs | LivenessPingArgs
 )
 
 
@@ -123,6 +123,9 @@ class ActionSpec:
     echoes: tuple[Echo, ...]
     #: member names of nested argument objects (`target`'s), for the log's pointer filter
     nested_arg_members: frozenset[str] = frozenset()
+    #: the Nostr kind a Published outcome must report (NIP-BA: clients check the kind per
+    #: action), or None where the spec fixes no single kind
+    published_kind: int | None = None
 
     def __post_init__(self) -> None:
         if (self.rate_class is RateClass.PUBLISH) != self.publishing:
@@ -160,13 +163,15 @@ _TARGET_ECHO = (Echo(outcome="agentPubkey", source="target.pubkey", identity=Ide
 
 
 def _spec(name: str, args: type[Args], outcome: type[Outcome], *, publishing: bool,
-          echoes: tuple[Echo, ...], best_effort: bool = False) -> ActionSpec:
+          echoes: tuple[Echo, ...], best_effort: bool = False,
+          published_kind: int | None = None) -> ActionSpec:
     arg_members = _members(args)
     return ActionSpec(
         name=name, args_type=args, outcome_type=outcome, arg_members=arg_members,
         outcome_members=_members(outcome), publishing=publishing, best_effort=best_effort,
         rate_class=RateClass.PUBLISH if publishing else RateClass.READ, echoes=echoes,
         nested_arg_members=_members(AgentTarget).all if "target" in arg_members.all else frozenset(),
+        published_kind=published_kind,
     )
 
 
@@ -190,6 +195,10 @@ ACTIONS: Mapping[str, ActionSpec] = MappingProxyType({
         _spec("profile.set", ProfileSetArgs, PublishOutcome, publishing=True, echoes=_PUBLISHED),
         _spec("storage.address", StorageAddressArgs, StorageAddressOutcome, publishing=False,
               echoes=(Echo(outcome="authorPubkey", source=REQUESTER, identity=Identity.HEX),)),
+        # NIP-BA Memory: NIP-AE records (kind 30174) the host reads and writes encrypted.
+        _spec("storage.get", StorageGetArgs, StorageGetOutcome, publishing=False, echoes=()),
+        _spec("storage.put", StoragePutArgs, PublishOutcome, publishing=True, echoes=_PUBLISHED,
+              published_kind=30174),
         _spec("agents.create", AgentsCreateArgs, AgentsCreateOutcome, publishing=True, echoes=(
             Echo(outcome="channelId", source="channelId", identity=Identity.CHANNEL),)),
         _spec("agents.update", AgentsUpdateArgs, AgentsUpdateOutcome, publishing=True,
@@ -202,8 +211,10 @@ ACTIONS: Mapping[str, ActionSpec] = MappingProxyType({
         # Until a live-signal rate class exists both count under `publish`.
         _spec("observer.emit", ObserverEmitArgs, ObserverEmitOutcome, publishing=True,
               best_effort=True, echoes=()),
+        # NIP-BA: a keepalive is published as NIP-AO telemetry, kind 24200 (this host
+        # answers unsupported: daemon/operations/liveness_ping.py).
         _spec("liveness.ping", LivenessPingArgs, PublishOutcome, publishing=True,
-              best_effort=True, echoes=_PUBLISHED),
+              best_effort=True, echoes=_PUBLISHED, published_kind=24200),
     )
 })
 

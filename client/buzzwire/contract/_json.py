@@ -35,8 +35,7 @@ from typing import TypeAlias, TypeGuard
 
 from ._limits import MAX_JSON_INT, MAX_NESTING, MIN_JSON_INT
 
-__all__ = ["JsonSyntaxError", "parse", "first_fault", "escape_token", "is_object", "repeated_keys",
-           "compact_size"]
+__all__ = ["JsonSyntaxError", "parse", "first_fault", "escape_token", "is_object", "repeated_keys"]
 
 
 class JsonSyntaxError(Exception):
@@ -278,22 +277,3 @@ def _parse_marking(text: str) -> tuple[object, tuple[str, str] | None]:
         raise JsonSyntaxError("unreadable number or nesting") from None
     return value, first_fault(value)
 
-
-def compact_size(value: object) -> int:
-    """UTF-8 bytes of `value` under NIP-BA's compact-encoding rule ("Memory").
-
-    The rule: members in the order given, no insignificant whitespace, non-ASCII scalars
-    literal, the short escapes `\\"` `\\\\` `\\b` `\\t` `\\n` `\\f` `\\r`, lowercase
-    `\\u00xx` for the other U+0000-001F controls, `/` not escaped. That is exactly what
-    the stdlib encoder writes with `ensure_ascii=False` and compact separators (its escape
-    table uses those short forms and lowercase hex), so the size is measured by encoding.
-
-    Raises:
-        ValueError: a string holds a lone surrogate (it has no UTF-8 form; our callers
-          refuse those before measuring, so this is our bug).
-    """
-    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    try:
-        return len(text.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise ValueError("a string holds a lone surrogate") from None

@@ -32,7 +32,8 @@ from ._shapes import Checked, Field, Shape, array_of, nested, read_object, regis
 
 __all__ = [
     "Event", "PublishOutcome", "ReadOutcome", "StorageAddressOutcome", "AgentsCreateOutcome",
-    "AgentsUpdateOutcome", "AgentsDeleteOutcome", "ObserverEmitOutcome", "Outcome",
+    "AgentsUpdateOutcome", "AgentsDeleteOutcome", "Outcome", "StorageGetOutcome",
+    "ObserverEmitOutcome",
 ]
 
 _KIND = integer(0, MAX_KIND)
@@ -119,6 +120,17 @@ register(Shape(StorageAddressOutcome, (
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StorageGetOutcome(Checked):
+    """storage.get: the record's `value` (core's `profile`); absent for no record or a
+    tombstone (`{}`). An existing empty string is `{"value":""}` (NIP-BA Memory)."""
+
+    value: str | None = None
+
+
+register(Shape(StorageGetOutcome, (Field("value", "value", any_string),)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AgentsCreateOutcome(Checked):
     agent_pubkey: str
     display_name: str
@@ -171,5 +183,5 @@ register(Shape(ObserverEmitOutcome, (
 
 Outcome = (
     PublishOutcome | ReadOutcome | StorageAddressOutcome | AgentsCreateOutcome
-    | AgentsUpdateOutcome | AgentsDeleteOutcome | ObserverEmitOutcome
+    | AgentsUpdateOutcome | AgentsDeleteOutcome | StorageGetOutcome | ObserverEmitOutcome
 )
