@@ -294,3 +294,26 @@ async def test_the_protocol_doc_examples_get_the_documented_answers(broker: Brok
     status, raw = await raw_post(broker.socket, examples[f"request-{action}"].encode(), credential)
     assert status == 200
     assert raw.decode() == examples[f"response-{action}"]
+
+
+async def test_an_intake_verdict_is_kept_as_long_as_an_effect_not_as_briefly_as_a_read(
+        broker: BrokerHarness) -> None:
+    # A read's page is kept `read_retention` (15 min); observer.emit had an effect (its
+    # intake), so its verdict is kept the whole `ledger_retention`: a late replay must find
+    # it and never queue the frames again.
+    import sqlite3
+
+    from daemon.state.ledger import request_key
+
+    agent = await broker.human_owned_agent("kept")
+    credential = broker.credential(agent, [CHANNEL])
+    before = int(time.time())
+    await broker.post(emit([("k", "kept")], request_id="obs-kept-1"), credential)
+    conn = sqlite3.connect(str(broker.state_dir / "ledger.db"))
+    try:
+        [(expires,)] = conn.execute(
+            "SELECT e.expires FROM entries AS e JOIN principals AS p ON p.id = e.pid"
+            " WHERE p.principal = ? AND e.rid = ?", (agent, request_key("obs-kept-1"))).fetchall()
+    finally:
+        conn.close()
+    assert expires >= before + broker.config.state.ledger_retention_seconds
