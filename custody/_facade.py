@@ -28,6 +28,7 @@ a foreign `auth` tag, a bad slug).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
 import time
@@ -321,10 +322,12 @@ class Custody:
             return []
 
         def work() -> list[SignedEvent]:
-            signed = []
-            for agent, unsigned in planned:
+            # One unseal per run of one agent's events, not per event: observer.emit signs
+            # up to 256 at once, and a TPM unseals in 8-15 ms (field-lab.md).
+            signed: list[SignedEvent] = []
+            for agent, run in itertools.groupby(planned, key=lambda pair: pair[0]):
                 with self._unseal(agent) as secret:
-                    signed.append(sign(secret, unsigned))
+                    signed.extend(sign(secret, unsigned) for _, unsigned in run)
             return signed
 
         return await self._hop("sign", work)

@@ -58,6 +58,8 @@ __all__ = [
     "Config",
     "ServerConfig",
     "StateConfig",
+    "ObserverConfig",
+    "DEFAULT_OBSERVER",
     "Pkcs11Config",
     "RelayConfig",
     "PolicyConfig",
@@ -177,6 +179,30 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ObserverConfig:
+    """[observer]: the queue observer.emit hands its kind 24200 events to
+    (daemon/pipeline/observer.py). Bytes are counted as the encoded events."""
+
+    #: every credential's queued events together
+    max_queued_bytes: int
+    #: one credential's share: a flood from one agent stops at it
+    max_queued_bytes_per_credential: int
+    #: events handed to the relay per second at most, all credentials together
+    publish_per_second: int
+    #: events awaiting the relay's OK at once
+    max_in_flight: int
+    #: the largest signed event (its JSON) the relay takes: a frame whose event is larger
+    #: is not counted
+    max_event_bytes: int = 65_536
+
+
+#: The [observer] defaults, as `_KEYS` spells them (kept equal by tests/test_config.py).
+DEFAULT_OBSERVER = ObserverConfig(max_queued_bytes=32 * 1024 * 1024,
+                                  max_queued_bytes_per_credential=2 * 1024 * 1024,
+                                  publish_per_second=50, max_in_flight=8)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
     server: ServerConfig
     state: StateConfig
@@ -187,6 +213,8 @@ class Config:
     metrics: MetricsConfig
     #: [limits]: rate limits and quotas, a table of rules of its own (daemon/state/ratelimit.py).
     limits: RateConfig = DEFAULT_RATE_CONFIG
+    #: [observer]: the observer.emit publication queue.
+    observer: ObserverConfig = DEFAULT_OBSERVER
     #: The file this came from (absolute), or None for the built-in defaults.
     source: str | None = None
     #: How it was chosen: "--config", "$BUZZ_BROKER_CONFIG", "system file" or
@@ -470,6 +498,19 @@ _KEYS: tuple[_Key, ...] = (
     _Key("log", "level", "level", _level, "info"),
     _Key("metrics", "socket", "socket", _optional_path, ""),
     _Key("metrics", "listen", "listen", _loopback_listen, ""),
+    # [observer] (issue 23): 32 MiB holds ~360 of the largest events (a 64 KiB payload is
+    # ~88 KiB once encrypted, base64'd and signed); a share of 2 MiB lets sixteen agents
+    # flood at once before the total binds. 50 a second keeps telemetry well below what
+    # a relay's per-connection limits allow; 8 in flight hides one OK round trip.
+    _Key("observer", "max_queued_bytes", "max_queued_bytes", _int_at_least(65536),
+         32 * 1024 * 1024),
+    _Key("observer", "max_queued_bytes_per_credential", "max_queued_bytes_per_credential",
+         _int_at_least(65536), 2 * 1024 * 1024),
+    _Key("observer", "publish_per_second", "publish_per_second", _int_at_least(1, 10000), 50),
+    _Key("observer", "max_in_flight", "max_in_flight", _int_at_least(1, 256), 8),
+    # What strfry and nostr-sdk's LocalRelay accept by default (measured on LocalRelay:
+    # 65,536 bytes of event JSON, one more is refused); raise it for a relay that takes more.
+    _Key("observer", "max_event_bytes", "max_event_bytes", _int_at_least(4096), 65_536),
 )
 
 #: The one section that is not rows of `_KEYS`: rate-limit rules (docs/operations.md).
@@ -483,6 +524,7 @@ _SECTIONS: dict[str, type] = {
     "policy": PolicyConfig,
     "log": LogConfig,
     "metrics": MetricsConfig,
+    "observer": ObserverConfig,
 }
 
 
@@ -548,6 +590,14 @@ def _build(tree: Mapping[str, object], where: str, base: Path | None, source: st
         raise ConfigError(
             f"{where}: [server] max_inflight_bytes: expected at least max_body_bytes "
             f"({server['max_body_bytes']}), got {server['max_inflight_bytes']}"
+        )
+    observer = fields["observer"]
+    total, share = observer["max_queued_bytes"], observer["max_queued_bytes_per_credential"]
+    assert isinstance(total, int) and isinstance(share, int)
+    if share > total:
+        raise ConfigError(
+            f"{where}: [observer] max_queued_bytes_per_credential: expected at most "
+            f"max_queued_bytes ({total}), got {share}"
         )
     sections = {name: cls(**fields[name]) for name, cls in _SECTIONS.items()}
     return Config(**sections, limits=limits, source=source, origin=origin)

@@ -35,6 +35,8 @@ from daemon.relay.cursor import CursorCodec, CursorKeyError
 from daemon.state.ledger import Ledger
 from daemon.log import log_event
 from daemon.metrics import Metrics
+from daemon.pipeline.observer import ObserverIntake, ObserverQueue
+from daemon.state.observer_seq import ObserverSeq
 from daemon.state.ratelimit import RateLimiter
 from daemon.relay.pool import AuthNotSigned, RelayPool, RelayTimeouts
 from daemon.state.runtimes import RuntimeStore
@@ -143,6 +145,8 @@ async def running(
             cursors = CursorCodec.open(state_dir)
             runtimes = RuntimeStore.open(state_dir)
             stack.callback(runtimes.close)
+            observer_seq = ObserverSeq.open(state_dir)
+            stack.callback(observer_seq.close)
         except (OSError, sqlite3.Error, CursorKeyError) as exc:
             raise StartupError(f"state directory {state_dir}: {exc}") from None
         try:
@@ -164,6 +168,8 @@ async def running(
             relay = relay_pool(config, custody, observer=metrics.relay_round_trip)
         except ValueError as exc:
             raise StartupError(f"relay url: {exc}") from None
+        observer = ObserverIntake(queue=ObserverQueue(config.observer, relay.publish),
+                                  seq=observer_seq, clock=time.time)
         broker = Broker(
             config=config,
             custody=custody,
@@ -178,6 +184,7 @@ async def running(
             config_loader=config_loader,
             metrics=metrics,
             checkpoint=checkpoint,
+            observer=observer,
         )
 
         async def last_counts() -> None:
@@ -197,6 +204,7 @@ async def running(
             nursery.start_soon(_sweep_forever, ledger, metrics)
             nursery.start_soon(_flush_last_use_forever, sessions)
             await nursery.start(broker.refusals.run)
+            await nursery.start(observer.queue.run)
             log_event(_log, "broker.ready", agents=len(live), relay=relay_url)
             for record in live:
                 if record.auth_tag is None:

@@ -37,7 +37,7 @@ from buzzwire.contract import (  # noqa: E402
     MAX_MEMORY_BODY_BYTES, MAX_REQUEST_ID_BYTES, MAX_SCALAR_CHARS, MAX_SLUG_BYTES,
     MAX_SYSTEM_PROMPT_CHARS, MIN_LIMIT, PAIRING, PROTOCOL_VERSION, ACTION_VERSION, RESPOND_TO,
     PRESENCE_STATUSES, AgentsUpdateArgs, AgentTarget, ErrorCode, Event, ProfileSetArgs, Status,
-    StoragePutArgs,
+    StoragePutArgs, MAX_FRAMES, MAX_OBSERVER_BYTES, MAX_U32, ObserverEmitArgs, ObserverFrame,
 )
 from buzzwire.contract import REQUEST_MEMBERS  # noqa: E402
 from buzzwire.contract._envelopes import _ERROR_MEMBERS, _SUCCEEDED_MEMBERS  # noqa: E402
@@ -118,6 +118,19 @@ VALUES: Mapping[str, dict[str, object]] = {
     # storage.put's value and storage.get's: one name, so the looser of the two (a stored
     # value may be ""; the contract refuses a blank put). Bytes, approximated from above.
     "value": _string(maxLength=MAX_MEMORY_BODY_BYTES),
+    # observer.emit / liveness.ping (NIP-BA "Live signals"): payload kept as sent, bounded
+    # in UTF-8 bytes like content; the whole compact body's 65,535 bytes is the host's.
+    "frames": {"type": "array", "items": {"$ref": "#/$defs/ObserverFrame"},
+               "minItems": 1, "maxItems": MAX_FRAMES},
+    "payload": _string("\\S", maxLength=MAX_OBSERVER_BYTES),
+    "turnId": SCALAR,
+    "accepted": _integer(0, MAX_U32),
+}
+
+#: The one name that means something else in one shape: an observer frame's `kind` is the
+#: runtime's discriminator, a scalar string, not a Nostr kind (NIP-BA "Live signals").
+SHAPE_VALUES: Mapping[type, Mapping[str, dict[str, object]]] = {
+    ObserverFrame: {"kind": SCALAR},
 }
 
 #: The signed event is verbatim relay data: its own spellings (NIP-01), exact case.
@@ -138,6 +151,9 @@ OBJECT_RULES: Mapping[type, dict[str, object]] = {
     AgentTarget: {"minProperties": 1, "maxProperties": 1},  # exactly one of pubkey, name
     # The compact body's 65,535-byte bound counts escapes: no JSON Schema keyword says it.
     StoragePutArgs: {},
+    # The compact-encoding bound (65,535 bytes for the whole {"frames":...}) has no JSON
+    # Schema spelling; the host checks it.
+    ObserverEmitArgs: {},
 }
 
 
@@ -147,7 +163,8 @@ def _object(shape: Shape[object]) -> dict[str, object]:
         raise KeyError(f"{shape.cls.__name__} has a cross-member rule with no schema")
     out: dict[str, object] = {
         "type": "object",
-        "properties": {f.wire: values[f.wire] for f in shape.fields},
+        "properties": {f.wire: SHAPE_VALUES.get(shape.cls, {}).get(f.wire) or values[f.wire]
+                       for f in shape.fields},
         "required": [f.wire for f in shape.fields if f.required],
         "additionalProperties": False,
     }
@@ -189,7 +206,7 @@ def request_schema() -> dict[str, object]:
         assert tuple(members) == REQUEST_MEMBERS
         variants.append(_envelope(members, REQUEST_MEMBERS))
     return _document("broker_request (spec/agent-broker.md §Request, §Operations)", variants,
-                     [spec.args_type for spec in ACTIONS.values()] + [AgentTarget])
+                     [spec.args_type for spec in ACTIONS.values()] + [AgentTarget, ObserverFrame])
 
 
 def response_schema() -> dict[str, object]:

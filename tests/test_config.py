@@ -67,6 +67,13 @@ level = "debug"
 [metrics]
 socket = "/run/bb/metrics.sock"
 listen = "[::1]:9464"
+
+[observer]
+max_queued_bytes = 1048576
+max_queued_bytes_per_credential = 131072
+publish_per_second = 5
+max_in_flight = 2
+max_event_bytes = 131072
 """
 
 EXPECTED: dict[tuple[str, str], object] = {
@@ -103,6 +110,11 @@ EXPECTED: dict[tuple[str, str], object] = {
     ("log", "level"): "debug",
     ("metrics", "socket"): "/run/bb/metrics.sock",
     ("metrics", "listen"): ("::1", 9464),
+    ("observer", "max_queued_bytes"): 1_048_576,
+    ("observer", "max_queued_bytes_per_credential"): 131_072,
+    ("observer", "publish_per_second"): 5,
+    ("observer", "max_in_flight"): 2,
+    ("observer", "max_event_bytes"): 131_072,
 }
 
 DEFAULTS: dict[tuple[str, str], object] = {
@@ -139,6 +151,11 @@ DEFAULTS: dict[tuple[str, str], object] = {
     ("log", "level"): "info",
     ("metrics", "socket"): None,
     ("metrics", "listen"): None,
+    ("observer", "max_queued_bytes"): 32 * 1024 * 1024,
+    ("observer", "max_queued_bytes_per_credential"): 2 * 1024 * 1024,
+    ("observer", "publish_per_second"): 50,
+    ("observer", "max_in_flight"): 8,
+    ("observer", "max_event_bytes"): 65_536,
 }
 
 
@@ -524,3 +541,17 @@ def test_inflight_budget_must_hold_one_largest_body(tmp_path: Path) -> None:
     path = write(tmp_path, "[server]\nmax_body_bytes = 4096\nmax_inflight_bytes = 2048\n")
     with pytest.raises(ConfigError, match=r"\[server\] max_inflight_bytes"):
         load_config(path, environ={})
+
+
+def test_an_observer_share_larger_than_the_total_is_one_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "[observer]\nmax_queued_bytes = 100000\n"
+                           "max_queued_bytes_per_credential = 200000\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(path)
+    assert "max_queued_bytes_per_credential" in str(refused.value)
+
+
+def test_the_observer_defaults_are_the_dataclass_defaults() -> None:
+    from daemon.config import DEFAULT_OBSERVER
+
+    assert load_config(None, environ={}, system_file="/nonexistent").observer == DEFAULT_OBSERVER

@@ -152,3 +152,5 @@ class BrokerClient:
     agents_delete = _blocking(AsyncBrokerClient.agents_delete)
     presence_set = _blocking(AsyncBrokerClient.presence_set)
     typing_set = _blocking(AsyncBrokerClient.typing_set)
+    observer_emit = _blocking(AsyncBrokerClient.observer_emit)
+    liveness_ping = _blocking(AsyncBrokerClient.liveness_ping)

@@ -80,6 +80,7 @@ from buzzwire.contract import (
     ContractError,
     ErrorCode,
     Event,
+    ObserverEmitOutcome,
     PublishOutcome,
     ReadOutcome,
     Request,
@@ -295,6 +296,9 @@ def _echo_check(action: str) -> Callable[[Request, object, str | None], str | No
             return "page holds more events than the effective limit"
         if kind is not None and isinstance(outcome, PublishOutcome) and outcome.kind != kind:
             return "published outcome reports another kind than the action publishes"
+        # NIP-BA: observer receipts must fit the submitted frame count.
+        if isinstance(outcome, ObserverEmitOutcome) and outcome.accepted > len(args.frames):
+            return "accepted counts more frames than were sent"
         problem: str | None = echo_mismatch(echoes, args, outcome, me)
         return problem
 
@@ -735,6 +739,24 @@ class AsyncBrokerClient:
         `value` is stored exactly as written."""
         args = _wire(slug=slug, value=value)
         return await self._send(self.freeze("storage.put", args, request_id), PublishOutcome)
+
+    async def observer_emit(
+        self, frames: Sequence[tuple[str, str]], *, request_id: str | None = None,
+    ) -> Answer[ObserverEmitOutcome]:
+        """Telemetry frames `(kind, payload)` for the owner, 1-256 of them. Best-effort:
+        `accepted` counts what the host took in for publication, not what reached the
+        relay, and says nothing about which frames; do not resubmit a guessed remainder.
+        An `Unsupported` answer is normal; carry on."""
+        args = _wire(frames=tuple({"kind": kind, "payload": payload} for kind, payload in frames))
+        return await self._send(self.freeze("observer.emit", args, request_id), ObserverEmitOutcome)
+
+    async def liveness_ping(
+        self, channel_id: str, turn_id: str, *, request_id: str | None = None,
+    ) -> Answer[PublishOutcome]:
+        """A keepalive for the runtime's turn `turn_id` in `channel_id`. Best-effort: this
+        host answers `Unsupported` (docs/protocol.md, "liveness.ping"); carry on."""
+        args = _wire(channelId=channel_id, turnId=turn_id)
+        return await self._send(self.freeze("liveness.ping", args, request_id), PublishOutcome)
 
     async def agents_create(
         self, channel_id: str, display_name: str, system_prompt: str, *,

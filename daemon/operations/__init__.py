@@ -18,8 +18,10 @@ from daemon.operations import (
     agents_delete,
     agents_update,
     channel_read,
+    liveness_ping,
     message_post,
     message_reply,
+    observer_emit,
     presence_set,
     profile_set,
     reaction_add,
@@ -65,6 +67,11 @@ OPERATIONS: dict[str, Operation] = {
     "agents.delete": Operation(prepare=agents_delete.prepare, serialize_per_agent=True),
     "presence.set": Operation(prepare=presence_set.prepare),
     "typing.set": Operation(prepare=typing_set.prepare),
+    # Both answer with a Verdict from `prepare`: observer.emit's effect is intake into the
+    # observer queue, released once the verdict is recorded (daemon/pipeline/observer.py);
+    # liveness.ping is refused as unsupported (its module says why).
+    "observer.emit": Operation(prepare=observer_emit.prepare),
+    "liveness.ping": Operation(prepare=liveness_ping.prepare),
 }
 
 

@@ -28,6 +28,7 @@ from daemon.pipeline.pending import Cleanup
 
 if TYPE_CHECKING:
     from daemon.config import PolicyConfig
+    from daemon.pipeline.observer import ObserverIntake
     from daemon.pipeline.policy import Authorized
     from daemon.relay.cursor import CursorCodec
     from daemon.relay.pool import RelayPool
@@ -108,6 +109,8 @@ class Context:
     #: (`OperationRefused`) when the mint reference outlived its record (issue 22 H1;
     #: daemon/pipeline/publisher.py `Publisher.mint`).
     mint: Callable[[], Awaitable[_Minted]] | None = None
+    #: observer.emit's queue, seq store and clock (daemon/pipeline/observer.py)
+    observer: ObserverIntake | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

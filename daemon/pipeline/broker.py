@@ -78,6 +78,7 @@ from daemon.log import log_event
 from daemon.metrics import Metrics
 from daemon.operations import OPERATIONS, Context, Operation
 from daemon.operations._base import OperationRefused
+from daemon.pipeline.observer import ObserverIntake
 from daemon.pipeline.policy import Authorized, Refusal, authorize, within_credential
 from daemon.pipeline.publisher import Publisher
 from daemon.state.ratelimit import RateLimiter
@@ -170,8 +171,10 @@ class Broker:
         config_loader: Callable[[], Config] | None = None,
         metrics: Metrics | None = None,
         checkpoint: Callable[[str], None] | None = None,
+        observer: ObserverIntake | None = None,
     ) -> None:
         self._config = config
+        self._observer = observer
         self._policy: PolicyConfig = config.policy
         self._custody = custody
         self._directory = directory
@@ -333,6 +336,10 @@ class Broker:
         progress.effects_possible = isinstance(begun, Resume)
         progress.recorded = isinstance(begun, Fresh) and begun.recorded
         progress.invalid = reading.error is not None
+        # observer.emit's admitted frames wait, held, for this verdict's record: released
+        # to the relay only when it records success, dropped otherwise (and on any fault
+        # or cancellation), so `failed` keeps its promise of no effects.
+        recorded: Judged | None = None
         try:
             try:
                 if isinstance(begun, Resume):
@@ -344,11 +351,18 @@ class Broker:
                 judged = self._contained(facts, progress, exc)
             if facts.action == "agents.create" and judged.status is Status.FAILED:
                 judged = await self._publisher.destroy_minted(facts, judged, progress)
+            self._passed("before_verdict")
             # record
-            judged = await self._recorder.finish(begun.ticket, facts, judged, progress)
+            judged = recorded = await self._recorder.finish(begun.ticket, facts, judged,
+                                                            progress)
         except BaseException:
             self._ledger.release(begun.ticket)  # a no-op once the verdict is recorded
             raise
+        finally:
+            if self._observer is not None:
+                self._observer.queue.settle(
+                    (principal.agent, request_id),
+                    keep=recorded is not None and recorded.status is Status.SUCCEEDED)
         self._passed("after_verdict")
         return self._recorder.respond(request_id, judged, started, agent=principal.agent,
                                       action=facts.action)
@@ -475,6 +489,7 @@ class Broker:
             runtimes=self._runtimes,
             enroll=self._enroll,
             mint=lambda: self._publisher.mint(ticket, facts, progress),
+            observer=self._observer,
         )
         if operation.execute is not None:
             judged = Judged.of(facts.request_id, await operation.execute(ctx, request.args))

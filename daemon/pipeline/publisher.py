@@ -51,9 +51,11 @@ _log = logging.getLogger("buzz_broker.publisher")
 #: Steps a publishing request passes, named for the crash tests (design.md step 4):
 #:   before_pending -- the plan is signed, nothing durable yet
 #:   after_pending  -- the pending record is committed, nothing sent
+#:   before_verdict -- the verdict is reached, not yet recorded (observer.emit: its
+#:                     frames are held, daemon/pipeline/observer.py)
 #:   after_verdict  -- the verdict is committed, the response not yet written
 #: The relay-side steps (EVENT sent, OK received) are the test relay's to kill at.
-CHECKPOINTS: Final = ("before_pending", "after_pending", "after_verdict")
+CHECKPOINTS: Final = ("before_pending", "after_pending", "before_verdict", "after_verdict")
 #: The refusal of an agents.create whose mint reference exists without its ledger record.
 MINT_REF_TAKEN: Final = ("this requestId already made an agent here and its record is gone; "
                          "use a new requestId")

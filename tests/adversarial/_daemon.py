@@ -250,11 +250,15 @@ class AgentState:
 
 
 async def setup_state(token: TokenConfig, state_dir: Path, channels: Sequence[str],
-                      *, name: str = "agent") -> AgentState:
-    """Import a fresh human-owned agent and issue it a credential (before the daemon runs)."""
+                      *, name: str = "agent", owner: str | None = None,
+                      actions: Sequence[str] = ALL_ACTIONS) -> AgentState:
+    """Import a fresh human-owned agent and issue it a credential (before the daemon runs).
+
+    `owner`: the owner's pubkey (a test that must decrypt to the owner holds its key);
+    a random one otherwise."""
     custody = await Custody.open(token, state_dir)
     try:
-        owner = coincurve.PrivateKey().public_key_xonly.format().hex()
+        owner = owner or coincurve.PrivateKey().public_key_xonly.format().hex()
         secret = bytearray(coincurve.PrivateKey().secret.hex().encode("ascii"))
         record = await custody.import_agent(secret, owner=owner)
     finally:
@@ -267,7 +271,7 @@ async def setup_state(token: TokenConfig, state_dir: Path, channels: Sequence[st
     store = SessionStore.open(state_dir)
     try:
         _, credential = store.issue(agent=record.pubkey, channels=frozenset(channels),
-                                    actions=frozenset(ALL_ACTIONS), ttl_seconds=None, uid=None,
+                                    actions=frozenset(actions), ttl_seconds=None, uid=None,
                                     now=int(time.time()))
     finally:
         store.close()

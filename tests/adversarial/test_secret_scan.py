@@ -39,7 +39,8 @@ from buzzwire.contract import read_request
 from tests.adversarial import tally
 from tests.adversarial._secrets import Secret, SecretScan, files_under, key_secret, raw_secret, text_secret
 from tests.fixtures.broker import BrokerHarness, raw_post, request_body
-from tests.fixtures.relay import nostr_fetch
+from tests.fixtures.observer import OwnerWatch, decrypt
+from tests.fixtures.relay import TestKey, nostr_fetch
 from tests.fixtures.token import REPO, SoftHsmToken
 
 BUZZ_BROKER = REPO / ".venv" / "bin" / "buzz-broker"
@@ -163,6 +164,34 @@ async def test_no_secret_leaks_anywhere(broker: BrokerHarness, softhsm_token: So
     _ok(await run.call(cred_a, "agents.delete", {"target": {"pubkey": created["agentPubkey"]}}))
     _ok(await run.call(cred_a, "presence.set", {"status": "online"}))
     _ok(await run.call(cred_b, "typing.set", {"channelId": other_channel}))
+
+    # --- observer.emit and liveness.ping: an observer payload's plaintext is a secret ------
+    # (NIP-BA: plaintext at the broker boundary, protected in logs and retry storage).
+    watcher = TestKey()
+    observed = (await broker.custody.import_agent(
+        bytearray(_new_secret_hex().encode()), owner=watcher.pubkey)).pubkey
+    cred_d = broker.credential(observed, [channel])
+    payload_secret = "observer-plaintext-" + uuid.uuid4().hex
+    scan.add(text_secret("observer payload", payload_secret))
+    frames = [{"kind": "acp_read", "payload": json.dumps({"thought": payload_secret})},
+              {"kind": "turn_started", "payload": payload_secret}]
+    async with OwnerWatch(broker.relay_url, watcher, want=len(frames)) as watch:
+        emit_body = request_body("observer.emit", {"frames": frames}, request_id="scan-observer")
+        status, emitted = await run.post(emit_body, cred_d)
+        assert emitted is not None and emitted["outcome"] == {"accepted": 2}, emitted
+        status, replay = await run.post(emit_body, cred_d)  # the stored verdict, replayed
+        assert replay is not None and replay.get("replayed") is True
+        telemetry = await watch.collected()
+    assert len(telemetry) == len(frames)
+    run.keep("relay observer events", json.dumps(telemetry))
+    # Positive control: the owner's key opens them, and the scan sees the plaintext there.
+    assert any(scan.contains(json.dumps(decrypt(watcher, e)), "observer payload") for e in telemetry)
+    for bad in ({"frames": [{"kind": "k", "payload": payload_secret, "note": payload_secret}]},
+                {"frames": [{"kind": " ", "payload": payload_secret}]},
+                {"frames": [{"kind": payload_secret * 10, "payload": "p"}]}):
+        assert _code(await run.call(cred_d, "observer.emit", bad)) == "invalid_request"
+    assert _code(await run.call(cred_d, "liveness.ping", {
+        "channelId": channel, "turnId": payload_secret})) == "unsupported"
 
     # The cursor MAC key exists now; it is a secret too.
     mac_key_path = broker.state_dir / "cursor-mac.key"

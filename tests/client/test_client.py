@@ -161,7 +161,7 @@ async def test_unsupported_is_normal_on_reaction_add_and_failed_elsewhere(host: 
     post = await c.message_post(CHANNEL, "hi")
     assert isinstance(post, Failed) and post.code is ErrorCode.UNSUPPORTED
     assert {spec.name for spec in ACTIONS.values() if spec.best_effort} >= {
-        "reaction.add", "presence.set", "typing.set"}
+        "reaction.add", "presence.set", "typing.set", "observer.emit", "liveness.ping"}
 
 
 async def test_indeterminate_then_replayed_success_sends_identical_bytes(host: ScriptedHost) -> None:
@@ -353,6 +353,31 @@ async def test_storage_put_of_another_kind_is_no_answer_and_get_reads_the_value(
     assert isinstance(got, Succeeded) and got.outcome.value == ""
     absent = await c.storage_get("mem/a")
     assert isinstance(absent, Succeeded) and absent.outcome.value is None
+
+
+async def test_observer_receipt_must_fit_the_frames_sent(host: ScriptedHost) -> None:
+    # NIP-BA: "observer receipts [must fit] the submitted frame count"; more is no answer.
+    c = client(host)
+    frames = [("acp_read", '{"id":1}'), ("turn_started", "t")]
+    host.script = [succeeded(None, {"accepted": 2}), succeeded(None, {"accepted": 0})]
+    full = await c.observer_emit(frames)
+    assert isinstance(full, Succeeded) and full.outcome.accepted == 2
+    none = await c.observer_emit(frames)
+    assert isinstance(none, Succeeded) and none.outcome.accepted == 0
+    host.default = succeeded(None, {"accepted": 3})
+    bad = await c.observer_emit(frames)
+    assert isinstance(bad, NoAnswer) and bad.reason is NoAnswerReason.MISMATCH
+    sent = json.loads(host.received[0].body)
+    assert sent["action"] == "observer.emit" and sent["args"] == {
+        "frames": [{"kind": "acp_read", "payload": '{"id":1}'},
+                   {"kind": "turn_started", "payload": "t"}]}
+
+
+async def test_liveness_ping_unsupported_is_normal(host: ScriptedHost) -> None:
+    host.script = [errored("failed", "unsupported")]
+    answer = await client(host).liveness_ping(CHANNEL, "turn-1")
+    assert isinstance(answer, Unsupported)
+    assert json.loads(host.received[0].body)["args"] == {"channelId": CHANNEL, "turnId": "turn-1"}
 
 
 def test_every_action_has_an_echo_check() -> None:

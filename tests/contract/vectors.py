@@ -33,6 +33,9 @@ VALID_ARGS: dict[str, dict[str, Any]] = {
     "agents.delete": {"target": {"name": "Scout"}},
     "presence.set": {"status": "away"},
     "typing.set": {"channelId": CHANNEL},
+    "observer.emit": {"frames": [{"kind": "acp_read", "payload": '{"jsonrpc":"2.0","id":1}'},
+                                 {"kind": "turn_started", "payload": "not json"}]},
+    "liveness.ping": {"channelId": CHANNEL, "turnId": "turn-7"},
 }
 
 EVENT: dict[str, Any] = {
@@ -57,6 +60,8 @@ VALID_OUTCOMES: dict[str, dict[str, Any]] = {
     "agents.delete": {"agentPubkey": PK2, "displayName": "Scout"},
     "presence.set": {"eventId": EVENT_ID, "kind": 20001, "createdAt": 1787675471},
     "typing.set": {"eventId": EVENT_ID, "kind": 20002, "createdAt": 1787675471},
+    "observer.emit": {"accepted": 2},
+    "liveness.ping": {"eventId": EVENT_ID, "kind": 24200, "createdAt": 1787675471},
 }
 
 

@@ -202,3 +202,22 @@ async def test_the_cache_refuses_use_outside_the_token_worker(
     with pytest.raises(AssertionError):
         opened._cache.get(agents[0], b"", Secret())
     assert await in_token_worker(lambda: opened._cache.get(agents[0], b"", Secret())) is False
+
+
+async def test_one_hop_of_one_agents_events_unseals_once(
+    softhsm_token: SoftHsmToken, tmp_path: Path, unseals: list[str]
+) -> None:
+    # observer.emit signs up to 256 events in one hop: one unseal per run of one agent's
+    # events, not one per event, with the cache off (a TPM unseals in 8-15 ms).
+    opened, agents = await _open(softhsm_token, tmp_path / "state", CachePolicy())
+    try:
+        unseals.clear()
+        signed = await opened.sign_events([(agents[0], event(agents[0]))] * 256)
+        assert len(signed) == 256 and unseals == [agents[0]]
+        unseals.clear()
+        a, b = agents[0], agents[1]
+        mixed = await opened.sign_events([(a, event(a)), (a, event(a)), (b, event(b)), (a, event(a))])
+        assert [e.pubkey for e in mixed] == [a, a, b, a]
+        assert unseals == [a, b, a]
+    finally:
+        await opened.aclose()

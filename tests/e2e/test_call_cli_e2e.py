@@ -60,3 +60,25 @@ async def test_call_posts_replies_and_reports_each_fate(broker: BrokerHarness,
     credential = cred_file.read_text().strip()
     for done in (posted, again, refused, bad):
         assert credential not in done.stdout + done.stderr
+
+
+async def test_call_speaks_the_live_signals(broker: BrokerHarness, tmp_path: Path) -> None:
+    # observer.emit: exit 0 with the count; liveness.ping: unsupported on a best-effort
+    # action is exit 4 (carry on); bad frames are a usage error and nothing is sent.
+    channel = str(uuid.uuid4())
+    agent = await broker.human_owned_agent()
+    cred_file = tmp_path / "credential"
+    cred_file.write_text(broker.credential(agent, [channel]) + "\n")
+    cred_file.chmod(0o400)
+    frames = {"frames": [{"kind": "turn_started", "payload": '{"turnId":"t-1"}'}]}
+    emitted = await trio.to_thread.run_sync(
+        lambda: _call(broker, cred_file, "observer.emit", frames))
+    assert emitted.returncode == 0, emitted.stderr
+    assert json.loads(emitted.stdout)["outcome"] == {"accepted": 1}
+    pinged = await trio.to_thread.run_sync(
+        lambda: _call(broker, cred_file, "liveness.ping", {"channelId": channel, "turnId": "t-1"}))
+    assert pinged.returncode == 4, pinged.stderr
+    assert json.loads(pinged.stdout)["error"]["code"] == "unsupported"
+    empty = await trio.to_thread.run_sync(
+        lambda: _call(broker, cred_file, "observer.emit", {"frames": []}))
+    assert empty.returncode == 2 and empty.stdout == "" and empty.stderr.count("\n") == 1

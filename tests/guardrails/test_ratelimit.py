@@ -108,7 +108,7 @@ def test_limits_table() -> None:
         PUBLISH_ACTIONS | READ_ACTIONS)
     assert {"channel.read", "storage.address", "storage.get"} <= READ_ACTIONS
     assert "storage.put" in PUBLISH_ACTIONS
-    assert {"presence.set", "typing.set"} <= LIVE_ACTIONS
+    assert {"presence.set", "typing.set", "observer.emit", "liveness.ping"} <= LIVE_ACTIONS
     assert not LIVE_ACTIONS & (PUBLISH_ACTIONS | READ_ACTIONS)
     assert PUBLISH_ACTIONS | READ_ACTIONS | LIVE_ACTIONS == set(ACTIONS)
 

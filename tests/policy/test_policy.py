@@ -108,6 +108,8 @@ ARGS: dict[str, dict[str, object]] = {
     "agents.delete": {"target": {"pubkey": CHILD}},
     "presence.set": {"status": "online"},
     "typing.set": {"channelId": CHANNEL},
+    "observer.emit": {"frames": [{"kind": "k", "payload": "p"}]},
+    "liveness.ping": {"channelId": CHANNEL, "turnId": "t"},
 }
 
 

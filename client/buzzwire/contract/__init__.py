@@ -22,8 +22,9 @@ tabulates it and changes with it.
 
 from ._args import (
     RESPOND_TO, AgentsCreateArgs, AgentsDeleteArgs, AgentsUpdateArgs, AgentTarget,
-    ChannelReadArgs, MessagePostArgs, MessageReplyArgs, ProfileSetArgs, ReactionAddArgs,
-    StorageAddressArgs, PRESENCE_STATUSES, PresenceSetArgs, TypingSetArgs, StorageGetArgs,
+    ChannelReadArgs, LivenessPingArgs, MessagePostArgs, MessageReplyArgs, ObserverEmitArgs,
+    ObserverFrame, ProfileSetArgs, ReactionAddArgs, StorageAddressArgs, PRESENCE_STATUSES,
+    PresenceSetArgs, TypingSetArgs, StorageGetArgs,
     StoragePutArgs, compact_json,
 )
 from ._codes import MESSAGES, PAIRING, ContractError, ErrorCode, Status
@@ -40,11 +41,11 @@ from ._limits import (
     MAX_DISPLAY_NAME_CHARS, MAX_JSON_INT, MAX_KIND, MAX_LIMIT, MAX_MENTIONS, MAX_NESTING,
     MAX_PICTURE_CHARS, MAX_REACTION_CHARS, MAX_REQUEST_ID_BYTES, MAX_SCALAR_CHARS,
     MAX_MEMORY_BODY_BYTES, MAX_SLUG_BYTES, MAX_SYSTEM_PROMPT_CHARS, MIN_JSON_INT, MIN_LIMIT,
-    PROTOCOL_VERSION,
+    PROTOCOL_VERSION, MAX_FRAMES, MAX_OBSERVER_BYTES, MAX_U32,
 )
 from ._outcomes import (
-    AgentsCreateOutcome, AgentsDeleteOutcome, AgentsUpdateOutcome, Event, Outcome,
-    PublishOutcome, ReadOutcome, StorageAddressOutcome, StorageGetOutcome,
+    AgentsCreateOutcome, AgentsDeleteOutcome, AgentsUpdateOutcome, Event, ObserverEmitOutcome,
+    Outcome, PublishOutcome, ReadOutcome, StorageAddressOutcome, StorageGetOutcome,
 )
 
 __all__ = [
@@ -58,10 +59,11 @@ __all__ = [
     "ProfileSetArgs", "StorageAddressArgs", "AgentsCreateArgs", "AgentTarget",
     "AgentsUpdateArgs", "AgentsDeleteArgs", "PresenceSetArgs", "TypingSetArgs",
     "PRESENCE_STATUSES", "StorageGetArgs", "StoragePutArgs", "compact_json",
+    "ObserverFrame", "ObserverEmitArgs", "LivenessPingArgs",
     # responses
     "Verdict", "encode_response", "mark_replayed", "parse_response", "Response", "Outcome",
     "Event", "PublishOutcome", "ReadOutcome", "StorageAddressOutcome", "AgentsCreateOutcome",
-    "AgentsUpdateOutcome", "AgentsDeleteOutcome", "StorageGetOutcome",
+    "AgentsUpdateOutcome", "AgentsDeleteOutcome", "StorageGetOutcome", "ObserverEmitOutcome",
     # strict JSON (the wire's reader, for tools that read JSON as the host does)
     "parse_json", "JsonSyntaxError",
     # identities
@@ -71,5 +73,6 @@ __all__ = [
     "MAX_CONTENT_BYTES", "MAX_MENTIONS", "MIN_LIMIT", "MAX_LIMIT", "DEFAULT_LIMIT",
     "MAX_DISPLAY_NAME_CHARS", "MAX_ABOUT_CHARS", "MAX_PICTURE_CHARS", "MAX_SYSTEM_PROMPT_CHARS",
     "MAX_SCALAR_CHARS", "MAX_REACTION_CHARS", "MAX_SLUG_BYTES", "MAX_NESTING", "MIN_JSON_INT",
-    "MAX_JSON_INT", "MAX_KIND", "MAX_MEMORY_BODY_BYTES",
+    "MAX_JSON_INT", "MAX_KIND", "MAX_MEMORY_BODY_BYTES", "MAX_FRAMES", "MAX_OBSERVER_BYTES",
+    "MAX_U32",
 ]

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 from ._ids import boolean, channel_id, cursor, exact_text, hex64, integer, pubkey, slug, text
 from ._limits import (
-    DEFAULT_LIMIT, MAX_ABOUT_CHARS, MAX_CONTENT_BYTES, MAX_DISPLAY_NAME_CHARS, MAX_LIMIT,
-    MAX_MEMORY_BODY_BYTES, MAX_MENTIONS, MAX_PICTURE_CHARS, MAX_REACTION_CHARS, MAX_SCALAR_CHARS,
-    MAX_SYSTEM_PROMPT_CHARS, MIN_LIMIT,
+    DEFAULT_LIMIT, MAX_ABOUT_CHARS, MAX_CONTENT_BYTES, MAX_DISPLAY_NAME_CHARS, MAX_FRAMES,
+    MAX_LIMIT, MAX_MEMORY_BODY_BYTES, MAX_MENTIONS, MAX_OBSERVER_BYTES, MAX_PICTURE_CHARS,
+    MAX_REACTION_CHARS, MAX_SCALAR_CHARS, MAX_SYSTEM_PROMPT_CHARS, MIN_LIMIT,
 )
 from ._shapes import Checked, Field, Shape, array_of, nested, one_of, register
 
@@ -39,7 +39,8 @@ __all__ = [
     "ChannelReadArgs", "MessagePostArgs", "MessageReplyArgs", "ReactionAddArgs",
     "ProfileSetArgs", "StorageAddressArgs", "AgentsCreateArgs", "AgentTarget",
     "AgentsUpdateArgs", "AgentsDeleteArgs", "RESPOND_TO", "PresenceSetArgs", "TypingSetArgs",
-    "PRESENCE_STATUSES", "StorageGetArgs", "StoragePutArgs", "compact_json",
+    "PRESENCE_STATUSES", "StorageGetArgs", "StoragePutArgs", "compact_json", "ObserverFrame",
+    "ObserverEmitArgs", "LivenessPingArgs",
 ]
 
 #: spec agents.create: the two respondTo modes (no allow-list mode exists).
@@ -290,3 +291,60 @@ class TypingSetArgs(Checked):
 
 
 register(Shape(TypingSetArgs, (_CHANNEL,)))
+# --- observer.emit and liveness.ping (NIP-BA "Live signals", issue 23 items 3-4) ---------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ObserverFrame(Checked):
+    """One observer frame: `kind` is the runtime's discriminator (not a Nostr kind), a
+    trimmed scalar; `payload` is opaque and kept byte for byte (NIP-BA: not trimmed, but
+    it must hold a non-whitespace character)."""
+
+    kind: str
+    payload: str
+
+
+_FRAME_SHAPE = register(Shape(ObserverFrame, (
+    Field("kind", "kind", _SCALAR, required=True),
+    Field("payload", "payload", exact_text(MAX_OBSERVER_BYTES), required=True),
+)))
+
+
+def _frames_fit(present: Mapping[str, object]) -> str | None:
+    # NIP-BA "Live signals": the whole normalized {"frames":[{"kind":k,"payload":p},...]}
+    # is at most 65,535 bytes under the compact-encoding rule. Normalized: the kinds as
+    # trimmed, which is what `present` holds.
+    frames = present.get("frames")
+    if not isinstance(frames, tuple):
+        return None  # required member: its absence is reported before the rule runs
+    wire = {"frames": [{"kind": f.kind, "payload": f.payload} for f in frames
+                       if isinstance(f, ObserverFrame)]}
+    if len(compact_json(wire)) > MAX_OBSERVER_BYTES:
+        return f"frames encode to more than {MAX_OBSERVER_BYTES} bytes"
+    return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ObserverEmitArgs(Checked):
+    frames: tuple[ObserverFrame, ...]
+
+
+register(Shape(ObserverEmitArgs, (
+    Field("frames", "frames",
+          array_of(nested(lambda: _FRAME_SHAPE), max_items=MAX_FRAMES, allow_empty=False),
+          required=True),
+), _frames_fit))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LivenessPingArgs(Checked):
+    """liveness.ping: the session's channel and the runtime's process-local turn id."""
+
+    channel_id: str
+    turn_id: str
+
+
+register(Shape(LivenessPingArgs, (
+    _CHANNEL,
+    Field("turnId", "turn_id", _SCALAR, required=True),
+)))

@@ -41,8 +41,9 @@ from types import MappingProxyType
 
 from ._args import (
     AgentsCreateArgs, AgentsDeleteArgs, AgentsUpdateArgs, AgentTarget, ChannelReadArgs,
-    MessagePostArgs, MessageReplyArgs, PresenceSetArgs, ProfileSetArgs, ReactionAddArgs,
-    StorageAddressArgs, StorageGetArgs, StoragePutArgs, TypingSetArgs,
+    LivenessPingArgs, MessagePostArgs, MessageReplyArgs, ObserverEmitArgs, PresenceSetArgs,
+    ProfileSetArgs, ReactionAddArgs, StorageAddressArgs, StorageGetArgs, StoragePutArgs,
+    TypingSetArgs,
 )
 from ._codes import MESSAGES, PAIRING, ContractError, ErrorCode, Status
 from ._echoes import REQUESTER, Echo, Identity
@@ -50,8 +51,8 @@ from ._ids import any_string, fault, is_request_id
 from ._json import JsonSyntaxError, escape_token, is_object, parse, repeated_keys
 from ._limits import ACTION_VERSION, PROTOCOL_VERSION
 from ._outcomes import (
-    AgentsCreateOutcome, AgentsDeleteOutcome, AgentsUpdateOutcome, Outcome, PublishOutcome,
-    ReadOutcome, StorageAddressOutcome, StorageGetOutcome,
+    AgentsCreateOutcome, AgentsDeleteOutcome, AgentsUpdateOutcome, ObserverEmitOutcome, Outcome,
+    PublishOutcome, ReadOutcome, StorageAddressOutcome, StorageGetOutcome,
 )
 from ._shapes import SHAPES, read_object, shape_for, to_wire
 
@@ -65,7 +66,8 @@ __all__ = [
 Args = (
     ChannelReadArgs | MessagePostArgs | MessageReplyArgs | ReactionAddArgs | ProfileSetArgs
     | StorageAddressArgs | AgentsCreateArgs | AgentsUpdateArgs | AgentsDeleteArgs
-    | PresenceSetArgs | TypingSetArgs | StorageGetArgs | StoragePutArgs
+    | PresenceSetArgs | TypingSetArgs | StorageGetArgs | StoragePutArgs | ObserverEmitArgs
+    | LivenessPingArgs
 )
 
 
@@ -219,6 +221,15 @@ ACTIONS: Mapping[str, ActionSpec] = MappingProxyType({
               rate_class=RateClass.LIVE, echoes=_PUBLISHED, kind=20001),
         _spec("typing.set", TypingSetArgs, PublishOutcome, publishing=True, best_effort=True,
               rate_class=RateClass.LIVE, echoes=_PUBLISHED, kind=20002),
+        # observer.emit's effect is intake into the host's publication queue
+        # (daemon/pipeline/observer.py), so it is an effect, but its outcome is a count the
+        # client bounds by the frames sent, not an identity.
+        _spec("observer.emit", ObserverEmitArgs, ObserverEmitOutcome, publishing=True,
+              best_effort=True, rate_class=RateClass.LIVE, echoes=()),
+        # NIP-BA: a keepalive is published as NIP-AO telemetry, kind 24200 (this host
+        # answers unsupported: daemon/operations/liveness_ping.py).
+        _spec("liveness.ping", LivenessPingArgs, PublishOutcome, publishing=True,
+              best_effort=True, rate_class=RateClass.LIVE, echoes=_PUBLISHED, kind=24200),
     )
 })
 

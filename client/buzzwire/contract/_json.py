@@ -276,3 +276,4 @@ def _parse_marking(text: str) -> tuple[object, tuple[str, str] | None]:
     except (ValueError, RecursionError):  # pragma: no cover - defensive
         raise JsonSyntaxError("unreadable number or nesting") from None
     return value, first_fault(value)
+

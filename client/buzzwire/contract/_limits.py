@@ -15,7 +15,8 @@ __all__ = [
     "MIN_LIMIT", "MAX_LIMIT", "DEFAULT_LIMIT", "MAX_DISPLAY_NAME_CHARS", "MAX_ABOUT_CHARS",
     "MAX_PICTURE_CHARS", "MAX_SYSTEM_PROMPT_CHARS", "MAX_SCALAR_CHARS", "MAX_REACTION_CHARS",
     "MAX_SLUG_BYTES", "MAX_NESTING", "MIN_JSON_INT", "MAX_JSON_INT", "MAX_KIND",
-    "PROTOCOL_VERSION", "ACTION_VERSION", "MAX_MEMORY_BODY_BYTES",
+    "PROTOCOL_VERSION", "ACTION_VERSION", "MAX_MEMORY_BODY_BYTES", "MAX_FRAMES",
+    "MAX_OBSERVER_BYTES", "MAX_U32",
 ]
 
 #: spec §Request: the envelope version this module speaks.
@@ -61,3 +62,10 @@ MIN_JSON_INT = -(2**63)
 MAX_JSON_INT = 2**63 - 1
 #: NIP-01: event kinds are 0..65535.
 MAX_KIND = 65535
+#: NIP-BA "Live signals": observer.emit carries 1-256 frames.
+MAX_FRAMES = 256
+#: NIP-BA "Live signals": each observer payload, and the whole compact
+#: `{"frames":[...]}` (NIP-BA's compact-encoding rule), is at most 65,535 bytes of UTF-8.
+MAX_OBSERVER_BYTES = 65_535
+#: NIP-BA "Wire and normalization": counts are u32.
+MAX_U32 = 2**32 - 1

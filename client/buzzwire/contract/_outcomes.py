@@ -27,12 +27,13 @@ from ._ids import (
     any_string, channel_id, cursor, hex64, integer, lower_hex64_exact, lower_hex128_exact,
     pubkey, text,
 )
-from ._limits import MAX_DISPLAY_NAME_CHARS, MAX_KIND, MAX_LIMIT
+from ._limits import MAX_DISPLAY_NAME_CHARS, MAX_KIND, MAX_LIMIT, MAX_U32
 from ._shapes import Checked, Field, Shape, array_of, nested, read_object, register, to_wire
 
 __all__ = [
     "Event", "PublishOutcome", "ReadOutcome", "StorageAddressOutcome", "AgentsCreateOutcome",
     "AgentsUpdateOutcome", "AgentsDeleteOutcome", "Outcome", "StorageGetOutcome",
+    "ObserverEmitOutcome",
 ]
 
 _KIND = integer(0, MAX_KIND)
@@ -168,7 +169,19 @@ register(Shape(AgentsDeleteOutcome, (
     Field("displayName", "display_name", _NAME, required=True),
 )))
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ObserverEmitOutcome(Checked):
+    """observer.emit: how many frames the host took in for best-effort publication (NIP-BA:
+    a count, 0 through the frames sent, not a list; the client checks the upper bound)."""
+
+    accepted: int
+
+
+register(Shape(ObserverEmitOutcome, (
+    Field("accepted", "accepted", integer(0, MAX_U32), required=True),
+)))
+
 Outcome = (
     PublishOutcome | ReadOutcome | StorageAddressOutcome | AgentsCreateOutcome
-    | AgentsUpdateOutcome | AgentsDeleteOutcome | StorageGetOutcome
+    | AgentsUpdateOutcome | AgentsDeleteOutcome | StorageGetOutcome | ObserverEmitOutcome
 )

@@ -1,0 +1,118 @@
+"""observer.emit: each frame becomes a NIP-AO telemetry event, encrypted to the owner, queued.
+
+On the relay (NIP-AO "Event Structure"): kind 24200 signed by the agent, tags
+`["p", owner]`, `["agent", agent]`, `["frame", "telemetry"]` (and the agent's NIP-OA `auth`
+tag, which custody adds to every event it signs), content = NIP-44 v2 ciphertext to the
+owner of the frame's `ObserverEvent`, which the host builds (NIP-AO "Decrypted Payload"):
+
+    {"seq":N,"timestamp":"2026-12-01T21:00:41.500Z","kind":<frame kind>,
+     "channelId":<the session's channel or null>,"payload":<the frame's payload>}
+
+- `seq`: daemon/state/observer_seq.py, monotonic per agent across requests and restarts.
+- `timestamp`: RFC 3339 UTC with milliseconds, one reading of the clock per request.
+- `channelId`: the credential's channel when it is bound to exactly one; null otherwise
+  (NIP-AO allows null: a credential over several channels names no one session channel).
+- `payload`: the frame's payload spliced in byte for byte when it is one JSON text
+  (RFC 8259: what the stdlib reader accepts, less NaN and the infinities); otherwise it is
+  carried as a JSON string holding it exactly (NIP-BA calls the payload an opaque string;
+  NIP-AO wants JSON there, and a string is the one JSON value that keeps every byte).
+  The host never reads a payload for meaning (NIP-BA: not routing, not authority).
+
+Steps, and what each costs: one `take` of seq numbers (a commit per 4,096 frames), one
+custody hop that encrypts every frame under one unseal, one signing hop, then the queue's
+`hold` (daemon/pipeline/observer.py), which admits each event that fits its credential's
+share. `accepted` counts the admitted events. A frame whose ObserverEvent exceeds
+`MAX_WRAPPED_BYTES` is not encrypted and not counted; neither is one the queue has no room
+for. When the share is already full nothing is unsealed: `accepted` is 0.
+
+The plaintexts are secrets (an observer payload): they exist only in this function's
+locals and custody's call, are never logged, and never reach the ledger (the stored
+verdict is the count) or the queue (which holds ciphertext).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from typing import Final
+
+from buzzwire.contract import ObserverEmitArgs, ObserverEmitOutcome, Verdict
+from buzzwire.nostr import SignedEvent
+from daemon.operations._base import Context
+from daemon.operations._events import sign_all
+from daemon.pipeline.observer import KIND_OBSERVER_FRAME
+
+__all__ = ["prepare", "observer_event", "is_json_text", "MAX_WRAPPED_BYTES", "ACTION"]
+
+ACTION: Final = "observer.emit"
+#: The largest ObserverEvent this host encrypts, in UTF-8 bytes: NIP-44 v2's plaintext cap,
+#: which NIP-AO repeats ("Decrypted payload MUST NOT exceed 65,535 bytes"). rust-nostr
+#: (Buzz's SDK) will not *write* above 65,408 but reads up to 65,535, so an owner's client
+#: opens every frame this host sends (tests/e2e/test_observer.py decrypts one of 65,535
+#: bytes with nostr-sdk). A frame whose ObserverEvent is larger is not counted.
+MAX_WRAPPED_BYTES: Final = 65_535
+
+
+class _NotJson(Exception):
+    pass
+
+
+def _no_constant(_name: str) -> object:
+    raise _NotJson
+
+
+def is_json_text(text: str) -> bool:
+    """True when `text` is one RFC 8259 JSON text (surrounding whitespace allowed)."""
+    try:
+        json.loads(text, parse_constant=_no_constant)
+    except (ValueError, _NotJson, RecursionError):
+        # RecursionError: nesting deeper than the stdlib reader goes. Carried as a string
+        # then, like any payload this host cannot vouch for.
+        return False
+    return True
+
+
+def observer_event(*, seq: int, timestamp: str, kind: str, payload: str,
+                   channel_id: str | None) -> str:
+    """The ObserverEvent plaintext of one frame (module docstring)."""
+    head = json.dumps({"seq": seq, "timestamp": timestamp, "kind": kind,
+                       "channelId": channel_id}, ensure_ascii=False, separators=(",", ":"))
+    body = payload if is_json_text(payload) else json.dumps(payload, ensure_ascii=False)
+    return f'{head[:-1]},"payload":{body}}}'
+
+
+def rfc3339_millis(seconds: float) -> str:
+    """`2026-12-01T21:00:41.500Z`: NIP-AO's timestamp, UTC with sub-second precision."""
+    moment = datetime.fromtimestamp(seconds, tz=timezone.utc)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+
+
+async def prepare(ctx: Context, args: ObserverEmitArgs) -> Verdict:
+    intake = ctx.observer
+    assert intake is not None, "the daemon wires an observer intake"  # daemon/wiring.py
+    agent = ctx.principal.agent
+    credential = ctx.principal.credential_id
+    if intake.queue.room(credential) == 0:
+        # The share is full: no frame could be admitted, so nothing is unsealed or signed.
+        return Verdict.succeeded(ACTION, ObserverEmitOutcome(accepted=0))
+    record = ctx.custody.agent(agent)
+    assert record is not None, "authentication checked the agent is live"
+    seqs = await intake.seq.take(agent, len(args.frames))
+    stamp = rfc3339_millis(intake.clock())
+    channel = next(iter(ctx.principal.channels)) if len(ctx.principal.channels) == 1 else None
+    plaintexts = [
+        observer_event(seq=seq, timestamp=stamp, kind=frame.kind, payload=frame.payload,
+                       channel_id=channel).encode("utf-8")
+        for seq, frame in zip(seqs, args.frames)
+    ]
+    fits = [len(p) <= MAX_WRAPPED_BYTES for p in plaintexts]
+    ciphertexts = iter(await ctx.custody.encrypt_to_owner(
+        agent, tuple(p for p, ok in zip(plaintexts, fits) if ok)))
+    del plaintexts
+    tags = (("p", record.owner), ("agent", agent), ("frame", "telemetry"))
+    now = ctx.now()
+    signed = iter(await sign_all(ctx, [(agent, KIND_OBSERVER_FRAME, tags, next(ciphertexts), now)
+                                       for _ in range(sum(fits))]))
+    events: list[SignedEvent | None] = [next(signed) if ok else None for ok in fits]
+    admitted = intake.queue.hold((agent, ctx.request_id), credential, agent, events)
+    return Verdict.succeeded(ACTION, ObserverEmitOutcome(accepted=sum(admitted)))

@@ -1,0 +1,257 @@
+"""The observer queue: signed kind 24200 events taken in by observer.emit, paced to the relay.
+
+Theory of operation (NIP-BA "Live signals"; issue 23 item 3):
+
+- observer.emit's `accepted` is intake for best-effort publication, not relay delivery. The
+  operation hands this queue events that are already encrypted to the owner and signed
+  (the queue never holds a plaintext), and the queue admits each one that fits.
+- Bounded by configuration, never by what a client sends ([observer]): every event is
+  counted by the bytes of its relay frame; all queued events together stay within
+  `max_queued_bytes`, and one credential's within `max_queued_bytes_per_credential` (its
+  *share*). A frame that does not fit is not admitted, and the operation does not count it.
+  A flood from one credential fills its own share and nothing else, so another
+  credential's frames still get in (the total is sized for many full shares). An event
+  larger than the relay takes (`max_event_bytes`, of its JSON) is not admitted either: it
+  could only be refused there.
+- Held until recorded: a request's admitted events are *held* under (agent, requestId) and
+  the pacer does not see them until the pipeline has recorded the verdict and calls
+  `settle(keep=True)`. A verdict that turned into failed + internal (no audit record), a
+  fault or a cancellation settles with `keep=False` and the events are dropped: NIP-BA's
+  `failed` promises no effects, and a crash before the record leaves nothing published, so
+  the retry that then runs afresh cannot put the same frames on the relay twice. A replay
+  never reaches the operation, so it never enqueues again.
+- Paced and fair: `run` hands at most `publish_per_second` events a second to the relay,
+  at most `max_in_flight` awaiting their OK at once, taking one event per credential in
+  turn (round robin), so a credential with a deep queue waits its turn like the others.
+- Best effort after intake: a relay refusal, no OK or no connection drops the event (one
+  operator log line, no content, and a metric); nothing is retried. NIP-BA allows it:
+  "Drops after intake remain possible." A daemon that stops drops what is queued.
+
+Resource handling: `run` is a background task owned by the nursery in daemon/wiring.py
+(the daemon's serve); it spawns its publications into a nursery of its own, so they end
+with it.
+
+WARNING: `settle` must follow every `hold` (the broker does it in a `finally`); a held
+batch never settled would stay counted against its credential's share.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import trio
+
+from buzzwire.nostr import SignedEvent
+from daemon.config import ObserverConfig
+from daemon.log import log_event
+from daemon.relay.pool import Accepted, PublishResult
+from daemon.relay.protocol import encode_event
+from daemon.state.observer_seq import ObserverSeq
+
+__all__ = ["ObserverQueue", "ObserverIntake", "HoldKey", "KIND_OBSERVER_FRAME"]
+
+_log = logging.getLogger("buzz_broker.observer")
+
+#: NIP-AO: the Agent Observer Frame, an ephemeral kind (relays do not persist it).
+KIND_OBSERVER_FRAME: Final = 24200
+
+#: (agent, requestId): the ledger's key for the request whose events are held.
+HoldKey = tuple[str, str]
+
+Publish = Callable[[str, SignedEvent], Awaitable[PublishResult]]
+
+#: `["EVENT",` and `]` around the event's JSON in its relay frame.
+_FRAME_OVERHEAD: Final = len('["EVENT",]')
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    credential_id: str
+    agent: str
+    event: SignedEvent
+    size: int
+
+
+@dataclass(slots=True)
+class _Counts:
+    """What the queue did, for tests and the metrics (never contents)."""
+
+    admitted: int = 0
+    refused: int = 0
+    dropped_unsettled: int = 0
+    published: int = 0
+    failed: int = 0
+
+
+@dataclass(slots=True)
+class _Share:
+    ready: deque[_Item] = field(default_factory=deque)
+    bytes: int = 0
+
+
+class ObserverQueue:
+    """The bounded, per-credential, paced queue of kind 24200 events (module docstring)."""
+
+    def __init__(self, config: ObserverConfig, publish: Publish) -> None:
+        self._config = config
+        self._publish = publish
+        self._shares: dict[str, _Share] = {}
+        self._held: dict[HoldKey, list[_Item]] = {}
+        self._turns: deque[str] = deque()  # credentials with ready events, in turn order
+        self._total = 0
+        self._wake = trio.Event()
+        self.counts = _Counts()
+
+    # ------------------------------------------------------------------ intake
+
+    def room(self, credential_id: str) -> int:
+        """Bytes this credential could still queue now (its share, within the total)."""
+        share = self._shares.get(credential_id)
+        used = share.bytes if share is not None else 0
+        return max(0, min(self._config.max_queued_bytes_per_credential - used,
+                          self._config.max_queued_bytes - self._total))
+
+    def hold(self, key: HoldKey, credential_id: str, agent: str,
+             events: Sequence[SignedEvent | None]) -> tuple[bool, ...]:
+        """Admit each event that fits, held under `key` until `settle`.
+
+        Args:
+            key: (agent, requestId) of the request handing the events in.
+            credential_id: whose share the events count against.
+            agent: the author, whose relay connection publishes them.
+            events: in frame order; None stands for a frame the operation already could
+                not turn into an event (it is not admitted, and keeps its place).
+
+        Returns:
+            Per event, whether it was admitted.
+
+        Raises:
+            ValueError: `key` already holds events (our bug: the ledger lets one request
+              with a key run at a time).
+        """
+        if key in self._held:
+            raise ValueError("a request's events are already held")
+        share = self._shares.setdefault(credential_id, _Share())
+        admitted: list[bool] = []
+        held: list[_Item] = []
+        for event in events:
+            if event is None:
+                admitted.append(False)
+                continue
+            size = len(encode_event(event).encode("utf-8"))
+            fits = (size - _FRAME_OVERHEAD <= self._config.max_event_bytes
+                    and share.bytes + size <= self._config.max_queued_bytes_per_credential
+                    and self._total + size <= self._config.max_queued_bytes)
+            admitted.append(fits)
+            if fits:
+                held.append(_Item(credential_id, agent, event, size))
+                share.bytes += size
+                self._total += size
+        self.counts.admitted += len(held)
+        self.counts.refused += len(admitted) - len(held)
+        self._held[key] = held
+        if not share.bytes and not share.ready:
+            self._shares.pop(credential_id, None)
+        return tuple(admitted)
+
+    def settle(self, key: HoldKey, *, keep: bool) -> None:
+        """Release `key`'s held events to the pacer (`keep`), or drop them. Idempotent."""
+        held = self._held.pop(key, None)
+        if not held:
+            return
+        if not keep:
+            for item in held:
+                self._release(item)
+            self.counts.dropped_unsettled += len(held)
+            return
+        credential_id = held[0].credential_id
+        share = self._shares[credential_id]
+        if not share.ready:
+            self._turns.append(credential_id)
+        share.ready.extend(held)
+        self._wake.set()
+
+    # ------------------------------------------------------------------ accounting
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes of every event held or waiting, all credentials together."""
+        return self._total
+
+    def queued_bytes_of(self, credential_id: str) -> int:
+        """Bytes of one credential's events held or waiting (its share in use)."""
+        share = self._shares.get(credential_id)
+        return share.bytes if share is not None else 0
+
+    def _release(self, item: _Item) -> None:
+        share = self._shares[item.credential_id]
+        share.bytes -= item.size
+        self._total -= item.size
+        if not share.bytes and not share.ready:
+            del self._shares[item.credential_id]
+
+    def _next(self) -> _Item | None:
+        """The next event in round-robin order over the credentials with events ready."""
+        while self._turns:
+            credential_id = self._turns.popleft()
+            share = self._shares.get(credential_id)
+            if share is None or not share.ready:
+                continue
+            item = share.ready.popleft()
+            if share.ready:
+                self._turns.append(credential_id)
+            return item
+        return None
+
+    # ------------------------------------------------------------------ the pacer
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Publish admitted events until cancelled; `started()` once `hold` may be used."""
+        interval = 1.0 / self._config.publish_per_second
+        in_flight = trio.CapacityLimiter(self._config.max_in_flight)
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                item = self._next()
+                if item is None:
+                    self._wake = trio.Event()
+                    await self._wake.wait()
+                    continue
+                await in_flight.acquire_on_behalf_of(item)
+                nursery.start_soon(self._send, item, in_flight)
+                await trio.sleep(interval)
+
+    async def _send(self, item: _Item, in_flight: trio.CapacityLimiter) -> None:
+        try:
+            result = await self._publish(item.agent, item.event)
+        except Exception as exc:  # noqa: BLE001 - one event lost, never the pacer
+            log_event(_log, "observer.publish_fault", level=logging.ERROR, agent=item.agent,
+                      event_id=item.event.id, error=type(exc).__name__)
+            self.counts.failed += 1
+        else:
+            if isinstance(result, Accepted):
+                self.counts.published += 1
+            else:
+                # The relay's reason is operator text; the event's content is ciphertext,
+                # and is not logged either.
+                log_event(_log, "observer.dropped", level=logging.WARNING, agent=item.agent,
+                          event_id=item.event.id, result=type(result).__name__.lower(),
+                          reason=getattr(result, "reason", "")[:200])
+                self.counts.failed += 1
+        finally:
+            self._release(item)
+            in_flight.release_on_behalf_of(item)
+
+
+@dataclass(frozen=True, slots=True)
+class ObserverIntake:
+    """What observer.emit is handed (`Context.observer`): the queue, the `seq` store and
+    the wall clock its `timestamp`s are read from (injectable: tests fix the time)."""
+
+    queue: ObserverQueue
+    seq: ObserverSeq
+    clock: Callable[[], float]

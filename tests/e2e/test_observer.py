@@ -1,0 +1,319 @@
+"""observer.emit and liveness.ping end to end: the real daemon, the SoftHSM token, LocalRelay.
+
+What is proven here (docs/protocol.md, "observer.emit" and "liveness.ping"):
+- each accepted frame reaches the relay as a kind 24200 event signed by the agent, with one
+  `p` = the owner, `agent`, `frame` = telemetry, whose content nostr-sdk decrypts with the
+  owner's key into the host-built ObserverEvent (seq, timestamp, kind, channelId, payload);
+- the 65,535-byte NIP-44 bound on the wrapped plaintext, at the byte;
+- a replay answers the recorded count and enqueues nothing again;
+- a flood from one credential stays within its share of the queue, and another
+  credential's frames still get through to the relay;
+- liveness.ping is `unsupported` for valid arguments, `invalid_request` for invalid ones,
+  `unauthorized` outside the credential's channel.
+
+Ephemeral events are not stored by a relay, so the owner's side is a live nostr-sdk
+subscription (tests/fixtures/observer.py), proven live before anything is sent.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import coincurve
+import nostr_sdk
+import pytest
+import trio
+
+from custody import TokenConfig
+from daemon.config import load_config
+from daemon.http import HttpLimits, action_routes, serve
+from daemon.operations.observer_emit import observer_event
+from daemon.wiring import running
+from tests.docs.snippets import REPO, blocks
+from tests.fixtures.broker import BrokerHarness, raw_post, request_body, write_config
+from tests.fixtures.observer import OwnerWatch, decrypt
+from tests.fixtures.relay import TestKey, nostr_verify
+
+CHANNEL = "5df7dfa8-e919-43df-8efd-f1dcb8af7071"
+
+
+async def owned_agent(harness: BrokerHarness, owner: TestKey, name: str) -> str:
+    secret = bytearray(coincurve.PrivateKey().secret.hex().encode("ascii"))
+    return await harness.hold(secret, owner=owner.pubkey, name=name)
+
+
+def emit(frames: list[tuple[str, str]], request_id: str | None = None) -> bytes:
+    return request_body("observer.emit", {"frames": [{"kind": k, "payload": p} for k, p in frames]},
+                        request_id=request_id)
+
+
+def tags_of(event: dict[str, Any], name: str) -> list[list[str]]:
+    return [t for t in event["tags"] if t and t[0] == name]
+
+
+_RFC3339_MILLIS = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
+
+
+async def test_each_frame_reaches_the_relay_as_24200_the_owner_decrypts(broker: BrokerHarness) -> None:
+    owner = TestKey()
+    agent = await owned_agent(broker, owner, "watched")
+    credential = broker.credential(agent, [CHANNEL])
+    acp = '{"jsonrpc":"2.0","method":"session/update","params":{"n":[1,2.5,"é"]}}'
+    frames = [("acp_read", acp), ("turn_started", "plain text, not JSON"),
+              ("acp_write", ' {"spaced": true}\n'), ("odd", "NaN")]
+    async with OwnerWatch(broker.relay_url, owner, want=len(frames)) as watch:
+        status, envelope = await broker.post(emit(frames), credential)
+        assert status == 200 and envelope is not None
+        assert envelope["status"] == "succeeded", envelope
+        assert envelope["outcome"] == {"accepted": len(frames)}
+        events = await watch.collected()
+    assert len(events) == len(frames)
+    opened = []
+    for event in events:
+        assert event["kind"] == 24200 and event["pubkey"] == agent
+        assert nostr_verify(event)
+        assert tags_of(event, "p") == [["p", owner.pubkey]]
+        assert tags_of(event, "agent") == [["agent", agent]]
+        assert tags_of(event, "frame") == [["frame", "telemetry"]]
+        opened.append(decrypt(owner, event))
+    opened.sort(key=lambda o: o["seq"])
+    seqs = [o["seq"] for o in opened]
+    assert seqs == list(range(seqs[0], seqs[0] + len(frames)))
+    for o, (kind, payload) in zip(opened, frames):
+        assert o["kind"] == kind and o["channelId"] == CHANNEL
+        assert _RFC3339_MILLIS.fullmatch(o["timestamp"])
+    # JSON payloads are spliced in (so they parse as the value); others travel as a string.
+    assert opened[0]["payload"] == json.loads(acp)
+    assert opened[1]["payload"] == "plain text, not JSON"
+    assert opened[2]["payload"] == {"spaced": True}
+    assert opened[3]["payload"] == "NaN"  # not RFC 8259 JSON
+
+
+async def test_payload_is_spliced_byte_for_byte(broker: BrokerHarness) -> None:
+    owner = TestKey()
+    agent = await owned_agent(broker, owner, "verbatim")
+    credential = broker.credential(agent, [CHANNEL])
+    acp = '{"b":1,  "a":[1.0,1e3]}'
+    async with OwnerWatch(broker.relay_url, owner, want=1) as watch:
+        await broker.call(credential, "observer.emit", {"frames": [{"kind": "k", "payload": acp}]})
+        [event] = await watch.collected()
+    plain = nostr_sdk.nip44_decrypt(nostr_sdk.SecretKey.parse(owner.secret_hex),
+                                    nostr_sdk.PublicKey.parse(agent), event["content"])
+    assert plain.endswith(f',"payload":{acp}}}')
+
+
+def _fill(target: int) -> int:
+    """The payload length (of x's) that makes a new agent's first ObserverEvent `target` bytes.
+
+    A new agent's first two seq numbers are 1 and 2: the same width, the same overhead."""
+    overhead = len(observer_event(seq=1, timestamp="2026-12-01T21:00:41.500Z", kind="k",
+                                  payload="", channel_id=CHANNEL).encode())
+    return target - overhead
+
+
+#: NIP-44 pads a plaintext of 32,769..65,536 bytes to a multiple of 8,192: up to 40,960 the
+#: kind 24200 event stays within the 65,536 bytes of JSON the relay takes; from 40,961 it
+#: is padded to 49,152 and its base64 content alone is 65,628 characters.
+_LARGEST_ON_THIS_RELAY = 40_960
+
+
+async def test_the_largest_frame_the_relay_takes_arrives_and_one_byte_more_is_not_counted(
+        broker: BrokerHarness) -> None:
+    owner = TestKey()
+    agent = await owned_agent(broker, owner, "big")
+    credential = broker.credential(agent, [CHANNEL])
+    fill = _fill(_LARGEST_ON_THIS_RELAY)
+    async with OwnerWatch(broker.relay_url, owner, want=1) as watch:
+        fits = await broker.call(credential, "observer.emit",
+                                 {"frames": [{"kind": "k", "payload": "x" * fill}]})
+        assert fits["outcome"] == {"accepted": 1}
+        [event] = await watch.collected()
+    opened = decrypt(owner, event)
+    assert opened["payload"] == "x" * fill and opened["seq"] == 1
+    assert len(json.dumps(opened, separators=(",", ":")).encode()) == _LARGEST_ON_THIS_RELAY
+    too_big = await broker.call(credential, "observer.emit",
+                                {"frames": [{"kind": "k", "payload": "x" * (fill + 1)}]})
+    assert too_big["status"] == "succeeded" and too_big["outcome"] == {"accepted": 0}
+
+
+async def test_the_wrapped_plaintext_holds_at_65535_bytes_and_not_one_more(
+        custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path) -> None:
+    # A relay taking larger events (max_event_bytes raised): now NIP-44's own cap binds.
+    # This relay refuses such events, so what is shown is intake; nostr-sdk reading a
+    # 65,535-byte plaintext is tests/custody/test_nip44.py's.
+    async with observer_daemon(custody_state, local_relay, tmp_path,
+                               {"max_event_bytes": 200_000}) as harness:
+        owner = TestKey()
+        agent = await owned_agent(harness, owner, "biggest")
+        credential = harness.credential(agent, [CHANNEL])
+        fill = _fill(65_535)
+        fits = await harness.call(credential, "observer.emit",
+                                  {"frames": [{"kind": "k", "payload": "x" * fill}]})
+        assert fits["outcome"] == {"accepted": 1}
+        over = await harness.call(credential, "observer.emit",
+                                  {"frames": [{"kind": "k", "payload": "x" * (fill + 1)}]})
+        assert over["status"] == "succeeded" and over["outcome"] == {"accepted": 0}
+
+
+async def test_a_replay_answers_the_count_and_enqueues_nothing(broker: BrokerHarness) -> None:
+    owner = TestKey()
+    agent = await owned_agent(broker, owner, "replayed")
+    credential = broker.credential(agent, [CHANNEL])
+    body = emit([("k", "one"), ("k", "two")], request_id="obs-replay-1")
+    queue = broker.app._observer.queue  # type: ignore[union-attr]
+    status, first = await broker.post(body, credential)
+    admitted = queue.counts.admitted
+    status, again = await broker.post(body, credential)
+    assert again is not None and again.get("replayed") is True
+    assert again["outcome"] == first["outcome"] == {"accepted": 2}  # type: ignore[index]
+    assert queue.counts.admitted == admitted
+    other = await broker.post(emit([("k", "one")], request_id="obs-replay-1"), credential)
+    assert other[1] is not None and other[1]["error"]["code"] == "request_id_conflict"
+
+
+async def test_channel_id_is_null_when_the_credential_names_several(broker: BrokerHarness) -> None:
+    owner = TestKey()
+    agent = await owned_agent(broker, owner, "several")
+    credential = broker.credential(agent, [CHANNEL, str(uuid.uuid4())])
+    async with OwnerWatch(broker.relay_url, owner, want=1) as watch:
+        await broker.call(credential, "observer.emit", {"frames": [{"kind": "k", "payload": "p"}]})
+        [event] = await watch.collected()
+    assert decrypt(owner, event)["channelId"] is None
+
+
+# ------------------------------------------------------------------ a flood, and fairness
+
+#: The smallest share the configuration allows, and a total of two shares.
+_SHARE = 65_536
+
+
+@asynccontextmanager
+async def observer_daemon(custody_state: tuple[TokenConfig, Path], relay_url: str,
+                          tmp_path: Path, observer: dict[str, object]
+                          ) -> AsyncIterator[BrokerHarness]:
+    """The daemon as the `broker` fixture runs it, with these [observer] settings."""
+    token, state_dir = custody_state
+    socket = tmp_path / "broker.sock"
+    config_path = write_config(tmp_path / "broker.toml", token=token, state_dir=state_dir,
+                               socket=socket, relay_url=relay_url,
+                               sections={"observer": observer})
+    config = load_config(str(config_path))
+    async with running(config) as app:
+        async with trio.open_nursery() as inner:
+            control = await inner.start(serve, action_routes(app), str(socket),
+                                        HttpLimits(request_timeout=10.0, shutdown_grace=5.0))
+            yield BrokerHarness(socket=socket, config=config, config_path=config_path,
+                                state_dir=state_dir, relay_url=relay_url, app=app,
+                                control=control, custody=app.custody, _sessions=app.sessions)
+            inner.cancel_scope.cancel()
+
+
+@pytest.fixture
+async def small_queue(custody_state: tuple[TokenConfig, Path], local_relay: str,
+                      tmp_path: Path) -> AsyncIterator[BrokerHarness]:
+    async with observer_daemon(custody_state, local_relay, tmp_path,
+                               {"max_queued_bytes": 2 * _SHARE,
+                                "max_queued_bytes_per_credential": _SHARE,
+                                "publish_per_second": 20}) as harness:
+        yield harness
+
+
+async def test_a_flood_stays_in_its_share_and_others_still_get_through(small_queue: BrokerHarness) -> None:
+    harness = small_queue
+    queue = harness.app._observer.queue  # type: ignore[union-attr]
+    flooder_owner, quiet_owner = TestKey(), TestKey()
+    flooder = await owned_agent(harness, flooder_owner, "flooder")
+    quiet = await owned_agent(harness, quiet_owner, "quiet")
+    flood_cred = harness.credential(flooder, [CHANNEL])
+    quiet_cred = harness.credential(quiet, [CHANNEL])
+    flood_id = harness.app.sessions.authenticate(f"Bearer {flood_cred}", None, int(time.time())).credential_id  # type: ignore[union-attr]
+    sent = accepted = 0
+    for _ in range(4):
+        frames = [("acp_read", "f" * 200)] * 256
+        envelope = await harness.call(flood_cred, "observer.emit",
+                                      {"frames": [{"kind": k, "payload": p} for k, p in frames]})
+        assert envelope["status"] == "succeeded", envelope
+        sent += len(frames)
+        accepted += envelope["outcome"]["accepted"]
+        # The bound holds after every request, whatever was sent.
+        assert queue.queued_bytes_of(flood_id) <= _SHARE
+        assert queue.queued_bytes <= 2 * _SHARE
+    assert 0 < accepted < sent
+    async with OwnerWatch(harness.relay_url, quiet_owner, want=3) as watch:
+        envelope = await harness.call(quiet_cred, "observer.emit", {"frames": [
+            {"kind": "turn_started", "payload": f"quiet {i}"} for i in range(3)]})
+        assert envelope["outcome"] == {"accepted": 3}
+        events = await watch.collected()
+    assert sorted(decrypt(quiet_owner, e)["payload"] for e in events) == [
+        "quiet 0", "quiet 1", "quiet 2"]
+
+
+# ------------------------------------------------------------------ liveness.ping
+
+
+async def test_liveness_ping_is_unsupported_after_strict_validation(broker: BrokerHarness) -> None:
+    agent = await broker.human_owned_agent("pinger")
+    credential = broker.credential(agent, [CHANNEL])
+    body = request_body("liveness.ping", {"channelId": CHANNEL, "turnId": "turn-1"},
+                        request_id="ping-1")
+    status, answer = await broker.post(body, credential)
+    assert status == 200 and answer is not None
+    assert answer["status"] == "failed" and answer["error"]["code"] == "unsupported"
+    status, again = await broker.post(body, credential)
+    assert again is not None and again["error"]["code"] == "unsupported"
+    for args in ({"channelId": CHANNEL, "turnId": ""}, {"channelId": CHANNEL, "turnId": "t" * 301},
+                 {"channelId": CHANNEL}, {"channelId": "nope", "turnId": "t"},
+                 {"channelId": CHANNEL, "turnId": 1}):
+        refused = await broker.call(credential, "liveness.ping", args)
+        assert refused["error"]["code"] == "invalid_request", args
+    elsewhere = await broker.call(credential, "liveness.ping",
+                                  {"channelId": str(uuid.uuid4()), "turnId": "t"})
+    assert elsewhere["error"]["code"] == "unauthorized"
+
+
+# ------------------------------------------------------------------ docs/protocol.md's examples
+
+
+@pytest.mark.parametrize("action", ["observer.emit", "liveness.ping"])
+async def test_the_protocol_doc_examples_get_the_documented_answers(broker: BrokerHarness,
+                                                                     action: str) -> None:
+    examples = {label: text.strip() for lang, label, text in blocks(REPO / "docs" / "protocol.md")
+                if lang == "json" and label in (f"request-{action}", f"response-{action}")}
+    request = json.loads(examples[f"request-{action}"])
+    owner = TestKey()
+    agent = await owned_agent(broker, owner, "documented")
+    channel = request["args"].get("channelId", CHANNEL)
+    credential = broker.credential(agent, [channel])
+    status, raw = await raw_post(broker.socket, examples[f"request-{action}"].encode(), credential)
+    assert status == 200
+    assert raw.decode() == examples[f"response-{action}"]
+
+
+async def test_an_intake_verdict_is_kept_as_long_as_an_effect_not_as_briefly_as_a_read(
+        broker: BrokerHarness) -> None:
+    # A read's page is kept `read_retention` (15 min); observer.emit had an effect (its
+    # intake), so its verdict is kept the whole `ledger_retention`: a late replay must find
+    # it and never queue the frames again.
+    import sqlite3
+
+    from daemon.state.ledger import request_key
+
+    agent = await broker.human_owned_agent("kept")
+    credential = broker.credential(agent, [CHANNEL])
+    before = int(time.time())
+    await broker.post(emit([("k", "kept")], request_id="obs-kept-1"), credential)
+    conn = sqlite3.connect(str(broker.state_dir / "ledger.db"))
+    try:
+        [(expires,)] = conn.execute(
+            "SELECT e.expires FROM entries AS e JOIN principals AS p ON p.id = e.pid"
+            " WHERE p.principal = ? AND e.rid = ?", (agent, request_key("obs-kept-1"))).fetchall()
+    finally:
+        conn.close()
+    assert expires >= before + broker.config.state.ledger_retention_seconds

@@ -1,0 +1,165 @@
+"""The observer queue (daemon/pipeline/observer.py) and the seq store
+(daemon/state/observer_seq.py), on their own: bounds, shares, hold/settle, fairness, and
+seq numbers that never repeat across a restart.
+
+The queue's relay is a recording function here: what is tested is the queue's own
+accounting and order, which no relay can show (the relay-facing behaviour is
+tests/e2e/test_observer.py's, on LocalRelay).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from buzzwire.nostr import SignedEvent
+from daemon.config import ObserverConfig
+from daemon.pipeline.observer import ObserverQueue
+from daemon.relay.pool import Accepted, PublishResult, Rejected
+from daemon.relay.protocol import encode_event
+from daemon.state.observer_seq import BLOCK, ObserverSeq
+from tests.fixtures.relay import TestKey, signed
+
+AGENT = TestKey()
+
+
+def event(content: str = "x" * 100) -> SignedEvent:
+    return signed(AGENT.sign(24200, content, [["p", AGENT.pubkey]]))
+
+
+SIZE = len(encode_event(event()).encode())
+
+
+def config(*, total: int, share: int, rate: int = 1000, in_flight: int = 4,
+           event_bytes: int = 65_536) -> ObserverConfig:
+    return ObserverConfig(max_queued_bytes=total, max_queued_bytes_per_credential=share,
+                          publish_per_second=rate, max_in_flight=in_flight,
+                          max_event_bytes=event_bytes)
+
+
+class Relay:
+    def __init__(self, answer: PublishResult = Accepted(duplicate=False, message="")) -> None:
+        self.sent: list[tuple[str, str]] = []  # (agent, content)
+        self.answer = answer
+
+    async def publish(self, agent: str, ev: SignedEvent) -> PublishResult:
+        self.sent.append((agent, ev.content))
+        return self.answer
+
+
+def test_each_event_that_fits_its_share_is_admitted_and_the_rest_are_not() -> None:
+    queue = ObserverQueue(config(total=100 * SIZE, share=3 * SIZE), Relay().publish)
+    admitted = queue.hold(("a", "r1"), "cred-a", "a", [event()] * 5)
+    assert admitted == (True, True, True, False, False)
+    assert queue.queued_bytes_of("cred-a") == 3 * SIZE == queue.queued_bytes
+    assert queue.room("cred-a") == 0
+    # Another credential has its own share.
+    assert queue.hold(("b", "r1"), "cred-b", "b", [event()] * 2) == (True, True)
+
+
+def test_the_total_binds_across_credentials() -> None:
+    queue = ObserverQueue(config(total=4 * SIZE, share=3 * SIZE), Relay().publish)
+    assert sum(queue.hold(("a", "r"), "cred-a", "a", [event()] * 3)) == 3
+    assert sum(queue.hold(("b", "r"), "cred-b", "b", [event()] * 3)) == 1
+    assert queue.queued_bytes <= 4 * SIZE
+
+
+def test_none_and_oversized_events_keep_their_place_and_are_not_admitted() -> None:
+    queue = ObserverQueue(config(total=10**6, share=10**6, event_bytes=SIZE + 100),
+                          Relay().publish)
+    big = event("y" * 400)
+    assert queue.hold(("a", "r"), "c", "a", [event(), None, big, event()]) == (
+        True, False, False, True)
+
+
+def test_a_held_batch_is_released_or_dropped_by_settle() -> None:
+    queue = ObserverQueue(config(total=10**6, share=10**6), Relay().publish)
+    queue.hold(("a", "r1"), "c", "a", [event()] * 2)
+    queue.settle(("a", "r1"), keep=False)
+    assert queue.queued_bytes == 0 and queue.counts.dropped_unsettled == 2
+    assert queue._next() is None  # nothing for the pacer
+    queue.settle(("a", "r1"), keep=True)  # idempotent: nothing left to settle
+    assert queue._next() is None
+    with pytest.raises(ValueError):
+        queue.hold(("a", "r2"), "c", "a", [event()])
+        queue.hold(("a", "r2"), "c", "a", [event()])
+
+
+async def test_held_events_never_reach_the_relay_until_settled() -> None:
+    relay = Relay()
+    queue = ObserverQueue(config(total=10**6, share=10**6), relay.publish)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        queue.hold(("a", "r1"), "c", "a", [event("held")])
+        await trio.testing.wait_all_tasks_blocked()
+        assert relay.sent == []
+        queue.settle(("a", "r1"), keep=True)
+        while not relay.sent:
+            await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert relay.sent == [("a", "held")]
+    assert queue.queued_bytes == 0
+
+
+async def test_credentials_take_turns(autojump_clock: trio.testing.MockClock) -> None:
+    relay = Relay()
+    queue = ObserverQueue(config(total=10**6, share=10**6, rate=10, in_flight=1), relay.publish)
+    queue.hold(("a", "r"), "flood", "a", [event(f"a{i}") for i in range(50)])
+    queue.settle(("a", "r"), keep=True)
+    queue.hold(("b", "r"), "quiet", "b", [event(f"b{i}") for i in range(2)])
+    queue.settle(("b", "r"), keep=True)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        while len(relay.sent) < 6:
+            await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    # The quiet credential's two events go out within the first rounds, not after 50.
+    assert [c for _, c in relay.sent[:4]] == ["a0", "b0", "a1", "b1"]
+
+
+async def test_a_refused_event_is_dropped_and_its_bytes_freed() -> None:
+    relay = Relay(Rejected(reason="blocked: too many"))
+    queue = ObserverQueue(config(total=10**6, share=10**6), relay.publish)
+    queue.hold(("a", "r"), "c", "a", [event()])
+    queue.settle(("a", "r"), keep=True)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        while not queue.counts.failed:
+            await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert queue.queued_bytes == 0 and queue.counts.published == 0
+
+
+# ------------------------------------------------------------------ seq numbers
+
+
+async def test_seq_is_monotonic_across_requests_and_restarts(tmp_path: Path) -> None:
+    store = ObserverSeq.open(tmp_path)
+    first = await store.take("a", 3)
+    second = await store.take("a", 2)
+    other = await store.take("b", 1)
+    assert list(first) == [1, 2, 3] and list(second) == [4, 5] and list(other) == [1]
+    store.close()
+    again = ObserverSeq.open(tmp_path)  # a restart: the reserved block is skipped
+    after = await again.take("a", 1)
+    assert after.start > second.stop - 1 and after.start <= second.stop + BLOCK
+    more = await again.take("a", BLOCK + 5)  # past the block: a new ceiling is committed
+    assert more.start == after.stop
+    again.close()
+    last = ObserverSeq.open(tmp_path)
+    assert (await last.take("a", 1)).start >= more.stop
+    last.close()
+
+
+async def test_seq_numbers_are_committed_before_they_are_handed_out(tmp_path: Path) -> None:
+    store = ObserverSeq.open(tmp_path)
+    taken = await store.take("a", 10)
+    # Read by another connection, as after a crash: the ceiling already covers them.
+    row = sqlite3.connect(str(tmp_path / "observer_seq.db")).execute(
+        "SELECT ceiling FROM observer_seq WHERE agent = 'a'").fetchone()
+    assert row[0] >= taken.stop
+    store.close()
