@@ -6,6 +6,8 @@ Modules, one job each:
   _codes      ErrorCode, Status, the PAIRING table, MESSAGES, ContractError
   _limits     every limit, named, with its source
   _ids        identities (channel UUIDs, 64-hex, secp256k1 x-only pubkeys) and scalar checkers
+  _text       White_Space trimming, the characters names may not hold, and `printable`, the
+              one escape for showing agent text to an operator
   _shapes     table-driven strict objects (read, re-check in construction, write)
   _args       the nine argument shapes
   _outcomes   the outcome shapes and the seven-member Event
@@ -38,6 +40,7 @@ from ._limits import (
     MAX_PICTURE_CHARS, MAX_REACTION_CHARS, MAX_REQUEST_ID_BYTES, MAX_SCALAR_CHARS,
     MAX_SLUG_BYTES, MAX_SYSTEM_PROMPT_CHARS, MIN_JSON_INT, MIN_LIMIT, PROTOCOL_VERSION,
 )
+from ._text import WHITE_SPACE, printable, printable_json, scrub_line, trim
 from ._outcomes import (
     AgentsCreateOutcome, AgentsDeleteOutcome, AgentsUpdateOutcome, Event, Outcome,
     PublishOutcome, ReadOutcome, StorageAddressOutcome,
@@ -59,6 +62,8 @@ __all__ = [
     "AgentsUpdateOutcome", "AgentsDeleteOutcome",
     # identities
     "normalize_channel_id", "normalize_hex64", "is_valid_pubkey", "is_request_id",
+    # text
+    "WHITE_SPACE", "trim", "scrub_line", "printable", "printable_json",
     # limits
     "PROTOCOL_VERSION", "ACTION_VERSION", "MAX_REQUEST_ID_BYTES", "MAX_CURSOR_BYTES",
     "MAX_CONTENT_BYTES", "MAX_MENTIONS", "MIN_LIMIT", "MAX_LIMIT", "DEFAULT_LIMIT",
