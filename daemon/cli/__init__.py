@@ -21,6 +21,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from buzzwire.contract import printable
 from daemon.cli._common import CliError, config_from_args, refuse_foreign_state
 
 __all__ = ["main", "CliError", "COMMANDS", "STATE_COMMANDS"]
@@ -93,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args._run(args)
         return code
     except CliError as exc:
-        print(f"buzz-broker: {exc}", file=sys.stderr)
+        # A fault line may quote a name or a relay's words: escaped like every output of them.
+        print(f"buzz-broker: {printable(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130

@@ -40,7 +40,7 @@ from ._limits import (
     MAX_PICTURE_CHARS, MAX_REACTION_CHARS, MAX_REQUEST_ID_BYTES, MAX_SCALAR_CHARS,
     MAX_SLUG_BYTES, MAX_SYSTEM_PROMPT_CHARS, MIN_JSON_INT, MIN_LIMIT, PROTOCOL_VERSION,
 )
-from ._text import WHITE_SPACE, printable, printable_json, scrub_line, trim
+from ._text import WHITE_SPACE, printable, printable_json, printable_json_text, scrub_line, trim
 from ._outcomes import (
     AgentsCreateOutcome, AgentsDeleteOutcome, AgentsUpdateOutcome, Event, Outcome,
     PublishOutcome, ReadOutcome, StorageAddressOutcome,
@@ -63,7 +63,7 @@ __all__ = [
     # identities
     "normalize_channel_id", "normalize_hex64", "is_valid_pubkey", "is_request_id",
     # text
-    "WHITE_SPACE", "trim", "scrub_line", "printable", "printable_json",
+    "WHITE_SPACE", "trim", "scrub_line", "printable", "printable_json", "printable_json_text",
     # limits
     "PROTOCOL_VERSION", "ACTION_VERSION", "MAX_REQUEST_ID_BYTES", "MAX_CURSOR_BYTES",
     "MAX_CONTENT_BYTES", "MAX_MENTIONS", "MIN_LIMIT", "MAX_LIMIT", "DEFAULT_LIMIT",

@@ -23,7 +23,8 @@ Rules (NIP-BA "Wire and normalization"; docs/protocol.md "Text an operator reads
   separators, the bidi controls and lone surrogates) becomes `\\xNN` or `\\uNNNN`, and a
   backslash is doubled so the escape cannot be forged. `printable_json` is the same escape
   inside JSON text: `json.dumps` escapes C0 already, the rest become `\\uNNNN`, which keeps
-  the document valid and its value unchanged.
+  the document valid and its value unchanged (`printable_json_text` does the same to JSON
+  text already written, such as a daemon's response).
 
 WARNING: the three character sets are one fact each; docs/protocol.md lists them in words.
 """
@@ -37,7 +38,7 @@ from collections.abc import Callable
 from typing import Final
 
 __all__ = ["WHITE_SPACE", "TextKind", "trim", "is_blank", "refused_in", "scrub_line",
-           "printable", "printable_json"]
+           "printable", "printable_json", "printable_json_text"]
 
 #: Unicode's White_Space property (PropList.txt), all 25 code points: TAB, LF, VT, FF, CR,
 #: space, NEL, NBSP, OGHAM SPACE MARK, U+2000-200A, LINE and PARAGRAPH SEPARATOR, NNBSP,
@@ -128,7 +129,13 @@ def printable_json(value: object, *, compact: bool = False,
         TypeError: `value` holds something JSON cannot carry and `default` is None.
     """
     separators = (",", ":") if compact else None
-    text = json.dumps(value, ensure_ascii=False, separators=separators, default=default)
-    # json.dumps has written every C0 control, quote and backslash as an escape, so a
-    # backslash left in `text` starts an escape and the characters replaced here stand alone.
+    return printable_json_text(
+        json.dumps(value, ensure_ascii=False, separators=separators, default=default))
+
+
+def printable_json_text(text: str) -> str:
+    """Valid JSON text (a daemon's response, a log line) with every `_ESCAPED` character
+    written as `\\uNNNN`: the same JSON value, safe to write to a terminal."""
+    # Valid JSON holds no raw C0 control, and every backslash in it starts an escape, so
+    # the characters replaced here stand alone and the result is still valid JSON.
     return _ESCAPED.sub(_escape_json, text)
