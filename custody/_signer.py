@@ -43,6 +43,11 @@ OWNER_TAG_CONDITIONS = ""
 
 OwnerTag = tuple[str, str, str, str]
 
+#: `owner_tag_fault`'s answer for a tag with conditions (restore keeps its own words for
+#: the other faults, so it tells this one apart).
+CONDITIONS_FAULT = ('auth tag has NIP-OA conditions; this host puts the tag on every kind it '
+                    'signs and cannot honour them, so only conditions "" (as Buzz) are accepted')
+
 
 
 def owner_tag_fault(tag: Sequence[object], *, agent: str, owner: str) -> str | None:
@@ -56,8 +61,7 @@ def owner_tag_fault(tag: Sequence[object], *, agent: str, owner: str) -> str | N
     if tag[1] != owner:
         return "auth tag names another owner than the agent's"
     if tag[2] != OWNER_TAG_CONDITIONS:
-        return ('auth tag has NIP-OA conditions; this host puts the tag on every kind it '
-                'signs and cannot honour them, so only conditions "" (as Buzz) are accepted')
+        return CONDITIONS_FAULT
     if not verify_owner_tag([str(item) for item in tag], agent):
         return "auth tag does not verify for this agent and owner"
     return None
