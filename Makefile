@@ -17,7 +17,7 @@ APT_PACKAGES := softhsm2 opensc systemd curl node-typescript systemd-container d
 TOKEN_PACKAGES := swtpm swtpm-tools tpm2-tools tpm2-abrmd libtss2-tcti-tabrmd0 libtpm2-pkcs11-1 libtpm2-pkcs11-tools opencryptoki p11-kit p11-kit-modules dbus util-linux
 APT_PACKAGES += $(TOKEN_PACKAGES) age
 
-.PHONY: all run test test-tokens deps venv lint bench clean
+.PHONY: all run stop test test-tokens deps venv lint bench clean
 
 all: test
 
@@ -59,6 +59,10 @@ lint: venv
 
 run: venv
 	$(PY) -m tests.demo
+
+# Ends the demo `make run` started (its daemon and relay with it), from any shell.
+stop:
+	@$(PY) -m tests.demo --stop
 
 # Each benchmark prints its figures beside a baseline from the same run. load.py, e2e.py and
 # startup.py take options (see --help); _harness.py and null_relay.py are not benchmarks.

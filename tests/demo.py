@@ -1,19 +1,28 @@
 """`make run`: the broker doing its real job on this machine, in one command. Development only.
 
     python -m tests.demo [--run-dir run] [--no-wait]
+    python -m tests.demo --stop [--run-dir run]        (`make stop`)
 
-Under ./run/ (kept between runs, so a second `make run` reuses the token and the agent):
+Under ./run/ (kept between runs, so a second `make run` reuses the token, the agent and
+its credential):
   softhsm/        a SoftHSM2 token made by softhsm/make-token (PINs in 0600 files, never shown)
   broker.toml     the daemon's configuration, pointing at the token and the relay below
   state/          keystore, credentials, ledger (0700)
   agent.pub       the demo agent's public key
-  credential      the demo agent's bearer credential (0600; the printed command reads it)
+  credential      the demo agent's bearer credential (0600), reused while it is active
+  credential.id   its id (not a secret: what `credential list` and `revoke` name)
+  auth-header     `Authorization: Bearer …` for curl's `-H @file` (0600): the credential
+                  never goes on a command line, where other users could read it
   channel         the demo channel id
+  env             exports for the CLI, the agent client and the token (0600): paths only,
+                  never the credential or the PIN; `source run/env`
+  demo.lock, demo.pid   held by the running demo: a second one refuses, `--stop` ends it
   broker.log      the daemon's log, one JSON line per event
 
 It starts nostr-sdk's LocalRelay (the DEVELOPMENT relay, NIP-42 AUTH required, loopback
 only) and `buzz-broker serve` in the foreground, prints a `curl --unix-socket` command that
-posts a message, runs it, shows the answer, and then waits until Ctrl-C stops both.
+posts a message, runs it, shows the answer, and then watches both until Ctrl-C, `make
+stop`, or one of them dies (which it says, stopping the other).
 
 The demo owner is a random public key whose secret is thrown away at once: in production
 an agent's owner is a human whose key this host never holds.
@@ -22,6 +31,9 @@ an agent's owner is a human whose key this host never holds.
 from __future__ import annotations
 
 import argparse
+import fcntl
+import io
+import json
 import os
 import secrets
 import shlex
@@ -32,6 +44,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import NoReturn
 
 import coincurve
 
@@ -39,6 +52,11 @@ REPO = Path(__file__).resolve().parent.parent
 #: How long the relay and the daemon get to come up before the demo gives up.
 STARTUP_SECONDS = 30.0
 TOKEN_LABEL = "buzz-broker-demo"
+#: A credential with less left than this is replaced rather than handed out again.
+CREDENTIAL_MARGIN_SECONDS = 3600
+LOCK_FILE, PID_FILE = "demo.lock", "demo.pid"
+#: How often the running demo checks that its relay and daemon are still alive.
+WATCH_SECONDS = 0.5
 
 
 class DemoError(Exception):
@@ -50,11 +68,84 @@ def _bin(name: str) -> str:
     return str(candidate) if candidate.exists() else name
 
 
-def _run(argv: list[str], env: dict[str, str], stdin: str | None = None) -> str:
-    done = subprocess.run(argv, env=env, input=stdin, capture_output=True, text=True)
+def _run_both(argv: list[str], env: dict[str, str]) -> tuple[str, str]:
+    done = subprocess.run(argv, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise DemoError(f"{' '.join(argv[:4])} ...: {done.stderr.strip().splitlines()[-1:]}")
-    return done.stdout.strip()
+    return done.stdout.strip(), done.stderr.strip()
+
+
+def _run(argv: list[str], env: dict[str, str]) -> str:
+    return _run_both(argv, env)[0]
+
+
+def _private_file(path: Path, text: str) -> None:
+    """Write `text` to `path`, readable by its owner only from the first byte on."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _hold_the_demo(run_dir: Path) -> int:
+    """Take the run directory for this demo, or say which demo already has it.
+
+    An flock, not a pid file alone: the kernel lets it go when the holder dies however it
+    died, so a stale pid file never blocks a new demo.
+    """
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        pid = _demo_pid(run_dir)
+        raise DemoError(
+            f"a demo already runs in {run_dir}" + (f" (pid {pid})" if pid else "")
+            + f": `source {run_dir / 'env'}` to use it, `make stop` to end it") from None
+    _private_file(run_dir / PID_FILE, f"{os.getpid()}\n")
+    return fd
+
+
+def _demo_pid(run_dir: Path) -> int | None:
+    try:
+        text = (run_dir / PID_FILE).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _demo_running(run_dir: Path) -> bool:
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops a lock this probe itself took
+    return False
+
+
+def stop(run_dir: Path) -> int:
+    """`make stop`: end the demo running in `run_dir` (its relay and daemon with it)."""
+    pid = _demo_pid(run_dir)
+    if not _demo_running(run_dir) or pid is None:
+        print(f"make stop: no demo runs in {run_dir}")
+        return 0
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STARTUP_SECONDS
+    while _demo_running(run_dir):
+        if time.monotonic() > deadline:
+            print(f"make stop: the demo (pid {pid}) did not stop within "
+                  f"{STARTUP_SECONDS:.0f} s", file=sys.stderr)
+            return 1
+        time.sleep(0.1)
+    print(f"make stop: stopped the demo (pid {pid}), its daemon and its relay")
+    return 0
 
 
 def _free_port() -> int:
@@ -101,6 +192,65 @@ def _demo_agent(run_dir: Path, cli: list[str], env: dict[str, str]) -> str:
     return pubkey
 
 
+def _demo_credential(run_dir: Path, cli: list[str], env: dict[str, str], agent: str,
+                     channel: str) -> Path:
+    """The demo agent's one credential: the one from the last run while it is active and
+    not about to expire, else a new one (and the old one revoked). Returns the header file.
+    """
+    cred_file, id_file, header = (run_dir / "credential", run_dir / "credential.id",
+                                  run_dir / "auth-header")
+    old = id_file.read_text().strip() if id_file.exists() else None
+    if old is not None and cred_file.exists():
+        for line in _run([*cli, "credential", "list", "--json"], env).splitlines():
+            info = json.loads(line)
+            left = (info["expiresAt"] or float("inf")) - time.time()
+            if info["id"] == old and info["state"] == "active" and left > CREDENTIAL_MARGIN_SECONDS:
+                if not header.exists():
+                    _private_file(header, f"Authorization: Bearer {cred_file.read_text().strip()}\n")
+                return header
+    credential, said = _run_both(
+        [*cli, "credential", "issue", "--agent", agent, "--channel", channel, "--all-actions",
+         "--ttl", "1d", "--uid", str(os.getuid()), "--label", "make run demo"], env)
+    issued = said.split("issued ", 1)[1].split()[0] if "issued " in said else None
+    if issued is None:
+        raise DemoError("credential issue did not say the new credential's id")
+    _private_file(cred_file, credential + "\n")
+    _private_file(header, f"Authorization: Bearer {credential}\n")
+    del credential
+    id_file.write_text(issued + "\n")
+    if old is not None:
+        # The last run's credential, replaced: revoked, not left live beside the new one.
+        subprocess.run([*cli, "credential", "revoke", old], env=env, capture_output=True)
+    return header
+
+
+def _write_env(run_dir: Path, token: dict[str, str], config: Path) -> Path:
+    """`run/env`: what a fresh shell needs to reach the demo. Paths only, never a secret."""
+    env_file = run_dir / "env"
+    exports = {
+        "BUZZ_BROKER_CONFIG": str(config),
+        "SOFTHSM2_CONF": token["SOFTHSM2_CONF"],
+        "BUZZ_BROKER_SOCKET": str(run_dir / "broker.sock"),
+        "BUZZ_BROKER_CREDENTIAL_FILE": str(run_dir / "credential"),
+    }
+    lines = ["# The demo's environment, written by `make run`: source it in a shell.\n"]
+    lines += [f"export {name}={shlex.quote(value)}\n" for name, value in exports.items()]
+    lines.append(f"export PATH={shlex.quote(str(Path(sys.executable).parent))}:\"$PATH\"\n")
+    _private_file(env_file, "".join(lines))
+    return env_file
+
+
+def _watch(relay: subprocess.Popen[str], daemon: subprocess.Popen[bytes], log: Path) -> NoReturn:
+    """Return only by Ctrl-C or SIGTERM; a relay or daemon that dies is said, not hidden."""
+    while True:
+        if (code := relay.poll()) is not None:
+            raise DemoError(f"the development relay exited (status {code}); stopping the daemon")
+        if (code := daemon.poll()) is not None:
+            raise DemoError(f"buzz-broker serve exited (status {code}; see {log}); "
+                            "stopping the relay")
+        time.sleep(WATCH_SECONDS)
+
+
 def _wait_for_socket(path: Path, process: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + STARTUP_SECONDS
     while time.monotonic() < deadline:
@@ -117,9 +267,20 @@ def main() -> int:
     parser.add_argument("--run-dir", default="run")
     parser.add_argument("--no-wait", action="store_true",
                         help="stop after the first request instead of waiting for Ctrl-C")
+    parser.add_argument("--stop", action="store_true", help="end the demo running there")
     args = parser.parse_args()
+    # Line by line even into a pipe: whoever watches the demo sees each step as it happens.
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)
     run_dir = Path(args.run_dir).resolve()
+    if args.stop:
+        return stop(run_dir)
     run_dir.mkdir(mode=0o700, exist_ok=True)
+    try:
+        _hold_the_demo(run_dir)  # held until this process exits
+    except DemoError as exc:
+        print(f"make run: {exc}", file=sys.stderr)
+        return 1
 
     token = _make_token(run_dir)
     env = dict(os.environ, SOFTHSM2_CONF=token["SOFTHSM2_CONF"])
@@ -136,7 +297,8 @@ def main() -> int:
         relay_url = relay.stdout.readline().strip()
         if not relay_url.startswith("ws://"):
             raise DemoError("the development relay did not start")
-        print(f"development relay (nostr-sdk LocalRelay, NIP-42 AUTH): {relay_url}")
+        print(f"development relay (nostr-sdk LocalRelay, NIP-42 AUTH): {relay_url} "
+              f"(pid {relay.pid})")
 
         config = _write_config(run_dir, token, relay_url)
         cli = [_bin("buzz-broker"), "--config", str(config)]
@@ -146,13 +308,8 @@ def main() -> int:
         if not channel_file.exists():
             channel_file.write_text(str(uuid.uuid4()) + "\n")
         channel = channel_file.read_text().strip()
-        credential = _run([*cli, "credential", "issue", "--agent", agent, "--channel", channel,
-                           "--all-actions", "--ttl", "1d", "--uid", str(os.getuid())], env)
-        cred_file = run_dir / "credential"
-        cred_file.touch(mode=0o600)
-        os.chmod(cred_file, 0o600)
-        cred_file.write_text(credential + "\n")
-        del credential
+        header = _demo_credential(run_dir, cli, env, agent, channel)
+        env_file = _write_env(run_dir, token, config)
         print(f"demo agent {agent} in channel {channel}")
 
         socket_path = run_dir / "broker.sock"
@@ -169,7 +326,7 @@ def main() -> int:
                 f'"args":{{"channelId":"{channel}","content":"hello from a keyless agent"}}}}')
         command = (
             f"curl -sS --unix-socket {shlex.quote(str(socket_path))} "
-            "-H \"Authorization: Bearer $(cat " + shlex.quote(str(cred_file)) + ")\" "
+            f"-H @{shlex.quote(str(header))} "
             "-H 'Content-Type: application/json' "
             f"-d {shlex.quote(body)} http://broker/v1/action"
         )
@@ -179,11 +336,14 @@ def main() -> int:
         print(f"answer: {answer.stdout.strip() or answer.stderr.strip()}")
         if '"status":"succeeded"' not in answer.stdout:
             raise DemoError("the first request did not succeed")
+        print(f"\nTo use the demo from another shell (the CLI, the agent client, the token):\n"
+              f"  source {shlex.quote(str(env_file))}\n"
+              f"  buzz-broker status")
         if args.no_wait:
             return 0
-        print("\nThe broker and the development relay are running. Ctrl-C stops both.")
-        while True:
-            time.sleep(3600)
+        print("\nThe broker and the development relay are running. "
+              "Ctrl-C or `make stop` stops both.", flush=True)
+        _watch(relay, daemon, log_path)
     except DemoError as exc:
         print(f"make run: {exc}", file=sys.stderr)
         return 1

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
 import sys
 from collections.abc import Sequence
 
@@ -45,6 +47,8 @@ STATE_COMMANDS = frozenset({"serve", "keys", "agent", "credential", "audit", "st
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 70  # EX_SOFTWARE
+#: 128 + SIGPIPE: what a shell reports for a command whose reader went away (`| head`).
+EXIT_CLOSED_PIPE = 141
 
 
 def _selected(argv: Sequence[str]) -> str | None:
@@ -62,6 +66,16 @@ def _selected(argv: Sequence[str]) -> str | None:
     return None
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's), or say it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("buzz-broker")
+    except PackageNotFoundError:
+        return "(not installed: run from a source tree)"
+
+
 def _parser(selected: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="buzz-broker",
@@ -73,6 +87,7 @@ def _parser(selected: str | None) -> argparse.ArgumentParser:
         help="TOML configuration file (default: $BUZZ_BROKER_CONFIG, else "
         "/etc/buzz-broker/broker.toml if it exists, else built-in defaults)",
     )
+    parser.add_argument("--version", action="version", version=f"buzz-broker {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module_name, help_text) in COMMANDS.items():
@@ -84,6 +99,33 @@ def _parser(selected: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def _stdout_reader_gone() -> bool:
+    """Is standard output a pipe (or socket) whose reading end has closed?
+
+    Asked of the descriptor itself (poll reports POLLERR on a pipe with no reader), so a
+    broken pipe elsewhere, such as the broker's socket under `call`, is not mistaken for
+    `buzz-broker audit show | head` having read enough.
+    """
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), 0)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
+def _quiet_closed_pipe() -> int:
+    """End as a pipeline expects when its reader left: nothing on stderr, exit 141.
+
+    Standard output is pointed at /dev/null first, so the interpreter's own flush at exit
+    does not raise (and print) a second BrokenPipeError.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_CLOSED_PIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     parser = _parser(_selected(arguments))
@@ -92,14 +134,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in STATE_COMMANDS:
             refuse_foreign_state(config_from_args(args))
         code: int = args._run(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handlers below
         return code
+    # A reader that went away (`| head`) ends the output quietly, whatever the command was
+    # doing with the write that found it: some commands wrap their reads and writes in one
+    # OSError handler, so the fault can arrive as a CliError as well as a BrokenPipeError.
     except CliError as exc:
+        if _stdout_reader_gone():
+            return _quiet_closed_pipe()
         # A fault line may quote a name or a relay's words: escaped like every output of them.
         print(f"buzz-broker: {printable(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - the last line of defence against tracebacks
+        if _stdout_reader_gone():
+            return _quiet_closed_pipe()
         # Only the type name: the text of an unexpected exception may carry secret material.
         print(
             f"buzz-broker: internal error ({type(exc).__name__}); see the daemon log",

@@ -1,15 +1,19 @@
 """`buzz-broker audit verify|show|reanchor`: check the audit chain, read it, re-anchor it.
 
 Rules:
-- `verify [PATH] [--head HASH]` checks the hash chain of an audit directory or of one
-  file. It prints `ok N records; head H` and exits 0, or prints the first broken record
+- `verify [PATH] [--head SEQ:HASH | --ends-at HASH]` checks the hash chain of an audit
+  directory or of one file. It prints `ok N records; head SEQ:HASH` and exits 0, or prints
+  the first broken record
   (`broken: FILE line N: reason`) and exits `EXIT_BROKEN`. Without PATH it checks the
   configured `<state.dir>/audit`, then the key-event log `<state.dir>/key-events` against
   its anchor `key-events.head` (daemon/state/key_events.py) when either exists, each line
   prefixed `audit log: ` or `key-event log: `; it exits `EXIT_BROKEN` if either is broken.
   A plain `key-events.jsonl` from an earlier version is noted, never read as a chain.
-  `--head` is a head hash remembered from the operator log (`audit.head`; with PATH, any
-  log's printed head): a log that no longer ends there was cut short. Without PATH the
+  `--head SEQ:HASH` is a head remembered from the operator log (`audit.head`'s seq and
+  head) or an earlier `verify`: the log must still hold record SEQ with that hash, and the
+  whole chain verifies from the start through it and on to the end (a log that has only
+  grown passes). `--ends-at HASH` is stricter: the log must end at that hash, nothing added
+  since. Either applies to the audit log (or PATH), not the key-event log. Without PATH the
   audit log must also reach the anchor the state database holds
   (`<state>/ledger.db`); a missing log with an anchor is broken too. `--archived`: the
   oldest files were moved away (docs/operations.md, "Retention and archiving").
@@ -59,8 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check = sub.add_parser("verify", help="check the hash chain; print the first broken record")
     check.add_argument("path", nargs="?", metavar="PATH",
                        help="audit directory or one audit file (default: <state>/audit)")
-    check.add_argument("--head", metavar="HASH",
-                       help="the head hash the log must still end at (from audit.head)")
+    remembered = check.add_mutually_exclusive_group()
+    remembered.add_argument("--head", metavar="SEQ:HASH", type=_seq_and_hash,
+                            help="a head remembered from before (audit.head's seq and head, or "
+                                 "an earlier verify's): the log must still hold it and chain "
+                                 "from it")
+    remembered.add_argument("--ends-at", metavar="HASH", type=_hash,
+                            help="the head hash the log must still end at (nothing added since)")
     check.add_argument("--archived", action="store_true",
                        help="the oldest files were archived: start at the first file present")
     check.set_defaults(_audit=_verify)
@@ -129,13 +138,27 @@ def _state_anchor(args: argparse.Namespace) -> tuple[Path, tuple[int, str] | Non
         raise CliError(f"cannot read the anchor in {state / LEDGER_FILENAME}: {exc}") from None
 
 
+def _hash(text: str) -> str:
+    if not _HEX64_RE.fullmatch(text):
+        raise argparse.ArgumentTypeError("expected a 64-hex sha256")
+    return text.lower()
+
+
+def _seq_and_hash(text: str) -> tuple[int, str]:
+    """`SEQ:HASH` as `verify` prints a head and `audit.head` logs one (seq=, head=)."""
+    seq, colon, digest = text.partition(":")
+    if not colon or not seq.isascii() or not seq.isdigit() or not _HEX64_RE.fullmatch(digest):
+        raise argparse.ArgumentTypeError(
+            "expected SEQ:HASH (a record number and its 64-hex sha256, as `verify` prints "
+            "the head); for a bare hash the log must end at, use --ends-at")
+    return int(seq), digest.lower()
+
+
 def _verify(args: argparse.Namespace) -> int:
     """PATH: that one log, unlabelled. Else the audit log and the key-event log, labelled."""
-    if args.head is not None and not _HEX64_RE.fullmatch(args.head):
-        raise CliError("--head: expected a 64-hex sha256")
     if args.path is not None:
         return _verify_one(_audit_dir(args, args.path), label="", anchor=None, head=args.head,
-                           archived=args.archived)
+                           ends_at=args.ends_at, archived=args.archived)
     from daemon.state.key_events import HEAD_FILE, KEY_EVENTS_DIRNAME, LEGACY_FILE
 
     path, anchor = _state_anchor(args)
@@ -150,7 +173,7 @@ def _verify(args: argparse.Namespace) -> int:
         code = 0
     else:
         code = _verify_one(_audit_dir(args, str(path)), label="audit log: ", anchor=anchor,
-                           head=args.head, archived=args.archived)
+                           head=args.head, ends_at=args.ends_at, archived=args.archived)
     code = max(code, _verify_key_events(path.parent))
     legacy = path.parent / LEGACY_FILE
     if legacy.exists():
@@ -181,11 +204,12 @@ def _verify_key_events(state: Path) -> int:
         print(f"key-event log: broken: {keys} is not a directory")
         return EXIT_BROKEN
     # Never archived: key events are few; the chain is checked from its first record.
-    return _verify_one(keys, label="key-event log: ", anchor=anchor, head=None, archived=False)
+    return _verify_one(keys, label="key-event log: ", anchor=anchor, head=None, ends_at=None,
+                       archived=False)
 
 
-def _verify_one(path: Path, *, label: str, anchor: tuple[int, str] | None, head: str | None,
-                archived: bool) -> int:
+def _verify_one(path: Path, *, label: str, anchor: tuple[int, str] | None,
+                head: tuple[int, str] | None, ends_at: str | None, archived: bool) -> int:
     """Verify one chain directory (or file); print its lines, prefixed with `label`."""
     from daemon.state.audit import verify
 
@@ -193,14 +217,16 @@ def _verify_one(path: Path, *, label: str, anchor: tuple[int, str] | None, head:
         print(f"{label}broken: {path} is not a directory of audit files")
         return EXIT_BROKEN
     try:
-        result = verify(path, expect_head=head.lower() if head else None,
-                        anchor=anchor, archived=archived)
+        result = verify(path, expect_head=ends_at, anchor=anchor, contains=head,
+                        archived=archived)
     except OSError as exc:
         raise CliError(f"cannot read {path}: {exc.strerror}") from None
     if result.ok:
-        print(f"{label}ok {result.records} records; head {result.head}")
+        print(f"{label}ok {result.records} records; head {result.seq}:{result.head}")
         if anchor is not None:
             print(f"{label}reaches the anchored record {anchor[0]}")
+        if head is not None:
+            print(f"{label}holds the head given (record {head[0]}) and chains on from it")
         if result.torn_tail:
             print(f"{label}note: the last file ends in a partial line (a crash mid-write; it "
                   "was never acknowledged and the next writer drops it when it opens the log)")

@@ -26,7 +26,7 @@ Exit codes (the only way a script should branch):
       listening, no permission on the socket
 2     usage: bad --args JSON, or arguments the contract rejects (nothing sent)
 3     failed — the host promises nothing happened
-4     unsupported on a best-effort operation (reaction.add) — carry on
+4     unsupported on a best-effort operation (reaction.add, live signals) — carry on
 5     indeterminate — fate unknown; retry with the same --request-id and --args
 6     no answer — fate unknown; retry with the same --request-id and --args
 ====  =================================================================
@@ -98,14 +98,21 @@ def run(args: argparse.Namespace) -> int:
         Unsupported,
     )
     from buzz_broker_client._env import resolve_credential
-    from buzzwire.contract import ContractError, printable, printable_json, printable_json_text
+    from buzzwire.contract import (
+        ContractError, JsonSyntaxError, parse_json, printable, printable_json, printable_json_text,
+    )
 
+    # The wire's own strict reader: a member given twice, a null or a lone surrogate is
+    # refused here as the host would refuse it, never settled by json.loads's last-wins.
     try:
-        call_args = json.loads(args.call_args)
-    except json.JSONDecodeError as exc:
-        raise CliError(f"--args is not valid JSON: {exc.msg} at column {exc.colno}", EXIT_USAGE) from None
+        call_args, fault = parse_json(args.call_args.encode("utf-8", "surrogatepass"))
+    except JsonSyntaxError as exc:
+        raise CliError(f"--args is not valid JSON: {exc}", EXIT_USAGE) from None
     if not isinstance(call_args, dict):
         raise CliError("--args must be a JSON object", EXIT_USAGE)
+    if fault is not None:
+        pointer, detail = fault
+        raise CliError(f"--args at {pointer or '/'}: {detail}", EXIT_USAGE)
 
     address = args.socket or os.environ.get(SOCKET_ENV, "").strip() or config_from_args(args).server.socket
     try:

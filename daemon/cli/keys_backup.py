@@ -54,7 +54,7 @@ from daemon.cli._key_trail import KeyTrail, clip, recorded
 from daemon.state.audit import KeyAction
 
 if TYPE_CHECKING:
-    from custody import RestoreResult, TokenConfig
+    from custody import RestoreResult
     from daemon.config import Config
 
 #: Answers that confirm a restore at the prompt.
@@ -78,17 +78,6 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                    help="the age identity file (AGE-SECRET-KEY-1…) the backup was made for")
     p.add_argument("backup", metavar="BACKUP", type=Path)
     p.add_argument("--yes", action="store_true", help="restore without asking")
-
-
-def _token(config: Config) -> TokenConfig:
-    from custody import TokenConfig
-
-    return TokenConfig(
-        module=config.pkcs11.module,
-        token_label=config.pkcs11.token_label,
-        pin_file=config.pkcs11.pin_file,
-        kek_label=config.pkcs11.kek_label,
-    )
 
 
 def _recipients(texts: list[str]) -> tuple[str, ...]:
@@ -144,7 +133,7 @@ def _write_backup(config: Config, recipients: tuple[str, ...], out: Path,
     done = False
     try:
         async def main() -> tuple[bytes, tuple[str, ...]]:
-            async with await Custody.open(_token(config), Path(config.state.dir)) as custody:
+            async with await Custody.open(config.pkcs11.token(), Path(config.state.dir)) as custody:
                 exported = await export_backup(custody, recipients, _public_entries(config))
                 return exported.ciphertext, exported.agents
 
@@ -270,7 +259,7 @@ def _restore_keys(args: argparse.Namespace, config: Config, ciphertext: bytes,
         finally:
             identity[:] = bytes(len(identity))
         with contents:
-            async with await Custody.open(_token(config), Path(config.state.dir)) as custody:
+            async with await Custody.open(config.pkcs11.token(), Path(config.state.dir)) as custody:
                 plan = restore_plan(custody, contents)
                 held = set(plan.already_held)
                 for record in contents.records:

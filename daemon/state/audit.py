@@ -252,6 +252,9 @@ class AuditRecord:
         code: the verdict's error code, or None.
         events: event ids (64 hex): about to be published (INTENT) or published (VERDICT).
         replayed: the verdict was a replay from the ledger (nothing ran again).
+        d_tag: 64 lowercase hex, the NIP-AE record a memory action (storage.*) touched,
+            or None. The slug is never recorded: NIP-AE keeps it out of the clear, and the
+            line member `dTag` is present only when this is set.
     """
 
     phase: Phase
@@ -265,9 +268,13 @@ class AuditRecord:
     code: ErrorCode | None
     events: tuple[str, ...] = ()
     replayed: bool = False
+    d_tag: str | None = None
 
     def __post_init__(self) -> None:
         # Local errors (our bug): the pipeline builds records from values it has checked.
+        if self.d_tag is not None and (not isinstance(self.d_tag, str)
+                                       or not _HEX64.fullmatch(self.d_tag)):
+            raise ValueError("AuditRecord.d_tag must be 64 lowercase hex or None")
         if not isinstance(self.phase, Phase):
             raise TypeError("AuditRecord.phase must be a Phase")
         if self.phase not in (Phase.INTENT, Phase.VERDICT):
@@ -304,7 +311,7 @@ class AuditRecord:
         Raises:
             ValueError: a field is missing, extra or malformed (message names the field).
         """
-        if set(obj) != _FIELDS:
+        if set(obj) != _FIELDS and set(obj) != _FIELDS | {"dTag"}:
             raise ValueError("fields")
         if obj["v"] != FORMAT:
             raise ValueError("v")
@@ -330,6 +337,7 @@ class AuditRecord:
                 code=code,
                 events=tuple(events),
                 replayed=_member(obj, "replayed", bool),
+                d_tag=_member(obj, "dTag", str) if "dTag" in obj else None,
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(str(exc)) from None
@@ -717,6 +725,8 @@ def _content(entry: Entry) -> dict[str, object]:
         "code": None if entry.code is None else entry.code.value,
         "events": list(entry.events),
         "replayed": entry.replayed,
+        # Only on memory actions' lines, so every other line keeps its member set.
+        **({"dTag": entry.d_tag} if entry.d_tag is not None else {}),
     }
 
 
@@ -793,6 +803,8 @@ class VerifyResult:
     ok: every record checked out (and the head matched, when one was expected).
     records: how many records were checked before stopping.
     head: sha256 of the last good line (GENESIS when there is none).
+    seq: the `seq` of that line (0 when there is none): with `head`, the pair an operator
+        remembers and gives back as `contains`.
     file, line, reason: the first bad record (1-based line), or None when ok.
     torn_tail: the last file ends in a partial line without a newline (a crash mid-write;
         never acknowledged, dropped by the daemon's next open). Does not make ok False.
@@ -801,6 +813,7 @@ class VerifyResult:
     ok: bool
     records: int
     head: str
+    seq: int = 0
     file: str | None = None
     line: int | None = None
     reason: str | None = None
@@ -808,7 +821,8 @@ class VerifyResult:
 
 
 def verify(path: Path | str, *, expect_head: str | None = None,
-           anchor: tuple[int, str] | None = None, archived: bool = False) -> VerifyResult:
+           anchor: tuple[int, str] | None = None, contains: tuple[int, str] | None = None,
+           archived: bool = False) -> VerifyResult:
     """Check the chain of an audit directory, or of one audit file.
 
     A directory is checked whole: files numbered 1, 2, ... without a gap, the first
@@ -822,6 +836,10 @@ def verify(path: Path | str, *, expect_head: str | None = None,
             a log whose last good line hashes to something else fails (tail removed).
         anchor: (seq, hash) the log must reach (the state database's anchor): record
             `seq` must hash to `hash`. The log may go on past it.
+        contains: (seq, hash) an operator remembered (an `audit.head` line, or an earlier
+            `verify`): checked as `anchor` is, with its own words. This is a transparency
+            log's consistency check: the log still holds that head, everything after it
+            chains from it, and the whole chain before it verifies from the start.
         archived: the oldest files were moved to an archive (docs/operations.md): the
             directory may start at any number, and its first record's `prev` is taken as
             given. The files present must still be consecutive.
@@ -845,7 +863,15 @@ def verify(path: Path | str, *, expect_head: str | None = None,
         files = [(int(match.group(1)) if match else 0, path)]
         anchored = match is not None and int(match.group(1)) == 1
 
+    # Records the chain must reach with a given hash, and what each is called in a fault.
+    reached: list[tuple[tuple[int, str], str]] = []
+    if anchor is not None:
+        reached.append((anchor, "the anchored head"))
+    if contains is not None:
+        reached.append((contains, "the head given"))
     records, head, seq = 0, GENESIS, 0
+    # Where checking starts: (0, GENESIS) for a whole log, else the first link present.
+    start: tuple[int, str] = (0, GENESIS)
     torn = False
     for position, (_number, file) in enumerate(files):
         last_file = position == len(files) - 1
@@ -865,6 +891,7 @@ def verify(path: Path | str, *, expect_head: str | None = None,
                 if records == 0 and not anchored:
                     # An unanchored single file: trust its first link, check the rest.
                     head, seq = str(obj["prev"]), _member(obj, "seq", int) - 1
+                    start = (seq, head)
                 if obj["prev"] != head:
                     return VerifyResult(
                         ok=False, records=records, head=head, file=str(file), line=lineno,
@@ -879,27 +906,37 @@ def verify(path: Path | str, *, expect_head: str | None = None,
                 seq += 1
                 records += 1
                 head = _sha256(line)
-                if anchor is not None and seq == anchor[0] and head != anchor[1]:
-                    return VerifyResult(
-                        ok=False, records=records, head=head, file=str(file), line=lineno,
-                        reason=f"record {seq} is not the anchored head (the log was "
-                               "rewritten from here, or replaced)",
-                    )
-    if anchor is not None and seq < anchor[0]:
-        return VerifyResult(
-            ok=False, records=records, head=head, file=None, line=None,
-            reason=f"the log ends at record {seq} but the anchored head is record "
-                   f"{anchor[0]} (records were cut from the end, or a file was deleted)",
-            torn_tail=torn,
-        )
+                for (at, expected), what in reached:
+                    if seq == at and head != expected:
+                        return VerifyResult(
+                            ok=False, records=records, head=head, seq=seq, file=str(file),
+                            line=lineno, reason=f"record {seq} is not {what} (the log was "
+                                                "rewritten from here, or replaced)",
+                        )
+    for (at, expected), what in reached:
+        if at < start[0] or (at == start[0] and expected != start[1]):
+            # Archived away (or a lone file): what is not here cannot be vouched for.
+            return VerifyResult(
+                ok=False, records=records, head=head, seq=seq, file=None, line=None,
+                reason=f"{what} is record {at}, before the first record checked here "
+                       f"({start[0] + 1}): it cannot be checked without the files before",
+                torn_tail=torn,
+            )
+        if seq < at:
+            return VerifyResult(
+                ok=False, records=records, head=head, seq=seq, file=None, line=None,
+                reason=f"the log ends at record {seq} but {what} is record {at} (records "
+                       "were cut from the end, or a file was deleted)",
+                torn_tail=torn,
+            )
     if expect_head is not None and expect_head != head:
         return VerifyResult(
-            ok=False, records=records, head=head, file=None, line=None,
+            ok=False, records=records, head=head, seq=seq, file=None, line=None,
             reason="the last record is not the expected head (records were removed from "
                    "the end, or the log was replaced)",
             torn_tail=torn,
         )
-    return VerifyResult(ok=True, records=records, head=head, torn_tail=torn)
+    return VerifyResult(ok=True, records=records, head=head, seq=seq, torn_tail=torn)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

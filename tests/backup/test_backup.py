@@ -20,9 +20,11 @@ import pytest
 import trio
 
 from custody import Custody, TokenConfig
+from custody._sealed import SEAL_CODES
 from daemon.state.audit import verify
 from daemon.state.directory import AgentDirectory
 from daemon.state.key_events import KEY_EVENTS_DIRNAME
+from tests.custody._sealing import SEAL_KINDS, blob_of
 from tests.custody._secrets import PUB_1, PUB_2, PUB_3, SECRET_1, SECRET_X, assert_no_secrets
 from tests.custody.test_cli import Cli
 from tests.fixtures.token import SoftHsmToken
@@ -341,3 +343,30 @@ def test_a_backup_entry_without_a_valid_name_restores_the_key(
     done = fresh("keys", "restore", "--identity", str(made.identity),
                  str(_rewrite(made, tmp_path, None, oversized)), "--yes")
     assert done.returncode == 1 and "bad public entry" in done.stderr and fresh.agents() == []
+
+
+@pytest.mark.parametrize("seal", SEAL_KINDS)
+def test_backup_and_restore_keep_the_configured_seal(
+    softhsm_token: SoftHsmToken, tmp_path: Path, seal: str
+) -> None:
+    """`[pkcs11] seal` reaches every command that opens the token: a key restored under a
+    forced seal is sealed with that seal, as `agent create` seals (one mapping,
+    daemon/config.py `Pkcs11Config.token`). Before, restore built its own token settings
+    without the seal and sealed with whatever `auto` chose."""
+    hosts = []
+    for name in ("source", "target"):
+        host = Host(softhsm_token, tmp_path / name)
+        with host.cli.config.open("a") as config:
+            config.write(f'seal = "{seal}"\n')
+        assert host("keys", "init").returncode == 0  # adds the forced seal's key if missing
+        hosts.append(host)
+    source, target = hosts
+    made = source("agent", "import", "--owner", PUB_2, stdin=SECRET_1)
+    assert (made.returncode, made.stdout.strip()) == (0, PUB_1), made.stderr
+    assert blob_of(source.cli.state, PUB_1)[1] == SEAL_CODES[seal]
+    identity, out = tmp_path / "identity.txt", tmp_path / "agents.age"
+    done = source("keys", "backup", "--recipient", age_identity(identity), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    done = target("keys", "restore", "--identity", str(identity), str(out), "--yes")
+    assert done.returncode == 0, done.stderr
+    assert blob_of(target.cli.state, PUB_1)[1] == SEAL_CODES[seal]

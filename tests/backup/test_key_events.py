@@ -214,7 +214,8 @@ def test_audit_verify_reports_an_edit_a_deleted_line_and_a_cut_tail(
     log.write_bytes(b"".join(lines))
     kept = [str(BUZZ_BROKER), "audit", "verify", str(state / KEY_EVENTS_DIRNAME), "--head"]
     assert subprocess.run([*kept, head], capture_output=True).returncode == 0
-    assert subprocess.run([*kept, "0" * 64], capture_output=True).returncode == EXIT_BROKEN
+    wrong = f"{len(lines)}:{'0' * 64}"
+    assert subprocess.run([*kept, wrong], capture_output=True).returncode == EXIT_BROKEN
     log.write_bytes(b"".join(damage(list(lines))))  # type: ignore[operator]
     # A command does not continue a broken log (a line after a cut would hide the cut):
     # the intent cannot be written, so the backup does not run.

@@ -122,7 +122,11 @@ async def test_credential_from_environment(
     "call_args",
     ['{"channelId": ', "[1, 2]", '{"channelId":"nope","content":"hi"}',
      '{"channelId":"%s","content":"hi","owner":"x"}' % CHANNEL,
-     '{"channelId":"%s","content":null}' % CHANNEL],
+     '{"channelId":"%s","content":null}' % CHANNEL,
+     # A member given twice: the wire refuses it, and so does its own tool (json.loads kept
+     # the last value and posted it).
+     '{"channelId":"%s","content":"first","content":"second"}' % CHANNEL,
+     '{"channelId":"%s","content":"\\ud800"}' % CHANNEL],
 )
 async def test_bad_args_is_a_usage_error_and_nothing_is_sent(
     host: ScriptedHost, credential_file: str, capsys: pytest.CaptureFixture[str], call_args: str

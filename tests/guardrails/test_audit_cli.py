@@ -9,9 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import trio
 
 from daemon.state.audit import AuditLog, audit_files
+from daemon.cli import EXIT_CLOSED_PIPE
 from daemon.cli.audit import EXIT_BROKEN
 
 from .test_audit import AGENT, record
@@ -74,8 +76,8 @@ def test_verify_and_show(tmp_path: Path) -> None:
     restored = b"".join(text)
     second.write_bytes(restored)
     assert buzz("audit", "verify", str(state / "audit"), "--head", head).returncode == 0
-    assert buzz("audit", "verify", str(state / "audit"), "--head", "0" * 64).returncode == \
-        EXIT_BROKEN
+    assert buzz("audit", "verify", str(state / "audit"), "--head", f"30:{'0' * 64}"
+                ).returncode == EXIT_BROKEN
 
     # Faults are one line, no traceback.
     for argv in (("audit", "verify", str(tmp_path / "nothing")),
@@ -128,3 +130,82 @@ def test_reanchor_asks_and_is_itself_audited(tmp_path: Path) -> None:
     assert isinstance(last, Reanchor) and last.anchored_seq == whole.records + 2
     assert last.anchored_head == "ef" * 32 and last.uid == os.getuid()
     assert read_anchor(state / "ledger.db") == (31, verify(state / "audit").head)
+
+
+@pytest.mark.parametrize("form", [(), ("--json",)], ids=["table", "json"])
+def test_a_reader_that_went_away_ends_the_output_quietly(tmp_path: Path,
+                                                          form: tuple[str, ...]) -> None:
+    """`audit show | head`: the reader is gone before the first write. Before, the table
+    form said "internal error (BrokenPipeError)" and exited 70, the JSON form "cannot read
+    …: Broken pipe"; a pipeline wants nothing on stderr and the shell's 141."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    trio.run(make_log, state)
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {k: v for k, v in os.environ.items() if k != "BUZZ_BROKER_CONFIG"}
+    try:
+        done = subprocess.run([sys.executable, "-m", "daemon.cli", "audit", "show", "--path",
+                               str(state / "audit"), *form], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=60, env=env)
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (EXIT_CLOSED_PIPE, "")
+
+
+def test_a_broken_pipe_elsewhere_is_not_a_closed_stdout(tmp_path: Path) -> None:
+    """Only standard output's own reader going away is quiet: with stdout open, a command
+    fault is still its one line (here: no audit directory)."""
+    done = buzz("audit", "show", "--path", str(tmp_path / "none"))
+    assert done.returncode == 1 and done.stderr.startswith("buzz-broker: ")
+
+
+def test_a_remembered_head_still_verifies_after_the_log_has_grown(tmp_path: Path) -> None:
+    """`--head SEQ:HASH` is a consistency check: a head printed earlier, the log grown
+    since, passes; a rewrite at or before it, or a cut before it, does not. Before, a head
+    printed minutes earlier on a running daemon was reported as "records were removed from
+    the end" (that strict check is `--ends-at` now)."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    trio.run(make_log, state)
+    log = state / "audit"
+    first = buzz("audit", "verify", str(log))
+    assert first.returncode == 0, first.stderr
+    remembered = first.stdout.split()[-1]
+    seq, digest = remembered.split(":")
+    assert seq == "30" and len(digest) == 64
+
+    async def grow() -> None:
+        more = AuditLog.open(log, rotate_bytes=4096)
+        for i in range(30, 40):
+            await more.append(record(i, agent=AGENT))
+        await more.aclose()
+
+    trio.run(grow)
+    grown = buzz("audit", "verify", str(log), "--head", remembered)
+    assert grown.returncode == 0, grown.stdout + grown.stderr
+    assert "ok 40 records; head 40:" in grown.stdout
+    assert "holds the head given (record 30)" in grown.stdout
+    assert buzz("audit", "verify", str(log), "--ends-at", digest).returncode == EXIT_BROKEN
+    assert buzz("audit", "verify", str(log), "--head", f"31:{digest}").returncode == EXIT_BROKEN
+    ahead = buzz("audit", "verify", str(log), "--head", f"41:{digest}")
+    assert ahead.returncode == EXIT_BROKEN and "the head given is record 41" in ahead.stdout
+
+    # Records cut back to before the remembered head: reported as cut, not as consistent.
+    files = audit_files(log)
+    kept, cut = 0, False
+    for _number, file in files:
+        lines = file.read_bytes().splitlines(keepends=True)
+        if cut:
+            file.unlink()
+        elif kept + len(lines) >= 20:
+            file.write_bytes(b"".join(lines[:20 - kept]))
+            cut = True
+        else:
+            kept += len(lines)
+    shorter = buzz("audit", "verify", str(log), "--head", remembered)
+    assert shorter.returncode == EXIT_BROKEN
+    assert "the log ends at record 20 but the head given is record 30" in shorter.stdout
+    # A bare hash for --head is a usage error that names the form and --ends-at.
+    bare = buzz("audit", "verify", str(log), "--head", digest)
+    assert bare.returncode == 2 and "--ends-at" in bare.stderr

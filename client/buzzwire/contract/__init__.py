@@ -9,7 +9,7 @@ Modules, one job each:
   _text       White_Space trimming, the characters names may not hold, and `printable`, the
               one escape for showing agent text to an operator
   _shapes     table-driven strict objects (read, re-check in construction, write)
-  _args       the nine argument shapes
+  _args       the argument shapes (the nine, then NIP-BA's additions)
   _outcomes   the outcome shapes and the seven-member Event
   _echoes     the identities an outcome echoes from its request (I5), as data, and the check
   _envelopes  request/response envelopes, ActionSpec and ACTIONS (every fixed fact of an
@@ -25,7 +25,8 @@ tabulates it and changes with it.
 from ._args import (
     RESPOND_TO, AgentsCreateArgs, AgentsDeleteArgs, AgentsUpdateArgs, AgentTarget,
     ChannelReadArgs, MessagePostArgs, MessageReplyArgs, ProfileSetArgs, ReactionAddArgs,
-    StorageAddressArgs,
+    StorageAddressArgs, PRESENCE_STATUSES, PresenceSetArgs, TypingSetArgs, StorageGetArgs,
+    StoragePutArgs, compact_json,
 )
 from ._codes import MESSAGES, PAIRING, ContractError, ErrorCode, Status
 from ._echoes import REQUESTER, Echo, Identity, echo_mismatch
@@ -33,17 +34,20 @@ from ._envelopes import (
     ACTIONS, REQUEST_MEMBERS, RESERVED_NAMES, ActionSpec, Args, MemberSet, RateClass, Reading,
     Request, Response, Verdict, build_request, encode_request, encode_response, mark_replayed, parse_response, read_request,
 )
+from ._json import JsonSyntaxError
+from ._json import parse as parse_json
 from ._ids import is_request_id, is_valid_pubkey, normalize_channel_id, normalize_hex64
 from ._limits import (
     ACTION_VERSION, DEFAULT_LIMIT, MAX_ABOUT_CHARS, MAX_CONTENT_BYTES, MAX_CURSOR_BYTES,
     MAX_DISPLAY_NAME_CHARS, MAX_JSON_INT, MAX_KIND, MAX_LIMIT, MAX_MENTIONS, MAX_NESTING,
     MAX_PICTURE_CHARS, MAX_REACTION_CHARS, MAX_REQUEST_ID_BYTES, MAX_SCALAR_CHARS,
-    MAX_SLUG_BYTES, MAX_SYSTEM_PROMPT_CHARS, MIN_JSON_INT, MIN_LIMIT, PROTOCOL_VERSION,
+    MAX_MEMORY_BODY_BYTES, MAX_SLUG_BYTES, MAX_SYSTEM_PROMPT_CHARS, MIN_JSON_INT, MIN_LIMIT,
+    PROTOCOL_VERSION,
 )
 from ._text import WHITE_SPACE, printable, printable_json, printable_json_text, scrub_line, trim
 from ._outcomes import (
     AgentsCreateOutcome, AgentsDeleteOutcome, AgentsUpdateOutcome, Event, Outcome,
-    PublishOutcome, ReadOutcome, StorageAddressOutcome,
+    PublishOutcome, ReadOutcome, StorageAddressOutcome, StorageGetOutcome,
 )
 
 __all__ = [
@@ -55,11 +59,14 @@ __all__ = [
     "read_request", "Reading", "Request", "Args", "build_request", "encode_request",
     "ChannelReadArgs", "MessagePostArgs", "MessageReplyArgs", "ReactionAddArgs",
     "ProfileSetArgs", "StorageAddressArgs", "AgentsCreateArgs", "AgentTarget",
-    "AgentsUpdateArgs", "AgentsDeleteArgs",
+    "AgentsUpdateArgs", "AgentsDeleteArgs", "PresenceSetArgs", "TypingSetArgs",
+    "PRESENCE_STATUSES", "StorageGetArgs", "StoragePutArgs", "compact_json",
     # responses
     "Verdict", "encode_response", "mark_replayed", "parse_response", "Response", "Outcome",
     "Event", "PublishOutcome", "ReadOutcome", "StorageAddressOutcome", "AgentsCreateOutcome",
-    "AgentsUpdateOutcome", "AgentsDeleteOutcome",
+    "AgentsUpdateOutcome", "AgentsDeleteOutcome", "StorageGetOutcome",
+    # strict JSON (the wire's reader, for tools that read JSON as the host does)
+    "parse_json", "JsonSyntaxError",
     # identities
     "normalize_channel_id", "normalize_hex64", "is_valid_pubkey", "is_request_id",
     # text
@@ -69,5 +76,5 @@ __all__ = [
     "MAX_CONTENT_BYTES", "MAX_MENTIONS", "MIN_LIMIT", "MAX_LIMIT", "DEFAULT_LIMIT",
     "MAX_DISPLAY_NAME_CHARS", "MAX_ABOUT_CHARS", "MAX_PICTURE_CHARS", "MAX_SYSTEM_PROMPT_CHARS",
     "MAX_SCALAR_CHARS", "MAX_REACTION_CHARS", "MAX_SLUG_BYTES", "MAX_NESTING", "MIN_JSON_INT",
-    "MAX_JSON_INT", "MAX_KIND",
+    "MAX_JSON_INT", "MAX_KIND", "MAX_MEMORY_BODY_BYTES",
 ]
