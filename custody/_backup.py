@@ -59,7 +59,8 @@ from custody._ownership import owned_through
 from custody._secp256k1 import is_xonly_pubkey, xonly_pubkey
 from custody._sealed import seal
 from custody._secret import SECRET_SIZE, Secret, parse_secret_text, wipe_bytes
-from buzzwire.nostr import is_hex64, verify_owner_tag
+from custody._signer import CONDITIONS_FAULT, owner_tag_fault
+from buzzwire.nostr import is_hex64
 
 if TYPE_CHECKING:
     from custody._facade import Custody
@@ -431,9 +432,13 @@ def _record(data: bytes, number: int, reader: _RecordReader
         raise _fault(number, f"agent {pubkey}: bad mintRef")
     auth_tag: tuple[str, str, str, str] | None = None
     if tag is not None:
-        if (not isinstance(tag, list) or len(tag) != 4 or not all(isinstance(t, str) for t in tag)
-                or tag[1] != owner or not verify_owner_tag(tag, pubkey)):
+        if not isinstance(tag, list) or not all(isinstance(t, str) for t in tag):
             raise _fault(number, f"agent {pubkey}: its NIP-OA tag does not verify against its owner")
+        fault = owner_tag_fault(tag, agent=pubkey, owner=owner)  # conditions too (issue 22 L5)
+        if fault is not None:
+            raise _fault(number, f"agent {pubkey}: " + (
+                fault if fault == CONDITIONS_FAULT
+                else "its NIP-OA tag does not verify against its owner"))
         auth_tag = (tag[0], tag[1], tag[2], tag[3])
     record = KeyRecord(pubkey=pubkey, owner=owner, auth_tag=auth_tag, created_at=created_at,
                        deleted_at=None, mint_ref=mint_ref)

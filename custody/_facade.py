@@ -51,7 +51,7 @@ from custody._nip44 import (
     encrypt,
 )
 from custody._ownership import owned_through
-from buzzwire.nostr import SignedEvent, UnsignedEvent, is_hex64, verify_owner_tag
+from buzzwire.nostr import SignedEvent, UnsignedEvent, is_hex64
 from custody._process import harden_process
 from custody._rotation import (
     ActiveKek,
@@ -65,7 +65,9 @@ from custody._sealed import seal, unseal
 from custody._statelock import StateLock
 from custody._secp256k1 import is_xonly_pubkey, xonly_pubkey
 from custody._secret import Secret, parse_secret_text, random_secret, wipe_bytes
-from custody._signer import OwnerTag, auth_event, make_owner_tag, sign, with_owner_tag
+from custody._signer import (
+    OwnerTag, auth_event, make_owner_tag, owner_tag_fault, sign, with_owner_tag,
+)
 from custody._token import Token, TokenConfig, TokenReport
 from custody._worker import in_token_worker
 
@@ -542,8 +544,9 @@ class Custody:
                         raise CustodyError(
                             f"agent {agent} was removed; its tombstone is kept, so it cannot be imported again"
                         )
-                    if tag is not None and (tag[1] != owner or not verify_owner_tag(tag, agent)):
-                        raise CustodyError("auth tag does not verify for this agent and owner")
+                    fault = None if tag is None else owner_tag_fault(tag, agent=agent, owner=owner)
+                    if fault is not None:
+                        raise CustodyError(fault)
                     return self._store(secret, owner=owner, mint_ref=None, auth_tag=tag)
 
             record = await self._hop("import", work)
@@ -587,12 +590,9 @@ class Custody:
         self._check_open()
         record = self._live(pubkey)
         items = tuple(tag)
-        if len(items) != 4 or not all(isinstance(item, str) for item in items) or items[0] != "auth":
-            raise CustodyError('auth tag must be ["auth", owner, conditions, sig]')
-        if items[1] != record.owner:
-            raise CustodyError("auth tag names another owner than the agent's")
-        if not verify_owner_tag(items, pubkey):
-            raise CustodyError("auth tag does not verify for this agent and owner")
+        fault = owner_tag_fault(items, agent=pubkey, owner=record.owner)
+        if fault is not None:
+            raise CustodyError(fault)
         owner_tag: OwnerTag = (items[0], items[1], items[2], items[3])
 
         def work() -> KeyRecord | None:

@@ -12,6 +12,11 @@ Rules:
   tag (it is then kept once, in place); any other `auth` tag is refused with ValueError.
   Refusing rather than replacing: a foreign ownership claim in a request is a bug or an
   attack, and silently rewriting it would hide either.
+- Conditions (issue 22 L5): NIP-OA lets an owner sign a tag with conditions limiting what
+  the agent may sign; this host adds the one stored tag to every kind it signs and reads
+  no conditions, so a tag with non-empty conditions would be carried where its owner did
+  not allow it. `owner_tag_fault` refuses one wherever a tag enters (import, attach-auth,
+  restore); Buzz signs with conditions "" only.
 - NIP-42 AUTH: kind 22242, tags `["relay", url]` and `["challenge", c]`, empty content; an
   owned agent's AUTH event carries its owner tag too (it is an event the agent signs).
 """
@@ -20,11 +25,16 @@ from __future__ import annotations
 
 import secrets
 
-from buzzwire.nostr import SignedEvent, Tags, UnsignedEvent, compute_event_id, owner_tag_digest
+from collections.abc import Sequence
+
+from buzzwire.nostr import (
+    SignedEvent, Tags, UnsignedEvent, compute_event_id, owner_tag_digest, verify_owner_tag,
+)
 from custody._secp256k1 import schnorr_sign
 from custody._secret import Secret
 
-__all__ = ["AUTH_KIND", "auth_event", "make_owner_tag", "sign", "with_owner_tag"]
+__all__ = ["AUTH_KIND", "auth_event", "make_owner_tag", "owner_tag_fault", "sign",
+           "with_owner_tag"]
 
 #: NIP-42 client authentication event kind.
 AUTH_KIND = 22242
@@ -33,6 +43,28 @@ OWNER_TAG_CONDITIONS = ""
 
 OwnerTag = tuple[str, str, str, str]
 
+#: `owner_tag_fault`'s answer for a tag with conditions (restore keeps its own words for
+#: the other faults, so it tells this one apart).
+CONDITIONS_FAULT = ('auth tag has NIP-OA conditions; this host puts the tag on every kind it '
+                    'signs and cannot honour them, so only conditions "" (as Buzz) are accepted')
+
+
+
+def owner_tag_fault(tag: Sequence[object], *, agent: str, owner: str) -> str | None:
+    """Why `tag` cannot be `agent`'s stored NIP-OA tag under `owner`, or None: the one
+    check every path a tag enters by (import, attach-auth, restore) makes.
+
+    Order: shape, owner, conditions, signature, so the answer names the first fault.
+    """
+    if len(tag) != 4 or not all(isinstance(item, str) for item in tag) or tag[0] != "auth":
+        return 'auth tag must be ["auth", owner, conditions, sig]'
+    if tag[1] != owner:
+        return "auth tag names another owner than the agent's"
+    if tag[2] != OWNER_TAG_CONDITIONS:
+        return CONDITIONS_FAULT
+    if not verify_owner_tag([str(item) for item in tag], agent):
+        return "auth tag does not verify for this agent and owner"
+    return None
 
 def sign(secret: Secret, unsigned: UnsignedEvent, *, _aux: bytes | None = None) -> SignedEvent:
     """Sign `unsigned` with `secret` (whose pubkey the caller has checked equals unsigned.pubkey)."""

@@ -18,20 +18,25 @@ Rules:
   warning`` finds warnings. The JSON after it is unchanged. Anywhere else (a terminal, a
   file, a pipe) no prefix is written.
 
+- Agent- and relay-chosen text in a field is escaped like every output of it
+  (`buzzwire.contract.printable_json`): C0 and C1 controls, line separators and bidi
+  controls become `\\uNNNN`; the line stays valid JSON of the same value.
+
 WARNING: journald splits on newlines, so a field value must never break the line; that is
-why everything goes through `json.dumps` (which escapes control characters).
+why everything goes through `printable_json` (which escapes control characters).
 """
 
 from __future__ import annotations
 
 import datetime
 import io
-import json
 import logging
 import os
 import sys
 from collections.abc import Mapping
 from typing import TextIO
+
+from buzzwire.contract import printable_json
 
 __all__ = [
     "log_event", "setup_logging", "format_record", "journald_stream", "LEVELS", "PRIORITIES",
@@ -129,7 +134,10 @@ class _JsonFormatter(logging.Formatter):
             for key, value in fields.items():
                 if key not in line:
                     line[key] = value
-        text = json.dumps(line, ensure_ascii=False, default=str, separators=(",", ":"))
+        # printable_json: json.dumps escapes C0 but writes C1 controls (an 8-bit CSI) and
+        # bidi overrides raw; a relay notice or a name in a field must not reach a terminal
+        # reading the journal as anything but text.
+        text = printable_json(line, compact=True, default=str)
         return f"<{_priority(record.levelno)}>{text}" if self._prefix else text
 
 

@@ -39,7 +39,7 @@ from buzzwire.contract import (  # noqa: E402
     PRESENCE_STATUSES, AgentsUpdateArgs, AgentTarget, ErrorCode, Event, ProfileSetArgs, Status,
     StoragePutArgs, MAX_FRAMES, MAX_OBSERVER_BYTES, MAX_U32, ObserverEmitArgs, ObserverFrame,
 )
-from buzzwire.contract import REQUEST_MEMBERS  # noqa: E402
+from buzzwire.contract import REQUEST_MEMBERS, WHITE_SPACE  # noqa: E402
 from buzzwire.contract._envelopes import _ERROR_MEMBERS, _SUCCEEDED_MEMBERS  # noqa: E402
 from buzzwire.contract._ids import _SLUG  # noqa: E402
 from buzzwire.contract._shapes import SHAPES, Shape  # noqa: E402
@@ -48,7 +48,12 @@ OUT = REPO / "docs" / "schema"
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 _HEX = "[0-9a-fA-F]"
-_UUID = f"(?:{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}|{_HEX}{{32}})"
+_UUID_HYPHENATED = f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}"
+# NIP-BA's four channel spellings (contract/_ids.py).
+_UUID = (f"(?:{_UUID_HYPHENATED}|{_HEX}{{32}}|\\{{{_UUID_HYPHENATED}\\}}"
+         f"|urn:uuid:{_UUID_HYPHENATED})")
+# Unicode White_Space exactly (ECMA-262's \s differs: it holds U+FEFF, not U+0085).
+_WS = "[" + "".join(f"\\u{ord(c):04x}" for c in WHITE_SPACE) + "]*"
 _VISIBLE = "[\\x21-\\x7e]"
 
 
@@ -69,8 +74,8 @@ def _integer(low: int, high: int = MAX_JSON_INT) -> dict[str, object]:
     return {"type": "integer", "minimum": low, "maximum": high}
 
 
-CHANNEL_ID = _string(f"^\\s*(?:(?:[uU][rR][nN]:[uU][uU][iI][dD]:)?{_UUID}|\\{{{_UUID}\\}})\\s*$")
-HEX64 = _string(f"^\\s*{_HEX}{{64}}\\s*$")
+CHANNEL_ID = _string(f"^{_WS}{_UUID}{_WS}$")
+HEX64 = _string(f"^{_WS}{_HEX}{{64}}{_WS}$")
 LOWER_HEX64 = _string("^[0-9a-f]{64}$")
 CURSOR = _string(f"^{_VISIBLE}{{1,{MAX_CURSOR_BYTES}}}$")
 NAME = _text(MAX_DISPLAY_NAME_CHARS)
@@ -109,7 +114,7 @@ VALUES: Mapping[str, dict[str, object]] = {
     "model": SCALAR,
     "respondTo": {"type": "string", "enum": list(RESPOND_TO)},
     "status": {"type": "string", "enum": list(PRESENCE_STATUSES)},
-    "slug": _string(f"^\\s*(?:{_SLUG.pattern})\\s*$", maxLength=MAX_SLUG_BYTES),
+    "slug": _string(f"^{_WS}(?:{_SLUG.pattern}){_WS}$", maxLength=MAX_SLUG_BYTES),
     "target": {"$ref": "#/$defs/AgentTarget"},
     "kind": KIND,
     "createdAt": TIMESTAMP,

@@ -23,6 +23,7 @@ import select
 import sys
 from collections.abc import Sequence
 
+from buzzwire.contract import printable
 from daemon.cli._common import CliError, config_from_args, refuse_foreign_state
 
 __all__ = ["main", "CliError", "COMMANDS", "STATE_COMMANDS"]
@@ -141,7 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as exc:
         if _stdout_reader_gone():
             return _quiet_closed_pipe()
-        print(f"buzz-broker: {exc}", file=sys.stderr)
+        # A fault line may quote a name or a relay's words: escaped like every output of them.
+        print(f"buzz-broker: {printable(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130

@@ -14,6 +14,9 @@ Rules:
   host's only: nothing is published (agents.update renames a managed agent on the relay).
 - `attach-auth` stores an owner-signed NIP-OA tag after creation (daemon/cli/agent_auth.py).
 - `list` prints public records (table, or `--json`: one JSON array); it needs no token.
+  A name is whatever a store holds (an agent's agents.create, a restored backup, a
+  directory written by hand), so it is printed through `printable` / `printable_json`:
+  no control, line separator or bidi override reaches the terminal raw.
   A live agent without a NIP-OA tag shows `NO-AUTH-TAG` (`"authTagMissing": true`).
 - `import` refuses an ownership cycle (the agent already owns `--owner`, directly or
   through its agents): custody checks it where the agent's pubkey is first known.
@@ -31,7 +34,6 @@ subcommands and flags; keep them in step with `add_arguments`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import termios
@@ -41,6 +43,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
+from buzzwire.contract import printable, printable_json
 from daemon.cli import agent_auth
 from daemon.cli._common import CliError, agent_directory, config_from_args
 
@@ -152,7 +155,7 @@ def _name(args: argparse.Namespace, config: Config) -> int:
         record = directory.rename(pubkey, args.name)
     if record is None:
         raise CliError(f"no live agent {pubkey} is held here")
-    print(f"{record.pubkey} is named {record.name!r} on this host (not published)",
+    print(f"{record.pubkey} is named '{printable(record.name)}' on this host (not published)",
           file=sys.stderr)
     return 0
 
@@ -200,13 +203,13 @@ def _list(args: argparse.Namespace, config: Config) -> int:
         records = directory.agents(include_deleted=args.all)
     if args.json:
         # `authTagMissing`: a live agent whose owner (a person) has not signed its NIP-OA tag.
-        print(json.dumps([{**r.to_json_obj(), "authTagMissing": r.live and r.auth_tag is None}
-                          for r in records], ensure_ascii=False))
+        print(printable_json([{**r.to_json_obj(), "authTagMissing": r.live and r.auth_tag is None}
+                              for r in records]))
         return 0
     for r in records:
         state = "removed" if r.deleted_at is not None else "live"
         tag = "auth-tag" if r.auth_tag else ("NO-AUTH-TAG" if r.live else "-")
-        print(f"{r.pubkey}  owner={r.owner}  depth={r.depth}  {tag}  {state}  {r.name}")
+        print(f"{r.pubkey}  owner={r.owner}  depth={r.depth}  {tag}  {state}  {printable(r.name)}")
     return 0
 
 

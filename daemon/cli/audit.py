@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Final
 
+from buzzwire.contract import printable
 from daemon.cli._common import CliError, config_from_args
 
 HELP = "verify the audit log's hash chain, or show its records"
@@ -386,4 +387,5 @@ def _print_table(rows: list[tuple[str, ...]]) -> None:
         return
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(_HEADER)]
     for line in (_HEADER, *rows):
-        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
+        # The record's fields are shape-checked, and escaped anyway: one rule for all output.
+        print("  ".join(printable(cell).ljust(w) for cell, w in zip(line, widths)).rstrip())

@@ -12,9 +12,11 @@ Rules:
 - The client's setup errors (no socket, no permission on it, nothing listening) are a
   one-line error saying what to fix, exit 1; a refused credential prints the host's
   `failed` envelope like any failure (exit 3) and says what to do on stderr.
-- stdout carries exactly one JSON object: the host's verdict envelope as received, or,
-  when there was no verdict, a `client_result` object saying so (below). The credential
-  never appears in it, nor in any error line.
+- stdout carries exactly one JSON object: the host's verdict envelope as received (the
+  same JSON value; controls, line separators and bidi overrides that read events may carry
+  are written as `\\uNNNN`, `buzzwire.contract.printable_json_text`), or, when there was no
+  verdict, a `client_result` object saying so (below). The credential never appears in it,
+  nor in any error line.
 
 Exit codes (the only way a script should branch):
 
@@ -96,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
         Unsupported,
     )
     from buzz_broker_client._env import resolve_credential
-    from buzzwire.contract import ContractError, JsonSyntaxError, parse_json
+    from buzzwire.contract import (
+        ContractError, JsonSyntaxError, parse_json, printable, printable_json, printable_json_text,
+    )
 
     # The wire's own strict reader: a member given twice, a null or a lone surrogate is
     # refused here as the host would refuse it, never settled by json.loads's last-wins.
@@ -137,14 +141,14 @@ def run(args: argparse.Namespace) -> int:
         answer = anyio.run(client.send, request)
     except CredentialRefused as refused:
         # A verdict (nothing happened): printed like any failure, with what to do.
-        print(f"buzz-broker: {refused}", file=sys.stderr)
+        print(f"buzz-broker: {printable(str(refused))}", file=sys.stderr)
         answer = refused.answer
     except SetupError as exc:
         raise CliError(str(exc), EXIT_CANNOT_RUN) from None
 
     if isinstance(answer, NoAnswer):
         sys.stdout.write(
-            json.dumps(
+            printable_json(
                 {
                     "type": "client_result",
                     "status": "no_answer",
@@ -154,14 +158,14 @@ def run(args: argparse.Namespace) -> int:
                     "reason": answer.reason.value,
                     "detail": answer.detail,
                 },
-                separators=(",", ":"),
-                ensure_ascii=False,
+                compact=True,
             )
             + "\n"
         )
         return EXIT_NO_ANSWER
-    # Every other answer is a host verdict that passed the I5 checks: print it verbatim.
-    sys.stdout.write(answer.envelope.decode("utf-8") + "\n")
+    # Every other answer is a host verdict that passed the I5 checks: print it as the same
+    # JSON, with the characters a terminal acts on escaped (a read returns any author's text).
+    sys.stdout.write(printable_json_text(answer.envelope.decode("utf-8")) + "\n")
     if isinstance(answer, Succeeded):
         return EXIT_SUCCEEDED
     if isinstance(answer, Unsupported):

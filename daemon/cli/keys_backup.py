@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from buzzwire.contract import printable_json
 from daemon.cli._common import CliError, agent_directory, config_from_args
 from daemon.cli._key_trail import KeyTrail, clip, recorded
 from daemon.state.audit import KeyAction
@@ -264,10 +265,10 @@ def _restore_keys(args: argparse.Namespace, config: Config, ciphertext: bytes,
                 for record in contents.records:
                     state = "already held" if record.pubkey in held else "restore"
                     name = contents.public(record.pubkey).get("name")
-                    # json.dumps: a hostile backup's name cannot reach the terminal raw.
+                    # printable_json: a hostile backup's name cannot reach the terminal raw.
                     print(f"{record.pubkey}  owner={record.owner}  "
                           f"{'auth-tag' if record.auth_tag else '-'}  {state}  "
-                          f"{json.dumps(name, ensure_ascii=False) if isinstance(name, str) else '-'}")
+                          f"{printable_json(name) if isinstance(name, str) else '-'}")
                     entries[record.pubkey] = contents.public(record.pubkey)
                 if not plan.restored:
                     return plan

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import grp
-import json
 import os
 import pwd
 import sqlite3
@@ -39,6 +38,7 @@ from pathlib import Path
 
 import trio
 
+from buzzwire.contract import printable, printable_json
 from daemon.cli._common import CliError, config_from_args
 from daemon.cli.check_config import describe
 from daemon.config import Config, ConfigError, require_relay
@@ -187,10 +187,11 @@ def run(args: argparse.Namespace) -> int:
     facts, running, all_ok = gather(config)
     code = EXIT_NOT_RUNNING if not running else (EXIT_OK if all_ok else EXIT_DEGRADED)
     if args.json:
-        print(json.dumps({**{name: fact.to_json() for name, fact in facts.items()},
-                          "running": running, "ok": all_ok, "exit": code}))
+        print(printable_json({**{name: fact.to_json() for name, fact in facts.items()},
+                              "running": running, "ok": all_ok, "exit": code}))
     else:
         width = max(len(k) for k in facts) + 1
         for key, fact in facts.items():
-            print(f"{key + ':':<{width}} {'' if fact.ok else 'FAILED: '}{fact.detail}")
+            # A fact may quote a store's fault text: escaped like all agent-reachable text.
+            print(f"{key + ':':<{width}} {'' if fact.ok else 'FAILED: '}{printable(fact.detail)}")
     return code

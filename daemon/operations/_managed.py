@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from buzzwire.contract import MAX_DISPLAY_NAME_CHARS
+from buzzwire.contract import MAX_DISPLAY_NAME_CHARS, scrub_line, trim
 from daemon.operations._base import Context
 from buzzwire.nostr import SignedEvent
 from daemon.pipeline.policy import AgentView
@@ -89,16 +89,18 @@ def record_content(fields: Mapping[str, object], *, read: Mapping[str, object] |
 
 
 def outcome_name(name: object, pubkey: str) -> str:
-    """A name an outcome can carry (`displayName`: trimmed, 1-120 characters, encodable).
+    """A name an outcome can carry (`displayName`: trimmed of White_Space, 1-120
+    characters, encodable, no control or bidi override).
 
     Names come from records that may hold anything: an operator's `agent import --name`
-    with padding, or another client's 30177 on the relay. The outcome must still be built
-    (a bad name once became a bodiless 500), so the name is trimmed, cut to the limit, and
-    the first 12 hex of the pubkey stand in for an empty one.
+    with padding, a restored backup, or another client's 30177 on the relay. The outcome
+    must still be built (a bad name once became a bodiless 500), so the name is trimmed,
+    each character a name may not hold becomes U+FFFD (`scrub_line`), it is cut to the
+    limit, and the first 12 hex of the pubkey stand in for an empty one.
     """
     text = name if isinstance(name, str) else ""
-    text = text.encode("utf-8", "replace").decode("utf-8").strip()
-    return text[:MAX_DISPLAY_NAME_CHARS].strip() or pubkey[:12]
+    text = scrub_line(trim(text.encode("utf-8", "replace").decode("utf-8")))
+    return trim(text[:MAX_DISPLAY_NAME_CHARS]) or pubkey[:12]
 
 
 def is_record_of(event: SignedEvent, owner: str, agent: str) -> bool:

@@ -6,6 +6,8 @@ Modules, one job each:
   _codes      ErrorCode, Status, the PAIRING table, MESSAGES, ContractError
   _limits     every limit, named, with its source
   _ids        identities (channel UUIDs, 64-hex, secp256k1 x-only pubkeys) and scalar checkers
+  _text       White_Space trimming, the characters names may not hold, and `printable`, the
+              one escape for showing agent text to an operator
   _shapes     table-driven strict objects (read, re-check in construction, write)
   _args       the argument shapes (the nine, then NIP-BA's additions)
   _outcomes   the outcome shapes and the seven-member Event
@@ -43,6 +45,7 @@ from ._limits import (
     MAX_MEMORY_BODY_BYTES, MAX_SLUG_BYTES, MAX_SYSTEM_PROMPT_CHARS, MIN_JSON_INT, MIN_LIMIT,
     PROTOCOL_VERSION, MAX_FRAMES, MAX_OBSERVER_BYTES, MAX_U32,
 )
+from ._text import WHITE_SPACE, printable, printable_json, printable_json_text, scrub_line, trim
 from ._outcomes import (
     AgentsCreateOutcome, AgentsDeleteOutcome, AgentsUpdateOutcome, Event, ObserverEmitOutcome,
     Outcome, PublishOutcome, ReadOutcome, StorageAddressOutcome, StorageGetOutcome,
@@ -68,6 +71,8 @@ __all__ = [
     "parse_json", "JsonSyntaxError",
     # identities
     "normalize_channel_id", "normalize_hex64", "is_valid_pubkey", "is_request_id",
+    # text
+    "WHITE_SPACE", "trim", "scrub_line", "printable", "printable_json", "printable_json_text",
     # limits
     "PROTOCOL_VERSION", "ACTION_VERSION", "MAX_REQUEST_ID_BYTES", "MAX_CURSOR_BYTES",
     "MAX_CONTENT_BYTES", "MAX_MENTIONS", "MIN_LIMIT", "MAX_LIMIT", "DEFAULT_LIMIT",

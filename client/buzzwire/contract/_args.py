@@ -5,9 +5,13 @@ Rules:
   (arrays: `()`, mentionsOnly: `False`), and is omitted again when written.
 - Normalization happens on the way in (`_shapes.read_object`); a constructed value must
   already be canonical, and `__post_init__` refuses anything else with ValueError.
-- Trimming: every string is trimmed and must be non-empty afterwards, except `content`
-  (published exactly as written, but not empty or whitespace-only, at most 64 KiB of UTF-8)
-  and `cursor` (opaque, shape only).
+- Trimming: every string is trimmed of Unicode White_Space (`_text.trim`) and must be
+  non-empty afterwards, except `content` (published exactly as written, but holding a
+  character outside White_Space, at most 64 KiB of UTF-8) and `cursor` (opaque, shape only).
+- Characters (a host rule, docs/protocol.md "Text an operator reads"): the one-line
+  scalars (displayName, target name, runtime, provider, model, picture, reaction) hold no
+  control, line separator or bidi override; the prose (systemPrompt, about) holds no
+  control but TAB, LF, CR; `content` is refused nothing (`_text` says why).
 - Mentions: each is normalized to lowercase and must be an x-only secp256k1 point; at most
   50 as sent; a repeated mention is kept once, at its first position (the relay side
   de-duplicates `p` tags anyway, buzz-on-the-relay.md "The nine operations", so a repeat
@@ -34,6 +38,7 @@ from ._limits import (
     MAX_REACTION_CHARS, MAX_SCALAR_CHARS, MAX_SYSTEM_PROMPT_CHARS, MIN_LIMIT,
 )
 from ._shapes import Checked, Field, Shape, array_of, nested, one_of, register
+from ._text import TextKind
 
 __all__ = [
     "ChannelReadArgs", "MessagePostArgs", "MessageReplyArgs", "ReactionAddArgs",
@@ -56,7 +61,7 @@ _MENTIONS = Field(
     array_of(pubkey, max_items=MAX_MENTIONS, allow_empty=False, dedupe=True), absent=(),
 )
 _DISPLAY_NAME = text(MAX_DISPLAY_NAME_CHARS)
-_PROMPT = text(MAX_SYSTEM_PROMPT_CHARS)
+_PROMPT = text(MAX_SYSTEM_PROMPT_CHARS, TextKind.PROSE)
 _SCALAR = text(MAX_SCALAR_CHARS)
 _RESPOND_TO = one_of(*RESPOND_TO)
 
@@ -134,7 +139,7 @@ class ProfileSetArgs(Checked):
 
 register(Shape(ProfileSetArgs, (
     Field("displayName", "display_name", _DISPLAY_NAME),
-    Field("about", "about", text(MAX_ABOUT_CHARS)),
+    Field("about", "about", text(MAX_ABOUT_CHARS, TextKind.PROSE)),
     Field("picture", "picture", text(MAX_PICTURE_CHARS)),
 ), _at_least_one))
 

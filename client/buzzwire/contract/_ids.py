@@ -2,18 +2,21 @@
 
 Rules (spec §Identities and spellings, §Operations):
 - A channel id is a UUID; canonical = lowercase hyphenated. Accepted spellings, after
-  trimming: hyphenated or 32-hex unhyphenated, any letter case, optionally wrapped in
-  braces `{…}` or prefixed `urn:uuid:` (prefix case-insensitive, RFC 8141). Braces and the
-  URN prefix are not combined, and hyphens only in the 8-4-4-4-12 places (unlike
-  `uuid.UUID`, which drops hyphens anywhere). Version and variant bits are not checked:
-  the id is Buzz's, not ours to judge.
+  trimming, exactly NIP-BA's ("Wire and normalization"): hyphenated (8-4-4-4-12) or 32 hex
+  digits unhyphenated, hex in any letter case; braces `{…}` around the hyphenated form; or
+  `urn:uuid:` (lowercase) before the hyphenated form. Braces or the prefix around 32 bare
+  digits, an uppercase `URN:UUID:`, and hyphens anywhere else (`uuid.UUID` drops them
+  anywhere) are refused. Version and variant bits are not checked: the id is Buzz's.
 - Event ids, d-tags and public keys are 64 hex characters; canonical = lowercase. A public
   key must also be the x coordinate of a point on secp256k1 (BIP-340 x-only): x < p and
   x^3 + 7 a quadratic residue mod p (Legendre symbol, computed as a Jacobi symbol). We use the stdlib, not
   coincurve, because `contract` imports nothing outside it; results are memoised because
   the dataclasses re-check what the reader already checked.
-- Trimmed text: Python's `str.strip()` (Unicode whitespace). A trimmed field that is empty
-  afterwards is refused: an empty string would be a second spelling of "absent" (I6).
+- Trimmed text: exactly Unicode White_Space (`_text.trim`, never `str.strip()`, which also
+  takes U+001C-U+001F). A trimmed field that is empty afterwards is refused: an empty
+  string would be a second spelling of "absent" (I6). A trimmed name or prose field that
+  holds a character its `TextKind` refuses (controls, bidi overrides: `_text`) is refused
+  too, a host rule (docs/protocol.md "Text an operator reads").
 - Characters are Unicode scalar values (`len(str)`); bytes are UTF-8. No string may hold a
   lone surrogate (it has no UTF-8 form).
 
@@ -34,6 +37,7 @@ from typing import TypeGuard
 
 from ._codes import ContractError, ErrorCode
 from ._limits import MAX_CURSOR_BYTES, MAX_JSON_INT, MAX_REQUEST_ID_BYTES, MAX_SLUG_BYTES
+from ._text import TextKind, is_blank, refused_in, trim
 
 __all__ = [
     "normalize_channel_id", "normalize_hex64", "is_valid_pubkey", "is_request_id",
@@ -46,12 +50,22 @@ Checker = Callable[[object, str], object]
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 _LOWER_HEX64 = re.compile(r"[0-9a-f]{64}")
 _LOWER_HEX128 = re.compile(r"[0-9a-f]{128}")
-_UUID_CORE = r"(?:[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}|[0-9a-fA-F]{32})"
-_UUID = re.compile(rf"(?:(?i:urn:uuid:)?(?P<plain>{_UUID_CORE})|\{{(?P<braced>{_UUID_CORE})\}})")
+_UUID_HYPHENATED = r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
+# NIP-BA's four spellings; the digits are in whichever group matched.
+_UUID = re.compile(
+    rf"(?P<hyphenated>{_UUID_HYPHENATED})|(?P<bare>[0-9a-fA-F]{{32}})"
+    rf"|\{{(?P<braced>{_UUID_HYPHENATED})\}}|urn:uuid:(?P<urn>{_UUID_HYPHENATED})"
+)
 # requestId and cursor: printable ASCII without space, 0x21-0x7E.
 _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 # NIP-AE slug grammar (spec buzz-on-the-relay.md, "Encrypted memory address").
 _SLUG = re.compile(r"core|mem/[a-z0-9][a-z0-9_-]{0,63}(?:/[a-z0-9][a-z0-9_-]{0,63})*")
+
+#: TextKind -> the detail of its refusal (never quoting the value).
+_REFUSED_DETAIL: dict[TextKind, str] = {
+    TextKind.LINE: "holds a control, line-separator or bidi-override character",
+    TextKind.PROSE: "holds a control character other than tab, line feed, carriage return",
+}
 
 # secp256k1 field prime (SEC 2 §2.4.1).
 _P = 2**256 - 2**32 - 977
@@ -64,16 +78,18 @@ def fault(pointer: str, detail: str) -> ContractError:
 
 def normalize_channel_id(value: str) -> str | None:
     """Canonical (lowercase hyphenated) form of any legal UUID spelling, or None."""
-    match = _UUID.fullmatch(value.strip())
+    match = _UUID.fullmatch(trim(value))
     if match is None:
         return None
-    digits = (match.group("plain") or match.group("braced")).replace("-", "").lower()
+    # Exactly one group matched (the alternatives are anchored and disjoint).
+    spelled = next(group for group in match.groups() if group is not None)
+    digits = spelled.replace("-", "").lower()
     return f"{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:]}"
 
 
 def normalize_hex64(value: str) -> str | None:
     """Lowercase form of 64 hex characters (surrounding whitespace trimmed), or None."""
-    value = value.strip()
+    value = trim(value)
     return value.lower() if _HEX64.fullmatch(value) else None
 
 
@@ -183,7 +199,7 @@ def cursor(value: object, pointer: str) -> str:
 
 
 def slug(value: object, pointer: str) -> str:
-    string = _string(value, pointer).strip()
+    string = trim(_string(value, pointer))
     if len(string) > MAX_SLUG_BYTES or _SLUG.fullmatch(string) is None:
         raise fault(pointer, "expected core or a mem/... slug of at most 255 bytes")
     return string
@@ -208,16 +224,19 @@ def integer(low: int, high: int = MAX_JSON_INT) -> Checker:
     return check
 
 
-def text(max_chars: int) -> Checker:
-    """Trimmed text, non-empty after trimming, at most `max_chars` scalar values."""
+def text(max_chars: int, kind: TextKind = TextKind.LINE) -> Checker:
+    """Trimmed text, non-empty after trimming, at most `max_chars` scalar values, holding
+    no character `kind` refuses (a name or other one-line scalar unless told `PROSE`)."""
 
     def check(value: object, pointer: str) -> str:
-        string = _string(value, pointer).strip()
+        string = trim(_string(value, pointer))
         if not string:
             raise fault(pointer, "empty or whitespace-only")
         if len(string) > max_chars:
             raise fault(pointer, f"longer than {max_chars} characters")
         _no_surrogates(string, pointer)
+        if refused_in(string, kind):
+            raise fault(pointer, _REFUSED_DETAIL[kind])
         return string
 
     return check
@@ -228,7 +247,8 @@ def exact_text(max_bytes: int) -> Checker:
 
     def check(value: object, pointer: str) -> str:
         string = _string(value, pointer)
-        if not string or string.isspace():
+        # Any character outside White_Space makes content non-blank (U+001C does: NIP-BA).
+        if is_blank(string):
             raise fault(pointer, "empty or whitespace-only")
         # A scalar value is 1-4 UTF-8 bytes, so short strings skip the encode.
         if len(string) > max_bytes:

@@ -28,6 +28,7 @@ from typing import Generic, TypeVar, cast
 from ._codes import ContractError
 from ._ids import Checker, fault
 from ._json import escape_token, is_object
+from ._text import trim
 
 __all__ = ["Field", "Shape", "SHAPES", "Checked", "register", "shape_for", "read_object",
            "check_instance", "to_wire", "array_of", "nested", "one_of"]
@@ -220,13 +221,13 @@ def nested(shape_of: Callable[[], Shape[object]]) -> Checker:
 
 
 def one_of(*choices: str) -> Checker:
-    """A trimmed string that must be one of `choices`."""
+    """A string, trimmed of White_Space, that must be one of `choices`."""
     allowed = frozenset(choices)
 
     def check(value: object, pointer: str) -> str:
         if type(value) is not str:
             raise fault(pointer, "expected a string")
-        string = value.strip()
+        string = trim(value)
         if string not in allowed:
             raise fault(pointer, "expected one of " + ", ".join(sorted(allowed)))
         return string
