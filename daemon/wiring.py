@@ -75,7 +75,8 @@ def relay_pool(config: Config, custody: Custody,
     )
     if config.relay.url is None:  # no default relay (daemon/config.py)
         raise ValueError("[relay] url is not set")
-    return RelayPool(config.relay.url, sign_auth, timeouts=timeouts, observer=observer)
+    return RelayPool(config.relay.url, sign_auth, timeouts=timeouts, observer=observer,
+                     max_result_bytes=config.relay.max_result_bytes)
 
 
 def _shielded(close: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
