@@ -38,6 +38,7 @@ from daemon.metrics import Metrics
 from daemon.state.ratelimit import RateLimiter
 from daemon.relay.pool import AuthNotSigned, RelayPool, RelayTimeouts
 from daemon.state.runtimes import RuntimeStore
+from daemon.state.sign_watermarks import SignWatermarks
 from daemon.state.sessions import LAST_USE_FLUSH_SECONDS, SessionStore
 
 __all__ = ["running", "relay_pool", "StartupError", "SWEEP_INTERVAL_SECONDS"]
@@ -142,6 +143,8 @@ async def running(
             cursors = CursorCodec.open(state_dir)
             runtimes = RuntimeStore.open(state_dir)
             stack.callback(runtimes.close)
+            watermarks = SignWatermarks.open(state_dir)
+            stack.callback(watermarks.close)
         except (OSError, sqlite3.Error, CursorKeyError) as exc:
             raise StartupError(f"state directory {state_dir}: {exc}") from None
         try:
@@ -178,6 +181,7 @@ async def running(
             metrics=metrics,
             checkpoint=checkpoint,
         )
+        broker.signer.watermarks = watermarks
 
         async def last_counts() -> None:
             # Before the audit log closes: the open refusal counts, then the anchor.

@@ -304,3 +304,51 @@ async def test_a_cached_signature_does_not_vouch_for_changed_content(rig: Rig) -
     second = await rig.harness.call(credential, "channel.read", {"channelId": CHANNEL})
     assert second["status"] == "succeeded", second
     assert second["outcome"]["messages"] == [], "a cache hit delivered content never signed"
+
+
+# --- issue 22 L4: a relay that withholds the latest version -------------------------------
+
+def _withhold(rig: Rig, event: dict[str, Any]) -> None:
+    """The relay forgets `event` (it serves only what it held before)."""
+    del rig.relay.stored[event["id"]]
+
+
+async def test_agents_update_refuses_to_build_on_an_older_record(rig: Rig) -> None:
+    owner, target, _other, credential = await _owner_and_agents(rig)
+    rig.serve(await rig.sign_as(owner, KIND_RECORD, [["d", target]], _record("target", "old")))
+    answer = await rig.harness.call(credential, "agents.update", {
+        "target": {"pubkey": target}, "systemPrompt": "the new prompt"})
+    assert answer["status"] == "succeeded", answer
+    [latest] = [e for e in rig.published() if e["kind"] == KIND_RECORD]
+    _withhold(rig, latest)  # the relay now calls the "old" prompt's version newest
+    signs_before, published_before = len(rig.signed), len(rig.published())
+
+    _refused(await rig.harness.call(credential, "agents.update",
+                                    {"target": {"pubkey": target}, "model": "m2"}))
+    assert len(rig.signed) == signs_before, "nothing may be signed over an older version"
+    assert len(rig.published()) == published_before, "nothing may be published"
+    rig.serve(latest)  # control: the relay serves the latest again, and it is built on
+    answer = await rig.harness.call(credential, "agents.update",
+                                    {"target": {"pubkey": target}, "model": "m2"})
+    assert answer["status"] == "succeeded", answer
+    newest_record = [e for e in rig.published() if e["kind"] == KIND_RECORD][-1]
+    assert json.loads(newest_record["content"])["system_prompt"] == "the new prompt"
+
+
+@pytest.mark.parametrize("served", ["an older version", "nothing"])
+async def test_profile_set_refuses_to_build_on_an_older_profile(rig: Rig, served: str) -> None:
+    agent = await rig.harness.human_owned_agent("profiled")
+    credential = rig.harness.credential(agent, [CHANNEL])
+    old = await rig.sign_as(agent, 0, [], json.dumps({"lud16": "old@example.org"}))
+    rig.serve(old)
+    answer = await rig.harness.call(credential, "profile.set", {"about": "latest"})
+    assert answer["status"] == "succeeded", answer
+    [latest] = [e for e in rig.published() if e["kind"] == 0 and e["pubkey"] == agent]
+    _withhold(rig, latest)
+    if served == "nothing":
+        _withhold(rig, old)
+    signs_before, published_before = len(rig.signed), len(rig.published())
+
+    _refused(await rig.harness.call(credential, "profile.set", {"about": "again"}))
+    assert len(rig.signed) == signs_before, "nothing may be signed over an older version"
+    assert len(rig.published()) == published_before, "nothing may be published"
