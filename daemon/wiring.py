@@ -166,6 +166,7 @@ async def running(
             relay = relay_pool(config, custody, observer=metrics.relay_round_trip)
         except ValueError as exc:
             raise StartupError(f"relay url: {exc}") from None
+        relay.watermarks = watermarks
         broker = Broker(
             config=config,
             custody=custody,
@@ -181,7 +182,6 @@ async def running(
             metrics=metrics,
             checkpoint=checkpoint,
         )
-        broker.signer.watermarks = watermarks
 
         async def last_counts() -> None:
             # Before the audit log closes: the open refusal counts, then the anchor.

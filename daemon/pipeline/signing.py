@@ -30,7 +30,6 @@ import trio
 
 from buzzwire.nostr import SignedEvent, UnsignedEvent
 from custody import Custody
-from daemon.state.sign_watermarks import SignWatermarks, Watermark
 
 __all__ = ["SigningBatcher", "MAX_EVENTS_PER_HOP"]
 
@@ -50,11 +49,6 @@ class _Job:
     error: Exception | None = None
 
 
-def is_replaceable(kind: int) -> bool:
-    """NIP-01 replaceable (0, 3, 10000-19999) or addressable (30000-39999)."""
-    return kind in (0, 3) or 10000 <= kind < 20000 or 30000 <= kind < 40000
-
-
 class SigningBatcher:
     """The one way the daemon signs events: `await batcher.sign([(agent, unsigned), ...])`."""
 
@@ -64,10 +58,6 @@ class SigningBatcher:
         #: hops made and events signed, for tests and the benchmark
         self.hops = 0
         self.events = 0
-        #: Where every replaceable event signed here is remembered (the double-sign guard
-        #: the operations check, daemon/state/sign_watermarks.py); set by the wiring once
-        #: the state directory is open. None: nothing remembered (unit tests).
-        self.watermarks: SignWatermarks | None = None
 
     async def sign(self, requests: Sequence[tuple[str, UnsignedEvent]]) -> list[SignedEvent]:
         """Sign `requests` (in order, any agents) in the next hop that has room.
@@ -84,13 +74,6 @@ class SigningBatcher:
         if job.error is not None:
             raise job.error
         assert job.signed is not None
-        if self.watermarks is not None:
-            # Recorded when signed, before publishing: a version that may reach the relay
-            # is one the host must never build below (a validator signer's rule).
-            for event in job.signed:
-                if is_replaceable(event.kind):
-                    self.watermarks.record(event.pubkey, event.kind, event.tag_value("d") or "",
-                                           Watermark(event.created_at, event.id))
         return job.signed
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

@@ -94,6 +94,7 @@ import trio_websocket
 from buzzwire.nostr import SignedEvent
 
 from daemon.log import log_event
+from daemon.state.sign_watermarks import SignWatermarks, Watermark
 from daemon.relay.protocol import (
     AuthChallenge,
     Closed,
@@ -315,6 +316,11 @@ class _OkWaiter:
         self.done = trio.Event()
         self.ok: Ok | None = None
         self.dropped = False
+
+
+def is_replaceable(kind: int) -> bool:
+    """NIP-01 replaceable (0, 3, 10000-19999) or addressable (30000-39999)."""
+    return kind in (0, 3) or 10000 <= kind < 20000 or 30000 <= kind < 40000
 
 
 def decoded_size(value: object) -> int:
@@ -568,6 +574,10 @@ class RelayPool:
         if max_result_bytes < MAX_QUERY_BYTES:
             raise ValueError(f"max_result_bytes must be >= {MAX_QUERY_BYTES}")
         self._budget = _ResultBudget(max_result_bytes)
+        #: Where each replaceable event published is remembered (the guard operations
+        #: check before they merge, daemon/state/sign_watermarks.py); set by the wiring
+        #: once the state directory is open. None: nothing remembered.
+        self.watermarks: SignWatermarks | None = None
         self._auth_signer = auth_signer
         self._timeouts = timeouts
         self._quickack = tcp_quickack
@@ -849,6 +859,13 @@ class RelayPool:
                 result = await self._publish_on(conn, event_id, frame)
         except _Unreachable as exc:
             result = NotSent(reason=exc.reason)
+        if self.watermarks is not None and isinstance(result, (Accepted, Unknown)) \
+                and is_replaceable(event.kind):
+            # A version the relay took, or may have (an Unknown is retried with these
+            # bytes), is one this host must never build below. A signed event that never
+            # left, or that the relay refused, is not: it cannot be the relay's newest.
+            self.watermarks.record(event.pubkey, event.kind, event.tag_value("d") or "",
+                                   Watermark(event.created_at, event.id))
         self._observe("publish", type(result).__name__.lower(), started)
         return result
 

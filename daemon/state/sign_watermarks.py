@@ -1,11 +1,16 @@
-"""The last version of each replaceable event this host signed: a double-sign guard.
+"""The last version of each replaceable event this host published: a double-sign guard.
 
 Why: `agents.update` and `profile.set` merge into the version the relay calls newest and
 re-sign the result with a later created_at. A relay that withholds the latest version
 could have an older one (an old `system_prompt`, `lud16`, `nip05`) re-signed as new
 (issue 22 L4). Like a validator's signer, which refuses to sign below the height it last
 signed, the host remembers per (author, kind, `d`) the created_at and id of the last
-version it signed, and the operations refuse to build on anything older.
+version it published, and the operations refuse to build on anything older.
+
+"Published" and not "signed": daemon/relay/pool.py records an event the relay accepted
+or may have taken (no answer; the ledger retries those bytes). A version signed and then
+lost to a fault before sending, or refused by the relay, cannot be the relay's newest;
+recording it would refuse every later merge of that event for good.
 
 Rules:
 - One row per (agent, kind, d); `d` is "" for a plain replaceable kind (kind 0).
