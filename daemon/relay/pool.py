@@ -86,7 +86,7 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Union, cast
+from typing import Protocol, Union, cast
 
 import trio
 import trio_websocket
@@ -94,7 +94,6 @@ import trio_websocket
 from buzzwire.nostr import SignedEvent
 
 from daemon.log import log_event
-from daemon.state.sign_watermarks import SignWatermarks, Watermark
 from daemon.relay.protocol import (
     AuthChallenge,
     Closed,
@@ -118,6 +117,8 @@ from daemon.relay.protocol import (
 __all__ = [
     "Accepted",
     "AuthNotSigned",
+    "PublishedMark",
+    "PublishedVersions",
     "AuthSigner",
     "NotSent",
     "PublishResult",
@@ -316,6 +317,25 @@ class _OkWaiter:
         self.done = trio.Event()
         self.ok: Ok | None = None
         self.dropped = False
+
+
+class PublishedMark(Protocol):
+    """One version as `PublishedVersions` keeps it."""
+
+    @property
+    def created_at(self) -> int: ...
+
+    @property
+    def event_id(self) -> str: ...
+
+
+class PublishedVersions(Protocol):
+    """Where the pool records each replaceable event it published (the state directory's
+    daemon/state/sign_watermarks.py; the relay package knows nothing of state)."""
+
+    def get(self, agent: str, kind: int, d: str) -> PublishedMark | None: ...
+
+    def record(self, agent: str, kind: int, d: str, created_at: int, event_id: str) -> None: ...
 
 
 def is_replaceable(kind: int) -> bool:
@@ -577,7 +597,7 @@ class RelayPool:
         #: Where each replaceable event published is remembered (the guard operations
         #: check before they merge, daemon/state/sign_watermarks.py); set by the wiring
         #: once the state directory is open. None: nothing remembered.
-        self.watermarks: SignWatermarks | None = None
+        self.watermarks: PublishedVersions | None = None
         self._auth_signer = auth_signer
         self._timeouts = timeouts
         self._quickack = tcp_quickack
@@ -865,7 +885,7 @@ class RelayPool:
             # bytes), is one this host must never build below. A signed event that never
             # left, or that the relay refused, is not: it cannot be the relay's newest.
             self.watermarks.record(event.pubkey, event.kind, event.tag_value("d") or "",
-                                   Watermark(event.created_at, event.id))
+                                   event.created_at, event.id)
         self._observe("publish", type(result).__name__.lower(), started)
         return result
 

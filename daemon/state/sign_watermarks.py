@@ -70,12 +70,12 @@ class SignWatermarks:
         ).fetchone()
         return None if row is None else Watermark(int(row[0]), str(row[1]))
 
-    def record(self, agent: str, kind: int, d: str, mark: Watermark) -> None:
+    def record(self, agent: str, kind: int, d: str, created_at: int, event_id: str) -> None:
         self._db.execute(
             "INSERT INTO watermarks (agent, kind, d, created_at, event_id) VALUES (?, ?, ?, ?, ?) "
             "ON CONFLICT (agent, kind, d) DO UPDATE SET created_at = excluded.created_at, "
             "event_id = excluded.event_id WHERE excluded.created_at > watermarks.created_at",
-            (agent, kind, d, mark.created_at, mark.event_id),
+            (agent, kind, d, created_at, event_id),
         )
 
     def close(self) -> None:

@@ -39,13 +39,11 @@ AGENT = "a" * 64
 FLOOD_CONTENT = 900 * 1024
 
 
-class FloodRelay:
-    """Answers every REQ with `count` events of `content` characters each, then EOSE."""
+class _ReqRelay:
+    """Answers every REQ with the frames `frames(sub)` gives, then EOSE; nothing else."""
 
-    def __init__(self) -> None:
-        self.count = 0
-        self.content = 0
-        self.sent_bytes = 0
+    def frames(self, sub: str) -> list[str]:
+        raise NotImplementedError
 
     async def serve(self, port: int, *, task_status: trio.TaskStatus[Any]
                     = trio.TASK_STATUS_IGNORED) -> None:
@@ -59,17 +57,30 @@ class FloodRelay:
                 frame = json.loads(await ws.get_message())
                 if frame[0] != "REQ":
                     continue
-                sub = frame[1]
-                for n in range(self.count):
-                    event = {"id": hashlib.sha256(f"{n}".encode()).hexdigest(), "pubkey": "b" * 64,
-                             "created_at": 1_700_000_000 - n, "kind": 9, "tags": [["h", CHANNEL]],
-                             "content": "x" * self.content, "sig": "c" * 128}
-                    text = json.dumps(["EVENT", sub, event])
-                    self.sent_bytes += len(text)
+                for text in self.frames(frame[1]):
                     await ws.send_message(text)
-                await ws.send_message(json.dumps(["EOSE", sub]))
+                await ws.send_message(json.dumps(["EOSE", frame[1]]))
         except trio_websocket.ConnectionClosed:
             pass
+
+
+class FloodRelay(_ReqRelay):
+    """Answers every REQ with `count` events of `content` characters each, then EOSE."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.content = 0
+        self.sent_bytes = 0
+
+    def frames(self, sub: str) -> list[str]:
+        texts = []
+        for n in range(self.count):
+            event = {"id": hashlib.sha256(f"{n}".encode()).hexdigest(), "pubkey": "b" * 64,
+                     "created_at": 1_700_000_000 - n, "kind": 9, "tags": [["h", CHANNEL]],
+                     "content": "x" * self.content, "sig": "c" * 128}
+            texts.append(json.dumps(["EVENT", sub, event]))
+            self.sent_bytes += len(texts[-1])
+        return texts
 
 
 async def _no_auth(*_args: object) -> Mapping[str, Any]:
@@ -176,36 +187,19 @@ async def test_channel_read_page_is_held_to_its_byte_bound_end_to_end(broker: An
 TAG_FLOOD_TAGS = 100_000
 
 
-class TagFloodRelay:
+class TagFloodRelay(_ReqRelay):
     """Answers every REQ with `count` copies of one event of TAG_FLOOD_TAGS one-letter tags."""
 
     def __init__(self, count: int) -> None:
         self.count = count
         self.frame_chars = 0
 
-    async def serve(self, port: int, *, task_status: trio.TaskStatus[Any]
-                    = trio.TASK_STATUS_IGNORED) -> None:
-        await trio_websocket.serve_websocket(self._handle, "127.0.0.1", port, None,
-                                             task_status=task_status)
-
-    async def _handle(self, request: trio_websocket.WebSocketRequest) -> None:
-        ws = await request.accept()
-        try:
-            while True:
-                frame = json.loads(await ws.get_message())
-                if frame[0] != "REQ":
-                    continue
-                event = {"id": "d" * 64, "pubkey": "b" * 64, "created_at": 1_700_000_000,
-                         "kind": 9, "tags": [["a"]] * TAG_FLOOD_TAGS, "content": "",
-                         "sig": "c" * 128}
-                text = json.dumps(["EVENT", frame[1], event], separators=(",", ":"))
-                del event
-                self.frame_chars = len(text)
-                for _ in range(self.count):
-                    await ws.send_message(text)
-                await ws.send_message(json.dumps(["EOSE", frame[1]]))
-        except trio_websocket.ConnectionClosed:
-            pass
+    def frames(self, sub: str) -> list[str]:
+        event = {"id": "d" * 64, "pubkey": "b" * 64, "created_at": 1_700_000_000,
+                 "kind": 9, "tags": [["a"]] * TAG_FLOOD_TAGS, "content": "", "sig": "c" * 128}
+        text = json.dumps(["EVENT", sub, event], separators=(",", ":"))
+        self.frame_chars = len(text)
+        return [text] * self.count  # one string, sent `count` times
 
 
 async def test_a_tag_flood_is_bounded_by_its_decoded_size_not_its_frame() -> None:
