@@ -352,3 +352,25 @@ async def test_profile_set_refuses_to_build_on_an_older_profile(rig: Rig, served
     _refused(await rig.harness.call(credential, "profile.set", {"about": "again"}))
     assert len(rig.signed) == signs_before, "nothing may be signed over an older version"
     assert len(rig.published()) == published_before, "nothing may be published"
+
+
+# --- issue 22 M2 end to end: a relay whose events decode to far more than their frames -----
+
+async def test_a_tag_flood_read_fails_cleanly_and_the_daemon_serves_on(rig: Rig) -> None:
+    # Two events of 100,000 one-letter tags each: ~600 KB frames, ~14 MiB decoded each, so
+    # together past the query's 16 MiB bound although their frames are 1.2 MB.
+    reader = await rig.harness.human_owned_agent("reader")
+    credential = rig.harness.credential(reader, [CHANNEL])
+    flood = [TestKey().sign(9, f"flood {n}", [["h", CHANNEL]] + [["a"]] * 100_000)
+             for n in range(2)]
+    for event in flood:
+        rig.serve(event)
+    pool = rig.harness.app._relay  # the daemon's own pool: its budget's accounting
+    _refused(await rig.harness.call(credential, "channel.read", {"channelId": CHANNEL}))
+    assert pool.result_bytes_held == 0, "the failed read holds nothing"
+    for event in flood:
+        _withhold(rig, event)
+    rig.serve(TestKey().sign(9, "honest", [["h", CHANNEL]]))
+    answer = await rig.harness.call(credential, "channel.read", {"channelId": CHANNEL})
+    assert answer["status"] == "succeeded", answer
+    assert [m["content"] for m in answer["outcome"]["messages"]] == ["honest"]
