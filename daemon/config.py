@@ -45,6 +45,7 @@ from urllib.parse import urlsplit
 
 from buzzwire.contract import ACTIONS
 from buzzwire.loopback import LOOPBACK_NAMES, is_loopback_host
+from daemon.relay.pool import DEFAULT_RESULT_BYTES, MAX_QUERY_BYTES
 from daemon.relay.protocol import check_relay_url
 from daemon.state.ratelimit import DEFAULT_RATE_CONFIG, RateConfig, rate_config_from_table
 
@@ -156,6 +157,8 @@ class RelayConfig:
     ok_timeout: float
     eose_timeout: float
     idle_seconds: float
+    #: Decoded bytes of relay events every query holds together (daemon/relay/pool.py).
+    max_result_bytes: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -486,6 +489,9 @@ _KEYS: tuple[_Key, ...] = (
     _Key("relay", "ok_timeout", "ok_timeout", _duration, 10),
     _Key("relay", "eose_timeout", "eose_timeout", _duration, 10),
     _Key("relay", "idle_seconds", "idle_seconds", _duration, 300),
+    # At least one query at its own bound, or that query could never succeed.
+    _Key("relay", "max_result_bytes", "max_result_bytes", _int_at_least(MAX_QUERY_BYTES),
+         DEFAULT_RESULT_BYTES),
     _Key("policy", "disabled_actions", "disabled_actions", _string_set(ACTION_NAMES), []),
     _Key("policy", "max_agent_depth", "max_agent_depth", _int_at_least(0, 64), 3),
     _Key(

@@ -40,6 +40,7 @@ from daemon.state.observer_seq import ObserverSeq
 from daemon.state.ratelimit import RateLimiter
 from daemon.relay.pool import AuthNotSigned, RelayPool, RelayTimeouts
 from daemon.state.runtimes import RuntimeStore
+from daemon.state.sign_watermarks import SignWatermarks
 from daemon.state.sessions import LAST_USE_FLUSH_SECONDS, SessionStore
 
 __all__ = ["running", "relay_pool", "StartupError", "SWEEP_INTERVAL_SECONDS"]
@@ -77,7 +78,8 @@ def relay_pool(config: Config, custody: Custody,
     )
     if config.relay.url is None:  # no default relay (daemon/config.py)
         raise ValueError("[relay] url is not set")
-    return RelayPool(config.relay.url, sign_auth, timeouts=timeouts, observer=observer)
+    return RelayPool(config.relay.url, sign_auth, timeouts=timeouts, observer=observer,
+                     max_result_bytes=config.relay.max_result_bytes)
 
 
 def _shielded(close: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
@@ -147,6 +149,8 @@ async def running(
             stack.callback(runtimes.close)
             observer_seq = ObserverSeq.open(state_dir)
             stack.callback(observer_seq.close)
+            watermarks = SignWatermarks.open(state_dir)
+            stack.callback(watermarks.close)
         except (OSError, sqlite3.Error, CursorKeyError) as exc:
             raise StartupError(f"state directory {state_dir}: {exc}") from None
         try:
@@ -170,6 +174,7 @@ async def running(
             raise StartupError(f"relay url: {exc}") from None
         observer = ObserverIntake(queue=ObserverQueue(config.observer, relay.publish),
                                   seq=observer_seq, clock=time.time)
+        relay.watermarks = watermarks
         broker = Broker(
             config=config,
             custody=custody,

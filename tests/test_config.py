@@ -55,6 +55,7 @@ connect_timeout = 2
 ok_timeout = 3.5
 eose_timeout = "1m"
 idle_seconds = 30
+max_result_bytes = 33554432
 
 [policy]
 disabled_actions = ["agents.delete", "profile.set"]
@@ -104,6 +105,7 @@ EXPECTED: dict[tuple[str, str], object] = {
     ("relay", "ok_timeout"): 3.5,
     ("relay", "eose_timeout"): 60.0,
     ("relay", "idle_seconds"): 30.0,
+    ("relay", "max_result_bytes"): 33554432,
     ("policy", "disabled_actions"): frozenset({"agents.delete", "profile.set"}),
     ("policy", "max_agent_depth"): 1,
     ("policy", "runtimes"): frozenset({"goose"}),
@@ -145,6 +147,7 @@ DEFAULTS: dict[tuple[str, str], object] = {
     ("relay", "ok_timeout"): 10.0,
     ("relay", "eose_timeout"): 10.0,
     ("relay", "idle_seconds"): 300.0,
+    ("relay", "max_result_bytes"): 67108864,
     ("policy", "disabled_actions"): frozenset(),
     ("policy", "max_agent_depth"): 3,
     ("policy", "runtimes"): frozenset({"goose", "claude", "codex", "buzz-agent", "buzz-acp"}),

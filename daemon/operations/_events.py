@@ -37,6 +37,7 @@ __all__ = [
     "fetch_in_channel",
     "verified",
     "sign_all",
+    "check_builds_on_latest",
 ]
 
 Tag = tuple[str, ...]
@@ -100,6 +101,32 @@ def json_object_or_none(text: str) -> dict[str, object] | None:
 def tag_value(event: SignedEvent, name: str) -> str | None:
     """The first value of the first tag called `name`, if any."""
     return event.tag_value(name)
+
+
+def check_builds_on_latest(ctx: Context, author: str, kind: int, d: str,
+                           previous: SignedEvent | None) -> None:
+    """Refuse to build on a version older than the last one this host published (issue 22 L4).
+
+    The relay decides what "newest" is; a relay that withholds the latest version would
+    otherwise have an older one merged and re-signed as new. The version this host last
+    published (accepted, or sent with no answer: daemon/state/sign_watermarks.py) is the
+    floor: the relay's newest must be it, or later (another client's write).
+
+    Raises:
+      OperationRefused(action_failed): the relay answered nothing, or something older.
+    """
+    store = ctx.relay.watermarks
+    mark = None if store is None else store.get(author, kind, d)
+    if mark is None or (previous is not None and (
+            previous.created_at > mark.created_at or previous.id == mark.event_id)):
+        return
+    relay_has = "nothing" if previous is None else f"{previous.id} at {previous.created_at}"
+    raise OperationRefused(
+        ErrorCode.ACTION_FAILED,
+        "the relay's newest version is older than the last one this host published",
+        detail=f"kind {kind} d {d[:80]!r}: relay has {relay_has}, "
+               f"published here {mark.event_id} at {mark.created_at}",
+    )
 
 
 async def fetch(ctx: Context, query_filter: Mapping[str, object]) -> list[SignedEvent]:

@@ -29,6 +29,7 @@ import trio
 from buzzwire.contract import AgentsUpdateArgs, AgentsUpdateOutcome, ErrorCode, Verdict
 from daemon.operations._base import Context, OperationRefused, Plan
 from daemon.operations._events import (
+    check_builds_on_latest,
     fetch,
     json_object_or_none,
     newest,
@@ -68,6 +69,7 @@ async def prepare(ctx: Context, args: AgentsUpdateArgs) -> Plan | Verdict:
                        f" d {str(tag_value(event, 'd'))[:80]!r}",
             )
     previous = newest(found)
+    check_builds_on_latest(ctx, owner, KIND_MANAGED_AGENT, agent.pubkey, previous)
     current: dict[str, object] = (
         (json_object_or_none(previous.content) or {}) if previous is not None else {}
     )

@@ -17,7 +17,14 @@ from buzzwire.contract import ProfileSetArgs, PublishOutcome
 from buzzwire.nostr import SignedEvent
 from daemon.log import log_event
 from daemon.operations._base import Context, Plan
-from daemon.operations._events import fetch, json_object_or_none, newest, next_created_at, sign
+from daemon.operations._events import (
+    check_builds_on_latest,
+    fetch,
+    json_object_or_none,
+    newest,
+    next_created_at,
+    sign,
+)
 
 _log = logging.getLogger("buzz_broker.operations")
 
@@ -38,6 +45,7 @@ async def current_profile(
     """The author's newest kind 0 and its content (empty when absent or corrupt)."""
     found = await fetch(ctx, {"kinds": [KIND_METADATA], "authors": [author], "limit": 5})
     previous = newest([e for e in found if e.pubkey == author and e.kind == KIND_METADATA])
+    check_builds_on_latest(ctx, author, KIND_METADATA, "", previous)
     if previous is None:
         return {}, None
     content = json_object_or_none(previous.content)

@@ -28,8 +28,13 @@ Rules:
   Events are returned as the relay sent them (parsed dicts); the read path verifies them.
 - Memory a relay can make us hold: one frame <= MAX_FRAME_BYTES; one connection's queue
   <= _MESSAGE_QUEUE frames; one query <= MAX_EVENTS_PER_QUERY events and MAX_QUERY_BYTES
-  bytes of EVENT frames. Past a query's bound the query fails (RelayUnavailable) and what
-  it had collected is dropped at once.
+  bytes of *decoded* events (`decoded_size`: what the parsed dicts take, not the frame's
+  characters: a 1 MiB frame of 170,000 one-letter tags decodes to ~16 MiB); and every
+  query of the pool together <= ``max_result_bytes`` decoded bytes (`_ResultBudget`),
+  counted from the first event until the caller drops the list `query` returned. Past
+  either bound the query fails (RelayUnavailable) and what it had collected is dropped at
+  once. Only the frame being parsed is held beyond them (one at a time: parsing does not
+  yield to other tasks).
 - A relay that breaks NIP-01 (a frame `parse_relay_message` refuses) loses its
   connection: everything waiting on it resolves at once (Unknown / RelayUnavailable)
   instead of waiting for a timeout that a broken peer makes meaningless.
@@ -75,11 +80,13 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
+import sys
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Union, cast
+from typing import Protocol, Union, cast
 
 import trio
 import trio_websocket
@@ -110,6 +117,8 @@ from daemon.relay.protocol import (
 __all__ = [
     "Accepted",
     "AuthNotSigned",
+    "PublishedMark",
+    "PublishedVersions",
     "AuthSigner",
     "NotSent",
     "PublishResult",
@@ -120,6 +129,7 @@ __all__ = [
     "RelayTimeouts",
     "RelayUnavailable",
     "Unknown",
+    "decoded_size",
 ]
 
 _logger = logging.getLogger("buzz_broker.relay")
@@ -135,6 +145,11 @@ MAX_EVENTS_PER_QUERY = 5_000
 #: into one read. An honest page is far smaller (daemon/operations/channel_read.py cuts a
 #: page at MAX_PAGE_BYTES); a read past this bound fails with action_failed, logged.
 MAX_QUERY_BYTES = 16 * 1024 * 1024
+#: Default of ``[relay] max_result_bytes``: decoded bytes every query of the pool may hold
+#: together. Without it the per-query bound multiplies by the concurrent reads the HTTP
+#: caps admit (128 per uid): ~2 GiB per uid, and under mlockall an OOM kill. Four queries
+#: at their bound fit; an honest page is far smaller, so honest reads rarely share it.
+DEFAULT_RESULT_BYTES = 4 * MAX_QUERY_BYTES
 #: Frames buffered between trio-websocket's reader and ours; a burst of EVENTs should
 #: not stall the socket reader on every frame. Times MAX_FRAME_BYTES, this is what one
 #: relay connection may hold in its queue (16 MiB), so it is kept small.
@@ -304,24 +319,129 @@ class _OkWaiter:
         self.dropped = False
 
 
-class _Subscription:
-    __slots__ = ("done", "events", "size", "closed", "dropped", "overflow")
+class PublishedMark(Protocol):
+    """One version as `PublishedVersions` keeps it."""
 
-    def __init__(self) -> None:
+    @property
+    def created_at(self) -> int: ...
+
+    @property
+    def event_id(self) -> str: ...
+
+
+class PublishedVersions(Protocol):
+    """Where the pool records each replaceable event it published (the state directory's
+    daemon/state/sign_watermarks.py; the relay package knows nothing of state)."""
+
+    def get(self, agent: str, kind: int, d: str) -> PublishedMark | None: ...
+
+    def record(self, agent: str, kind: int, d: str, created_at: int, event_id: str) -> None: ...
+
+
+def is_replaceable(kind: int) -> bool:
+    """NIP-01 replaceable (0, 3, 10000-19999) or addressable (30000-39999)."""
+    return kind in (0, 3) or 10000 <= kind < 20000 or 30000 <= kind < 40000
+
+
+def decoded_size(value: object) -> int:
+    """Bytes the parsed JSON `value` takes in this process (sys.getsizeof of every object).
+
+    Why not the frame's length: JSON is denser than its objects (`["a"],` is 6 characters,
+    and a one-element list holding a str is ~110 bytes). Shared objects (CPython caches
+    one-character strings) are counted at every use, so this over-counts, never under.
+    Iterative: a relay's nesting depth must not reach the recursion limit here.
+    """
+    total = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        total += sys.getsizeof(item)
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
+
+
+class _ResultBudget:
+    """Decoded bytes every query of one pool holds, against one process-wide total.
+
+    Unlike the request-body budget (daemon/peer_shares.py) it cannot wait: events arrive
+    as the relay sends them, and stalling the reader would stall the connection's OKs. A
+    query whose next event does not fit fails instead (the read answers action_failed).
+    """
+
+    __slots__ = ("total", "used")
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.used = 0
+
+    def take(self, size: int) -> bool:
+        if self.used + size > self.total:
+            return False
+        self.used += size
+        return True
+
+    def give_back(self, size: int) -> None:
+        self.used -= size
+
+
+class _Results(list[dict[str, object]]):
+    """What `query` returns: a list that can carry a finalizer, so that the budget its
+    events took is given back when the caller drops it, not when `query` returns."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _Subscription:
+    __slots__ = ("done", "events", "size", "closed", "dropped", "overflow", "budget")
+
+    def __init__(self, budget: _ResultBudget) -> None:
         self.done = trio.Event()
         self.events: list[dict[str, object]] = []
-        #: Characters of the EVENT frames collected (the frame's size as received).
+        #: Decoded bytes of the events collected (`decoded_size`), all taken from `budget`.
         self.size = 0
         self.closed: str | None = None
         self.dropped = False
-        self.overflow = False
+        #: None, or what was exceeded: "query" (this query's bound) or "pool" (the budget).
+        self.overflow: str | None = None
+        self.budget = budget
+
+    def collect(self, event: dict[str, object]) -> None:
+        size = decoded_size(event)
+        if len(self.events) >= MAX_EVENTS_PER_QUERY or self.size + size > MAX_QUERY_BYTES:
+            self.overflow = "query"
+        elif not self.budget.take(size):
+            self.overflow = "pool"
+        else:
+            self.events.append(event)
+            self.size += size
+            return
+        # The query fails: free what it held at once.
+        self.budget.give_back(self.hand_over()[1])
+        self.done.set()
+
+    def hand_over(self) -> tuple[list[dict[str, object]], int]:
+        """The events and the budget bytes they hold; the subscription holds nothing after."""
+        events, size = self.events, self.size
+        self.events, self.size = [], 0
+        return events, size
+
+    @property
+    def complete(self) -> bool:
+        """EOSE came and nothing went wrong: the events are the query's answer."""
+        return (self.done.is_set() and self.closed is None and self.overflow is None
+                and not self.dropped)
 
 
 class _Connection:
     """One WebSocket to the relay, used by one agent. State only; the pool drives it."""
 
-    def __init__(self, agent: str) -> None:
+    def __init__(self, agent: str, budget: _ResultBudget) -> None:
         self.agent = agent
+        self.budget = budget
         self.ws: trio_websocket.WebSocketConnection | None = None
         self.scope: trio.CancelScope | None = None
         self.alive = False
@@ -358,7 +478,7 @@ class _Connection:
     def open_subscription(self) -> tuple[str, _Subscription]:
         sub_id = subscription_id(self.sub_counter)
         self.sub_counter += 1
-        sub = _Subscription()
+        sub = _Subscription(self.budget)
         if not self.alive:
             sub.dropped = True
             sub.done.set()
@@ -379,9 +499,8 @@ class _Connection:
 
     # incoming ------------------------------------------------------------------------
 
-    def dispatch(self, msg: RelayMessage, size: int = 0) -> None:
-        """Apply one relay message (a frame of `size` characters) to the waiters (one
-        `match`, one arm per verb)."""
+    def dispatch(self, msg: RelayMessage) -> None:
+        """Apply one relay message to the waiters (one `match`, one arm per verb)."""
         match msg:
             case Ok(event_id=event_id):
                 for waiter in self.ok_waiters.pop(event_id, []):
@@ -390,14 +509,7 @@ class _Connection:
             case EventMessage(subscription_id=sub_id, event=event):
                 sub = self.subscriptions.get(sub_id)
                 if sub is not None and not sub.done.is_set():
-                    if (len(sub.events) >= MAX_EVENTS_PER_QUERY
-                            or sub.size + size > MAX_QUERY_BYTES):
-                        sub.overflow = True
-                        sub.events.clear()  # the query fails; free what it held at once
-                        sub.done.set()
-                    else:
-                        sub.events.append(event)
-                        sub.size += size
+                    sub.collect(event)
             case EndOfStoredEvents(subscription_id=sub_id):
                 sub = self.subscriptions.get(sub_id)
                 if sub is not None:
@@ -458,9 +570,12 @@ class RelayPool:
         observer: called ``observer(op, result, seconds)`` after each publish
             (result: accepted|rejected|notsent|unknown) and query (ok|refused|unavailable),
             for metrics; it sees no event, filter or agent.
+        max_result_bytes: decoded bytes every query's events may hold together, from the
+            first event until the caller drops the returned list (module docstring).
 
     Raises:
-        ValueError: a URL the transport rule refuses, or a signer that is not callable.
+        ValueError: a URL the transport rule refuses, a signer that is not callable, or
+            a `max_result_bytes` below MAX_QUERY_BYTES (one query at its bound must fit).
     """
 
     def __init__(
@@ -471,10 +586,18 @@ class RelayPool:
         timeouts: RelayTimeouts = RelayTimeouts(),
         tcp_quickack: bool = True,
         observer: Callable[[str, str, float], None] | None = None,
+        max_result_bytes: int = DEFAULT_RESULT_BYTES,
     ) -> None:
         self._url: RelayUrl = check_relay_url(url)
         if not callable(auth_signer):
             raise ValueError("auth_signer must be an async callable")
+        if max_result_bytes < MAX_QUERY_BYTES:
+            raise ValueError(f"max_result_bytes must be >= {MAX_QUERY_BYTES}")
+        self._budget = _ResultBudget(max_result_bytes)
+        #: Where each replaceable event published is remembered (the guard operations
+        #: check before they merge, daemon/state/sign_watermarks.py); set by the wiring
+        #: once the state directory is open. None: nothing remembered.
+        self.watermarks: PublishedVersions | None = None
         self._auth_signer = auth_signer
         self._timeouts = timeouts
         self._quickack = tcp_quickack
@@ -489,6 +612,12 @@ class RelayPool:
     @property
     def url(self) -> str:
         return self._url.text
+
+    @property
+    def result_bytes_held(self) -> int:
+        """Decoded bytes of relay events the pool's queries hold now (collected, or
+        returned and not yet dropped by their caller)."""
+        return self._budget.used
 
     # lifecycle ------------------------------------------------------------------------
 
@@ -558,7 +687,7 @@ class RelayPool:
                 raise _Unreachable(f"relay unreachable; next attempt in {wait:.1f}s")
             if wait > 0:
                 await trio.sleep(wait)
-            conn = _Connection(agent)
+            conn = _Connection(agent, self._budget)
             try:
                 with trio.fail_after(self._timeouts.connect):
                     await nursery.start(self._serve_connection, conn)
@@ -663,7 +792,7 @@ class RelayPool:
                     agent=conn.agent, code=exc.code, detail=exc.detail[:200],
                 )
                 return f"protocol error ({exc.code})"
-            conn.dispatch(msg, len(frame))
+            conn.dispatch(msg)
 
     # AUTH -------------------------------------------------------------------------------
 
@@ -750,6 +879,13 @@ class RelayPool:
                 result = await self._publish_on(conn, event_id, frame)
         except _Unreachable as exc:
             result = NotSent(reason=exc.reason)
+        if self.watermarks is not None and isinstance(result, (Accepted, Unknown)) \
+                and is_replaceable(event.kind):
+            # A version the relay took, or may have (an Unknown is retried with these
+            # bytes), is one this host must never build below. A signed event that never
+            # left, or that the relay refused, is not: it cannot be the relay's newest.
+            self.watermarks.record(event.pubkey, event.kind, event.tag_value("d") or "",
+                                   event.created_at, event.id)
         self._observe("publish", type(result).__name__.lower(), started)
         return result
 
@@ -852,15 +988,28 @@ class RelayPool:
                     raise RelayUnavailable(f"no EOSE within {self._timeouts.eose}s")
             finally:
                 await self._close_subscription(conn, sub_id)
+                # Bytes of an answer are held until its caller drops it (_results); every
+                # other way out of here gives them back now.
+                events, held = sub.hand_over()
+                if not sub.complete:
+                    self._budget.give_back(held)
             if sub.dropped:
                 raise RelayUnavailable("connection dropped before EOSE")
-            if sub.overflow:
+            if sub.overflow == "query":
                 raise RelayUnavailable(
                     f"relay sent more than {MAX_EVENTS_PER_QUERY} events or "
-                    f"{MAX_QUERY_BYTES} bytes for one query"
+                    f"{MAX_QUERY_BYTES} decoded bytes for one query"
+                )
+            if sub.overflow == "pool":
+                log_event(_logger, "relay_result_budget_full", level=logging.WARNING,
+                          agent=conn.agent, held=self._budget.used, total=self._budget.total)
+                raise RelayUnavailable(
+                    f"the relay results held exceed max_result_bytes ({self._budget.total})"
                 )
             if sub.closed is None:
-                return sub.events
+                results = _Results(events)
+                weakref.finalize(results, self._budget.give_back, held)
+                return results
             closed = Closed(subscription_id=sub_id, message=sub.closed)
             if closed.prefix is Prefix.AUTH_REQUIRED and attempt == 0:
                 try:

@@ -1,7 +1,9 @@
 """Byte bounds on what the relay can make the daemon hold (issue 13 item 2).
 
 Invariants:
-- One query holds at most `daemon.relay.pool.MAX_QUERY_BYTES` of EVENT frames: a relay that
+- One query holds at most `daemon.relay.pool.MAX_QUERY_BYTES` of decoded events (issue 22
+  M2: counted as the parsed objects take, not as frame characters), and every query of the
+  pool together at most `max_result_bytes` until its caller drops the answer: a relay that
   answers a REQ with more fails that query (RelayUnavailable, so the read is `failed` +
   `action_failed`) instead of being buffered, and the pool keeps serving the next query on
   the same connection. (Before: only the count was bounded, 5,000 events of up to 1 MiB.)
@@ -37,13 +39,11 @@ AGENT = "a" * 64
 FLOOD_CONTENT = 900 * 1024
 
 
-class FloodRelay:
-    """Answers every REQ with `count` events of `content` characters each, then EOSE."""
+class _ReqRelay:
+    """Answers every REQ with the frames `frames(sub)` gives, then EOSE; nothing else."""
 
-    def __init__(self) -> None:
-        self.count = 0
-        self.content = 0
-        self.sent_bytes = 0
+    def frames(self, sub: str) -> list[str]:
+        raise NotImplementedError
 
     async def serve(self, port: int, *, task_status: trio.TaskStatus[Any]
                     = trio.TASK_STATUS_IGNORED) -> None:
@@ -57,17 +57,30 @@ class FloodRelay:
                 frame = json.loads(await ws.get_message())
                 if frame[0] != "REQ":
                     continue
-                sub = frame[1]
-                for n in range(self.count):
-                    event = {"id": hashlib.sha256(f"{n}".encode()).hexdigest(), "pubkey": "b" * 64,
-                             "created_at": 1_700_000_000 - n, "kind": 9, "tags": [["h", CHANNEL]],
-                             "content": "x" * self.content, "sig": "c" * 128}
-                    text = json.dumps(["EVENT", sub, event])
-                    self.sent_bytes += len(text)
+                for text in self.frames(frame[1]):
                     await ws.send_message(text)
-                await ws.send_message(json.dumps(["EOSE", sub]))
+                await ws.send_message(json.dumps(["EOSE", frame[1]]))
         except trio_websocket.ConnectionClosed:
             pass
+
+
+class FloodRelay(_ReqRelay):
+    """Answers every REQ with `count` events of `content` characters each, then EOSE."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.content = 0
+        self.sent_bytes = 0
+
+    def frames(self, sub: str) -> list[str]:
+        texts = []
+        for n in range(self.count):
+            event = {"id": hashlib.sha256(f"{n}".encode()).hexdigest(), "pubkey": "b" * 64,
+                     "created_at": 1_700_000_000 - n, "kind": 9, "tags": [["h", CHANNEL]],
+                     "content": "x" * self.content, "sig": "c" * 128}
+            texts.append(json.dumps(["EVENT", sub, event]))
+            self.sent_bytes += len(texts[-1])
+        return texts
 
 
 async def _no_auth(*_args: object) -> Mapping[str, Any]:
@@ -167,3 +180,89 @@ async def test_channel_read_page_is_held_to_its_byte_bound_end_to_end(broker: An
     rest = second["outcome"]["messages"]
     assert "nextCursor" not in second["outcome"]
     assert sorted(m["content"][:3] for m in page + rest) == [f"{n:03d}" for n in range(posted)]
+
+
+#: One-letter tags in one tag-flood event: 6 characters each on the wire (`["a"],`), so the
+#: frame stays under MAX_FRAME_BYTES while the parsed lists take ~110 bytes per tag.
+TAG_FLOOD_TAGS = 100_000
+
+
+class TagFloodRelay(_ReqRelay):
+    """Answers every REQ with `count` copies of one event of TAG_FLOOD_TAGS one-letter tags."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.frame_chars = 0
+
+    def frames(self, sub: str) -> list[str]:
+        event = {"id": "d" * 64, "pubkey": "b" * 64, "created_at": 1_700_000_000,
+                 "kind": 9, "tags": [["a"]] * TAG_FLOOD_TAGS, "content": "", "sig": "c" * 128}
+        text = json.dumps(["EVENT", sub, event], separators=(",", ":"))
+        self.frame_chars = len(text)
+        return [text] * self.count  # one string, sent `count` times
+
+
+async def test_a_tag_flood_is_bounded_by_its_decoded_size_not_its_frame() -> None:
+    # issue 22 M2: 600 KB frames of one-letter tags decode to ~11 MB each. Counted by
+    # frame characters, sixteen of them fit the query bound (~176 MB held); counted by
+    # decoded size, the second one fails the query.
+    import tracemalloc
+
+    relay = TagFloodRelay(count=16)
+    port = free_port()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(relay.serve, port)
+        pool = RelayPool(f"ws://127.0.0.1:{port}", _no_auth,
+                         timeouts=RelayTimeouts(connect=5, ok=5, eose=60))
+        await nursery.start(pool.run)
+        tracemalloc.start()
+        try:
+            with pytest.raises(RelayUnavailable, match="decoded bytes"):
+                await pool.query(AGENT, [{"kinds": [9]}])
+            _current, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        from daemon.relay.pool import MAX_FRAME_BYTES, decoded_size
+
+        assert relay.frame_chars < MAX_FRAME_BYTES
+        one_event = decoded_size(json.loads(
+            json.dumps({"tags": [["a"]] * TAG_FLOOD_TAGS})))
+        assert one_event * 16 > 8 * MAX_QUERY_BYTES, "the flood must exceed the bound many times"
+        # What stays: the query's bound, one frame being parsed, the connection's queue of
+        # raw frames (16 x 1 MiB), and the relay's own frame text (this process).
+        assert peak < MAX_QUERY_BYTES + one_event + 16 * MAX_FRAME_BYTES + 8 * 1024 * 1024
+        assert pool.result_bytes_held == 0, "a failed query gives its bytes back"
+        relay.count = 1
+        answer = await pool.query(AGENT, [{"kinds": [9]}])
+        assert len(answer) == 1 and pool.result_bytes_held >= one_event
+        del answer
+        assert pool.result_bytes_held == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_every_query_together_is_held_to_max_result_bytes() -> None:
+    # Each answer fits its own query's bound; the pool-wide budget (the smallest allowed,
+    # MAX_QUERY_BYTES) is held by the first answer until its caller drops it.
+    relay = TagFloodRelay(count=1)
+    port = free_port()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(relay.serve, port)
+        pool = RelayPool(f"ws://127.0.0.1:{port}", _no_auth, max_result_bytes=MAX_QUERY_BYTES,
+                         timeouts=RelayTimeouts(connect=5, ok=5, eose=60))
+        await nursery.start(pool.run)
+        first = await pool.query(AGENT, [{"kinds": [9]}])
+        held = pool.result_bytes_held
+        assert len(first) == 1 and held > MAX_QUERY_BYTES // 2
+        with pytest.raises(RelayUnavailable, match="max_result_bytes"):
+            await pool.query("e" * 64, [{"kinds": [9]}])
+        assert pool.result_bytes_held == held, "the refused query gave back what it took"
+        del first
+        assert pool.result_bytes_held == 0, "a dropped answer gives its bytes back"
+        second = await pool.query("e" * 64, [{"kinds": [9]}])
+        assert len(second) == 1
+        nursery.cancel_scope.cancel()
+
+
+def test_the_result_budget_must_hold_one_query() -> None:
+    with pytest.raises(ValueError, match="max_result_bytes"):
+        RelayPool("ws://127.0.0.1:1", _no_auth, max_result_bytes=MAX_QUERY_BYTES - 1)

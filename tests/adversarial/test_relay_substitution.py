@@ -196,3 +196,181 @@ async def test_control_a_well_formed_root_is_copied(rig: Rig) -> None:
     assert answer["status"] == "succeeded", answer
     [reply] = [e for e in rig.published() if e["pubkey"] == author]
     assert ["e", root, "", "root"] in reply["tags"] and ["e", parent["id"], "", "reply"] in reply["tags"]
+
+
+# --- issue 22, defences no test guarded (docs/reliability.md "Defences and the tests that
+# guard them", rows 1-3). Each test below fails when its one defence alone is disabled.
+
+def _with_bad_id(event: dict[str, Any], content: str) -> dict[str, Any]:
+    """The event with `content` changed and its id and signature kept: the id no longer
+    binds the content (the signature is still valid over the id)."""
+    return {**event, "content": content}
+
+
+def _with_bad_sig(event: dict[str, Any], content: str) -> dict[str, Any]:
+    """The event with `content` changed and its id recomputed: the id is right, the
+    signature is over another id."""
+    from tests.scripted_relay import _event_id
+
+    forged = {**event, "content": content}
+    forged["id"] = _event_id(forged)
+    return forged
+
+
+FORGERIES: dict[str, Callable[[dict[str, Any], str], dict[str, Any]]] = {
+    "bad id": _with_bad_id,
+    "bad signature": _with_bad_sig,
+}
+
+
+@pytest.mark.parametrize("forgery", sorted(FORGERIES))
+async def test_agents_update_does_not_merge_a_forged_record(rig: Rig, forgery: str) -> None:
+    # Defence 1 (operations/_events.py `verified`): the owner's record with a forged prompt.
+    owner, target, _other, credential = await _owner_and_agents(rig)
+    genuine = await rig.sign_as(owner, KIND_RECORD, [["d", target]], _record("target", "kept"))
+    rig.serve(FORGERIES[forgery](genuine, _record("target", "FORGED prompt")))
+    answer = await rig.harness.call(credential, "agents.update",
+                                    {"target": {"pubkey": target}, "model": "m2"})
+    assert answer["status"] == "succeeded", answer
+    [record] = [e for e in rig.published() if e["kind"] == KIND_RECORD]
+    assert "FORGED" not in record["content"], "a forged record was merged and re-signed"
+
+
+@pytest.mark.parametrize("forgery", sorted(FORGERIES))
+async def test_profile_set_does_not_merge_a_forged_profile(rig: Rig, forgery: str) -> None:
+    # Defence 1: the agent's own kind 0 with a forged lud16.
+    agent = await rig.harness.human_owned_agent("profiled")
+    credential = rig.harness.credential(agent, [CHANNEL])
+    genuine = await rig.sign_as(agent, 0, [], json.dumps({"name": "profiled"}))
+    rig.serve(FORGERIES[forgery](genuine, json.dumps({"lud16": "FORGED@example.org"})))
+    answer = await rig.harness.call(credential, "profile.set", {"about": "new"})
+    assert answer["status"] == "succeeded", answer
+    [profile] = [e for e in rig.published() if e["kind"] == 0 and e["pubkey"] == agent]
+    assert "FORGED" not in profile["content"], "a forged profile was merged and re-signed"
+
+
+@pytest.mark.parametrize("forgery", sorted(FORGERIES))
+@pytest.mark.parametrize("action", ["message.reply", "reaction.add"])
+async def test_a_forged_target_event_is_not_built_on(rig: Rig, action: str, forgery: str) -> None:
+    # Defence 1: the event replied or reacted to does not verify: it is "not found".
+    author = await rig.harness.human_owned_agent("builder")
+    credential = rig.harness.credential(author, [CHANNEL])
+    genuine = TestKey().sign(9, "parent", [["h", CHANNEL]])
+    forged = FORGERIES[forgery](genuine, "FORGED parent")
+    rig.serve(forged)
+    signs_before, published_before = len(rig.signed), len(rig.published())
+    args = ({"channelId": CHANNEL, "replyToEventId": forged["id"], "content": "hi"}
+            if action == "message.reply" else
+            {"channelId": CHANNEL, "targetEventId": forged["id"], "reaction": "+"})
+    _refused(await rig.harness.call(credential, action, args))
+    assert len(rig.signed) == signs_before, "nothing may be signed over a forged event"
+    assert len(rig.published()) == published_before, "nothing may be published"
+
+
+#: name -> a validly signed event that is not the agent's kind 0: (rig, agent) -> event
+NOT_THE_PROFILE: dict[str, Callable[[Rig, str], Any]] = {
+    "a foreign author's kind 0": lambda rig, agent: _signed_by_stranger(
+        0, [], json.dumps({"lud16": "STRANGER@example.org", "nip05": "STRANGER@example.org"})),
+    "the agent's own event of another kind": lambda rig, agent: rig.sign_as(
+        agent, 30078, [["d", "x"]], json.dumps({"lud16": "STRANGER@example.org"})),
+}
+
+
+@pytest.mark.parametrize("which", sorted(NOT_THE_PROFILE))
+async def test_profile_set_merges_only_the_agents_own_kind_0(rig: Rig, which: str) -> None:
+    # Defence 2 (operations/profile_set.py `current_profile`'s author and kind filter): the
+    # relay answers the kind-0 query with something else, newer than anything real.
+    agent = await rig.harness.human_owned_agent("profiled")
+    credential = rig.harness.credential(agent, [CHANNEL])
+    rig.serve(await NOT_THE_PROFILE[which](rig, agent))
+    answer = await rig.harness.call(credential, "profile.set", {"about": "mine"})
+    assert answer["status"] == "succeeded", answer
+    [profile] = [e for e in rig.published() if e["kind"] == 0 and e["pubkey"] == agent]
+    assert "STRANGER" not in profile["content"], "another event was merged into the profile"
+    assert json.loads(profile["content"]) == {"about": "mine"}
+
+
+async def test_a_cached_signature_does_not_vouch_for_changed_content(rig: Rig) -> None:
+    # Defence 3 (operations/channel_read.py `_VerifiedCache`): once an event's signature
+    # is cached, the relay serves the same id and signature over other content.
+    reader = await rig.harness.human_owned_agent("reader")
+    credential = rig.harness.credential(reader, [CHANNEL])
+    genuine = TestKey().sign(9, "genuine words", [["h", CHANNEL]])
+    rig.serve(genuine)
+    first = await rig.harness.call(credential, "channel.read", {"channelId": CHANNEL})
+    assert first["status"] == "succeeded", first
+    assert [m["content"] for m in first["outcome"]["messages"]] == ["genuine words"]
+    rig.relay.stored[genuine["id"]] = {**genuine, "content": "FORGED words"}
+    second = await rig.harness.call(credential, "channel.read", {"channelId": CHANNEL})
+    assert second["status"] == "succeeded", second
+    assert second["outcome"]["messages"] == [], "a cache hit delivered content never signed"
+
+
+# --- issue 22 L4: a relay that withholds the latest version -------------------------------
+
+def _withhold(rig: Rig, event: dict[str, Any]) -> None:
+    """The relay forgets `event` (it serves only what it held before)."""
+    del rig.relay.stored[event["id"]]
+
+
+async def test_agents_update_refuses_to_build_on_an_older_record(rig: Rig) -> None:
+    owner, target, _other, credential = await _owner_and_agents(rig)
+    rig.serve(await rig.sign_as(owner, KIND_RECORD, [["d", target]], _record("target", "old")))
+    answer = await rig.harness.call(credential, "agents.update", {
+        "target": {"pubkey": target}, "systemPrompt": "the new prompt"})
+    assert answer["status"] == "succeeded", answer
+    [latest] = [e for e in rig.published() if e["kind"] == KIND_RECORD]
+    _withhold(rig, latest)  # the relay now calls the "old" prompt's version newest
+    signs_before, published_before = len(rig.signed), len(rig.published())
+
+    _refused(await rig.harness.call(credential, "agents.update",
+                                    {"target": {"pubkey": target}, "model": "m2"}))
+    assert len(rig.signed) == signs_before, "nothing may be signed over an older version"
+    assert len(rig.published()) == published_before, "nothing may be published"
+    rig.serve(latest)  # control: the relay serves the latest again, and it is built on
+    answer = await rig.harness.call(credential, "agents.update",
+                                    {"target": {"pubkey": target}, "model": "m2"})
+    assert answer["status"] == "succeeded", answer
+    newest_record = [e for e in rig.published() if e["kind"] == KIND_RECORD][-1]
+    assert json.loads(newest_record["content"])["system_prompt"] == "the new prompt"
+
+
+@pytest.mark.parametrize("served", ["an older version", "nothing"])
+async def test_profile_set_refuses_to_build_on_an_older_profile(rig: Rig, served: str) -> None:
+    agent = await rig.harness.human_owned_agent("profiled")
+    credential = rig.harness.credential(agent, [CHANNEL])
+    old = await rig.sign_as(agent, 0, [], json.dumps({"lud16": "old@example.org"}))
+    rig.serve(old)
+    answer = await rig.harness.call(credential, "profile.set", {"about": "latest"})
+    assert answer["status"] == "succeeded", answer
+    [latest] = [e for e in rig.published() if e["kind"] == 0 and e["pubkey"] == agent]
+    _withhold(rig, latest)
+    if served == "nothing":
+        _withhold(rig, old)
+    signs_before, published_before = len(rig.signed), len(rig.published())
+
+    _refused(await rig.harness.call(credential, "profile.set", {"about": "again"}))
+    assert len(rig.signed) == signs_before, "nothing may be signed over an older version"
+    assert len(rig.published()) == published_before, "nothing may be published"
+
+
+# --- issue 22 M2 end to end: a relay whose events decode to far more than their frames -----
+
+async def test_a_tag_flood_read_fails_cleanly_and_the_daemon_serves_on(rig: Rig) -> None:
+    # Two events of 100,000 one-letter tags each: ~600 KB frames, ~14 MiB decoded each, so
+    # together past the query's 16 MiB bound although their frames are 1.2 MB.
+    reader = await rig.harness.human_owned_agent("reader")
+    credential = rig.harness.credential(reader, [CHANNEL])
+    flood = [TestKey().sign(9, f"flood {n}", [["h", CHANNEL]] + [["a"]] * 100_000)
+             for n in range(2)]
+    for event in flood:
+        rig.serve(event)
+    pool = rig.harness.app._relay  # the daemon's own pool: its budget's accounting
+    _refused(await rig.harness.call(credential, "channel.read", {"channelId": CHANNEL}))
+    assert pool.result_bytes_held == 0, "the failed read holds nothing"
+    for event in flood:
+        _withhold(rig, event)
+    rig.serve(TestKey().sign(9, "honest", [["h", CHANNEL]]))
+    answer = await rig.harness.call(credential, "channel.read", {"channelId": CHANNEL})
+    assert answer["status"] == "succeeded", answer
+    assert [m["content"] for m in answer["outcome"]["messages"]] == ["honest"]
