@@ -214,7 +214,7 @@ async def test_admin_socket_serves_metrics_and_404(tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
         await _serve_socket(nursery, m, path)
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        ok = await _http(path, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        ok = await _http(path, f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
         head, _, body = ok.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200 ")
         assert f"content-type: {CONTENT_TYPE}".encode() in head.lower()

@@ -36,7 +36,7 @@ from pathlib import Path
 import trio
 
 from daemon.cli._common import CliError, config_from_args
-from daemon.cli.check_config import describe
+from daemon.cli.check_config import describe, describe_tcp
 from daemon.config import Config, ConfigError, require_relay
 
 HELP = "show whether the daemon runs and whether its token, relay and stores are in order"
@@ -142,6 +142,7 @@ def gather(config: Config) -> tuple[dict[str, str], bool, bool]:
         # An absent socket is a fault only while the daemon runs (a stopped daemon without
         # socket activation has none).
         all_ok &= ok or not pid
+    facts["tcp"] = "; ".join(line.removeprefix("tcp: ") for line in describe_tcp(config))
     for check in (check_token_and_kek, check_relay):
         result = trio.run(check, config)
         facts[result.name] = result.detail if result.ok else f"FAILED: {result.detail}"
