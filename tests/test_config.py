@@ -498,7 +498,11 @@ def test_check_config_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert main(["check-config", path]) == 0
     out, err = capsys.readouterr()
     assert err == ""
-    assert out == f"config: {path} (--config)\npin: /etc/bb/pin ([pkcs11] pin_file)\nok\n"
+    risk = ("held by systemd (socket activation) if passed, else unheld: the operator "
+            "accepted the squatting risk (listen_tcp_accept_squatting_risk)")
+    assert out == (f"config: {path} (--config)\npin: /etc/bb/pin ([pkcs11] pin_file)\n"
+                   f"tcp: 127.0.0.1:7475: {risk}\ntcp: [::1]:7475: {risk}\n"
+                   "tcp: allowed peers: 1000, 1001, group buzz-agents; every credential\nok\n")
 
 
 def test_check_config_error_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

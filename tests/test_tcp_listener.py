@@ -442,3 +442,17 @@ def test_peer_uid_is_the_client_sockets_owner() -> None:
                 client.close()  # RST: the client's socket leaves the table at once
                 time.sleep(0.05)
                 assert peer_uid(conn) is None
+
+
+async def test_status_says_which_rule_holds_the_port(tcp_host: Host) -> None:
+    """`status` names what the running daemon serves on TCP and why; stopped, the rule."""
+    from daemon.cli.status import _tcp
+
+    config = load_config(str(tcp_host.daemon.log_path.with_name("broker.toml")), environ={})
+    line = _tcp(config, tcp_host.state_dir, True)
+    assert line.startswith(f"serving 127.0.0.1:{tcp_host.port} (unheld: the operator accepted"), line
+    assert await tcp_host.daemon.stop() == 0
+    assert not (tcp_host.state_dir / "serve.tcp").exists()
+    line = _tcp(config, tcp_host.state_dir, False)
+    assert line.startswith(f"127.0.0.1:{tcp_host.port}: held by systemd (socket activation) "
+                           "if passed, else unheld"), line

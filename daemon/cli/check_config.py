@@ -65,12 +65,12 @@ def describe_pin(config: Config) -> str:
 
 
 def describe_tcp(config: Config) -> list[str]:
-    """One ``tcp:`` line per [server] listen_tcp address: which squatting rule lets it be
+    """One ``tcp:`` line per [server] listen_tcp address (none when it is empty): which squatting rule lets it be
     served (daemon/loopback_tcp.py), or that `serve` will refuse it. Whether systemd holds
     a port is known only at start (the fd it passes), so this says what each case does."""
     server = config.server
     if not server.listen_tcp:
-        return ["tcp: off ([server] listen_tcp is empty; agents use the Unix socket)"]
+        return []
     lines = []
     for host, port in server.listen_tcp:
         where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

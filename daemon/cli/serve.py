@@ -200,6 +200,26 @@ def _where(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+#: In the state directory while `serve` runs: one line per TCP listener and why its port
+#: may be served, for `status` (which never connects to the daemon). Removed at exit; a
+#: daemon that died leaves it, and `status` reads it only while the run lock is held.
+TCP_NOTE = "serve.tcp"
+
+
+def _write_tcp_note(state_dir: str, lines: list[str]) -> None:
+    path = os.path.join(state_dir, TCP_NOTE)
+    try:
+        if not lines:
+            os.unlink(path)
+            return
+        temporary = path + ".tmp"
+        with open(temporary, "w", encoding="utf-8") as note:
+            note.write("".join(f"{line}\n" for line in lines))
+        os.replace(temporary, path)
+    except OSError:
+        pass  # only `status` reads it; serving does not depend on it
+
+
 def tcp_listeners(server: ServerConfig, passed: dict[tuple[str, int], socket.socket]
                   ) -> list[tuple[socket.socket, str]]:
     """The action API's TCP listeners: each [server] listen_tcp address, with why it may
@@ -335,6 +355,7 @@ async def _run_locked(
         raise
     for _sock, described in tcp:
         log_event(_log, "serve.tcp", listen=described)
+    _write_tcp_note(config.state.dir, [described for _sock, described in tcp])
     limits = HttpLimits(
         max_connections=server.max_connections,
         max_connections_per_uid=server.max_connections_per_uid,
@@ -364,6 +385,7 @@ async def _run_locked(
         raw.close()
         for sock, _ in tcp:
             sock.close()
+        _write_tcp_note(config.state.dir, [])
         if bound_path is not None:
             unlink_if_ours(bound_path, bound_inode)
     log_event(_log, "serve.stopped")

@@ -37,6 +37,7 @@ import trio
 
 from daemon.cli._common import CliError, config_from_args
 from daemon.cli.check_config import describe, describe_tcp
+from daemon.cli.serve import TCP_NOTE
 from daemon.config import Config, ConfigError, require_relay
 
 HELP = "show whether the daemon runs and whether its token, relay and stores are in order"
@@ -122,6 +123,21 @@ def _audit(state_dir: Path) -> tuple[bool, str]:
     return True, f"{result.records} records, head {result.head}"
 
 
+def _tcp(config: Config, state_dir: Path, running: bool) -> str:
+    """What the running daemon serves on TCP and why (its note), else the config's rule."""
+    if running:
+        try:
+            served = (state_dir / TCP_NOTE).read_text(encoding="utf-8").splitlines()
+        except OSError:
+            served = []
+        if served:
+            return "serving " + "; ".join(served)
+    rules = describe_tcp(config)
+    if not rules:
+        return "off ([server] listen_tcp is empty; agents use the Unix socket)"
+    return "; ".join(line.removeprefix("tcp: ") for line in rules)
+
+
 def gather(config: Config) -> tuple[dict[str, str], bool, bool]:
     """The facts (name -> one line), whether the daemon runs, whether every check passed."""
     from daemon.probe import check_relay, check_token_and_kek
@@ -142,7 +158,7 @@ def gather(config: Config) -> tuple[dict[str, str], bool, bool]:
         # An absent socket is a fault only while the daemon runs (a stopped daemon without
         # socket activation has none).
         all_ok &= ok or not pid
-    facts["tcp"] = "; ".join(line.removeprefix("tcp: ") for line in describe_tcp(config))
+    facts["tcp"] = _tcp(config, state_dir, bool(pid))
     for check in (check_token_and_kek, check_relay):
         result = trio.run(check, config)
         facts[result.name] = result.detail if result.ok else f"FAILED: {result.detail}"
