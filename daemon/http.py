@@ -22,7 +22,8 @@ Theory of operation:
   another method is 405 with ``Allow`` listing the path's methods; any other target is
   404. Neither has a body (on the agents' socket: no envelope, the request was never
   judged). Other transport faults are likewise bodiless: 400 (malformed HTTP), 408 (too
-  slow), 413 (body too large), 431 (headers too large), 500 (the handler raised), 505 (an
+  slow), 403 (a TCP peer or request refused, below), 413 (body too large), 431 (headers
+  too large), 500 (the handler raised), 505 (an
   HTTP version other than 1.0 and 1.1, which h11 would otherwise treat as 1.1; the
   connection is closed). A HEAD
   request is answered with its handler's status and headers (the real Content-Length)
@@ -49,6 +50,10 @@ smaller `daemon.metrics.SCRAPE_LIMITS` for the metrics listeners):
   (SO_PEERCRED), a new connection of that uid is answered 503 and closed at once. It
   cannot wait like the global cap does: the uid is only known after ``accept()``, and a
   waiting connection would hold a global slot that another user's agent needs.
+- connections per credential: a connection is counted under the credential (a digest of
+  the Authorization value) of its first request that carries one; past
+  ``max_connections_per_credential`` that request is answered 503 and the connection
+  closed. One agent of a fleet that shares a uid cannot use up the uid's share.
 - body bytes in flight: ``max_inflight_bytes``, shared per peer uid (`daemon.peer_shares`).
   A request's declared length (``max_body_bytes`` for a chunked body) is reserved before
   ``100 Continue`` and before one body byte is read, and released once its answer is
@@ -56,6 +61,15 @@ smaller `daemon.metrics.SCRAPE_LIMITS` for the metrics listeners):
   client's writes block in the kernel); the read deadline bounds the wait (408). Until a
   connection holds a reservation it reads at most `HEAD_RECEIVE_SIZE` bytes at a time, so
   what h11 buffers beyond a head is small and bounded per connection.
+
+Loopback TCP listeners (the action API's [server] listen_tcp, the metrics listener): the
+peer's uid comes from the kernel for the exact connection (`daemon.tcp_peer`; None when
+unknown) and is the key of the per-uid bounds as SO_PEERCRED's is on a Unix socket. The
+action API passes ``admit`` (its allow-list): a uid it refuses, unknown included, gets a
+bodiless 403 before a byte is read. Every request on a TCP listener must pass
+`daemon.loopback_tcp.browser_safe` (its Host is the listener's own loopback literal; no
+Origin, Sec-Fetch-* or Upgrade) before routing, else a bodiless 403 and the connection is
+closed: no handler sees it. No CORS header is ever written.
 
 Credentials: the value of the single ``Authorization`` header is handed over as received
 (decoded as ASCII). Two or more Authorization headers, or a non-ASCII value, are handed
@@ -81,8 +95,8 @@ Faults are logged through `daemon.fault_log.FaultLog`: once per cause, then at m
 line per cause per minute with a count, because a client that can trip a fault at will
 must not be able to fill the log's disk.
 
-WARNING: the order of checks for a request (route -> 413 -> reserve -> 100 Continue ->
-body) is what makes "413 before the body is read" and "no body byte read beyond the
+WARNING: the order of checks for a request (browser rule on TCP -> route -> credential
+count -> 413 -> reserve -> 100 Continue -> body) is what makes "413 before the body is read" and "no body byte read beyond the
 uid's share" true; keep `_Connection._read_request` in that order.
 """
 
