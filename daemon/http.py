@@ -50,10 +50,11 @@ smaller `daemon.metrics.SCRAPE_LIMITS` for the metrics listeners):
   (SO_PEERCRED), a new connection of that uid is answered 503 and closed at once. It
   cannot wait like the global cap does: the uid is only known after ``accept()``, and a
   waiting connection would hold a global slot that another user's agent needs.
-- connections per credential: a connection is counted under the credential (a digest of
-  the Authorization value) of its first request that carries one; past
-  ``max_connections_per_credential`` that request is answered 503 and the connection
-  closed. One agent of a fleet that shares a uid cannot use up the uid's share.
+- connections per credential (when ``max_connections_per_credential`` is set: the TCP
+  listeners): a connection is counted under the credential (a digest of the Authorization
+  value) of its first request that carries one; past the cap that request is answered 503
+  and the connection closed. One agent of a fleet that shares a uid cannot use up the
+  uid's share.
 - body bytes in flight: ``max_inflight_bytes``, shared per peer uid (`daemon.peer_shares`).
   A request's declared length (``max_body_bytes`` for a chunked body) is reserved before
   ``100 Continue`` and before one body byte is read, and released once its answer is
@@ -278,8 +279,9 @@ class HttpLimits:
     #: Open connections one peer uid may hold; an agent runtime needs a handful.
     max_connections_per_uid: int = 128
     #: Open connections one credential (the Authorization value) may hold, so one agent,
-    #: or anything sending its header, cannot use up its uid's share for the others.
-    max_connections_per_credential: int = 32
+    #: or anything sending its header, cannot use up its uid's share for the others; None:
+    #: no such bound (the agents' socket: its group already keeps strangers out).
+    max_connections_per_credential: int | None = None
     #: Bytes of request bodies in flight, shared per peer uid (module docstring).
     max_inflight_bytes: int = 64 * 1024 * 1024
     #: 512 KiB: the spec's largest valid request must get a verdict, not a 413 — 64 KiB of
@@ -298,7 +300,7 @@ class HttpLimits:
 
     def __post_init__(self) -> None:
         if min(self.max_connections, self.max_connections_per_uid,
-               self.max_connections_per_credential) < 1:
+               self.max_connections_per_credential or 1) < 1:
             raise ValueError("max_connections and the per-uid/credential caps must be >= 1")
         if self.max_inflight_bytes < self.max_body_bytes:
             raise ValueError("max_inflight_bytes must be >= max_body_bytes")
@@ -493,7 +495,8 @@ class ServerControl:
         #: Open connections per peer uid.
         self.per_uid = ConnectionCounts(limits.max_connections_per_uid)
         #: Open connections per credential (a digest of the Authorization value).
-        self.per_credential = ConnectionCounts(limits.max_connections_per_credential)
+        self.per_credential = (ConnectionCounts(limits.max_connections_per_credential)
+                               if limits.max_connections_per_credential else None)
         #: Unexpected faults in connection tasks, rate-bounded.
         self.faults = FaultLog(_log, "connection_fault")
         #: Exceptions a handler raised instead of answering, rate-bounded.
@@ -596,7 +599,7 @@ class _Connection:
             await self._answer_fault()
         finally:
             self._release()
-            if self.credential is not None:
+            if self.credential is not None and self.control.per_credential is not None:
                 self.control.per_credential.close(self.credential)
                 self.credential = None
             with trio.move_on_after(0.5) as cleanup:
@@ -755,16 +758,17 @@ class _Connection:
         Keyed by a digest, never the value (memory holds no credential); a request without
         Authorization keeps the connection where it was.
         """
+        counts = self.control.per_credential
         value = [v for n, v in headers if n == b"authorization"]
-        if not value:
+        if counts is None or not value:
             return True
         key = hashlib.sha256(b"\n".join(value)).digest()
         if key == self.credential:
             return True
         if self.credential is not None:
-            self.control.per_credential.close(self.credential)
+            counts.close(self.credential)
             self.credential = None
-        if not self.control.per_credential.try_open(key):
+        if not counts.try_open(key):
             self.control.refusals.record(("credential",), peer_uid=self.peer_uid,
                                          cap=self.limits.max_connections_per_credential)
             await self._respond(503, None, close=True)

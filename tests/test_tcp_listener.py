@@ -337,12 +337,16 @@ sys.exit(trio.run(functools.partial(run_server, config, fake_factory(FakeApp()),
 
 @pytest.mark.parametrize("listed", [True, False])
 def test_socket_activated_tcp_port_is_held(sockdir: str, listed: bool) -> None:
-    """A TCP socket systemd passes is held for us: served without the opt-in. One the
-    config does not list is refused with one line (the config says whether TCP is on)."""
+    """A TCP socket systemd passes is held for us: served without the opt-in, under the
+    per-credential cap. One the config does not list is refused with one line (the config
+    says whether TCP is on)."""
     unix = bind_unix_socket(os.path.join(sockdir, "activated.sock"))
     tcp = bind_tcp_socket("127.0.0.1", 0)
     port = tcp.getsockname()[1]
-    path = tcp_config(sockdir, f'listen_tcp = ["127.0.0.1:{port}"]' if listed else "")
+    # One connection per credential: the daemon applies [server]
+    # max_connections_per_credential to its TCP listener.
+    path = tcp_config(sockdir, f'listen_tcp = ["127.0.0.1:{port}"]\n'
+                               "max_connections_per_credential = 1" if listed else "")
     env = {k: v for k, v in os.environ.items() if k != "BUZZ_BROKER_CONFIG"}
     with unix, tcp:
         proc = subprocess.Popen(
@@ -358,7 +362,10 @@ def test_socket_activated_tcp_port_is_held(sockdir: str, listed: bool) -> None:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
             client.sendall(http_request(port, b'{"x":1}', "tok"))
             answer = client.recv(65536)
-        assert answer.startswith(b"HTTP/1.1 200 "), answer
+            assert answer.startswith(b"HTTP/1.1 200 "), answer
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as second:
+                second.sendall(http_request(port, b'{"x":1}', "tok"))
+                assert second.recv(65536).startswith(b"HTTP/1.1 503 ")
     finally:
         if proc.poll() is None:
             proc.terminate()

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import errno
 import functools
 import logging
@@ -359,7 +360,6 @@ async def _run_locked(
     limits = HttpLimits(
         max_connections=server.max_connections,
         max_connections_per_uid=server.max_connections_per_uid,
-        max_connections_per_credential=server.max_connections_per_credential,
         max_inflight_bytes=server.max_inflight_bytes,
         max_body_bytes=server.max_body_bytes,
         max_header_bytes=server.max_header_bytes,
@@ -380,7 +380,8 @@ async def _run_locked(
         async with app_factory(config) as app:
             await _serve_until_signalled(app, raw, limits, env, watchdog, where, started_at,
                                          task_status, config.metrics.socket,
-                                         config.metrics.listen, tcp, admission)
+                                         config.metrics.listen, tcp, admission,
+                                         server.max_connections_per_credential)
     finally:
         raw.close()
         for sock, _ in tcp:
@@ -405,6 +406,7 @@ async def _serve_until_signalled(
     metrics_listen: tuple[str, int] | None = None,
     tcp: list[tuple[socket.socket, str]] | None = None,
     admission: TcpAdmission | None = None,
+    per_credential: int | None = None,
 ) -> None:
     # An application with a metrics registry (the broker) gets the connection gauge and
     # the [metrics] listeners that are configured; a test application has neither.
@@ -441,8 +443,10 @@ async def _serve_until_signalled(
             for index, (sock, _described) in enumerate(tcp or (), start=1):
                 # The same bounds as the socket, each listener with its own shares; the TCP
                 # listeners stop with the nursery, after the agents' socket has drained.
+                tcp_limits = dataclasses.replace(
+                    limits, max_connections_per_credential=per_credential)
                 tcp_controls.append(await nursery.start(functools.partial(
-                    serve, action_routes(app), sock, limits, on_connections=gauge(index),
+                    serve, action_routes(app), sock, tcp_limits, on_connections=gauge(index),
                     admit=admission.admits if admission is not None else _nobody)))
 
             control: ServerControl = await nursery.start(serve_then_finish)
