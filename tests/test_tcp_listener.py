@@ -144,22 +144,30 @@ class Host:
         return b"".join(p.read_bytes() for _n, p in audit_files(self.state_dir / AUDIT_DIRNAME))
 
 
+async def start_daemon(custody_state: tuple[TokenConfig, Path], relay: str, tmp_path: Path,
+                       allowed: list[int]) -> tuple[DaemonProcess, int, Path]:
+    """The daemon, with a TCP listener on a free port and `allowed` uids: (it, port, socket)."""
+    token, state_dir = custody_state
+    port = free_port()
+    socket_path = tmp_path / "broker.sock"
+    config = write_config(
+        tmp_path / "broker.toml", token=token, state_dir=state_dir, socket=socket_path,
+        relay_url=relay,
+        sections={"server": {"listen_tcp": [f"127.0.0.1:{port}"],
+                             # a free port the test picked: nobody holds it for the daemon
+                             "listen_tcp_accept_squatting_risk": True,
+                             "tcp_allow_uids": allowed}})
+    return await DaemonProcess.start(config, socket_path), port, socket_path
+
+
 @pytest.fixture
 async def tcp_host(custody_state: tuple[TokenConfig, Path], local_relay: str,
                    tmp_path: Path) -> AsyncIterator[Host]:
     token, state_dir = custody_state
     agent = await setup_state(token, state_dir, [CHANNEL])
     root_bound = issue(state_dir, agent.agent, 0)
-    port = free_port()
-    socket_path = tmp_path / "broker.sock"
-    config = write_config(
-        tmp_path / "broker.toml", token=token, state_dir=state_dir, socket=socket_path,
-        relay_url=local_relay,
-        sections={"server": {"listen_tcp": [f"127.0.0.1:{port}"],
-                             # a free port the test picked: nobody holds it for the daemon
-                             "listen_tcp_accept_squatting_risk": True,
-                             "tcp_allow_uids": [0, NOBODY]}})
-    daemon = await DaemonProcess.start(config, socket_path)
+    daemon, port, socket_path = await start_daemon(custody_state, local_relay, tmp_path,
+                                                   [0, NOBODY])
     try:
         yield Host(daemon, port, state_dir, socket_path, agent.agent, agent.credential,
                    root_bound)
@@ -245,15 +253,7 @@ async def test_uid_not_allowed_refused_before_a_byte(
     """A peer uid not in tcp_allow_uids/tcp_allow_groups gets 403 before it sends anything."""
     if os.geteuid() != 0 or SYSTEM_PYTHON is None:
         pytest.skip("needs root and a system python3 to run a client as uid 65534")
-    token, state_dir = custody_state
-    port = free_port()
-    socket_path = tmp_path / "broker.sock"
-    config = write_config(
-        tmp_path / "broker.toml", token=token, state_dir=state_dir, socket=socket_path,
-        relay_url=local_relay,
-        sections={"server": {"listen_tcp": [f"127.0.0.1:{port}"],
-                             "listen_tcp_accept_squatting_risk": True, "tcp_allow_uids": [0]}})
-    daemon = await DaemonProcess.start(config, socket_path)
+    daemon, port, _socket = await start_daemon(custody_state, local_relay, tmp_path, [0])
     try:
         status, headers, body = await as_uid(NOBODY, port, b"")  # sends no byte at all
         assert (status, body, headers.get("connection")) == (403, b"", "close")
@@ -463,3 +463,18 @@ async def test_status_says_which_rule_holds_the_port(tcp_host: Host) -> None:
     line = _tcp(config, tcp_host.state_dir, False)
     assert line.startswith(f"127.0.0.1:{tcp_host.port}: held by systemd (socket activation) "
                            "if passed, else unheld"), line
+
+
+def test_admission_by_uid_and_group() -> None:
+    """tcp_allow_uids / tcp_allow_groups: a listed uid, or a member of a listed group
+    (primary or supplementary, by name or gid); an unknown uid (None) never."""
+    from daemon.loopback_tcp import TcpAdmission
+
+    by_uid = TcpAdmission(frozenset({NOBODY}), frozenset())
+    assert by_uid.admits(NOBODY) and not by_uid.admits(0) and not by_uid.admits(None)
+    by_group = TcpAdmission(frozenset(), frozenset({"root"}))
+    assert by_group.admits(0) and not by_group.admits(NOBODY) and not by_group.admits(None)
+    by_gid = TcpAdmission(frozenset(), frozenset({str(NOBODY)}))  # nobody's primary group
+    assert by_gid.admits(NOBODY) and not by_gid.admits(0)
+    assert not TcpAdmission(frozenset(), frozenset({"no-such-group-here"})).admits(0)
+    assert not by_group.admits(2**31 - 7)  # a uid without a user has no groups
