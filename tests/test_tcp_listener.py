@@ -435,13 +435,18 @@ async def test_metrics_listener_refuses_browsers(extra: str) -> None:
         nursery.cancel_scope.cancel()
 
 
-def test_peer_uid_is_the_client_sockets_owner() -> None:
+@pytest.mark.parametrize("family, host", [(socket.AF_INET, "127.0.0.1"),
+                                          (socket.AF_INET6, "::1")])
+def test_peer_uid_is_the_client_sockets_owner(family: int, host: str) -> None:
     """sock_diag names the owner of the client end of exactly this connection; a peer
     whose socket is gone is unknown (None), which the listener refuses."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
+    with socket.socket(family) as listener:
+        try:
+            listener.bind((host, 0))
+        except OSError:
+            pytest.skip(f"no {host} on this machine")
         listener.listen()
-        with socket.create_connection(listener.getsockname()) as client:
+        with socket.create_connection(listener.getsockname()[:2]) as client:
             conn, _ = listener.accept()
             with conn:
                 assert peer_uid(conn) == os.getuid()
