@@ -188,7 +188,7 @@ def _activated_sockets(fds: list[int]) -> tuple[socket.socket, dict[tuple[str, i
             host, port = sock.getsockname()[:2]
             tcp[(host, port)] = sock
         else:
-            sock.detach()
+            os.close(sock.detach())  # not ours to serve; closed rather than leaked
     if len(unix) != 1:
         for held in (*unix, *tcp.values()):
             held.detach()
