@@ -97,8 +97,9 @@ line per cause per minute with a count, because a client that can trip a fault a
 must not be able to fill the log's disk.
 
 WARNING: the order of checks for a request (browser rule on TCP -> route -> credential
-count -> 413 -> reserve -> 100 Continue -> body) is what makes "413 before the body is read" and "no body byte read beyond the
-uid's share" true; keep `_Connection._read_request` in that order.
+count -> 413 -> reserve -> 100 Continue -> body) is what makes "a browser's request
+reaches no handler", "413 before the body is read" and "no body byte read beyond the uid's
+share" true; keep `_Connection._read_request` in that order.
 """
 
 from __future__ import annotations
