@@ -9,7 +9,8 @@ command line, the tests and the benchmarks. `custody` imports nothing from `daem
 
 Surface:
 - `Custody` (async facade: open/aclose, agent/agents, sign_event/sign_events/sign_auth,
-  memory_address, mint_agent, import_agent, destroy_agent), `init_keys`/`init_kek` (keys
+  memory_address, encrypt_to_owner/decrypt_from_owner_pair (NIP-44 v2 between an agent and
+  its recorded owner, one unseal per call), mint_agent, import_agent, destroy_agent), `init_keys`/`init_kek` (keys
   init), `rotate_keys` (keys rotate, keys migrate; `ROTATION_CHECKPOINTS`) and
   `check_token` (log in and check the KEK only: check-config --deep, status).
 - Values: `TokenConfig`, `CachePolicy`, `TokenReport`, `RotationReport`, `UnsignedEvent`,
@@ -30,7 +31,7 @@ Surface:
 
 Modules, one job each: _errors, _secret (buffers, wiping, parsing, randomness), _secp256k1
 (low-level curve ops), _signer (events, AUTH, NIP-OA),
-_memory (NIP-AE), _backup (age backups and restore), _process (core dumps off, undumpable), _worker (the one token thread),
+_nip44 (NIP-44 v2 payloads), _memory (NIP-AE), _backup (age backups and restore), _process (core dumps off, undumpable), _worker (the one token thread),
 _token (PKCS#11: login, KEKs, mechanisms, the seal choice), _sealed (blob formats, the two
 seals and the one unseal door with its named defences), _cache (the unsealed-key cache,
 off by default), _keystore (SQLite), _statelock (who may use the state directory),

@@ -16,7 +16,10 @@ Theory of operation:
 - Public checks that need no secret (does the agent exist, which owner tag does it carry,
   is the slug valid) run on the caller's thread before the hop, so bad requests never
   queue behind the token.
-- Nothing returned is secret: events, pubkeys, records, d-tags.
+- Nothing returned is secret (events, pubkeys, records, d-tags, NIP-44 payloads), with one
+  named exception: `decrypt_from_owner_pair` returns the plaintexts of the agent↔owner
+  pair, which storage.get must hand to the agent. No conversation key ever leaves, and no
+  call takes a peer: the owner is always custody's own record of the agent.
 
 Errors: `CustodyError` and its two children (see _errors) for custody faults; ValueError or
 TypeError for a caller's bug (a malformed pubkey, an event whose pubkey is not the agent's,
@@ -26,6 +29,7 @@ a foreign `auth` tag, a bad slug).
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,6 +40,15 @@ from custody._cache import CachePolicy, UnsealedCache
 from custody._errors import CustodyError, UnknownAgent
 from custody._keystore import KeyIndex, KeyRecord, Keystore, read_meta
 from custody._memory import MEMORY_KIND, MemoryAddress, check_slug, d_tag
+from custody._nip44 import (
+    MAX_PLAINTEXT,
+    MIN_PLAINTEXT,
+    NONCE_SIZE,
+    DecryptFailed,
+    conversation_key,
+    decrypt,
+    encrypt,
+)
 from buzzwire.nostr import SignedEvent, UnsignedEvent, is_hex64, verify_owner_tag
 from custody._process import harden_process
 from custody._rotation import (
@@ -49,12 +62,16 @@ from custody._rotation import (
 from custody._sealed import seal, unseal
 from custody._statelock import StateLock
 from custody._secp256k1 import is_xonly_pubkey, xonly_pubkey
-from custody._secret import Secret, parse_secret_text, random_secret
+from custody._secret import Secret, parse_secret_text, random_secret, wipe_bytes
 from custody._signer import OwnerTag, auth_event, make_owner_tag, sign, with_owner_tag
 from custody._token import Token, TokenConfig, TokenReport
 from custody._worker import in_token_worker
 
 T = TypeVar("T")
+
+#: Most payloads one encrypt/decrypt call takes: NIP-BA's 256 observer frames. A call holds
+#: the token worker for its whole batch, so the batch is bounded here, not by the caller.
+MAX_PAYLOADS_PER_CALL = 256
 
 __all__ = ["Custody", "init_kek", "init_keys", "rotate_keys"]
 
@@ -352,6 +369,87 @@ class Custody:
 
         return MemoryAddress(author_pubkey=agent, kind=MEMORY_KIND, d_tag=await self._hop("memory_address", work))
 
+    async def encrypt_to_owner(self, agent: str, plaintexts: Sequence[bytes]) -> tuple[str, ...]:
+        """NIP-44 v2 payloads of `plaintexts` from `agent` to its recorded owner, in order.
+
+        One unseal for the whole call, a fresh CSPRNG nonce per payload; the conversation
+        key is derived and wiped inside the token hop. The owner is custody's own record of
+        the agent, never an argument: no other pair can be addressed through this call.
+
+        Raises:
+            UnknownAgent, UnsealFailed; CustodyError for an owner that is no curve point;
+            ValueError for a plaintext outside NIP-44's 1..65,535 bytes or more than
+            MAX_PAYLOADS_PER_CALL of them; TypeError for a plaintext that is not bytes.
+        """
+        self._check_open()
+        items = tuple(plaintexts)
+        for plaintext in items:
+            if not isinstance(plaintext, bytes):
+                raise TypeError("encrypt_to_owner takes bytes plaintexts")
+            if not MIN_PLAINTEXT <= len(plaintext) <= MAX_PLAINTEXT:
+                raise ValueError("a NIP-44 plaintext is 1 to 65,535 bytes")
+        record = self._owner_pair(agent, len(items))
+        if not items:
+            return ()
+        nonces = [secrets.token_bytes(NONCE_SIZE) for _ in items]
+
+        def work() -> tuple[str, ...]:
+            key = self._pair_key(agent, record.owner)
+            try:
+                return tuple(encrypt(key, p, n) for p, n in zip(items, nonces, strict=True))
+            finally:
+                wipe_bytes(key)
+
+        return await self._hop("encrypt_to_owner", work)
+
+    async def decrypt_from_owner_pair(
+        self, agent: str, payloads: Sequence[str]
+    ) -> tuple[bytes | None, ...]:
+        """The plaintexts of NIP-44 v2 `payloads` between `agent` and its recorded owner.
+
+        Either party may have written them (the key is symmetric). A payload that does not
+        open (another pair's, tampered, another version, not a payload) gives None in its
+        place: to the caller that is an invalid record, never an error. One unseal per call.
+        The caller verifies each event's signature before asking (NIP-44: validate, then
+        decrypt).
+
+        Raises:
+            UnknownAgent, UnsealFailed; CustodyError for an owner that is no curve point;
+            ValueError for more than MAX_PAYLOADS_PER_CALL payloads.
+        """
+        self._check_open()
+        items = tuple(payloads)
+        record = self._owner_pair(agent, len(items))
+        if not items:
+            return ()
+
+        def work() -> tuple[bytes | None, ...]:
+            key = self._pair_key(agent, record.owner)
+            try:
+                return tuple(_open_or_none(key, payload) for payload in items)
+            finally:
+                wipe_bytes(key)
+
+        return await self._hop("decrypt_from_owner_pair", work)
+
+    def _owner_pair(self, agent: str, count: int) -> KeyRecord:
+        """The live agent's record, its owner checked as a NIP-44 peer (before any hop)."""
+        if count > MAX_PAYLOADS_PER_CALL:
+            raise ValueError(f"at most {MAX_PAYLOADS_PER_CALL} payloads per call")
+        record = self._live(agent)
+        _require_owner_point(record.owner)
+        return record
+
+    def _pair_key(self, agent: str, owner: str) -> bytes:
+        """Inside the worker: the agent↔owner conversation key; the caller wipes it."""
+        with self._unseal(agent) as secret:
+            try:
+                return conversation_key(secret, owner)
+            except ValueError:
+                raise CustodyError(
+                    f"no NIP-44 key for agent {agent}: the derivation refused its owner"
+                ) from None
+
     # --- agent lifecycle -----------------------------------------------------------
 
     async def mint_agent(self, *, owner: str, mint_ref: str | None = None) -> KeyRecord:
@@ -505,7 +603,8 @@ class Custody:
     def observe_token_calls(self, observer: Callable[[str, float], None] | None) -> None:
         """Call `observer(op, seconds)` after every token worker hop (for metrics).
 
-        `op` is one of sign, sign_auth, memory_address, mint, import, destroy, attach_auth; the
+        `op` is one of sign, sign_auth, memory_address, encrypt_to_owner,
+        decrypt_from_owner_pair, mint, import, destroy, attach_auth; the
         observer sees names and durations only, never an argument.
         """
         self._observer = observer
@@ -575,6 +674,13 @@ class Custody:
 
     def __repr__(self) -> str:
         return f"Custody({self._token!r}, {self._keystore!r}, closed={self._closed})"
+
+
+def _open_or_none(key: bytes, payload: str) -> bytes | None:
+    try:
+        return decrypt(key, payload)
+    except DecryptFailed:
+        return None
 
 
 _FACTORY = object()

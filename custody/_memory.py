@@ -1,13 +1,12 @@
 """NIP-AE encrypted-memory addresses: the conversation key K_c and the d-tag of a slug.
 
 Rules (buzz-on-the-relay.md, "Encrypted memory address"):
-- K_c = NIP-44 v2 conversation key(agent secret, owner pubkey)
-      = HMAC-SHA256(key=utf8("nip44-v2"), msg=raw x of ECDH(agent secret, owner pubkey)).
-  The raw x, NOT sha256(x): libsecp256k1's own ECDH hashes, so `_secp256k1.ecdh_x` multiplies.
+- K_c = NIP-44 v2 conversation key(agent secret, owner pubkey) (`_nip44.conversation_key`,
+  the one derivation: the d-tags and the record encryption use the same key).
 - d = lower_hex(HMAC-SHA256(K_c, utf8("agent-memory/v1/d-tag") || 0x00 || utf8(slug))).
-- K_c is a secret (it decrypts the agent's memory). It exists only inside `d_tag`, is
-  wiped before return (best effort, see _secret), and only the d-tag (public: it is
-  published on the relay) leaves.
+- K_c is a secret (it decrypts the agent's memory). It exists only inside `d_tag` and the
+  facade's encrypt/decrypt hops, is wiped before they return (best effort, see _secret),
+  and only the d-tag (public: it is published on the relay) leaves.
 - Slugs: `core`, or `^mem/[a-z0-9][a-z0-9_-]{0,63}(/[a-z0-9][a-z0-9_-]{0,63})*$`, at most
   255 bytes. A bad slug is the caller's bug (the contract validates first): ValueError.
 """
@@ -19,16 +18,13 @@ import hmac
 import re
 from dataclasses import dataclass
 
-from coincurve._libsecp256k1 import ffi
-
-from custody._secp256k1 import ecdh_x
+from custody._nip44 import conversation_key
 from custody._secret import Secret, wipe_bytes
 
-__all__ = ["MEMORY_KIND", "MemoryAddress", "check_slug", "d_tag"]
+__all__ = ["MEMORY_KIND", "MemoryAddress", "check_slug", "d_tag", "d_tag_of"]
 
 #: NIP-AE agent memory events are kind 30174 (parameterized replaceable).
 MEMORY_KIND = 30174
-_NIP44_SALT = b"nip44-v2"
 _D_TAG_LABEL = b"agent-memory/v1/d-tag"
 _SLUG = re.compile(r"core|mem/[a-z0-9][a-z0-9_-]{0,63}(/[a-z0-9][a-z0-9_-]{0,63})*")
 #: NIP-AE bound on a slug's length.
@@ -52,15 +48,15 @@ def check_slug(slug: str) -> None:
 def d_tag(agent_secret: Secret, owner_pubkey: str, slug: str) -> str:
     """NIP-AE d-tag for `slug` of the agent whose (checked) secret is given."""
     check_slug(slug)
-    k_c = _conversation_key(agent_secret, owner_pubkey)
+    k_c = conversation_key(agent_secret, owner_pubkey)
     try:
-        return hmac.digest(k_c, _D_TAG_LABEL + b"\x00" + slug.encode(), hashlib.sha256).hex()
+        return d_tag_of(k_c, slug)
     finally:
         wipe_bytes(k_c)
 
 
-def _conversation_key(agent_secret: Secret, owner_pubkey: str) -> bytes:
-    """K_c. Private: only `d_tag` (which wipes it) and the K_c vector test call this."""
-    with ecdh_x(agent_secret, bytes.fromhex(owner_pubkey)) as shared_x:
-        # hmac copies its message into OpenSSL state; see _secret's docstring.
-        return hmac.digest(_NIP44_SALT, ffi.buffer(shared_x.cdata), hashlib.sha256)
+def d_tag_of(k_c: bytes, slug: str) -> str:
+    """The d-tag of `slug` under an already derived K_c (the caller wipes K_c)."""
+    check_slug(slug)
+    return hmac.digest(k_c, _D_TAG_LABEL + b"\x00" + slug.encode(), hashlib.sha256).hex()
+

@@ -34,9 +34,10 @@ sys.path.insert(0, str(REPO / "client"))
 from buzzwire.contract import (  # noqa: E402
     ACTIONS, MAX_ABOUT_CHARS, MAX_CONTENT_BYTES, MAX_CURSOR_BYTES, MAX_DISPLAY_NAME_CHARS,
     MAX_JSON_INT, MAX_KIND, MAX_LIMIT, MAX_MENTIONS, MAX_PICTURE_CHARS, MAX_REACTION_CHARS,
-    MAX_REQUEST_ID_BYTES, MAX_SCALAR_CHARS, MAX_SLUG_BYTES, MAX_SYSTEM_PROMPT_CHARS, MIN_LIMIT,
-    PAIRING, PROTOCOL_VERSION, ACTION_VERSION, RESPOND_TO, AgentsUpdateArgs, AgentTarget,
-    ErrorCode, Event, ProfileSetArgs, Status,
+    MAX_MEMORY_BODY_BYTES, MAX_REQUEST_ID_BYTES, MAX_SCALAR_CHARS, MAX_SLUG_BYTES,
+    MAX_SYSTEM_PROMPT_CHARS, MIN_LIMIT, PAIRING, PROTOCOL_VERSION, ACTION_VERSION, RESPOND_TO,
+    PRESENCE_STATUSES, AgentsUpdateArgs, AgentTarget, ErrorCode, Event, ProfileSetArgs, Status,
+    StoragePutArgs,
 )
 from buzzwire.contract import REQUEST_MEMBERS  # noqa: E402
 from buzzwire.contract._envelopes import _ERROR_MEMBERS, _SUCCEEDED_MEMBERS  # noqa: E402
@@ -107,12 +108,16 @@ VALUES: Mapping[str, dict[str, object]] = {
     "provider": SCALAR,
     "model": SCALAR,
     "respondTo": {"type": "string", "enum": list(RESPOND_TO)},
+    "status": {"type": "string", "enum": list(PRESENCE_STATUSES)},
     "slug": _string(f"^\\s*(?:{_SLUG.pattern})\\s*$", maxLength=MAX_SLUG_BYTES),
     "target": {"$ref": "#/$defs/AgentTarget"},
     "kind": KIND,
     "createdAt": TIMESTAMP,
     "messages": {"type": "array", "items": {"$ref": "#/$defs/Event"}, "maxItems": MAX_LIMIT},
     "updatedFields": {"type": "array", "items": {"type": "string"}},
+    # storage.put's value and storage.get's: one name, so the looser of the two (a stored
+    # value may be ""; the contract refuses a blank put). Bytes, approximated from above.
+    "value": _string(maxLength=MAX_MEMORY_BODY_BYTES),
 }
 
 #: The signed event is verbatim relay data: its own spellings (NIP-01), exact case.
@@ -131,6 +136,8 @@ OBJECT_RULES: Mapping[type, dict[str, object]] = {
     ProfileSetArgs: {"minProperties": 1},
     AgentsUpdateArgs: {"minProperties": 2},  # target and at least one more
     AgentTarget: {"minProperties": 1, "maxProperties": 1},  # exactly one of pubkey, name
+    # The compact body's 65,535-byte bound counts escapes: no JSON Schema keyword says it.
+    StoragePutArgs: {},
 }
 
 

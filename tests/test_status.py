@@ -66,14 +66,21 @@ def test_status_running_then_stopped(custody_state: tuple[TokenConfig, Path], lo
         running = _cli(config, "status", "--json")
         assert running.returncode == 0, running.stdout + running.stderr
         facts = json.loads(running.stdout)
-        assert facts["daemon"] == f"running (pid {daemon.pid})"
-        assert facts["config"] == f"{config} (--config)"
-        assert facts["socket"].startswith(f"{socket_path}: socket, mode 0660, ")
-        assert facts["token"].startswith(f"logged in to {token.token_label!r}")
-        assert facts["relay"].startswith(f"{local_relay}: WebSocket opened")
-        assert facts["agents"] == "1 live, 0 deleted"
-        assert facts["credentials"] == "1 active, 0 revoked or expired"
-        assert re.fullmatch(r"[1-9][0-9]* records, head [0-9a-f]{64}", facts["audit"]), facts
+        # Typed members, not display strings; `detail` keeps the line's text.
+        assert facts["daemon"] == {"ok": True, "detail": f"running (pid {daemon.pid})",
+                                   "running": True, "pid": daemon.pid}
+        assert facts["config"] == {"ok": True, "detail": f"{config} (--config)",
+                                   "origin": "--config", "path": str(config)}
+        assert (facts["socket"]["mode"], facts["socket"]["path"]) == ("0660", str(socket_path))
+        assert facts["token"]["ok"] is True
+        assert facts["token"]["detail"].startswith(f"logged in to {token.token_label!r}")
+        assert facts["relay"]["detail"].startswith(f"{local_relay}: WebSocket opened")
+        assert (facts["agents"]["live"], facts["agents"]["deleted"]) == (1, 0)
+        assert (facts["credentials"]["active"], facts["credentials"]["inactive"]) == (1, 0)
+        audit = facts["audit"]
+        assert type(audit["records"]) is int and audit["records"] >= 1 and audit["ok"] is True
+        assert audit["seq"] == audit["records"] and re.fullmatch(r"[0-9a-f]{64}", audit["head"])
+        assert "null" not in running.stdout
         assert (facts["running"], facts["ok"], facts["exit"]) == (True, True, 0)
         assert credential.stdout.strip() not in running.stdout
         text = _cli(config, "status")
@@ -86,10 +93,12 @@ def test_status_running_then_stopped(custody_state: tuple[TokenConfig, Path], lo
     stopped = _cli(config, "status", "--json")
     assert stopped.returncode == 3, stopped.stdout + stopped.stderr
     facts = json.loads(stopped.stdout)
-    assert facts["daemon"] == "stopped" and facts["running"] is False
-    assert facts["socket"] == f"{socket_path}: absent"
-    assert facts["agents"] == "1 live, 0 deleted"  # the stores are read without the daemon
-    assert facts["token"].startswith("logged in")
+    assert facts["daemon"] == {"ok": True, "detail": "stopped", "running": False}
+    assert facts["running"] is False
+    assert facts["socket"] == {"ok": False, "detail": f"{socket_path}: absent",
+                               "path": str(socket_path), "exists": False}
+    assert facts["agents"]["live"] == 1  # the stores are read without the daemon
+    assert facts["token"]["detail"].startswith("logged in")
 
 
 def test_status_with_a_broken_relay_is_degraded_not_a_crash(

@@ -461,11 +461,11 @@ async def test_status_says_which_rule_holds_the_port(tcp_host: Host) -> None:
     from daemon.cli.status import _tcp
 
     config = load_config(str(tcp_host.daemon.log_path.with_name("broker.toml")), environ={})
-    line = _tcp(config, tcp_host.state_dir, True)
+    line = _tcp(config, tcp_host.state_dir, True).detail
     assert line.startswith(f"serving 127.0.0.1:{tcp_host.port} (unheld: the operator accepted"), line
     assert await tcp_host.daemon.stop() == 0
     assert not (tcp_host.state_dir / "serve.tcp").exists()
-    line = _tcp(config, tcp_host.state_dir, False)
+    line = _tcp(config, tcp_host.state_dir, False).detail
     assert line.startswith(f"127.0.0.1:{tcp_host.port}: held by systemd (socket activation) "
                            "if passed, else unheld"), line
 

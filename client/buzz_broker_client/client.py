@@ -28,7 +28,8 @@ The answer types (one base, `Result`; all frozen):
 `Succeeded`        the host did it; `outcome` says what; `replayed` marks a recorded replay.
 `Failed`           the host promises nothing happened (any code; for `unauthenticated` the
                    methods raise `CredentialRefused` carrying it, `judge` returns it).
-`Unsupported`      `failed` + `unsupported` on a best-effort operation (reaction.add): a normal
+`Unsupported`      `failed` + `unsupported` on a best-effort operation (reaction.add and the
+                   live signals presence.set, typing.set: `ActionSpec.best_effort`): a normal
                    answer; carry on. On any other operation `unsupported` is a `Failed`.
 `Indeterminate`    fate unknown: the last attempt was answered `indeterminate` by the host.
 `NoAnswer`         fate unknown: the last attempt got no verdict (transport failure, no
@@ -85,6 +86,7 @@ from buzzwire.contract import (
     Response,
     Status,
     StorageAddressOutcome,
+    StorageGetOutcome,
     build_request,
     echo_mismatch,
     encode_request,
@@ -285,11 +287,14 @@ class EventVerification(enum.Enum):
 
 def _echo_check(action: str) -> Callable[[Request, object, str | None], str | None]:
     echoes = ACTIONS[action].echoes
+    kind = ACTIONS[action].published_kind
 
     def check(request: Request, outcome: object, me: str | None) -> str | None:
         args: Any = request.args
         if isinstance(outcome, ReadOutcome) and len(outcome.messages) > args.effective_limit:
             return "page holds more events than the effective limit"
+        if kind is not None and isinstance(outcome, PublishOutcome) and outcome.kind != kind:
+            return "published outcome reports another kind than the action publishes"
         problem: str | None = echo_mismatch(echoes, args, outcome, me)
         return problem
 
@@ -699,6 +704,37 @@ class AsyncBrokerClient:
         """The relay address of one encrypted-memory record (`core` or `mem/…`)."""
         args = _wire(slug=slug)
         return await self._send(self.freeze("storage.address", args, request_id), StorageAddressOutcome)
+
+    async def presence_set(
+        self, status: str, *, request_id: str | None = None
+    ) -> Answer[PublishOutcome]:
+        """This agent's presence: `online`, `away` or `offline`. Best-effort: `Unsupported`
+        is a normal answer; carry on. Each call is a new signal (a fresh requestId)."""
+        args = _wire(status=status)
+        return await self._send(self.freeze("presence.set", args, request_id), PublishOutcome)
+
+    async def typing_set(
+        self, channel_id: str, *, request_id: str | None = None
+    ) -> Answer[PublishOutcome]:
+        """"Typing in this channel", renewed by calling again (there is no stop). Best-effort:
+        `Unsupported` is a normal answer; carry on."""
+        args = _wire(channelId=channel_id)
+        return await self._send(self.freeze("typing.set", args, request_id), PublishOutcome)
+    async def storage_get(
+        self, slug: str, *, request_id: str | None = None
+    ) -> Answer[StorageGetOutcome]:
+        """One encrypted-memory record's value, decrypted by the host: `outcome.value` is
+        None when there is no record (or a tombstone). Not best-effort: a failure is a failure."""
+        args = _wire(slug=slug)
+        return await self._send(self.freeze("storage.get", args, request_id), StorageGetOutcome)
+
+    async def storage_put(
+        self, slug: str, value: str, *, request_id: str | None = None
+    ) -> Answer[PublishOutcome]:
+        """Replace one encrypted-memory record (`core`'s profile, or a `mem/…` value);
+        `value` is stored exactly as written."""
+        args = _wire(slug=slug, value=value)
+        return await self._send(self.freeze("storage.put", args, request_id), PublishOutcome)
 
     async def agents_create(
         self, channel_id: str, display_name: str, system_prompt: str, *,

@@ -65,6 +65,16 @@ def _selected(argv: Sequence[str]) -> str | None:
     return None
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's), or say it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("buzz-broker")
+    except PackageNotFoundError:
+        return "(not installed: run from a source tree)"
+
+
 def _parser(selected: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="buzz-broker",
@@ -76,6 +86,7 @@ def _parser(selected: str | None) -> argparse.ArgumentParser:
         help="TOML configuration file (default: $BUZZ_BROKER_CONFIG, else "
         "/etc/buzz-broker/broker.toml if it exists, else built-in defaults)",
     )
+    parser.add_argument("--version", action="version", version=f"buzz-broker {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module_name, help_text) in COMMANDS.items():

@@ -24,7 +24,7 @@ Exit codes (the only way a script should branch):
       listening, no permission on the socket
 2     usage: bad --args JSON, or arguments the contract rejects (nothing sent)
 3     failed — the host promises nothing happened
-4     unsupported on a best-effort operation (reaction.add) — carry on
+4     unsupported on a best-effort operation (reaction.add, live signals) — carry on
 5     indeterminate — fate unknown; retry with the same --request-id and --args
 6     no answer — fate unknown; retry with the same --request-id and --args
 ====  =================================================================

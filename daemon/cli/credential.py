@@ -1,4 +1,4 @@
-"""`buzz-broker credential issue|list|revoke`: the operator's side of daemon/state/sessions.
+"""`buzz-broker credential issue|grant|list|revoke`: the operator's side of daemon/state/sessions.
 
 Rules:
 - `issue` prints the new token alone on stdout, once, followed by a newline, and
@@ -9,7 +9,14 @@ Rules:
   `daemon.state.directory`, no token needed). Channels are normalized to the canonical
   lowercase UUID form the spec defines.
 - Safe defaults (issue 13): the scope is always said out loud — `--action NAME`
-  (repeatable, each among the nine) or `--all-actions`, never neither. `--ttl` takes
+  (repeatable, each one this build offers), `--preset NAME` (a named list, `PRESETS`) or
+  `--all-actions`, never none. `--all-actions` means every action this build offers at
+  the moment of issue, stored as that explicit list: a later release's new actions never
+  reach an existing credential on their own (issue 23).
+- `grant ID` adds actions (`--action`, `--preset`, `--all-actions`) to an active
+  credential and removes none; it is the one way a live credential gains an action. It
+  says on stderr what was added, and which of a preset's actions this build does not
+  offer (those are left out, never stored as names the daemon would not know). `--ttl` takes
   30s / 30m / 12h / 7d, or `never`; absent, the credential lives `DEFAULT_TTL` (30 days:
   long enough that an agent is not cut off mid-task, short enough that a forgotten token
   dies on its own; rotation is `issue` then `revoke`). Without `--uid`, any local process
@@ -39,7 +46,18 @@ from daemon.cli._common import CliError, agent_directory, config_from_args
 if TYPE_CHECKING:
     from daemon.state.sessions import SessionStore
 
-HELP = "issue, list and revoke agent credentials"
+HELP = "issue, grant, list and revoke agent credentials"
+
+#: Named action lists for `--preset`. `buzz-runtime`: what Buzz's 15-action agent runtime
+#: calls (shared/spec/buzz-client.md): storage.address and storage.get at start (its core
+#: memory read is not best-effort: without it the runtime cannot start), channel.read to
+#: poll, message.post/reply and reaction.add to answer, and the four live signals.
+PRESETS: Final[dict[str, tuple[str, ...]]] = {
+    "buzz-runtime": (
+        "storage.address", "storage.get", "channel.read", "message.post", "message.reply",
+        "reaction.add", "presence.set", "typing.set", "observer.emit", "liveness.ping",
+    ),
+}
 
 #: Duration suffix -> seconds.
 _UNITS: Final = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -92,9 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="an action the credential allows (repeat for several)",
     )
-    scope.add_argument(
-        "--all-actions", action="store_true", help="allow all nine actions (say so explicitly)"
-    )
+    _scope_arguments(scope)
     issue.add_argument(
         "--ttl",
         metavar="DURATION",
@@ -116,6 +132,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     issue.set_defaults(_credential=_issue)
 
+    grant = sub.add_parser(
+        "grant", help="add actions to an active credential (removes none)")
+    grant.add_argument("credential_id", metavar="ID")
+    more = grant.add_mutually_exclusive_group(required=True)
+    more.add_argument("--action", action="append", default=None, metavar="NAME",
+                      help="an action to add (repeat for several)")
+    _scope_arguments(more)
+    grant.set_defaults(_credential=_grant)
+
     listing = sub.add_parser("list", help="list credentials (ids and scopes, never tokens)")
     listing.add_argument("--json", action="store_true", help="one JSON object per line")
     listing.set_defaults(_credential=_list)
@@ -123,6 +148,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     revoke = sub.add_parser("revoke", help="revoke a credential by id")
     revoke.add_argument("credential_id", metavar="ID")
     revoke.set_defaults(_credential=_revoke)
+
+
+def _scope_arguments(group: argparse._MutuallyExclusiveGroup) -> None:
+    group.add_argument(
+        "--preset", choices=sorted(PRESETS), metavar="NAME",
+        help=f"a named list of actions: {', '.join(sorted(PRESETS))} (see docs/operations.md)",
+    )
+    group.add_argument(
+        "--all-actions", action="store_true",
+        help="every action this build offers now, stored explicitly (say so explicitly)",
+    )
+
+
+def _chosen_actions(args: argparse.Namespace) -> frozenset[str]:
+    """The actions `--action`/`--preset`/`--all-actions` name, all offered by this build.
+
+    A preset's names this build does not offer are left out and said on stderr; a named
+    `--action` this build does not offer is refused.
+    """
+    from buzzwire.contract import ACTIONS
+
+    if args.all_actions:
+        return frozenset(ACTIONS)
+    if args.preset is not None:
+        preset = PRESETS[args.preset]
+        missing = [a for a in preset if a not in ACTIONS]
+        if missing:
+            print(f"preset {args.preset}: not offered by this build, left out: "
+                  f"{', '.join(missing)}", file=sys.stderr)
+        return frozenset(a for a in preset if a in ACTIONS)
+    actions = frozenset(args.action)
+    unknown = sorted(actions - frozenset(ACTIONS))
+    if unknown:
+        raise CliError(
+            f"--action: unknown action {unknown[0]!r}; expected one of {', '.join(sorted(ACTIONS))}"
+        )
+    return actions
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,7 +205,7 @@ def _store(args: argparse.Namespace) -> "SessionStore":
 
 
 def _issue(args: argparse.Namespace) -> int:
-    from buzzwire.contract import ACTIONS, normalize_channel_id, normalize_hex64
+    from buzzwire.contract import normalize_channel_id, normalize_hex64
     from daemon.state.ratelimit import RateLimiter, parse_rate
     from daemon.state.sessions import check_label
 
@@ -157,13 +219,8 @@ def _issue(args: argparse.Namespace) -> int:
             # The value is not echoed: a mis-pasted token must not land in a terminal log.
             raise CliError("--channel: expected a channel UUID")
         channels.add(channel)
-    # argparse makes --action and --all-actions exclusive and one of them required.
-    actions = frozenset(ACTIONS) if args.all_actions else frozenset(args.action)
-    unknown = sorted(actions - frozenset(ACTIONS))
-    if unknown:
-        raise CliError(
-            f"--action: unknown action {unknown[0]!r}; expected one of {', '.join(sorted(ACTIONS))}"
-        )
+    # argparse makes --action, --preset and --all-actions exclusive and one required.
+    actions = _chosen_actions(args)
     ttl = parse_ttl(args.ttl)
     if args.uid is not None and args.uid < 0:
         raise CliError("--uid: expected a non-negative integer")
@@ -266,6 +323,27 @@ def _list(args: argparse.Namespace) -> int:
 
 def _when(at: int | None, absent: str) -> str:
     return absent if at is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+
+
+def _grant(args: argparse.Namespace) -> int:
+    if _CREDENTIAL_ID_RE.fullmatch(args.credential_id) is None:
+        # Not echoed: an operator who pastes a token here must not see it printed back.
+        raise CliError("expected a credential id (cred_ followed by 16 hex characters)")
+    actions = _chosen_actions(args)
+    if not actions:
+        raise CliError("nothing to grant: this build offers none of those actions")
+    store = _store(args)
+    try:
+        added = store.grant(args.credential_id, actions, now=int(time.time()))
+    finally:
+        store.close()
+    if added is None:
+        raise CliError(f"no active credential with id {args.credential_id!r}")
+    if added:
+        print(f"granted {args.credential_id}: {', '.join(added)}", file=sys.stderr)
+    else:
+        print(f"{args.credential_id} already held every one of those actions", file=sys.stderr)
+    return 0
 
 
 def _revoke(args: argparse.Namespace) -> int:

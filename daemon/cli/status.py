@@ -6,7 +6,9 @@ Rules:
   path: a socket? its mode and owner), token (login and KEK, daemon/probe.py), relay
   (WebSocket reachable), agents (live / deleted), credentials (active / revoked or
   expired), audit (records and head hash, verified). ``--json`` prints the same facts as
-  one JSON object.
+  one JSON object, each fact an object of typed members: always `ok` (bool) and `detail`
+  (the line's text), then its own (`pid`, `mode`, `live`, `records`, …; absent when
+  unknown, never null), with `running`, `ok` and `exit` at the top.
 - It never connects to the agents' socket: under socket activation a connection starts
   the service, and status must not change what it reports on.
 - It creates nothing: a missing keystore, credential store or audit log reads as none.
@@ -31,6 +33,8 @@ import pwd
 import sqlite3
 import stat
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
@@ -45,6 +49,18 @@ HELP = "show whether the daemon runs and whether its token, relay and stores are
 EXIT_OK = 0
 EXIT_DEGRADED = 1
 EXIT_NOT_RUNNING = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Fact:
+    """One line of status: whether it is in order, its text, and its typed members."""
+
+    ok: bool
+    detail: str
+    data: Mapping[str, object] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, object]:
+        return {"ok": self.ok, "detail": self.detail, **self.data}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,38 +79,41 @@ def _owner(st: os.stat_result) -> str:
     return f"{user}:{group}"
 
 
-def _socket(path: str) -> tuple[bool, str]:
+def _socket(path: str) -> Fact:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return False, f"{path}: absent"
+        return Fact(False, f"{path}: absent", {"path": path, "exists": False})
     except OSError as exc:
-        return False, f"{path}: {exc.strerror}"
+        return Fact(False, f"{path}: {exc.strerror}", {"path": path})
     if not stat.S_ISSOCK(st.st_mode):
-        return False, f"{path}: not a socket"
-    return True, f"{path}: socket, mode {stat.S_IMODE(st.st_mode):04o}, {_owner(st)}"
+        return Fact(False, f"{path}: not a socket", {"path": path, "exists": True})
+    mode, owner = f"{stat.S_IMODE(st.st_mode):04o}", _owner(st)
+    return Fact(True, f"{path}: socket, mode {mode}, {owner}",
+                {"path": path, "exists": True, "mode": mode, "owner": owner})
 
 
-def _agents(state_dir: Path) -> tuple[bool, str]:
+def _agents(state_dir: Path) -> Fact:
     from daemon.state.directory import AgentDirectory, DirectoryError
 
     directory = AgentDirectory.open(state_dir)
     try:
         records = directory.agents(include_deleted=True)
     except DirectoryError as exc:
-        return False, str(exc)
+        return Fact(False, str(exc))
     finally:
         directory.close()
     live = sum(1 for r in records if r.live)
-    return True, f"{live} live, {len(records) - live} deleted"
+    deleted = len(records) - live
+    return Fact(True, f"{live} live, {deleted} deleted", {"live": live, "deleted": deleted})
 
 
-def _credentials(state_dir: Path) -> tuple[bool, str]:
+def _credentials(state_dir: Path) -> Fact:
     from daemon.state.sessions import SESSIONS_FILENAME, SessionStore
 
     path = state_dir / SESSIONS_FILENAME
     if not path.exists():  # SessionStore.open would create it: status creates nothing
-        return True, "0 active (no credential store yet)"
+        return Fact(True, "0 active (no credential store yet)", {"active": 0, "inactive": 0})
     try:
         store = SessionStore.open(state_dir)
         try:
@@ -102,71 +121,81 @@ def _credentials(state_dir: Path) -> tuple[bool, str]:
         finally:
             store.close()
     except (sqlite3.Error, OSError) as exc:
-        return False, f"cannot read {path}: {exc}"
+        return Fact(False, f"cannot read {path}: {exc}")
     now = int(time.time())
     active = sum(1 for info in infos if info.active(now))
-    return True, f"{active} active, {len(infos) - active} revoked or expired"
+    inactive = len(infos) - active
+    return Fact(True, f"{active} active, {inactive} revoked or expired",
+                {"active": active, "inactive": inactive})
 
 
-def _audit(state_dir: Path) -> tuple[bool, str]:
+def _audit(state_dir: Path) -> Fact:
     from daemon.state.audit import AUDIT_DIRNAME, verify
 
     path = state_dir / AUDIT_DIRNAME
     if not path.exists():
-        return True, "no audit log yet"
+        return Fact(True, "no audit log yet", {"records": 0})
     try:
         result = verify(path)
     except OSError as exc:
-        return False, f"cannot read {path}: {exc.strerror}"
+        return Fact(False, f"cannot read {path}: {exc.strerror}")
     if not result.ok:
-        return False, f"broken: {result.reason} (run `buzz-broker audit verify`)"
-    return True, f"{result.records} records, head {result.head}"
+        return Fact(False, f"broken: {result.reason} (run `buzz-broker audit verify`)",
+                    {"records": result.records})
+    return Fact(True, f"{result.records} records, head {result.head}",
+                {"records": result.records, "seq": result.seq, "head": result.head})
 
 
-def _tcp(config: Config, state_dir: Path, running: bool) -> str:
+def _tcp(config: Config, state_dir: Path, running: bool) -> Fact:
     """What the running daemon serves on TCP and why (its note), else the config's rule."""
+    listen = [f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in config.server.listen_tcp]
     if running:
         try:
             served = (state_dir / TCP_NOTE).read_text(encoding="utf-8").splitlines()
         except OSError:
             served = []
         if served:
-            return "serving " + "; ".join(served)
+            return Fact(True, "serving " + "; ".join(served),
+                        {"listen": listen, "serving": served})
     rules = describe_tcp(config)
     if not rules:
-        return "off ([server] listen_tcp is empty; agents use the Unix socket)"
-    return "; ".join(line.removeprefix("tcp: ") for line in rules)
+        return Fact(True, "off ([server] listen_tcp is empty; agents use the Unix socket)",
+                    {"listen": listen})
+    return Fact(True, "; ".join(line.removeprefix("tcp: ") for line in rules),
+                {"listen": listen})
 
 
-def gather(config: Config) -> tuple[dict[str, str], bool, bool]:
-    """The facts (name -> one line), whether the daemon runs, whether every check passed."""
+def gather(config: Config) -> tuple[dict[str, Fact], bool, bool]:
+    """The facts by name, whether the daemon runs, whether every check passed."""
     from daemon.probe import check_relay, check_token_and_kek
     from daemon.state.runlock import running_pid
 
     state_dir = Path(config.state.dir)
-    facts: dict[str, str] = {"config": describe(config).removeprefix("config: ")}
+    facts: dict[str, Fact] = {"config": Fact(True, describe(config).removeprefix("config: "), {
+        "origin": config.origin if config.source is not None else "built-in defaults",
+        **({"path": str(config.source)} if config.source is not None else {})})}
     all_ok = True
     try:
         pid = running_pid(state_dir)
     except OSError as exc:
         raise CliError(f"cannot read {state_dir}: {exc.strerror}; run status as the daemon's "
                        "user (buzz-broker-admin status)") from None
-    facts["daemon"] = f"running (pid {pid})" if pid and pid > 0 else (
-        "running" if pid else "stopped")
-    for name, (ok, line) in (("socket", _socket(config.server.socket)),):
-        facts[name] = line
-        # An absent socket is a fault only while the daemon runs (a stopped daemon without
-        # socket activation has none).
-        all_ok &= ok or not pid
+    facts["daemon"] = Fact(
+        True, f"running (pid {pid})" if pid and pid > 0 else ("running" if pid else "stopped"),
+        {"running": bool(pid), **({"pid": pid} if pid and pid > 0 else {})})
+    socket = _socket(config.server.socket)
+    # An absent socket is a fault only while the daemon runs (a stopped daemon without
+    # socket activation has none).
+    facts["socket"] = socket
+    all_ok &= socket.ok or not pid
     facts["tcp"] = _tcp(config, state_dir, bool(pid))
     for check in (check_token_and_kek, check_relay):
         result = trio.run(check, config)
-        facts[result.name] = result.detail if result.ok else f"FAILED: {result.detail}"
+        facts[result.name] = Fact(result.ok, result.detail)
         all_ok &= result.ok
     for name, probe in (("agents", _agents), ("credentials", _credentials), ("audit", _audit)):
-        ok, line = probe(state_dir)
-        facts[name] = line if ok else f"FAILED: {line}"
-        all_ok &= ok
+        facts[name] = probe(state_dir)
+        all_ok &= facts[name].ok
     return facts, bool(pid), all_ok
 
 
@@ -179,9 +208,10 @@ def run(args: argparse.Namespace) -> int:
     facts, running, all_ok = gather(config)
     code = EXIT_NOT_RUNNING if not running else (EXIT_OK if all_ok else EXIT_DEGRADED)
     if args.json:
-        print(json.dumps({**facts, "running": running, "ok": all_ok, "exit": code}))
+        print(json.dumps({**{name: fact.to_json() for name, fact in facts.items()},
+                          "running": running, "ok": all_ok, "exit": code}))
     else:
         width = max(len(k) for k in facts) + 1
-        for key, value in facts.items():
-            print(f"{key + ':':<{width}} {value}")
+        for key, fact in facts.items():
+            print(f"{key + ':':<{width}} {'' if fact.ok else 'FAILED: '}{fact.detail}")
     return code

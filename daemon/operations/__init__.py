@@ -1,9 +1,9 @@
-"""The nine operations, one module each, and the table the pipeline dispatches on.
+"""The operations, one module each, and the table the pipeline dispatches on.
 
-A read (`channel.read`, `storage.address`) exports `execute(ctx, args) -> Verdict`; a
+A read (`channel.read`, `storage.address`, `storage.get`) exports `execute(ctx, args) -> Verdict`; a
 publishing operation exports `prepare(ctx, args) -> Plan | Verdict` and the pipeline
 records, publishes and finishes the plan. `OPERATIONS` is checked at import against the
-contract's `ActionSpec` table: the same nine names, and `prepare` exactly for the
+contract's `ActionSpec` table: the same names, and `prepare` exactly for the
 publishing ones.
 """
 
@@ -20,9 +20,13 @@ from daemon.operations import (
     channel_read,
     message_post,
     message_reply,
+    presence_set,
     profile_set,
     reaction_add,
     storage_address,
+    storage_get,
+    storage_put,
+    typing_set,
 )
 from daemon.operations._base import Context, Plan
 
@@ -42,11 +46,16 @@ class Operation:
     execute: Callable[..., Awaitable[Verdict]] | None = None
     prepare: Callable[..., Awaitable[Plan | Verdict]] | None = None
     serialize_per_agent: bool = False
+    #: its succeeded verdict holds a secret (decrypted memory): the ledger keeps it sealed
+    #: (daemon/pipeline/sealed_verdict.py), never as plaintext
+    seal_verdict: bool = False
 
 
 OPERATIONS: dict[str, Operation] = {
     "channel.read": Operation(execute=channel_read.execute),
     "storage.address": Operation(execute=storage_address.execute),
+    "storage.get": Operation(execute=storage_get.execute, seal_verdict=True),
+    "storage.put": Operation(prepare=storage_put.prepare, serialize_per_agent=True),
     "message.post": Operation(prepare=message_post.prepare),
     "message.reply": Operation(prepare=message_reply.prepare),
     "reaction.add": Operation(prepare=reaction_add.prepare),
@@ -54,6 +63,8 @@ OPERATIONS: dict[str, Operation] = {
     "agents.create": Operation(prepare=agents_create.prepare, serialize_per_agent=True),
     "agents.update": Operation(prepare=agents_update.prepare, serialize_per_agent=True),
     "agents.delete": Operation(prepare=agents_delete.prepare, serialize_per_agent=True),
+    "presence.set": Operation(prepare=presence_set.prepare),
+    "typing.set": Operation(prepare=typing_set.prepare),
 }
 
 

@@ -18,7 +18,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -52,8 +52,13 @@ class _Address(Protocol):
     def d_tag(self) -> str: ...
 
 
+class _KeyRecord(Protocol):
+    @property
+    def owner(self) -> str: ...
+
+
 class Custodian(Protocol):
-    """The two custody intents an operation calls itself; `custody.Custody` meets it.
+    """The custody intents an operation calls itself; `custody.Custody` meets it.
 
     Everything else an operation needs from custody goes through the `SigningBatcher`
     (signing) or the cleanup steps the publisher runs (destroy). Operations name this
@@ -62,7 +67,19 @@ class Custodian(Protocol):
 
     async def mint_agent(self, *, owner: str, mint_ref: str | None) -> _Minted: ...
 
+    #: the agent key's public record (its owner), None if unknown or destroyed
+    def agent(self, pubkey: str) -> _KeyRecord | None: ...
+
     async def memory_address(self, agent: str, slug: str) -> _Address: ...
+
+    #: NIP-44 v2 from `agent` to its recorded owner; one unseal per call, the conversation
+    #: key never leaves custody.
+    async def encrypt_to_owner(self, agent: str, plaintexts: Sequence[bytes]) -> tuple[str, ...]: ...
+
+    #: The plaintexts of agent↔owner NIP-44 payloads, None for each that does not open.
+    async def decrypt_from_owner_pair(
+        self, agent: str, payloads: Sequence[str]
+    ) -> tuple[bytes | None, ...]: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

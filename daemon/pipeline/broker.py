@@ -84,6 +84,7 @@ from daemon.state.runtimes import RuntimeStore
 from daemon.state.sessions import Principal, SessionStore
 from daemon.pipeline.signing import SigningBatcher
 from daemon.state.verdict_store import expanded_form
+from daemon.pipeline import sealed_verdict
 
 __all__ = ["Broker", "PIPELINE", "LEDGER_FULL"]
 
@@ -95,6 +96,9 @@ PIPELINE: Final = ("correlate", "authenticate", "ledger", "validate", "authorize
 #: The refusal when an agent's ledger records reach `state.ledger_max_bytes_per_agent`.
 LEDGER_FULL: Final = ("this agent's request records are at the host's limit; retry after "
                       "older records expire")
+#: The memory actions whose audit lines name their record's d tag (issue 23: the d tag,
+#: never the slug). storage.address returns the d tag itself.
+_D_TAGGED: Final = frozenset({"storage.get", "storage.put"})
 #: How often a request takes its locks again because its target changed while it waited;
 #: past that, `failed` + `internal` (nothing has happened).
 _LOCK_ATTEMPTS: Final = 3
@@ -280,8 +284,17 @@ class Broker:
             full = Judged.of(request_id, Verdict.failed(ErrorCode.UNAUTHORIZED, LEDGER_FULL))
             return await self._recorder.unrecorded(facts, full, started)
         if isinstance(begun, Replay):
+            stored = begun.response
+            if sealed_verdict.is_sealed(stored):
+                opened = await sealed_verdict.unseal(self._custody, principal.agent, stored)
+                if opened is None:  # a read's verdict: answering internal promises nothing
+                    log_event(_log, "ledger.sealed_unreadable", level=logging.ERROR,
+                              agent=principal.agent, request_id=request_id)
+                    return await self._recorder.unrecorded(facts, Judged.internal(request_id),
+                                                           started)
+                stored = opened
             try:
-                replay = Judged(expanded_form(request_id, begun.response), begun.status,
+                replay = Judged(expanded_form(request_id, stored), begun.status,
                                 begun.code)
             except ValueError:
                 # A compact refusal this version cannot read (a newer code): it was a
@@ -302,8 +315,8 @@ class Broker:
                 if isinstance(begun, Resume):
                     judged = await self._publisher.resume(facts, begun.pending, progress)
                 else:
-                    judged = await self._judge_and_execute(principal, reading, begun.ticket,
-                                                           facts, progress)
+                    judged, facts = await self._judge_and_execute(principal, reading,
+                                                                  begun.ticket, facts, progress)
             except Exception as exc:  # noqa: BLE001 - contained: an envelope, recorded
                 judged = self._contained(facts, progress, exc)
             if facts.action == "agents.create" and judged.status is Status.FAILED:
@@ -364,29 +377,41 @@ class Broker:
         return live
 
     async def _judge_and_execute(self, principal: Principal, reading: Reading, ticket: Ticket,
-                                 facts: Facts, progress: Progress) -> Judged:
-        """validate → authorize (daemon/pipeline/judgement.py), then execute."""
+                                 facts: Facts, progress: Progress) -> tuple[Judged, Facts]:
+        """validate → authorize (daemon/pipeline/judgement.py), then execute.
+
+        Returns the verdict and the facts its audit lines carry: for a memory action, the
+        NIP-AE d tag of its record, derived once it is admitted (never the slug)."""
         request_id = facts.request_id
         admitted = judge(Admission(principal=principal, reading=reading, policy=self._policy,
                                    agents=self._directory, limiter=self._limiter,
                                    now=self._clock()))
         if isinstance(admitted, Verdict):
-            return Judged.of(request_id, admitted)
+            return Judged.of(request_id, admitted), facts
         try:
+            facts = await self._with_d_tag(facts, principal, admitted.request)
             return await self._execute(OPERATIONS[admitted.request.action], principal,
                                        admitted.request, admitted.authorized, ticket, facts,
-                                       progress)
+                                       progress), facts
         except OperationRefused as refused:
             if refused.detail:
                 log_event(_log, "operation.refused", agent=principal.agent,
                           request_id=request_id, code=refused.code.value, detail=refused.detail)
-            return Judged.of(request_id, Verdict.failed(refused.code, refused.message))
+            return Judged.of(request_id, Verdict.failed(refused.code, refused.message)), facts
         except CustodyError as exc:
             # Raised before anything was published (signing and minting precede the pending
             # record), so the fault is a known no-op: failed + internal, not recorded.
             log_event(_log, "custody.fault", level=logging.ERROR, agent=principal.agent,
                       request_id=request_id, error=type(exc).__name__, detail=str(exc))
-            return Judged.internal(request_id)
+            return Judged.internal(request_id), facts
+
+    async def _with_d_tag(self, facts: Facts, principal: Principal, request: Request) -> Facts:
+        """`facts` with the d tag of the NIP-AE record a storage.get/put touches."""
+        if request.action not in _D_TAGGED:
+            return facts
+        slug: str = getattr(request.args, "slug")
+        address = await self._custody.memory_address(principal.agent, slug)
+        return dataclasses.replace(facts, d_tag=address.d_tag)
 
     async def _execute(self, operation: Operation, principal: Principal, request: Request,
                        decision: Authorized, ticket: Ticket, facts: Facts, progress: Progress
@@ -431,7 +456,12 @@ class Broker:
             enroll=self._enroll,
         )
         if operation.execute is not None:
-            return Judged.of(facts.request_id, await operation.execute(ctx, request.args))
+            judged = Judged.of(facts.request_id, await operation.execute(ctx, request.args))
+            if operation.seal_verdict and judged.status is Status.SUCCEEDED:
+                # The answer holds a secret: the ledger keeps it sealed (sealed_verdict).
+                judged = dataclasses.replace(judged, stored=await sealed_verdict.seal(
+                    self._custody, principal.agent, judged.response))
+            return judged
         assert operation.prepare is not None
         return await self._publisher.plan_and_publish(ctx, operation.prepare, request, ticket,
                                                       facts, progress)

@@ -8,9 +8,13 @@ Rules (spec I2, §Results; issue 4):
   itself, and the pipeline locks the target it names. It has no side effects and does
   no I/O beyond reading the public agent directory it is handed.
 - The checks are data: `CHECKS` is an ordered table of (name, check); the first refusal
-  wins. The order puts the session's own scope first (action, then channel), then the
-  host's switches, then the action-specific rules, so a session never learns about host
-  configuration for actions it could not ask for anyway.
+  wins. The order puts the host's switch first (`[policy] disabled_actions`), then the
+  session's own scope (action, then channel), then the action-specific rules. NIP-BA
+  (issue 23): an action the operator switched off is `unsupported` for every credential,
+  whatever its scope, so that Buzz's client can carry on after a live signal the host
+  does not offer; an offered action the credential lacks is `unauthorized`. That a host
+  switched an action off is host configuration any credential may learn: the answer is the
+  same for every credential and says nothing about any session or agent.
 - Messages are fixed templates (style.md #12); nothing from an exception or from
   another agent's record ever reaches one.
 
@@ -253,8 +257,8 @@ def _check_target(
 
 #: The checks, in order; the first refusal wins.
 CHECKS: Final[tuple[tuple[str, _Check], ...]] = (
-    ("credential", _check_credential),
     ("disabled", _check_disabled),
+    ("credential", _check_credential),
     ("depth", _check_depth),
     ("runtime", _check_runtime),
     ("target", _check_target),

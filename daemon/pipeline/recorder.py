@@ -54,6 +54,9 @@ class Judged:
     code: ErrorCode | None = None
     event_ids: tuple[str, ...] = ()
     published: bool = False
+    #: what the ledger keeps instead of `response` (a sealed verdict,
+    #: daemon/pipeline/sealed_verdict.py); None: the response's own stored form
+    stored: bytes | None = None
 
     @classmethod
     def of(cls, request_id: str, verdict: Verdict) -> Judged:
@@ -88,6 +91,8 @@ class Facts:
     action: str | None
     request_id: str
     body_sha256: str
+    #: the NIP-AE d tag a memory action touches (never its slug), once known
+    d_tag: str | None = None
 
     def record(self, phase: Phase, at: float, *, status: Status | None = None,
                code: ErrorCode | None = None, events: tuple[str, ...] = (),
@@ -95,7 +100,7 @@ class Facts:
         return AuditRecord(phase=phase, at=at, credential_id=self.credential_id,
                            agent=self.agent, action=self.action, request_id=self.request_id,
                            body_sha256=self.body_sha256, status=status, code=code,
-                           events=events, replayed=replayed)
+                           events=events, replayed=replayed, d_tag=self.d_tag)
 
 
 class Recorder:
@@ -154,7 +159,8 @@ class Recorder:
             # A refusal is kept as its code (verdict_store); a read's page only briefly.
             await self._ledger.finish(
                 ticket,
-                stored_form(facts.request_id, judged.response, judged.status, judged.code)
+                judged.stored if judged.stored is not None
+                else stored_form(facts.request_id, judged.response, judged.status, judged.code)
                 if not judged.published else judged.response,
                 judged.status, judged.code,
                 keep_seconds=self._read_retention

@@ -252,6 +252,9 @@ class AuditRecord:
         code: the verdict's error code, or None.
         events: event ids (64 hex): about to be published (INTENT) or published (VERDICT).
         replayed: the verdict was a replay from the ledger (nothing ran again).
+        d_tag: 64 lowercase hex, the NIP-AE record a memory action (storage.*) touched,
+            or None. The slug is never recorded: NIP-AE keeps it out of the clear, and the
+            line member `dTag` is present only when this is set.
     """
 
     phase: Phase
@@ -265,9 +268,13 @@ class AuditRecord:
     code: ErrorCode | None
     events: tuple[str, ...] = ()
     replayed: bool = False
+    d_tag: str | None = None
 
     def __post_init__(self) -> None:
         # Local errors (our bug): the pipeline builds records from values it has checked.
+        if self.d_tag is not None and (not isinstance(self.d_tag, str)
+                                       or not _HEX64.fullmatch(self.d_tag)):
+            raise ValueError("AuditRecord.d_tag must be 64 lowercase hex or None")
         if not isinstance(self.phase, Phase):
             raise TypeError("AuditRecord.phase must be a Phase")
         if self.phase not in (Phase.INTENT, Phase.VERDICT):
@@ -304,7 +311,7 @@ class AuditRecord:
         Raises:
             ValueError: a field is missing, extra or malformed (message names the field).
         """
-        if set(obj) != _FIELDS:
+        if set(obj) != _FIELDS and set(obj) != _FIELDS | {"dTag"}:
             raise ValueError("fields")
         if obj["v"] != FORMAT:
             raise ValueError("v")
@@ -330,6 +337,7 @@ class AuditRecord:
                 code=code,
                 events=tuple(events),
                 replayed=_member(obj, "replayed", bool),
+                d_tag=_member(obj, "dTag", str) if "dTag" in obj else None,
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(str(exc)) from None
@@ -717,6 +725,8 @@ def _content(entry: Entry) -> dict[str, object]:
         "code": None if entry.code is None else entry.code.value,
         "events": list(entry.events),
         "replayed": entry.replayed,
+        # Only on memory actions' lines, so every other line keeps its member set.
+        **({"dTag": entry.d_tag} if entry.d_tag is not None else {}),
     }
 
 

@@ -6,7 +6,9 @@ Rules (issue 10):
   and the long-run rate is `count` per window); `1000/day` is a daily quota (a plain
   counter per UTC calendar day, reset at 00:00 UTC). A rule applies to a *scope*: one
   wire action name (`message.post`), or a class: `publish` (every publishing action,
-  counted together) or `read` (channel.read, storage.address).
+  counted together), `read` (channel.read, storage.address) or `live` (NIP-BA's live
+  signals, presence.set and typing.set: counted apart from `publish` so a runtime's
+  renewals cannot use up the allowance its messages need).
 - The written form, one string per rule, is the same for the host and for a credential:
   `<scope>=<count>/<window>`, e.g. `message.post=30/min`, `publish=60/min`,
   `publish=1000/day`; `daily=<count>` is shorthand for `publish=<count>/day`.
@@ -33,7 +35,7 @@ fsync per request. Overrides are written at once (`credential issue --rate`, usu
 another process) and read lazily, the first time this process sees a credential id;
 `reload()` (SIGHUP) forgets what was read.
 
-WARNING: `PUBLISH_ACTIONS`/`READ_ACTIONS` must cover exactly the wire actions
+WARNING: `PUBLISH_ACTIONS`/`READ_ACTIONS`/`LIVE_ACTIONS` must cover exactly the wire actions
 (`buzzwire.contract.ACTIONS`, split on `ActionSpec.rate_class`); `_SCHEMA` is read by `_load`.
 """
 
@@ -71,6 +73,7 @@ __all__ = [
     "FLUSH_INTERVAL_SECONDS",
     "PUBLISH_ACTIONS",
     "READ_ACTIONS",
+    "LIVE_ACTIONS",
     "CLASSES",
     "LIMITS_TABLE_KEYS",
 ]
@@ -91,8 +94,8 @@ MAX_COUNT: Final = 10**9
 #: Longest rule string accepted, before any parsing (bounded input, style.md #9).
 MAX_RULE_CHARS: Final = 64
 
-#: Most rules one credential may carry (there are 9 actions + 2 classes, x 2 kinds).
-MAX_RULES: Final = 32
+#: Most rules one credential may carry (NIP-BA's 15 actions + 3 classes, x 2 kinds = 36).
+MAX_RULES: Final = 40
 
 _DAY_SECONDS: Final = 86400
 
@@ -100,11 +103,14 @@ PUBLISH_ACTIONS: Final = frozenset(
     name for name, spec in ACTIONS.items() if spec.rate_class is RateClass.PUBLISH)
 READ_ACTIONS: Final = frozenset(
     name for name, spec in ACTIONS.items() if spec.rate_class is RateClass.READ)
+LIVE_ACTIONS: Final = frozenset(
+    name for name, spec in ACTIONS.items() if spec.rate_class is RateClass.LIVE)
 
 #: Class scope -> the actions it counts together.
 CLASSES: Final[Mapping[str, frozenset[str]]] = {
     "publish": PUBLISH_ACTIONS,
     "read": READ_ACTIONS,
+    "live": LIVE_ACTIONS,
 }
 
 _SCOPES: Final = frozenset(ACTIONS) | frozenset(CLASSES)
@@ -166,7 +172,7 @@ _RULE_RE: Final = re.compile(r"([a-z]+(?:\.[a-z]+)?)=([0-9]{1,10})(?:/([a-z]+))?
 
 _RATE_FORM: Final = (
     "expected <scope>=<count>/<window> (window s, min, h or day; scope an action name, "
-    "publish or read), or daily=<count>"
+    "publish, read or live), or daily=<count>"
 )
 
 
@@ -198,7 +204,7 @@ def parse_rate(text: str) -> tuple[str, Rule]:
         window = _WINDOW_NAMES[unit]
     if scope not in _SCOPES:
         raise ValueError(
-            f"unknown rate scope {scope!r}; expected an action name, publish or read"
+            f"unknown rate scope {scope!r}; expected an action name, publish, read or live"
         )
     count = int(count_text)
     if not 1 <= count <= MAX_COUNT:
@@ -246,6 +252,12 @@ DEFAULT_RULES: Final[tuple[tuple[str, Rule], ...]] = _merge([
     ("publish", Rule(count=1000, window=Window.DAY)),
     ("read", Rule(count=600, window=Window.MINUTE)),
     ("read", Rule(count=50000, window=Window.DAY)),
+    # Live signals (docs/operations.md "Live signals"): a runtime renews typing every few
+    # seconds in each channel it is answering, and sets presence at start, stop and on
+    # idle. 120/min covers four channels renewing every 2 s; 50,000 a day is about seven
+    # hours of that. Neither touches the `publish` allowance.
+    ("live", Rule(count=120, window=Window.MINUTE)),
+    ("live", Rule(count=50000, window=Window.DAY)),
 ])
 
 DEFAULT_RATE_CONFIG: Final = RateConfig(enabled=True, rules=DEFAULT_RULES)
@@ -257,6 +269,8 @@ LIMITS_TABLE_KEYS: Final[Mapping[str, object]] = {
     "publish_daily": 1000,
     "read": "600/min",
     "read_daily": 50000,
+    "live": "120/min",
+    "live_daily": 50000,
     "rules": [],
 }
 
@@ -264,8 +278,8 @@ LIMITS_TABLE_KEYS: Final[Mapping[str, object]] = {
 def rate_config_from_table(table: Mapping[str, object]) -> RateConfig:
     """Read the `[limits]` TOML table (absent keys take `LIMITS_TABLE_KEYS` defaults).
 
-    Keys: `enabled` (bool), `publish` / `read` (bucket, `"<count>/<s|min|h>"`),
-    `publish_daily` / `read_daily` (integer per UTC day), `rules` (array of
+    Keys: `enabled` (bool), `publish` / `read` / `live` (bucket, `"<count>/<s|min|h>"`),
+    `publish_daily` / `read_daily` / `live_daily` (integer per UTC day), `rules` (array of
     `<scope>=<count>/<window>` strings, applied last: per-action limits live here).
 
     Raises:
@@ -281,7 +295,7 @@ def rate_config_from_table(table: Mapping[str, object]) -> RateConfig:
     if not isinstance(enabled, bool):
         raise ValueError("[limits] enabled: expected true or false")
     rules: list[tuple[str, Rule]] = []
-    for scope in ("publish", "read"):
+    for scope in CLASSES:
         bucket = values[scope]
         try:
             if not isinstance(bucket, str):
@@ -470,7 +484,7 @@ class RateLimiter:
         plan = self._plans.get(key)
         if plan is None:
             rules = _merge(self._config.rules, self.overrides(credential_id))
-            cls = "publish" if action in PUBLISH_ACTIONS else "read"
+            cls = ACTIONS[action].rate_class.value
             plan = tuple((s, r) for s, r in rules if s == action or s == cls)
             self._plans[key] = plan
         return plan

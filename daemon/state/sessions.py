@@ -472,6 +472,48 @@ class SessionStore:
         ).fetchall()
         return [_info(row) for row in rows]
 
+    def grant(self, credential_id: str, actions: frozenset[str], *, now: int) -> tuple[str, ...] | None:
+        """Add `actions` to one active credential's scope; never removes any.
+
+        An existing credential gains an action only this way (issue 23): nothing a new
+        release adds reaches it silently. The change is one UPDATE, so the daemon sees it on
+        the next request (the change counter), like `issue` and `revoke`.
+
+        Returns:
+            The actions newly added, sorted (empty when it held them all already), or None
+            when no active (unrevoked, unexpired) credential has that id.
+
+        Raises:
+            ValueError: `actions` is empty or holds a malformed name.
+        """
+        if not actions or not all(isinstance(a, str) and _ACTION_RE.fullmatch(a) for a in actions):
+            raise ValueError("actions must be one or more action names")
+        if not isinstance(credential_id, str) or _CREDENTIAL_ID_RE.fullmatch(credential_id) is None:
+            return None
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            row = self._conn.execute(
+                "SELECT actions FROM credentials WHERE credential_id = ? AND revoked_at IS NULL"
+                " AND (expires_at IS NULL OR expires_at > ?)", (credential_id, now),
+            ).fetchone()
+            if row is None:
+                self._conn.execute("ROLLBACK")
+                return None
+            held = frozenset(json.loads(str(row[0])))
+            added = tuple(sorted(actions - held))
+            if added:
+                self._conn.execute(
+                    "UPDATE credentials SET actions = ? WHERE credential_id = ?",
+                    (json.dumps(sorted(held | actions)), credential_id),
+                )
+            self._conn.execute("COMMIT")
+        except BaseException:
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+            raise
+        self.reload()
+        return added
+
     def revoke(self, credential_id: str, *, now: int | None = None) -> bool:
         """Revoke one credential. Returns False if it is unknown or already revoked."""
         if not isinstance(credential_id, str) or _CREDENTIAL_ID_RE.fullmatch(credential_id) is None:

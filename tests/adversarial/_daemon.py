@@ -36,6 +36,7 @@ import h11
 import trio
 import trio_websocket
 
+from buzzwire.contract import ACTIONS
 from custody import Custody, TokenConfig
 from daemon.state.sessions import SessionStore
 from daemon.state.directory import AgentDirectory
@@ -61,10 +62,8 @@ __all__ = [
 REPO = Path(__file__).resolve().parents[2]
 #: The daemon is ready in ~0.3 s here (token login included); this only catches a broken start.
 START_SECONDS = 20.0
-ALL_ACTIONS = (
-    "channel.read", "message.post", "message.reply", "reaction.add", "profile.set",
-    "storage.address", "agents.create", "agents.update", "agents.delete",
-)
+#: Every action the contract offers, so each adversarial suite covers actions as they land.
+ALL_ACTIONS = tuple(ACTIONS)
 
 
 def write_config(path: Path, *, token: TokenConfig, state_dir: Path, socket: Path,

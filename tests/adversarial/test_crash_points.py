@@ -3,8 +3,10 @@
 The daemon runs as its own process (`tests.adversarial.crashing_daemon`) against a real
 LocalRelay through `KillingProxy`. The relay behind the proxy is the open one (no NIP-42):
 LocalRelay refuses an AUTH whose ``relay`` tag names the proxy rather than itself, and the
-crash points concern the ledger and the relay's copy, not authentication. For message.post, message.reply
-and agents.create it is SIGKILLed at each step of the pipeline:
+crash points concern the ledger and the relay's copy, not authentication. For message.post,
+message.reply, agents.create, storage.put and typing.set (a live signal: ephemeral, so the
+relay keeps no copy to count, and the retry must finish with the committed event, never a
+new one) it is SIGKILLed at each step of the pipeline:
 
     before_pending  the plan is signed (agents.create: the key is minted), nothing durable
     after_pending   the pending record is committed, nothing sent
@@ -20,7 +22,8 @@ After each kill: the client got no answer, the daemon is restarted on the same s
 and the IDENTICAL bytes are sent again. Required: `succeeded`; on the relay (read directly,
 by an independent nostr-sdk client) every effect exactly once; when a pending record was
 committed, the events on the relay are exactly its events (the original ids, never
-re-signed ones); at most one minted agent for the owner, the one the outcome names.
+re-signed ones); at most one minted agent for the owner, the one the outcome names; for
+storage.put, at every point, the memory value and slug in no file of the state directory.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from tests.adversarial._daemon import (
     request_body,
     setup_state,
 )
+from tests.adversarial._secrets import files_under
 from tests.fixtures.broker import write_config
 from tests.fixtures.relay import TestKey, free_port, nostr_fetch, nostr_publish, nostr_verify
 
@@ -62,10 +66,14 @@ POINTS: tuple[tuple[str, int], ...] = (
 )
 #: agents.create's extra points: between its first and second, and after its last event.
 CREATE_EXTRA: tuple[tuple[str, int], ...] = (("event_stored", 1), ("ok_delivered", 2))
-CASES = [(a, p, i) for a in ("message.post", "message.reply", "agents.create")
+CASES = [(a, p, i) for a in ("message.post", "message.reply", "agents.create", "storage.put",
+                             "typing.set")
          for p, i in POINTS] + [("agents.create", p, i) for p, i in CREATE_EXTRA]
 CHECKPOINT_STEPS = {"before_pending", "after_pending", "after_verdict"}
 SIGKILLED = -9
+#: storage.put's plaintexts: never in the state directory, whatever point it died at.
+MEMORY_VALUE = "crash-point memory plaintext: kestrel 7391"
+MEMORY_SLUG = "mem/crash/slug-kestrel"
 
 
 @pytest.fixture
@@ -97,6 +105,8 @@ async def _scene(action: str, channel: str, relay_url: str) -> Scene:
     request_id = str(uuid.uuid4())
     if action == "message.post":
         args: dict[str, Any] = {"channelId": channel, "content": f"crash test {request_id}"}
+    elif action == "storage.put":
+        args = {"slug": f"{MEMORY_SLUG}-{request_id}", "value": MEMORY_VALUE}
     elif action == "message.reply":
         # The parent is published by an independent key straight to the relay, so the
         # daemon under test passes no checkpoint before the request that crashes it.
@@ -104,6 +114,8 @@ async def _scene(action: str, channel: str, relay_url: str) -> Scene:
         parent = author.sign(9, "parent", [["h", channel]])
         assert await trio.to_thread.run_sync(nostr_publish, relay_url, parent, author.secret_hex)
         args = {"channelId": channel, "replyToEventId": parent["id"], "content": "a reply"}
+    elif action == "typing.set":
+        args = {"channelId": channel}
     else:
         args = {"channelId": channel, "displayName": "Minted", "systemPrompt": "be brief"}
     return Scene(request_body(action, args, request_id=request_id), request_id, channel)
@@ -137,6 +149,10 @@ async def test_sigkill_then_identical_retry_finishes_exactly_once(
         first.kill()
     pending = pending_event_ids(state_dir, requester.agent, scene.request_id)
     assert (pending is None) == (point == "before_pending"), pending
+    if action == "storage.put":
+        # The pending record holds the signed ciphertext event, never the arguments.
+        for path, data in files_under(state_dir):
+            assert MEMORY_VALUE.encode() not in data and MEMORY_SLUG.encode() not in data, path
 
     second = await DaemonProcess.start(config, socket)
     try:
@@ -151,7 +167,19 @@ async def test_sigkill_then_identical_retry_finishes_exactly_once(
         second.kill()
 
     outcome = retried["outcome"]
-    if action == "agents.create":
+    if action == "typing.set":
+        # A live signal is ephemeral: the relay forwards it and keeps nothing, so there is
+        # no copy to count. What a crash must not do is sign a second signal: the retry
+        # finishes with the very event the pending record committed.
+        assert outcome["kind"] == 20002
+        if pending is not None:
+            assert sorted(pending) == [outcome["eventId"]]
+        return
+    if action == "storage.put":
+        found = await _fetch(local_relay_open, {"kinds": [30174], "authors": [requester.agent]})
+        assert [e["id"] for e in found] == [outcome["eventId"]], found
+        on_relay = {e["id"]: e for e in found}
+    elif action == "agents.create":
         on_relay = await _created_effects(local_relay_open, state_dir, requester.agent, channel,
                                            outcome)
     else:

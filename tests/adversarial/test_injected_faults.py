@@ -149,8 +149,12 @@ async def _args_for(broker: BrokerHarness, action: str, owner_cred: str, channel
         "message.post": {"channelId": channel, "content": f"m{n}"},
         "profile.set": {"about": f"a{n}"},
         "storage.address": {"slug": "core"},
+        "storage.get": {"slug": "core"},
+        "storage.put": {"slug": f"mem/fault-{n}", "value": f"v{n}"},
         "agents.create": {"channelId": channel, "displayName": f"new{n}", "systemPrompt": "p",
                           "runtime": "goose"},
+        "presence.set": {"status": ("online", "away", "offline")[n % 3]},
+        "typing.set": {"channelId": channel},
     }[action]
 
 

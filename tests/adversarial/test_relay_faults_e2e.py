@@ -125,37 +125,49 @@ def _code(answer: dict[str, Any]) -> tuple[str, str | None]:
     return answer["status"], answer.get("error", {}).get("code")
 
 
-async def test_ok_false_is_failed_action_failed_with_the_reason(rig: Any) -> None:
+#: Success only on the relay's positive acceptance (NIP-BA "Actions"), for a post and for
+#: the live signals alike: (action, args).
+_ACCEPTANCE_ROWS: list[tuple[str, dict[str, Any]]] = [
+    ("message.post", _post_args()),
+    ("presence.set", {"status": "online"}),
+    ("typing.set", {"channelId": CHANNEL}),
+]
+
+
+@pytest.mark.parametrize("action,args", _ACCEPTANCE_ROWS, ids=[a for a, _ in _ACCEPTANCE_ROWS])
+async def test_ok_false_is_failed_action_failed_with_the_reason(
+        rig: Any, action: str, args: dict[str, Any]) -> None:
     r: Rig = await rig(Script(default_event=EventReply.REJECT,
                               reject_reason="blocked: scripted refusal 42"))
-    answer, took, body = await r.call("message.post", _post_args())
+    answer, took, body = await r.call(action, args)
     assert _code(answer) == ("failed", "action_failed")
     assert "blocked: scripted refusal 42" in answer["error"]["message"]
     assert took < TIMEOUT + MARGIN
     # failed is final: the identical retry replays it, nothing is sent again.
     sent = len([m for m in r.relay.received if m[0] == "EVENT"])
-    replay, _, _ = await r.call("message.post", {}, body=body)
+    replay, _, _ = await r.call(action, {}, body=body)
     assert replay == {**answer, "replayed": True}
     assert len([m for m in r.relay.received if m[0] == "EVENT"]) == sent == 1
 
 
+@pytest.mark.parametrize("action,args", _ACCEPTANCE_ROWS, ids=[a for a, _ in _ACCEPTANCE_ROWS])
 @pytest.mark.parametrize("fault", [EventReply.SILENT, EventReply.DROP])
 async def test_no_ok_is_indeterminate_then_the_retry_succeeds_with_the_same_event(
-    rig: Any, fault: EventReply,
+    rig: Any, fault: EventReply, action: str, args: dict[str, Any],
 ) -> None:
     r: Rig = await rig(Script(events=(fault,)))  # then ACCEPT: the relay is fixed
-    first, took, body = await r.call("message.post", _post_args())
+    first, took, body = await r.call(action, args)
     assert _code(first) == ("indeterminate", "outcome_unknown")
     assert took < TIMEOUT + MARGIN
     assert r.relay.stored == {}
-    retried, took, _ = await r.call("message.post", {}, body=body)
+    retried, took, _ = await r.call(action, {}, body=body)
     assert retried["status"] == "succeeded", retried
     assert "replayed" not in retried  # resumed and finished now, not replayed
     assert took < TIMEOUT + MARGIN
     sent = [m[1]["id"] for m in r.relay.received if m[0] == "EVENT"]
     assert sent == [retried["outcome"]["eventId"]] * 2  # the same event both times
     assert list(r.relay.stored) == [retried["outcome"]["eventId"]]
-    replay, _, _ = await r.call("message.post", {}, body=body)
+    replay, _, _ = await r.call(action, {}, body=body)
     assert replay == {**retried, "replayed": True}
 
 

@@ -7,7 +7,9 @@ half a key), in: the HTTP responses, the log records, the process's captured std
 the CLI transcripts, the exception texts, the files of the state directory and the token,
 or the events the relay holds.
 
-Secrets in play: the token's user and SO PINs, three agent secret keys imported (one by
+Secrets in play: a memory record's value and slug (storage.put/get: the value is allowed
+only in the answers that return it; the ledger keeps the storage.get verdict sealed),
+the token's user and SO PINs, three agent secret keys imported (one by
 hex, one by nsec, one through the CLI), one deliberately invalid secret, every bearer
 credential issued (in-process and by the CLI), and the cursor MAC key.
 
@@ -42,6 +44,11 @@ from tests.fixtures.token import REPO, SoftHsmToken
 
 BUZZ_BROKER = REPO / ".venv" / "bin" / "buzz-broker"
 TOKEN_PREFIX = "bzb_"
+
+
+#: Memory plaintexts the scan looks for (both >= 16 bytes, distinctive).
+MEMORY_VALUE = "the owner's private note: door code 7391-alpha-kestrel"
+MEMORY_SLUG = "mem/scan/private-slug-kestrel"
 
 
 def _new_secret_hex() -> str:
@@ -132,6 +139,18 @@ async def test_no_secret_leaks_anywhere(broker: BrokerHarness, softhsm_token: So
                                                  "targetEventId": first["eventId"], "reaction": "+"}))
     _ok(await run.call(cred_a, "profile.set", {"displayName": "Alpha", "about": "scans"}))
     _ok(await run.call(cred_a, "storage.address", {"slug": "mem/scan"}))
+    # Memory (issue 23): the value is a secret everywhere but in the answers that return it;
+    # the slug too (NIP-AE keeps it out of the clear: tags, audit, ledger, logs).
+    scan.add(text_secret("memory value", MEMORY_VALUE))
+    scan.add(text_secret("memory slug", MEMORY_SLUG))
+    _ok(await run.call(cred_a, "storage.put", {"slug": MEMORY_SLUG, "value": MEMORY_VALUE}))
+    get_body = request_body("storage.get", {"slug": MEMORY_SLUG})
+    for attempt in ("first", "replay"):  # the replay comes from the sealed ledger record
+        status, raw = await raw_post(broker.socket, get_body, cred_a)
+        run.keep(f"HTTP {status} storage.get ({attempt})", raw, frozenset({"memory value"}))
+        got = json.loads(raw)
+        assert got["outcome"] == {"value": MEMORY_VALUE}, attempt
+        assert got.get("replayed") is (True if attempt == "replay" else None)
     page = _ok(await run.call(cred_a, "channel.read", {"channelId": channel, "limit": 1}))
     assert "nextCursor" in page  # the MAC key was used
     _ok(await run.call(cred_a, "channel.read", {"channelId": channel, "limit": 1,
@@ -142,6 +161,8 @@ async def test_no_secret_leaks_anywhere(broker: BrokerHarness, softhsm_token: So
     _ok(await run.call(cred_a, "agents.update", {"target": {"name": "Minted"},
                                                   "displayName": "Minted 2", "systemPrompt": "p"}))
     _ok(await run.call(cred_a, "agents.delete", {"target": {"pubkey": created["agentPubkey"]}}))
+    _ok(await run.call(cred_a, "presence.set", {"status": "online"}))
+    _ok(await run.call(cred_b, "typing.set", {"channelId": other_channel}))
 
     # The cursor MAC key exists now; it is a secret too.
     mac_key_path = broker.state_dir / "cursor-mac.key"
@@ -161,6 +182,8 @@ async def test_no_secret_leaks_anywhere(broker: BrokerHarness, softhsm_token: So
                  {"channelId": channel, "cursor": hex_secret}, {"channelId": nsec_text}):
         assert _code(await run.call(cred_a, "channel.read", args)) == "invalid_request"
     assert _code(await run.call(cred_a, "storage.address", {"slug": nsec_text + " x"})) == "invalid_request"
+    assert _code(await run.call(cred_a, "presence.set", {"status": user_pin})) == "invalid_request"
+    assert _code(await run.call(cred_a, "typing.set", {"channelId": hex_secret})) == "invalid_request"
     assert _code(await run.call(cred_a, "message.post", {"channelId": other_channel,
                                                           "content": "x"})) == "unauthorized"
     status, env = await run.post(b'{"requestId":"' + cred_a.encode() + b'",', cred_a)
@@ -205,6 +228,15 @@ async def test_no_secret_leaks_anywhere(broker: BrokerHarness, softhsm_token: So
                      "--args", json.dumps({"channelId": channel, "content": "from the CLI"}))
     assert called.returncode == 0, called.stderr
     assert json.loads(called.stdout)["status"] == "succeeded"
+    typed = await run.cli("call", "typing.set", "--credential-file", str(cred_file),
+                          "--socket", str(broker.socket), "--args", json.dumps({"channelId": channel}))
+    assert typed.returncode == 0, typed.stderr
+    assert json.loads(typed.stdout)["outcome"]["kind"] == 20002
+    remembered = await run.cli("call", "storage.get", "--credential-file", str(cred_file),
+                               "--socket", str(broker.socket),
+                               "--args", json.dumps({"slug": "mem/cli"}),
+                               allowed=frozenset({"memory value"}))
+    assert remembered.returncode == 0 and json.loads(remembered.stdout)["outcome"] == {}
     refused = await run.cli("call", "channel.read", "--credential-file", str(tmp_path / "missing"),
                       "--socket", str(broker.socket), "--args", json.dumps({"channelId": channel}))
     assert refused.returncode != 0

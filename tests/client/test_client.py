@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from typing import Any
 from dataclasses import replace
 from pathlib import Path
 
@@ -159,7 +160,8 @@ async def test_unsupported_is_normal_on_reaction_add_and_failed_elsewhere(host: 
     assert isinstance(reaction, Unsupported)
     post = await c.message_post(CHANNEL, "hi")
     assert isinstance(post, Failed) and post.code is ErrorCode.UNSUPPORTED
-    assert [spec.name for spec in ACTIONS.values() if spec.best_effort] == ["reaction.add"]
+    assert {spec.name for spec in ACTIONS.values() if spec.best_effort} >= {
+        "reaction.add", "presence.set", "typing.set"}
 
 
 async def test_indeterminate_then_replayed_success_sends_identical_bytes(host: ScriptedHost) -> None:
@@ -333,6 +335,24 @@ async def test_storage_address_for_another_author_is_no_answer(host: ScriptedHos
     host.default = succeeded(None, {"authorPubkey": OTHER, "kind": 30174, "dTag": "ab" * 32})
     bad = await c.storage_address("core")
     assert isinstance(bad, NoAnswer) and bad.reason is NoAnswerReason.MISMATCH
+
+
+async def test_storage_put_of_another_kind_is_no_answer_and_get_reads_the_value(
+    host: ScriptedHost
+) -> None:
+    """NIP-BA: a client checks the published kind per action (storage.put: 30174)."""
+    c = client(host)
+    host.script = [succeeded(None, {"eventId": "ab" * 32, "kind": 30174, "createdAt": 1})]
+    assert isinstance(await c.storage_put("mem/a", "v"), Succeeded)
+    host.default = succeeded(None, {"eventId": "ab" * 32, "kind": 9, "createdAt": 1})
+    bad = await c.storage_put("mem/a", "v")
+    assert isinstance(bad, NoAnswer) and bad.reason is NoAnswerReason.MISMATCH
+    host.default = None
+    host.script = [succeeded(None, {"value": ""}), succeeded(None, {})]
+    got = await c.storage_get("mem/a")
+    assert isinstance(got, Succeeded) and got.outcome.value == ""
+    absent = await c.storage_get("mem/a")
+    assert isinstance(absent, Succeeded) and absent.outcome.value is None
 
 
 def test_every_action_has_an_echo_check() -> None:
@@ -852,3 +872,36 @@ def test_the_client_distribution_imports_only_its_declared_dependencies() -> Non
                 seen.add(top)
                 assert top in allowed, f"{path.relative_to(root)} imports {name}"
     assert {"anyio", "h11", "coincurve", "buzzwire"} <= seen
+
+
+#: (method call, the kind NIP-BA says the action publishes)
+LIVE_CALLS = [
+    ("presence.set", lambda c: c.presence_set(" away "), 20001),
+    ("typing.set", lambda c: c.typing_set(CHANNEL.upper()), 20002),
+]
+
+
+@pytest.mark.parametrize("action,call,kind", LIVE_CALLS, ids=[a for a, _, _ in LIVE_CALLS])
+async def test_live_signals_check_the_kind_and_carry_on_after_unsupported(
+        host: ScriptedHost, action: str, call: Any, kind: int) -> None:
+    c = client(host)
+    host.script = [succeeded(None, publish_outcome(kind))]
+    ok = await call(c)
+    assert isinstance(ok, Succeeded) and ok.outcome.kind == kind
+    sent = host.received[-1].json()
+    assert sent["action"] == action
+    assert sent["args"] in ({"status": "away"}, {"channelId": CHANNEL.lower()})
+    # A Published outcome of another kind is not an answer to this request (NIP-BA: a
+    # client checks the kind per action); the client retries, then reports no answer.
+    host.script = [succeeded(None, publish_outcome(9))] * 4
+    wrong = await call(c)
+    assert isinstance(wrong, NoAnswer) and wrong.reason is NoAnswerReason.MISMATCH
+    # Best effort: unsupported is a normal answer.
+    host.script = [errored("failed", "unsupported")]
+    assert isinstance(await call(c), Unsupported)
+
+
+async def test_a_post_reporting_another_kind_is_no_answer(host: ScriptedHost) -> None:
+    host.script = [succeeded(None, publish_outcome(20002))] * 4
+    answer = await client(host).message_post(CHANNEL, "hi")
+    assert isinstance(answer, NoAnswer) and answer.reason is NoAnswerReason.MISMATCH

@@ -9,17 +9,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-#: §Operations: the nine wire names of version 1.
+#: §Operations: the nine wire names of version 1, and the NIP-BA actions served since.
 ACTIONS: frozenset[str] = frozenset({
     "channel.read", "message.post", "message.reply", "reaction.add", "profile.set",
     "storage.address", "agents.create", "agents.update", "agents.delete",
+    "storage.get", "storage.put",  # NIP-BA Memory (issue 23)
 })
 
-#: §Operations "Reserved against" (sign, publish, encrypt, decrypt, relay authentication)
-#: and "Deferred, not refused" (presence.set, typing.set): none may resolve in version 1.
+#: §Operations "Reserved against" (sign, publish, encrypt, decrypt, relay authentication):
+#: none may resolve. (agent-broker.md deferred presence.set and typing.set; NIP-BA, which is
+#: stricter and later, defines them, so they left this list: see docs/protocol.md.)
 NEVER_RESOLVE: tuple[str, ...] = (
     "sign", "publish", "encrypt", "decrypt", "auth", "authenticate", "relay.auth",
-    "presence.set", "typing.set", "Message.Post", "message_post", "message.delete",
+    "Presence.Set", "typing_set", "Message.Post", "message_post", "message.delete",
 )
 
 #: §Request: exactly these six members.
@@ -58,6 +60,9 @@ OUTCOME_MEMBERS: Mapping[str, tuple[frozenset[str], frozenset[str]]] = MappingPr
     "reaction.add": _PUBLISH,
     "profile.set": _PUBLISH,
     "storage.address": (frozenset({"authorPubkey", "kind", "dTag"}), frozenset()),
+    # NIP-BA Memory
+    "storage.get": (frozenset(), frozenset({"value"})),
+    "storage.put": _PUBLISH,
     "agents.create": (frozenset({"agentPubkey", "displayName", "channelId"}), frozenset()),
     "agents.update": (frozenset({"agentPubkey", "displayName", "updatedFields"}), frozenset()),
     "agents.delete": (frozenset({"agentPubkey", "displayName"}), frozenset()),
@@ -90,3 +95,78 @@ RECORD_NEVER: frozenset[str] = frozenset({"runtime"})
 
 #: buzz-on-the-relay.md "Ownership tag": the preimage prefix of a NIP-OA signature.
 NIP_OA_PREFIX = "nostr:agent-auth:"
+
+
+# --- NIP-BA (block/buzz docs/nips/NIP-BA.md, read at a7beb19), transcribed by hand -------
+
+#: NIP-BA "Actions": the fifteen names, in its table's order.
+NIP_BA_ACTIONS: tuple[str, ...] = (
+    "channel.read", "message.post", "message.reply", "reaction.add", "profile.set",
+    "storage.address", "storage.get", "storage.put", "presence.set", "typing.set",
+    "observer.emit", "liveness.ping", "agents.create", "agents.update", "agents.delete",
+)
+#: The six NIP-BA added to agent-broker.md's nine.
+NIP_BA_ADDED: frozenset[str] = frozenset(NIP_BA_ACTIONS) - ACTIONS
+
+_PUBLISHED = (frozenset({"eventId", "kind", "createdAt"}), frozenset())
+
+#: NIP-BA "Actions", "Exact outcome" column: (required, optional) members.
+NIP_BA_OUTCOMES: Mapping[str, tuple[frozenset[str], frozenset[str]]] = MappingProxyType({
+    "channel.read": (frozenset({"messages"}), frozenset({"nextCursor"})),
+    "message.post": _PUBLISHED, "message.reply": _PUBLISHED, "reaction.add": _PUBLISHED,
+    "profile.set": _PUBLISHED,
+    "storage.address": (frozenset({"authorPubkey", "kind", "dTag"}), frozenset()),
+    "storage.get": (frozenset(), frozenset({"value"})),
+    "storage.put": _PUBLISHED, "presence.set": _PUBLISHED, "typing.set": _PUBLISHED,
+    "observer.emit": (frozenset({"accepted"}), frozenset()),
+    "liveness.ping": _PUBLISHED,
+    "agents.create": (frozenset({"agentPubkey", "displayName", "channelId"}), frozenset()),
+    "agents.update": (frozenset({"agentPubkey", "displayName", "updatedFields"}), frozenset()),
+    "agents.delete": (frozenset({"agentPubkey", "displayName"}), frozenset()),
+})
+
+#: NIP-BA "Actions", "Exact args" column: (required, optional) members.
+NIP_BA_ARGS: Mapping[str, tuple[frozenset[str], frozenset[str]]] = MappingProxyType({
+    "channel.read": (frozenset({"channelId"}),
+                     frozenset({"rootEventId", "mentionsOnly", "cursor", "limit"})),
+    "message.post": (frozenset({"channelId", "content"}), frozenset({"mentions"})),
+    "message.reply": (frozenset({"channelId", "content", "replyToEventId"}), frozenset({"mentions"})),
+    "reaction.add": (frozenset({"channelId", "targetEventId", "reaction"}), frozenset()),
+    "profile.set": (frozenset(), frozenset({"displayName", "about", "picture"})),
+    "storage.address": (frozenset({"slug"}), frozenset()),
+    "storage.get": (frozenset({"slug"}), frozenset()),
+    "storage.put": (frozenset({"slug", "value"}), frozenset()),
+    "presence.set": (frozenset({"status"}), frozenset()),
+    "typing.set": (frozenset({"channelId"}), frozenset()),
+    "observer.emit": (frozenset({"frames"}), frozenset()),
+    "liveness.ping": (frozenset({"channelId", "turnId"}), frozenset()),
+    "agents.create": (frozenset({"channelId", "displayName", "systemPrompt"}),
+                      frozenset({"runtime", "provider", "model", "respondTo"})),
+    "agents.update": (frozenset({"target"}), frozenset({
+        "displayName", "systemPrompt", "runtime", "provider", "model", "respondTo"})),
+    "agents.delete": (frozenset({"target"}), frozenset()),
+})
+
+#: The Nostr kind each Published action builds (NIP-BA "Channel and messages", "Memory",
+#: "Live signals"; kind 0 for the profile, NIP-01).
+NIP_BA_KINDS: Mapping[str, int] = MappingProxyType({
+    "message.post": 9, "message.reply": 9, "reaction.add": 7, "profile.set": 0,
+    "storage.put": 30174, "presence.set": 20001, "typing.set": 20002, "liveness.ping": 24200,
+})
+#: storage.address: "returns the agent's author pubkey, kind 30174".
+NIP_BA_MEMORY_KIND = 30174
+
+#: NIP-BA "Live signals": "Reaction and all four live actions are best effort".
+NIP_BA_BEST_EFFORT: frozenset[str] = frozenset({
+    "reaction.add", "presence.set", "typing.set", "observer.emit", "liveness.ping"})
+
+#: NIP-BA presence.set statuses.
+NIP_BA_PRESENCE: frozenset[str] = frozenset({"online", "away", "offline"})
+
+#: NIP-BA "Wire and normalization": integer widths.
+U16, U32, U64 = 2**16 - 1, 2**32 - 1, 2**64 - 1
+#: NIP-BA "Name / prompt / scalar / about" limits in Unicode scalars.
+NIP_BA_NAME_CHARS = 120
+#: NIP-BA update/create mutable members (updatedFields is a subset of those supplied).
+NIP_BA_MUTABLE: frozenset[str] = frozenset({
+    "displayName", "systemPrompt", "runtime", "provider", "model", "respondTo"})

@@ -9,6 +9,8 @@ Rules:
   exact members for the action asked (seven per returned event, a page within the
   effective limit); the requestId echoed; `replayed`, when present, exactly `true` and only
   on bytes this principal already sent under that requestId — never on a first sending.
+  Then NIP-BA's own result rules for all fifteen actions (`_nip_ba.result_problems`: every
+  outcome member's type and bound, the kind per action, the echoes a client checks).
 - Every checked exchange is appended to `Wire.log` (and the module's `ALL_ENVELOPES`), so
   a test can also scan the whole run.
 - A body without a usable requestId is sent with `send_uncorrelated`, which expects no
@@ -30,7 +32,7 @@ import coincurve
 import h11
 import trio
 
-from tests.conformance import _spec
+from tests.conformance import _nip_ba, _spec
 from tests.fixtures.broker import BrokerHarness, read_response
 from tests.fixtures.relay import TestKey, nostr_fetch
 
@@ -143,7 +145,8 @@ def _request_facts(body: bytes) -> tuple[str | None, str | None, Mapping[str, An
             args if isinstance(args, dict) else {})
 
 
-def check_envelope(body: bytes, reply: HttpReply, *, first_sending: bool) -> dict[str, Any]:
+def check_envelope(body: bytes, reply: HttpReply, *, first_sending: bool,
+                   me: str | None = None) -> dict[str, Any]:
     """Every rule a host response must keep, whatever the request was (module docstring)."""
     assert reply.status == 200, (reply.status, reply.body[:200])
     assert reply.headers.get("content-type", "").split(";")[0].strip() == "application/json", reply.headers
@@ -163,7 +166,7 @@ def check_envelope(body: bytes, reply: HttpReply, *, first_sending: bool) -> dic
     if status == "succeeded":
         assert members == _spec.SUCCEEDED_MEMBERS, env
         assert action is not None and env["action"] == action, (env["action"], action)
-        required, optional = _spec.OUTCOME_MEMBERS[action]
+        required, optional = _spec.NIP_BA_OUTCOMES[action]
         outcome = env["outcome"]
         assert isinstance(outcome, dict) and required <= set(outcome) <= required | optional, outcome
         if action == "channel.read":
@@ -181,6 +184,13 @@ def check_envelope(body: bytes, reply: HttpReply, *, first_sending: bool) -> dic
         assert isinstance(error, dict) and set(error) == _spec.ERROR_OBJECT_MEMBERS, error
         assert status in _spec.PAIRING[error["code"]], (status, error)
         assert isinstance(error["message"], str) and error["message"], error
+    try:
+        request = json.loads(body)
+    except ValueError:
+        request = None
+    if isinstance(request, dict):
+        problems = _nip_ba.result_problems(request, env, me)
+        assert not problems, (problems, env)
     ALL_ENVELOPES.append(env)
     return env
 
@@ -252,10 +262,11 @@ class Wire:
         if credential is not None:
             headers.append(("Authorization", f"Bearer {credential}"))
         request_id, _, _ = _request_facts(body)
-        key = (self._agent_of.get(credential or "", f"?{credential}"), request_id or "")
+        agent = self._agent_of.get(credential or "")
+        key = (agent or f"?{credential}", request_id or "")
         first = key not in self._sent
         reply = await exchange(self.broker.socket, "POST", "/v1/action", body, headers)
-        env = check_envelope(body, reply, first_sending=first)
+        env = check_envelope(body, reply, first_sending=first, me=agent)
         self._sent.add(key)
         self.log.append(Exchange(body, reply, env))
         return env

@@ -65,7 +65,7 @@ def test_reader_output_passes_public_construction(action: str) -> None:
 
 def test_reserved_names_never_resolve() -> None:
     assert not RESERVED_NAMES & set(ACTIONS)
-    for name in sorted(RESERVED_NAMES) + ["Message.Post", " message.post", "presence.set"]:
+    for name in sorted(RESERVED_NAMES) + ["Message.Post", " message.post", "Presence.Set", "presence.get"]:
         assert verdict(envelope(action=name)) == (ErrorCode.UNKNOWN_ACTION, "/action")
         with pytest.raises(ContractError) as err:
             build_request(name, {}, request_id=REQUEST_ID)

@@ -28,12 +28,17 @@ SPEC_MEMBERS: dict[str, tuple[set[str], set[str], set[str], set[str]]] = {
     "reaction.add": ({"channelId", "targetEventId", "reaction"}, set(), {"eventId", "kind", "createdAt"}, set()),
     "profile.set": (set(), {"displayName", "about", "picture"}, {"eventId", "kind", "createdAt"}, set()),
     "storage.address": ({"slug"}, set(), {"authorPubkey", "kind", "dTag"}, set()),
+    "storage.get": ({"slug"}, set(), set(), {"value"}),
+    "storage.put": ({"slug", "value"}, set(), {"eventId", "kind", "createdAt"}, set()),
     "agents.create": ({"channelId", "displayName", "systemPrompt"},
                       {"runtime", "provider", "model", "respondTo"},
                       {"agentPubkey", "displayName", "channelId"}, set()),
     "agents.update": ({"target"}, {"displayName", "systemPrompt", "runtime", "provider", "model", "respondTo"},
                       {"agentPubkey", "displayName", "updatedFields"}, set()),
     "agents.delete": ({"target"}, set(), {"agentPubkey", "displayName"}, set()),
+    # NIP-BA "Actions": the live signals answer Published.
+    "presence.set": ({"status"}, set(), {"eventId", "kind", "createdAt"}, set()),
+    "typing.set": ({"channelId"}, set(), {"eventId", "kind", "createdAt"}, set()),
 }
 
 # spec §Results, the complete table: code -> (with failed, with indeterminate)
@@ -53,8 +58,13 @@ def test_the_eighteen_member_sets() -> None:
         assert spec.name == name
         assert (spec.arg_members.required, spec.arg_members.optional) == (a_req, a_opt), name
         assert (spec.outcome_members.required, spec.outcome_members.optional) == (o_req, o_opt), name
-    assert [n for n, s in ACTIONS.items() if s.best_effort] == ["reaction.add"]
-    assert {n for n, s in ACTIONS.items() if not s.publishing} == {"channel.read", "storage.address"}
+    # NIP-BA "Live signals": reaction and the live actions are best effort.
+    assert {n for n, s in ACTIONS.items() if s.best_effort} <= {
+        "reaction.add", "presence.set", "typing.set", "observer.emit", "liveness.ping"}
+    assert {"reaction.add", "presence.set", "typing.set"} <= {
+        n for n, s in ACTIONS.items() if s.best_effort}
+    assert {n for n, s in ACTIONS.items() if not s.publishing} == {
+        "channel.read", "storage.address", "storage.get"}
 
 
 def test_event_has_exactly_seven_members() -> None:

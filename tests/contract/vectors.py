@@ -24,11 +24,15 @@ VALID_ARGS: dict[str, dict[str, Any]] = {
     "reaction.add": {"channelId": CHANNEL, "targetEventId": EVENT_ID, "reaction": "👍"},
     "profile.set": {"displayName": "Ada", "about": "helps", "picture": "https://x.example/a.png"},
     "storage.address": {"slug": "mem/slice-c"},
+    "storage.get": {"slug": "mem/slice-c"},
+    "storage.put": {"slug": "mem/slice-c", "value": "remember:field-lab-Tuesday"},
     "agents.create": {"channelId": CHANNEL, "displayName": "Scout", "systemPrompt": "be brief",
                       "runtime": "goose", "provider": "p", "model": "m", "respondTo": "owner-only"},
     "agents.update": {"target": {"pubkey": PK2}, "displayName": "Scout 2", "systemPrompt": "s",
                       "runtime": "goose", "provider": "p", "model": "m", "respondTo": "anyone"},
     "agents.delete": {"target": {"name": "Scout"}},
+    "presence.set": {"status": "away"},
+    "typing.set": {"channelId": CHANNEL},
 }
 
 EVENT: dict[str, Any] = {
@@ -45,10 +49,14 @@ VALID_OUTCOMES: dict[str, dict[str, Any]] = {
     "profile.set": {"eventId": EVENT_ID, "kind": 0, "createdAt": 1787675471},
     "storage.address": {"authorPubkey": PK1, "kind": 30174,
                         "dTag": "bdc233238ffe52e272b44cc233c8f33a2bc510b08be04495b225964283be4a90"},
+    "storage.get": {"value": "remember:field-lab-Tuesday"},
+    "storage.put": {"eventId": EVENT_ID, "kind": 30174, "createdAt": 1787675471},
     "agents.create": {"agentPubkey": PK2, "displayName": "Scout", "channelId": CHANNEL},
     "agents.update": {"agentPubkey": PK2, "displayName": "Scout 2",
                       "updatedFields": ["displayName", "systemPrompt"]},
     "agents.delete": {"agentPubkey": PK2, "displayName": "Scout"},
+    "presence.set": {"eventId": EVENT_ID, "kind": 20001, "createdAt": 1787675471},
+    "typing.set": {"eventId": EVENT_ID, "kind": 20002, "createdAt": 1787675471},
 }
 
 

@@ -15,11 +15,12 @@ import trio
 
 from buzzwire.contract import Status
 
-from buzzwire.contract import ErrorCode
+from buzzwire.contract import ACTIONS, ErrorCode
 from daemon.state.ledger import Fresh, Ledger, LedgerKey, Replay
 from daemon.state.ratelimit import (
     DEFAULT_RATE_CONFIG,
     LIMITS_FILENAME,
+    LIVE_ACTIONS,
     PUBLISH_ACTIONS,
     READ_ACTIONS,
     RateConfig,
@@ -102,10 +103,42 @@ def test_limits_table() -> None:
         with pytest.raises(ValueError, match=re.escape(f"[limits] {key}") + "|" +
                            re.escape(f"[limits] unknown key {key}")):
             rate_config_from_table(table)
-    assert PUBLISH_ACTIONS | READ_ACTIONS == {
-        "channel.read", "message.post", "message.reply", "reaction.add", "profile.set",
-        "storage.address", "agents.create", "agents.update", "agents.delete"}
-    assert READ_ACTIONS == {"channel.read", "storage.address"}
+    assert {"channel.read", "message.post", "message.reply", "reaction.add", "profile.set",
+            "storage.address", "agents.create", "agents.update", "agents.delete"} <= (
+        PUBLISH_ACTIONS | READ_ACTIONS)
+    assert {"channel.read", "storage.address", "storage.get"} <= READ_ACTIONS
+    assert "storage.put" in PUBLISH_ACTIONS
+    assert {"presence.set", "typing.set"} <= LIVE_ACTIONS
+    assert not LIVE_ACTIONS & (PUBLISH_ACTIONS | READ_ACTIONS)
+    assert PUBLISH_ACTIONS | READ_ACTIONS | LIVE_ACTIONS == set(ACTIONS)
+
+
+def test_live_signals_count_apart_from_publish(tmp_path: Path) -> None:
+    """A runtime's typing renewals spend the `live` class, never the `publish` allowance."""
+    store = SessionStore.open(tmp_path)
+    _cid, token = store.issue(agent="cc" * 32, channels=frozenset({CHANNEL}),
+                              actions=frozenset(ACTIONS), ttl_seconds=None, uid=None,
+                              now=int(NOON))
+    p = store.authenticate(f"Bearer {token}", None, int(NOON))
+    assert p is not None
+    limiter = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
+    # A burst of typing and presence signals, all in one second: the live bucket's 120.
+    signals = [limiter.take(p, "typing.set" if i % 4 else "presence.set", NOON)
+               for i in range(130)]
+    assert signals[:120] == [None] * 120
+    assert {refused(r)[1:3] for r in signals[120:]} == {("live", "120/min")}
+    # Posts are untouched: the host's whole 60/min publish bucket is still there.
+    posts = [limiter.take(p, "message.post", NOON) for _ in range(61)]
+    assert posts[:60] == [None] * 60 and refused(posts[60])[1:3] == ("publish", "60/min")
+    assert limiter.used_today(p.credential_id, "publish", NOON) == 60
+    assert limiter.used_today(p.credential_id, "live", NOON) == 120
+    # The class is configurable like the others, per host and per credential.
+    cfg = rate_config_from_table({"live": "10/s", "live_daily": 7})
+    assert ("live", Rule(count=10, window=Window.SECOND)) in cfg.rules
+    assert ("live", Rule(count=7, window=Window.DAY)) in cfg.rules
+    assert parse_rate("live=5/min") == ("live", Rule(count=5, window=Window.MINUTE))
+    limiter.close()
+    store.close()
 
 
 def test_loop_of_200_posts(tmp_path: Path, principals: tuple[Principal, Principal]) -> None:

@@ -17,6 +17,7 @@ from buzzwire.contract import (
     PAIRING,
     AgentsDeleteArgs,
     AgentsUpdateArgs,
+    ContractError,
     ErrorCode,
     Request,
     Status,
@@ -100,9 +101,13 @@ ARGS: dict[str, dict[str, object]] = {
     "reaction.add": {"channelId": CHANNEL, "targetEventId": EVENT, "reaction": "+"},
     "profile.set": {"displayName": "me"},
     "storage.address": {"slug": "core"},
+    "storage.get": {"slug": "core"},
+    "storage.put": {"slug": "core", "value": "I am a test agent."},
     "agents.create": {"channelId": CHANNEL, "displayName": "kid", "systemPrompt": "be kind"},
     "agents.update": {"target": {"pubkey": CHILD}, "displayName": "kid 2"},
     "agents.delete": {"target": {"pubkey": CHILD}},
+    "presence.set": {"status": "online"},
+    "typing.set": {"channelId": CHANNEL},
 }
 
 
@@ -188,6 +193,50 @@ def test_host_switched_off(store: SessionStore, action: str) -> None:
     host = dataclasses.replace(HOST, disabled_actions=frozenset({action}))
     refusal = authorize(principal(store), request(action), host, AGENTS)
     assert refusal == REFUSALS["disabled"] and refusal.code is ErrorCode.UNSUPPORTED
+
+
+#: Names that are no action of this host (nor of NIP-BA): never resolved, never offered.
+UNKNOWN_NAMES = ("message.delete", "Message.Post", "sign", "storage.delete", "presence.get")
+
+#: (switched off?, credential holds it?, channel in scope?) -> the answer, for every action:
+#: switched off wins over every credential fact (NIP-BA: `unsupported` for every
+#: credential); an offered action the credential lacks is `unauthorized`.
+SWITCH_ROWS: list[tuple[bool, bool, bool, Refusal | None]] = [
+    (True, True, True, REFUSALS["disabled"]),
+    (True, False, True, REFUSALS["disabled"]),
+    (True, True, False, REFUSALS["disabled"]),
+    (True, False, False, REFUSALS["disabled"]),
+    (False, False, True, REFUSALS["action"]),
+    (False, False, False, REFUSALS["action"]),
+    (False, True, True, None),
+]
+
+
+@pytest.mark.parametrize("action", list(ACTIONS))
+@pytest.mark.parametrize("off,held,in_scope,want", SWITCH_ROWS)
+def test_switched_off_is_unsupported_for_every_credential(
+    store: SessionStore, action: str, off: bool, held: bool, in_scope: bool,
+    want: Refusal | None,
+) -> None:
+    others = frozenset(ACTIONS) - {action}
+    p = principal(store, actions=others | {action} if held else others)
+    host = dataclasses.replace(HOST, disabled_actions=frozenset({action}) if off else frozenset())
+    overrides: dict[str, object] = {}
+    if not in_scope and action in CHANNEL_ACTIONS:
+        overrides["channelId"] = OTHER_CHANNEL
+    answer = authorize(p, request(action, **overrides), host, AGENTS)
+    if want is None:
+        assert isinstance(answer, Authorized)
+    else:
+        assert answer == want
+
+
+@pytest.mark.parametrize("name", UNKNOWN_NAMES)
+def test_unknown_name_stays_unknown_action(name: str) -> None:
+    # Judged by the contract before policy runs: no switch or credential can change it.
+    with pytest.raises(ContractError) as caught:
+        build_request(name, {}, request_id="r-1")
+    assert caught.value.code is ErrorCode.UNKNOWN_ACTION
 
 
 #: (requester, max_agent_depth, refused?) — a human-owned agent is depth 1.
@@ -283,17 +332,19 @@ def test_first_check_in_table_order_wins(store: SessionStore) -> None:
         disabled_actions=frozenset({"agents.create"}), max_agent_depth=1, runtimes=frozenset()
     )
     req = request("agents.create", channelId=OTHER_CHANNEL, runtime="skynet")
-    expected = [REFUSALS["action"], REFUSALS["channel"], REFUSALS["disabled"]]
+    expected = [REFUSALS["disabled"], REFUSALS["action"], REFUSALS["channel"]]
     names = [name for name, _ in CHECKS]
-    assert names[:2] == ["credential", "disabled"]  # credential: its actions, then channels
+    # NIP-BA: switched off is `unsupported` for every credential, so the host's switch
+    # comes first; then the credential (its actions, then its channels).
+    assert names[:2] == ["disabled", "credential"]
     for i, want in enumerate(expected):
         # Remove the earlier failures one at a time; the next check in the table answers.
         assert authorize(p, req, host, AGENTS) == want
         if i == 0:
-            p = principal(store, agent=CHILD)
+            host = dataclasses.replace(host, disabled_actions=frozenset())
         elif i == 1:
-            p = principal(store, agent=CHILD, channels=frozenset({OTHER_CHANNEL}))
-    host = dataclasses.replace(host, disabled_actions=frozenset())
+            p = principal(store, agent=CHILD)
+    p = principal(store, agent=CHILD, channels=frozenset({OTHER_CHANNEL}))
     depth = authorize(p, req, host, AGENTS)
     assert isinstance(depth, Refusal) and "1" in depth.message
     host = dataclasses.replace(host, max_agent_depth=3)

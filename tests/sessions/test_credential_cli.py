@@ -144,3 +144,59 @@ async def test_issue_refusals(
                                                  ("7d", 604800)])
 def test_durations(text: str, seconds: int) -> None:
     assert credential.parse_duration(text) == seconds
+
+
+async def test_grant_adds_actions_to_a_live_credential_and_nothing_else(
+    custody: Custody, config_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    agent = await custody.mint_agent(owner=HUMAN, mint_ref=None)
+    # `--all-actions` stores the actions this build offers, as an explicit list: the row
+    # holds names, never "all", so a later release's actions cannot reach it by themselves.
+    assert cli(config_file, ["issue", "--agent", agent.pubkey, "--channel", CHANNEL,
+                             "--all-actions"]) == 0
+    everything = capsys.readouterr().out.strip()
+    assert cli(config_file, ["issue", "--agent", agent.pubkey, "--channel", CHANNEL,
+                             "--action", "channel.read"]) == 0
+    narrow = capsys.readouterr().out.strip()
+
+    store = SessionStore.open(tmp_path / "state")  # the daemon's view, open throughout
+    try:
+        now = int(time.time())
+        wide = store.authenticate(f"Bearer {everything}", None, now)
+        assert wide is not None and wide.actions == frozenset(ACTIONS)
+        rows = {i.credential_id: i for i in store.list()}
+        assert list(rows[wide.credential_id].actions) == sorted(ACTIONS)
+        p = store.authenticate(f"Bearer {narrow}", None, now)
+        assert p is not None and p.actions == frozenset({"channel.read"})
+
+        assert cli(config_file, ["grant", p.credential_id, "--preset", "buzz-runtime"]) == 0
+        err = capsys.readouterr().err
+        offered = frozenset(a for a in credential.PRESETS["buzz-runtime"] if a in ACTIONS)
+        missing = [a for a in credential.PRESETS["buzz-runtime"] if a not in ACTIONS]
+        assert f"granted {p.credential_id}: " + ", ".join(sorted(offered - {"channel.read"})) in err
+        assert ("left out: " + ", ".join(missing) in err) == bool(missing)
+        # The daemon's store sees the grant on its next authentication, no restart.
+        q = store.authenticate(f"Bearer {narrow}", None, now)
+        assert q is not None and q.actions == offered | {"channel.read"}
+
+        assert cli(config_file, ["grant", p.credential_id, "--action", "profile.set"]) == 0
+        assert "granted" in capsys.readouterr().err
+        r = store.authenticate(f"Bearer {narrow}", None, now)
+        assert r is not None and r.actions == offered | {"channel.read", "profile.set"}
+        assert cli(config_file, ["grant", p.credential_id, "--action", "profile.set"]) == 0
+        assert "already held" in capsys.readouterr().err
+
+        for argv, says in (
+            (["grant", p.credential_id, "--action", "sign"], "unknown action"),
+            (["grant", narrow, "--action", "channel.read"], "expected a credential id"),
+            (["grant", "cred_" + "0" * 16, "--all-actions"], "no active credential"),
+        ):
+            with pytest.raises(CliError) as refused:
+                cli(config_file, argv)
+            assert says in str(refused.value) and narrow not in str(refused.value)
+        store.revoke(p.credential_id)
+        with pytest.raises(CliError):
+            cli(config_file, ["grant", p.credential_id, "--action", "message.post"])
+        assert store.authenticate(f"Bearer {narrow}", None, now) is None
+    finally:
+        store.close()

@@ -7,7 +7,7 @@ Modules, one job each:
   _limits     every limit, named, with its source
   _ids        identities (channel UUIDs, 64-hex, secp256k1 x-only pubkeys) and scalar checkers
   _shapes     table-driven strict objects (read, re-check in construction, write)
-  _args       the nine argument shapes
+  _args       the argument shapes (the nine, then NIP-BA's additions)
   _outcomes   the outcome shapes and the seven-member Event
   _echoes     the identities an outcome echoes from its request (I5), as data, and the check
   _envelopes  request/response envelopes, ActionSpec and ACTIONS (every fixed fact of an
@@ -23,7 +23,8 @@ tabulates it and changes with it.
 from ._args import (
     RESPOND_TO, AgentsCreateArgs, AgentsDeleteArgs, AgentsUpdateArgs, AgentTarget,
     ChannelReadArgs, MessagePostArgs, MessageReplyArgs, ProfileSetArgs, ReactionAddArgs,
-    StorageAddressArgs,
+    StorageAddressArgs, PRESENCE_STATUSES, PresenceSetArgs, TypingSetArgs, StorageGetArgs,
+    StoragePutArgs, compact_json,
 )
 from ._codes import MESSAGES, PAIRING, ContractError, ErrorCode, Status
 from ._echoes import REQUESTER, Echo, Identity, echo_mismatch
@@ -38,11 +39,12 @@ from ._limits import (
     ACTION_VERSION, DEFAULT_LIMIT, MAX_ABOUT_CHARS, MAX_CONTENT_BYTES, MAX_CURSOR_BYTES,
     MAX_DISPLAY_NAME_CHARS, MAX_JSON_INT, MAX_KIND, MAX_LIMIT, MAX_MENTIONS, MAX_NESTING,
     MAX_PICTURE_CHARS, MAX_REACTION_CHARS, MAX_REQUEST_ID_BYTES, MAX_SCALAR_CHARS,
-    MAX_SLUG_BYTES, MAX_SYSTEM_PROMPT_CHARS, MIN_JSON_INT, MIN_LIMIT, PROTOCOL_VERSION,
+    MAX_MEMORY_BODY_BYTES, MAX_SLUG_BYTES, MAX_SYSTEM_PROMPT_CHARS, MIN_JSON_INT, MIN_LIMIT,
+    PROTOCOL_VERSION,
 )
 from ._outcomes import (
     AgentsCreateOutcome, AgentsDeleteOutcome, AgentsUpdateOutcome, Event, Outcome,
-    PublishOutcome, ReadOutcome, StorageAddressOutcome,
+    PublishOutcome, ReadOutcome, StorageAddressOutcome, StorageGetOutcome,
 )
 
 __all__ = [
@@ -54,11 +56,12 @@ __all__ = [
     "read_request", "Reading", "Request", "Args", "build_request", "encode_request",
     "ChannelReadArgs", "MessagePostArgs", "MessageReplyArgs", "ReactionAddArgs",
     "ProfileSetArgs", "StorageAddressArgs", "AgentsCreateArgs", "AgentTarget",
-    "AgentsUpdateArgs", "AgentsDeleteArgs",
+    "AgentsUpdateArgs", "AgentsDeleteArgs", "PresenceSetArgs", "TypingSetArgs",
+    "PRESENCE_STATUSES", "StorageGetArgs", "StoragePutArgs", "compact_json",
     # responses
     "Verdict", "encode_response", "mark_replayed", "parse_response", "Response", "Outcome",
     "Event", "PublishOutcome", "ReadOutcome", "StorageAddressOutcome", "AgentsCreateOutcome",
-    "AgentsUpdateOutcome", "AgentsDeleteOutcome",
+    "AgentsUpdateOutcome", "AgentsDeleteOutcome", "StorageGetOutcome",
     # strict JSON (the wire's reader, for tools that read JSON as the host does)
     "parse_json", "JsonSyntaxError",
     # identities
@@ -68,5 +71,5 @@ __all__ = [
     "MAX_CONTENT_BYTES", "MAX_MENTIONS", "MIN_LIMIT", "MAX_LIMIT", "DEFAULT_LIMIT",
     "MAX_DISPLAY_NAME_CHARS", "MAX_ABOUT_CHARS", "MAX_PICTURE_CHARS", "MAX_SYSTEM_PROMPT_CHARS",
     "MAX_SCALAR_CHARS", "MAX_REACTION_CHARS", "MAX_SLUG_BYTES", "MAX_NESTING", "MIN_JSON_INT",
-    "MAX_JSON_INT", "MAX_KIND",
+    "MAX_JSON_INT", "MAX_KIND", "MAX_MEMORY_BODY_BYTES",
 ]

@@ -1,4 +1,4 @@
-"""The nine argument shapes of spec §Operations, each a frozen, slotted, keyword-only value.
+"""The argument shapes of spec §Operations (NIP-BA's actions), each a frozen, slotted, keyword-only value.
 
 Rules:
 - Field names are the snake_case of the wire names. An absent optional member is `None`
@@ -12,6 +12,8 @@ Rules:
   50 as sent; a repeated mention is kept once, at its first position (the relay side
   de-duplicates `p` tags anyway, buzz-on-the-relay.md "The nine operations", so a repeat
   carries no meaning and refusing it would only punish sloppy callers).
+- storage.put: `value` is kept exactly (never trimmed, not whitespace-only), and the whole
+  compact body it becomes (`StoragePutArgs.body`) is at most 65,535 bytes (NIP-BA Memory).
 - At-least-one rules: profile.set needs one member; agents.update needs one member
   besides `target`; `target` holds exactly one of `pubkey` | `name`.
 
@@ -21,13 +23,14 @@ are the source of `ActionSpec.arg_members`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ._ids import boolean, channel_id, cursor, exact_text, hex64, integer, pubkey, slug, text
 from ._limits import (
     DEFAULT_LIMIT, MAX_ABOUT_CHARS, MAX_CONTENT_BYTES, MAX_DISPLAY_NAME_CHARS, MAX_LIMIT,
-    MAX_MENTIONS, MAX_PICTURE_CHARS, MAX_REACTION_CHARS, MAX_SCALAR_CHARS,
+    MAX_MEMORY_BODY_BYTES, MAX_MENTIONS, MAX_PICTURE_CHARS, MAX_REACTION_CHARS, MAX_SCALAR_CHARS,
     MAX_SYSTEM_PROMPT_CHARS, MIN_LIMIT,
 )
 from ._shapes import Checked, Field, Shape, array_of, nested, one_of, register
@@ -35,11 +38,15 @@ from ._shapes import Checked, Field, Shape, array_of, nested, one_of, register
 __all__ = [
     "ChannelReadArgs", "MessagePostArgs", "MessageReplyArgs", "ReactionAddArgs",
     "ProfileSetArgs", "StorageAddressArgs", "AgentsCreateArgs", "AgentTarget",
-    "AgentsUpdateArgs", "AgentsDeleteArgs", "RESPOND_TO",
+    "AgentsUpdateArgs", "AgentsDeleteArgs", "RESPOND_TO", "PresenceSetArgs", "TypingSetArgs",
+    "PRESENCE_STATUSES", "StorageGetArgs", "StoragePutArgs", "compact_json",
 ]
 
 #: spec agents.create: the two respondTo modes (no allow-list mode exists).
 RESPOND_TO = ("owner-only", "anyone")
+
+#: NIP-BA presence.set: the three statuses (published as the kind 20001 content).
+PRESENCE_STATUSES = ("online", "away", "offline")
 
 _CHANNEL = Field("channelId", "channel_id", channel_id, required=True)
 _CONTENT = Field("content", "content", exact_text(MAX_CONTENT_BYTES), required=True)
@@ -136,7 +143,56 @@ class StorageAddressArgs(Checked):
     slug: str
 
 
-register(Shape(StorageAddressArgs, (Field("slug", "slug", slug, required=True),)))
+_SLUG = Field("slug", "slug", slug, required=True)
+register(Shape(StorageAddressArgs, (_SLUG,)))
+
+
+def compact_json(value: object) -> bytes:
+    """NIP-BA's compact encoding, the one its size rules measure: members in the order
+    given, no insignificant whitespace, non-ASCII literal, `\\"` `\\\\` `\\b` `\\t` `\\n` `\\f`
+    `\\r` and lowercase `\\u00xx` for the other controls, `/` not escaped. Python's compact,
+    non-ASCII-escaping `json.dumps` writes exactly that (tests/contract pin it)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False).encode("utf-8")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StorageGetArgs(Checked):
+    slug: str
+
+
+register(Shape(StorageGetArgs, (_SLUG,)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoragePutArgs(Checked):
+    slug: str
+    #: kept exactly as sent (NIP-BA: storage `value` is not trimmed), not whitespace-only
+    value: str
+
+    def body(self) -> bytes:
+        """The record body NIP-BA fixes: exactly {"slug":s,"value":v}, or core's
+        {"slug":"core","profile":v}, compact."""
+        return _body(self.slug, self.value)
+
+
+def _body(slug_text: str, value: str) -> bytes:
+    member = "profile" if slug_text == "core" else "value"
+    return compact_json({"slug": slug_text, member: value})
+
+
+def _body_fits(present: Mapping[str, object]) -> str | None:
+    slug_text, value = present.get("slug"), present.get("value")
+    if not isinstance(slug_text, str) or not isinstance(value, str):
+        return None  # a missing member was already refused
+    if len(_body(slug_text, value)) > MAX_MEMORY_BODY_BYTES:
+        return "the compact record body is longer than 65,535 bytes"
+    return None
+
+
+register(Shape(StoragePutArgs, (
+    _SLUG, Field("value", "value", exact_text(MAX_MEMORY_BODY_BYTES), required=True),
+), _body_fits))
 
 # agents.create / agents.update share these optional members (spec agents.create).
 _AGENT_OPTIONALS = (
@@ -212,3 +268,25 @@ class AgentsDeleteArgs(Checked):
 
 
 register(Shape(AgentsDeleteArgs, (_TARGET,)))
+
+
+# NIP-BA "Live signals": presence.set and typing.set. The status is read like respondTo (a
+# trimmed choice among fixed words); typing names only its channel.
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PresenceSetArgs(Checked):
+    status: str
+
+
+register(Shape(PresenceSetArgs, (
+    Field("status", "status", one_of(*PRESENCE_STATUSES), required=True),
+)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TypingSetArgs(Checked):
+    channel_id: str
+
+
+register(Shape(TypingSetArgs, (_CHANNEL,)))

@@ -16,7 +16,7 @@ fault is ignored):
      -> unsupported_protocol_version (checked before the member set, so a future envelope
      with other members is told about the version, not about its members)
   7. envelope members: unknown member (document order), then missing -> invalid_request
-  8. `action` not a string -> invalid_request; not one of the nine -> unknown_action
+  8. `action` not a string -> invalid_request; not in ACTIONS -> unknown_action
      (reserved names sign/publish/encrypt/decrypt/auth never resolve)
   9. `actionVersion` not an integer -> invalid_request; != 1 -> unsupported_action_version
  10. `args` strict per action (see _shapes for the order inside an object) -> invalid_request
@@ -41,7 +41,8 @@ from types import MappingProxyType
 
 from ._args import (
     AgentsCreateArgs, AgentsDeleteArgs, AgentsUpdateArgs, AgentTarget, ChannelReadArgs,
-    MessagePostArgs, MessageReplyArgs, ProfileSetArgs, ReactionAddArgs, StorageAddressArgs,
+    MessagePostArgs, MessageReplyArgs, PresenceSetArgs, ProfileSetArgs, ReactionAddArgs,
+    StorageAddressArgs, StorageGetArgs, StoragePutArgs, TypingSetArgs,
 )
 from ._codes import MESSAGES, PAIRING, ContractError, ErrorCode, Status
 from ._echoes import REQUESTER, Echo, Identity
@@ -50,7 +51,7 @@ from ._json import JsonSyntaxError, escape_token, is_object, parse, repeated_key
 from ._limits import ACTION_VERSION, PROTOCOL_VERSION
 from ._outcomes import (
     AgentsCreateOutcome, AgentsDeleteOutcome, AgentsUpdateOutcome, Outcome, PublishOutcome,
-    ReadOutcome, StorageAddressOutcome,
+    ReadOutcome, StorageAddressOutcome, StorageGetOutcome,
 )
 from ._shapes import SHAPES, read_object, shape_for, to_wire
 
@@ -64,6 +65,7 @@ __all__ = [
 Args = (
     ChannelReadArgs | MessagePostArgs | MessageReplyArgs | ReactionAddArgs | ProfileSetArgs
     | StorageAddressArgs | AgentsCreateArgs | AgentsUpdateArgs | AgentsDeleteArgs
+    | PresenceSetArgs | TypingSetArgs | StorageGetArgs | StoragePutArgs
 )
 
 
@@ -96,6 +98,9 @@ class RateClass(enum.Enum):
 
     PUBLISH = "publish"
     READ = "read"
+    #: NIP-BA's live signals (presence, typing): effects on the relay, but counted apart so
+    #: a runtime's renewals cannot use up the `publish` allowance its messages need.
+    LIVE = "live"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,10 +126,15 @@ class ActionSpec:
     echoes: tuple[Echo, ...]
     #: member names of nested argument objects (`target`'s), for the log's pointer filter
     nested_arg_members: frozenset[str] = frozenset()
+    #: the Nostr kind a Published outcome must report (NIP-BA: a client checks the kind per
+    #: action); None where the outcome is not Published
+    published_kind: int | None = None
 
     def __post_init__(self) -> None:
-        if (self.rate_class is RateClass.PUBLISH) != self.publishing:
+        if (self.rate_class is not RateClass.READ) != self.publishing:
             raise AssertionError(f"{self.name}: rate class and publishing disagree")
+        if self.published_kind is not None and "kind" not in self.outcome_members.required:
+            raise AssertionError(f"{self.name}: a published kind needs a Published outcome")
         for echo in self.echoes:
             root = echo.outcome.split("[", 1)[0]
             if root not in self.outcome_members.all:
@@ -158,17 +168,21 @@ _TARGET_ECHO = (Echo(outcome="agentPubkey", source="target.pubkey", identity=Ide
 
 
 def _spec(name: str, args: type[Args], outcome: type[Outcome], *, publishing: bool,
-          echoes: tuple[Echo, ...], best_effort: bool = False) -> ActionSpec:
+          echoes: tuple[Echo, ...], best_effort: bool = False,
+          rate_class: RateClass | None = None, kind: int | None = None) -> ActionSpec:
     arg_members = _members(args)
+    if rate_class is None:
+        rate_class = RateClass.PUBLISH if publishing else RateClass.READ
     return ActionSpec(
         name=name, args_type=args, outcome_type=outcome, arg_members=arg_members,
         outcome_members=_members(outcome), publishing=publishing, best_effort=best_effort,
-        rate_class=RateClass.PUBLISH if publishing else RateClass.READ, echoes=echoes,
+        rate_class=rate_class, echoes=echoes, published_kind=kind,
         nested_arg_members=_members(AgentTarget).all if "target" in arg_members.all else frozenset(),
     )
 
 
-# spec §Operations: the closed set of nine. The 18 member sets come from the shape tables.
+# spec §Operations (the nine) and NIP-BA (the actions after them): the closed set. The
+# member sets come from the shape tables.
 ACTIONS: Mapping[str, ActionSpec] = MappingProxyType({
     s.name: s for s in (
         _spec("channel.read", ChannelReadArgs, ReadOutcome, publishing=False, echoes=(
@@ -180,20 +194,31 @@ ACTIONS: Mapping[str, ActionSpec] = MappingProxyType({
             Echo(outcome="messages[].p", source=REQUESTER, identity=Identity.HEX,
                  when="mentionsOnly"),
         )),
-        _spec("message.post", MessagePostArgs, PublishOutcome, publishing=True, echoes=_PUBLISHED),
+        _spec("message.post", MessagePostArgs, PublishOutcome, publishing=True, echoes=_PUBLISHED,
+              kind=9),
         _spec("message.reply", MessageReplyArgs, PublishOutcome, publishing=True,
-              echoes=_PUBLISHED),
+              echoes=_PUBLISHED, kind=9),
         _spec("reaction.add", ReactionAddArgs, PublishOutcome, publishing=True, best_effort=True,
-              echoes=_PUBLISHED),
-        _spec("profile.set", ProfileSetArgs, PublishOutcome, publishing=True, echoes=_PUBLISHED),
+              echoes=_PUBLISHED, kind=7),
+        _spec("profile.set", ProfileSetArgs, PublishOutcome, publishing=True, echoes=_PUBLISHED,
+              kind=0),
         _spec("storage.address", StorageAddressArgs, StorageAddressOutcome, publishing=False,
               echoes=(Echo(outcome="authorPubkey", source=REQUESTER, identity=Identity.HEX),)),
+        # NIP-BA Memory: NIP-AE records (kind 30174) the host reads and writes encrypted.
+        _spec("storage.get", StorageGetArgs, StorageGetOutcome, publishing=False, echoes=()),
+        _spec("storage.put", StoragePutArgs, PublishOutcome, publishing=True, echoes=_PUBLISHED,
+              kind=30174),
         _spec("agents.create", AgentsCreateArgs, AgentsCreateOutcome, publishing=True, echoes=(
             Echo(outcome="channelId", source="channelId", identity=Identity.CHANNEL),)),
         _spec("agents.update", AgentsUpdateArgs, AgentsUpdateOutcome, publishing=True,
               echoes=_TARGET_ECHO),
         _spec("agents.delete", AgentsDeleteArgs, AgentsDeleteOutcome, publishing=True,
               echoes=_TARGET_ECHO),
+        # NIP-BA "Live signals": best effort, and their own rate class.
+        _spec("presence.set", PresenceSetArgs, PublishOutcome, publishing=True, best_effort=True,
+              rate_class=RateClass.LIVE, echoes=_PUBLISHED, kind=20001),
+        _spec("typing.set", TypingSetArgs, PublishOutcome, publishing=True, best_effort=True,
+              rate_class=RateClass.LIVE, echoes=_PUBLISHED, kind=20002),
     )
 })
 
@@ -228,7 +253,7 @@ class Request:
             raise ValueError("Request.request_id is not a usable requestId")
         spec = ACTIONS.get(self.action)
         if spec is None:
-            raise ValueError("Request.action is not one of the nine")
+            raise ValueError("Request.action is not a known action")
         if self.action_version != ACTION_VERSION or type(self.action_version) is not int:
             raise ValueError("Request.action_version is not supported")
         if type(self.args) is not spec.args_type:
@@ -277,7 +302,7 @@ def _judge(top: dict[str, object], request_id: str,
         raise fault("/action", "not a string")
     spec = ACTIONS.get(action)
     if spec is None:
-        raise ContractError(ErrorCode.UNKNOWN_ACTION, "/action", "not one of the nine operations")
+        raise ContractError(ErrorCode.UNKNOWN_ACTION, "/action", "not an action this host knows")
     action_version = top["actionVersion"]
     if type(action_version) is not int:
         raise fault("/actionVersion", "not an integer")
@@ -380,7 +405,7 @@ class Verdict:
         if self.status is Status.SUCCEEDED:
             spec = ACTIONS.get(self.action) if self.action is not None else None
             if spec is None or type(self.outcome) is not spec.outcome_type:
-                raise AssertionError("succeeded needs one of the nine actions and its outcome type")
+                raise AssertionError("succeeded needs a known action and its outcome type")
             if self.code is not None or self.message is not None:
                 raise AssertionError("succeeded carries no error")
         else:
@@ -522,7 +547,7 @@ def parse_response(body: bytes, *, accept_replayed_false: bool = False) -> Respo
     if status is Status.SUCCEEDED:
         action = obj["action"]
         if type(action) is not str or action not in ACTIONS:
-            raise fault("/action", "not one of the nine operations")
+            raise fault("/action", "not an action this host knows")
         spec = ACTIONS[action]
         outcome = read_object(obj["outcome"], "/outcome", shape_for(spec.outcome_type))
         return Response(request_id=obj["requestId"], status=status, action=action, outcome=outcome,

@@ -15,7 +15,7 @@ __all__ = [
     "MIN_LIMIT", "MAX_LIMIT", "DEFAULT_LIMIT", "MAX_DISPLAY_NAME_CHARS", "MAX_ABOUT_CHARS",
     "MAX_PICTURE_CHARS", "MAX_SYSTEM_PROMPT_CHARS", "MAX_SCALAR_CHARS", "MAX_REACTION_CHARS",
     "MAX_SLUG_BYTES", "MAX_NESTING", "MIN_JSON_INT", "MAX_JSON_INT", "MAX_KIND",
-    "PROTOCOL_VERSION", "ACTION_VERSION",
+    "PROTOCOL_VERSION", "ACTION_VERSION", "MAX_MEMORY_BODY_BYTES",
 ]
 
 #: spec §Request: the envelope version this module speaks.
@@ -48,6 +48,9 @@ MAX_SCALAR_CHARS = 300
 MAX_REACTION_CHARS = 66
 #: spec storage.address / NIP-AE: a slug is at most 255 bytes (ASCII grammar: bytes == chars).
 MAX_SLUG_BYTES = 255
+#: NIP-BA storage.put / NIP-AE Writing: the compact UTF-8 body {"slug":s,"value":v} (or
+#: core's {"slug":"core","profile":v}) is at most 65,535 bytes, the NIP-44 plaintext cap.
+MAX_MEMORY_BODY_BYTES = 65_535
 #: Our bound on container nesting. The deepest legal document is a read response:
 #: top / outcome / messages / event / tags / tag = 6 levels. 16 leaves room and keeps a
 #: hostile 10,000-deep body far from the C decoder's recursion.

@@ -32,7 +32,7 @@ from ._shapes import Checked, Field, Shape, array_of, nested, read_object, regis
 
 __all__ = [
     "Event", "PublishOutcome", "ReadOutcome", "StorageAddressOutcome", "AgentsCreateOutcome",
-    "AgentsUpdateOutcome", "AgentsDeleteOutcome", "Outcome",
+    "AgentsUpdateOutcome", "AgentsDeleteOutcome", "Outcome", "StorageGetOutcome",
 ]
 
 _KIND = integer(0, MAX_KIND)
@@ -119,6 +119,17 @@ register(Shape(StorageAddressOutcome, (
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StorageGetOutcome(Checked):
+    """storage.get: the record's `value` (core's `profile`); absent for no record or a
+    tombstone (`{}`). An existing empty string is `{"value":""}` (NIP-BA Memory)."""
+
+    value: str | None = None
+
+
+register(Shape(StorageGetOutcome, (Field("value", "value", any_string),)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AgentsCreateOutcome(Checked):
     agent_pubkey: str
     display_name: str
@@ -159,5 +170,5 @@ register(Shape(AgentsDeleteOutcome, (
 
 Outcome = (
     PublishOutcome | ReadOutcome | StorageAddressOutcome | AgentsCreateOutcome
-    | AgentsUpdateOutcome | AgentsDeleteOutcome
+    | AgentsUpdateOutcome | AgentsDeleteOutcome | StorageGetOutcome
 )

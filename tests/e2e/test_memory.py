@@ -1,0 +1,344 @@
+"""storage.put and storage.get (NIP-BA Memory, NIP-AE) through the daemon.
+
+- On a real relay (nostr-sdk's LocalRelay): put then get round-trips; the stored event is
+  kind 30174 with exactly `d` and `p` tags, no slug in the clear, and nostr-sdk decrypts it
+  with the owner's key to exactly NIP-BA's body; a second put is strictly later; a
+  missing record is `{}`; the compact-body bound is exact at 65,535 bytes; an owner reads
+  every length up to it with nostr-sdk.
+- On tests/scripted_relay.py (an archival relay that also serves what a replacing relay
+  would have dropped, and a hostile one): head selection among rival and malformed heads,
+  the tombstone, the clock-poisoned head, and a relay that cannot be read (`failed`,
+  never `{}`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import nostr_sdk
+import pytest
+import trio
+
+from buzzwire.contract import StoragePutArgs
+from tests.adversarial.test_relay_substitution import Rig, rig  # noqa: F401 - the fixture
+from tests.custody._secrets import PUB_2, SECRET_2, SECRET_X
+from tests.fixtures.broker import BrokerHarness
+from tests.fixtures.relay import TestKey, nostr_fetch, nostr_verify
+
+KIND = 30174
+OWNER_SDK = nostr_sdk.SecretKey.parse(SECRET_2)
+
+
+def _succeeded(envelope: dict[str, Any], action: str) -> dict[str, Any]:
+    assert envelope["status"] == "succeeded", json.dumps(envelope)[:400]
+    assert envelope["action"] == action
+    return dict(envelope["outcome"])
+
+
+async def _agent(h: BrokerHarness) -> tuple[str, str]:
+    """SECRET_X's agent, owned by PUB_2 (whose secret the test holds, as the owner does)."""
+    agent = await h.hold(bytearray(SECRET_X.encode()), owner=PUB_2, name="memo")
+    return agent, h.credential(agent, [str(uuid.uuid4())])
+
+
+def _owner_reads(agent: str, content: str) -> str:
+    return str(nostr_sdk.nip44_decrypt(OWNER_SDK, nostr_sdk.PublicKey.parse(agent), content))
+
+
+async def _d_tag(h: BrokerHarness, cred: str, slug: str) -> str:
+    return str(_succeeded(await h.call(cred, "storage.address", {"slug": slug}),
+                          "storage.address")["dTag"])
+
+
+async def test_put_then_get_round_trips_and_the_owner_decrypts(broker: BrokerHarness) -> None:
+    agent, cred = await _agent(broker)
+    value = 'line one\nline "two" é 🐝 / \\ \u0001'
+    put = _succeeded(await broker.call(cred, "storage.put", {"slug": "mem/notes/a", "value": value}),
+                     "storage.put")
+    assert put["kind"] == KIND
+    got = _succeeded(await broker.call(cred, "storage.get", {"slug": "mem/notes/a"}), "storage.get")
+    assert got == {"value": value}
+
+    d = await _d_tag(broker, cred, "mem/notes/a")
+    [event] = await trio.to_thread.run_sync(nostr_fetch, broker.relay_url, [{"ids": [put["eventId"]]}])
+    assert nostr_verify(event) and event["pubkey"] == agent and event["kind"] == KIND
+    assert event["created_at"] == put["createdAt"]
+    assert event["tags"] == [["d", d], ["p", PUB_2]]
+    assert "mem/notes/a" not in json.dumps(event)
+    body = _owner_reads(agent, event["content"])
+    assert body.encode() == StoragePutArgs(slug="mem/notes/a", value=value).body()
+    assert json.loads(body) == {"slug": "mem/notes/a", "value": value}
+
+    # A second version is strictly later (NIP-AE's monotonic rule), and is the one read.
+    again = _succeeded(await broker.call(cred, "storage.put", {"slug": "mem/notes/a", "value": "v2"}),
+                       "storage.put")
+    assert again["createdAt"] > put["createdAt"]
+    assert _succeeded(await broker.call(cred, "storage.get", {"slug": "mem/notes/a"}),
+                      "storage.get") == {"value": "v2"}
+
+
+async def test_core_holds_the_profile_and_missing_records_are_empty(broker: BrokerHarness) -> None:
+    agent, cred = await _agent(broker)
+    # (Each test's agent is new to the relay only by its key: SECRET_X's records may remain
+    # from an earlier test on the shared relay, so this asserts nothing about core before.)
+    put = _succeeded(await broker.call(cred, "storage.put", {"slug": "core", "value": "# Me\n"}),
+                     "storage.put")
+    assert _succeeded(await broker.call(cred, "storage.get", {"slug": "core"}),
+                      "storage.get") == {"value": "# Me\n"}
+    [event] = await trio.to_thread.run_sync(nostr_fetch, broker.relay_url, [{"ids": [put["eventId"]]}])
+    assert _owner_reads(agent, event["content"]) == '{"slug":"core","profile":"# Me\\n"}'
+    assert _succeeded(await broker.call(cred, "storage.get", {"slug": "mem/never"}),
+                      "storage.get") == {}
+
+
+def _value_for_body(slug: str, body_bytes: int) -> str:
+    overhead = len(StoragePutArgs(slug=slug, value="x").body()) - 1
+    return "x" * (body_bytes - overhead)
+
+
+async def test_a_large_body_the_relay_holds_is_read_by_the_owner(broker: BrokerHarness) -> None:
+    agent, cred = await _agent(broker)
+    value = _value_for_body("mem/big", 40_000)  # padded to 40,960: a 55 KB event
+    put = _succeeded(await broker.call(cred, "storage.put", {"slug": "mem/big", "value": value}),
+                     "storage.put")
+    [event] = await trio.to_thread.run_sync(nostr_fetch, broker.relay_url, [{"ids": [put["eventId"]]}])
+    assert len(_owner_reads(agent, event["content"]).encode()) == 40_000
+    assert _succeeded(await broker.call(cred, "storage.get", {"slug": "mem/big"}),
+                      "storage.get") == {"value": value}
+
+
+@pytest.mark.parametrize("body_bytes", [65_408, 65_409, 65_535])
+async def test_the_rust_nostr_band_is_accepted_and_the_relay_decides(
+    broker: BrokerHarness, body_bytes: int
+) -> None:
+    """NIP-BA allows a 65,535-byte body and rust-nostr decrypts every one of them
+    (tests/custody/test_nip44.py `test_the_rust_nostr_band`), so the host accepts the band.
+    Its ciphertext makes an event of about 88 KB: a relay that caps events at 64 KiB (the
+    test relay, nostr-sdk's default) refuses it, and the agent is told `failed` +
+    `action_failed` with the relay's reason; nothing was stored."""
+    _agent_pk, cred = await _agent(broker)
+    slug = f"mem/band-{body_bytes}"  # the test relay outlives one test: a slug of its own
+    value = _value_for_body(slug, body_bytes)
+    refused = await broker.call(cred, "storage.put", {"slug": slug, "value": value})
+    assert (refused["status"], refused["error"]["code"]) == ("failed", "action_failed")
+    assert "size" in refused["error"]["message"]
+    assert _succeeded(await broker.call(cred, "storage.get", {"slug": slug}), "storage.get") == {}
+
+
+async def test_a_body_over_65535_compact_bytes_is_invalid(broker: BrokerHarness) -> None:
+    _agent_pk, cred = await _agent(broker)
+    too_long = _value_for_body("mem/big", 65_536)
+    refused = await broker.call(cred, "storage.put", {"slug": "mem/big", "value": too_long})
+    assert (refused["status"], refused["error"]["code"]) == ("failed", "invalid_request")
+    # Escapes count: 13,107 controls are 65,535 bytes as `\u0001` each, far under as raw.
+    controls = "\u0001" * 13_107
+    refused = await broker.call(cred, "storage.put", {"slug": "mem/big", "value": controls})
+    assert refused["error"]["code"] == "invalid_request"
+    for blank in ("", "  \n\t"):
+        refused = await broker.call(cred, "storage.put", {"slug": "mem/big", "value": blank})
+        assert refused["error"]["code"] == "invalid_request"
+
+
+# --- rival and malformed heads, on a relay that serves them all --------------------------
+
+AGENT_KEY = TestKey(bytes.fromhex(SECRET_X))
+
+
+def _version(created_at: int, body: str | bytes, *, d: str, tags: list[list[str]] | None = None,
+             payload: str | None = None) -> dict[str, Any]:
+    """A version signed by the agent's own key elsewhere (its runtime, Buzz Desktop)."""
+    text = body if isinstance(body, str) else body.decode()
+    content = payload if payload is not None else str(nostr_sdk.nip44_encrypt(
+        nostr_sdk.SecretKey.parse(SECRET_X), nostr_sdk.PublicKey.parse(PUB_2), text,
+        nostr_sdk.Nip44Version.V2))
+    return AGENT_KEY.sign(KIND, content, tags if tags is not None else [["d", d], ["p", PUB_2]],
+                          created_at)
+
+
+async def _memo_in(rig: Rig) -> tuple[str, str, str]:
+    h = rig.harness
+    agent = await h.hold(bytearray(SECRET_X.encode()), owner=PUB_2, name="memo")
+    cred = h.credential(agent, [str(uuid.uuid4())])
+    return agent, cred, await _d_tag(h, cred, "mem/x")
+
+
+def _stranger_payload() -> str:
+    return str(nostr_sdk.nip44_encrypt(nostr_sdk.SecretKey.parse("0" * 63 + "3"),
+                                       nostr_sdk.PublicKey.parse(AGENT_KEY.pubkey),
+                                       '{"slug":"mem/x","value":"forged"}',
+                                       nostr_sdk.Nip44Version.V2))
+
+
+async def test_head_selection_among_rival_and_malformed_heads(rig: Rig) -> None:
+    _agent_pk, cred, d = await _memo_in(rig)
+    t = 1_700_000_000
+    good = lambda at, v: _version(at, json.dumps({"slug": "mem/x", "value": v}), d=d)  # noqa: E731
+    tie_a, tie_b = good(t + 5, "tie-a"), good(t + 5, "tie-b")
+    winner = min(tie_a, tie_b, key=lambda e: e["id"])
+    versions = [
+        good(t, "old"),
+        tie_a, tie_b,  # equal created_at: the lowest id wins
+        # newer, each invalid for one NIP-AE rule, so none may be the head:
+        _version(t + 9, '{"slug":"mem/x","value":"dup","value":"twin"}', d=d),  # duplicate member
+        _version(t + 9, '{"slug":"mem/y","value":"other slug"}', d=d),  # re-derives elsewhere
+        _version(t + 9, '{"slug":"mem/x","profile":"wrong shape"}', d=d),  # no value
+        _version(t + 9, '{"slug":"mem/x","value":7}', d=d),  # value not a string
+        _version(t + 9, '["slug","mem/x"]', d=d),  # not an object
+        _version(t + 9, "not json", d=d),
+        _version(t + 9, "", d=d, payload="AgAAAA=="),  # not a payload
+        _version(t + 9, "", d=d, payload=_stranger_payload()),  # another pair's key
+        _version(t + 9, '{"slug":"mem/x","value":"two d"}', d=d,
+                 tags=[["d", d], ["d", d], ["p", PUB_2]]),
+        _version(t + 9, '{"slug":"mem/x","value":"two p"}', d=d,
+                 tags=[["d", d], ["p", PUB_2], ["p", PUB_2]]),
+        _version(t + 9, '{"slug":"mem/x","value":"no p"}', d=d, tags=[["d", d]]),
+        {**_version(t + 9, '{"slug":"mem/x","value":"bad sig"}', d=d), "sig": "00" * 64},
+        TestKey().sign(KIND, "x", [["d", d], ["p", PUB_2]], t + 9),  # another author
+    ]
+    for event in versions:
+        rig.serve(event)
+    got = _succeeded(await rig.harness.call(cred, "storage.get", {"slug": "mem/x"}), "storage.get")
+    assert got == {"value": "tie-b" if winner is tie_b else "tie-a"}
+
+    # Unknown members are tolerated: a newer body with extra fields is the head.
+    rig.serve(_version(t + 20, '{"future":{"a":[1,2]},"slug":"mem/x","value":"extra ok"}', d=d))
+    got = _succeeded(await rig.harness.call(cred, "storage.get", {"slug": "mem/x"}), "storage.get")
+    assert got == {"value": "extra ok"}
+
+    # A put is later than every signed version there, valid or not (NIP-AE monotonic rule).
+    put = _succeeded(await rig.harness.call(cred, "storage.put", {"slug": "mem/x", "value": "new"}),
+                     "storage.put")
+    assert put["createdAt"] >= max(int(time.time()), t + 21)
+
+
+async def test_a_tombstone_head_is_empty_and_an_empty_string_is_kept(rig: Rig) -> None:
+    _agent_pk, cred, d = await _memo_in(rig)
+    t = 1_700_000_000
+    rig.serve(_version(t, '{"slug":"mem/x","value":"alive"}', d=d))
+    rig.serve(_version(t + 1, '{"slug":"mem/x","value":null}', d=d))
+    assert _succeeded(await rig.harness.call(cred, "storage.get", {"slug": "mem/x"}),
+                      "storage.get") == {}
+    rig.serve(_version(t + 2, '{"slug":"mem/x","value":""}', d=d))
+    assert _succeeded(await rig.harness.call(cred, "storage.get", {"slug": "mem/x"}),
+                      "storage.get") == {"value": ""}
+
+
+async def test_a_clock_poisoned_head_is_refused_not_overwritten(rig: Rig) -> None:
+    _agent_pk, cred, d = await _memo_in(rig)
+    rig.serve(_version(int(time.time()) + 86_400, '{"slug":"mem/x","value":"from the future"}', d=d))
+    # Reading still answers with it (NIP-AE's head is the greatest created_at)...
+    assert _succeeded(await rig.harness.call(cred, "storage.get", {"slug": "mem/x"}),
+                      "storage.get") == {"value": "from the future"}
+    # ...but writing above it would publish a day ahead: refused, nothing published.
+    before = len([m for m in rig.relay.received if m[0] == "EVENT"])
+    refused = await rig.harness.call(cred, "storage.put", {"slug": "mem/x", "value": "now"})
+    assert (refused["status"], refused["error"]["code"]) == ("failed", "action_failed")
+    assert len([m for m in rig.relay.received if m[0] == "EVENT"]) == before
+
+
+async def test_an_unreadable_relay_is_failed_never_empty(rig: Rig) -> None:
+    from dataclasses import replace
+
+    from tests.scripted_relay import ReqReply
+
+    _agent_pk, cred, _d = await _memo_in(rig)
+    rig.relay.script = replace(rig.relay.script, default_req=ReqReply.RESTRICTED)
+    for action, args in (("storage.get", {"slug": "mem/x"}),
+                         ("storage.put", {"slug": "mem/x", "value": "v"})):
+        answer = await rig.harness.call(cred, action, args)
+        assert (answer["status"], answer["error"]["code"]) == ("failed", "action_failed"), action
+
+
+async def test_the_protocol_examples_run_as_written(broker: BrokerHarness) -> None:
+    """docs/protocol.md's storage.put and storage.get examples, sent byte for byte."""
+    from tests.docs.snippets import REPO, blocks
+
+    examples = {label: body.strip().encode() for lang, label, body in
+                blocks(REPO / "docs" / "protocol.md") if lang == "json" and label}
+    agent = await broker.human_owned_agent("protocol-memory")
+    cred = broker.credential(agent, [str(uuid.uuid4())])
+    for action in ("storage.put", "storage.get"):
+        status, answer = await broker.post(examples[f"request-{action}"], cred)
+        expected = json.loads(examples[f"response-{action}"])
+        assert status == 200 and answer is not None
+        assert (answer["status"], answer["action"], answer["requestId"]) == (
+            expected["status"], action, expected["requestId"])
+        if action == "storage.get":
+            assert answer["outcome"] == expected["outcome"]
+        else:
+            assert set(answer["outcome"]) == set(expected["outcome"])
+            assert answer["outcome"]["kind"] == expected["outcome"]["kind"]
+
+
+async def test_buzz_broker_call_puts_and_gets(broker: BrokerHarness, tmp_path: Any,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """`buzz-broker call` speaks both actions through the agent client (exit 0, the
+    host's envelope on stdout)."""
+    from daemon import cli
+
+    agent = await broker.human_owned_agent("cli-memory")
+    path = tmp_path / "credential"
+    path.write_text(broker.credential(agent, [str(uuid.uuid4())]) + "\n")
+    path.chmod(0o400)
+
+    def call(action: str, args: dict[str, str]) -> tuple[int, dict[str, Any]]:
+        code = cli.main(["--config", str(broker.config_path), "call", action, "--args",
+                         json.dumps(args), "--socket", str(broker.socket),
+                         "--credential-file", str(path)])
+        out = capsys.readouterr().out
+        return code, json.loads(out) if out.strip() else {}
+
+    code, put = await trio.to_thread.run_sync(call, "storage.put", {"slug": "mem/cli", "value": "by hand"})
+    assert code == 0 and put["outcome"]["kind"] == KIND
+    code, got = await trio.to_thread.run_sync(call, "storage.get", {"slug": "mem/cli"})
+    assert code == 0 and got["outcome"] == {"value": "by hand"}
+    code, _bad = await trio.to_thread.run_sync(call, "storage.put", {"slug": "mem/cli", "value": " "})
+    assert code == 2  # usage: the client refuses a blank value before sending
+
+
+async def test_a_sealed_verdict_opens_only_in_custody_for_its_agent(broker: BrokerHarness) -> None:
+    from daemon.pipeline import sealed_verdict
+
+    agent, _cred = await _agent(broker)
+    other = await broker.human_owned_agent("other")
+    response = json.dumps({"outcome": {"value": "sealed plaintext " + "é" * 70_000}},
+                          ensure_ascii=False).encode()  # more than one NIP-44 chunk
+    stored = await sealed_verdict.seal(broker.custody, agent, response)
+    assert sealed_verdict.is_sealed(stored) and b"sealed plaintext" not in stored
+    assert stored.count(b"\n") == 2  # three payloads
+    assert await sealed_verdict.unseal(broker.custody, agent, stored) == response
+    # The owner can open it too (the pair's key), as it can every memory record.
+    for payload in stored[1:].decode().split("\n"):
+        assert _owner_reads(agent, payload)
+    assert await sealed_verdict.unseal(broker.custody, other, stored) is None
+    tampered = stored[:-5] + (b"AAAA=" if stored[-5:] != b"AAAA=" else b"BBBB=")
+    assert await sealed_verdict.unseal(broker.custody, agent, tampered) is None
+    assert await sealed_verdict.unseal(broker.custody, agent, b"\x01\xff") is None
+
+
+async def test_audit_lines_carry_the_d_tag_never_the_slug(broker: BrokerHarness) -> None:
+    from daemon.state.audit import AUDIT_DIRNAME, verify
+
+    _agent_pk, cred = await _agent(broker)
+    slug = "mem/audited/private-slug-name"
+    put = _succeeded(await broker.call(cred, "storage.put", {"slug": slug, "value": "v"}),
+                     "storage.put")
+    _succeeded(await broker.call(cred, "storage.get", {"slug": slug}), "storage.get")
+    d = await _d_tag(broker, cred, slug)
+    audit_dir = broker.state_dir / AUDIT_DIRNAME
+    assert verify(audit_dir).ok  # the chain still verifies with the new member
+    lines = [json.loads(line) for path in sorted(audit_dir.iterdir()) if path.is_file()
+             for line in path.read_text().splitlines() if line.startswith("{")]
+    memory = [ln for ln in lines if ln.get("action") in ("storage.put", "storage.get")]
+    assert {(ln["action"], ln["phase"]) for ln in memory} >= {
+        ("storage.put", "intent"), ("storage.put", "verdict"), ("storage.get", "verdict")}
+    assert all(ln["dTag"] == d for ln in memory)
+    assert any(put["eventId"] in ln["events"] for ln in memory)
+    assert all("dTag" not in ln for ln in lines if ln.get("action") not in
+               ("storage.put", "storage.get"))
+    for path in audit_dir.iterdir():
+        if path.is_file():
+            assert slug.encode() not in path.read_bytes()
