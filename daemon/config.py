@@ -106,6 +106,19 @@ class ServerConfig:
     max_header_bytes: int
     request_timeout: float
     shutdown_grace: float
+    #: Loopback (host, port) pairs of the action API's TCP listeners; () = none (the
+    #: default: the Unix socket is the recommended path). daemon/loopback_tcp.py has the rules.
+    listen_tcp: tuple[tuple[str, int], ...] = ()
+    #: The operator's explicit yes to serving TCP on a port nobody holds for us (not one
+    #: systemd passed, not a privileged one): any local user could bind it first.
+    listen_tcp_accept_squatting_risk: bool = False
+    #: Who may connect over TCP (peer uid from the kernel), checked before a byte is read.
+    tcp_allow_uids: frozenset[int] = frozenset()
+    tcp_allow_groups: frozenset[str] = frozenset()
+    #: Over TCP only uid-bound credentials authenticate unless this is true.
+    tcp_allow_credentials_without_uid: bool = False
+    #: Open connections carrying one credential (socket and TCP alike).
+    max_connections_per_credential: int = 32
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -405,6 +418,54 @@ def _loopback_listen(value: object, _base: Path | None) -> object:
     return host, port
 
 
+#: The only hosts [server] listen_tcp binds: the literals a request's Host may name
+#: (daemon/loopback_tcp.py), so the check of Host is exact.
+TCP_HOSTS = ("127.0.0.1", "::1")
+
+
+def _listen_tcp(value: object, _base: Path | None) -> object:
+    """``["127.0.0.1:7475", "[::1]:7475"]``: loopback literals only; port 0 = a free one."""
+    expectation = ('an array of "127.0.0.1:PORT" or "[::1]:PORT" (loopback only: every '
+                   'other address is reachable from outside this machine)')
+    if not isinstance(value, list):
+        raise _Bad(expectation)
+    pairs: list[tuple[str, int]] = []
+    for item in value:
+        match = re.fullmatch(r"(?:\[(::1)\]|(127\.0\.0\.1)):([0-9]{1,5})", item) if isinstance(
+            item, str) else None
+        if match is None or int(match.group(3)) > 65535:
+            raise _Bad(f"{expectation}; {_shown(item)} is not")
+        pair = (match.group(1) or match.group(2), int(match.group(3)))
+        if pair not in pairs:
+            pairs.append(pair)
+    return tuple(pairs)
+
+
+def _bool(value: object, _base: Path | None) -> object:
+    if not isinstance(value, bool):
+        raise _Bad("true or false")
+    return value
+
+
+def _uid_set(value: object, _base: Path | None) -> object:
+    if not isinstance(value, list) or any(
+            isinstance(u, bool) or not isinstance(u, int) or not 0 <= u < 2**32 - 1 for u in value):
+        raise _Bad("an array of numeric uids")
+    return frozenset(value)
+
+
+def _group_set(value: object, base: Path | None) -> object:
+    if not isinstance(value, list):
+        raise _Bad("an array of group names or numeric gids")
+    groups = set()
+    for item in value:
+        group = _group(item, base)
+        if group is None:
+            raise _Bad("an array of group names or numeric gids")
+        groups.add(group)
+    return frozenset(groups)
+
+
 def _level(value: object, _base: Path | None) -> object:
     if not isinstance(value, str) or value.lower() not in LOG_LEVELS:
         raise _Bad("one of " + ", ".join(LOG_LEVELS))
@@ -463,6 +524,15 @@ _KEYS: tuple[_Key, ...] = (
     _Key("server", "max_header_bytes", "max_header_bytes", _int_at_least(1024), 16384),
     _Key("server", "request_timeout", "request_timeout", _duration, 10),
     _Key("server", "shutdown_grace", "shutdown_grace", _duration, 10),
+    _Key("server", "listen_tcp", "listen_tcp", _listen_tcp, []),
+    _Key("server", "listen_tcp_accept_squatting_risk", "listen_tcp_accept_squatting_risk",
+         _bool, False),
+    _Key("server", "tcp_allow_uids", "tcp_allow_uids", _uid_set, []),
+    _Key("server", "tcp_allow_groups", "tcp_allow_groups", _group_set, []),
+    _Key("server", "tcp_allow_credentials_without_uid", "tcp_allow_credentials_without_uid",
+         _bool, False),
+    _Key("server", "max_connections_per_credential", "max_connections_per_credential",
+         _int_at_least(1), 32),
     _Key("state", "dir", "dir", _path, "/var/lib/buzz-broker"),
     _Key("state", "ledger_retention", "ledger_retention_seconds", _whole_seconds, "7d"),
     _Key("state", "read_retention", "read_retention_seconds", _whole_seconds, "15m"),
@@ -604,6 +674,12 @@ def _build(tree: Mapping[str, object], where: str, base: Path | None, source: st
         raise ConfigError(
             f"{where}: [observer] max_queued_bytes_per_credential: expected at most "
             f"max_queued_bytes ({total}), got {share}"
+        )
+    if server["listen_tcp"] and not (server["tcp_allow_uids"] or server["tcp_allow_groups"]):
+        # Every local user can reach a loopback port: with nobody allowed it would refuse all.
+        raise ConfigError(
+            f"{where}: [server] listen_tcp: expected tcp_allow_uids or tcp_allow_groups to "
+            "name who may connect over TCP (every local user can reach a loopback port)"
         )
     sections = {name: cls(**fields[name]) for name, cls in _SECTIONS.items()}
     return Config(**sections, limits=limits, source=source, origin=origin)

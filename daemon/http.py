@@ -22,7 +22,8 @@ Theory of operation:
   another method is 405 with ``Allow`` listing the path's methods; any other target is
   404. Neither has a body (on the agents' socket: no envelope, the request was never
   judged). Other transport faults are likewise bodiless: 400 (malformed HTTP), 408 (too
-  slow), 413 (body too large), 431 (headers too large), 500 (the handler raised), 505 (an
+  slow), 403 (a TCP peer or request refused, below), 413 (body too large), 431 (headers
+  too large), 500 (the handler raised), 505 (an
   HTTP version other than 1.0 and 1.1, which h11 would otherwise treat as 1.1; the
   connection is closed). A HEAD
   request is answered with its handler's status and headers (the real Content-Length)
@@ -49,6 +50,11 @@ smaller `daemon.metrics.SCRAPE_LIMITS` for the metrics listeners):
   (SO_PEERCRED), a new connection of that uid is answered 503 and closed at once. It
   cannot wait like the global cap does: the uid is only known after ``accept()``, and a
   waiting connection would hold a global slot that another user's agent needs.
+- connections per credential (when ``max_connections_per_credential`` is set: the TCP
+  listeners): a connection is counted under the credential (a digest of the Authorization
+  value) of its first request that carries one; past the cap that request is answered 503
+  and the connection closed. One agent of a fleet that shares a uid cannot use up the
+  uid's share.
 - body bytes in flight: ``max_inflight_bytes``, shared per peer uid (`daemon.peer_shares`).
   A request's declared length (``max_body_bytes`` for a chunked body) is reserved before
   ``100 Continue`` and before one body byte is read, and released once its answer is
@@ -56,6 +62,15 @@ smaller `daemon.metrics.SCRAPE_LIMITS` for the metrics listeners):
   client's writes block in the kernel); the read deadline bounds the wait (408). Until a
   connection holds a reservation it reads at most `HEAD_RECEIVE_SIZE` bytes at a time, so
   what h11 buffers beyond a head is small and bounded per connection.
+
+Loopback TCP listeners (the action API's [server] listen_tcp, the metrics listener): the
+peer's uid comes from the kernel for the exact connection (`daemon.tcp_peer`; None when
+unknown) and is the key of the per-uid bounds as SO_PEERCRED's is on a Unix socket. The
+action API passes ``admit`` (its allow-list): a uid it refuses, unknown included, gets a
+bodiless 403 before a byte is read. Every request on a TCP listener must pass
+`daemon.loopback_tcp.browser_safe` (its Host is the listener's own loopback literal; no
+Origin, Sec-Fetch-* or Upgrade) before routing, else a bodiless 403 and the connection is
+closed: no handler sees it. No CORS header is ever written.
 
 Credentials: the value of the single ``Authorization`` header is handed over as received
 (decoded as ASCII). Two or more Authorization headers, or a non-ASCII value, are handed
@@ -81,15 +96,17 @@ Faults are logged through `daemon.fault_log.FaultLog`: once per cause, then at m
 line per cause per minute with a count, because a client that can trip a fault at will
 must not be able to fill the log's disk.
 
-WARNING: the order of checks for a request (route -> 413 -> reserve -> 100 Continue ->
-body) is what makes "413 before the body is read" and "no body byte read beyond the
-uid's share" true; keep `_Connection._read_request` in that order.
+WARNING: the order of checks for a request (browser rule on TCP -> route -> credential
+count -> 413 -> reserve -> 100 Continue -> body) is what makes "a browser's request
+reaches no handler", "413 before the body is read" and "no body byte read beyond the uid's
+share" true; keep `_Connection._read_request` in that order.
 """
 
 from __future__ import annotations
 
 import errno
 import grp
+import hashlib
 import logging
 import os
 import socket
@@ -105,7 +122,9 @@ import trio
 
 from daemon.fault_log import FaultLog
 from daemon.log import log_event
+from daemon.loopback_tcp import browser_safe
 from daemon.peer_shares import ByteBudget, ConnectionCounts
+from daemon.tcp_peer import peer_uid
 
 __all__ = [
     "HttpRequest",
@@ -150,6 +169,7 @@ MAX_SOCKET_PATH_BYTES = 107
 _REASONS: dict[int, bytes] = {
     200: b"OK",
     400: b"Bad Request",
+    403: b"Forbidden",
     404: b"Not Found",
     405: b"Method Not Allowed",
     408: b"Request Timeout",
@@ -168,6 +188,9 @@ _VERSIONS = frozenset({b"1.0", b"1.1"})
 _TOO_MANY_FROM_UID = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 )
+#: What a TCP connection whose peer uid is unknown or not allowed gets, before a byte of
+#: its request is read ([server] tcp_allow_uids / tcp_allow_groups).
+_NOT_ADMITTED = b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 #: How long that answer may take to write before the connection is simply closed.
 _REFUSE_WRITE_SECONDS = 1.0
 
@@ -182,6 +205,9 @@ class HttpRequest:
     authorization: str | None = field(repr=False)
     peer_uid: int | None
     peer_pid: int | None
+    #: Arrived on a loopback TCP listener ([server] listen_tcp): the pipeline accepts only
+    #: uid-bound credentials there unless the operator says otherwise.
+    over_tcp: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +279,10 @@ class HttpLimits:
     max_connections: int = 1024
     #: Open connections one peer uid may hold; an agent runtime needs a handful.
     max_connections_per_uid: int = 128
+    #: Open connections one credential (the Authorization value) may hold, so one agent,
+    #: or anything sending its header, cannot use up its uid's share for the others; None:
+    #: no such bound (the agents' socket: its group already keeps strangers out).
+    max_connections_per_credential: int | None = None
     #: Bytes of request bodies in flight, shared per peer uid (module docstring).
     max_inflight_bytes: int = 64 * 1024 * 1024
     #: 512 KiB: the spec's largest valid request must get a verdict, not a 413 — 64 KiB of
@@ -270,8 +300,9 @@ class HttpLimits:
     keep_alive: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_connections < 1 or self.max_connections_per_uid < 1:
-            raise ValueError("max_connections and max_connections_per_uid must be >= 1")
+        if min(self.max_connections, self.max_connections_per_uid,
+               self.max_connections_per_credential or 1) < 1:
+            raise ValueError("max_connections and the per-uid/credential caps must be >= 1")
         if self.max_inflight_bytes < self.max_body_bytes:
             raise ValueError("max_inflight_bytes must be >= max_body_bytes")
         if self.max_body_bytes < 0 or self.max_header_bytes < 1:
@@ -426,9 +457,10 @@ class _Closed(Exception):
 def _peer_credentials(sock: trio.socket.SocketType) -> tuple[int | None, int | None]:
     # Linux SO_PEERCRED: struct ucred { pid_t pid; uid_t uid; gid_t gid; }. Only a Unix
     # socket has a peer process to name: on TCP Linux answers pid 0 and uid -1, made-up
-    # values, so a TCP peer is None (all TCP peers share one key in the per-uid bounds).
+    # values, so a TCP peer's uid comes from the kernel's socket table (daemon/tcp_peer.py;
+    # None when unknown) and its pid stays unknown.
     if sock.family != socket.AF_UNIX:
-        return None, None
+        return peer_uid(sock), None
     try:
         raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     except (OSError, AttributeError):
@@ -463,12 +495,17 @@ class ServerControl:
         self.budget = ByteBudget(limits.max_inflight_bytes)
         #: Open connections per peer uid.
         self.per_uid = ConnectionCounts(limits.max_connections_per_uid)
+        #: Open connections per credential (a digest of the Authorization value).
+        self.per_credential = (ConnectionCounts(limits.max_connections_per_credential)
+                               if limits.max_connections_per_credential else None)
         #: Unexpected faults in connection tasks, rate-bounded.
         self.faults = FaultLog(_log, "connection_fault")
         #: Exceptions a handler raised instead of answering, rate-bounded.
         self.app_faults = FaultLog(_log, "application_error")
         #: Connections refused past their uid's cap, rate-bounded per uid.
         self.refusals = FaultLog(_log, "uid_connection_cap", level=logging.WARNING)
+        #: TCP connections refused: uid unknown or not allowed, or a browser's request.
+        self.tcp_refusals = FaultLog(_log, "tcp_refused", level=logging.WARNING)
         self._stop = trio.Event()
         self._idle = trio.Event()
         self._idle.set()
@@ -512,8 +549,13 @@ class _Connection:
         limits: HttpLimits,
         control: ServerControl,
         peer: tuple[int | None, int | None],
+        tcp_port: int | None = None,
     ) -> None:
         self.stream = stream
+        #: The local port of a TCP connection (the Host it must name); None on a Unix socket.
+        self.tcp_port = tcp_port
+        #: The credential this connection is counted under (`ServerControl.per_credential`).
+        self.credential: bytes | None = None
         self.routes = routes
         self.limits = limits
         self.control = control
@@ -558,6 +600,9 @@ class _Connection:
             await self._answer_fault()
         finally:
             self._release()
+            if self.credential is not None and self.control.per_credential is not None:
+                self.control.per_credential.close(self.credential)
+                self.credential = None
             with trio.move_on_after(0.5) as cleanup:
                 cleanup.shield = True
                 await self.stream.aclose()
@@ -650,6 +695,13 @@ class _Connection:
         if event.http_version not in _VERSIONS:
             await self._respond(505, None, close=True)
             raise _Closed
+        # 0b. On TCP, what a browser could have sent goes no further (daemon/loopback_tcp.py):
+        # no handler, no envelope, no audit record; the connection is closed.
+        if self.tcp_port is not None and not browser_safe(headers, self.tcp_port):
+            self.control.tcp_refusals.record(("browser",), reason="host/origin/sec-fetch/upgrade",
+                                             peer_uid=self.peer_uid)
+            await self._respond(403, None, close=True)
+            raise _Closed
         self.head = event.method == b"HEAD"
         # 1. Route. No refusal carries a body, so a bodiless request keeps its connection.
         route = self.routes.find(event.method, event.target)
@@ -664,6 +716,10 @@ class _Connection:
             await self._next_event()  # the EndOfMessage of a bodiless request
             await self._respond(route.status, None, extra=extra)
             return _ANSWERED
+        # 1b. Count the connection under the credential it carries (the first one, or a new
+        # one on a kept-alive connection); past that credential's cap, 503 and close.
+        if not await self._count_credential(headers):
+            raise _Closed
         # 2. A declared length over the limit: refused before reading (or inviting) the body.
         if length_text is not None and int(length_text) > self.limits.max_body_bytes:
             await self._respond(413, None, close=True)
@@ -694,7 +750,32 @@ class _Connection:
             authorization=_authorization(headers),
             peer_uid=self.peer_uid,
             peer_pid=self.peer_pid,
+            over_tcp=self.tcp_port is not None,
         )
+
+    async def _count_credential(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Move this connection under the credential its request carries; False if refused.
+
+        Keyed by a digest, never the value (memory holds no credential); a request without
+        Authorization keeps the connection where it was.
+        """
+        counts = self.control.per_credential
+        value = [v for n, v in headers if n == b"authorization"]
+        if counts is None or not value:
+            return True
+        key = hashlib.sha256(b"\n".join(value)).digest()
+        if key == self.credential:
+            return True
+        if self.credential is not None:
+            counts.close(self.credential)
+            self.credential = None
+        if not counts.try_open(key):
+            self.control.refusals.record(("credential",), peer_uid=self.peer_uid,
+                                         cap=self.limits.max_connections_per_credential)
+            await self._respond(503, None, close=True)
+            return False
+        self.credential = key
+        return True
 
     async def _respond(
         self,
@@ -749,6 +830,7 @@ async def serve(
     socket_mode: int = 0o660,
     socket_group: str | None = None,
     on_connections: Callable[[int], None] | None = None,
+    admit: Callable[[int | None], bool] | None = None,
     task_status: trio.TaskStatus[ServerControl] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the `routes` table on `listener` until stopped.
@@ -762,6 +844,10 @@ async def serve(
         socket_mode, socket_group: permissions of a socket bound from a path.
         on_connections: called with the number of open connections whenever it changes
             (the metrics gauge).
+        admit: on a TCP listener, which peer uids (daemon/tcp_peer.py; None = unknown) may
+            connect; a refused one gets a bodiless 403 before a byte is read. None admits
+            every peer (the metrics listener). Every TCP listener also refuses what a
+            browser could send (daemon/loopback_tcp.py).
         task_status: ``started(control)`` once the socket is listening.
 
     Returns:
@@ -786,6 +872,7 @@ async def serve(
         raw = listener
     bound_inode = os.stat(bound_path).st_ino if bound_path else None
     sock = trio.socket.from_stdlib_socket(raw)
+    tcp = raw.family in (socket.AF_INET, socket.AF_INET6)
     control = ServerControl(on_connections, limits)
     slots = trio.Semaphore(limits.max_connections)
     try:
@@ -793,17 +880,19 @@ async def serve(
             accept_scope = trio.CancelScope()
 
             async def handle(stream: trio.SocketStream, peer: tuple[int | None, int | None]) -> None:
+                port = stream.socket.getsockname()[1] if tcp else None
                 try:
-                    await _Connection(stream, routes, limits, control, peer).run()
+                    await _Connection(stream, routes, limits, control, peer, port).run()
                 finally:
                     control.per_uid.close(peer[0])
                     control._closed()
                     slots.release()
 
-            async def refuse(stream: trio.SocketStream) -> None:
+            async def refuse(stream: trio.SocketStream, answer: bytes = _TOO_MANY_FROM_UID
+                             ) -> None:
                 try:
                     with trio.move_on_after(_REFUSE_WRITE_SECONDS):
-                        await stream.send_all(_TOO_MANY_FROM_UID)
+                        await stream.send_all(answer)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass
                 finally:
@@ -829,7 +918,11 @@ async def serve(
                             raise
                         control._opened()
                         peer = _peer_credentials(conn)
-                        if control.per_uid.try_open(peer[0]):
+                        if tcp and admit is not None and not admit(peer[0]):
+                            control.tcp_refusals.record(("uid", peer[0]), reason="not allowed",
+                                                        peer_uid=peer[0])
+                            nursery.start_soon(refuse, trio.SocketStream(conn), _NOT_ADMITTED)
+                        elif control.per_uid.try_open(peer[0]):
                             nursery.start_soon(handle, trio.SocketStream(conn), peer)
                         else:
                             control.refusals.record(("uid", peer[0]), peer_uid=peer[0],

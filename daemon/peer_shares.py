@@ -16,8 +16,12 @@ Rules:
   socket buffers instead of buffering in the daemon. The caller's read deadline bounds the
   wait. A uid holding nothing may always take one reservation that fits in what is free,
   so a share smaller than one request never wedges a uid.
-- `ConnectionCounts` counts open connections per uid against `per_uid`; the server refuses
-  a connection past it (it cannot wait: a waiting connection would hold a global slot).
+- `ConnectionCounts` counts open connections per key against a cap; the server refuses a
+  connection past it (it cannot wait: a waiting connection would hold a global slot). The
+  keys are peer uids (``max_connections_per_uid``) and, once a request names one,
+  credentials (``max_connections_per_credential``, keyed by a digest of the Authorization
+  value): many agents of a fleet often run as one uid, and one of them, or a same-uid
+  process replaying a header, must not use up the share of all the others.
 
 Not fair within a uid: two processes of the same user share that user's share (docs/
 reliability.md says what a same-uid attacker can still do).
@@ -26,6 +30,8 @@ Pure bookkeeping plus one trio.Event for wake-ups; no I/O, no logging.
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 import trio
 
@@ -88,18 +94,18 @@ class ByteBudget:
 
 
 class ConnectionCounts:
-    """Open connections per uid, against a per-uid cap."""
+    """Open connections per key (a uid, or a credential's digest), against a cap per key."""
 
     def __init__(self, per_uid: int) -> None:
         if per_uid < 1:
             raise ValueError("the per-uid connection cap must be >= 1")
         self.per_uid = per_uid
-        self._open: dict[Uid, int] = {}
+        self._open: dict[Hashable, int] = {}
 
-    def open(self, uid: Uid) -> int:
+    def open(self, uid: Hashable) -> int:
         return self._open.get(uid, 0)
 
-    def try_open(self, uid: Uid) -> bool:
+    def try_open(self, uid: Hashable) -> bool:
         """Count one more connection of `uid`; False (and nothing counted) past the cap."""
         count = self.open(uid)
         if count >= self.per_uid:
@@ -107,7 +113,7 @@ class ConnectionCounts:
         self._open[uid] = count + 1
         return True
 
-    def close(self, uid: Uid) -> None:
+    def close(self, uid: Hashable) -> None:
         count = self.open(uid) - 1
         if count > 0:
             self._open[uid] = count

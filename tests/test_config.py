@@ -32,6 +32,12 @@ max_body_bytes = 4096
 max_header_bytes = 2048
 request_timeout = "1.5s"
 shutdown_grace = 3
+listen_tcp = ["127.0.0.1:7475", "[::1]:7475"]
+listen_tcp_accept_squatting_risk = true
+tcp_allow_uids = [1000, 1001]
+tcp_allow_groups = ["buzz-agents"]
+tcp_allow_credentials_without_uid = true
+max_connections_per_credential = 4
 
 [state]
 dir = "/srv/bb/state"
@@ -88,6 +94,12 @@ EXPECTED: dict[tuple[str, str], object] = {
     ("server", "max_header_bytes"): 2048,
     ("server", "request_timeout"): 1.5,
     ("server", "shutdown_grace"): 3.0,
+    ("server", "listen_tcp"): (("127.0.0.1", 7475), ("::1", 7475)),
+    ("server", "listen_tcp_accept_squatting_risk"): True,
+    ("server", "tcp_allow_uids"): frozenset({1000, 1001}),
+    ("server", "tcp_allow_groups"): frozenset({"buzz-agents"}),
+    ("server", "tcp_allow_credentials_without_uid"): True,
+    ("server", "max_connections_per_credential"): 4,
     ("state", "dir"): "/srv/bb/state",
     ("state", "ledger_retention_seconds"): 7200,
     ("state", "read_retention_seconds"): 300,
@@ -130,6 +142,12 @@ DEFAULTS: dict[tuple[str, str], object] = {
     ("server", "max_header_bytes"): 16384,
     ("server", "request_timeout"): 10.0,
     ("server", "shutdown_grace"): 10.0,
+    ("server", "listen_tcp"): (),
+    ("server", "listen_tcp_accept_squatting_risk"): False,
+    ("server", "tcp_allow_uids"): frozenset(),
+    ("server", "tcp_allow_groups"): frozenset(),
+    ("server", "tcp_allow_credentials_without_uid"): False,
+    ("server", "max_connections_per_credential"): 32,
     ("state", "dir"): "/var/lib/buzz-broker",
     ("state", "ledger_retention_seconds"): 7 * 86400,
     ("state", "read_retention_seconds"): 15 * 60,
@@ -303,6 +321,20 @@ def test_wrong_type_names_key_and_file(tmp_path: Path, row: object) -> None:
         ("metrics", "listen", '"[::1]:70000"'),
         ("metrics", "listen", '"localhost.evil.com:80"'),
         ("metrics", "listen", "9464"),
+        # issue 24: the action API's TCP listeners are loopback literals only
+        ("server", "listen_tcp", '["0.0.0.0:7475"]'),
+        ("server", "listen_tcp", '["[::]:7475"]'),
+        ("server", "listen_tcp", '["10.0.0.1:7475"]'),
+        ("server", "listen_tcp", '["192.168.1.2:7475"]'),
+        ("server", "listen_tcp", '["127.0.0.1:7475", "example.org:7475"]'),
+        ("server", "listen_tcp", '["localhost:7475"]'),
+        ("server", "listen_tcp", '["127.0.0.1:70000"]'),
+        ("server", "listen_tcp", '"127.0.0.1:7475"'),
+        ("server", "listen_tcp_accept_squatting_risk", '"yes"'),
+        ("server", "tcp_allow_uids", '["1000"]'),
+        ("server", "tcp_allow_uids", "[-1]"),
+        ("server", "tcp_allow_groups", '["bad group"]'),
+        ("server", "max_connections_per_credential", "0"),
     ],
 )
 def test_bad_values_named(tmp_path: Path, section: str, key: str, bad: str) -> None:
@@ -489,7 +521,11 @@ def test_check_config_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert main(["check-config", path]) == 0
     out, err = capsys.readouterr()
     assert err == ""
-    assert out == f"config: {path} (--config)\npin: /etc/bb/pin ([pkcs11] pin_file)\nok\n"
+    risk = ("held by systemd (socket activation) if passed, else unheld: the operator "
+            "accepted the squatting risk (listen_tcp_accept_squatting_risk)")
+    assert out == (f"config: {path} (--config)\npin: /etc/bb/pin ([pkcs11] pin_file)\n"
+                   f"tcp: 127.0.0.1:7475: {risk}\ntcp: [::1]:7475: {risk}\n"
+                   "tcp: allowed peers: 1000, 1001, group buzz-agents; every credential\nok\n")
 
 
 def test_check_config_error_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -558,3 +594,10 @@ def test_the_observer_defaults_are_the_dataclass_defaults() -> None:
     from daemon.config import DEFAULT_OBSERVER
 
     assert load_config(None, environ={}, system_file="/nonexistent").observer == DEFAULT_OBSERVER
+
+
+def test_listen_tcp_needs_someone_allowed(tmp_path: Path) -> None:
+    """A TCP listener nobody may use is a config error, not a listener that refuses all."""
+    path = write(tmp_path, '[server]\nlisten_tcp = ["127.0.0.1:7475"]\n')
+    with pytest.raises(ConfigError, match=r"\[server\] listen_tcp: expected tcp_allow_uids"):
+        load_config(path, environ={})

@@ -644,17 +644,19 @@ async def test_keep_alive_off_answers_one_request_per_connection(sockdir: str) -
         assert len(app.seen) == 1
 
 
-async def test_tcp_listener_and_its_peers_have_no_uid() -> None:
-    # SO_PEERCRED names a process only on a Unix socket; a TCP peer must not be counted
-    # under the made-up uid -1 / pid 0 Linux reports for it.
+async def test_tcp_peer_uid_is_the_kernels_and_pid_unknown() -> None:
+    # SO_PEERCRED names a process only on a Unix socket (Linux reports a made-up uid -1 /
+    # pid 0 on TCP): the uid comes from the kernel's socket table (daemon/tcp_peer.py), the
+    # pid stays unknown.
     app = EchoApp()
     tcp = bind_tcp_socket("127.0.0.1", 0)
     host, port = tcp.getsockname()
     async with trio.open_nursery() as nursery:
         control = await nursery.start(serve, action_routes(app), tcp, HttpLimits())
         stream = await trio.open_tcp_stream(host, port)
-        await stream.send_all(req(b'"tcp"'))
+        await stream.send_all(req(b'"tcp"').replace(b"Host: broker", f"Host: 127.0.0.1:{port}".encode()))
         answer = await Reader(stream).next()
         assert answer is not None and answer[2] == b'"tcp"'
-        assert (app.seen[0].peer_uid, app.seen[0].peer_pid) == (None, None)
+        assert (app.seen[0].peer_uid, app.seen[0].peer_pid) == (os.getuid(), None)
+        assert app.seen[0].over_tcp
         control.stop()

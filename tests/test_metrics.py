@@ -308,7 +308,7 @@ async def test_tcp_listener_serves_metrics_on_loopback() -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(serve, scrape_routes(m), tcp, SCRAPE_LIMITS)
         got = await _exchange(await trio.open_tcp_stream(host, port),
-                              b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                              f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
         head, _, body = got.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200 ")
         _, served = parse(body)

@@ -201,7 +201,7 @@ async def test_metrics_listener_on_a_taken_port_is_one_line_before_ready(sockdir
                 run_server, config, fake_factory(WithMetrics()), environ={}, memory_lock=no_lock))
             stream = await trio.open_tcp_stream("127.0.0.1", port)
             async with stream:
-                await stream.send_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                await stream.send_all(f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
                 answer = await stream.receive_some(65536)
             assert answer.startswith(b"HTTP/1.1 200 ")
             os.kill(os.getpid(), signal.SIGTERM)

@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 UNITS = REPO / "systemd"
 SERVICE = UNITS / "buzz-broker.service"
 SOCKET = UNITS / "buzz-broker.socket"
+TCP_SOCKET = UNITS / "buzz-broker-tcp.socket"
 
 #: The issue's target for `systemd-analyze security` (issue 14: <= 1.5, also checked on a
 #: booted systemd by tests/nspawn/test_real_systemd.py).
@@ -76,6 +77,7 @@ def _verify_root(tmp_path: Path, service_text: str | None = None) -> Path:
     etc.mkdir(parents=True)
     (etc / SERVICE.name).write_text(service_text if service_text is not None else SERVICE.read_text())
     shutil.copyfile(SOCKET, etc / SOCKET.name)
+    shutil.copyfile(TCP_SOCKET, etc / TCP_SOCKET.name)
     d = _directives(SERVICE)
     s = _directives(SOCKET)
     for exe in (_exec_path(d["ExecStart"][0]), _exec_path(d["ExecReload"][0]),
@@ -91,7 +93,7 @@ def _verify_root(tmp_path: Path, service_text: str | None = None) -> Path:
 def _verify(root: Path) -> subprocess.CompletedProcess[str]:
     assert ANALYZE is not None
     return subprocess.run(
-        [ANALYZE, "verify", f"--root={root}", SERVICE.name, SOCKET.name],
+        [ANALYZE, "verify", f"--root={root}", SERVICE.name, SOCKET.name, TCP_SOCKET.name],
         capture_output=True, text=True, timeout=60,
     )
 
@@ -166,7 +168,8 @@ SERVICE_REQUIRED: dict[str, str] = {
     "LockPersonality": "yes",
     "MemoryDenyWriteExecute": "yes",
     "SystemCallArchitectures": "native",
-    "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6",
+    # AF_NETLINK: the TCP peer's uid by sock_diag (daemon/tcp_peer.py).
+    "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6 AF_NETLINK",
 }
 
 SOCKET_REQUIRED: dict[str, str] = {
@@ -186,6 +189,20 @@ def test_service_has(key: str) -> None:
 @pytest.mark.parametrize("key", sorted(SOCKET_REQUIRED))
 def test_socket_has(key: str) -> None:
     assert _directives(SOCKET).get(key) == [SOCKET_REQUIRED[key]], key
+
+
+def test_tcp_socket_is_loopback_and_feeds_the_service() -> None:
+    """buzz-broker-tcp.socket binds only what [server] listen_tcp accepts (loopback
+    literals: the config's own parser is the judge) and hands its fd to the daemon."""
+    from daemon.config import _listen_tcp
+
+    d = _directives(TCP_SOCKET)
+    assert d["Service"] == ["buzz-broker.service"] and d["Accept"] == ["no"]
+    assert "FreeBind" not in d
+    listened = d["ListenStream"]
+    assert listened and _listen_tcp(listened, None) == (("127.0.0.1", 7475),)
+    # The service starts after it, so a boot that enabled it passes the fd at first start.
+    assert TCP_SOCKET.name in _directives(SERVICE)["After"][0].split()
 
 
 def test_runtime_directory_is_not_the_services() -> None:

@@ -26,6 +26,7 @@ import os
 import trio
 
 from daemon.cli._common import CliError
+from daemon.loopback_tcp import HELD_BY_SYSTEMD, PRIVILEGED_PORT, port_holder
 from daemon.config import SYSTEM_CONFIG, Config, ConfigError, load_config, require_relay
 
 HELP = "validate a configuration; --deep also logs in to the token and reaches the relay"
@@ -63,6 +64,34 @@ def describe_pin(config: Config) -> str:
     return f"pin: {pkcs11.pin_file} ({pkcs11.pin_origin})"
 
 
+def describe_tcp(config: Config) -> list[str]:
+    """One ``tcp:`` line per [server] listen_tcp address (none when it is empty): which squatting rule lets it be
+    served (daemon/loopback_tcp.py), or that `serve` will refuse it. Whether systemd holds
+    a port is known only at start (the fd it passes), so this says what each case does."""
+    server = config.server
+    if not server.listen_tcp:
+        return []
+    lines = []
+    for host, port in server.listen_tcp:
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        unheld = port_holder(port, held=False,
+                             accept_risk=server.listen_tcp_accept_squatting_risk)
+        if unheld is None:
+            rule = ("served only if systemd passes it (buzz-broker-tcp.socket); otherwise "
+                    "serve refuses it: any local user could bind it first")
+        elif unheld == PRIVILEGED_PORT:
+            rule = f"served: {PRIVILEGED_PORT}"
+        else:
+            rule = f"{HELD_BY_SYSTEMD} if passed, else {unheld}"
+        lines.append(f"tcp: {where}: {rule}")
+    who = sorted(map(str, server.tcp_allow_uids)) + sorted(f"group {g}"
+                                                          for g in server.tcp_allow_groups)
+    creds = ("every credential" if server.tcp_allow_credentials_without_uid
+             else "uid-bound credentials only")
+    lines.append(f"tcp: allowed peers: {', '.join(who)}; {creds}")
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     path = getattr(args, "path", None) or getattr(args, "config", None)
     try:
@@ -72,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     print(describe(config))
     print(describe_pin(config))
+    for line in describe_tcp(config):
+        print(line)
     if getattr(args, "deep", False):
         from daemon.probe import check_relay, check_token_and_kek
 

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import errno
 import functools
 import logging
@@ -71,7 +72,8 @@ import trio
 
 from daemon import notify
 from daemon.cli._common import CliError, config_from_args
-from daemon.config import Config, load_config
+from daemon.config import Config, ServerConfig, load_config
+from daemon.loopback_tcp import TcpAdmission, port_holder
 from daemon.http import (
     HttpAnswer,
     HttpLimits,
@@ -164,18 +166,106 @@ def lock_memory() -> MemoryLock:
     return MemoryLock(True, "locked")
 
 
-def _activated_socket(fds: list[int]) -> socket.socket:
-    """The listening socket systemd passed; the first one if it passed several."""
-    sock = socket.socket(fileno=fds[0])
-    if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
-        sock.detach()
-        raise CliError("the socket passed by systemd (LISTEN_FDS) is not a Unix stream socket")
-    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-        sock.detach()
-        raise CliError("the socket passed by systemd (LISTEN_FDS) is not listening")
-    for extra in fds[1:]:
-        os.close(extra)  # we serve one socket; close the rest rather than leak them
-    return sock
+def _activated_sockets(fds: list[int]) -> tuple[socket.socket, dict[tuple[str, int], socket.socket]]:
+    """The sockets systemd passed: the agents' Unix socket, and the loopback TCP ones.
+
+    Told apart by family (getsockname), not by LISTEN_FDNAMES: the names are the unit's
+    to choose, the family is what the fd is. Exactly one Unix stream socket is required.
+    """
+    unix: list[socket.socket] = []
+    tcp: dict[tuple[str, int], socket.socket] = {}
+    for fd in fds:
+        sock = socket.socket(fileno=fd)
+        if sock.type != socket.SOCK_STREAM or not sock.getsockopt(
+                socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            for held in (*unix, *tcp.values(), sock):
+                held.detach()
+            raise CliError("a socket passed by systemd (LISTEN_FDS) is not a listening "
+                           "stream socket")
+        if sock.family == socket.AF_UNIX:
+            unix.append(sock)
+        elif sock.family in (socket.AF_INET, socket.AF_INET6):
+            host, port = sock.getsockname()[:2]
+            tcp[(host, port)] = sock
+        else:
+            os.close(sock.detach())  # not ours to serve; closed rather than leaked
+    if len(unix) != 1:
+        for held in (*unix, *tcp.values()):
+            held.detach()
+        raise CliError(f"systemd passed {len(unix)} Unix sockets (LISTEN_FDS); the agents' "
+                       "socket must be exactly one (buzz-broker.socket)")
+    return unix[0], tcp
+
+
+def _where(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+#: In the state directory while `serve` runs: one line per TCP listener and why its port
+#: may be served, for `status` (which never connects to the daemon). Removed at exit; a
+#: daemon that died leaves it, and `status` reads it only while the run lock is held.
+TCP_NOTE = "serve.tcp"
+
+
+def _write_tcp_note(state_dir: str, lines: list[str]) -> None:
+    path = os.path.join(state_dir, TCP_NOTE)
+    try:
+        if not lines:
+            os.unlink(path)
+            return
+        temporary = path + ".tmp"
+        with open(temporary, "w", encoding="utf-8") as note:
+            note.write("".join(f"{line}\n" for line in lines))
+        os.replace(temporary, path)
+    except OSError:
+        pass  # only `status` reads it; serving does not depend on it
+
+
+def tcp_listeners(server: ServerConfig, passed: dict[tuple[str, int], socket.socket]
+                  ) -> list[tuple[socket.socket, str]]:
+    """The action API's TCP listeners: each [server] listen_tcp address, with why it may
+    be served (daemon/loopback_tcp.py).
+
+    The config is the source of truth for *whether* an address is served; under systemd the
+    unit (buzz-broker-tcp.socket) is the one that binds it, so the two must agree: a passed
+    TCP socket the config does not list is refused, and a listed address systemd did not
+    pass is bound here, under the squatting rule.
+
+    Raises:
+        CliError: a passed socket not in listen_tcp, an unheld port without the operator's
+            opt-in, or a port that cannot be bound. Sockets opened so far are closed.
+    """
+    listeners: list[tuple[socket.socket, str]] = []
+    try:
+        for host, port in passed:
+            if (host, port) not in server.listen_tcp:
+                raise CliError(f"systemd passed a TCP socket on {_where(host, port)} that "
+                               "[server] listen_tcp does not list; list it, or remove it "
+                               "from buzz-broker-tcp.socket")
+        for host, port in server.listen_tcp:
+            held = passed.get((host, port))
+            why = port_holder(port, held=held is not None,
+                              accept_risk=server.listen_tcp_accept_squatting_risk)
+            if why is None:
+                raise CliError(
+                    f"[server] listen_tcp {_where(host, port)}: port {port} is not held for "
+                    "the daemon (systemd did not pass it, and any local user may bind it "
+                    "first and collect the credentials agents send); let "
+                    "buzz-broker-tcp.socket hold it, or set "
+                    "listen_tcp_accept_squatting_risk = true")
+            if held is None:
+                try:
+                    held = bind_tcp_socket(host, port)
+                except ListenError as exc:
+                    raise CliError(f"[server] listen_tcp {exc}") from None
+            listeners.append((held, f"{_where(*held.getsockname()[:2])} ({why})"))
+    except BaseException:
+        for sock, _ in listeners:
+            sock.close()
+        for sock in passed.values():
+            sock.close()
+        raise
+    return listeners
 
 
 def _send(environ: MutableMapping[str, str], *lines: str) -> None:
@@ -243,8 +333,9 @@ async def _run_locked(
     except ValueError as exc:
         raise CliError(f"socket activation: {exc}") from None
     bound_path: str | None = None
+    passed: dict[tuple[str, int], socket.socket] = {}
     if fds:
-        raw = _activated_socket(fds)
+        raw, passed = _activated_sockets(fds)
         where = "socket passed by systemd"
     else:
         _send(env, notify.status(f"binding {server.socket}"))
@@ -256,6 +347,16 @@ async def _run_locked(
         where = bound_path
     bound_inode = os.stat(bound_path).st_ino if bound_path else None
     log_event(_log, "serve.listening", socket=where, activated=bool(fds))
+    try:
+        tcp = tcp_listeners(server, passed)
+    except CliError:
+        raw.close()
+        if bound_path is not None:
+            unlink_if_ours(bound_path, bound_inode)
+        raise
+    for _sock, described in tcp:
+        log_event(_log, "serve.tcp", listen=described)
+    _write_tcp_note(config.state.dir, [described for _sock, described in tcp])
     limits = HttpLimits(
         max_connections=server.max_connections,
         max_connections_per_uid=server.max_connections_per_uid,
@@ -269,16 +370,23 @@ async def _run_locked(
         watchdog = notify.watchdog_interval(env)
     except ValueError as exc:
         raw.close()
+        for sock, _ in tcp:
+            sock.close()
         raise CliError(f"watchdog: {exc}") from None
+    admission = TcpAdmission(server.tcp_allow_uids, server.tcp_allow_groups)
 
     try:
         _send(env, notify.status("opening the token, the stores and the relay pool"))
         async with app_factory(config) as app:
             await _serve_until_signalled(app, raw, limits, env, watchdog, where, started_at,
                                          task_status, config.metrics.socket,
-                                         config.metrics.listen)
+                                         config.metrics.listen, tcp, admission,
+                                         server.max_connections_per_credential)
     finally:
         raw.close()
+        for sock, _ in tcp:
+            sock.close()
+        _write_tcp_note(config.state.dir, [])
         if bound_path is not None:
             unlink_if_ours(bound_path, bound_inode)
     log_event(_log, "serve.stopped")
@@ -296,16 +404,28 @@ async def _serve_until_signalled(
     task_status: trio.TaskStatus[ServerControl],
     metrics_socket: str | None = None,
     metrics_listen: tuple[str, int] | None = None,
+    tcp: list[tuple[socket.socket, str]] | None = None,
+    admission: TcpAdmission | None = None,
+    per_credential: int | None = None,
 ) -> None:
     # An application with a metrics registry (the broker) gets the connection gauge and
     # the [metrics] listeners that are configured; a test application has neither.
     metrics: Metrics | None = getattr(app, "metrics", None)
-    on_connections = None
-    if metrics is not None:
+    # One gauge for every listener of the action API: the sum of their open connections.
+    open_per_listener: dict[int, int] = {}
+
+    def gauge(listener: int) -> Callable[[int], None] | None:
+        if metrics is None:
+            return None
         registry = metrics
 
         def on_connections(count: int) -> None:
-            registry.set_open_connections(count)
+            open_per_listener[listener] = count
+            registry.set_open_connections(sum(open_per_listener.values()))
+
+        return on_connections
+
+    on_connections = gauge(0)
 
     # The receiver is open before READY=1, so a SIGTERM right after readiness is not lost.
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
@@ -318,6 +438,16 @@ async def _serve_until_signalled(
 
             if metrics is not None:
                 await _start_metrics(nursery, metrics, metrics_socket, metrics_listen)
+
+            tcp_controls: list[ServerControl] = []
+            for index, (sock, _described) in enumerate(tcp or (), start=1):
+                # The same bounds as the socket, each listener with its own shares; the TCP
+                # listeners stop with the nursery, after the agents' socket has drained.
+                tcp_limits = dataclasses.replace(
+                    limits, max_connections_per_credential=per_credential)
+                tcp_controls.append(await nursery.start(functools.partial(
+                    serve, action_routes(app), sock, tcp_limits, on_connections=gauge(index),
+                    admit=admission.admits if admission is not None else _nobody)))
 
             control: ServerControl = await nursery.start(serve_then_finish)
             _send(env, notify.READY, notify.status(f"serving on {where}"))
@@ -344,8 +474,14 @@ async def _serve_until_signalled(
                 log_event(_log, "serve.stopping", signal=name, in_flight=control.in_flight,
                           connections=control.connections)
                 control.stop()
+                for other in tcp_controls:
+                    other.stop()
                 break
             # serve_then_finish cancels the nursery once the drain is over.
+
+
+def _nobody(_uid: int | None) -> bool:
+    return False
 
 
 async def _start_metrics(

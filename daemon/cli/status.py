@@ -40,7 +40,8 @@ import trio
 
 from buzzwire.contract import printable, printable_json
 from daemon.cli._common import CliError, config_from_args
-from daemon.cli.check_config import describe
+from daemon.cli.check_config import describe, describe_tcp
+from daemon.cli.serve import TCP_NOTE
 from daemon.config import Config, ConfigError, require_relay
 
 HELP = "show whether the daemon runs and whether its token, relay and stores are in order"
@@ -145,6 +146,25 @@ def _audit(state_dir: Path) -> Fact:
                 {"records": result.records, "seq": result.seq, "head": result.head})
 
 
+def _tcp(config: Config, state_dir: Path, running: bool) -> Fact:
+    """What the running daemon serves on TCP and why (its note), else the config's rule."""
+    listen = [f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in config.server.listen_tcp]
+    if running:
+        try:
+            served = (state_dir / TCP_NOTE).read_text(encoding="utf-8").splitlines()
+        except OSError:
+            served = []
+        if served:
+            return Fact(True, "serving " + "; ".join(served),
+                        {"listen": listen, "serving": served})
+    rules = describe_tcp(config)
+    if not rules:
+        return Fact(True, "off ([server] listen_tcp is empty; agents use the Unix socket)",
+                    {"listen": listen})
+    return Fact(True, "; ".join(line.removeprefix("tcp: ") for line in rules),
+                {"listen": listen})
+
+
 def gather(config: Config) -> tuple[dict[str, Fact], bool, bool]:
     """The facts by name, whether the daemon runs, whether every check passed."""
     from daemon.probe import check_relay, check_token_and_kek
@@ -168,6 +188,7 @@ def gather(config: Config) -> tuple[dict[str, Fact], bool, bool]:
     # socket activation has none).
     facts["socket"] = socket
     all_ok &= socket.ok or not pid
+    facts["tcp"] = _tcp(config, state_dir, bool(pid))
     for check in (check_token_and_kek, check_relay):
         result = trio.run(check, config)
         facts[result.name] = Fact(result.ok, result.detail)

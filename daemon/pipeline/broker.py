@@ -369,8 +369,12 @@ class Broker:
 
     def _authenticate(self, request: HttpRequest, request_id: str) -> Principal | Judged:
         """The principal, or the verdict: unauthenticated, or internal if custody failed."""
+        # Over loopback TCP every local user can connect: only a uid-bound credential
+        # proves who is asking, unless the operator allows the others there.
         principal = self._sessions.authenticate(
-            request.authorization, request.peer_uid, int(self._clock())
+            request.authorization, request.peer_uid, int(self._clock()),
+            uid_bound_only=request.over_tcp
+            and not self._config.server.tcp_allow_credentials_without_uid,
         )
         if principal is not None:
             try:

@@ -353,7 +353,8 @@ class SessionStore:
             self.reload()
 
     def authenticate(
-        self, header_value: str | None, peer_uid: int | None, now: int
+        self, header_value: str | None, peer_uid: int | None, now: int,
+        *, uid_bound_only: bool = False,
     ) -> Principal | None:
         """The principal a request's Authorization header proves, or None.
 
@@ -361,6 +362,8 @@ class SessionStore:
             header_value: the raw Authorization header value (None when absent).
             peer_uid: the connecting process's uid from SO_PEERCRED (None when unknown).
             now: seconds since the epoch.
+            uid_bound_only: refuse a credential bound to no uid (a request over loopback
+                TCP, where every local user can connect: docs/configuration.md).
 
         Returns:
             The Principal, or None for every failure (missing, malformed, unknown,
@@ -378,6 +381,8 @@ class SessionStore:
         if principal.expires_at is not None and now >= principal.expires_at:
             return None
         if principal.uid is not None and peer_uid != principal.uid:
+            return None
+        if uid_bound_only and principal.uid is None:
             return None
         self._last_used[principal.credential_id] = now
         return principal

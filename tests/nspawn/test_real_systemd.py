@@ -58,6 +58,8 @@ OUTSIDER = "outsider"
 USERS = {"agent": AGENT, "second": SECOND_AGENT, "outsider": OUTSIDER}
 #: The doc's metrics address; the guest shares the host's network, so the test moves it.
 DOC_METRICS = "127.0.0.1:9464"
+#: The doc's (and buzz-broker-tcp.socket's) loopback TCP address; moved for the same reason.
+DOC_TCP = "127.0.0.1:7475"
 GUEST_WHEELS = "/var/cache/buzz-broker-wheels"
 
 #: Everything the test does that docs/install.md does not say (systemd/README.md repeats it).
@@ -69,6 +71,8 @@ TEST_ONLY = {
     "placeholders": "<agent-user>, <owner-pubkey-hex> (a throwaway key), <channel-uuid>, "
                     "<relay-url> (nostr-sdk's LocalRelay on the host's loopback), and the "
                     f"metrics port instead of {DOC_METRICS.split(':')[1]} (shared network)",
+    "tcp-port": f"the guest's copy of buzz-broker-tcp.socket and the doc's {DOC_TCP} get a "
+                "free port instead (shared network)",
     "watchdog": "a drop-in buzz-broker.service.d/test-watchdog.conf with WatchdogSec=3s",
     "faults": "a drop-in pointing BUZZ_BROKER_CONFIG at a config whose KEK is missing (failed "
               "start), SIGKILL, SIGSTOP/SIGCONT (watchdog), and the scout credential copied "
@@ -103,7 +107,8 @@ def install_blocks(text: str | None = None) -> list[Block]:
 
 #: The steps this test drives, in the doc's order.
 STEPS = ("packages", "program", "units", "agent-group", "token", "config", "check-config",
-         "keys", "agent", "start", "first-request", "check", "metrics", "upgrade", "uninstall")
+         "keys", "agent", "start", "first-request", "check", "metrics", "tcp", "upgrade",
+         "uninstall")
 
 
 def test_install_doc_is_marked() -> None:
@@ -222,6 +227,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
             "<channel-uuid>": str(uuid.uuid4()),
             "<relay-url>": relay_url,
             DOC_METRICS: f"127.0.0.1:{metrics_port}",
+            DOC_TCP: f"127.0.0.1:{free_port()}",
         }
         env = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": GUEST_WHEELS,
                "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
@@ -383,6 +389,49 @@ def test_metrics_scrape_on_loopback(installed: Installed) -> None:
     placeholders = inst.placeholders
     for secret_ish in (placeholders["<channel-uuid>"], placeholders["<owner-pubkey-hex>"]):
         assert secret_ish not in body
+
+
+def test_tcp_socket_activates_the_service(installed: Installed) -> None:
+    """docs/install.md step tcp: buzz-broker-tcp.socket holds the port, an agent's first
+    request over loopback TCP starts the stopped service, which serves it as held by
+    systemd; the outsider (not in tcp_allow_groups) and a browser-like request get 403."""
+    inst = installed
+    address = inst.placeholders[DOC_TCP]
+    blocks = {b.step: b for b in install_blocks()}
+    inst.sh("systemctl stop buzz-broker.service")
+    # TEST_ONLY["tcp-port"]: the unit the doc installs listens on the moved port.
+    inst.sh(f"sed -i 's/^ListenStream={DOC_TCP}$/ListenStream={address}/' "
+            "/opt/buzz-broker/src/systemd/buzz-broker-tcp.socket")
+    inst.block(blocks["tcp"])
+    assert inst.show("ActiveState", "buzz-broker-tcp.socket") == "active"
+    assert inst.show("ActiveState") == "inactive"  # try-restart left it stopped
+    pid_before = inst.show("MainPID")
+    args = json.dumps({"channelId": inst.placeholders["<channel-uuid>"], "content": "over tcp"})
+    done = inst.sh(f"buzz-broker call message.post --socket http://{address} --args '{args}' "
+                   "--credential-file ~/.config/buzz-broker/credential", user=AGENT, check=False)
+    assert done.returncode == 0, done.text()
+    assert json.loads(done.stdout)["status"] == "succeeded", done.text()
+    assert inst.show("ActiveState") == "active" and inst.show("MainPID") not in (pid_before, "0")
+    local = f"http://localhost:{address.rsplit(':', 1)[1]}"
+    done = inst.sh(f"buzz-broker call message.post --socket {local} --args '{args}' "
+                   "--credential-file ~/.config/buzz-broker/credential", user=AGENT, check=False)
+    assert done.returncode == 0, done.text()
+    journal = inst.sh("journalctl -u buzz-broker.service --no-pager -o cat -n 200").stdout
+    assert "held by systemd" in journal, journal[-2000:]
+    # Not in buzz-agents: refused before a byte of its request is read (it sends none).
+    host, _, port = address.rpartition(":")
+    raw = inst.sh(f"python3 -c \"import socket; s = socket.create_connection(('{host}', {port}),"
+                  " timeout=10); print(s.recv(200).split(b'\\r\\n')[0].decode())\"",
+                  user=OUTSIDER, check=False)
+    assert raw.stdout.strip() == "HTTP/1.1 403 Forbidden", raw.text()
+    # A page's request (Origin), even from the agent's own uid: 403, never judged.
+    code = inst.sh(f"curl -s -o /dev/null -w '%{{http_code}}' -X POST "
+                   f"-H 'Origin: http://evil.example' http://{address}/v1/action",
+                   user=AGENT, check=False).stdout
+    assert code == "403", code
+    # check-config names the rule (systemd holds the port, else refused).
+    lines = inst.sh("buzz-broker-admin check-config").stdout
+    assert f"tcp: {address}: served only if systemd passes it" in lines, lines
 
 
 def test_systemd_analyze_security_at_most_1_5(installed: Installed) -> None:

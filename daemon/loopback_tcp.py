@@ -1,0 +1,124 @@
+"""The rules of a loopback TCP listener: which port may be served, who may connect, and
+which requests a browser could have sent.
+
+Why: a loopback port is reachable by every local user and by every page in a browser on
+the host, none of which the Unix socket's mode keeps out. Buzz's own agents can only
+reach a base URL (../shared/spec/buzz-client.md), so [server] listen_tcp serves the action
+API there too, under these rules (docs/configuration.md, docs/install.md):
+
+- **Squatting.** Any local user can bind a free port first and collect the credentials
+  agents send to it. A port is served only if nobody else could have held it: a socket
+  systemd passed (it bound it before any user could), a port below the kernel's
+  ``net.ipv4.ip_unprivileged_port_start`` (1024 unless lowered: binding one needs
+  privilege), or the operator's explicit ``listen_tcp_accept_squatting_risk = true``.
+- **Who.** The peer's uid comes from the kernel (daemon/tcp_peer.py); it must be in
+  ``tcp_allow_uids`` or a member (primary or supplementary) of a group in
+  ``tcp_allow_groups``. An unknown uid is refused. Checked before a byte is read.
+- **Browsers.** A request must carry exactly one ``Host`` naming ``127.0.0.1:P``,
+  ``[::1]:P`` or ``localhost:P`` for the port it arrived on (a DNS-rebinding page names
+  its own host), and none of ``Origin``, ``Sec-Fetch-*``, ``Upgrade`` (every browser
+  sends one of them on a cross-site request; no agent does). Anything else is a bodiless
+  403 before routing: never judged, never audited; no CORS header is ever sent. The
+  metrics TCP listener has the same rule.
+
+Pure functions over values, plus the two lookups they need (the user database for group
+membership, the sysctl for the privileged port range).
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "TcpAdmission",
+    "browser_safe",
+    "unprivileged_port_start",
+    "port_holder",
+    "HELD_BY_SYSTEMD",
+    "PRIVILEGED_PORT",
+    "OPERATOR_ACCEPTED",
+]
+
+#: Why a port may be served (what `serve.tcp`, `check-config` and `status` print).
+HELD_BY_SYSTEMD = "held by systemd (socket activation)"
+PRIVILEGED_PORT = "a privileged port (only root can bind it first)"
+OPERATOR_ACCEPTED = "unheld: the operator accepted the squatting risk (listen_tcp_accept_squatting_risk)"
+
+#: Headers only a browser (or a page's WebSocket) sends: any one of them is refused.
+_BROWSER_HEADERS = (b"origin", b"upgrade")
+_BROWSER_PREFIX = b"sec-fetch-"
+_SYSCTL = "/proc/sys/net/ipv4/ip_unprivileged_port_start"
+
+
+def browser_safe(headers: Sequence[tuple[bytes, bytes]], port: int) -> bool:
+    """True when a request's headers (lowercase names, as h11 gives them) pass the rule."""
+    hosts = [value for name, value in headers if name == b"host"]
+    if len(hosts) != 1:
+        return False
+    allowed = {f"127.0.0.1:{port}".encode(), f"[::1]:{port}".encode(),
+               f"localhost:{port}".encode()}
+    if hosts[0].lower() not in allowed:
+        return False
+    return not any(name in _BROWSER_HEADERS or name.startswith(_BROWSER_PREFIX)
+                   for name, _ in headers)
+
+
+def unprivileged_port_start() -> int:
+    """The lowest port any user may bind (the sysctl; 1024 where it cannot be read)."""
+    try:
+        with open(_SYSCTL, encoding="ascii") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 1024
+
+
+def port_holder(port: int, *, held: bool, accept_risk: bool) -> str | None:
+    """Why `port` may be served, or None when it may not (the module's squatting rule)."""
+    if held:
+        return HELD_BY_SYSTEMD
+    if 0 < port < unprivileged_port_start():
+        return PRIVILEGED_PORT
+    if accept_risk:
+        return OPERATOR_ACCEPTED
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class TcpAdmission:
+    """Which peer uids may connect over TCP: ``tcp_allow_uids`` and ``tcp_allow_groups``."""
+
+    uids: frozenset[int]
+    #: The groups as the config names them (names or numeric gids), resolved per check:
+    #: a group created or joined after start counts without a restart.
+    groups: frozenset[str]
+
+    def _gids(self) -> set[int]:
+        gids = set()
+        for group in self.groups:
+            if group.isdigit():
+                gids.add(int(group))
+                continue
+            try:
+                gids.add(grp.getgrnam(group).gr_gid)
+            except KeyError:
+                pass  # a group that does not exist admits nobody
+        return gids
+
+    def admits(self, uid: int | None) -> bool:
+        """True for a known uid on the list or in one of the groups; never for None."""
+        if uid is None:
+            return False
+        if uid in self.uids:
+            return True
+        if not self.groups:
+            return False
+        try:
+            user = pwd.getpwuid(uid)
+            member_of = set(os.getgrouplist(user.pw_name, user.pw_gid))
+        except (KeyError, OSError):
+            return False  # a uid without a user has no groups
+        return bool(member_of & self._gids())

@@ -1,0 +1,485 @@
+"""The action API on loopback TCP ([server] listen_tcp, issue 24 item 1).
+
+The real daemon (a child process: real SoftHSM token, LocalRelay, its own socket and TCP
+listener) wherever the behaviour is the daemon's: the peer uid over TCP, the allow-list,
+the browser rule, the credential rule, the Buzz-side client. Clients "from another uid"
+are stdlib Python children that drop to uid/gid 65534 (nobody) before they make their
+socket: the kernel records a socket's owner when it is created (daemon/tcp_peer.py).
+Unit-level where the rule is one module's: the squatting rule and socket activation
+(`run_server` with a fake application), the per-credential cap and the metrics listener
+(`daemon.http.serve`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from custody import TokenConfig
+from daemon.cli._common import CliError
+from daemon.cli import serve as serve_cli
+from daemon.cli.check_config import describe_tcp
+from daemon.config import load_config
+from daemon.http import (HttpAnswer, HttpLimits, HttpRequest, action_routes, bind_tcp_socket,
+                         bind_unix_socket, serve)
+from daemon.metrics import SCRAPE_LIMITS, Metrics, scrape_routes
+from daemon.state.audit import AUDIT_DIRNAME, audit_files
+from daemon.state.sessions import SessionStore
+from daemon.tcp_peer import peer_uid
+from tests.adversarial._daemon import DaemonProcess, post, request_body, setup_state
+from tests.fixtures.broker import write_config
+from tests.fixtures.relay import free_port
+from tests.test_serve import FakeApp, fake_factory, no_lock
+
+from buzzwire.contract import ACTIONS
+from buzz_broker_client import BrokerClient
+
+ROOT = Path(__file__).resolve().parents[1]
+NOBODY = 65534
+CHANNEL = "0b6f6a1e-0000-4000-8000-0000000000c4"
+#: A Python uid 65534 can execute (the venv's may sit under a directory only root enters).
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or SYSTEM_PYTHON is None,
+    reason="needs root and a system python3 to run a client as uid 65534")
+
+#: The client another uid runs: drop to `uid` *before* the socket exists, then send the
+#: request bytes given in hex (none: send nothing) and print what came back, as JSON.
+CHILD = r"""
+import json, os, socket, sys
+uid, port, request = int(sys.argv[1]), int(sys.argv[2]), bytes.fromhex(sys.argv[3])
+if uid != os.getuid():
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
+s = socket.create_connection(("127.0.0.1", port), timeout=10)
+if request:
+    s.sendall(request)
+data = b""
+while True:
+    try:
+        chunk = s.recv(65536)
+    except ConnectionResetError:
+        break
+    if not chunk:
+        break
+    data += chunk
+    head, sep, body = data.partition(b"\r\n\r\n")
+    if sep:
+        length = [int(l.split(b":")[1]) for l in head.split(b"\r\n") if l.lower().startswith(b"content-length:")]
+        if length and len(body) >= length[0]:
+            break
+head, _, body = data.partition(b"\r\n\r\n")
+print(json.dumps({"head": head.decode("latin-1"), "body": body.decode("utf-8", "replace")}))
+"""
+
+
+def http_request(port: int, body: bytes, credential: str | None, *,
+                 host: str | None = None, extra: str = "") -> bytes:
+    """Exact request bytes: Host as Buzz's transport sends it unless `host` says otherwise."""
+    head = f"POST /v1/action HTTP/1.1\r\nHost: {host or f'127.0.0.1:{port}'}\r\n"
+    head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    if credential is not None:
+        head += f"Authorization: Bearer {credential}\r\n"
+    return (head + extra + "\r\n").encode() + body
+
+
+async def as_uid(uid: int, port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers lowercased, body) of `request` sent by a client running as `uid`."""
+    assert SYSTEM_PYTHON is not None
+    done = await trio.to_thread.run_sync(functools.partial(
+        subprocess.run, [SYSTEM_PYTHON, "-c", CHILD, str(uid), str(port), request.hex()],
+        capture_output=True, timeout=30, cwd="/"))
+    assert done.returncode == 0, done.stderr.decode()
+    got = json.loads(done.stdout)
+    lines = got["head"].split("\r\n")
+    status = int(lines[0].split()[1]) if lines[0] else 0
+    headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in lines[1:])}
+    return status, headers, got["body"].encode()
+
+
+def storage_address(request_id: str | None = None) -> bytes:
+    return request_body("storage.address", {"slug": "core"},
+                        request_id=request_id or str(uuid.uuid4()))
+
+
+def outcome(body: bytes) -> tuple[str, str | None]:
+    parsed: dict[str, Any] = json.loads(body)
+    return parsed["status"], (parsed.get("error") or {}).get("code")
+
+
+def issue(state_dir: Path, agent: str, uid: int | None) -> str:
+    store = SessionStore.open(state_dir)
+    try:
+        _, token = store.issue(agent=agent, channels=frozenset({CHANNEL}),
+                               actions=frozenset(ACTIONS), ttl_seconds=None, uid=uid,
+                               now=int(time.time()))
+    finally:
+        store.close()
+    return token
+
+
+class Host:
+    """One daemon with a TCP listener, its agent and credentials of every kind."""
+
+    def __init__(self, daemon: DaemonProcess, port: int, state_dir: Path, socket_path: Path,
+                 agent: str, unbound: str, root_bound: str) -> None:
+        self.daemon, self.port, self.state_dir, self.socket = daemon, port, state_dir, socket_path
+        self.agent, self.unbound, self.root_bound = agent, unbound, root_bound
+
+    def audit_bytes(self) -> bytes:
+        return b"".join(p.read_bytes() for _n, p in audit_files(self.state_dir / AUDIT_DIRNAME))
+
+
+async def start_daemon(custody_state: tuple[TokenConfig, Path], relay: str, tmp_path: Path,
+                       allowed: list[int]) -> tuple[DaemonProcess, int, Path]:
+    """The daemon, with a TCP listener on a free port and `allowed` uids: (it, port, socket)."""
+    token, state_dir = custody_state
+    port = free_port()
+    socket_path = tmp_path / "broker.sock"
+    config = write_config(
+        tmp_path / "broker.toml", token=token, state_dir=state_dir, socket=socket_path,
+        relay_url=relay,
+        sections={"server": {"listen_tcp": [f"127.0.0.1:{port}"],
+                             # a free port the test picked: nobody holds it for the daemon
+                             "listen_tcp_accept_squatting_risk": True,
+                             "tcp_allow_uids": allowed}})
+    return await DaemonProcess.start(config, socket_path), port, socket_path
+
+
+@pytest.fixture
+async def tcp_host(custody_state: tuple[TokenConfig, Path], local_relay: str,
+                   tmp_path: Path) -> AsyncIterator[Host]:
+    token, state_dir = custody_state
+    agent = await setup_state(token, state_dir, [CHANNEL])
+    root_bound = issue(state_dir, agent.agent, 0)
+    daemon, port, socket_path = await start_daemon(custody_state, local_relay, tmp_path,
+                                                   [0, NOBODY])
+    try:
+        yield Host(daemon, port, state_dir, socket_path, agent.agent, agent.credential,
+                   root_bound)
+    finally:
+        await daemon.stop()
+
+
+# --------------------------------------------------------------------------- the real daemon
+
+
+@needs_root
+async def test_uid_bound_credential_refused_from_another_uid(tcp_host: Host) -> None:
+    """A credential bound to uid 0 holds over TCP as over SO_PEERCRED: uid 65534 sending
+    the very same header is unauthenticated; uid 0 is answered."""
+    request = http_request(tcp_host.port, storage_address(), tcp_host.root_bound)
+    status, _, body = await as_uid(NOBODY, tcp_host.port, request)
+    assert status == 200 and outcome(body) == ("failed", "unauthenticated")
+    request = http_request(tcp_host.port, storage_address(), tcp_host.root_bound)
+    status, _, body = await as_uid(0, tcp_host.port, request)
+    assert status == 200 and outcome(body)[0] == "succeeded", body
+
+
+@needs_root
+async def test_credential_without_uid_refused_over_tcp(tcp_host: Host) -> None:
+    """Over TCP only uid-bound credentials authenticate (tcp_allow_credentials_without_uid
+    is false); the same credential still works on the Unix socket."""
+    status, _, body = await as_uid(0, tcp_host.port,
+                                   http_request(tcp_host.port, storage_address(), tcp_host.unbound))
+    assert status == 200 and outcome(body) == ("failed", "unauthenticated")
+    answer = await post(tcp_host.socket, storage_address(), tcp_host.unbound)
+    assert answer is not None and outcome(answer.body)[0] == "succeeded", answer
+
+
+BROWSER_LIKE = [
+    pytest.param({"extra": "Origin: http://evil.example\r\n"}, id="origin"),
+    pytest.param({"extra": "Origin: null\r\n"}, id="origin-null"),
+    pytest.param({"extra": "Sec-Fetch-Site: cross-site\r\nSec-Fetch-Mode: no-cors\r\n"},
+                 id="sec-fetch"),
+    pytest.param({"extra": "Upgrade: websocket\r\nConnection: Upgrade\r\n"}, id="upgrade"),
+    pytest.param({"host": "evil.example"}, id="rebound-host"),
+    pytest.param({"host": "evil.example:{port}"}, id="rebound-host-port"),
+    pytest.param({"host": "127.0.0.1"}, id="no-port"),
+    pytest.param({"host": "127.0.0.1:1"}, id="other-port"),
+    pytest.param({"host": "127.0.0.2:{port}"}, id="other-loopback"),
+    # h11 refuses two Host headers itself (400), before this layer sees the request.
+    pytest.param({"host": "127.0.0.1:{port}\r\nHost: evil.example", "status": "400"},
+                 id="two-hosts"),
+]
+
+
+@needs_root
+@pytest.mark.parametrize("variant", BROWSER_LIKE)
+async def test_browser_requests_refused_without_reaching_the_pipeline(
+        tcp_host: Host, variant: dict[str, str]) -> None:
+    """What a page could send (an Origin, Sec-Fetch-*, Upgrade, or a Host other than the
+    listener's own loopback literal) is a bodiless 403, no CORS header, and nothing in the
+    audit log - though the credential is valid and the same request, sent as an agent
+    sends it, succeeds and is audited."""
+    port = tcp_host.port
+    refused_id = f"browser-{uuid.uuid4()}"
+    host = variant.get("host", "").replace("{port}", str(port)) or None
+    request = http_request(port, storage_address(refused_id), tcp_host.root_bound, host=host,
+                           extra=variant.get("extra", ""))
+    status, headers, body = await as_uid(0, port, request)
+    assert (status, body) == (int(variant.get("status", "403")), b"")
+    assert not [h for h in headers if h.startswith("access-control-")]
+    assert headers.get("connection") == "close"
+    accepted_id = f"agent-{uuid.uuid4()}"
+    for literal in (f"127.0.0.1:{port}", f"localhost:{port}"):
+        request = http_request(port, storage_address(f"{accepted_id}-{literal[0]}"),
+                               tcp_host.root_bound, host=literal)
+        status, headers, body = await as_uid(0, port, request)
+        assert status == 200 and outcome(body)[0] == "succeeded", body
+        assert not [h for h in headers if h.startswith("access-control-")]
+    assert await tcp_host.daemon.stop() == 0  # every record written
+    audit = tcp_host.audit_bytes()
+    assert f"{accepted_id}-1".encode() in audit and f"{accepted_id}-l".encode() in audit
+    assert refused_id.encode() not in audit
+
+
+async def test_uid_not_allowed_refused_before_a_byte(
+        custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path) -> None:
+    """A peer uid not in tcp_allow_uids/tcp_allow_groups gets 403 before it sends anything."""
+    if os.geteuid() != 0 or SYSTEM_PYTHON is None:
+        pytest.skip("needs root and a system python3 to run a client as uid 65534")
+    daemon, port, _socket = await start_daemon(custody_state, local_relay, tmp_path, [0])
+    try:
+        status, headers, body = await as_uid(NOBODY, port, b"")  # sends no byte at all
+        assert (status, body, headers.get("connection")) == (403, b"", "close")
+        # uid 0 is allowed: the same listener answers it (a route refusal, not a 403).
+        status, _, _ = await as_uid(0, port, f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                                             "Connection: close\r\n\r\n".encode())
+        assert status == 404
+    finally:
+        await daemon.stop()
+    assert '"event":"tcp_refused"' in daemon.log()
+
+
+async def test_buzz_client_over_tcp_end_to_end(tcp_host: Host) -> None:
+    """The agent-side client takes `http://127.0.0.1:P` and `http://localhost:P` base URLs
+    (as Buzz's transport does) and a call over TCP gets its verdict."""
+    for base in (f"http://127.0.0.1:{tcp_host.port}", f"http://localhost:{tcp_host.port}"):
+        def call(base: str = base) -> Any:
+            with BrokerClient(base, tcp_host.root_bound) as client:
+                return client.storage_address("core")
+
+        answer = await trio.to_thread.run_sync(call)
+        assert type(answer).__name__ == "Succeeded", answer
+        assert answer.action == "storage.address" and answer.outcome.d_tag
+
+
+# --------------------------------------------------------------------------- unit level
+
+
+@pytest.fixture
+def sockdir() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="bbt", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def tcp_config(sockdir: str, extra: str) -> Path:
+    path = Path(sockdir) / "broker.toml"
+    path.write_text(f'[server]\nsocket = "b.sock"\nshutdown_grace = 2\ntcp_allow_uids = [0]\n'
+                    f'{extra}\n[state]\ndir = "state"\n')
+    return path
+
+
+async def test_unheld_port_refused_without_opt_in(sockdir: str) -> None:
+    """A port >= 1024 that systemd did not pass is squattable: serve refuses it, one line,
+    and check-config says so."""
+    port = free_port()
+    config = load_config(str(tcp_config(sockdir, f'listen_tcp = ["127.0.0.1:{port}"]')),
+                         environ={})
+    with pytest.raises(CliError, match=r"listen_tcp 127\.0\.0\.1:\d+: port \d+ is not held"):
+        await serve_cli.run_server(config, fake_factory(FakeApp()), environ={},
+                                   memory_lock=no_lock)
+    assert not os.path.exists(config.server.socket), "the socket bound first is gone again"
+    assert "served only if systemd passes it" in describe_tcp(config)[0]
+
+
+def test_check_config_names_each_rule(sockdir: str) -> None:
+    accepted = load_config(str(tcp_config(
+        sockdir, 'listen_tcp = ["[::1]:7475", "127.0.0.1:80"]\n'
+                 "listen_tcp_accept_squatting_risk = true")), environ={})
+    lines = describe_tcp(accepted)
+    assert "accepted the squatting risk" in lines[0] and "[::1]:7475" in lines[0]
+    assert "privileged port" in lines[1]
+    assert "uid-bound credentials only" in lines[2]
+
+
+#: A service manager by hand: the Unix socket to fd 3, the TCP one to fd 4, LISTEN_FDS=2.
+ACTIVATED = """
+import functools, os, sys
+os.dup2(int(sys.argv[1]), 3); os.dup2(int(sys.argv[2]), 4)
+os.environ["LISTEN_PID"] = str(os.getpid()); os.environ["LISTEN_FDS"] = "2"
+import trio
+from daemon.config import load_config
+from daemon.log import setup_logging
+from daemon.cli.serve import run_server
+from tests.test_serve import FakeApp, fake_factory, no_lock
+config = load_config(sys.argv[3])
+setup_logging(config.log.level)
+sys.exit(trio.run(functools.partial(run_server, config, fake_factory(FakeApp()), memory_lock=no_lock)))
+"""
+
+
+@pytest.mark.parametrize("listed", [True, False])
+def test_socket_activated_tcp_port_is_held(sockdir: str, listed: bool) -> None:
+    """A TCP socket systemd passes is held for us: served without the opt-in, under the
+    per-credential cap. One the config does not list is refused with one line (the config
+    says whether TCP is on)."""
+    unix = bind_unix_socket(os.path.join(sockdir, "activated.sock"))
+    tcp = bind_tcp_socket("127.0.0.1", 0)
+    port = tcp.getsockname()[1]
+    # One connection per credential: the daemon applies [server]
+    # max_connections_per_credential to its TCP listener.
+    path = tcp_config(sockdir, f'listen_tcp = ["127.0.0.1:{port}"]\n'
+                               "max_connections_per_credential = 1" if listed else "")
+    env = {k: v for k, v in os.environ.items() if k != "BUZZ_BROKER_CONFIG"}
+    with unix, tcp:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", ACTIVATED, str(unix.fileno()), str(tcp.fileno()), str(path)],
+            pass_fds=(unix.fileno(), tcp.fileno()), cwd=ROOT, env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        if not listed:
+            assert proc.wait(timeout=20) != 0
+            assert proc.stderr is not None
+            assert b"that [server] listen_tcp does not list" in proc.stderr.read()
+            return
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+            client.sendall(http_request(port, b'{"x":1}', "tok"))
+            answer = client.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200 "), answer
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as second:
+                second.sendall(http_request(port, b'{"x":1}', "tok"))
+                assert second.recv(65536).startswith(b"HTTP/1.1 503 ")
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=20)
+    assert proc.stderr is not None
+    log = proc.stderr.read().decode()
+    assert "held by systemd" in log
+
+
+class _Echo:
+    async def handle(self, request: HttpRequest) -> HttpAnswer:
+        return HttpAnswer(200, b"{}")
+
+
+async def _open(path: str, credential: str) -> tuple[trio.SocketStream, bytes]:
+    stream = await trio.open_unix_socket(path)
+    await stream.send_all(
+        f"POST /v1/action HTTP/1.1\r\nHost: broker\r\nAuthorization: Bearer {credential}\r\n"
+        "Content-Length: 2\r\n\r\n{}".encode())
+    return stream, await stream.receive_some(65536)
+
+
+async def test_per_credential_connection_cap(sockdir: str) -> None:
+    """Past max_connections_per_credential, one more connection carrying that credential is
+    503 and closed; another credential of the same uid is still served; a closed
+    connection frees its place."""
+    path = os.path.join(sockdir, "cap.sock")
+    limits = HttpLimits(max_connections_per_credential=2, request_timeout=5)
+    async with trio.open_nursery() as nursery:
+        control = await nursery.start(serve, action_routes(_Echo()), path, limits)
+        first, a = await _open(path, "same")
+        second, b = await _open(path, "same")
+        third, c = await _open(path, "same")
+        other, d = await _open(path, "other")
+        assert a.startswith(b"HTTP/1.1 200 ") and b.startswith(b"HTTP/1.1 200 ")
+        assert c.startswith(b"HTTP/1.1 503 ") and d.startswith(b"HTTP/1.1 200 ")
+        await first.aclose()
+        await trio.sleep(0.1)  # the server notices the close and releases the place
+        again, e = await _open(path, "same")
+        assert e.startswith(b"HTTP/1.1 200 ")
+        for stream in (second, third, other, again):
+            await stream.aclose()
+        control.stop()
+
+
+@pytest.mark.parametrize("extra", ["Origin: http://a.example\r\n", "Sec-Fetch-Mode: cors\r\n",
+                                   "Upgrade: websocket\r\n"])
+async def test_metrics_listener_refuses_browsers(extra: str) -> None:
+    """[metrics] listen has the same browser rule: only its own Host, no browser headers."""
+    tcp = bind_tcp_socket("127.0.0.1", 0)
+    port = tcp.getsockname()[1]
+
+    async def scrape(text: str) -> bytes:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(text.encode())
+            return await stream.receive_some(65536)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve, scrape_routes(Metrics(actions=ACTIONS)), tcp, SCRAPE_LIMITS)
+        ok = await scrape(f"GET /metrics HTTP/1.1\r\nHost: localhost:{port}\r\n\r\n")
+        assert ok.startswith(b"HTTP/1.1 200 ")
+        refused = await scrape(f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{extra}\r\n")
+        assert refused.startswith(b"HTTP/1.1 403 ") and refused.endswith(b"\r\n\r\n")
+        rebound = await scrape("GET /metrics HTTP/1.1\r\nHost: evil.example\r\n\r\n")
+        assert rebound.startswith(b"HTTP/1.1 403 ")
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("family, host", [(socket.AF_INET, "127.0.0.1"),
+                                          (socket.AF_INET6, "::1")])
+def test_peer_uid_is_the_client_sockets_owner(family: int, host: str) -> None:
+    """sock_diag names the owner of the client end of exactly this connection; a peer
+    whose socket is gone is unknown (None), which the listener refuses."""
+    with socket.socket(family) as listener:
+        try:
+            listener.bind((host, 0))
+        except OSError:
+            pytest.skip(f"no {host} on this machine")
+        listener.listen()
+        with socket.create_connection(listener.getsockname()[:2]) as client:
+            conn, _ = listener.accept()
+            with conn:
+                assert peer_uid(conn) == os.getuid()
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+                client.close()  # RST: the client's socket leaves the table at once
+                time.sleep(0.05)
+                assert peer_uid(conn) is None
+
+
+async def test_status_says_which_rule_holds_the_port(tcp_host: Host) -> None:
+    """`status` names what the running daemon serves on TCP and why; stopped, the rule."""
+    from daemon.cli.status import _tcp
+
+    config = load_config(str(tcp_host.daemon.log_path.with_name("broker.toml")), environ={})
+    line = _tcp(config, tcp_host.state_dir, True).detail
+    assert line.startswith(f"serving 127.0.0.1:{tcp_host.port} (unheld: the operator accepted"), line
+    assert await tcp_host.daemon.stop() == 0
+    assert not (tcp_host.state_dir / "serve.tcp").exists()
+    line = _tcp(config, tcp_host.state_dir, False).detail
+    assert line.startswith(f"127.0.0.1:{tcp_host.port}: held by systemd (socket activation) "
+                           "if passed, else unheld"), line
+
+
+def test_admission_by_uid_and_group() -> None:
+    """tcp_allow_uids / tcp_allow_groups: a listed uid, or a member of a listed group
+    (primary or supplementary, by name or gid); an unknown uid (None) never."""
+    from daemon.loopback_tcp import TcpAdmission
+
+    by_uid = TcpAdmission(frozenset({NOBODY}), frozenset())
+    assert by_uid.admits(NOBODY) and not by_uid.admits(0) and not by_uid.admits(None)
+    by_group = TcpAdmission(frozenset(), frozenset({"root"}))
+    assert by_group.admits(0) and not by_group.admits(NOBODY) and not by_group.admits(None)
+    by_gid = TcpAdmission(frozenset(), frozenset({str(NOBODY)}))  # nobody's primary group
+    assert by_gid.admits(NOBODY) and not by_gid.admits(0)
+    assert not TcpAdmission(frozenset(), frozenset({"no-such-group-here"})).admits(0)
+    assert not by_group.admits(2**31 - 7)  # a uid without a user has no groups
