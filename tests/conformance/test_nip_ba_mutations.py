@@ -13,9 +13,8 @@ Rules:
 - Each must answer as NIP-BA says: a correlated `failed` with the table's code (checked on
   arrival by `_wire.Wire.send`: HTTP 200, the exact envelope, the requestId echoed, NIP-BA's
   result rules), or, when the requestId itself is unusable, no correlated verdict (a non-200
-  status with an empty body: this host's answer). `liveness.ping` is not offered here
-  (docs/protocol.md): NIP-BA lets a host name any applicable preflight code, so
-  `unsupported` is also accepted for it.
+  status with an empty body: this host's answer). `liveness.ping` is not offered here, but
+  its arguments are still checked first (docs/protocol.md), so it is held to the same codes.
 - One daemon for the module: every mutation goes through one test, and the mismatches are
   collected and reported together (by name, never a body: a body holds the credential's
   requests only, but the list stays short). Afterwards the relay holds no event by the agent.
@@ -41,8 +40,6 @@ U32_PAST = 2**32
 G = "79be667ef9dcbbac55a06295ce870b07029bfcdb2dce28d959f2815b16f81798"
 #: Members NIP-BA makes optional in a vector's args: dropping them leaves a valid request.
 OPTIONAL = {("channel.read", "limit"), ("message.post", "mentions")}
-#: Actions a host may refuse as not offered before reading their arguments.
-NOT_OFFERED = {"liveness.ping"}
 
 
 @dataclass(frozen=True)
@@ -209,7 +206,7 @@ BOUNDS: dict[str, list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]]] 
 def _mutations(request: dict[str, Any]) -> Iterator[Mutation]:
     action: str = request["action"]
     args: dict[str, Any] = request["args"]
-    bad = frozenset({INVALID, "unsupported"} if action in NOT_OFFERED else {INVALID})
+    bad = frozenset({INVALID})
 
     def correlated(name: str, env: dict[str, Any], codes: frozenset[str] = bad) -> Mutation:
         return Mutation(f"{action}: {name}", _compact(env).encode("utf-8"), codes)
