@@ -94,7 +94,8 @@ MUTATIONS: list[tuple[str, Build, str]] = [
     # Versions.
     ("protocolVersion 2", lambda c: _post(c, protocolVersion=2), "unsupported_protocol_version"),
     ("protocolVersion 0", lambda c: _post(c, protocolVersion=0), "unsupported_protocol_version"),
-    ("protocolVersion -1", lambda c: _post(c, protocolVersion=-1), "unsupported_protocol_version"),
+    # NIP-BA: versions are u16, so -1 is malformed, not an unsupported version.
+    ("protocolVersion -1", lambda c: _post(c, protocolVersion=-1), "invalid_request"),
     ("actionVersion 2", lambda c: _post(c, actionVersion=2), "unsupported_action_version"),
     ("actionVersion 0", lambda c: _post(c, actionVersion=0), "unsupported_action_version"),
     # Unknown, reserved and deferred action names.

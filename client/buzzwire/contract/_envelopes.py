@@ -12,13 +12,13 @@ fault is ignored):
   4. strictness anywhere (null, repeated key, non-integer number, integer beyond 64 bits,
      lone surrogate), first in document order                     -> invalid_request
   5. `type` missing or not "broker_request"                         -> invalid_request
-  6. `protocolVersion` missing / not an integer -> invalid_request; an integer != 1
+  6. `protocolVersion` missing / not a u16 integer -> invalid_request; a u16 != 1
      -> unsupported_protocol_version (checked before the member set, so a future envelope
      with other members is told about the version, not about its members)
   7. envelope members: unknown member (document order), then missing -> invalid_request
   8. `action` not a string -> invalid_request; not in ACTIONS -> unknown_action
      (reserved names sign/publish/encrypt/decrypt/auth never resolve)
-  9. `actionVersion` not an integer -> invalid_request; != 1 -> unsupported_action_version
+  9. `actionVersion` not a u16 integer -> invalid_request; != 1 -> unsupported_action_version
  10. `args` strict per action (see _shapes for the order inside an object) -> invalid_request
 
 Responses: `encode_response` writes canonical compact bytes (members in spec order,
@@ -49,7 +49,7 @@ from ._codes import MESSAGES, PAIRING, ContractError, ErrorCode, Status
 from ._echoes import REQUESTER, Echo, Identity
 from ._ids import any_string, fault, is_request_id
 from ._json import JsonSyntaxError, escape_token, is_object, parse, repeated_keys
-from ._limits import ACTION_VERSION, PROTOCOL_VERSION
+from ._limits import ACTION_VERSION, MAX_U16, PROTOCOL_VERSION
 from ._outcomes import (
     AgentsCreateOutcome, AgentsDeleteOutcome, AgentsUpdateOutcome, ObserverEmitOutcome, Outcome,
     PublishOutcome, ReadOutcome, StorageAddressOutcome, StorageGetOutcome,
@@ -298,8 +298,8 @@ def _judge(top: dict[str, object], request_id: str,
     if top.get("type") != "broker_request":
         raise fault("/type", "missing or not broker_request")
     version = top.get("protocolVersion")
-    if type(version) is not int:
-        raise fault("/protocolVersion", "missing or not an integer")
+    if type(version) is not int or not 0 <= version <= MAX_U16:
+        raise fault("/protocolVersion", "missing or not a u16 integer")
     if version != PROTOCOL_VERSION:
         raise ContractError(ErrorCode.UNSUPPORTED_PROTOCOL_VERSION, "/protocolVersion", "not 1")
     for key in top:
@@ -315,8 +315,8 @@ def _judge(top: dict[str, object], request_id: str,
     if spec is None:
         raise ContractError(ErrorCode.UNKNOWN_ACTION, "/action", "not an action this host knows")
     action_version = top["actionVersion"]
-    if type(action_version) is not int:
-        raise fault("/actionVersion", "not an integer")
+    if type(action_version) is not int or not 0 <= action_version <= MAX_U16:
+        raise fault("/actionVersion", "not a u16 integer")
     if action_version != ACTION_VERSION:
         raise ContractError(ErrorCode.UNSUPPORTED_ACTION_VERSION, "/actionVersion", "not 1")
     args = read_object(top["args"], "/args", shape_for(spec.args_type))

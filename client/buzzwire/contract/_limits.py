@@ -16,7 +16,7 @@ __all__ = [
     "MAX_PICTURE_CHARS", "MAX_SYSTEM_PROMPT_CHARS", "MAX_SCALAR_CHARS", "MAX_REACTION_CHARS",
     "MAX_SLUG_BYTES", "MAX_NESTING", "MIN_JSON_INT", "MAX_JSON_INT", "MAX_KIND",
     "PROTOCOL_VERSION", "ACTION_VERSION", "MAX_MEMORY_BODY_BYTES", "MAX_FRAMES",
-    "MAX_OBSERVER_BYTES", "MAX_U32",
+    "MAX_OBSERVER_BYTES", "MAX_U32", "MAX_U16",
 ]
 
 #: spec §Request: the envelope version this module speaks.
@@ -69,3 +69,6 @@ MAX_FRAMES = 256
 MAX_OBSERVER_BYTES = 65_535
 #: NIP-BA "Wire and normalization": counts are u32.
 MAX_U32 = 2**32 - 1
+#: NIP-BA "Wire and normalization": version fields are u16 (nonnegative); -1 or 65,536 is
+#: not a version at all, so it is malformed (invalid_request), not an unsupported version.
+MAX_U16 = 2**16 - 1
