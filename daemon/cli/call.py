@@ -111,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(call_args, dict):
         raise CliError("--args must be a JSON object", EXIT_USAGE)
     if fault is not None:
-        pointer, detail = fault
-        raise CliError(f"--args at {pointer or '/'}: {detail}", EXIT_USAGE)
+        pointer, rule = fault
+        raise CliError(f"--args at {printable(pointer or '/')}: {rule.reason()}", EXIT_USAGE)
 
     address = args.socket or os.environ.get(SOCKET_ENV, "").strip() or config_from_args(args).server.socket
     try:
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         request = client.freeze(args.action, call_args, args.request_id)
     except ContractError as exc:
         raise CliError(
-            f"{args.action}: {exc.code.value} at {exc.pointer or '/'}: {exc.detail}", EXIT_USAGE
+            f"{args.action}: {exc.code.value} at {printable(exc.pointer or '/')}: {exc.reason}", EXIT_USAGE
         ) from None
 
     try:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, TypeAlias
 
-from buzzwire.contract import ACTIONS, MESSAGES, REQUEST_MEMBERS, Reading, Request, Verdict
+from buzzwire.contract import Reading, Request, Verdict
 from daemon.config import PolicyConfig
 from daemon.log import log_event
 from daemon.pipeline.policy import AgentLookup, AgentView, Authorized, Refusal, authorize
@@ -58,13 +58,16 @@ Step: TypeAlias = Callable[[Admission], "Verdict | Authorized | None"]
 
 
 def _validate(a: Admission) -> Verdict | None:
+    # The agent is told where and which rule (issue 25): `error.message`, from the
+    # contract's one table. Its pointer, like the log's, names a member the agent chose
+    # by position only (`shown_pointer`): the name could be anything, a credential pasted
+    # in the wrong place included.
     error = a.reading.error
     if error is None:
         return None
     log_event(_log, "request.invalid", agent=a.principal.agent, request_id=a.reading.request_id,
-              code=error.code.value, pointer=_loggable_pointer(error.pointer),
-              detail=error.detail)
-    return Verdict.failed(error.code, MESSAGES[error.code])
+              code=error.code.value, pointer=error.shown, detail=error.detail)
+    return Verdict.failed(error.code, error.message)
 
 
 def _authorize(a: Admission) -> Verdict | Authorized:
@@ -106,18 +109,3 @@ def _request(a: Admission) -> Request:
     assert a.reading.request is not None, "judgement: a step ran before validate passed"
     return a.reading.request
 
-
-#: Every member name the contract knows; any other pointer segment came from the agent.
-_KNOWN_MEMBERS = frozenset(REQUEST_MEMBERS).union(*(s.member_names for s in ACTIONS.values()))
-
-
-def _loggable_pointer(pointer: str) -> str:
-    """The JSON pointer with every segment the agent chose replaced.
-
-    An unknown member's name is the agent's text and could be anything, a credential pasted
-    in the wrong place included; the log keeps the shape of the path, not the name.
-    """
-    return "/".join(
-        seg if seg in _KNOWN_MEMBERS or seg.isdigit() or seg == "" else "<unknown>"
-        for seg in pointer.split("/")
-    )

@@ -3,6 +3,8 @@ bytes out). No I/O, no trio, no clock, no randomness, no logging; stdlib only.
 
 Modules, one job each:
   _json       strict JSON reader over raw bytes (syntax faults vs strictness faults)
+  _rules      Rule: every rule of the wire, and the reason an agent is told for it (the one
+              table of invalid_request messages)
   _codes      ErrorCode, Status, the PAIRING table, MESSAGES, ContractError
   _limits     every limit, named, with its source
   _ids        identities (channel UUIDs, 64-hex, secp256k1 x-only pubkeys) and scalar checkers
@@ -16,7 +18,7 @@ Modules, one job each:
               action), read/encode/parse/build
 
 Two error families: `ContractError` (Remote: bad bytes or values from outside; carries a
-code and a JSON pointer) and ValueError/TypeError/AssertionError (Local: our bug).
+code, a JSON pointer and, for invalid_request, the Rule broken) and ValueError/TypeError/AssertionError (Local: our bug).
 
 WARNING: `__all__` below is the package's one surface; docs/internals.md ("daemon/contract")
 tabulates it and changes with it.
@@ -34,7 +36,9 @@ from ._echoes import REQUESTER, Echo, Identity, echo_mismatch
 from ._envelopes import (
     ACTIONS, REQUEST_MEMBERS, RESERVED_NAMES, ActionSpec, Args, MemberSet, RateClass, Reading,
     Request, Response, Verdict, build_request, encode_request, encode_response, mark_replayed, parse_response, read_request,
+    shown_pointer,
 )
+from ._rules import MAX_SHOWN_POINTER_CHARS, Rule, refusal_message
 from ._json import JsonSyntaxError
 from ._json import parse as parse_json
 from ._ids import is_request_id, is_valid_pubkey, normalize_channel_id, normalize_hex64
@@ -54,6 +58,7 @@ from ._outcomes import (
 __all__ = [
     # codes and tables
     "ErrorCode", "Status", "PAIRING", "MESSAGES", "ContractError",
+    "Rule", "refusal_message", "shown_pointer", "MAX_SHOWN_POINTER_CHARS",
     "ACTIONS", "ActionSpec", "MemberSet", "RateClass", "RESERVED_NAMES", "RESPOND_TO",
     "REQUEST_MEMBERS", "Echo", "Identity", "REQUESTER", "echo_mismatch",
     # requests

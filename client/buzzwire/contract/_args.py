@@ -37,6 +37,7 @@ from ._limits import (
     MAX_LIMIT, MAX_MEMORY_BODY_BYTES, MAX_MENTIONS, MAX_OBSERVER_BYTES, MAX_PICTURE_CHARS,
     MAX_REACTION_CHARS, MAX_SCALAR_CHARS, MAX_SYSTEM_PROMPT_CHARS, MIN_LIMIT,
 )
+from ._rules import Rule
 from ._shapes import Checked, Field, Shape, array_of, nested, one_of, register
 from ._text import TextKind
 
@@ -126,8 +127,8 @@ register(Shape(ReactionAddArgs, (
 )))
 
 
-def _at_least_one(present: Mapping[str, object]) -> str | None:
-    return None if present else "at least one member must be present"
+def _at_least_one(present: Mapping[str, object]) -> Rule | None:
+    return None if present else Rule.AT_LEAST_ONE
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -187,12 +188,12 @@ def _body(slug_text: str, value: str) -> bytes:
     return compact_json({"slug": slug_text, member: value})
 
 
-def _body_fits(present: Mapping[str, object]) -> str | None:
+def _body_fits(present: Mapping[str, object]) -> Rule | None:
     slug_text, value = present.get("slug"), present.get("value")
     if not isinstance(slug_text, str) or not isinstance(value, str):
         return None  # a missing member was already refused
     if len(_body(slug_text, value)) > MAX_MEMORY_BODY_BYTES:
-        return "the compact record body is longer than 65,535 bytes"
+        return Rule.RECORD_BODY
     return None
 
 
@@ -228,8 +229,8 @@ register(Shape(AgentsCreateArgs, (
 )))
 
 
-def _exactly_one(present: Mapping[str, object]) -> str | None:
-    return None if len(present) == 1 else "target must hold exactly one of pubkey, name"
+def _exactly_one(present: Mapping[str, object]) -> Rule | None:
+    return None if len(present) == 1 else Rule.ONE_TARGET
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -245,8 +246,8 @@ _TARGET_SHAPE = register(Shape(AgentTarget, (
 _TARGET = Field("target", "target", nested(lambda: _TARGET_SHAPE), required=True)
 
 
-def _beyond_target(present: Mapping[str, object]) -> str | None:
-    return None if len(present) > 1 else "at least one member besides target must be present"
+def _beyond_target(present: Mapping[str, object]) -> Rule | None:
+    return None if len(present) > 1 else Rule.AT_LEAST_ONE_BESIDES_TARGET
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -315,7 +316,7 @@ _FRAME_SHAPE = register(Shape(ObserverFrame, (
 )))
 
 
-def _frames_fit(present: Mapping[str, object]) -> str | None:
+def _frames_fit(present: Mapping[str, object]) -> Rule | None:
     # NIP-BA "Live signals": the whole normalized {"frames":[{"kind":k,"payload":p},...]}
     # is at most 65,535 bytes under the compact-encoding rule. Normalized: the kinds as
     # trimmed, which is what `present` holds.
@@ -325,7 +326,7 @@ def _frames_fit(present: Mapping[str, object]) -> str | None:
     wire = {"frames": [{"kind": f.kind, "payload": f.payload} for f in frames
                        if isinstance(f, ObserverFrame)]}
     if len(compact_json(wire)) > MAX_OBSERVER_BYTES:
-        return f"frames encode to more than {MAX_OBSERVER_BYTES} bytes"
+        return Rule.FRAMES_BODY
     return None
 
 

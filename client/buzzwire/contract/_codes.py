@@ -6,8 +6,11 @@ Rules:
 - `PAIRING` is that table's two right-hand columns as a dict literal. Code that builds or
   reads an envelope looks a pairing up here; a missing pairing is a protocol fault when it
   arrives from outside and an `AssertionError` (our bug) when we try to build it.
-- `MESSAGES` are the fixed agent-facing texts, one per code. Operator detail (pointers,
-  reasons) lives in `ContractError.detail` and never goes into an envelope.
+- `MESSAGES` are the fixed agent-facing texts, one per code, except `invalid_request`,
+  whose message says where and which rule (`ContractError.message`, from the one table
+  `_rules.Rule`: the host's words and limits, a pointer that never spells a member name
+  the client chose). Operator detail lives in `ContractError.detail` and never goes into
+  an envelope.
 
 WARNING: `ErrorCode`, `PAIRING` and `MESSAGES` must be edited together; a test checks that
 each covers every code.
@@ -18,6 +21,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from types import MappingProxyType
+
+from ._rules import Rule, refusal_message
 
 __all__ = ["ErrorCode", "Status", "PAIRING", "MESSAGES", "ContractError"]
 
@@ -107,18 +112,47 @@ class ContractError(Exception):
 
     Attributes:
         code: the wire code an envelope would carry.
-        pointer: RFC 6901 JSON pointer of the first fault ("" = the whole document).
+        pointer: RFC 6901 JSON pointer of the first fault ("" = the whole document). It may
+            spell a member name the sender chose: operator-side, and only through the
+            log's own filter.
         detail: operator-only text. It never quotes a value the sender supplied, and it is
-            never sent to an agent (use `MESSAGES[code]`).
+            never sent to an agent (use `message`).
+        rule: the rule broken (`_rules.Rule`), for `invalid_request`; None for the other
+            codes, whose message is fixed.
+        reason: the rule's reason as the agent is told it (host words and limits only).
+        shown: the pointer as an agent may see it (`_envelopes.shown_pointer`: a member
+            name the sender chose is written by position), or None until the reader that
+            holds the document has written it.
     """
 
-    __slots__ = ("code", "pointer", "detail")
+    __slots__ = ("code", "pointer", "detail", "rule", "reason", "shown")
 
-    def __init__(self, code: ErrorCode, pointer: str, detail: str) -> None:
+    def __init__(self, code: ErrorCode, pointer: str, detail: str, *, rule: Rule | None = None,
+                 reason: str | None = None, shown: str | None = None) -> None:
         super().__init__(code, pointer, detail)
         self.code = code
         self.pointer = pointer
         self.detail = detail
+        self.rule = rule
+        self.reason = detail if reason is None else reason
+        self.shown = shown
+
+    def showing(self, shown: str) -> ContractError:
+        """This error, its pointer shown to an agent as `shown`."""
+        return ContractError(self.code, self.pointer, self.detail, rule=self.rule,
+                             reason=self.reason, shown=shown)
+
+    @property
+    def message(self) -> str:
+        """What an agent is told: the pointer (as shown) and the rule for invalid_request,
+        the fixed text of the code otherwise. Never a value the sender supplied."""
+        if self.rule is None or self.code is not ErrorCode.INVALID_REQUEST:
+            return MESSAGES[self.code]
+        # Not yet shown by a reader that holds the document, which alone can tell the
+        # host's member names and indices from the sender's: every segment is hidden.
+        shown = self.shown if self.shown is not None else "/".join(
+            seg and "<member>" for seg in self.pointer.split("/"))
+        return refusal_message(shown, self.reason)
 
     def __str__(self) -> str:
         return f"{self.code.value} at {self.pointer or '(document)'}: {self.detail}"

@@ -21,6 +21,10 @@ fault is ignored):
   9. `actionVersion` not a u16 integer -> invalid_request; != 1 -> unsupported_action_version
  10. `args` strict per action (see _shapes for the order inside an object) -> invalid_request
 
+The agent's message for an `invalid_request` names the pointer and the rule
+(`ContractError.message`); `read_request` writes that pointer with `shown_pointer`, so a
+member name the client chose appears by position only.
+
 Responses: `encode_response` writes canonical compact bytes (members in spec order,
 `ensure_ascii=False`, optional members omitted); `mark_replayed` appends
 `"replayed":true` to stored bytes; `parse_response` is the client's strict reader and
@@ -49,6 +53,7 @@ from ._codes import MESSAGES, PAIRING, ContractError, ErrorCode, Status
 from ._echoes import REQUESTER, Echo, Identity
 from ._ids import any_string, fault, is_request_id
 from ._json import JsonSyntaxError, escape_token, is_object, parse, repeated_keys
+from ._rules import Rule
 from ._limits import ACTION_VERSION, MAX_U16, PROTOCOL_VERSION
 from ._outcomes import (
     AgentsCreateOutcome, AgentsDeleteOutcome, AgentsUpdateOutcome, ObserverEmitOutcome, Outcome,
@@ -60,7 +65,7 @@ __all__ = [
     "MemberSet", "ActionSpec", "RateClass", "ACTIONS", "REQUEST_MEMBERS", "RESERVED_NAMES",
     "Request", "Reading", "read_request",
     "build_request", "encode_request", "Verdict", "encode_response", "mark_replayed", "Response",
-    "parse_response", "Args",
+    "parse_response", "Args", "shown_pointer",
 ]
 
 Args = (
@@ -126,7 +131,7 @@ class ActionSpec:
     rate_class: RateClass
     #: the identities a succeeded outcome must echo from the request (I5)
     echoes: tuple[Echo, ...]
-    #: member names of nested argument objects (`target`'s), for the log's pointer filter
+    #: member names of nested argument objects (`target`'s)
     nested_arg_members: frozenset[str] = frozenset()
     #: the Nostr kind a Published outcome must report (NIP-BA: a client checks the kind per
     #: action); None where the outcome is not Published
@@ -290,33 +295,33 @@ class Reading:
 
 
 def _judge(top: dict[str, object], request_id: str,
-           strict_fault: tuple[str, str] | None) -> Request:
+           strict_fault: tuple[str, Rule] | None) -> Request:
     """Steps 4-10 of the order of judgement, for a body already correlated by `request_id`
     (its `requestId`, checked); raises ContractError."""
     if strict_fault is not None:
         raise fault(*strict_fault)
     if top.get("type") != "broker_request":
-        raise fault("/type", "missing or not broker_request")
+        raise fault("/type", Rule.TYPE, expected="broker_request")
     version = top.get("protocolVersion")
     if type(version) is not int or not 0 <= version <= MAX_U16:
-        raise fault("/protocolVersion", "missing or not a u16 integer")
+        raise fault("/protocolVersion", Rule.U16)
     if version != PROTOCOL_VERSION:
         raise ContractError(ErrorCode.UNSUPPORTED_PROTOCOL_VERSION, "/protocolVersion", "not 1")
     for key in top:
         if key not in REQUEST_MEMBERS:
-            raise fault(f"/{escape_token(key)}", "unknown member")
+            raise fault(f"/{escape_token(key)}", Rule.UNKNOWN_MEMBER)
     for key in REQUEST_MEMBERS:
         if key not in top:
-            raise fault(f"/{key}", "missing required member")
+            raise fault(f"/{key}", Rule.MISSING_MEMBER)
     action = top["action"]
     if type(action) is not str:
-        raise fault("/action", "not a string")
+        raise fault("/action", Rule.EXPECTED_STRING)
     spec = ACTIONS.get(action)
     if spec is None:
         raise ContractError(ErrorCode.UNKNOWN_ACTION, "/action", "not an action this host knows")
     action_version = top["actionVersion"]
     if type(action_version) is not int or not 0 <= action_version <= MAX_U16:
-        raise fault("/actionVersion", "not a u16 integer")
+        raise fault("/actionVersion", Rule.U16)
     if action_version != ACTION_VERSION:
         raise ContractError(ErrorCode.UNSUPPORTED_ACTION_VERSION, "/actionVersion", "not 1")
     args = read_object(top["args"], "/args", shape_for(spec.args_type))
@@ -339,19 +344,21 @@ def read_request(body: bytes) -> Reading:
     try:
         top, strict_fault = parse(body)
     except JsonSyntaxError as exc:
-        return Reading(request_id=None, request=None, error=fault("", str(exc)))
+        return Reading(request_id=None, request=None,
+                       error=fault("", Rule.SYNTAX, detail=str(exc)))
     if not is_object(top):
-        return Reading(request_id=None, request=None, error=fault("", "top level is not an object"))
+        return Reading(request_id=None, request=None, error=fault("", Rule.TOP_NOT_OBJECT))
     obj: dict[str, object] = top
     request_id = obj.get("requestId")
     if "requestId" in repeated_keys(obj) or not is_request_id(request_id):
         return Reading(request_id=None, request=None,
-                       error=fault("/requestId", "missing, repeated, or not a usable requestId"))
+                       error=fault("/requestId", Rule.REQUEST_ID))
     assert type(request_id) is str  # narrowed by is_request_id
     try:
         request = _judge(obj, request_id, strict_fault)
     except ContractError as exc:
-        return Reading(request_id=request_id, request=None, error=exc)
+        return Reading(request_id=request_id, request=None,
+                       error=exc.showing(shown_pointer(obj, exc.pointer)))
     return Reading(request_id=request_id, request=request, error=None)
 
 
@@ -390,7 +397,8 @@ def build_request(
         # that the reader names, instead of an encode error.
         body = json.dumps(envelope, separators=(",", ":"), allow_nan=False).encode("ascii")
     except (TypeError, ValueError) as exc:
-        raise fault("/args", f"not representable as JSON ({type(exc).__name__})") from None
+        raise fault("/args", Rule.NOT_JSON_VALUE,
+                    detail=f"not representable as JSON ({type(exc).__name__})") from None
     reading = read_request(body)
     if reading.error is not None:
         raise reading.error
@@ -528,56 +536,102 @@ def parse_response(body: bytes, *, accept_replayed_false: bool = False) -> Respo
     try:
         top, strict_fault = parse(body)
     except JsonSyntaxError as exc:
-        raise fault("", str(exc)) from None
+        raise fault("", Rule.SYNTAX, detail=str(exc)) from None
     if not is_object(top):
-        raise fault("", "top level is not an object")
+        raise fault("", Rule.TOP_NOT_OBJECT)
+    try:
+        return _read_response(top, strict_fault, accept_replayed_false)
+    except ContractError as exc:
+        raise exc.showing(shown_pointer(top, exc.pointer)) from None
+
+
+def _read_response(obj: dict[str, object], strict_fault: tuple[str, Rule] | None,
+                   accept_replayed_false: bool) -> Response:
     if strict_fault is not None:
         raise fault(*strict_fault)
-    obj: dict[str, object] = top
     if obj.get("type") != "broker_result":
-        raise fault("/type", "missing or not broker_result")
+        raise fault("/type", Rule.TYPE, expected="broker_result")
     if type(obj.get("protocolVersion")) is not int or obj["protocolVersion"] != PROTOCOL_VERSION:
-        raise fault("/protocolVersion", "missing or not 1")
+        raise fault("/protocolVersion", Rule.PROTOCOL_VERSION_ONE)
     status_text = obj.get("status")
     status = _STATUS_BY_WIRE.get(status_text) if type(status_text) is str else None
     if status is None:
-        raise fault("/status", "missing or not a status")
+        raise fault("/status", Rule.STATUS)
     expected = _SUCCEEDED_MEMBERS if status is Status.SUCCEEDED else _ERROR_MEMBERS
     for key in obj:
         if key not in expected and key != _REPLAYED:
-            raise fault(f"/{escape_token(key)}", f"member not allowed with {status.value}")
+            raise fault(f"/{escape_token(key)}", Rule.NOT_WITH_STATUS, status=status.value)
     for key in expected:
         if key not in obj:
-            raise fault(f"/{key}", "missing required member")
+            raise fault(f"/{key}", Rule.MISSING_MEMBER)
     if not is_request_id(obj["requestId"]):
-        raise fault("/requestId", "not a usable requestId")
+        raise fault("/requestId", Rule.REQUEST_ID)
     if _REPLAYED in obj and obj[_REPLAYED] is not True and not (
             accept_replayed_false and obj[_REPLAYED] is False):
-        raise fault("/replayed", "present but not true (omit it when false)")
+        raise fault("/replayed", Rule.REPLAYED)
     replayed = obj.get(_REPLAYED) is True
     if status is Status.SUCCEEDED:
         action = obj["action"]
         if type(action) is not str or action not in ACTIONS:
-            raise fault("/action", "not an action this host knows")
+            raise fault("/action", Rule.ACTION_NAME)
         spec = ACTIONS[action]
         outcome = read_object(obj["outcome"], "/outcome", shape_for(spec.outcome_type))
         return Response(request_id=obj["requestId"], status=status, action=action, outcome=outcome,
                         code=None, message=None, replayed=replayed)
     error = obj["error"]
     if not is_object(error):
-        raise fault("/error", "expected an object")
+        raise fault("/error", Rule.EXPECTED_OBJECT)
     for key in error:
         if key not in ("code", "message"):
-            raise fault(f"/error/{escape_token(key)}", "unknown member")
+            raise fault(f"/error/{escape_token(key)}", Rule.UNKNOWN_MEMBER)
     for key in ("code", "message"):
         if key not in error:
-            raise fault(f"/error/{key}", "missing required member")
+            raise fault(f"/error/{key}", Rule.MISSING_MEMBER)
     code_text = error["code"]
     code = _CODE_BY_WIRE.get(code_text) if type(code_text) is str else None
     if code is None:
-        raise fault("/error/code", "not an error code")
+        raise fault("/error/code", Rule.ERROR_CODE)
     if status not in PAIRING[code]:
-        raise fault("/error/code", f"{code.value} may not travel with {status.value}")
+        raise fault("/error/code", Rule.PAIRING, code=code.value, status=status.value)
     message = any_string(error["message"], "/error/message")
     return Response(request_id=obj["requestId"], status=status, action=None, outcome=None,
                     code=code, message=message, replayed=replayed)
+
+
+#: Every member name the contract defines, at any depth (envelopes, arguments, outcomes,
+#: events): the host's words, safe to show. Any other name in a pointer is the sender's.
+_VOCABULARY: frozenset[str] = frozenset(REQUEST_MEMBERS).union(
+    _SUCCEEDED_MEMBERS, _ERROR_MEMBERS, (_REPLAYED, "code", "message"),
+    *(shape.wire_names for shape in SHAPES.values()))
+
+
+def shown_pointer(document: object, pointer: str) -> str:
+    """`pointer` (into `document`) as an agent may be shown it.
+
+    A segment the contract defines and an array index stay as they are; a member name the
+    sender chose becomes `<member N>`, its position in its object (document order, from 1),
+    or `<member>` where the document has no such member. So the text shown is the host's
+    words and numbers only, whatever names the sender wrote (issue 25: a client-supplied
+    member name only as an index).
+    """
+    if not pointer:
+        return ""
+    node: object = document
+    shown: list[str] = []
+    for token in pointer.split("/")[1:]:
+        name = token.replace("~1", "/").replace("~0", "~")
+        if is_object(node):
+            if name in _VOCABULARY:
+                shown.append(name)
+            elif name in node:
+                shown.append(f"<member {list(node).index(name) + 1}>")
+            else:
+                shown.append("<member>")
+            node = node.get(name)
+        elif type(node) is list and token.isascii() and token.isdigit() and int(token) < len(node):
+            shown.append(token)
+            node = node[int(token)]
+        else:
+            shown.append("<member>")
+            node = None
+    return "/" + "/".join(shown)

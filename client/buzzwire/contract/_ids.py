@@ -21,7 +21,8 @@ Rules (spec §Identities and spellings, §Operations):
   lone surrogate (it has no UTF-8 form).
 
 Every checker has the signature `(value, pointer) -> canonical value` and raises
-`ContractError(invalid_request, pointer, detail)`; details never quote the value.
+`ContractError(invalid_request, pointer, ...)` naming the `Rule` it broke; a rule's reason
+never quotes the value (`_rules`).
 
 WARNING: the accepted spellings are the ones spec §Identities lists, and the client's echo
 checks (client/buzz_broker_client/client.py `_same`) rely on the normalizers answering None for a value they
@@ -36,6 +37,7 @@ from collections.abc import Callable
 from typing import TypeGuard
 
 from ._codes import ContractError, ErrorCode
+from ._rules import Rule
 from ._limits import MAX_CURSOR_BYTES, MAX_JSON_INT, MAX_REQUEST_ID_BYTES, MAX_SLUG_BYTES
 from ._text import TextKind, is_blank, refused_in, trim
 
@@ -61,19 +63,26 @@ _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 # NIP-AE slug grammar (spec buzz-on-the-relay.md, "Encrypted memory address").
 _SLUG = re.compile(r"core|mem/[a-z0-9][a-z0-9_-]{0,63}(?:/[a-z0-9][a-z0-9_-]{0,63})*")
 
-#: TextKind -> the detail of its refusal (never quoting the value).
-_REFUSED_DETAIL: dict[TextKind, str] = {
-    TextKind.LINE: "holds a control, line-separator or bidi-override character",
-    TextKind.PROSE: "holds a control character other than tab, line feed, carriage return",
+#: TextKind -> the rule its refusal names.
+_REFUSED_RULE: dict[TextKind, Rule] = {
+    TextKind.LINE: Rule.LINE_CHARACTER,
+    TextKind.PROSE: Rule.PROSE_CHARACTER,
 }
 
 # secp256k1 field prime (SEC 2 §2.4.1).
 _P = 2**256 - 2**32 - 977
 
 
-def fault(pointer: str, detail: str) -> ContractError:
-    """The invalid_request error every checker raises."""
-    return ContractError(ErrorCode.INVALID_REQUEST, pointer, detail)
+def fault(pointer: str, rule: Rule, *, detail: str | None = None,
+          **bounds: int | str) -> ContractError:
+    """The invalid_request error every checker raises: `rule` broken at `pointer`.
+
+    `bounds` fill the rule's template (the host's limits, never the value); `detail` is
+    operator-only text when the reader knows more than the rule says.
+    """
+    reason = rule.reason(**bounds)
+    return ContractError(ErrorCode.INVALID_REQUEST, pointer,
+                         reason if detail is None else detail, rule=rule, reason=reason)
 
 
 def normalize_channel_id(value: str) -> str | None:
@@ -136,7 +145,7 @@ def is_request_id(value: object) -> TypeGuard[str]:
 
 def _string(value: object, pointer: str) -> str:
     if type(value) is not str:
-        raise fault(pointer, "expected a string")
+        raise fault(pointer, Rule.EXPECTED_STRING)
     return value
 
 
@@ -145,27 +154,27 @@ def _no_surrogates(value: str, pointer: str) -> None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            raise fault(pointer, "string holds a lone surrogate") from None
+            raise fault(pointer, Rule.LONE_SURROGATE) from None
 
 
 def channel_id(value: object, pointer: str) -> str:
     canonical = normalize_channel_id(_string(value, pointer))
     if canonical is None:
-        raise fault(pointer, "expected a channel UUID")
+        raise fault(pointer, Rule.CHANNEL)
     return canonical
 
 
 def hex64(value: object, pointer: str) -> str:
     canonical = normalize_hex64(_string(value, pointer))
     if canonical is None:
-        raise fault(pointer, "expected 64 hex characters")
+        raise fault(pointer, Rule.HEX64)
     return canonical
 
 
 def pubkey(value: object, pointer: str) -> str:
     canonical = hex64(value, pointer)
     if not _on_curve(int(canonical, 16)):
-        raise fault(pointer, "not an x-only point on secp256k1")
+        raise fault(pointer, Rule.PUBKEY)
     return canonical
 
 
@@ -173,20 +182,20 @@ def lower_hex64_exact(value: object, pointer: str) -> str:
     """Verbatim fields of signed events: already canonical, never rewritten."""
     text = _string(value, pointer)
     if _LOWER_HEX64.fullmatch(text) is None:
-        raise fault(pointer, "expected 64 lowercase hex characters")
+        raise fault(pointer, Rule.LOWER_HEX64)
     return text
 
 
 def lower_hex128_exact(value: object, pointer: str) -> str:
     text = _string(value, pointer)
     if _LOWER_HEX128.fullmatch(text) is None:
-        raise fault(pointer, "expected 128 lowercase hex characters")
+        raise fault(pointer, Rule.LOWER_HEX128)
     return text
 
 
 def request_id(value: object, pointer: str) -> str:
     if not is_request_id(value):
-        raise fault(pointer, f"expected 1-{MAX_REQUEST_ID_BYTES} bytes of printable ASCII without spaces")
+        raise fault(pointer, Rule.VISIBLE_ASCII, max=MAX_REQUEST_ID_BYTES)
     return value
 
 
@@ -194,20 +203,20 @@ def cursor(value: object, pointer: str) -> str:
     # Opaque: never trimmed or altered, shape only (spec channel.read).
     string = _string(value, pointer)
     if len(string) > MAX_CURSOR_BYTES or _VISIBLE_ASCII.fullmatch(string) is None:
-        raise fault(pointer, f"expected 1-{MAX_CURSOR_BYTES} bytes of printable ASCII without spaces")
+        raise fault(pointer, Rule.VISIBLE_ASCII, max=MAX_CURSOR_BYTES)
     return string
 
 
 def slug(value: object, pointer: str) -> str:
     string = trim(_string(value, pointer))
     if len(string) > MAX_SLUG_BYTES or _SLUG.fullmatch(string) is None:
-        raise fault(pointer, "expected core or a mem/... slug of at most 255 bytes")
+        raise fault(pointer, Rule.SLUG)
     return string
 
 
 def boolean(value: object, pointer: str) -> bool:
     if type(value) is not bool:
-        raise fault(pointer, "expected true or false")
+        raise fault(pointer, Rule.EXPECTED_BOOLEAN)
     return value
 
 
@@ -216,9 +225,9 @@ def integer(low: int, high: int = MAX_JSON_INT) -> Checker:
 
     def check(value: object, pointer: str) -> int:
         if type(value) is not int:
-            raise fault(pointer, "expected an integer")
+            raise fault(pointer, Rule.EXPECTED_INTEGER)
         if not low <= value <= high:
-            raise fault(pointer, f"integer outside {low}..{high}")
+            raise fault(pointer, Rule.INTEGER_RANGE, low=low, high=high)
         return value
 
     return check
@@ -231,12 +240,12 @@ def text(max_chars: int, kind: TextKind = TextKind.LINE) -> Checker:
     def check(value: object, pointer: str) -> str:
         string = trim(_string(value, pointer))
         if not string:
-            raise fault(pointer, "empty or whitespace-only")
+            raise fault(pointer, Rule.BLANK)
         if len(string) > max_chars:
-            raise fault(pointer, f"longer than {max_chars} characters")
+            raise fault(pointer, Rule.CHARS, max=max_chars)
         _no_surrogates(string, pointer)
         if refused_in(string, kind):
-            raise fault(pointer, _REFUSED_DETAIL[kind])
+            raise fault(pointer, _REFUSED_RULE[kind])
         return string
 
     return check
@@ -249,17 +258,17 @@ def exact_text(max_bytes: int) -> Checker:
         string = _string(value, pointer)
         # Any character outside White_Space makes content non-blank (U+001C does: NIP-BA).
         if is_blank(string):
-            raise fault(pointer, "empty or whitespace-only")
+            raise fault(pointer, Rule.BLANK)
         # A scalar value is 1-4 UTF-8 bytes, so short strings skip the encode.
         if len(string) > max_bytes:
-            raise fault(pointer, f"longer than {max_bytes} bytes")
+            raise fault(pointer, Rule.BYTES, max=max_bytes)
         if len(string) * 4 > max_bytes or not string.isascii():
             try:
                 size = len(string.encode("utf-8"))
             except UnicodeEncodeError:
-                raise fault(pointer, "string holds a lone surrogate") from None
+                raise fault(pointer, Rule.LONE_SURROGATE) from None
             if size > max_bytes:
-                raise fault(pointer, f"longer than {max_bytes} bytes")
+                raise fault(pointer, Rule.BYTES, max=max_bytes)
         return string
 
     return check

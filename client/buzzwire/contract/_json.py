@@ -5,7 +5,7 @@ Rules (spec I6, §Request, issue 2):
   (including a BOM and UTF-8-encoded surrogates), any token outside RFC 8259 (NaN,
   Infinity, comments, single quotes, control characters in strings), trailing bytes, and
   nesting deeper than `MAX_NESTING`.
-- Strictness faults leave a readable document and are reported as `(pointer, detail)` for
+- Strictness faults leave a readable document and are reported as `(pointer, Rule)` for
   the FIRST one met: `null` anywhere, a key repeated in any object, a number with a
   fraction or exponent (`1.0`, `1e0`; the protocol has no non-integers), an integer
   outside signed 64 bits, and a lone surrogate escape (`"\\ud800"`) in a key or string.
@@ -34,6 +34,7 @@ import re
 from typing import TypeAlias, TypeGuard
 
 from ._limits import MAX_JSON_INT, MAX_NESTING, MIN_JSON_INT
+from ._rules import Rule
 
 __all__ = ["JsonSyntaxError", "parse", "first_fault", "escape_token", "is_object", "repeated_keys"]
 
@@ -196,37 +197,37 @@ def _has_lone_surrogate(text: str) -> bool:
     return False
 
 
-def first_fault(value: object) -> tuple[str, str] | None:
-    """The first strictness fault in document order, as (JSON pointer, operator detail)."""
+def first_fault(value: object) -> tuple[str, Rule] | None:
+    """The first strictness fault in document order, as (JSON pointer, the rule broken)."""
     stack: list[tuple[str, object]] = [("", value)]
     while stack:
         pointer, item = stack.pop()
         if isinstance(item, str):
             if _has_lone_surrogate(item):
-                return pointer, "string holds a lone surrogate"
+                return pointer, Rule.LONE_SURROGATE
         elif isinstance(item, _Repeated):
-            return f"{pointer}/{escape_token(item.repeated[0])}", "member appears more than once"
+            return f"{pointer}/{escape_token(item.repeated[0])}", Rule.REPEATED_MEMBER
         elif isinstance(item, dict):
             children: list[tuple[str, object]] = []
             for key, child in item.items():
                 if _has_lone_surrogate(key):
-                    return pointer, "member name holds a lone surrogate"
+                    return pointer, Rule.MEMBER_NAME_SURROGATE
                 children.append((f"{pointer}/{escape_token(key)}", child))
             stack.extend(reversed(children))
         elif isinstance(item, list):
             stack.extend((f"{pointer}/{index}", item[index]) for index in range(len(item) - 1, -1, -1))
         elif item is None:
-            return pointer, "null is never a legal value"
+            return pointer, Rule.NULL
         elif item is _NON_INTEGER:
-            return pointer, "number is not an integer"
+            return pointer, Rule.NOT_INTEGER
         elif item is _OUT_OF_RANGE:
-            return pointer, "integer out of range"
+            return pointer, Rule.INTEGER_PAST_64_BITS
         elif isinstance(item, int) and not MIN_JSON_INT <= item <= MAX_JSON_INT:
-            return pointer, "integer out of range"
+            return pointer, Rule.INTEGER_PAST_64_BITS
     return None
 
 
-def parse(body: bytes) -> tuple[object, tuple[str, str] | None]:
+def parse(body: bytes) -> tuple[object, tuple[str, Rule] | None]:
     """Parse one strict JSON document.
 
     Args:
@@ -234,7 +235,7 @@ def parse(body: bytes) -> tuple[object, tuple[str, str] | None]:
 
     Returns:
         (value, fault): the decoded value (objects are dicts, arrays lists) and the first
-        strictness fault as (pointer, detail), or None when the document is clean. When a
+        strictness fault as (pointer, rule), or None when the document is clean. When a
         fault is reported the value may contain private markers; do not use it beyond
         reading the top level.
 
@@ -266,7 +267,7 @@ def parse(body: bytes) -> tuple[object, tuple[str, str] | None]:
     return value, None
 
 
-def _parse_marking(text: str) -> tuple[object, tuple[str, str] | None]:
+def _parse_marking(text: str) -> tuple[object, tuple[str, Rule] | None]:
     try:
         value = _MARKING.decode(text)
     except _BadConstant as exc:

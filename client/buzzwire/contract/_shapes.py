@@ -28,6 +28,7 @@ from typing import Generic, TypeVar, cast
 from ._codes import ContractError
 from ._ids import Checker, fault
 from ._json import escape_token, is_object
+from ._rules import Rule
 from ._text import trim
 
 __all__ = ["Field", "Shape", "SHAPES", "Checked", "register", "shape_for", "read_object",
@@ -38,7 +39,8 @@ _T = TypeVar("_T")
 # can stand wherever a Shape[Args] (or the registry's Shape[object]) is expected.
 _T_co = TypeVar("_T_co", covariant=True)
 
-Rule = Callable[[Mapping[str, object]], "str | None"]
+#: A rule across one object's members: the `Rule` it breaks, or None.
+CrossRule = Callable[[Mapping[str, object]], "Rule | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +66,7 @@ class Field:
 class Shape(Generic[_T_co]):
     cls: type[_T_co]
     fields: tuple[Field, ...]
-    rule: Rule | None = None
+    rule: CrossRule | None = None
 
     @property
     def wire_names(self) -> frozenset[str]:
@@ -97,18 +99,18 @@ def read_object(value: object, pointer: str, shape: Shape[_T]) -> _T:
         ContractError: invalid_request with the pointer of the first fault.
     """
     if not is_object(value):
-        raise fault(pointer, "expected an object")
+        raise fault(pointer, Rule.EXPECTED_OBJECT)
     obj: dict[str, object] = value
     names = shape.wire_names
     for key in obj:
         if key not in names:
-            raise fault(f"{pointer}/{escape_token(key)}", "unknown member")
+            raise fault(f"{pointer}/{escape_token(key)}", Rule.UNKNOWN_MEMBER)
     kwargs: dict[str, object] = {}
     for f in shape.fields:
         if f.wire in obj:
             kwargs[f.attr] = f.check(obj[f.wire], pointer + f.suffix)
         elif f.required:
-            raise fault(pointer + f.suffix, "missing required member")
+            raise fault(pointer + f.suffix, Rule.MISSING_MEMBER)
     if shape.rule is not None:
         broken = shape.rule(kwargs)
         if broken is not None:
@@ -145,7 +147,7 @@ def check_instance(instance: object) -> None:
     if shape.rule is not None:
         broken = shape.rule(present)
         if broken is not None:
-            raise ValueError(f"{name}: {broken}")
+            raise ValueError(f"{name}: {broken.reason()}")
 
 
 class Checked:
@@ -194,12 +196,12 @@ def array_of(
 
     def check(value: object, pointer: str) -> tuple[object, ...]:
         if type(value) is not list and type(value) is not tuple:
-            raise fault(pointer, "expected an array")
+            raise fault(pointer, Rule.EXPECTED_ARRAY)
         items = value
         if not items and not allow_empty:
-            raise fault(pointer, "empty array: omit the member instead")
+            raise fault(pointer, Rule.EMPTY_ARRAY)
         if max_items is not None and len(items) > max_items:
-            raise fault(pointer, f"more than {max_items} items")
+            raise fault(pointer, Rule.ITEMS, max=max_items)
         out = tuple(item(entry, f"{pointer}/{index}") for index, entry in enumerate(items))
         if dedupe and len(set(out)) != len(out):
             out = tuple(dict.fromkeys(out))
@@ -226,10 +228,10 @@ def one_of(*choices: str) -> Checker:
 
     def check(value: object, pointer: str) -> str:
         if type(value) is not str:
-            raise fault(pointer, "expected a string")
+            raise fault(pointer, Rule.EXPECTED_STRING)
         string = trim(value)
         if string not in allowed:
-            raise fault(pointer, "expected one of " + ", ".join(sorted(allowed)))
+            raise fault(pointer, Rule.ONE_OF, choices=", ".join(sorted(allowed)))
         return string
 
     return check
