@@ -15,6 +15,10 @@ Rules:
   result rules), or, when the requestId itself is unusable, no correlated verdict (a non-200
   status with an empty body: this host's answer). `liveness.ping` is not offered here, but
   its arguments are still checked first (docs/protocol.md), so it is held to the same codes.
+- Every `invalid_request` must explain itself (issue 25 item 3): its message is
+  `<pointer>: <reason>`, the reason one of the contract's `Rule` templates, exactly what the
+  contract's reader says of the same bytes, and no string the request holds appears in it
+  unless the rule's own words hold it (`_unexplained`).
 - One daemon for the module: every mutation goes through one test, and the mismatches are
   collected and reported together (by name, never a body: a body holds the credential's
   requests only, but the list stays short). Afterwards the relay holds no event by the agent.
@@ -23,11 +27,14 @@ Rules:
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from buzzwire.contract import Rule, read_request
+from tests.conformance import _spec
 from tests.conformance._wire import Wire, fetch, known_agent
 from tests.conformance.test_nip_ba_vectors import _VECTOR_CHANNEL, _bind, _vectors
 from tests.fixtures.broker import BrokerHarness
@@ -40,6 +47,56 @@ U32_PAST = 2**32
 G = "79be667ef9dcbbac55a06295ce870b07029bfcdb2dce28d959f2815b16f81798"
 #: Members NIP-BA makes optional in a vector's args: dropping them leaves a valid request.
 OPTIONAL = {("channel.read", "limit"), ("message.post", "mentions")}
+
+
+#: `<where>: <reason>`, where is a pointer or "(document)" (issue 25: docs/protocol.md §5).
+_MESSAGE = re.compile(r"(\(document\)|(?:/(?:<member [1-9][0-9]*>|[^/ <]*))+): (.+)", re.S)
+#: The member names NIP-BA defines in a request ("Request", "Actions"; Target's and a
+#: frame's): the only names a pointer may spell; any other is shown by position.
+_NAMES = set(_spec.REQUEST_MEMBERS) | {"pubkey", "name", "kind", "payload"} | {
+    name for required, optional in _spec.NIP_BA_ARGS.values() for name in required | optional}
+_SEGMENT = re.compile(r"<member [1-9][0-9]*>|[0-9]+")
+#: Each rule's template as a pattern: placeholders stand for host digits and words.
+_REASONS = [(rule, re.compile("".join(
+    re.escape(part) if index % 2 == 0 else r"[0-9a-z_.,\- ]+"
+    for index, part in enumerate(re.split(r"\{(\w+)\}", rule.value)))))
+    for rule in Rule]
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for child in value.values():
+            yield from _strings(child)
+    elif isinstance(value, list):
+        for child in value:
+            yield from _strings(child)
+
+
+def _unexplained(body: bytes, message: str) -> str | None:
+    """Why an invalid_request message does not explain itself as issue 25 asks, or None."""
+    form = _MESSAGE.fullmatch(message)
+    if form is None:
+        return "message is not <pointer>: <reason>"
+    where, reason = form.groups()
+    if where != "(document)" and not all(
+            segment in _NAMES or _SEGMENT.fullmatch(segment) for segment in where.split("/")[1:]):
+        return "pointer spells a member name NIP-BA does not define"
+    rules = [rule for rule, pattern in _REASONS if pattern.fullmatch(reason)]
+    if not rules:
+        return "reason is no rule of the contract's table"
+    error = read_request(body).error
+    if error is None or error.message != message:
+        return "message is not the contract's for these bytes"
+    try:
+        sent = json.loads(body)
+    except ValueError:
+        return None  # unreadable bytes are never correlated
+    for text in _strings(sent):
+        if len(text) >= 4 and text in reason and not any(text in r.value for r in rules):
+            return "message quotes a value of the request"
+    return None
 
 
 @dataclass(frozen=True)
@@ -332,6 +389,10 @@ async def test_every_nip_ba_mutation_of_every_vector(broker: BrokerHarness) -> N
             code = env.get("error", {}).get("code") if env["status"] == "failed" else None
             if code not in mutation.codes:
                 wrong.append(f"{mutation.name}: {env['status']} {code}")
+            elif code == INVALID:
+                problem = _unexplained(mutation.body, env["error"]["message"])
+                if problem is not None:
+                    wrong.append(f"{mutation.name}: {problem}")
     assert not wrong, "\n".join([f"{len(wrong)} of {count}", *wrong])
     assert count > 600, count  # every mutation family ran for every action
     # Nothing any of them asked for happened on the relay.

@@ -352,7 +352,7 @@ def read_request(body: bytes) -> Reading:
     request_id = obj.get("requestId")
     if "requestId" in repeated_keys(obj) or not is_request_id(request_id):
         return Reading(request_id=None, request=None,
-                       error=fault("/requestId", Rule.REQUEST_ID))
+                       error=fault("/requestId", Rule.REQUEST_ID).showing("/requestId"))
     assert type(request_id) is str  # narrowed by is_request_id
     try:
         request = _judge(obj, request_id, strict_fault)
@@ -398,7 +398,8 @@ def build_request(
         body = json.dumps(envelope, separators=(",", ":"), allow_nan=False).encode("ascii")
     except (TypeError, ValueError) as exc:
         raise fault("/args", Rule.NOT_JSON_VALUE,
-                    detail=f"not representable as JSON ({type(exc).__name__})") from None
+                    detail=f"not representable as JSON ({type(exc).__name__})"
+                    ).showing("/args") from None
     reading = read_request(body)
     if reading.error is not None:
         raise reading.error
