@@ -65,8 +65,11 @@ class FaultLog:
         #: Every fault recorded, logged or not (for metrics and tests).
         self.total = 0
 
-    def record(self, cause: tuple[Hashable, ...], **fields: object) -> bool:
+    def record(self, cause: tuple[Hashable, ...], /, **fields: object) -> bool:
         """Count one fault of `cause`; log it unless its cause was logged within the interval.
+
+        `cause` is positional-only, so a line may carry a field named `cause` itself (the
+        unauthenticated line does: why the credential was refused).
 
         Returns:
             True when a line was written.

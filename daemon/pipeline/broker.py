@@ -57,7 +57,6 @@ import trio
 
 from buzzwire.contract import (
     ACTIONS,
-    MESSAGES,
     ErrorCode,
     Reading,
     Request,
@@ -86,7 +85,7 @@ from daemon.pipeline.recorder import Facts, Judged, Progress, Recorder
 from daemon.state.refusal_audit import RefusalAudit
 from daemon.relay.pool import RelayPool
 from daemon.state.runtimes import RuntimeStore
-from daemon.state.sessions import Principal, SessionStore
+from daemon.state.sessions import AuthCause, Principal, Refused, SessionStore
 from daemon.pipeline.signing import SigningBatcher
 from daemon.state.verdict_store import expanded_form
 from daemon.pipeline import sealed_verdict
@@ -275,10 +274,16 @@ class Broker:
         request_id = reading.request_id
         # authenticate
         principal = self._authenticate(request, request_id)
-        if isinstance(principal, Judged):
+        if isinstance(principal, Refused):
+            # One fixed answer for every cause (NIP-BA: nothing about authenticated state
+            # to an unauthenticated caller); the cause goes to the operator's log only.
+            unauthenticated = Judged.of(request_id, Verdict.failed(ErrorCode.UNAUTHENTICATED))
             return self._recorder.respond(
-                request_id, principal, started, agent=None, action=_action_of(reading),
-                unvouched=principal.code is ErrorCode.UNAUTHENTICATED, peer_uid=request.peer_uid)
+                request_id, unauthenticated, started, agent=None, action=_action_of(reading),
+                unvouched=principal, peer_uid=request.peer_uid)
+        if isinstance(principal, Judged):
+            return self._recorder.respond(request_id, principal, started, agent=None,
+                                          action=_action_of(reading))
         # ledger
         digest = hashlib.sha256(request.body).digest()
         facts = Facts(credential_id=principal.credential_id, agent=principal.agent,
@@ -367,25 +372,26 @@ class Broker:
         return self._recorder.respond(request_id, judged, started, agent=principal.agent,
                                       action=facts.action)
 
-    def _authenticate(self, request: HttpRequest, request_id: str) -> Principal | Judged:
-        """The principal, or the verdict: unauthenticated, or internal if custody failed."""
+    def _authenticate(self, request: HttpRequest, request_id: str
+                      ) -> Principal | Refused | Judged:
+        """The principal; why not (answered unauthenticated); or internal if custody failed."""
         # Over loopback TCP every local user can connect: only a uid-bound credential
         # proves who is asking, unless the operator allows the others there.
-        principal = self._sessions.authenticate(
+        principal = self._sessions.check(
             request.authorization, request.peer_uid, int(self._clock()),
             uid_bound_only=request.over_tcp
             and not self._config.server.tcp_allow_credentials_without_uid,
         )
-        if principal is not None:
-            try:
-                if self._agent_live(principal):
-                    return principal
-            except CustodyError as exc:
-                log_event(_log, "custody.fault", level=logging.ERROR, agent=principal.agent,
-                          request_id=request_id, error=type(exc).__name__, detail=str(exc))
-                return Judged.internal(request_id)
-        return Judged.of(request_id, Verdict.failed(ErrorCode.UNAUTHENTICATED,
-                                                    MESSAGES[ErrorCode.UNAUTHENTICATED]))
+        if isinstance(principal, Refused):
+            return principal
+        try:
+            if self._agent_live(principal):
+                return principal
+        except CustodyError as exc:
+            log_event(_log, "custody.fault", level=logging.ERROR, agent=principal.agent,
+                      request_id=request_id, error=type(exc).__name__, detail=str(exc))
+            return Judged.internal(request_id)
+        return Refused(cause=AuthCause.AGENT_GONE, credential_id=principal.credential_id)
 
     def _agent_live(self, principal: Principal) -> bool:
         """Authority ends when the agent ends (issue 13): a credential whose agent is gone —
@@ -408,9 +414,6 @@ class Broker:
         live = self._live.get(principal.agent)
         if live is None:
             live = self._live[principal.agent] = self._custody.agent(principal.agent) is not None
-        if not live:
-            log_event(_log, "auth.agent_not_live", credential_id=principal.credential_id,
-                      agent=principal.agent)
         return live
 
     async def _judge_and_execute(self, principal: Principal, reading: Reading, ticket: Ticket,

@@ -36,6 +36,7 @@ from daemon.state.ledger import Ledger, Ticket
 from daemon.log import log_event
 from daemon.metrics import Metrics
 from daemon.state.refusal_audit import RefusalAudit
+from daemon.state.sessions import Refused
 from daemon.state.verdict_store import stored_form
 
 __all__ = ["Judged", "Facts", "Progress", "Recorder", "Keeping", "keeping", "where"]
@@ -250,11 +251,13 @@ class Recorder:
 
     def respond(self, request_id: str, judged: Judged, started: float, *, agent: str | None,
                 action: str | None, replayed: bool = False,
-                unvouched: bool = False, peer_uid: int | None = None) -> HttpAnswer:
+                unvouched: Refused | None = None, peer_uid: int | None = None) -> HttpAnswer:
         """The answer: one `verdict` log line, one request in the metrics, HTTP 200.
 
-        `unvouched`: the answer is `unauthenticated` (for a peer of `peer_uid`); its line
-        goes through the rate-bounded `unvouched` log.
+        `unvouched`: the answer is `unauthenticated` (for a peer of `peer_uid`), and why;
+        its line names the cause and the credential id (when the token matched one, never
+        the token) and goes through the rate-bounded `unvouched` log, one cause per
+        (peer uid, cause, credential): a flood of one cause is one line, then a count.
         """
         elapsed = time.monotonic() - started
         fields: dict[str, object] = {
@@ -266,10 +269,14 @@ class Recorder:
             "code": judged.code.value if judged.code else None,
             "event_ids": list(judged.event_ids) if judged.event_ids else None,
             "replayed": True if replayed else None,
+            "cause": unvouched.cause.value if unvouched is not None else None,
+            "credential_id": unvouched.credential_id if unvouched is not None else None,
         }
         shown = {k: v for k, v in fields.items() if v is not None}
-        if unvouched:
-            self.unvouched.record(("unauthenticated", peer_uid), peer_uid=peer_uid, **shown)
+        if unvouched is not None:
+            self.unvouched.record(
+                ("unauthenticated", peer_uid, unvouched.cause, unvouched.credential_id),
+                peer_uid=peer_uid, **shown)
         else:
             log_event(_log, "verdict", level=logging.INFO, **shown)
         self._metrics.request(action, judged.status.value,

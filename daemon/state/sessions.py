@@ -9,7 +9,12 @@ Rules (spec I2 "Authority comes from the session"; issue 4):
 - `authenticate` has one failure answer, `None`, for every cause (missing, malformed,
   unknown, revoked, expired, wrong uid), like an opaque InvalidToken: the pipeline turns
   it into `failed` + `unauthenticated` and the caller learns nothing about which check
-  failed. The operator log can say why; this module does not log tokens.
+  failed. `check` is the same judgement with the cause kept for the operator's log
+  (`Refused`: an `AuthCause` and, when the token matched one, the credential's id; issue
+  25). The cause comes from memory only: revoked credentials are kept in memory too (their
+  token hash and id, `_revoked`), so telling unknown from revoked costs no query, and the
+  memory is bounded by the credentials the operator issued, never by what clients send.
+  This module does not log tokens.
 - Parsing is strict and bounded BEFORE any work: the header must be exactly
   `Bearer <token>` (scheme case-insensitive, RFC 7235 §2.1; exactly one space; no
   trailing whitespace), and since a token has one fixed length, a header of any other
@@ -57,6 +62,7 @@ import json
 import re
 import secrets
 import sqlite3
+import enum
 import time
 from dataclasses import InitVar, dataclass
 from pathlib import Path
@@ -65,6 +71,8 @@ from typing import Final
 from daemon.state._sqlite import open_private_db
 
 __all__ = [
+    "AuthCause",
+    "Refused",
     "LAST_USE_FLUSH_SECONDS",
     "MAX_LABEL_CHARS",
     "check_label",
@@ -138,6 +146,37 @@ class Principal:
     def __post_init__(self, _key: object) -> None:
         if _key is not _ISSUER:
             raise TypeError("Principal is created only by SessionStore.authenticate")
+
+
+class AuthCause(enum.Enum):
+    """Why a request was not authenticated: for the operator's log, never the agent's."""
+
+    #: no Authorization header
+    MISSING = "missing"
+    #: not `Bearer <token>` of a token's one shape
+    MALFORMED = "malformed"
+    #: well-formed, but no credential of this host has that token
+    UNKNOWN = "unknown"
+    #: the credential was revoked (`credential revoke`, `agent remove`, agents.delete)
+    REVOKED = "revoked"
+    #: the credential's lifetime ended
+    EXPIRED = "expired"
+    #: the credential is bound to a uid, and the peer is another (or unknown) uid
+    WRONG_UID = "wrong_uid"
+    #: over a loopback TCP listener, a credential bound to no uid ([server]
+    #: tcp_allow_credentials_without_uid is off: any local user could have sent it)
+    NO_UID_OVER_TCP = "no_uid_over_tcp"
+    #: a valid credential whose agent is gone (the pipeline's check, daemon/pipeline/broker.py)
+    AGENT_GONE = "agent_gone"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Refused:
+    """A request `check` did not authenticate, and why (never the token)."""
+
+    cause: AuthCause
+    #: the credential the token matched, or None (missing, malformed, unknown)
+    credential_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -257,6 +296,18 @@ def _integer(value: object) -> int:
     return value
 
 
+def _scope_refusal(principal: Principal, peer_uid: int | None, now: int,
+                   uid_bound_only: bool) -> AuthCause | None:
+    """Why a credential that matched may not act for this peer now, or None."""
+    if principal.expires_at is not None and now >= principal.expires_at:
+        return AuthCause.EXPIRED
+    if principal.uid is not None and peer_uid != principal.uid:
+        return AuthCause.WRONG_UID
+    if uid_bound_only and principal.uid is None:
+        return AuthCause.NO_UID_OVER_TCP
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class _Active:
     token_sha256: bytes
@@ -271,6 +322,8 @@ class SessionStore:
         self._conn = conn
         self._path = path
         self._active: dict[bytes, _Active] = {}
+        #: token sha256 -> credential id, for every revoked credential (module docstring)
+        self._revoked: dict[bytes, str] = {}
         self._data_version: int | None = None
         #: credential_id -> last second it authenticated, not yet written
         self._last_used: dict[str, int] = {}
@@ -324,15 +377,18 @@ class SessionStore:
     # -- the daemon's side ------------------------------------------------------------
 
     def reload(self) -> None:
-        """Re-read every unrevoked credential (SIGHUP, or another process committed)."""
+        """Re-read every credential (SIGHUP, or another process committed): the unrevoked
+        ones whole, the revoked ones as hash and id."""
         self._data_version = int(self._conn.execute("PRAGMA data_version").fetchone()[0])
-        rows = self._conn.execute(
-            f"SELECT token_sha256, {_COLUMNS} FROM credentials WHERE revoked_at IS NULL"
-        ).fetchall()
+        rows = self._conn.execute(f"SELECT token_sha256, {_COLUMNS} FROM credentials").fetchall()
         active: dict[bytes, _Active] = {}
+        revoked: dict[bytes, str] = {}
         for row in rows:
             info = _info(row[1:])
             digest = bytes(row[0])
+            if info.revoked_at is not None:
+                revoked[digest] = info.credential_id
+                continue
             active[digest] = _Active(
                 digest,
                 Principal(
@@ -346,6 +402,7 @@ class SessionStore:
                 ),
             )
         self._active = active
+        self._revoked = revoked
 
     def _refresh_if_changed(self) -> None:
         version = int(self._conn.execute("PRAGMA data_version").fetchone()[0])
@@ -369,21 +426,39 @@ class SessionStore:
             The Principal, or None for every failure (missing, malformed, unknown,
             revoked, expired, wrong or unknown uid). There is deliberately no reason.
         """
+        checked = self.check(header_value, peer_uid, now, uid_bound_only=uid_bound_only)
+        return checked if isinstance(checked, Principal) else None
+
+    def check(
+        self, header_value: str | None, peer_uid: int | None, now: int,
+        *, uid_bound_only: bool = False,
+    ) -> Principal | Refused:
+        """`authenticate`, with the cause of a refusal kept for the operator's log.
+
+        Costs what `authenticate` costs: a well-formed token is one read of SQLite's
+        change counter (shared memory) and dict lookups; no query, whatever the cause.
+
+        Returns:
+            The Principal, or `Refused` (the cause, and the credential id when the token
+            matched a credential). Never to be shown to the agent (one fixed answer).
+        """
+        if header_value is None:
+            return Refused(cause=AuthCause.MISSING)
         token = _parse_authorization_unverified(header_value)
         if token is None:
-            return None
+            return Refused(cause=AuthCause.MALFORMED)
         self._refresh_if_changed()
         digest = _token_hash(token)
         found = self._active.get(digest)
         if found is None or not hmac.compare_digest(found.token_sha256, digest):
-            return None
+            revoked = self._revoked.get(digest)
+            if revoked is not None:
+                return Refused(cause=AuthCause.REVOKED, credential_id=revoked)
+            return Refused(cause=AuthCause.UNKNOWN)
         principal = found.principal
-        if principal.expires_at is not None and now >= principal.expires_at:
-            return None
-        if principal.uid is not None and peer_uid != principal.uid:
-            return None
-        if uid_bound_only and principal.uid is None:
-            return None
+        cause = _scope_refusal(principal, peer_uid, now, uid_bound_only)
+        if cause is not None:
+            return Refused(cause=cause, credential_id=principal.credential_id)
         self._last_used[principal.credential_id] = now
         return principal
 
