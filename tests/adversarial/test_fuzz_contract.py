@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 
 from buzzwire.contract import (
     ACTIONS,
+    MAX_SHOWN_POINTER_CHARS,
     MESSAGES,
     PAIRING,
     ContractError,
@@ -41,7 +42,9 @@ from buzzwire.contract import (
     Status,
     Verdict,
     encode_response,
+    Rule,
     parse_response,
+    printable,
     read_request,
 )
 from tests.adversarial import scaled, tally
@@ -51,6 +54,9 @@ from tests.contract.vectors import envelope as _shared_envelope
 #: Seconds one read_request may take on the largest input here (1 MiB). Measured: a few ms;
 #: generous so a loaded CI box never flakes, tight enough to catch a quadratic walk.
 MAX_SECONDS_PER_INPUT = 2.0
+#: The longest message a refusal can carry: the cut pointer, ": ", the longest reason
+#: (with room for its host-filled numbers).
+_MAX_MESSAGE = MAX_SHOWN_POINTER_CHARS + 2 + max(len(rule.value) for rule in Rule) + 40
 
 EXAMPLES = scaled(150, 4000)
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
@@ -78,7 +84,11 @@ def check_reading(body: bytes, family: str) -> Reading:
         assert isinstance(reading.error.pointer, str)
         # A correlated fault becomes an envelope: it must encode and re-parse.
         if reading.request_id is not None:
-            verdict = Verdict.failed(reading.error.code, MESSAGES[reading.error.code])
+            # The message the daemon answers (issue 25): where and which rule, bounded,
+            # nothing a terminal acts on, whatever the input.
+            message = reading.error.message
+            assert printable(message) == message and len(message) <= _MAX_MESSAGE, message
+            verdict = Verdict.failed(reading.error.code, message)
             back = parse_response(encode_response(reading.request_id, verdict))
             assert back.request_id == reading.request_id and back.code is reading.error.code
     return reading

@@ -208,6 +208,7 @@ async def test_no_secret_leaks_anywhere(broker: BrokerHarness, softhsm_token: So
     assert status == 200 and env is not None and _code(env) == "unauthenticated"
     # Secrets smuggled into argument slots and unknown members: refused, never quoted back.
     for args in ({"channelId": cred_a}, {"channelId": channel, "pin": user_pin},
+                 {"channelId": channel, cred_a: 1}, {"channelId": channel, user_pin: {"a": None}},
                  {"channelId": channel, "cursor": hex_secret}, {"channelId": nsec_text}):
         assert _code(await run.call(cred_a, "channel.read", args)) == "invalid_request"
     assert _code(await run.call(cred_a, "storage.address", {"slug": nsec_text + " x"})) == "invalid_request"
@@ -219,7 +220,8 @@ async def test_no_secret_leaks_anywhere(broker: BrokerHarness, softhsm_token: So
     assert (status, env) == (400, None)
     reading = read_request(b'{"requestId":"r","pin":"' + user_pin.encode() + b'","pin":1}')
     assert reading.error is not None
-    run.keep("ContractError text", f"{reading.error}{reading.error!r}{reading.error.detail}")
+    run.keep("ContractError text", f"{reading.error}{reading.error!r}{reading.error.detail}"
+                                   f"{reading.error.message}")
 
     # --- key material the custody refuses: the exception text must not quote it ----------
     invalid = "ff" * 32  # above the curve order: not a secret key

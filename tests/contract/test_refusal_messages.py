@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -113,7 +114,8 @@ CASES: dict[Rule, Case] = {
     Rule.U16: Case(lambda: _request(body(envelope(actionVersion=987654))), "/actionVersion",
                    "987654"),
     Rule.EXPECTED_OBJECT: Case(lambda: _request(body(envelope(args=SECRET))), "/args"),
-    Rule.UNKNOWN_MEMBER: Case(_args("channel.read", **{SECRET: 1}), "/args/<member 6>"),
+    Rule.UNKNOWN_MEMBER: Case(lambda: _request(body(envelope("channel.read", {
+        "channelId": CHANNEL, SECRET: 1}))), "/args/<member 2>"),
     Rule.MISSING_MEMBER: Case(lambda: _request(body(envelope("message.post", _CHAN))),
                               "/args/content", None),
     Rule.EXPECTED_STRING: Case(_args("message.post", content=987654), "/args/content", "987654"),
@@ -225,3 +227,13 @@ def test_the_other_codes_keep_their_fixed_message() -> None:
                        ({"actionVersion": 2}, ErrorCode.UNSUPPORTED_ACTION_VERSION)):
         error = _request(body(envelope(**over)))
         assert (error.code, error.rule, error.message) == (code, None, MESSAGES[code])
+
+
+def test_the_examples_in_the_protocol_doc_are_messages_the_rules_produce() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
+    section = text.split("### What an `invalid_request` message says", 1)[1]
+    block = section.split("```text\n", 1)[1].split("```", 1)[0]
+    produced = {case.produce().message for case in CASES.values()}
+    examples = block.strip().splitlines()
+    assert examples and set(examples) <= produced, set(examples) - produced
+    assert f"longer than {MAX_SHOWN_POINTER_CHARS} characters is cut" in section
