@@ -51,7 +51,8 @@ Rules:
   Authorization header, and never logged. Log lines carry the request id, the action,
   the attempt and a fixed-vocabulary reason; never arguments or content.
 - Bad arguments are the caller's: `build_request` raises `ContractError` and nothing is
-  sent. A bad address or credential raises `ValueError` at construction.
+  sent; its `message` is the host's own `invalid_request` text for them (pointer and
+  rule, docs/protocol.md §5). A bad address or credential raises `ValueError` at construction.
 - `AsyncBrokerClient` is the one implementation; it runs on asyncio or trio (anyio).
   `BrokerClient` (`_blocking`) is the same methods for threads and synchronous code.
 - The address and credential default from the environment (`_env`): `BUZZ_BROKER_SOCKET`,

@@ -36,6 +36,7 @@ from typing import Any
 from buzzwire.contract import Rule, read_request
 from tests.conformance import _spec
 from tests.conformance._wire import Wire, fetch, known_agent
+from tests.contract.vectors import reason_pattern
 from tests.conformance.test_nip_ba_vectors import _VECTOR_CHANNEL, _bind, _vectors
 from tests.fixtures.broker import BrokerHarness
 
@@ -57,10 +58,7 @@ _NAMES = set(_spec.REQUEST_MEMBERS) | {"pubkey", "name", "kind", "payload"} | {
     name for required, optional in _spec.NIP_BA_ARGS.values() for name in required | optional}
 _SEGMENT = re.compile(r"<member [1-9][0-9]*>|[0-9]+")
 #: Each rule's template as a pattern: placeholders stand for host digits and words.
-_REASONS = [(rule, re.compile("".join(
-    re.escape(part) if index % 2 == 0 else r"[0-9a-z_.,\- ]+"
-    for index, part in enumerate(re.split(r"\{(\w+)\}", rule.value)))))
-    for rule in Rule]
+_REASONS = [(rule, reason_pattern(rule)) for rule in Rule]
 
 
 def _strings(value: Any) -> Iterator[str]:

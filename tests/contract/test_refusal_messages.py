@@ -15,7 +15,6 @@ Rules:
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from buzzwire.contract import (
 )
 from tests.contract.vectors import (
     CHANNEL, EVENT, PK1, REQUEST_ID, VALID_ARGS, VALID_OUTCOMES, Pairs, body, envelope,
+    reason_pattern,
 )
 
 #: Written into every offending value or chosen member name: the message must not hold it.
@@ -161,14 +161,6 @@ CASES: dict[Rule, Case] = {
 }
 
 
-def _template(rule: Rule) -> re.Pattern[str]:
-    """The rule's reason with each placeholder standing for host digits and words."""
-    parts = re.split(r"\{(\w+)\}", rule.value)
-    pattern = "".join(re.escape(p) if i % 2 == 0 else r"[0-9a-z_.,\- ]+"
-                      for i, p in enumerate(parts))
-    return re.compile(pattern)
-
-
 def test_every_rule_has_a_case() -> None:
     assert set(CASES) == set(Rule)
 
@@ -178,7 +170,7 @@ def test_each_rule_produces_its_message(rule: Rule) -> None:
     case = CASES[rule]
     error = case.produce()
     assert (error.code, error.rule) == (ErrorCode.INVALID_REQUEST, rule)
-    assert _template(rule).fullmatch(error.reason), (rule, error.reason)
+    assert reason_pattern(rule).fullmatch(error.reason), (rule, error.reason)
     assert error.message == f"{case.shown or '(document)'}: {error.reason}"
     if case.marker is not None:
         assert case.marker not in error.message

@@ -4,7 +4,10 @@ JSON writer that can spell what Python dicts cannot (repeated keys)."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
+
+from buzzwire.contract import Rule
 
 CHANNEL = "5df7dfa8-e919-43df-8efd-f1dcb8af7071"
 EVENT_ID = "cacf5f811cc8ef3f4af3f92cc222f92a86cdf6a26728a144c8e63b74ab6db359"
@@ -92,3 +95,11 @@ def envelope(action: str = "message.reply", args: Any = None, **over: Any) -> di
 
 def body(value: Any) -> bytes:
     return dump(value).encode("utf-8")
+
+
+def reason_pattern(rule: Rule) -> re.Pattern[str]:
+    """`rule`'s reason template as a pattern: each placeholder stands for host digits and
+    words (a limit, an enum's values), never for anything a request could hold."""
+    parts = re.split(r"\{(\w+)\}", rule.value)
+    return re.compile("".join(re.escape(part) if index % 2 == 0 else r"[0-9a-z_.,\- ]+"
+                              for index, part in enumerate(parts)))
