@@ -260,7 +260,7 @@ async def test_a_fault_before_authentication_is_still_an_envelope(
     def broken(*_: Any, **__: Any) -> Any:
         raise Injected("authenticate")
 
-    monkeypatch.setattr(SessionStore, "authenticate", broken)
+    monkeypatch.setattr(SessionStore, "check", broken)  # what the pipeline authenticates with
     status, answer = await broker.post(request_body("storage.address", {"slug": "core"},
                                                     request_id="before-auth"), "bad")
     assert status == 200 and answer is not None

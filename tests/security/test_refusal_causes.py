@@ -17,7 +17,7 @@ import os
 import secrets
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -67,52 +67,50 @@ async def _refused(broker: BrokerHarness, token: str) -> None:
     assert answer["error"] == {"code": "unauthenticated", "message": UNAUTHENTICATED}
 
 
-async def test_unknown(broker: BrokerHarness, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="buzz_broker")
-    token = _unknown_token()
-    await _refused(broker, token)
-    [line] = _unauthenticated_lines(caplog)
-    assert line["cause"] == "unknown" and "credential_id" not in line
-    _no_token_logged(caplog, token)
+async def _unknown(broker: BrokerHarness) -> tuple[str, str | None]:
+    return _unknown_token(), None
 
 
-async def test_revoked(broker: BrokerHarness, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="buzz_broker")
+async def _revoked(broker: BrokerHarness) -> tuple[str, str | None]:
     credential_id, token = _issue(broker)
     assert broker._sessions.revoke(credential_id)
-    await _refused(broker, token)
-    [line] = _unauthenticated_lines(caplog)
-    assert (line["cause"], line["credential_id"]) == ("revoked", credential_id)
-    _no_token_logged(caplog, token)
+    return token, credential_id
 
 
-async def test_expired(broker: BrokerHarness, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="buzz_broker")
+async def _expired(broker: BrokerHarness) -> tuple[str, str | None]:
     credential_id, token = _issue(broker, ttl=60, issued_at=int(time.time()) - 3600)
-    await _refused(broker, token)
-    [line] = _unauthenticated_lines(caplog)
-    assert (line["cause"], line["credential_id"]) == ("expired", credential_id)
-    _no_token_logged(caplog, token)
+    return token, credential_id
 
 
-async def test_wrong_uid(broker: BrokerHarness, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="buzz_broker")
+async def _wrong_uid(broker: BrokerHarness) -> tuple[str, str | None]:
     credential_id, token = _issue(broker, uid=os.getuid() + 1)
-    await _refused(broker, token)
-    [line] = _unauthenticated_lines(caplog)
-    assert (line["cause"], line["credential_id"]) == ("wrong_uid", credential_id)
-    assert line["peer_uid"] == os.getuid()
-    _no_token_logged(caplog, token)
+    return token, credential_id
 
 
-async def test_agent_gone(broker: BrokerHarness, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="buzz_broker")
+async def _agent_gone(broker: BrokerHarness) -> tuple[str, str | None]:
     agent = await broker.human_owned_agent()
     credential_id, token = _issue(broker, agent=agent)
     await broker.custody.destroy_agent(agent)  # its credential is still unrevoked
+    return token, credential_id
+
+
+#: cause -> how to make a token refused for it: (token, the credential id the line names)
+CAUSES: dict[str, Callable[[BrokerHarness], Awaitable[tuple[str, str | None]]]] = {
+    "unknown": _unknown, "revoked": _revoked, "expired": _expired, "wrong_uid": _wrong_uid,
+    "agent_gone": _agent_gone,
+}
+
+
+@pytest.mark.parametrize("cause", list(CAUSES))
+async def test_the_operator_log_names_the_cause(
+    broker: BrokerHarness, caplog: pytest.LogCaptureFixture, cause: str
+) -> None:
+    caplog.set_level(logging.INFO, logger="buzz_broker")
+    token, credential_id = await CAUSES[cause](broker)
     await _refused(broker, token)
     [line] = _unauthenticated_lines(caplog)
-    assert (line["cause"], line["credential_id"]) == ("agent_gone", credential_id)
+    assert (line["cause"], line.get("credential_id")) == (cause, credential_id)
+    assert line["peer_uid"] == os.getuid()
     _no_token_logged(caplog, token)
 
 
