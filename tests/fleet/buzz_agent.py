@@ -419,6 +419,11 @@ class AgentStats:
     duplicates: int = 0         # events dropped as already seen
     dropped: int = 0            # events dropped: signature, or first h tag not the channel
     turns: int = 0
+    #: With `log=True`: each call as (wall-clock start, seconds, action, label), a poll's
+    #: seconds counted from its tick; each tick as (wall-clock, sent). The benchmark cuts
+    #: its measurement window out of these.
+    calls: list[tuple[float, float, str, str]] = field(default_factory=list)
+    ticks: list[tuple[float, bool]] = field(default_factory=list)
 
 
 class BuzzAgent:
@@ -426,8 +431,8 @@ class BuzzAgent:
 
     def __init__(self, base: str, credential: str, channels: Sequence[str], *,
                  interval: float = DEFAULT_INTERVAL, mentions_only: Mapping[str, bool] | None = None,
-                 keep_ids: bool = True, poll_clock: Callable[[], float] = trio.current_time,
-                 ) -> None:
+                 keep_ids: bool = True, log: bool = False,
+                 poll_clock: Callable[[], float] = trio.current_time) -> None:
         if not channels:
             raise ValueError("an agent polls at least one channel")
         self.transport = Transport(parse_endpoint(base), credential)
@@ -435,6 +440,7 @@ class BuzzAgent:
         self.interval = max(MIN_INTERVAL, interval)
         self.mentions_only = dict(mentions_only or {})
         self.keep_ids = keep_ids
+        self.log = log
         self.pubkey: str | None = None
         self.memory: Mapping[str, Any] | None = None
         self.ended: str | None = None       # "unauthenticated" | "start failed: …" | "stopped"
@@ -450,9 +456,11 @@ class BuzzAgent:
         """End cleanly: polls stop, `presence.set offline`, then `run()` returns."""
         self._stop.set()
 
-    async def call(self, action: str, args: Mapping[str, Any]) -> Verdict | None:
+    async def call(self, action: str, args: Mapping[str, Any],
+                   since: float | None = None) -> Verdict | None:
         """One request with a fresh UUIDv4: its verdict, or None for no answer (counted).
-        `unauthenticated` ends the agent."""
+        `unauthenticated` ends the agent. `since`: the clock reading latency counts from."""
+        wall, began = time.time(), self._clock() if since is None else since
         request_id = str(uuid.uuid4())
         body = json.dumps({"type": "broker_request", "protocolVersion": 1,
                            "requestId": request_id, "actionVersion": 1, "action": action,
@@ -463,8 +471,12 @@ class BuzzAgent:
             verdict = read_answer(raw, request_id, action, args)
         except NoAnswer as exc:
             self.stats.no_answer[f"{action} {exc}"] += 1
+            if self.log:
+                self.stats.calls.append((wall, self._clock() - began, action, f"no answer: {exc}"))
             return None
         self.stats.answers[f"{action} {verdict.label}"] += 1
+        if self.log:
+            self.stats.calls.append((wall, self._clock() - began, action, verdict.label))
         if verdict.code == "unauthenticated":
             self.ended = self.ended or "unauthenticated"
             self._stop.set()
@@ -513,6 +525,8 @@ class BuzzAgent:
                 if self._stop.is_set():
                     break
                 self.stats.scheduled += 1
+                if self.log:
+                    self.stats.ticks.append((time.time(), not in_flight))
                 if in_flight:
                     self.stats.skipped += 1
                     continue
@@ -527,7 +541,7 @@ class BuzzAgent:
                             args["mentionsOnly"] = True
                         if cursor is not None:
                             args["cursor"] = cursor
-                        verdict = await self.call("channel.read", args)
+                        verdict = await self.call("channel.read", args, since=intended)
                         self.stats.poll_latencies.append(self._clock() - intended)
                         if verdict is None or verdict.status != "succeeded":
                             cursor = None  # a failed continuation is dropped: default window next
