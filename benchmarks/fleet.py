@@ -29,7 +29,9 @@ What runs (loopback and Unix sockets only, one temporary directory, removed afte
      phase of the interval; beside them one poster posts --post-rate message.post a second
      (open loop), each mentioning one agent (which then takes a turn: typing.set,
      observer.emit, liveness.ping);
-  6. after --warmup s, a --duration s window is measured;
+  6. each agent's first calls once before any window (the daemon opens an agent's relay
+     connection at its first read); then the fleet runs, and after --warmup s a
+     --duration s window is measured;
   7. then, with the fleet stopped, the same daemon answers 200 sequential polls of an
      unchanged window and 200 requests refused at validation (channel.read, limit 0): the
      daemon CPU of each kind, in the same run;
@@ -198,6 +200,7 @@ class Served:
     daemon: H.Daemon
     base: str
     state_dir: Path
+    warmed: set[str]  # credentials whose relay connection the daemon has opened
 
 
 @contextmanager
@@ -218,7 +221,7 @@ def serve(build: Build, token: Any, tmp: Path, name: str, relay_url: str) -> Ite
                                      "limits": {"enabled": False}})
     with H.daemon_process(config, tmp, binary=build.broker) as daemon:
         base = f"http://localhost:{port}" if build.over_tcp else f"unix:{sock}"
-        yield Served(daemon, base, state)
+        yield Served(daemon, base, state, set())
 
 
 def ledger_bytes(path: Path) -> int:
@@ -264,6 +267,29 @@ async def seed(base: str, poster: dict[str, str], channels: Sequence[str], n: in
         await agent.transport.aclose()
 
 
+async def warm_up(base: str, rows: Sequence[dict[str, str]], channels: Sequence[str]) -> None:
+    """Each agent's first calls before any window: the daemon opens an agent's relay
+    connection (and signs its AUTH) at its first relay request, a one-off cost that would
+    otherwise land in the first run's window and not in the others'."""
+    limiter = trio.CapacityLimiter(8)
+
+    async def one(row: dict[str, str]) -> None:
+        async with limiter:
+            agent = BuzzAgent(base, row["credential"], channels)
+            try:
+                await agent.call("storage.address", {"slug": "core"})
+                for channel in channels:
+                    await agent.call("channel.read", {"channelId": channel, "limit": WINDOW_EVENTS})
+            finally:
+                await agent.transport.aclose()
+            if set(agent.stats.answers) != {"storage.address succeeded", "channel.read succeeded"}:
+                raise SystemExit(f"fleet: warm-up got {dict(agent.stats.answers)} {dict(agent.stats.no_answer)}")
+
+    async with trio.open_nursery() as nursery:
+        for row in rows:
+            nursery.start_soon(one, row)
+
+
 async def compare_costs(served: Served, row: dict[str, str], channel: str) -> dict[str, float]:
     """Daemon CPU-seconds per request: an unchanged window polled, and a validation refusal."""
     agent = BuzzAgent(served.base, row["credential"], [channel])
@@ -290,6 +316,9 @@ async def compare_costs(served: Served, row: dict[str, str], channel: str) -> di
 def run_fleet(args: argparse.Namespace, served: Served, rows: list[dict[str, str]], n: int,
               channels: Sequence[str], duration: float, label: str) -> dict[str, Any]:
     """N agents (rows[1:n+1]; rows[0] posts) for --warmup + duration s; the window's figures."""
+    fresh = [r for r in rows[1:n + 1] if r["credential"] not in served.warmed]
+    trio.run(warm_up, served.base, fresh, channels)
+    served.warmed.update(r["credential"] for r in fresh)
     agents_file = Path(served.state_dir).parent / f"fleet-{label.replace(' ', '_')}.json"
     fd = os.open(agents_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
