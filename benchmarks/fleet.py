@@ -429,7 +429,7 @@ async def worker(args: argparse.Namespace) -> None:
     await poster.transport.aclose()
 
     def inside(wall: float) -> bool:
-        return args.t0 <= wall < args.t1
+        return bool(args.t0 <= wall < args.t1)
 
     answers: Counter[str] = Counter()
     latencies: list[float] = []

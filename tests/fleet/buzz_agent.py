@@ -189,8 +189,7 @@ class Transport:
             while True:
                 event = conn.next_event()
                 if event is h11.NEED_DATA:
-                    data = await stream.receive_some(_RECEIVE)
-                    conn.receive_data(data)
+                    conn.receive_data(bytes(await stream.receive_some(_RECEIVE)))
                 elif isinstance(event, h11.Response):
                     length = dict(event.headers).get(b"content-length")
                     if length is not None and int(length) > cap:
