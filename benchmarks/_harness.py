@@ -248,8 +248,11 @@ class Daemon:
 
 
 @contextmanager
-def daemon_process(config: Path, workdir: Path, *, environ: dict[str, str] | None = None) -> Iterator[Daemon]:
-    """`buzz-broker serve` with a NOTIFY_SOCKET of ours; yields once READY=1 arrived."""
+def daemon_process(config: Path, workdir: Path, *, environ: dict[str, str] | None = None,
+                   binary: str | None = None) -> Iterator[Daemon]:
+    """`buzz-broker serve` with a NOTIFY_SOCKET of ours; yields once READY=1 arrived.
+
+    `binary`: another build's `buzz-broker` (benchmarks/fleet.py's pinned baseline)."""
     notify_path = workdir / f"notify-{uuid.uuid4().hex[:8]}.sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     listener.bind(str(notify_path))
@@ -259,7 +262,7 @@ def daemon_process(config: Path, workdir: Path, *, environ: dict[str, str] | Non
     sock = _socket_of(config)
     with open(log_path, "ab") as log:
         started = time.perf_counter()
-        proc = subprocess.Popen([buzz_broker_bin(), "--config", str(config), "serve"], env=env,
+        proc = subprocess.Popen([binary or buzz_broker_bin(), "--config", str(config), "serve"], env=env,
                                 stdout=subprocess.DEVNULL, stderr=log)
     try:
         listener.settimeout(0.25)
