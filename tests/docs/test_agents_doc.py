@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import trio
 
+from buzzwire.nostr import verify_event
+from tests.client.scripted_host import Received, ScriptedHost, Signer, socket_dir, succeeded
 from tests.docs.snippets import REPO, block
 from tests.fixtures.broker import BrokerHarness
 
@@ -114,3 +116,36 @@ async def test_agent_scripts_run_in_a_venv_with_only_the_client(
     assert ["e", mention_id] in [tag[:2] for tag in events[reply_id]["tags"]]
     assert sorted(e["content"] for e in events.values() if e["content"].startswith("task ")) == [
         f"task {n} done: {n * n}" for n in range(4)]
+
+
+async def test_the_asyncio_agent_refuses_a_tampered_event(
+    nursery: trio.Nursery, client_only_python: str, tmp_path: Path
+) -> None:
+    """The asyncio script against a host that alters one byte of a mention (a hostile or
+    broken broker, which the real one cannot be made to be): the client's check refuses the
+    page, the script says so, and nothing is answered or reacted to."""
+    channel = str(uuid.uuid4())
+    author = Signer()
+    agent = Signer().pubkey
+    mention = author.event(content="@scout ping", tags=[["h", channel], ["p", agent]])
+    assert verify_event(mention)
+    tampered = {**mention, "content": "@scout pong"}
+
+    def answer(got: Received) -> object:
+        assert got.json()["action"] == "channel.read", "nothing but the read may be sent"
+        return succeeded(None, {"messages": [tampered]})(got)
+
+    host = ScriptedHost(str(Path(socket_dir()) / "host.sock"), default=answer)
+    await nursery.start(host.serve)
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path),
+        "BUZZ_BROKER_SOCKET": host.path, "BUZZ_BROKER_CREDENTIAL": "a-scripted-credential",
+        "BUZZ_CHANNEL": channel, "AGENT_PUBKEY": agent,
+        "AGENT_STATE": str(tmp_path / "agent-state.json"),
+    }
+    script = tmp_path / "agent_asyncio.py"
+    script.write_text(block(AGENTS_MD, "agent-asyncio"))
+    out = await _run(client_only_python, script, env)
+    assert out.splitlines() == ["read refused: an event's id or signature does not verify"]
+    assert {r.json()["action"] for r in host.received} == {"channel.read"}
+    assert json.loads((tmp_path / "agent-state.json").read_text())["seen"] == []
