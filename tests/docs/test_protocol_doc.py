@@ -6,7 +6,9 @@
   round-trips through `buzzwire.contract` to the same bytes (the examples are written in
   the canonical form the contract writes). Every action has both.
 - The curl, httpx and TypeScript programs run as written against the real daemon (SoftHSM2
-  token, nostr-sdk's LocalRelay); the curl one twice, to show the replay.
+  token, nostr-sdk's LocalRelay), with every other example, in reading order:
+  tests/docs/test_docs_walkthrough.py (it uses the helpers here). The TypeScript one, run
+  against a host that alters one event of a page, prints no answer.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from buzzwire.nostr import verify_event
 from tests.client.scripted_host import Received, ScriptedHost, Signer, publish_outcome, socket_dir, succeeded
 from tests.docs.node_deps import MIN_NODE, node_modules, node_version
 from tests.docs.snippets import REPO, block, blocks
-from tests.fixtures.broker import BrokerHarness
 
 PROTOCOL_MD = REPO / "docs" / "protocol.md"
 SCHEMAS = REPO / "docs" / "schema"
@@ -138,7 +139,7 @@ def _node_with_typescript() -> tuple[str, str]:
     raise AssertionError("TypeScript is missing: `make deps` installs node-typescript")
 
 
-async def _run(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+async def run_json(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
     done = await trio.run_process(argv, env=env, capture_stdout=True, capture_stderr=True,
                                   check=False)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
@@ -147,7 +148,7 @@ async def _run(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
     return envelope
 
 
-async def _typescript_example(directory: Path) -> list[str]:
+async def typescript_example(directory: Path) -> list[str]:
     """The doc's TypeScript, transpiled to an ES module in `directory`, beside the
     node_modules its lockfile describes: the argv that runs it."""
     node, typescript_root = _node_with_typescript()
@@ -171,7 +172,7 @@ async def _typescript_example(directory: Path) -> list[str]:
     return [node, str(compiled)]
 
 
-async def _run_typescript(argv: list[str], env: dict[str, str]) -> tuple[dict[str, Any], str]:
+async def run_typescript(argv: list[str], env: dict[str, str]) -> tuple[dict[str, Any], str]:
     """The example's two lines: the post's envelope, and what its read verified."""
     done = await trio.run_process(argv, env=env, capture_stdout=True, capture_stderr=True,
                                   check=False)
@@ -182,43 +183,12 @@ async def _run_typescript(argv: list[str], env: dict[str, str]) -> tuple[dict[st
     return envelope, read
 
 
-def _env(socket: Path, tmp_path: Path, credential: str) -> dict[str, str]:
+def program_env(socket: Path, tmp_path: Path, credential: str) -> dict[str, str]:
     path = tmp_path / "credential"
     path.write_text(credential + "\n")
     path.chmod(0o400)
     return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path),
             "BUZZ_BROKER_SOCKET": str(socket), "BUZZ_BROKER_CREDENTIAL_FILE": str(path)}
-
-
-async def test_curl_httpx_and_typescript_examples_run_against_a_real_broker(
-    broker: BrokerHarness, tmp_path: Path
-) -> None:
-    assert shutil.which("curl") and shutil.which("bash"), "`make deps` installs curl"
-    typescript = await _typescript_example(tmp_path)
-    agent = await broker.human_owned_agent("protocol-doc")
-    credential = broker.credential(agent, [EXAMPLE_CHANNEL])
-    env = _env(broker.socket, tmp_path, credential)
-
-    curl = block(PROTOCOL_MD, "curl")
-    assert credential not in curl
-    first = await _run(["bash", "-c", curl], env)
-    assert first["status"] == "succeeded" and "replayed" not in first, first
-    again = await _run(["bash", "-c", curl], env)  # the same bytes: the recorded answer
-    assert again == {**first, "replayed": True}
-
-    script = tmp_path / "httpx_example.py"
-    script.write_text(block(PROTOCOL_MD, "httpx"))
-    answer = await _run([sys.executable, str(script)], env)
-    assert answer["status"] == "succeeded" and answer["action"] == "message.post", answer
-
-    answer, read = await _run_typescript(typescript, env)
-    assert answer["status"] == "succeeded" and answer["action"] == "message.post", answer
-    # The page it read and verified: the three posts, each signed by the agent in custody.
-    assert read == "read 3 events, every id and signature verified", read
-
-    page = await broker.call(credential, "channel.read", {"channelId": EXAMPLE_CHANNEL})
-    assert sorted(e["content"] for e in page["outcome"]["messages"]) == [
-        "Hello from TypeScript", "Hello from curl", "Hello from httpx"]
 
 
 async def test_the_typescript_example_refuses_a_tampered_event(
@@ -227,7 +197,7 @@ async def test_the_typescript_example_refuses_a_tampered_event(
     """A host that alters one byte of one event of a page (a hostile or broken broker, which
     the real one cannot be made to be): the example's check finds it and it prints no
     answer, after retrying the same bytes as §6 says."""
-    typescript = await _typescript_example(tmp_path)
+    typescript = await typescript_example(tmp_path)
     signer = Signer()
     good = signer.event(content="signed by its author", tags=[["h", EXAMPLE_CHANNEL]])
     assert verify_event(good)
@@ -241,7 +211,7 @@ async def test_the_typescript_example_refuses_a_tampered_event(
 
     host = ScriptedHost(str(Path(socket_dir()) / "host.sock"), default=answer)
     await nursery.start(host.serve)
-    posted, read = await _run_typescript(typescript, _env(Path(host.path), tmp_path, "cred"))
+    posted, read = await run_typescript(typescript, program_env(Path(host.path), tmp_path, "cred"))
     assert posted["status"] == "succeeded", posted
     assert read.startswith("no answer"), read
     reads = [r.body for r in host.received if r.json()["action"] == "channel.read"]
