@@ -295,14 +295,14 @@ READING_ORDER: list[tuple[str, str, Step | str]] = [
      "test_the_buzz_runtime_configuration_names_buzzs_variables"),
     ("protocol.md", "POST /v1/action",
      "the exchange's form, with placeholders; curl, httpx and TypeScript below are its instances"),
-    *[("protocol.md", label, step) for label, step in [
+    *[("protocol.md", label, step) for label, step in list[tuple[str, Step | str]]([
         ("request-message.post", _sent("request-message.post")),
         ("response-message.post", _checked_with("request-message.post")),
         ("response-failed", response_failed),
         ("response-indeterminate", "a healthy relay never gives one: tests/adversarial/"
          "test_relay_faults_e2e.py::test_no_ok_is_indeterminate_then_the_retry_succeeds_with_the_same_event"),
         ("response-replayed", response_replayed),
-    ]],
+    ])],
 ]
 for _label in _request_labels()[1:]:
     _action = _label.removeprefix("request-")

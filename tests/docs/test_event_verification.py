@@ -36,7 +36,7 @@ def _vector() -> dict[str, Any]:
 
 
 def _tampered(event: dict[str, Any], change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    copy = json.loads(json.dumps(event))
+    copy: dict[str, Any] = json.loads(json.dumps(event))
     change(copy)
     return copy
 

@@ -185,8 +185,9 @@ async def run_typescript(argv: list[str], env: dict[str, str]) -> tuple[dict[str
 
 def program_env(socket: Path, tmp_path: Path, credential: str) -> dict[str, str]:
     path = tmp_path / "credential"
-    path.write_text(credential + "\n")
-    path.chmod(0o400)
+    if not path.exists():  # 0400: written once (the walk's programs share one)
+        path.write_text(credential + "\n")
+        path.chmod(0o400)
     return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path),
             "BUZZ_BROKER_SOCKET": str(socket), "BUZZ_BROKER_CREDENTIAL_FILE": str(path)}
 
