@@ -7,9 +7,12 @@ PY := $(VENV)/bin/python
 # opensc: pkcs11-tool for inspecting it; systemd: systemd-analyze for the unit lint;
 # curl: the demo's first request; curl and node-typescript: docs/protocol.md's examples run
 # by tests/docs (node itself: nodejs and npm, installed only when no `node` is on PATH, so a
-# node from elsewhere is left alone). systemd-container + debootstrap: the real-systemd test
-# boots a Debian 12 guest with systemd-nspawn (tests/nspawn/; it caches the image and a
-# wheel cache under /var/cache/buzz-broker-tests, outside the checkout).
+# node from elsewhere is left alone; the one npm package the TypeScript example needs,
+# @noble/curves, is installed by the test with `npm ci` from docs/examples/node's lockfile
+# into a cache outside the checkout: tests/docs/node_deps.py). systemd-container +
+# debootstrap: the real-systemd test boots a Debian 12 guest with systemd-nspawn
+# (tests/nspawn/; it caches the image and a wheel cache under /var/cache/buzz-broker-tests,
+# outside the checkout).
 APT_PACKAGES := softhsm2 opensc systemd curl node-typescript systemd-container debootstrap
 # The other PKCS#11 tokens the custody suite runs on (tests/tokens/kinds.py says which kind
 # needs which): a software TPM 2.0 with tpm2-pkcs11, opencryptoki's software token, and a

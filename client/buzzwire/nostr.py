@@ -203,7 +203,13 @@ def verify_event(obj: Mapping[str, object]) -> bool:
 
 def verify_signed(event: SignedEvent) -> bool:
     """True iff the event's id is its NIP-01 id and its BIP-340 signature is valid."""
-    expected = compute_event_id(event.pubkey, event.created_at, event.kind, event.tags, event.content)
+    try:
+        expected = compute_event_id(event.pubkey, event.created_at, event.kind, event.tags,
+                                    event.content)
+    except UnicodeEncodeError:
+        # A lone surrogate (JSON can spell one, `"\ud800"`) has no UTF-8 form, so the event
+        # has no NIP-01 id: it fails the check, as any other malformed event does.
+        return False
     if expected != event.id:
         return False
     return _schnorr_verify(event.pubkey, event.sig, bytes.fromhex(event.id))

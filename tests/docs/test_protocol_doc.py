@@ -6,7 +6,9 @@
   round-trips through `buzzwire.contract` to the same bytes (the examples are written in
   the canonical form the contract writes). Every action has both.
 - The curl, httpx and TypeScript programs run as written against the real daemon (SoftHSM2
-  token, nostr-sdk's LocalRelay); the curl one twice, to show the replay.
+  token, nostr-sdk's LocalRelay), with every other example, in reading order:
+  tests/docs/test_docs_walkthrough.py (it uses the helpers here). The TypeScript one, run
+  against a host that alters one event of a page, prints no answer.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from buzzwire.contract import (
     read_request,
 )
 from buzzwire.nostr import verify_event
+from tests.client.scripted_host import Received, ScriptedHost, Signer, publish_outcome, socket_dir, succeeded
+from tests.docs.node_deps import MIN_NODE, node_modules, node_version
 from tests.docs.snippets import REPO, block, blocks
-from tests.fixtures.broker import BrokerHarness
 
 PROTOCOL_MD = REPO / "docs" / "protocol.md"
 SCHEMAS = REPO / "docs" / "schema"
@@ -136,7 +139,7 @@ def _node_with_typescript() -> tuple[str, str]:
     raise AssertionError("TypeScript is missing: `make deps` installs node-typescript")
 
 
-async def _run(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+async def run_json(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
     done = await trio.run_process(argv, env=env, capture_stdout=True, capture_stderr=True,
                                   check=False)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
@@ -145,46 +148,72 @@ async def _run(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
     return envelope
 
 
-async def test_curl_httpx_and_typescript_examples_run_against_a_real_broker(
-    broker: BrokerHarness, tmp_path: Path
-) -> None:
-    assert shutil.which("curl") and shutil.which("bash"), "`make deps` installs curl"
+async def typescript_example(directory: Path) -> list[str]:
+    """The doc's TypeScript, transpiled to an ES module in `directory`, beside the
+    node_modules its lockfile describes: the argv that runs it."""
     node, typescript_root = _node_with_typescript()
-    agent = await broker.human_owned_agent("protocol-doc")
-    credential = broker.credential(agent, [EXAMPLE_CHANNEL])
-    path = tmp_path / "credential"
-    path.write_text(credential + "\n")
-    path.chmod(0o400)
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path),
-           "BUZZ_BROKER_SOCKET": str(broker.socket), "BUZZ_BROKER_CREDENTIAL_FILE": str(path)}
-
-    curl = block(PROTOCOL_MD, "curl")
-    assert credential not in curl
-    first = await _run(["bash", "-c", curl], env)
-    assert first["status"] == "succeeded" and "replayed" not in first, first
-    again = await _run(["bash", "-c", curl], env)  # the same bytes: the recorded answer
-    assert again == {**first, "replayed": True}
-
-    script = tmp_path / "httpx_example.py"
-    script.write_text(block(PROTOCOL_MD, "httpx"))
-    answer = await _run([sys.executable, str(script)], env)
-    assert answer["status"] == "succeeded" and answer["action"] == "message.post", answer
-
-    source = tmp_path / "example.ts"
+    assert node_version(node) >= MIN_NODE, (
+        f"node {node_version(node)} is older than @noble/curves 2.4.0 needs (>= 20.19)")
+    modules = await trio.to_thread.run_sync(node_modules)
+    (directory / "node_modules").symlink_to(modules, target_is_directory=True)
+    source = directory / "example.ts"
     source.write_text(block(PROTOCOL_MD, "node"))
-    compiled = tmp_path / "example.js"
+    compiled = directory / "example.mjs"
     transpile = (
         "const ts = require('typescript'); const fs = require('fs');"
         f"const out = ts.transpileModule(fs.readFileSync({str(source)!r}, 'utf8'),"
-        " {compilerOptions: {module: ts.ModuleKind.CommonJS, target: ts.ScriptTarget.ES2020},"
+        " {compilerOptions: {module: ts.ModuleKind.ESNext, target: ts.ScriptTarget.ES2022},"
         "  reportDiagnostics: true});"
         "if (out.diagnostics.length) { console.error(JSON.stringify(out.diagnostics.map(d => d.messageText))); process.exit(1); }"
         f"fs.writeFileSync({str(compiled)!r}, out.outputText);"
     )
-    await trio.run_process([node, "-e", transpile], env={**env, "NODE_PATH": typescript_root})
-    answer = await _run([node, str(compiled)], env)
-    assert answer["status"] == "succeeded" and answer["action"] == "message.post", answer
+    await trio.run_process([node, "-e", transpile], env={"NODE_PATH": typescript_root,
+                                                         "PATH": os.environ.get("PATH", "")})
+    return [node, str(compiled)]
 
-    page = await broker.call(credential, "channel.read", {"channelId": EXAMPLE_CHANNEL})
-    assert sorted(e["content"] for e in page["outcome"]["messages"]) == [
-        "Hello from TypeScript", "Hello from curl", "Hello from httpx"]
+
+async def run_typescript(argv: list[str], env: dict[str, str]) -> tuple[dict[str, Any], str]:
+    """The example's two lines: the post's envelope, and what its read verified."""
+    done = await trio.run_process(argv, env=env, capture_stdout=True, capture_stderr=True,
+                                  check=False)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    posted, read = done.stdout.decode().splitlines()
+    envelope = json.loads(posted)
+    assert isinstance(envelope, dict)
+    return envelope, read
+
+
+def program_env(socket: Path, tmp_path: Path, credential: str) -> dict[str, str]:
+    path = tmp_path / "credential"
+    if not path.exists():  # 0400: written once (the walk's programs share one)
+        path.write_text(credential + "\n")
+        path.chmod(0o400)
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path),
+            "BUZZ_BROKER_SOCKET": str(socket), "BUZZ_BROKER_CREDENTIAL_FILE": str(path)}
+
+
+async def test_the_typescript_example_refuses_a_tampered_event(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """A host that alters one byte of one event of a page (a hostile or broken broker, which
+    the real one cannot be made to be): the example's check finds it and it prints no
+    answer, after retrying the same bytes as §6 says."""
+    typescript = await typescript_example(tmp_path)
+    signer = Signer()
+    good = signer.event(content="signed by its author", tags=[["h", EXAMPLE_CHANNEL]])
+    assert verify_event(good)
+    tampered = {**good, "content": "signed by its author!"}
+
+    def answer(got: Received) -> object:
+        action = got.json()["action"]
+        outcome = (publish_outcome() if action == "message.post"
+                   else {"messages": [good, tampered]})
+        return succeeded(None, outcome)(got)
+
+    host = ScriptedHost(str(Path(socket_dir()) / "host.sock"), default=answer)
+    await nursery.start(host.serve)
+    posted, read = await run_typescript(typescript, program_env(Path(host.path), tmp_path, "cred"))
+    assert posted["status"] == "succeeded", posted
+    assert read.startswith("no answer"), read
+    reads = [r.body for r in host.received if r.json()["action"] == "channel.read"]
+    assert len(reads) == 4 and len(set(reads)) == 1, "four attempts, identical bytes"
