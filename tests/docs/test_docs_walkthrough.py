@@ -314,6 +314,9 @@ for _label in _request_labels()[1:]:
             "this host offers reaction.add; a client's handling of the answer is "
             "tests/client/test_client.py::test_unsupported_is_normal_on_reaction_add_and_failed_elsewhere"))
 READING_ORDER += [
+    ("protocol.md", "/args/limit: integer",
+     "messages to read, not to run: each is produced by the contract in tests/contract/"
+     "test_refusal_messages.py::test_the_examples_in_the_protocol_doc_are_messages_the_rules_produce"),
     ("protocol.md", "nip01-vector-event", vector),
     ("protocol.md", "nip01-vector-serialization",
      "bytes to compare, not to run: tests/docs/test_event_verification.py"),
