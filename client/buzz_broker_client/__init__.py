@@ -1,7 +1,7 @@
 """buzz_broker_client: the agent side of the broker protocol, on asyncio, trio or threads.
 
 A keyless Buzz agent holds a public key and a bearer credential and asks the broker to act
-for it (spec/agent-broker.md; docs/protocol.md for any language, docs/agents.md for this
+for it (agent-broker.md and NIP-BA, linked from README.md; docs/protocol.md for any language, docs/agents.md for this
 package). Install it alone: it needs anyio, h11 and coincurve, and brings `buzzwire` (the
 wire contract and public Nostr checks). It imports nothing from the broker daemon or its
 key custody.
