@@ -13,7 +13,8 @@ Modules, one job each:
   _env        address and credential from arguments or BUZZ_BROKER_* variables
   _errors     the setup errors (nothing happened; the message says what to fix)
 
-WARNING: `__all__` is the package's surface; docs/agents.md documents it.
+WARNING: `__all__` is the package's surface; docs/agents.md documents it, and
+docs/api/buzz_broker_client.md is generated from it (scripts/client_reference.py).
 """
 
 from buzzwire.contract import ContractError, ErrorCode
