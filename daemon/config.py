@@ -82,7 +82,8 @@ SYSTEM_CONFIG = "/etc/buzz-broker/broker.toml"
 #: The systemd credential holding the token PIN (``LoadCredential=token-pin:...``).
 PIN_CREDENTIAL = "token-pin"
 
-#: The nine wire names (spec/agent-broker.md §Operations), from the contract's ActionSpec table.
+#: The fifteen wire names (agent-broker.md §Operations and NIP-BA "Actions"), from the
+#: contract's ActionSpec table.
 ACTION_NAMES = frozenset(ACTIONS)
 
 #: Log levels accepted by [log] level (daemon/log.py LEVELS, restated to keep this module

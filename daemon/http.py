@@ -145,7 +145,7 @@ __all__ = [
 
 _log = logging.getLogger("buzz_broker.http")
 
-#: The one endpoint (spec/agent-broker.md §HTTP binding).
+#: The one endpoint (agent-broker.md §HTTP binding; NIP-BA "Session and transport").
 ACTION_PATH = b"/v1/action"
 
 #: How much we ask the kernel for per read of a body whose bytes are reserved.

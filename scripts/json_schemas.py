@@ -210,7 +210,7 @@ def request_schema() -> dict[str, object]:
         }
         assert tuple(members) == REQUEST_MEMBERS
         variants.append(_envelope(members, REQUEST_MEMBERS))
-    return _document("broker_request (spec/agent-broker.md §Request, §Operations)", variants,
+    return _document("broker_request (agent-broker.md §Request, §Operations; NIP-BA)", variants,
                      [spec.args_type for spec in ACTIONS.values()] + [AgentTarget, ObserverFrame])
 
 
@@ -236,7 +236,7 @@ def response_schema() -> dict[str, object]:
         members = {**common, "status": {"const": status.value}, "error": error, **replayed}
         assert set(members) - {"replayed"} == _ERROR_MEMBERS
         variants.append(_envelope(members, _ERROR_MEMBERS))
-    return _document("broker_result (spec/agent-broker.md §Results and errors, §Operations)",
+    return _document("broker_result (agent-broker.md §Results and errors, §Operations; NIP-BA)",
                      variants, [spec.outcome_type for spec in ACTIONS.values()] + [Event])
 
 

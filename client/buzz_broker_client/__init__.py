@@ -1,7 +1,7 @@
 """buzz_broker_client: the agent side of the broker protocol, on asyncio, trio or threads.
 
 A keyless Buzz agent holds a public key and a bearer credential and asks the broker to act
-for it (spec/agent-broker.md; docs/protocol.md for any language, docs/agents.md for this
+for it (agent-broker.md and NIP-BA, linked from README.md; docs/protocol.md for any language, docs/agents.md for this
 package). Install it alone: it needs anyio, h11 and coincurve, and brings `buzzwire` (the
 wire contract and public Nostr checks). It imports nothing from the broker daemon or its
 key custody.
@@ -13,7 +13,8 @@ Modules, one job each:
   _env        address and credential from arguments or BUZZ_BROKER_* variables
   _errors     the setup errors (nothing happened; the message says what to fix)
 
-WARNING: `__all__` is the package's surface; docs/agents.md documents it.
+WARNING: `__all__` is the package's surface; docs/agents.md documents it, and
+docs/api/buzz_broker_client.md is generated from it (scripts/client_reference.py).
 """
 
 from buzzwire.contract import ContractError, ErrorCode

@@ -99,6 +99,13 @@ class BrokerClient:
     Arguments and answers are exactly `AsyncBrokerClient`'s (address and credential
     default from the environment the same way). Usable from any thread, concurrently;
     see the module docstring for calls made from a thread running an event loop.
+
+    Every operation method (`call`, `send`, `channel_read`, `read_all`, `message_post`,
+    `message_reply`, `reaction_add`, `profile_set`, `storage_address`, `storage_get`,
+    `storage_put`, `presence_set`, `typing_set`, `observer_emit`, `liveness_ping`,
+    `agents_create`, `agents_update`, `agents_delete`) is the `AsyncBrokerClient` method
+    of that name, run to completion on the private loop: the same arguments, answer,
+    exceptions and docstring.
     """
 
     def __init__(
@@ -123,7 +130,13 @@ class BrokerClient:
         return f"BrokerClient({self._client._endpoint.describe()!r}, credential=<redacted>)"
 
     def close(self) -> None:
-        """Stop the private loop (it starts again on the next call)."""
+        """Stop the private loop (it starts again on the next call).
+
+        A call still waiting in another thread gets `CancelledError`.
+
+        Returns:
+            None.
+        """
         self._loop.stop()
 
     def __enter__(self) -> BrokerClient:
@@ -133,7 +146,19 @@ class BrokerClient:
         self.close()
 
     def freeze(self, action: str, args: Mapping[str, object], request_id: str | None = None) -> Request:
-        """See `AsyncBrokerClient.freeze`."""
+        """Validate and normalize a request without sending it (`AsyncBrokerClient.freeze`).
+
+        Args:
+            action: the wire name, e.g. `"message.post"`.
+            args: the argument object with its wire names.
+            request_id: the idempotency key; default a fresh one.
+
+        Returns:
+            The frozen `Request`.
+
+        Raises:
+            ContractError: unknown action (reserved names included) or bad arguments.
+        """
         return self._client.freeze(action, args, request_id)
 
     call = _blocking(AsyncBrokerClient.call)

@@ -134,8 +134,10 @@ O = TypeVar("O")
 class Result:
     """Base of every answer the client gives. Never instantiated itself.
 
-    `request_id` and `action` are those of the request that was sent; `attempts` is how
-    many times its bytes were sent.
+    Attributes:
+        request_id: the request id that was sent.
+        action: the action's wire name.
+        attempts: how many times its bytes were sent.
     """
 
     request_id: str
@@ -152,8 +154,11 @@ class Result:
 class Succeeded(Result, Generic[O]):
     """`succeeded`: the operation completed and `outcome` describes it.
 
-    `replayed` is True when the host replayed a recorded outcome (a retry of a request it
-    had already finished). `envelope` is the host's response body, verbatim.
+    Attributes:
+        outcome: the action's outcome (`PublishOutcome`, `ReadOutcome`, ...).
+        replayed: True when the host replayed a recorded outcome (a retry of a request
+            it had already finished).
+        envelope: the host's response body, verbatim.
     """
 
     outcome: O
@@ -167,6 +172,11 @@ class Failed(Result):
 
     `unsupported` lands here too for an operation that is not best-effort: the agent
     cannot do that job on this host.
+
+    Attributes:
+        code: the error code (`unauthorized`, `action_failed`, `invalid_request`, ...).
+        message: the host's operator-facing message.
+        envelope: the host's response body, verbatim.
     """
 
     code: ErrorCode
@@ -176,7 +186,13 @@ class Failed(Result):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Unsupported(Result):
-    """`failed` + `unsupported` on a best-effort operation (reaction.add): carry on."""
+    """`failed` + `unsupported` on a best-effort operation (reaction.add, presence.set,
+    typing.set, observer.emit, liveness.ping): carry on.
+
+    Attributes:
+        message: the host's message.
+        envelope: the host's response body, verbatim.
+    """
 
     message: str
     envelope: bytes = field(repr=False)
@@ -190,6 +206,9 @@ class FateUnknown(Result):
     and bytes (the host deduplicates): `client.send(answer.request)` re-sends the same
     frozen request (`encode_request` is canonical, so its bytes are the same). Or read
     state to find out.
+
+    Attributes:
+        request: the frozen request, to hand back to `send`.
     """
 
     request: Request = field(repr=False)
@@ -197,7 +216,13 @@ class FateUnknown(Result):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Indeterminate(FateUnknown):
-    """The last attempt's verdict was `indeterminate` (`outcome_unknown` or `internal`)."""
+    """The last attempt's verdict was `indeterminate` (`outcome_unknown` or `internal`).
+
+    Attributes:
+        code: `outcome_unknown` or `internal`.
+        message: the host's message.
+        envelope: the host's response body, verbatim.
+    """
 
     code: ErrorCode
     message: str
@@ -220,7 +245,12 @@ class NoAnswerReason(enum.Enum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NoAnswer(FateUnknown):
-    """The last attempt got no verdict. `detail` is a fixed phrase for operators."""
+    """The last attempt got no verdict.
+
+    Attributes:
+        reason: why (`NoAnswerReason`).
+        detail: a short fixed phrase for operators (what failed, never a secret).
+    """
 
     reason: NoAnswerReason
     detail: str
@@ -240,6 +270,15 @@ class RetryPolicy:
 
     Delays are deterministic (no jitter): one agent talks to one local host over its own
     credential, so there is no herd to spread out, and tests can reason about timing.
+
+    Attributes:
+        max_attempts: attempts in all, the first included (4).
+        first_delay: seconds before the second attempt (0.25).
+        multiplier: each later wait is the last times this (2).
+        max_delay: the longest wait, seconds (4).
+        attempt_seconds: bound on one attempt: connect, send, read the whole response (30).
+        total_seconds: bound on the whole call, waits included; no attempt starts after
+            it (60).
     """
 
     #: attempts in all, the first included
@@ -509,7 +548,18 @@ class AsyncBrokerClient:
     # ----- the generic door
 
     def freeze(self, action: str, args: Mapping[str, object], request_id: str | None = None) -> Request:
-        """Validate and normalize a request without sending it.
+        """Validate and normalize a request without sending it (no I/O).
+
+        The same contract code the host runs builds the request: identities canonical,
+        scalars trimmed, absent members omitted. `send` serializes it once.
+
+        Args:
+            action: the wire name, e.g. `"message.post"`.
+            args: the argument object with its wire names (`{"channelId": …}`).
+            request_id: the idempotency key; default a fresh one from `new_request_id`.
+
+        Returns:
+            The frozen `Request` (`request_id`, `action`, `args`).
 
         Raises:
             ContractError: unknown action (reserved names included) or bad arguments.
@@ -521,10 +571,25 @@ class AsyncBrokerClient:
     async def call(
         self, action: str, args: Mapping[str, object], request_id: str | None = None
     ) -> Answer[Any]:
-        """Any of the nine operations by wire name, with wire-named arguments.
+        """Any of the fifteen actions by wire name, with wire-named arguments.
+
+        `freeze`, then `send`: what `buzz-broker call` does. The typed methods below are
+        the same with Python names.
+
+        Args:
+            action: the wire name, e.g. `"channel.read"`.
+            args: the argument object with its wire names.
+            request_id: the idempotency key; default a fresh one.
+
+        Returns:
+            An `Answer` whose `Succeeded.outcome` has that action's outcome type.
 
         Raises:
-            ContractError: the request breaks the contract; nothing was sent.
+            ContractError: the arguments break the contract (the host would answer
+                `invalid_request`); nothing was sent.
+            SetupError: the broker cannot be used at all and nothing happened:
+                `SocketMissing` or `NothingListening` (on every attempt),
+                `SocketPermissionDenied`, or `CredentialRefused` (`unauthenticated`).
         """
         request = self.freeze(action, args, request_id)
         return await self.send(request)
@@ -532,7 +597,19 @@ class AsyncBrokerClient:
     async def send(self, request: Request) -> Answer[Any]:
         """Send a frozen request (for example one kept from an earlier `FateUnknown`).
 
-        The request is serialized once here; every attempt sends those bytes.
+        The request is serialized once here; every attempt sends those bytes under its
+        request id, so re-sending `answer.request` after a `FateUnknown` can never do the
+        thing twice: the host replays its record (`Succeeded.replayed`).
+
+        Args:
+            request: a `Request` from `freeze`, or `FateUnknown.request`.
+
+        Returns:
+            An `Answer` for `request.action`.
+
+        Raises:
+            SetupError: the broker cannot be used at all and nothing happened (as for
+                every operation method; `CredentialRefused` included).
         """
         return await self._send(request, ACTIONS[request.action].outcome_type)
 
@@ -612,9 +689,33 @@ class AsyncBrokerClient:
         limit: int | None = None,
         request_id: str | None = None,
     ) -> Answer[ReadOutcome]:
-        """One page of a channel, a thread (`root_event_id`) or this agent's mentions.
+        """One page of a channel, a thread or this agent's mentions (`channel.read`).
 
-        `cursor` must be a nextCursor from an earlier page, passed verbatim.
+        Sends `channelId`, and `rootEventId`, `mentionsOnly`, `cursor`, `limit` when
+        given. The host answers newest first; every event is verified (id, signature, in
+        the channel, in the thread, mentioning this agent) unless `events=SKIP`.
+
+        Args:
+            channel_id: the channel (a UUID; any spelling NIP-BA accepts).
+            root_event_id: narrow to the thread under this event id (64 hex).
+            mentions_only: only events that mention this agent (its wake path).
+            cursor: `next_cursor` of an earlier page, verbatim; never built or parsed.
+            limit: events per page, 1-500; the host's default (100) when omitted.
+            request_id: the idempotency key to send; default a fresh UUIDv4. Pass the
+                one of an earlier attempt only to retry that same request.
+
+        Returns:
+            `Succeeded[ReadOutcome]`: `outcome.messages` (a tuple of `Event`, at most
+            `limit`) and `outcome.next_cursor` (None on the last page); or `Failed`,
+            `Indeterminate` or `NoAnswer` (`UNVERIFIED_EVENT` for a page with a forged
+            event).
+
+        Raises:
+            ContractError: the arguments break the contract (the host would answer
+                `invalid_request`); nothing was sent.
+            SetupError: the broker cannot be used at all and nothing happened:
+                `SocketMissing` or `NothingListening` (on every attempt),
+                `SocketPermissionDenied`, or `CredentialRefused` (`unauthenticated`).
         """
         args = _wire(
             channelId=channel_id, rootEventId=root_event_id, mentionsOnly=mentions_only,
@@ -635,13 +736,28 @@ class AsyncBrokerClient:
     ) -> ReadAll:
         """Follow nextCursor until it is absent (or `stop_when`, or `max_pages`).
 
-        Each page is its own request with its own request id; cursors go back verbatim
-        and are never compared or built here. `stop_when(event)` lets a wake loop stop at
-        the first event it has already seen.
+        Each page is its own `channel.read` request with its own request id; cursors go
+        back verbatim and are never compared or built here.
+
+        Args:
+            channel_id: as for `channel_read`.
+            root_event_id: as for `channel_read`.
+            mentions_only: as for `channel_read`.
+            cursor: where to start: a cursor an earlier walk left (`resume_cursor`).
+            limit: events per page, as for `channel_read`.
+            max_pages: stop after this many pages (at least 1).
+            stop_when: called on each event in order; True stops the walk before that
+                event (a wake loop's "already seen").
+
+        Returns:
+            `ReadAll`: `messages` (every page's events, host order), `end` (`ReadEnd`:
+            why it stopped), `pages`, `resume_cursor` (where to continue after
+            `MAX_PAGES` or `NOT_SUCCEEDED`) and `last` (the last page's answer).
 
         Raises:
             ContractError: bad arguments; nothing was sent.
             ValueError: max_pages < 1.
+            SetupError: as for `channel_read`.
         """
         if max_pages < 1:
             raise ValueError("max_pages must be at least 1")
@@ -674,7 +790,29 @@ class AsyncBrokerClient:
         self, channel_id: str, content: str, *, mentions: Sequence[str] = (),
         request_id: str | None = None,
     ) -> Answer[PublishOutcome]:
-        """A top-level message; `content` is published exactly as written."""
+        """Post a top-level message (`message.post`: a kind 9 event in the channel).
+
+        Args:
+            channel_id: the channel (a UUID).
+            content: the text, published exactly as written (not trimmed); at most
+                65,536 UTF-8 bytes, at least one non-whitespace character.
+            mentions: pubkeys (64 hex) to notify with `p` tags, at most 50; none by
+                default (the member is then omitted).
+            request_id: the idempotency key to send; default a fresh UUIDv4. Pass the
+                one of an earlier attempt only to retry that same request.
+
+        Returns:
+            `Succeeded[PublishOutcome]` (`outcome.event_id`, `outcome.kind`,
+            `outcome.created_at`: the event the host signed and the relay accepted), or
+            `Failed`, `Indeterminate` or `NoAnswer` (see `Answer`).
+
+        Raises:
+            ContractError: the arguments break the contract (the host would answer
+                `invalid_request`); nothing was sent.
+            SetupError: the broker cannot be used at all and nothing happened:
+                `SocketMissing` or `NothingListening` (on every attempt),
+                `SocketPermissionDenied`, or `CredentialRefused` (`unauthenticated`).
+        """
         args = _wire(channelId=channel_id, content=content, mentions=tuple(mentions))
         return await self._send(self.freeze("message.post", args, request_id), PublishOutcome)
 
@@ -682,7 +820,31 @@ class AsyncBrokerClient:
         self, channel_id: str, reply_to_event_id: str, content: str, *,
         mentions: Sequence[str] = (), request_id: str | None = None,
     ) -> Answer[PublishOutcome]:
-        """A reply; the host derives the thread root from the parent's tags."""
+        """Reply to an event (`message.reply`: kind 9 with NIP-10 root and reply tags).
+
+        The host fetches the parent in the channel and derives the thread root from its
+        signed tags; a parent it cannot find there is `Failed`, nothing posted.
+
+        Args:
+            channel_id: the channel (a UUID).
+            reply_to_event_id: the event replied to (64 hex).
+            content: as for `message_post`.
+            mentions: as for `message_post`.
+            request_id: the idempotency key to send; default a fresh UUIDv4. Pass the
+                one of an earlier attempt only to retry that same request.
+
+        Returns:
+            `Succeeded[PublishOutcome]` (`outcome.event_id`, `outcome.kind`,
+            `outcome.created_at`: the event the host signed and the relay accepted), or
+            `Failed`, `Indeterminate` or `NoAnswer` (see `Answer`).
+
+        Raises:
+            ContractError: the arguments break the contract (the host would answer
+                `invalid_request`); nothing was sent.
+            SetupError: the broker cannot be used at all and nothing happened:
+                `SocketMissing` or `NothingListening` (on every attempt),
+                `SocketPermissionDenied`, or `CredentialRefused` (`unauthenticated`).
+        """
         args = _wire(channelId=channel_id, replyToEventId=reply_to_event_id, content=content,
                      mentions=tuple(mentions))
         return await self._send(self.freeze("message.reply", args, request_id), PublishOutcome)
@@ -691,7 +853,27 @@ class AsyncBrokerClient:
         self, channel_id: str, target_event_id: str, reaction: str, *,
         request_id: str | None = None,
     ) -> Answer[PublishOutcome]:
-        """A reaction. Best-effort: an `Unsupported` answer is normal; carry on."""
+        """React to an event (`reaction.add`: kind 7). Best-effort.
+
+        Args:
+            channel_id: the channel the target is in (a UUID).
+            target_event_id: the event reacted to (64 hex).
+            reaction: the reaction text (e.g. an emoji), trimmed, at most 66 characters.
+            request_id: the idempotency key to send; default a fresh UUIDv4. Pass the
+                one of an earlier attempt only to retry that same request.
+
+        Returns:
+            `Succeeded[PublishOutcome]` (`event_id`, `kind`, `created_at`), `Unsupported`
+            (the host does not offer it: carry on), or `Failed`, `Indeterminate` or
+            `NoAnswer`.
+
+        Raises:
+            ContractError: the arguments break the contract (the host would answer
+                `invalid_request`); nothing was sent.
+            SetupError: the broker cannot be used at all and nothing happened:
+                `SocketMissing` or `NothingListening` (on every attempt),
+                `SocketPermissionDenied`, or `CredentialRefused` (`unauthenticated`).
+        """
         args = _wire(channelId=channel_id, targetEventId=target_event_id, reaction=reaction)
         return await self._send(self.freeze("reaction.add", args, request_id), PublishOutcome)
 
@@ -699,63 +881,223 @@ class AsyncBrokerClient:
         self, *, display_name: str | None = None, about: str | None = None,
         picture: str | None = None, request_id: str | None = None,
     ) -> Answer[PublishOutcome]:
-        """This agent's own profile; members left out are left as they are."""
+        """Set this agent's own profile (`profile.set`: kind 0). At least one member.
+
+        Only the members given are sent; the host merges them into the current profile,
+        so members left out are left as they are (an empty value is refused, never a
+        "clear").
+
+        Args:
+            display_name: at most 120 characters.
+            about: at most 2,000 characters.
+            picture: a URL, at most 300 characters.
+            request_id: the idempotency key to send; default a fresh UUIDv4. Pass the
+                one of an earlier attempt only to retry that same request.
+
+        Returns:
+            `Succeeded[PublishOutcome]` (`outcome.event_id`, `outcome.kind`,
+            `outcome.created_at`: the event the host signed and the relay accepted), or
+            `Failed`, `Indeterminate` or `NoAnswer` (see `Answer`).
+
+        Raises:
+            ContractError: the arguments break the contract (the host would answer
+                `invalid_request`); nothing was sent.
+            SetupError: the broker cannot be used at all and nothing happened:
+                `SocketMissing` or `NothingListening` (on every attempt),
+                `SocketPermissionDenied`, or `CredentialRefused` (`unauthenticated`).
+        """
         args = _wire(displayName=display_name, about=about, picture=picture)
         return await self._send(self.freeze("profile.set", args, request_id), PublishOutcome)
 
     async def storage_address(
         self, slug: str, *, request_id: str | None = None
     ) -> Answer[StorageAddressOutcome]:
-        """The relay address of one encrypted-memory record (`core` or `mem/…`)."""
+        """Where one encrypted-memory record lives on the relay (`storage.address`).
+
+        Buzz's runtime calls it with `core` at start to learn its own pubkey.
+
+        Args:
+            slug: `core`, or `mem/` and lowercase path segments (`mem/notes/today`).
+            request_id: the idempotency key to send; default a fresh UUIDv4. Pass the
+                one of an earlier attempt only to retry that same request.
+
+        Returns:
+            `Succeeded[StorageAddressOutcome]` (`outcome.author_pubkey`, this agent's
+            pubkey; `outcome.kind`, 30174; `outcome.d_tag`, NIP-AE's blinded d-tag), or
+            `Failed`, `Indeterminate` or `NoAnswer`.
+
+        Raises:
+            ContractError: the arguments break the contract (the host would answer
+                `invalid_request`); nothing was sent.
+            SetupError: the broker cannot be used at all and nothing happened:
+                `SocketMissing` or `NothingListening` (on every attempt),
+                `SocketPermissionDenied`, or `CredentialRefused` (`unauthenticated`).
+        """
         args = _wire(slug=slug)
         return await self._send(self.freeze("storage.address", args, request_id), StorageAddressOutcome)
 
     async def presence_set(
         self, status: str, *, request_id: str | None = None
     ) -> Answer[PublishOutcome]:
-        """This agent's presence: `online`, `away` or `offline`. Best-effort: `Unsupported`
-        is a normal answer; carry on. Each call is a new signal (a fresh requestId)."""
+        """Signal this agent's presence (`presence.set`: kind 20001). Best-effort.
+
+        Each call is a new signal with a fresh request id; a replay never renews it.
+
+        Args:
+            status: `online`, `away` or `offline`.
+            request_id: the idempotency key to send; default a fresh UUIDv4. Pass the
+                one of an earlier attempt only to retry that same request.
+
+        Returns:
+            `Succeeded[PublishOutcome]` (`event_id`, `kind`, `created_at`), `Unsupported`
+            (the host does not offer it: carry on), or `Failed`, `Indeterminate` or
+            `NoAnswer`.
+
+        Raises:
+            ContractError: the arguments break the contract (the host would answer
+                `invalid_request`); nothing was sent.
+            SetupError: the broker cannot be used at all and nothing happened:
+                `SocketMissing` or `NothingListening` (on every attempt),
+                `SocketPermissionDenied`, or `CredentialRefused` (`unauthenticated`).
+        """
         args = _wire(status=status)
         return await self._send(self.freeze("presence.set", args, request_id), PublishOutcome)
 
     async def typing_set(
         self, channel_id: str, *, request_id: str | None = None
     ) -> Answer[PublishOutcome]:
-        """"Typing in this channel", renewed by calling again (there is no stop). Best-effort:
-        `Unsupported` is a normal answer; carry on."""
+        """Signal "typing in this channel" (`typing.set`: kind 20002). Best-effort.
+
+        Renewed by calling again; there is no stop.
+
+        Args:
+            channel_id: the channel (a UUID).
+            request_id: the idempotency key to send; default a fresh UUIDv4. Pass the
+                one of an earlier attempt only to retry that same request.
+
+        Returns:
+            `Succeeded[PublishOutcome]` (`event_id`, `kind`, `created_at`), `Unsupported`
+            (the host does not offer it: carry on), or `Failed`, `Indeterminate` or
+            `NoAnswer`.
+
+        Raises:
+            ContractError: the arguments break the contract (the host would answer
+                `invalid_request`); nothing was sent.
+            SetupError: the broker cannot be used at all and nothing happened:
+                `SocketMissing` or `NothingListening` (on every attempt),
+                `SocketPermissionDenied`, or `CredentialRefused` (`unauthenticated`).
+        """
         args = _wire(channelId=channel_id)
         return await self._send(self.freeze("typing.set", args, request_id), PublishOutcome)
     async def storage_get(
         self, slug: str, *, request_id: str | None = None
     ) -> Answer[StorageGetOutcome]:
-        """One encrypted-memory record's value, decrypted by the host: `outcome.value` is
-        None when there is no record (or a tombstone). Not best-effort: a failure is a failure."""
+        """Read one encrypted-memory record (`storage.get`), decrypted by the host.
+
+        Not best-effort: a failure is a failure.
+
+        Args:
+            slug: as for `storage_address`.
+            request_id: the idempotency key to send; default a fresh UUIDv4. Pass the
+                one of an earlier attempt only to retry that same request.
+
+        Returns:
+            `Succeeded[StorageGetOutcome]`: `outcome.value`, the record's text, or None
+            when there is no record (or a tombstone); or `Failed`, `Indeterminate` or
+            `NoAnswer`.
+
+        Raises:
+            ContractError: the arguments break the contract (the host would answer
+                `invalid_request`); nothing was sent.
+            SetupError: the broker cannot be used at all and nothing happened:
+                `SocketMissing` or `NothingListening` (on every attempt),
+                `SocketPermissionDenied`, or `CredentialRefused` (`unauthenticated`).
+        """
         args = _wire(slug=slug)
         return await self._send(self.freeze("storage.get", args, request_id), StorageGetOutcome)
 
     async def storage_put(
         self, slug: str, value: str, *, request_id: str | None = None
     ) -> Answer[PublishOutcome]:
-        """Replace one encrypted-memory record (`core`'s profile, or a `mem/…` value);
-        `value` is stored exactly as written."""
+        """Replace one encrypted-memory record (`storage.put`: kind 30174, NIP-44 to the owner).
+
+        Args:
+            slug: as for `storage_address` (`core` holds the profile text).
+            value: stored exactly as written (not trimmed), at least one non-whitespace
+                character; the record body at most 65,535 bytes.
+            request_id: the idempotency key to send; default a fresh UUIDv4. Pass the
+                one of an earlier attempt only to retry that same request.
+
+        Returns:
+            `Succeeded[PublishOutcome]` (`outcome.event_id`, `outcome.kind`,
+            `outcome.created_at`: the event the host signed and the relay accepted), or
+            `Failed`, `Indeterminate` or `NoAnswer` (see `Answer`).
+
+        Raises:
+            ContractError: the arguments break the contract (the host would answer
+                `invalid_request`); nothing was sent.
+            SetupError: the broker cannot be used at all and nothing happened:
+                `SocketMissing` or `NothingListening` (on every attempt),
+                `SocketPermissionDenied`, or `CredentialRefused` (`unauthenticated`).
+        """
         args = _wire(slug=slug, value=value)
         return await self._send(self.freeze("storage.put", args, request_id), PublishOutcome)
 
     async def observer_emit(
         self, frames: Sequence[tuple[str, str]], *, request_id: str | None = None,
     ) -> Answer[ObserverEmitOutcome]:
-        """Telemetry frames `(kind, payload)` for the owner, 1-256 of them. Best-effort:
-        `accepted` counts what the host took in for publication, not what reached the
-        relay, and says nothing about which frames; do not resubmit a guessed remainder.
-        An `Unsupported` answer is normal; carry on."""
+        """Hand telemetry frames to the host for the owner (`observer.emit`). Best-effort.
+
+        The host publishes them as NIP-AO kind 24200 events encrypted to the owner.
+
+        Args:
+            frames: 1-256 `(kind, payload)` pairs: `kind` the runtime's discriminator
+                (a trimmed scalar), `payload` opaque text kept byte for byte; at most
+                65,535 bytes in all.
+            request_id: the idempotency key to send; default a fresh UUIDv4. Pass the
+                one of an earlier attempt only to retry that same request.
+
+        Returns:
+            `Succeeded[ObserverEmitOutcome]`: `outcome.accepted`, how many frames the
+            host took in for publication (not what reached the relay, nor which: do not
+            resubmit a guessed remainder); `Unsupported` (carry on); or `Failed`,
+            `Indeterminate` or `NoAnswer`.
+
+        Raises:
+            ContractError: the arguments break the contract (the host would answer
+                `invalid_request`); nothing was sent.
+            SetupError: the broker cannot be used at all and nothing happened:
+                `SocketMissing` or `NothingListening` (on every attempt),
+                `SocketPermissionDenied`, or `CredentialRefused` (`unauthenticated`).
+        """
         args = _wire(frames=tuple({"kind": kind, "payload": payload} for kind, payload in frames))
         return await self._send(self.freeze("observer.emit", args, request_id), ObserverEmitOutcome)
 
     async def liveness_ping(
         self, channel_id: str, turn_id: str, *, request_id: str | None = None,
     ) -> Answer[PublishOutcome]:
-        """A keepalive for the runtime's turn `turn_id` in `channel_id`. Best-effort: this
-        host answers `Unsupported` (docs/protocol.md, "liveness.ping"); carry on."""
+        """A keepalive for the runtime's turn in a channel (`liveness.ping`). Best-effort.
+
+        This host answers `Unsupported` (docs/protocol.md, "liveness.ping"); carry on.
+
+        Args:
+            channel_id: the channel of the turn (a UUID).
+            turn_id: the runtime's own turn id (a trimmed scalar, at most 300 characters).
+            request_id: the idempotency key to send; default a fresh UUIDv4. Pass the
+                one of an earlier attempt only to retry that same request.
+
+        Returns:
+            `Succeeded[PublishOutcome]` (`event_id`, `kind`, `created_at`), `Unsupported`
+            (the host does not offer it: carry on), or `Failed`, `Indeterminate` or
+            `NoAnswer`.
+
+        Raises:
+            ContractError: the arguments break the contract (the host would answer
+                `invalid_request`); nothing was sent.
+            SetupError: the broker cannot be used at all and nothing happened:
+                `SocketMissing` or `NothingListening` (on every attempt),
+                `SocketPermissionDenied`, or `CredentialRefused` (`unauthenticated`).
+        """
         args = _wire(channelId=channel_id, turnId=turn_id)
         return await self._send(self.freeze("liveness.ping", args, request_id), PublishOutcome)
 
@@ -764,7 +1106,33 @@ class AsyncBrokerClient:
         runtime: str | None = None, provider: str | None = None, model: str | None = None,
         respond_to: str | None = None, request_id: str | None = None,
     ) -> Answer[AgentsCreateOutcome]:
-        """Mint a managed agent owned by this agent; the outcome is public identity only."""
+        """Mint a managed agent owned by this agent (`agents.create`).
+
+        The host mints the key in custody; the outcome is public identity only.
+
+        Args:
+            channel_id: the channel the new agent joins (a UUID).
+            display_name: its name, at most 120 characters.
+            system_prompt: its instructions, at most 20,000 characters.
+            runtime: the runtime to run it on (a scalar, at most 300 characters).
+            provider: the model provider (likewise).
+            model: the model (likewise).
+            respond_to: `owner-only` or `anyone`.
+            request_id: the idempotency key to send; default a fresh UUIDv4. Pass the
+                one of an earlier attempt only to retry that same request.
+
+        Returns:
+            `Succeeded[AgentsCreateOutcome]` (`outcome.agent_pubkey`,
+            `outcome.display_name`, `outcome.channel_id`, checked against the channel
+            asked for), or `Failed`, `Indeterminate` or `NoAnswer`.
+
+        Raises:
+            ContractError: the arguments break the contract (the host would answer
+                `invalid_request`); nothing was sent.
+            SetupError: the broker cannot be used at all and nothing happened:
+                `SocketMissing` or `NothingListening` (on every attempt),
+                `SocketPermissionDenied`, or `CredentialRefused` (`unauthenticated`).
+        """
         args = _wire(channelId=channel_id, displayName=display_name, systemPrompt=system_prompt,
                      runtime=runtime, provider=provider, model=model, respondTo=respond_to)
         return await self._send(self.freeze("agents.create", args, request_id), AgentsCreateOutcome)
@@ -775,7 +1143,33 @@ class AsyncBrokerClient:
         runtime: str | None = None, provider: str | None = None, model: str | None = None,
         respond_to: str | None = None, request_id: str | None = None,
     ) -> Answer[AgentsUpdateOutcome]:
-        """Patch an owned agent named by exactly one of `target_pubkey`, `target_name`."""
+        """Patch an agent this agent owns (`agents.update`); members left out are kept.
+
+        Args:
+            target_pubkey: the agent by pubkey (64 hex); exactly one of the two targets.
+            target_name: the agent by display name; exactly one of the two targets.
+            display_name: as for `agents_create`.
+            system_prompt: as for `agents_create`.
+            runtime: as for `agents_create`.
+            provider: as for `agents_create`.
+            model: as for `agents_create`.
+            respond_to: as for `agents_create`.
+            request_id: the idempotency key to send; default a fresh UUIDv4. Pass the
+                one of an earlier attempt only to retry that same request.
+
+        Returns:
+            `Succeeded[AgentsUpdateOutcome]` (`outcome.agent_pubkey`, checked against
+            `target_pubkey` when given; `outcome.display_name`; `outcome.updated_fields`,
+            the wire names changed, possibly none), or `Failed`, `Indeterminate` or
+            `NoAnswer`.
+
+        Raises:
+            ContractError: the arguments break the contract (the host would answer
+                `invalid_request`); nothing was sent.
+            SetupError: the broker cannot be used at all and nothing happened:
+                `SocketMissing` or `NothingListening` (on every attempt),
+                `SocketPermissionDenied`, or `CredentialRefused` (`unauthenticated`).
+        """
         args = _wire(target=_target(target_pubkey, target_name), displayName=display_name,
                      systemPrompt=system_prompt, runtime=runtime, provider=provider,
                      model=model, respondTo=respond_to)
@@ -785,6 +1179,25 @@ class AsyncBrokerClient:
         self, *, target_pubkey: str | None = None, target_name: str | None = None,
         request_id: str | None = None,
     ) -> Answer[AgentsDeleteOutcome]:
-        """Remove an owned agent named by exactly one of `target_pubkey`, `target_name`."""
+        """Remove an agent this agent owns (`agents.delete`); its key is destroyed.
+
+        Args:
+            target_pubkey: the agent by pubkey (64 hex); exactly one of the two targets.
+            target_name: the agent by display name; exactly one of the two targets.
+            request_id: the idempotency key to send; default a fresh UUIDv4. Pass the
+                one of an earlier attempt only to retry that same request.
+
+        Returns:
+            `Succeeded[AgentsDeleteOutcome]` (`outcome.agent_pubkey`, checked against
+            `target_pubkey` when given; `outcome.display_name`), or `Failed`,
+            `Indeterminate` or `NoAnswer`.
+
+        Raises:
+            ContractError: the arguments break the contract (the host would answer
+                `invalid_request`); nothing was sent.
+            SetupError: the broker cannot be used at all and nothing happened:
+                `SocketMissing` or `NothingListening` (on every attempt),
+                `SocketPermissionDenied`, or `CredentialRefused` (`unauthenticated`).
+        """
         args = _wire(target=_target(target_pubkey, target_name))
         return await self._send(self.freeze("agents.delete", args, request_id), AgentsDeleteOutcome)

@@ -13,6 +13,10 @@ after the fact.
 
 `agent_directory`: the public agent directory for one command, closed after, its faults
 one CliError line.
+
+`print_json_line`: the one `--json` convention (docs/operations.md, "JSON output"): JSON
+lines, one object per line, one line per item of a list (none for an empty list), so a
+list streams and `| head` or `jq -c` read it line by line like `audit show --json`.
 """
 
 from __future__ import annotations
@@ -27,6 +31,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # typing only: the configuration is imported when a command runs
     from daemon.config import Config
     from daemon.state.directory import AgentDirectory
+
+
+def print_json_line(value: dict[str, object]) -> None:
+    """One JSON object on one line of stdout, every control and bidi character escaped
+    (`printable_json`): a name an agent chose cannot reach the terminal raw."""
+    from buzzwire.contract import printable_json
+
+    print(printable_json(value, compact=True))
 
 
 class CliError(Exception):

@@ -13,9 +13,10 @@ Rules:
   first 12 hex digits of its pubkey); `name PUBKEY NAME` sets it later. The name is this
   host's only: nothing is published (agents.update renames a managed agent on the relay).
 - `attach-auth` stores an owner-signed NIP-OA tag after creation (daemon/cli/agent_auth.py).
-- `list` prints public records (table, or `--json`: one JSON array); it needs no token.
+- `list` prints public records (table, or `--json`: one JSON object per line, the
+  convention of every `--json`); it needs no token.
   A name is whatever a store holds (an agent's agents.create, a restored backup, a
-  directory written by hand), so it is printed through `printable` / `printable_json`:
+  directory written by hand), so it is printed through `printable` / `print_json_line`:
   no control, line separator or bidi override reaches the terminal raw.
   A live agent without a NIP-OA tag shows `NO-AUTH-TAG` (`"authTagMissing": true`).
 - `import` refuses an ownership cycle (the agent already owns `--owner`, directly or
@@ -43,9 +44,9 @@ from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
-from buzzwire.contract import printable, printable_json
+from buzzwire.contract import printable
 from daemon.cli import agent_auth
-from daemon.cli._common import CliError, agent_directory, config_from_args
+from daemon.cli._common import CliError, agent_directory, config_from_args, print_json_line
 
 if TYPE_CHECKING:
     from custody import Custody, KeyRecord
@@ -80,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("name", metavar="NAME")
 
     p = sub.add_parser("list", help="list agents (public records only)")
-    p.add_argument("--json", action="store_true", help="one JSON array on stdout")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--all", action="store_true", help="include removed agents (tombstones)")
 
     p = sub.add_parser(
@@ -203,8 +204,8 @@ def _list(args: argparse.Namespace, config: Config) -> int:
         records = directory.agents(include_deleted=args.all)
     if args.json:
         # `authTagMissing`: a live agent whose owner (a person) has not signed its NIP-OA tag.
-        print(printable_json([{**r.to_json_obj(), "authTagMissing": r.live and r.auth_tag is None}
-                              for r in records]))
+        for r in records:
+            print_json_line({**r.to_json_obj(), "authTagMissing": r.live and r.auth_tag is None})
         return 0
     for r in records:
         state = "removed" if r.deleted_at is not None else "live"

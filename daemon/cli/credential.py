@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from daemon.cli._common import CliError, agent_directory, config_from_args
+from daemon.cli._common import CliError, agent_directory, config_from_args, print_json_line
 
 if TYPE_CHECKING:
     from daemon.state.sessions import SessionStore
@@ -313,24 +313,19 @@ def _list(args: argparse.Namespace) -> int:
     for info in infos:
         state = "active" if info.active(now) else ("revoked" if info.revoked_at else "expired")
         if args.json:
-            print(
-                json.dumps(
-                    {
-                        "id": info.credential_id,
-                        "agent": info.agent,
-                        "channels": list(info.channels),
-                        "actions": list(info.actions),
-                        "createdAt": info.created_at,
-                        "expiresAt": info.expires_at,
-                        "uid": info.uid,
-                        "revokedAt": info.revoked_at,
-                        "label": info.label,
-                        "lastUsedAt": info.last_used_at,
-                        "state": state,
-                    },
-                    separators=(",", ":"),
-                )
-            )
+            print_json_line({
+                "id": info.credential_id,
+                "agent": info.agent,
+                "channels": list(info.channels),
+                "actions": list(info.actions),
+                "createdAt": info.created_at,
+                "expiresAt": info.expires_at,
+                "uid": info.uid,
+                "revokedAt": info.revoked_at,
+                "label": info.label,
+                "lastUsedAt": info.last_used_at,
+                "state": state,
+            })
         else:
             uid = "-" if info.uid is None else str(info.uid)
             # The label is the operator's own text, printable by construction; quoted so a

@@ -38,8 +38,8 @@ from pathlib import Path
 
 import trio
 
-from buzzwire.contract import printable, printable_json
-from daemon.cli._common import CliError, config_from_args
+from buzzwire.contract import printable
+from daemon.cli._common import CliError, config_from_args, print_json_line
 from daemon.cli.check_config import describe, describe_tcp
 from daemon.cli.serve import TCP_NOTE
 from daemon.config import Config, ConfigError, require_relay
@@ -64,7 +64,7 @@ class Fact:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="one JSON object instead of lines")
+    parser.add_argument("--json", action="store_true", help="one JSON object, on one line, instead of lines")
 
 
 def _owner(st: os.stat_result) -> str:
@@ -208,8 +208,8 @@ def run(args: argparse.Namespace) -> int:
     facts, running, all_ok = gather(config)
     code = EXIT_NOT_RUNNING if not running else (EXIT_OK if all_ok else EXIT_DEGRADED)
     if args.json:
-        print(printable_json({**{name: fact.to_json() for name, fact in facts.items()},
-                              "running": running, "ok": all_ok, "exit": code}))
+        print_json_line({**{name: fact.to_json() for name, fact in facts.items()},
+                         "running": running, "ok": all_ok, "exit": code})
     else:
         width = max(len(k) for k in facts) + 1
         for key, fact in facts.items():

@@ -17,7 +17,6 @@ Proven here:
 
 from __future__ import annotations
 
-import json
 import os
 import sqlite3
 import subprocess
@@ -34,6 +33,7 @@ import trio
 from custody import Custody, CustodyError, TokenConfig
 from daemon.pipeline import broker as broker_module
 from tests.fixtures.broker import BrokerHarness, write_config
+from tests.json_lines import json_lines
 
 CHANNEL = str(uuid.uuid4())
 
@@ -78,7 +78,7 @@ def test_agent_import_cli_refuses_an_ownership_cycle(
     refused = cli("import", "--owner", b, stdin=a_secret.decode())
     assert refused.returncode != 0 and "ownership cycle" in refused.stderr
     assert refused.stdout == ""
-    held = {r["pubkey"] for r in json.loads(cli("list", "--all", "--json", stdin="").stdout)}
+    held = {r["pubkey"] for r in json_lines(cli("list", "--all", "--json", stdin="").stdout)}
     assert held == {b}
 
 

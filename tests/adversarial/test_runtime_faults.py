@@ -20,7 +20,6 @@ Every request gets an envelope (none is lost), and every wait is bounded.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -49,6 +48,7 @@ from tests.adversarial._daemon import (
 )
 from tests.fixtures.relay import free_port, start_devrelay
 from tests.fixtures.token import make_token
+from tests.json_lines import json_lines
 
 TIMEOUT = 1.0
 MARGIN = 2.0
@@ -103,7 +103,7 @@ def private() -> Iterator[Private]:
                               socket=root / "b.sock", relay_url="ws://127.0.0.1:1")
         _cli(env, config, "keys", "init")
         _cli(env, config, "agent", "create", "--owner", OWNER, "--name", "runtime")
-        agent = json.loads(_cli(env, config, "agent", "list", "--json"))[0]["pubkey"]
+        agent = json_lines(_cli(env, config, "agent", "list", "--json"))[0]["pubkey"]
         store = SessionStore.open(state_dir)
         try:
             _, credential = store.issue(agent=agent, channels=frozenset({CHANNEL}),

@@ -20,7 +20,6 @@ is skipped: a second one cannot start inside the namespace the run's own occupie
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import tempfile
@@ -41,6 +40,7 @@ from tests.fixtures.broker import write_config
 from tests.fixtures.relay import TestKey, nostr_fetch, nostr_verify
 from tests.fixtures.token import REPO
 from tests.tokens import kinds
+from tests.json_lines import json_lines
 
 BUZZ_BROKER = REPO / ".venv" / "bin" / "buzz-broker"
 KEK_LABEL = "buzz-broker-kek"
@@ -150,7 +150,7 @@ async def test_lose_the_host_restore_from_backup_and_carry_on(
                    stdin=boss_key.secret_hex).strip()
         helper = old("agent", "create", "--owner", boss, "--name", "helper").strip()
         agents = {"boss": boss, "helper": helper}
-        before_records = {r["pubkey"]: r for r in json.loads(old("agent", "list", "--json"))}
+        before_records = {r["pubkey"]: r for r in json_lines(old("agent", "list", "--json"))}
         old_credentials = {name: old.credential(agent, channel) for name, agent in agents.items()}
         before = await _serve_and_use(old, agents, channel, old_credentials)
         # The request the boss sent before the loss, kept byte for byte by its client.
@@ -176,7 +176,7 @@ async def test_lose_the_host_restore_from_backup_and_carry_on(
         new.make_kek()
         restored = new("keys", "restore", "--identity", str(identity), str(backup), "--yes")
         assert restored.count("  restore  ") == 2
-        after_records = {r["pubkey"]: r for r in json.loads(new("agent", "list", "--json"))}
+        after_records = {r["pubkey"]: r for r in json_lines(new("agent", "list", "--json"))}
         assert after_records == before_records  # pubkeys, owners, NIP-OA tag, depth, names
 
         # Credentials are not in a backup: the old one means nothing here.

@@ -1,4 +1,4 @@
-"""Conformance of the broker host to spec/agent-broker.md and spec/buzz-on-the-relay.md.
+"""Conformance of the broker host to agent-broker.md and buzz-on-the-relay.md.
 
 An independent review: every test drives the real daemon through its Unix socket and reads
 the relay back with nostr-sdk's own client. The expectations are literal tables transcribed

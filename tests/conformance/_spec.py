@@ -1,4 +1,4 @@
-"""The spec's tables, transcribed by hand from spec/agent-broker.md and buzz-on-the-relay.md.
+"""The spec's tables, transcribed by hand from agent-broker.md and buzz-on-the-relay.md.
 
 Rules: nothing here is imported from `daemon` — a table copied from the code under review
 would agree with it by construction. Each table names the spec section it comes from.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 
 from tests.custody._secrets import PUB_1, PUB_2, SECRET_1, SECRET_2, SECRET_X, assert_no_secrets
 from tests.fixtures.token import REPO, SoftHsmToken, ensure_operator_keys
+from tests.json_lines import json_lines
 
 BUZZ_BROKER = REPO / ".venv" / "bin" / "buzz-broker"
 
@@ -68,7 +68,7 @@ def test_agent_lifecycle_and_faults(cli: Cli, tmp_path: Path) -> None:
     created = cli("agent", "create", "--owner", owner, "--name", "helper")
     assert created.returncode == 0
     helper = created.stdout.strip()
-    listed = json.loads(cli("agent", "list", "--json").stdout)
+    listed = json_lines(cli("agent", "list", "--json").stdout)
     by_key = {r["pubkey"]: r for r in listed}
     assert by_key[helper]["owner"] == owner and by_key[helper]["depth"] == 2
     assert by_key[helper]["authTag"][:3] == ["auth", owner, ""]
@@ -77,7 +77,7 @@ def test_agent_lifecycle_and_faults(cli: Cli, tmp_path: Path) -> None:
     keystore = (cli.state / "keystore.db").read_bytes()
     named = cli("agent", "name", helper, "scout")
     assert named.returncode == 0 and "'scout'" in named.stderr
-    assert {r["pubkey"]: r["name"] for r in json.loads(cli("agent", "list", "--json").stdout)
+    assert {r["pubkey"]: r["name"] for r in json_lines(cli("agent", "list", "--json").stdout)
             }[helper] == "scout"
     assert (cli.state / "keystore.db").read_bytes() == keystore
     assert cli("agent", "remove", "--yes", helper).returncode == 0

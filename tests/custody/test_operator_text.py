@@ -20,6 +20,7 @@ from tests.backup.test_backup import Host, age_identity
 from tests.custody._secrets import PUB_1, PUB_2, SECRET_1
 from tests.custody.test_cli import BUZZ_BROKER
 from tests.fixtures.token import SoftHsmToken
+from tests.json_lines import json_lines
 
 #: The issue's name: sets the window title, erases the line, returns to column 0.
 HOSTILE = "\x1b]0;owned\x07\x1b[2K\rBob"
@@ -58,7 +59,7 @@ def test_agent_list_escapes_a_name_written_into_the_directory(softhsm_token: Sof
     listed = host("agent", "list", "--json")
     assert _raw_in(listed.stdout) == []
     # The JSON is the same value: a script reading it gets the stored name exactly.
-    assert json.loads(listed.stdout)[0]["name"] == HOSTILE + HOSTILE_C1
+    assert json_lines(listed.stdout)[0]["name"] == HOSTILE + HOSTILE_C1
     for done in (host("status"), host("status", "--json")):
         assert _raw_in(done.stdout + done.stderr) == []
 
@@ -77,7 +78,7 @@ def test_a_restored_backups_names_are_escaped(softhsm_token: SoftHsmToken, tmp_p
     assert PUB_1 in restored.stdout and _raw_in(restored.stdout + restored.stderr) == []
     listed = target("agent", "list")
     assert PUB_1 in listed.stdout and _raw_in(listed.stdout + listed.stderr) == []
-    assert json.loads(target("agent", "list", "--json").stdout)[0]["name"] == HOSTILE_C1 + HOSTILE
+    assert json_lines(target("agent", "list", "--json").stdout)[0]["name"] == HOSTILE_C1 + HOSTILE
 
 
 def test_a_cli_fault_line_is_escaped(tmp_path) -> None:  # type: ignore[no-untyped-def]

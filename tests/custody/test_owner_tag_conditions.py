@@ -17,6 +17,7 @@ from buzzwire.nostr import owner_tag_digest
 from tests.backup.test_backup import Host, age_identity
 from tests.custody._secrets import PUB_1, PUB_2, SECRET_1, SECRET_2, assert_no_secrets
 from tests.fixtures.token import SoftHsmToken
+from tests.json_lines import json_lines
 
 CONDITIONS = "kind=1&created_at<1900000000"
 
@@ -29,7 +30,7 @@ def _owner_tag(conditions: str) -> list[str]:
 
 
 def _listed_tag(host: Host) -> object:
-    return json.loads(host("agent", "list", "--json").stdout)[0]["authTag"]
+    return json_lines(host("agent", "list", "--json").stdout)[0]["authTag"]
 
 
 def test_import_and_attach_refuse_conditions(softhsm_token: SoftHsmToken, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -38,7 +39,7 @@ def test_import_and_attach_refuse_conditions(softhsm_token: SoftHsmToken, tmp_pa
     done = host("agent", "import", "--owner", PUB_2, "--auth-tag", conditioned, stdin=SECRET_1)
     assert done.returncode == 1 and done.stdout == ""
     assert "conditions" in done.stderr and len(done.stderr.splitlines()) == 1
-    assert json.loads(host("agent", "list", "--json").stdout) == []  # nothing was sealed
+    assert json_lines(host("agent", "list", "--json").stdout) == []  # nothing was sealed
 
     assert host("agent", "import", "--owner", PUB_2, stdin=SECRET_1).returncode == 0
     for how in (["--tag", conditioned], ["--sig", _owner_tag(CONDITIONS)[3], "--conditions",
@@ -75,4 +76,4 @@ def test_restore_refuses_a_backed_up_tag_with_conditions(softhsm_token: SoftHsmT
     target = Host(softhsm_token, tmp_path / "target")
     done = target("keys", "restore", "--identity", str(identity), str(out), "--yes")
     assert done.returncode == 1 and "conditions" in done.stderr, done.stderr
-    assert json.loads(target("agent", "list", "--json").stdout) == []
+    assert json_lines(target("agent", "list", "--json").stdout) == []

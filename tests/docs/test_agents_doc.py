@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -75,3 +76,49 @@ async def test_the_asyncio_agent_refuses_a_tampered_event(
     assert out.splitlines() == ["read refused: an event's id or signature does not verify"]
     assert {r.json()["action"] for r in host.received} == {"channel.read"}
     assert json.loads((tmp_path / "agent-state.json").read_text())["seen"] == []
+
+
+# ------------------------------------------------------------ the Buzz-runtime example
+
+#: shared/spec/buzz-client.md: what Buzz's source says its runtime reads (no Buzz binary
+#: runs here). BUZZ_SHARED_DIR names another shared directory; absent, the test skips
+#: naming the path, as the wire-schema tests do.
+BUZZ_CLIENT_MD = (Path(os.environ.get("BUZZ_SHARED_DIR")
+                       or Path(__file__).resolve().parents[3] / "shared")
+                  / "spec" / "buzz-client.md")
+TCP_SOCKET_UNIT = REPO / "systemd" / "buzz-broker-tcp.socket"
+_ASSIGNMENT = re.compile(r"^(?:# )?(BUZZ_[A-Z_]+)=(\S+)", re.M)
+_LOOPBACK_URL = re.compile(r"http://(?:localhost|127(?:\.\d{1,3}){3}|\[::1\]):(\d+)")
+
+
+def _runtime_section(spec: str) -> str:
+    match = re.search(r"^## The agent runtime in broker mode.*?(?=^## )", spec, re.M | re.S)
+    assert match, "buzz-client.md has no 'The agent runtime in broker mode' section"
+    return match.group(0)
+
+
+def test_buzz_runtime_example_names_exactly_the_variables_buzz_reads() -> None:
+    if not BUZZ_CLIENT_MD.is_file():
+        pytest.skip(f"{BUZZ_CLIENT_MD} is absent; set BUZZ_SHARED_DIR to the shared directory")
+    runtime = _runtime_section(BUZZ_CLIENT_MD.read_text(encoding="utf-8"))
+    example = dict(_ASSIGNMENT.findall(block(AGENTS_MD, "buzz-runtime-env")))
+
+    # The same names, no more and no fewer (the commented poll interval included).
+    assert sorted(example) == sorted(set(re.findall(r"BUZZ_[A-Z_]+", runtime)))
+    assert example["BUZZ_AGENT_MODE"] == "broker"
+    assert "`BUZZ_AGENT_MODE=broker`" in runtime
+    # The transport takes http:// only to loopback; the port is the one the unit listens on.
+    url = _LOOPBACK_URL.fullmatch(example["BUZZ_BROKER_URL"])
+    assert url, example["BUZZ_BROKER_URL"]
+    assert "`http://…` only when the host\n  is `localhost`, a loopback IPv4 address or `[::1]`" in (
+        BUZZ_CLIENT_MD.read_text(encoding="utf-8"))
+    ports = re.findall(r"^ListenStream=\S+:(\d+)$", TCP_SOCKET_UNIT.read_text(), re.M)
+    assert ports == [url.group(1)]
+    # The credential is the value itself (Buzz has no *_FILE variant): read from the file.
+    assert example["BUZZ_BROKER_CREDENTIAL"].startswith('"$(cat')
+    # The poll interval's default and minimum, as the doc's comment states them.
+    interval = re.search(r"`BUZZ_BROKER_POLL_INTERVAL_MS` \(default (\d+), minimum (\d+)\)", runtime)
+    assert interval, "buzz-client.md no longer states the poll interval's default and minimum"
+    assert example["BUZZ_BROKER_POLL_INTERVAL_MS"] == interval.group(1)
+    doc = AGENTS_MD.read_text(encoding="utf-8")
+    assert f"Buzz's default poll interval (minimum {interval.group(2)})" in doc

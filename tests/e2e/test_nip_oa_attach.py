@@ -27,6 +27,7 @@ from daemon.config import load_config
 from tests.fixtures.broker import BrokerHarness, write_config
 from tests.fixtures.relay import nostr_fetch, nostr_verify
 from tests.fixtures.token import REPO
+from tests.json_lines import json_lines
 
 BUZZ_BROKER = REPO / ".venv" / "bin" / "buzz-broker"
 
@@ -60,7 +61,7 @@ async def test_a_tag_attached_after_create_is_on_every_later_event(broker: Broke
     for fact in (agent, '""', f"nostr:agent-auth:{agent}:", digest, "attach-auth"):
         assert fact in made.stderr, (fact, made.stderr)
 
-    listed = json.loads((await run(lambda: _cli(broker.config_path, "agent", "list", "--json"))).stdout)
+    listed = json_lines((await run(lambda: _cli(broker.config_path, "agent", "list", "--json"))).stdout)
     assert [a["authTagMissing"] for a in listed if a["pubkey"] == agent] == [True]
     table = (await run(lambda: _cli(broker.config_path, "agent", "list"))).stdout
     assert any(agent in line and "NO-AUTH-TAG" in line for line in table.splitlines())
@@ -97,7 +98,7 @@ async def test_a_tag_attached_after_create_is_on_every_later_event(broker: Broke
     [event] = await run(nostr_fetch, broker.relay_url, [{"ids": [post["outcome"]["eventId"]]}])
     assert nostr_verify(event) and [t for t in event["tags"] if t[0] == "auth"] == [tag]
 
-    listed = json.loads((await run(lambda: _cli(broker.config_path, "agent", "list", "--json"))).stdout)
+    listed = json_lines((await run(lambda: _cli(broker.config_path, "agent", "list", "--json"))).stdout)
     assert [a["authTagMissing"] for a in listed if a["pubkey"] == agent] == [False]
 
 

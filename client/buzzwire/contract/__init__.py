@@ -1,4 +1,4 @@
-"""buzzwire.contract: the wire contract of spec/agent-broker.md, pure (bytes in, values or
+"""buzzwire.contract: the wire contract of agent-broker.md and NIP-BA, pure (bytes in, values or
 bytes out). No I/O, no trio, no clock, no randomness, no logging; stdlib only.
 
 Modules, one job each:

@@ -1,7 +1,7 @@
 """Error codes, statuses, the status/code pairing table and the one Remote error.
 
 Rules:
-- `ErrorCode` transcribes the code table of spec/agent-broker.md §Results one to one; the
+- `ErrorCode` transcribes the code table of agent-broker.md §Results one to one; the
   `#:` comment on each member is the spec's meaning column.
 - `PAIRING` is that table's two right-hand columns as a dict literal. Code that builds or
   reads an envelope looks a pairing up here; a missing pairing is a protocol fault when it

@@ -43,6 +43,18 @@ _NAME = text(MAX_DISPLAY_NAME_CHARS)
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Event(Checked):
+    """A signed Nostr event exactly as the relay holds it (NIP-01's seven members).
+
+    Attributes:
+        id: the event id, 64 lowercase hex (sha256 of the NIP-01 serialization).
+        pubkey: the author, 64 lowercase hex.
+        created_at: Unix seconds, as signed.
+        kind: the event kind (9 a message, 7 a reaction, ...).
+        tags: the tags, each a tuple of strings (`h` channel, `e` ancestry, `p` mentions).
+        content: the text, verbatim.
+        sig: the BIP-340 signature, 128 lowercase hex.
+    """
+
     id: str
     pubkey: str
     created_at: int
@@ -78,7 +90,14 @@ _EVENT_SHAPE = register(Shape(Event, (
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PublishOutcome(Checked):
-    """message.post, message.reply, reaction.add, profile.set: the event the host signed."""
+    """message.post, message.reply, reaction.add, profile.set, storage.put and the live
+    signals: the event the host signed.
+
+    Attributes:
+        event_id: its id, 64 lowercase hex.
+        kind: its kind (9, 7, 0, 30174, 20001, 20002).
+        created_at: its timestamp, Unix seconds, chosen by the host.
+    """
 
     event_id: str
     kind: int
@@ -94,6 +113,13 @@ register(Shape(PublishOutcome, (
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReadOutcome(Checked):
+    """channel.read: one page.
+
+    Attributes:
+        messages: the page's signed events, newest first, at most the request's limit.
+        next_cursor: the opaque cursor of the next (older) page, None on the last page.
+    """
+
     messages: tuple[Event, ...]
     next_cursor: str | None = None
 
@@ -107,6 +133,14 @@ register(Shape(ReadOutcome, (
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StorageAddressOutcome(Checked):
+    """storage.address: where a memory record lives (NIP-AE).
+
+    Attributes:
+        author_pubkey: the record's author: this agent's own pubkey.
+        kind: the record's kind, 30174.
+        d_tag: its blinded `d` tag, 64 lowercase hex.
+    """
+
     author_pubkey: str
     kind: int
     d_tag: str
@@ -122,7 +156,11 @@ register(Shape(StorageAddressOutcome, (
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StorageGetOutcome(Checked):
     """storage.get: the record's `value` (core's `profile`); absent for no record or a
-    tombstone (`{}`). An existing empty string is `{"value":""}` (NIP-BA Memory)."""
+    tombstone (`{}`). An existing empty string is `{"value":""}` (NIP-BA Memory).
+
+    Attributes:
+        value: the decrypted text, or None when there is no record.
+    """
 
     value: str | None = None
 
@@ -132,6 +170,14 @@ register(Shape(StorageGetOutcome, (Field("value", "value", any_string),)))
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AgentsCreateOutcome(Checked):
+    """agents.create: the new agent's public identity (its key stays in custody).
+
+    Attributes:
+        agent_pubkey: its pubkey, 64 lowercase hex.
+        display_name: its name.
+        channel_id: the channel it joined, canonical UUID.
+    """
+
     agent_pubkey: str
     display_name: str
     channel_id: str
@@ -146,6 +192,14 @@ register(Shape(AgentsCreateOutcome, (
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AgentsUpdateOutcome(Checked):
+    """agents.update: the agent patched.
+
+    Attributes:
+        agent_pubkey: its pubkey, 64 lowercase hex.
+        display_name: its name after the patch.
+        updated_fields: the wire names changed, sorted; empty for a no-op patch.
+    """
+
     agent_pubkey: str
     display_name: str
     updated_fields: tuple[str, ...]
@@ -160,6 +214,13 @@ register(Shape(AgentsUpdateOutcome, (
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AgentsDeleteOutcome(Checked):
+    """agents.delete: the agent removed.
+
+    Attributes:
+        agent_pubkey: its pubkey, 64 lowercase hex.
+        display_name: the name it had.
+    """
+
     agent_pubkey: str
     display_name: str
 
@@ -172,7 +233,11 @@ register(Shape(AgentsDeleteOutcome, (
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ObserverEmitOutcome(Checked):
     """observer.emit: how many frames the host took in for best-effort publication (NIP-BA:
-    a count, 0 through the frames sent, not a list; the client checks the upper bound)."""
+    a count, 0 through the frames sent, not a list; the client checks the upper bound).
+
+    Attributes:
+        accepted: how many frames the host took in.
+    """
 
     accepted: int
 
