@@ -1071,21 +1071,10 @@ class RelayPool:
         self, conn: _Connection, filters: Sequence[Mapping[str, object]]
     ) -> list[dict[str, object]]:
         for attempt in range(2):
-            try:
-                await self._auth_if_challenged(conn)
-            except _AuthFailed as exc:
-                raise (RelayRefused if exc.refused else RelayUnavailable)(exc.reason) from None
-            generation = conn.auth_generation
+            generation = await self._auth_for_req(conn)
             sub_id, sub = conn.open_subscription()
             try:
-                try:
-                    await conn.send(encode_req(sub_id, filters))
-                except (trio_websocket.ConnectionClosed, trio.BrokenResourceError):
-                    raise RelayUnavailable("connection dropped while sending REQ") from None
-                with trio.move_on_after(self._timeouts.eose):
-                    await sub.done.wait()
-                if not sub.done.is_set():
-                    raise RelayUnavailable(f"no EOSE within {self._timeouts.eose}s")
+                await self._req_until_eose(conn, sub_id, sub.done, filters)
             finally:
                 await self._close_subscription(conn, sub_id)
                 # Bytes of an answer are held until its caller drops it (_results); every
@@ -1110,17 +1099,43 @@ class RelayPool:
                 results = _Results(events)
                 weakref.finalize(results, self._budget.give_back, held)
                 return results
-            closed = Closed(subscription_id=sub_id, message=sub.closed)
-            if closed.prefix is Prefix.AUTH_REQUIRED and attempt == 0:
-                try:
-                    await self._authenticate(conn, generation)
-                except _AuthFailed as exc:
-                    raise (RelayRefused if exc.refused else RelayUnavailable)(
-                        f"{closed.message} ({exc.reason})"
-                    ) from None
-                continue
-            raise RelayRefused(closed.message)
+            await self._after_closed(conn, sub_id, sub.closed, generation, attempt)
         raise AssertionError("unreachable: the second attempt always returns")  # pragma: no cover
+
+    async def _auth_for_req(self, conn: _Connection) -> int:
+        """Authenticate first if challenged; the AUTH generation the REQ goes out under."""
+        try:
+            await self._auth_if_challenged(conn)
+        except _AuthFailed as exc:
+            raise (RelayRefused if exc.refused else RelayUnavailable)(exc.reason) from None
+        return conn.auth_generation
+
+    async def _req_until_eose(self, conn: _Connection, sub_id: str, done: trio.Event,
+                              filters: Sequence[Mapping[str, object]]) -> None:
+        """Send the REQ and wait for EOSE, CLOSED or a drop (`done`), at most timeouts.eose."""
+        try:
+            await conn.send(encode_req(sub_id, filters))
+        except (trio_websocket.ConnectionClosed, trio.BrokenResourceError):
+            raise RelayUnavailable("connection dropped while sending REQ") from None
+        with trio.move_on_after(self._timeouts.eose):
+            await done.wait()
+        if not done.is_set():
+            raise RelayUnavailable(f"no EOSE within {self._timeouts.eose}s")
+
+    async def _after_closed(self, conn: _Connection, sub_id: str, message: str,
+                            generation: int, attempt: int) -> None:
+        """A REQ was CLOSED: authenticate for the one retry a first `auth-required:`
+        earns (then return), or raise RelayRefused / RelayUnavailable."""
+        closed = Closed(subscription_id=sub_id, message=message)
+        if closed.prefix is Prefix.AUTH_REQUIRED and attempt == 0:
+            try:
+                await self._authenticate(conn, generation)
+            except _AuthFailed as exc:
+                raise (RelayRefused if exc.refused else RelayUnavailable)(
+                    f"{closed.message} ({exc.reason})"
+                ) from None
+            return
+        raise RelayRefused(closed.message)
 
     async def _close_subscription(self, conn: _Connection, sub_id: str) -> None:
         # NIP-01: always CLOSE, also after CLOSED/timeout/cancel; bounded and shielded so a
@@ -1158,22 +1173,11 @@ class RelayPool:
                     raise SubscriptionsFull(
                         f"{conn.live} live subscriptions on this connection already")
                 for attempt in range(2):
-                    try:
-                        await self._auth_if_challenged(conn)
-                    except _AuthFailed as exc:
-                        raise (RelayRefused if exc.refused else RelayUnavailable)(exc.reason) from None
-                    generation = conn.auth_generation
+                    generation = await self._auth_for_req(conn)
                     sub_id, live = conn.open_live(sink)
                     established = False
                     try:
-                        try:
-                            await conn.send(encode_req(sub_id, filters))
-                        except (trio_websocket.ConnectionClosed, trio.BrokenResourceError):
-                            raise RelayUnavailable("connection dropped while sending REQ") from None
-                        with trio.move_on_after(self._timeouts.eose):
-                            await live.done.wait()
-                        if not live.done.is_set():
-                            raise RelayUnavailable(f"no EOSE within {self._timeouts.eose}s")
+                        await self._req_until_eose(conn, sub_id, live.done, filters)
                         if live.dropped:
                             raise RelayUnavailable("connection dropped before EOSE")
                         if live.closed is None:
@@ -1184,15 +1188,8 @@ class RelayPool:
                     finally:
                         if not established:
                             await self._close_subscription(conn, sub_id)
-                    closed = Closed(subscription_id=sub_id, message=live.closed)
-                    if closed.prefix is Prefix.AUTH_REQUIRED and attempt == 0:
-                        try:
-                            await self._authenticate(conn, generation)
-                        except _AuthFailed as exc:
-                            raise (RelayRefused if exc.refused else RelayUnavailable)(
-                                f"{closed.message} ({exc.reason})") from None
-                        continue
-                    raise RelayRefused(closed.message)
+                    assert live.closed is not None
+                    await self._after_closed(conn, sub_id, live.closed, generation, attempt)
         except _Unreachable as exc:
             raise RelayUnavailable(exc.reason) from None
         raise AssertionError("unreachable: the second attempt always returns")  # pragma: no cover
