@@ -45,7 +45,8 @@ from urllib.parse import urlsplit
 
 from buzzwire.contract import ACTIONS
 from buzzwire.loopback import LOOPBACK_NAMES, is_loopback_host
-from daemon.relay.pool import DEFAULT_RESULT_BYTES, MAX_QUERY_BYTES
+from daemon.relay.pool import DEFAULT_LIVE_SUBSCRIPTIONS, DEFAULT_RESULT_BYTES, MAX_QUERY_BYTES
+from daemon.relay.windows import DEFAULT_WINDOW_BYTES
 from daemon.relay.protocol import check_relay_url
 from daemon.state.ratelimit import DEFAULT_RATE_CONFIG, RateConfig, rate_config_from_table
 
@@ -173,6 +174,10 @@ class RelayConfig:
     idle_seconds: float
     #: Decoded bytes of relay events every query holds together (daemon/relay/pool.py).
     max_result_bytes: int
+    #: Estimated bytes every read window holds together (daemon/relay/windows.py); 0: none.
+    read_window_bytes: int = DEFAULT_WINDOW_BYTES
+    #: Live subscriptions (read windows) one agent's relay connection holds at most.
+    max_live_subscriptions: int = DEFAULT_LIVE_SUBSCRIPTIONS
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -563,6 +568,12 @@ _KEYS: tuple[_Key, ...] = (
     # At least one query at its own bound, or that query could never succeed.
     _Key("relay", "max_result_bytes", "max_result_bytes", _int_at_least(MAX_QUERY_BYTES),
          DEFAULT_RESULT_BYTES),
+    # Read windows (issue 24): 0 turns them off (every read goes to the relay).
+    _Key("relay", "read_window_bytes", "read_window_bytes", _int_at_least(0),
+         DEFAULT_WINDOW_BYTES),
+    # 0 keeps no live subscription at all (no windows either); 256 is far past any relay's cap.
+    _Key("relay", "max_live_subscriptions", "max_live_subscriptions", _int_at_least(0, 256),
+         DEFAULT_LIVE_SUBSCRIPTIONS),
     _Key("policy", "disabled_actions", "disabled_actions", _string_set(ACTION_NAMES), []),
     _Key("policy", "max_agent_depth", "max_agent_depth", _int_at_least(0, 64), 3),
     _Key(

@@ -39,6 +39,7 @@ from daemon.pipeline.observer import ObserverIntake, ObserverQueue
 from daemon.state.observer_seq import ObserverSeq
 from daemon.state.ratelimit import RateLimiter
 from daemon.relay.pool import AuthNotSigned, RelayPool, RelayTimeouts
+from daemon.relay.windows import WindowCache
 from daemon.state.runtimes import RuntimeStore
 from daemon.state.sign_watermarks import SignWatermarks
 from daemon.state.sessions import LAST_USE_FLUSH_SECONDS, SessionStore
@@ -78,8 +79,13 @@ def relay_pool(config: Config, custody: Custody,
     )
     if config.relay.url is None:  # no default relay (daemon/config.py)
         raise ValueError("[relay] url is not set")
-    return RelayPool(config.relay.url, sign_auth, timeouts=timeouts, observer=observer,
-                     max_result_bytes=config.relay.max_result_bytes)
+    pool = RelayPool(config.relay.url, sign_auth, timeouts=timeouts, observer=observer,
+                     max_result_bytes=config.relay.max_result_bytes,
+                     max_live_subscriptions=config.relay.max_live_subscriptions)
+    if config.relay.read_window_bytes > 0 and config.relay.max_live_subscriptions > 0:
+        pool.windows = WindowCache(pool, max_bytes=config.relay.read_window_bytes,
+                                   idle_seconds=config.relay.idle_seconds)
+    return pool
 
 
 def _shielded(close: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:

@@ -103,6 +103,16 @@ class ScriptedRelay:
         self.connections: list[ConnectionLog] = []
         self._events = list(script.events)
         self._reqs = list(script.reqs)
+        #: (connection, subscription id) of every REQ answered with EOSE and not CLOSEd
+        self.open_reqs: list[tuple[trio_websocket.WebSocketConnection, str]] = []
+
+    async def close_open_reqs(self, reason: str = "restricted: no longer a member") -> int:
+        """Send CLOSED for every subscription still open, as a relay does when it ends
+        one itself (a member removed); returns how many."""
+        reqs, self.open_reqs = self.open_reqs, []
+        for ws, sub_id in reqs:
+            await ws.send_message(json.dumps(["CLOSED", sub_id, reason]))
+        return len(reqs)
 
     def _next_event(self) -> EventReply:
         return self._events.pop(0) if self._events else self.script.default_event
@@ -203,7 +213,10 @@ class ScriptedRelay:
                         await ws.send_message(json.dumps(["EVENT", sub_id, ev]))
                     if req is ReqReply.EOSE:
                         await ws.send_message(json.dumps(["EOSE", sub_id]))
-                # CLOSE and anything else: recorded, no answer.
+                        self.open_reqs.append((ws, sub_id))
+                elif verb == "CLOSE":
+                    self.open_reqs = [r for r in self.open_reqs if r != (ws, msg[1])]
+                # Anything else: recorded, no answer.
         except trio_websocket.ConnectionClosed:
             return
         finally:

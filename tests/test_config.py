@@ -62,6 +62,8 @@ ok_timeout = 3.5
 eose_timeout = "1m"
 idle_seconds = 30
 max_result_bytes = 33554432
+read_window_bytes = 1048576
+max_live_subscriptions = 4
 
 [policy]
 disabled_actions = ["agents.delete", "profile.set"]
@@ -118,6 +120,8 @@ EXPECTED: dict[tuple[str, str], object] = {
     ("relay", "eose_timeout"): 60.0,
     ("relay", "idle_seconds"): 30.0,
     ("relay", "max_result_bytes"): 33554432,
+    ("relay", "read_window_bytes"): 1048576,
+    ("relay", "max_live_subscriptions"): 4,
     ("policy", "disabled_actions"): frozenset({"agents.delete", "profile.set"}),
     ("policy", "max_agent_depth"): 1,
     ("policy", "runtimes"): frozenset({"goose"}),
@@ -166,6 +170,8 @@ DEFAULTS: dict[tuple[str, str], object] = {
     ("relay", "eose_timeout"): 10.0,
     ("relay", "idle_seconds"): 300.0,
     ("relay", "max_result_bytes"): 67108864,
+    ("relay", "read_window_bytes"): 67108864,
+    ("relay", "max_live_subscriptions"): 8,
     ("policy", "disabled_actions"): frozenset(),
     ("policy", "max_agent_depth"): 3,
     ("policy", "runtimes"): frozenset({"goose", "claude", "codex", "buzz-agent", "buzz-acp"}),

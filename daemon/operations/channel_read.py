@@ -32,16 +32,24 @@ Decisions (each documented here because Buzz leaves them to the host):
   filter asked. A failing event is dropped and logged (event id and the check's name; no
   content) and never counted in the page.
 
+* A read with no cursor, no thread root and a limit up to the window depth (Buzz's poll:
+  limit 100, no cursor) is answered from the requester's read window for that channel
+  when the relay pool keeps windows (daemon/relay/windows.py): the same page a cold read
+  returns, kept true by a live subscription under the requester's own AUTH. The first such
+  read opens the window with an ordinary cold read; reads with a cursor, a thread or a
+  larger limit always go to the relay, as before.
+
 WARNING: the filters built by `_base_filters` may only use the members
 `daemon.relay.paging.matches` implements.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from buzzwire.nostr import compute_event_id, verify_event
 from buzzwire.contract import (
@@ -50,13 +58,15 @@ from buzzwire.contract import (
     ErrorCode,
     Event,
     ReadOutcome,
+    Status,
     Verdict,
 )
-from daemon.relay.cursor import CursorScope, InvalidCursor
+from daemon.relay.cursor import CursorScope, InvalidCursor, Position
 from daemon.log import log_event
 from daemon.operations._base import Context
 from daemon.relay.paging import RELAY_MAX_LIMIT, Page, RelayMisbehaved, matches, read_page
 from daemon.relay.pool import RelayRefused, RelayUnavailable
+from daemon.relay.windows import Served, WindowCache, WindowKey
 
 __all__ = ["ACTION", "MAX_PAGE_BYTES", "READ_KINDS", "execute"]
 
@@ -206,21 +216,45 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
             return Verdict.failed(ErrorCode.INVALID_REQUEST, _BAD_CURSOR)
 
     filters = _base_filters(args, requester)
+    judge = _Judge(args.channel_id, filters, ctx.request_id)
+    limit = min(args.effective_limit, RELAY_MAX_LIMIT)
 
     async def query(batch: list[dict[str, object]]) -> list[dict[str, object]]:
         return await ctx.relay.query(requester, batch)
 
-    try:
-        page: Page[Event] = await read_page(
+    async def cold(limit: int = limit) -> Page[Event]:
+        return await read_page(
             query,
             filters,
             after=after,
-            limit=min(args.effective_limit, RELAY_MAX_LIMIT),
-            accept=_Judge(args.channel_id, filters, ctx.request_id),
+            limit=limit,
+            accept=judge,
             cap=RELAY_MAX_LIMIT,
             max_bytes=MAX_PAGE_BYTES,
             size_of=_event_bytes,
         )
+
+    # getattr: a stand-in for the pool (tests, benchmarks) may have no windows at all.
+    windows: WindowCache | None = getattr(ctx.relay, "windows", None)
+    try:
+        if (windows is not None and after is None and args.root_event_id is None
+                and limit <= windows.depth):
+            key = WindowKey(agent=requester, channel_id=args.channel_id,
+                            mentions_only=args.mentions_only)
+            window = windows.get(key)
+            if window is not None:
+                return _served(ctx, window.serve(limit), scope, now)
+            # A window holds `depth` events whatever this read's limit; its own judge logs
+            # its live drops under no one request.
+            depth = windows.depth
+            page, window = await windows.open(
+                key, filters, _Judge(args.channel_id, filters, "window"),
+                lambda: cold(depth), max_page_bytes=MAX_PAGE_BYTES, size_of=_event_bytes)
+            if window is not None:
+                return _served(ctx, window.serve(limit), scope, now)
+            page = _first(page, limit)
+        else:
+            page = await cold()
     except RelayUnavailable as exc:
         log_event(_log, "read.relay_unavailable", level=logging.WARNING, request_id=ctx.request_id, reason=exc.reason)
         return Verdict.failed(ErrorCode.ACTION_FAILED, _RELAY_DOWN)
@@ -250,3 +284,27 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
     if page.next_position is not None:
         next_cursor = ctx.cursors.encode(page.next_position, scope, now=now)
     return Verdict.succeeded(ACTION, ReadOutcome(messages=page.items, next_cursor=next_cursor))
+
+
+def _first(page: Page[Event], limit: int) -> Page[Event]:
+    """The first `limit` events of a deeper page: what a read with `limit` returns (the
+    order is the same, and a byte cut falls where it would)."""
+    if len(page.items) <= limit:
+        return page
+    last = page.items[limit - 1]
+    return replace(page, items=page.items[:limit],
+                   next_position=Position(created_at=last.created_at, event_id=last.id),
+                   cut_by_bytes=False)
+
+
+def _served(ctx: Context, served: Served, scope: CursorScope, now: int) -> Verdict:
+    """A read answered from a window: its page, its cursor (fresh: it carries the time),
+    and the outcome's bytes from the window's encoded messages (contract `Verdict`)."""
+    next_cursor = None
+    encoded = served.encoded_messages
+    if served.next_position is not None:
+        next_cursor = ctx.cursors.encode(served.next_position, scope, now=now)
+        encoded += b',"nextCursor":' + json.dumps(next_cursor).encode("ascii")
+    return Verdict(status=Status.SUCCEEDED, action=ACTION,
+                   outcome=ReadOutcome(messages=served.messages, next_cursor=next_cursor),
+                   encoded_outcome=encoded + b"}")

@@ -86,7 +86,7 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Protocol, Union, cast
+from typing import TYPE_CHECKING, Protocol, Union, cast
 
 import trio
 import trio_websocket
@@ -128,9 +128,15 @@ __all__ = [
     "RelayRefused",
     "RelayTimeouts",
     "RelayUnavailable",
+    "LiveSink",
+    "LiveSubscription",
+    "SubscriptionsFull",
     "Unknown",
     "decoded_size",
 ]
+
+if TYPE_CHECKING:
+    from daemon.relay.windows import WindowCache
 
 _logger = logging.getLogger("buzz_broker.relay")
 
@@ -150,6 +156,11 @@ MAX_QUERY_BYTES = 16 * 1024 * 1024
 #: caps admit (128 per uid): ~2 GiB per uid, and under mlockall an OOM kill. Four queries
 #: at their bound fit; an honest page is far smaller, so honest reads rarely share it.
 DEFAULT_RESULT_BYTES = 4 * MAX_QUERY_BYTES
+#: Default of ``[relay] max_live_subscriptions``: live subscriptions (read windows,
+#: daemon/relay/windows.py) one agent's connection holds at most. Relays cap subscriptions
+#: per connection (strfry 20, nostr-rs-relay 32 by default); eight leaves room for the
+#: short-lived REQs of reads and lookups on the same connection.
+DEFAULT_LIVE_SUBSCRIPTIONS = 8
 #: Frames buffered between trio-websocket's reader and ours; a burst of EVENTs should
 #: not stall the socket reader on every frame. Times MAX_FRAME_BYTES, this is what one
 #: relay connection may hold in its queue (16 MiB), so it is kept small.
@@ -240,6 +251,11 @@ class RelayUnavailable(RelayError):
 
 class RelayRefused(RelayError):
     """The relay answered and refused (CLOSED restricted:, AUTH refused, ...)."""
+
+
+class SubscriptionsFull(RelayError):
+    """The agent's connection already holds ``max_live_subscriptions`` live
+    subscriptions: the caller reads with a plain query instead."""
 
 
 class AuthNotSigned(Exception):
@@ -435,6 +451,70 @@ class _Subscription:
         return (self.done.is_set() and self.closed is None and self.overflow is None
                 and not self.dropped)
 
+    # What the connection's reader tells a subscription (`_Connection.dispatch`).
+
+    def on_event(self, event: dict[str, object]) -> None:
+        if not self.done.is_set():
+            self.collect(event)
+
+    def on_eose(self) -> None:
+        self.done.set()
+
+    def on_closed(self, message: str) -> None:
+        if not self.done.is_set():
+            self.closed = message
+            self.done.set()
+
+    def on_dropped(self) -> None:
+        self.dropped = True
+        self.done.set()
+
+
+class LiveSink(Protocol):
+    """What a live subscription feeds (daemon/relay/windows.py's `Window`).
+
+    Called from the connection's reader task, synchronously: `event` for every event the
+    relay sends (``live`` False before EOSE: stored events; True after it: events the
+    relay accepted since), and `ended` once when the subscription ends without our CLOSE
+    (the relay's CLOSED, or the connection dropped). Neither may block or raise.
+    """
+
+    def event(self, event: dict[str, object], *, live: bool) -> None: ...
+
+    def ended(self, reason: str) -> None: ...
+
+
+class _Live:
+    """A subscription kept open past EOSE; its events go to a `LiveSink`, not a list."""
+
+    __slots__ = ("done", "closed", "dropped", "sink")
+
+    def __init__(self, sink: LiveSink) -> None:
+        self.done = trio.Event()
+        self.closed: str | None = None
+        self.dropped = False
+        self.sink = sink
+
+    def on_event(self, event: dict[str, object]) -> None:
+        self.sink.event(event, live=self.done.is_set())
+
+    def on_eose(self) -> None:
+        self.done.set()
+
+    def on_closed(self, message: str) -> None:
+        established = self.done.is_set()
+        self.closed = message
+        self.done.set()
+        if established:
+            self.sink.ended("closed by the relay")
+
+    def on_dropped(self) -> None:
+        established = self.done.is_set() and self.closed is None and not self.dropped
+        self.dropped = True
+        self.done.set()
+        if established:
+            self.sink.ended("connection dropped")
+
 
 class _Connection:
     """One WebSocket to the relay, used by one agent. State only; the pool drives it."""
@@ -453,8 +533,10 @@ class _Connection:
         self.auth_generation = 0
         self.auth_lock = trio.Lock()
         self.ok_waiters: dict[str, list[_OkWaiter]] = {}
-        self.subscriptions: dict[str, _Subscription] = {}
+        self.subscriptions: dict[str, _Subscription | _Live] = {}
         self.sub_counter = 0
+        #: live subscriptions open on this connection (`RelayPool.subscribe`)
+        self.live = 0
         self.in_use = 0
         self.last_used = trio.current_time()
 
@@ -485,15 +567,24 @@ class _Connection:
         self.subscriptions[sub_id] = sub
         return sub_id, sub
 
+    def open_live(self, sink: LiveSink) -> tuple[str, _Live]:
+        sub_id = subscription_id(self.sub_counter)
+        self.sub_counter += 1
+        live = _Live(sink)
+        if not self.alive:
+            live.dropped = True
+            live.done.set()
+        self.subscriptions[sub_id] = live
+        return sub_id, live
+
     def mark_dead(self) -> None:
         self.alive = False
         for waiters in self.ok_waiters.values():
             for waiter in waiters:
                 waiter.dropped = True
                 waiter.done.set()
-        for sub in self.subscriptions.values():
-            sub.dropped = True
-            sub.done.set()
+        for sub in list(self.subscriptions.values()):
+            sub.on_dropped()
         # Wakes an AUTH waiting for a challenge; it then sees the connection is dead.
         self.challenge_seen.set()
 
@@ -508,17 +599,16 @@ class _Connection:
                     waiter.done.set()
             case EventMessage(subscription_id=sub_id, event=event):
                 sub = self.subscriptions.get(sub_id)
-                if sub is not None and not sub.done.is_set():
-                    sub.collect(event)
+                if sub is not None:
+                    sub.on_event(event)
             case EndOfStoredEvents(subscription_id=sub_id):
                 sub = self.subscriptions.get(sub_id)
                 if sub is not None:
-                    sub.done.set()
+                    sub.on_eose()
             case Closed(subscription_id=sub_id, message=message):
                 sub = self.subscriptions.get(sub_id)
-                if sub is not None and not sub.done.is_set():
-                    sub.closed = message
-                    sub.done.set()
+                if sub is not None:
+                    sub.on_closed(message)
             case AuthChallenge(challenge=challenge):
                 # A new challenge supersedes the old; NIP-42 says the latest is valid.
                 self.challenge = challenge
@@ -572,6 +662,8 @@ class RelayPool:
             for metrics; it sees no event, filter or agent.
         max_result_bytes: decoded bytes every query's events may hold together, from the
             first event until the caller drops the returned list (module docstring).
+        max_live_subscriptions: live subscriptions (`subscribe`) one agent's connection
+            may hold; past it `subscribe` raises SubscriptionsFull.
 
     Raises:
         ValueError: a URL the transport rule refuses, a signer that is not callable, or
@@ -587,8 +679,12 @@ class RelayPool:
         tcp_quickack: bool = True,
         observer: Callable[[str, str, float], None] | None = None,
         max_result_bytes: int = DEFAULT_RESULT_BYTES,
+        max_live_subscriptions: int = DEFAULT_LIVE_SUBSCRIPTIONS,
     ) -> None:
         self._url: RelayUrl = check_relay_url(url)
+        if max_live_subscriptions < 0:
+            raise ValueError("max_live_subscriptions must be >= 0")
+        self._max_live = max_live_subscriptions
         if not callable(auth_signer):
             raise ValueError("auth_signer must be an async callable")
         if max_result_bytes < MAX_QUERY_BYTES:
@@ -598,6 +694,10 @@ class RelayPool:
         #: check before they merge, daemon/state/sign_watermarks.py); set by the wiring
         #: once the state directory is open. None: nothing remembered.
         self.watermarks: PublishedVersions | None = None
+        #: The read windows kept on this pool's connections (daemon/relay/windows.py); set
+        #: by the wiring when ``[relay] read_window_bytes`` is not 0. None: every read
+        #: goes to the relay.
+        self.windows: WindowCache | None = None
         self._auth_signer = auth_signer
         self._timeouts = timeouts
         self._quickack = tcp_quickack
@@ -971,21 +1071,10 @@ class RelayPool:
         self, conn: _Connection, filters: Sequence[Mapping[str, object]]
     ) -> list[dict[str, object]]:
         for attempt in range(2):
-            try:
-                await self._auth_if_challenged(conn)
-            except _AuthFailed as exc:
-                raise (RelayRefused if exc.refused else RelayUnavailable)(exc.reason) from None
-            generation = conn.auth_generation
+            generation = await self._auth_for_req(conn)
             sub_id, sub = conn.open_subscription()
             try:
-                try:
-                    await conn.send(encode_req(sub_id, filters))
-                except (trio_websocket.ConnectionClosed, trio.BrokenResourceError):
-                    raise RelayUnavailable("connection dropped while sending REQ") from None
-                with trio.move_on_after(self._timeouts.eose):
-                    await sub.done.wait()
-                if not sub.done.is_set():
-                    raise RelayUnavailable(f"no EOSE within {self._timeouts.eose}s")
+                await self._req_until_eose(conn, sub_id, sub.done, filters)
             finally:
                 await self._close_subscription(conn, sub_id)
                 # Bytes of an answer are held until its caller drops it (_results); every
@@ -1010,17 +1099,43 @@ class RelayPool:
                 results = _Results(events)
                 weakref.finalize(results, self._budget.give_back, held)
                 return results
-            closed = Closed(subscription_id=sub_id, message=sub.closed)
-            if closed.prefix is Prefix.AUTH_REQUIRED and attempt == 0:
-                try:
-                    await self._authenticate(conn, generation)
-                except _AuthFailed as exc:
-                    raise (RelayRefused if exc.refused else RelayUnavailable)(
-                        f"{closed.message} ({exc.reason})"
-                    ) from None
-                continue
-            raise RelayRefused(closed.message)
+            await self._after_closed(conn, sub_id, sub.closed, generation, attempt)
         raise AssertionError("unreachable: the second attempt always returns")  # pragma: no cover
+
+    async def _auth_for_req(self, conn: _Connection) -> int:
+        """Authenticate first if challenged; the AUTH generation the REQ goes out under."""
+        try:
+            await self._auth_if_challenged(conn)
+        except _AuthFailed as exc:
+            raise (RelayRefused if exc.refused else RelayUnavailable)(exc.reason) from None
+        return conn.auth_generation
+
+    async def _req_until_eose(self, conn: _Connection, sub_id: str, done: trio.Event,
+                              filters: Sequence[Mapping[str, object]]) -> None:
+        """Send the REQ and wait for EOSE, CLOSED or a drop (`done`), at most timeouts.eose."""
+        try:
+            await conn.send(encode_req(sub_id, filters))
+        except (trio_websocket.ConnectionClosed, trio.BrokenResourceError):
+            raise RelayUnavailable("connection dropped while sending REQ") from None
+        with trio.move_on_after(self._timeouts.eose):
+            await done.wait()
+        if not done.is_set():
+            raise RelayUnavailable(f"no EOSE within {self._timeouts.eose}s")
+
+    async def _after_closed(self, conn: _Connection, sub_id: str, message: str,
+                            generation: int, attempt: int) -> None:
+        """A REQ was CLOSED: authenticate for the one retry a first `auth-required:`
+        earns (then return), or raise RelayRefused / RelayUnavailable."""
+        closed = Closed(subscription_id=sub_id, message=message)
+        if closed.prefix is Prefix.AUTH_REQUIRED and attempt == 0:
+            try:
+                await self._authenticate(conn, generation)
+            except _AuthFailed as exc:
+                raise (RelayRefused if exc.refused else RelayUnavailable)(
+                    f"{closed.message} ({exc.reason})"
+                ) from None
+            return
+        raise RelayRefused(closed.message)
 
     async def _close_subscription(self, conn: _Connection, sub_id: str) -> None:
         # NIP-01: always CLOSE, also after CLOSED/timeout/cancel; bounded and shielded so a
@@ -1033,3 +1148,75 @@ class RelayPool:
                 await conn.send(encode_close(sub_id))
             except (trio_websocket.ConnectionClosed, trio.BrokenResourceError):
                 pass
+
+    # live subscriptions ---------------------------------------------------------------
+
+    async def subscribe(self, agent: str, filters: Sequence[Mapping[str, object]],
+                        sink: LiveSink) -> LiveSubscription:
+        """Open a subscription as `agent` and keep it open past EOSE, feeding `sink`.
+
+        Returns once the relay sent EOSE (the stored events went to `sink` with
+        ``live=False``); from then on every event goes to `sink` with ``live=True`` until
+        `LiveSubscription.close`, or until the relay's CLOSED or a dropped connection
+        (`sink.ended`). An open live subscription keeps its connection from idle close.
+
+        Raises:
+            SubscriptionsFull: the agent's connection holds max_live_subscriptions already.
+            RelayUnavailable / RelayRefused: as `query`.
+            ValueError / RuntimeError: as `query`.
+        """
+        if not filters or not all(isinstance(f, Mapping) for f in filters):
+            raise ValueError("subscribe needs at least one filter, each a mapping")
+        try:
+            async with self._use(agent) as conn:
+                if conn.live >= self._max_live:
+                    raise SubscriptionsFull(
+                        f"{conn.live} live subscriptions on this connection already")
+                for attempt in range(2):
+                    generation = await self._auth_for_req(conn)
+                    sub_id, live = conn.open_live(sink)
+                    established = False
+                    try:
+                        await self._req_until_eose(conn, sub_id, live.done, filters)
+                        if live.dropped:
+                            raise RelayUnavailable("connection dropped before EOSE")
+                        if live.closed is None:
+                            established = True
+                            conn.live += 1
+                            conn.in_use += 1
+                            return LiveSubscription(self, conn, sub_id)
+                    finally:
+                        if not established:
+                            await self._close_subscription(conn, sub_id)
+                    assert live.closed is not None
+                    await self._after_closed(conn, sub_id, live.closed, generation, attempt)
+        except _Unreachable as exc:
+            raise RelayUnavailable(exc.reason) from None
+        raise AssertionError("unreachable: the second attempt always returns")  # pragma: no cover
+
+    def _end_live(self, conn: _Connection, sub_id: str) -> None:
+        """Forget a live subscription now; CLOSE it on the relay soon (pool's nursery)."""
+        if conn.subscriptions.pop(sub_id, None) is None:
+            return
+        conn.live -= 1
+        conn.in_use -= 1
+        conn.last_used = trio.current_time()
+        if conn.alive and self._nursery is not None:
+            self._nursery.start_soon(self._close_subscription, conn, sub_id)
+
+
+class LiveSubscription:
+    """An open live subscription (`RelayPool.subscribe`); `close` ends it, idempotently."""
+
+    __slots__ = ("_pool", "_conn", "_sub_id", "_open")
+
+    def __init__(self, pool: RelayPool, conn: _Connection, sub_id: str) -> None:
+        self._pool, self._conn, self._sub_id = pool, conn, sub_id
+        self._open = True
+
+    def close(self) -> None:
+        """Stop feeding the sink at once; the relay gets CLOSE (best effort, bounded).
+        Synchronous, so that a cache evicting a window never waits on the network."""
+        if self._open:
+            self._open = False
+            self._pool._end_live(self._conn, self._sub_id)

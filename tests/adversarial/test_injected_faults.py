@@ -72,6 +72,7 @@ STEPS: dict[str, Step] = {
     "begin": Step(Ledger, "begin"),
     "authorize": Step(daemon.pipeline.judgement, "authorize"),
     "rate_limit": Step(RateLimiter, "take"),
+    "relay_subscribe": Step(RelayPool, "subscribe"),
     "relay_read": Step(RelayPool, "query"),
     "mint": Step(Custody, "mint_agent"),
     "enroll": Step(AgentDirectory, "enroll"),
@@ -141,6 +142,10 @@ async def _args_for(broker: BrokerHarness, action: str, owner_cred: str, channel
     """Fresh arguments (and state) for one run of `action`, made with no fault armed."""
     seams.arm(None)
     n = next(_counter)
+    if action == "channel.read" and broker.app._relay.windows is not None:
+        # Every run opens its read window (daemon/relay/windows.py) again, so that the live
+        # subscription and the relay read are steps of each run, not of the first only.
+        broker.app._relay.windows.close()
     if action in ("message.reply", "reaction.add"):
         post = await broker.call(owner_cred, "message.post", {"channelId": channel, "content": f"p{n}"})
         target = post["outcome"]["eventId"]

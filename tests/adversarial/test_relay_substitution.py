@@ -297,11 +297,14 @@ async def test_a_cached_signature_does_not_vouch_for_changed_content(rig: Rig) -
     credential = rig.harness.credential(reader, [CHANNEL])
     genuine = TestKey().sign(9, "genuine words", [["h", CHANNEL]])
     rig.serve(genuine)
-    first = await rig.harness.call(credential, "channel.read", {"channelId": CHANNEL})
+    # A limit above the read windows' depth (daemon/relay/windows.py): both reads go to the
+    # relay, which is where the substitution happens.
+    read = {"channelId": CHANNEL, "limit": 200}
+    first = await rig.harness.call(credential, "channel.read", read)
     assert first["status"] == "succeeded", first
     assert [m["content"] for m in first["outcome"]["messages"]] == ["genuine words"]
     rig.relay.stored[genuine["id"]] = {**genuine, "content": "FORGED words"}
-    second = await rig.harness.call(credential, "channel.read", {"channelId": CHANNEL})
+    second = await rig.harness.call(credential, "channel.read", read)
     assert second["status"] == "succeeded", second
     assert second["outcome"]["messages"] == [], "a cache hit delivered content never signed"
 

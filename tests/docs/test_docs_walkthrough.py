@@ -290,7 +290,7 @@ READING_ORDER: list[tuple[str, str, Step | str]] = [
     ("agents.md", "agent-threads", agent_threads),
     ("agents.md", "buzz-broker call",
      buzz_broker_call),
-    ("agents.md", "BUZZ_AGENT_MODE=broker BUZZ_BROKER_URL=http://localhost:7475",
+    ("agents.md", "buzz-runtime-env",
      "Buzz's runtime configuration: no Buzz binary runs here; its variables are checked by "
      "test_the_buzz_runtime_configuration_names_buzzs_variables"),
     ("protocol.md", "POST /v1/action",
@@ -341,7 +341,7 @@ def test_the_request_examples_cover_all_fifteen_actions() -> None:
 def test_the_buzz_runtime_configuration_names_buzzs_variables(tmp_path: Path) -> None:
     """No Buzz binary runs here: the variables are the ones Buzz's source reads (as recorded
     in shared/spec/buzz-client.md), and the block is shell that sets them as described."""
-    [body] = [b for doc, key, b in _doc_blocks() if key.startswith("BUZZ_AGENT_MODE=broker")]
+    [body] = [b for doc, key, b in _doc_blocks() if key == "buzz-runtime-env"]
     spec = SHARED / "spec" / "buzz-client.md"
     if not spec.is_file():
         pytest.fail(f"{spec} is absent; set BUZZ_SHARED_DIR to the shared directory")

@@ -40,7 +40,7 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from ._args import (
@@ -420,8 +420,15 @@ class Verdict:
     outcome: Outcome | None = None
     code: ErrorCode | None = None
     message: str | None = None
+    #: The outcome's canonical bytes, when the host already holds them (a read answered
+    #: from a window, daemon/relay/windows.py): `encode_response` uses them instead of
+    #: encoding `outcome` again. They must be exactly `outcome`'s canonical form; the
+    #: host's tests compare the two (tests/read/test_windows.py).
+    encoded_outcome: bytes | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.encoded_outcome is not None and self.status is not Status.SUCCEEDED:
+            raise AssertionError("only a succeeded verdict carries an encoded outcome")
         if self.status is Status.SUCCEEDED:
             spec = ACTIONS.get(self.action) if self.action is not None else None
             if spec is None or type(self.outcome) is not spec.outcome_type:
@@ -470,6 +477,9 @@ def encode_response(request_id: str, verdict: Verdict) -> bytes:
     }
     if verdict.status is Status.SUCCEEDED:
         envelope["action"] = verdict.action
+        if verdict.encoded_outcome is not None:
+            # The same bytes `_dumps` would give: compact, and `outcome` is the last member.
+            return _dumps(envelope)[:-1] + b',"outcome":' + verdict.encoded_outcome + b"}"
         envelope["outcome"] = to_wire(verdict.outcome)
     else:
         assert verdict.code is not None

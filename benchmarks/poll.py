@@ -1,0 +1,147 @@
+"""Buzz's poll, cached: daemon CPU-seconds per request for a warm window, a cold read and a
+request refused at validation, all in one run (issue 24 "Polling that costs almost nothing").
+
+What runs: a fresh SoftHSM token, one agent with one credential, nostr-sdk's LocalRelay
+(NIP-42 AUTH), a channel of `--events` messages the agent posted through the daemon, then
+`buzz-broker serve` twice against the same state directory and relay:
+
+  1. `[relay] read_window_bytes = 0` (no windows: every read goes to the relay, as before
+     this benchmark's change): `--requests` cold reads, then `--requests` refusals;
+  2. the default config (windows on): one read opens the window, then `--requests` polls of
+     the unchanged window, then `--requests` refusals.
+
+Each request is Buzz's poll: `channel.read`, limit 100, no cursor, a fresh requestId, one
+at a time over a keep-alive HTTP/1.1 connection on the Unix socket. The refusal is the
+same request with `limit` 0 (`invalid_request` at validation). CPU is the daemon's
+utime + stime from /proc/<pid>/stat across each batch, divided by its requests (the clock
+tick is 10 ms: batches of a few hundred keep the rounding below a few percent).
+
+The issue's target: the cached poll costs no more than the validation refusal, measured in
+the same run (printed as a ratio). The generator and the relay share the machine's cores.
+
+Run: python benchmarks/poll.py [--events 100] [--requests 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import _harness as H  # noqa: E402
+from benchmarks.load import Conn, body  # noqa: E402
+from tests.fixtures.broker import write_config  # noqa: E402
+
+
+def _config(path: Path, token: H.TokenConfig, state: Path, sock: Path, url: str,
+            relay: dict[str, object]) -> Path:
+    return write_config(path, token=token, state_dir=state, socket=sock, relay_url=url,
+                        relay_timeout=10.0,
+                        sections={"server": {"max_connections": 4096}, "log": {"level": "warning"},
+                                  "limits": {"enabled": False}, "relay": relay})
+
+
+async def _batch(conn: Conn, pid: int, payload: object, n: int, expect: str) -> float:
+    """CPU-seconds per request of `n` requests built by `payload()`; checks every answer."""
+    before = H.proc_stat(pid).cpu_seconds
+    for _ in range(n):
+        status, raw = await conn.post(payload())  # type: ignore[operator]
+        answer = json.loads(raw)
+        if answer.get("status") != expect:
+            raise SystemExit(f"unexpected answer (HTTP {status}): {raw[:200]!r}")
+    return (H.proc_stat(pid).cpu_seconds - before) / n
+
+
+def _spy(prefix: str | None, label: str, pid: int) -> subprocess.Popen[bytes] | None:
+    """py-spy on the daemon while one batch runs (collapsed stacks to PREFIX.<label>.txt)."""
+    if prefix is None:
+        return None
+    spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--format", "raw",
+                            "--nonblocking", "-r", "500", "-o", f"{prefix}.{label}.txt", "-p", str(pid)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)  # attached before the batch starts
+    return spy
+
+
+def _stop(spy: subprocess.Popen[bytes] | None) -> None:
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(timeout=30)
+
+
+def main(args: argparse.Namespace) -> None:
+    print(json.dumps({"machine": H.machine()}), flush=True)
+    with H.workdir() as tmp:
+        token = H.make_token(tmp / "token")
+        state = tmp / "state"
+        channel = H.new_channel()
+        pubkeys = trio.run(H.import_agents, token, state, 1)
+        agent = H.issue_credentials(state, pubkeys, [channel])[0]
+
+        def poll() -> bytes:
+            return body("channel.read", {"channelId": channel, "limit": 100}, str(uuid.uuid4()))
+
+        def refused() -> bytes:
+            return body("channel.read", {"channelId": channel, "limit": 0}, str(uuid.uuid4()))
+
+        figures: dict[str, float] = {}
+        with H.relay_process("local") as (url, _relay):
+            sock = tmp / "broker.sock"
+            cold_cfg = _config(tmp / "cold.toml", token, state, sock, url, {"read_window_bytes": 0})
+            warm_cfg = _config(tmp / "warm.toml", token, state, sock, url, {})
+
+            async def cold_phase(pid: int) -> None:
+                conn = Conn(str(sock), agent.credential)
+                for n in range(args.events):
+                    await conn.post(body("message.post", {"channelId": channel,
+                                                          "content": f"poll bench {n}"}))
+                figures["cold read"] = await _batch(conn, pid, poll, args.requests, "succeeded")
+                figures["refused (cold daemon)"] = await _batch(conn, pid, refused, args.requests, "failed")
+                await conn.close()
+
+            async def warm_phase(pid: int) -> None:
+                conn = Conn(str(sock), agent.credential)
+                status, raw = await conn.post(poll())  # opens the window
+                if len(json.loads(raw)["outcome"]["messages"]) != min(100, args.events):
+                    raise SystemExit(f"the channel does not hold the events posted: {raw[:200]!r}")
+                spy = _spy(args.profile, "cached", pid)
+                figures["cached poll"] = await _batch(conn, pid, poll, args.requests, "succeeded")
+                _stop(spy)
+                spy = _spy(args.profile, "refused", pid)
+                figures["refused"] = await _batch(conn, pid, refused, args.requests, "failed")
+                _stop(spy)
+                figures["cached poll (again)"] = await _batch(conn, pid, poll, args.requests, "succeeded")
+                await conn.close()
+
+            with H.daemon_process(cold_cfg, tmp) as daemon:
+                trio.run(cold_phase, daemon.pid)
+            with H.daemon_process(warm_cfg, tmp) as daemon:
+                trio.run(warm_phase, daemon.pid)
+
+    print(f"relay: nostr-sdk LocalRelay (NIP-42 AUTH); channel of {args.events} events; "
+          f"{args.requests} requests per figure, one at a time over the Unix socket")
+    for name, seconds in figures.items():
+        print(f"  {name:24s} {seconds * 1e3:7.2f} ms daemon CPU per request")
+    cached = min(figures["cached poll"], figures["cached poll (again)"])
+    print(f"cached poll / refused at validation: {cached / figures['refused']:.2f} "
+          f"(target <= 1.00); cold read / cached poll: {figures['cold read'] / cached:.1f}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--events", type=int, default=100)
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--profile", metavar="PREFIX",
+                        help="py-spy the warm daemon during the cached and refused batches")
+    started = time.perf_counter()
+    main(parser.parse_args())
+    print(f"({time.perf_counter() - started:.0f} s)")

@@ -1,0 +1,303 @@
+"""Read windows (daemon/relay/windows.py) against nostr-sdk's LocalRelay, NIP-42 AUTH on.
+
+Each test states one promise a window must keep so that a cached poll is never less true
+than a cold read: another client's post appears, a deletion or a removal takes events or
+the window away, the relay's CLOSED drops it, one agent's window never answers another's
+read, a revoked credential is refused with a warm window, and the windows stay within
+`read_window_bytes`. No timing is asserted: a test that waits for the relay's live event
+polls until it is seen, with a generous deadline only as the failure bound.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Awaitable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from buzzwire.contract import (
+    ChannelReadArgs,
+    ErrorCode,
+    ReadOutcome,
+    Status,
+    Verdict,
+    encode_response,
+)
+from daemon.operations import channel_read
+from daemon.operations._base import Context
+from daemon.relay.cursor import CursorCodec
+from daemon.relay.pool import Accepted, AuthNotSigned, RelayPool, RelayTimeouts
+from daemon.relay.windows import WindowCache, WindowKey
+from tests.fixtures.broker import BrokerHarness
+from tests.fixtures.relay import TestKey, auth_signer_for, signed
+from tests.read._support import NOW, context, new_channel, principal_for
+from tests.scripted_relay import Script, ScriptedRelay
+
+TIMEOUTS = RelayTimeouts(connect=10, ok=10, eose=10, idle_seconds=60)
+#: Only a bound for a failing test: a live event normally arrives in milliseconds.
+DEADLINE = 15.0
+REQUEST_ID = "00000000-0000-4000-8000-000000000000"
+
+
+@dataclass
+class World:
+    pool: RelayPool  # the daemon's pool: the readers' connections, with windows
+    poster: RelayPool  # another client of the relay, its own connection
+    reader: TestKey
+    author: TestKey
+    channel: str
+    ctx: Context
+    queries: Counter[str]
+    tmp: Path
+
+    async def post(self, content: str, *, at: int, kind: int = 9,
+                   tags: list[list[str]] | None = None) -> dict[str, Any]:
+        ev = self.author.sign(kind, content, tags if tags is not None else [["h", self.channel]], at)
+        assert isinstance(await self.poster.publish(self.author.pubkey, signed(ev)), Accepted)
+        return ev
+
+    async def read(self, ctx: Context | None = None, **args: Any) -> Verdict:
+        return await channel_read.execute(ctx or self.ctx, ChannelReadArgs(
+            channel_id=args.pop("channel_id", self.channel), **args))
+
+
+def _ids(verdict: Verdict) -> list[str]:
+    assert verdict.status is Status.SUCCEEDED, verdict
+    assert isinstance(verdict.outcome, ReadOutcome)
+    return [e.id for e in verdict.outcome.messages]
+
+
+async def _until(check: Callable[[], Awaitable[bool]]) -> None:
+    """Wait for `check` to hold; DEADLINE bounds a failing test only."""
+    with trio.fail_after(DEADLINE):
+        while not await check():
+            await trio.sleep(0.01)
+
+
+def _pool(url: str, *keys: TestKey, queries: Counter[str] | None = None, **kw: Any) -> RelayPool:
+    def observe(op: str, result: str, _seconds: float) -> None:
+        if queries is not None:
+            queries[op] += 1
+
+    return RelayPool(url, auth_signer_for(*keys), timeouts=TIMEOUTS, observer=observe, **kw)
+
+
+@pytest.fixture
+async def world(local_relay: str, tmp_path: Path, nursery: trio.Nursery) -> AsyncIterator[World]:
+    reader, author = TestKey(), TestKey()
+    channel = new_channel()
+    queries: Counter[str] = Counter()
+    pool = _pool(local_relay, reader, queries=queries)
+    pool.windows = WindowCache(pool, max_bytes=8 * 1024 * 1024)
+    poster = _pool(local_relay, author)
+    await nursery.start(pool.run)
+    await nursery.start(poster.run)
+    ctx = context(pool, principal_for(tmp_path, reader.pubkey, [channel]),
+                  CursorCodec.open(str(tmp_path)), now=lambda: NOW)
+    w = World(pool, poster, reader, author, channel, ctx, queries, tmp_path)
+    for n in range(5):
+        await w.post(f"message {n}", at=NOW - 100 + n)
+    yield w
+
+
+async def test_a_repeated_poll_is_answered_from_the_window_as_a_cold_read_would(world: World,
+                                                                               local_relay: str,
+                                                                               nursery: trio.Nursery
+                                                                               ) -> None:
+    first = await world.read(limit=3)
+    reads = world.queries["query"]
+    again = await world.read(limit=3)
+    assert world.queries["query"] == reads, "a warm poll must not query the relay"
+    assert _ids(again) == _ids(first)
+    # The same page, cursor and bytes as a pool without windows reads from the same relay.
+    plain = _pool(local_relay, world.reader)
+    await nursery.start(plain.run)
+    cold = await world.read(context(plain, world.ctx.principal, world.ctx.cursors), limit=3)
+    assert encode_response(REQUEST_ID, again) == encode_response(REQUEST_ID, cold)
+    # The encoded outcome the window supplies is the outcome's canonical form exactly.
+    assert again.encoded_outcome is not None
+    unencoded = Verdict.succeeded(channel_read.ACTION, again.outcome)  # type: ignore[arg-type]
+    assert encode_response(REQUEST_ID, again) == encode_response(REQUEST_ID, unencoded)
+    assert _ids(await world.read(limit=100)) == _ids(
+        await world.read(context(plain, world.ctx.principal, world.ctx.cursors), limit=100))
+
+
+async def test_another_clients_post_appears_in_the_next_poll(world: World) -> None:
+    before = _ids(await world.read())
+    reads = world.queries["query"]
+    new = await world.post("from another client", at=NOW)
+
+    async def seen() -> bool:
+        return _ids(await world.read())[:1] == [new["id"]]
+
+    await _until(seen)
+    # It came by the live subscription, not by a new relay query.
+    assert world.queries["query"] == reads
+    assert _ids(await world.read()) == [new["id"], *before]
+
+
+async def test_a_deletion_takes_the_event_away(world: World) -> None:
+    before = _ids(await world.read())
+    assert len(world.pool.windows or ()) == 1
+    victim = before[0]
+    await world.post("", at=NOW, kind=5, tags=[["e", victim], ["h", world.channel]])
+
+    async def gone() -> bool:
+        return victim not in _ids(await world.read())
+
+    await _until(gone)
+    assert _ids(await world.read()) == before[1:]
+
+
+async def test_a_nip29_removal_of_the_agent_drops_its_window(world: World) -> None:
+    await world.read()
+    key = WindowKey(world.reader.pubkey, world.channel, False)
+    assert world.pool.windows is not None and world.pool.windows.get(key) is not None
+    await world.post("", at=NOW, kind=9001, tags=[["h", world.channel], ["p", world.reader.pubkey]])
+    windows = world.pool.windows
+
+    async def dropped() -> bool:
+        return windows.get(key) is None
+
+    await _until(dropped)
+    reads = world.queries["query"]
+    await world.read()  # cold again: the relay decides what the agent may still see
+    assert world.queries["query"] > reads
+
+
+async def test_relay_closed_drops_the_window(scripted_relay: Callable[[Script], Awaitable[ScriptedRelay]],
+                                             tmp_path: Path, nursery: trio.Nursery) -> None:
+    relay = await scripted_relay(Script(challenge_at_connect=True, require_auth=True))
+    reader, author = TestKey(), TestKey()
+    channel = new_channel()
+    queries: Counter[str] = Counter()
+    pool = _pool(relay.url, reader, author, queries=queries)
+    pool.windows = WindowCache(pool)
+    await nursery.start(pool.run)
+    ev = author.sign(9, "hello", [["h", channel]], NOW - 5)
+    assert isinstance(await pool.publish(author.pubkey, signed(ev)), Accepted)
+    ctx = context(pool, principal_for(tmp_path, reader.pubkey, [channel]), CursorCodec.open(str(tmp_path)))
+    read = ChannelReadArgs(channel_id=channel)
+    assert _ids(await channel_read.execute(ctx, read)) == [ev["id"]]
+    assert len(pool.windows) == 1
+    # The relay ends the live subscription (and, harmlessly, any REQ whose CLOSE it has not
+    # read yet).
+    assert await relay.close_open_reqs() >= 1
+    windows = pool.windows
+
+    async def dropped() -> bool:
+        return len(windows) == 0
+
+    await _until(dropped)
+    reads = queries["query"]
+    assert _ids(await channel_read.execute(ctx, read)) == [ev["id"]]
+    assert queries["query"] > reads, "after CLOSED the read goes to the relay again"
+
+
+async def test_one_agents_window_never_answers_another(world: World, local_relay: str,
+                                                       nursery: trio.Nursery) -> None:
+    """Agent B is refused by the relay (its AUTH cannot be made); agent A's warm window of
+    the same channel must not answer B."""
+    outsider = TestKey()
+    signer = auth_signer_for(world.reader)
+
+    async def sign(agent: str, url: str, challenge: str, created_at: int) -> Any:
+        if agent == outsider.pubkey:
+            raise AuthNotSigned("not this agent")
+        return await signer(agent, url, challenge, created_at)
+
+    pool = RelayPool(local_relay, sign, timeouts=TIMEOUTS)
+    pool.windows = WindowCache(pool)
+    await nursery.start(pool.run)
+    ctx_a = context(pool, world.ctx.principal, world.ctx.cursors)
+    assert len(_ids(await world.read(ctx_a))) == 5
+    ctx_b = context(pool, principal_for(world.tmp, outsider.pubkey, [world.channel]),
+                    world.ctx.cursors)
+    refused = await world.read(ctx_b)
+    assert refused.status is Status.FAILED and refused.code is ErrorCode.ACTION_FAILED
+    assert len(pool.windows) == 1  # A's, still warm
+    assert len(_ids(await world.read(ctx_a))) == 5
+
+
+async def test_windows_stay_within_read_window_bytes(local_relay: str, tmp_path: Path,
+                                                     nursery: trio.Nursery) -> None:
+    reader, author = TestKey(), TestKey()
+    channels = [new_channel() for _ in range(6)]
+    pool = _pool(local_relay, reader, author)
+    await nursery.start(pool.run)
+    for channel in channels:
+        for n in range(20):
+            ev = author.sign(9, "x" * 1000, [["h", channel]], NOW - 50 + n)
+            assert isinstance(await pool.publish(author.pubkey, signed(ev)), Accepted)
+    windows = WindowCache(pool, max_bytes=0)
+    pool.windows = windows
+    ctx = context(pool, principal_for(tmp_path, reader.pubkey, channels), CursorCodec.open(str(tmp_path)))
+    await channel_read.execute(ctx, ChannelReadArgs(channel_id=channels[0]))
+    one = windows.bytes  # max_bytes 0 keeps nothing
+    assert one == 0 and len(windows) == 0
+    probe = WindowCache(pool)
+    pool.windows = probe
+    await channel_read.execute(ctx, ChannelReadArgs(channel_id=channels[0]))
+    size = probe.bytes
+    assert size > 20 * 1000
+    probe.close()
+    bound = int(size * 2.5)  # room for two windows of this size, not three
+    windows = WindowCache(pool, max_bytes=bound)
+    pool.windows = windows
+    for channel in channels:
+        verdict = await channel_read.execute(ctx, ChannelReadArgs(channel_id=channel))
+        assert len(_ids(verdict)) == 20
+        assert windows.bytes <= bound
+    assert len(windows) == 2
+    conn = pool._connections[reader.pubkey]
+    assert conn.live == 2, "an evicted window's subscription is closed"
+    # The most recently used are kept.
+    kept = [c for c in channels if windows.get(WindowKey(reader.pubkey, c, False)) is not None]
+    assert kept == channels[-2:]
+
+
+async def test_past_the_subscription_cap_reads_are_plain_queries(world: World, local_relay: str,
+                                                                 nursery: trio.Nursery) -> None:
+    channels = [new_channel() for _ in range(3)]
+    for channel in channels:
+        await world.post("hi", at=NOW - 1, tags=[["h", channel]])
+    queries: Counter[str] = Counter()
+    pool = _pool(local_relay, world.reader, queries=queries, max_live_subscriptions=2)
+    pool.windows = WindowCache(pool)
+    await nursery.start(pool.run)
+    ctx = context(pool, principal_for(world.tmp, world.reader.pubkey, channels), world.ctx.cursors)
+    for channel in channels:
+        assert len(_ids(await world.read(ctx, channel_id=channel))) == 1
+    assert len(pool.windows) == 2
+    reads = queries["query"]
+    assert len(_ids(await world.read(ctx, channel_id=channels[2]))) == 1
+    assert queries["query"] == reads + 1, "the third channel is read from the relay each time"
+
+
+async def test_revoked_credential_is_refused_with_a_warm_window(broker: BrokerHarness) -> None:
+    agent = await broker.human_owned_agent()
+    channel = new_channel()
+    credential_id, token = broker._sessions.issue(
+        agent=agent, channels=frozenset({channel}), actions=frozenset({"channel.read", "message.post"}),
+        ttl_seconds=None, uid=None, now=NOW)
+    posted = await broker.call(token, "message.post", {"channelId": channel, "content": "hello"})
+    assert posted["status"] == "succeeded", posted
+    for _ in range(2):  # the second poll is answered from the window
+        answer = await broker.call(token, "channel.read", {"channelId": channel, "limit": 100})
+        assert answer["status"] == "succeeded" and len(answer["outcome"]["messages"]) == 1
+    windows = broker.app._relay.windows
+    assert windows is not None and len(windows) == 1
+    assert broker._sessions.revoke(credential_id)
+    status, envelope = await broker.post(
+        json.dumps({"type": "broker_request", "protocolVersion": 1,
+                    "requestId": "11111111-1111-4111-8111-111111111111", "actionVersion": 1,
+                    "action": "channel.read", "args": {"channelId": channel, "limit": 100}}).encode(),
+        token)
+    assert envelope is not None and envelope["status"] == "failed", envelope
+    assert envelope["error"]["code"] == "unauthenticated"
+    assert "outcome" not in envelope
