@@ -44,8 +44,14 @@ $(VENV)/.installed: pyproject.toml | deps
 
 venv: deps $(VENV)/.installed
 
+# The main suite on TEST_WORKERS xdist workers, a module to a worker at a time (loadscope),
+# so module and session fixtures (token, relay, a module's daemon) are made once per worker,
+# in collection order (tests/conftest.py puts the slow nspawn guest first). Much of the suite
+# waits on subprocesses and relays: two workers on two cores take ~60-70% of the serial time.
+# TEST_WORKERS=0 runs it in this process, serially.
+TEST_WORKERS ?= 2
 test: venv
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 	$(MAKE) --no-print-directory test-tokens
 
 # The custody suite once per other token kind, each token started and torn down by
