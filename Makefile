@@ -58,13 +58,18 @@ test: venv
 # with-token (the main suite above already ran it on SoftHSM, its own token). Tests marked
 # token_independent open no session token (tests/fixtures/token.py): the main suite ran
 # them, so the other kinds skip them.
+# The kinds run at once, each on its own token (its own temp dir, ports and sockets; the
+# opencryptoki one in its own namespace), each kind's output held in a file and printed
+# whole, in TOKEN_KINDS order, when all are done.
 # TOKEN_KINDS=tpm make test-tokens runs one kind; softhsm is a kind too.
 TOKEN_KINDS ?= tpm opencryptoki p11kit
 CUSTODY_SUITE := tests/custody tests/tokens tests/backup
 test-tokens: venv
-	@failed=""; for k in $(TOKEN_KINDS); do echo "== custody suite on the $$k token"; \
-	  $(PY) tests/tokens/with-token $$k -- $(PY) -m pytest -q -p no:cacheprovider -m "not token_independent" $(CUSTODY_SUITE) \
-	    || failed="$$failed $$k"; done; \
+	@out=$$(mktemp -d); for k in $(TOKEN_KINDS); do \
+	  { $(PY) tests/tokens/with-token $$k -- $(PY) -m pytest -q -p no:cacheprovider -m "not token_independent" $(CUSTODY_SUITE) \
+	      >$$out/$$k.log 2>&1; echo $$? >$$out/$$k.status; } & done; wait; \
+	failed=""; for k in $(TOKEN_KINDS); do echo "== custody suite on the $$k token"; cat $$out/$$k.log; \
+	  [ "$$(cat $$out/$$k.status)" = 0 ] || failed="$$failed $$k"; done; rm -rf $$out; \
 	if [ -n "$$failed" ]; then echo "custody suite failed on:$$failed"; exit 1; fi
 
 lint: venv
