@@ -361,11 +361,13 @@ def _intent(**changes: object) -> KeyEvent:
     {"file": "é" * 1000},                                 # 6000 bytes once escaped
     {"stage": KeyStage.DONE, "agents": 1, "pubkeys": ("ab" * 32, "cd" * 32)},
 ])
+@pytest.mark.token_independent
 def test_a_key_event_refuses_a_malformed_shape(changes: dict[str, object]) -> None:
     with pytest.raises((ValueError, TypeError)):
         _intent(**changes)
 
 
+@pytest.mark.token_independent
 def test_a_key_event_round_trips_and_a_long_outcome_is_split() -> None:
     keys = tuple(f"{i:064x}" for i in range(MAX_KEY_PUBKEYS * 2 + 1))
     done = _intent(stage=KeyStage.DONE, agents=len(keys), sha256="ab" * 32)
@@ -379,6 +381,7 @@ def test_a_key_event_round_trips_and_a_long_outcome_is_split() -> None:
         assert json.loads(line)["phase"] == "key"
 
 
+@pytest.mark.token_independent
 def test_a_written_log_verifies_and_each_write_moves_the_anchor(tmp_path: Path) -> None:
     state = tmp_path / "state"
     first = key_events.write(state, [_intent()])

@@ -371,6 +371,7 @@ async def test_an_agent_stored_with_an_off_curve_owner_gets_a_custody_error_for_
     assert verify_event(signed.to_json_obj())
 
 
+@pytest.mark.token_independent
 @pytest.mark.parametrize(
     ("candidate", "point"),
     [

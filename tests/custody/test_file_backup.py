@@ -17,8 +17,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.custody._secrets import SECRET_X
 from tests.fixtures.token import REPO, make_token
+
+#: Makes its own SoftHSM token, never the session's: the other-token runs deselect it (tests/fixtures/token.py).
+pytestmark = pytest.mark.token_independent
 
 OWNER = "f9308a019258c31049344f85f89d5229b531c845836f99b08601f113bce036f9"
 LABEL = "file-backup"

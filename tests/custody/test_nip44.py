@@ -46,18 +46,21 @@ def pub_of(hex_secret: str) -> str:
     return str(nostr_sdk.Keys.parse(hex_secret).public_key().to_hex())
 
 
+@pytest.mark.token_independent
 @pytest.mark.parametrize("case", VALID["get_conversation_key"], ids=lambda c: c["pub2"][:8])
 def test_conversation_key_vectors(case: dict[str, str]) -> None:
     with raw_secret(case["sec1"]) as secret:
         assert conversation_key(secret, case["pub2"]).hex() == case["conversation_key"]
 
 
+@pytest.mark.token_independent
 @pytest.mark.parametrize("case", INVALID["get_conversation_key"], ids=lambda c: c["note"])
 def test_conversation_key_refusals(case: dict[str, str]) -> None:
     with raw_secret(case["sec1"]) as secret, pytest.raises(ValueError):
         conversation_key(secret, case["pub2"])
 
 
+@pytest.mark.token_independent
 def test_message_key_vectors() -> None:
     conv = bytes.fromhex(VALID["get_message_keys"]["conversation_key"])
     for case in VALID["get_message_keys"]["keys"]:
@@ -66,11 +69,13 @@ def test_message_key_vectors() -> None:
             case["chacha_key"], case["chacha_nonce"], case["hmac_key"])
 
 
+@pytest.mark.token_independent
 @pytest.mark.parametrize(("unpadded", "padded"), VALID["calc_padded_len"])
 def test_padded_length_vectors(unpadded: int, padded: int) -> None:
     assert padded_length(unpadded) == padded
 
 
+@pytest.mark.token_independent
 @pytest.mark.parametrize("case", VALID["encrypt_decrypt"], ids=lambda c: c["nonce"][-6:])
 def test_encrypt_decrypt_vectors(case: dict[str, str]) -> None:
     with raw_secret(case["sec1"]) as one, raw_secret(case["sec2"]) as two:
@@ -82,6 +87,7 @@ def test_encrypt_decrypt_vectors(case: dict[str, str]) -> None:
     assert decrypt(backward, case["payload"]) == plaintext
 
 
+@pytest.mark.token_independent
 @pytest.mark.parametrize("case", VALID["encrypt_decrypt_long_msg"], ids=lambda c: str(c["repeat"]))
 def test_long_message_vectors(case: dict[str, Any]) -> None:
     plaintext = (case["pattern"] * case["repeat"]).encode()
@@ -92,12 +98,14 @@ def test_long_message_vectors(case: dict[str, Any]) -> None:
     assert decrypt(conv, payload) == plaintext
 
 
+@pytest.mark.token_independent
 @pytest.mark.parametrize("length", INVALID["encrypt_msg_lengths"])
 def test_plaintext_lengths_nip44_refuses(length: int) -> None:
     with pytest.raises(ValueError):
         encrypt(bytes(32), b"x" * length, bytes(32))
 
 
+@pytest.mark.token_independent
 @pytest.mark.parametrize("case", INVALID["decrypt"], ids=lambda c: c["note"])
 def test_decrypt_refusals(case: dict[str, str]) -> None:
     expected = UnsupportedVersion if "version" in case["note"] else DecryptFailed
@@ -108,11 +116,13 @@ def test_decrypt_refusals(case: dict[str, str]) -> None:
     assert case["conversation_key"] not in str(caught.value)
 
 
+@pytest.mark.token_independent
 def test_unsupported_version_is_also_a_decrypt_failure() -> None:
     # Callers that only care "does it open" catch one class.
     assert issubclass(UnsupportedVersion, DecryptFailed)
 
 
+@pytest.mark.token_independent
 def test_nip_ae_pinned_events_encrypt_exactly() -> None:
     """NIP-AE's reference events 1 and 4: body, nonce and K_c give the published content."""
     pinned = [
@@ -134,6 +144,7 @@ def test_nip_ae_pinned_events_encrypt_exactly() -> None:
 SAMPLES = ["a", "emoji 🐝🧠 and ZWJ 👩‍💻", '{"slug":"mem/x","value":"v"}', "x" * 1000, "é" * 20_000]
 
 
+@pytest.mark.token_independent
 @pytest.mark.parametrize("text", SAMPLES, ids=lambda t: str(len(t)))
 def test_nostr_sdk_reads_ours_and_we_read_nostr_sdks(text: str) -> None:
     with raw_secret(SECRET_X) as agent:
@@ -154,6 +165,7 @@ def test_nostr_sdk_reads_ours_and_we_read_nostr_sdks(text: str) -> None:
 RUST_NOSTR_MAX = 65_408
 
 
+@pytest.mark.token_independent
 @pytest.mark.parametrize("length", [RUST_NOSTR_MAX, RUST_NOSTR_MAX + 1, 65_535])
 def test_the_rust_nostr_band(length: int) -> None:
     with raw_secret(SECRET_X) as agent:

@@ -10,7 +10,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import custody
+
+#: Reads source, opens no token: the other-token runs deselect it (tests/fixtures/token.py).
+pytestmark = pytest.mark.token_independent
 
 CUSTODY_DIR = Path(custody.__file__).parent
 

@@ -15,6 +15,8 @@ import re
 import sqlite3
 import subprocess
 
+import pytest
+
 from daemon.log import log_event, setup_logging
 from tests.backup.test_backup import Host, age_identity
 from tests.custody._secrets import PUB_1, PUB_2, SECRET_1
@@ -81,6 +83,7 @@ def test_a_restored_backups_names_are_escaped(softhsm_token: SoftHsmToken, tmp_p
     assert json_lines(target("agent", "list", "--json").stdout)[0]["name"] == HOSTILE_C1 + HOSTILE
 
 
+@pytest.mark.token_independent
 def test_a_cli_fault_line_is_escaped(tmp_path) -> None:  # type: ignore[no-untyped-def]
     # A fault line quotes what it names (here a config path); the terminal gets it escaped.
     done = subprocess.run([str(BUZZ_BROKER), "--config", str(tmp_path / HOSTILE), "status"],
@@ -89,6 +92,7 @@ def test_a_cli_fault_line_is_escaped(tmp_path) -> None:  # type: ignore[no-untyp
     assert "\\x1b]0;owned" in done.stderr and _raw_in(done.stdout + done.stderr) == []
 
 
+@pytest.mark.token_independent
 def test_log_lines_escape_agent_and_relay_text() -> None:
     stream = io.StringIO()
     setup_logging("info", stream=stream, environ={})

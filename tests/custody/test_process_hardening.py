@@ -64,6 +64,7 @@ def _read_proc(pid: int, *, as_nobody: bool) -> dict[str, str]:
     return dict(line.split() for line in done.stdout.splitlines())
 
 
+@pytest.mark.token_independent
 @pytest.mark.skipif(not sys.platform.startswith("linux") or os.geteuid() != 0
                     or not os.path.exists(SYSTEM_PYTHON),
                     reason="needs Linux /proc, root (to run processes as another uid) and "

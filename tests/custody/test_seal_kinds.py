@@ -80,6 +80,7 @@ class _ReferenceToken:
         return hmac.digest(self.mac_key, data, hashlib.sha256)
 
 
+@pytest.mark.token_independent
 def test_an_etm_blob_is_ctr_ciphertext_and_hmac_over_len_aad_aad_nonce_ct() -> None:
     token = _ReferenceToken()
     with secret_of(SECRET_2) as secret:
@@ -172,6 +173,7 @@ async def test_blobs_of_both_kinds_open_side_by_side(
     ("auto", set(), None),
     ("aes-cbc", {"gcm", "etm"}, None),
 ])
+@pytest.mark.token_independent
 def test_the_seal_is_chosen_by_what_the_token_offers(
     wanted: str, offered: set[str], chosen: str | None
 ) -> None:

@@ -189,6 +189,7 @@ async def test_without_locked_memory_the_cache_stays_off(
         await opened.aclose()
 
 
+@pytest.mark.token_independent
 @pytest.mark.parametrize(("entries", "seconds"), [(-1, 1.0), (65537, 1.0), (1, 0.0), (1, 3601.0)])
 def test_the_policy_is_bounded(entries: int, seconds: float) -> None:
     with pytest.raises(ValueError):

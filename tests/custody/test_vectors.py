@@ -15,6 +15,9 @@ from custody._secret import Secret, parse_secret_text
 from custody._signer import make_owner_tag
 from tests.custody._secrets import PUB_1, PUB_2, SECRET_1, SECRET_2, SECRET_3, SECRET_X
 
+#: Opens no session token: the other-token runs deselect it (tests/fixtures/token.py).
+pytestmark = pytest.mark.token_independent
+
 
 def secret(hex_text: str) -> Secret:
     return parse_secret_text(bytearray(hex_text.encode()))

@@ -73,6 +73,7 @@ class _FfiSpy:
         return getattr(self._real, name)
 
 
+@pytest.mark.token_independent
 @pytest.mark.parametrize("call", ["xonly_pubkey", "schnorr_sign", "ecdh_x"])
 def test_libsecp256k1_intermediates_are_zeroed(call: str, monkeypatch: pytest.MonkeyPatch) -> None:
     real_ffi = curve_module.ffi

@@ -49,6 +49,7 @@ def test_token_offers_what_the_field_lab_measured(
     assert seen["offers"]["AES_ECB"] and seen["offers"]["SHA256_HMAC"]
 
 
+@pytest.mark.token_independent
 def test_makefile_installs_every_token_package() -> None:
     # CI starts from a clean machine: `make test` must install what each kind needs.
     makefile = (REPO / "Makefile").read_text(encoding="utf-8")

@@ -17,6 +17,9 @@ import pytest
 from tests.fixtures.token import REPO
 from tests.tokens import kinds
 
+#: Starts its own tokens, never the session's: the other-token runs deselect it (tests/fixtures/token.py).
+pytestmark = pytest.mark.token_independent
+
 WITH_TOKEN = REPO / "tests" / "tokens" / "with-token"
 #: Prints the variables a client gets and the pids of its parent's other children.
 _REPORT = """
