@@ -27,6 +27,7 @@ import trio
 from buzzwire.contract import ACTIONS
 from buzzwire.nostr import SignedEvent
 from custody import Custody, CustodyError
+from custodian.client import CustodianClient
 from daemon.state.directory import AgentDirectory, DirectoryError
 from daemon.state.audit import AUDIT_DIRNAME, AuditLog, AuditUnavailable
 from daemon.pipeline.broker import Broker
@@ -55,7 +56,7 @@ class StartupError(Exception):
     """The daemon cannot start; the message is one line for the operator."""
 
 
-def relay_pool(config: Config, custody: Custody,
+def relay_pool(config: Config, custody: Custody | CustodianClient,
                observer: Callable[[str, str, float], None] | None = None) -> RelayPool:
     """The relay pool for `config`, authenticating each agent's connection through custody.
 
@@ -120,8 +121,14 @@ async def running(
     except OSError as exc:
         raise StartupError(f"state directory {state_dir}: {exc.strerror}") from None
     async with AsyncExitStack() as stack:
+        custody: Custody | CustodianClient
         try:
-            custody = await Custody.open(config.pkcs11.token(), state_dir, config.pkcs11.cache())
+            if config.custody.custodian_socket:
+                # The keys are the custodian's (docs/custodian.md): no token here.
+                custody = await CustodianClient.open(Path(config.custody.custodian_socket))
+            else:
+                custody = await Custody.open(config.pkcs11.token(), state_dir,
+                                             config.pkcs11.cache())
         except CustodyError as exc:
             raise StartupError(str(exc)) from None
         stack.push_async_callback(_shielded(custody.aclose))

@@ -66,6 +66,7 @@ from buzzwire.contract import (
     read_request,
 )
 from custody import Custody, CustodyError
+from custodian.client import CustodianClient
 from daemon.state.directory import AgentDirectory
 from daemon.state.audit import AuditLog
 from daemon.config import Config, PolicyConfig
@@ -158,7 +159,7 @@ class Broker:
         self,
         *,
         config: Config,
-        custody: Custody,
+        custody: Custody | CustodianClient,
         directory: AgentDirectory,
         sessions: SessionStore,
         ledger: Ledger,
@@ -208,7 +209,7 @@ class Broker:
         return self._directory
 
     @property
-    def custody(self) -> Custody:
+    def custody(self) -> Custody | CustodianClient:
         """The custody facade this broker signs with (for the admin paths and tests)."""
         return self._custody
 

@@ -32,6 +32,7 @@ import trio
 
 from buzzwire.contract import ErrorCode, Request, Status, Verdict, encode_response
 from custody import Custody, KeyRecord
+from custodian.client import CustodianClient
 from daemon.state.directory import AgentDirectory
 from daemon.state.ledger import Ledger, Ticket
 from daemon.log import log_event
@@ -74,7 +75,7 @@ def _quote_reason(reason: str) -> str:
 class Publisher:
     """Owns a publishing request from its signed plan to its cleanup (module docstring)."""
 
-    def __init__(self, *, custody: Custody, directory: AgentDirectory, sessions: SessionStore,
+    def __init__(self, *, custody: Custody | CustodianClient, directory: AgentDirectory, sessions: SessionStore,
                  runtimes: RuntimeStore,
                  relay: RelayPool, ledger: Ledger, recorder: Recorder,
                  clock: Callable[[], float], checkpoint: Callable[[str], None]) -> None:

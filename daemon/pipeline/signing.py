@@ -30,6 +30,7 @@ import trio
 
 from buzzwire.nostr import SignedEvent, UnsignedEvent
 from custody import Custody
+from custodian.client import CustodianClient
 
 __all__ = ["SigningBatcher", "MAX_EVENTS_PER_HOP"]
 
@@ -52,7 +53,7 @@ class _Job:
 class SigningBatcher:
     """The one way the daemon signs events: `await batcher.sign([(agent, unsigned), ...])`."""
 
-    def __init__(self, custody: Custody) -> None:
+    def __init__(self, custody: Custody | CustodianClient) -> None:
         self._custody = custody
         self._send, self._receive = trio.open_memory_channel[_Job](QUEUE_DEPTH)
         #: hops made and events signed, for tests and the benchmark
