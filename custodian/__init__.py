@@ -8,6 +8,7 @@ Parts, one job each:
 - `messages`: the closed, versioned message table and its strict frame reader (pure).
 - `intents`: the closed list of event kinds and shapes it signs, and who may sign each.
 - `ledger`: its own hash-chained log of what it signed, and per-agent rate bounds.
+- `grace`: destroy's grace period (the sealed copy an operator can recover).
 - `server`: the socket, the peer-uid check, one handler per table row.
 - `config`, `main`: its own configuration file and entry point.
 - `client`: the pipeline's side, the only part the daemon imports (it never imports the

@@ -8,7 +8,8 @@ Keys (a key or table not listed is an error naming it):
 - ``[custodian]`` ``socket`` (path), ``pipeline_uid`` (int, default: the custodian's own
   uid: then nothing is separated, as under ``make run``), ``state_dir`` (the keystore's),
   ``relay_url`` (AUTH is signed for this URL only), ``signatures_per_minute`` (per agent,
-  default 6000), ``log_dir`` (default ``<state_dir>/custodian``), ``log_max_bytes``.
+  default 6000), ``log_dir`` (default ``<state_dir>/custodian``), ``log_max_bytes``,
+  ``destroy_grace_seconds`` (default 7 days: custodian/grace.py).
 - ``[pkcs11]`` as the daemon's: ``module``, ``token_label``, ``pin_file``, ``kek_label``,
   ``seal``, ``unsealed_cache_entries``, ``unsealed_cache_seconds``. The PIN file is
   ``$CREDENTIALS_DIRECTORY/token-pin`` when that exists (the unit's credential).
@@ -28,7 +29,8 @@ __all__ = ["CustodianConfig", "ConfigError", "load"]
 
 _KEYS = {
     "custodian": {"socket": str, "pipeline_uid": int, "state_dir": str, "relay_url": str,
-                  "signatures_per_minute": int, "log_dir": str, "log_max_bytes": int},
+                  "signatures_per_minute": int, "log_dir": str, "log_max_bytes": int,
+                  "destroy_grace_seconds": int},
     "pkcs11": {"module": str, "token_label": str, "pin_file": str, "kek_label": str,
                "seal": str, "unsealed_cache_entries": int, "unsealed_cache_seconds": float},
 }
@@ -79,7 +81,8 @@ def load(path: str) -> CustodianConfig:
         relay_url=c["relay_url"],
         log_path=base / c.get("log_dir", str(state_dir / "custodian")) / "signed.jsonl",
         signatures_per_minute=c.get("signatures_per_minute", 6000),
-        log_max_bytes=c.get("log_max_bytes", 64 * 1024 * 1024))
+        log_max_bytes=c.get("log_max_bytes", 64 * 1024 * 1024),
+        destroy_grace_seconds=c.get("destroy_grace_seconds", 7 * 86400))
     try:
         token = TokenConfig(module=module, token_label=p["token_label"], pin_file=pin_file,
                             kek_label=p.get("kek_label", "buzz-broker-kek"),

@@ -1,4 +1,7 @@
-"""`buzz-broker custodian --config FILE` / `python -m custodian FILE`: run the custodian.
+"""`buzz-broker custodian FILE` / `python -m custodian FILE`: run the custodian.
+
+`... FILE --recover PUBKEY` instead brings back a key destroyed within the grace period
+(custodian/grace.py), beside a running custodian, under the custodian's uid, and exits.
 
 Opens custody (token login, KEK check, keystore), then serves the message table on its
 socket until SIGTERM/SIGINT. A fault opening is one line on stderr and exit 1. Under
@@ -8,14 +11,17 @@ on its next request (custodian/client.py).
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 
 import trio
 
 from custody import Custody, CustodyError, harden_process
 from custodian.config import ConfigError, load
+from custodian.grace import Graveyard
 from custodian.server import Custodian, serve
 
 __all__ = ["main", "run"]
@@ -39,14 +45,32 @@ async def run(config_path: str) -> None:
             await custody.aclose()
 
 
+async def recover(config_path: str, pubkey: str) -> None:
+    config = load(config_path)
+    graveyard = Graveyard(config.settings.log_path.parent / "destroyed",
+                          config.settings.destroy_grace_seconds)
+    blob = graveyard.take(pubkey)
+    if blob is None:
+        raise CustodyError(f"no sealed copy of {pubkey} within the grace period")
+    async with await Custody.open(config.token, config.state_dir, config.cache) as custody:
+        await custody.revive_agent(pubkey, blob)
+    graveyard.forget(pubkey)
+    print(f"custodian: agent {pubkey} recovered", flush=True)
+
+
 def main(argv: list[str]) -> int:
     args = [a for a in argv if a != "--config"]
-    if len(args) != 1:
-        print("usage: buzz-broker custodian --config FILE", file=sys.stderr)
+    work: Callable[[], Awaitable[None]]
+    if len(args) == 3 and args[1] == "--recover":
+        work = functools.partial(recover, args[0], args[2])
+    elif len(args) == 1:
+        work = functools.partial(run, args[0])
+    else:
+        print("usage: buzz-broker custodian FILE [--recover PUBKEY]", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="custodian: %(message)s", stream=sys.stderr)
     try:
-        trio.run(run, args[0])
+        trio.run(work)
     except (ConfigError, CustodyError) as exc:
         print(f"custodian: {exc}", file=sys.stderr)
         return 1

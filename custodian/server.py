@@ -34,6 +34,7 @@ import trio
 from buzzwire.nostr import UnsignedEvent
 from custody import Custody, CustodyError, KeyRecord, UnknownAgent, UnsealFailed
 from custodian import intents, messages
+from custodian.grace import Graveyard
 from custodian.ledger import RateBound, SignLog
 
 __all__ = ["Settings", "Custodian", "serve", "record_obj"]
@@ -56,6 +57,8 @@ class Settings:
     signatures_per_minute: int = 6000
     log_max_bytes: int = 64 * 1024 * 1024
     socket_mode: int = 0o660
+    #: destroyed keys stay recoverable this long (custodian/grace.py); 7 days
+    destroy_grace_seconds: int = 7 * 86400
 
 
 class Refused(Exception):
@@ -82,6 +85,8 @@ class Custodian:
         self.settings = settings
         self.log = SignLog(settings.log_path, settings.log_max_bytes)
         self.bound = RateBound(settings.signatures_per_minute)
+        self.graveyard = Graveyard(settings.log_path.parent / "destroyed",
+                                   settings.destroy_grace_seconds)
 
     def _owner_of(self, pubkey: str) -> str | None:
         record = self.custody.agent(pubkey)
@@ -135,6 +140,11 @@ class Custodian:
         return record_obj(record)
 
     async def destroy(self, args: Mapping[str, Any]) -> object:
+        try:
+            # The copy is on disk before the key goes: a destroy is undone within the grace.
+            self.graveyard.keep(args["pubkey"], await self.custody.sealed_copy(args["pubkey"]))
+        except UnknownAgent:
+            pass  # destroyed already (destroy_agent answers its tombstone) or never held
         record = await self.custody.destroy_agent(args["pubkey"])
         self.log.append([{"op": "destroy", "agent": record.pubkey}])
         return record_obj(record)

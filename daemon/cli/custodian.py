@@ -14,9 +14,11 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE", help="the custodian's configuration file")
+    parser.add_argument("--recover", metavar="PUBKEY",
+                        help="bring back a key destroyed within the grace period, and exit")
 
 
 def run(args: argparse.Namespace) -> int:
     from custodian.main import main
 
-    return main([args.file])
+    return main([args.file] + ([] if args.recover is None else ["--recover", args.recover]))

@@ -26,13 +26,16 @@ from __future__ import annotations
 import logging
 import sqlite3
 from collections.abc import Awaitable, Callable
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import trio
 
 from buzzwire.contract import ErrorCode, Request, Status, Verdict, encode_response
-from custody import Custody, KeyRecord
+from custody import KeyRecord
 from custodian.client import CustodianClient
+
+if TYPE_CHECKING:  # the facade loads the PKCS#11 binding: not where a custodian holds the keys
+    from custody import Custody
 from daemon.state.directory import AgentDirectory
 from daemon.state.ledger import Ledger, Ticket
 from daemon.log import log_event

@@ -25,12 +25,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import trio
 
 from buzzwire.nostr import SignedEvent, UnsignedEvent
-from custody import Custody
 from custodian.client import CustodianClient
+
+if TYPE_CHECKING:  # the facade loads the PKCS#11 binding: not where a custodian holds the keys
+    from custody import Custody
 
 __all__ = ["SigningBatcher", "MAX_EVENTS_PER_HOP"]
 

@@ -176,3 +176,27 @@ def test_a_peer_of_another_uid_is_refused(open_socket_custodian: CustodianProces
     os.close(read)
     assert os.WEXITSTATUS(status) == 0, seen
     assert seen == repr((False, ("refused", "peer uid refused")))
+
+
+async def test_a_destroyed_key_is_recoverable_within_the_grace_period(
+        custodian: CustodianProcess) -> None:
+    """A compromised pipeline's destroy is not key loss: the custodian kept the sealed copy,
+    and the operator's `--recover` (under the custodian's uid, beside it) brings it back."""
+    import subprocess
+    import sys
+
+    client = await CustodianClient.open(custodian.socket)
+    agent = await held(client, human())
+    ok, _ = ask(custodian.socket, "destroy", pubkey=agent)
+    assert ok and client.agent(agent) is None
+    assert refused(ask(custodian.socket, "sign", events=[intent(agent, 9, [["h", "c"]], "x")]))
+    done = subprocess.run([sys.executable, "-m", "custodian", str(custodian.config),
+                           "--recover", agent], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert client.agent(agent) is not None
+    ok, signed = ask(custodian.socket, "sign", events=[intent(agent, 9, [["h", "c"]], "x")])
+    assert ok
+    again = subprocess.run([sys.executable, "-m", "custodian", str(custodian.config),
+                            "--recover", agent], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 1 and "no sealed copy" in again.stderr
+    await client.aclose()

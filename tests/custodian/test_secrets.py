@@ -35,12 +35,14 @@ async def test_no_secret_in_the_custodians_log_answers_or_stderr(
         ask(custodian.socket, "import", secret=secret.secret.hex(), owner=owner, auth_tag=None),
         ask(custodian.socket, "import", secret="zz" + secret.secret.hex()[2:], owner=owner,
             auth_tag=None),
+        ask(custodian.socket, "destroy", pubkey=agent),  # its sealed copy is scanned too
     ]
     await client.aclose()
     stderr = custodian.stop()
     leaks = scan.findings(repr(answers), "answers")
     leaks += scan.findings(stderr, "custodian stderr")
     log_dir = custodian.config.parent / "state" / "custodian"
-    for path in log_dir.iterdir():
-        leaks += scan.findings(path.read_bytes(), str(path.name))
+    for path in log_dir.rglob("*"):
+        if path.is_file():
+            leaks += scan.findings(path.read_bytes(), str(path.name))
     assert not leaks, leaks
