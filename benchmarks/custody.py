@@ -9,7 +9,11 @@ afterwards), runs `init_kek`, imports one random agent, and measures in one proc
 - facade, sequential: `await custody.sign_event(...)` one at a time (one worker hop each:
   unseal in SoftHSM + re-derive pubkey + BIP-340 + wipe);
 - facade, 8 concurrent trio tasks (they queue on the single token worker);
-- facade, batched: `sign_events` with 100 events per hop.
+- facade, batched: `sign_events` with 100 events per hop;
+- the same three through a custodian process (custodian/, issue 26) on the same token and
+  keystore: each call one framed request over its Unix socket, the custodian's intent
+  checks, its hash-chained log line per event, then the same facade hop; and the rate of
+  the blocking record lookup the broker makes per request (`records_version`).
 Each figure is events/second over a fixed wall-clock window; the ratio is facade/baseline.
 """
 
@@ -23,6 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,10 +60,36 @@ async def rate_async(fn: Callable[[int], Awaitable[int]], seconds: float) -> flo
     return count / (time.perf_counter() - start)
 
 
+async def measure(signer: Any, agent: str, seconds: float) -> tuple[float, float, float]:
+    """(sequential, 8 concurrent tasks, 100 per hop) sig/s through `signer` (a `Custody`
+    or a `custodian.client.CustodianClient`: the same calls)."""
+    from custody import UnsignedEvent
+
+    def event(i: int) -> UnsignedEvent:
+        return UnsignedEvent(agent, 1_700_000_000 + i, 9, (("h", "bench"),), f"message {i}")
+
+    async def one(i: int) -> int:
+        await signer.sign_event(agent, event(i))
+        return 1
+
+    async def eight(i: int) -> int:
+        async with trio.open_nursery() as nursery:
+            for t in range(8):
+                nursery.start_soon(signer.sign_event, agent, event(i + t))
+        return 8
+
+    async def batch(i: int) -> int:
+        await signer.sign_events([(agent, event(i + k)) for k in range(100)])
+        return 100
+
+    return (await rate_async(one, seconds), await rate_async(eight, seconds),
+            await rate_async(batch, seconds))
+
+
 async def bench(facts: dict[str, str], state_dir: Path, seconds: float) -> None:
     from coincurve import PrivateKey
 
-    from custody import Custody, TokenConfig, UnsignedEvent, init_kek, verify_event
+    from custody import Custody, TokenConfig, init_kek
 
     config = TokenConfig(facts["module"], facts["token_label"], facts["pin_file"], "bench-kek")
     await init_kek(config)
@@ -66,12 +97,8 @@ async def bench(facts: dict[str, str], state_dir: Path, seconds: float) -> None:
     try:
         agent = (
             await custody.import_agent(
-                bytearray(secrets.token_hex(32).encode()), owner="a" * 64)
+                bytearray(secrets.token_hex(32).encode()), owner=PrivateKey().public_key_xonly.format().hex())
         ).pubkey
-
-        def event(i: int) -> UnsignedEvent:
-            return UnsignedEvent(agent, 1_700_000_000 + i, 9, (("h", "bench"),), f"message {i}")
-
         raw_key = PrivateKey()  # throwaway, not the custody key
         message = bytes(32)
 
@@ -79,39 +106,45 @@ async def bench(facts: dict[str, str], state_dir: Path, seconds: float) -> None:
             raw_key.sign_schnorr(message, secrets.token_bytes(32))
 
         baseline = rate_sync(raw_sign, seconds)
-
-        async def one(i: int) -> int:
-            await custody.sign_event(agent, event(i))
-            return 1
-
-        sequential = await rate_async(one, seconds)
-
-        async def eight(i: int) -> int:
-            async with trio.open_nursery() as nursery:
-                for t in range(8):
-                    nursery.start_soon(custody.sign_event, agent, event(i + t))
-            return 8
-
-        concurrent = await rate_async(eight, seconds)
-
-        async def batch(i: int) -> int:
-            await custody.sign_events([(agent, event(i + k)) for k in range(100)])
-            return 100
-
-        batched = await rate_async(batch, seconds)
-        sample = await custody.sign_event(agent, event(0))
-        assert verify_event(sample.to_json_obj())
+        in_process = await measure(custody, agent, seconds)
     finally:
         await custody.aclose()
+    over, lookups = await over_the_boundary(config, state_dir, agent, seconds)
 
     print(f"machine: {os.cpu_count()} cores; SoftHSM2 token; window {seconds:.1f} s per figure")
     print(f"baseline coincurve sign_schnorr (no token, no hop): {baseline:9.0f} sig/s")
-    for label, value in (
-        ("facade sign_event, sequential", sequential),
-        ("facade sign_event, 8 trio tasks", concurrent),
-        ("facade sign_events, 100 per hop", batched),
-    ):
-        print(f"{label:<34}: {value:9.0f} sig/s  ({value / baseline:.2f} x baseline)")
+    for where, figures in (("facade", in_process), ("custodian", over)):
+        for label, value in zip(("sign_event, sequential", "sign_event, 8 trio tasks",
+                                 "sign_events, 100 per hop"), figures, strict=True):
+            print(f"{where + ' ' + label:<36}: {value:9.0f} sig/s  "
+                  f"({value / baseline:.2f} x baseline)")
+    print(f"custodian record lookup (records_version, blocking round trip): {lookups:9.0f}/s")
+
+
+async def over_the_boundary(config: Any, state_dir: Path, agent: str, seconds: float
+                            ) -> tuple[tuple[float, float, float], float]:
+    """The same figures through a custodian process on the same token and keystore."""
+    from custodian.client import CustodianClient
+
+    socket = state_dir.parent / "custodian.sock"
+    toml = state_dir.parent / "custodian.toml"
+    toml.write_text(
+        f'[custodian]\nsocket = "{socket}"\nstate_dir = "{state_dir}"\n'
+        f'relay_url = "ws://127.0.0.1:1"\nsignatures_per_minute = 100000000\n'
+        f'[pkcs11]\nmodule = "{config.module}"\ntoken_label = "{config.token_label}"\n'
+        f'pin_file = "{config.pin_file}"\nkek_label = "{config.kek_label}"\n')
+    proc = subprocess.Popen([sys.executable, "-m", "custodian", str(toml)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None and "listening" in proc.stdout.readline()
+        client = await CustodianClient.open(socket)
+        figures = await measure(client, agent, seconds)
+        lookups = rate_sync(lambda i: client.records_version() and None, seconds)
+        await client.aclose()
+    finally:
+        proc.terminate()
+        proc.wait()
+    return figures, lookups
 
 
 def main() -> int:

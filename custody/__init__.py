@@ -54,36 +54,74 @@ if sys.flags.optimize:
         "stripped there, and custody's safety checks must never be; start Python without -O"
     )
 
-from custody._backup import (
-    MAX_BACKUP_BYTES,
-    MAX_IDENTITY_BYTES,
-    MAX_PUBLIC_BYTES,
-    BackupContents,
-    ExportedBackup,
-    RestoreResult,
-    export_backup,
-    open_backup,
-    restore_backup,
-    restore_plan,
-)
-from custody._errors import CustodyError, UnknownAgent, UnsealFailed
-from custody._cache import CachePolicy
-from custody._facade import Custody, check_token, init_kek, init_keys, rotate_keys
-from custody._keystore import KeyIndex, KeyRecord
-from custody._memory import MemoryAddress
-from buzzwire.nostr import (
-    SignedEvent,
-    UnsignedEvent,
-    compute_event_id,
-    owner_tag_digest,
-    verify_event,
-    verify_owner_tag,
-)
-from custody._process import harden_process
-from custody._secret import read_limited, read_secret_text
-from custody._rotation import CHECKPOINTS as ROTATION_CHECKPOINTS
-from custody._rotation import RotationReport
-from custody._token import TokenConfig, TokenReport
+from typing import TYPE_CHECKING
+
+# The surface is loaded on first use (PEP 562), module by module: a process that needs only
+# custody's errors and public records (the pipeline when a custodian holds the keys,
+# custodian/client.py) never imports python-pkcs11 nor maps the PKCS#11 module.
+#: public name -> the module that defines it
+_SURFACE: dict[str, str] = {
+    **dict.fromkeys(("MAX_BACKUP_BYTES", "MAX_IDENTITY_BYTES", "MAX_PUBLIC_BYTES",
+                     "BackupContents", "ExportedBackup", "RestoreResult", "export_backup",
+                     "open_backup", "restore_backup", "restore_plan"), "custody._backup"),
+    **dict.fromkeys(("CustodyError", "UnknownAgent", "UnsealFailed"), "custody._errors"),
+    "CachePolicy": "custody._cache",
+    **dict.fromkeys(("Custody", "check_token", "init_kek", "init_keys", "rotate_keys"),
+                    "custody._facade"),
+    **dict.fromkeys(("KeyIndex", "KeyRecord"), "custody._keystore"),
+    "MemoryAddress": "custody._memory",
+    **dict.fromkeys(("SignedEvent", "UnsignedEvent", "compute_event_id", "owner_tag_digest",
+                     "verify_event", "verify_owner_tag"), "buzzwire.nostr"),
+    "harden_process": "custody._process",
+    **dict.fromkeys(("read_limited", "read_secret_text"), "custody._secret"),
+    **dict.fromkeys(("ROTATION_CHECKPOINTS", "RotationReport"), "custody._rotation"),
+    **dict.fromkeys(("TokenConfig", "TokenReport"), "custody._token"),
+}
+_RENAMED = {"ROTATION_CHECKPOINTS": "CHECKPOINTS"}
+
+
+def __getattr__(name: str) -> object:
+    module = _SURFACE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'custody' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), _RENAMED.get(name, name))
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from buzzwire.nostr import (
+        SignedEvent,
+        UnsignedEvent,
+        compute_event_id,
+        owner_tag_digest,
+        verify_event,
+        verify_owner_tag,
+    )
+    from custody._backup import (
+        MAX_BACKUP_BYTES,
+        MAX_IDENTITY_BYTES,
+        MAX_PUBLIC_BYTES,
+        BackupContents,
+        ExportedBackup,
+        RestoreResult,
+        export_backup,
+        open_backup,
+        restore_backup,
+        restore_plan,
+    )
+    from custody._cache import CachePolicy
+    from custody._errors import CustodyError, UnknownAgent, UnsealFailed
+    from custody._facade import Custody, check_token, init_kek, init_keys, rotate_keys
+    from custody._keystore import KeyIndex, KeyRecord
+    from custody._memory import MemoryAddress
+    from custody._process import harden_process
+    from custody._rotation import CHECKPOINTS as ROTATION_CHECKPOINTS
+    from custody._rotation import RotationReport
+    from custody._secret import read_limited, read_secret_text
+    from custody._token import TokenConfig, TokenReport
 
 __all__ = [
     "MAX_BACKUP_BYTES",

@@ -61,6 +61,7 @@ __all__ = [
     "ServerConfig",
     "StateConfig",
     "ObserverConfig",
+    "CustodyConfig",
     "DEFAULT_OBSERVER",
     "Pkcs11Config",
     "RelayConfig",
@@ -201,6 +202,13 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CustodyConfig:
+    #: The custodian's socket (custodian/, docs/custodian.md): the pipeline signs through
+    #: it and never opens the token. None = custody in this process ([pkcs11]).
+    custodian_socket: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ObserverConfig:
     """[observer]: the queue observer.emit hands its kind 24200 events to
     (daemon/pipeline/observer.py). Bytes are counted as the encoded events."""
@@ -237,6 +245,8 @@ class Config:
     limits: RateConfig = DEFAULT_RATE_CONFIG
     #: [observer]: the observer.emit publication queue.
     observer: ObserverConfig = DEFAULT_OBSERVER
+    #: [custody]: where the keys are used (in this process, or the custodian's).
+    custody: CustodyConfig = CustodyConfig()
     #: The file this came from (absolute), or None for the built-in defaults.
     source: str | None = None
     #: How it was chosen: "--config", "$BUZZ_BROKER_CONFIG", "system file" or
@@ -599,6 +609,7 @@ _KEYS: tuple[_Key, ...] = (
     # What strfry and nostr-sdk's LocalRelay accept by default (measured on LocalRelay:
     # 65,536 bytes of event JSON, one more is refused); raise it for a relay that takes more.
     _Key("observer", "max_event_bytes", "max_event_bytes", _int_at_least(4096), 65_536),
+    _Key("custody", "custodian_socket", "custodian_socket", _optional_path, ""),
 )
 
 #: The one section that is not rows of `_KEYS`: rate-limit rules (docs/operations.md).
@@ -613,6 +624,7 @@ _SECTIONS: dict[str, type] = {
     "log": LogConfig,
     "metrics": MetricsConfig,
     "observer": ObserverConfig,
+    "custody": CustodyConfig,
 }
 
 

@@ -20,13 +20,17 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import trio
 
 from buzzwire.contract import ACTIONS
 from buzzwire.nostr import SignedEvent
-from custody import Custody, CustodyError
+from custody import CustodyError
+from custodian.client import CustodianClient
+
+if TYPE_CHECKING:  # the facade loads the PKCS#11 binding: not where a custodian holds the keys
+    from custody import Custody
 from daemon.state.directory import AgentDirectory, DirectoryError
 from daemon.state.audit import AUDIT_DIRNAME, AuditLog, AuditUnavailable
 from daemon.pipeline.broker import Broker
@@ -56,7 +60,7 @@ class StartupError(Exception):
     """The daemon cannot start; the message is one line for the operator."""
 
 
-def relay_pool(config: Config, custody: Custody,
+def relay_pool(config: Config, custody: Custody | CustodianClient,
                observer: Callable[[str, str, float], None] | None = None) -> RelayPool:
     """The relay pool for `config`, authenticating each agent's connection through custody.
 
@@ -126,8 +130,16 @@ async def running(
     except OSError as exc:
         raise StartupError(f"state directory {state_dir}: {exc.strerror}") from None
     async with AsyncExitStack() as stack:
+        custody: Custody | CustodianClient
         try:
-            custody = await Custody.open(config.pkcs11.token(), state_dir, config.pkcs11.cache())
+            if config.custody.custodian_socket:
+                # The keys are the custodian's (docs/custodian.md): no token here.
+                custody = await CustodianClient.open(Path(config.custody.custodian_socket))
+            else:
+                from custody import Custody  # loads the PKCS#11 binding: only when used
+
+                custody = await Custody.open(config.pkcs11.token(), state_dir,
+                                             config.pkcs11.cache())
         except CustodyError as exc:
             raise StartupError(str(exc)) from None
         stack.push_async_callback(_shielded(custody.aclose))

@@ -83,6 +83,9 @@ max_queued_bytes_per_credential = 131072
 publish_per_second = 5
 max_in_flight = 2
 max_event_bytes = 131072
+
+[custody]
+custodian_socket = "/run/bb/custodian.sock"
 """
 
 EXPECTED: dict[tuple[str, str], object] = {
@@ -133,6 +136,7 @@ EXPECTED: dict[tuple[str, str], object] = {
     ("observer", "publish_per_second"): 5,
     ("observer", "max_in_flight"): 2,
     ("observer", "max_event_bytes"): 131_072,
+    ("custody", "custodian_socket"): "/run/bb/custodian.sock",
 }
 
 DEFAULTS: dict[tuple[str, str], object] = {
@@ -183,6 +187,7 @@ DEFAULTS: dict[tuple[str, str], object] = {
     ("observer", "publish_per_second"): 50,
     ("observer", "max_in_flight"): 8,
     ("observer", "max_event_bytes"): 65_536,
+    ("custody", "custodian_socket"): None,
 }
 
 

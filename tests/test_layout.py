@@ -27,7 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 #: package root (import name) -> folder
-ROOTS = {"daemon": REPO / "daemon", "custody": REPO / "custody",
+ROOTS = {"daemon": REPO / "daemon", "custody": REPO / "custody", "custodian": REPO / "custodian",
          "buzzwire": REPO / "client" / "buzzwire",
          "buzz_broker_client": REPO / "client" / "buzz_broker_client"}
 
@@ -49,6 +49,12 @@ FORBIDDEN: tuple[tuple[str, str, frozenset[tuple[str, str]]], ...] = (
     ("daemon.operations", "custody", frozenset()),
     ("daemon.relay", "custody", frozenset()),
     ("custody", "daemon", frozenset()),
+    ("custody", "custodian", frozenset()),
+    # Issue 26: the custodian never imports the daemon (it never parses agents' HTTP or
+    # relay frames), and the daemon reaches it only through its client.
+    ("custodian", "daemon", frozenset()),
+    ("daemon.operations", "custodian", frozenset()),
+    ("daemon.relay", "custodian", frozenset()),
     ("buzzwire", "daemon", frozenset()),
     ("buzzwire", "custody", frozenset()),
     ("buzz_broker_client", "daemon", frozenset()),

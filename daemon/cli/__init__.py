@@ -39,6 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "call": ("call", "send one request to the broker as an agent"),
     "audit": ("audit", "verify and read the audit log"),
     "status": ("status", "is the daemon running; token, relay, agents, credentials, audit"),
+    "custodian": ("custodian", "run the custodian, the process that holds the keys (its own config)"),
 }
 
 #: Commands that create or open files under [state] dir (SQLite opens create -wal/-shm

@@ -51,7 +51,7 @@ import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import trio
 
@@ -64,7 +64,11 @@ from buzzwire.contract import (
     Verdict,
     read_request,
 )
-from custody import Custody, CustodyError
+from custody import CustodyError
+from custodian.client import CustodianClient
+
+if TYPE_CHECKING:  # the facade loads the PKCS#11 binding: not where a custodian holds the keys
+    from custody import Custody
 from daemon.state.directory import AgentDirectory
 from daemon.state.audit import AuditLog
 from daemon.config import Config, PolicyConfig
@@ -157,7 +161,7 @@ class Broker:
         self,
         *,
         config: Config,
-        custody: Custody,
+        custody: Custody | CustodianClient,
         directory: AgentDirectory,
         sessions: SessionStore,
         ledger: Ledger,
@@ -207,7 +211,7 @@ class Broker:
         return self._directory
 
     @property
-    def custody(self) -> Custody:
+    def custody(self) -> Custody | CustodianClient:
         """The custody facade this broker signs with (for the admin paths and tests)."""
         return self._custody
 

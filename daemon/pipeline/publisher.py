@@ -26,12 +26,16 @@ from __future__ import annotations
 import logging
 import sqlite3
 from collections.abc import Awaitable, Callable
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import trio
 
 from buzzwire.contract import ErrorCode, Request, Status, Verdict, encode_response
-from custody import Custody, KeyRecord
+from custody import KeyRecord
+from custodian.client import CustodianClient
+
+if TYPE_CHECKING:  # the facade loads the PKCS#11 binding: not where a custodian holds the keys
+    from custody import Custody
 from daemon.state.directory import AgentDirectory
 from daemon.state.ledger import Ledger, Ticket
 from daemon.log import log_event
@@ -74,7 +78,7 @@ def _quote_reason(reason: str) -> str:
 class Publisher:
     """Owns a publishing request from its signed plan to its cleanup (module docstring)."""
 
-    def __init__(self, *, custody: Custody, directory: AgentDirectory, sessions: SessionStore,
+    def __init__(self, *, custody: Custody | CustodianClient, directory: AgentDirectory, sessions: SessionStore,
                  runtimes: RuntimeStore,
                  relay: RelayPool, ledger: Ledger, recorder: Recorder,
                  clock: Callable[[], float], checkpoint: Callable[[str], None]) -> None:

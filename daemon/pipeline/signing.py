@@ -25,11 +25,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import trio
 
 from buzzwire.nostr import SignedEvent, UnsignedEvent
-from custody import Custody
+from custodian.client import CustodianClient
+
+if TYPE_CHECKING:  # the facade loads the PKCS#11 binding: not where a custodian holds the keys
+    from custody import Custody
 
 __all__ = ["SigningBatcher", "MAX_EVENTS_PER_HOP"]
 
@@ -52,7 +56,7 @@ class _Job:
 class SigningBatcher:
     """The one way the daemon signs events: `await batcher.sign([(agent, unsigned), ...])`."""
 
-    def __init__(self, custody: Custody) -> None:
+    def __init__(self, custody: Custody | CustodianClient) -> None:
         self._custody = custody
         self._send, self._receive = trio.open_memory_channel[_Job](QUEUE_DEPTH)
         #: hops made and events signed, for tests and the benchmark

@@ -359,6 +359,7 @@ async def test_seal_uses_a_fresh_random_iv_and_aad_names_version_and_agent(
 _WATCH_PROBE = """
 import json, sys, threading, trio
 import custody._worker as worker
+import custody._facade  # loads pkcs11 now, as the eager package did: importing is no token call
 entries = []
 
 def watch(frame, event, arg):

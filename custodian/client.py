@@ -1,0 +1,327 @@
+"""The pipeline's client of the custodian: what the daemon uses of `custody.Custody`, over
+the custodian's socket (custodian/messages.py), with the same names, values and errors.
+
+Theory of operation:
+- Async calls (signing, NIP-44, NIP-AE, lifecycle) take a connection from a small pool
+  (at most `POOL` at once: the custodian answers one request per connection at a time)
+  and give it back after the answer. A connection whose call failed or was cancelled
+  mid-way is closed, never reused: its framing state is unknown.
+- The record lookups the pipeline makes synchronously (`agent`, `agents`,
+  `records_version`: the broker checks liveness on every request) use one blocking
+  connection with a short timeout under a lock: no token hop, a local round trip.
+- The custodian may die (a crash, SIGKILL) and come back (systemd `Restart=always`).
+  Every fault of the connection is `CustodianUnavailable`, a `CustodyError`, so the
+  pipeline answers `failed` + `internal` as for any custody fault (or `indeterminate`
+  where a publish may already have happened: the broker's own rule). All idle
+  connections are dropped then, and the next call connects afresh: that is the reconnect.
+  A request is sent again on a fresh connection only when it certainly never arrived (the
+  send itself failed) or is a lookup (no effect).
+- Errors: unknown_agent -> UnknownAgent, unseal_failed -> UnsealFailed, custody and
+  refused and rate_limited -> CustodyError (refused: `IntentRefused`), invalid ->
+  ValueError, bad_message and internal -> CustodianUnavailable.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Final
+
+import trio
+
+from buzzwire.nostr import SignedEvent, UnsignedEvent
+from custody._errors import CustodyError, UnknownAgent, UnsealFailed
+from custody._keystore import KeyRecord
+from custody._memory import MemoryAddress
+from custodian import messages
+
+__all__ = ["CustodianClient", "CustodianUnavailable", "IntentRefused", "POOL"]
+
+#: Connections at once for async calls: the signing batcher makes one hop at a time, and
+#: NIP-44 and lifecycle calls rarely overlap more than this.
+POOL: Final = 8
+#: Seconds a lookup may take before the pipeline gives up on the custodian.
+LOOKUP_TIMEOUT: Final = 5.0
+#: The custody op names the metrics know (Custody.observe_token_calls), per table row.
+_OP_NAMES: Final = {"sign": "sign", "sign_auth": "sign_auth", "memory_address": "memory_address",
+                    "encrypt": "encrypt_to_owner", "decrypt": "decrypt_from_owner_pair",
+                    "mint": "mint", "import": "import", "destroy": "destroy",
+                    "attach_auth": "attach_auth"}
+_LOOKUPS: Final = frozenset({"records_version", "agent", "agents", "chain", "memory_address"})
+
+
+class CustodianUnavailable(CustodyError):
+    """The custodian did not answer (not running, died mid-call, or broke the table)."""
+
+
+class IntentRefused(CustodyError):
+    """The custodian refused the intent (a kind or shape outside its list, a pair other
+    than agent-owner, AUTH for another relay)."""
+
+
+class _NotDelivered(Exception):
+    pass
+
+
+def _record(value: object) -> KeyRecord | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise CustodianUnavailable("the custodian answered no record")
+    tag = value["auth_tag"]
+    return KeyRecord(pubkey=value["pubkey"], owner=value["owner"],
+                     auth_tag=None if tag is None else tuple(tag),
+                     created_at=value["created_at"], deleted_at=value["deleted_at"],
+                     mint_ref=value["mint_ref"])
+
+
+def _raise(code: str, message: str) -> None:
+    if code == "unknown_agent":
+        raise UnknownAgent(message)
+    if code == "unseal_failed":
+        raise UnsealFailed(message)
+    if code == "refused":
+        raise IntentRefused(message)
+    if code == "invalid":
+        raise ValueError(message)
+    if code in ("custody", "rate_limited"):
+        raise CustodyError(message)
+    raise CustodianUnavailable(f"custodian: {message}")
+
+
+def _unwrap(body: bytes) -> object:
+    try:
+        ok, value = messages.decode_reply(body)
+    except messages.BadMessage:
+        raise CustodianUnavailable("the custodian's answer broke the table") from None
+    if not ok:
+        if not isinstance(value, tuple):  # decode_reply's error form: (code, message)
+            raise CustodianUnavailable("the custodian's answer broke the table")
+        _raise(str(value[0]), str(value[1]))
+    return value
+
+
+class CustodianClient:
+    """The custody facade's daemon-facing surface, answered by the custodian process."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._idle: list[trio.SocketStream] = []
+        self._limiter = trio.CapacityLimiter(POOL)
+        self._sync: socket.socket | None = None
+        self._sync_lock = threading.Lock()
+        self._observer: Callable[[str, float], None] | None = None
+        self._closed = False
+
+    @classmethod
+    async def open(cls, path: Path) -> CustodianClient:
+        """Connect and ask once: CustodianUnavailable if no custodian answers there."""
+        client = cls(path)
+        client.records_version()
+        return client
+
+    async def aclose(self) -> None:
+        self._closed = True
+        self._drop()
+        with self._sync_lock:
+            if self._sync is not None:
+                self._sync.close()
+                self._sync = None
+
+    def observe_token_calls(self, observer: Callable[[str, float], None] | None) -> None:
+        self._observer = observer
+
+    # --- transport ---------------------------------------------------------------------
+
+    def _drop(self) -> None:
+        for stream in self._idle:
+            stream.socket.close()
+        self._idle.clear()
+
+    async def _exchange(self, stream: trio.SocketStream, frame: bytes) -> bytes:
+        try:
+            await stream.send_all(frame)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            raise _NotDelivered from None
+        header = await _receive_exactly(stream, messages.HEADER.size)
+        return await _receive_exactly(stream, messages.frame_length(header))
+
+    async def _call(self, op: str, **args: object) -> object:
+        if self._closed:
+            raise CustodyError("custody is closed")
+        frame = messages.request(op, **args)
+        started = time.monotonic()
+        async with self._limiter:
+            for attempt in (1, 2):
+                stream = self._idle.pop() if self._idle else None
+                try:
+                    if stream is None:
+                        stream = await trio.open_unix_socket(str(self.path))
+                    body = await self._exchange(stream, frame)
+                except BaseException as exc:  # noqa: BLE001 - every way out closes it
+                    if stream is not None:
+                        stream.socket.close()
+                    if isinstance(exc, (_NotDelivered, OSError, trio.BrokenResourceError,
+                                        trio.ClosedResourceError, messages.BadMessage, EOFError)):
+                        self._drop()  # all of them lead to the same (dead) process
+                        if attempt == 1 and (isinstance(exc, _NotDelivered) or op in _LOOKUPS):
+                            continue
+                        raise CustodianUnavailable("the custodian is not answering") from None
+                    raise
+                self._idle.append(stream)
+                break
+        if self._observer is not None and op in _OP_NAMES:
+            self._observer(_OP_NAMES[op], time.monotonic() - started)
+        return _unwrap(body)
+
+    def _lookup(self, op: str, **args: object) -> object:
+        """A record lookup on the blocking connection (lookups have no effect: retried once)."""
+        if self._closed:
+            raise CustodyError("custody is closed")
+        frame = messages.request(op, **args)
+        with self._sync_lock:
+            for attempt in (1, 2):
+                try:
+                    if self._sync is None:
+                        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                        sock.settimeout(LOOKUP_TIMEOUT)
+                        try:
+                            sock.connect(str(self.path))
+                        except OSError:
+                            sock.close()
+                            raise
+                        self._sync = sock
+                    self._sync.sendall(frame)
+                    header = _recv_exactly(self._sync, messages.HEADER.size)
+                    body = _recv_exactly(self._sync, messages.frame_length(header))
+                    break
+                except (OSError, EOFError, messages.BadMessage):
+                    if self._sync is not None:
+                        self._sync.close()
+                        self._sync = None
+                    if attempt == 2:
+                        raise CustodianUnavailable("the custodian is not answering") from None
+        return _unwrap(body)
+
+    # --- record lookups (synchronous, as Custody's) ---------------------------------------
+
+    def agent(self, pubkey: str, *, include_deleted: bool = False) -> KeyRecord | None:
+        if not (isinstance(pubkey, str) and len(pubkey) == 64 and pubkey == pubkey.lower()
+                and all(c in "0123456789abcdef" for c in pubkey)):
+            return None
+        return _record(self._lookup("agent", pubkey=pubkey, include_deleted=include_deleted))
+
+    def agents(self, *, include_deleted: bool = False) -> list[KeyRecord]:
+        value = self._lookup("agents", include_deleted=include_deleted)
+        return [r for r in map(_record, value) if r is not None]  # type: ignore[call-overload]
+
+    def records_version(self) -> int:
+        value = self._lookup("records_version")
+        if not isinstance(value, int):
+            raise CustodianUnavailable("the custodian answered no version")
+        return value
+
+    def chain(self, pubkey: str) -> list[KeyRecord]:
+        """The agent's record and its owners' held here, nearest first."""
+        value = self._lookup("chain", pubkey=pubkey)
+        return [r for r in map(_record, value) if r is not None]  # type: ignore[call-overload]
+
+    # --- intents -----------------------------------------------------------------------
+
+    async def sign_event(self, agent: str, unsigned: UnsignedEvent) -> SignedEvent:
+        return (await self.sign_events([(agent, unsigned)]))[0]
+
+    async def sign_events(self, requests: Sequence[tuple[str, UnsignedEvent]]) -> list[SignedEvent]:
+        intents = []
+        for agent, unsigned in requests:
+            if not isinstance(unsigned, UnsignedEvent):
+                raise TypeError("sign_events takes (agent, UnsignedEvent) pairs")
+            if unsigned.pubkey != agent:
+                raise ValueError("the event's pubkey is not the signing agent")
+            intents.append({"signer": agent, "kind": unsigned.kind,
+                            "created_at": unsigned.created_at,
+                            "tags": [list(t) for t in unsigned.tags], "content": unsigned.content})
+        if not intents:
+            return []
+        value = await self._call("sign", events=intents)
+        return [SignedEvent.from_json_obj(e) for e in value]  # type: ignore[attr-defined]
+
+    async def sign_auth(self, agent: str, relay_url: str, challenge: str, created_at: int
+                        ) -> SignedEvent:
+        value = await self._call("sign_auth", agent=agent, relay_url=relay_url,
+                                 challenge=challenge, created_at=created_at)
+        return SignedEvent.from_json_obj(value)  # type: ignore[arg-type]
+
+    async def memory_address(self, agent: str, slug: str) -> MemoryAddress:
+        value = await self._call("memory_address", agent=agent, slug=slug)
+        return MemoryAddress(**value)  # type: ignore[arg-type]
+
+    def _owner(self, agent: str) -> str:
+        record = self.agent(agent)
+        if record is None:
+            raise UnknownAgent(agent)
+        return record.owner
+
+    async def encrypt_to_owner(self, agent: str, plaintexts: Sequence[bytes]) -> tuple[str, ...]:
+        items = tuple(plaintexts)
+        if not items:
+            return ()
+        value = await self._call("encrypt", agent=agent, peer=self._owner(agent),
+                                 plaintexts=[messages.b64(p) for p in items])
+        return tuple(value)  # type: ignore[arg-type]
+
+    async def decrypt_from_owner_pair(self, agent: str, payloads: Sequence[str]
+                                      ) -> tuple[bytes | None, ...]:
+        items = tuple(payloads)
+        if not items:
+            return ()
+        value = await self._call("decrypt", agent=agent, peer=self._owner(agent),
+                                 payloads=list(items))
+        return tuple(None if p is None else messages.unb64(p) for p in value)  # type: ignore[attr-defined]
+
+    async def mint_agent(self, *, owner: str, mint_ref: str | None = None) -> KeyRecord:
+        return _record(await self._call("mint", owner=owner, mint_ref=mint_ref))  # type: ignore[return-value]
+
+    async def import_agent(self, secret_text: bytearray, *, owner: str,
+                           auth_tag: Sequence[str] | None = None) -> KeyRecord:
+        # The secret crosses the socket once, as text: an immutable str in this process's
+        # frame and the custodian's parse, neither of which can be wiped (docs/custodian.md).
+        try:
+            text = bytes(secret_text).decode("ascii", "replace")
+            value = await self._call("import", secret=text, owner=owner,
+                                     auth_tag=None if auth_tag is None else list(auth_tag))
+        finally:
+            secret_text[:] = bytes(len(secret_text))
+        return _record(value)  # type: ignore[return-value]
+
+    async def destroy_agent(self, pubkey: str) -> KeyRecord:
+        return _record(await self._call("destroy", pubkey=pubkey))  # type: ignore[return-value]
+
+    async def attach_auth_tag(self, pubkey: str, tag: Sequence[str]) -> KeyRecord:
+        return _record(await self._call("attach_auth", pubkey=pubkey, tag=list(tag)))  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return f"CustodianClient({str(self.path)!r})"
+
+
+async def _receive_exactly(stream: trio.SocketStream, count: int) -> bytes:
+    chunks = bytearray()
+    while len(chunks) < count:
+        chunk = await stream.receive_some(count - len(chunks))
+        if not chunk:
+            raise EOFError
+        chunks += chunk
+    return bytes(chunks)
+
+
+def _recv_exactly(sock: socket.socket, count: int) -> bytes:
+    chunks = bytearray()
+    while len(chunks) < count:
+        chunk = sock.recv(count - len(chunks))
+        if not chunk:
+            raise EOFError
+        chunks += chunk
+    return bytes(chunks)

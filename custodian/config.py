@@ -1,0 +1,94 @@
+"""The custodian's own configuration: one TOML file, read by the custodian's uid only.
+
+Why its own file: the pipeline must not learn where the PIN is, nor choose the relay AUTH
+is signed for or the uid the socket answers. The daemon's config keeps one key about it,
+``[custody] custodian_socket``.
+
+Keys (a key or table not listed is an error naming it):
+- ``[custodian]`` ``socket`` (path), ``pipeline_uid`` (int, default: the custodian's own
+  uid: then nothing is separated, as under ``make run``), ``state_dir`` (the keystore's),
+  ``relay_url`` (AUTH is signed for this URL only), ``signatures_per_minute`` (per agent,
+  default 6000), ``log_dir`` (default ``<state_dir>/custodian``), ``log_max_bytes``,
+  ``destroy_grace_seconds`` (default 7 days: custodian/grace.py).
+- ``[pkcs11]`` as the daemon's: ``module``, ``token_label``, ``pin_file``, ``kek_label``,
+  ``seal``, ``unsealed_cache_entries``, ``unsealed_cache_seconds``. The PIN file is
+  ``$CREDENTIALS_DIRECTORY/token-pin`` when that exists (the unit's credential).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from custody import CachePolicy, TokenConfig
+from custodian.server import Settings
+
+__all__ = ["CustodianConfig", "ConfigError", "load"]
+
+_KEYS = {
+    "custodian": {"socket": str, "pipeline_uid": int, "state_dir": str, "relay_url": str,
+                  "signatures_per_minute": int, "log_dir": str, "log_max_bytes": int,
+                  "destroy_grace_seconds": int},
+    "pkcs11": {"module": str, "token_label": str, "pin_file": str, "kek_label": str,
+               "seal": str, "unsealed_cache_entries": int, "unsealed_cache_seconds": float},
+}
+_REQUIRED = {"custodian": ("socket", "state_dir", "relay_url"), "pkcs11": ("module", "token_label")}
+
+
+class ConfigError(Exception):
+    """One line naming the file and the key."""
+
+
+@dataclass(frozen=True, slots=True)
+class CustodianConfig:
+    settings: Settings
+    token: TokenConfig
+    cache: CachePolicy
+    state_dir: Path
+
+
+def load(path: str) -> CustodianConfig:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    for table, members in data.items():
+        if table not in _KEYS or not isinstance(members, dict):
+            raise ConfigError(f"{path}: unknown table [{table}]")
+        for key, value in members.items():
+            kind = _KEYS[table].get(key)
+            if kind is None:
+                raise ConfigError(f"{path}: unknown key [{table}] {key}")
+            ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) if kind is float \
+                else (isinstance(value, kind) and not isinstance(value, bool))
+            if not ok:
+                raise ConfigError(f"{path}: [{table}] {key} must be a {kind.__name__}")
+    for table, keys in _REQUIRED.items():
+        for key in keys:
+            if key not in data.get(table, {}):
+                raise ConfigError(f"{path}: [{table}] {key} is required")
+    base = Path(path).resolve().parent
+    c, p = data["custodian"], data["pkcs11"]
+    state_dir = base / c["state_dir"]
+    credential = Path(os.environ.get("CREDENTIALS_DIRECTORY", "/nonexistent"), "token-pin")
+    pin_file = str(credential) if credential.is_file() else p.get("pin_file")
+    module = p["module"] if "/" not in p["module"] else str(base / p["module"])
+    settings = Settings(
+        socket=base / c["socket"], pipeline_uid=c.get("pipeline_uid", os.getuid()),
+        relay_url=c["relay_url"],
+        log_path=base / c.get("log_dir", str(state_dir / "custodian")) / "signed.jsonl",
+        signatures_per_minute=c.get("signatures_per_minute", 6000),
+        log_max_bytes=c.get("log_max_bytes", 64 * 1024 * 1024),
+        destroy_grace_seconds=c.get("destroy_grace_seconds", 7 * 86400))
+    try:
+        token = TokenConfig(module=module, token_label=p["token_label"], pin_file=pin_file,
+                            kek_label=p.get("kek_label", "buzz-broker-kek"),
+                            seal=p.get("seal", "auto"))
+        cache = CachePolicy(p.get("unsealed_cache_entries", 0),
+                            float(p.get("unsealed_cache_seconds", 30.0)))
+    except ValueError as exc:
+        raise ConfigError(f"{path}: [pkcs11] {exc}") from None
+    return CustodianConfig(settings=settings, token=token, cache=cache, state_dir=state_dir)

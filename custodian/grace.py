@@ -1,0 +1,65 @@
+"""Destroy's grace period: the sealed key of a destroyed agent, kept for a while.
+
+Why: `destroy` is in the message table, so a compromised pipeline could destroy every
+key. Before the custodian destroys one, it keeps a copy of the sealed blob (sealed under
+the token's KEK, so no secret in the clear) here for `grace_seconds`; the operator brings
+it back with `buzz-broker custodian FILE --recover PUBKEY` (custody's `revive_agent`
+checks it through the unseal door first). Past the grace period a copy is deleted (at the
+next destroy, and at start), and the destroy is final.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["Graveyard"]
+
+
+class Graveyard:
+    def __init__(self, directory: Path, grace_seconds: int,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.directory = directory
+        self.grace = grace_seconds
+        self._clock = clock
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.purge()
+
+    def _path(self, pubkey: str) -> Path:
+        return self.directory / f"{pubkey}.sealed"  # pubkey: 64 hex, checked by the table
+
+    def keep(self, pubkey: str, blob: bytes) -> None:
+        """Write the copy durably before the key is destroyed (tmp, fsync, rename)."""
+        tmp = self.directory / f".{pubkey}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, blob)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self._path(pubkey))
+        self.purge()
+
+    def take(self, pubkey: str) -> bytes | None:
+        """The copy of `pubkey`'s sealed key, if still within its grace period."""
+        path = self._path(pubkey)
+        try:
+            if self._clock() - path.stat().st_mtime > self.grace:
+                return None
+            return path.read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def forget(self, pubkey: str) -> None:
+        self._path(pubkey).unlink(missing_ok=True)
+
+    def purge(self) -> None:
+        now = self._clock()
+        for path in self.directory.glob("*.sealed"):
+            try:
+                if now - path.stat().st_mtime > self.grace:
+                    path.unlink()
+            except FileNotFoundError:
+                continue

@@ -1,0 +1,126 @@
+"""The closed list of events the custodian signs: each kind, its tags, and who may sign it.
+
+Why: without it "nothing signs arbitrary bytes" would hold only because the pipeline
+behaves. The list is the kinds the fifteen actions publish (ActionSpec.published_kind in
+buzzwire.contract, and the events agents.create/update/delete sign: daemon/operations/).
+Kind 22242 (NIP-42 AUTH) is not in it: only the `sign_auth` request makes one, for the
+relay the custodian is configured with.
+
+Rules, one row per kind in `KINDS`:
+- `tags`: tag name -> (fewest, most) values after the name; a tag not named is refused,
+  and so is any `auth` tag: the custodian adds the agent's NIP-OA tag itself.
+- `required`: tags that must be there (once).
+- `signer`: AGENT (any live agent for itself) or OWNER (the event is about an agent named
+  in `about`, and the signer must be that agent's recorded owner: NIP-BA's managed-agent
+  records are the owner's).
+- `links`: tag name -> what its first value must be: "owner" (the signer's own recorded
+  owner) or "self" (the signer).
+`check` returns None for an intent that fits, else one line saying which rule it broke.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Final
+
+__all__ = ["KINDS", "AGENT", "OWNER", "Shape", "check"]
+
+AGENT: Final = "agent"
+OWNER: Final = "owner"
+
+#: NIP-BA / Buzz kinds (daemon/operations/: the constants there are the source).
+KIND_MANAGED_AGENT: Final = 30177
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    tags: Mapping[str, tuple[int, int]]
+    signer: str = AGENT
+    required: frozenset[str] = frozenset()
+    links: Mapping[str, str] = field(default_factory=dict)
+    #: OWNER rows: the tag whose value names the agent (for `a`, the coordinate's last part)
+    about: str | None = None
+    json_content: bool = False
+
+
+KINDS: Final[Mapping[int, Shape]] = MappingProxyType({
+    0: Shape(tags={}, json_content=True),                       # profile.set, agents.create
+    5: Shape(tags={"a": (1, 1), "k": (1, 1)}, signer=OWNER,     # agents.delete
+             required=frozenset({"a", "k"}), about="a"),
+    7: Shape(tags={"e": (1, 3), "h": (1, 1), "p": (1, 2), "k": (1, 1)},  # reaction.add
+             required=frozenset({"e"})),
+    9: Shape(tags={"h": (1, 1), "e": (1, 3), "p": (1, 2)},      # message.post/reply
+             required=frozenset({"h"})),
+    9000: Shape(tags={"h": (1, 1), "p": (1, 1), "role": (1, 1)},  # agents.create put-user
+                signer=OWNER, required=frozenset({"h", "p"}), about="p"),
+    20001: Shape(tags={}),                                      # presence.set
+    20002: Shape(tags={"h": (1, 1)}, required=frozenset({"h"})),  # typing.set
+    24200: Shape(tags={"p": (1, 1), "agent": (1, 1), "frame": (1, 1)},  # observer.emit
+                 required=frozenset({"p", "agent", "frame"}),
+                 links={"p": "owner", "agent": "self"}),
+    30174: Shape(tags={"d": (1, 1), "p": (1, 1)},               # storage.put (NIP-AE)
+                 required=frozenset({"d", "p"}), links={"p": "owner"}),
+    30177: Shape(tags={"d": (1, 1)}, signer=OWNER,              # agents.create/update
+                 required=frozenset({"d"}), about="d"),
+})
+
+
+def _about(shape: Shape, tags: Mapping[str, tuple[str, ...]], signer: str) -> str | None:
+    """The agent an OWNER event is about, or None if its tag does not name one."""
+    if shape.about is None:
+        return None
+    value = tags[shape.about][0]
+    if shape.about == "a":  # "30177:<owner>:<agent>"
+        parts = value.split(":")
+        if len(parts) != 3 or parts[0] != str(KIND_MANAGED_AGENT) or parts[1] != signer:
+            return None
+        if tags.get("k", ("",))[0] != str(KIND_MANAGED_AGENT):
+            return None
+        return parts[2]
+    return value
+
+
+def check(signer: str, kind: int, tags: tuple[tuple[str, ...], ...], content: str,
+          owner_of: Callable[[str], str | None]) -> str | None:
+    """None if the intent fits `KINDS`, else the rule it breaks.
+
+    `owner_of(pubkey)` is the recorded owner of a live agent held here, else None.
+    """
+    shape = KINDS.get(kind)
+    if shape is None:
+        return f"kind {kind} is not one the custodian signs"
+    seen: dict[str, tuple[str, ...]] = {}
+    for tag in tags:
+        name, values = tag[0], tag[1:]
+        bounds = shape.tags.get(name)
+        if bounds is None:
+            return f"kind {kind} carries no {name!r} tag" + (
+                " (the custodian adds the NIP-OA tag)" if name == "auth" else "")
+        if not bounds[0] <= len(values) <= bounds[1]:
+            return f"kind {kind}: tag {name!r} has {len(values)} values"
+        if name in shape.required and name in seen:
+            return f"kind {kind}: tag {name!r} twice"
+        seen.setdefault(name, values)
+    missing = shape.required - seen.keys()
+    if missing:
+        return f"kind {kind} needs the tags {sorted(missing)}"
+    if shape.json_content:
+        try:
+            if not isinstance(json.loads(content), dict):
+                return f"kind {kind}: content is not a JSON object"
+        except (ValueError, RecursionError):
+            return f"kind {kind}: content is not a JSON object"
+    if shape.signer == OWNER:
+        about = _about(shape, seen, signer)
+        if about is None or owner_of(about) != signer:
+            return f"kind {kind} is signed only by the recorded owner of the agent it names"
+    elif owner_of(signer) is None:
+        return "the signer is no live agent held here"
+    for name, rule in shape.links.items():
+        wanted = owner_of(signer) if rule == "owner" else signer
+        if seen[name][0] != wanted:
+            return f"kind {kind}: tag {name!r} must name the signer's {'owner' if rule == 'owner' else 'own key'}"
+    return None

@@ -1,0 +1,122 @@
+"""The custodian's own record of what it did, and its own per-agent signing bound.
+
+Why its own: a compromised pipeline can write its own ledger and audit log as it likes;
+this one is written only by the process that holds the keys, under its uid.
+
+- `SignLog`: one JSON line per answered intent (op, agent, kind and event id for a
+  signature, a count for NIP-44), each carrying `prev`, the hash of the line before, and
+  `hash` = SHA-256(prev || the line without `hash`). Nothing secret goes in: ids, kinds,
+  pubkeys, counts. Disk is bounded by `max_bytes`: past it the file moves to `.1`
+  (replacing the older one) and the chain continues in the new file from the last hash.
+- `RateBound`: a token bucket per agent (signatures per minute, burst the same); memory
+  bounded by `MAX_AGENTS` buckets (the oldest dropped, which only gives that agent a full
+  bucket again).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final
+
+__all__ = ["SignLog", "RateBound", "GENESIS", "verify_chain"]
+
+GENESIS: Final = "0" * 64
+MAX_AGENTS: Final = 65536
+
+
+def _line_hash(prev: str, entry: dict[str, object]) -> str:
+    body = json.dumps(entry, separators=(",", ":"), sort_keys=True).encode("utf-8")
+    return hashlib.sha256(bytes.fromhex(prev) + body).hexdigest()
+
+
+class SignLog:
+    """An append-only, hash-chained JSON-lines file."""
+
+    def __init__(self, path: Path, max_bytes: int, clock: Callable[[], float] = time.time) -> None:
+        self.path = path
+        self._max = max_bytes
+        self._clock = clock
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.head, self.seq = GENESIS, 0
+        last = _last_line(path)
+        if last is not None:
+            self.head, self.seq = str(last["hash"]), int(str(last["seq"]))
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - held open
+
+    def append(self, entries: list[dict[str, object]]) -> None:
+        """Write `entries` (one line each) and flush before the answer leaves."""
+        lines = []
+        for entry in entries:
+            self.seq += 1
+            full: dict[str, object] = {"seq": self.seq, "at": int(self._clock()),
+                                       "prev": self.head, **entry}
+            self.head = _line_hash(self.head, full)
+            full["hash"] = self.head
+            lines.append(json.dumps(full, separators=(",", ":"), sort_keys=True) + "\n")
+        self._file.write("".join(lines))
+        self._file.flush()
+        if self._file.tell() > self._max:
+            self._file.close()
+            os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _last_line(path: Path) -> dict[str, object] | None:
+    for candidate in (path, path.with_name(path.name + ".1")):
+        try:
+            with open(candidate, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 65536))
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            continue
+        if lines:
+            value = json.loads(lines[-1])
+            if isinstance(value, dict):
+                return value
+    return None
+
+
+def verify_chain(path: Path, start: str = GENESIS) -> int:
+    """Check every line's hash against the one before; the number of lines. ValueError
+    names the first line that breaks the chain."""
+    prev = start
+    count = 0
+    with open(path, encoding="utf-8") as f:
+        for count, line in enumerate(f, 1):
+            entry = json.loads(line)
+            claimed = entry.pop("hash")
+            if entry["prev"] != prev or _line_hash(prev, entry) != claimed:
+                raise ValueError(f"line {count} breaks the chain")
+            prev = claimed
+    return count
+
+
+class RateBound:
+    """Signatures per agent per minute, as a token bucket."""
+
+    def __init__(self, per_minute: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._rate = per_minute / 60.0
+        self._burst = float(per_minute)
+        self._clock = clock
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+
+    def take(self, agent: str, count: int) -> bool:
+        """Spend `count` signatures of `agent`'s bucket; False (nothing spent) if short."""
+        now = self._clock()
+        level, then = self._buckets.pop(agent, (self._burst, now))
+        level = min(self._burst, level + (now - then) * self._rate)
+        allowed = level >= count
+        self._buckets[agent] = (level - count if allowed else level, now)
+        while len(self._buckets) > MAX_AGENTS:
+            self._buckets.popitem(last=False)
+        return allowed

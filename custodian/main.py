@@ -1,0 +1,77 @@
+"""`buzz-broker custodian FILE` / `python -m custodian FILE`: run the custodian.
+
+`... FILE --recover PUBKEY` instead brings back a key destroyed within the grace period
+(custodian/grace.py), beside a running custodian, under the custodian's uid, and exits.
+
+Opens custody (token login, KEK check, keystore), then serves the message table on its
+socket until SIGTERM/SIGINT. A fault opening is one line on stderr and exit 1. Under
+systemd, `Restart=always` brings it back after a crash; the pipeline's client reconnects
+on its next request (custodian/client.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from custody import Custody, CustodyError, harden_process
+from custodian.config import ConfigError, load
+from custodian.grace import Graveyard
+from custodian.server import Custodian, serve
+
+__all__ = ["main", "run"]
+
+
+async def run(config_path: str) -> None:
+    config = load(config_path)
+    harden_process()
+    custody = await Custody.open(config.token, config.state_dir, config.cache)
+    try:
+        custodian = Custodian(custody, config.settings)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(serve, custodian)
+                print("custodian: listening", flush=True)
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    break
+    finally:
+        with trio.CancelScope(shield=True):
+            await custody.aclose()
+
+
+async def recover(config_path: str, pubkey: str) -> None:
+    config = load(config_path)
+    graveyard = Graveyard(config.settings.log_path.parent / "destroyed",
+                          config.settings.destroy_grace_seconds)
+    blob = graveyard.take(pubkey)
+    if blob is None:
+        raise CustodyError(f"no sealed copy of {pubkey} within the grace period")
+    async with await Custody.open(config.token, config.state_dir, config.cache) as custody:
+        await custody.revive_agent(pubkey, blob)
+    graveyard.forget(pubkey)
+    print(f"custodian: agent {pubkey} recovered", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    args = [a for a in argv if a != "--config"]
+    work: Callable[[], Awaitable[None]]
+    if len(args) == 3 and args[1] == "--recover":
+        work = functools.partial(recover, args[0], args[2])
+    elif len(args) == 1:
+        work = functools.partial(run, args[0])
+    else:
+        print("usage: buzz-broker custodian FILE [--recover PUBKEY]", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="custodian: %(message)s", stream=sys.stderr)
+    try:
+        trio.run(work)
+    except (ConfigError, CustodyError) as exc:
+        print(f"custodian: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,273 @@
+"""The custodian's message table: the closed, versioned set of requests it answers.
+
+Theory of operation (OpenSSH's monitor.c, in our own words): the process that holds the
+keys answers a fixed table of requests and nothing else. Each row names an operation and
+the exact members of its arguments with their types; a request is one frame:
+
+    u32 big-endian length N, then N bytes of UTF-8 JSON {"v": 1, "op": <name>, "args": {...}}
+
+and its answer one frame `{"v": 1, "ok": <value>}` or `{"v": 1, "error": {"code", "message"}}`.
+
+Rules:
+- Pure: bytes in, values out; no socket, no clock, no logging. The server and the
+  pipeline's client (custodian/client.py) both speak through `encode` and `decode_*`.
+- Strict: a length over `MAX_FRAME`, bytes that are not UTF-8 JSON, a duplicate member, a
+  float, NaN, a member not in the row, a missing one or one of the wrong type is one
+  `BadMessage`, never anything else (tests/custodian/test_messages.py fuzzes this).
+- `VERSION` changes whenever a row changes; a request of another version is refused.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Final
+
+__all__ = [
+    "VERSION", "MAX_FRAME", "MAX_EVENTS", "MAX_PAYLOADS", "OPS", "ERROR_CODES", "HEADER",
+    "BadMessage", "Request", "encode", "frame_length", "decode_request", "decode_reply",
+    "request", "reply_ok", "reply_error", "b64", "unb64",
+]
+
+#: The table's version: bumped with any row.
+VERSION: Final = 1
+#: Bytes in one frame at most. The largest request the fifteen actions make is
+#: observer.emit's: 256 frames (NIP-BA) of up to 65,535 bytes each, base64 in JSON
+#: (4/3): 22.4 MB. The bound is the custodian's, checked before a byte of the body is read.
+MAX_FRAME: Final = 24 * 1024 * 1024
+#: Events in one `sign` request: the signing batcher's batch (daemon/pipeline/signing.py).
+MAX_EVENTS: Final = 256
+#: NIP-44 payloads in one encrypt/decrypt request: custody's own per-call bound.
+MAX_PAYLOADS: Final = 256
+#: Tags on one event, values in one tag, characters in a tag value or content.
+MAX_TAGS: Final = 64
+MAX_TAG_VALUES: Final = 8
+MAX_CONTENT: Final = 1024 * 1024
+HEADER: Final = struct.Struct(">I")
+
+#: Codes an error answer carries; the client maps each to one exception.
+ERROR_CODES: Final = frozenset({
+    "bad_message",    # the frame broke the table: the connection is closed after it
+    "unknown_agent",  # no live agent with that key
+    "unseal_failed",  # the sealed key did not open as that agent
+    "custody",        # a custody fault (token, keystore, owner that is no curve point)
+    "invalid",        # the caller's bug: a value custody refuses (a bad slug, a bad owner)
+    "refused",        # an intent outside the closed list of kinds and shapes, or a pair
+                      # other than agent-owner, or AUTH for another relay
+    "rate_limited",   # the agent's signing bound is used up
+    "internal",       # the custodian's own fault (logged there, never detailed here)
+})
+
+
+class BadMessage(Exception):
+    """A frame that breaks the table. The message names the rule, never a value."""
+
+
+Spec = Callable[[object], object]
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _hex64(value: object) -> object:
+    if not isinstance(value, str) or not _HEX64.fullmatch(value):
+        raise BadMessage("expected 64 lowercase hex characters")
+    return value
+
+
+def _str(limit: int) -> Spec:
+    def check(value: object) -> object:
+        if not isinstance(value, str) or len(value) > limit:
+            raise BadMessage(f"expected a string of at most {limit} characters")
+        return value
+    return check
+
+
+def _int(low: int, high: int) -> Spec:
+    def check(value: object) -> object:
+        # bool is an int in Python, never in this table
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise BadMessage(f"expected an integer in {low}..{high}")
+        return value
+    return check
+
+
+def _bool(value: object) -> object:
+    if not isinstance(value, bool):
+        raise BadMessage("expected true or false")
+    return value
+
+
+def _nullable(inner: Spec) -> Spec:
+    def check(value: object) -> object:
+        return None if value is None else inner(value)
+    return check
+
+
+def _list(inner: Spec, low: int, high: int) -> Spec:
+    def check(value: object) -> object:
+        if not isinstance(value, list) or not low <= len(value) <= high:
+            raise BadMessage(f"expected a list of {low}..{high} items")
+        return tuple(inner(item) for item in value)
+    return check
+
+
+def _object(members: Mapping[str, Spec]) -> Spec:
+    def check(value: object) -> object:
+        if not isinstance(value, dict) or value.keys() != members.keys():
+            raise BadMessage("expected an object with exactly the members " + ",".join(members))
+        return {name: spec(value[name]) for name, spec in members.items()}
+    return check
+
+
+_B64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+
+
+def _b64(value: object) -> object:
+    if not isinstance(value, str) or not _B64.fullmatch(value):
+        raise BadMessage("expected base64")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadMessage("expected base64") from None
+
+
+_TIME = _int(0, 2**40)
+_TAG = _list(_str(MAX_CONTENT), 1, MAX_TAG_VALUES)
+_AUTH_TAG = _list(_str(1024), 4, 4)
+#: One event intent: what the custodian builds the event from. `signer` is the key that
+#: signs; the custodian adds the NIP-OA tag itself and checks kind and shape (intents.py).
+_INTENT = _object({
+    "signer": _hex64, "kind": _int(0, 65535), "created_at": _TIME,
+    "tags": _list(_TAG, 0, MAX_TAGS), "content": _str(MAX_CONTENT),
+})
+
+#: The table: operation -> its argument members. Closed: an op not here is a BadMessage.
+OPS: Final[Mapping[str, Mapping[str, Spec]]] = MappingProxyType({
+    # record lookups (no token hop)
+    "records_version": {},
+    "agent": {"pubkey": _hex64, "include_deleted": _bool},
+    "agents": {"include_deleted": _bool},
+    "chain": {"pubkey": _hex64},
+    # lifecycle
+    "mint": {"owner": _hex64, "mint_ref": _nullable(_str(512))},
+    "import": {"secret": _str(128), "owner": _hex64, "auth_tag": _nullable(_AUTH_TAG)},
+    "destroy": {"pubkey": _hex64},
+    "attach_auth": {"pubkey": _hex64, "tag": _AUTH_TAG},
+    # signing intents; 22242 only through sign_auth
+    "sign": {"events": _list(_INTENT, 1, MAX_EVENTS)},
+    "sign_auth": {"agent": _hex64, "relay_url": _str(2048), "challenge": _str(1024),
+                  "created_at": _TIME},
+    # NIP-AE and NIP-44, agent <-> its recorded owner only
+    "memory_address": {"agent": _hex64, "slug": _str(1024)},
+    "encrypt": {"agent": _hex64, "peer": _hex64,
+                "plaintexts": _list(_b64, 0, MAX_PAYLOADS)},
+    "decrypt": {"agent": _hex64, "peer": _hex64,
+                "payloads": _list(_str(200_000), 0, MAX_PAYLOADS)},
+})
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A request that fits its row: `args` hold the checked (and decoded) values."""
+
+    op: str
+    args: Mapping[str, object]
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise BadMessage("duplicate member")
+    return result
+
+
+def _no_constant(name: str) -> object:
+    raise BadMessage("NaN and Infinity are not JSON")
+
+
+def _no_float(text: str) -> object:
+    raise BadMessage("no floats in the table")
+
+
+def _parse(body: bytes) -> dict[str, object]:
+    if len(body) > MAX_FRAME:
+        raise BadMessage("frame over the bound")
+    try:
+        value = json.loads(body.decode("utf-8"), object_pairs_hook=_no_duplicates,
+                           parse_constant=_no_constant, parse_float=_no_float)
+    except BadMessage:
+        raise
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise BadMessage("not UTF-8 JSON") from None
+    if not isinstance(value, dict) or value.get("v") != VERSION or isinstance(value.get("v"), bool):
+        raise BadMessage(f"not a version {VERSION} message")
+    return value
+
+
+def frame_length(header: bytes) -> int:
+    """The body length a 4-byte header announces; BadMessage over `MAX_FRAME`."""
+    if len(header) != HEADER.size:
+        raise BadMessage("short header")
+    (length,) = HEADER.unpack(header)
+    if length > MAX_FRAME:
+        raise BadMessage("frame over the bound")
+    return int(length)
+
+
+def decode_request(body: bytes) -> Request:
+    """The request a frame body spells, checked against its row."""
+    value = _parse(body)
+    op, args = value.get("op"), value.get("args")
+    if value.keys() != {"v", "op", "args"} or not isinstance(op, str) or op not in OPS:
+        raise BadMessage("not a request of the table")
+    return Request(op, _object(OPS[op])(args))  # type: ignore[arg-type]
+
+
+def decode_reply(body: bytes) -> tuple[bool, object]:
+    """(True, value) for an ok answer; (False, (code, message)) for an error answer."""
+    value = _parse(body)
+    if value.keys() == {"v", "ok"}:
+        return True, value["ok"]
+    error = value.get("error")
+    if (value.keys() == {"v", "error"} and isinstance(error, dict)
+            and error.keys() == {"code", "message"} and error["code"] in ERROR_CODES
+            and isinstance(error["message"], str)):
+        return False, (error["code"], error["message"])
+    raise BadMessage("not an answer of the table")
+
+
+def encode(value: Mapping[str, object]) -> bytes:
+    """One frame: header and compact JSON."""
+    body = json.dumps(value, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False).encode("utf-8")
+    if len(body) > MAX_FRAME:
+        raise BadMessage("frame over the bound")
+    return HEADER.pack(len(body)) + body
+
+
+def request(op: str, **args: object) -> bytes:
+    return encode({"v": VERSION, "op": op, "args": args})
+
+
+def reply_ok(value: object) -> bytes:
+    return encode({"v": VERSION, "ok": value})
+
+
+def reply_error(code: str, message: str) -> bytes:
+    if code not in ERROR_CODES:
+        raise AssertionError(f"unknown error code {code}")  # pragma: no cover - our bug
+    return encode({"v": VERSION, "error": {"code": code, "message": message}})
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def unb64(text: str) -> bytes:
+    return base64.b64decode(text, validate=True)

@@ -1,0 +1,308 @@
+"""The custodian's server: one Unix socket, the pipeline's uid only, the message table only.
+
+Theory of operation:
+- Every connection's peer credentials (SO_PEERCRED, taken by the kernel at connect) are
+  checked against `Settings.pipeline_uid` before a byte is read; another uid gets one
+  `refused` answer and the connection is closed.
+- A connection carries one request at a time: header, body (bounded by
+  `messages.MAX_FRAME` before it is read), answer. The pipeline's client opens several
+  connections for concurrency. A frame that breaks the table gets `bad_message` and the
+  connection is closed: its state is unknown.
+- Each row of `messages.OPS` has one handler in `Custodian.HANDLERS`. The handlers call the
+  in-process `custody.Custody` facade, which does the unsealing and the cryptography; what
+  is added here is what a compromised pipeline must not decide: the closed list of event
+  kinds and shapes (`intents`), the NIP-OA tag (custody adds it), the agent-owner pair for
+  NIP-44, AUTH only for the configured relay, per-agent rate bounds and the hash-chained
+  log (`ledger`).
+- Error handling: custody's errors become their codes; anything else is `internal`, logged
+  here by type name only (an exception's text could carry an argument).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket as stdsocket
+import struct
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import trio
+
+from buzzwire.nostr import UnsignedEvent
+from custody import Custody, CustodyError, KeyRecord, UnknownAgent, UnsealFailed
+from custodian import intents, messages
+from custodian.grace import Graveyard
+from custodian.ledger import RateBound, SignLog
+
+__all__ = ["Settings", "Custodian", "serve", "record_obj"]
+
+log = logging.getLogger("buzz_broker.custodian")
+
+#: Connections at once: the pipeline's client keeps a few; more is a fault, refused.
+MAX_CONNECTIONS: Final = 64
+#: Ownership chains are at most this deep (the directory's depth bound is far below).
+MAX_CHAIN: Final = 64
+_PEERCRED = struct.Struct("3i")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settings:
+    socket: Path
+    pipeline_uid: int
+    relay_url: str
+    log_path: Path
+    signatures_per_minute: int = 6000
+    log_max_bytes: int = 64 * 1024 * 1024
+    socket_mode: int = 0o660
+    #: destroyed keys stay recoverable this long (custodian/grace.py); 7 days
+    destroy_grace_seconds: int = 7 * 86400
+
+
+class Refused(Exception):
+    """An intent outside what the custodian signs (answered `refused`)."""
+
+
+def record_obj(record: KeyRecord | None) -> dict[str, object] | None:
+    if record is None:
+        return None
+    return {"pubkey": record.pubkey, "owner": record.owner,
+            "auth_tag": None if record.auth_tag is None else list(record.auth_tag),
+            "created_at": record.created_at, "deleted_at": record.deleted_at,
+            "mint_ref": record.mint_ref}
+
+
+Handler = Callable[["Custodian", Mapping[str, Any]], Awaitable[object]]
+
+
+class Custodian:
+    """Answers checked requests with custody. One per process."""
+
+    def __init__(self, custody: Custody, settings: Settings) -> None:
+        self.custody = custody
+        self.settings = settings
+        self.log = SignLog(settings.log_path, settings.log_max_bytes)
+        self.bound = RateBound(settings.signatures_per_minute)
+        self.graveyard = Graveyard(settings.log_path.parent / "destroyed",
+                                   settings.destroy_grace_seconds)
+
+    def _owner_of(self, pubkey: str) -> str | None:
+        record = self.custody.agent(pubkey)
+        return None if record is None else record.owner
+
+    def _spend(self, agents: Sequence[str]) -> None:
+        counts: dict[str, int] = {}
+        for agent in agents:
+            counts[agent] = counts.get(agent, 0) + 1
+        for agent, count in counts.items():
+            if not self.bound.take(agent, count):
+                raise _RateLimited(agent)
+
+    def _pair(self, agent: str, peer: str) -> None:
+        owner = self._owner_of(agent)
+        if owner is None:
+            raise UnknownAgent(agent)
+        if peer != owner:
+            raise Refused("NIP-44 is only between an agent and its recorded owner")
+
+    # --- the handlers, one per row of messages.OPS ----------------------------------------
+
+    async def records_version(self, args: Mapping[str, Any]) -> object:
+        return self.custody.records_version()
+
+    async def agent(self, args: Mapping[str, Any]) -> object:
+        return record_obj(self.custody.agent(args["pubkey"],
+                                             include_deleted=args["include_deleted"]))
+
+    async def agents(self, args: Mapping[str, Any]) -> object:
+        return [record_obj(r) for r in self.custody.agents(include_deleted=args["include_deleted"])]
+
+    async def chain(self, args: Mapping[str, Any]) -> object:
+        chain: list[object] = []
+        record = self.custody.agent(args["pubkey"], include_deleted=True)
+        while record is not None and len(chain) < MAX_CHAIN:
+            chain.append(record_obj(record))
+            record = self.custody.agent(record.owner, include_deleted=True)
+        return chain
+
+    async def mint(self, args: Mapping[str, Any]) -> object:
+        record = await self.custody.mint_agent(owner=args["owner"], mint_ref=args["mint_ref"])
+        self.log.append([{"op": "mint", "agent": record.pubkey, "owner": record.owner}])
+        return record_obj(record)
+
+    async def import_(self, args: Mapping[str, Any]) -> object:
+        secret = bytearray(args["secret"].encode("ascii", "replace"))
+        record = await self.custody.import_agent(secret, owner=args["owner"],
+                                                 auth_tag=args["auth_tag"])
+        self.log.append([{"op": "import", "agent": record.pubkey, "owner": record.owner}])
+        return record_obj(record)
+
+    async def destroy(self, args: Mapping[str, Any]) -> object:
+        try:
+            # The copy is on disk before the key goes: a destroy is undone within the grace.
+            self.graveyard.keep(args["pubkey"], await self.custody.sealed_copy(args["pubkey"]))
+        except UnknownAgent:
+            pass  # destroyed already (destroy_agent answers its tombstone) or never held
+        record = await self.custody.destroy_agent(args["pubkey"])
+        self.log.append([{"op": "destroy", "agent": record.pubkey}])
+        return record_obj(record)
+
+    async def attach_auth(self, args: Mapping[str, Any]) -> object:
+        record = await self.custody.attach_auth_tag(args["pubkey"], args["tag"])
+        self.log.append([{"op": "attach_auth", "agent": record.pubkey}])
+        return record_obj(record)
+
+    async def sign(self, args: Mapping[str, Any]) -> object:
+        planned = []
+        for intent in args["events"]:
+            signer, kind = intent["signer"], intent["kind"]
+            fault = intents.check(signer, kind, intent["tags"], intent["content"], self._owner_of)
+            if fault is not None:
+                raise Refused(fault)
+            planned.append((signer, UnsignedEvent(pubkey=signer, created_at=intent["created_at"],
+                                                  kind=kind, tags=intent["tags"],
+                                                  content=intent["content"])))
+        self._spend([signer for signer, _ in planned])
+        signed = await self.custody.sign_events(planned)
+        self.log.append([{"op": "sign", "agent": e.pubkey, "kind": e.kind, "id": e.id}
+                         for e in signed])
+        return [e.to_json_obj() for e in signed]
+
+    async def sign_auth(self, args: Mapping[str, Any]) -> object:
+        if args["relay_url"] != self.settings.relay_url:
+            raise Refused("AUTH is signed only for the relay the custodian is configured with")
+        self._spend([args["agent"]])
+        event = await self.custody.sign_auth(args["agent"], self.settings.relay_url,
+                                             args["challenge"], args["created_at"])
+        self.log.append([{"op": "sign_auth", "agent": event.pubkey, "kind": event.kind,
+                          "id": event.id}])
+        return event.to_json_obj()
+
+    async def memory_address(self, args: Mapping[str, Any]) -> object:
+        address = await self.custody.memory_address(args["agent"], args["slug"])
+        return {"author_pubkey": address.author_pubkey, "kind": address.kind,
+                "d_tag": address.d_tag}
+
+    async def encrypt(self, args: Mapping[str, Any]) -> object:
+        self._pair(args["agent"], args["peer"])
+        payloads = await self.custody.encrypt_to_owner(args["agent"], args["plaintexts"])
+        self.log.append([{"op": "encrypt", "agent": args["agent"], "count": len(payloads)}])
+        return list(payloads)
+
+    async def decrypt(self, args: Mapping[str, Any]) -> object:
+        self._pair(args["agent"], args["peer"])
+        opened = await self.custody.decrypt_from_owner_pair(args["agent"], args["payloads"])
+        self.log.append([{"op": "decrypt", "agent": args["agent"], "count": len(opened)}])
+        return [None if p is None else messages.b64(p) for p in opened]
+
+    HANDLERS: Mapping[str, Handler] = {
+        "records_version": records_version, "agent": agent, "agents": agents, "chain": chain,
+        "mint": mint, "import": import_, "destroy": destroy, "attach_auth": attach_auth,
+        "sign": sign, "sign_auth": sign_auth, "memory_address": memory_address,
+        "encrypt": encrypt, "decrypt": decrypt,
+    }
+
+    async def answer(self, request: messages.Request) -> bytes:
+        """The answer frame to one checked request; never raises for custody's faults."""
+        try:
+            return messages.reply_ok(await self.HANDLERS[request.op](self, request.args))
+        except Refused as exc:
+            log.warning("custodian refused %s: %s", request.op, exc)
+            return messages.reply_error("refused", str(exc))
+        except _RateLimited as exc:
+            return messages.reply_error("rate_limited", f"agent {exc} is over its signing bound")
+        except UnknownAgent as exc:
+            return messages.reply_error("unknown_agent", exc.agent)
+        except UnsealFailed as exc:
+            return messages.reply_error("unseal_failed", exc.agent)
+        except CustodyError as exc:
+            return messages.reply_error("custody", str(exc))
+        except (ValueError, TypeError) as exc:
+            return messages.reply_error("invalid", str(exc))
+        except Exception as exc:  # noqa: BLE001 - one answer, the process stays up
+            log.error("custodian fault in %s: %s", request.op, type(exc).__name__)
+            return messages.reply_error("internal", "custodian fault")
+
+
+class _RateLimited(Exception):
+    pass
+
+
+def peer_uid(sock: trio.socket.SocketType) -> int:
+    """The connecting process's uid, as the kernel recorded it at connect()."""
+    raw = sock.getsockopt(stdsocket.SOL_SOCKET, stdsocket.SO_PEERCRED, _PEERCRED.size)
+    _pid, uid, _gid = _PEERCRED.unpack(raw)
+    return int(uid)
+
+
+async def _read_exactly(stream: trio.SocketStream, count: int) -> bytes | None:
+    chunks = bytearray()
+    while len(chunks) < count:
+        chunk = await stream.receive_some(min(count - len(chunks), 1 << 20))
+        if not chunk:
+            return None
+        chunks += chunk
+    return bytes(chunks)
+
+
+async def _connection(custodian: Custodian, stream: trio.SocketStream,
+                      active: list[int]) -> None:
+    try:
+        if active[0] > MAX_CONNECTIONS:
+            await stream.send_all(messages.reply_error("refused", "too many connections"))
+            return
+        uid = peer_uid(stream.socket)
+        if uid != custodian.settings.pipeline_uid:
+            log.warning("custodian refused a peer of uid %d", uid)
+            await stream.send_all(messages.reply_error("refused", "peer uid refused"))
+            return
+        while True:
+            header = await _read_exactly(stream, messages.HEADER.size)
+            if header is None:
+                return
+            try:
+                body = await _read_exactly(stream, messages.frame_length(header))
+                if body is None:
+                    return
+                request = messages.decode_request(body)
+            except messages.BadMessage as exc:
+                await stream.send_all(messages.reply_error("bad_message", str(exc)))
+                return
+            await stream.send_all(await custodian.answer(request))
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        return
+    finally:
+        active[0] -= 1
+        await stream.aclose()
+
+
+async def serve(custodian: Custodian, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                ) -> None:
+    """Listen on `custodian.settings.socket` until cancelled; started() once listening."""
+    path = custodian.settings.socket
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_socket():
+        path.unlink()  # a socket left by a killed custodian: nobody can be listening
+    sock = trio.socket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
+    old = os.umask(0o177)  # no moment where the socket is more open than its mode
+    try:
+        await sock.bind(str(path))
+    finally:
+        os.umask(old)
+    os.chmod(path, custodian.settings.socket_mode)
+    sock.listen(MAX_CONNECTIONS)
+    listener = trio.SocketListener(sock)
+    active = [0]
+
+    async def handle(stream: trio.SocketStream) -> None:
+        active[0] += 1
+        await _connection(custodian, stream, active)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            await trio.serve_listeners(handle, [listener], handler_nursery=nursery)
+    finally:
+        custodian.log.close()

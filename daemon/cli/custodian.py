@@ -1,0 +1,24 @@
+"""`buzz-broker custodian FILE`: run the custodian (custodian/main.py) in the foreground.
+
+FILE is the custodian's own configuration (custodian/config.py), not the daemon's. Only
+the custodian package is imported here: nothing of the daemon's pipeline loads into the
+process that holds the keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", metavar="FILE", help="the custodian's configuration file")
+    parser.add_argument("--recover", metavar="PUBKEY",
+                        help="bring back a key destroyed within the grace period, and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    from custodian.main import main
+
+    return main([args.file] + ([] if args.recover is None else ["--recover", args.recover]))

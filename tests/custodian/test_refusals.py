@@ -1,0 +1,202 @@
+"""The custodian refuses, when asked directly over its socket, what a compromised pipeline
+might ask: a kind outside its list, an owner's record about another owner's agent, NIP-44
+for a pair other than agent-owner, AUTH for another relay, a tag it adds itself, and any
+peer of another uid (SO_PEERCRED). Each refusal is next to the allowed request it differs
+from, so the test shows the line, not a custodian that refuses everything.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import coincurve
+import pytest
+
+from custody import TokenConfig
+from custodian import messages
+from custodian.client import CustodianClient
+from tests.fixtures.custodian import CustodianProcess, write_custodian_config
+
+NOBODY = 65534
+
+
+def ask(path: Path, op: str, **args: object) -> tuple[bool, object]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(str(path))
+        try:
+            sock.sendall(messages.request(op, **args))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # a refused peer is answered and closed at once: its answer is still there
+        return _answer(sock)
+
+
+def _answer(sock: socket.socket) -> tuple[bool, object]:
+    data = b""
+    while len(data) < 4 or len(data) < 4 + messages.frame_length(data[:4]):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return messages.decode_reply(data[4:])
+
+
+def human() -> str:
+    return coincurve.PrivateKey().public_key_xonly.format().hex()
+
+
+async def held(client: CustodianClient, owner: str) -> str:
+    secret = bytearray(coincurve.PrivateKey().secret.hex().encode("ascii"))
+    return (await client.import_agent(secret, owner=owner)).pubkey
+
+
+def intent(signer: str, kind: int, tags: list[list[str]], content: str = "") -> dict[str, object]:
+    return {"signer": signer, "kind": kind, "created_at": 1_700_000_000, "tags": tags,
+            "content": content}
+
+
+def refused(answer: tuple[bool, object]) -> bool:
+    ok, value = answer
+    return not ok and isinstance(value, tuple) and value[0] == "refused"
+
+
+async def test_a_kind_outside_the_list_is_refused(custodian: CustodianProcess) -> None:
+    client = await CustodianClient.open(custodian.socket)
+    agent = await held(client, human())
+    ok, _ = ask(custodian.socket, "sign", events=[intent(agent, 9, [["h", "chan"]], "hi")])
+    assert ok
+    for kind in (1, 4, 22242, 24133, 30078):
+        assert refused(ask(custodian.socket, "sign", events=[intent(agent, kind, [], "x")])), kind
+    # one bad intent refuses the whole batch: nothing of it is signed
+    assert refused(ask(custodian.socket, "sign", events=[
+        intent(agent, 9, [["h", "chan"]], "hi"), intent(agent, 1, [], "x")]))
+    # the NIP-OA tag is the custodian's to add, never the caller's
+    assert refused(ask(custodian.socket, "sign", events=[
+        intent(agent, 9, [["h", "chan"], ["auth", agent, "", "00" * 64]], "hi")]))
+    await client.aclose()
+
+
+async def test_a_30177_for_an_agent_of_another_owner_is_refused(
+        custodian: CustodianProcess) -> None:
+    client = await CustodianClient.open(custodian.socket)
+    owner = await held(client, human())
+    own = (await client.mint_agent(owner=owner, mint_ref="m1")).pubkey
+    other_owner = await held(client, human())
+    foreign = (await client.mint_agent(owner=other_owner, mint_ref="m2")).pubkey
+    ok, _ = ask(custodian.socket, "sign", events=[intent(owner, 30177, [["d", own]], "{}")])
+    assert ok
+    assert refused(ask(custodian.socket, "sign",
+                       events=[intent(owner, 30177, [["d", foreign]], "{}")]))
+    # the same for the owner's deletion (kind 5) and put-user (9000) of a foreign agent
+    assert refused(ask(custodian.socket, "sign", events=[intent(
+        owner, 5, [["a", f"30177:{owner}:{foreign}"], ["k", "30177"]])]))
+    assert refused(ask(custodian.socket, "sign", events=[intent(
+        owner, 9000, [["h", "chan"], ["p", foreign], ["role", "bot"]])]))
+    # and an agent cannot sign its owner's record about itself
+    assert refused(ask(custodian.socket, "sign", events=[intent(own, 30177, [["d", own]], "{}")]))
+    await client.aclose()
+
+
+async def test_nip44_for_a_pair_other_than_agent_and_owner_is_refused(
+        custodian: CustodianProcess) -> None:
+    client = await CustodianClient.open(custodian.socket)
+    owner = human()
+    agent = await held(client, owner)
+    plaintext = [messages.b64(b"memory")]
+    ok, payloads = ask(custodian.socket, "encrypt", agent=agent, peer=owner, plaintexts=plaintext)
+    assert ok and isinstance(payloads, list)
+    stranger = human()
+    assert refused(ask(custodian.socket, "encrypt", agent=agent, peer=stranger,
+                       plaintexts=plaintext))
+    assert refused(ask(custodian.socket, "decrypt", agent=agent, peer=stranger,
+                       payloads=payloads))
+    ok, opened = ask(custodian.socket, "decrypt", agent=agent, peer=owner, payloads=payloads)
+    assert ok and opened == plaintext
+    await client.aclose()
+
+
+async def test_auth_is_signed_only_for_the_configured_relay(custodian: CustodianProcess,
+                                                            local_relay: str) -> None:
+    client = await CustodianClient.open(custodian.socket)
+    agent = await held(client, human())
+    ok, event = ask(custodian.socket, "sign_auth", agent=agent, relay_url=local_relay,
+                    challenge="c", created_at=1_700_000_000)
+    assert ok and isinstance(event, dict) and event["kind"] == 22242
+    assert refused(ask(custodian.socket, "sign_auth", agent=agent,
+                       relay_url="wss://relay.example", challenge="c", created_at=1_700_000_000))
+    await client.aclose()
+
+
+@pytest.fixture
+def open_socket_custodian(custody_state: tuple[TokenConfig, Path], local_relay: str,
+                          tmp_path: Path) -> Iterator[CustodianProcess]:
+    """A custodian whose socket file any uid may open (mode 0666, in a 0755 directory):
+    the file mode is opened on purpose, so the peer-uid check is the only line left."""
+    token, state_dir = custody_state
+    where = Path(tempfile.mkdtemp(prefix="cust-"))
+    where.chmod(0o755)
+    sock = where / "c.sock"
+    config = write_custodian_config(tmp_path / "custodian.toml", token=token,
+                                    state_dir=state_dir, socket=sock, relay_url=local_relay)
+    process = CustodianProcess(config, sock)
+    process.start()
+    sock.chmod(0o666)
+    yield process
+    process.stop()
+    sock.unlink(missing_ok=True)
+    where.rmdir()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a second uid needs root (setuid)")
+def test_a_peer_of_another_uid_is_refused(open_socket_custodian: CustodianProcess) -> None:
+    path = open_socket_custodian.socket
+    assert ask(path, "records_version")[0]  # the configured uid (this one) is answered
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: another uid, then the same request
+        code = 1
+        try:
+            os.close(read)
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            ok, value = ask(path, "records_version")
+            os.write(write, repr((ok, value)).encode())
+            code = 0
+        except BaseException as exc:  # noqa: BLE001 - told to the parent
+            os.write(write, repr(exc).encode())
+        finally:
+            os._exit(code)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    seen = os.read(read, 4096).decode()
+    os.close(read)
+    assert os.WEXITSTATUS(status) == 0, seen
+    assert seen == repr((False, ("refused", "peer uid refused")))
+
+
+async def test_a_destroyed_key_is_recoverable_within_the_grace_period(
+        custodian: CustodianProcess) -> None:
+    """A compromised pipeline's destroy is not key loss: the custodian kept the sealed copy,
+    and the operator's `--recover` (under the custodian's uid, beside it) brings it back."""
+    import subprocess
+    import sys
+
+    client = await CustodianClient.open(custodian.socket)
+    agent = await held(client, human())
+    ok, _ = ask(custodian.socket, "destroy", pubkey=agent)
+    assert ok and client.agent(agent) is None
+    assert refused(ask(custodian.socket, "sign", events=[intent(agent, 9, [["h", "c"]], "x")]))
+    done = subprocess.run([sys.executable, "-m", "custodian", str(custodian.config),
+                           "--recover", agent], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert client.agent(agent) is not None
+    ok, signed = ask(custodian.socket, "sign", events=[intent(agent, 9, [["h", "c"]], "x")])
+    assert ok
+    again = subprocess.run([sys.executable, "-m", "custodian", str(custodian.config),
+                            "--recover", agent], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 1 and "no sealed copy" in again.stderr
+    await client.aclose()
