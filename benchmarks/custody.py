@@ -10,7 +10,7 @@ afterwards), runs `init_kek`, imports one random agent, and measures in one proc
   unseal in SoftHSM + re-derive pubkey + BIP-340 + wipe);
 - facade, 8 concurrent trio tasks (they queue on the single token worker);
 - facade, batched: `sign_events` with 100 events per hop;
-- the same three through a custodian process (custodian/, issue 26) on the same token and
+- the same three through a custodian process (custody/custodian/, issue 26) on the same token and
   keystore: each call one framed request over its Unix socket, the custodian's intent
   checks, its hash-chained log line per event, then the same facade hop; and the rate of
   the blocking record lookup the broker makes per request (`records_version`).
@@ -62,7 +62,7 @@ async def rate_async(fn: Callable[[int], Awaitable[int]], seconds: float) -> flo
 
 async def measure(signer: Any, agent: str, seconds: float) -> tuple[float, float, float]:
     """(sequential, 8 concurrent tasks, 100 per hop) sig/s through `signer` (a `Custody`
-    or a `custodian.client.CustodianClient`: the same calls)."""
+    or a `custody.custodian.client.CustodianClient`: the same calls)."""
     from custody import UnsignedEvent
 
     def event(i: int) -> UnsignedEvent:
@@ -124,7 +124,7 @@ async def bench(facts: dict[str, str], state_dir: Path, seconds: float) -> None:
 async def over_the_boundary(config: Any, state_dir: Path, agent: str, seconds: float
                             ) -> tuple[tuple[float, float, float], float]:
     """The same figures through a custodian process on the same token and keystore."""
-    from custodian.client import CustodianClient
+    from custody.custodian.client import CustodianClient
 
     socket = state_dir.parent / "custodian.sock"
     toml = state_dir.parent / "custodian.toml"
@@ -133,7 +133,7 @@ async def over_the_boundary(config: Any, state_dir: Path, agent: str, seconds: f
         f'relay_url = "ws://127.0.0.1:1"\nsignatures_per_minute = 100000000\n'
         f'[pkcs11]\nmodule = "{config.module}"\ntoken_label = "{config.token_label}"\n'
         f'pin_file = "{config.pin_file}"\nkek_label = "{config.kek_label}"\n')
-    proc = subprocess.Popen([sys.executable, "-m", "custodian", str(toml)], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "custody.custodian", str(toml)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert proc.stdout is not None and "listening" in proc.stdout.readline()

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING
 
 # The surface is loaded on first use (PEP 562), module by module: a process that needs only
 # custody's errors and public records (the pipeline when a custodian holds the keys,
-# custodian/client.py) never imports python-pkcs11 nor maps the PKCS#11 module.
+# custody/custodian/client.py) never imports python-pkcs11 nor maps the PKCS#11 module.
 #: public name -> the module that defines it
 _SURFACE: dict[str, str] = {
     **dict.fromkeys(("MAX_BACKUP_BYTES", "MAX_IDENTITY_BYTES", "MAX_PUBLIC_BYTES",

@@ -578,7 +578,7 @@ class Custody:
 
     async def sealed_copy(self, pubkey: str) -> bytes:
         """The live agent's sealed blob, as stored (sealed under the KEK: no secret in it),
-        for the custodian's destroy grace period (custodian/server.py).
+        for the custodian's destroy grace period (custody/custodian/server.py).
 
         Raises:
             UnknownAgent: no live agent with that key.

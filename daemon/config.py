@@ -203,7 +203,7 @@ class MetricsConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CustodyConfig:
-    #: The custodian's socket (custodian/, docs/custodian.md): the pipeline signs through
+    #: The custodian's socket (custody/custodian/, docs/custodian.md): the pipeline signs through
     #: it and never opens the token. None = custody in this process ([pkcs11]).
     custodian_socket: str | None = None
 

@@ -27,7 +27,7 @@ import trio
 from buzzwire.contract import ACTIONS
 from buzzwire.nostr import SignedEvent
 from custody import CustodyError
-from custodian.client import CustodianClient
+from custody.custodian.client import CustodianClient
 
 if TYPE_CHECKING:  # the facade loads the PKCS#11 binding: not where a custodian holds the keys
     from custody import Custody

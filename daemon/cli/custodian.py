@@ -1,6 +1,6 @@
-"""`buzz-broker custodian FILE`: run the custodian (custodian/main.py) in the foreground.
+"""`buzz-broker custodian FILE`: run the custodian (custody/custodian/main.py) in the foreground.
 
-FILE is the custodian's own configuration (custodian/config.py), not the daemon's. Only
+FILE is the custodian's own configuration (custody/custodian/config.py), not the daemon's. Only
 the custodian package is imported here: nothing of the daemon's pipeline loads into the
 process that holds the keys.
 """
@@ -19,6 +19,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from custodian.main import main
+    from custody.custodian.main import main
 
     return main([args.file] + ([] if args.recover is None else ["--recover", args.recover]))

@@ -65,7 +65,7 @@ from buzzwire.contract import (
     read_request,
 )
 from custody import CustodyError
-from custodian.client import CustodianClient
+from custody.custodian.client import CustodianClient
 
 if TYPE_CHECKING:  # the facade loads the PKCS#11 binding: not where a custodian holds the keys
     from custody import Custody

@@ -32,7 +32,7 @@ import trio
 
 from buzzwire.contract import ErrorCode, Request, Status, Verdict, encode_response
 from custody import KeyRecord
-from custodian.client import CustodianClient
+from custody.custodian.client import CustodianClient
 
 if TYPE_CHECKING:  # the facade loads the PKCS#11 binding: not where a custodian holds the keys
     from custody import Custody

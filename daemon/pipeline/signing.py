@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from buzzwire.nostr import SignedEvent, UnsignedEvent
-from custodian.client import CustodianClient
+from custody.custodian.client import CustodianClient
 
 if TYPE_CHECKING:  # the facade loads the PKCS#11 binding: not where a custodian holds the keys
     from custody import Custody

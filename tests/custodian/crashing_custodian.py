@@ -10,8 +10,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from custodian.main import main
-from custodian.server import Custodian
+from custody.custodian.main import main
+from custody.custodian.server import Custodian
 from tests.fixtures.kill import kill_at
 
 

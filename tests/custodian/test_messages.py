@@ -1,4 +1,4 @@
-"""The custodian's message reader (custodian/messages.py): every frame is a `Request` that
+"""The custodian's message reader (custody/custodian/messages.py): every frame is a `Request` that
 fits its row or one `BadMessage`, never another exception, whatever the bytes (fuzzed),
 and every row round-trips."""
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from custodian import intents, messages
+from custody.custodian import intents, messages
 
 PK = "ab" * 32
 

@@ -13,7 +13,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 PIPELINE = ("daemon.wiring", "daemon.http", "daemon.cli.serve", "daemon.pipeline.broker",
-            "daemon.operations", "daemon.state.directory", "custodian.client")
+            "daemon.operations", "daemon.state.directory", "custody.custodian.client")
 
 
 def _loaded(modules: tuple[str, ...], probe: str) -> str:

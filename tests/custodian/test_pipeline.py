@@ -25,7 +25,7 @@ from tests.e2e.test_operations import (
     test_reaction_and_profile,
     test_storage_address_matches_the_nip_ae_vector,
 )
-from custodian.ledger import verify_chain
+from custody.custodian.ledger import verify_chain
 from tests.fixtures.custodian import CustodianProcess
 
 __all__ = [

@@ -19,8 +19,8 @@ import pytest
 
 from buzzwire.nostr import owner_tag_digest
 from custody import CustodyError, TokenConfig
-from custodian import messages
-from custodian.client import CustodianClient, CustodianUnavailable
+from custody.custodian import messages
+from custody.custodian.client import CustodianClient, CustodianUnavailable
 from tests.fixtures.broker import BrokerHarness
 from tests.fixtures.custodian import CustodianProcess, write_custodian_config
 

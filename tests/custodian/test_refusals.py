@@ -17,8 +17,8 @@ import coincurve
 import pytest
 
 from custody import TokenConfig
-from custodian import messages
-from custodian.client import CustodianClient
+from custody.custodian import messages
+from custody.custodian.client import CustodianClient
 from tests.fixtures.custodian import CustodianProcess, write_custodian_config
 
 NOBODY = 65534
@@ -190,13 +190,13 @@ async def test_a_destroyed_key_is_recoverable_within_the_grace_period(
     ok, _ = ask(custodian.socket, "destroy", pubkey=agent)
     assert ok and client.agent(agent) is None
     assert refused(ask(custodian.socket, "sign", events=[intent(agent, 9, [["h", "c"]], "x")]))
-    done = subprocess.run([sys.executable, "-m", "custodian", str(custodian.config),
+    done = subprocess.run([sys.executable, "-m", "custody.custodian", str(custodian.config),
                            "--recover", agent], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert client.agent(agent) is not None
     ok, signed = ask(custodian.socket, "sign", events=[intent(agent, 9, [["h", "c"]], "x")])
     assert ok
-    again = subprocess.run([sys.executable, "-m", "custodian", str(custodian.config),
+    again = subprocess.run([sys.executable, "-m", "custody.custodian", str(custodian.config),
                             "--recover", agent], capture_output=True, text=True, timeout=60)
     assert again.returncode == 1 and "no sealed copy" in again.stderr
     await client.aclose()

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import coincurve
 
-from custodian import messages
-from custodian.client import CustodianClient
+from custody.custodian import messages
+from custody.custodian.client import CustodianClient
 from tests.adversarial._secrets import SecretScan, key_secret, text_secret
 from tests.custodian.test_refusals import ask, intent
 from tests.fixtures.custodian import CustodianProcess

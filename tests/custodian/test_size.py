@@ -1,7 +1,7 @@
 """What the custodian process loads: counted, and held to what docs/custodian.md says.
 
 Rule (printed by the test): every module of this repository in `sys.modules` after
-`import custodian.main` in a fresh interpreter (the custodian's whole import closure; it
+`import custody.custodian.main` in a fresh interpreter (the custodian's whole import closure; it
 imports nothing later), counted as physical lines of its file (`wc -l`: docstrings,
 comments and blank lines included, as issue 26 counted custody).
 """
@@ -23,7 +23,7 @@ NEVER = ("daemon", "h11", "wsproto", "buzz_broker_client", "buzzwire.contract")
 
 
 def _closure() -> dict[str, str | None]:
-    probe = ("import json, sys, custodian.main; print(json.dumps("
+    probe = ("import json, sys, custody.custodian.main; print(json.dumps("
              "{m: getattr(v, '__file__', None) for m, v in list(sys.modules.items())}))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          cwd=REPO, check=True).stdout
@@ -38,7 +38,7 @@ def test_the_custodians_closure_is_counted_and_bounded() -> None:
     counts = {m: len(p.read_text(encoding="utf-8").splitlines()) for m, p in ours.items()}
     total = sum(counts.values())
     print(f"\ncustodian import closure: {len(counts)} modules of this repository, {total} "
-          f"physical lines (rule: modules in sys.modules after `import custodian.main`, "
+          f"physical lines (rule: modules in sys.modules after `import custody.custodian.main`, "
           f"wc -l of each); issue 26's target {TARGET_LINES}")
     for module in sorted(counts):
         print(f"  {counts[module]:5d} {module}")

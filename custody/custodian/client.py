@@ -1,5 +1,5 @@
 """The pipeline's client of the custodian: what the daemon uses of `custody.Custody`, over
-the custodian's socket (custodian/messages.py), with the same names, values and errors.
+the custodian's socket (custody/custodian/messages.py), with the same names, values and errors.
 
 Theory of operation:
 - Async calls (signing, NIP-44, NIP-AE, lifecycle) take a connection from a small pool
@@ -36,7 +36,7 @@ from buzzwire.nostr import SignedEvent, UnsignedEvent
 from custody._errors import CustodyError, UnknownAgent, UnsealFailed
 from custody._keystore import KeyRecord
 from custody._memory import MemoryAddress
-from custodian import messages
+from custody.custodian import messages
 
 __all__ = ["CustodianClient", "CustodianUnavailable", "IntentRefused", "POOL"]
 

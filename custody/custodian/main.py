@@ -1,12 +1,12 @@
-"""`buzz-broker custodian FILE` / `python -m custodian FILE`: run the custodian.
+"""`buzz-broker custodian FILE` / `python -m custody.custodian FILE`: run the custodian.
 
 `... FILE --recover PUBKEY` instead brings back a key destroyed within the grace period
-(custodian/grace.py), beside a running custodian, under the custodian's uid, and exits.
+(custody/custodian/grace.py), beside a running custodian, under the custodian's uid, and exits.
 
 Opens custody (token login, KEK check, keystore), then serves the message table on its
 socket until SIGTERM/SIGINT. A fault opening is one line on stderr and exit 1. Under
 systemd, `Restart=always` brings it back after a crash; the pipeline's client reconnects
-on its next request (custodian/client.py).
+on its next request (custody/custodian/client.py).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from custody import Custody, CustodyError, harden_process
-from custodian.config import ConfigError, load
-from custodian.grace import Graveyard
-from custodian.server import Custodian, serve
+from custody.custodian.config import ConfigError, load
+from custody.custodian.grace import Graveyard
+from custody.custodian.server import Custodian, serve
 
 __all__ = ["main", "run"]
 

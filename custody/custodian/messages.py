@@ -10,7 +10,7 @@ and its answer one frame `{"v": 1, "ok": <value>}` or `{"v": 1, "error": {"code"
 
 Rules:
 - Pure: bytes in, values out; no socket, no clock, no logging. The server and the
-  pipeline's client (custodian/client.py) both speak through `encode` and `decode_*`.
+  pipeline's client (custody/custodian/client.py) both speak through `encode` and `decode_*`.
 - Strict: a length over `MAX_FRAME`, bytes that are not UTF-8 JSON, a duplicate member, a
   float, NaN, a member not in the row, a missing one or one of the wrong type is one
   `BadMessage`, never anything else (tests/custodian/test_messages.py fuzzes this).

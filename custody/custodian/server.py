@@ -33,9 +33,9 @@ import trio
 
 from buzzwire.nostr import UnsignedEvent
 from custody import Custody, CustodyError, KeyRecord, UnknownAgent, UnsealFailed
-from custodian import intents, messages
-from custodian.grace import Graveyard
-from custodian.ledger import RateBound, SignLog
+from custody.custodian import intents, messages
+from custody.custodian.grace import Graveyard
+from custody.custodian.ledger import RateBound, SignLog
 
 __all__ = ["Settings", "Custodian", "serve", "record_obj"]
 
@@ -57,7 +57,7 @@ class Settings:
     signatures_per_minute: int = 6000
     log_max_bytes: int = 64 * 1024 * 1024
     socket_mode: int = 0o660
-    #: destroyed keys stay recoverable this long (custodian/grace.py); 7 days
+    #: destroyed keys stay recoverable this long (custody/custodian/grace.py); 7 days
     destroy_grace_seconds: int = 7 * 86400
 
 

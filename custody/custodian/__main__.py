@@ -1,5 +1,5 @@
 import sys
 
-from custodian.main import main
+from custody.custodian.main import main
 
 sys.exit(main(sys.argv[1:]))

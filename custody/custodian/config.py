@@ -9,7 +9,7 @@ Keys (a key or table not listed is an error naming it):
   uid: then nothing is separated, as under ``make run``), ``state_dir`` (the keystore's),
   ``relay_url`` (AUTH is signed for this URL only), ``signatures_per_minute`` (per agent,
   default 6000), ``log_dir`` (default ``<state_dir>/custodian``), ``log_max_bytes``,
-  ``destroy_grace_seconds`` (default 7 days: custodian/grace.py).
+  ``destroy_grace_seconds`` (default 7 days: custody/custodian/grace.py).
 - ``[pkcs11]`` as the daemon's: ``module``, ``token_label``, ``pin_file``, ``kek_label``,
   ``seal``, ``unsealed_cache_entries``, ``unsealed_cache_seconds``. The PIN file is
   ``$CREDENTIALS_DIRECTORY/token-pin`` when that exists (the unit's credential).
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from custody import CachePolicy, TokenConfig
-from custodian.server import Settings
+from custody.custodian.server import Settings
 
 __all__ = ["CustodianConfig", "ConfigError", "load"]
 
