@@ -66,7 +66,7 @@ stop:
 
 # Each benchmark prints its figures beside a baseline from the same run. load.py, e2e.py and
 # startup.py take options (see --help); _harness.py and null_relay.py are not benchmarks.
-BENCHMARKS := contract custody ledger audit read relay_connections startup e2e bunker authenticate seals tokens
+BENCHMARKS := contract custody ledger audit read relay_connections startup e2e bunker authenticate seals tokens read_disk
 bench: venv
 	for b in $(BENCHMARKS); do echo "== benchmarks/$$b.py"; $(PY) benchmarks/$$b.py || exit 1; done
 

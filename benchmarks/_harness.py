@@ -248,7 +248,8 @@ class Daemon:
 
 
 @contextmanager
-def daemon_process(config: Path, workdir: Path, *, environ: dict[str, str] | None = None) -> Iterator[Daemon]:
+def daemon_process(config: Path, workdir: Path, *, environ: dict[str, str] | None = None,
+                   command: Sequence[str] | None = None) -> Iterator[Daemon]:
     """`buzz-broker serve` with a NOTIFY_SOCKET of ours; yields once READY=1 arrived."""
     notify_path = workdir / f"notify-{uuid.uuid4().hex[:8]}.sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -259,7 +260,9 @@ def daemon_process(config: Path, workdir: Path, *, environ: dict[str, str] | Non
     sock = _socket_of(config)
     with open(log_path, "ab") as log:
         started = time.perf_counter()
-        proc = subprocess.Popen([buzz_broker_bin(), "--config", str(config), "serve"], env=env,
+        # `command`: how to start another build of the daemon (a pinned commit's tree).
+        proc = subprocess.Popen([*(command or [buzz_broker_bin()]), "--config", str(config),
+                                 "serve"], env=env,
                                 stdout=subprocess.DEVNULL, stderr=log)
     try:
         listener.settimeout(0.25)
