@@ -89,7 +89,7 @@ stop:
 # startup.py take options (see --help); _harness.py and null_relay.py are not benchmarks.
 # fleet.py is not in the list: it takes minutes and builds its pinned baseline once; its
 # command is in docs/performance.md ("A Buzz-shaped fleet").
-BENCHMARKS := contract custody ledger audit read poll relay_connections startup e2e bunker authenticate seals tokens
+BENCHMARKS := contract custody ledger audit read poll read_disk relay_connections startup e2e bunker authenticate seals tokens
 bench: venv
 	for b in $(BENCHMARKS); do echo "== benchmarks/$$b.py"; $(PY) benchmarks/$$b.py || exit 1; done
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -249,10 +250,11 @@ class Daemon:
 
 @contextmanager
 def daemon_process(config: Path, workdir: Path, *, environ: dict[str, str] | None = None,
-                   binary: str | None = None) -> Iterator[Daemon]:
+                   command: Sequence[str] | None = None) -> Iterator[Daemon]:
     """`buzz-broker serve` with a NOTIFY_SOCKET of ours; yields once READY=1 arrived.
 
-    `binary`: another build's `buzz-broker` (benchmarks/fleet.py's pinned baseline)."""
+    `command`: how to start another build of the daemon (a pinned commit's, for
+    benchmarks/fleet.py and benchmarks/read_disk.py)."""
     notify_path = workdir / f"notify-{uuid.uuid4().hex[:8]}.sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     listener.bind(str(notify_path))
@@ -262,7 +264,8 @@ def daemon_process(config: Path, workdir: Path, *, environ: dict[str, str] | Non
     sock = _socket_of(config)
     with open(log_path, "ab") as log:
         started = time.perf_counter()
-        proc = subprocess.Popen([binary or buzz_broker_bin(), "--config", str(config), "serve"], env=env,
+        proc = subprocess.Popen([*(command or [buzz_broker_bin()]), "--config", str(config),
+                                 "serve"], env=env,
                                 stdout=subprocess.DEVNULL, stderr=log)
     try:
         listener.settimeout(0.25)
@@ -339,3 +342,47 @@ def pct(values: Sequence[float], q: float) -> float:
 def workdir() -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="buzz-bench-") as tmp:
         yield Path(tmp)
+
+
+# ------------------------------------------------------------------ a pinned build
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("BUZZ_BROKER_BENCH_CACHE")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "buzz-broker-bench"
+
+
+def pinned_build(commit: str) -> tuple[Path, str]:
+    """A pinned commit, unpacked and installed into its own venv once, then reused: its home
+    (`src/`, `venv/`) in the cache and its full id. For the benchmarks that compare against
+    code from before a change (fleet.py, read_disk.py).
+
+    `git archive` rather than `git worktree add`: it leaves no entry in the repository's
+    worktree list, and the cached tree never changes under a checkout.
+    """
+    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", f"{commit}^{{commit}}"],
+                         capture_output=True, text=True, check=False)
+    if sha.returncode != 0:
+        raise SystemExit(f"the baseline commit {commit} is not in this repository's history")
+    full = sha.stdout.strip()
+    home = cache_dir() / full
+    if not (home / "built").exists():
+        # Built in place (a venv's scripts name its own path), marked built last: a build
+        # cut short is found unmarked and redone.
+        print(json.dumps({"building_baseline": full[:12], "into": "the benchmark cache"}), flush=True)
+        shutil.rmtree(home, ignore_errors=True)
+        (home / "src").mkdir(parents=True)
+        archive = subprocess.Popen(["git", "-C", str(REPO), "archive", "--format=tar", full],
+                                   stdout=subprocess.PIPE)
+        subprocess.run(["tar", "-x", "-C", str(home / "src")], stdin=archive.stdout, check=True)
+        if archive.wait() != 0:
+            raise SystemExit("git archive of the baseline failed")
+        subprocess.run([shutil.which("python3") or sys.executable, "-m", "venv", str(home / "venv")],
+                       check=True)
+        subprocess.run([str(home / "venv" / "bin" / "python"), "-m", "pip", "install", "-q",
+                        str(home / "src")], check=True)
+        (home / "built").write_text(full + "\n")
+    return home, full

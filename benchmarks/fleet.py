@@ -57,7 +57,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import sqlite3
 import subprocess
 import sys
@@ -133,42 +132,9 @@ class Build:
 # ------------------------------------------------------------------ the baseline build
 
 
-def cache_dir() -> Path:
-    explicit = os.environ.get("BUZZ_BROKER_BENCH_CACHE")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "buzz-broker-bench"
-
-
 def baseline_build(commit: str) -> Build:
-    """The pinned commit, unpacked and installed into its own venv once, then reused.
-
-    `git archive` rather than `git worktree add`: it leaves no entry in the repository's
-    worktree list, and the cached tree never changes under a checkout.
-    """
-    sha = subprocess.run(["git", "-C", str(H.REPO), "rev-parse", "--verify", f"{commit}^{{commit}}"],
-                         capture_output=True, text=True, check=False)
-    if sha.returncode != 0:
-        raise SystemExit(f"fleet: the baseline commit {commit} is not in this repository's history")
-    full = sha.stdout.strip()
-    home = cache_dir() / full
-    if not (home / "built").exists():
-        # Built in place (a venv's scripts name its own path), marked built last: a build
-        # cut short is found unmarked and redone.
-        print(json.dumps({"building_baseline": full[:12], "into": "the benchmark cache"}), flush=True)
-        shutil.rmtree(home, ignore_errors=True)
-        (home / "src").mkdir(parents=True)
-        archive = subprocess.Popen(["git", "-C", str(H.REPO), "archive", "--format=tar", full],
-                                   stdout=subprocess.PIPE)
-        subprocess.run(["tar", "-x", "-C", str(home / "src")], stdin=archive.stdout, check=True)
-        if archive.wait() != 0:
-            raise SystemExit("fleet: git archive of the baseline failed")
-        subprocess.run([shutil.which("python3") or sys.executable, "-m", "venv", str(home / "venv")],
-                       check=True)
-        subprocess.run([str(home / "venv" / "bin" / "python"), "-m", "pip", "install", "-q",
-                        str(home / "src")], check=True)
-        (home / "built").write_text(full + "\n")
+    """The pinned commit, built once into the benchmark cache (benchmarks/_harness.py)."""
+    home, full = H.pinned_build(commit)
     return Build(f"baseline {full[:7]}", str(home / "venv" / "bin" / "python"),
                  str(home / "venv" / "bin" / "buzz-broker"), home / "src", over_tcp=False)
 
@@ -219,7 +185,7 @@ def serve(build: Build, token: Any, tmp: Path, name: str, relay_url: str) -> Ite
                            relay_url=relay_url, relay_timeout=10.0,
                            sections={"server": server, "log": {"level": "warning"},
                                      "limits": {"enabled": False}})
-    with H.daemon_process(config, tmp, binary=build.broker) as daemon:
+    with H.daemon_process(config, tmp, command=[build.broker]) as daemon:
         base = f"http://localhost:{port}" if build.over_tcp else f"unix:{sock}"
         yield Served(daemon, base, state, set())
 

@@ -211,8 +211,9 @@ async def running(
         )
 
         async def last_counts() -> None:
-            # Before the audit log closes: the open refusal counts, then the anchor.
+            # Before the audit log closes: the open refusal and read counts, then the anchor.
             await broker.refusals.flush(everything=True)
+            await broker.reads.flush(everything=True)
             try:
                 await ledger.anchor()
             except sqlite3.Error as exc:
@@ -227,6 +228,7 @@ async def running(
             nursery.start_soon(_sweep_forever, ledger, metrics)
             nursery.start_soon(_flush_last_use_forever, sessions)
             await nursery.start(broker.refusals.run)
+            await nursery.start(broker.reads.run)
             await nursery.start(observer.queue.run)
             log_event(_log, "broker.ready", agents=len(live), relay=relay_url)
             for record in live:

@@ -344,7 +344,7 @@ _HEADER: Final = ("TIME (UTC)", "PHASE", "AGENT", "CREDENTIAL", "ACTION", "REQUE
 
 
 def _row(record: object) -> tuple[str, ...]:
-    from daemon.state.audit import AuditRecord, KeyEvent, Reanchor, RefusalCount
+    from daemon.state.audit import AuditRecord, KeyEvent, ReadCount, Reanchor, RefusalCount
 
     if isinstance(record, KeyEvent):  # `show --path <state>/key-events`
         return (_when(record.at), f"key {record.stage.value}", "-", f"uid {record.uid}",
@@ -354,6 +354,15 @@ def _row(record: object) -> tuple[str, ...]:
         return (_when(record.at), "refusals", record.agent[:16], record.credential_id,
                 record.action or "-", f"{record.count} counted", "failed", record.code.value,
                 "-")
+    if isinstance(record, ReadCount):
+        # The targets (channels, d tags) by their first 8 characters, with their counts;
+        # `--json` has them whole.
+        shown = ",".join(f"{t[:8]}:{n}" for t, n in record.targets[:_TARGETS_SHOWN])
+        more = len(record.targets) - _TARGETS_SHOWN
+        return (_when(record.at), "reads", record.agent[:16], record.credential_id,
+                record.action, f"{record.count} counted since {_when(record.since)[11:]}",
+                record.status.value, record.code.value if record.code else "-",
+                (shown + (f",+{more} more" if more > 0 else "")) or "-")
     if isinstance(record, Reanchor):
         return (_when(record.at), "reanchor", "-", f"uid {record.uid}", "-",
                 f"gave up record {record.anchored_seq}", "-", "-", "-")
@@ -374,6 +383,10 @@ def _row(record: object) -> tuple[str, ...]:
         record.code.value if record.code else "-",
         events,
     )
+
+
+#: How many of a `reads` line's targets the table shows.
+_TARGETS_SHOWN: Final = 4
 
 
 def _when(at: float) -> str:

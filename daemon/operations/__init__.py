@@ -48,15 +48,12 @@ class Operation:
     execute: Callable[..., Awaitable[Verdict]] | None = None
     prepare: Callable[..., Awaitable[Plan | Verdict]] | None = None
     serialize_per_agent: bool = False
-    #: its succeeded verdict holds a secret (decrypted memory): the ledger keeps it sealed
-    #: (daemon/pipeline/sealed_verdict.py), never as plaintext
-    seal_verdict: bool = False
 
 
 OPERATIONS: dict[str, Operation] = {
     "channel.read": Operation(execute=channel_read.execute),
     "storage.address": Operation(execute=storage_address.execute),
-    "storage.get": Operation(execute=storage_get.execute, seal_verdict=True),
+    "storage.get": Operation(execute=storage_get.execute),
     "storage.put": Operation(prepare=storage_put.prepare, serialize_per_agent=True),
     "message.post": Operation(prepare=message_post.prepare),
     "message.reply": Operation(prepare=message_reply.prepare),

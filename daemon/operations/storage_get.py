@@ -5,8 +5,9 @@ versions at it on the relay, the head chosen exactly as NIP-AE does (daemon/oper
 _memory.py), decrypted in custody. No valid head, or a memory tombstone, is `{}`; a
 relay that cannot be read is `failed` (`action_failed`), never `{}`.
 
-The value is a secret (decrypted memory): it is in the answer, never in a log line; the
-verdict kept for replay is sealed (daemon/pipeline/sealed_verdict.py).
+The value is a secret (decrypted memory): it is in the answer, never in a log line, and
+never kept for replay: a read leaves no ledger record (issue 24; an earlier version's
+sealed record still opens, daemon/pipeline/sealed_verdict.py).
 """
 
 from __future__ import annotations

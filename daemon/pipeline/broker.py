@@ -86,6 +86,7 @@ from daemon.pipeline.policy import Authorized, Refusal, authorize, within_creden
 from daemon.pipeline.publisher import Publisher
 from daemon.state.ratelimit import RateLimiter
 from daemon.pipeline.recorder import Facts, Judged, Progress, Recorder
+from daemon.state.read_audit import ReadAudit
 from daemon.state.refusal_audit import RefusalAudit
 from daemon.relay.pool import RelayPool
 from daemon.state.runtimes import RuntimeStore
@@ -198,7 +199,9 @@ class Broker:
         self.metrics = metrics if metrics is not None else Metrics(actions=ACTIONS)
         self._checkpoint = checkpoint
         self.refusals = RefusalAudit(audit, clock)
+        self.reads = ReadAudit(audit, clock)
         self._recorder = Recorder(ledger=ledger, audit=audit, refusals=self.refusals,
+                                  reads=self.reads,
                                   metrics=self.metrics, clock=clock,
                                   read_retention_seconds=config.state.read_retention_seconds)
         self._publisher = Publisher(custody=custody, directory=directory, sessions=sessions, runtimes=runtimes,
@@ -450,7 +453,10 @@ class Broker:
             return Judged.internal(request_id), facts
 
     async def _with_d_tag(self, facts: Facts, principal: Principal, request: Request) -> Facts:
-        """`facts` with the d tag of the NIP-AE record a storage.get/put touches."""
+        """`facts` with the d tag of the NIP-AE record a storage.get/put touches, or the
+        channel a channel.read reads (what its read count is kept under)."""
+        if request.action == "channel.read":
+            return dataclasses.replace(facts, channel=getattr(request.args, "channel_id"))
         if request.action not in _D_TAGGED:
             return facts
         slug: str = getattr(request.args, "slug")
@@ -503,12 +509,9 @@ class Broker:
             observer=self._observer,
         )
         if operation.execute is not None:
-            judged = Judged.of(facts.request_id, await operation.execute(ctx, request.args))
-            if operation.seal_verdict and judged.status is Status.SUCCEEDED:
-                # The answer holds a secret: the ledger keeps it sealed (sealed_verdict).
-                judged = dataclasses.replace(judged, stored=await sealed_verdict.seal(
-                    self._custody, principal.agent, judged.response))
-            return judged
+            # A read: the ledger keeps nothing of it (recorder `keeping`), so a
+            # storage.get's value is never stored, not even sealed.
+            return Judged.of(facts.request_id, await operation.execute(ctx, request.args))
         assert operation.prepare is not None
         return await self._publisher.plan_and_publish(ctx, operation.prepare, request, ticket,
                                                       facts, progress)

@@ -4,7 +4,9 @@ Rules (README "How a request is judged", steps 7 and 8):
 - Every verdict reached after authentication goes to the ledger (final unless
   `indeterminate`; a refusal as its code, daemon/state/verdict_store.py, with its status and
   code as columns) and to the hash-chained audit log (past a credential's burst,
-  refusals are counted: daemon/state/refusal_audit.py). Every answer, recorded or not, is one
+  refusals are counted: daemon/state/refusal_audit.py), except a read that ran: it has no
+  effects, so it leaves no ledger record and the audit log counts it per credential and
+  window (daemon/state/read_audit.py, issue 24). Every answer, recorded or not, is one
   `verdict` log line and one request in the metrics.
 - No audit, no answer: a verdict with no side effects whose audit record cannot be
   written becomes `failed` + `internal` (a known no-op). Once the relay was asked
@@ -35,6 +37,7 @@ from daemon.http import HttpAnswer
 from daemon.state.ledger import Ledger, Ticket
 from daemon.log import log_event
 from daemon.metrics import Metrics
+from daemon.state.read_audit import ReadAudit
 from daemon.state.refusal_audit import RefusalAudit
 from daemon.state.sessions import Refused
 from daemon.state.verdict_store import stored_form
@@ -57,9 +60,6 @@ class Judged:
     code: ErrorCode | None = None
     event_ids: tuple[str, ...] = ()
     published: bool = False
-    #: what the ledger keeps instead of `response` (a sealed verdict,
-    #: daemon/pipeline/sealed_verdict.py); None: the response's own stored form
-    stored: bytes | None = None
 
     @classmethod
     def of(cls, request_id: str, verdict: Verdict) -> Judged:
@@ -104,6 +104,8 @@ class Facts:
     body_sha256: str
     #: the NIP-AE d tag a memory action touches (never its slug), once known
     d_tag: str | None = None
+    #: the channel a channel.read reads, once admitted (its read count's target)
+    channel: str | None = None
 
     def record(self, phase: Phase, at: float, *, status: Status | None = None,
                code: ErrorCode | None = None, events: tuple[str, ...] = (),
@@ -128,24 +130,27 @@ class Keeping:
     tombstone: bool
 
 
-def keeping(facts: Facts, judged: Judged, progress: Progress, short_seconds: int) -> Keeping:
-    """The one rule (issue 22 M1, issue 23 item 7), first match wins:
+def keeping(facts: Facts, judged: Judged, progress: Progress, short_seconds: int
+            ) -> Keeping | None:
+    """The one rule (issue 22 M1, issue 23 item 7, issue 24 item 3), first match wins:
 
     1. A refusal reached before execution (validate, authorize, rate limits) claimed
        nothing (NIP-BA claims K after those checks): it is charged to its credential's
        refusal share, and one validation refused is kept only `short_seconds` (the same
        bytes are refused the same way again; replaying it is a convenience).
-    2. A read (an action that is not `publishing`: channel.read, storage.address, and
-       what the contract adds as reads) keeps today's rule: its page `short_seconds`,
-       any other verdict the retention; no tombstone (decided by the fleet issue).
+    2. A read that ran (an action that is not `publishing`: channel.read,
+       storage.address, storage.get), whatever its verdict: None, no ledger record at
+       all. It has no effects, so an identical retry runs it again (docs/protocol.md,
+       "Where this host and NIP-BA still differ"); the audit log counts it
+       (daemon/state/read_audit.py). A fleet polling at 256 reads/s would otherwise write
+       22 million records a day.
     3. Everything else ran an action with effects: the retention, then a tombstone.
     """
     if judged.status is Status.FAILED and not progress.executed and not judged.published:
         return Keeping(short_seconds if progress.invalid else None, facts.credential_id, False)
     spec = ACTIONS.get(facts.action) if facts.action is not None else None
-    if spec is None or not spec.publishing:
-        page = judged.status is Status.SUCCEEDED and not judged.published
-        return Keeping(short_seconds if page else None, None, False)
+    if (spec is None or not spec.publishing) and not judged.published:
+        return None
     return Keeping(None, None, True)
 
 
@@ -153,11 +158,12 @@ class Recorder:
     """Writes verdicts (module docstring). One per daemon; the pipeline owns it."""
 
     def __init__(self, *, ledger: Ledger, audit: AuditLog, refusals: RefusalAudit,
-                 metrics: Metrics, clock: Callable[[], float],
+                 reads: ReadAudit, metrics: Metrics, clock: Callable[[], float],
                  read_retention_seconds: int) -> None:
         self._ledger = ledger
         self._audit = audit
         self._refusals = refusals
+        self._reads = reads
         self._metrics = metrics
         self._clock = clock
         self._read_retention = read_retention_seconds
@@ -205,17 +211,23 @@ class Recorder:
         effects and its audit record could not be written. A ledger fault leaves the
         verdict standing (a pending record, if one was committed, is still there, so the
         identical retry re-sends the same events and reaches the same verdict).
+        A read that ran is counted instead, and the ledger keeps nothing of it (`keeping`).
         """
+        if keeping(facts, judged, progress, self._read_retention) is None:
+            judged = await self.counted(facts, judged)
+            # An identical read that arrived meanwhile gets this verdict (NIP-BA's join).
+            self._ledger.hand_over(ticket, judged.response, judged.status, judged.code)
+            return judged
         if not judged.published and not await self.audited(facts, judged):
             judged = Judged.internal(facts.request_id)
         kept = keeping(facts, judged, progress, self._read_retention)
+        assert kept is not None, "a verdict that is not a read's is kept"
         try:
             # A refusal is kept as its code (verdict_store); how long and on whose share
             # is `keeping`'s.
             await self._ledger.finish(
                 ticket,
-                judged.stored if judged.stored is not None
-                else stored_form(facts.request_id, judged.response, judged.status, judged.code)
+                stored_form(facts.request_id, judged.response, judged.status, judged.code)
                 if not judged.published else judged.response,
                 judged.status, judged.code, keep_seconds=kept.seconds,
                 refusal_of=kept.refusal_of, tombstone=kept.tombstone)
@@ -224,6 +236,25 @@ class Recorder:
             self._ledger.release(ticket)
         if judged.published:
             await self.audited(facts, judged)
+        return judged
+
+    async def counted(self, facts: Facts, judged: Judged) -> Judged:
+        """Count a read that ran (daemon/state/read_audit.py); the verdict to answer.
+
+        No audit, no answer: while the audit log's last write failed, a count could not be
+        relied on, so the read needs a verdict line of its own (`audited`) or is answered
+        failed + internal (nothing happened); the first line written ends that. A read
+        that finds the count table full waits while it is written."""
+        if not self._audit.failing:
+            assert facts.action is not None, "a read that ran names its action"
+            self._reads.count(facts.credential_id, facts.agent, facts.action, judged.status,
+                              judged.code, facts.channel or facts.d_tag)
+            if self._reads.full:
+                await self._reads.flush(everything=True)
+            # Counted (and kept for the next flush if this one failed): never also listed.
+            return judged if not self._audit.failing else Judged.internal(facts.request_id)
+        if not await self.audited(facts, judged):
+            return Judged.internal(facts.request_id)
         return judged
 
     async def unrecorded(self, facts: Facts, judged: Judged, started: float, *,

@@ -1,10 +1,13 @@
 """Verdicts that hold a secret, kept sealed in the ledger: a storage.get's decrypted value.
 
 Rules (NIP-BA: memory payloads "MUST be protected in transit, logs, and retry storage"):
-- The ledger keeps a read's succeeded verdict for replay (`[state]` read retention,
-  daemon/pipeline/recorder.py). For an operation marked `seal_verdict` that verdict is
-  stored as `SEALED_MARK` followed by NIP-44 v2 payloads of the response bytes (chunks of
-  at most 65,535 bytes, each cut between characters, newline-separated), encrypted in custody from the agent to its
+- Since issue 24 a read leaves no ledger record (daemon/pipeline/recorder.py, `keeping`),
+  so no new sealed verdict is written: storage.get's value is in no retry storage at all.
+  Records an earlier version wrote still replay until they expire (the `[state]` read
+  retention); this module opens them, and `seal` stays the one statement of their form.
+- An earlier version stored a storage.get's succeeded verdict as `SEALED_MARK` followed
+  by NIP-44 v2 payloads of the response bytes (chunks of at most 65,535 bytes, each cut
+  between characters, newline-separated), encrypted in custody from the agent to its
   owner (`Custody.encrypt_to_owner`, one unseal). The key is the agent↔owner conversation
   key, which exists only inside custody (derived from the agent's secret, sealed under
   the token's KEK): the ledger file alone does not open it. The owner can open it, as it

@@ -52,7 +52,8 @@ operator log at open, rotation and close: the anchor whoever can write both file
 database cannot move. No token-held HMAC key: docs/operations.md, "Anchoring", says why.
 
 Kinds of line: `AuditRecord` (intent, verdict), `RefusalCount` (refusals past a burst,
-daemon/state/refusal_audit.py), `Reanchor` and `KeyEvent` (the key commands' intents and
+daemon/state/refusal_audit.py), `ReadCount` (reads that ran, counted per window:
+daemon/state/read_audit.py), `Reanchor` and `KeyEvent` (the key commands' intents and
 outcomes, written by daemon/state/key_events.py into a chain of their own,
 `<state>/key-events/`, since the running daemon holds the lock of `<state>/audit/`);
 `_READERS` maps each phase to its reader. One chain code for both logs: `verify`, the
@@ -62,9 +63,9 @@ Lock wait: the daemon opens with `lock_wait=0` (a second daemon fails at once); 
 commands wait a bounded time for each other (`open(lock_wait=...)`), so two at once take
 turns instead of one failing or both forking the chain.
 
-WARNING: `_FIELDS` / `_REFUSAL_FIELDS` / `_REANCHOR_FIELDS` / `_KEY_FIELDS`, the entry
-classes, `_content`, their `from_json_obj`, the field tables in docs/operations.md and
-"The key-event log" in docs/install.md must be kept in sync.
+WARNING: `_FIELDS` / `_REFUSAL_FIELDS` / `_READ_FIELDS` / `_REANCHOR_FIELDS` /
+`_KEY_FIELDS`, the entry classes, `_content`, their `from_json_obj`, the field tables in
+docs/operations.md and "The key-event log" in docs/install.md must be kept in sync.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ __all__ = [
     "AuditLog",
     "AuditRecord",
     "RefusalCount",
+    "ReadCount",
+    "MAX_READ_TARGETS",
     "Reanchor",
     "KeyEvent",
     "KeyAction",
@@ -182,6 +185,8 @@ class Phase(enum.Enum):
     VERDICT = "verdict"
     #: refusals past a credential's burst, counted (`RefusalCount`)
     REFUSALS = "refusals"
+    #: reads that ran, counted per credential and window (`ReadCount`, issue 24)
+    READS = "reads"
     #: an operator moved the anchor to the log's head (`Reanchor`)
     REANCHOR = "reanchor"
     #: a key-custody command's intent or outcome (`KeyEvent`, the key-event log)
@@ -412,6 +417,96 @@ class RefusalCount:
                        agent=_member(obj, "agent", str),
                        action=_optional(obj, "action", str),
                        code=code, count=_member(obj, "count", int))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(str(exc)) from None
+
+
+#: Most targets (channels, d tags) one `reads` line lists: a line stays a few KiB, far
+#: below MAX_LINE_BYTES; a key with more is written as several lines.
+MAX_READ_TARGETS: Final = 64
+_TARGET_RE: Final = re.compile(
+    r"[0-9a-f]{64}|[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadCount:
+    """Reads that ran (channel.read, storage.address, storage.get), counted, not listed.
+
+    A read has no effects and leaves no ledger record (issue 24): this line is what the
+    host keeps of it. One per (credential, agent, action, status, code) per window
+    (daemon/state/read_audit.py).
+
+    Fields:
+        at: when the count was written; since: when the first counted read was answered.
+        credential_id, agent, action, status, code: what every counted read shares.
+        count: how many (at least 1).
+        targets: (target, count) pairs, sorted: the channel a channel.read read, or the
+            NIP-AE d tag a storage.get read (never the slug); empty for storage.address.
+            When not empty, the counts add up to `count`.
+    """
+
+    at: float
+    since: float
+    credential_id: str
+    agent: str
+    action: str
+    status: Status
+    code: ErrorCode | None
+    count: int
+    targets: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def phase(self) -> Phase:
+        return Phase.READS
+
+    def __post_init__(self) -> None:
+        _check_who("ReadCount", (self.at, self.since), self.credential_id, self.agent,
+                   self.action)
+        if not isinstance(self.action, str):
+            raise ValueError("ReadCount.action must be a wire action name")
+        if not isinstance(self.status, Status):
+            raise ValueError("ReadCount.status must be a Status")
+        if self.code is None:
+            if self.status is not Status.SUCCEEDED:
+                raise ValueError("ReadCount: a verdict other than succeeded has a code")
+        elif not isinstance(self.code, ErrorCode) or self.status not in PAIRING[self.code]:
+            raise ValueError("ReadCount: the status/code pair is not allowed by the contract")
+        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
+            raise ValueError("ReadCount.count must be a positive int")
+        if not isinstance(self.targets, tuple) or len(self.targets) > MAX_READ_TARGETS:
+            raise ValueError(f"ReadCount.targets must be a tuple of at most {MAX_READ_TARGETS}")
+        for pair in self.targets:
+            if (not isinstance(pair, tuple) or len(pair) != 2 or not isinstance(pair[0], str)
+                    or not _TARGET_RE.fullmatch(pair[0]) or isinstance(pair[1], bool)
+                    or not isinstance(pair[1], int) or pair[1] < 1):
+                raise ValueError("ReadCount.targets must be (channel id or d tag, count) pairs")
+        if list(self.targets) != sorted(self.targets) or len(
+                {t for t, _n in self.targets}) != len(self.targets):
+            raise ValueError("ReadCount.targets must be sorted, each target once")
+        if self.targets and sum(n for _t, n in self.targets) != self.count:
+            raise ValueError("ReadCount: the targets' counts must add up to count")
+
+    @classmethod
+    def from_json_obj(cls, obj: Mapping[str, object]) -> ReadCount:
+        """Read a `reads` line's content fields. Raises ValueError naming the field."""
+        if set(obj) != _READ_FIELDS or obj["v"] != FORMAT:
+            raise ValueError("fields")
+        try:
+            status = Status(obj["status"])
+            code = None if obj["code"] is None else ErrorCode(obj["code"])
+        except ValueError:
+            raise ValueError("status/code") from None
+        time_text, since_text, targets = obj["time"], obj["since"], obj["targets"]
+        if not isinstance(time_text, str) or not isinstance(since_text, str):
+            raise ValueError("time/since")
+        if not isinstance(targets, dict):
+            raise ValueError("targets")
+        try:
+            return cls(at=_parse_time(time_text), since=_parse_time(since_text),
+                       credential_id=_member(obj, "credential", str),
+                       agent=_member(obj, "agent", str), action=_member(obj, "action", str),
+                       status=status, code=code, count=_member(obj, "count", int),
+                       targets=tuple(sorted(targets.items())))
         except (TypeError, ValueError) as exc:
             raise ValueError(str(exc)) from None
 
@@ -651,11 +746,13 @@ _KEY_OPTIONAL: Final = ("agents", "pubkeys", "held", "file", "sha256", "recipien
 
 
 #: Anything the log holds: one line each.
-Entry: TypeAlias = AuditRecord | RefusalCount | Reanchor | KeyEvent
+Entry: TypeAlias = AuditRecord | RefusalCount | ReadCount | Reanchor | KeyEvent
 
 _CHAIN_FIELDS: Final = frozenset({"v", "seq", "prev", "digest", "time", "phase"})
 _REFUSAL_FIELDS: Final = _CHAIN_FIELDS | {
     "since", "credential", "agent", "action", "status", "code", "count"}
+_READ_FIELDS: Final = _CHAIN_FIELDS | {
+    "since", "credential", "agent", "action", "status", "code", "count", "targets"}
 _REANCHOR_FIELDS: Final = _CHAIN_FIELDS | {"anchoredSeq", "anchoredHead", "uid"}
 _KEY_FIELDS: Final = _CHAIN_FIELDS | {
     "op", "event", "stage", "uid", "user", "agents", "pubkeys", "held", "file", "sha256",
@@ -666,6 +763,7 @@ _READERS: Final[Mapping[str, Callable[[Mapping[str, object]], Entry]]] = {
     Phase.INTENT.value: AuditRecord.from_json_obj,
     Phase.VERDICT.value: AuditRecord.from_json_obj,
     Phase.REFUSALS.value: RefusalCount.from_json_obj,
+    Phase.READS.value: ReadCount.from_json_obj,
     Phase.REANCHOR.value: Reanchor.from_json_obj,
     Phase.KEY.value: KeyEvent.from_json_obj,
 }
@@ -683,6 +781,19 @@ def _content(entry: Entry) -> dict[str, object]:
             "status": Status.FAILED.value,
             "code": entry.code.value,
             "count": entry.count,
+        }
+    if isinstance(entry, ReadCount):
+        return {
+            "time": _utc_text(entry.at),
+            "phase": Phase.READS.value,
+            "since": _utc_text(entry.since),
+            "credential": entry.credential_id,
+            "agent": entry.agent,
+            "action": entry.action,
+            "status": entry.status.value,
+            "code": None if entry.code is None else entry.code.value,
+            "count": entry.count,
+            "targets": dict(entry.targets),
         }
     if isinstance(entry, Reanchor):
         return {
@@ -1010,6 +1121,10 @@ class AuditLog:
         self._closed = False
         #: how many write+fsync batches ran; the benchmark reports records per batch.
         self.batches = 0
+        #: the last batch failed (set by the flusher thread, read on the event loop): a
+        #: record that is not written one by one (a read's count) must not be relied on
+        #: until a write succeeds again (daemon/state/read_audit.py)
+        self.failing = False
 
     @classmethod
     def open(
@@ -1205,11 +1320,13 @@ class AuditLog:
                 self._seq, self._prev = seq, prev
                 self._durable = (seq, prev)
                 self.batches += 1
+                self.failing = False
                 done = end
         except (OSError, _Replaced) as exc:
             where = self._dir / _file_name(self._number)
             detail = (f"audit file replaced: {exc.args[0]} ({where})" if isinstance(exc, _Replaced)
                       else _detail("write", exc, where))
+            self.failing = True
             log_event(_log, "audit.unavailable", level=logging.ERROR, detail=detail,
                       lost=len(batch) - done)
             # Each caller raises its own exception, with the cause for the operator log.

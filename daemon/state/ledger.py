@@ -808,6 +808,20 @@ class Ledger:
             flight.final = Replay(response, status, code)
         self._drop(flight)
 
+    def hand_over(self, ticket: Ticket, response: bytes, status: Status,
+                  code: ErrorCode | None = None) -> None:
+        """End ownership without a record, handing the verdict to whoever waits on this key.
+
+        For a verdict the ledger does not keep (a read that ran, issue 24): an identical
+        request that arrived while it ran is answered with it (`Replay`, as a final record
+        would be); one that arrives later finds no record and runs again. Nothing is
+        written. Raises AssertionError if the ticket does not own its key.
+        """
+        flight = self._owner(ticket)
+        if status is not Status.INDETERMINATE:
+            flight.final = Replay(response, status, code)
+        self._drop(flight)
+
     def release(self, ticket: Ticket) -> None:
         """End ownership without a verdict (the owner was cancelled or crashed mid-way).
 

@@ -69,6 +69,12 @@ def address() -> bytes:
     return request_body("storage.address", {"slug": "mem/" + uuid.uuid4().hex[:8]})
 
 
+def refused() -> bytes:
+    """A request refused by authorization (a channel not the credential's): within the
+    burst its verdict line is written at once (a read that ran is only counted)."""
+    return request_body("message.post", {"channelId": str(uuid.uuid4()), "content": "x"})
+
+
 class Scene:
     def __init__(self, token: TokenConfig, state_dir: Path, short_dir: Path) -> None:
         self.token = token
@@ -118,6 +124,10 @@ async def test_a_moved_or_deleted_live_file_fails_closed(scene: Scene, how: str)
             live.unlink()
         else:
             os.link(live, aside)  # a second name someone could later swap in
+        answer = envelope(await post(daemon.socket, refused(), agent.credential))
+        assert (answer["status"], answer["error"]["code"]) == ("failed", "internal")
+        # The log failed its last write: a read is no longer counted, it needs a line of
+        # its own, which cannot be written either (no audit, no answer).
         answer = envelope(await post(daemon.socket, address(), agent.credential))
         assert (answer["status"], answer["error"]["code"]) == ("failed", "internal")
         events = [e for e in daemon.log_events() if e.get("event") == "audit.unavailable"]

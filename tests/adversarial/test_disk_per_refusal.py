@@ -14,7 +14,8 @@
   that credential is refused `failed` + `unauthorized` and not recorded (its identical
   retry is judged again, never replayed), while a recorded verdict still replays.
 - `test_the_agents_cap_refuses_unrecorded`: the same for the agent's own share, filled by
-  records that are the agent's (succeeded reads).
+  records that are the agent's (posts that ran and found no relay; a read that ran
+  leaves no record at all, issue 24).
 
 The figure goes to docs/reliability.md ("Disk per refusal").
 """
@@ -92,10 +93,11 @@ async def refuse_many(daemon: DaemonProcess, agent: AgentState, bodies: list[byt
 
 
 async def _daemon_setup(custody_state: tuple[TokenConfig, Path], short_dir: Path,
-                        **state: object) -> tuple[AgentState, Path, Path]:
+                        channel: str | None = None, **state: object
+                        ) -> tuple[AgentState, Path, Path]:
     """An agent with a credential for one channel; (agent, config, socket)."""
     token, state_dir = custody_state
-    agent = await setup_state(token, state_dir, [str(uuid.uuid4())])
+    agent = await setup_state(token, state_dir, [channel or str(uuid.uuid4())])
     socket = short_dir / "b.sock"
     config = write_config(short_dir / "broker.toml", token=token, state_dir=state_dir,
                           socket=socket, relay_url=NO_RELAY, sections={"state": state})
@@ -188,21 +190,27 @@ async def test_the_ledger_cap_refuses_unrecorded(custody_state: tuple[TokenConfi
 
 async def test_the_agents_cap_refuses_unrecorded(custody_state: tuple[TokenConfig, Path],
                                                  short_dir: Path) -> None:
-    agent, config, socket = await _daemon_setup(custody_state, short_dir,
+    channel = str(uuid.uuid4())
+    agent, config, socket = await _daemon_setup(custody_state, short_dir, channel,
                                                 ledger_max_bytes_per_agent=4096)
     daemon = await DaemonProcess.start(config, socket)
     try:
-        # Reads that succeed are the agent's records (their pages): they fill its account.
+        # Posts that ran (and found no relay) are the agent's records: they fill its
+        # account. Reads that ran leave none (issue 24), so they never could.
         answers = [envelope(await post(socket, request_body(
-            "storage.address", {"slug": "mem/x"}, request_id=f"read-{i}"), agent.credential))
-            for i in range(40)]
+            "message.post", {"channelId": channel, "content": f"m{i}"},
+            request_id=f"post-{i}"), agent.credential)) for i in range(40)]
         first = answers[0]
-        assert first["status"] == "succeeded"
+        assert first.get("error", {}).get("message") != LEDGER_FULL, first
         full = [a for a in answers if a.get("error", {}).get("message") == LEDGER_FULL]
         assert full and all(a["error"]["code"] == "unauthorized" for a in full)
-        again = envelope(await post(socket, request_body(
-            "storage.address", {"slug": "mem/x"}, request_id="read-0"), agent.credential))
-        assert again.get("replayed") is True
+        assert answers.index(full[0]) > 0
+        # A read adds no record, but the account is full: it is refused, unrecorded.
+        read = request_body("storage.address", {"slug": "mem/x"}, request_id="a-read")
+        for _ in range(2):
+            answer = envelope(await post(socket, read, agent.credential))
+            assert answer["error"] == {"code": "unauthorized", "message": LEDGER_FULL}
+            assert "replayed" not in answer
         events = [e for e in daemon.log_events() if e.get("event") == "ledger.agent_full"]
         assert events
         assert await daemon.stop() == 0
