@@ -96,7 +96,8 @@ STEPS: dict[str, Step] = {
 }
 #: The steps at which a read has run (`Progress.executed`): no record is left of it.
 #: storage.get derives its d tag before it runs (the audit's target), then queries.
-_READ_RAN = {"channel.read": {"relay_read", "count_read"},
+#: channel.read opens its window (the live subscription) as it runs.
+_READ_RAN = {"channel.read": {"relay_subscribe", "relay_read", "count_read"},
              "storage.address": {"memory_address", "count_read"},
              "storage.get": {"relay_read", "count_read"}}
 _AFTER_RELAY = {"destroy", "rename", "runtime_record", "finish", "audit_verdict"}
