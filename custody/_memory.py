@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
+from buzzwire import kinds
 from dataclasses import dataclass
 
 from custody._nip44 import conversation_key
@@ -24,7 +25,7 @@ from custody._secret import Secret, wipe_bytes
 __all__ = ["MEMORY_KIND", "MemoryAddress", "check_slug", "d_tag", "d_tag_of"]
 
 #: NIP-AE agent memory events are kind 30174 (parameterized replaceable).
-MEMORY_KIND = 30174
+MEMORY_KIND = kinds.MEMORY
 _D_TAG_LABEL = b"agent-memory/v1/d-tag"
 _SLUG = re.compile(r"core|mem/[a-z0-9][a-z0-9_-]{0,63}(/[a-z0-9][a-z0-9_-]{0,63})*")
 #: NIP-AE bound on a slug's length.

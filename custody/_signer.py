@@ -27,6 +27,7 @@ import secrets
 
 from collections.abc import Sequence
 
+from buzzwire import kinds
 from buzzwire.nostr import (
     SignedEvent, Tags, UnsignedEvent, compute_event_id, owner_tag_digest, verify_owner_tag,
 )
@@ -37,7 +38,7 @@ __all__ = ["AUTH_KIND", "auth_event", "make_owner_tag", "owner_tag_fault", "sign
            "with_owner_tag"]
 
 #: NIP-42 client authentication event kind.
-AUTH_KIND = 22242
+AUTH_KIND = kinds.AUTH
 #: Buzz signs NIP-OA tags with empty conditions (buzz-on-the-relay.md).
 OWNER_TAG_CONDITIONS = ""
 

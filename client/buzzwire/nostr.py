@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 from coincurve import PublicKeyXOnly
 
+from buzzwire import kinds
+
 __all__ = [
     "UnsignedEvent",
     "SignedEvent",
@@ -40,8 +42,7 @@ __all__ = [
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX128 = re.compile(r"[0-9a-f]{128}")
-#: NIP-01 kinds are 0..65535.
-MAX_KIND = 65535
+MAX_KIND = kinds.MAX
 OWNER_TAG_PREFIX = "nostr:agent-auth:"
 
 Tags = tuple[tuple[str, ...], ...]

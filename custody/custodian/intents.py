@@ -21,6 +21,7 @@ Rules, one row per kind in `KINDS`:
 from __future__ import annotations
 
 import json
+from buzzwire import kinds
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -31,8 +32,7 @@ __all__ = ["KINDS", "AGENT", "OWNER", "Shape", "check"]
 AGENT: Final = "agent"
 OWNER: Final = "owner"
 
-#: NIP-BA / Buzz kinds (daemon/operations/: the constants there are the source).
-KIND_MANAGED_AGENT: Final = 30177
+KIND_MANAGED_AGENT: Final = kinds.MANAGED_AGENT
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,23 +47,23 @@ class Shape:
 
 
 KINDS: Final[Mapping[int, Shape]] = MappingProxyType({
-    0: Shape(tags={}, json_content=True),                       # profile.set, agents.create
-    5: Shape(tags={"a": (1, 1), "k": (1, 1)}, signer=OWNER,     # agents.delete
+    kinds.METADATA: Shape(tags={}, json_content=True),                       # profile.set, agents.create
+    kinds.DELETION: Shape(tags={"a": (1, 1), "k": (1, 1)}, signer=OWNER,     # agents.delete
              required=frozenset({"a", "k"}), about="a"),
-    7: Shape(tags={"e": (1, 3), "h": (1, 1), "p": (1, 2), "k": (1, 1)},  # reaction.add
+    kinds.REACTION: Shape(tags={"e": (1, 3), "h": (1, 1), "p": (1, 2), "k": (1, 1)},  # reaction.add
              required=frozenset({"e"})),
-    9: Shape(tags={"h": (1, 1), "e": (1, 3), "p": (1, 2)},      # message.post/reply
+    kinds.STREAM_MESSAGE: Shape(tags={"h": (1, 1), "e": (1, 3), "p": (1, 2)},      # message.post/reply
              required=frozenset({"h"})),
-    9000: Shape(tags={"h": (1, 1), "p": (1, 1), "role": (1, 1)},  # agents.create put-user
+    kinds.PUT_USER: Shape(tags={"h": (1, 1), "p": (1, 1), "role": (1, 1)},  # agents.create put-user
                 signer=OWNER, required=frozenset({"h", "p"}), about="p"),
-    20001: Shape(tags={}),                                      # presence.set
-    20002: Shape(tags={"h": (1, 1)}, required=frozenset({"h"})),  # typing.set
-    24200: Shape(tags={"p": (1, 1), "agent": (1, 1), "frame": (1, 1)},  # observer.emit
+    kinds.PRESENCE: Shape(tags={}),                                      # presence.set
+    kinds.TYPING: Shape(tags={"h": (1, 1)}, required=frozenset({"h"})),  # typing.set
+    kinds.OBSERVER_FRAME: Shape(tags={"p": (1, 1), "agent": (1, 1), "frame": (1, 1)},  # observer.emit
                  required=frozenset({"p", "agent", "frame"}),
                  links={"p": "owner", "agent": "self"}),
-    30174: Shape(tags={"d": (1, 1), "p": (1, 1)},               # storage.put (NIP-AE)
+    kinds.MEMORY: Shape(tags={"d": (1, 1), "p": (1, 1)},               # storage.put (NIP-AE)
                  required=frozenset({"d", "p"}), links={"p": "owner"}),
-    30177: Shape(tags={"d": (1, 1)}, signer=OWNER,              # agents.create/update
+    kinds.MANAGED_AGENT: Shape(tags={"d": (1, 1)}, signer=OWNER,              # agents.create/update
                  required=frozenset({"d"}), about="d"),
 })
 

@@ -25,6 +25,7 @@ import argparse
 import json
 import sys
 import time
+from buzzwire import kinds
 from typing import TYPE_CHECKING
 
 import trio
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 #: Buzz's conditions: none.
 DEFAULT_CONDITIONS = ""
 #: buzz-on-the-relay.md: NIP-01 user metadata.
-KIND_METADATA = 0
+KIND_METADATA = kinds.METADATA
 
 
 def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

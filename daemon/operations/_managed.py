@@ -27,17 +27,18 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+from buzzwire import kinds
 from buzzwire.contract import MAX_DISPLAY_NAME_CHARS, scrub_line, trim
 from daemon.operations._base import Context
 from buzzwire.nostr import SignedEvent
 from daemon.pipeline.policy import AgentView
 
 #: Buzz's managed-agent record (parameterized replaceable).
-KIND_MANAGED_AGENT = 30177
+KIND_MANAGED_AGENT = kinds.MANAGED_AGENT
 #: NIP-29 put-user (add a member to a group), signed by the owner.
-KIND_PUT_USER = 9000
+KIND_PUT_USER = kinds.PUT_USER
 #: NIP-09 deletion request.
-KIND_DELETION = 5
+KIND_DELETION = kinds.DELETION
 #: The spec's default for an absent respondTo.
 DEFAULT_RESPOND_TO = "owner-only"
 

@@ -30,6 +30,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from buzzwire import kinds
 from buzzwire.contract import ErrorCode
 from buzzwire.nostr import SignedEvent
 from daemon.operations._base import Context, OperationRefused
@@ -47,7 +48,7 @@ __all__ = [
 ]
 
 #: NIP-AE agent engrams.
-MEMORY_KIND = 30174
+MEMORY_KIND = kinds.MEMORY
 #: Versions of one record decrypted per read. An addressable record has one current
 #: version on a replacing relay; archival relays keep a few more. 64 covers any honest
 #: relay many times over and bounds what a hostile one can make custody do.

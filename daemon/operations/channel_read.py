@@ -51,6 +51,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from buzzwire import kinds
 from buzzwire.nostr import compute_event_id, verify_event
 from buzzwire.contract import (
     ChannelReadArgs,
@@ -73,7 +74,7 @@ __all__ = ["ACTION", "MAX_PAGE_BYTES", "READ_KINDS", "execute"]
 ACTION = "channel.read"
 #: Channel message kinds read (buzz-on-the-relay.md "Channels": 9 stream message,
 #: 40002 stream message v2). See the module docstring for the kinds left out.
-READ_KINDS: tuple[int, ...] = (9, 40002)
+READ_KINDS: tuple[int, ...] = (kinds.STREAM_MESSAGE, kinds.STREAM_MESSAGE_V2)
 
 _log = logging.getLogger("buzz_broker.read")
 

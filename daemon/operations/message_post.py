@@ -7,12 +7,13 @@ mention. The outcome is known before the relay answers.
 
 from __future__ import annotations
 
+from buzzwire import kinds
 from buzzwire.contract import MessagePostArgs, PublishOutcome
 from daemon.operations._base import Context, Plan
 from daemon.operations._events import mention_tags, sign
 
 #: Buzz's stream message kind (NIP-29 channel chat).
-KIND_STREAM_MESSAGE = 9
+KIND_STREAM_MESSAGE = kinds.STREAM_MESSAGE
 
 
 async def prepare(ctx: Context, args: MessagePostArgs) -> Plan:

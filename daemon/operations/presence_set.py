@@ -10,12 +10,13 @@ signal; a replay answers the stored verdict and sends nothing (the pipeline's le
 
 from __future__ import annotations
 
+from buzzwire import kinds
 from buzzwire.contract import PresenceSetArgs, PublishOutcome
 from daemon.operations._base import Context, Plan
 from daemon.operations._events import sign
 
 #: Buzz's presence kind (NIP-BA presence.set).
-KIND_PRESENCE = 20001
+KIND_PRESENCE = kinds.PRESENCE
 
 
 async def prepare(ctx: Context, args: PresenceSetArgs) -> Plan:

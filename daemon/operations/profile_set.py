@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 
+from buzzwire import kinds
 from buzzwire.contract import ProfileSetArgs, PublishOutcome
 from buzzwire.nostr import SignedEvent
 from daemon.log import log_event
@@ -29,7 +30,7 @@ from daemon.operations._events import (
 _log = logging.getLogger("buzz_broker.operations")
 
 #: NIP-01 user metadata (replaceable).
-KIND_METADATA = 0
+KIND_METADATA = kinds.METADATA
 
 #: wire member -> the kind-0 JSON members it sets.
 PROFILE_MEMBERS: dict[str, tuple[str, ...]] = {

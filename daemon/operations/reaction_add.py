@@ -13,12 +13,13 @@ reactions off answers `unsupported` from policy, before this runs.
 
 from __future__ import annotations
 
+from buzzwire import kinds
 from buzzwire.contract import PublishOutcome, ReactionAddArgs
 from daemon.operations._base import Context, Plan
 from daemon.operations._events import fetch_in_channel, sign
 
 #: NIP-25 reaction.
-KIND_REACTION = 7
+KIND_REACTION = kinds.REACTION
 
 
 async def prepare(ctx: Context, args: ReactionAddArgs) -> Plan:

@@ -9,12 +9,13 @@ The channel must be one of the credential's (policy's channel check, as for a po
 
 from __future__ import annotations
 
+from buzzwire import kinds
 from buzzwire.contract import PublishOutcome, TypingSetArgs
 from daemon.operations._base import Context, Plan
 from daemon.operations._events import sign
 
 #: Buzz's typing-indicator kind (NIP-BA typing.set).
-KIND_TYPING = 20002
+KIND_TYPING = kinds.TYPING
 
 
 async def prepare(ctx: Context, args: TypingSetArgs) -> Plan:

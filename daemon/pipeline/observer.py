@@ -45,6 +45,7 @@ from typing import Final
 
 import trio
 
+from buzzwire import kinds
 from buzzwire.nostr import SignedEvent
 from daemon.config import ObserverConfig
 from daemon.log import log_event
@@ -57,7 +58,7 @@ __all__ = ["ObserverQueue", "ObserverIntake", "HoldKey", "KIND_OBSERVER_FRAME"]
 _log = logging.getLogger("buzz_broker.observer")
 
 #: NIP-AO: the Agent Observer Frame, an ephemeral kind (relays do not persist it).
-KIND_OBSERVER_FRAME: Final = 24200
+KIND_OBSERVER_FRAME: Final = kinds.OBSERVER_FRAME
 
 #: (agent, requestId): the ledger's key for the request whose events are held.
 HoldKey = tuple[str, str]

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import NoReturn, Union
 from urllib.parse import urlsplit
 
+from buzzwire import kinds
 from buzzwire.loopback import is_loopback_host
 from buzzwire.nostr import SignedEvent
 
@@ -63,7 +64,7 @@ __all__ = [
 ]
 
 #: NIP-42: the kind of the client's authentication event.
-AUTH_KIND = 22242
+AUTH_KIND = kinds.AUTH
 #: NIP-01: "subscription_id is an arbitrary, non-empty string of max length 64 chars".
 MAX_SUBSCRIPTION_ID_CHARS = 64
 

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 import trio
 
+from buzzwire import kinds
 from buzzwire.contract import Event
 from daemon.log import log_event
 from daemon.relay.cursor import Position
@@ -83,9 +84,9 @@ _log = logging.getLogger("buzz_broker.read")
 #: each as estimated) fit in about 40 MB; 64 MiB leaves room for larger ones.
 DEFAULT_WINDOW_BYTES = 64 * 1024 * 1024
 #: Events that delete others in a channel: NIP-09 kind 5 and NIP-29 kind 9005.
-DELETION_KINDS: tuple[int, ...] = (5, 9005)
+DELETION_KINDS: tuple[int, ...] = (kinds.DELETION, kinds.DELETE_EVENT)
 #: NIP-29 remove-user; a live one naming the agent ends the agent's windows in the channel.
-REMOVAL_KINDS: tuple[int, ...] = (9001,)
+REMOVAL_KINDS: tuple[int, ...] = (kinds.REMOVE_USER,)
 #: What a window costs beyond its events (the object, its keys, the encoded answers' dict).
 _WINDOW_OVERHEAD = 4096
 

@@ -43,6 +43,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from buzzwire import kinds
+
 from ._args import (
     AgentsCreateArgs, AgentsDeleteArgs, AgentsUpdateArgs, AgentTarget, ChannelReadArgs,
     LivenessPingArgs, MessagePostArgs, MessageReplyArgs, ObserverEmitArgs, PresenceSetArgs,
@@ -202,19 +204,19 @@ ACTIONS: Mapping[str, ActionSpec] = MappingProxyType({
                  when="mentionsOnly"),
         )),
         _spec("message.post", MessagePostArgs, PublishOutcome, publishing=True, echoes=_PUBLISHED,
-              kind=9),
+              kind=kinds.STREAM_MESSAGE),
         _spec("message.reply", MessageReplyArgs, PublishOutcome, publishing=True,
-              echoes=_PUBLISHED, kind=9),
+              echoes=_PUBLISHED, kind=kinds.STREAM_MESSAGE),
         _spec("reaction.add", ReactionAddArgs, PublishOutcome, publishing=True, best_effort=True,
-              echoes=_PUBLISHED, kind=7),
+              echoes=_PUBLISHED, kind=kinds.REACTION),
         _spec("profile.set", ProfileSetArgs, PublishOutcome, publishing=True, echoes=_PUBLISHED,
-              kind=0),
+              kind=kinds.METADATA),
         _spec("storage.address", StorageAddressArgs, StorageAddressOutcome, publishing=False,
               echoes=(Echo(outcome="authorPubkey", source=REQUESTER, identity=Identity.HEX),)),
         # NIP-BA Memory: NIP-AE records (kind 30174) the host reads and writes encrypted.
         _spec("storage.get", StorageGetArgs, StorageGetOutcome, publishing=False, echoes=()),
         _spec("storage.put", StoragePutArgs, PublishOutcome, publishing=True, echoes=_PUBLISHED,
-              kind=30174),
+              kind=kinds.MEMORY),
         _spec("agents.create", AgentsCreateArgs, AgentsCreateOutcome, publishing=True, echoes=(
             Echo(outcome="channelId", source="channelId", identity=Identity.CHANNEL),)),
         _spec("agents.update", AgentsUpdateArgs, AgentsUpdateOutcome, publishing=True,
@@ -223,9 +225,9 @@ ACTIONS: Mapping[str, ActionSpec] = MappingProxyType({
               echoes=_TARGET_ECHO),
         # NIP-BA "Live signals": best effort, and their own rate class.
         _spec("presence.set", PresenceSetArgs, PublishOutcome, publishing=True, best_effort=True,
-              rate_class=RateClass.LIVE, echoes=_PUBLISHED, kind=20001),
+              rate_class=RateClass.LIVE, echoes=_PUBLISHED, kind=kinds.PRESENCE),
         _spec("typing.set", TypingSetArgs, PublishOutcome, publishing=True, best_effort=True,
-              rate_class=RateClass.LIVE, echoes=_PUBLISHED, kind=20002),
+              rate_class=RateClass.LIVE, echoes=_PUBLISHED, kind=kinds.TYPING),
         # observer.emit's effect is intake into the host's publication queue
         # (daemon/pipeline/observer.py), so it is an effect, but its outcome is a count the
         # client bounds by the frames sent, not an identity.
@@ -234,7 +236,7 @@ ACTIONS: Mapping[str, ActionSpec] = MappingProxyType({
         # NIP-BA: a keepalive is published as NIP-AO telemetry, kind 24200 (this host
         # answers unsupported: daemon/operations/liveness_ping.py).
         _spec("liveness.ping", LivenessPingArgs, PublishOutcome, publishing=True,
-              best_effort=True, rate_class=RateClass.LIVE, echoes=_PUBLISHED, kind=24200),
+              best_effort=True, rate_class=RateClass.LIVE, echoes=_PUBLISHED, kind=kinds.OBSERVER_FRAME),
     )
 })
 

@@ -10,6 +10,8 @@ content limit means re-deriving it (daemon/config.py `_KEYS`).
 
 from __future__ import annotations
 
+from buzzwire import kinds
+
 __all__ = [
     "MAX_REQUEST_ID_BYTES", "MAX_CURSOR_BYTES", "MAX_CONTENT_BYTES", "MAX_MENTIONS",
     "MIN_LIMIT", "MAX_LIMIT", "DEFAULT_LIMIT", "MAX_DISPLAY_NAME_CHARS", "MAX_ABOUT_CHARS",
@@ -60,8 +62,7 @@ MAX_NESTING = 16
 #: 4,000-digit number is a denial-of-service vector, not a value.
 MIN_JSON_INT = -(2**63)
 MAX_JSON_INT = 2**63 - 1
-#: NIP-01: event kinds are 0..65535.
-MAX_KIND = 65535
+MAX_KIND = kinds.MAX
 #: NIP-BA "Live signals": observer.emit carries 1-256 frames.
 MAX_FRAMES = 256
 #: NIP-BA "Live signals": each observer payload, and the whole compact
