@@ -35,7 +35,10 @@ def _texts() -> list[Path]:
     for root in roots:
         files += [p for p in (REPO / root).rglob("*")
                   if p.suffix in {".md", ".py", ".json"} and p.is_file()
-                  and "__pycache__" not in p.parts and p.name != Path(__file__).name]
+                  # pip's in-tree build/ copies of the sources are not the repository's
+                  and not {"__pycache__", "build"} & set(p.parts)
+                  and not any(part.endswith(".egg-info") for part in p.parts)
+                  and p.name != Path(__file__).name]
     return files
 
 
