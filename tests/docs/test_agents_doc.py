@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -122,3 +123,16 @@ def test_buzz_runtime_example_names_exactly_the_variables_buzz_reads() -> None:
     assert example["BUZZ_BROKER_POLL_INTERVAL_MS"] == interval.group(1)
     doc = AGENTS_MD.read_text(encoding="utf-8")
     assert f"Buzz's default poll interval (minimum {interval.group(2)})" in doc
+
+
+def test_the_buzz_runtime_example_is_shell_that_sets_them(tmp_path: Path) -> None:
+    """The block runs as written in a shell and sets the variables as described, the
+    credential read from its file (Buzz has no *_FILE variant)."""
+    (tmp_path / ".config" / "buzz-broker").mkdir(parents=True)
+    (tmp_path / ".config" / "buzz-broker" / "credential").write_text("the-credential\n")
+    out = subprocess.run(["bash", "-c", block(AGENTS_MD, "buzz-runtime-env")
+                          + '\nprintf "%s\\n" "$BUZZ_AGENT_MODE" "$BUZZ_BROKER_URL" '
+                          '"$BUZZ_BROKER_CREDENTIAL"'],
+                         env={"HOME": str(tmp_path), "PATH": os.environ.get("PATH", "")},
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == ["broker", "http://localhost:7475", "the-credential"]

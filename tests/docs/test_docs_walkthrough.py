@@ -22,7 +22,6 @@ import io
 import json
 import os
 import re
-import subprocess
 import sys
 import uuid
 from collections.abc import Awaitable, Callable
@@ -47,7 +46,6 @@ from tests.fixtures.relay import nostr_fetch, nostr_publish
 README = REPO / "README.md"
 AGENTS_MD = REPO / "docs" / "agents.md"
 PROTOCOL_MD = REPO / "docs" / "protocol.md"
-SHARED = Path(os.environ.get("BUZZ_SHARED_DIR") or REPO.parent / "shared")
 
 
 #: Every fence, with or without a language (snippets.blocks takes only those with one).
@@ -292,7 +290,7 @@ READING_ORDER: list[tuple[str, str, Step | str]] = [
      buzz_broker_call),
     ("agents.md", "buzz-runtime-env",
      "Buzz's runtime configuration: no Buzz binary runs here; its variables are checked by "
-     "test_the_buzz_runtime_configuration_names_buzzs_variables"),
+     "tests/docs/test_agents_doc.py (against buzz-client.md, and as shell that sets them)"),
     ("protocol.md", "POST /v1/action",
      "the exchange's form, with placeholders; curl, httpx and TypeScript below are its instances"),
     *[("protocol.md", label, step) for label, step in list[tuple[str, Step | str]]([
@@ -336,27 +334,6 @@ def test_the_request_examples_cover_all_fifteen_actions() -> None:
     assert len(labels) == len(set(labels)) and {f"request-{a}" for a in ACTIONS} == set(labels)
     ids = [json.loads(_examples("request")[label])["requestId"] for label in labels]
     assert len(set(ids)) == len(ids), "one agent sends them all: one requestId each"
-
-
-def test_the_buzz_runtime_configuration_names_buzzs_variables(tmp_path: Path) -> None:
-    """No Buzz binary runs here: the variables are the ones Buzz's source reads (as recorded
-    in shared/spec/buzz-client.md), and the block is shell that sets them as described."""
-    [body] = [b for doc, key, b in _doc_blocks() if key == "buzz-runtime-env"]
-    spec = SHARED / "spec" / "buzz-client.md"
-    if not spec.is_file():
-        pytest.fail(f"{spec} is absent; set BUZZ_SHARED_DIR to the shared directory")
-    named = set(re.findall(r"\b(BUZZ_[A-Z_]+)=", body))
-    assert named == {"BUZZ_AGENT_MODE", "BUZZ_BROKER_URL", "BUZZ_BROKER_CREDENTIAL",
-                     "BUZZ_BROKER_POLL_INTERVAL_MS"}
-    text = spec.read_text(encoding="utf-8")
-    assert all(f"`{name}" in text for name in named), named
-    (tmp_path / ".config" / "buzz-broker").mkdir(parents=True)
-    (tmp_path / ".config" / "buzz-broker" / "credential").write_text("the-credential\n")
-    out = subprocess.run(["bash", "-c", body + '\nprintf "%s\\n" "$BUZZ_AGENT_MODE" '
-                          '"$BUZZ_BROKER_URL" "$BUZZ_BROKER_CREDENTIAL"'],
-                         env={"HOME": str(tmp_path), "PATH": os.environ.get("PATH", "")},
-                         capture_output=True, text=True, check=True).stdout.splitlines()
-    assert out == ["broker", "http://localhost:7475", "the-credential"]
 
 
 async def test_every_example_runs_in_reading_order(
