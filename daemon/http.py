@@ -830,7 +830,7 @@ async def serve(
     socket_mode: int = 0o660,
     socket_group: str | None = None,
     on_connections: Callable[[int], None] | None = None,
-    admit: Callable[[int | None], bool] | None = None,
+    admit: Callable[[int | None], Awaitable[bool]] | None = None,
     task_status: trio.TaskStatus[ServerControl] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the `routes` table on `listener` until stopped.
@@ -845,7 +845,9 @@ async def serve(
         on_connections: called with the number of open connections whenever it changes
             (the metrics gauge).
         admit: on a TCP listener, which peer uids (daemon/tcp_peer.py; None = unknown) may
-            connect; a refused one gets a bodiless 403 before a byte is read. None admits
+            connect, asked in the connection's task (so a slow user database holds up only
+            that connection); a refused one, or one not decided within
+            ``limits.request_timeout``, gets a bodiless 403 before a byte is read. None admits
             every peer (the metrics listener). Every TCP listener also refuses what a
             browser could send (daemon/loopback_tcp.py).
         task_status: ``started(control)`` once the socket is listening.
@@ -918,16 +920,35 @@ async def serve(
                             raise
                         control._opened()
                         peer = _peer_credentials(conn)
-                        if tcp and admit is not None and not admit(peer[0]):
-                            control.tcp_refusals.record(("uid", peer[0]), reason="not allowed",
-                                                        peer_uid=peer[0])
-                            nursery.start_soon(refuse, trio.SocketStream(conn), _NOT_ADMITTED)
-                        elif control.per_uid.try_open(peer[0]):
-                            nursery.start_soon(handle, trio.SocketStream(conn), peer)
+                        if tcp and admit is not None:
+                            # The allow-list may need the user database, which can block:
+                            # it is asked in the connection's own task, never here.
+                            nursery.start_soon(admit_then_open, trio.SocketStream(conn), peer)
                         else:
-                            control.refusals.record(("uid", peer[0]), peer_uid=peer[0],
-                                                    cap=limits.max_connections_per_uid)
-                            nursery.start_soon(refuse, trio.SocketStream(conn))
+                            open_for(trio.SocketStream(conn), peer)
+
+            def open_for(stream: trio.SocketStream, peer: tuple[int | None, int | None]) -> None:
+                if control.per_uid.try_open(peer[0]):
+                    nursery.start_soon(handle, stream, peer)
+                else:
+                    control.refusals.record(("uid", peer[0]), peer_uid=peer[0],
+                                            cap=limits.max_connections_per_uid)
+                    nursery.start_soon(refuse, stream)
+
+            async def admit_then_open(stream: trio.SocketStream,
+                                      peer: tuple[int | None, int | None]) -> None:
+                assert admit is not None
+                try:
+                    with trio.fail_after(limits.request_timeout):
+                        admitted = await admit(peer[0])
+                except trio.TooSlowError:
+                    admitted = False  # a user database that does not answer admits nobody
+                if admitted:
+                    open_for(stream, peer)
+                else:
+                    control.tcp_refusals.record(("uid", peer[0]), reason="not allowed",
+                                                peer_uid=peer[0])
+                    await refuse(stream, _NOT_ADMITTED)
 
             nursery.start_soon(accept_loop)
             task_status.started(control)

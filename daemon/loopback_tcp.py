@@ -22,7 +22,9 @@ API there too, under these rules (docs/configuration.md, docs/install.md):
   metrics TCP listener has the same rule.
 
 Pure functions over values, plus the two lookups they need (the user database for group
-membership, the sysctl for the privileged port range).
+membership, the sysctl for the privileged port range). The user database may be a network
+service (LDAP, sssd) that blocks: `AdmissionGate` asks it in a worker thread, one
+connection's wait, and keeps each uid's verdict for `MEMBERSHIP_TTL` seconds.
 """
 
 from __future__ import annotations
@@ -30,11 +32,18 @@ from __future__ import annotations
 import grp
 import os
 import pwd
-from collections.abc import Sequence
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Final
+
+import trio
 
 __all__ = [
     "TcpAdmission",
+    "AdmissionGate",
+    "MEMBERSHIP_TTL",
     "browser_safe",
     "unprivileged_port_start",
     "port_holder",
@@ -52,6 +61,12 @@ OPERATOR_ACCEPTED = "unheld: the operator accepted the squatting risk (listen_tc
 _BROWSER_HEADERS = (b"origin", b"upgrade")
 _BROWSER_PREFIX = b"sec-fetch-"
 _SYSCTL = "/proc/sys/net/ipv4/ip_unprivileged_port_start"
+#: Seconds a uid's group verdict is kept: a group joined (or left) counts within this.
+MEMBERSHIP_TTL: Final = 5.0
+#: uids whose verdicts are kept at once (a uid is one entry; the oldest goes first).
+_MEMBERSHIP_ENTRIES: Final = 1024
+#: User-database lookups at once: a stalled directory service ties up at most these threads.
+_LOOKUP_THREADS: Final = 4
 
 
 def browser_safe(headers: Sequence[tuple[bytes, bytes]], port: int) -> bool:
@@ -108,17 +123,62 @@ class TcpAdmission:
                 pass  # a group that does not exist admits nobody
         return gids
 
-    def admits(self, uid: int | None) -> bool:
-        """True for a known uid on the list or in one of the groups; never for None."""
+    def without_lookup(self, uid: int | None) -> bool | None:
+        """The verdict where the user database is not needed, else None."""
         if uid is None:
             return False
         if uid in self.uids:
             return True
         if not self.groups:
             return False
+        return None
+
+    def admits(self, uid: int | None) -> bool:
+        """True for a known uid on the list or in one of the groups; never for None.
+
+        Blocking: it may ask the user database (`AdmissionGate` calls it off the loop)."""
+        quick = self.without_lookup(uid)
+        if quick is not None:
+            return quick
+        assert uid is not None
         try:
             user = pwd.getpwuid(uid)
             member_of = set(os.getgrouplist(user.pw_name, user.pw_gid))
         except (KeyError, OSError):
             return False  # a uid without a user has no groups
         return bool(member_of & self._gids())
+
+
+class AdmissionGate:
+    """`TcpAdmission` for the accept path: lookups in worker threads, verdicts kept a while.
+
+    Why: with ``tcp_allow_groups`` set, each new peer needs the user database, and a slow
+    one (a directory service) must not stall the listener for everyone else; a fleet of
+    one uid reconnecting pays the lookup once per `MEMBERSHIP_TTL`, not per connection.
+    """
+
+    def __init__(self, admission: TcpAdmission, *, ttl: float = MEMBERSHIP_TTL,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._admission = admission
+        self._ttl = ttl
+        self._clock = clock
+        self._verdicts: OrderedDict[int, tuple[float, bool]] = OrderedDict()
+        self._limiter = trio.CapacityLimiter(_LOOKUP_THREADS)
+
+    async def __call__(self, uid: int | None) -> bool:
+        quick = self._admission.without_lookup(uid)
+        if quick is not None:
+            return quick
+        assert uid is not None
+        kept = self._verdicts.get(uid)
+        if kept is not None and kept[0] > self._clock():
+            return kept[1]
+        # abandon_on_cancel: a lookup that never returns must not hold the connection's
+        # task (the caller's deadline) or a graceful stop; its thread is left to finish.
+        verdict = await trio.to_thread.run_sync(self._admission.admits, uid,
+                                                limiter=self._limiter, abandon_on_cancel=True)
+        self._verdicts[uid] = (self._clock() + self._ttl, verdict)
+        self._verdicts.move_to_end(uid)
+        while len(self._verdicts) > _MEMBERSHIP_ENTRIES:
+            self._verdicts.popitem(last=False)
+        return verdict

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -36,6 +37,7 @@ from daemon.cli.check_config import describe_tcp
 from daemon.config import load_config
 from daemon.http import (HttpAnswer, HttpLimits, HttpRequest, action_routes, bind_tcp_socket,
                          bind_unix_socket, serve)
+from daemon.loopback_tcp import MEMBERSHIP_TTL, AdmissionGate, TcpAdmission
 from daemon.metrics import SCRAPE_LIMITS, Metrics, scrape_routes
 from daemon.state.audit import AUDIT_DIRNAME, audit_files
 from daemon.state.sessions import SessionStore
@@ -476,8 +478,6 @@ async def test_status_says_which_rule_holds_the_port(tcp_host: Host) -> None:
 def test_admission_by_uid_and_group() -> None:
     """tcp_allow_uids / tcp_allow_groups: a listed uid, or a member of a listed group
     (primary or supplementary, by name or gid); an unknown uid (None) never."""
-    from daemon.loopback_tcp import TcpAdmission
-
     by_uid = TcpAdmission(frozenset({NOBODY}), frozenset())
     assert by_uid.admits(NOBODY) and not by_uid.admits(0) and not by_uid.admits(None)
     by_group = TcpAdmission(frozenset(), frozenset({"root"}))
@@ -486,3 +486,93 @@ def test_admission_by_uid_and_group() -> None:
     assert by_gid.admits(NOBODY) and not by_gid.admits(0)
     assert not TcpAdmission(frozenset(), frozenset({"no-such-group-here"})).admits(0)
     assert not by_group.admits(2**31 - 7)  # a uid without a user has no groups
+
+
+class _StalledDirectory(TcpAdmission):
+    """A user database (LDAP, sssd) that hangs on its first lookup until released: the
+    scripted fault a local /etc/group cannot show."""
+
+    def __init__(self, groups: frozenset[str], *, stalls: int) -> None:
+        super().__init__(frozenset(), groups)
+        object.__setattr__(self, "release", threading.Event())
+        object.__setattr__(self, "calls", [0])
+        object.__setattr__(self, "stalls", stalls)
+
+    def admits(self, uid: int | None) -> bool:
+        self.calls[0] += 1
+        if self.calls[0] <= self.stalls:
+            self.release.wait(30)
+        return super().admits(uid)
+
+
+def _tcp_request(port: int) -> bytes:
+    return (f"POST /v1/action HTTP/1.1\r\nHost: localhost:{port}\r\n"
+            "Content-Length: 2\r\n\r\n{}").encode()
+
+
+async def _answer(port: int) -> bytes:
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(_tcp_request(port))
+        return await stream.receive_some(65536)
+
+
+async def test_a_stalled_group_lookup_holds_up_only_its_own_connection() -> None:
+    """With tcp_allow_groups, a lookup that hangs stalls its own connection, not the
+    listener: a second connection is accepted and answered meanwhile, and the first is
+    answered once its lookup returns."""
+    directory = _StalledDirectory(frozenset({"root"}), stalls=1)
+    tcp = bind_tcp_socket("127.0.0.1", 0)
+    port = tcp.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(functools.partial(serve, action_routes(_Echo()), tcp,
+                                              HttpLimits(request_timeout=20),
+                                              admit=AdmissionGate(directory, ttl=0)))
+        first: list[bytes] = []
+
+        async def stalled() -> None:
+            first.append(await _answer(port))
+
+        nursery.start_soon(stalled)
+        while directory.calls[0] < 1:
+            await trio.sleep(0.01)
+        with trio.fail_after(10):
+            assert (await _answer(port)).startswith(b"HTTP/1.1 200 ")
+        assert not first  # still waiting on its own lookup
+        directory.release.set()
+        with trio.fail_after(10):
+            while not first:
+                await trio.sleep(0.01)
+        assert first[0].startswith(b"HTTP/1.1 200 ")
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_lookup_that_never_answers_admits_nobody() -> None:
+    """A lookup still pending at request_timeout is a bodiless 403: fail closed."""
+    directory = _StalledDirectory(frozenset({"root"}), stalls=1)
+    tcp = bind_tcp_socket("127.0.0.1", 0)
+    port = tcp.getsockname()[1]
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(serve, action_routes(_Echo()), tcp,
+                                                  HttpLimits(request_timeout=0.5),
+                                                  admit=AdmissionGate(directory)))
+            with trio.fail_after(10):
+                refused = await _answer(port)
+            assert refused.startswith(b"HTTP/1.1 403 ") and refused.endswith(b"\r\n\r\n")
+            nursery.cancel_scope.cancel()
+    finally:
+        directory.release.set()
+
+
+async def test_a_group_verdict_is_kept_for_its_ttl() -> None:
+    """One lookup per uid per MEMBERSHIP_TTL: a fleet of one uid reconnecting does not ask
+    the user database per connection; after the TTL a joined or left group counts."""
+    directory = _StalledDirectory(frozenset({"root"}), stalls=0)
+    now = [100.0]
+    gate = AdmissionGate(directory, clock=lambda: now[0])
+    assert await gate(0) and await gate(0)
+    assert directory.calls[0] == 1
+    now[0] += MEMBERSHIP_TTL + 0.1
+    assert await gate(0) and directory.calls[0] == 2
+    assert not await gate(None) and directory.calls[0] == 2  # unknown: no lookup, refused

@@ -73,7 +73,7 @@ import trio
 from daemon import notify
 from daemon.cli._common import CliError, config_from_args
 from daemon.config import Config, ServerConfig, load_config
-from daemon.loopback_tcp import TcpAdmission, port_holder
+from daemon.loopback_tcp import AdmissionGate, TcpAdmission, port_holder
 from daemon.http import (
     HttpAnswer,
     HttpLimits,
@@ -440,6 +440,7 @@ async def _serve_until_signalled(
                 await _start_metrics(nursery, metrics, metrics_socket, metrics_listen)
 
             tcp_controls: list[ServerControl] = []
+            gate = AdmissionGate(admission) if admission is not None else _nobody
             for index, (sock, _described) in enumerate(tcp or (), start=1):
                 # The same bounds as the socket, each listener with its own shares; the TCP
                 # listeners stop with the nursery, after the agents' socket has drained.
@@ -447,7 +448,7 @@ async def _serve_until_signalled(
                     limits, max_connections_per_credential=per_credential)
                 tcp_controls.append(await nursery.start(functools.partial(
                     serve, action_routes(app), sock, tcp_limits, on_connections=gauge(index),
-                    admit=admission.admits if admission is not None else _nobody)))
+                    admit=gate)))
 
             control: ServerControl = await nursery.start(serve_then_finish)
             _send(env, notify.READY, notify.status(f"serving on {where}"))
@@ -480,7 +481,7 @@ async def _serve_until_signalled(
             # serve_then_finish cancels the nursery once the drain is over.
 
 
-def _nobody(_uid: int | None) -> bool:
+async def _nobody(_uid: int | None) -> bool:
     return False
 
 
