@@ -333,7 +333,7 @@ def _parse(plaintext: bytearray) -> tuple[tuple[_Entry, ...], int]:
     try:
         header = json.loads(bytes(view[space + 1 : end]))
         count, created_at = header["agents"], header["createdAt"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: deep nesting
         raise CustodyError("not a buzz-broker backup (header unreadable)") from None
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
                for v in (count, created_at)):
@@ -389,7 +389,11 @@ def _public_v1(obj: dict[str, object], number: int, pubkey: str) -> dict[str, ob
 
 def _public_v2(obj: dict[str, object], number: int, pubkey: str) -> dict[str, object]:
     public = obj["public"]
-    if not isinstance(public, dict) or len(_canonical(public)) > MAX_PUBLIC_BYTES:
+    try:
+        fits = isinstance(public, dict) and len(_canonical(public)) <= MAX_PUBLIC_BYTES
+    except RecursionError:  # nested deeper than json.dumps goes
+        fits = False
+    if not fits:
         raise _fault(number, f"agent {pubkey}: bad public entry")
     return public
 
@@ -414,7 +418,7 @@ def _record(data: bytes, number: int, reader: _RecordReader
             ) -> tuple[KeyRecord, Mapping[str, object]]:
     try:
         obj = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # json refuses deep nesting with RecursionError
         raise _fault(number, "the record is not JSON") from None
     if not isinstance(obj, dict) or set(obj) != _KEY_FIELDS | reader.extra:
         raise _fault(number, "the record's fields are not the expected ones")
