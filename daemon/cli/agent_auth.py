@@ -78,7 +78,7 @@ def parse_tag(text: str, flag: str) -> list[str]:
     signature is custody's to verify; this only checks the shape."""
     try:
         tag = json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         raise CliError(f"{flag} is not JSON") from None
     if not isinstance(tag, list) or not all(isinstance(x, str) for x in tag):
         raise CliError(f'{flag} must be a JSON array of strings: ["auth", owner, conditions, sig]')

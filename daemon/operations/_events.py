@@ -93,7 +93,7 @@ def json_object_or_none(text: str) -> dict[str, object] | None:
     """The content of a profile or managed-agent record, or None when it is not a JSON object."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # a relay's event may nest deeper than json reads
         return None
     return value if isinstance(value, dict) else None
 
