@@ -32,14 +32,14 @@ def _human() -> str:
 async def _exercise(client: CustodianClient, op: str, agent: str, owner: coincurve.PrivateKey,
                     relay_url: str) -> object:
     """One call of the client that sends exactly one `op` request."""
+    # The lookup rows are asked as such: the pipeline's reads answer from its snapshot
+    # (custody/custodian/records.py), which asks records_version and agents.
     if op == "records_version":
-        return client.records_version()
-    if op == "agent":
-        return client.agent(agent)
+        return client.lookup(op)
+    if op in ("agent", "chain"):
+        return client.lookup(op, pubkey=agent, **({"include_deleted": False} if op == "agent" else {}))
     if op == "agents":
-        return client.agents()
-    if op == "chain":
-        return client.chain(agent)
+        return client.lookup(op, include_deleted=False)
     if op == "mint":
         return await client.mint_agent(owner=agent, mint_ref=str(uuid.uuid4()))
     if op == "import":
