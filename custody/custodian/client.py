@@ -152,15 +152,18 @@ class CustodianClient:
             stream.socket.close()
         self._idle.clear()
 
-    async def _exchange(self, stream: trio.SocketStream, frame: bytes) -> bytes:
+    async def _exchange(self, stream: trio.SocketStream, frame: bytes,
+                        tail: bytearray | None) -> bytes:
         try:
             await stream.send_all(frame)
+            if tail is not None:
+                await stream.send_all(tail)  # a memoryview of it is sent: no copy is made
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             raise _NotDelivered from None
         header = await _receive_exactly(stream, messages.HEADER.size)
         return await _receive_exactly(stream, messages.frame_length(header))
 
-    async def _call(self, op: str, **args: object) -> object:
+    async def _call(self, op: str, *, tail: bytearray | None = None, **args: object) -> object:
         if self._closed:
             raise CustodyError("custody is closed")
         frame = messages.request(op, **args)
@@ -173,7 +176,7 @@ class CustodianClient:
                 try:
                     if stream is None:
                         stream = await trio.open_unix_socket(str(self.path))
-                    body = await self._exchange(stream, frame)
+                    body = await self._exchange(stream, frame, tail)
                 except BaseException as exc:  # noqa: BLE001 - every way out closes it
                     if stream is not None:
                         stream.socket.close()
@@ -314,11 +317,16 @@ class CustodianClient:
 
     async def import_agent(self, secret_text: bytearray, *, owner: str,
                            auth_tag: Sequence[str] | None = None) -> KeyRecord:
-        # The secret crosses the socket once, as text: an immutable str in this process's
-        # frame and the custodian's parse, neither of which can be wiped (docs/custodian.md).
+        # The secret crosses the socket once, as the raw tail of the frame (messages.TAILS):
+        # sent from this bytearray, read into one by the custodian; no str or bytes of it.
         try:
-            text = bytes(secret_text).decode("ascii", "replace")
-            value = await self._call("import", secret=text, owner=owner,
+            if not isinstance(secret_text, bytearray):
+                raise TypeError("secret_text must be a bytearray (so it can be zeroed)")
+            if not 0 < len(secret_text) <= messages.MAX_SECRET_BYTES:
+                raise CustodyError("malformed secret: expected 64 hex digits or an nsec1 "
+                                   "bech32 string")
+            value = await self._call("import", tail=secret_text,
+                                     secret_bytes=len(secret_text), owner=owner,
                                      auth_tag=None if auth_tag is None else list(auth_tag))
         finally:
             secret_text[:] = bytes(len(secret_text))

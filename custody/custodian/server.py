@@ -133,8 +133,8 @@ class Custodian:
         return record_obj(record)
 
     async def import_(self, args: Mapping[str, Any]) -> object:
-        secret = bytearray(args["secret"].encode("ascii", "replace"))
-        record = await self.custody.import_agent(secret, owner=args["owner"],
+        # args["secret"]: the frame's tail, a bytearray (`_connection`); custody zeroes it.
+        record = await self.custody.import_agent(args["secret"], owner=args["owner"],
                                                  auth_tag=args["auth_tag"])
         self.log.append([{"op": "import", "agent": record.pubkey, "owner": record.owner}])
         return record_obj(record)
@@ -247,6 +247,26 @@ async def _read_exactly(stream: trio.SocketStream, count: int) -> bytes | None:
     return bytes(chunks)
 
 
+async def _read_secret(stream: trio.SocketStream, count: int) -> bytearray | None:
+    """`count` raw bytes into a bytearray sized once (recv_into: no bytes object of them
+    exists); None, zeroed, if the peer stops short."""
+    buf = bytearray(count)
+    view, got = memoryview(buf), 0
+    try:
+        while got < count:
+            n = await stream.socket.recv_into(view[got:])
+            if not n:
+                buf[:] = bytes(count)
+                return None
+            got += n
+    except BaseException:
+        buf[:] = bytes(count)
+        raise
+    finally:
+        view.release()
+    return buf
+
+
 async def _connection(custodian: Custodian, stream: trio.SocketStream,
                       active: list[int]) -> None:
     try:
@@ -270,7 +290,19 @@ async def _connection(custodian: Custodian, stream: trio.SocketStream,
             except messages.BadMessage as exc:
                 await stream.send_all(messages.reply_error("bad_message", str(exc)))
                 return
-            await stream.send_all(await custodian.answer(request))
+            tail = messages.TAILS.get(request.op)
+            if tail is None:
+                await stream.send_all(await custodian.answer(request))
+                continue
+            secret = await _read_secret(stream, request.args[tail])
+            if secret is None:
+                return
+            try:
+                answer = await custodian.answer(
+                    messages.Request(request.op, {**request.args, "secret": secret}))
+            finally:
+                secret[:] = bytes(len(secret))
+            await stream.send_all(answer)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         return
     finally:
