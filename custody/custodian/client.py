@@ -30,7 +30,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -43,7 +44,7 @@ from custody._memory import MemoryAddress
 from custody.custodian import messages
 from custody.custodian.records import RecordCache
 
-__all__ = ["CustodianClient", "CustodianUnavailable", "IntentRefused", "POOL"]
+__all__ = ["BackupWritten", "CustodianClient", "CustodianUnavailable", "IntentRefused", "POOL"]
 
 #: Connections at once for async calls: the signing batcher makes one hop at a time, and
 #: NIP-44 and lifecycle calls rarely overlap more than this.
@@ -67,6 +68,17 @@ class CustodianUnavailable(CustodyError):
 class IntentRefused(CustodyError):
     """The custodian refused the intent (a kind or shape outside its list, a pair other
     than agent-owner, AUTH for another relay)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackupWritten:
+    """What the custodian's `backup` row wrote: its file (the custodian's path), the
+    sha256 of its bytes, the agents in it and the age recipients it is encrypted to."""
+
+    file: str
+    sha256: str
+    agents: tuple[str, ...]
+    recipients: tuple[str, ...]
 
 
 class _NotDelivered(Exception):
@@ -337,6 +349,22 @@ class CustodianClient:
 
     async def attach_auth_tag(self, pubkey: str, tag: Sequence[str]) -> KeyRecord:
         return _record(await self._call("attach_auth", pubkey=pubkey, tag=list(tag)))  # type: ignore[return-value]
+
+    async def backup(self, names: Mapping[str, tuple[str, str | None]]) -> BackupWritten:
+        """Ask the custodian to write a backup of every live agent to its own recipients
+        and directory (neither is ours to choose). `names`: pubkey -> (name, creator), the
+        directory entries the backup carries."""
+        if len(names) > messages.MAX_BACKUP_NAMES:
+            raise CustodyError(f"a backup names at most {messages.MAX_BACKUP_NAMES} agents")
+        value = await self._call("backup", names=[
+            {"pubkey": pubkey, "name": name, "creator": creator}
+            for pubkey, (name, creator) in names.items()])
+        if not isinstance(value, dict) or value.keys() != {"file", "sha256", "agents",
+                                                           "recipients"}:
+            raise CustodianUnavailable("the custodian answered no backup")
+        return BackupWritten(file=str(value["file"]), sha256=str(value["sha256"]),
+                             agents=tuple(value["agents"]),
+                             recipients=tuple(value["recipients"]))
 
     def __repr__(self) -> str:
         return f"CustodianClient({str(self.path)!r})"

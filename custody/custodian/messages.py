@@ -34,13 +34,14 @@ from types import MappingProxyType
 from typing import Final
 
 __all__ = [
-    "VERSION", "MAX_FRAME", "MAX_EVENTS", "MAX_PAYLOADS", "MAX_SECRET_BYTES", "OPS", "TAILS",
+    "VERSION", "MAX_FRAME", "MAX_EVENTS", "MAX_PAYLOADS", "MAX_SECRET_BYTES", "MAX_BACKUP_NAMES",
+    "OPS", "TAILS",
     "ERROR_CODES", "HEADER",
     "BadMessage", "Request", "encode", "frame_length", "decode_request", "decode_reply",
     "request", "reply_ok", "reply_error", "b64", "unb64",
 ]
 
-#: The table's version: bumped with any row (2: import's secret left the JSON).
+#: The table's version: bumped with any row (2: import's secret left the JSON; backup).
 VERSION: Final = 2
 #: Bytes in one frame at most. The largest request the fifteen actions make is
 #: observer.emit's: 256 frames (NIP-BA) of up to 65,535 bytes each, base64 in JSON
@@ -155,6 +156,11 @@ _INTENT = _object({
     "tags": _list(_TAG, 0, MAX_TAGS), "content": _str(MAX_CONTENT),
 })
 
+#: Agents one `backup` request names (their directory entries, at most ~350 bytes each:
+#: inside MAX_FRAME).
+MAX_BACKUP_NAMES: Final = 65536
+_NAME = _object({"pubkey": _hex64, "name": _str(256), "creator": _nullable(_hex64)})
+
 #: The table: operation -> its argument members. Closed: an op not here is a BadMessage.
 OPS: Final[Mapping[str, Mapping[str, Spec]]] = MappingProxyType({
     # record lookups (no token hop)
@@ -179,6 +185,10 @@ OPS: Final[Mapping[str, Mapping[str, Spec]]] = MappingProxyType({
                 "plaintexts": _list(_b64, 0, MAX_PAYLOADS)},
     "decrypt": {"agent": _hex64, "peer": _hex64,
                 "payloads": _list(_str(200_000), 0, MAX_PAYLOADS)},
+    # every live agent, encrypted to the custodian's configured recipients, into a new
+    # file of its configured directory: neither is a member. `names`: the directory's
+    # public entries the backup carries (name, creator), as `keys backup` gives them.
+    "backup": {"names": _list(_NAME, 0, MAX_BACKUP_NAMES)},
 })
 
 

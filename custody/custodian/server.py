@@ -34,6 +34,7 @@ import trio
 from buzzwire.nostr import UnsignedEvent
 from custody import Custody, CustodyError, KeyRecord, UnknownAgent, UnsealFailed
 from custody.custodian import intents, messages
+from custody.custodian.backup import write_backup
 from custody.custodian.grace import Graveyard
 from custody.custodian.ledger import RateBound, SignLog
 
@@ -59,6 +60,9 @@ class Settings:
     socket_mode: int = 0o660
     #: destroyed keys stay recoverable this long (custody/custodian/grace.py); 7 days
     destroy_grace_seconds: int = 7 * 86400
+    #: the `backup` row's recipients and directory ([backup]); none: the row is refused
+    backup_recipients: tuple[str, ...] = ()
+    backup_dir: Path | None = None
 
 
 class Refused(Exception):
@@ -197,11 +201,25 @@ class Custodian:
         self.log.append([{"op": "decrypt", "agent": args["agent"], "count": len(opened)}])
         return [None if p is None else messages.b64(p) for p in opened]
 
+    async def backup(self, args: Mapping[str, Any]) -> object:
+        # Recipients and directory are this process's configuration only: not in the row.
+        if self.settings.backup_dir is None or not self.settings.backup_recipients:
+            raise Refused("no backup is configured for the custodian ([backup] in its file)")
+        written = await write_backup(self.custody, self.settings.backup_dir,
+                                     self.settings.backup_recipients,
+                                     {e["pubkey"]: {"name": e["name"], "creator": e["creator"]}
+                                      for e in args["names"]})
+        self.log.append([{"op": "backup", "file": written.path.name, "sha256": written.sha256,
+                          "count": len(written.agents)}])
+        return {"file": str(written.path), "sha256": written.sha256,
+                "agents": list(written.agents),
+                "recipients": list(self.settings.backup_recipients)}
+
     HANDLERS: Mapping[str, Handler] = {
         "records_version": records_version, "agent": agent, "agents": agents, "chain": chain,
         "mint": mint, "import": import_, "destroy": destroy, "attach_auth": attach_auth,
         "sign": sign, "sign_auth": sign_auth, "memory_address": memory_address,
-        "encrypt": encrypt, "decrypt": decrypt,
+        "encrypt": encrypt, "decrypt": decrypt, "backup": backup,
     }
 
     async def answer(self, request: messages.Request) -> bytes:
@@ -294,7 +312,7 @@ async def _connection(custodian: Custodian, stream: trio.SocketStream,
             if tail is None:
                 await stream.send_all(await custodian.answer(request))
                 continue
-            secret = await _read_secret(stream, request.args[tail])
+            secret = await _read_secret(stream, int(request.args[tail]))  # type: ignore[call-overload]
             if secret is None:
                 return
             try:

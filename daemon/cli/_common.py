@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # typing only: the configuration is imported when a command runs
     from daemon.config import Config
-    from daemon.state.directory import AgentDirectory
+    from daemon.state.directory import AgentDirectory, KeySource
 
 
 def print_json_line(value: dict[str, object]) -> None:
@@ -91,12 +91,14 @@ def config_from_args(args: object) -> Config:
 
 
 @contextmanager
-def agent_directory(state_dir: Path | str, fault: str = "{}") -> Iterator[AgentDirectory]:
-    """The directory under `state_dir`, closed when the block ends. A `DirectoryError`
-    leaving the block becomes one CliError line: `fault` with `{}` for its message."""
+def agent_directory(state_dir: Path | str, fault: str = "{}",
+                    keys: KeySource | None = None) -> Iterator[AgentDirectory]:
+    """The directory under `state_dir` (its key records from `keys`, a custodian's, else
+    the keystore file), closed when the block ends. A `DirectoryError` leaving the block
+    becomes one CliError line: `fault` with `{}` for its message."""
     from daemon.state.directory import AgentDirectory, DirectoryError
 
-    directory = AgentDirectory.open(state_dir)
+    directory = AgentDirectory.open(state_dir, keys)
     try:
         yield directory
     except DirectoryError as exc:

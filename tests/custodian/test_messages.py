@@ -30,6 +30,7 @@ GOOD: dict[str, dict[str, object]] = {
     "memory_address": {"agent": PK, "slug": "core"},
     "encrypt": {"agent": PK, "peer": PK, "plaintexts": [messages.b64(b"x")]},
     "decrypt": {"agent": PK, "peer": PK, "payloads": ["AgAA"]},
+    "backup": {"names": [{"pubkey": PK, "name": "scout", "creator": None}]},
 }
 
 

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import coincurve
+import pyrage
 import pytest
 
 from buzzwire.nostr import owner_tag_digest
@@ -63,6 +64,8 @@ async def _exercise(client: CustodianClient, op: str, agent: str, owner: coincur
         return await client.encrypt_to_owner(agent, [b"note"])
     if op == "decrypt":
         return await client.decrypt_from_owner_pair(agent, ["AgAA"])
+    if op == "backup":
+        return await client.backup({agent: ("scout", None)})
     raise AssertionError(op)
 
 
@@ -71,9 +74,11 @@ async def test_sigkill_at_each_message(op: str, custody_state: tuple[TokenConfig
                                        local_relay: str, tmp_path: Path) -> None:
     token, state_dir = custody_state
     socket = tmp_path / "custodian.sock"
+    recipient = str(pyrage.x25519.Identity.generate().to_public())
     custodian = CustodianProcess(write_custodian_config(
         tmp_path / "custodian.toml", token=token, state_dir=state_dir, socket=socket,
-        relay_url=local_relay), socket)
+        relay_url=local_relay, backup={"recipients": [recipient], "dir": str(tmp_path / "b")}),
+        socket)
     # One that dies at `op` serves the setup too, unless the setup is `op` itself.
     custodian.start(kill_after=None if op == "import" else op)
     try:

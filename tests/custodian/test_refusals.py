@@ -24,7 +24,7 @@ from tests.fixtures.custodian import CustodianProcess, write_custodian_config
 NOBODY = 65534
 
 
-def ask(path: Path, op: str, tail: bytes = b"", **args: object) -> tuple[bool, object]:
+def ask(path: Path, op: str, /, tail: bytes = b"", **args: object) -> tuple[bool, object]:
     """One request straight over the socket (`tail`: the raw bytes after the frame)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(10)
