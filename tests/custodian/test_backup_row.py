@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 from collections.abc import Iterator
@@ -24,9 +25,11 @@ import pytest
 
 from custody import TokenConfig, open_backup
 from custody.custodian.client import CustodianClient
+from custody.custodian.config import ConfigError, load
 from custody.custodian.ledger import verify_chain
 from daemon.state.directory import AgentDirectory
-from tests.backup.test_backup import age_identity, key_events
+from tests.adversarial._secrets import SecretScan, key_secret
+from tests.backup.test_backup import age_identity, key_event_bytes, key_events
 from tests.custodian.test_refusals import ask, human
 from tests.fixtures.broker import write_config
 from tests.fixtures.custodian import CustodianProcess, write_custodian_config
@@ -111,6 +114,34 @@ async def test_keys_backup_asks_the_custodian_and_the_file_restores(
     restored = _cli(config, "keys", "restore", "--identity", str(identity[0]), str(files[0]))
     assert restored.returncode == 0, restored.stderr
     assert "restored 0 agents; 2 already held" in restored.stderr
+
+    # No secret in what the commands printed, the key-event log, or the custodian's log
+    # and stderr; the backup file holds them only encrypted.
+    scan = SecretScan()
+    for number, secret in enumerate(secrets):
+        scan.add(key_secret(f"agent {number}", secret.secret.hex()))
+    leaks = scan.findings(done.stdout + done.stderr + restored.stdout + restored.stderr,
+                          "the commands' output")
+    leaks += scan.findings(key_event_bytes(state_dir), "the key-event log")
+    leaks += scan.findings(log.read_bytes(), "the custodian's log")
+    leaks += scan.findings(backing_custodian.stop(), "the custodian's stderr")
+    leaks += scan.findings(files[0].read_bytes(), "the backup file")
+    assert not leaks, leaks
+
+
+@pytest.mark.parametrize("table, fault", [
+    ('[backup]\nrecipients = ["age1notakey"]\ndir = "b"\n', "is not an age X25519 recipient"),
+    ('[backup]\nrecipients = []\ndir = "b"\n', "needs dir and 1 to 64 recipients"),
+    ('[backup]\nrecipients = ["{r}"]\n', "needs dir and 1 to 64 recipients"),
+    ('[backup]\nrecipients = ["{r}"]\ndir = "b"\nout = "x"\n', "unknown key [backup] out"),
+])
+def test_a_backup_table_that_is_not_whole_is_refused_at_start(
+        tmp_path: Path, identity: tuple[Path, str], table: str, fault: str) -> None:
+    base = write_custodian_config(tmp_path / "c.toml", token=TokenConfig("m", "t", None),
+                                  state_dir=tmp_path, socket=tmp_path / "s", relay_url="wss://r")
+    base.write_text(base.read_text() + table.replace("{r}", identity[1]))
+    with pytest.raises(ConfigError, match=re.escape(fault)):
+        load(str(base))
 
 
 async def test_the_backup_row_takes_no_recipient_or_path(
