@@ -147,6 +147,10 @@ class CustodianClient:
         return client
 
     async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every connection (a command's lookups need no event loop to end)."""
         self._closed = True
         self._drop()
         with self._sync_lock:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # typing only: the configuration is imported when a command runs
     from daemon.config import Config
-    from daemon.state.directory import AgentDirectory, KeySource
+    from daemon.state.directory import AgentDirectory
 
 
 def print_json_line(value: dict[str, object]) -> None:
@@ -91,17 +91,29 @@ def config_from_args(args: object) -> Config:
 
 
 @contextmanager
-def agent_directory(state_dir: Path | str, fault: str = "{}",
-                    keys: KeySource | None = None) -> Iterator[AgentDirectory]:
-    """The directory under `state_dir` (its key records from `keys`, a custodian's, else
-    the keystore file), closed when the block ends. A `DirectoryError` leaving the block
-    becomes one CliError line: `fault` with `{}` for its message."""
+def agent_directory(config: Config, fault: str = "{}") -> Iterator[AgentDirectory]:
+    """The directory of `config`'s state directory, closed when the block ends. Its key
+    records are the custodian's when `[custody] custodian_socket` is set (the keystore is
+    not the command's to open, as it is not the daemon's), else the keystore file's. A
+    `DirectoryError` leaving the block, or a custodian that does not answer, becomes one
+    CliError line: `fault` with `{}` for its message."""
+    from custody import CustodyError
     from daemon.state.directory import AgentDirectory, DirectoryError
 
-    directory = AgentDirectory.open(state_dir, keys)
+    socket = config.custody.custodian_socket
+    client = None
+    if socket:
+        from custody.custodian.client import CustodianClient
+
+        client = CustodianClient(Path(socket))
+    directory = AgentDirectory.open(config.state.dir, None if client is None else client.records)
     try:
         yield directory
     except DirectoryError as exc:
         raise CliError(fault.format(exc)) from None
+    except CustodyError as exc:  # the custodian's lookups: CustodianUnavailable
+        raise CliError(fault.format(f"custodian at {socket}: {exc}")) from None
     finally:
         directory.close()
+        if client is not None:
+            client.close()

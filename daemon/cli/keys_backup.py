@@ -176,7 +176,7 @@ def _write_backup(config: Config, recipients: tuple[str, ...], out: Path,
 
 def _public_entries(config: Config) -> dict[str, dict[str, object]]:
     """Each live agent's directory entry, for custody to carry in the backup."""
-    with agent_directory(config.state.dir) as directory:
+    with agent_directory(config) as directory:
         return {r.pubkey: {"name": r.name, "creator": r.creator} for r in directory.agents()}
 
 
@@ -194,7 +194,7 @@ def _backup_by_custodian(args: argparse.Namespace, config: Config, socket: Path)
             client = CustodianClient(socket)
             try:
                 # The key records are the custodian's (the keystore is not ours to open).
-                with agent_directory(config.state.dir, keys=client.records) as directory:
+                with agent_directory(config) as directory:
                     names = {r.pubkey: (r.name, r.creator) for r in directory.agents()}
                 return await client.backup(names)
             finally:
@@ -213,7 +213,7 @@ def _backup_by_custodian(args: argparse.Namespace, config: Config, socket: Path)
 
 def _enroll_restored(config: Config, entries: dict[str, Mapping[str, object]]) -> None:
     """Write the backed-up names of agents that have none here; a bad entry is said."""
-    with agent_directory(config.state.dir, "the keys are restored, but their names were not "
+    with agent_directory(config, "the keys are restored, but their names were not "
                          "({}); run the restore again to write them") as directory:
         for pubkey, entry in entries.items():
             name, creator = entry.get("name"), entry.get("creator")

@@ -3,8 +3,9 @@
 - `buzz-broker keys backup` with `[custody] custodian_socket` asks the custodian: the
   file is written into the custodian's `[backup] dir`, encrypted to its `[backup]
   recipients` only, carries the directory's names, is named in the operator's key-event
-  log and the custodian's own log, and verifies with `keys restore` (decrypt and every
-  check, then "already held") and `open_backup`.
+  log and the custodian's own log, and restores with `keys restore` (and opens with
+  `open_backup`). The daemon's config there names a state directory with no keystore,
+  as under two uids: `agent list` and `status` list the custodian's agents all the same.
 - The row has no member for recipients or a path: asked straight over the socket with
   one, the custodian answers `bad_message`; without `[backup]` configured, `refused`;
   the command refuses `--recipient` and `--out` when a custodian holds the keys.
@@ -74,14 +75,23 @@ async def test_keys_backup_asks_the_custodian_and_the_file_restores(
     secrets = [coincurve.PrivateKey() for _ in range(2)]
     agents = [(await client.import_agent(bytearray(s.secret.hex().encode()),
                                          owner=human())).pubkey for s in secrets]
-    directory = AgentDirectory.open(state_dir, client.records)
+    # The pipeline's own state directory, as under two uids: no keystore in it, so what
+    # the commands list and back up comes through the custodian's record lookups.
+    pipeline_state = tmp_path / "pipeline-state"
+    pipeline_state.mkdir(mode=0o700)
+    directory = AgentDirectory.open(pipeline_state, client.records)
     directory.enroll(agents[0], "scout")
     directory.close()
     await client.aclose()
-    config = write_config(tmp_path / "broker.toml", token=token, state_dir=state_dir,
+    config = write_config(tmp_path / "broker.toml", token=token, state_dir=pipeline_state,
                           socket=tmp_path / "b.sock", relay_url=local_relay,
                           sections={"custody": {"custodian_socket":
                                                 str(backing_custodian.socket)}})
+    listed = [json.loads(line) for line in _cli(config, "agent", "list", "--json").stdout.splitlines()]
+    assert {r["pubkey"]: r["name"] for r in listed} == {agents[0]: "scout",
+                                                        agents[1]: agents[1][:12]}
+    status = json.loads(_cli(config, "status", "--json").stdout.splitlines()[0])
+    assert status["agents"]["detail"] == "2 live, 0 deleted", status["agents"]
 
     refused = _cli(config, "keys", "backup", "--recipient", identity[1],
                    "--out", str(tmp_path / "mine.age"))
@@ -96,7 +106,7 @@ async def test_keys_backup_asks_the_custodian_and_the_file_restores(
     assert f"backed up 2 agents to {files[0]}" in done.stdout
 
     # The operator's key-event log: intent, then the custodian's file and recipients.
-    lines = [e for e in key_events(state_dir) if e["event"] == "backup"]
+    lines = [e for e in key_events(pipeline_state) if e["event"] == "backup"]
     assert [e["stage"] for e in lines] == ["intent", "done"]
     assert lines[1]["file"] == str(files[0]) and lines[1]["recipients"] == [identity[1]]
     assert set(lines[1]["pubkeys"]) == set(agents)  # type: ignore[arg-type]
@@ -110,10 +120,16 @@ async def test_keys_backup_asks_the_custodian_and_the_file_restores(
     with open_backup(files[0].read_bytes(), bytearray(identity[0].read_bytes())) as contents:
         assert {r.pubkey for r in contents.records} == set(agents)
         assert contents.public(agents[0])["name"] == "scout"
-    # And the operator's restore command verifies it: decrypts, checks, all held here.
-    restored = _cli(config, "keys", "restore", "--identity", str(identity[0]), str(files[0]))
+    # And the operator's restore command takes it: decrypts, checks, lists, seals (here in
+    # the pipeline's directory, a keystore of its own: the restore runs in process).
+    restore_config = write_config(tmp_path / "restore.toml", token=token,
+                                  state_dir=pipeline_state, socket=tmp_path / "b.sock",
+                                  relay_url=local_relay)
+    restored = _cli(restore_config, "keys", "restore", "--identity", str(identity[0]),
+                    str(files[0]), "--yes")
     assert restored.returncode == 0, restored.stderr
-    assert "restored 0 agents; 2 already held" in restored.stderr
+    assert "restored 2 agents; 0 already held" in restored.stderr
+    assert all(pubkey in restored.stdout for pubkey in agents)
 
     # No secret in what the commands printed, the key-event log, or the custodian's log
     # and stderr; the backup file holds them only encrypted.
@@ -122,7 +138,7 @@ async def test_keys_backup_asks_the_custodian_and_the_file_restores(
         scan.add(key_secret(f"agent {number}", secret.secret.hex()))
     leaks = scan.findings(done.stdout + done.stderr + restored.stdout + restored.stderr,
                           "the commands' output")
-    leaks += scan.findings(key_event_bytes(state_dir), "the key-event log")
+    leaks += scan.findings(key_event_bytes(pipeline_state), "the key-event log")
     leaks += scan.findings(log.read_bytes(), "the custodian's log")
     leaks += scan.findings(backing_custodian.stop(), "the custodian's stderr")
     leaks += scan.findings(files[0].read_bytes(), "the backup file")
