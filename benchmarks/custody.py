@@ -12,8 +12,11 @@ afterwards), runs `init_kek`, imports one random agent, and measures in one proc
 - facade, batched: `sign_events` with 100 events per hop;
 - the same three through a custodian process (custody/custodian/, issue 26) on the same token and
   keystore: each call one framed request over its Unix socket, the custodian's intent
-  checks, its hash-chained log line per event, then the same facade hop; and the rate of
-  the blocking record lookup the broker makes per request (`records_version`).
+  checks, its hash-chained log line per event, then the same facade hop;
+- record lookups: in process `custody.agent(...)` (the baseline: SQLite, no socket);
+  over the boundary one `agent` request (a blocking round trip) and the pipeline's read,
+  `client.agent(...)`, answered from its snapshot (custody/custodian/records.py: the
+  version asked at most every 0.25 s).
 Each figure is events/second over a fixed wall-clock window; the ratio is facade/baseline.
 """
 
@@ -107,9 +110,10 @@ async def bench(facts: dict[str, str], state_dir: Path, seconds: float) -> None:
 
         baseline = rate_sync(raw_sign, seconds)
         in_process = await measure(custody, agent, seconds)
+        local_lookup = rate_sync(lambda i: custody.agent(agent) and None, seconds)
     finally:
         await custody.aclose()
-    over, lookups = await over_the_boundary(config, state_dir, agent, seconds)
+    over, (round_trip, snapshot) = await over_the_boundary(config, state_dir, agent, seconds)
 
     print(f"machine: {os.cpu_count()} cores; SoftHSM2 token; window {seconds:.1f} s per figure")
     print(f"baseline coincurve sign_schnorr (no token, no hop): {baseline:9.0f} sig/s")
@@ -118,11 +122,14 @@ async def bench(facts: dict[str, str], state_dir: Path, seconds: float) -> None:
                                  "sign_events, 100 per hop"), figures, strict=True):
             print(f"{where + ' ' + label:<36}: {value:9.0f} sig/s  "
                   f"({value / baseline:.2f} x baseline)")
-    print(f"custodian record lookup (records_version, blocking round trip): {lookups:9.0f}/s")
+    print(f"record lookup in process (custody.agent, SQLite): {local_lookup:9.0f}/s")
+    for label, value in (("custodian `agent` request, blocking round trip", round_trip),
+                         ("pipeline's read over a custodian (snapshot)", snapshot)):
+        print(f"{label:<48}: {value:9.0f}/s  ({value / local_lookup:.2f} x in process)")
 
 
 async def over_the_boundary(config: Any, state_dir: Path, agent: str, seconds: float
-                            ) -> tuple[tuple[float, float, float], float]:
+                            ) -> tuple[tuple[float, float, float], tuple[float, float]]:
     """The same figures through a custodian process on the same token and keystore."""
     from custody.custodian.client import CustodianClient
 
@@ -139,12 +146,14 @@ async def over_the_boundary(config: Any, state_dir: Path, agent: str, seconds: f
         assert proc.stdout is not None and "listening" in proc.stdout.readline()
         client = await CustodianClient.open(socket)
         figures = await measure(client, agent, seconds)
-        lookups = rate_sync(lambda i: client.records_version() and None, seconds)
+        round_trip = rate_sync(lambda i: client.lookup("agent", pubkey=agent,
+                                                        include_deleted=False) and None, seconds)
+        snapshot = rate_sync(lambda i: client.agent(agent) and None, seconds)
         await client.aclose()
     finally:
         proc.terminate()
         proc.wait()
-    return figures, lookups
+    return figures, (round_trip, snapshot)
 
 
 def main() -> int:

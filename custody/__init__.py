@@ -17,9 +17,9 @@ Surface:
   `SignedEvent`, `KeyRecord` (an agent key's public facts: owner, NIP-OA tag, mint
   reference, when made and destroyed), `MemoryAddress`.
 - `KeyIndex`: those records read-only, without the token (the daemon's directory).
-- Backups (`_backup`): `export_backup` (every live agent encrypted in memory to age
-  recipients, with the caller's public entry for each), `open_backup` (decrypt and check
-  one), `restore_plan`, `restore_backup`.
+- Backups: `export_backup` (`_backup`: every live agent encrypted in memory to age
+  recipients, with the caller's public entry for each), `open_backup` (`_restore`:
+  decrypt and check one), `restore_plan`, `restore_backup`.
 - Errors: `CustodyError`, `UnsealFailed`, `UnknownAgent`.
 - Public Nostr helpers (no secrets): `compute_event_id`, `verify_event`,
   `verify_owner_tag`, `owner_tag_digest`. The public agent directory (names, creators,
@@ -31,7 +31,8 @@ Surface:
 
 Modules, one job each: _errors, _secret (buffers, wiping, parsing, randomness), _secp256k1
 (low-level curve ops), _signer (events, AUTH, NIP-OA), _nip44 (NIP-44 v2 payloads), _memory
-(NIP-AE), _backup (age backups and restore), _ownership (the owner graph's cycle check),
+(NIP-AE), _backup (the age backup format and writing one), _restore (opening and
+restoring one), _ownership (the owner graph's cycle check),
 _process (core dumps off, undumpable), _worker (the one token thread),
 _token (PKCS#11: login, KEKs, mechanisms, the seal choice), _sealed (blob formats, the two
 seals and the one unseal door with its named defences), _cache (the unsealed-key cache,
@@ -61,9 +62,10 @@ from typing import TYPE_CHECKING
 # custody/custodian/client.py) never imports python-pkcs11 nor maps the PKCS#11 module.
 #: public name -> the module that defines it
 _SURFACE: dict[str, str] = {
-    **dict.fromkeys(("MAX_BACKUP_BYTES", "MAX_IDENTITY_BYTES", "MAX_PUBLIC_BYTES",
-                     "BackupContents", "ExportedBackup", "RestoreResult", "export_backup",
-                     "open_backup", "restore_backup", "restore_plan"), "custody._backup"),
+    **dict.fromkeys(("MAX_PUBLIC_BYTES", "ExportedBackup", "export_backup"), "custody._backup"),
+    **dict.fromkeys(("MAX_BACKUP_BYTES", "MAX_IDENTITY_BYTES", "BackupContents",
+                     "RestoreResult", "open_backup", "restore_backup", "restore_plan"),
+                    "custody._restore"),
     **dict.fromkeys(("CustodyError", "UnknownAgent", "UnsealFailed"), "custody._errors"),
     "CachePolicy": "custody._cache",
     **dict.fromkeys(("Custody", "check_token", "init_kek", "init_keys", "rotate_keys"),
@@ -100,14 +102,12 @@ if TYPE_CHECKING:
         verify_event,
         verify_owner_tag,
     )
-    from custody._backup import (
+    from custody._backup import MAX_PUBLIC_BYTES, ExportedBackup, export_backup
+    from custody._restore import (
         MAX_BACKUP_BYTES,
         MAX_IDENTITY_BYTES,
-        MAX_PUBLIC_BYTES,
         BackupContents,
-        ExportedBackup,
         RestoreResult,
-        export_backup,
         open_backup,
         restore_backup,
         restore_plan,

@@ -143,7 +143,9 @@ async def running(
         except CustodyError as exc:
             raise StartupError(str(exc)) from None
         stack.push_async_callback(_shielded(custody.aclose))
-        directory = AgentDirectory.open(state_dir)
+        # With a custodian the key records are its answers: the keystore is not ours to open.
+        directory = AgentDirectory.open(
+            state_dir, custody.records if isinstance(custody, CustodianClient) else None)
         stack.callback(directory.close)
         try:
             live = directory.agents()  # read now: an unreadable directory stops the start

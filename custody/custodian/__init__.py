@@ -9,10 +9,11 @@ Parts, one job each:
 - `intents`: the closed list of event kinds and shapes it signs, and who may sign each.
 - `ledger`: its own hash-chained log of what it signed, and per-agent rate bounds.
 - `grace`: destroy's grace period (the sealed copy an operator can recover).
+- `backup`: the backup row's file, to the custodian's own recipients and directory.
 - `server`: the socket, the peer-uid check, one handler per table row.
 - `config`, `main`: its own configuration file and entry point.
 - `client`: the pipeline's side, the only part the daemon imports (it never imports the
-  PKCS#11 binding).
+  PKCS#11 binding), with `records`, its snapshot of the public key records.
 The unseal door, the curve operations, NIP-44/NIP-AE and the token are `custody`'s
 modules (_sealed, _secp256k1/_signer, _nip44/_memory, _token/_worker), which only this
 process opens when a custodian is configured.

@@ -6,9 +6,13 @@ Theory of operation:
   (at most `POOL` at once: the custodian answers one request per connection at a time)
   and give it back after the answer. A connection whose call failed or was cancelled
   mid-way is closed, never reused: its framing state is unknown.
-- The record lookups the pipeline makes synchronously (`agent`, `agents`,
-  `records_version`: the broker checks liveness on every request) use one blocking
-  connection with a short timeout under a lock: no token hop, a local round trip.
+- The record lookups the pipeline makes synchronously (`agent`, `agents`, `chain`,
+  `records_version`: the broker checks liveness on every request, the directory reads
+  owners and tags) answer from `records`, a snapshot of every record kept fresh by the
+  custodian's records version (custody/custodian/records.py: asked at most every
+  `RECHECK_SECONDS`, and at once after this pipeline's own lifecycle calls, a fault or a
+  reconnect). What it asks goes over one blocking connection with a short timeout under
+  a lock (`lookup`): no token hop, a local round trip.
 - The custodian may die (a crash, SIGKILL) and come back (systemd `Restart=always`).
   Every fault of the connection is `CustodianUnavailable`, a `CustodyError`, so the
   pipeline answers `failed` + `internal` as for any custody fault (or `indeterminate`
@@ -26,7 +30,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -37,8 +42,9 @@ from custody._errors import CustodyError, UnknownAgent, UnsealFailed
 from custody._keystore import KeyRecord
 from custody._memory import MemoryAddress
 from custody.custodian import messages
+from custody.custodian.records import RecordCache
 
-__all__ = ["CustodianClient", "CustodianUnavailable", "IntentRefused", "POOL"]
+__all__ = ["BackupWritten", "CustodianClient", "CustodianUnavailable", "IntentRefused", "POOL"]
 
 #: Connections at once for async calls: the signing batcher makes one hop at a time, and
 #: NIP-44 and lifecycle calls rarely overlap more than this.
@@ -51,6 +57,8 @@ _OP_NAMES: Final = {"sign": "sign", "sign_auth": "sign_auth", "memory_address": 
                     "mint": "mint", "import": "import", "destroy": "destroy",
                     "attach_auth": "attach_auth"}
 _LOOKUPS: Final = frozenset({"records_version", "agent", "agents", "chain", "memory_address"})
+#: The rows that change a record: the snapshot is asked again after each (records.py).
+_LIFECYCLE: Final = frozenset({"mint", "import", "destroy", "attach_auth"})
 
 
 class CustodianUnavailable(CustodyError):
@@ -60,6 +68,17 @@ class CustodianUnavailable(CustodyError):
 class IntentRefused(CustodyError):
     """The custodian refused the intent (a kind or shape outside its list, a pair other
     than agent-owner, AUTH for another relay)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackupWritten:
+    """What the custodian's `backup` row wrote: its file (the custodian's path), the
+    sha256 of its bytes, the agents in it and the age recipients it is encrypted to."""
+
+    file: str
+    sha256: str
+    agents: tuple[str, ...]
+    recipients: tuple[str, ...]
 
 
 class _NotDelivered(Exception):
@@ -115,6 +134,10 @@ class CustodianClient:
         self._sync_lock = threading.Lock()
         self._observer: Callable[[str, float], None] | None = None
         self._closed = False
+        #: connects of the lookup connection so far (a new one: maybe a new custodian)
+        self.connections = 0
+        #: the public records, as the pipeline reads them (records.py)
+        self.records = RecordCache(self)
 
     @classmethod
     async def open(cls, path: Path) -> CustodianClient:
@@ -124,6 +147,10 @@ class CustodianClient:
         return client
 
     async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every connection (a command's lookups need no event loop to end)."""
         self._closed = True
         self._drop()
         with self._sync_lock:
@@ -141,18 +168,23 @@ class CustodianClient:
             stream.socket.close()
         self._idle.clear()
 
-    async def _exchange(self, stream: trio.SocketStream, frame: bytes) -> bytes:
+    async def _exchange(self, stream: trio.SocketStream, frame: bytes,
+                        tail: bytearray | None) -> bytes:
         try:
             await stream.send_all(frame)
+            if tail is not None:
+                await stream.send_all(tail)  # a memoryview of it is sent: no copy is made
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             raise _NotDelivered from None
         header = await _receive_exactly(stream, messages.HEADER.size)
         return await _receive_exactly(stream, messages.frame_length(header))
 
-    async def _call(self, op: str, **args: object) -> object:
+    async def _call(self, op: str, *, tail: bytearray | None = None, **args: object) -> object:
         if self._closed:
             raise CustodyError("custody is closed")
         frame = messages.request(op, **args)
+        if op in _LIFECYCLE:
+            self.records.expire()  # before: a record may change whatever the answer
         started = time.monotonic()
         async with self._limiter:
             for attempt in (1, 2):
@@ -160,27 +192,33 @@ class CustodianClient:
                 try:
                     if stream is None:
                         stream = await trio.open_unix_socket(str(self.path))
-                    body = await self._exchange(stream, frame)
+                    body = await self._exchange(stream, frame, tail)
                 except BaseException as exc:  # noqa: BLE001 - every way out closes it
                     if stream is not None:
                         stream.socket.close()
                     if isinstance(exc, (_NotDelivered, OSError, trio.BrokenResourceError,
                                         trio.ClosedResourceError, messages.BadMessage, EOFError)):
                         self._drop()  # all of them lead to the same (dead) process
+                        self.records.expire()
                         if attempt == 1 and (isinstance(exc, _NotDelivered) or op in _LOOKUPS):
                             continue
                         raise CustodianUnavailable("the custodian is not answering") from None
                     raise
                 self._idle.append(stream)
                 break
+        if op in _LIFECYCLE:
+            self.records.expire()  # and after: a read racing the call must not keep the old
         if self._observer is not None and op in _OP_NAMES:
             self._observer(_OP_NAMES[op], time.monotonic() - started)
         return _unwrap(body)
 
-    def _lookup(self, op: str, **args: object) -> object:
-        """A record lookup on the blocking connection (lookups have no effect: retried once)."""
+    def lookup(self, op: str, **args: object) -> object:
+        """One request of a record-lookup row on the blocking connection, its answer as
+        sent (lookups have no effect: retried once on a fresh connection)."""
         if self._closed:
             raise CustodyError("custody is closed")
+        if op not in ("records_version", "agent", "agents", "chain"):
+            raise ValueError(f"{op} is not a record lookup")
         frame = messages.request(op, **args)
         with self._sync_lock:
             for attempt in (1, 2):
@@ -194,6 +232,7 @@ class CustodianClient:
                             sock.close()
                             raise
                         self._sync = sock
+                        self.connections += 1
                     self._sync.sendall(frame)
                     header = _recv_exactly(self._sync, messages.HEADER.size)
                     body = _recv_exactly(self._sync, messages.frame_length(header))
@@ -203,31 +242,38 @@ class CustodianClient:
                         self._sync.close()
                         self._sync = None
                     if attempt == 2:
+                        self.records.expire()
                         raise CustodianUnavailable("the custodian is not answering") from None
         return _unwrap(body)
 
-    # --- record lookups (synchronous, as Custody's) ---------------------------------------
+    # --- record lookups (synchronous, as Custody's; from `records`) -------------------
 
-    def agent(self, pubkey: str, *, include_deleted: bool = False) -> KeyRecord | None:
-        if not (isinstance(pubkey, str) and len(pubkey) == 64 and pubkey == pubkey.lower()
-                and all(c in "0123456789abcdef" for c in pubkey)):
-            return None
-        return _record(self._lookup("agent", pubkey=pubkey, include_deleted=include_deleted))
-
-    def agents(self, *, include_deleted: bool = False) -> list[KeyRecord]:
-        value = self._lookup("agents", include_deleted=include_deleted)
-        return [r for r in map(_record, value) if r is not None]  # type: ignore[call-overload]
-
-    def records_version(self) -> int:
-        value = self._lookup("records_version")
-        if not isinstance(value, int):
+    def ask_version(self) -> int:
+        value = self.lookup("records_version")
+        if not isinstance(value, int) or isinstance(value, bool):
             raise CustodianUnavailable("the custodian answered no version")
         return value
 
+    def ask_records(self) -> list[KeyRecord]:
+        """Every record the custodian holds, tombstones included, oldest first."""
+        value = self.lookup("agents", include_deleted=True)
+        if not isinstance(value, list):
+            raise CustodianUnavailable("the custodian answered no records")
+        return [r for r in map(_record, value) if r is not None]
+
+    def agent(self, pubkey: str, *, include_deleted: bool = False) -> KeyRecord | None:
+        record = self.records.get(pubkey) if isinstance(pubkey, str) else None
+        return record if record is not None and (include_deleted or record.live) else None
+
+    def agents(self, *, include_deleted: bool = False) -> list[KeyRecord]:
+        return self.records.all(include_deleted=include_deleted)
+
+    def records_version(self) -> int:
+        return self.records.version()
+
     def chain(self, pubkey: str) -> list[KeyRecord]:
         """The agent's record and its owners' held here, nearest first."""
-        value = self._lookup("chain", pubkey=pubkey)
-        return [r for r in map(_record, value) if r is not None]  # type: ignore[call-overload]
+        return self.records.chain(pubkey)
 
     # --- intents -----------------------------------------------------------------------
 
@@ -287,11 +333,16 @@ class CustodianClient:
 
     async def import_agent(self, secret_text: bytearray, *, owner: str,
                            auth_tag: Sequence[str] | None = None) -> KeyRecord:
-        # The secret crosses the socket once, as text: an immutable str in this process's
-        # frame and the custodian's parse, neither of which can be wiped (docs/custodian.md).
+        # The secret crosses the socket once, as the raw tail of the frame (messages.TAILS):
+        # sent from this bytearray, read into one by the custodian; no str or bytes of it.
         try:
-            text = bytes(secret_text).decode("ascii", "replace")
-            value = await self._call("import", secret=text, owner=owner,
+            if not isinstance(secret_text, bytearray):
+                raise TypeError("secret_text must be a bytearray (so it can be zeroed)")
+            if not 0 < len(secret_text) <= messages.MAX_SECRET_BYTES:
+                raise CustodyError("malformed secret: expected 64 hex digits or an nsec1 "
+                                   "bech32 string")
+            value = await self._call("import", tail=secret_text,
+                                     secret_bytes=len(secret_text), owner=owner,
                                      auth_tag=None if auth_tag is None else list(auth_tag))
         finally:
             secret_text[:] = bytes(len(secret_text))
@@ -302,6 +353,22 @@ class CustodianClient:
 
     async def attach_auth_tag(self, pubkey: str, tag: Sequence[str]) -> KeyRecord:
         return _record(await self._call("attach_auth", pubkey=pubkey, tag=list(tag)))  # type: ignore[return-value]
+
+    async def backup(self, names: Mapping[str, tuple[str, str | None]]) -> BackupWritten:
+        """Ask the custodian to write a backup of every live agent to its own recipients
+        and directory (neither is ours to choose). `names`: pubkey -> (name, creator), the
+        directory entries the backup carries."""
+        if len(names) > messages.MAX_BACKUP_NAMES:
+            raise CustodyError(f"a backup names at most {messages.MAX_BACKUP_NAMES} agents")
+        value = await self._call("backup", names=[
+            {"pubkey": pubkey, "name": name, "creator": creator}
+            for pubkey, (name, creator) in names.items()])
+        if not isinstance(value, dict) or value.keys() != {"file", "sha256", "agents",
+                                                           "recipients"}:
+            raise CustodianUnavailable("the custodian answered no backup")
+        return BackupWritten(file=str(value["file"]), sha256=str(value["sha256"]),
+                             agents=tuple(value["agents"]),
+                             recipients=tuple(value["recipients"]))
 
     def __repr__(self) -> str:
         return f"CustodianClient({str(self.path)!r})"

@@ -13,6 +13,10 @@ Keys (a key or table not listed is an error naming it):
 - ``[pkcs11]`` as the daemon's: ``module``, ``token_label``, ``pin_file``, ``kek_label``,
   ``seal``, ``unsealed_cache_entries``, ``unsealed_cache_seconds``. The PIN file is
   ``$CREDENTIALS_DIRECTORY/token-pin`` when that exists (the unit's credential).
+- ``[backup]`` (optional; without it the `backup` row is refused): ``recipients`` (a list
+  of age X25519 recipients, ``age1…``: the only ones a backup is ever encrypted to) and
+  ``dir`` (where the custodian writes each backup, a new file named by itself). The
+  pipeline can ask for a backup; it cannot choose either (custody/custodian/backup.py).
 """
 
 from __future__ import annotations
@@ -22,18 +26,22 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from custody import CachePolicy, TokenConfig
+from custody import CachePolicy, CustodyError, TokenConfig
+from custody._backup import check_recipients
 from custody.custodian.server import Settings
 
 __all__ = ["CustodianConfig", "ConfigError", "load"]
 
-_KEYS = {
+_KEYS: dict[str, dict[str, type]] = {
     "custodian": {"socket": str, "pipeline_uid": int, "state_dir": str, "relay_url": str,
                   "signatures_per_minute": int, "log_dir": str, "log_max_bytes": int,
                   "destroy_grace_seconds": int},
     "pkcs11": {"module": str, "token_label": str, "pin_file": str, "kek_label": str,
                "seal": str, "unsealed_cache_entries": int, "unsealed_cache_seconds": float},
+    "backup": {"recipients": list, "dir": str},
 }
+#: Most recipients one backup names (the key-event log's bound, daemon/state/audit.py).
+MAX_RECIPIENTS = 64
 _REQUIRED = {"custodian": ("socket", "state_dir", "relay_url"), "pkcs11": ("module", "token_label")}
 
 
@@ -71,7 +79,16 @@ def load(path: str) -> CustodianConfig:
             if key not in data.get(table, {}):
                 raise ConfigError(f"{path}: [{table}] {key} is required")
     base = Path(path).resolve().parent
-    c, p = data["custodian"], data["pkcs11"]
+    c, p, b = data["custodian"], data["pkcs11"], data.get("backup", {})
+    recipients = tuple(b.get("recipients", ()))
+    if b and not (b.keys() == {"recipients", "dir"} and 0 < len(recipients) <= MAX_RECIPIENTS
+                  and all(isinstance(r, str) for r in recipients)):
+        raise ConfigError(f"{path}: [backup] needs dir and 1 to {MAX_RECIPIENTS} recipients")
+    try:
+        if recipients:
+            check_recipients(recipients)
+    except CustodyError as exc:
+        raise ConfigError(f"{path}: [backup] recipients: {exc}") from None
     state_dir = base / c["state_dir"]
     credential = Path(os.environ.get("CREDENTIALS_DIRECTORY", "/nonexistent"), "token-pin")
     pin_file = str(credential) if credential.is_file() else p.get("pin_file")
@@ -82,7 +99,9 @@ def load(path: str) -> CustodianConfig:
         log_path=base / c.get("log_dir", str(state_dir / "custodian")) / "signed.jsonl",
         signatures_per_minute=c.get("signatures_per_minute", 6000),
         log_max_bytes=c.get("log_max_bytes", 64 * 1024 * 1024),
-        destroy_grace_seconds=c.get("destroy_grace_seconds", 7 * 86400))
+        destroy_grace_seconds=c.get("destroy_grace_seconds", 7 * 86400),
+        backup_recipients=tuple(r.strip() for r in recipients),
+        backup_dir=base / b["dir"] if b else None)
     try:
         token = TokenConfig(module=module, token_label=p["token_label"], pin_file=pin_file,
                             kek_label=p.get("kek_label", "buzz-broker-kek"),

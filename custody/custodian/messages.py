@@ -8,6 +8,10 @@ the exact members of its arguments with their types; a request is one frame:
 
 and its answer one frame `{"v": 1, "ok": <value>}` or `{"v": 1, "error": {"code", "message"}}`.
 
+A row in `TAILS` carries a secret, never in the JSON (a JSON string becomes an immutable
+`str` in both processes, which nothing can wipe): its request names a length, and that
+many raw bytes follow the frame, which each side keeps in a bytearray it zeroes after use.
+
 Rules:
 - Pure: bytes in, values out; no socket, no clock, no logging. The server and the
   pipeline's client (custody/custodian/client.py) both speak through `encode` and `decode_*`.
@@ -30,13 +34,15 @@ from types import MappingProxyType
 from typing import Final
 
 __all__ = [
-    "VERSION", "MAX_FRAME", "MAX_EVENTS", "MAX_PAYLOADS", "OPS", "ERROR_CODES", "HEADER",
+    "VERSION", "MAX_FRAME", "MAX_EVENTS", "MAX_PAYLOADS", "MAX_SECRET_BYTES", "MAX_BACKUP_NAMES",
+    "OPS", "TAILS",
+    "ERROR_CODES", "HEADER",
     "BadMessage", "Request", "encode", "frame_length", "decode_request", "decode_reply",
     "request", "reply_ok", "reply_error", "b64", "unb64",
 ]
 
-#: The table's version: bumped with any row.
-VERSION: Final = 1
+#: The table's version: bumped with any row (2: import's secret left the JSON; backup).
+VERSION: Final = 2
 #: Bytes in one frame at most. The largest request the fifteen actions make is
 #: observer.emit's: 256 frames (NIP-BA) of up to 65,535 bytes each, base64 in JSON
 #: (4/3): 22.4 MB. The bound is the custodian's, checked before a byte of the body is read.
@@ -50,6 +56,9 @@ MAX_TAGS: Final = 64
 MAX_TAG_VALUES: Final = 8
 MAX_CONTENT: Final = 1024 * 1024
 HEADER: Final = struct.Struct(">I")
+#: Bytes of secret text one import carries at most: custody's own bound on secret text
+#: (custody._secret.MAX_SECRET_TEXT; tests/custodian/test_messages.py holds them equal).
+MAX_SECRET_BYTES: Final = 256
 
 #: Codes an error answer carries; the client maps each to one exception.
 ERROR_CODES: Final = frozenset({
@@ -147,6 +156,11 @@ _INTENT = _object({
     "tags": _list(_TAG, 0, MAX_TAGS), "content": _str(MAX_CONTENT),
 })
 
+#: Agents one `backup` request names (their directory entries, at most ~350 bytes each:
+#: inside MAX_FRAME).
+MAX_BACKUP_NAMES: Final = 65536
+_NAME = _object({"pubkey": _hex64, "name": _str(256), "creator": _nullable(_hex64)})
+
 #: The table: operation -> its argument members. Closed: an op not here is a BadMessage.
 OPS: Final[Mapping[str, Mapping[str, Spec]]] = MappingProxyType({
     # record lookups (no token hop)
@@ -156,7 +170,9 @@ OPS: Final[Mapping[str, Mapping[str, Spec]]] = MappingProxyType({
     "chain": {"pubkey": _hex64},
     # lifecycle
     "mint": {"owner": _hex64, "mint_ref": _nullable(_str(512))},
-    "import": {"secret": _str(128), "owner": _hex64, "auth_tag": _nullable(_AUTH_TAG)},
+    # the secret text (64 hex digits or nsec1...) follows the frame: `secret_bytes` bytes
+    "import": {"secret_bytes": _int(1, MAX_SECRET_BYTES), "owner": _hex64,
+               "auth_tag": _nullable(_AUTH_TAG)},
     "destroy": {"pubkey": _hex64},
     "attach_auth": {"pubkey": _hex64, "tag": _AUTH_TAG},
     # signing intents; 22242 only through sign_auth
@@ -169,7 +185,15 @@ OPS: Final[Mapping[str, Mapping[str, Spec]]] = MappingProxyType({
                 "plaintexts": _list(_b64, 0, MAX_PAYLOADS)},
     "decrypt": {"agent": _hex64, "peer": _hex64,
                 "payloads": _list(_str(200_000), 0, MAX_PAYLOADS)},
+    # every live agent, encrypted to the custodian's configured recipients, into a new
+    # file of its configured directory: neither is a member. `names`: the directory's
+    # public entries the backup carries (name, creator), as `keys backup` gives them.
+    "backup": {"names": _list(_NAME, 0, MAX_BACKUP_NAMES)},
 })
+
+
+#: op -> the member naming how many raw bytes follow its request frame (a secret).
+TAILS: Final[Mapping[str, str]] = MappingProxyType({"import": "secret_bytes"})
 
 
 @dataclass(frozen=True, slots=True)

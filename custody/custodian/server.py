@@ -34,6 +34,7 @@ import trio
 from buzzwire.nostr import UnsignedEvent
 from custody import Custody, CustodyError, KeyRecord, UnknownAgent, UnsealFailed
 from custody.custodian import intents, messages
+from custody.custodian.backup import write_backup
 from custody.custodian.grace import Graveyard
 from custody.custodian.ledger import RateBound, SignLog
 
@@ -59,6 +60,9 @@ class Settings:
     socket_mode: int = 0o660
     #: destroyed keys stay recoverable this long (custody/custodian/grace.py); 7 days
     destroy_grace_seconds: int = 7 * 86400
+    #: the `backup` row's recipients and directory ([backup]); none: the row is refused
+    backup_recipients: tuple[str, ...] = ()
+    backup_dir: Path | None = None
 
 
 class Refused(Exception):
@@ -133,8 +137,8 @@ class Custodian:
         return record_obj(record)
 
     async def import_(self, args: Mapping[str, Any]) -> object:
-        secret = bytearray(args["secret"].encode("ascii", "replace"))
-        record = await self.custody.import_agent(secret, owner=args["owner"],
+        # args["secret"]: the frame's tail, a bytearray (`_connection`); custody zeroes it.
+        record = await self.custody.import_agent(args["secret"], owner=args["owner"],
                                                  auth_tag=args["auth_tag"])
         self.log.append([{"op": "import", "agent": record.pubkey, "owner": record.owner}])
         return record_obj(record)
@@ -197,11 +201,25 @@ class Custodian:
         self.log.append([{"op": "decrypt", "agent": args["agent"], "count": len(opened)}])
         return [None if p is None else messages.b64(p) for p in opened]
 
+    async def backup(self, args: Mapping[str, Any]) -> object:
+        # Recipients and directory are this process's configuration only: not in the row.
+        if self.settings.backup_dir is None or not self.settings.backup_recipients:
+            raise Refused("no backup is configured for the custodian ([backup] in its file)")
+        written = await write_backup(self.custody, self.settings.backup_dir,
+                                     self.settings.backup_recipients,
+                                     {e["pubkey"]: {"name": e["name"], "creator": e["creator"]}
+                                      for e in args["names"]})
+        self.log.append([{"op": "backup", "file": written.path.name, "sha256": written.sha256,
+                          "count": len(written.agents)}])
+        return {"file": str(written.path), "sha256": written.sha256,
+                "agents": list(written.agents),
+                "recipients": list(self.settings.backup_recipients)}
+
     HANDLERS: Mapping[str, Handler] = {
         "records_version": records_version, "agent": agent, "agents": agents, "chain": chain,
         "mint": mint, "import": import_, "destroy": destroy, "attach_auth": attach_auth,
         "sign": sign, "sign_auth": sign_auth, "memory_address": memory_address,
-        "encrypt": encrypt, "decrypt": decrypt,
+        "encrypt": encrypt, "decrypt": decrypt, "backup": backup,
     }
 
     async def answer(self, request: messages.Request) -> bytes:
@@ -247,6 +265,26 @@ async def _read_exactly(stream: trio.SocketStream, count: int) -> bytes | None:
     return bytes(chunks)
 
 
+async def _read_secret(stream: trio.SocketStream, count: int) -> bytearray | None:
+    """`count` raw bytes into a bytearray sized once (recv_into: no bytes object of them
+    exists); None, zeroed, if the peer stops short."""
+    buf = bytearray(count)
+    view, got = memoryview(buf), 0
+    try:
+        while got < count:
+            n = await stream.socket.recv_into(view[got:])
+            if not n:
+                buf[:] = bytes(count)
+                return None
+            got += n
+    except BaseException:
+        buf[:] = bytes(count)
+        raise
+    finally:
+        view.release()
+    return buf
+
+
 async def _connection(custodian: Custodian, stream: trio.SocketStream,
                       active: list[int]) -> None:
     try:
@@ -270,7 +308,19 @@ async def _connection(custodian: Custodian, stream: trio.SocketStream,
             except messages.BadMessage as exc:
                 await stream.send_all(messages.reply_error("bad_message", str(exc)))
                 return
-            await stream.send_all(await custodian.answer(request))
+            tail = messages.TAILS.get(request.op)
+            if tail is None:
+                await stream.send_all(await custodian.answer(request))
+                continue
+            secret = await _read_secret(stream, int(request.args[tail]))  # type: ignore[call-overload]
+            if secret is None:
+                return
+            try:
+                answer = await custodian.answer(
+                    messages.Request(request.op, {**request.args, "secret": secret}))
+            finally:
+                secret[:] = bytes(len(secret))
+            await stream.send_all(answer)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         return
     finally:

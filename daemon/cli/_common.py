@@ -91,15 +91,29 @@ def config_from_args(args: object) -> Config:
 
 
 @contextmanager
-def agent_directory(state_dir: Path | str, fault: str = "{}") -> Iterator[AgentDirectory]:
-    """The directory under `state_dir`, closed when the block ends. A `DirectoryError`
-    leaving the block becomes one CliError line: `fault` with `{}` for its message."""
+def agent_directory(config: Config, fault: str = "{}") -> Iterator[AgentDirectory]:
+    """The directory of `config`'s state directory, closed when the block ends. Its key
+    records are the custodian's when `[custody] custodian_socket` is set (the keystore is
+    not the command's to open, as it is not the daemon's), else the keystore file's. A
+    `DirectoryError` leaving the block, or a custodian that does not answer, becomes one
+    CliError line: `fault` with `{}` for its message."""
+    from custody import CustodyError
     from daemon.state.directory import AgentDirectory, DirectoryError
 
-    directory = AgentDirectory.open(state_dir)
+    socket = config.custody.custodian_socket
+    client = None
+    if socket:
+        from custody.custodian.client import CustodianClient
+
+        client = CustodianClient(Path(socket))
+    directory = AgentDirectory.open(config.state.dir, None if client is None else client.records)
     try:
         yield directory
     except DirectoryError as exc:
         raise CliError(fault.format(exc)) from None
+    except CustodyError as exc:  # the custodian's lookups: CustodianUnavailable
+        raise CliError(fault.format(f"custodian at {socket}: {exc}")) from None
     finally:
         directory.close()
+        if client is not None:
+            client.close()

@@ -143,7 +143,7 @@ def _import(args: argparse.Namespace, config: Config) -> int:
 
 def _enroll(config: Config, pubkey: str, name: str) -> None:
     """Write the agent's name into the directory (custody holds no names)."""
-    with agent_directory(config.state.dir, f"{pubkey} is held, but its name was not stored "
+    with agent_directory(config, f"{pubkey} is held, but its name was not stored "
                          f"({{}}); name it with: buzz-broker agent name {pubkey} NAME") as d:
         d.enroll(pubkey, name)
 
@@ -152,7 +152,7 @@ def _name(args: argparse.Namespace, config: Config) -> int:
     pubkey = _pubkey(args.pubkey, "PUBKEY")
     if not args.name:
         raise CliError("NAME must not be empty")
-    with agent_directory(config.state.dir) as directory:
+    with agent_directory(config) as directory:
         record = directory.rename(pubkey, args.name)
     if record is None:
         raise CliError(f"no live agent {pubkey} is held here")
@@ -200,7 +200,7 @@ def _create(args: argparse.Namespace, config: Config) -> int:
 
 
 def _list(args: argparse.Namespace, config: Config) -> int:
-    with agent_directory(config.state.dir) as directory:
+    with agent_directory(config) as directory:
         records = directory.agents(include_deleted=args.all)
     if args.json:
         # `authTagMissing`: a live agent whose owner (a person) has not signed its NIP-OA tag.

@@ -160,7 +160,7 @@ def attach(args: argparse.Namespace, config: Config) -> int:
 
         custody = await Custody.open(config.pkcs11.token(), Path(config.state.dir))
         try:
-            with agent_directory(config.state.dir) as directory:
+            with agent_directory(config) as directory:
                 listed = directory.agent(agent)
             record = custody.agent(agent)
             if record is None or listed is None:

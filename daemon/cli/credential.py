@@ -261,7 +261,7 @@ def _issue(args: argparse.Namespace) -> int:
             raise CliError(f"--rate: {exc}") from None
 
     config = config_from_args(args)
-    with agent_directory(config.state.dir) as directory:
+    with agent_directory(config) as directory:
         record = directory.get(agent)
     if record is None:
         raise CliError(f"no such agent held here: {agent}")

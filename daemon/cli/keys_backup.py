@@ -29,6 +29,13 @@ Rules:
   directory (`AgentDirectory.enroll`; an entry that is not a valid name is skipped and
   said, the key is restored either way). Depth is derived again from the owners.
 - What a backup does not hold: credentials and the ledger (docs/install.md, "Restore").
+- With a custodian (`[custody] custodian_socket`), backup asks it (its `backup` row,
+  custody/custodian/backup.py): the recipients and the directory are the custodian's own
+  configuration (`[backup]` in its file), so `--recipient` and `--out` are refused; the
+  directory's names go with the request, as above. The intent is recorded before the
+  request; the outcome names the custodian's file, its sha256, the agents and the
+  recipients it answered. The file is the custodian's (under its uid): copy it off the
+  host from there.
 
 WARNING: docs/install.md ("Back up", "Restore") shows these flags; keep them in step.
 """
@@ -66,10 +73,12 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "backup",
         help="write every live agent, encrypted to age recipients, to a new file",
     )
-    p.add_argument("--recipient", action="append", required=True, metavar="AGE_RECIPIENT",
-                   help="an age X25519 recipient (age1…); repeat for several")
-    p.add_argument("--out", required=True, metavar="FILE", type=Path,
-                   help="the backup file to create (must not exist; written 0600)")
+    p.add_argument("--recipient", action="append", metavar="AGE_RECIPIENT",
+                   help="an age X25519 recipient (age1…); repeat for several (not with a "
+                        "custodian: its own are used)")
+    p.add_argument("--out", metavar="FILE", type=Path,
+                   help="the backup file to create (must not exist; written 0600; not with "
+                        "a custodian: it writes into its own directory)")
     p = sub.add_parser(
         "restore",
         help="seal every agent of a backup under this host's KEK",
@@ -111,6 +120,10 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _backup(args: argparse.Namespace, config: Config) -> int:
+    if config.custody.custodian_socket:
+        return _backup_by_custodian(args, config, Path(config.custody.custodian_socket))
+    if not args.recipient or args.out is None:
+        raise CliError("keys backup needs --recipient age1… and --out FILE", exit_code=2)
     recipients = _recipients(args.recipient)
     out: Path = args.out
     with recorded(Path(config.state.dir), KeyAction.BACKUP, file=clip(str(out)),
@@ -163,13 +176,44 @@ def _write_backup(config: Config, recipients: tuple[str, ...], out: Path,
 
 def _public_entries(config: Config) -> dict[str, dict[str, object]]:
     """Each live agent's directory entry, for custody to carry in the backup."""
-    with agent_directory(config.state.dir) as directory:
+    with agent_directory(config) as directory:
         return {r.pubkey: {"name": r.name, "creator": r.creator} for r in directory.agents()}
+
+
+def _backup_by_custodian(args: argparse.Namespace, config: Config, socket: Path) -> int:
+    """Ask the custodian for a backup to its own recipients and directory."""
+    from custody import CustodyError
+    from custody.custodian.client import BackupWritten, CustodianClient
+
+    if args.recipient or args.out is not None:
+        raise CliError("with a custodian ([custody] custodian_socket) a backup goes to its own "
+                       "recipients and directory ([backup] in the custodian's file); drop "
+                       "--recipient and --out", exit_code=2)
+    with recorded(Path(config.state.dir), KeyAction.BACKUP) as trail:
+        async def main() -> BackupWritten:
+            client = CustodianClient(socket)
+            try:
+                # The key records are the custodian's (the keystore is not ours to open).
+                with agent_directory(config) as directory:
+                    names = {r.pubkey: (r.name, r.creator) for r in directory.agents()}
+                return await client.backup(names)
+            finally:
+                await client.aclose()
+
+        try:
+            written = trio.run(main)
+        except CustodyError as exc:
+            raise CliError(f"custodian: {exc}") from None
+        trail.done(agents=len(written.agents), pubkeys=written.agents, sha256=written.sha256,
+                   file=clip(written.file), recipients=written.recipients)
+    print(f"backed up {len(written.agents)} agents to {written.file} (sha256 {written.sha256}),"
+          " the custodian's file")
+    return 0
 
 
 def _enroll_restored(config: Config, entries: dict[str, Mapping[str, object]]) -> None:
     """Write the backed-up names of agents that have none here; a bad entry is said."""
-    with agent_directory(config.state.dir, "the keys are restored, but their names were not "
+    with agent_directory(config, "the keys are restored, but their names were not "
                          "({}); run the restore again to write them") as directory:
         for pubkey, entry in entries.items():
             name, creator = entry.get("name"), entry.get("creator")

@@ -93,16 +93,15 @@ def _socket(path: str) -> Fact:
                 {"path": path, "exists": True, "mode": mode, "owner": owner})
 
 
-def _agents(state_dir: Path) -> Fact:
-    from daemon.state.directory import AgentDirectory, DirectoryError
+def _agents(config: Config) -> Fact:
+    """The directory's count (its key records the custodian's, when one holds the keys)."""
+    from daemon.cli._common import agent_directory
 
-    directory = AgentDirectory.open(state_dir)
     try:
-        records = directory.agents(include_deleted=True)
-    except DirectoryError as exc:
+        with agent_directory(config) as directory:
+            records = directory.agents(include_deleted=True)
+    except CliError as exc:
         return Fact(False, str(exc))
-    finally:
-        directory.close()
     live = sum(1 for r in records if r.live)
     deleted = len(records) - live
     return Fact(True, f"{live} live, {deleted} deleted", {"live": live, "deleted": deleted})
@@ -193,7 +192,9 @@ def gather(config: Config) -> tuple[dict[str, Fact], bool, bool]:
         result = trio.run(check, config)
         facts[result.name] = Fact(result.ok, result.detail)
         all_ok &= result.ok
-    for name, probe in (("agents", _agents), ("credentials", _credentials), ("audit", _audit)):
+    facts["agents"] = _agents(config)
+    all_ok &= facts["agents"].ok
+    for name, probe in (("credentials", _credentials), ("audit", _audit)):
         facts[name] = probe(state_dir)
         all_ok &= facts[name].ok
     return facts, bool(pid), all_ok

@@ -10,7 +10,7 @@ directory); `_group_commit` and `_sqlite` are the shared engines.
 Rules:
 - Every store is opened and closed by `daemon.wiring`; nothing here talks to the relay or
   calls custody (`directory` reads custody's public key facts through `custody.KeyIndex`,
-  read-only and without the token), and nothing
+  read-only and without the token, or with a custodian through its record lookups), and nothing
   here decides a request: the pipeline asks, state answers.
 - Files are created private (`_sqlite.open_private_db`); what is written is bounded by
   configuration, never by what a client sends.

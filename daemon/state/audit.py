@@ -709,7 +709,10 @@ class KeyEvent:
             raise ValueError("KeyEvent: more pubkeys than agents")
         if (self.fault is not None) != (self.stage is KeyStage.FAILED):
             raise ValueError("KeyEvent: a fault is what a failed outcome, and only it, carries")
-        if self.action is KeyAction.BACKUP and not self.recipients:
+        # A backup the custodian writes (its own recipients and file, chosen there) is
+        # recorded before it is asked: its intent names neither; its outcome both.
+        if self.action is KeyAction.BACKUP and not self.recipients and (
+                self.file is not None or self.stage is KeyStage.DONE):
             raise ValueError("KeyEvent: a backup names its recipients")
 
     @classmethod

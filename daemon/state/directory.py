@@ -4,8 +4,11 @@ Custody holds secrets and the few public facts it needs to use them (each key's 
 NIP-OA tag, mint reference, and when it was made and destroyed: `custody.KeyRecord`).
 Everything else public about an agent is here, in `<state_dir>/directory.db`, written by
 the daemon and the command line and never by custody. A directory record joins the two:
-custody's key record, read without the token through `custody.KeyIndex` (read-only, no
-secret column), and this file's row for the agent.
+custody's key record and this file's row for the agent. The key records come from a
+`KeySource`: in-process, `custody.KeyIndex` (the keystore file read-only, without the
+token, no secret column); with a custodian, the pipeline's copy of the custodian's records
+(`CustodianClient.records`, custody/custodian/records.py: the table's record lookups), so
+the pipeline never opens the keystore file.
 
 Who reads it: policy (requester, target by name, depth), agents.update's rename, the
 minted-key lookup of a failed agents.create, the daemon's startup listing, `agent list`,
@@ -49,7 +52,7 @@ from custody import CustodyError, KeyIndex, KeyRecord
 from daemon.state._sqlite import open_private_db
 
 __all__ = ["AgentDirectory", "AgentRecord", "DirectoryError", "DIRECTORY_FILE",
-           "HUMAN_OWNED_DEPTH", "child_depth"]
+           "HUMAN_OWNED_DEPTH", "KeySource", "child_depth"]
 
 T = TypeVar("T")
 
@@ -109,6 +112,17 @@ class _Placed(Protocol):
     def depth(self) -> int: ...
 
 
+class KeySource(Protocol):
+    """Custody's public key records, read-only (`custody.KeyIndex`, or with a custodian
+    `CustodianClient.records`). Faults are `CustodyError`."""
+
+    def get(self, pubkey: str) -> KeyRecord | None: ...
+    def by_mint_ref(self, mint_ref: str) -> KeyRecord | None: ...
+    def all(self, *, include_deleted: bool = False) -> list[KeyRecord]: ...
+    def v1_names(self) -> dict[str, tuple[str, str | None]]: ...
+    def close(self) -> None: ...
+
+
 class DirectoryError(Exception):
     """The directory could not be read or written; the message names the file."""
 
@@ -145,15 +159,18 @@ class AgentDirectory:
 
     __slots__ = ("_path", "_keys", "_db", "_lock")
 
-    def __init__(self, path: Path, keys: KeyIndex) -> None:
+    def __init__(self, path: Path, keys: KeySource) -> None:
         self._path = path
         self._keys = keys
         self._db: sqlite3.Connection | None = None
         self._lock = threading.Lock()
 
     @classmethod
-    def open(cls, state_dir: Path | str) -> AgentDirectory:
-        return cls(Path(state_dir) / DIRECTORY_FILE, KeyIndex.open(state_dir))
+    def open(cls, state_dir: Path | str, keys: KeySource | None = None) -> AgentDirectory:
+        """The directory of `state_dir`; its key records from `keys` (a custodian's), else
+        from the keystore file in `state_dir`."""
+        return cls(Path(state_dir) / DIRECTORY_FILE,
+                   KeyIndex.open(state_dir) if keys is None else keys)
 
     # --- reads ---------------------------------------------------------------------
 

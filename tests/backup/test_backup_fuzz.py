@@ -1,7 +1,7 @@
 """Fuzz for the one file the custody side parses from outside: a backup (issue 26 item 2).
 
 age authenticates nothing about who wrote a file, so a backup's plaintext is hostile
-(custody/_backup.py). Whatever plaintext anyone who knows a recipient encrypts,
+(custody/_restore.py). Whatever plaintext anyone who knows a recipient encrypts,
 `open_backup` either opens it (every check passed) or refuses it with one `CustodyError`
 line that quotes no secret; nothing else escapes, however deep or broken the JSON. No
 token is needed: opening checks, restoring seals.
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from custody import CustodyError
-from custody._backup import MAX_BACKUP_BYTES, BackupContents, open_backup
+from custody._restore import MAX_BACKUP_BYTES, BackupContents, open_backup
 from tests.custody._secrets import PUB_1, PUB_2, SECRET_1, assert_no_secrets
 
 IDENTITY = pyrage.x25519.Identity.generate()

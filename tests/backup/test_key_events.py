@@ -350,6 +350,7 @@ def _intent(**changes: object) -> KeyEvent:
 @pytest.mark.parametrize("changes", [
     {"op": "XYZ"},
     {"recipients": ()},                                   # a backup names its recipients
+    {"recipients": (), "file": None, "stage": KeyStage.DONE, "agents": 0},  # ... once done
     {"recipients": ("age1notakey",)},
     {"pubkeys": ("ab" * 32,)},                            # an intent moved nothing yet
     {"stage": KeyStage.DONE},                             # a done outcome counts agents

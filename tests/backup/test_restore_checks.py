@@ -25,7 +25,7 @@ import pyrage
 import pytest
 
 from custody import Custody, CustodyError, open_backup, restore_backup, restore_plan
-from custody._backup import BackupContents
+from custody._restore import BackupContents
 
 PERSON = coincurve.PrivateKey().public_key_xonly.format().hex()
 

@@ -21,7 +21,7 @@ GOOD: dict[str, dict[str, object]] = {
     "agents": {"include_deleted": True},
     "chain": {"pubkey": PK},
     "mint": {"owner": PK, "mint_ref": None},
-    "import": {"secret": "00" * 32, "owner": PK, "auth_tag": None},
+    "import": {"secret_bytes": 64, "owner": PK, "auth_tag": None},
     "destroy": {"pubkey": PK},
     "attach_auth": {"pubkey": PK, "tag": ["auth", PK, "", "00"]},
     "sign": {"events": [{"signer": PK, "kind": 9, "created_at": 1, "tags": [["h", "c"]],
@@ -30,6 +30,7 @@ GOOD: dict[str, dict[str, object]] = {
     "memory_address": {"agent": PK, "slug": "core"},
     "encrypt": {"agent": PK, "peer": PK, "plaintexts": [messages.b64(b"x")]},
     "decrypt": {"agent": PK, "peer": PK, "payloads": ["AgAA"]},
+    "backup": {"names": [{"pubkey": PK, "name": "scout", "creator": None}]},
 }
 
 
@@ -43,17 +44,17 @@ def test_every_row_has_a_good_example_and_it_parses() -> None:
 
 
 @pytest.mark.parametrize("body", [
-    b"", b"[]", b"{}", b"\xff", b'{"v":1,"op":"sign","args":{}}',
-    b'{"v":2,"op":"records_version","args":{}}',
+    b"", b"[]", b"{}", b"\xff", b'{"v":2,"op":"sign","args":{}}',
+    b'{"v":1,"op":"records_version","args":{}}',  # the version before this one
     b'{"v":true,"op":"records_version","args":{}}',
-    b'{"v":1,"op":"records_version","args":{},"x":1}',
-    b'{"v":1,"op":"records_version","op":"agents","args":{}}',
-    b'{"v":1,"op":"agent","args":{"pubkey":"' + PK.encode() + b'","include_deleted":0}}',
-    b'{"v":1,"op":"sign_auth","args":{"agent":"' + PK.encode()
+    b'{"v":2,"op":"records_version","args":{},"x":1}',
+    b'{"v":2,"op":"records_version","op":"agents","args":{}}',
+    b'{"v":2,"op":"agent","args":{"pubkey":"' + PK.encode() + b'","include_deleted":0}}',
+    b'{"v":2,"op":"sign_auth","args":{"agent":"' + PK.encode()
     + b'","relay_url":"r","challenge":"c","created_at":1.5}}',
-    b'{"v":1,"op":"memory_address","args":{"agent":"' + PK.upper().encode()
+    b'{"v":2,"op":"memory_address","args":{"agent":"' + PK.upper().encode()
     + b'","slug":"s"}}',
-    b'{"v":1,"op":"encrypt","args":{"agent":"' + PK.encode() + b'","peer":"' + PK.encode()
+    b'{"v":2,"op":"encrypt","args":{"agent":"' + PK.encode() + b'","peer":"' + PK.encode()
     + b'","plaintexts":["not base64!"]}}',
     b'{"v":NaN}', b"[" * 100_000,
 ])
@@ -62,13 +63,27 @@ def test_a_frame_that_breaks_the_table_is_bad_message(body: bytes) -> None:
         messages.decode_request(body)
 
 
+def test_a_secret_never_rides_in_the_json() -> None:
+    """import's secret follows the frame (messages.TAILS); a `secret` member is refused."""
+    from custody._secret import MAX_SECRET_TEXT
+
+    assert messages.TAILS == {"import": "secret_bytes"}
+    assert messages.MAX_SECRET_BYTES == MAX_SECRET_TEXT
+    for args in ({"secret": "00" * 32, "owner": PK, "auth_tag": None},
+                 {"secret_bytes": 64, "secret": "00" * 32, "owner": PK, "auth_tag": None},
+                 {"secret_bytes": 0, "owner": PK, "auth_tag": None},
+                 {"secret_bytes": MAX_SECRET_TEXT + 1, "owner": PK, "auth_tag": None}):
+        with pytest.raises(messages.BadMessage):
+            messages.decode_request(messages.request("import", **args)[messages.HEADER.size:])
+
+
 def test_a_length_over_the_bound_is_refused_before_the_body() -> None:
     with pytest.raises(messages.BadMessage):
         messages.frame_length(messages.HEADER.pack(messages.MAX_FRAME + 1))
 
 
 def _mutations() -> st.SearchStrategy[bytes]:
-    goods = [json.dumps({"v": 1, "op": op, "args": args}).encode() for op, args in GOOD.items()]
+    goods = [json.dumps({"v": messages.VERSION, "op": op, "args": args}).encode() for op, args in GOOD.items()]
     json_values = st.recursive(
         st.none() | st.booleans() | st.integers() | st.text(max_size=70) | st.floats(),
         lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import coincurve
+import pyrage
 import pytest
 
 from buzzwire.nostr import owner_tag_digest
@@ -32,14 +33,14 @@ def _human() -> str:
 async def _exercise(client: CustodianClient, op: str, agent: str, owner: coincurve.PrivateKey,
                     relay_url: str) -> object:
     """One call of the client that sends exactly one `op` request."""
+    # The lookup rows are asked as such: the pipeline's reads answer from its snapshot
+    # (custody/custodian/records.py), which asks records_version and agents.
     if op == "records_version":
-        return client.records_version()
-    if op == "agent":
-        return client.agent(agent)
+        return client.lookup(op)
+    if op in ("agent", "chain"):
+        return client.lookup(op, pubkey=agent, **({"include_deleted": False} if op == "agent" else {}))
     if op == "agents":
-        return client.agents()
-    if op == "chain":
-        return client.chain(agent)
+        return client.lookup(op, include_deleted=False)
     if op == "mint":
         return await client.mint_agent(owner=agent, mint_ref=str(uuid.uuid4()))
     if op == "import":
@@ -63,6 +64,8 @@ async def _exercise(client: CustodianClient, op: str, agent: str, owner: coincur
         return await client.encrypt_to_owner(agent, [b"note"])
     if op == "decrypt":
         return await client.decrypt_from_owner_pair(agent, ["AgAA"])
+    if op == "backup":
+        return await client.backup({agent: ("scout", None)})
     raise AssertionError(op)
 
 
@@ -71,9 +74,11 @@ async def test_sigkill_at_each_message(op: str, custody_state: tuple[TokenConfig
                                        local_relay: str, tmp_path: Path) -> None:
     token, state_dir = custody_state
     socket = tmp_path / "custodian.sock"
+    recipient = str(pyrage.x25519.Identity.generate().to_public())
     custodian = CustodianProcess(write_custodian_config(
         tmp_path / "custodian.toml", token=token, state_dir=state_dir, socket=socket,
-        relay_url=local_relay), socket)
+        relay_url=local_relay, backup={"recipients": [recipient], "dir": str(tmp_path / "b")}),
+        socket)
     # One that dies at `op` serves the setup too, unless the setup is `op` itself.
     custodian.start(kill_after=None if op == "import" else op)
     try:

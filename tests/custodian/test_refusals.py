@@ -24,12 +24,13 @@ from tests.fixtures.custodian import CustodianProcess, write_custodian_config
 NOBODY = 65534
 
 
-def ask(path: Path, op: str, **args: object) -> tuple[bool, object]:
+def ask(path: Path, op: str, /, tail: bytes = b"", **args: object) -> tuple[bool, object]:
+    """One request straight over the socket (`tail`: the raw bytes after the frame)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(10)
         sock.connect(str(path))
         try:
-            sock.sendall(messages.request(op, **args))
+            sock.sendall(messages.request(op, **args) + tail)
         except (BrokenPipeError, ConnectionResetError):
             pass  # a refused peer is answered and closed at once: its answer is still there
         return _answer(sock)

@@ -1,15 +1,18 @@
 """Nothing the custodian writes or answers holds a secret: its stderr, its signed log and
 every answer of a session that imported, signed, derived, encrypted, decrypted, refused
-and broke the table (tests/adversarial/_secrets.py spells each secret every way)."""
+and broke the table (tests/adversarial/_secrets.py spells each secret every way); and an
+import's JSON frames hold no spelling of its secret, which travels only as the frame's raw
+tail (custody/custodian/messages.py, `TAILS`)."""
 
 from __future__ import annotations
 
 import coincurve
+import pytest
 
 from custody.custodian import messages
 from custody.custodian.client import CustodianClient
 from tests.adversarial._secrets import SecretScan, key_secret, text_secret
-from tests.custodian.test_refusals import ask, intent
+from tests.custodian.test_refusals import ask, human, intent
 from tests.fixtures.custodian import CustodianProcess
 
 
@@ -32,9 +35,10 @@ async def test_no_secret_in_the_custodians_log_answers_or_stderr(
         ask(custodian.socket, "memory_address", agent=agent, slug="core"),
         ask(custodian.socket, "encrypt", agent=agent, peer=owner,
             plaintexts=[messages.b64(b"note")]),
-        ask(custodian.socket, "import", secret=secret.secret.hex(), owner=owner, auth_tag=None),
-        ask(custodian.socket, "import", secret="zz" + secret.secret.hex()[2:], owner=owner,
-            auth_tag=None),
+        ask(custodian.socket, "import", tail=secret.secret.hex().encode(), secret_bytes=64,
+            owner=owner, auth_tag=None),
+        ask(custodian.socket, "import", tail=b"zz" + secret.secret.hex()[2:].encode(),
+            secret_bytes=64, owner=owner, auth_tag=None),
         ask(custodian.socket, "destroy", pubkey=agent),  # its sealed copy is scanned too
     ]
     await client.aclose()
@@ -46,3 +50,30 @@ async def test_no_secret_in_the_custodians_log_answers_or_stderr(
         if path.is_file():
             leaks += scan.findings(path.read_bytes(), str(path.name))
     assert not leaks, leaks
+
+
+async def test_an_import_sends_its_secret_only_as_the_frames_tail(
+        custodian: CustodianProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pipeline's import: every JSON frame it sends is scanned for the secret (none),
+    the key arrives whole (the custodian derives the same pubkey from the tail), and the
+    caller's buffer is zero afterwards."""
+    scan = SecretScan()
+    secret = coincurve.PrivateKey()
+    scan.add(key_secret("agent", secret.secret.hex()))
+    frames: list[bytes] = []
+    real = messages.request
+
+    def recording(op: str, **args: object) -> bytes:
+        frame = real(op, **args)
+        frames.append(frame)
+        return frame
+
+    monkeypatch.setattr(messages, "request", recording)
+    client = CustodianClient(custodian.socket)
+    text = bytearray(secret.secret.hex().encode())
+    record = await client.import_agent(text, owner=human())
+    await client.aclose()
+    assert record.pubkey == secret.public_key_xonly.format().hex()
+    assert text == bytearray(len(text))
+    assert any(b'"op":"import"' in frame for frame in frames)
+    assert not scan.findings(b"".join(frames), "the import's frames")

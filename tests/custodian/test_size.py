@@ -17,7 +17,9 @@ REPO = Path(__file__).resolve().parents[2]
 #: The issue's target for the custodian's closure, and the ceiling this code holds to
 #: now (docs/custodian.md, "Size": the target is not met yet).
 TARGET_LINES = 3000
-CEILING_LINES = 5500
+#: 5,500 before the backup row, which brought custody's export half (custody/_backup.py)
+#: and its writer (custody/custodian/backup.py): about 350 lines with its row and config.
+CEILING_LINES = 5800
 #: Parsers facing agents and the relay that must never load where the keys are.
 NEVER = ("daemon", "h11", "wsproto", "buzz_broker_client", "buzzwire.contract")
 

@@ -1,0 +1,394 @@
+"""Opening a backup (custody/_backup.py writes them) and restoring it. HAZARDOUS.
+
+The mirror of the export: decrypt in memory, check everything, seal each secret under
+this host's KEK, wipe. Version 1 (written before custody held only keys) is still read
+(`_RECORD_READERS`): its record's `name` and `creator` become `public`, its `depth` is
+dropped (the directory derives depth from the owner chain). Each secret is copied from the
+decrypted buffer into a bytearray and decoded by `parse_secret_text` without a `str` of
+it ever existing.
+
+Rules:
+- age authenticates nothing about who wrote a file: anyone who knows a recipient can make
+  one. `open_backup` therefore treats the plaintext as hostile: bounded sizes, every field
+  checked, each secret must derive its record's pubkey, each NIP-OA tag must verify against
+  its owner, no pubkey twice. Any fault refuses the whole backup, naming the entry.
+- `restore_backup` refuses the whole restore (before writing anything) if an agent is held
+  here under another owner, was removed here (its tombstone stays, the key cannot return),
+  its mint reference names another agent, or it would close an ownership cycle (the one
+  check `import_agent` makes, `_ownership`). An agent already held with the same owner is
+  left as it is ("already held").
+- Errors are `CustodyError` with one line that never quotes a secret. pyrage's own error
+  text is not passed on (only "does not decrypt with this identity").
+- pyrage returns immutable `bytes`: the plaintext exists once as a `bytes` object, zeroed
+  in place by `wipe_bytes` right after it is copied. The age identity passes through a
+  `str` (the only form pyrage takes).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType, TracebackType
+from typing import TYPE_CHECKING
+
+import pyrage
+
+from custody._backup import MAX_PUBLIC_BYTES, PREFIX, _canonical, _SECRET_HEX, _zero
+from custody._errors import CustodyError
+from custody._keystore import KeyRecord
+from custody._ownership import owned_through
+from custody._secp256k1 import is_xonly_pubkey, xonly_pubkey
+from custody._sealed import seal
+from custody._secret import Secret, parse_secret_text, wipe_bytes
+from custody._signer import CONDITIONS_FAULT, owner_tag_fault
+from buzzwire.nostr import is_hex64
+
+if TYPE_CHECKING:
+    from custody._facade import Custody
+
+__all__ = ["BackupContents", "RestoreResult", "open_backup", "restore_backup", "restore_plan",
+           "MAX_BACKUP_BYTES", "MAX_IDENTITY_BYTES"]
+
+#: A backup's ciphertext is read whole into memory: 64 MiB holds well over 100,000 agents
+#: (about 400 bytes each) and bounds what a hostile file can make us allocate.
+MAX_BACKUP_BYTES = 64 * 1024 * 1024
+#: An identity file from `age-keygen` is about 200 bytes; a few identities fit easily.
+MAX_IDENTITY_BYTES = 16 * 1024
+#: Bounds on a record's public fields (a hostile backup must not smuggle megabytes in).
+MAX_NAME_CHARS = 256
+MAX_MINT_REF_CHARS = 512
+MAX_DEPTH = 1_000
+_KEY_FIELDS = frozenset({"authTag", "createdAt", "mintRef", "owner", "pubkey"})
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    record: KeyRecord
+    #: the caller's public entry, as exported (v1: the name and creator it held)
+    public: Mapping[str, object]
+    #: Where the entry's 64 secret hex digits start in the plaintext buffer.
+    offset: int
+
+
+class BackupContents:
+    """A decrypted, checked backup: public records plus the plaintext buffer holding the
+    secrets. Wipe it (`with` block, or `wipe()`) as soon as the restore is done.
+
+    Only `open_backup` makes one.
+    """
+
+    __slots__ = ("_plaintext", "_entries", "created_at")
+
+    def __init__(self, plaintext: bytearray, entries: tuple[_Entry, ...], created_at: int,
+                 *, _factory: object = None) -> None:
+        if _factory is not _FACTORY:
+            raise TypeError("use custody.open_backup(...)")
+        self._plaintext = plaintext
+        self._entries = entries
+        self.created_at = created_at
+
+    @property
+    def records(self) -> tuple[KeyRecord, ...]:
+        return tuple(entry.record for entry in self._entries)
+
+    def public(self, pubkey: str) -> Mapping[str, object]:
+        """The public entry exported with the agent (`{}` if none, or not in the backup)."""
+        for entry in self._entries:
+            if entry.record.pubkey == pubkey:
+                return entry.public
+        return MappingProxyType({})
+
+    def _secrets(self) -> Iterator[tuple[KeyRecord, Secret]]:
+        """Each entry's record and a fresh Secret the caller wipes (use `with`)."""
+        for entry in self._entries:
+            text = bytearray(_SECRET_HEX)
+            text[:] = memoryview(self._plaintext)[entry.offset : entry.offset + _SECRET_HEX]
+            yield entry.record, parse_secret_text(text)  # zeroes `text`
+
+    def wipe(self) -> None:
+        _zero(self._plaintext)
+
+    def __enter__(self) -> BackupContents:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.wipe()
+
+    def __repr__(self) -> str:
+        return f"BackupContents(<{len(self._entries)} agents, secrets redacted>)"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> str:
+        raise TypeError("a BackupContents cannot be pickled")
+
+
+_FACTORY = object()
+
+
+def _identities(identity_text: bytearray) -> list[pyrage.x25519.Identity]:
+    """The `AGE-SECRET-KEY-1…` lines of an identity file (comments and blanks skipped)."""
+    identities = []
+    lines = identity_text.splitlines()  # bytearrays: zeroed below
+    try:
+        for line in lines:
+            text = line.strip()
+            try:
+                if not text or text.startswith(b"#"):
+                    continue
+                identities.append(pyrage.x25519.Identity.from_str(text.decode("ascii")))
+            except (pyrage.IdentityError, UnicodeDecodeError, ValueError):
+                raise CustodyError("the identity file holds a line that is not an age "
+                                   "X25519 identity (AGE-SECRET-KEY-1…)") from None
+            finally:
+                _zero(text)
+    finally:
+        for line in lines:
+            _zero(line)
+    if not identities:
+        raise CustodyError("the identity file holds no age identity (AGE-SECRET-KEY-1…)")
+    return identities
+
+
+def open_backup(ciphertext: bytes, identity_text: bytearray) -> BackupContents:
+    """Decrypt a backup with the identities in `identity_text` (zeroed here) and check it.
+
+    Checks, every one refusing the whole backup: the format line; each entry's shape and
+    bounds; its secret derives its `pubkey`; its owner is a curve point and not the agent;
+    its NIP-OA tag (if any) is by its owner and verifies; no pubkey appears twice; the
+    header's count matches.
+
+    Raises:
+        CustodyError: too large, does not decrypt with these identities (wrong identity,
+            a damaged or altered file), or the first entry that fails a check (by number
+            and pubkey; never a secret).
+    """
+    try:
+        if len(ciphertext) > MAX_BACKUP_BYTES:
+            raise CustodyError(f"the backup is larger than {MAX_BACKUP_BYTES} bytes")
+        identities = _identities(identity_text)
+    finally:
+        _zero(identity_text)
+    try:
+        decrypted = pyrage.decrypt(ciphertext, identities)
+    except pyrage.DecryptError:
+        raise CustodyError("the backup does not decrypt with this identity (wrong identity, "
+                           "or the file is damaged, altered or not an age file)") from None
+    plaintext = bytearray(decrypted)
+    wipe_bytes(decrypted)
+    try:
+        entries, created_at = _parse(plaintext)
+    except BaseException:
+        _zero(plaintext)
+        raise
+    return BackupContents(plaintext, entries, created_at, _factory=_FACTORY)
+
+
+def _fault(number: int, what: str) -> CustodyError:
+    return CustodyError(f"backup entry {number}: {what}; nothing restored")
+
+
+def _parse(plaintext: bytearray) -> tuple[tuple[_Entry, ...], int]:
+    view = memoryview(plaintext)
+    end = plaintext.find(b"\n")
+    space = plaintext.find(b" ", 0, end)
+    if not plaintext.startswith(PREFIX) or end < 0 or space < 0:
+        raise CustodyError("not a buzz-broker backup (format line missing)")
+    reader = _RECORD_READERS.get(bytes(view[len(PREFIX) : space]))
+    if reader is None:
+        raise CustodyError("a buzz-broker backup of a format this version does not know")
+    try:
+        header = json.loads(bytes(view[space + 1 : end]))
+        count, created_at = header["agents"], header["createdAt"]
+    except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: deep nesting
+        raise CustodyError("not a buzz-broker backup (header unreadable)") from None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+               for v in (count, created_at)):
+        raise CustodyError("not a buzz-broker backup (header unreadable)")
+    entries: list[_Entry] = []
+    seen: set[str] = set()
+    position = end + 1
+    while position < len(plaintext):
+        number = len(entries) + 1
+        end = plaintext.find(b"\n", position)
+        if end < 0 or end - position < _SECRET_HEX + 2 or plaintext[position + _SECRET_HEX] != 0x20:
+            raise _fault(number, "malformed line")
+        record, public = _record(bytes(view[position + _SECRET_HEX + 1 : end]), number, reader)
+        if record.pubkey in seen:
+            raise _fault(number, f"agent {record.pubkey} appears twice")
+        seen.add(record.pubkey)
+        entry = _Entry(record=record, public=public, offset=position)
+        _check_secret(plaintext, entry, number)
+        entries.append(entry)
+        position = end + 1
+    if len(entries) != count:
+        raise CustodyError(f"the backup says {count} agents but holds {len(entries)}")
+    return tuple(entries), created_at
+
+
+def _check_secret(plaintext: bytearray, entry: _Entry, number: int) -> None:
+    text = bytearray(_SECRET_HEX)
+    text[:] = memoryview(plaintext)[entry.offset : entry.offset + _SECRET_HEX]
+    try:
+        with parse_secret_text(text) as secret:
+            derived = xonly_pubkey(secret).hex()
+    except CustodyError:
+        raise _fault(number, "the secret key is malformed") from None
+    if derived != entry.record.pubkey:
+        raise _fault(number, f"the secret key does not derive pubkey {entry.record.pubkey}")
+
+
+def _optional_hex(value: object) -> bool:
+    return value is None or is_hex64(value)
+
+
+def _public_v1(obj: dict[str, object], number: int, pubkey: str) -> dict[str, object]:
+    """A version-1 record's name, creator and depth, checked; name and creator kept."""
+    name, creator, depth = obj["name"], obj["creator"], obj["depth"]
+    if not _optional_hex(creator):
+        raise _fault(number, "a pubkey is not 64 lowercase hex")
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
+        raise _fault(number, f"agent {pubkey}: bad name")
+    if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= MAX_DEPTH:
+        raise _fault(number, f"agent {pubkey}: bad depth")
+    return {"name": name, "creator": creator}
+
+
+def _public_v2(obj: dict[str, object], number: int, pubkey: str) -> dict[str, object]:
+    public = obj["public"]
+    try:
+        fits = isinstance(public, dict) and len(_canonical(public)) <= MAX_PUBLIC_BYTES
+    except RecursionError:  # nested deeper than json.dumps goes
+        fits = False
+    if not fits:
+        raise _fault(number, f"agent {pubkey}: bad public entry")
+    return public
+
+
+@dataclass(frozen=True, slots=True)
+class _RecordReader:
+    """One format version's record: the fields beyond the key's, and how they become the
+    public entry."""
+
+    extra: frozenset[str]
+    public: Callable[[dict[str, object], int, str], dict[str, object]]
+
+
+#: format version (as written on the format line) -> its record reader
+_RECORD_READERS: Mapping[bytes, _RecordReader] = {
+    b"1": _RecordReader(frozenset({"creator", "depth", "name"}), _public_v1),
+    b"2": _RecordReader(frozenset({"public"}), _public_v2),
+}
+
+
+def _record(data: bytes, number: int, reader: _RecordReader
+            ) -> tuple[KeyRecord, Mapping[str, object]]:
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError):  # json refuses deep nesting with RecursionError
+        raise _fault(number, "the record is not JSON") from None
+    if not isinstance(obj, dict) or set(obj) != _KEY_FIELDS | reader.extra:
+        raise _fault(number, "the record's fields are not the expected ones")
+    pubkey, owner, tag = obj["pubkey"], obj["owner"], obj["authTag"]
+    created_at, mint_ref = obj["createdAt"], obj["mintRef"]
+    if not is_hex64(pubkey) or not is_hex64(owner):
+        raise _fault(number, "a pubkey is not 64 lowercase hex")
+    if owner == pubkey or not is_xonly_pubkey(bytes.fromhex(owner)):
+        raise _fault(number, f"agent {pubkey}: its owner is not a valid owner key")
+    public = reader.public(obj, number, pubkey)
+    if not isinstance(created_at, int) or isinstance(created_at, bool) or created_at < 0:
+        raise _fault(number, f"agent {pubkey}: bad createdAt")
+    if mint_ref is not None and (not isinstance(mint_ref, str)
+                                 or not 0 < len(mint_ref) <= MAX_MINT_REF_CHARS):
+        raise _fault(number, f"agent {pubkey}: bad mintRef")
+    auth_tag: tuple[str, str, str, str] | None = None
+    if tag is not None:
+        if not isinstance(tag, list) or not all(isinstance(t, str) for t in tag):
+            raise _fault(number, f"agent {pubkey}: its NIP-OA tag does not verify against its owner")
+        fault = owner_tag_fault(tag, agent=pubkey, owner=owner)  # conditions too (issue 22 L5)
+        if fault is not None:
+            raise _fault(number, f"agent {pubkey}: " + (
+                fault if fault == CONDITIONS_FAULT
+                else "its NIP-OA tag does not verify against its owner"))
+        auth_tag = (tag[0], tag[1], tag[2], tag[3])
+    record = KeyRecord(pubkey=pubkey, owner=owner, auth_tag=auth_tag, created_at=created_at,
+                       deleted_at=None, mint_ref=mint_ref)
+    return record, MappingProxyType(public)
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreResult:
+    """Public keys restored (sealed here now) and those already held unchanged."""
+
+    restored: tuple[str, ...]
+    already_held: tuple[str, ...]
+
+
+def restore_plan(custody: Custody, contents: BackupContents) -> RestoreResult:
+    """What `restore_backup` would do, from public records only (no token call).
+
+    Raises:
+        CustodyError: an agent held here under another owner, removed here, a mint
+            reference used by another agent here, or an ownership cycle (with the agents
+            held here and the backup's others together: the check `import_agent` makes).
+    """
+    in_backup = {record.pubkey: record.owner for record in contents.records}
+
+    def owner_of(pubkey: str) -> str | None:
+        # The graph as it would be after the restore. A held agent's owner is the same
+        # in both (a different one is refused below), so the backup's answer is right.
+        if pubkey in in_backup:
+            return in_backup[pubkey]
+        existing = custody._keystore.get(pubkey)
+        return None if existing is None else existing.owner
+
+    restored, held = [], []
+    for record in contents.records:
+        existing = custody._keystore.get(record.pubkey)
+        if existing is not None and not existing.live:
+            raise CustodyError(f"agent {record.pubkey} was removed on this host; its tombstone "
+                               "is kept and it cannot return; nothing restored")
+        if existing is not None and existing.owner != record.owner:
+            raise CustodyError(f"agent {record.pubkey} is held here for another owner "
+                               f"({existing.owner}); refusing to overwrite; nothing restored")
+        if existing is not None:
+            held.append(record.pubkey)
+            continue
+        if record.mint_ref is not None:
+            other = custody._keystore.by_mint_ref(record.mint_ref)
+            if other is not None:
+                raise CustodyError(f"agent {record.pubkey}: its mint reference is used here by "
+                                   f"agent {other.pubkey}; refusing to overwrite; nothing restored")
+        if owned_through(record.owner, record.pubkey, owner_of):
+            raise CustodyError(f"agent {record.pubkey}: ownership cycle: it would own its own "
+                               f"owner {record.owner}, directly or through its agents; "
+                               "nothing restored")
+        restored.append(record.pubkey)
+    return RestoreResult(restored=tuple(restored), already_held=tuple(held))
+
+
+async def restore_backup(custody: Custody, contents: BackupContents) -> RestoreResult:
+    """Seal every agent of `contents` not already held under this host's KEK, in one hop.
+
+    The plan is checked again inside the hop (the daemon may have minted meanwhile); every
+    agent is sealed and inserted with its backed-up key record (same pubkey, owner, NIP-OA
+    tag, mint reference); its public entry is the caller's to write (`contents.public`). Each agent is one keystore transaction: a crash midway
+    leaves some restored, and running the restore again finishes the rest.
+
+    Raises:
+        CustodyError: as `restore_plan`; token or keystore faults.
+    """
+    def work() -> RestoreResult:
+        plan = restore_plan(custody, contents)
+        wanted = set(plan.restored)
+        now = int(time.time())
+        for record, secret in contents._secrets():
+            with secret:
+                if record.pubkey in wanted:
+                    custody._keystore.insert(record, seal(custody._token, secret, record.pubkey), now)
+        return plan
+
+    return await custody._hop("restore", work)
