@@ -229,7 +229,7 @@ def test_admin_wrapper_matches_the_unit() -> None:
         assert d[key] == [props[key]], key
     # The PIN: the unit's credential, unless the custodian's drop-in (which clears it) is
     # installed; then none (tests/nspawn runs both cases).
-    pins = re.findall(r'^pin="LoadCredential=(.*)"$', wrapper, re.M)
+    pins = re.findall(r'^\s*pin="LoadCredential=(.*)"$', wrapper, re.M)
     assert pins == [d["LoadCredential"][0], ""], pins
     assert '-p "$pin"' in wrapper
     assert "/etc/systemd/system/buzz-broker.service.d/custodian.conf" in wrapper
