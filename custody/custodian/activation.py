@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import socket
-import stat
 from collections.abc import MutableMapping
 from pathlib import Path
 
@@ -49,9 +48,7 @@ def inherited_socket(path: Path, environ: MutableMapping[str, str] | None = None
     if count != 1:
         raise ActivationError(f"systemd passed {count} sockets; the custodian takes exactly one")
     try:
-        if not stat.S_ISSOCK(os.fstat(_FIRST).st_mode):
-            raise ActivationError("the descriptor systemd passed is not a socket")
-        sock = socket.socket(fileno=_FIRST)
+        sock = socket.socket(fileno=_FIRST)  # ENOTSOCK if it is not one
     except OSError as exc:
         raise ActivationError(f"the socket systemd passed: {exc.strerror}") from None
     sock.set_inheritable(False)
