@@ -25,7 +25,7 @@ The keys are the custodian's (docs/custodian.md): a process of its own that alon
 to the token and signs; the daemon asks it over custodian.sock. Both run under the user's
 own uid, without root, so NOTHING IS SEPARATED here but the process boundary: the daemon
 could read the PIN file and the token itself. The demo says so when it starts; the two-uid
-layout is docs/install.md step 10b.
+layout is docs/install.md step 6b.
 
 It starts nostr-sdk's LocalRelay (the DEVELOPMENT relay, NIP-42 AUTH required, loopback
 only), the custodian (`buzz-broker custodian run/custodian.toml`) and `buzz-broker serve`
@@ -355,7 +355,7 @@ def main() -> int:
         print(f"custodian (the keys, in their own process): {run_dir / 'custodian.sock'} "
               f"(pid {custodian.pid}). Under one uid (yours, no root) NOTHING IS SEPARATED "
               "here but the process: the daemon could read the PIN file and the token "
-              "itself. Two uids: docs/install.md step 10b.")
+              "itself. Two uids: docs/install.md step 6b.")
         agent = _demo_agent(run_dir, cli, env)
         channel_file = run_dir / "channel"
         if not channel_file.exists():
