@@ -526,6 +526,11 @@ def test_the_custodian_step_then_the_first_request_activates_both(installed: Ins
     assert _main_pid(inst, "buzz-broker.service") == daemon
     journal = inst.sh("journalctl -u buzz-custodian.service --no-pager -o cat").stdout
     assert "custodian: listening" in journal, journal[-2000:]
+    out = inst.sh("systemd-analyze security --no-pager buzz-custodian.service").stdout
+    match = re.search(r"Overall exposure level for buzz-custodian\.service: ([0-9.]+)", out)
+    assert match, out[-2000:]
+    print(f"systemd-analyze security of the custodian on systemd 252: {match.group(1)}")
+    assert float(match.group(1)) <= 1.5, out[-2000:]
 
 
 def test_upgrade_then_uninstall(installed: Installed) -> None:
