@@ -18,6 +18,7 @@ from __future__ import annotations
 import ssl
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import trio
 import trio_websocket
@@ -37,9 +38,12 @@ class Check:
 
 
 async def check_token_and_kek(config: Config) -> Check:
-    """Log in to the configured token, find and check the KEK, log out."""
-    from custody import CustodyError, check_token
-
+    """Log in to the configured token, find and check the KEK, log out; where a custodian
+    holds the keys, ask it instead (it listens only once it has logged in and found the
+    KEK, and this process has neither the PIN nor the token's files)."""
+    if config.custody.custodian_socket:
+        return await _check_custodian(Path(config.custody.custodian_socket))
+    from custody import CustodyError, check_token  # loads the PKCS#11 binding: not above
     pkcs11 = config.pkcs11
     try:
         await check_token(pkcs11.token())
@@ -47,6 +51,24 @@ async def check_token_and_kek(config: Config) -> Check:
         return Check("token", False, str(exc))
     return Check("token", True, f"logged in to {pkcs11.token_label!r} (PIN from "
                  f"{pkcs11.pin_origin}); KEK {pkcs11.kek_label!r} found and checked")
+
+
+async def _check_custodian(path: Path) -> Check:
+    from custody import CustodyError
+    from custody.custodian.client import CustodianClient
+
+    try:
+        client = await CustodianClient.open(path)
+    except CustodyError as exc:
+        return Check("token", False, f"custodian at {path}: {exc}")
+    try:
+        held = len(client.agents())
+    except CustodyError as exc:
+        return Check("token", False, f"custodian at {path}: {exc}")
+    finally:
+        await client.aclose()
+    return Check("token", True, f"the custodian at {path} answers (it holds the token login "
+                 f"and the KEK under its own uid; {held} live agent keys)")
 
 
 async def check_relay(config: Config) -> Check:

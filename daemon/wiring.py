@@ -134,7 +134,11 @@ async def running(
         try:
             if config.custody.custodian_socket:
                 # The keys are the custodian's (docs/custodian.md): no token here.
-                custody = await CustodianClient.open(Path(config.custody.custodian_socket))
+                try:
+                    custody = await CustodianClient.open(Path(config.custody.custodian_socket))
+                except CustodyError as exc:  # the line names where it asked
+                    raise StartupError(f"custodian at {config.custody.custodian_socket}: "
+                                       f"{exc}") from None
             else:
                 from custody import Custody  # loads the PKCS#11 binding: only when used
 

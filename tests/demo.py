@@ -6,7 +6,8 @@
 Under ./run/ (kept between runs, so a second `make run` reuses the token, the agent and
 its credential):
   softhsm/        a SoftHSM2 token made by softhsm/make-token (PINs in 0600 files, never shown)
-  broker.toml     the daemon's configuration, pointing at the token and the relay below
+  broker.toml     the daemon's configuration, pointing at the custodian and the relay below
+  custodian.toml  the custodian's configuration (the token; its socket custodian.sock)
   state/          keystore, credentials, ledger (0700)
   agent.pub       the demo agent's public key
   credential      the demo agent's bearer credential (0600), reused while it is active
@@ -18,9 +19,17 @@ its credential):
                   never the credential or the PIN; `source run/env`
   demo.lock, demo.pid   held by the running demo: a second one refuses, `--stop` ends it
   broker.log      the daemon's log, one JSON line per event
+  custodian.log   the custodian's stderr
+
+The keys are the custodian's (docs/custodian.md): a process of its own that alone logs in
+to the token and signs; the daemon asks it over custodian.sock. Both run under the user's
+own uid, without root, so NOTHING IS SEPARATED here but the process boundary: the daemon
+could read the PIN file and the token itself. The demo says so when it starts; the two-uid
+layout is docs/install.md step 6b.
 
 It starts nostr-sdk's LocalRelay (the DEVELOPMENT relay, NIP-42 AUTH required, loopback
-only) and `buzz-broker serve` in the foreground, prints a `curl --unix-socket` command that
+only), the custodian (`buzz-broker custodian run/custodian.toml`) and `buzz-broker serve`
+in the foreground, prints a `curl --unix-socket` command that
 posts a message, runs it, shows the answer, and then watches both until Ctrl-C, `make
 stop`, or one of them dies (which it says, stopping the other).
 
@@ -144,7 +153,7 @@ def stop(run_dir: Path) -> int:
                   f"{STARTUP_SECONDS:.0f} s", file=sys.stderr)
             return 1
         time.sleep(0.1)
-    print(f"make stop: stopped the demo (pid {pid}), its daemon and its relay")
+    print(f"make stop: stopped the demo (pid {pid}), its daemon, custodian and relay")
     return 0
 
 
@@ -178,8 +187,41 @@ def _write_config(run_dir: Path, token: dict[str, str], relay_url: str) -> Path:
         f'pin_file = "{token["pin_file"]}"\n'
         "[relay]\n"
         f'url = "{relay_url}"\n'
+        "[custody]\n"
+        f'custodian_socket = "{run_dir / "custodian.sock"}"\n'
     )
     return config
+
+
+def _write_custodian_config(run_dir: Path, token: dict[str, str], relay_url: str) -> Path:
+    """The custodian's own file: same token, same state directory (one uid: the daemon's
+    directory reads the keystore there); pipeline_uid defaults to this uid."""
+    config = run_dir / "custodian.toml"
+    _private_file(config, (
+        "# Written by `make run` (tests/demo.py): the custodian, under your own uid.\n"
+        "[custodian]\n"
+        f'socket = "{run_dir / "custodian.sock"}"\n'
+        f'state_dir = "{run_dir / "state"}"\n'
+        f'relay_url = "{relay_url}"\n'
+        "[pkcs11]\n"
+        f'module = "{token["module"]}"\n'
+        f'token_label = "{token["token_label"]}"\n'
+        f'pin_file = "{token["pin_file"]}"\n'))
+    return config
+
+
+def _start_custodian(run_dir: Path, cli: list[str], env: dict[str, str]
+                     ) -> subprocess.Popen[bytes]:
+    log = run_dir / "custodian.log"
+    config = run_dir / "custodian.toml"
+    with log.open("ab") as err:
+        custodian = subprocess.Popen([cli[0], "custodian", str(config)], env=env,
+                                     stdout=subprocess.PIPE, stderr=err)
+    assert custodian.stdout is not None
+    if b"listening" not in custodian.stdout.readline():
+        custodian.wait()
+        raise DemoError(f"the custodian did not start (see {log})")
+    return custodian
 
 
 def _demo_agent(run_dir: Path, cli: list[str], env: dict[str, str]) -> str:
@@ -240,11 +282,15 @@ def _write_env(run_dir: Path, token: dict[str, str], config: Path) -> Path:
     return env_file
 
 
-def _watch(relay: subprocess.Popen[str], daemon: subprocess.Popen[bytes], log: Path) -> NoReturn:
-    """Return only by Ctrl-C or SIGTERM; a relay or daemon that dies is said, not hidden."""
+def _watch(relay: subprocess.Popen[str], daemon: subprocess.Popen[bytes], log: Path,
+           custodian: subprocess.Popen[bytes]) -> NoReturn:
+    """Return only by Ctrl-C or SIGTERM; a relay, custodian or daemon that dies is said."""
     while True:
         if (code := relay.poll()) is not None:
             raise DemoError(f"the development relay exited (status {code}); stopping the daemon")
+        if (code := custodian.poll()) is not None:
+            raise DemoError(f"the custodian exited (status {code}; see "
+                            f"{log.with_name('custodian.log')}); stopping the daemon")
         if (code := daemon.poll()) is not None:
             raise DemoError(f"buzz-broker serve exited (status {code}; see {log}); "
                             "stopping the relay")
@@ -292,6 +338,7 @@ def main() -> int:
         cwd=REPO, stdout=subprocess.PIPE, text=True,
     )
     daemon: subprocess.Popen[bytes] | None = None
+    custodian: subprocess.Popen[bytes] | None = None
     try:
         assert relay.stdout is not None
         relay_url = relay.stdout.readline().strip()
@@ -301,8 +348,14 @@ def main() -> int:
               f"(pid {relay.pid})")
 
         config = _write_config(run_dir, token, relay_url)
+        _write_custodian_config(run_dir, token, relay_url)
         cli = [_bin("buzz-broker"), "--config", str(config)]
-        _run([*cli, "keys", "init"], env)
+        _run([*cli, "keys", "init"], env)  # opens the token itself, before the custodian
+        custodian = _start_custodian(run_dir, cli, env)
+        print(f"custodian (the keys, in their own process): {run_dir / 'custodian.sock'} "
+              f"(pid {custodian.pid}). Under one uid (yours, no root) NOTHING IS SEPARATED "
+              "here but the process: the daemon could read the PIN file and the token "
+              "itself. Two uids: docs/install.md step 6b.")
         agent = _demo_agent(run_dir, cli, env)
         channel_file = run_dir / "channel"
         if not channel_file.exists():
@@ -343,17 +396,17 @@ def main() -> int:
             return 0
         print("\nThe broker and the development relay are running. "
               "Ctrl-C or `make stop` stops both.", flush=True)
-        _watch(relay, daemon, log_path)
+        _watch(relay, daemon, log_path, custodian)
     except DemoError as exc:
         print(f"make run: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0
     finally:
-        for process in (daemon, relay):
+        for process in (daemon, custodian, relay):
             if process is not None and process.poll() is None:
                 process.send_signal(signal.SIGTERM)
-        for process in (daemon, relay):
+        for process in (daemon, custodian, relay):
             if process is not None:
                 try:
                     process.wait(timeout=15)

@@ -1,5 +1,5 @@
-"""`make run`'s demo, as a new user would see it: token, relay, agent, credential, daemon, and
-a first `curl` that answers succeeded — in a fresh directory, then again in the same one; a
+"""`make run`'s demo, as a new user would see it: token, relay, custodian, agent, credential,
+daemon, and a first `curl` that answers succeeded (signed by the custodian) — in a fresh directory, then again in the same one; a
 second demo beside a running one, its relay dying, `make stop`, and `run/env` in a fresh
 shell."""
 
@@ -48,6 +48,10 @@ def test_demo_posts_a_first_message_and_runs_again(tmp_path: Path) -> None:
         assert "curl -sS --unix-socket" in done.stdout
         # The printed curl reads its header from a 0600 file: no credential in argv.
         assert f"-H @{run_dir / 'auth-header'}" in done.stdout
+    # The custodian signed it, and the demo says plainly that one uid separates nothing.
+    assert "NOTHING IS SEPARATED" in done.stdout and "custodian" in done.stdout
+    signed = (run_dir / "state" / "custodian" / "signed.jsonl").read_text()
+    assert '"op":"sign"' in signed.replace(" ", "")
     credential = (run_dir / "credential").read_text().strip()
     daemon_log = (run_dir / "broker.log").read_text()
     assert '"event":"verdict"' in daemon_log  # the first request is in the daemon's log

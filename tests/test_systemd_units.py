@@ -222,11 +222,17 @@ def test_admin_wrapper_matches_the_unit() -> None:
     environment and binary, so what it creates the daemon can open."""
     wrapper = (UNITS / "buzz-broker-admin").read_text()
     props = dict(p.split("=", 1) for p in re.findall(r"-p (\S+)", wrapper)
-                 if not p.startswith("Environment="))
+                 if not p.startswith("Environment=") and "=" in p)
     envs = [p.split("=", 1)[1] for p in re.findall(r"-p (Environment=\S+)", wrapper)]
     d = _directives(SERVICE)
-    for key in ("User", "Group", "UMask", "LimitCORE", "LoadCredential"):
+    for key in ("User", "Group", "UMask", "LimitCORE"):
         assert d[key] == [props[key]], key
+    # The PIN: the unit's credential, unless the custodian's drop-in (which clears it) is
+    # installed; then none (tests/nspawn runs both cases).
+    pins = re.findall(r'^\s*pin="LoadCredential=(.*)"$', wrapper, re.M)
+    assert pins == [d["LoadCredential"][0], ""], pins
+    assert '-p "$pin"' in wrapper
+    assert "/etc/systemd/system/buzz-broker.service.d/custodian.conf" in wrapper
     assert sorted(envs) == sorted(d["Environment"])
     binary = d["ExecStart"][0].split()[0]
     assert f'{binary} "$@"' in wrapper

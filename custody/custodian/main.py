@@ -4,7 +4,8 @@
 (custody/custodian/grace.py), beside a running custodian, under the custodian's uid, and exits.
 
 Opens custody (token login, KEK check, keystore), then serves the message table on its
-socket until SIGTERM/SIGINT. A fault opening is one line on stderr and exit 1. Under
+socket until SIGTERM/SIGINT: the socket systemd passed (buzz-custodian.socket: the
+daemon's first request activates it) or, without one, a socket it binds itself. A fault opening is one line on stderr and exit 1. Under
 systemd, `Restart=always` brings it back after a crash; the pipeline's client reconnects
 on its next request (custody/custodian/client.py).
 """
@@ -20,6 +21,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from custody import Custody, CustodyError, harden_process
+from custody.custodian.activation import ActivationError, inherited_socket
 from custody.custodian.config import ConfigError, load
 from custody.custodian.grace import Graveyard
 from custody.custodian.server import Custodian, serve
@@ -29,13 +31,15 @@ __all__ = ["main", "run"]
 
 async def run(config_path: str) -> None:
     config = load(config_path)
+    # Before the token: a unit whose socket is not the configured one fails at once.
+    inherited = inherited_socket(config.settings.socket)
     harden_process()
     custody = await Custody.open(config.token, config.state_dir, config.cache)
     try:
         custodian = Custodian(custody, config.settings)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
-                await nursery.start(serve, custodian)
+                await nursery.start(functools.partial(serve, custodian, inherited=inherited))
                 print("custodian: listening", flush=True)
                 async for _ in signals:
                     nursery.cancel_scope.cancel()
@@ -71,7 +75,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="custodian: %(message)s", stream=sys.stderr)
     try:
         trio.run(work)
-    except (ConfigError, CustodyError) as exc:
+    except (ConfigError, ActivationError, CustodyError) as exc:
         print(f"custodian: {exc}", file=sys.stderr)
         return 1
     return 0

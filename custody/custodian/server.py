@@ -328,20 +328,26 @@ async def _connection(custodian: Custodian, stream: trio.SocketStream,
         await stream.aclose()
 
 
-async def serve(custodian: Custodian, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-                ) -> None:
-    """Listen on `custodian.settings.socket` until cancelled; started() once listening."""
+async def serve(custodian: Custodian, *, inherited: stdsocket.socket | None = None,
+                task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Listen on `custodian.settings.socket` until cancelled; started() once listening.
+
+    `inherited`: the listening socket systemd bound (custody/custodian/activation.py); its
+    owner and mode are the socket unit's, and it is neither bound nor removed here."""
     path = custodian.settings.socket
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.is_socket():
-        path.unlink()  # a socket left by a killed custodian: nobody can be listening
-    sock = trio.socket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
-    old = os.umask(0o177)  # no moment where the socket is more open than its mode
-    try:
-        await sock.bind(str(path))
-    finally:
-        os.umask(old)
-    os.chmod(path, custodian.settings.socket_mode)
+    if inherited is not None:
+        sock = trio.socket.from_stdlib_socket(inherited)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_socket():
+            path.unlink()  # a socket left by a killed custodian: nobody can be listening
+        sock = trio.socket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
+        old = os.umask(0o177)  # no moment where the socket is more open than its mode
+        try:
+            await sock.bind(str(path))
+        finally:
+            os.umask(old)
+        os.chmod(path, custodian.settings.socket_mode)
     sock.listen(MAX_CONNECTIONS)
     listener = trio.SocketListener(sock)
     active = [0]

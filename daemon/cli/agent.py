@@ -105,7 +105,16 @@ def _with_custody(config: Config, action: Callable[[Custody], Awaitable[T]]) -> 
     from custody import Custody, CustodyError
 
     async def main() -> T:
-        custody = await Custody.open(config.pkcs11.token(), Path(config.state.dir))
+        custody: Custody
+        if config.custody.custodian_socket:
+            # The keys are the custodian's (docs/custodian.md): mint, import and destroy go
+            # through its table, from the pipeline's uid, beside the running daemon.
+            from custody.custodian.client import CustodianClient
+
+            custody = await CustodianClient.open(  # type: ignore[assignment]
+                Path(config.custody.custodian_socket))
+        else:
+            custody = await Custody.open(config.pkcs11.token(), Path(config.state.dir))
         try:
             return await action(custody)
         finally:

@@ -58,6 +58,9 @@ def describe(config: Config) -> str:
 def describe_pin(config: Config) -> str:
     """The ``pin:`` line: where the token PIN will be read from (never the PIN)."""
     pkcs11 = config.pkcs11
+    if config.custody.custodian_socket:
+        return ("pin: none here: the custodian holds the keys "
+                f"({config.custody.custodian_socket}; the PIN is its unit's credential)")
     if pkcs11.pin_file is None:
         return ("pin: none here (no $CREDENTIALS_DIRECTORY/token-pin and no [pkcs11] "
                 "pin_file; under the unit, LoadCredential= provides it)")

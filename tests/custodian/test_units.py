@@ -1,7 +1,8 @@
-"""The custodian's unit and the daemon's drop-in load in systemd (`systemd-analyze verify`
+"""The custodian's units and the daemon's drop-in load in systemd (`systemd-analyze verify`
 prints nothing), score no worse than the daemon's unit, and say what docs/custodian.md
-says: the PIN is the custodian's only, its socket the pipeline's group's only, no network.
-The real-systemd run of both units is not here (tests/nspawn: not extended yet)."""
+says: the PIN is the custodian's only, its socket (bound by PID 1) the pipeline's group's
+only, no network. The real-systemd run of both units is
+tests/nspawn/test_real_systemd.py::test_the_custodian_step_then_the_first_request_activates_both."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tests.test_systemd_units import HOST_UNIT_DIRS, SERVICE, SOCKET, TCP_SOCKET
 
 REPO = Path(__file__).resolve().parents[2]
 UNIT = REPO / "systemd" / "buzz-custodian.service"
+UNIT_SOCKET = REPO / "systemd" / "buzz-custodian.socket"
 DROPIN = REPO / "systemd" / "buzz-broker.service.d" / "custodian.conf"
 ANALYZE = shutil.which("systemd-analyze")
 needs_analyze = pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze not installed")
@@ -23,12 +25,21 @@ needs_analyze = pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze not 
 def test_the_pin_moves_to_the_custodian_and_the_network_does_not() -> None:
     unit, dropin = _directives(UNIT), _directives(DROPIN)
     assert unit["LoadCredential"] == ["token-pin:/etc/buzz-broker/token-pin"]
-    assert dropin["LoadCredential"] == [""]
-    assert dropin["Requires"] == ["buzz-custodian.service"]
+    assert dropin["LoadCredential"] == [""] and dropin["UnsetEnvironment"] == ["SOFTHSM2_CONF"]
+    # Socket-activated: the daemon needs the socket; a restarting custodian never stops it.
+    assert dropin["Requires"] == ["buzz-custodian.socket"]
+    assert unit["Requires"] == ["buzz-custodian.socket"]
     assert unit["User"] == ["buzz-custodian"] and unit["Restart"] == ["always"]
     assert unit["RestrictAddressFamilies"] == ["AF_UNIX"] and unit["PrivateNetwork"] == ["yes"]
+    assert "StateDirectory" not in unit  # it would re-own the keystore's group at each start
+    sock = _directives(UNIT_SOCKET)
+    assert sock["ListenStream"] == ["/run/buzz-custodian/custodian.sock"]
+    assert (sock["SocketUser"], sock["SocketGroup"], sock["SocketMode"]) == (
+        ["buzz-custodian"], ["buzz-broker"], ["0660"])
     tmpfiles = (REPO / "systemd" / "buzz-custodian.tmpfiles").read_text()
     assert "d /run/buzz-custodian 2750 buzz-custodian buzz-broker -" in tmpfiles
+    assert "d /var/lib/buzz-custodian 0710 buzz-custodian buzz-broker -" in tmpfiles
+    assert "d /var/lib/buzz-custodian/keys 2750 buzz-custodian buzz-broker -" in tmpfiles
     daemon = _directives(SERVICE)
     for key in ("NoNewPrivileges", "ProtectSystem", "MemoryDenyWriteExecute",
                 "SystemCallFilter", "CapabilityBoundingSet", "LimitCORE", "ProtectProc"):
@@ -43,7 +54,7 @@ def test_verify_both_units_prints_nothing(tmp_path: Path) -> None:
     shutil.copytree(host, root / "usr/lib/systemd/system", symlinks=True)
     etc = root / "etc/systemd/system"
     (etc / "buzz-broker.service.d").mkdir(parents=True)
-    for unit in (SERVICE, SOCKET, TCP_SOCKET, UNIT):
+    for unit in (SERVICE, SOCKET, TCP_SOCKET, UNIT, UNIT_SOCKET):
         shutil.copyfile(unit, etc / unit.name)
     shutil.copyfile(DROPIN, etc / "buzz-broker.service.d" / DROPIN.name)
     for exe in ("opt/buzz-broker/venv/bin/buzz-broker", "bin/sh", "usr/bin/systemd-tmpfiles"):
@@ -51,7 +62,8 @@ def test_verify_both_units_prints_nothing(tmp_path: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text("#!/bin/sh\nexit 0\n")
         target.chmod(0o755)
-    proc = subprocess.run([ANALYZE, "verify", f"--root={root}", SERVICE.name, UNIT.name],
+    proc = subprocess.run([ANALYZE, "verify", f"--root={root}", SERVICE.name, UNIT.name,
+                           UNIT_SOCKET.name],
                           capture_output=True, text=True, timeout=60)
     assert proc.stderr == "" and proc.returncode == 0, proc.stderr
 

@@ -7,7 +7,9 @@ the job; `systemctl reload` keeps the PID; restart; SIGKILL and Restart=on-failu
 watchdog restarts a stopped event loop; a uid-bound credential is refused for another uid;
 the outsider cannot reach the socket; the metrics scrape; `systemd-analyze security` <= 1.5;
 `journalctl -p warning` finds the daemon's warnings (the `<N>` prefix); `status` on a
-running and a stopped daemon; upgrade and uninstall.
+running and a stopped daemon; the custodian step (both units, two uids: the first request
+activates both, the daemon has no PIN, no token access, no module mapped; a SIGKILLed
+custodian is restarted by systemd); upgrade and uninstall.
 
 Rules:
 - The doc is the script: `install_blocks()` takes every fenced block that follows an
@@ -74,9 +76,9 @@ TEST_ONLY = {
     "tcp-port": f"the guest's copy of buzz-broker-tcp.socket and the doc's {DOC_TCP} get a "
                 "free port instead (shared network)",
     "watchdog": "a drop-in buzz-broker.service.d/test-watchdog.conf with WatchdogSec=3s",
-    "faults": "a drop-in pointing BUZZ_BROKER_CONFIG at a config whose KEK is missing (failed "
-              "start), SIGKILL, SIGSTOP/SIGCONT (watchdog), and the scout credential copied "
-              "to scout2 (uid binding)",
+    "faults": "a drop-in pointing BUZZ_BROKER_CONFIG at a config whose custodian socket is "
+              "missing (failed start), SIGKILL, SIGSTOP/SIGCONT (watchdog), the scout credential copied "
+              "to scout2 (uid binding), and a SIGKILL of the custodian",
 }
 
 
@@ -107,8 +109,8 @@ def install_blocks(text: str | None = None) -> list[Block]:
 
 #: The steps this test drives, in the doc's order.
 STEPS = ("packages", "program", "units", "agent-group", "token", "config", "check-config",
-         "keys", "agent", "start", "first-request", "check", "metrics", "tcp", "upgrade",
-         "uninstall")
+         "keys", "agent", "custodian", "start", "first-request", "check", "metrics", "tcp",
+         "upgrade", "uninstall")
 
 
 def test_install_doc_is_marked() -> None:
@@ -245,9 +247,14 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
                         f"systemctl daemon-reload && usermod -a -G buzz-agents {SECOND_AGENT}")
         inst.block(blocks["start"])
         inst.facts["before-first-request"] = inst.show("ActiveState")
+        inst.facts["custodian-before-first-request"] = inst.show(
+            "ActiveState", "buzz-custodian.service")
+        inst.facts["custodian-socket-before"] = inst.show("ActiveState", "buzz-custodian.socket")
         inst.facts["socket-dir"] = inst.sh("stat -c '%U:%G %a' /run/buzz-broker").stdout.strip()
         inst.block(blocks["first-request"])
         inst.facts["after-first-request"] = inst.show("ActiveState")
+        inst.facts["custodian-after-first-request"] = inst.show(
+            "ActiveState", "buzz-custodian.service")
         inst.facts["status-text"] = inst.show("StatusText")
         inst.block(blocks["check"])
         yield inst
@@ -278,8 +285,8 @@ def test_type_notify_readiness_and_a_failed_start_fails_the_job(installed: Insta
     assert inst.show("ActiveState") == "active" and inst.show("SubState") == "running"
     assert inst.call(AGENT).returncode == 0
 
-    # A config whose KEK does not exist: the daemon exits before READY=1.
-    inst.sh("sed 's/^token_label = .*/&\\nkek_label = \"no-such-kek\"/' "
+    # A config whose custodian socket does not exist: the daemon exits before READY=1.
+    inst.sh("sed 's|^custodian_socket = .*|custodian_socket = \"/run/buzz-custodian/no-such.sock\"|' "
             "/etc/buzz-broker/broker.toml > /etc/buzz-broker/broken.toml && "
             "chmod 0644 /etc/buzz-broker/broken.toml && "
             "printf '[Service]\\nEnvironment=BUZZ_BROKER_CONFIG=/etc/buzz-broker/broken.toml\\n'"
@@ -289,7 +296,7 @@ def test_type_notify_readiness_and_a_failed_start_fails_the_job(installed: Insta
         failed = inst.sh("systemctl start buzz-broker.service", check=False)
         assert failed.returncode != 0, failed.text()
         journal = inst.sh("journalctl -u buzz-broker.service --no-pager -n 20 -o cat").stdout
-        assert "no-such-kek" in journal or "KEK" in journal, journal
+        assert "no-such.sock" in journal, journal
     finally:
         inst.sh("systemctl stop buzz-broker.service; "
                 "rm -f /etc/systemd/system/buzz-broker.service.d/test-broken.conf "
@@ -469,6 +476,61 @@ def test_status_running_then_stopped(installed: Installed) -> None:
     assert stopped.returncode == 3, stopped.text()
     assert re.search(r"^daemon: +stopped$", stopped.stdout, re.M)
     assert inst.show("ActiveState") == "inactive"  # status did not activate the socket
+
+
+def _main_pid(inst: Installed, unit: str) -> str:
+    pid = inst.show("MainPID", unit)
+    assert pid not in ("", "0"), f"{unit} has no main process"
+    return pid
+
+
+def test_the_custodian_step_then_the_first_request_activates_both(installed: Installed) -> None:
+    """docs/install.md step 6b: both units, two uids; the agent's first request starts
+    the daemon, whose start starts the custodian; the daemon has no PIN, cannot open the
+    token's files and does not map the module; a SIGKILLed custodian is back by systemd."""
+    inst = installed
+    facts = inst.facts
+    assert (facts["before-first-request"], facts["custodian-before-first-request"],
+            facts["custodian-socket-before"]) == ("inactive", "inactive", "active"), facts
+    assert (facts["after-first-request"], facts["custodian-after-first-request"]) == (
+        "active", "active"), facts
+    assert inst.call(AGENT).returncode == 0  # running again after the tests before this one
+    daemon, custodian = _main_pid(inst, "buzz-broker.service"), _main_pid(
+        inst, "buzz-custodian.service")
+    owners = inst.sh(f"stat -c %U /proc/{daemon} /proc/{custodian}").stdout.split()
+    assert owners == ["buzz-broker", "buzz-custodian"], owners
+    # The module is mapped by the custodian only.
+    assert inst.sh(f"grep -c libsofthsm2 /proc/{daemon}/maps", check=False).stdout.strip() == "0"
+    assert int(inst.sh(f"grep -c libsofthsm2 /proc/{custodian}/maps").stdout) > 0
+    # The PIN is the custodian's credential only; the daemon's uid opens neither it nor the token.
+    # (systemctl show prints LoadCredential= as "[unprintable]": look at what was handed over.)
+    assert inst.sh("test ! -e /run/credentials/buzz-broker.service/token-pin && "
+                   "test -e /run/credentials/buzz-custodian.service/token-pin", check=False
+                   ).returncode == 0
+    for path in ("/run/credentials/buzz-custodian.service/token-pin", "/etc/buzz-broker/token-pin",
+                 "/var/lib/buzz-custodian/softhsm/tokens", "/etc/buzz-custodian/custodian.toml"):
+        denied = inst.sh(f"runuser -u buzz-broker -- ls -d {path}/* {path} >/dev/null 2>&1 || "
+                         f"runuser -u buzz-broker -- cat {path} >/dev/null", check=False)
+        assert denied.returncode != 0, f"buzz-broker reads {path}"
+    sock = inst.sh("stat -c '%U:%G %a' /run/buzz-custodian/custodian.sock").stdout.strip()
+    assert sock == "buzz-custodian:buzz-broker 660", sock
+    # An agent cannot even reach the custodian's socket (not in the group buzz-broker).
+    reach = inst.sh("python3 -c 'import socket; s = socket.socket(socket.AF_UNIX); "
+                    "s.connect(\"/run/buzz-custodian/custodian.sock\")'", user=AGENT, check=False)
+    assert reach.returncode != 0 and "Permission denied" in reach.text(), reach.text()
+    # Who restarts it: systemd (Restart=always); the daemon keeps its PID and reconnects.
+    inst.sh(f"kill -KILL {custodian}")
+    inst.wait_for("the custodian restarted", lambda: inst.show(
+        "MainPID", "buzz-custodian.service") not in ("", "0", custodian))
+    assert inst.call(AGENT, content="after a SIGKILL of the custodian").returncode == 0
+    assert _main_pid(inst, "buzz-broker.service") == daemon
+    journal = inst.sh("journalctl -u buzz-custodian.service --no-pager -o cat").stdout
+    assert "custodian: listening" in journal, journal[-2000:]
+    out = inst.sh("systemd-analyze security --no-pager buzz-custodian.service").stdout
+    match = re.search(r"Overall exposure level for buzz-custodian\.service: ([0-9.]+)", out)
+    assert match, out[-2000:]
+    print(f"systemd-analyze security of the custodian on systemd 252: {match.group(1)}")
+    assert float(match.group(1)) <= 1.5, out[-2000:]
 
 
 def test_upgrade_then_uninstall(installed: Installed) -> None:
