@@ -36,7 +36,9 @@ _process (core dumps off, undumpable), _worker (the one token thread),
 _token (PKCS#11: login, KEKs, mechanisms, the seal choice), _sealed (blob formats, the two
 seals and the one unseal door with its named defences), _cache (the unsealed-key cache,
 off by default), _keystore (SQLite), _statelock (who may use the state directory),
-_rotation (keys rotate / migrate), _facade (Custody).
+_activekek (the token and KEK the keystore records), _facade (Custody). Run only with the
+daemon stopped or beside it, never by a serving process: _keys (keys init, rotate,
+migrate; the token check), _kekinit (making and destroying KEKs), _rotation.
 
 WARNING: custody refuses to be imported under `python -O`/`-OO`/PYTHONOPTIMIZE. Its own
 code checks every C return with `if`, never `assert`; the refusal is belt and braces for
@@ -66,8 +68,8 @@ _SURFACE: dict[str, str] = {
                      "open_backup", "restore_backup", "restore_plan"), "custody._backup"),
     **dict.fromkeys(("CustodyError", "UnknownAgent", "UnsealFailed"), "custody._errors"),
     "CachePolicy": "custody._cache",
-    **dict.fromkeys(("Custody", "check_token", "init_kek", "init_keys", "rotate_keys"),
-                    "custody._facade"),
+    "Custody": "custody._facade",
+    **dict.fromkeys(("check_token", "init_kek", "init_keys", "rotate_keys"), "custody._keys"),
     **dict.fromkeys(("KeyIndex", "KeyRecord"), "custody._keystore"),
     "MemoryAddress": "custody._memory",
     **dict.fromkeys(("SignedEvent", "UnsignedEvent", "compute_event_id", "owner_tag_digest",
@@ -75,7 +77,8 @@ _SURFACE: dict[str, str] = {
     "harden_process": "custody._process",
     **dict.fromkeys(("read_limited", "read_secret_text"), "custody._secret"),
     **dict.fromkeys(("ROTATION_CHECKPOINTS", "RotationReport"), "custody._rotation"),
-    **dict.fromkeys(("TokenConfig", "TokenReport"), "custody._token"),
+    "TokenConfig": "custody._token",
+    "TokenReport": "custody._kekinit",
 }
 _RENAMED = {"ROTATION_CHECKPOINTS": "CHECKPOINTS"}
 
@@ -114,14 +117,16 @@ if TYPE_CHECKING:
     )
     from custody._cache import CachePolicy
     from custody._errors import CustodyError, UnknownAgent, UnsealFailed
-    from custody._facade import Custody, check_token, init_kek, init_keys, rotate_keys
+    from custody._facade import Custody
+    from custody._kekinit import TokenReport
+    from custody._keys import check_token, init_kek, init_keys, rotate_keys
     from custody._keystore import KeyIndex, KeyRecord
     from custody._memory import MemoryAddress
     from custody._process import harden_process
     from custody._rotation import CHECKPOINTS as ROTATION_CHECKPOINTS
     from custody._rotation import RotationReport
     from custody._secret import read_limited, read_secret_text
-    from custody._token import TokenConfig, TokenReport
+    from custody._token import TokenConfig
 
 __all__ = [
     "MAX_BACKUP_BYTES",

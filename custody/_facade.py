@@ -39,7 +39,7 @@ from typing import TypeVar
 
 from custody._cache import CachePolicy, UnsealedCache
 from custody._errors import CustodyError, UnknownAgent
-from custody._keystore import KeyIndex, KeyRecord, Keystore, read_meta
+from custody._keystore import KeyIndex, KeyRecord, Keystore
 from custody._memory import MEMORY_KIND, MemoryAddress, check_slug, d_tag
 from custody._nip44 import (
     MAX_PLAINTEXT,
@@ -53,14 +53,7 @@ from custody._nip44 import (
 from custody._ownership import owned_through
 from buzzwire.nostr import SignedEvent, UnsignedEvent, is_hex64
 from custody._process import harden_process
-from custody._rotation import (
-    ActiveKek,
-    RotationReport,
-    active_kek,
-    interrupted,
-    require_configured,
-    rotate,
-)
+from custody._activekek import active_kek, interrupted, recorded_kek
 from custody._sealed import seal, unseal
 from custody._statelock import StateLock
 from custody._secp256k1 import is_xonly_pubkey, xonly_pubkey
@@ -68,7 +61,7 @@ from custody._secret import Secret, parse_secret_text, random_secret, wipe_bytes
 from custody._signer import (
     OwnerTag, auth_event, make_owner_tag, owner_tag_fault, sign, with_owner_tag,
 )
-from custody._token import Token, TokenConfig, TokenReport
+from custody._token import Token, TokenConfig
 from custody._worker import in_token_worker
 
 T = TypeVar("T")
@@ -77,7 +70,7 @@ T = TypeVar("T")
 #: the token worker for its whole batch, so the batch is bounded here, not by the caller.
 MAX_PAYLOADS_PER_CALL = 256
 
-__all__ = ["Custody", "init_kek", "init_keys", "rotate_keys"]
+__all__ = ["Custody"]
 
 log = logging.getLogger("buzz_broker.custody")
 
@@ -97,76 +90,6 @@ def _require_owner_point(owner: str) -> None:
         raise CustodyError(
             f"owner {owner} is not a secp256k1 x-only public key (no curve point has this x)"
         )
-
-
-async def init_keys(token: TokenConfig, state_dir: Path | None = None) -> TokenReport:
-    """`buzz-broker keys init`: choose the seal by what the token offers, create the KEK
-    (both halves for encrypt-then-MAC) where absent, else check it.
-
-    With `state_dir`, the KEK is the one its keystore records as active (after a rotation),
-    and a keystore whose keys are in another token is refused.
-
-    Returns:
-        What the token offers, the seal chosen, and which keys were created.
-    Raises:
-        CustodyError: token, PIN or module faults, a forced seal the token lacks, a token
-            that cannot generate a missing key, or a present key that fails its checks.
-    """
-    harden_process()  # the PIN is about to be read: no core, no same-uid ptrace
-    label = token.kek_label
-    if state_dir is not None:
-        label = _recorded_kek(token, Path(state_dir)).kek_label
-    return await in_token_worker(lambda: Token.init_kek(token, label))
-
-
-def _recorded_kek(token: TokenConfig, state_dir: Path) -> ActiveKek:
-    """The active KEK the keystore records (read-only: creates nothing), checked to be in
-    the configured token."""
-    active = active_kek(read_meta(state_dir), token)
-    require_configured(active, token)
-    return active
-
-
-async def init_kek(token: TokenConfig) -> bool:
-    """`init_keys` without a state directory. True if any key was created."""
-    return bool((await init_keys(token)).created)
-
-
-async def rotate_keys(
-    source: TokenConfig,
-    state_dir: Path,
-    *,
-    target: TokenConfig | None = None,
-    new_kek_label: str | None = None,
-    checkpoint: Callable[[str], None] | None = None,
-) -> RotationReport:
-    """`keys rotate` (target None: a new KEK in the same token) and `keys migrate` (the
-    token `target` names). See `_rotation` for the steps and the crash guarantees.
-
-    `checkpoint` is a test seam (the crash tests kill the process there); production
-    passes None.
-
-    Raises:
-        CustodyError: custody in use (the daemon runs), a wrong token, a blob that does
-            not open, a token that refuses; the message says what to do.
-    """
-    harden_process()
-
-    return await in_token_worker(
-        lambda: rotate(source, target or source, Path(state_dir), new_kek_label, checkpoint))
-
-
-async def check_token(token: TokenConfig) -> None:
-    """`check-config --deep` and `status`: log in, find and check the KEK, log out.
-
-    Touches no keystore and creates nothing. Raises CustodyError as `Custody.open` does.
-    """
-    harden_process()  # the PIN is about to be read: no core, no same-uid ptrace
-
-    def work() -> None:
-        Token.open(token).close()
-
-    await in_token_worker(work)
 
 
 class Custody:
@@ -209,7 +132,7 @@ class Custody:
 
         def work() -> Custody:
             # Log in before anything is written: a wrong PIN leaves no state directory.
-            active = _recorded_kek(token, Path(state_dir))
+            active = recorded_kek(token, Path(state_dir))
             opened = Token.open(token, active.kek_label)
             try:
                 lock = StateLock.shared(Path(state_dir))
