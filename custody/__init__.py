@@ -80,7 +80,6 @@ _SURFACE: dict[str, str] = {
     "TokenConfig": "custody._token",
     "TokenReport": "custody._kekinit",
 }
-_RENAMED = {"ROTATION_CHECKPOINTS": "CHECKPOINTS"}
 
 
 def __getattr__(name: str) -> object:
@@ -89,79 +88,38 @@ def __getattr__(name: str) -> object:
         raise AttributeError(f"module 'custody' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(module), _RENAMED.get(name, name))
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
 
-if TYPE_CHECKING:
-    from buzzwire.nostr import (
-        SignedEvent,
-        UnsignedEvent,
-        compute_event_id,
-        owner_tag_digest,
-        verify_event,
-        verify_owner_tag,
-    )
-    from custody._backup import (
-        MAX_BACKUP_BYTES,
-        MAX_IDENTITY_BYTES,
-        MAX_PUBLIC_BYTES,
-        BackupContents,
-        ExportedBackup,
-        RestoreResult,
-        export_backup,
-        open_backup,
-        restore_backup,
-        restore_plan,
-    )
-    from custody._cache import CachePolicy
-    from custody._errors import CustodyError, UnknownAgent, UnsealFailed
-    from custody._facade import Custody
-    from custody._kekinit import TokenReport
-    from custody._keys import check_token, init_kek, init_keys, rotate_keys
-    from custody._keystore import KeyIndex, KeyRecord
-    from custody._memory import MemoryAddress
-    from custody._process import harden_process
-    from custody._rotation import CHECKPOINTS as ROTATION_CHECKPOINTS
-    from custody._rotation import RotationReport
-    from custody._secret import read_limited, read_secret_text
-    from custody._token import TokenConfig
+if TYPE_CHECKING:  # the same surface for type checkers (`X as X`: re-exported names)
+    from buzzwire.nostr import SignedEvent as SignedEvent, UnsignedEvent as UnsignedEvent
+    from buzzwire.nostr import compute_event_id as compute_event_id
+    from buzzwire.nostr import owner_tag_digest as owner_tag_digest
+    from buzzwire.nostr import verify_event as verify_event, verify_owner_tag as verify_owner_tag
+    from custody._backup import MAX_BACKUP_BYTES as MAX_BACKUP_BYTES
+    from custody._backup import MAX_IDENTITY_BYTES as MAX_IDENTITY_BYTES
+    from custody._backup import MAX_PUBLIC_BYTES as MAX_PUBLIC_BYTES
+    from custody._backup import BackupContents as BackupContents, RestoreResult as RestoreResult
+    from custody._backup import ExportedBackup as ExportedBackup, export_backup as export_backup
+    from custody._backup import open_backup as open_backup, restore_backup as restore_backup
+    from custody._backup import restore_plan as restore_plan
+    from custody._cache import CachePolicy as CachePolicy
+    from custody._errors import CustodyError as CustodyError, UnknownAgent as UnknownAgent
+    from custody._errors import UnsealFailed as UnsealFailed
+    from custody._facade import Custody as Custody
+    from custody._kekinit import TokenReport as TokenReport
+    from custody._keys import check_token as check_token, init_kek as init_kek
+    from custody._keys import init_keys as init_keys, rotate_keys as rotate_keys
+    from custody._keystore import KeyIndex as KeyIndex, KeyRecord as KeyRecord
+    from custody._memory import MemoryAddress as MemoryAddress
+    from custody._process import harden_process as harden_process
+    from custody._rotation import ROTATION_CHECKPOINTS as ROTATION_CHECKPOINTS
+    from custody._rotation import RotationReport as RotationReport
+    from custody._secret import read_limited as read_limited
+    from custody._secret import read_secret_text as read_secret_text
+    from custody._token import TokenConfig as TokenConfig
 
-__all__ = [
-    "MAX_BACKUP_BYTES",
-    "MAX_IDENTITY_BYTES",
-    "MAX_PUBLIC_BYTES",
-    "ROTATION_CHECKPOINTS",
-    "KeyIndex",
-    "KeyRecord",
-    "BackupContents",
-    "CachePolicy",
-    "ExportedBackup",
-    "RestoreResult",
-    "export_backup",
-    "open_backup",
-    "restore_backup",
-    "restore_plan",
-    "Custody",
-    "check_token",
-    "CustodyError",
-    "MemoryAddress",
-    "RotationReport",
-    "SignedEvent",
-    "TokenConfig",
-    "TokenReport",
-    "UnknownAgent",
-    "UnsealFailed",
-    "UnsignedEvent",
-    "compute_event_id",
-    "harden_process",
-    "init_kek",
-    "init_keys",
-    "owner_tag_digest",
-    "read_limited",
-    "read_secret_text",
-    "rotate_keys",
-    "verify_event",
-    "verify_owner_tag",
-]
+#: The surface, from the one table above (`from custody import *` would load all of it).
+__all__ = sorted(_SURFACE)

@@ -70,11 +70,12 @@ from custody._statelock import StateLock
 from custody._token import Token, TokenConfig, require_kek_label
 from custody._worker import require_lock
 
-__all__ = ["CHECKPOINTS", "RotationReport", "rotate"]
+__all__ = ["CHECKPOINTS", "ROTATION_CHECKPOINTS", "RotationReport", "rotate"]
 
 log = logging.getLogger("buzz_broker.custody")
 
 CHECKPOINTS = ("planned", "new_kek", "staged", "verified", "swapped", "old_kek_destroyed")
+ROTATION_CHECKPOINTS = CHECKPOINTS  # custody's surface name for them
 
 @dataclass(frozen=True, slots=True)
 class RotationReport:
