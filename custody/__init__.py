@@ -70,8 +70,8 @@ _SURFACE: dict[str, str] = {
     "CachePolicy": "custody._cache",
     "Custody": "custody._facade",
     **dict.fromkeys(("check_token", "init_kek", "init_keys", "rotate_keys"), "custody._keys"),
-    **dict.fromkeys(("KeyIndex", "KeyRecord"), "custody._keystore"),
-    "MemoryAddress": "custody._memory",
+    "KeyIndex": "custody._keystore",
+    **dict.fromkeys(("KeyRecord", "MemoryAddress"), "custody._records"),
     **dict.fromkeys(("SignedEvent", "UnsignedEvent", "compute_event_id", "owner_tag_digest",
                      "verify_event", "verify_owner_tag"), "buzzwire.nostr"),
     "harden_process": "custody._process",
@@ -112,8 +112,8 @@ if TYPE_CHECKING:  # the same surface for type checkers (`X as X`: re-exported n
     from custody._kekinit import TokenReport as TokenReport
     from custody._keys import check_token as check_token, init_kek as init_kek
     from custody._keys import init_keys as init_keys, rotate_keys as rotate_keys
-    from custody._keystore import KeyIndex as KeyIndex, KeyRecord as KeyRecord
-    from custody._memory import MemoryAddress as MemoryAddress
+    from custody._keystore import KeyIndex as KeyIndex
+    from custody._records import KeyRecord as KeyRecord, MemoryAddress as MemoryAddress
     from custody._process import harden_process as harden_process
     from custody._rotation import ROTATION_CHECKPOINTS as ROTATION_CHECKPOINTS
     from custody._rotation import RotationReport as RotationReport

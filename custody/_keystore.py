@@ -65,11 +65,11 @@ import stat
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, TypeAlias
 
 from custody._errors import CustodyError
+from custody._records import KeyRecord
 
 __all__ = ["KeyRecord", "KeyIndex", "Keystore", "KEYSTORE_FILE", "read_meta"]
 
@@ -133,23 +133,6 @@ ALTER TABLE reseal_v2 RENAME TO reseal;
 DROP TABLE {V1_TABLE};
 """
 _PUBLIC_COLUMNS = "pubkey, owner, auth_tag, created_at, deleted_at, mint_ref"
-
-
-@dataclass(frozen=True, slots=True)
-class KeyRecord:
-    """Custody's public facts about one agent key. `deleted_at` is set on a tombstone (the
-    key is destroyed). No secret, and nothing custody does not need (no name, no depth)."""
-
-    pubkey: str
-    owner: str
-    auth_tag: tuple[str, str, str, str] | None
-    created_at: int
-    deleted_at: int | None
-    mint_ref: str | None = None
-
-    @property
-    def live(self) -> bool:
-        return self.deleted_at is None
 
 
 def _record(row: Row) -> KeyRecord:

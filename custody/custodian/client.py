@@ -34,8 +34,7 @@ import trio
 
 from buzzwire.nostr import SignedEvent, UnsignedEvent
 from custody._errors import CustodyError, UnknownAgent, UnsealFailed
-from custody._keystore import KeyRecord
-from custody._memory import MemoryAddress
+from custody._records import KeyRecord, MemoryAddress
 from custody.custodian import messages
 
 __all__ = ["CustodianClient", "CustodianUnavailable", "IntentRefused", "POOL"]
