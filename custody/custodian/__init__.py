@@ -10,7 +10,8 @@ Parts, one job each:
 - `ledger`: its own hash-chained log of what it signed, and per-agent rate bounds.
 - `grace`: destroy's grace period (the sealed copy an operator can recover).
 - `server`: the socket, the peer-uid check, one handler per table row.
-- `config`, `main`: its own configuration file and entry point.
+- `config`, `main`: its own configuration file and entry point; `keys`: the KEK commands
+  run with it stopped (never loaded by the serving process).
 - `client`: the pipeline's side, the only part the daemon imports (it never imports the
   PKCS#11 binding).
 The unseal door, the curve operations, NIP-44/NIP-AE and the token are `custody`'s
