@@ -30,12 +30,12 @@ Surface:
   dumpable) runs inside `Custody.open`/`init_kek`; callers may run it earlier too.
 
 Modules, one job each: _errors, _secret (buffers, wiping, parsing, randomness), _secp256k1
-(low-level curve ops), _signer (events, AUTH, NIP-OA), _nip44 (NIP-44 v2 payloads), _memory
+(low-level curve ops), _signer (events, AUTH, NIP-OA), _nip44 (NIP-44 v2 payloads), _nipae
 (NIP-AE), _backup (age backups and restore), _ownership (the owner graph's cycle check),
 _process (core dumps off, undumpable), _worker (the one token thread),
 _token (PKCS#11: login, KEKs, mechanisms, the seal choice), _sealed (blob formats, the two
 seals and the one unseal door with its named defences), _cache (the unsealed-key cache,
-off by default), _keystore (SQLite), _statelock (who may use the state directory),
+off by default), _records (the public values), _keystore (SQLite), _statelock (who may use the state directory),
 _activekek (the token and KEK the keystore records), _facade (Custody). Run only with the
 daemon stopped or beside it, never by a serving process: _keys (keys init, rotate,
 migrate; the token check), _kekinit (making and destroying KEKs), _rotation.

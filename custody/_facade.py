@@ -40,7 +40,7 @@ from typing import TypeVar
 from custody._cache import CachePolicy, UnsealedCache
 from custody._errors import CustodyError, UnknownAgent
 from custody._keystore import KeyIndex, KeyRecord, Keystore
-from custody._memory import MEMORY_KIND, MemoryAddress, check_slug, d_tag
+from custody._nipae import MEMORY_KIND, MemoryAddress, check_slug, d_tag
 from custody._nip44 import (
     MAX_PLAINTEXT,
     MIN_PLAINTEXT,

@@ -15,6 +15,6 @@ Parts, one job each:
 - `client`: the pipeline's side, the only part the daemon imports (it never imports the
   PKCS#11 binding).
 The unseal door, the curve operations, NIP-44/NIP-AE and the token are `custody`'s
-modules (_sealed, _secp256k1/_signer, _nip44/_memory, _token/_worker), which only this
+modules (_sealed, _secp256k1/_signer, _nip44/_nipae, _token/_worker), which only this
 process opens when a custodian is configured.
 """

@@ -40,7 +40,7 @@ def test_the_in_process_facade_still_loads_it() -> None:
 
 #: Custody's modules that handle a secret, or run only as an operator's command.
 NEVER_IN_THE_PIPELINE = ("custody._secret", "custody._secp256k1", "custody._signer",
-                         "custody._nip44", "custody._memory", "custody._sealed",
+                         "custody._nip44", "custody._nipae", "custody._sealed",
                          "custody._token", "custody._worker", "custody._cache",
                          "custody._facade", "custody._kekinit", "custody._keys",
                          "custody._rotation", "custody._backup", "custody.custodian.server")
