@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 #: The issue's target for the custodian's closure, and the ceiling this code holds to
 #: now (docs/custodian.md, "Size": the target is not met yet).
 TARGET_LINES = 3000
-CEILING_LINES = 5000
+CEILING_LINES = 5200
 #: Parsers facing agents and the relay that must never load where the keys are.
 NEVER = ("daemon", "h11", "wsproto", "buzz_broker_client", "buzzwire.contract")
 
