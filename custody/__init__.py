@@ -67,11 +67,10 @@ _SURFACE: dict[str, str] = {
                      "BackupContents", "ExportedBackup", "RestoreResult", "export_backup",
                      "open_backup", "restore_backup", "restore_plan"), "custody._backup"),
     **dict.fromkeys(("CustodyError", "UnknownAgent", "UnsealFailed"), "custody._errors"),
-    "CachePolicy": "custody._cache",
     "Custody": "custody._facade",
     **dict.fromkeys(("check_token", "init_kek", "init_keys", "rotate_keys"), "custody._keys"),
     "KeyIndex": "custody._keystore",
-    **dict.fromkeys(("KeyRecord", "MemoryAddress"), "custody._records"),
+    **dict.fromkeys(("CachePolicy", "KeyRecord", "MemoryAddress"), "custody._records"),
     **dict.fromkeys(("SignedEvent", "UnsignedEvent", "compute_event_id", "owner_tag_digest",
                      "verify_event", "verify_owner_tag"), "buzzwire.nostr"),
     "harden_process": "custody._process",
@@ -105,7 +104,6 @@ if TYPE_CHECKING:  # the same surface for type checkers (`X as X`: re-exported n
     from custody._backup import ExportedBackup as ExportedBackup, export_backup as export_backup
     from custody._backup import open_backup as open_backup, restore_backup as restore_backup
     from custody._backup import restore_plan as restore_plan
-    from custody._cache import CachePolicy as CachePolicy
     from custody._errors import CustodyError as CustodyError, UnknownAgent as UnknownAgent
     from custody._errors import UnsealFailed as UnsealFailed
     from custody._facade import Custody as Custody
@@ -113,7 +111,8 @@ if TYPE_CHECKING:  # the same surface for type checkers (`X as X`: re-exported n
     from custody._keys import check_token as check_token, init_kek as init_kek
     from custody._keys import init_keys as init_keys, rotate_keys as rotate_keys
     from custody._keystore import KeyIndex as KeyIndex
-    from custody._records import KeyRecord as KeyRecord, MemoryAddress as MemoryAddress
+    from custody._records import CachePolicy as CachePolicy, KeyRecord as KeyRecord
+    from custody._records import MemoryAddress as MemoryAddress
     from custody._process import harden_process as harden_process
     from custody._rotation import ROTATION_CHECKPOINTS as ROTATION_CHECKPOINTS
     from custody._rotation import RotationReport as RotationReport

@@ -35,9 +35,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from custody._cache import CachePolicy, UnsealedCache
 from custody._errors import CustodyError, UnknownAgent
 from custody._keystore import KeyIndex, KeyRecord, Keystore
 from custody._nipae import MEMORY_KIND, MemoryAddress, check_slug, d_tag
@@ -51,6 +50,7 @@ from custody._nip44 import (
     encrypt,
 )
 from custody._ownership import owned_through
+from custody._records import CachePolicy
 from buzzwire.nostr import SignedEvent, UnsignedEvent, is_hex64
 from custody._process import harden_process
 from custody._activekek import active_kek, interrupted, recorded_kek
@@ -63,6 +63,9 @@ from custody._signer import (
 )
 from custody._token import Token, TokenConfig
 from custody._worker import in_token_worker
+
+if TYPE_CHECKING:
+    from custody._cache import UnsealedCache
 
 T = TypeVar("T")
 
@@ -98,8 +101,8 @@ class Custody:
     __slots__ = ("_token", "_keystore", "_index", "_closed", "_now", "_observer", "_lock",
                  "_cache")
 
-    def __init__(self, token: Token, keystore: Keystore, lock: StateLock, cache: UnsealedCache,
-                 *, _factory: object = None) -> None:
+    def __init__(self, token: Token, keystore: Keystore, lock: StateLock,
+                 cache: UnsealedCache | None, *, _factory: object = None) -> None:
         if _factory is not _FACTORY:
             raise TypeError("use `await Custody.open(token_config, state_dir)`")
         self._token = token
@@ -153,7 +156,7 @@ class Custody:
             except BaseException:
                 opened.close()
                 raise
-            return cls(opened, keystore, lock, UnsealedCache(cache), _factory=_FACTORY)
+            return cls(opened, keystore, lock, _cache_for(cache), _factory=_FACTORY)
 
         custody = await in_token_worker(work)
         log.info("custody open: token %r, keystore %s", token.token_label, custody._keystore.path)
@@ -168,7 +171,8 @@ class Custody:
 
         def work() -> None:
             try:
-                self._cache.clear()
+                if self._cache is not None:
+                    self._cache.clear()
                 self._token.close()
             finally:
                 self._index.close()
@@ -490,7 +494,8 @@ class Custody:
         _require_pubkey("agent", pubkey)
 
         def work() -> KeyRecord | None:
-            self._cache.evict(pubkey)
+            if self._cache is not None:
+                self._cache.evict(pubkey)
             return self._keystore.tombstone(pubkey, self._now())
 
         record = await self._hop("destroy", work)
@@ -591,12 +596,13 @@ class Custody:
         blob = self._keystore.sealed_blob(agent)
         if blob is None:
             raise UnknownAgent(agent)  # destroyed since the caller's check
-        if self._cache.enabled:
+        if self._cache is not None and self._cache.enabled:
             cached = Secret()
             if self._cache.get(agent, blob, cached):
                 return cached
         secret = unseal(self._token, blob, agent)
-        self._cache.put(agent, blob, secret)
+        if self._cache is not None:
+            self._cache.put(agent, blob, secret)
         return secret
 
     def _store(
@@ -631,6 +637,15 @@ class Custody:
 
     def __repr__(self) -> str:
         return f"Custody({self._token!r}, {self._keystore!r}, closed={self._closed})"
+
+
+def _cache_for(policy: CachePolicy) -> UnsealedCache | None:
+    """The unsealed-key cache `policy` asks for; None (and `_cache` never imported) when off."""
+    if not policy.entries:
+        return None
+    from custody._cache import UnsealedCache
+
+    return UnsealedCache(policy)
 
 
 def _open_or_none(key: bytes, payload: str) -> bytes | None:
