@@ -76,7 +76,7 @@ test-tokens: venv
 	if [ -n "$$failed" ]; then echo "custody suite failed on:$$failed"; exit 1; fi
 
 lint: venv
-	$(PY) -m mypy daemon custody client/buzzwire client/buzz_broker_client
+	$(PY) -m mypy daemon custody buzzwire client/buzz_broker_client
 
 run: venv
 	$(PY) -m tests.demo

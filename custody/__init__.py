@@ -30,14 +30,16 @@ Surface:
   dumpable) runs inside `Custody.open`/`init_kek`; callers may run it earlier too.
 
 Modules, one job each: _errors, _secret (buffers, wiping, parsing, randomness), _secp256k1
-(low-level curve ops), _signer (events, AUTH, NIP-OA), _nip44 (NIP-44 v2 payloads), _memory
+(low-level curve ops), _signer (events, AUTH, NIP-OA), _nip44 (NIP-44 v2 payloads), _nipae
 (NIP-AE), _backup (the age backup format and writing one), _restore (opening and
 restoring one), _ownership (the owner graph's cycle check),
 _process (core dumps off, undumpable), _worker (the one token thread),
 _token (PKCS#11: login, KEKs, mechanisms, the seal choice), _sealed (blob formats, the two
 seals and the one unseal door with its named defences), _cache (the unsealed-key cache,
-off by default), _keystore (SQLite), _statelock (who may use the state directory),
-_rotation (keys rotate / migrate), _facade (Custody).
+off by default), _records (the public values), _keystore (SQLite), _statelock (who may use the state directory),
+_activekek (the token and KEK the keystore records), _facade (Custody). Run only with the
+daemon stopped or beside it, never by a serving process: _keys (keys init, rotate,
+migrate; the token check), _kekinit (making and destroying KEKs), _rotation.
 
 WARNING: custody refuses to be imported under `python -O`/`-OO`/PYTHONOPTIMIZE. Its own
 code checks every C return with `if`, never `assert`; the refusal is belt and braces for
@@ -67,19 +69,18 @@ _SURFACE: dict[str, str] = {
                      "RestoreResult", "open_backup", "restore_backup", "restore_plan"),
                     "custody._restore"),
     **dict.fromkeys(("CustodyError", "UnknownAgent", "UnsealFailed"), "custody._errors"),
-    "CachePolicy": "custody._cache",
-    **dict.fromkeys(("Custody", "check_token", "init_kek", "init_keys", "rotate_keys"),
-                    "custody._facade"),
-    **dict.fromkeys(("KeyIndex", "KeyRecord"), "custody._keystore"),
-    "MemoryAddress": "custody._memory",
+    "Custody": "custody._facade",
+    **dict.fromkeys(("check_token", "init_kek", "init_keys", "rotate_keys"), "custody._keys"),
+    "KeyIndex": "custody._keystore",
+    **dict.fromkeys(("CachePolicy", "KeyRecord", "MemoryAddress"), "custody._records"),
     **dict.fromkeys(("SignedEvent", "UnsignedEvent", "compute_event_id", "owner_tag_digest",
                      "verify_event", "verify_owner_tag"), "buzzwire.nostr"),
     "harden_process": "custody._process",
     **dict.fromkeys(("read_limited", "read_secret_text"), "custody._secret"),
     **dict.fromkeys(("ROTATION_CHECKPOINTS", "RotationReport"), "custody._rotation"),
-    **dict.fromkeys(("TokenConfig", "TokenReport"), "custody._token"),
+    "TokenConfig": "custody._token",
+    "TokenReport": "custody._kekinit",
 }
-_RENAMED = {"ROTATION_CHECKPOINTS": "CHECKPOINTS"}
 
 
 def __getattr__(name: str) -> object:
@@ -88,75 +89,38 @@ def __getattr__(name: str) -> object:
         raise AttributeError(f"module 'custody' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(module), _RENAMED.get(name, name))
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
 
-if TYPE_CHECKING:
-    from buzzwire.nostr import (
-        SignedEvent,
-        UnsignedEvent,
-        compute_event_id,
-        owner_tag_digest,
-        verify_event,
-        verify_owner_tag,
-    )
-    from custody._backup import MAX_PUBLIC_BYTES, ExportedBackup, export_backup
-    from custody._restore import (
-        MAX_BACKUP_BYTES,
-        MAX_IDENTITY_BYTES,
-        BackupContents,
-        RestoreResult,
-        open_backup,
-        restore_backup,
-        restore_plan,
-    )
-    from custody._cache import CachePolicy
-    from custody._errors import CustodyError, UnknownAgent, UnsealFailed
-    from custody._facade import Custody, check_token, init_kek, init_keys, rotate_keys
-    from custody._keystore import KeyIndex, KeyRecord
-    from custody._memory import MemoryAddress
-    from custody._process import harden_process
-    from custody._rotation import CHECKPOINTS as ROTATION_CHECKPOINTS
-    from custody._rotation import RotationReport
-    from custody._secret import read_limited, read_secret_text
-    from custody._token import TokenConfig, TokenReport
+if TYPE_CHECKING:  # the same surface for type checkers (`X as X`: re-exported names)
+    from buzzwire.nostr import SignedEvent as SignedEvent, UnsignedEvent as UnsignedEvent
+    from buzzwire.nostr import compute_event_id as compute_event_id
+    from buzzwire.nostr import owner_tag_digest as owner_tag_digest
+    from buzzwire.nostr import verify_event as verify_event, verify_owner_tag as verify_owner_tag
+    from custody._backup import MAX_PUBLIC_BYTES as MAX_PUBLIC_BYTES
+    from custody._backup import ExportedBackup as ExportedBackup, export_backup as export_backup
+    from custody._restore import MAX_BACKUP_BYTES as MAX_BACKUP_BYTES
+    from custody._restore import MAX_IDENTITY_BYTES as MAX_IDENTITY_BYTES
+    from custody._restore import BackupContents as BackupContents, RestoreResult as RestoreResult
+    from custody._restore import open_backup as open_backup, restore_backup as restore_backup
+    from custody._restore import restore_plan as restore_plan
+    from custody._errors import CustodyError as CustodyError, UnknownAgent as UnknownAgent
+    from custody._errors import UnsealFailed as UnsealFailed
+    from custody._facade import Custody as Custody
+    from custody._kekinit import TokenReport as TokenReport
+    from custody._keys import check_token as check_token, init_kek as init_kek
+    from custody._keys import init_keys as init_keys, rotate_keys as rotate_keys
+    from custody._keystore import KeyIndex as KeyIndex
+    from custody._records import CachePolicy as CachePolicy, KeyRecord as KeyRecord
+    from custody._records import MemoryAddress as MemoryAddress
+    from custody._process import harden_process as harden_process
+    from custody._rotation import ROTATION_CHECKPOINTS as ROTATION_CHECKPOINTS
+    from custody._rotation import RotationReport as RotationReport
+    from custody._secret import read_limited as read_limited
+    from custody._secret import read_secret_text as read_secret_text
+    from custody._token import TokenConfig as TokenConfig
 
-__all__ = [
-    "MAX_BACKUP_BYTES",
-    "MAX_IDENTITY_BYTES",
-    "MAX_PUBLIC_BYTES",
-    "ROTATION_CHECKPOINTS",
-    "KeyIndex",
-    "KeyRecord",
-    "BackupContents",
-    "CachePolicy",
-    "ExportedBackup",
-    "RestoreResult",
-    "export_backup",
-    "open_backup",
-    "restore_backup",
-    "restore_plan",
-    "Custody",
-    "check_token",
-    "CustodyError",
-    "MemoryAddress",
-    "RotationReport",
-    "SignedEvent",
-    "TokenConfig",
-    "TokenReport",
-    "UnknownAgent",
-    "UnsealFailed",
-    "UnsignedEvent",
-    "compute_event_id",
-    "harden_process",
-    "init_kek",
-    "init_keys",
-    "owner_tag_digest",
-    "read_limited",
-    "read_secret_text",
-    "rotate_keys",
-    "verify_event",
-    "verify_owner_tag",
-]
+#: The surface, from the one table above (`from custody import *` would load all of it).
+__all__ = sorted(_SURFACE)

@@ -5,7 +5,8 @@ a TPM host signs at most ~100 events a second through one token worker. With the
 an agent's key is unsealed once and reused for a bounded time.
 
 Rules (each one is the exposure it bounds):
-- Off unless `entries` > 0 (config `[pkcs11] unsealed_cache_entries`). At most `entries`
+- Off unless `entries` > 0 (config `[pkcs11] unsealed_cache_entries`; `CachePolicy` is
+  `_records`'), and off, this module is never imported (`_facade`). At most `entries`
   keys are held; the least recently used is wiped to make room.
 - Time-limited from the UNSEAL, not from the last use: a key is held at most `seconds`
   (`unsealed_cache_seconds`) after it left the token, however often it is used; expired
@@ -42,31 +43,13 @@ from typing import Any
 
 from coincurve._libsecp256k1 import ffi
 
+from custody._records import MAX_CACHE_ENTRIES, MAX_CACHE_SECONDS, CachePolicy
 from custody._secret import SECRET_SIZE, Secret
 from custody._worker import require_lock
 
 __all__ = ["CachePolicy", "UnsealedCache", "MAX_CACHE_ENTRIES", "MAX_CACHE_SECONDS"]
 
 log = logging.getLogger("buzz_broker.custody")
-
-#: Bounds the configuration accepts: 64 Ki keys (2 MiB locked), an hour.
-MAX_CACHE_ENTRIES = 65536
-MAX_CACHE_SECONDS = 3600.0
-
-
-@dataclass(frozen=True, slots=True)
-class CachePolicy:
-    """How many unsealed keys may be held, and for how long after their unseal."""
-
-    entries: int = 0
-    seconds: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.entries <= MAX_CACHE_ENTRIES:
-            raise ValueError(f"cache entries must be 0..{MAX_CACHE_ENTRIES}")
-        if self.entries and not 0 < self.seconds <= MAX_CACHE_SECONDS:
-            raise ValueError(f"cache seconds must be in (0, {MAX_CACHE_SECONDS:g}]")
-
 
 @dataclass(slots=True)
 class _Entry:

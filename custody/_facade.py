@@ -35,12 +35,11 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from custody._cache import CachePolicy, UnsealedCache
 from custody._errors import CustodyError, UnknownAgent
-from custody._keystore import KeyIndex, KeyRecord, Keystore, read_meta
-from custody._memory import MEMORY_KIND, MemoryAddress, check_slug, d_tag
+from custody._keystore import KeyIndex, KeyRecord, Keystore
+from custody._nipae import MEMORY_KIND, MemoryAddress, check_slug, d_tag
 from custody._nip44 import (
     MAX_PLAINTEXT,
     MIN_PLAINTEXT,
@@ -51,16 +50,10 @@ from custody._nip44 import (
     encrypt,
 )
 from custody._ownership import owned_through
+from custody._records import CachePolicy
 from buzzwire.nostr import SignedEvent, UnsignedEvent, is_hex64
 from custody._process import harden_process
-from custody._rotation import (
-    ActiveKek,
-    RotationReport,
-    active_kek,
-    interrupted,
-    require_configured,
-    rotate,
-)
+from custody._activekek import active_kek, interrupted, recorded_kek
 from custody._sealed import seal, unseal
 from custody._statelock import StateLock
 from custody._secp256k1 import is_xonly_pubkey, xonly_pubkey
@@ -68,8 +61,11 @@ from custody._secret import Secret, parse_secret_text, random_secret, wipe_bytes
 from custody._signer import (
     OwnerTag, auth_event, make_owner_tag, owner_tag_fault, sign, with_owner_tag,
 )
-from custody._token import Token, TokenConfig, TokenReport
+from custody._token import Token, TokenConfig
 from custody._worker import in_token_worker
+
+if TYPE_CHECKING:
+    from custody._cache import UnsealedCache
 
 T = TypeVar("T")
 
@@ -77,7 +73,7 @@ T = TypeVar("T")
 #: the token worker for its whole batch, so the batch is bounded here, not by the caller.
 MAX_PAYLOADS_PER_CALL = 256
 
-__all__ = ["Custody", "init_kek", "init_keys", "rotate_keys"]
+__all__ = ["Custody"]
 
 log = logging.getLogger("buzz_broker.custody")
 
@@ -99,84 +95,14 @@ def _require_owner_point(owner: str) -> None:
         )
 
 
-async def init_keys(token: TokenConfig, state_dir: Path | None = None) -> TokenReport:
-    """`buzz-broker keys init`: choose the seal by what the token offers, create the KEK
-    (both halves for encrypt-then-MAC) where absent, else check it.
-
-    With `state_dir`, the KEK is the one its keystore records as active (after a rotation),
-    and a keystore whose keys are in another token is refused.
-
-    Returns:
-        What the token offers, the seal chosen, and which keys were created.
-    Raises:
-        CustodyError: token, PIN or module faults, a forced seal the token lacks, a token
-            that cannot generate a missing key, or a present key that fails its checks.
-    """
-    harden_process()  # the PIN is about to be read: no core, no same-uid ptrace
-    label = token.kek_label
-    if state_dir is not None:
-        label = _recorded_kek(token, Path(state_dir)).kek_label
-    return await in_token_worker(lambda: Token.init_kek(token, label))
-
-
-def _recorded_kek(token: TokenConfig, state_dir: Path) -> ActiveKek:
-    """The active KEK the keystore records (read-only: creates nothing), checked to be in
-    the configured token."""
-    active = active_kek(read_meta(state_dir), token)
-    require_configured(active, token)
-    return active
-
-
-async def init_kek(token: TokenConfig) -> bool:
-    """`init_keys` without a state directory. True if any key was created."""
-    return bool((await init_keys(token)).created)
-
-
-async def rotate_keys(
-    source: TokenConfig,
-    state_dir: Path,
-    *,
-    target: TokenConfig | None = None,
-    new_kek_label: str | None = None,
-    checkpoint: Callable[[str], None] | None = None,
-) -> RotationReport:
-    """`keys rotate` (target None: a new KEK in the same token) and `keys migrate` (the
-    token `target` names). See `_rotation` for the steps and the crash guarantees.
-
-    `checkpoint` is a test seam (the crash tests kill the process there); production
-    passes None.
-
-    Raises:
-        CustodyError: custody in use (the daemon runs), a wrong token, a blob that does
-            not open, a token that refuses; the message says what to do.
-    """
-    harden_process()
-
-    return await in_token_worker(
-        lambda: rotate(source, target or source, Path(state_dir), new_kek_label, checkpoint))
-
-
-async def check_token(token: TokenConfig) -> None:
-    """`check-config --deep` and `status`: log in, find and check the KEK, log out.
-
-    Touches no keystore and creates nothing. Raises CustodyError as `Custody.open` does.
-    """
-    harden_process()  # the PIN is about to be read: no core, no same-uid ptrace
-
-    def work() -> None:
-        Token.open(token).close()
-
-    await in_token_worker(work)
-
-
 class Custody:
     """Sealed agent keys under a PKCS#11 token. Create with `await Custody.open(...)`."""
 
     __slots__ = ("_token", "_keystore", "_index", "_closed", "_now", "_observer", "_lock",
                  "_cache")
 
-    def __init__(self, token: Token, keystore: Keystore, lock: StateLock, cache: UnsealedCache,
-                 *, _factory: object = None) -> None:
+    def __init__(self, token: Token, keystore: Keystore, lock: StateLock,
+                 cache: UnsealedCache | None, *, _factory: object = None) -> None:
         if _factory is not _FACTORY:
             raise TypeError("use `await Custody.open(token_config, state_dir)`")
         self._token = token
@@ -209,7 +135,7 @@ class Custody:
 
         def work() -> Custody:
             # Log in before anything is written: a wrong PIN leaves no state directory.
-            active = _recorded_kek(token, Path(state_dir))
+            active = recorded_kek(token, Path(state_dir))
             opened = Token.open(token, active.kek_label)
             try:
                 lock = StateLock.shared(Path(state_dir))
@@ -230,7 +156,7 @@ class Custody:
             except BaseException:
                 opened.close()
                 raise
-            return cls(opened, keystore, lock, UnsealedCache(cache), _factory=_FACTORY)
+            return cls(opened, keystore, lock, _cache_for(cache), _factory=_FACTORY)
 
         custody = await in_token_worker(work)
         log.info("custody open: token %r, keystore %s", token.token_label, custody._keystore.path)
@@ -245,7 +171,8 @@ class Custody:
 
         def work() -> None:
             try:
-                self._cache.clear()
+                if self._cache is not None:
+                    self._cache.clear()
                 self._token.close()
             finally:
                 self._index.close()
@@ -567,7 +494,8 @@ class Custody:
         _require_pubkey("agent", pubkey)
 
         def work() -> KeyRecord | None:
-            self._cache.evict(pubkey)
+            if self._cache is not None:
+                self._cache.evict(pubkey)
             return self._keystore.tombstone(pubkey, self._now())
 
         record = await self._hop("destroy", work)
@@ -668,12 +596,13 @@ class Custody:
         blob = self._keystore.sealed_blob(agent)
         if blob is None:
             raise UnknownAgent(agent)  # destroyed since the caller's check
-        if self._cache.enabled:
+        if self._cache is not None and self._cache.enabled:
             cached = Secret()
             if self._cache.get(agent, blob, cached):
                 return cached
         secret = unseal(self._token, blob, agent)
-        self._cache.put(agent, blob, secret)
+        if self._cache is not None:
+            self._cache.put(agent, blob, secret)
         return secret
 
     def _store(
@@ -708,6 +637,15 @@ class Custody:
 
     def __repr__(self) -> str:
         return f"Custody({self._token!r}, {self._keystore!r}, closed={self._closed})"
+
+
+def _cache_for(policy: CachePolicy) -> UnsealedCache | None:
+    """The unsealed-key cache `policy` asks for; None (and `_cache` never imported) when off."""
+    if not policy.entries:
+        return None
+    from custody._cache import UnsealedCache
+
+    return UnsealedCache(policy)
 
 
 def _open_or_none(key: bytes, payload: str) -> bytes | None:

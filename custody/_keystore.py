@@ -25,7 +25,8 @@ Rules:
 - Two more tables, both public and written only by custody: `custody_meta` (name -> value:
   the active token and KEK after a rotation or migration, and a rotation's plan and
   retiring KEK while one is under way) and `reseal` (a rotation's staged blobs: new
-  ciphertext, swapped in by `swap_staged` in ONE transaction with the meta, or discarded).
+  ciphertext, swapped in by `_rotation.Staging.swap` in ONE transaction with the meta, or
+  discarded).
 
 Schema versions (`PRAGMA user_version`):
   1: table `agents` also held each agent's name, creator and depth.
@@ -64,11 +65,11 @@ import stat
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, Self, TypeAlias
 
 from custody._errors import CustodyError
+from custody._records import KeyRecord
 
 __all__ = ["KeyRecord", "KeyIndex", "Keystore", "KEYSTORE_FILE", "read_meta"]
 
@@ -134,37 +135,11 @@ DROP TABLE {V1_TABLE};
 _PUBLIC_COLUMNS = "pubkey, owner, auth_tag, created_at, deleted_at, mint_ref"
 
 
-@dataclass(frozen=True, slots=True)
-class KeyRecord:
-    """Custody's public facts about one agent key. `deleted_at` is set on a tombstone (the
-    key is destroyed). No secret, and nothing custody does not need (no name, no depth)."""
-
-    pubkey: str
-    owner: str
-    auth_tag: tuple[str, str, str, str] | None
-    created_at: int
-    deleted_at: int | None
-    mint_ref: str | None = None
-
-    @property
-    def live(self) -> bool:
-        return self.deleted_at is None
-
-
 def _record(row: Row) -> KeyRecord:
     pubkey, owner, auth_tag, created_at, deleted_at, mint_ref = row
     tag = tuple(json.loads(auth_tag)) if auth_tag is not None else None
     return KeyRecord(pubkey=pubkey, owner=owner, auth_tag=tag, created_at=created_at,
                      deleted_at=deleted_at, mint_ref=mint_ref)
-
-
-def _write_meta(db: sqlite3.Connection, values: dict[str, str | None]) -> None:
-    for name, value in values.items():
-        if value is None:
-            db.execute("DELETE FROM custody_meta WHERE name = ?", (name,))
-        else:
-            db.execute("INSERT INTO custody_meta (name, value) VALUES (?, ?)"
-                       " ON CONFLICT (name) DO UPDATE SET value = excluded.value", (name, value))
 
 
 def _upgrade_from_1(db: sqlite3.Connection) -> bool:
@@ -242,7 +217,7 @@ class Keystore(_PublicReads):
         self.path = path
 
     @classmethod
-    def open(cls, state_dir: Path) -> Keystore:
+    def open(cls, state_dir: Path) -> Self:
         path = _prepare_dir(state_dir)
         try:
             db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
@@ -374,66 +349,10 @@ class Keystore(_PublicReads):
         record = self.get(pubkey)
         return record if record is not None and record.live else None
 
-    # --- custody's own facts, and the rotation's staging (custody/_rotation.py) --------
+    # --- custody's own facts (the rotation's writes are `_rotation.Staging`'s) ----------
 
     def meta(self) -> dict[str, str]:
         return dict(self._query("SELECT name, value FROM custody_meta"))
-
-    def set_meta(self, values: dict[str, str | None]) -> None:
-        """Set (a str) or clear (None) each name, all in one transaction."""
-        try:
-            with self._transaction() as db:
-                _write_meta(db, values)
-        except sqlite3.Error as exc:
-            raise CustodyError(f"keystore write failed: {exc}") from None
-
-    def live_blobs(self) -> list[tuple[str, bytes]]:
-        """(pubkey, sealed blob) of every live agent."""
-        rows = self._query("SELECT pubkey, sealed FROM keys WHERE deleted_at IS NULL"
-                           " ORDER BY pubkey")
-        return [(pubkey, bytes(sealed)) for pubkey, sealed in rows]
-
-    def stage(self, blobs: list[tuple[str, bytes]]) -> None:
-        """Replace the staging table's contents with `blobs`, in one transaction."""
-        try:
-            with self._transaction() as db:
-                db.execute("DELETE FROM reseal")
-                db.executemany("INSERT INTO reseal (pubkey, sealed) VALUES (?, ?)", blobs)
-        except sqlite3.Error as exc:
-            raise CustodyError(f"keystore write failed: {exc}") from None
-
-    def staged(self) -> list[tuple[str, bytes]]:
-        rows = self._query("SELECT pubkey, sealed FROM reseal ORDER BY pubkey")
-        return [(pubkey, bytes(sealed)) for pubkey, sealed in rows]
-
-    def swap_staged(self, expected: list[tuple[str, bytes]], meta: dict[str, str | None],
-                    now: int) -> None:
-        """In ONE transaction: every live agent's blob becomes its staged blob, `meta` is
-        set, the staging table emptied. `expected` is each live agent's blob the staged one
-        was made from: if any differs, or an agent has no staged blob, nothing changes.
-
-        Raises:
-            CustodyError: the keystore changed since staging, or the write failed.
-        """
-        try:
-            with self._transaction() as db:
-                live = db.execute("SELECT pubkey, sealed FROM keys WHERE deleted_at IS NULL"
-                                  " ORDER BY pubkey").fetchall()
-                if [(p, bytes(b)) for p, b in live] != expected:
-                    raise CustodyError("the keystore changed during the rotation; run it again")
-                changed = db.execute(
-                    "UPDATE keys SET sealed = (SELECT sealed FROM reseal"
-                    " WHERE reseal.pubkey = keys.pubkey), updated_at = ?"
-                    " WHERE deleted_at IS NULL"
-                    " AND pubkey IN (SELECT pubkey FROM reseal)", (now,)).rowcount
-                if changed != len(expected):
-                    raise CustodyError("not every live agent has a resealed blob; run it again")
-                _write_meta(db, meta)
-                db.execute("DELETE FROM reseal")
-        except sqlite3.Error as exc:
-            raise CustodyError(f"keystore write failed: {exc}") from None
-        # The old blobs are still in WAL frames: move the pages home and truncate the WAL.
-        self._checkpoint_truncate()
 
     def close(self) -> None:
         with self._lock:

@@ -48,69 +48,34 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+import sqlite3
 from pathlib import Path
 
+from custody._activekek import (
+    ACTIVE_KEK,
+    ACTIVE_TOKEN,
+    PLAN_KEK,
+    PLAN_TOKEN,
+    RETIRING_KEK,
+    RETIRING_TOKEN,
+    ActiveKek,
+    active_kek,
+    require_configured,
+)
 from custody._errors import CustodyError
+from custody._kekinit import destroy_kek, init_kek, kek_obtainable
 from custody._keystore import Keystore
 from custody._sealed import seal, unseal
 from custody._statelock import StateLock
 from custody._token import Token, TokenConfig, require_kek_label
 from custody._worker import require_lock
 
-__all__ = [
-    "CHECKPOINTS",
-    "ActiveKek",
-    "RotationReport",
-    "active_kek",
-    "rotate",
-]
+__all__ = ["CHECKPOINTS", "ROTATION_CHECKPOINTS", "RotationReport", "rotate"]
 
 log = logging.getLogger("buzz_broker.custody")
 
 CHECKPOINTS = ("planned", "new_kek", "staged", "verified", "swapped", "old_kek_destroyed")
-
-#: custody_meta names (public facts only).
-ACTIVE_TOKEN = "active_token"
-ACTIVE_KEK = "active_kek"
-PLAN_TOKEN = "rotation_target_token"
-PLAN_KEK = "rotation_target_kek"
-RETIRING_TOKEN = "retiring_token"
-RETIRING_KEK = "retiring_kek"
-
-
-@dataclass(frozen=True, slots=True)
-class ActiveKek:
-    """Where the agents' blobs are sealed: a token label and a KEK label in it."""
-
-    token_label: str
-    kek_label: str
-
-
-def active_kek(meta: dict[str, str], config: TokenConfig) -> ActiveKek:
-    """The keystore's record, else (before any rotation) the configured token and KEK."""
-    return ActiveKek(meta.get(ACTIVE_TOKEN, config.token_label),
-                     meta.get(ACTIVE_KEK, config.kek_label))
-
-
-def require_configured(active: ActiveKek, config: TokenConfig) -> None:
-    """Refuse a configuration that names another token than the one holding the keys."""
-    if active.token_label != config.token_label:
-        raise CustodyError(
-            f"the agents' keys are sealed in token {active.token_label!r} (moved by `keys "
-            f"migrate`), not {config.token_label!r}: point [pkcs11] at that token"
-        )
-
-
-def interrupted(meta: dict[str, str]) -> str | None:
-    """What an interrupted rotation or migration left for the next run, if anything."""
-    if RETIRING_KEK in meta:
-        return (f"the old KEK {meta[RETIRING_KEK]!r} in token {meta[RETIRING_TOKEN]!r} "
-                "is not yet recorded as destroyed")
-    if PLAN_KEK in meta:
-        return (f"a rotation to KEK {meta[PLAN_KEK]!r} in token {meta[PLAN_TOKEN]!r} "
-                "did not finish (the agents are still under the old KEK)")
-    return None
-
+ROTATION_CHECKPOINTS = CHECKPOINTS  # custody's surface name for them
 
 @dataclass(frozen=True, slots=True)
 class RotationReport:
@@ -123,6 +88,79 @@ class RotationReport:
     destroyed: tuple[str, ...]
     #: "rotated", or "finished" (an interrupted run's last step was all that was left).
     outcome: str
+
+
+class _Staging(Keystore):
+    """The keystore with the rotation's own writes: custody_meta, and the `reseal` table
+    (the staged blobs, swapped in by ONE transaction). Only a rotation opens it, holding
+    the state directory's lock exclusively."""
+
+    __slots__ = ()
+
+    def set_meta(self, values: dict[str, str | None]) -> None:
+        """Set (a str) or clear (None) each name, all in one transaction."""
+        try:
+            with self._transaction() as db:
+                _write_meta(db, values)
+        except sqlite3.Error as exc:
+            raise CustodyError(f"keystore write failed: {exc}") from None
+
+    def live_blobs(self) -> list[tuple[str, bytes]]:
+        """(pubkey, sealed blob) of every live agent."""
+        rows = self._query("SELECT pubkey, sealed FROM keys WHERE deleted_at IS NULL"
+                           " ORDER BY pubkey")
+        return [(pubkey, bytes(sealed)) for pubkey, sealed in rows]
+
+    def stage(self, blobs: list[tuple[str, bytes]]) -> None:
+        """Replace the staging table's contents with `blobs`, in one transaction."""
+        try:
+            with self._transaction() as db:
+                db.execute("DELETE FROM reseal")
+                db.executemany("INSERT INTO reseal (pubkey, sealed) VALUES (?, ?)", blobs)
+        except sqlite3.Error as exc:
+            raise CustodyError(f"keystore write failed: {exc}") from None
+
+    def staged(self) -> list[tuple[str, bytes]]:
+        rows = self._query("SELECT pubkey, sealed FROM reseal ORDER BY pubkey")
+        return [(pubkey, bytes(sealed)) for pubkey, sealed in rows]
+
+    def swap_staged(self, expected: list[tuple[str, bytes]], meta: dict[str, str | None],
+                    now: int) -> None:
+        """In ONE transaction: every live agent's blob becomes its staged blob, `meta` is
+        set, the staging table emptied. `expected` is each live agent's blob the staged one
+        was made from: if any differs, or an agent has no staged blob, nothing changes.
+
+        Raises:
+            CustodyError: the keystore changed since staging, or the write failed.
+        """
+        try:
+            with self._transaction() as db:
+                live = db.execute("SELECT pubkey, sealed FROM keys WHERE deleted_at IS NULL"
+                                  " ORDER BY pubkey").fetchall()
+                if [(p, bytes(b)) for p, b in live] != expected:
+                    raise CustodyError("the keystore changed during the rotation; run it again")
+                changed = db.execute(
+                    "UPDATE keys SET sealed = (SELECT sealed FROM reseal"
+                    " WHERE reseal.pubkey = keys.pubkey), updated_at = ?"
+                    " WHERE deleted_at IS NULL"
+                    " AND pubkey IN (SELECT pubkey FROM reseal)", (now,)).rowcount
+                if changed != len(expected):
+                    raise CustodyError("not every live agent has a resealed blob; run it again")
+                _write_meta(db, meta)
+                db.execute("DELETE FROM reseal")
+        except sqlite3.Error as exc:
+            raise CustodyError(f"keystore write failed: {exc}") from None
+        # The old blobs are still in WAL frames: move the pages home and truncate the WAL.
+        self._checkpoint_truncate()
+
+
+def _write_meta(db: sqlite3.Connection, values: dict[str, str | None]) -> None:
+    for name, value in values.items():
+        if value is None:
+            db.execute("DELETE FROM custody_meta WHERE name = ?", (name,))
+        else:
+            db.execute("INSERT INTO custody_meta (name, value) VALUES (?, ?)"
+                       " ON CONFLICT (name) DO UPDATE SET value = excluded.value", (name, value))
 
 
 def rotate(source: TokenConfig, target: TokenConfig, state_dir: Path,
@@ -144,7 +182,7 @@ def rotate(source: TokenConfig, target: TokenConfig, state_dir: Path,
     require_lock()
     lock = StateLock.exclusive(state_dir)
     try:
-        keystore = Keystore.open(state_dir)
+        keystore = _Staging.open(state_dir)
         try:
             return _rotate(keystore, source, target, new_kek, checkpoint or (lambda _: None))
         finally:
@@ -153,7 +191,7 @@ def rotate(source: TokenConfig, target: TokenConfig, state_dir: Path,
         lock.release()
 
 
-def _rotate(keystore: Keystore, source: TokenConfig, target: TokenConfig,
+def _rotate(keystore: _Staging, source: TokenConfig, target: TokenConfig,
             new_kek: str | None, checkpoint: Callable[[str], None]) -> RotationReport:
     meta = keystore.meta()
     if RETIRING_KEK in meta:
@@ -167,7 +205,7 @@ def _rotate(keystore: Keystore, source: TokenConfig, target: TokenConfig,
     require_kek_label(label)
     if ActiveKek(target.token_label, label) == current:
         raise CustodyError(f"KEK {label!r} in token {target.token_label!r} is the active one")
-    if not Token.kek_obtainable(target, label):
+    if not kek_obtainable(target, label):
         raise CustodyError(
             f"token {target.token_label!r} cannot generate keys: make the new KEK pair "
             f"(AES-256 and HMAC-SHA256, labels LABEL and LABEL-mac) as docs/install.md says, "
@@ -178,7 +216,7 @@ def _rotate(keystore: Keystore, source: TokenConfig, target: TokenConfig,
                     meta[PLAN_KEK], meta.get(PLAN_TOKEN), label)
     keystore.set_meta({PLAN_TOKEN: target.token_label, PLAN_KEK: label})
     checkpoint("planned")
-    Token.init_kek(target, label)
+    init_kek(target, label)
     checkpoint("new_kek")
 
     source_token = Token.open(source, current.kek_label)
@@ -212,7 +250,7 @@ def _rotate(keystore: Keystore, source: TokenConfig, target: TokenConfig,
     return RotationReport(len(originals), current, new, seal_kind, destroyed, "rotated")
 
 
-def _finish(keystore: Keystore, meta: dict[str, str], source: TokenConfig,
+def _finish(keystore: _Staging, meta: dict[str, str], source: TokenConfig,
             target: TokenConfig, checkpoint: Callable[[str], None]) -> RotationReport:
     """An earlier run committed its swap and died before destroying the old KEK."""
     retiring = ActiveKek(meta[RETIRING_TOKEN], meta[RETIRING_KEK])
@@ -227,11 +265,11 @@ def _finish(keystore: Keystore, meta: dict[str, str], source: TokenConfig,
     return RotationReport(len(keystore.live_blobs()), retiring, new, "", destroyed, "finished")
 
 
-def _destroy_retiring(keystore: Keystore, config: TokenConfig, retiring: ActiveKek,
+def _destroy_retiring(keystore: _Staging, config: TokenConfig, retiring: ActiveKek,
                       checkpoint: Callable[[str], None]) -> tuple[str, ...]:
     if active_kek(keystore.meta(), config) == retiring:
         raise CustodyError("refusing to destroy the active KEK")  # the swap's record says not
-    destroyed = Token.destroy_kek(config, retiring.kek_label)
+    destroyed = destroy_kek(config, retiring.kek_label)
     checkpoint("old_kek_destroyed")
     keystore.set_meta({RETIRING_TOKEN: None, RETIRING_KEK: None})
     return destroyed

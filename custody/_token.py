@@ -31,12 +31,9 @@ The seal, chosen by what the token offers (`choose_seal`, never a silent downgra
   that is or ever was able to leave the token (EXTRACTABLE, not SENSITIVE, not
   ALWAYS_SENSITIVE, not NEVER_EXTRACTABLE), usable without login, and one whose usage
   goes beyond what the seal needs (DERIVE, WRAP, UNWRAP, MODIFIABLE; an HMAC key that can
-  ENCRYPT/DECRYPT), naming the attribute and why. WARNING: `KEK_TEMPLATE` and
-  `MAC_KEY_TEMPLATE` must produce keys the tables accept.
-- Where the token cannot generate keys (a TPM through tpm2-pkcs11), the operator makes
-  both halves (`tpm2_ptool addkey --algorithm=aes256 --key-label=L` and
-  `--algorithm=hmac:sha256 --key-label=L-mac`; docs/install.md) and `keys init` finds
-  and checks them like generated ones.
+  ENCRYPT/DECRYPT), naming the attribute and why. WARNING: `_kekinit`'s templates
+  (`keys init`, rotation: making and destroying KEKs, which the custodian never loads)
+  must produce keys the tables accept.
 - A PKCS#11 error while opening a blob (SoftHSM reports a bad GCM tag or AAD as a generic
   GeneralError) is reported as `UnsealFailed` by the caller, `_sealed`.
 - A handle the token no longer honours (`STALE_HANDLE_ERRORS`: the token was reset, its
@@ -64,14 +61,13 @@ import random
 import secrets
 import stat
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pkcs11
-from pkcs11 import Attribute, KeyType, Mechanism, MechanismFlag, ObjectClass
+from pkcs11 import Attribute, KeyType, Mechanism, ObjectClass
 from pkcs11.mechanisms import GCMParams
 
 from custody._errors import CustodyError
@@ -87,7 +83,6 @@ __all__ = [
     "STALE_HANDLE_ERRORS",
     "Token",
     "TokenConfig",
-    "TokenReport",
     "choose_seal",
     "kek_label_ok",
     "mac_label",
@@ -168,22 +163,6 @@ SEAL_DESCRIPTIONS: dict[str, str] = {
 #: What "auto" takes, first offered first.
 SEAL_PREFERENCE = ("gcm", "etm")
 SEAL_CHOICES = ("auto", *SEAL_PREFERENCE)
-
-#: The templates `keys init` generates with (in addition to label, store and the size).
-KEK_TEMPLATE: dict[Attribute, Any] = {
-    Attribute.SENSITIVE: True,
-    Attribute.EXTRACTABLE: False,
-    Attribute.PRIVATE: True,
-    Attribute.WRAP: False,
-    Attribute.UNWRAP: False,
-    Attribute.DERIVE: False,  # the PKCS#11 default, stated: KEK_REQUIRED refuses true
-    Attribute.MODIFIABLE: False,
-}
-MAC_KEY_TEMPLATE: dict[Attribute, Any] = KEK_TEMPLATE | {
-    Attribute.ENCRYPT: False,
-    Attribute.DECRYPT: False,
-}
-
 
 @dataclass(frozen=True, slots=True)
 class TokenConfig:
@@ -454,16 +433,6 @@ def _release_session(key: tuple[str, str]) -> None:
             log.warning("closing the token session failed (%s)", type(exc).__name__)
 
 
-@contextmanager
-def _logged_in(config: TokenConfig) -> Iterator[Any]:
-    """The process's logged-in session for `config`, held for the block."""
-    key, shared = _acquire_session(config)
-    try:
-        yield shared.session
-    finally:
-        _release_session(key)
-
-
 def _find_key(session: Any, token_label: str, label: str, key_type: Any | None) -> Any | None:
     """The one secret key labelled `label` (of `key_type`, if given), None if there is none.
 
@@ -539,15 +508,6 @@ def _offered_seals(session: Any) -> frozenset[str]:
                      if all(m in mechanisms for m in needed))
 
 
-def _can_generate(session: Any) -> bool:
-    """Whether the token lists the key generation mechanisms both KEK halves need."""
-    try:
-        mechanisms = set(session.token.slot.get_mechanisms())
-    except pkcs11.PKCS11Error:
-        return False
-    return Mechanism.AES_KEY_GEN in mechanisms and Mechanism.GENERIC_SECRET_KEY_GEN in mechanisms
-
-
 def choose_seal(wanted: str, offered: frozenset[str], token_label: str) -> str:
     """The seal new blobs get: `wanted` ("auto", "gcm" or "etm") against what the token offers.
 
@@ -580,18 +540,6 @@ class _Kek:
     mac: Any = field(repr=False, default=None)
 
 
-@dataclass(frozen=True, slots=True)
-class TokenReport:
-    """What `keys init` tells the operator: public facts about the token and its KEK."""
-
-    token_label: str
-    kek_label: str
-    offered: tuple[str, ...]
-    can_generate: bool
-    seal: str
-    created: tuple[str, ...]
-
-
 def _load_kek(session: Any, config: TokenConfig, label: str, seal: str) -> _Kek | None:
     """The KEK pair `label` as `seal` needs it, checked; None if its AES key is absent.
 
@@ -614,19 +562,6 @@ def _load_kek(session: Any, config: TokenConfig, label: str, seal: str) -> _Kek 
         )
     _check_mac_key(mac, mac_label(label))
     return _Kek(aes, mac)
-
-
-def _generate(session: Any, config: TokenConfig, label: str, key_type: Any, bits: int,
-              flags: Any, template: dict[Attribute, Any]) -> Any:
-    try:
-        return session.generate_key(key_type, bits, label=label, store=True,
-                                    capabilities=flags, template=template)
-    except pkcs11.PKCS11Error as exc:
-        raise CustodyError(
-            f"token {config.token_label!r} refused to generate key {label!r} "
-            f"({type(exc).__name__}); on a token that cannot generate keys (a TPM), make "
-            "them as docs/install.md says and run this again"
-        ) from None
 
 
 class Token:
@@ -680,75 +615,6 @@ class Token:
             _release_session(key)
             raise
         return cls(config, key, label, seal, kek, shared.generation)
-
-    @staticmethod
-    def init_kek(config: TokenConfig, kek_label: str | None = None) -> TokenReport:
-        """Create the KEK (both halves for encrypt-then-MAC) where absent, else check it.
-
-        Keys already in the token (a TPM's, made by the operator) are found by label and
-        checked like generated ones; only missing halves are generated.
-
-        Raises:
-            CustodyError: as `open`, or the token refused to generate a missing key.
-        """
-        label = kek_label or config.kek_label
-        require_kek_label(label)
-        with _logged_in(config) as session:
-            offered = _offered_seals(session)
-            seal = choose_seal(config.seal, offered, config.token_label)
-            created: list[str] = []
-            if _find_key(session, config.token_label, label, KeyType.AES) is None:
-                _generate(session, config, label, KeyType.AES, KEK_BITS,
-                          MechanismFlag.ENCRYPT | MechanismFlag.DECRYPT, KEK_TEMPLATE)
-                created.append(label)
-            if seal == "etm" and _find_key(session, config.token_label, mac_label(label),
-                                           None) is None:
-                _generate(session, config, mac_label(label), KeyType.GENERIC_SECRET,
-                          MAC_KEY_BITS, MechanismFlag.SIGN | MechanismFlag.VERIFY,
-                          MAC_KEY_TEMPLATE)
-                created.append(mac_label(label))
-            if _load_kek(session, config, label, seal) is None:
-                raise CustodyError(f"token {config.token_label!r} lost key {label!r}")
-            for made in created:
-                log.info("created key %r in token %r", made, config.token_label)
-            return TokenReport(
-                token_label=config.token_label, kek_label=label,
-                offered=tuple(k for k in SEAL_PREFERENCE if k in offered),
-                can_generate=_can_generate(session), seal=seal, created=tuple(created),
-            )
-
-    @staticmethod
-    def kek_obtainable(config: TokenConfig, label: str) -> bool:
-        """Whether KEK `label` is in the token already or the token can generate it."""
-        with _logged_in(config) as session:
-            return (_find_key(session, config.token_label, label, KeyType.AES) is not None
-                    or _can_generate(session))
-
-    @staticmethod
-    def destroy_kek(config: TokenConfig, label: str) -> tuple[str, ...]:
-        """Destroy KEK `label` (both halves) in `config`'s token. Returns the labels
-        destroyed (none if already gone). The caller makes sure it is not the active KEK
-        (`_rotation`: only a KEK the keystore records as retiring).
-
-        Raises:
-            CustodyError: the token refused to destroy a key.
-        """
-        with _logged_in(config) as session:
-            destroyed = []
-            for name, key_type in ((label, KeyType.AES), (mac_label(label), None)):
-                found = _find_key(session, config.token_label, name, key_type)
-                if found is None:
-                    continue
-                try:
-                    found.destroy()
-                except pkcs11.PKCS11Error as exc:
-                    raise CustodyError(
-                        f"token {config.token_label!r} refused to destroy key {name!r} "
-                        f"({type(exc).__name__})"
-                    ) from None
-                log.info("destroyed key %r in token %r", name, config.token_label)
-                destroyed.append(name)
-            return tuple(destroyed)
 
     # --- the mechanisms `_sealed` builds its seals from ---------------------------------
 

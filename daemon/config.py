@@ -147,7 +147,7 @@ class Pkcs11Config:
     pin_origin: str = "none"
     #: "auto", "gcm" or "etm" (custody._token: the seal new blobs get).
     seal: str = "auto"
-    #: The unsealed-key cache (custody._cache): off at 0 entries.
+    #: The unsealed-key cache (custody._cache, loaded only when on): off at 0 entries.
     unsealed_cache_entries: int = 0
     unsealed_cache_seconds: float = 30.0
 
@@ -564,7 +564,7 @@ _KEYS: tuple[_Key, ...] = (
     _Key("pkcs11", "pin_file", "pin_file", _optional_path, ""),
     _Key("pkcs11", "kek_label", "kek_label", _text, "buzz-broker-kek"),
     _Key("pkcs11", "seal", "seal", _one_of("auto", "gcm", "etm"), "auto"),
-    # Bounds as custody._cache's CachePolicy: 64 Ki keys, an hour.
+    # Bounds as custody's CachePolicy (custody/_records.py): 64 Ki keys, an hour.
     _Key("pkcs11", "unsealed_cache_entries", "unsealed_cache_entries",
          _int_at_least(0, 65536), 0),
     _Key("pkcs11", "unsealed_cache_seconds", "unsealed_cache_seconds",

@@ -87,7 +87,9 @@ def _link_to_headings(text: str) -> str:
 
 def render() -> str:
     # One Returns item a method: its text names the answer types, continued over lines.
-    loader = GriffeLoader(search_paths=[str(REPO / "client")], docstring_parser=Parser.google,
+    # buzz_broker_client is under client/, buzzwire (its own distribution) at the top.
+    loader = GriffeLoader(search_paths=[str(REPO / "client"), str(REPO)],
+                          docstring_parser=Parser.google,
                           docstring_options={"returns_multiple_items": False},
                           allow_inspection=False)
     package = loader.load("buzz_broker_client")

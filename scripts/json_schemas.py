@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "client"))
+sys.path.insert(0, str(REPO))  # buzzwire/ is at the top, its own distribution
 
 from buzzwire.contract import (  # noqa: E402
     ACTIONS, MAX_ABOUT_CHARS, MAX_CONTENT_BYTES, MAX_CURSOR_BYTES, MAX_DISPLAY_NAME_CHARS,

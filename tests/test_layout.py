@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 #: package root (import name) -> folder
 ROOTS = {"daemon": REPO / "daemon", "custody": REPO / "custody",
-         "buzzwire": REPO / "client" / "buzzwire",
+         "buzzwire": REPO / "buzzwire",
          "buzz_broker_client": REPO / "client" / "buzz_broker_client"}
 
 #: (importer prefix, imported prefix, allowed exceptions as (importer, imported) modules)
@@ -65,6 +65,8 @@ def _modules() -> dict[str, Path]:
     for name, root in ROOTS.items():
         for path in sorted(root.rglob("*.py")):
             parts = path.relative_to(root).with_suffix("").parts
+            if "build" in parts or any(p.endswith(".egg-info") for p in parts):
+                continue  # pip's in-tree build of buzzwire/ (its own pyproject.toml)
             if parts[-1] == "__main__":
                 continue  # runs a command when imported
             if parts[-1] == "__init__":

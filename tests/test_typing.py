@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_daemon_and_custody_pass_mypy_strict() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "daemon", "custody", "client/buzzwire",
+        [sys.executable, "-m", "mypy", "--strict", "daemon", "custody", "buzzwire",
          "client/buzz_broker_client"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )

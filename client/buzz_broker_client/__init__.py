@@ -2,9 +2,9 @@
 
 A keyless Buzz agent holds a public key and a bearer credential and asks the broker to act
 for it (agent-broker.md and NIP-BA, linked from README.md; docs/protocol.md for any language, docs/agents.md for this
-package). Install it alone: it needs anyio, h11 and coincurve, and brings `buzzwire` (the
-wire contract and public Nostr checks). It imports nothing from the broker daemon or its
-key custody.
+package). Install it with its one sibling, `pip install ./buzzwire ./client`: it needs anyio,
+h11 and `buzzwire` (the wire contract and public Nostr checks, its own distribution, which
+brings coincurve). It imports nothing from the broker daemon or its key custody.
 
 Modules, one job each:
   client      AsyncBrokerClient: freeze once, retry identical bytes, judge (I4, I5)

@@ -11,10 +11,11 @@ Parts, one job each:
 - `grace`: destroy's grace period (the sealed copy an operator can recover).
 - `backup`: the backup row's file, to the custodian's own recipients and directory.
 - `server`: the socket, the peer-uid check, one handler per table row.
-- `config`, `main`: its own configuration file and entry point.
+- `config`, `main`: its own configuration file and entry point; `keys`: the KEK commands
+  run with it stopped (never loaded by the serving process).
 - `client`: the pipeline's side, the only part the daemon imports (it never imports the
   PKCS#11 binding), with `records`, its snapshot of the public key records.
 The unseal door, the curve operations, NIP-44/NIP-AE and the token are `custody`'s
-modules (_sealed, _secp256k1/_signer, _nip44/_memory, _token/_worker), which only this
+modules (_sealed, _secp256k1/_signer, _nip44/_nipae, _token/_worker), which only this
 process opens when a custodian is configured.
 """

@@ -39,8 +39,7 @@ import trio
 
 from buzzwire.nostr import SignedEvent, UnsignedEvent
 from custody._errors import CustodyError, UnknownAgent, UnsealFailed
-from custody._keystore import KeyRecord
-from custody._memory import MemoryAddress
+from custody._records import KeyRecord, MemoryAddress
 from custody.custodian import messages
 from custody.custodian.records import RecordCache
 

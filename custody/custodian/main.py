@@ -2,6 +2,8 @@
 
 `... FILE --recover PUBKEY` instead brings back a key destroyed within the grace period
 (custody/custodian/grace.py), beside a running custodian, under the custodian's uid, and exits.
+`... FILE keys init|rotate|migrate ...` runs a KEK command with the custodian stopped
+(custody/custodian/keys.py, imported only then: the serving process never loads it).
 
 Opens custody (token login, KEK check, keystore), then serves the message table on its
 socket until SIGTERM/SIGINT: the socket systemd passed (buzz-custodian.socket: the
@@ -62,15 +64,24 @@ async def recover(config_path: str, pubkey: str) -> None:
     print(f"custodian: agent {pubkey} recovered", flush=True)
 
 
+async def keys(config_path: str, words: list[str]) -> None:
+    from custody.custodian import keys as commands
+
+    await commands.run(load(config_path), words)
+
+
 def main(argv: list[str]) -> int:
     args = [a for a in argv if a != "--config"]
     work: Callable[[], Awaitable[None]]
     if len(args) == 3 and args[1] == "--recover":
         work = functools.partial(recover, args[0], args[2])
+    elif len(args) >= 2 and args[1] == "keys":
+        work = functools.partial(keys, args[0], args[2:])
     elif len(args) == 1:
         work = functools.partial(run, args[0])
     else:
-        print("usage: buzz-broker custodian FILE [--recover PUBKEY]", file=sys.stderr)
+        print("usage: buzz-broker custodian FILE [--recover PUBKEY | keys SUBCOMMAND ...]",
+              file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="custodian: %(message)s", stream=sys.stderr)
     try:

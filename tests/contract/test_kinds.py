@@ -10,9 +10,9 @@ from buzzwire import kinds
 from buzzwire.contract import ACTIONS
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = (REPO / "daemon", REPO / "custody", REPO / "client" / "buzzwire",
+PACKAGES = (REPO / "daemon", REPO / "custody", REPO / "buzzwire",
             REPO / "client" / "buzz_broker_client")
-TABLE = REPO / "client" / "buzzwire" / "kinds.py"
+TABLE = REPO / "buzzwire" / "kinds.py"
 
 
 def _numbers(node: ast.expr | None) -> bool:

@@ -1,9 +1,11 @@
 """What the custodian process loads: counted, and held to what docs/custodian.md says.
 
 Rule (printed by the test): every module of this repository in `sys.modules` after
-`import custody.custodian.main` in a fresh interpreter (the custodian's whole import closure; it
-imports nothing later), counted as physical lines of its file (`wc -l`: docstrings,
-comments and blank lines included, as issue 26 counted custody).
+`import custody.custodian.main` in a fresh interpreter (the custodian's whole import closure;
+serving, it imports nothing later but custody/_cache.py, and that only when its
+configuration turns the unsealed-key cache on: the test prints that module's count too),
+counted as physical lines of its file (`wc -l`: docstrings, comments and blank lines
+included, as issue 26 counted custody). `custodian FILE keys ...` is another process.
 """
 
 from __future__ import annotations
@@ -17,9 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 #: The issue's target for the custodian's closure, and the ceiling this code holds to
 #: now (docs/custodian.md, "Size": the target is not met yet).
 TARGET_LINES = 3000
-#: 5,500 before the backup row, which brought custody's export half (custody/_backup.py)
-#: and its writer (custody/custodian/backup.py): about 350 lines with its row and config.
-CEILING_LINES = 5800
+CEILING_LINES = 5200
 #: Parsers facing agents and the relay that must never load where the keys are.
 NEVER = ("daemon", "h11", "wsproto", "buzz_broker_client", "buzzwire.contract")
 
@@ -44,6 +44,9 @@ def test_the_custodians_closure_is_counted_and_bounded() -> None:
           f"wc -l of each); issue 26's target {TARGET_LINES}")
     for module in sorted(counts):
         print(f"  {counts[module]:5d} {module}")
+    cache = len((REPO / "custody" / "_cache.py").read_text(encoding="utf-8").splitlines())
+    print(f"  (+{cache} custody._cache, loaded only with [pkcs11] unsealed_cache_entries set)")
+    assert "custody._cache" not in counts  # off by default, and then never imported
     assert total <= CEILING_LINES
     for name in NEVER:
         assert not any(m == name or m.startswith(name + ".") for m in loaded), name

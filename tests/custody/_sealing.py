@@ -19,6 +19,7 @@ from coincurve._libsecp256k1 import ffi
 from pkcs11 import Attribute, KeyType, MechanismFlag
 
 import custody._sealed as sealed_module
+import custody._kekinit as kekinit_module
 import custody._token as token_module
 from custody import Custody, TokenConfig, UnsealFailed, UnsignedEvent, init_kek
 from custody._secret import Secret
@@ -138,7 +139,7 @@ async def plant_unsafe_kek(config: TokenConfig, label: str, kind: str) -> None:
     def plant() -> None:
         key, shared = token_module._acquire_session(config)
         try:
-            template = dict(token_module.KEK_TEMPLATE) | {Attribute.EXTRACTABLE: True}
+            template = dict(kekinit_module.KEK_TEMPLATE) | {Attribute.EXTRACTABLE: True}
             shared.session.generate_key(KeyType.AES, 256, label=label, store=True,
                                         capabilities=MechanismFlag.ENCRYPT
                                         | MechanismFlag.DECRYPT, template=template)
@@ -146,7 +147,7 @@ async def plant_unsafe_kek(config: TokenConfig, label: str, kind: str) -> None:
                 shared.session.generate_key(
                     KeyType.GENERIC_SECRET, 256, label=token_module.mac_label(label),
                     store=True, capabilities=MechanismFlag.SIGN | MechanismFlag.VERIFY,
-                    template=token_module.MAC_KEY_TEMPLATE)
+                    template=kekinit_module.MAC_KEY_TEMPLATE)
         finally:
             token_module._release_session(key)
 

@@ -13,7 +13,7 @@ import pytest
 
 import custody._facade as facade
 from custody import Custody, UnknownAgent
-from custody._memory import d_tag_of
+from custody._nipae import d_tag_of
 from custody._nip44 import (
     DecryptFailed,
     UnsupportedVersion,

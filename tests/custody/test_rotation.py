@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+import custody._kekinit as kekinit_module
 import custody._token as token_module
 from custody import (
     ROTATION_CHECKPOINTS,
@@ -308,7 +309,7 @@ async def test_a_token_that_cannot_generate_needs_operator_made_keys_and_says_so
     agents = await _populate(config, state)
     made = f"{config.kek_label}-made"
     await init_kek(softhsm_token.config(kek_label=made))  # "tpm2_ptool addkey" (real on a TPM)
-    monkeypatch.setattr(token_module, "_can_generate", lambda session: False)
+    monkeypatch.setattr(kekinit_module, "_can_generate", lambda session: False)
     with pytest.raises(CustodyError, match="cannot generate keys.*--new-kek-label"):
         await rotate_keys(config, state)
     assert "rotation_target_kek" not in _meta(state)

@@ -14,6 +14,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from pkcs11 import Attribute, KeyType, Mechanism, MechanismFlag, ObjectClass
 
 import custody._sealed as sealed_module
+import custody._kekinit as kekinit_module
 import custody._token as token_module
 from custody import Custody, CustodyError, TokenConfig, init_keys
 from custody._token import choose_seal
@@ -211,7 +212,7 @@ async def _plant_pair(config: TokenConfig, *, mac_flags: MechanismFlag,
             shared.session.generate_key(
                 KeyType.AES, 256, label=config.kek_label, store=True,
                 capabilities=MechanismFlag.ENCRYPT | MechanismFlag.DECRYPT,
-                template=token_module.KEK_TEMPLATE)
+                template=kekinit_module.KEK_TEMPLATE)
             shared.session.generate_key(
                 KeyType.GENERIC_SECRET, 256, label=token_module.mac_label(config.kek_label),
                 store=True, capabilities=mac_flags,
@@ -261,7 +262,8 @@ async def test_a_forced_seal_the_token_lacks_is_refused_at_init_and_open(
 ) -> None:
     """A token that lists no AES-GCM (as the TPM, opencryptoki and p11-kit 0.24): "gcm"
     forced is refused; "auto" takes encrypt-then-MAC and says so."""
-    monkeypatch.setattr(token_module, "_offered_seals", lambda session: frozenset({"etm"}))
+    for module in (token_module, kekinit_module):  # Token.open's check, and keys init's
+        monkeypatch.setattr(module, "_offered_seals", lambda session: frozenset({"etm"}))
     forced = config_for(softhsm_token, "gcm", f"nogcm-{tmp_path.name}"[:60])
     with pytest.raises(CustodyError, match="does not offer the mechanisms of seal 'gcm'"):
         await init_keys(forced)

@@ -82,7 +82,7 @@ async def test_off_by_default_every_signature_unseals(
 ) -> None:
     opened, agents = await _open(softhsm_token, tmp_path / "state", CachePolicy())
     try:
-        assert not opened._cache.enabled
+        assert opened._cache is None  # off: no cache object at all (_cache is not imported)
         unseals.clear()
         for _ in range(3):
             await opened.sign_event(agents[0], event(agents[0]))

@@ -8,7 +8,7 @@ import nostr_sdk
 import pytest
 
 from custody import CustodyError, owner_tag_digest, verify_owner_tag
-from custody._memory import d_tag
+from custody._nipae import d_tag
 from custody._nip44 import conversation_key as _conversation_key
 from custody._secp256k1 import schnorr_sign, xonly_pubkey
 from custody._secret import Secret, parse_secret_text

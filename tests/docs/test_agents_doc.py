@@ -1,7 +1,8 @@
 """docs/agents.md's promises about its scripts that the reading-order walk cannot show.
 
-- `pip install ./client` makes a venv (tests/docs/conftest.py, made fresh once per
-  session, without the system's packages, from a copy of client/) that cannot import
+- `pip install ./buzzwire ./client` makes a venv (tests/docs/conftest.py, made fresh once
+  per session, without the system's packages, from copies of buzzwire/ and client/) that
+  cannot import
   python-pkcs11, custody, the daemon, trio or `cryptography`: the scripts run on asyncio
   and threads with the client alone. They run there, as written, against the real daemon,
   in tests/docs/test_docs_walkthrough.py.
@@ -44,6 +45,19 @@ async def test_the_client_venv_holds_nothing_of_the_daemon(
         cwd=tmp_path, capture_stdout=True, env={"PATH": os.environ.get("PATH", "")},
     )
     assert json.loads(found.stdout) == []
+
+
+async def test_buzzwire_comes_from_its_own_distribution(
+        client_only_python: str, tmp_path: Path) -> None:
+    """`pip install ./buzzwire ./client`: the shared wire module is `buzz-broker-wire`'s (its
+    own folder, buzzwire/), and the client's distribution carries no copy of it."""
+    probe = ("import importlib.metadata as m, json; print(json.dumps({"
+             "d: sorted({str(f).split('/')[0] for f in m.files(d) if str(f).endswith('.py')})"
+             " for d in ('buzz-broker-wire', 'buzz-broker-client')}))")
+    found = await trio.run_process([client_only_python, "-c", probe], cwd=tmp_path,
+                                   capture_stdout=True, env={"PATH": os.environ.get("PATH", "")})
+    assert json.loads(found.stdout) == {"buzz-broker-wire": ["buzzwire"],
+                                        "buzz-broker-client": ["buzz_broker_client"]}
 
 
 async def test_the_asyncio_agent_refuses_a_tampered_event(

@@ -125,8 +125,8 @@ async def command_line(walk: Walk, body: str) -> None:
 
 async def pip_install(walk: Walk, body: str) -> None:
     # `walk.python` is the venv the client_only_python fixture made with exactly this
-    # (from a copy of ./client); the steps below run in it.
-    assert body == "pip install ./client\n"
+    # (from copies of ./buzzwire and ./client); the steps below run in it.
+    assert body == "pip install ./buzzwire ./client\n"
     assert Path(walk.python).exists()
 
 

@@ -30,7 +30,7 @@ _BLOB = re.compile(r"https://github\.com/[\w.-]+/[\w.-]+/(?:blob|tree)/([^/\s)]+
 
 
 def _texts() -> list[Path]:
-    roots = ("docs", "client", "daemon", "custody", "scripts", "tests")
+    roots = ("docs", "buzzwire", "client", "daemon", "custody", "scripts", "tests")
     files = [REPO / "README.md", REPO / "CHANGELOG.md"]
     for root in roots:
         files += [p for p in (REPO / root).rglob("*")

@@ -6,8 +6,8 @@
   the NIP-OA owner-tag check. Nothing here touches a secret.
 
 Rules: no I/O, no clock, no randomness, no logging; stdlib and coincurve only. The daemon,
-custody and the agent-side client import it; it imports none of them, so an agent can
-install it (with the client) without the daemon's runtime or a PKCS#11 library.
+custody and the agent-side client import it; it imports none of them, so an agent installs
+it (its own distribution, `pip install ./buzzwire ./client`) without a PKCS#11 library.
 
 The specifications, pinned (README.md, "The specifications, upstream"):
 - agent-broker.md, on block/buzz#6790: https://github.com/block/buzz/blob/8b28ef0f0f2846ce3c063ecaa2c5e17254f7b87d/docs/agent-broker.md

@@ -17,9 +17,9 @@ import hashlib
 import hmac
 import re
 from buzzwire import kinds
-from dataclasses import dataclass
 
 from custody._nip44 import conversation_key
+from custody._records import MemoryAddress
 from custody._secret import Secret, wipe_bytes
 
 __all__ = ["MEMORY_KIND", "MemoryAddress", "check_slug", "d_tag", "d_tag_of"]
@@ -30,15 +30,6 @@ _D_TAG_LABEL = b"agent-memory/v1/d-tag"
 _SLUG = re.compile(r"core|mem/[a-z0-9][a-z0-9_-]{0,63}(/[a-z0-9][a-z0-9_-]{0,63})*")
 #: NIP-AE bound on a slug's length.
 MAX_SLUG_BYTES = 255
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryAddress:
-    """Where an agent's memory note lives on the relay. Public."""
-
-    author_pubkey: str
-    kind: int
-    d_tag: str
 
 
 def check_slug(slug: str) -> None:

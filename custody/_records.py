@@ -1,0 +1,57 @@
+"""Custody's public values: what it tells the pipeline about a key, where a memory note
+lives, and how many unsealed keys it may cache. No secret, and nothing here imports code
+that handles one, so the pipeline's client of the custodian (custody/custodian/client.py)
+holds these without loading the curve, the secret buffers or NIP-44, and a process with the
+cache off (the default) never loads the cache itself (custody/_cache.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MAX_CACHE_ENTRIES", "MAX_CACHE_SECONDS", "CachePolicy", "KeyRecord", "MemoryAddress"]
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    """Custody's public facts about one agent key. `deleted_at` is set on a tombstone (the
+    key is destroyed). No secret, and nothing custody does not need (no name, no depth)."""
+
+    pubkey: str
+    owner: str
+    auth_tag: tuple[str, str, str, str] | None
+    created_at: int
+    deleted_at: int | None
+    mint_ref: str | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.deleted_at is None
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryAddress:
+    """Where an agent's memory note lives on the relay. Public."""
+
+    author_pubkey: str
+    kind: int
+    d_tag: str
+
+
+#: Bounds the configuration accepts: 64 Ki keys (2 MiB locked), an hour.
+MAX_CACHE_ENTRIES = 65536
+MAX_CACHE_SECONDS = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class CachePolicy:
+    """How many unsealed keys may be held, and for how long after their unseal."""
+
+    entries: int = 0
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.entries <= MAX_CACHE_ENTRIES:
+            raise ValueError(f"cache entries must be 0..{MAX_CACHE_ENTRIES}")
+        if self.entries and not 0 < self.seconds <= MAX_CACHE_SECONDS:
+            raise ValueError(f"cache seconds must be in (0, {MAX_CACHE_SECONDS:g}]")
