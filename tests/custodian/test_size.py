@@ -19,7 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 #: The issue's target for the custodian's closure, and the ceiling this code holds to
 #: now (docs/custodian.md, "Size": the target is not met yet).
 TARGET_LINES = 3000
-CEILING_LINES = 5200
+#: 5,233 when the backup row (custody/_backup.py's export half and custody/custodian/backup.py)
+#: and socket activation joined the table: room for a fix, not for another part.
+CEILING_LINES = 5300
 #: Parsers facing agents and the relay that must never load where the keys are.
 NEVER = ("daemon", "h11", "wsproto", "buzz_broker_client", "buzzwire.contract")
 
