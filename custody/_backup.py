@@ -389,8 +389,10 @@ def _public_v1(obj: dict[str, object], number: int, pubkey: str) -> dict[str, ob
 
 def _public_v2(obj: dict[str, object], number: int, pubkey: str) -> dict[str, object]:
     public = obj["public"]
+    if not isinstance(public, dict):
+        raise _fault(number, f"agent {pubkey}: bad public entry")
     try:
-        fits = isinstance(public, dict) and len(_canonical(public)) <= MAX_PUBLIC_BYTES
+        fits = len(_canonical(public)) <= MAX_PUBLIC_BYTES
     except RecursionError:  # nested deeper than json.dumps goes
         fits = False
     if not fits:
