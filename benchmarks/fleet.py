@@ -167,10 +167,12 @@ class Served:
     base: str
     state_dir: Path
     warmed: set[str]  # credentials whose relay connection the daemon has opened
+    name: str  # relay and build, e.g. "local-this" (profile file names)
 
 
 @contextmanager
-def serve(build: Build, token: Any, tmp: Path, name: str, relay_url: str) -> Iterator[Served]:
+def serve(build: Build, token: Any, tmp: Path, name: str, relay_url: str,
+          log_level: str = "warning") -> Iterator[Served]:
     state = tmp / f"state-{name}"
     sock = tmp / f"{name}.sock"
     server: dict[str, object] = {"max_connections": 4096, "max_connections_per_uid": 4096}
@@ -183,11 +185,11 @@ def serve(build: Build, token: Any, tmp: Path, name: str, relay_url: str) -> Ite
                        "max_connections_per_credential": 256})
     config = broker_config(tmp / f"{name}.toml", token=token, state_dir=state, socket=sock,
                            relay_url=relay_url, relay_timeout=10.0,
-                           sections={"server": server, "log": {"level": "warning"},
+                           sections={"server": server, "log": {"level": log_level},
                                      "limits": {"enabled": False}})
     with H.daemon_process(config, tmp, command=[build.broker]) as daemon:
         base = f"http://localhost:{port}" if build.over_tcp else f"unix:{sock}"
-        yield Served(daemon, base, state, set())
+        yield Served(daemon, base, state, set(), name)
 
 
 def ledger_bytes(path: Path) -> int:
@@ -308,9 +310,23 @@ def run_fleet(args: argparse.Namespace, served: Served, rows: list[dict[str, str
         proc.stdin.close()
     time.sleep(max(0.0, t0 - time.time()))
     cpu0, disk0 = H.proc_stat(served.daemon.pid).cpu_seconds, state_bytes(served.state_dir)
+    spy = None
+    if args.profile:
+        # py-spy samples the daemon over the measured window (collapsed stacks; without
+        # --idle, so the samples are where its CPU goes, not where it waits).
+        spy = subprocess.Popen(
+            [str(Path(sys.executable).with_name("py-spy")), "record", "--format", "raw",
+             "--nonblocking", "-r", "100", "-d", str(max(1, int(duration))),
+             "-o", f"{args.profile}.{served.name}.{label.replace(' ', '_')}.txt", "-p", str(served.daemon.pid)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(max(0.0, t1 - time.time()))
     cpu1, disk1 = H.proc_stat(served.daemon.pid).cpu_seconds, state_bytes(served.state_dir)
     rss = H.proc_stat(served.daemon.pid).rss_bytes
+    if spy is not None:
+        spy.wait(timeout=60)
+        # The daemon's log beside the profile: which windows dropped and why, cold reads.
+        log_copy = Path(f"{args.profile}.{served.name}.{label.replace(' ', '_')}.log")
+        log_copy.write_bytes(served.daemon.log_path.read_bytes())
     parts = []
     for proc in procs:
         assert proc.stdout is not None
@@ -498,7 +514,9 @@ def orchestrate(args: argparse.Namespace) -> None:
                     size = need if build.over_tcp and relay == args.search_relay and args.search else 1 + args.agents
                     rows = make_state(build, token, tmp / f"state-{name}", size, channels,
                                       tmp / f"agents-{name}.json")
-                    with serve(build, token, tmp, name, url) as served:
+                    # A profiled run logs at info: the copy beside the profile says why windows dropped.
+                    with serve(build, token, tmp, name, url,
+                               "info" if args.profile else "warning") as served:
                         if not seeded:
                             trio.run(seed, served.base, rows[0], channels, WINDOW_EVENTS)
                             seeded = True
@@ -539,6 +557,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-search", dest="search", action="store_false")
     parser.add_argument("--search-duration", type=float, default=4.0)
     parser.add_argument("--search-relay", choices=("null", "local"), default="null")
+    parser.add_argument("--profile", metavar="PREFIX",
+                        help="py-spy the daemon over each measured window (collapsed stacks to PREFIX.<run>.txt)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--agents-file", help=argparse.SUPPRESS)
     parser.add_argument("--base", help=argparse.SUPPRESS)

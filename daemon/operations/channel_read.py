@@ -52,7 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from buzzwire import kinds
-from buzzwire.nostr import compute_event_id, verify_event
+from buzzwire.nostr import verify_event
 from buzzwire.contract import (
     ChannelReadArgs,
     ContractError,
@@ -117,11 +117,17 @@ class _Judge:
     request_id: str
 
     def __call__(self, item: Mapping[str, object]) -> Event | None:
-        try:
-            event = Event.from_json_obj(item)
-        except (ContractError, TypeError, ValueError):
-            self._drop(item, "not_canonical")
-            return None
+        event = _JUDGED.known(item)
+        if event is None:
+            try:
+                event = Event.from_json_obj(item)
+            except (ContractError, TypeError, ValueError):
+                self._drop(item, "not_canonical")
+                return None
+            if not _signature_ok(self, item, event):
+                self._drop(item, "bad_signature")
+                return None
+            _JUDGED.remember(event)
         for name, check in _CHECKS:
             if not check(self, item, event):
                 self._drop(item, name)
@@ -141,44 +147,64 @@ class _Judge:
         )
 
 
-#: How many verified (id, sig) pairs `_signature_ok` remembers (~250 bytes each, ~2.5 MB).
-VERIFIED_CACHE_SIZE = 10_000
+#: The estimated bytes `_JudgedCache` holds (each event's content, tags and members once).
+JUDGED_CACHE_BYTES = 16 * 1024 * 1024
+#: What one cached judgement adds to its event's own bytes (dict, lists, key tuple).
+_JUDGED_OVERHEAD = 400
 
 
-class _VerifiedCache:
-    """A bounded LRU of event id -> signature already verified by BIP-340.
+class _JudgedCache:
+    """A bounded LRU of (event id, signature) -> the event as first judged canonical and
+    verified, with its exact JSON members.
 
-    Why it is safe: a hit still recomputes the event id from the item's own members (4 us),
-    so the id binds pubkey, created_at, kind, tags and content; the signature is then the
-    exact one already proven over that id by that pubkey. Only the Schnorr check (~50 us
-    of the ~55 us per event) is skipped. Repeat reads of a channel (every agent polls the
-    same recent page) then cost the id hash per event, not the signature.
+    Why: every agent of a fleet reads the same channels under its own AUTH, so the same
+    event arrives once per agent (a live subscription each, and each cold read); the
+    shape parse, id hash and signature check were paid per copy. Only judging is shared:
+    what each agent sees is still what its own relay connection delivered.
+
+    Why it is safe: a hit requires the item to equal, member for member, the JSON of an
+    event already proven canonical, with an id that hashes its members and a BIP-340
+    signature over that id (JSON equality with `created_at` and `kind` exactly ints, so
+    no `1.0` or `true` passes for `1`). An item that differs in anything, as a relay
+    serving the same id and signature over other content, is judged afresh from scratch.
     """
 
-    def __init__(self, size: int) -> None:
-        self._size = size
-        self._sigs: OrderedDict[str, str] = OrderedDict()
+    def __init__(self, max_bytes: int) -> None:
+        self._max = max_bytes
+        self._bytes = 0
+        self._entries: OrderedDict[tuple[str, str], tuple[dict[str, object], Event, int]] = OrderedDict()
 
-    def verified(self, item: Mapping[str, object], event: Event) -> bool:
-        known = self._sigs.get(event.id)
-        if known is not None and known == event.sig:
-            if compute_event_id(event.pubkey, event.created_at, event.kind, event.tags, event.content) != event.id:
-                return False
-            self._sigs.move_to_end(event.id)
-            return True
-        if verify_event(item) is not True:
-            return False
-        self._sigs[event.id] = event.sig
-        if len(self._sigs) > self._size:
-            self._sigs.popitem(last=False)
-        return True
+    def known(self, item: Mapping[str, object]) -> Event | None:
+        """The judged event `item` is an exact copy of, or None."""
+        key = (item.get("id"), item.get("sig"))
+        entry = self._entries.get(key)  # type: ignore[arg-type]
+        if entry is None:
+            return None
+        obj, event, _cost = entry
+        if (type(item.get("created_at")) is not int or type(item.get("kind")) is not int
+                or item != obj):
+            return None
+        self._entries.move_to_end(key)  # type: ignore[arg-type]
+        return event
+
+    def remember(self, event: Event) -> None:
+        key = (event.id, event.sig)
+        if key in self._entries:
+            return
+        cost = _event_bytes(event) + _JUDGED_OVERHEAD
+        self._entries[key] = (event.to_json_obj(), event, cost)
+        self._bytes += cost
+        while self._bytes > self._max and self._entries:
+            _, (_, _, dropped) = self._entries.popitem(last=False)
+            self._bytes -= dropped
 
 
-_VERIFIED = _VerifiedCache(VERIFIED_CACHE_SIZE)
+_JUDGED = _JudgedCache(JUDGED_CACHE_BYTES)
 
 
 def _signature_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bool:
-    return _VERIFIED.verified(item, event)
+    # verify_event recomputes the id from the item's own members, then checks BIP-340.
+    return verify_event(item) is True
 
 
 def _channel_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bool:
@@ -191,8 +217,8 @@ def _filter_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bool:
 
 
 #: The checks after the canonical-shape parse, in order; the name is what the log says.
+#: The shape and "bad_signature" come first, in `_Judge.__call__` (shared: `_JudgedCache`).
 _CHECKS: tuple[tuple[str, Callable[[_Judge, Mapping[str, object], Event], bool]], ...] = (
-    ("bad_signature", _signature_ok),
     ("wrong_channel", _channel_ok),
     ("off_filter", _filter_ok),
 )
@@ -238,22 +264,32 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
     # getattr: a stand-in for the pool (tests, benchmarks) may have no windows at all.
     windows: WindowCache | None = getattr(ctx.relay, "windows", None)
     try:
-        if (windows is not None and after is None and args.root_event_id is None
-                and limit <= windows.depth):
+        if windows is not None and args.root_event_id is None and limit <= windows.depth:
             key = WindowKey(agent=requester, channel_id=args.channel_id,
                             mentions_only=args.mentions_only)
             window = windows.get(key)
-            if window is not None:
-                return _served(ctx, window.serve(limit), scope, now)
-            # A window holds `depth` events whatever this read's limit; its own judge logs
-            # its live drops under no one request.
-            depth = windows.depth
-            page, window = await windows.open(
-                key, filters, _Judge(args.channel_id, filters, "window"),
-                lambda: cold(depth), max_page_bytes=MAX_PAGE_BYTES, size_of=_event_bytes)
-            if window is not None:
-                return _served(ctx, window.serve(limit), scope, now)
-            page = _first(page, limit)
+            served = window.serve(limit, after) if window is not None else None
+            if served is not None:
+                return _served(ctx, served, scope, now)
+            if after is not None or window is not None:
+                # A continuation below the window's bottom (Buzz's runtime follows
+                # nextCursor back through the channel): read it, and let the window keep
+                # it when it continues exactly from the window's last event.
+                mark = window.continuation(after) if window is not None and after is not None else None
+                page = await cold()
+                if mark is not None and window is not None:
+                    window.extend(mark, page)
+            else:
+                # A window holds `depth` events whatever this read's limit; its own judge
+                # logs its live drops under no one request.
+                depth = windows.depth
+                page, window = await windows.open(
+                    key, filters, _Judge(args.channel_id, filters, "window"),
+                    lambda: cold(depth), max_page_bytes=MAX_PAGE_BYTES, size_of=_event_bytes)
+                served = window.serve(limit) if window is not None else None
+                if served is not None:
+                    return _served(ctx, served, scope, now)
+                page = _first(page, limit)
         else:
             page = await cold()
     except RelayUnavailable as exc:
