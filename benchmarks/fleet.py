@@ -192,6 +192,17 @@ def serve(build: Build, token: Any, tmp: Path, name: str, relay_url: str,
         yield Served(daemon, base, state, set(), name)
 
 
+def cpu_waited() -> float | None:
+    """Seconds some task has waited for a CPU since boot (/proc/pressure/cpu), or None."""
+    try:
+        with open("/proc/pressure/cpu") as fh:
+            some = fh.readline().split()
+    except OSError:
+        return None
+    fields = dict(part.split("=", 1) for part in some[1:])
+    return int(fields["total"]) / 1e6 if "total" in fields else None
+
+
 def ledger_bytes(path: Path) -> int:
     """The ledger's logical size (pages x page size, as a reader sees it, WAL included),
     read-only: what it will occupy once checkpointed, without the WAL file's own jumps."""
@@ -310,6 +321,7 @@ def run_fleet(args: argparse.Namespace, served: Served, rows: list[dict[str, str
         proc.stdin.close()
     time.sleep(max(0.0, t0 - time.time()))
     cpu0, disk0 = H.proc_stat(served.daemon.pid).cpu_seconds, state_bytes(served.state_dir)
+    waited0 = cpu_waited()
     spy = None
     if args.profile:
         # py-spy samples the daemon over the measured window (collapsed stacks; without
@@ -321,6 +333,7 @@ def run_fleet(args: argparse.Namespace, served: Served, rows: list[dict[str, str
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(max(0.0, t1 - time.time()))
     cpu1, disk1 = H.proc_stat(served.daemon.pid).cpu_seconds, state_bytes(served.state_dir)
+    waited1 = cpu_waited()
     rss = H.proc_stat(served.daemon.pid).rss_bytes
     if spy is not None:
         spy.wait(timeout=60)
@@ -336,6 +349,7 @@ def run_fleet(args: argparse.Namespace, served: Served, rows: list[dict[str, str
             raise SystemExit(f"fleet: a generator failed ({proc.returncode})")
         parts.append(json.loads(out.strip().splitlines()[-1]))
     latencies = [x for p in parts for x in p["latencies"]]
+    wire = [x for p in parts for x in p["wire"]]
     answers: Counter[str] = Counter()
     for p in parts:
         answers.update(p["answers"])
@@ -350,9 +364,17 @@ def run_fleet(args: argparse.Namespace, served: Served, rows: list[dict[str, str
         "ticks_skipped": sum(p["skipped"] for p in parts),
         "p50_ms": round(percentile(latencies, 0.50) * 1000, 1),
         "p99_ms": round(percentile(latencies, 0.99) * 1000, 1),
+        "wire_p50_ms": round(percentile(wire, 0.50) * 1000, 1),
+        "wire_p99_ms": round(percentile(wire, 0.99) * 1000, 1),
         "answers": dict(sorted(answers.items())),
         "requests_per_s": round(requests / duration, 1),
         "daemon_cores": round((cpu1 - cpu0) / duration, 3),
+        # The machine's CPU pressure (PSI "some"): the share of the window in which some
+        # runnable task waited for a core. High means neighbours (or the generators)
+        # contended with the daemon, and latency figures include that wait.
+        "cpu_pressure": (round((waited1 - waited0) / duration, 3)
+                         if waited0 is not None and waited1 is not None else None),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
         "daemon_cpu_ms_per_request": round((cpu1 - cpu0) / max(1, requests) * 1000, 3),
         "daemon_rss_mb": round(rss / 2**20, 1),
         "ledger_bytes_per_hour": round(grown["ledger"] * 3600 / duration),
@@ -415,6 +437,7 @@ async def worker(args: argparse.Namespace) -> None:
 
     answers: Counter[str] = Counter()
     latencies: list[float] = []
+    wire: list[float] = []
     scheduled = skipped = 0
     for agent in [*fleet, poster]:
         for wall, seconds, action, label in agent.stats.calls:
@@ -422,11 +445,13 @@ async def worker(args: argparse.Namespace) -> None:
                 answers[f"{action} {label}"] += 1
                 if action == "channel.read":
                     latencies.append(seconds)
+        wire.extend(seconds for wall, action, seconds in agent.stats.wire
+                    if action == "channel.read" and inside(wall))
         for wall, sent in agent.stats.ticks:
             if inside(wall):
                 scheduled += 1
                 skipped += not sent
-    print(json.dumps({"answers": answers, "latencies": latencies, "scheduled": scheduled,
+    print(json.dumps({"answers": answers, "latencies": latencies, "wire": wire, "scheduled": scheduled,
                       "skipped": skipped, "cpu": cpu.get("t1", 0.0) - cpu.get("t0", 0.0),
                       "ended": [a.ended for a in fleet if a.ended != "stopped"]}))
 
@@ -439,17 +464,20 @@ def show(summary: dict[str, Any]) -> None:
     s = summary
     print(f"  {s['run']}: {s['agents']} agents x {s['channels']} channels every {s['interval_ms']} ms: "
           f"{s['polls_per_s_achieved']} polls/s achieved of {s['polls_per_s_scheduled']} scheduled "
-          f"({s['polls_per_s_nominal']} nominal), p50 {s['p50_ms']} ms, p99 {s['p99_ms']} ms; "
+          f"({s['polls_per_s_nominal']} nominal), p50 {s['p50_ms']} ms, p99 {s['p99_ms']} ms "
+          f"(on the wire: p50 {s['wire_p50_ms']} ms, p99 {s['wire_p99_ms']} ms); "
           f"daemon {s['daemon_cores']} cores, {s['daemon_cpu_ms_per_request']} ms CPU per request; "
           f"ledger {s['ledger_bytes_per_hour'] / 1e6:.1f} MB/h, audit {s['audit_bytes_per_hour'] / 1e6:.1f} MB/h "
-          f"({s['state_bytes_per_poll']} B per poll); generators {s['generator_cores']} cores", flush=True)
+          f"({s['state_bytes_per_poll']} B per poll); generators {s['generator_cores']} cores; "
+          f"machine: CPU pressure {s['cpu_pressure']}, load {s['loadavg_1m']}", flush=True)
 
 
 def ratios(mine: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     def r(key: str) -> float | None:
         return round(mine[key] / base[key], 3) if base[key] else None
     return {"ratio_to_baseline": mine["run"], "relay": mine.get("relay"),
-            **{k: r(k) for k in ("polls_per_s_achieved", "p50_ms", "p99_ms", "daemon_cores",
+            **{k: r(k) for k in ("polls_per_s_achieved", "p50_ms", "p99_ms", "wire_p50_ms",
+                                 "wire_p99_ms", "daemon_cores",
                                  "daemon_cpu_ms_per_request", "ledger_bytes_per_hour",
                                  "audit_bytes_per_hour", "state_bytes_per_poll")}}
 
