@@ -26,18 +26,21 @@ Decisions (each documented here because Buzz leaves them to the host):
   the contract allows (a page is at most `limit`, and `nextCursor` says more exists). So
   one read answer - and the read verdict the ledger stores - stays bounded whatever the
   relay holds; the relay's reply itself is bounded by `daemon.relay.pool.MAX_QUERY_BYTES`.
-* Every event the relay sends is checked before it is delivered, in the order of
-  `_CHECKS`: exactly the seven canonical members (contract `Event`), a valid id and
-  BIP-340 signature, the channel's `h` tag and no other `h` tag, and a match with the
+* Every event the relay sends is checked before it is delivered: exactly the seven
+  canonical members (contract `Event`), a valid id and BIP-340 signature, then in the
+  order of `_CHECKS` the channel's `h` tag and no other `h` tag, and a match with the
   filter asked. A failing event is dropped and logged (event id and the check's name; no
-  content) and never counted in the page.
+  content) and never counted in the page. The first two are shared process-wide
+  (`_JudgedCache`): a fleet's agents each receive the same event on their own
+  connections, and an exact copy of an event already judged is not judged again.
 
-* A read with no cursor, no thread root and a limit up to the window depth (Buzz's poll:
-  limit 100, no cursor) is answered from the requester's read window for that channel
-  when the relay pool keeps windows (daemon/relay/windows.py): the same page a cold read
-  returns, kept true by a live subscription under the requester's own AUTH. The first such
-  read opens the window with an ordinary cold read; reads with a cursor, a thread or a
-  larger limit always go to the relay, as before.
+* A read with no thread root and a limit up to the window depth (Buzz's poll: limit 100)
+  is answered from the requester's read window for that channel when the relay pool
+  keeps windows (daemon/relay/windows.py): the same page a cold read returns, kept true
+  by a live subscription under the requester's own AUTH. The first read without a cursor
+  opens the window with an ordinary cold read; a cursor read inside the window is
+  answered from it, one that continues from its bottom is read from the relay and kept
+  by the window; reads with a thread or a larger limit always go to the relay, as before.
 
 WARNING: the filters built by `_base_filters` may only use the members
 `daemon.relay.paging.matches` implements.
@@ -249,7 +252,7 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
     async def query(batch: list[dict[str, object]]) -> list[dict[str, object]]:
         return await ctx.relay.query(requester, batch)
 
-    async def cold(limit: int = limit) -> Page[Event]:
+    async def cold(limit: int = limit, after: Position | None = after) -> Page[Event]:
         return await read_page(
             query,
             filters,
@@ -268,6 +271,15 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
             key = WindowKey(agent=requester, channel_id=args.channel_id,
                             mentions_only=args.mentions_only)
             window = windows.get(key)
+            if window is not None and windows.due(window):
+                # Checked against the relay (daemon/relay/windows.py "Kept true"): the
+                # newest page afresh, whatever this read's cursor; the window stays only
+                # if that page is the window's own.
+                if window.confirms(await cold(windows.depth, None)):
+                    windows.renew(window)
+                else:
+                    window.end("refresh")
+                    window = None
             served = window.serve(limit, after) if window is not None else None
             if served is not None:
                 return _served(ctx, served, scope, now)

@@ -20,22 +20,38 @@ Theory of operation:
   the two is missed; a deletion or removal meanwhile, or the subscription ending, and the
   page answers this read but is not kept.
 * Kept true: every live message event is judged (shape, id, signature, channel, filter)
-  once, then placed in declared order; the window holds the newest `depth` events, or all
-  of them when the channel has fewer. A live deletion (kind 5, NIP-29 kind 9005) naming an
-  event of the window, a live NIP-29 removal (kind 9001) of the agent, the relay's CLOSED,
-  or a dropped connection takes the whole window away: the next read is cold and the
-  relay says what is true. A window is also refilled from the relay once it is
-  `max_age` old, which bounds what a relay that drops a member silently (no CLOSED, no
-  9001) can leave in it.
-* Served: a read with no cursor and a limit up to `depth` gets the window's first `limit`
-  events and, when more exist, a cursor at its last one: exactly the page a cold read of
-  the same relay state returns. The answer's outcome is encoded once per window change
-  and limit (`Served.encoded`).
+  once, then placed in declared order; the window holds the newest events down to its
+  bottom (at most `keep`), or all of them when the channel has fewer. A live deletion
+  (kind 5, NIP-29 kind 9005) naming an event of the window, a live NIP-29 removal (kind
+  9001) of the agent, the relay's CLOSED, or a dropped connection takes the whole window
+  away: the next read is cold and the relay says what is true. A window is also checked
+  against the relay once it is `max_age` old (jittered down by up to a quarter, so windows
+  opened together are not checked together), which bounds what a relay that drops a
+  member silently (no CLOSED, no 9001) can leave in it: the newest page is read afresh
+  under the agent's AUTH, and the window is kept (continuation pages included) only when
+  that page is its own first page (`Window.confirms`), else dropped and opened anew.
+* Continuations: Buzz's runtime follows `nextCursor` back through a channel before it
+  reads the default window again (buzz-client.md), so with a channel past one page every
+  other poll of a fleet is a cursor read of the next older page. When such a read
+  continues exactly from the window's bottom, its page (read from the relay, judged as
+  any) is appended, unless a live event fell below the bottom while it was read (it may
+  or may not be in that page: `Continuation`). The window is then exact down to the
+  page's end, and the next such read is answered from it.
+* Served: a read with a limit up to `depth`, with no cursor or a cursor inside the window,
+  gets the window's events after that position, cut by `limit` and the page's byte bound
+  as daemon/relay/paging.py cuts, and a cursor at its last one when more exist: exactly
+  the page a cold read of the same relay state returns. A page that runs past the
+  window's bottom while the relay holds more is not served (the relay is read).
+* Encoded and held once: each distinct event (id and signature) is held once by the cache,
+  with its canonical encoded bytes, however many windows name it (`WindowCache.hold`);
+  an answer is those bytes joined, so a changed window costs its new events, and the
+  default page's join is kept until the window changes (`Served.encoded_messages`).
 * Bounded: the windows' estimated bytes together (`max_bytes`, ``[relay]
-  read_window_bytes``) evict least recently used windows; a window alone above it is not
-  kept. How many channels agents name changes nothing: a window that does not fit is
-  simply not kept. The relay's per-connection subscription cap is the pool's
-  (`RelayPool.subscribe` raises SubscriptionsFull): past it the read is a plain query.
+  read_window_bytes``; each held event once, plus each window's references) evict least
+  recently used windows; a window alone above it is not kept. How many channels agents
+  name changes nothing: a window that does not fit is simply not kept. The relay's
+  per-connection subscription cap is the pool's (`RelayPool.subscribe` raises
+  SubscriptionsFull): past it the read is a plain query.
 
 What is not here: credential scope and revocation. The pipeline authenticates and
 authorizes every request before the operation runs (daemon/pipeline/broker.py), so a
@@ -288,6 +304,16 @@ class Window:
             self._drop_bottom()
         self._encoded.clear()
 
+    def confirms(self, page: Page[Event]) -> bool:
+        """The relay's newest page, read afresh under this agent's AUTH, is this window's
+        own first page: what the window holds is still what the agent may read."""
+        if not self.valid or page.overflow_seconds or len(page.items) > len(self._held):
+            return False
+        if page.next_position is None and (self._more or len(page.items) != len(self._held)):
+            return False
+        return all(event.id == held.event.id and event.sig == held.event.sig
+                   for event, held in zip(page.items, self._held))
+
     def continuation(self, after: Position) -> Continuation | None:
         """When a cursor read after `after` cannot be served because it continues from
         this window's bottom: the mark `extend` checks. None otherwise."""
@@ -424,8 +450,18 @@ class WindowCache:
             del self._held[(held.event.id, held.event.sig)]
             self.bytes -= held.cost
 
+    def due(self, window: Window) -> bool:
+        """The window is `max_age` old: it must be confirmed against the relay (`renew`)
+        or dropped before it answers again."""
+        return trio.current_time() - window.filled_at >= window.max_age
+
+    def renew(self, window: Window) -> None:
+        """The relay's newest page matched the window (`Window.confirms`): age it afresh."""
+        window.filled_at = trio.current_time()
+        window.max_age = self._max_age * (1.0 - _AGE_JITTER * self._jitter.random())
+
     def get(self, key: WindowKey) -> Window | None:
-        """The key's window if it is kept and fresh; marks it most recently used."""
+        """The key's window if it is kept (fresh or `due`); marks it most recently used."""
         now = trio.current_time()
         while self._windows:
             oldest_key, oldest = next(iter(self._windows.items()))
@@ -434,9 +470,6 @@ class WindowCache:
             oldest.end("idle")
         window = self._windows.get(key)
         if window is None:
-            return None
-        if now - window.filled_at >= window.max_age:
-            window.end("refresh")
             return None
         self._windows.move_to_end(key)
         self._served_at[key] = now
@@ -475,8 +508,7 @@ class WindowCache:
             if not window.fill(page):
                 window.end("not kept")
                 return page, None
-            window.filled_at = trio.current_time()
-            window.max_age = self._max_age * (1.0 - _AGE_JITTER * self._jitter.random())
+            self.renew(window)
             self._keep(window)
             return page, (window if window.valid else None)
         finally:

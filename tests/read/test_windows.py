@@ -441,3 +441,54 @@ async def test_windows_of_one_channel_hold_each_event_once(local_relay: str, tmp
     assert windows.bytes - alone < alone / 4, "the second window holds references only"
     windows.close()
     assert windows.bytes == 0
+
+
+async def test_a_due_window_is_confirmed_by_the_newest_page_and_keeps_its_continuations(
+        world: World, local_relay: str, nursery: trio.Nursery) -> None:
+    """Once max_age old, a window answers again only after the relay's newest page, read
+    afresh under the agent's AUTH, is found to be its own first page; then the pages it
+    holds below stay (a fleet's refresh is one read per window, not one per page)."""
+    pool = _pool(local_relay, world.reader, queries=(queries := Counter[str]()))
+    windows = WindowCache(pool, depth=2, keep=10, max_age=0.2)
+    pool.windows = windows
+    await nursery.start(pool.run)
+    ctx = context(pool, world.ctx.principal, world.ctx.cursors)
+    first = await world.read(ctx, limit=2)
+    second = await world.read(ctx, limit=2, cursor=_cursor(first))  # kept: the window holds 4
+    await trio.sleep(0.25)  # due
+    reads = queries["query"]
+    again = await world.read(ctx, limit=2)
+    assert queries["query"] == reads + 1, "one read of the newest page confirms the window"
+    assert _ids(again) == _ids(first)
+    assert _ids(await world.read(ctx, limit=2, cursor=_cursor(first))) == _ids(second)
+    assert queries["query"] == reads + 1, "the continuation page stayed in the window"
+
+
+def test_a_window_is_confirmed_only_by_its_own_first_page() -> None:
+    from daemon.relay.cursor import Position
+    from daemon.relay.paging import Page
+    from daemon.relay.windows import Window
+
+    from buzzwire.contract import Event
+
+    author, channel = TestKey(), new_channel()
+    events = [Event.from_json_obj(author.sign(9, f"m{n}", [["h", channel]], NOW - n))
+              for n in range(4)]
+    cache = WindowCache(None, depth=2, keep=10)  # type: ignore[arg-type]
+    window = Window(cache, WindowKey("a" * 64, channel, False), Event.from_json_obj, 2,
+                    1 << 20, lambda e: 1, 10)
+
+    def page(items: list[Event], more: bool) -> Page[Event]:
+        last = items[-1] if items else None
+        return Page(items=tuple(items), rounds=1, next_position=(
+            Position(created_at=last.created_at, event_id=last.id) if more and last else None))
+
+    assert window.fill(page(events[:2], True))
+    assert window.confirms(page(events[:2], True))
+    # What a relay that dropped the agent silently answers: nothing (or less).
+    assert not window.confirms(page([], False))
+    assert not window.confirms(page(events[:1], False))
+    # Another newest event than the window's own.
+    assert not window.confirms(page([events[1], events[2]], True))
+    assert not window.confirms(page(events[:2], False)), "the relay says nothing is below"
+    window.end("test")
