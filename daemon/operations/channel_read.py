@@ -84,6 +84,11 @@ _log = logging.getLogger("buzz_broker.read")
 #: The bytes one page may hold (see the module docstring): 500 events of 8 KiB each, or
 #: 64 of the largest (64 KiB content).
 MAX_PAGE_BYTES = 4 * 1024 * 1024
+#: Events a due read window is confirmed by (its newest, read afresh from the relay under
+#: the agent's AUTH; daemon/relay/windows.py "Kept true"). A few, not a page: measured on
+#: the fleet at full size, re-reading 256 windows' pages within seconds stalled
+#: LocalRelay (answers of 10-28 s); a relay that no longer serves the agent answers none.
+CONFIRM_EVENTS = 5
 #: What an event's fixed members (id, pubkey, sig, kind, created_at, JSON punctuation)
 #: add to its content and tags.
 _EVENT_OVERHEAD = 300
@@ -273,9 +278,9 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
             window = windows.get(key)
             if window is not None and windows.due(window):
                 # Checked against the relay (daemon/relay/windows.py "Kept true"): the
-                # newest page afresh, whatever this read's cursor; the window stays only
-                # if that page is the window's own.
-                if window.confirms(await cold(windows.depth, None)):
+                # newest events afresh, whatever this read's cursor; the window stays only
+                # if they are the window's own.
+                if window.confirms(await cold(CONFIRM_EVENTS, None)):
                     windows.renew(window)
                 else:
                     window.end("refresh")

@@ -27,9 +27,11 @@ Theory of operation:
   away: the next read is cold and the relay says what is true. A window is also checked
   against the relay once it is `max_age` old (jittered down by up to a quarter, so windows
   opened together are not checked together), which bounds what a relay that drops a
-  member silently (no CLOSED, no 9001) can leave in it: the newest page is read afresh
-  under the agent's AUTH, and the window is kept (continuation pages included) only when
-  that page is its own first page (`Window.confirms`), else dropped and opened anew.
+  member silently (no CLOSED, no 9001) can leave in it: the channel's newest few events
+  are read afresh under the agent's AUTH (channel_read.CONFIRM_EVENTS), and the window is
+  kept (continuation pages included) only when they are its own first events
+  (`Window.confirms`), else dropped and opened anew. A relay that no longer serves the
+  agent answers none, or refuses.
 * Continuations: Buzz's runtime follows `nextCursor` back through a channel before it
   reads the default window again (buzz-client.md), so with a channel past one page every
   other poll of a fleet is a cursor read of the next older page. When such a read
@@ -307,12 +309,31 @@ class Window:
     def confirms(self, page: Page[Event]) -> bool:
         """The relay's newest page, read afresh under this agent's AUTH, is this window's
         own first page: what the window holds is still what the agent may read."""
-        if not self.valid or page.overflow_seconds or len(page.items) > len(self._held):
+        if not self.valid or page.overflow_seconds:
             return False
-        if page.next_position is None and (self._more or len(page.items) != len(self._held)):
+        # Events newer than the window's newest that it lacks were published while the
+        # check was read and are still on their way live: the relay's answer, read under
+        # this agent's AUTH, places them now (their live copy is then a duplicate).
+        newer = [event for event in page.items if event.id not in self._ids
+                 and self._keys and order_key(event.created_at, event.id) < self._keys[0]]
+        if newer:
+            for event in newer:
+                self._place(event)
+            self._cache.resized(self)
+            if not self.valid:
+                return False
+        given, held = len(page.items), len(self._held)
+        # Where the two end must agree too: the relay's page stops short of the window
+        # only when it was cut (a cursor), and runs past it only when the window knows
+        # more exist below; equal lengths need the same word on "more".
+        if given < held and page.next_position is None:
             return False
-        return all(event.id == held.event.id and event.sig == held.event.sig
-                   for event, held in zip(page.items, self._held))
+        if given > held and not self._more:
+            return False
+        if given == held and (page.next_position is not None) != self._more:
+            return False
+        return all(event.id == kept.event.id and event.sig == kept.event.sig
+                   for event, kept in zip(page.items, self._held))
 
     def continuation(self, after: Position) -> Continuation | None:
         """When a cursor read after `after` cannot be served because it continues from

@@ -492,3 +492,30 @@ def test_a_window_is_confirmed_only_by_its_own_first_page() -> None:
     assert not window.confirms(page([events[1], events[2]], True))
     assert not window.confirms(page(events[:2], False)), "the relay says nothing is below"
     window.end("test")
+
+
+def test_a_check_that_finds_newer_events_places_them() -> None:
+    """Posts published while the check is read reach it before their live copy: the
+    relay's answer places them, and the window stays."""
+    from daemon.relay.cursor import Position
+    from daemon.relay.paging import Page
+    from daemon.relay.windows import Window
+
+    from buzzwire.contract import Event
+
+    author, channel = TestKey(), new_channel()
+    events = [Event.from_json_obj(author.sign(9, f"m{n}", [["h", channel]], NOW - n))
+              for n in range(4)]
+    cache = WindowCache(None, depth=3, keep=10)  # type: ignore[arg-type]
+    window = Window(cache, WindowKey("a" * 64, channel, False), Event.from_json_obj, 3,
+                    1 << 20, lambda e: 1, 10)
+    assert window.fill(Page(items=tuple(events[1:]), next_position=None, rounds=1))
+    check = Page(items=tuple(events[:3]), rounds=1,
+                 next_position=Position(created_at=events[2].created_at, event_id=events[2].id))
+    assert window.confirms(check)
+    served = window.serve(3)
+    assert served is not None and [e.id for e in served.messages] == [e.id for e in events[:3]]
+    # An older event the window lacks is not "in flight": the window is not confirmed.
+    other = Event.from_json_obj(author.sign(9, "unseen", [["h", channel]], NOW - 2))
+    assert not window.confirms(Page(items=(events[0], other), rounds=1, next_position=None))
+    window.end("test")
