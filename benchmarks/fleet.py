@@ -5,6 +5,7 @@
                                [--relay both|null|local] [--procs 2]
                                [--baseline 75ee3f5 | --no-baseline]
                                [--search-max 128 | --no-search] [--search-duration 4]
+                               [--profile PREFIX]
 
 What runs (loopback and Unix sockets only, one temporary directory, removed afterwards):
   1. a fresh SoftHSM2 token (benchmarks/_harness.py);
@@ -46,7 +47,9 @@ latency p50/p99 counted from the tick, every other answer by action and code, th
 CPU-seconds per request and cores (from /proc/<pid>/stat), durable growth of the ledger and
 the audit log per hour (before and after the window: the ledger's logical size, pages x
 page size read through a read-only connection, so the WAL's checkpoint jumps do not show;
-the audit log's files' sizes), and the generators' own CPU. Then the ratios of this checkout to the
+the audit log's files' sizes), the generators' own CPU, the latency on the wire (request
+sent to answer received, without the generator's own lag) and the machine's CPU pressure
+(/proc/pressure/cpu) over the window. Then the ratios of this checkout to the
 baseline, from the same run. The generator verifies each event id once per process
 (tests/fleet/buzz_agent.py says why); everything shares this machine's cores.
 """

@@ -280,6 +280,7 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
                 # Checked against the relay (daemon/relay/windows.py "Kept true"): the
                 # newest events afresh, whatever this read's cursor; the window stays only
                 # if they are the window's own.
+                window.begin_check()
                 if window.confirms(await cold(CONFIRM_EVENTS, None)):
                     windows.renew(window)
                 else:

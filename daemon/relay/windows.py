@@ -213,6 +213,8 @@ class Window:
         self.max_age = 0.0
         self.subscription: LiveSubscription | None = None
         self._encoded: dict[int, bytes] = {}
+        #: ids placed live while a check (`begin_check`, `confirms`) is being read
+        self._arrived: set[str] | None = None
 
     # LiveSink ------------------------------------------------------------------------
 
@@ -237,6 +239,8 @@ class Window:
                 self._pending.append(event)
             return
         self._place(event)
+        if self._arrived is not None and len(self._arrived) < self._keep:
+            self._arrived.add(event.id)
         self._cache.resized(self)
 
     def ended(self, reason: str) -> None:
@@ -306,9 +310,16 @@ class Window:
             self._drop_bottom()
         self._encoded.clear()
 
+    def begin_check(self) -> None:
+        """A check's read starts: events arriving live meanwhile are noted, since the
+        relay's answer may or may not include them (`confirms`)."""
+        self._arrived = set()
+
     def confirms(self, page: Page[Event]) -> bool:
-        """The relay's newest page, read afresh under this agent's AUTH, is this window's
-        own first page: what the window holds is still what the agent may read."""
+        """The relay's newest events, read afresh under this agent's AUTH since
+        `begin_check`, are this window's own first events: what the window holds is still
+        what the agent may read."""
+        arrived, self._arrived = self._arrived or set(), None
         if not self.valid or page.overflow_seconds:
             return False
         # Events newer than the window's newest that it lacks were published while the
@@ -322,18 +333,21 @@ class Window:
             self._cache.resized(self)
             if not self.valid:
                 return False
-        given, held = len(page.items), len(self._held)
+        # Events that arrived live during the read may be in the relay's answer or not:
+        # they are left out of both sides.
+        given = [(e.id, e.sig) for e in page.items if e.id not in arrived]
+        kept = [(h.event.id, h.event.sig) for h in self._held if h.event.id not in arrived]
         # Where the two end must agree too: the relay's page stops short of the window
         # only when it was cut (a cursor), and runs past it only when the window knows
         # more exist below; equal lengths need the same word on "more".
-        if given < held and page.next_position is None:
+        if len(given) < len(kept) and page.next_position is None:
             return False
-        if given > held and not self._more:
+        if len(given) > len(kept) and not self._more:
             return False
-        if given == held and (page.next_position is not None) != self._more:
+        if len(given) == len(kept) and (page.next_position is not None) != self._more:
             return False
-        return all(event.id == kept.event.id and event.sig == kept.event.sig
-                   for event, kept in zip(page.items, self._held))
+        overlap = min(len(given), len(kept))
+        return given[:overlap] == kept[:overlap]
 
     def continuation(self, after: Position) -> Continuation | None:
         """When a cursor read after `after` cannot be served because it continues from

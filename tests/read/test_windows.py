@@ -519,3 +519,29 @@ def test_a_check_that_finds_newer_events_places_them() -> None:
     other = Event.from_json_obj(author.sign(9, "unseen", [["h", channel]], NOW - 2))
     assert not window.confirms(Page(items=(events[0], other), rounds=1, next_position=None))
     window.end("test")
+
+
+def test_a_check_leaves_out_what_arrived_live_while_it_was_read() -> None:
+    """An event delivered live while the check is read may be missing from the relay's
+    answer (it was read first): it does not make the window mismatch."""
+    from daemon.relay.cursor import Position
+    from daemon.relay.paging import Page
+    from daemon.relay.windows import Window
+
+    from buzzwire.contract import Event
+
+    author, channel = TestKey(), new_channel()
+    events = [Event.from_json_obj(author.sign(9, f"m{n}", [["h", channel]], NOW - n))
+              for n in range(4)]
+    cache = WindowCache(None, depth=3, keep=10)  # type: ignore[arg-type]
+    window = Window(cache, WindowKey("a" * 64, channel, False), Event.from_json_obj, 3,
+                    1 << 20, lambda e: 1, 10)
+    assert window.fill(Page(items=tuple(events[1:]), next_position=None, rounds=1))
+    window.begin_check()
+    window.event(events[0].to_json_obj(), live=True)  # arrives during the check's read
+    answer = Page(items=tuple(events[1:3]), rounds=1,
+                  next_position=Position(created_at=events[2].created_at, event_id=events[2].id))
+    assert window.confirms(answer)
+    # Without the live arrival noted, the same answer lacks the window's newest event.
+    assert not window.confirms(answer)
+    window.end("test")
