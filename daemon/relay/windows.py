@@ -31,7 +31,8 @@ Theory of operation:
   are read afresh under the agent's AUTH (channel_read.CONFIRM_EVENTS), and the window is
   kept (continuation pages included) only when they are its own first events
   (`Window.confirms`), else dropped and opened anew. A relay that no longer serves the
-  agent answers none, or refuses.
+  agent answers none, or refuses. Newer events the check finds are placed from it; events
+  that arrived live while it was read are left out of the comparison.
 * Continuations: Buzz's runtime follows `nextCursor` back through a channel before it
   reads the default window again (buzz-client.md), so with a channel past one page every
   other poll of a fleet is a cursor read of the next older page. When such a read
