@@ -184,15 +184,17 @@ class _JudgedCache:
 
     def known(self, item: Mapping[str, object]) -> Event | None:
         """The judged event `item` is an exact copy of, or None."""
-        key = (item.get("id"), item.get("sig"))
-        entry = self._entries.get(key)  # type: ignore[arg-type]
+        event_id, sig = item.get("id"), item.get("sig")
+        if type(event_id) is not str or type(sig) is not str:
+            return None  # judged afresh (and dropped): not even a key to look up
+        entry = self._entries.get((event_id, sig))
         if entry is None:
             return None
         obj, event, _cost = entry
         if (type(item.get("created_at")) is not int or type(item.get("kind")) is not int
                 or item != obj):
             return None
-        self._entries.move_to_end(key)  # type: ignore[arg-type]
+        self._entries.move_to_end((event_id, sig))
         return event
 
     def remember(self, event: Event) -> None:

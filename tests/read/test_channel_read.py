@@ -177,7 +177,8 @@ def test_a_judged_event_is_reused_only_for_an_exact_copy() -> None:
     assert cache.known(dict(item)) is event
     for changed in ({**item, "content": "forged"}, {**item, "created_at": float(item["created_at"])},
                     {**item, "tags": [["h", "d"]]}, {**item, "extra": 1},
-                    {k: v for k, v in item.items() if k != "content"}):
+                    {k: v for k, v in item.items() if k != "content"},
+                    {**item, "id": [item["id"]]}, {**item, "sig": {"x": 1}}):
         assert cache.known(changed) is None, changed
     # Bounded by bytes: the oldest judgement goes first.
     small = _JudgedCache(1)
