@@ -589,7 +589,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--search-duration", type=float, default=4.0)
     parser.add_argument("--search-relay", choices=("null", "local"), default="null")
     parser.add_argument("--profile", metavar="PREFIX",
-                        help="py-spy the daemon over each measured window (collapsed stacks to PREFIX.<run>.txt)")
+                        help="py-spy (installed beside this Python) the daemon over each measured window: collapsed stacks to PREFIX.<relay-build>.<run>.txt, its info log to .log")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--agents-file", help=argparse.SUPPRESS)
     parser.add_argument("--base", help=argparse.SUPPRESS)
