@@ -5,6 +5,7 @@
                                [--relay both|null|local] [--procs 2]
                                [--baseline 75ee3f5 | --no-baseline]
                                [--search-max 128 | --no-search] [--search-duration 4]
+                               [--profile PREFIX]
 
 What runs (loopback and Unix sockets only, one temporary directory, removed afterwards):
   1. a fresh SoftHSM2 token (benchmarks/_harness.py);
@@ -46,7 +47,9 @@ latency p50/p99 counted from the tick, every other answer by action and code, th
 CPU-seconds per request and cores (from /proc/<pid>/stat), durable growth of the ledger and
 the audit log per hour (before and after the window: the ledger's logical size, pages x
 page size read through a read-only connection, so the WAL's checkpoint jumps do not show;
-the audit log's files' sizes), and the generators' own CPU. Then the ratios of this checkout to the
+the audit log's files' sizes), the generators' own CPU, the latency on the wire (request
+sent to answer received, without the generator's own lag) and the machine's CPU pressure
+(/proc/pressure/cpu) over the window. Then the ratios of this checkout to the
 baseline, from the same run. The generator verifies each event id once per process
 (tests/fleet/buzz_agent.py says why); everything shares this machine's cores.
 """
@@ -167,10 +170,12 @@ class Served:
     base: str
     state_dir: Path
     warmed: set[str]  # credentials whose relay connection the daemon has opened
+    name: str  # relay and build, e.g. "local-this" (profile file names)
 
 
 @contextmanager
-def serve(build: Build, token: Any, tmp: Path, name: str, relay_url: str) -> Iterator[Served]:
+def serve(build: Build, token: Any, tmp: Path, name: str, relay_url: str,
+          log_level: str = "warning") -> Iterator[Served]:
     state = tmp / f"state-{name}"
     sock = tmp / f"{name}.sock"
     server: dict[str, object] = {"max_connections": 4096, "max_connections_per_uid": 4096}
@@ -183,11 +188,22 @@ def serve(build: Build, token: Any, tmp: Path, name: str, relay_url: str) -> Ite
                        "max_connections_per_credential": 256})
     config = broker_config(tmp / f"{name}.toml", token=token, state_dir=state, socket=sock,
                            relay_url=relay_url, relay_timeout=10.0,
-                           sections={"server": server, "log": {"level": "warning"},
+                           sections={"server": server, "log": {"level": log_level},
                                      "limits": {"enabled": False}})
     with H.daemon_process(config, tmp, command=[build.broker]) as daemon:
         base = f"http://localhost:{port}" if build.over_tcp else f"unix:{sock}"
-        yield Served(daemon, base, state, set())
+        yield Served(daemon, base, state, set(), name)
+
+
+def cpu_waited() -> float | None:
+    """Seconds some task has waited for a CPU since boot (/proc/pressure/cpu), or None."""
+    try:
+        with open("/proc/pressure/cpu") as fh:
+            some = fh.readline().split()
+    except OSError:
+        return None
+    fields = dict(part.split("=", 1) for part in some[1:])
+    return int(fields["total"]) / 1e6 if "total" in fields else None
 
 
 def ledger_bytes(path: Path) -> int:
@@ -308,9 +324,25 @@ def run_fleet(args: argparse.Namespace, served: Served, rows: list[dict[str, str
         proc.stdin.close()
     time.sleep(max(0.0, t0 - time.time()))
     cpu0, disk0 = H.proc_stat(served.daemon.pid).cpu_seconds, state_bytes(served.state_dir)
+    waited0 = cpu_waited()
+    spy = None
+    if args.profile:
+        # py-spy samples the daemon over the measured window (collapsed stacks; without
+        # --idle, so the samples are where its CPU goes, not where it waits).
+        spy = subprocess.Popen(
+            [str(Path(sys.executable).with_name("py-spy")), "record", "--format", "raw",
+             "--nonblocking", "-r", "100", "-d", str(max(1, int(duration))),
+             "-o", f"{args.profile}.{served.name}.{label.replace(' ', '_')}.txt", "-p", str(served.daemon.pid)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(max(0.0, t1 - time.time()))
     cpu1, disk1 = H.proc_stat(served.daemon.pid).cpu_seconds, state_bytes(served.state_dir)
+    waited1 = cpu_waited()
     rss = H.proc_stat(served.daemon.pid).rss_bytes
+    if spy is not None:
+        spy.wait(timeout=60)
+        # The daemon's log beside the profile: which windows dropped and why, cold reads.
+        log_copy = Path(f"{args.profile}.{served.name}.{label.replace(' ', '_')}.log")
+        log_copy.write_bytes(served.daemon.log_path.read_bytes())
     parts = []
     for proc in procs:
         assert proc.stdout is not None
@@ -320,6 +352,7 @@ def run_fleet(args: argparse.Namespace, served: Served, rows: list[dict[str, str
             raise SystemExit(f"fleet: a generator failed ({proc.returncode})")
         parts.append(json.loads(out.strip().splitlines()[-1]))
     latencies = [x for p in parts for x in p["latencies"]]
+    wire = [x for p in parts for x in p["wire"]]
     answers: Counter[str] = Counter()
     for p in parts:
         answers.update(p["answers"])
@@ -334,9 +367,17 @@ def run_fleet(args: argparse.Namespace, served: Served, rows: list[dict[str, str
         "ticks_skipped": sum(p["skipped"] for p in parts),
         "p50_ms": round(percentile(latencies, 0.50) * 1000, 1),
         "p99_ms": round(percentile(latencies, 0.99) * 1000, 1),
+        "wire_p50_ms": round(percentile(wire, 0.50) * 1000, 1),
+        "wire_p99_ms": round(percentile(wire, 0.99) * 1000, 1),
         "answers": dict(sorted(answers.items())),
         "requests_per_s": round(requests / duration, 1),
         "daemon_cores": round((cpu1 - cpu0) / duration, 3),
+        # The machine's CPU pressure (PSI "some"): the share of the window in which some
+        # runnable task waited for a core. High means neighbours (or the generators)
+        # contended with the daemon, and latency figures include that wait.
+        "cpu_pressure": (round((waited1 - waited0) / duration, 3)
+                         if waited0 is not None and waited1 is not None else None),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
         "daemon_cpu_ms_per_request": round((cpu1 - cpu0) / max(1, requests) * 1000, 3),
         "daemon_rss_mb": round(rss / 2**20, 1),
         "ledger_bytes_per_hour": round(grown["ledger"] * 3600 / duration),
@@ -399,6 +440,7 @@ async def worker(args: argparse.Namespace) -> None:
 
     answers: Counter[str] = Counter()
     latencies: list[float] = []
+    wire: list[float] = []
     scheduled = skipped = 0
     for agent in [*fleet, poster]:
         for wall, seconds, action, label in agent.stats.calls:
@@ -406,11 +448,13 @@ async def worker(args: argparse.Namespace) -> None:
                 answers[f"{action} {label}"] += 1
                 if action == "channel.read":
                     latencies.append(seconds)
+        wire.extend(seconds for wall, action, seconds in agent.stats.wire
+                    if action == "channel.read" and inside(wall))
         for wall, sent in agent.stats.ticks:
             if inside(wall):
                 scheduled += 1
                 skipped += not sent
-    print(json.dumps({"answers": answers, "latencies": latencies, "scheduled": scheduled,
+    print(json.dumps({"answers": answers, "latencies": latencies, "wire": wire, "scheduled": scheduled,
                       "skipped": skipped, "cpu": cpu.get("t1", 0.0) - cpu.get("t0", 0.0),
                       "ended": [a.ended for a in fleet if a.ended != "stopped"]}))
 
@@ -423,17 +467,20 @@ def show(summary: dict[str, Any]) -> None:
     s = summary
     print(f"  {s['run']}: {s['agents']} agents x {s['channels']} channels every {s['interval_ms']} ms: "
           f"{s['polls_per_s_achieved']} polls/s achieved of {s['polls_per_s_scheduled']} scheduled "
-          f"({s['polls_per_s_nominal']} nominal), p50 {s['p50_ms']} ms, p99 {s['p99_ms']} ms; "
+          f"({s['polls_per_s_nominal']} nominal), p50 {s['p50_ms']} ms, p99 {s['p99_ms']} ms "
+          f"(on the wire: p50 {s['wire_p50_ms']} ms, p99 {s['wire_p99_ms']} ms); "
           f"daemon {s['daemon_cores']} cores, {s['daemon_cpu_ms_per_request']} ms CPU per request; "
           f"ledger {s['ledger_bytes_per_hour'] / 1e6:.1f} MB/h, audit {s['audit_bytes_per_hour'] / 1e6:.1f} MB/h "
-          f"({s['state_bytes_per_poll']} B per poll); generators {s['generator_cores']} cores", flush=True)
+          f"({s['state_bytes_per_poll']} B per poll); generators {s['generator_cores']} cores; "
+          f"machine: CPU pressure {s['cpu_pressure']}, load {s['loadavg_1m']}", flush=True)
 
 
 def ratios(mine: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     def r(key: str) -> float | None:
         return round(mine[key] / base[key], 3) if base[key] else None
     return {"ratio_to_baseline": mine["run"], "relay": mine.get("relay"),
-            **{k: r(k) for k in ("polls_per_s_achieved", "p50_ms", "p99_ms", "daemon_cores",
+            **{k: r(k) for k in ("polls_per_s_achieved", "p50_ms", "p99_ms", "wire_p50_ms",
+                                 "wire_p99_ms", "daemon_cores",
                                  "daemon_cpu_ms_per_request", "ledger_bytes_per_hour",
                                  "audit_bytes_per_hour", "state_bytes_per_poll")}}
 
@@ -498,7 +545,9 @@ def orchestrate(args: argparse.Namespace) -> None:
                     size = need if build.over_tcp and relay == args.search_relay and args.search else 1 + args.agents
                     rows = make_state(build, token, tmp / f"state-{name}", size, channels,
                                       tmp / f"agents-{name}.json")
-                    with serve(build, token, tmp, name, url) as served:
+                    # A profiled run logs at info: the copy beside the profile says why windows dropped.
+                    with serve(build, token, tmp, name, url,
+                               "info" if args.profile else "warning") as served:
                         if not seeded:
                             trio.run(seed, served.base, rows[0], channels, WINDOW_EVENTS)
                             seeded = True
@@ -539,6 +588,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-search", dest="search", action="store_false")
     parser.add_argument("--search-duration", type=float, default=4.0)
     parser.add_argument("--search-relay", choices=("null", "local"), default="null")
+    parser.add_argument("--profile", metavar="PREFIX",
+                        help="py-spy (installed beside this Python) the daemon over each measured window: collapsed stacks to PREFIX.<relay-build>.<run>.txt, its info log to .log")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--agents-file", help=argparse.SUPPRESS)
     parser.add_argument("--base", help=argparse.SUPPRESS)

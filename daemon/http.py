@@ -154,6 +154,22 @@ RECEIVE_SIZE = 65536
 #: next request on a keep-alive connection): bytes h11 keeps beyond the head stay small.
 HEAD_RECEIVE_SIZE = 4096
 
+#: SO_SNDBUF asked for an accepted loopback TCP connection. Why: with the kernel's
+#: default start (tcp_wmem's 16 KiB), a 40 KB answer (a poll of 100 events) leaves in
+#: pieces, and loopback's 64 KiB MSS makes the client's kernel hold its ACK of a partial
+#: segment for the delayed-ACK timer (40 ms): measured, half the polls of a fleet waited
+#: ~40 ms in send (docs/performance.md "fleet"). A bound, not an allocation: the kernel
+#: charges only the bytes queued, and autotuning may reach its own maximum anyway.
+SEND_BUFFER_BYTES = 1024 * 1024
+
+
+def _size_send_buffer(conn: trio.socket.SocketType) -> None:
+    try:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+    except OSError:
+        pass  # the kernel's default stays: slower on large answers, still correct
+
+
 #: After accept() fails for lack of descriptors/memory, pause before retrying rather than
 #: spinning; the same value trio's serve_listeners uses.
 ACCEPT_RETRY_SLEEP = 0.1
@@ -794,15 +810,18 @@ class _Connection:
         if close or self.control.stopping or not self.limits.keep_alive:
             headers.append((b"Connection", b"close"))
         reason = _REASONS.get(status, b"")
-        await self._send(h11.Response(status_code=status, headers=headers, reason=reason))
+        events: list[h11.Event] = [h11.Response(status_code=status, headers=headers, reason=reason)]
         # HEAD: the headers a GET would get (Content-Length included), never the bytes.
         if payload and not self.head:
-            await self._send(h11.Data(data=payload))
-        await self._send(h11.EndOfMessage())
+            events.append(h11.Data(data=payload))
+        events.append(h11.EndOfMessage())
+        # One write for the whole answer: a head and a body written apart are two
+        # segments, and the second may wait for the first one's (delayed) ACK.
+        await self._send(*events)
 
-    async def _send(self, event: h11.Event) -> None:
+    async def _send(self, *events: h11.Event) -> None:
         try:
-            data = self.h11.send(event)
+            data = b"".join(self.h11.send(event) or b"" for event in events)
         except h11.LocalProtocolError:
             raise _Closed from None  # the state machine refuses: nothing sane left to send
         if not data:
@@ -919,6 +938,8 @@ async def serve(
                             slots.release()
                             raise
                         control._opened()
+                        if tcp:
+                            _size_send_buffer(conn)
                         peer = _peer_credentials(conn)
                         if tcp and admit is not None:
                             # The allow-list may need the user database, which can block:

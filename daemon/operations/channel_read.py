@@ -26,18 +26,21 @@ Decisions (each documented here because Buzz leaves them to the host):
   the contract allows (a page is at most `limit`, and `nextCursor` says more exists). So
   one read answer - and the read verdict the ledger stores - stays bounded whatever the
   relay holds; the relay's reply itself is bounded by `daemon.relay.pool.MAX_QUERY_BYTES`.
-* Every event the relay sends is checked before it is delivered, in the order of
-  `_CHECKS`: exactly the seven canonical members (contract `Event`), a valid id and
-  BIP-340 signature, the channel's `h` tag and no other `h` tag, and a match with the
+* Every event the relay sends is checked before it is delivered: exactly the seven
+  canonical members (contract `Event`), a valid id and BIP-340 signature, then in the
+  order of `_CHECKS` the channel's `h` tag and no other `h` tag, and a match with the
   filter asked. A failing event is dropped and logged (event id and the check's name; no
-  content) and never counted in the page.
+  content) and never counted in the page. The first two are shared process-wide
+  (`_JudgedCache`): a fleet's agents each receive the same event on their own
+  connections, and an exact copy of an event already judged is not judged again.
 
-* A read with no cursor, no thread root and a limit up to the window depth (Buzz's poll:
-  limit 100, no cursor) is answered from the requester's read window for that channel
-  when the relay pool keeps windows (daemon/relay/windows.py): the same page a cold read
-  returns, kept true by a live subscription under the requester's own AUTH. The first such
-  read opens the window with an ordinary cold read; reads with a cursor, a thread or a
-  larger limit always go to the relay, as before.
+* A read with no thread root and a limit up to the window depth (Buzz's poll: limit 100)
+  is answered from the requester's read window for that channel when the relay pool
+  keeps windows (daemon/relay/windows.py): the same page a cold read returns, kept true
+  by a live subscription under the requester's own AUTH. The first read without a cursor
+  opens the window with an ordinary cold read; a cursor read inside the window is
+  answered from it, one that continues from its bottom is read from the relay and kept
+  by the window; reads with a thread or a larger limit always go to the relay, as before.
 
 WARNING: the filters built by `_base_filters` may only use the members
 `daemon.relay.paging.matches` implements.
@@ -52,7 +55,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from buzzwire import kinds
-from buzzwire.nostr import compute_event_id, verify_event
+from buzzwire.nostr import verify_event
 from buzzwire.contract import (
     ChannelReadArgs,
     ContractError,
@@ -81,6 +84,11 @@ _log = logging.getLogger("buzz_broker.read")
 #: The bytes one page may hold (see the module docstring): 500 events of 8 KiB each, or
 #: 64 of the largest (64 KiB content).
 MAX_PAGE_BYTES = 4 * 1024 * 1024
+#: Events a due read window is confirmed by (its newest, read afresh from the relay under
+#: the agent's AUTH; daemon/relay/windows.py "Kept true"). A few, not a page: measured on
+#: the fleet at full size, re-reading 256 windows' pages within seconds stalled
+#: LocalRelay (answers of 10-28 s); a relay that no longer serves the agent answers none.
+CONFIRM_EVENTS = 5
 #: What an event's fixed members (id, pubkey, sig, kind, created_at, JSON punctuation)
 #: add to its content and tags.
 _EVENT_OVERHEAD = 300
@@ -117,11 +125,17 @@ class _Judge:
     request_id: str
 
     def __call__(self, item: Mapping[str, object]) -> Event | None:
-        try:
-            event = Event.from_json_obj(item)
-        except (ContractError, TypeError, ValueError):
-            self._drop(item, "not_canonical")
-            return None
+        event = _JUDGED.known(item)
+        if event is None:
+            try:
+                event = Event.from_json_obj(item)
+            except (ContractError, TypeError, ValueError):
+                self._drop(item, "not_canonical")
+                return None
+            if not _signature_ok(self, item, event):
+                self._drop(item, "bad_signature")
+                return None
+            _JUDGED.remember(event)
         for name, check in _CHECKS:
             if not check(self, item, event):
                 self._drop(item, name)
@@ -141,44 +155,66 @@ class _Judge:
         )
 
 
-#: How many verified (id, sig) pairs `_signature_ok` remembers (~250 bytes each, ~2.5 MB).
-VERIFIED_CACHE_SIZE = 10_000
+#: The estimated bytes `_JudgedCache` holds (each event's content, tags and members once).
+JUDGED_CACHE_BYTES = 16 * 1024 * 1024
+#: What one cached judgement adds to its event's own bytes (dict, lists, key tuple).
+_JUDGED_OVERHEAD = 400
 
 
-class _VerifiedCache:
-    """A bounded LRU of event id -> signature already verified by BIP-340.
+class _JudgedCache:
+    """A bounded LRU of (event id, signature) -> the event as first judged canonical and
+    verified, with its exact JSON members.
 
-    Why it is safe: a hit still recomputes the event id from the item's own members (4 us),
-    so the id binds pubkey, created_at, kind, tags and content; the signature is then the
-    exact one already proven over that id by that pubkey. Only the Schnorr check (~50 us
-    of the ~55 us per event) is skipped. Repeat reads of a channel (every agent polls the
-    same recent page) then cost the id hash per event, not the signature.
+    Why: every agent of a fleet reads the same channels under its own AUTH, so the same
+    event arrives once per agent (a live subscription each, and each cold read); the
+    shape parse, id hash and signature check were paid per copy. Only judging is shared:
+    what each agent sees is still what its own relay connection delivered.
+
+    Why it is safe: a hit requires the item to equal, member for member, the JSON of an
+    event already proven canonical, with an id that hashes its members and a BIP-340
+    signature over that id (JSON equality with `created_at` and `kind` exactly ints, so
+    no `1.0` or `true` passes for `1`). An item that differs in anything, as a relay
+    serving the same id and signature over other content, is judged afresh from scratch.
     """
 
-    def __init__(self, size: int) -> None:
-        self._size = size
-        self._sigs: OrderedDict[str, str] = OrderedDict()
+    def __init__(self, max_bytes: int) -> None:
+        self._max = max_bytes
+        self._bytes = 0
+        self._entries: OrderedDict[tuple[str, str], tuple[dict[str, object], Event, int]] = OrderedDict()
 
-    def verified(self, item: Mapping[str, object], event: Event) -> bool:
-        known = self._sigs.get(event.id)
-        if known is not None and known == event.sig:
-            if compute_event_id(event.pubkey, event.created_at, event.kind, event.tags, event.content) != event.id:
-                return False
-            self._sigs.move_to_end(event.id)
-            return True
-        if verify_event(item) is not True:
-            return False
-        self._sigs[event.id] = event.sig
-        if len(self._sigs) > self._size:
-            self._sigs.popitem(last=False)
-        return True
+    def known(self, item: Mapping[str, object]) -> Event | None:
+        """The judged event `item` is an exact copy of, or None."""
+        event_id, sig = item.get("id"), item.get("sig")
+        if type(event_id) is not str or type(sig) is not str:
+            return None  # judged afresh (and dropped): not even a key to look up
+        entry = self._entries.get((event_id, sig))
+        if entry is None:
+            return None
+        obj, event, _cost = entry
+        if (type(item.get("created_at")) is not int or type(item.get("kind")) is not int
+                or item != obj):
+            return None
+        self._entries.move_to_end((event_id, sig))
+        return event
+
+    def remember(self, event: Event) -> None:
+        key = (event.id, event.sig)
+        if key in self._entries:
+            return
+        cost = _event_bytes(event) + _JUDGED_OVERHEAD
+        self._entries[key] = (event.to_json_obj(), event, cost)
+        self._bytes += cost
+        while self._bytes > self._max and self._entries:
+            _, (_, _, dropped) = self._entries.popitem(last=False)
+            self._bytes -= dropped
 
 
-_VERIFIED = _VerifiedCache(VERIFIED_CACHE_SIZE)
+_JUDGED = _JudgedCache(JUDGED_CACHE_BYTES)
 
 
 def _signature_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bool:
-    return _VERIFIED.verified(item, event)
+    # verify_event recomputes the id from the item's own members, then checks BIP-340.
+    return verify_event(item) is True
 
 
 def _channel_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bool:
@@ -191,8 +227,8 @@ def _filter_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bool:
 
 
 #: The checks after the canonical-shape parse, in order; the name is what the log says.
+#: The shape and "bad_signature" come first, in `_Judge.__call__` (shared: `_JudgedCache`).
 _CHECKS: tuple[tuple[str, Callable[[_Judge, Mapping[str, object], Event], bool]], ...] = (
-    ("bad_signature", _signature_ok),
     ("wrong_channel", _channel_ok),
     ("off_filter", _filter_ok),
 )
@@ -223,7 +259,7 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
     async def query(batch: list[dict[str, object]]) -> list[dict[str, object]]:
         return await ctx.relay.query(requester, batch)
 
-    async def cold(limit: int = limit) -> Page[Event]:
+    async def cold(limit: int = limit, after: Position | None = after) -> Page[Event]:
         return await read_page(
             query,
             filters,
@@ -238,22 +274,42 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
     # getattr: a stand-in for the pool (tests, benchmarks) may have no windows at all.
     windows: WindowCache | None = getattr(ctx.relay, "windows", None)
     try:
-        if (windows is not None and after is None and args.root_event_id is None
-                and limit <= windows.depth):
+        if windows is not None and args.root_event_id is None and limit <= windows.depth:
             key = WindowKey(agent=requester, channel_id=args.channel_id,
                             mentions_only=args.mentions_only)
             window = windows.get(key)
-            if window is not None:
-                return _served(ctx, window.serve(limit), scope, now)
-            # A window holds `depth` events whatever this read's limit; its own judge logs
-            # its live drops under no one request.
-            depth = windows.depth
-            page, window = await windows.open(
-                key, filters, _Judge(args.channel_id, filters, "window"),
-                lambda: cold(depth), max_page_bytes=MAX_PAGE_BYTES, size_of=_event_bytes)
-            if window is not None:
-                return _served(ctx, window.serve(limit), scope, now)
-            page = _first(page, limit)
+            if window is not None and windows.due(window):
+                # Checked against the relay (daemon/relay/windows.py "Kept true"): the
+                # newest events afresh, whatever this read's cursor; the window stays only
+                # if they are the window's own.
+                window.begin_check()
+                if window.confirms(await cold(CONFIRM_EVENTS, None)):
+                    windows.renew(window)
+                else:
+                    window.end("refresh")
+                    window = None
+            served = window.serve(limit, after) if window is not None else None
+            if served is not None:
+                return _served(ctx, served, scope, now)
+            if after is not None or window is not None:
+                # A continuation below the window's bottom (Buzz's runtime follows
+                # nextCursor back through the channel): read it, and let the window keep
+                # it when it continues exactly from the window's last event.
+                mark = window.continuation(after) if window is not None and after is not None else None
+                page = await cold()
+                if mark is not None and window is not None:
+                    window.extend(mark, page)
+            else:
+                # A window holds `depth` events whatever this read's limit; its own judge
+                # logs its live drops under no one request.
+                depth = windows.depth
+                page, window = await windows.open(
+                    key, filters, _Judge(args.channel_id, filters, "window"),
+                    lambda: cold(depth), max_page_bytes=MAX_PAGE_BYTES, size_of=_event_bytes)
+                served = window.serve(limit) if window is not None else None
+                if served is not None:
+                    return _served(ctx, served, scope, now)
+                page = _first(page, limit)
         else:
             page = await cold()
     except RelayUnavailable as exc:

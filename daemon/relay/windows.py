@@ -20,22 +20,41 @@ Theory of operation:
   the two is missed; a deletion or removal meanwhile, or the subscription ending, and the
   page answers this read but is not kept.
 * Kept true: every live message event is judged (shape, id, signature, channel, filter)
-  once, then placed in declared order; the window holds the newest `depth` events, or all
-  of them when the channel has fewer. A live deletion (kind 5, NIP-29 kind 9005) naming an
-  event of the window, a live NIP-29 removal (kind 9001) of the agent, the relay's CLOSED,
-  or a dropped connection takes the whole window away: the next read is cold and the
-  relay says what is true. A window is also refilled from the relay once it is
-  `max_age` old, which bounds what a relay that drops a member silently (no CLOSED, no
-  9001) can leave in it.
-* Served: a read with no cursor and a limit up to `depth` gets the window's first `limit`
-  events and, when more exist, a cursor at its last one: exactly the page a cold read of
-  the same relay state returns. The answer's outcome is encoded once per window change
-  and limit (`Served.encoded`).
+  once, then placed in declared order; the window holds the newest events down to its
+  bottom (at most `keep`), or all of them when the channel has fewer. A live deletion
+  (kind 5, NIP-29 kind 9005) naming an event of the window, a live NIP-29 removal (kind
+  9001) of the agent, the relay's CLOSED, or a dropped connection takes the whole window
+  away: the next read is cold and the relay says what is true. A window is also checked
+  against the relay once it is `max_age` old (jittered down by up to a quarter, so windows
+  opened together are not checked together), which bounds what a relay that drops a
+  member silently (no CLOSED, no 9001) can leave in it: the channel's newest few events
+  are read afresh under the agent's AUTH (channel_read.CONFIRM_EVENTS), and the window is
+  kept (continuation pages included) only when they are its own first events
+  (`Window.confirms`), else dropped and opened anew. A relay that no longer serves the
+  agent answers none, or refuses. Newer events the check finds are placed from it; events
+  that arrived live while it was read are left out of the comparison.
+* Continuations: Buzz's runtime follows `nextCursor` back through a channel before it
+  reads the default window again (buzz-client.md), so with a channel past one page every
+  other poll of a fleet is a cursor read of the next older page. When such a read
+  continues exactly from the window's bottom, its page (read from the relay, judged as
+  any) is appended, unless a live event fell below the bottom while it was read (it may
+  or may not be in that page: `Continuation`). The window is then exact down to the
+  page's end, and the next such read is answered from it.
+* Served: a read with a limit up to `depth`, with no cursor or a cursor inside the window,
+  gets the window's events after that position, cut by `limit` and the page's byte bound
+  as daemon/relay/paging.py cuts, and a cursor at its last one when more exist: exactly
+  the page a cold read of the same relay state returns. A page that runs past the
+  window's bottom while the relay holds more is not served (the relay is read).
+* Encoded and held once: each distinct event (id and signature) is held once by the cache,
+  with its canonical encoded bytes, however many windows name it (`WindowCache.hold`);
+  an answer is those bytes joined, so a changed window costs its new events, and the
+  default page's join is kept until the window changes (`Served.encoded_messages`).
 * Bounded: the windows' estimated bytes together (`max_bytes`, ``[relay]
-  read_window_bytes``) evict least recently used windows; a window alone above it is not
-  kept. How many channels agents name changes nothing: a window that does not fit is
-  simply not kept. The relay's per-connection subscription cap is the pool's
-  (`RelayPool.subscribe` raises SubscriptionsFull): past it the read is a plain query.
+  read_window_bytes``; each held event once, plus each window's references) evict least
+  recently used windows; a window alone above it is not kept. How many channels agents
+  name changes nothing: a window that does not fit is simply not kept. The relay's
+  per-connection subscription cap is the pool's (`RelayPool.subscribe` raises
+  SubscriptionsFull): past it the read is a plain query.
 
 What is not here: credential scope and revocation. The pipeline authenticates and
 authorizes every request before the operation runs (daemon/pipeline/broker.py), so a
@@ -50,6 +69,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import random
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -69,7 +89,9 @@ from daemon.relay.pool import (
 )
 
 __all__ = [
+    "DEFAULT_KEEP",
     "DEFAULT_WINDOW_BYTES",
+    "Continuation",
     "DELETION_KINDS",
     "REMOVAL_KINDS",
     "Served",
@@ -89,6 +111,16 @@ DELETION_KINDS: tuple[int, ...] = (kinds.DELETION, kinds.DELETE_EVENT)
 REMOVAL_KINDS: tuple[int, ...] = (kinds.REMOVE_USER,)
 #: What a window costs beyond its events (the object, its keys, the encoded answers' dict).
 _WINDOW_OVERHEAD = 4096
+#: What one window's reference to a held event costs (its sort key, list slots, id in the
+#: window's set): the event itself is held once however many windows name it.
+_REF_COST = 160
+#: Events one window keeps by default: its newest page and the older pages a cursor
+#: continuation reads next (Buzz's runtime follows `nextCursor` back through the channel
+#: before it reads the default window again, buzz-client.md), ten pages of 100.
+DEFAULT_KEEP = 1000
+#: A window's refill age is jittered down to this fraction of `max_age`, so windows opened
+#: together (a fleet starting) do not refill in the same second.
+_AGE_JITTER = 0.25
 
 #: judge(relay item) -> the deliverable event, or None (channel_read's checks; they log).
 Accept = Callable[[Mapping[str, object]], Event | None]
@@ -112,39 +144,78 @@ class Served:
     encoded_messages: bytes
 
 
-def _event_cost(event: Event) -> int:
-    """Estimated bytes one event takes in a window: its objects and its encoded form."""
-    obj = event.to_json_obj()
-    return decoded_size(obj) + 2 * len(json.dumps(obj, ensure_ascii=False))
+def _event_cost(event: Event, encoded: bytes) -> int:
+    """Estimated bytes one held event takes: its objects and its encoded form."""
+    return decoded_size(event.to_json_obj()) + 2 * len(encoded)
+
+
+def _encode(event: Event) -> bytes:
+    # The canonical form (contract _envelopes._dumps) of one event: a page's messages are
+    # these joined by commas, exactly as the list's own dumps would write them.
+    return json.dumps(event.to_json_obj(), separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False).encode("utf-8")
+
+
+class _Held:
+    """One distinct signed event (id and signature) held by one or more windows."""
+
+    __slots__ = ("event", "encoded", "cost", "refs")
+
+    def __init__(self, event: Event) -> None:
+        self.event = event
+        self.encoded = _encode(event)
+        self.cost = _event_cost(event, self.encoded)
+        self.refs = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """A window's bottom when a cursor read continues from it: `Window.extend` appends
+    that read's page only if nothing below the window changed meanwhile."""
+
+    key: SortKey
+    changes_below: int
 
 
 class Window:
-    """The newest `depth` events of one (agent, channel, mentionsOnly), kept by its live
-    subscription; the `LiveSink` of that subscription."""
+    """The newest events of one (agent, channel, mentionsOnly), kept by its live
+    subscription; the `LiveSink` of that subscription.
+
+    The window is the exact declared-order sequence of the channel's events from the
+    newest down to its bottom; `_more` says whether the relay holds more below it. Any
+    page inside it, from the top or after a cursor position, is then what a cold read
+    returns (`serve`).
+    """
 
     def __init__(self, cache: WindowCache, key: WindowKey, accept: Accept, depth: int,
-                 max_page_bytes: int, size_of: Callable[[Event], int]) -> None:
+                 max_page_bytes: int, size_of: Callable[[Event], int], keep: int) -> None:
         self.key = key
         self._cache = cache
         self._accept = accept
         self._depth = depth
+        self._keep = keep
         self._max_page_bytes = max_page_bytes
         self._size_of = size_of
         self._keys: list[SortKey] = []
-        self._events: list[Event] = []
+        self._held: list[_Held] = []
+        self._sizes: list[int] = []
         self._ids: set[str] = set()
-        self._page_bytes = 0
         #: more events exist below the window (the channel holds more than it keeps)
         self._more = False
         self._filled = False
+        #: live events dropped because they fell below the window's bottom
+        self._changes_below = 0
         #: live events that arrived before the page was read
         self._pending: list[Event] = []
         self._pending_bytes = 0
         self.valid = True
-        self.cost = _WINDOW_OVERHEAD
+        self.kept = False
         self.filled_at = 0.0
+        self.max_age = 0.0
         self.subscription: LiveSubscription | None = None
         self._encoded: dict[int, bytes] = {}
+        #: ids placed live while a check (`begin_check`, `confirms`) is being read
+        self._arrived: set[str] | None = None
 
     # LiveSink ------------------------------------------------------------------------
 
@@ -168,9 +239,10 @@ class Window:
             else:
                 self._pending.append(event)
             return
-        before = self.cost
         self._place(event)
-        self._cache.resized(self, self.cost - before)
+        if self._arrived is not None and len(self._arrived) < self._keep:
+            self._arrived.add(event.id)
+        self._cache.resized(self)
 
     def ended(self, reason: str) -> None:
         self.end(reason)
@@ -187,6 +259,11 @@ class Window:
         if self.subscription is not None:
             self.subscription.close()
         self._cache.forget(self)
+        for held in self._held:
+            self._cache.release(held)
+        self._held, self._keys, self._sizes = [], [], []
+        self._ids.clear()
+        self._encoded.clear()
 
     def fill(self, page: Page[Event]) -> bool:
         """Take the cold read's page as the window's content; False when it cannot be
@@ -206,44 +283,140 @@ class Window:
         key = order_key(event.created_at, event.id)
         at = bisect.bisect_left(self._keys, key)
         self._keys.insert(at, key)
-        self._events.insert(at, event)
+        self._held.insert(at, self._cache.hold(event))
+        self._sizes.insert(at, self._size_of(event))
         self._ids.add(event.id)
-        self._page_bytes += self._size_of(event)
-        self.cost += _event_cost(event)
+
+    def _drop_bottom(self) -> None:
+        held = self._held.pop()
+        self._keys.pop()
+        self._sizes.pop()
+        self._ids.discard(held.event.id)
+        self._cache.release(held)
+        self._more = True
 
     def _place(self, event: Event) -> None:
-        """One live event: into the window if it is among the newest, else nothing."""
+        """One live event: into the window if it is above its bottom, else nothing."""
         if event.id in self._ids:
             return
         key = order_key(event.created_at, event.id)
         if self._more and self._keys and key > self._keys[-1]:
-            return  # below the window: a cursor read finds it on the relay
+            # Below the window: a cursor read finds it on the relay; a continuation read
+            # now in flight may or may not have, so it must not extend the window.
+            self._changes_below += 1
+            return
         self._insert(event)
-        # The page's own bounds (channel_read: `depth` events, MAX_PAGE_BYTES): what falls
-        # off the end still exists, so a cursor is due from here on.
-        while len(self._events) > self._depth or (
-                len(self._events) > 1 and self._page_bytes > self._max_page_bytes):
-            dropped = self._events.pop()
-            self._keys.pop()
-            self._ids.discard(dropped.id)
-            self._page_bytes -= self._size_of(dropped)
-            self.cost -= _event_cost(dropped)
-            self._more = True
+        # What falls off the bottom still exists, so a cursor is due from there on.
+        while len(self._held) > self._keep:
+            self._drop_bottom()
         self._encoded.clear()
 
-    def serve(self, limit: int) -> Served:
-        """The page a cold read with `limit` (<= depth) would return now."""
-        messages = tuple(self._events[:limit])
+    def begin_check(self) -> None:
+        """A check's read starts: events arriving live meanwhile are noted, since the
+        relay's answer may or may not include them (`confirms`)."""
+        self._arrived = set()
+
+    def confirms(self, page: Page[Event]) -> bool:
+        """The relay's newest events, read afresh under this agent's AUTH since
+        `begin_check`, are this window's own first events: what the window holds is still
+        what the agent may read."""
+        arrived, self._arrived = self._arrived or set(), None
+        if not self.valid or page.overflow_seconds:
+            return False
+        # Events newer than the window's newest that it lacks were published while the
+        # check was read and are still on their way live: the relay's answer, read under
+        # this agent's AUTH, places them now (their live copy is then a duplicate).
+        newer = [event for event in page.items if event.id not in self._ids
+                 and self._keys and order_key(event.created_at, event.id) < self._keys[0]]
+        if newer:
+            for event in newer:
+                self._place(event)
+            self._cache.resized(self)
+            if not self.valid:
+                return False
+        # Events that arrived live during the read may be in the relay's answer or not:
+        # they are left out of both sides.
+        given = [(e.id, e.sig) for e in page.items if e.id not in arrived]
+        kept = [(h.event.id, h.event.sig) for h in self._held if h.event.id not in arrived]
+        # Where the two end must agree too: the relay's page stops short of the window
+        # only when it was cut (a cursor), and runs past it only when the window knows
+        # more exist below; equal lengths need the same word on "more".
+        if len(given) < len(kept) and page.next_position is None:
+            return False
+        if len(given) > len(kept) and not self._more:
+            return False
+        if len(given) == len(kept) and (page.next_position is not None) != self._more:
+            return False
+        overlap = min(len(given), len(kept))
+        return given[:overlap] == kept[:overlap]
+
+    def continuation(self, after: Position) -> Continuation | None:
+        """When a cursor read after `after` cannot be served because it continues from
+        this window's bottom: the mark `extend` checks. None otherwise."""
+        if not self.valid or not self._more or not self._keys or len(self._held) >= self._keep:
+            return None
+        key = order_key(after.created_at, after.event_id)
+        if key != self._keys[-1]:
+            return None
+        return Continuation(key=key, changes_below=self._changes_below)
+
+    def extend(self, mark: Continuation, page: Page[Event]) -> None:
+        """Append the cold page read after the window's bottom (`mark`): the window then
+        stays exact down to the page's end. Nothing happens when the window changed below
+        its bottom meanwhile, ended, or the page is not exact."""
+        if (not self.valid or not self._more or not self._keys or self._keys[-1] != mark.key
+                or self._changes_below != mark.changes_below or page.overflow_seconds
+                or not page.items):
+            return
+        for event in page.items:
+            key = order_key(event.created_at, event.id)
+            if key <= self._keys[-1] or event.id in self._ids:
+                return  # not strictly below: not the continuation this window expects
+        for event in page.items:
+            self._keys.append(order_key(event.created_at, event.id))
+            self._held.append(self._cache.hold(event))
+            self._sizes.append(self._size_of(event))
+            self._ids.add(event.id)
+        self._more = page.next_position is not None
+        while len(self._held) > self._keep:
+            self._drop_bottom()
+        self._encoded.clear()
+        self._cache.resized(self)
+
+    def serve(self, limit: int, after: Position | None = None) -> Served | None:
+        """The page a cold read with `limit` (<= depth) after `after` (None: the newest)
+        would return now; None when the window does not hold it (a continuation below
+        the window's bottom)."""
+        start = 0
+        if after is not None:
+            start = bisect.bisect_right(self._keys, order_key(after.created_at, after.event_id))
+        # The page's own bounds, as daemon/relay/paging.py cuts them: `limit` events, and
+        # the byte bound before the event that would cross it (at least one event).
+        end, held_bytes, cut = start, 0, False
+        while end < len(self._held) and end - start < limit:
+            size = self._sizes[end]
+            if end > start and held_bytes + size > self._max_page_bytes:
+                cut = True
+                break
+            held_bytes += size
+            end += 1
+        if end - start < limit and not cut and self._more:
+            return None  # the relay holds the rest of this page below the window
+        held = self._held[start:end]
+        messages = tuple(h.event for h in held)
         position = None
-        if len(self._events) > limit or self._more:
+        if messages and (cut or end < len(self._held) or self._more):
             last = messages[-1]
             position = Position(created_at=last.created_at, event_id=last.id)
+        if after is not None:
+            return Served(messages=messages, next_position=position,
+                          encoded_messages=b'{"messages":[' + b",".join(h.encoded for h in held) + b"]")
         encoded = self._encoded.get(limit)
         if encoded is None:
-            # The outcome's canonical form (contract _envelopes._dumps) up to its messages.
-            body = json.dumps([e.to_json_obj() for e in messages], separators=(",", ":"),
-                              ensure_ascii=False, allow_nan=False)
-            encoded = self._encoded[limit] = b'{"messages":' + body.encode("utf-8")
+            # Joined from each event's encoded form, made once per distinct event: a
+            # changed window costs its new events, not the whole page.
+            encoded = self._encoded[limit] = (
+                b'{"messages":[' + b",".join(h.encoded for h in held) + b"]")
         return Served(messages=messages, next_position=position, encoded_messages=encoded)
 
 
@@ -259,33 +432,72 @@ def _tag_values(item: Mapping[str, object], letter: str) -> set[str]:
 class WindowCache:
     """Every open window, least recently used first, within `max_bytes` together.
 
+    The bytes counted: each window's overhead and its references, and each distinct
+    signed event (id and signature) once, however many windows hold it (`hold`,
+    `release`): a fleet whose agents all read the same channels holds each event once.
+
     Args:
         pool: whose connections carry the windows' live subscriptions.
         max_bytes: the windows' estimated bytes together (0: no windows at all).
-        depth: events a window keeps (reads with a larger limit go to the relay).
-        max_age: seconds after which a window is refilled from the relay.
+        depth: the largest `limit` a window answers (reads with a larger limit go to the
+            relay), and the page a window opens with.
+        keep: events one window keeps at most (its newest page and the continuation pages
+            cursor reads have read after it).
+        max_age: seconds after which a window is refilled from the relay (each window's
+            own age is jittered down by up to a quarter, so refills spread out).
         idle_seconds: a window not served this long is closed (checked on each read).
     """
 
     def __init__(self, pool: RelayPool, *, max_bytes: int = DEFAULT_WINDOW_BYTES,
-                 depth: int = 100, max_age: float = 60.0, idle_seconds: float = 300.0) -> None:
-        if max_bytes < 0 or depth < 1 or max_age <= 0 or idle_seconds <= 0:
-            raise ValueError("WindowCache needs max_bytes >= 0, depth >= 1 and positive ages")
+                 depth: int = 100, keep: int = DEFAULT_KEEP, max_age: float = 60.0,
+                 idle_seconds: float = 300.0) -> None:
+        if max_bytes < 0 or depth < 1 or keep < depth or max_age <= 0 or idle_seconds <= 0:
+            raise ValueError("WindowCache needs max_bytes >= 0, 1 <= depth <= keep and positive ages")
         self._pool = pool
         self.max_bytes = max_bytes
         self.depth = depth
+        self.keep = keep
         self._max_age = max_age
         self._idle = idle_seconds
         self._windows: OrderedDict[WindowKey, Window] = OrderedDict()
         self._served_at: dict[WindowKey, float] = {}
         self._opening: set[WindowKey] = set()
+        self._held: dict[tuple[str, str], _Held] = {}
+        self._jitter = random.Random()
         self.bytes = 0
 
     def __len__(self) -> int:
         return len(self._windows)
 
+    def hold(self, event: Event) -> _Held:
+        """The shared copy of `event` (same id and signature), one reference more."""
+        held = self._held.get((event.id, event.sig))
+        if held is None:
+            held = self._held[(event.id, event.sig)] = _Held(event)
+            self.bytes += held.cost
+        held.refs += 1
+        self.bytes += _REF_COST
+        return held
+
+    def release(self, held: _Held) -> None:
+        held.refs -= 1
+        self.bytes -= _REF_COST
+        if held.refs == 0 and self._held.get((held.event.id, held.event.sig)) is held:
+            del self._held[(held.event.id, held.event.sig)]
+            self.bytes -= held.cost
+
+    def due(self, window: Window) -> bool:
+        """The window is `max_age` old: it must be confirmed against the relay (`renew`)
+        or dropped before it answers again."""
+        return trio.current_time() - window.filled_at >= window.max_age
+
+    def renew(self, window: Window) -> None:
+        """The relay's newest page matched the window (`Window.confirms`): age it afresh."""
+        window.filled_at = trio.current_time()
+        window.max_age = self._max_age * (1.0 - _AGE_JITTER * self._jitter.random())
+
     def get(self, key: WindowKey) -> Window | None:
-        """The key's window if it is kept and fresh; marks it most recently used."""
+        """The key's window if it is kept (fresh or `due`); marks it most recently used."""
         now = trio.current_time()
         while self._windows:
             oldest_key, oldest = next(iter(self._windows.items()))
@@ -294,9 +506,6 @@ class WindowCache:
             oldest.end("idle")
         window = self._windows.get(key)
         if window is None:
-            return None
-        if now - window.filled_at >= self._max_age:
-            window.end("refresh")
             return None
         self._windows.move_to_end(key)
         self._served_at[key] = now
@@ -314,7 +523,7 @@ class WindowCache:
         """
         if self.max_bytes == 0 or key in self._opening:
             return await read(), None
-        window = Window(self, key, accept, self.depth, max_page_bytes, size_of)
+        window = Window(self, key, accept, self.depth, max_page_bytes, size_of, self.keep)
         self._opening.add(key)
         try:
             try:
@@ -335,7 +544,7 @@ class WindowCache:
             if not window.fill(page):
                 window.end("not kept")
                 return page, None
-            window.filled_at = trio.current_time()
+            self.renew(window)
             self._keep(window)
             return page, (window if window.valid else None)
         finally:
@@ -353,20 +562,17 @@ class WindowCache:
         return live
 
     def _keep(self, window: Window) -> None:
-        old = self._windows.pop(window.key, None)
+        old = self._windows.get(window.key)
         if old is not None and old is not window:
-            self.bytes -= old.cost
             old.end("replaced")
         self._windows[window.key] = window
         self._served_at[window.key] = trio.current_time()
-        self.bytes += window.cost
+        window.kept = True
+        self.bytes += _WINDOW_OVERHEAD
         self._evict()
 
-    def resized(self, window: Window, delta: int) -> None:
-        """A kept window's cost changed by `delta`: evict past the bound."""
-        if self._windows.get(window.key) is not window:
-            return
-        self.bytes += delta
+    def resized(self, window: Window) -> None:
+        """A window's events changed: evict past the bound."""
         self._evict()
 
     def _evict(self) -> None:
@@ -375,10 +581,12 @@ class WindowCache:
             oldest.end("evicted (read_window_bytes)")
 
     def forget(self, window: Window) -> None:
-        if self._windows.get(window.key) is window:
-            del self._windows[window.key]
-            self._served_at.pop(window.key, None)
-            self.bytes -= window.cost
+        if window.kept:
+            window.kept = False
+            self.bytes -= _WINDOW_OVERHEAD
+            if self._windows.get(window.key) is window:
+                del self._windows[window.key]
+                self._served_at.pop(window.key, None)
 
     def close(self) -> None:
         """End every window (the daemon is stopping)."""

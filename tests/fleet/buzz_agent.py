@@ -423,6 +423,10 @@ class AgentStats:
     #: its measurement window out of these.
     calls: list[tuple[float, float, str, str]] = field(default_factory=list)
     ticks: list[tuple[float, bool]] = field(default_factory=list)
+    #: With `log=True`: each answered call as (wall-clock start, action, seconds from the
+    #: request's first byte sent to its answer's last byte received): the host's part of
+    #: the latency, without this generator's own lag (a late tick, the strict reading).
+    wire: list[tuple[float, str, float]] = field(default_factory=list)
 
 
 class BuzzAgent:
@@ -466,7 +470,10 @@ class BuzzAgent:
                            "args": dict(args)}, separators=(",", ":"),
                           ensure_ascii=False).encode("utf-8")
         try:
+            sent = self._clock()
             raw = await self.transport.post(body, response_cap(action, args))
+            if self.log:
+                self.stats.wire.append((wall, action, self._clock() - sent))
             verdict = read_answer(raw, request_id, action, args)
         except NoAnswer as exc:
             self.stats.no_answer[f"{action} {exc}"] += 1

@@ -159,3 +159,28 @@ async def test_second_over_the_relay_cap_is_logged(tmp_path: Path, reader: TestK
     got, _ = await read_through(ctx, channel_id=channel, limit=5)
     assert len({e.id for e in got}) == len(got)
     assert fields(caplog, "read.second_overflow")
+
+
+def test_a_judged_event_is_reused_only_for_an_exact_copy() -> None:
+    """The fleet's agents receive the same event on their own connections; it is judged
+    (shape, id, signature) once, and a later item is taken as that event only when it is
+    the same JSON member for member, with integer created_at and kind."""
+    from daemon.operations.channel_read import _JudgedCache
+    from buzzwire.contract import Event
+    from tests.fixtures.relay import TestKey
+
+    item = TestKey().sign(9, "hello", [["h", "c"]], 1_700_000_000)
+    event = Event.from_json_obj(item)
+    cache = _JudgedCache(1 << 20)
+    assert cache.known(item) is None
+    cache.remember(event)
+    assert cache.known(dict(item)) is event
+    for changed in ({**item, "content": "forged"}, {**item, "created_at": float(item["created_at"])},
+                    {**item, "tags": [["h", "d"]]}, {**item, "extra": 1},
+                    {k: v for k, v in item.items() if k != "content"},
+                    {**item, "id": [item["id"]]}, {**item, "sig": {"x": 1}}):
+        assert cache.known(changed) is None, changed
+    # Bounded by bytes: the oldest judgement goes first.
+    small = _JudgedCache(1)
+    small.remember(event)
+    assert small.known(item) is None

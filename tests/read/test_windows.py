@@ -301,3 +301,247 @@ async def test_revoked_credential_is_refused_with_a_warm_window(broker: BrokerHa
     assert envelope is not None and envelope["status"] == "failed", envelope
     assert envelope["error"]["code"] == "unauthenticated"
     assert "outcome" not in envelope
+
+
+# --- continuations, shared events, shared judging (issue 24: the fleet at full size) -------
+
+
+def _cursor(verdict: Verdict) -> str | None:
+    assert isinstance(verdict.outcome, ReadOutcome)
+    return verdict.outcome.next_cursor
+
+
+async def test_a_cursor_continuation_is_kept_and_answered_from_the_window(
+        world: World, local_relay: str, nursery: trio.Nursery) -> None:
+    """Buzz's runtime follows nextCursor back through a channel before it reads the
+    default window again: the page after the window's bottom is kept by the window, and
+    the next time that continuation is read it is answered as a cold read would be."""
+    for n in range(5, 8):
+        await world.post(f"message {n}", at=NOW - 100 + n)  # 8 events in all
+    pool = _pool(local_relay, world.reader, queries=(queries := Counter[str]()))
+    pool.windows = WindowCache(pool, depth=3, keep=10)
+    await nursery.start(pool.run)
+    ctx = context(pool, world.ctx.principal, world.ctx.cursors)
+    plain = _pool(local_relay, world.reader)
+    await nursery.start(plain.run)
+    cold_ctx = context(plain, world.ctx.principal, world.ctx.cursors)
+
+    first = await world.read(ctx, limit=3)
+    one = _cursor(first)
+    assert one is not None and len(_ids(first)) == 3
+    reads = queries["query"]
+    second = await world.read(ctx, limit=3, cursor=one)  # below the window: read, and kept
+    assert queries["query"] == reads + 1
+    two = _cursor(second)
+    assert two is not None
+    third = await world.read(ctx, limit=3, cursor=two)  # the end of the channel, kept too
+    assert _cursor(third) is None and len(_ids(third)) == 2
+    reads = queries["query"]
+    for cursor in (None, one, two):
+        warm = await world.read(ctx, limit=3, cursor=cursor)
+        cold = await world.read(cold_ctx, limit=3, cursor=cursor)
+        assert encode_response(REQUEST_ID, warm) == encode_response(REQUEST_ID, cold)
+    assert queries["query"] == reads, "every page of the channel came from the window"
+    # A page of another limit inside the window is the cold read's too.
+    warm = await world.read(ctx, limit=2, cursor=one)
+    assert encode_response(REQUEST_ID, warm) == encode_response(
+        REQUEST_ID, await world.read(cold_ctx, limit=2, cursor=one))
+    assert queries["query"] == reads
+
+
+async def test_a_post_reaches_a_window_holding_continuation_pages(world: World,
+                                                                 nursery: trio.Nursery,
+                                                                 local_relay: str) -> None:
+    pool = _pool(local_relay, world.reader, queries=(queries := Counter[str]()))
+    pool.windows = WindowCache(pool, depth=2, keep=10)
+    await nursery.start(pool.run)
+    ctx = context(pool, world.ctx.principal, world.ctx.cursors)
+    first = await world.read(ctx, limit=2)
+    await world.read(ctx, limit=2, cursor=_cursor(first))  # the window now holds 4
+    new = await world.post("from another client", at=NOW)
+
+    async def seen() -> bool:
+        return _ids(await world.read(ctx, limit=2))[:1] == [new["id"]]
+
+    await _until(seen)
+    reads = queries["query"]
+    # The new event pushed the old first page down by one: the page after the new first
+    # page's cursor is still in the window, and the same as the relay's.
+    page = await world.read(ctx, limit=2)
+    after = await world.read(ctx, limit=2, cursor=_cursor(page))
+    assert queries["query"] == reads
+    plain = _pool(local_relay, world.reader)
+    await nursery.start(plain.run)
+    cold = await world.read(context(plain, world.ctx.principal, world.ctx.cursors), limit=2,
+                            cursor=_cursor(page))
+    assert _ids(after) == _ids(cold)
+
+
+def test_a_live_event_below_the_bottom_keeps_a_continuation_out() -> None:
+    """A continuation read in flight may or may not have seen an event that arrives live
+    below the window's bottom meanwhile: that page is then not kept."""
+    from daemon.relay.cursor import Position
+    from daemon.relay.paging import Page
+
+    from buzzwire.contract import Event
+
+    author, channel = TestKey(), new_channel()
+    events = [Event.from_json_obj(author.sign(9, f"m{n}", [["h", channel]], NOW - n))
+              for n in range(6)]  # newest first
+    cache = WindowCache(None, depth=2, keep=10)  # type: ignore[arg-type]
+    from daemon.relay.windows import Window
+
+    def accept(item: Any) -> Event | None:
+        return Event.from_json_obj(item)
+
+    window = Window(cache, WindowKey("a" * 64, channel, False), accept, 2, 1 << 20,
+                    lambda e: 1, 10)
+    bottom = Position(created_at=events[1].created_at, event_id=events[1].id)
+    assert window.fill(Page(items=tuple(events[:2]), next_position=bottom, rounds=1))
+    mark = window.continuation(bottom)
+    assert mark is not None
+    # events[4] arrives live (below the bottom) while the continuation is read.
+    window.event(events[4].to_json_obj(), live=True)
+    window.extend(mark, Page(items=tuple(events[2:4]), next_position=None, rounds=1))
+    assert window.serve(2, bottom) is None, "the page read meanwhile was not kept"
+    # Without such an arrival the same continuation is kept.
+    mark = window.continuation(bottom)
+    assert mark is not None
+    window.extend(mark, Page(items=tuple(events[2:4]),
+                             next_position=Position(created_at=events[3].created_at,
+                                                    event_id=events[3].id), rounds=1))
+    served = window.serve(2, bottom)
+    assert served is not None and [e.id for e in served.messages] == [e.id for e in events[2:4]]
+    window.end("test")
+    assert cache.bytes == 0, "an ended window's events are released"
+
+
+async def test_windows_of_one_channel_hold_each_event_once(local_relay: str, tmp_path: Path,
+                                                           nursery: trio.Nursery) -> None:
+    """Each agent keeps its own window (its own AUTH), but an event two windows hold is
+    counted in read_window_bytes once."""
+    one, two, author = TestKey(), TestKey(), TestKey()
+    channel = new_channel()
+    pool = _pool(local_relay, one, two, author)
+    await nursery.start(pool.run)
+    for n in range(20):
+        ev = author.sign(9, "x" * 1000, [["h", channel]], NOW - 50 + n)
+        assert isinstance(await pool.publish(author.pubkey, signed(ev)), Accepted)
+    windows = WindowCache(pool)
+    pool.windows = windows
+    cursors = CursorCodec.open(str(tmp_path))
+    first = await channel_read.execute(
+        context(pool, principal_for(tmp_path / "1", one.pubkey, [channel]), cursors),
+        ChannelReadArgs(channel_id=channel))
+    alone = windows.bytes
+    second = await channel_read.execute(
+        context(pool, principal_for(tmp_path / "2", two.pubkey, [channel]), cursors),
+        ChannelReadArgs(channel_id=channel))
+    assert len(windows) == 2 and _ids(first) == _ids(second)
+    assert windows.bytes - alone < alone / 4, "the second window holds references only"
+    windows.close()
+    assert windows.bytes == 0
+
+
+async def test_a_due_window_is_confirmed_by_the_newest_page_and_keeps_its_continuations(
+        world: World, local_relay: str, nursery: trio.Nursery) -> None:
+    """Once max_age old, a window answers again only after the relay's newest page, read
+    afresh under the agent's AUTH, is found to be its own first page; then the pages it
+    holds below stay (a fleet's refresh is one read per window, not one per page)."""
+    pool = _pool(local_relay, world.reader, queries=(queries := Counter[str]()))
+    windows = WindowCache(pool, depth=2, keep=10, max_age=0.2)
+    pool.windows = windows
+    await nursery.start(pool.run)
+    ctx = context(pool, world.ctx.principal, world.ctx.cursors)
+    first = await world.read(ctx, limit=2)
+    second = await world.read(ctx, limit=2, cursor=_cursor(first))  # kept: the window holds 4
+    await trio.sleep(0.25)  # due
+    reads = queries["query"]
+    again = await world.read(ctx, limit=2)
+    assert queries["query"] == reads + 1, "one read of the newest page confirms the window"
+    assert _ids(again) == _ids(first)
+    assert _ids(await world.read(ctx, limit=2, cursor=_cursor(first))) == _ids(second)
+    assert queries["query"] == reads + 1, "the continuation page stayed in the window"
+
+
+def test_a_window_is_confirmed_only_by_its_own_first_page() -> None:
+    from daemon.relay.cursor import Position
+    from daemon.relay.paging import Page
+    from daemon.relay.windows import Window
+
+    from buzzwire.contract import Event
+
+    author, channel = TestKey(), new_channel()
+    events = [Event.from_json_obj(author.sign(9, f"m{n}", [["h", channel]], NOW - n))
+              for n in range(4)]
+    cache = WindowCache(None, depth=2, keep=10)  # type: ignore[arg-type]
+    window = Window(cache, WindowKey("a" * 64, channel, False), Event.from_json_obj, 2,
+                    1 << 20, lambda e: 1, 10)
+
+    def page(items: list[Event], more: bool) -> Page[Event]:
+        last = items[-1] if items else None
+        return Page(items=tuple(items), rounds=1, next_position=(
+            Position(created_at=last.created_at, event_id=last.id) if more and last else None))
+
+    assert window.fill(page(events[:2], True))
+    assert window.confirms(page(events[:2], True))
+    # What a relay that dropped the agent silently answers: nothing (or less).
+    assert not window.confirms(page([], False))
+    assert not window.confirms(page(events[:1], False))
+    # Another newest event than the window's own.
+    assert not window.confirms(page([events[1], events[2]], True))
+    assert not window.confirms(page(events[:2], False)), "the relay says nothing is below"
+    window.end("test")
+
+
+def test_a_check_that_finds_newer_events_places_them() -> None:
+    """Posts published while the check is read reach it before their live copy: the
+    relay's answer places them, and the window stays."""
+    from daemon.relay.cursor import Position
+    from daemon.relay.paging import Page
+    from daemon.relay.windows import Window
+
+    from buzzwire.contract import Event
+
+    author, channel = TestKey(), new_channel()
+    events = [Event.from_json_obj(author.sign(9, f"m{n}", [["h", channel]], NOW - n))
+              for n in range(4)]
+    cache = WindowCache(None, depth=3, keep=10)  # type: ignore[arg-type]
+    window = Window(cache, WindowKey("a" * 64, channel, False), Event.from_json_obj, 3,
+                    1 << 20, lambda e: 1, 10)
+    assert window.fill(Page(items=tuple(events[1:]), next_position=None, rounds=1))
+    check = Page(items=tuple(events[:3]), rounds=1,
+                 next_position=Position(created_at=events[2].created_at, event_id=events[2].id))
+    assert window.confirms(check)
+    served = window.serve(3)
+    assert served is not None and [e.id for e in served.messages] == [e.id for e in events[:3]]
+    # An older event the window lacks is not "in flight": the window is not confirmed.
+    other = Event.from_json_obj(author.sign(9, "unseen", [["h", channel]], NOW - 2))
+    assert not window.confirms(Page(items=(events[0], other), rounds=1, next_position=None))
+    window.end("test")
+
+
+def test_a_check_leaves_out_what_arrived_live_while_it_was_read() -> None:
+    """An event delivered live while the check is read may be missing from the relay's
+    answer (it was read first): it does not make the window mismatch."""
+    from daemon.relay.cursor import Position
+    from daemon.relay.paging import Page
+    from daemon.relay.windows import Window
+
+    from buzzwire.contract import Event
+
+    author, channel = TestKey(), new_channel()
+    events = [Event.from_json_obj(author.sign(9, f"m{n}", [["h", channel]], NOW - n))
+              for n in range(4)]
+    cache = WindowCache(None, depth=3, keep=10)  # type: ignore[arg-type]
+    window = Window(cache, WindowKey("a" * 64, channel, False), Event.from_json_obj, 3,
+                    1 << 20, lambda e: 1, 10)
+    assert window.fill(Page(items=tuple(events[1:]), next_position=None, rounds=1))
+    window.begin_check()
+    window.event(events[0].to_json_obj(), live=True)  # arrives during the check's read
+    answer = Page(items=tuple(events[1:3]), rounds=1,
+                  next_position=Position(created_at=events[2].created_at, event_id=events[2].id))
+    assert window.confirms(answer)
+    # Without the live arrival noted, the same answer lacks the window's newest event.
+    assert not window.confirms(answer)
+    window.end("test")
