@@ -164,18 +164,13 @@ def _upgrade_from_1(db: sqlite3.Connection) -> bool:
 def _prepare_dir(state_dir: Path) -> Path:
     try:
         state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        # Never writable by group, never reachable by others. Group read is kept where the
-        # operator gave it: under two uids the pipeline's group reads the public records
-        # (and sealed blobs) until its directory asks the custodian (docs/custodian.md).
-        mode = stat.S_IMODE(state_dir.stat().st_mode)
-        if mode & 0o027:
-            os.chmod(state_dir, mode & ~0o027)
+        if stat.S_IMODE(state_dir.stat().st_mode) & 0o077:
+            os.chmod(state_dir, 0o700)
         path = state_dir / KEYSTORE_FILE
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            mode = stat.S_IMODE(os.fstat(fd).st_mode)
-            if mode & 0o037:
-                os.fchmod(fd, mode & 0o640)
+            if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
+                os.fchmod(fd, 0o600)
         finally:
             os.close(fd)
     except OSError as exc:

@@ -239,6 +239,22 @@ def test_admin_wrapper_matches_the_unit() -> None:
     assert subprocess.run(["sh", "-n", str(UNITS / "buzz-broker-admin")]).returncode == 0
 
 
+def test_custodian_admin_wrapper_matches_the_unit() -> None:
+    """systemd/buzz-custodian-admin runs the custodian's own commands (`keys init`, ...)
+    with buzz-custodian.service's user, umask, credential, environment and command line,
+    so what they write under /var/lib/buzz-custodian the custodian can open."""
+    wrapper = (UNITS / "buzz-custodian-admin").read_text()
+    props = dict(p.split("=", 1) for p in re.findall(r"-p (\S+)", wrapper)
+                 if not p.startswith("Environment=") and "=" in p)
+    envs = [p.split("=", 1)[1] for p in re.findall(r"-p (Environment=\S+)", wrapper)]
+    d = _directives(UNITS / "buzz-custodian.service")
+    for key in ("User", "Group", "UMask", "LimitCORE", "LoadCredential"):
+        assert d[key] == [props[key]], key
+    assert sorted(envs) == sorted(d["Environment"])
+    assert f'{d["ExecStart"][0]} "$@"' in wrapper
+    assert subprocess.run(["sh", "-n", str(UNITS / "buzz-custodian-admin")]).returncode == 0
+
+
 def test_service_environment_and_filters() -> None:
     d = _directives(SERVICE)
     assert "BUZZ_BROKER_CONFIG=/etc/buzz-broker/broker.toml" in d["Environment"]

@@ -1,17 +1,20 @@
 """Under two uids the pipeline holds nothing of the keys: it does not map the PKCS#11 module,
-cannot open the PIN file nor the token's files, and after signing with a freshly imported
-random key that key is nowhere in its memory. Each fact is checked on the layout the units
-ship (the custodian under its own uid) and, as the control that shows the check can fail,
-on the in-process layout (custody inside the daemon), where each one is false.
+cannot open the PIN file, the token's files nor the keystore, and after signing with a
+freshly imported random key that key is nowhere in its memory. Each fact is checked on the
+layout the units ship (the custodian under its own uid) and, as the control that shows the
+check can fail, on the in-process layout (custody inside the daemon), where each one is
+false. The agent flows still work there: the key is imported through the custodian, and
+the daemon's uid issues a credential, posts a message and lists the agent (`agent list`,
+`status`) from the custodian's records.
 
 Needs root (it runs the daemon and the custodian as two uids other than its own, and reads
 /proc/<pid>/mem): skipped otherwise, saying so. The uids: the daemon runs as nobody (65534),
 the custodian as the first uid from 64100 on with no passwd entry (numeric: nothing is
 added to /etc/passwd). The layout mirrors docs/custodian.md "Who can do what": the
-custodian's state directory is group-readable by the pipeline's group (2750) and its
-keystore 0640, because the daemon's directory still reads keystore.db itself (through a
-symlink in its own state directory) until it asks the custodian; the token directory and
-the PIN file are the custodian's alone (0700, 0600).
+custodian's home, token directory, keystore directory and PIN file are its alone (0700,
+0600), with no grant to the pipeline's group; the pipeline's group reaches only the
+custodian's socket. The custodian's own command makes the KEK (`custodian FILE keys init`,
+under its uid), as docs/install.md does.
 
 The unsealed-key cache is on in both layouts ([pkcs11] unsealed_cache_entries): it keeps
 the unsealed key resident in whichever process signs, so the memory scan finds it in the
@@ -126,6 +129,10 @@ class Layout:
     custodian_socket: Path | None
     pin_file: Path
     token_dir: Path
+    keystore: Path
+    agent: str
+    daemon_cli: tuple[str, ...]
+    daemon_env: dict[str, str]
     secret: bytes
     answer: dict[str, object]
 
@@ -161,6 +168,11 @@ def _memory_holds(pid: int, needles: tuple[bytes, ...]) -> bool:
     return False
 
 
+def _groups(layout: Layout) -> tuple[int, ...]:
+    return tuple(os.getgrouplist(pwd.getpwuid(NOBODY).pw_name, layout.daemon_gid)) \
+        if layout.name == "in-process" else (layout.daemon_gid,)
+
+
 def _can_open(layout: Layout) -> dict[str, bool]:
     """What the daemon's uid and groups can open: the PIN file, the token directory, each
     token file (tried in a process with exactly the daemon's credentials)."""
@@ -173,8 +185,7 @@ def _can_open(layout: Layout) -> dict[str, bool]:
              "tryit('pin', lambda: open(pin, 'rb').close())\n"
              "tryit('token dir', lambda: os.listdir(tokens))\n"
              "print(json.dumps(out))\n")
-    groups = tuple(os.getgrouplist(pwd.getpwuid(NOBODY).pw_name, layout.daemon_gid)) \
-        if layout.name == "in-process" else (layout.daemon_gid,)
+    groups = _groups(layout)
     out = json.loads(_run([*_as(layout.daemon_uid, layout.daemon_gid, groups),
                            sys.executable, "-c", probe, str(layout.pin_file),
                            str(layout.token_dir)], _env()))
@@ -203,8 +214,8 @@ def layout(request: pytest.FixtureRequest, local_relay: str) -> Iterator[Layout]
     try:
         # The key holder's side: its directory, token, PIN, keystore.
         keys_home = base / ("custodian" if separated else "daemon")
-        keys_home.mkdir(mode=0o710)
-        os.chown(keys_home, k_uid, d_gid)
+        keys_home.mkdir(mode=0o700)
+        os.chown(keys_home, k_uid, k_gid)
         holder = _as(k_uid, k_gid)
         facts = dict(line.split("=", 1) for line in _run(
             [*holder, sys.executable, str(REPO / "softhsm" / "make-token"),
@@ -212,25 +223,30 @@ def layout(request: pytest.FixtureRequest, local_relay: str) -> Iterator[Layout]
             if "=" in line)
         token_env = _env(SOFTHSM2_CONF=facts["SOFTHSM2_CONF"])
         keystore_dir = keys_home / "keys" if separated else keys_home / "state"
-        keystore_dir.mkdir()
-        os.chown(keystore_dir, k_uid, d_gid)
-        # setgid: the WAL files SQLite makes beside it get the pipeline's group too.
-        keystore_dir.chmod(0o2750 if separated else 0o700)
-        if separated:  # the operator's grant: the pipeline's group reads the keystore
-            keystore = keystore_dir / "keystore.db"
-            keystore.touch(mode=0o640)
-            os.chown(keystore, k_uid, d_gid)
+        keystore_dir.mkdir(mode=0o700)
+        os.chown(keystore_dir, k_uid, k_gid)
         pkcs11 = {"module": facts["module"], "token_label": facts["token_label"],
                   "pin_file": facts["pin_file"], "unsealed_cache_entries": 16,
                   "unsealed_cache_seconds": 600}
-        # The key command's configuration (the custodian's uid runs `keys init` and
-        # `agent import` beside it, as docs/custodian.md says).
-        cli_config = keys_home / "cli.toml"
-        cli_config.write_text(_toml({"state": {"dir": str(keystore_dir)}, "pkcs11": pkcs11,
-                                     "relay": {"url": local_relay}}))
-        os.chown(cli_config, k_uid, k_gid)
-        cli = [*holder, sys.executable, "-m", "daemon.cli", "--config", str(cli_config)]
-        _run([*cli, "keys", "init"], token_env)
+        run_dir = base / "run"
+        custodian_socket = run_dir / "custodian.sock" if separated else None
+        custodian_config = keys_home / "custodian.toml"
+        if separated:
+            # The KEK: the custodian's own command, under its uid, from its own file.
+            custodian_config.write_text(_toml({
+                "custodian": {"socket": str(custodian_socket), "pipeline_uid": d_uid,
+                              "state_dir": str(keystore_dir), "relay_url": local_relay},
+                "pkcs11": pkcs11}))
+            os.chown(custodian_config, k_uid, k_gid)
+            _run([*holder, sys.executable, "-m", "custody.custodian", str(custodian_config),
+                  "keys", "init"], token_env)
+        else:
+            cli_config = keys_home / "cli.toml"
+            cli_config.write_text(_toml({"state": {"dir": str(keystore_dir)}, "pkcs11": pkcs11,
+                                         "relay": {"url": local_relay}}))
+            os.chown(cli_config, k_uid, k_gid)
+            _run([*holder, sys.executable, "-m", "daemon.cli", "--config", str(cli_config),
+                  "keys", "init"], token_env)
 
         # The daemon's side.
         d_home = base / "daemon" if separated else keys_home
@@ -242,24 +258,13 @@ def layout(request: pytest.FixtureRequest, local_relay: str) -> Iterator[Layout]
             "server": {"socket": str(d_home / "broker.sock")},
             "state": {"dir": str(state)},
             "relay": {"url": local_relay}}
-        custodian_socket = None
         if separated:
             state.mkdir(mode=0o700)
             os.chown(state, d_uid, d_gid)
-            os.symlink(keystore_dir / "keystore.db", state / "keystore.db")
-            os.lchown(state / "keystore.db", d_uid, d_gid)
-            run_dir = base / "run"
             run_dir.mkdir()
             os.chown(run_dir, k_uid, d_gid)
             run_dir.chmod(0o2750)
-            custodian_socket = run_dir / "custodian.sock"
-            custodian_config = keys_home / "custodian.toml"
-            custodian_config.write_text(_toml({
-                "custodian": {"socket": str(custodian_socket), "pipeline_uid": d_uid,
-                              "state_dir": str(keystore_dir), "relay_url": local_relay},
-                "pkcs11": pkcs11}))
-            os.chown(custodian_config, k_uid, k_gid)
-            log = keys_home / "custodian.log"
+            log = base / "custodian.log"
             custodian = subprocess.Popen(
                 [*holder, sys.executable, "-m", "custody.custodian", str(custodian_config)],
                 env=token_env, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT)
@@ -274,16 +279,16 @@ def layout(request: pytest.FixtureRequest, local_relay: str) -> Iterator[Layout]
         config_path.write_text(_toml(daemon_config))
         os.chown(config_path, d_uid, d_gid)
 
-        # A fresh random agent key, imported by the key holder's command.
-        secret = secrets.token_bytes(32)
-        owner = coincurve.PrivateKey().public_key_xonly.format().hex()
-        agent = _run([*cli, "agent", "import", "--owner", owner], token_env,
-                     stdin=secret.hex().encode() + b"\n")
-        assert agent == coincurve.PrivateKey(secret).public_key_xonly.format().hex()
-
         daemon_cli = [*_as(d_uid, d_gid), sys.executable, "-m", "daemon.cli", "--config",
                       str(config_path)]
         d_env = _env() if separated else token_env
+        # A fresh random agent key, imported by the daemon's uid's command: through the
+        # custodian's table when separated (docs/install.md runs it so), else in-process.
+        secret = secrets.token_bytes(32)
+        owner = coincurve.PrivateKey().public_key_xonly.format().hex()
+        agent = _run([*daemon_cli, "agent", "import", "--owner", owner, "--name", "scout"],
+                     d_env, stdin=secret.hex().encode() + b"\n")
+        assert agent == coincurve.PrivateKey(secret).public_key_xonly.format().hex()
         channel = str(uuid.uuid4())
         credential = _run([*daemon_cli, "credential", "issue", "--agent", agent, "--channel",
                            channel, "--action", "message.post", "--ttl", "1d", "--any-uid"],
@@ -299,7 +304,9 @@ def layout(request: pytest.FixtureRequest, local_relay: str) -> Iterator[Layout]
                      daemon_gid=d_gid,
                      custodian_pid=procs[0].pid if separated else None,
                      custodian_socket=custodian_socket, pin_file=Path(facts["pin_file"]),
-                     token_dir=Path(facts["SOFTHSM2_CONF"]).parent / "tokens", secret=secret,
+                     token_dir=Path(facts["SOFTHSM2_CONF"]).parent / "tokens",
+                     keystore=keystore_dir / "keystore.db", agent=agent,
+                     daemon_cli=tuple(daemon_cli), daemon_env=d_env, secret=secret,
                      answer=answer)
     finally:
         for proc in reversed(procs):
@@ -330,6 +337,42 @@ def test_the_pipeline_cannot_open_the_pin_file_or_the_token(layout: Layout) -> N
         assert opened == {"pin": False, "token dir": False, "token files": False}
     else:
         assert opened == {"pin": True, "token dir": True, "token files": True}
+
+
+def test_the_pipeline_cannot_open_the_keystore(layout: Layout) -> None:
+    """No grant is left: the daemon's uid and groups open neither the keystore file nor its
+    directory (the daemon's records are the custodian's answers)."""
+    assert layout.keystore.is_file(), "the keystore exists (root sees it)"
+    probe = ("import json, os, sqlite3, sys\n"
+             "path = sys.argv[1]\nout = {}\n"
+             "def tryit(name, f):\n"
+             "    try: f(); out[name] = True\n"
+             "    except (PermissionError, sqlite3.OperationalError): out[name] = False\n"
+             "tryit('keystore', lambda: open(path, 'rb').close())\n"
+             "tryit('keystore dir', lambda: os.listdir(os.path.dirname(path)))\n"
+             "tryit('sqlite read', lambda: sqlite3.connect(f'file:{path}?mode=ro', uri=True)"
+             ".execute('SELECT count(*) FROM keys').fetchone())\n"
+             "print(json.dumps(out))\n")
+    opened = json.loads(_run([*_as(layout.daemon_uid, layout.daemon_gid, _groups(layout)),
+                              sys.executable, "-c", probe, str(layout.keystore)], _env()))
+    print(f"\n{layout.name}: the daemon's uid can open {opened}")
+    expected = layout.name != "custodian"  # the control: in-process it is the daemon's file
+    assert opened == {"keystore": expected, "keystore dir": expected, "sqlite read": expected}
+
+
+def test_the_agent_flows_work_from_the_custodians_records(layout: Layout) -> None:
+    """The daemon's uid signed a message.post (the fixture), and lists the agent the
+    custodian holds: `agent list` and `status` read the records through its table."""
+    assert layout.answer.get("status") == "succeeded"
+    listed = [json.loads(line) for line in _run(
+        [*layout.daemon_cli, "agent", "list", "--json"], layout.daemon_env).splitlines()]
+    print(f"\n{layout.name}: agent list {listed}")
+    assert [(a["pubkey"], a["name"]) for a in listed] == [(layout.agent, "scout")], listed
+    done = subprocess.run([*layout.daemon_cli, "status", "--json"], env=layout.daemon_env,
+                          cwd=REPO, capture_output=True, timeout=120)
+    facts = json.loads(done.stdout)
+    assert facts["agents"]["live"] == 1 and facts["agents"]["deleted"] == 0, facts
+    assert facts["credentials"]["active"] == 1, facts
 
 
 def test_no_agent_secret_in_the_pipelines_memory_after_signing(layout: Layout) -> None:

@@ -31,15 +31,18 @@ def test_the_pin_moves_to_the_custodian_and_the_network_does_not() -> None:
     assert unit["Requires"] == ["buzz-custodian.socket"]
     assert unit["User"] == ["buzz-custodian"] and unit["Restart"] == ["always"]
     assert unit["RestrictAddressFamilies"] == ["AF_UNIX"] and unit["PrivateNetwork"] == ["yes"]
-    assert "StateDirectory" not in unit  # it would re-own the keystore's group at each start
+    # tmpfiles makes its directories: the install's key commands write there first.
+    assert "StateDirectory" not in unit
     sock = _directives(UNIT_SOCKET)
     assert sock["ListenStream"] == ["/run/buzz-custodian/custodian.sock"]
     assert (sock["SocketUser"], sock["SocketGroup"], sock["SocketMode"]) == (
         ["buzz-custodian"], ["buzz-broker"], ["0660"])
     tmpfiles = (REPO / "systemd" / "buzz-custodian.tmpfiles").read_text()
     assert "d /run/buzz-custodian 2750 buzz-custodian buzz-broker -" in tmpfiles
-    assert "d /var/lib/buzz-custodian 0710 buzz-custodian buzz-broker -" in tmpfiles
-    assert "d /var/lib/buzz-custodian/keys 2750 buzz-custodian buzz-broker -" in tmpfiles
+    # The keys are the custodian's alone: the pipeline's group gets no grant there.
+    assert "d /var/lib/buzz-custodian 0700 buzz-custodian buzz-custodian -" in tmpfiles
+    assert "d /var/lib/buzz-custodian/keys 0700 buzz-custodian buzz-custodian -" in tmpfiles
+    assert "buzz-broker" not in tmpfiles.split("d /var/lib/buzz-custodian ", 1)[1]
     daemon = _directives(SERVICE)
     for key in ("NoNewPrivileges", "ProtectSystem", "MemoryDenyWriteExecute",
                 "SystemCallFilter", "CapabilityBoundingSet", "LimitCORE", "ProtectProc"):

@@ -305,6 +305,22 @@ async def test_no_secret_in_logs_output_or_keystore(
     assert ((state_dir / "keystore.db").stat().st_mode & 0o777) == 0o600
 
 
+async def test_a_keystore_left_readable_to_a_group_is_tightened_at_open(
+    custody_state: tuple[TokenConfig, Path]
+) -> None:
+    """The keystore is its holder's alone: a directory or file an operator left open to a
+    group (as an earlier two-uid layout did for the pipeline) is made 0700 / 0600 again."""
+    config, state_dir = custody_state
+    async with await Custody.open(config, state_dir):
+        pass
+    state_dir.chmod(0o2750)
+    (state_dir / "keystore.db").chmod(0o640)
+    async with await Custody.open(config, state_dir):
+        pass
+    assert (state_dir.stat().st_mode & 0o7777) == 0o700
+    assert ((state_dir / "keystore.db").stat().st_mode & 0o7777) == 0o600
+
+
 #: An early refusal of import_agent -> the arguments that provoke it.
 _IMPORT_REFUSALS: dict[str, dict[str, object]] = {
     "bad owner": {"owner": "XYZ"},

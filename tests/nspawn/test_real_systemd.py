@@ -7,9 +7,10 @@ the job; `systemctl reload` keeps the PID; restart; SIGKILL and Restart=on-failu
 watchdog restarts a stopped event loop; a uid-bound credential is refused for another uid;
 the outsider cannot reach the socket; the metrics scrape; `systemd-analyze security` <= 1.5;
 `journalctl -p warning` finds the daemon's warnings (the `<N>` prefix); `status` on a
-running and a stopped daemon; the custodian step (both units, two uids: the first request
-activates both, the daemon has no PIN, no token access, no module mapped; a SIGKILLed
-custodian is restarted by systemd); upgrade and uninstall.
+running and a stopped daemon; the custodian (both units, two uids, the token and the KEK
+made under the custodian's uid from the start: the first request activates both, the
+daemon has no PIN, no token access, cannot open the keystore, maps no module, lists the
+custodian's agents; a SIGKILLed custodian is restarted by systemd); upgrade and uninstall.
 
 Rules:
 - The doc is the script: `install_blocks()` takes every fenced block that follows an
@@ -75,6 +76,8 @@ TEST_ONLY = {
                     f"metrics port instead of {DOC_METRICS.split(':')[1]} (shared network)",
     "tcp-port": f"the guest's copy of buzz-broker-tcp.socket and the doc's {DOC_TCP} get a "
                 "free port instead (shared network)",
+    "reboot": "buzz-custodian.service stopped before step 7, its socket kept (as after a "
+              "reboot: step 6's commands started it), so the first request activates both",
     "watchdog": "a drop-in buzz-broker.service.d/test-watchdog.conf with WatchdogSec=3s",
     "faults": "a drop-in pointing BUZZ_BROKER_CONFIG at a config whose custodian socket is "
               "missing (failed start), SIGKILL, SIGSTOP/SIGCONT (watchdog), the scout credential copied "
@@ -108,9 +111,9 @@ def install_blocks(text: str | None = None) -> list[Block]:
 
 
 #: The steps this test drives, in the doc's order.
-STEPS = ("packages", "program", "units", "agent-group", "token", "config", "check-config",
-         "keys", "agent", "custodian", "start", "first-request", "check", "metrics", "tcp",
-         "upgrade", "uninstall")
+STEPS = ("packages", "program", "units", "agent-group", "custodian", "token",
+         "custodian-config", "config", "check-config", "keys", "agent", "start",
+         "first-request", "check", "metrics", "tcp", "upgrade", "uninstall")
 
 
 def test_install_doc_is_marked() -> None:
@@ -245,6 +248,9 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
                         "'[Service]\\nWatchdogSec=3s\\n' > "
                         "/etc/systemd/system/buzz-broker.service.d/test-watchdog.conf && "
                         f"systemctl daemon-reload && usermod -a -G buzz-agents {SECOND_AGENT}")
+        # TEST_ONLY["reboot"]: step 6 asked the custodian (check-config --deep, agent
+        # create), which started it; a reboot leaves only its socket listening.
+        inst.sh("systemctl stop buzz-custodian.service")
         inst.block(blocks["start"])
         inst.facts["before-first-request"] = inst.show("ActiveState")
         inst.facts["custodian-before-first-request"] = inst.show(
@@ -485,9 +491,10 @@ def _main_pid(inst: Installed, unit: str) -> str:
 
 
 def test_the_custodian_step_then_the_first_request_activates_both(installed: Installed) -> None:
-    """docs/install.md step 6b: both units, two uids; the agent's first request starts
+    """docs/install.md steps 3 and 6: both units, two uids; the agent's first request starts
     the daemon, whose start starts the custodian; the daemon has no PIN, cannot open the
-    token's files and does not map the module; a SIGKILLed custodian is back by systemd."""
+    token's files nor the keystore and does not map the module, and lists the agents from
+    the custodian's records; a SIGKILLed custodian is back by systemd."""
     inst = installed
     facts = inst.facts
     assert (facts["before-first-request"], facts["custodian-before-first-request"],
@@ -507,11 +514,33 @@ def test_the_custodian_step_then_the_first_request_activates_both(installed: Ins
     assert inst.sh("test ! -e /run/credentials/buzz-broker.service/token-pin && "
                    "test -e /run/credentials/buzz-custodian.service/token-pin", check=False
                    ).returncode == 0
+    keystore = "/var/lib/buzz-custodian/keys/keystore.db"
     for path in ("/run/credentials/buzz-custodian.service/token-pin", "/etc/buzz-broker/token-pin",
-                 "/var/lib/buzz-custodian/softhsm/tokens", "/etc/buzz-custodian/custodian.toml"):
+                 "/var/lib/buzz-custodian/softhsm/tokens", "/etc/buzz-custodian/custodian.toml",
+                 "/var/lib/buzz-custodian/keys", keystore):
         denied = inst.sh(f"runuser -u buzz-broker -- ls -d {path}/* {path} >/dev/null 2>&1 || "
                          f"runuser -u buzz-broker -- cat {path} >/dev/null", check=False)
         assert denied.returncode != 0, f"buzz-broker reads {path}"
+    # The keystore: there (root sees it), the custodian's alone, and nowhere in the daemon's
+    # state; the daemon's uid cannot open it even read-only through SQLite.
+    modes = inst.sh(f"stat -c '%U:%G %a' /var/lib/buzz-custodian /var/lib/buzz-custodian/keys "
+                    f"{keystore}").stdout.split("\n")[:3]
+    assert modes == ["buzz-custodian:buzz-custodian 700"] * 2 + [
+        "buzz-custodian:buzz-custodian 600"], modes
+    assert inst.sh("test -s /var/lib/buzz-custodian/keys/keystore.db && "
+                   "! ls /var/lib/buzz-broker/keystore.db* 2>/dev/null", check=False
+                   ).returncode == 0
+    sqlite = inst.sh("runuser -u buzz-broker -- /opt/buzz-broker/venv/bin/python -c 'import sqlite3; "
+                     f"sqlite3.connect(\"file:{keystore}?mode=ro\", uri=True)"
+                     ".execute(\"SELECT count(*) FROM keys\").fetchone()'", check=False)
+    assert sqlite.returncode != 0 and "unable to open" in sqlite.text(), sqlite.text()
+    # The agent flows: the daemon's uid lists the custodian's agent (the one step 6 made).
+    listed = [json.loads(line) for line in inst.sh(
+        "buzz-broker-admin agent list --json").stdout.splitlines()]
+    assert [(a["name"], a["deletedAt"]) for a in listed] == [("scout", None)], listed
+    assert re.fullmatch(r"[0-9a-f]{64}", listed[0]["pubkey"]), listed
+    status = json.loads(inst.sh("buzz-broker-admin status --json", check=False).stdout)
+    assert status["agents"]["live"] == 1, status
     sock = inst.sh("stat -c '%U:%G %a' /run/buzz-custodian/custodian.sock").stdout.strip()
     assert sock == "buzz-custodian:buzz-broker 660", sock
     # An agent cannot even reach the custodian's socket (not in the group buzz-broker).
