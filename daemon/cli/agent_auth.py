@@ -11,7 +11,10 @@ Rules:
 - `agent attach-auth --agent PUBKEY (--tag JSON | --sig HEX [--conditions C])` verifies the
   tag in custody (owner = the agent's recorded owner, the signature over the agent's pubkey
   and conditions) before storing it; a tag that does not verify is refused and nothing is
-  stored. It then republishes the agent's kind 0 (its newest content, or its name) signed
+  stored. With `[custody] custodian_socket` set, custody is the custodian: the tag goes to
+  its `attach_auth` row (checked there, under its uid) and the profile to its `sign` row,
+  so the command runs as the pipeline's uid with no PIN or token; else custody is opened
+  in this process. It then republishes the agent's kind 0 (its newest content, or its name) signed
   with the tag, strictly later than the version it replaces, so Buzz readers see the
   ownership at once; every later event the agent signs carries exactly that one tag.
 - Attaching is idempotent: the same command again stores the same tag and republishes, so a
@@ -158,7 +161,16 @@ def attach(args: argparse.Namespace, config: Config) -> int:
     async def main() -> tuple[KeyRecord, str]:
         from pathlib import Path
 
-        custody = await Custody.open(config.pkcs11.token(), Path(config.state.dir))
+        custody: Custody
+        if config.custody.custodian_socket:
+            # The keys are the custodian's (docs/custodian.md): its `attach_auth` row checks
+            # the tag, and the profile is signed through its `sign` row; no PIN, no token.
+            from custody.custodian.client import CustodianClient
+
+            custody = await CustodianClient.open(  # type: ignore[assignment]
+                Path(config.custody.custodian_socket))
+        else:
+            custody = await Custody.open(config.pkcs11.token(), Path(config.state.dir))
         try:
             with agent_directory(config) as directory:
                 listed = directory.agent(agent)

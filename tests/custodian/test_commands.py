@@ -57,3 +57,49 @@ def test_agent_create_remove_and_check_config_go_through_the_custodian(
     down = _cli(config, "check-config", "--deep")
     said = down.stdout + down.stderr
     assert down.returncode != 0 and f"custodian at {custodian.socket}" in said, said
+
+
+def test_attach_auth_goes_through_the_custodian(
+        custodian: CustodianProcess, custody_state: tuple[TokenConfig, Path], local_relay: str,
+        tmp_path: Path) -> None:
+    """`agent attach-auth` with a custodian and no [pkcs11] in the daemon's file: the tag is
+    checked and stored by the custodian's `attach_auth` row, the profile republished through
+    its `sign` row; a tag that does not verify is one line, and nothing is stored."""
+    from buzzwire.nostr import owner_tag_digest
+
+    _, state_dir = custody_state
+    config = tmp_path / "broker.toml"
+    config.write_text(
+        f'[server]\nsocket = "{tmp_path / "broker.sock"}"\n[state]\ndir = "{state_dir}"\n'
+        f'[custody]\ncustodian_socket = "{custodian.socket}"\n'
+        f'[relay]\nurl = "{local_relay}"\n')
+    owner = coincurve.PrivateKey()
+    owner_pub = owner.public_key_xonly.format().hex()
+    made = _cli(config, "agent", "create", "--owner", owner_pub, "--name", "tag-me")
+    assert made.returncode == 0, made.stderr
+    agent = made.stdout.strip()
+
+    def listed() -> dict[str, object]:
+        done = _cli(config, "agent", "list", "--json")
+        assert done.returncode == 0, done.stderr
+        return next(json.loads(line) for line in done.stdout.splitlines()
+                    if json.loads(line)["pubkey"] == agent)
+
+    assert listed()["authTagMissing"] is True
+    stranger = coincurve.PrivateKey().sign_schnorr(owner_tag_digest(agent, "")).hex()
+    bad = _cli(config, "agent", "attach-auth", "--agent", agent, "--sig", stranger)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr, bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert listed()["authTagMissing"] is True  # nothing stored
+
+    sig = owner.sign_schnorr(owner_tag_digest(agent, "")).hex()
+    done = _cli(config, "agent", "attach-auth", "--agent", agent, "--sig", sig)
+    assert done.returncode == 0, done.stderr
+    assert f"attached the owner's tag to {agent}; republished its profile" in done.stderr
+    record = listed()
+    assert record["authTagMissing"] is False
+    assert record["authTag"] == ["auth", owner_pub, "", sig], record
+    log = [json.loads(line) for line in
+           (state_dir / "custodian" / "signed.jsonl").read_text().splitlines()]
+    assert any(e.get("op") == "attach_auth" and e.get("agent") == agent for e in log)
+    assert any(e.get("agent") == agent and e.get("kind") == 0 for e in log), log[-3:]
