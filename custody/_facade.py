@@ -119,9 +119,11 @@ class Custody:
 
     @classmethod
     async def open(cls, token: TokenConfig, state_dir: Path,
-                   cache: CachePolicy = CachePolicy()) -> Custody:
+                   cache: CachePolicy = CachePolicy(), *, exclusive: bool = False) -> Custody:
         """Log in, find and check the KEK (refusing one that could leave the token), open
         the keystore under `state_dir`. `cache` turns the unsealed-key cache on (`_cache`).
+        `exclusive` holds the state lock alone (a command that must run with the custodian
+        stopped: custody/custodian/keys.py's restore), so it refuses beside any other user.
 
         Raises:
             CustodyError: missing module or token, wrong PIN, no KEK, unsafe KEK, keystore
@@ -138,7 +140,7 @@ class Custody:
             active = recorded_kek(token, Path(state_dir))
             opened = Token.open(token, active.kek_label)
             try:
-                lock = StateLock.shared(Path(state_dir))
+                lock = (StateLock.exclusive if exclusive else StateLock.shared)(Path(state_dir))
                 try:
                     keystore = Keystore.open(Path(state_dir))
                     meta = keystore.meta()

@@ -40,8 +40,9 @@ class StateLock:
     @classmethod
     def exclusive(cls, state_dir: Path) -> StateLock:
         return cls._take(state_dir, fcntl.LOCK_EX, f"custody on {state_dir} is in use (the "
-                         "daemon or another command): stop the daemon (systemctl stop "
-                         "buzz-broker) and run this again")
+                         "daemon, the custodian or another command): stop the daemon "
+                         "(systemctl stop buzz-broker), or the custodian where it holds the "
+                         "keys (buzz-custodian.socket and .service), and run this again")
 
     @classmethod
     def _take(cls, state_dir: Path, mode: int, busy: str) -> StateLock:

@@ -1,4 +1,5 @@
-"""`buzz-broker custodian FILE keys init|rotate|migrate`: the KEK, with the custodian stopped.
+"""`buzz-broker custodian FILE keys init|rotate|migrate|restore`: the KEK and restoring a
+backup, with the custodian stopped.
 
 Why its own command: making, rotating and moving the key-encryption key are not in the
 message table (a compromised pipeline must not start one), and they need what only the
@@ -15,11 +16,35 @@ Rules:
   the custodian runs, and it refuses to start meanwhile (custody/_statelock.py).
 - Each rotation or migration is a line in the custodian's own hash-chained log (ledger.py),
   before the answer is printed: op, the old and new token and KEK labels, the agent count.
+- `restore --identity ID [--yes] [--names-out NAMES] BACKUP` restores an age backup into
+  the custodian's keystore and token, with custody's checks (custody/_restore.py: every
+  entry checked before anything is shown; an agent held for another owner, removed here,
+  a mint reference taken, an ownership cycle refuse the whole restore). It opens custody
+  with the state lock held exclusively, so it refuses beside a running custodian (whose
+  records, version and log would not see the restore), and lists the backup's agents on
+  stdout, asks on the terminal unless `--yes` (no terminal and no `--yes`: refused), seals,
+  writes the custodian's log (one line per agent sealed, then the counts and the file's
+  sha256), then prints the daemon's `keys restore` summary on stderr. ID is read only if
+  it is a regular file, not a symlink, mode 0600 or stricter.
+- Names are the daemon's directory's, not the custodian's: `--names-out NAMES` writes each
+  backup agent's public entry (`{"pubkey", "name", "creator"}` per line, public only) to a
+  new file (O_EXCL, 0600; removed if the restore fails), for `buzz-broker agent
+  import-names < NAMES` under the daemon's uid. Without it the names stay in the backup
+  and the agents are listed under their pubkey's first 12 hex digits until named.
 - Prints public lines only; a fault is one line on stderr and exit 1 (main.py).
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+from custody._errors import CustodyError
 from custody._keys import init_keys, rotate_keys
 from custody.custodian.config import ConfigError, CustodianConfig, load
 from custody.custodian.ledger import SignLog
@@ -27,19 +52,39 @@ from custody.custodian.ledger import SignLog
 __all__ = ["USAGE", "run"]
 
 USAGE = ("keys init | keys rotate [--new-kek-label LABEL] | "
-         "keys migrate --to-config FILE2 [--new-kek-label LABEL]")
+         "keys migrate --to-config FILE2 [--new-kek-label LABEL] | "
+         "keys restore --identity ID [--yes] [--names-out NAMES] BACKUP")
 #: subcommand -> the options it takes (each with one value)
 _OPTIONS = {"init": (), "rotate": ("--new-kek-label",),
-            "migrate": ("--to-config", "--new-kek-label")}
+            "migrate": ("--to-config", "--new-kek-label"),
+            "restore": ("--identity", "--names-out")}
+#: subcommand -> the options it requires
+_REQUIRED = {"migrate": ("--to-config",), "restore": ("--identity",)}
+#: Answers that confirm a restore at the prompt (the daemon's `keys restore` takes the same).
+_YES = frozenset({"y", "yes"})
 
 
 def _options(command: str, words: list[str]) -> dict[str, str]:
-    if command not in _OPTIONS or len(words) % 2:
-        raise ConfigError(f"usage: buzz-broker custodian FILE {USAGE}")
+    usage = ConfigError(f"usage: buzz-broker custodian FILE {USAGE}")
+    if command not in _OPTIONS:
+        raise usage
+    if command == "restore":  # its flag and its one positional BACKUP
+        flag = "--yes" in words
+        words = [w for w in words if w != "--yes"]
+        if len(words) % 2 == 0 or words[-1].startswith("--"):
+            raise usage
+        words, backup = words[:-1], words[-1]
+    if len(words) % 2:
+        raise usage
     options = dict(zip(words[::2], words[1::2], strict=True))
     unknown = set(options) - set(_OPTIONS[command])
-    if unknown or (command == "migrate" and "--to-config" not in options):
-        raise ConfigError(f"usage: buzz-broker custodian FILE {USAGE}")
+    if unknown or len(options) * 2 != len(words) or not all(
+            o in options for o in _REQUIRED.get(command, ())):
+        raise usage
+    if command == "restore":
+        options["BACKUP"] = backup
+        if flag:
+            options["--yes"] = ""
     return options
 
 
@@ -47,6 +92,9 @@ async def run(config: CustodianConfig, words: list[str]) -> None:
     """Run `keys WORDS...` for `config`. Raises ConfigError (usage, FILE2) or CustodyError."""
     command = words[0] if words else ""
     options = _options(command, words[1:])
+    if command == "restore":
+        await _restore(config, options)
+        return
     if command == "init":
         made = await init_keys(config.token, config.state_dir)
         created = ", ".join(made.created) or "none (present and checked)"
@@ -69,3 +117,126 @@ async def run(config: CustodianConfig, words: list[str]) -> None:
     print(f"custodian: {report.agents} agents under KEK {report.new.kek_label!r} in token "
           f"{report.new.token_label!r} ({report.outcome}); destroyed: "
           f"{', '.join(report.destroyed) or 'none'}", flush=True)
+
+
+def _read_bounded(path: Path, limit: int, what: str, *, private: bool) -> bytearray:
+    """`path` (no symlink, a regular file, at most `limit` bytes) in a bytearray; `private`:
+    refused with any group or other permission bit (it holds a secret)."""
+    from custody._secret import read_limited
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CustodyError(f"{what} {path} is a symbolic link; name the file itself") from None
+        raise CustodyError(f"cannot read {what} {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CustodyError(f"{what} {path} is not a regular file")
+        if private and st.st_mode & 0o077:
+            raise CustodyError(f"{what} {path} is readable by group or others "
+                               f"(mode {stat.S_IMODE(st.st_mode):o}); chmod 600 it")
+        if st.st_size > limit:
+            raise CustodyError(f"{what} {path} is larger than {limit} bytes")
+        buf = read_limited(fd, st.st_size)  # sized by fstat: a growing file is refused
+        if buf is None:
+            raise CustodyError(f"{what} {path} changed while it was read")
+        return buf
+    except OSError as exc:
+        raise CustodyError(f"cannot read {what} {path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+def _confirmed(count: int, yes: bool) -> bool:
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        raise CustodyError("restore not confirmed: no terminal to ask on; pass --yes")
+    print(f"restore {count} agents under the custodian's KEK? [y/N] ", end="",
+          file=sys.stderr, flush=True)
+    return sys.stdin.readline().strip().lower() in _YES
+
+
+def _names_file(path: Path) -> int:
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                       | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        raise CustodyError(f"--names-out {path} exists; it is never overwritten") from None
+    except OSError as exc:
+        raise CustodyError(f"cannot create --names-out {path}: {exc.strerror}") from None
+
+
+async def _restore(config: CustodianConfig, options: dict[str, str]) -> None:
+    from buzzwire.contract import printable_json
+    from custody._facade import Custody
+    from custody._restore import (MAX_BACKUP_BYTES, MAX_IDENTITY_BYTES, RestoreResult,
+                                  open_backup, restore_backup, restore_plan)
+
+    backup = Path(options["BACKUP"])
+    ciphertext = bytes(_read_bounded(backup, MAX_BACKUP_BYTES, "backup", private=False))
+    digest = hashlib.sha256(ciphertext).hexdigest()
+    identity = _read_bounded(Path(options["--identity"]), MAX_IDENTITY_BYTES,
+                             "identity file", private=True)
+    names_path = Path(options["--names-out"]) if "--names-out" in options else None
+    names: list[str] = []
+    fd: int | None = None
+    try:
+        contents = open_backup(ciphertext, identity)  # zeroes `identity`
+    finally:
+        identity[:] = bytes(len(identity))
+    with contents:
+        # Exclusive: beside a running custodian its records, version and log would not
+        # see the restore (and the log would fork): stop it first, as for rotate.
+        async with await Custody.open(config.token, config.state_dir, config.cache,
+                                      exclusive=True) as custody:
+            plan = restore_plan(custody, contents)
+            held = set(plan.already_held)
+            for record in contents.records:
+                public = contents.public(record.pubkey)
+                name = public.get("name")
+                # printable_json: a hostile backup's name cannot reach the terminal raw.
+                print(f"{record.pubkey}  owner={record.owner}  "
+                      f"{'auth-tag' if record.auth_tag else '-'}  "
+                      f"{'already held' if record.pubkey in held else 'restore'}  "
+                      f"{printable_json(name) if isinstance(name, str) else '-'}", flush=True)
+                if isinstance(name, str):
+                    names.append(json.dumps({"pubkey": record.pubkey, "name": name,
+                                             "creator": public.get("creator")},
+                                            ensure_ascii=False, separators=(",", ":")) + "\n")
+            result: RestoreResult = plan
+            if plan.restored:
+                if not _confirmed(len(plan.restored), "--yes" in options):
+                    raise CustodyError("restore not confirmed; nothing restored")
+                fd = None if names_path is None else _names_file(names_path)
+                try:
+                    result = await restore_backup(custody, contents)
+                except BaseException:
+                    if fd is not None:
+                        os.close(fd)
+                        names_path.unlink(missing_ok=True)  # type: ignore[union-attr]
+                    raise
+            elif names_path is not None:
+                fd = _names_file(names_path)
+    if fd is not None:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write("".join(names))
+            out.flush()
+            os.fsync(out.fileno())
+    log = SignLog(config.settings.log_path, config.settings.log_max_bytes)
+    try:
+        # One line per agent: a single line naming thousands would outgrow the log's tail read.
+        log.append([{"op": "restore", "agent": pubkey, "sha256": digest}
+                    for pubkey in result.restored]
+                   + [{"op": "restore", "agents": len(result.restored),
+                       "held": len(result.already_held), "sha256": digest}])
+    finally:
+        log.close()
+    if names_path is not None:
+        print(f"custodian: the backup's names are in {names_path}; give them to the "
+              f"daemon's directory: buzz-broker agent import-names < {names_path}",
+              file=sys.stderr)
+    print(f"restored {len(result.restored)} agents; {len(result.already_held)} already held",
+          file=sys.stderr, flush=True)

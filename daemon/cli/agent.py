@@ -26,6 +26,12 @@ Rules:
   request (it also refuses any credential whose agent is not live, however it was
   removed). It asks for confirmation — the word `yes` on stdin, prompted on stderr — unless
   `--yes` is given. Running it again on a removed agent revokes what is left.
+- `import-names` reads on stdin the names file a custodian's `keys restore --names-out`
+  wrote (one JSON object `{"pubkey", "name", "creator"}` a line, at most
+  `MAX_NAMES_BYTES`) and writes each live agent's name into the directory as `keys
+  restore` does (`enroll_restored`: a name already set is kept, a bad entry is said and
+  skipped). The file crossed from another uid: every line is checked, a malformed one
+  refuses the whole input before anything is written.
 - Faults are one CliError line naming the fault; no secret ever reaches output.
 
 WARNING: README.md ("The command line") and docs/install.md (step 6) show these
@@ -89,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("pubkey", metavar="PUBKEY")
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+
+    sub.add_parser("import-names", help="write into the directory the names a custodian's "
+                   "`keys restore --names-out` wrote (the file on stdin)")
 
     agent_auth.add_arguments(sub)
 
@@ -260,6 +269,40 @@ def _remove(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+#: A names file of 100,000 agents is about 20 MB; more is refused unread.
+MAX_NAMES_BYTES = 32 * 1024 * 1024
+
+
+def _import_names(args: argparse.Namespace, config: Config) -> int:
+    import json
+
+    from buzzwire.nostr import is_hex64
+    from daemon.cli.keys_backup import enroll_restored
+
+    data = sys.stdin.buffer.read(MAX_NAMES_BYTES + 1)
+    if len(data) > MAX_NAMES_BYTES:
+        raise CliError(f"the names file is larger than {MAX_NAMES_BYTES} bytes")
+    entries: dict[str, dict[str, object]] = {}
+    for number, line in enumerate(data.splitlines(), 1):
+        try:
+            entry = json.loads(line)
+        except (ValueError, RecursionError):
+            raise CliError(f"names line {number} is not JSON; nothing written") from None
+        if not (isinstance(entry, dict) and set(entry) == {"pubkey", "name", "creator"}
+                and is_hex64(entry["pubkey"])):
+            raise CliError(f"names line {number} is not {{pubkey, name, creator}}; "
+                           "nothing written")
+        entries[entry["pubkey"]] = entry
+    with agent_directory(config) as directory:
+        live = {r.pubkey for r in directory.agents()}
+    for pubkey in sorted(set(entries) - live):
+        print(f"{pubkey}: no live agent held here; its name is not written", file=sys.stderr)
+    enroll_restored(config, {p: e for p, e in entries.items() if p in live})
+    print(f"names read for {len(entries)} agents; {len(set(entries) & live)} held here "
+          "(a name already set is kept)", file=sys.stderr)
+    return 0
+
+
 _SUBCOMMANDS: dict[str, Callable[[argparse.Namespace, "Config"], int]] = {
     "import": _import,
     "create": _create,
@@ -267,6 +310,7 @@ _SUBCOMMANDS: dict[str, Callable[[argparse.Namespace, "Config"], int]] = {
     "list": _list,
     "remove": _remove,
     "attach-auth": agent_auth.attach,
+    "import-names": _import_names,
 }
 
 

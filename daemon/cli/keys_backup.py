@@ -28,6 +28,10 @@ Rules:
   (name, creator) to carry, and restore writes the restored agents' entries back into the
   directory (`AgentDirectory.enroll`; an entry that is not a valid name is skipped and
   said, the key is restored either way). Depth is derived again from the owners.
+- With a custodian, restore is refused here (this uid opens neither the token nor the
+  keystore): `buzz-broker custodian FILE keys restore` restores under the custodian's uid
+  (custody/custodian/keys.py) and writes the names to a file; `agent import-names` reads
+  it into the directory through `enroll_restored` (daemon/cli/agent.py).
 - What a backup does not hold: credentials and the ledger (docs/install.md, "Restore").
 - With a custodian (`[custody] custodian_socket`), backup asks it (its `backup` row,
   custody/custodian/backup.py): the recipients and the directory are the custodian's own
@@ -211,7 +215,7 @@ def _backup_by_custodian(args: argparse.Namespace, config: Config, socket: Path)
     return 0
 
 
-def _enroll_restored(config: Config, entries: dict[str, Mapping[str, object]]) -> None:
+def enroll_restored(config: Config, entries: dict[str, Mapping[str, object]]) -> None:
     """Write the backed-up names of agents that have none here; a bad entry is said."""
     with agent_directory(config, "the keys are restored, but their names were not "
                          "({}); run the restore again to write them") as directory:
@@ -272,6 +276,13 @@ def _confirm(count: int, yes: bool) -> bool:
 def _restore(args: argparse.Namespace, config: Config) -> int:
     from custody import MAX_BACKUP_BYTES
 
+    if config.custody.custodian_socket:
+        # The keystore and token are the custodian's: this uid opens neither.
+        raise CliError("with a custodian ([custody] custodian_socket) the keys are restored "
+                       "under its uid: buzz-custodian-admin keys restore --identity ID "
+                       "--names-out NAMES BACKUP (buzz-broker custodian FILE keys restore), "
+                       "then buzz-broker agent import-names < NAMES", exit_code=2)
+
     ciphertext = bytes(_read_bounded(args.backup, MAX_BACKUP_BYTES, "backup", private=False))
     with recorded(Path(config.state.dir), KeyAction.RESTORE, file=clip(str(args.backup)),
                   sha256=hashlib.sha256(ciphertext).hexdigest()) as trail:
@@ -331,7 +342,7 @@ def _restore_keys(args: argparse.Namespace, config: Config, ciphertext: bytes,
                held=len(result.already_held))
     # Every agent of the backup held here now: `enroll` keeps a name already set, and a
     # rerun writes the names a failed first run did not.
-    _enroll_restored(config, entries)
+    enroll_restored(config, entries)
     return result
 
 

@@ -1,0 +1,178 @@
+"""`buzz-broker custodian FILE keys restore`: a backup restored under the custodian's uid,
+from its own configuration, with the custodian stopped (docs/custodian.md, "Commands run
+with the custodian stopped"; docs/install.md, "Restore").
+
+- Beside a running custodian it refuses (the state lock) and restores nothing; without a
+  terminal and without `--yes` it refuses; a wrong identity is one line, no traceback.
+- With `--yes` it seals every agent into the custodian's keystore (custody's checks, the
+  daemon's summary line), writes the custodian's hash-chained log, and `--names-out`
+  writes the backup's names (0600, public entries only); run again, everything is
+  "already held".
+- The daemon's side: its own `keys restore` is refused with a pointer to this command;
+  `agent import-names < NAMES` writes the names into the directory (seen through `agent
+  list`, the records the custodian's), and the restored key signs through the custodian.
+Under one uid here (the test's): nothing is separated but the processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import coincurve
+import trio
+
+from buzzwire.nostr import verify_signed
+from custody import Custody, TokenConfig, UnsignedEvent, export_backup
+from custody.custodian.client import CustodianClient
+from custody.custodian.ledger import verify_chain
+from tests.adversarial._secrets import SecretScan, key_secret
+from tests.backup.test_backup import age_identity
+from tests.custody._sealing import HUMAN
+from tests.fixtures.broker import write_config
+from tests.fixtures.custodian import CustodianProcess, write_custodian_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(*argv: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "CREDENTIALS_DIRECTORY"}
+    done = subprocess.run([sys.executable, *argv], cwd=REPO, env=env, input=stdin,
+                          capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in done.stderr, done.stderr
+    return done
+
+
+def _keys(config: Path, *words: str) -> subprocess.CompletedProcess[str]:
+    return _run("-m", "custody.custodian", str(config), "keys", *words)
+
+
+def _cli(config: Path, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return _run("-m", "daemon.cli", "--config", str(config), *args, stdin=stdin)
+
+
+def test_restore_under_the_custodians_config_then_names_to_the_directory(
+        custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path) -> None:
+    token, source_state = custody_state
+    secrets = [coincurve.PrivateKey() for _ in range(2)]
+    identity = tmp_path / "backup.key"
+    recipient = age_identity(identity)
+
+    async def make_backup() -> list[str]:
+        async with await Custody.open(token, source_state) as custody:
+            agents = [(await custody.import_agent(bytearray(s.secret.hex().encode()),
+                                                  owner=HUMAN)).pubkey for s in secrets]
+            exported = await export_backup(custody, [recipient],
+                                           {agents[0]: {"name": "scout", "creator": None}})
+        (tmp_path / "agents.age").write_bytes(exported.ciphertext)
+        return agents
+
+    agents = trio.run(make_backup)
+    backup = tmp_path / "agents.age"
+    names = tmp_path / "names.jsonl"
+    state = tmp_path / "custodian-state"  # the custodian's own keystore, empty so far
+    socket = tmp_path / "c.sock"
+    config = write_custodian_config(tmp_path / "custodian.toml", token=token, state_dir=state,
+                                    socket=socket, relay_url=local_relay)
+    log = state / "custodian" / "signed.jsonl"
+    restore = ("restore", "--identity", str(identity), "--names-out", str(names))
+
+    running = CustodianProcess(config, socket)
+    running.start()
+    try:
+        busy = _keys(config, *restore, "--yes", str(backup))
+        assert busy.returncode == 1 and "in use" in busy.stderr, busy.stderr
+    finally:
+        running.stop()
+    assert not names.exists()
+
+    unasked = _keys(config, *restore, str(backup))
+    assert unasked.returncode == 1 and "no terminal to ask on; pass --yes" in unasked.stderr
+    wrong = tmp_path / "other.key"
+    age_identity(wrong)
+    refused = _keys(config, "restore", "--identity", str(wrong), "--yes", str(backup))
+    assert refused.returncode == 1 and "does not decrypt with this identity" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert not names.exists() and "restore" not in log.read_text()  # the running one made it
+
+    done = _keys(config, *restore, "--yes", str(backup))
+    assert done.returncode == 0, done.stderr
+    assert "restored 2 agents; 0 already held" in done.stderr
+    assert all(f"{a}  owner={HUMAN}  -  restore" in done.stdout for a in agents), done.stdout
+    assert stat.S_IMODE(names.stat().st_mode) == 0o600
+    carried = [json.loads(line) for line in names.read_text().splitlines()]
+    assert carried == [{"pubkey": agents[0], "name": "scout", "creator": None}]
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {e.get("agent") for e in lines if e["op"] == "restore"} >= set(agents)
+    assert lines[-1]["agents"] == 2 and lines[-1]["held"] == 0
+    assert verify_chain(log) == 3
+
+    again = _keys(config, "restore", "--identity", str(identity), "--yes", str(backup))
+    assert again.returncode == 0 and "restored 0 agents; 2 already held" in again.stderr
+    assert "already held" in again.stdout
+
+    # The daemon's side, as the pipeline's uid: no [pkcs11] needed, a state dir of its own.
+    running.start()
+    try:
+        pipeline_state = tmp_path / "pipeline-state"
+        pipeline_state.mkdir(mode=0o700)
+        broker = tmp_path / "broker.toml"
+        broker.write_text(
+            f'[server]\nsocket = "{tmp_path / "broker.sock"}"\n'
+            f'[state]\ndir = "{pipeline_state}"\n'
+            f'[custody]\ncustodian_socket = "{socket}"\n[relay]\nurl = "{local_relay}"\n')
+        own = _cli(broker, "keys", "restore", "--identity", str(identity), str(backup), "--yes")
+        assert own.returncode == 2 and "buzz-custodian-admin keys restore" in own.stderr
+
+        def listed() -> dict[str, str]:
+            out = _cli(broker, "agent", "list", "--json")
+            assert out.returncode == 0, out.stderr
+            return {r["pubkey"]: r["name"] for r in map(json.loads, out.stdout.splitlines())}
+
+        assert listed() == {agents[0]: agents[0][:12], agents[1]: agents[1][:12]}
+        stranger = coincurve.PrivateKey().public_key_xonly.format().hex()
+        given = _cli(broker, "agent", "import-names", stdin=names.read_text() + json.dumps(
+            {"pubkey": stranger, "name": "ghost", "creator": None}) + "\n")
+        assert given.returncode == 0, given.stderr
+        assert f"{stranger}: no live agent held here" in given.stderr
+        assert listed() == {agents[0]: "scout", agents[1]: agents[1][:12]}
+        bad = _cli(broker, "agent", "import-names", stdin='{"pubkey": "x"}\n')
+        assert bad.returncode != 0 and "names line 1" in bad.stderr, bad.stderr
+
+        async def signs() -> bool:
+            client = CustodianClient(socket)
+            try:
+                signed = await client.sign_event(agents[1], UnsignedEvent(
+                    agents[1], int(time.time()), 0, (), '{"name":"back"}'))
+            finally:
+                await client.aclose()
+            return verify_signed(signed)
+
+        assert trio.run(signs)
+    finally:
+        stderr = running.stop()
+
+    scan = SecretScan()
+    for number, secret in enumerate(secrets):
+        scan.add(key_secret(f"agent {number}", secret.secret.hex()))
+    leaks = scan.findings(done.stdout + done.stderr + again.stdout + again.stderr,
+                          "the command's output")
+    leaks += scan.findings(log.read_bytes() + names.read_bytes(), "the log and names file")
+    leaks += scan.findings(stderr, "the custodian's stderr")
+    assert not leaks, leaks
+
+
+def test_restore_usage_lines(tmp_path: Path) -> None:
+    config = tmp_path / "custodian.toml"
+    config.write_text('[custodian]\nsocket = "s"\nstate_dir = "st"\nrelay_url = "ws://x"\n'
+                      '[pkcs11]\nmodule = "/nonexistent.so"\ntoken_label = "t"\n')
+    for words in (("restore",), ("restore", "b.age"), ("restore", "--identity", "id"),
+                  ("restore", "--identity", "id", "--identity", "id2", "b.age"),
+                  ("restore", "--identity", "id", "--out", "x", "b.age")):
+        done = _keys(config, *words)
+        assert done.returncode == 1 and "usage" in done.stderr, (words, done.stderr)
