@@ -220,20 +220,23 @@ async def _restore(config: CustodianConfig, options: dict[str, str]) -> None:
                     raise
             elif names_path is not None:
                 fd = _names_file(names_path)
-    if fd is not None:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write("".join(names))
-            out.flush()
-            os.fsync(out.fileno())
-    log = SignLog(config.settings.log_path, config.settings.log_max_bytes)
-    try:
-        # One line per agent: a single line naming thousands would outgrow the log's tail read.
-        log.append([{"op": "restore", "agent": pubkey, "sha256": digest}
+            if fd is not None:
+                with os.fdopen(fd, "w", encoding="utf-8") as out:
+                    out.write("".join(names))
+                    out.flush()
+                    os.fsync(out.fileno())
+            log = SignLog(config.settings.log_path, config.settings.log_max_bytes)
+            try:
+                # Under the lock, so no custodian starting meanwhile forks the chain. One
+                # line per agent: one naming thousands would outgrow the log's tail read.
+                lines: list[dict[str, object]] = [
+                    {"op": "restore", "agent": pubkey, "sha256": digest}
                     for pubkey in result.restored]
-                   + [{"op": "restore", "agents": len(result.restored),
-                       "held": len(result.already_held), "sha256": digest}])
-    finally:
-        log.close()
+                lines.append({"op": "restore", "agents": len(result.restored),
+                              "held": len(result.already_held), "sha256": digest})
+                log.append(lines)
+            finally:
+                log.close()
     if names_path is not None:
         print(f"custodian: the backup's names are in {names_path}; give them to the "
               f"daemon's directory: buzz-broker agent import-names < {names_path}",
