@@ -39,7 +39,8 @@ seals and the one unseal door with its named defences), _cache (the unsealed-key
 off by default), _records (the public values), _keystore (SQLite), _statelock (who may use the state directory),
 _activekek (the token and KEK the keystore records), _facade (Custody). Run only with the
 daemon stopped or beside it, never by a serving process: _keys (keys init, rotate,
-migrate; the token check), _kekinit (making and destroying KEKs), _rotation.
+migrate; the token check), _kekinit (making and destroying KEKs), _rotation, _files (an
+operator's bounded file: the restore commands' backup and identity).
 
 WARNING: custody refuses to be imported under `python -O`/`-OO`/PYTHONOPTIMIZE. Its own
 code checks every C return with `if`, never `assert`; the refusal is belt and braces for

@@ -36,11 +36,9 @@ Rules:
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
-import stat
 import sys
 from pathlib import Path
 
@@ -119,36 +117,6 @@ async def run(config: CustodianConfig, words: list[str]) -> None:
           f"{', '.join(report.destroyed) or 'none'}", flush=True)
 
 
-def _read_bounded(path: Path, limit: int, what: str, *, private: bool) -> bytearray:
-    """`path` (no symlink, a regular file, at most `limit` bytes) in a bytearray; `private`:
-    refused with any group or other permission bit (it holds a secret)."""
-    from custody._secret import read_limited
-
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise CustodyError(f"{what} {path} is a symbolic link; name the file itself") from None
-        raise CustodyError(f"cannot read {what} {path}: {exc.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CustodyError(f"{what} {path} is not a regular file")
-        if private and st.st_mode & 0o077:
-            raise CustodyError(f"{what} {path} is readable by group or others "
-                               f"(mode {stat.S_IMODE(st.st_mode):o}); chmod 600 it")
-        if st.st_size > limit:
-            raise CustodyError(f"{what} {path} is larger than {limit} bytes")
-        buf = read_limited(fd, st.st_size)  # sized by fstat: a growing file is refused
-        if buf is None:
-            raise CustodyError(f"{what} {path} changed while it was read")
-        return buf
-    except OSError as exc:
-        raise CustodyError(f"cannot read {what} {path}: {exc.strerror}") from None
-    finally:
-        os.close(fd)
-
-
 def _confirmed(count: int, yes: bool) -> bool:
     if yes:
         return True
@@ -172,13 +140,14 @@ def _names_file(path: Path) -> int:
 async def _restore(config: CustodianConfig, options: dict[str, str]) -> None:
     from buzzwire.contract import printable_json
     from custody._facade import Custody
+    from custody._files import read_bounded
     from custody._restore import (MAX_BACKUP_BYTES, MAX_IDENTITY_BYTES, RestoreResult,
                                   open_backup, restore_backup, restore_plan)
 
     backup = Path(options["BACKUP"])
-    ciphertext = bytes(_read_bounded(backup, MAX_BACKUP_BYTES, "backup", private=False))
+    ciphertext = bytes(read_bounded(backup, MAX_BACKUP_BYTES, "backup", private=False))
     digest = hashlib.sha256(ciphertext).hexdigest()
-    identity = _read_bounded(Path(options["--identity"]), MAX_IDENTITY_BYTES,
+    identity = read_bounded(Path(options["--identity"]), MAX_IDENTITY_BYTES,
                              "identity file", private=True)
     names_path = Path(options["--names-out"]) if "--names-out" in options else None
     names: list[str] = []

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # typing only: the configuration is imported when a command runs
+    from custody import Custody
     from daemon.config import Config
     from daemon.state.directory import AgentDirectory
 
@@ -88,6 +89,21 @@ def config_from_args(args: object) -> Config:
     except ConfigError as exc:
         raise CliError(str(exc)) from None
 
+
+
+async def open_keys(config: Config) -> Custody:
+    """Who holds `config`'s keys, for a command that uses them: the custodian's table when
+    `[custody] custodian_socket` is set (from the pipeline's uid: no PIN, no token; the
+    client answers the facade's calls), else custody opened in this process. The caller
+    closes it (`aclose`)."""
+    from custody import Custody
+
+    if config.custody.custodian_socket:
+        from custody.custodian.client import CustodianClient
+
+        return await CustodianClient.open(  # type: ignore[return-value]
+            Path(config.custody.custodian_socket))
+    return await Custody.open(config.pkcs11.token(), Path(config.state.dir))
 
 
 @contextmanager

@@ -52,7 +52,8 @@ import trio
 
 from buzzwire.contract import printable
 from daemon.cli import agent_auth
-from daemon.cli._common import CliError, agent_directory, config_from_args, print_json_line
+from daemon.cli._common import (CliError, agent_directory, config_from_args, open_keys,
+                                print_json_line)
 
 if TYPE_CHECKING:
     from custody import Custody, KeyRecord
@@ -111,19 +112,11 @@ def _pubkey(value: str, what: str) -> str:
 
 
 def _with_custody(config: Config, action: Callable[[Custody], Awaitable[T]]) -> T:
-    from custody import Custody, CustodyError
+    from custody import CustodyError
 
     async def main() -> T:
-        custody: Custody
-        if config.custody.custodian_socket:
-            # The keys are the custodian's (docs/custodian.md): mint, import and destroy go
-            # through its table, from the pipeline's uid, beside the running daemon.
-            from custody.custodian.client import CustodianClient
-
-            custody = await CustodianClient.open(  # type: ignore[assignment]
-                Path(config.custody.custodian_socket))
-        else:
-            custody = await Custody.open(config.pkcs11.token(), Path(config.state.dir))
+        # With a custodian, mint, import and destroy go through its table (docs/custodian.md).
+        custody = await open_keys(config)
         try:
             return await action(custody)
         finally:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from daemon.cli._common import CliError, agent_directory
+from daemon.cli._common import CliError, agent_directory, open_keys
 
 if TYPE_CHECKING:
     from custody import Custody, KeyRecord
@@ -152,25 +152,16 @@ async def _publish_profile(pool: RelayPool, custody: Custody, record: KeyRecord,
 
 def attach(args: argparse.Namespace, config: Config) -> int:
     from buzzwire.nostr import is_hex64
-    from custody import Custody, CustodyError
+    from custody import CustodyError
 
     agent = args.agent.strip().lower()
     if not is_hex64(agent):
         raise CliError("--agent must be 64 hex characters")
 
     async def main() -> tuple[KeyRecord, str]:
-        from pathlib import Path
-
-        custody: Custody
-        if config.custody.custodian_socket:
-            # The keys are the custodian's (docs/custodian.md): its `attach_auth` row checks
-            # the tag, and the profile is signed through its `sign` row; no PIN, no token.
-            from custody.custodian.client import CustodianClient
-
-            custody = await CustodianClient.open(  # type: ignore[assignment]
-                Path(config.custody.custodian_socket))
-        else:
-            custody = await Custody.open(config.pkcs11.token(), Path(config.state.dir))
+        # With a custodian its `attach_auth` row checks the tag, and the profile is
+        # signed through its `sign` row (docs/custodian.md): no PIN, no token here.
+        custody = await open_keys(config)
         try:
             with agent_directory(config) as directory:
                 listed = directory.agent(agent)

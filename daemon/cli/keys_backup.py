@@ -47,11 +47,9 @@ WARNING: docs/install.md ("Back up", "Restore") shows these flags; keep them in 
 from __future__ import annotations
 
 import argparse
-import errno
 import hashlib
 import json
 import os
-import stat
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -231,36 +229,13 @@ def enroll_restored(config: Config, entries: dict[str, Mapping[str, object]]) ->
 
 
 def _read_bounded(path: Path, limit: int, what: str, *, private: bool) -> bytearray:
-    """Read `path` (no symlink, regular file, at most `limit` bytes) into a bytearray.
-
-    `private`: refuse a file with group or other permission bits (it holds a secret).
-    """
-    from custody import read_limited
+    from custody import CustodyError
+    from custody._files import read_bounded
 
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise CliError(f"{what} {path} is a symbolic link; name the file itself") from None
-        raise CliError(f"cannot read {what} {path}: {exc.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CliError(f"{what} {path} is not a regular file")
-        if private and st.st_mode & 0o077:
-            raise CliError(f"{what} {path} is readable by group or others "
-                           f"(mode {stat.S_IMODE(st.st_mode):o}); chmod 600 it")
-        if st.st_size > limit:
-            raise CliError(f"{what} {path} is larger than {limit} bytes")
-        # Sized by fstat: a file that grows while it is read is refused, not followed.
-        buf = read_limited(fd, st.st_size)
-        if buf is None:
-            raise CliError(f"{what} {path} changed while it was read")
-        return buf
-    except OSError as exc:
-        raise CliError(f"cannot read {what} {path}: {exc.strerror}") from None
-    finally:
-        os.close(fd)
+        return read_bounded(path, limit, what, private=private)
+    except CustodyError as exc:
+        raise CliError(str(exc)) from None
 
 
 def _confirm(count: int, yes: bool) -> bool:
