@@ -10,7 +10,9 @@ the outsider cannot reach the socket; the metrics scrape; `systemd-analyze secur
 running and a stopped daemon; the custodian (both units, two uids, the token and the KEK
 made under the custodian's uid from the start: the first request activates both, the
 daemon has no PIN, no token access, cannot open the keystore, maps no module, lists the
-custodian's agents; a SIGKILLed custodian is restarted by systemd); upgrade and uninstall.
+custodian's agents; a SIGKILLed custodian is restarted by systemd); a host installed with
+custody in the daemon moving its keys to the custodian by step 6b's block; upgrade and
+uninstall.
 
 Rules:
 - The doc is the script: `install_blocks()` takes every fenced block that follows an
@@ -79,6 +81,11 @@ TEST_ONLY = {
     "reboot": "buzz-custodian.service stopped before step 7, its socket kept (as after a "
               "reboot: step 6's commands started it), so the first request activates both",
     "watchdog": "a drop-in buzz-broker.service.d/test-watchdog.conf with WatchdogSec=3s",
+    "old-layout": "for step 6b's move: the custodian's units, drop-in, configuration and "
+                  "state removed and the daemon's state emptied, then the install before the "
+                  "custodian (the token made as buzz-broker under /var/lib/buzz-broker, "
+                  "[pkcs11] instead of [custody], keys init and the agent as the daemon's "
+                  "user), and after the move the custodian stopped as after a reboot",
     "faults": "a drop-in pointing BUZZ_BROKER_CONFIG at a config whose custodian socket is "
               "missing (failed start), SIGKILL, SIGSTOP/SIGCONT (watchdog), the scout credential copied "
               "to scout2 (uid binding), and a SIGKILL of the custodian",
@@ -112,7 +119,7 @@ def install_blocks(text: str | None = None) -> list[Block]:
 
 #: The steps this test drives, in the doc's order.
 STEPS = ("packages", "program", "units", "agent-group", "custodian", "token",
-         "custodian-config", "config", "check-config", "keys", "agent", "start",
+         "custodian-config", "config", "check-config", "keys", "agent", "move-custody", "start",
          "first-request", "check", "metrics", "tcp", "upgrade", "uninstall")
 
 
@@ -241,6 +248,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
         for user in (AGENT, SECOND_AGENT, OUTSIDER):
             inst.sh(f"useradd --create-home --shell /bin/bash {user}")
         for step in STEPS[:STEPS.index("start")]:
+            if step == "move-custody":
+                continue  # a fresh install has nothing to move: its own test runs it
             inst.block(blocks[step])
             if step == "units":
                 # TEST_ONLY["watchdog"]: a short watchdog, so its test takes seconds.
@@ -490,6 +499,32 @@ def _main_pid(inst: Installed, unit: str) -> str:
     return pid
 
 
+KEYSTORE = "/var/lib/buzz-custodian/keys/keystore.db"
+
+
+def _daemon_uid_is_locked_out(inst: Installed) -> None:
+    """buzz-broker opens neither the PIN, the token, the custodian's configuration nor the
+    keystore, which is the custodian's alone and nowhere in the daemon's state."""
+    for path in ("/run/credentials/buzz-custodian.service/token-pin", "/etc/buzz-broker/token-pin",
+                 "/var/lib/buzz-custodian/softhsm/tokens", "/etc/buzz-custodian/custodian.toml",
+                 "/var/lib/buzz-custodian/keys", KEYSTORE):
+        denied = inst.sh(f"runuser -u buzz-broker -- ls -d {path}/* {path} >/dev/null 2>&1 || "
+                         f"runuser -u buzz-broker -- cat {path} >/dev/null", check=False)
+        assert denied.returncode != 0, f"buzz-broker reads {path}"
+    # The keystore: there (root sees it), the custodian's alone, and nowhere in the daemon's
+    # state; the daemon's uid cannot open it even read-only through SQLite.
+    modes = inst.sh(f"stat -c '%U:%G %a' /var/lib/buzz-custodian /var/lib/buzz-custodian/keys "
+                    f"{KEYSTORE}").stdout.split("\n")[:3]
+    assert modes == ["buzz-custodian:buzz-custodian 700"] * 2 + [
+        "buzz-custodian:buzz-custodian 600"], modes
+    assert inst.sh(f"test -s {KEYSTORE} && ! ls /var/lib/buzz-broker/keystore.db* 2>/dev/null",
+                   check=False).returncode == 0
+    sqlite = inst.sh("runuser -u buzz-broker -- /opt/buzz-broker/venv/bin/python -c 'import sqlite3; "
+                     f"sqlite3.connect(\"file:{KEYSTORE}?mode=ro\", uri=True)"
+                     ".execute(\"SELECT count(*) FROM keys\").fetchone()'", check=False)
+    assert sqlite.returncode != 0 and "unable to open" in sqlite.text(), sqlite.text()
+
+
 def test_the_custodian_step_then_the_first_request_activates_both(installed: Installed) -> None:
     """docs/install.md steps 3 and 6: both units, two uids; the agent's first request starts
     the daemon, whose start starts the custodian; the daemon has no PIN, cannot open the
@@ -514,26 +549,7 @@ def test_the_custodian_step_then_the_first_request_activates_both(installed: Ins
     assert inst.sh("test ! -e /run/credentials/buzz-broker.service/token-pin && "
                    "test -e /run/credentials/buzz-custodian.service/token-pin", check=False
                    ).returncode == 0
-    keystore = "/var/lib/buzz-custodian/keys/keystore.db"
-    for path in ("/run/credentials/buzz-custodian.service/token-pin", "/etc/buzz-broker/token-pin",
-                 "/var/lib/buzz-custodian/softhsm/tokens", "/etc/buzz-custodian/custodian.toml",
-                 "/var/lib/buzz-custodian/keys", keystore):
-        denied = inst.sh(f"runuser -u buzz-broker -- ls -d {path}/* {path} >/dev/null 2>&1 || "
-                         f"runuser -u buzz-broker -- cat {path} >/dev/null", check=False)
-        assert denied.returncode != 0, f"buzz-broker reads {path}"
-    # The keystore: there (root sees it), the custodian's alone, and nowhere in the daemon's
-    # state; the daemon's uid cannot open it even read-only through SQLite.
-    modes = inst.sh(f"stat -c '%U:%G %a' /var/lib/buzz-custodian /var/lib/buzz-custodian/keys "
-                    f"{keystore}").stdout.split("\n")[:3]
-    assert modes == ["buzz-custodian:buzz-custodian 700"] * 2 + [
-        "buzz-custodian:buzz-custodian 600"], modes
-    assert inst.sh("test -s /var/lib/buzz-custodian/keys/keystore.db && "
-                   "! ls /var/lib/buzz-broker/keystore.db* 2>/dev/null", check=False
-                   ).returncode == 0
-    sqlite = inst.sh("runuser -u buzz-broker -- /opt/buzz-broker/venv/bin/python -c 'import sqlite3; "
-                     f"sqlite3.connect(\"file:{keystore}?mode=ro\", uri=True)"
-                     ".execute(\"SELECT count(*) FROM keys\").fetchone()'", check=False)
-    assert sqlite.returncode != 0 and "unable to open" in sqlite.text(), sqlite.text()
+    _daemon_uid_is_locked_out(inst)
     # The agent flows: the daemon's uid lists the custodian's agent (the one step 6 made).
     listed = [json.loads(line) for line in inst.sh(
         "buzz-broker-admin agent list --json").stdout.splitlines()]
@@ -560,6 +576,80 @@ def test_the_custodian_step_then_the_first_request_activates_both(installed: Ins
     assert match, out[-2000:]
     print(f"systemd-analyze security of the custodian on systemd 252: {match.group(1)}")
     assert float(match.group(1)) <= 1.5, out[-2000:]
+
+
+def _agent_pubkeys(inst: Installed) -> list[str]:
+    listed = [json.loads(line) for line in inst.sh(
+        "buzz-broker-admin agent list --json").stdout.splitlines()]
+    return [a["pubkey"] for a in listed if a["name"] == AGENT and a["deletedAt"] is None]
+
+
+def _posted_by(inst: Installed, content: str) -> list[str]:
+    """The pubkeys that signed the channel's messages with this content (read back through
+    the daemon from the relay)."""
+    args = json.dumps({"channelId": inst.placeholders["<channel-uuid>"]})
+    done = inst.sh(f"buzz-broker call channel.read --args '{args}' "
+                   "--credential-file ~/.config/buzz-broker/credential", user=AGENT)
+    messages = json.loads(done.stdout)["outcome"]["messages"]
+    return [m["pubkey"] for m in messages if m["content"] == content]
+
+
+def test_a_host_that_ran_custody_in_the_daemon_moves_its_keys(installed: Installed) -> None:
+    """docs/install.md 6b: a host installed before the custodian (token, keystore and KEK
+    the daemon's, an agent posting) runs step 3's first block, the custodian's
+    configuration and the doc's move block; the same agent's pubkey then posts, its first
+    request activating both units, and the daemon's uid keeps nothing of the keys."""
+    inst = installed
+    blocks = {b.step: b for b in install_blocks()}
+    # TEST_ONLY["old-layout"]: back to a host that never had a custodian.
+    inst.sh("systemctl disable --now buzz-custodian.socket buzz-custodian.service; "
+            "systemctl stop buzz-broker.socket buzz-broker.service; "
+            "rm -f /etc/systemd/system/buzz-custodian.service /etc/systemd/system/buzz-custodian.socket"
+            " /etc/systemd/system/buzz-broker.service.d/custodian.conf; "
+            "rm -rf /etc/buzz-custodian /var/lib/buzz-custodian/* && "
+            "find /var/lib/buzz-broker -mindepth 1 -delete && systemctl daemon-reload")
+    # The install before the custodian (docs/install.md as of its step 3 then).
+    inst.sh("runuser -u buzz-broker -- /opt/buzz-broker/venv/bin/python "
+            "/opt/buzz-broker/src/softhsm/make-token /var/lib/buzz-broker/softhsm "
+            "--label buzz-broker >/dev/null && "
+            "install -m 0644 /var/lib/buzz-broker/softhsm/softhsm2.conf /etc/buzz-broker/softhsm2.conf && "
+            "install -m 0600 -o root -g root /var/lib/buzz-broker/softhsm/user-pin /etc/buzz-broker/token-pin && "
+            "shred -u /var/lib/buzz-broker/softhsm/user-pin /var/lib/buzz-broker/softhsm/so-pin")
+    config = Path(inst.guest.root / "etc/buzz-broker/broker.toml")
+    old = re.sub(r"^\[custody\]\ncustodian_socket = .*\n",
+                 '[pkcs11]\nmodule = "/usr/lib/softhsm/libsofthsm2.so"\ntoken_label = "buzz-broker"\n',
+                 config.read_text(), flags=re.M)
+    assert "[pkcs11]" in old and "[custody]" not in old, old
+    config.write_text(old)
+    inst.sh("buzz-broker-admin keys init >/dev/null")
+    inst.block(blocks["agent"])
+    inst.block(blocks["start"])
+    assert inst.call(AGENT, content="custody in the daemon").returncode == 0
+    daemon = _main_pid(inst, "buzz-broker.service")
+    # Really the old layout: the daemon maps the module itself.
+    assert int(inst.sh(f"grep -c libsofthsm2 /proc/{daemon}/maps").stdout) > 0
+    [pubkey] = _agent_pubkeys(inst)
+    assert _posted_by(inst, "custody in the daemon") == [pubkey]
+
+    inst.block(blocks["custodian"])
+    inst.block(blocks["custodian-config"])
+    inst.block(blocks["move-custody"])
+    # TEST_ONLY["old-layout"]: check-config --deep started the custodian; a reboot would not.
+    inst.sh("systemctl stop buzz-custodian.service")
+    assert (inst.show("ActiveState"), inst.show("ActiveState", "buzz-custodian.service")) == (
+        "inactive", "inactive")
+    moved = inst.call(AGENT, content="custody moved to the custodian")
+    assert moved.returncode == 0, moved.text()
+    assert (inst.show("ActiveState"), inst.show("ActiveState", "buzz-custodian.service")) == (
+        "active", "active")
+    assert _posted_by(inst, "custody moved to the custodian") == [pubkey]
+    assert _agent_pubkeys(inst) == [pubkey]
+    daemon = _main_pid(inst, "buzz-broker.service")
+    assert inst.sh(f"grep -c libsofthsm2 /proc/{daemon}/maps", check=False).stdout.strip() == "0"
+    _daemon_uid_is_locked_out(inst)
+    left = inst.sh("find /var/lib/buzz-broker /etc/buzz-broker -printf '%P\\n'").stdout.split()
+    assert not [name for name in left if "keystore" in name or "softhsm" in name
+                or name.endswith(".object")], left
 
 
 def test_upgrade_then_uninstall(installed: Installed) -> None:
