@@ -941,20 +941,22 @@ async def serve(
                         if tcp:
                             _size_send_buffer(conn)
                         peer = _peer_credentials(conn)
+                        stream = trio.SocketStream(conn)
                         if tcp and admit is not None:
                             # The allow-list may need the user database, which can block:
                             # it is asked in the connection's own task, never here.
-                            nursery.start_soon(admit_then_open, trio.SocketStream(conn), peer)
+                            nursery.start_soon(admit_then_open, stream, peer)
                         else:
-                            open_for(trio.SocketStream(conn), peer)
+                            nursery.start_soon(open_or_refuse, stream, peer)
 
-            def open_for(stream: trio.SocketStream, peer: tuple[int | None, int | None]) -> None:
+            async def open_or_refuse(stream: trio.SocketStream,
+                                     peer: tuple[int | None, int | None]) -> None:
                 if control.per_uid.try_open(peer[0]):
-                    nursery.start_soon(handle, stream, peer)
+                    await handle(stream, peer)
                 else:
                     control.refusals.record(("uid", peer[0]), peer_uid=peer[0],
                                             cap=limits.max_connections_per_uid)
-                    nursery.start_soon(refuse, stream)
+                    await refuse(stream)
 
             async def admit_then_open(stream: trio.SocketStream,
                                       peer: tuple[int | None, int | None]) -> None:
@@ -965,7 +967,7 @@ async def serve(
                 except trio.TooSlowError:
                     admitted = False  # a user database that does not answer admits nobody
                 if admitted:
-                    open_for(stream, peer)
+                    await open_or_refuse(stream, peer)
                 else:
                     control.tcp_refusals.record(("uid", peer[0]), reason="not allowed",
                                                 peer_uid=peer[0])
