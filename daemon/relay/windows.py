@@ -408,15 +408,14 @@ class Window:
         if messages and (cut or end < len(self._held) or self._more):
             last = messages[-1]
             position = Position(created_at=last.created_at, event_id=last.id)
-        if after is not None:
-            return Served(messages=messages, next_position=position,
-                          encoded_messages=b'{"messages":[' + b",".join(h.encoded for h in held) + b"]")
-        encoded = self._encoded.get(limit)
+        # Joined from each event's encoded form, made once per distinct event: a changed
+        # window costs its new events, not the whole page. The default page's join is
+        # kept per limit until the window changes; a cursor page's is not kept.
+        encoded = self._encoded.get(limit) if after is None else None
         if encoded is None:
-            # Joined from each event's encoded form, made once per distinct event: a
-            # changed window costs its new events, not the whole page.
-            encoded = self._encoded[limit] = (
-                b'{"messages":[' + b",".join(h.encoded for h in held) + b"]")
+            encoded = b'{"messages":[' + b",".join(h.encoded for h in held) + b"]"
+            if after is None:
+                self._encoded[limit] = encoded
         return Served(messages=messages, next_position=position, encoded_messages=encoded)
 
 
