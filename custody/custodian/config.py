@@ -15,8 +15,10 @@ Keys (a key or table not listed is an error naming it):
   ``$CREDENTIALS_DIRECTORY/token-pin`` when that exists (the unit's credential).
 - ``[backup]`` (optional; without it the `backup` row is refused): ``recipients`` (a list
   of age X25519 recipients, ``age1…``: the only ones a backup is ever encrypted to) and
-  ``dir`` (where the custodian writes each backup, a new file named by itself). The
-  pipeline can ask for a backup; it cannot choose either (custody/custodian/backup.py).
+  ``dir`` (where the custodian writes each backup, a new file named by itself), required;
+  ``max_files`` (default 100, 1 to 10,000: past that many ``agents-*.age`` in ``dir`` the
+  row is refused) and ``min_interval_seconds`` (default 300, 0 to a week). The pipeline
+  can ask for a backup; it chooses none of these (custody/custodian/backup.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 
 from custody import CachePolicy, CustodyError, TokenConfig
 from custody._backup import check_recipients
+from custody.custodian.backup import Bounds
 from custody.custodian.server import Settings
 
 __all__ = ["CustodianConfig", "ConfigError", "load"]
@@ -38,7 +41,7 @@ _KEYS: dict[str, dict[str, type]] = {
                   "destroy_grace_seconds": int},
     "pkcs11": {"module": str, "token_label": str, "pin_file": str, "kek_label": str,
                "seal": str, "unsealed_cache_entries": int, "unsealed_cache_seconds": float},
-    "backup": {"recipients": list, "dir": str},
+    "backup": {"recipients": list, "dir": str, "max_files": int, "min_interval_seconds": int},
 }
 #: Most recipients one backup names (the key-event log's bound, daemon/state/audit.py).
 MAX_RECIPIENTS = 64
@@ -81,14 +84,17 @@ def load(path: str) -> CustodianConfig:
     base = Path(path).resolve().parent
     c, p, b = data["custodian"], data["pkcs11"], data.get("backup", {})
     recipients = tuple(b.get("recipients", ()))
-    if b and not (b.keys() == {"recipients", "dir"} and 0 < len(recipients) <= MAX_RECIPIENTS
+    if b and not (b.keys() >= {"recipients", "dir"} and 0 < len(recipients) <= MAX_RECIPIENTS
                   and all(isinstance(r, str) for r in recipients)):
         raise ConfigError(f"{path}: [backup] needs dir and 1 to {MAX_RECIPIENTS} recipients")
     try:
         if recipients:
             check_recipients(recipients)
+        bounds = Bounds(**{k: b[k] for k in ("max_files", "min_interval_seconds") if k in b})
     except CustodyError as exc:
         raise ConfigError(f"{path}: [backup] recipients: {exc}") from None
+    except ValueError as exc:
+        raise ConfigError(f"{path}: [backup] {exc}") from None
     state_dir = base / c["state_dir"]
     credential = Path(os.environ.get("CREDENTIALS_DIRECTORY", "/nonexistent"), "token-pin")
     pin_file = str(credential) if credential.is_file() else p.get("pin_file")
@@ -101,7 +107,7 @@ def load(path: str) -> CustodianConfig:
         log_max_bytes=c.get("log_max_bytes", 64 * 1024 * 1024),
         destroy_grace_seconds=c.get("destroy_grace_seconds", 7 * 86400),
         backup_recipients=tuple(r.strip() for r in recipients),
-        backup_dir=base / b["dir"] if b else None)
+        backup_dir=base / b["dir"] if b else None, backup_bounds=bounds)
     try:
         token = TokenConfig(module=module, token_label=p["token_label"], pin_file=pin_file,
                             kek_label=p.get("kek_label", "buzz-broker-kek"),

@@ -65,11 +65,13 @@ ERROR_CODES: Final = frozenset({
     "bad_message",    # the frame broke the table: the connection is closed after it
     "unknown_agent",  # no live agent with that key
     "unseal_failed",  # the sealed key did not open as that agent
-    "custody",        # a custody fault (token, keystore, owner that is no curve point)
+    "custody",        # a custody fault (token, keystore, owner that is no curve point),
+                      # or the backup directory full (its disk, or [backup] max_files)
     "invalid",        # the caller's bug: a value custody refuses (a bad slug, a bad owner)
     "refused",        # an intent outside the closed list of kinds and shapes, or a pair
                       # other than agent-owner, or AUTH for another relay
-    "rate_limited",   # the agent's signing bound is used up
+    "rate_limited",   # the agent's signing bound is used up, or the backup row asked
+                      # again within [backup] min_interval_seconds
     "internal",       # the custodian's own fault (logged there, never detailed here)
 })
 

