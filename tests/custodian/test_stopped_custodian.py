@@ -12,6 +12,9 @@ where the socket accepts and nothing answers yet) holds up only the requests tha
 - `test_an_agent_minted_beside_the_daemon_is_seen_once_the_custodian_answers_again`: after
   SIGCONT, a key minted over the custodian's socket by another client reaches the daemon's
   records within a few refresh periods.
+- `test_callers_queued_for_one_hop_all_fail_with_it_when_the_custodian_is_gone`: the
+  signing batcher hands CustodianUnavailable to every caller of the failed hop instead of
+  signing each alone (which, against a hung custodian, would cost a deadline per caller).
 
 The deadline around each test (`HANG_GUARD`) only turns a hang into a failure: nothing here
 asserts how long anything took.
@@ -20,14 +23,17 @@ asserts how long anything took.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
 import trio
 
+from buzzwire.nostr import SignedEvent, UnsignedEvent
+from custody.custodian.client import CustodianClient, CustodianUnavailable
 from custody.custodian.records import RECHECK_SECONDS
-from tests.custodian.test_refusals import ask, human
+from daemon.pipeline.signing import SigningBatcher
+from tests.custodian.test_refusals import ask, held, human
 from tests.fixtures.broker import BrokerHarness
 from tests.fixtures.custodian import CustodianProcess
 
@@ -145,3 +151,39 @@ async def test_an_agent_minted_beside_the_daemon_is_seen_once_the_custodian_answ
         ping = await _ping(broker, credential, channel)  # the first agent is still served
         assert ping["error"]["code"] == "unsupported", ping  # type: ignore[index]
 
+
+class _Counted:
+    """The real client, its sign_events calls counted."""
+
+    def __init__(self, client: CustodianClient) -> None:
+        self.client, self.calls = client, 0
+
+    async def sign_events(self, requests: Sequence[tuple[str, UnsignedEvent]]
+                          ) -> list[SignedEvent]:
+        self.calls += 1
+        return await self.client.sign_events(requests)
+
+
+async def test_callers_queued_for_one_hop_all_fail_with_it_when_the_custodian_is_gone(
+        custodian: CustodianProcess, nursery: trio.Nursery) -> None:
+    client = await CustodianClient.open(custodian.socket)
+    agents = [await held(client, human()) for _ in range(3)]
+    counted = _Counted(client)
+    batcher = SigningBatcher(counted)  # type: ignore[arg-type]
+    await nursery.start(batcher.run)
+    custodian.kill()
+    failed: list[BaseException] = []
+
+    async def caller(agent: str) -> None:
+        with pytest.raises(CustodianUnavailable) as raised:
+            await batcher.sign([(agent, UnsignedEvent(pubkey=agent, created_at=1_700_000_000,
+                                                      kind=9, tags=(("h", "c"),), content="x"))])
+        failed.append(raised.value)
+
+    with trio.fail_after(HANG_GUARD):
+        async with trio.open_nursery() as callers:
+            for agent in agents:  # all queued before the batcher's task runs: one hop
+                callers.start_soon(caller, agent)
+    assert len(failed) == 3 and len({id(e) for e in failed}) == 3
+    assert counted.calls == 1  # the hop that failed, and no hop per caller after it
+    await client.aclose()
