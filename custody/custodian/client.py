@@ -130,7 +130,12 @@ def _version(value: object) -> int:
 def _records(value: object) -> list[KeyRecord]:
     if not isinstance(value, list):
         raise CustodianUnavailable("the custodian answered no records")
-    return [r for r in map(_record, value) if r is not None]
+    try:
+        return [r for r in map(_record, value) if r is not None]
+    except (KeyError, TypeError, ValueError):  # a record missing a member or mistyped
+        # Raised in the daemon's records task, where anything but a CustodyError would
+        # end the daemon: the custodian broke the table, as any other bad answer.
+        raise CustodianUnavailable("the custodian's records broke the table") from None
 
 
 def _raise(code: str, message: str) -> None:

@@ -219,3 +219,16 @@ async def test_a_lifecycle_call_returns_after_a_check_begun_after_its_answer(
     assert seen == [_record(B, C), _record(B, C)]
     # one check at start, the one under way, and one more shared by both callers
     assert source.asked.count("fetch records_version") == 3
+
+
+@pytest.mark.parametrize("listing", [[{"pubkey": A}], [{"pubkey": A, "owner": B, "auth_tag": 5,
+                                                        "created_at": 1, "deleted_at": None,
+                                                        "mint_ref": None}], [7]])
+def test_a_listing_that_breaks_the_table_is_unavailable_not_a_crash(listing: list[object]
+                                                                     ) -> None:
+    # In the daemon it is raised in the records task, which keeps the last snapshot on a
+    # CustodyError; anything else would end the daemon.
+    from custody.custodian.client import _records
+
+    with pytest.raises(CustodianUnavailable):
+        _records(listing)
