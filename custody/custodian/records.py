@@ -102,6 +102,9 @@ class _Snapshot:
 
 
 class RecordCache:
+    """The snapshot and how it is kept fresh (the module docstring): the directory's
+    `KeySource` and the client's record reads; `tend` and `run` for the daemon."""
+
     def __init__(self, source: _Source, clock: Callable[[], float] = time.monotonic) -> None:
         self._source = source
         self._clock = clock
