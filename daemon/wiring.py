@@ -139,6 +139,9 @@ async def running(
                 except CustodyError as exc:  # the line names where it asked
                     raise StartupError(f"custodian at {config.custody.custodian_socket}: "
                                        f"{exc}") from None
+                # Its first snapshot is taken: from here on the records are read only from
+                # the snapshot, which the nursery's `records.run` keeps (below).
+                custody.records.tend()
             else:
                 from custody import Custody  # loads the PKCS#11 binding: only when used
 
@@ -228,6 +231,10 @@ async def running(
 
         stack.push_async_callback(_shielded(last_counts))
         async with trio.open_nursery() as nursery:
+            if isinstance(custody, CustodianClient):
+                # The records are read on every request, from the snapshot this task keeps
+                # (custody/custodian/records.py): no request waits on the custodian's socket.
+                await nursery.start(custody.records.run)
             await nursery.start(relay.run)
             await nursery.start(broker.signer.run)
             await nursery.start(limiter.flush_periodically)

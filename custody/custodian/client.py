@@ -6,13 +6,20 @@ Theory of operation:
   (at most `POOL` at once: the custodian answers one request per connection at a time)
   and give it back after the answer. A connection whose call failed or was cancelled
   mid-way is closed, never reused: its framing state is unknown.
+- Every async call has a deadline (`DEADLINES`, from its start, the wait for a pooled
+  connection included): a custodian that accepts and never answers (hung, stopped, or
+  still starting behind systemd's socket) fails the call with CustodianUnavailable
+  instead of holding it, and the task waiting on it, forever.
 - The record lookups the pipeline makes synchronously (`agent`, `agents`, `chain`,
   `records_version`: the broker checks liveness on every request, the directory reads
   owners and tags) answer from `records`, a snapshot of every record kept fresh by the
-  custodian's records version (custody/custodian/records.py: asked at most every
-  `RECHECK_SECONDS`, and at once after this pipeline's own lifecycle calls, a fault or a
-  reconnect). What it asks goes over one blocking connection with a short timeout under
-  a lock (`lookup`): no token hop, a local round trip.
+  custodian's records version (custody/custodian/records.py). In the daemon a task of
+  its nursery keeps it (`records.run`) over one async connection of its own
+  (`fetch_version`, `fetch_records`, each bounded by `LOOKUP_TIMEOUT`), so a read never
+  waits on the socket; a command without that task asks over one blocking connection
+  with the same timeout under a lock (`lookup`, `ask_version`, `ask_records`). Either way
+  no token hop, a local round trip. A lifecycle call that got an answer returns after a
+  fresh snapshot (`records.changed`).
 - The custodian may die (a crash, SIGKILL) and come back (systemd `Restart=always`).
   Every fault of the connection is `CustodianUnavailable`, a `CustodyError`, so the
   pipeline answers `failed` + `internal` as for any custody fault (or `indeterminate`
@@ -27,6 +34,7 @@ Theory of operation:
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -41,15 +49,31 @@ from buzzwire.nostr import SignedEvent, UnsignedEvent
 from custody._errors import CustodyError, UnknownAgent, UnsealFailed
 from custody._records import KeyRecord, MemoryAddress
 from custody.custodian import messages
-from custody.custodian.records import RecordCache
+from custody.custodian.records import CustodianUnavailable, RecordCache
 
-__all__ = ["BackupWritten", "CustodianClient", "CustodianUnavailable", "IntentRefused", "POOL"]
+__all__ = ["BackupWritten", "CustodianClient", "CustodianUnavailable", "IntentRefused", "POOL",
+           "CALL_TIMEOUT", "BACKUP_TIMEOUT", "DEADLINES", "LOOKUP_TIMEOUT"]
 
 #: Connections at once for async calls: the signing batcher makes one hop at a time, and
 #: NIP-44 and lifecycle calls rarely overlap more than this.
 POOL: Final = 8
 #: Seconds a lookup may take before the pipeline gives up on the custodian.
 LOOKUP_TIMEOUT: Final = 5.0
+#: Seconds an async call may take, from its start. Far above any row's own time (a hop of
+#: 100 signatures through the custodian is ~14 ms, a sequential one ~1 ms:
+#: docs/performance.md), and above a restart behind systemd's socket (RestartSec=1s, then
+#: the token login: the call waits in the backlog and is answered); a custodian that
+#: answers nothing for this long is treated as gone (`failed` + `internal`).
+CALL_TIMEOUT: Final = 10.0
+#: The backup row unseals every live agent and encrypts the file: up to MAX_BACKUP_NAMES
+#: keys, ~35 s at the custodian's measured unseal-and-sign rate (~1,900/s in process,
+#: docs/performance.md); ten minutes leaves room for a slow token and disk and still ends a
+#: `keys backup` against a custodian that never answers.
+BACKUP_TIMEOUT: Final = 600.0
+#: Each row's deadline as an async call (the records' own questions, `records_version` and
+#: `agents`, go over their own connection, bounded by LOOKUP_TIMEOUT).
+DEADLINES: Final = {op: BACKUP_TIMEOUT if op == "backup" else CALL_TIMEOUT
+                    for op in messages.OPS}
 #: The custody op names the metrics know (Custody.observe_token_calls), per table row.
 _OP_NAMES: Final = {"sign": "sign", "sign_auth": "sign_auth", "memory_address": "memory_address",
                     "encrypt": "encrypt_to_owner", "decrypt": "decrypt_from_owner_pair",
@@ -58,10 +82,6 @@ _OP_NAMES: Final = {"sign": "sign", "sign_auth": "sign_auth", "memory_address": 
 _LOOKUPS: Final = frozenset({"records_version", "agent", "agents", "chain", "memory_address"})
 #: The rows that change a record: the snapshot is asked again after each (records.py).
 _LIFECYCLE: Final = frozenset({"mint", "import", "destroy", "attach_auth"})
-
-
-class CustodianUnavailable(CustodyError):
-    """The custodian did not answer (not running, died mid-call, or broke the table)."""
 
 
 class IntentRefused(CustodyError):
@@ -84,6 +104,11 @@ class _NotDelivered(Exception):
     pass
 
 
+#: What a broken connection raises: the call (or lookup) fails, the connection is closed.
+_FAULTS: Final = (_NotDelivered, OSError, trio.BrokenResourceError, trio.ClosedResourceError,
+                  messages.BadMessage, EOFError)
+
+
 def _record(value: object) -> KeyRecord | None:
     if value is None:
         return None
@@ -94,6 +119,23 @@ def _record(value: object) -> KeyRecord | None:
                      auth_tag=None if tag is None else tuple(tag),
                      created_at=value["created_at"], deleted_at=value["deleted_at"],
                      mint_ref=value["mint_ref"])
+
+
+def _version(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise CustodianUnavailable("the custodian answered no version")
+    return value
+
+
+def _records(value: object) -> list[KeyRecord]:
+    if not isinstance(value, list):
+        raise CustodianUnavailable("the custodian answered no records")
+    try:
+        return [r for r in map(_record, value) if r is not None]
+    except (KeyError, TypeError, ValueError):  # a record missing a member or mistyped
+        # Raised in the daemon's records task, where anything but a CustodyError would
+        # end the daemon: the custodian broke the table, as any other bad answer.
+        raise CustodianUnavailable("the custodian's records broke the table") from None
 
 
 def _raise(code: str, message: str) -> None:
@@ -131,18 +173,27 @@ class CustodianClient:
         self._limiter = trio.CapacityLimiter(POOL)
         self._sync: socket.socket | None = None
         self._sync_lock = threading.Lock()
+        #: the records' async connection (only `records` uses it, one check at a time)
+        self._fetcher: trio.SocketStream | None = None
+        self._fetcher_connections = 0
         self._observer: Callable[[str, float], None] | None = None
         self._closed = False
-        #: connects of the lookup connection so far (a new one: maybe a new custodian)
+        #: connects of the blocking lookup connection so far (a new one: maybe a new custodian)
         self.connections = 0
         #: the public records, as the pipeline reads them (records.py)
         self.records = RecordCache(self)
 
     @classmethod
     async def open(cls, path: Path) -> CustodianClient:
-        """Connect and ask once: CustodianUnavailable if no custodian answers there."""
+        """Connect and take the first snapshot of the records (async: the event loop is
+        not held); CustodianUnavailable if no custodian answers there within
+        LOOKUP_TIMEOUT."""
         client = cls(path)
-        client.records_version()
+        try:
+            await client.records.refreshed()
+        except BaseException:
+            client.close()
+            raise
         return client
 
     async def aclose(self) -> None:
@@ -152,6 +203,9 @@ class CustodianClient:
         """Close every connection (a command's lookups need no event loop to end)."""
         self._closed = True
         self._drop()
+        if self._fetcher is not None:
+            self._fetcher.socket.close()
+            self._fetcher = None
         with self._sync_lock:
             if self._sync is not None:
                 self._sync.close()
@@ -182,38 +236,97 @@ class CustodianClient:
         if self._closed:
             raise CustodyError("custody is closed")
         frame = messages.request(op, **args)
-        if op in _LIFECYCLE:
-            self.records.expire()  # before: a record may change whatever the answer
         started = time.monotonic()
-        async with self._limiter:
-            for attempt in (1, 2):
-                stream = self._idle.pop() if self._idle else None
-                try:
-                    if stream is None:
-                        stream = await trio.open_unix_socket(str(self.path))
-                    body = await self._exchange(stream, frame, tail)
-                except BaseException as exc:  # noqa: BLE001 - every way out closes it
-                    if stream is not None:
-                        stream.socket.close()
-                    if isinstance(exc, (_NotDelivered, OSError, trio.BrokenResourceError,
-                                        trio.ClosedResourceError, messages.BadMessage, EOFError)):
-                        self._drop()  # all of them lead to the same (dead) process
-                        self.records.expire()
-                        if attempt == 1 and (isinstance(exc, _NotDelivered) or op in _LOOKUPS):
-                            continue
-                        raise CustodianUnavailable("the custodian is not answering") from None
-                    raise
-                self._idle.append(stream)
-                break
-        if op in _LIFECYCLE:
-            self.records.expire()  # and after: a read racing the call must not keep the old
+        try:
+            body = await self._round_trip(op, frame, tail)
+        except BaseException:
+            if op in _LIFECYCLE:
+                # No answer (gone, hung, cancelled): it may have taken effect. Check at
+                # once, without waiting here: what did not answer the call would not
+                # answer the check either.
+                self.records.expire()
+            raise
         if self._observer is not None and op in _OP_NAMES:
             self._observer(_OP_NAMES[op], time.monotonic() - started)
-        return _unwrap(body)
+        if op not in _LIFECYCLE:
+            return _unwrap(body)
+        try:
+            value = _unwrap(body)
+        except Exception:
+            with contextlib.suppress(CustodyError):  # its own error is the one to tell
+                await self.records.changed()
+            raise
+        # An answer: this pipeline's next read must show it (raises CustodianUnavailable
+        # when no snapshot can be taken: done, but not shown).
+        await self.records.changed()
+        return value
+
+    async def _round_trip(self, op: str, frame: bytes, tail: bytearray | None) -> bytes:
+        """`frame` (and `tail`) sent on a pooled connection, the answer's body back, within
+        DEADLINES[op] of the start (the wait for a connection included)."""
+        with trio.move_on_after(DEADLINES[op]):
+            async with self._limiter:
+                for attempt in (1, 2):
+                    stream = self._idle.pop() if self._idle else None
+                    try:
+                        if stream is None:
+                            stream = await trio.open_unix_socket(str(self.path))
+                        body = await self._exchange(stream, frame, tail)
+                    except BaseException as exc:  # noqa: BLE001 - every way out closes it
+                        if stream is not None:
+                            stream.socket.close()
+                        if isinstance(exc, _FAULTS):
+                            self._drop()  # all of them lead to the same (dead) process
+                            self.records.expire()
+                            if attempt == 1 and (isinstance(exc, _NotDelivered)
+                                                 or op in _LOOKUPS):
+                                continue
+                            raise CustodianUnavailable("the custodian is not answering") from None
+                        raise
+                    self._idle.append(stream)
+                    return body
+        # The deadline passed (its connection was closed above, as for any cancellation).
+        self._drop()
+        self.records.expire()
+        raise CustodianUnavailable(f"the custodian did not answer {op} in time")
+
+    async def _fetch(self, op: str, **args: object) -> tuple[object, object]:
+        """One record-lookup request on the records' own async connection, its answer and
+        which connection gave it. Bounded by LOOKUP_TIMEOUT; retried once on a fresh
+        connection if the old one failed (lookups have no effect), not if it timed out (a
+        custodian that does not answer would only make the retry wait as long again).
+        Only `records` calls it, under its lock: one request at a time."""
+        if self._closed:
+            raise CustodyError("custody is closed")
+        frame = messages.request(op, **args)
+        for attempt in (1, 2):
+            try:
+                with trio.fail_after(LOOKUP_TIMEOUT):
+                    if self._fetcher is None:
+                        self._fetcher = await trio.open_unix_socket(str(self.path))
+                        self._fetcher_connections += 1
+                    body = await self._exchange(self._fetcher, frame, None)
+                break
+            except BaseException as exc:  # noqa: BLE001 - every way out closes it
+                if self._fetcher is not None:
+                    self._fetcher.socket.close()
+                    self._fetcher = None
+                if isinstance(exc, trio.TooSlowError):
+                    raise CustodianUnavailable(f"the custodian did not answer {op} in time"
+                                               ) from None
+                if isinstance(exc, _FAULTS):
+                    if attempt == 1:
+                        continue
+                    raise CustodianUnavailable("the custodian is not answering") from None
+                raise
+        return _unwrap(body), ("async", self._fetcher_connections)
 
     def lookup(self, op: str, **args: object) -> object:
         """One request of a record-lookup row on the blocking connection, its answer as
         sent (lookups have no effect: retried once on a fresh connection)."""
+        return self._lookup(op, **args)[0]
+
+    def _lookup(self, op: str, **args: object) -> tuple[object, object]:
         if self._closed:
             raise CustodyError("custody is closed")
         if op not in ("records_version", "agent", "agents", "chain"):
@@ -235,6 +348,7 @@ class CustodianClient:
                     self._sync.sendall(frame)
                     header = _recv_exactly(self._sync, messages.HEADER.size)
                     body = _recv_exactly(self._sync, messages.frame_length(header))
+                    connection = ("blocking", self.connections)
                     break
                 except (OSError, EOFError, messages.BadMessage):
                     if self._sync is not None:
@@ -243,22 +357,29 @@ class CustodianClient:
                     if attempt == 2:
                         self.records.expire()
                         raise CustodianUnavailable("the custodian is not answering") from None
-        return _unwrap(body)
+        return _unwrap(body), connection
 
-    # --- record lookups (synchronous, as Custody's; from `records`) -------------------
+    # --- what `records` asks: blocking (a command's reads) or async (the daemon's task) ---
 
-    def ask_version(self) -> int:
-        value = self.lookup("records_version")
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise CustodianUnavailable("the custodian answered no version")
-        return value
+    def ask_version(self) -> tuple[int, object]:
+        """The custodian's records version and the connection it came over (blocking)."""
+        value, connection = self._lookup("records_version")
+        return _version(value), connection
 
     def ask_records(self) -> list[KeyRecord]:
-        """Every record the custodian holds, tombstones included, oldest first."""
-        value = self.lookup("agents", include_deleted=True)
-        if not isinstance(value, list):
-            raise CustodianUnavailable("the custodian answered no records")
-        return [r for r in map(_record, value) if r is not None]
+        """Every record the custodian holds, tombstones included, oldest first (blocking)."""
+        return _records(self._lookup("agents", include_deleted=True)[0])
+
+    async def fetch_version(self) -> tuple[int, object]:
+        """As `ask_version`, over the async connection."""
+        value, connection = await self._fetch("records_version")
+        return _version(value), connection
+
+    async def fetch_records(self) -> list[KeyRecord]:
+        """As `ask_records`, over the async connection."""
+        return _records((await self._fetch("agents", include_deleted=True))[0])
+
+    # --- record lookups (synchronous, as Custody's: the snapshot, `records`) ------------
 
     def agent(self, pubkey: str, *, include_deleted: bool = False) -> KeyRecord | None:
         record = self.records.get(pubkey) if isinstance(pubkey, str) else None

@@ -13,7 +13,10 @@ Rules:
 - One caller's events stay together and in order (agents.create signs three at once).
 - `Custody.sign_events` is all or nothing. When a batch fails, each caller's events are
   signed again on their own, so one agent's bad key never fails another agent's request,
-  and each caller gets its own result or its own exception.
+  and each caller gets its own result or its own exception. Except when the custodian
+  did not answer (`CustodianUnavailable`: gone, or hung until the client's deadline):
+  that is nobody's events, and signing each alone would make the last caller wait one
+  deadline per caller before it, so every caller gets that error at once.
 - A caller cancelled while waiting leaves its events to be signed and discarded: signing
   has no side effect, and nothing unsigned is ever sent.
 
@@ -30,7 +33,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from buzzwire.nostr import SignedEvent, UnsignedEvent
-from custody.custodian.client import CustodianClient
+from custody.custodian.client import CustodianClient, CustodianUnavailable
 
 if TYPE_CHECKING:  # the facade loads the PKCS#11 binding: not where a custodian holds the keys
     from custody import Custody
@@ -99,9 +102,10 @@ class SigningBatcher:
         try:
             signed = await self._custody.sign_events(flat)
         except Exception as exc:  # noqa: BLE001 - handed to its callers, one by one
-            if len(batch) == 1:
-                batch[0].error = exc
-                batch[0].done.set()
+            if len(batch) == 1 or isinstance(exc, CustodianUnavailable):
+                for job in batch:  # each its own exception: each is raised in its own task
+                    job.error = exc if len(batch) == 1 else CustodianUnavailable(*exc.args)
+                    job.done.set()
                 return
             for job in batch:
                 await self._sign_alone(job)
