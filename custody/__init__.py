@@ -36,7 +36,8 @@ restoring one), _ownership (the owner graph's cycle check),
 _process (core dumps off, undumpable), _worker (the one token thread),
 _token (PKCS#11: login, KEKs, mechanisms, the seal choice), _sealed (blob formats, the two
 seals and the one unseal door with its named defences), _cache (the unsealed-key cache,
-off by default), _records (the public values), _keystore (SQLite), _statelock (who may use the state directory),
+off by default), _records (the public values), _keystore (SQLite), _keyindex (it read
+without custody open: the daemon's), _statelock (who may use the state directory),
 _activekek (the token and KEK the keystore records), _facade (Custody). Run only with the
 daemon stopped or beside it, never by a serving process: _keys (keys init, rotate,
 migrate; the token check), _kekinit (making and destroying KEKs), _rotation, _files (an
@@ -72,7 +73,7 @@ _SURFACE: dict[str, str] = {
     **dict.fromkeys(("CustodyError", "UnknownAgent", "UnsealFailed"), "custody._errors"),
     "Custody": "custody._facade",
     **dict.fromkeys(("check_token", "init_kek", "init_keys", "rotate_keys"), "custody._keys"),
-    "KeyIndex": "custody._keystore",
+    "KeyIndex": "custody._keyindex",
     **dict.fromkeys(("CachePolicy", "KeyRecord", "MemoryAddress"), "custody._records"),
     **dict.fromkeys(("SignedEvent", "UnsignedEvent", "compute_event_id", "owner_tag_digest",
                      "verify_event", "verify_owner_tag"), "buzzwire.nostr"),
@@ -113,7 +114,7 @@ if TYPE_CHECKING:  # the same surface for type checkers (`X as X`: re-exported n
     from custody._kekinit import TokenReport as TokenReport
     from custody._keys import check_token as check_token, init_kek as init_kek
     from custody._keys import init_keys as init_keys, rotate_keys as rotate_keys
-    from custody._keystore import KeyIndex as KeyIndex
+    from custody._keyindex import KeyIndex as KeyIndex
     from custody._records import CachePolicy as CachePolicy, KeyRecord as KeyRecord
     from custody._records import MemoryAddress as MemoryAddress
     from custody._process import harden_process as harden_process

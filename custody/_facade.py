@@ -38,7 +38,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, TypeVar
 
 from custody._errors import CustodyError, UnknownAgent
-from custody._keystore import KeyIndex, KeyRecord, Keystore
+from custody._keystore import KeyRecord, Keystore, ReadIndex
 from custody._nipae import MEMORY_KIND, MemoryAddress, check_slug, d_tag
 from custody._nip44 import (
     MAX_PLAINTEXT,
@@ -108,7 +108,7 @@ class Custody:
         self._token = token
         self._keystore = keystore
         #: the public reads' own read-only connection (see _keystore: never the writer's lock)
-        self._index = KeyIndex(keystore.path)
+        self._index = ReadIndex(keystore.path)
         self._lock = lock
         self._cache = cache
         self._closed = False
