@@ -41,7 +41,8 @@ without custody open: the daemon's), _statelock (who may use the state directory
 _activekek (the token and KEK the keystore records), _facade (Custody). Run only with the
 daemon stopped or beside it, never by a serving process: _keys (keys init, rotate,
 migrate; the token check), _kekinit (making and destroying KEKs), _rotation, _files (an
-operator's bounded file: the restore commands' backup and identity).
+operator's bounded file or input: the restore commands' backup and identity, `agent
+import`'s secret text).
 
 WARNING: custody refuses to be imported under `python -O`/`-OO`/PYTHONOPTIMIZE. Its own
 code checks every C return with `if`, never `assert`; the refusal is belt and braces for
@@ -78,7 +79,8 @@ _SURFACE: dict[str, str] = {
     **dict.fromkeys(("SignedEvent", "UnsignedEvent", "compute_event_id", "owner_tag_digest",
                      "verify_event", "verify_owner_tag"), "buzzwire.nostr"),
     "harden_process": "custody._process",
-    **dict.fromkeys(("read_limited", "read_secret_text"), "custody._secret"),
+    "read_limited": "custody._secret",
+    "read_secret_text": "custody._files",
     **dict.fromkeys(("ROTATION_CHECKPOINTS", "RotationReport"), "custody._rotation"),
     "TokenConfig": "custody._token",
     "TokenReport": "custody._kekinit",
@@ -121,7 +123,7 @@ if TYPE_CHECKING:  # the same surface for type checkers (`X as X`: re-exported n
     from custody._rotation import ROTATION_CHECKPOINTS as ROTATION_CHECKPOINTS
     from custody._rotation import RotationReport as RotationReport
     from custody._secret import read_limited as read_limited
-    from custody._secret import read_secret_text as read_secret_text
+    from custody._files import read_secret_text as read_secret_text
     from custody._token import TokenConfig as TokenConfig
 
 #: The surface, from the one table above (`from custody import *` would load all of it).

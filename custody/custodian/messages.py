@@ -57,7 +57,7 @@ MAX_TAG_VALUES: Final = 8
 MAX_CONTENT: Final = 1024 * 1024
 HEADER: Final = struct.Struct(">I")
 #: Bytes of secret text one import carries at most: custody's own bound on secret text
-#: (custody._secret.MAX_SECRET_TEXT; tests/custodian/test_messages.py holds them equal).
+#: (custody._files.MAX_SECRET_TEXT; tests/custodian/test_messages.py holds them equal).
 MAX_SECRET_BYTES: Final = 256
 
 #: Codes an error answer carries; the client maps each to one exception.
