@@ -4,9 +4,9 @@ Theory of operation (OpenSSH's monitor.c, in our own words): the process that ho
 keys answers a fixed table of requests and nothing else. Each row names an operation and
 the exact members of its arguments with their types; a request is one frame:
 
-    u32 big-endian length N, then N bytes of UTF-8 JSON {"v": 1, "op": <name>, "args": {...}}
+    u32 big-endian length N, then N bytes of UTF-8 JSON {"v": 2, "op": <name>, "args": {...}}
 
-and its answer one frame `{"v": 1, "ok": <value>}` or `{"v": 1, "error": {"code", "message"}}`.
+and its answer one frame `{"v": 2, "ok": <value>}` or `{"v": 2, "error": {"code", "message"}}`.
 
 A row in `TAILS` carries a secret, never in the JSON (a JSON string becomes an immutable
 `str` in both processes, which nothing can wipe): its request names a length, and that

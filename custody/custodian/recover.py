@@ -1,4 +1,4 @@
-"""`buzz-broker custodian FILE --recover PUBKEY`: bring back a key destroyed within the grace period.
+"""`buzz-broker custodian FILE --recover PUBKEY`: bring a destroyed key back within its grace period.
 
 Run beside a running custodian, under its uid, as its own process that exits when done
 (custody/custodian/main.py imports this module only for `--recover`: the serving process
