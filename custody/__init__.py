@@ -36,11 +36,13 @@ restoring one), _ownership (the owner graph's cycle check),
 _process (core dumps off, undumpable), _worker (the one token thread),
 _token (PKCS#11: login, KEKs, mechanisms, the seal choice), _sealed (blob formats, the two
 seals and the one unseal door with its named defences), _cache (the unsealed-key cache,
-off by default), _records (the public values), _keystore (SQLite), _statelock (who may use the state directory),
+off by default), _records (the public values), _keystore (SQLite), _keyindex (it read
+without custody open: the daemon's), _statelock (who may use the state directory),
 _activekek (the token and KEK the keystore records), _facade (Custody). Run only with the
 daemon stopped or beside it, never by a serving process: _keys (keys init, rotate,
 migrate; the token check), _kekinit (making and destroying KEKs), _rotation, _files (an
-operator's bounded file: the restore commands' backup and identity).
+operator's bounded file or input: the restore commands' backup and identity, `agent
+import`'s secret text).
 
 WARNING: custody refuses to be imported under `python -O`/`-OO`/PYTHONOPTIMIZE. Its own
 code checks every C return with `if`, never `assert`; the refusal is belt and braces for
@@ -72,12 +74,13 @@ _SURFACE: dict[str, str] = {
     **dict.fromkeys(("CustodyError", "UnknownAgent", "UnsealFailed"), "custody._errors"),
     "Custody": "custody._facade",
     **dict.fromkeys(("check_token", "init_kek", "init_keys", "rotate_keys"), "custody._keys"),
-    "KeyIndex": "custody._keystore",
+    "KeyIndex": "custody._keyindex",
     **dict.fromkeys(("CachePolicy", "KeyRecord", "MemoryAddress"), "custody._records"),
     **dict.fromkeys(("SignedEvent", "UnsignedEvent", "compute_event_id", "owner_tag_digest",
                      "verify_event", "verify_owner_tag"), "buzzwire.nostr"),
     "harden_process": "custody._process",
-    **dict.fromkeys(("read_limited", "read_secret_text"), "custody._secret"),
+    "read_limited": "custody._secret",
+    "read_secret_text": "custody._files",
     **dict.fromkeys(("ROTATION_CHECKPOINTS", "RotationReport"), "custody._rotation"),
     "TokenConfig": "custody._token",
     "TokenReport": "custody._kekinit",
@@ -113,14 +116,14 @@ if TYPE_CHECKING:  # the same surface for type checkers (`X as X`: re-exported n
     from custody._kekinit import TokenReport as TokenReport
     from custody._keys import check_token as check_token, init_kek as init_kek
     from custody._keys import init_keys as init_keys, rotate_keys as rotate_keys
-    from custody._keystore import KeyIndex as KeyIndex
+    from custody._keyindex import KeyIndex as KeyIndex
     from custody._records import CachePolicy as CachePolicy, KeyRecord as KeyRecord
     from custody._records import MemoryAddress as MemoryAddress
     from custody._process import harden_process as harden_process
     from custody._rotation import ROTATION_CHECKPOINTS as ROTATION_CHECKPOINTS
     from custody._rotation import RotationReport as RotationReport
     from custody._secret import read_limited as read_limited
-    from custody._secret import read_secret_text as read_secret_text
+    from custody._files import read_secret_text as read_secret_text
     from custody._token import TokenConfig as TokenConfig
 
 #: The surface, from the one table above (`from custody import *` would load all of it).

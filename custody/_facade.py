@@ -38,7 +38,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, TypeVar
 
 from custody._errors import CustodyError, UnknownAgent
-from custody._keystore import KeyIndex, KeyRecord, Keystore
+from custody._keystore import KeyRecord, Keystore, ReadIndex
 from custody._nipae import MEMORY_KIND, MemoryAddress, check_slug, d_tag
 from custody._nip44 import (
     MAX_PLAINTEXT,
@@ -108,7 +108,7 @@ class Custody:
         self._token = token
         self._keystore = keystore
         #: the public reads' own read-only connection (see _keystore: never the writer's lock)
-        self._index = KeyIndex(keystore.path)
+        self._index = ReadIndex(keystore.path)
         self._lock = lock
         self._cache = cache
         self._closed = False
@@ -523,29 +523,6 @@ class Custody:
         if blob is None:
             raise UnknownAgent(pubkey)
         return blob
-
-    async def revive_agent(self, pubkey: str, blob: bytes) -> KeyRecord:
-        """Undo `destroy_agent` with the sealed blob `sealed_copy` gave before it: checked
-        through the one unseal door (it must open as `pubkey` under this token's KEK)
-        before it is stored again.
-
-        Raises:
-            UnsealFailed: the blob does not open as that agent.
-            UnknownAgent: no tombstone with that key (never held, or live).
-        """
-        self._check_open()
-        _require_pubkey("agent", pubkey)
-
-        def work() -> KeyRecord | None:
-            with unseal(self._token, blob, pubkey):
-                pass  # opened, re-derived and compared to pubkey; wiped on exit
-            return self._keystore.revive(pubkey, blob, self._now())
-
-        record = await self._hop("import", work)
-        if record is None:
-            raise UnknownAgent(pubkey)
-        log.info("revived the key of agent %s from its sealed copy", pubkey)
-        return record
 
     async def attach_auth_tag(self, pubkey: str, tag: Sequence[str]) -> KeyRecord:
         """Store an owner-made NIP-OA tag for a live agent whose owner signs elsewhere (a

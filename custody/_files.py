@@ -1,8 +1,11 @@
-"""Reading an operator's file that may hold a secret: bounded, no symlink, regular files only.
+"""Reading an operator's file or input that may hold a secret: bounded, and a file only
+by its own name (no symlink) and only a regular one.
 
-Why one function: the daemon's `keys restore` and the custodian's `keys restore` read the
-same two files (the backup, the age identity) by the same rules; a rule written twice
-drifts. Neither the serving daemon nor the serving custodian imports this module.
+Why one function for files: the daemon's `keys restore` and the custodian's `keys restore`
+read the same two files (the backup, the age identity) by the same rules; a rule written
+twice drifts. `read_secret_text` reads `agent import`'s secret text from a descriptor
+(stdin, the terminal) under its own bound. Neither the serving daemon nor the serving
+custodian imports this module.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ from pathlib import Path
 from custody._errors import CustodyError
 from custody._secret import read_limited
 
-__all__ = ["read_bounded"]
+__all__ = ["MAX_SECRET_TEXT", "read_bounded", "read_secret_text"]
+
+#: Longest secret text accepted on stdin: an nsec (63 chars) plus whitespace, with room.
+MAX_SECRET_TEXT = 256
 
 
 def read_bounded(path: Path, limit: int, what: str, *, private: bool) -> bytearray:
@@ -50,3 +56,15 @@ def read_bounded(path: Path, limit: int, what: str, *, private: bool) -> bytearr
         raise CustodyError(f"cannot read {what} {path}: {exc.strerror}") from None
     finally:
         os.close(fd)
+
+
+def read_secret_text(fd: int) -> bytearray:
+    """Read at most MAX_SECRET_TEXT bytes of secret text from `fd` into a bytearray.
+
+    Raises:
+        CustodyError: more than MAX_SECRET_TEXT bytes (the buffer is zeroed first).
+    """
+    buf = read_limited(fd, MAX_SECRET_TEXT)
+    if buf is None:
+        raise CustodyError(f"malformed secret: more than {MAX_SECRET_TEXT} bytes of input")
+    return buf

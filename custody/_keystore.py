@@ -16,11 +16,13 @@ Rules:
   daemon runs) are seen at once.
 - The token worker's connection (blob reads, writes) is serialized by its own lock. The
   public reads (`Custody.agent`, `agents`, `records_version`) go through a second,
-  read-only connection with its own lock (`KeyIndex`): WAL readers never wait for the
+  read-only connection with its own lock (`ReadIndex`): WAL readers never wait for the
   writer, so a liveness check on the event loop never waits behind a mint's fsync or a
   destroy's checkpoint in the worker.
-- `KeyIndex` reads the public columns (never `sealed`) read-only, without the token and
-  creating nothing: the daemon's directory and `agent list` read key facts through it.
+- `ReadIndex` reads the public columns (never `sealed`) read-only, without the token and
+  creating nothing. The daemon's directory and `agent list` read key facts through its
+  subclass `custody.KeyIndex` (custody/_keyindex.py: also a version-1 file not yet
+  upgraded, and its set-aside names), which the custodian never loads.
   `read_meta` reads `custody_meta` the same way.
 - Two more tables, both public and written only by custody: `custody_meta` (name -> value:
   the active token and KEK after a rotation or migration, and a rotation's plan and
@@ -71,7 +73,7 @@ from typing import Any, Self, TypeAlias
 from custody._errors import CustodyError
 from custody._records import KeyRecord
 
-__all__ = ["KeyRecord", "KeyIndex", "Keystore", "KEYSTORE_FILE", "read_meta"]
+__all__ = ["KeyRecord", "ReadIndex", "Keystore", "KEYSTORE_FILE", "read_meta"]
 
 log = logging.getLogger("buzz_broker.custody")
 
@@ -357,10 +359,11 @@ class Keystore(_PublicReads):
         return f"Keystore({str(self.path)!r})"
 
 
-class KeyIndex(_PublicReads):
+class ReadIndex(_PublicReads):
     """Custody's public facts about every key, read-only: no token, no secret column, and
-    nothing created (a missing keystore reads as empty). Thread-safe. A version-1 file not
-    yet upgraded is read through its old table; the upgrade is seen at the next query.
+    nothing created (a missing keystore reads as empty). Thread-safe. `Custody`'s public
+    reads, after its writer opened (and so upgraded) the file; `custody.KeyIndex` adds what
+    a reader without custody open needs.
 
     Raises `CustodyError` (naming the file, never a row) when the file cannot be read.
     """
@@ -371,10 +374,6 @@ class KeyIndex(_PublicReads):
         self.path = path
         self._db: sqlite3.Connection | None = None
         self._lock = threading.Lock()
-
-    @classmethod
-    def open(cls, state_dir: Path | str) -> KeyIndex:
-        return cls(Path(state_dir) / KEYSTORE_FILE)
 
     def _first(self, queries: tuple[str, ...], args: tuple[object, ...] = ()
                ) -> list[Row]:
@@ -400,8 +399,7 @@ class KeyIndex(_PublicReads):
             return []
 
     def _rows(self, where: str, args: tuple[object, ...] = ()) -> list[Row]:
-        return self._first(tuple(f"SELECT {_PUBLIC_COLUMNS} FROM {table} {where}"
-                                 for table in ("keys", V1_TABLE)), args)
+        return self._first((f"SELECT {_PUBLIC_COLUMNS} FROM keys {where}",), args)
 
     def version(self) -> int:
         """Changes whenever a key record may have changed: a commit by any other connection,
@@ -410,14 +408,6 @@ class KeyIndex(_PublicReads):
         rows = self._first(("PRAGMA data_version",))
         return int(rows[0][0]) if rows else 0
 
-    def v1_names(self) -> dict[str, tuple[str, str | None]]:
-        """pubkey -> (name, creator) as a version-1 keystore held them (schema versions in
-        the module docstring): public, for the daemon's directory to take over. Empty for
-        a keystore made at version 2."""
-        rows = self._first(tuple(f"SELECT pubkey, name, creator FROM {table}"
-                                 for table in (V1_NAMES, V1_TABLE)))
-        return {pubkey: (name, creator) for pubkey, name, creator in rows}
-
     def close(self) -> None:
         with self._lock:
             if self._db is not None:
@@ -425,7 +415,7 @@ class KeyIndex(_PublicReads):
                 self._db = None
 
     def __repr__(self) -> str:
-        return f"KeyIndex({str(self.path)!r})"
+        return f"{type(self).__name__}({str(self.path)!r})"
 
 
 def read_meta(state_dir: Path) -> dict[str, str]:

@@ -5,7 +5,7 @@ Rules:
   coincurve's cffi (`ffi.new`), which libsecp256k1 reads directly. It is zeroed by
   `wipe()`, on leaving a `with` block, and its repr never shows the bytes.
 - Text that encodes a secret (64 hex digits or `nsec1…`) is read into a `bytearray`
-  (`read_secret_text`: `os.readv` straight into it) and decoded character by character into
+  (`read_limited`: `os.readv` straight into it) and decoded character by character into
   a `Secret` (`parse_secret_text`), so no `str` or `bytes` copy of it is made; the
   bytearray is zeroed afterwards.
 - Fresh secrets come from the OS CSPRNG read straight into the C buffer (`random_secret`):
@@ -47,13 +47,10 @@ __all__ = [
     "parse_secret_text",
     "random_secret",
     "read_limited",
-    "read_secret_text",
     "wipe_bytes",
 ]
 
 SECRET_SIZE = 32
-#: Longest secret text accepted on stdin: an nsec (63 chars) plus whitespace, with room.
-MAX_SECRET_TEXT = 256
 _CTX = GLOBAL_CONTEXT.ctx  # coincurve's context: read-only after creation, safe to share
 
 
@@ -157,18 +154,6 @@ def read_limited(fd: int, limit: int) -> bytearray | None:
     # Zero the unused tail before cutting it off (del keeps the bytes in this one object).
     buf[filled:] = bytes(len(buf) - filled)
     del buf[filled:]
-    return buf
-
-
-def read_secret_text(fd: int) -> bytearray:
-    """Read at most MAX_SECRET_TEXT bytes of secret text from `fd` into a bytearray.
-
-    Raises:
-        CustodyError: more than MAX_SECRET_TEXT bytes (the buffer is zeroed first).
-    """
-    buf = read_limited(fd, MAX_SECRET_TEXT)
-    if buf is None:
-        raise CustodyError(f"malformed secret: more than {MAX_SECRET_TEXT} bytes of input")
     return buf
 
 

@@ -3,7 +3,7 @@
 Why: `destroy` is in the message table, so a compromised pipeline could destroy every
 key. Before the custodian destroys one, it keeps a copy of the sealed blob (sealed under
 the token's KEK, so no secret in the clear) here for `grace_seconds`; the operator brings
-it back with `buzz-broker custodian FILE --recover PUBKEY` (custody's `revive_agent`
+it back with `buzz-broker custodian FILE --recover PUBKEY` (recover.py's `revive_agent`
 checks it through the unseal door first). Past the grace period a copy is deleted (at the
 next destroy, and at start), and the destroy is final.
 """

@@ -1,9 +1,10 @@
 """`buzz-broker custodian FILE` / `python -m custody.custodian FILE`: run the custodian.
 
 `... FILE --recover PUBKEY` instead brings back a key destroyed within the grace period
-(custody/custodian/grace.py), beside a running custodian, under the custodian's uid, and exits.
+(custody/custodian/grace.py), beside a running custodian, under the custodian's uid, and exits
+(custody/custodian/recover.py, imported only then).
 `... FILE keys init|rotate|migrate ...` runs a KEK command with the custodian stopped
-(custody/custodian/keys.py, imported only then: the serving process never loads it).
+(custody/custodian/keys.py, imported only then: the serving process never loads either).
 
 Opens custody (token login, KEK check, keystore), then serves the message table on its
 socket until SIGTERM/SIGINT: the socket systemd passed (buzz-custodian.socket: the
@@ -25,7 +26,6 @@ import trio
 from custody import Custody, CustodyError, harden_process
 from custody.custodian.activation import ActivationError, inherited_socket
 from custody.custodian.config import ConfigError, load
-from custody.custodian.grace import Graveyard
 from custody.custodian.server import Custodian, serve
 
 __all__ = ["main", "run"]
@@ -52,16 +52,9 @@ async def run(config_path: str) -> None:
 
 
 async def recover(config_path: str, pubkey: str) -> None:
-    config = load(config_path)
-    graveyard = Graveyard(config.settings.log_path.parent / "destroyed",
-                          config.settings.destroy_grace_seconds)
-    blob = graveyard.take(pubkey)
-    if blob is None:
-        raise CustodyError(f"no sealed copy of {pubkey} within the grace period")
-    async with await Custody.open(config.token, config.state_dir, config.cache) as custody:
-        await custody.revive_agent(pubkey, blob)
-    graveyard.forget(pubkey)
-    print(f"custodian: agent {pubkey} recovered", flush=True)
+    from custody.custodian import recover as command
+
+    await command.recover(config_path, pubkey)
 
 
 async def keys(config_path: str, words: list[str]) -> None:

@@ -4,9 +4,9 @@ Theory of operation (OpenSSH's monitor.c, in our own words): the process that ho
 keys answers a fixed table of requests and nothing else. Each row names an operation and
 the exact members of its arguments with their types; a request is one frame:
 
-    u32 big-endian length N, then N bytes of UTF-8 JSON {"v": 1, "op": <name>, "args": {...}}
+    u32 big-endian length N, then N bytes of UTF-8 JSON {"v": 2, "op": <name>, "args": {...}}
 
-and its answer one frame `{"v": 1, "ok": <value>}` or `{"v": 1, "error": {"code", "message"}}`.
+and its answer one frame `{"v": 2, "ok": <value>}` or `{"v": 2, "error": {"code", "message"}}`.
 
 A row in `TAILS` carries a secret, never in the JSON (a JSON string becomes an immutable
 `str` in both processes, which nothing can wipe): its request names a length, and that
@@ -57,7 +57,7 @@ MAX_TAG_VALUES: Final = 8
 MAX_CONTENT: Final = 1024 * 1024
 HEADER: Final = struct.Struct(">I")
 #: Bytes of secret text one import carries at most: custody's own bound on secret text
-#: (custody._secret.MAX_SECRET_TEXT; tests/custodian/test_messages.py holds them equal).
+#: (custody._files.MAX_SECRET_TEXT; tests/custodian/test_messages.py holds them equal).
 MAX_SECRET_BYTES: Final = 256
 
 #: Codes an error answer carries; the client maps each to one exception.

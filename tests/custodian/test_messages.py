@@ -65,7 +65,7 @@ def test_a_frame_that_breaks_the_table_is_bad_message(body: bytes) -> None:
 
 def test_a_secret_never_rides_in_the_json() -> None:
     """import's secret follows the frame (messages.TAILS); a `secret` member is refused."""
-    from custody._secret import MAX_SECRET_TEXT
+    from custody._files import MAX_SECRET_TEXT
 
     assert messages.TAILS == {"import": "secret_bytes"}
     assert messages.MAX_SECRET_BYTES == MAX_SECRET_TEXT

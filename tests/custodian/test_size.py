@@ -5,24 +5,33 @@ Rule (printed by the test): every module of this repository in `sys.modules` aft
 serving, it imports nothing later but custody/_cache.py, and that only when its
 configuration turns the unsealed-key cache on: the test prints that module's count too),
 counted as physical lines of its file (`wc -l`: docstrings, comments and blank lines
-included, as issue 26 counted custody). `custodian FILE keys ...` is another process.
+included, as issue 26 counted custody). `custodian FILE keys ...` and `custodian FILE
+--recover PUBKEY` are other processes.
+
+A second rule is printed beside it, for information only: the same modules' code lines
+(a line holding a token that is not a comment, after `tokenize`, and not part of a module,
+class or function docstring, as `ast` finds them). Nothing is held to that figure but that
+it is a part of the first.
 """
 
 from __future__ import annotations
 
+import ast
+import io
 import json
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 #: The issue's target for the custodian's closure, and the ceiling this code holds to
 #: now (docs/custodian.md, "Size": the target is not met yet).
 TARGET_LINES = 3000
-#: 5,233 when the backup row (custody/_backup.py's export half and custody/custodian/backup.py)
-#: and socket activation joined the table; 5,345 when the row's disk bound did (max_files,
-#: min_interval_seconds: a fix of the row, not a part): room for a fix, not for another part.
-CEILING_LINES = 5400
+#: 5,185 once the code only commands and the in-process daemon run left (`--recover`,
+#: KeyIndex's version-1 half, read_secret_text); 5,293 when the backup row's disk bound joined
+#: (max_files, min_interval_seconds: a fix of the row). Plus 27: room for a fix, not a part.
+CEILING_LINES = 5320
 #: Parsers facing agents and the relay that must never load where the keys are.
 NEVER = ("daemon", "h11", "wsproto", "buzz_broker_client", "buzzwire.contract")
 
@@ -36,21 +45,48 @@ def _closure() -> dict[str, str | None]:
     return loaded
 
 
+#: Tokens that make no line code (a comment, or the layout tokenize adds).
+_NOT_CODE = frozenset({tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
+                       tokenize.DEDENT, tokenize.ENCODING, tokenize.ENDMARKER})
+
+
+def _code_lines(text: str) -> int:
+    """Lines of `text` holding code: not blank, not only a comment, not a docstring."""
+    docstrings: set[int] = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = node.body[0] if node.body else None
+            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                    and isinstance(first.value.value, str)):
+                docstrings.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    code: set[int] = set()
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type not in _NOT_CODE:
+            code.update(range(token.start[0], token.end[0] + 1))
+    return len(code - docstrings)
+
+
 def test_the_custodians_closure_is_counted_and_bounded() -> None:
     loaded = _closure()
     ours = {m: Path(f) for m, f in loaded.items()
             if f and REPO in Path(f).resolve().parents and ".venv" not in Path(f).parts}
-    counts = {m: len(p.read_text(encoding="utf-8").splitlines()) for m, p in ours.items()}
-    total = sum(counts.values())
+    texts = {m: p.read_text(encoding="utf-8") for m, p in ours.items()}
+    counts = {m: len(text.splitlines()) for m, text in texts.items()}
+    code = {m: _code_lines(text) for m, text in texts.items()}
+    total, code_total = sum(counts.values()), sum(code.values())
     print(f"\ncustodian import closure: {len(counts)} modules of this repository, {total} "
           f"physical lines (rule: modules in sys.modules after `import custody.custodian.main`, "
           f"wc -l of each); issue 26's target {TARGET_LINES}")
+    print(f"for information, by a second rule: {code_total} code lines (no blank lines, "
+          f"comments or docstrings; tokenize and ast)")
+    print("  wc -l  code  module")
     for module in sorted(counts):
-        print(f"  {counts[module]:5d} {module}")
+        print(f"  {counts[module]:5d} {code[module]:5d}  {module}")
     cache = len((REPO / "custody" / "_cache.py").read_text(encoding="utf-8").splitlines())
     print(f"  (+{cache} custody._cache, loaded only with [pkcs11] unsealed_cache_entries set)")
     assert "custody._cache" not in counts  # off by default, and then never imported
     assert total <= CEILING_LINES
+    assert 0 < code_total < total and all(0 <= code[m] <= counts[m] for m in counts)
     for name in NEVER:
         assert not any(m == name or m.startswith(name + ".") for m in loaded), name
 
