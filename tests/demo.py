@@ -57,6 +57,8 @@ from typing import NoReturn
 
 import coincurve
 
+from tests.fixtures.stop import terminate_then_kill
+
 REPO = Path(__file__).resolve().parent.parent
 #: How long the relay and the daemon get to come up before the demo gives up.
 STARTUP_SECONDS = 30.0
@@ -403,15 +405,10 @@ def main() -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        for process in (daemon, custodian, relay):
-            if process is not None and process.poll() is None:
-                process.send_signal(signal.SIGTERM)
+        # One at a time: the daemon drains with its custodian and relay still up.
         for process in (daemon, custodian, relay):
             if process is not None:
-                try:
-                    process.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+                terminate_then_kill(process, 15)
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -45,6 +45,7 @@ from daemon.tcp_peer import peer_uid
 from tests.adversarial._daemon import DaemonProcess, post, request_body, setup_state
 from tests.fixtures.broker import write_config
 from tests.fixtures.relay import free_port
+from tests.fixtures.stop import terminate_then_kill
 from tests.test_serve import FakeApp, fake_factory, no_lock
 
 from buzzwire.contract import ACTIONS
@@ -372,9 +373,7 @@ def test_socket_activated_tcp_port_is_held(sockdir: str, listed: bool) -> None:
                 second.sendall(http_request(port, b'{"x":1}', "tok"))
                 assert second.recv(65536).startswith(b"HTTP/1.1 503 ")
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=20)
+        terminate_then_kill(proc, 20)
     assert proc.stderr is not None
     log = proc.stderr.read().decode()
     assert "held by systemd" in log

@@ -23,14 +23,19 @@ Rules:
   with the state lock held exclusively, so it refuses beside a running custodian (whose
   records, version and log would not see the restore), and lists the backup's agents on
   stdout, asks on the terminal unless `--yes` (no terminal and no `--yes`: refused), seals,
-  writes the custodian's log (one line per agent sealed, then the counts and the file's
-  sha256), then prints the daemon's `keys restore` summary on stderr. ID is read only if
+  writes the custodian's log (one line per agent sealed, then the counts, the file's path
+  and sha256), then prints the daemon's `keys restore` summary on stderr. ID is read only if
   it is a regular file, not a symlink, mode 0600 or stricter.
-- Names are the daemon's directory's, not the custodian's: `--names-out NAMES` writes each
-  backup agent's public entry (`{"pubkey", "name", "creator"}` per line, public only) to a
+- Names are the daemon's directory's, not the custodian's: `--names-out NAMES` writes a
   new file (O_EXCL, 0600; removed if the restore fails), for `buzz-broker agent
-  import-names < NAMES` under the daemon's uid. Without it the names stay in the backup
-  and the agents are listed under their pubkey's first 12 hex digits until named.
+  import-names < NAMES` under the daemon's uid: a first line `{"restore": {"file",
+  "sha256"}}` (the backup as this restore read it), then each backup agent's public entry
+  and whether this run sealed it (`{"pubkey", "name", "creator", "restored"}`, name null
+  when the backup has none; public only). `import-names` writes the names and records the
+  restore in the daemon's key-event log from it (its `custodian-restore` lines): this uid
+  cannot write that log. Without `--names-out` the names stay in the backup, the agents
+  are listed under their pubkey's first 12 hex digits until named, and only this
+  custodian's log records the restore.
 - Prints public lines only; a fault is one line on stderr and exit 1 (main.py).
 """
 
@@ -137,6 +142,17 @@ def _names_file(path: Path) -> int:
         raise CustodyError(f"cannot create --names-out {path}: {exc.strerror}") from None
 
 
+def _names_text(backup: str, digest: str, entries: list[tuple[str, str | None, object]],
+                restored: set[str]) -> str:
+    """The `--names-out` file: the restore's header, then one line per backup agent."""
+    def line(value: dict[str, object]) -> str:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+    return line({"restore": {"file": backup, "sha256": digest}}) + "".join(
+        line({"pubkey": pubkey, "name": name, "creator": creator,
+              "restored": pubkey in restored}) for pubkey, name, creator in entries)
+
+
 async def _restore(config: CustodianConfig, options: dict[str, str]) -> None:
     from buzzwire.contract import printable_json
     from custody._facade import Custody
@@ -150,7 +166,7 @@ async def _restore(config: CustodianConfig, options: dict[str, str]) -> None:
     identity = read_bounded(Path(options["--identity"]), MAX_IDENTITY_BYTES,
                              "identity file", private=True)
     names_path = Path(options["--names-out"]) if "--names-out" in options else None
-    names: list[str] = []
+    entries: list[tuple[str, str | None, object]] = []  # pubkey, name, creator
     fd: int | None = None
     try:
         contents = open_backup(ciphertext, identity)  # zeroes `identity`
@@ -171,10 +187,8 @@ async def _restore(config: CustodianConfig, options: dict[str, str]) -> None:
                       f"{'auth-tag' if record.auth_tag else '-'}  "
                       f"{'already held' if record.pubkey in held else 'restore'}  "
                       f"{printable_json(name) if isinstance(name, str) else '-'}", flush=True)
-                if isinstance(name, str):
-                    names.append(json.dumps({"pubkey": record.pubkey, "name": name,
-                                             "creator": public.get("creator")},
-                                            ensure_ascii=False, separators=(",", ":")) + "\n")
+                entries.append((record.pubkey, name if isinstance(name, str) else None,
+                                public.get("creator")))
             result: RestoreResult = plan
             if plan.restored:
                 if not _confirmed(len(plan.restored), "--yes" in options):
@@ -191,7 +205,7 @@ async def _restore(config: CustodianConfig, options: dict[str, str]) -> None:
                 fd = _names_file(names_path)
             if fd is not None:
                 with os.fdopen(fd, "w", encoding="utf-8") as out:
-                    out.write("".join(names))
+                    out.write(_names_text(str(backup), digest, entries, set(result.restored)))
                     out.flush()
                     os.fsync(out.fileno())
             log = SignLog(config.settings.log_path, config.settings.log_max_bytes)
@@ -202,13 +216,14 @@ async def _restore(config: CustodianConfig, options: dict[str, str]) -> None:
                     {"op": "restore", "agent": pubkey, "sha256": digest}
                     for pubkey in result.restored]
                 lines.append({"op": "restore", "agents": len(result.restored),
-                              "held": len(result.already_held), "sha256": digest})
+                              "held": len(result.already_held), "sha256": digest,
+                              "file": str(backup)})
                 log.append(lines)
             finally:
                 log.close()
     if names_path is not None:
-        print(f"custodian: the backup's names are in {names_path}; give them to the "
-              f"daemon's directory: buzz-broker agent import-names < {names_path}",
-              file=sys.stderr)
+        print(f"custodian: the backup's names and this restore's summary are in "
+              f"{names_path}; give them to the daemon's directory and key-event log: "
+              f"buzz-broker agent import-names < {names_path}", file=sys.stderr)
     print(f"restored {len(result.restored)} agents; {len(result.already_held)} already held",
           file=sys.stderr, flush=True)

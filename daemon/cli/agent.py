@@ -27,11 +27,17 @@ Rules:
   removed). It asks for confirmation — the word `yes` on stdin, prompted on stderr — unless
   `--yes` is given. Running it again on a removed agent revokes what is left.
 - `import-names` reads on stdin the names file a custodian's `keys restore --names-out`
-  wrote (one JSON object `{"pubkey", "name", "creator"}` a line, at most
-  `MAX_NAMES_BYTES`) and writes each live agent's name into the directory as `keys
-  restore` does (`enroll_restored`: a name already set is kept, a bad entry is said and
-  skipped). The file crossed from another uid: every line is checked, a malformed one
-  refuses the whole input before anything is written.
+  wrote (at most `MAX_NAMES_BYTES`: a `{"restore": {"file", "sha256"}}` line, then one
+  `{"pubkey", "name", "creator", "restored"}` a backup agent; custody/custodian/keys.py),
+  records the custodian's restore in the key-event log (daemon/cli/_key_trail.py: event
+  `custodian-restore`, the backup's path and sha256; done: the agents the file says were
+  restored that the custodian holds live, and how many of the others it holds), then
+  writes each live agent's name into the directory as `keys restore` does
+  (`enroll_restored`: a name already set is kept, a bad entry is said and skipped). The
+  file crossed from another uid: every line is checked, a malformed one refuses the whole
+  input before anything is recorded or written; a pubkey the custodian does not hold live
+  is said and neither recorded nor named. The line says what the custodian's file claims,
+  checked only against its live records: its own log is the restore's witness.
 - Faults are one CliError line naming the fault; no secret ever reaches output.
 
 WARNING: README.md ("The command line") and docs/install.md (step 6) show these
@@ -45,6 +51,7 @@ import os
 import sys
 import termios
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -264,35 +271,80 @@ def _remove(args: argparse.Namespace, config: Config) -> int:
 
 #: A names file of 100,000 agents is about 20 MB; more is refused unread.
 MAX_NAMES_BYTES = 32 * 1024 * 1024
+#: The members of the names file's first line's `restore` object, and of each later line.
+_NAMES_HEADER = frozenset({"file", "sha256"})
+_NAMES_ENTRY = frozenset({"pubkey", "name", "creator", "restored"})
+
+
+@dataclass(frozen=True, slots=True)
+class _NamesFile:
+    """A custodian restore's `--names-out` file, every line checked."""
+
+    file: str
+    sha256: str
+    #: pubkey -> its public entry (name, creator) and whether the restore sealed it
+    entries: dict[str, dict[str, object]]
+
+
+def _names_line(line: bytes, number: int) -> object:
+    import json
+
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):
+        raise CliError(f"names line {number} is not JSON; nothing written") from None
+
+
+def _read_names(data: bytes) -> _NamesFile:
+    """Check the whole file before anything is written: it crossed from another uid."""
+    from buzzwire.nostr import is_hex64
+
+    lines = data.splitlines()
+    header = _names_line(lines[0], 1) if lines else None
+    restore = header.get("restore") if isinstance(header, dict) and len(header) == 1 else None
+    if not (isinstance(restore, dict) and set(restore) == _NAMES_HEADER
+            and isinstance(restore["file"], str) and restore["file"]
+            and isinstance(restore["sha256"], str) and is_hex64(restore["sha256"])):
+        raise CliError('names line 1 is not {"restore": {file, sha256}} (a custodian\'s '
+                       "keys restore --names-out writes it); nothing written")
+    entries: dict[str, dict[str, object]] = {}
+    for number, line in enumerate(lines[1:], 2):
+        entry = _names_line(line, number)
+        if not (isinstance(entry, dict) and set(entry) == _NAMES_ENTRY
+                and is_hex64(entry["pubkey"]) and isinstance(entry["restored"], bool)):
+            raise CliError(f"names line {number} is not {{pubkey, name, creator, restored}}; "
+                           "nothing written")
+        entries[entry["pubkey"]] = entry
+    return _NamesFile(restore["file"], restore["sha256"], entries)
 
 
 def _import_names(args: argparse.Namespace, config: Config) -> int:
-    import json
-
-    from buzzwire.nostr import is_hex64
+    from daemon.cli._key_trail import clip, recorded
     from daemon.cli.keys_backup import enroll_restored
+    from daemon.state.audit import KeyAction
 
     data = sys.stdin.buffer.read(MAX_NAMES_BYTES + 1)
     if len(data) > MAX_NAMES_BYTES:
         raise CliError(f"the names file is larger than {MAX_NAMES_BYTES} bytes")
-    entries: dict[str, dict[str, object]] = {}
-    for number, line in enumerate(data.splitlines(), 1):
-        try:
-            entry = json.loads(line)
-        except (ValueError, RecursionError):
-            raise CliError(f"names line {number} is not JSON; nothing written") from None
-        if not (isinstance(entry, dict) and set(entry) == {"pubkey", "name", "creator"}
-                and is_hex64(entry["pubkey"])):
-            raise CliError(f"names line {number} is not {{pubkey, name, creator}}; "
-                           "nothing written")
-        entries[entry["pubkey"]] = entry
+    names = _read_names(data)
     with agent_directory(config) as directory:
         live = {r.pubkey for r in directory.agents()}
-    for pubkey in sorted(set(entries) - live):
-        print(f"{pubkey}: no live agent held here; its name is not written", file=sys.stderr)
-    enroll_restored(config, {p: e for p, e in entries.items() if p in live})
-    print(f"names read for {len(entries)} agents; {len(set(entries) & live)} held here "
-          "(a name already set is kept)", file=sys.stderr)
+    for pubkey in (p for p in names.entries if p not in live):
+        print(f"{pubkey}: no live agent held here; not recorded, its name not written",
+              file=sys.stderr)
+    held_here = {p: e for p, e in names.entries.items() if p in live}
+    restored = tuple(p for p, e in held_here.items() if e["restored"])
+    # The keys were sealed by the custodian already: the intent names the backup this
+    # step records, the outcome what the custodian's records now hold of it. Recorded
+    # before the names, as `keys restore` does: the keys are held whatever the names do.
+    with recorded(Path(config.state.dir), KeyAction.CUSTODIAN_RESTORE,
+                  file=clip(names.file), sha256=names.sha256) as trail:
+        trail.done(agents=len(restored), pubkeys=restored,
+                   held=len(held_here) - len(restored))
+    enroll_restored(config, {p: e for p, e in held_here.items() if isinstance(e["name"], str)})
+    print(f"names read for {len(names.entries)} agents; {len(held_here)} held here "
+          f"({len(restored)} restored by the custodian, recorded in the key-event log; "
+          "a name already set is kept)", file=sys.stderr)
     return 0
 
 

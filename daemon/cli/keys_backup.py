@@ -31,7 +31,8 @@ Rules:
 - With a custodian, restore is refused here (this uid opens neither the token nor the
   keystore): `buzz-broker custodian FILE keys restore` restores under the custodian's uid
   (custody/custodian/keys.py) and writes the names to a file; `agent import-names` reads
-  it into the directory through `enroll_restored` (daemon/cli/agent.py).
+  it into the directory through `enroll_restored` and records that restore in the
+  key-event log (`custodian-restore`; daemon/cli/agent.py).
 - What a backup does not hold: credentials and the ledger (docs/install.md, "Restore").
 - With a custodian (`[custody] custodian_socket`), backup asks it (its `backup` row,
   custody/custodian/backup.py): the recipients and the directory are the custodian's own

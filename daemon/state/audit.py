@@ -561,6 +561,10 @@ class KeyAction(enum.Enum):
     RESTORE = "restore"
     ROTATE = "rotate"
     MIGRATE = "migrate"
+    #: a restore the custodian ran under its own uid, recorded afterwards by the daemon's
+    #: side from the custodian's names file (`agent import-names`): not a command of this
+    #: uid's, so its intent comes after the keys were sealed (daemon/cli/agent.py)
+    CUSTODIAN_RESTORE = "custodian-restore"
 
 
 class KeyStage(enum.Enum):
@@ -593,6 +597,7 @@ AGE_RECIPIENT_RE: Final = re.compile(r"age1[02-9ac-hj-np-z]{58}")
 _KEY_FACTS: Final[Mapping[KeyAction, frozenset[str]]] = {
     KeyAction.BACKUP: frozenset({"agents", "pubkeys", "file", "sha256", "recipients"}),
     KeyAction.RESTORE: frozenset({"agents", "pubkeys", "held", "file", "sha256"}),
+    KeyAction.CUSTODIAN_RESTORE: frozenset({"agents", "pubkeys", "held", "file", "sha256"}),
     KeyAction.ROTATE: frozenset({"agents", "old_token", "old_kek", "new_token", "new_kek"}),
     KeyAction.MIGRATE: frozenset({"agents", "old_token", "old_kek", "new_token", "new_kek"}),
 }

@@ -16,8 +16,9 @@ Rules:
   written (`full`, then `flush(everything=True)`), so a client naming ever new channels
   costs lines, never memory.
 - Lost on a crash (SIGKILL, power): the counts not yet written, at most `WINDOW_SECONDS`
-  plus one flush interval (`WINDOW_SECONDS / 4`) of reads. What a read disclosed cannot
-  be taken back, but nothing it did needs undoing.
+  plus one flush interval (`WINDOW_SECONDS / 4`, the loop the two counters share:
+  daemon/state/_flush_loop.py) of reads. What a read disclosed cannot be taken back, but
+  nothing it did needs undoing.
 - No audit, no answer, per window: a count that cannot be written is kept for the next
   flush. While the audit log's last write failed (`AuditLog.failing`), the pipeline
   counts no read: each one must have its own verdict line written, as every verdict
@@ -36,6 +37,7 @@ import trio
 
 from buzzwire.contract import ErrorCode, Status
 from daemon.log import log_event
+from daemon.state._flush_loop import flush_forever
 from daemon.state.audit import MAX_READ_TARGETS, AuditLog, AuditUnavailable, ReadCount
 
 __all__ = ["ReadAudit", "WINDOW_SECONDS", "MAX_COUNTERS"]
@@ -135,10 +137,7 @@ class ReadAudit:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
         """Flush closed windows forever (a nursery task; cancel to stop)."""
-        task_status.started()
-        while True:
-            await trio.sleep(self._window / 4)
-            await self.flush()
+        await flush_forever(self.flush, self._window, task_status=task_status)
 
 
 def _lines(key: _Key, entry: _Count, now: float) -> list[ReadCount]:

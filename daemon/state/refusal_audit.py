@@ -14,8 +14,9 @@ Rules:
   before its count is durable. Successes, reads and anything published are never counted:
   no audit, no answer holds for them (daemon/pipeline/broker.py).
 - Lost on a crash (SIGKILL, power): the counts not yet written, at most
-  `WINDOW_SECONDS` plus one flush interval (`WINDOW_SECONDS / 4`) of them. The ledger
-  still holds each of those refusals.
+  `WINDOW_SECONDS` plus one flush interval (`WINDOW_SECONDS / 4`, the loop the two
+  counters share: daemon/state/_flush_loop.py) of them. The ledger still holds each of
+  those refusals.
 - Memory: one bucket per credential that refused recently (full idle buckets are
   dropped at each flush) and one counter per key; both bounded by the credentials.
 """
@@ -32,6 +33,7 @@ import trio
 from buzzwire.contract import ErrorCode
 from daemon.state.audit import AuditLog, AuditUnavailable, RefusalCount
 from daemon.log import log_event
+from daemon.state._flush_loop import flush_forever
 
 __all__ = ["RefusalAudit", "BURST", "REFILL_PER_SECOND", "WINDOW_SECONDS"]
 
@@ -123,7 +125,4 @@ class RefusalAudit:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
         """Flush closed windows forever (a nursery task; cancel to stop)."""
-        task_status.started()
-        while True:
-            await trio.sleep(self._window / 4)
-            await self.flush()
+        await flush_forever(self.flush, self._window, task_status=task_status)

@@ -24,6 +24,7 @@ from custody import TokenConfig
 from custody.custodian import messages
 from tests.custodian.test_refusals import ask
 from tests.fixtures.custodian import write_custodian_config
+from tests.fixtures.stop import terminate_then_kill
 
 ACTIVATE = shutil.which("systemd-socket-activate")
 _ROOT = Path(__file__).resolve().parents[2]
@@ -67,8 +68,7 @@ def test_the_first_request_starts_the_custodian_on_the_passed_socket(
         ok, value = ask(socket_path, "agent", pubkey="00" * 32, include_deleted=False)
         assert ok and value is None
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        terminate_then_kill(proc, 10)
 
 
 def test_a_passed_socket_that_is_not_the_configured_one_is_one_line_and_exit_1(

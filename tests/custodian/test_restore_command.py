@@ -9,13 +9,17 @@ with the custodian stopped"; docs/install.md, "Restore").
   writes the backup's names (0600, public entries only); run again, everything is
   "already held".
 - The daemon's side: its own `keys restore` is refused with a pointer to this command;
-  `agent import-names < NAMES` writes the names into the directory (seen through `agent
-  list`, the records the custodian's), and the restored key signs through the custodian.
+  `agent import-names < NAMES` refuses a malformed file whole (nothing recorded), records
+  the custodian's restore in the daemon's key-event log (`custodian-restore`: the
+  backup's path and sha256, the agents restored; a stranger in the file is not), writes
+  the names into the directory (seen through `agent list`, the records the custodian's),
+  the log verifies, and the restored key signs through the custodian.
 Under one uid here (the test's): nothing is separated but the processes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -31,8 +35,9 @@ from buzzwire.nostr import verify_signed
 from custody import Custody, TokenConfig, UnsignedEvent, export_backup
 from custody.custodian.client import CustodianClient
 from custody.custodian.ledger import verify_chain
+from daemon.state.key_events import KEY_EVENTS_DIRNAME
 from tests.adversarial._secrets import SecretScan, key_secret
-from tests.backup.test_backup import age_identity
+from tests.backup.test_backup import age_identity, key_event_bytes, key_events
 from tests.custody._sealing import HUMAN
 from tests.fixtures.broker import write_config
 from tests.fixtures.custodian import CustodianProcess, write_custodian_config
@@ -105,16 +110,25 @@ def test_restore_under_the_custodians_config_then_names_to_the_directory(
     assert "restored 2 agents; 0 already held" in done.stderr
     assert all(f"{a}  owner={HUMAN}  -  restore" in done.stdout for a in agents), done.stdout
     assert stat.S_IMODE(names.stat().st_mode) == 0o600
-    carried = [json.loads(line) for line in names.read_text().splitlines()]
-    assert carried == [{"pubkey": agents[0], "name": "scout", "creator": None}]
+    digest = hashlib.sha256(backup.read_bytes()).hexdigest()
+    header, *carried = [json.loads(line) for line in names.read_text().splitlines()]
+    assert header == {"restore": {"file": str(backup), "sha256": digest}}
+    assert sorted(carried, key=lambda e: agents.index(e["pubkey"])) == [
+        {"pubkey": agents[0], "name": "scout", "creator": None, "restored": True},
+        {"pubkey": agents[1], "name": None, "creator": None, "restored": True}]
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert {e.get("agent") for e in lines if e["op"] == "restore"} >= set(agents)
-    assert lines[-1]["agents"] == 2 and lines[-1]["held"] == 0
+    assert (lines[-1]["agents"], lines[-1]["held"]) == (2, 0)
+    assert (lines[-1]["sha256"], lines[-1]["file"]) == (digest, str(backup))
     assert verify_chain(log) == 3
 
-    again = _keys(config, "restore", "--identity", str(identity), "--yes", str(backup))
+    names_again = tmp_path / "names-again.jsonl"
+    again = _keys(config, "restore", "--identity", str(identity), "--yes", "--names-out",
+                  str(names_again), str(backup))
     assert again.returncode == 0 and "restored 0 agents; 2 already held" in again.stderr
     assert "already held" in again.stdout
+    assert [json.loads(line).get("restored") for line in
+            names_again.read_text().splitlines()] == [None, False, False]
 
     # The daemon's side, as the pipeline's uid: no [pkcs11] needed, a state dir of its own.
     running.start()
@@ -135,14 +149,39 @@ def test_restore_under_the_custodians_config_then_names_to_the_directory(
             return {r["pubkey"]: r["name"] for r in map(json.loads, out.stdout.splitlines())}
 
         assert listed() == {agents[0]: agents[0][:12], agents[1]: agents[1][:12]}
+        header = names.read_text().splitlines(keepends=True)[0]
+        for text, number in (('{"pubkey": "x"}\n', 1),
+                             (header + '{"pubkey": "x"}\n', 2),
+                             (header.replace(digest, "f" * 63), 1),
+                             (names.read_text().replace('"restored":true', '"restored":1', 1), 2)):
+            bad = _cli(broker, "agent", "import-names", stdin=text)
+            assert bad.returncode == 1 and f"names line {number}" in bad.stderr, bad.stderr
+        assert not (pipeline_state / KEY_EVENTS_DIRNAME).exists()  # nothing was recorded
+
         stranger = coincurve.PrivateKey().public_key_xonly.format().hex()
         given = _cli(broker, "agent", "import-names", stdin=names.read_text() + json.dumps(
-            {"pubkey": stranger, "name": "ghost", "creator": None}) + "\n")
+            {"pubkey": stranger, "name": "ghost", "creator": None, "restored": True}) + "\n")
         assert given.returncode == 0, given.stderr
         assert f"{stranger}: no live agent held here" in given.stderr
         assert listed() == {agents[0]: "scout", agents[1]: agents[1][:12]}
-        bad = _cli(broker, "agent", "import-names", stdin='{"pubkey": "x"}\n')
-        assert bad.returncode != 0 and "names line 1" in bad.stderr, bad.stderr
+        # The daemon's trail: the custodian's restore, by the backup's path and sha256 (the
+        # custodian's log says the same), the agents it sealed; not the stranger.
+        events = key_events(pipeline_state)
+        assert [(e["event"], e["stage"]) for e in events] == [
+            ("custodian-restore", "intent"), ("custodian-restore", "done")]
+        assert events[0]["op"] == events[1]["op"]
+        assert all((e["file"], e["sha256"]) == (str(backup), digest) for e in events)
+        assert (sorted(events[1]["pubkeys"]), events[1]["agents"], events[1]["held"]) == (
+            sorted(agents), 2, 0)
+        assert events[1]["uid"] == os.getuid()
+        # The second run's file (nothing sealed then): recorded as held, none restored.
+        assert _cli(broker, "agent", "import-names",
+                    stdin=names_again.read_text()).returncode == 0
+        assert [(e["agents"], e["pubkeys"], e["held"])
+                for e in key_events(pipeline_state)[2:]] == [(None, [], None), (0, [], 2)]
+        verified = _cli(broker, "audit", "verify")
+        assert verified.returncode == 0 and "key-event log: ok 4 records" in verified.stdout, (
+            verified.stdout + verified.stderr)
 
         async def signs() -> bool:
             client = CustodianClient(socket)
@@ -163,6 +202,7 @@ def test_restore_under_the_custodians_config_then_names_to_the_directory(
     leaks = scan.findings(done.stdout + done.stderr + again.stdout + again.stderr,
                           "the command's output")
     leaks += scan.findings(log.read_bytes() + names.read_bytes(), "the log and names file")
+    leaks += scan.findings(key_event_bytes(pipeline_state), "the daemon's key-event log")
     leaks += scan.findings(stderr, "the custodian's stderr")
     assert not leaks, leaks
 

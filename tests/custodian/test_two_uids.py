@@ -44,6 +44,7 @@ import coincurve
 import pytest
 
 from tests.custodian.test_refusals import ask
+from tests.fixtures.stop import terminate_then_kill
 
 REPO = Path(__file__).resolve().parents[2]
 NOBODY = 65534
@@ -310,13 +311,7 @@ def layout(request: pytest.FixtureRequest, local_relay: str) -> Iterator[Layout]
                      answer=answer)
     finally:
         for proc in reversed(procs):
-            if proc.poll() is None:
-                proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            terminate_then_kill(proc, 15)
         shutil.rmtree(base, ignore_errors=True)
 
 

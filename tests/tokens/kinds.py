@@ -36,7 +36,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -45,6 +44,8 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.fixtures.stop import terminate_then_kill
 
 REPO = Path(__file__).resolve().parents[2]
 MAKE_TOKEN = REPO / "softhsm" / "make-token"
@@ -186,13 +187,7 @@ class Children:
 
     def stop_all(self) -> None:
         for _, proc in reversed(self._procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(STOP_SECONDS)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            terminate_then_kill(proc, STOP_SECONDS)
         self._procs.clear()
 
 
