@@ -292,6 +292,12 @@ def _record(data: bytes, number: int, reader: _RecordReader
         obj = json.loads(data)
     except (ValueError, RecursionError):  # json refuses deep nesting with RecursionError
         raise _fault(number, "the record is not JSON") from None
+    try:
+        # "\ud800" parses to a lone surrogate: no text, and a name holding one would break
+        # whatever later writes it as UTF-8 (the directory, a --names-out file).
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except (UnicodeEncodeError, RecursionError):
+        raise _fault(number, "the record holds a lone surrogate escape, not text") from None
     if not isinstance(obj, dict) or set(obj) != _KEY_FIELDS | reader.extra:
         raise _fault(number, "the record's fields are not the expected ones")
     pubkey, owner, tag = obj["pubkey"], obj["owner"], obj["authTag"]

@@ -46,6 +46,16 @@ def _opened_or_refused(plaintext: bytes) -> BackupContents | None:
         return None
 
 
+@pytest.mark.parametrize("where", ["name", "key"])
+def test_a_lone_surrogate_anywhere_in_a_record_is_refused(where: str) -> None:
+    # json.loads takes the escape; a name holding it would break every UTF-8 writer after.
+    public = ({"name": "\ud800", "creator": None} if where == "name"
+              else {"name": "ok", "creator": None, "\udfff": 1})
+    plaintext = VALID.replace(_line(RECORD["public"]), _line(public))
+    assert plaintext != VALID
+    assert _opened_or_refused(plaintext) is None
+
+
 def test_the_valid_backup_opens() -> None:
     contents = _opened_or_refused(VALID)
     assert contents is not None and [r.pubkey for r in contents.records] == [PUB_1]
