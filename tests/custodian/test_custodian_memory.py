@@ -10,8 +10,9 @@ calls could reuse (or fail to reuse) the memory the earlier ones freed. Then the
 readable memory of the custodian process is scanned (/proc/<pid>/mem,
 tests/fixtures/memscan.py) for each key's
 - 32 secret bytes and their 64 hex digits (the form the import sends);
-- raw ECDH x-coordinate with the owner and the NIP-44 conversation key derived from it
-  (HMAC-SHA256 under "nip44-v2"), both computed here;
+- raw ECDH x-coordinate with the owner, the NIP-44 conversation key derived from it
+  (HMAC-SHA256 under "nip44-v2") and the message keys of the payload it encrypted
+  (ChaCha20 and HMAC keys: HKDF-expand under the payload's nonce), all computed here;
 - keystream that opens its sealed blob: the blob's 32 ciphertext bytes XOR the key. Under
   encrypt-then-MAC the token hands exactly this to the custodian (AES-ECB of the counter
   blocks), and with the blob (on disk, and in the custodian's memory) it is the key.
@@ -43,6 +44,8 @@ from pathlib import Path
 import coincurve
 import pytest
 import trio
+from cryptography.hazmat.primitives.hashes import SHA256
+from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
 
 from custody import CachePolicy, init_kek
 from custody.custodian import messages
@@ -114,12 +117,17 @@ def _use_one_key(socket: Path, relay_url: str, state: Path) -> Key:
     ok, opened = ask(socket, "decrypt", agent=agent, peer=owner, payloads=payloads)
     assert ok and opened == [messages.b64(b"a note for the owner")], opened
     shared_x = coincurve.PublicKey(b"\x02" + bytes.fromhex(owner)).multiply(raw).format()[1:]
+    conversation_key = hmac.digest(b"nip44-v2", shared_x, hashlib.sha256)
+    nonce = messages.unb64(payloads[0])[1:33]  # type: ignore[index]
+    message_keys = HKDFExpand(SHA256(), 76, nonce).derive(conversation_key)
     keystream = bytes(c ^ k for c, k in zip(_sealed_ciphertext(state, agent), raw, strict=True))
     return Key(agent, {
         "secret": raw,
         "secret hex": raw.hex().encode(),
         "ECDH x": shared_x,
-        "conversation key": hmac.digest(b"nip44-v2", shared_x, hashlib.sha256),
+        "conversation key": conversation_key,
+        "NIP-44 ChaCha20 key": message_keys[0:32],
+        "NIP-44 HMAC key": message_keys[44:76],
         "keystream": keystream,
     })
 
@@ -170,6 +178,6 @@ def test_the_control_with_the_cache_on_the_scan_finds_each_key_once(
                 for _ in range(KEYS)]
         assert custodian.proc is not None
         found = _found(custodian.proc.pid, keys)
-    # Each key's cache slot, raw; no hex, no NIP-44 key, no keystream, no second copy.
+    # Each key's cache slot, raw; no hex, no NIP-44 keys, no keystream, no second copy.
     assert sorted(entry.split(" in ")[0] for entry in found) == [
         f"key {i} secret" for i in range(KEYS)], found
