@@ -11,11 +11,22 @@ Rules:
 - `Custody.open` and `init_kek` call it first, before a PIN is read or a key unsealed, so
   every path in (the daemon, the operator CLI, a hand-run serve, a container without the
   systemd unit's LimitCORE=0) is covered. Calling it twice is harmless.
-- A failure (another OS, a seccomp filter that denies prctl) is logged as a warning and is
-  not fatal: the systemd unit sets the same limits, and refusing to start would be worse.
+- A failure (another OS, a seccomp filter that denies prctl, no glibc) is logged as a
+  warning and is not fatal: the systemd unit sets the same limits (but M_PERTURB), and
+  refusing to start would be worse.
 
 Alternatives considered: doing this only in `serve` (misses the CLI and anything else that
 opens custody), and mlockall (swapping is the unit's job: it needs CAP_IPC_LOCK).
+
+Why M_PERTURB (mallopt(3)): python-pkcs11 has the token write each C_Decrypt/C_Encrypt
+output (the agent key under AES-GCM; under encrypt-then-MAC the keystream, which opens the
+sealed blob) into a heap buffer of its own that it frees unzeroed, out of custody's reach:
+a scan of the custodian found both there after the calls returned
+(tests/custodian/test_custodian_memory.py). With M_PERTURB glibc fills each chunk as it
+frees it, except a chunk it keeps in its per-thread cache (1032 usable bytes or fewer), so
+custody asks for a larger buffer (`_token.OUTPUT_BUFFER_BYTES`). Rejected: C_Decrypt through
+ctypes into a buffer of ours (more hazmat: python-pkcs11's mechanism code, twice). Cost: a
+memset of each malloc'd block (not CPython's small objects) at malloc and at free.
 """
 
 from __future__ import annotations
@@ -32,10 +43,14 @@ log = logging.getLogger("buzz_broker.custody")
 #: linux/prctl.h: PR_SET_DUMPABLE takes 0 (not dumpable) or 1; PR_GET_DUMPABLE reads it.
 PR_SET_DUMPABLE = 4
 PR_GET_DUMPABLE = 3
+#: glibc malloc.h: mallopt's parameter for the byte freed memory is filled with; any byte
+#: but 0 (which turns it off), 0xA5 being easy to recognise in a dump.
+M_PERTURB, PERTURB_BYTE = -6, 0xA5
 
 
 def harden_process() -> None:
-    """Turn core dumps off and make this process undumpable (Linux). Never raises.
+    """Turn core dumps off, make this process undumpable (Linux) and have glibc overwrite
+    freed heap memory. Never raises.
 
     Errors are logged (warning, with the errno name only) and the process goes on: see the
     module docstring.
@@ -53,6 +68,13 @@ def harden_process() -> None:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE) failed")
     except (OSError, AttributeError) as exc:
         log.warning("could not mark the process undumpable: %s", type(exc).__name__)
+    try:
+        libc = ctypes.CDLL(None)
+        if libc.mallopt(M_PERTURB, PERTURB_BYTE) != 1:  # mallopt answers 1 on success
+            raise OSError("mallopt(M_PERTURB) refused")
+    except (OSError, AttributeError) as exc:
+        log.warning("freed heap memory is not overwritten (mallopt M_PERTURB): %s",
+                    type(exc).__name__)
 
 
 def is_dumpable() -> bool | None:

@@ -16,11 +16,11 @@ What Python cannot guarantee (best effort, documented rather than hidden):
   storage in place (CPython only: its payload sits at a fixed offset inside the object);
   on another interpreter it does nothing and the bytes wait for the allocator.
 - Before that `bytes` exists, python-pkcs11 (0.10) has C_Decrypt write the plaintext into
-  its operation's own output buffer (a Cython array, 8 KiB by default) and copies it out;
-  that buffer is private to the library and freed unzeroed when the operation object is
-  collected. We cannot reach it; the key stays in that freed heap memory until reused.
-  Likewise the PIN passes through a `str` (the only form `Token.open` takes) and the
-  library's own encoded copy of it.
+  its operation's own output buffer (a Cython array) and copies it out; that buffer is
+  private to the library and freed unzeroed. glibc overwrites it as it is freed
+  (`_process`'s M_PERTURB); without glibc the key stays there until reused. Likewise
+  the PIN passes through a `str` (the only form `Token.open` takes) and the library's own
+  encoded copy of it.
 - Python's `hmac`/`hashlib` copy their input and key into OpenSSL state they free without
   our control; a K_c produced by `hmac.digest` is a `bytes` we wipe the same way.
 - The OS may have swapped a page, a core dump may catch a buffer mid-use, and the

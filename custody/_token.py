@@ -98,6 +98,9 @@ KEK_BITS = 256
 #: NIST SP 800-38D's recommended 96-bit GCM IV, random per seal.
 GCM_IV_BYTES = 12
 GCM_TAG_BITS = 128
+#: python-pkcs11's output buffer for a decrypt or a keystream, freed unzeroed: above glibc's
+#: per-thread cache (1032 bytes), so `_process`'s M_PERTURB overwrites it as it is freed.
+OUTPUT_BUFFER_BYTES = 8192
 #: systemd LoadCredential= name the unit uses for the PIN.
 CREDENTIAL_NAME = "token-pin"
 #: Longest PIN file read. PKCS#11 PINs are short (SoftHSM allows 4-255 bytes); anything
@@ -640,7 +643,7 @@ class Token:
         require_lock()
         plaintext: bytes = self._retrying_once(label, "gcm", lambda kek: kek.aes.decrypt(
             sealed, mechanism=Mechanism.AES_GCM,
-            mechanism_param=GCMParams(iv, aad, GCM_TAG_BITS),
+            mechanism_param=GCMParams(iv, aad, GCM_TAG_BITS), buffer_size=OUTPUT_BUFFER_BYTES,
         ))
         return plaintext
 
@@ -648,7 +651,7 @@ class Token:
         """AES-256-ECB of `counter_blocks` under KEK `label`; the caller wipes the result."""
         require_lock()
         stream: bytes = self._retrying_once(label, "etm", lambda kek: kek.aes.encrypt(
-            counter_blocks, mechanism=Mechanism.AES_ECB))
+            counter_blocks, mechanism=Mechanism.AES_ECB, buffer_size=OUTPUT_BUFFER_BYTES))
         return stream
 
     def mac(self, label: str, data: bytes) -> bytes:

@@ -19,7 +19,9 @@ under its uid), as docs/install.md does.
 The unsealed-key cache is on in both layouts ([pkcs11] unsealed_cache_entries): it keeps
 the unsealed key resident in whichever process signs, so the memory scan finds it in the
 in-process daemon and in the custodian (the control scan of the custodian: it finds it
-there), and must not find it in the pipeline.
+there), and must not find it in the pipeline. With the cache off, that nothing of the key
+stays in the custodian either is tests/custodian/test_custodian_memory.py's (the same scan,
+tests/fixtures/memscan.py).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import coincurve
 import pytest
 
 from tests.custodian.test_refusals import ask
+from tests.fixtures.memscan import maps, memory_holds
 from tests.fixtures.stop import terminate_then_kill
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,37 +139,6 @@ class Layout:
     daemon_env: dict[str, str]
     secret: bytes
     answer: dict[str, object]
-
-
-def _maps(pid: int) -> str:
-    return Path(f"/proc/{pid}/maps").read_text()
-
-
-def _memory_holds(pid: int, needles: tuple[bytes, ...]) -> bool:
-    """Scan every readable mapping of `pid` (root reads /proc/<pid>/mem even of an
-    undumpable process) for any of `needles`; chunks overlap so none is cut in two."""
-    overlap = max(len(n) for n in needles)
-    with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
-        for line in _maps(pid).splitlines():
-            span, perms = line.split()[:2]
-            if not perms.startswith("r"):
-                continue
-            start, end = (int(x, 16) for x in span.split("-"))
-            tail = b""
-            position = start
-            while position < end:
-                size = min(1 << 22, end - position)
-                try:
-                    mem.seek(position)
-                    chunk = mem.read(size)
-                except OSError:
-                    break  # [vvar] and the like
-                window = tail + chunk
-                if any(n in window for n in needles):
-                    return True
-                tail = window[-overlap:]
-                position += size
-    return False
 
 
 def _groups(layout: Layout) -> tuple[int, ...]:
@@ -316,11 +288,11 @@ def layout(request: pytest.FixtureRequest, local_relay: str) -> Iterator[Layout]
 
 
 def test_the_pipeline_does_not_map_the_pkcs11_module(layout: Layout) -> None:
-    in_daemon = MODULE_NAME in _maps(layout.daemon_pid)
+    in_daemon = MODULE_NAME in maps(layout.daemon_pid)
     if layout.name == "custodian":
         assert not in_daemon
         assert layout.custodian_pid is not None
-        assert MODULE_NAME in _maps(layout.custodian_pid)  # where it is instead
+        assert MODULE_NAME in maps(layout.custodian_pid)  # where it is instead
     else:
         assert in_daemon  # the control: in-process, the daemon maps it
 
@@ -372,12 +344,12 @@ def test_the_agent_flows_work_from_the_custodians_records(layout: Layout) -> Non
 
 def test_no_agent_secret_in_the_pipelines_memory_after_signing(layout: Layout) -> None:
     needles = (layout.secret, layout.secret.hex().encode())
-    in_daemon = _memory_holds(layout.daemon_pid, needles)
+    in_daemon = memory_holds(layout.daemon_pid, needles)
     if layout.name == "custodian":
         assert not in_daemon
         assert layout.custodian_pid is not None
         # The control scan: the custodian signed, and its cache holds the key.
-        assert _memory_holds(layout.custodian_pid, needles)
+        assert memory_holds(layout.custodian_pid, needles)
     else:
         assert in_daemon  # the control: the in-process daemon holds the unsealed key
 
