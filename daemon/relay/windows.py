@@ -163,13 +163,22 @@ def _encode(event: Event) -> bytes:
 class _Held:
     """One distinct signed event (id and signature) held by one or more windows."""
 
-    __slots__ = ("event", "encoded", "cost", "refs")
+    __slots__ = ("event", "encoded", "cost", "refs", "_sized_by", "_size")
 
     def __init__(self, event: Event) -> None:
         self.event = event
         self.encoded = _encode(event)
         self.cost = _event_cost(event, self.encoded)
         self.refs = 0
+        self._sized_by: Callable[[Event], int] | None = None
+        self._size = 0
+
+    def size(self, size_of: Callable[[Event], int]) -> int:
+        """`size_of(event)`, computed once for the windows that all measure alike (the
+        same id and signature are the same event, so the same size)."""
+        if self._sized_by is not size_of:
+            self._size, self._sized_by = size_of(self.event), size_of
+        return self._size
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,7 +303,7 @@ class Window:
         held = self._cache.hold(event)
         self._keys.insert(at, key)
         self._held.insert(at, held)
-        self._sizes.insert(at, self._size_of(event))
+        self._sizes.insert(at, held.size(self._size_of))
         self._events.insert(at, held.event)
         self._blobs.insert(at, held.encoded)
         self._ids.add(event.id)
@@ -303,7 +312,7 @@ class Window:
         held = self._cache.hold(event)
         self._keys.append(order_key(event.created_at, event.id))
         self._held.append(held)
-        self._sizes.append(self._size_of(event))
+        self._sizes.append(held.size(self._size_of))
         self._events.append(held.event)
         self._blobs.append(held.encoded)
         self._ids.add(event.id)
