@@ -34,7 +34,9 @@ Rules:
   counted from the first event until the caller drops the list `query` returned. Past
   either bound the query fails (RelayUnavailable) and what it had collected is dropped at
   once. Only the frame being parsed is held beyond them (one at a time: parsing does not
-  yield to other tasks).
+  yield to other tasks), and the parsed events of recent live EVENT frames, at most
+  EVENT_BODIES_BYTES together as held (`_EventBodies`: a frame whose bytes after its
+  subscription id are one of theirs is not parsed again).
 - A relay that breaks NIP-01 (a frame `parse_relay_message` refuses) loses its
   connection: everything waiting on it resolves at once (Unknown / RelayUnavailable)
   instead of waiting for a timeout that a broken peer makes meaningless.

@@ -48,7 +48,8 @@ Theory of operation:
 * Encoded and held once: each distinct event (id and signature) is held once by the cache,
   with its canonical encoded bytes, however many windows name it (`WindowCache.hold`);
   an answer is those bytes joined, so a changed window costs its new events, and the
-  default page's join is kept until the window changes (`Served.encoded_messages`).
+  default page is kept whole (events, position, bytes) per limit until the window
+  changes (`Window.serve`).
 * Bounded: the windows' estimated bytes together (`max_bytes`, ``[relay]
   read_window_bytes``; each held event once, plus each window's references) evict least
   recently used windows; a window alone above it is not kept. How many channels agents
