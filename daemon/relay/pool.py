@@ -34,7 +34,9 @@ Rules:
   counted from the first event until the caller drops the list `query` returned. Past
   either bound the query fails (RelayUnavailable) and what it had collected is dropped at
   once. Only the frame being parsed is held beyond them (one at a time: parsing does not
-  yield to other tasks).
+  yield to other tasks), and the parsed events of recent live EVENT frames, at most
+  EVENT_BODIES_BYTES together as held (`_EventBodies`: a frame whose bytes after its
+  subscription id are one of theirs is not parsed again).
 - A relay that breaks NIP-01 (a frame `parse_relay_message` refuses) loses its
   connection: everything waiting on it resolves at once (Unknown / RelayUnavailable)
   instead of waiting for a timeout that a broken peer makes meaningless.
@@ -83,6 +85,7 @@ import ssl
 import sys
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -111,6 +114,7 @@ from daemon.relay.protocol import (
     encode_event,
     encode_req,
     parse_relay_message,
+    split_event_frame,
     subscription_id,
 )
 
@@ -161,6 +165,10 @@ DEFAULT_RESULT_BYTES = 4 * MAX_QUERY_BYTES
 #: per connection (strfry 20, nostr-rs-relay 32 by default); eight leaves room for the
 #: short-lived REQs of reads and lookups on the same connection.
 DEFAULT_LIVE_SUBSCRIPTIONS = 8
+#: Bytes (as held: the text and its parsed objects) of the recent live EVENT frames' events
+#: kept parsed (`_EventBodies`): a fleet's 64 copies of one post arrive within
+#: milliseconds of each other, so a few thousand events' worth is plenty.
+EVENT_BODIES_BYTES = 4 * 1024 * 1024
 #: Frames buffered between trio-websocket's reader and ours; a burst of EVENTs should
 #: not stall the socket reader on every frame. Times MAX_FRAME_BYTES, this is what one
 #: relay connection may hold in its queue (16 MiB), so it is kept small.
@@ -516,6 +524,45 @@ class _Live:
             self.sink.ended("connection dropped")
 
 
+class _EventBodies:
+    """The parsed event of each recent live EVENT frame, by the frame's text after its
+    subscription id (`split_event_frame`), least recently used dropped past `max_bytes`.
+
+    Why: every agent's window subscribes to the same channels on its own connection, so
+    each post arrives as many frames as there are agents, equal but for the subscription
+    id; each was parsed in full. A frame whose rest is exactly one parsed before gets that
+    parse's event object; any other byte and it is parsed afresh. Only live subscriptions
+    (`_Live`, read windows) are handed a shared object: they only read it, where a query's
+    caller owns the list of events it gets.
+    """
+
+    __slots__ = ("max_bytes", "bytes", "_entries")
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[str, tuple[dict[str, object], int]] = OrderedDict()
+
+    def get(self, rest: str) -> dict[str, object] | None:
+        entry = self._entries.get(rest)
+        if entry is None:
+            return None
+        self._entries.move_to_end(rest)
+        return entry[0]
+
+    def put(self, rest: str, event: dict[str, object]) -> None:
+        if rest in self._entries:
+            return
+        cost = sys.getsizeof(rest) + decoded_size(event)
+        if cost > self.max_bytes:
+            return
+        self._entries[rest] = (event, cost)
+        self.bytes += cost
+        while self.bytes > self.max_bytes:
+            _, (_, dropped) = self._entries.popitem(last=False)
+            self.bytes -= dropped
+
+
 class _Connection:
     """One WebSocket to the relay, used by one agent. State only; the pool drives it."""
 
@@ -708,6 +755,7 @@ class RelayPool:
         self._failures = 0
         self._retry_at = 0.0
         self._ssl = ssl.create_default_context() if self._url.secure else None
+        self._bodies = _EventBodies(EVENT_BODIES_BYTES)
 
     @property
     def url(self) -> str:
@@ -884,6 +932,15 @@ class RelayPool:
                 frame = await ws.get_message()
             except trio_websocket.ConnectionClosed as exc:
                 return f"connection closed ({exc.reason.code if exc.reason else 'no close frame'})"
+            # A live subscription's EVENT whose rest is one parsed lately: that event
+            # (`_EventBodies`); any other frame is parsed in full.
+            parts = split_event_frame(frame) if isinstance(frame, str) else None
+            live = parts is not None and isinstance(conn.subscriptions.get(parts[0]), _Live)
+            if parts is not None and live:
+                event = self._bodies.get(parts[1])
+                if event is not None:
+                    conn.dispatch(EventMessage(subscription_id=parts[0], event=event))
+                    continue
             try:
                 msg = parse_relay_message(frame)
             except RelayProtocolError as exc:
@@ -892,6 +949,8 @@ class RelayPool:
                     agent=conn.agent, code=exc.code, detail=exc.detail[:200],
                 )
                 return f"protocol error ({exc.code})"
+            if parts is not None and live and isinstance(msg, EventMessage):
+                self._bodies.put(parts[1], msg.event)
             conn.dispatch(msg)
 
     # AUTH -------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ __all__ = [
     "encode_req",
     "machine_prefix",
     "parse_relay_message",
+    "split_event_frame",
     "subscription_id",
 ]
 
@@ -250,6 +251,28 @@ def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
 
 def _no_constants(name: str) -> NoReturn:
     raise RelayProtocolError("not_json", f"{name} is not JSON")
+
+
+#: The start of an EVENT frame whose subscription id JSON reads as its own characters
+#: (printable ASCII without a quote or a backslash, 1-64 of them), as every id this
+#: client sends is (`subscription_id`). What follows is the event and the closing bracket.
+_EVENT_FRAME = re.compile(r'\["EVENT","([ !#-\[\]-~]{1,64})",')
+
+
+def split_event_frame(frame: str) -> tuple[str, str] | None:
+    """An EVENT frame's subscription id and the text after it, or None.
+
+    Why: a fleet's agents receive the same event on their own connections, one frame
+    each, differing only in the subscription id. The JSON reader's state after
+    ``["EVENT","<id>",`` is the same whatever such an id, so `parse_relay_message` of
+    the frame is ``EVENT``, that id, and whatever the rest reads as: a frame whose rest
+    is exactly one already parsed (and found a 3-item EVENT with an object) parses to
+    an equal event. Only a frame that starts this way, byte for byte, is split.
+    """
+    match = _EVENT_FRAME.match(frame)
+    if match is None:
+        return None
+    return match.group(1), frame[match.end():]
 
 
 def parse_relay_message(text: str | bytes) -> RelayMessage:

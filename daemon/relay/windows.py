@@ -48,7 +48,8 @@ Theory of operation:
 * Encoded and held once: each distinct event (id and signature) is held once by the cache,
   with its canonical encoded bytes, however many windows name it (`WindowCache.hold`);
   an answer is those bytes joined, so a changed window costs its new events, and the
-  default page's join is kept until the window changes (`Served.encoded_messages`).
+  default page is kept whole (events, position, bytes) per limit until the window
+  changes (`Window.serve`).
 * Bounded: the windows' estimated bytes together (`max_bytes`, ``[relay]
   read_window_bytes``; each held event once, plus each window's references) evict least
   recently used windows; a window alone above it is not kept. How many channels agents
@@ -71,8 +72,10 @@ import json
 import logging
 import random
 from collections import OrderedDict
+from itertools import accumulate
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import trio
 
@@ -126,8 +129,10 @@ _AGE_JITTER = 0.25
 Accept = Callable[[Mapping[str, object]], Event | None]
 
 
-@dataclass(frozen=True, slots=True)
-class WindowKey:
+class WindowKey(NamedTuple):
+    """Whose window of what. A tuple, not a dataclass: a poll hashes it three times, and
+    a tuple of strings hashes in C (their hashes cached) where a dataclass runs Python."""
+
     agent: str
     channel_id: str
     mentions_only: bool
@@ -159,13 +164,22 @@ def _encode(event: Event) -> bytes:
 class _Held:
     """One distinct signed event (id and signature) held by one or more windows."""
 
-    __slots__ = ("event", "encoded", "cost", "refs")
+    __slots__ = ("event", "encoded", "cost", "refs", "_sized_by", "_size")
 
     def __init__(self, event: Event) -> None:
         self.event = event
         self.encoded = _encode(event)
         self.cost = _event_cost(event, self.encoded)
         self.refs = 0
+        self._sized_by: Callable[[Event], int] | None = None
+        self._size = 0
+
+    def size(self, size_of: Callable[[Event], int]) -> int:
+        """`size_of(event)`, computed once for the windows that all measure alike (the
+        same id and signature are the same event, so the same size)."""
+        if self._sized_by is not size_of:
+            self._size, self._sized_by = size_of(self.event), size_of
+        return self._size
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,9 +210,13 @@ class Window:
         self._keep = keep
         self._max_page_bytes = max_page_bytes
         self._size_of = size_of
+        # Parallel lists, newest first, one slot per event: a page is slices of them, so a
+        # poll costs C-level slicing and joining, not a Python loop over 100 events.
         self._keys: list[SortKey] = []
         self._held: list[_Held] = []
         self._sizes: list[int] = []
+        self._events: list[Event] = []
+        self._blobs: list[bytes] = []
         self._ids: set[str] = set()
         #: more events exist below the window (the channel holds more than it keeps)
         self._more = False
@@ -213,7 +231,8 @@ class Window:
         self.filled_at = 0.0
         self.max_age = 0.0
         self.subscription: LiveSubscription | None = None
-        self._encoded: dict[int, bytes] = {}
+        #: the default page per limit, kept until the window changes (`_changed`)
+        self._pages: dict[int, Served] = {}
         #: ids placed live while a check (`begin_check`, `confirms`) is being read
         self._arrived: set[str] | None = None
 
@@ -261,9 +280,9 @@ class Window:
         self._cache.forget(self)
         for held in self._held:
             self._cache.release(held)
-        self._held, self._keys, self._sizes = [], [], []
+        self._held, self._keys, self._sizes, self._events, self._blobs = [], [], [], [], []
         self._ids.clear()
-        self._encoded.clear()
+        self._pages.clear()
 
     def fill(self, page: Page[Event]) -> bool:
         """Take the cold read's page as the window's content; False when it cannot be
@@ -282,15 +301,29 @@ class Window:
     def _insert(self, event: Event) -> None:
         key = order_key(event.created_at, event.id)
         at = bisect.bisect_left(self._keys, key)
+        held = self._cache.hold(event)
         self._keys.insert(at, key)
-        self._held.insert(at, self._cache.hold(event))
-        self._sizes.insert(at, self._size_of(event))
+        self._held.insert(at, held)
+        self._sizes.insert(at, held.size(self._size_of))
+        self._events.insert(at, held.event)
+        self._blobs.insert(at, held.encoded)
+        self._ids.add(event.id)
+
+    def _append(self, event: Event) -> None:
+        held = self._cache.hold(event)
+        self._keys.append(order_key(event.created_at, event.id))
+        self._held.append(held)
+        self._sizes.append(held.size(self._size_of))
+        self._events.append(held.event)
+        self._blobs.append(held.encoded)
         self._ids.add(event.id)
 
     def _drop_bottom(self) -> None:
         held = self._held.pop()
         self._keys.pop()
         self._sizes.pop()
+        self._events.pop()
+        self._blobs.pop()
         self._ids.discard(held.event.id)
         self._cache.release(held)
         self._more = True
@@ -309,7 +342,7 @@ class Window:
         # What falls off the bottom still exists, so a cursor is due from there on.
         while len(self._held) > self._keep:
             self._drop_bottom()
-        self._encoded.clear()
+        self._pages.clear()
 
     def begin_check(self) -> None:
         """A check's read starts: events arriving live meanwhile are noted, since the
@@ -373,49 +406,49 @@ class Window:
             if key <= self._keys[-1] or event.id in self._ids:
                 return  # not strictly below: not the continuation this window expects
         for event in page.items:
-            self._keys.append(order_key(event.created_at, event.id))
-            self._held.append(self._cache.hold(event))
-            self._sizes.append(self._size_of(event))
-            self._ids.add(event.id)
+            self._append(event)
         self._more = page.next_position is not None
         while len(self._held) > self._keep:
             self._drop_bottom()
-        self._encoded.clear()
+        self._pages.clear()
         self._cache.resized(self)
 
     def serve(self, limit: int, after: Position | None = None) -> Served | None:
         """The page a cold read with `limit` (<= depth) after `after` (None: the newest)
         would return now; None when the window does not hold it (a continuation below
         the window's bottom)."""
-        start = 0
-        if after is not None:
-            start = bisect.bisect_right(self._keys, order_key(after.created_at, after.event_id))
+        if after is None:
+            # The default page is the same until the window changes (every change clears
+            # `_pages`): an unchanged window's poll is one lookup.
+            page = self._pages.get(limit)
+            if page is None:
+                page = self._page(limit, 0)
+                if page is not None:
+                    self._pages[limit] = page
+            return page
+        start = bisect.bisect_right(self._keys, order_key(after.created_at, after.event_id))
+        return self._page(limit, start)
+
+    def _page(self, limit: int, start: int) -> Served | None:
         # The page's own bounds, as daemon/relay/paging.py cuts them: `limit` events, and
-        # the byte bound before the event that would cross it (at least one event).
-        end, held_bytes, cut = start, 0, False
-        while end < len(self._held) and end - start < limit:
-            size = self._sizes[end]
-            if end > start and held_bytes + size > self._max_page_bytes:
-                cut = True
-                break
-            held_bytes += size
-            end += 1
+        # the byte bound before the event that would cross it (at least one event). Sizes
+        # are positive, so their running sums rise and the bound is one bisection.
+        stop = min(len(self._held), start + limit)
+        end, cut = start, False
+        if start < stop:
+            sums = list(accumulate(self._sizes[start:stop]))
+            end = start + max(1, bisect.bisect_right(sums, self._max_page_bytes))
+            cut = end < stop
         if end - start < limit and not cut and self._more:
             return None  # the relay holds the rest of this page below the window
-        held = self._held[start:end]
-        messages = tuple(h.event for h in held)
+        messages = tuple(self._events[start:end])
         position = None
         if messages and (cut or end < len(self._held) or self._more):
             last = messages[-1]
             position = Position(created_at=last.created_at, event_id=last.id)
         # Joined from each event's encoded form, made once per distinct event: a changed
-        # window costs its new events, not the whole page. The default page's join is
-        # kept per limit until the window changes; a cursor page's is not kept.
-        encoded = self._encoded.get(limit) if after is None else None
-        if encoded is None:
-            encoded = b'{"messages":[' + b",".join(h.encoded for h in held) + b"]"
-            if after is None:
-                self._encoded[limit] = encoded
+        # window costs its new events, not the whole page.
+        encoded = b'{"messages":[' + b",".join(self._blobs[start:end]) + b"]"
         return Served(messages=messages, next_position=position, encoded_messages=encoded)
 
 

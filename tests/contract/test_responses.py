@@ -237,6 +237,21 @@ def test_events_are_held_to_seven_members() -> None:
     assert err.value.pointer == "/extra"
 
 
+def test_a_page_of_built_events_is_checked_as_a_page_of_wire_events() -> None:
+    """ReadOutcome passes a tuple of built Events at once (the read path builds one per
+    answer); anything else in the tuple is still refused, and the limit still holds."""
+    from buzzwire.contract import ReadOutcome
+
+    event = Event.from_json_obj(EVENT)
+    page = (event, event)
+    assert ReadOutcome(messages=page).messages is page
+    for bad in (EVENT, None, "x", ((event,),)):
+        with pytest.raises(ValueError):
+            ReadOutcome(messages=(event, bad))  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        ReadOutcome(messages=(event,) * 501)
+
+
 def test_a_page_never_exceeds_the_largest_limit() -> None:
     wire = {"type": "broker_result", "protocolVersion": 1, "requestId": REQUEST_ID,
             "status": "succeeded", "action": "channel.read", "outcome": {"messages": [EVENT] * 501}}

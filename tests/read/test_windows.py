@@ -545,3 +545,51 @@ def test_a_check_leaves_out_what_arrived_live_while_it_was_read() -> None:
     # Without the live arrival noted, the same answer lacks the window's newest event.
     assert not window.confirms(answer)
     window.end("test")
+
+
+async def test_a_window_cuts_every_page_where_a_cold_read_cuts_it() -> None:
+    """Served from a window, any page (the newest, or after any cursor position, with any
+    limit and any byte bound) is the page paging reads from the relay: the same events,
+    the same end, the same continuation position, and the events' canonical bytes."""
+    from daemon.relay.cursor import Position
+    from daemon.relay.paging import read_page
+    from daemon.relay.windows import Window
+
+    from buzzwire.contract import Event
+    from tests.read.fake_relay import FakeRelay
+
+    author, channel = TestKey(), new_channel()
+    # Sizes that differ per event, several per second, so byte cuts fall anywhere.
+    items = [author.sign(9, "x" * (37 * n % 500), [["h", channel]], NOW - n // 3)
+             for n in range(40)]
+    relay = FakeRelay(items, cap=500, seed=3)
+    bases: list[dict[str, object]] = [{"kinds": [9], "#h": [channel]}]
+
+    def size(event: Event) -> int:
+        return 300 + len(event.content)
+
+    async def cold(limit: int, after: Position | None, max_bytes: int) -> Any:
+        return await read_page(relay.query, bases, after=after, limit=limit,
+                               accept=Event.from_json_obj, max_bytes=max_bytes, size_of=size)
+
+    everything = await cold(100, None, 1 << 30)
+    positions: list[Position | None] = [None] + [
+        Position(created_at=e.created_at, event_id=e.id) for e in everything.items[:-1]]
+    for max_bytes in (1, 700, 2000, 5000, 1 << 20):
+        cache = WindowCache(None, depth=100, keep=100)  # type: ignore[arg-type]
+        window = Window(cache, WindowKey("a" * 64, channel, False), Event.from_json_obj, 100,
+                        max_bytes, size, 100)
+        assert window.fill(everything)
+        for limit in (1, 3, 7, 100):
+            for after in positions:
+                served = window.serve(limit, after)
+                page = await cold(limit, after, max_bytes)
+                assert served is not None
+                assert [e.id for e in served.messages] == [e.id for e in page.items]
+                assert served.next_position == page.next_position, (max_bytes, limit, after)
+                assert served.encoded_messages == b'{"messages":' + json.dumps(
+                    [e.to_json_obj() for e in page.items], separators=(",", ":"),
+                    ensure_ascii=False).encode()
+        # The newest page again, from what `serve` kept: the same answer.
+        assert window.serve(3) == window.serve(3)
+        window.end("test")
