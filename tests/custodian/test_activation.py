@@ -37,10 +37,11 @@ def _listener(config: Path, socket_path: Path, log: Path) -> subprocess.Popen[by
     # It starts the program with only the variables named by -E (as PID 1 starts a unit
     # with only its Environment=): pass ours on.
     keep = [f"-E{name}" for name in env if name.isidentifier()]
-    proc = subprocess.Popen(
-        [ACTIVATE, "-l", str(socket_path), *keep, "--", sys.executable, "-m",
-         "custody.custodian", str(config)], cwd=_ROOT, env=env, stdout=log.open("ab"),
-        stderr=subprocess.STDOUT)
+    with log.open("ab") as out:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            [ACTIVATE, "-l", str(socket_path), *keep, "--", sys.executable, "-m",
+             "custody.custodian", str(config)], cwd=_ROOT, env=env, stdout=out,
+            stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 10
     while not socket_path.is_socket():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()

@@ -6,6 +6,8 @@ tail (custody/custodian/messages.py, `TAILS`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import coincurve
 import pytest
 
@@ -22,7 +24,7 @@ async def test_no_secret_in_the_custodians_log_answers_or_stderr(
     secret = coincurve.PrivateKey()
     scan.add(key_secret("agent", secret.secret.hex()))
     pin_file = custodian.config.read_text().split('pin_file = "', 1)[1].split('"', 1)[0]
-    scan.add(text_secret("pin", open(pin_file).read().strip()))
+    scan.add(text_secret("pin", Path(pin_file).read_text().strip()))
     owner = coincurve.PrivateKey().public_key_xonly.format().hex()
     client = await CustodianClient.open(custodian.socket)
     agent = (await client.import_agent(bytearray(secret.secret.hex().encode()),

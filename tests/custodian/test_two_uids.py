@@ -238,9 +238,10 @@ def layout(request: pytest.FixtureRequest, local_relay: str) -> Iterator[Layout]
             os.chown(run_dir, k_uid, d_gid)
             run_dir.chmod(0o2750)
             log = base / "custodian.log"
-            custodian = subprocess.Popen(
-                [*holder, sys.executable, "-m", "custody.custodian", str(custodian_config)],
-                env=token_env, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+            with log.open("wb") as out:  # the child keeps its own descriptor
+                custodian = subprocess.Popen(
+                    [*holder, sys.executable, "-m", "custody.custodian", str(custodian_config)],
+                    env=token_env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
             procs.append(custodian)
             _wait(custodian_socket, custodian, log)
             daemon_config["custody"] = {"custodian_socket": str(custodian_socket)}
@@ -267,8 +268,9 @@ def layout(request: pytest.FixtureRequest, local_relay: str) -> Iterator[Layout]
                            channel, "--action", "message.post", "--ttl", "1d", "--any-uid"],
                           d_env)
         log = d_home / "broker.log"
-        daemon = subprocess.Popen([*daemon_cli, "serve"], env=d_env, cwd=REPO,
-                                  stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+        with log.open("wb") as err:  # the child keeps its own descriptor
+            daemon = subprocess.Popen([*daemon_cli, "serve"], env=d_env, cwd=REPO,
+                                      stdout=subprocess.DEVNULL, stderr=err)
         procs.append(daemon)
         _wait(d_home / "broker.sock", daemon, log)
         answer = _post(d_home / "broker.sock", credential, channel)

@@ -126,9 +126,9 @@ def test_import_buffer_is_zeroed_when_custody_never_opens(
         return held[0]
 
     monkeypatch.setattr(agent_cli, "_read_secret", read)
-    monkeypatch.setattr("sys.stdin", open(os.devnull))  # pytest's stdin has no fileno
     args = argparse.Namespace(owner=PUB_2, name=None, auth_tag=None)
-    with pytest.raises(CliError) as raised:
+    with open(os.devnull) as devnull, pytest.raises(CliError) as raised:
+        monkeypatch.setattr("sys.stdin", devnull)  # pytest's stdin has no fileno
         agent_cli._import(args, load_config(str(cli.config)))
     assert "keys init" in str(raised.value)  # control: custody refused at open, no KEK
     assert held and held[0] == bytearray(len(SECRET_2))
@@ -166,7 +166,8 @@ def test_import_on_a_terminal_prompts_on_stderr_and_does_not_echo(cli: Cli) -> N
         os.write(master, SECRET_1.encode() + b"\n")
         os.write(master, b"\x04")  # Ctrl-D: end of input
         assert child.stdout is not None
-        out = child.stdout.read()
+        with child.stdout:
+            out = child.stdout.read()
         assert child.wait(timeout=60) == 0
         read_until(b"\n")
         if select.select([master], [], [], 0.2)[0]:
@@ -244,4 +245,6 @@ def test_keys_rotate_refuses_while_the_daemon_holds_custody(cli: Cli) -> None:
         assert holder.stdin is not None
         holder.stdin.close()
         holder.wait(timeout=60)
+        assert holder.stdout is not None
+        holder.stdout.close()
     assert cli("keys", "rotate").returncode == 0

@@ -41,8 +41,17 @@ class World:
     not_delivered: list[dict[str, Any]]
 
 
+#: Publishes in flight at once while filling. LocalRelay answers every EVENT it refuses
+#: before AUTH with a new challenge and forgets all of them once more than 20 are
+#: outstanding on a connection; a fresh connection sends everything in flight before the
+#: first challenge arrives, so past 20 the pool can answer a forgotten one under load
+#: ("auth-required: received invalid challenge"). At most this many can reach one agent's
+#: connection unauthenticated.
+PUBLISHES_IN_FLIGHT = 16
+
+
 async def _publish_all(pool: RelayPool, events: list[dict[str, Any]]) -> None:
-    limiter = trio.CapacityLimiter(32)
+    limiter = trio.CapacityLimiter(PUBLISHES_IN_FLIGHT)
 
     async def one(ev: dict[str, Any]) -> None:
         async with limiter:
