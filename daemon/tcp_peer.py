@@ -14,13 +14,17 @@ kernel recorded it then, translated into our user namespace).
 
 Decided against /proc/net/tcp{,6} as a fallback: it is a scan of every socket on the
 machine per connection (measured on the 2-core dev machine with 1,000 loopback sockets
-open: 32 us per sock_diag lookup, 4.2 ms to read /proc/net/tcp once), and the unit's ``ProcSubset=pid`` hides /proc/net from the daemon
-altogether, so a fallback would only run outside the unit. sock_diag needs ``AF_NETLINK``
+open: 32 us per sock_diag lookup, 4.2 ms to read /proc/net/tcp once), and the unit's
+``ProcSubset=pid`` hides /proc/net from the daemon altogether, so a fallback would only run
+outside the unit. sock_diag needs ``AF_NETLINK``
 in the unit's ``RestrictAddressFamilies=`` (it is there) and no privilege: the exact
 lookup is open to every user, as ``ss -e`` shows.
 
 Fails closed: no answer, an error, a malformed answer, or a peer that is not on loopback is
-None, and the listener refuses a connection whose uid is None (daemon/http.py).
+None, and the listener refuses a connection whose uid is None (daemon/http.py). So is a
+client socket no process holds any more (inode 0): a client that sent its request and
+closed before we looked is a TIME-WAIT (or orphaned FIN-WAIT) entry, which the kernel
+reports as uid 0 — read literally, root. A socket with an owner always has an inode.
 
 Pure socket work; no trio, no logging: one request and one answer on a fresh netlink
 socket with a short timeout (the kernel answers from memory, in microseconds).
@@ -77,11 +81,13 @@ def _uid_from(answer: bytes, expected_sockid: bytes) -> int | None:
     length, kind, _flags, _seq, _pid = _NLMSGHDR.unpack_from(answer)
     if kind != SOCK_DIAG_BY_FAMILY or length < _NLMSGHDR.size + _DIAG_MSG.size:
         return None  # NLMSG_ERROR (no such socket: ENOENT) or anything else: unknown
-    _fam, _state, _timer, _retrans, sockid, _exp, _rq, _wq, uid, _inode = _DIAG_MSG.unpack_from(
+    _fam, _state, _timer, _retrans, sockid, _exp, _rq, _wq, uid, inode = _DIAG_MSG.unpack_from(
         answer, _NLMSGHDR.size)
     # The kernel found the socket by this 4-tuple; check it answered for that one.
     if sockid[:36] != expected_sockid[:36]:
         return None
+    if inode == 0:
+        return None  # no process holds it: its uid field is the kernel's 0, not an owner
     return int(uid)
 
 

@@ -16,6 +16,7 @@ import functools
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -191,6 +192,48 @@ async def test_uid_bound_credential_refused_from_another_uid(tcp_host: Host) -> 
     request = http_request(tcp_host.port, storage_address(), tcp_host.root_bound)
     status, _, body = await as_uid(0, tcp_host.port, request)
     assert status == 200 and outcome(body)[0] == "succeeded", body
+
+
+#: A client of another uid that sends its request and closes at once, not waiting.
+SEND_AND_GO = r"""
+import os, socket, sys
+uid, port, request = int(sys.argv[1]), int(sys.argv[2]), bytes.fromhex(sys.argv[3])
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+s = socket.create_connection(("127.0.0.1", port), timeout=10)
+s.sendall(request)
+s.close()
+"""
+
+
+@needs_root
+async def test_a_client_gone_before_the_lookup_is_not_root(tcp_host: Host) -> None:
+    """uid 65534 sends a request with a root-bound credential and closes before the daemon
+    accepts: its socket is then a TIME-WAIT entry, which the kernel reports as uid 0. The
+    daemon must not read that as root: the request is refused unjudged (nothing audited),
+    while the same request from a live uid-0 client is answered and counted."""
+    assert SYSTEM_PYTHON is not None
+    request = http_request(tcp_host.port, storage_address(), tcp_host.root_bound)
+    os.kill(tcp_host.daemon.pid, signal.SIGSTOP)  # the kernel still completes connects
+    try:
+        done = await trio.to_thread.run_sync(functools.partial(
+            subprocess.run, [SYSTEM_PYTHON, "-c", SEND_AND_GO, str(NOBODY), str(tcp_host.port),
+                             request.hex()], capture_output=True, timeout=30, cwd="/"))
+        assert done.returncode == 0, done.stderr.decode()
+        await trio.sleep(0.2)  # the client's FIN acknowledged: its end is TIME-WAIT now
+    finally:
+        os.kill(tcp_host.daemon.pid, signal.SIGCONT)
+    with trio.move_on_after(10):  # the refusal is logged; on old code it never comes
+        while '"event":"tcp_refused"' not in tcp_host.daemon.log():
+            await trio.sleep(0.05)
+    status, _, body = await as_uid(0, tcp_host.port,
+                                   http_request(tcp_host.port, storage_address(),
+                                                tcp_host.root_bound))
+    assert status == 200 and outcome(body)[0] == "succeeded", body
+    assert await tcp_host.daemon.stop() == 0  # every record written
+    counted = [json.loads(line) for line in tcp_host.audit_bytes().splitlines()
+               if b'"phase":"reads"' in line and b'"storage.address"' in line]
+    assert sum(line["count"] for line in counted) == 1  # the live client's, not the gone one's
+    assert '"event":"tcp_refused"' in tcp_host.daemon.log()
 
 
 @needs_root
@@ -458,6 +501,26 @@ def test_peer_uid_is_the_client_sockets_owner(family: int, host: str) -> None:
                 client.close()  # RST: the client's socket leaves the table at once
                 time.sleep(0.05)
                 assert peer_uid(conn) is None
+
+
+@pytest.mark.parametrize("family, host", [(socket.AF_INET, "127.0.0.1"),
+                                          (socket.AF_INET6, "::1")])
+def test_peer_uid_of_a_client_that_already_closed_is_unknown(family: int, host: str) -> None:
+    """A client that closed (FIN, no RST) leaves a TIME-WAIT entry the kernel reports with
+    uid 0 and no inode: that is no owner at all, not root."""
+    with socket.socket(family) as listener:
+        try:
+            listener.bind((host, 0))
+        except OSError:
+            pytest.skip(f"no {host} on this machine")
+        listener.listen()
+        client = socket.create_connection(listener.getsockname()[:2])
+        client.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        client.close()
+        time.sleep(0.05)
+        conn, _ = listener.accept()
+        with conn:
+            assert peer_uid(conn) is None
 
 
 async def test_status_says_which_rule_holds_the_port(tcp_host: Host) -> None:
