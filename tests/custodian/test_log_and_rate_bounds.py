@@ -1,0 +1,120 @@
+"""What docs/custodian.md promises of the custodian's own bounds, on a real custodian (real
+token, its own process), asked straight over its socket as a compromised pipeline would:
+
+- a per-agent token bucket of `signatures_per_minute`: past it, `rate_limited`, and for
+  that agent only;
+- `signed.jsonl` bounded by `log_max_bytes`, one older file kept, the chain going on
+  across the move;
+- an observer frame's (24200) and a memory event's (30174) `p` must name the signer's own
+  recorded owner (and the frame's `agent` the signer itself).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from custody import TokenConfig
+from custody.custodian.client import CustodianClient
+from custody.custodian.ledger import verify_chain
+from tests.custodian.test_refusals import ask, held, human, intent, refused
+from tests.fixtures.custodian import CustodianProcess, write_custodian_config
+
+PER_MINUTE = 5
+LOG_MAX_BYTES = 4096
+
+
+@pytest.fixture
+def bounded(custody_state: tuple[TokenConfig, Path], local_relay: str,
+            tmp_path: Path) -> Iterator[CustodianProcess]:
+    """A custodian with a small signing bound and a small log, its log in `tmp_path`."""
+    token, state_dir = custody_state
+    socket = tmp_path / "custodian.sock"
+    config = write_custodian_config(tmp_path / "custodian.toml", token=token,
+                                    state_dir=state_dir, socket=socket, relay_url=local_relay,
+                                    signatures_per_minute=PER_MINUTE)
+    text = config.read_text()
+    config.write_text(text.replace("[custodian]\n", "[custodian]\n" + "".join(
+        f"{k} = {json.dumps(v)}\n" for k, v in
+        {"log_dir": str(tmp_path / "log"), "log_max_bytes": LOG_MAX_BYTES}.items()), 1))
+    process = CustodianProcess(config, socket)
+    process.start()
+    yield process
+    process.stop()
+
+
+def post(agent: str, n: int = 1) -> list[dict[str, object]]:
+    return [intent(agent, 9, [["h", "chan"]], f"message {i}") for i in range(n)]
+
+
+def rate_limited(answer: tuple[bool, object]) -> bool:
+    ok, value = answer
+    return not ok and isinstance(value, tuple) and value[0] == "rate_limited"
+
+
+async def test_an_agent_past_its_bound_is_rate_limited_alone(bounded: CustodianProcess) -> None:
+    client = await CustodianClient.open(bounded.socket)
+    first, second = await held(client, human()), await held(client, human())
+    ok, events = ask(bounded.socket, "sign", events=post(first, PER_MINUTE))
+    assert ok and isinstance(events, list) and len(events) == PER_MINUTE
+    assert rate_limited(ask(bounded.socket, "sign", events=post(first)))
+    assert rate_limited(ask(bounded.socket, "sign_auth", agent=first,
+                            relay_url=bounded_relay(bounded), challenge="c",
+                            created_at=1_700_000_000))
+    # another agent's bucket is its own; a batch larger than a whole bucket is refused whole
+    assert ask(bounded.socket, "sign", events=post(second))[0]
+    assert rate_limited(ask(bounded.socket, "sign", events=post(second, PER_MINUTE)))
+    await client.aclose()
+
+
+def bounded_relay(process: CustodianProcess) -> str:
+    line = next(line for line in process.config.read_text().splitlines()
+                if line.startswith("relay_url"))
+    value: str = json.loads(line.split("=", 1)[1])
+    return value
+
+
+async def test_the_log_keeps_one_older_file_and_its_chain_goes_on(
+        bounded: CustodianProcess, tmp_path: Path) -> None:
+    client = await CustodianClient.open(bounded.socket)
+    agents = [await held(client, human()) for _ in range(12)]
+    for round_ in range(PER_MINUTE):
+        for agent in agents:
+            assert ask(bounded.socket, "sign", events=post(agent))[0], (round_, agent)
+    await client.aclose()
+    log = tmp_path / "log"
+    assert sorted(p.name for p in log.glob("signed.jsonl*")) == ["signed.jsonl", "signed.jsonl.1"]
+    older, current = log / "signed.jsonl.1", log / "signed.jsonl"
+    older_lines = older.read_text().splitlines()
+    # moved once past the bound: never more than the bound and the one line that passed it
+    assert LOG_MAX_BYTES < older.stat().st_size <= LOG_MAX_BYTES + len(older_lines[-1]) + 1
+    assert current.stat().st_size <= LOG_MAX_BYTES + 1024
+    last = json.loads(older_lines[-1])
+    assert verify_chain(older, start=json.loads(older_lines[0])["prev"]) == len(older_lines)
+    assert verify_chain(current, start=last["hash"]) >= 1
+    assert json.loads(current.read_text().splitlines()[0])["seq"] == last["seq"] + 1
+    signed = [json.loads(line) for line in current.read_text().splitlines()]
+    assert signed[-1]["op"] == "sign" and signed[-1]["agent"] == agents[-1]
+
+
+async def test_observer_and_memory_events_name_the_signers_own_owner(
+        bounded: CustodianProcess) -> None:
+    client = await CustodianClient.open(bounded.socket)
+    owner, stranger = human(), human()
+    agent = await held(client, owner)
+    other = await held(client, owner)
+
+    def frame(p: str, about: str) -> dict[str, object]:
+        return intent(agent, 24200, [["p", p], ["agent", about], ["frame", "turn"]], "x")
+
+    def memory(p: str) -> dict[str, object]:
+        return intent(agent, 30174, [["d", "a" * 64], ["p", p]], "x")
+
+    assert ask(bounded.socket, "sign", events=[frame(owner, agent), memory(owner)])[0]
+    for wrong in (frame(stranger, agent), frame(owner, other), memory(stranger),
+                  memory(agent)):
+        assert refused(ask(bounded.socket, "sign", events=[wrong])), wrong["tags"]
+    await client.aclose()
