@@ -427,11 +427,13 @@ def _loopback_listen(value: object, _base: Path | None) -> object:
         raise _Bad(expectation)
     host = match.group(1) or match.group(2)
     port = int(match.group(3))
-    if not 0 < port < 65536 or not is_loopback_host(host):
-        raise _Bad(expectation)
     if host.lower() in LOOPBACK_NAMES:
         host = "127.0.0.1"  # a name could resolve elsewhere; bind the address it means
-    return host, port
+    # Only the literals a scrape's Host may name (daemon/loopback_tcp.py): 127.0.0.2 is
+    # loopback too, but a listener there would refuse every request it got.
+    if not 0 < port < 65536 or host.lower() not in TCP_HOSTS:
+        raise _Bad(expectation)
+    return host.lower(), port
 
 
 #: The only hosts [server] listen_tcp binds: the literals a request's Host may name

@@ -352,8 +352,10 @@ def process_lines() -> list[str]:
 
 #: The bounds of the metrics listeners (the admin socket and the TCP listener), smaller
 #: than the agents' socket's because a scrape is one short GET from one scraper:
-#: - 4 connections at once (per peer uid too; every TCP peer counts as one), further
-#:   clients wait in the listen backlog as on the agents' socket;
+#: - 8 connections at once, further clients waiting in the listen backlog as on the
+#:   agents' socket; 2 of them per peer uid (the kernel's, over TCP too), past which a
+#:   connection is 503 at once: any local user can reach the TCP port, and one that held
+#:   every slot would starve the scraper;
 #: - one request per connection (``Connection: close``): an idle scraper holds no slot;
 #: - 8 KiB of request head; no body (any body is 413, nothing is held: the byte budget
 #:   is the 1-byte minimum `daemon.http.HttpLimits` allows);
@@ -361,8 +363,8 @@ def process_lines() -> list[str]:
 #: The metrics servers are cancelled (hard stop) once the agents' socket has drained, so
 #: the grace period is never used.
 SCRAPE_LIMITS = HttpLimits(
-    max_connections=4,
-    max_connections_per_uid=4,
+    max_connections=8,
+    max_connections_per_uid=2,
     max_inflight_bytes=1,
     max_body_bytes=0,
     max_header_bytes=8 * 1024,

@@ -327,6 +327,7 @@ def test_wrong_type_names_key_and_file(tmp_path: Path, row: object) -> None:
         ("log", "level", '"loud"'),
         ("metrics", "listen", '"0.0.0.0:9464"'),
         ("metrics", "listen", '"10.0.0.1:9464"'),
+        ("metrics", "listen", '"127.0.0.2:9464"'),  # loopback, but no Host it would accept
         ("metrics", "listen", '"127.0.0.1"'),
         ("metrics", "listen", '"127.0.0.1:0"'),
         ("metrics", "listen", '"[::1]:70000"'),

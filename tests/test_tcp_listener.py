@@ -482,6 +482,59 @@ async def test_metrics_listener_refuses_browsers(extra: str) -> None:
         nursery.cancel_scope.cancel()
 
 
+#: Another uid holding as many metrics connections as it may: it opens SCRAPE_HOLD, then
+#: prints what each got within half a second (nothing: held; else its first bytes), and
+#: holds them open until its stdin closes.
+SCRAPE_HOLD = 4
+HOLD_SCRAPES = r"""
+import json, os, socket, sys, time
+uid, port, count = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(count)]
+time.sleep(0.5)
+got = []
+for s in held:
+    s.setblocking(False)  # with a timeout set, recv would wait for the answer
+    try:
+        got.append(s.recv(12).decode())
+    except BlockingIOError:
+        got.append("")
+print(json.dumps(got), flush=True)
+sys.stdin.read()
+"""
+
+
+@needs_root
+async def test_one_uid_cannot_hold_every_metrics_connection() -> None:
+    """Any local user can reach [metrics] listen: one uid may hold only its share of the
+    scrape slots (the rest of its connections 503 at once), so another uid's scrape is
+    answered at once while they are held."""
+    assert SYSTEM_PYTHON is not None
+    tcp = bind_tcp_socket("127.0.0.1", 0)
+    port = tcp.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve, scrape_routes(Metrics(actions=ACTIONS)), tcp, SCRAPE_LIMITS)
+        holder = subprocess.Popen([SYSTEM_PYTHON, "-c", HOLD_SCRAPES, str(NOBODY), str(port),
+                                   str(SCRAPE_HOLD)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, cwd="/")
+        try:
+            assert holder.stdout is not None and holder.stdin is not None
+            got = json.loads(await trio.to_thread.run_sync(holder.stdout.readline))
+            share = SCRAPE_LIMITS.max_connections_per_uid
+            assert got == [""] * share + ["HTTP/1.1 503"] * (SCRAPE_HOLD - share)
+            with trio.fail_after(2):  # well inside the 5 s a held slot could last
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                async with stream:
+                    await stream.send_all(
+                        f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+                    assert (await stream.receive_some(65536)).startswith(b"HTTP/1.1 200 ")
+        finally:
+            assert holder.stdin is not None
+            holder.stdin.close()
+            holder.wait(10)
+        nursery.cancel_scope.cancel()
+
+
 @pytest.mark.parametrize("family, host", [(socket.AF_INET, "127.0.0.1"),
                                           (socket.AF_INET6, "::1")])
 def test_peer_uid_is_the_client_sockets_owner(family: int, host: str) -> None:
