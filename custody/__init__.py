@@ -72,7 +72,7 @@ _SURFACE: dict[str, str] = {
                      "RestoreResult", "open_backup", "restore_backup", "restore_plan"),
                     "custody._restore"),
     **dict.fromkeys(("CustodyError", "UnknownAgent", "UnsealFailed"), "custody._errors"),
-    "Custody": "custody._facade",
+    **dict.fromkeys(("Custody", "HeldOwner"), "custody._facade"),
     **dict.fromkeys(("check_token", "init_kek", "init_keys", "rotate_keys"), "custody._keys"),
     "KeyIndex": "custody._keyindex",
     **dict.fromkeys(("CachePolicy", "KeyRecord", "MemoryAddress"), "custody._records"),
@@ -112,7 +112,7 @@ if TYPE_CHECKING:  # the same surface for type checkers (`X as X`: re-exported n
     from custody._restore import restore_plan as restore_plan
     from custody._errors import CustodyError as CustodyError, UnknownAgent as UnknownAgent
     from custody._errors import UnsealFailed as UnsealFailed
-    from custody._facade import Custody as Custody
+    from custody._facade import Custody as Custody, HeldOwner as HeldOwner
     from custody._kekinit import TokenReport as TokenReport
     from custody._keys import check_token as check_token, init_kek as init_kek
     from custody._keys import init_keys as init_keys, rotate_keys as rotate_keys

@@ -28,6 +28,7 @@ a foreign `auth` tag, a bad slug).
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import secrets
@@ -73,7 +74,7 @@ T = TypeVar("T")
 #: the token worker for its whole batch, so the batch is bounded here, not by the caller.
 MAX_PAYLOADS_PER_CALL = 256
 
-__all__ = ["Custody"]
+__all__ = ["Custody", "HeldOwner"]
 
 log = logging.getLogger("buzz_broker.custody")
 
@@ -93,6 +94,17 @@ def _require_owner_point(owner: str) -> None:
         raise CustodyError(
             f"owner {owner} is not a secp256k1 x-only public key (no curve point has this x)"
         )
+
+
+class HeldOwner(enum.Enum):
+    """What `import_agent` does, given no `auth_tag`, when the owner is a live agent held
+    here: the key's NIP-OA tag would be signed with that owner's key."""
+
+    #: sign it: custody inside the daemon, whose importer can read every key here anyway
+    SIGN = "sign"
+    #: refuse it: the custodian, whose caller knows the imported key's secret and would
+    #: carry the owner's attestation onto whatever it signs outside the custodian's checks
+    REFUSE = "refuse"
 
 
 class Custody:
@@ -425,18 +437,22 @@ class Custody:
         *,
         owner: str,
         auth_tag: Sequence[str] | None = None,
+        held_owner: HeldOwner = HeldOwner.SIGN,
     ) -> KeyRecord:
         """Seal an existing key: `secret_text` is 64 hex digits or `nsec1…`, zeroed here on
         every path (success, refusal, cancellation).
 
         `auth_tag`, if given, must be a NIP-OA tag by `owner` for this agent that verifies;
-        without one, a tag is signed when the owner is held here.
+        without one, when the owner is a live agent held here, `held_owner` says whether
+        its tag is signed or the import refused (checked inside the hop: a `--recover` of
+        the owner beside a custodian cannot slip between a check and the signature).
 
         Raises:
             CustodyError: malformed secret, an owner that is no curve point, owner ==
                 agent, an ownership cycle (the agent already owns the owner, directly or
                 through its agents), agent already held (or
-                tombstoned), an auth tag that does not verify; token or keystore faults.
+                tombstoned), an auth tag that does not verify, an owner held here under
+                `HeldOwner.REFUSE`; token or keystore faults.
             ValueError: a malformed owner.
         """
         # Zeroed on every way out, the early refusals included (the worker hop is never
@@ -476,6 +492,10 @@ class Custody:
                     fault = None if tag is None else owner_tag_fault(tag, agent=agent, owner=owner)
                     if fault is not None:
                         raise CustodyError(fault)
+                    if (tag is None and held_owner is HeldOwner.REFUSE
+                            and self._keystore.sealed_blob(owner) is not None):
+                        raise CustodyError(f"owner {owner} is an agent held here: an import "
+                                           "under it needs the owner's own NIP-OA tag")
                     return self._store(secret, owner=owner, mint_ref=None, auth_tag=tag)
 
             record = await self._hop("import", work)

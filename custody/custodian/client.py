@@ -86,7 +86,8 @@ _LIFECYCLE: Final = frozenset({"mint", "import", "destroy", "attach_auth"})
 
 class IntentRefused(CustodyError):
     """The custodian refused the intent (a kind or shape outside its list, a pair other
-    than agent-owner, AUTH for another relay)."""
+    than agent-owner, AUTH for another relay, an import under an agent held there without
+    that owner's own tag)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,7 @@ from typing import Any, Final
 import trio
 
 from buzzwire.nostr import UnsignedEvent
-from custody import Custody, CustodyError, KeyRecord, UnknownAgent, UnsealFailed
+from custody import Custody, CustodyError, HeldOwner, KeyRecord, UnknownAgent, UnsealFailed
 from custody.custodian import intents, messages
 from custody.custodian.backup import Bounds, TooSoon, write_backup
 from custody.custodian.grace import Graveyard
@@ -142,8 +142,14 @@ class Custodian:
 
     async def import_(self, args: Mapping[str, Any]) -> object:
         # args["secret"]: the frame's tail, a bytearray (`_connection`); custody zeroes it.
+        # The caller knows that secret: an owner held here signs it no NIP-OA tag, else the
+        # caller would sign "owned by that agent" events outside every check (mint instead).
+        if args["auth_tag"] is None and self.custody.agent(args["owner"]) is not None:
+            raise Refused(f"owner {args['owner']} is an agent held here: an import under it "
+                          "needs the owner's own NIP-OA tag (auth_tag); mint one instead")
         record = await self.custody.import_agent(args["secret"], owner=args["owner"],
-                                                 auth_tag=args["auth_tag"])
+                                                 auth_tag=args["auth_tag"],
+                                                 held_owner=HeldOwner.REFUSE)
         self.log.append([{"op": "import", "agent": record.pubkey, "owner": record.owner}])
         return record_obj(record)
 

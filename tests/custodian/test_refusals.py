@@ -16,7 +16,7 @@ from pathlib import Path
 import coincurve
 import pytest
 
-from custody import TokenConfig
+from custody import Custody, TokenConfig
 from custody.custodian import messages
 from custody.custodian.client import CustodianClient
 from tests.fixtures.custodian import CustodianProcess, write_custodian_config
@@ -205,3 +205,66 @@ async def test_a_destroyed_key_is_recoverable_within_the_grace_period(
                             "--recover", agent], capture_output=True, text=True, timeout=60)
     assert again.returncode == 1 and "no sealed copy" in again.stderr
     await client.aclose()
+
+
+async def test_an_import_under_an_agent_held_here_needs_that_owners_own_tag(
+        custodian: CustodianProcess) -> None:
+    """Whoever imports over the table knows the key's secret: a NIP-OA tag the custodian
+    signed for it with a held owner's key would let that caller sign "owned by agent X"
+    events anywhere. Refused without the owner's own tag; what stays allowed beside it: the
+    owner's tag given, a mint under X (the custodian makes key and tag, nobody sees the
+    secret), an import under a person, and one under an agent removed here."""
+    from buzzwire.nostr import owner_tag_digest, verify_owner_tag
+
+    client = await CustodianClient.open(custodian.socket)
+    x_key = coincurve.PrivateKey()  # the test holds X's secret too, so it can make X's tag
+    x = (await client.import_agent(bytearray(x_key.secret.hex().encode()), owner=human())).pubkey
+    made_up = coincurve.PrivateKey()
+    k = made_up.public_key_xonly.format().hex()
+
+    def import_k(owner: str, auth_tag: list[str] | None) -> tuple[bool, object]:
+        return ask(custodian.socket, "import", tail=made_up.secret.hex().encode(),
+                   secret_bytes=64, owner=owner, auth_tag=auth_tag)
+
+    answer = import_k(x, None)
+    assert refused(answer) and "held here" in str(answer[1]), answer
+    assert ask(custodian.socket, "agent", pubkey=k, include_deleted=True) == (True, None)
+    log = (custodian.config.parent / "state" / "custodian" / "signed.jsonl").read_text()
+    assert k not in log
+    # the owner's own tag: the custodian verifies it and stores it as given
+    tag = ["auth", x, "", x_key.sign_schnorr(owner_tag_digest(k, "")).hex()]
+    ok, record = import_k(x, tag)
+    assert ok and record["auth_tag"] == tag, record  # type: ignore[index]
+    # a mint under X still gets X's tag, signed here
+    minted = await client.mint_agent(owner=x, mint_ref="under-x")
+    assert minted.auth_tag is not None and minted.auth_tag[1] == x
+    assert verify_owner_tag(minted.auth_tag, minted.pubkey)
+    # an import under a person, and under an agent destroyed here: no tag to sign, allowed
+    person_owned = coincurve.PrivateKey()
+    ok, record = ask(custodian.socket, "import", tail=person_owned.secret.hex().encode(),
+                     secret_bytes=64, owner=human(), auth_tag=None)
+    assert ok and record["auth_tag"] is None, record  # type: ignore[index]
+    gone = await held(client, human())
+    assert ask(custodian.socket, "destroy", pubkey=gone)[0]
+    under_gone = coincurve.PrivateKey()
+    ok, record = ask(custodian.socket, "import", tail=under_gone.secret.hex().encode(),
+                     secret_bytes=64, owner=gone, auth_tag=None)
+    assert ok and record["auth_tag"] is None, record  # type: ignore[index]
+    await client.aclose()
+
+
+async def test_the_facade_refuses_a_held_owner_inside_the_hop(custody: Custody) -> None:
+    """The custodian's second line (HeldOwner.REFUSE, checked where the tag would be signed):
+    its own check reads the records before the hop, and a `--recover` of the owner by another
+    process could land in between. In-process (`HeldOwner.SIGN`, the default) the tag is
+    still signed: there the importer can read the keys anyway."""
+    from custody import CustodyError, HeldOwner
+
+    x = (await custody.import_agent(bytearray(coincurve.PrivateKey().secret.hex().encode()),
+                                    owner=human())).pubkey
+    secret = coincurve.PrivateKey().secret.hex().encode()
+    with pytest.raises(CustodyError, match="held here"):
+        await custody.import_agent(bytearray(secret), owner=x, held_owner=HeldOwner.REFUSE)
+    assert custody.agents() == [custody.agent(x)]
+    record = await custody.import_agent(bytearray(secret), owner=x)
+    assert record.auth_tag is not None and record.auth_tag[1] == x
