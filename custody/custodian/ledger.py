@@ -8,6 +8,8 @@ this one is written only by the process that holds the keys, under its uid.
   `hash` = SHA-256(prev || the line without `hash`). Nothing secret goes in: ids, kinds,
   pubkeys, counts. Disk is bounded by `max_bytes`: past it the file moves to `.1`
   (replacing the older one) and the chain continues in the new file from the last hash.
+  The head moves only once a write has fully succeeded (a failed one is cut off again);
+  a last line a crash left without its newline is cut at open, and logged.
 - `RateBound`: a token bucket per agent (signatures per minute, burst the same); memory
   bounded by `MAX_AGENTS` buckets (the oldest dropped, which only gives that agent a full
   bucket again).
@@ -15,8 +17,10 @@ this one is written only by the process that holds the keys, under its uid.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import time
 from collections import OrderedDict
@@ -25,6 +29,8 @@ from pathlib import Path
 from typing import Final
 
 __all__ = ["SignLog", "RateBound", "GENESIS", "verify_chain"]
+
+log = logging.getLogger("buzz_broker.custodian")
 
 GENESIS: Final = "0" * 64
 MAX_AGENTS: Final = 65536
@@ -43,31 +49,70 @@ class SignLog:
         self._max = max_bytes
         self._clock = clock
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        cut = _cut_torn_tail(path)
+        if cut:
+            log.warning("signed log %s: cut a torn last line (%d bytes, a write a crash left "
+                        "unfinished); the chain continues from the last whole line", path, cut)
         self.head, self.seq = GENESIS, 0
         last = _last_line(path)
         if last is not None:
             self.head, self.seq = str(last["hash"]), int(str(last["seq"]))
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - held open
+        self._file = open(path, "ab", buffering=0)  # noqa: SIM115 - held open
 
     def append(self, entries: list[dict[str, object]]) -> None:
-        """Write `entries` (one line each) and flush before the answer leaves."""
-        lines = []
+        """Write `entries` (one line each) before the answer leaves. Unbuffered, and the
+        head moves only once every byte is written: a failed write is cut off and raises, so
+        the next line chains to the last one on disk."""
+        head, seq, lines = self.head, self.seq, []
         for entry in entries:
-            self.seq += 1
-            full: dict[str, object] = {"seq": self.seq, "at": int(self._clock()),
-                                       "prev": self.head, **entry}
-            self.head = _line_hash(self.head, full)
-            full["hash"] = self.head
+            seq += 1
+            full: dict[str, object] = {"seq": seq, "at": int(self._clock()), "prev": head,
+                                       **entry}
+            head = _line_hash(head, full)
+            full["hash"] = head
             lines.append(json.dumps(full, separators=(",", ":"), sort_keys=True) + "\n")
-        self._file.write("".join(lines))
-        self._file.flush()
+        data = memoryview("".join(lines).encode("utf-8"))
+        start = self._file.seek(0, os.SEEK_END)
+        try:
+            while data:
+                data = data[self._file.write(data):]
+        except BaseException:
+            with contextlib.suppress(OSError):  # else the next open cuts the torn line
+                self._file.truncate(start)
+            raise
+        self.head, self.seq = head, seq
         if self._file.tell() > self._max:
             self._file.close()
             os.replace(self.path, self.path.with_name(self.path.name + ".1"))
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+            self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115
 
     def close(self) -> None:
         self._file.close()
+
+
+def _cut_torn_tail(path: Path) -> int:
+    """Truncate `path` after its last newline if it does not end with one; the bytes cut."""
+    try:
+        f = open(path, "r+b")  # noqa: SIM115 - closed below
+    except FileNotFoundError:
+        return 0
+    with f:
+        size = end = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - 1))
+        if f.read(1) in (b"", b"\n"):  # empty, or whole
+            return 0
+        keep = 0
+        while end > 0:
+            start = max(0, end - 65536)
+            f.seek(start)
+            newline = f.read(end - start).rfind(b"\n")
+            if newline >= 0:
+                keep = start + newline + 1
+                break
+            end = start
+        f.truncate(keep)
+        os.fsync(f.fileno())
+        return size - keep
 
 
 def _last_line(path: Path) -> dict[str, object] | None:
