@@ -16,6 +16,8 @@ Rules, one row per kind in `KINDS`:
 - `links`: tag name -> what its first value must be: "owner" (the signer's own recorded
   owner) or "self" (the signer).
 `check` returns None for an intent that fits, else one line saying which rule it broke.
+Every intent's `created_at`, AUTH's included, is at most `MAX_FUTURE_SECONDS` ahead of the
+custodian's clock (the server checks it: this module has no clock).
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ AGENT: Final = "agent"
 OWNER: Final = "owner"
 
 KIND_MANAGED_AGENT: Final = kinds.MANAGED_AGENT
+#: How far ahead of the custodian's clock created_at may be: an hour. A replaceable event
+#: (0, 30174, 30177) dated further would beat every later version on every relay. The
+#: daemon dates an event ahead only to follow a version already ahead (one second past it:
+#: daemon/operations/_events.py), a memory write at most NIP-AE's clock-poison 900 s.
+MAX_FUTURE_SECONDS: Final = 3600
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,6 +108,11 @@ class Custodian:
             if not self.bound.take(agent, count):
                 raise _RateLimited(agent)
 
+    def _not_ahead(self, created_at: int) -> None:
+        if created_at > time.time() + intents.MAX_FUTURE_SECONDS:
+            raise Refused(f"created_at is more than {intents.MAX_FUTURE_SECONDS} s ahead "
+                          "of the custodian's clock")
+
     def _pair(self, agent: str, peer: str) -> None:
         owner = self._owner_of(agent)
         if owner is None:
@@ -172,6 +177,7 @@ class Custodian:
         planned = []
         for intent in args["events"]:
             signer, kind = intent["signer"], intent["kind"]
+            self._not_ahead(intent["created_at"])
             fault = intents.check(signer, kind, intent["tags"], intent["content"], self._owner_of)
             if fault is not None:
                 raise Refused(fault)
@@ -187,6 +193,7 @@ class Custodian:
     async def sign_auth(self, args: Mapping[str, Any]) -> object:
         if args["relay_url"] != self.settings.relay_url:
             raise Refused("AUTH is signed only for the relay the custodian is configured with")
+        self._not_ahead(args["created_at"])
         self._spend([args["agent"]])
         event = await self.custody.sign_auth(args["agent"], self.settings.relay_url,
                                              args["challenge"], args["created_at"])

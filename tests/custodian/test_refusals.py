@@ -268,3 +268,35 @@ async def test_the_facade_refuses_a_held_owner_inside_the_hop(custody: Custody) 
     assert custody.agents() == [custody.agent(x)]
     record = await custody.import_agent(bytearray(secret), owner=x)
     assert record.auth_tag is not None and record.auth_tag[1] == x
+
+
+async def test_an_intent_dated_more_than_an_hour_ahead_is_refused(
+        custodian: CustodianProcess, local_relay: str) -> None:
+    """A replaceable event dated far ahead (a profile, a memory record, an owner's 30177)
+    would beat every later version on every relay: the custodian signs none more than
+    MAX_FUTURE_SECONDS ahead of its clock, AUTH included; just inside the bound it signs."""
+    import time
+
+    from custody.custodian.intents import MAX_FUTURE_SECONDS
+
+    client = await CustodianClient.open(custodian.socket)
+    owner = human()
+    agent = await held(client, owner)
+    own = (await client.mint_agent(owner=agent, mint_ref="own")).pubkey  # `agent` signs its 30177
+    late = int(time.time()) + MAX_FUTURE_SECONDS + 60
+    near = int(time.time()) + MAX_FUTURE_SECONDS - 60
+    for far in (late, 2**40):
+        for item in (intent(agent, 0, [], "{}"), intent(own, 9, [["h", "c"]], "hi"),
+                     intent(agent, 30177, [["d", own]], "{}"),
+                     intent(agent, 30174, [["d", "x"], ["p", owner]], "e")):
+            answer = ask(custodian.socket, "sign", events=[{**item, "created_at": far}])
+            assert refused(answer) and "ahead" in str(answer[1]), (item["kind"], answer)
+        assert refused(ask(custodian.socket, "sign_auth", agent=agent, relay_url=local_relay,
+                           challenge="c", created_at=far))
+    ok, signed = ask(custodian.socket, "sign", events=[{**intent(agent, 0, [], "{}"),
+                                                        "created_at": near}])
+    assert ok and signed[0]["created_at"] == near, signed  # type: ignore[index]
+    ok, auth = ask(custodian.socket, "sign_auth", agent=agent, relay_url=local_relay,
+                   challenge="c", created_at=near)
+    assert ok, auth
+    await client.aclose()
