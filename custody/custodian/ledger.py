@@ -12,7 +12,8 @@ this one is written only by the process that holds the keys, under its uid.
   a last line a crash left without its newline is cut at open, and logged.
 - `RateBound`: a token bucket per agent (signatures per minute, burst the same); memory
   bounded by `MAX_AGENTS` buckets (the oldest dropped, which only gives that agent a full
-  bucket again).
+  bucket again). Only a live agent held here gets one (the server checks before it
+  spends), so keys asked for at random evict no bucket.
 """
 
 from __future__ import annotations

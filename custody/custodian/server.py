@@ -105,6 +105,9 @@ class Custodian:
         for agent in agents:
             counts[agent] = counts.get(agent, 0) + 1
         for agent, count in counts.items():
+            # Held first: a bucket per key asked for would let a flood of others evict one.
+            if self.custody.agent(agent) is None:
+                raise UnknownAgent(agent)
             if not self.bound.take(agent, count):
                 raise _RateLimited(agent)
 

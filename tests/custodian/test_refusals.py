@@ -300,3 +300,34 @@ async def test_an_intent_dated_more_than_an_hour_ahead_is_refused(
                    challenge="c", created_at=near)
     assert ok, auth
     await client.aclose()
+
+
+async def test_keys_not_held_here_spend_no_bucket_and_evict_none(custody: Custody,
+                                                                tmp_path: Path) -> None:
+    """`sign_auth` for MAX_AGENTS + 1 random keys, none held: each is `unknown_agent`, and
+    the bucket of the agent that used up its bound stays used up (before: each random key
+    got a bucket first, and the flood evicted that agent's, giving it a full one)."""
+    import secrets
+
+    from custody.custodian.ledger import MAX_AGENTS
+    from custody.custodian.server import Custodian, Settings
+
+    custodian = Custodian(custody, Settings(
+        socket=tmp_path / "unused.sock", pipeline_uid=os.getuid(), relay_url="wss://r.example",
+        log_path=tmp_path / "log" / "signed.jsonl", signatures_per_minute=1))
+    agent = (await custody.import_agent(
+        bytearray(coincurve.PrivateKey().secret.hex().encode()), owner=human())).pubkey
+
+    async def auth(pubkey: str) -> str:
+        """The answer's error code, or "ok"."""
+        frame = await custodian.answer(messages.Request("sign_auth", {
+            "agent": pubkey, "relay_url": "wss://r.example", "challenge": "c",
+            "created_at": 1_700_000_000}))
+        ok, value = messages.decode_reply(frame[messages.HEADER.size:])
+        return "ok" if ok else str(value[0])  # type: ignore[index]
+
+    assert [await auth(agent), await auth(agent)] == ["ok", "rate_limited"]
+    for _ in range(MAX_AGENTS + 1):
+        assert await auth(secrets.token_hex(32)) == "unknown_agent"
+    assert await auth(agent) == "rate_limited"
+    custodian.log.close()
