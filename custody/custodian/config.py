@@ -8,8 +8,9 @@ Keys (a key or table not listed is an error naming it):
 - ``[custodian]`` ``socket`` (path), ``pipeline_uid`` (int, default: the custodian's own
   uid: then nothing is separated, as under ``make run``), ``state_dir`` (the keystore's),
   ``relay_url`` (AUTH is signed for this URL only), ``signatures_per_minute`` (per agent,
-  default 6000), ``log_dir`` (default ``<state_dir>/custodian``), ``log_max_bytes``,
-  ``destroy_grace_seconds`` (default 7 days: custody/custodian/grace.py).
+  default 6000, 1 to 1,000,000), ``log_dir`` (default ``<state_dir>/custodian``),
+  ``log_max_bytes``, ``destroy_grace_seconds`` (default 7 days, an hour to 366 days:
+  custody/custodian/grace.py).
 - ``[pkcs11]`` as the daemon's: ``module``, ``token_label``, ``pin_file``, ``kek_label``,
   ``seal``, ``unsealed_cache_entries``, ``unsealed_cache_seconds``. The PIN file is
   ``$CREDENTIALS_DIRECTORY/token-pin`` when that exists (the unit's credential).
@@ -46,6 +47,10 @@ _KEYS: dict[str, dict[str, type]] = {
 #: Most recipients one backup names (the key-event log's bound, daemon/state/audit.py).
 MAX_RECIPIENTS = 64
 _REQUIRED = {"custodian": ("socket", "state_dir", "relay_url"), "pkcs11": ("module", "token_label")}
+#: [custodian] integers outside these are refused: 0 signatures a minute would refuse
+#: every one; a grace under an hour leaves a destroy nobody could have undone, and a year
+#: keeps destroyed keys' sealed copies beyond any use.
+_RANGES = {"signatures_per_minute": (1, 1_000_000), "destroy_grace_seconds": (3600, 366 * 86400)}
 
 
 class ConfigError(Exception):
@@ -81,6 +86,10 @@ def load(path: str) -> CustodianConfig:
         for key in keys:
             if key not in data.get(table, {}):
                 raise ConfigError(f"{path}: [{table}] {key} is required")
+    for key, (low, high) in _RANGES.items():
+        value = data["custodian"].get(key, low)
+        if not low <= value <= high:
+            raise ConfigError(f"{path}: [custodian] {key} must be {low} to {high}, not {value}")
     base = Path(path).resolve().parent
     c, p, b = data["custodian"], data["pkcs11"], data.get("backup", {})
     recipients = tuple(b.get("recipients", ()))
