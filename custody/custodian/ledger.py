@@ -92,28 +92,21 @@ class SignLog:
 
 
 def _cut_torn_tail(path: Path) -> int:
-    """Truncate `path` after its last newline if it does not end with one; the bytes cut."""
+    """Truncate `path` after its last newline if it does not end with one; the bytes cut.
+    A line is far under 64 KiB: a tail with no newline at all is no torn line, left alone."""
     try:
-        f = open(path, "r+b")  # noqa: SIM115 - closed below
+        with open(path, "r+b") as f:
+            size = f.seek(0, os.SEEK_END)
+            start = f.seek(max(0, size - 65536))
+            tail = f.read()
+            newline = tail.rfind(b"\n")
+            if tail.endswith(b"\n") or not tail or (newline < 0 and start > 0):
+                return 0
+            f.truncate(start + newline + 1)
+            os.fsync(f.fileno())
+            return size - (start + newline + 1)
     except FileNotFoundError:
         return 0
-    with f:
-        size = end = f.seek(0, os.SEEK_END)
-        f.seek(max(0, size - 1))
-        if f.read(1) in (b"", b"\n"):  # empty, or whole
-            return 0
-        keep = 0
-        while end > 0:
-            start = max(0, end - 65536)
-            f.seek(start)
-            newline = f.read(end - start).rfind(b"\n")
-            if newline >= 0:
-                keep = start + newline + 1
-                break
-            end = start
-        f.truncate(keep)
-        os.fsync(f.fileno())
-        return size - keep
 
 
 def _last_line(path: Path) -> dict[str, object] | None:
