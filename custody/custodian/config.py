@@ -9,7 +9,7 @@ Keys (a key or table not listed is an error naming it):
   uid: then nothing is separated, as under ``make run``), ``state_dir`` (the keystore's),
   ``relay_url`` (AUTH is signed for this URL only), ``signatures_per_minute`` (per agent,
   default 6000, 1 to 1,000,000), ``log_dir`` (default ``<state_dir>/custodian``),
-  ``log_max_bytes``, ``destroy_grace_seconds`` (default 7 days, an hour to 366 days:
+  ``log_max_bytes``, ``destroy_grace_seconds`` (default 7 days, 0 to 366 days:
   custody/custodian/grace.py).
 - ``[pkcs11]`` as the daemon's: ``module``, ``token_label``, ``pin_file``, ``kek_label``,
   ``seal``, ``unsealed_cache_entries``, ``unsealed_cache_seconds``. The PIN file is
@@ -48,9 +48,9 @@ _KEYS: dict[str, dict[str, type]] = {
 MAX_RECIPIENTS = 64
 _REQUIRED = {"custodian": ("socket", "state_dir", "relay_url"), "pkcs11": ("module", "token_label")}
 #: [custodian] integers outside these are refused: 0 signatures a minute would refuse
-#: every one; a grace under an hour leaves a destroy nobody could have undone, and a year
-#: keeps destroyed keys' sealed copies beyond any use.
-_RANGES = {"signatures_per_minute": (1, 1_000_000), "destroy_grace_seconds": (3600, 366 * 86400)}
+#: every one; a negative grace is none (0 says so plainly), and past a year destroyed keys'
+#: sealed copies are kept beyond any use.
+_RANGES = {"signatures_per_minute": (1, 1_000_000), "destroy_grace_seconds": (0, 366 * 86400)}
 
 
 class ConfigError(Exception):
