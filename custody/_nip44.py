@@ -120,6 +120,21 @@ def padded_length(unpadded: int) -> int:
 
 
 def _chacha20(key: bytes, nonce12: bytes, data: bytes) -> bytes:
+    try:
+        return _chacha20_once(key, nonce12, data)
+    finally:
+        # OpenSSL's ChaCha20 (4.0, which cryptography 50 bundles) leaves the key on the
+        # calling thread's stack, where nothing frees or overwrites it
+        # (tests/custodian/test_custodian_memory.py found it). The same call again, from
+        # this frame and of the same length, takes the same path down the same stack:
+        # its zero key lands on the very slots the real one was left in.
+        _chacha20_once(_NO_KEY, bytes(12), bytes(len(data)))
+
+
+_NO_KEY = bytes(_KEY_SIZE)
+
+
+def _chacha20_once(key: bytes, nonce12: bytes, data: bytes) -> bytes:
     # cryptography's ChaCha20 takes a 16-byte nonce: the 32-bit little-endian block counter
     # (NIP-44 starts at 0) followed by the 96-bit IETF nonce.
     cipher = Cipher(algorithms.ChaCha20(key, bytes(4) + nonce12), mode=None).encryptor()
