@@ -853,14 +853,18 @@ class RelayPool:
         finally:
             conn.in_use -= 1
             conn.last_used = trio.current_time()
-            if conn.in_use == 0 and conn.alive and self._connections.get(agent) is not conn:
-                # Retired (`_retire`): nobody will use it again.
-                self._drop(conn)
+            self._close_if_retired(conn)
 
     def _retire(self, conn: _Connection) -> None:
-        """No new request goes to `conn`; it closes when its last user leaves (`_use`)."""
+        """No new request goes to `conn`; it closes when its last user leaves."""
         if self._connections.get(conn.agent) is conn:
             del self._connections[conn.agent]
+
+    def _close_if_retired(self, conn: _Connection) -> None:
+        # A live connection the pool no longer lists was retired (`_retire`); once unused
+        # nobody can reach it again, and the idle closer only walks the listed ones.
+        if conn.in_use == 0 and conn.alive and self._connections.get(conn.agent) is not conn:
+            self._drop(conn)
 
     async def _connection(self, agent: str) -> _Connection:
         nursery = self._require_running()
@@ -1328,6 +1332,7 @@ class RelayPool:
         conn.live -= 1
         conn.in_use -= 1
         conn.last_used = trio.current_time()
+        self._close_if_retired(conn)
         if conn.alive and self._nursery is not None:
             self._nursery.start_soon(self._close_subscription, conn, sub_id)
 
