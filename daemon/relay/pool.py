@@ -15,6 +15,13 @@ Rules:
   (nostr-sdk's LocalRelay does). A challenge already seen is answered before the next
   EVENT/REQ is sent; an ``auth-required:`` answer makes us authenticate and resend
   *once*. The AUTH event's ``relay`` tag is the configured URL exactly as written.
+- One AUTH per challenge, and one request in flight until the relay has answered one
+  without ``auth-required:`` (`daemon.relay.gate.AuthGate`: a burst on a fresh connection
+  would draw a challenge per refusal, and LocalRelay forgets them past 20). A request
+  waiting there gives up with its own timeout: ``timeouts.ok`` for a publish (NotSent),
+  ``timeouts.eose`` for a query (RelayUnavailable). A challenge the relay refused is
+  not answered again: the connection is retired (new requests open a new connection,
+  with a new challenge) and closes when its last user leaves.
 - Publishing maps to four results, and nothing else (spec: issue 5 "Mapping"):
     OK true (``duplicate:`` included)              -> Accepted(duplicate, message)
     OK false with a reason                         -> Rejected(reason)
@@ -73,8 +80,8 @@ Cancellation: cancelling `publish` after its EVENT left is an Unknown for the ca
 purposes (the ledger keeps the pending record); cancelling `query` still sends CLOSE.
 
 WARNING: `_Connection.mark_dead` must wake every waiter kind that `_Connection` keeps
-(OK waiters, subscriptions, the challenge event); a waiter added without it there would
-hang until its timeout after a drop.
+(OK waiters, subscriptions, the challenge event, the AUTH gate's queue); a waiter added
+without it there would hang until its timeout after a drop.
 """
 
 from __future__ import annotations
@@ -97,6 +104,7 @@ import trio_websocket
 from buzzwire.nostr import SignedEvent
 
 from daemon.log import log_event
+from daemon.relay.gate import AuthGate
 from daemon.relay.protocol import (
     AuthChallenge,
     Closed,
@@ -175,6 +183,8 @@ EVENT_BODIES_BYTES = 4 * 1024 * 1024
 _MESSAGE_QUEUE = 16
 #: How long a best-effort CLOSE may take to write during cleanup.
 _CLEANUP_SECONDS = 1.0
+#: Why a request that waited at its connection's AUTH gate past its timeout failed.
+_GATE_WAIT = "waited behind the connection's first request (AUTH)"
 #: How long we wait for the relay's answer to our WebSocket close frame before simply
 #: closing TCP: nothing is lost by not waiting (every result was already decided), and a
 #: stopping daemon or an idle close should not linger on a peer that is gone.
@@ -573,7 +583,15 @@ class _Connection:
         self.scope: trio.CancelScope | None = None
         self.alive = False
         self.challenge: str | None = None
+        #: Set, and replaced, whenever a challenge arrives (or the connection dies).
         self.challenge_seen = trio.Event()
+        #: The last challenge we sent an AUTH for; NIP-42 allows one AUTH per challenge.
+        self.answered: str | None = None
+        #: The relay's refusal of the AUTH for `answered`, while no newer challenge came.
+        self.refused: str | None = None
+        #: The id of our AUTH event awaiting its OK (its OK opens `gate` only if true).
+        self.auth_pending: str | None = None
+        self.gate = AuthGate()
         self.authenticated = False
         #: bumped by every successful AUTH; a refusal of something sent under an older
         #: generation is answered by resending, not by authenticating again.
@@ -632,15 +650,25 @@ class _Connection:
                 waiter.done.set()
         for sub in list(self.subscriptions.values()):
             sub.on_dropped()
-        # Wakes an AUTH waiting for a challenge; it then sees the connection is dead.
+        # Wakes an AUTH waiting for a challenge, and every request waiting at the gate;
+        # they then see the connection is dead.
         self.challenge_seen.set()
+        self.gate.shut()
 
     # incoming ------------------------------------------------------------------------
 
     def dispatch(self, msg: RelayMessage) -> None:
         """Apply one relay message to the waiters (one `match`, one arm per verb)."""
         match msg:
-            case Ok(event_id=event_id):
+            case Ok(event_id=event_id, accepted=accepted):
+                # Our AUTH refused for any reason keeps the gate shut; any other OK not
+                # asking for AUTH shows the relay takes requests on this connection.
+                if event_id == self.auth_pending:
+                    opens = accepted
+                else:
+                    opens = msg.prefix is not Prefix.AUTH_REQUIRED
+                if opens:
+                    self.gate.open()
                 for waiter in self.ok_waiters.pop(event_id, []):
                     waiter.ok = msg
                     waiter.done.set()
@@ -649,17 +677,23 @@ class _Connection:
                 if sub is not None:
                     sub.on_event(event)
             case EndOfStoredEvents(subscription_id=sub_id):
+                self.gate.open()
                 sub = self.subscriptions.get(sub_id)
                 if sub is not None:
                     sub.on_eose()
             case Closed(subscription_id=sub_id, message=message):
+                if msg.prefix is not Prefix.AUTH_REQUIRED:
+                    self.gate.open()
                 sub = self.subscriptions.get(sub_id)
                 if sub is not None:
                     sub.on_closed(message)
             case AuthChallenge(challenge=challenge):
                 # A new challenge supersedes the old; NIP-42 says the latest is valid.
-                self.challenge = challenge
+                if challenge != self.challenge:
+                    self.challenge = challenge
+                    self.refused = None
                 self.challenge_seen.set()
+                self.challenge_seen = trio.Event()
             case Notice(message=message):
                 log_event(_logger, "relay_notice", agent=self.agent, notice=message[:200])
 
@@ -819,6 +853,18 @@ class RelayPool:
         finally:
             conn.in_use -= 1
             conn.last_used = trio.current_time()
+            self._close_if_retired(conn)
+
+    def _retire(self, conn: _Connection) -> None:
+        """No new request goes to `conn`; it closes when its last user leaves."""
+        if self._connections.get(conn.agent) is conn:
+            del self._connections[conn.agent]
+
+    def _close_if_retired(self, conn: _Connection) -> None:
+        # A live connection the pool no longer lists was retired (`_retire`); once unused
+        # nobody can reach it again, and the idle closer only walks the listed ones.
+        if conn.in_use == 0 and conn.alive and self._connections.get(conn.agent) is not conn:
+            self._drop(conn)
 
     async def _connection(self, agent: str) -> _Connection:
         nursery = self._require_running()
@@ -956,27 +1002,35 @@ class RelayPool:
     # AUTH -------------------------------------------------------------------------------
 
     async def _authenticate(self, conn: _Connection, seen_generation: int) -> None:
-        """Make `conn` authenticated as its agent (NIP-42).
+        """Make `conn` authenticated as its agent (NIP-42), with one AUTH per challenge.
 
         Does nothing when someone else authenticated since `seen_generation` was read.
-        Waits up to ``timeouts.ok`` for a challenge if none came yet.
+        Waits up to ``timeouts.ok`` for a challenge not answered yet. A refused AUTH
+        retires the connection (module docstring), and the refusal is the answer for
+        every later request on it: the challenge is spent.
 
         Raises:
-            _AuthFailed: no challenge, no OK, a dropped connection, or the relay said no.
+            _AuthFailed: no (new) challenge, no OK, a dropped connection, or the relay said no.
         """
         async with conn.auth_lock:
             if conn.auth_generation != seen_generation and conn.authenticated:
                 return
+            if conn.refused is not None and conn.challenge == conn.answered:
+                raise _AuthFailed(f"AUTH refused: {conn.refused}", refused=True)
             conn.authenticated = False
             with trio.move_on_after(self._timeouts.ok):
-                await conn.challenge_seen.wait()
+                while conn.alive and conn.challenge in (None, conn.answered):
+                    await conn.challenge_seen.wait()
             if not conn.alive:
                 raise _AuthFailed("connection dropped before AUTH", refused=False)
-            if conn.challenge is None:
+            challenge = conn.challenge
+            if challenge is None:
                 raise _AuthFailed("the relay sent no AUTH challenge", refused=False)
+            if challenge == conn.answered:
+                raise _AuthFailed("the relay sent no new AUTH challenge", refused=False)
             try:
                 auth_event = await self._auth_signer(
-                    conn.agent, self._url.text, conn.challenge, int(time.time()))
+                    conn.agent, self._url.text, challenge, int(time.time()))
                 frame = encode_auth(auth_event)
             except AuthNotSigned as exc:
                 raise _AuthFailed(f"AUTH not signed: {exc.reason}", refused=False) from None
@@ -984,6 +1038,8 @@ class RelayPool:
                 raise _AuthFailed(f"AUTH event unusable: {type(exc).__name__}", refused=False) from None
             event_id = auth_event.id
             waiter = conn.expect_ok(event_id)
+            # Spent from here on, whatever follows: part of the frame may reach the relay.
+            conn.answered, conn.auth_pending = challenge, event_id
             try:
                 try:
                     await conn.send(frame)
@@ -993,6 +1049,7 @@ class RelayPool:
                     await waiter.done.wait()
             finally:
                 conn.forget_ok(event_id, waiter)
+                conn.auth_pending = None
             if waiter.ok is None:
                 why = "connection dropped" if waiter.dropped else f"no OK within {self._timeouts.ok}s"
                 raise _AuthFailed(f"AUTH unanswered: {why}", refused=False)
@@ -1001,6 +1058,9 @@ class RelayPool:
                     _logger, "relay_auth_refused", level=logging.WARNING,
                     agent=conn.agent, reason=waiter.ok.message[:200],
                 )
+                if conn.challenge == challenge:
+                    conn.refused = waiter.ok.message
+                self._retire(conn)
                 raise _AuthFailed(f"AUTH refused: {waiter.ok.message}", refused=True)
             conn.authenticated = True
             conn.auth_generation += 1
@@ -1008,8 +1068,10 @@ class RelayPool:
 
     async def _auth_if_challenged(self, conn: _Connection) -> None:
         # A challenge sent at connect (Buzz) is answered before we send anything, which
-        # saves the refused round trip.
-        if conn.challenge is not None and not conn.authenticated:
+        # saves the refused round trip. One answered already is not answered again; one
+        # refused is the refusal again (`_authenticate`).
+        if conn.challenge is not None and not conn.authenticated and (
+                conn.challenge != conn.answered or conn.refused is not None):
             await self._authenticate(conn, conn.auth_generation)
 
     # publishing -------------------------------------------------------------------------
@@ -1033,9 +1095,13 @@ class RelayPool:
         frame = encode_event(event)
         started = time.monotonic()
         result: PublishResult
+        ok_seconds = self._timeouts.ok
         try:
-            async with self._use(agent) as conn:
-                result = await self._publish_on(conn, event_id, frame)
+            async with self._use(agent) as conn, conn.gate.passage(ok_seconds) as through:
+                if through:
+                    result = await self._publish_on(conn, event_id, frame)
+                else:
+                    result = NotSent(reason=f"{_GATE_WAIT}: not sent within {ok_seconds}s")
         except _Unreachable as exc:
             result = NotSent(reason=exc.reason)
         if self.watermarks is not None and isinstance(result, (Accepted, Unknown)) \
@@ -1110,7 +1176,10 @@ class RelayPool:
         started = time.monotonic()
         outcome = "unavailable"
         try:
-            async with self._use(agent) as conn:
+            async with self._use(agent) as conn, \
+                    conn.gate.passage(self._timeouts.eose) as through:
+                if not through:
+                    raise RelayUnavailable(f"{_GATE_WAIT}: no EOSE within {self._timeouts.eose}s")
                 events = await self._query_on(conn, filters)
                 outcome = "ok"
                 return events
@@ -1227,7 +1296,10 @@ class RelayPool:
         if not filters or not all(isinstance(f, Mapping) for f in filters):
             raise ValueError("subscribe needs at least one filter, each a mapping")
         try:
-            async with self._use(agent) as conn:
+            async with self._use(agent) as conn, \
+                    conn.gate.passage(self._timeouts.eose) as through:
+                if not through:
+                    raise RelayUnavailable(f"{_GATE_WAIT}: no EOSE within {self._timeouts.eose}s")
                 if conn.live >= self._max_live:
                     raise SubscriptionsFull(
                         f"{conn.live} live subscriptions on this connection already")
@@ -1260,6 +1332,7 @@ class RelayPool:
         conn.live -= 1
         conn.in_use -= 1
         conn.last_used = trio.current_time()
+        self._close_if_retired(conn)
         if conn.alive and self._nursery is not None:
             self._nursery.start_soon(self._close_subscription, conn, sub_id)
 

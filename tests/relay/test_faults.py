@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from daemon.relay.pool import (
     Accepted,
@@ -146,10 +147,12 @@ async def test_auth_refused_is_a_refusal(scripted_relay: Start, nursery: trio.Nu
     with bounded():
         with pytest.raises(RelayRefused):
             await pool.query(key.pubkey, [{"kinds": [1]}])
-        # The challenge is known now, so AUTH is tried before sending: nothing was sent.
+        # NIP-42: one AUTH per challenge. The refused one is spent, so that connection is
+        # retired and the publish goes out on a new one, which brings its own challenge.
         result = await pool.publish(key.pubkey, signed(key.sign(1, "x")))
-    assert isinstance(result, NotSent) and "AUTH refused" in result.reason
-    assert "EVENT" not in _verbs(relay)
+    assert isinstance(result, Rejected) and "AUTH refused" in result.reason
+    assert len(relay.connections) == 2
+    assert [[m[0] for m in c.received].count("AUTH") for c in relay.connections] == [1, 1]
 
 
 async def test_auth_refused_after_event_refusal_is_rejected(
@@ -189,6 +192,119 @@ async def test_challenge_at_connect_with_auth_required(
         assert isinstance(await pool.publish(key.pubkey, signed(key.sign(1, "x"))), Accepted)
         assert await pool.query(key.pubkey, [{"kinds": [1]}]) != []
     assert _verbs(relay).count("AUTH") == 1
+
+
+async def test_a_burst_after_a_challenge_at_connect_waits_for_one_auth(
+    scripted_relay: Start, nursery: trio.Nursery
+) -> None:
+    # Buzz's way: the challenge comes at connect and everything needs AUTH. Of a burst on
+    # the fresh connection at most one request goes out before the AUTH (the gate's
+    # probe, if it left before the challenge arrived); the rest wait for its OK.
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(challenge_at_connect=True, require_auth=True))
+    events = [key.sign(1, f"m{i}") for i in range(20)]
+    results: list[object] = []
+
+    async def one(ev: dict[str, Any]) -> None:
+        results.append(await pool.publish(key.pubkey, signed(ev)))
+
+    with bounded():
+        async with trio.open_nursery() as inner:
+            for ev in events:
+                inner.start_soon(one, ev)
+    assert len(results) == 20 and all(isinstance(r, Accepted) for r in results)
+    verbs = _verbs(relay)
+    assert verbs.count("AUTH") == 1 and verbs.index("AUTH") <= 1
+    assert verbs.count("EVENT") == 20 + verbs.index("AUTH")
+
+
+async def test_a_cancelled_probe_hands_the_gate_on(scripted_relay: Start, nursery: trio.Nursery) -> None:
+    # The first publish on a fresh connection gets no OK and is cancelled; the publishes
+    # waiting behind it go on (one probes next) long before their own timeout.
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(events=(EventReply.SILENT,)),
+                                       timeouts=RelayTimeouts(connect=1, ok=2, eose=2))
+    results: list[object] = []
+
+    async def probe() -> None:
+        with trio.move_on_after(0.2):
+            await pool.publish(key.pubkey, signed(key.sign(1, "silent")))
+
+    async def waiter(i: int) -> None:
+        results.append(await pool.publish(key.pubkey, signed(key.sign(1, f"w{i}"))))
+
+    with bounded():
+        async with trio.open_nursery() as inner:
+            inner.start_soon(probe)
+            await _eventually(lambda: _verbs(relay) == ["EVENT"])
+            for i in range(5):
+                inner.start_soon(waiter, i)
+    assert len(results) == 5 and all(isinstance(r, Accepted) for r in results)
+    assert _verbs(relay) == ["EVENT"] * 6
+
+
+async def test_waiting_at_the_gate_is_bounded_by_the_callers_timeout(
+    scripted_relay: Start, nursery: trio.Nursery
+) -> None:
+    # The probe (a publish) waits up to ok=1 s for an OK that never comes; a query behind
+    # it gives up after its own eose=0.3 s, unavailable, having sent nothing.
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(events=(EventReply.SILENT,)),
+                                       timeouts=RelayTimeouts(connect=1, ok=1, eose=0.3))
+    outcome: list[object] = []
+
+    async def probe() -> None:
+        outcome.append(await pool.publish(key.pubkey, signed(key.sign(1, "silent"))))
+
+    with bounded():
+        async with trio.open_nursery() as inner:
+            inner.start_soon(probe)
+            await _eventually(lambda: _verbs(relay) == ["EVENT"])
+            with pytest.raises(RelayUnavailable):
+                await pool.query(key.pubkey, [{"kinds": [1]}])
+            assert _verbs(relay) == ["EVENT"]
+    assert len(outcome) == 1 and isinstance(outcome[0], Unknown)
+
+
+async def test_a_dropped_connection_wakes_everyone_at_the_gate(nursery: trio.Nursery) -> None:
+    # A relay that takes the probe's EVENT, says nothing, and hangs up when told: the
+    # probe is Unknown, and every request waiting behind it answers at once (long before
+    # ok=eose=5 s), none of them sent.
+    import trio_websocket
+
+    received: list[str] = []
+    hang_up = trio.Event()
+
+    async def handler(request: trio_websocket.WebSocketRequest) -> None:
+        ws = await request.accept()
+        received.append(str(await ws.get_message()))
+        await hang_up.wait()
+        await ws.aclose()
+
+    port = free_port()
+    await nursery.start(trio_websocket.serve_websocket, handler, "127.0.0.1", port, None)
+    key = TestKey()
+    pool = await _pool(nursery, f"ws://127.0.0.1:{port}", key, timeouts=RelayTimeouts(connect=1, ok=5, eose=5))
+    results: dict[str, object] = {}
+
+    async def publish(text: str) -> None:
+        results[text] = await pool.publish(key.pubkey, signed(key.sign(1, text)))
+
+    async def query() -> None:
+        with pytest.raises(RelayUnavailable):
+            await pool.query(key.pubkey, [{"kinds": [1]}])
+        results["query"] = "unavailable"
+
+    with bounded():
+        async with trio.open_nursery() as inner:
+            inner.start_soon(publish, "probe")
+            await _eventually(lambda: len(received) == 1)
+            for i in range(3):
+                inner.start_soon(publish, f"w{i}")
+            inner.start_soon(query)
+            await trio.testing.wait_all_tasks_blocked()
+            hang_up.set()
+    assert isinstance(results.pop("probe"), Unknown)
+    assert results == {**{f"w{i}": NotSent(reason="connection closed before sending") for i in range(3)},
+                       "query": "unavailable"}
+    assert len(received) == 1
 
 
 async def test_restricted_is_refused(scripted_relay: Start, nursery: trio.Nursery) -> None:
