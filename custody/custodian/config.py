@@ -9,8 +9,10 @@ Keys (a key or table not listed is an error naming it):
   uid: then nothing is separated, as under ``make run``), ``state_dir`` (the keystore's),
   ``relay_url`` (AUTH is signed for this URL only), ``signatures_per_minute`` (per agent,
   default 6000, 1 to 1,000,000), ``log_dir`` (default ``<state_dir>/custodian``),
-  ``log_max_bytes``, ``destroy_grace_seconds`` (default 7 days, 0 to 366 days:
-  custody/custodian/grace.py).
+  ``log_max_bytes`` (default 64 MiB, 4 KiB to 1 TiB), ``destroy_grace_seconds`` (default
+  7 days, 0 to 366 days: custody/custodian/grace.py), ``max_records`` (default 10,000, 1
+  to 1,000,000: the keystore's records, live and destroyed, past which `mint` and
+  `import` are refused; it bounds the keystore, the grace copies and the `agents` answer).
 - ``[pkcs11]`` as the daemon's: ``module``, ``token_label``, ``pin_file``, ``kek_label``,
   ``seal``, ``unsealed_cache_entries``, ``unsealed_cache_seconds``. The PIN file is
   ``$CREDENTIALS_DIRECTORY/token-pin`` when that exists (the unit's credential).
@@ -39,7 +41,7 @@ __all__ = ["CustodianConfig", "ConfigError", "load"]
 _KEYS: dict[str, dict[str, type]] = {
     "custodian": {"socket": str, "pipeline_uid": int, "state_dir": str, "relay_url": str,
                   "signatures_per_minute": int, "log_dir": str, "log_max_bytes": int,
-                  "destroy_grace_seconds": int},
+                  "destroy_grace_seconds": int, "max_records": int},
     "pkcs11": {"module": str, "token_label": str, "pin_file": str, "kek_label": str,
                "seal": str, "unsealed_cache_entries": int, "unsealed_cache_seconds": float},
     "backup": {"recipients": list, "dir": str, "max_files": int, "min_interval_seconds": int},
@@ -49,8 +51,9 @@ MAX_RECIPIENTS = 64
 _REQUIRED = {"custodian": ("socket", "state_dir", "relay_url"), "pkcs11": ("module", "token_label")}
 #: [custodian] integers outside these are refused: 0 signatures a minute would refuse
 #: every one; a negative grace is none (0 says so plainly), and past a year destroyed keys'
-#: sealed copies are kept beyond any use.
-_RANGES = {"signatures_per_minute": (1, 1_000_000), "destroy_grace_seconds": (0, 366 * 86400)}
+#: sealed copies are kept beyond any use; a log under 4 KiB holds a handful of lines.
+_RANGES = {"signatures_per_minute": (1, 1_000_000), "destroy_grace_seconds": (0, 366 * 86400),
+           "log_max_bytes": (4096, 1 << 40), "max_records": (1, 1_000_000)}
 
 
 class ConfigError(Exception):
@@ -115,6 +118,7 @@ def load(path: str) -> CustodianConfig:
         signatures_per_minute=c.get("signatures_per_minute", 6000),
         log_max_bytes=c.get("log_max_bytes", 64 * 1024 * 1024),
         destroy_grace_seconds=c.get("destroy_grace_seconds", 7 * 86400),
+        max_records=c.get("max_records", 10_000),
         backup_recipients=tuple(r.strip() for r in recipients),
         backup_dir=base / b["dir"] if b else None, backup_bounds=bounds)
     try:

@@ -61,6 +61,8 @@ class Settings:
     socket_mode: int = 0o660
     #: destroyed keys stay recoverable this long (custody/custodian/grace.py); 7 days
     destroy_grace_seconds: int = 7 * 86400
+    #: records (live and destroyed) past which mint and import are refused
+    max_records: int = 10_000
     #: the `backup` row's recipients and directory ([backup]); none: the row is refused
     backup_recipients: tuple[str, ...] = ()
     backup_dir: Path | None = None
@@ -95,6 +97,7 @@ class Custodian:
         self.graveyard = Graveyard(settings.log_path.parent / "destroyed",
                                    settings.destroy_grace_seconds)
         self._backup_lock = trio.Lock()  # the row's bound check and its write are one step
+        self._record_lock = trio.Lock()  # so is the record bound's check and its new record
 
     def _owner_of(self, pubkey: str) -> str | None:
         record = self.custody.agent(pubkey)
@@ -143,8 +146,17 @@ class Custodian:
             record = self.custody.agent(record.owner, include_deleted=True)
         return chain
 
+    def _room(self) -> None:
+        # A mint-destroy loop would otherwise grow the keystore, the grace copies and the
+        # `agents` answer (one frame) without end: destroyed records count.
+        if len(self.custody.agents(include_deleted=True)) >= self.settings.max_records:
+            raise CustodyError(f"the custodian holds max_records ({self.settings.max_records}) "
+                               "records, destroyed ones included: raise [custodian] max_records")
+
     async def mint(self, args: Mapping[str, Any]) -> object:
-        record = await self.custody.mint_agent(owner=args["owner"], mint_ref=args["mint_ref"])
+        async with self._record_lock:
+            self._room()
+            record = await self.custody.mint_agent(owner=args["owner"], mint_ref=args["mint_ref"])
         self.log.append([{"op": "mint", "agent": record.pubkey, "owner": record.owner}])
         return record_obj(record)
 
@@ -155,9 +167,11 @@ class Custodian:
         if args["auth_tag"] is None and self.custody.agent(args["owner"]) is not None:
             raise Refused(f"owner {args['owner']} is an agent held here: an import under it "
                           "needs the owner's own NIP-OA tag (auth_tag); mint one instead")
-        record = await self.custody.import_agent(args["secret"], owner=args["owner"],
-                                                 auth_tag=args["auth_tag"],
-                                                 held_owner=HeldOwner.REFUSE)
+        async with self._record_lock:
+            self._room()
+            record = await self.custody.import_agent(args["secret"], owner=args["owner"],
+                                                     auth_tag=args["auth_tag"],
+                                                     held_owner=HeldOwner.REFUSE)
         self.log.append([{"op": "import", "agent": record.pubkey, "owner": record.owner}])
         return record_obj(record)
 

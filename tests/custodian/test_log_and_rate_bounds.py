@@ -6,7 +6,8 @@ token, its own process), asked straight over its socket as a compromised pipelin
 - `signed.jsonl` bounded by `log_max_bytes`, one older file kept, the chain going on
   across the move;
 - an observer frame's (24200) and a memory event's (30174) `p` must name the signer's own
-  recorded owner (and the frame's `agent` the signer itself).
+  recorded owner (and the frame's `agent` the signer itself);
+- `max_records`: past it `mint` and `import` are refused, destroyed records counting.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tests.fixtures.custodian import CustodianProcess, write_custodian_config
 
 PER_MINUTE = 5
 LOG_MAX_BYTES = 4096
+MAX_RECORDS = 3
 
 
 @pytest.fixture
@@ -39,7 +41,8 @@ def bounded(custody_state: tuple[TokenConfig, Path], local_relay: str,
     text = config.read_text()
     config.write_text(text.replace("[custodian]\n", "[custodian]\n" + "".join(
         f"{k} = {json.dumps(v)}\n" for k, v in
-        {"log_dir": str(tmp_path / "log"), "log_max_bytes": LOG_MAX_BYTES}.items()), 1))
+        {"log_dir": str(tmp_path / "log"), "log_max_bytes": LOG_MAX_BYTES,
+         "max_records": MAX_RECORDS}.items()), 1))
     process = CustodianProcess(config, socket)
     process.start()
     yield process
@@ -80,8 +83,8 @@ def bounded_relay(process: CustodianProcess) -> str:
 async def test_the_log_keeps_one_older_file_and_its_chain_goes_on(
         bounded: CustodianProcess, tmp_path: Path) -> None:
     client = await CustodianClient.open(bounded.socket)
-    agents = [await held(client, human()) for _ in range(12)]
-    for round_ in range(PER_MINUTE):
+    agents = [await held(client, human()) for _ in range(MAX_RECORDS)]
+    for round_ in range(PER_MINUTE):  # 15 signatures: the log moves once past 4 KiB
         for agent in agents:
             assert ask(bounded.socket, "sign", events=post(agent))[0], (round_, agent)
     await client.aclose()
@@ -117,4 +120,28 @@ async def test_observer_and_memory_events_name_the_signers_own_owner(
     for wrong in (frame(stranger, agent), frame(owner, other), memory(stranger),
                   memory(agent)):
         assert refused(ask(bounded.socket, "sign", events=[wrong])), wrong["tags"]
+    await client.aclose()
+
+
+def records_full(answer: tuple[bool, object]) -> bool:
+    ok, value = answer
+    return (not ok and isinstance(value, tuple) and value[0] == "custody"
+            and "max_records" in value[1])
+
+
+async def test_past_max_records_mint_and_import_are_refused(bounded: CustodianProcess) -> None:
+    """A mint-destroy loop cannot grow the keystore, the grace copies or the `agents`
+    answer without end: the bound counts destroyed records too."""
+    client = await CustodianClient.open(bounded.socket)
+    owner = human()
+    first = await held(client, owner)
+    for ref in ("m1", "m2"):
+        assert ask(bounded.socket, "mint", owner=owner, mint_ref=ref)[0]
+    assert records_full(ask(bounded.socket, "mint", owner=owner, mint_ref="m3"))
+    assert ask(bounded.socket, "destroy", pubkey=first)[0]
+    assert records_full(ask(bounded.socket, "mint", owner=owner, mint_ref="m4"))
+    with pytest.raises(Exception, match="max_records"):
+        await held(client, owner)
+    ok, records = ask(bounded.socket, "agents", include_deleted=True)
+    assert ok and isinstance(records, list) and len(records) == MAX_RECORDS
     await client.aclose()
