@@ -482,23 +482,28 @@ async def test_metrics_listener_refuses_browsers(extra: str) -> None:
         nursery.cancel_scope.cancel()
 
 
-#: Another uid holding as many metrics connections as it may: it opens SCRAPE_HOLD, then
-#: prints what each got within half a second (nothing: held; else its first bytes), and
-#: holds them open until its stdin closes.
+#: Another uid holding as many metrics connections as it may: it opens SCRAPE_HOLD, waits
+#: (up to 4 s, inside the listener's 5 s request timeout) until all but `share` of them
+#: are answered, prints what each got (nothing: held; else its first bytes), and holds
+#: them open until its stdin closes.
 SCRAPE_HOLD = 4
 HOLD_SCRAPES = r"""
 import json, os, socket, sys, time
-uid, port, count = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+uid, port, count, share = (int(a) for a in sys.argv[1:5])
 os.setgroups([]); os.setgid(uid); os.setuid(uid)
 held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(count)]
-time.sleep(0.5)
-got = []
 for s in held:
     s.setblocking(False)  # with a timeout set, recv would wait for the answer
-    try:
-        got.append(s.recv(12).decode())
-    except BlockingIOError:
-        got.append("")
+got = [""] * count
+deadline = time.monotonic() + 4
+while sum(map(bool, got)) < count - share and time.monotonic() < deadline:
+    for i, s in enumerate(held):
+        if not got[i]:
+            try:
+                got[i] = s.recv(12).decode()
+            except BlockingIOError:
+                pass
+    time.sleep(0.02)
 print(json.dumps(got), flush=True)
 sys.stdin.read()
 """
@@ -514,13 +519,13 @@ async def test_one_uid_cannot_hold_every_metrics_connection() -> None:
     port = tcp.getsockname()[1]
     async with trio.open_nursery() as nursery:
         await nursery.start(serve, scrape_routes(Metrics(actions=ACTIONS)), tcp, SCRAPE_LIMITS)
+        share = SCRAPE_LIMITS.max_connections_per_uid
         holder = subprocess.Popen([SYSTEM_PYTHON, "-c", HOLD_SCRAPES, str(NOBODY), str(port),
-                                   str(SCRAPE_HOLD)], stdin=subprocess.PIPE,
+                                   str(SCRAPE_HOLD), str(share)], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, cwd="/")
         try:
             assert holder.stdout is not None and holder.stdin is not None
             got = json.loads(await trio.to_thread.run_sync(holder.stdout.readline))
-            share = SCRAPE_LIMITS.max_connections_per_uid
             assert got == [""] * share + ["HTTP/1.1 503"] * (SCRAPE_HOLD - share)
             with trio.fail_after(2):  # well inside the 5 s a held slot could last
                 stream = await trio.open_tcp_stream("127.0.0.1", port)
