@@ -10,9 +10,10 @@ Keys (a key or table not listed is an error naming it):
   ``relay_url`` (AUTH is signed for this URL only), ``signatures_per_minute`` (per agent,
   default 6000, 1 to 1,000,000), ``log_dir`` (default ``<state_dir>/custodian``),
   ``log_max_bytes`` (default 64 MiB, 4 KiB to 1 TiB), ``destroy_grace_seconds`` (default
-  7 days, 0 to 366 days: custody/custodian/grace.py), ``max_records`` (default 10,000, 1
-  to 1,000,000: the keystore's records, live and destroyed, past which `mint` and
-  `import` are refused; it bounds the keystore, the grace copies and the `agents` answer).
+  7 days, 0 to 366 days: custody/custodian/grace.py), ``max_records`` (default 5,000, 1
+  to `server.MAX_RECORDS`, 7,161: the keystore's records, live and destroyed, past which
+  `mint` and `import` are refused; it bounds the keystore and the grace copies, and at
+  its most the `agents` answer of the largest records still fits one frame).
 - ``[pkcs11]`` as the daemon's: ``module``, ``token_label``, ``pin_file``, ``kek_label``,
   ``seal``, ``unsealed_cache_entries``, ``unsealed_cache_seconds``. The PIN file is
   ``$CREDENTIALS_DIRECTORY/token-pin`` when that exists (the unit's credential).
@@ -34,7 +35,7 @@ from pathlib import Path
 from custody import CachePolicy, CustodyError, TokenConfig
 from custody._backup import check_recipients
 from custody.custodian.backup import Bounds
-from custody.custodian.server import Settings
+from custody.custodian.server import MAX_RECORDS, Settings
 
 __all__ = ["CustodianConfig", "ConfigError", "load"]
 
@@ -53,7 +54,7 @@ _REQUIRED = {"custodian": ("socket", "state_dir", "relay_url"), "pkcs11": ("modu
 #: every one; a negative grace is none (0 says so plainly), and past a year destroyed keys'
 #: sealed copies are kept beyond any use; a log under 4 KiB holds a handful of lines.
 _RANGES = {"signatures_per_minute": (1, 1_000_000), "destroy_grace_seconds": (0, 366 * 86400),
-           "log_max_bytes": (4096, 1 << 40), "max_records": (1, 1_000_000)}
+           "log_max_bytes": (4096, 1 << 40), "max_records": (1, MAX_RECORDS)}
 
 
 class ConfigError(Exception):
@@ -118,7 +119,7 @@ def load(path: str) -> CustodianConfig:
         signatures_per_minute=c.get("signatures_per_minute", 6000),
         log_max_bytes=c.get("log_max_bytes", 64 * 1024 * 1024),
         destroy_grace_seconds=c.get("destroy_grace_seconds", 7 * 86400),
-        max_records=c.get("max_records", 10_000),
+        max_records=c.get("max_records", 5_000),
         backup_recipients=tuple(r.strip() for r in recipients),
         backup_dir=base / b["dir"] if b else None, backup_bounds=bounds)
     try:

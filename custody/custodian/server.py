@@ -34,6 +34,7 @@ import trio
 
 from buzzwire.nostr import UnsignedEvent
 from custody import Custody, CustodyError, HeldOwner, KeyRecord, UnknownAgent, UnsealFailed
+from custody._signer import OWNER_TAG_CONDITIONS
 from custody.custodian import intents, messages
 from custody.custodian.backup import Bounds, TooSoon, write_backup
 from custody.custodian.grace import Graveyard
@@ -61,8 +62,8 @@ class Settings:
     socket_mode: int = 0o660
     #: destroyed keys stay recoverable this long (custody/custodian/grace.py); 7 days
     destroy_grace_seconds: int = 7 * 86400
-    #: records (live and destroyed) past which mint and import are refused
-    max_records: int = 10_000
+    #: records (live and destroyed) past which mint and import are refused (<= MAX_RECORDS)
+    max_records: int = 5_000
     #: the `backup` row's recipients and directory ([backup]); none: the row is refused
     backup_recipients: tuple[str, ...] = ()
     backup_dir: Path | None = None
@@ -72,6 +73,18 @@ class Settings:
 
 class Refused(Exception):
     """An intent outside what the custodian signs (answered `refused`)."""
+
+
+def _most_records() -> int:
+    # The `agents` answer is every record in one frame. A record is at its largest with a
+    # 512-character mint_ref (the table's bound) of characters JSON writes as \u00XX and a
+    # NIP-OA tag, fixed in size once custody has checked it (empty conditions).
+    worst = record_obj(KeyRecord(pubkey="f" * 64, owner="f" * 64, created_at=2**40,
+                                 mint_ref="\x00" * 512, deleted_at=2**40,
+                                 auth_tag=("auth", "f" * 64, OWNER_TAG_CONDITIONS, "f" * 128)))
+    empty = len(messages.reply_ok([]))
+    return (messages.MAX_FRAME + messages.HEADER.size - empty) // (
+        len(messages.reply_ok([worst])) - empty + 1)
 
 
 def record_obj(record: KeyRecord | None) -> dict[str, object] | None:
@@ -84,6 +97,11 @@ def record_obj(record: KeyRecord | None) -> dict[str, object] | None:
 
 
 Handler = Callable[["Custodian", Mapping[str, Any]], Awaitable[object]]
+
+
+#: The most records `max_records` may allow: that many of the largest still fit the
+#: `agents` answer's one frame (7,161 with today's bounds).
+MAX_RECORDS: Final = _most_records()
 
 
 class Custodian:

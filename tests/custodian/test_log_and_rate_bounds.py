@@ -18,15 +18,18 @@ from pathlib import Path
 
 import pytest
 
-from custody import TokenConfig
+from custody import KeyRecord, TokenConfig
+from custody._signer import OWNER_TAG_CONDITIONS
+from custody.custodian import messages
 from custody.custodian.client import CustodianClient
 from custody.custodian.ledger import verify_chain
+from custody.custodian.server import MAX_RECORDS, record_obj
 from tests.custodian.test_refusals import ask, held, human, intent, refused
 from tests.fixtures.custodian import CustodianProcess, write_custodian_config
 
 PER_MINUTE = 5
 LOG_MAX_BYTES = 4096
-MAX_RECORDS = 3
+RECORDS_HERE = 3
 
 
 @pytest.fixture
@@ -42,7 +45,7 @@ def bounded(custody_state: tuple[TokenConfig, Path], local_relay: str,
     config.write_text(text.replace("[custodian]\n", "[custodian]\n" + "".join(
         f"{k} = {json.dumps(v)}\n" for k, v in
         {"log_dir": str(tmp_path / "log"), "log_max_bytes": LOG_MAX_BYTES,
-         "max_records": MAX_RECORDS}.items()), 1))
+         "max_records": RECORDS_HERE}.items()), 1))
     process = CustodianProcess(config, socket)
     process.start()
     yield process
@@ -83,7 +86,7 @@ def bounded_relay(process: CustodianProcess) -> str:
 async def test_the_log_keeps_one_older_file_and_its_chain_goes_on(
         bounded: CustodianProcess, tmp_path: Path) -> None:
     client = await CustodianClient.open(bounded.socket)
-    agents = [await held(client, human()) for _ in range(MAX_RECORDS)]
+    agents = [await held(client, human()) for _ in range(RECORDS_HERE)]
     for round_ in range(PER_MINUTE):  # 15 signatures: the log moves once past 4 KiB
         for agent in agents:
             assert ask(bounded.socket, "sign", events=post(agent))[0], (round_, agent)
@@ -143,5 +146,20 @@ async def test_past_max_records_mint_and_import_are_refused(bounded: CustodianPr
     with pytest.raises(Exception, match="max_records"):
         await held(client, owner)
     ok, records = ask(bounded.socket, "agents", include_deleted=True)
-    assert ok and isinstance(records, list) and len(records) == MAX_RECORDS
+    assert ok and isinstance(records, list) and len(records) == RECORDS_HERE
     await client.aclose()
+
+
+def test_at_most_max_records_the_largest_records_fit_the_agents_answer() -> None:
+    """`max_records` can go no higher than MAX_RECORDS, and that many records at the
+    table's worst (a 512-character mint_ref JSON writes 6-fold, a tombstone, a NIP-OA
+    tag) are one answer frame the pipeline's client reads."""
+    worst = KeyRecord(pubkey="f" * 64, owner="f" * 64, created_at=2**40, deleted_at=2**40,
+                      mint_ref="\x1f" * 512,
+                      auth_tag=("auth", "f" * 64, OWNER_TAG_CONDITIONS, "f" * 128))
+    frame = messages.reply_ok([record_obj(worst)] * MAX_RECORDS)
+    assert messages.frame_length(frame[:messages.HEADER.size]) == len(frame) - 4
+    ok, records = messages.decode_reply(frame[messages.HEADER.size:])
+    assert ok and isinstance(records, list) and len(records) == MAX_RECORDS
+    with pytest.raises(messages.BadMessage):  # and a few more would not fit
+        messages.reply_ok([record_obj(worst)] * (MAX_RECORDS + 8))
