@@ -35,7 +35,7 @@ RECORDS_HERE = 3
 @pytest.fixture
 def bounded(custody_state: tuple[TokenConfig, Path], local_relay: str,
             tmp_path: Path) -> Iterator[CustodianProcess]:
-    """A custodian with a small signing bound and a small log, its log in `tmp_path`."""
+    """A custodian with small bounds (signatures, log, records), its log in `tmp_path`."""
     token, state_dir = custody_state
     socket = tmp_path / "custodian.sock"
     config = write_custodian_config(tmp_path / "custodian.toml", token=token,
@@ -61,26 +61,20 @@ def rate_limited(answer: tuple[bool, object]) -> bool:
     return not ok and isinstance(value, tuple) and value[0] == "rate_limited"
 
 
-async def test_an_agent_past_its_bound_is_rate_limited_alone(bounded: CustodianProcess) -> None:
+async def test_an_agent_past_its_bound_is_rate_limited_alone(bounded: CustodianProcess,
+                                                             local_relay: str) -> None:
     client = await CustodianClient.open(bounded.socket)
     first, second = await held(client, human()), await held(client, human())
     ok, events = ask(bounded.socket, "sign", events=post(first, PER_MINUTE))
     assert ok and isinstance(events, list) and len(events) == PER_MINUTE
     assert rate_limited(ask(bounded.socket, "sign", events=post(first)))
     assert rate_limited(ask(bounded.socket, "sign_auth", agent=first,
-                            relay_url=bounded_relay(bounded), challenge="c",
+                            relay_url=local_relay, challenge="c",
                             created_at=1_700_000_000))
-    # another agent's bucket is its own; a batch larger than a whole bucket is refused whole
+    # another agent's bucket is its own; a batch larger than what is left is refused whole
     assert ask(bounded.socket, "sign", events=post(second))[0]
     assert rate_limited(ask(bounded.socket, "sign", events=post(second, PER_MINUTE)))
     await client.aclose()
-
-
-def bounded_relay(process: CustodianProcess) -> str:
-    line = next(line for line in process.config.read_text().splitlines()
-                if line.startswith("relay_url"))
-    value: str = json.loads(line.split("=", 1)[1])
-    return value
 
 
 async def test_the_log_keeps_one_older_file_and_its_chain_goes_on(
