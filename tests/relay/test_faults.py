@@ -218,14 +218,17 @@ async def test_a_burst_after_a_challenge_at_connect_waits_for_one_auth(
 
 
 async def test_a_cancelled_probe_hands_the_gate_on(scripted_relay: Start, nursery: trio.Nursery) -> None:
-    # The first publish on a fresh connection gets no OK and is cancelled; the publishes
-    # waiting behind it go on (one probes next) long before their own timeout.
+    # The first publish on a fresh connection gets no OK and is cancelled while it waits
+    # for one; the publishes waiting behind it go on (one probes next) long before their
+    # own timeout. Cancelled once the relay has its EVENT and the waiters are queued, not
+    # on a timer: a slow start must not move the cancellation into the connect or send.
     relay, key, pool = await _scripted(scripted_relay, nursery, Script(events=(EventReply.SILENT,)),
                                        timeouts=RelayTimeouts(connect=1, ok=2, eose=2))
     results: list[object] = []
+    probing = trio.CancelScope()
 
     async def probe() -> None:
-        with trio.move_on_after(0.2):
+        with probing:
             await pool.publish(key.pubkey, signed(key.sign(1, "silent")))
 
     async def waiter(i: int) -> None:
@@ -237,6 +240,8 @@ async def test_a_cancelled_probe_hands_the_gate_on(scripted_relay: Start, nurser
             await _eventually(lambda: _verbs(relay) == ["EVENT"])
             for i in range(5):
                 inner.start_soon(waiter, i)
+            await trio.testing.wait_all_tasks_blocked()
+            probing.cancel()
     assert len(results) == 5 and all(isinstance(r, Accepted) for r in results)
     assert _verbs(relay) == ["EVENT"] * 6
 
