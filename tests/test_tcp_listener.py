@@ -540,45 +540,44 @@ async def test_one_uid_cannot_hold_every_metrics_connection() -> None:
         nursery.cancel_scope.cancel()
 
 
-@pytest.mark.parametrize("family, host", [(socket.AF_INET, "127.0.0.1"),
-                                          (socket.AF_INET6, "::1")])
-def test_peer_uid_is_the_client_sockets_owner(family: int, host: str) -> None:
+@pytest.fixture(params=[(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")],
+                ids=["ipv4", "ipv6"])
+def loopback_listener(request: pytest.FixtureRequest) -> Iterator[socket.socket]:
+    """A listening stdlib socket on a free loopback port, once per address family."""
+    family, host = request.param
+    with socket.socket(family) as listener:
+        try:
+            listener.bind((host, 0))
+        except OSError:
+            pytest.skip(f"no {host} on this machine")
+        listener.listen()
+        yield listener
+
+
+def test_peer_uid_is_the_client_sockets_owner(loopback_listener: socket.socket) -> None:
     """sock_diag names the owner of the client end of exactly this connection; a peer
     whose socket is gone is unknown (None), which the listener refuses."""
-    with socket.socket(family) as listener:
-        try:
-            listener.bind((host, 0))
-        except OSError:
-            pytest.skip(f"no {host} on this machine")
-        listener.listen()
-        with socket.create_connection(listener.getsockname()[:2]) as client:
-            conn, _ = listener.accept()
-            with conn:
-                assert peer_uid(conn) == os.getuid()
-                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
-                client.close()  # RST: the client's socket leaves the table at once
-                time.sleep(0.05)
-                assert peer_uid(conn) is None
+    with socket.create_connection(loopback_listener.getsockname()[:2]) as client:
+        conn, _ = loopback_listener.accept()
+        with conn:
+            assert peer_uid(conn) == os.getuid()
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+            client.close()  # RST: the client's socket leaves the table at once
+            time.sleep(0.05)
+            assert peer_uid(conn) is None
 
 
-@pytest.mark.parametrize("family, host", [(socket.AF_INET, "127.0.0.1"),
-                                          (socket.AF_INET6, "::1")])
-def test_peer_uid_of_a_client_that_already_closed_is_unknown(family: int, host: str) -> None:
+def test_peer_uid_of_a_client_that_already_closed_is_unknown(
+        loopback_listener: socket.socket) -> None:
     """A client that closed (FIN, no RST) leaves a TIME-WAIT entry the kernel reports with
     uid 0 and no inode: that is no owner at all, not root."""
-    with socket.socket(family) as listener:
-        try:
-            listener.bind((host, 0))
-        except OSError:
-            pytest.skip(f"no {host} on this machine")
-        listener.listen()
-        client = socket.create_connection(listener.getsockname()[:2])
-        client.sendall(b"GET / HTTP/1.1\r\n\r\n")
-        client.close()
-        time.sleep(0.05)
-        conn, _ = listener.accept()
-        with conn:
-            assert peer_uid(conn) is None
+    client = socket.create_connection(loopback_listener.getsockname()[:2])
+    client.sendall(b"GET / HTTP/1.1\r\n\r\n")
+    client.close()
+    time.sleep(0.05)
+    conn, _ = loopback_listener.accept()
+    with conn:
+        assert peer_uid(conn) is None
 
 
 async def test_status_says_which_rule_holds_the_port(tcp_host: Host) -> None:

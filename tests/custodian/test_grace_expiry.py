@@ -16,7 +16,7 @@ from custody import TokenConfig
 from custody.custodian.client import CustodianClient
 from custody.custodian.grace import Graveyard
 from tests.custodian.test_refusals import ask, held, human
-from tests.fixtures.custodian import CustodianProcess, write_custodian_config
+from tests.fixtures.custodian import running_custodian
 
 GRACE = 1
 
@@ -41,28 +41,20 @@ def test_a_copy_past_its_grace_is_purged_at_the_next_keep_and_at_start(tmp_path:
 
 async def test_past_the_grace_period_recover_finds_no_copy(
         custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path) -> None:
-    token, state_dir = custody_state
-    socket = tmp_path / "custodian.sock"
-    config = write_custodian_config(tmp_path / "custodian.toml", token=token,
-                                    state_dir=state_dir, socket=socket, relay_url=local_relay)
-    config.write_text(config.read_text().replace(
-        "[custodian]\n", f"[custodian]\ndestroy_grace_seconds = {GRACE}\n"
-        f'log_dir = "{tmp_path / "log"}"\n', 1))
-    process = CustodianProcess(config, socket)
-    process.start()
-    try:
-        client = await CustodianClient.open(socket)
+    log_dir = tmp_path / "log"
+    with running_custodian(custody_state, local_relay, tmp_path,
+                           settings={"destroy_grace_seconds": GRACE,
+                                     "log_dir": str(log_dir)}) as process:
+        client = await CustodianClient.open(process.socket)
         agent = await held(client, human())
-        assert ask(socket, "destroy", pubkey=agent)[0]
-        copies = list((tmp_path / "log").glob("**/*.sealed"))
+        assert ask(process.socket, "destroy", pubkey=agent)[0]
+        copies = list(log_dir.glob("**/*.sealed"))
         assert [p.name for p in copies] == [f"{agent}.sealed"]
         time.sleep(GRACE + 1.1)
-        done = subprocess.run([sys.executable, "-m", "custody.custodian", str(config),
+        done = subprocess.run([sys.executable, "-m", "custody.custodian", str(process.config),
                                "--recover", agent], capture_output=True, text=True, timeout=60)
         assert done.returncode == 1 and "no sealed copy" in done.stderr, done.stderr
         # a later destroy purges it from disk
-        assert ask(socket, "destroy", pubkey=await held(client, human()))[0]
+        assert ask(process.socket, "destroy", pubkey=await held(client, human()))[0]
         assert not copies[0].exists()
         await client.aclose()
-    finally:
-        process.stop()

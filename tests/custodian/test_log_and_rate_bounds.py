@@ -25,7 +25,7 @@ from custody.custodian.client import CustodianClient
 from custody.custodian.ledger import verify_chain
 from custody.custodian.server import MAX_RECORDS, record_obj
 from tests.custodian.test_refusals import ask, held, human, intent, refused
-from tests.fixtures.custodian import CustodianProcess, write_custodian_config
+from tests.fixtures.custodian import CustodianProcess, running_custodian
 
 PER_MINUTE = 5
 LOG_MAX_BYTES = 4096
@@ -36,20 +36,12 @@ RECORDS_HERE = 3
 def bounded(custody_state: tuple[TokenConfig, Path], local_relay: str,
             tmp_path: Path) -> Iterator[CustodianProcess]:
     """A custodian with small bounds (signatures, log, records), its log in `tmp_path`."""
-    token, state_dir = custody_state
-    socket = tmp_path / "custodian.sock"
-    config = write_custodian_config(tmp_path / "custodian.toml", token=token,
-                                    state_dir=state_dir, socket=socket, relay_url=local_relay,
-                                    signatures_per_minute=PER_MINUTE)
-    text = config.read_text()
-    config.write_text(text.replace("[custodian]\n", "[custodian]\n" + "".join(
-        f"{k} = {json.dumps(v)}\n" for k, v in
-        {"log_dir": str(tmp_path / "log"), "log_max_bytes": LOG_MAX_BYTES,
-         "max_records": RECORDS_HERE}.items()), 1))
-    process = CustodianProcess(config, socket)
-    process.start()
-    yield process
-    process.stop()
+    with running_custodian(custody_state, local_relay, tmp_path,
+                           signatures_per_minute=PER_MINUTE,
+                           settings={"log_dir": str(tmp_path / "log"),
+                                     "log_max_bytes": LOG_MAX_BYTES,
+                                     "max_records": RECORDS_HERE}) as process:
+        yield process
 
 
 def post(agent: str, n: int = 1) -> list[dict[str, object]]:
