@@ -116,10 +116,8 @@ def load(path: str) -> CustodianConfig:
         socket=base / c["socket"], pipeline_uid=c.get("pipeline_uid", os.getuid()),
         relay_url=c["relay_url"],
         log_path=base / c.get("log_dir", str(state_dir / "custodian")) / "signed.jsonl",
-        signatures_per_minute=c.get("signatures_per_minute", 6000),
-        log_max_bytes=c.get("log_max_bytes", 64 * 1024 * 1024),
-        destroy_grace_seconds=c.get("destroy_grace_seconds", 7 * 86400),
-        max_records=c.get("max_records", 5_000),
+        # The ranged integers' defaults are Settings' own: one place says them.
+        **{key: c[key] for key in _RANGES if key in c},
         backup_recipients=tuple(r.strip() for r in recipients),
         backup_dir=base / b["dir"] if b else None, backup_bounds=bounds)
     try:
