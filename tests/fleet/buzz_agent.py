@@ -54,6 +54,7 @@ import ipaddress
 import itertools
 import json
 import math
+import re
 import time
 import uuid
 from collections import Counter, OrderedDict
@@ -239,9 +240,13 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+#: Lower-case hex, matched in C: the per-character loop it replaced was three quarters of
+#: the generator's CPU (3.0 ms of every 100-event read), which the benchmark's host shares.
+_HEX = re.compile(r"[0-9a-f]*")
+
+
 def _is_hex(value: Any, length: int) -> bool:
-    return (isinstance(value, str) and len(value) == length
-            and all(c in "0123456789abcdef" for c in value))
+    return isinstance(value, str) and len(value) == length and _HEX.fullmatch(value) is not None
 
 
 def _exact(obj: Any, required: frozenset[str], optional: frozenset[str] = frozenset()) -> bool:
