@@ -169,7 +169,8 @@ class Custodian:
         # `agents` answer (one frame) without end: destroyed records count.
         if len(self.custody.agents(include_deleted=True)) >= self.settings.max_records:
             raise CustodyError(f"the custodian holds max_records ({self.settings.max_records}) "
-                               "records, destroyed ones included: raise [custodian] max_records")
+                               "records, destroyed ones included: raise [custodian] max_records"
+                               " or run `custodian FILE --forget-destroyed`")
 
     async def mint(self, args: Mapping[str, Any]) -> object:
         async with self._record_lock:

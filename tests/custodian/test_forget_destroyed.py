@@ -1,0 +1,88 @@
+"""`custodian FILE --forget-destroyed` (custody/custodian/forget.py): a long-lived host's
+way back under `[custodian] max_records`, which counts destroyed records.
+
+Against a running custodian: records destroyed past the grace period go, unless a kept
+record names them as owner (a chain of them goes leaves first); a record destroyed within
+the grace period stays; the running custodian's answers and its bound see the change; and
+what forgetting gives up (the key is no longer refused as a destroyed one) is shown.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import coincurve
+
+from custody import TokenConfig
+from custody.custodian.client import CustodianClient
+from tests.custodian.test_refusals import ask, human
+from tests.fixtures.custodian import running_custodian
+
+#: Long enough that a destroy made just before the command is surely within it (records
+#: carry whole seconds), short enough to wait out once.
+GRACE = 3
+
+
+def _forget(config: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "daemon.cli", "custodian", str(config),
+                           "--forget-destroyed"], capture_output=True, text=True, timeout=60)
+
+
+def _listed(socket: Path) -> dict[str, bool]:
+    ok, records = ask(socket, "agents", include_deleted=True)
+    assert ok and isinstance(records, list)
+    return {r["pubkey"]: r["deleted_at"] is None for r in records}
+
+
+async def test_forget_destroyed_drops_what_no_kept_record_needs(
+        custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path) -> None:
+    log_dir = tmp_path / "log"
+    with running_custodian(custody_state, local_relay, tmp_path,
+                           settings={"destroy_grace_seconds": GRACE, "log_dir": str(log_dir),
+                                     "max_records": 6}) as process:
+        client = await CustodianClient.open(process.socket)
+        alone_secret = coincurve.PrivateKey()
+        alone = (await client.import_agent(
+            bytearray(alone_secret.secret.hex().encode()), owner=human())).pubkey
+        parent = (await client.mint_agent(owner=human())).pubkey
+        child = (await client.mint_agent(owner=parent)).pubkey  # lives on: parent stays
+        top = (await client.mint_agent(owner=human())).pubkey
+        below = (await client.mint_agent(owner=top)).pubkey  # a chain of two, both destroyed
+        for pubkey in (alone, parent, below, top):
+            await client.destroy_agent(pubkey)
+        ok, refusal = _import(process.socket, alone_secret)  # known here as destroyed
+        assert not ok and "cannot be imported again" in str(refusal)
+        time.sleep(GRACE + 1.5)
+        recent = (await client.mint_agent(owner=human())).pubkey
+        await client.destroy_agent(recent)  # within its grace when the command runs
+        assert len(_listed(process.socket)) == 6
+        assert not (await _mint_ok(process.socket))  # at max_records
+
+        done = _forget(process.config)
+        assert done.returncode == 0, done.stderr
+        assert "forgot 3 records" in done.stdout
+
+        assert _listed(process.socket) == {parent: False, child: True, recent: False}
+        assert sorted(p.name for p in log_dir.glob("**/*.sealed")) == [f"{recent}.sealed"]
+        assert await _mint_ok(process.socket)  # back under the bound (5 records now)
+        # What it gives up: the key is no longer known here as destroyed, so an import of
+        # it is taken again.
+        assert _import(process.socket, alone_secret)[0]
+        assert _listed(process.socket)[alone]
+        # Run again, nothing more goes: the rest are kept or within their grace.
+        assert "forgot 0 records" in _forget(process.config).stdout
+        await client.aclose()
+
+
+async def _mint_ok(socket: Path) -> bool:
+    ok, _ = ask(socket, "mint", owner=human(), mint_ref=None)
+    return ok
+
+
+def _import(socket: Path, secret: coincurve.PrivateKey) -> tuple[bool, object]:
+    text = secret.secret.hex().encode()
+    return ask(socket, "import", tail=text, secret_bytes=len(text), owner=human(),
+               auth_tag=None)
