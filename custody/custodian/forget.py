@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from custody._errors import CustodyError
-from custody._keystore import Keystore
+from custody._keystore import KEYSTORE_FILE, Keystore
 from custody._statelock import StateLock
 from custody.custodian.config import load
 from custody.custodian.grace import Graveyard
@@ -51,6 +51,8 @@ def forget_destroyed(keystore: Keystore, destroyed_before: int) -> int:
 async def forget(config_path: str) -> None:
     config = load(config_path)
     grace = config.settings.destroy_grace_seconds
+    if not (Path(config.state_dir) / KEYSTORE_FILE).is_file():  # a host with none yet
+        raise CustodyError(f"no keystore in {config.state_dir}: nothing to forget")
     Graveyard(config.settings.log_path.parent / "destroyed", grace)  # purges past-grace copies
     lock = StateLock.shared(Path(config.state_dir))  # never during a rotation
     try:

@@ -86,3 +86,15 @@ def _import(socket: Path, secret: coincurve.PrivateKey) -> tuple[bool, object]:
     text = secret.secret.hex().encode()
     return ask(socket, "import", tail=text, secret_bytes=len(text), owner=human(),
                auth_tag=None)
+
+
+def test_a_host_with_no_keystore_is_told_so_and_left_as_it_was(tmp_path: Path) -> None:
+    config = tmp_path / "custodian.toml"
+    config.write_text(
+        f'[custodian]\nsocket = "{tmp_path}/s.sock"\nstate_dir = "{tmp_path}/state"\n'
+        'relay_url = "ws://127.0.0.1:1"\n[pkcs11]\nmodule = "/nonexistent.so"\n'
+        f'token_label = "t"\npin_file = "{tmp_path}/pin"\nkek_label = "k"\n')
+    done = _forget(config)
+    assert done.returncode == 1 and "no keystore in" in done.stderr
+    assert "Traceback" not in done.stderr and sorted(p.name for p in tmp_path.iterdir()) == [
+        "custodian.toml"]
