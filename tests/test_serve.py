@@ -83,7 +83,9 @@ def write_config(sockdir: str, socket_name: str = "b.sock", extra: str = "") -> 
     path = Path(sockdir) / "broker.toml"
     path.write_text(
         f'[server]\nsocket = "{socket_name}"\nshutdown_grace = 5\n'
-        f'[state]\ndir = "state"\n{extra}'
+        f'[state]\ndir = "state"\n'
+        # serve refuses a file without one before it binds anything; the fake apps never dial it
+        f'[relay]\nurl = "ws://127.0.0.1:9"\n{extra}'
     )
     return load_config(str(path), environ={})
 
