@@ -300,8 +300,11 @@ async def run_server(
     """
     env = os.environ if environ is None else environ
     started_at = time.monotonic()
+    # With a custodian the daemon opens no PIN, whatever [pkcs11] still names.
+    pin = ("none: the custodian holds the keys" if config.custody.custodian_socket
+           else config.pkcs11.pin_origin)
     log_event(_log, "serve.starting", pid=os.getpid(), config=config.source or "built-in defaults",
-              config_origin=config.origin, pin=config.pkcs11.pin_origin)
+              config_origin=config.origin, pin=pin)
 
     lock = memory_lock()
     if lock.locked:
