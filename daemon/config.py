@@ -33,6 +33,7 @@ WARNING: `_KEYS`, the dataclasses below, docs/configuration.md and docs/internal
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -647,6 +648,13 @@ def _pin(configured: object, environ: Mapping[str, str]) -> tuple[str | None, st
     return None, "none"
 
 
+def _did_you_mean(name: str, names: list[str]) -> str:
+    """The remedy for an unknown name: the nearest known one, else where they are all listed."""
+    close = difflib.get_close_matches(name, names, n=1)
+    return (f": did you mean {close[0]}?" if close
+            else " (docs/configuration.md lists every section and key)")
+
+
 def _build(tree: Mapping[str, object], where: str, base: Path | None, source: str | None,
            origin: str, environ: Mapping[str, str]) -> Config:
     known = {(k.section, k.key) for k in _KEYS}
@@ -654,12 +662,15 @@ def _build(tree: Mapping[str, object], where: str, base: Path | None, source: st
         if section == _LIMITS_SECTION:
             continue  # its rows are rules, checked whole by rate_config_from_table below
         if section not in _SECTIONS:
-            raise ConfigError(f"{where}: unknown section [{section}]")
+            raise ConfigError(f"{where}: unknown section [{section}]"
+                              f"{_did_you_mean(section, [*_SECTIONS, _LIMITS_SECTION])}")
         if not isinstance(body, dict):
             raise ConfigError(f"{where}: [{section}] must be a table")
         for key in body:
             if (section, key) not in known:
-                raise ConfigError(f"{where}: unknown key [{section}] {key}")
+                keys = sorted(k for s, k in known if s == section)
+                raise ConfigError(f"{where}: unknown key [{section}] {key}"
+                                  f"{_did_you_mean(key, keys)}")
     fields: dict[str, dict[str, object]] = {name: {} for name in _SECTIONS}
     for row in _KEYS:
         body = tree.get(row.section, {})
@@ -729,6 +740,8 @@ def load_config(path: str | None, environ: Mapping[str, str] = os.environ,
         ConfigError: one line naming the file (and key) for a missing or unreadable file,
             bad TOML, an unknown section or key, or a bad value.
     """
+    if path == "":  # `--config "$UNSET"`: never fall through to another file
+        raise ConfigError("--config is empty: give the file's path, or leave --config out")
     if path:
         chosen, origin = path, "--config"
     elif environ.get(ENV_VAR):
@@ -761,7 +774,12 @@ def load_config(path: str | None, environ: Mapping[str, str] = os.environ,
 def require_relay(config: Config) -> str:
     """The relay URL, or a ConfigError naming the file: there is no default relay."""
     if config.relay.url is None:
-        where = f"config {config.source}" if config.source else "built-in defaults"
-        raise ConfigError(f"{where}: [relay] url is not set (there is no default relay; "
-                          'name yours, e.g. url = "wss://relay.example.org")')
+        if config.source is None:  # no file was found at all: say where one was looked for
+            raise ConfigError(
+                f"no configuration file (no --config, ${ENV_VAR} unset or empty, no "
+                f"{SYSTEM_CONFIG}), so [relay] url is not set and there is no default relay: "
+                f'write {SYSTEM_CONFIG} with [relay] url = "wss://relay.example.org" '
+                "(docs/install.md step 4), or name a file with --config")
+        raise ConfigError(f"config {config.source}: [relay] url is not set (there is no "
+                          'default relay; name yours, e.g. url = "wss://relay.example.org")')
     return config.relay.url

@@ -10,11 +10,19 @@ Rules:
 - The relay check opens a WebSocket to ``[relay] url`` within ``connect_timeout`` and
   closes it: the relay is reachable and speaks WebSocket. It sends no event and no AUTH
   (no agent key is touched), so a relay that refuses unauthenticated REQs still passes.
+- The state check is `serve`'s first step without its lock: as root, a state directory
+  another user owns is refused (`daemon.cli._common.refuse_foreign_state`, the rule every
+  state command keeps); else the user running the check must be able to create a file in
+  it (one is made and removed at once: the real answer, whatever permission bits,
+  capabilities or mounts say), or, where it does not exist yet, in the directory `serve`
+  would make it in. `check-config --deep` only: `status` reads the state as it is.
 - Details never carry the PIN (custody's messages name files, never their content).
 """
 
 from __future__ import annotations
 
+import os
+import pwd
 import ssl
 import time
 from dataclasses import dataclass
@@ -25,7 +33,7 @@ import trio_websocket
 
 from daemon.config import Config
 
-__all__ = ["Check", "check_token_and_kek", "check_relay"]
+__all__ = ["Check", "check_token_and_kek", "check_relay", "check_state"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,3 +107,40 @@ async def check_relay(config: Config) -> Check:
         return Check("relay", False, f"{url}: cannot connect ({reason})")
     elapsed = (time.monotonic() - started) * 1000
     return Check("relay", True, f"{url}: WebSocket opened in {elapsed:.0f} ms")
+
+
+def _user() -> str:
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return f"uid {os.geteuid()}"
+
+
+async def check_state(config: Config) -> Check:
+    """Could `serve`, run as this user, make its files in ``[state] dir``? (module docstring)"""
+    from daemon.cli._common import CliError, refuse_foreign_state
+
+    directory = Path(config.state.dir)
+    try:
+        refuse_foreign_state(config)
+    except CliError as exc:
+        return Check("state", False, str(exc))
+    remedy = f"[state] dir must be the daemon's user's to write (this check ran as {_user()})"
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing != directory:
+        if not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
+            return Check("state", False, f"{directory} does not exist and cannot be made in "
+                         f"{existing}: {remedy}")
+        return Check("state", True, f"{directory} does not exist yet: serve makes it (0700)")
+    if not directory.is_dir():
+        return Check("state", False, f"{directory} is not a directory")
+    probe = directory / f".check-config-{os.getpid()}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        probe.unlink()
+    except OSError as exc:
+        return Check("state", False, f"{directory}: cannot create a file there "
+                     f"({exc.strerror}): {remedy}")
+    return Check("state", True, f"{directory}: {_user()} can write it")

@@ -396,8 +396,8 @@ def main() -> int:
               f"  buzz-broker status")
         if args.no_wait:
             return 0
-        print("\nThe broker and the development relay are running. "
-              "Ctrl-C or `make stop` stops both.", flush=True)
+        print("\nThe broker, its custodian and the development relay are running. "
+              "Ctrl-C or `make stop` stops all three.", flush=True)
         _watch(relay, daemon, log_path, custodian)
     except DemoError as exc:
         print(f"make run: {exc}", file=sys.stderr)

@@ -62,7 +62,8 @@ def test_deep_good_setup_with_the_pin_as_a_systemd_credential(
     assert lines[2].startswith(f"token: logged in to {token.token_label!r} (PIN from systemd "
                                f"credential); KEK {token.kek_label!r} found and checked")
     assert lines[3].startswith(f"relay: {local_relay}: WebSocket opened in ")
-    assert lines[4:] == ["ok"] and done.stderr == ""
+    assert lines[4] == f"state: {tmp_path / 'state'} does not exist yet: serve makes it (0700)"
+    assert lines[5:] == ["ok"] and done.stderr == ""
     pin = Path(softhsm_token.pin_file).read_text().strip()
     assert pin not in done.stdout + done.stderr
 

@@ -569,9 +569,12 @@ def test_check_config_uses_env(
     assert main(["check-config"]) == 1
     monkeypatch.delenv(ENV_VAR)
     capsys.readouterr()
-    # The built-in defaults name no relay: refused, saying so.
+    # No file at all: the built-in defaults name no relay, refused, saying where a file
+    # was looked for.
     assert main(["check-config"]) == 1
-    assert "built-in defaults: [relay] url is not set" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no configuration file (no --config, $BUZZ_BROKER_CONFIG unset or empty" in err
+    assert "[relay] url is not set" in err
 
 
 def test_serve_with_bad_config_is_one_line(

@@ -6,6 +6,7 @@ shell."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -120,11 +121,21 @@ def test_make_stop_ends_the_demo(tmp_path: Path) -> None:
                             stderr=subprocess.DEVNULL, text=True)
     try:
         assert demo.stdout is not None
+        lines: list[str] = []
         while "are running" not in (line := demo.stdout.readline()):
             assert line, "the demo ended before it was running"
+            lines.append(line)
+        # What it started: the relay and the custodian say their pids, the daemon's is in
+        # its run lock. `make stop` must leave none of them behind.
+        started = [int(pid) for line in lines for pid in re.findall(r"\(pid (\d+)\)", line)]
+        started.append(int((run_dir / "state" / "serve.lock").read_text()))
+        assert len(started) == 3, lines
         stopped = _demo(run_dir, "--stop")
         assert stopped.returncode == 0 and "stopped the demo" in stopped.stdout
         assert demo.wait(timeout=30) == 0
+        for pid in started:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
     finally:
         if demo.poll() is None:
             demo.kill()

@@ -83,7 +83,9 @@ def write_config(sockdir: str, socket_name: str = "b.sock", extra: str = "") -> 
     path = Path(sockdir) / "broker.toml"
     path.write_text(
         f'[server]\nsocket = "{socket_name}"\nshutdown_grace = 5\n'
-        f'[state]\ndir = "state"\n{extra}'
+        f'[state]\ndir = "state"\n'
+        # serve refuses a file without one before it binds anything; the fake apps never dial it
+        f'[relay]\nurl = "ws://127.0.0.1:9"\n{extra}'
     )
     return load_config(str(path), environ={})
 
@@ -321,6 +323,28 @@ def test_startup_error_is_one_line_and_nonzero(
     assert lines[-1] == "buzz-broker: token 'buzz-broker': not found in module"
     assert all(line.startswith("{") for line in lines[:-1])
     assert "Traceback" not in err
+
+
+def test_the_start_line_names_no_pin_where_the_custodian_holds_the_keys(
+    sockdir: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With `[custody] custodian_socket` the daemon reads no PIN, whatever `[pkcs11]` still
+    says (the demo's config keeps a pin_file): its start line must say so, as check-config's
+    `pin:` line does, not name a file it never opens."""
+    write_config(sockdir, extra='[custody]\ncustodian_socket = "c.sock"\n'
+                                 '[pkcs11]\npin_file = "pin"\n')
+
+    @asynccontextmanager
+    async def failing(config: Config) -> AsyncIterator[ReloadableApplication]:
+        raise CliError("stop here")
+        yield FakeApp()  # pragma: no cover
+
+    monkeypatch.setattr(serve_cli, "_broker_factory", failing)
+    monkeypatch.setattr(serve_cli, "lock_memory", no_lock)
+    assert main(["--config", os.path.join(sockdir, "broker.toml"), "serve"]) == 1
+    [starting] = [json.loads(line) for line in capsys.readouterr().err.splitlines()
+                  if '"serve.starting"' in line]
+    assert starting["pin"] == "none: the custodian holds the keys", starting
 
 
 def test_regular_file_at_socket_is_one_line(

@@ -9,8 +9,9 @@ Rules:
 - ``[relay] url`` must be set (there is no default relay): the daemon would refuse to start.
 - Without --deep it checks the file only (a config is often checked on another machine):
   ``ok`` last on stdout, exit 0; or the one-line `ConfigError` on stderr, exit 1.
-- With --deep it also logs in to the token, finds and checks the KEK, and opens a
-  WebSocket to the relay (daemon/probe.py), one line each; any failure is the one-line
+- With --deep it also logs in to the token, finds and checks the KEK, opens a
+  WebSocket to the relay, and checks that this user can make files in the state directory
+  (daemon/probe.py), one line each; any failure is the one-line
   error on stderr (naming the step) and exit 1. Run it as the daemon runs (the
   `buzz-broker-admin` wrapper), so the PIN credential and the token files are its own.
 
@@ -43,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--deep",
         action="store_true",
-        help="also log in to the token, check the KEK and open a WebSocket to the relay",
+        help="also log in to the token, check the KEK, open a WebSocket to the relay and "
+        "check the state directory is this user's to write",
     )
 
 
@@ -96,7 +98,9 @@ def describe_tcp(config: Config) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    path = getattr(args, "path", None) or getattr(args, "config", None)
+    path = getattr(args, "path", None)
+    if path is None:  # not `or`: an empty PATH is refused, not replaced by the default file
+        path = getattr(args, "config", None)
     try:
         config = load_config(path, os.environ)
         require_relay(config)
@@ -107,9 +111,9 @@ def run(args: argparse.Namespace) -> int:
     for line in describe_tcp(config):
         print(line)
     if getattr(args, "deep", False):
-        from daemon.probe import check_relay, check_token_and_kek
+        from daemon.probe import check_relay, check_state, check_token_and_kek
 
-        for check in (check_token_and_kek, check_relay):
+        for check in (check_token_and_kek, check_relay, check_state):
             result = trio.run(check, config)
             if not result.ok:
                 raise CliError(f"check-config --deep: {result.name}: {result.detail}")

@@ -304,6 +304,12 @@ def _issue(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
+    from daemon.state.sessions import SESSIONS_FILENAME
+
+    # SessionStore.open would create the store (and the directory): a listing creates
+    # nothing, as `status` does not, so root listing before the install leaves no root file.
+    if not (Path(config_from_args(args).state.dir) / SESSIONS_FILENAME).exists():
+        return 0
     store = _store(args)
     try:
         infos = store.list()

@@ -3,6 +3,11 @@
 FILE is the custodian's own configuration (custody/custodian/config.py), not the daemon's. Only
 the custodian package is imported here: nothing of the daemon's pipeline loads into the
 process that holds the keys.
+
+The words after FILE are the custodian's (custody/custodian/main.py parses them, not
+argparse), so `--help` among them is answered here: the usage on stdout, exit 0, from
+custody/custodian/keys.py's `USAGE` (imported only then: the serving process never loads it),
+with nothing read or opened.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 import argparse
 
 __all__ = ["add_arguments", "run"]
+
+_HELP = frozenset({"-h", "--help"})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,12 +27,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="drop the records of keys destroyed past the grace period "
                              "(none that a kept record names as owner), and exit")
     parser.add_argument("words", nargs=argparse.REMAINDER, metavar="keys ...",
-                        help="keys init | keys rotate [--new-kek-label L] | keys migrate "
-                             "--to-config FILE2 [--new-kek-label L]: with the custodian "
-                             "stopped, under its uid (docs/custodian.md)")
+                        help="the KEK commands and restoring a backup, with the custodian "
+                             "stopped, under its uid: `buzz-broker custodian FILE keys --help` "
+                             "lists them (docs/custodian.md)")
+
+
+def _usage() -> str:
+    """One line per form: serve, recover, forget, then each `keys` subcommand with its
+    options."""
+    from custody.custodian.keys import USAGE
+
+    forms = ["", " --recover PUBKEY", " --forget-destroyed",
+             *(f" {form}" for form in USAGE.split(" | "))]
+    return "\n".join(f"{'usage:' if i == 0 else '      '} buzz-broker custodian FILE{form}"
+                     for i, form in enumerate(forms))
 
 
 def run(args: argparse.Namespace) -> int:
+    if _HELP & set(args.words) or args.recover in _HELP:
+        print(_usage())
+        return 0
     from custody.custodian.main import main
 
     return main([args.file] + ([] if args.recover is None else ["--recover", args.recover])

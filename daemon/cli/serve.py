@@ -72,7 +72,7 @@ import trio
 
 from daemon import notify
 from daemon.cli._common import CliError, config_from_args
-from daemon.config import Config, ServerConfig, load_config
+from daemon.config import Config, ConfigError, ServerConfig, load_config, require_relay
 from daemon.loopback_tcp import AdmissionGate, TcpAdmission, port_holder
 from daemon.http import (
     HttpAnswer,
@@ -300,8 +300,11 @@ async def run_server(
     """
     env = os.environ if environ is None else environ
     started_at = time.monotonic()
+    # With a custodian the daemon opens no PIN, whatever [pkcs11] still names.
+    pin = ("none: the custodian holds the keys" if config.custody.custodian_socket
+           else config.pkcs11.pin_origin)
     log_event(_log, "serve.starting", pid=os.getpid(), config=config.source or "built-in defaults",
-              config_origin=config.origin, pin=config.pkcs11.pin_origin)
+              config_origin=config.origin, pin=pin)
 
     lock = memory_lock()
     if lock.locked:
@@ -564,6 +567,10 @@ def _single(exc: BaseException) -> BaseException:
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    try:  # a fault of the file leaves nothing behind: before the state lock and the socket
+        require_relay(config)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
     setup_logging(config.log.level)
     try:
         return trio.run(run_server, config, _broker_factory)

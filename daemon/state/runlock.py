@@ -56,7 +56,8 @@ class RunLock:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
-            raise RunLockHeld(f"cannot open {path}: {exc.strerror}") from None
+            raise RunLockHeld(f"cannot open {path}: {exc.strerror}; [state] dir must be the "
+                              "daemon's user's to write") from None
         for attempt in range(_ATTEMPTS):
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -203,3 +203,18 @@ async def test_grant_adds_actions_to_a_live_credential_and_nothing_else(
         assert store.authenticate(f"Bearer {narrow}", None, now) is None
     finally:
         store.close()
+
+
+def test_list_before_any_credential_creates_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`credential list` on a host where nothing is installed yet (root, before the state
+    directory is the daemon's) must not leave a root-owned credential store behind there:
+    the daemon's user could not open it later. It lists nothing, as `status` counts none."""
+    state = tmp_path / "state"
+    config = tmp_path / "broker.toml"
+    config.write_text(f'[state]\ndir = "{state}"\n')
+    assert cli(config, ["list"]) == 0
+    assert cli(config, ["list", "--json"]) == 0
+    assert capsys.readouterr() == ("", "")
+    assert not state.exists()
