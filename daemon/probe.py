@@ -76,7 +76,8 @@ async def _check_custodian(path: Path) -> Check:
     finally:
         await client.aclose()
     return Check("token", True, f"the custodian at {path} answers (it holds the token login "
-                 f"and the KEK under its own uid; {held} live agent keys)")
+                 f"and the KEK under its own uid; {held} live agent "
+                 f"key{'' if held == 1 else 's'})")
 
 
 async def check_relay(config: Config) -> Check:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,8 @@ def test_agent_create_remove_and_check_config_go_through_the_custodian(
     deep = _cli(config, "check-config", "--deep")
     assert deep.returncode == 0, deep.stdout + deep.stderr
     assert f"the custodian at {custodian.socket} answers" in deep.stdout
+    held = re.search(r"; (\d+) live agent key(s?)\)", deep.stdout)
+    assert held and (held[2] == "s") == (held[1] != "1"), deep.stdout  # "1 live agent key"
     assert "pin: none here: the custodian holds the keys" in deep.stdout
     removed = _cli(config, "agent", "remove", agent, "--yes")
     assert removed.returncode == 0, removed.stderr
