@@ -15,8 +15,8 @@ many raw bytes follow the frame, which each side keeps in a bytearray it zeroes 
 Rules:
 - Pure: bytes in, values out; no socket, no clock, no logging. The server and the
   pipeline's client (custody/custodian/client.py) both speak through `encode` and `decode_*`.
-- Strict: a length over `MAX_FRAME`, bytes that are not UTF-8 JSON, a duplicate member, a
-  float, NaN, a member not in the row, a missing one or one of the wrong type is one
+- Strict: a length over `MAX_FRAME`, bytes that are not UTF-8 JSON, a string holding a lone
+  surrogate, a duplicate member, a float, NaN, a member not in the row, a missing one or one of the wrong type is one
   `BadMessage`, never anything else (tests/custodian/test_messages.py fuzzes this).
 - `VERSION` changes whenever a row changes; a request of another version is refused.
 """
@@ -91,10 +91,17 @@ def _hex64(value: object) -> object:
     return value
 
 
+#: A surrogate on its own: JSON can spell one ("\ud800"), but it is no text and has no
+#: UTF-8 form, so the event id, the signed log or an answer would fail on it later.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _str(limit: int) -> Spec:
     def check(value: object) -> object:
         if not isinstance(value, str) or len(value) > limit:
             raise BadMessage(f"expected a string of at most {limit} characters")
+        if _LONE_SURROGATE.search(value):
+            raise BadMessage("a string holds a lone surrogate, which is no text")
         return value
     return check
 

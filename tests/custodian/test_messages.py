@@ -63,6 +63,21 @@ def test_a_frame_that_breaks_the_table_is_bad_message(body: bytes) -> None:
         messages.decode_request(body)
 
 
+@pytest.mark.parametrize(("escaped", "text"), [
+    ("\\ud800", False), ("\\udfff", False), ("x\\ud83d", False), ("\\ude00\\ud83d", False),
+    ("\\ud83d\\ude00", True),  # a pair: one astral character, which is text
+])
+def test_a_lone_surrogate_is_bad_message_a_pair_is_text(escaped: str, text: bool) -> None:
+    for op, member in (("memory_address", "slug"), ("mint", "mint_ref")):
+        args = json.dumps({**GOOD[op], member: "@"}).replace("@", escaped)
+        body = f'{{"v":2,"op":"{op}","args":{args}}}'.encode("ascii")
+        if text:
+            assert messages.decode_request(body).args[member] == "\U0001f600"
+        else:
+            with pytest.raises(messages.BadMessage, match="surrogate"):
+                messages.decode_request(body)
+
+
 def test_a_secret_never_rides_in_the_json() -> None:
     """import's secret follows the frame (messages.TAILS); a `secret` member is refused."""
     from custody._files import MAX_SECRET_TEXT
