@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,3 +96,91 @@ async def test_the_pipelines_own_client_cannot_send_a_lone_surrogate(
     event = await client.sign_auth(agent, local_relay, "\U0001f600", 1_700_000_000)
     assert event.kind == 22242
     await client.aclose()
+
+
+def peak_rss(process: CustodianProcess, *, reset: bool = False) -> int:
+    """The custodian's peak resident memory since the last reset, in bytes (VmHWM);
+    `reset`: start a new peak from what it holds now (clear_refs 5)."""
+    assert process.proc is not None
+    proc = Path(f"/proc/{process.proc.pid}")
+    if reset:
+        (proc / "clear_refs").write_text("5")
+    return next(int(line.split()[1]) * 1024 for line in (proc / "status").read_text().splitlines()
+                if line.startswith("VmHWM:"))
+
+
+def in_threads(path: Path, bodies: list[bytes], read: bool = True) -> list[socket.socket]:
+    """Each body as one frame on its own connection, all at once; their answers read
+    (`read`), else the connections returned open, their answers unread."""
+    socks = []
+    for _ in bodies:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(120)
+        sock.connect(str(path))
+        socks.append(sock)
+    answers: list[tuple[bool, object] | None] = [None] * len(bodies)
+
+    def one(i: int) -> None:
+        socks[i].sendall(messages.HEADER.pack(len(bodies[i])) + bodies[i])
+        if read:
+            answers[i] = _answer(socks[i])
+            socks[i].close()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not read or all(a is not None and a[0] for a in answers), answers
+    return socks
+
+
+async def test_memory_is_bounded_by_the_in_flight_budget_not_by_connections(
+        bounded: CustodianProcess) -> None:
+    """64 connections at 24 MiB each held 1.5 GiB of frames, a frame's parse up to 25 times
+    its size, and unread `agents` answers one frame each: now at most `max_inflight_bytes`
+    (default 32 MiB) of frames at once, each parsed within a bound of values, one `agents`
+    answer at a time."""
+    client = await CustodianClient.open(bounded.socket)
+    owner = human()
+    agent = await held(client, owner)
+    # 32 `agents` answers of 400 records at their largest, first (a fresh heap) (a 512-character mint_ref JSON
+    # writes six-fold: 3.2 KB a record), none read
+    for i in range(400):  # a mint_ref names one mint: each its own
+        await client.mint_agent(owner=owner, mint_ref=f"{i:03}" + "\x00" * 509)
+    size = len(messages.reply_ok(ask_records(bounded.socket)))
+    before = peak_rss(bounded, reset=True)
+    unread = in_threads(bounded.socket, [spelled("agents", {"include_deleted": True})] * 32,
+                        read=False)
+    assert send_raw(bounded.socket, spelled("records_version", {}))[0]  # answered beside them
+    listed = peak_rss(bounded) - before
+    for sock in unread:
+        sock.close()
+    # 16 frames of a full MAX_FRAME each (256 NIP-44 payloads, none opens: answered [null...])
+    payload = "A" * ((messages.MAX_FRAME - 1024) // messages.MAX_PAYLOADS - 8)
+    body = spelled("decrypt", {"agent": agent, "peer": owner,
+                               "payloads": [payload] * messages.MAX_PAYLOADS})
+    assert messages.MAX_FRAME - 4096 < len(body) <= messages.MAX_FRAME
+    before = peak_rss(bounded, reset=True)
+    in_threads(bounded.socket, [body] * 16)
+    frames = peak_rss(bounded) - before
+    # one frame of 8 million empty objects (3 bytes of frame each, 72 parsed)
+    n = (messages.MAX_FRAME - 100) // 3
+    flood = b'{"v":2,"op":"sign","args":{"events":[' + b"{}," * n + b'{}]}}'
+    before = peak_rss(bounded, reset=True)
+    answer = send_raw(bounded.socket, flood)
+    flooded = peak_rss(bounded) - before
+    print(f"16 frames of {len(body) >> 20} MiB at once: peak RSS +{frames >> 20} MiB; "
+          f"{len(flood) >> 20} MiB of empty objects: +{flooded >> 20} MiB; 32 unread answers "
+          f"of {size >> 10} KiB: +{listed >> 20} MiB")
+    assert frames < 4 * messages.MAX_FRAME
+    assert flooded < 4 * messages.MAX_FRAME
+    assert listed < 4 * size
+    assert answer == (False, ("bad_message", f"more than {messages.MAX_VALUES} values in one frame"))
+    await client.aclose()
+
+
+def ask_records(path: Path) -> list[object]:
+    ok, records = send_raw(path, spelled("agents", {"include_deleted": True}))
+    assert ok and isinstance(records, list)
+    return records

@@ -78,6 +78,21 @@ def test_a_lone_surrogate_is_bad_message_a_pair_is_text(escaped: str, text: bool
                 messages.decode_request(body)
 
 
+def test_values_are_bounded_before_the_parse_and_counted_outside_strings() -> None:
+    """MAX_VALUES: the largest request (a backup of MAX_BACKUP_NAMES names) parses; one more
+    value than the bound is refused unparsed; `,:[{` inside strings are not values."""
+    names = [{"pubkey": PK, "name": "n", "creator": None}] * messages.MAX_BACKUP_NAMES
+    largest = messages.request("backup", names=names)[messages.HEADER.size:]
+    assert len(messages.decode_request(largest).args["names"]) == messages.MAX_BACKUP_NAMES  # type: ignore[arg-type]
+    over = b'{"v":2,"op":"sign","args":{"events":[' + b"0," * messages.MAX_VALUES + b"0]}}"
+    with pytest.raises(messages.BadMessage, match="values in one frame"):
+        messages.decode_request(over)
+    content = ",:[{" * (messages.MAX_VALUES // 2)  # 2 * MAX_VALUES of them, in one string
+    event = {"signer": PK, "kind": 9, "created_at": 1, "tags": [["h", "c"]], "content": content}
+    body = messages.request("sign", events=[event, event, event])[messages.HEADER.size:]
+    assert messages.decode_request(body).args["events"][2]["content"] == content  # type: ignore[index]
+
+
 def test_a_secret_never_rides_in_the_json() -> None:
     """import's secret follows the frame (messages.TAILS); a `secret` member is refused."""
     from custody._files import MAX_SECRET_TEXT

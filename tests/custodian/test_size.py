@@ -37,8 +37,9 @@ TARGET_LINES = 3000
 #: ChaCha20 key overwritten on the stack (a fix, 15 lines); 5,459 with [custodian]
 #: max_records (a fix: records bounded by configuration, their answer within its frame,
 #: 35 lines, with the config's defaults now Settings' alone); 5,466 with lone surrogates
-#: refused at parse (a fix, 7 lines), held there.
-CEILING_LINES = 5466
+#: refused at parse (a fix, 7 lines); 5,522 with memory bounded by configuration (a fix:
+#: the in-flight budget, the values bound, one `agents` answer at a time; 56 lines), held there.
+CEILING_LINES = 5522
 #: Parsers facing agents and the relay that must never load where the keys are.
 NEVER = ("daemon", "h11", "wsproto", "buzz_broker_client", "buzzwire.contract")
 
