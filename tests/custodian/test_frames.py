@@ -6,6 +6,9 @@ nothing signed, stored, logged or spent.
   has no UTF-8 form, so the event id, the signed log and every answer would fail on it
   later. The pipeline's own client cannot send one: its encoder refuses it first, as
   in-process custody does (ValueError).
+- A refusal is one short line: a tag name it names is cut, not echoed whole.
+- Memory: bounded by the in-flight budget, the values bound and one `agents` answer at a
+  time, not by connections (peak RSS, VmHWM, reset before each part).
 """
 
 from __future__ import annotations
@@ -95,6 +98,21 @@ async def test_the_pipelines_own_client_cannot_send_a_lone_surrogate(
     assert log.read_text() == lines
     event = await client.sign_auth(agent, local_relay, "\U0001f600", 1_700_000_000)
     assert event.kind == 22242
+    await client.aclose()
+
+
+async def test_a_refusal_is_one_short_line_whatever_the_tag_name(
+        bounded: CustodianProcess) -> None:
+    """A tag name outside the shape is named in the refusal, cut to its first 64 characters:
+    a 1 MiB name was answered, and written to the custodian's stderr, whole."""
+    client = await CustodianClient.open(bounded.socket)
+    agent = await held(client, human())
+    logged = bounded.stderr.stat().st_size
+    ok, value = send_raw(bounded.socket, spelled("sign", {"events": [
+        intent(agent, 9, [["h", "c"], ["x" * 1_000_000, "y"]], "hi")]}))
+    assert not ok and isinstance(value, tuple) and value[0] == "refused"
+    assert value[1] == f"kind 9 carries no {'x' * 64!r} tag"
+    assert bounded.stderr.stat().st_size - logged < 1024
     await client.aclose()
 
 
