@@ -60,7 +60,7 @@ async def test_a_lone_surrogate_in_any_string_is_bad_message_and_changes_nothing
     agent = await held(client, owner)
     log = bounded.config.parent / "state" / "custodian" / "signed.jsonl"
     lines, version = log.read_text(), client.records_version()
-    asks = {
+    asks: dict[str, tuple[str, dict[str, object]]] = {
         "sign content": ("sign", {"events": [intent(agent, 9, [["h", "c"]], "hi" + LONE)]}),
         "sign tag": ("sign", {"events": [intent(agent, 9, [["h", LONE]], "hi")]}),
         "sign tag name": ("sign", {"events": [intent(agent, 9, [[LONE, "x"]], "hi")]}),
