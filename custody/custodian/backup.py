@@ -3,10 +3,12 @@
 Why here and not in the pipeline: a compromised pipeline must not turn a backup into key
 theft. So the row names neither recipients nor a path (custody/custodian/messages.py);
 both are the custodian's configuration (`[backup]`, custody/custodian/config.py), and the
-file's name is chosen here: `agents-<UTC time>-<random>.age`, created new (O_EXCL,
-O_NOFOLLOW, mode 0600) before anything is unsealed, so an existing file is never
-overwritten or followed. Custody encrypts in memory (custody/_backup.py: only ciphertext
-leaves it); the file and its directory are fsynced, and on any fault the file is removed.
+file's name is chosen here: `agents-<UTC time>-<random>.age`, written first as
+`.<name>.partial`, created new (O_EXCL, O_NOFOLLOW, mode 0600) before anything is
+unsealed, and linked to its name once whole and fsynced (link, not rename: an existing
+file is never overwritten or followed; a crash leaves no torn backup, and the next write
+removes its partial file). Custody encrypts in memory (custody/_backup.py: only
+ciphertext leaves it); the directory is fsynced, and on any fault the file is removed.
 What the pipeline learns: the file's path, its sha256, the agents in it and the (public)
 recipients, for the operator's key-event log. The file restores with `keys restore` like
 any other backup.
@@ -128,24 +130,35 @@ class Written:
 def _create(directory: Path) -> tuple[Path, int]:
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for torn in directory.glob(".agents-*.age.partial"):  # a crash's, mid-write
+            torn.unlink()
         name = f"agents-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(4)}.age"
         path = directory / name
-        return path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                             | os.O_CLOEXEC, 0o600)
+        return path, os.open(_partial(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                             | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as exc:
         raise CustodyError(f"cannot create a backup in {directory}: {exc.strerror}") from None
 
 
-def _write_synced(fd: int, directory: Path, data: bytes) -> None:
+def _partial(path: Path) -> Path:
+    return path.with_name(f".{path.name}.partial")
+
+
+def _write_synced(fd: int, path: Path, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
     os.fsync(fd)
-    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    os.link(_partial(path), path)  # an existing `path` (not ours) raises, left alone
     try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
 
 
 async def write_backup(custody: Custody, directory: Path, recipients: Sequence[str],
@@ -162,17 +175,14 @@ async def write_backup(custody: Custody, directory: Path, recipients: Sequence[s
     files = await trio.to_thread.run_sync(held, directory, bounds.max_files)
     admit_at(files, bounds, directory, now)
     path, fd = _create(directory)
-    done = False
     try:
         exported = await export_backup(custody, recipients, public)
         try:
-            await trio.to_thread.run_sync(_write_synced, fd, directory, exported.ciphertext)
+            await trio.to_thread.run_sync(_write_synced, fd, path, exported.ciphertext)
         except OSError as exc:
             raise CustodyError(f"cannot write the backup {path.name}: {exc.strerror}") from None
-        done = True
         return Written(path=path, sha256=hashlib.sha256(exported.ciphertext).hexdigest(),
                        agents=exported.agents)
     finally:
         os.close(fd)
-        if not done:
-            path.unlink(missing_ok=True)
+        _partial(path).unlink(missing_ok=True)  # linked to `path` once whole, else a fault's

@@ -13,7 +13,9 @@ Keys (a key or table not listed is an error naming it):
   7 days, 0 to 366 days: custody/custodian/grace.py), ``max_records`` (default 5,000, 1
   to `server.MAX_RECORDS`, 7,161: the keystore's records, live and destroyed, past which
   `mint` and `import` are refused; it bounds the keystore and the grace copies, and at
-  its most the `agents` answer of the largest records still fits one frame).
+  its most the `agents` answer of the largest records still fits one frame),
+  ``max_inflight_bytes`` (default 32 MiB, `messages.MAX_FRAME` to 1 TiB: bytes of frames
+  held at once, each from its header until its answer is sent; docs/custodian.md).
 - ``[pkcs11]`` as the daemon's: ``module``, ``token_label``, ``pin_file``, ``kek_label``,
   ``seal``, ``unsealed_cache_entries``, ``unsealed_cache_seconds``. The PIN file is
   ``$CREDENTIALS_DIRECTORY/token-pin`` when that exists (the unit's credential).
@@ -35,6 +37,7 @@ from pathlib import Path
 from custody import CachePolicy, CustodyError, TokenConfig
 from custody._backup import check_recipients
 from custody.custodian.backup import Bounds
+from custody.custodian.messages import MAX_FRAME
 from custody.custodian.server import MAX_RECORDS, Settings
 
 __all__ = ["CustodianConfig", "ConfigError", "load"]
@@ -42,7 +45,7 @@ __all__ = ["CustodianConfig", "ConfigError", "load"]
 _KEYS: dict[str, dict[str, type]] = {
     "custodian": {"socket": str, "pipeline_uid": int, "state_dir": str, "relay_url": str,
                   "signatures_per_minute": int, "log_dir": str, "log_max_bytes": int,
-                  "destroy_grace_seconds": int, "max_records": int},
+                  "destroy_grace_seconds": int, "max_records": int, "max_inflight_bytes": int},
     "pkcs11": {"module": str, "token_label": str, "pin_file": str, "kek_label": str,
                "seal": str, "unsealed_cache_entries": int, "unsealed_cache_seconds": float},
     "backup": {"recipients": list, "dir": str, "max_files": int, "min_interval_seconds": int},
@@ -52,9 +55,11 @@ MAX_RECIPIENTS = 64
 _REQUIRED = {"custodian": ("socket", "state_dir", "relay_url"), "pkcs11": ("module", "token_label")}
 #: [custodian] integers outside these are refused: 0 signatures a minute would refuse
 #: every one; a negative grace is none (0 says so plainly), and past a year destroyed keys'
-#: sealed copies are kept beyond any use; a log under 4 KiB holds a handful of lines.
+#: sealed copies are kept beyond any use; a log under 4 KiB holds a handful of lines; an
+#: in-flight budget under one frame would never read the largest.
 _RANGES = {"signatures_per_minute": (1, 1_000_000), "destroy_grace_seconds": (0, 366 * 86400),
-           "log_max_bytes": (4096, 1 << 40), "max_records": (1, MAX_RECORDS)}
+           "log_max_bytes": (4096, 1 << 40), "max_records": (1, MAX_RECORDS),
+           "max_inflight_bytes": (MAX_FRAME, 1 << 40)}
 
 
 class ConfigError(Exception):

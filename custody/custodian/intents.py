@@ -103,8 +103,8 @@ def check(signer: str, kind: int, tags: tuple[tuple[str, ...], ...], content: st
     for tag in tags:
         name, values = tag[0], tag[1:]
         bounds = shape.tags.get(name)
-        if bounds is None:
-            return f"kind {kind} carries no {name!r} tag" + (
+        if bounds is None:  # the name cut: the answer and the custodian's log echo it
+            return f"kind {kind} carries no {name[:64]!r} tag" + (
                 " (the custodian adds the NIP-OA tag)" if name == "auth" else "")
         if not bounds[0] <= len(values) <= bounds[1]:
             return f"kind {kind}: tag {name!r} has {len(values)} values"

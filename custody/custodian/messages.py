@@ -15,9 +15,10 @@ many raw bytes follow the frame, which each side keeps in a bytearray it zeroes 
 Rules:
 - Pure: bytes in, values out; no socket, no clock, no logging. The server and the
   pipeline's client (custody/custodian/client.py) both speak through `encode` and `decode_*`.
-- Strict: a length over `MAX_FRAME`, bytes that are not UTF-8 JSON, a duplicate member, a
-  float, NaN, a member not in the row, a missing one or one of the wrong type is one
-  `BadMessage`, never anything else (tests/custodian/test_messages.py fuzzes this).
+- Strict: a length over `MAX_FRAME` or more than `MAX_VALUES` values, bytes that are not
+  UTF-8 JSON, a string holding a lone surrogate, a duplicate member, a float, NaN, a
+  member not in the row, a missing one or one of the wrong type is one `BadMessage`,
+  never anything else (tests/custodian/test_messages.py fuzzes this).
 - `VERSION` changes whenever a row changes; a request of another version is refused.
 """
 
@@ -34,7 +35,7 @@ from types import MappingProxyType
 from typing import Final
 
 __all__ = [
-    "VERSION", "MAX_FRAME", "MAX_EVENTS", "MAX_PAYLOADS", "MAX_SECRET_BYTES", "MAX_BACKUP_NAMES",
+    "VERSION", "MAX_FRAME", "MAX_VALUES", "MAX_EVENTS", "MAX_PAYLOADS", "MAX_SECRET_BYTES", "MAX_BACKUP_NAMES",
     "OPS", "TAILS",
     "ERROR_CODES", "HEADER",
     "BadMessage", "Request", "encode", "frame_length", "decode_request", "decode_reply",
@@ -91,10 +92,17 @@ def _hex64(value: object) -> object:
     return value
 
 
+#: A surrogate on its own: JSON can spell one ("\ud800"), but it is no text and has no
+#: UTF-8 form, so the event id, the signed log or an answer would fail on it later.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _str(limit: int) -> Spec:
     def check(value: object) -> object:
         if not isinstance(value, str) or len(value) > limit:
             raise BadMessage(f"expected a string of at most {limit} characters")
+        if _LONE_SURROGATE.search(value):
+            raise BadMessage("a string holds a lone surrogate, which is no text")
         return value
     return check
 
@@ -221,9 +229,27 @@ def _no_float(text: str) -> object:
     raise BadMessage("no floats in the table")
 
 
-def _parse(body: bytes) -> dict[str, object]:
+#: Values and member names in one frame at most, counted before it is parsed: a parsed
+#: value costs up to ~72 bytes (an empty object, 3 bytes of frame: one frame of them took
+#: 600 MiB). The largest request, a backup of MAX_BACKUP_NAMES names, has 7 a name.
+MAX_VALUES: Final = 8 * MAX_BACKUP_NAMES
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
+
+
+def _values(body: bytes | bytearray) -> int:
+    """At most how many values and member names `body` holds (each but the first follows
+    one of `,:[{`): counted in the raw bytes, and past the bound again without strings."""
+    count = sum(map(body.count, b",:[{"))
+    if count > MAX_VALUES:
+        count = sum(map(_STRING.sub(b"", body).count, b",:[{"))
+    return count + 1
+
+
+def _parse(body: bytes | bytearray) -> dict[str, object]:
     if len(body) > MAX_FRAME:
         raise BadMessage("frame over the bound")
+    if _values(body) > MAX_VALUES:
+        raise BadMessage(f"more than {MAX_VALUES} values in one frame")
     try:
         value = json.loads(body.decode("utf-8"), object_pairs_hook=_no_duplicates,
                            parse_constant=_no_constant, parse_float=_no_float)
@@ -236,7 +262,7 @@ def _parse(body: bytes) -> dict[str, object]:
     return value
 
 
-def frame_length(header: bytes) -> int:
+def frame_length(header: bytes | bytearray) -> int:
     """The body length a 4-byte header announces; BadMessage over `MAX_FRAME`."""
     if len(header) != HEADER.size:
         raise BadMessage("short header")
@@ -246,7 +272,7 @@ def frame_length(header: bytes) -> int:
     return int(length)
 
 
-def decode_request(body: bytes) -> Request:
+def decode_request(body: bytes | bytearray) -> Request:
     """The request a frame body spells, checked against its row."""
     value = _parse(body)
     op, args = value.get("op"), value.get("args")

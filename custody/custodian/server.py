@@ -8,6 +8,10 @@ Theory of operation:
   `messages.MAX_FRAME` before it is read), answer. The pipeline's client opens several
   connections for concurrency. A frame that breaks the table gets `bad_message` and the
   connection is closed: its state is unknown.
+- Memory is bounded by `Settings.max_inflight_bytes`, not by connections: a frame's length
+  is held from its header until its answer is sent (what is parsed from a request, and
+  its answer, are a small multiple of it), and the one row whose answer its request does
+  not bound, `agents` (every record), is answered one at a time.
 - Each row of `messages.OPS` has one handler in `Custodian.HANDLERS`. The handlers call the
   in-process `custody.Custody` facade, which does the unsealing and the cryptography; what
   is added here is what a compromised pipeline must not decide: the closed list of event
@@ -20,12 +24,13 @@ Theory of operation:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket as stdsocket
 import struct
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -64,6 +69,8 @@ class Settings:
     destroy_grace_seconds: int = 7 * 86400
     #: records (live and destroyed) past which mint and import are refused (<= MAX_RECORDS)
     max_records: int = 5_000
+    #: bytes of frames held at once, from header to answer (`Budget`; >= messages.MAX_FRAME)
+    max_inflight_bytes: int = 32 * 1024 * 1024
     #: the `backup` row's recipients and directory ([backup]); none: the row is refused
     backup_recipients: tuple[str, ...] = ()
     backup_dir: Path | None = None
@@ -116,6 +123,8 @@ class Custodian:
                                    settings.destroy_grace_seconds)
         self._backup_lock = trio.Lock()  # the row's bound check and its write are one step
         self._record_lock = trio.Lock()  # so is the record bound's check and its new record
+        self.budget = Budget(settings.max_inflight_bytes)
+        self.listing = trio.Lock()  # an `agents` answer (up to MAX_FRAME) built and sent
 
     def _owner_of(self, pubkey: str) -> str | None:
         record = self.custody.agent(pubkey)
@@ -304,6 +313,26 @@ class _RateLimited(Exception):
     pass
 
 
+class Budget:
+    """Bytes of frames held at once: a frame waits before its body is read until its
+    length fits, and holds it until its answer is sent."""
+
+    def __init__(self, total: int) -> None:
+        self.free = total
+        self._lot = trio.lowlevel.ParkingLot()
+
+    @contextlib.asynccontextmanager
+    async def held(self, count: int) -> AsyncIterator[None]:
+        while self.free < count:
+            await self._lot.park()
+        self.free -= count
+        try:
+            yield
+        finally:
+            self.free += count
+            self._lot.unpark_all()
+
+
 def peer_uid(sock: trio.socket.SocketType) -> int:
     """The connecting process's uid, as the kernel recorded it at connect()."""
     raw = sock.getsockopt(stdsocket.SOL_SOCKET, stdsocket.SO_PEERCRED, _PEERCRED.size)
@@ -311,19 +340,9 @@ def peer_uid(sock: trio.socket.SocketType) -> int:
     return int(uid)
 
 
-async def _read_exactly(stream: trio.SocketStream, count: int) -> bytes | None:
-    chunks = bytearray()
-    while len(chunks) < count:
-        chunk = await stream.receive_some(min(count - len(chunks), 1 << 20))
-        if not chunk:
-            return None
-        chunks += chunk
-    return bytes(chunks)
-
-
-async def _read_secret(stream: trio.SocketStream, count: int) -> bytearray | None:
-    """`count` raw bytes into a bytearray sized once (recv_into: no bytes object of them
-    exists); None, zeroed, if the peer stops short."""
+async def _read_exactly(stream: trio.SocketStream, count: int) -> bytearray | None:
+    """`count` raw bytes into a bytearray sized once (recv_into: no copy of them, and no
+    bytes object of a secret tail, exists); None, zeroed, if the peer stops short."""
     buf = bytearray(count)
     view, got = memoryview(buf), 0
     try:
@@ -356,32 +375,45 @@ async def _connection(custodian: Custodian, stream: trio.SocketStream,
             header = await _read_exactly(stream, messages.HEADER.size)
             if header is None:
                 return
-            try:
-                body = await _read_exactly(stream, messages.frame_length(header))
-                if body is None:
-                    return
-                request = messages.decode_request(body)
-            except messages.BadMessage as exc:
-                await stream.send_all(messages.reply_error("bad_message", str(exc)))
+            if not await _exchange(custodian, stream, header):
                 return
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        return
+    finally:
+        active[0] -= 1
+        await stream.aclose()
+
+
+async def _exchange(custodian: Custodian, stream: trio.SocketStream, header: bytearray) -> bool:
+    """One request: its body read once its length fits the budget, answered, the answer
+    sent; False: close the connection."""
+    try:
+        length = messages.frame_length(header)
+        async with custodian.budget.held(length):
+            body = await _read_exactly(stream, length)
+            if body is None:
+                return False
+            request = messages.decode_request(body)
+            del body
             tail = messages.TAILS.get(request.op)
             if tail is None:
-                await stream.send_all(await custodian.answer(request))
-                continue
-            secret = await _read_secret(stream, int(request.args[tail]))  # type: ignore[call-overload]
+                alone = custodian.listing if request.op == "agents" else contextlib.nullcontext()
+                async with alone:  # every record: the one answer its request does not bound
+                    await stream.send_all(await custodian.answer(request))
+                return True
+            secret = await _read_exactly(stream, int(request.args[tail]))  # type: ignore[call-overload]
             if secret is None:
-                return
+                return False
             try:
                 answer = await custodian.answer(
                     messages.Request(request.op, {**request.args, "secret": secret}))
             finally:
                 secret[:] = bytes(len(secret))
             await stream.send_all(answer)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        return
-    finally:
-        active[0] -= 1
-        await stream.aclose()
+            return True
+    except messages.BadMessage as exc:
+        await stream.send_all(messages.reply_error("bad_message", str(exc)))
+        return False
 
 
 async def serve(custodian: Custodian, *, inherited: stdsocket.socket | None = None,

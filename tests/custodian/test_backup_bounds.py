@@ -37,7 +37,7 @@ from custody.custodian.backup import (
     admit_at,
     held,
 )
-from custody.custodian.client import CustodianClient
+from custody.custodian.client import CustodianClient, CustodianUnavailable
 from custody.custodian.config import ConfigError, load
 from daemon.state.directory import AgentDirectory
 from tests.backup.test_backup import key_events
@@ -284,3 +284,32 @@ async def test_each_refusal_reaches_keys_backup_as_one_line(
     assert len(list(backups.iterdir())) == 10
     stages = [e["stage"] for e in key_events(pipeline_state) if e["event"] == "backup"]
     assert stages == ["intent", "done", "intent", "failed", "intent", "failed"]
+
+
+async def test_a_sigkill_mid_write_leaves_no_backup_and_bars_none(
+        custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path) -> None:
+    """Killed halfway through a backup's bytes, the custodian leaves no `agents-*.age`: a
+    torn one looked like a backup, counted against max_files, and its mtime refused the
+    retry for min_interval_seconds (the default 300 s here)."""
+    token, state_dir = custody_state
+    recipient = str(pyrage.x25519.Identity.generate().to_public())
+    directory = tmp_path / "b"
+    custodian = CustodianProcess(write_custodian_config(
+        tmp_path / "custodian.toml", token=token, state_dir=state_dir,
+        socket=tmp_path / "custodian.sock", relay_url=local_relay,
+        backup={"recipients": [recipient], "dir": str(directory)}), tmp_path / "custodian.sock")
+    custodian.start(kill_after="backup-write")
+    try:
+        client = await CustodianClient.open(custodian.socket)
+        agent = (await client.mint_agent(owner=human())).pubkey
+        with pytest.raises(CustodianUnavailable):
+            await client.backup({})
+        assert "custodian.kill step=backup-write" in custodian.stderr.read_text()
+        assert not list(directory.glob("agents-*.age"))
+        custodian.start()
+        written = await client.backup({})  # at once: no torn file's mtime bars it
+        assert written.agents == (agent,)
+        assert [p.name for p in directory.iterdir()] == [Path(written.file).name]
+        await client.aclose()
+    finally:
+        custodian.stop()

@@ -11,6 +11,7 @@ import pytest
 
 from custody import TokenConfig
 from custody.custodian.config import ConfigError, load
+from custody.custodian.messages import MAX_FRAME
 from custody.custodian.server import MAX_RECORDS
 from tests.fixtures.custodian import write_custodian_config
 
@@ -36,6 +37,8 @@ def _config(tmp_path: Path, line: str) -> Path:
     (f"max_records = {MAX_RECORDS + 1}",
      f"max_records must be 1 to {MAX_RECORDS}, not {MAX_RECORDS + 1}"),
     ("log_max_bytes = 4095", "log_max_bytes must be 4096 to 1099511627776, not 4095"),
+    (f"max_inflight_bytes = {MAX_FRAME - 1}",  # a largest frame would never be read
+     f"max_inflight_bytes must be {MAX_FRAME} to 1099511627776, not {MAX_FRAME - 1}"),
 ])
 def test_a_value_out_of_range_is_a_config_error_naming_the_key(
         tmp_path: Path, line: str, fault: str) -> None:
@@ -47,7 +50,8 @@ def test_a_value_out_of_range_is_a_config_error_naming_the_key(
 @pytest.mark.parametrize("line", ["signatures_per_minute = 1", "signatures_per_minute = 1000000",
                                   "destroy_grace_seconds = 0",
                                   "destroy_grace_seconds = 31622400", "max_records = 1",
-                                  f"max_records = {MAX_RECORDS}", "log_max_bytes = 4096"])
+                                  f"max_records = {MAX_RECORDS}", "log_max_bytes = 4096",
+                                  f"max_inflight_bytes = {MAX_FRAME}"])
 def test_the_bounds_themselves_load(tmp_path: Path, line: str) -> None:
     key, value = line.split(" = ")
     settings = load(str(_config(tmp_path, line))).settings

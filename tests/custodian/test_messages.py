@@ -63,6 +63,36 @@ def test_a_frame_that_breaks_the_table_is_bad_message(body: bytes) -> None:
         messages.decode_request(body)
 
 
+@pytest.mark.parametrize(("escaped", "text"), [
+    ("\\ud800", False), ("\\udfff", False), ("x\\ud83d", False), ("\\ude00\\ud83d", False),
+    ("\\ud83d\\ude00", True),  # a pair: one astral character, which is text
+])
+def test_a_lone_surrogate_is_bad_message_a_pair_is_text(escaped: str, text: bool) -> None:
+    for op, member in (("memory_address", "slug"), ("mint", "mint_ref")):
+        args = json.dumps({**GOOD[op], member: "@"}).replace("@", escaped)
+        body = f'{{"v":2,"op":"{op}","args":{args}}}'.encode("ascii")
+        if text:
+            assert messages.decode_request(body).args[member] == "\U0001f600"
+        else:
+            with pytest.raises(messages.BadMessage, match="surrogate"):
+                messages.decode_request(body)
+
+
+def test_values_are_bounded_before_the_parse_and_counted_outside_strings() -> None:
+    """MAX_VALUES: the largest request (a backup of MAX_BACKUP_NAMES names) parses; one more
+    value than the bound is refused unparsed; `,:[{` inside strings are not values."""
+    names = [{"pubkey": PK, "name": "n", "creator": None}] * messages.MAX_BACKUP_NAMES
+    largest = messages.request("backup", names=names)[messages.HEADER.size:]
+    assert len(messages.decode_request(largest).args["names"]) == messages.MAX_BACKUP_NAMES  # type: ignore[arg-type]
+    over = b'{"v":2,"op":"sign","args":{"events":[' + b"0," * messages.MAX_VALUES + b"0]}}"
+    with pytest.raises(messages.BadMessage, match="values in one frame"):
+        messages.decode_request(over)
+    content = ",:[{" * (messages.MAX_VALUES // 2)  # 2 * MAX_VALUES of them, in one string
+    event = {"signer": PK, "kind": 9, "created_at": 1, "tags": [["h", "c"]], "content": content}
+    body = messages.request("sign", events=[event, event, event])[messages.HEADER.size:]
+    assert messages.decode_request(body).args["events"][2]["content"] == content  # type: ignore[index]
+
+
 def test_a_secret_never_rides_in_the_json() -> None:
     """import's secret follows the frame (messages.TAILS); a `secret` member is refused."""
     from custody._files import MAX_SECRET_TEXT

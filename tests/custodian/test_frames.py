@@ -1,0 +1,204 @@
+"""Frames a compromised pipeline writes itself, sent straight over the custodian's socket
+(a real custodian, its own process): what the table refuses at parse is `bad_message`, with
+nothing signed, stored, logged or spent.
+
+- A string holding a lone surrogate: JSON can spell one (`"\\ud800"`), but it is no text and
+  has no UTF-8 form, so the event id, the signed log and every answer would fail on it
+  later. The pipeline's own client cannot send one: its encoder refuses it first, as
+  in-process custody does (ValueError).
+- A refusal is one short line: a tag name it names is cut, not echoed whole.
+- Memory: bounded by the in-flight budget, the values bound and one `agents` answer at a
+  time, not by connections (peak RSS, VmHWM, reset before each part).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from custody import TokenConfig
+from custody.custodian import messages
+from custody.custodian.client import CustodianClient
+from tests.custodian.test_refusals import _answer, held, human, intent
+from tests.fixtures.custodian import CustodianProcess, running_custodian
+
+PER_MINUTE = 2
+LONE = "\ud800"
+
+
+@pytest.fixture
+def bounded(custody_state: tuple[TokenConfig, Path], local_relay: str,
+            tmp_path: Path) -> Iterator[CustodianProcess]:
+    with running_custodian(custody_state, local_relay, tmp_path,
+                           signatures_per_minute=PER_MINUTE) as process:
+        yield process
+
+
+def send_raw(path: Path, body: bytes) -> tuple[bool, object]:
+    """One frame of `body` as it is (a pipeline writing its own bytes), its answer."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(30)
+        sock.connect(str(path))
+        sock.sendall(messages.HEADER.pack(len(body)) + body)
+        return _answer(sock)
+
+
+def spelled(op: str, args: dict[str, object]) -> bytes:
+    # json.dumps writes a lone surrogate as its escape, "\ud800": ASCII, valid JSON
+    return json.dumps({"v": messages.VERSION, "op": op, "args": args}).encode("ascii")
+
+
+async def test_a_lone_surrogate_in_any_string_is_bad_message_and_changes_nothing(
+        bounded: CustodianProcess, local_relay: str) -> None:
+    client = await CustodianClient.open(bounded.socket)
+    owner = human()
+    agent = await held(client, owner)
+    log = bounded.config.parent / "state" / "custodian" / "signed.jsonl"
+    lines, version = log.read_text(), client.records_version()
+    asks: dict[str, tuple[str, dict[str, object]]] = {
+        "sign content": ("sign", {"events": [intent(agent, 9, [["h", "c"]], "hi" + LONE)]}),
+        "sign tag": ("sign", {"events": [intent(agent, 9, [["h", LONE]], "hi")]}),
+        "sign tag name": ("sign", {"events": [intent(agent, 9, [[LONE, "x"]], "hi")]}),
+        "profile": ("sign", {"events": [intent(agent, 0, [], '{"name":"' + LONE + '"}')]}),
+        "mint_ref": ("mint", {"owner": owner, "mint_ref": "ref" + LONE}),
+        "challenge": ("sign_auth", {"agent": agent, "relay_url": local_relay,
+                                    "challenge": LONE, "created_at": 1_700_000_000}),
+        "slug": ("memory_address", {"agent": agent, "slug": "mem/" + LONE}),
+        "payload": ("decrypt", {"agent": agent, "peer": owner, "payloads": [LONE]}),
+        "auth tag": ("attach_auth", {"pubkey": agent, "tag": ["auth", owner, LONE, "00"]}),
+        "name": ("backup", {"names": [{"pubkey": agent, "name": LONE, "creator": None}]}),
+    }
+    for what, (op, args) in asks.items():
+        ok, value = send_raw(bounded.socket, spelled(op, args))
+        assert not ok and isinstance(value, tuple) and value[0] == "bad_message", (what, value)
+        assert "surrogate" in value[1], what
+    # nothing signed, stored or logged; the agent's bucket unspent (2 a minute: both sign),
+    # and a pair of surrogate escapes (one astral character) is text, and signs
+    assert log.read_text() == lines
+    assert client.records_version() == version
+    ok, signed = send_raw(bounded.socket, spelled("sign", {"events": [
+        intent(agent, 9, [["h", "c"]], "one"), intent(agent, 9, [["h", "c"]], "\U0001f600")]}))
+    assert ok and isinstance(signed, list) and signed[1]["content"] == "\U0001f600"
+    await client.aclose()
+
+
+async def test_the_pipelines_own_client_cannot_send_a_lone_surrogate(
+        bounded: CustodianProcess, local_relay: str) -> None:
+    client = await CustodianClient.open(bounded.socket)
+    agent = await held(client, human())
+    log = bounded.config.parent / "state" / "custodian" / "signed.jsonl"
+    lines = log.read_text()
+    with pytest.raises(ValueError):
+        await client.sign_auth(agent, local_relay, LONE, 1_700_000_000)
+    assert log.read_text() == lines
+    event = await client.sign_auth(agent, local_relay, "\U0001f600", 1_700_000_000)
+    assert event.kind == 22242
+    await client.aclose()
+
+
+async def test_a_refusal_is_one_short_line_whatever_the_tag_name(
+        bounded: CustodianProcess) -> None:
+    """A tag name outside the shape is named in the refusal, cut to its first 64 characters:
+    a 1 MiB name was answered, and written to the custodian's stderr, whole."""
+    client = await CustodianClient.open(bounded.socket)
+    agent = await held(client, human())
+    logged = bounded.stderr.stat().st_size
+    ok, value = send_raw(bounded.socket, spelled("sign", {"events": [
+        intent(agent, 9, [["h", "c"], ["x" * 1_000_000, "y"]], "hi")]}))
+    assert not ok and isinstance(value, tuple) and value[0] == "refused"
+    assert value[1] == f"kind 9 carries no {'x' * 64!r} tag"
+    assert bounded.stderr.stat().st_size - logged < 1024
+    await client.aclose()
+
+
+def peak_rss(process: CustodianProcess, *, reset: bool = False) -> int:
+    """The custodian's peak resident memory since the last reset, in bytes (VmHWM);
+    `reset`: start a new peak from what it holds now (clear_refs 5)."""
+    assert process.proc is not None
+    proc = Path(f"/proc/{process.proc.pid}")
+    if reset:
+        (proc / "clear_refs").write_text("5")
+    return next(int(line.split()[1]) * 1024 for line in (proc / "status").read_text().splitlines()
+                if line.startswith("VmHWM:"))
+
+
+def in_threads(path: Path, bodies: list[bytes], read: bool = True) -> list[socket.socket]:
+    """Each body as one frame on its own connection, all at once; their answers read
+    (`read`), else the connections returned open, their answers unread."""
+    socks = []
+    for _ in bodies:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(120)
+        sock.connect(str(path))
+        socks.append(sock)
+    answers: list[tuple[bool, object] | None] = [None] * len(bodies)
+
+    def one(i: int) -> None:
+        socks[i].sendall(messages.HEADER.pack(len(bodies[i])) + bodies[i])
+        if read:
+            answers[i] = _answer(socks[i])
+            socks[i].close()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not read or all(a is not None and a[0] for a in answers), answers
+    return socks
+
+
+async def test_memory_is_bounded_by_the_in_flight_budget_not_by_connections(
+        bounded: CustodianProcess) -> None:
+    """64 connections at 24 MiB each held 1.5 GiB of frames, a frame's parse up to 25 times
+    its size, and unread `agents` answers one frame each: now at most `max_inflight_bytes`
+    (default 32 MiB) of frames at once, each parsed within a bound of values, one `agents`
+    answer at a time."""
+    client = await CustodianClient.open(bounded.socket)
+    owner = human()
+    agent = await held(client, owner)
+    # 32 `agents` answers of 400 records at their largest, first (a fresh heap) (a 512-character mint_ref JSON
+    # writes six-fold: 3.2 KB a record), none read
+    for i in range(400):  # a mint_ref names one mint: each its own
+        await client.mint_agent(owner=owner, mint_ref=f"{i:03}" + "\x00" * 509)
+    size = len(messages.reply_ok(ask_records(bounded.socket)))
+    before = peak_rss(bounded, reset=True)
+    unread = in_threads(bounded.socket, [spelled("agents", {"include_deleted": True})] * 32,
+                        read=False)
+    assert send_raw(bounded.socket, spelled("records_version", {}))[0]  # answered beside them
+    listed = peak_rss(bounded) - before
+    for sock in unread:
+        sock.close()
+    # 16 frames of a full MAX_FRAME each (256 NIP-44 payloads, none opens: answered [null...])
+    payload = "A" * ((messages.MAX_FRAME - 1024) // messages.MAX_PAYLOADS - 8)
+    body = spelled("decrypt", {"agent": agent, "peer": owner,
+                               "payloads": [payload] * messages.MAX_PAYLOADS})
+    assert messages.MAX_FRAME - 4096 < len(body) <= messages.MAX_FRAME
+    before = peak_rss(bounded, reset=True)
+    in_threads(bounded.socket, [body] * 16)
+    frames = peak_rss(bounded) - before
+    # one frame of 8 million empty objects (3 bytes of frame each, 72 parsed)
+    n = (messages.MAX_FRAME - 100) // 3
+    flood = b'{"v":2,"op":"sign","args":{"events":[' + b"{}," * n + b'{}]}}'
+    before = peak_rss(bounded, reset=True)
+    answer = send_raw(bounded.socket, flood)
+    flooded = peak_rss(bounded) - before
+    print(f"16 frames of {len(body) >> 20} MiB at once: peak RSS +{frames >> 20} MiB; "
+          f"{len(flood) >> 20} MiB of empty objects: +{flooded >> 20} MiB; 32 unread answers "
+          f"of {size >> 10} KiB: +{listed >> 20} MiB")
+    assert frames < 4 * messages.MAX_FRAME
+    assert flooded < 4 * messages.MAX_FRAME
+    assert listed < 4 * size
+    assert answer == (False, ("bad_message", f"more than {messages.MAX_VALUES} values in one frame"))
+    await client.aclose()
+
+
+def ask_records(path: Path) -> list[object]:
+    ok, records = send_raw(path, spelled("agents", {"include_deleted": True}))
+    assert ok and isinstance(records, list)
+    return records
