@@ -684,6 +684,43 @@ async def test_a_lookup_that_never_answers_admits_nobody() -> None:
         directory.release.set()
 
 
+async def test_a_connection_waiting_on_the_user_database_counts_in_its_uids_share() -> None:
+    """A connection whose tcp_allow_groups lookup is pending is open and counted under its
+    uid: past max_connections_per_uid, one more of that uid is 503 at once instead of
+    taking another global slot to wait in. Else one local user, while the user database
+    is slow, holds every connection slot of the listener and no agent is served."""
+    directory = _StalledDirectory(frozenset({"root"}), stalls=3)
+    tcp = bind_tcp_socket("127.0.0.1", 0)
+    port = tcp.getsockname()[1]
+    limits = HttpLimits(max_connections=4, max_connections_per_uid=2, request_timeout=60)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(serve, action_routes(_Echo()), tcp, limits,
+                                                  admit=AdmissionGate(directory, ttl=0)))
+            waiting: list[bytes] = []
+
+            async def stalled() -> None:
+                waiting.append(await _answer(port))
+
+            for _ in range(limits.max_connections_per_uid):
+                nursery.start_soon(stalled)
+            while directory.calls[0] < limits.max_connections_per_uid:
+                await trio.sleep(0.01)
+            with trio.fail_after(10):  # on the old code it waited for its own lookup
+                third = await _answer(port)
+            assert third.startswith(b"HTTP/1.1 503 ") and third.endswith(b"\r\n\r\n")
+            assert directory.calls[0] == limits.max_connections_per_uid  # never looked up
+            assert not waiting
+            directory.release.set()
+            with trio.fail_after(10):
+                while len(waiting) < limits.max_connections_per_uid:
+                    await trio.sleep(0.01)
+            assert all(answer.startswith(b"HTTP/1.1 200 ") for answer in waiting)
+            nursery.cancel_scope.cancel()
+    finally:
+        directory.release.set()
+
+
 async def test_a_group_verdict_is_kept_for_its_ttl() -> None:
     """One lookup per uid per MEMBERSHIP_TTL: a fleet of one uid reconnecting does not ask
     the user database per connection; after the TTL a joined or left group counts."""
