@@ -55,7 +55,7 @@ smaller `daemon.metrics.SCRAPE_LIMITS` for the metrics listeners):
   global slot with connections waiting on their lookups.
 - connections per credential (when ``max_connections_per_credential`` is set: the TCP
   listeners): a connection is counted under the credential (a digest of the Authorization
-  value) of its first request that carries one; past the cap that request is answered 503
+  value, its case-insensitive scheme folded) of its first request that carries one; past the cap that request is answered 503
   and the connection closed. One agent of a fleet that shares a uid cannot use up the
   uid's share.
 - body bytes in flight: ``max_inflight_bytes``, shared per peer uid (`daemon.peer_shares`).
@@ -488,6 +488,12 @@ def _peer_credentials(sock: trio.socket.SocketType) -> tuple[int | None, int | N
     return uid, pid
 
 
+def _fold_scheme(value: bytes) -> bytes:
+    """An Authorization value with its auth scheme (up to the first space) in lower case."""
+    scheme, space, rest = value.partition(b" ")
+    return scheme.lower() + space + rest
+
+
 def _authorization(headers: list[tuple[bytes, bytes]]) -> str | None:
     values = [value for name, value in headers if name == b"authorization"]
     if not values:
@@ -776,10 +782,11 @@ class _Connection:
         """Move this connection under the credential its request carries; False if refused.
 
         Keyed by a digest, never the value (memory holds no credential); a request without
-        Authorization keeps the connection where it was.
+        Authorization keeps the connection where it was. The auth scheme is case-insensitive
+        (RFC 9110 11.1), so it is folded first: every spelling of one credential is one key.
         """
         counts = self.control.per_credential
-        value = [v for n, v in headers if n == b"authorization"]
+        value = [_fold_scheme(v) for n, v in headers if n == b"authorization"]
         if counts is None or not value:
             return True
         key = hashlib.sha256(b"\n".join(value)).digest()

@@ -427,10 +427,11 @@ class _Echo:
         return HttpAnswer(200, b"{}")
 
 
-async def _open(path: str, credential: str) -> tuple[trio.SocketStream, bytes]:
+async def _open(path: str, credential: str, scheme: str = "Bearer"
+                ) -> tuple[trio.SocketStream, bytes]:
     stream = await trio.open_unix_socket(path)
     await stream.send_all(
-        f"POST /v1/action HTTP/1.1\r\nHost: broker\r\nAuthorization: Bearer {credential}\r\n"
+        f"POST /v1/action HTTP/1.1\r\nHost: broker\r\nAuthorization: {scheme} {credential}\r\n"
         "Content-Length: 2\r\n\r\n{}".encode())
     return stream, await stream.receive_some(65536)
 
@@ -454,6 +455,25 @@ async def test_per_credential_connection_cap(sockdir: str) -> None:
         again, e = await _open(path, "same")
         assert e.startswith(b"HTTP/1.1 200 ")
         for stream in (second, third, other, again):
+            await stream.aclose()
+        control.stop()
+
+
+async def test_per_credential_cap_counts_every_spelling_of_the_scheme(sockdir: str) -> None:
+    """The auth scheme is case-insensitive (RFC 9110 11.1; the pipeline takes `bearer` and
+    `BEARER` alike), so it is one credential however it is spelt: 64 spellings of
+    `Bearer` must not give one credential 64 times its cap."""
+    path = os.path.join(sockdir, "cap.sock")
+    limits = HttpLimits(max_connections_per_credential=2, request_timeout=5)
+    async with trio.open_nursery() as nursery:
+        control = await nursery.start(serve, action_routes(_Echo()), path, limits)
+        held = [await _open(path, "same"), await _open(path, "same", "bearer")]
+        assert all(got.startswith(b"HTTP/1.1 200 ") for _s, got in held)
+        for scheme in ("BEARER", "bEaReR", "Bearer"):
+            stream, got = await _open(path, "same", scheme)
+            assert got.startswith(b"HTTP/1.1 503 "), scheme
+            await stream.aclose()
+        for stream, _got in held:
             await stream.aclose()
         control.stop()
 
