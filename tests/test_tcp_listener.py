@@ -502,6 +502,44 @@ async def test_metrics_listener_refuses_browsers(extra: str) -> None:
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["head-whole", "head-never-ends"])
+async def test_a_browsers_oversize_head_gets_a_bare_431(whole: bool) -> None:
+    """The head's size is judged before the browser rule (it must be, to parse the head at
+    all), so a page whose request is too large gets 431, not 403: still a bare status, no
+    body, no CORS header, the connection closed, and no handler sees it."""
+    seen: list[HttpRequest] = []
+
+    class Counting:
+        async def handle(self, request: HttpRequest) -> HttpAnswer:
+            seen.append(request)
+            return HttpAnswer(200, b"{}")
+
+    tcp = bind_tcp_socket("127.0.0.1", 0)
+    port = tcp.getsockname()[1]
+    limits = HttpLimits(max_header_bytes=4096, request_timeout=5)
+    head = (f"POST /v1/action HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Origin: http://page.example\r\nSec-Fetch-Mode: cors\r\n"
+            f"Cookie: {'c' * 6000}\r\nContent-Length: 2\r\n").encode()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve, action_routes(Counting()), tcp, limits)
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            try:
+                await stream.send_all(head + b"\r\n{}" if whole else head)
+            except trio.BrokenResourceError:
+                pass  # closed while we were still writing; the answer is already sent
+            got = b""
+            with trio.fail_after(10):
+                while chunk := await stream.receive_some(65536):
+                    got += chunk
+        answer, _, body = got.partition(b"\r\n\r\n")
+        lines = answer.split(b"\r\n")
+        assert lines[0] == b"HTTP/1.1 431 Request Header Fields Too Large" and body == b""
+        assert sorted(lines[1:]) == [b"Connection: close", b"Content-Length: 0"]
+        assert seen == []
+        nursery.cancel_scope.cancel()
+
+
 #: Another uid holding as many metrics connections as it may: it opens SCRAPE_HOLD, waits
 #: (up to 4 s, inside the listener's 5 s request timeout) until all but `share` of them
 #: are answered, prints what each got (nothing: held; else its first bytes), and holds
