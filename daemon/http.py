@@ -49,10 +49,13 @@ smaller `daemon.metrics.SCRAPE_LIMITS` for the metrics listeners):
 - connections per peer uid: past ``max_connections_per_uid`` open connections of one uid
   (SO_PEERCRED), a new connection of that uid is answered 503 and closed at once. It
   cannot wait like the global cap does: the uid is only known after ``accept()``, and a
-  waiting connection would hold a global slot that another user's agent needs.
+  waiting connection would hold a global slot that another user's agent needs. On a TCP
+  listener a connection counts from the moment its uid is known, while ``admit`` is still
+  deciding it: else one local user, while the user database is slow, could hold every
+  global slot with connections waiting on their lookups.
 - connections per credential (when ``max_connections_per_credential`` is set: the TCP
   listeners): a connection is counted under the credential (a digest of the Authorization
-  value) of its first request that carries one; past the cap that request is answered 503
+  value, its case-insensitive scheme folded) of its first request that carries one; past the cap that request is answered 503
   and the connection closed. One agent of a fleet that shares a uid cannot use up the
   uid's share.
 - body bytes in flight: ``max_inflight_bytes``, shared per peer uid (`daemon.peer_shares`).
@@ -485,6 +488,12 @@ def _peer_credentials(sock: trio.socket.SocketType) -> tuple[int | None, int | N
     return uid, pid
 
 
+def _fold_scheme(value: bytes) -> bytes:
+    """An Authorization value with its auth scheme (up to the first space) in lower case."""
+    scheme, space, rest = value.partition(b" ")
+    return scheme.lower() + space + rest
+
+
 def _authorization(headers: list[tuple[bytes, bytes]]) -> str | None:
     values = [value for name, value in headers if name == b"authorization"]
     if not values:
@@ -773,10 +782,11 @@ class _Connection:
         """Move this connection under the credential its request carries; False if refused.
 
         Keyed by a digest, never the value (memory holds no credential); a request without
-        Authorization keeps the connection where it was.
+        Authorization keeps the connection where it was. The auth scheme is case-insensitive
+        (RFC 9110 11.1), so it is folded first: every spelling of one credential is one key.
         """
         counts = self.control.per_credential
-        value = [v for n, v in headers if n == b"authorization"]
+        value = [_fold_scheme(v) for n, v in headers if n == b"authorization"]
         if counts is None or not value:
             return True
         key = hashlib.sha256(b"\n".join(value)).digest()
@@ -900,26 +910,49 @@ async def serve(
         async with trio.open_nursery() as nursery:
             accept_scope = trio.CancelScope()
 
-            async def handle(stream: trio.SocketStream, peer: tuple[int | None, int | None]) -> None:
-                port = stream.socket.getsockname()[1] if tcp else None
+            async def connection(stream: trio.SocketStream,
+                                 peer: tuple[int | None, int | None]) -> None:
+                uid = peer[0]
+                # Counted under its uid first, before the allow-list is asked: a connection
+                # waiting on the user database is open, and one uid must not hold every
+                # global slot while lookups are slow.
+                counted = control.per_uid.try_open(uid)
                 try:
-                    await _Connection(stream, routes, limits, control, peer, port).run()
+                    if not counted:
+                        control.refusals.record(("uid", uid), peer_uid=uid,
+                                                cap=limits.max_connections_per_uid)
+                        await refuse(stream, _TOO_MANY_FROM_UID)
+                    elif not await admitted(uid):
+                        control.tcp_refusals.record(("uid", uid), reason="not allowed",
+                                                    peer_uid=uid)
+                        await refuse(stream, _NOT_ADMITTED)
+                    else:
+                        port = stream.socket.getsockname()[1] if tcp else None
+                        await _Connection(stream, routes, limits, control, peer, port).run()
                 finally:
-                    control.per_uid.close(peer[0])
+                    await trio.aclose_forcefully(stream)  # refused, or cancelled: ours to close
+                    if counted:
+                        control.per_uid.close(uid)
                     control._closed()
                     slots.release()
 
-            async def refuse(stream: trio.SocketStream, answer: bytes = _TOO_MANY_FROM_UID
-                             ) -> None:
+            async def admitted(uid: int | None) -> bool:
+                if not tcp or admit is None:
+                    return True
+                # The allow-list may need the user database, which can block: it is asked
+                # in the connection's own task, never in the accept loop.
+                try:
+                    with trio.fail_after(limits.request_timeout):
+                        return await admit(uid)
+                except trio.TooSlowError:
+                    return False  # a user database that does not answer admits nobody
+
+            async def refuse(stream: trio.SocketStream, answer: bytes) -> None:
                 try:
                     with trio.move_on_after(_REFUSE_WRITE_SECONDS):
                         await stream.send_all(answer)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass
-                finally:
-                    await trio.aclose_forcefully(stream)
-                    control._closed()
-                    slots.release()
 
             async def accept_loop() -> None:
                 with accept_scope:
@@ -941,37 +974,7 @@ async def serve(
                         if tcp:
                             _size_send_buffer(conn)
                         peer = _peer_credentials(conn)
-                        stream = trio.SocketStream(conn)
-                        if tcp and admit is not None:
-                            # The allow-list may need the user database, which can block:
-                            # it is asked in the connection's own task, never here.
-                            nursery.start_soon(admit_then_open, stream, peer)
-                        else:
-                            nursery.start_soon(open_or_refuse, stream, peer)
-
-            async def open_or_refuse(stream: trio.SocketStream,
-                                     peer: tuple[int | None, int | None]) -> None:
-                if control.per_uid.try_open(peer[0]):
-                    await handle(stream, peer)
-                else:
-                    control.refusals.record(("uid", peer[0]), peer_uid=peer[0],
-                                            cap=limits.max_connections_per_uid)
-                    await refuse(stream)
-
-            async def admit_then_open(stream: trio.SocketStream,
-                                      peer: tuple[int | None, int | None]) -> None:
-                assert admit is not None
-                try:
-                    with trio.fail_after(limits.request_timeout):
-                        admitted = await admit(peer[0])
-                except trio.TooSlowError:
-                    admitted = False  # a user database that does not answer admits nobody
-                if admitted:
-                    await open_or_refuse(stream, peer)
-                else:
-                    control.tcp_refusals.record(("uid", peer[0]), reason="not allowed",
-                                                peer_uid=peer[0])
-                    await refuse(stream, _NOT_ADMITTED)
+                        nursery.start_soon(connection, trio.SocketStream(conn), peer)
 
             nursery.start_soon(accept_loop)
             task_status.started(control)

@@ -427,10 +427,11 @@ class _Echo:
         return HttpAnswer(200, b"{}")
 
 
-async def _open(path: str, credential: str) -> tuple[trio.SocketStream, bytes]:
+async def _open(path: str, credential: str, scheme: str = "Bearer"
+                ) -> tuple[trio.SocketStream, bytes]:
     stream = await trio.open_unix_socket(path)
     await stream.send_all(
-        f"POST /v1/action HTTP/1.1\r\nHost: broker\r\nAuthorization: Bearer {credential}\r\n"
+        f"POST /v1/action HTTP/1.1\r\nHost: broker\r\nAuthorization: {scheme} {credential}\r\n"
         "Content-Length: 2\r\n\r\n{}".encode())
     return stream, await stream.receive_some(65536)
 
@@ -458,6 +459,25 @@ async def test_per_credential_connection_cap(sockdir: str) -> None:
         control.stop()
 
 
+async def test_per_credential_cap_counts_every_spelling_of_the_scheme(sockdir: str) -> None:
+    """The auth scheme is case-insensitive (RFC 9110 11.1; the pipeline takes `bearer` and
+    `BEARER` alike), so it is one credential however it is spelt: 64 spellings of
+    `Bearer` must not give one credential 64 times its cap."""
+    path = os.path.join(sockdir, "cap.sock")
+    limits = HttpLimits(max_connections_per_credential=2, request_timeout=5)
+    async with trio.open_nursery() as nursery:
+        control = await nursery.start(serve, action_routes(_Echo()), path, limits)
+        held = [await _open(path, "same"), await _open(path, "same", "bearer")]
+        assert all(got.startswith(b"HTTP/1.1 200 ") for _s, got in held)
+        for scheme in ("BEARER", "bEaReR", "Bearer"):
+            stream, got = await _open(path, "same", scheme)
+            assert got.startswith(b"HTTP/1.1 503 "), scheme
+            await stream.aclose()
+        for stream, _got in held:
+            await stream.aclose()
+        control.stop()
+
+
 @pytest.mark.parametrize("extra", ["Origin: http://a.example\r\n", "Sec-Fetch-Mode: cors\r\n",
                                    "Upgrade: websocket\r\n"])
 async def test_metrics_listener_refuses_browsers(extra: str) -> None:
@@ -479,6 +499,44 @@ async def test_metrics_listener_refuses_browsers(extra: str) -> None:
         assert refused.startswith(b"HTTP/1.1 403 ") and refused.endswith(b"\r\n\r\n")
         rebound = await scrape("GET /metrics HTTP/1.1\r\nHost: evil.example\r\n\r\n")
         assert rebound.startswith(b"HTTP/1.1 403 ")
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["head-whole", "head-never-ends"])
+async def test_a_browsers_oversize_head_gets_a_bare_431(whole: bool) -> None:
+    """The head's size is judged before the browser rule (it must be, to parse the head at
+    all), so a page whose request is too large gets 431, not 403: still a bare status, no
+    body, no CORS header, the connection closed, and no handler sees it."""
+    seen: list[HttpRequest] = []
+
+    class Counting:
+        async def handle(self, request: HttpRequest) -> HttpAnswer:
+            seen.append(request)
+            return HttpAnswer(200, b"{}")
+
+    tcp = bind_tcp_socket("127.0.0.1", 0)
+    port = tcp.getsockname()[1]
+    limits = HttpLimits(max_header_bytes=4096, request_timeout=5)
+    head = (f"POST /v1/action HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Origin: http://page.example\r\nSec-Fetch-Mode: cors\r\n"
+            f"Cookie: {'c' * 6000}\r\nContent-Length: 2\r\n").encode()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve, action_routes(Counting()), tcp, limits)
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            try:
+                await stream.send_all(head + b"\r\n{}" if whole else head)
+            except trio.BrokenResourceError:
+                pass  # closed while we were still writing; the answer is already sent
+            got = b""
+            with trio.fail_after(10):
+                while chunk := await stream.receive_some(65536):
+                    got += chunk
+        answer, _, body = got.partition(b"\r\n\r\n")
+        lines = answer.split(b"\r\n")
+        assert lines[0] == b"HTTP/1.1 431 Request Header Fields Too Large" and body == b""
+        assert sorted(lines[1:]) == [b"Connection: close", b"Content-Length: 0"]
+        assert seen == []
         nursery.cancel_scope.cancel()
 
 
@@ -679,6 +737,43 @@ async def test_a_lookup_that_never_answers_admits_nobody() -> None:
             with trio.fail_after(10):
                 refused = await _answer(port)
             assert refused.startswith(b"HTTP/1.1 403 ") and refused.endswith(b"\r\n\r\n")
+            nursery.cancel_scope.cancel()
+    finally:
+        directory.release.set()
+
+
+async def test_a_connection_waiting_on_the_user_database_counts_in_its_uids_share() -> None:
+    """A connection whose tcp_allow_groups lookup is pending is open and counted under its
+    uid: past max_connections_per_uid, one more of that uid is 503 at once instead of
+    taking another global slot to wait in. Else one local user, while the user database
+    is slow, holds every connection slot of the listener and no agent is served."""
+    directory = _StalledDirectory(frozenset({"root"}), stalls=3)
+    tcp = bind_tcp_socket("127.0.0.1", 0)
+    port = tcp.getsockname()[1]
+    limits = HttpLimits(max_connections=4, max_connections_per_uid=2, request_timeout=60)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(serve, action_routes(_Echo()), tcp, limits,
+                                                  admit=AdmissionGate(directory, ttl=0)))
+            waiting: list[bytes] = []
+
+            async def stalled() -> None:
+                waiting.append(await _answer(port))
+
+            for _ in range(limits.max_connections_per_uid):
+                nursery.start_soon(stalled)
+            while directory.calls[0] < limits.max_connections_per_uid:
+                await trio.sleep(0.01)
+            with trio.fail_after(10):  # on the old code it waited for its own lookup
+                third = await _answer(port)
+            assert third.startswith(b"HTTP/1.1 503 ") and third.endswith(b"\r\n\r\n")
+            assert directory.calls[0] == limits.max_connections_per_uid  # never looked up
+            assert not waiting
+            directory.release.set()
+            with trio.fail_after(10):
+                while len(waiting) < limits.max_connections_per_uid:
+                    await trio.sleep(0.01)
+            assert all(answer.startswith(b"HTTP/1.1 200 ") for answer in waiting)
             nursery.cancel_scope.cancel()
     finally:
         directory.release.set()
