@@ -26,6 +26,7 @@ from daemon.relay.pool import (
     Unknown,
 )
 from tests.fixtures.relay import TestKey, auth_signer_for, signed, free_port
+from tests.relay._support import HeldSigner
 from tests.scripted_relay import EventReply, ReqReply, Script, ScriptedRelay
 
 Start = Callable[[Script], Awaitable[ScriptedRelay]]
@@ -249,23 +250,28 @@ async def test_a_cancelled_probe_hands_the_gate_on(scripted_relay: Start, nurser
 async def test_waiting_at_the_gate_is_bounded_by_the_callers_timeout(
     scripted_relay: Start, nursery: trio.Nursery
 ) -> None:
-    # The probe (a publish) waits up to ok=1 s for an OK that never comes; a query behind
-    # it gives up after its own eose=0.3 s, unavailable, having sent nothing.
-    relay, key, pool = await _scripted(scripted_relay, nursery, Script(events=(EventReply.SILENT,)),
-                                       timeouts=RelayTimeouts(connect=1, ok=1, eose=0.3))
+    # The probe (a query) was CLOSED auth-required and waits for its AUTH to be signed
+    # (the signer held until the end); a query behind it gives up after its own
+    # eose=0.3 s, unavailable, having sent nothing.
+    relay = await scripted_relay(Script(require_auth=True))
+    key = TestKey()
+    signer = HeldSigner(key)
+    pool = RelayPool(relay.url, signer, timeouts=RelayTimeouts(connect=1, ok=2, eose=0.3))
+    await nursery.start(pool.run)
     outcome: list[object] = []
 
     async def probe() -> None:
-        outcome.append(await pool.publish(key.pubkey, signed(key.sign(1, "silent"))))
+        outcome.append(await pool.query(key.pubkey, [{"kinds": [1]}]))
 
     with bounded():
         async with trio.open_nursery() as inner:
             inner.start_soon(probe)
-            await _eventually(lambda: _verbs(relay) == ["EVENT"])
+            await _eventually(lambda: _verbs(relay) == ["REQ", "CLOSE"])
             with pytest.raises(RelayUnavailable):
                 await pool.query(key.pubkey, [{"kinds": [1]}])
-            assert _verbs(relay) == ["EVENT"]
-    assert len(outcome) == 1 and isinstance(outcome[0], Unknown)
+            assert _verbs(relay) == ["REQ", "CLOSE"]
+            signer.release.set()
+    assert outcome == [[]]
 
 
 async def test_a_dropped_connection_wakes_everyone_at_the_gate(nursery: trio.Nursery) -> None:
