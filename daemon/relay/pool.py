@@ -47,6 +47,8 @@ Rules:
   yield to other tasks), and the parsed events of recent live EVENT frames, at most
   EVENT_BODIES_BYTES together as held (`_EventBodies`: a frame whose bytes after its
   subscription id are one of theirs is not parsed again).
+- Logs a relay can drive: its NOTICEs, at most one line a minute per agent's connection
+  (`daemon.fault_log.FaultLog`, with the count of those not written).
 - A relay that breaks NIP-01 (a frame `parse_relay_message` refuses) loses its
   connection: everything waiting on it resolves at once (Unknown / RelayUnavailable)
   instead of waiting for a timeout that a broken peer makes meaningless.
@@ -106,6 +108,7 @@ import trio_websocket
 
 from buzzwire.nostr import SignedEvent
 
+from daemon.fault_log import FaultLog
 from daemon.log import log_event
 from daemon.relay.gate import AuthGate
 from daemon.relay.protocol import (
@@ -583,9 +586,11 @@ class _EventBodies:
 class _Connection:
     """One WebSocket to the relay, used by one agent. State only; the pool drives it."""
 
-    def __init__(self, agent: str, budget: _ResultBudget) -> None:
+    def __init__(self, agent: str, budget: _ResultBudget, notices: FaultLog) -> None:
         self.agent = agent
         self.budget = budget
+        #: The pool's NOTICE log: a relay may send NOTICEs without end.
+        self.notices = notices
         self.ws: trio_websocket.WebSocketConnection | None = None
         self.scope: trio.CancelScope | None = None
         self.alive = False
@@ -711,7 +716,7 @@ class _Connection:
                 self.challenge_seen.set()
                 self.challenge_seen = trio.Event()
             case Notice(message=message):
-                log_event(_logger, "relay_notice", agent=self.agent, notice=message[:200])
+                self.notices.record((self.agent,), agent=self.agent, notice=message[:200])
 
     async def send(self, text: str) -> None:
         if self.ws is None or not self.alive:
@@ -806,6 +811,9 @@ class RelayPool:
         self._retry_at = 0.0
         self._ssl = ssl.create_default_context() if self._url.secure else None
         self._bodies = _EventBodies(EVENT_BODIES_BYTES)
+        # A NOTICE is text for the operator, and a relay may send them without end: one
+        # line per agent's connection a minute at most, with the count of the rest.
+        self._notices = FaultLog(_logger, "relay_notice", level=logging.INFO)
 
     @property
     def url(self) -> str:
@@ -897,7 +905,7 @@ class RelayPool:
                 raise _Unreachable(f"relay unreachable; next attempt in {wait:.1f}s")
             if wait > 0:
                 await trio.sleep(wait)
-            conn = _Connection(agent, self._budget)
+            conn = _Connection(agent, self._budget, self._notices)
             try:
                 with trio.fail_after(self._timeouts.connect):
                     await nursery.start(self._serve_connection, conn)

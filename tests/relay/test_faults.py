@@ -7,6 +7,8 @@ timeout" is asserted, tight latency never is.
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -456,3 +458,19 @@ async def test_cancelled_query_still_sends_close(scripted_relay: Start, nursery:
         await pool.query(key.pubkey, [{"kinds": [1]}])
     assert scope.cancelled_caught
     await _eventually(lambda: _verbs(relay) == ["REQ", "CLOSE"])
+
+
+async def test_a_notice_flood_costs_the_log_one_line(
+    scripted_relay: Start, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    # NOTICE is operator text, and a relay may send it without end: each was one log
+    # line, so a relay could fill the journal (and push every other line out of its rate
+    # limit). The connection serves on.
+    flood = tuple(json.dumps(["NOTICE", f"notice {i}"]) for i in range(2000))
+    caplog.set_level(logging.INFO, logger="buzz_broker.relay")
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(greeting=flood))
+    with bounded():
+        assert isinstance(await pool.publish(key.pubkey, signed(key.sign(1, "x"))), Accepted)
+    lines = [r for r in caplog.records if getattr(r, "buzz_event", None) == "relay_notice"]
+    assert len(lines) == 1 and "notice 0" in repr(getattr(lines[0], "buzz_fields", None))
+    assert len(relay.connections) == 1
