@@ -128,6 +128,13 @@ class ScriptedRelay:
             await ws.send_message(json.dumps(["CLOSED", sub_id, reason]))
         return len(reqs)
 
+    async def push(self, event: dict[str, Any]) -> int:
+        """Send `event` to every subscription still open, as a live event (whatever the
+        filters: a hostile relay's choice); returns to how many."""
+        for ws, sub_id in self.open_reqs:
+            await ws.send_message(json.dumps(["EVENT", sub_id, event]))
+        return len(self.open_reqs)
+
     def _next_event(self) -> EventReply:
         return self._events.pop(0) if self._events else self.script.default_event
 
