@@ -928,7 +928,10 @@ class RelayPool:
         delay = min(
             self._timeouts.backoff_max, self._timeouts.backoff_initial * 2**self._failures
         )
-        self._failures += 1
+        # Doubling stops at the cap: counted on, 2**failures outgrows a float after 1,023
+        # failures in a row (OverflowError on every request of a long outage).
+        if delay < self._timeouts.backoff_max:
+            self._failures += 1
         self._retry_at = trio.current_time() + delay
         log_event(
             _logger, "relay_connect_failed", level=logging.WARNING,

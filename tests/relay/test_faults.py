@@ -474,3 +474,17 @@ async def test_a_notice_flood_costs_the_log_one_line(
     lines = [r for r in caplog.records if getattr(r, "buzz_event", None) == "relay_notice"]
     assert len(lines) == 1 and "notice 0" in repr(getattr(lines[0], "buzz_fields", None))
     assert len(relay.connections) == 1
+
+
+async def test_backoff_stays_bounded_however_long_the_relay_is_down(nursery: trio.Nursery) -> None:
+    # The delay was backoff_initial * 2**failures: past 1,023 failed connects in a row
+    # (8.5 hours down at the default 30 s cap) the float overflowed, and every publish and
+    # read raised OverflowError instead of answering NotSent / RelayUnavailable.
+    key = TestKey()
+    tiny = RelayTimeouts(connect=1, ok=1, eose=1, backoff_initial=1e-6, backoff_max=1e-6)
+    pool = await _pool(nursery, f"ws://127.0.0.1:{free_port()}", key, timeouts=tiny)
+    event = signed(key.sign(1, "x"))
+    for _ in range(1100):
+        assert isinstance(await pool.publish(key.pubkey, event), NotSent)
+    with pytest.raises(RelayUnavailable):
+        await pool.query(key.pubkey, [{"kinds": [1]}])
