@@ -5,7 +5,8 @@
 Starts rust-nostr's LocalRelay (a real NIP-01 relay, in memory) on the given loopback
 address, prints exactly one line, its ``ws://`` URL, once it accepts connections, and runs
 until SIGTERM or SIGINT. ``--auth`` makes NIP-42 AUTH mandatory for both reading and
-writing, as Buzz's relay does. Port 0 is refused: LocalRelay reports 0 back instead of the
+writing, as Buzz's relay does; ``--auth-writes`` for writing only (reads pass without it,
+as on many public relays). Port 0 is refused: LocalRelay reports 0 back instead of the
 port it bound, so the caller picks a free port itself (`tests.fixtures.relay.free_port`).
 
 Settings, and why:
@@ -38,7 +39,12 @@ MAX_REQS_PER_MINUTE = 1_000_000
 NOTES_PER_MINUTE = 100_000_000
 
 
-def _build(host: str, port: int, auth: bool) -> nostr_sdk.LocalRelay:
+#: ``--auth``: AUTH to read and write (Buzz); ``--auth-writes``: to write only, reads open.
+_AUTH_MODES = {"both": nostr_sdk.LocalRelayBuilderNip42Mode.BOTH,
+               "writes": nostr_sdk.LocalRelayBuilderNip42Mode.WRITE}
+
+
+def _build(host: str, port: int, auth: str | None) -> nostr_sdk.LocalRelay:
     builder = (
         nostr_sdk.LocalRelayBuilder()
         .addr(host)
@@ -48,15 +54,13 @@ def _build(host: str, port: int, auth: bool) -> nostr_sdk.LocalRelay:
             nostr_sdk.RateLimit(max_reqs=MAX_REQS_PER_MINUTE, notes_per_minute=NOTES_PER_MINUTE)
         )
     )
-    if auth:
-        builder = builder.nip42(
-            nostr_sdk.LocalRelayBuilderNip42(mode=nostr_sdk.LocalRelayBuilderNip42Mode.BOTH)
-        )
+    if auth is not None:
+        builder = builder.nip42(nostr_sdk.LocalRelayBuilderNip42(mode=_AUTH_MODES[auth]))
     # `LocalRelay.run(builder)` as a static call crashes the process in 0.45: build, then run.
     return builder.build()
 
 
-async def _serve(host: str, port: int, auth: bool) -> None:
+async def _serve(host: str, port: int, auth: str | None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -77,7 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--auth", action="store_true", help="require NIP-42 AUTH to read and write")
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--auth", dest="auth", action="store_const", const="both",
+                       help="require NIP-42 AUTH to read and write")
+    modes.add_argument("--auth-writes", dest="auth", action="store_const", const="writes",
+                       help="require NIP-42 AUTH to write only (reads need none)")
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
         print("devrelay: --port must be 1..65535 (LocalRelay reports port 0 as 0)", file=sys.stderr)

@@ -3,7 +3,9 @@
 It speaks just enough of NIP-01 to drive the broker's relay client into every fault the
 spec names: OK true / false / ``duplicate:``, no OK at all, a connection dropped right
 after an EVENT, CLOSED ``auth-required:`` / ``restricted:``, a REQ that never sees EOSE,
-and AUTH either at connect or only after a refusal. It stores accepted events in memory
+and AUTH either at connect or only after a refusal; AUTH for everything, for writes only
+(``auth_for``), or for some kinds only (``protected_kinds``), with one challenge per
+connection or a new one with every refusal (``challenge_every_refusal``). It stores accepted events in memory
 and answers a REQ with every stored event (filters are not interpreted: the fault tests
 only need "what was stored comes back").
 
@@ -63,6 +65,18 @@ class Script:
     default_req: ReqReply = ReqReply.EOSE
     reject_reason: str = "invalid: scripted refusal"
     expected_relay_tag: str | None = None
+    #: The verbs `require_auth` covers: ``{"EVENT"}`` is a relay that lets anyone read
+    #: and only authenticated pubkeys write.
+    auth_for: frozenset[str] = frozenset({"EVENT", "REQ"})
+    #: Kinds that need AUTH whatever `require_auth` says: an EVENT of one, or a REQ
+    #: whose filters name one (a relay guarding DMs or protected events this way).
+    protected_kinds: frozenset[int] = frozenset()
+    #: A new challenge with every refusal, and only the newest is valid (NIP-42: "valid
+    #: ... until another challenge is sent by the relay"). False: one per connection.
+    challenge_every_refusal: bool = False
+    #: Frames sent as they are the moment a connection is accepted, before anything else
+    #: (a hostile relay's unsolicited answers: OKs and EOSEs for nothing we sent).
+    greeting: tuple[str, ...] = ()
 
 
 def _event_id(ev: dict[str, Any]) -> str:
@@ -114,6 +128,13 @@ class ScriptedRelay:
             await ws.send_message(json.dumps(["CLOSED", sub_id, reason]))
         return len(reqs)
 
+    async def push(self, event: dict[str, Any]) -> int:
+        """Send `event` to every subscription still open, as a live event (whatever the
+        filters: a hostile relay's choice); returns to how many."""
+        for ws, sub_id in self.open_reqs:
+            await ws.send_message(json.dumps(["EVENT", sub_id, event]))
+        return len(self.open_reqs)
+
     def _next_event(self) -> EventReply:
         return self._events.pop(0) if self._events else self.script.default_event
 
@@ -140,25 +161,40 @@ class ScriptedRelay:
         self.connections.append(log)
         challenge = secrets.token_hex(16)
         challenge_sent = False
+        for frame in self.script.greeting:
+            await ws.send_message(frame)
         if self.script.challenge_at_connect:
             await ws.send_message(json.dumps(["AUTH", challenge]))
             challenge_sent = True
 
         async def refuse_unauthenticated(*frame: object) -> None:
-            # NIP-42: challenge (once per connection) if not done yet, then refuse with
-            # `auth-required:` — an OK false for an EVENT, a CLOSED for a REQ.
-            nonlocal challenge_sent
+            # NIP-42: challenge (once per connection, or anew with every refusal) if not
+            # done yet, then refuse with `auth-required:` — an OK false for an EVENT, a
+            # CLOSED for a REQ.
+            nonlocal challenge_sent, challenge
+            if challenge_sent and self.script.challenge_every_refusal:
+                challenge, challenge_sent = secrets.token_hex(16), False
             if not challenge_sent:
                 await ws.send_message(json.dumps(["AUTH", challenge]))
                 challenge_sent = True
             await ws.send_message(json.dumps([*frame, "auth-required: authenticate first"]))
+
+        def needs_auth(msg: list[Any]) -> bool:
+            if log.authed:
+                return False
+            if self.script.require_auth and msg[0] in self.script.auth_for:
+                return True
+            if msg[0] == "EVENT":
+                named = {msg[1].get("kind")}
+            else:
+                named = {k for f in msg[2:] if isinstance(f, dict) for k in f.get("kinds", [])}
+            return not named.isdisjoint(self.script.protected_kinds)
 
         try:
             while True:
                 msg = json.loads(await ws.get_message())
                 log.received.append(msg)
                 verb = msg[0]
-                needs_auth = self.script.require_auth and not log.authed
                 if verb == "AUTH":
                     ev = msg[1]
                     tags = {t[0]: t[1] for t in ev.get("tags", []) if len(t) >= 2}
@@ -180,7 +216,7 @@ class ScriptedRelay:
                         )
                 elif verb == "EVENT":
                     ev = msg[1]
-                    if needs_auth:
+                    if needs_auth(msg):
                         await refuse_unauthenticated("OK", ev["id"], False)
                         continue
                     reply = self._next_event()
@@ -198,7 +234,7 @@ class ScriptedRelay:
                     await ws.send_message(json.dumps(answer))
                 elif verb == "REQ":
                     sub_id = msg[1]
-                    if needs_auth:
+                    if needs_auth(msg):
                         await refuse_unauthenticated("CLOSED", sub_id)
                         continue
                     req = self._next_req()

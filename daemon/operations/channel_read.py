@@ -66,13 +66,14 @@ from buzzwire.contract import (
     Verdict,
 )
 from daemon.relay.cursor import CursorScope, InvalidCursor, Position
+from daemon.fault_log import FaultLog
 from daemon.log import log_event
 from daemon.operations._base import Context
 from daemon.relay.paging import RELAY_MAX_LIMIT, Page, RelayMisbehaved, matches, read_page
 from daemon.relay.pool import RelayRefused, RelayUnavailable
 from daemon.relay.windows import Served, WindowCache, WindowKey
 
-__all__ = ["ACTION", "MAX_PAGE_BYTES", "READ_KINDS", "execute"]
+__all__ = ["ACTION", "DROP_LINES", "MAX_PAGE_BYTES", "READ_KINDS", "execute"]
 
 ACTION = "channel.read"
 #: Channel message kinds read (buzz-on-the-relay.md "Channels": 9 stream message,
@@ -116,13 +117,25 @@ def _base_filters(args: ChannelReadArgs, requester: str) -> list[dict[str, objec
     return [{**base, "#e": [args.root_event_id]}, {**base, "ids": [args.root_event_id]}]
 
 
-@dataclass(frozen=True, slots=True)
-class _Judge:
-    """Decides whether one relay item may be delivered; logs every drop."""
+#: Dropped events one judge logs one line each (a read's, or a window's for its life);
+#: past them, one line a minute with the count of the rest (`FaultLog`'s "other").
+DROP_LINES = 16
 
-    channel_id: str
-    filters: Sequence[Mapping[str, object]]
-    request_id: str
+
+class _Judge:
+    """Decides whether one relay item may be delivered; logs its drops, within a bound:
+    a relay sends as many bad events as it likes (a window's live subscription for as long
+    as it is open), and each was one warning line."""
+
+    __slots__ = ("channel_id", "filters", "request_id", "_drops")
+
+    def __init__(self, channel_id: str, filters: Sequence[Mapping[str, object]],
+                 request_id: str) -> None:
+        self.channel_id = channel_id
+        self.filters = filters
+        self.request_id = request_id
+        self._drops = FaultLog(_log, "read.event_dropped", level=logging.WARNING,
+                               max_causes=DROP_LINES)
 
     def __call__(self, item: Mapping[str, object]) -> Event | None:
         event = _JUDGED.known(item)
@@ -144,15 +157,10 @@ class _Judge:
 
     def _drop(self, item: Mapping[str, object], reason: str) -> None:
         event_id = item.get("id")
-        log_event(
-            _log,
-            "read.event_dropped",
-            level=logging.WARNING,
-            request_id=self.request_id,
-            reason=reason,
-            # Public identifier only, and only when it looks like one (no relay text echoed).
-            event_id=event_id if isinstance(event_id, str) and len(event_id) == 64 else None,
-        )
+        # Public identifier only, and only when it looks like one (no relay text echoed).
+        shown = event_id if isinstance(event_id, str) and len(event_id) == 64 else None
+        self._drops.record((reason, shown), request_id=self.request_id, reason=reason,
+                           event_id=shown)
 
 
 #: The estimated bytes `_JudgedCache` holds (each event's content, tags and members once).

@@ -1,11 +1,14 @@
 """The AUTH gate: one request at a time on a connection until the relay needs no AUTH.
 
 Rules:
-- One `AuthGate` per relay connection (`daemon.relay.pool._Connection`). It starts closed.
-  While closed, one request (the probe) may go to the relay; every other request waits in
-  `passage`. The connection's dispatch calls `open` on the first answer that is not
-  ``auth-required:`` (an OK, an EOSE, a CLOSED, or the OK to our AUTH); from then on
-  `passage` costs one attribute test. It never closes again.
+- Two `AuthGate`s per relay connection (`daemon.relay.pool._Connection`): one for EVENTs,
+  one for REQs, since a relay may ask for AUTH to write and not to read (or the reverse).
+  Each starts closed. While closed, one request (the probe) may go to the relay; every
+  other request of its kind waits in `passage`. The connection's dispatch calls `open`
+  on the first answer to a request of the gate's kind that is not ``auth-required:``
+  (an OK to an EVENT we sent; an EOSE or a CLOSED of a REQ of ours), and on both gates
+  for the OK true to our AUTH; from then on `passage` costs one attribute test. It never
+  closes again.
 - A probe that ends without the gate opening (its AUTH refused or unanswered, a timeout,
   a cancellation) hands the gate to the next waiter, which probes in turn.
 - `shut` (the connection died) lets every waiter through at once: the caller sees the
@@ -18,7 +21,10 @@ refusal, and LocalRelay forgets every challenge once more than 20 are outstandin
 burst of 60 requests on a fresh connection drew 60 refusals, and the AUTH answering the
 first challenge arrived after the relay had forgotten it ("auth-required: received invalid
 challenge"): the publish failed, the query was refused. With one request in flight the
-relay issues one challenge, and it is the one we answer.
+relay issues one challenge, and it is the one we answer. One gate for both kinds let a
+read's EOSE release a burst of EVENTs on a relay that guards writes only, with the same
+result (tests/relay/test_auth_later.py, and test_auth_burst.py against LocalRelay's
+write-only mode).
 
 Alternatives rejected: answering the newest challenge (still races the refusals the relay
 has not sent yet; LocalRelay's count is per connection, not per request); AUTH before

@@ -15,13 +15,16 @@ Rules:
   (nostr-sdk's LocalRelay does). A challenge already seen is answered before the next
   EVENT/REQ is sent; an ``auth-required:`` answer makes us authenticate and resend
   *once*. The AUTH event's ``relay`` tag is the configured URL exactly as written.
-- One AUTH per challenge, and one request in flight until the relay has answered one
-  without ``auth-required:`` (`daemon.relay.gate.AuthGate`: a burst on a fresh connection
-  would draw a challenge per refusal, and LocalRelay forgets them past 20). A request
-  waiting there gives up with its own timeout: ``timeouts.ok`` for a publish (NotSent),
-  ``timeouts.eose`` for a query (RelayUnavailable). A challenge the relay refused is
-  not answered again: the connection is retired (new requests open a new connection,
-  with a new challenge) and closes when its last user leaves.
+- One AUTH per challenge, and one EVENT (one REQ) in flight until the relay has answered
+  one EVENT (one REQ) of ours without ``auth-required:``, or accepted our AUTH
+  (`daemon.relay.gate.AuthGate`, one gate per kind: a burst on a fresh connection would
+  draw a challenge per refusal, and LocalRelay forgets them past 20; a relay may guard
+  writes and not reads). A request waiting there gives up with its own timeout:
+  ``timeouts.ok`` for a publish (NotSent), ``timeouts.eose`` for a query
+  (RelayUnavailable). A challenge the relay refused is not answered again: the
+  connection is retired (new requests open a new connection, with a new challenge) and
+  closes when its last user leaves. An AUTH refused after the relay sent a newer
+  challenge (each request in flight drew one) is followed by one AUTH for the newest.
 - Publishing maps to four results, and nothing else (spec: issue 5 "Mapping"):
     OK true (``duplicate:`` included)              -> Accepted(duplicate, message)
     OK false with a reason                         -> Rejected(reason)
@@ -44,6 +47,8 @@ Rules:
   yield to other tasks), and the parsed events of recent live EVENT frames, at most
   EVENT_BODIES_BYTES together as held (`_EventBodies`: a frame whose bytes after its
   subscription id are one of theirs is not parsed again).
+- Logs a relay can drive: its NOTICEs, at most one line a minute per agent's connection
+  (`daemon.fault_log.FaultLog`, with the count of those not written).
 - A relay that breaks NIP-01 (a frame `parse_relay_message` refuses) loses its
   connection: everything waiting on it resolves at once (Unknown / RelayUnavailable)
   instead of waiting for a timeout that a broken peer makes meaningless.
@@ -80,7 +85,7 @@ Cancellation: cancelling `publish` after its EVENT left is an Unknown for the ca
 purposes (the ledger keeps the pending record); cancelling `query` still sends CLOSE.
 
 WARNING: `_Connection.mark_dead` must wake every waiter kind that `_Connection` keeps
-(OK waiters, subscriptions, the challenge event, the AUTH gate's queue); a waiter added
+(OK waiters, subscriptions, the challenge event, the AUTH gates' queues); a waiter added
 without it there would hang until its timeout after a drop.
 """
 
@@ -103,6 +108,7 @@ import trio_websocket
 
 from buzzwire.nostr import SignedEvent
 
+from daemon.fault_log import FaultLog
 from daemon.log import log_event
 from daemon.relay.gate import AuthGate
 from daemon.relay.protocol import (
@@ -181,6 +187,10 @@ EVENT_BODIES_BYTES = 4 * 1024 * 1024
 #: not stall the socket reader on every frame. Times MAX_FRAME_BYTES, this is what one
 #: relay connection may hold in its queue (16 MiB), so it is kept small.
 _MESSAGE_QUEUE = 16
+#: AUTHs one authentication may send: the first, and one for the newest challenge when
+#: the relay replaced the first before refusing it (`RelayPool._authenticate`). No more:
+#: a relay that replaces its challenge every time does not keep us answering.
+_AUTH_ANSWERS = 2
 #: How long a best-effort CLOSE may take to write during cleanup.
 _CLEANUP_SECONDS = 1.0
 #: Why a request that waited at its connection's AUTH gate past its timeout failed.
@@ -576,9 +586,11 @@ class _EventBodies:
 class _Connection:
     """One WebSocket to the relay, used by one agent. State only; the pool drives it."""
 
-    def __init__(self, agent: str, budget: _ResultBudget) -> None:
+    def __init__(self, agent: str, budget: _ResultBudget, notices: FaultLog) -> None:
         self.agent = agent
         self.budget = budget
+        #: The pool's NOTICE log: a relay may send NOTICEs without end.
+        self.notices = notices
         self.ws: trio_websocket.WebSocketConnection | None = None
         self.scope: trio.CancelScope | None = None
         self.alive = False
@@ -589,9 +601,13 @@ class _Connection:
         self.answered: str | None = None
         #: The relay's refusal of the AUTH for `answered`, while no newer challenge came.
         self.refused: str | None = None
-        #: The id of our AUTH event awaiting its OK (its OK opens `gate` only if true).
+        #: The id of our AUTH event awaiting its OK (its OK opens the gates only if true).
         self.auth_pending: str | None = None
-        self.gate = AuthGate()
+        #: One AUTH gate per kind of request: a relay may let anyone read and ask for
+        #: AUTH only to write (NIP-42 allows it; LocalRelay has the mode), so an answer
+        #: to a REQ says nothing about EVENTs, nor the reverse.
+        self.write_gate = AuthGate()
+        self.read_gate = AuthGate()
         self.authenticated = False
         #: bumped by every successful AUTH; a refusal of something sent under an older
         #: generation is answered by resending, not by authenticating again.
@@ -650,10 +666,11 @@ class _Connection:
                 waiter.done.set()
         for sub in list(self.subscriptions.values()):
             sub.on_dropped()
-        # Wakes an AUTH waiting for a challenge, and every request waiting at the gate;
+        # Wakes an AUTH waiting for a challenge, and every request waiting at a gate;
         # they then see the connection is dead.
         self.challenge_seen.set()
-        self.gate.shut()
+        self.write_gate.shut()
+        self.read_gate.shut()
 
     # incoming ------------------------------------------------------------------------
 
@@ -661,15 +678,18 @@ class _Connection:
         """Apply one relay message to the waiters (one `match`, one arm per verb)."""
         match msg:
             case Ok(event_id=event_id, accepted=accepted):
-                # Our AUTH refused for any reason keeps the gate shut; any other OK not
-                # asking for AUTH shows the relay takes requests on this connection.
+                # Our AUTH accepted opens both gates; refused, neither. An OK to an EVENT
+                # we sent, not asking for AUTH, shows the relay takes writes here. An OK
+                # for an event nobody waits for (never sent, or answered already) shows
+                # nothing.
+                waiters = self.ok_waiters.pop(event_id, [])
                 if event_id == self.auth_pending:
-                    opens = accepted
-                else:
-                    opens = msg.prefix is not Prefix.AUTH_REQUIRED
-                if opens:
-                    self.gate.open()
-                for waiter in self.ok_waiters.pop(event_id, []):
+                    if accepted:
+                        self.write_gate.open()
+                        self.read_gate.open()
+                elif waiters and msg.prefix is not Prefix.AUTH_REQUIRED:
+                    self.write_gate.open()
+                for waiter in waiters:
                     waiter.ok = msg
                     waiter.done.set()
             case EventMessage(subscription_id=sub_id, event=event):
@@ -677,15 +697,16 @@ class _Connection:
                 if sub is not None:
                     sub.on_event(event)
             case EndOfStoredEvents(subscription_id=sub_id):
-                self.gate.open()
+                # Only an answer to a REQ of ours says the relay takes reads.
                 sub = self.subscriptions.get(sub_id)
                 if sub is not None:
+                    self.read_gate.open()
                     sub.on_eose()
             case Closed(subscription_id=sub_id, message=message):
-                if msg.prefix is not Prefix.AUTH_REQUIRED:
-                    self.gate.open()
                 sub = self.subscriptions.get(sub_id)
                 if sub is not None:
+                    if msg.prefix is not Prefix.AUTH_REQUIRED:
+                        self.read_gate.open()
                     sub.on_closed(message)
             case AuthChallenge(challenge=challenge):
                 # A new challenge supersedes the old; NIP-42 says the latest is valid.
@@ -695,7 +716,7 @@ class _Connection:
                 self.challenge_seen.set()
                 self.challenge_seen = trio.Event()
             case Notice(message=message):
-                log_event(_logger, "relay_notice", agent=self.agent, notice=message[:200])
+                self.notices.record((self.agent,), agent=self.agent, notice=message[:200])
 
     async def send(self, text: str) -> None:
         if self.ws is None or not self.alive:
@@ -790,6 +811,9 @@ class RelayPool:
         self._retry_at = 0.0
         self._ssl = ssl.create_default_context() if self._url.secure else None
         self._bodies = _EventBodies(EVENT_BODIES_BYTES)
+        # A NOTICE is text for the operator, and a relay may send them without end: one
+        # line per agent's connection a minute at most, with the count of the rest.
+        self._notices = FaultLog(_logger, "relay_notice", level=logging.INFO)
 
     @property
     def url(self) -> str:
@@ -881,7 +905,7 @@ class RelayPool:
                 raise _Unreachable(f"relay unreachable; next attempt in {wait:.1f}s")
             if wait > 0:
                 await trio.sleep(wait)
-            conn = _Connection(agent, self._budget)
+            conn = _Connection(agent, self._budget, self._notices)
             try:
                 with trio.fail_after(self._timeouts.connect):
                     await nursery.start(self._serve_connection, conn)
@@ -904,7 +928,10 @@ class RelayPool:
         delay = min(
             self._timeouts.backoff_max, self._timeouts.backoff_initial * 2**self._failures
         )
-        self._failures += 1
+        # Doubling stops at the cap: counted on, 2**failures outgrows a float after 1,023
+        # failures in a row (OverflowError on every request of a long outage).
+        if delay < self._timeouts.backoff_max:
+            self._failures += 1
         self._retry_at = trio.current_time() + delay
         log_event(
             _logger, "relay_connect_failed", level=logging.WARNING,
@@ -1007,7 +1034,10 @@ class RelayPool:
         Does nothing when someone else authenticated since `seen_generation` was read.
         Waits up to ``timeouts.ok`` for a challenge not answered yet. A refused AUTH
         retires the connection (module docstring), and the refusal is the answer for
-        every later request on it: the challenge is spent.
+        every later request on it: the challenge is spent. One refused after the relay
+        sent a newer challenge is not a verdict on us (NIP-42: a challenge is valid until
+        the next is sent; a relay that challenges with every refusal replaces it with each
+        request that was in flight): the newest is answered, once (`_AUTH_ANSWERS`).
 
         Raises:
             _AuthFailed: no (new) challenge, no OK, a dropped connection, or the relay said no.
@@ -1018,53 +1048,70 @@ class RelayPool:
             if conn.refused is not None and conn.challenge == conn.answered:
                 raise _AuthFailed(f"AUTH refused: {conn.refused}", refused=True)
             conn.authenticated = False
-            with trio.move_on_after(self._timeouts.ok):
-                while conn.alive and conn.challenge in (None, conn.answered):
-                    await conn.challenge_seen.wait()
-            if not conn.alive:
-                raise _AuthFailed("connection dropped before AUTH", refused=False)
-            challenge = conn.challenge
-            if challenge is None:
-                raise _AuthFailed("the relay sent no AUTH challenge", refused=False)
-            if challenge == conn.answered:
-                raise _AuthFailed("the relay sent no new AUTH challenge", refused=False)
-            try:
-                auth_event = await self._auth_signer(
-                    conn.agent, self._url.text, challenge, int(time.time()))
-                frame = encode_auth(auth_event)
-            except AuthNotSigned as exc:
-                raise _AuthFailed(f"AUTH not signed: {exc.reason}", refused=False) from None
-            except ValueError as exc:  # not a kind-22242 event: our signer's bug
-                raise _AuthFailed(f"AUTH event unusable: {type(exc).__name__}", refused=False) from None
-            event_id = auth_event.id
-            waiter = conn.expect_ok(event_id)
-            # Spent from here on, whatever follows: part of the frame may reach the relay.
-            conn.answered, conn.auth_pending = challenge, event_id
-            try:
-                try:
-                    await conn.send(frame)
-                except (trio_websocket.ConnectionClosed, trio.BrokenResourceError):
-                    raise _AuthFailed("connection dropped while sending AUTH", refused=False) from None
-                with trio.move_on_after(self._timeouts.ok):
-                    await waiter.done.wait()
-            finally:
-                conn.forget_ok(event_id, waiter)
-                conn.auth_pending = None
-            if waiter.ok is None:
-                why = "connection dropped" if waiter.dropped else f"no OK within {self._timeouts.ok}s"
-                raise _AuthFailed(f"AUTH unanswered: {why}", refused=False)
-            if not waiter.ok.accepted:
+            for answer in range(1, _AUTH_ANSWERS + 1):
+                challenge, ok = await self._answer_challenge(conn)
+                if ok.accepted:
+                    conn.authenticated = True
+                    conn.auth_generation += 1
+                    log_event(_logger, "relay_authenticated", agent=conn.agent)
+                    return
+                superseded = conn.challenge != challenge
+                if superseded and answer < _AUTH_ANSWERS:
+                    log_event(_logger, "relay_auth_superseded", agent=conn.agent)
+                    continue
                 log_event(
                     _logger, "relay_auth_refused", level=logging.WARNING,
-                    agent=conn.agent, reason=waiter.ok.message[:200],
+                    agent=conn.agent, reason=ok.message[:200],
                 )
-                if conn.challenge == challenge:
-                    conn.refused = waiter.ok.message
+                if not superseded:
+                    conn.refused = ok.message
                 self._retire(conn)
-                raise _AuthFailed(f"AUTH refused: {waiter.ok.message}", refused=True)
-            conn.authenticated = True
-            conn.auth_generation += 1
-            log_event(_logger, "relay_authenticated", agent=conn.agent)
+                raise _AuthFailed(f"AUTH refused: {ok.message}", refused=True)
+            raise AssertionError("unreachable: the last answer returns or raises")  # pragma: no cover
+
+    async def _answer_challenge(self, conn: _Connection) -> tuple[str, Ok]:
+        """Send one AUTH for the newest challenge not answered yet (waiting up to
+        ``timeouts.ok`` for one); that challenge and the relay's OK to it.
+
+        Raises:
+            _AuthFailed: no (new) challenge, not signed, no OK, a dropped connection.
+        """
+        with trio.move_on_after(self._timeouts.ok):
+            while conn.alive and conn.challenge in (None, conn.answered):
+                await conn.challenge_seen.wait()
+        if not conn.alive:
+            raise _AuthFailed("connection dropped before AUTH", refused=False)
+        challenge = conn.challenge
+        if challenge is None:
+            raise _AuthFailed("the relay sent no AUTH challenge", refused=False)
+        if challenge == conn.answered:
+            raise _AuthFailed("the relay sent no new AUTH challenge", refused=False)
+        try:
+            auth_event = await self._auth_signer(
+                conn.agent, self._url.text, challenge, int(time.time()))
+            frame = encode_auth(auth_event)
+        except AuthNotSigned as exc:
+            raise _AuthFailed(f"AUTH not signed: {exc.reason}", refused=False) from None
+        except ValueError as exc:  # not a kind-22242 event: our signer's bug
+            raise _AuthFailed(f"AUTH event unusable: {type(exc).__name__}", refused=False) from None
+        event_id = auth_event.id
+        waiter = conn.expect_ok(event_id)
+        # Spent from here on, whatever follows: part of the frame may reach the relay.
+        conn.answered, conn.auth_pending = challenge, event_id
+        try:
+            try:
+                await conn.send(frame)
+            except (trio_websocket.ConnectionClosed, trio.BrokenResourceError):
+                raise _AuthFailed("connection dropped while sending AUTH", refused=False) from None
+            with trio.move_on_after(self._timeouts.ok):
+                await waiter.done.wait()
+        finally:
+            conn.forget_ok(event_id, waiter)
+            conn.auth_pending = None
+        if waiter.ok is None:
+            why = "connection dropped" if waiter.dropped else f"no OK within {self._timeouts.ok}s"
+            raise _AuthFailed(f"AUTH unanswered: {why}", refused=False)
+        return challenge, waiter.ok
 
     async def _auth_if_challenged(self, conn: _Connection) -> None:
         # A challenge sent at connect (Buzz) is answered before we send anything, which
@@ -1097,7 +1144,7 @@ class RelayPool:
         result: PublishResult
         ok_seconds = self._timeouts.ok
         try:
-            async with self._use(agent) as conn, conn.gate.passage(ok_seconds) as through:
+            async with self._use(agent) as conn, conn.write_gate.passage(ok_seconds) as through:
                 if through:
                     result = await self._publish_on(conn, event_id, frame)
                 else:
@@ -1177,7 +1224,7 @@ class RelayPool:
         outcome = "unavailable"
         try:
             async with self._use(agent) as conn, \
-                    conn.gate.passage(self._timeouts.eose) as through:
+                    conn.read_gate.passage(self._timeouts.eose) as through:
                 if not through:
                     raise RelayUnavailable(f"{_GATE_WAIT}: no EOSE within {self._timeouts.eose}s")
                 events = await self._query_on(conn, filters)
@@ -1297,7 +1344,7 @@ class RelayPool:
             raise ValueError("subscribe needs at least one filter, each a mapping")
         try:
             async with self._use(agent) as conn, \
-                    conn.gate.passage(self._timeouts.eose) as through:
+                    conn.read_gate.passage(self._timeouts.eose) as through:
                 if not through:
                     raise RelayUnavailable(f"{_GATE_WAIT}: no EOSE within {self._timeouts.eose}s")
                 if conn.live >= self._max_live:

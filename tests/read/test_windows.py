@@ -11,6 +11,7 @@ polls until it is seen, with a generous deadline only as the failure bound.
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Awaitable
 from dataclasses import dataclass
@@ -42,6 +43,9 @@ TIMEOUTS = RelayTimeouts(connect=10, ok=10, eose=10, idle_seconds=60)
 #: Only a bound for a failing test: a live event normally arrives in milliseconds.
 DEADLINE = 15.0
 REQUEST_ID = "00000000-0000-4000-8000-000000000000"
+#: Forged events a hostile relay sends one window in a test: far more log lines than any
+#: bound would allow.
+FLOOD = 500
 
 
 @dataclass
@@ -170,8 +174,24 @@ async def test_a_nip29_removal_of_the_agent_drops_its_window(world: World) -> No
     assert world.queries["query"] > reads
 
 
-async def test_relay_closed_drops_the_window(scripted_relay: Callable[[Script], Awaitable[ScriptedRelay]],
-                                             tmp_path: Path, nursery: trio.Nursery) -> None:
+@dataclass
+class ScriptedWorld:
+    """A pool with windows on the scripted relay, one event posted, its window open."""
+
+    relay: ScriptedRelay
+    pool: RelayPool
+    author: TestKey
+    channel: str
+    ctx: Context
+    first: dict[str, Any]
+    queries: Counter[str]
+
+    async def read(self) -> Verdict:
+        return await channel_read.execute(self.ctx, ChannelReadArgs(channel_id=self.channel))
+
+
+async def _scripted_window(scripted_relay: Callable[[Script], Awaitable[ScriptedRelay]],
+                           tmp_path: Path, nursery: trio.Nursery) -> ScriptedWorld:
     relay = await scripted_relay(Script(challenge_at_connect=True, require_auth=True))
     reader, author = TestKey(), TestKey()
     channel = new_channel()
@@ -179,24 +199,30 @@ async def test_relay_closed_drops_the_window(scripted_relay: Callable[[Script], 
     pool = _pool(relay.url, reader, author, queries=queries)
     pool.windows = WindowCache(pool)
     await nursery.start(pool.run)
-    ev = author.sign(9, "hello", [["h", channel]], NOW - 5)
+    ev = author.sign(9, "hello", [["h", channel]], NOW - 50)
     assert isinstance(await pool.publish(author.pubkey, signed(ev)), Accepted)
     ctx = context(pool, principal_for(tmp_path, reader.pubkey, [channel]), CursorCodec.open(str(tmp_path)))
-    read = ChannelReadArgs(channel_id=channel)
-    assert _ids(await channel_read.execute(ctx, read)) == [ev["id"]]
+    w = ScriptedWorld(relay, pool, author, channel, ctx, ev, queries)
+    assert _ids(await w.read()) == [ev["id"]]
     assert len(pool.windows) == 1
+    return w
+
+
+async def test_relay_closed_drops_the_window(scripted_relay: Callable[[Script], Awaitable[ScriptedRelay]],
+                                             tmp_path: Path, nursery: trio.Nursery) -> None:
+    w = await _scripted_window(scripted_relay, tmp_path, nursery)
     # The relay ends the live subscription (and, harmlessly, any REQ whose CLOSE it has not
     # read yet).
-    assert await relay.close_open_reqs() >= 1
-    windows = pool.windows
+    assert await w.relay.close_open_reqs() >= 1
+    windows = w.pool.windows
 
     async def dropped() -> bool:
         return len(windows) == 0
 
     await _until(dropped)
-    reads = queries["query"]
-    assert _ids(await channel_read.execute(ctx, read)) == [ev["id"]]
-    assert queries["query"] > reads, "after CLOSED the read goes to the relay again"
+    reads = w.queries["query"]
+    assert _ids(await w.read()) == [w.first["id"]]
+    assert w.queries["query"] > reads, "after CLOSED the read goes to the relay again"
 
 
 async def test_one_agents_window_never_answers_another(world: World, local_relay: str,
@@ -593,3 +619,33 @@ async def test_a_window_cuts_every_page_where_a_cold_read_cuts_it() -> None:
         # The newest page again, from what `serve` kept: the same answer.
         assert window.serve(3) == window.serve(3)
         window.end("test")
+
+
+async def test_a_hostile_relay_cannot_put_bad_events_in_a_window_nor_flood_the_log(
+        scripted_relay: Callable[[Script], Awaitable[ScriptedRelay]], tmp_path: Path,
+        nursery: trio.Nursery, caplog: pytest.LogCaptureFixture) -> None:
+    # On the window's live subscription the relay sends forged events (ids that do not
+    # hash, so no signature holds), a valid event of another channel and a valid one off
+    # the read's filter (kind 1): none reaches a poll; the one good event does. Each drop
+    # was a warning line, as many as the relay cared to send.
+    w = await _scripted_window(scripted_relay, tmp_path, nursery)
+    relay, author, channel = w.relay, w.author, w.channel
+    caplog.set_level(logging.INFO, logger="buzz_broker.read")
+    template = author.sign(9, "forged", [["h", channel]], NOW - 40)
+    for n in range(FLOOD):
+        assert await relay.push({**template, "id": f"{n:064x}"}) >= 1
+    elsewhere = author.sign(9, "elsewhere", [["h", new_channel()]], NOW - 30)
+    off_filter = author.sign(1, "kind 1", [["h", channel]], NOW - 30)
+    good = author.sign(9, "good", [["h", channel]], NOW - 20)
+    for event in (elsewhere, off_filter, good):
+        await relay.push(event)
+    reads = len(relay.received)
+
+    async def good_arrived() -> bool:
+        return _ids(await w.read()) == [good["id"], w.first["id"]]
+
+    await _until(good_arrived)
+    assert w.pool.windows is not None and len(w.pool.windows) == 1
+    assert [m[0] for m in relay.received[reads:]] == [], "every poll was answered by the window"
+    dropped = [r for r in caplog.records if getattr(r, "buzz_event", None) == "read.event_dropped"]
+    assert 1 <= len(dropped) <= channel_read.DROP_LINES + 1

@@ -110,6 +110,15 @@ async def _burst(pool: RelayPool, key: TestKey, publishes: int, queries: int
     return outcomes, sorted(e["id"] for e in stored) == sorted(e["id"] for e in events)
 
 
+def _what_failed(outcomes: list[object], all_stored: bool) -> list[str]:
+    """A round's failures (`_burst`): how many, and the first two; [] when none."""
+    bad = [repr(o) for o in outcomes
+           if not (isinstance(o, Accepted) and not o.duplicate or o == "eose")]
+    if not all_stored:
+        bad.append("the relay does not hold exactly the events published")
+    return [f"{len(bad)} failed", *bad[:2]] if bad else []
+
+
 @pytest.mark.parametrize(("publishes", "queries"), [(BURST, 0), (BURST // 2, BURST // 2)],
                          ids=["publishes", "publishes+queries"])
 async def test_burst_on_a_cold_connection_authenticates_once(
@@ -129,13 +138,46 @@ async def test_burst_on_a_cold_connection_authenticates_once(
                 round_.start_soon(freezer.thaw_after, PAUSE_SECONDS)
                 outcomes, all_stored = await _burst(pool, key, publishes, queries)
             assert len(outcomes) == publishes + queries
-            bad = [repr(o) for o in outcomes
-                   if not (isinstance(o, Accepted) and not o.duplicate or o == "eose")]
-            if not all_stored:
-                bad.append("the relay does not hold exactly the events published")
-            if bad:
-                failures[n] = [f"{len(bad)} failed", *bad[:2]]
+            if bad := _what_failed(outcomes, all_stored):
+                failures[n] = bad
         nursery.cancel_scope.cancel()
     assert failures == {}
     # One AUTH per connection, none refused.
+    assert _auth_events(caplog) == ["relay_authenticated"] * ROUNDS
+
+
+async def test_a_write_burst_after_reads_on_a_relay_that_guards_writes_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # LocalRelay with AUTH for writes only: the first read of a connection goes through
+    # without AUTH, which says nothing about writes. A burst of publishes then must wait
+    # behind one probe as on a cold connection, not all leave on the read's word: sent at
+    # once, they drew a challenge each, and the AUTH for an early one was refused
+    # ("received invalid challenge"), its publish Rejected. The relay is frozen while
+    # the burst starts, so all of it would be sent before the first refusal.
+    caplog.set_level(logging.INFO, logger="buzz_broker.relay")
+    keys = [TestKey() for _ in range(ROUNDS)]
+    failures: dict[int, list[str]] = {}
+
+    async def thaw_after(pid: int, seconds: float) -> None:
+        await trio.sleep(seconds)
+        os.kill(pid, signal.SIGCONT)
+
+    with start_devrelay(auth=True, writes_only=True) as (url, proc):
+        pool = RelayPool(url, auth_signer_for(*keys), timeouts=TIMEOUTS)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pool.run)
+            for n, key in enumerate(keys):
+                assert await pool.query(key.pubkey, [{"authors": [key.pubkey]}]) == []
+                os.kill(proc.pid, signal.SIGSTOP)
+                try:
+                    async with trio.open_nursery() as round_:
+                        round_.start_soon(thaw_after, proc.pid, PAUSE_SECONDS)
+                        outcomes, all_stored = await _burst(pool, key, BURST, 0)
+                finally:
+                    os.kill(proc.pid, signal.SIGCONT)
+                if bad := _what_failed(outcomes, all_stored):
+                    failures[n] = bad
+            nursery.cancel_scope.cancel()
+    assert failures == {}
     assert _auth_events(caplog) == ["relay_authenticated"] * ROUNDS

@@ -85,7 +85,7 @@ async def test_the_same_bytes_are_parsed_once_and_only_for_live_subscriptions() 
     ev = author.sign(9, "hello", [["h", "x"]], NOW)
     conns, sinks = [], []
     for agent in ("a", "b"):
-        conn = _Connection(agent, _ResultBudget(1 << 30))
+        conn = _Connection(agent, _ResultBudget(1 << 30), pool._notices)
         conn.alive = True
         sink = _Sink()
         _, live = conn.open_live(sink)
@@ -97,7 +97,7 @@ async def test_the_same_bytes_are_parsed_once_and_only_for_live_subscriptions() 
     assert sinks[0].events == sinks[1].events == [ev]
     assert sinks[1].events[0] is sinks[0].events[0], "the second copy was not parsed again"
     # A query is the caller's own list: never the shared object.
-    query_conn = _Connection("c", _ResultBudget(1 << 30))
+    query_conn = _Connection("c", _ResultBudget(1 << 30), pool._notices)
     query_conn.alive = True
     sub_id, sub = query_conn.open_subscription()
     assert isinstance(sub, _Subscription)
@@ -124,7 +124,7 @@ async def test_a_forged_copy_of_a_known_event_is_judged_and_refused() -> None:
     windows = []
     cache = WindowCache(pool, depth=10, keep=10)
     for agent in ("a" * 64, "b" * 64):
-        conn = _Connection(agent, _ResultBudget(1 << 30))
+        conn = _Connection(agent, _ResultBudget(1 << 30), pool._notices)
         conn.alive = True
         filters = [{"kinds": [9, 40002], "#h": [channel]}]
         judge = channel_read._Judge(channel, filters, "window")

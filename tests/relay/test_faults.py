@@ -7,6 +7,8 @@ timeout" is asserted, tight latency never is.
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -26,6 +28,7 @@ from daemon.relay.pool import (
     Unknown,
 )
 from tests.fixtures.relay import TestKey, auth_signer_for, signed, free_port
+from tests.relay._support import HeldSigner
 from tests.scripted_relay import EventReply, ReqReply, Script, ScriptedRelay
 
 Start = Callable[[Script], Awaitable[ScriptedRelay]]
@@ -249,23 +252,28 @@ async def test_a_cancelled_probe_hands_the_gate_on(scripted_relay: Start, nurser
 async def test_waiting_at_the_gate_is_bounded_by_the_callers_timeout(
     scripted_relay: Start, nursery: trio.Nursery
 ) -> None:
-    # The probe (a publish) waits up to ok=1 s for an OK that never comes; a query behind
-    # it gives up after its own eose=0.3 s, unavailable, having sent nothing.
-    relay, key, pool = await _scripted(scripted_relay, nursery, Script(events=(EventReply.SILENT,)),
-                                       timeouts=RelayTimeouts(connect=1, ok=1, eose=0.3))
+    # The probe (a query) was CLOSED auth-required and waits for its AUTH to be signed
+    # (the signer held until the end); a query behind it gives up after its own
+    # eose=0.3 s, unavailable, having sent nothing.
+    relay = await scripted_relay(Script(require_auth=True))
+    key = TestKey()
+    signer = HeldSigner(key)
+    pool = RelayPool(relay.url, signer, timeouts=RelayTimeouts(connect=1, ok=2, eose=0.3))
+    await nursery.start(pool.run)
     outcome: list[object] = []
 
     async def probe() -> None:
-        outcome.append(await pool.publish(key.pubkey, signed(key.sign(1, "silent"))))
+        outcome.append(await pool.query(key.pubkey, [{"kinds": [1]}]))
 
     with bounded():
         async with trio.open_nursery() as inner:
             inner.start_soon(probe)
-            await _eventually(lambda: _verbs(relay) == ["EVENT"])
+            await _eventually(lambda: _verbs(relay) == ["REQ", "CLOSE"])
             with pytest.raises(RelayUnavailable):
                 await pool.query(key.pubkey, [{"kinds": [1]}])
-            assert _verbs(relay) == ["EVENT"]
-    assert len(outcome) == 1 and isinstance(outcome[0], Unknown)
+            assert _verbs(relay) == ["REQ", "CLOSE"]
+            signer.release.set()
+    assert outcome == [[]]
 
 
 async def test_a_dropped_connection_wakes_everyone_at_the_gate(nursery: trio.Nursery) -> None:
@@ -450,3 +458,33 @@ async def test_cancelled_query_still_sends_close(scripted_relay: Start, nursery:
         await pool.query(key.pubkey, [{"kinds": [1]}])
     assert scope.cancelled_caught
     await _eventually(lambda: _verbs(relay) == ["REQ", "CLOSE"])
+
+
+async def test_a_notice_flood_costs_the_log_one_line(
+    scripted_relay: Start, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    # NOTICE is operator text, and a relay may send it without end: each was one log
+    # line, so a relay could fill the journal (and push every other line out of its rate
+    # limit). The connection serves on.
+    flood = tuple(json.dumps(["NOTICE", f"notice {i}"]) for i in range(2000))
+    caplog.set_level(logging.INFO, logger="buzz_broker.relay")
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(greeting=flood))
+    with bounded():
+        assert isinstance(await pool.publish(key.pubkey, signed(key.sign(1, "x"))), Accepted)
+    lines = [r for r in caplog.records if getattr(r, "buzz_event", None) == "relay_notice"]
+    assert len(lines) == 1 and "notice 0" in repr(getattr(lines[0], "buzz_fields", None))
+    assert len(relay.connections) == 1
+
+
+async def test_backoff_stays_bounded_however_long_the_relay_is_down(nursery: trio.Nursery) -> None:
+    # The delay was backoff_initial * 2**failures: past 1,023 failed connects in a row
+    # (8.5 hours down at the default 30 s cap) the float overflowed, and every publish and
+    # read raised OverflowError instead of answering NotSent / RelayUnavailable.
+    key = TestKey()
+    tiny = RelayTimeouts(connect=1, ok=1, eose=1, backoff_initial=1e-6, backoff_max=1e-6)
+    pool = await _pool(nursery, f"ws://127.0.0.1:{free_port()}", key, timeouts=tiny)
+    event = signed(key.sign(1, "x"))
+    for _ in range(1100):
+        assert isinstance(await pool.publish(key.pubkey, event), NotSent)
+    with pytest.raises(RelayUnavailable):
+        await pool.query(key.pubkey, [{"kinds": [1]}])
