@@ -46,6 +46,7 @@ from urllib.parse import urlsplit
 
 from buzzwire.contract import ACTIONS
 from buzzwire.loopback import LOOPBACK_NAMES, is_loopback_host
+from daemon.loopback_tcp import address_text, port_holder, unprivileged_port_start
 from daemon.relay.pool import DEFAULT_LIVE_SUBSCRIPTIONS, DEFAULT_RESULT_BYTES, MAX_QUERY_BYTES
 from daemon.relay.windows import DEFAULT_WINDOW_BYTES
 from daemon.relay.protocol import check_relay_url
@@ -74,6 +75,8 @@ __all__ = [
     "PIN_CREDENTIAL",
     "ACTION_NAMES",
     "WORLD_BITS",
+    "TCP_OPT_IN",
+    "METRICS_OPT_IN",
 ]
 
 #: The environment variable naming the config file when ``--config`` is absent.
@@ -92,6 +95,13 @@ ACTION_NAMES = frozenset(ACTIONS)
 #: Log levels accepted by [log] level (daemon/log.py LEVELS, restated to keep this module
 #: free of logging setup).
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+#: The keys by which the operator accepts the squatting risk of a port nobody holds for
+#: the daemon (daemon/loopback_tcp.py): named here once, for `_KEYS` and for the reasons
+#: `port_holder` gives.
+TCP_OPT_IN = "listen_tcp_accept_squatting_risk"
+METRICS_OPT_IN = "listen_accept_squatting_risk"
 
 
 class ConfigError(Exception):
@@ -200,6 +210,17 @@ class MetricsConfig:
     socket: str | None
     #: Loopback (host, port) for a TCP scrape listener; None = off. Every local user can read it.
     listen: tuple[str, int] | None = None
+    #: The operator's explicit yes to binding `listen` on a port nobody holds for us (not a
+    #: privileged one; systemd cannot pass one): any local user could bind it first.
+    listen_accept_squatting_risk: bool = False
+
+    def listen_holder(self) -> str | None:
+        """Why `listen` may be served (daemon/loopback_tcp.py's squatting rule); None when
+        it is off or may not be (a loaded config never holds the latter: load refuses it)."""
+        if self.listen is None:
+            return None
+        return port_holder(self.listen[1], held=False,
+                           accept_risk=self.listen_accept_squatting_risk, opt_in=METRICS_OPT_IN)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -544,8 +565,7 @@ _KEYS: tuple[_Key, ...] = (
     _Key("server", "request_timeout", "request_timeout", _duration, 10),
     _Key("server", "shutdown_grace", "shutdown_grace", _duration, 10),
     _Key("server", "listen_tcp", "listen_tcp", _listen_tcp, []),
-    _Key("server", "listen_tcp_accept_squatting_risk", "listen_tcp_accept_squatting_risk",
-         _bool, False),
+    _Key("server", TCP_OPT_IN, TCP_OPT_IN, _bool, False),
     _Key("server", "tcp_allow_uids", "tcp_allow_uids", _uid_set, []),
     _Key("server", "tcp_allow_groups", "tcp_allow_groups", _group_set, []),
     _Key("server", "tcp_allow_credentials_without_uid", "tcp_allow_credentials_without_uid",
@@ -599,6 +619,7 @@ _KEYS: tuple[_Key, ...] = (
     _Key("log", "level", "level", _level, "info"),
     _Key("metrics", "socket", "socket", _optional_path, ""),
     _Key("metrics", "listen", "listen", _loopback_listen, ""),
+    _Key("metrics", METRICS_OPT_IN, METRICS_OPT_IN, _bool, False),
     # [observer] (issue 23): 32 MiB holds ~360 of the largest events (a 64 KiB payload is
     # ~88 KiB once encrypted, base64'd and signed); a share of 2 MiB lets sixteen agents
     # flood at once before the total binds. 50 a second keeps telemetry well below what
@@ -719,7 +740,26 @@ def _build(tree: Mapping[str, object], where: str, base: Path | None, source: st
             "name who may connect over TCP (every local user can reach a loopback port)"
         )
     sections = {name: cls(**fields[name]) for name, cls in _SECTIONS.items()}
+    _check_metrics_port(sections["metrics"], where)
     return Config(**sections, limits=limits, source=source, origin=origin)
+
+
+def _check_metrics_port(metrics: MetricsConfig, where: str) -> None:
+    """[metrics] listen under the squatting rule (daemon/loopback_tcp.py), refused here.
+
+    Why at load and not at start, as [server] listen_tcp is: the daemon binds this port
+    itself (systemd cannot pass a metrics socket: every TCP fd it passes is the action
+    API's), so whether it may be served is known from the file alone, and check-config
+    says it without a start."""
+    if metrics.listen is not None and metrics.listen_holder() is None:
+        host, port = metrics.listen
+        start = unprivileged_port_start()
+        raise ConfigError(
+            f"{where}: [metrics] listen {address_text(host, port)}: port {port} is not held "
+            f"for the daemon (it is not below {start}, and systemd cannot pass a metrics "
+            "socket): a local user who binds it first answers the scraper and keeps the "
+            f"daemon from starting; use a port below {start} or [metrics] socket, or set "
+            f"{METRICS_OPT_IN} = true")
 
 
 def load_config(path: str | None, environ: Mapping[str, str] = os.environ,

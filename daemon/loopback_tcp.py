@@ -11,6 +11,9 @@ API there too, under these rules (docs/configuration.md, docs/install.md):
   systemd passed (it bound it before any user could), a port below the kernel's
   ``net.ipv4.ip_unprivileged_port_start`` (1024 unless lowered: binding one needs
   privilege), or the operator's explicit ``listen_tcp_accept_squatting_risk = true``.
+  ``[metrics] listen`` is under the same rule with its own opt-in,
+  ``listen_accept_squatting_risk``; systemd cannot pass a metrics socket, so only the
+  privileged port or the opt-in can let it be served (daemon/config.py refuses the rest).
 - **Who.** The peer's uid comes from the kernel (daemon/tcp_peer.py); it must be in
   ``tcp_allow_uids`` or a member (primary or supplementary) of a group in
   ``tcp_allow_groups``. An unknown uid is refused. Checked before a byte is read.
@@ -49,13 +52,13 @@ __all__ = [
     "port_holder",
     "HELD_BY_SYSTEMD",
     "PRIVILEGED_PORT",
-    "OPERATOR_ACCEPTED",
+    "operator_accepted",
+    "address_text",
 ]
 
 #: Why a port may be served (what `serve.tcp`, `check-config` and `status` print).
 HELD_BY_SYSTEMD = "held by systemd (socket activation)"
 PRIVILEGED_PORT = "a privileged port (only root can bind it first)"
-OPERATOR_ACCEPTED = "unheld: the operator accepted the squatting risk (listen_tcp_accept_squatting_risk)"
 
 #: Headers only a browser (or a page's WebSocket) sends: any one of them is refused.
 _BROWSER_HEADERS = (b"origin", b"upgrade")
@@ -91,14 +94,28 @@ def unprivileged_port_start() -> int:
         return 1024
 
 
-def port_holder(port: int, *, held: bool, accept_risk: bool) -> str | None:
-    """Why `port` may be served, or None when it may not (the module's squatting rule)."""
+def address_text(host: str, port: int) -> str:
+    """``127.0.0.1:9464`` / ``[::1]:9464``: a listener's address as config and Host name it."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def operator_accepted(opt_in: str) -> str:
+    """Why a port nobody holds may be served: the operator set `opt_in` (the key's name)."""
+    return f"unheld: the operator accepted the squatting risk ({opt_in})"
+
+
+def port_holder(port: int, *, held: bool, accept_risk: bool, opt_in: str) -> str | None:
+    """Why `port` may be served, or None when it may not (the module's squatting rule).
+
+    `opt_in` names the key whose ``true`` is `accept_risk` ([server]
+    listen_tcp_accept_squatting_risk, [metrics] listen_accept_squatting_risk): the reason
+    says which one let the port be served."""
     if held:
         return HELD_BY_SYSTEMD
     if 0 < port < unprivileged_port_start():
         return PRIVILEGED_PORT
     if accept_risk:
-        return OPERATOR_ACCEPTED
+        return operator_accepted(opt_in)
     return None
 
 

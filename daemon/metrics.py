@@ -24,7 +24,8 @@ Where it is scraped: `scrape_routes` is the route table (``GET``/``HEAD /metrics
 `daemon.http.serve` serves, under `SCRAPE_LIMITS`, on a Unix socket (`[metrics] socket`,
 mode 0600: only the service user and root read it) and/or a loopback TCP address
 (`[metrics] listen`, because Prometheus cannot scrape a 0600 Unix socket; config refuses
-any non-loopback address). Both are off unless configured; daemon/cli/serve.py starts
+any non-loopback address, and a port any local user could bind first unless the operator
+accepts that risk: daemon/loopback_tcp.py's squatting rule). Both are off unless configured; daemon/cli/serve.py starts
 them. There is no HTTP server in this module: the transport's bounds, fault containment
 and stale-socket check are daemon/http.py's. ANY local user can read the TCP port: what
 it shows is exactly `render()` (counts by action/status/code, latencies, relay/token

@@ -76,6 +76,7 @@ level = "debug"
 [metrics]
 socket = "/run/bb/metrics.sock"
 listen = "[::1]:9464"
+listen_accept_squatting_risk = true
 
 [observer]
 max_queued_bytes = 1048576
@@ -131,6 +132,7 @@ EXPECTED: dict[tuple[str, str], object] = {
     ("log", "level"): "debug",
     ("metrics", "socket"): "/run/bb/metrics.sock",
     ("metrics", "listen"): ("::1", 9464),
+    ("metrics", "listen_accept_squatting_risk"): True,
     ("observer", "max_queued_bytes"): 1_048_576,
     ("observer", "max_queued_bytes_per_credential"): 131_072,
     ("observer", "publish_per_second"): 5,
@@ -182,6 +184,7 @@ DEFAULTS: dict[tuple[str, str], object] = {
     ("log", "level"): "info",
     ("metrics", "socket"): None,
     ("metrics", "listen"): None,
+    ("metrics", "listen_accept_squatting_risk"): False,
     ("observer", "max_queued_bytes"): 32 * 1024 * 1024,
     ("observer", "max_queued_bytes_per_credential"): 2 * 1024 * 1024,
     ("observer", "publish_per_second"): 50,
@@ -343,6 +346,7 @@ def test_wrong_type_names_key_and_file(tmp_path: Path, row: object) -> None:
         ("server", "listen_tcp", '["127.0.0.1:70000"]'),
         ("server", "listen_tcp", '"127.0.0.1:7475"'),
         ("server", "listen_tcp_accept_squatting_risk", '"yes"'),
+        ("metrics", "listen_accept_squatting_risk", '"yes"'),
         ("server", "tcp_allow_uids", '["1000"]'),
         ("server", "tcp_allow_uids", "[-1]"),
         ("server", "tcp_allow_groups", '["bad group"]'),
@@ -539,7 +543,9 @@ def test_check_config_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert out == (f"config: {path} (--config)\npin: none here: the custodian holds the keys "
                    "(/run/bb/custodian.sock; the PIN is its unit's credential)\n"
                    f"tcp: 127.0.0.1:7475: {risk}\ntcp: [::1]:7475: {risk}\n"
-                   "tcp: allowed peers: 1000, 1001, group buzz-agents; every credential\nok\n")
+                   "tcp: allowed peers: 1000, 1001, group buzz-agents; every credential\n"
+                   "metrics: [::1]:9464: served: unheld: the operator accepted the squatting "
+                   "risk (listen_accept_squatting_risk)\nok\n")
 
 
 def test_check_config_error_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -618,3 +624,72 @@ def test_listen_tcp_needs_someone_allowed(tmp_path: Path) -> None:
     path = write(tmp_path, '[server]\nlisten_tcp = ["127.0.0.1:7475"]\n')
     with pytest.raises(ConfigError, match=r"\[server\] listen_tcp: expected tcp_allow_uids"):
         load_config(path, environ={})
+
+
+# --------------------------------------------------------------------------- [metrics] listen
+
+
+#: What the refusal of an unheld metrics port must say: the key, the risk in its own
+#: words, and the way out.
+METRICS_REFUSAL = ("[metrics] listen 127.0.0.1:9464: port 9464 is not held for the daemon",
+                   "a local user who binds it first answers the scraper and keeps the "
+                   "daemon from starting", "listen_accept_squatting_risk = true")
+
+
+def test_metrics_listen_on_an_unprivileged_port_needs_the_opt_in(tmp_path: Path) -> None:
+    """The squatting rule of [server] listen_tcp holds for [metrics] listen: a port any user
+    may bind (systemd cannot pass a metrics socket) is refused at load, one line naming the
+    file, the key and the risk; `listen_accept_squatting_risk = true` lets it load."""
+    path = write(tmp_path, '[metrics]\nlisten = "127.0.0.1:9464"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    line = str(info.value)
+    assert "\n" not in line and line.startswith(f"config {path}: ")
+    for part in METRICS_REFUSAL:
+        assert part in line, (part, line)
+
+    accepted = load_config(write(tmp_path, '[metrics]\nlisten = "127.0.0.1:9464"\n'
+                                 "listen_accept_squatting_risk = true\n"), environ={})
+    assert accepted.metrics.listen == ("127.0.0.1", 9464)
+    assert accepted.metrics.listen_holder() == (
+        "unheld: the operator accepted the squatting risk (listen_accept_squatting_risk)")
+
+
+def test_metrics_listen_on_a_privileged_port_needs_no_opt_in(tmp_path: Path) -> None:
+    """Below the kernel's unprivileged start (1024) only root can bind the port first."""
+    from daemon.loopback_tcp import PRIVILEGED_PORT
+
+    config = load_config(write(tmp_path, '[metrics]\nlisten = "[::1]:947"\n'), environ={})
+    assert config.metrics.listen_holder() == PRIVILEGED_PORT
+
+
+def test_metrics_opt_in_without_listen_is_harmless(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "[metrics]\nlisten_accept_squatting_risk = true\n"),
+                         environ={})
+    assert config.metrics.listen is None and config.metrics.listen_holder() is None
+
+
+def _check_metrics(tmp_path: Path, capsys: pytest.CaptureFixture[str], metrics: str,
+                   name: str = "broker.toml") -> tuple[int, str, str]:
+    """`check-config` on a file with a relay and `metrics` as its [metrics] table."""
+    path = write(tmp_path, f'[relay]\nurl = "wss://relay.example.org"\n[metrics]\n{metrics}', name)
+    code = main(["check-config", path])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_check_config_refuses_an_unheld_metrics_port(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _check_metrics(tmp_path, capsys, 'listen = "127.0.0.1:9464"\n')
+    assert code == 1 and out == "" and err.count("\n") == 1 and "Traceback" not in err
+    for part in METRICS_REFUSAL:
+        assert part in err, (part, err)
+
+
+def test_check_config_names_the_metrics_rule(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _check_metrics(tmp_path, capsys, 'listen = "127.0.0.1:947"\n')
+    assert code == 0 and ("metrics: 127.0.0.1:947: served: a privileged port (only root can "
+                          "bind it first)\n") in out
+    code, out, _ = _check_metrics(tmp_path, capsys, 'socket = "m.sock"\n', "off.toml")
+    assert code == 0 and "metrics:" not in out

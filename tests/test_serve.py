@@ -186,7 +186,8 @@ async def test_second_daemon_on_the_same_state_is_refused(sockdir: str) -> None:
 
 
 async def test_metrics_listener_on_a_taken_port_is_one_line_before_ready(sockdir: str) -> None:
-    """[metrics] listen: served with the daemon; a port already taken fails the start."""
+    """[metrics] listen: served with the daemon; a port already taken fails the start. (Free
+    ports are >= 1024: the opt-in lets the daemon bind them, as an operator's would.)"""
     import socket as pysocket
 
     from daemon.metrics import Metrics
@@ -196,7 +197,8 @@ async def test_metrics_listener_on_a_taken_port_is_one_line_before_ready(sockdir
         metrics = Metrics(actions=("message.post",))
 
     port = free_port()
-    config = write_config(sockdir, extra=f'[metrics]\nlisten = "127.0.0.1:{port}"\n')
+    config = write_config(sockdir, extra=f'[metrics]\nlisten = "127.0.0.1:{port}"\n'
+                          "listen_accept_squatting_risk = true\n")
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             await nursery.start(functools.partial(
@@ -213,7 +215,7 @@ async def test_metrics_listener_on_a_taken_port_is_one_line_before_ready(sockdir
     taken.listen()
     try:
         busy = write_config(sockdir, extra='[metrics]\nlisten = "127.0.0.1:%d"\n'
-                            % taken.getsockname()[1])
+                            "listen_accept_squatting_risk = true\n" % taken.getsockname()[1])
         dgrams = Datagrams(os.path.join(sockdir, "notify"))
         await dgrams.bind()
         with pytest.raises(BaseExceptionGroup) as info:  # `run` unwraps it to the one line

@@ -32,10 +32,15 @@ def _cli(config: Path, *argv: str, stdin: str | None = None) -> subprocess.Compl
 
 def test_status_running_then_stopped(custody_state: tuple[TokenConfig, Path], local_relay: str,
                                      tmp_path: Path) -> None:
+    from tests.fixtures.relay import free_port
+
     token, state = custody_state
     socket_path = tmp_path / "b.sock"
+    metrics = f"127.0.0.1:{free_port()}"
     config = write_config(tmp_path / "broker.toml", token=token, state_dir=state,
-                          socket=socket_path, relay_url=local_relay)
+                          socket=socket_path, relay_url=local_relay,
+                          sections={"metrics": {"listen": metrics,
+                                                "listen_accept_squatting_risk": True}})
     channel = str(uuid.uuid4())
     agent = _cli(config, "agent", "create", "--owner", TestKey().pubkey, "--name", "s")
     assert agent.returncode == 0, agent.stderr
@@ -100,6 +105,10 @@ def test_status_running_then_stopped(custody_state: tuple[TokenConfig, Path], lo
                                "path": str(socket_path), "exists": False}
     assert facts["agents"]["live"] == 1  # the stores are read without the daemon
     assert facts["token"]["detail"].startswith("logged in")
+    # Which squatting rule [metrics] listen is under, as for listen_tcp.
+    assert facts["metrics"] == {"ok": True, "listen": metrics, "detail": (
+        f"{metrics}: served: unheld: the operator accepted the squatting risk "
+        "(listen_accept_squatting_risk)")}
 
 
 def test_status_with_a_broken_relay_is_degraded_not_a_crash(

@@ -27,8 +27,9 @@ import os
 import trio
 
 from daemon.cli._common import CliError
-from daemon.loopback_tcp import HELD_BY_SYSTEMD, PRIVILEGED_PORT, port_holder
-from daemon.config import SYSTEM_CONFIG, Config, ConfigError, load_config, require_relay
+from daemon.loopback_tcp import HELD_BY_SYSTEMD, PRIVILEGED_PORT, address_text, port_holder
+from daemon.config import (SYSTEM_CONFIG, TCP_OPT_IN, Config, ConfigError, load_config,
+                           require_relay)
 
 HELP = "validate a configuration; --deep also logs in to the token and reaches the relay"
 
@@ -78,9 +79,10 @@ def describe_tcp(config: Config) -> list[str]:
         return []
     lines = []
     for host, port in server.listen_tcp:
-        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        where = address_text(host, port)
         unheld = port_holder(port, held=False,
-                             accept_risk=server.listen_tcp_accept_squatting_risk)
+                             accept_risk=server.listen_tcp_accept_squatting_risk,
+                             opt_in=TCP_OPT_IN)
         if unheld is None:
             rule = ("served only if systemd passes it (buzz-broker-tcp.socket); otherwise "
                     "serve refuses it: any local user could bind it first")
@@ -97,6 +99,16 @@ def describe_tcp(config: Config) -> list[str]:
     return lines
 
 
+def describe_metrics(config: Config) -> str | None:
+    """The ``metrics:`` line for [metrics] listen (None when it is off): the squatting rule
+    it is served under. A loaded config has one (load refuses a port with none), and
+    systemd never passes this port, so unlike ``tcp:`` there is no case to spell out."""
+    metrics = config.metrics
+    if metrics.listen is None:
+        return None
+    return f"metrics: {address_text(*metrics.listen)}: served: {metrics.listen_holder()}"
+
+
 def run(args: argparse.Namespace) -> int:
     path = getattr(args, "path", None)
     if path is None:  # not `or`: an empty PATH is refused, not replaced by the default file
@@ -110,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
     print(describe_pin(config))
     for line in describe_tcp(config):
         print(line)
+    if (metrics := describe_metrics(config)) is not None:
+        print(metrics)
     if getattr(args, "deep", False):
         from daemon.probe import check_relay, check_state, check_token_and_kek
 

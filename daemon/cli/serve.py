@@ -72,8 +72,9 @@ import trio
 
 from daemon import notify
 from daemon.cli._common import CliError, config_from_args
-from daemon.config import Config, ConfigError, ServerConfig, load_config, require_relay
-from daemon.loopback_tcp import AdmissionGate, TcpAdmission, port_holder
+from daemon.config import (TCP_OPT_IN, Config, ConfigError, MetricsConfig, ServerConfig,
+                           load_config, require_relay)
+from daemon.loopback_tcp import AdmissionGate, TcpAdmission, address_text, port_holder
 from daemon.http import (
     HttpAnswer,
     HttpLimits,
@@ -197,10 +198,6 @@ def _activated_sockets(fds: list[int]) -> tuple[socket.socket, dict[tuple[str, i
     return unix[0], tcp
 
 
-def _where(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 #: In the state directory while `serve` runs: one line per TCP listener and why its port
 #: may be served, for `status` (which never connects to the daemon). Removed at exit; a
 #: daemon that died leaves it, and `status` reads it only while the run lock is held.
@@ -239,26 +236,26 @@ def tcp_listeners(server: ServerConfig, passed: dict[tuple[str, int], socket.soc
     try:
         for host, port in passed:
             if (host, port) not in server.listen_tcp:
-                raise CliError(f"systemd passed a TCP socket on {_where(host, port)} that "
+                raise CliError(f"systemd passed a TCP socket on {address_text(host, port)} that "
                                "[server] listen_tcp does not list; list it, or remove it "
                                "from buzz-broker-tcp.socket")
         for host, port in server.listen_tcp:
             held = passed.get((host, port))
             why = port_holder(port, held=held is not None,
-                              accept_risk=server.listen_tcp_accept_squatting_risk)
+                              accept_risk=server.listen_tcp_accept_squatting_risk,
+                              opt_in=TCP_OPT_IN)
             if why is None:
                 raise CliError(
-                    f"[server] listen_tcp {_where(host, port)}: port {port} is not held for "
+                    f"[server] listen_tcp {address_text(host, port)}: port {port} is not held for "
                     "the daemon (systemd did not pass it, and any local user may bind it "
                     "first and collect the credentials agents send); let "
-                    "buzz-broker-tcp.socket hold it, or set "
-                    "listen_tcp_accept_squatting_risk = true")
+                    f"buzz-broker-tcp.socket hold it, or set {TCP_OPT_IN} = true")
             if held is None:
                 try:
                     held = bind_tcp_socket(host, port)
                 except ListenError as exc:
                     raise CliError(f"[server] listen_tcp {exc}") from None
-            listeners.append((held, f"{_where(*held.getsockname()[:2])} ({why})"))
+            listeners.append((held, f"{address_text(*held.getsockname()[:2])} ({why})"))
     except BaseException:
         for sock, _ in listeners:
             sock.close()
@@ -382,8 +379,7 @@ async def _run_locked(
         _send(env, notify.status("opening the token, the stores and the relay pool"))
         async with app_factory(config) as app:
             await _serve_until_signalled(app, raw, limits, env, watchdog, where, started_at,
-                                         task_status, config.metrics.socket,
-                                         config.metrics.listen, tcp, admission,
+                                         task_status, config.metrics, tcp, admission,
                                          server.max_connections_per_credential)
     finally:
         raw.close()
@@ -405,8 +401,7 @@ async def _serve_until_signalled(
     where: str,
     started_at: float,
     task_status: trio.TaskStatus[ServerControl],
-    metrics_socket: str | None = None,
-    metrics_listen: tuple[str, int] | None = None,
+    metrics_config: MetricsConfig | None = None,
     tcp: list[tuple[socket.socket, str]] | None = None,
     admission: TcpAdmission | None = None,
     per_credential: int | None = None,
@@ -439,8 +434,8 @@ async def _serve_until_signalled(
                             task_status=task_status)
                 nursery.cancel_scope.cancel()  # drained: stop the watchdog and signal tasks
 
-            if metrics is not None:
-                await _start_metrics(nursery, metrics, metrics_socket, metrics_listen)
+            if metrics is not None and metrics_config is not None:
+                await _start_metrics(nursery, metrics, metrics_config)
 
             tcp_controls: list[ServerControl] = []
             gate = AdmissionGate(admission) if admission is not None else _nobody
@@ -491,15 +486,16 @@ async def _nobody(_uid: int | None) -> bool:
 async def _start_metrics(
     nursery: trio.Nursery,
     registry: Metrics,
-    socket_path: str | None,
-    listen: tuple[str, int] | None,
+    config: MetricsConfig,
 ) -> None:
     """The configured metrics listeners, served by `daemon.http.serve` in `nursery`.
 
     Both are bound before READY=1, so a taken path or port fails the start with one line.
     They are cancelled with the nursery, after the agents' socket has drained: a scrape
-    during the drain still shows it.
+    during the drain still shows it. The TCP port's squatting rule was applied when the
+    config was loaded (daemon/config.py); here it is only logged.
     """
+    socket_path, listen = config.socket, config.listen
     if socket_path:
         try:
             await nursery.start(functools.partial(
@@ -514,7 +510,8 @@ async def _start_metrics(
             raise CliError(f"[metrics] listen {exc}") from None
         host, port = tcp.getsockname()[:2]
         await nursery.start(serve, scrape_routes(registry), tcp, SCRAPE_LIMITS)
-        log_event(_log, "serve.metrics", listen=f"{host}:{port}")
+        log_event(_log, "serve.metrics", listen=address_text(host, port),
+                  holder=config.listen_holder())
 
 
 def _reload(app: ReloadableApplication, env: MutableMapping[str, str], where: str) -> None:

@@ -3,7 +3,9 @@
 Rules:
 - One line per fact, in this order: config (which file, by which rule), daemon (running
   with its pid, or stopped: from the run lock, daemon/state/runlock.py), socket (the configured
-  path: a socket? its mode and owner), token (login and KEK, daemon/probe.py), relay
+  path: a socket? its mode and owner), tcp ([server] listen_tcp and the squatting rule
+  each port is under), metrics ([metrics] listen and its rule), token (login and KEK,
+  daemon/probe.py), relay
   (WebSocket reachable), agents (live / deleted), credentials (active / revoked or
   expired), audit (records and head hash, verified). ``--json`` prints the same facts as
   one JSON object, each fact an object of typed members: always `ok` (bool) and `detail`
@@ -40,9 +42,10 @@ import trio
 
 from buzzwire.contract import printable
 from daemon.cli._common import CliError, config_from_args, print_json_line
-from daemon.cli.check_config import describe, describe_tcp
+from daemon.cli.check_config import describe, describe_metrics, describe_tcp
 from daemon.cli.serve import TCP_NOTE
 from daemon.config import Config, ConfigError, require_relay
+from daemon.loopback_tcp import address_text
 
 HELP = "show whether the daemon runs and whether its token, relay and stores are in order"
 
@@ -147,7 +150,7 @@ def _audit(state_dir: Path) -> Fact:
 
 def _tcp(config: Config, state_dir: Path, running: bool) -> Fact:
     """What the running daemon serves on TCP and why (its note), else the config's rule."""
-    listen = [f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in config.server.listen_tcp]
+    listen = [address_text(h, p) for h, p in config.server.listen_tcp]
     if running:
         try:
             served = (state_dir / TCP_NOTE).read_text(encoding="utf-8").splitlines()
@@ -162,6 +165,15 @@ def _tcp(config: Config, state_dir: Path, running: bool) -> Fact:
                     {"listen": listen})
     return Fact(True, "; ".join(line.removeprefix("tcp: ") for line in rules),
                 {"listen": listen})
+
+
+def _metrics(config: Config) -> Fact:
+    """[metrics] listen and the squatting rule it is under (from the config: the daemon
+    applies the same one at start, and systemd never passes this port)."""
+    listen, line = config.metrics.listen, describe_metrics(config)
+    if listen is None or line is None:
+        return Fact(True, "off ([metrics] listen is empty)")
+    return Fact(True, line.removeprefix("metrics: "), {"listen": address_text(*listen)})
 
 
 def gather(config: Config) -> tuple[dict[str, Fact], bool, bool]:
@@ -188,6 +200,7 @@ def gather(config: Config) -> tuple[dict[str, Fact], bool, bool]:
     facts["socket"] = socket
     all_ok &= socket.ok or not pid
     facts["tcp"] = _tcp(config, state_dir, bool(pid))
+    facts["metrics"] = _metrics(config)
     for check in (check_token_and_kek, check_relay):
         result = trio.run(check, config)
         facts[result.name] = Fact(result.ok, result.detail)

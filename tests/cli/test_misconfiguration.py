@@ -174,8 +174,16 @@ def _tcp_port_taken(s: Setup) -> list[str]:
 
 def _metrics_port_taken(s: Setup) -> list[str]:
     port = s.env.pop("TAKEN_PORT")
-    s.write(metrics={"listen": f"127.0.0.1:{port}"})
+    s.write(metrics={"listen": f"127.0.0.1:{port}", "listen_accept_squatting_risk": True})
     return [f"[metrics] listen 127.0.0.1:{port}: Address already in use"]
+
+
+def _metrics_port_unheld(s: Setup) -> list[str]:
+    port = s.env.pop("TAKEN_PORT")  # any port >= 1024 will do: nobody need hold it
+    path = s.write(metrics={"listen": f"127.0.0.1:{port}"})
+    return [f"config {path}: [metrics] listen 127.0.0.1:{port}: port {port} is not held",
+            "a local user who binds it first answers the scraper and keeps the daemon from "
+            "starting", "listen_accept_squatting_risk = true"]
 
 
 def _second_daemon(s: Setup) -> list[str]:
@@ -225,6 +233,7 @@ CASES = [
     Case("listen-tcp-off-loopback", _tcp_off_loopback, file_fault=True),
     Case("listen-tcp-port-in-use", _tcp_port_taken, check=False),
     Case("metrics-port-in-use", _metrics_port_taken, check=False),
+    Case("metrics-port-unheld", _metrics_port_unheld, file_fault=True),
     Case("two-daemons-one-state-dir", _second_daemon, check=False),
     Case("config-is-a-directory", _config_is_a_directory, file_fault=True),
     Case("config-option-empty", _config_is_empty, file_fault=True),

@@ -411,6 +411,10 @@ def test_metrics_scrape_on_loopback(installed: Installed) -> None:
     placeholders = inst.placeholders
     for secret_ish in (placeholders["<channel-uuid>"], placeholders["<owner-pubkey-hex>"]):
         assert secret_ish not in body
+    # The doc's config opts in to the squatting risk of a port >= 1024; check-config says so.
+    lines = inst.sh("buzz-broker-admin check-config").stdout
+    assert (f"metrics: 127.0.0.1:{inst.metrics_port}: served: unheld: the operator accepted "
+            "the squatting risk (listen_accept_squatting_risk)") in lines, lines
 
 
 def test_tcp_socket_activates_the_service(installed: Installed) -> None:
