@@ -41,6 +41,7 @@ import argparse
 import json
 import pwd
 import re
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -223,9 +224,13 @@ def _store(args: argparse.Namespace) -> "SessionStore":
     try:
         return SessionStore.open(Path(config.state.dir))
     except Exception as exc:  # noqa: BLE001 - an operator needs one line, not a traceback
-        raise CliError(
-            f"cannot open the credential store in {config.state.dir}: {type(exc).__name__}"
-        ) from None
+        # The system's, SQLite's or the store's own reason names a path at most, never a
+        # row; anything else only by its type.
+        reason = (exc.strerror or str(exc) if isinstance(exc, OSError)
+                  else str(exc) if isinstance(exc, (sqlite3.Error, ValueError))
+                  else type(exc).__name__)
+        raise CliError(f"cannot open the credential store in {config.state.dir}: {reason}"
+                       ) from None
 
 
 def _issue(args: argparse.Namespace) -> int:

@@ -218,3 +218,18 @@ def test_list_before_any_credential_creates_nothing(
     assert cli(config, ["list", "--json"]) == 0
     assert capsys.readouterr() == ("", "")
     assert not state.exists()
+
+
+def test_a_store_that_cannot_be_opened_is_named_with_its_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The one line says why (the system's or SQLite's reason), not an exception's type."""
+    state = tmp_path / "state"
+    (state / "sessions.db").mkdir(parents=True)  # a directory where the file should be
+    config = tmp_path / "broker.toml"
+    config.write_text(f'[state]\ndir = "{state}"\n')
+    with pytest.raises(CliError) as refused:
+        cli(config, ["list"])
+    said = str(refused.value)
+    assert "cannot open the credential store" in said and "got a directory" in said, said
+    assert "ValueError" not in said and capsys.readouterr() == ("", "")
