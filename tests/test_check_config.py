@@ -81,6 +81,18 @@ def test_deep_without_a_pin_names_where_it_looked(
     assert deep.stderr.startswith("buzz-broker: check-config --deep: token: no token PIN")
 
 
+def test_a_path_given_to_check_config_is_named_as_such(
+    custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path
+) -> None:
+    token, _state = custody_state
+    path = _config(tmp_path, token, local_relay)
+    done = _run("check-config", str(path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == f"config: {path} (check-config PATH)"
+    given = _run("--config", str(path), "check-config")
+    assert given.stdout.splitlines()[0] == f"config: {path} (--config)"
+
+
 def test_deep_broken_kek_and_broken_relay_each_named(
     custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path,
     softhsm_token: SoftHsmToken,

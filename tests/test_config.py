@@ -540,7 +540,7 @@ def test_check_config_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     risk = ("held by systemd (socket activation) if passed, else unheld: the operator "
             "accepted the squatting risk (listen_tcp_accept_squatting_risk)")
     # EVERY_KEY sets [custody] custodian_socket: the PIN is the custodian's, not read here.
-    assert out == (f"config: {path} (--config)\npin: none here: the custodian holds the keys "
+    assert out == (f"config: {path} (check-config PATH)\npin: none here: the custodian holds the keys "
                    "(/run/bb/custodian.sock; the PIN is its unit's credential)\n"
                    f"tcp: 127.0.0.1:7475: {risk}\ntcp: [::1]:7475: {risk}\n"
                    "tcp: allowed peers: 1000, 1001, group buzz-agents; every credential\n"

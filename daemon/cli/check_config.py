@@ -4,7 +4,7 @@ Rules:
 - Which file: PATH if given, else the global ``--config``, else ``$BUZZ_BROKER_CONFIG``,
   else /etc/buzz-broker/broker.toml if it exists, else the built-in defaults (checked like
   a file). The first line on stdout names what was read and why (``config: <file>
-  (--config)`` or ``config: built-in defaults (no file ...)``); the second where the PIN
+  (check-config PATH)``, ``(--config)``, ... or ``config: built-in defaults (no file ...)``); the second where the PIN
   will come from. No silent default.
 - ``[relay] url`` must be set (there is no default relay): the daemon would refuse to start.
 - Without --deep it checks the file only (a config is often checked on another machine):
@@ -22,6 +22,7 @@ docs/install.md (step 4); tests/test_check_config.py checks them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 import trio
@@ -110,14 +111,16 @@ def describe_metrics(config: Config) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    path = getattr(args, "path", None)
-    if path is None:  # not `or`: an empty PATH is refused, not replaced by the default file
-        path = getattr(args, "config", None)
+    given = getattr(args, "path", None)
+    # not `or`: an empty PATH is refused, not replaced by the default file
+    path = given if given is not None else getattr(args, "config", None)
     try:
         config = load_config(path, os.environ)
         require_relay(config)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
+    if given is not None:  # load_config names a path it is given "--config"
+        config = dataclasses.replace(config, origin="check-config PATH")
     print(describe(config))
     print(describe_pin(config))
     for line in describe_tcp(config):
