@@ -763,7 +763,7 @@ def _check_metrics_port(metrics: MetricsConfig, where: str) -> None:
 
 
 def load_config(path: str | None, environ: Mapping[str, str] = os.environ,
-                *, system_file: str | None = None) -> Config:
+                *, system_file: str | None = None, path_origin: str = "--config") -> Config:
     """Read and check the configuration (precedence: the module docstring).
 
     Args:
@@ -771,6 +771,7 @@ def load_config(path: str | None, environ: Mapping[str, str] = os.environ,
         environ: where ``$BUZZ_BROKER_CONFIG`` and ``$CREDENTIALS_DIRECTORY`` are looked up
             (injectable for tests).
         system_file: the optional system-wide file; `SYSTEM_CONFIG` unless given (tests).
+        path_origin: how `path` was given, for `Config.origin` (``check-config PATH``).
 
     Returns:
         The frozen `Config`; built-in defaults when no file is named and `system_file`
@@ -783,7 +784,7 @@ def load_config(path: str | None, environ: Mapping[str, str] = os.environ,
     if path == "":  # `--config "$UNSET"`: never fall through to another file
         raise ConfigError("--config is empty: give the file's path, or leave --config out")
     if path:
-        chosen, origin = path, "--config"
+        chosen, origin = path, path_origin
     elif environ.get(ENV_VAR):
         chosen, origin = environ[ENV_VAR], f"${ENV_VAR}"
     elif os.path.lexists(system := system_file or SYSTEM_CONFIG):

@@ -22,7 +22,6 @@ docs/install.md (step 4); tests/test_check_config.py checks them.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 
 import trio
@@ -115,12 +114,11 @@ def run(args: argparse.Namespace) -> int:
     # not `or`: an empty PATH is refused, not replaced by the default file
     path = given if given is not None else getattr(args, "config", None)
     try:
-        config = load_config(path, os.environ)
+        config = load_config(path, os.environ, path_origin="--config" if given is None
+                             else "check-config PATH")
         require_relay(config)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
-    if given is not None:  # load_config names a path it is given "--config"
-        config = dataclasses.replace(config, origin="check-config PATH")
     print(describe(config))
     print(describe_pin(config))
     for line in describe_tcp(config):
