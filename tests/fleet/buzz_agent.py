@@ -264,11 +264,9 @@ def _published(kind: int) -> Callable[[Any, Mapping[str, Any]], bool]:
 def _event_shape(event: Any) -> bool:
     if not _exact(event, EVENT_MEMBERS):
         return False
-    ident, pubkey, sig, tags = event["id"], event["pubkey"], event["sig"], event["tags"]
-    # The three hex members in one match: the reader runs for every event of every poll.
-    if not (isinstance(ident, str) and isinstance(pubkey, str) and isinstance(sig, str)
-            and len(ident) == 64 and len(pubkey) == 64 and len(sig) == 128
-            and _HEX.fullmatch(ident + pubkey + sig) is not None
+    tags = event["tags"]
+    if not (_is_hex(event["id"], 64) and _is_hex(event["pubkey"], 64)
+            and _is_hex(event["sig"], 128)
             and _is_int(event["created_at"]) and _is_int(event["kind"])
             and isinstance(event["content"], str) and isinstance(tags, list)):
         return False
