@@ -14,7 +14,8 @@ What it does, as the spec says the runtime does:
   status). One 30 s end-to-end timeout per call. The answer is capped at 2 MiB, plus
   `PER_MESSAGE_ALLOWANCE` × `limit` for `channel.read`; `Content-Length` is checked against
   the cap before a byte of the body is read. Keep-alive connections, a small pool per agent
-  (an HTTP client's pool: one connection per request in flight).
+  (an HTTP client's pool: one connection per request in flight; an idle one the host has
+  closed is dropped, not reused).
   `unix:/path` instead of a URL is an AF_UNIX transport, which Buzz does not have: only so
   the benchmark can drive a host from before the TCP listener (or over its socket) with the
   very same client.
@@ -55,6 +56,7 @@ import itertools
 import json
 import math
 import re
+import select
 import time
 import uuid
 from collections import Counter, OrderedDict
@@ -173,9 +175,19 @@ class Transport:
                 h11.ProtocolError) as exc:
             raise NoAnswer(f"transport:{type(exc).__name__}") from None
 
+    async def _reuse_or_connect(self) -> tuple[trio.abc.Stream, h11.Connection]:
+        # As an HTTP client's pool does (urllib3's is_connection_dropped): an idle
+        # connection that is readable has been closed by the host (or holds bytes nobody
+        # asked for), and a request sent down it would be lost to a race we made.
+        while self._idle:
+            stream, conn = self._idle.pop()
+            if not _readable(stream):
+                return stream, conn
+            await trio.aclose_forcefully(stream)
+        return await self._connect(), h11.Connection(h11.CLIENT)
+
     async def _post(self, body: bytes, cap: int) -> bytes:
-        stream, conn = self._idle.pop() if self._idle else (await self._connect(),
-                                                            h11.Connection(h11.CLIENT))
+        stream, conn = await self._reuse_or_connect()
         reusable = False
         try:
             await stream.send_all(
@@ -218,6 +230,13 @@ class Transport:
         idle, self._idle = self._idle, []
         for stream, _conn in idle:
             await trio.aclose_forcefully(stream)
+
+
+def _readable(stream: trio.abc.Stream) -> bool:
+    """Whether `stream` has something to read now, without reading it."""
+    assert isinstance(stream, trio.SocketStream)
+    readable, _, _ = select.select([stream.socket.fileno()], [], [], 0)
+    return bool(readable)
 
 
 # ------------------------------------------------------------------ the strict reader
