@@ -421,8 +421,10 @@ async def serve(custodian: Custodian, *, inherited: stdsocket.socket | None = No
     """Listen on `custodian.settings.socket` until cancelled; started() once listening.
 
     `inherited`: the listening socket systemd bound (custody/custodian/activation.py); its
-    owner and mode are the socket unit's, and it is neither bound nor removed here."""
+    owner and mode are the socket unit's, and it is neither bound nor removed here; one
+    bound here is removed at the end while the path is still that socket."""
     path = custodian.settings.socket
+    bound: int | None = None
     if inherited is not None:
         sock = trio.socket.from_stdlib_socket(inherited)
     else:
@@ -436,6 +438,7 @@ async def serve(custodian: Custodian, *, inherited: stdsocket.socket | None = No
         finally:
             os.umask(old)
         os.chmod(path, custodian.settings.socket_mode)
+        bound = path.stat().st_ino
     sock.listen(MAX_CONNECTIONS)
     listener = trio.SocketListener(sock)
     active = [0]
@@ -450,3 +453,6 @@ async def serve(custodian: Custodian, *, inherited: stdsocket.socket | None = No
             await trio.serve_listeners(handle, [listener], handler_nursery=nursery)
     finally:
         custodian.log.close()
+        with contextlib.suppress(OSError):
+            if bound is not None and path.stat().st_ino == bound:
+                path.unlink()

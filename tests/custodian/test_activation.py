@@ -70,6 +70,7 @@ def test_the_first_request_starts_the_custodian_on_the_passed_socket(
         assert ok and value is None
     finally:
         terminate_then_kill(proc, 10)
+    assert socket_path.is_socket()  # the unit's socket: a stopping custodian leaves it
 
 
 def test_a_passed_socket_that_is_not_the_configured_one_is_one_line_and_exit_1(
