@@ -1,7 +1,7 @@
 """A Buzz-shaped fleet against the daemon, beside a pinned baseline (issue 24 item 4).
 
     python benchmarks/fleet.py [--agents 16] [--channels 4] [--interval-ms 250]
-                               [--post-rate 10] [--duration 10] [--warmup 3]
+                               [--post-rate 10] [--mention-share 1] [--duration 10] [--warmup 3]
                                [--relay both|null|local] [--procs 2]
                                [--baseline 75ee3f5 | --no-baseline]
                                [--search-max 128 | --no-search] [--search-duration 4]
@@ -29,7 +29,8 @@ What runs (loopback and Unix sockets only, one temporary directory, removed afte
      live signals on a mention), each agent polling all M channels and starting at a random
      phase of the interval; beside them one poster posts --post-rate message.post a second
      (open loop), each mentioning one agent (which then takes a turn: typing.set,
-     observer.emit, liveness.ping);
+     observer.emit, liveness.ping); --mention-share below 1 mentions no one in the other
+     posts, spread evenly (0: the issue's load, posts beside the polls and no turns);
   6. each agent's first calls once before any window (the daemon opens an agent's relay
      connection at its first read); then the fleet runs, and after --warmup s a
      --duration s window is measured;
@@ -308,7 +309,8 @@ def run_fleet(args: argparse.Namespace, served: Served, rows: list[dict[str, str
     procs = [subprocess.Popen(
         [sys.executable, __file__, "--worker", "--agents-file", str(agents_file),
          "--base", served.base, "--slice", f"{i}/{args.procs}", "--interval-ms", str(args.interval_ms),
-         "--post-rate", str(args.post_rate if i == 0 else 0.0)],
+         "--post-rate", str(args.post_rate if i == 0 else 0.0),
+         "--mention-share", str(args.mention_share)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for i in range(args.procs)]
     # A loaded machine takes seconds to start a Python process: the window is set only
     # once every generator has imported everything and is waiting.
@@ -361,6 +363,7 @@ def run_fleet(args: argparse.Namespace, served: Served, rows: list[dict[str, str
     grown = {k: disk1[k] - disk0[k] for k in disk0}
     return {
         "run": label, "agents": n, "channels": len(channels), "interval_ms": args.interval_ms,
+        "post_rate": args.post_rate, "mention_share": args.mention_share,
         "polls_per_s_nominal": round(n * len(channels) / (args.interval_ms / 1000), 1),
         "polls_per_s_scheduled": round(sum(p["scheduled"] for p in parts) / duration, 1),
         "polls_per_s_achieved": round(polls_ok / duration, 1),
@@ -407,9 +410,13 @@ async def worker(args: argparse.Namespace) -> None:
         await agent.run()
 
     async def post_one(i: int) -> None:
-        await poster.call("message.post", {"channelId": channels[i % len(channels)],
-                                           "content": f"fleet post {i}",
-                                           "mentions": [rng.choice(pubkeys)]})
+        # Spread evenly: post i mentions an agent when the running count of mentions due
+        # steps up, so a share of 0.5 is every other post.
+        post: dict[str, Any] = {"channelId": channels[i % len(channels)],
+                                "content": f"fleet post {i}"}
+        if int((i + 1) * args.mention_share) > int(i * args.mention_share):
+            post["mentions"] = [rng.choice(pubkeys)]  # the contract omits an empty array
+        await poster.call("message.post", post)
 
     async def posts(nursery: trio.Nursery) -> None:
         if args.post_rate <= 0:
@@ -578,6 +585,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interval-ms", type=int, default=250,
                         help="poll period (Buzz's default is 1000, its minimum 100)")
     parser.add_argument("--post-rate", type=float, default=10.0, help="message.post per second beside the polls")
+    parser.add_argument("--mention-share", type=float, default=1.0,
+                        help="the share of posts that mention an agent, which then takes a turn "
+                             "(0: posts only, the issue's load; 1: every post starts a turn)")
     parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per run")
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds before the window opens")
     parser.add_argument("--relay", choices=("both", "null", "local"), default="both")
@@ -599,6 +609,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("agents", "channels", "procs", "duration", "search_duration"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if not 0.0 <= args.mention_share <= 1.0:
+        parser.error("--mention-share must be between 0 and 1")
     if args.interval_ms < 100:
         parser.error("--interval-ms: Buzz's runtime polls at most every 100 ms")
     if args.duration > 600 or args.search_max > 4096:
