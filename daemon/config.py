@@ -46,7 +46,7 @@ from urllib.parse import urlsplit
 
 from buzzwire.contract import ACTIONS
 from buzzwire.loopback import LOOPBACK_NAMES, is_loopback_host
-from daemon.loopback_tcp import address_text, port_holder, unprivileged_port_start
+from daemon.loopback_tcp import ListenerKind, address_text
 from daemon.relay.pool import DEFAULT_LIVE_SUBSCRIPTIONS, DEFAULT_RESULT_BYTES, MAX_QUERY_BYTES
 from daemon.relay.windows import DEFAULT_WINDOW_BYTES
 from daemon.relay.protocol import check_relay_url
@@ -77,6 +77,8 @@ __all__ = [
     "WORLD_BITS",
     "TCP_OPT_IN",
     "METRICS_OPT_IN",
+    "ACTION_TCP",
+    "METRICS_TCP",
 ]
 
 #: The environment variable naming the config file when ``--config`` is absent.
@@ -102,6 +104,11 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 #: `port_holder` gives.
 TCP_OPT_IN = "listen_tcp_accept_squatting_risk"
 METRICS_OPT_IN = "listen_accept_squatting_risk"
+#: The two keys the daemon serves loopback TCP for, each with its socket unit and its risk.
+ACTION_TCP = ListenerKind("[server] listen_tcp", TCP_OPT_IN, "buzz-broker-tcp.socket",
+                          "collect the credentials agents send")
+METRICS_TCP = ListenerKind("[metrics] listen", METRICS_OPT_IN, "buzz-broker-metrics.socket",
+                           "answer the scraper with what it likes")
 
 
 class ConfigError(Exception):
@@ -211,16 +218,9 @@ class MetricsConfig:
     #: Loopback (host, port) for a TCP scrape listener; None = off. Every local user can read it.
     listen: tuple[str, int] | None = None
     #: The operator's explicit yes to binding `listen` on a port nobody holds for us (not a
-    #: privileged one; systemd cannot pass one): any local user could bind it first.
+    #: privileged one, not one systemd passed: buzz-broker-metrics.socket): any local user
+    #: could bind it first. Applied at start, as [server] listen_tcp's (daemon/cli/serve.py).
     listen_accept_squatting_risk: bool = False
-
-    def listen_holder(self) -> str | None:
-        """Why `listen` may be served (daemon/loopback_tcp.py's squatting rule); None when
-        it is off or may not be (a loaded config never holds the latter: load refuses it)."""
-        if self.listen is None:
-            return None
-        return port_holder(self.listen[1], held=False,
-                           accept_risk=self.listen_accept_squatting_risk, opt_in=METRICS_OPT_IN)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -740,26 +740,13 @@ def _build(tree: Mapping[str, object], where: str, base: Path | None, source: st
             "name who may connect over TCP (every local user can reach a loopback port)"
         )
     sections = {name: cls(**fields[name]) for name, cls in _SECTIONS.items()}
-    _check_metrics_port(sections["metrics"], where)
-    return Config(**sections, limits=limits, source=source, origin=origin)
-
-
-def _check_metrics_port(metrics: MetricsConfig, where: str) -> None:
-    """[metrics] listen under the squatting rule (daemon/loopback_tcp.py), refused here.
-
-    Why at load and not at start, as [server] listen_tcp is: the daemon binds this port
-    itself (systemd cannot pass a metrics socket: every TCP fd it passes is the action
-    API's), so whether it may be served is known from the file alone, and check-config
-    says it without a start."""
-    if metrics.listen is not None and metrics.listen_holder() is None:
-        host, port = metrics.listen
-        start = unprivileged_port_start()
+    listen, listen_tcp = sections["metrics"].listen, sections["server"].listen_tcp
+    if listen is not None and listen in listen_tcp:
+        # One port cannot be both: a socket systemd passed could serve only one of them.
         raise ConfigError(
-            f"{where}: [metrics] listen {address_text(host, port)}: port {port} is not held "
-            f"for the daemon (it is not below {start}, and systemd cannot pass a metrics "
-            "socket): a local user who binds it first answers the scraper and keeps the "
-            f"daemon from starting; use a port below {start} or [metrics] socket, or set "
-            f"{METRICS_OPT_IN} = true")
+            f"{where}: [metrics] listen: {address_text(*listen)} is in [server] listen_tcp "
+            "too; the metrics need a port of their own")
+    return Config(**sections, limits=limits, source=source, origin=origin)
 
 
 def load_config(path: str | None, environ: Mapping[str, str] = os.environ,

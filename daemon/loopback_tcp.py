@@ -12,8 +12,7 @@ API there too, under these rules (docs/configuration.md, docs/install.md):
   ``net.ipv4.ip_unprivileged_port_start`` (1024 unless lowered: binding one needs
   privilege), or the operator's explicit ``listen_tcp_accept_squatting_risk = true``.
   ``[metrics] listen`` is under the same rule with its own opt-in,
-  ``listen_accept_squatting_risk``; systemd cannot pass a metrics socket, so only the
-  privileged port or the opt-in can let it be served (daemon/config.py refuses the rest).
+  ``listen_accept_squatting_risk``, and its own socket unit (`ListenerKind`: one per key).
 - **Who.** The peer's uid comes from the kernel (daemon/tcp_peer.py); it must be in
   ``tcp_allow_uids`` or a member (primary or supplementary) of a group in
   ``tcp_allow_groups``. An unknown uid is refused. Checked before a byte is read.
@@ -54,6 +53,7 @@ __all__ = [
     "PRIVILEGED_PORT",
     "operator_accepted",
     "address_text",
+    "ListenerKind",
 ]
 
 #: Why a port may be served (what `serve.tcp`, `check-config` and `status` print).
@@ -102,6 +102,42 @@ def address_text(host: str, port: int) -> str:
 def operator_accepted(opt_in: str) -> str:
     """Why a port nobody holds may be served: the operator set `opt_in` (the key's name)."""
     return f"unheld: the operator accepted the squatting risk ({opt_in})"
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerKind:
+    """A config key whose loopback TCP addresses the daemon serves, and what its squatting
+    rule says about them (daemon/config.py has one per key)."""
+
+    #: the key as the config names it, e.g. ``[server] listen_tcp``
+    key: str
+    #: the key in the same section whose ``true`` accepts the risk of an unheld port
+    opt_in: str
+    #: the socket unit that holds the key's ports under systemd
+    unit: str
+    #: what a local user who bound the port first could do
+    risk: str
+
+    def holder(self, port: int, *, held: bool, accept_risk: bool) -> str | None:
+        """`port_holder` under this key's opt-in."""
+        return port_holder(port, held=held, accept_risk=accept_risk, opt_in=self.opt_in)
+
+    def refusal(self, host: str, port: int) -> str:
+        """Why `serve` refuses an address systemd did not pass and nothing else allows."""
+        return (f"{self.key} {address_text(host, port)}: port {port} is not held for the "
+                f"daemon (systemd did not pass it, and any local user may bind it first and "
+                f"{self.risk}); let {self.unit} hold it, or set {self.opt_in} = true")
+
+    def rule(self, port: int, *, accept_risk: bool) -> str:
+        """What `check-config` says of a port before the start: whether systemd holds it
+        is known only then (the fd it passes), so each case is spelled out."""
+        unheld = self.holder(port, held=False, accept_risk=accept_risk)
+        if unheld is None:
+            return (f"served only if systemd passes it ({self.unit}); otherwise serve "
+                    "refuses it: any local user could bind it first")
+        if unheld == PRIVILEGED_PORT:
+            return f"served: {PRIVILEGED_PORT}"
+        return f"{HELD_BY_SYSTEMD} if passed, else {unheld}"
 
 
 def port_holder(port: int, *, held: bool, accept_risk: bool, opt_in: str) -> str | None:

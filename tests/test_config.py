@@ -544,8 +544,8 @@ def test_check_config_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
                    "(/run/bb/custodian.sock; the PIN is its unit's credential)\n"
                    f"tcp: 127.0.0.1:7475: {risk}\ntcp: [::1]:7475: {risk}\n"
                    "tcp: allowed peers: 1000, 1001, group buzz-agents; every credential\n"
-                   "metrics: [::1]:9464: served: unheld: the operator accepted the squatting "
-                   "risk (listen_accept_squatting_risk)\nok\n")
+                   f"metrics: [::1]:9464: {risk.replace('listen_tcp_accept', 'listen_accept')}"
+                   "\nok\n")
 
 
 def test_check_config_error_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -629,44 +629,44 @@ def test_listen_tcp_needs_someone_allowed(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- [metrics] listen
 
 
-#: What the refusal of an unheld metrics port must say: the key, the risk in its own
-#: words, and the way out.
-METRICS_REFUSAL = ("[metrics] listen 127.0.0.1:9464: port 9464 is not held for the daemon",
-                   "a local user who binds it first answers the scraper and keeps the "
-                   "daemon from starting", "listen_accept_squatting_risk = true")
+#: [metrics] listen -> the rule check-config names for it: the same as listen_tcp's,
+#: with its own opt-in and socket unit (serve applies it: tests/test_tcp_listener.py).
+METRICS_RULES = {
+    'listen = "127.0.0.1:9464"\n':
+        "metrics: 127.0.0.1:9464: served only if systemd passes it "
+        "(buzz-broker-metrics.socket); otherwise serve refuses it: any local user could bind "
+        "it first",
+    'listen = "127.0.0.1:9464"\nlisten_accept_squatting_risk = true\n':
+        "metrics: 127.0.0.1:9464: held by systemd (socket activation) if passed, else "
+        "unheld: the operator accepted the squatting risk (listen_accept_squatting_risk)",
+    'listen = "[::1]:947"\n':
+        "metrics: [::1]:947: served: a privileged port (only root can bind it first)",
+}
 
 
-def test_metrics_listen_on_an_unprivileged_port_needs_the_opt_in(tmp_path: Path) -> None:
-    """The squatting rule of [server] listen_tcp holds for [metrics] listen: a port any user
-    may bind (systemd cannot pass a metrics socket) is refused at load, one line naming the
-    file, the key and the risk; `listen_accept_squatting_risk = true` lets it load."""
-    path = write(tmp_path, '[metrics]\nlisten = "127.0.0.1:9464"\n')
-    with pytest.raises(ConfigError) as info:
+def test_metrics_listen_is_under_the_squatting_rule_of_listen_tcp(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A port any user may bind loads (systemd may hold it: buzz-broker-metrics.socket) and
+    check-config says which rule it is under, as for [server] listen_tcp."""
+    for i, (metrics, line) in enumerate(METRICS_RULES.items()):
+        code, out, err = _check_metrics(tmp_path, capsys, metrics, f"m{i}.toml")
+        assert code == 0 and err == "" and f"\n{line}\n" in out, (metrics, out, err)
+
+
+def test_metrics_opt_in_without_listen_is_harmless(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _check_metrics(tmp_path, capsys, "listen_accept_squatting_risk = true\n")
+    assert code == 0 and "metrics:" not in out
+
+
+def test_metrics_listen_needs_a_port_of_its_own(tmp_path: Path) -> None:
+    """One passed socket could serve only one of them: the same address in [server]
+    listen_tcp and [metrics] listen is refused at load."""
+    path = write(tmp_path, '[server]\nlisten_tcp = ["127.0.0.1:7475"]\ntcp_allow_uids = [0]\n'
+                           '[metrics]\nlisten = "127.0.0.1:7475"\n')
+    with pytest.raises(ConfigError, match=r"\[metrics\] listen: 127\.0\.0\.1:7475 is in "
+                                          r"\[server\] listen_tcp too"):
         load_config(path, environ={})
-    line = str(info.value)
-    assert "\n" not in line and line.startswith(f"config {path}: ")
-    for part in METRICS_REFUSAL:
-        assert part in line, (part, line)
-
-    accepted = load_config(write(tmp_path, '[metrics]\nlisten = "127.0.0.1:9464"\n'
-                                 "listen_accept_squatting_risk = true\n"), environ={})
-    assert accepted.metrics.listen == ("127.0.0.1", 9464)
-    assert accepted.metrics.listen_holder() == (
-        "unheld: the operator accepted the squatting risk (listen_accept_squatting_risk)")
-
-
-def test_metrics_listen_on_a_privileged_port_needs_no_opt_in(tmp_path: Path) -> None:
-    """Below the kernel's unprivileged start (1024) only root can bind the port first."""
-    from daemon.loopback_tcp import PRIVILEGED_PORT
-
-    config = load_config(write(tmp_path, '[metrics]\nlisten = "[::1]:947"\n'), environ={})
-    assert config.metrics.listen_holder() == PRIVILEGED_PORT
-
-
-def test_metrics_opt_in_without_listen_is_harmless(tmp_path: Path) -> None:
-    config = load_config(write(tmp_path, "[metrics]\nlisten_accept_squatting_risk = true\n"),
-                         environ={})
-    assert config.metrics.listen is None and config.metrics.listen_holder() is None
 
 
 def _check_metrics(tmp_path: Path, capsys: pytest.CaptureFixture[str], metrics: str,
@@ -678,18 +678,3 @@ def _check_metrics(tmp_path: Path, capsys: pytest.CaptureFixture[str], metrics: 
     return code, out, err
 
 
-def test_check_config_refuses_an_unheld_metrics_port(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = _check_metrics(tmp_path, capsys, 'listen = "127.0.0.1:9464"\n')
-    assert code == 1 and out == "" and err.count("\n") == 1 and "Traceback" not in err
-    for part in METRICS_REFUSAL:
-        assert part in err, (part, err)
-
-
-def test_check_config_names_the_metrics_rule(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _check_metrics(tmp_path, capsys, 'listen = "127.0.0.1:947"\n')
-    assert code == 0 and ("metrics: 127.0.0.1:947: served: a privileged port (only root can "
-                          "bind it first)\n") in out
-    code, out, _ = _check_metrics(tmp_path, capsys, 'socket = "m.sock"\n', "off.toml")
-    assert code == 0 and "metrics:" not in out

@@ -89,6 +89,11 @@ def test_status_running_then_stopped(custody_state: tuple[TokenConfig, Path], lo
         assert "null" not in running.stdout
         assert (facts["running"], facts["ok"], facts["exit"]) == (True, True, 0)
         assert credential.stdout.strip() not in running.stdout
+        # What the running daemon serves [metrics] listen under (its note, as for tcp).
+        unheld = "unheld: the operator accepted the squatting risk (listen_accept_squatting_risk)"
+        assert facts["metrics"] == {"ok": True, "listen": metrics,
+                                    "serving": f"{metrics} ({unheld})",
+                                    "detail": f"serving {metrics} ({unheld})"}
         text = _cli(config, "status")
         assert re.search(rf"^daemon: +running \(pid {daemon.pid}\)$", text.stdout, re.M)
     finally:
@@ -105,10 +110,9 @@ def test_status_running_then_stopped(custody_state: tuple[TokenConfig, Path], lo
                                "path": str(socket_path), "exists": False}
     assert facts["agents"]["live"] == 1  # the stores are read without the daemon
     assert facts["token"]["detail"].startswith("logged in")
-    # Which squatting rule [metrics] listen is under, as for listen_tcp.
+    # Stopped: which squatting rule [metrics] listen will be under, as for listen_tcp.
     assert facts["metrics"] == {"ok": True, "listen": metrics, "detail": (
-        f"{metrics}: served: unheld: the operator accepted the squatting risk "
-        "(listen_accept_squatting_risk)")}
+        f"{metrics}: held by systemd (socket activation) if passed, else {unheld}")}
 
 
 def test_status_with_a_broken_relay_is_degraded_not_a_crash(

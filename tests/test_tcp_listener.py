@@ -35,10 +35,11 @@ from custody import TokenConfig
 from daemon.cli._common import CliError
 from daemon.cli import serve as serve_cli
 from daemon.cli.check_config import describe_tcp
-from daemon.config import load_config
+from daemon.cli.serve import METRICS_NOTE
+from daemon.config import METRICS_TCP, load_config
 from daemon.http import (HttpAnswer, HttpLimits, HttpRequest, action_routes, bind_tcp_socket,
                          bind_unix_socket, serve)
-from daemon.loopback_tcp import MEMBERSHIP_TTL, AdmissionGate, TcpAdmission
+from daemon.loopback_tcp import HELD_BY_SYSTEMD, MEMBERSHIP_TTL, AdmissionGate, TcpAdmission
 from daemon.metrics import SCRAPE_LIMITS, Metrics, scrape_routes
 from daemon.state.audit import AUDIT_DIRNAME, audit_files
 from daemon.state.sessions import SessionStore
@@ -368,20 +369,39 @@ def test_check_config_names_each_rule(sockdir: str) -> None:
     assert "uid-bound credentials only" in lines[2]
 
 
-#: A service manager by hand: the Unix socket to fd 3, the TCP one to fd 4, LISTEN_FDS=2.
+#: A service manager by hand: the descriptors named before the config path to fds 3, 4, ...
+#: (the Unix socket first), LISTEN_FDS their count. The app has a metrics registry, so
+#: [metrics] listen is served as the broker's is.
 ACTIVATED = """
 import functools, os, sys
-os.dup2(int(sys.argv[1]), 3); os.dup2(int(sys.argv[2]), 4)
-os.environ["LISTEN_PID"] = str(os.getpid()); os.environ["LISTEN_FDS"] = "2"
+fds = sys.argv[1:-1]
+for at, fd in enumerate(fds, start=3):
+    os.dup2(int(fd), at)
+os.environ["LISTEN_PID"] = str(os.getpid()); os.environ["LISTEN_FDS"] = str(len(fds))
 import trio
 from daemon.config import load_config
 from daemon.log import setup_logging
+from daemon.metrics import Metrics
 from daemon.cli.serve import run_server
 from tests.test_serve import FakeApp, fake_factory, no_lock
-config = load_config(sys.argv[3])
+app = FakeApp()
+app.metrics = Metrics(actions=("message.post",))
+config = load_config(sys.argv[-1])
 setup_logging(config.log.level)
-sys.exit(trio.run(functools.partial(run_server, config, fake_factory(FakeApp()), memory_lock=no_lock)))
+sys.exit(trio.run(functools.partial(run_server, config, fake_factory(app), memory_lock=no_lock)))
 """
+
+
+def _activated(sockdir: str, config: Path, *tcp: socket.socket) -> subprocess.Popen[bytes]:
+    """`serve` as systemd starts it, with the agents' socket and `tcp` passed."""
+    unix = bind_unix_socket(os.path.join(sockdir, "activated.sock"))
+    passed = (unix, *tcp)
+    env = {k: v for k, v in os.environ.items() if k != "BUZZ_BROKER_CONFIG"}
+    with unix:
+        return subprocess.Popen(
+            [sys.executable, "-c", ACTIVATED, *(str(s.fileno()) for s in passed), str(config)],
+            pass_fds=tuple(s.fileno() for s in passed), cwd=ROOT, env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 @pytest.mark.parametrize("listed", [True, False])
@@ -389,24 +409,20 @@ def test_socket_activated_tcp_port_is_held(sockdir: str, listed: bool) -> None:
     """A TCP socket systemd passes is held for us: served without the opt-in, under the
     per-credential cap. One the config does not list is refused with one line (the config
     says whether TCP is on)."""
-    unix = bind_unix_socket(os.path.join(sockdir, "activated.sock"))
     tcp = bind_tcp_socket("127.0.0.1", 0)
     port = tcp.getsockname()[1]
     # One connection per credential: the daemon applies [server]
     # max_connections_per_credential to its TCP listener.
     path = tcp_config(sockdir, f'listen_tcp = ["127.0.0.1:{port}"]\n'
                                "max_connections_per_credential = 1" if listed else "")
-    env = {k: v for k, v in os.environ.items() if k != "BUZZ_BROKER_CONFIG"}
-    with unix, tcp:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", ACTIVATED, str(unix.fileno()), str(tcp.fileno()), str(path)],
-            pass_fds=(unix.fileno(), tcp.fileno()), cwd=ROOT, env=env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    with tcp:
+        proc = _activated(sockdir, path, tcp)
     try:
         if not listed:
             assert proc.wait(timeout=20) != 0
             assert proc.stderr is not None
-            assert b"that [server] listen_tcp does not list" in proc.stderr.read()
+            assert (b"that neither [server] listen_tcp nor [metrics] listen names"
+                    in proc.stderr.read())
             return
         with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
             client.sendall(http_request(port, b'{"x":1}', "tok"))
@@ -420,6 +436,51 @@ def test_socket_activated_tcp_port_is_held(sockdir: str, listed: bool) -> None:
     assert proc.stderr is not None
     log = proc.stderr.read().decode()
     assert "held by systemd" in log
+
+
+def test_socket_activated_metrics_port_is_held(sockdir: str) -> None:
+    """buzz-broker-metrics.socket: the TCP socket systemd passes on [metrics] listen's
+    address is the scrape listener (told apart from listen_tcp's by address), served as held
+    by systemd without the opt-in, beside an action API port passed with it."""
+    action, scrape = bind_tcp_socket("127.0.0.1", 0), bind_tcp_socket("127.0.0.1", 0)
+    port, metrics_port = action.getsockname()[1], scrape.getsockname()[1]
+    path = tcp_config(sockdir, f'listen_tcp = ["127.0.0.1:{port}"]\n'
+                               f'[metrics]\nlisten = "127.0.0.1:{metrics_port}"')
+    with action, scrape:
+        proc = _activated(sockdir, path, scrape, action)
+    try:
+        with socket.create_connection(("127.0.0.1", metrics_port), timeout=10) as client:
+            client.sendall(f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{metrics_port}\r\n"
+                           "Connection: close\r\n\r\n".encode())
+            answer = b"".join(iter(lambda: client.recv(65536), b""))
+        assert answer.startswith(b"HTTP/1.1 200 ") and b"buzz_broker_build_info" in answer
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+            client.sendall(http_request(port, b'{"x":1}', "tok"))
+            assert client.recv(65536).startswith(b"HTTP/1.1 200 ")
+        state = Path(sockdir) / "state"
+        note = (state / METRICS_NOTE).read_text()
+        assert note == f"127.0.0.1:{metrics_port} ({HELD_BY_SYSTEMD})\n", note
+    finally:
+        terminate_then_kill(proc, 20)
+    assert proc.stderr is not None
+    log = proc.stderr.read().decode()
+    assert f"127.0.0.1:{metrics_port} ({HELD_BY_SYSTEMD})" in log, log[-2000:]  # serve.metrics
+    assert not (state / METRICS_NOTE).exists()
+
+
+async def test_unheld_metrics_port_refused_without_opt_in(sockdir: str) -> None:
+    """[metrics] listen on a port >= 1024 that systemd did not pass: serve refuses it, one
+    line naming the key, the risk and both ways out, before the app opens (as listen_tcp's)."""
+    port = free_port()
+    config = load_config(str(tcp_config(sockdir, f'[metrics]\nlisten = "127.0.0.1:{port}"')),
+                         environ={})
+    app = FakeApp()
+    with pytest.raises(CliError) as info:
+        await serve_cli.run_server(config, fake_factory(app), environ={}, memory_lock=no_lock)
+    assert str(info.value) == METRICS_TCP.refusal("127.0.0.1", port)
+    assert "answer the scraper" in str(info.value) and "buzz-broker-metrics.socket" in str(info.value)
+    assert not app.opened
+    assert not os.path.exists(config.server.socket), "the socket bound first is gone again"
 
 
 class _Echo:

@@ -27,9 +27,9 @@ import os
 import trio
 
 from daemon.cli._common import CliError
-from daemon.loopback_tcp import HELD_BY_SYSTEMD, PRIVILEGED_PORT, address_text, port_holder
-from daemon.config import (SYSTEM_CONFIG, TCP_OPT_IN, Config, ConfigError, load_config,
-                           require_relay)
+from daemon.loopback_tcp import address_text
+from daemon.config import (ACTION_TCP, METRICS_TCP, SYSTEM_CONFIG, Config, ConfigError,
+                           load_config, require_relay)
 
 HELP = "validate a configuration; --deep also logs in to the token and reaches the relay"
 
@@ -77,20 +77,9 @@ def describe_tcp(config: Config) -> list[str]:
     server = config.server
     if not server.listen_tcp:
         return []
-    lines = []
-    for host, port in server.listen_tcp:
-        where = address_text(host, port)
-        unheld = port_holder(port, held=False,
-                             accept_risk=server.listen_tcp_accept_squatting_risk,
-                             opt_in=TCP_OPT_IN)
-        if unheld is None:
-            rule = ("served only if systemd passes it (buzz-broker-tcp.socket); otherwise "
-                    "serve refuses it: any local user could bind it first")
-        elif unheld == PRIVILEGED_PORT:
-            rule = f"served: {PRIVILEGED_PORT}"
-        else:
-            rule = f"{HELD_BY_SYSTEMD} if passed, else {unheld}"
-        lines.append(f"tcp: {where}: {rule}")
+    lines = [f"tcp: {address_text(host, port)}: "
+             f"{ACTION_TCP.rule(port, accept_risk=server.listen_tcp_accept_squatting_risk)}"
+             for host, port in server.listen_tcp]
     who = sorted(map(str, server.tcp_allow_uids)) + sorted(f"group {g}"
                                                           for g in server.tcp_allow_groups)
     creds = ("every credential" if server.tcp_allow_credentials_without_uid
@@ -100,13 +89,13 @@ def describe_tcp(config: Config) -> list[str]:
 
 
 def describe_metrics(config: Config) -> str | None:
-    """The ``metrics:`` line for [metrics] listen (None when it is off): the squatting rule
-    it is served under. A loaded config has one (load refuses a port with none), and
-    systemd never passes this port, so unlike ``tcp:`` there is no case to spell out."""
+    """The ``metrics:`` line for [metrics] listen (None when it is off): its squatting
+    rule, each case spelled out as for ``tcp:`` (buzz-broker-metrics.socket may hold it)."""
     metrics = config.metrics
     if metrics.listen is None:
         return None
-    return f"metrics: {address_text(*metrics.listen)}: served: {metrics.listen_holder()}"
+    rule = METRICS_TCP.rule(metrics.listen[1], accept_risk=metrics.listen_accept_squatting_risk)
+    return f"metrics: {address_text(*metrics.listen)}: {rule}"
 
 
 def run(args: argparse.Namespace) -> int:

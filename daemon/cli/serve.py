@@ -6,12 +6,15 @@ Startup, in order (each fault is one line on stderr and a non-zero exit, no trac
    JSON logging on stderr at [log] level;
 2. lock memory with ``mlockall(MCL_CURRENT|MCL_FUTURE|MCL_ONFAULT)`` so unsealed keys are
    never swapped out - only where it is safe (below), else a warning and carry on;
-3. take the listening socket: the one systemd passed (``LISTEN_FDS``/``LISTEN_PID``, fd 3)
-   or bind [server] socket. Binding comes before the token: clients that connect early
-   wait in the backlog, and a socket fault is reported before a slow token login;
+3. take the listening sockets: those systemd passed (``LISTEN_FDS``/``LISTEN_PID``, from
+   fd 3: the agents' Unix socket, and TCP ones told apart by address, [server] listen_tcp's
+   or [metrics] listen's) or bind [server] socket, then the TCP addresses systemd did not
+   pass, under the squatting rule (`tcp_listeners`). Binding comes before the token:
+   clients that connect early wait in the backlog, and a socket fault is reported before a
+   slow token login;
 4. open the application (`daemon.wiring.running`: custody logs into the token and
    finds the KEK, the stores and the relay pool open) - `StartupError` is one line;
-5. bind the [metrics] socket and/or listen address (if set; a taken one is one line),
+5. bind the [metrics] socket (if set; a taken one is one line),
    serve HTTP on every socket with `daemon.http.serve` (agents: `action_routes`; metrics:
    `daemon.metrics.scrape_routes` under its `SCRAPE_LIMITS`), then send ``READY=1`` and a
    ``STATUS=`` line; ping ``WATCHDOG=1`` from the event loop at half of
@@ -72,9 +75,9 @@ import trio
 
 from daemon import notify
 from daemon.cli._common import CliError, config_from_args
-from daemon.config import (TCP_OPT_IN, Config, ConfigError, MetricsConfig, ServerConfig,
-                           load_config, require_relay)
-from daemon.loopback_tcp import AdmissionGate, TcpAdmission, address_text, port_holder
+from daemon.config import (ACTION_TCP, METRICS_TCP, Config, ConfigError, load_config,
+                           require_relay)
+from daemon.loopback_tcp import AdmissionGate, ListenerKind, TcpAdmission, address_text
 from daemon.http import (
     HttpAnswer,
     HttpLimits,
@@ -202,10 +205,12 @@ def _activated_sockets(fds: list[int]) -> tuple[socket.socket, dict[tuple[str, i
 #: may be served, for `status` (which never connects to the daemon). Removed at exit; a
 #: daemon that died leaves it, and `status` reads it only while the run lock is held.
 TCP_NOTE = "serve.tcp"
+#: The same for the [metrics] listen port: one line, or no file.
+METRICS_NOTE = "serve.metrics"
 
 
-def _write_tcp_note(state_dir: str, lines: list[str]) -> None:
-    path = os.path.join(state_dir, TCP_NOTE)
+def _write_tcp_note(state_dir: str, name: str, lines: list[str]) -> None:
+    path = os.path.join(state_dir, name)
     try:
         if not lines:
             os.unlink(path)
@@ -218,51 +223,62 @@ def _write_tcp_note(state_dir: str, lines: list[str]) -> None:
         pass  # only `status` reads it; serving does not depend on it
 
 
-def tcp_listeners(server: ServerConfig, passed: dict[tuple[str, int], socket.socket]
-                  ) -> list[tuple[socket.socket, str]]:
-    """The action API's TCP listeners: each [server] listen_tcp address, with why it may
-    be served (daemon/loopback_tcp.py).
+#: A TCP listener ready to serve, and the line that says why its port may be served.
+Listener = tuple[socket.socket, str]
+
+
+def _listener(kind: ListenerKind, host: str, port: int, passed: dict[tuple[str, int], socket.socket],
+              accept_risk: bool) -> Listener:
+    """The socket systemd passed for the address, else one bound here under the squatting
+    rule (daemon/loopback_tcp.py); taken out of `passed`."""
+    held = passed.pop((host, port), None)
+    why = kind.holder(port, held=held is not None, accept_risk=accept_risk)
+    if why is None:
+        raise CliError(kind.refusal(host, port))
+    if held is None:
+        try:
+            held = bind_tcp_socket(host, port)
+        except ListenError as exc:  # its text begins with the address
+            raise CliError(f"{kind.key} {exc}") from None
+    return held, f"{address_text(*held.getsockname()[:2])} ({why})"
+
+
+def tcp_listeners(config: Config, passed: dict[tuple[str, int], socket.socket]
+                  ) -> tuple[list[Listener], Listener | None]:
+    """The action API's TCP listeners (each [server] listen_tcp address) and the metrics
+    one ([metrics] listen), each with why it may be served.
 
     The config is the source of truth for *whether* an address is served; under systemd the
-    unit (buzz-broker-tcp.socket) is the one that binds it, so the two must agree: a passed
-    TCP socket the config does not list is refused, and a listed address systemd did not
-    pass is bound here, under the squatting rule.
+    units (buzz-broker-tcp.socket, buzz-broker-metrics.socket) are what bind them, told
+    apart by address: a passed TCP socket the config does not name is refused, and a named
+    address systemd did not pass is bound here, under the squatting rule.
 
     Raises:
-        CliError: a passed socket not in listen_tcp, an unheld port without the operator's
-            opt-in, or a port that cannot be bound. Sockets opened so far are closed.
+        CliError: a passed socket the config does not name, an unheld port without the
+            operator's opt-in, or a port that cannot be bound. Sockets opened so far, and
+            every passed one, are closed.
     """
-    listeners: list[tuple[socket.socket, str]] = []
+    server, metrics = config.server, config.metrics
+    named = {*server.listen_tcp, *([metrics.listen] if metrics.listen else [])}
+    listeners: list[Listener] = []
     try:
         for host, port in passed:
-            if (host, port) not in server.listen_tcp:
+            if (host, port) not in named:
                 raise CliError(f"systemd passed a TCP socket on {address_text(host, port)} that "
-                               "[server] listen_tcp does not list; list it, or remove it "
-                               "from buzz-broker-tcp.socket")
+                               "neither [server] listen_tcp nor [metrics] listen names; name "
+                               "it, or remove it from its socket unit")
         for host, port in server.listen_tcp:
-            held = passed.get((host, port))
-            why = port_holder(port, held=held is not None,
-                              accept_risk=server.listen_tcp_accept_squatting_risk,
-                              opt_in=TCP_OPT_IN)
-            if why is None:
-                raise CliError(
-                    f"[server] listen_tcp {address_text(host, port)}: port {port} is not held for "
-                    "the daemon (systemd did not pass it, and any local user may bind it "
-                    "first and collect the credentials agents send); let "
-                    f"buzz-broker-tcp.socket hold it, or set {TCP_OPT_IN} = true")
-            if held is None:
-                try:
-                    held = bind_tcp_socket(host, port)
-                except ListenError as exc:
-                    raise CliError(f"[server] listen_tcp {exc}") from None
-            listeners.append((held, f"{address_text(*held.getsockname()[:2])} ({why})"))
+            listeners.append(_listener(ACTION_TCP, host, port, passed,
+                                       server.listen_tcp_accept_squatting_risk))
+        scrape = None if metrics.listen is None else _listener(
+            METRICS_TCP, *metrics.listen, passed, metrics.listen_accept_squatting_risk)
     except BaseException:
         for sock, _ in listeners:
             sock.close()
         for sock in passed.values():
             sock.close()
         raise
-    return listeners
+    return listeners, scrape
 
 
 def _send(environ: MutableMapping[str, str], *lines: str) -> None:
@@ -348,15 +364,17 @@ async def _run_locked(
     bound_inode = os.stat(bound_path).st_ino if bound_path else None
     log_event(_log, "serve.listening", socket=where, activated=bool(fds))
     try:
-        tcp = tcp_listeners(server, passed)
+        tcp, scrape = tcp_listeners(config, passed)
     except CliError:
         raw.close()
         if bound_path is not None:
             unlink_if_ours(bound_path, bound_inode)
         raise
+    held = [*tcp, *([scrape] if scrape else [])]
     for _sock, described in tcp:
         log_event(_log, "serve.tcp", listen=described)
-    _write_tcp_note(config.state.dir, [described for _sock, described in tcp])
+    _write_tcp_note(config.state.dir, TCP_NOTE, [described for _sock, described in tcp])
+    _write_tcp_note(config.state.dir, METRICS_NOTE, [scrape[1]] if scrape else [])
     limits = HttpLimits(
         max_connections=server.max_connections,
         max_connections_per_uid=server.max_connections_per_uid,
@@ -370,7 +388,7 @@ async def _run_locked(
         watchdog = notify.watchdog_interval(env)
     except ValueError as exc:
         raw.close()
-        for sock, _ in tcp:
+        for sock, _ in held:
             sock.close()
         raise CliError(f"watchdog: {exc}") from None
     admission = TcpAdmission(server.tcp_allow_uids, server.tcp_allow_groups)
@@ -379,13 +397,14 @@ async def _run_locked(
         _send(env, notify.status("opening the token, the stores and the relay pool"))
         async with app_factory(config) as app:
             await _serve_until_signalled(app, raw, limits, env, watchdog, where, started_at,
-                                         task_status, config.metrics, tcp, admission,
-                                         server.max_connections_per_credential)
+                                         task_status, config.metrics.socket, scrape, tcp,
+                                         admission, server.max_connections_per_credential)
     finally:
         raw.close()
-        for sock, _ in tcp:
+        for sock, _ in held:
             sock.close()
-        _write_tcp_note(config.state.dir, [])
+        _write_tcp_note(config.state.dir, TCP_NOTE, [])
+        _write_tcp_note(config.state.dir, METRICS_NOTE, [])
         if bound_path is not None:
             unlink_if_ours(bound_path, bound_inode)
     log_event(_log, "serve.stopped")
@@ -401,8 +420,9 @@ async def _serve_until_signalled(
     where: str,
     started_at: float,
     task_status: trio.TaskStatus[ServerControl],
-    metrics_config: MetricsConfig | None = None,
-    tcp: list[tuple[socket.socket, str]] | None = None,
+    metrics_socket: str | None = None,
+    scrape: Listener | None = None,
+    tcp: list[Listener] | None = None,
     admission: TcpAdmission | None = None,
     per_credential: int | None = None,
 ) -> None:
@@ -434,8 +454,8 @@ async def _serve_until_signalled(
                             task_status=task_status)
                 nursery.cancel_scope.cancel()  # drained: stop the watchdog and signal tasks
 
-            if metrics is not None and metrics_config is not None:
-                await _start_metrics(nursery, metrics, metrics_config)
+            if metrics is not None:
+                await _start_metrics(nursery, metrics, metrics_socket, scrape)
 
             tcp_controls: list[ServerControl] = []
             gate = AdmissionGate(admission) if admission is not None else _nobody
@@ -486,16 +506,16 @@ async def _nobody(_uid: int | None) -> bool:
 async def _start_metrics(
     nursery: trio.Nursery,
     registry: Metrics,
-    config: MetricsConfig,
+    socket_path: str | None,
+    scrape: Listener | None,
 ) -> None:
     """The configured metrics listeners, served by `daemon.http.serve` in `nursery`.
 
-    Both are bound before READY=1, so a taken path or port fails the start with one line.
+    Both are bound before READY=1, so a taken path or port fails the start with one line
+    (the TCP one in `tcp_listeners`, under its squatting rule, with the action API's).
     They are cancelled with the nursery, after the agents' socket has drained: a scrape
-    during the drain still shows it. The TCP port's squatting rule was applied when the
-    config was loaded (daemon/config.py); here it is only logged.
+    during the drain still shows it.
     """
-    socket_path, listen = config.socket, config.listen
     if socket_path:
         try:
             await nursery.start(functools.partial(
@@ -503,15 +523,10 @@ async def _start_metrics(
         except ListenError as exc:  # its text begins with the path
             raise CliError(f"[metrics] socket {exc}") from None
         log_event(_log, "serve.metrics", socket=socket_path)
-    if listen is not None:
-        try:
-            tcp = bind_tcp_socket(*listen)
-        except ListenError as exc:  # the port is taken: "<host>:<port>: <reason>"
-            raise CliError(f"[metrics] listen {exc}") from None
-        host, port = tcp.getsockname()[:2]
-        await nursery.start(serve, scrape_routes(registry), tcp, SCRAPE_LIMITS)
-        log_event(_log, "serve.metrics", listen=address_text(host, port),
-                  holder=config.listen_holder())
+    if scrape is not None:
+        sock, described = scrape
+        await nursery.start(serve, scrape_routes(registry), sock, SCRAPE_LIMITS)
+        log_event(_log, "serve.metrics", listen=described)
 
 
 def _reload(app: ReloadableApplication, env: MutableMapping[str, str], where: str) -> None:

@@ -43,7 +43,7 @@ import trio
 from buzzwire.contract import printable
 from daemon.cli._common import CliError, config_from_args, print_json_line
 from daemon.cli.check_config import describe, describe_metrics, describe_tcp
-from daemon.cli.serve import TCP_NOTE
+from daemon.cli.serve import METRICS_NOTE, TCP_NOTE
 from daemon.config import Config, ConfigError, require_relay
 from daemon.loopback_tcp import address_text
 
@@ -167,13 +167,21 @@ def _tcp(config: Config, state_dir: Path, running: bool) -> Fact:
                 {"listen": listen})
 
 
-def _metrics(config: Config) -> Fact:
-    """[metrics] listen and the squatting rule it is under (from the config: the daemon
-    applies the same one at start, and systemd never passes this port)."""
+def _metrics(config: Config, state_dir: Path, running: bool) -> Fact:
+    """[metrics] listen: what the running daemon serves it under (its note), else the
+    config's rule, as for `tcp`."""
     listen, line = config.metrics.listen, describe_metrics(config)
     if listen is None or line is None:
         return Fact(True, "off ([metrics] listen is empty)")
-    return Fact(True, line.removeprefix("metrics: "), {"listen": address_text(*listen)})
+    facts = {"listen": address_text(*listen)}
+    if running:
+        try:
+            served = (state_dir / METRICS_NOTE).read_text(encoding="utf-8").strip()
+        except OSError:
+            served = ""
+        if served:
+            return Fact(True, f"serving {served}", {**facts, "serving": served})
+    return Fact(True, line.removeprefix("metrics: "), facts)
 
 
 def gather(config: Config) -> tuple[dict[str, Fact], bool, bool]:
@@ -200,7 +208,7 @@ def gather(config: Config) -> tuple[dict[str, Fact], bool, bool]:
     facts["socket"] = socket
     all_ok &= socket.ok or not pid
     facts["tcp"] = _tcp(config, state_dir, bool(pid))
-    facts["metrics"] = _metrics(config)
+    facts["metrics"] = _metrics(config, state_dir, bool(pid))
     for check in (check_token_and_kek, check_relay):
         result = trio.run(check, config)
         facts[result.name] = Fact(result.ok, result.detail)

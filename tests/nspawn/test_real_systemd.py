@@ -78,6 +78,8 @@ TEST_ONLY = {
                     f"metrics port instead of {DOC_METRICS.split(':')[1]} (shared network)",
     "tcp-port": f"the guest's copy of buzz-broker-tcp.socket and the doc's {DOC_TCP} get a "
                 "free port instead (shared network)",
+    "metrics-port": "the guest's copy of buzz-broker-metrics.socket gets the doc's moved "
+                    f"metrics port instead of {DOC_METRICS.split(':')[1]} (shared network)",
     "reboot": "buzz-custodian.service stopped before step 7, its socket kept (as after a "
               "reboot: step 6's commands started it), so the first request activates both",
     "watchdog": "a drop-in buzz-broker.service.d/test-watchdog.conf with WatchdogSec=3s",
@@ -245,6 +247,9 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
                "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
         inst = Installed(guest, placeholders, metrics_port, {}, env)
         _copy_checkout(guest.root)
+        # TEST_ONLY["metrics-port"]: the unit step 2 installs listens on the moved port.
+        inst.sh(f"sed -i 's/^ListenStream={DOC_METRICS}$/ListenStream=127.0.0.1:{metrics_port}/' "
+                "/opt/buzz-broker/src/systemd/buzz-broker-metrics.socket")
         for user in (AGENT, SECOND_AGENT, OUTSIDER):
             inst.sh(f"useradd --create-home --shell /bin/bash {user}")
         for step in STEPS[:STEPS.index("start")]:
@@ -411,10 +416,15 @@ def test_metrics_scrape_on_loopback(installed: Installed) -> None:
     placeholders = inst.placeholders
     for secret_ish in (placeholders["<channel-uuid>"], placeholders["<owner-pubkey-hex>"]):
         assert secret_ish not in body
-    # The doc's config opts in to the squatting risk of a port >= 1024; check-config says so.
+    # buzz-broker-metrics.socket holds the port (no opt-in in the doc's config): the daemon
+    # serves it as held by systemd, and check-config says what each case does.
+    assert inst.show("ActiveState", "buzz-broker-metrics.socket") == "active"
+    status = inst.sh("buzz-broker-admin status").stdout
+    assert re.search(rf"^metrics:\s+serving 127\.0\.0\.1:{inst.metrics_port} \(held by "
+                     r"systemd \(socket activation\)\)$", status, re.M), status
     lines = inst.sh("buzz-broker-admin check-config").stdout
-    assert (f"metrics: 127.0.0.1:{inst.metrics_port}: served: unheld: the operator accepted "
-            "the squatting risk (listen_accept_squatting_risk)") in lines, lines
+    assert (f"metrics: 127.0.0.1:{inst.metrics_port}: served only if systemd passes it "
+            "(buzz-broker-metrics.socket)") in lines, lines
 
 
 def test_tcp_socket_activates_the_service(installed: Installed) -> None:
