@@ -267,12 +267,17 @@ async def _sweep_forever(ledger: Ledger, metrics: Metrics) -> None:
 
 
 async def _flush_last_use_forever(sessions: SessionStore) -> None:
-    # Last use is noted in memory per request and written here (daemon/state/sessions: no
-    # write per request); `SessionStore.close` writes the rest at shutdown.
+    # Last use is noted in memory per request and written here, in a worker thread: the
+    # commit's fsync, or a wait behind another writer, must not stop every request
+    # (daemon/state/sessions). `SessionStore.close` writes the rest at shutdown.
     while True:
         await trio.sleep(LAST_USE_FLUSH_SECONDS)
+        noted = sessions.take_last_use()
+        if not noted:
+            continue
         try:
-            sessions.flush_last_use()
-        except sqlite3.Error as exc:
+            await trio.to_thread.run_sync(sessions.write_last_use, noted)
+        except (OSError, sqlite3.Error) as exc:
+            sessions.keep_last_use(noted)
             log_event(_log, "sessions.last_use_unwritten", level=logging.WARNING,
                       error=type(exc).__name__, detail=str(exc))

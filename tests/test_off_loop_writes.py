@@ -7,17 +7,22 @@ the daemon in this process (real token, real LocalRelay, real socket) by recordi
 thread each write ran in, for every path that makes one: agents.create (the runtime, after
 publishing), agents.update with only a new runtime (written by the operation itself),
 agents.update with a new name and runtime (after publishing), and agents.delete (the
-revocation). Then each write is checked to have happened.
+revocation). Then each write is checked to have happened. And the minute's last-use write,
+with the database locked by another writer: the loop goes on answering while it waits.
 """
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
+from daemon import wiring
 from daemon.state.runtimes import RuntimeStore
 from daemon.state.sessions import SessionStore
 from tests.fixtures.broker import BrokerHarness
@@ -66,3 +71,61 @@ async def test_runtime_and_revocation_writes_run_in_worker_threads(
     # The revocation, written on another connection, holds from the next request on.
     refused = await broker.call(kid_cred, "storage.address", {"slug": "core"})
     assert (refused["status"], refused["error"]["code"]) == ("failed", "unauthenticated")
+
+
+async def test_last_use_is_written_in_a_worker_thread_and_a_locked_database_stops_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The minute's last-use write commits with an fsync, and waits up to the busy timeout
+    # behind another writer (here an operator's sqlite3 holding the write lock). On the
+    # loop, that wait stopped every connection; now the loop goes on serving meanwhile.
+    store = SessionStore.open(tmp_path)
+    _, token = store.issue(agent="ab" * 32, channels=frozenset({str(uuid.uuid4())}),
+                           actions=frozenset({"channel.read"}), ttl_seconds=None, uid=None,
+                           now=1_800_000_000)
+    loop_thread = threading.get_ident()
+    entered = threading.Event()
+    threads: list[bool] = []
+    real_write = SessionStore.write_last_use
+
+    def write_spy(self: SessionStore, noted: dict[str, int]) -> None:
+        threads.append(threading.get_ident() == loop_thread)
+        entered.set()
+        real_write(self, noted)
+
+    monkeypatch.setattr(SessionStore, "write_last_use", write_spy)
+    monkeypatch.setattr(wiring, "LAST_USE_FLUSH_SECONDS", 0.01)
+    holder = sqlite3.connect(tmp_path / "sessions.db", isolation_level=None)
+    reader = sqlite3.connect(tmp_path / "sessions.db", isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        assert store.authenticate(f"Bearer {token}", None, 1_800_000_001) is not None
+        with trio.fail_after(30):  # a hang guard, not a measurement
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wiring._flush_last_use_forever, store)
+                while not entered.is_set():
+                    await trio.sleep(0.01)
+                # The write waits on the lock in its thread; the loop answers requests.
+                for _ in range(10):
+                    assert store.authenticate(f"Bearer {token}", None,
+                                              1_800_000_002) is not None
+                    await trio.sleep(0.01)
+                assert reader.execute("SELECT last_used_at FROM credentials"
+                                      ).fetchall() == [(None,)]
+                holder.execute("COMMIT")
+                while reader.execute("SELECT last_used_at FROM credentials"
+                                     ).fetchall() != [(1_800_000_001,)]:
+                    await trio.sleep(0.01)
+                nursery.cancel_scope.cancel()
+        assert threads and not any(threads), threads
+    finally:
+        holder.close()
+        reader.close()
+        store.close()
+    # What the loop noted while the write waited is written at close.
+    check = sqlite3.connect(tmp_path / "sessions.db")
+    try:
+        assert check.execute("SELECT last_used_at FROM credentials").fetchall() == [
+            (1_800_000_002,)]
+    finally:
+        check.close()

@@ -29,20 +29,31 @@ Rules (spec I2 "Authority comes from the session"; issue 4):
 Theory of operation — how the daemon sees credentials the CLI issued or revoked:
 the daemon keeps every unrevoked credential in memory, keyed by token hash. Before each
 lookup of a well-formed token it asks SQLite for `PRAGMA data_version`, which changes
-whenever another connection (the `credential` CLI) has committed to the database; a change
-reloads the table. So a newly issued credential works on its first request and a
-revocation takes effect on the very next request, without SIGHUP. The check reads
-SQLite's WAL index in shared memory (no disk read, no fsync). `reload()` (SIGHUP) forces
-the same reload; issue/revoke in this process reload too, because a connection's own
-commits do not move its data_version.
+whenever another connection (the `credential` CLI) has committed to the database; a
+commit that changed a credential reloads the table (below). So a newly issued credential
+works on its first request and a revocation takes effect on the very next request,
+without SIGHUP. The check reads SQLite's WAL index in shared memory (no disk read, no
+fsync). `reload()` (SIGHUP) forces the same reload; issue/revoke in this process reload
+too, because a connection's own commits do not move its data_version.
+
+A moved data_version reloads only when a credential changed: the `generation` row,
+which triggers in the database itself count up on every insert and delete of a
+credential and every update of any of its columns but `last_used_at`
+(`GENERATION_COLUMNS`), whoever writes it and whatever its version. So a write of last
+use alone, on another connection, costs the daemon one read of that row, not a reload of
+the table (20 ms per thousand credentials on the event loop, measured). This process's
+own writes leave its generation behind, which costs at most one reload later, never a
+missed change.
 
 Last use (issue 13, `credential list`): `authenticate` notes the second a credential was
-last used in a dict (no I/O per request). `flush_last_use()` writes the noted seconds in
-one transaction on this connection, so the daemon's own write does not move its
-data_version and trigger a reload; the daemon calls it every `LAST_USE_FLUSH_SECONDS` and
-at shutdown. A crash loses at most that much of last-use history, never a credential or a
-revocation. The alternative, a durable write per request, would put an fsync on every
-request's path for a number only an operator reads.
+last used in a dict (no I/O per request). The daemon takes the noted seconds every
+`LAST_USE_FLUSH_SECONDS` (`take_last_use`) and writes them in one transaction on a
+connection of its own, in a worker thread (`write_last_use`): that commit's fsync, and a
+wait of up to the busy timeout behind another writer, never hold the event loop. A
+failed write puts them back for the next flush (`keep_last_use`). `close()` writes the
+rest at shutdown. A crash loses at most a minute of last-use history, never a credential
+or a revocation. The alternative, a durable write per request, would put an fsync on
+every request's path for a number only an operator reads.
 
 Labels: an optional operator note (`--label`), printable, at most `MAX_LABEL_CHARS`; it
 is shown by `credential list` and is never a secret.
@@ -74,6 +85,7 @@ __all__ = [
     "AuthCause",
     "Refused",
     "LAST_USE_FLUSH_SECONDS",
+    "GENERATION_COLUMNS",
     "MAX_LABEL_CHARS",
     "check_label",
     "Principal",
@@ -226,6 +238,23 @@ _COLUMNS = (
     " label, last_used_at"
 )
 
+#: The columns whose update moves `generation` (module docstring): all but last use.
+GENERATION_COLUMNS: Final = tuple(
+    name for name in ("token_sha256", *(c.strip() for c in _COLUMNS.split(",")))
+    if name != "last_used_at"
+)
+#: The generation row and its triggers. Not in `_SCHEMA`: open_private_db splits that on
+#: ";", which a trigger's body contains. Idempotent; `_upgrade` runs it on every open.
+_GENERATION_DDL: Final = (
+    "CREATE TABLE IF NOT EXISTS generation"
+    " (id INTEGER PRIMARY KEY CHECK (id = 0), value INTEGER NOT NULL)",
+    "INSERT OR IGNORE INTO generation (id, value) VALUES (0, 0)",
+    *(f"CREATE TRIGGER IF NOT EXISTS credentials_{name} AFTER {event} ON credentials"
+      " BEGIN UPDATE generation SET value = value + 1 WHERE id = 0; END"
+      for name, event in (("inserted", "INSERT"), ("deleted", "DELETE"),
+                          ("changed", f"UPDATE OF {', '.join(GENERATION_COLUMNS)}"))),
+)
+
 
 def _token_hash(token: str) -> bytes:
     # The one place a presented token is hashed; tests count calls to prove that
@@ -251,7 +280,8 @@ def _parse_authorization_unverified(header_value: str | None) -> str | None:
 
 
 def _upgrade(conn: sqlite3.Connection) -> None:
-    """Add the columns an older sessions.db lacks (nothing is rewritten)."""
+    """Add the columns and the generation row an older sessions.db lacks (nothing is
+    rewritten)."""
     present = {str(row[1]) for row in conn.execute("PRAGMA table_info(credentials)")}
     for name, kind in _ADDED_COLUMNS:
         if name not in present:
@@ -261,6 +291,32 @@ def _upgrade(conn: sqlite3.Connection) -> None:
                 # Another process (the CLI beside the daemon) added it first.
                 if "duplicate column" not in str(exc):
                     raise
+    # After the columns: the trigger names them. One transaction, so no opener sees the
+    # row without its triggers.
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for statement in _GENERATION_DDL:
+            conn.execute(statement)
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def _write_last_use(conn: sqlite3.Connection, noted: dict[str, int]) -> None:
+    # Never moves a last use back: a CLI or an older flush may have written a later one.
+    conn.execute("BEGIN")
+    try:
+        conn.executemany(
+            "UPDATE credentials SET last_used_at = ? WHERE credential_id = ?"
+            " AND (last_used_at IS NULL OR last_used_at < ?)",
+            [(at, cid, at) for cid, at in noted.items()],
+        )
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
 
 
 def check_label(label: str | None) -> None:
@@ -325,6 +381,7 @@ class SessionStore:
         #: token sha256 -> credential id, for every revoked credential (module docstring)
         self._revoked: dict[bytes, str] = {}
         self._data_version: int | None = None
+        self._generation: int | None = None
         #: credential_id -> last second it authenticated, not yet written
         self._last_used: dict[str, int] = {}
         _upgrade(conn)
@@ -350,36 +407,55 @@ class SessionStore:
             self._conn.close()
 
     def flush_last_use(self) -> int:
-        """Write every noted last-use second in one transaction. Returns how many rows.
+        """Write every noted last-use second in one transaction on this store's own
+        connection, here and now (blocking: shutdown, tests). Returns how many rows.
 
         On a database error the noted seconds are kept for the next flush and the error is
         raised (the caller logs it; requests go on).
         """
-        if not self._last_used:
+        noted = self.take_last_use()
+        if not noted:
             return 0
-        noted, self._last_used = self._last_used, {}
         try:
-            self._conn.execute("BEGIN")
-            self._conn.executemany(
-                "UPDATE credentials SET last_used_at = ? WHERE credential_id = ?"
-                " AND (last_used_at IS NULL OR last_used_at < ?)",
-                [(at, cid, at) for cid, at in noted.items()],
-            )
-            self._conn.execute("COMMIT")
+            _write_last_use(self._conn, noted)
         except sqlite3.Error:
-            if self._conn.in_transaction:
-                self._conn.execute("ROLLBACK")
-            for cid, at in noted.items():
-                self._last_used[cid] = max(at, self._last_used.get(cid, at))
+            self.keep_last_use(noted)
             raise
         return len(noted)
+
+    def take_last_use(self) -> dict[str, int]:
+        """The noted last-use seconds, now no longer held here (for `write_last_use`)."""
+        noted, self._last_used = self._last_used, {}
+        return noted
+
+    def keep_last_use(self, noted: dict[str, int]) -> None:
+        """Hold `noted` again after a failed write; a later use of the same credential,
+        noted meanwhile, wins."""
+        for cid, at in noted.items():
+            self._last_used[cid] = max(at, self._last_used.get(cid, at))
+
+    def write_last_use(self, noted: dict[str, int]) -> None:
+        """Write `noted` on a connection of its own (module docstring): safe to call from
+        a worker thread while the event loop goes on using this store.
+
+        Raises:
+            OSError / sqlite3.Error: the write failed; nothing of `noted` is written.
+        """
+        writer = open_private_db(self._path, "")
+        try:
+            _write_last_use(writer, noted)
+        finally:
+            writer.close()
 
     # -- the daemon's side ------------------------------------------------------------
 
     def reload(self) -> None:
         """Re-read every credential (SIGHUP, or another process committed): the unrevoked
         ones whole, the revoked ones as hash and id."""
-        self._data_version = int(self._conn.execute("PRAGMA data_version").fetchone()[0])
+        # The version, then the generation, then the rows: a commit between any two is
+        # seen by the next request's check.
+        self._data_version = self._version()
+        self._generation = self._current_generation()
         rows = self._conn.execute(f"SELECT token_sha256, {_COLUMNS} FROM credentials").fetchall()
         active: dict[bytes, _Active] = {}
         revoked: dict[bytes, str] = {}
@@ -404,10 +480,22 @@ class SessionStore:
         self._active = active
         self._revoked = revoked
 
+    def _version(self) -> int:
+        return int(self._conn.execute("PRAGMA data_version").fetchone()[0])
+
+    def _current_generation(self) -> int:
+        return int(self._conn.execute("SELECT value FROM generation WHERE id = 0").fetchone()[0])
+
     def _refresh_if_changed(self) -> None:
-        version = int(self._conn.execute("PRAGMA data_version").fetchone()[0])
-        if version != self._data_version:
+        version = self._version()
+        if version == self._data_version:
+            return
+        # Another connection committed: a credential (the CLI), or only last use.
+        generation = self._current_generation()
+        if generation != self._generation:
             self.reload()
+        else:
+            self._data_version = version
 
     def authenticate(
         self, header_value: str | None, peer_uid: int | None, now: int,
@@ -609,10 +697,11 @@ class SessionStore:
         Blocking (a commit's fsync): the daemon calls it from a worker thread, never on the
         event loop (issue 22, L6). So it writes on a connection of its own, opened in that
         thread, and leaves this store's connection and its in-memory table to the loop:
-        sharing them would let the loop's `flush_last_use` transaction swallow (and a
-        rollback undo) the revocation, and the loop's reads wait on the thread's fsync.
-        The write moves this connection's data_version, so the very next `authenticate`
-        reloads and the revocation holds from the next request on, as for the CLI's.
+        sharing them would let a transaction of the loop's (`flush_last_use` at close)
+        swallow (and a rollback undo) the revocation, and the loop's reads wait on the
+        thread's fsync. The write moves this connection's data_version and the
+        generation, so the very next `authenticate` reloads and the revocation holds from
+        the next request on, as for the CLI's.
         """
         at = int(time.time()) if now is None else now
         writer = open_private_db(self._path, "")
