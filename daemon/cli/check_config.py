@@ -11,7 +11,7 @@ Rules:
   ``ok`` last on stdout, exit 0; or the one-line `ConfigError` on stderr, exit 1.
 - With --deep it also logs in to the token, finds and checks the KEK, opens a
   WebSocket to the relay, and checks that this user can make files in the state directory
-  (daemon/probe.py), one line each; any failure is the one-line
+  (daemon/cli/_probe.py), one line each; any failure is the one-line
   error on stderr (naming the step) and exit 1. Run it as the daemon runs (the
   `buzz-broker-admin` wrapper), so the PIN credential and the token files are its own.
 
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     if (metrics := describe_metrics(config)) is not None:
         print(metrics)
     if getattr(args, "deep", False):
-        from daemon.probe import check_relay, check_state, check_token_and_kek
+        from daemon.cli._probe import check_relay, check_state, check_token_and_kek
 
         for check in (check_token_and_kek, check_relay, check_state):
             result = trio.run(check, config)

@@ -5,7 +5,7 @@ Rules:
   with its pid, or stopped: from the run lock, daemon/state/runlock.py), socket (the configured
   path: a socket? its mode and owner), tcp ([server] listen_tcp and the squatting rule
   each port is under), metrics ([metrics] listen and its rule), token (login and KEK,
-  daemon/probe.py), relay
+  daemon/cli/_probe.py), relay
   (WebSocket reachable), agents (live / deleted), credentials (active / revoked or
   expired), audit (records and head hash, verified). ``--json`` prints the same facts as
   one JSON object, each fact an object of typed members: always `ok` (bool) and `detail`
@@ -186,7 +186,7 @@ def _metrics(config: Config, state_dir: Path, running: bool) -> Fact:
 
 def gather(config: Config) -> tuple[dict[str, Fact], bool, bool]:
     """The facts by name, whether the daemon runs, whether every check passed."""
-    from daemon.probe import check_relay, check_token_and_kek
+    from daemon.cli._probe import check_relay, check_token_and_kek
     from daemon.state.runlock import running_pid
 
     state_dir = Path(config.state.dir)

@@ -11,7 +11,7 @@ Rules:
   closes it: the relay is reachable and speaks WebSocket. It sends no event and no AUTH
   (no agent key is touched), so a relay that refuses unauthenticated REQs still passes.
 - The state check is `serve`'s first step without its lock: as root, a state directory
-  another user owns is refused (`daemon.cli._common.refuse_foreign_state`, the rule every
+  another user owns is refused (`_common.refuse_foreign_state`, the rule every
   state command keeps); else the user running the check must be able to create a file in
   it (one is made and removed at once: the real answer, whatever permission bits,
   capabilities or mounts say), or, where it does not exist yet, in the directory `serve`
@@ -31,6 +31,7 @@ from pathlib import Path
 import trio
 import trio_websocket
 
+from daemon.cli._common import CliError, refuse_foreign_state
 from daemon.config import Config
 
 __all__ = ["Check", "check_token_and_kek", "check_relay", "check_state"]
@@ -119,8 +120,6 @@ def _user() -> str:
 
 async def check_state(config: Config) -> Check:
     """Could `serve`, run as this user, make its files in ``[state] dir``? (module docstring)"""
-    from daemon.cli._common import CliError, refuse_foreign_state
-
     directory = Path(config.state.dir)
     try:
         refuse_foreign_state(config)
