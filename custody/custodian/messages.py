@@ -229,6 +229,14 @@ def _no_float(text: str) -> object:
     raise BadMessage("no floats in the table")
 
 
+def _int_literal(text: str) -> int:
+    # Every number of the table fits 64 bits (20 characters with a sign). Longer is named
+    # here: int() past 4,300 digits raises a ValueError, which would read as "not JSON".
+    if len(text) > 20:
+        raise BadMessage("a number past 64 bits")
+    return int(text)
+
+
 #: Values and member names in one frame at most, counted before it is parsed: a parsed
 #: value costs up to ~72 bytes (an empty object, 3 bytes of frame: one frame of them took
 #: 600 MiB). The largest request, a backup of MAX_BACKUP_NAMES names, has 7 a name.
@@ -252,7 +260,8 @@ def _parse(body: bytes | bytearray) -> dict[str, object]:
         raise BadMessage(f"more than {MAX_VALUES} values in one frame")
     try:
         value = json.loads(body.decode("utf-8"), object_pairs_hook=_no_duplicates,
-                           parse_constant=_no_constant, parse_float=_no_float)
+                           parse_constant=_no_constant, parse_float=_no_float,
+                           parse_int=_int_literal)
     except BadMessage:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError):

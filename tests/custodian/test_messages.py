@@ -63,6 +63,15 @@ def test_a_frame_that_breaks_the_table_is_bad_message(body: bytes) -> None:
         messages.decode_request(body)
 
 
+@pytest.mark.parametrize("digits", [21, 4_301, 100_000])
+def test_a_number_past_64_bits_is_named_as_such(digits: int) -> None:
+    body = json.dumps({"v": 2, "op": "sign_auth",
+                       "args": {**GOOD["sign_auth"], "created_at": "@"}})
+    body = body.replace('"@"', "9" * digits)
+    with pytest.raises(messages.BadMessage, match="a number past 64 bits"):
+        messages.decode_request(body.encode())
+
+
 @pytest.mark.parametrize(("escaped", "text"), [
     ("\\ud800", False), ("\\udfff", False), ("x\\ud83d", False), ("\\ude00\\ud83d", False),
     ("\\ud83d\\ude00", True),  # a pair: one astral character, which is text
