@@ -7,7 +7,9 @@ Rules (README "How a request is judged", steps 7 and 8):
   refusals are counted: daemon/state/refusal_audit.py), except a read that ran: it has no
   effects, so it leaves no ledger record and the audit log counts it per credential and
   window (daemon/state/read_audit.py, issue 24). Every answer, recorded or not, is one
-  `verdict` log line and one request in the metrics.
+  request in the metrics and one `verdict` log line, but for reads (`_is_read`): at
+  any level above debug, a read's line is one a minute per (action, status, code), then
+  a `suppressed` count, as the audit log counts them.
 - No audit, no answer: a verdict with no side effects whose audit record cannot be
   written becomes `failed` + `internal` (a known no-op). Once the relay was asked
   (`Judged.published`), the verdict stands whatever the audit log can still record: the
@@ -154,6 +156,20 @@ def keeping(facts: Facts, judged: Judged, progress: Progress, short_seconds: int
     return Keeping(None, None, True)
 
 
+def _is_read(action: str | None) -> bool:
+    """An action with no effects (channel.read, storage.address, storage.get).
+
+    Why its verdict lines are bounded: a fleet of Buzz's runtimes polls every channel
+    every second (256 reads/s for 64 agents of 4 channels), and a line each was 22
+    million journal lines a day, past journald's per-unit rate limit (10,000 lines in
+    30 s by default; past it the unit's lines are dropped wholesale, audit.head anchors
+    and errors too), rotating the rest of the journal away. `level = "debug"` shows
+    every one.
+    """
+    spec = ACTIONS.get(action) if action is not None else None
+    return spec is not None and not spec.publishing
+
+
 class Recorder:
     """Writes verdicts (module docstring). One per daemon; the pipeline owns it."""
 
@@ -173,6 +189,8 @@ class Recorder:
         # included. Per cause (the peer's uid), one line a minute, then a count.
         self.unvouched = FaultLog(_log, "verdict", level=logging.INFO)
         self.uncorrelated_log = FaultLog(_log, "request.uncorrelated", level=logging.INFO)
+        #: Reads' verdict lines (`_is_read`); causes are (action, status, code), a few.
+        self.read_lines = FaultLog(_log, "verdict", level=logging.INFO)
 
     async def intent(self, facts: Facts, event_ids: tuple[str, ...]) -> bool:
         """The audit intent record, before the pending record; False when it cannot be."""
@@ -308,6 +326,8 @@ class Recorder:
             self.unvouched.record(
                 ("unauthenticated", peer_uid, unvouched.cause, unvouched.credential_id),
                 peer_uid=peer_uid, **shown)
+        elif _is_read(action) and not _log.isEnabledFor(logging.DEBUG):
+            self.read_lines.record((action, judged.status, judged.code), **shown)
         else:
             log_event(_log, "verdict", level=logging.INFO, **shown)
         self._metrics.request(action, judged.status.value,

@@ -190,12 +190,48 @@ async def test_unauthenticated_and_uncorrelated_lines_are_rate_bounded(
     assert events.count("verdict") == 1 and events.count("request.uncorrelated") == 1, events
     recorder = broker.app._recorder  # white box: every one of them was still counted
     assert recorder.unvouched.total == 50 and recorder.uncorrelated_log.total == 50
-    # An authenticated request's verdict line is not bounded.
+    # An authenticated action with effects has a verdict line each.
     agent = await broker.human_owned_agent()
-    cred = broker.credential(agent, [str(uuid.uuid4())])
-    for _ in range(3):
-        assert (await broker.call(cred, "storage.address", {"slug": "mem/x"}))["status"] == (
+    channel = str(uuid.uuid4())
+    cred = broker.credential(agent, [channel])
+    for n in range(3):
+        assert (await broker.call(cred, "message.post", {"channelId": channel,
+                                                          "content": f"p{n}"}))["status"] == (
             "succeeded")
     events = [r.getMessage() for r in caplog.records
               if r.name.startswith("buzz_broker")]
     assert events.count("verdict") == 4
+
+
+async def test_reads_verdict_lines_are_one_a_minute_per_outcome_above_debug(
+    broker: BrokerHarness, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A fleet's polls (256 reads/s) were a journal line each: past journald's rate
+    limit, which then drops the unit's lines wholesale. Above debug, a read's verdict line
+    is one a minute per (action, status, code); at debug, every one."""
+    agent = await broker.human_owned_agent()
+    channel = str(uuid.uuid4())
+    cred = broker.credential(agent, [channel])
+
+    async def lines(n: int) -> list[dict[str, object]]:
+        caplog.clear()
+        for _ in range(n):
+            for action, args in (("storage.address", {"slug": "mem/x"}),
+                                 ("channel.read", {"channelId": channel, "limit": 5}),
+                                 ("storage.get", {"slug": "mem/none"})):
+                assert (await broker.call(cred, action, args))["status"] == "succeeded"
+            refused = await broker.call(cred, "channel.read",
+                                        {"channelId": channel, "cursor": "not-a-cursor"})
+            assert refused["error"]["code"] == "invalid_request"
+        return [r.buzz_fields for r in caplog.records  # type: ignore[attr-defined]
+                if r.name.startswith("buzz_broker") and r.getMessage() == "verdict"]
+
+    caplog.set_level(logging.INFO, logger="buzz_broker")
+    shown = await lines(20)
+    # One line per outcome: three reads that succeeded and one refused, the first of each.
+    assert sorted((f["action"], f["status"]) for f in shown) == [
+        ("channel.read", "failed"), ("channel.read", "succeeded"),
+        ("storage.address", "succeeded"), ("storage.get", "succeeded")], shown
+    assert broker.app._recorder.read_lines.total == 80  # white box: every one was counted
+    caplog.set_level(logging.DEBUG, logger="buzz_broker.recorder")
+    assert len(await lines(5)) == 20
