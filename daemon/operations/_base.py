@@ -28,6 +28,7 @@ from daemon.pipeline.pending import Cleanup
 
 if TYPE_CHECKING:
     from daemon.config import PolicyConfig
+    from daemon.operations.channel_read import ReadLog
     from daemon.pipeline.observer import ObserverIntake
     from daemon.pipeline.policy import Authorized
     from daemon.relay.cursor import CursorCodec
@@ -100,6 +101,8 @@ class Context:
     #: itself. For an operation marked serialize_per_agent they were resolved under the
     #: requester's and the target's locks, which stay held until its events are published.
     authorized: Authorized
+    #: what reads log, one for the daemon: rate-bounded (daemon/operations/channel_read.py)
+    read_log: ReadLog
     #: the host's own record of each managed agent's runtime (never published)
     runtimes: RuntimeStore | None = None
     #: Names a key just minted in the public directory (pubkey, name, creator), off the

@@ -30,7 +30,7 @@ Decisions (each documented here because Buzz leaves them to the host):
   canonical members (contract `Event`), a valid id and BIP-340 signature, then in the
   order of `_CHECKS` the channel's `h` tag and no other `h` tag, and a match with the
   filter asked. A failing event is dropped and logged (event id and the check's name; no
-  content) and never counted in the page. The first two are shared process-wide
+  content; `ReadLog`) and never counted in the page. The first two are shared process-wide
   (`_JudgedCache`): a fleet's agents each receive the same event on their own
   connections, and an exact copy of an event already judged is not judged again.
 
@@ -41,6 +41,12 @@ Decisions (each documented here because Buzz leaves them to the host):
   opens the window with an ordinary cold read; a cursor read inside the window is
   answered from it, one that continues from its bottom is read from the relay and kept
   by the window; reads with a thread or a larger limit always go to the relay, as before.
+
+* What a read logs goes through the daemon's one `ReadLog` (`Context.read_log`): one line
+  a minute per event and cause, then a count. A relay that is down, refuses, garbles or
+  sends bad events does so to every poll of a fleet (256 reads a second), and a cursor
+  an agent forges is refused as often as it likes: a line each was a flood of the
+  journal (the same reason as the verdict lines', daemon/pipeline/recorder.py).
 
 WARNING: the filters built by `_base_filters` may only use the members
 `daemon.relay.paging.matches` implements.
@@ -67,13 +73,12 @@ from buzzwire.contract import (
 )
 from daemon.relay.cursor import CursorScope, InvalidCursor, Position
 from daemon.fault_log import FaultLog
-from daemon.log import log_event
 from daemon.operations._base import Context
 from daemon.relay.paging import RELAY_MAX_LIMIT, Page, RelayMisbehaved, matches, read_page
 from daemon.relay.pool import RelayRefused, RelayUnavailable
 from daemon.relay.windows import Served, WindowCache, WindowKey
 
-__all__ = ["ACTION", "DROP_LINES", "MAX_PAGE_BYTES", "READ_KINDS", "execute"]
+__all__ = ["ACTION", "DROP_LINES", "MAX_PAGE_BYTES", "READ_KINDS", "ReadLog", "execute"]
 
 ACTION = "channel.read"
 #: Channel message kinds read (buzz-on-the-relay.md "Channels": 9 stream message,
@@ -117,25 +122,53 @@ def _base_filters(args: ChannelReadArgs, requester: str) -> list[dict[str, objec
     return [{**base, "#e": [args.root_event_id]}, {**base, "ids": [args.root_event_id]}]
 
 
-#: Dropped events one judge logs one line each (a read's, or a window's for its life);
-#: past them, one line a minute with the count of the rest (`FaultLog`'s "other").
+#: Causes each event of `ReadLog` keeps apart (the relay's reasons are its own text);
+#: past them, one line a minute for the rest (`FaultLog`'s "other").
 DROP_LINES = 16
+
+#: What reads log, at what level: every line a read writes is one of these.
+_LINES: Mapping[str, int] = {
+    "read.event_dropped": logging.WARNING,
+    "read.relay_unavailable": logging.WARNING,
+    "read.relay_refused": logging.WARNING,
+    "read.relay_garbled": logging.WARNING,
+    "read.second_overflow": logging.WARNING,
+    "read.malformed_items": logging.WARNING,
+    "read.page_cut": logging.INFO,
+    "read.cursor_refused": logging.INFO,
+}
+
+
+class ReadLog:
+    """The daemon's lines about reads (module docstring): per event of `_LINES`, one line
+    a minute per cause, the next carrying how many were not shown. One per daemon."""
+
+    __slots__ = ("_logs",)
+
+    def __init__(self) -> None:
+        self._logs = {event: FaultLog(_log, event, level=level, max_causes=DROP_LINES)
+                      for event, level in _LINES.items()}
+
+    def record(self, event: str, cause: str = "", **fields: object) -> None:
+        self._logs[event].record((cause,), **fields)
+
+    def total(self, event: str) -> int:
+        """How many times `event` happened, logged or not."""
+        return self._logs[event].total
 
 
 class _Judge:
-    """Decides whether one relay item may be delivered; logs its drops, within a bound:
-    a relay sends as many bad events as it likes (a window's live subscription for as long
-    as it is open), and each was one warning line."""
+    """Decides whether one relay item may be delivered; logs its drops (`ReadLog`): a
+    relay sends as many bad events as it likes, to every read and every window."""
 
     __slots__ = ("channel_id", "filters", "request_id", "_drops")
 
     def __init__(self, channel_id: str, filters: Sequence[Mapping[str, object]],
-                 request_id: str) -> None:
+                 request_id: str, drops: ReadLog) -> None:
         self.channel_id = channel_id
         self.filters = filters
         self.request_id = request_id
-        self._drops = FaultLog(_log, "read.event_dropped", level=logging.WARNING,
-                               max_causes=DROP_LINES)
+        self._drops = drops
 
     def __call__(self, item: Mapping[str, object]) -> Event | None:
         event = _JUDGED.known(item)
@@ -159,8 +192,8 @@ class _Judge:
         event_id = item.get("id")
         # Public identifier only, and only when it looks like one (no relay text echoed).
         shown = event_id if isinstance(event_id, str) and len(event_id) == 64 else None
-        self._drops.record((reason, shown), request_id=self.request_id, reason=reason,
-                           event_id=shown)
+        self._drops.record("read.event_dropped", reason, request_id=self.request_id,
+                           reason=reason, event_id=shown)
 
 
 #: The estimated bytes `_JudgedCache` holds (each event's content, tags and members once).
@@ -257,11 +290,11 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
         try:
             after = ctx.cursors.decode(args.cursor, scope, now=now)
         except InvalidCursor:
-            log_event(_log, "read.cursor_refused", level=logging.INFO, request_id=ctx.request_id)
+            ctx.read_log.record("read.cursor_refused", request_id=ctx.request_id)
             return Verdict.failed(ErrorCode.INVALID_REQUEST, _BAD_CURSOR)
 
     filters = _base_filters(args, requester)
-    judge = _Judge(args.channel_id, filters, ctx.request_id)
+    judge = _Judge(args.channel_id, filters, ctx.request_id, ctx.read_log)
     limit = min(args.effective_limit, RELAY_MAX_LIMIT)
 
     async def query(batch: list[dict[str, object]]) -> list[dict[str, object]]:
@@ -312,7 +345,7 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
                 # logs its live drops under no one request.
                 depth = windows.depth
                 page, window = await windows.open(
-                    key, filters, _Judge(args.channel_id, filters, "window"),
+                    key, filters, _Judge(args.channel_id, filters, "window", ctx.read_log),
                     lambda: cold(depth), max_page_bytes=MAX_PAGE_BYTES, size_of=_event_bytes)
                 served = window.serve(limit) if window is not None else None
                 if served is not None:
@@ -321,30 +354,27 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
         else:
             page = await cold()
     except RelayUnavailable as exc:
-        log_event(_log, "read.relay_unavailable", level=logging.WARNING, request_id=ctx.request_id, reason=exc.reason)
+        ctx.read_log.record("read.relay_unavailable", exc.reason, request_id=ctx.request_id,
+                            reason=exc.reason)
         return Verdict.failed(ErrorCode.ACTION_FAILED, _RELAY_DOWN)
     except RelayRefused as exc:
-        log_event(_log, "read.relay_refused", level=logging.WARNING, request_id=ctx.request_id, reason=exc.reason)
+        ctx.read_log.record("read.relay_refused", exc.reason, request_id=ctx.request_id,
+                            reason=exc.reason)
         return Verdict.failed(ErrorCode.ACTION_FAILED, _RELAY_REFUSED)
     except RelayMisbehaved:
-        log_event(_log, "read.relay_garbled", level=logging.WARNING, request_id=ctx.request_id)
+        ctx.read_log.record("read.relay_garbled", request_id=ctx.request_id)
         return Verdict.failed(ErrorCode.ACTION_FAILED, _RELAY_GARBLED)
 
     for second in page.overflow_seconds:
         # design.md: the one case paging cannot make exact — say so.
-        log_event(
-            _log,
-            "read.second_overflow",
-            level=logging.WARNING,
-            request_id=ctx.request_id,
-            created_at=second,
-            relay_cap=RELAY_MAX_LIMIT,
-        )
+        ctx.read_log.record("read.second_overflow", request_id=ctx.request_id,
+                            created_at=second, relay_cap=RELAY_MAX_LIMIT)
     if page.cut_by_bytes:
-        log_event(_log, "read.page_cut", request_id=ctx.request_id, items=len(page.items),
-                  max_bytes=MAX_PAGE_BYTES)
+        ctx.read_log.record("read.page_cut", request_id=ctx.request_id,
+                            items=len(page.items), max_bytes=MAX_PAGE_BYTES)
     if page.malformed:
-        log_event(_log, "read.malformed_items", level=logging.WARNING, request_id=ctx.request_id, count=page.malformed)
+        ctx.read_log.record("read.malformed_items", request_id=ctx.request_id,
+                            count=page.malformed)
     next_cursor = None
     if page.next_position is not None:
         next_cursor = ctx.cursors.encode(page.next_position, scope, now=now)

@@ -81,6 +81,7 @@ from daemon.log import log_event
 from daemon.metrics import Metrics
 from daemon.operations import OPERATIONS, Context, Operation
 from daemon.operations._base import OperationRefused
+from daemon.operations.channel_read import ReadLog
 from daemon.pipeline.observer import ObserverIntake
 from daemon.pipeline.policy import Authorized, Refusal, authorize, within_credential
 from daemon.pipeline.publisher import Publisher
@@ -186,6 +187,7 @@ class Broker:
         self._ledger = ledger
         self._relay = relay
         self._cursors = cursors
+        self._read_log = ReadLog()
         self._limiter = limiter
         self._audit = audit
         self._runtimes = runtimes
@@ -503,6 +505,7 @@ class Broker:
             request_id=facts.request_id,
             now=lambda: int(self._clock()),
             authorized=decision,
+            read_log=self._read_log,
             runtimes=self._runtimes,
             enroll=self._enroll,
             mint=lambda: self._publisher.mint(ticket, facts, progress),

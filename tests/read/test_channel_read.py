@@ -87,15 +87,14 @@ async def test_undeliverable_events_are_dropped_and_logged(tmp_path: Path, reade
     ctx = context(pool, principal_for(tmp_path, reader.pubkey, [channel]), CursorCodec.open(tmp_path))
     got, _ = await read_through(ctx, channel_id=channel, limit=4)
     assert [e.id for e in got] == declared_order(good)
-    reasons = {(f["reason"], f["event_id"]) for f in fields(caplog, "read.event_dropped")}
-    assert reasons == {
-        ("bad_signature", forged["id"]),
-        ("bad_signature", bad_sig["id"]),
-        ("wrong_channel", no_h["id"]),
-        ("wrong_channel", foreign["id"]),
-        ("not_canonical", extra_member["id"]),
-        ("off_filter", wrong_kind["id"]),
-    }
+    # One line per check that dropped (the first event it dropped), every drop counted.
+    dropped = {"bad_signature": {forged["id"], bad_sig["id"]},
+               "wrong_channel": {no_h["id"], foreign["id"]},
+               "not_canonical": {extra_member["id"]}, "off_filter": {wrong_kind["id"]}}
+    shown = fields(caplog, "read.event_dropped")
+    assert sorted(f["reason"] for f in shown) == sorted(dropped)
+    assert all(f["event_id"] in dropped[f["reason"]] for f in shown)
+    assert ctx.read_log.total("read.event_dropped") >= 6
     # No content of any event reached the log, nor the host's cursor key in any spelling.
     assert "tampered" not in caplog.text and "forged" not in caplog.text
     key = (tmp_path / KEY_FILE_NAME).read_bytes()
@@ -117,6 +116,29 @@ async def test_relay_faults_are_failed_action_failed(tmp_path: Path, reader: Tes
     # the relay's reason is for the operator log, never the agent
     assert verdict.message is not None and failure.args[0] not in verdict.message
     assert [f["reason"] for f in fields(caplog, event)] == [failure.args[0]]
+
+
+@pytest.mark.parametrize("event", ["read.relay_unavailable", "read.event_dropped",
+                                   "read.cursor_refused"])
+async def test_a_fault_at_every_read_is_one_line_not_one_per_read(
+        tmp_path: Path, reader: TestKey, caplog: pytest.LogCaptureFixture, event: str) -> None:
+    # A relay that is down, or sends a bad event, does so to every poll of a fleet, and a
+    # forged cursor comes as often as an agent likes: each was a line per read.
+    channel = new_channel()
+    alice = TestKey()
+    forged = {**alice.sign(9, "x", [["h", channel]], NOW - 5), "content": "changed"}
+    pool = PoolLike(channel_events(alice, channel, 3, per_second=1),
+                    fail=RelayUnavailable("no EOSE within 10s")
+                    if event == "read.relay_unavailable" else None)
+    pool.extra = [forged]
+    caplog.set_level(logging.INFO, logger="buzz_broker.read")
+    ctx = context(pool, principal_for(tmp_path, reader.pubkey, [channel]),
+                  CursorCodec.open(tmp_path))
+    for _ in range(50):
+        await channel_read.execute(ctx, ChannelReadArgs(
+            channel_id=channel, cursor="forged" if event == "read.cursor_refused" else None))
+    assert len(fields(caplog, event)) == 1
+    assert ctx.read_log.total(event) == 50
 
 
 async def test_garbage_relay_is_failed(tmp_path: Path, reader: TestKey) -> None:

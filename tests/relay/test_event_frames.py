@@ -127,7 +127,7 @@ async def test_a_forged_copy_of_a_known_event_is_judged_and_refused() -> None:
         conn = _Connection(agent, _ResultBudget(1 << 30), pool._notices)
         conn.alive = True
         filters = [{"kinds": [9, 40002], "#h": [channel]}]
-        judge = channel_read._Judge(channel, filters, "window")
+        judge = channel_read._Judge(channel, filters, "window", channel_read.ReadLog())
         window = Window(cache, WindowKey(agent, channel, False), judge, 10, 1 << 20,
                         channel_read._event_bytes, 10)
         assert window.fill(Page(items=(), next_position=None, rounds=1))
