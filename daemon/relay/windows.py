@@ -81,7 +81,7 @@ import trio
 
 from buzzwire import kinds
 from buzzwire.contract import Event
-from daemon.log import log_event
+from daemon.fault_log import FaultLog
 from daemon.relay.cursor import Position
 from daemon.relay.paging import Page, SortKey, order_key
 from daemon.relay.pool import (
@@ -273,8 +273,8 @@ class Window:
         if not self.valid:
             return
         self.valid = False
-        log_event(_log, "read.window_dropped", agent=self.key.agent,
-                  channel_id=self.key.channel_id, reason=reason)
+        self._cache.dropped.record((reason,), agent=self.key.agent,
+                                   channel_id=self.key.channel_id, reason=reason)
         if self.subscription is not None:
             self.subscription.close()
         self._cache.forget(self)
@@ -497,6 +497,10 @@ class WindowCache:
         self._held: dict[tuple[str, str], _Held] = {}
         self._jitter = random.Random()
         self.bytes = 0
+        # A relay that is down or closes every subscription does so to every poll of a
+        # fleet: one line a minute per reason (a fixed word each), then a count.
+        self.dropped = FaultLog(_log, "read.window_dropped", level=logging.INFO)
+        self.not_opened = FaultLog(_log, "read.window_not_opened", level=logging.INFO)
 
     def __len__(self) -> int:
         return len(self._windows)
@@ -564,8 +568,8 @@ class WindowCache:
             except RelayError as exc:
                 # Subscriptions full, refused or unavailable: the plain read answers (and
                 # reports the relay's failure itself, as it always did).
-                log_event(_log, "read.window_not_opened", agent=key.agent,
-                          channel_id=key.channel_id, reason=type(exc).__name__)
+                self.not_opened.record((type(exc).__name__,), agent=key.agent,
+                                       channel_id=key.channel_id, reason=type(exc).__name__)
                 window.valid = False
                 return await read(), None
             try:

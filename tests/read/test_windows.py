@@ -649,3 +649,45 @@ async def test_a_hostile_relay_cannot_put_bad_events_in_a_window_nor_flood_the_l
     assert [m[0] for m in relay.received[reads:]] == [], "every poll was answered by the window"
     dropped = [r for r in caplog.records if getattr(r, "buzz_event", None) == "read.event_dropped"]
     assert 1 <= len(dropped) <= channel_read.DROP_LINES + 1
+
+
+async def test_a_relay_that_refuses_every_window_costs_the_log_one_line(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # During an outage every poll of a fleet tries to open its window, and each try was
+    # a line; a relay that closes every subscription at once, likewise for each drop.
+    from daemon.relay.paging import Page
+    from daemon.relay.pool import RelayUnavailable
+
+    class Refusing:
+        async def subscribe(self, *_: object) -> object:
+            raise RelayUnavailable("down")
+
+    cache = WindowCache(Refusing(), depth=10, keep=10)  # type: ignore[arg-type]
+    caplog.set_level(logging.INFO, logger="buzz_broker.read")
+
+    async def empty() -> Page[Any]:
+        return Page(items=(), next_position=None, rounds=1)
+
+    for n in range(50):
+        key = WindowKey(f"{n % 4:064x}", new_channel(), False)
+        page, window = await cache.open(key, [{"kinds": [9]}], lambda item: None, empty,
+                                        max_page_bytes=1 << 20, size_of=len)
+        assert window is None and page.items == ()
+    lines = [r for r in caplog.records
+             if getattr(r, "buzz_event", None) == "read.window_not_opened"]
+    assert len(lines) == 1 and cache.not_opened.total == 50
+
+    class Closing:
+        async def subscribe(self, *_: object) -> object:
+            return type("Subscription", (), {"close": lambda self: None})()
+
+    cache = WindowCache(Closing(), depth=10, keep=10)  # type: ignore[arg-type]
+    for n in range(50):
+        key = WindowKey(f"{n % 4:064x}", new_channel(), False)
+        _, window = await cache.open(key, [{"kinds": [9]}], lambda item: None, empty,
+                                     max_page_bytes=1 << 20, size_of=len)
+        assert window is not None
+        window.ended("closed by the relay")
+    lines = [r for r in caplog.records
+             if getattr(r, "buzz_event", None) == "read.window_dropped"]
+    assert len(lines) == 1 and cache.dropped.total == 50
