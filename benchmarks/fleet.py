@@ -552,15 +552,14 @@ def orchestrate(args: argparse.Namespace) -> None:
                     size = need if build.over_tcp and relay == args.search_relay and args.search else 1 + args.agents
                     rows = make_state(build, token, tmp / f"state-{name}", size, channels,
                                       tmp / f"agents-{name}.json")
-                    # A profiled run logs at info: the copy beside the profile says why windows dropped.
-                    with serve(build, token, tmp, name, url,
-                               "info" if args.profile else "warning") as served:
+                    with serve(build, token, tmp, name, url, args.log_level) as served:
                         if not seeded:
                             trio.run(seed, served.base, rows[0], channels, WINDOW_EVENTS)
                             seeded = True
                         summary = run_fleet(args, served, rows, args.agents, channels, args.duration,
                                             build.label)
                         summary["relay"] = relay
+                        summary["log_level"] = args.log_level
                         summary["transport"] = "loopback TCP" if build.over_tcp else "Unix socket"
                         summary["cost_cpu_ms"] = {k: round(v * 1000, 3) for k, v in trio.run(
                             compare_costs, served, rows[1], channels[0]).items()}
@@ -598,6 +597,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-search", dest="search", action="store_false")
     parser.add_argument("--search-duration", type=float, default=4.0)
     parser.add_argument("--search-relay", choices=("null", "local"), default="null")
+    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                        help="the daemons' [log] level (default warning; info with --profile, "
+                             "whose copy of the log says why windows dropped; info is the "
+                             "config's own default, what an installed daemon pays)")
     parser.add_argument("--profile", metavar="PREFIX",
                         help="py-spy (installed beside this Python) the daemon over each measured window: collapsed stacks to PREFIX.<relay-build>.<run>.txt, its info log to .log")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -615,6 +618,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--interval-ms: Buzz's runtime polls at most every 100 ms")
     if args.duration > 600 or args.search_max > 4096:
         parser.error("--duration is bounded at 600 s, --search-max at 4096")
+    if args.log_level is None:
+        args.log_level = "info" if args.profile else "warning"
     if args.worker:
         print("ready", flush=True)
         args.t0, args.t1 = (float(x) for x in sys.stdin.readline().split())
