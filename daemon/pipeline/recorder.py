@@ -7,9 +7,10 @@ Rules (README "How a request is judged", steps 7 and 8):
   refusals are counted: daemon/state/refusal_audit.py), except a read that ran: it has no
   effects, so it leaves no ledger record and the audit log counts it per credential and
   window (daemon/state/read_audit.py, issue 24). Every answer, recorded or not, is one
-  request in the metrics and one `verdict` log line, but for reads (`_is_read`): at
-  any level above debug, a read's line is one a minute per (action, status, code), then
-  a `suppressed` count, as the audit log counts them.
+  request in the metrics and one `verdict` log line, but where the audit log counts
+  rather than lists: at any level above debug, a read's line (`_is_read`) is one a
+  minute per (action, status, code), and a refusal's past its credential's burst one a
+  minute per (agent, action, code), each then with a `suppressed` count.
 - No audit, no answer: a verdict with no side effects whose audit record cannot be
   written becomes `failed` + `internal` (a known no-op). Once the relay was asked
   (`Judged.published`), the verdict stands whatever the audit log can still record: the
@@ -28,7 +29,7 @@ import logging
 import sqlite3
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from buzzwire.contract import (ACTIONS, ErrorCode, Status, Verdict, encode_response,
@@ -54,7 +55,8 @@ class Judged:
     """A verdict reached after the ledger: its bytes, and the facts the log and metrics need.
 
     `published` True: the relay was asked, so what happened there stands whatever the
-    audit log can still record.
+    audit log can still record. `counted` True: a refusal past its credential's burst,
+    counted in the audit log rather than listed, and so in the operator log too.
     """
 
     response: bytes
@@ -62,6 +64,7 @@ class Judged:
     code: ErrorCode | None = None
     event_ids: tuple[str, ...] = ()
     published: bool = False
+    counted: bool = False
 
     @classmethod
     def of(cls, request_id: str, verdict: Verdict) -> Judged:
@@ -191,6 +194,10 @@ class Recorder:
         self.uncorrelated_log = FaultLog(_log, "request.uncorrelated", level=logging.INFO)
         #: Reads' verdict lines (`_is_read`); causes are (action, status, code), a few.
         self.read_lines = FaultLog(_log, "verdict", level=logging.INFO)
+        #: Refusals' lines past their credential's burst (`Judged.counted`): one
+        #: credential's flood of refused requests, up to its rate limit's own refusals,
+        #: was a journal line each, with the same end as a fleet's reads.
+        self.refusal_lines = FaultLog(_log, "verdict", level=logging.INFO)
 
     async def intent(self, facts: Facts, event_ids: tuple[str, ...]) -> bool:
         """The audit intent record, before the pending record; False when it cannot be."""
@@ -201,16 +208,19 @@ class Recorder:
             return False
         return True
 
-    async def audited(self, facts: Facts, judged: Judged, *, replayed: bool = False) -> bool:
-        """Append the verdict record; False (and an operator log line) when it cannot be.
+    async def audited(self, facts: Facts, judged: Judged, *, replayed: bool = False
+                      ) -> Judged | None:
+        """Append the verdict record: `judged` as recorded, or None (and an operator log
+        line) when it cannot be.
 
         A refusal (failed, nothing published) past its credential's burst is counted
-        instead (daemon/state/refusal_audit.py); the ledger still records it.
+        instead (daemon/state/refusal_audit.py), and comes back `counted`; the ledger still
+        records it.
         """
         if (judged.status is Status.FAILED and not judged.published and judged.code is not None
                 and not self._refusals.admit(facts.credential_id)):
             self._refusals.count(facts.credential_id, facts.agent, facts.action, judged.code)
-            return True
+            return replace(judged, counted=True)
         try:
             await self._audit.append(facts.record(
                 Phase.VERDICT, self._clock(), status=judged.status, code=judged.code,
@@ -218,8 +228,8 @@ class Recorder:
                 replayed=replayed))
         except Exception as exc:  # noqa: BLE001 - AuditUnavailable or worse: not recorded
             self.audit_failed(facts, exc)
-            return False
-        return True
+            return None
+        return judged
 
     async def finish(self, ticket: Ticket, facts: Facts, judged: Judged, progress: Progress
                      ) -> Judged:
@@ -236,8 +246,8 @@ class Recorder:
             # An identical read that arrived meanwhile gets this verdict (NIP-BA's join).
             self._ledger.hand_over(ticket, judged.response, judged.status, judged.code)
             return judged
-        if not judged.published and not await self.audited(facts, judged):
-            judged = Judged.internal(facts.request_id)
+        if not judged.published:
+            judged = await self.audited(facts, judged) or Judged.internal(facts.request_id)
         kept = keeping(facts, judged, progress, self._read_retention)
         assert kept is not None, "a verdict that is not a read's is kept"
         try:
@@ -271,9 +281,7 @@ class Recorder:
                 await self._reads.flush(everything=True)
             # Counted (and kept for the next flush if this one failed): never also listed.
             return judged if not self._audit.failing else Judged.internal(facts.request_id)
-        if not await self.audited(facts, judged):
-            return Judged.internal(facts.request_id)
-        return judged
+        return await self.audited(facts, judged) or Judged.internal(facts.request_id)
 
     async def unrecorded(self, facts: Facts, judged: Judged, started: float, *,
                          replayed: bool = False) -> HttpAnswer:
@@ -284,12 +292,15 @@ class Recorder:
         replayed verdict that was not `failed` becomes indeterminate + internal (a recorded
         success is never turned into failed: it would promise no effect took hold).
         """
-        if not await self.audited(facts, judged, replayed=replayed):
+        recorded = await self.audited(facts, judged, replayed=replayed)
+        if recorded is None:
             if replayed and judged.status is not Status.FAILED:
                 judged = Judged.of(facts.request_id, Verdict.indeterminate(ErrorCode.INTERNAL))
             else:
                 judged = Judged.internal(facts.request_id)
             replayed = False
+        else:
+            judged = recorded
         try:
             # No ledger commit follows this answer: anchor the audit head now.
             await self._ledger.anchor()
@@ -328,6 +339,8 @@ class Recorder:
                 peer_uid=peer_uid, **shown)
         elif _is_read(action) and not _log.isEnabledFor(logging.DEBUG):
             self.read_lines.record((action, judged.status, judged.code), **shown)
+        elif judged.counted and not _log.isEnabledFor(logging.DEBUG):
+            self.refusal_lines.record((agent, action, judged.code), **shown)
         else:
             log_event(_log, "verdict", level=logging.INFO, **shown)
         self._metrics.request(action, judged.status.value,

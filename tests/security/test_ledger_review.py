@@ -29,6 +29,7 @@ import pytest
 
 from daemon.pipeline.broker import REFUSALS_FULL
 from daemon.state.ledger import LEDGER_FILENAME
+from daemon.state.refusal_audit import BURST
 from tests.fixtures.broker import BrokerHarness, request_body
 
 CREATE_ID = "create-1"
@@ -235,3 +236,45 @@ async def test_reads_verdict_lines_are_one_a_minute_per_outcome_above_debug(
     assert broker.app._recorder.read_lines.total == 80  # white box: every one was counted
     caplog.set_level(logging.DEBUG, logger="buzz_broker.recorder")
     assert len(await lines(5)) == 20
+
+
+async def test_refusals_past_a_credentials_burst_cost_the_log_what_they_cost_the_audit(
+    broker: BrokerHarness, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One credential's flood of refused requests was a journal line each, with the end
+    a fleet's reads had (journald's rate limit dropping the unit's lines wholesale). Its
+    first refusals (the audit log's burst) keep a line each; past it, as the audit log
+    counts them, their lines are one a minute per (agent, action, code); at debug, every
+    one. The ledger keeps each refusal all the same."""
+    agent = await broker.human_owned_agent()
+    allowed, other = str(uuid.uuid4()), str(uuid.uuid4())
+    cred = broker.credential(agent, [allowed])
+
+    async def refused(n: int, start: int) -> list[dict[str, object]]:
+        caplog.clear()
+        for i in range(start, start + n):
+            answer = await broker.call(cred, "message.post",
+                                       {"channelId": other, "content": "no"},
+                                       request_id=f"refused-{i}")
+            assert answer["status"] == "failed" and answer["error"]["code"] == "unauthorized"
+        return [r.buzz_fields for r in caplog.records  # type: ignore[attr-defined]
+                if r.name.startswith("buzz_broker") and r.getMessage() == "verdict"]
+
+    caplog.set_level(logging.INFO, logger="buzz_broker")
+    recorder = broker.app._recorder  # white box: the audit's burst and its counts
+    shown = await refused(BURST + 40, 0)
+    assert len(shown) == BURST + 1, len(shown)  # the burst, then the first one counted
+    assert all(f["code"] == "unauthorized" and f["agent"] == agent for f in shown)
+    assert recorder.refusal_lines.total == 40 and recorder._refusals.counted == 40
+    # Each refusal is still a ledger record: its requestId answers the same verdict.
+    replay = await broker.call(cred, "message.post", {"channelId": other, "content": "no"},
+                               request_id=f"refused-{BURST + 39}")
+    assert replay["error"]["code"] == "unauthorized"
+    # An action with effects, past the burst, still has its line.
+    caplog.clear()
+    assert (await broker.call(cred, "message.post", {"channelId": allowed,
+                                                      "content": "yes"}))["status"] == "succeeded"
+    assert [r.getMessage() for r in caplog.records
+            if r.name.startswith("buzz_broker")].count("verdict") == 1
+    caplog.set_level(logging.DEBUG, logger="buzz_broker.recorder")
+    assert len(await refused(5, 1000)) == 5
