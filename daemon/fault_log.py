@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 
 from daemon.log import log_event
 
-__all__ = ["FaultLog", "DEFAULT_INTERVAL", "DEFAULT_MAX_CAUSES"]
+__all__ = ["FaultLog", "FaultLogs", "DEFAULT_INTERVAL", "DEFAULT_MAX_CAUSES"]
 
 #: At most one line per cause per minute after the first.
 DEFAULT_INTERVAL = 60.0
@@ -90,3 +90,23 @@ class FaultLog:
         suppressed, entry.suppressed, entry.last_logged = entry.suppressed, 0, now
         log_event(self._logger, self._event, level=self._level, suppressed=suppressed, **fields)
         return True
+
+
+class FaultLogs:
+    """A `FaultLog` per event of a table (event -> level): a part's whole set of lines
+    that someone else can make as frequent as they like, recorded by event name."""
+
+    __slots__ = ("_logs",)
+
+    def __init__(self, logger: logging.Logger, levels: Mapping[str, int], *,
+                 max_causes: int = DEFAULT_MAX_CAUSES) -> None:
+        self._logs = {event: FaultLog(logger, event, level=level, max_causes=max_causes)
+                      for event, level in levels.items()}
+
+    def record(self, event: str, /, *cause: Hashable, **fields: object) -> bool:
+        """`FaultLog.record` of `event`'s log, its cause the words after the event."""
+        return self._logs[event].record(cause, **fields)
+
+    def total(self, event: str) -> int:
+        """How many times `event` happened, logged or not."""
+        return self._logs[event].total

@@ -74,6 +74,9 @@ class Script:
     #: A new challenge with every refusal, and only the newest is valid (NIP-42: "valid
     #: ... until another challenge is sent by the relay"). False: one per connection.
     challenge_every_refusal: bool = False
+    #: Each EVENT or REQ answered under AUTH spends it: the next needs a new AUTH, to a
+    #: new challenge (a hostile relay making every request cost a signature and a log).
+    auth_spent_by_each_request: bool = False
     #: Frames sent as they are the moment a connection is accepted, before anything else
     #: (a hostile relay's unsolicited answers: OKs and EOSEs for nothing we sent).
     greeting: tuple[str, ...] = ()
@@ -179,6 +182,12 @@ class ScriptedRelay:
                 challenge_sent = True
             await ws.send_message(json.dumps([*frame, "auth-required: authenticate first"]))
 
+        def spend_auth() -> None:
+            nonlocal challenge_sent, challenge
+            if self.script.auth_spent_by_each_request and log.authed:
+                log.authed.clear()
+                challenge, challenge_sent = secrets.token_hex(16), False
+
         def needs_auth(msg: list[Any]) -> bool:
             if log.authed:
                 return False
@@ -219,6 +228,7 @@ class ScriptedRelay:
                     if needs_auth(msg):
                         await refuse_unauthenticated("OK", ev["id"], False)
                         continue
+                    spend_auth()
                     reply = self._next_event()
                     if reply is EventReply.DROP:
                         return
@@ -237,6 +247,7 @@ class ScriptedRelay:
                     if needs_auth(msg):
                         await refuse_unauthenticated("CLOSED", sub_id)
                         continue
+                    spend_auth()
                     req = self._next_req()
                     if req is ReqReply.DROP:
                         return

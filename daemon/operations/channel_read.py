@@ -72,7 +72,7 @@ from buzzwire.contract import (
     Verdict,
 )
 from daemon.relay.cursor import CursorScope, InvalidCursor, Position
-from daemon.fault_log import FaultLog
+from daemon.fault_log import FaultLogs
 from daemon.operations._base import Context
 from daemon.relay.paging import RELAY_MAX_LIMIT, Page, RelayMisbehaved, matches, read_page
 from daemon.relay.pool import RelayRefused, RelayUnavailable
@@ -139,22 +139,14 @@ _LINES: Mapping[str, int] = {
 }
 
 
-class ReadLog:
+class ReadLog(FaultLogs):
     """The daemon's lines about reads (module docstring): per event of `_LINES`, one line
     a minute per cause, the next carrying how many were not shown. One per daemon."""
 
-    __slots__ = ("_logs",)
+    __slots__ = ()
 
     def __init__(self) -> None:
-        self._logs = {event: FaultLog(_log, event, level=level, max_causes=DROP_LINES)
-                      for event, level in _LINES.items()}
-
-    def record(self, event: str, cause: str = "", **fields: object) -> None:
-        self._logs[event].record((cause,), **fields)
-
-    def total(self, event: str) -> int:
-        """How many times `event` happened, logged or not."""
-        return self._logs[event].total
+        super().__init__(_log, _LINES, max_causes=DROP_LINES)
 
 
 class _Judge:

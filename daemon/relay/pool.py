@@ -48,7 +48,10 @@ Rules:
   EVENT_BODIES_BYTES together as held (`_EventBodies`: a frame whose bytes after its
   subscription id are one of theirs is not parsed again).
 - Logs a relay can drive: its NOTICEs, at most one line a minute per agent's connection
-  (`daemon.fault_log.FaultLog`, with the count of those not written).
+  (`daemon.fault_log.FaultLog`, with the count of those not written); and what a
+  connection's life logs (`_CONNECTION_LINES`), one line a minute per agent and event:
+  a relay that refuses every AUTH, or breaks every connection, costs each request a
+  connection, and one that forgets every AUTH costs each request an AUTH.
 - A relay that breaks NIP-01 (a frame `parse_relay_message` refuses) loses its
   connection: everything waiting on it resolves at once (Unknown / RelayUnavailable)
   instead of waiting for a timeout that a broken peer makes meaningless.
@@ -108,7 +111,7 @@ import trio_websocket
 
 from buzzwire.nostr import SignedEvent
 
-from daemon.fault_log import FaultLog
+from daemon.fault_log import FaultLog, FaultLogs
 from daemon.log import log_event
 from daemon.relay.gate import AuthGate
 from daemon.relay.protocol import (
@@ -191,6 +194,20 @@ _MESSAGE_QUEUE = 16
 #: the relay replaced the first before refusing it (`RelayPool._authenticate`). No more:
 #: a relay that replaces its challenge every time does not keep us answering.
 _AUTH_ANSWERS = 2
+#: What a connection's life logs, at what level: a relay decides how often each happens
+#: (module docstring, "Logs a relay can drive"), so each is one line a minute per agent.
+_CONNECTION_LINES: Mapping[str, int] = {
+    "relay_connected": logging.INFO,
+    "relay_authenticated": logging.INFO,
+    "relay_auth_superseded": logging.INFO,
+    "relay_auth_refused": logging.WARNING,
+    "relay_protocol_error": logging.WARNING,
+    "relay_connection_error": logging.WARNING,
+    "relay_disconnected": logging.INFO,
+}
+#: Agents whose connection lines are kept apart (a host's fleet); past them the rest
+#: share one line a minute per event (`FaultLog`'s "other").
+_LINE_AGENTS = 1024
 #: How long a best-effort CLOSE may take to write during cleanup.
 _CLEANUP_SECONDS = 1.0
 #: Why a request that waited at its connection's AUTH gate past its timeout failed.
@@ -814,6 +831,7 @@ class RelayPool:
         # A NOTICE is text for the operator, and a relay may send them without end: one
         # line per agent's connection a minute at most, with the count of the rest.
         self._notices = FaultLog(_logger, "relay_notice", level=logging.INFO)
+        self._lines = FaultLogs(_logger, _CONNECTION_LINES, max_causes=_LINE_AGENTS)
 
     @property
     def url(self) -> str:
@@ -921,7 +939,7 @@ class RelayPool:
             self._failures = 0
             self._retry_at = 0.0
             self._connections[agent] = conn
-            log_event(_logger, "relay_connected", agent=agent, url=self._url.text)
+            self._lines.record("relay_connected", agent, agent=agent, url=self._url.text)
             return conn
 
     def _connect_failed(self, agent: str, reason: str) -> None:
@@ -984,10 +1002,8 @@ class RelayPool:
             if conn.ws is None:
                 raise
             reason = f"connection failed: {type(exc).__name__}"
-            log_event(
-                _logger, "relay_connection_error", level=logging.WARNING,
-                agent=conn.agent, error=type(exc).__name__,
-            )
+            self._lines.record("relay_connection_error", conn.agent, agent=conn.agent,
+                               error=type(exc).__name__)
         finally:
             conn.mark_dead()
             if self._connections.get(conn.agent) is conn:
@@ -997,7 +1013,8 @@ class RelayPool:
                     await conn.ws.aclose()
                 await stream.aclose()
             if conn.ws is not None:
-                log_event(_logger, "relay_disconnected", agent=conn.agent, reason=reason)
+                self._lines.record("relay_disconnected", conn.agent, agent=conn.agent,
+                                   reason=reason)
 
     async def _read(self, conn: _Connection, ws: trio_websocket.WebSocketConnection) -> str:
         while True:
@@ -1017,10 +1034,8 @@ class RelayPool:
             try:
                 msg = parse_relay_message(frame)
             except RelayProtocolError as exc:
-                log_event(
-                    _logger, "relay_protocol_error", level=logging.WARNING,
-                    agent=conn.agent, code=exc.code, detail=exc.detail[:200],
-                )
+                self._lines.record("relay_protocol_error", conn.agent, agent=conn.agent,
+                                   code=exc.code, detail=exc.detail[:200])
                 return f"protocol error ({exc.code})"
             if parts is not None and live and isinstance(msg, EventMessage):
                 self._bodies.put(parts[1], msg.event)
@@ -1053,16 +1068,14 @@ class RelayPool:
                 if ok.accepted:
                     conn.authenticated = True
                     conn.auth_generation += 1
-                    log_event(_logger, "relay_authenticated", agent=conn.agent)
+                    self._lines.record("relay_authenticated", conn.agent, agent=conn.agent)
                     return
                 superseded = conn.challenge != challenge
                 if superseded and answer < _AUTH_ANSWERS:
-                    log_event(_logger, "relay_auth_superseded", agent=conn.agent)
+                    self._lines.record("relay_auth_superseded", conn.agent, agent=conn.agent)
                     continue
-                log_event(
-                    _logger, "relay_auth_refused", level=logging.WARNING,
-                    agent=conn.agent, reason=ok.message[:200],
-                )
+                self._lines.record("relay_auth_refused", conn.agent, agent=conn.agent,
+                                   reason=ok.message[:200])
                 if not superseded:
                     conn.refused = ok.message
                 self._retire(conn)

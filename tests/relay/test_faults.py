@@ -7,6 +7,7 @@ timeout" is asserted, tight latency never is.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -475,6 +476,52 @@ async def test_a_notice_flood_costs_the_log_one_line(
     lines = [r for r in caplog.records if getattr(r, "buzz_event", None) == "relay_notice"]
     assert len(lines) == 1 and "notice 0" in repr(getattr(lines[0], "buzz_fields", None))
     assert len(relay.connections) == 1
+
+
+@pytest.mark.parametrize("script", [
+    Script(require_auth=True, accept_auth=False),
+    Script(challenge_at_connect=True, require_auth=True, accept_auth=False),
+    Script(require_auth=True, accept_auth=False, challenge_every_refusal=True),
+    Script(require_auth=True, auth_spent_by_each_request=True),
+    Script(default_event=EventReply.DROP, default_req=ReqReply.DROP),
+], ids=["refuses-auth", "refuses-auth-at-connect", "new-challenge-each-refusal",
+        "auth-spent-by-each-request", "drops-every-connection"])
+async def test_a_relay_that_costs_every_request_a_connection_or_an_auth_costs_the_log_a_line(
+    scripted_relay: Start, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture,
+    script: Script,
+) -> None:
+    # Refusing every AUTH (or dropping every connection) makes each request open a
+    # connection of its own, and forgetting every AUTH makes each sign one: the
+    # connection's lines were three per request (connected, refused, disconnected), one
+    # line per request for a forgetful relay. Now one line a minute per agent and event,
+    # and every request is answered as before; another agent's lines are its own.
+    caplog.set_level(logging.INFO, logger="buzz_broker.relay")
+    relay = await scripted_relay(script)
+    key, other = TestKey(), TestKey()
+    pool = await _pool(nursery, relay.url, key, other)
+    accepted = script.accept_auth and script.default_event is EventReply.ACCEPT
+    for i in range(20):
+        result = await pool.publish(key.pubkey, signed(key.sign(1, f"x{i}")))
+        assert isinstance(result, Accepted) if accepted else not isinstance(result, Accepted)
+        if accepted:
+            await pool.query(key.pubkey, [{"kinds": [1]}])
+        else:
+            with pytest.raises((RelayRefused, RelayUnavailable)):
+                await pool.query(key.pubkey, [{"kinds": [1]}])
+    await pool.publish(other.pubkey, signed(other.sign(1, "y")))
+    await _eventually(lambda: any(getattr(r, "buzz_fields", {}).get("agent") == other.pubkey
+                                  for r in caplog.records))
+    lines = collections.Counter(
+        (getattr(r, "buzz_event", None), getattr(r, "buzz_fields", {}).get("agent"))
+        for r in caplog.records if r.name == "buzz_broker.relay")
+    assert lines and max(lines.values()) == 1, lines
+    assert {agent for _, agent in lines} == {key.pubkey, other.pubkey}
+    # What happened is still counted, and did happen as often as before.
+    costly = ("relay_authenticated" if accepted else
+              "relay_disconnected" if script.default_event is EventReply.DROP else
+              "relay_auth_refused")
+    assert pool._lines.total(costly) >= 40  # white box: one per request, one line shown
+    assert len(relay.connections) >= (2 if accepted else 40)
 
 
 async def test_backoff_stays_bounded_however_long_the_relay_is_down(nursery: trio.Nursery) -> None:
