@@ -28,7 +28,7 @@ from daemon.pipeline.pending import Cleanup
 
 if TYPE_CHECKING:
     from daemon.config import PolicyConfig
-    from daemon.operations.channel_read import ReadLog
+    from daemon.operations.channel_read import JudgedCache, ReadLog
     from daemon.pipeline.observer import ObserverIntake
     from daemon.pipeline.policy import Authorized
     from daemon.relay.cursor import CursorCodec
@@ -103,6 +103,8 @@ class Context:
     authorized: Authorized
     #: what reads log, one for the daemon: rate-bounded (daemon/operations/channel_read.py)
     read_log: ReadLog
+    #: read events already judged canonical and verified, one for the daemon (bounded)
+    judged: JudgedCache
     #: the host's own record of each managed agent's runtime (never published)
     runtimes: RuntimeStore | None = None
     #: Names a key just minted in the public directory (pubkey, name, creator), off the

@@ -78,7 +78,8 @@ from daemon.relay.paging import RELAY_MAX_LIMIT, Page, RelayMisbehaved, matches,
 from daemon.relay.pool import RelayRefused, RelayUnavailable
 from daemon.relay.windows import Served, WindowCache, WindowKey
 
-__all__ = ["ACTION", "DROP_LINES", "MAX_PAGE_BYTES", "READ_KINDS", "ReadLog", "execute"]
+__all__ = ["ACTION", "DROP_LINES", "JUDGED_CACHE_BYTES", "JudgedCache", "MAX_PAGE_BYTES",
+           "READ_KINDS", "ReadLog", "execute"]
 
 ACTION = "channel.read"
 #: Channel message kinds read (buzz-on-the-relay.md "Channels": 9 stream message,
@@ -153,17 +154,18 @@ class _Judge:
     """Decides whether one relay item may be delivered; logs its drops (`ReadLog`): a
     relay sends as many bad events as it likes, to every read and every window."""
 
-    __slots__ = ("channel_id", "filters", "request_id", "_drops")
+    __slots__ = ("channel_id", "filters", "request_id", "_drops", "_judged")
 
     def __init__(self, channel_id: str, filters: Sequence[Mapping[str, object]],
-                 request_id: str, drops: ReadLog) -> None:
+                 request_id: str, drops: ReadLog, judged: JudgedCache) -> None:
         self.channel_id = channel_id
         self.filters = filters
         self.request_id = request_id
         self._drops = drops
+        self._judged = judged
 
     def __call__(self, item: Mapping[str, object]) -> Event | None:
-        event = _JUDGED.known(item)
+        event = self._judged.known(item)
         if event is None:
             try:
                 event = Event.from_json_obj(item)
@@ -173,7 +175,7 @@ class _Judge:
             if not _signature_ok(self, item, event):
                 self._drop(item, "bad_signature")
                 return None
-            _JUDGED.remember(event)
+            self._judged.remember(event)
         for name, check in _CHECKS:
             if not check(self, item, event):
                 self._drop(item, name)
@@ -188,15 +190,15 @@ class _Judge:
                            reason=reason, event_id=shown)
 
 
-#: The estimated bytes `_JudgedCache` holds (each event's content, tags and members once).
+#: The estimated bytes `JudgedCache` holds (each event's content, tags and members once).
 JUDGED_CACHE_BYTES = 16 * 1024 * 1024
 #: What one cached judgement adds to its event's own bytes (dict, lists, key tuple).
 _JUDGED_OVERHEAD = 400
 
 
-class _JudgedCache:
+class JudgedCache:
     """A bounded LRU of (event id, signature) -> the event as first judged canonical and
-    verified, with its exact JSON members.
+    verified, with its exact JSON members. One per daemon (`Context.judged`).
 
     Why: every agent of a fleet reads the same channels under its own AUTH, so the same
     event arrives once per agent (a live subscription each, and each cold read); the
@@ -242,9 +244,6 @@ class _JudgedCache:
             self._bytes -= dropped
 
 
-_JUDGED = _JudgedCache(JUDGED_CACHE_BYTES)
-
-
 def _signature_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bool:
     # verify_event recomputes the id from the item's own members, then checks BIP-340.
     return verify_event(item) is True
@@ -286,7 +285,7 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
             return Verdict.failed(ErrorCode.INVALID_REQUEST, _BAD_CURSOR)
 
     filters = _base_filters(args, requester)
-    judge = _Judge(args.channel_id, filters, ctx.request_id, ctx.read_log)
+    judge = _Judge(args.channel_id, filters, ctx.request_id, ctx.read_log, ctx.judged)
     limit = min(args.effective_limit, RELAY_MAX_LIMIT)
 
     async def query(batch: list[dict[str, object]]) -> list[dict[str, object]]:
@@ -337,7 +336,8 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
                 # logs its live drops under no one request.
                 depth = windows.depth
                 page, window = await windows.open(
-                    key, filters, _Judge(args.channel_id, filters, "window", ctx.read_log),
+                    key, filters,
+                    _Judge(args.channel_id, filters, "window", ctx.read_log, ctx.judged),
                     lambda: cold(depth), max_page_bytes=MAX_PAGE_BYTES, size_of=_event_bytes)
                 served = window.serve(limit) if window is not None else None
                 if served is not None:

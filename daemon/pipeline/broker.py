@@ -81,7 +81,7 @@ from daemon.log import log_event
 from daemon.metrics import Metrics
 from daemon.operations import OPERATIONS, Context, Operation
 from daemon.operations._base import OperationRefused
-from daemon.operations.channel_read import ReadLog
+from daemon.operations.channel_read import JUDGED_CACHE_BYTES, JudgedCache, ReadLog
 from daemon.pipeline.observer import ObserverIntake
 from daemon.pipeline.policy import Authorized, Refusal, authorize, within_credential
 from daemon.pipeline.publisher import Publisher
@@ -188,6 +188,7 @@ class Broker:
         self._relay = relay
         self._cursors = cursors
         self._read_log = ReadLog()
+        self._judged = JudgedCache(JUDGED_CACHE_BYTES)
         self._limiter = limiter
         self._audit = audit
         self._runtimes = runtimes
@@ -506,6 +507,7 @@ class Broker:
             now=lambda: int(self._clock()),
             authorized=decision,
             read_log=self._read_log,
+            judged=self._judged,
             runtimes=self._runtimes,
             enroll=self._enroll,
             mint=lambda: self._publisher.mint(ticket, facts, progress),

@@ -153,8 +153,7 @@ def keeping(facts: Facts, judged: Judged, progress: Progress, short_seconds: int
     """
     if judged.status is Status.FAILED and not progress.executed and not judged.published:
         return Keeping(short_seconds if progress.invalid else None, facts.credential_id, False)
-    spec = ACTIONS.get(facts.action) if facts.action is not None else None
-    if (spec is None or not spec.publishing) and not judged.published:
+    if _is_read(facts.action) and not judged.published:
         return None
     return Keeping(None, None, True)
 

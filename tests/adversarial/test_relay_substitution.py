@@ -291,7 +291,7 @@ async def test_profile_set_merges_only_the_agents_own_kind_0(rig: Rig, which: st
 
 
 async def test_a_cached_signature_does_not_vouch_for_changed_content(rig: Rig) -> None:
-    # Defence 3 (operations/channel_read.py `_JudgedCache`): once an event's signature
+    # Defence 3 (operations/channel_read.py `JudgedCache`): once an event's signature
     # is cached, the relay serves the same id and signature over other content.
     reader = await rig.harness.human_owned_agent("reader")
     credential = rig.harness.credential(reader, [CHANNEL])

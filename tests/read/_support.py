@@ -13,7 +13,7 @@ from daemon.relay.cursor import CursorCodec
 from daemon.pipeline.policy import Authorized
 from daemon.operations import channel_read
 from daemon.operations._base import Context
-from daemon.operations.channel_read import ReadLog
+from daemon.operations.channel_read import JUDGED_CACHE_BYTES, JudgedCache, ReadLog
 from daemon.relay.paging import order_key
 from daemon.state.sessions import Principal, SessionStore
 
@@ -47,7 +47,7 @@ def context(relay: Any, principal: Principal, cursors: CursorCodec, *, now: Call
         signer=None,  # type: ignore[arg-type]
         relay=relay, principal=principal, host=POLICY, cursors=cursors,
         request_id="read-test", now=now,
-        authorized=Authorized(), read_log=ReadLog(),
+        authorized=Authorized(), read_log=ReadLog(), judged=JudgedCache(JUDGED_CACHE_BYTES),
     )
 
 

@@ -187,13 +187,13 @@ def test_a_judged_event_is_reused_only_for_an_exact_copy() -> None:
     """The fleet's agents receive the same event on their own connections; it is judged
     (shape, id, signature) once, and a later item is taken as that event only when it is
     the same JSON member for member, with integer created_at and kind."""
-    from daemon.operations.channel_read import _JudgedCache
+    from daemon.operations.channel_read import JudgedCache
     from buzzwire.contract import Event
     from tests.fixtures.relay import TestKey
 
     item = TestKey().sign(9, "hello", [["h", "c"]], 1_700_000_000)
     event = Event.from_json_obj(item)
-    cache = _JudgedCache(1 << 20)
+    cache = JudgedCache(1 << 20)
     assert cache.known(item) is None
     cache.remember(event)
     assert cache.known(dict(item)) is event
@@ -203,6 +203,6 @@ def test_a_judged_event_is_reused_only_for_an_exact_copy() -> None:
                     {**item, "id": [item["id"]]}, {**item, "sig": {"x": 1}}):
         assert cache.known(changed) is None, changed
     # Bounded by bytes: the oldest judgement goes first.
-    small = _JudgedCache(1)
+    small = JudgedCache(1)
     small.remember(event)
     assert small.known(item) is None

@@ -123,11 +123,13 @@ async def test_a_forged_copy_of_a_known_event_is_judged_and_refused() -> None:
     forged = {**genuine, "content": "another text"}
     windows = []
     cache = WindowCache(pool, depth=10, keep=10)
+    # The daemon's one log and one cache of judged events, as every read shares them.
+    drops, judged = channel_read.ReadLog(), channel_read.JudgedCache(1 << 20)
     for agent in ("a" * 64, "b" * 64):
         conn = _Connection(agent, _ResultBudget(1 << 30), pool._notices)
         conn.alive = True
         filters = [{"kinds": [9, 40002], "#h": [channel]}]
-        judge = channel_read._Judge(channel, filters, "window", channel_read.ReadLog())
+        judge = channel_read._Judge(channel, filters, "window", drops, judged)
         window = Window(cache, WindowKey(agent, channel, False), judge, 10, 1 << 20,
                         channel_read._event_bytes, 10)
         assert window.fill(Page(items=(), next_position=None, rounds=1))
