@@ -15,9 +15,10 @@ Rules (README "How a request is judged", steps 7 and 8):
   written becomes `failed` + `internal` (a known no-op). Once the relay was asked
   (`Judged.published`), the verdict stands whatever the audit log can still record: the
   intent record written before publishing already names the events.
-- A fault in the ledger or audit log is logged for the operator (the exception's type and
-  where it was raised; sqlite's text is ours to show, other exceptions' text is not) and
-  never escapes: the pipeline decides what the agent is told.
+- A fault in the ledger or audit log, or one the pipeline contained, is logged for the
+  operator (the exception's type and where it was raised; sqlite's text is ours to show,
+  other exceptions' text is not), one line a minute per cause, then a `suppressed`
+  count, and never escapes: the pipeline decides what the agent is told.
 
 This module does not decide verdicts; it only writes them. `Judged`, `Facts` and
 `Progress` are the values the pipeline, the publisher and the recorder pass each other.
@@ -28,13 +29,13 @@ from __future__ import annotations
 import logging
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from buzzwire.contract import (ACTIONS, ErrorCode, Status, Verdict, encode_response,
                                mark_replayed)
-from daemon.fault_log import FaultLog
+from daemon.fault_log import FaultLog, FaultLogs
 from daemon.state.audit import AuditLog, AuditRecord, AuditUnavailable, Phase
 from daemon.http import HttpAnswer
 from daemon.state.ledger import Ledger, Ticket
@@ -48,6 +49,13 @@ from daemon.state.verdict_store import stored_form
 __all__ = ["Judged", "Facts", "Progress", "Recorder", "Keeping", "keeping", "where"]
 
 _log = logging.getLogger("buzz_broker.recorder")
+
+#: The faults the recorder reports for the pipeline, at what level.
+_FAULT_LINES: Mapping[str, int] = {
+    "pipeline.fault": logging.ERROR,
+    "ledger.fault": logging.ERROR,
+    "audit.unavailable": logging.ERROR,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +205,8 @@ class Recorder:
         #: credential's flood of refused requests, up to its rate limit's own refusals,
         #: was a journal line each, with the same end as a fleet's reads.
         self.refusal_lines = FaultLog(_log, "verdict", level=logging.INFO)
+        #: The faults the recorder reports (`_FAULT_LINES`): one line a minute per cause.
+        self.faults = FaultLogs(_log, _FAULT_LINES)
 
     async def intent(self, facts: Facts, event_ids: tuple[str, ...]) -> bool:
         """The audit intent record, before the pending record; False when it cannot be."""
@@ -357,24 +367,28 @@ class Recorder:
         self._metrics.request(None, None, None, time.monotonic() - started)
         return HttpAnswer(status=400, body=None)
 
+    # Faults (`faults`): a request that trips one trips it every time it is sent, and a
+    # full disk fails every request; causes are where and what, a few words of ours.
+
     def ledger_failed(self, facts: Facts, step: str, exc: Exception) -> None:
         detail = str(exc) if isinstance(exc, sqlite3.Error) else where(exc)
-        log_event(_log, "ledger.fault", level=logging.ERROR, agent=facts.agent,
-                  request_id=facts.request_id, action=facts.action, step=step,
-                  error=type(exc).__name__, detail=detail)
+        self.faults.record("ledger.fault", step, type(exc).__name__, detail,
+                           agent=facts.agent, request_id=facts.request_id,
+                           action=facts.action, step=step, error=type(exc).__name__,
+                           detail=detail)
 
     def audit_failed(self, facts: Facts, exc: Exception) -> None:
         detail = exc.detail if isinstance(exc, AuditUnavailable) else where(exc)
-        log_event(_log, "audit.unavailable", level=logging.ERROR, agent=facts.agent,
-                  request_id=facts.request_id, action=facts.action, detail=detail)
+        self.faults.record("audit.unavailable", detail, agent=facts.agent,
+                           request_id=facts.request_id, action=facts.action, detail=detail)
 
     def fault(self, step: str, agent: str | None, request_id: str, action: str | None,
               exc: BaseException) -> None:
         # The exception's type and where it was raised, never its text: an unexpected
         # exception's message is not ours to vouch for (it could quote anything).
-        log_event(_log, "pipeline.fault", level=logging.ERROR, step=step, agent=agent,
-                  request_id=request_id, action=action, error=type(exc).__name__,
-                  where=where(exc))
+        self.faults.record("pipeline.fault", step, type(exc).__name__, where(exc),
+                           step=step, agent=agent, request_id=request_id, action=action,
+                           error=type(exc).__name__, where=where(exc))
 
 
 def where(exc: BaseException) -> str:

@@ -282,3 +282,51 @@ async def test_a_fault_before_authentication_is_still_an_envelope(
     assert status == 200 and answer is not None
     assert (answer["status"], answer["error"]["code"]) == ("failed", "internal")
     assert answer["requestId"] == "before-auth"
+
+
+async def test_a_fault_sent_again_and_again_costs_the_log_a_line(
+    broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A request that trips a fault trips it every time it is sent (and a full disk
+    fails every request): each was an ERROR line, so a client could push the daemon's
+    lines past journald's rate limit. Now one line a minute per cause; every request is
+    still answered failed + internal, and every fault is counted."""
+    import logging
+    import sqlite3
+
+    from daemon.state.audit import AuditUnavailable
+
+    channel = str(uuid.uuid4())
+    agent = await broker.human_owned_agent()
+    cred = broker.credential(agent, [channel])
+    recorder = broker.app._recorder  # white box: the counts behind the lines
+
+    def raising(exc: Exception) -> Callable[..., Any]:
+        def broken(*_: Any, **__: Any) -> Any:
+            raise exc
+        return broken
+
+    async def broken_ledger(*_: Any, **__: Any) -> Any:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    async def broken_audit(*_: Any, **__: Any) -> Any:
+        raise AuditUnavailable("the audit file cannot be written")
+
+    caplog.set_level(logging.INFO, logger="buzz_broker")
+    for event, owner, method, broken in (
+            ("pipeline.fault", RateLimiter, "take", raising(Injected("rate"))),
+            ("ledger.fault", Ledger, "begin", broken_ledger),
+            ("audit.unavailable", AuditLog, "append", broken_audit)):
+        caplog.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(owner, method, broken)
+            for i in range(30):
+                answer = await broker.call(cred, "message.post",
+                                           {"channelId": channel, "content": f"c{i}"})
+                assert (answer["status"], answer["error"]["code"]) == ("failed", "internal")
+        lines = [r for r in caplog.records if r.getMessage() == event]
+        assert len(lines) == 1, (event, len(lines))
+        assert recorder.faults.total(event) >= 30
+    # Mended, the daemon serves again.
+    answer = await broker.call(cred, "message.post", {"channelId": channel, "content": "ok"})
+    assert answer["status"] == "succeeded"
