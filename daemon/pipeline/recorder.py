@@ -202,8 +202,8 @@ class Recorder:
         #: Reads' verdict lines (`_is_read`); causes are (action, status, code), a few.
         self.read_lines = FaultLog(_log, "verdict", level=logging.INFO)
         #: Refusals' lines past their credential's burst (`Judged.counted`): one
-        #: credential's flood of refused requests, up to its rate limit's own refusals,
-        #: was a journal line each, with the same end as a fleet's reads.
+        #: credential's flood of refused requests (its rate limit's refusals among them)
+        #: was a journal line each, with the end a fleet's reads had.
         self.refusal_lines = FaultLog(_log, "verdict", level=logging.INFO)
         #: The faults the recorder reports (`_FAULT_LINES`): one line a minute per cause.
         self.faults = FaultLogs(_log, _FAULT_LINES)
