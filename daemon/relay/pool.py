@@ -49,9 +49,10 @@ Rules:
   subscription id are one of theirs is not parsed again).
 - Logs a relay can drive: its NOTICEs, at most one line a minute per agent's connection
   (`daemon.fault_log.FaultLog`, with the count of those not written); and what a
-  connection's life logs (`_CONNECTION_LINES`), one line a minute per agent and event:
-  a relay that refuses every AUTH, or breaks every connection, costs each request a
-  connection, and one that forgets every AUTH costs each request an AUTH.
+  connection's life logs, and a full result budget (`_RELAY_LINES`), one line a minute
+  per agent and event: a relay that refuses every AUTH, or breaks every connection,
+  costs each request a connection, and one that forgets every AUTH costs each request
+  an AUTH.
 - A relay that breaks NIP-01 (a frame `parse_relay_message` refuses) loses its
   connection: everything waiting on it resolves at once (Unknown / RelayUnavailable)
   instead of waiting for a timeout that a broken peer makes meaningless.
@@ -194,9 +195,9 @@ _MESSAGE_QUEUE = 16
 #: the relay replaced the first before refusing it (`RelayPool._authenticate`). No more:
 #: a relay that replaces its challenge every time does not keep us answering.
 _AUTH_ANSWERS = 2
-#: What a connection's life logs, at what level: a relay decides how often each happens
-#: (module docstring, "Logs a relay can drive"), so each is one line a minute per agent.
-_CONNECTION_LINES: Mapping[str, int] = {
+#: What the pool logs that a relay decides how often happens, at what level (module
+#: docstring, "Logs a relay can drive"): each is one line a minute per agent.
+_RELAY_LINES: Mapping[str, int] = {
     "relay_connected": logging.INFO,
     "relay_authenticated": logging.INFO,
     "relay_auth_superseded": logging.INFO,
@@ -204,8 +205,9 @@ _CONNECTION_LINES: Mapping[str, int] = {
     "relay_protocol_error": logging.WARNING,
     "relay_connection_error": logging.WARNING,
     "relay_disconnected": logging.INFO,
+    "relay_result_budget_full": logging.WARNING,
 }
-#: Agents whose connection lines are kept apart (a host's fleet); past them the rest
+#: Agents whose lines are kept apart (a host's fleet); past them the rest
 #: share one line a minute per event (`FaultLog`'s "other").
 _LINE_AGENTS = 1024
 #: How long a best-effort CLOSE may take to write during cleanup.
@@ -831,7 +833,7 @@ class RelayPool:
         # A NOTICE is text for the operator, and a relay may send them without end: one
         # line per agent's connection a minute at most, with the count of the rest.
         self._notices = FaultLog(_logger, "relay_notice", level=logging.INFO)
-        self._lines = FaultLogs(_logger, _CONNECTION_LINES, max_causes=_LINE_AGENTS)
+        self._lines = FaultLogs(_logger, _RELAY_LINES, max_causes=_LINE_AGENTS)
 
     @property
     def url(self) -> str:
@@ -1278,8 +1280,8 @@ class RelayPool:
                     f"{MAX_QUERY_BYTES} decoded bytes for one query"
                 )
             if sub.overflow == "pool":
-                log_event(_logger, "relay_result_budget_full", level=logging.WARNING,
-                          agent=conn.agent, held=self._budget.used, total=self._budget.total)
+                self._lines.record("relay_result_budget_full", conn.agent, agent=conn.agent,
+                                   held=self._budget.used, total=self._budget.total)
                 raise RelayUnavailable(
                     f"the relay results held exceed max_result_bytes ({self._budget.total})"
                 )

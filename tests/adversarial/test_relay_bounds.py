@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -240,9 +241,13 @@ async def test_a_tag_flood_is_bounded_by_its_decoded_size_not_its_frame() -> Non
         nursery.cancel_scope.cancel()
 
 
-async def test_every_query_together_is_held_to_max_result_bytes() -> None:
+async def test_every_query_together_is_held_to_max_result_bytes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     # Each answer fits its own query's bound; the pool-wide budget (the smallest allowed,
-    # MAX_QUERY_BYTES) is held by the first answer until its caller drops it.
+    # MAX_QUERY_BYTES) is held by the first answer until its caller drops it. Each
+    # query refused meanwhile was a log line; an agent's refusals are one a minute.
+    caplog.set_level(logging.INFO, logger="buzz_broker.relay")
     relay = TagFloodRelay(count=1)
     port = free_port()
     async with trio.open_nursery() as nursery:
@@ -253,9 +258,13 @@ async def test_every_query_together_is_held_to_max_result_bytes() -> None:
         first = await pool.query(AGENT, [{"kinds": [9]}])
         held = pool.result_bytes_held
         assert len(first) == 1 and held > MAX_QUERY_BYTES // 2
-        with pytest.raises(RelayUnavailable, match="max_result_bytes"):
-            await pool.query("e" * 64, [{"kinds": [9]}])
+        for _ in range(3):
+            with pytest.raises(RelayUnavailable, match="max_result_bytes"):
+                await pool.query("e" * 64, [{"kinds": [9]}])
         assert pool.result_bytes_held == held, "the refused query gave back what it took"
+        full = [r for r in caplog.records
+                if getattr(r, "buzz_event", None) == "relay_result_budget_full"]
+        assert len(full) == 1 and pool._lines.total("relay_result_budget_full") == 3
         del first
         assert pool.result_bytes_held == 0, "a dropped answer gives its bytes back"
         second = await pool.query("e" * 64, [{"kinds": [9]}])
