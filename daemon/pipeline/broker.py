@@ -49,7 +49,7 @@ import hashlib
 import logging
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING, Final
 
@@ -77,6 +77,7 @@ from daemon.http import HttpAnswer, HttpRequest
 from daemon.pipeline.judgement import Admission, judge
 from daemon.state.ledger import (Conflict, Forgotten, Fresh, Full, Ledger, LedgerKey, Replay,
                                  Resume, Ticket)
+from daemon.fault_log import FaultLogs
 from daemon.log import log_event
 from daemon.metrics import Metrics
 from daemon.operations import OPERATIONS, Context, Operation
@@ -99,6 +100,19 @@ from daemon.pipeline import sealed_verdict
 __all__ = ["Broker", "PIPELINE", "LEDGER_FULL", "REFUSALS_FULL", "FORGOTTEN"]
 
 _log = logging.getLogger("buzz_broker.broker")
+
+#: What the pipeline logs about one request beside its verdict line, at what level. A
+#: client (or a fault) can make any of them as frequent as its requests: each is one
+#: line a minute per cause (the agent, the credential or the error), then a count.
+REQUEST_LINES: Final[Mapping[str, int]] = {
+    "request.invalid": logging.INFO,
+    "operation.refused": logging.INFO,
+    "ledger.credential_full": logging.WARNING,
+    "ledger.agent_full": logging.WARNING,
+    "custody.fault": logging.ERROR,
+    "ledger.sealed_unreadable": logging.ERROR,
+    "ledger.record_unreadable": logging.ERROR,
+}
 
 #: The order every request is judged in (README, "How a request is judged").
 PIPELINE: Final = ("correlate", "authenticate", "ledger", "validate", "authorize", "execute",
@@ -188,6 +202,7 @@ class Broker:
         self._relay = relay
         self._cursors = cursors
         self._read_log = ReadLog()
+        self._lines = FaultLogs(_log, REQUEST_LINES)
         self._judged = JudgedCache(JUDGED_CACHE_BYTES)
         self._limiter = limiter
         self._audit = audit
@@ -310,9 +325,10 @@ class Broker:
             return await self._recorder.unrecorded(facts, Judged.internal(request_id), started)
         if isinstance(begun, Full):
             # Not recorded: recording it would grow what the cap bounds (docs/operations.md).
-            log_event(_log, "ledger.credential_full" if begun.credential else "ledger.agent_full",
-                      level=logging.WARNING, agent=principal.agent,
-                      credential_id=principal.credential_id, request_id=request_id)
+            self._lines.record("ledger.credential_full" if begun.credential else
+                               "ledger.agent_full", principal.credential_id,
+                               agent=principal.agent, credential_id=principal.credential_id,
+                               request_id=request_id)
             full = Judged.of(request_id, Verdict.failed(
                 ErrorCode.UNAUTHORIZED, REFUSALS_FULL if begun.credential else LEDGER_FULL))
             return await self._recorder.unrecorded(facts, full, started)
@@ -327,8 +343,8 @@ class Broker:
             if sealed_verdict.is_sealed(stored):
                 opened = await sealed_verdict.unseal(self._custody, principal.agent, stored)
                 if opened is None:  # a read's verdict: answering internal promises nothing
-                    log_event(_log, "ledger.sealed_unreadable", level=logging.ERROR,
-                              agent=principal.agent, request_id=request_id)
+                    self._lines.record("ledger.sealed_unreadable", principal.agent,
+                                       agent=principal.agent, request_id=request_id)
                     return await self._recorder.unrecorded(facts, Judged.internal(request_id),
                                                            started)
                 stored = opened
@@ -338,8 +354,8 @@ class Broker:
             except ValueError:
                 # A compact refusal this version cannot read (a newer code): it was a
                 # failed verdict, so failed + internal promises nothing new.
-                log_event(_log, "ledger.record_unreadable", level=logging.ERROR,
-                          agent=principal.agent, request_id=request_id)
+                self._lines.record("ledger.record_unreadable", principal.agent,
+                                   agent=principal.agent, request_id=request_id)
                 return await self._recorder.unrecorded(facts, Judged.internal(request_id),
                                                        started)
             progress.effects_possible = replay.status is not Status.FAILED
@@ -398,8 +414,9 @@ class Broker:
             if self._agent_live(principal):
                 return principal
         except CustodyError as exc:
-            log_event(_log, "custody.fault", level=logging.ERROR, agent=principal.agent,
-                      request_id=request_id, error=type(exc).__name__, detail=str(exc))
+            self._lines.record("custody.fault", type(exc).__name__, agent=principal.agent,
+                               request_id=request_id, error=type(exc).__name__,
+                               detail=str(exc))
             return Judged.internal(request_id)
         return Refused(cause=AuthCause.AGENT_GONE, credential_id=principal.credential_id)
 
@@ -437,6 +454,11 @@ class Broker:
                                    agents=self._directory, limiter=self._limiter,
                                    now=self._clock()))
         if isinstance(admitted, Verdict):
+            if reading.error is not None:  # validate refused it (the first step)
+                self._lines.record("request.invalid", principal.agent, reading.error.code,
+                                   agent=principal.agent, request_id=request_id,
+                                   code=reading.error.code.value,
+                                   pointer=reading.error.shown, detail=reading.error.detail)
             return Judged.of(request_id, admitted), facts
         try:
             facts = await self._with_d_tag(facts, principal, admitted.request)
@@ -445,14 +467,16 @@ class Broker:
                                        progress), facts
         except OperationRefused as refused:
             if refused.detail:
-                log_event(_log, "operation.refused", agent=principal.agent,
-                          request_id=request_id, code=refused.code.value, detail=refused.detail)
+                self._lines.record("operation.refused", principal.agent, refused.code,
+                                   agent=principal.agent, request_id=request_id,
+                                   code=refused.code.value, detail=refused.detail)
             return Judged.of(request_id, Verdict.failed(refused.code, refused.message)), facts
         except CustodyError as exc:
             # Raised before anything was published (signing and minting precede the pending
             # record), so the fault is a known no-op: failed + internal, not recorded.
-            log_event(_log, "custody.fault", level=logging.ERROR, agent=principal.agent,
-                      request_id=request_id, error=type(exc).__name__, detail=str(exc))
+            self._lines.record("custody.fault", type(exc).__name__, agent=principal.agent,
+                               request_id=request_id, error=type(exc).__name__,
+                               detail=str(exc))
             return Judged.internal(request_id), facts
 
     async def _with_d_tag(self, facts: Facts, principal: Principal, request: Request) -> Facts:

@@ -9,7 +9,8 @@ Rules (README "How a request is judged", steps 4 and 5):
   and those records. Nothing else resolves them again.
 - Runs only for a fresh request: the ledger has already answered replays, conflicts and
   resumed work, so a replay never costs quota (the rate limit step takes units).
-- Steps have no side effects beyond the rate limiter's units and operator log lines.
+- Steps have no side effects beyond the rate limiter's units (the broker logs what
+  validation refused: it is the one that bounds its lines).
 
 WARNING: `PIPELINE` in daemon/pipeline/broker.py names the phases in order; the phases here must be
 a contiguous run of it (tests/policy/test_judgement.py checks both, and README's list).
@@ -17,21 +18,17 @@ a contiguous run of it (tests/policy/test_judgement.py checks both, and README's
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, TypeAlias
 
 from buzzwire.contract import Reading, Request, Verdict
 from daemon.config import PolicyConfig
-from daemon.log import log_event
 from daemon.pipeline.policy import AgentLookup, AgentView, Authorized, Refusal, authorize
 from daemon.state.ratelimit import RateLimiter
 from daemon.state.sessions import Principal
 
 __all__ = ["Admission", "Admitted", "JUDGEMENT", "judge"]
-
-_log = logging.getLogger("buzz_broker.judgement")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,8 +62,6 @@ def _validate(a: Admission) -> Verdict | None:
     error = a.reading.error
     if error is None:
         return None
-    log_event(_log, "request.invalid", agent=a.principal.agent, request_id=a.reading.request_id,
-              code=error.code.value, pointer=error.shown, detail=error.detail)
     return Verdict.failed(error.code, error.message)
 
 

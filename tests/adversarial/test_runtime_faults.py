@@ -178,7 +178,8 @@ async def test_token_directory_removed_while_running(private: Private) -> None:
     finally:
         daemon.kill()
     faults = [e for e in daemon.log_events() if e.get("event") == "custody.fault"]
-    assert len(faults) == 3 and all(e["level"] == "error" for e in faults), faults
+    # One line for the three (the same cause, within a minute: broker.REQUEST_LINES).
+    assert len(faults) == 1 and faults[0]["level"] == "error", faults
     # Back in place, a restart serves again (the relay is down here: failed, not internal).
     again = await DaemonProcess.start(config, socket, env=private.env)
     try:
