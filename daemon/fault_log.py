@@ -10,7 +10,10 @@ attacker can fill. So every fault goes through `FaultLog.record(cause, **fields)
   logged in between. So a cause costs at most one line per interval, whatever its rate.
 - Causes are a bounded set: past `max_causes` distinct causes, new ones share the single
   cause ``"other"`` (with its own interval), so an attacker who can vary the cause (an
-  exception type, a uid) still cannot multiply the lines.
+  exception type, a uid) still cannot multiply the lines. A cause quiet for a whole
+  interval with nothing counted is forgotten when the table is full (its next
+  occurrence would be logged at once anyway), so over a long life the table holds the
+  recent causes, not the first ones ever seen.
 
 A cause is a short tuple of public words (where the fault happened, an exception's type
 name, a uid): never an exception's text, which may quote a secret. The clock is injectable
@@ -78,7 +81,10 @@ class FaultLog:
         now = self._clock()
         key: Hashable = cause
         if key not in self._causes and len(self._causes) >= self._max_causes:
-            key = _OTHER
+            self._causes = {k: c for k, c in self._causes.items()
+                            if c.suppressed or now - c.last_logged < self._interval}
+            if len(self._causes) >= self._max_causes:
+                key = _OTHER
         entry = self._causes.get(key)
         if entry is None:
             self._causes[key] = _Cause(last_logged=now)

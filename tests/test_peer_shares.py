@@ -89,3 +89,25 @@ def test_fault_log_causes_are_a_bounded_set(captured_log: io.StringIO) -> None:
         faults.record(("uid", n), uid=n)
     # Four causes of their own, then everything shares "other": five lines for 1,000 causes.
     assert len(_lines(captured_log)) == 5
+
+
+def test_fault_log_forgets_a_quiet_cause_when_its_table_is_full(
+    captured_log: io.StringIO,
+) -> None:
+    # A long-lived daemon meets more causes (agents, uids) than the table holds: the
+    # first ones seen must not keep the table full for ever, every later cause sharing
+    # "other". One quiet for an interval with nothing counted is forgotten; one with a
+    # count still to report is kept.
+    now = [0.0]
+    faults = FaultLog(logging.getLogger("buzz_broker.test"), "fault", max_causes=2,
+                      interval=60, clock=lambda: now[0])
+    assert faults.record(("a",)) and faults.record(("b",))
+    assert not faults.record(("b",))  # b has a count to report
+    assert faults.record(("c",))  # "other"
+    now[0] = 61.0
+    assert faults.record(("e",), kind="e")  # a was quiet: forgotten, e has its own line
+    assert faults.record(("b",), kind="b")  # b was kept, and reports its count
+    lines = _lines(captured_log)
+    assert lines[-2]["kind"] == "e" and "suppressed" not in lines[-2]
+    assert lines[-1]["kind"] == "b" and lines[-1]["suppressed"] == 1
+    assert faults.total == 6
