@@ -97,7 +97,7 @@ from daemon.pipeline.signing import SigningBatcher
 from daemon.state.verdict_store import expanded_form
 from daemon.pipeline import sealed_verdict
 
-__all__ = ["Broker", "PIPELINE", "LEDGER_FULL", "REFUSALS_FULL", "FORGOTTEN"]
+__all__ = ["Broker", "PIPELINE", "LEDGER_FULL", "REFUSALS_FULL", "FORGOTTEN", "REQUEST_LINES"]
 
 _log = logging.getLogger("buzz_broker.broker")
 
