@@ -89,6 +89,7 @@ import trio
 
 from daemon.state._group_commit import Failed, GroupCommit
 from buzzwire.contract import PAIRING, ErrorCode, Status, is_request_id
+from daemon.fault_log import FaultLog
 from daemon.log import log_event
 
 __all__ = [
@@ -1127,6 +1128,9 @@ class AuditLog:
             self._write_batch, flush_failed=lambda: AuditUnavailable("audit flush failed")
         )
         self._closed = False
+        # While the disk refuses, every batch fails the same way (a full disk: every
+        # request): one line a minute per cause, then a count (the flusher's alone).
+        self._write_faults = FaultLog(_log, "audit.unavailable", level=logging.ERROR)
         #: how many write+fsync batches ran; the benchmark reports records per batch.
         self.batches = 0
         #: the last batch failed (set by the flusher thread, read on the event loop): a
@@ -1335,8 +1339,7 @@ class AuditLog:
             detail = (f"audit file replaced: {exc.args[0]} ({where})" if isinstance(exc, _Replaced)
                       else _detail("write", exc, where))
             self.failing = True
-            log_event(_log, "audit.unavailable", level=logging.ERROR, detail=detail,
-                      lost=len(batch) - done)
+            self._write_faults.record((detail,), detail=detail, lost=len(batch) - done)
             # Each caller raises its own exception, with the cause for the operator log.
             failed = [Failed(AuditUnavailable(detail)) for _ in batch[done:]]
             return [None] * done + failed

@@ -20,6 +20,7 @@ relay, so every answer here depends on the audit log alone.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
@@ -130,8 +131,15 @@ async def test_a_moved_or_deleted_live_file_fails_closed(scene: Scene, how: str)
         # its own, which cannot be written either (no audit, no answer).
         answer = envelope(await post(daemon.socket, address(), agent.credential))
         assert (answer["status"], answer["error"]["code"]) == ("failed", "internal")
+        # Every request fails the same way until it is mended: the log says so once a
+        # minute per cause (the writer's line, and the pipeline's), not once a request.
+        for _ in range(10):
+            answer = envelope(await post(daemon.socket, refused(), agent.credential))
+            assert (answer["status"], answer["error"]["code"]) == ("failed", "internal")
         events = [e for e in daemon.log_events() if e.get("event") == "audit.unavailable"]
         assert events and "replaced" in json.dumps(events), daemon.log()[-2000:]
+        by_logger = collections.Counter(e.get("logger") for e in events)
+        assert set(by_logger.values()) == {1}, events
         if how != "delete":
             assert aside.stat().st_size == size  # nothing reached the moved file
         if how == "rename":
