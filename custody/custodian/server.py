@@ -54,6 +54,10 @@ MAX_CONNECTIONS: Final = 64
 #: Ownership chains are at most this deep (the directory's depth bound is far below).
 MAX_CHAIN: Final = 64
 _PEERCRED = struct.Struct("3i")
+#: A row's refusals, and its faults, are one log line per this many seconds, then a count:
+#: a compromised pipeline could flood the unit's journal past its rate limit, which then
+#: drops the lines that matter (the unseal door's warnings among them).
+LINE_SECONDS: Final = 60.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -125,6 +129,17 @@ class Custodian:
         self._record_lock = trio.Lock()  # so is the record bound's check and its new record
         self.budget = Budget(settings.max_inflight_bytes)
         self.listing = trio.Lock()  # an `agents` answer (up to MAX_FRAME) built and sent
+        self._lines: dict[tuple[str, str], tuple[float, int]] = {}  # bounded by the table
+
+    def _quiet(self, op: str, kind: str) -> int | None:
+        """How many lines of (op, kind) were not written since its last; None: not now."""
+        now = time.monotonic()
+        last, count = self._lines.get((op, kind), (-LINE_SECONDS, 0))
+        if now - last < LINE_SECONDS:
+            self._lines[(op, kind)] = (last, count + 1)
+            return None
+        self._lines[(op, kind)] = (now, 0)
+        return count
 
     def _owner_of(self, pubkey: str) -> str | None:
         record = self.custody.agent(pubkey)
@@ -290,7 +305,8 @@ class Custodian:
         try:
             return messages.reply_ok(await self.HANDLERS[request.op](self, request.args))
         except Refused as exc:
-            log.warning("custodian refused %s: %s", request.op, exc)
+            if (quiet := self._quiet(request.op, "refused")) is not None:
+                log.warning("custodian refused %s: %s (%d not logged)", request.op, exc, quiet)
             return messages.reply_error("refused", str(exc))
         except _RateLimited as exc:
             return messages.reply_error("rate_limited", f"agent {exc} is over its signing bound")
@@ -305,7 +321,9 @@ class Custodian:
         except (ValueError, TypeError) as exc:
             return messages.reply_error("invalid", str(exc))
         except Exception as exc:  # noqa: BLE001 - one answer, the process stays up
-            log.error("custodian fault in %s: %s", request.op, type(exc).__name__)
+            if (quiet := self._quiet(request.op, "fault")) is not None:
+                log.error("custodian fault in %s: %s (%d not logged)", request.op,
+                          type(exc).__name__, quiet)
             return messages.reply_error("internal", "custodian fault")
 
 

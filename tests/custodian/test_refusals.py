@@ -81,6 +81,24 @@ async def test_a_kind_outside_the_list_is_refused(custodian: CustodianProcess) -
     await client.aclose()
 
 
+async def test_a_flood_of_refusals_costs_the_custodians_log_a_line(
+        custodian: CustodianProcess) -> None:
+    """A compromised pipeline may ask for what is refused as often as it likes: each was
+    a warning on the custodian's stderr (its unit's journal, whose rate limit then drops
+    the lines that matter, the unseal door's among them). One line a minute per row,
+    with the count of those not written; every request is still answered refused."""
+    client = await CustodianClient.open(custodian.socket)
+    agent = await held(client, human())
+    for _ in range(200):
+        assert refused(ask(custodian.socket, "sign", events=[intent(agent, 1, [], "x")]))
+    assert refused(ask(custodian.socket, "sign_auth", agent=agent,
+                       relay_url="wss://relay.example", challenge="c", created_at=1_700_000_000))
+    await client.aclose()
+    lines = [line for line in custodian.stop().splitlines() if "custodian refused" in line]
+    assert [line.split(":")[1].strip() for line in lines] == [
+        "custodian refused sign", "custodian refused sign_auth"], lines
+
+
 async def test_a_30177_for_an_agent_of_another_owner_is_refused(
         custodian: CustodianProcess) -> None:
     client = await CustodianClient.open(custodian.socket)
