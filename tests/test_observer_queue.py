@@ -9,6 +9,7 @@ tests/e2e/test_observer.py's, on LocalRelay).
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from pathlib import Path
 
@@ -132,6 +133,25 @@ async def test_a_refused_event_is_dropped_and_its_bytes_freed() -> None:
             await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
     assert queue.queued_bytes == 0 and queue.counts.published == 0
+
+
+async def test_a_relay_that_refuses_every_frame_costs_the_log_a_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # At the pacer's rate (50 a second by default, up to 10,000), a line per dropped
+    # frame; now one a minute per agent and outcome, every frame still counted.
+    caplog.set_level(logging.INFO, logger="buzz_broker.observer")
+    relay = Relay(Rejected(reason="blocked: too many"))
+    queue = ObserverQueue(config(total=10**6, share=10**6), relay.publish)
+    queue.hold(("a", "r"), "c", "a", [event() for _ in range(30)])
+    queue.settle(("a", "r"), keep=True)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        while queue.counts.failed < 30:
+            await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    dropped = [r for r in caplog.records if r.getMessage() == "observer.dropped"]
+    assert len(dropped) == 1 and len(relay.sent) == 30
 
 
 # ------------------------------------------------------------------ seq numbers

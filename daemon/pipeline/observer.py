@@ -23,8 +23,10 @@ Theory of operation (NIP-BA "Live signals"; issue 23 item 3):
 - Paced and fair: `run` hands at most `publish_per_second` events a second to the relay,
   at most `max_in_flight` awaiting their OK at once, taking one event per credential in
   turn (round robin), so a credential with a deep queue waits its turn like the others.
-- Best effort after intake: a relay refusal, no OK or no connection drops the event (one
-  operator log line, no content, and a metric); nothing is retried. NIP-BA allows it:
+- Best effort after intake: a relay refusal, no OK or no connection drops the event (an
+  operator log line, no content, and a metric); nothing is retried. A relay that refuses
+  every frame would make that `publish_per_second` lines a second: `_LINES`, one a
+  minute per agent and outcome, then a count. NIP-BA allows it:
   "Drops after intake remain possible." A daemon that stops drops what is queued.
 
 Resource handling: `run` is a background task owned by the nursery in daemon/wiring.py
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -48,7 +50,7 @@ import trio
 from buzzwire import kinds
 from buzzwire.nostr import SignedEvent
 from daemon.config import ObserverConfig
-from daemon.log import log_event
+from daemon.fault_log import FaultLogs
 from daemon.relay.pool import Accepted, PublishResult
 from daemon.relay.protocol import encode_event
 from daemon.state.observer_seq import ObserverSeq
@@ -56,6 +58,11 @@ from daemon.state.observer_seq import ObserverSeq
 __all__ = ["ObserverQueue", "ObserverIntake", "HoldKey", "KIND_OBSERVER_FRAME"]
 
 _log = logging.getLogger("buzz_broker.observer")
+#: What the pacer logs about a frame it could not publish, at what level.
+_LINES: Final[Mapping[str, int]] = {
+    "observer.dropped": logging.WARNING,
+    "observer.publish_fault": logging.ERROR,
+}
 
 #: NIP-AO: the Agent Observer Frame, an ephemeral kind (relays do not persist it).
 KIND_OBSERVER_FRAME: Final = kinds.OBSERVER_FRAME
@@ -106,6 +113,7 @@ class ObserverQueue:
         self._total = 0
         self._wake = trio.Event()
         self.counts = _Counts()
+        self._lines = FaultLogs(_log, _LINES)
 
     # ------------------------------------------------------------------ intake
 
@@ -230,8 +238,9 @@ class ObserverQueue:
         try:
             result = await self._publish(item.agent, item.event)
         except Exception as exc:  # noqa: BLE001 - one event lost, never the pacer
-            log_event(_log, "observer.publish_fault", level=logging.ERROR, agent=item.agent,
-                      event_id=item.event.id, error=type(exc).__name__)
+            self._lines.record("observer.publish_fault", item.agent, type(exc).__name__,
+                               agent=item.agent, event_id=item.event.id,
+                               error=type(exc).__name__)
             self.counts.failed += 1
         else:
             if isinstance(result, Accepted):
@@ -239,9 +248,10 @@ class ObserverQueue:
             else:
                 # The relay's reason is operator text; the event's content is ciphertext,
                 # and is not logged either.
-                log_event(_log, "observer.dropped", level=logging.WARNING, agent=item.agent,
-                          event_id=item.event.id, result=type(result).__name__.lower(),
-                          reason=getattr(result, "reason", "")[:200])
+                outcome = type(result).__name__.lower()
+                self._lines.record("observer.dropped", item.agent, outcome, agent=item.agent,
+                                   event_id=item.event.id, result=outcome,
+                                   reason=getattr(result, "reason", "")[:200])
                 self.counts.failed += 1
         finally:
             self._release(item)
