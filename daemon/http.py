@@ -531,6 +531,8 @@ class ServerControl:
         self.refusals = FaultLog(_log, "uid_connection_cap", level=logging.WARNING)
         #: TCP connections refused: uid unknown or not allowed, or a browser's request.
         self.tcp_refusals = FaultLog(_log, "tcp_refused", level=logging.WARNING)
+        #: Accepts retried (out of descriptors): every ACCEPT_RETRY_SLEEP while it lasts.
+        self.accept_retries = FaultLog(_log, "accept_retry", level=logging.WARNING)
         self._stop = trio.Event()
         self._idle = trio.Event()
         self._idle.set()
@@ -963,7 +965,7 @@ async def serve(
                         except OSError as exc:
                             slots.release()
                             if exc.errno in _ACCEPT_RETRY_ERRNOS:
-                                log_event(_log, "accept_retry", level=logging.WARNING, errno=exc.errno)
+                                control.accept_retries.record((exc.errno,), errno=exc.errno)
                                 await trio.sleep(ACCEPT_RETRY_SLEEP)
                                 continue
                             raise
