@@ -75,7 +75,7 @@ from daemon.relay.cursor import CursorScope, InvalidCursor, Position
 from daemon.fault_log import FaultLogs
 from daemon.operations._base import Context
 from daemon.relay.paging import RELAY_MAX_LIMIT, Page, RelayMisbehaved, matches, read_page
-from daemon.relay.pool import RelayRefused, RelayUnavailable
+from daemon.relay.pool import RelayRefused, RelayUnavailable, decoded_size
 from daemon.relay.windows import Served, WindowCache, WindowKey
 
 __all__ = ["ACTION", "DROP_LINES", "JUDGED_CACHE_BYTES", "JudgedCache", "MAX_PAGE_BYTES",
@@ -190,10 +190,18 @@ class _Judge:
                            reason=reason, event_id=shown)
 
 
-#: The estimated bytes `JudgedCache` holds (each event's content, tags and members once).
+#: The estimated bytes `JudgedCache` holds (each entry's objects, `_judged_cost`).
 JUDGED_CACHE_BYTES = 16 * 1024 * 1024
-#: What one cached judgement adds to its event's own bytes (dict, lists, key tuple).
+#: What one cached judgement adds to its objects (the entry's tuple, its OrderedDict slot).
 _JUDGED_OVERHEAD = 400
+
+
+def _judged_cost(obj: Mapping[str, object]) -> int:
+    """Bytes one entry holds, over-counted: its JSON members as objects, twice (the dict
+    and the `Event`'s tuples beside it). Not the page's `_event_bytes`, which counts a tag
+    value's characters: an event of 80,000 one-letter tags is 0.5 MB of JSON but over
+    10 MB of objects, and a relay may send as many such events as it likes."""
+    return 2 * decoded_size(obj) + _JUDGED_OVERHEAD
 
 
 class JudgedCache:
@@ -236,8 +244,9 @@ class JudgedCache:
         key = (event.id, event.sig)
         if key in self._entries:
             return
-        cost = _event_bytes(event) + _JUDGED_OVERHEAD
-        self._entries[key] = (event.to_json_obj(), event, cost)
+        obj = event.to_json_obj()
+        cost = _judged_cost(obj)
+        self._entries[key] = (obj, event, cost)
         self._bytes += cost
         while self._bytes > self._max and self._entries:
             _, (_, _, dropped) = self._entries.popitem(last=False)

@@ -37,8 +37,9 @@ Theory of operation:
   reads the default window again (buzz-client.md), so with a channel past one page every
   other poll of a fleet is a cursor read of the next older page. When such a read
   continues exactly from the window's bottom, its page (read from the relay, judged as
-  any) is appended, unless a live event fell below the bottom while it was read (it may
-  or may not be in that page: `Continuation`). The window is then exact down to the
+  any) is appended, unless a live event fell below the bottom, or a live deletion naming
+  no event of the window arrived, while it was read (either may or may not be reflected
+  in that page: `Continuation`). The window is then exact down to the
   page's end, and the next such read is answered from it.
 * Served: a read with a limit up to `depth`, with no cursor or a cursor inside the window,
   gets the window's events after that position, cut by `limit` and the page's byte bound
@@ -48,11 +49,12 @@ Theory of operation:
 * Encoded and held once: each distinct event (id and signature) is held once by the cache,
   with its canonical encoded bytes, however many windows name it (`WindowCache.hold`);
   an answer is those bytes joined, so a changed window costs its new events, and the
-  default page is kept whole (events, position, bytes) per limit until the window
-  changes (`Window.serve`).
+  default page of the last limit served is kept whole (events, position, bytes) until
+  the window changes (`Window.serve`).
 * Bounded: the windows' estimated bytes together (`max_bytes`, ``[relay]
-  read_window_bytes``; each held event once, plus each window's references) evict least
-  recently used windows; a window alone above it is not kept. How many channels agents
+  read_window_bytes``; each held event once, plus each window's references and its kept
+  page) evict least recently used windows; a window alone above it is not kept, and
+  evicts no other. How many channels agents
   name changes nothing: a window that does not fit is simply not kept. The relay's
   per-connection subscription cap is the pool's (`RelayPool.subscribe` raises
   SubscriptionsFull): past it the read is a plain query.
@@ -114,6 +116,8 @@ DELETION_KINDS: tuple[int, ...] = (kinds.DELETION, kinds.DELETE_EVENT)
 REMOVAL_KINDS: tuple[int, ...] = (kinds.REMOVE_USER,)
 #: What a window costs beyond its events (the object, its keys, the encoded answers' dict).
 _WINDOW_OVERHEAD = 4096
+#: What a kept default page costs beyond its bytes and its tuple's slots (`_served_cost`).
+_SERVED_OVERHEAD = 200
 #: What one window's reference to a held event costs (its sort key, list slots, id in the
 #: window's set): the event itself is held once however many windows name it.
 _REF_COST = 160
@@ -147,6 +151,11 @@ class Served:
     #: the `outcome` member's bytes without nextCursor: `{"messages":[...]` (no closing
     #: brace, so the read may append its own cursor). See `Window.serve`.
     encoded_messages: bytes
+
+
+def _served_cost(served: Served) -> int:
+    """Estimated bytes a kept default page takes: its joined bytes and its tuple."""
+    return len(served.encoded_messages) + 8 * len(served.messages) + _SERVED_OVERHEAD
 
 
 def _event_cost(event: Event, encoded: bytes) -> int:
@@ -221,7 +230,8 @@ class Window:
         #: more events exist below the window (the channel holds more than it keeps)
         self._more = False
         self._filled = False
-        #: live events dropped because they fell below the window's bottom
+        #: live events dropped because they fell below the window's bottom, and live
+        #: deletions that named none of its events: what a continuation read may have missed
         self._changes_below = 0
         #: live events that arrived before the page was read
         self._pending: list[Event] = []
@@ -231,8 +241,12 @@ class Window:
         self.filled_at = 0.0
         self.max_age = 0.0
         self.subscription: LiveSubscription | None = None
-        #: the default page per limit, kept until the window changes (`_changed`)
-        self._pages: dict[int, Served] = {}
+        #: the default page of the last limit served, kept until the window changes
+        #: (`_clear_page`); one, so an agent cycling limits costs CPU, not memory
+        self._page_cache: tuple[int, Served] | None = None
+        #: what this window would count in the cache alone: its events, its references
+        #: and its kept page (`WindowCache._evict` ends one that could never fit)
+        self.own_bytes = 0
         #: ids placed live while a check (`begin_check`, `confirms`) is being read
         self._arrived: set[str] | None = None
 
@@ -247,6 +261,10 @@ class Window:
             if live and (kind in REMOVAL_KINDS or not self._filled
                          or not self._ids.isdisjoint(_tag_values(item, "e"))):
                 self.end("deletion" if kind in DELETION_KINDS else "removal")
+            elif live and self._more:
+                # It may name an event below the window that a continuation read now in
+                # flight was answered before: that page must not extend the window.
+                self._changes_below += 1
             return
         event = self._accept(item)
         if event is None:
@@ -279,10 +297,11 @@ class Window:
             self.subscription.close()
         self._cache.forget(self)
         for held in self._held:
-            self._cache.release(held)
+            self._release(held)
         self._held, self._keys, self._sizes, self._events, self._blobs = [], [], [], [], []
         self._ids.clear()
-        self._pages.clear()
+        self._clear_page()
+        self.own_bytes = 0
 
     def fill(self, page: Page[Event]) -> bool:
         """Take the cold read's page as the window's content; False when it cannot be
@@ -301,7 +320,7 @@ class Window:
     def _insert(self, event: Event) -> None:
         key = order_key(event.created_at, event.id)
         at = bisect.bisect_left(self._keys, key)
-        held = self._cache.hold(event)
+        held = self._hold(event)
         self._keys.insert(at, key)
         self._held.insert(at, held)
         self._sizes.insert(at, held.size(self._size_of))
@@ -309,8 +328,24 @@ class Window:
         self._blobs.insert(at, held.encoded)
         self._ids.add(event.id)
 
-    def _append(self, event: Event) -> None:
+    def _hold(self, event: Event) -> _Held:
         held = self._cache.hold(event)
+        self.own_bytes += held.cost + _REF_COST
+        return held
+
+    def _release(self, held: _Held) -> None:
+        self.own_bytes -= held.cost + _REF_COST
+        self._cache.release(held)
+
+    def _clear_page(self) -> None:
+        if self._page_cache is not None:
+            cost = _served_cost(self._page_cache[1])
+            self.own_bytes -= cost
+            self._cache.bytes -= cost
+            self._page_cache = None
+
+    def _append(self, event: Event) -> None:
+        held = self._hold(event)
         self._keys.append(order_key(event.created_at, event.id))
         self._held.append(held)
         self._sizes.append(held.size(self._size_of))
@@ -325,7 +360,7 @@ class Window:
         self._events.pop()
         self._blobs.pop()
         self._ids.discard(held.event.id)
-        self._cache.release(held)
+        self._release(held)
         self._more = True
 
     def _place(self, event: Event) -> None:
@@ -342,7 +377,7 @@ class Window:
         # What falls off the bottom still exists, so a cursor is due from there on.
         while len(self._held) > self._keep:
             self._drop_bottom()
-        self._pages.clear()
+        self._clear_page()
 
     def begin_check(self) -> None:
         """A check's read starts: events arriving live meanwhile are noted, since the
@@ -410,7 +445,7 @@ class Window:
         self._more = page.next_position is not None
         while len(self._held) > self._keep:
             self._drop_bottom()
-        self._pages.clear()
+        self._clear_page()
         self._cache.resized(self)
 
     def serve(self, limit: int, after: Position | None = None) -> Served | None:
@@ -419,12 +454,17 @@ class Window:
         the window's bottom)."""
         if after is None:
             # The default page is the same until the window changes (every change clears
-            # `_pages`): an unchanged window's poll is one lookup.
-            page = self._pages.get(limit)
-            if page is None:
-                page = self._page(limit, 0)
-                if page is not None:
-                    self._pages[limit] = page
+            # it): an unchanged window's poll is one lookup.
+            if self._page_cache is not None and self._page_cache[0] == limit:
+                return self._page_cache[1]
+            page = self._page(limit, 0)
+            if page is not None and self.kept:
+                self._clear_page()
+                self._page_cache = (limit, page)
+                cost = _served_cost(page)
+                self.own_bytes += cost
+                self._cache.bytes += cost
+                self._cache.resized(self)  # may end this window: the page still answers
             return page
         start = bisect.bisect_right(self._keys, order_key(after.created_at, after.event_id))
         return self._page(limit, start)
@@ -605,13 +645,18 @@ class WindowCache:
         self._served_at[window.key] = trio.current_time()
         window.kept = True
         self.bytes += _WINDOW_OVERHEAD
-        self._evict()
+        self._evict(window)
 
     def resized(self, window: Window) -> None:
         """A window's events changed: evict past the bound."""
-        self._evict()
+        self._evict(window)
 
-    def _evict(self) -> None:
+    def _evict(self, window: Window) -> None:
+        # A window that would not fit alone goes by itself: evicting the others first
+        # would leave nothing kept, and one agent's large channel would empty every
+        # agent's windows at each of its polls.
+        if window.kept and window.own_bytes + _WINDOW_OVERHEAD > self.max_bytes:
+            window.end("larger than read_window_bytes alone")
         while self.bytes > self.max_bytes and self._windows:
             _, oldest = next(iter(self._windows.items()))
             oldest.end("evicted (read_window_bytes)")

@@ -442,6 +442,115 @@ def test_a_live_event_below_the_bottom_keeps_a_continuation_out() -> None:
     assert cache.bytes == 0, "an ended window's events are released"
 
 
+def _bare_window(cache: WindowCache, events: list[Any], *, keep: int = 10,
+                 max_page_bytes: int = 1 << 20) -> Any:
+    """A Window of `cache` filled with `events` (newest first), more below; no relay."""
+    from daemon.relay.cursor import Position
+    from daemon.relay.paging import Page
+    from daemon.relay.windows import Window
+
+    from buzzwire.contract import Event
+
+    window = Window(cache, WindowKey(TestKey().pubkey, new_channel(), False),
+                    Event.from_json_obj, len(events), max_page_bytes, lambda e: 1, keep)
+    last = events[-1]
+    bottom = Position(created_at=last.created_at, event_id=last.id)
+    assert window.fill(Page(items=tuple(events), next_position=bottom, rounds=1))
+    return window, bottom
+
+
+def _events(count: int, content: str = "m", channel: str | None = None) -> list[Any]:
+    from buzzwire.contract import Event
+
+    author, channel = TestKey(), channel or new_channel()
+    return [Event.from_json_obj(author.sign(9, f"{content}{n}", [["h", channel]], NOW - n))
+            for n in range(count)]  # newest first
+
+
+def test_a_live_deletion_below_the_bottom_keeps_a_continuation_out() -> None:
+    """A deletion naming an event below the window's bottom, arriving live while a
+    continuation read is in flight, may postdate the relay's answer to that read: the page
+    read meanwhile is not kept, or the window would serve the deleted event to every later
+    cursor read (the relay's deletion was delivered, and it names no event the window
+    held, so it ended nothing)."""
+    from daemon.relay.paging import Page
+
+    events = _events(6)
+    cache = WindowCache(None, depth=2, keep=10)  # type: ignore[arg-type]
+    window, bottom = _bare_window(cache, events[:2])
+    mark = window.continuation(bottom)
+    assert mark is not None
+    deletion = TestKey().sign(5, "", [["e", events[3].id], ["h", window.key.channel_id]], NOW)
+    window.event(deletion, live=True)
+    assert window.valid, "it named no event of the window"
+    window.extend(mark, Page(items=tuple(events[2:4]), next_position=None, rounds=1))
+    assert window.serve(2, bottom) is None, "the page read meanwhile was not kept"
+
+
+async def test_a_kept_page_is_counted_and_only_one_is_kept() -> None:
+    """The default page a window keeps between polls is a copy of its events' bytes: it
+    is counted in read_window_bytes, and one is kept (the last limit served), so an agent
+    cycling `limit` costs CPU, not a page per limit."""
+    events = _events(50, "x" * 2000)
+    cache = WindowCache(None, depth=50, keep=50)  # type: ignore[arg-type]
+    window, _ = _bare_window(cache, events, keep=50)
+    cache._keep(window)
+    unserved = cache.bytes
+    first = window.serve(50)
+    assert first is not None and window.serve(50) is first, "an unchanged window's page is kept"
+    one_page = cache.bytes - unserved
+    assert one_page >= len(first.encoded_messages)
+    for limit in range(1, 51):
+        assert window.serve(limit) is not None
+    assert cache.bytes <= unserved + one_page, "pages of other limits were not kept beside it"
+    window.end("test")
+    assert cache.bytes == 0, "an ended window's page is released"
+
+
+async def test_a_window_too_large_alone_evicts_no_other() -> None:
+    """A window that could never fit read_window_bytes goes by itself: ending every other
+    agent's window first, as plain least-recently-used eviction did, would leave nothing
+    kept, at each poll of the one agent reading a channel of large events."""
+    cache = WindowCache(None, depth=5, keep=5, max_bytes=1 << 20)  # type: ignore[arg-type]
+    small = [_bare_window(cache, _events(3), keep=5)[0] for _ in range(4)]
+    for window in small:
+        cache._keep(window)
+    assert len(cache) == 4 and cache.bytes < cache.max_bytes
+    big, _ = _bare_window(cache, _events(5, "y" * 200_000), keep=5)
+    cache._keep(big)
+    assert not big.valid and len(cache) == 4 and all(w.valid for w in small)
+    cache.close()
+    assert cache.bytes == 0
+
+
+def test_the_judged_cache_counts_at_least_what_its_entries_hold() -> None:
+    """`JudgedCache` is bounded by the bytes its entries hold, not by their JSON: an event
+    of many short tags is small on the wire and large as objects, and a relay may send as
+    many such events as it likes (they are remembered before the channel check)."""
+    import gc
+    import tracemalloc
+
+    from daemon.operations.channel_read import JudgedCache
+
+    from buzzwire.contract import Event
+
+    author = TestKey()
+    events = [Event.from_json_obj(author.sign(9, str(n), [["a"]] * 4000, NOW - n))
+              for n in range(12)]
+    cache = JudgedCache(8 * 1024 * 1024)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for event in events:
+            cache.remember(event)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert 0 < held <= cache._bytes <= 8 * 1024 * 1024, (held, cache._bytes)
+
+
 async def test_windows_of_one_channel_hold_each_event_once(local_relay: str, tmp_path: Path,
                                                            nursery: trio.Nursery) -> None:
     """Each agent keeps its own window (its own AUTH), but an event two windows hold is
@@ -464,7 +573,11 @@ async def test_windows_of_one_channel_hold_each_event_once(local_relay: str, tmp
         context(pool, principal_for(tmp_path / "2", two.pubkey, [channel]), cursors),
         ChannelReadArgs(channel_id=channel))
     assert len(windows) == 2 and _ids(first) == _ids(second)
-    assert windows.bytes - alone < alone / 4, "the second window holds references only"
+    # Besides its references, each window keeps its own default page's bytes between polls.
+    kept = windows.get(WindowKey(two.pubkey, channel, False))
+    assert kept is not None and kept._page_cache is not None
+    page = len(kept._page_cache[1].encoded_messages)
+    assert windows.bytes - alone - page < alone / 4, "the second window holds references only"
     windows.close()
     assert windows.bytes == 0
 
