@@ -205,11 +205,12 @@ class Custodian:
 
     async def import_(self, args: Mapping[str, Any]) -> object:
         # args["secret"]: the frame's tail, a bytearray (`_connection`); custody zeroes it.
-        # The caller knows that secret: an owner held here signs it no NIP-OA tag, else the
-        # caller would sign "owned by that agent" events outside every check (mint instead).
-        if args["auth_tag"] is None and self.custody.agent(args["owner"]) is not None:
-            raise Refused(f"owner {args['owner']} is an agent held here: an import under it "
-                          "needs the owner's own NIP-OA tag (auth_tag); mint one instead")
+        # The caller knows that secret: no owner held here, or destroyed (`--recover` brings it
+        # back), signs it a tag, else the caller signs "owned by" events past every check.
+        if args["auth_tag"] is None and self.custody.agent(args["owner"],
+                                                           include_deleted=True) is not None:
+            raise Refused(f"owner {args['owner']} is an agent held (or destroyed) here: an "
+                          "import under it needs the owner's own NIP-OA tag; mint one instead")
         async with self._record_lock:
             self._room()
             record = await self.custody.import_agent(args["secret"], owner=args["owner"],
@@ -395,8 +396,8 @@ async def _connection(custodian: Custodian, stream: trio.SocketStream,
                 return
             if not await _exchange(custodian, stream, header):
                 return
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        return
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        return  # OSError: the raw recv_into (_read_exactly), as a peer that closed unread
     finally:
         active[0] -= 1
         await stream.aclose()

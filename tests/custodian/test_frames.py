@@ -202,3 +202,21 @@ def ask_records(path: Path) -> list[object]:
     ok, records = send_raw(path, spelled("agents", {"include_deleted": True}))
     assert ok and isinstance(records, list)
     return records
+
+
+async def test_a_peer_that_closes_with_its_answer_unread_ends_only_its_connection(
+        bounded: CustodianProcess) -> None:
+    """On Linux a Unix socket closed with unread data in its receive queue resets the
+    other end: the custodian's next read of that connection fails with ECONNRESET, an
+    OSError, not trio's stream error. The honest client does this too (a request cut by
+    its deadline), and it ended the whole process."""
+    for _ in range(3):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(str(bounded.socket))
+            sock.sendall(messages.request("records_version"))
+            # The answer arrives and stays unread; the close then resets the custodian's end.
+            sock.settimeout(30)
+            assert sock.recv(1, socket.MSG_PEEK)
+    ok, _ = send_raw(bounded.socket, messages.request("records_version")[messages.HEADER.size:])
+    assert ok and bounded.proc is not None and bounded.proc.poll() is None
+    assert "Traceback" not in bounded.stderr.read_text()

@@ -245,7 +245,7 @@ async def test_an_import_under_an_agent_held_here_needs_that_owners_own_tag(
                    secret_bytes=64, owner=owner, auth_tag=auth_tag)
 
     answer = import_k(x, None)
-    assert refused(answer) and "held here" in str(answer[1]), answer
+    assert refused(answer) and "held (or destroyed) here" in str(answer[1]), answer
     assert ask(custodian.socket, "agent", pubkey=k, include_deleted=True) == (True, None)
     log = (custodian.config.parent / "state" / "custodian" / "signed.jsonl").read_text()
     assert k not in log
@@ -257,17 +257,19 @@ async def test_an_import_under_an_agent_held_here_needs_that_owners_own_tag(
     minted = await client.mint_agent(owner=x, mint_ref="under-x")
     assert minted.auth_tag is not None and minted.auth_tag[1] == x
     assert verify_owner_tag(minted.auth_tag, minted.pubkey)
-    # an import under a person, and under an agent destroyed here: no tag to sign, allowed
+    # an import under a person: no tag to sign, allowed
     person_owned = coincurve.PrivateKey()
     ok, record = ask(custodian.socket, "import", tail=person_owned.secret.hex().encode(),
                      secret_bytes=64, owner=human(), auth_tag=None)
     assert ok and record["auth_tag"] is None, record  # type: ignore[index]
     gone = await held(client, human())
     assert ask(custodian.socket, "destroy", pubkey=gone)[0]
+    # under an agent destroyed here, refused as under a held one: `--recover` would bring
+    # it back owning the import with no tag of its own, and sign its owner-only records
     under_gone = coincurve.PrivateKey()
-    ok, record = ask(custodian.socket, "import", tail=under_gone.secret.hex().encode(),
-                     secret_bytes=64, owner=gone, auth_tag=None)
-    assert ok and record["auth_tag"] is None, record  # type: ignore[index]
+    ok, refusal = ask(custodian.socket, "import", tail=under_gone.secret.hex().encode(),
+                      secret_bytes=64, owner=gone, auth_tag=None)
+    assert not ok and "held (or destroyed) here" in str(refusal), refusal
     await client.aclose()
 
 

@@ -45,8 +45,10 @@ TARGET_LINES = 3000
 #: the socket file a stopped custodian bound removed (a fix: 6 lines); 5,557 with a number
 #: past 64 bits named in a message's refusal (a fix: it read as "not JSON", 9 lines); 5,575
 #: with a row's refusals and faults one log line a minute (a fix: a compromised pipeline
-#: could flood the unit's journal past its rate limit, 18 lines), held there.
-CEILING_LINES = 5575
+#: could flood the unit's journal past its rate limit, 18 lines); 5,576 with an import under a
+#: destroyed owner refused as under a held one (a fix: `--recover` brought the owner back
+#: owning an untagged key its importer knew, 1 line), held there.
+CEILING_LINES = 5576
 #: Parsers facing agents and the relay that must never load where the keys are.
 NEVER = ("daemon", "h11", "wsproto", "buzz_broker_client", "buzzwire.contract")
 
