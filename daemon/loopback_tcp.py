@@ -10,7 +10,7 @@ API there too, under these rules (docs/configuration.md, docs/install.md):
   agents send to it. A port is served only if nobody else could have held it: a socket
   systemd passed (it bound it before any user could), a port below the kernel's
   ``net.ipv4.ip_unprivileged_port_start`` (1024 unless lowered: binding one needs
-  privilege), or the operator's explicit ``listen_tcp_accept_squatting_risk = true``.
+  privilege; none where the sysctl cannot be read), or the operator's explicit ``listen_tcp_accept_squatting_risk = true``.
   ``[metrics] listen`` is under the same rule with its own opt-in,
   ``listen_accept_squatting_risk``, and its own socket unit (`ListenerKind`: one per key).
 - **Who.** The peer's uid comes from the kernel (daemon/tcp_peer.py); it must be in
@@ -86,12 +86,17 @@ def browser_safe(headers: Sequence[tuple[bytes, bytes]], port: int) -> bool:
 
 
 def unprivileged_port_start() -> int:
-    """The lowest port any user may bind (the sysctl; 1024 where it cannot be read)."""
+    """The lowest port any user may bind (the sysctl), or 0 where it cannot be read.
+
+    0, not the kernel's default 1024: unread, the range may have been lowered, and then a
+    low port is as squattable as any. The shipped unit hides /proc/sys (`ProcSubset=pid`)
+    and drops CAP_NET_BIND_SERVICE, so under it the daemon binds a port below 1024 itself
+    only where the sysctl was lowered: such a port must be systemd's, or opted in."""
     try:
         with open(_SYSCTL, encoding="ascii") as f:
             return int(f.read().strip())
     except (OSError, ValueError):
-        return 1024
+        return 0
 
 
 def address_text(host: str, port: int) -> str:

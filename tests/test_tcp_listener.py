@@ -12,6 +12,7 @@ Unit-level where the rule is one module's: the squatting rule and socket activat
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -468,6 +469,53 @@ def test_socket_activated_metrics_port_is_held(sockdir: str) -> None:
     assert not (state / METRICS_NOTE).exists()
 
 
+@pytest.mark.parametrize("squatted", [False, True])
+def test_the_other_loopback_of_a_served_port_is_held_or_said_taken(sockdir: str,
+                                                                    squatted: bool) -> None:
+    """`localhost` names [::1] too (first, with Debian's /etc/hosts): a port served on
+    127.0.0.1 alone would leave [::1] of it to any local user, and an agent configured with
+    `localhost` would send it its credential. The daemon holds it unlistened (a client is
+    refused at once and goes on to 127.0.0.1), and one another process took first is a
+    warning, a line of the TCP note and a failed `status` fact."""
+    from daemon.cli.serve import SIBLING_TAKEN, TCP_NOTE
+    from daemon.cli.status import _tcp
+
+    tcp = bind_tcp_socket("127.0.0.1", 0)
+    port = tcp.getsockname()[1]
+    squatter = bind_tcp_socket("::1", port) if squatted else None
+    path = tcp_config(sockdir, f'listen_tcp = ["127.0.0.1:{port}"]')
+    with tcp:
+        proc = _activated(sockdir, path, tcp)
+    state = Path(sockdir) / "state"
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+            client.sendall(http_request(port, b'{"x":1}', "tok"))
+            assert client.recv(65536).startswith(b"HTTP/1.1 200 ")
+        note = (state / TCP_NOTE).read_text().splitlines()
+        fact = _tcp(load_config(str(path), environ={}), state, True)
+        if squatted:
+            assert len(note) == 2 and note[1].startswith(f"[::1]:{port} {SIBLING_TAKEN}"), note
+            assert f"use http://127.0.0.1:{port}" in note[1]
+            assert not fact.ok
+        else:
+            assert len(note) == 1 and fact.ok, note
+            with socket.socket(socket.AF_INET6) as other, pytest.raises(OSError) as taken:
+                other.bind(("::1", port))
+            assert taken.value.errno == errno.EADDRINUSE, "nobody else may bind it meanwhile"
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("::1", port), timeout=10)
+    finally:
+        terminate_then_kill(proc, 20)
+        if squatter is not None:
+            squatter.close()
+    assert proc.stderr is not None
+    log = proc.stderr.read().decode()
+    assert ('"serve.tcp_sibling_taken"' in log) is squatted, log[-2000:]
+    if not squatted:
+        with socket.socket(socket.AF_INET6) as after:
+            after.bind(("::1", port))  # let go with the daemon
+
+
 async def test_unheld_metrics_port_refused_without_opt_in(sockdir: str) -> None:
     """[metrics] listen on a port >= 1024 that systemd did not pass: serve refuses it, one
     line naming the key, the risk and both ways out, before the app opens (as listen_tcp's)."""
@@ -851,3 +899,22 @@ async def test_a_group_verdict_is_kept_for_its_ttl() -> None:
     now[0] += MEMBERSHIP_TTL + 0.1
     assert await gate(0) and directory.calls[0] == 2
     assert not await gate(None) and directory.calls[0] == 2  # unknown: no lookup, refused
+
+
+def test_an_unreadable_port_range_makes_no_port_privileged(monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    """The shipped unit hides /proc/sys (ProcSubset=pid) and drops every capability: the
+    daemon then binds a port below 1024 itself only where the range was lowered, that is
+    where any user could have bound it first. Unread, the range is taken as starting at 0."""
+    from daemon import loopback_tcp
+
+    monkeypatch.setattr(loopback_tcp, "_SYSCTL", str(tmp_path / "hidden"))
+    assert loopback_tcp.unprivileged_port_start() == 0
+    assert port_holder_for(80) is None
+    assert port_holder_for(80, held=True) == HELD_BY_SYSTEMD
+
+
+def port_holder_for(port: int, *, held: bool = False) -> str | None:
+    from daemon.loopback_tcp import port_holder
+
+    return port_holder(port, held=held, accept_risk=False, opt_in="listen_tcp_accept_squatting_risk")

@@ -66,7 +66,7 @@ import resource
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, MutableMapping
+from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -243,6 +243,52 @@ def _listener(kind: ListenerKind, host: str, port: int, passed: dict[tuple[str, 
     return held, f"{address_text(*held.getsockname()[:2])} ({why})"
 
 
+#: The other loopback `localhost` names: glibc answers both (::1 first with Debian's
+#: /etc/hosts), and a client tries them in that order.
+LOCALHOST_SIBLING: Mapping[str, str] = {"127.0.0.1": "::1", "::1": "127.0.0.1"}
+#: How the TCP note (and so `status`) begins the line of a sibling another process holds.
+SIBLING_TAKEN = "NOT OURS"
+
+
+def hold_siblings(listeners: Sequence[Listener]
+                  ) -> tuple[list[socket.socket], list[tuple[int, str]]]:
+    """Bind, never listen, the other loopback of every port served on one only.
+
+    Why: a port served on 127.0.0.1 alone leaves [::1] of it free, and any local user may
+    bind that and collect the credential of an agent whose base URL says `localhost`
+    (Buzz's launcher writes it). Held here, such a connection is refused at once and the
+    client goes on to the address that is ours. A host without that loopback has nothing
+    to hold (nobody can bind it); one that another process already holds is said in the
+    returned lines (with the port, the line beginning with the address), for the log and
+    `status`: held only while the
+    daemon runs, it can be taken while the daemon is down (list both in listen_tcp and in
+    the socket unit for systemd to hold them).
+    """
+    served = {sock.getsockname()[:2] for sock, _ in listeners}
+    held: list[socket.socket] = []
+    taken: list[tuple[int, str]] = []
+    for host, port in sorted(served):
+        sibling = LOCALHOST_SIBLING.get(host)
+        if sibling is None or (sibling, port) in served:
+            continue
+        family = socket.AF_INET6 if ":" in sibling else socket.AF_INET
+        try:
+            guard = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        except OSError:
+            continue  # no IPv6 at all: nobody can bind it either
+        try:
+            guard.bind((sibling, port))  # no SO_REUSEADDR: no one binds it beside us
+        except OSError as exc:
+            guard.close()
+            if exc.errno == errno.EADDRINUSE:
+                taken.append((port, f"{address_text(sibling, port)} {SIBLING_TAKEN}: another "
+                              f"process holds it; an agent whose URL says localhost:{port} may "
+                              f"reach it, not this daemon (use http://{address_text(host, port)})"))
+            continue  # EADDRNOTAVAIL: the host has no such loopback
+        held.append(guard)
+    return held, taken
+
+
 def tcp_listeners(config: Config, passed: dict[tuple[str, int], socket.socket]
                   ) -> tuple[list[Listener], Listener | None]:
     """The action API's TCP listeners (each [server] listen_tcp address) and the metrics
@@ -371,10 +417,17 @@ async def _run_locked(
             unlink_if_ours(bound_path, bound_inode)
         raise
     held = [*tcp, *([scrape] if scrape else [])]
+    guards, taken = hold_siblings(held)
+    held += [(guard, "") for guard in guards]
     for _sock, described in tcp:
         log_event(_log, "serve.tcp", listen=described)
-    _write_tcp_note(config.state.dir, TCP_NOTE, [described for _sock, described in tcp])
-    _write_tcp_note(config.state.dir, METRICS_NOTE, [scrape[1]] if scrape else [])
+    for _port, line in taken:
+        log_event(_log, "serve.tcp_sibling_taken", level=logging.WARNING, listen=line)
+    scrape_port = scrape[0].getsockname()[1] if scrape else None
+    _write_tcp_note(config.state.dir, TCP_NOTE, [described for _sock, described in tcp]
+                    + [line for port, line in taken if port != scrape_port])
+    _write_tcp_note(config.state.dir, METRICS_NOTE, [] if scrape is None else
+                    [scrape[1], *(line for port, line in taken if port == scrape_port)])
     limits = HttpLimits(
         max_connections=server.max_connections,
         max_connections_per_uid=server.max_connections_per_uid,

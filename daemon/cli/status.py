@@ -43,7 +43,7 @@ import trio
 from buzzwire.contract import printable
 from daemon.cli._common import CliError, config_from_args, print_json_line
 from daemon.cli.check_config import describe, describe_metrics, describe_tcp
-from daemon.cli.serve import METRICS_NOTE, TCP_NOTE
+from daemon.cli.serve import METRICS_NOTE, SIBLING_TAKEN, TCP_NOTE
 from daemon.config import Config, ConfigError, require_relay
 from daemon.loopback_tcp import address_text
 
@@ -157,8 +157,10 @@ def _tcp(config: Config, state_dir: Path, running: bool) -> Fact:
         except OSError:
             served = []
         if served:
-            return Fact(True, "serving " + "; ".join(served),
-                        {"listen": listen, "serving": served})
+            # False: another process holds the other loopback of a served port (serve.py
+            # `hold_siblings`), where an agent's `localhost` may reach it first.
+            return Fact(not any(SIBLING_TAKEN in line for line in served),
+                        "serving " + "; ".join(served), {"listen": listen, "serving": served})
     rules = describe_tcp(config)
     if not rules:
         return Fact(True, "off ([server] listen_tcp is empty; agents use the Unix socket)",
@@ -176,11 +178,13 @@ def _metrics(config: Config, state_dir: Path, running: bool) -> Fact:
     facts = {"listen": address_text(*listen)}
     if running:
         try:
-            served = (state_dir / METRICS_NOTE).read_text(encoding="utf-8").strip()
+            lines = (state_dir / METRICS_NOTE).read_text(encoding="utf-8").splitlines()
         except OSError:
-            served = ""
-        if served:
-            return Fact(True, f"serving {served}", {**facts, "serving": served})
+            lines = []
+        if lines:
+            served = "; ".join(lines)
+            return Fact(SIBLING_TAKEN not in served, f"serving {served}",
+                        {**facts, "serving": served})
     return Fact(True, line.removeprefix("metrics: "), facts)
 
 
@@ -209,6 +213,7 @@ def gather(config: Config) -> tuple[dict[str, Fact], bool, bool]:
     all_ok &= socket.ok or not pid
     facts["tcp"] = _tcp(config, state_dir, bool(pid))
     facts["metrics"] = _metrics(config, state_dir, bool(pid))
+    all_ok &= facts["tcp"].ok and facts["metrics"].ok
     for check in (check_token_and_kek, check_relay):
         result = trio.run(check, config)
         facts[result.name] = Fact(result.ok, result.detail)

@@ -149,4 +149,4 @@ def test_the_buzz_runtime_example_is_shell_that_sets_them(tmp_path: Path) -> Non
                           '"$BUZZ_BROKER_CREDENTIAL"'],
                          env={"HOME": str(tmp_path), "PATH": os.environ.get("PATH", "")},
                          capture_output=True, text=True, check=True).stdout.splitlines()
-    assert out == ["broker", "http://localhost:7475", "the-credential"]
+    assert out == ["broker", "http://127.0.0.1:7475", "the-credential"]
