@@ -53,7 +53,7 @@ async def forget(config_path: str) -> None:
     grace = config.settings.destroy_grace_seconds
     if not (Path(config.state_dir) / KEYSTORE_FILE).is_file():  # a host with none yet
         raise CustodyError(f"no keystore in {config.state_dir}: nothing to forget")
-    Graveyard(config.settings.log_path.parent / "destroyed", grace)  # purges past-grace copies
+    Graveyard.beside(config.settings.log_path, grace)  # purges past-grace copies
     lock = StateLock.shared(Path(config.state_dir))  # never during a rotation
     try:
         keystore = Keystore.open(Path(config.state_dir))

@@ -5,7 +5,8 @@ key. Before the custodian destroys one, it keeps a copy of the sealed blob (seal
 the token's KEK, so no secret in the clear) here for `grace_seconds`; the operator brings
 it back with `buzz-broker custodian FILE --recover PUBKEY` (recover.py's `revive_agent`
 checks it through the unseal door first). Past the grace period a copy is deleted (at the
-next destroy, and at start), and the destroy is final.
+next destroy, and at start), and the destroy is final. A copy is sealed under the KEK that
+`keys rotate` destroys: it refuses while one is kept, unless told (custody/custodian/keys.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ class Graveyard:
         self._clock = clock
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.purge()
+
+    @classmethod
+    def beside(cls, log_path: Path, grace_seconds: int) -> Graveyard:
+        """The custodian's own: `destroyed/` beside its signed log."""
+        return cls(log_path.parent / "destroyed", grace_seconds)
 
     def _path(self, pubkey: str) -> Path:
         return self.directory / f"{pubkey}.sealed"  # pubkey: 64 hex, checked by the table
@@ -55,11 +61,15 @@ class Graveyard:
     def forget(self, pubkey: str) -> None:
         self._path(pubkey).unlink(missing_ok=True)
 
-    def purge(self) -> None:
-        now = self._clock()
-        for path in self.directory.glob("*.sealed"):
+    def purge(self) -> list[str]:
+        """Delete the copies past the grace period; the pubkeys of those kept."""
+        now, kept = self._clock(), []
+        for path in sorted(self.directory.glob("*.sealed")):
             try:
                 if now - path.stat().st_mtime > self.grace:
                     path.unlink()
+                else:
+                    kept.append(path.stem)
             except FileNotFoundError:
                 continue
+        return kept

@@ -14,6 +14,10 @@ Rules:
   `[pkcs11]` names; both then destroy the old KEK (custody/_rotation.py: crash-safe, run
   again to finish). They hold the state directory's lock exclusively: they refuse while
   the custodian runs, and it refuses to start meanwhile (custody/_statelock.py).
+- Destroyed keys still within their grace period (grace.py) are sealed under the KEK a
+  rotation destroys: `rotate` and `migrate` refuse while any is held, naming how many
+  and both ways on (`--recover` each first, or `--abandon-destroyed`, which gives them up:
+  their copies are deleted once the rotation is done, and the log line counts them).
 - Each rotation or migration is a line in the custodian's own hash-chained log (ledger.py),
   before the answer is printed: op, the old and new token and KEK labels, the agent count.
 - `restore --identity ID [--yes] [--names-out NAMES] BACKUP` restores an age backup into
@@ -50,12 +54,13 @@ from pathlib import Path
 from custody._errors import CustodyError
 from custody._keys import init_keys, rotate_keys
 from custody.custodian.config import ConfigError, CustodianConfig, load
+from custody.custodian.grace import Graveyard
 from custody.custodian.ledger import SignLog
 
 __all__ = ["USAGE", "run"]
 
-USAGE = ("keys init | keys rotate [--new-kek-label LABEL] | "
-         "keys migrate --to-config FILE2 [--new-kek-label LABEL] | "
+USAGE = ("keys init | keys rotate [--new-kek-label LABEL] [--abandon-destroyed] | "
+         "keys migrate --to-config FILE2 [--new-kek-label LABEL] [--abandon-destroyed] | "
          "keys restore --identity ID [--yes] [--names-out NAMES] BACKUP")
 #: subcommand -> the options it takes (each with one value)
 _OPTIONS = {"init": (), "rotate": ("--new-kek-label",),
@@ -63,6 +68,9 @@ _OPTIONS = {"init": (), "rotate": ("--new-kek-label",),
             "restore": ("--identity", "--names-out")}
 #: subcommand -> the options it requires
 _REQUIRED = {"migrate": ("--to-config",), "restore": ("--identity",)}
+#: subcommand -> the flags it takes (no value)
+_FLAGS = {"rotate": ("--abandon-destroyed",), "migrate": ("--abandon-destroyed",),
+          "restore": ("--yes",)}
 #: Answers that confirm a restore at the prompt (the daemon's `keys restore` takes the same).
 _YES = frozenset({"y", "yes"})
 
@@ -71,9 +79,9 @@ def _options(command: str, words: list[str]) -> dict[str, str]:
     usage = ConfigError(f"usage: buzz-broker custodian FILE {USAGE}")
     if command not in _OPTIONS:
         raise usage
-    if command == "restore":  # its flag and its one positional BACKUP
-        flag = "--yes" in words
-        words = [w for w in words if w != "--yes"]
+    flags = [w for w in words if w in _FLAGS.get(command, ())]
+    words = [w for w in words if w not in flags]
+    if command == "restore":  # its one positional BACKUP
         if len(words) % 2 == 0 or words[-1].startswith("--"):
             raise usage
         words, backup = words[:-1], words[-1]
@@ -86,8 +94,7 @@ def _options(command: str, words: list[str]) -> dict[str, str]:
         raise usage
     if command == "restore":
         options["BACKUP"] = backup
-        if flag:
-            options["--yes"] = ""
+    options.update(dict.fromkeys(flags, ""))
     return options
 
 
@@ -108,11 +115,21 @@ async def run(config: CustodianConfig, words: list[str]) -> None:
     if target is not None and (target.token_label, target.module) == (
             config.token.token_label, config.token.module):
         raise ConfigError("--to-config names the same token; use `keys rotate`")
+    graveyard = Graveyard.beside(config.settings.log_path, config.settings.destroy_grace_seconds)
+    held = graveyard.purge()
+    if held and "--abandon-destroyed" not in options:
+        raise ConfigError(
+            f"{len(held)} destroyed key(s) can still be recovered, sealed under the KEK "
+            f"`keys {command}` destroys: recover each first (`buzz-broker custodian FILE "
+            "--recover PUBKEY`), or pass --abandon-destroyed to give them up")
     report = await rotate_keys(config.token, config.state_dir, target=target,
                                new_kek_label=options.get("--new-kek-label"))
+    for pubkey in held if report.destroyed else ():  # their KEK is gone: no way back
+        graveyard.forget(pubkey)
     log = SignLog(config.settings.log_path, config.settings.log_max_bytes)
     try:
         log.append([{"op": command, "agents": report.agents, "outcome": report.outcome,
+                     "abandoned": len(held),
                      "old_token": report.old.token_label, "old_kek": report.old.kek_label,
                      "new_token": report.new.token_label, "new_kek": report.new.kek_label}])
     finally:

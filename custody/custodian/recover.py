@@ -50,8 +50,7 @@ async def revive_agent(custody: Custody, pubkey: str, blob: bytes) -> KeyRecord:
 
 async def recover(config_path: str, pubkey: str) -> None:
     config = load(config_path)
-    graveyard = Graveyard(config.settings.log_path.parent / "destroyed",
-                          config.settings.destroy_grace_seconds)
+    graveyard = Graveyard.beside(config.settings.log_path, config.settings.destroy_grace_seconds)
     blob = graveyard.take(pubkey)
     if blob is None:
         raise CustodyError(f"no sealed copy of {pubkey} within the grace period")

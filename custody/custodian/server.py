@@ -123,8 +123,7 @@ class Custodian:
         self.settings = settings
         self.log = SignLog(settings.log_path, settings.log_max_bytes)
         self.bound = RateBound(settings.signatures_per_minute)
-        self.graveyard = Graveyard(settings.log_path.parent / "destroyed",
-                                   settings.destroy_grace_seconds)
+        self.graveyard = Graveyard.beside(settings.log_path, settings.destroy_grace_seconds)
         self._backup_lock = trio.Lock()  # the row's bound check and its write are one step
         self._record_lock = trio.Lock()  # so is the record bound's check and its new record
         self.budget = Budget(settings.max_inflight_bytes)

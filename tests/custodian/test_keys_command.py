@@ -84,3 +84,57 @@ def test_a_word_it_does_not_take_is_a_usage_line(tmp_path: Path) -> None:
         done = _keys(config, *words)
         assert done.returncode in (1, 2) and "usage" in done.stderr, (words, done.stderr)
         assert "Traceback" not in done.stderr
+
+
+def _recover(config: Path, pubkey: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env.pop("CREDENTIALS_DIRECTORY", None)
+    return subprocess.run([sys.executable, "-m", "custody.custodian", str(config), "--recover",
+                           pubkey], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.token_offers("GENERATE_KEY")
+async def test_rotate_refuses_while_a_destroyed_key_is_recoverable_unless_given_up(
+        softhsm_token: SoftHsmToken, tmp_path: Path) -> None:
+    """A destroyed key's grace copy is sealed under the KEK a rotation destroys: rotating
+    silently made every such destroy final. `rotate` (and `migrate`) refuse while one is
+    held, naming both ways on; a key recovered first is resealed with the rest, and
+    `--abandon-destroyed` gives the others up, counted in the custodian's log."""
+    from tests.custodian.test_refusals import ask
+
+    token = softhsm_token.config(kek_label=f"custgrace-{tmp_path.name}"[:50])
+    state = tmp_path / "state"
+    config = write_custodian_config(tmp_path / "custodian.toml", token=token, state_dir=state,
+                                    socket=tmp_path / "c.sock", relay_url="ws://127.0.0.1:1")
+    assert _keys(config, "init").returncode == 0
+    running = CustodianProcess(config, tmp_path / "c.sock")
+    running.start()
+    try:
+        agents = []
+        for n in range(2):
+            ok, record = ask(running.socket, "import", tail=f"{n + 1:064x}".encode(),
+                             secret_bytes=64, owner=HUMAN, auth_tag=None)
+            assert ok, record
+            agents.append(record["pubkey"])  # type: ignore[index]
+            assert ask(running.socket, "destroy", pubkey=agents[-1])[0]
+    finally:
+        running.stop()
+    kept, given_up = agents
+    log = state / "custodian" / "signed.jsonl"
+    refused = _keys(config, "rotate")
+    assert refused.returncode == 1 and "2 destroyed key(s) can still be recovered" in refused.stderr
+    assert "--recover PUBKEY" in refused.stderr and "--abandon-destroyed" in refused.stderr
+    assert "rotate" not in log.read_text(), "refused before anything changed"
+    assert _recover(config, kept).returncode == 0
+    assert "1 destroyed key(s)" in _keys(config, "rotate").stderr
+    rotated = _keys(config, "rotate", "--abandon-destroyed")
+    assert rotated.returncode == 0, rotated.stderr
+    last = json.loads(log.read_text().splitlines()[-1])
+    assert last["op"] == "rotate" and last["abandoned"] == 1 and last["agents"] == 1
+    assert verify_chain(log) == len(log.read_text().splitlines())
+    gone = _recover(config, given_up)
+    assert gone.returncode == 1 and "no sealed copy" in gone.stderr, gone.stderr
+    async with await Custody.open(token, state) as custody:  # the recovered key signs
+        signed = await custody.sign_event(kept, UnsignedEvent(kept, 1, 1, (), "after"))
+    assert verify_signed(signed)

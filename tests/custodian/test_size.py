@@ -47,8 +47,11 @@ TARGET_LINES = 3000
 #: with a row's refusals and faults one log line a minute (a fix: a compromised pipeline
 #: could flood the unit's journal past its rate limit, 18 lines); 5,576 with an import under a
 #: destroyed owner refused as under a held one (a fix: `--recover` brought the owner back
-#: owning an untagged key its importer knew, 1 line), held there.
-CEILING_LINES = 5576
+#: owning an untagged key its importer knew, 1 line); 5,585 with the grace copies kept
+#: through a rotation (a fix: `keys rotate` destroyed their KEK, so every destroy within
+#: its grace became final; the refusal is keys.py's, the copies' directory and list
+#: grace.py's, 9 lines), held there.
+CEILING_LINES = 5585
 #: Parsers facing agents and the relay that must never load where the keys are.
 NEVER = ("daemon", "h11", "wsproto", "buzz_broker_client", "buzzwire.contract")
 
