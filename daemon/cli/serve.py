@@ -281,9 +281,10 @@ def hold_siblings(listeners: Sequence[Listener]
         except OSError as exc:
             guard.close()
             if exc.errno == errno.EADDRINUSE:
+                ours = address_text(host, port)
                 taken.append((port, f"{address_text(sibling, port)} {SIBLING_TAKEN}: another "
                               f"process holds it; an agent whose URL says localhost:{port} may "
-                              f"reach it, not this daemon (use http://{address_text(host, port)})"))
+                              f"reach it, not this daemon (use http://{ours})"))
             continue  # EADDRNOTAVAIL: the host has no such loopback
         held.append(guard)
     return held, taken
