@@ -151,7 +151,8 @@ _log = logging.getLogger("buzz_broker.http")
 #: The one endpoint (agent-broker.md §HTTP binding; NIP-BA "Session and transport").
 ACTION_PATH = b"/v1/action"
 
-#: How much we ask the kernel for per read of a body whose bytes are reserved.
+#: How much we ask the kernel for per read of a body whose bytes are reserved, at most:
+#: never more than the body still to come, or HEAD_RECEIVE_SIZE if that is less.
 RECEIVE_SIZE = 65536
 #: How much we ask for per read while a connection holds no reservation (a head, or the
 #: next request on a keep-alive connection): bytes h11 keeps beyond the head stay small.
@@ -590,6 +591,9 @@ class _Connection:
         self.peer_uid, self.peer_pid = peer
         #: Body bytes this connection holds of its uid's share (0 between requests).
         self.reserved = 0
+        #: Of those, the ones not read yet: a read asks for no more (pipelined requests
+        #: behind the body would sit in h11's buffer, outside the share).
+        self.unread = 0
         #: The request being answered is HEAD: its answer goes without body bytes.
         self.head = False
 
@@ -636,7 +640,7 @@ class _Connection:
 
     def _release(self) -> None:
         self.control.budget.release(self.peer_uid, self.reserved)
-        self.reserved = 0
+        self.reserved = self.unread = 0
 
     async def _answer_fault(self) -> None:
         """A bodiless 500 if a request was read and no response begun; else nothing."""
@@ -687,7 +691,7 @@ class _Connection:
                 raise _Closed from None
             if event is not h11.NEED_DATA:
                 return event
-            size = RECEIVE_SIZE if self.reserved else HEAD_RECEIVE_SIZE
+            size = max(HEAD_RECEIVE_SIZE, min(RECEIVE_SIZE, self.unread))
             try:
                 data = await self.stream.receive_some(size)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -755,7 +759,7 @@ class _Connection:
         if has_body:
             size = self.limits.max_body_bytes if chunked or length_text is None else int(length_text)
             await self.control.budget.reserve(self.peer_uid, size)
-            self.reserved = size
+            self.reserved = self.unread = size
         # 4. Only now tell an "Expect: 100-continue" client to send the body.
         if self.h11.they_are_waiting_for_100_continue:
             await self._send(h11.InformationalResponse(status_code=100, headers=[]))
@@ -765,6 +769,7 @@ class _Connection:
             part = await self._next_event()
             if isinstance(part, h11.Data):
                 body += part.data
+                self.unread = max(0, self.reserved - len(body))
                 if len(body) > self.limits.max_body_bytes:
                     await self._respond(413, None, close=True)
                     raise _Closed

@@ -563,6 +563,35 @@ async def test_body_is_not_read_past_the_uid_share(sockdir: str) -> None:
         control.stop()
 
 
+async def test_a_body_read_asks_for_no_more_than_the_body_still_to_come(sockdir: str) -> None:
+    """Pipelined requests behind a body are not read with it: a read of a reserved body
+    asked the kernel for 64 KiB whatever was left of it, and the surplus (the next
+    requests' heads and bodies) sat in h11's buffer outside every share, some 64 KiB a
+    connection. What is buffered past the body is now at most one head read's size."""
+    import gc
+
+    from daemon.http import HEAD_RECEIVE_SIZE, _Connection
+
+    path = os.path.join(sockdir, "b.sock")
+    app = GateApp()
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, app, path, max_body_bytes=1024)
+        stream, reader = await connect(path)
+        first = req(b"x")
+        await stream.send_all(first[:-1])  # the head alone: its read reserves the body
+        await wait_until(lambda: control.budget.used == 1)
+        await stream.send_all(first[-1:] + req(b"y" * 1000) * 60)  # ~64 KiB behind it
+        await wait_until(lambda: app.seen == 1)
+        connection = next(o for o in gc.get_objects() if isinstance(o, _Connection))
+        assert len(connection.h11.trailing_data[0]) <= HEAD_RECEIVE_SIZE
+        assert control.budget.used == 1
+        app.gate.set()
+        for _ in range(61):
+            answer = await reader.next()
+            assert answer is not None and answer[0] == 200
+        control.stop()
+
+
 async def test_connections_past_the_uid_cap_get_503_and_close(sockdir: str) -> None:
     path = os.path.join(sockdir, "b.sock")
     async with trio.open_nursery() as nursery:
