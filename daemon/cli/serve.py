@@ -9,7 +9,8 @@ Startup, in order (each fault is one line on stderr and a non-zero exit, no trac
 3. take the listening sockets: those systemd passed (``LISTEN_FDS``/``LISTEN_PID``, from
    fd 3: the agents' Unix socket, and TCP ones told apart by address, [server] listen_tcp's
    or [metrics] listen's) or bind [server] socket, then the TCP addresses systemd did not
-   pass, under the squatting rule (`tcp_listeners`). Binding comes before the token:
+   pass, under the squatting rule (`tcp_listeners`), and hold the other loopback of a
+   port served on one only (`hold_siblings`). Binding comes before the token:
    clients that connect early wait in the backlog, and a socket fault is reported before a
    slow token login;
 4. open the application (`daemon.wiring.running`: custody logs into the token and
@@ -258,11 +259,10 @@ def hold_siblings(listeners: Sequence[Listener]
     bind that and collect the credential of an agent whose base URL says `localhost`
     (Buzz's launcher writes it). Held here, such a connection is refused at once and the
     client goes on to the address that is ours. A host without that loopback has nothing
-    to hold (nobody can bind it); one that another process already holds is said in the
-    returned lines (with the port, the line beginning with the address), for the log and
-    `status`: held only while the
-    daemon runs, it can be taken while the daemon is down (list both in listen_tcp and in
-    the socket unit for systemd to hold them).
+    to hold (nobody can bind it). One another process holds already is a returned line
+    (with its port; the line begins with the address) for the log and `status`: held only
+    while the daemon runs, it can be taken while the daemon is down (list both in
+    listen_tcp and in the socket unit for systemd to hold them).
     """
     served = {sock.getsockname()[:2] for sock, _ in listeners}
     held: list[socket.socket] = []

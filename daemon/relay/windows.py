@@ -114,7 +114,7 @@ DEFAULT_WINDOW_BYTES = 64 * 1024 * 1024
 DELETION_KINDS: tuple[int, ...] = (kinds.DELETION, kinds.DELETE_EVENT)
 #: NIP-29 remove-user; a live one naming the agent ends the agent's windows in the channel.
 REMOVAL_KINDS: tuple[int, ...] = (kinds.REMOVE_USER,)
-#: What a window costs beyond its events (the object, its keys, the encoded answers' dict).
+#: What a window costs beyond its events and its kept page (the object, its lists and set).
 _WINDOW_OVERHEAD = 4096
 #: What a kept default page costs beyond its bytes and its tuple's slots (`_served_cost`).
 _SERVED_OVERHEAD = 200
