@@ -207,12 +207,25 @@ class TcpAdmission:
         return bool(member_of & self._gids())
 
 
+class _Lookup:
+    """One uid's lookup under way: its connections wait for it rather than ask again."""
+
+    __slots__ = ("done", "verdict")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.verdict: bool | None = None  # None: cut before it answered
+
+
 class AdmissionGate:
     """`TcpAdmission` for the accept path: lookups in worker threads, verdicts kept a while.
 
     Why: with ``tcp_allow_groups`` set, each new peer needs the user database, and a slow
     one (a directory service) must not stall the listener for everyone else; a fleet of
     one uid reconnecting pays the lookup once per `MEMBERSHIP_TTL`, not per connection.
+    One lookup per uid at a time, the uid's other connections waiting for its verdict: a
+    burst of one user's connections would otherwise queue a lookup each on the
+    `_LOOKUP_THREADS` threads, ahead of every other uid's.
     """
 
     def __init__(self, admission: TcpAdmission, *, ttl: float = MEMBERSHIP_TTL,
@@ -222,19 +235,35 @@ class AdmissionGate:
         self._clock = clock
         self._verdicts: OrderedDict[int, tuple[float, bool]] = OrderedDict()
         self._limiter = trio.CapacityLimiter(_LOOKUP_THREADS)
+        #: at most one per uid connected at once, so bounded by the connection caps
+        self._lookups: dict[int, _Lookup] = {}
 
     async def __call__(self, uid: int | None) -> bool:
         quick = self._admission.without_lookup(uid)
         if quick is not None:
             return quick
         assert uid is not None
-        kept = self._verdicts.get(uid)
-        if kept is not None and kept[0] > self._clock():
-            return kept[1]
-        # abandon_on_cancel: a lookup that never returns must not hold the connection's
-        # task (the caller's deadline) or a graceful stop; its thread is left to finish.
-        verdict = await trio.to_thread.run_sync(self._admission.admits, uid,
-                                                limiter=self._limiter, abandon_on_cancel=True)
+        while True:
+            kept = self._verdicts.get(uid)
+            if kept is not None and kept[0] > self._clock():
+                return kept[1]
+            under_way = self._lookups.get(uid)
+            if under_way is None:
+                break
+            await under_way.done.wait()
+            if under_way.verdict is not None:
+                return under_way.verdict
+            # cut by its own connection's deadline: ask again (this connection's turn)
+        lookup = self._lookups[uid] = _Lookup()
+        try:
+            # abandon_on_cancel: a lookup that never returns must not hold the connection's
+            # task (the caller's deadline) or a graceful stop; its thread is left to finish.
+            verdict = await trio.to_thread.run_sync(
+                self._admission.admits, uid, limiter=self._limiter, abandon_on_cancel=True)
+            lookup.verdict = verdict
+        finally:
+            del self._lookups[uid]
+            lookup.done.set()
         self._verdicts[uid] = (self._clock() + self._ttl, verdict)
         self._verdicts.move_to_end(uid)
         while len(self._verdicts) > _MEMBERSHIP_ENTRIES:
