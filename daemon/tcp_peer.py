@@ -75,7 +75,17 @@ def _request(family: int, local: tuple[str, int], remote: tuple[str, int]) -> by
                           1, 0) + body
 
 
-def _uid_from(answer: bytes, expected_sockid: bytes) -> int | None:
+#: How an IPv4 address reads as IPv6 (RFC 4291 2.5.5.2): a dual-stack client's socket.
+_V4_MAPPED = b"\0" * 10 + b"\xff\xff"
+
+
+def _mapped(sockid: bytes) -> bytes:
+    """`sockid` (IPv4) with both addresses v4-mapped, as the kernel reports the socket of a
+    dual-stack client (an AF_INET6 socket, IPV6_V6ONLY off) connected to an IPv4 port."""
+    return sockid[:4] + _V4_MAPPED + sockid[4:8] + _V4_MAPPED + sockid[20:24]
+
+
+def _uid_from(answer: bytes, expected_sockid: bytes, family: int) -> int | None:
     if len(answer) < _NLMSGHDR.size:
         return None
     length, kind, _flags, _seq, _pid = _NLMSGHDR.unpack_from(answer)
@@ -83,8 +93,10 @@ def _uid_from(answer: bytes, expected_sockid: bytes) -> int | None:
         return None  # NLMSG_ERROR (no such socket: ENOENT) or anything else: unknown
     _fam, _state, _timer, _retrans, sockid, _exp, _rq, _wq, uid, inode = _DIAG_MSG.unpack_from(
         answer, _NLMSGHDR.size)
-    # The kernel found the socket by this 4-tuple; check it answered for that one.
-    if sockid[:36] != expected_sockid[:36]:
+    # The kernel found the socket by this 4-tuple; check it answered for that one (an
+    # IPv4 one may be a dual-stack client's, written v4-mapped: the same 4-tuple).
+    if sockid[:36] != expected_sockid[:36] and not (
+            family == socket.AF_INET and sockid[:36] == _mapped(expected_sockid)):
         return None
     if inode == 0:
         return None  # no process holds it: its uid field is the kernel's 0, not an owner
@@ -124,4 +136,4 @@ def peer_uid(conn: Connected) -> int | None:
             answer = nl.recv(8192)
     except OSError:
         return None
-    return _uid_from(answer, expected)
+    return _uid_from(answer, expected, conn.family)
