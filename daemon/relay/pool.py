@@ -1365,24 +1365,30 @@ class RelayPool:
                 if conn.live >= self._max_live:
                     raise SubscriptionsFull(
                         f"{conn.live} live subscriptions on this connection already")
-                for attempt in range(2):
-                    generation = await self._auth_for_req(conn)
-                    sub_id, live = conn.open_live(sink)
-                    established = False
-                    try:
-                        await self._req_until_eose(conn, sub_id, live.done, filters)
-                        if live.dropped:
-                            raise RelayUnavailable("connection dropped before EOSE")
-                        if live.closed is None:
-                            established = True
-                            conn.live += 1
-                            conn.in_use += 1
-                            return LiveSubscription(self, conn, sub_id)
-                    finally:
-                        if not established:
-                            await self._close_subscription(conn, sub_id)
-                    assert live.closed is not None
-                    await self._after_closed(conn, sub_id, live.closed, generation, attempt)
+                # Counted from here, not from EOSE: an agent's polls of several channels
+                # arrive together, and each would pass the check before any is counted.
+                conn.live += 1
+                established = False
+                try:
+                    for attempt in range(2):
+                        generation = await self._auth_for_req(conn)
+                        sub_id, live = conn.open_live(sink)
+                        try:
+                            await self._req_until_eose(conn, sub_id, live.done, filters)
+                            if live.dropped:
+                                raise RelayUnavailable("connection dropped before EOSE")
+                            if live.closed is None:
+                                established = True
+                                conn.in_use += 1
+                                return LiveSubscription(self, conn, sub_id)
+                        finally:
+                            if not established:
+                                await self._close_subscription(conn, sub_id)
+                        assert live.closed is not None
+                        await self._after_closed(conn, sub_id, live.closed, generation, attempt)
+                finally:
+                    if not established:
+                        conn.live -= 1
         except _Unreachable as exc:
             raise RelayUnavailable(exc.reason) from None
         raise AssertionError("unreachable: the second attempt always returns")  # pragma: no cover

@@ -305,6 +305,42 @@ async def test_past_the_subscription_cap_reads_are_plain_queries(world: World, l
     assert queries["query"] == reads + 1, "the third channel is read from the relay each time"
 
 
+async def test_subscriptions_opened_together_stay_within_the_cap(world: World, local_relay: str,
+                                                                 nursery: trio.Nursery) -> None:
+    """An agent's polls of its channels arrive together (one per channel each tick), so
+    their windows' subscriptions open together: each is counted from the cap's check, not
+    from its EOSE, or all of them passed the check before any was counted."""
+    from daemon.relay.pool import SubscriptionsFull
+
+    class Sink:
+        def event(self, item: dict[str, object], *, live: bool) -> None:
+            pass
+
+        def ended(self, reason: str) -> None:
+            pass
+
+    pool = _pool(local_relay, world.reader, max_live_subscriptions=2)
+    await nursery.start(pool.run)
+    outcomes: list[object] = []
+
+    async def open_one(channel: str) -> None:
+        try:
+            outcomes.append(await pool.subscribe(
+                world.reader.pubkey, [{"kinds": [9], "#h": [channel], "limit": 1}], Sink()))
+        except SubscriptionsFull as exc:
+            outcomes.append(exc)
+
+    await pool.query(world.reader.pubkey, [{"kinds": [9], "limit": 1}])  # connected, authed
+    async with trio.open_nursery() as together:
+        for _ in range(6):
+            together.start_soon(open_one, new_channel())
+    opened = [o for o in outcomes if not isinstance(o, SubscriptionsFull)]
+    assert len(opened) == 2 and len(outcomes) == 6, outcomes
+    for subscription in opened:
+        subscription.close()  # type: ignore[attr-defined]
+    assert pool._connections[world.reader.pubkey].live == 0
+
+
 async def test_revoked_credential_is_refused_with_a_warm_window(broker: BrokerHarness) -> None:
     agent = await broker.human_owned_agent()
     channel = new_channel()
