@@ -27,7 +27,7 @@ import trio
 from custody import Custody, CustodyError, harden_process
 from custody.custodian.activation import ActivationError, inherited_socket
 from custody.custodian.config import ConfigError, load
-from custody.custodian.server import Custodian, serve
+from custody.custodian.server import Custodian, refuse_if_served, serve
 
 __all__ = ["main", "run"]
 
@@ -36,6 +36,8 @@ async def run(config_path: str) -> None:
     config = load(config_path)
     # Before the token: a unit whose socket is not the configured one fails at once.
     inherited = inherited_socket(config.settings.socket)
+    if inherited is None:
+        refuse_if_served(config.settings.socket)
     harden_process()
     custody = await Custody.open(config.token, config.state_dir, config.cache)
     try:

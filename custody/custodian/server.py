@@ -434,6 +434,14 @@ async def _exchange(custodian: Custodian, stream: trio.SocketStream, header: byt
         return False
 
 
+def refuse_if_served(path: Path) -> None:
+    """A socket file at `path` that someone answers on is another custodian's: never take it."""
+    if path.is_socket():
+        with stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM) as probe:
+            if probe.connect_ex(str(path)) == 0:
+                raise CustodyError(f"another custodian is listening on {path}")
+
+
 async def serve(custodian: Custodian, *, inherited: stdsocket.socket | None = None,
                 task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Listen on `custodian.settings.socket` until cancelled; started() once listening.
@@ -448,7 +456,7 @@ async def serve(custodian: Custodian, *, inherited: stdsocket.socket | None = No
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.is_socket():
-            path.unlink()  # a socket left by a killed custodian: nobody can be listening
+            path.unlink()  # a killed custodian's: nobody answered on it (`refuse_if_served`)
         sock = trio.socket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
         old = os.umask(0o177)  # no moment where the socket is more open than its mode
         try:

@@ -33,7 +33,7 @@ from tests.adversarial._secrets import SecretScan, key_secret
 from tests.backup.test_backup import age_identity, key_event_bytes, key_events
 from tests.custodian.test_refusals import ask, human
 from tests.fixtures.broker import write_config
-from tests.fixtures.custodian import CustodianProcess, write_custodian_config
+from tests.fixtures.custodian import CustodianProcess, running_custodian, write_custodian_config
 from tests.fixtures.token import REPO
 
 BUZZ_BROKER = REPO / ".venv" / "bin" / "buzz-broker"
@@ -161,13 +161,17 @@ def test_a_backup_table_that_is_not_whole_is_refused_at_start(
 
 
 async def test_the_backup_row_takes_no_recipient_or_path(
-        backing_custodian: CustodianProcess, custodian: CustodianProcess,
-        identity: tuple[Path, str], tmp_path: Path) -> None:
+        backing_custodian: CustodianProcess, custody_state: tuple[TokenConfig, Path],
+        local_relay: str, identity: tuple[Path, str], tmp_path: Path) -> None:
     for extra in ({"recipients": [identity[1]]}, {"dir": str(tmp_path)},
                   {"path": str(tmp_path / "x.age")}, {"out": str(tmp_path / "x.age")}):
         ok, answer = ask(backing_custodian.socket, "backup", names=[], **extra)
         assert not ok and answer[0] == "bad_message", (extra, answer)  # type: ignore[index]
     assert list((tmp_path / "backups").glob("*")) == []
-    # `custodian` has no [backup]: the row is refused, nothing is written.
-    ok, answer = ask(custodian.socket, "backup", names=[])
+    # A custodian with no [backup] (its own socket: a socket someone answers on is never
+    # taken over) refuses the row, and nothing is written.
+    (tmp_path / "plain").mkdir()
+    with running_custodian(custody_state, local_relay, tmp_path / "plain") as plain:
+        ok, answer = ask(plain.socket, "backup", names=[])
     assert not ok and answer[0] == "refused", answer  # type: ignore[index]
+    assert list((tmp_path / "backups").glob("*")) == []

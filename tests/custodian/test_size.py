@@ -50,8 +50,10 @@ TARGET_LINES = 3000
 #: owning an untagged key its importer knew, 1 line); 5,585 with the grace copies kept
 #: through a rotation (a fix: `keys rotate` destroyed their KEK, so every destroy within
 #: its grace became final; the refusal is keys.py's, the copies' directory and list
-#: grace.py's, 9 lines), held there.
-CEILING_LINES = 5585
+#: grace.py's, 9 lines); 5,595 with a served socket never taken (a fix: a second custodian
+#: started by hand unlinked the running one's socket and served in its place, 10 lines),
+#: held there.
+CEILING_LINES = 5595
 #: Parsers facing agents and the relay that must never load where the keys are.
 NEVER = ("daemon", "h11", "wsproto", "buzz_broker_client", "buzzwire.contract")
 

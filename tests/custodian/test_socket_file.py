@@ -30,3 +30,27 @@ def test_a_socket_file_that_is_no_longer_its_own_is_left(
         process.socket.write_text("not the custodian's")
         process.stop()
         assert process.socket.read_text() == "not the custodian's"
+
+
+def test_a_second_custodian_on_a_served_socket_refuses_and_takes_nothing(
+        custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path) -> None:
+    """A socket file at the path is a killed custodian's (removed, bound anew) only if
+    nobody answers on it: a second custodian started by hand beside a running one used to
+    unlink the running one's socket and serve in its place, leaving it unreachable."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.custodian.test_refusals import ask
+
+    with running_custodian(custody_state, local_relay, tmp_path) as process:
+        inode = process.socket.stat().st_ino
+        env = {k: v for k, v in os.environ.items() if k != "CREDENTIALS_DIRECTORY"}
+        second = subprocess.run([sys.executable, "-m", "custody.custodian", str(process.config)],
+                                cwd=Path(__file__).resolve().parents[2], env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1, second.stderr
+        assert "another custodian is listening on" in second.stderr
+        assert "Traceback" not in second.stderr
+        assert process.socket.stat().st_ino == inode, "the running one's socket is untouched"
+        assert ask(process.socket, "records_version")[0], "and it still answers"
