@@ -10,7 +10,10 @@ API there too, under these rules (docs/configuration.md, docs/install.md):
   agents send to it. A port is served only if nobody else could have held it: a socket
   systemd passed (it bound it before any user could), a port below the kernel's
   ``net.ipv4.ip_unprivileged_port_start`` (1024 unless lowered: binding one needs
-  privilege; none where the sysctl cannot be read), or the operator's explicit ``listen_tcp_accept_squatting_risk = true``.
+  privilege; none where the sysctl cannot be read), or the operator's explicit
+  ``listen_tcp_accept_squatting_risk = true``. And a port served on one loopback only has
+  its other one held unlistened while the daemon runs (daemon/cli/serve.py
+  `hold_siblings`): `localhost` names both.
   ``[metrics] listen`` is under the same rule with its own opt-in,
   ``listen_accept_squatting_risk``, and its own socket unit (`ListenerKind`: one per key).
 - **Who.** The peer's uid comes from the kernel (daemon/tcp_peer.py); it must be in

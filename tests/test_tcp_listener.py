@@ -975,4 +975,5 @@ def test_an_unreadable_port_range_makes_no_port_privileged(monkeypatch: pytest.M
 def port_holder_for(port: int, *, held: bool = False) -> str | None:
     from daemon.loopback_tcp import port_holder
 
-    return port_holder(port, held=held, accept_risk=False, opt_in="listen_tcp_accept_squatting_risk")
+    return port_holder(port, held=held, accept_risk=False,
+                       opt_in="listen_tcp_accept_squatting_risk")
