@@ -2,7 +2,7 @@
 
     python benchmarks/fleet.py [--agents 16] [--channels 4] [--interval-ms 250]
                                [--post-rate 10] [--mention-share 1] [--duration 10] [--warmup 3]
-                               [--relay both|null|local] [--procs 2]
+                               [--relay both|null|local] [--procs 2] [--timer-origin start|ready]
                                [--baseline 75ee3f5 | --no-baseline]
                                [--search-max 128 | --no-search] [--search-duration 4]
                                [--profile PREFIX]
@@ -27,8 +27,11 @@ What runs (loopback and Unix sockets only, one temporary directory, removed afte
      runtime as ../shared/spec/buzz-client.md describes it: start calls, one channel.read
      per channel every --interval-ms with a fresh UUIDv4, strict reading, de-duplication,
      live signals on a mention), each agent polling all M channels and starting at a random
-     phase of the interval; beside them one poster posts --post-rate message.post a second
-     (open loop), each mentioning one agent (which then takes a turn: typing.set,
+     moment of the interval, its poll timer counting from that moment (--timer-origin start:
+     agents poll at random phases; `ready` counts from the start calls' answers instead,
+     and agents the host answers together then poll together, every tick:
+     docs/performance.md, "Phases"); beside them one poster posts --post-rate message.post
+     a second (open loop), each mentioning one agent (which then takes a turn: typing.set,
      observer.emit, liveness.ping); --mention-share below 1 mentions no one in the other
      posts, spread evenly (0: the issue's load, posts beside the polls and no turns);
   6. each agent's first calls once before any window (the daemon opens an agent's relay
@@ -79,7 +82,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import _harness as H  # noqa: E402
 from benchmarks.load import canned_events  # noqa: E402
 from tests.fixtures.broker import write_config as broker_config  # noqa: E402
-from tests.fleet.buzz_agent import BuzzAgent, percentile  # noqa: E402
+from tests.fleet.buzz_agent import TIMER_ORIGINS, BuzzAgent, percentile  # noqa: E402
 
 BASELINE = "75ee3f5"
 P99_LIMIT = 0.250
@@ -310,7 +313,7 @@ def run_fleet(args: argparse.Namespace, served: Served, rows: list[dict[str, str
         [sys.executable, __file__, "--worker", "--agents-file", str(agents_file),
          "--base", served.base, "--slice", f"{i}/{args.procs}", "--interval-ms", str(args.interval_ms),
          "--post-rate", str(args.post_rate if i == 0 else 0.0),
-         "--mention-share", str(args.mention_share)],
+         "--mention-share", str(args.mention_share), "--timer-origin", args.timer_origin],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for i in range(args.procs)]
     # A loaded machine takes seconds to start a Python process: the window is set only
     # once every generator has imported everything and is waiting.
@@ -364,6 +367,7 @@ def run_fleet(args: argparse.Namespace, served: Served, rows: list[dict[str, str
     return {
         "run": label, "agents": n, "channels": len(channels), "interval_ms": args.interval_ms,
         "post_rate": args.post_rate, "mention_share": args.mention_share,
+        "timer_origin": args.timer_origin,
         "polls_per_s_nominal": round(n * len(channels) / (args.interval_ms / 1000), 1),
         "polls_per_s_scheduled": round(sum(p["scheduled"] for p in parts) / duration, 1),
         "polls_per_s_achieved": round(polls_ok / duration, 1),
@@ -400,7 +404,7 @@ async def worker(args: argparse.Namespace) -> None:
     interval = args.interval_ms / 1000
     pubkeys = [a["pubkey"] for a in job["agents"]]
     fleet = [BuzzAgent(args.base, r["credential"], channels, interval=interval, keep_ids=False,
-                       log=True) for r in rows]
+                       log=True, timer_origin=args.timer_origin) for r in rows]
     poster = BuzzAgent(args.base, job["poster"]["credential"], channels, log=True)
     rng = random.Random(index)
     cpu: dict[str, float] = {}
@@ -472,7 +476,8 @@ async def worker(args: argparse.Namespace) -> None:
 def show(summary: dict[str, Any]) -> None:
     print(json.dumps(summary), flush=True)
     s = summary
-    print(f"  {s['run']}: {s['agents']} agents x {s['channels']} channels every {s['interval_ms']} ms: "
+    print(f"  {s['run']}: {s['agents']} agents x {s['channels']} channels every {s['interval_ms']} ms "
+          f"(timers from {s['timer_origin']}): "
           f"{s['polls_per_s_achieved']} polls/s achieved of {s['polls_per_s_scheduled']} scheduled "
           f"({s['polls_per_s_nominal']} nominal), p50 {s['p50_ms']} ms, p99 {s['p99_ms']} ms "
           f"(on the wire: p50 {s['wire_p50_ms']} ms, p99 {s['wire_p99_ms']} ms); "
@@ -591,6 +596,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds before the window opens")
     parser.add_argument("--relay", choices=("both", "null", "local"), default="both")
     parser.add_argument("--procs", type=int, default=2, help="generator processes")
+    parser.add_argument("--timer-origin", choices=TIMER_ORIGINS, default="start",
+                        help="what an agent's poll timer counts from: its start (random phases), "
+                             "or its start calls' answers (phases the host's answers set)")
     parser.add_argument("--baseline", default=BASELINE, help="the commit compared against (over its Unix socket)")
     parser.add_argument("--no-baseline", dest="baseline", action="store_const", const="")
     parser.add_argument("--search-max", type=int, default=128, help="largest fleet the search tries")

@@ -30,7 +30,11 @@ What it does, as the spec says the runtime does:
   never resent. `nextCursor` is used as a continuation only; without one the next poll
   reads the default window again. Timer-driven: a tick whose previous poll of that channel
   is still in flight is *skipped* (counted as scheduled, not sent), so a slow host lowers
-  the client's own load, and the benchmark counts what was scheduled.
+  the client's own load, and the benchmark counts what was scheduled. The timer counts
+  from the moment `run()` began (`timer_origin="start"`, the first tick being the first
+  one after the start calls are answered), so agents started at random moments poll at
+  random phases; `timer_origin="ready"` counts from the start calls' answers instead,
+  and agents whose start calls a host answers together then poll together, every tick.
 - **De-duplication** by event id, two rotating sets of 2,000 ids, as the runtime keeps;
   events whose signature fails or whose first `h` tag is not the polled channel are dropped.
 - **Turns.** A new event that mentions the agent (a `p` tag naming it) starts a turn, as a
@@ -85,6 +89,9 @@ PER_MESSAGE_ALLOWANCE = 128 * 1024
 POLL_LIMIT = 100
 DEFAULT_INTERVAL = 1.0
 MIN_INTERVAL = 0.1
+#: Where an agent's poll timer counts from: the moment `run()` began, or the moment its
+#: start calls were answered (module docstring, "Polls").
+TIMER_ORIGINS = ("start", "ready")
 #: De-duplication: two rotating sets of this many ids.
 DEDUP_SET_SIZE = 2000
 _RECEIVE = 65536
@@ -468,12 +475,16 @@ class BuzzAgent:
     def __init__(self, base: str, credential: str, channels: Sequence[str], *,
                  interval: float = DEFAULT_INTERVAL, mentions_only: Mapping[str, bool] | None = None,
                  keep_ids: bool = True, log: bool = False,
-                 poll_clock: Callable[[], float] = trio.current_time) -> None:
+                 poll_clock: Callable[[], float] = trio.current_time,
+                 timer_origin: str = "start") -> None:
         if not channels:
             raise ValueError("an agent polls at least one channel")
         self.transport = Transport(parse_endpoint(base), credential)
         self.channels = list(channels)
         self.interval = max(MIN_INTERVAL, interval)
+        if timer_origin not in TIMER_ORIGINS:
+            raise ValueError(f"timer_origin is one of {TIMER_ORIGINS}")
+        self.timer_origin = timer_origin
         self.mentions_only = dict(mentions_only or {})
         self.keep_ids = keep_ids
         self.log = log
@@ -523,6 +534,7 @@ class BuzzAgent:
         return verdict
 
     async def run(self) -> None:
+        began = self._clock()
         try:
             address = await self.call("storage.address", {"slug": "core"})
             if address is None or address.status != "succeeded":
@@ -538,11 +550,12 @@ class BuzzAgent:
             if self._stop.is_set():
                 return
             self.started.set()
+            origin = began if self.timer_origin == "start" else self._clock()
             # Each channel's loop stops scheduling at stop() and waits for its poll in
             # flight, so every poll sent is answered (or counted as no answer).
             async with trio.open_nursery() as nursery:
                 for channel in self.channels:
-                    nursery.start_soon(self._poll_channel, channel)
+                    nursery.start_soon(self._poll_channel, channel, origin)
             if not self._unauthenticated:
                 await self.call("presence.set", {"status": "offline"})
                 self.ended = self.ended or "stopped"
@@ -551,14 +564,15 @@ class BuzzAgent:
             with trio.CancelScope(shield=True):
                 await self.transport.aclose()
 
-    async def _poll_channel(self, channel: str) -> None:
+    async def _poll_channel(self, channel: str, origin: float) -> None:
         cursor: str | None = None
         first = True
         in_flight = False
-        start = self._clock()
+        # The first tick not before now: a timer started at `origin` has its phase.
+        due = max(0, math.ceil((self._clock() - origin) / self.interval))
         async with trio.open_nursery() as nursery:
-            for tick in itertools.count():
-                intended = start + tick * self.interval
+            for tick in itertools.count(due):
+                intended = origin + tick * self.interval
                 with trio.move_on_at(intended):
                     await self._stop.wait()
                 if self._stop.is_set():
