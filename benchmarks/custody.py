@@ -140,13 +140,20 @@ async def over_the_boundary(config: Any, state_dir: Path, agent: str, seconds: f
     toml = state_dir.parent / "custodian.toml"
     toml.write_text(
         f'[custodian]\nsocket = "{socket}"\nstate_dir = "{state_dir}"\n'
-        f'relay_url = "ws://127.0.0.1:1"\nsignatures_per_minute = 100000000\n'
+        # The most signatures a minute the configuration allows: the bound never binds here.
+        f'relay_url = "ws://127.0.0.1:1"\nsignatures_per_minute = 1000000\n'
         f'[pkcs11]\nmodule = "{config.module}"\ntoken_label = "{config.token_label}"\n'
         f'pin_file = "{config.pin_file}"\nkek_label = "{config.kek_label}"\n')
-    proc = subprocess.Popen([sys.executable, "-m", "custody.custodian", str(toml)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    errors = state_dir.parent / "custodian.err"  # a file: a pipe nobody reads would fill
+    with errors.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "custody.custodian", str(toml)],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
-        assert proc.stdout is not None and "listening" in proc.stdout.readline()
+        assert proc.stdout is not None
+        if "listening" not in proc.stdout.readline():
+            proc.wait()
+            # Its one line says why (a configuration this file wrote that it now refuses).
+            raise SystemExit(f"the custodian did not start: {errors.read_text().strip()}")
         client = await CustodianClient.open(socket)
         figures = await measure(client, agent, seconds)
         round_trip = rate_sync(lambda i: client.lookup("agent", pubkey=agent,
