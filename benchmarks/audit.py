@@ -15,16 +15,21 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import trio
+# The repository first: run as a script, benchmarks/ is sys.path[0], and its custody.py
+# would shadow the custody package the daemon's modules import.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from daemon.state.audit import AuditLog, AuditRecord, Phase
-from buzzwire.contract import Status
-from daemon.state.ratelimit import DEFAULT_RATE_CONFIG, RateLimiter
+import trio  # noqa: E402
+
+from buzzwire.contract import Status  # noqa: E402
+from daemon.state.audit import AuditLog, AuditRecord, Phase  # noqa: E402
+from daemon.state.ratelimit import DEFAULT_RATE_CONFIG, RateLimiter  # noqa: E402
 
 AGENT = "ab" * 32
 CRED = "cred_0123456789abcdef"
