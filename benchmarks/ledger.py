@@ -29,7 +29,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from buzzwire.contract import Status  # noqa: E402
+from buzzwire.contract import ErrorCode, Status  # noqa: E402
 from daemon.state.ledger import Fresh, Ledger, LedgerKey, Replay  # noqa: E402
 
 PENDING = b'{"events":[{"id":"' + b"e" * 64 + b'","sig":"' + b"s" * 128 + b'"}]}' + b" " * 300
@@ -46,7 +46,9 @@ class DictLedger:
     """The same bookkeeping with nothing durable: the floor the real ledger is held to."""
 
     def __init__(self) -> None:
-        self.records: dict[LedgerKey, tuple[bytes, str, bytes | None, bytes | None]] = {}
+        #: key -> (digest, state, pending, response, status, code): the real ledger's columns
+        self.records: dict[LedgerKey, tuple[bytes, str, bytes | None, bytes | None,
+                                            Status | None, ErrorCode | None]] = {}
         self.inflight: dict[LedgerKey, _DictFlight] = {}
 
     async def begin(self, key: LedgerKey, digest: bytes) -> object:
@@ -61,15 +63,17 @@ class DictLedger:
             return "fresh"
         if row[0] != digest:
             return "conflict"
-        return Replay(row[3] or b"")
+        assert row[4] is not None
+        return Replay(row[3] or b"", row[4], row[5])
 
     async def record_pending(self, key: LedgerKey, digest: bytes, pending: bytes) -> None:
         await trio.lowlevel.checkpoint()
-        self.records[key] = (digest, "pending", pending, None)
+        self.records[key] = (digest, "pending", pending, None, None, None)
 
-    async def finish(self, key: LedgerKey, digest: bytes, response: bytes) -> None:
+    async def finish(self, key: LedgerKey, digest: bytes, response: bytes, status: Status,
+                     code: ErrorCode | None = None) -> None:
         await trio.lowlevel.checkpoint()
-        self.records[key] = (digest, "final", self.records[key][2], response)
+        self.records[key] = (digest, "final", self.records[key][2], response, status, code)
         self.inflight.pop(key).done.set()
 
 
@@ -100,7 +104,8 @@ async def bench_sqlite(path: Path, n: int, concurrency: int) -> tuple[float, flo
 
     async def replay(i: int) -> None:
         begun = await ledger.begin(LedgerKey("a" * 64, f"{tag}-{i}"), digest)
-        assert isinstance(begun, Replay) and begun.response == RESPONSE
+        assert (isinstance(begun, Replay) and begun.response == RESPONSE
+                and begun.status is Status.SUCCEEDED)
 
     try:
         commits0 = ledger.commits
@@ -120,11 +125,12 @@ async def bench_dict(n: int, concurrency: int) -> tuple[float, float]:
         key = LedgerKey("a" * 64, f"r-{i}")
         assert await ledger.begin(key, digest) == "fresh"
         await ledger.record_pending(key, digest, PENDING)
-        await ledger.finish(key, digest, RESPONSE)
+        await ledger.finish(key, digest, RESPONSE, Status.SUCCEEDED)
 
     async def replay(i: int) -> None:
         begun = await ledger.begin(LedgerKey("a" * 64, f"r-{i}"), digest)
-        assert isinstance(begun, Replay) and begun.response == RESPONSE
+        assert (isinstance(begun, Replay) and begun.response == RESPONSE
+                and begun.status is Status.SUCCEEDED)
 
     return await _drive(n, concurrency, first), await _drive(n, concurrency, replay)
 
