@@ -37,7 +37,7 @@ from buzzwire.contract import ChannelReadArgs, ReadOutcome, Status  # noqa: E402
 from daemon.relay.cursor import CursorCodec  # noqa: E402
 from daemon.operations import channel_read  # noqa: E402
 from daemon.relay.pool import Accepted, RelayPool, RelayTimeouts  # noqa: E402
-from tests.fixtures.relay import TestKey, auth_signer_for, start_devrelay  # noqa: E402
+from tests.fixtures.relay import TestKey, auth_signer_for, signed, start_devrelay  # noqa: E402
 from tests.read._support import NOW, context, new_channel, principal_for  # noqa: E402
 
 LIMIT = 100
@@ -77,7 +77,8 @@ async def main(args: argparse.Namespace) -> None:
 
             async def publish(ev: dict[str, Any]) -> None:
                 async with limiter:
-                    assert isinstance(await pool.publish(author.pubkey, ev), Accepted)
+                    # The pool publishes only a SignedEvent: the type signing makes.
+                    assert isinstance(await pool.publish(author.pubkey, signed(ev)), Accepted)
 
             async with trio.open_nursery() as pub:
                 for ev in events:
