@@ -3,11 +3,12 @@
 Prints, for a realistic message.reply body and a channel.read body, the requests parsed
 and validated per second by `read_request`, `json.loads` per second on the same bytes in
 the same run, and the ratio (contract / json.loads). Best of several rounds, to damp noise
-on a shared machine. Run: python benchmarks/contract.py
+on a shared machine. Run: python benchmarks/contract.py [--seconds 0.4] (window per round)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from collections.abc import Callable
@@ -61,15 +62,17 @@ def rate(fn: Callable[[bytes], object], body: bytes, seconds: float = 0.4, round
     return best
 
 
-def main() -> None:
+def main(seconds: float) -> None:
     for name, body in (("message.reply", MESSAGE_REPLY), ("channel.read", CHANNEL_READ)):
         reading = read_request(body)
         assert reading.request is not None, reading.error  # the body must be valid
-        contract = rate(read_request, body)
-        baseline = rate(json.loads, body)
+        contract = rate(read_request, body, seconds)
+        baseline = rate(json.loads, body, seconds)
         print(f"{name:14s} {len(body):4d} B  read_request {contract:10,.0f}/s   "
               f"json.loads {baseline:10,.0f}/s   ratio {contract / baseline:.3f}")
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=0.4, help="window per round")
+    main(parser.parse_args().seconds)
