@@ -38,6 +38,7 @@ __all__ = [
     "owner_tag_digest",
     "verify_owner_tag",
     "is_hex64",
+    "require_pubkey",
 ]
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -53,7 +54,8 @@ def is_hex64(value: object) -> bool:
     return isinstance(value, str) and _HEX64.fullmatch(value) is not None
 
 
-def _require_pubkey(name: str, value: object) -> None:
+def require_pubkey(name: str, value: object) -> None:
+    """ValueError naming `name` unless `value` is `is_hex64`."""
     if not is_hex64(value):
         raise ValueError(f"{name} must be 64 lowercase hex characters")
 
@@ -85,7 +87,7 @@ def _tags_of(value: object) -> Tags:
 
 
 def _check_common(pubkey: object, created_at: object, kind: object, content: object) -> None:
-    _require_pubkey("pubkey", pubkey)
+    require_pubkey("pubkey", pubkey)
     if not isinstance(created_at, int) or isinstance(created_at, bool) or created_at < 0:
         raise ValueError("created_at must be a non-negative int")
     if not isinstance(kind, int) or isinstance(kind, bool) or not 0 <= kind <= MAX_KIND:
@@ -218,7 +220,7 @@ def verify_signed(event: SignedEvent) -> bool:
 
 def owner_tag_digest(agent_pubkey: str, conditions: str) -> bytes:
     """NIP-OA: sha256(utf8("nostr:agent-auth:" + agent_pubkey_hex + ":" + conditions))."""
-    _require_pubkey("agent_pubkey", agent_pubkey)
+    require_pubkey("agent_pubkey", agent_pubkey)
     return hashlib.sha256(f"{OWNER_TAG_PREFIX}{agent_pubkey}:{conditions}".encode()).digest()
 
 

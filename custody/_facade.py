@@ -52,7 +52,7 @@ from custody._nip44 import (
 )
 from custody._ownership import owned_through
 from custody._records import CachePolicy
-from buzzwire.nostr import SignedEvent, UnsignedEvent, is_hex64
+from buzzwire.nostr import SignedEvent, UnsignedEvent, is_hex64, require_pubkey
 from custody._process import harden_process
 from custody._activekek import active_kek, interrupted, recorded_kek
 from custody._sealed import seal, unseal
@@ -77,10 +77,6 @@ MAX_PAYLOADS_PER_CALL = 256
 __all__ = ["Custody", "HeldOwner"]
 
 log = logging.getLogger("buzz_broker.custody")
-
-def _require_pubkey(name: str, value: object) -> None:
-    if not is_hex64(value):
-        raise ValueError(f"{name} must be 64 lowercase hex characters")
 
 
 def _require_owner_point(owner: str) -> None:
@@ -231,7 +227,7 @@ class Custody:
         return self._index.version()
 
     def _live(self, pubkey: str) -> KeyRecord:
-        _require_pubkey("agent", pubkey)
+        require_pubkey("agent", pubkey)
         record = self.agent(pubkey)
         if record is None:
             raise UnknownAgent(pubkey)
@@ -412,7 +408,7 @@ class Custody:
             ValueError: a malformed owner or mint_ref.
         """
         self._check_open()
-        _require_pubkey("owner", owner)
+        require_pubkey("owner", owner)
         _require_owner_point(owner)
         if mint_ref is not None and (not isinstance(mint_ref, str) or not mint_ref):
             raise ValueError("mint_ref must be a non-empty str or None")
@@ -459,7 +455,7 @@ class Custody:
         # abandoned, so this cannot race the parse that reads it).
         try:
             self._check_open()
-            _require_pubkey("owner", owner)
+            require_pubkey("owner", owner)
             _require_owner_point(owner)
             if not isinstance(secret_text, bytearray):
                 raise TypeError("secret_text must be a bytearray (so it can be zeroed)")
@@ -513,7 +509,7 @@ class Custody:
             UnknownAgent: never held here.
         """
         self._check_open()
-        _require_pubkey("agent", pubkey)
+        require_pubkey("agent", pubkey)
 
         def work() -> KeyRecord | None:
             if self._cache is not None:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 
 from custody._errors import CustodyError, UnknownAgent
-from custody._facade import Custody, _require_pubkey
+from buzzwire.nostr import require_pubkey
+from custody._facade import Custody
 from custody._records import KeyRecord
 from custody._sealed import unseal
 from custody.custodian.config import load
@@ -34,7 +35,7 @@ async def revive_agent(custody: Custody, pubkey: str, blob: bytes) -> KeyRecord:
         UnknownAgent: no tombstone with that key (never held, or live).
     """
     custody._check_open()
-    _require_pubkey("agent", pubkey)
+    require_pubkey("agent", pubkey)
 
     def work() -> KeyRecord | None:
         with unseal(custody._token, blob, pubkey):
