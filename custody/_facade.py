@@ -29,6 +29,7 @@ a foreign `auth` tag, a bad slug).
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import logging
 import secrets
@@ -250,10 +251,11 @@ class Custody:
         raises and no signature is returned. Same errors as `sign_event`."""
         self._check_open()
         planned: list[tuple[str, UnsignedEvent]] = []
+        live = functools.cache(self._live)  # a SQLite read per agent, not per event
         for agent, unsigned in requests:
             if not isinstance(unsigned, UnsignedEvent):
                 raise TypeError("sign_events takes (agent, UnsignedEvent) pairs")
-            record = self._live(agent)
+            record = live(agent)
             if unsigned.pubkey != agent:
                 raise ValueError("the event's pubkey is not the signing agent")
             planned.append((agent, with_owner_tag(unsigned, record.auth_tag)))

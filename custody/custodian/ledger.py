@@ -5,7 +5,7 @@ this one is written only by the process that holds the keys, under its uid.
 
 - `SignLog`: one JSON line per answered intent (op, agent, kind and event id for a
   signature, a count for NIP-44), each carrying `prev`, the hash of the line before, and
-  `hash` = SHA-256(prev || the line without `hash`). Nothing secret goes in: ids, kinds,
+  last `hash` = SHA-256(prev || the line without `hash`). Nothing secret goes in: ids, kinds,
   pubkeys, counts. Disk is bounded by `max_bytes`: past it the file moves to `.1`
   (replacing the older one) and the chain continues in the new file from the last hash.
   The head moves only once a write has fully succeeded (a failed one is cut off again);
@@ -37,9 +37,9 @@ GENESIS: Final = "0" * 64
 MAX_AGENTS: Final = 65536
 
 
-def _line_hash(prev: str, entry: dict[str, object]) -> str:
-    body = json.dumps(entry, separators=(",", ":"), sort_keys=True).encode("utf-8")
-    return hashlib.sha256(bytes.fromhex(prev) + body).hexdigest()
+def _hashed(prev: str, entry: dict[str, object]) -> tuple[str, str]:
+    body = json.dumps(entry, separators=(",", ":"), sort_keys=True)
+    return body, hashlib.sha256(bytes.fromhex(prev) + body.encode("utf-8")).hexdigest()
 
 
 class SignLog:
@@ -67,11 +67,9 @@ class SignLog:
         head, seq, lines = self.head, self.seq, []
         for entry in entries:
             seq += 1
-            full: dict[str, object] = {"seq": seq, "at": int(self._clock()), "prev": head,
-                                       **entry}
-            head = _line_hash(head, full)
-            full["hash"] = head
-            lines.append(json.dumps(full, separators=(",", ":"), sort_keys=True) + "\n")
+            body, head = _hashed(head, {"seq": seq, "at": int(self._clock()), "prev": head,
+                                        **entry})
+            lines.append(f'{body[:-1]},"hash":"{head}"}}\n')  # one encoding, not two
         data = memoryview("".join(lines).encode("utf-8"))
         start = self._file.seek(0, os.SEEK_END)
         try:
@@ -134,7 +132,7 @@ def verify_chain(path: Path, start: str = GENESIS) -> int:
         for count, line in enumerate(f, 1):
             entry = json.loads(line)
             claimed = entry.pop("hash")
-            if entry["prev"] != prev or _line_hash(prev, entry) != claimed:
+            if entry["prev"] != prev or _hashed(prev, entry)[1] != claimed:
                 raise ValueError(f"line {count} breaks the chain")
             prev = claimed
     return count

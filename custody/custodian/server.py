@@ -25,6 +25,7 @@ Theory of operation:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket as stdsocket
@@ -235,10 +236,11 @@ class Custodian:
 
     async def sign(self, args: Mapping[str, Any]) -> object:
         planned = []
+        owner_of = functools.cache(self._owner_of)  # a SQLite read per key, not per event
         for intent in args["events"]:
             signer, kind = intent["signer"], intent["kind"]
             self._not_ahead(intent["created_at"])
-            fault = intents.check(signer, kind, intent["tags"], intent["content"], self._owner_of)
+            fault = intents.check(signer, kind, intent["tags"], intent["content"], owner_of)
             if fault is not None:
                 raise Refused(fault)
             planned.append((signer, UnsignedEvent(pubkey=signer, created_at=intent["created_at"],

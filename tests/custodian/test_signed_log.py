@@ -93,3 +93,30 @@ def test_a_failed_append_leaves_the_file_and_the_head_as_they_were(tmp_path: Pat
     entries = [json.loads(line) for line in path.read_bytes().splitlines()]
     assert [(e["seq"], e["id"][0]) for e in entries] == [(1, "1"), (2, "3")]
     assert verify_chain(path) == 2
+
+
+def test_a_line_holds_hash_last_and_an_older_log_goes_on(tmp_path: Path) -> None:
+    """The line is its hashed body with `hash` appended (one encoding an entry); a log whose
+    lines hold `hash` among the sorted keys, as older versions wrote, still checks, and the
+    chain goes on from it."""
+    import hashlib
+
+    from custody.custodian.ledger import GENESIS, SignLog
+
+    log = tmp_path / "signed.jsonl"
+    old = {"seq": 1, "at": 1_700_000_000, "prev": GENESIS, "op": "mint", "agent": "a" * 64}
+    body = json.dumps(old, separators=(",", ":"), sort_keys=True)
+    old["hash"] = hashlib.sha256(bytes.fromhex(GENESIS) + body.encode()).hexdigest()
+    log.write_text(json.dumps(old, separators=(",", ":"), sort_keys=True) + "\n")
+    signed = SignLog(log, 1 << 20)
+    signed.append([{"op": "sign", "agent": "b" * 64, "kind": 9, "id": "c" * 64}])
+    signed.close()
+    first, second = log.read_text().splitlines()
+    assert list(json.loads(first)).index("hash") < len(json.loads(first)) - 1  # sorted in
+    assert list(json.loads(second))[-1] == "hash"
+    assert json.loads(second)["prev"] == old["hash"]
+    assert verify_chain(log) == 2
+    # A line changed after the fact breaks the chain, whichever way its keys are written.
+    log.write_text(first + "\n" + second.replace('"kind":9', '"kind":1') + "\n")
+    with pytest.raises(ValueError, match="line 2"):
+        verify_chain(log)
