@@ -241,7 +241,9 @@ def _int_literal(text: str) -> int:
 #: value costs up to ~72 bytes (an empty object, 3 bytes of frame: one frame of them took
 #: 600 MiB). The largest request, a backup of MAX_BACKUP_NAMES names, has 7 a name.
 MAX_VALUES: Final = 8 * MAX_BACKUP_NAMES
-_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
+#: A string literal; one never closed runs to the end of the frame, a lone backslash last
+#: included. Linear: a match that could fail would be tried again from every later quote.
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.?)*+(?:"|\Z)', re.DOTALL)
 
 
 def _values(body: bytes | bytearray) -> int:

@@ -102,6 +102,19 @@ def test_values_are_bounded_before_the_parse_and_counted_outside_strings() -> No
     assert messages.decode_request(body).args["events"][2]["content"] == content  # type: ignore[index]
 
 
+def test_strings_never_closed_are_counted_in_one_pass() -> None:
+    """The recount outside strings is linear in the frame: a string never closed runs to the
+    end (a lone backslash last included), so no match is tried again from every later quote.
+    A review's frame of unclosed strings past MAX_VALUES held the event loop for minutes
+    (quadratic: each of its quotes scanned the rest of the frame)."""
+    for literal in (b'"\\"\\"abc', b'"abc\\', b'"', b'"\\'):
+        assert messages._STRING.fullmatch(literal), literal
+    assert messages._STRING.sub(b"", b'"a",1,"b\\"') == b",1,"
+    frame = b'"' + b'\\"' * 200_000 + b"," * (messages.MAX_VALUES + 1)
+    with pytest.raises(messages.BadMessage, match="not UTF-8 JSON"):
+        messages.decode_request(frame)
+
+
 def test_a_secret_never_rides_in_the_json() -> None:
     """import's secret follows the frame (messages.TAILS); a `secret` member is refused."""
     from custody._files import MAX_SECRET_TEXT

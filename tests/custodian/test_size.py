@@ -51,9 +51,10 @@ TARGET_LINES = 3000
 #: through a rotation (a fix: `keys rotate` destroyed their KEK, so every destroy within
 #: its grace became final; the refusal is keys.py's, the copies' directory and list
 #: grace.py's, 9 lines); 5,595 with a served socket never taken (a fix: a second custodian
-#: started by hand unlinked the running one's socket and served in its place, 10 lines),
-#: held there.
-CEILING_LINES = 5595
+#: started by hand unlinked the running one's socket and served in its place, 10 lines);
+#: 5,597 with a string never closed counted in one pass (a fix: one frame of them held the
+#: event loop for minutes, 2 lines), held there.
+CEILING_LINES = 5597
 #: Parsers facing agents and the relay that must never load where the keys are.
 NEVER = ("daemon", "h11", "wsproto", "buzz_broker_client", "buzzwire.contract")
 
