@@ -88,7 +88,9 @@ allowed to record what it did); the answer's write fails and the task ends.
 Graceful stop: `ServerControl.stop()` closes the listener (no new connections), cuts every
 connection that is waiting for or reading a request, and lets connections whose request is
 with a handler finish and write their answer (with ``Connection: close``), for up to
-``shutdown_grace`` seconds; then whatever is left is cancelled.
+``shutdown_grace`` seconds from the `stop()` call; then whatever is left is cancelled.
+Servers stopped in one step (the daemon's socket and its TCP listeners) thus share one
+grace period; whoever runs several must wait for all of them before cancelling any.
 
 Errors: an exception from a handler never reaches the client. It is logged (type
 name only: its text could carry a secret) and answered 500 without a body, the very last
@@ -535,6 +537,9 @@ class ServerControl:
         #: Accepts retried (out of descriptors): every ACCEPT_RETRY_SLEEP while it lasts.
         self.accept_retries = FaultLog(_log, "accept_retry", level=logging.WARNING)
         self._stop = trio.Event()
+        #: When `stop` was first called: the drain's grace runs from here, so servers
+        #: stopped together share one grace period, however late each one wakes.
+        self._stopped_at = 0.0
         self._idle = trio.Event()
         self._idle.set()
         #: Connections open now.
@@ -549,6 +554,8 @@ class ServerControl:
 
     def stop(self) -> None:
         """Stop accepting, cut connections between requests, let in-flight requests finish."""
+        if not self._stop.is_set():
+            self._stopped_at = trio.current_time()
         self._stop.set()
         for scope in list(self._readers):
             scope.cancel()
@@ -988,7 +995,7 @@ async def serve(
             await control._stop.wait()
             accept_scope.cancel()
             sock.close()  # new clients now get ECONNREFUSED instead of waiting in the backlog
-            with trio.move_on_after(limits.shutdown_grace):
+            with trio.move_on_at(control._stopped_at + limits.shutdown_grace):
                 await control._idle.wait()
             if control.connections:
                 log_event(_log, "drain_deadline", level=logging.WARNING, cut=control.connections)

@@ -8,6 +8,7 @@ runs the daemon as a real child process with a socket passed through LISTEN_FDS.
 from __future__ import annotations
 
 import functools
+import io
 import json
 import os
 import re
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from custody import TokenConfig
 from daemon.cli import main
@@ -32,6 +34,8 @@ from daemon.cli._common import CliError
 from daemon.cli.serve import MemoryLock, ReloadableApplication, run_server
 from daemon.config import Config, load_config
 from daemon.http import HttpAnswer, HttpRequest, ServerControl, bind_unix_socket
+from daemon.log import setup_logging
+from tests.fixtures.relay import free_port
 from tests.test_http import Reader, req
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,10 +83,11 @@ def sockdir() -> Iterator[str]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def write_config(sockdir: str, socket_name: str = "b.sock", extra: str = "") -> Config:
+def write_config(sockdir: str, socket_name: str = "b.sock", extra: str = "",
+                 server: str = "", shutdown_grace: float = 5) -> Config:
     path = Path(sockdir) / "broker.toml"
     path.write_text(
-        f'[server]\nsocket = "{socket_name}"\nshutdown_grace = 5\n'
+        f'[server]\nsocket = "{socket_name}"\nshutdown_grace = {shutdown_grace}\n{server}'
         f'[state]\ndir = "state"\n'
         # serve refuses a file without one before it binds anything; the fake apps never dial it
         f'[relay]\nurl = "ws://127.0.0.1:9"\n{extra}'
@@ -168,6 +173,130 @@ async def test_lifecycle_ready_watchdog_reload_drain(sockdir: str) -> None:
     assert exit_codes == [0]
     assert app.closed
     assert not os.path.exists(config.server.socket), "the socket it bound is removed"
+
+
+class GatedApp(FakeApp):
+    """A body of b"gated" is answered once `release` is set; b"forever" never is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = trio.Event()
+        #: Requests with the application now, and those it was cancelled in.
+        self.waiting = 0
+        self.cut = 0
+
+    async def handle(self, request: HttpRequest) -> HttpAnswer:
+        if request.body not in (b"gated", b"forever"):
+            return await super().handle(request)
+        self.waiting += 1
+        try:
+            if request.body == b"gated":
+                await self.release.wait()
+            else:
+                await trio.sleep_forever()
+        except trio.Cancelled:
+            self.cut += 1
+            raise
+        finally:
+            self.waiting -= 1
+        return HttpAnswer(200, b'{"gated":true}')
+
+
+def tcp_server(port: int) -> str:
+    # A port the test picked: nobody holds it for the daemon, hence the opt-in.
+    return (f'listen_tcp = ["127.0.0.1:{port}"]\nlisten_tcp_accept_squatting_risk = true\n'
+            f"tcp_allow_uids = [{os.getuid()}]\n")
+
+
+async def tcp_send(port: int, body: bytes) -> tuple[trio.SocketStream, Reader]:
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    await stream.send_all(
+        f"POST /v1/action HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return stream, Reader(stream)
+
+
+async def test_sigterm_drains_a_tcp_request_while_the_socket_is_idle(sockdir: str) -> None:
+    """A request on a TCP listener, nothing on the socket: SIGTERM lets it finish.
+
+    The daemon used to wait for the socket's server alone and then cancel everything:
+    with the socket idle (a host whose agents all use TCP) the TCP request was cut at once.
+    """
+    port = free_port()
+    config = write_config(sockdir, server=tcp_server(port))
+    dgrams = Datagrams(os.path.join(sockdir, "notify"))
+    await dgrams.bind()
+    app = GatedApp()
+    exit_codes: list[int] = []
+
+    async def runner(task_status: trio.TaskStatus[ServerControl]) -> None:
+        exit_codes.append(await run_server(config, fake_factory(app),
+                                           environ={"NOTIFY_SOCKET": dgrams.path},
+                                           memory_lock=no_lock, task_status=task_status))
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(runner)
+            stream, reader = await tcp_send(port, b"gated")
+            with trio.fail_after(5):
+                while app.waiting == 0:
+                    await trio.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGTERM)
+            stopping = (await dgrams.until("STOPPING=1"))[-1]
+            assert "STATUS=stopping (SIGTERM): draining 1 request(s)" in stopping.split("\n")
+            # Whatever the stop was going to cut, it has cut by the time every task waits.
+            await trio.testing.wait_all_tasks_blocked()
+            assert (app.waiting, app.cut) == (1, 0)
+            app.release.set()
+            answer = await reader.next()
+            assert answer is not None and answer[0] == 200 and answer[2] == b'{"gated":true}'
+            assert answer[1]["connection"] == "close"
+            assert await reader.eof()
+            await stream.aclose()
+    assert exit_codes == [0]
+
+
+async def test_sigterm_cuts_a_tcp_request_at_the_grace(sockdir: str) -> None:
+    """Past [server] shutdown_grace a TCP request is cut, and not before: another request
+    finishing inside the grace is answered, the stopping line counts both listeners'."""
+    port = free_port()
+    config = write_config(sockdir, server=tcp_server(port), shutdown_grace=1)
+    app = GatedApp()
+    exit_codes: list[int] = []
+    out = io.StringIO()
+    setup_logging("info", stream=out)
+
+    async def runner(task_status: trio.TaskStatus[ServerControl]) -> None:
+        exit_codes.append(await run_server(config, fake_factory(app), environ={},
+                                           memory_lock=no_lock, task_status=task_status))
+
+    try:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(runner)
+                stuck, stuck_reader = await tcp_send(port, b"forever")
+                gated, gated_reader = await tcp_send(port, b"gated")
+                idle = await trio.open_unix_socket(config.server.socket)
+                with trio.fail_after(5):
+                    while app.waiting < 2:
+                        await trio.sleep(0.01)
+                os.kill(os.getpid(), signal.SIGTERM)
+                await trio.testing.wait_all_tasks_blocked()
+                assert (app.waiting, app.cut) == (2, 0)  # both still draining
+                app.release.set()
+                answer = await gated_reader.next()
+                assert answer is not None and answer[0] == 200
+                assert app.cut == 0  # one request done does not end the others' grace
+                assert await stuck_reader.eof()  # cut: no answer at all
+                assert app.cut == 1
+                for stream in (stuck, gated, idle):
+                    await stream.aclose()
+    finally:
+        setup_logging("info")
+    assert exit_codes == [0]
+    stopping = [json.loads(line) for line in out.getvalue().splitlines()
+                if '"serve.stopping"' in line]
+    assert [(s["in_flight"], s["connections"]) for s in stopping] == [(2, 3)]
 
 
 async def test_second_daemon_on_the_same_state_is_refused(sockdir: str) -> None:

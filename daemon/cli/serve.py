@@ -21,8 +21,9 @@ Startup, in order (each fault is one line on stderr and a non-zero exit, no trac
    ``STATUS=`` line; ping ``WATCHDOG=1`` from the event loop at half of
    ``WATCHDOG_USEC`` (a wedged loop stops the pings and systemd restarts us).
 
-Signals: SIGTERM/SIGINT -> ``STOPPING=1``, stop accepting, drain in-flight requests up to
-[server] shutdown_grace, exit 0. SIGHUP -> ``RELOADING=1`` (with ``MONOTONIC_USEC``, which
+Signals: SIGTERM/SIGINT -> ``STOPPING=1``, the socket and every TCP listener stop
+accepting and drain their in-flight requests within one [server] shutdown_grace, exit 0.
+SIGHUP -> ``RELOADING=1`` (with ``MONOTONIC_USEC``, which
 systemd 253's Type=notify-reload requires; 252 ignores it), ``app.reload()`` (credentials
 and policy) while connections stay open, then ``READY=1``; a failed reload is logged and
 the running state kept (READY=1 still follows: the daemon serves on).
@@ -502,27 +503,30 @@ async def _serve_until_signalled(
     # The receiver is open before READY=1, so a SIGTERM right after readiness is not lost.
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
-
-            async def serve_then_finish(task_status: trio.TaskStatus[ServerControl]) -> None:
-                await serve(action_routes(app), raw, limits, on_connections=on_connections,
-                            task_status=task_status)
-                nursery.cancel_scope.cancel()  # drained: stop the watchdog and signal tasks
-
             if metrics is not None:
                 await _start_metrics(nursery, metrics, metrics_socket, scrape)
 
-            tcp_controls: list[ServerControl] = []
-            gate = AdmissionGate(admission) if admission is not None else _nobody
-            for index, (sock, _described) in enumerate(tcp or (), start=1):
-                # The same bounds as the socket, each listener with its own shares; the TCP
-                # listeners stop with the nursery, after the agents' socket has drained.
-                tcp_limits = dataclasses.replace(
-                    limits, max_connections_per_credential=per_credential)
-                tcp_controls.append(await nursery.start(functools.partial(
-                    serve, action_routes(app), sock, tcp_limits, on_connections=gauge(index),
-                    admit=gate)))
+            async def serve_then_finish(task_status: trio.TaskStatus[list[ServerControl]]
+                                        ) -> None:
+                # Every listener of the action API in a nursery of its own, which ends only
+                # once the last of them has drained: a request in flight on a TCP listener
+                # must not be cut because the socket happened to be idle.
+                async with trio.open_nursery() as servers:
+                    started: list[ServerControl] = [await servers.start(functools.partial(
+                        serve, action_routes(app), raw, limits, on_connections=on_connections))]
+                    gate = AdmissionGate(admission) if admission is not None else _nobody
+                    for index, (sock, _described) in enumerate(tcp or (), start=1):
+                        # The same bounds as the socket, each listener with its own shares.
+                        tcp_limits = dataclasses.replace(
+                            limits, max_connections_per_credential=per_credential)
+                        started.append(await servers.start(functools.partial(
+                            serve, action_routes(app), sock, tcp_limits,
+                            on_connections=gauge(index), admit=gate)))
+                    task_status.started(started)
+                nursery.cancel_scope.cancel()  # drained: stop the watchdog and signal tasks
 
-            control: ServerControl = await nursery.start(serve_then_finish)
+            controls: list[ServerControl] = await nursery.start(serve_then_finish)
+            control = controls[0]  # the agents' socket's, handed to our own caller
             _send(env, notify.READY, notify.status(f"serving on {where}"))
             log_event(
                 _log,
@@ -539,18 +543,20 @@ async def _serve_until_signalled(
                     _reload(app, env, where)
                     continue
                 name = signal.Signals(signum).name
+                in_flight = sum(c.in_flight for c in controls)
                 _send(
                     env,
                     notify.STOPPING,
-                    notify.status(f"stopping ({name}): draining {control.in_flight} request(s)"),
+                    notify.status(f"stopping ({name}): draining {in_flight} request(s)"),
                 )
-                log_event(_log, "serve.stopping", signal=name, in_flight=control.in_flight,
-                          connections=control.connections)
-                control.stop()
-                for other in tcp_controls:
-                    other.stop()
+                log_event(_log, "serve.stopping", signal=name, in_flight=in_flight,
+                          connections=sum(c.connections for c in controls))
+                # All in one step: their grace periods run from the same instant, and
+                # serve_then_finish waits for the last one before cancelling anything.
+                for each in controls:
+                    each.stop()
                 break
-            # serve_then_finish cancels the nursery once the drain is over.
+            # serve_then_finish cancels the nursery once every listener has drained.
 
 
 async def _nobody(_uid: int | None) -> bool:
@@ -567,8 +573,8 @@ async def _start_metrics(
 
     Both are bound before READY=1, so a taken path or port fails the start with one line
     (the TCP one in `tcp_listeners`, under its squatting rule, with the action API's).
-    They are cancelled with the nursery, after the agents' socket has drained: a scrape
-    during the drain still shows it.
+    They are cancelled with the nursery, after every listener of the action API has
+    drained: a scrape during the drain still shows it.
     """
     if socket_path:
         try:
