@@ -15,6 +15,7 @@ DELETION: Final = 5            # NIP-09 (agents.delete; a deletion a read window
 REACTION: Final = 7            # NIP-25 (reaction.add)
 STREAM_MESSAGE: Final = 9      # Buzz's channel message (message.post, message.reply)
 PUT_USER: Final = 9000         # NIP-29 add a member (agents.create's channel membership)
+PUT_USER_ROLE: Final = "bot"   # the one role a 9000 gives (buzz-on-the-relay.md)
 REMOVE_USER: Final = 9001      # NIP-29 remove a member (ends a read window)
 DELETE_EVENT: Final = 9005     # NIP-29 moderator deletion (a deletion a read window obeys)
 PRESENCE: Final = 20001        # NIP-BA live signal (presence.set)

@@ -15,6 +15,7 @@ Rules, one row per kind in `KINDS`:
   records are the owner's).
 - `links`: tag name -> what its first value must be: "owner" (the signer's own recorded
   owner) or "self" (the signer).
+- `values`: tag name (a required one) -> the one value it may carry.
 `check` returns None for an intent that fits, else one line saying which rule it broke.
 Every intent's `created_at`, AUTH's included, is at most `MAX_FUTURE_SECONDS` ahead of the
 custodian's clock (the server checks it: this module has no clock).
@@ -51,6 +52,7 @@ class Shape:
     #: OWNER rows: the tag whose value names the agent (for `a`, the coordinate's last part)
     about: str | None = None
     json_content: bool = False
+    values: Mapping[str, str] = field(default_factory=dict)
 
 
 KINDS: Final[Mapping[int, Shape]] = MappingProxyType({
@@ -62,7 +64,8 @@ KINDS: Final[Mapping[int, Shape]] = MappingProxyType({
     kinds.STREAM_MESSAGE: Shape(tags={"h": (1, 1), "e": (1, 3), "p": (1, 2)},      # message.post/reply
              required=frozenset({"h"})),
     kinds.PUT_USER: Shape(tags={"h": (1, 1), "p": (1, 1), "role": (1, 1)},  # agents.create put-user
-                signer=OWNER, required=frozenset({"h", "p"}), about="p"),
+                signer=OWNER, required=frozenset({"h", "p", "role"}), about="p",
+                values={"role": kinds.PUT_USER_ROLE}),  # never admin: the owner's key signs it
     kinds.PRESENCE: Shape(tags={}),                                      # presence.set
     kinds.TYPING: Shape(tags={"h": (1, 1)}, required=frozenset({"h"})),  # typing.set
     kinds.OBSERVER_FRAME: Shape(tags={"p": (1, 1), "agent": (1, 1), "frame": (1, 1)},  # observer.emit
@@ -130,4 +133,7 @@ def check(signer: str, kind: int, tags: tuple[tuple[str, ...], ...], content: st
         wanted = owner_of(signer) if rule == "owner" else signer
         if seen[name][0] != wanted:
             return f"kind {kind}: tag {name!r} must name the signer's {'owner' if rule == 'owner' else 'own key'}"
+    for name, value in shape.values.items():
+        if seen[name][0] != value:
+            return f"kind {kind}: tag {name!r} must be {value!r}"
     return None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 
+from buzzwire import kinds
 from buzzwire.contract import AgentsCreateArgs, AgentsCreateOutcome
 from daemon.operations._base import Context, Plan
 from daemon.operations._events import sign_all
@@ -36,8 +37,6 @@ from daemon.operations._managed import (
 from daemon.operations.profile_set import KIND_METADATA
 from daemon.pipeline.pending import DestroyAgent, SetRuntime
 
-#: NIP-29 role given to a created agent in its channel.
-AGENT_ROLE = "bot"
 
 
 async def prepare(ctx: Context, args: AgentsCreateArgs) -> Plan:
@@ -64,7 +63,7 @@ async def prepare(ctx: Context, args: AgentsCreateArgs) -> Plan:
         ctx,
         [
             (owner, KIND_PUT_USER,
-             [("h", args.channel_id), ("p", agent.pubkey), ("role", AGENT_ROLE)], "", now),
+             [("h", args.channel_id), ("p", agent.pubkey), ("role", kinds.PUT_USER_ROLE)], "", now),
             (owner, KIND_MANAGED_AGENT, [("d", agent.pubkey)], record, now),
             (agent.pubkey, KIND_METADATA, [], profile, now),
         ],

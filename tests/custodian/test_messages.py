@@ -183,3 +183,22 @@ def test_the_kind_list_is_the_kinds_the_actions_publish() -> None:
     assert published <= intents.KINDS.keys()
     assert intents.KINDS.keys() - published == {5, 9000, 30177}
     assert 22242 not in intents.KINDS
+
+
+def test_a_put_user_gives_only_the_role_agents_create_gives() -> None:
+    """9000 is signed with the owner's key: with any role, a compromised pipeline could make
+    the owner grant its agent `admin` in any group. Only `bot`, once, as agents.create sends."""
+    from buzzwire import kinds
+
+    owner, agent = "a" * 64, "b" * 64
+
+    def owner_of(pubkey: str) -> str | None:
+        return {agent: owner, owner: None}.get(pubkey)
+
+    def fault(*role: tuple[str, ...]) -> str | None:
+        return intents.check(owner, 9000, (("h", "chan"), ("p", agent), *role), "", owner_of)
+
+    assert fault(("role", kinds.PUT_USER_ROLE)) is None
+    assert fault(("role", "admin")) == "kind 9000: tag 'role' must be 'bot'"
+    assert fault(("role", "bot"), ("role", "owner")) == "kind 9000: tag 'role' twice"
+    assert fault() == "kind 9000 needs the tags ['role']"

@@ -115,6 +115,11 @@ async def test_a_30177_for_an_agent_of_another_owner_is_refused(
         owner, 5, [["a", f"30177:{owner}:{foreign}"], ["k", "30177"]])]))
     assert refused(ask(custodian.socket, "sign", events=[intent(
         owner, 9000, [["h", "chan"], ["p", foreign], ["role", "bot"]])]))
+    # and a put-user for its own agent with a role other than agents.create's
+    assert ask(custodian.socket, "sign", events=[intent(
+        owner, 9000, [["h", "chan"], ["p", own], ["role", "bot"]])])[0]
+    assert refused(ask(custodian.socket, "sign", events=[intent(
+        owner, 9000, [["h", "chan"], ["p", own], ["role", "admin"]])]))
     # and an agent cannot sign its owner's record about itself
     assert refused(ask(custodian.socket, "sign", events=[intent(own, 30177, [["d", own]], "{}")]))
     await client.aclose()

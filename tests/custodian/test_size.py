@@ -53,8 +53,9 @@ TARGET_LINES = 3000
 #: grace.py's, 9 lines); 5,595 with a served socket never taken (a fix: a second custodian
 #: started by hand unlinked the running one's socket and served in its place, 10 lines);
 #: 5,597 with a string never closed counted in one pass (a fix: one frame of them held the
-#: event loop for minutes, 2 lines), held there.
-CEILING_LINES = 5597
+#: event loop for minutes, 2 lines); 5,604 with a put-user's role pinned to agents.create's
+#: (a fix: the owner's key signed `admin` for any group; 7 lines), held there.
+CEILING_LINES = 5604
 #: Parsers facing agents and the relay that must never load where the keys are.
 NEVER = ("daemon", "h11", "wsproto", "buzz_broker_client", "buzzwire.contract")
 
