@@ -227,6 +227,11 @@ class Custody:
         self._check_open()
         return self._index.version()
 
+    def minted(self, mint_ref: str) -> KeyRecord | None:
+        """The record a mint with `mint_ref` made, destroyed or not; None if none did."""
+        self._check_open()
+        return self._index.by_mint_ref(mint_ref)
+
     def _live(self, pubkey: str) -> KeyRecord:
         require_pubkey("agent", pubkey)
         record = self.agent(pubkey)
@@ -421,13 +426,13 @@ class Custody:
                 if existing is not None:
                     if existing.owner != owner:
                         raise CustodyError(f"mint_ref {mint_ref!r} was used for another owner")
-                    return existing
+                    return existing  # made before: nothing to say again
             with random_secret() as secret:
-                return self._store(secret, owner=owner, mint_ref=mint_ref, auth_tag=None)
+                made = self._store(secret, owner=owner, mint_ref=mint_ref, auth_tag=None)
+            log.info("minted agent %s for owner %s", made.pubkey, owner)
+            return made
 
-        record = await self._hop("mint", work)
-        log.info("minted agent %s for owner %s", record.pubkey, owner)
-        return record
+        return await self._hop("mint", work)
 
     async def import_agent(
         self,
@@ -516,12 +521,16 @@ class Custody:
         def work() -> KeyRecord | None:
             if self._cache is not None:
                 self._cache.evict(pubkey)
-            return self._keystore.tombstone(pubkey, self._now())
+            held = self._keystore.get(pubkey)
+            if held is None or not held.live:  # destroyed already: its tombstone, no line
+                return held
+            tombstone = self._keystore.tombstone(pubkey, self._now())
+            log.info("destroyed the key of agent %s (tombstone kept)", pubkey)
+            return tombstone
 
         record = await self._hop("destroy", work)
         if record is None:
             raise UnknownAgent(pubkey)
-        log.info("destroyed the key of agent %s (tombstone kept)", pubkey)
         return record
 
     async def sealed_copy(self, pubkey: str) -> bytes:
@@ -560,6 +569,8 @@ class Custody:
         if fault is not None:
             raise CustodyError(fault)
         owner_tag: OwnerTag = (items[0], items[1], items[2], items[3])
+        if record.auth_tag == owner_tag:
+            return record  # held already: nothing to write or say again
 
         def work() -> KeyRecord | None:
             return self._keystore.set_auth_tag(pubkey, owner_tag, self._now())

@@ -199,8 +199,11 @@ class Custodian:
     async def mint(self, args: Mapping[str, Any]) -> object:
         async with self._record_lock:
             self._room()
+            # A mint_ref used before answers its record again: nothing is made, so no line.
+            again = args["mint_ref"] is not None and self.custody.minted(args["mint_ref"])
             record = await self.custody.mint_agent(owner=args["owner"], mint_ref=args["mint_ref"])
-        self.log.append([{"op": "mint", "agent": record.pubkey, "owner": record.owner}])
+        if not again:
+            self.log.append([{"op": "mint", "agent": record.pubkey, "owner": record.owner}])
         return record_obj(record)
 
     async def import_(self, args: Mapping[str, Any]) -> object:
@@ -220,18 +223,21 @@ class Custodian:
         return record_obj(record)
 
     async def destroy(self, args: Mapping[str, Any]) -> object:
-        try:
-            # The copy is on disk before the key goes: a destroy is undone within the grace.
-            self.graveyard.keep(args["pubkey"], await self.custody.sealed_copy(args["pubkey"]))
-        except UnknownAgent:
-            pass  # destroyed already (destroy_agent answers its tombstone) or never held
-        record = await self.custody.destroy_agent(args["pubkey"])
+        async with self._record_lock:  # the copy, the destroy and its line: one at a time
+            try:
+                # The copy is on disk before the key goes: a destroy is undone in the grace.
+                self.graveyard.keep(args["pubkey"], await self.custody.sealed_copy(args["pubkey"]))
+            except UnknownAgent:  # destroyed already (answered its tombstone), or never held
+                return record_obj(await self.custody.destroy_agent(args["pubkey"]))
+            record = await self.custody.destroy_agent(args["pubkey"])
         self.log.append([{"op": "destroy", "agent": record.pubkey}])
         return record_obj(record)
 
     async def attach_auth(self, args: Mapping[str, Any]) -> object:
+        before = self.custody.agent(args["pubkey"])
         record = await self.custody.attach_auth_tag(args["pubkey"], args["tag"])
-        self.log.append([{"op": "attach_auth", "agent": record.pubkey}])
+        if before is None or before.auth_tag != record.auth_tag:  # the same tag again: no line
+            self.log.append([{"op": "attach_auth", "agent": record.pubkey}])
         return record_obj(record)
 
     async def sign(self, args: Mapping[str, Any]) -> object:

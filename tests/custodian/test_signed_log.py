@@ -120,3 +120,35 @@ def test_a_line_holds_hash_last_and_an_older_log_goes_on(tmp_path: Path) -> None
     log.write_text(first + "\n" + second.replace('"kind":9', '"kind":1') + "\n")
     with pytest.raises(ValueError, match="line 2"):
         verify_chain(log)
+
+
+async def test_a_request_that_changes_nothing_writes_no_line(
+        custodian: CustodianProcess) -> None:
+    """A mint_ref used before, a destroy of a destroyed key, the same tag attached again:
+    each answers as before, and adds no line to the signed log or the journal. (A review: a
+    mint replayed after a destroy read as the key minted again, and these lines, unlike
+    refusals, had no bound.)"""
+    from buzzwire.nostr import owner_tag_digest
+
+    client = await CustodianClient.open(custodian.socket)
+    owner_key = coincurve.PrivateKey()
+    owner = owner_key.public_key_xonly.format().hex()
+    agent = (await client.mint_agent(owner=owner, mint_ref="r1")).pubkey
+    sig = owner_key.sign_schnorr(owner_tag_digest(agent, ""), b"\x00" * 32)
+    tag = ["auth", owner, "", sig.hex()]
+    for _ in range(2):
+        assert (await client.attach_auth_tag(agent, tag)).auth_tag == tuple(tag)
+    gone = await client.destroy_agent(agent)
+    for _ in range(2):
+        again = await client.mint_agent(owner=owner, mint_ref="r1")
+        assert (again.pubkey, again.deleted_at) == (agent, gone.deleted_at)
+        assert (await client.destroy_agent(agent)).deleted_at == gone.deleted_at
+    await client.aclose()
+    stderr = custodian.stop()
+    log = custodian.config.parent / "state" / "custodian" / "signed.jsonl"
+    entries = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [e["op"] for e in entries if e.get("agent") == agent] == [
+        "mint", "attach_auth", "destroy"]
+    for said in (f"minted agent {agent}", f"NIP-OA tag to agent {agent}",
+                 f"destroyed the key of agent {agent}"):
+        assert stderr.count(said) == 1, (said, stderr[-2000:])

@@ -54,8 +54,10 @@ TARGET_LINES = 3000
 #: started by hand unlinked the running one's socket and served in its place, 10 lines);
 #: 5,597 with a string never closed counted in one pass (a fix: one frame of them held the
 #: event loop for minutes, 2 lines); 5,604 with a put-user's role pinned to agents.create's
-#: (a fix: the owner's key signed `admin` for any group; 7 lines), held there.
-CEILING_LINES = 5604
+#: (a fix: the owner's key signed `admin` for any group; 7 lines); 5,621 with a request that
+#: changes nothing writing no line (a fix: a replayed mint read as the key minted again in
+#: the signed log, and such lines had no bound; 17 lines), held there.
+CEILING_LINES = 5621
 #: Parsers facing agents and the relay that must never load where the keys are.
 NEVER = ("daemon", "h11", "wsproto", "buzz_broker_client", "buzzwire.contract")
 
