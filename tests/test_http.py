@@ -290,6 +290,43 @@ async def test_oversize_chunked_body_counted_as_it_arrives(sockdir: str) -> None
         assert app.seen == []
 
 
+async def test_a_body_of_tiny_chunks_does_not_hold_the_loop(sockdir: str) -> None:
+    """A body sent in 1-byte chunks is read in full, and another connection is answered
+    again and again while it is being read.
+
+    h11 parses every chunk already buffered without a read, so without yielding: one
+    64 KiB read of 1-byte chunks (~11,000 of them) used to hold the event loop until the
+    whole body was parsed, and no other connection got a turn meanwhile.
+    """
+    path = os.path.join(sockdir, "b.sock")
+    app = EchoApp()
+    chunks = 11_000  # 66 KB on the wire: after the 4 KiB head read, one 64 KiB read
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, app, path, request_timeout=30)
+        victim, victim_reader = await connect(path)
+        await victim.send_all(req(b"v"))  # its connection is open and waiting
+        assert (await victim_reader.next() or (0,))[0] == 200
+        # Written without yielding to the server: all of it is in the kernel before the
+        # server reads a byte, so its reads are as few and as large as they can be.
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        raw.connect(path)
+        raw.sendall(b"POST /v1/action HTTP/1.1\r\nHost: b\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    + b"1\r\na\r\n" * chunks + b"0\r\n\r\n")
+        flood = trio.SocketStream(trio.socket.from_stdlib_socket(raw))
+        answered = 0
+        while not any(len(r.body) == chunks for r in app.seen):
+            await victim.send_all(req(b"v"))
+            got = await victim_reader.next()
+            assert got is not None and got[0] == 200 and got[2] == b"v"
+            answered += 1
+        # Not a speed: a count of turns. Holding the loop for the body allowed one or two.
+        assert answered >= 10
+        got = await Reader(flood).next()
+        assert got is not None and got[0] == 200 and got[2] == b"a" * chunks
+        await flood.aclose()
+        control.stop()
+
+
 @pytest.mark.parametrize("complete", [True, False])
 async def test_header_flood_answered_431(sockdir: str, complete: bool) -> None:
     async with served(EchoApp(), sockdir, max_header_bytes=4096) as (control, stream, reader):
