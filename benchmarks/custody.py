@@ -17,7 +17,10 @@ afterwards), runs `init_kek`, imports one random agent, and measures in one proc
   over the boundary one `agent` request (a blocking round trip), a command's read,
   `client.agent(...)` untended (its snapshot, the version asked at most every 0.25 s by
   the read itself), and the daemon's read, the same call tended (the snapshot only; the
-  daemon's task keeps it: custody/custodian/records.py).
+  daemon's task keeps it: custody/custodian/records.py);
+- CPU of one 100-event sign in this process: the facade's `sign_events` (the baseline)
+  against the custodian's own work on a `sign` request (decode, intent checks, log,
+  answer; no socket): CPU time is less moved by other processes than a rate.
 Each figure is events/second over a fixed wall-clock window; the ratio is facade/baseline.
 """
 
@@ -112,6 +115,7 @@ async def bench(facts: dict[str, str], state_dir: Path, seconds: float) -> None:
         baseline = rate_sync(raw_sign, seconds)
         in_process = await measure(custody, agent, seconds)
         local_lookup = rate_sync(lambda i: custody.agent(agent) and None, seconds)
+        facade_cpu, custodian_cpu = await cpu_per_request(custody, agent, state_dir, seconds)
     finally:
         await custody.aclose()
     over, (round_trip, snapshot, tended) = await over_the_boundary(config, state_dir, agent,
@@ -124,11 +128,53 @@ async def bench(facts: dict[str, str], state_dir: Path, seconds: float) -> None:
                                  "sign_events, 100 per hop"), figures, strict=True):
             print(f"{where + ' ' + label:<36}: {value:9.0f} sig/s  "
                   f"({value / baseline:.2f} x baseline)")
+    print(f"CPU of one 100-event sign, in this process: facade {facade_cpu:6.2f} ms; the "
+          f"custodian's decode and answer {custodian_cpu:6.2f} ms "
+          f"({custodian_cpu / facade_cpu:.2f} x facade)")
     print(f"record lookup in process (custody.agent, SQLite): {local_lookup:9.0f}/s")
     for label, value in (("custodian `agent` request, blocking round trip", round_trip),
                          ("a command's read over a custodian (untended)", snapshot),
                          ("the daemon's read over a custodian (tended)", tended)):
         print(f"{label:<48}: {value:9.0f}/s  ({value / local_lookup:.2f} x in process)")
+
+
+async def cpu_per_request(custody: Any, agent: str, state_dir: Path, seconds: float
+                          ) -> tuple[float, float]:
+    """CPU ms (this process, every thread) of one 100-event sign: the facade's
+    `sign_events`, and the custodian's own work on a `sign` request (the frame decoded,
+    the intents checked, the log written, the answer encoded: `Custodian.answer`, no
+    socket), which noise from other processes moves less than a rate does."""
+    from custody.custodian import messages
+    from custody.custodian.server import Custodian, Settings
+
+    from custody import UnsignedEvent
+
+    custodian = Custodian(custody, Settings(
+        socket=state_dir.parent / "unused.sock", pipeline_uid=os.getuid(),
+        relay_url="ws://127.0.0.1:1", log_path=state_dir.parent / "cpu-log" / "signed.jsonl",
+        signatures_per_minute=1_000_000))
+
+    async def facade(i: int) -> None:
+        await custody.sign_events([(agent, UnsignedEvent(agent, 1_700_000_000 + i + k, 9,
+                                                         (("h", "bench"),), f"m {i + k}"))
+                                   for k in range(100)])
+
+    async def answered(i: int) -> None:
+        frame = messages.request("sign", events=[
+            {"signer": agent, "kind": 9, "created_at": 1_700_000_000 + i + k,
+             "tags": [["h", "bench"]], "content": f"m {i + k}"} for k in range(100)])
+        answer = await custodian.answer(messages.decode_request(frame[messages.HEADER.size:]))
+        assert messages.decode_reply(answer[messages.HEADER.size:])[0], answer[:200]
+
+    figures = []
+    for fn in (facade, answered):
+        count, start, cpu = 0, time.perf_counter(), time.process_time()
+        while time.perf_counter() - start < seconds:
+            await fn(count)
+            count += 1
+        figures.append((time.process_time() - cpu) / count * 1000)
+    custodian.log.close()
+    return figures[0], figures[1]
 
 
 async def over_the_boundary(config: Any, state_dir: Path, agent: str, seconds: float

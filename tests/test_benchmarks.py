@@ -66,6 +66,7 @@ BENCHMARKS = [
           (r"^baseline coincurve sign_schnorr",
            r"^facade sign_events, 100 per hop .*x baseline\)$",
            r"^custodian sign_events, 100 per hop .*x baseline\)$",
+           r"^CPU of one 100-event sign, in this process: facade .* x facade\)$",
            r"^the daemon's read over a custodian \(tended\) .*x in process\)$")),
     Bench("e2e.py", ("--levels", "1", "--duration", "0.5"),
           (r'"run": "daemon c=1"', r'"run": "nostr-sdk c=1"',
