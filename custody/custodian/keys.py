@@ -53,6 +53,7 @@ from pathlib import Path
 
 from custody._errors import CustodyError
 from custody._keys import init_keys, rotate_keys
+from custody._keystore import KEYSTORE_FILE, ReadIndex
 from custody.custodian.config import ConfigError, CustodianConfig, load
 from custody.custodian.grace import Graveyard
 from custody.custodian.ledger import SignLog
@@ -116,7 +117,11 @@ async def run(config: CustodianConfig, words: list[str]) -> None:
             config.token.token_label, config.token.module):
         raise ConfigError("--to-config names the same token; use `keys rotate`")
     graveyard = Graveyard.beside(config.settings.log_path, config.settings.destroy_grace_seconds)
-    held = graveyard.purge()
+    index = ReadIndex(config.state_dir / KEYSTORE_FILE)
+    try:  # a live key's copy is one `--recover` left (recover.py): nothing to give up
+        held = [p for p in graveyard.purge() if (r := index.get(p)) is None or not r.live]
+    finally:
+        index.close()
     if held and "--abandon-destroyed" not in options:
         raise ConfigError(
             f"{len(held)} destroyed key(s) can still be recovered, sealed under the KEK "

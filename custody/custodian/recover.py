@@ -3,9 +3,14 @@
 Run beside a running custodian, under its uid, as its own process that exits when done
 (custody/custodian/main.py imports this module only for `--recover`: the serving process
 never loads it). The sealed copy destroy kept (custody/custodian/grace.py) is checked
-through custody's one unseal door (it must open as PUBKEY under this token's KEK) before
-the keystore takes it back; the running custodian sees the record again within its
-records' recheck, as any change by another process.
+through custody's one unseal door (it must open as PUBKEY under this token's KEK) and
+sealed again under the active KEK before the keystore takes it back; the running
+custodian sees the record again within its records' recheck, as any change by another
+process.
+
+The copy is left where it is, for the grace period's purge (or `keys rotate`, which
+drops the copies of live keys) to delete: deleting it here would race a destroy the
+running custodian answers meanwhile, whose own copy of the key it would delete.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from custody._errors import CustodyError, UnknownAgent
 from buzzwire.nostr import require_pubkey
 from custody._facade import Custody
 from custody._records import KeyRecord
-from custody._sealed import unseal
+from custody._sealed import seal, unseal
 from custody.custodian.config import load
 from custody.custodian.grace import Graveyard
 
@@ -28,7 +33,8 @@ log = logging.getLogger("buzz_broker.custody")
 async def revive_agent(custody: Custody, pubkey: str, blob: bytes) -> KeyRecord:
     """Undo `Custody.destroy_agent` with the sealed blob `Custody.sealed_copy` gave before
     it: checked through the one unseal door (it must open as `pubkey` under this token's
-    KEK) before it is stored again.
+    KEK) and stored sealed again under the active KEK: a copy kept before an interrupted
+    rotation names the retiring KEK, which the rotation's rerun destroys.
 
     Raises:
         UnsealFailed: the blob does not open as that agent.
@@ -38,9 +44,9 @@ async def revive_agent(custody: Custody, pubkey: str, blob: bytes) -> KeyRecord:
     require_pubkey("agent", pubkey)
 
     def work() -> KeyRecord | None:
-        with unseal(custody._token, blob, pubkey):
-            pass  # opened, re-derived and compared to pubkey; wiped on exit
-        return custody._keystore.revive(pubkey, blob, custody._now())
+        with unseal(custody._token, blob, pubkey) as secret:  # compared to pubkey, wiped
+            fresh = seal(custody._token, secret, pubkey)
+        return custody._keystore.revive(pubkey, fresh, custody._now())
 
     record = await custody._hop("import", work)
     if record is None:
@@ -56,6 +62,7 @@ async def recover(config_path: str, pubkey: str) -> None:
     if blob is None:
         raise CustodyError(f"no sealed copy of {pubkey} within the grace period")
     async with await Custody.open(config.token, config.state_dir, config.cache) as custody:
+        if custody.agent(pubkey) is not None:  # recovered already: the copy is left (above)
+            raise CustodyError(f"agent {pubkey} is held: nothing to recover")
         await revive_agent(custody, pubkey, blob)
-    graveyard.forget(pubkey)
     print(f"custodian: agent {pubkey} recovered", flush=True)
