@@ -37,15 +37,23 @@ class Graveyard:
         return self.directory / f"{pubkey}.sealed"  # pubkey: 64 hex, checked by the table
 
     def keep(self, pubkey: str, blob: bytes) -> None:
-        """Write the copy durably before the key is destroyed (tmp, fsync, rename)."""
+        """Write the copy durably before the key is destroyed (tmp, fsync, rename, and the
+        directory fsynced: the tombstone's commit that follows must not outlive the copy)."""
         tmp = self.directory / f".{pubkey}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.write(fd, blob)
+            view = memoryview(blob)
+            while view:
+                view = view[os.write(fd, view):]
             os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, self._path(pubkey))
+        directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
         self.purge()
 
     def take(self, pubkey: str) -> bytes | None:

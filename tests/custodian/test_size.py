@@ -56,8 +56,10 @@ TARGET_LINES = 3000
 #: event loop for minutes, 2 lines); 5,604 with a put-user's role pinned to agents.create's
 #: (a fix: the owner's key signed `admin` for any group; 7 lines); 5,621 with a request that
 #: changes nothing writing no line (a fix: a replayed mint read as the key minted again in
-#: the signed log, and such lines had no bound; 17 lines), held there.
-CEILING_LINES = 5621
+#: the signed log, and such lines had no bound; 17 lines); 5,629 with a grace copy's
+#: directory fsynced and its whole write checked (a fix: a power cut could keep the
+#: tombstone and lose the copy; 8 lines), held there.
+CEILING_LINES = 5629
 #: Parsers facing agents and the relay that must never load where the keys are.
 NEVER = ("daemon", "h11", "wsproto", "buzz_broker_client", "buzzwire.contract")
 
