@@ -12,6 +12,10 @@ Rules:
   one. `open_backup` therefore treats the plaintext as hostile: bounded sizes, every field
   checked, each secret must derive its record's pubkey, each NIP-OA tag must verify against
   its owner, no pubkey twice. Any fault refuses the whole backup, naming the entry.
+- The file's size does not bound its parsed JSON (`[{},{},…]` grows 25-fold), so before
+  json.loads sees a line: it is no longer than any line a backup holds (MAX_LINE_BYTES),
+  and the values of the lines so far, counted in the raw bytes (`_values`), are no more
+  than the largest legitimate backup holds (MAX_BACKUP_VALUES).
 - Linear in the agents, even for a hostile backup: `public` and the plan's owner lookups
   go through a dict, and the plan finds ownership cycles in one walk that takes each
   owner step once (`_owning_themselves`), not a walk up the chain per agent.
@@ -30,6 +34,7 @@ Rules:
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
@@ -44,17 +49,19 @@ from custody._keystore import KeyRecord
 from custody._secp256k1 import is_xonly_pubkey, xonly_pubkey
 from custody._sealed import seal
 from custody._secret import Secret, parse_secret_text, wipe_bytes
-from custody._signer import CONDITIONS_FAULT, owner_tag_fault
+from custody._signer import CONDITIONS_FAULT, OWNER_TAG_CONDITIONS, owner_tag_fault
 from buzzwire.nostr import is_hex64
 
 if TYPE_CHECKING:
     from custody._facade import Custody
 
 __all__ = ["BackupContents", "RestoreResult", "open_backup", "restore_backup", "restore_plan",
-           "MAX_BACKUP_BYTES", "MAX_IDENTITY_BYTES"]
+           "MAX_BACKUP_BYTES", "MAX_BACKUP_VALUES", "MAX_IDENTITY_BYTES", "MAX_LINE_BYTES"]
 
 #: A backup's ciphertext is read whole into memory: 64 MiB holds well over 100,000 agents
-#: (about 400 bytes each) and bounds what a hostile file can make us allocate.
+#: (about 400 bytes each). It bounds the buffers, not the parsed JSON: `[{},{},…]` grows
+#: 25-fold as objects (a 64 MiB header line took 1.6 GiB); MAX_LINE_BYTES and
+#: MAX_BACKUP_VALUES bound those.
 MAX_BACKUP_BYTES = 64 * 1024 * 1024
 #: An identity file from `age-keygen` is about 200 bytes; a few identities fit easily.
 MAX_IDENTITY_BYTES = 16 * 1024
@@ -62,6 +69,43 @@ MAX_IDENTITY_BYTES = 16 * 1024
 MAX_NAME_CHARS = 256
 MAX_MINT_REF_CHARS = 512
 MAX_DEPTH = 1_000
+
+
+def _line_bytes(record: dict[str, object]) -> int:
+    return _SECRET_HEX + len(b" \n") + len(_canonical(record))
+
+
+#: The character the writer's ASCII JSON spells longest: a surrogate pair, 12 bytes.
+_WIDEST = "\U0001f600"
+_LONGEST_KEY = {"authTag": ["auth", "0" * 64, OWNER_TAG_CONDITIONS, "0" * 128],
+                "createdAt": 2**63 - 1,  # the keystore's SQLite integer at most
+                "mintRef": _WIDEST * MAX_MINT_REF_CHARS, "owner": "0" * 64, "pubkey": "0" * 64}
+#: The longest line a backup written here holds (10,733 bytes: v2 with a mint reference
+#: and a public entry at their bounds; v1's longest is shorter). A longer one, the header
+#: too, is refused unread: the strings pass of `_values` and json.loads then see at most
+#: this much at once.
+MAX_LINE_BYTES = max(
+    _line_bytes({**_LONGEST_KEY, "public": {"x": "a" * (MAX_PUBLIC_BYTES - len('{"x":""}'))}}),
+    _line_bytes({**_LONGEST_KEY, "creator": "0" * 64, "depth": MAX_DEPTH,
+                 "name": _WIDEST * MAX_NAME_CHARS}))
+#: Values and member names a legitimate line holds at most past its first, each after
+#: one of `,:[{`: the record's members (six; v1 eight), its NIP-OA tag's four strings, and
+#: the public entry both writers make (name, creator).
+_LINE_VALUES = 20
+#: The shortest line: a record with no tag, mint reference or public entry (274 bytes).
+_SHORTEST_LINE = _line_bytes({"authTag": None, "createdAt": 0, "mintRef": None,
+                              "owner": "0" * 64, "pubkey": "0" * 64, "public": {}})
+#: Values in the whole plaintext at most (4,898,440), counted before each line is parsed:
+#: MAX_BACKUP_BYTES holds no more shortest lines, each with no more than _LINE_VALUES. It
+#: bounds what the parsed lines hold together. Measured, open_backup's peak RSS rose by
+#: 445 MiB for a hostile file at the bound (a 10 MiB one of public entries of nested
+#: lists, the costliest shape, ~90 bytes a value), and by 314 MiB for a legitimate 64 MiB
+#: backup (210,000 agents); before the bound, by 1.6 GiB for a 64 MiB header line.
+MAX_BACKUP_VALUES = _LINE_VALUES * (MAX_BACKUP_BYTES // _SHORTEST_LINE)
+#: A JSON string; one never closed runs to the end of the line, a lone backslash last
+#: included. Linear (possessive): a match that could fail would be retried from every
+#: later quote.
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.?)*+(?:"|\Z)', re.DOTALL)
 _KEY_FIELDS = frozenset({"authTag", "createdAt", "mintRef", "owner", "pubkey"})
 
 
@@ -158,15 +202,16 @@ def _identities(identity_text: bytearray) -> list[pyrage.x25519.Identity]:
 def open_backup(ciphertext: bytes, identity_text: bytearray) -> BackupContents:
     """Decrypt a backup with the identities in `identity_text` (zeroed here) and check it.
 
-    Checks, every one refusing the whole backup: the format line; each entry's shape and
-    bounds; its secret derives its `pubkey`; its owner is a curve point and not the agent;
-    its NIP-OA tag (if any) is by its owner and verifies; no pubkey appears twice; the
-    header's count matches.
+    Checks, every one refusing the whole backup: the format line; no line over
+    MAX_LINE_BYTES and no more than MAX_BACKUP_VALUES JSON values, both before a line is
+    parsed; each entry's shape and bounds; its secret derives its `pubkey`; its owner is
+    a curve point and not the agent; its NIP-OA tag (if any) is by its owner and
+    verifies; no pubkey appears twice; the header's count matches.
 
     Raises:
         CustodyError: too large, does not decrypt with these identities (wrong identity,
-            a damaged or altered file), or the first entry that fails a check (by number
-            and pubkey; never a secret).
+            a damaged or altered file), a line too long, too many values, or the first
+            entry that fails a check (by number and pubkey; never a secret).
     """
     try:
         if len(ciphertext) > MAX_BACKUP_BYTES:
@@ -193,6 +238,25 @@ def _fault(number: int, what: str) -> CustodyError:
     return CustodyError(f"backup entry {number}: {what}; nothing restored")
 
 
+def _values(data: bytes) -> int:
+    """At most how many values and member names `data` holds past its first (each follows
+    one of `,:[{`): counted in the raw bytes, and again without strings (a name may hold
+    those characters) when that says more than a legitimate line holds."""
+    count = sum(map(data.count, b",:[{"))
+    if count > _LINE_VALUES:
+        count = sum(map(_STRING.sub(b"", data).count, b",:[{"))
+    return count
+
+
+def _counted(data: bytes, total: int) -> int:
+    """`total` and the values of `data`, a line about to be parsed, if within the bound."""
+    total += _values(data)
+    if total > MAX_BACKUP_VALUES:
+        raise CustodyError(f"the backup holds more than {MAX_BACKUP_VALUES} JSON values, "
+                           "more than any backup written here; nothing restored")
+    return total
+
+
 def _parse(plaintext: bytearray) -> tuple[tuple[_Entry, ...], int]:
     view = memoryview(plaintext)
     end = plaintext.find(b"\n")
@@ -202,8 +266,13 @@ def _parse(plaintext: bytearray) -> tuple[tuple[_Entry, ...], int]:
     reader = _RECORD_READERS.get(bytes(view[len(PREFIX) : space]))
     if reader is None:
         raise CustodyError("a buzz-broker backup of a format this version does not know")
+    if end > MAX_LINE_BYTES:
+        raise CustodyError(f"not a buzz-broker backup (a header line over {MAX_LINE_BYTES} "
+                           "bytes)")
+    text = bytes(view[space + 1 : end])
+    values = _counted(text, 0)
     try:
-        header = json.loads(bytes(view[space + 1 : end]))
+        header = json.loads(text)
         count, created_at = header["agents"], header["createdAt"]
     except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: deep nesting
         raise CustodyError("not a buzz-broker backup (header unreadable)") from None
@@ -218,7 +287,11 @@ def _parse(plaintext: bytearray) -> tuple[tuple[_Entry, ...], int]:
         end = plaintext.find(b"\n", position)
         if end < 0 or end - position < _SECRET_HEX + 2 or plaintext[position + _SECRET_HEX] != 0x20:
             raise _fault(number, "malformed line")
-        record, public = _record(bytes(view[position + _SECRET_HEX + 1 : end]), number, reader)
+        if end - position > MAX_LINE_BYTES:
+            raise _fault(number, f"a line over {MAX_LINE_BYTES} bytes, longer than any backup's")
+        text = bytes(view[position + _SECRET_HEX + 1 : end])
+        values = _counted(text, values)
+        record, public = _record(text, number, reader)
         if record.pubkey in seen:
             raise _fault(number, f"agent {record.pubkey} appears twice")
         seen.add(record.pubkey)

@@ -1,15 +1,18 @@
-"""What a hostile but well-formed backup can cost a restore: work linear in its agents.
+"""What a hostile but well-formed backup can cost a restore: work linear in its agents,
+and memory bounded before any JSON is parsed.
 
 A backup is hostile input (anyone who knows a recipient can write one), so each test
 writes its own age file in memory, the way an attacker would. Nothing here times
 anything: linear work is shown by counting the steps a restore takes (comparisons,
-keystore lookups, owner lookups).
+keystore lookups, owner lookups), bounded memory by what reaches json.loads.
 
 - `BackupContents.public`, asked once per agent by both restore commands, compares a
   pubkey with one stored pubkey, not with every agent before it.
 - The plan's ownership-cycle check asks each pubkey's owner once, even for agents that
   each own the next (n walks up the chain each were n²/2 steps); it agrees with
   `_ownership.owned_through`, the rule `agent import` checks, on random owner graphs.
+- A line longer than any backup line, or values past MAX_BACKUP_VALUES, are refused
+  before json.loads sees them; strings (a name full of commas) are not counted.
 """
 
 from __future__ import annotations
@@ -17,16 +20,18 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import coincurve
 import pyrage
 import pytest
 
-from custody import Custody, open_backup, restore_plan
+from custody import Custody, CustodyError, open_backup, restore_plan
 from custody import _restore
 from custody._keystore import Keystore
 from custody._ownership import owned_through
+from custody._restore import MAX_BACKUP_VALUES, MAX_LINE_BYTES, BackupContents
 
 PERSON = coincurve.PrivateKey().public_key_xonly.format().hex()
 
@@ -152,3 +157,81 @@ async def test_the_plan_looks_each_pubkey_up_here_at_most_twice(
     assert plan.restored == tuple(pubkeys)
     assert reads[held] == 1 and reads[PERSON] == 1
     assert max(reads.values()) <= 2
+
+
+def _loads_spy(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every text json.loads is given from now on, in order."""
+    parsed: list[bytes] = []
+    real_loads: Callable[..., Any] = json.loads
+
+    def loads(text: Any, *args: Any, **kwargs: Any) -> Any:
+        parsed.append(bytes(text) if isinstance(text, (bytes, bytearray)) else text.encode())
+        return real_loads(text, *args, **kwargs)
+
+    monkeypatch.setattr(json, "loads", loads)
+    return parsed
+
+
+@pytest.mark.token_independent
+def test_a_header_longer_than_any_backup_line_is_refused_unparsed(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reviewer's file in small: `[{},{},…]` as the header, which json.loads made 25
+    times larger (64 MiB of it: 1.6 GiB) before refusing it as unreadable."""
+    header = b"[" + b"{}," * (MAX_LINE_BYTES // 3) + b"{}]"
+    ciphertext, identity = _ciphertext([], header=header)
+    parsed = _loads_spy(monkeypatch)
+    with pytest.raises(CustodyError, match=f"a header line over {MAX_LINE_BYTES} bytes"):
+        open_backup(ciphertext, identity)
+    assert parsed == []
+
+
+@pytest.mark.token_independent
+def test_a_record_line_longer_than_any_backup_line_is_refused_unparsed(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    line, _ = _agent(0, PERSON, public={"x": [[]] * (MAX_LINE_BYTES // 3)})
+    ciphertext, identity = _ciphertext([line])
+    parsed = _loads_spy(monkeypatch)
+    with pytest.raises(CustodyError, match=f"backup entry 1: a line over {MAX_LINE_BYTES}"):
+        open_backup(ciphertext, identity)
+    assert len(parsed) == 1  # the header only
+
+
+@pytest.mark.token_independent
+def test_values_past_the_bound_are_refused_before_their_line_is_parsed(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lines each within MAX_LINE_BYTES whose public entries (opaque, up to 4 KiB each)
+    hold 2,000 values apiece: past MAX_BACKUP_VALUES together, the line that crosses it
+    never reaches json.loads."""
+    lines: list[bytes] = []
+    total = len("{::,")  # the header's
+    while total <= MAX_BACKUP_VALUES:
+        line, _ = _agent(len(lines), PERSON, public={"x": [0] * 2000})
+        total += sum(map(line.count, b",:[{"))
+        lines.append(line)
+    ciphertext, identity = _ciphertext(lines)
+    parsed = _loads_spy(monkeypatch)
+    with pytest.raises(CustodyError, match=f"more than {MAX_BACKUP_VALUES} JSON values"):
+        open_backup(ciphertext, identity)
+    assert len(parsed) == len(lines)  # the header and every line but the last
+    assert parsed[-1] == lines[-2][65:]
+
+
+@pytest.mark.token_independent
+def test_json_punctuation_inside_strings_is_not_counted_as_values(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Names may hold `,:[{`: counted raw, two such agents would pass a bound set just
+    above what their JSON holds; without their strings they fit it."""
+    name = ",:[{" * 60
+    lines = [_agent(index, PERSON, public={"name": name, "creator": None})[0]
+             for index in range(2)]
+    values = len("{::,") + 2 * len("{::::::,,,,,{::,")  # the header's, each record's
+    monkeypatch.setattr(_restore, "MAX_BACKUP_VALUES", values)
+    with open_backup(*_ciphertext(lines)) as contents:
+        assert isinstance(contents, BackupContents) and len(contents.records) == 2
+    monkeypatch.setattr(_restore, "MAX_BACKUP_VALUES", values - 1)
+    with pytest.raises(CustodyError, match="JSON values"):
+        open_backup(*_ciphertext(lines))
