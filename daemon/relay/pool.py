@@ -56,7 +56,9 @@ Rules:
 - A relay that breaks NIP-01 (a frame `parse_relay_message` refuses) loses its
   connection: everything waiting on it resolves at once (Unknown / RelayUnavailable)
   instead of waiting for a timeout that a broken peer makes meaningless.
-- Reconnection: connections are opened on demand. After a failed connect the next
+- Reconnection: connections are opened on demand. A failed connect is the network, TLS,
+  or a WebSocket upgrade refused or malformed (`_CONNECT_ERRORS`, `_HANDSHAKE_ERRORS`,
+  also inside trio-websocket's ExceptionGroup). After a failed connect the next
   attempt waits an exponential backoff (``backoff_initial`` doubling to ``backoff_max``,
   shared by the whole pool: the relay is one host). A caller never waits for a backoff
   longer than its own connect timeout; it gets NotSent / RelayUnavailable instead.
@@ -107,8 +109,10 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Union, cast
 
+import h11
 import trio
 import trio_websocket
+import wsproto.utilities
 
 from buzzwire.nostr import SignedEvent
 
@@ -751,6 +755,14 @@ _CONNECT_ERRORS: tuple[type[Exception], ...] = (
     trio_websocket.HandshakeError,
     trio_websocket.ConnectionClosed,
 )
+#: What trio-websocket raises, from its reader task, for an upgrade reply its wsproto
+#: cannot take (not HTTP, no or a wrong Sec-WebSocket-Accept, a head past h11's bound, a
+#: refusal with a broken body): it answers with a server's rejection, which its client
+#: side cannot send; h11's LocalProtocolError, or wsproto's once the reply was a refusal.
+_HANDSHAKE_ERRORS: tuple[type[Exception], ...] = (
+    h11.ProtocolError,
+    wsproto.utilities.ProtocolError,
+)
 
 
 def _connect_error(exc: BaseException) -> str | None:
@@ -760,6 +772,9 @@ def _connect_error(exc: BaseException) -> str | None:
         if not reasons or any(r is None for r in reasons):
             return None
         return "; ".join(r for r in reasons if r is not None)
+    if isinstance(exc, _HANDSHAKE_ERRORS):
+        # Their text ("can't handle event type Response ...") would only mislead.
+        return f"cannot connect: malformed WebSocket handshake reply ({type(exc).__name__})"
     if isinstance(exc, _CONNECT_ERRORS):
         return f"cannot connect: {type(exc).__name__}: {exc}"[:300]
     return None
