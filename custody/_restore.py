@@ -11,7 +11,8 @@ Rules:
 - age authenticates nothing about who wrote a file: anyone who knows a recipient can make
   one. `open_backup` therefore treats the plaintext as hostile: bounded sizes, every field
   checked, each secret must derive its record's pubkey, each NIP-OA tag must verify against
-  its owner, no pubkey twice. Any fault refuses the whole backup, naming the entry.
+  its owner, no pubkey and no mint reference twice (the keystore holds each once, so no
+  backup it wrote repeats one). Any fault refuses the whole backup, naming the entry.
 - The file's size does not bound its parsed JSON (`[{},{},…]` grows 25-fold), so before
   json.loads sees a line: it is no longer than any line a backup holds (MAX_LINE_BYTES),
   and the values of the lines so far, counted in the raw bytes (`_values`), are no more
@@ -206,7 +207,7 @@ def open_backup(ciphertext: bytes, identity_text: bytearray) -> BackupContents:
     MAX_LINE_BYTES and no more than MAX_BACKUP_VALUES JSON values, both before a line is
     parsed; each entry's shape and bounds; its secret derives its `pubkey`; its owner is
     a curve point and not the agent; its NIP-OA tag (if any) is by its owner and
-    verifies; no pubkey appears twice; the header's count matches.
+    verifies; no pubkey and no mint reference appears twice; the header's count matches.
 
     Raises:
         CustodyError: too large, does not decrypt with these identities (wrong identity,
@@ -281,6 +282,7 @@ def _parse(plaintext: bytearray) -> tuple[tuple[_Entry, ...], int]:
         raise CustodyError("not a buzz-broker backup (header unreadable)")
     entries: list[_Entry] = []
     seen: set[str] = set()
+    mint_refs: dict[str, str] = {}  # mint reference -> the agent holding it
     position = end + 1
     while position < len(plaintext):
         number = len(entries) + 1
@@ -295,6 +297,13 @@ def _parse(plaintext: bytearray) -> tuple[tuple[_Entry, ...], int]:
         if record.pubkey in seen:
             raise _fault(number, f"agent {record.pubkey} appears twice")
         seen.add(record.pubkey)
+        if record.mint_ref is not None:
+            # Found here, not when sealing: the keystore refuses the second one after the
+            # first is sealed, and every rerun would stop at it again.
+            other = mint_refs.setdefault(record.mint_ref, record.pubkey)
+            if other != record.pubkey:
+                raise _fault(number, f"agent {record.pubkey}: mint reference "
+                                     f"{record.mint_ref!r} appears twice (also agent {other})")
         entry = _Entry(record=record, public=public, offset=position)
         _check_secret(plaintext, entry, number)
         entries.append(entry)

@@ -10,6 +10,8 @@ on the second, so "nothing restored" is what each test checks besides the refusa
   refused by the same function `agent import` asks (custody/_ownership.py).
 - A mint reference another agent here already uses.
 - The same pubkey twice in one backup.
+- The same mint reference twice in one backup: the keystore refused the second only after
+  sealing the first, and a rerun stopped at it again (2 of 3 agents restored, for good).
 - The plan checked again inside the token hop: an agent imported after the caller looked
   at the plan and before the hop ran.
 """
@@ -113,6 +115,22 @@ async def test_a_backup_naming_one_pubkey_twice_is_refused_at_open(custody: Cust
     secret, pubkey = _key()
     with pytest.raises(CustodyError, match="twice"):
         _backup([(secret, pubkey, PERSON, None), (secret, pubkey, PERSON, None)])
+    assert _held(custody) == set()
+
+
+async def test_a_backup_naming_one_mint_reference_twice_is_refused_before_any_write(
+    custody: Custody
+) -> None:
+    first_secret, first = _key()
+    between_secret, between = _key()
+    second_secret, second = _key()
+    with pytest.raises(CustodyError) as refused:
+        _backup([(first_secret, first, PERSON, "m-dup"),
+                 (between_secret, between, PERSON, None),
+                 (second_secret, second, PERSON, "m-dup")])
+    assert str(refused.value) == (
+        f"backup entry 3: agent {second}: mint reference 'm-dup' appears twice (also agent "
+        f"{first}); nothing restored")
     assert _held(custody) == set()
 
 
