@@ -28,13 +28,24 @@ Rules:
 - Publishing maps to four results, and nothing else (spec: issue 5 "Mapping"):
     OK true (``duplicate:`` included)              -> Accepted(duplicate, message)
     OK false with a reason                         -> Rejected(reason)
-    nothing could be sent (unreachable, AUTH failed before sending) -> NotSent(reason)
-    sent, then no OK before ``timeouts.ok`` or the connection dropped -> Unknown(reason)
+    nothing could be sent (unreachable, AUTH failed before sending, or the EVENT's turn
+      to be written did not come within ``timeouts.ok``)    -> NotSent(reason)
+    sent, or partly, then no OK before ``timeouts.ok`` (the write counts in it) or the
+      connection dropped                                    -> Unknown(reason)
   Many publishes may share one connection; OKs are matched to them by event id.
+- Writing: frames take turns on a connection, each written whole (`_Connection.send`).
+  Every write is inside the timeout of the answer it waits for (``timeouts.ok`` for
+  EVENT and AUTH, ``timeouts.eose`` for REQ, _CLEANUP_SECONDS for CLOSE): a relay that
+  accepts and stops reading fills the socket buffers, and the write would otherwise
+  wait forever, and every request behind it. A write cut off midway (its deadline, a
+  cancelled caller) leaves part of a frame on the wire, so the connection is closed at
+  once (no close handshake) and everything on it resolves (Unknown / NotSent /
+  RelayUnavailable, as above).
 - Reading: REQ with a subscription id unique on the connection, events until EOSE, then
-  CLOSE -- always, also after a timeout, a CLOSED or a cancellation (best effort, shielded
-  and bounded). No EOSE within ``timeouts.eose`` -> RelayUnavailable; CLOSED
-  ``restricted:`` (or any CLOSED other than a first ``auth-required:``) -> RelayRefused.
+  CLOSE -- always (unless nothing of the REQ was written), also after a timeout, a CLOSED
+  or a cancellation (best effort, shielded and bounded). No EOSE within ``timeouts.eose``
+  -> RelayUnavailable; CLOSED ``restricted:`` (or any CLOSED other than a first
+  ``auth-required:``) -> RelayRefused.
   Events are returned as the relay sent them (parsed dicts); the read path verifies them.
 - Memory a relay can make us hold: one frame <= MAX_FRAME_BYTES; one connection's queue
   <= _MESSAGE_QUEUE frames; one query <= MAX_EVENTS_PER_QUERY events and MAX_QUERY_BYTES
@@ -89,6 +100,7 @@ default; ``tcp_quickack=False`` switches it off (for measuring).
 
 Cancellation: cancelling `publish` after its EVENT left is an Unknown for the caller's
 purposes (the ledger keeps the pending record); cancelling `query` still sends CLOSE.
+Cancelling either while its frame is being written closes the connection (see Writing).
 
 WARNING: `_Connection.mark_dead` must wake every waiter kind that `_Connection` keeps
 (OK waiters, subscriptions, the challenge event, the AUTH gates' queues); a waiter added
@@ -218,6 +230,8 @@ _LINE_AGENTS = 1024
 _CLEANUP_SECONDS = 1.0
 #: Why a request that waited at its connection's AUTH gate past its timeout failed.
 _GATE_WAIT = "waited behind the connection's first request (AUTH)"
+#: Why a frame whose turn to be written did not come within its timeout was not sent.
+_BUSY = "the connection was still writing earlier frames"
 #: How long we wait for the relay's answer to our WebSocket close frame before simply
 #: closing TCP: nothing is lost by not waiting (every result was already decided), and a
 #: stopping daemon or an idle close should not linger on a peer that is gone.
@@ -233,9 +247,9 @@ class RelayTimeouts:
 
     #: TCP + TLS + WebSocket handshake for a new connection.
     connect: float = 5.0
-    #: from sending EVENT (or AUTH) to its OK.
+    #: from sending EVENT (or AUTH), its write included, to its OK.
     ok: float = 10.0
-    #: from sending REQ to EOSE (or CLOSED).
+    #: from sending REQ, its write included, to EOSE (or CLOSED).
     eose: float = 10.0
     #: a connection unused this long is closed.
     idle_seconds: float = 300.0
@@ -375,6 +389,18 @@ class _QuickAckStream(trio.abc.HalfCloseableStream):
 
 
 # --- one connection -------------------------------------------------------------------
+
+
+class _Frame:
+    """One frame on its way to the relay, and how far it got: what a failure means for it
+    (`_Connection.send`). ``started``: bytes of it may have left; ``written``: all did."""
+
+    __slots__ = ("text", "started", "written")
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.started = False
+        self.written = False
 
 
 class _OkWaiter:
@@ -617,6 +643,10 @@ class _Connection:
         self.ws: trio_websocket.WebSocketConnection | None = None
         self.scope: trio.CancelScope | None = None
         self.alive = False
+        #: Frames take turns here, each written whole before the next starts (`send`).
+        self.send_lock = trio.Lock()
+        #: A write was cut off (`send`): the connection ends without a close handshake.
+        self.aborted = False
         self.challenge: str | None = None
         #: Set, and replaced, whenever a challenge arrives (or the connection dies).
         self.challenge_seen = trio.Event()
@@ -741,10 +771,38 @@ class _Connection:
             case Notice(message=message):
                 self.notices.record((self.agent,), agent=self.agent, notice=message[:200])
 
-    async def send(self, text: str) -> None:
-        if self.ws is None or not self.alive:
-            raise trio_websocket.ConnectionClosed(None)
-        await self.ws.send_message(text)
+    async def send(self, frame: _Frame) -> None:
+        """Write `frame` whole, after every frame asked for before it.
+
+        Waiting for the turn writes nothing: a caller that gives up there (its deadline,
+        or the connection closed meanwhile) has sent nothing, `frame.started` is False.
+        From `frame.started` on bytes may leave, and a write cut off there (a deadline, a
+        cancelled caller, a broken socket) leaves part of a frame on the wire, after
+        which no frame can be read right: the connection is aborted, and everything
+        waiting on it resolves at once (`mark_dead`). A relay that stopped reading
+        (its buffers and ours full) so costs each request its own timeout, not forever.
+
+        Raises:
+            trio_websocket.ConnectionClosed: closed before or while writing.
+            trio.BrokenResourceError: the socket broke while writing.
+        """
+        async with self.send_lock:
+            if self.ws is None or not self.alive or self.ws.closed is not None:
+                raise trio_websocket.ConnectionClosed(None)
+            frame.started = True
+            try:
+                await self.ws.send_message(frame.text)
+            except BaseException:
+                self.abort()
+                raise
+            frame.written = True
+
+    def abort(self) -> None:
+        """End the connection now: its state on the wire is unknown (`send`)."""
+        self.aborted = True
+        self.mark_dead()
+        if self.scope is not None:
+            self.scope.cancel()
 
 
 #: What a failed connect may raise: the network, TLS (trio wraps it as BrokenResourceError)
@@ -1010,7 +1068,9 @@ class RelayPool:
                     task_status.started()
                     reason = await self._read(conn, ws)
                     nursery.cancel_scope.cancel()
-            if scope.cancelled_caught:
+            if conn.aborted:
+                reason = "a frame's write was cut off"
+            elif scope.cancelled_caught:
                 reason = "closed by the pool"
         except Exception as exc:
             # Before started(), the error belongs to the caller of start() (a failed
@@ -1026,7 +1086,9 @@ class RelayPool:
             if self._connections.get(conn.agent) is conn:
                 del self._connections[conn.agent]
             with trio.CancelScope(shield=True), trio.move_on_after(_CLOSE_HANDSHAKE_SECONDS):
-                if conn.ws is not None:
+                # After a cut-off frame a close frame would land inside it, and the relay
+                # that did not read that frame would not read this one either: TCP only.
+                if conn.ws is not None and not conn.aborted:
                     await conn.ws.aclose()
                 await stream.aclose()
             if conn.ws is not None:
@@ -1126,18 +1188,27 @@ class RelayPool:
             raise _AuthFailed(f"AUTH event unusable: {type(exc).__name__}", refused=False) from None
         event_id = auth_event.id
         waiter = conn.expect_ok(event_id)
-        # Spent from here on, whatever follows: part of the frame may reach the relay.
-        conn.answered, conn.auth_pending = challenge, event_id
+        # Spent once part of the frame may reach the relay (`out.started`).
+        previous, conn.answered, conn.auth_pending = conn.answered, challenge, event_id
+        out = _Frame(frame)
         try:
-            try:
-                await conn.send(frame)
-            except (trio_websocket.ConnectionClosed, trio.BrokenResourceError):
-                raise _AuthFailed("connection dropped while sending AUTH", refused=False) from None
+            # The write counts in the OK's timeout (as an EVENT's, `_publish_on`).
             with trio.move_on_after(self._timeouts.ok):
+                try:
+                    await conn.send(out)
+                except (trio_websocket.ConnectionClosed, trio.BrokenResourceError):
+                    why = "dropped while sending" if out.started else "closed before sending"
+                    raise _AuthFailed(f"connection {why} AUTH", refused=False) from None
                 await waiter.done.wait()
         finally:
             conn.forget_ok(event_id, waiter)
             conn.auth_pending = None
+            if not out.started:
+                conn.answered = previous
+        if not out.written:
+            raise _AuthFailed(
+                f"AUTH not written within {self._timeouts.ok}s: connection closed" if out.started
+                else f"AUTH not sent within {self._timeouts.ok}s: {_BUSY}", refused=False)
         if waiter.ok is None:
             why = "connection dropped" if waiter.dropped else f"no OK within {self._timeouts.ok}s"
             raise _AuthFailed(f"AUTH unanswered: {why}", refused=False)
@@ -1206,16 +1277,31 @@ class RelayPool:
                     return Rejected(reason=f"{refused_first} (connection dropped before resending)")
                 return NotSent(reason="connection closed before sending")
             waiter = conn.expect_ok(event_id)
+            out = _Frame(frame)
+            dropped = False
             try:
-                try:
-                    await conn.send(frame)
-                except (trio_websocket.ConnectionClosed, trio.BrokenResourceError):
-                    # Part of the frame may have left: the relay might have it.
-                    return Unknown(reason="connection dropped while sending")
+                # The write counts in the OK's timeout: a relay that stopped reading
+                # holds the write itself, and nothing else would end it.
                 with trio.move_on_after(self._timeouts.ok):
-                    await waiter.done.wait()
+                    try:
+                        await conn.send(out)
+                    except (trio_websocket.ConnectionClosed, trio.BrokenResourceError):
+                        dropped = True
+                    else:
+                        await waiter.done.wait()
             finally:
                 conn.forget_ok(event_id, waiter)
+            if not out.written:
+                if out.started:
+                    # Part of the frame may have left: the relay might have it.
+                    return Unknown(reason="connection dropped while sending" if dropped else
+                                   f"EVENT not written within {self._timeouts.ok}s: "
+                                   "connection closed")
+                why = ("connection closed before sending" if dropped else
+                       f"not sent within {self._timeouts.ok}s: {_BUSY}")
+                if refused_first is not None:
+                    return Rejected(reason=f"{refused_first} ({why})")
+                return NotSent(reason=why)
             ok = waiter.ok
             if ok is None:
                 if waiter.dropped:
@@ -1278,10 +1364,11 @@ class RelayPool:
         for attempt in range(2):
             generation = await self._auth_for_req(conn)
             sub_id, sub = conn.open_subscription()
+            req = _Frame(encode_req(sub_id, filters))
             try:
-                await self._req_until_eose(conn, sub_id, sub.done, filters)
+                await self._req_until_eose(conn, req, sub.done)
             finally:
-                await self._close_subscription(conn, sub_id)
+                await self._close_subscription(conn, sub_id, req)
                 # Bytes of an answer are held until its caller drops it (_results); every
                 # other way out of here gives them back now.
                 events, held = sub.hand_over()
@@ -1315,15 +1402,20 @@ class RelayPool:
             raise (RelayRefused if exc.refused else RelayUnavailable)(exc.reason) from None
         return conn.auth_generation
 
-    async def _req_until_eose(self, conn: _Connection, sub_id: str, done: trio.Event,
-                              filters: Sequence[Mapping[str, object]]) -> None:
-        """Send the REQ and wait for EOSE, CLOSED or a drop (`done`), at most timeouts.eose."""
-        try:
-            await conn.send(encode_req(sub_id, filters))
-        except (trio_websocket.ConnectionClosed, trio.BrokenResourceError):
-            raise RelayUnavailable("connection dropped while sending REQ") from None
+    async def _req_until_eose(self, conn: _Connection, req: _Frame, done: trio.Event) -> None:
+        """Send the REQ and wait for EOSE, CLOSED or a drop (`done`), at most timeouts.eose
+        for both (the write counts, as an EVENT's does in `_publish_on`)."""
         with trio.move_on_after(self._timeouts.eose):
+            try:
+                await conn.send(req)
+            except (trio_websocket.ConnectionClosed, trio.BrokenResourceError):
+                why = "dropped while sending" if req.started else "closed before sending"
+                raise RelayUnavailable(f"connection {why} REQ") from None
             await done.wait()
+        if not req.written:
+            raise RelayUnavailable(
+                f"REQ not written within {self._timeouts.eose}s: connection closed" if req.started
+                else f"REQ not sent within {self._timeouts.eose}s: {_BUSY}")
         if not done.is_set():
             raise RelayUnavailable(f"no EOSE within {self._timeouts.eose}s")
 
@@ -1342,15 +1434,17 @@ class RelayPool:
             return
         raise RelayRefused(closed.message)
 
-    async def _close_subscription(self, conn: _Connection, sub_id: str) -> None:
+    async def _close_subscription(self, conn: _Connection, sub_id: str,
+                                  req: _Frame | None = None) -> None:
         # NIP-01: always CLOSE, also after CLOSED/timeout/cancel; bounded and shielded so a
-        # cancelled caller still frees the relay's subscription slot.
+        # cancelled caller still frees the relay's subscription slot. Not for a REQ
+        # (`req`) of which nothing left: the relay has no such subscription.
         conn.subscriptions.pop(sub_id, None)
-        if not conn.alive:
+        if not conn.alive or (req is not None and not req.started):
             return
         with trio.CancelScope(shield=True), trio.move_on_after(_CLEANUP_SECONDS):
             try:
-                await conn.send(encode_close(sub_id))
+                await conn.send(_Frame(encode_close(sub_id)))
             except (trio_websocket.ConnectionClosed, trio.BrokenResourceError):
                 pass
 
@@ -1388,8 +1482,9 @@ class RelayPool:
                     for attempt in range(2):
                         generation = await self._auth_for_req(conn)
                         sub_id, live = conn.open_live(sink)
+                        req = _Frame(encode_req(sub_id, filters))
                         try:
-                            await self._req_until_eose(conn, sub_id, live.done, filters)
+                            await self._req_until_eose(conn, req, live.done)
                             if live.dropped:
                                 raise RelayUnavailable("connection dropped before EOSE")
                             if live.closed is None:
@@ -1398,7 +1493,7 @@ class RelayPool:
                                 return LiveSubscription(self, conn, sub_id)
                         finally:
                             if not established:
-                                await self._close_subscription(conn, sub_id)
+                                await self._close_subscription(conn, sub_id, req)
                         assert live.closed is not None
                         await self._after_closed(conn, sub_id, live.closed, generation, attempt)
                 finally:
