@@ -58,8 +58,9 @@ TARGET_LINES = 3000
 #: changes nothing writing no line (a fix: a replayed mint read as the key minted again in
 #: the signed log, and such lines had no bound; 17 lines); 5,629 with a grace copy's
 #: directory fsynced and its whole write checked (a fix: a power cut could keep the
-#: tombstone and lose the copy; 8 lines), held there.
-CEILING_LINES = 5629
+#: tombstone and lose the copy; 8 lines); 5,640 with the recount of values one match at a
+#: time (a fix: a frame of empty strings made it hold 1.4 GiB; 11 lines), held there.
+CEILING_LINES = 5640
 #: Parsers facing agents and the relay that must never load where the keys are.
 NEVER = ("daemon", "h11", "wsproto", "buzz_broker_client", "buzzwire.contract")
 
