@@ -1,5 +1,5 @@
-"""The owner graph's one rule: it has no cycle. `import_agent` and `restore_backup` both
-ask `owned_through` before they add an agent, so the two doors cannot disagree.
+"""The owner graph's one rule: it has no cycle. `import_agent` asks `owned_through`; restore
+checks a whole backup at once, held to its answers (tests/backup/test_restore_bounds.py).
 
 Why no cycle: an owner may act for its agents (NIP-OA tags, agents.update / delete), so a
 cycle would let each agent of it act for the others, and an order by ownership (the
