@@ -18,7 +18,8 @@ Theory of operation:
   (daemon/relay/paging.py, every event judged by channel_read's checks). Events the live
   subscription delivers meanwhile are merged after the page, so nothing published between
   the two is missed; a deletion or removal meanwhile, or the subscription ending, and the
-  page answers this read but is not kept.
+  page answers this read but is not kept. A window that ends before `subscribe` returns
+  closes its subscription then (`attach`).
 * Kept true: every live message event is judged (shape, id, signature, channel, filter)
   once, then placed in declared order; the window holds the newest events down to its
   bottom (at most `keep`), or all of them when the channel has fewer. A live deletion
@@ -285,6 +286,16 @@ class Window:
         self.end(reason)
 
     # --------------------------------------------------------------------------------
+
+    def attach(self, subscription: LiveSubscription) -> None:
+        """Hold the live subscription `RelayPool.subscribe` returned for this window. The
+        window may have ended before it returned (`event` ends it for too many stored
+        events, or a live deletion after EOSE), when `end` had nothing to close: the
+        subscription is closed now, or it would hold a slot of the agent's connection
+        (and keep it from idle close) for as long as the connection lives."""
+        self.subscription = subscription
+        if not self.valid:
+            subscription.close()
 
     def end(self, reason: str) -> None:
         """Take the window away (and close its subscription); idempotent."""
@@ -603,14 +614,18 @@ class WindowCache:
         self._opening.add(key)
         try:
             try:
-                window.subscription = await self._pool.subscribe(
-                    key.agent, self._live_filters(key, filters), window)
+                window.attach(await self._pool.subscribe(
+                    key.agent, self._live_filters(key, filters), window))
             except RelayError as exc:
                 # Subscriptions full, refused or unavailable: the plain read answers (and
                 # reports the relay's failure itself, as it always did).
                 self.not_opened.record((type(exc).__name__,), agent=key.agent,
                                        channel_id=key.channel_id, reason=type(exc).__name__)
                 window.valid = False
+                return await read(), None
+            if not window.valid:
+                # It ended while subscribing (`attach` closed the subscription): the plain
+                # read answers.
                 return await read(), None
             try:
                 page = await read()

@@ -1,0 +1,90 @@
+"""What a window leaves behind when it ends: a window that ends while it is being opened
+closes its subscription. Costs are asserted as counts, never as time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from buzzwire.contract import ChannelReadArgs, Event, ReadOutcome, Status
+from daemon.operations import channel_read
+from daemon.relay.cursor import CursorCodec
+from daemon.relay.paging import Page
+from daemon.relay.pool import Accepted, RelayPool, RelayTimeouts
+from daemon.relay.windows import Window, WindowCache, WindowKey
+from tests.fixtures.relay import TestKey, auth_signer_for, signed
+from tests.read._support import NOW, context, new_channel, principal_for
+from tests.scripted_relay import Script, ScriptedRelay
+
+TIMEOUTS = RelayTimeouts(connect=10, ok=10, eose=10, idle_seconds=60)
+
+
+def _read_ctx(relay: Any, tmp_path: Path, agent: str, channel: str) -> Any:
+    return context(relay, principal_for(tmp_path, agent, [channel]),
+                   CursorCodec.open(str(tmp_path)))
+
+
+# --- a window that ends while it is being opened ---------------------------------------
+
+
+async def test_a_window_ended_by_too_many_stored_events_closes_its_subscription(
+        scripted_relay: Callable[[Script], Awaitable[ScriptedRelay]], tmp_path: Path,
+        nursery: trio.Nursery) -> None:
+    # The scripted relay ignores `limit`: the window's live REQ gets every stored event
+    # before EOSE, more than the window's depth, so the window ends inside `subscribe`.
+    # Its subscription must still be closed: each such read leaked one, until the agent's
+    # connection was full (no windows any more) and never idle.
+    relay = await scripted_relay(Script())
+    reader, author = TestKey(), TestKey()
+    channel = new_channel()
+    pool = RelayPool(relay.url, auth_signer_for(reader, author), timeouts=TIMEOUTS,
+                     max_live_subscriptions=4)
+    pool.windows = WindowCache(pool, depth=5, keep=5)
+    await nursery.start(pool.run)
+    for n in range(8):
+        ev = author.sign(9, f"m{n}", [["h", channel]], NOW - n)
+        assert isinstance(await pool.publish(author.pubkey, signed(ev)), Accepted)
+    ctx = _read_ctx(pool, tmp_path, reader.pubkey, channel)
+    for _ in range(6):  # past max_live_subscriptions
+        verdict = await channel_read.execute(ctx, ChannelReadArgs(channel_id=channel, limit=5))
+        assert verdict.status is Status.SUCCEEDED
+        assert isinstance(verdict.outcome, ReadOutcome) and len(verdict.outcome.messages) == 5
+        conn = pool._connections[reader.pubkey]
+        assert (conn.live, conn.in_use, len(conn.subscriptions)) == (0, 0, 0)
+    assert len(pool.windows) == 0
+    assert sum(1 for m in relay.received if m[0] == "REQ") == 12, "every read tried a window"
+
+
+class _Subscription:
+    closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+async def test_a_window_ended_by_a_deletion_before_subscribe_returns_closes_it() -> None:
+    # A live deletion may arrive after EOSE but before `subscribe` returns (the reader task
+    # runs first): the window ends with no subscription yet to close.
+    subscription = _Subscription()
+    channel = new_channel()
+
+    class Pool:
+        async def subscribe(self, agent: str, filters: object, sink: Window) -> _Subscription:
+            sink.event({"kind": 5, "tags": [["h", channel], ["e", "0" * 64]]}, live=True)
+            return subscription
+
+    cache = WindowCache(Pool(), depth=10, keep=10)  # type: ignore[arg-type]
+    page: Page[Event] = Page(items=(), next_position=None, rounds=1)
+
+    async def read() -> Page[Event]:
+        return page
+
+    got, window = await cache.open(WindowKey("a" * 64, channel, False), [{"kinds": [9]}],
+                                   Event.from_json_obj, read, max_page_bytes=1 << 20,
+                                   size_of=lambda e: 1)
+    assert got is page and window is None, "the plain read answers"
+    assert subscription.closed == 1 and len(cache) == 0
