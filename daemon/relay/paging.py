@@ -38,11 +38,11 @@ cap (RELAY_MAX_LIMIT, 500 on Buzz) matching events — the sweep can only see a 
 subset. It is detected (`Page.overflow_seconds`) for the caller to log; paging goes on.
 
 Everything the relay returns is judged here only structurally (an `id` of 64 hex, an int
-`created_at`, within the window). Whether an event may be delivered is the caller's
-`accept` callback (signature, channel tag, filter). An item inside the main window that
-cannot be attributed to a filter (no usable id / created_at, or matching none of them)
-still counts against every filter's limit (the relay may have counted it), which can
-only cause an extra sweep, never a skipped event. An item with a usable created_at outside
+`created_at` in 0..MAX_CREATED_AT, within the window). Whether an event may be delivered
+is the caller's `accept` callback (signature, channel tag, filter). An item inside the
+main window that cannot be attributed to a filter (no usable id / created_at, or matching
+none of them) still counts against every filter's limit (the relay may have counted it),
+which can only cause an extra sweep, never a skipped event. An item with a usable created_at outside
 every window is dropped without counting: no honest relay picked it for this request.
 
 This module is pure except `read_page`, which awaits the caller's `query` callable and
@@ -59,9 +59,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from buzzwire.contract import MAX_JSON_INT
 from daemon.relay.cursor import Position
 
 __all__ = [
+    "MAX_CREATED_AT",
     "MAX_ROUNDS",
     "READ_AHEAD",
     "RELAY_MAX_LIMIT",
@@ -82,6 +84,11 @@ READ_AHEAD = 1
 #: Round trips one page may take before it returns what it has (a short page with a
 #: cursor — still exact). Bounds the work a hostile or broken relay can cause.
 MAX_ROUNDS = 8
+#: The latest created_at paging places: the contract's bound on a JSON integer, so on an
+#: `Event`'s created_at (NIP-01: unix seconds). An item past it is malformed, as one with no
+#: int created_at, and could never be delivered; placed, it made a boundary whose position
+#: (B + 1 for a page that delivered nothing) a cursor's u64 cannot hold (`Position`).
+MAX_CREATED_AT = MAX_JSON_INT
 #: The greatest id: a position (s + 1, _MAX_ID) means "everything at second s is still to come".
 _MAX_ID = "f" * 64
 _HEX = frozenset("0123456789abcdef")
@@ -123,7 +130,7 @@ def _key_unchecked(item: object) -> SortKey | None:
         return None
     created_at = item.get("created_at")
     event_id = item.get("id")
-    if type(created_at) is not int or created_at < 0:
+    if type(created_at) is not int or not 0 <= created_at <= MAX_CREATED_AT:
         return None
     if not isinstance(event_id, str) or len(event_id) != 64 or not set(event_id) <= _HEX:
         return None

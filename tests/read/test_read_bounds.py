@@ -1,19 +1,24 @@
-"""What a window leaves behind when it ends: a window that ends while it is being opened
-closes its subscription. Costs are asserted as counts, never as time.
+"""What a misbehaving relay can cost one read, and what a window leaves behind when it ends:
+a window that ends while it is being opened closes its subscription; a created_at past
+what an event can hold is the relay's fault, never the daemon's. Costs are asserted as
+counts, never as time.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
-from buzzwire.contract import ChannelReadArgs, Event, ReadOutcome, Status
+from buzzwire.contract import ChannelReadArgs, ErrorCode, Event, ReadOutcome, Status
 from daemon.operations import channel_read
 from daemon.relay.cursor import CursorCodec
-from daemon.relay.paging import Page
+from daemon.relay.paging import MAX_CREATED_AT, Page, read_page
 from daemon.relay.pool import Accepted, RelayPool, RelayTimeouts
 from daemon.relay.windows import Window, WindowCache, WindowKey
 from tests.fixtures.relay import TestKey, auth_signer_for, signed
@@ -88,3 +93,49 @@ async def test_a_window_ended_by_a_deletion_before_subscribe_returns_closes_it()
                                    size_of=lambda e: 1)
     assert got is page and window is None, "the plain read answers"
     assert subscription.closed == 1 and len(cache) == 0
+
+
+# --- created_at past what an event holds ------------------------------------------------
+
+
+class _FarFutureRelay:
+    """Fills every limit with events dated `created_at` (unsigned: paging refuses them
+    before any is judged)."""
+
+    windows = None
+
+    def __init__(self, created_at: int, channel: str) -> None:
+        self.created_at, self.channel, self.calls = created_at, channel, 0
+        self.ids = itertools.count(1)
+
+    async def query(self, agent: str, filters: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        self.calls += 1
+        return [{"id": "%064x" % next(self.ids), "pubkey": "b" * 64, "created_at": self.created_at,
+                 "kind": 9, "tags": [["h", self.channel]], "content": "x", "sig": "c" * 128}
+                for flt in filters for _ in range(flt["limit"])]
+
+
+@pytest.mark.parametrize("created_at", [MAX_CREATED_AT + 1, 2**64 - 1, 2**70])
+async def test_a_relay_dating_events_past_an_event_is_garbled_not_a_fault(
+        created_at: int, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    channel = new_channel()
+    relay = _FarFutureRelay(created_at, channel)
+    caplog.set_level(logging.INFO, logger="buzz_broker.read")
+    verdict = await channel_read.execute(_read_ctx(relay, tmp_path, "a" * 64, channel),
+                                         ChannelReadArgs(channel_id=channel))
+    assert verdict.status is Status.FAILED and verdict.code is ErrorCode.ACTION_FAILED
+    assert verdict.message == "the relay answered with data that cannot be paged"
+    assert relay.calls == 1
+    garbled = [r for r in caplog.records if getattr(r, "buzz_event", None) == "read.relay_garbled"]
+    assert len(garbled) == 1
+
+
+async def test_paging_places_an_event_at_the_latest_created_at_an_event_holds() -> None:
+    # The bound is the contract's (an Event's created_at): MAX_CREATED_AT itself pages.
+    item = {"id": "1" * 64, "created_at": MAX_CREATED_AT, "kind": 9, "tags": []}
+
+    async def query(filters: list[dict[str, object]]) -> list[dict[str, object]]:
+        return [item] if "until" not in filters[-1] else []
+
+    page = await read_page(query, [{"kinds": [9]}], after=None, limit=1, accept=lambda i: i)
+    assert page.items == (item,) and page.malformed == 0
