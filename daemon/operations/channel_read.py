@@ -33,6 +33,13 @@ Decisions (each documented here because Buzz leaves them to the host):
   content; `ReadLog`) and never counted in the page. The first two are shared process-wide
   (`_JudgedCache`): a fleet's agents each receive the same event on their own
   connections, and an exact copy of an event already judged is not judged again.
+* A relay that sends a read more than MAX_FORGED_EVENTS events whose id or signature does
+  not verify is misbehaving: the read stops there, `failed` + `action_failed`
+  (`read.relay_garbled`, reason `forged_events`). An honest relay verifies what it stores
+  (NIP-01), so these are never a channel's own; a forged event is never cached, so without
+  the bound one read of a relay filling every reply with them cost MAX_ROUNDS x
+  pool.MAX_EVENTS_PER_QUERY (40,000) signature checks. The few below it are dropped as
+  above, so a relay holding a stray corrupt event still serves the channel.
 
 * A read with no thread root and a limit up to the window depth (Buzz's poll: limit 100)
   is answered from the requester's read window for that channel when the relay pool
@@ -78,8 +85,8 @@ from daemon.relay.paging import RELAY_MAX_LIMIT, Page, RelayMisbehaved, matches,
 from daemon.relay.pool import RelayRefused, RelayUnavailable, decoded_size
 from daemon.relay.windows import Served, WindowCache, WindowKey
 
-__all__ = ["ACTION", "DROP_LINES", "JUDGED_CACHE_BYTES", "JudgedCache", "MAX_PAGE_BYTES",
-           "READ_KINDS", "ReadLog", "execute"]
+__all__ = ["ACTION", "DROP_LINES", "JUDGED_CACHE_BYTES", "JudgedCache", "MAX_FORGED_EVENTS",
+           "MAX_PAGE_BYTES", "READ_KINDS", "ReadLog", "execute"]
 
 ACTION = "channel.read"
 #: Channel message kinds read (buzz-on-the-relay.md "Channels": 9 stream message,
@@ -110,7 +117,13 @@ def _event_bytes(event: Event) -> int:
 _BAD_CURSOR = "the cursor is not valid for this read; start again without one"
 _RELAY_DOWN = "the relay could not be read; nothing happened, the read may be retried"
 _RELAY_REFUSED = "the relay refused the read"
-_RELAY_GARBLED = "the relay answered with data that cannot be paged"
+#: `RelayMisbehaved.reason` -> what the agent is told.
+_RELAY_GARBLED: Mapping[str, str] = {
+    "no_boundary": "the relay answered with data that cannot be paged",
+    "forged_events": "the relay answered with events whose signatures do not verify",
+}
+#: Events failing the id or signature check one read drops before it stops (module doc).
+MAX_FORGED_EVENTS = 16
 
 
 def _base_filters(args: ChannelReadArgs, requester: str) -> list[dict[str, object]]:
@@ -152,17 +165,25 @@ class ReadLog(FaultLogs):
 
 class _Judge:
     """Decides whether one relay item may be delivered; logs its drops (`ReadLog`): a
-    relay sends as many bad events as it likes, to every read and every window."""
+    relay sends as many bad events as it likes, to every read and every window.
 
-    __slots__ = ("channel_id", "filters", "request_id", "_drops", "_judged")
+    `max_forged`: past this many items failing the id or signature check, raise
+    RelayMisbehaved("forged_events") (module doc). None never raises: a window's live
+    judge runs in the connection's reader task, which must not raise; what a window
+    judges is bounded there (daemon/relay/windows.py `Window.event`).
+    """
+
+    __slots__ = ("channel_id", "filters", "request_id", "_drops", "_judged", "_forged_left")
 
     def __init__(self, channel_id: str, filters: Sequence[Mapping[str, object]],
-                 request_id: str, drops: ReadLog, judged: JudgedCache) -> None:
+                 request_id: str, drops: ReadLog, judged: JudgedCache, *,
+                 max_forged: int | None = None) -> None:
         self.channel_id = channel_id
         self.filters = filters
         self.request_id = request_id
         self._drops = drops
         self._judged = judged
+        self._forged_left = max_forged
 
     def __call__(self, item: Mapping[str, object]) -> Event | None:
         event = self._judged.known(item)
@@ -174,6 +195,10 @@ class _Judge:
                 return None
             if not _signature_ok(self, item, event):
                 self._drop(item, "bad_signature")
+                if self._forged_left is not None:
+                    if self._forged_left == 0:
+                        raise RelayMisbehaved("forged_events")
+                    self._forged_left -= 1
                 return None
             self._judged.remember(event)
         for name, check in _CHECKS:
@@ -294,7 +319,8 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
             return Verdict.failed(ErrorCode.INVALID_REQUEST, _BAD_CURSOR)
 
     filters = _base_filters(args, requester)
-    judge = _Judge(args.channel_id, filters, ctx.request_id, ctx.read_log, ctx.judged)
+    judge = _Judge(args.channel_id, filters, ctx.request_id, ctx.read_log, ctx.judged,
+                   max_forged=MAX_FORGED_EVENTS)
     limit = min(args.effective_limit, RELAY_MAX_LIMIT)
 
     async def query(batch: list[dict[str, object]]) -> list[dict[str, object]]:
@@ -346,7 +372,8 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
                 depth = windows.depth
                 page, window = await windows.open(
                     key, filters,
-                    _Judge(args.channel_id, filters, "window", ctx.read_log, ctx.judged),
+                    _Judge(args.channel_id, filters, "window", ctx.read_log, ctx.judged,
+                           max_forged=None),
                     lambda: cold(depth), max_page_bytes=MAX_PAGE_BYTES, size_of=_event_bytes)
                 served = window.serve(limit) if window is not None else None
                 if served is not None:
@@ -362,9 +389,10 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
         ctx.read_log.record("read.relay_refused", exc.reason, request_id=ctx.request_id,
                             reason=exc.reason)
         return Verdict.failed(ErrorCode.ACTION_FAILED, _RELAY_REFUSED)
-    except RelayMisbehaved:
-        ctx.read_log.record("read.relay_garbled", request_id=ctx.request_id)
-        return Verdict.failed(ErrorCode.ACTION_FAILED, _RELAY_GARBLED)
+    except RelayMisbehaved as exc:
+        ctx.read_log.record("read.relay_garbled", exc.reason, request_id=ctx.request_id,
+                            reason=exc.reason)
+        return Verdict.failed(ErrorCode.ACTION_FAILED, _RELAY_GARBLED[exc.reason])
 
     for second in page.overflow_seconds:
         # design.md: the one case paging cannot make exact — say so.

@@ -17,9 +17,10 @@ Theory of operation:
   this agent's removals in the channel), then the exact page read as a cold read does it
   (daemon/relay/paging.py, every event judged by channel_read's checks). Events the live
   subscription delivers meanwhile are merged after the page, so nothing published between
-  the two is missed; a deletion or removal meanwhile, or the subscription ending, and the
-  page answers this read but is not kept. A window that ends before `subscribe` returns
-  closes its subscription then (`attach`).
+  the two is missed; a deletion or removal meanwhile, the subscription ending, or more
+  than `depth` items judged before the page is in (kept or dropped: a relay ignoring
+  `limit`, or flooding forged events), and the page answers this read but is not kept. A
+  window that ends before `subscribe` returns closes its subscription then (`attach`).
 * Kept true: every live message event is judged (shape, id, signature, channel, filter)
   once, then placed in declared order; the window holds the newest events down to its
   bottom (at most `keep`), or all of them when the channel has fewer. A live deletion
@@ -237,6 +238,8 @@ class Window:
         #: live events that arrived before the page was read
         self._pending: list[Event] = []
         self._pending_bytes = 0
+        #: items judged before the page was in, kept or not (`event`)
+        self._judged_filling = 0
         self.valid = True
         self.kept = False
         self.filled_at = 0.0
@@ -267,12 +270,20 @@ class Window:
                 # flight was answered before: that page must not extend the window.
                 self._changes_below += 1
             return
+        if not self._filled:
+            # Every item judged before the page is in counts, kept or dropped: a relay that
+            # ignores the live REQ's `limit`, or floods it with forged events (each a
+            # signature check, never cached), costs one opening `depth` judgements at most.
+            self._judged_filling += 1
+            if self._judged_filling > self._depth:
+                self.end("too many events while filling")
+                return
         event = self._accept(item)
         if event is None:
             return
         if not self._filled:
             self._pending_bytes += self._size_of(event)
-            if len(self._pending) >= self._depth or self._pending_bytes > self._max_page_bytes:
+            if self._pending_bytes > self._max_page_bytes:
                 self.end("too many events while filling")
             else:
                 self._pending.append(event)
