@@ -787,7 +787,12 @@ class _Connection:
             trio.BrokenResourceError: the socket broke while writing.
         """
         async with self.send_lock:
-            if self.ws is None or not self.alive or self.ws.closed is not None:
+            if self.ws is not None and self.ws.closed is not None:
+                # The relay closed (or the socket broke) and our reader has not ended the
+                # connection yet: nothing goes out on it now, so nobody should wait on it,
+                # and the next request should connect anew.
+                self.mark_dead()
+            if self.ws is None or not self.alive:
                 raise trio_websocket.ConnectionClosed(None)
             frame.started = True
             try:
