@@ -18,6 +18,7 @@ import subprocess
 import uuid
 from pathlib import Path
 
+import pytest
 import trio
 
 from buzzwire.nostr import verify_event
