@@ -135,10 +135,22 @@ def _with_custody(config: Config, action: Callable[[Custody], Awaitable[T]]) -> 
         raise CliError(str(exc)) from None
 
 
+def _checked_name(name: str, flag: str) -> str:
+    """`name` if the directory keeps it; checked before a key is made or a secret read, so
+    a refused name leaves no key behind without its pubkey printed."""
+    from daemon.state.directory import check_name
+
+    try:
+        check_name(name)
+    except ValueError as exc:
+        raise CliError(f"{flag}: {exc}") from None
+    return name
+
+
 def _import(args: argparse.Namespace, config: Config) -> int:
     owner = _pubkey(args.owner, "--owner")
-    if args.name is not None and not args.name:
-        raise CliError("--name must not be empty")
+    if args.name is not None:
+        _checked_name(args.name, "--name")
     auth_tag = None if args.auth_tag is None else agent_auth.parse_tag(args.auth_tag, "--auth-tag")
     from custody import CustodyError
 
@@ -168,10 +180,8 @@ def _enroll(config: Config, pubkey: str, name: str) -> None:
 
 def _name(args: argparse.Namespace, config: Config) -> int:
     pubkey = _pubkey(args.pubkey, "PUBKEY")
-    if not args.name:
-        raise CliError("NAME must not be empty")
     with agent_directory(config) as directory:
-        record = directory.rename(pubkey, args.name)
+        record = directory.rename(pubkey, _checked_name(args.name, "NAME"))
     if record is None:
         raise CliError(f"no live agent {pubkey} is held here")
     print(f"{record.pubkey} is named '{printable(record.name)}' on this host (not published)",
@@ -207,8 +217,7 @@ def _read_secret(fd: int) -> bytearray:
 
 def _create(args: argparse.Namespace, config: Config) -> int:
     owner = _pubkey(args.owner, "--owner")
-    if not args.name:
-        raise CliError("--name must not be empty")
+    _checked_name(args.name, "--name")
     record: KeyRecord = _with_custody(config, lambda c: c.mint_agent(owner=owner))
     _enroll(config, record.pubkey, args.name)
     print(record.pubkey)

@@ -52,7 +52,7 @@ from custody import CustodyError, KeyIndex, KeyRecord
 from daemon.state._sqlite import open_private_db
 
 __all__ = ["AgentDirectory", "AgentRecord", "DirectoryError", "DIRECTORY_FILE",
-           "HUMAN_OWNED_DEPTH", "KeySource", "child_depth"]
+           "HUMAN_OWNED_DEPTH", "KeySource", "check_name", "child_depth"]
 
 T = TypeVar("T")
 
@@ -61,6 +61,15 @@ DIRECTORY_FILE = "directory.db"
 HUMAN_OWNED_DEPTH = 1
 #: The longest name kept (a display name is at most 120; a restored backup's is bounded).
 MAX_NAME_CHARS = 256
+
+
+def check_name(name: object) -> None:
+    """ValueError unless `name` is one the directory keeps (1 to MAX_NAME_CHARS characters):
+    what a command checks before it makes the key the name is for."""
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
+        raise ValueError(f"name must be 1 to {MAX_NAME_CHARS} characters")
+
+
 #: How many hex digits of its pubkey name an agent that was given no name.
 DEFAULT_NAME_DIGITS = 12
 SCHEMA_VERSION = 1
@@ -282,8 +291,7 @@ class AgentDirectory:
                conflict: str) -> AgentRecord | None:
         if not is_hex64(pubkey):
             raise ValueError("agent must be 64 lowercase hex characters")
-        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
-            raise ValueError(f"name must be a str of 1 to {MAX_NAME_CHARS} characters")
+        check_name(name)
         if creator is not None and not is_hex64(creator):
             raise ValueError("creator must be 64 lowercase hex characters or None")
         if self.agent(pubkey) is None:

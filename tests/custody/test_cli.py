@@ -94,12 +94,20 @@ def test_agent_lifecycle_and_faults(cli: Cli, tmp_path: Path) -> None:
         (("agent", "import", "--owner", PUB_2, "--auth-tag", "[1,"), SECRET_2, "not JSON"),
         (("agent", "remove", "--yes", "b" * 64), "", "unknown agent"),
         (("agent", "name", helper, "ghost"), "", "no live agent"),
-        (("agent", "name", owner, ""), "", "must not be empty"),
-        (("agent", "import", "--owner", PUB_2, "--name", ""), SECRET_2, "must not be empty"),
+        (("agent", "name", owner, ""), "", "NAME: name must be 1 to 256 characters"),
+        (("agent", "import", "--owner", PUB_2, "--name", ""), SECRET_2, "1 to 256 characters"),
+        # A name the directory refuses is refused before a key is made or a secret read:
+        # it was made first, then the command ended "internal error" without its pubkey.
+        (("agent", "create", "--owner", owner, "--name", "x" * 257), "", "1 to 256 characters"),
+        (("agent", "import", "--owner", PUB_2, "--name", "x" * 257), SECRET_2,
+         "--name: name must be 1 to 256 characters"),
+        (("agent", "name", owner, "x" * 257), "", "1 to 256 characters"),
     ]
+    held = cli("agent", "list", "--all").stdout
     for args, stdin, message in faults:
         done = cli(*args, stdin=stdin)
-        assert done.returncode == 1 and message in done.stderr and done.stdout == ""
+        assert done.returncode == 1 and message in done.stderr and done.stdout == "", done
+    assert cli("agent", "list", "--all").stdout == held  # no key made by any of them
     wrong_pin = tmp_path / "wrong"
     wrong_pin.write_text("nope\n")
     wrong_pin.chmod(0o600)
