@@ -57,6 +57,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "load_config",
+    "is_uid",
+    "MAX_UID",
     "require_relay",
     "ConfigError",
     "Config",
@@ -487,9 +489,16 @@ def _bool(value: object, _base: Path | None) -> object:
     return value
 
 
+#: The largest uid a process can have: (uid_t) -1 means "no uid" to the kernel.
+MAX_UID = 2**32 - 2
+
+
+def is_uid(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and 0 <= value <= MAX_UID
+
+
 def _uid_set(value: object, _base: Path | None) -> object:
-    if not isinstance(value, list) or any(
-            isinstance(u, bool) or not isinstance(u, int) or not 0 <= u < 2**32 - 1 for u in value):
+    if not isinstance(value, list) or not all(is_uid(u) for u in value):
         raise _Bad("an array of numeric uids")
     return frozenset(value)
 

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 from daemon.cli._common import CliError, agent_directory, config_from_args, print_json_line
+from daemon.config import MAX_UID, is_uid
 
 if TYPE_CHECKING:
     from daemon.state.sessions import SessionStore
@@ -96,8 +97,10 @@ def parse_uid(text: str) -> int:
     Raises CliError; the text is not echoed (like `--channel`, it may be a mis-paste).
     """
     text = text.strip()
-    if text.isdigit():
-        return int(text)
+    if text.isascii() and text.isdigit():  # str.isdigit alone takes "²" and other digits
+        if len(text) <= len(str(MAX_UID)) and is_uid(int(text)):
+            return int(text)
+        raise CliError(f"--uid: a uid is at most {MAX_UID}")
     try:
         return pwd.getpwnam(text).pw_uid
     except (KeyError, ValueError):

@@ -110,6 +110,20 @@ async def test_the_uid_must_be_explicit(
     assert [row["uid"] for row in _rows(config_file, capsys)] == [0, 1000]
 
 
+def test_a_uid_no_process_can_have_is_one_clear_line() -> None:
+    """A number past what SQLite or a uid_t holds, and a digit that is not ASCII, were an
+    "internal error" (OverflowError, ValueError); (uid_t) -1 was stored, a uid no process
+    can have. Each is now the option's one line."""
+    from daemon.cli._common import CliError
+
+    for text, said in (("99999999999999999999", "at most 4294967294"),
+                       ("4294967295", "at most 4294967294"),
+                       ("\u00b2", "expected a non-negative uid")):
+        with pytest.raises(CliError, match=said):
+            credential.parse_uid(text)
+    assert credential.parse_uid("4294967294") == 2**32 - 2
+
+
 async def test_default_ttl_never_and_the_uid_warning(
     config_file: Path, agent: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
