@@ -13,6 +13,14 @@ hold → the `rollback` cleanup and `failed` + `action_failed` with the relay's 
 would lie: `indeterminate` + `outcome_unknown`, and the identical retry re-sends the same
 events (accepted ones come back `duplicate:`) until the relay takes the rest.
 
+A resumed pending record is different: an earlier attempt may have sent its events, and
+the relay may hold any of them. A refusal now proves nothing about those (relays answer
+`rate-limited:` or `blocked:` before looking for a duplicate), so on a resumed attempt
+any refusal is `indeterminate` + `outcome_unknown` and no rollback runs: rolling back
+(agents.create: destroying the key) would leave the relay naming an agent that is gone,
+and `failed` would promise that nothing happened. Only an acceptance (`duplicate:`
+included) tells the retry what the relay holds.
+
 Cleanup steps run in order, each safe to run twice; a fault in one is logged and the
 verdict stands (the relay has already answered). An agents.create that ends `failed`
 leaves no key behind (`destroy_minted`).
@@ -127,7 +135,10 @@ class Publisher:
         return await self.publish(facts, pending, progress, resumed=False)
 
     async def resume(self, facts: Facts, recorded: bytes, progress: Progress) -> Judged:
-        """Finish a pending record left by a crash or an `indeterminate`: re-send its events."""
+        """Finish a pending record left by a crash or an `indeterminate`: re-send its events.
+
+        An earlier attempt may have sent them, so a refusal here is never `failed` and
+        never rolls back (module docstring)."""
         try:
             pending = Pending.decode(recorded)
         except ValueError as exc:
@@ -170,10 +181,16 @@ class Publisher:
                 return Verdict.indeterminate(
                     ErrorCode.OUTCOME_UNKNOWN,
                     "the relay did not confirm the event; retry the identical request")
-            if accepted == 0:
+            if accepted == 0 and not resumed:
                 await self.cleanup(pending.rollback)
                 return Verdict.failed(
                     ErrorCode.ACTION_FAILED, f"the relay did not accept the event: {reason}")
+            if accepted == 0:
+                # `accepted` counts this attempt only; an earlier one may have been stored.
+                return Verdict.indeterminate(
+                    ErrorCode.OUTCOME_UNKNOWN,
+                    f"the relay refused the event ({reason}) and an earlier attempt may "
+                    f"have published it; retry the identical request to finish")
             return Verdict.indeterminate(
                 ErrorCode.OUTCOME_UNKNOWN,
                 f"the relay accepted {accepted} of {len(pending.events)} events and refused "

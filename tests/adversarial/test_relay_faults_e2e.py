@@ -15,6 +15,9 @@ check the verdict envelope the agent receives:
     agents.create refused at its first event -> failed, the minted key destroyed (rollback)
     agents.create silent at its second event -> indeterminate; retry -> succeeded, the
                                  relay holds each of the three events once, one agent
+    a resumed agents.create refused at its first event -> indeterminate (an earlier
+                                 attempt's event may be on the relay), the key kept;
+                                 the next retry -> succeeded
 
 Every relay timeout is 1 s; each request must be answered within its timeout plus a margin
 (none waits past its timeout). The daemon runs in this process on a real socket
@@ -243,3 +246,27 @@ async def test_create_silent_midway_is_indeterminate_then_finished_once(rig: Any
     assert sorted(e["kind"] for e in stored) == [0, 9000, 30177]
     first_ids = [m[1]["id"] for m in r.relay.received if m[0] == "EVENT"][:2]
     assert set(first_ids) <= set(r.relay.stored)  # the retry re-sent the same events
+
+
+async def test_resumed_create_refused_at_its_first_event_stays_indeterminate(rig: Any) -> None:
+    # Attempt 1: the relay stores the put-user (9000) and never answers the 30177. The
+    # retry's resend of that 9000 is refused (a relay's rate limit answers before its
+    # duplicate check): the relay still holds attempt 1's 9000, so the retry may not
+    # answer failed nor destroy the agent that event names.
+    r: Rig = await rig(Script(events=(EventReply.ACCEPT, EventReply.SILENT, EventReply.REJECT),
+                              reject_reason="rate-limited: slow down"))
+    first, _, body = await r.call("agents.create", {
+        "channelId": CHANNEL, "displayName": "Midway", "systemPrompt": "x"})
+    assert _code(first) == ("indeterminate", "outcome_unknown")
+    [put_user] = r.relay.stored.values()
+    refused, _, _ = await r.call("agents.create", {}, body=body)
+    assert _code(refused) == ("indeterminate", "outcome_unknown"), refused
+    assert "rate-limited: slow down" in refused["error"]["message"]
+    [minted] = _minted(r.state_dir, r.agent)
+    assert minted.live and put_user["kind"] == 9000
+    # Not final: the next identical retry (the relay takes events again) finishes it.
+    retried, _, _ = await r.call("agents.create", {}, body=body)
+    assert retried["status"] == "succeeded" and "replayed" not in retried, retried
+    assert retried["outcome"]["agentPubkey"] == minted.pubkey
+    assert [a.pubkey for a in _minted(r.state_dir, r.agent) if a.live] == [minted.pubkey]
+    assert sorted(e["kind"] for e in r.relay.stored.values()) == [0, 9000, 30177]
