@@ -30,10 +30,12 @@ have taken hold; `indeterminate` + `internal` once an event was handed to the re
 pending record is being resumed, or a recorded non-failed verdict is being replayed (a
 recorded success is never turned into `failed`). A fault before any side effect (token,
 ledger, audit) is `failed` + `internal`, the spec's known no-op; no exception reaches the
-HTTP layer as a 500. An agents.create that ends `failed` destroys the key this attempt
-bound to its ledger record (`Publisher.mint`, `Publisher.destroy_minted`), never one found
-by its mint reference alone (issue 22 H1); one that ends `indeterminate` keeps it for the
-retry. A key only a tombstone remembers answers `indeterminate` + `outcome_unknown`
+HTTP layer as a 500. An agents.create that ends `failed` destroys the key bound to its
+ledger record (`Publisher.mint`, `Publisher.destroy_minted`): this attempt's, or, on the
+retry of a record an earlier attempt reserved (`Fresh.recorded`), the key that attempt
+minted under the record's mint reference, even when judgement refuses the retry before
+it runs; never a key found by its mint reference alone (issue 22 H1). One that ends
+`indeterminate` keeps it for the retry. A key only a tombstone remembers answers `indeterminate` + `outcome_unknown`
 (`FORGOTTEN`), unrecorded.
 
 WARNING: the status/code pairs used here must be allowed by `buzzwire.contract.PAIRING`;
@@ -452,7 +454,7 @@ class Broker:
         request_id = facts.request_id
         admitted = judge(Admission(principal=principal, reading=reading, policy=self._policy,
                                    agents=self._directory, limiter=self._limiter,
-                                   now=self._clock()))
+                                   now=self._clock(), recorded=progress.recorded))
         if isinstance(admitted, Verdict):
             if reading.error is not None:  # validate refused it (the first step)
                 self._lines.record("request.invalid", principal.agent, reading.error.code,

@@ -8,7 +8,11 @@ Rules (README "How a request is judged", steps 4 and 5):
   records the operation will act on). `judge` returns `Admitted`: the validated request
   and those records. Nothing else resolves them again.
 - Runs only for a fresh request: the ledger has already answered replays, conflicts and
-  resumed work, so a replay never costs quota (the rate limit step takes units).
+  resumed work, so a replay never costs quota (the rate limit step takes units). A retry
+  of a record an earlier attempt left without pending work (`recorded`: agents.create
+  reserved, then crashed or ended indeterminate before sending) is judged again, since
+  policy may have changed meanwhile, but takes no units: that attempt already paid them
+  (docs/operations.md, "A replay costs no quota").
 - Steps have no side effects beyond the rate limiter's units (the broker logs what
   validation refused: it is the one that bounds its lines).
 
@@ -41,6 +45,8 @@ class Admission:
     agents: AgentLookup[AgentView]
     limiter: RateLimiter
     now: float
+    #: an earlier attempt of this record passed judgement and paid its units (`Fresh.recorded`)
+    recorded: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +81,8 @@ def _authorize(a: Admission) -> Verdict | Authorized:
 def _rate_limit(a: Admission) -> Verdict | None:
     # Recorded like every verdict (I3): the identical bytes replay this refusal; a new
     # attempt after the limit frees up is a new requestId.
+    if a.recorded:
+        return None
     limited = a.limiter.take(a.principal, _request(a).action, a.now)
     return None if limited is None else Verdict.failed(limited.code, limited.message)
 

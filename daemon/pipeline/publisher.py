@@ -78,6 +78,11 @@ MAX_REASON_CHARS: Final = 200
 Prepare = Callable[..., Awaitable[Plan | Verdict]]
 
 
+def _mint_ref(facts: Facts) -> str:
+    """The custody mint reference of an agents.create: one per (requester, requestId)."""
+    return f"{facts.agent}/{facts.request_id}"
+
+
 def _quote_reason(reason: str) -> str:
     printable = "".join(ch if ch.isprintable() else " " for ch in reason).strip()
     return printable[:MAX_REASON_CHARS] or "no reason given"
@@ -245,7 +250,7 @@ class Publisher:
             OperationRefused: the mint reference outlived its record.
             CustodyError, sqlite3.Error: custody or the ledger failed (nothing published).
         """
-        mint_ref = f"{facts.agent}/{facts.request_id}"
+        mint_ref = _mint_ref(facts)
         # Nobody else mints this reference meanwhile: it is this ticket's requestId, and
         # the ticket owns it in the one process that owns the ledger.
         found = self._directory.by_mint_ref(mint_ref)
@@ -260,14 +265,23 @@ class Publisher:
     async def destroy_minted(self, facts: Facts, judged: Judged, progress: Progress) -> Judged:
         """An agents.create that ends `failed` leaves no key of its own behind.
 
-        Only the key this attempt bound (`mint`, `Progress.minted`) is destroyed; a verdict
-        reached before execution, or a resumed record, has none (a resumed record's
-        rollback is its pending cleanup). If it cannot be destroyed, the answer becomes
+        The key bound to this record is destroyed: the one this attempt bound (`mint`,
+        `Progress.minted`), or on the retry of a reserved record (`Progress.recorded`)
+        the one an earlier attempt minted under the record's mint reference, though this
+        attempt was refused before it ran (policy changed meanwhile): that record ends
+        here, final, and its key would otherwise stay live, unreachable through the API.
+        A fresh verdict reached before execution has none; a resumed record's rollback is
+        its pending cleanup. If the key cannot be destroyed, the answer becomes
         `indeterminate` + `internal` instead, recorded as not final without pending work:
         the identical retry starts afresh, finds the same key bound to its record, and
         carries on with it.
         """
         pubkey = progress.minted
+        if pubkey is None and progress.recorded:
+            # Bound to this record, not found by reference alone: `recorded` says this
+            # record reserved before minting (`mint`), so the reference's key is its own.
+            earlier = self._directory.by_mint_ref(_mint_ref(facts))
+            pubkey = earlier.pubkey if earlier is not None else None
         if pubkey is None or self._custody.agent(pubkey) is None:
             return judged
         try:

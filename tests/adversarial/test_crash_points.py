@@ -216,3 +216,72 @@ async def _created_effects(relay: str, state_dir: Path, owner: str, channel: str
     assert put_user[0]["tags"] == [["h", channel], ["p", agent], ["role", "bot"]]
     assert json.loads(records[0]["content"])["name"] == "Minted"
     return {e["id"]: e for e in (*put_user, *records, *profiles)}
+
+
+def _created_by(state_dir: Path, owner: str) -> list[Any]:
+    directory = AgentDirectory.open(state_dir)
+    try:
+        return [a for a in directory.agents(include_deleted=True) if a.owner == owner]
+    finally:
+        directory.close()
+
+
+#: What the daemon restarted after a kill at before_pending runs under, and what the
+#: identical retry of the create must then answer: (config sections, an unrelated create
+#: first, the retry's (status, code)).
+RECORDED_RETRIES: dict[str, tuple[dict[str, dict[str, object]], bool, tuple[str, str | None]]] = {
+    # The killed attempt paid the day's one create; the other create pays again, and the
+    # retry of the reserved record pays nothing (docs/operations.md "A replay costs no quota").
+    "quota_spent": ({"limits": {"rules": ["agents.create=1/day"]}}, True, ("succeeded", None)),
+    # Policy changed while it was down: refused before it runs, the earlier key destroyed.
+    "now_disabled": ({"policy": {"disabled_actions": ["agents.create"]}}, False,
+                     ("failed", "unsupported")),
+}
+
+
+@pytest.mark.parametrize("restart", sorted(RECORDED_RETRIES))
+async def test_create_killed_before_pending_then_retried_leaves_no_orphan_key(
+    restart: str, custody_state: tuple[TokenConfig, Path], local_relay_open: str,
+    short_dir: Path,
+) -> None:
+    sections, other_first, expected = RECORDED_RETRIES[restart]
+    token, state_dir = custody_state
+    channel = str(uuid.uuid4())
+    requester = await setup_state(token, state_dir, [channel])
+    socket = short_dir / "b.sock"
+    plain = write_config(short_dir / "a.toml", token=token, state_dir=state_dir,
+                         socket=socket, relay_url=local_relay_open)
+    changed = write_config(short_dir / "b.toml", token=token, state_dir=state_dir,
+                           socket=socket, relay_url=local_relay_open, sections=sections)
+    args = {"channelId": channel, "displayName": "Helper", "systemPrompt": "be brief"}
+    body = request_body("agents.create", args)
+    first = await DaemonProcess.start(plain, socket, step="before_pending")
+    try:
+        assert await post(socket, body, requester.credential) is None
+        assert await first.wait_exit(10.0) == SIGKILLED, first.log()[-2000:]
+    finally:
+        first.kill()
+    [killed] = _created_by(state_dir, requester.agent)  # minted, bound to its reserved record
+
+    second = await DaemonProcess.start(changed, socket)
+    try:
+        if other_first:
+            other = envelope(await post(socket, request_body("agents.create", args),
+                                        requester.credential))
+            assert other["status"] == "succeeded", other
+        retried = envelope(await post(socket, body, requester.credential))
+        assert (retried["status"], retried.get("error", {}).get("code")) == expected, retried
+        again = envelope(await post(socket, body, requester.credential))
+        assert again == {**retried, "replayed": True}
+        assert await second.stop() == 0
+    finally:
+        second.kill()
+
+    live = {a.pubkey for a in _created_by(state_dir, requester.agent) if a.live}
+    if retried["status"] == "succeeded":
+        # The retry carried on with the key the killed attempt minted, not a second one.
+        assert retried["outcome"]["agentPubkey"] == killed.pubkey
+        assert killed.pubkey in live and len(live) == 2
+    else:
+        # failed promises nothing happened: the killed attempt's key is destroyed too.
+        assert live == set()
