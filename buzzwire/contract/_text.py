@@ -24,7 +24,8 @@ Rules (NIP-BA "Wire and normalization"; docs/protocol.md "Text an operator reads
   backslash is doubled so the escape cannot be forged. `printable_json` is the same escape
   inside JSON text: `json.dumps` escapes C0 already, the rest become `\\uNNNN`, which keeps
   the document valid and its value unchanged (`printable_json_text` does the same to JSON
-  text already written, such as a daemon's response).
+  text already written, such as a daemon's response, and drops the TAB, LF and CR a
+  pretty-printer puts between tokens: escaped there they would not be JSON).
 
 WARNING: the three character sets are one fact each; docs/protocol.md lists them in words.
 """
@@ -76,6 +77,8 @@ _REFUSED: Final[dict[TextKind, re.Pattern[str]]] = {
 _ESCAPED: Final = re.compile(
     f"[{_C0_BUT_TAB_LF_CR}{_TAB_LF_CR}{_DEL_AND_C1}{_LINE_SEPARATORS}{_BIDI_CONTROLS}{_SURROGATES}]")
 _ESCAPED_OR_BACKSLASH: Final = re.compile(rf"\\|{_ESCAPED.pattern}")
+#: `str.translate` table deleting the JSON whitespace `_ESCAPED` holds (TAB, LF, CR).
+_FORMATTING_WHITESPACE: Final = dict.fromkeys(map(ord, _TAB_LF_CR))
 #: What `scrub_line` puts in place of a refused character.
 _REPLACEMENT = "\ufffd"
 
@@ -134,8 +137,14 @@ def printable_json(value: object, *, compact: bool = False,
 
 
 def printable_json_text(text: str) -> str:
-    """Valid JSON text (a daemon's response, a log line) with every `_ESCAPED` character
-    written as `\\uNNNN`: the same JSON value, safe to write to a terminal."""
-    # Valid JSON holds no raw C0 control, and every backslash in it starts an escape, so
-    # the characters replaced here stand alone and the result is still valid JSON.
-    return _ESCAPED.sub(_escape_json, text)
+    """Valid JSON text (a daemon's response, a log line) as one line with every `_ESCAPED`
+    character written as `\\uNNNN`: the same JSON value, safe to write to a terminal.
+
+    Formatting whitespace (TAB, LF, CR between tokens) is dropped, not escaped: outside a
+    string `\\u000a` is not JSON."""
+    # In valid JSON a raw TAB, LF or CR can only be whitespace between tokens (a string
+    # must escape them), and no two tokens need it to stay apart, so dropping them keeps
+    # the value. Every other `_ESCAPED` character can only stand inside a string, where
+    # `\\uNNNN` is the same character; every backslash there starts an escape, so the
+    # characters replaced stand alone and the result is still valid JSON.
+    return _ESCAPED.sub(_escape_json, text.translate(_FORMATTING_WHITESPACE))

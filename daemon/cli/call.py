@@ -12,11 +12,12 @@ Rules:
 - The client's setup errors (no socket, no permission on it, nothing listening) are a
   one-line error saying what to fix, exit 1; a refused credential prints the host's
   `failed` envelope like any failure (exit 3) and says what to do on stderr.
-- stdout carries exactly one JSON object: the host's verdict envelope as received (the
-  same JSON value; controls, line separators and bidi overrides that read events may carry
-  are written as `\\uNNNN`, `buzzwire.contract.printable_json_text`), or, when there was no
-  verdict, a `client_result` object saying so (below). The credential never appears in it,
-  nor in any error line.
+- stdout carries exactly one JSON object, on one line: the host's verdict envelope as
+  received (the same JSON value; whitespace between tokens is dropped, and controls, line
+  separators and bidi overrides that read events may carry are written as `\\uNNNN`,
+  `buzzwire.contract.printable_json_text`), or, when there was no verdict, a
+  `client_result` object saying so (below). The credential never appears in it, nor in
+  any error line.
 
 Exit codes (the only way a script should branch):
 

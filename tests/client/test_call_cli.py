@@ -25,6 +25,8 @@ from daemon.cli.call import (
     EXIT_USAGE,
 )
 from tests.client.scripted_host import (
+    HttpAnswer,
+    Received,
     ScriptedHost,
     drop,
     errored,
@@ -221,3 +223,24 @@ async def test_refused_credential_prints_the_verdict_and_says_what_to_do(
     out, err = assert_no_credential(capsys)
     assert out.encode() == host.answered[0] + b"\n"
     assert "refused this credential" in err and len(host.received) == 1
+
+async def test_a_pretty_printed_envelope_is_still_one_json_object(
+    host: ScriptedHost, credential_file: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Whitespace between tokens is valid JSON a host may send; it must not come out as
+    # `\u000a` outside a string (not JSON), nor as raw newlines (one object per line).
+    def pretty(got: Received) -> HttpAnswer:
+        env = {"type": "broker_result", "protocolVersion": 1,
+               "requestId": got.json()["requestId"], "status": "failed",
+               "error": {"code": "action_failed", "message": "line one\nline\ttwo \u202e"}}
+        return HttpAnswer(200, json.dumps(env, indent="\t", ensure_ascii=False).replace(
+            "\n", "\r\n").encode())
+
+    host.script = [pretty]
+    code = await run_cli(post_args(host, credential_file))
+    out, _ = assert_no_credential(capsys)
+    assert code == EXIT_FAILED
+    assert out.endswith("\n") and out.count("\n") == 1 and "\r" not in out and "\t" not in out
+    assert json.loads(out) == json.loads(host.answered[0])
+    assert "\u202e" not in out
+

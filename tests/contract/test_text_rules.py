@@ -17,7 +17,7 @@ import pytest
 from buzz_broker_client import AsyncBrokerClient
 from buzzwire.contract import (
     WHITE_SPACE, ContractError, ErrorCode, normalize_channel_id, normalize_hex64, printable,
-    printable_json, read_request, trim,
+    printable_json, printable_json_text, read_request, trim,
 )
 from tests.contract.vectors import CHANNEL, EVENT_ID, PK1, REQUEST_ID, VALID_ARGS, body, envelope
 
@@ -269,3 +269,15 @@ def test_printable_json_is_the_same_value(text: str) -> None:
     assert _RAW.search(shown) is None
     assert json.loads(shown) == {"name": text, "n": 1}
     assert json.loads(printable_json([text], compact=True)) == [text]
+
+
+@pytest.mark.parametrize("text", HOSTILE)
+def test_printable_json_text_of_pretty_printed_json_is_one_line_of_the_same_value(
+        text: str) -> None:
+    # A host may put TAB, LF and CR between tokens (valid JSON); outside a string they
+    # cannot be written as \u000a, so they go, and the output stays one line of JSON.
+    value = {"type": "broker_result", "error": {"message": text, "codes": [1, 2.5, None]}}
+    pretty = json.dumps(value, indent="\t", ensure_ascii=False).replace("\n", "\r\n")
+    shown = printable_json_text(pretty)
+    assert _RAW.search(shown) is None
+    assert json.loads(shown) == value
