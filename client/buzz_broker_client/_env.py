@@ -9,12 +9,15 @@ Rules:
 - A credential file is read once, bounded (`MAX_CREDENTIAL_FILE_BYTES`), ASCII, trimmed.
   A file readable by group or others is reported back (`CredentialFile.loose_mode`) so the
   caller can warn; it is not refused (the file may live on a mount that cannot express
-  modes). Error messages name the file and the fix, never its contents.
+  modes). Error messages name the file and the fix, never its contents, and never a
+  "path" that looks like a credential itself (`_shown_path`): a harness that put the token
+  where its file goes would otherwise see it in a message it logs.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,6 +39,11 @@ DEFAULT_SOCKET = "/run/buzz-broker/broker.sock"
 #: Bound on a credential file: a session credential is a short token.
 MAX_CREDENTIAL_FILE_BYTES = 4096
 
+#: The broker's session tokens are `bzb_` and 43 base64url characters
+#: (daemon/state/sessions.py, not imported: the client stands alone). Twenty of them are
+#: enough to be a secret worth hiding, and far more than a file name's `bzb_` prefix.
+_CREDENTIAL_LIKE = re.compile(r"bzb_[A-Za-z0-9_-]{20,}")
+
 
 @dataclass(frozen=True, slots=True)
 class CredentialFile:
@@ -46,32 +54,46 @@ class CredentialFile:
     loose_mode: int | None
 
 
+def _shown_path(path: str) -> str:
+    """`path` as error messages name it: not at all when it looks like a credential."""
+    if _CREDENTIAL_LIKE.search(path):
+        return "(not shown: it looks like a credential, not a path)"
+    return path
+
+
 def read_credential_file(path: str) -> CredentialFile:
     """Read one credential file.
 
     Raises:
         NotConfigured: missing, unreadable, too large, not ASCII, or empty.
     """
+    shown = _shown_path(path)
     try:
         with open(path, "rb") as handle:
             mode = os.fstat(handle.fileno()).st_mode
             raw = handle.read(MAX_CREDENTIAL_FILE_BYTES + 1)
     except FileNotFoundError:
+        if shown != path:
+            raise NotConfigured(
+                f"the credential file path looks like a credential itself, not a path (so it "
+                f"is not shown): put the credential in a file only the agent's user can read "
+                f"(mode 0400) and set ${CREDENTIAL_FILE_ENV}, or pass the path, to that "
+                f"file") from None
         raise NotConfigured(f"cannot read credential file {path}: there is no such file; "
                             f"check ${CREDENTIAL_FILE_ENV} or the path you passed") from None
     except PermissionError:
-        raise NotConfigured(f"cannot read credential file {path}: permission denied; it must "
+        raise NotConfigured(f"cannot read credential file {shown}: permission denied; it must "
                             "be owned by (and readable only by) the agent's user, mode 0400") from None
     except OSError as exc:
-        raise NotConfigured(f"cannot read credential file {path}: {exc.strerror}") from None
+        raise NotConfigured(f"cannot read credential file {shown}: {exc.strerror}") from None
     if len(raw) > MAX_CREDENTIAL_FILE_BYTES:
-        raise NotConfigured(f"credential file {path} is too large to be a credential")
+        raise NotConfigured(f"credential file {shown} is too large to be a credential")
     try:
         value = raw.decode("ascii").strip()
     except UnicodeDecodeError:
-        raise NotConfigured(f"credential file {path} does not hold an ASCII credential") from None
+        raise NotConfigured(f"credential file {shown} does not hold an ASCII credential") from None
     if not value:
-        raise NotConfigured(f"credential file {path} is empty")
+        raise NotConfigured(f"credential file {shown} is empty")
     loose = stat.S_IMODE(mode) if mode & (stat.S_IRWXG | stat.S_IRWXO) else None
     return CredentialFile(value=value, loose_mode=loose)
 

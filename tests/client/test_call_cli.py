@@ -244,3 +244,20 @@ async def test_a_pretty_printed_envelope_is_still_one_json_object(
     assert json.loads(out) == json.loads(host.answered[0])
     assert "\u202e" not in out
 
+
+async def test_a_credential_given_as_the_credential_file_is_not_printed(
+    host: ScriptedHost, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    token = "bzb_Qm9ndXMtdG9rZW4tZm9yLXRlc3RzLW9ubHktMDEyMzQ"  # the broker's token shape
+    args = ["call", "message.post", "--args", json.dumps({"channelId": CHANNEL, "content": "x"}),
+            "--socket", host.path]
+    monkeypatch.delenv("BUZZ_BROKER_CREDENTIAL", raising=False)
+    assert await run_cli([*args, "--credential-file", token]) == EXIT_CANNOT_RUN
+    out, err = capsys.readouterr()
+    assert out == "" and "looks like a credential" in err and token not in err
+    monkeypatch.setenv("BUZZ_BROKER_CREDENTIAL_FILE", token)
+    assert await run_cli(args) == EXIT_CANNOT_RUN
+    out, err = capsys.readouterr()
+    assert out == "" and "looks like a credential" in err and token not in err
+    assert host.received == []
+

@@ -809,6 +809,43 @@ def test_missing_or_ambiguous_credential_says_what_to_do(
     assert expected in str(info.value) and CREDENTIAL not in str(info.value)
 
 
+#: What the broker issues: `bzb_` and 43 base64url characters (daemon/state/sessions.py).
+TOKEN = "bzb_Qm9ndXMtdG9rZW4tZm9yLXRlc3RzLW9ubHktMDEyMzQ"
+
+
+@pytest.mark.parametrize("where", ["environment", "argument"])
+@pytest.mark.parametrize("mistake", [TOKEN, f" {TOKEN}\n", f"Bearer {TOKEN}", TOKEN[:30]],
+                         ids=["token", "padded", "header", "truncated"])
+def test_a_credential_where_its_file_goes_is_never_echoed(
+    clean_env: pytest.MonkeyPatch, where: str, mistake: str
+) -> None:
+    # A harness that put the token itself in BUZZ_BROKER_CREDENTIAL_FILE (or credential_file=)
+    # logs this exception; it must say what is wrong without carrying the token.
+    if where == "environment":
+        clean_env.setenv("BUZZ_BROKER_CREDENTIAL_FILE", mistake)
+    with pytest.raises(NotConfigured) as info:
+        AsyncBrokerClient("/run/b.sock",
+                          credential_file=mistake if where == "argument" else None)
+    message = str(info.value)
+    assert "looks like a credential" in message and "BUZZ_BROKER_CREDENTIAL_FILE" in message
+    assert TOKEN[4:24] not in message
+
+
+def test_a_file_whose_name_looks_like_a_token_is_still_read(
+    tmp_path: Path, clean_env: pytest.MonkeyPatch
+) -> None:
+    # Only messages hide such a name; the file is used like any other.
+    path = tmp_path / TOKEN
+    path.write_text(CREDENTIAL)
+    path.chmod(0o400)
+    clean_env.setenv("BUZZ_BROKER_CREDENTIAL_FILE", str(path))
+    AsyncBrokerClient("/run/b.sock")
+    path.write_text("")
+    with pytest.raises(NotConfigured) as info:
+        AsyncBrokerClient("/run/b.sock")
+    assert "is empty" in str(info.value) and TOKEN not in str(info.value)
+
+
 # ------------------------------------------------------------------ the blocking facade
 
 
