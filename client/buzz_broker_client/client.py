@@ -20,7 +20,13 @@ Theory of operation (spec §Conformance [C1], invariants I2–I6):
    (`parse_response(accept_replayed_false=True)`); the host still omits it.
 4. Retry. No answer and `indeterminate` are retried with the identical bytes, with
    exponential backoff, up to `RetryPolicy.max_attempts` attempts and
-   `RetryPolicy.total_seconds`. `succeeded`, `failed` and unsupported are final.
+   `RetryPolicy.total_seconds`. `succeeded`, `failed` and unsupported are final, with
+   one exception: once an attempt may have reached the host, a `failed` the host can
+   give before reading its record of the request (`unauthenticated`; `internal` not
+   `replayed`) says nothing about that earlier attempt, so the call's answer stays the
+   fate-unknown one (`_fate_blind`; retrying stops at `unauthenticated`, which no retry
+   cures). Otherwise a credential expiring between two attempts would read as "nothing
+   happened" and invite a second request.
 
 The answer types (one base, `Result`; all frozen):
 
@@ -31,9 +37,10 @@ The answer types (one base, `Result`; all frozen):
 `Unsupported`      `failed` + `unsupported` on a best-effort operation (reaction.add and the
                    live signals presence.set, typing.set: `ActionSpec.best_effort`): a normal
                    answer; carry on. On any other operation `unsupported` is a `Failed`.
-`Indeterminate`    fate unknown: the last attempt was answered `indeterminate` by the host.
-`NoAnswer`         fate unknown: the last attempt got no verdict (transport failure, no
-                   envelope, a response that failed I5, or an event that failed I4).
+`Indeterminate`    fate unknown: the host answered `indeterminate` to the last attempt
+                   that could tell (a later one may have been refused, point 4).
+`NoAnswer`         fate unknown: the last such attempt got no verdict (transport failure,
+                   no envelope, a response that failed I5, or an event that failed I4).
 =================  ==========================================================================
 
 `Indeterminate` and `NoAnswer` share the base `FateUnknown`: after the retry bound the
@@ -43,8 +50,9 @@ caller must reconcile (read state) or retry later *with the same request id and 
 Setup problems raise instead (`buzz_broker_client._errors`, table `SETUP_PROBLEMS`): a
 connect that failed as "missing", "refused" or "permission" on every attempt of a call
 (nothing was sent; permission is not retried), and the verdict `failed` + `unauthenticated`
-(`CredentialRefused`, carrying that `Failed`). Each is "nothing happened" with a message
-saying what to fix; an agent cannot usefully go on without fixing it.
+before any attempt may have reached the host (`CredentialRefused`, carrying that `Failed`).
+Each is "nothing happened" with a message saying what to fix; an agent cannot usefully go
+on without fixing it.
 
 Rules:
 - The credential is held inside a `Credential` (redacting repr), written only into the
@@ -67,7 +75,7 @@ import enum
 import logging
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeAlias, TypeVar
 
 import anyio
@@ -216,7 +224,11 @@ class FateUnknown(Result):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Indeterminate(FateUnknown):
-    """The last attempt's verdict was `indeterminate` (`outcome_unknown` or `internal`).
+    """Fate unknown: the host answered `indeterminate` (`outcome_unknown` or `internal`).
+
+    It answered so to the last attempt that could tell; a later attempt may have been
+    refused without a word on the request's fate (its credential no longer valid, or a
+    fault before the host read its record), which leaves this the answer.
 
     Attributes:
         code: `outcome_unknown` or `internal`.
@@ -245,7 +257,10 @@ class NoAnswerReason(enum.Enum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NoAnswer(FateUnknown):
-    """The last attempt got no verdict.
+    """Fate unknown: no verdict came back.
+
+    The last attempt that could tell got none; as for `Indeterminate`, a later attempt
+    may have been refused without a word on the request's fate.
 
     Attributes:
         reason: why (`NoAnswerReason`).
@@ -350,6 +365,27 @@ def _echo_check(action: str) -> Callable[[Request, object, str | None], str | No
 _ECHO_CHECKS: Mapping[str, Callable[[Request, object, str | None], str | None]] = {
     action: _echo_check(action) for action in ACTIONS
 }
+
+
+def _fate_blind(answer: Result) -> bool:
+    """True for a `failed` the host may give before it reads its record of the request.
+
+    The host checks the credential before its request record and records no
+    `unauthenticated`, and a fault before or while it opens the record (custody, the
+    ledger's database) is `failed` + `internal` about that attempt alone
+    (daemon/pipeline/broker.py): neither says what an earlier attempt of the same request
+    did. An `internal` the record vouches for comes back `replayed`; one that does not
+    cannot be told from a fault before the record was read, so it counts as fate-blind.
+    Any other `failed` is answered from the record, or when there is none, so it holds
+    for the request.
+    """
+    if not isinstance(answer, Failed):
+        return False
+    if answer.code is ErrorCode.UNAUTHENTICATED:
+        return True
+    # judge() has parsed this envelope already: it cannot fail here.
+    return (answer.code is ErrorCode.INTERNAL
+            and not parse_response(answer.envelope, accept_replayed_false=True).replayed)
 
 
 def _verify_events(outcome: object) -> bool:
@@ -609,7 +645,9 @@ class AsyncBrokerClient:
 
         Raises:
             SetupError: the broker cannot be used at all and nothing happened (as for
-                every operation method; `CredentialRefused` included).
+                every operation method; `CredentialRefused` included). Re-sending a
+                `FateUnknown.request`, that is only about this call: the earlier call's
+                fate is still unknown (fix the setup, then send it again or read state).
         """
         return await self._send(request, ACTIONS[request.action].outcome_type)
 
@@ -622,14 +660,34 @@ class AsyncBrokerClient:
         # Stays True while every attempt failed before a byte left (connect refused,
         # missing, forbidden): only then is a setup error the truth about this call.
         nothing_sent = True
+        # The latest fate-unknown answer, kept once an attempt may have reached the host:
+        # what this call must answer if a later attempt is refused without the host
+        # having read its record of the request (`_fate_blind`).
+        unknown: Indeterminate | NoAnswer | None = None
         while True:
             attempt += 1
             answer, connect = await self._attempt(request, body, outcome_type, attempt, deadline)
             nothing_sent = nothing_sent and connect in SETUP_PROBLEMS
+            if unknown is not None and _fate_blind(answer):
+                assert isinstance(answer, Failed)
+                if answer.code is ErrorCode.UNAUTHENTICATED:
+                    # An earlier attempt may have done it; this refusal only says the
+                    # credential stopped working since. Retrying cannot revive it.
+                    _log.warning(
+                        "credential refused after an attempt that may have reached the host, "
+                        "fate unknown: request_id=%s action=%s attempts=%d",
+                        request.request_id, request.action, attempt,
+                    )
+                    return replace(unknown, attempts=attempt)
+                # failed + internal said nothing about the earlier attempts: retried like
+                # the fate-unknown answer it stands behind.
+                answer = replace(unknown, attempts=attempt)
             if isinstance(answer, Failed) and answer.code is ErrorCode.UNAUTHENTICATED:
                 raise CredentialRefused(answer)
             if not isinstance(answer, FateUnknown):
                 return answer
+            if not nothing_sent:
+                unknown = answer
             if nothing_sent and connect == "permission":
                 raise self._setup_error(connect)  # retrying cannot grant a permission
             reason = answer.reason.value if isinstance(answer, NoAnswer) else "indeterminate"

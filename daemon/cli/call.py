@@ -11,7 +11,9 @@ Rules:
 - The socket is `--socket`, else `$BUZZ_BROKER_SOCKET`, else `server.socket` from the config.
 - The client's setup errors (no socket, no permission on it, nothing listening) are a
   one-line error saying what to fix, exit 1; a refused credential prints the host's
-  `failed` envelope like any failure (exit 3) and says what to do on stderr.
+  `failed` envelope like any failure (exit 3) and says what to do on stderr. After an
+  attempt whose fate was unknown the client answers that fate instead (exit 5 or 6): the
+  refusal says nothing about it (`buzz_broker_client.client`, "Retry").
 - stdout carries exactly one JSON object, on one line: the host's verdict envelope as
   received (the same JSON value; whitespace between tokens is dropped, and controls, line
   separators and bidi overrides that read events may carry are written as `\\uNNNN`,

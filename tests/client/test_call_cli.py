@@ -224,6 +224,29 @@ async def test_refused_credential_prints_the_verdict_and_says_what_to_do(
     assert out.encode() == host.answered[0] + b"\n"
     assert "refused this credential" in err and len(host.received) == 1
 
+
+@pytest.mark.parametrize(
+    ("first", "expected"),
+    [(errored("indeterminate", "outcome_unknown"), EXIT_INDETERMINATE), (drop(), EXIT_NO_ANSWER)],
+    ids=["indeterminate", "dropped"],
+)
+async def test_refused_credential_after_an_unknown_fate_is_not_nothing_happened(
+    host: ScriptedHost, credential_file: str, capsys: pytest.CaptureFixture[str],
+    first: object, expected: int,
+) -> None:
+    # The first attempt may have posted; the credential was refused on the retry. Exit 3
+    # would tell a script "nothing happened, send a new request": a second post.
+    host.script = [first, errored("failed", "unauthenticated")]  # type: ignore[list-item]
+    code = await run_cli(post_args(host, credential_file))
+    out, _ = assert_no_credential(capsys)
+    assert code == expected and len(host.received) == 2
+    printed = json.loads(out)
+    if expected == EXIT_INDETERMINATE:
+        assert out.encode() == host.answered[0] + b"\n"
+    else:
+        assert printed["status"] == "no_answer" and printed["attempts"] == 2
+
+
 async def test_a_pretty_printed_envelope_is_still_one_json_object(
     host: ScriptedHost, credential_file: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -260,4 +283,3 @@ async def test_a_credential_given_as_the_credential_file_is_not_printed(
     out, err = capsys.readouterr()
     assert out == "" and "looks like a credential" in err and token not in err
     assert host.received == []
-

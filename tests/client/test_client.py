@@ -594,6 +594,63 @@ async def test_lost_request_then_missing_socket_is_fate_unknown(host: ScriptedHo
     assert answer.attempts == FAST.max_attempts and len(host.received) == 1
 
 
+async def test_credential_refused_after_indeterminate_is_fate_unknown(host: ScriptedHost) -> None:
+    # The host may have published on the first attempt; the credential then expired. The
+    # host checks credentials before its record and records no refusal, so the refusal
+    # says nothing about the first attempt: "nothing happened" would invite a second post.
+    host.script = [errored("indeterminate", "outcome_unknown"), errored("failed", "unauthenticated")]
+    answer = await client(host).message_post(CHANNEL, "hi")
+    assert isinstance(answer, Indeterminate) and answer.code is ErrorCode.OUTCOME_UNKNOWN
+    assert answer.envelope == host.answered[0]
+    assert answer.attempts == 2
+    assert_identical_retries(host, 2)  # no retry after the refusal: none can cure it
+
+
+async def test_credential_refused_after_a_dropped_attempt_is_fate_unknown(host: ScriptedHost) -> None:
+    host.script = [drop(), errored("failed", "unauthenticated")]
+    answer = await client(host).message_post(CHANNEL, "hi")
+    assert isinstance(answer, NoAnswer) and answer.reason is NoAnswerReason.TRANSPORT
+    assert answer.attempts == 2
+    assert_identical_retries(host, 2)
+
+
+async def test_credential_refused_on_the_first_attempt_is_still_credential_refused(
+        host: ScriptedHost) -> None:
+    # Nothing reached the host before: the refusal is the whole truth about this call.
+    host.script = [errored("failed", "unauthenticated")]
+    with pytest.raises(CredentialRefused):
+        await client(host).message_post(CHANNEL, "hi")
+    assert len(host.received) == 1
+
+
+async def test_unreplayed_internal_failure_after_indeterminate_is_fate_unknown(
+        host: ScriptedHost) -> None:
+    # failed + internal from a fault before the host read its record (custody, the
+    # ledger's database) speaks for that attempt only; the retries go on.
+    host.script = [errored("indeterminate", "outcome_unknown"), errored("failed", "internal"),
+                   errored("failed", "internal")]
+    answer = await client(host).message_post(CHANNEL, "hi")
+    assert isinstance(answer, Indeterminate) and answer.envelope == host.answered[0]
+    assert answer.attempts == FAST.max_attempts
+    assert_identical_retries(host, FAST.max_attempts)
+
+
+async def test_replayed_internal_failure_after_a_drop_is_the_recorded_verdict(
+        host: ScriptedHost) -> None:
+    # `replayed` means the host's record of this request holds that failure: it is final.
+    host.script = [drop(), errored("failed", "internal", replayed=True)]
+    answer = await client(host).message_post(CHANNEL, "hi")
+    assert isinstance(answer, Failed) and answer.code is ErrorCode.INTERNAL
+    assert answer.attempts == 2
+
+
+async def test_internal_failure_on_the_first_attempt_is_failed(host: ScriptedHost) -> None:
+    host.script = [errored("failed", "internal")]
+    answer = await client(host).message_post(CHANNEL, "hi")
+    assert isinstance(answer, Failed) and answer.code is ErrorCode.INTERNAL
+    assert len(host.received) == 1
+
+
 def test_socket_permission_problem_is_its_own_error(tmp_path: Path) -> None:
     """A real EACCES from the kernel: the socket is mode 0000 and the client runs without
     the root capability that would bypass it (or as a user that is not root)."""
