@@ -888,6 +888,18 @@ def test_a_credential_where_its_file_goes_is_never_echoed(
     assert TOKEN[4:24] not in message
 
 
+def test_the_credential_shape_the_client_hides_is_the_one_the_host_issues() -> None:
+    # The client cannot import the daemon: its pattern is its own, held to the host's here.
+    import secrets
+
+    from buzz_broker_client import _env
+    from daemon.state import sessions
+
+    issued = sessions.TOKEN_PREFIX + secrets.token_urlsafe(sessions._TOKEN_BYTES)
+    assert sessions._TOKEN_RE.fullmatch(issued) and _env._CREDENTIAL_LIKE.fullmatch(issued)
+    assert _env._CREDENTIAL_LIKE.fullmatch(TOKEN)
+
+
 def test_a_file_whose_name_looks_like_a_token_is_still_read(
     tmp_path: Path, clean_env: pytest.MonkeyPatch
 ) -> None:
