@@ -270,11 +270,11 @@ class Publisher:
         the one an earlier attempt minted under the record's mint reference, though this
         attempt was refused before it ran (policy changed meanwhile): that record ends
         here, final, and its key would otherwise stay live, unreachable through the API.
-        A fresh verdict reached before execution has none; a resumed record's rollback is
-        its pending cleanup. If the key cannot be destroyed, the answer becomes
-        `indeterminate` + `internal` instead, recorded as not final without pending work:
-        the identical retry starts afresh, finds the same key bound to its record, and
-        carries on with it.
+        A fresh verdict reached before execution has none; a resumed record never ends
+        `failed` from the relay (module docstring), so its key stays for the retry. If the
+        key cannot be destroyed, the answer becomes `indeterminate` + `internal` instead,
+        recorded as not final without pending work: the identical retry starts afresh,
+        finds the same key bound to its record, and carries on with it.
         """
         pubkey = progress.minted
         if pubkey is None and progress.recorded:
