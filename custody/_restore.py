@@ -15,7 +15,7 @@ Rules:
   backup it wrote repeats one). Any fault refuses the whole backup, naming the entry.
 - The file's size does not bound its parsed JSON (`[{},{},…]` grows 25-fold), so before
   json.loads sees a line: it is no longer than any line a backup holds (MAX_LINE_BYTES),
-  and the values of the lines so far, counted in the raw bytes (`_values`), are no more
+  and the values of the lines so far, counted in the raw bytes (`values_at_most`), are no more
   than the largest legitimate backup holds (MAX_BACKUP_VALUES).
 - Linear in the agents, even for a hostile backup: `public` and the plan's owner lookups
   go through a dict, and the plan finds ownership cycles in one walk that takes each
@@ -35,7 +35,6 @@ Rules:
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ import pyrage
 
 from custody._backup import MAX_PUBLIC_BYTES, PREFIX, _canonical, _SECRET_HEX, _zero
 from custody._errors import CustodyError
+from custody._jsonvalues import values_at_most
 from custody._keystore import KeyRecord
 from custody._secp256k1 import is_xonly_pubkey, xonly_pubkey
 from custody._sealed import seal
@@ -83,7 +83,7 @@ _LONGEST_KEY = {"authTag": ["auth", "0" * 64, OWNER_TAG_CONDITIONS, "0" * 128],
                 "mintRef": _WIDEST * MAX_MINT_REF_CHARS, "owner": "0" * 64, "pubkey": "0" * 64}
 #: The longest line a backup written here holds (10,733 bytes: v2 with a mint reference
 #: and a public entry at their bounds; v1's longest is shorter). A longer one, the header
-#: too, is refused unread: the strings pass of `_values` and json.loads then see at most
+#: too, is refused unread: the strings pass of `values_at_most` and json.loads then see at most
 #: this much at once.
 MAX_LINE_BYTES = max(
     _line_bytes({**_LONGEST_KEY, "public": {"x": "a" * (MAX_PUBLIC_BYTES - len('{"x":""}'))}}),
@@ -103,10 +103,6 @@ _SHORTEST_LINE = _line_bytes({"authTag": None, "createdAt": 0, "mintRef": None,
 #: lists, the costliest shape, ~90 bytes a value), and by 314 MiB for a legitimate 64 MiB
 #: backup (210,000 agents); before the bound, by 1.6 GiB for a 64 MiB header line.
 MAX_BACKUP_VALUES = _LINE_VALUES * (MAX_BACKUP_BYTES // _SHORTEST_LINE)
-#: A JSON string; one never closed runs to the end of the line, a lone backslash last
-#: included. Linear (possessive): a match that could fail would be retried from every
-#: later quote.
-_STRING = re.compile(rb'"(?:[^"\\]++|\\.?)*+(?:"|\Z)', re.DOTALL)
 _KEY_FIELDS = frozenset({"authTag", "createdAt", "mintRef", "owner", "pubkey"})
 
 
@@ -239,19 +235,10 @@ def _fault(number: int, what: str) -> CustodyError:
     return CustodyError(f"backup entry {number}: {what}; nothing restored")
 
 
-def _values(data: bytes) -> int:
-    """At most how many values and member names `data` holds past its first (each follows
-    one of `,:[{`): counted in the raw bytes, and again without strings (a name may hold
-    those characters) when that says more than a legitimate line holds."""
-    count = sum(map(data.count, b",:[{"))
-    if count > _LINE_VALUES:
-        count = sum(map(_STRING.sub(b"", data).count, b",:[{"))
-    return count
-
-
 def _counted(data: bytes, total: int) -> int:
-    """`total` and the values of `data`, a line about to be parsed, if within the bound."""
-    total += _values(data)
+    """`total` and the values of `data`, a line about to be parsed, past its first (counted
+    again without strings past what a legitimate line holds), if within the bound."""
+    total += values_at_most(data, _LINE_VALUES, MAX_BACKUP_VALUES - total + 1) - 1
     if total > MAX_BACKUP_VALUES:
         raise CustodyError(f"the backup holds more than {MAX_BACKUP_VALUES} JSON values, "
                            "more than any backup written here; nothing restored")

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final
 
+from custody._jsonvalues import values_at_most
+
 __all__ = [
     "VERSION", "MAX_FRAME", "MAX_VALUES", "MAX_EVENTS", "MAX_PAYLOADS", "MAX_SECRET_BYTES", "MAX_BACKUP_NAMES",
     "OPS", "TAILS",
@@ -241,35 +243,12 @@ def _int_literal(text: str) -> int:
 #: value costs up to ~72 bytes (an empty object, 3 bytes of frame: one frame of them took
 #: 600 MiB). The largest request, a backup of MAX_BACKUP_NAMES names, has 7 a name.
 MAX_VALUES: Final = 8 * MAX_BACKUP_NAMES
-#: A string literal (one never closed runs to the end of the frame, a lone backslash last
-#: included: a match that could fail would be tried again from every later quote), or one
-#: of `,:[{`.
-_TOKEN = re.compile(rb'"(?:[^"\\]++|\\.?)*+(?:"|\Z)|[,:\[{]', re.DOTALL)
-
-
-def _values(body: bytes | bytearray) -> int:
-    """At most how many values and member names `body` holds (each but the first follows
-    one of `,:[{`, and each string is one): counted in the raw bytes, and past the bound
-    again outside strings, one match at a time (a `sub` without strings held 1.4 GiB for
-    a frame of empty strings), stopping once either count passes the bound."""
-    count = sum(map(body.count, b",:[{"))
-    if count <= MAX_VALUES:
-        return count + 1
-    count, strings = 1, 0
-    for match in _TOKEN.finditer(body):
-        if body[match.start()] == 0x22:  # '"'
-            strings += 1
-        else:
-            count += 1
-        if max(count, strings) > MAX_VALUES:
-            break
-    return max(count, strings)
 
 
 def _parse(body: bytes | bytearray) -> dict[str, object]:
     if len(body) > MAX_FRAME:
         raise BadMessage("frame over the bound")
-    if _values(body) > MAX_VALUES:
+    if values_at_most(body, MAX_VALUES, MAX_VALUES) > MAX_VALUES:
         raise BadMessage(f"more than {MAX_VALUES} values in one frame")
     try:
         value = json.loads(body.decode("utf-8"), object_pairs_hook=_no_duplicates,

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from custody import _jsonvalues
 from custody.custodian import intents, messages
 
 PK = "ab" * 32
@@ -108,7 +109,7 @@ def test_strings_never_closed_are_counted_in_one_pass() -> None:
     A review's frame of unclosed strings past MAX_VALUES held the event loop for minutes
     (quadratic: each of its quotes scanned the rest of the frame)."""
     for literal in (b'"\\"\\"abc', b'"abc\\', b'"', b'"\\'):
-        assert messages._TOKEN.fullmatch(literal), literal
+        assert _jsonvalues._TOKEN.fullmatch(literal), literal
     frame = b'"' + b'\\"' * 200_000 + b"," * (messages.MAX_VALUES + 1)
     with pytest.raises(messages.BadMessage, match="not UTF-8 JSON"):
         messages.decode_request(frame)

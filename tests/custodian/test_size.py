@@ -59,8 +59,10 @@ TARGET_LINES = 3000
 #: the signed log, and such lines had no bound; 17 lines); 5,629 with a grace copy's
 #: directory fsynced and its whole write checked (a fix: a power cut could keep the
 #: tombstone and lose the copy; 8 lines); 5,640 with the recount of values one match at a
-#: time (a fix: a frame of empty strings made it hold 1.4 GiB; 11 lines), held there.
-CEILING_LINES = 5640
+#: time (a fix: a frame of empty strings made it hold 1.4 GiB; 11 lines); 5,652 with that
+#: count a module of its own (custody/_jsonvalues.py), which restore's reader of a backup's
+#: lines shares instead of a copy of its pattern (12 lines), held there.
+CEILING_LINES = 5652
 #: Parsers facing agents and the relay that must never load where the keys are.
 NEVER = ("daemon", "h11", "wsproto", "buzz_broker_client", "buzzwire.contract")
 
