@@ -93,16 +93,23 @@ async def _pool(nursery: trio.Nursery, relay: _DeafRelay, key: TestKey,
     return pool
 
 
+async def _deafened(nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+                    ) -> tuple[TestKey, _DeafRelay, RelayPool]:
+    """A pool whose relay has answered one EVENT and reads nothing more."""
+    key = TestKey()
+    relay = _DeafRelay(nursery)
+    pool = await _pool(nursery, relay, key, monkeypatch)
+    assert isinstance(await pool.publish(key.pubkey, signed(key.sign(1, "first"))), Accepted)
+    return key, relay, pool
+
+
 async def test_a_relay_that_stops_reading_holds_no_request_past_its_timeout(
         nursery: trio.Nursery, autojump_clock: trio.testing.MockClock,
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: the EVENT written after the relay stopped reading waited forever, and so did
     # every EVENT and REQ queued behind it on the connection: nothing answered, and the
     # connection, never unused, was never closed either.
-    key = TestKey()
-    relay = _DeafRelay(nursery)
-    pool = await _pool(nursery, relay, key, monkeypatch)
-    assert isinstance(await pool.publish(key.pubkey, signed(key.sign(1, "first"))), Accepted)
+    key, relay, pool = await _deafened(nursery, monkeypatch)
     results: dict[str, object] = {}
 
     async def publish(text: str) -> None:
@@ -141,10 +148,7 @@ async def test_a_relay_that_stops_reading_holds_no_request_past_its_timeout(
 async def test_a_req_that_cannot_be_written_is_unavailable_at_the_eose_timeout(
         nursery: trio.Nursery, autojump_clock: trio.testing.MockClock,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    key = TestKey()
-    relay = _DeafRelay(nursery)
-    pool = await _pool(nursery, relay, key, monkeypatch)
-    assert isinstance(await pool.publish(key.pubkey, signed(key.sign(1, "first"))), Accepted)
+    key, relay, pool = await _deafened(nursery, monkeypatch)
     start = trio.current_time()
     with trio.fail_after(HANG), pytest.raises(RelayUnavailable) as info:
         await pool.query(key.pubkey, [{"kinds": [1]}])
