@@ -22,7 +22,9 @@ still the old one, under the old KEK, which nothing has touched; from the commit
 blob is a new one, under the new KEK, which was made and checked before. Blobs name their
 KEK (format 2) and the keystore names the active token and KEK, so the daemon opens the
 right one either way. A run after a crash finishes what is left: a retiring KEK recorded
-means only its destruction is left (done, and nothing else); a plan recorded means the
+means only its destruction is left, done once every live key has been sealed again under
+the active KEK (whatever sealed a key after the crash, no key is under the KEK that goes:
+`_finish`); a plan recorded means the
 same target is used again (its KEK found, staging redone from scratch), unless the
 operator names another with --new-kek-label (a warning names the planned one, unused).
 
@@ -43,6 +45,7 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import time
@@ -62,10 +65,11 @@ from custody._activekek import (
     active_kek,
     require_configured,
 )
-from custody._errors import CustodyError
+from custody._errors import CustodyError, UnsealFailed
 from custody._kekinit import destroy_kek, init_kek, kek_obtainable
 from custody._keystore import Keystore
 from custody._sealed import seal, unseal
+from custody._secret import Secret
 from custody._statelock import StateLock
 from custody._token import Token, TokenConfig, require_kek_label
 from custody._worker import require_lock
@@ -223,17 +227,7 @@ def _rotate(keystore: _Staging, source: TokenConfig, target: TokenConfig,
     try:
         target_token = Token.open(target, label)
         try:
-            originals = keystore.live_blobs()
-            staged = []
-            for agent, blob in originals:
-                with unseal(source_token, blob, agent) as secret:
-                    staged.append((agent, seal(target_token, secret, agent)))
-            keystore.stage(staged)
-            checkpoint("staged")
-            for agent, blob in keystore.staged():
-                with unseal(target_token, blob, agent):
-                    pass
-            checkpoint("verified")
+            originals = _stage_resealed(keystore, (source_token,), target_token, checkpoint)
             new = ActiveKek(target.token_label, label)
             keystore.swap_staged(originals, {
                 ACTIVE_TOKEN: new.token_label, ACTIVE_KEK: new.kek_label,
@@ -250,17 +244,65 @@ def _rotate(keystore: _Staging, source: TokenConfig, target: TokenConfig,
     return RotationReport(len(originals), current, new, seal_kind, destroyed, "rotated")
 
 
+def _stage_resealed(keystore: _Staging, sources: tuple[Token, ...], target: Token,
+                    checkpoint: Callable[[str], None]) -> list[tuple[str, bytes]]:
+    """Stage every live agent's key, opened by the first of `sources` that opens it, sealed
+    under `target`'s active KEK, and open each staged blob again; the blobs staged from."""
+    originals = keystore.live_blobs()
+    staged = []
+    for agent, blob in originals:
+        with _open_by_any(sources, blob, agent) as secret:
+            staged.append((agent, seal(target, secret, agent)))
+    keystore.stage(staged)
+    checkpoint("staged")
+    for agent, blob in keystore.staged():
+        with unseal(target, blob, agent):
+            pass
+    checkpoint("verified")
+    return originals
+
+
+def _open_by_any(tokens: tuple[Token, ...], blob: bytes, agent: str) -> Secret:
+    for token in tokens[:-1]:
+        try:
+            return unseal(token, blob, agent)
+        except UnsealFailed:
+            continue
+    return unseal(tokens[-1], blob, agent)
+
+
 def _finish(keystore: _Staging, meta: dict[str, str], source: TokenConfig,
             target: TokenConfig, checkpoint: Callable[[str], None]) -> RotationReport:
-    """An earlier run committed its swap and died before destroying the old KEK."""
+    """An earlier run committed its swap and died before destroying the old KEK.
+
+    Every live key is sealed again under the active KEK before the old one goes: between
+    that run and this one something may have sealed a key under the retiring KEK (a
+    `--recover` did, before it resealed), and a blob names its KEK by label only, which a
+    migration's two tokens may share, so no look at the blobs can tell which token's."""
     retiring = ActiveKek(meta[RETIRING_TOKEN], meta[RETIRING_KEK])
     new = active_kek(meta, source)
-    config = next((c for c in (source, target) if c.token_label == retiring.token_label), None)
-    if config is None:
+    configs = {c.token_label: c for c in (target, source)}
+    config = configs.get(retiring.token_label)
+    if config is None or new.token_label not in configs:
         raise CustodyError(
             f"an interrupted run left KEK {retiring.kek_label!r} to destroy in token "
-            f"{retiring.token_label!r}: run this with a configuration for that token"
+            f"{retiring.token_label!r}: run this with configurations for that token and "
+            f"{new.token_label!r}"
         )
+    active = Token.open(configs[new.token_label], new.kek_label)
+    try:
+        sources = [active]
+        if retiring.token_label != new.token_label:  # the same token opens both KEKs
+            with contextlib.suppress(CustodyError):  # gone: destroyed before the crash
+                sources.append(Token.open(config, retiring.kek_label))
+        try:
+            originals = _stage_resealed(keystore, tuple(sources), active, lambda _: None)
+            keystore.swap_staged(originals, {}, int(time.time()))
+        finally:
+            for token in sources[1:]:
+                token.close()
+    finally:
+        active.close()
     destroyed = _destroy_retiring(keystore, config, retiring, checkpoint)
     return RotationReport(len(keystore.live_blobs()), retiring, new, "", destroyed, "finished")
 

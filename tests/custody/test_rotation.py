@@ -267,6 +267,42 @@ async def test_a_kill_at_each_step_leaves_every_agent_usable_and_a_rerun_finishe
         assert meta == {"active_token": second_token, "active_kek": label}
 
 
+@pytest.mark.token_offers("GENERATE_KEY")
+@pytest.mark.parametrize("operation", ["rotate", "migrate"])
+async def test_a_key_sealed_under_the_retiring_kek_after_the_swap_survives_the_rerun(
+    softhsm_token: SoftHsmToken, second_token: str, tmp_path: Path, operation: str
+) -> None:
+    """A run killed after its swap leaves the old KEK to destroy. If, before the rerun, a
+    key is sealed under that KEK again (a `--recover` did so before it resealed; here the
+    agent's blob from before the swap, put back), the rerun seals it under the active KEK
+    before destroying the old one: on the old code that agent's key was lost."""
+    label = f"late-{operation}-{tmp_path.name}"[:50]
+    source = softhsm_token.config(kek_label=label)
+    target = dataclasses.replace(source, token_label=second_token)
+    state = tmp_path / "state"
+    agents = await _populate(source, state)
+    paths = {name: write_config(tmp_path / f"{name}.toml", token=token, state_dir=state,
+                                socket=tmp_path / "unused.sock", relay_url="ws://127.0.0.1:1")
+             for name, token in (("source", source), ("target", target))}
+    to = ["migrate", str(paths["target"])] if operation == "migrate" else ["rotate"]
+    cli = ["migrate", "--to-config", str(paths["target"])] if operation == "migrate" else ["rotate"]
+    before = blob_of(state, agents[0])
+
+    assert _run("kill", str(paths["source"]), "swapped", *to).returncode == SIGKILLED
+    assert "retiring_kek" in _meta(state)
+    put_blob(state, agents[0], before)  # sealed under the KEK the rerun destroys
+    finished = _cli(paths["source"], *cli)
+    assert finished.returncode == 0, finished.stderr
+
+    every = {agent: True for agent in agents}
+    if operation == "migrate":
+        assert _check(paths["target"]) == every
+    else:
+        assert await _check_here(source, state) == every
+    assert await _labels_present(source, label, label + "-mac") == set()
+    assert blob_of(state, agents[0]) != before
+
+
 def _append_seal(path: Path, seal: str) -> None:
     text = path.read_text().replace("[pkcs11]\n", f'[pkcs11]\nseal = "{seal}"\n', 1)
     path.write_text(text)
