@@ -542,7 +542,7 @@ class Ledger:
         # rolled back to its savepoint, with what it noted here.
         self._deltas, self._new_pids = {}, {}
         results: list[object] = []
-        for op in batch:
+        for index, op in enumerate(batch):
             noted = dict(self._deltas), dict(self._new_pids)
             try:
                 conn.execute("SAVEPOINT op")
@@ -550,6 +550,17 @@ class Ledger:
                 conn.execute("RELEASE op")
             except Exception as exc:  # noqa: BLE001 - handed back to the one caller it concerns
                 self._deltas, self._new_pids = noted
+                if not conn.in_transaction:
+                    # SQLite rolled back the whole transaction (SQLITE_FULL, IOERR or NOMEM
+                    # inside a statement may), not just this op: the ops before it are gone
+                    # too, and a later op's SAVEPOINT would open a transaction of its own
+                    # and commit it at its RELEASE, durable while its caller hears
+                    # "failed". So nothing in this batch is durable and the rest never run;
+                    # none of its usage or new ids count.
+                    self._deltas, self._new_pids = {}, {}
+                    lost: list[object] = [r if isinstance(r, Failed) else Failed(exc)
+                                          for r in results]
+                    return lost + [Failed(exc)] * (len(batch) - index)
                 try:
                     conn.execute("ROLLBACK TO op")
                     conn.execute("RELEASE op")

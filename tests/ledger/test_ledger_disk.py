@@ -6,10 +6,13 @@ from __future__ import annotations
 import hashlib
 import json
 import sqlite3
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from buzzwire.contract import (
     MESSAGES,
@@ -297,3 +300,73 @@ async def test_refusals_past_the_burst_are_counted(tmp_path: Path) -> None:
     assert counts == [("invalid_request", 1), ("unauthorized", 7)]
     assert json.loads((tmp_path / "audit" / "audit-000001.jsonl").read_text().splitlines()[0]
                       )["since"] == "2027-01-15T08:00:00.000Z"
+
+
+async def test_a_batch_sqlite_rolled_back_whole_commits_none_of_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SQLITE_FULL (or IOERR, NOMEM) inside a statement may roll back the whole
+    transaction, not just the op's savepoint. The ops after it must not run: a SAVEPOINT
+    outside a transaction opens one of its own and its RELEASE commits it, so a record
+    would be durable while its caller was told it failed, and the cap's count would miss it.
+
+    Scripted fault: a real cache spill on a full disk is hard to trigger on demand, so one
+    op ends its transaction with ROLLBACK and raises the error SQLite gives for it, as a
+    spill would. Another op holds the writer, so the three after it share one batch."""
+    path = tmp_path / "ledger.db"
+    ledger = Ledger.open(path, retention_seconds=3600, clock=Clock())
+    gate = threading.Event()
+    real_upsert = Ledger._upsert
+
+    def upsert(self: Ledger, conn: sqlite3.Connection, key: LedgerKey, *args: Any,
+               **kwargs: Any) -> None:
+        if key.request_id == "req-hold":
+            assert gate.wait(10)
+        if key.request_id == "req-full":
+            conn.execute("ROLLBACK")
+            raise sqlite3.OperationalError("database or disk is full")
+        real_upsert(self, conn, key, *args, **kwargs)
+
+    monkeypatch.setattr(Ledger, "_upsert", upsert)
+    other = "b" * 64  # a principal new to the ledger: its id is made in the lost transaction
+    keys = [LedgerKey(AGENT, "req-hold"), LedgerKey(AGENT, "req-before"),
+            LedgerKey(AGENT, "req-full"), LedgerKey(other, "req-after")]
+    tickets = []
+    for key in keys:
+        begun = await ledger.begin(key, digest(key.request_id.encode()))
+        assert isinstance(begun, Fresh)
+        tickets.append(begun.ticket)
+    outcome: dict[str, str] = {}
+
+    async def finish(index: int) -> None:
+        try:
+            await ledger.finish(tickets[index], b"verdict", Status.SUCCEEDED)
+            outcome[keys[index].request_id] = "durable"
+        except sqlite3.Error:
+            outcome[keys[index].request_id] = "failed"
+
+    async with trio.open_nursery() as nursery:
+        for index in range(len(keys)):
+            nursery.start_soon(finish, index)
+            # In order, each queued before the next: the first holds the writer.
+            await trio.testing.wait_all_tasks_blocked()
+        gate.set()
+    assert outcome == {"req-hold": "durable", "req-before": "failed", "req-full": "failed",
+                       "req-after": "failed"}
+    # What the callers heard is what is on disk.
+    assert read_record(path, AGENT, "req-hold") is not None
+    for key in keys[1:]:
+        assert read_record(path, key.principal, key.request_id) is None, key
+    # The in-memory count is the one a fresh open makes from the file.
+    counted = (ledger.usage(AGENT), ledger.usage(other))
+    ledger.close()
+    reopened = Ledger.open(path, retention_seconds=3600, clock=Clock())
+    try:
+        assert counted == (reopened.usage(AGENT), reopened.usage(other)) == (
+            ROW_BYTES + len(b"verdict"), 0)
+        # The failed ones are new again: their retry runs.
+        retry = await reopened.begin(keys[3], digest(b"req-after"))
+        assert isinstance(retry, Fresh) and not retry.recorded
+        await reopened.finish(retry.ticket, b"verdict", Status.SUCCEEDED)
+        assert reopened.usage(other) == ROW_BYTES + len(b"verdict")
+    finally:
+        reopened.close()
