@@ -259,10 +259,18 @@ async def running(
 
 async def _sweep_forever(ledger: Ledger, metrics: Metrics) -> None:
     while True:
-        removed = await ledger.sweep(int(time.time()))
-        if removed:
-            log_event(_log, "ledger.swept", removed=removed)
-        metrics.set_ledger_size(await ledger.count())
+        # A full disk, a lock held past the busy timeout or a damaged file fails this
+        # round only: the requests still get their envelopes (docs/reliability.md), so the
+        # daemon must not end over housekeeping. One line per round: the interval bounds
+        # the rate, and the next round tries again.
+        try:
+            removed = await ledger.sweep(int(time.time()))
+            if removed:
+                log_event(_log, "ledger.swept", removed=removed)
+            metrics.set_ledger_size(await ledger.count())
+        except sqlite3.Error as exc:
+            log_event(_log, "ledger.fault", level=logging.ERROR, step="sweep",
+                      error=type(exc).__name__, detail=str(exc))
         await trio.sleep(SWEEP_INTERVAL_SECONDS)
 
 

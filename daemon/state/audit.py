@@ -26,8 +26,10 @@ the ledger): `append` queues the record; the first task to find no flush running
 the flusher and, in a worker thread, encodes everything queued (chaining each line to the
 one before, in queue order), writes it with one `write` and one `fsync`, and repeats
 until the queue is empty. Many concurrent callers share one fsync; a lone caller pays
-one. A failed write truncates the file back to its last good length before the next
-batch, so a failure never leaves a torn line inside the chain.
+one. A failed write truncates the file back to its last good length at once, before its
+callers hear that it failed (and, if that cut fails too, before the next batch and at
+close), so a failure never leaves a torn line inside the chain, nor whole lines of records
+whose callers were told they are not in it.
 
 Opening: the last line of the last file is read back (it must be a well-formed record
 whose digest holds) and the chain continues from it. Bytes after the last newline are a
@@ -1340,10 +1342,35 @@ class AuditLog:
                       else _detail("write", exc, where))
             self.failing = True
             self._write_faults.record((detail,), detail=detail, lost=len(batch) - done)
+            # Cut the failed round's bytes off now, before its callers hear "failed": a
+            # short write can leave whole lines of their records, and should the process
+            # die (or stop with no batch after this one) they would read back as valid,
+            # chained records of verdicts the callers were told were not made.
+            self._truncate_dirty()
             # Each caller raises its own exception, with the cause for the operator log.
             failed = [Failed(AuditUnavailable(detail)) for _ in batch[done:]]
             return [None] * done + failed
         return [None] * len(batch)
+
+    def _truncate_dirty(self) -> bool:
+        """Cut the file back to its last durable size if a write failed; True once clean.
+
+        Flusher thread (or `aclose`, once no flush can run). If the cut itself fails,
+        `_dirty` stays set, so the next batch (which cuts before it writes, failing closed
+        if it cannot) or `aclose` tries again.
+        """
+        if not self._dirty or self._fd < 0:
+            return not self._dirty
+        try:
+            os.ftruncate(self._fd, self._size)
+            os.fsync(self._fd)
+        except OSError as exc:
+            where = self._dir / _file_name(self._number)
+            detail = _detail("truncate", exc, where)
+            self._write_faults.record((detail,), detail=detail)
+            return False
+        self._dirty = False
+        return True
 
     def _check_identity(self) -> None:
         """The path must still name the open file, and nothing else may link to it.
@@ -1392,6 +1419,13 @@ class AuditLog:
         # Let queued records finish: their callers are waiting for a durable answer.
         while not self._group.idle:
             await trio.sleep(0.001)
+        # A failed write whose cut failed too must not outlive us: its records' callers
+        # were told they are not in the log (`_write_batch`). No flush can run now.
+        if self._dirty and not await trio.to_thread.run_sync(self._truncate_dirty):
+            log_event(_log, "audit.unavailable", level=logging.ERROR,
+                      detail=(f"audit close: lines of a failed write may remain after byte "
+                              f"{self._size} of {_file_name(self._number)}"),
+                      fix="buzz-broker audit verify")
         if self._fd >= 0:
             log_event(_log, "audit.head", seq=self._seq, head=self._prev,
                       file=_file_name(self._number), closed=True)
