@@ -17,8 +17,10 @@ Theory of operation:
   its nursery keeps it (`records.run`) over one async connection of its own
   (`fetch_version`, `fetch_records`, each bounded by `LOOKUP_TIMEOUT`), so a read never
   waits on the socket; a command without that task asks over one blocking connection
-  with the same timeout under a lock (`lookup`, `ask_version`, `ask_records`). Either way
-  no token hop, a local round trip. A lifecycle call that got an answer returns after a
+  with the same timeout under a lock (`lookup`, `ask_version`, `ask_records`): one
+  deadline for the whole request, connect to last byte, so a custodian that trickles its
+  answer cannot hold the caller (and the lock) past it. Either way no token hop, a local
+  round trip. A lifecycle call that got an answer returns after a
   fresh snapshot (`records.changed`).
 - The custodian may die (a crash, SIGKILL) and come back (systemd `Restart=always`).
   Every fault of the connection is `CustodianUnavailable`, a `CustodyError`, so the
@@ -328,6 +330,11 @@ class CustodianClient:
         return self._lookup(op, **args)[0]
 
     def _lookup(self, op: str, **args: object) -> tuple[object, object]:
+        """Each attempt has one deadline, LOOKUP_TIMEOUT from its start, over the connect,
+        the send and every receive (a timeout per `recv` would let a custodian that sends a
+        byte at a time hold the caller, and `_sync_lock`, for as long as it likes). A
+        timeout is not retried, as in `_fetch`: a custodian that does not answer in time
+        would only make the retry wait as long again."""
         if self._closed:
             raise CustodyError("custody is closed")
         if op not in ("records_version", "agent", "agents", "chain"):
@@ -335,26 +342,32 @@ class CustodianClient:
         frame = messages.request(op, **args)
         with self._sync_lock:
             for attempt in (1, 2):
+                deadline = time.monotonic() + LOOKUP_TIMEOUT
                 try:
                     if self._sync is None:
                         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                        sock.settimeout(LOOKUP_TIMEOUT)
                         try:
+                            _wait_until(sock, deadline)
                             sock.connect(str(self.path))
                         except OSError:
                             sock.close()
                             raise
                         self._sync = sock
                         self.connections += 1
-                    self._sync.sendall(frame)
-                    header = _recv_exactly(self._sync, messages.HEADER.size)
-                    body = _recv_exactly(self._sync, messages.frame_length(header))
+                    _wait_until(self._sync, deadline)
+                    self._sync.sendall(frame)  # its timeout bounds the whole send
+                    header = _recv_exactly(self._sync, messages.HEADER.size, deadline)
+                    body = _recv_exactly(self._sync, messages.frame_length(header), deadline)
                     connection = ("blocking", self.connections)
                     break
-                except (OSError, EOFError, messages.BadMessage):
+                except (OSError, EOFError, messages.BadMessage) as exc:
                     if self._sync is not None:
                         self._sync.close()
                         self._sync = None
+                    if isinstance(exc, TimeoutError):
+                        self.records.expire()
+                        raise CustodianUnavailable(f"the custodian did not answer {op} in time"
+                                                   ) from None
                     if attempt == 2:
                         self.records.expire()
                         raise CustodianUnavailable("the custodian is not answering") from None
@@ -505,9 +518,20 @@ async def _receive_exactly(stream: trio.SocketStream, count: int) -> bytes:
     return bytes(chunks)
 
 
-def _recv_exactly(sock: socket.socket, count: int) -> bytes:
+def _wait_until(sock: socket.socket, deadline: float) -> None:
+    """The socket's next blocking call may wait until `deadline` (time.monotonic), no
+    longer; TimeoutError if it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    sock.settimeout(left)
+
+
+def _recv_exactly(sock: socket.socket, count: int, deadline: float) -> bytes:
+    """`count` bytes, all received by `deadline` (TimeoutError otherwise)."""
     chunks = bytearray()
     while len(chunks) < count:
+        _wait_until(sock, deadline)
         chunk = sock.recv(count - len(chunks))
         if not chunk:
             raise EOFError
