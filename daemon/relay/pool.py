@@ -111,6 +111,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sqlite3
 import ssl
 import sys
 import time
@@ -428,7 +429,9 @@ class PublishedVersions(Protocol):
 
     def get(self, agent: str, kind: int, d: str) -> PublishedMark | None: ...
 
-    def record(self, agent: str, kind: int, d: str, created_at: int, event_id: str) -> None: ...
+    def record(self, agent: str, kind: int, d: str, created_at: int, event_id: str) -> None:
+        """Blocking (a durable commit): the pool calls it in a worker thread.
+        Raises sqlite3.Error / OSError when the write fails."""
 
 
 def is_replaceable(kind: int) -> bool:
@@ -893,6 +896,10 @@ class RelayPool:
         #: check before they merge, daemon/state/sign_watermarks.py); set by the wiring
         #: once the state directory is open. None: nothing remembered.
         self.watermarks: PublishedVersions | None = None
+        #: A watermark write that failed after the relay's answer (a locked or full
+        #: disk): logged, the verdict kept.
+        self._watermark_faults = FaultLog(_logger, "relay_watermark_unrecorded",
+                                          level=logging.WARNING)
         #: The read windows kept on this pool's connections (daemon/relay/windows.py); set
         #: by the wiring when ``[relay] read_window_bytes`` is not 0. None: every read
         #: goes to the relay.
@@ -1262,8 +1269,23 @@ class RelayPool:
             # A version the relay took, or may have (an Unknown is retried with these
             # bytes), is one this host must never build below. A signed event that never
             # left, or that the relay refused, is not: it cannot be the relay's newest.
-            self.watermarks.record(event.pubkey, event.kind, event.tag_value("d") or "",
-                                   event.created_at, event.id)
+            # The write commits with an fsync and may wait out the busy timeout behind
+            # another writer: a worker thread's, never the loop's. Awaited, so the next
+            # merge of this record (serialized per agent) sees it.
+            try:
+                await trio.to_thread.run_sync(
+                    self.watermarks.record, event.pubkey, event.kind,
+                    event.tag_value("d") or "", event.created_at, event.id)
+            except (sqlite3.Error, OSError) as exc:
+                # The relay's verdict stands: the event landed (or may have) whatever
+                # this disk did. A lost write only leaves the floor one version low (it
+                # never moves back), so a relay withholding exactly this version could
+                # have the one before merged, as before the guard existed
+                # (daemon/state/sign_watermarks.py). One line a minute per cause.
+                self._watermark_faults.record(
+                    (type(exc).__name__,), agent=event.pubkey, kind=event.kind,
+                    event_id=event.id, error=type(exc).__name__,
+                    sqlite_error=getattr(exc, "sqlite_errorname", None))
         self._observe("publish", type(result).__name__.lower(), started)
         return result
 

@@ -16,8 +16,31 @@ Rules:
 - One row per (agent, kind, d); `d` is "" for a plain replaceable kind (kind 0).
 - `record` only moves forward: a version older than the one kept (an out-of-order
   write, a retry) does not lower the watermark.
-- Public data only (pubkeys, kinds, ids). Faults are `sqlite3.Error`, handled like every
-  other store fault.
+- Only the kinds an operation checks are kept (`GUARDED_KINDS`: profile.set's and
+  agents.update's kind 0, agents.update's 30177); `record` of any other kind writes
+  nothing. A watermark nothing reads guards nothing, and storage.put's kind 30174, whose
+  `d` the client picks (the slug), would otherwise add a row per slug for good. Rows left
+  by older versions of other kinds are deleted when the store opens.
+- Bounded by what the host holds, not by what a client sends: a kind 0 row per agent
+  (d ""), a 30177 row per managed agent (d = its pubkey, under its owner), so about two
+  rows per agent ever held here, as the directory keeps a tombstone per agent ever held.
+  Beyond that, `MAX_ROWS_PER_AGENT` caps one author's rows: past it, the author's rows
+  with the oldest created_at are evicted. An evicted row costs what a lost write costs
+  (below), for the record published longest ago (a deleted agent's, most likely).
+- `record` blocks for a commit's fsync (synchronous=FULL) and up to the busy timeout
+  behind another writer (an operator's sqlite3, a backup), so the daemon runs it in a
+  worker thread, never on the event loop; it writes on a connection of its own opened in
+  that thread (as `daemon.state.runtimes.RuntimeStore.set`). The store's own connection
+  stays the loop's, for `get`, and a reader there never waits on a writer (WAL).
+- A lost write (a locked or full disk; the pool logs it and keeps the relay's verdict)
+  leaves the watermark at the version before: it never moves backwards, so no later
+  event goes backwards either (created_at comes from the relay's newest version,
+  `next_created_at`, not from here). What it costs: until the next version of that
+  (author, kind, d) is recorded, the guard holds the floor one version low, so a relay
+  that withholds exactly the version whose write was lost could have the one before it
+  merged and re-signed, as before the guard existed, for that one version.
+- Public data only (pubkeys, kinds, ids). Faults are `sqlite3.Error` (or `OSError`
+  opening the writer's connection), handled like every other store fault.
 """
 
 from __future__ import annotations
@@ -26,12 +49,22 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
+from buzzwire import kinds
 from daemon.state._sqlite import open_private_db
 
-__all__ = ["SignWatermarks", "Watermark", "WATERMARKS_DB"]
+__all__ = ["SignWatermarks", "Watermark", "WATERMARKS_DB", "GUARDED_KINDS",
+           "MAX_ROWS_PER_AGENT"]
 
 #: File name inside the state directory.
 WATERMARKS_DB = "watermarks.db"
+
+#: The kinds whose watermark an operation reads (`check_builds_on_latest`): the only
+#: ones kept (tests/test_sign_watermarks.py holds the operations to this set).
+GUARDED_KINDS: frozenset[int] = frozenset({kinds.METADATA, kinds.MANAGED_AGENT})
+
+#: One author's rows at most (about 400 bytes each on disk): a kind 0 and a 30177 per
+#: managed agent it ever owned. Past it the oldest-published are evicted (module docstring).
+MAX_ROWS_PER_AGENT = 4096
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS watermarks (
@@ -54,14 +87,29 @@ class Watermark:
 
 
 class SignWatermarks:
-    """(agent, kind, d) -> the `Watermark` of the last version this host signed."""
+    """(agent, kind, d) -> the `Watermark` of the last version this host published."""
 
-    def __init__(self, db: sqlite3.Connection) -> None:
+    def __init__(self, db: sqlite3.Connection, path: Path | None = None,
+                 max_rows_per_agent: int = MAX_ROWS_PER_AGENT) -> None:
+        if max_rows_per_agent < 1:
+            raise ValueError("max_rows_per_agent must be >= 1")
         self._db = db
+        self._path = path
+        self._max_rows = max_rows_per_agent
 
     @classmethod
-    def open(cls, state_dir: Path) -> SignWatermarks:
-        return cls(open_private_db(state_dir / WATERMARKS_DB, _SCHEMA))
+    def open(cls, state_dir: Path, max_rows_per_agent: int = MAX_ROWS_PER_AGENT
+             ) -> SignWatermarks:
+        path = state_dir / WATERMARKS_DB
+        db = open_private_db(path, _SCHEMA)
+        try:
+            # Rows an older version kept for kinds nothing reads (storage.put's slugs).
+            db.execute("DELETE FROM watermarks WHERE kind NOT IN (%s)"
+                       % ", ".join(str(k) for k in sorted(GUARDED_KINDS)))
+        except BaseException:
+            db.close()
+            raise
+        return cls(db, path, max_rows_per_agent)
 
     def get(self, agent: str, kind: int, d: str) -> Watermark | None:
         row = self._db.execute(
@@ -71,12 +119,44 @@ class SignWatermarks:
         return None if row is None else Watermark(int(row[0]), str(row[1]))
 
     def record(self, agent: str, kind: int, d: str, created_at: int, event_id: str) -> None:
-        self._db.execute(
-            "INSERT INTO watermarks (agent, kind, d, created_at, event_id) VALUES (?, ?, ?, ?, ?) "
-            "ON CONFLICT (agent, kind, d) DO UPDATE SET created_at = excluded.created_at, "
-            "event_id = excluded.event_id WHERE excluded.created_at > watermarks.created_at",
-            (agent, kind, d, created_at, event_id),
-        )
+        """Raise the watermark of (agent, kind, d) to this version, durably; evict past the cap.
+
+        Blocking (an fsync, and the busy timeout behind another writer): call it from a
+        worker thread. A connection per call, opened here: writes are rare (profile.set,
+        agents.*), and a connection one thread uses needs no lock. A kind not in
+        `GUARDED_KINDS` writes nothing and opens nothing.
+
+        Raises:
+            sqlite3.Error / OSError: the write failed; the watermark is as it was.
+        """
+        if kind not in GUARDED_KINDS:
+            return
+        writer = self._db if self._path is None else open_private_db(self._path, "")
+        try:
+            writer.execute("BEGIN IMMEDIATE")
+            try:
+                writer.execute(
+                    "INSERT INTO watermarks (agent, kind, d, created_at, event_id) "
+                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT (agent, kind, d) DO UPDATE SET "
+                    "created_at = excluded.created_at, event_id = excluded.event_id "
+                    "WHERE excluded.created_at > watermarks.created_at",
+                    (agent, kind, d, created_at, event_id),
+                )
+                # The author's oldest-published rows past the cap (ties: the lower rowid,
+                # the earlier row written, goes first).
+                writer.execute(
+                    "DELETE FROM watermarks WHERE rowid IN (SELECT rowid FROM watermarks "
+                    "WHERE agent = ? ORDER BY created_at DESC, rowid DESC LIMIT -1 OFFSET ?)",
+                    (agent, self._max_rows),
+                )
+                writer.execute("COMMIT")
+            except BaseException:
+                if writer.in_transaction:
+                    writer.execute("ROLLBACK")
+                raise
+        finally:
+            if writer is not self._db:
+                writer.close()
 
     def close(self) -> None:
         self._db.close()
