@@ -35,6 +35,7 @@ __all__ = [
     "tag_value",
     "fetch",
     "fetch_in_channel",
+    "in_channel",
     "verified",
     "sign_all",
     "check_builds_on_latest",
@@ -160,7 +161,7 @@ def verified(events: Iterable[Mapping[str, object]]) -> list[SignedEvent]:
 
 async def fetch_in_channel(ctx: Context, event_id: str, channel_id: str, *, what: str
                            ) -> SignedEvent:
-    """The verified event `event_id`, which must carry `["h", channel_id]`.
+    """The verified event `event_id`, which must be in `channel_id` (`in_channel`).
 
     Raises:
       OperationRefused(action_failed): not found (or unverifiable), in another channel, or
@@ -171,9 +172,21 @@ async def fetch_in_channel(ctx: Context, event_id: str, channel_id: str, *, what
     event = next((e for e in found if e.id == event_id), None)
     if event is None:
         raise OperationRefused(ErrorCode.ACTION_FAILED, f"{what} was not found")
-    if tag_value(event, "h") != channel_id:
+    if not in_channel(event.tags, channel_id):
         raise OperationRefused(ErrorCode.ACTION_FAILED, f"{what} is not in this channel")
     return event
+
+
+def in_channel(tags: Iterable[Sequence[str]], channel_id: str) -> bool:
+    """The one rule for "this event is in that channel", for what a read delivers and for
+    what a reply or a reaction builds on: its `h` values are exactly {channel_id}.
+
+    Why the whole set and not the first `h` tag: an event carrying two channels' `h` tags
+    would otherwise be in whichever channel its author listed first, so a credential of
+    one channel could reply or react to an event also filed in another, depending on the
+    order of its tags alone, while a read of either channel never returns it.
+    """
+    return {tag[1] for tag in tags if len(tag) >= 2 and tag[0] == "h"} == {channel_id}
 
 
 async def sign_all(ctx: Context, drafts: Sequence[tuple[str, int, Sequence[Tag], str, int]]

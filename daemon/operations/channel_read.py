@@ -81,6 +81,7 @@ from buzzwire.contract import (
 from daemon.relay.cursor import CursorScope, InvalidCursor, Position
 from daemon.fault_log import FaultLogs
 from daemon.operations._base import Context
+from daemon.operations._events import in_channel
 from daemon.relay.paging import RELAY_MAX_LIMIT, Page, RelayMisbehaved, matches, read_page
 from daemon.relay.pool import RelayRefused, RelayUnavailable, decoded_size
 from daemon.relay.windows import Served, WindowCache, WindowKey
@@ -284,8 +285,7 @@ def _signature_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bo
 
 
 def _channel_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bool:
-    h_values = {tag[1] for tag in event.tags if len(tag) >= 2 and tag[0] == "h"}
-    return h_values == {judge.channel_id}
+    return in_channel(event.tags, judge.channel_id)
 
 
 def _filter_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bool:

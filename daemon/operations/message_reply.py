@@ -1,18 +1,30 @@
 """message.reply: a reply in a channel thread, with NIP-10 markers as Buzz writes them.
 
-Steps (buzz-on-the-relay.md, "Replies"):
+Steps (buzz-on-the-relay.md, "Replies"; NIP-BA "Channel and messages"):
 1. Fetch the parent by id. Missing, unverifiable, or in another channel → `action_failed`.
-2. Its root is its `e` tag marked `root`, else its `e` tag marked `reply`, else the parent.
-3. root == parent: one tag `["e", parent, "", "reply"]`; otherwise `["e", root, "", "root"]`
+2. Read the root its tags name (`declared_root`): its `e` tag marked `root`, else its `e`
+   tag marked `reply` (Buzz's direct reply to a root carries only that one), else none:
+   the parent is the root.
+3. A root other than the parent is fetched in the channel too, and must be a root itself.
+4. root == parent: one tag `["e", parent, "", "reply"]`; otherwise `["e", root, "", "root"]`
    then `["e", parent, "", "reply"]` — between the `h` tag and the `p` tags.
 
-Rule (issue 13, relay data is checked before it is signed over): every event id copied
-into a tag must be an event id — lowercase 64 hex. The parent's id is (its id and signature
-were verified); the root comes from the parent's tags, which whoever wrote the parent
-chose, so a root that is not 64 hex is `action_failed` and nothing is signed.
+Rules (NIP-BA: "it MUST NOT silently treat a nested parent as the root. Missing,
+inaccessible, or inconsistent ancestry MUST fail before publication"; issue 13: relay data
+is checked before it is signed over). Each refusal is `action_failed`, nothing signed:
+- An `e` tag without a NIP-10 marker (or with one that is not `root`, `reply`, `mention`)
+  is NIP-10's deprecated positional form, where `["e", R]` may mean "reply to R": reading
+  such a parent as a root would publish a nested reply as a top-level one.
+- Two different `root` values (or, with no root, two different `reply` values) leave the
+  thread ambiguous: picking one would be a silent choice.
+- The root is copied into the signed reply, so it must be an event id (lowercase 64 hex)
+  of an event in this channel that is itself a root (no root/reply-marked `e` tags): a
+  root that does not exist, lives elsewhere or answers something else is not the thread.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from buzzwire.contract import ErrorCode, MessageReplyArgs, PublishOutcome
 from buzzwire.nostr import SignedEvent, is_hex64
@@ -20,36 +32,77 @@ from daemon.operations._base import Context, OperationRefused, Plan
 from daemon.operations._events import fetch_in_channel, mention_tags, sign
 from daemon.operations.message_post import KIND_STREAM_MESSAGE
 
+#: NIP-10 markers an `e` tag may carry here; `mention` cites without threading.
+_MARKERS = frozenset({"root", "reply", "mention"})
+#: The markers that name the thread, in the order they are read (step 2).
+_THREAD_MARKERS = ("root", "reply")
 
-def thread_root(parent: SignedEvent) -> str:
-    """Buzz's rule for the root of the thread a parent belongs to."""
-    for marker in ("root", "reply"):
-        for tag in parent.tags:
-            if len(tag) >= 4 and tag[0] == "e" and tag[3] == marker:
-                return tag[1]
-    return parent.id
+#: Why an event's ancestry is refused -> what the agent is told; `{what}` is our fixed
+#: name for the event ("the message replied to"), never relay text.
+_REFUSALS: Mapping[str, str] = {
+    "positional": "{what} has e tags without a NIP-10 marker, so its thread cannot be read",
+    "several": "{what} names more than one thread root",
+    "not_an_id": "{what} names a thread root that is not an event id",
+    "not_a_root": "{what} names a thread root that is itself a reply",
+}
 
 
-def thread_tags(parent: SignedEvent) -> list[tuple[str, ...]]:
-    """The reply's `e` tags; refuses (action_failed) an id that is not 64 lowercase hex."""
-    parent_id = parent.id
-    root = thread_root(parent)
-    for copied in (parent_id, root):
-        if not is_hex64(copied):
-            raise OperationRefused(
-                ErrorCode.ACTION_FAILED,
-                "the message replied to names a thread root that is not an event id",
-                detail=f"parent {parent_id[:64]!r} names root {copied[:80]!r}",
-            )
+def _refuse(reason: str, what: str, detail: str) -> OperationRefused:
+    return OperationRefused(ErrorCode.ACTION_FAILED, _REFUSALS[reason].format(what=what),
+                            detail=detail)
+
+
+def declared_root(event: SignedEvent, what: str) -> str | None:
+    """The thread root `event`'s own tags name, or None when they name none (a root).
+
+    Raises:
+      OperationRefused(action_failed): a positional `e` tag, or two different values under
+        the marker that decides (module doc).
+    """
+    named: dict[str, set[str]] = {marker: set() for marker in _THREAD_MARKERS}
+    for tag in event.tags:
+        if tag[:1] != ("e",):  # a relay's event may hold an empty tag
+            continue
+        marker = tag[3] if len(tag) >= 4 else ""
+        if marker not in _MARKERS:
+            raise _refuse("positional", what, f"event {event.id} tag {list(tag)[:4]!r:.200}")
+        if marker in named:
+            named[marker].add(tag[1])
+    for marker in _THREAD_MARKERS:
+        values = named[marker]
+        if len(values) > 1:
+            raise _refuse("several", what, f"event {event.id}: {len(values)} {marker} values")
+        if values:
+            return next(iter(values))
+    return None
+
+
+def thread_tags(parent_id: str, root: str) -> list[tuple[str, ...]]:
+    """The reply's `e` tags, exactly as Buzz writes them (module doc, step 4)."""
     if root == parent_id:
         return [("e", parent_id, "", "reply")]
     return [("e", root, "", "root"), ("e", parent_id, "", "reply")]
 
 
+async def thread_root(ctx: Context, parent: SignedEvent, channel_id: str) -> str:
+    """The id of the root of the thread `parent` is in, checked (module doc, steps 2-3)."""
+    what = "the message replied to"
+    root = declared_root(parent, what)
+    if root is None:
+        return parent.id
+    if not is_hex64(root):
+        raise _refuse("not_an_id", what, f"parent {parent.id} names root {root[:80]!r}")
+    fetched = await fetch_in_channel(ctx, root, channel_id, what="the thread root")
+    if declared_root(fetched, "the thread root") is not None:
+        raise _refuse("not_a_root", what, f"parent {parent.id} names root {root}")
+    return root
+
+
 async def prepare(ctx: Context, args: MessageReplyArgs) -> Plan:
     parent = await fetch_in_channel(ctx, args.reply_to_event_id, args.channel_id,
                                     what="the message replied to")
-    tags = [("h", args.channel_id), *thread_tags(parent), *mention_tags(args.mentions)]
+    root = await thread_root(ctx, parent, args.channel_id)
+    tags = [("h", args.channel_id), *thread_tags(parent.id, root), *mention_tags(args.mentions)]
     event = await sign(ctx, ctx.principal.agent, KIND_STREAM_MESSAGE, tags, args.content)
     return Plan(
         events=(event,),

@@ -6,10 +6,15 @@ an owner re-signs what the relay picked:
   substitutes another agent's record (same owner, another `d`), a record by another author
   for this agent, or another kind of event by the owner. Each is `failed` + `action_failed`.
 - message.reply copies its parent's root `e` value into the signed reply. The relay serves a
-  (validly signed) parent whose root is not an event id. `failed` + `action_failed`.
+  (validly signed) parent whose root is not an event id, names a root no event has, a root
+  in another channel or one that is itself a reply, names two roots, or threads by NIP-10's
+  positional `e` tags (NIP-BA: missing or inconsistent ancestry fails before publication,
+  and a nested parent is never taken for the root). `failed` + `action_failed`.
+- message.reply and reaction.add build on an event carrying the channel's `h` tag beside
+  another channel's, in either order. `failed` + `action_failed`, as channel.read drops it.
 In every refused case nothing is signed and nothing is published. Positive controls (the
-exact record; a well-formed root) succeed through the same rig, so a refusal here is the
-check's and not a broken rig's.
+exact record; a root in the channel, as Buzz writes its threads) succeed through the same
+rig, so a refusal here is the check's and not a broken rig's.
 
 The relay is tests/scripted_relay.py: it answers every REQ with every event it holds,
 unfiltered, which is exactly a relay that substitutes.
@@ -79,7 +84,9 @@ async def rig(nursery: trio.Nursery, custody_state: tuple[TokenConfig, Path],
     with tempfile.TemporaryDirectory(prefix="bb-sub-") as short:
         socket = Path(short) / "b.sock"
         config_path = write_config(Path(short) / "broker.toml", token=token, state_dir=state_dir,
-                                   socket=socket, relay_url=relay.url, relay_timeout=2.0)
+                                   socket=socket, relay_url=relay.url, relay_timeout=2.0,
+                                   # the model the updates name, declared (NIP-BA)
+                                   sections={"policy": {"models": ["m2"]}})
         config = load_config(str(config_path), environ={})
         async with running(config) as app:
             async with trio.open_nursery() as inner:
@@ -185,17 +192,146 @@ async def test_a_parent_with_a_bad_root_id_is_refused_and_nothing_signed(
     assert len(rig.published()) == published_before, "nothing may be published"
 
 
-async def test_control_a_well_formed_root_is_copied(rig: Rig) -> None:
+OTHER_CHANNEL = str(uuid.uuid4())
+
+
+def _event(content: str, channel: str, *threading: list[str]) -> dict[str, Any]:
+    """A stranger's kind 9 in `channel` with `threading` (its `e` tags) after its `h` tag."""
+    return TestKey().sign(9, content, [["h", channel], *threading])
+
+
+def _marked(event_id: str, marker: str) -> list[str]:
+    return ["e", event_id, "", marker]
+
+
+def _root_elsewhere() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    root = _event("root", OTHER_CHANNEL)
+    return [root], _event("parent", CHANNEL, _marked(root["id"], "root"))
+
+
+def _root_that_replies() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    top = _event("top", CHANNEL)
+    root = _event("root", CHANNEL, _marked(top["id"], "reply"))
+    return [top, root], _event("parent", CHANNEL, _marked(root["id"], "root"))
+
+
+def _positional(*extra: str) -> Callable[[], tuple[list[dict[str, Any]], dict[str, Any]]]:
+    def build() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        root = _event("root", CHANNEL)
+        return [root], _event("parent", CHANNEL, ["e", root["id"], *extra])
+    return build
+
+
+def _two(marker: str) -> Callable[[], tuple[list[dict[str, Any]], dict[str, Any]]]:
+    def build() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        first, second = _event("first", CHANNEL), _event("second", CHANNEL)
+        return [first, second], _event("parent", CHANNEL, _marked(first["id"], marker),
+                                       _marked(second["id"], marker))
+    return build
+
+
+#: name -> (the events the relay also holds, the parent); each parent's ancestry is missing,
+#: elsewhere, unreadable or inconsistent (NIP-BA "Channel and messages").
+BAD_ANCESTRY: dict[str, Callable[[], tuple[list[dict[str, Any]], dict[str, Any]]]] = {
+    "a root no event has": lambda: ([], _event("parent", CHANNEL, _marked("ab" * 32, "root"))),
+    "a reply-marked root no event has": lambda: (
+        [], _event("parent", CHANNEL, _marked("ab" * 32, "reply"))),
+    "a root in another channel": _root_elsewhere,
+    "a root that is itself a reply": _root_that_replies,
+    "a positional e tag": _positional(),
+    "a positional e tag with a relay hint": _positional("wss://relay.example"),
+    "an e tag with an empty marker": _positional("", ""),
+    "an e tag with an unknown marker": _positional("", "quote"),
+    "two different roots": _two("root"),
+    "two different parents and no root": _two("reply"),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_ANCESTRY))
+async def test_a_parent_with_bad_ancestry_is_refused_and_nothing_signed(
+    rig: Rig, bad: str
+) -> None:
+    author = await rig.harness.human_owned_agent("replier")
+    credential = rig.harness.credential(author, [CHANNEL, OTHER_CHANNEL])
+    held, parent = BAD_ANCESTRY[bad]()
+    for event in (*held, parent):
+        rig.serve(event)
+    signs_before, published_before = len(rig.signed), len(rig.published())
+
+    _refused(await rig.harness.call(credential, "message.reply", {
+        "channelId": CHANNEL, "replyToEventId": parent["id"], "content": "hi"}))
+    assert len(rig.signed) == signs_before, "nothing may be signed over bad ancestry"
+    assert len(rig.published()) == published_before, "nothing may be published"
+
+
+def _threads(root: str, parent: str) -> list[list[str]]:
+    return [_marked(root, "root"), _marked(parent, "reply")]
+
+
+#: name -> the parent's e tags given the root's id; each is how a Buzz thread is written (or
+#: reads the same), and the reply names that root.
+GOOD_ANCESTRY: dict[str, Callable[[str], list[list[str]]]] = {
+    "a root-marked root": lambda root: [_marked(root, "root")],
+    "Buzz's direct reply: only reply-marked": lambda root: [_marked(root, "reply")],
+    "Buzz's nested reply: root, then reply": lambda root: _threads(root, "cd" * 32),
+    "the same root twice": lambda root: [_marked(root, "root"), _marked(root, "root")],
+    "a root and a mention": lambda root: [_marked(root, "root"), _marked("cd" * 32, "mention")],
+}
+
+
+@pytest.mark.parametrize("good", sorted(GOOD_ANCESTRY))
+async def test_control_a_root_in_the_channel_is_copied(rig: Rig, good: str) -> None:
     author = await rig.harness.human_owned_agent("replier")
     credential = rig.harness.credential(author, [CHANNEL])
-    root = "ab" * 32
-    parent = TestKey().sign(9, "parent", [["h", CHANNEL], ["e", root, "", "root"]])
+    root = _event("root", CHANNEL, _marked("ef" * 32, "mention"))  # a mention keeps a root one
+    parent = _event("parent", CHANNEL, *GOOD_ANCESTRY[good](root["id"]))
+    rig.serve(root)
     rig.serve(parent)
     answer = await rig.harness.call(credential, "message.reply", {
         "channelId": CHANNEL, "replyToEventId": parent["id"], "content": "hi"})
     assert answer["status"] == "succeeded", answer
     [reply] = [e for e in rig.published() if e["pubkey"] == author]
-    assert ["e", root, "", "root"] in reply["tags"] and ["e", parent["id"], "", "reply"] in reply["tags"]
+    assert [t for t in reply["tags"] if t[0] == "e"] == _threads(root["id"], parent["id"])
+
+
+async def test_control_a_reply_to_a_root_names_only_its_parent(rig: Rig) -> None:
+    author = await rig.harness.human_owned_agent("replier")
+    credential = rig.harness.credential(author, [CHANNEL])
+    parent = _event("top", CHANNEL, _marked("ef" * 32, "mention"))
+    rig.serve(parent)
+    answer = await rig.harness.call(credential, "message.reply", {
+        "channelId": CHANNEL, "replyToEventId": parent["id"], "content": "hi"})
+    assert answer["status"] == "succeeded", answer
+    [reply] = [e for e in rig.published() if e["pubkey"] == author]
+    assert [t for t in reply["tags"] if t[0] == "e"] == [_marked(parent["id"], "reply")]
+
+
+#: action -> its args naming `target` in CHANNEL.
+BUILDS_ON: dict[str, Callable[[str], dict[str, str]]] = {
+    "message.reply": lambda target: {"channelId": CHANNEL, "replyToEventId": target,
+                                     "content": "hi"},
+    "reaction.add": lambda target: {"channelId": CHANNEL, "targetEventId": target,
+                                    "reaction": "+"},
+}
+
+
+@pytest.mark.parametrize("mine_first", [True, False], ids=["mine first", "mine second"])
+@pytest.mark.parametrize("action", sorted(BUILDS_ON))
+async def test_an_event_in_two_channels_is_not_built_on_in_either_order(
+    rig: Rig, action: str, mine_first: bool
+) -> None:
+    # channel.read drops such an event (`_channel_ok`); a reply or reaction must not build
+    # on it either, whatever order its author gave the h tags (one rule: `in_channel`).
+    author = await rig.harness.human_owned_agent("builder")
+    credential = rig.harness.credential(author, [CHANNEL])
+    channels = [CHANNEL, OTHER_CHANNEL] if mine_first else [OTHER_CHANNEL, CHANNEL]
+    target = TestKey().sign(9, "filed twice", [["h", channel] for channel in channels])
+    rig.serve(target)
+    signs_before, published_before = len(rig.signed), len(rig.published())
+
+    _refused(await rig.harness.call(credential, action, BUILDS_ON[action](target["id"])))
+    assert len(rig.signed) == signs_before, "nothing may be signed over another channel's event"
+    assert len(rig.published()) == published_before, "nothing may be published"
 
 
 # --- issue 22, defences no test guarded (docs/reliability.md "Defences and the tests that

@@ -6,14 +6,16 @@ tags and signatures (issue 5, "Tests").
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from typing import Any
 
+import pytest
 import trio
 
-from custody import verify_owner_tag
+from custody import UnsignedEvent, verify_owner_tag
 from tests.fixtures.broker import BrokerHarness, request_body
-from tests.fixtures.relay import nostr_fetch, nostr_verify
+from tests.fixtures.relay import nostr_fetch, nostr_publish, nostr_verify
 
 
 def _fetch(harness: BrokerHarness, flt: dict[str, Any]) -> Any:
@@ -82,6 +84,51 @@ async def test_reply_to_missing_or_foreign_parent_fails(broker: BrokerHarness) -
     assert (foreign["status"], foreign["error"]["code"]) == ("failed", "action_failed")
 
 
+async def _publish_as(broker: BrokerHarness, author: str, tags: list[list[str]]) -> str:
+    """A kind 9 signed in custody by `author` and put on the relay as another client would."""
+    signed = await broker.custody.sign_event(author, UnsignedEvent(
+        pubkey=author, created_at=int(time.time()), kind=9,
+        tags=tuple(tuple(t) for t in tags), content="written elsewhere"))
+    assert await trio.to_thread.run_sync(nostr_publish, broker.relay_url,
+                                         dict(signed.to_json_obj()))
+    return signed.id
+
+
+async def test_a_reply_needs_the_parents_real_root_in_the_channel(broker: BrokerHarness) -> None:
+    # NIP-BA: the host derives the parent's actual root; missing, elsewhere, unreadable
+    # or inconsistent ancestry fails before publication, on a relay that filters by id.
+    channel, elsewhere = str(uuid.uuid4()), str(uuid.uuid4())
+    agent = await broker.human_owned_agent()
+    cred = broker.credential(agent, [channel, elsewhere])
+    root = _succeeded(await broker.call(cred, "message.post", {
+        "channelId": channel, "content": "root"}), "message.post")["eventId"]
+    foreign = _succeeded(await broker.call(cred, "message.post", {
+        "channelId": elsewhere, "content": "over there"}), "message.post")["eventId"]
+    parents = {
+        "names a root no event has": [["h", channel], ["e", "ab" * 32, "", "root"]],
+        "names a root in another channel": [["h", channel], ["e", foreign, "", "root"]],
+        "threads positionally": [["h", channel], ["e", root]],
+        "names two roots": [["h", channel], ["e", root, "", "root"], ["e", foreign, "", "root"]],
+        "is in two channels": [["h", elsewhere], ["h", channel], ["e", root, "", "reply"]],
+    }
+    refused = []
+    for why, tags in parents.items():
+        parent = await _publish_as(broker, agent, tags)
+        refused.append(parent)
+        answer = await broker.call(cred, "message.reply", {
+            "channelId": channel, "replyToEventId": parent, "content": "x"})
+        assert (answer["status"], answer["error"]["code"]) == ("failed", "action_failed"), why
+    # Control: the same relay, a parent written elsewhere naming the real root.
+    parent = await _publish_as(broker, agent, [["h", channel], ["e", root, "", "reply"]])
+    reply = _succeeded(await broker.call(cred, "message.reply", {
+        "channelId": channel, "replyToEventId": parent, "content": "x"}), "message.reply")
+    [event] = await _fetch(broker, {"ids": [reply["eventId"]]})
+    assert event["tags"] == [["h", channel], ["e", root, "", "root"], ["e", parent, "", "reply"]]
+    mine = await _fetch(broker, {"kinds": [9], "#h": [channel], "authors": [agent]})
+    assert {e["id"] for e in mine} == {root, parent, reply["eventId"], *refused}, (
+        "a refused reply reached the relay")
+
+
 async def test_reaction_and_profile(broker: BrokerHarness) -> None:
     channel = str(uuid.uuid4())
     agent, cred = await _agent_in(broker, channel)
@@ -121,6 +168,7 @@ async def test_storage_address_matches_the_nip_ae_vector(broker: BrokerHarness) 
     }
 
 
+@pytest.mark.broker_config(policy={"models": ["m-1"]})  # the model it names, declared
 async def test_agents_create_update_delete(broker: BrokerHarness) -> None:
     channel = str(uuid.uuid4())
     owner, cred = await _agent_in(broker, channel, "owner")
