@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from buzzwire.contract import ACTIONS
+from buzzwire.contract import ACTIONS, MAX_SCALAR_CHARS, scrub_line, trim
 from buzzwire.loopback import LOOPBACK_NAMES, is_loopback_host
 from daemon.loopback_tcp import ListenerKind, address_text
 from daemon.relay.pool import DEFAULT_LIVE_SUBSCRIPTIONS, DEFAULT_RESULT_BYTES, MAX_QUERY_BYTES
@@ -205,7 +205,11 @@ class RelayConfig:
 class PolicyConfig:
     disabled_actions: frozenset[str]
     max_agent_depth: int
+    #: The choices agents.create / agents.update may name (NIP-BA: host-declared, an unknown
+    #: one refused). Empty offers none; a request that names none is not affected.
     runtimes: frozenset[str]
+    providers: frozenset[str] = frozenset()
+    models: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -530,21 +534,45 @@ def _one_of(*allowed: str) -> _Parser:
     return parse
 
 
-def _string_set(allowed: frozenset[str] | None) -> _Parser:
+def _string_set(allowed: frozenset[str]) -> _Parser:
     def parse(value: object, _base: Path | None) -> object:
-        what = "an array of " + ("action names" if allowed is not None else "non-empty strings")
+        what = "an array of action names"
         if not isinstance(value, list):
             raise _Bad(what)
         items: set[str] = set()
         for item in value:
             if not isinstance(item, str) or not item.strip():
                 raise _Bad(what)
-            if allowed is not None and item not in allowed:
+            if item not in allowed:
                 raise _Bad(f"{what}; {item!r} is not one of " + ", ".join(sorted(allowed)))
             items.add(item)
         return frozenset(items)
 
     return parse
+
+
+#: Names one [policy] choice list (runtimes, providers, models) holds at most: far more than
+#: a host runs, so a longer list is a generated file gone wrong, not a host's offer.
+MAX_CHOICES = 1024
+
+
+def _choices(value: object, _base: Path | None) -> object:
+    """[policy] runtimes / providers / models: the names a request may choose, exactly.
+
+    Each name must be one a request could carry, since the check is exact: the wire trims
+    White_Space, bounds a scalar at MAX_SCALAR_CHARS and refuses a line's control characters
+    (buzzwire/contract), so a name padded, longer or holding one would never match. That is
+    an operator's mistake, named here rather than left as a choice silently never offered.
+    """
+    what = (f"an array of at most {MAX_CHOICES} names, each 1-{MAX_SCALAR_CHARS} characters "
+            "with no surrounding whitespace or control characters")
+    if not isinstance(value, list) or len(value) > MAX_CHOICES:
+        raise _Bad(what)
+    for item in value:
+        if (not isinstance(item, str) or not item or trim(item) != item
+                or len(item) > MAX_SCALAR_CHARS or scrub_line(item) != item):
+            raise _Bad(f"{what}; {_shown(item)} is not")
+    return frozenset(value)
 
 
 # --------------------------------------------------------------------------- the schema
@@ -618,13 +646,14 @@ _KEYS: tuple[_Key, ...] = (
          DEFAULT_LIVE_SUBSCRIPTIONS),
     _Key("policy", "disabled_actions", "disabled_actions", _string_set(ACTION_NAMES), []),
     _Key("policy", "max_agent_depth", "max_agent_depth", _int_at_least(0, 64), 3),
-    _Key(
-        "policy",
-        "runtimes",
-        "runtimes",
-        _string_set(None),
-        ["goose", "claude", "codex", "buzz-agent", "buzz-acp"],
-    ),
+    # The runtime names Buzz's clients use (shared/spec/buzz-on-the-relay.md). Providers and
+    # models have no such shared vocabulary (free text "the host interprets"; Buzz's runtime
+    # never sends them), and what one names is signed into the owner's public kind 30177
+    # record: none is accepted until the operator declares the ones this host runs.
+    _Key("policy", "runtimes", "runtimes", _choices,
+         ["goose", "claude", "codex", "buzz-agent", "buzz-acp"]),
+    _Key("policy", "providers", "providers", _choices, []),
+    _Key("policy", "models", "models", _choices, []),
     _Key("log", "level", "level", _level, "info"),
     _Key("metrics", "socket", "socket", _optional_path, ""),
     _Key("metrics", "listen", "listen", _loopback_listen, ""),

@@ -69,6 +69,8 @@ max_live_subscriptions = 4
 disabled_actions = ["agents.delete", "profile.set"]
 max_agent_depth = 1
 runtimes = ["goose"]
+providers = ["anthropic", "openai"]
+models = ["claude-sonnet-4", "gpt-5"]
 
 [log]
 level = "debug"
@@ -129,6 +131,8 @@ EXPECTED: dict[tuple[str, str], object] = {
     ("policy", "disabled_actions"): frozenset({"agents.delete", "profile.set"}),
     ("policy", "max_agent_depth"): 1,
     ("policy", "runtimes"): frozenset({"goose"}),
+    ("policy", "providers"): frozenset({"anthropic", "openai"}),
+    ("policy", "models"): frozenset({"claude-sonnet-4", "gpt-5"}),
     ("log", "level"): "debug",
     ("metrics", "socket"): "/run/bb/metrics.sock",
     ("metrics", "listen"): ("::1", 9464),
@@ -181,6 +185,10 @@ DEFAULTS: dict[tuple[str, str], object] = {
     ("policy", "disabled_actions"): frozenset(),
     ("policy", "max_agent_depth"): 3,
     ("policy", "runtimes"): frozenset({"goose", "claude", "codex", "buzz-agent", "buzz-acp"}),
+    # NIP-BA: unknown choices are refused; no shared provider/model vocabulary exists, so
+    # none is offered until the operator declares them.
+    ("policy", "providers"): frozenset(),
+    ("policy", "models"): frozenset(),
     ("log", "level"): "info",
     ("metrics", "socket"): None,
     ("metrics", "listen"): None,
@@ -325,6 +333,11 @@ def test_wrong_type_names_key_and_file(tmp_path: Path, row: object) -> None:
         ("policy", "disabled_actions", '["sign"]'),
         ("policy", "disabled_actions", '"message.post"'),
         ("policy", "runtimes", '["goose", ""]'),
+        # The choice lists: each name one a request could carry (trimmed, <= 300, one line),
+        # an array, bounded; all three alike.
+        *((("policy", key, bad) for key in ("runtimes", "providers", "models") for bad in (
+            '"goose"', "[1]", "[true]", '[""]', '[" padded"]', '["tab\\t"]',
+            '["bidi\\u202e"]', f'["{"x" * 301}"]', "[" + '"x", ' * 1025 + "]"))),
         ("policy", "max_agent_depth", "-1"),
         ("policy", "max_agent_depth", "65"),
         ("log", "level", '"loud"'),
@@ -356,6 +369,24 @@ def test_wrong_type_names_key_and_file(tmp_path: Path, row: object) -> None:
 def test_bad_values_named(tmp_path: Path, section: str, key: str, bad: str) -> None:
     with pytest.raises(ConfigError, match=rf"\[{section}\] {key}: expected"):
         load_config(write(tmp_path, f"[{section}]\n{key} = {bad}\n"), environ={})
+
+
+@pytest.mark.parametrize("key", ["runtimes", "providers", "models"])
+def test_choice_lists_take_names_at_their_bounds(tmp_path: Path, key: str) -> None:
+    # What a request may carry is what a list may declare: 300 characters, any script.
+    names = ["x" * 300, "名前", *(f"m-{i}" for i in range(1022))]
+    text = f"[policy]\n{key} = [" + ", ".join(f'"{n}"' for n in names) + "]\n"
+    config = load_config(write(tmp_path, text), environ={})
+    assert getattr(config.policy, key) == frozenset(names)
+    assert len(names) == daemon.config.MAX_CHOICES
+
+
+def test_a_bad_choice_is_named(tmp_path: Path) -> None:
+    # The one bad name among many is quoted back, not just the (shortened) list.
+    text = '[policy]\nmodels = ["gpt-5", "claude-sonnet-4 ", "o3"]\n'
+    with pytest.raises(ConfigError,
+                       match=r"\[policy\] models: expected .*'claude-sonnet-4 ' is not"):
+        load_config(write(tmp_path, text), environ={})
 
 
 @pytest.mark.parametrize(
@@ -555,6 +586,16 @@ def test_check_config_error_one_line(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert out == ""
     assert err.count("\n") == 1 and "[policy] max_agent_depth" in err and path in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("key", ["runtimes", "providers", "models"])
+def test_check_config_names_a_bad_choice_list(tmp_path: Path, key: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, f'[policy]\n{key} = ["ok", 7]\n')
+    assert main(["check-config", path]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert f"[policy] {key}: expected an array of at most 1024 names" in err and "7 is not" in err
 
 
 def test_check_config_path_beats_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

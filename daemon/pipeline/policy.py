@@ -19,10 +19,13 @@ Rules (spec I2, §Results; issue 4):
   another agent's record ever reaches one.
 
 Decisions (recorded here because the spec leaves them to the host):
-- A `runtime` this host does not offer is `invalid_request`: the argument failed this
-  host's validation and nothing ran. `unsupported` is for an action the host does not
-  offer (spec: "host knows the action but does not offer it"), which is not the case;
-  `action_failed` promises the action ran, which it did not.
+- A `runtime`, `provider` or `model` this host does not offer is `invalid_request`: the
+  argument failed this host's validation and nothing ran. `unsupported` is for an action
+  the host does not offer (spec: "host knows the action but does not offer it"), which is
+  not the case; `action_failed` promises the action ran, which it did not. NIP-BA: these
+  choices are host-declared and an unknown one MUST be refused, not silently substituted,
+  so each is checked exactly against its `[policy]` list (`CHOICES`); an empty list offers
+  none. A request that names none is not checked: it chooses nothing to substitute.
 - agents.update/delete by pubkey answer `unauthorized` with one message whether the
   pubkey is unknown, deleted, or owned by someone else. Distinct answers would let any
   session probe which pubkeys this host holds and who owns them; ownership is the only
@@ -34,7 +37,7 @@ Decisions (recorded here because the spec leaves them to the host):
   exceeds `max_agent_depth`. A requester this host does not hold (or that was deleted)
   may not create agents at all.
 
-The three action sets below derive from the contract's `ActionSpec` facts (their
+The action sets below derive from the contract's `ActionSpec` facts (their
 argument members); `CHECKS` is the only list of checks.
 """
 
@@ -64,6 +67,8 @@ __all__ = [
     "CHECKS",
     "CHANNEL_ACTIONS",
     "RUNTIME_ACTIONS",
+    "CHOICES",
+    "CHOICE_ACTIONS",
     "TARGET_ACTIONS",
     "REFUSALS",
 ]
@@ -134,8 +139,23 @@ class _Request(Protocol):
 #: channels must include it: a credential is bound to its conversation (spec §Conformance).
 CHANNEL_ACTIONS: Final = frozenset(n for n, spec in ACTIONS.items() if spec.channel_scoped)
 
+#: The host-declared choices (NIP-BA "Managed agents"): (argument, its `PolicyConfig` field).
+#: The argument's wire name is also its attribute on the parsed arguments and its key in
+#: `REFUSALS`. One table, one check: a choice added here is checked like the others.
+CHOICES: Final[tuple[tuple[str, str], ...]] = (
+    ("runtime", "runtimes"),
+    ("provider", "providers"),
+    ("model", "models"),
+)
+
+#: For each choice, the actions whose arguments may carry it (from the contract's facts).
+CHOICE_ACTIONS: Final = {
+    arg: frozenset(n for n, spec in ACTIONS.items() if arg in spec.arg_members.all)
+    for arg, _field in CHOICES
+}
+
 #: Actions whose arguments may carry `runtime`; "a host refuses a runtime it cannot resolve".
-RUNTIME_ACTIONS: Final = frozenset(n for n, spec in ACTIONS.items() if spec.takes_runtime)
+RUNTIME_ACTIONS: Final = CHOICE_ACTIONS["runtime"]
 
 #: Actions that act on an existing agent named by `target`: the requester must own it.
 TARGET_ACTIONS: Final = frozenset(n for n, spec in ACTIONS.items() if spec.targets_agent)
@@ -149,6 +169,8 @@ REFUSALS: Final = {
         ErrorCode.UNAUTHORIZED, "the requesting agent is not held by this host"
     ),
     "runtime": Refusal(ErrorCode.INVALID_REQUEST, "runtime is not offered by this host"),
+    "provider": Refusal(ErrorCode.INVALID_REQUEST, "provider is not offered by this host"),
+    "model": Refusal(ErrorCode.INVALID_REQUEST, "model is not offered by this host"),
     "not_owned": Refusal(ErrorCode.UNAUTHORIZED, "the target is not an agent this session owns"),
     "no_such_name": Refusal(ErrorCode.ACTION_FAILED, "no such agent"),
     "ambiguous": Refusal(
@@ -237,13 +259,16 @@ def _check_depth(
     return Authorized(requester=requester)
 
 
-def _check_runtime(
+def _check_choices(
     p: Principal, r: _Request, host: PolicyConfig, agents: _Dir
 ) -> Refusal | None:
-    if r.action not in RUNTIME_ACTIONS:
-        return None
-    runtime = getattr(r.args, "runtime")
-    return None if runtime is None or runtime in host.runtimes else REFUSALS["runtime"]
+    for arg, field in CHOICES:
+        if r.action not in CHOICE_ACTIONS[arg]:
+            continue
+        chosen = getattr(r.args, arg)
+        if chosen is not None and chosen not in getattr(host, field):
+            return REFUSALS[arg]
+    return None
 
 
 def _check_target(
@@ -260,7 +285,7 @@ CHECKS: Final[tuple[tuple[str, _Check], ...]] = (
     ("disabled", _check_disabled),
     ("credential", _check_credential),
     ("depth", _check_depth),
-    ("runtime", _check_runtime),
+    ("choices", _check_choices),
     ("target", _check_target),
 )
 

@@ -82,6 +82,8 @@ def test_agent_import_cli_refuses_an_ownership_cycle(
     assert held == {b}
 
 
+# The models the crossed updates name, declared: a host refuses one it does not offer.
+@pytest.mark.broker_config(policy={"models": ["a-updates-b", "b-updates-a"]})
 async def test_crossed_agents_updates_in_a_cycle_do_not_deadlock(
     broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch
 ) -> None:

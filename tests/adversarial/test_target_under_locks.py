@@ -35,6 +35,7 @@ async def _kid(broker: BrokerHarness, owner: str, name: str) -> str:
     return await broker.hold(secret, owner=owner, name=name)
 
 
+@pytest.mark.broker_config(policy={"models": ["m-2"]})  # the model it names, declared
 async def test_a_target_renamed_before_the_locks_is_the_one_acted_on(
     broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -203,6 +203,7 @@ def _read_outcome(envelope: dict[str, Any]) -> object:
     return outcome
 
 
+@pytest.mark.broker_config(policy={"models": ["m"]})  # the model it names, declared
 async def test_valid_requests_and_replays_over_every_action(broker: BrokerHarness) -> None:
     """replayed:true only on a replay, omitted otherwise; a conflict never replays; a rejected
     credential is failed + unauthenticated whatever the body says (§Conformance)."""

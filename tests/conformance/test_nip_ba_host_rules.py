@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import pytest
 import trio
 
 from tests.conformance._wire import (
@@ -71,6 +72,7 @@ async def test_concurrent_duplicates_are_joined_or_indeterminate_never_run_twice
     assert [e["id"] for e in posted] == [done[0]["outcome"]["eventId"]]
 
 
+@pytest.mark.broker_config(policy={"providers": ["p"], "models": ["m1", "m2"]})  # declared
 async def test_updated_fields_sorted_unique_supplied_and_empty_for_a_no_op(
         broker: BrokerHarness) -> None:
     # "updatedFields lists actually changed wire names in lexicographic order without
@@ -95,6 +97,7 @@ async def test_updated_fields_sorted_unique_supplied_and_empty_for_a_no_op(
         assert out["updatedFields"] == fields, (patch, out)
 
 
+@pytest.mark.broker_config(policy={"models": ["m"]})  # the model it names, declared
 async def test_missing_and_ambiguous_name_targets_are_refused(broker: BrokerHarness) -> None:
     # "The host resolves names within authorized ownership scope and MUST reject missing
     # or ambiguous matches, never choose an arbitrary agent."

@@ -13,6 +13,7 @@ import time
 import uuid
 from typing import Any
 
+import pytest
 import trio
 
 from tests.conformance import _spec
@@ -132,6 +133,7 @@ async def test_profile_set_merges_and_replaces_strictly_later(broker: BrokerHarn
     assert time.time() - started < 5  # the rule was exercised inside a few seconds
 
 
+@pytest.mark.broker_config(policy={"providers": ["acme"], "models": ["m-1"]})  # declared
 async def test_managed_agent_lifecycle_on_the_relay(broker: BrokerHarness) -> None:
     channel = str(uuid.uuid4())
     a = await known_agent(broker, "owner", [channel])

@@ -45,6 +45,7 @@ LENGTHS: list[tuple[str, dict[str, Any], bool]] = [
 ]
 
 
+@pytest.mark.broker_config(policy={"models": ["m" * 300]})  # the longest model, declared
 async def test_lengths_count_as_the_spec_counts(broker: BrokerHarness) -> None:
     channel = str(uuid.uuid4())
     who = await known_agent(broker, "lengths", [channel])

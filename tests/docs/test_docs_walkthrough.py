@@ -336,6 +336,7 @@ def test_the_request_examples_cover_all_fifteen_actions() -> None:
     assert len(set(ids)) == len(ids), "one agent sends them all: one requestId each"
 
 
+@pytest.mark.broker_config(policy={"models": ["m-2"]})  # protocol.md names it
 async def test_every_example_runs_in_reading_order(
     broker: BrokerHarness, client_only_python: str, tmp_path: Path
 ) -> None:

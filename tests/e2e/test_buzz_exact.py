@@ -16,6 +16,7 @@ import uuid
 import warnings
 from typing import Any
 
+import pytest
 import trio
 
 from buzzwire.contract import ACTIONS, build_request, echo_mismatch, parse_response
@@ -43,6 +44,7 @@ def _transcribed() -> dict[str, frozenset[str]]:
     return {a: req | opt for a, (req, opt) in tables.items()}
 
 
+@pytest.mark.broker_config(policy={"models": ["m"]})  # the model it names, declared
 async def test_the_nine_real_answers_are_spelled_as_wire_schema_md(broker: BrokerHarness) -> None:
     channel = str(uuid.uuid4())
     owner = await broker.human_owned_agent("owner")
@@ -84,6 +86,7 @@ async def test_the_nine_real_answers_are_spelled_as_wire_schema_md(broker: Broke
         assert echo_mismatch(ACTIONS[action].echoes, frozen.args, response.outcome, owner) is None
 
 
+@pytest.mark.broker_config(policy={"models": ["m-2"]})  # the model it names, declared
 async def test_a_30177_republish_keeps_what_it_read_and_never_carries_runtime(
     broker: BrokerHarness,
 ) -> None:

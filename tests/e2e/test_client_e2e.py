@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
 import trio
 
 from buzz_broker_client import AsyncBrokerClient, BrokerClient, Failed, ReadEnd, Succeeded, Unsupported
 from tests.fixtures.broker import BrokerHarness
 
 
+@pytest.mark.broker_config(policy={"models": ["m-2"]})  # the model it names, declared
 async def test_every_operation_through_the_client(broker: BrokerHarness) -> None:
     channel = str(uuid.uuid4())
     agent = await broker.human_owned_agent("client-agent")

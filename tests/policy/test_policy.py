@@ -26,6 +26,8 @@ from buzzwire.contract import (
 from daemon.pipeline.policy import (
     CHANNEL_ACTIONS,
     CHECKS,
+    CHOICE_ACTIONS,
+    CHOICES,
     REFUSALS,
     RUNTIME_ACTIONS,
     TARGET_ACTIONS,
@@ -91,7 +93,8 @@ AGENTS = Directory(
     ]
 )
 
-HOST = PolicyConfig(disabled_actions=frozenset(), max_agent_depth=3, runtimes=frozenset({"goose"}))
+HOST = PolicyConfig(disabled_actions=frozenset(), max_agent_depth=3, runtimes=frozenset({"goose"}),
+                    providers=frozenset({"acme"}), models=frozenset({"m-1"}))
 
 #: One valid argument object per action, inside CHANNEL where there is a channel.
 ARGS: dict[str, dict[str, object]] = {
@@ -152,7 +155,9 @@ def _actions_with(member: str) -> frozenset[str]:
 
 def test_tables_match_the_contract() -> None:
     assert CHANNEL_ACTIONS == _actions_with("channelId")
-    assert RUNTIME_ACTIONS == _actions_with("runtime")
+    assert RUNTIME_ACTIONS == _actions_with("runtime") == CHOICE_ACTIONS["runtime"]
+    for arg, _field in CHOICES:
+        assert CHOICE_ACTIONS[arg] == _actions_with(arg) == {"agents.create", "agents.update"}
     assert TARGET_ACTIONS == _actions_with("target")
     assert set(ARGS) == set(ACTIONS)
 
@@ -271,12 +276,55 @@ def test_requester_not_held_cannot_create(store: SessionStore, requester: str) -
     assert refusal == REFUSALS["requester"]
 
 
-@pytest.mark.parametrize("action", sorted(RUNTIME_ACTIONS))
-def test_runtime_must_be_offered(store: SessionStore, action: str) -> None:
+#: The one choice of each argument HOST declares.
+OFFERED = {"runtime": "goose", "provider": "acme", "model": "m-1"}
+
+
+def test_every_choice_has_its_config_list_and_its_refusal() -> None:
+    # The table names real fields and one refusal each, in the runtime refusal's style.
+    assert [arg for arg, _ in CHOICES] == list(OFFERED)
+    for arg, field in CHOICES:
+        assert getattr(HOST, field) == {OFFERED[arg]}
+        assert REFUSALS[arg] == Refusal(ErrorCode.INVALID_REQUEST,
+                                        f"{arg} is not offered by this host")
+
+
+@pytest.mark.parametrize("arg", list(OFFERED))
+@pytest.mark.parametrize("action", ["agents.create", "agents.update"])
+def test_a_choice_must_be_offered(store: SessionStore, action: str, arg: str) -> None:
+    """NIP-BA: runtime/provider/model are host-declared; an unknown one is refused
+    (`invalid_request`), never passed on to the owner-signed record."""
     p = principal(store)
-    assert isinstance(authorize(p, request(action, runtime="goose"), HOST, AGENTS), Authorized)
-    refusal = authorize(p, request(action, runtime="skynet"), HOST, AGENTS)
-    assert refusal == REFUSALS["runtime"] and refusal.code is ErrorCode.INVALID_REQUEST
+    assert isinstance(authorize(p, request(action, **{arg: OFFERED[arg]}), HOST, AGENTS),
+                      Authorized)
+    refusal = authorize(p, request(action, **{arg: "skynet"}), HOST, AGENTS)
+    assert refusal == REFUSALS[arg] and refusal.code is ErrorCode.INVALID_REQUEST
+    # Exact: another case of a declared name is another name.
+    assert authorize(p, request(action, **{arg: OFFERED[arg].upper()}), HOST, AGENTS) \
+        == REFUSALS[arg]
+
+
+@pytest.mark.parametrize("action", ["agents.create", "agents.update"])
+def test_each_choice_is_checked_whatever_the_others(store: SessionStore, action: str) -> None:
+    p = principal(store)
+    assert isinstance(authorize(p, request(action, **OFFERED), HOST, AGENTS), Authorized)
+    for arg in OFFERED:
+        # One unknown among declared ones is enough, and it is the one named.
+        assert authorize(p, request(action, **{**OFFERED, arg: "skynet"}), HOST, AGENTS) \
+            == REFUSALS[arg]
+
+
+@pytest.mark.parametrize("action", ["agents.create", "agents.update"])
+def test_an_empty_list_offers_none_and_naming_none_is_fine(store: SessionStore,
+                                                           action: str) -> None:
+    p = principal(store)
+    bare = dataclasses.replace(HOST, runtimes=frozenset(), providers=frozenset(),
+                               models=frozenset())
+    for arg in OFFERED:
+        assert authorize(p, request(action, **{arg: OFFERED[arg]}), bare, AGENTS) \
+            == REFUSALS[arg]
+    # A request that chooses nothing is the host's own default: nothing to substitute.
+    assert isinstance(authorize(p, request(action), bare, AGENTS), Authorized)
 
 
 # -- targets ---------------------------------------------------------------------------

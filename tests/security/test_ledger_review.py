@@ -73,6 +73,7 @@ def _forget_ledger_records(broker: BrokerHarness) -> None:
         conn.close()
 
 
+@pytest.mark.broker_config(policy={"models": ["m-2"]})  # _assert_child_whole names it
 async def test_a_narrow_credentials_refused_create_leaves_the_child_whole(
     broker: BrokerHarness,
 ) -> None:
@@ -85,6 +86,7 @@ async def test_a_narrow_credentials_refused_create_leaves_the_child_whole(
     await _assert_child_whole(broker, channel, wide, child, child_cred)
 
 
+@pytest.mark.broker_config(policy={"models": ["m-2"]})  # _assert_child_whole names it
 async def test_after_retention_the_requestid_is_a_tombstone_not_new(
     broker: BrokerHarness,
 ) -> None:
@@ -103,6 +105,7 @@ async def test_after_retention_the_requestid_is_a_tombstone_not_new(
     await _assert_child_whole(broker, channel, wide, child, child_cred)
 
 
+@pytest.mark.broker_config(policy={"models": ["m-2"]})  # _assert_child_whole names it
 async def test_a_create_whose_mint_reference_outlived_its_record_is_refused(
     broker: BrokerHarness,
 ) -> None:
