@@ -243,8 +243,12 @@ class Publisher:
         crashed or ended indeterminate before sending). Otherwise its record is gone (a
         lost ledger file, or records swept before tombstones existed): the key belongs to
         a create whose verdict this host no longer knows, so the request is refused
-        `request_id_conflict` and the key is left alone. Only a key bound here
-        (`Progress.minted`) is destroyed when the request ends failed.
+        `request_id_conflict` and the key is left alone. Only a key bound here is
+        destroyed when the request ends failed: the one custody answered
+        (`Progress.minted`), or, when the mint got no answer (the custodian died before
+        answering, answered after the call's deadline, or no snapshot could be taken after
+        it), the one under the reference: from the reservation on, `Progress.recorded` is
+        set, so `destroy_minted` looks it up as for a retry's.
 
         Raises:
             OperationRefused: the mint reference outlived its record.
@@ -258,6 +262,10 @@ class Publisher:
             raise OperationRefused(ErrorCode.REQUEST_ID_CONFLICT, MINT_REF_TAKEN,
                                    detail=f"mint reference held by {found.pubkey}")
         await self._ledger.reserve(ticket)
+        # Reserved: whatever key custody holds under the reference from now on is this
+        # record's, as for a retry of it. Set before asking: a mint that gets no answer may
+        # have made one.
+        progress.recorded = True
         record = await self._custody.mint_agent(owner=facts.agent, mint_ref=mint_ref)
         progress.minted = record.pubkey
         return record
@@ -266,28 +274,33 @@ class Publisher:
         """An agents.create that ends `failed` leaves no key of its own behind.
 
         The key bound to this record is destroyed: the one this attempt bound (`mint`,
-        `Progress.minted`), or on the retry of a reserved record (`Progress.recorded`)
-        the one an earlier attempt minted under the record's mint reference, though this
-        attempt was refused before it ran (policy changed meanwhile): that record ends
-        here, final, and its key would otherwise stay live, unreachable through the API.
+        `Progress.minted`); or, once the record is reserved (`Progress.recorded`), the
+        one under the record's mint reference: made by this attempt's mint that got no
+        answer, or by an earlier attempt though this one was refused before it ran
+        (policy changed meanwhile). That record ends here, final, and its key would
+        otherwise stay live, unreachable through the API. The reference is looked up in
+        records taken now (a mint that got no answer left the custodian's snapshot stale).
         A fresh verdict reached before execution has none; a resumed record never ends
         `failed` from the relay (module docstring), so its key stays for the retry. If the
-        key cannot be destroyed, the answer becomes `indeterminate` + `internal` instead,
-        recorded as not final without pending work: the identical retry starts afresh,
-        finds the same key bound to its record, and carries on with it.
+        key cannot be looked up or destroyed, the answer becomes `indeterminate` +
+        `internal` instead, recorded as not final without pending work: the identical
+        retry starts afresh, finds the same key bound to its record, and carries on with
+        it (or, refused, destroys it here).
         """
         pubkey = progress.minted
-        if pubkey is None and progress.recorded:
-            # Bound to this record, not found by reference alone: `recorded` says this
-            # record reserved before minting (`mint`), so the reference's key is its own.
-            earlier = self._directory.by_mint_ref(_mint_ref(facts))
-            pubkey = earlier.pubkey if earlier is not None else None
-        if pubkey is None or self._custody.agent(pubkey) is None:
-            return judged
         try:
+            if pubkey is None and progress.recorded:
+                # Bound to this record, not found by reference alone: `recorded` says this
+                # record reserved before minting (`mint`), so the reference's key is its own.
+                if isinstance(self._custody, CustodianClient):
+                    await self._custody.records.refreshed()
+                earlier = self._directory.by_mint_ref(_mint_ref(facts))
+                pubkey = earlier.pubkey if earlier is not None else None
+            if pubkey is None or self._custody.agent(pubkey) is None:
+                return judged
             await self._custody.destroy_agent(pubkey)
             await trio.to_thread.run_sync(self._sessions.revoke_agent, pubkey)
-        except Exception as exc:  # noqa: BLE001 - the key survives: say so, do not lie
+        except Exception as exc:  # noqa: BLE001 - the key may survive: say so, do not lie
             self._recorder.fault("destroy_minted", facts.agent, facts.request_id,
                                  facts.action, exc)
             return Judged.of(facts.request_id, Verdict.indeterminate(ErrorCode.INTERNAL))

@@ -6,6 +6,15 @@ while it is gone, and carries on once it is back, with no restart of its own.
   CustodianUnavailable (a CustodyError: the broker's `internal`), and the same client
   answers again once a custodian is back on the socket (the reconnect).
 - `test_the_pipeline_answers_internal_until_the_custodian_is_back`: the whole daemon.
+- `test_a_create_whose_custodian_died_after_minting_is_not_failed_and_its_retry_keeps_the_key`:
+  agents.create's mint is done and the custodian dies before answering, and is still gone
+  when the create ends: its key cannot be looked up, so the answer is `indeterminate` +
+  `internal` (not final), never `failed` beside a live key; the identical retry, once the
+  custodian is back, carries on with that key.
+- `test_a_create_whose_mint_answer_was_lost_destroys_the_key_it_made`: the mint is done
+  and its answer lost (as when it comes after the call's deadline) while the custodian
+  still answers: the create ends `failed` + `internal` with that key destroyed, and the
+  retry replays it.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import pyrage
 import pytest
 
 from buzzwire.nostr import owner_tag_digest
-from custody import CustodyError, TokenConfig
+from custody import CustodyError, KeyRecord, TokenConfig
 from custody.custodian import messages
 from custody.custodian.client import CustodianClient, CustodianUnavailable
 from tests.fixtures.broker import BrokerHarness
@@ -131,3 +140,65 @@ async def test_the_pipeline_answers_internal_until_the_custodian_is_back(
     envelope = await broker.call(credential, "message.post",
                                  {"channelId": channel, "content": "after"})
     assert envelope["status"] == "succeeded", envelope
+
+
+def _under(broker: BrokerHarness, mint_ref: str) -> list[KeyRecord]:
+    return [r for r in broker.custody.agents(include_deleted=True) if r.mint_ref == mint_ref]
+
+
+_CREATE = {"displayName": "Helper", "systemPrompt": "be brief", "runtime": "goose"}
+
+
+async def test_a_create_whose_custodian_died_after_minting_is_not_failed_and_its_retry_keeps_the_key(
+        broker: BrokerHarness, custodian: CustodianProcess) -> None:
+    channel = str(uuid.uuid4())
+    requester = await broker.human_owned_agent()
+    credential = broker.credential(requester, [channel])
+    args = {"channelId": channel, **_CREATE}
+    request_id = str(uuid.uuid4())
+    custodian.start(kill_after="mint")
+    first = await broker.call(credential, "agents.create", args, request_id=request_id)
+    assert "custodian.kill step=mint" in custodian.stderr.read_text()
+    assert (first["status"], first["error"]["code"]) == ("indeterminate", "internal"), first
+    custodian.start()  # what systemd does
+    await broker.custody.records.refreshed()
+    [made] = _under(broker, f"{requester}/{request_id}")
+    assert made.live  # the key the unanswered mint made: a `failed` here would be a lie
+
+    again = await broker.call(credential, "agents.create", args, request_id=request_id)
+    assert again["status"] == "succeeded", again
+    assert again["outcome"]["agentPubkey"] == made.pubkey  # that key, not a second one
+    assert [r.pubkey for r in _under(broker, f"{requester}/{request_id}")] == [made.pubkey]
+    assert await broker.call(credential, "agents.create", args,
+                             request_id=request_id) == {**again, "replayed": True}
+
+
+async def test_a_create_whose_mint_answer_was_lost_destroys_the_key_it_made(
+        broker: BrokerHarness, custodian: CustodianProcess,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    channel = str(uuid.uuid4())
+    requester = await broker.human_owned_agent()
+    credential = broker.credential(requester, [channel])
+    args = {"channelId": channel, **_CREATE}
+    request_id = str(uuid.uuid4())
+    client = broker.custody
+    assert isinstance(client, CustodianClient)
+    round_trip = client._round_trip
+
+    async def answer_lost(op: str, frame: bytes, tail: bytearray | None) -> bytes:
+        body = await round_trip(op, frame, tail)  # the custodian did it and answered
+        if op == "mint":
+            raise CustodianUnavailable("the custodian did not answer mint in time")
+        return body
+
+    monkeypatch.setattr(client, "_round_trip", answer_lost)
+    first = await broker.call(credential, "agents.create", args, request_id=request_id)
+    assert (first["status"], first["error"]["code"]) == ("failed", "internal"), first
+    await client.records.refreshed()
+    [made] = _under(broker, f"{requester}/{request_id}")
+    assert not made.live, made  # failed: no effects, the key it made is destroyed
+    assert broker.app.directory.agent(made.pubkey) is None
+    monkeypatch.undo()
+    assert await broker.call(credential, "agents.create", args,
+                             request_id=request_id) == {**first, "replayed": True}
+    assert [r.live for r in _under(broker, f"{requester}/{request_id}")] == [False]
