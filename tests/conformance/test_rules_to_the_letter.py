@@ -119,13 +119,18 @@ async def test_reply_root_from_parents_written_elsewhere(broker: BrokerHarness) 
     who = await known_agent(broker, "replier", [channel])
     wire = Wire(broker)
     stranger = TestKey()
-    x, y = "aa" * 32, "bb" * 32
     now = int(time.time())
-    # (parent's tags besides h, the root the spec's rule derives)
+    # NIP-BA: the root is fetched in the channel, so x and y are real events there.
+    roots = [stranger.sign(9, text, [["h", channel]], now) for text in ("x", "y")]
+    for event in roots:
+        assert await trio.to_thread.run_sync(nostr_publish, broker.relay_url, event,
+                                             stranger.secret_hex)
+    x, y = (event["id"] for event in roots)
+    # (parent's tags besides h, the root the spec's rule derives). An unmarked (positional)
+    # parent is refused, not taken for a root: tests/e2e/test_operations.py.
     parents: list[tuple[list[list[str]], str | None]] = [
         ([["e", x, "", "reply"]], x),                           # reply marker only
         ([["e", y, "", "reply"], ["e", x, "", "root"]], x),     # root wins, whatever its place
-        ([["e", x], ["e", y]], None),                           # unmarked: the parent is the root
         ([["e", x, "wss://r.test", "mention"]], None),          # a mention is not ancestry
     ]
     for extra, root in parents:
