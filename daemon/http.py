@@ -60,7 +60,8 @@ smaller `daemon.metrics.SCRAPE_LIMITS` for the metrics listeners):
   listeners): a connection is counted under the credential (a digest of the Authorization
   value, its case-insensitive scheme folded) of its first request that carries one; past the cap that request is answered 503
   and the connection closed. One agent of a fleet that shares a uid cannot use up the
-  uid's share.
+  uid's share. The count is per peer uid and credential: another uid that learned a
+  credential cannot use up its owner's share of it (it only spends its own).
 - body bytes in flight: ``max_inflight_bytes``, shared per peer uid (`daemon.peer_shares`).
   A request's declared length (``max_body_bytes`` for a chunked body) is reserved before
   ``100 Continue`` and before one body byte is read, and released once its answer is
@@ -533,7 +534,7 @@ class ServerControl:
         self.budget = ByteBudget(limits.max_inflight_bytes)
         #: Open connections per peer uid.
         self.per_uid = ConnectionCounts(limits.max_connections_per_uid)
-        #: Open connections per credential (a digest of the Authorization value).
+        #: Open connections per (peer uid, digest of the Authorization value).
         self.per_credential = (ConnectionCounts(limits.max_connections_per_credential)
                                if limits.max_connections_per_credential else None)
         #: Unexpected faults in connection tasks, rate-bounded.
@@ -599,8 +600,9 @@ class _Connection:
         self.stream = stream
         #: The local port of a TCP connection (the Host it must name); None on a Unix socket.
         self.tcp_port = tcp_port
-        #: The credential this connection is counted under (`ServerControl.per_credential`).
-        self.credential: bytes | None = None
+        #: The (peer uid, credential digest) this connection is counted under
+        #: (`ServerControl.per_credential`).
+        self.credential: tuple[int | None, bytes] | None = None
         self.routes = routes
         self.limits = limits
         self.control = control
@@ -813,12 +815,16 @@ class _Connection:
         Keyed by a digest, never the value (memory holds no credential); a request without
         Authorization keeps the connection where it was. The auth scheme is case-insensitive
         (RFC 9110 11.1), so it is folded first: every spelling of one credential is one key.
+        The peer's uid is part of the key: a credential can leak to another local user (a
+        log, a shared file), and that uid, which can never authenticate with a uid-bound
+        credential, must not fill its owner's share. Unknown uids (None) share one key per
+        credential, as they share one per-uid count.
         """
         counts = self.control.per_credential
         value = [_fold_scheme(v) for n, v in headers if n == b"authorization"]
         if counts is None or not value:
             return True
-        key = hashlib.sha256(b"\n".join(value)).digest()
+        key = (self.peer_uid, hashlib.sha256(b"\n".join(value)).digest())
         if key == self.credential:
             return True
         if self.credential is not None:

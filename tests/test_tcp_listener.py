@@ -587,6 +587,69 @@ async def test_per_credential_cap_counts_every_spelling_of_the_scheme(sockdir: s
         control.stop()
 
 
+#: Another uid holding `count` connections that each carry the credential `sys.argv[4]`:
+#: it prints what each first request got, then holds them open until its stdin closes.
+HOLD_CREDENTIAL = r"""
+import json, os, socket, sys
+uid, port, count, credential = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+held, got = [], []
+for _ in range(count):
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall((f"POST /v1/action HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+               f"Authorization: Bearer {credential}\r\nContent-Length: 2\r\n\r\n{{}}").encode())
+    got.append(s.recv(12).decode())
+    held.append(s)
+print(json.dumps(got), flush=True)
+sys.stdin.read()
+"""
+
+
+async def _open_tcp(port: int, credential: str) -> tuple[trio.SocketStream, bytes]:
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    await stream.send_all(
+        f"POST /v1/action HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer "
+        f"{credential}\r\nContent-Length: 2\r\n\r\n{{}}".encode())
+    return stream, await stream.receive_some(65536)
+
+
+@needs_root
+async def test_another_uid_cannot_use_up_a_credentials_share() -> None:
+    """The per-credential count is per peer uid: another allowed uid that learned a
+    credential (useless to it for a uid-bound one) and holds its cap of connections with
+    it leaves the owner's share whole; the owner's own connections still stop at the cap."""
+    assert SYSTEM_PYTHON is not None
+    tcp = bind_tcp_socket("127.0.0.1", 0)
+    port = tcp.getsockname()[1]
+    limits = HttpLimits(max_connections_per_credential=2, request_timeout=30)
+
+    async def admit(uid: int | None) -> bool:
+        return uid in (0, NOBODY)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(functools.partial(serve, action_routes(_Echo()), tcp, limits,
+                                              admit=admit))
+        holder = subprocess.Popen([SYSTEM_PYTHON, "-c", HOLD_CREDENTIAL, str(NOBODY), str(port),
+                                   "2", "owners-token"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, cwd="/")
+        held: list[trio.SocketStream] = []
+        try:
+            assert holder.stdout is not None
+            got = json.loads(await trio.to_thread.run_sync(holder.stdout.readline))
+            assert got == ["HTTP/1.1 200"] * 2, "the other uid holds the whole cap"
+            for expected in (b"HTTP/1.1 200 ", b"HTTP/1.1 200 ", b"HTTP/1.1 503 "):
+                stream, answer = await _open_tcp(port, "owners-token")
+                held.append(stream)
+                assert answer.startswith(expected), (expected, answer)
+        finally:
+            assert holder.stdin is not None
+            holder.stdin.close()
+            holder.wait(10)
+            for stream in held:
+                await stream.aclose()
+        nursery.cancel_scope.cancel()
+
+
 @pytest.mark.parametrize("extra", ["Origin: http://a.example\r\n", "Sec-Fetch-Mode: cors\r\n",
                                    "Upgrade: websocket\r\n"])
 async def test_metrics_listener_refuses_browsers(extra: str) -> None:
