@@ -28,13 +28,15 @@ API there too, under these rules (docs/configuration.md, docs/install.md):
 
 Pure functions over values, plus the two lookups they need (the user database for group
 membership, the sysctl for the privileged port range). The user database may be a network
-service (LDAP, sssd) that blocks: `AdmissionGate` asks it in a worker thread, one
-connection's wait, and keeps each uid's verdict for `MEMBERSHIP_TTL` seconds.
+service (LDAP, sssd) that blocks: `AdmissionGate` asks it in worker threads and keeps each
+uid's verdict for `MEMBERSHIP_TTL` seconds; an admitted uid's verdict is then served for up
+to `MEMBERSHIP_STALE` more while it is asked again in the background.
 """
 
 from __future__ import annotations
 
 import grp
+import logging
 import os
 import pwd
 import time
@@ -45,10 +47,13 @@ from typing import Final
 
 import trio
 
+from daemon.fault_log import FaultLog
+
 __all__ = [
     "TcpAdmission",
     "AdmissionGate",
     "MEMBERSHIP_TTL",
+    "MEMBERSHIP_STALE",
     "browser_safe",
     "unprivileged_port_start",
     "port_holder",
@@ -67,12 +72,25 @@ PRIVILEGED_PORT = "a privileged port (only root can bind it first)"
 _BROWSER_HEADERS = (b"origin", b"upgrade")
 _BROWSER_PREFIX = b"sec-fetch-"
 _SYSCTL = "/proc/sys/net/ipv4/ip_unprivileged_port_start"
-#: Seconds a uid's group verdict is kept: a group joined (or left) counts within this.
+#: Seconds a uid's group verdict is fresh, counted from when the database was asked: a
+#: group joined counts within this, and a group left too while the database answers.
 MEMBERSHIP_TTL: Final = 5.0
-#: uids whose verdicts are kept at once (a uid is one entry; the oldest goes first).
+#: Seconds past `MEMBERSHIP_TTL` an admission is still served while its background re-check
+#: is pending, so an admitted uid never waits on the database (nor behind other uids'
+#: lookups). The bound on fail-closed: a uid removed from the groups is refused at most
+#: MEMBERSHIP_TTL + MEMBERSHIP_STALE seconds later, however slow the database.
+MEMBERSHIP_STALE: Final = 25.0
+#: uids whose verdicts are kept, per verdict (admitted, refused): the least recently used
+#: goes first, and refused uids, however many, never push an admitted one out.
 _MEMBERSHIP_ENTRIES: Final = 1024
-#: User-database lookups at once: a stalled directory service ties up at most these threads.
+#: Lookups of uids without a usable verdict at once: a stalled directory service ties up
+#: at most these threads, shared by every such uid.
 _LOOKUP_THREADS: Final = 4
+#: Background re-checks of admitted uids at once, on threads of their own: the uids
+#: waiting on `_LOOKUP_THREADS` (any local user can bring many) never delay them.
+_REFRESH_THREADS: Final = 2
+
+_log = logging.getLogger("buzz_broker.loopback_tcp")
 
 
 def browser_safe(headers: Sequence[tuple[bytes, bytes]], port: int) -> bool:
@@ -229,17 +247,35 @@ class AdmissionGate:
     One lookup per uid at a time, the uid's other connections waiting for its verdict: a
     burst of one user's connections would otherwise queue a lookup each on the
     `_LOOKUP_THREADS` threads, ahead of every other uid's.
+
+    An admitted uid is re-checked in the background (`_REFRESH_THREADS`) while its verdict
+    is served for `MEMBERSHIP_STALE` more seconds: one local user can own many uids
+    (subordinate uids of rootless containers) that the database is slow to miss, and they
+    would keep the shared lookup threads busy; a re-check queued behind them would turn an
+    admitted agent away at ``request_timeout``. A uid with no usable verdict still waits
+    for the shared threads: nothing tells a new agent's uid from theirs before the lookup.
     """
 
     def __init__(self, admission: TcpAdmission, *, ttl: float = MEMBERSHIP_TTL,
+                 stale: float = MEMBERSHIP_STALE,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._admission = admission
+        #: how long each verdict is served, from when the database was asked: a refusal
+        #: only while fresh, an admission `stale` longer while its re-check is pending
+        self._serve_for = {True: ttl + stale, False: ttl}
         self._ttl = ttl
         self._clock = clock
-        self._verdicts: OrderedDict[int, tuple[float, bool]] = OrderedDict()
+        #: when each uid's kept verdict was asked, one table per verdict (`_keep`)
+        self._kept: dict[bool, OrderedDict[int, float]] = {True: OrderedDict(),
+                                                             False: OrderedDict()}
         self._limiter = trio.CapacityLimiter(_LOOKUP_THREADS)
+        self._refresh_limiter = trio.CapacityLimiter(_REFRESH_THREADS)
         #: at most one per uid connected at once, so bounded by the connection caps
         self._lookups: dict[int, _Lookup] = {}
+        #: uids with a background re-check under way (at most `_REFRESH_THREADS`)
+        self._refreshing: set[int] = set()
+        #: re-checks that raised (not a refusal: `admits` answers those), rate-bounded
+        self.recheck_faults = FaultLog(_log, "admission_recheck_fault")
 
     async def __call__(self, uid: int | None) -> bool:
         quick = self._admission.without_lookup(uid)
@@ -247,9 +283,9 @@ class AdmissionGate:
             return quick
         assert uid is not None
         while True:
-            kept = self._verdicts.get(uid)
-            if kept is not None and kept[0] > self._clock():
-                return kept[1]
+            kept = self._served(uid)
+            if kept is not None:
+                return kept
             under_way = self._lookups.get(uid)
             if under_way is None:
                 break
@@ -258,17 +294,66 @@ class AdmissionGate:
                 return under_way.verdict
             # cut by its own connection's deadline: ask again (this connection's turn)
         lookup = self._lookups[uid] = _Lookup()
+        asked = self._clock()
         try:
             # abandon_on_cancel: a lookup that never returns must not hold the connection's
-            # task (the caller's deadline) or a graceful stop; its thread is left to finish.
+            # task (the caller's deadline) or a graceful stop; its thread is left to finish
+            # and holds its limiter token until then, so stuck threads stay bounded.
             verdict = await trio.to_thread.run_sync(
                 self._admission.admits, uid, limiter=self._limiter, abandon_on_cancel=True)
             lookup.verdict = verdict
         finally:
             del self._lookups[uid]
             lookup.done.set()
-        self._verdicts[uid] = (self._clock() + self._ttl, verdict)
-        self._verdicts.move_to_end(uid)
-        while len(self._verdicts) > _MEMBERSHIP_ENTRIES:
-            self._verdicts.popitem(last=False)
+        self._keep(uid, asked, verdict)
         return verdict
+
+    def _served(self, uid: int) -> bool | None:
+        """The kept verdict still to be served, else None; an admission past its TTL starts
+        its re-check."""
+        now = self._clock()
+        for verdict, table in self._kept.items():
+            asked = table.get(uid)
+            if asked is not None and now < asked + self._serve_for[verdict]:
+                table.move_to_end(uid)  # least recently used goes first
+                if now >= asked + self._ttl:
+                    self._refresh(uid)
+                return verdict
+        return None
+
+    def _keep(self, uid: int, asked: float, verdict: bool) -> None:
+        """Keep `verdict`, unless a verdict asked later is kept already (a re-check and a
+        lookup may answer out of order: the later question wins)."""
+        if any(table.get(uid, asked) > asked for table in self._kept.values()):
+            return
+        self._kept[not verdict].pop(uid, None)
+        table = self._kept[verdict]
+        table[uid] = asked
+        table.move_to_end(uid)
+        while len(table) > _MEMBERSHIP_ENTRIES:
+            table.popitem(last=False)
+
+    def _refresh(self, uid: int) -> None:
+        """Start `uid`'s background re-check, unless one is under way or all its threads are
+        busy (the next connection tries again; the admission ages out meanwhile)."""
+        if uid in self._refreshing or len(self._refreshing) >= _REFRESH_THREADS:
+            return
+        self._refreshing.add(uid)
+        # A system task: the connection that noticed the age goes on at once, and a stop
+        # cancels the re-check with the run (its thread is abandoned, as a lookup's is).
+        trio.lowlevel.spawn_system_task(self._recheck, uid, self._clock(),
+                                        name=f"admission re-check of uid {uid}")
+
+    async def _recheck(self, uid: int, asked: float) -> None:
+        try:
+            verdict = await trio.to_thread.run_sync(
+                self._admission.admits, uid, limiter=self._refresh_limiter,
+                abandon_on_cancel=True)
+        except Exception as exc:  # noqa: BLE001 - a fault in a system task ends the run
+            # unanswered, the admission ages out and the uid's next connection looks it up
+            self.recheck_faults.record((type(exc).__name__,), peer_uid=uid,
+                                       error=type(exc).__name__)
+            return
+        finally:
+            self._refreshing.discard(uid)
+        self._keep(uid, asked, verdict)

@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from custody import TokenConfig
 from daemon.cli._common import CliError
@@ -40,7 +41,9 @@ from daemon.cli.serve import METRICS_NOTE
 from daemon.config import METRICS_TCP, load_config
 from daemon.http import (HttpAnswer, HttpLimits, HttpRequest, action_routes, bind_tcp_socket,
                          bind_unix_socket, serve)
-from daemon.loopback_tcp import HELD_BY_SYSTEMD, MEMBERSHIP_TTL, AdmissionGate, TcpAdmission
+from daemon import loopback_tcp
+from daemon.loopback_tcp import (HELD_BY_SYSTEMD, MEMBERSHIP_STALE, MEMBERSHIP_TTL, AdmissionGate,
+                                 TcpAdmission)
 from daemon.metrics import SCRAPE_LIMITS, Metrics, scrape_routes
 from daemon.state.audit import AUDIT_DIRNAME, audit_files
 from daemon.state.sessions import SessionStore
@@ -896,7 +899,7 @@ async def test_a_stalled_group_lookup_holds_up_only_its_own_uid() -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(functools.partial(serve, action_routes(_Echo()), tcp,
                                               HttpLimits(request_timeout=20),
-                                              admit=AdmissionGate(directory, ttl=0)))
+                                              admit=AdmissionGate(directory, ttl=0, stale=0)))
         first: list[bytes] = []
 
         async def stalled() -> None:
@@ -927,7 +930,7 @@ def _group_of(uid: int) -> str:
 async def test_one_uids_burst_of_connections_is_one_lookup() -> None:
     """Forty connections of one uid at once, its lookup slow: they wait for the one
     lookup under way instead of queueing forty on the lookup threads ahead of every other
-    uid's (ttl 0: no verdict is kept, only shared while it is asked)."""
+    uid's (ttl 0, stale 0: no verdict is kept, only shared while it is asked)."""
     directory = _StalledDirectory(frozenset({"root"}), stalls=1)
     tcp = bind_tcp_socket("127.0.0.1", 0)
     port = tcp.getsockname()[1]
@@ -935,7 +938,7 @@ async def test_one_uids_burst_of_connections_is_one_lookup() -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(functools.partial(serve, action_routes(_Echo()), tcp,
                                               HttpLimits(request_timeout=20),
-                                              admit=AdmissionGate(directory, ttl=0)))
+                                              admit=AdmissionGate(directory, ttl=0, stale=0)))
 
         async def one() -> None:
             answers.append(await _answer(port))
@@ -983,7 +986,7 @@ async def test_a_connection_waiting_on_the_user_database_counts_in_its_uids_shar
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(functools.partial(serve, action_routes(_Echo()), tcp, limits,
-                                                  admit=AdmissionGate(directory, ttl=0)))
+                                                  admit=AdmissionGate(directory, ttl=0, stale=0)))
             waiting: list[bytes] = []
 
             async def stalled() -> None:
@@ -1011,15 +1014,130 @@ async def test_a_connection_waiting_on_the_user_database_counts_in_its_uids_shar
 
 async def test_a_group_verdict_is_kept_for_its_ttl() -> None:
     """One lookup per uid per MEMBERSHIP_TTL: a fleet of one uid reconnecting does not ask
-    the user database per connection; after the TTL a joined or left group counts."""
-    directory = _StalledDirectory(frozenset({"root"}), stalls=0)
+    the user database per connection; after the TTL the admission is asked again (in the
+    background) and a group left counts from its answer."""
+    directory = _Directory({0})
     now = [100.0]
     gate = AdmissionGate(directory, clock=lambda: now[0])
     assert await gate(0) and await gate(0)
-    assert directory.calls[0] == 1
+    assert directory.asked == [0]
+    directory.members.clear()  # uid 0 leaves the group
     now[0] += MEMBERSHIP_TTL + 0.1
-    assert await gate(0) and directory.calls[0] == 2
-    assert not await gate(None) and directory.calls[0] == 2  # unknown: no lookup, refused
+    with trio.fail_after(10):
+        while await gate(0):  # served while its re-check is under way, refused after
+            await trio.sleep(0.01)
+    assert directory.asked == [0, 0], "one re-check, however many connections meanwhile"
+    assert not await gate(None) and directory.asked == [0, 0]  # unknown: no lookup, refused
+
+
+class _Directory(TcpAdmission):
+    """A user database that answers for `members` at once and, with `hang_on_misses`, is
+    slow to miss (LDAP, sssd asked for a uid it does not know) until released."""
+
+    members: set[int]
+    hang_on_misses: bool
+    release: threading.Event
+    #: every uid asked, in order
+    asked: list[int | None]
+
+    def __init__(self, members: set[int], *, hang_on_misses: bool = False) -> None:
+        super().__init__(frozenset(), frozenset({"agents"}))
+        object.__setattr__(self, "members", members)
+        object.__setattr__(self, "hang_on_misses", hang_on_misses)
+        object.__setattr__(self, "release", threading.Event())
+        object.__setattr__(self, "asked", [])
+
+    def admits(self, uid: int | None) -> bool:
+        self.asked.append(uid)
+        if uid in self.members:
+            return True
+        if self.hang_on_misses:
+            self.release.wait(30)
+        return False
+
+
+async def test_an_admitted_uids_recheck_does_not_wait_behind_other_uids_lookups() -> None:
+    """One local user can own many uids (subordinate uids of rootless containers) that the
+    directory is slow to miss, and their lookups hold every shared lookup thread. An
+    admitted uid whose verdict is past its TTL is still admitted at once, and its re-check
+    runs on a thread of its own meanwhile, not queued behind theirs."""
+    directory = _Directory({0}, hang_on_misses=True)
+    now = [100.0]
+    gate = AdmissionGate(directory, clock=lambda: now[0])
+    try:
+        assert await gate(0)
+        now[0] += MEMBERSHIP_TTL + 0.1
+        async with trio.open_nursery() as nursery:
+            for uid in range(100000, 100040):
+                nursery.start_soon(gate, uid)
+            with trio.fail_after(10):
+                while len(directory.asked) < 1 + loopback_tcp._LOOKUP_THREADS:
+                    await trio.sleep(0.01)
+            admitted: list[bool] = []
+
+            async def reconnect() -> None:
+                admitted.append(await gate(0))
+
+            nursery.start_soon(reconnect)
+            await trio.testing.wait_all_tasks_blocked()
+            assert admitted == [True], "uid 0 queued behind other uids' lookups"
+            with trio.fail_after(10):
+                while directory.asked.count(0) < 2:
+                    await trio.sleep(0.01)
+            assert len(directory.asked) == 2 + loopback_tcp._LOOKUP_THREADS, \
+                "the re-check ran beside the stuck lookups, and no other lookup started"
+            nursery.cancel_scope.cancel()
+    finally:
+        directory.release.set()
+
+
+async def test_a_uid_removed_from_the_groups_is_refused_within_ttl_and_stale() -> None:
+    """Fail closed: an admission is served past its TTL only while its re-check is pending,
+    and never past MEMBERSHIP_TTL + MEMBERSHIP_STALE from when the database was asked. Then
+    the uid's connection waits on a lookup like any uid without a verdict."""
+    directory = _Directory({0}, hang_on_misses=True)
+    now = [100.0]
+    gate = AdmissionGate(directory, clock=lambda: now[0])
+    try:
+        assert await gate(0)
+        directory.members.clear()  # removed; the directory now hangs on it
+        now[0] += MEMBERSHIP_TTL + MEMBERSHIP_STALE - 0.1
+        assert await gate(0)  # still served; its re-check hangs
+        with trio.fail_after(10):
+            while directory.asked.count(0) < 2:
+                await trio.sleep(0.01)
+        now[0] += 0.1  # the bound
+        answered: list[bool] = []
+        async with trio.open_nursery() as nursery:
+
+            async def reconnect() -> None:
+                answered.append(await gate(0))
+
+            nursery.start_soon(reconnect)
+            await trio.testing.wait_all_tasks_blocked()
+            assert answered == [], "past the bound it waits on a lookup, not admitted"
+            directory.release.set()
+        assert answered == [False]
+        assert not await gate(0)
+    finally:
+        directory.release.set()
+
+
+async def test_kept_verdicts_go_least_recently_used_first(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """A full verdict table drops its least recently used uid, not its oldest inserted, and
+    refused uids, however many, never push an admitted uid out (each verdict has its own
+    table): an agent in use is not looked up again because strangers connected."""
+    monkeypatch.setattr(loopback_tcp, "_MEMBERSHIP_ENTRIES", 2)
+    directory = _Directory({1, 2, 3})
+    gate = AdmissionGate(directory, clock=lambda: 100.0)
+    for uid in (1, 2, 1, 3):  # 1 used after 2: 2 goes when 3 comes
+        assert await gate(uid)
+    for uid in range(100000, 100010):
+        assert not await gate(uid)
+    asked = len(directory.asked)
+    assert await gate(1) and await gate(3) and len(directory.asked) == asked
+    assert await gate(2) and directory.asked[asked:] == [2]
 
 
 def test_an_unreadable_port_range_makes_no_port_privileged(monkeypatch: pytest.MonkeyPatch,
