@@ -40,7 +40,7 @@ import trio
 
 from buzzwire.contract import ErrorCode, Request, Status, Verdict, encode_response
 from custody import KeyRecord
-from custody.custodian.client import CustodianClient
+from custody.custodian.client import CustodianClient, CustodianUnavailable
 
 if TYPE_CHECKING:  # the facade loads the PKCS#11 binding: not where a custodian holds the keys
     from custody import Custody
@@ -266,7 +266,11 @@ class Publisher:
         # record's, as for a retry of it. Set before asking: a mint that gets no answer may
         # have made one.
         progress.recorded = True
-        record = await self._custody.mint_agent(owner=facts.agent, mint_ref=mint_ref)
+        try:
+            record = await self._custody.mint_agent(owner=facts.agent, mint_ref=mint_ref)
+        except CustodianUnavailable:
+            progress.mint_unanswered = True
+            raise
         progress.minted = record.pubkey
         return record
 
@@ -296,6 +300,11 @@ class Publisher:
                     await self._custody.records.refreshed()
                 earlier = self._directory.by_mint_ref(_mint_ref(facts))
                 pubkey = earlier.pubkey if earlier is not None else None
+            if pubkey is None and progress.mint_unanswered:
+                # No key under the reference yet, but a custodian alive past the call's
+                # deadline may still make it: "no effects" cannot be promised. The
+                # identical retry asks the same (idempotent) mint and settles it.
+                raise CustodianUnavailable("the unanswered mint's key may still be made")
             if pubkey is None or self._custody.agent(pubkey) is None:
                 return judged
             await self._custody.destroy_agent(pubkey)

@@ -104,6 +104,9 @@ class Progress:
     executed: bool = False
     #: the agents.create key this attempt bound to its record (`Publisher.mint`)
     minted: str | None = None
+    #: this attempt asked custody to mint and got no answer: a key may exist under the
+    #: record's mint reference, or still be made there (`Publisher.destroy_minted`)
+    mint_unanswered: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -15,6 +15,9 @@ while it is gone, and carries on once it is back, with no restart of its own.
   and its answer lost (as when it comes after the call's deadline) while the custodian
   still answers: the create ends `failed` + `internal` with that key destroyed, and the
   retry replays it.
+- `test_a_create_whose_mint_is_made_after_its_lookup_is_not_failed`: the mint is made
+  only after the create looked its reference up and found nothing: `indeterminate`, and
+  the retry keeps that key.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 import coincurve
 import pyrage
 import pytest
+import trio
 
 from buzzwire.nostr import owner_tag_digest
 from custody import CustodyError, KeyRecord, TokenConfig
@@ -202,3 +206,47 @@ async def test_a_create_whose_mint_answer_was_lost_destroys_the_key_it_made(
     assert await broker.call(credential, "agents.create", args,
                              request_id=request_id) == {**first, "replayed": True}
     assert [r.live for r in _under(broker, f"{requester}/{request_id}")] == [False]
+
+
+async def test_a_create_whose_mint_is_made_after_its_lookup_is_not_failed(
+        broker: BrokerHarness, custodian: CustodianProcess,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A custodian alive past the call's deadline makes the key after the create has looked
+    its reference up and found none: the create cannot promise "no effects", so it is
+    `indeterminate` + `internal`, and the identical retry carries on with that key. (On
+    the old code it was `failed`, final, and the key came afterwards: a live orphan.)"""
+    channel = str(uuid.uuid4())
+    requester = await broker.human_owned_agent()
+    credential = broker.credential(requester, [channel])
+    args = {"channelId": channel, **_CREATE}
+    request_id = str(uuid.uuid4())
+    client = broker.custody
+    assert isinstance(client, CustodianClient)
+    round_trip = client._round_trip
+    answered = trio.Event()
+
+    async with trio.open_nursery() as nursery:
+        async def made_late(op: str, frame: bytes, tail: bytearray | None) -> bytes:
+            if op != "mint":
+                return await round_trip(op, frame, tail)
+
+            async def deliver() -> None:  # the custodian gets to it once the create ended
+                await answered.wait()
+                await round_trip(op, frame, tail)
+
+            nursery.start_soon(deliver)
+            raise CustodianUnavailable("the custodian did not answer mint in time")
+
+        monkeypatch.setattr(client, "_round_trip", made_late)
+        first = await broker.call(credential, "agents.create", args, request_id=request_id)
+        answered.set()
+    monkeypatch.undo()
+    assert (first["status"], first["error"]["code"]) == ("indeterminate", "internal"), first
+    await client.records.refreshed()
+    [made] = _under(broker, f"{requester}/{request_id}")
+    assert made.live
+
+    again = await broker.call(credential, "agents.create", args, request_id=request_id)
+    assert again["status"] == "succeeded", again
+    assert again["outcome"]["agentPubkey"] == made.pubkey
+    assert [r.pubkey for r in _under(broker, f"{requester}/{request_id}")] == [made.pubkey]
