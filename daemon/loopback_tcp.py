@@ -256,10 +256,12 @@ class AdmissionGate:
     for the shared threads: nothing tells a new agent's uid from theirs before the lookup.
     """
 
-    def __init__(self, admission: TcpAdmission, *, ttl: float = MEMBERSHIP_TTL,
-                 stale: float = MEMBERSHIP_STALE,
+    def __init__(self, admission: TcpAdmission, *, nursery: trio.Nursery,
+                 ttl: float = MEMBERSHIP_TTL, stale: float = MEMBERSHIP_STALE,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._admission = admission
+        #: owns the background re-checks: the caller cancels it once serving has ended
+        self._nursery = nursery
         #: how long each verdict is served, from when the database was asked: a refusal
         #: only while fresh, an admission `stale` longer while its re-check is pending
         self._serve_for = {True: ttl + stale, False: ttl}
@@ -339,17 +341,17 @@ class AdmissionGate:
         if uid in self._refreshing or len(self._refreshing) >= _REFRESH_THREADS:
             return
         self._refreshing.add(uid)
-        # A system task: the connection that noticed the age goes on at once, and a stop
-        # cancels the re-check with the run (its thread is abandoned, as a lookup's is).
-        trio.lowlevel.spawn_system_task(self._recheck, uid, self._clock(),
-                                        name=f"admission re-check of uid {uid}")
+        # The connection that noticed the age goes on at once; a stop cancels the re-check
+        # with the gate's nursery (its thread is abandoned, as a lookup's is).
+        self._nursery.start_soon(self._recheck, uid, self._clock(),
+                                 name=f"admission re-check of uid {uid}")
 
     async def _recheck(self, uid: int, asked: float) -> None:
         try:
             verdict = await trio.to_thread.run_sync(
                 self._admission.admits, uid, limiter=self._refresh_limiter,
                 abandon_on_cancel=True)
-        except Exception as exc:  # noqa: BLE001 - a fault in a system task ends the run
+        except Exception as exc:  # noqa: BLE001 - raised here, it would end the serving nursery
             # unanswered, the admission ages out and the uid's next connection looks it up
             self.recheck_faults.record((type(exc).__name__,), peer_uid=uid,
                                        error=type(exc).__name__)

@@ -12,6 +12,7 @@ Unit-level where the rule is one module's: the squatting rule and socket activat
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
@@ -899,7 +900,7 @@ async def test_a_stalled_group_lookup_holds_up_only_its_own_uid() -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(functools.partial(serve, action_routes(_Echo()), tcp,
                                               HttpLimits(request_timeout=20),
-                                              admit=AdmissionGate(directory, ttl=0, stale=0)))
+                                              admit=AdmissionGate(directory, nursery=nursery, ttl=0, stale=0)))
         first: list[bytes] = []
 
         async def stalled() -> None:
@@ -938,7 +939,7 @@ async def test_one_uids_burst_of_connections_is_one_lookup() -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(functools.partial(serve, action_routes(_Echo()), tcp,
                                               HttpLimits(request_timeout=20),
-                                              admit=AdmissionGate(directory, ttl=0, stale=0)))
+                                              admit=AdmissionGate(directory, nursery=nursery, ttl=0, stale=0)))
 
         async def one() -> None:
             answers.append(await _answer(port))
@@ -965,7 +966,7 @@ async def test_a_lookup_that_never_answers_admits_nobody() -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(functools.partial(serve, action_routes(_Echo()), tcp,
                                                   HttpLimits(request_timeout=0.5),
-                                                  admit=AdmissionGate(directory)))
+                                                  admit=AdmissionGate(directory, nursery=nursery)))
             with trio.fail_after(10):
                 refused = await _answer(port)
             assert refused.startswith(b"HTTP/1.1 403 ") and refused.endswith(b"\r\n\r\n")
@@ -986,7 +987,7 @@ async def test_a_connection_waiting_on_the_user_database_counts_in_its_uids_shar
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(functools.partial(serve, action_routes(_Echo()), tcp, limits,
-                                                  admit=AdmissionGate(directory, ttl=0, stale=0)))
+                                                  admit=AdmissionGate(directory, nursery=nursery, ttl=0, stale=0)))
             waiting: list[bytes] = []
 
             async def stalled() -> None:
@@ -1018,16 +1019,24 @@ async def test_a_group_verdict_is_kept_for_its_ttl() -> None:
     background) and a group left counts from its answer."""
     directory = _Directory({0})
     now = [100.0]
-    gate = AdmissionGate(directory, clock=lambda: now[0])
-    assert await gate(0) and await gate(0)
-    assert directory.asked == [0]
-    directory.members.clear()  # uid 0 leaves the group
-    now[0] += MEMBERSHIP_TTL + 0.1
-    with trio.fail_after(10):
-        while await gate(0):  # served while its re-check is under way, refused after
-            await trio.sleep(0.01)
-    assert directory.asked == [0, 0], "one re-check, however many connections meanwhile"
-    assert not await gate(None) and directory.asked == [0, 0]  # unknown: no lookup, refused
+    async with _gate(directory, clock=lambda: now[0]) as gate:
+        assert await gate(0) and await gate(0)
+        assert directory.asked == [0]
+        directory.members.clear()  # uid 0 leaves the group
+        now[0] += MEMBERSHIP_TTL + 0.1
+        with trio.fail_after(10):
+            while await gate(0):  # served while its re-check is under way, refused after
+                await trio.sleep(0.01)
+        assert directory.asked == [0, 0], "one re-check, however many connections meanwhile"
+        assert not await gate(None) and directory.asked == [0, 0]  # unknown: no lookup, refused
+
+
+@contextlib.asynccontextmanager
+async def _gate(directory: TcpAdmission, **options: Any) -> AsyncIterator[AdmissionGate]:
+    """A gate whose background re-checks a nursery owns, cancelled when the test is done."""
+    async with trio.open_nursery() as background:
+        yield AdmissionGate(directory, nursery=background, **options)
+        background.cancel_scope.cancel()
 
 
 class _Directory(TcpAdmission):
@@ -1063,32 +1072,32 @@ async def test_an_admitted_uids_recheck_does_not_wait_behind_other_uids_lookups(
     runs on a thread of its own meanwhile, not queued behind theirs."""
     directory = _Directory({0}, hang_on_misses=True)
     now = [100.0]
-    gate = AdmissionGate(directory, clock=lambda: now[0])
-    try:
-        assert await gate(0)
-        now[0] += MEMBERSHIP_TTL + 0.1
-        async with trio.open_nursery() as nursery:
-            for uid in range(100000, 100040):
-                nursery.start_soon(gate, uid)
-            with trio.fail_after(10):
-                while len(directory.asked) < 1 + loopback_tcp._LOOKUP_THREADS:
-                    await trio.sleep(0.01)
-            admitted: list[bool] = []
+    async with _gate(directory, clock=lambda: now[0]) as gate:
+        try:
+            assert await gate(0)
+            now[0] += MEMBERSHIP_TTL + 0.1
+            async with trio.open_nursery() as nursery:
+                for uid in range(100000, 100040):
+                    nursery.start_soon(gate, uid)
+                with trio.fail_after(10):
+                    while len(directory.asked) < 1 + loopback_tcp._LOOKUP_THREADS:
+                        await trio.sleep(0.01)
+                admitted: list[bool] = []
 
-            async def reconnect() -> None:
-                admitted.append(await gate(0))
+                async def reconnect() -> None:
+                    admitted.append(await gate(0))
 
-            nursery.start_soon(reconnect)
-            await trio.testing.wait_all_tasks_blocked()
-            assert admitted == [True], "uid 0 queued behind other uids' lookups"
-            with trio.fail_after(10):
-                while directory.asked.count(0) < 2:
-                    await trio.sleep(0.01)
-            assert len(directory.asked) == 2 + loopback_tcp._LOOKUP_THREADS, \
-                "the re-check ran beside the stuck lookups, and no other lookup started"
-            nursery.cancel_scope.cancel()
-    finally:
-        directory.release.set()
+                nursery.start_soon(reconnect)
+                await trio.testing.wait_all_tasks_blocked()
+                assert admitted == [True], "uid 0 queued behind other uids' lookups"
+                with trio.fail_after(10):
+                    while directory.asked.count(0) < 2:
+                        await trio.sleep(0.01)
+                assert len(directory.asked) == 2 + loopback_tcp._LOOKUP_THREADS, \
+                    "the re-check ran beside the stuck lookups, and no other lookup started"
+                nursery.cancel_scope.cancel()
+        finally:
+            directory.release.set()
 
 
 async def test_a_uid_removed_from_the_groups_is_refused_within_ttl_and_stale() -> None:
@@ -1097,30 +1106,30 @@ async def test_a_uid_removed_from_the_groups_is_refused_within_ttl_and_stale() -
     the uid's connection waits on a lookup like any uid without a verdict."""
     directory = _Directory({0}, hang_on_misses=True)
     now = [100.0]
-    gate = AdmissionGate(directory, clock=lambda: now[0])
-    try:
-        assert await gate(0)
-        directory.members.clear()  # removed; the directory now hangs on it
-        now[0] += MEMBERSHIP_TTL + MEMBERSHIP_STALE - 0.1
-        assert await gate(0)  # still served; its re-check hangs
-        with trio.fail_after(10):
-            while directory.asked.count(0) < 2:
-                await trio.sleep(0.01)
-        now[0] += 0.1  # the bound
-        answered: list[bool] = []
-        async with trio.open_nursery() as nursery:
+    async with _gate(directory, clock=lambda: now[0]) as gate:
+        try:
+            assert await gate(0)
+            directory.members.clear()  # removed; the directory now hangs on it
+            now[0] += MEMBERSHIP_TTL + MEMBERSHIP_STALE - 0.1
+            assert await gate(0)  # still served; its re-check hangs
+            with trio.fail_after(10):
+                while directory.asked.count(0) < 2:
+                    await trio.sleep(0.01)
+            now[0] += 0.1  # the bound
+            answered: list[bool] = []
+            async with trio.open_nursery() as nursery:
 
-            async def reconnect() -> None:
-                answered.append(await gate(0))
+                async def reconnect() -> None:
+                    answered.append(await gate(0))
 
-            nursery.start_soon(reconnect)
-            await trio.testing.wait_all_tasks_blocked()
-            assert answered == [], "past the bound it waits on a lookup, not admitted"
+                nursery.start_soon(reconnect)
+                await trio.testing.wait_all_tasks_blocked()
+                assert answered == [], "past the bound it waits on a lookup, not admitted"
+                directory.release.set()
+            assert answered == [False]
+            assert not await gate(0)
+        finally:
             directory.release.set()
-        assert answered == [False]
-        assert not await gate(0)
-    finally:
-        directory.release.set()
 
 
 async def test_kept_verdicts_go_least_recently_used_first(monkeypatch: pytest.MonkeyPatch
@@ -1130,14 +1139,14 @@ async def test_kept_verdicts_go_least_recently_used_first(monkeypatch: pytest.Mo
     table): an agent in use is not looked up again because strangers connected."""
     monkeypatch.setattr(loopback_tcp, "_MEMBERSHIP_ENTRIES", 2)
     directory = _Directory({1, 2, 3})
-    gate = AdmissionGate(directory, clock=lambda: 100.0)
-    for uid in (1, 2, 1, 3):  # 1 used after 2: 2 goes when 3 comes
-        assert await gate(uid)
-    for uid in range(100000, 100010):
-        assert not await gate(uid)
-    asked = len(directory.asked)
-    assert await gate(1) and await gate(3) and len(directory.asked) == asked
-    assert await gate(2) and directory.asked[asked:] == [2]
+    async with _gate(directory, clock=lambda: 100.0) as gate:
+        for uid in (1, 2, 1, 3):  # 1 used after 2: 2 goes when 3 comes
+            assert await gate(uid)
+        for uid in range(100000, 100010):
+            assert not await gate(uid)
+        asked = len(directory.asked)
+        assert await gate(1) and await gate(3) and len(directory.asked) == asked
+        assert await gate(2) and directory.asked[asked:] == [2]
 
 
 def test_an_unreadable_port_range_makes_no_port_privileged(monkeypatch: pytest.MonkeyPatch,

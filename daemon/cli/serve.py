@@ -514,7 +514,9 @@ async def _serve_until_signalled(
                 async with trio.open_nursery() as servers:
                     started: list[ServerControl] = [await servers.start(functools.partial(
                         serve, action_routes(app), raw, limits, on_connections=on_connections))]
-                    gate = AdmissionGate(admission) if admission is not None else _nobody
+                    # Its re-checks in the outer nursery, cancelled once the listeners drained.
+                    gate = (AdmissionGate(admission, nursery=nursery) if admission is not None
+                            else _nobody)
                     for index, (sock, _described) in enumerate(tcp or (), start=1):
                         # The same bounds as the socket, each listener with its own shares.
                         tcp_limits = dataclasses.replace(
