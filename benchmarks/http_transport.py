@@ -119,8 +119,9 @@ def serve_main(root: str, profile: str | None) -> None:
         raw = http.bind_tcp_socket("127.0.0.1", 0)
         port = raw.getsockname()[1]
         limits = http.HttpLimits(max_connections_per_credential=32)  # [server] defaults
-        gate = AdmissionGate(TcpAdmission(frozenset({os.getuid()}), frozenset()))
         async with trio.open_nursery() as nursery:
+            gate = AdmissionGate(TcpAdmission(frozenset({os.getuid()}), frozenset()),
+                                 nursery=nursery)
             control = await nursery.start(lambda task_status: http.serve(
                 http.action_routes(Fixed()), raw, limits, admit=gate, task_status=task_status))
             print(json.dumps({"port": port}), flush=True)
