@@ -49,6 +49,7 @@ by up to 6 % in CPU per request over 3 rounds; a ratio inside that says nothing.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import select
@@ -120,8 +121,11 @@ def serve_main(root: str, profile: str | None) -> None:
         port = raw.getsockname()[1]
         limits = http.HttpLimits(max_connections_per_credential=32)  # [server] defaults
         async with trio.open_nursery() as nursery:
-            gate = AdmissionGate(TcpAdmission(frozenset({os.getuid()}), frozenset()),
-                                 nursery=nursery)
+            # The baseline's gate (before a622490) takes no nursery: the same script
+            # serves both trees.
+            owner = ({"nursery": nursery}
+                     if "nursery" in inspect.signature(AdmissionGate).parameters else {})
+            gate = AdmissionGate(TcpAdmission(frozenset({os.getuid()}), frozenset()), **owner)
             control = await nursery.start(lambda task_status: http.serve(
                 http.action_routes(Fixed()), raw, limits, admit=gate, task_status=task_status))
             print(json.dumps({"port": port}), flush=True)
