@@ -149,12 +149,18 @@ def _no_constant(name: str) -> object:
     raise ValueError(f"{name} is not JSON")
 
 
+#: What a JSON integer reads as: never converted, so a member NIP-AE has readers ignore
+#: cannot make a valid body invalid by holding more digits than `int()` takes (4,300);
+#: and not a str, so an integer `value` stays no string.
+_INTEGER = object()
+
+
 def read_body(plaintext: bytes, slug: str) -> tuple[str | None] | None:
     """Rules 3-5 on a decrypted body: `(text,)` (text None for a tombstone), or None when
     the body makes the event invalid."""
     try:
         obj = json.loads(plaintext.decode("utf-8"), object_pairs_hook=_no_duplicates,
-                         parse_constant=_no_constant)
+                         parse_constant=_no_constant, parse_int=lambda _digits: _INTEGER)
     except (UnicodeDecodeError, ValueError, RecursionError):
         return None
     if not isinstance(obj, dict) or obj.get("slug") != slug:

@@ -64,7 +64,8 @@ def _no_constant(_name: str) -> object:
 def is_json_text(text: str) -> bool:
     """True when `text` is one RFC 8259 JSON text (surrounding whitespace allowed)."""
     try:
-        json.loads(text, parse_constant=_no_constant)
+        # parse_int: an integer of any length is JSON; `int()` refuses past 4,300 digits.
+        json.loads(text, parse_constant=_no_constant, parse_int=lambda _digits: None)
     except (ValueError, _NotJson, RecursionError):
         # RecursionError: nesting deeper than the stdlib reader goes. Carried as a string
         # then, like any payload this host cannot vouch for.

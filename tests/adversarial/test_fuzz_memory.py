@@ -78,3 +78,7 @@ def test_tombstone_core_and_hostile_bodies() -> None:
     assert read_body(b'{"slug":"mem/a","value":NaN}', "mem/a") is None
     assert read_body(b"[" * 100_000, "mem/a") is None  # nesting past the recursion limit
     assert read_body(b'\xef\xbb\xbf{"slug":"mem/a","value":"v"}', "mem/a") is None  # BOM
+    # An unknown member is ignored (NIP-AE), however many digits it holds; an integer
+    # value is still no string.
+    assert read_body(b'{"slug":"mem/a","value":"v","n":' + b"1" * 5000 + b"}", "mem/a") == ("v",)
+    assert read_body(b'{"slug":"mem/a","value":5}', "mem/a") is None

@@ -72,3 +72,12 @@ def test_any_payload_makes_one_json_object(payload: str, kind: str, seq: int,
         assert text.endswith(f',"payload":{payload}}}')  # spliced byte for byte
     else:
         assert event["payload"] == payload
+
+
+def test_an_integer_of_any_length_is_json_and_spliced() -> None:
+    # RFC 8259 puts no bound on an integer's digits; Python's int() refuses past 4,300.
+    payload = '{"n":' + "1" * 5000 + "}"
+    assert is_json_text(payload)
+    text = observer_event(seq=1, timestamp="2026-12-01T21:00:41.500Z", kind="k",
+                          payload=payload, channel_id=None)
+    assert text.endswith(f',"payload":{payload}}}')
