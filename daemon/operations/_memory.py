@@ -17,9 +17,11 @@ Rules (block/buzz NIP-AE, "Head selection", "Bodies", "Writing"):
   newest first if it sent more), in one custody call: a relay cannot make the host
   decrypt without bound.
 - Writing: created_at = max(now, T + 1) where T is the newest created_at among the
-  agent's signed events at this address, valid or not. NIP-AE names the head's; taking
-  every signed version as well means the write is also newer than a malformed version a
-  relay keeps as the addressable event (else that relay would keep it over ours). A T
+  agent's signed events at this address, valid or not: those a relay files there (kind,
+  author, first `d` tag; the query's `#p` returns only those naming the owner). NIP-AE
+  names the head's; taking every signed version as well means the write is also newer
+  than a malformed version a relay keeps as the addressable event (else that relay would
+  keep it over ours). A T
   more than CLOCK_POISON_SECONDS ahead of now is NIP-AE's clock-poisoned head: the put is
   refused (`action_failed`), never published into the future.
 """
@@ -98,9 +100,10 @@ async def read_head(ctx: Context, address: Address) -> tuple[Head | None, list[S
         "kinds": [MEMORY_KIND], "authors": [address.agent], "#d": [address.d_tag],
         "#p": [address.owner], "limit": MAX_CANDIDATES,
     })
-    at_address = [e for e in found if _envelope_ok(e, address)]
+    at_address = [e for e in found if _filed_at(e, address)]
     # Newest first, lowest id on ties: the first valid one is the head.
-    ordered = sorted(at_address, key=lambda e: (-e.created_at, e.id))[:MAX_CANDIDATES]
+    ordered = sorted((e for e in at_address if _envelope_ok(e, address)),
+                     key=lambda e: (-e.created_at, e.id))[:MAX_CANDIDATES]
     if not ordered:
         return None, at_address
     plaintexts = await ctx.custody.decrypt_from_owner_pair(
@@ -122,6 +125,14 @@ def write_created_at(now: int, versions: Sequence[SignedEvent]) -> int:
             detail=f"clock-poisoned head: created_at {previous.created_at}, now {now}",
         )
     return now if previous is None else max(now, previous.created_at + 1)
+
+
+def _filed_at(event: SignedEvent, address: Address) -> bool:
+    """A version a NIP-01 relay files under this address (kind, author, first `d` tag),
+    valid or not: what a write must be newer than."""
+    first_d = next((t[1] for t in event.tags if len(t) >= 2 and t[0] == "d"), None)
+    return (event.kind == MEMORY_KIND and event.pubkey == address.agent
+            and first_d == address.d_tag)
 
 
 def _envelope_ok(event: SignedEvent, address: Address) -> bool:

@@ -214,6 +214,20 @@ async def test_head_selection_among_rival_and_malformed_heads(rig: Rig) -> None:
     assert put["createdAt"] >= max(int(time.time()), t + 21)
 
 
+async def test_a_put_is_later_than_a_malformed_version_the_relay_files_at_the_address(
+        rig: Rig) -> None:
+    """A relay files an addressable event by kind, author and first `d` tag: a version with
+    a second `p` tag is invalid for NIP-AE but still the address's newest there, so a put
+    dated below it would be kept under it. The put is dated after it."""
+    _agent_pk, cred, d = await _memo_in(rig)
+    ahead = int(time.time()) + 300  # within the clock-poison bound
+    rig.serve(_version(ahead, '{"slug":"mem/x","value":"two p"}', d=d,
+                       tags=[["d", d], ["p", PUB_2], ["p", PUB_2]]))
+    put = _succeeded(await rig.harness.call(cred, "storage.put", {"slug": "mem/x", "value": "new"}),
+                     "storage.put")
+    assert put["createdAt"] == ahead + 1
+
+
 async def test_a_tombstone_head_is_empty_and_an_empty_string_is_kept(rig: Rig) -> None:
     _agent_pk, cred, d = await _memo_in(rig)
     t = 1_700_000_000
