@@ -37,6 +37,7 @@ import difflib
 import math
 import os
 import re
+import stat
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -818,8 +819,10 @@ def load_config(path: str | None, environ: Mapping[str, str] = os.environ,
         return _build({}, "built-in defaults", None, None, "built-in defaults", environ)
     file = Path(chosen).absolute()
     where = f"config {file}"
+    # O_NONBLOCK: a FIFO named here cannot hang the open, and only a regular file is read
+    # (checked on the open descriptor), as the PIN file and backup readers do.
     try:
-        data = file.read_bytes()
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ConfigError(f"{where}: no such file") from None
     except IsADirectoryError:
@@ -828,6 +831,19 @@ def load_config(path: str | None, environ: Mapping[str, str] = os.environ,
         raise ConfigError(f"{where}: permission denied") from None
     except OSError as exc:
         raise ConfigError(f"{where}: cannot read ({exc.strerror})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise ConfigError(f"{where}: is a directory, not a file")
+        if not stat.S_ISREG(mode):
+            raise ConfigError(f"{where}: not a regular file (a FIFO, socket or device); "
+                              "name the configuration file itself")
+        with open(fd, "rb", closefd=False) as handle:
+            data = handle.read()
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read ({exc.strerror})") from None
+    finally:
+        os.close(fd)
     try:
         tree = tomllib.loads(data.decode("utf-8"))
     except UnicodeDecodeError:

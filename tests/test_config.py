@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -483,6 +484,30 @@ def test_missing_file_and_directory(tmp_path: Path) -> None:
         load_config(str(tmp_path / "absent.toml"), environ={})
     with pytest.raises(ConfigError, match="is a directory"):
         load_config(str(tmp_path), environ={})
+
+
+def test_a_fifo_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """A FIFO named as the file would block the open until a writer came: refused at once,
+    as not a regular file (a thread holds the call, so a regression fails, not hangs)."""
+    fifo = tmp_path / "broker.toml"
+    os.mkfifo(fifo)
+    outcome: list[object] = []
+
+    def load() -> None:
+        try:
+            outcome.append(load_config(str(fifo), environ={}))
+        except Exception as exc:  # noqa: BLE001 - the test looks at what it was
+            outcome.append(exc)
+
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    worker.join(10)
+    if worker.is_alive():  # blocked in open(): a writer's open releases it
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(10)
+        pytest.fail("load_config waited on the FIFO")
+    assert isinstance(outcome[0], ConfigError), outcome
+    assert f"config {fifo}: not a regular file" in str(outcome[0])
 
 
 def test_precedence_path_then_env_then_defaults(tmp_path: Path) -> None:

@@ -65,12 +65,19 @@ def read_credential_file(path: str) -> CredentialFile:
     """Read one credential file.
 
     Raises:
-        NotConfigured: missing, unreadable, too large, not ASCII, or empty.
+        NotConfigured: missing, not a regular file, unreadable, too large, not ASCII, or
+            empty.
     """
     shown = _shown_path(path)
     try:
-        with open(path, "rb") as handle:
-            mode = os.fstat(handle.fileno()).st_mode
+        # O_NONBLOCK: a FIFO put where the file goes cannot hang the open; the read below is
+        # only of a regular file (checked on the open descriptor).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as handle:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise NotConfigured(f"credential file {shown} is not a regular file (a "
+                                    "directory, FIFO, socket or device); name the file itself")
             raw = handle.read(MAX_CREDENTIAL_FILE_BYTES + 1)
     except FileNotFoundError:
         if shown != path:

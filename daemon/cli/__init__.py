@@ -6,7 +6,9 @@ Rules:
 - A command reports a fault by raising `CliError` with one clear line; `main` prints it
   on stderr and exits non-zero. No traceback reaches an operator: anything else that
   escapes is reported as an internal error with its type name only (the text of an
-  unexpected exception could carry a secret).
+  unexpected exception could carry a secret). A PermissionError is not unexpected (the
+  wrong user, most often on the state directory): one line naming the file, exit 1
+  (`_common.permission_denied`).
 - Secrets (PINs, credentials, secret keys) never come from argv: files, stdin, or the
   environment variables each command documents.
 - A command in `STATE_COMMANDS` opens files under ``[state] dir``. Run as root on a state
@@ -22,9 +24,15 @@ import os
 import select
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from buzzwire.contract import printable
-from daemon.cli._common import CliError, config_from_args, refuse_foreign_state
+from daemon.cli._common import (
+    CliError,
+    config_from_args,
+    permission_denied,
+    refuse_foreign_state,
+)
 
 __all__ = ["main", "CliError", "COMMANDS", "STATE_COMMANDS"]
 
@@ -77,8 +85,19 @@ def _version() -> str:
         return "(not installed: run from a source tree)"
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose "unrecognized arguments" line says where `--config` goes
+    when it is the word not recognized (`buzz-broker status --config FILE`)."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments:") and any(
+                word == "--config" or word.startswith("--config=") for word in message.split()):
+            message += " (--config goes before the command: buzz-broker --config PATH COMMAND …)"
+        super().error(message)
+
+
 def _parser(selected: str | None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _ArgumentParser(
         prog="buzz-broker",
         description="Key-custody daemon for keyless Buzz agents.",
     )
@@ -127,16 +146,29 @@ def _quiet_closed_pipe() -> int:
     return EXIT_CLOSED_PIPE
 
 
+def _run_command(args: argparse.Namespace) -> int:
+    """Run the parsed command. A PermissionError (EACCES, EPERM) is the operator's fault,
+    most often the wrong user on the state directory: one CliError line naming the file and
+    the remedy (`permission_denied`), whichever command met it, never an internal error."""
+    state_dir = None
+    try:
+        if args.command in STATE_COMMANDS:
+            config = config_from_args(args)
+            state_dir = config.state.dir
+            refuse_foreign_state(config)
+        code: int = args._run(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside main's handlers
+        return code
+    except PermissionError as exc:
+        raise permission_denied(exc, args.command, state_dir) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     parser = _parser(_selected(arguments))
     args = parser.parse_args(arguments)
     try:
-        if args.command in STATE_COMMANDS:
-            refuse_foreign_state(config_from_args(args))
-        code: int = args._run(args)
-        sys.stdout.flush()  # a closed pipe shows here, inside the handlers below
-        return code
+        return _run_command(args)
     # A reader that went away (`| head`) ends the output quietly, whatever the command was
     # doing with the write that found it: some commands wrap their reads and writes in one
     # OSError handler, so the fault can arrive as a CliError as well as a BrokenPipeError.

@@ -80,6 +80,23 @@ def refuse_foreign_state(config: Config, *, euid: int | None = None) -> None:
     )
 
 
+def permission_denied(exc: PermissionError, command: str, state_dir: str | None) -> CliError:
+    """The one line for a file this user may not use (EACCES, EPERM): an operator's fault
+    (the wrong user), not the program's. Only the path and strerror are quoted, never the
+    exception's text. Where the path is in the state directory (or unknown, for a command
+    that uses one), the remedy is the daemon's user, as `refuse_foreign_state` says."""
+    name = exc.filename
+    path = os.path.abspath(os.fsdecode(name)) if isinstance(name, (str, bytes)) else None
+    where = f"cannot use {path}" if path is not None else f"cannot run {command}"
+    line = f"{where}: {exc.strerror or 'permission denied'}"
+    state = None if state_dir is None else os.path.abspath(state_dir)
+    if state is not None and (path is None or os.path.commonpath([path, state]) == state):
+        return CliError(f"{line}; the state directory {state_dir} is the daemon's user's: run "
+                        f"the command as that user: {ADMIN_WRAPPER} {command} …")
+    return CliError(f"{line}; run the command as a user allowed to, or fix the file's owner "
+                    "or mode")
+
+
 def config_from_args(args: object) -> Config:
     """The configuration a command runs with (the precedence is daemon/config.py's)."""
     from daemon.config import ConfigError, load_config

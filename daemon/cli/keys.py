@@ -117,6 +117,9 @@ def rotate(args: argparse.Namespace, checkpoint: Callable[[str], None] | None = 
     """`keys rotate` / `keys migrate`. `checkpoint` is the crash tests' seam (None here)."""
     from custody import CustodyError, rotate_keys
 
+    if args.new_kek_label == "":  # `--new-kek-label "$UNSET"`: never fall back to a default
+        raise CliError("--new-kek-label is empty: give the new KEK's label, or leave "
+                       "--new-kek-label out for the default", exit_code=2)
     config = config_from_args(args)
     source = config.pkcs11.token()
     target = None

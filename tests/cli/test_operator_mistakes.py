@@ -1,0 +1,126 @@
+"""An operator's mistakes that are no configuration fault, each one clear line: the wrong
+user on the state directory, a FIFO named as a file, `--config` after the command, an
+empty `--new-kek-label`. Run as an operator runs them (`python -m daemon.cli`
+subprocesses, with a timeout: a FIFO must be refused, not waited on); never a traceback,
+never the internal error (70).
+
+The configuration faults themselves, through `check-config --deep` and `serve`, are
+tests/cli/test_misconfiguration.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from custody import TokenConfig
+from tests.fixtures.broker import write_config
+
+REPO = Path(__file__).resolve().parents[2]
+#: EX_SOFTWARE: what `main` answers for an exception nothing named (daemon/cli/__init__.py).
+EXIT_INTERNAL = 70
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if k not in ("BUZZ_BROKER_CONFIG", "BUZZ_BROKER_CREDENTIAL",
+                         "BUZZ_BROKER_CREDENTIAL_FILE", "CREDENTIALS_DIRECTORY")}
+
+
+def _run(*argv: str, prefix: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    command = [*(prefix or []), sys.executable, "-m", "daemon.cli", *argv]
+    try:
+        return subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{' '.join(argv)} hung instead of refusing") from None
+
+
+def _one_line(done: subprocess.CompletedProcess[str], code: int, *wanted: str) -> str:
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == code, (done.returncode, done.stderr)
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("buzz-broker: "), done.stderr
+    for part in wanted:
+        assert part in lines[0], (part, lines[0])
+    return lines[0]
+
+
+def _minimal_config(tmp_path: Path, state: Path) -> Path:
+    config = tmp_path / "broker.toml"
+    config.write_text(f'[state]\ndir = {json.dumps(str(state))}\n'
+                      '[relay]\nurl = "ws://127.0.0.1:1"\n')
+    return config
+
+
+@pytest.mark.parametrize("command", [
+    ["agent", "list"], ["credential", "list"], ["audit", "verify"], ["audit", "show"],
+    ["keys", "init"],
+], ids=" ".join)
+def test_a_state_directory_this_user_cannot_read_is_one_line_naming_it(
+    command: list[str], tmp_path: Path,
+) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    config = _minimal_config(tmp_path, state)
+    prefix: list[str] = []
+    if os.geteuid() == 0:  # root reads anything: run it without the capabilities that allow it
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("setpriv (util-linux) not installed")
+        prefix = [setpriv, "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search",
+                  "--"]
+    state.chmod(0o000)
+    try:
+        done = _run("--config", str(config), *command, prefix=prefix)
+    finally:
+        state.chmod(0o700)
+    assert done.returncode != EXIT_INTERNAL, done.stderr
+    _one_line(done, 1, f"cannot use {state}", "Permission denied", "daemon's user",
+              f"buzz-broker-admin {command[0]} …")
+
+
+def test_a_fifo_named_as_the_config_is_refused_not_waited_on(tmp_path: Path) -> None:
+    fifo = tmp_path / "broker.toml"
+    os.mkfifo(fifo)
+    for argv in (["--config", str(fifo), "status"], ["--config", str(fifo), "agent", "list"],
+                 ["check-config", str(fifo)]):
+        _one_line(_run(*argv), 1, f"config {fifo}: not a regular file")
+
+
+def test_a_fifo_named_as_the_credential_file_is_refused_not_waited_on(tmp_path: Path) -> None:
+    fifo = tmp_path / "credential"
+    os.mkfifo(fifo)
+    done = _run("call", "message.post", "--args", "{}", "--socket", str(tmp_path / "b.sock"),
+                "--credential-file", str(fifo))
+    _one_line(done, 1, f"credential file {fifo} is not a regular file")
+
+
+@pytest.mark.parametrize("config_word", [["--config", "broker.toml"], ["--config=broker.toml"]],
+                         ids=["separate", "joined"])
+def test_config_after_the_command_says_where_it_goes(config_word: list[str]) -> None:
+    done = _run("status", *config_word)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert "unrecognized arguments: --config" in last
+    assert "--config goes before the command" in last
+
+
+@pytest.mark.parametrize("words", [["rotate"], ["migrate", "--to-config", "SELF"]],
+                         ids=["rotate", "migrate"])
+def test_an_empty_new_kek_label_is_refused_before_anything_changes(
+    words: list[str], tmp_path: Path, custody_state: tuple[TokenConfig, Path],
+) -> None:
+    token, state = custody_state
+    config = write_config(tmp_path / "broker.toml", token=token, state_dir=state,
+                          socket=tmp_path / "b.sock", relay_url="ws://127.0.0.1:1")
+    words = [str(config) if word == "SELF" else word for word in words]
+    done = _run("--config", str(config), "keys", *words, "--new-kek-label", "")
+    _one_line(done, 2, "--new-kek-label is empty")
+    assert not state.exists(), "the refused command made the state directory"
