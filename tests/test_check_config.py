@@ -9,10 +9,13 @@ proven to read it there (no pin_file in the config at all).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from custody import TokenConfig
 from tests.fixtures.broker import write_config
@@ -125,3 +128,71 @@ def test_deep_broken_kek_and_broken_relay_each_named(
     assert "not-the-pin-0000" not in done.stdout + done.stderr
     for result in (done,):
         assert "Traceback" not in result.stderr
+
+
+@pytest.mark.token_offers("GENERATE_KEY")  # keys rotate without --new-kek-label makes one
+def test_deep_after_keys_rotate_checks_the_kek_the_keystore_records(
+    softhsm_token: SoftHsmToken, local_relay: str, tmp_path: Path,
+) -> None:
+    """`keys rotate` leaves `[pkcs11] kek_label` as it was and records the new KEK in the
+    keystore: the deep check logs in and checks that one, as the daemon does, and says so."""
+    token = softhsm_token.config(kek_label=f"deep-rot-{tmp_path.name}"[:50])
+    path = write_config(tmp_path / "broker.toml", token=token, state_dir=tmp_path / "state",
+                        socket=tmp_path / "b.sock", relay_url=local_relay)
+    assert _run("--config", str(path), "keys", "init").returncode == 0
+    before = _run("--config", str(path), "check-config", "--deep")
+    assert before.returncode == 0, before.stderr
+    assert f"KEK {token.kek_label!r} found and checked\n" in before.stdout
+
+    rotated = _run("--config", str(path), "keys", "rotate")
+    assert rotated.returncode == 0, rotated.stderr
+    new = re.search(rf"KEK '({re.escape(token.kek_label)}-[0-9a-f]{{8}})'", rotated.stdout)
+    assert new, rotated.stdout
+
+    done = _run("--config", str(path), "check-config", "--deep")
+    assert done.returncode == 0, done.stdout + done.stderr
+    token_line = next(line for line in done.stdout.splitlines() if line.startswith("token: "))
+    assert token_line == (
+        f"token: logged in to {token.token_label!r} (PIN from [pkcs11] pin_file); KEK "
+        f"{new[1]!r} found and checked (the active KEK the keystore records, not [pkcs11] "
+        f"kek_label {token.kek_label!r})")
+    assert done.stdout.endswith("\nok\n") and done.stderr == ""
+
+
+@pytest.mark.token_offers("GENERATE_KEY")  # the custodian's keys rotate makes the new KEK
+def test_deep_through_a_custodian_after_its_own_keys_rotate(
+    softhsm_token: SoftHsmToken, local_relay: str, tmp_path: Path,
+) -> None:
+    """With `[custody] custodian_socket` the deep check asks the custodian, which opens
+    custody under the KEK the keystore records: after the custodian's own `keys rotate`
+    (custodian stopped, then started again) the daemon's check passes."""
+    from tests.fixtures.custodian import CustodianProcess, write_custodian_config
+
+    token = softhsm_token.config(kek_label=f"deep-cust-{tmp_path.name}"[:50])
+    state = tmp_path / "state"
+    socket = tmp_path / "c.sock"
+    custodian_config = write_custodian_config(tmp_path / "custodian.toml", token=token,
+                                              state_dir=state, socket=socket,
+                                              relay_url=local_relay)
+
+    def keys(*words: str) -> subprocess.CompletedProcess[str]:
+        base = {k: v for k, v in os.environ.items() if k != "CREDENTIALS_DIRECTORY"}
+        return subprocess.run([sys.executable, "-m", "custody.custodian", str(custodian_config),
+                               "keys", *words], cwd=REPO, env=base, capture_output=True,
+                              text=True, timeout=120)
+
+    assert keys("init").returncode == 0
+    rotated = keys("rotate")
+    assert rotated.returncode == 0, rotated.stderr
+    config = tmp_path / "broker.toml"
+    config.write_text(f'[server]\nsocket = "{tmp_path / "b.sock"}"\n[state]\ndir = "{state}"\n'
+                      f'[custody]\ncustodian_socket = "{socket}"\n'
+                      f'[relay]\nurl = "{local_relay}"\n')
+    custodian = CustodianProcess(custodian_config, socket)
+    custodian.start()  # on the rotated KEK the keystore records
+    try:
+        done = _run("--config", str(config), "check-config", "--deep")
+    finally:
+        custodian.stop()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"token: the custodian at {socket} answers" in done.stdout

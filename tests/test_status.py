@@ -19,6 +19,7 @@ from custody import TokenConfig
 from daemon.cli import main
 from tests.fixtures.broker import write_config
 from tests.fixtures.relay import TestKey
+from tests.fixtures.token import SoftHsmToken
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -149,3 +150,45 @@ def test_root_is_refused_on_a_state_directory_the_daemon_user_owns(
     # check-config touches no state: it still runs.
     assert main(["--config", str(config), "check-config"]) == 0
     capsys.readouterr()
+
+
+@pytest.mark.token_offers("GENERATE_KEY")  # keys rotate without --new-kek-label makes one
+def test_status_after_keys_rotate_checks_the_kek_the_keystore_records(
+    softhsm_token: SoftHsmToken, local_relay: str, tmp_path: Path
+) -> None:
+    """After `keys rotate` ([pkcs11] kek_label unchanged, the new KEK in the keystore), the
+    daemon serves under the new KEK and `status` checks that one: exit 0, token ok."""
+    token = softhsm_token.config(kek_label=f"status-rot-{tmp_path.name}"[:50])
+    socket_path = tmp_path / "b.sock"
+    config = write_config(tmp_path / "broker.toml", token=token, state_dir=tmp_path / "state",
+                          socket=socket_path, relay_url=local_relay)
+    assert _cli(config, "keys", "init").returncode == 0
+    assert _cli(config, "agent", "create", "--owner", TestKey().pubkey,
+                "--name", "r").returncode == 0
+    rotated = _cli(config, "keys", "rotate")
+    assert rotated.returncode == 0, rotated.stderr
+    new = re.search(rf"KEK '({re.escape(token.kek_label)}-[0-9a-f]{{8}})'", rotated.stdout)
+    assert new, rotated.stdout
+
+    daemon = subprocess.Popen([sys.executable, "-m", "daemon.cli", "--config", str(config),
+                               "serve"], cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not socket_path.exists():
+            assert daemon.poll() is None and time.monotonic() < deadline, daemon.stderr and daemon.stderr.read()
+            time.sleep(0.05)
+        running = _cli(config, "status", "--json")
+        assert running.returncode == 0, running.stdout + running.stderr
+        facts = json.loads(running.stdout)
+        assert facts["token"] == {"ok": True, "detail": (
+            f"logged in to {token.token_label!r} (PIN from [pkcs11] pin_file); KEK "
+            f"{new[1]!r} found and checked (the active KEK the keystore records, not "
+            f"[pkcs11] kek_label {token.kek_label!r})")}
+        assert (facts["ok"], facts["exit"], facts["agents"]["live"]) == (True, 0, 1)
+        text = _cli(config, "status")
+        assert text.returncode == 0 and re.search(r"^token: +logged in", text.stdout, re.M)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=30)
+    assert daemon.returncode == 0

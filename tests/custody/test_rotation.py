@@ -356,3 +356,37 @@ async def test_a_token_that_cannot_generate_needs_operator_made_keys_and_says_so
     report = await rotate_keys(config, state, new_kek_label=made)
     assert report.new.kek_label == made and report.agents == len(agents)
     assert _meta(state) == {"active_token": config.token_label, "active_kek": made}
+
+
+@pytest.mark.token_offers("GENERATE_KEY")  # the migration makes the KEK in the target
+async def test_check_config_deep_after_keys_migrate_names_the_token_holding_the_keys(
+    softhsm_token: SoftHsmToken, second_token: str, local_relay: str, tmp_path: Path
+) -> None:
+    """After `keys migrate`, `check-config --deep` (daemon/cli/_probe.py) with the old
+    token's configuration fails saying to point [pkcs11] at the token the keystore records,
+    as `Custody.open` does; with the target's configuration it checks the recorded KEK."""
+    label = f"probe-mig-{tmp_path.name}"[:50]
+    source = softhsm_token.config(kek_label=label)
+    target = dataclasses.replace(source, token_label=second_token)
+    state = tmp_path / "state"
+    await _populate(source, state)
+    paths = {name: write_config(tmp_path / f"{name}.toml", token=token, state_dir=state,
+                                socket=tmp_path / "unused.sock", relay_url=local_relay)
+             for name, token in (("source", source), ("target", target))}
+    moved = _cli(paths["source"], "migrate", "--to-config", str(paths["target"]))
+    assert moved.returncode == 0, moved.stderr
+
+    def deep(config: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(BUZZ_BROKER), "--config", str(config), "check-config",
+                               "--deep"], capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ))
+
+    old = deep(paths["source"])
+    assert old.returncode == 1 and old.stderr == (
+        f"buzz-broker: check-config --deep: token: the agents' keys are sealed in token "
+        f"{second_token!r} (moved by `keys migrate`), not {source.token_label!r}: point "
+        "[pkcs11] at that token\n"), old.stderr
+    new = deep(paths["target"])
+    assert new.returncode == 0, new.stdout + new.stderr
+    assert (f"token: logged in to {second_token!r} (PIN from [pkcs11] pin_file); KEK "
+            f"{label!r} found and checked\n") in new.stdout
