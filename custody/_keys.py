@@ -72,14 +72,24 @@ async def rotate_keys(
         lambda: rotate(source, target or source, Path(state_dir), new_kek_label, checkpoint))
 
 
-async def check_token(token: TokenConfig) -> None:
+async def check_token(token: TokenConfig, state_dir: Path | None = None) -> str:
     """`check-config --deep` and `status`: log in, find and check the KEK, log out.
 
-    Touches no keystore and creates nothing. Raises CustodyError as `Custody.open` does.
+    With `state_dir`, the KEK is the one its keystore records as active (after a rotation),
+    and a keystore whose keys are in another token is refused, as for `init_keys`. Writes
+    nothing and creates nothing. Returns the KEK label checked.
+
+    Raises:
+        CustodyError: as `Custody.open` does.
+        OSError: the keystore could not be read (another user's state directory).
     """
     harden_process()  # the PIN is about to be read: no core, no same-uid ptrace
+    label = token.kek_label
+    if state_dir is not None:
+        label = recorded_kek(token, Path(state_dir)).kek_label
 
     def work() -> None:
-        Token.open(token).close()
+        Token.open(token, label).close()
 
     await in_token_worker(work)
+    return label

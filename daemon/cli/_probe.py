@@ -6,7 +6,7 @@ Rules:
   answer, not a crash.
 - The token check logs in with the configured PIN, finds the KEK and checks its
   attributes (`custody.check_token`), then logs out. The KEK is the one the keystore
-  records as active (`recorded_kek`, the rule `keys init` and `Custody.open` follow: after
+  records as active (the rule `keys init` and `Custody.open` follow: after
   `keys rotate` it is not ``[pkcs11] kek_label``), the configured one only where no
   keystore or no rotation is recorded yet; a keystore whose keys `keys migrate` moved to
   another token fails the check, saying to point [pkcs11] at that token. It creates
@@ -25,7 +25,6 @@ Rules:
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pwd
 import ssl
@@ -58,21 +57,15 @@ async def check_token_and_kek(config: Config) -> Check:
     if config.custody.custodian_socket:
         return await _check_custodian(Path(config.custody.custodian_socket))
     from custody import CustodyError, check_token  # loads the PKCS#11 binding: not above
-    from custody._activekek import recorded_kek  # the one rule: custody's surface lacks it
 
     pkcs11 = config.pkcs11
-    token = pkcs11.token()
     try:
-        active = recorded_kek(token, Path(config.state.dir)).kek_label
+        active = await check_token(pkcs11.token(), Path(config.state.dir))
     except CustodyError as exc:
         return Check("token", False, str(exc))
     except OSError as exc:  # the state directory is not this user's to read
         return Check("token", False, f"cannot read the keystore in {config.state.dir} "
                      f"({exc.strerror or type(exc).__name__}): run this as the daemon's user")
-    try:
-        await check_token(dataclasses.replace(token, kek_label=active))
-    except CustodyError as exc:
-        return Check("token", False, str(exc))
     rotated = "" if active == pkcs11.kek_label else (
         f" (the active KEK the keystore records, not [pkcs11] kek_label "
         f"{pkcs11.kek_label!r})")
