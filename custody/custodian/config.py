@@ -80,6 +80,8 @@ def load(path: str) -> CustodianConfig:
             data = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
     for table, members in data.items():
         if table not in _KEYS or not isinstance(members, dict):
             raise ConfigError(f"{path}: unknown table [{table}]")
@@ -91,6 +93,8 @@ def load(path: str) -> CustodianConfig:
                 else (isinstance(value, kind) and not isinstance(value, bool))
             if not ok:
                 raise ConfigError(f"{path}: [{table}] {key} must be a {kind.__name__}")
+            if isinstance(value, str) and "\0" in value:  # no path can hold one
+                raise ConfigError(f"{path}: [{table}] {key} holds a NUL character")
     for table, keys in _REQUIRED.items():
         for key in keys:
             if key not in data.get(table, {}):
@@ -117,8 +121,11 @@ def load(path: str) -> CustodianConfig:
     credential = Path(os.environ.get("CREDENTIALS_DIRECTORY", "/nonexistent"), "token-pin")
     pin_file = str(credential) if credential.is_file() else p.get("pin_file")
     module = p["module"] if "/" not in p["module"] else str(base / p["module"])
+    socket = base / c["socket"]  # bind() takes 107 bytes and a NUL (sockaddr_un's sun_path)
+    if len(os.fsencode(socket)) > 107:
+        raise ConfigError(f"{path}: [custodian] socket: {socket}: longer than 107 bytes")
     settings = Settings(
-        socket=base / c["socket"], pipeline_uid=c.get("pipeline_uid", os.getuid()),
+        socket=socket, pipeline_uid=c.get("pipeline_uid", os.getuid()),
         relay_url=c["relay_url"],
         log_path=base / c.get("log_dir", str(state_dir / "custodian")) / "signed.jsonl",
         # The ranged integers' defaults are Settings' own: one place says them.

@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import pwd
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import trio
 
 from custody import Custody, CustodyError, harden_process
 from custody.custodian.activation import ActivationError, inherited_socket
-from custody.custodian.config import ConfigError, load
+from custody.custodian.config import ConfigError, CustodianConfig, load
 from custody.custodian.server import Custodian, refuse_if_served, serve
 
 __all__ = ["main", "run"]
@@ -38,6 +41,15 @@ async def run(config_path: str) -> None:
     inherited = inherited_socket(config.settings.socket)
     if inherited is None:
         refuse_if_served(config.settings.socket)
+        # 0750 whatever the umask, as buzz-custodian.socket's DirectoryMode=: the pipeline's
+        # group reaches the socket, nobody else lists the directory.
+        parent = config.settings.socket.parent
+        try:
+            if not parent.is_dir():
+                parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+                parent.chmod(0o750)
+        except OSError as exc:
+            raise ConfigError(f"socket directory {parent}: {exc.strerror}") from None
     harden_process()
     custody = await Custody.open(config.token, config.state_dir, config.cache)
     try:
@@ -72,6 +84,29 @@ async def keys(config_path: str, words: list[str]) -> None:
     await commands.run(load(config_path), words)
 
 
+def refuse_foreign_state(config: CustodianConfig) -> None:
+    """As root, refuse a state, log or SoftHSM token directory (or its nearest existing
+    parent) another user owns: what root made there the custodian's user could not open
+    (the daemon's rule for its own state, daemon/cli/_common.py `refuse_foreign_state`)."""
+    if os.geteuid() != 0:
+        return
+    conf = Path(os.environ.get("SOFTHSM2_CONF", "/etc/softhsm/softhsm2.conf"))
+    lines = conf.read_text("utf-8", "replace").splitlines() \
+        if "softhsm" in config.token.module and conf.is_file() else []
+    tokens = [Path(value.strip()) for key, _, value in (line.partition("=") for line in lines)
+              if key.strip() == "directories.tokendir"]
+    for directory in (config.state_dir, config.settings.log_path.parent, *tokens):
+        while not directory.exists() and directory != directory.parent:
+            directory = directory.parent
+        if (owner := directory.stat().st_uid) != 0:
+            name = next((u.pw_name for u in pwd.getpwall() if u.pw_uid == owner), f"uid {owner}")
+            raise ConfigError(
+                f"refusing to run as root on {directory}: it belongs to {name}, the "
+                f"custodian's user, and files root creates there would be unreadable to it; "
+                f"run it as that user: buzz-custodian-admin ARGUMENTS (or runuser -u {name} "
+                f"-- buzz-broker custodian FILE ARGUMENTS)")
+
+
 def main(argv: list[str]) -> int:
     args = [a for a in argv if a != "--config"]
     work: Callable[[], Awaitable[None]]
@@ -89,6 +124,7 @@ def main(argv: list[str]) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="custodian: %(message)s", stream=sys.stderr)
     try:
+        refuse_foreign_state(load(args[0]))  # before any command writes, serving too
         trio.run(work)
     except (ConfigError, ActivationError, CustodyError) as exc:
         print(f"custodian: {exc}", file=sys.stderr)
