@@ -366,6 +366,21 @@ def _optional_path(value: object, base: Path | None) -> object:
     return _path(value, base)
 
 
+#: sockaddr_un's sun_path: 108 bytes with its NUL (daemon/http.py `MAX_SOCKET_PATH_BYTES`).
+MAX_SOCKET_PATH_BYTES = 107
+
+
+def _socket_path(parse: _Parser) -> _Parser:
+    """`parse`, then a path bind() and connect() take: `check-config` refuses what `serve`
+    would."""
+    def socket_path(value: object, base: Path | None) -> object:
+        path = parse(value, base)
+        if isinstance(path, str) and len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
+            raise _Bad(f"a socket path of at most {MAX_SOCKET_PATH_BYTES} bytes (sockaddr_un)")
+        return path
+    return socket_path
+
+
 def _module_path(value: object, base: Path | None) -> object:
     text = _text(value, base)
     assert isinstance(text, str)
@@ -590,7 +605,7 @@ class _Key:
 
 
 _KEYS: tuple[_Key, ...] = (
-    _Key("server", "socket", "socket", _path, "/run/buzz-broker/broker.sock"),
+    _Key("server", "socket", "socket", _socket_path(_path), "/run/buzz-broker/broker.sock"),
     _Key("server", "socket_mode", "socket_mode", _socket_mode, "0660"),
     _Key("server", "socket_group", "socket_group", _group, ""),
     _Key("server", "max_connections", "max_connections", _int_at_least(1), 1024),
@@ -656,7 +671,7 @@ _KEYS: tuple[_Key, ...] = (
     _Key("policy", "providers", "providers", _choices, []),
     _Key("policy", "models", "models", _choices, []),
     _Key("log", "level", "level", _level, "info"),
-    _Key("metrics", "socket", "socket", _optional_path, ""),
+    _Key("metrics", "socket", "socket", _socket_path(_optional_path), ""),
     _Key("metrics", "listen", "listen", _loopback_listen, ""),
     _Key("metrics", METRICS_OPT_IN, METRICS_OPT_IN, _bool, False),
     # [observer] (issue 23): 32 MiB holds ~360 of the largest events (a 64 KiB payload is
@@ -672,7 +687,7 @@ _KEYS: tuple[_Key, ...] = (
     # What strfry and nostr-sdk's LocalRelay accept by default (measured on LocalRelay:
     # 65,536 bytes of event JSON, one more is refused); raise it for a relay that takes more.
     _Key("observer", "max_event_bytes", "max_event_bytes", _int_at_least(4096), 65_536),
-    _Key("custody", "custodian_socket", "custodian_socket", _optional_path, ""),
+    _Key("custody", "custodian_socket", "custodian_socket", _socket_path(_optional_path), ""),
 )
 
 #: The one section that is not rows of `_KEYS`: rate-limit rules (docs/operations.md).
