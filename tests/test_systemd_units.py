@@ -255,6 +255,29 @@ def test_custodian_admin_wrapper_matches_the_unit() -> None:
     assert subprocess.run(["sh", "-n", str(UNITS / "buzz-custodian-admin")]).returncode == 0
 
 
+def test_each_configuration_directory_is_made_with_its_units_mode() -> None:
+    """docs/install.md makes /etc/NAME before the unit first starts, and systemd (>= 247)
+    keeps an existing configuration directory's mode, logging at every start where it
+    differs from ConfigurationDirectoryMode= (default 0755): the two must agree. systemd
+    never chowns a configuration directory, so one closed to others (buzz-custodian's
+    0750) is made in its unit's Group=, or the service could not read its own config."""
+    install = (REPO / "docs" / "install.md").read_text()
+    units = [path for path in sorted(UNITS.glob("*.service"))
+             if "ConfigurationDirectory" in _directives(path)]
+    assert {path.name for path in units} >= {"buzz-broker.service", "buzz-custodian.service"}
+    for path in units:
+        d = _directives(path)
+        name, = d["ConfigurationDirectory"]
+        mode = d.get("ConfigurationDirectoryMode", ["0755"])[0]
+        made = [line for line in install.splitlines() if line.startswith("install -d ")
+                and f"/etc/{name}" in line.split()]
+        assert len(made) == 1, (name, made)
+        words = made[0].split()
+        assert words[words.index("-m") + 1] == mode, (path.name, made[0])
+        if not int(mode, 8) & 0o001:
+            assert words[words.index("-g") + 1] == d["Group"][0], (path.name, made[0])
+
+
 def test_service_environment_and_filters() -> None:
     d = _directives(SERVICE)
     assert "BUZZ_BROKER_CONFIG=/etc/buzz-broker/broker.toml" in d["Environment"]
