@@ -99,7 +99,10 @@ def refuse_foreign_state(config: CustodianConfig) -> None:
         while not directory.exists() and directory != directory.parent:
             directory = directory.parent
         if (owner := directory.stat().st_uid) != 0:
-            name = next((u.pw_name for u in pwd.getpwall() if u.pw_uid == owner), f"uid {owner}")
+            try:  # one lookup, not a walk of every user (a directory service may hold many)
+                name = pwd.getpwuid(owner).pw_name
+            except KeyError:
+                name = f"uid {owner}"
             raise ConfigError(
                 f"refusing to run as root on {directory}: it belongs to {name}, the "
                 f"custodian's user, and files root creates there would be unreadable to it; "
