@@ -18,6 +18,9 @@ its credential):
   env             exports for the CLI, the agent client and the token (0600): paths only,
                   never the credential or the PIN; `source run/env`
   demo.lock, demo.pid   held by the running demo: a second one refuses, `--stop` ends it
+  demo.children   the relay's, custodian's and daemon's pids while the demo runs: `--stop`
+                  ends any a demo that did not end cleanly left behind, and a new demo
+                  refuses to start beside them
   broker.log      the daemon's log, one JSON line per event
   custodian.log   the custodian's stderr
 
@@ -31,7 +34,8 @@ It starts nostr-sdk's LocalRelay (the DEVELOPMENT relay, NIP-42 AUTH required, l
 only), the custodian (`buzz-broker custodian run/custodian.toml`) and `buzz-broker serve`
 in the foreground, prints a `curl --unix-socket` command that
 posts a message, runs it, shows the answer, and then watches both until Ctrl-C, `make
-stop`, or one of them dies (which it says, stopping the other).
+stop`, or one of them dies (which it says, stopping the other). The three are SIGTERMed by
+the kernel when the demo itself dies, however it dies (PR_SET_PDEATHSIG).
 
 The demo owner is a random public key whose secret is thrown away at once: in production
 an agent's owner is a human whose key this host never holds.
@@ -40,6 +44,7 @@ an agent's owner is a human whose key this host never holds.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import fcntl
 import io
 import json
@@ -48,10 +53,12 @@ import secrets
 import shlex
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -65,7 +72,9 @@ STARTUP_SECONDS = 30.0
 TOKEN_LABEL = "buzz-broker-demo"
 #: A credential with less left than this is replaced rather than handed out again.
 CREDENTIAL_MARGIN_SECONDS = 3600
-LOCK_FILE, PID_FILE = "demo.lock", "demo.pid"
+LOCK_FILE, PID_FILE, CHILDREN_FILE = "demo.lock", "demo.pid", "demo.children"
+#: What to do when run/ is in a state the demo cannot use or mend.
+START_CLEAN = "remove {} and run `make run` again"
 #: How often the running demo checks that its relay and daemon are still alive.
 WATCH_SECONDS = 0.5
 
@@ -82,7 +91,14 @@ def _bin(name: str) -> str:
 def _run_both(argv: list[str], env: dict[str, str]) -> tuple[str, str]:
     done = subprocess.run(argv, env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        raise DemoError(f"{' '.join(argv[:4])} ...: {done.stderr.strip().splitlines()[-1:]}")
+        # One line: the command's name and its own last word on why (never its arguments).
+        words = argv[1:] if argv[0] == sys.executable else argv
+        name = " ".join([Path(words[0]).name]
+                        + [w for w in words[1:] if w.isalpha() and w.islower()][:2])
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        program = Path(words[0]).name
+        last = last.removeprefix(f"{program}: ")
+        raise DemoError(f"{name} failed: {last}")
     return done.stdout.strip(), done.stderr.strip()
 
 
@@ -141,11 +157,98 @@ def _demo_running(run_dir: Path) -> bool:
     return False
 
 
+def _start_time(pid: int) -> str | None:
+    """The kernel's start time of live process `pid` (it tells a reused pid apart), or None
+    if there is no such process or it is a zombie (dead, not yet reaped)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+Children = dict[str, "subprocess.Popen[bytes] | subprocess.Popen[str]"]
+
+
+def _record_children(run_dir: Path, children: Children) -> None:
+    """`run/demo.children`: what `make stop` ends if this demo dies without ending them."""
+    lines = [f"{name} {p.pid} {_start_time(p.pid)}\n" for name, p in children.items()]
+    _private_file(run_dir / CHILDREN_FILE, "".join(lines))
+
+
+def _listener_pid(path: Path) -> int | None:
+    """The pid of the process listening on Unix socket `path` (SO_PEERCRED), or None if
+    nothing answers there (no file, or a stale one)."""
+    with socket.socket(socket.AF_UNIX) as probe:
+        probe.settimeout(2)
+        try:
+            probe.connect(str(path))
+            creds = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        except OSError:
+            return None
+    pid = struct.unpack("3i", creds)[0]
+    return pid or None
+
+
+def _left_behind(run_dir: Path) -> dict[int, str]:
+    """What a demo that did not end cleanly left running here, pid -> what it is: the
+    children it recorded that still run (the same processes: same start time), and whatever
+    answers on the run directory's two sockets."""
+    left: dict[int, str] = {}
+    try:
+        recorded = (run_dir / CHILDREN_FILE).read_text().splitlines()
+    except OSError:
+        recorded = []
+    for line in recorded:
+        parts = line.split()
+        if len(parts) == 3 and parts[1].isdigit() and _start_time(int(parts[1])) == parts[2]:
+            left[int(parts[1])] = parts[0]
+    for name, sock in (("daemon", "broker.sock"), ("custodian", "custodian.sock")):
+        pid = _listener_pid(run_dir / sock)
+        if pid is not None and pid != os.getpid():
+            left.setdefault(pid, name)
+    return left
+
+
+def _said(left: dict[int, str]) -> str:
+    return ", ".join(f"{name} (pid {pid})" for pid, name in left.items())
+
+
+def _end(pid: int, timeout: float) -> None:
+    """SIGTERM `pid` (continued first, if stopped), then SIGKILL it after `timeout` s."""
+    start = _start_time(pid)
+    try:
+        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while start is not None and _start_time(pid) == start:
+        if time.monotonic() > deadline:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return
+        time.sleep(0.05)
+
+
 def stop(run_dir: Path) -> int:
-    """`make stop`: end the demo running in `run_dir` (its relay and daemon with it)."""
+    """`make stop`: end the demo running in `run_dir` (its relay and daemon with it), or
+    what a demo that did not end cleanly left running there."""
     pid = _demo_pid(run_dir)
     if not _demo_running(run_dir) or pid is None:
-        print(f"make stop: no demo runs in {run_dir}")
+        left = _left_behind(run_dir)
+        if not left:
+            print(f"make stop: no demo runs in {run_dir}")
+            return 0
+        # The daemon first, as the demo itself would: it drains with the others still up.
+        order = {"daemon": 0, "custodian": 1, "relay": 2}
+        for child in sorted(left, key=lambda p: order.get(left[p], 3)):
+            _end(child, 15)
+        (run_dir / CHILDREN_FILE).unlink(missing_ok=True)
+        print(f"make stop: no demo runs in {run_dir}; stopped what an earlier one left "
+              f"running: {_said(left)}")
         return 0
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + STARTUP_SECONDS
@@ -159,6 +262,22 @@ def stop(run_dir: Path) -> int:
     return 0
 
 
+#: prctl(2) option: the signal a child gets when its parent dies (linux/prctl.h).
+_PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
+def _dies_with(parent: int) -> Callable[[], None]:
+    """A preexec_fn: the child gets SIGTERM when the demo (`parent`) dies, however it dies
+    (kill -9 too), so no relay, custodian or daemon outlives it. Checked once more after the
+    prctl: a demo that died before it was called already left the child to init."""
+    def preexec() -> None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+    return preexec
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -166,6 +285,14 @@ def _free_port() -> int:
 
 
 def _make_token(run_dir: Path) -> dict[str, str]:
+    tokens = run_dir / "softhsm" / "tokens"
+    token_made = tokens.is_dir() and any(tokens.iterdir())
+    if (run_dir / "state" / "keystore.db").exists() and not token_made:
+        # make-token would make a new token, and `keys init` a new KEK beside a keystore
+        # sealed under the old one: every request would then fail to unseal its agent's key.
+        raise DemoError(f"{run_dir / 'state'} holds agent keys sealed under a token that is "
+                        f"gone ({tokens} holds none), so they cannot be opened again: "
+                        + START_CLEAN.format(run_dir))
     out = _run([sys.executable, str(REPO / "softhsm" / "make-token"), str(run_dir / "softhsm"),
                 "--label", TOKEN_LABEL], dict(os.environ))
     facts = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
@@ -218,7 +345,8 @@ def _start_custodian(run_dir: Path, cli: list[str], env: dict[str, str]
     config = run_dir / "custodian.toml"
     with log.open("ab") as err:
         custodian = subprocess.Popen([cli[0], "custodian", str(config)], env=env,
-                                     stdout=subprocess.PIPE, stderr=err)
+                                     stdout=subprocess.PIPE, stderr=err,
+                                     preexec_fn=_dies_with(os.getpid()))
     assert custodian.stdout is not None
     if b"listening" not in custodian.stdout.readline():
         custodian.wait()
@@ -229,7 +357,17 @@ def _start_custodian(run_dir: Path, cli: list[str], env: dict[str, str]
 def _demo_agent(run_dir: Path, cli: list[str], env: dict[str, str]) -> str:
     pub_file = run_dir / "agent.pub"
     if pub_file.exists():
-        return pub_file.read_text().strip()
+        pubkey = pub_file.read_text().strip()
+        listed = [json.loads(line) for line in
+                  _run([*cli, "agent", "list", "--json"], env).splitlines()]
+        if any(a.get("pubkey") == pubkey for a in listed if a.get("deletedAt") is None):
+            return pubkey
+        # run/state was removed (or the agent with it): its agent file, credential and
+        # header name what is no longer held here. A new agent, a new credential.
+        print(f"{pub_file} names an agent {run_dir / 'state'} does not hold: "
+              "making a new demo agent")
+        for name in ("agent.pub", "credential", "credential.id", "auth-header"):
+            (run_dir / name).unlink(missing_ok=True)
     owner = coincurve.PrivateKey(secrets.token_bytes(32)).public_key_xonly.format().hex()
     pubkey = _run([*cli, "agent", "create", "--owner", owner, "--name", "demo-agent"], env)
     pub_file.write_text(pubkey + "\n")
@@ -300,11 +438,13 @@ def _watch(relay: subprocess.Popen[str], daemon: subprocess.Popen[bytes], log: P
 
 
 def _wait_for_socket(path: Path, process: subprocess.Popen[bytes], log: Path) -> None:
+    """Until `process` answers on `path`: a connect() that succeeds, not a file that exists
+    (a demo killed outright leaves its socket file behind, answered by nobody)."""
     deadline = time.monotonic() + STARTUP_SECONDS
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise DemoError(f"buzz-broker serve exited during startup (see {log})")
-        if path.is_socket():
+        if _listener_pid(path) == process.pid:
             return
         time.sleep(0.1)
     raise DemoError(f"buzz-broker serve did not bind {path} within {STARTUP_SECONDS:.0f} s")
@@ -321,27 +461,37 @@ def main() -> int:
     if isinstance(sys.stdout, io.TextIOWrapper):
         sys.stdout.reconfigure(line_buffering=True)
     run_dir = Path(args.run_dir).resolve()
-    if args.stop:
-        return stop(run_dir)
-    run_dir.mkdir(mode=0o700, exist_ok=True)
-    try:
-        _hold_the_demo(run_dir)  # held until this process exits
-    except DemoError as exc:
-        print(f"make run: {exc}", file=sys.stderr)
+    if run_dir.exists() and not run_dir.is_dir():
+        print(f"make {'stop' if args.stop else 'run'}: {run_dir} is not a directory: "
+              f"{START_CLEAN.format(run_dir)}", file=sys.stderr)
         return 1
-
-    token = _make_token(run_dir)
-    env = dict(os.environ, SOFTHSM2_CONF=token["SOFTHSM2_CONF"])
-    env.pop("BUZZ_BROKER_CONFIG", None)
-
-    relay = subprocess.Popen(
-        [sys.executable, "-m", "tests.devrelay", "--host", "127.0.0.1",
-         "--port", str(_free_port()), "--auth"],
-        cwd=REPO, stdout=subprocess.PIPE, text=True,
-    )
+    if args.stop:
+        try:
+            return stop(run_dir)
+        except OSError as exc:
+            print(f"make stop: {exc}", file=sys.stderr)
+            return 1
+    relay: subprocess.Popen[str] | None = None
     daemon: subprocess.Popen[bytes] | None = None
     custodian: subprocess.Popen[bytes] | None = None
+    children: Children = {}
     try:
+        run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _hold_the_demo(run_dir)  # held until this process exits
+        if left := _left_behind(run_dir):
+            raise DemoError(f"an earlier demo in {run_dir} did not end cleanly and left "
+                            f"{_said(left)} running: `make stop` ends what it left")
+        token = _make_token(run_dir)
+        env = dict(os.environ, SOFTHSM2_CONF=token["SOFTHSM2_CONF"])
+        env.pop("BUZZ_BROKER_CONFIG", None)
+
+        relay = subprocess.Popen(
+            [sys.executable, "-m", "tests.devrelay", "--host", "127.0.0.1",
+             "--port", str(_free_port()), "--auth"],
+            cwd=REPO, stdout=subprocess.PIPE, text=True, preexec_fn=_dies_with(os.getpid()),
+        )
+        children["relay"] = relay
+        _record_children(run_dir, children)
         assert relay.stdout is not None
         relay_url = relay.stdout.readline().strip()
         if not relay_url.startswith("ws://"):
@@ -354,6 +504,8 @@ def main() -> int:
         cli = [_bin("buzz-broker"), "--config", str(config)]
         _run([*cli, "keys", "init"], env)  # opens the token itself, before the custodian
         custodian = _start_custodian(run_dir, cli, env)
+        children["custodian"] = custodian
+        _record_children(run_dir, children)
         print(f"custodian (the keys, in their own process): {run_dir / 'custodian.sock'} "
               f"(pid {custodian.pid}). Under one uid (yours, no root) NOTHING IS SEPARATED "
               "here but the process: the daemon could read the PIN file and the token "
@@ -372,7 +524,10 @@ def main() -> int:
         with log_path.open("ab") as log:
             # The daemon's JSON log lines go to a file, so the terminal shows the request and
             # its answer; `tail -f run/broker.log` follows the daemon as journald would.
-            daemon = subprocess.Popen([*cli, "serve"], env=env, stderr=log)
+            daemon = subprocess.Popen([*cli, "serve"], env=env, stderr=log,
+                                      preexec_fn=_dies_with(os.getpid()))
+        children["daemon"] = daemon
+        _record_children(run_dir, children)
         _wait_for_socket(socket_path, daemon, log_path)
         print(f"daemon log (one JSON line per event): {log_path}")
 
@@ -404,11 +559,17 @@ def main() -> int:
         return 1
     except KeyboardInterrupt:
         return 0
+    except OSError as exc:  # run/ half made or not ours: one line, never a traceback
+        print(f"make run: {exc}: if {run_dir} is half made, {START_CLEAN.format(run_dir)}",
+              file=sys.stderr)
+        return 1
     finally:
         # One at a time: the daemon drains with its custodian and relay still up.
         for process in (daemon, custodian, relay):
             if process is not None:
                 terminate_then_kill(process, 15)
+        if children:
+            (run_dir / CHILDREN_FILE).unlink(missing_ok=True)
 
 
 def _interrupt(signum: int, frame: object) -> None:
