@@ -10,6 +10,7 @@ Modules, one job each:
   client      AsyncBrokerClient: freeze once, retry identical bytes, judge (I4, I5)
   _blocking   BrokerClient: the same methods for threads, on a private loop thread
   _transport  one HTTP/1.1 POST over a Unix socket or loopback TCP (anyio + h11)
+  _bounds     what one answer may cost: bytes and JSON values per action
   _env        address and credential from arguments or BUZZ_BROKER_* variables
   _errors     the setup errors (nothing happened; the message says what to fix)
 

@@ -64,10 +64,11 @@ __all__ = [
 #: The route, fixed by spec §HTTP binding ("One endpoint").
 ACTION_PATH = b"/v1/action"
 
-#: Bound on a response body. The largest legal answer is a 500-event page (spec
+#: Bound on any response body. The largest legal answer is a 500-event page (spec
 #: channel.read limit) of events whose content may each be up to 64 KiB as published
 #: by other clients; JSON escaping can grow that several times. 64 MiB covers it and
-#: still stops a runaway peer from filling memory.
+#: still stops a runaway peer from filling memory. Each action's own bound, smaller
+#: (`_bounds.response_bytes`), is what the client passes `exchange`.
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 
 #: Bound on the response head, h11's own default (16 KiB, what common servers accept).
@@ -241,13 +242,17 @@ async def _connect(endpoint: Endpoint) -> anyio.abc.ByteStream:
     return await anyio.connect_tcp(endpoint.host, endpoint.port)
 
 
-async def exchange(endpoint: Endpoint, credential: Credential, body: bytes) -> HttpReply:
+async def exchange(
+    endpoint: Endpoint, credential: Credential, body: bytes, *,
+    max_body: int = MAX_RESPONSE_BYTES,
+) -> HttpReply:
     """POST `body` verbatim to /v1/action and read the whole response.
 
     Args:
         endpoint: where the host listens (already checked loopback-or-socket).
         credential: sent only as `Authorization: Bearer …`.
         body: the frozen request bytes; sent unchanged.
+        max_body: the most response body bytes read; past it, `TransportFailure`.
 
     Returns:
         The status code and body of the final (non-1xx) response.
@@ -269,7 +274,8 @@ async def exchange(endpoint: Endpoint, credential: Credential, body: bytes) -> H
         raise ConnectFailure(_connect_kind(exc)) from None
     async with stream:
         try:
-            return await _exchange_on(stream, endpoint, credential, body)
+            return await _exchange_on(stream, endpoint, credential, body,
+                                      min(max_body, MAX_RESPONSE_BYTES))
         except h11.ProtocolError:
             # h11's message can quote header bytes: keep it out.
             raise TransportFailure("malformed HTTP from the host") from None
@@ -278,7 +284,8 @@ async def exchange(endpoint: Endpoint, credential: Credential, body: bytes) -> H
 
 
 async def _exchange_on(
-    stream: anyio.abc.ByteStream, endpoint: Endpoint, credential: Credential, body: bytes
+    stream: anyio.abc.ByteStream, endpoint: Endpoint, credential: Credential, body: bytes,
+    max_body: int,
 ) -> HttpReply:
     conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEADER_BYTES)
     host = _UNIX_HOST if endpoint.kind == "unix" else endpoint.describe()[len("http://") :].encode()
@@ -318,7 +325,7 @@ async def _exchange_on(
             status = event.status_code
         elif isinstance(event, h11.Data):
             size += len(event.data)
-            if size > MAX_RESPONSE_BYTES:
+            if size > max_body:
                 raise TransportFailure("response body over the bound")
             chunks.append(bytes(event.data))
         elif isinstance(event, h11.EndOfMessage):

@@ -21,12 +21,19 @@ Theory of operation (spec §Conformance [C1], invariants I2–I6):
 4. Retry. No answer and `indeterminate` are retried with the identical bytes, with
    exponential backoff, up to `RetryPolicy.max_attempts` attempts and
    `RetryPolicy.total_seconds`. `succeeded`, `failed` and unsupported are final, with
-   one exception: once an attempt may have reached the host, a `failed` the host can
-   give before reading its record of the request (`unauthenticated`; `internal` not
-   `replayed`) says nothing about that earlier attempt, so the call's answer stays the
-   fate-unknown one (`_fate_blind`; retrying stops at `unauthenticated`, which no retry
-   cures). Otherwise a credential expiring between two attempts would read as "nothing
-   happened" and invite a second request.
+   one exception: once an attempt may have reached the host (or an earlier call of the
+   request did: `send(request, prior=fate_unknown)`), a `failed` the host does not
+   replay from its record says nothing about that earlier attempt (NIP-BA: "A refusal
+   of a retry does not undo or disprove earlier execution"), so the call's answer stays
+   the fate-unknown one (`_fate_blind`). Retrying stops at the refusals no retry can
+   change (`unauthenticated`, `unauthorized`, `request_id_conflict`) and goes on after
+   the others. Otherwise a credential expiring, a permission lost, between two attempts
+   would read as "nothing happened" and invite a second request. A `replayed` `failed`
+   is the host's record of the request: final.
+5. Bound. Each action's answer has a byte bound and a bound on its JSON values
+   (`_bounds`), checked before a JSON object is built; a larger body is no answer. A
+   large body is judged on a worker thread inside the attempt's deadline, never on the
+   caller's event loop.
 
 The answer types (one base, `Result`; all frozen):
 
@@ -45,7 +52,7 @@ The answer types (one base, `Result`; all frozen):
 
 `Indeterminate` and `NoAnswer` share the base `FateUnknown`: after the retry bound the
 caller must reconcile (read state) or retry later *with the same request id and bytes*
-(`FateUnknown.request` handed back to `send` does so).
+(`send(answer.request, prior=answer)` does so, keeping the uncertainty).
 
 Setup problems raise instead (`buzz_broker_client._errors`, table `SETUP_PROBLEMS`): a
 connect that failed as "missing", "refused" or "permission" on every attempt of a call
@@ -73,12 +80,14 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeAlias, TypeVar
 
 import anyio
+import anyio.to_thread
 
 from buzzwire.contract import (
     ACTIONS,
@@ -102,9 +111,13 @@ from buzzwire.contract import (
     encode_request,
     normalize_channel_id,
     normalize_hex64,
+    parse_json,
     parse_response,
 )
+from buzzwire.kinds import MEMORY
 from buzzwire.nostr import verify_event
+
+from ._bounds import response_bytes, response_values, values_at_most
 
 from ._env import resolve_address, resolve_credential
 from ._errors import SETUP_PROBLEMS, CredentialRefused, SetupError
@@ -178,6 +191,9 @@ class Succeeded(Result, Generic[O]):
 class Failed(Result):
     """`failed`: the host promises no side effects took hold. Not retried.
 
+    Only ever the first verdict on the request, or the host's record of it (`replayed`):
+    a refusal after an attempt that may have reached the host is a `FateUnknown` instead.
+
     `unsupported` lands here too for an operation that is not best-effort: the agent
     cannot do that job on this host.
 
@@ -211,9 +227,10 @@ class FateUnknown(Result):
     """Base of the two "fate unknown" answers, returned once the retry bound is spent.
 
     Nothing can be concluded about side effects. Retry later with the same request id
-    and bytes (the host deduplicates): `client.send(answer.request)` re-sends the same
-    frozen request (`encode_request` is canonical, so its bytes are the same). Or read
-    state to find out.
+    and bytes (the host deduplicates): `client.send(answer.request, prior=answer)`
+    re-sends the same frozen request (`encode_request` is canonical, so its bytes are the
+    same) and keeps this uncertainty, so a refusal of the re-send is not read as "nothing
+    happened". Or read state to find out.
 
     Attributes:
         request: the frozen request, to hand back to `send`.
@@ -227,8 +244,9 @@ class Indeterminate(FateUnknown):
     """Fate unknown: the host answered `indeterminate` (`outcome_unknown` or `internal`).
 
     It answered so to the last attempt that could tell; a later attempt may have been
-    refused without a word on the request's fate (its credential no longer valid, or a
-    fault before the host read its record), which leaves this the answer.
+    refused without a word on the request's fate (any refusal the host did not replay
+    from its record: its credential or a permission lost, a conflict, a fault before it
+    read its record), which leaves this the answer.
 
     Attributes:
         code: `outcome_unknown` or `internal`.
@@ -278,6 +296,9 @@ Answer: TypeAlias = Succeeded[O] | Failed | Unsupported | Indeterminate | NoAnsw
 
 # --------------------------------------------------------------------------- policy
 
+#: The most attempts a `RetryPolicy` may ask for (NIP-BA: bounded retries).
+MAX_ATTEMPTS = 100
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RetryPolicy:
@@ -286,10 +307,14 @@ class RetryPolicy:
     Delays are deterministic (no jitter): one agent talks to one local host over its own
     credential, so there is no herd to spread out, and tests can reason about timing.
 
+    Every value must be finite (NIP-BA: bounded backoff, never an unbounded retry loop);
+    anything else raises `ValueError`.
+
     Attributes:
-        max_attempts: attempts in all, the first included (4).
-        first_delay: seconds before the second attempt (0.25).
-        multiplier: each later wait is the last times this (2).
+        max_attempts: attempts in all, the first included (4); at most `MAX_ATTEMPTS` (100).
+        first_delay: seconds before the second attempt (0.25); positive when
+            `max_attempts` > 1.
+        multiplier: each later wait is the last times this (2); at least 1.
         max_delay: the longest wait, seconds (4).
         attempt_seconds: bound on one attempt: connect, send, read the whole response (30).
         total_seconds: bound on the whole call, waits included; no attempt starts after
@@ -308,11 +333,20 @@ class RetryPolicy:
     total_seconds: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ValueError("max_attempts must be at least 1")
+        # NIP-BA: "clients MUST use bounded backoff, not an unbounded retry loop". Every
+        # value is finite (NaN compares false to every bound, inf is no bound), and a
+        # retry waits: max_attempts, total_seconds and first_delay together end the call.
+        if type(self.max_attempts) is not int or not 1 <= self.max_attempts <= MAX_ATTEMPTS:
+            raise ValueError(f"max_attempts must be an integer from 1 to {MAX_ATTEMPTS}")
+        for name in ("first_delay", "multiplier", "max_delay", "attempt_seconds", "total_seconds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number")
         for name in ("first_delay", "max_delay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
+        if self.max_attempts > 1 and self.first_delay <= 0:
+            raise ValueError("first_delay must be positive when retrying (max_attempts > 1)")
         if self.multiplier < 1:
             raise ValueError("multiplier must be at least 1")
         for name in ("attempt_seconds", "total_seconds"):
@@ -351,6 +385,9 @@ def _echo_check(action: str) -> Callable[[Request, object, str | None], str | No
             return "page holds more events than the effective limit"
         if kind is not None and isinstance(outcome, PublishOutcome) and outcome.kind != kind:
             return "published outcome reports another kind than the action publishes"
+        # NIP-BA: storage.address "returns the agent's author pubkey, kind 30174".
+        if isinstance(outcome, StorageAddressOutcome) and outcome.kind != MEMORY:
+            return "storage address reports another kind than 30174"
         # NIP-BA: observer receipts must fit the submitted frame count.
         if isinstance(outcome, ObserverEmitOutcome) and outcome.accepted > len(args.frames):
             return "accepted counts more frames than were sent"
@@ -367,31 +404,71 @@ _ECHO_CHECKS: Mapping[str, Callable[[Request, object, str | None], str | None]] 
 }
 
 
-def _fate_blind(answer: Result) -> bool:
-    """True for a `failed` the host may give before it reads its record of the request.
+#: The `failed` codes a retry of the same bytes cannot change: the credential, its
+#: permissions, and the record under this request id are what they are. Once an earlier
+#: attempt may have reached the host, the call stops at one of these (answering the
+#: earlier fate-unknown); after any other unreplayed `failed` it retries.
+_FINAL_REFUSALS = frozenset({
+    ErrorCode.UNAUTHENTICATED, ErrorCode.UNAUTHORIZED, ErrorCode.REQUEST_ID_CONFLICT,
+})
 
-    The host checks the credential before its request record and records no
-    `unauthenticated`, and a fault before or while it opens the record (custody, the
-    ledger's database) is `failed` + `internal` about that attempt alone
-    (daemon/pipeline/broker.py): neither says what an earlier attempt of the same request
-    did. An `internal` the record vouches for comes back `replayed`; one that does not
-    cannot be told from a fault before the record was read, so it counts as fate-blind.
-    Any other `failed` is answered from the record, or when there is none, so it holds
-    for the request.
+
+def _fate_blind(answer: Result, replayed: bool) -> bool:
+    """True for a refusal that says nothing about what an earlier attempt did.
+
+    NIP-BA: "A refusal of a retry does not undo or disprove earlier execution. [...]
+    conflict, revocation, or permission loss only proves this attempt introduced no new
+    effects. Clients with earlier uncertainty MUST retain it." So once an attempt may
+    have reached the host, every `failed` (and best-effort `unsupported`) is about this
+    attempt alone, unless the host says it comes from its record of the request
+    (`replayed`): that is its real verdict on the request.
     """
-    if not isinstance(answer, Failed):
-        return False
-    if answer.code is ErrorCode.UNAUTHENTICATED:
-        return True
-    # judge() has parsed this envelope already: it cannot fail here.
-    return (answer.code is ErrorCode.INTERNAL
-            and not parse_response(answer.envelope, accept_replayed_false=True).replayed)
+    return isinstance(answer, (Failed, Unsupported)) and not replayed
 
 
 def _verify_events(outcome: object) -> bool:
     if not isinstance(outcome, ReadOutcome) or not outcome.messages:
         return True
     return all(verify_event(event.to_json_obj()) for event in outcome.messages)
+
+
+#: outcome type -> its members that name an identity or a name (wire name, attribute). The
+#: contract's reader accepts any spelling NIP-BA accepts as input and hands back the
+#: canonical one; NIP-BA holds a host's output to the canonical one (lowercase hex,
+#: lowercase hyphenated UUID, names trimmed), so the raw member must already be it.
+_CANONICAL_OUTPUTS: Mapping[type, tuple[tuple[str, str], ...]] = {
+    PublishOutcome: (("eventId", "event_id"),),
+    StorageAddressOutcome: (("authorPubkey", "author_pubkey"), ("dTag", "d_tag")),
+    AgentsCreateOutcome: (("agentPubkey", "agent_pubkey"), ("displayName", "display_name"),
+                          ("channelId", "channel_id")),
+    AgentsUpdateOutcome: (("agentPubkey", "agent_pubkey"), ("displayName", "display_name")),
+    AgentsDeleteOutcome: (("agentPubkey", "agent_pubkey"), ("displayName", "display_name")),
+}
+
+
+def _not_canonical(body: bytes, outcome: object) -> bool:
+    """True when a member of `_CANONICAL_OUTPUTS` was not sent in its canonical form.
+
+    The body has parsed already (one small outcome: bounded by `_bounds.response_bytes`).
+    """
+    members = _CANONICAL_OUTPUTS.get(type(outcome))
+    if members is None:
+        return False
+    top: Any = parse_json(body)[0]
+    raw = top["outcome"]
+    return any(raw[wire] != getattr(outcome, attr) for wire, attr in members)
+
+
+def _as_answer(unknown: FateUnknown) -> Indeterminate | NoAnswer:
+    """A `FateUnknown` as the answer it always is (the base is never constructed)."""
+    assert isinstance(unknown, (Indeterminate, NoAnswer))
+    return unknown
+
+
+#: Bodies up to this size are judged on the loop (every non-read answer: at most
+#: `_bounds.SMALL_ANSWER_BYTES`), a millisecond at most; larger ones (pages of events,
+#: a memory record) on a worker thread.
+_JUDGE_INLINE_BYTES = 64 * 1024
 
 
 def _no_answer(request: Request, attempt: int, reason: NoAnswerReason, detail: str) -> NoAnswer:
@@ -421,13 +498,35 @@ def judge(
 
     Returns:
         A verdict (`Succeeded`, `Failed`, `Unsupported`, `Indeterminate`) only when the
-        envelope parses and passes every I5 check; otherwise `NoAnswer`.
+        envelope parses and passes every I5 check; otherwise `NoAnswer`. A body larger,
+        or holding more JSON values, than an answer to this request can
+        (`_bounds.response_bytes`, `response_values`) is `NoAnswer` unparsed.
     """
+    return _judge(request, reply, outcome_type, attempt=attempt, verification=verification,
+                  me=me)[0]
+
+
+def _judge(
+    request: Request,
+    reply: HttpReply,
+    outcome_type: type[O],
+    *,
+    attempt: int,
+    verification: EventVerification,
+    me: str | None,
+) -> tuple[Answer[O], bool]:
+    """`judge`, and whether the envelope said `replayed` (what `_fate_blind` needs)."""
     rid, action = request.request_id, request.action
 
-    def no_answer(reason: NoAnswerReason, detail: str) -> NoAnswer:
-        return _no_answer(request, attempt, reason, detail)
+    def no_answer(reason: NoAnswerReason, detail: str) -> tuple[NoAnswer, bool]:
+        return _no_answer(request, attempt, reason, detail), False
 
+    if len(reply.body) > response_bytes(request):
+        return no_answer(NoAnswerReason.NO_ENVELOPE, "response larger than an answer to this action can be")
+    values = response_values(request)
+    if values_at_most(reply.body, values) > values:
+        # Counted in the raw bytes, before json builds an object (see _bounds).
+        return no_answer(NoAnswerReason.NO_ENVELOPE, "response holds more JSON values than an answer to this action can")
     try:
         # Buzz's reference client reads `replayed` with a default, so `false` is an answer.
         response: Response = parse_response(reply.body, accept_replayed_false=True)
@@ -448,20 +547,24 @@ def judge(
         problem = _ECHO_CHECKS[request.action](request, outcome, me)
         if problem is not None:
             return no_answer(NoAnswerReason.MISMATCH, problem)
+        if _not_canonical(reply.body, outcome):
+            return no_answer(NoAnswerReason.MISMATCH, "outcome names an identity in a non-canonical form")
         if verification is EventVerification.VERIFY and not _verify_events(outcome):
             return no_answer(NoAnswerReason.UNVERIFIED_EVENT, "an event's id or signature does not verify")
         return Succeeded(request_id=rid, action=action, attempts=attempt, outcome=outcome,
-                         replayed=response.replayed, envelope=reply.body)
+                         replayed=response.replayed, envelope=reply.body), response.replayed
 
     assert response.code is not None and response.message is not None  # parse_response's shape rule
+    replayed = response.replayed
     if response.status is Status.FAILED:
         if response.code is ErrorCode.UNSUPPORTED and ACTIONS[request.action].best_effort:
             return Unsupported(request_id=rid, action=action, attempts=attempt,
-                               message=response.message, envelope=reply.body)
+                               message=response.message, envelope=reply.body), replayed
         return Failed(request_id=rid, action=action, attempts=attempt, code=response.code,
-                      message=response.message, envelope=reply.body)
+                      message=response.message, envelope=reply.body), replayed
     return Indeterminate(request_id=rid, action=action, attempts=attempt, request=request,
-                         code=response.code, message=response.message, envelope=reply.body)
+                         code=response.code, message=response.message,
+                         envelope=reply.body), replayed
 
 
 # --------------------------------------------------------------------------- paging
@@ -630,58 +733,81 @@ class AsyncBrokerClient:
         request = self.freeze(action, args, request_id)
         return await self.send(request)
 
-    async def send(self, request: Request) -> Answer[Any]:
+    async def send(self, request: Request, *, prior: FateUnknown | None = None) -> Answer[Any]:
         """Send a frozen request (for example one kept from an earlier `FateUnknown`).
 
         The request is serialized once here; every attempt sends those bytes under its
         request id, so re-sending `answer.request` after a `FateUnknown` can never do the
         thing twice: the host replays its record (`Succeeded.replayed`).
 
+        Re-sending after a `FateUnknown`, pass it as `prior`:
+        `await client.send(answer.request, prior=answer)`. The call then starts from that
+        uncertainty, as its own retries do after a lost attempt (NIP-BA: "A refusal of a
+        retry does not undo or disprove earlier execution"): a refusal the host does not
+        replay from its record (`unauthorized`, `request_id_conflict`, `action_failed`,
+        a refused credential, ...) answers a `FateUnknown` again, never `Failed`, and no
+        `SetupError` is raised. Without `prior`, such a refusal is `Failed`, true only of
+        this send.
+
         Args:
             request: a `Request` from `freeze`, or `FateUnknown.request`.
+            prior: the `FateUnknown` an earlier call of this same request answered, whose
+                uncertainty this call must keep; None for a request not sent before.
 
         Returns:
-            An `Answer` for `request.action`.
+            An `Answer` for `request.action`. With `prior`: `Succeeded`, a `Failed` or
+            `Unsupported` the host replayed from its record, or a `FateUnknown` (`attempts`
+            counting this call's).
 
         Raises:
+            ValueError: `prior` is the answer of another request (another id, action or
+                bytes).
             SetupError: the broker cannot be used at all and nothing happened (as for
-                every operation method; `CredentialRefused` included). Re-sending a
-                `FateUnknown.request`, that is only about this call: the earlier call's
-                fate is still unknown (fix the setup, then send it again or read state).
+                every operation method; `CredentialRefused` included); never with `prior`.
         """
-        return await self._send(request, ACTIONS[request.action].outcome_type)
+        if prior is not None and (prior.request_id != request.request_id
+                                  or encode_request(prior.request) != encode_request(request)):
+            raise ValueError("prior is the answer of another request: pass the FateUnknown "
+                             "whose .request is being sent")
+        return await self._send(request, ACTIONS[request.action].outcome_type, prior)
 
-    async def _send(self, request: Request, outcome_type: type[O]) -> Answer[O]:
+    async def _send(
+        self, request: Request, outcome_type: type[O], prior: FateUnknown | None = None
+    ) -> Answer[O]:
         body = encode_request(request)  # the one serialization (I3)
         policy = self._retry
         deadline = anyio.current_time() + policy.total_seconds
         delay = policy.first_delay
         attempt = 0
         # Stays True while every attempt failed before a byte left (connect refused,
-        # missing, forbidden): only then is a setup error the truth about this call.
-        nothing_sent = True
-        # The latest fate-unknown answer, kept once an attempt may have reached the host:
-        # what this call must answer if a later attempt is refused without the host
-        # having read its record of the request (`_fate_blind`).
-        unknown: Indeterminate | NoAnswer | None = None
+        # missing, forbidden) and no earlier call sent the request: only then is a setup
+        # error the truth about this call.
+        nothing_sent = prior is None
+        # The latest fate-unknown answer, kept once an attempt may have reached the host
+        # (or an earlier call's, `prior`): what this call must answer if a later attempt
+        # is refused without a word on the request's fate (`_fate_blind`).
+        unknown: FateUnknown | None = prior
         while True:
             attempt += 1
-            answer, connect = await self._attempt(request, body, outcome_type, attempt, deadline)
+            answer, replayed, connect = await self._attempt(
+                request, body, outcome_type, attempt, deadline)
             nothing_sent = nothing_sent and connect in SETUP_PROBLEMS
-            if unknown is not None and _fate_blind(answer):
-                assert isinstance(answer, Failed)
-                if answer.code is ErrorCode.UNAUTHENTICATED:
-                    # An earlier attempt may have done it; this refusal only says the
-                    # credential stopped working since. Retrying cannot revive it.
+            if unknown is not None and _fate_blind(answer, replayed):
+                assert isinstance(answer, (Failed, Unsupported))
+                code = answer.code if isinstance(answer, Failed) else ErrorCode.UNSUPPORTED
+                if code in _FINAL_REFUSALS:
+                    # An earlier attempt may have done it; this refusal only says this
+                    # attempt did nothing (the credential or its permission lost since, or
+                    # these bytes conflict with the record). Retrying cannot change it.
                     _log.warning(
-                        "credential refused after an attempt that may have reached the host, "
-                        "fate unknown: request_id=%s action=%s attempts=%d",
-                        request.request_id, request.action, attempt,
+                        "retry refused after an attempt that may have reached the host, "
+                        "fate unknown: request_id=%s action=%s attempts=%d code=%s",
+                        request.request_id, request.action, attempt, code.value,
                     )
-                    return replace(unknown, attempts=attempt)
-                # failed + internal said nothing about the earlier attempts: retried like
-                # the fate-unknown answer it stands behind.
-                answer = replace(unknown, attempts=attempt)
+                    return _as_answer(replace(unknown, attempts=attempt))
+                # Said nothing about the earlier attempts: retried like the fate-unknown
+                # answer it stands behind.
+                answer = _as_answer(replace(unknown, attempts=attempt))
             if isinstance(answer, Failed) and answer.code is ErrorCode.UNAUTHENTICATED:
                 raise CredentialRefused(answer)
             if not isinstance(answer, FateUnknown):
@@ -715,25 +841,43 @@ class AsyncBrokerClient:
 
     async def _attempt(
         self, request: Request, body: bytes, outcome_type: type[O], attempt: int, deadline: float
-    ) -> tuple[Answer[O], ConnectKind | None]:
-        """One attempt; also how its connect failed, when it did (None otherwise)."""
+    ) -> tuple[Answer[O], bool, ConnectKind | None]:
+        """One attempt: its answer, whether the host said `replayed`, and how its connect
+        failed, when it did (None otherwise).
+
+        The attempt's deadline covers judging too. A large body is judged on a worker
+        thread, so parsing it and verifying its events never holds the caller's event
+        loop; past the deadline the attempt is no answer and the thread is abandoned
+        (its work is bounded by `_bounds`).
+        """
         budget = min(self._retry.attempt_seconds, max(deadline - anyio.current_time(), 0.0))
         reply: HttpReply | None = None
         detail = "timed out"
         connect: ConnectKind | None = None
+        judged: tuple[Answer[O], bool] | None = None
         with anyio.move_on_after(budget):
             try:
-                reply = await exchange(self._endpoint, self._credential, body)
+                reply = await exchange(self._endpoint, self._credential, body,
+                                       max_body=response_bytes(request))
             except ConnectFailure as exc:
                 detail, connect = exc.detail, exc.kind
             except TransportFailure as exc:
                 detail = exc.detail
-        if reply is None:
-            return _no_answer(request, attempt, NoAnswerReason.TRANSPORT, detail), connect
-        answer = judge(
-            request, reply, outcome_type, attempt=attempt, verification=self._events, me=self._me
-        )
-        return answer, None
+            if reply is not None:
+                got = reply
+
+                def work() -> tuple[Answer[O], bool]:
+                    return _judge(request, got, outcome_type, attempt=attempt,
+                                  verification=self._events, me=self._me)
+
+                detail = "timed out checking the response"
+                if len(reply.body) <= _JUDGE_INLINE_BYTES:
+                    judged = work()
+                else:
+                    judged = await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
+        if judged is None:
+            return _no_answer(request, attempt, NoAnswerReason.TRANSPORT, detail), False, connect
+        return judged[0], judged[1], None
 
     # ----- one method per operation (spec §Operations; wire names in the mapping)
 

@@ -294,10 +294,11 @@ async def test_malformed_envelope_is_no_answer(host: ScriptedHost, step: object)
 async def test_agents_create_echo_compared_as_parsed_identity(host: ScriptedHost) -> None:
     pub = Signer().pubkey
     c = client(host)
-    # Another spelling of the same channel is the same identity: a verdict.
+    # The channel asked for in another spelling, echoed canonical: a verdict. (An echo
+    # that is not canonical is no answer: test_non_canonical_host_output_is_no_answer.)
     host.script = [succeeded(None, {"agentPubkey": pub, "displayName": "Scout",
-                                    "channelId": CHANNEL.upper()})]
-    ok = await c.agents_create(CHANNEL.replace("-", ""), "Scout", "Be brief.")
+                                    "channelId": CHANNEL})]
+    ok = await c.agents_create(CHANNEL.replace("-", "").upper(), "Scout", "Be brief.")
     assert isinstance(ok, Succeeded) and isinstance(ok.outcome, AgentsCreateOutcome)
     # Another channel is not an answer to this request.
     host.default = succeeded(None, {"agentPubkey": pub, "displayName": "Scout",
@@ -769,6 +770,24 @@ def test_retry_policy_rejects_nonsense() -> None:
             RetryPolicy(**bad)
 
 
+@pytest.mark.parametrize("bad", [
+    {"total_seconds": float("inf")}, {"total_seconds": float("nan")},
+    {"attempt_seconds": float("inf")}, {"attempt_seconds": float("nan")},
+    {"first_delay": float("nan")}, {"max_delay": float("inf")}, {"multiplier": float("nan")},
+    {"max_attempts": 10**9}, {"max_attempts": 101}, {"max_attempts": 2.5}, {"max_attempts": True},
+    {"first_delay": 0.0}, {"first_delay": 0.0, "multiplier": 1.0},
+], ids=str)
+def test_retry_policy_refuses_an_unbounded_retry_loop(bad: dict[str, Any]) -> None:
+    # NIP-BA: "clients MUST use bounded backoff, not an unbounded retry loop".
+    with pytest.raises(ValueError):
+        RetryPolicy(**bad)
+
+
+def test_retry_policy_bounds_still_admit_what_is_bounded() -> None:
+    RetryPolicy(max_attempts=1, first_delay=0.0)  # no retry, so no wait needed
+    RetryPolicy(max_attempts=100, first_delay=0.001, multiplier=1.0, max_delay=0.001)
+
+
 # ------------------------------------------------------------------ what Buzz's client tolerates
 
 
@@ -1047,3 +1066,193 @@ async def test_a_post_reporting_another_kind_is_no_answer(host: ScriptedHost) ->
     host.script = [succeeded(None, publish_outcome(20002))] * 4
     answer = await client(host).message_post(CHANNEL, "hi")
     assert isinstance(answer, NoAnswer) and answer.reason is NoAnswerReason.MISMATCH
+
+
+# ------------------------------------------------------------------ earlier uncertainty is kept
+
+#: Refusals a retry cannot change: the call stops at the first, answering the earlier fate.
+STOPPING_CODES = ["unauthenticated", "unauthorized", "request_id_conflict"]
+#: Other refusals: they say nothing about the earlier attempt either; the retries go on.
+RETRIED_CODES = ["action_failed", "invalid_request", "unsupported", "internal", "unknown_action"]
+
+
+@pytest.mark.parametrize("first", ["drop", "indeterminate"])
+@pytest.mark.parametrize("code", STOPPING_CODES + RETRIED_CODES)
+async def test_a_refused_retry_keeps_the_earlier_uncertainty(
+        host: ScriptedHost, first: str, code: str) -> None:
+    # NIP-BA: "A refusal of a retry does not undo or disprove earlier execution [...]
+    # Clients with earlier uncertainty MUST retain it." The first attempt may have posted.
+    opening = drop() if first == "drop" else errored("indeterminate", "outcome_unknown")
+    host.script = [opening]
+    host.default = errored("failed", code)
+    answer = await client(host).message_post(CHANNEL, "hi")
+    assert isinstance(answer, FateUnknown)
+    if first == "drop":
+        assert isinstance(answer, NoAnswer) and answer.reason is NoAnswerReason.TRANSPORT
+    else:
+        assert isinstance(answer, Indeterminate) and answer.envelope == host.answered[0]
+    attempts = 2 if code in STOPPING_CODES else FAST.max_attempts
+    assert answer.attempts == attempts
+    assert_identical_retries(host, attempts)
+
+
+async def test_a_refused_retry_of_a_best_effort_signal_keeps_the_uncertainty(
+        host: ScriptedHost) -> None:
+    host.script = [errored("indeterminate", "outcome_unknown")]
+    host.default = errored("failed", "unsupported")
+    answer = await client(host).reaction_add(CHANNEL, OTHER, "👀")
+    assert isinstance(answer, Indeterminate) and answer.attempts == FAST.max_attempts
+
+
+@pytest.mark.parametrize("code", ["unauthorized", "request_id_conflict", "action_failed"])
+async def test_a_replayed_refusal_after_a_drop_is_the_recorded_verdict(
+        host: ScriptedHost, code: str) -> None:
+    # `replayed`: the host's record of this request holds that refusal; it is final.
+    host.script = [drop(), errored("failed", code, replayed=True)]
+    answer = await client(host).message_post(CHANNEL, "hi")
+    assert isinstance(answer, Failed) and answer.code.value == code and answer.attempts == 2
+
+
+@pytest.mark.parametrize("code", STOPPING_CODES + ["action_failed"])
+async def test_a_resend_with_its_prior_fate_unknown_keeps_it(host: ScriptedHost, code: str) -> None:
+    host.script = [drop(), drop(), drop()]
+    host.default = errored("failed", code)
+    c = client(host)
+    first = await c.message_post(CHANNEL, "hi")
+    assert isinstance(first, NoAnswer)
+    again = await c.send(first.request, prior=first)
+    # Never Failed ("nothing happened"), never CredentialRefused: the first call's fate
+    # is still unknown.
+    assert isinstance(again, NoAnswer) and again.request == first.request
+    assert again.attempts == (1 if code in STOPPING_CODES else FAST.max_attempts)
+    assert_identical_retries(host, 3 + again.attempts)
+
+
+async def test_a_resend_with_its_prior_fate_unknown_still_takes_a_verdict(
+        host: ScriptedHost) -> None:
+    host.script = [drop(), drop(), drop(), errored("failed", "action_failed", replayed=True),
+                   drop(), drop(), drop(), succeeded(None, publish_outcome(), replayed=True)]
+    c = client(host)
+    first = await c.message_post(CHANNEL, "hi")
+    assert isinstance(first, NoAnswer)
+    recorded = await c.send(first.request, prior=first)
+    assert isinstance(recorded, Failed) and recorded.code is ErrorCode.ACTION_FAILED
+    second = await c.message_post(CHANNEL, "again")
+    assert isinstance(second, NoAnswer)
+    done = await c.send(second.request, prior=second)
+    assert isinstance(done, Succeeded) and done.replayed
+
+
+async def test_a_resend_with_its_prior_raises_no_setup_error() -> None:
+    # Its socket gone, the resend is no answer: the request's fate stays unknown.
+    directory = socket_dir()
+    try:
+        c = AsyncBrokerClient(f"{directory}/broker.sock", CREDENTIAL, retry=FAST)
+        request = c.freeze("message.post", {"channelId": CHANNEL, "content": "hi"})
+        prior = NoAnswer(request_id=request.request_id, action=request.action, attempts=1,
+                         request=request, reason=NoAnswerReason.TRANSPORT, detail="timed out")
+        answer = await c.send(request, prior=prior)
+        assert isinstance(answer, NoAnswer) and answer.attempts == FAST.max_attempts
+        with pytest.raises(SocketMissing):
+            await c.send(request)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_prior_of_another_request_is_refused() -> None:
+    c = AsyncBrokerClient("/tmp/bbc-nonexistent/broker.sock", CREDENTIAL, retry=FAST)
+    request = c.freeze("message.post", {"channelId": CHANNEL, "content": "hi"})
+    other = c.freeze("message.post", {"channelId": CHANNEL, "content": "bye"},
+                     request_id=request.request_id)
+    prior = NoAnswer(request_id=other.request_id, action=other.action, attempts=1,
+                     request=other, reason=NoAnswerReason.TRANSPORT, detail="timed out")
+    with pytest.raises(ValueError, match="another request"):
+        anyio.run(lambda: c.send(request, prior=prior))
+
+
+# ------------------------------------------------------------------ what an answer may cost
+
+
+async def test_an_answer_larger_than_its_action_can_be_is_no_answer(host: ScriptedHost) -> None:
+    # A valid envelope, but no answer to message.post holds 100 KiB (a Published outcome,
+    # or one operator line): not read past the action's bound.
+    host.default = errored("failed", "action_failed", "x" * 100_000)
+    answer = await client(host).message_post(CHANNEL, "hi")
+    assert isinstance(answer, NoAnswer) and answer.reason is NoAnswerReason.TRANSPORT
+    assert answer.detail == "response body over the bound"
+    assert_identical_retries(host, FAST.max_attempts)
+
+
+async def test_a_page_of_more_json_values_than_events_hold_is_no_answer(host: ScriptedHost) -> None:
+    # 200,000 empty tags in one event: 600 KB, well inside a page's bytes, but ~35 MB of
+    # objects to build, check and verify. Refused from a count of the raw bytes.
+    event = Signer().event(content="x", tags=[["h", CHANNEL]])
+    event["tags"] = [["h", CHANNEL]] + [[]] * 200_000
+    host.default = succeeded(None, page([event]))
+    answer = await client(host).channel_read(CHANNEL, limit=10)
+    assert isinstance(answer, NoAnswer) and answer.reason is NoAnswerReason.NO_ENVELOPE
+    assert "JSON values" in answer.detail
+
+
+async def test_judging_a_page_holds_neither_the_loop_nor_past_the_deadline(
+        host: ScriptedHost, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Verifying a page's events is CPU work: it runs on a worker thread, inside the
+    # attempt's deadline. A verification that takes longer than the attempt may (here a
+    # blocking sleep stands for it) leaves the loop free and the attempt no answer.
+    import time
+
+    import buzz_broker_client.client as client_module
+
+    def slow_verify(outcome: object) -> bool:
+        time.sleep(1.0)
+        return True
+
+    monkeypatch.setattr(client_module, "_verify_events", slow_verify)
+    event = Signer().event(content="y" * 100_000, tags=[["h", CHANNEL]])
+    host.default = succeeded(None, page([event]))
+    ticks = 0
+
+    async def heartbeat() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.01)
+            ticks += 1
+
+    policy = RetryPolicy(max_attempts=1, attempt_seconds=0.3, total_seconds=5)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(heartbeat)
+        answer = await client(host, retry=policy).channel_read(CHANNEL, limit=1)
+        tg.cancel_scope.cancel()
+    assert isinstance(answer, NoAnswer) and answer.reason is NoAnswerReason.TRANSPORT
+    assert answer.detail == "timed out checking the response"
+    assert ticks >= 5, "the event loop stalled while the page was judged"
+
+
+# ------------------------------------------------------------------ outcome identities
+
+
+async def test_a_storage_address_of_another_kind_is_no_answer(host: ScriptedHost) -> None:
+    # NIP-BA: storage.address "returns the agent's author pubkey, kind 30174".
+    me = Signer().pubkey
+    host.script = [succeeded(None, {"authorPubkey": me, "kind": 30174, "dTag": OTHER})]
+    c = client(host, agent_pubkey=me)
+    assert isinstance(await c.storage_address("core"), Succeeded)
+    host.default = succeeded(None, {"authorPubkey": me, "kind": 1, "dTag": OTHER})
+    answer = await c.storage_address("core")
+    assert isinstance(answer, NoAnswer) and answer.reason is NoAnswerReason.MISMATCH
+
+
+async def test_non_canonical_host_output_is_no_answer(host: ScriptedHost) -> None:
+    # NIP-BA: lowercase hex and lowercase hyphenated UUIDs out, names trimmed; the reader
+    # accepts input spellings, so the client checks the host wrote the canonical one.
+    pub = Signer().pubkey
+    c = client(host)
+    host.default = succeeded(None, {"eventId": OTHER.upper(), "kind": 9, "createdAt": 1})
+    post = await c.message_post(CHANNEL, "hi")
+    assert isinstance(post, NoAnswer) and post.reason is NoAnswerReason.MISMATCH
+    for outcome in ({"agentPubkey": pub, "displayName": "Scout", "channelId": "{" + CHANNEL.upper() + "}"},
+                    {"agentPubkey": pub, "displayName": " Scout ", "channelId": CHANNEL},
+                    {"agentPubkey": pub.upper(), "displayName": "Scout", "channelId": CHANNEL}):
+        host.default = succeeded(None, outcome)
+        created = await c.agents_create(CHANNEL, "Scout", "Be brief.")
+        assert isinstance(created, NoAnswer) and created.reason is NoAnswerReason.MISMATCH, outcome
