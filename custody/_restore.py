@@ -45,7 +45,7 @@ import pyrage
 
 from custody._backup import MAX_PUBLIC_BYTES, PREFIX, _canonical, _SECRET_HEX, _zero
 from custody._errors import CustodyError
-from custody._jsonvalues import values_at_most
+from buzzwire.jsonvalues import values_at_most
 from custody._keystore import KeyRecord
 from custody._secp256k1 import is_xonly_pubkey, xonly_pubkey
 from custody._sealed import seal

@@ -19,14 +19,12 @@ The bounds are derived from what an honest answer to the request can hold:
   its tags: a Buzz message has a channel tag, thread tags and at most 50 mentions; 1,024
   on average over the page leaves several times that), never past `MAX_RESPONSE_BYTES`.
 
-The value count is the custodian's (custody/_jsonvalues.py `values_at_most`), kept here as
-the client's own copy: the client installs without the daemon or custody, and buzzwire
-does not carry it.
+The value count is the shared one (buzzwire.jsonvalues `values_at_most`), which the
+custodian's frames and a backup's lines are counted by too.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Final
 
 from buzzwire.contract import MAX_MEMORY_BODY_BYTES, ChannelReadArgs, Request
@@ -35,7 +33,7 @@ from ._transport import MAX_RESPONSE_BYTES
 
 __all__ = [
     "MAX_RESPONSE_BYTES", "SMALL_ANSWER_BYTES", "SMALL_ANSWER_VALUES", "EVENT_BYTES",
-    "EVENT_VALUES", "response_bytes", "response_values", "values_at_most",
+    "EVENT_VALUES", "response_bytes", "response_values",
 ]
 
 #: An answer of any action but channel.read and storage.get.
@@ -65,27 +63,3 @@ def response_values(request: Request) -> int:
     if isinstance(request.args, ChannelReadArgs):
         return request.args.effective_limit * EVENT_VALUES + _ENVELOPE_VALUES
     return SMALL_ANSWER_VALUES
-
-
-#: A string literal (one never closed runs to the end, a lone backslash last included: a
-#: match that could fail would be tried again from every later quote), or one of `,:[{`.
-_TOKEN: Final = re.compile(rb'"(?:[^"\\]++|\\.?)*+(?:"|\Z)|[,:\[{]', re.DOTALL)
-
-
-def values_at_most(data: bytes, bound: int) -> int:
-    """How many values and member names `data` holds (each but the first follows one of
-    `,:[{`, and each string is one), counted in the raw bytes; when those say more than
-    `bound`, again outside strings (which may hold those characters), one match at a time,
-    stopping once past `bound`: then the figure is only known to be past it."""
-    count = sum(map(data.count, b",:[{"))
-    if count + 1 <= bound:
-        return count + 1
-    count, strings = 1, 0
-    for match in _TOKEN.finditer(data):
-        if data[match.start()] == 0x22:  # '"'
-            strings += 1
-        else:
-            count += 1
-        if max(count, strings) > bound:
-            break
-    return max(count, strings)

@@ -114,11 +114,11 @@ from buzzwire.contract import (
     parse_json,
     parse_response,
 )
+from buzzwire.jsonvalues import values_at_most
 from buzzwire.kinds import MEMORY
 from buzzwire.nostr import verify_event
 
-from ._bounds import response_bytes, response_values, values_at_most
-
+from ._bounds import response_bytes, response_values
 from ._env import resolve_address, resolve_credential
 from ._errors import SETUP_PROBLEMS, CredentialRefused, SetupError
 from ._transport import (
@@ -524,7 +524,7 @@ def _judge(
     if len(reply.body) > response_bytes(request):
         return no_answer(NoAnswerReason.NO_ENVELOPE, "response larger than an answer to this action can be")
     values = response_values(request)
-    if values_at_most(reply.body, values) > values:
+    if values_at_most(reply.body, values - 1, values) > values:
         # Counted in the raw bytes, before json builds an object (see _bounds).
         return no_answer(NoAnswerReason.NO_ENVELOPE, "response holds more JSON values than an answer to this action can")
     try:

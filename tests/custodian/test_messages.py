@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from custody import _jsonvalues
+from buzzwire import jsonvalues as _jsonvalues
 from custody.custodian import intents, messages
 
 PK = "ab" * 32

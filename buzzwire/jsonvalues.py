@@ -1,5 +1,5 @@
-"""JSON values counted before json.loads allocates them (up to ~72 bytes a value): the one
-count for the custodian's frames (custodian/messages.py) and a backup's lines (_restore.py)."""
+"""JSON values counted before json.loads allocates them (up to ~72 bytes a value): one count
+for the custodian's frames, a backup's lines and the agent client's answers."""
 
 from __future__ import annotations
 
