@@ -9,7 +9,9 @@ relay the custodian is configured with.
 Rules, one row per kind in `KINDS`:
 - `tags`: tag name -> (fewest, most) values after the name; a tag not named is refused,
   and so is any `auth` tag: the custodian adds the agent's NIP-OA tag itself.
-- `required`: tags that must be there (once).
+- `required`: tags that must be there.
+- `repeats`: tags that may appear more than once, and how often at most (None: as often as
+  the frame holds); every other tag appears once at most.
 - `signer`: AGENT (any live agent for itself) or OWNER (the event is about an agent named
   in `about`, and the signer must be that agent's recorded owner: NIP-BA's managed-agent
   records are the owner's).
@@ -53,16 +55,17 @@ class Shape:
     about: str | None = None
     json_content: bool = False
     values: Mapping[str, str] = field(default_factory=dict)
+    repeats: Mapping[str, int | None] = field(default_factory=dict)
 
 
 KINDS: Final[Mapping[int, Shape]] = MappingProxyType({
     kinds.METADATA: Shape(tags={}, json_content=True),                       # profile.set, agents.create
     kinds.DELETION: Shape(tags={"a": (1, 1), "k": (1, 1)}, signer=OWNER,     # agents.delete
              required=frozenset({"a", "k"}), about="a"),
-    kinds.REACTION: Shape(tags={"e": (1, 3), "h": (1, 1), "p": (1, 2), "k": (1, 1)},  # reaction.add
-             required=frozenset({"e"})),
+    kinds.REACTION: Shape(tags={"e": (1, 1), "h": (1, 1)},                  # reaction.add
+             required=frozenset({"e", "h"})),
     kinds.STREAM_MESSAGE: Shape(tags={"h": (1, 1), "e": (1, 3), "p": (1, 2)},      # message.post/reply
-             required=frozenset({"h"})),
+             required=frozenset({"h"}), repeats={"e": 2, "p": None}),  # root, parent; mentions
     kinds.PUT_USER: Shape(tags={"h": (1, 1), "p": (1, 1), "role": (1, 1)},  # agents.create put-user
                 signer=OWNER, required=frozenset({"h", "p", "role"}), about="p",
                 values={"role": kinds.PUT_USER_ROLE}),  # never admin: the owner's key signs it
@@ -70,11 +73,11 @@ KINDS: Final[Mapping[int, Shape]] = MappingProxyType({
     kinds.TYPING: Shape(tags={"h": (1, 1)}, required=frozenset({"h"})),  # typing.set
     kinds.OBSERVER_FRAME: Shape(tags={"p": (1, 1), "agent": (1, 1), "frame": (1, 1)},  # observer.emit
                  required=frozenset({"p", "agent", "frame"}),
-                 links={"p": "owner", "agent": "self"}),
+                 links={"p": "owner", "agent": "self"}, values={"frame": "telemetry"}),
     kinds.MEMORY: Shape(tags={"d": (1, 1), "p": (1, 1)},               # storage.put (NIP-AE)
                  required=frozenset({"d", "p"}), links={"p": "owner"}),
     kinds.MANAGED_AGENT: Shape(tags={"d": (1, 1)}, signer=OWNER,              # agents.create/update
-                 required=frozenset({"d"}), about="d"),
+                 required=frozenset({"d"}), about="d", json_content=True),
 })
 
 
@@ -103,6 +106,7 @@ def check(signer: str, kind: int, tags: tuple[tuple[str, ...], ...], content: st
     if shape is None:
         return f"kind {kind} is not one the custodian signs"
     seen: dict[str, tuple[str, ...]] = {}
+    count: dict[str, int] = {}
     for tag in tags:
         name, values = tag[0], tag[1:]
         bounds = shape.tags.get(name)
@@ -111,8 +115,10 @@ def check(signer: str, kind: int, tags: tuple[tuple[str, ...], ...], content: st
                 " (the custodian adds the NIP-OA tag)" if name == "auth" else "")
         if not bounds[0] <= len(values) <= bounds[1]:
             return f"kind {kind}: tag {name!r} has {len(values)} values"
-        if name in shape.required and name in seen:
-            return f"kind {kind}: tag {name!r} twice"
+        count[name] = count.get(name, 0) + 1
+        most = shape.repeats.get(name, 1)
+        if most is not None and count[name] > most:
+            return f"kind {kind}: tag {name!r} " + ("twice" if most == 1 else f"{count[name]} times")
         seen.setdefault(name, values)
     missing = shape.required - seen.keys()
     if missing:

@@ -201,9 +201,15 @@ class Custodian:
             self._room()
             # A mint_ref used before answers its record again: nothing is made, so no line.
             again = args["mint_ref"] is not None and self.custody.minted(args["mint_ref"])
+            # Under an owner held here the new key's NIP-OA tag is the owner's signature: paid
+            # from its bound, and said in the line.
+            signed = {} if again or self.custody.agent(args["owner"]) is None else {
+                "signed_by": args["owner"]}
+            self._spend(list(signed.values()))
             record = await self.custody.mint_agent(owner=args["owner"], mint_ref=args["mint_ref"])
         if not again:
-            self.log.append([{"op": "mint", "agent": record.pubkey, "owner": record.owner}])
+            self.log.append([{"op": "mint", "agent": record.pubkey, "owner": record.owner,
+                              **signed}])
         return record_obj(record)
 
     async def import_(self, args: Mapping[str, Any]) -> object:

@@ -69,6 +69,23 @@ async def test_an_agent_past_its_bound_is_rate_limited_alone(bounded: CustodianP
     await client.aclose()
 
 
+async def test_a_mint_under_a_held_owner_is_a_signature_from_its_bound(
+        bounded: CustodianProcess, tmp_path: Path) -> None:
+    """The NIP-OA tag of a key minted under an owner held here is signed by the owner's key:
+    that signature spends the owner's bound, and the log line names it."""
+    client = await CustodianClient.open(bounded.socket)
+    owner = await held(client, human())
+    assert ask(bounded.socket, "sign", events=post(owner, PER_MINUTE - 1))[0]
+    ok, minted = ask(bounded.socket, "mint", owner=owner, mint_ref=None)
+    assert ok and isinstance(minted, dict) and minted["auth_tag"][1] == owner
+    assert rate_limited(ask(bounded.socket, "mint", owner=owner, mint_ref=None))
+    assert ask(bounded.socket, "mint", owner=human(), mint_ref=None)[0]  # no key held: free
+    lines = [json.loads(line) for line in (tmp_path / "log" / "signed.jsonl").read_text()
+             .splitlines()]
+    assert [line.get("signed_by") for line in lines if line["op"] == "mint"] == [owner, None]
+    await client.aclose()
+
+
 async def test_the_log_keeps_one_older_file_and_its_chain_goes_on(
         bounded: CustodianProcess, tmp_path: Path) -> None:
     client = await CustodianClient.open(bounded.socket)
@@ -100,7 +117,7 @@ async def test_observer_and_memory_events_name_the_signers_own_owner(
     other = await held(client, owner)
 
     def frame(p: str, about: str) -> dict[str, object]:
-        return intent(agent, 24200, [["p", p], ["agent", about], ["frame", "turn"]], "x")
+        return intent(agent, 24200, [["p", p], ["agent", about], ["frame", "telemetry"]], "x")
 
     def memory(p: str) -> dict[str, object]:
         return intent(agent, 30174, [["d", "a" * 64], ["p", p]], "x")

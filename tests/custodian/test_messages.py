@@ -202,6 +202,40 @@ def test_the_kind_list_is_the_kinds_the_actions_publish() -> None:
     assert 22242 not in intents.KINDS
 
 
+def test_each_shape_is_only_what_its_action_writes() -> None:
+    """Beyond the kinds, the shapes: what reaction.add, message.reply, observer.emit and
+    agents.create/update write, and nothing more a relay or a client might read as
+    something else (a reaction in two channels, an agent-signed `control` frame)."""
+    from buzzwire import kinds
+
+    owner, agent, target = "a" * 64, "b" * 64, "c" * 64
+
+    def owner_of(pubkey: str) -> str | None:
+        return {agent: owner}.get(pubkey)
+
+    def fault(signer: str, kind: int, *tags: tuple[str, ...], content: str = "") -> str | None:
+        return intents.check(signer, kind, tags, content, owner_of)
+
+    reaction = (("e", target), ("h", "chan"))
+    assert fault(agent, kinds.REACTION, *reaction, content="+") is None
+    assert fault(agent, kinds.REACTION, *reaction, ("h", "other")) == "kind 7: tag 'h' twice"
+    assert fault(agent, kinds.REACTION, ("e", target)) == "kind 7 needs the tags ['h']"
+    for extra in (("p", owner), ("k", "9")):
+        assert fault(agent, kinds.REACTION, *reaction, extra) is not None, extra
+    thread = (("e", target, "", "root"), ("e", target, "", "reply"))
+    mentions = [("p", f"{n:064x}") for n in range(50)]
+    assert fault(agent, kinds.STREAM_MESSAGE, ("h", "chan"), *thread, *mentions) is None
+    assert fault(agent, kinds.STREAM_MESSAGE, ("h", "chan"), *thread, ("e", target)) == (
+        "kind 9: tag 'e' 3 times")
+    frame = (("p", owner), ("agent", agent))
+    assert fault(agent, kinds.OBSERVER_FRAME, *frame, ("frame", "telemetry")) is None
+    assert fault(agent, kinds.OBSERVER_FRAME, *frame, ("frame", "control")) == (
+        "kind 24200: tag 'frame' must be 'telemetry'")
+    assert fault(owner, kinds.MANAGED_AGENT, ("d", agent), content='{"name":"n"}') is None
+    assert fault(owner, kinds.MANAGED_AGENT, ("d", agent), content="not json") == (
+        "kind 30177: content is not a JSON object")
+
+
 def test_a_put_user_gives_only_the_role_agents_create_gives() -> None:
     """9000 is signed with the owner's key: with any role, a compromised pipeline could make
     the owner grant its agent `admin` in any group. Only `bot`, once, as agents.create sends."""
