@@ -65,7 +65,8 @@ def test_any_payload_makes_one_json_object(payload: str, kind: str, seq: int,
                                            channel: str | None) -> None:
     text = observer_event(seq=seq, timestamp="2026-12-01T21:00:41.500Z", kind=kind,
                           payload=payload, channel_id=channel)
-    event = json.loads(text)
+    # A spliced payload may hold an integer past int()'s 4,300 digits: kept as its digits.
+    event = json.loads(text, parse_int=lambda d: int(d) if len(d) <= 4300 else d)
     assert list(event) == ["seq", "timestamp", "kind", "channelId", "payload"]
     assert (event["seq"], event["kind"], event["channelId"]) == (seq, kind, channel)
     if is_json_text(payload):
