@@ -18,6 +18,7 @@ from buzzwire.contract import Status
 from buzzwire.contract import ACTIONS, ErrorCode
 from daemon.state.ledger import Fresh, Ledger, LedgerKey, Replay
 from daemon.state.ratelimit import (
+    CLASSES,
     DEFAULT_RATE_CONFIG,
     LIMITS_FILENAME,
     LIVE_ACTIONS,
@@ -329,3 +330,13 @@ def test_disabled_and_clock_steps(tmp_path: Path, principals: tuple[Principal, P
     with pytest.raises(ValueError):
         limiter.take(a, "sign", NOON)
     limiter.close()
+
+
+def test_the_limits_table_names_each_classs_actions() -> None:
+    """docs/configuration.md's [limits] rows name the actions each class counts, as
+    ratelimit.CLASSES (from the contract's table) has them: the rows had drifted to two
+    read actions and two live ones."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    for scope, actions in CLASSES.items():
+        row = next(line for line in doc.splitlines() if line.startswith(f"| `{scope}` |"))
+        assert set(re.findall(r"`([a-z]+\.[a-z]+)`", row)) == actions, scope
