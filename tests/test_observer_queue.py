@@ -90,6 +90,24 @@ def test_a_held_batch_is_released_or_dropped_by_settle() -> None:
         queue.hold(("a", "r2"), "c", "a", [event()])
 
 
+def test_holds_are_kept_apart_by_their_owner_not_their_request_id() -> None:
+    """The broker holds a request's frames under its ledger ticket (compared by identity):
+    two requests with one requestId (one out of its credential's scope, keyed apart by the
+    ledger) hold apart, and settling one leaves the other's frames alone."""
+    from daemon.state.ledger import LedgerKey, Ticket
+
+    queue = ObserverQueue(config(total=10**6, share=10**6), Relay().publish)
+    mine = Ticket(LedgerKey("a", "r"), b"\0" * 32)
+    theirs = Ticket(LedgerKey("a/narrow", "r"), b"\1" * 32)
+    queue.hold(mine, "wide", "a", [event("mine")])
+    queue.hold(theirs, "narrow", "a", [event("theirs")])
+    queue.settle(theirs, keep=False)
+    assert queue.counts.dropped_unsettled == 1
+    queue.settle(mine, keep=True)
+    item = queue._next()
+    assert item is not None and item.event.content == "mine" and queue._next() is None
+
+
 async def test_held_events_never_reach_the_relay_until_settled() -> None:
     relay = Relay()
     queue = ObserverQueue(config(total=10**6, share=10**6), relay.publish)

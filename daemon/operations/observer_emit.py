@@ -20,8 +20,9 @@ owner of the frame's `ObserverEvent`, which the host builds (NIP-AO "Decrypted P
 
 Steps, and what each costs: one `take` of seq numbers (a commit per 4,096 frames), one
 custody hop that encrypts every frame under one unseal, one signing hop, then the queue's
-`hold` (daemon/pipeline/observer.py), which admits each event that fits its credential's
-share. `accepted` counts the admitted events. A frame whose ObserverEvent exceeds
+`hold` (daemon/pipeline/observer.py) under this request's own hold key (the broker's
+ledger ticket, `ObserverIntake.hold_key`), which admits each event that fits its
+credential's share. `accepted` counts the admitted events. A frame whose ObserverEvent exceeds
 `MAX_WRAPPED_BYTES` is not encrypted and not counted; neither is one the queue has no room
 for. When the share is already full nothing is unsealed: `accepted` is 0.
 
@@ -115,5 +116,6 @@ async def prepare(ctx: Context, args: ObserverEmitArgs) -> Verdict:
     signed = iter(await sign_all(ctx, [(agent, KIND_OBSERVER_FRAME, tags, next(ciphertexts), now)
                                        for _ in range(sum(fits))]))
     events: list[SignedEvent | None] = [next(signed) if ok else None for ok in fits]
-    admitted = intake.queue.hold((agent, ctx.request_id), credential, agent, events)
+    assert intake.hold_key is not None, "the broker names this request's hold key"
+    admitted = intake.queue.hold(intake.hold_key, credential, agent, events)
     return Verdict.succeeded(ACTION, ObserverEmitOutcome(accepted=sum(admitted)))

@@ -13,7 +13,9 @@ Who does what (each in its own module; this one only walks the order):
   own scope is keyed `<agent>/<credential id>` instead (`_ledger_principal`, issue 13). A
   finished record replays with `replayed: true`; another digest is a
   `request_id_conflict`; an identical request running here is waited for; a pending
-  record is resumed by re-sending exactly its signed events (daemon/pipeline/publisher.py).
+  record is resumed by re-sending exactly its signed events (daemon/pipeline/publisher.py);
+  a rolled-back one (the relay refused its first event) never is: its rollback runs again
+  and its stored `failed` is answered, `replayed` (`Publisher.finish_rollback`).
 - validate, authorize (and rate limits): daemon/pipeline/judgement.py, an ordered table of steps;
   `authorize` resolves the agent records the operation acts on (nothing else resolves
   them; a read-merge-write is authorized again under its locks, see `_execute`).
@@ -36,7 +38,13 @@ retry of a record an earlier attempt reserved (`Fresh.recorded`), the key that a
 minted under the record's mint reference, even when judgement refuses the retry before
 it runs; never a key found by its mint reference alone (issue 22 H1). One that ends
 `indeterminate` keeps it for the retry. A key only a tombstone remembers answers `indeterminate` + `outcome_unknown`
-(`FORGOTTEN`), unrecorded.
+(`FORGOTTEN`), unrecorded. A verdict the ledger could not record is not answered as if it
+were (daemon/pipeline/recorder.py, "No record, no verdict").
+
+observer.emit's frames are held under this request's own ledger ticket (not its
+requestId: another credential's request with the same requestId is another record), and
+only this request's hold is settled: released when its `succeeded` is recorded, dropped
+otherwise.
 
 WARNING: the status/code pairs used here must be allowed by `buzzwire.contract.PAIRING`;
 `Verdict`'s constructors assert it. `PIPELINE` must match README's numbered list and
@@ -78,7 +86,7 @@ from daemon.relay.cursor import CursorCodec
 from daemon.http import HttpAnswer, HttpRequest
 from daemon.pipeline.judgement import Admission, judge
 from daemon.state.ledger import (Conflict, Forgotten, Fresh, Full, Ledger, LedgerKey, Replay,
-                                 Resume, Ticket)
+                                 Resume, RolledBack, Ticket)
 from daemon.fault_log import FaultLogs
 from daemon.log import log_event
 from daemon.metrics import Metrics
@@ -365,18 +373,25 @@ class Broker:
         if isinstance(begun, Conflict):
             conflict = Judged.of(request_id, Verdict.failed(ErrorCode.REQUEST_ID_CONFLICT))
             return await self._recorder.unrecorded(facts, conflict, started)
-        # A pending record being resumed may already be on the relay (an earlier attempt).
-        progress.effects_possible = isinstance(begun, Resume)
-        progress.recorded = isinstance(begun, Fresh) and begun.recorded
+        # A pending record being resumed may already be on the relay (an earlier attempt);
+        # a rolled-back one's rollback may not have finished (its key, agents.create).
+        progress.effects_possible = isinstance(begun, (Resume, RolledBack))
+        progress.recorded = (isinstance(begun, Fresh) and begun.recorded
+                             or isinstance(begun, RolledBack))
+        progress.rolled_back = isinstance(begun, RolledBack)
         progress.invalid = reading.error is not None
-        # observer.emit's admitted frames wait, held, for this verdict's record: released
-        # to the relay only when it records success, dropped otherwise (and on any fault
-        # or cancellation), so `failed` keeps its promise of no effects.
+        # observer.emit's admitted frames wait, held under this ticket, for this verdict's
+        # record: released to the relay only when it records success, dropped otherwise
+        # (and on any fault or cancellation), so `failed` keeps its promise of no effects.
         recorded: Judged | None = None
+        # A rolled-back record's stored failed verdict, answered `replayed` when it stands.
+        rolled_back = begun.response if isinstance(begun, RolledBack) else None
         try:
             try:
                 if isinstance(begun, Resume):
                     judged = await self._publisher.resume(facts, begun.pending, progress)
+                elif isinstance(begun, RolledBack):
+                    judged = await self._publisher.finish_rollback(facts, begun, progress)
                 else:
                     judged, facts = await self._judge_and_execute(principal, reading,
                                                                   begun.ticket, facts, progress)
@@ -386,19 +401,21 @@ class Broker:
                 judged = await self._publisher.destroy_minted(facts, judged, progress)
             self._passed("before_verdict")
             # record
+            replayed = rolled_back is not None and judged.response == rolled_back
             judged = recorded = await self._recorder.finish(begun.ticket, facts, judged,
-                                                            progress)
+                                                            progress, replayed=replayed)
         except BaseException:
             self._ledger.release(begun.ticket)  # a no-op once the verdict is recorded
             raise
         finally:
             if self._observer is not None:
                 self._observer.queue.settle(
-                    (principal.agent, request_id),
+                    begun.ticket,
                     keep=recorded is not None and recorded.status is Status.SUCCEEDED)
         self._passed("after_verdict")
         return self._recorder.respond(request_id, judged, started, agent=principal.agent,
-                                      action=facts.action)
+                                      action=facts.action,
+                                      replayed=replayed and judged.response == rolled_back)
 
     def _authenticate(self, request: HttpRequest, request_id: str
                       ) -> Principal | Refused | Judged:
@@ -537,7 +554,9 @@ class Broker:
             runtimes=self._runtimes,
             enroll=self._enroll,
             mint=lambda: self._publisher.mint(ticket, facts, progress),
-            observer=self._observer,
+            # Frames are held under this request's own ticket (module docstring).
+            observer=(None if self._observer is None
+                      else dataclasses.replace(self._observer, hold_key=ticket)),
         )
         if operation.execute is not None:
             # A read: the ledger keeps nothing of it (recorder `keeping`), so a

@@ -13,9 +13,11 @@ Theory of operation (NIP-BA "Live signals"; issue 23 item 3):
   credential's frames still get in (the total is sized for many full shares). An event
   larger than the relay takes (`max_event_bytes`, of its JSON) is not admitted either: it
   could only be refused there.
-- Held until recorded: a request's admitted events are *held* under (agent, requestId) and
-  the pacer does not see them until the pipeline has recorded the verdict and calls
-  `settle(keep=True)`. A verdict that turned into failed + internal (no audit record), a
+- Held until recorded: a request's admitted events are *held* under a key only that
+  request owns (the pipeline's ledger ticket, `ObserverIntake.hold_key`: not the
+  requestId, which another credential's request outside its scope shares under another
+  ledger record) and the pacer does not see them until the pipeline has recorded the
+  verdict and calls `settle(keep=True)` with that key. A verdict that turned into failed + internal (no audit record), a
   fault or a cancellation settles with `keep=False` and the events are dropped: NIP-BA's
   `failed` promises no effects, and a crash before the record leaves nothing published, so
   the retry that then runs afresh cannot put the same frames on the relay twice. A replay
@@ -41,7 +43,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -67,8 +69,9 @@ _LINES: Final[Mapping[str, int]] = {
 #: NIP-AO: the Agent Observer Frame, an ephemeral kind (relays do not persist it).
 KIND_OBSERVER_FRAME: Final = kinds.OBSERVER_FRAME
 
-#: (agent, requestId): the ledger's key for the request whose events are held.
-HoldKey = tuple[str, str]
+#: What one request's held events are kept under: something only that request owns (the
+#: broker's ledger `Ticket`, compared by identity), never a key another request can name.
+HoldKey = Hashable
 
 Publish = Callable[[str, SignedEvent], Awaitable[PublishResult]]
 
@@ -129,7 +132,7 @@ class ObserverQueue:
         """Admit each event that fits, held under `key` until `settle`.
 
         Args:
-            key: (agent, requestId) of the request handing the events in.
+            key: the hold key of the request handing the events in (`HoldKey`).
             credential_id: whose share the events count against.
             agent: the author, whose relay connection publishes them.
             events: in frame order; None stands for a frame the operation already could
@@ -261,8 +264,12 @@ class ObserverQueue:
 @dataclass(frozen=True, slots=True)
 class ObserverIntake:
     """What observer.emit is handed (`Context.observer`): the queue, the `seq` store and
-    the wall clock its `timestamp`s are read from (injectable: tests fix the time)."""
+    the wall clock its `timestamp`s are read from (injectable: tests fix the time).
+
+    `hold_key`: what this request's frames are held under, set per request by the broker
+    (its ledger ticket); the daemon's own intake has none."""
 
     queue: ObserverQueue
     seq: ObserverSeq
     clock: Callable[[], float]
+    hold_key: HoldKey | None = None

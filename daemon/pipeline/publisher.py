@@ -7,11 +7,19 @@ relay. A retry that finds the pending record resumes here with exactly those eve
 
 Publishing outcomes (issue 5): every event accepted (`duplicate:` included) → `succeeded`,
 then the plan's `commit` cleanup; the *first* event refused or unsendable → nothing took
-hold → the `rollback` cleanup and `failed` + `action_failed` with the relay's reason; no
+hold → `failed` + `action_failed` with the relay's reason, made durable on the pending
+record (`Ledger.roll_back`) *before* the `rollback` cleanup runs; no
 `OK` (timeout, dropped connection) → `indeterminate` + `outcome_unknown`; a refusal
 *after* an accepted event of a multi-event plan → partial effects exist, so `failed`
 would lie: `indeterminate` + `outcome_unknown`, and the identical retry re-sends the same
 events (accepted ones come back `duplicate:`) until the relay takes the rest.
+
+Rolled back means never resumed: from the `roll_back` commit on, the record's events are
+never sent again (a retry gets `RolledBack`: `finish_rollback` runs the rollback again and
+the stored `failed` is recorded final), so a crash or a ledger fault after the rollback
+(agents.create: the key destroyed) can never let a retry publish for what it undid. If
+that commit fails, nothing is rolled back: the record is still resumable, so the answer is
+`indeterminate` + `internal` and the retry re-sends the same events.
 
 A resumed pending record is different: an earlier attempt may have sent its events, and
 the relay may hold any of them. A refusal now proves nothing about those (relays answer
@@ -45,7 +53,7 @@ from custody.custodian.client import CustodianClient, CustodianUnavailable
 if TYPE_CHECKING:  # the facade loads the PKCS#11 binding: not where a custodian holds the keys
     from custody import Custody
 from daemon.state.directory import AgentDirectory
-from daemon.state.ledger import Ledger, Ticket
+from daemon.state.ledger import Ledger, RolledBack, Ticket
 from daemon.log import log_event
 from daemon.operations import Context, Plan
 from daemon.operations._base import OperationRefused
@@ -137,7 +145,7 @@ class Publisher:
             self._recorder.ledger_failed(facts, "record_pending", exc)
             return Judged.internal(ctx.request_id)  # nothing was sent
         self._checkpoint("after_pending")
-        return await self.publish(facts, pending, progress, resumed=False)
+        return await self.publish(facts, pending, progress, resumed=False, ticket=ticket)
 
     async def resume(self, facts: Facts, recorded: bytes, progress: Progress) -> Judged:
         """Finish a pending record left by a crash or an `indeterminate`: re-send its events.
@@ -155,12 +163,36 @@ class Publisher:
             return Judged.of(facts.request_id, Verdict.indeterminate(ErrorCode.INTERNAL))
         return await self.publish(facts, pending, progress, resumed=True)
 
-    async def publish(self, facts: Facts, pending: Pending, progress: Progress, *,
-                      resumed: bool) -> Judged:
-        """Send the pending events in order and say what the relay's answers mean."""
+    async def finish_rollback(self, facts: Facts, begun: RolledBack, progress: Progress
+                              ) -> Judged:
+        """A rolled-back record's retry: its rollback again (each step is safe twice), and
+        its stored `failed` verdict to record final. Nothing is sent (module docstring).
+
+        A record this version cannot read keeps its stored verdict unfinished:
+        `indeterminate` + `internal` (its rollback cannot be run), recorded as not final.
+        """
+        try:
+            pending = Pending.decode(begun.pending)
+        except ValueError as exc:
+            log_event(_log, "ledger.pending_unreadable", level=logging.ERROR,
+                      agent=facts.agent, request_id=facts.request_id,
+                      error=type(exc).__name__)
+            return Judged.of(facts.request_id, Verdict.indeterminate(ErrorCode.INTERNAL))
         ids = tuple(e.id for e in pending.events)
         progress.event_ids = ids
-        verdict = await self._publish_events(facts, pending, progress, resumed=resumed)
+        await self.cleanup(pending.rollback)
+        return Judged(begun.response, begun.status, begun.code, event_ids=ids, published=True)
+
+    async def publish(self, facts: Facts, pending: Pending, progress: Progress, *,
+                      resumed: bool, ticket: Ticket | None = None) -> Judged:
+        """Send the pending events in order and say what the relay's answers mean.
+
+        `ticket`: the fresh attempt's (its refusal is marked rolled back); None when resumed.
+        """
+        ids = tuple(e.id for e in pending.events)
+        progress.event_ids = ids
+        verdict = await self._publish_events(facts, pending, progress, resumed=resumed,
+                                             ticket=ticket)
         if verdict is None:
             return Judged(pending.success, Status.SUCCEEDED, event_ids=ids,
                           published=True)
@@ -168,7 +200,7 @@ class Publisher:
                       event_ids=ids, published=True)
 
     async def _publish_events(self, facts: Facts, pending: Pending, progress: Progress, *,
-                              resumed: bool) -> Verdict | None:
+                              resumed: bool, ticket: Ticket | None) -> Verdict | None:
         """None when every event was accepted; otherwise the verdict (module docstring)."""
         accepted = 0
         for event in pending.events:
@@ -187,9 +219,8 @@ class Publisher:
                     ErrorCode.OUTCOME_UNKNOWN,
                     "the relay did not confirm the event; retry the identical request")
             if accepted == 0 and not resumed:
-                await self.cleanup(pending.rollback)
-                return Verdict.failed(
-                    ErrorCode.ACTION_FAILED, f"the relay did not accept the event: {reason}")
+                assert ticket is not None, "a fresh attempt publishes under its ticket"
+                return await self._roll_back(facts, pending, progress, ticket, reason)
             if accepted == 0:
                 # `accepted` counts this attempt only; an earlier one may have been stored.
                 return Verdict.indeterminate(
@@ -202,6 +233,23 @@ class Publisher:
                 f"the next ({reason}); retry the identical request to finish")
         await self.cleanup(pending.commit)
         return None
+
+    async def _roll_back(self, facts: Facts, pending: Pending, progress: Progress,
+                         ticket: Ticket, reason: str) -> Verdict:
+        """The first event of a fresh attempt was refused: `failed`, durable first, then
+        the rollback (module docstring). The commit failed: nothing is rolled back and the
+        record stays resumable, so `indeterminate` + `internal`."""
+        verdict = Verdict.failed(ErrorCode.ACTION_FAILED,
+                                 f"the relay did not accept the event: {reason}")
+        try:
+            await self._ledger.roll_back(ticket, encode_response(facts.request_id, verdict),
+                                         verdict.status, verdict.code)
+        except sqlite3.Error as exc:
+            self._recorder.ledger_failed(facts, "roll_back", exc)
+            return Verdict.indeterminate(ErrorCode.INTERNAL)
+        progress.rolled_back = True
+        await self.cleanup(pending.rollback)
+        return verdict
 
     async def cleanup(self, steps: tuple[Cleanup, ...]) -> None:
         """Run cleanup steps in order; each is safe to run twice.

@@ -15,6 +15,13 @@ Rules (README "How a request is judged", steps 7 and 8):
   written becomes `failed` + `internal` (a known no-op). Once the relay was asked
   (`Judged.published`), the verdict stands whatever the audit log can still record: the
   intent record written before publishing already names the events.
+- No record, no verdict (NIP-BA: "Store the result durably before delivering it"): a
+  verdict the ledger could not `finish` is not answered. Nothing can have taken hold
+  (observer.emit's frames are still held, and are then dropped) → `failed` + `internal`,
+  and the retry runs afresh; effects are possible (a pending record is kept: the retry
+  resumes it) → `indeterminate` + `internal`. The one exception is a `failed` the ledger
+  already holds (`Progress.rolled_back`, `Ledger.roll_back`): it was stored before it is
+  answered, and the retry replays it.
 - A fault in the ledger or audit log, or one the pipeline contained, is logged for the
   operator (the exception's type and where it was raised; sqlite's text is ours to show,
   other exceptions' text is not), one line a minute per cause, then a `suppressed`
@@ -107,6 +114,9 @@ class Progress:
     #: this attempt asked custody to mint and got no answer: a key may exist under the
     #: record's mint reference, or still be made there (`Publisher.destroy_minted`)
     mint_unanswered: bool = False
+    #: the ledger holds this request's `failed` verdict already (`Ledger.roll_back`): the
+    #: relay refused its first event, and its pending work is never sent again
+    rolled_back: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -167,6 +177,18 @@ def keeping(facts: Facts, judged: Judged, progress: Progress, short_seconds: int
     if _is_read(facts.action) and not judged.published:
         return None
     return Keeping(None, None, True)
+
+
+def _unstored(request_id: str, judged: Judged, progress: Progress) -> Judged:
+    """What a verdict the ledger could not record may still answer (module docstring)."""
+    if judged.status is Status.INDETERMINATE:
+        return judged  # promises nothing: the kept record is resumed, or runs afresh
+    if judged.status is Status.FAILED and progress.rolled_back:
+        return judged  # already the ledger's (`Ledger.roll_back`): the retry replays it
+    if judged.published or progress.effects_possible:
+        return replace(Judged.of(request_id, Verdict.indeterminate(ErrorCode.INTERNAL)),
+                       event_ids=judged.event_ids, published=judged.published)
+    return Judged.internal(request_id)
 
 
 def _is_read(action: str | None) -> bool:
@@ -243,15 +265,14 @@ class Recorder:
             return None
         return judged
 
-    async def finish(self, ticket: Ticket, facts: Facts, judged: Judged, progress: Progress
-                     ) -> Judged:
+    async def finish(self, ticket: Ticket, facts: Facts, judged: Judged, progress: Progress,
+                     *, replayed: bool = False) -> Judged:
         """Record a verdict the ledger let run: audit first when nothing was published.
 
         Returns the verdict to answer: `judged`, or failed + internal when it had no side
-        effects and its audit record could not be written. A ledger fault leaves the
-        verdict standing (a pending record, if one was committed, is still there, so the
-        identical retry re-sends the same events and reaches the same verdict).
-        A read that ran is counted instead, and the ledger keeps nothing of it (`keeping`).
+        effects and its audit record could not be written. A ledger fault answers what is
+        still true without the record (`_unstored`; module docstring). A read that ran is
+        counted instead, and the ledger keeps nothing of it (`keeping`).
         """
         if keeping(facts, judged, progress, self._read_retention) is None:
             judged = await self.counted(facts, judged)
@@ -271,11 +292,16 @@ class Recorder:
                 if not judged.published else judged.response,
                 judged.status, judged.code, keep_seconds=kept.seconds,
                 refusal_of=kept.refusal_of, tombstone=kept.tombstone)
-        except Exception as exc:  # noqa: BLE001 - sqlite3.Error or worse: the verdict stands
+        except Exception as exc:  # noqa: BLE001 - sqlite3.Error or worse: not recorded
             self.ledger_failed(facts, "finish", exc)
             self._ledger.release(ticket)
+            unstored = _unstored(facts.request_id, judged, progress)
+            if unstored is not judged and not judged.published:
+                # The verdict's audit record is written: the one answered follows it.
+                await self.audited(facts, unstored)
+            judged = unstored
         if judged.published:
-            await self.audited(facts, judged)
+            await self.audited(facts, judged, replayed=replayed)
         return judged
 
     async def counted(self, facts: Facts, judged: Judged) -> Judged:

@@ -16,13 +16,21 @@ Theory of operation (design.md "Idempotency: the ledger"; spec I3):
     3. no record -> a tombstone with the same digest -> `Forgotten()`, with another ->
        `Conflict()`; else `Fresh(ticket)` (or `Full()` at a cap); a record with another
        digest -> `Conflict()` (the record is untouched); a final record ->
-       `Replay(response)`; a pending or indeterminate record that holds pending work ->
-       `Resume(ticket, pending)`; an indeterminate record without pending work (nothing
-       was ever sent; perhaps reserved) -> `Fresh(ticket, recorded=True)`.
+       `Replay(response)`; a rolled-back record -> `RolledBack(ticket, ...)` (never
+       `Resume`: its rollback may have run); a pending or indeterminate record that holds
+       pending work -> `Resume(ticket, pending)`; an indeterminate record without pending
+       work (nothing was ever sent; perhaps reserved) -> `Fresh(ticket, recorded=True)`.
   Whoever receives a ticket owns the key in this process until `finish()` or `release()`.
 - `record_pending` commits before it returns (synchronous=FULL) — the caller must not let
   anything reach the relay before it returns. The pending blob is write-once: a retry
   re-sends exactly those events, never re-signed ones.
+- `roll_back(ticket, response, status, code)` commits the `failed` verdict of pending work
+  the relay refused at its first event, on a fresh attempt, BEFORE the rollback's effects
+  run (agents.create: destroying the key). From that commit on the record is ROLLED_BACK:
+  its events are never sent again, whatever happens to the rest of the request. A retry
+  gets `RolledBack`: it runs the rollback again (each step is safe twice) and records the
+  stored verdict final. An indeterminate `finish` of a rolled-back record writes nothing
+  (the rollback could not be finished: the next retry tries again).
 - `finish(ticket, response, status, code)` records a verdict: its bytes (opaque: the
   ledger never reads them) and its status and code as columns, which a replay hands back
   beside the bytes (the log and metrics need them; nothing parses them back out of the
@@ -111,6 +119,7 @@ __all__ = [
     "Ticket",
     "Fresh",
     "Resume",
+    "RolledBack",
     "Replay",
     "Conflict",
     "Full",
@@ -177,6 +186,9 @@ class State(enum.Enum):
     #: A verdict was reached that promises nothing (outcome_unknown / internal mid-way).
     #: Never final: the next identical retry reconciles.
     INDETERMINATE = "indeterminate"
+    #: The relay refused the pending work's first event on a fresh attempt: `failed` is
+    #: stored, the events are never sent again, the rollback may not have finished.
+    ROLLED_BACK = "rolled_back"
     #: succeeded or failed: replayed verbatim from now on.
     FINAL = "final"
 
@@ -190,6 +202,9 @@ class LedgerEvent(enum.Enum):
     RESERVE = "reserve"
     FINISH_FINAL = "finish_final"
     FINISH_INDETERMINATE = "finish_indeterminate"
+    #: the relay refused the first event of fresh pending work: its failed verdict is
+    #: stored before the rollback runs (`Ledger.roll_back`).
+    ROLL_BACK = "roll_back"
 
 
 #: (state, event) -> next state. A pair that is absent is a programming error in the
@@ -210,6 +225,12 @@ TRANSITIONS: Final[Mapping[tuple[State, LedgerEvent], State]] = {
     (State.INDETERMINATE, LedgerEvent.RECORD_PENDING): State.PENDING,
     (State.INDETERMINATE, LedgerEvent.FINISH_FINAL): State.FINAL,
     (State.INDETERMINATE, LedgerEvent.FINISH_INDETERMINATE): State.INDETERMINATE,
+    # Pending work the relay refused at its first event: the failed verdict is durable
+    # before the rollback runs, and the work is never resumed. The rollback finished, the
+    # verdict is final; it could not be (indeterminate), the record stays as it is.
+    (State.PENDING, LedgerEvent.ROLL_BACK): State.ROLLED_BACK,
+    (State.ROLLED_BACK, LedgerEvent.FINISH_FINAL): State.FINAL,
+    (State.ROLLED_BACK, LedgerEvent.FINISH_INDETERMINATE): State.ROLLED_BACK,
 }
 
 
@@ -272,6 +293,19 @@ class Resume:
 
 
 @dataclass(frozen=True, slots=True)
+class RolledBack:
+    """The relay refused this record's first event and its `failed` verdict is stored, but
+    the rollback may not have finished (`Ledger.roll_back`). Run the rollback of `pending`
+    again, then record `response` final; never send `pending`'s events."""
+
+    ticket: Ticket
+    pending: bytes
+    response: bytes
+    status: Status
+    code: ErrorCode | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Replay:
     """A final verdict is recorded: answer `response` (the caller adds replayed:true).
 
@@ -303,7 +337,7 @@ class Forgotten:
     have) and its verdict is gone. Answer indeterminate + outcome_unknown; never run it."""
 
 
-Begin: TypeAlias = Fresh | Resume | Replay | Conflict | Full | Forgotten
+Begin: TypeAlias = Fresh | Resume | RolledBack | Replay | Conflict | Full | Forgotten
 
 
 def request_key(request_id: str) -> bytes:
@@ -321,6 +355,9 @@ class _Flight:
     done: trio.Event = field(default_factory=trio.Event)
     #: set by a final finish(), so waiters replay without a database round trip.
     final: Replay | None = None
+    #: this owner recorded the pending work itself (not a resumed record, whose events an
+    #: earlier attempt may have sent): only such work may be rolled back.
+    recorded_here: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -717,6 +754,12 @@ class Ledger:
             return Replay(row.response, Status(row.status),
                           None if row.code is None else ErrorCode(row.code))
         flight.state = row.state
+        if row.state is State.ROLLED_BACK:
+            assert (row.pending is not None and row.response is not None
+                    and row.status is not None), "a rolled-back record holds its work and verdict"
+            flight.has_pending = True
+            return RolledBack(ticket, row.pending, row.response, Status(row.status),
+                              None if row.code is None else ErrorCode(row.code))
         if row.pending is not None:
             flight.has_pending = True
             return Resume(ticket, row.pending)
@@ -756,6 +799,32 @@ class Ledger:
                                                   pending=pending, tombstone=True))
         flight.state = new_state
         flight.has_pending = True
+        flight.recorded_here = True
+
+    async def roll_back(self, ticket: Ticket, response: bytes, status: Status,
+                        code: ErrorCode | None = None) -> None:
+        """Durably mark pending work rolled back, with its `failed` verdict, BEFORE the
+        rollback's effects run (module docstring). Ownership is kept: `finish` follows.
+
+        Raises:
+            AssertionError: the ticket does not own its key, this owner did not record the
+              pending work itself (a resumed record is never rolled back), or the verdict
+              is not `failed`.
+            sqlite3.Error: the commit failed; the record is as it was (still resumable),
+              so the caller must not run the rollback.
+        """
+        flight = self._owner(ticket)
+        if not isinstance(response, bytes):
+            raise TypeError("response must be bytes")
+        if status is not Status.FAILED or not flight.recorded_here:
+            raise AssertionError("ledger: only pending work ends rolled back, and failed")
+        new_state = advance(flight.state, LedgerEvent.ROLL_BACK)
+        expires = int(self._clock()) + STALE_FACTOR * self._retention
+        key, digest = ticket.key, ticket.digest
+        await self._run(lambda conn: self._upsert(conn, key, digest, new_state, expires,
+                                                  response=response, status=status,
+                                                  code=code, tombstone=True))
+        flight.state = new_state
 
     async def reserve(self, ticket: Ticket) -> None:
         """Durably record the key BEFORE an effect outside the ledger (a minted key).
@@ -781,7 +850,8 @@ class Ledger:
             response: the bytes to replay (final) or keep for the record (indeterminate);
                 opaque here (the pipeline may hand in a compact form).
             status, code: the verdict's, stored as columns. succeeded/failed are final;
-                indeterminate keeps the pending work so the next identical retry gets Resume.
+                indeterminate keeps the pending work so the next identical retry gets Resume
+                (a rolled-back record: nothing is written, the retry gets RolledBack).
             keep_seconds: keep a final record this long instead of the retention (reads:
                 their pages are large and replaying them is only a convenience).
             refusal_of: the credential whose refusal share pays for this record (a refusal
@@ -801,6 +871,11 @@ class Ledger:
         final = status is not Status.INDETERMINATE
         event = LedgerEvent.FINISH_FINAL if final else LedgerEvent.FINISH_INDETERMINATE
         new_state = advance(flight.state, event)
+        if new_state is State.ROLLED_BACK:
+            # Its rollback could not be finished: the stored failed verdict stays for the
+            # retry, which runs the rollback again (`RolledBack`).
+            self._drop(flight)
+            return
         keep = self._retention if keep_seconds is None else min(keep_seconds, self._retention)
         expires = int(self._clock()) + (keep if final else STALE_FACTOR * self._retention)
         key, digest = ticket.key, ticket.digest

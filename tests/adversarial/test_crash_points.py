@@ -24,6 +24,11 @@ by an independent nostr-sdk client) every effect exactly once; when a pending re
 committed, the events on the relay are exactly its events (the original ids, never
 re-signed ones); at most one minted agent for the owner, the one the outcome names; for
 storage.put, at every point, the memory value and slug in no file of the state directory.
+
+A relay refusal at the first event, then a kill at `before_verdict` (the rollback has run:
+agents.create's key destroyed; the `failed` verdict not yet recorded): the retry, with the
+relay taking everything now, must replay `failed` and put nothing on the relay
+(`test_refused_then_killed_before_its_verdict_is_never_published`).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio_websocket
 
 from custody import TokenConfig
 from daemon.state.directory import AgentDirectory
@@ -74,6 +80,27 @@ SIGKILLED = -9
 #: storage.put's plaintexts: never in the state directory, whatever point it died at.
 MEMORY_VALUE = "crash-point memory plaintext: kestrel 7391"
 MEMORY_SLUG = "mem/crash/slug-kestrel"
+
+
+class RefusingProxy(KillingProxy):
+    """A `KillingProxy` that answers the next `refuse` EVENT frames itself, OK false
+    (`blocked:`), and never forwards them: a relay refusal at a frame boundary."""
+
+    refuse = 0
+
+    async def _pump_up(self, client: Any, up: Any, scope: trio.CancelScope) -> None:
+        try:
+            while True:
+                text = await client.get_message()
+                frame = json.loads(text)
+                if self.refuse and frame[0] == "EVENT":
+                    self.refuse -= 1
+                    await client.send_message(json.dumps(
+                        ["OK", frame[1]["id"], False, "blocked: refused by the crash test"]))
+                    continue
+                await up.send_message(text)
+        except trio_websocket.ConnectionClosed:
+            scope.cancel()
 
 
 @pytest.fixture
@@ -285,3 +312,52 @@ async def test_create_killed_before_pending_then_retried_leaves_no_orphan_key(
     else:
         # failed promises nothing happened: the killed attempt's key is destroyed too.
         assert live == set()
+
+
+@pytest.mark.parametrize("action", ["message.post", "agents.create"])
+async def test_refused_then_killed_before_its_verdict_is_never_published(
+    action: str, nursery: trio.Nursery, custody_state: tuple[TokenConfig, Path],
+    local_relay_open: str, short_dir: Path,
+) -> None:
+    from daemon.state.ledger import State, read_record
+
+    refusing = RefusingProxy(local_relay_open)
+    await nursery.start(refusing.serve, free_port())
+    token, state_dir = custody_state
+    channel = str(uuid.uuid4())
+    requester = await setup_state(token, state_dir, [channel])
+    socket = short_dir / "b.sock"
+    config = write_config(short_dir / "broker.toml", token=token, state_dir=state_dir,
+                          socket=socket, relay_url=refusing.url)
+    scene = await _scene(action, channel, local_relay_open)
+
+    refusing.refuse = 1
+    first = await DaemonProcess.start(config, socket, step="before_verdict")
+    try:
+        assert await post(socket, scene.body, requester.credential) is None
+        assert await first.wait_exit(10.0) == SIGKILLED, first.log()[-2000:]
+    finally:
+        first.kill()
+    assert refusing.refuse == 0
+    record = read_record(state_dir / "ledger.db", requester.agent, scene.request_id)
+    assert record is not None and record[0] is State.ROLLED_BACK, record
+
+    second = await DaemonProcess.start(config, socket)
+    try:
+        retried = envelope(await post(socket, scene.body, requester.credential))
+        assert (retried["status"], retried["error"]["code"]) == ("failed", "action_failed"), (
+            retried, second.log()[-3000:])
+        assert retried.get("replayed") is True
+        again = envelope(await post(socket, scene.body, requester.credential))
+        assert again == retried
+        assert await second.stop() == 0
+    finally:
+        second.kill()
+
+    # Nothing of the request on the relay, read directly by an independent client.
+    assert await _fetch(local_relay_open, {"kinds": [9, 9000], "#h": [channel]}) == []
+    if action == "agents.create":
+        assert await _fetch(local_relay_open, {"kinds": [30177],
+                                               "authors": [requester.agent]}) == []
+        [made] = _created_by(state_dir, requester.agent)  # the one key, destroyed
+        assert not made.live

@@ -12,8 +12,12 @@ call at that step raising, and the answer must be:
   nothing to replay: the retry runs afresh);
 - at the relay hand-off: `indeterminate` + `internal`, and the identical retry finishes
   the same events (`succeeded`);
-- after every event was accepted (housekeeping, the ledger's finish, the verdict's audit
-  record): the verdict stands (`succeeded`).
+- after every event was accepted (housekeeping, the verdict's audit record): the verdict
+  stands (`succeeded`);
+- the ledger's finish: the verdict was not stored, so it is not answered (NIP-BA: "Store
+  the result durably before delivering it"): `indeterminate` + `internal` once events were
+  handed to the relay (the retry resumes the pending record), `failed` + `internal` while
+  nothing was (observer.emit's held frames are dropped; the retry runs afresh).
 
 Reads have no relay hand-off and, once they ran, no record (issue 24): a fault in
 counting them is `failed` + `internal`, and a read that faulted once it ran (the relay
@@ -100,7 +104,7 @@ STEPS: dict[str, Step] = {
 _READ_RAN = {"channel.read": {"relay_subscribe", "relay_read", "count_read"},
              "storage.address": {"memory_address", "count_read"},
              "storage.get": {"relay_read", "count_read"}}
-_AFTER_RELAY = {"destroy", "rename", "runtime_record", "finish", "audit_verdict"}
+_AFTER_RELAY = {"destroy", "rename", "runtime_record", "audit_verdict"}
 #: Effects held until the verdict is recorded (observer.emit's intake,
 #: daemon/pipeline/observer.py): judged like a read here, nothing reaches the relay first.
 _HELD_UNTIL_RECORDED = {"observer.emit"}
@@ -186,8 +190,8 @@ async def _args_for(broker: BrokerHarness, action: str, owner_cred: str, channel
 
 def _expected(action: str, step: str, trace: list[str]) -> tuple[str, str | None]:
     if not ACTIONS[action].publishing or action in _HELD_UNTIL_RECORDED:
-        return ("succeeded", None) if step == "finish" else ("failed", "internal")
-    if step == "publish":
+        return ("failed", "internal")
+    if step in ("publish", "finish"):
         return ("indeterminate", "internal")
     if step in _AFTER_RELAY:
         return ("succeeded", None)
@@ -253,14 +257,18 @@ async def test_a_fault_at_each_step_is_an_envelope(
         seams.arm(None)
         status, again = await broker.post(body, cred)
         assert status == 200 and again is not None
-        if step == "begin" or (read and step in _READ_RAN[action]):
-            # The ledger itself faulted, or a read that ran (it leaves no record): nothing
+        if (step == "begin" or (read and step in _READ_RAN[action])
+                or (step == "finish" and action in _HELD_UNTIL_RECORDED)):
+            # The ledger itself faulted, or a read that ran (it leaves no record), or
+            # held frames dropped with a verdict the ledger could not finish: nothing
             # was recorded, so the identical retry runs afresh.
             assert again["status"] == "succeeded" and "replayed" not in again, (action, again)
         elif want_status == "failed":
             assert again.get("replayed") is True and again["error"] == answer["error"], (step, again)
         else:
             assert again["status"] == "succeeded", (action, step, again)
+            # A recorded success replays; an indeterminate one was resumed, not replayed.
+            assert again.get("replayed", False) is (answer["status"] == "succeeded"), again
             if answer["status"] == "succeeded":
                 assert again["outcome"] == answer["outcome"]
         if action == "agents.create" and want_status != "failed":
@@ -330,3 +338,199 @@ async def test_a_fault_sent_again_and_again_costs_the_log_a_line(
     # Mended, the daemon serves again.
     answer = await broker.call(cred, "message.post", {"channelId": channel, "content": "ok"})
     assert answer["status"] == "succeeded"
+
+
+class RelaySpy:
+    """What each attempt handed the relay: (event id, kind, result) in order."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, refuse: int = 0) -> None:
+        from daemon.relay.pool import Rejected
+        self.sent: list[tuple[str, int, Any]] = []
+        self.refuse = refuse
+        original = RelayPool.publish
+
+        async def publish(pool: RelayPool, author: str, event: Any) -> Any:
+            if self.refuse:
+                self.refuse -= 1
+                result: Any = Rejected(reason="rate-limited: slow down")
+            else:
+                result = await original(pool, author, event)
+            self.sent.append((event.id, event.kind, result))
+            return result
+        monkeypatch.setattr(RelayPool, "publish", publish)
+
+    def take(self) -> list[tuple[str, int, Any]]:
+        sent, self.sent = self.sent, []
+        return sent
+
+
+def _new_effects(sent: list[tuple[str, int, Any]]) -> list[str]:
+    """The events the relay took as new (not `duplicate:`), stored kinds only: an
+    ephemeral kind (20000-29999) is never kept, so every acceptance looks new."""
+    from daemon.relay.pool import Accepted
+    return [i for i, kind, r in sent
+            if isinstance(r, Accepted) and not r.duplicate and not 20000 <= kind < 30000]
+
+
+_PUBLISHING = sorted(a for a in ACTIONS if ACTIONS[a].publishing and a not in _NEVER_SUCCEEDS)
+
+
+@pytest.mark.parametrize("action", _PUBLISHING)
+async def test_a_verdict_the_ledger_cannot_finish_is_not_answered(
+    broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch, action: str
+) -> None:
+    """NIP-BA: "Store the result durably before delivering it". The ledger's finish fails
+    once, after every event was accepted: the answer is not the verdict it could not
+    store. Events were handed to the relay: `indeterminate` + `internal`, and the identical
+    retry resumes the pending record (the same signed events, `duplicate:` at the relay,
+    nothing new), then replays. observer.emit's frames were still held: dropped, `failed`
+    + `internal`, and the retry runs afresh: one frame reaches the relay, not two."""
+    import trio
+
+    channel = str(uuid.uuid4())
+    owner = await broker.human_owned_agent("owner")
+    cred = broker.credential(owner, [channel])
+    relay = RelaySpy(monkeypatch)
+    seams = Seams(monkeypatch)
+    queue = broker.app._observer.queue  # type: ignore[union-attr]
+    args = await _args_for(broker, action, cred, channel, seams)
+    request_id = f"unfinished-{action}-{next(_counter)}"
+    body = request_body(action, args, request_id=request_id)
+    relay.take()
+    await trio.sleep(0.2)  # the pacer has sent what earlier requests queued
+    queued_before, dropped_before = queue.counts.published, queue.counts.dropped_unsettled
+
+    seams.arm("finish")
+    _, first = await broker.post(body, cred)
+    assert seams.failed and first is not None
+    first_sent = relay.take()
+    seams.arm(None)
+    _, again = await broker.post(body, cred)
+    assert again is not None
+    again_sent = relay.take()
+    _, third = await broker.post(body, cred)
+    assert relay.take() == [], "a replay publishes nothing"
+
+    assert again["status"] == "succeeded" and "replayed" not in again, again
+    assert third == {**again, "replayed": True}
+    if action in _HELD_UNTIL_RECORDED:
+        assert (first["status"], first["error"]["code"]) == ("failed", "internal"), first
+        assert queue.counts.dropped_unsettled == dropped_before + 1
+        await trio.sleep(0.5)  # the pacer's turn
+        assert queue.counts.published - queued_before == again["outcome"]["accepted"] == 1
+        return
+    assert (first["status"], first["error"]["code"]) == ("indeterminate", "internal"), first
+    ids = [i for i, _kind, _r in first_sent]
+    assert ids and [i for i, _k, _r in again_sent] == ids, (first_sent, again_sent)
+    new = _new_effects(first_sent + again_sent)
+    assert len(new) == len(set(new)), new  # each stored event taken as new once
+    if action == "agents.create":
+        [kept] = _minted(broker, owner, request_id)
+        assert kept.live and again["outcome"]["agentPubkey"] == kept.pubkey
+
+
+#: The actions whose first event a relay can refuse (the rest are covered the same way by
+#: message.post): agents.create has a rollback (its key destroyed), message.post none.
+_REFUSABLE = ("agents.create", "message.post", "storage.put")
+
+
+@pytest.mark.parametrize("fault", ["finish", "before_verdict"])
+@pytest.mark.parametrize("action", _REFUSABLE)
+async def test_a_refused_publish_stays_failed_whatever_follows_its_rollback(
+    broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch, action: str, fault: str
+) -> None:
+    """The relay refuses the first event: `failed` + `action_failed`, stored on the pending
+    record (`Ledger.roll_back`) before the rollback runs. Then the ledger's finish fails,
+    or the pipeline dies before the verdict is recorded (an exception at the
+    `before_verdict` checkpoint): the identical retry, with the relay taking everything
+    now, replays the stored `failed` and publishes nothing; agents.create's key stays
+    destroyed. (Before: the record was still pending, so the retry re-sent the events,
+    for agents.create a put-user and a 30177 naming the destroyed key.)"""
+    from daemon.pipeline.broker import Broker
+    from daemon.state.ledger import LEDGER_FILENAME, State, read_record
+
+    channel = str(uuid.uuid4())
+    owner = await broker.human_owned_agent("owner")
+    cred = broker.credential(owner, [channel])
+    seams = Seams(monkeypatch)
+    args = await _args_for(broker, action, cred, channel, seams)
+    relay = RelaySpy(monkeypatch, refuse=1)
+    if fault == "before_verdict":
+        passed = Broker._passed
+
+        def dies(self: Broker, step: str) -> None:
+            if step == "before_verdict":
+                raise Injected("the daemon died here")
+            passed(self, step)
+        monkeypatch.setattr(Broker, "_passed", dies)
+    else:
+        seams.arm("finish")
+    request_id = f"refused-{action}-{fault}-{next(_counter)}"
+    body = request_body(action, args, request_id=request_id)
+    _, first = await broker.post(body, cred)
+    assert first is not None
+    assert [type(r).__name__ for _i, _k, r in relay.take()] == ["Rejected"]
+    if fault == "finish":
+        assert seams.failed
+        assert (first["status"], first["error"]["code"]) == ("failed", "action_failed"), first
+    else:
+        monkeypatch.setattr(Broker, "_passed", passed)
+    record = read_record(broker.state_dir / LEDGER_FILENAME, owner, request_id)
+    assert record is not None and record[0] is State.ROLLED_BACK, record
+    if action == "agents.create":
+        assert _destroyed(broker, owner, request_id)
+
+    seams.arm(None)
+    _, again = await broker.post(body, cred)
+    assert again is not None
+    assert (again["status"], again["error"]["code"]) == ("failed", "action_failed"), again
+    assert again.get("replayed") is True, again
+    if fault == "finish":
+        assert again["error"] == first["error"]
+    _, third = await broker.post(body, cred)
+    assert third == again
+    assert relay.take() == [], "a rolled-back request's events are never sent again"
+    record = read_record(broker.state_dir / LEDGER_FILENAME, owner, request_id)
+    assert record is not None and record[0] is State.FINAL
+    if action == "agents.create":
+        assert _destroyed(broker, owner, request_id)
+
+
+def _destroyed(broker: BrokerHarness, owner: str, request_id: str) -> bool:
+    """The one key minted for this request is destroyed (its record kept, deleted)."""
+    ref = f"{owner}/{request_id}"
+    made = [a for a in broker.app.directory.agents(include_deleted=True) if a.mint_ref == ref]
+    return len(made) == 1 and not made[0].live and broker.custody.agent(made[0].pubkey) is None
+
+
+async def test_a_refusal_whose_rollback_cannot_be_stored_is_not_rolled_back(
+    broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ledger cannot mark the refused agents.create rolled back: nothing is rolled
+    back (the record stays resumable), so `failed` cannot be promised: `indeterminate` +
+    `internal`, the key kept; the identical retry resumes the same events, the relay takes
+    them, and the one key is the created agent."""
+    import sqlite3
+
+    channel = str(uuid.uuid4())
+    owner = await broker.human_owned_agent("owner")
+    cred = broker.credential(owner, [channel])
+    relay = RelaySpy(monkeypatch, refuse=1)
+    original = Ledger.roll_back
+
+    async def broken(*_: Any, **__: Any) -> Any:
+        raise sqlite3.OperationalError("disk I/O error")
+    monkeypatch.setattr(Ledger, "roll_back", broken)
+    body = request_body("agents.create", {"channelId": channel, "displayName": "kid",
+                                          "systemPrompt": "p"}, request_id="unmarked")
+    _, first = await broker.post(body, cred)
+    assert first is not None
+    assert (first["status"], first["error"]["code"]) == ("indeterminate", "internal"), first
+    [refused] = relay.take()
+    [kept] = _minted(broker, owner, "unmarked")
+    assert kept.live
+    monkeypatch.setattr(Ledger, "roll_back", original)
+    _, again = await broker.post(body, cred)
+    assert again is not None and again["status"] == "succeeded", again
+    assert again["outcome"]["agentPubkey"] == kept.pubkey
+    assert [i for i, _k, _r in relay.take()][0] == refused[0]  # the same signed events

@@ -18,7 +18,7 @@ import pytest
 
 import trio
 
-from buzzwire.contract import Status
+from buzzwire.contract import ErrorCode, Status
 
 from daemon.state.ledger import (
     STALE_FACTOR,
@@ -30,6 +30,7 @@ from daemon.state.ledger import (
     LedgerKey,
     Replay,
     Resume,
+    RolledBack,
     State,
     advance,
 )
@@ -203,6 +204,52 @@ async def test_indeterminate_without_pending_runs_fresh(ledger: Ledger) -> None:
     await ledger.record_pending(retry.ticket, b"now signed")
     await ledger.finish(retry.ticket, b"done", Status.SUCCEEDED)
     assert await ledger.begin(key, digest(b"other")) == Conflict()
+
+
+async def test_a_rolled_back_record_is_never_resumed(ledger: Ledger) -> None:
+    """The relay refused the first event: the failed verdict is durable before the
+    rollback runs. A crash then (release, no finish) leaves it rolled back, never pending:
+    the retry gets `RolledBack` (run the rollback again, record the stored verdict), not
+    `Resume`. An indeterminate finish (the rollback could not be finished) writes nothing;
+    a final one makes it a replay. Waiters meanwhile wait, then replay."""
+    key, owner = await _fresh(ledger)
+    await ledger.record_pending(owner.ticket, b"signed events")
+    await ledger.roll_back(owner.ticket, b"failed: refused", Status.FAILED,
+                           ErrorCode.ACTION_FAILED)
+    ledger.release(owner.ticket)  # died before the verdict
+    retry = await ledger.begin(key, digest(b"x"))
+    assert isinstance(retry, RolledBack), retry
+    assert (retry.pending, retry.response, retry.status, retry.code) == (
+        b"signed events", b"failed: refused", Status.FAILED, ErrorCode.ACTION_FAILED)
+    await ledger.finish(retry.ticket, b"indeterminate: internal", Status.INDETERMINATE)
+    again = await ledger.begin(key, digest(b"x"))
+    assert isinstance(again, RolledBack) and again.response == b"failed: refused"
+    waiter: list[object] = []
+
+    async def wait() -> None:
+        waiter.append(await ledger.begin(key, digest(b"x")))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait)
+        await trio.testing.wait_all_tasks_blocked()
+        await ledger.finish(again.ticket, again.response, again.status, again.code)
+    replay = Replay(b"failed: refused", Status.FAILED, ErrorCode.ACTION_FAILED)
+    assert waiter == [replay]
+    assert await ledger.begin(key, digest(b"x")) == replay
+    assert await ledger.tombstones() == 1
+
+
+async def test_only_pending_work_is_rolled_back_and_only_as_failed(ledger: Ledger) -> None:
+    key, owner = await _fresh(ledger)
+    with pytest.raises(AssertionError):  # nothing was ever to be sent
+        await ledger.roll_back(owner.ticket, b"failed", Status.FAILED)
+    await ledger.record_pending(owner.ticket, b"signed")
+    with pytest.raises(AssertionError):  # only `failed` promises the rollback's meaning
+        await ledger.roll_back(owner.ticket, b"ok", Status.SUCCEEDED)
+    ledger.release(owner.ticket)
+    resumed = await ledger.begin(key, digest(b"x"))
+    assert isinstance(resumed, Resume)
+    with pytest.raises(AssertionError):  # a resumed record may be on the relay already
+        await ledger.roll_back(resumed.ticket, b"failed", Status.FAILED)
 
 
 async def test_release_wakes_waiters_and_one_resumes(ledger: Ledger) -> None:
