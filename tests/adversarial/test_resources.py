@@ -388,7 +388,10 @@ async def test_full_disk_answers_failed_internal(
         assert status == 200 and envelope is not None, status
         parse_response(json.dumps(envelope).encode())
         if envelope["status"] != "succeeded":
-            # spec §Results: a fault before any side effect is failed + internal.
-            assert (envelope["status"], envelope["error"]["code"]) == ("failed", "internal")
+            # spec §Results: a fault before any side effect is failed + internal; one after
+            # the event went out (its verdict could not be stored) is indeterminate +
+            # internal, and the identical retry finishes it (the next test).
+            assert (envelope["status"], envelope["error"]["code"]) in {
+                ("failed", "internal"), ("indeterminate", "internal")}
             faults += 1
     assert faults  # the full disk was felt
