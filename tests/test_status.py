@@ -3,6 +3,7 @@ SoftHSM token, LocalRelay), and the root guard on the daemon's state directory."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,23 @@ def _cli(config: Path, *argv: str, stdin: str | None = None) -> subprocess.Compl
     return subprocess.run([sys.executable, "-m", "daemon.cli", "--config", str(config), *argv],
                           cwd=REPO, env=env, input=stdin, capture_output=True, text=True,
                           timeout=60)
+
+
+@contextlib.contextmanager
+def _serving(config: Path, socket_path: Path) -> Iterator[subprocess.Popen[str]]:
+    """`buzz-broker serve` on `config`, once its socket is there; SIGTERM at the end."""
+    daemon = subprocess.Popen([sys.executable, "-m", "daemon.cli", "--config", str(config),
+                               "serve"], cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not socket_path.exists():
+            assert daemon.poll() is None and time.monotonic() < deadline, daemon.stderr and daemon.stderr.read()
+            time.sleep(0.05)
+        yield daemon
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=30)
 
 
 def test_status_running_then_stopped(custody_state: tuple[TokenConfig, Path], local_relay: str,
@@ -57,14 +76,7 @@ def test_status_running_then_stopped(custody_state: tuple[TokenConfig, Path], lo
     assert before.returncode == 3, before.stdout + before.stderr
     assert re.search(r"^daemon: +stopped$", before.stdout, re.M)
 
-    daemon = subprocess.Popen([sys.executable, "-m", "daemon.cli", "--config", str(config),
-                               "serve"], cwd=REPO, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 30
-        while not socket_path.exists():
-            assert daemon.poll() is None and time.monotonic() < deadline, daemon.stderr and daemon.stderr.read()
-            time.sleep(0.05)
+    with _serving(config, socket_path) as daemon:
         post = _cli(config, "call", "message.post", "--args",
                     json.dumps({"channelId": channel, "content": "status"}),
                     "--credential-file", str(cred_file), "--socket", str(socket_path))
@@ -97,9 +109,6 @@ def test_status_running_then_stopped(custody_state: tuple[TokenConfig, Path], lo
                                     "detail": f"serving {metrics} ({unheld})"}
         text = _cli(config, "status")
         assert re.search(rf"^daemon: +running \(pid {daemon.pid}\)$", text.stdout, re.M)
-    finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(timeout=30)
     assert daemon.returncode == 0
 
     stopped = _cli(config, "status", "--json")
@@ -170,14 +179,7 @@ def test_status_after_keys_rotate_checks_the_kek_the_keystore_records(
     new = re.search(rf"KEK '({re.escape(token.kek_label)}-[0-9a-f]{{8}})'", rotated.stdout)
     assert new, rotated.stdout
 
-    daemon = subprocess.Popen([sys.executable, "-m", "daemon.cli", "--config", str(config),
-                               "serve"], cwd=REPO, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 30
-        while not socket_path.exists():
-            assert daemon.poll() is None and time.monotonic() < deadline, daemon.stderr and daemon.stderr.read()
-            time.sleep(0.05)
+    with _serving(config, socket_path) as daemon:
         running = _cli(config, "status", "--json")
         assert running.returncode == 0, running.stdout + running.stderr
         facts = json.loads(running.stdout)
@@ -188,7 +190,4 @@ def test_status_after_keys_rotate_checks_the_kek_the_keystore_records(
         assert (facts["ok"], facts["exit"], facts["agents"]["live"]) == (True, 0, 1)
         text = _cli(config, "status")
         assert text.returncode == 0 and re.search(r"^token: +logged in", text.stdout, re.M)
-    finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(timeout=30)
     assert daemon.returncode == 0

@@ -153,13 +153,17 @@ def _under(broker: BrokerHarness, mint_ref: str) -> list[KeyRecord]:
 _CREATE = {"displayName": "Helper", "systemPrompt": "be brief", "runtime": "goose"}
 
 
-async def test_a_create_whose_custodian_died_after_minting_is_not_failed_and_its_retry_keeps_the_key(
-        broker: BrokerHarness, custodian: CustodianProcess) -> None:
+async def _a_create(broker: BrokerHarness) -> tuple[str, str, dict[str, object], str]:
+    """A requester, its credential for a new channel, agents.create's args there, an id."""
     channel = str(uuid.uuid4())
     requester = await broker.human_owned_agent()
-    credential = broker.credential(requester, [channel])
-    args = {"channelId": channel, **_CREATE}
-    request_id = str(uuid.uuid4())
+    return (requester, broker.credential(requester, [channel]),
+            {"channelId": channel, **_CREATE}, str(uuid.uuid4()))
+
+
+async def test_a_create_whose_custodian_died_after_minting_is_not_failed_and_its_retry_keeps_the_key(
+        broker: BrokerHarness, custodian: CustodianProcess) -> None:
+    requester, credential, args, request_id = await _a_create(broker)
     custodian.start(kill_after="mint")
     first = await broker.call(credential, "agents.create", args, request_id=request_id)
     assert "custodian.kill step=mint" in custodian.stderr.read_text()
@@ -180,11 +184,7 @@ async def test_a_create_whose_custodian_died_after_minting_is_not_failed_and_its
 async def test_a_create_whose_mint_answer_was_lost_destroys_the_key_it_made(
         broker: BrokerHarness, custodian: CustodianProcess,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    channel = str(uuid.uuid4())
-    requester = await broker.human_owned_agent()
-    credential = broker.credential(requester, [channel])
-    args = {"channelId": channel, **_CREATE}
-    request_id = str(uuid.uuid4())
+    requester, credential, args, request_id = await _a_create(broker)
     client = broker.custody
     assert isinstance(client, CustodianClient)
     round_trip = client._round_trip
@@ -215,11 +215,7 @@ async def test_a_create_whose_mint_is_made_after_its_lookup_is_not_failed(
     its reference up and found none: the create cannot promise "no effects", so it is
     `indeterminate` + `internal`, and the identical retry carries on with that key. (On
     the old code it was `failed`, final, and the key came afterwards: a live orphan.)"""
-    channel = str(uuid.uuid4())
-    requester = await broker.human_owned_agent()
-    credential = broker.credential(requester, [channel])
-    args = {"channelId": channel, **_CREATE}
-    request_id = str(uuid.uuid4())
+    requester, credential, args, request_id = await _a_create(broker)
     client = broker.custody
     assert isinstance(client, CustodianClient)
     round_trip = client._round_trip
