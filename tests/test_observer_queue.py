@@ -108,6 +108,33 @@ def test_holds_are_kept_apart_by_their_owner_not_their_request_id() -> None:
     assert item is not None and item.event.content == "mine" and queue._next() is None
 
 
+def test_reserved_room_is_taken_from_the_share_until_held_or_settled() -> None:
+    """observer.emit reserves each frame's room before custody makes the event: the
+    reservation admits exactly what `hold` would, counts against the share meanwhile (a
+    second request cannot spend the same room), `hold` fills it, `settle` gives back what
+    no event took."""
+    queue = ObserverQueue(config(total=100 * SIZE, share=3 * SIZE), Relay().publish)
+    assert queue.reserve("r1", "c", [SIZE, None, SIZE, SIZE + 100_000, SIZE]) == (
+        True, False, True, False, True)
+    assert queue.queued_bytes_of("c") == 3 * SIZE and queue.room("c") == 0
+    assert queue.reserve("r2", "c", [SIZE]) == (False,)  # the room is spoken for
+    assert queue.hold("r2", "c", "a", [event()]) == (False,)
+    # The reserved events are admitted into their room; what is left is given back.
+    assert queue.hold("r1", "c", "a", [event(), None, event(), None, None]) == (
+        True, False, True, False, False)
+    assert queue.queued_bytes_of("c") == 2 * SIZE == queue.queued_bytes
+    queue.settle("r1", keep=False)
+    queue.settle("r2", keep=False)
+    assert queue.queued_bytes == 0 and queue.room("c") == 3 * SIZE
+    # A reservation never held (a fault between reserve and hold) is given back by settle.
+    assert all(queue.reserve("r3", "c", [SIZE, SIZE]))
+    queue.settle("r3", keep=True)
+    assert queue.queued_bytes == 0 and queue._next() is None
+    with pytest.raises(ValueError):
+        queue.reserve("r4", "c", [SIZE])
+        queue.reserve("r4", "c", [SIZE])
+
+
 async def test_held_events_never_reach_the_relay_until_settled() -> None:
     relay = Relay()
     queue = ObserverQueue(config(total=10**6, share=10**6), relay.publish)

@@ -13,21 +13,28 @@ rule forbids. `unsupported` is NIP-BA's normal answer for a best-effort live sig
 Invalid arguments (a channel that is not a UUID, an empty or 301-character `turnId`) are
 still `invalid_request`, decided by the contract before this runs; a credential without the
 action or the channel is still `unauthorized` (daemon/pipeline/policy.py).
+
+The refusal is made before execution, by the judgement's authorize step (policy
+`UNOFFERED`): nothing runs, so it is recorded as the refusal it is — charged to its
+credential's refusal share, no tombstone, no `live` unit — not as an effect (every ping
+used to leave a record on the agent's account and a tombstone for good). `prepare` is
+never reached; it answers the same refusal should anything route a ping here.
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-from buzzwire.contract import ErrorCode, LivenessPingArgs, Verdict
+from buzzwire.contract import LivenessPingArgs, Verdict
 from daemon.operations._base import Context
+from daemon.pipeline.policy import UNOFFERED
 
 __all__ = ["prepare", "UNBOUND_TURNS"]
 
 #: The operator-facing message of the refusal (fixed text, style.md #12).
-UNBOUND_TURNS: Final = ("liveness.ping is not offered: this host runs no agent runtime, so "
-                        "no turn is bound to a session it could check")
+UNBOUND_TURNS: Final = UNOFFERED["liveness.ping"].message
 
 
 async def prepare(ctx: Context, args: LivenessPingArgs) -> Verdict:
-    return Verdict.failed(ErrorCode.UNSUPPORTED, UNBOUND_TURNS)
+    refusal = UNOFFERED["liveness.ping"]
+    return Verdict.failed(refusal.code, refusal.message)

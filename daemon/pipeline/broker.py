@@ -10,9 +10,13 @@ Who does what (each in its own module; this one only walks the order):
   one whose agent is no longer live (`_agent_live`, issue 13) → `failed` +
   `unauthenticated`, not recorded: there is no principal to record it under. The ledger
   key is (agent, requestId) with the body's sha256; a request outside its credential's
-  own scope is keyed `<agent>/<credential id>` instead (`_ledger_principal`, issue 13). A
+  own scope is keyed `<agent>/<credential id>` instead (`_ledger_principal`, issue 13; an
+  unreadable one by what its envelope names). A
   finished record replays with `replayed: true`; another digest is a
-  `request_id_conflict`; an identical request running here is waited for; a pending
+  `request_id_conflict`; an identical request running here is waited for, and the
+  credential is checked again once the wait ends (revoked meanwhile, or its agent gone:
+  `unauthenticated`, and the record is left as it is: no outcome released, nothing
+  resumed; NIP-BA "authenticate every attempt"); a pending
   record is resumed by re-sending exactly its signed events (daemon/pipeline/publisher.py);
   a rolled-back one (the relay refused its first event) never is: its rollback runs again
   and its stored `failed` is answered, `replayed` (`Publisher.finish_rollback`).
@@ -68,10 +72,12 @@ import trio
 from buzzwire.contract import (
     ACTIONS,
     ErrorCode,
+    JsonSyntaxError,
     Reading,
     Request,
     Status,
     Verdict,
+    parse_json,
     read_request,
 )
 from custody import CustodyError
@@ -94,7 +100,8 @@ from daemon.operations import OPERATIONS, Context, Operation
 from daemon.operations._base import OperationRefused
 from daemon.operations.channel_read import JUDGED_CACHE_BYTES, JudgedCache, ReadLog
 from daemon.pipeline.observer import ObserverIntake
-from daemon.pipeline.policy import Authorized, Refusal, authorize, within_credential
+from daemon.pipeline.policy import (Authorized, Refusal, authorize, envelope_within_credential,
+                                    within_credential)
 from daemon.pipeline.publisher import Publisher
 from daemon.state.ratelimit import RateLimiter
 from daemon.pipeline.recorder import Facts, Judged, Progress, Recorder
@@ -309,30 +316,32 @@ class Broker:
         request_id = reading.request_id
         # authenticate
         principal = self._authenticate(request, request_id)
-        if isinstance(principal, Refused):
-            # One fixed answer for every cause (NIP-BA: nothing about authenticated state
-            # to an unauthenticated caller); the cause goes to the operator's log only.
-            unauthenticated = Judged.of(request_id, Verdict.failed(ErrorCode.UNAUTHENTICATED))
-            return self._recorder.respond(
-                request_id, unauthenticated, started, agent=None, action=_action_of(reading),
-                unvouched=principal, peer_uid=request.peer_uid)
-        if isinstance(principal, Judged):
-            return self._recorder.respond(request_id, principal, started, agent=None,
-                                          action=_action_of(reading))
+        if not isinstance(principal, Principal):
+            return self._unauthenticated(request, reading, principal, started)
         # ledger
         digest = hashlib.sha256(request.body).digest()
         facts = Facts(credential_id=principal.credential_id, agent=principal.agent,
                       action=_action_of(reading), request_id=request_id,
                       body_sha256=digest.hex())
+        key = LedgerKey(principal=_ledger_principal(principal, reading, request.body),
+                        request_id=request_id)
+        joins = self._ledger.joins(key)
         try:
-            begun = await self._ledger.begin(
-                LedgerKey(principal=_ledger_principal(principal, reading), request_id=request_id),
-                digest, credential=principal.credential_id,
-            )
+            begun = await self._ledger.begin(key, digest, credential=principal.credential_id)
         except sqlite3.Error as exc:
             # Nothing has happened and the ledger cannot record: a fault before dispatch.
             self._recorder.ledger_failed(facts, "begin", exc)
             return await self._recorder.unrecorded(facts, Judged.internal(request_id), started)
+        if joins:
+            # It waited for an identical request in flight: the credential may have been
+            # revoked (or its agent removed) meanwhile. NIP-BA: authenticate every attempt
+            # and authorize the release of a stored result, and its execution: checked
+            # again before either, and a failure leaves the record as it is.
+            again = self._authenticate(request, request_id)
+            if not isinstance(again, Principal):
+                if isinstance(begun, (Fresh, Resume, RolledBack)):
+                    self._ledger.release(begun.ticket)
+                return self._unauthenticated(request, reading, again, started)
         if isinstance(begun, Full):
             # Not recorded: recording it would grow what the cap bounds (docs/operations.md).
             self._lines.record("ledger.credential_full" if begun.credential else
@@ -416,6 +425,22 @@ class Broker:
         return self._recorder.respond(request_id, judged, started, agent=principal.agent,
                                       action=facts.action,
                                       replayed=replayed and judged.response == rolled_back)
+
+    def _unauthenticated(self, request: HttpRequest, reading: Reading, refused: Refused | Judged,
+                         started: float) -> HttpAnswer:
+        """The answer to a request `_authenticate` did not let through (not recorded: there
+        is no principal to record it under)."""
+        assert reading.request_id is not None
+        if isinstance(refused, Judged):
+            return self._recorder.respond(reading.request_id, refused, started, agent=None,
+                                          action=_action_of(reading))
+        # One fixed answer for every cause (NIP-BA: nothing about authenticated state
+        # to an unauthenticated caller); the cause goes to the operator's log only.
+        unauthenticated = Judged.of(reading.request_id,
+                                    Verdict.failed(ErrorCode.UNAUTHENTICATED))
+        return self._recorder.respond(
+            reading.request_id, unauthenticated, started, agent=None,
+            action=_action_of(reading), unvouched=refused, peer_uid=request.peer_uid)
 
     def _authenticate(self, request: HttpRequest, request_id: str
                       ) -> Principal | Refused | Judged:
@@ -585,7 +610,7 @@ class Broker:
             event_ids=progress.event_ids, published=True)
 
 
-def _ledger_principal(principal: Principal, reading: Reading) -> str:
+def _ledger_principal(principal: Principal, reading: Reading, body: bytes) -> str:
     """Whose record a request's verdict goes into (spec I3: per principal and requestId).
 
     The agent's, shared by all of its credentials, so a credential rotated between two
@@ -593,11 +618,31 @@ def _ledger_principal(principal: Principal, reading: Reading) -> str:
     own scope (its actions or channels) is recorded under `<agent>/<credential id>`: a
     narrow credential's refusal must not pre-empt the requestId for the agent's wider
     credentials, and it must not be handed anything the agent's record holds (issue 13).
-    A request that could not be read is the agent's: no scope decided it.
+    A request that could not be read is judged by what its envelope says
+    (`policy.envelope_within_credential`): the agent's only when the credential holds its
+    action and channel, so the same credential's valid request with that requestId is
+    still its `request_id_conflict`; otherwise the credential's own, so an invalid request
+    cannot pre-empt what a valid one could not.
     """
-    if reading.request is not None and within_credential(principal, reading.request) is not None:
-        return f"{principal.agent}/{principal.credential_id}"
-    return principal.agent
+    if reading.request is not None:
+        outside = within_credential(principal, reading.request) is not None
+    else:
+        outside = not envelope_within_credential(principal, *_envelope_scope(body))
+    return f"{principal.agent}/{principal.credential_id}" if outside else principal.agent
+
+
+def _envelope_scope(body: bytes) -> tuple[object, object]:
+    """(action, args.channelId) as far as an unreadable request's body holds them, each
+    None where it does not (not JSON, not an object, a member repeated or absent)."""
+    try:
+        top, _fault = parse_json(body)
+    except JsonSyntaxError:
+        return None, None
+    if type(top) is not dict:  # a repeated member is a marker type: nothing is read from it
+        return None, None
+    args = top.get("args")
+    channel = args.get("channelId") if type(args) is dict else None
+    return top.get("action"), channel
 
 
 def _lock_set(principal: Principal, decision: Authorized) -> tuple[str, ...]:

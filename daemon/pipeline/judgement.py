@@ -13,6 +13,10 @@ Rules (README "How a request is judged", steps 4 and 5):
   reserved, then crashed or ended indeterminate before sending) is judged again, since
   policy may have changed meanwhile, but takes no units: that attempt already paid them
   (docs/operations.md, "A replay costs no quota").
+- authorize is policy's `authorize`, then `unoffered`: an action this host never offers
+  (liveness.ping) is refused `unsupported` before the rate limits and before anything
+  runs, so it is a refusal like any other (charged to its credential's refusal share, no
+  tombstone, no unit taken).
 - Steps have no side effects beyond the rate limiter's units (the broker logs what
   validation refused: it is the one that bounds its lines).
 
@@ -28,7 +32,8 @@ from typing import Final, TypeAlias
 
 from buzzwire.contract import Reading, Request, Verdict
 from daemon.config import PolicyConfig
-from daemon.pipeline.policy import AgentLookup, AgentView, Authorized, Refusal, authorize
+from daemon.pipeline.policy import (AgentLookup, AgentView, Authorized, Refusal, authorize,
+                                    unoffered)
 from daemon.state.ratelimit import RateLimiter
 from daemon.state.sessions import Principal
 
@@ -75,6 +80,11 @@ def _authorize(a: Admission) -> Verdict | Authorized:
     decision = authorize(a.principal, _request(a), a.policy, a.agents)
     if isinstance(decision, Refusal):
         return Verdict.failed(decision.code, decision.message)
+    # An action the host never offers (liveness.ping): refused here, before anything
+    # runs, like a switched-off one (policy `UNOFFERED`).
+    refused = unoffered(_request(a))
+    if refused is not None:
+        return Verdict.failed(refused.code, refused.message)
     return decision
 
 

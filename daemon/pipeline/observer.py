@@ -22,6 +22,14 @@ Theory of operation (NIP-BA "Live signals"; issue 23 item 3):
   `failed` promises no effects, and a crash before the record leaves nothing published, so
   the retry that then runs afresh cannot put the same frames on the relay twice. A replay
   never reaches the operation, so it never enqueues again.
+- Room set aside before the work (`reserve`): observer.emit works out each frame's relay
+  frame bytes before anything is encrypted (`frame_bytes`: the same count `hold` charges)
+  and reserves them under its hold key; it encrypts and signs only the frames reserved,
+  so custody never makes an event the queue would turn away. The reservation counts
+  against the share like held events (two concurrent requests cannot both spend the same
+  room), `hold` replaces it with the events, and `settle` frees whatever is left of it.
+  So what custody signs for observer.emit is bounded by what the queue drains: the
+  pacer's `publish_per_second`, plus one fill of each share.
 - Paced and fair: `run` hands at most `publish_per_second` events a second to the relay,
   at most `max_in_flight` awaiting their OK at once, taking one event per credential in
   turn (round robin), so a credential with a deep queue waits its turn like the others.
@@ -35,8 +43,9 @@ Resource handling: `run` is a background task owned by the nursery in daemon/wir
 (the daemon's serve); it spawns its publications into a nursery of its own, so they end
 with it.
 
-WARNING: `settle` must follow every `hold` (the broker does it in a `finally`); a held
-batch never settled would stay counted against its credential's share.
+WARNING: `settle` must follow every `reserve` and `hold` (the broker does it in a
+`finally`); a held batch or a reservation never settled would stay counted against its
+credential's share.
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ from daemon.relay.pool import Accepted, PublishResult
 from daemon.relay.protocol import encode_event
 from daemon.state.observer_seq import ObserverSeq
 
-__all__ = ["ObserverQueue", "ObserverIntake", "HoldKey", "KIND_OBSERVER_FRAME"]
+__all__ = ["ObserverQueue", "ObserverIntake", "HoldKey", "KIND_OBSERVER_FRAME", "frame_bytes"]
 
 _log = logging.getLogger("buzz_broker.observer")
 #: What the pacer logs about a frame it could not publish, at what level.
@@ -77,6 +86,11 @@ Publish = Callable[[str, SignedEvent], Awaitable[PublishResult]]
 
 #: `["EVENT",` and `]` around the event's JSON in its relay frame.
 _FRAME_OVERHEAD: Final = len('["EVENT",]')
+
+
+def frame_bytes(event: SignedEvent) -> int:
+    """What one event counts against its share: the UTF-8 bytes of its relay frame."""
+    return len(encode_event(event).encode("utf-8"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +126,8 @@ class ObserverQueue:
         self._publish = publish
         self._shares: dict[str, _Share] = {}
         self._held: dict[HoldKey, list[_Item]] = {}
+        #: hold key -> (credential, bytes) set aside by `reserve`, until `hold` or `settle`
+        self._reserved: dict[HoldKey, tuple[str, int]] = {}
         self._turns: deque[str] = deque()  # credentials with ready events, in turn order
         self._total = 0
         self._wake = trio.Event()
@@ -127,6 +143,60 @@ class ObserverQueue:
         return max(0, min(self._config.max_queued_bytes_per_credential - used,
                           self._config.max_queued_bytes - self._total))
 
+    def _fits(self, share: _Share, size: int) -> bool:
+        """Whether an event of `size` frame bytes may join `share` now (module docstring)."""
+        return (size - _FRAME_OVERHEAD <= self._config.max_event_bytes
+                and share.bytes + size <= self._config.max_queued_bytes_per_credential
+                and self._total + size <= self._config.max_queued_bytes)
+
+    def reserve(self, key: HoldKey, credential_id: str, sizes: Sequence[int | None]
+                ) -> tuple[bool, ...]:
+        """Set room aside for events not made yet, under `key`, until `hold` or `settle`.
+
+        Args:
+            key: the hold key of the request that will hand the events in.
+            credential_id: whose share the room is taken from.
+            sizes: in frame order, each event's `frame_bytes` (None: a frame that will not
+                be an event; it is not reserved, and keeps its place).
+
+        Returns:
+            Per size, whether its room was set aside: exactly the events `hold` would admit
+            now, in the same order, so the caller makes only those.
+
+        Raises:
+            ValueError: `key` already holds events or a reservation (our bug).
+        """
+        if key in self._held or key in self._reserved:
+            raise ValueError("a request's room is already reserved or its events held")
+        share = self._shares.setdefault(credential_id, _Share())
+        taken: list[bool] = []
+        reserved = 0
+        for size in sizes:
+            fits = size is not None and self._fits(share, size)
+            taken.append(fits)
+            if fits:
+                assert size is not None
+                share.bytes += size
+                self._total += size
+                reserved += size
+        if reserved:
+            self._reserved[key] = (credential_id, reserved)
+        elif not share.bytes and not share.ready:
+            self._shares.pop(credential_id, None)
+        return tuple(taken)
+
+    def _unreserve(self, key: HoldKey) -> None:
+        """Give back what `reserve` set aside under `key`, if anything."""
+        reservation = self._reserved.pop(key, None)
+        if reservation is None:
+            return
+        credential_id, reserved = reservation
+        share = self._shares[credential_id]
+        share.bytes -= reserved
+        self._total -= reserved
+        if not share.bytes and not share.ready:
+            del self._shares[credential_id]
+
     def hold(self, key: HoldKey, credential_id: str, agent: str,
              events: Sequence[SignedEvent | None]) -> tuple[bool, ...]:
         """Admit each event that fits, held under `key` until `settle`.
@@ -138,6 +208,9 @@ class ObserverQueue:
             events: in frame order; None stands for a frame the operation already could
                 not turn into an event (it is not admitted, and keeps its place).
 
+        Room `reserve`d under `key` is given back first, in the same step (no other task
+        runs between), so the events it was reserved for are admitted into it.
+
         Returns:
             Per event, whether it was admitted.
 
@@ -147,6 +220,7 @@ class ObserverQueue:
         """
         if key in self._held:
             raise ValueError("a request's events are already held")
+        self._unreserve(key)
         share = self._shares.setdefault(credential_id, _Share())
         admitted: list[bool] = []
         held: list[_Item] = []
@@ -154,10 +228,8 @@ class ObserverQueue:
             if event is None:
                 admitted.append(False)
                 continue
-            size = len(encode_event(event).encode("utf-8"))
-            fits = (size - _FRAME_OVERHEAD <= self._config.max_event_bytes
-                    and share.bytes + size <= self._config.max_queued_bytes_per_credential
-                    and self._total + size <= self._config.max_queued_bytes)
+            size = frame_bytes(event)
+            fits = self._fits(share, size)
             admitted.append(fits)
             if fits:
                 held.append(_Item(credential_id, agent, event, size))
@@ -171,7 +243,9 @@ class ObserverQueue:
         return tuple(admitted)
 
     def settle(self, key: HoldKey, *, keep: bool) -> None:
-        """Release `key`'s held events to the pacer (`keep`), or drop them. Idempotent."""
+        """Release `key`'s held events to the pacer (`keep`), or drop them; give back any
+        room still reserved under it. Idempotent."""
+        self._unreserve(key)
         held = self._held.pop(key, None)
         if not held:
             return

@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol, TypeAlias, TypeVar
 
-from buzzwire.contract import ACTIONS, ErrorCode
+from buzzwire.contract import ACTIONS, ErrorCode, normalize_channel_id
 from daemon.state.directory import child_depth
 from daemon.state.sessions import Principal
 
@@ -61,6 +61,7 @@ __all__ = [
     "Refusal",
     "authorize",
     "within_credential",
+    "envelope_within_credential",
     "resolve_target",
     "AgentView",
     "AgentLookup",
@@ -71,6 +72,8 @@ __all__ = [
     "CHOICE_ACTIONS",
     "TARGET_ACTIONS",
     "REFUSALS",
+    "UNOFFERED",
+    "unoffered",
 ]
 
 
@@ -179,6 +182,28 @@ REFUSALS: Final = {
     ),
 }
 
+#: Actions this host knows but never offers, whatever its configuration, each with its
+#: own reason: liveness.ping (daemon/operations/liveness_ping.py: no turn is bound to a
+#: session here). Refused `unsupported` like a switched-off action, and like it before
+#: anything runs: the judgement's authorize step (daemon/pipeline/judgement.py) asks
+#: `unoffered` once `authorize` let the request through, so a credential without the
+#: action or the channel is still `unauthorized`, and the refusal takes no rate-limit
+#: unit, is charged to its credential's refusal share and leaves no tombstone (recorder
+#: `keeping`). Not one of `CHECKS`: `authorize` says what a principal may do, and is asked
+#: again under locks; this is what the host cannot do for anyone.
+UNOFFERED: Final[dict[str, Refusal]] = {
+    "liveness.ping": Refusal(
+        ErrorCode.UNSUPPORTED,
+        "liveness.ping is not offered: this host runs no agent runtime, so no turn is bound "
+        "to a session it could check"),
+}
+
+
+def unoffered(r: _Request) -> Refusal | None:
+    """The refusal of an action this host never offers (`UNOFFERED`), else None."""
+    return UNOFFERED.get(r.action)
+
+
 _DEPTH_TEMPLATE: Final = "agents.create would exceed this host's agent depth limit of {limit}"
 
 
@@ -232,6 +257,20 @@ def within_credential(p: Principal, r: _Request) -> Refusal | None:
     if r.action in CHANNEL_ACTIONS and getattr(r.args, "channel_id") not in p.channels:
         return REFUSALS["channel"]
     return None
+
+
+def envelope_within_credential(p: Principal, action: object, channel: object) -> bool:
+    """`within_credential` for a request that could not be read, as far as its envelope can
+    be: its `action`, and for an action bound to a channel its `args.channelId` (anything
+    else where neither could be read: an absent, repeated or mistyped member). True only
+    when the credential holds that action and that channel: a request it could not hold
+    even if it were valid is outside its scope, whatever else is wrong with it (the broker
+    then records its refusal for this credential alone, never for its agent)."""
+    if type(action) is not str or action not in p.actions:
+        return False
+    if action not in CHANNEL_ACTIONS:
+        return True
+    return type(channel) is str and normalize_channel_id(channel) in p.channels
 
 
 def _check_credential(

@@ -13,6 +13,8 @@ Theory of operation (design.md "Idempotency: the ledger"; spec I3):
     1. the same key is in flight in this process with another digest -> `Conflict()` at once;
     2. the same key and digest is in flight -> wait for its owner, then look again
        (a final verdict the owner just recorded is handed over without touching SQLite);
+       the caller checks the credential again after such a wait (`joins`): the ledger
+       hands over whatever it holds, and authorizing its release is the caller's;
     3. no record -> a tombstone with the same digest -> `Forgotten()`, with another ->
        `Conflict()`; else `Fresh(ticket)` (or `Full()` at a cap); a record with another
        digest -> `Conflict()` (the record is untouched); a final record ->
@@ -907,6 +909,13 @@ class Ledger:
         if status is not Status.INDETERMINATE:
             flight.final = Replay(response, status, code)
         self._drop(flight)
+
+    def joins(self, key: LedgerKey) -> bool:
+        """Whether `begin(key, ...)` now finds an owner of `key` in this process: it then
+        waits for it (or answers `Conflict`), and whoever called it must authenticate the
+        request again once it returns (NIP-BA: every attempt, and the release of a stored
+        result). Synchronous: nothing runs between this answer and the `begin` after it."""
+        return key in self._inflight
 
     def release(self, ticket: Ticket) -> None:
         """End ownership without a verdict (the owner was cancelled or crashed mid-way).

@@ -34,7 +34,11 @@ import trio
 from custody import TokenConfig
 from daemon.config import load_config
 from daemon.http import HttpLimits, action_routes, serve
+from buzzwire.nostr import SignedEvent
+from custody import _nip44 as nip44
+from daemon.operations.liveness_ping import UNBOUND_TURNS
 from daemon.operations.observer_emit import observer_event
+from daemon.relay.protocol import encode_event
 from daemon.wiring import running
 from tests.docs.snippets import REPO, blocks
 from tests.fixtures.broker import BrokerHarness, raw_post, request_body, write_config
@@ -255,6 +259,126 @@ async def test_a_flood_stays_in_its_share_and_others_still_get_through(small_que
         "quiet 0", "quiet 1", "quiet 2"]
 
 
+class _CountingSigner:
+    """The broker's signer, counting the events it is asked to sign."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.signed = 0
+
+    async def sign(self, requests: Any) -> Any:
+        self.signed += len(requests)
+        return await self.inner.sign(requests)
+
+
+class _CountingCustody:
+    """The broker's custody, counting the plaintexts it is asked to encrypt."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.encrypted = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def encrypt_to_owner(self, agent: str, plaintexts: Any) -> Any:
+        self.encrypted += len(plaintexts)
+        return await self.inner.encrypt_to_owner(agent, plaintexts)
+
+
+def frame_bytes(event: SignedEvent) -> int:
+    """What the queue charges an event: the bytes of its relay frame."""
+    return len(encode_event(event).encode("utf-8"))
+
+
+def _held_bytes(agent: str, total: int) -> list[SignedEvent]:
+    """Unsigned-looking events of `total` frame bytes together, to fill a share with: the
+    queue counts bytes and never checks a signature."""
+    def made(content: int) -> SignedEvent:
+        return SignedEvent(id="0" * 64, pubkey=agent, created_at=0, kind=24200, tags=(),
+                           content="a" * content, sig="0" * 128)
+    base = frame_bytes(made(0))
+    count = -(-total // 60_000)
+    sizes = [total // count + (1 if i < total % count else 0) for i in range(count)]
+    return [made(size - base) for size in sizes]
+
+
+@pytest.mark.parametrize("owned_by", ["a human", "an agent held here"])
+async def test_a_nearly_full_share_signs_only_what_it_admits(small_queue: BrokerHarness,
+                                                             owned_by: str) -> None:
+    """Custody encrypts and signs only the frames the queue has room for: one `live` unit
+    of a credential whose share is nearly full buys one signature, not 256. The room is
+    worked out before the event exists, to the byte, with and without the NIP-OA `auth`
+    tag custody adds for an agent whose owner is held here."""
+    harness = small_queue
+    broker = harness.app
+    queue = broker._observer.queue  # type: ignore[union-attr]
+    if owned_by == "a human":
+        agent = await owned_agent(harness, TestKey(), "nearly-full")
+    else:
+        parent = await owned_agent(harness, TestKey(), "parent")
+        secret = bytearray(coincurve.PrivateKey().secret.hex().encode("ascii"))
+        agent = await harness.hold(secret, owner=parent, name="nearly-full")
+        assert harness.custody.agent(agent).auth_tag is not None  # type: ignore[union-attr]
+    credential = harness.credential(agent, [CHANNEL])
+    other = harness.credential(agent, [CHANNEL])
+    credential_id = harness.app.sessions.authenticate(f"Bearer {credential}", None, int(time.time())).credential_id  # type: ignore[union-attr]
+    frames = {"frames": [{"kind": "k", "payload": "p" * 40}] * 256}
+    # One frame's relay bytes, from the same agent's other credential (its own share): the
+    # frame is the same but for its seq, whose width stays inside one NIP-44 padding step.
+    held: list[int] = []
+    reserved: list[int] = []
+    real_hold, real_reserve = queue.hold, getattr(queue, "reserve", None)
+
+    def reserve(key: Any, credential_id: str, sizes: Any) -> Any:
+        taken = real_reserve(key, credential_id, sizes)  # type: ignore[misc]
+        reserved.extend(size for size, ok in zip(sizes, taken) if ok)
+        return taken
+
+    def hold(key: Any, credential_id: str, agent: str, events: Any) -> Any:
+        held.extend(frame_bytes(e) for e in events if e is not None)
+        return real_hold(key, credential_id, agent, events)
+
+    queue.hold = hold  # type: ignore[method-assign]
+    if real_reserve is not None:
+        queue.reserve = reserve  # type: ignore[method-assign]
+    signer, custody = _CountingSigner(broker.signer), _CountingCustody(broker._custody)
+    filler = object()
+    try:
+        one = await harness.call(other, "observer.emit", {"frames": frames["frames"][:1]})
+        assert one["outcome"] == {"accepted": 1}
+        [size] = held
+        # Fill the share to within one and a half events, held under a key of its own and
+        # never settled, so the pacer does not drain it meanwhile.
+        fill = _SHARE - size - size // 2
+        assert all(real_hold(filler, credential_id, agent, _held_bytes(agent, fill)))
+        assert size <= queue.room(credential_id) < 2 * size
+        broker.signer, broker._custody = signer, custody  # type: ignore[assignment]
+        envelope = await harness.call(credential, "observer.emit", frames)
+    finally:
+        broker.signer, broker._custody = signer.inner, custody.inner  # type: ignore[assignment]
+        queue.hold = real_hold  # type: ignore[method-assign]
+        if real_reserve is not None:
+            queue.reserve = real_reserve  # type: ignore[method-assign]
+        queue.settle(filler, keep=False)
+    assert envelope["status"] == "succeeded", envelope
+    assert envelope["outcome"] == {"accepted": 1}
+    assert signer.signed <= envelope["outcome"]["accepted"]
+    assert custody.encrypted <= envelope["outcome"]["accepted"]
+    assert held[1:] == [size]
+    assert reserved == held  # what was reserved is what the events then took, to the byte
+
+
+def test_the_payload_length_observer_emit_charges_is_nip44s() -> None:
+    """`nip44_payload_chars` (what the queue is asked to reserve) is the length of the
+    payload custody's NIP-44 v2 writes, across every padding step's edges."""
+    from daemon.operations.observer_emit import nip44_payload_chars
+    conv_key, nonce = bytes(range(32)), bytes(32)
+    for n in (1, 31, 32, 33, 63, 64, 65, 255, 256, 257, 511, 512, 513, 1000, 4096, 4097,
+              40_960, 40_961, 65_535):
+        assert nip44_payload_chars(n) == len(nip44.encrypt(conv_key, b"x" * n, nonce)), n
+
+
 # ------------------------------------------------------------------ liveness.ping
 
 
@@ -276,6 +400,34 @@ async def test_liveness_ping_is_unsupported_after_strict_validation(broker: Brok
     elsewhere = await broker.call(credential, "liveness.ping",
                                   {"channelId": str(uuid.uuid4()), "turnId": "t"})
     assert elsewhere["error"]["code"] == "unauthorized"
+
+
+@pytest.mark.broker_config(limits={"live": "2/min"})
+async def test_a_ping_is_a_refusal_not_an_effect(broker: BrokerHarness) -> None:
+    """liveness.ping is refused before anything runs (policy `UNOFFERED`): each one is
+    charged to its credential's refusal share, never to its agent's account, leaves no
+    tombstone, and takes no `live` unit (more pings than the bucket holds are all the same
+    `unsupported`), with the same envelope as ever."""
+    agent = await broker.human_owned_agent("pinger")
+    pinger = broker.credential(agent, [CHANNEL], actions=["liveness.ping"])
+    pinger_id = broker.app.sessions.authenticate(f"Bearer {pinger}", None, int(time.time())).credential_id  # type: ignore[union-attr]
+    ledger = broker.app._ledger
+    account, tombstones = ledger.usage(agent), await ledger.tombstones()
+    first: dict[str, Any] | None = None
+    for i in range(5):
+        answer = await broker.call(pinger, "liveness.ping", {"channelId": CHANNEL, "turnId": f"t{i}"},
+                                   request_id=f"ping-{i}")
+        first = first or answer
+        assert answer == {**first, "requestId": f"ping-{i}"}
+    assert first is not None and first["status"] == "failed"
+    assert first["error"] == {"code": "unsupported", "message": UNBOUND_TURNS}
+    assert ledger.usage(agent) == account
+    assert await ledger.tombstones() == tombstones
+    assert ledger.refusal_usage(agent, pinger_id) > 0
+    # Still recorded: the identical retry replays its refusal.
+    _, again = await broker.post(request_body("liveness.ping", {"channelId": CHANNEL, "turnId": "t0"},
+                                              request_id="ping-0"), pinger)
+    assert again == {**first, "replayed": True}
 
 
 # ------------------------------------------------------------------ docs/protocol.md's examples

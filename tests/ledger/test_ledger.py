@@ -274,6 +274,19 @@ async def test_release_wakes_waiters_and_one_resumes(ledger: Ledger) -> None:
     assert [o for o in outcomes if not isinstance(o, Resume)] == [Replay(b"verdict", Status.SUCCEEDED)] * 4
 
 
+async def test_joins_says_whether_begin_will_wait_for_an_owner(ledger: Ledger) -> None:
+    """The broker authenticates a request again after a wait (NIP-BA: the release of a
+    stored result is authorized too); `joins` is how it knows one is coming."""
+    key = LedgerKey("a" * 64, "req")
+    assert not ledger.joins(key)
+    _key, owner = await _fresh(ledger)
+    assert ledger.joins(key) and not ledger.joins(LedgerKey("a" * 64, "other"))
+    await ledger.finish(owner.ticket, b"v", Status.SUCCEEDED)
+    assert not ledger.joins(key)
+    assert await ledger.begin(key, digest(b"x")) == Replay(b"v", Status.SUCCEEDED)
+    assert not ledger.joins(key)  # a replay claims nothing
+
+
 async def test_cancelled_waiter_leaves_no_trace(ledger: Ledger) -> None:
     key, owner = await _fresh(ledger)
     with trio.move_on_after(0.01):
