@@ -58,6 +58,9 @@ class _KeyRecord(Protocol):
     @property
     def owner(self) -> str: ...
 
+    @property
+    def auth_tag(self) -> tuple[str, ...] | None: ...
+
 
 class Custodian(Protocol):
     """The custody intents an operation calls itself; `custody.Custody` meets it.

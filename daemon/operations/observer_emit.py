@@ -143,9 +143,8 @@ async def prepare(ctx: Context, args: ObserverEmitArgs) -> Verdict:
     now = ctx.now()
     # The event each frame becomes, but for its content: custody adds the agent's NIP-OA
     # `auth` tag to every event it signs (custody/_signer.py `with_owner_tag`), id and sig
-    # are 64 and 128 hex characters. (Both custody's and the custodian client's records
-    # carry `auth_tag`; the operations' `_KeyRecord` protocol names only `owner`.)
-    auth_tag: tuple[str, ...] | None = getattr(record, "auth_tag", None)
+    # are 64 and 128 hex characters.
+    auth_tag = record.auth_tag
     template = SignedEvent(id="0" * 64, pubkey=agent, created_at=now, kind=KIND_OBSERVER_FRAME,
                            tags=tags if auth_tag is None else (*tags, auth_tag),
                            content="", sig="0" * 128)
