@@ -1,6 +1,6 @@
 """Every test the documentation names as a proof exists.
 
-README and docs/ prove their promises by naming tests (`tests/x.py::test_y`, `::test_y`
+README, CHANGELOG and docs/ prove their promises by naming tests (`tests/x.py::test_y`, `::test_y`
 after a file, or a backticked `test_y`). A renamed or deleted test would leave a promise
 that names nothing; this fails first. A name ending in `_*` names a family by its prefix.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
+DOCS = sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").rglob("*.md")])
 _DEFINED = re.compile(r"^\s*(?:async\s+)?def\s+(test_\w+)", re.M)
 #: A test file's path, or a test's name after `::` or in backticks (a `_*` family allowed).
 _PATH = re.compile(r"\btests/[\w/.-]+\.py\b")
