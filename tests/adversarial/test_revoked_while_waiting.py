@@ -73,6 +73,25 @@ def _joined(monkeypatch: pytest.MonkeyPatch, request_id: str) -> trio.Event:
     return joined
 
 
+async def _while_joined(broker: BrokerHarness, body: bytes, owner: str, waiter: str,
+                        held: trio.Event, go_on: trio.Event, joined: trio.Event,
+                        lose: Callable[[], Awaitable[None]]) -> dict[str, Any]:
+    """The owner's request until it is `held`, then the waiter's until it has joined it;
+    the waiter's credential lost (`lose`), the owner goes on. The answers, by name."""
+    answers: dict[str, Any] = {}
+
+    async def post(name: str, token: str) -> None:
+        answers[name] = (await broker.post(body, token))[1]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(post, "owner", owner)
+        await held.wait()
+        nursery.start_soon(post, "waiter", waiter)
+        await joined.wait()
+        await lose()
+        go_on.set()
+    return answers
+
+
 @pytest.mark.parametrize("lose", [_revoke, _remove_agent], ids=["revoked", "agent_removed"])
 async def test_a_waiter_that_lost_its_credential_is_not_handed_the_outcome(
     broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch, lose: Loss
@@ -92,18 +111,9 @@ async def test_a_waiter_that_lost_its_credential_is_not_handed_the_outcome(
             await go_on.wait()
         return await finish(self, ticket, *args, **kwargs)
     monkeypatch.setattr(Ledger, "finish", slow_finish)
-    joined = _joined(monkeypatch, request_id)
-    answers: dict[str, Any] = {}
-
-    async def post(name: str, token: str) -> None:
-        answers[name] = (await broker.post(body, token))[1]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(post, "owner", owner)
-        await at_finish.wait()
-        nursery.start_soon(post, "waiter", waiter)
-        await joined.wait()
-        await lose(broker, agent, waiter)
-        go_on.set()
+    answers = await _while_joined(broker, body, owner, waiter, at_finish, go_on,
+                                  _joined(monkeypatch, request_id),
+                                  lambda: lose(broker, agent, waiter))
     if lose is _revoke:
         assert _code(answers["owner"]) == ("succeeded", None, False)
         # The record is untouched: another live credential of the agent replays it.
@@ -136,18 +146,9 @@ async def test_a_revoked_waiter_does_not_resume_what_the_owner_left_pending(
             return Unknown(reason="no OK (test)")
         return await publish(author, event, *args, **kwargs)
     monkeypatch.setattr(relay, "publish", first_unanswered)
-    joined = _joined(monkeypatch, request_id)
-    answers: dict[str, Any] = {}
-
-    async def post(name: str, token: str) -> None:
-        answers[name] = (await broker.post(body, token))[1]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(post, "owner", owner)
-        await at_publish.wait()
-        nursery.start_soon(post, "waiter", waiter)
-        await joined.wait()
-        await _revoke(broker, agent, waiter)
-        go_on.set()
+    answers = await _while_joined(broker, body, owner, waiter, at_publish, go_on,
+                                  _joined(monkeypatch, request_id),
+                                  lambda: _revoke(broker, agent, waiter))
     assert _code(answers["owner"]) == ("indeterminate", "outcome_unknown", False)
     assert _code(answers["waiter"]) == ("failed", "unauthenticated", False)
     assert len(asked) == 1, "the revoked waiter re-sent the pending events"
