@@ -48,6 +48,7 @@ import trio_websocket
 from custody import TokenConfig
 from daemon.state.directory import AgentDirectory
 from tests.adversarial._daemon import (
+    AgentState,
     DaemonProcess,
     KillingProxy,
     Moment,
@@ -128,6 +129,28 @@ class Scene:
     channel: str
 
 
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """What a crash test runs against: an agent and its credential, a daemon's socket and
+    configuration (its relay behind `relay_url`), and the request it sends."""
+
+    requester: AgentState
+    socket: Path
+    config: Path
+    scene: Scene
+
+
+async def _stage(action: str, custody_state: tuple[TokenConfig, Path], short_dir: Path,
+                 relay_url: str, local_relay_open: str) -> Stage:
+    token, state_dir = custody_state
+    channel = str(uuid.uuid4())
+    requester = await setup_state(token, state_dir, [channel])
+    socket = short_dir / "b.sock"
+    config = write_config(short_dir / "broker.toml", token=token, state_dir=state_dir,
+                          socket=socket, relay_url=relay_url)
+    return Stage(requester, socket, config, await _scene(action, channel, local_relay_open))
+
+
 async def _scene(action: str, channel: str, relay_url: str) -> Scene:
     request_id = str(uuid.uuid4())
     if action == "message.post":
@@ -154,13 +177,10 @@ async def test_sigkill_then_identical_retry_finishes_exactly_once(
     action: str, point: str, index: int, custody_state: tuple[TokenConfig, Path],
     local_relay_open: str, proxy: KillingProxy, short_dir: Path,
 ) -> None:
-    token, state_dir = custody_state
-    channel = str(uuid.uuid4())
-    requester = await setup_state(token, state_dir, [channel])
-    socket = short_dir / "b.sock"
-    config = write_config(short_dir / "broker.toml", token=token, state_dir=state_dir,
-                          socket=socket, relay_url=proxy.url)
-    scene = await _scene(action, channel, local_relay_open)
+    state_dir = custody_state[1]
+    stage = await _stage(action, custody_state, short_dir, proxy.url, local_relay_open)
+    requester, socket, config, scene = stage.requester, stage.socket, stage.config, stage.scene
+    channel = scene.channel
 
     step = point if point in CHECKPOINT_STEPS else "none"
     first = await DaemonProcess.start(config, socket, step=step)
@@ -323,13 +343,10 @@ async def test_refused_then_killed_before_its_verdict_is_never_published(
 
     refusing = RefusingProxy(local_relay_open)
     await nursery.start(refusing.serve, free_port())
-    token, state_dir = custody_state
-    channel = str(uuid.uuid4())
-    requester = await setup_state(token, state_dir, [channel])
-    socket = short_dir / "b.sock"
-    config = write_config(short_dir / "broker.toml", token=token, state_dir=state_dir,
-                          socket=socket, relay_url=refusing.url)
-    scene = await _scene(action, channel, local_relay_open)
+    state_dir = custody_state[1]
+    stage = await _stage(action, custody_state, short_dir, refusing.url, local_relay_open)
+    requester, socket, config, scene = stage.requester, stage.socket, stage.config, stage.scene
+    channel = scene.channel
 
     refusing.refuse = 1
     first = await DaemonProcess.start(config, socket, step="before_verdict")
