@@ -176,6 +176,16 @@ BAD_ROOTS: dict[str, list[list[str]]] = {
 }
 
 
+async def _reply_refused_unsigned(rig: Rig, credential: str, parent: dict[str, Any],
+                                  what: str) -> None:
+    """A reply to `parent` is refused, and nothing is signed or published over `what`."""
+    signs_before, published_before = len(rig.signed), len(rig.published())
+    _refused(await rig.harness.call(credential, "message.reply", {
+        "channelId": CHANNEL, "replyToEventId": parent["id"], "content": "hi"}))
+    assert len(rig.signed) == signs_before, f"nothing may be signed over {what}"
+    assert len(rig.published()) == published_before, "nothing may be published"
+
+
 @pytest.mark.parametrize("bad", sorted(BAD_ROOTS))
 async def test_a_parent_with_a_bad_root_id_is_refused_and_nothing_signed(
     rig: Rig, bad: str
@@ -184,12 +194,7 @@ async def test_a_parent_with_a_bad_root_id_is_refused_and_nothing_signed(
     credential = rig.harness.credential(author, [CHANNEL])
     parent = TestKey().sign(9, "parent", [["h", CHANNEL], *BAD_ROOTS[bad]])
     rig.serve(parent)
-    signs_before, published_before = len(rig.signed), len(rig.published())
-
-    _refused(await rig.harness.call(credential, "message.reply", {
-        "channelId": CHANNEL, "replyToEventId": parent["id"], "content": "hi"}))
-    assert len(rig.signed) == signs_before, "nothing may be signed over a bad root id"
-    assert len(rig.published()) == published_before, "nothing may be published"
+    await _reply_refused_unsigned(rig, credential, parent, "a bad root id")
 
 
 OTHER_CHANNEL = str(uuid.uuid4())
@@ -256,12 +261,7 @@ async def test_a_parent_with_bad_ancestry_is_refused_and_nothing_signed(
     held, parent = BAD_ANCESTRY[bad]()
     for event in (*held, parent):
         rig.serve(event)
-    signs_before, published_before = len(rig.signed), len(rig.published())
-
-    _refused(await rig.harness.call(credential, "message.reply", {
-        "channelId": CHANNEL, "replyToEventId": parent["id"], "content": "hi"}))
-    assert len(rig.signed) == signs_before, "nothing may be signed over bad ancestry"
-    assert len(rig.published()) == published_before, "nothing may be published"
+    await _reply_refused_unsigned(rig, credential, parent, "bad ancestry")
 
 
 def _threads(root: str, parent: str) -> list[list[str]]:
