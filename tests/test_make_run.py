@@ -151,19 +151,29 @@ def test_a_second_demo_refuses_a_dead_relay_is_said_and_env_reaches_the_demo(
             demo.wait()
 
 
+def _start_demo(run_dir: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "tests.demo", "--run-dir", str(run_dir)],
+                            cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+
+
+def _until_running(demo: subprocess.Popen[str]) -> list[str]:
+    """The demo's lines until it says its processes are running."""
+    assert demo.stdout is not None
+    lines: list[str] = []
+    while "are running" not in (line := demo.stdout.readline()):
+        assert line, "the demo ended before it was running"
+        lines.append(line)
+    return lines
+
+
 @needs_curl
 def test_make_stop_ends_the_demo(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     assert "no demo runs" in _demo(run_dir, "--stop").stdout
-    demo = subprocess.Popen([sys.executable, "-m", "tests.demo", "--run-dir", str(run_dir)],
-                            cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    demo = _start_demo(run_dir)
     try:
-        assert demo.stdout is not None
-        lines: list[str] = []
-        while "are running" not in (line := demo.stdout.readline()):
-            assert line, "the demo ended before it was running"
-            lines.append(line)
+        lines = _until_running(demo)
         # What it started: the relay and the custodian say their pids, the daemon's is in
         # its run lock. `make stop` must leave none of them behind.
         started = [int(pid) for line in lines for pid in re.findall(r"\(pid (\d+)\)", line)]
@@ -186,16 +196,10 @@ def test_a_killed_demo_takes_its_children_and_make_stop_ends_what_outlived_it(
     demo_dir: tuple[Path, subprocess.CompletedProcess[str]]
 ) -> None:
     run_dir = demo_dir[0]
-    demo = subprocess.Popen([sys.executable, "-m", "tests.demo", "--run-dir", str(run_dir)],
-                            cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    demo = _start_demo(run_dir)
     started: list[int] = []
     try:
-        assert demo.stdout is not None
-        lines: list[str] = []
-        while "are running" not in (line := demo.stdout.readline()):
-            assert line, "the demo ended before it was running"
-            lines.append(line)
+        lines = _until_running(demo)
         relay, custodian = [int(pid) for line in lines
                             for pid in re.findall(r"\(pid (\d+)\)", line)]
         daemon = int((run_dir / "state" / "serve.lock").read_text())
