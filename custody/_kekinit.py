@@ -29,8 +29,10 @@ from pkcs11 import Attribute, KeyType, Mechanism, MechanismFlag
 
 from custody._errors import CustodyError
 from custody._token import (
+    AES_KEY_TYPES,
     KEK_BITS,
     MAC_KEY_BITS,
+    MAC_KEY_TYPES,
     SEAL_PREFERENCE,
     TokenConfig,
     _acquire_session,
@@ -123,12 +125,12 @@ def init_kek(config: TokenConfig, kek_label: str | None = None) -> TokenReport:
         offered = _offered_seals(session)
         seal = choose_seal(config.seal, offered, config.token_label)
         created: list[str] = []
-        if _find_key(session, config.token_label, label, KeyType.AES) is None:
+        if _find_key(session, config.token_label, label, AES_KEY_TYPES) is None:
             _generate(session, config, label, KeyType.AES, KEK_BITS,
                       MechanismFlag.ENCRYPT | MechanismFlag.DECRYPT, KEK_TEMPLATE)
             created.append(label)
         if seal == "etm" and _find_key(session, config.token_label, mac_label(label),
-                                       None) is None:
+                                       MAC_KEY_TYPES) is None:
             _generate(session, config, mac_label(label), KeyType.GENERIC_SECRET,
                       MAC_KEY_BITS, MechanismFlag.SIGN | MechanismFlag.VERIFY,
                       MAC_KEY_TEMPLATE)
@@ -147,7 +149,7 @@ def init_kek(config: TokenConfig, kek_label: str | None = None) -> TokenReport:
 def kek_obtainable(config: TokenConfig, label: str) -> bool:
     """Whether KEK `label` is in the token already or the token can generate it."""
     with _logged_in(config) as session:
-        return (_find_key(session, config.token_label, label, KeyType.AES) is not None
+        return (_find_key(session, config.token_label, label, AES_KEY_TYPES) is not None
                 or _can_generate(session))
 
 
@@ -161,8 +163,8 @@ def destroy_kek(config: TokenConfig, label: str) -> tuple[str, ...]:
     """
     with _logged_in(config) as session:
         destroyed = []
-        for name, key_type in ((label, KeyType.AES), (mac_label(label), None)):
-            found = _find_key(session, config.token_label, name, key_type)
+        for name, key_types in ((label, AES_KEY_TYPES), (mac_label(label), MAC_KEY_TYPES)):
+            found = _find_key(session, config.token_label, name, key_types)
             if found is None:
                 continue
             try:

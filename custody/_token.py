@@ -149,6 +149,7 @@ MAC_REQUIRED: dict[Attribute, tuple[object, str]] = {
 #: Key types an HMAC-SHA256 key has: SoftHSM and opencryptoki use generic secrets,
 #: tpm2-pkcs11 its own CKK_SHA256_HMAC.
 MAC_KEY_TYPES = (KeyType.GENERIC_SECRET, KeyType.SHA256_HMAC)
+AES_KEY_TYPES = (KeyType.AES,)
 MAC_KEY_BITS = 256
 MAC_LABEL_SUFFIX = "-mac"
 #: A KEK label is written into every blob with a one-byte length (`_sealed`).
@@ -441,26 +442,28 @@ def _release_session(key: tuple[str, str]) -> None:
             log.warning("closing the token session failed (%s)", type(exc).__name__)
 
 
-def _find_key(session: Any, token_label: str, label: str, key_type: Any | None) -> Any | None:
-    """The one secret key labelled `label` (of `key_type`, if given), None if there is none.
+def _find_key(session: Any, token_label: str, label: str,
+              key_types: tuple[Any, ...]) -> Any | None:
+    """The one secret key labelled `label` of one of `key_types`, None if there is none.
+
+    Typed, always: an encrypt-then-MAC KEK `K`'s HMAC half is `K-mac`, and an AES KEK may
+    be labelled `K-mac` too (rotating to that label): an untyped lookup found the new
+    KEK's AES key as the old one's HMAC half, and destroying the old KEK destroyed it.
 
     Not `session.get_key`: it raises MultipleObjectsReturned from inside an object search it
     leaves open, and the search (C_FindObjectsFinal, and the session's operation lock) is
     then finished by the garbage collector on whatever thread drops it, outside the token
-    lock. Here at most two objects are taken and the search generator is closed in
+    lock. Here at most two objects are taken and each search generator is closed in
     `finally`, on this thread, holding the lock.
     """
-    template: dict[Attribute, Any] = {
-        Attribute.CLASS: ObjectClass.SECRET_KEY,
-        Attribute.LABEL: label,
-    }
-    if key_type is not None:
-        template[Attribute.KEY_TYPE] = key_type
-    search = session.get_objects(template)
-    try:
-        found = list(itertools.islice(search, 2))
-    finally:
-        search.close()  # GeneratorExit inside the search: C_FindObjectsFinal runs now
+    found: list[Any] = []
+    for key_type in key_types:
+        search = session.get_objects({Attribute.CLASS: ObjectClass.SECRET_KEY,
+                                      Attribute.LABEL: label, Attribute.KEY_TYPE: key_type})
+        try:
+            found.extend(itertools.islice(search, 2))
+        finally:
+            search.close()  # GeneratorExit inside the search: C_FindObjectsFinal runs now
     if len(found) > 1:
         raise CustodyError(f"token {token_label!r} has more than one key labelled {label!r}")
     return found[0] if found else None
@@ -475,18 +478,6 @@ def _check_key(key: Any, what: str, label: str,
             value = None
         if value != wanted:
             raise CustodyError(f"refusing {what} {label!r}: {fault}")
-
-
-def _check_mac_key(key: Any, label: str) -> None:
-    try:
-        key_type = key[Attribute.KEY_TYPE]
-    except pkcs11.PKCS11Error:
-        key_type = None
-    if key_type not in MAC_KEY_TYPES:
-        raise CustodyError(
-            f"refusing KEK HMAC key {label!r}: not an HMAC key (generic secret or SHA256-HMAC)"
-        )
-    _check_key(key, "KEK HMAC key", label, MAC_REQUIRED)
 
 
 def kek_label_ok(label: str) -> bool:
@@ -555,20 +546,20 @@ def _load_kek(session: Any, config: TokenConfig, label: str, seal: str) -> _Kek 
         CustodyError: a key that fails its attribute checks, a twin under one label, or an
             encrypt-then-MAC KEK without its HMAC key.
     """
-    aes = _find_key(session, config.token_label, label, KeyType.AES)
+    aes = _find_key(session, config.token_label, label, AES_KEY_TYPES)
     if aes is None:
         return None
     _check_key(aes, "KEK", label, KEK_REQUIRED)
     if seal == "gcm":
         _check_key(aes, "KEK", label, GCM_REQUIRED)
         return _Kek(aes)
-    mac = _find_key(session, config.token_label, mac_label(label), None)
+    mac = _find_key(session, config.token_label, mac_label(label), MAC_KEY_TYPES)
     if mac is None:
         raise CustodyError(
             f"token {config.token_label!r} has the AES key {label!r} but not its HMAC key "
             f"{mac_label(label)!r}; run `buzz-broker keys init`"
         )
-    _check_mac_key(mac, mac_label(label))
+    _check_key(mac, "KEK HMAC key", mac_label(label), MAC_REQUIRED)
     return _Kek(aes, mac)
 
 

@@ -159,9 +159,11 @@ async def seal_under_unchecked(held: Held, label: str, hex_secret: str, agent: s
     def work() -> bytes:
         token = held.custody._token
         session = token_module._PROCESS.sessions[token._key].session
-        aes = token_module._find_key(session, held.config.token_label, label, KeyType.AES)
+        aes = token_module._find_key(session, held.config.token_label, label,
+                                     token_module.AES_KEY_TYPES)
         mac = token_module._find_key(session, held.config.token_label,
-                                     token_module.mac_label(label), None)
+                                     token_module.mac_label(label),
+                                     token_module.MAC_KEY_TYPES)
         saved = token.active
         token._keks[(label, held.kind)] = token_module._Kek(aes, mac)
         token.active = label

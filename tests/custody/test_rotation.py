@@ -49,6 +49,7 @@ BUZZ_BROKER = REPO / ".venv" / "bin" / "buzz-broker"
 SECOND_TOKEN = "buzz-test-2"
 SECRETS = (SECRET_1, SECRET_2, SECRET_X)
 SIGKILLED = -9
+ANY_KEK_TYPE = (*token_module.AES_KEY_TYPES, *token_module.MAC_KEY_TYPES)
 
 
 async def _labels_present(config: TokenConfig, *labels: str) -> set[str]:
@@ -56,7 +57,7 @@ async def _labels_present(config: TokenConfig, *labels: str) -> set[str]:
         key, shared = token_module._acquire_session(config)
         try:
             return {label for label in labels
-                    if token_module._find_key(shared.session, config.token_label, label, None)}
+                    if token_module._find_key(shared.session, config.token_label, label, ANY_KEK_TYPE)}
         finally:
             token_module._release_session(key)
 
@@ -111,6 +112,31 @@ async def test_rotate_reseals_every_agent_and_destroys_the_old_kek(
                                          mint_ref=None)  # new blobs go under the new KEK
         assert blob_of(state, minted.pubkey)[3:3 + blob_of(state, minted.pubkey)[2]].decode() \
             == report.new.kek_label
+    finally:
+        await opened.aclose()
+
+
+@pytest.mark.token_offers("GENERATE_KEY")  # the new label's KEK is made by the rotation
+@pytest.mark.parametrize("kind", SEAL_KINDS)
+async def test_rotating_to_the_old_keks_mac_label_keeps_the_new_kek(
+    softhsm_token: SoftHsmToken, tmp_path: Path, kind: str
+) -> None:
+    # `K-mac` names the old encrypt-then-MAC KEK's HMAC half and may name a new AES KEK too:
+    # destroying K once destroyed the new active KEK (gcm: every key lost), and etm found
+    # twins under `K-mac` and stopped opening. Only the key types a half has are its own.
+    config = config_for(softhsm_token, kind, f"rm-{kind}-{tmp_path.name}"[:40])
+    state = tmp_path / "state"
+    agents = await _populate(config, state)
+    report = await rotate_keys(config, state, new_kek_label=config.kek_label + "-mac")
+    assert (report.outcome, report.new.kek_label) == ("rotated", config.kek_label + "-mac")
+    assert report.destroyed == ((config.kek_label, config.kek_label + "-mac") if kind == "etm"
+                                else (config.kek_label,))
+    assert _meta(state)["active_kek"] == config.kek_label + "-mac"
+    opened = await Custody.open(dataclasses.replace(config, kek_label=report.new.kek_label),
+                                state)
+    try:
+        for agent in agents:
+            assert (await opened.sign_event(agent, event(agent))).pubkey == agent
     finally:
         await opened.aclose()
 
