@@ -29,12 +29,20 @@ T = TypeVar("T")
 
 TOKEN_LIMITER = trio.CapacityLimiter(1)
 _TOKEN_LOCK = threading.Lock()
+#: The thread holding `_TOKEN_LOCK`: a Lock has no owner, and `locked()` alone let a thread
+#: that does not hold it call the token while the worker did (the crash above).
+_holder: int | None = None
 
 
 def run_locked(fn: Callable[[], T]) -> T:
     """Run `fn` holding the token lock (synchronous callers: the CLI's import path, tests)."""
+    global _holder
     with _TOKEN_LOCK:
-        return fn()
+        _holder = threading.get_ident()
+        try:
+            return fn()
+        finally:
+            _holder = None
 
 
 async def in_token_worker(fn: Callable[[], T]) -> T:
@@ -50,5 +58,5 @@ async def in_token_worker(fn: Callable[[], T]) -> T:
 
 def require_lock() -> None:
     """Assert the caller holds the token lock: every function that calls PKCS#11 starts so."""
-    if not _TOKEN_LOCK.locked():
+    if _holder != threading.get_ident():
         raise AssertionError("PKCS#11 called outside the token worker")

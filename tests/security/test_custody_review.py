@@ -18,6 +18,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import coincurve
@@ -378,7 +379,7 @@ def watch(frame, event, arg):
     else:
         return
     entries.append([what, threading.current_thread() is threading.main_thread(),
-                    worker._TOKEN_LOCK.locked()])
+                    worker._holder == threading.get_ident()])
 
 # Installed before any thread exists, so every trio worker thread inherits it.
 threading.setprofile(watch)
@@ -426,6 +427,24 @@ def test_no_pkcs11_call_outside_the_locked_worker(
 async def test_require_lock_refuses_a_token_call_outside_the_worker(custody: Custody) -> None:
     with pytest.raises(AssertionError):
         custody._token.gcm_encrypt(custody._token.active, bytes(12), bytearray(32), b"aad")
+
+
+def test_require_lock_refuses_a_thread_while_another_holds_the_lock() -> None:
+    # A threading.Lock has no owner: `locked()` alone passed a stray call made while the
+    # worker held the lock, the concurrent token use that crashes SoftHSM.
+    from custody._worker import require_lock, run_locked
+
+    holding, release = threading.Event(), threading.Event()
+    worker = threading.Thread(target=run_locked, args=(lambda: (holding.set(), release.wait()),))
+    worker.start()
+    try:
+        assert holding.wait(10)
+        with pytest.raises(AssertionError, match="outside the token worker"):
+            require_lock()
+    finally:
+        release.set()
+        worker.join()
+    run_locked(require_lock)  # the holder itself passes
 
 
 async def test_reprs_of_secret_holding_objects_are_redacted(
