@@ -70,6 +70,9 @@ MAX_IDENTITY_BYTES = 16 * 1024
 MAX_NAME_CHARS = 256
 MAX_MINT_REF_CHARS = 512
 MAX_DEPTH = 1_000
+#: The largest `createdAt` the keystore stores (a SQLite integer); a larger one failed in
+#: the middle of a restore, past the checks, with the earlier agents already written.
+MAX_CREATED_AT = 2**63 - 1
 
 
 def _line_bytes(record: dict[str, object]) -> int:
@@ -79,7 +82,7 @@ def _line_bytes(record: dict[str, object]) -> int:
 #: The character the writer's ASCII JSON spells longest: a surrogate pair, 12 bytes.
 _WIDEST = "\U0001f600"
 _LONGEST_KEY = {"authTag": ["auth", "0" * 64, OWNER_TAG_CONDITIONS, "0" * 128],
-                "createdAt": 2**63 - 1,  # the keystore's SQLite integer at most
+                "createdAt": MAX_CREATED_AT,
                 "mintRef": _WIDEST * MAX_MINT_REF_CHARS, "owner": "0" * 64, "pubkey": "0" * 64}
 #: The longest line a backup written here holds (10,733 bytes: v2 with a mint reference
 #: and a public entry at their bounds; v1's longest is shorter). A longer one, the header
@@ -378,7 +381,8 @@ def _record(data: bytes, number: int, reader: _RecordReader
     if owner == pubkey or not is_xonly_pubkey(bytes.fromhex(owner)):
         raise _fault(number, f"agent {pubkey}: its owner is not a valid owner key")
     public = reader.public(obj, number, pubkey)
-    if not isinstance(created_at, int) or isinstance(created_at, bool) or created_at < 0:
+    if (not isinstance(created_at, int) or isinstance(created_at, bool)
+            or not 0 <= created_at <= MAX_CREATED_AT):
         raise _fault(number, f"agent {pubkey}: bad createdAt")
     if mint_ref is not None and (not isinstance(mint_ref, str)
                                  or not 0 < len(mint_ref) <= MAX_MINT_REF_CHARS):

@@ -12,6 +12,8 @@ on the second, so "nothing restored" is what each test checks besides the refusa
 - The same pubkey twice in one backup.
 - The same mint reference twice in one backup: the keystore refused the second only after
   sealing the first, and a rerun stopped at it again (2 of 3 agents restored, for good).
+- A createdAt the keystore cannot hold (past 2**63 - 1): it failed in the middle of the
+  restore with a raw OverflowError, the agents before it written.
 - The plan checked again inside the token hop: an agent imported after the caller looked
   at the plan and before the hop ran.
 """
@@ -42,12 +44,14 @@ def _canonical(obj: object) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _backup(entries: list[tuple[str, str, str, str | None]]) -> BackupContents:
-    """An age backup of (secret, pubkey, owner, mintRef) entries, opened with its identity."""
+def _backup(entries: list[tuple[str, str, str, str | None]],
+            created: dict[str, int] | None = None) -> BackupContents:
+    """An age backup of (secret, pubkey, owner, mintRef) entries, opened with its identity;
+    `created` gives an agent's createdAt (else 1)."""
     identity = pyrage.x25519.Identity.generate()
     lines = [b"buzz-broker-backup/v2 " + _canonical({"agents": len(entries), "createdAt": 1})]
     for secret, pubkey, owner, mint_ref in entries:
-        record = {"authTag": None, "createdAt": 1, "mintRef": mint_ref, "owner": owner,
+        record = {"authTag": None, "createdAt": (created or {}).get(pubkey, 1), "mintRef": mint_ref, "owner": owner,
                   "pubkey": pubkey, "public": {}}
         lines.append(secret.encode() + b" " + _canonical(record))
     ciphertext = pyrage.encrypt(b"\n".join(lines) + b"\n", [identity.to_public()])
@@ -109,6 +113,18 @@ async def test_restore_refuses_a_mint_reference_another_agent_holds(custody: Cus
         (other_secret, other, PERSON, "owner/create-1"),
     ]))
     assert custody._keystore.by_mint_ref("owner/create-1") == minted
+
+
+@pytest.mark.parametrize("created_at", [2**63, 2**64])
+async def test_a_created_at_past_the_keystores_integer_is_refused_at_open(
+    custody: Custody, created_at: int
+) -> None:
+    good_secret, good = _key()
+    late_secret, late = _key()
+    with pytest.raises(CustodyError, match=f"backup entry 2: agent {late}: bad createdAt; nothing restored"):
+        _backup([(good_secret, good, PERSON, None), (late_secret, late, PERSON, None)],
+                created={late: created_at})
+    assert _held(custody) == set()
 
 
 async def test_a_backup_naming_one_pubkey_twice_is_refused_at_open(custody: Custody) -> None:
