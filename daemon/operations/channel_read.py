@@ -14,6 +14,15 @@ Decisions (each documented here because Buzz leaves them to the host):
   tagging it; a page of replies without the message they answer would make every agent
   issue a second lookup. The root must itself pass every other narrowing (channel, kind,
   and mentionsOnly if asked): the filters are the same, only `#e` becomes `ids`.
+* A thread is ancestry, not citation. `#e` = [root] is what the relay can filter on, and
+  it also returns events that merely cite the root: a `mention`-marked `e` tag, a reply
+  in another thread naming it, a positional (unmarked) tag. Each event the relay sends is
+  kept only if it is the root or the root its signed tags declare is this one
+  (`_events.in_thread`, on the rule message.reply reads a parent's thread by); the rest
+  are dropped as `off_thread` (NIP-BA: "All returned messages MUST satisfy the requested
+  channel/thread/mention filters. Ancestry and mentions come from signed tags"). A root
+  that is itself a reply reads as that event alone (plus any event declaring it its
+  root): its replies name the outer root, so they are that thread's, not this one's.
 * Relay unreachable, dropped, or no EOSE -> `failed` + `action_failed`; a CLOSED
   `restricted:` or a refused AUTH -> `failed` + `action_failed` too. A read has no side
   effects, so `failed` ("nothing happened") is always the honest fate, and a retry is the
@@ -28,11 +37,12 @@ Decisions (each documented here because Buzz leaves them to the host):
   relay holds; the relay's reply itself is bounded by `daemon.relay.pool.MAX_QUERY_BYTES`.
 * Every event the relay sends is checked before it is delivered: exactly the seven
   canonical members (contract `Event`), a valid id and BIP-340 signature, then in the
-  order of `_CHECKS` the channel's `h` tag and no other `h` tag, and a match with the
-  filter asked. A failing event is dropped and logged (event id and the check's name; no
-  content; `ReadLog`) and never counted in the page. The first two are shared process-wide
-  (`_JudgedCache`): a fleet's agents each receive the same event on their own
-  connections, and an exact copy of an event already judged is not judged again.
+  order of `_CHECKS` the channel's `h` tag and no other `h` tag, a match with the
+  filter asked, and on a thread read its declared root. A failing event is dropped and
+  logged (event id and the check's name; no content; `ReadLog`) and never counted in the
+  page. The first two are shared process-wide (`_JudgedCache`): a fleet's agents each
+  receive the same event on their own connections, and an exact copy of an event already
+  judged is not judged again.
 * A relay that sends a read more than MAX_FORGED_EVENTS events whose id or signature does
   not verify is misbehaving: the read stops there, `failed` + `action_failed`
   (`read.relay_garbled`, reason `forged_events`). An honest relay verifies what it stores
@@ -81,7 +91,7 @@ from buzzwire.contract import (
 from daemon.relay.cursor import CursorScope, InvalidCursor, Position
 from daemon.fault_log import FaultLogs
 from daemon.operations._base import Context
-from daemon.operations._events import in_channel
+from daemon.operations._events import in_channel, in_thread
 from daemon.relay.paging import RELAY_MAX_LIMIT, Page, RelayMisbehaved, matches, read_page
 from daemon.relay.pool import RelayRefused, RelayUnavailable, decoded_size
 from daemon.relay.windows import Served, WindowCache, WindowKey
@@ -172,15 +182,19 @@ class _Judge:
     RelayMisbehaved("forged_events") (module doc). None never raises: a window's live
     judge runs in the connection's reader task, which must not raise; what a window
     judges is bounded there (daemon/relay/windows.py `Window.event`).
+
+    `root_event_id`: the thread read (its events must be in it, `in_thread`), or None.
     """
 
-    __slots__ = ("channel_id", "filters", "request_id", "_drops", "_judged", "_forged_left")
+    __slots__ = ("channel_id", "filters", "root_event_id", "request_id", "_drops", "_judged",
+                 "_forged_left")
 
     def __init__(self, channel_id: str, filters: Sequence[Mapping[str, object]],
                  request_id: str, drops: ReadLog, judged: JudgedCache, *,
-                 max_forged: int | None = None) -> None:
+                 max_forged: int | None = None, root_event_id: str | None = None) -> None:
         self.channel_id = channel_id
         self.filters = filters
+        self.root_event_id = root_event_id
         self.request_id = request_id
         self._drops = drops
         self._judged = judged
@@ -292,11 +306,18 @@ def _filter_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bool:
     return any(matches(item, flt) for flt in judge.filters)
 
 
+def _thread_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bool:
+    # `#e` only says the event names the root somewhere; ancestry is the declared root
+    # (module doc, "A thread is ancestry, not citation").
+    return judge.root_event_id is None or in_thread(event.id, event.tags, judge.root_event_id)
+
+
 #: The checks after the canonical-shape parse, in order; the name is what the log says.
 #: The shape and "bad_signature" come first, in `_Judge.__call__` (shared: `_JudgedCache`).
 _CHECKS: tuple[tuple[str, Callable[[_Judge, Mapping[str, object], Event], bool]], ...] = (
     ("wrong_channel", _channel_ok),
     ("off_filter", _filter_ok),
+    ("off_thread", _thread_ok),
 )
 
 
@@ -320,7 +341,7 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
 
     filters = _base_filters(args, requester)
     judge = _Judge(args.channel_id, filters, ctx.request_id, ctx.read_log, ctx.judged,
-                   max_forged=MAX_FORGED_EVENTS)
+                   max_forged=MAX_FORGED_EVENTS, root_event_id=args.root_event_id)
     limit = min(args.effective_limit, RELAY_MAX_LIMIT)
 
     async def query(batch: list[dict[str, object]]) -> list[dict[str, object]]:

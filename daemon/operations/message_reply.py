@@ -2,9 +2,10 @@
 
 Steps (buzz-on-the-relay.md, "Replies"; NIP-BA "Channel and messages"):
 1. Fetch the parent by id. Missing, unverifiable, or in another channel → `action_failed`.
-2. Read the root its tags name (`declared_root`): its `e` tag marked `root`, else its `e`
-   tag marked `reply` (Buzz's direct reply to a root carries only that one), else none:
-   the parent is the root.
+2. Read the root its tags name (`declared_root`, on the one rule
+   `daemon.operations._events.declared_thread` that channel.read's thread check uses
+   too): its `e` tag marked `root`, else its `e` tag marked `reply` (Buzz's direct reply
+   to a root carries only that one), else none: the parent is the root.
 3. A root other than the parent is fetched in the channel too, and must be a root itself.
 4. root == parent: one tag `["e", parent, "", "reply"]`; otherwise `["e", root, "", "root"]`
    then `["e", parent, "", "reply"]` — between the `h` tag and the `p` tags.
@@ -29,16 +30,12 @@ from collections.abc import Mapping
 from buzzwire.contract import ErrorCode, MessageReplyArgs, PublishOutcome
 from buzzwire.nostr import SignedEvent, is_hex64
 from daemon.operations._base import Context, OperationRefused, Plan
-from daemon.operations._events import fetch_in_channel, mention_tags, sign
+from daemon.operations._events import declared_thread, fetch_in_channel, mention_tags, sign
 from daemon.operations.message_post import KIND_STREAM_MESSAGE
 
-#: NIP-10 markers an `e` tag may carry here; `mention` cites without threading.
-_MARKERS = frozenset({"root", "reply", "mention"})
-#: The markers that name the thread, in the order they are read (step 2).
-_THREAD_MARKERS = ("root", "reply")
-
 #: Why an event's ancestry is refused -> what the agent is told; `{what}` is our fixed
-#: name for the event ("the message replied to"), never relay text.
+#: name for the event ("the message replied to"), never relay text. The first two are
+#: `Ancestry.unreadable`'s reasons.
 _REFUSALS: Mapping[str, str] = {
     "positional": "{what} has e tags without a NIP-10 marker, so its thread cannot be read",
     "several": "{what} names more than one thread root",
@@ -59,22 +56,10 @@ def declared_root(event: SignedEvent, what: str) -> str | None:
       OperationRefused(action_failed): a positional `e` tag, or two different values under
         the marker that decides (module doc).
     """
-    named: dict[str, set[str]] = {marker: set() for marker in _THREAD_MARKERS}
-    for tag in event.tags:
-        if tag[:1] != ("e",):  # a relay's event may hold an empty tag
-            continue
-        marker = tag[3] if len(tag) >= 4 else ""
-        if marker not in _MARKERS:
-            raise _refuse("positional", what, f"event {event.id} tag {list(tag)[:4]!r:.200}")
-        if marker in named:
-            named[marker].add(tag[1])
-    for marker in _THREAD_MARKERS:
-        values = named[marker]
-        if len(values) > 1:
-            raise _refuse("several", what, f"event {event.id}: {len(values)} {marker} values")
-        if values:
-            return next(iter(values))
-    return None
+    ancestry = declared_thread(event.tags)
+    if ancestry.unreadable is not None:
+        raise _refuse(ancestry.unreadable, what, f"event {event.id}: {ancestry.detail}")
+    return ancestry.root
 
 
 def thread_tags(parent_id: str, root: str) -> list[tuple[str, ...]]:
