@@ -30,6 +30,7 @@ Keys (a key or table not listed is an error naming it):
 from __future__ import annotations
 
 import os
+import stat
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,11 +75,27 @@ class CustodianConfig:
     state_dir: Path
 
 
+def _read(path: str) -> bytes:
+    # O_NONBLOCK and a regular file only: opening a FIFO otherwise waits for a writer for
+    # ever (the daemon's loader does the same, daemon/config.py).
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ConfigError(f"{path}: not a regular file (a directory, FIFO, socket or "
+                                  "device); name the configuration file itself")
+            with open(fd, "rb", closefd=False) as handle:
+                return handle.read()
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+
+
 def load(path: str) -> CustodianConfig:
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+        data = tomllib.loads(_read(path).decode("utf-8"))
+    except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not UTF-8 text") from None

@@ -2,7 +2,8 @@
 "internal error", and each is said at load, before the token is opened
 (custody/custodian/config.py):
 
-- a file that is not UTF-8 text;
+- a file that is not UTF-8 text, or not a regular file (a FIFO blocked the custodian for
+  ever: it waited for a writer), or missing (one line, not Python's errno text);
 - a NUL character in any string value (a path holding one cannot be opened or bound);
 - a `socket` path longer than sockaddr_un holds (107 bytes and its NUL: the daemon's rule
   for its own socket, daemon/http.py `MAX_SOCKET_PATH_BYTES`).
@@ -60,6 +61,23 @@ def test_a_file_that_is_not_utf8_is_one_line(tmp_path: Path, entry: str) -> None
     config = tmp_path / "custodian.toml"
     config.write_bytes(b'[custodian]\nsocket = "\xff\xfe"\n')
     _one_line(_run(entry, config), str(config), "not UTF-8 text")
+
+
+#: A configuration path that is not a regular file -> how it is made, and what is said.
+NOT_A_FILE = {"fifo": (os.mkfifo, "not a regular file"),
+              "directory": (os.mkdir, "not a regular file"),
+              "missing": (lambda path: None, "cannot read (No such file or directory)")}
+
+
+@pytest.mark.token_independent
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("kind", NOT_A_FILE)
+def test_a_path_that_is_no_regular_file_is_one_line(tmp_path: Path, entry: str,
+                                                    kind: str) -> None:
+    make, said = NOT_A_FILE[kind]
+    config = tmp_path / "custodian.toml"
+    make(config)
+    _one_line(_run(entry, config), str(config), said)
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
