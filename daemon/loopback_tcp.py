@@ -21,10 +21,11 @@ API there too, under these rules (docs/configuration.md, docs/install.md):
   ``tcp_allow_groups``. An unknown uid is refused. Checked before a byte is read.
 - **Browsers.** A request must carry exactly one ``Host`` naming ``127.0.0.1:P``,
   ``[::1]:P`` or ``localhost:P`` for the port it arrived on (a DNS-rebinding page names
-  its own host), and none of ``Origin``, ``Sec-Fetch-*``, ``Upgrade`` (every browser
-  sends one of them on a cross-site request; no agent does). Anything else is a bodiless
-  403 before routing: never judged, never audited; no CORS header is ever sent. The
-  metrics TCP listener has the same rule.
+  its own host; on port 80, the port an HTTP client leaves out, the name alone too), and
+  none of ``Origin``, ``Sec-Fetch-*``, ``Upgrade`` (every browser sends one of them on a
+  cross-site request; no agent does). Anything else is a bodiless 403 before routing:
+  never judged, never audited; no CORS header is ever sent. The metrics TCP listener has
+  the same rule.
 
 Pure functions over values, plus the two lookups they need (the user database for group
 membership, the sysctl for the privileged port range). The user database may be a network
@@ -55,6 +56,7 @@ __all__ = [
     "MEMBERSHIP_TTL",
     "MEMBERSHIP_STALE",
     "browser_safe",
+    "HTTP_DEFAULT_PORT",
     "unprivileged_port_start",
     "port_holder",
     "HELD_BY_SYSTEMD",
@@ -71,6 +73,17 @@ PRIVILEGED_PORT = "a privileged port (only root can bind it first)"
 #: Headers only a browser (or a page's WebSocket) sends: any one of them is refused.
 _BROWSER_HEADERS = (b"origin", b"upgrade")
 _BROWSER_PREFIX = b"sec-fetch-"
+#: The names a request's Host may give the listener: the literals it binds
+#: (daemon/config.py `TCP_HOSTS`), and `localhost`, which names both. A DNS-rebinding page
+#: sends its own hostname, never one of these.
+_LOOPBACK_HOSTS: Final = (b"127.0.0.1", b"[::1]", b"localhost")
+#: The port an ``http`` URI means when it names none (RFC 9110 §4.2.1). Clients leave it
+#: out of Host (§4.2.3, §7.2: given ``http://127.0.0.1/``, curl and Buzz's own transport
+#: send ``Host: 127.0.0.1``), so a listener on it also takes the bare names. No weaker
+#: against rebinding: they are the same loopback names, and a page sends its own.
+HTTP_DEFAULT_PORT: Final = 80
+#: Host spellings without a port, by the port they mean.
+_DEFAULT_PORT_SPELLINGS: Final = {HTTP_DEFAULT_PORT: frozenset(_LOOPBACK_HOSTS)}
 _SYSCTL = "/proc/sys/net/ipv4/ip_unprivileged_port_start"
 #: Seconds a uid's group verdict is fresh, counted from when the database was asked: a
 #: group joined counts within this, and a group left too while the database answers.
@@ -93,14 +106,19 @@ _REFRESH_THREADS: Final = 2
 _log = logging.getLogger("buzz_broker.loopback_tcp")
 
 
+def _accepted_hosts(port: int) -> frozenset[bytes]:
+    """Every ``Host`` value that names the listener on `port`: a loopback name with the
+    port, and on `HTTP_DEFAULT_PORT` also without it."""
+    with_port = {b"%s:%d" % (name, port) for name in _LOOPBACK_HOSTS}
+    return frozenset(with_port | _DEFAULT_PORT_SPELLINGS.get(port, frozenset()))
+
+
 def browser_safe(headers: Sequence[tuple[bytes, bytes]], port: int) -> bool:
     """True when a request's headers (lowercase names, as h11 gives them) pass the rule."""
     hosts = [value for name, value in headers if name == b"host"]
     if len(hosts) != 1:
         return False
-    allowed = {f"127.0.0.1:{port}".encode(), f"[::1]:{port}".encode(),
-               f"localhost:{port}".encode()}
-    if hosts[0].lower() not in allowed:
+    if hosts[0].lower() not in _accepted_hosts(port):
         return False
     return not any(name in _BROWSER_HEADERS or name.startswith(_BROWSER_PREFIX)
                    for name, _ in headers)

@@ -678,6 +678,42 @@ async def test_metrics_listener_refuses_browsers(extra: str) -> None:
         nursery.cancel_scope.cancel()
 
 
+#: (Host, listener port, accepted): RFC 9110 §7.2 has a client leave the default port 80
+#: out of Host, so there, and only there, the bare loopback name is the listener's too.
+HOST_ON_PORT = [
+    (b"127.0.0.1", 80, True),
+    (b"localhost", 80, True),
+    (b"LocalHost", 80, True),
+    (b"[::1]", 80, True),
+    (b"127.0.0.1:80", 80, True),
+    (b"[::1]:80", 80, True),
+    (b"127.0.0.1", 8080, False),
+    (b"localhost", 8080, False),
+    (b"[::1]", 8080, False),
+    (b"127.0.0.1:8080", 8080, True),
+    (b"127.0.0.1:80", 8080, False),
+    (b"127.0.0.1:8080", 80, False),
+    (b"evil.example", 80, False),
+    (b"evil.example:80", 80, False),
+    (b"evil.example", 8080, False),
+    (b"evil.example:8080", 8080, False),
+    (b"127.0.0.2", 80, False),
+    (b"::1", 80, False),
+    (b"", 80, False),
+]
+
+
+@pytest.mark.parametrize(("host", "port", "accepted"), HOST_ON_PORT)
+def test_host_without_port_names_only_a_port_80_listener(host: bytes, port: int,
+                                                         accepted: bool) -> None:
+    """curl and Buzz's own transport, given ``http://127.0.0.1/``, send ``Host: 127.0.0.1``:
+    a listener on port 80 takes the three loopback names bare, any other port refuses
+    them, and a rebinding page's own name is refused on both."""
+    assert loopback_tcp.browser_safe([(b"host", host)], port) is accepted
+    with_origin = [(b"host", host), (b"origin", b"http://evil.example")]
+    assert loopback_tcp.browser_safe(with_origin, port) is False
+
+
 @pytest.mark.parametrize("whole", [True, False], ids=["head-whole", "head-never-ends"])
 async def test_a_browsers_oversize_head_gets_a_bare_431(whole: bool) -> None:
     """The head's size is judged before the browser rule (it must be, to parse the head at
