@@ -47,7 +47,8 @@ Rules:
   -> RelayUnavailable; CLOSED ``restricted:`` (or any CLOSED other than a first
   ``auth-required:``) -> RelayRefused.
   Events are returned as the relay sent them (parsed dicts); the read path verifies them.
-- Memory a relay can make us hold: one frame <= MAX_FRAME_BYTES; one connection's queue
+- Memory a relay can make us hold: one frame <= MAX_FRAME_CHARS characters, which is
+  MAX_FRAME_BYTES (4 MiB: a character is up to 4 bytes); one connection's queue
   <= _MESSAGE_QUEUE frames; one query <= MAX_EVENTS_PER_QUERY events and MAX_QUERY_BYTES
   bytes of *decoded* events (`decoded_size`: what the parsed dicts take, not the frame's
   characters: a 1 MiB frame of 170,000 one-letter tags decodes to ~16 MiB); and every
@@ -179,16 +180,30 @@ if TYPE_CHECKING:
 
 _logger = logging.getLogger("buzz_broker.relay")
 
-#: Largest frame we accept: Buzz's relay sends frames up to 512 KiB; twice that is room
-#: for a relay with a larger cap without letting one frame take unbounded memory.
-MAX_FRAME_BYTES = 1024 * 1024
+#: Largest frame we accept, in characters: Buzz's relay sends frames up to 512 KiB
+#: (../shared/spec/buzz-on-the-relay.md); twice that is room for a relay with a larger
+#: cap without letting one frame take unbounded memory. Characters, not bytes: for a text
+#: frame trio-websocket's ``max_message_size`` counts ``len`` of the decoded str
+#: (trio_websocket/_impl.py `_handle_message_event`, 0.12.2), and past it closes the
+#: connection with 1009 (RFC 6455 §7.4.1).
+MAX_FRAME_CHARS = 1024 * 1024
+#: Bytes one character can take: 4 in UTF-8 on the wire (RFC 3629 §3), and 4 in a CPython
+#: str holding any character past U+FFFF (PEP 393).
+_MAX_BYTES_PER_CHAR = 4
+#: What one frame can take, in bytes on the wire and in memory (4 MiB): the bound
+#: MAX_FRAME_CHARS implies, not a second limit. A limit of MAX_FRAME_CHARS // 4 characters,
+#: to make 1 MiB true in bytes, was weighed and rejected: it would refuse an honest frame
+#: of Buzz's (512 KiB of ASCII is 512 Ki characters). Counting bytes as they arrive would
+#: take a change to trio-websocket.
+MAX_FRAME_BYTES = _MAX_BYTES_PER_CHAR * MAX_FRAME_CHARS
 #: Most events one query collects before the relay is treated as broken: Buzz caps a
 #: filter at 500 results, and the read path never sends more than a few filters.
 MAX_EVENTS_PER_QUERY = 5_000
 #: Bytes of EVENT frames one query may collect before the relay is treated as broken:
-#: without it a relay could fill MAX_EVENTS_PER_QUERY events of MAX_FRAME_BYTES each (5 GB)
-#: into one read. An honest page is far smaller (daemon/operations/channel_read.py cuts a
-#: page at MAX_PAGE_BYTES); a read past this bound fails with action_failed, logged.
+#: without it a relay could fill MAX_EVENTS_PER_QUERY events of MAX_FRAME_CHARS each (5 G
+#: characters) into one read. An honest page is far smaller
+#: (daemon/operations/channel_read.py cuts a page at MAX_PAGE_BYTES); a read past this
+#: bound fails with action_failed, logged.
 MAX_QUERY_BYTES = 16 * 1024 * 1024
 #: Default of ``[relay] max_result_bytes``: decoded bytes every query of the pool may hold
 #: together. Without it the per-query bound multiplies by the concurrent reads the HTTP
@@ -206,7 +221,7 @@ DEFAULT_LIVE_SUBSCRIPTIONS = 8
 EVENT_BODIES_BYTES = 4 * 1024 * 1024
 #: Frames buffered between trio-websocket's reader and ours; a burst of EVENTs should
 #: not stall the socket reader on every frame. Times MAX_FRAME_BYTES, this is what one
-#: relay connection may hold in its queue (16 MiB), so it is kept small.
+#: relay connection may hold in its queue (64 MiB; 16 MiB of ASCII), so it is kept small.
 _MESSAGE_QUEUE = 16
 #: AUTHs one authentication may send: the first, and one for the newest challenge when
 #: the relay replaced the first before refusing it (`RelayPool._authenticate`). No more:
@@ -1074,7 +1089,7 @@ class RelayPool:
                         self._url.host_header,
                         self._url.resource,
                         message_queue_size=_MESSAGE_QUEUE,
-                        max_message_size=MAX_FRAME_BYTES,
+                        max_message_size=MAX_FRAME_CHARS,
                     )
                     conn.ws, conn.scope, conn.alive = ws, scope, True
                     task_status.started()

@@ -7,6 +7,9 @@ Invariants:
   answers a REQ with more fails that query (RelayUnavailable, so the read is `failed` +
   `action_failed`) instead of being buffered, and the pool keeps serving the next query on
   the same connection. (Before: only the count was bounded, 5,000 events of up to 1 MiB.)
+- One frame holds at most `daemon.relay.pool.MAX_FRAME_CHARS` characters (past it the
+  connection is closed with 1009), so at most `MAX_FRAME_BYTES` bytes on the wire and in
+  memory: a character is up to four.
 - One read page holds at most `max_bytes` of events: past it the page ends early with a
   cursor, and following the cursors still yields every event exactly once, in the declared
   order (the exactness the paging driver promises holds under the byte cut too).
@@ -21,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
@@ -30,18 +33,23 @@ import trio_websocket
 
 from daemon.relay.cursor import Position
 from daemon.relay.paging import Page, order_key, read_page
-from daemon.relay.pool import MAX_QUERY_BYTES, RelayPool, RelayTimeouts, RelayUnavailable
+from daemon.relay.pool import (MAX_FRAME_BYTES, MAX_FRAME_CHARS, MAX_QUERY_BYTES, RelayPool,
+                               RelayTimeouts, RelayUnavailable)
 from tests.fixtures.relay import free_port
 from tests.read.fake_relay import FakeRelay
 
 CHANNEL = "0b7b2f0e-1c5e-4f6a-9d3c-2a1b0c9d8e7f"
 AGENT = "a" * 64
-#: Content of one flood event: under the 1 MiB frame cap, so only the query bound can stop it.
+#: Content of one flood event: under the frame cap (MAX_FRAME_CHARS), so only the query
+#: bound can stop it.
 FLOOD_CONTENT = 900 * 1024
 
 
 class _ReqRelay:
     """Answers every REQ with the frames `frames(sub)` gives, then EOSE; nothing else."""
+
+    #: the close code each ended connection got from the pool, as the relay saw it
+    close_codes: list[int | None]
 
     def frames(self, sub: str) -> list[str]:
         raise NotImplementedError
@@ -61,8 +69,8 @@ class _ReqRelay:
                 for text in self.frames(frame[1]):
                     await ws.send_message(text)
                 await ws.send_message(json.dumps(["EOSE", frame[1]]))
-        except trio_websocket.ConnectionClosed:
-            pass
+        except trio_websocket.ConnectionClosed as exc:
+            self.close_codes.append(exc.reason.code if exc.reason else None)
 
 
 class FloodRelay(_ReqRelay):
@@ -72,6 +80,7 @@ class FloodRelay(_ReqRelay):
         self.count = 0
         self.content = 0
         self.sent_bytes = 0
+        self.close_codes = []
 
     def frames(self, sub: str) -> list[str]:
         texts = []
@@ -104,6 +113,61 @@ async def test_query_past_its_byte_bound_fails_and_the_pool_serves_on() -> None:
         relay.count, relay.content = 10, 100
         events = await pool.query(AGENT, [{"kinds": [9]}])
         assert len(events) == 10
+        nursery.cancel_scope.cancel()
+
+
+#: U+1F41D (a bee): four bytes of UTF-8 (RFC 3629 §3) and one character to trio-websocket.
+WIDE_CHAR = "\U0001F41D"
+
+
+class WideCharRelay(_ReqRelay):
+    """Answers every REQ with one event whose content is 4-byte characters, sent as UTF-8
+    (NIP-01's JSON is UTF-8; nothing makes a relay escape them as ``\\u``). How many:
+    `wide_for` of the frame's other characters (all ASCII), so a test can aim the frame's
+    size in characters or in bytes exactly."""
+
+    def __init__(self) -> None:
+        self.wide_for: Callable[[int], int] = lambda _ascii: 0
+        self.frame = ""
+        self.close_codes = []
+
+    def frames(self, sub: str) -> list[str]:
+        def text(content: str) -> str:
+            event = {"id": "e" * 64, "pubkey": "b" * 64, "created_at": 1_700_000_000,
+                     "kind": 9, "tags": [["h", CHANNEL]], "content": content, "sig": "c" * 128}
+            return json.dumps(["EVENT", sub, event], separators=(",", ":"), ensure_ascii=False)
+
+        self.frame = text(WIDE_CHAR * self.wide_for(len(text(""))))
+        return [self.frame]
+
+
+async def test_a_frame_past_its_byte_bound_in_four_byte_characters_closes_the_connection(
+) -> None:
+    """trio-websocket bounds a text frame by its characters, and a character can be four
+    bytes: the bound in bytes that the docs state is MAX_FRAME_BYTES, four times
+    MAX_FRAME_CHARS. A frame of 4-byte characters one past MAX_FRAME_BYTES is refused
+    (the connection closed with 1009 Message Too Big, the query failed), and the largest
+    frame the character limit lets through fits MAX_FRAME_BYTES, and is read."""
+    relay = WideCharRelay()
+    port = free_port()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(relay.serve, port)
+        pool = RelayPool(f"ws://127.0.0.1:{port}", _no_auth,
+                         timeouts=RelayTimeouts(connect=5, ok=5, eose=10))
+        await nursery.start(pool.run)
+        relay.wide_for = lambda ascii: (MAX_FRAME_BYTES - ascii) // len(WIDE_CHAR.encode()) + 1
+        with pytest.raises(RelayUnavailable):
+            await pool.query(AGENT, [{"kinds": [9]}])
+        assert len(relay.frame.encode()) > MAX_FRAME_BYTES
+        with trio.fail_after(10):
+            while not relay.close_codes:
+                await trio.sleep(0.01)
+        assert relay.close_codes == [1009]
+        # The most characters a frame may have, nearly all of them four bytes.
+        relay.wide_for = lambda ascii: MAX_FRAME_CHARS - ascii
+        events = await pool.query(AGENT, [{"kinds": [9]}])
+        assert len(events) == 1 and len(relay.frame) == MAX_FRAME_CHARS
+        assert 3 * MAX_FRAME_CHARS < len(relay.frame.encode()) <= MAX_FRAME_BYTES
         nursery.cancel_scope.cancel()
 
 
@@ -184,7 +248,7 @@ async def test_channel_read_page_is_held_to_its_byte_bound_end_to_end(broker: An
 
 
 #: One-letter tags in one tag-flood event: 6 characters each on the wire (`["a"],`), so the
-#: frame stays under MAX_FRAME_BYTES while the parsed lists take ~110 bytes per tag.
+#: frame stays under MAX_FRAME_CHARS while the parsed lists take ~110 bytes per tag.
 TAG_FLOOD_TAGS = 100_000
 
 
@@ -194,6 +258,7 @@ class TagFloodRelay(_ReqRelay):
     def __init__(self, count: int) -> None:
         self.count = count
         self.frame_chars = 0
+        self.close_codes = []
 
     def frames(self, sub: str) -> list[str]:
         event = {"id": "d" * 64, "pubkey": "b" * 64, "created_at": 1_700_000_000,
@@ -223,15 +288,16 @@ async def test_a_tag_flood_is_bounded_by_its_decoded_size_not_its_frame() -> Non
             _current, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
-        from daemon.relay.pool import MAX_FRAME_BYTES, decoded_size
+        from daemon.relay.pool import decoded_size
 
-        assert relay.frame_chars < MAX_FRAME_BYTES
+        assert relay.frame_chars < MAX_FRAME_CHARS
         one_event = decoded_size(json.loads(
             json.dumps({"tags": [["a"]] * TAG_FLOOD_TAGS})))
         assert one_event * 16 > 8 * MAX_QUERY_BYTES, "the flood must exceed the bound many times"
         # What stays: the query's bound, one frame being parsed, the connection's queue of
-        # raw frames (16 x 1 MiB), and the relay's own frame text (this process).
-        assert peak < MAX_QUERY_BYTES + one_event + 16 * MAX_FRAME_BYTES + 8 * 1024 * 1024
+        # raw frames (16 of at most MAX_FRAME_CHARS ASCII characters, a byte each), and the
+        # relay's own frame text (this process).
+        assert peak < MAX_QUERY_BYTES + one_event + 16 * MAX_FRAME_CHARS + 8 * 1024 * 1024
         assert pool.result_bytes_held == 0, "a failed query gives its bytes back"
         relay.count = 1
         answer = await pool.query(AGENT, [{"kinds": [9]}])
