@@ -16,6 +16,9 @@ Rules:
 - Every key lives in `_KEYS`, one row per key: section, key, parser, default. That table is
   the schema: a key not in it is an error naming the key, a section not in it is an error
   naming the section, and docs/configuration.md documents exactly its rows.
+- Every number is bounded at both ends, by its row's parser (`_Integer`, `_Duration`), so
+  `_KEYS` is also the table of ranges: a value that loads is one `serve` can run with.
+  Uids and gids share one rule (`is_uid`).
 - Every fault is one `ConfigError` line naming the file and the key (``[server]
   max_body_bytes``), never a traceback. Values are quoted back shortened: the file holds no
   secret (the PIN lives in the file `pin_file` names, never here).
@@ -25,7 +28,8 @@ Rules:
   handed to the dynamic loader's search, as dlopen(3) does.
 - The relay URL must be ``wss://``; ``ws://`` is allowed only to a loopback host (a local
   development relay), because the relay sees every signed event in clear otherwise.
-- Durations are seconds (integer or float) or a string ``<number><s|m|h|d>``.
+- Durations are seconds (integer or float) or a string ``<number><s|m|h|d>``, more than
+  0 and at most their row's maximum.
 
 WARNING: `_KEYS`, the dataclasses below, docs/configuration.md and docs/internals.md
 ("daemon/config") must be kept in sync by hand; tests/test_config.py walks `_KEYS`.
@@ -34,7 +38,6 @@ WARNING: `_KEYS`, the dataclasses below, docs/configuration.md and docs/internal
 from __future__ import annotations
 
 import difflib
-import math
 import os
 import re
 import stat
@@ -295,53 +298,90 @@ class _Bad(Exception):
 _Parser = Callable[[object, Path | None], object]
 
 
-def _int_at_least(low: int, high: int | None = None) -> _Parser:
-    def parse(value: object, _base: Path | None) -> object:
-        # bool is an int subclass in Python; `true` is not a number in a config.
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _Bad(f"an integer >= {low}")
-        if value < low or (high is not None and value > high):
-            raise _Bad(f"an integer in {low}..{high}" if high is not None else f"an integer >= {low}")
-        return value
+# Every number a key takes is bounded at both ends, in its `_KEYS` row (`_Integer`,
+# `_Duration`), so `_KEYS` is also the table of ranges: the loader checks each row's, and
+# tests/test_config.py walks the same rows. A value that loads is one the daemon's
+# arithmetic, SQLite and the OS take: `check-config` passing means `serve` can start (a
+# socket_group of 10**20 once passed it and then stopped `serve` with OverflowError; a
+# ledger_retention of 10**20 seconds failed every publishing request). The maxima are
+# generous, past any real use; the ones several rows share are these constants.
 
-    return parse
+#: Connection caps ([server] max_connections, max_connections_per_uid,
+#: max_connections_per_credential): 2**20, Linux's default fs.nr_open (the ceiling of
+#: RLIMIT_NOFILE), twice the hard limit systemd gives a service (524,288). Each connection
+#: holds a descriptor, so a larger cap is not reached on such a host.
+MAX_CONNECTIONS = 1 << 20
+
+#: Byte budgets and caps ([server], [state], [relay], [observer]): 1 TiB, the custodian's
+#: bound for its own (custody/custodian/config.py `_RANGES`): past any host's memory or disk.
+MAX_BYTES = 1 << 40
+
+#: Timeouts and waits ([server] request_timeout, shutdown_grace; [relay] connect_timeout,
+#: ok_timeout, eose_timeout, idle_seconds): a day, 288 times the largest default
+#: (idle_seconds, 300 s). A request, relay answer or drain not done in a day will not be.
+MAX_WAIT_SECONDS = 86400
+
+#: [state] ledger_retention and read_retention: ten years, far past any retry worth
+#: answering (agents retry within minutes). A ledger record expires at now + STALE_FACTOR
+#: (2) x the retention (daemon/state/ledger.py), an integer SQLite must store (at most
+#: 2**63 - 1): ten years keeps that near 2046; 10**20 seconds overflowed it.
+MAX_RETENTION_SECONDS = 3650 * 86400
+
+
+@dataclass(frozen=True, slots=True)
+class _Integer:
+    """An integer in `low`..`high`, both included."""
+
+    low: int
+    high: int
+
+    def __call__(self, value: object, _base: Path | None) -> object:
+        # bool is an int subclass in Python; `true` is not a number in a config.
+        if (isinstance(value, bool) or not isinstance(value, int)
+                or not self.low <= value <= self.high):
+            raise _Bad(f"an integer in {self.low}..{self.high}")
+        return value
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smhd])")
 
 
-def _duration(value: object, _base: Path | None) -> object:
-    """Seconds as a number, or ``"<n><s|m|h|d>"``; strictly positive and finite."""
-    expectation = 'a positive duration: seconds, or a string like "10s", "5m", "7d"'
-    if isinstance(value, bool):
-        raise _Bad(expectation)
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str) and (m := _DURATION.fullmatch(value.strip())):
-        seconds = float(m.group(1)) * _UNITS[m.group(2)]
-    else:
-        raise _Bad(expectation)
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise _Bad(expectation)
-    return seconds
+def _spelt(seconds: int) -> str:
+    """``86400`` -> ``86400 seconds ("1d")``: the largest unit that divides it."""
+    unit = next(u for u in reversed(_UNITS) if seconds % _UNITS[u] == 0)
+    return f"{seconds} seconds" + ("" if unit == "s" else f' ("{seconds // _UNITS[unit]}{unit}")')
 
 
-def _duration_at_most(high: float) -> _Parser:
-    def parse(value: object, base: Path | None) -> object:
-        seconds = _duration(value, base)
-        assert isinstance(seconds, float)
-        if seconds > high:
-            raise _Bad(f"a positive duration of at most {high:g} seconds")
-        return seconds
+@dataclass(frozen=True, slots=True)
+class _Duration:
+    """Seconds as a number, or ``"<n><s|m|h|d>"``; more than 0 and at most `high` seconds.
 
-    return parse
+    A float, or with `whole` an int: rounded down to whole seconds, at least 1 (the ledger's
+    retentions, which it adds to the clock in SQLite integers).
+    """
 
+    high: int
+    whole: bool = False
 
-def _whole_seconds(value: object, base: Path | None) -> object:
-    seconds = _duration(value, base)
-    assert isinstance(seconds, float)
-    return max(1, int(seconds))
+    def __call__(self, value: object, _base: Path | None) -> object:
+        expectation = (f"a positive duration of at most {_spelt(self.high)}: seconds, or a "
+                       'string like "10s", "5m", "7d"')
+        number: int | float
+        if isinstance(value, bool):
+            raise _Bad(expectation)
+        if isinstance(value, (int, float)):
+            number = value
+        elif isinstance(value, str) and (m := _DURATION.fullmatch(value.strip())):
+            number = float(m.group(1)) * _UNITS[m.group(2)]
+        else:
+            raise _Bad(expectation)
+        # Compared before float(): an integer past a float's range would raise
+        # OverflowError there. NaN fails the comparison, infinity the bound.
+        if not 0 < number <= self.high:
+            raise _Bad(expectation)
+        seconds = float(number)
+        return max(1, int(seconds)) if self.whole else seconds
 
 
 def _text(value: object, _base: Path | None) -> object:
@@ -419,15 +459,19 @@ def _socket_mode(value: object, base: Path | None) -> object:
 
 
 def _group(value: object, _base: Path | None) -> object:
+    """A group name, or a numeric gid (an integer, or a string of digits: daemon/http.py
+    `_gid` and daemon/loopback_tcp.py `TcpAdmission` read those as gids, so both are ids)."""
     if value == "":
         return None
-    if isinstance(value, bool):
-        raise _Bad("a group name or numeric gid")
-    if isinstance(value, int) and value >= 0:
-        return str(value)
-    if isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\$?", value):
+    if isinstance(value, str) and re.fullmatch(r"[0-9]+", value):
+        value = int(value)
+    elif isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\$?", value):
         return value
-    raise _Bad("a group name or numeric gid")
+    # gid_t is uid_t's 32 bits with the same reserved -1 (chown(2): "leave unchanged"), so
+    # one rule bounds both.
+    if not is_uid(value):
+        raise _Bad(f"a group name or numeric gid (0..{MAX_UID})")
+    return str(value)
 
 
 def _relay_url(value: object, base: Path | None) -> object:
@@ -509,7 +553,8 @@ def _bool(value: object, _base: Path | None) -> object:
     return value
 
 
-#: The largest uid a process can have: (uid_t) -1 means "no uid" to the kernel.
+#: The largest uid a process can have: (uid_t) -1 means "no uid" to the kernel. Gids too
+#: (`_group`): gid_t is as wide, and chown(2) reads (gid_t) -1 as "leave the group unchanged".
 MAX_UID = 2**32 - 2
 
 
@@ -608,15 +653,17 @@ _KEYS: tuple[_Key, ...] = (
     _Key("server", "socket", "socket", _socket_path(_path), "/run/buzz-broker/broker.sock"),
     _Key("server", "socket_mode", "socket_mode", _socket_mode, "0660"),
     _Key("server", "socket_group", "socket_group", _group, ""),
-    _Key("server", "max_connections", "max_connections", _int_at_least(1), 1024),
-    _Key("server", "max_connections_per_uid", "max_connections_per_uid", _int_at_least(1), 128),
+    _Key("server", "max_connections", "max_connections", _Integer(1, MAX_CONNECTIONS), 1024),
+    _Key("server", "max_connections_per_uid", "max_connections_per_uid",
+         _Integer(1, MAX_CONNECTIONS), 128),
     # 64 MiB: 128 requests of the largest size; each uid gets total / (uids holding + 1).
-    _Key("server", "max_inflight_bytes", "max_inflight_bytes", _int_at_least(1024), 67108864),
-    _Key("server", "max_body_bytes", "max_body_bytes", _int_at_least(1024), 524288),
+    _Key("server", "max_inflight_bytes", "max_inflight_bytes", _Integer(1024, MAX_BYTES),
+         67108864),
+    _Key("server", "max_body_bytes", "max_body_bytes", _Integer(1024, MAX_BYTES), 524288),
     # Below ~1 KiB a normal request line plus Authorization header no longer fits.
-    _Key("server", "max_header_bytes", "max_header_bytes", _int_at_least(1024), 16384),
-    _Key("server", "request_timeout", "request_timeout", _duration, 10),
-    _Key("server", "shutdown_grace", "shutdown_grace", _duration, 10),
+    _Key("server", "max_header_bytes", "max_header_bytes", _Integer(1024, MAX_BYTES), 16384),
+    _Key("server", "request_timeout", "request_timeout", _Duration(MAX_WAIT_SECONDS), 10),
+    _Key("server", "shutdown_grace", "shutdown_grace", _Duration(MAX_WAIT_SECONDS), 10),
     _Key("server", "listen_tcp", "listen_tcp", _listen_tcp, []),
     _Key("server", TCP_OPT_IN, TCP_OPT_IN, _bool, False),
     _Key("server", "tcp_allow_uids", "tcp_allow_uids", _uid_set, []),
@@ -624,15 +671,17 @@ _KEYS: tuple[_Key, ...] = (
     _Key("server", "tcp_allow_credentials_without_uid", "tcp_allow_credentials_without_uid",
          _bool, False),
     _Key("server", "max_connections_per_credential", "max_connections_per_credential",
-         _int_at_least(1), 32),
+         _Integer(1, MAX_CONNECTIONS), 32),
     _Key("state", "dir", "dir", _path, "/var/lib/buzz-broker"),
-    _Key("state", "ledger_retention", "ledger_retention_seconds", _whole_seconds, "7d"),
-    _Key("state", "read_retention", "read_retention_seconds", _whole_seconds, "15m"),
+    _Key("state", "ledger_retention", "ledger_retention_seconds",
+         _Duration(MAX_RETENTION_SECONDS, whole=True), "7d"),
+    _Key("state", "read_retention", "read_retention_seconds",
+         _Duration(MAX_RETENTION_SECONDS, whole=True), "15m"),
     _Key("state", "ledger_max_bytes_per_agent", "ledger_max_bytes_per_agent",
-         _int_at_least(4096), 256 * 1024 * 1024),
+         _Integer(4096, MAX_BYTES), 256 * 1024 * 1024),
     # 4 MiB: ~26,000 refusals at ~160 bytes each (docs/operations.md, "Disk").
     _Key("state", "ledger_max_refusal_bytes_per_credential",
-         "ledger_max_refusal_bytes_per_credential", _int_at_least(4096), 4 * 1024 * 1024),
+         "ledger_max_refusal_bytes_per_credential", _Integer(4096, MAX_BYTES), 4 * 1024 * 1024),
     _Key("pkcs11", "module", "module", _module_path, "/usr/lib/softhsm/libsofthsm2.so"),
     _Key("pkcs11", "token_label", "token_label", _text, "buzz-broker"),
     # "": no file; the PIN comes from the systemd credential `PIN_CREDENTIAL` (the unit's
@@ -642,26 +691,26 @@ _KEYS: tuple[_Key, ...] = (
     _Key("pkcs11", "seal", "seal", _one_of("auto", "gcm", "etm"), "auto"),
     # Bounds as custody's CachePolicy (custody/_records.py): 64 Ki keys, an hour.
     _Key("pkcs11", "unsealed_cache_entries", "unsealed_cache_entries",
-         _int_at_least(0, 65536), 0),
+         _Integer(0, 65536), 0),
     _Key("pkcs11", "unsealed_cache_seconds", "unsealed_cache_seconds",
-         _duration_at_most(3600), 30),
+         _Duration(3600), 30),
         # No default: a placeholder relay would only fail later, far from the config file.
     _Key("relay", "url", "url", _relay_url, None),
-    _Key("relay", "connect_timeout", "connect_timeout", _duration, 10),
-    _Key("relay", "ok_timeout", "ok_timeout", _duration, 10),
-    _Key("relay", "eose_timeout", "eose_timeout", _duration, 10),
-    _Key("relay", "idle_seconds", "idle_seconds", _duration, 300),
+    _Key("relay", "connect_timeout", "connect_timeout", _Duration(MAX_WAIT_SECONDS), 10),
+    _Key("relay", "ok_timeout", "ok_timeout", _Duration(MAX_WAIT_SECONDS), 10),
+    _Key("relay", "eose_timeout", "eose_timeout", _Duration(MAX_WAIT_SECONDS), 10),
+    _Key("relay", "idle_seconds", "idle_seconds", _Duration(MAX_WAIT_SECONDS), 300),
     # At least one query at its own bound, or that query could never succeed.
-    _Key("relay", "max_result_bytes", "max_result_bytes", _int_at_least(MAX_QUERY_BYTES),
+    _Key("relay", "max_result_bytes", "max_result_bytes", _Integer(MAX_QUERY_BYTES, MAX_BYTES),
          DEFAULT_RESULT_BYTES),
     # Read windows (issue 24): 0 turns them off (every read goes to the relay).
-    _Key("relay", "read_window_bytes", "read_window_bytes", _int_at_least(0),
+    _Key("relay", "read_window_bytes", "read_window_bytes", _Integer(0, MAX_BYTES),
          DEFAULT_WINDOW_BYTES),
     # 0 keeps no live subscription at all (no windows either); 256 is far past any relay's cap.
-    _Key("relay", "max_live_subscriptions", "max_live_subscriptions", _int_at_least(0, 256),
+    _Key("relay", "max_live_subscriptions", "max_live_subscriptions", _Integer(0, 256),
          DEFAULT_LIVE_SUBSCRIPTIONS),
     _Key("policy", "disabled_actions", "disabled_actions", _string_set(ACTION_NAMES), []),
-    _Key("policy", "max_agent_depth", "max_agent_depth", _int_at_least(0, 64), 3),
+    _Key("policy", "max_agent_depth", "max_agent_depth", _Integer(0, 64), 3),
     # The runtime names Buzz's clients use (shared/spec/buzz-on-the-relay.md). Providers and
     # models have no such shared vocabulary (free text "the host interprets"; Buzz's runtime
     # never sends them), and what one names is signed into the owner's public kind 30177
@@ -678,15 +727,15 @@ _KEYS: tuple[_Key, ...] = (
     # ~88 KiB once encrypted, base64'd and signed); a share of 2 MiB lets sixteen agents
     # flood at once before the total binds. 50 a second keeps telemetry well below what
     # a relay's per-connection limits allow; 8 in flight hides one OK round trip.
-    _Key("observer", "max_queued_bytes", "max_queued_bytes", _int_at_least(65536),
+    _Key("observer", "max_queued_bytes", "max_queued_bytes", _Integer(65536, MAX_BYTES),
          32 * 1024 * 1024),
     _Key("observer", "max_queued_bytes_per_credential", "max_queued_bytes_per_credential",
-         _int_at_least(65536), 2 * 1024 * 1024),
-    _Key("observer", "publish_per_second", "publish_per_second", _int_at_least(1, 10000), 50),
-    _Key("observer", "max_in_flight", "max_in_flight", _int_at_least(1, 256), 8),
+         _Integer(65536, MAX_BYTES), 2 * 1024 * 1024),
+    _Key("observer", "publish_per_second", "publish_per_second", _Integer(1, 10000), 50),
+    _Key("observer", "max_in_flight", "max_in_flight", _Integer(1, 256), 8),
     # What strfry and nostr-sdk's LocalRelay accept by default (measured on LocalRelay:
     # 65,536 bytes of event JSON, one more is refused); raise it for a relay that takes more.
-    _Key("observer", "max_event_bytes", "max_event_bytes", _int_at_least(4096), 65_536),
+    _Key("observer", "max_event_bytes", "max_event_bytes", _Integer(4096, MAX_BYTES), 65_536),
     _Key("custody", "custodian_socket", "custodian_socket", _socket_path(_optional_path), ""),
 )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
+from typing import get_type_hints
 
 import pytest
 
@@ -12,8 +13,14 @@ from daemon.cli import main
 import daemon.config
 from daemon.config import (
     _KEYS,
+    _SECTIONS,
+    _Duration,
+    _Integer,
+    _Key,
     ACTION_NAMES,
     ENV_VAR,
+    MAX_RETENTION_SECONDS,
+    MAX_UID,
     PIN_CREDENTIAL,
     Config,
     ConfigError,
@@ -365,11 +372,131 @@ def test_wrong_type_names_key_and_file(tmp_path: Path, row: object) -> None:
         ("server", "tcp_allow_uids", "[-1]"),
         ("server", "tcp_allow_groups", '["bad group"]'),
         ("server", "max_connections_per_credential", "0"),
+        # Gids are bounded as uids are (MAX_UID): past gid_t, check-config once passed it
+        # and serve exited 70 (OverflowError in chown); (gid_t) -1, which chown(2) reads as
+        # "leave unchanged", was accepted and silently ignored.
+        ("server", "socket_group", "99999999999999999999"),
+        ("server", "socket_group", '"99999999999999999999"'),
+        ("server", "socket_group", "4294967295"),
+        ("server", "socket_group", '"4294967295"'),
+        ("server", "socket_group", "-1"),
+        ("server", "socket_group", "true"),
+        ("server", "tcp_allow_groups", "[4294967295]"),
+        ("server", "tcp_allow_groups", '["99999999999999999999"]'),
+        ("server", "tcp_allow_uids", "[4294967295]"),
     ],
 )
 def test_bad_values_named(tmp_path: Path, section: str, key: str, bad: str) -> None:
     with pytest.raises(ConfigError, match=rf"\[{section}\] {key}: expected"):
         load_config(write(tmp_path, f"[{section}]\n{key} = {bad}\n"), environ={})
+
+
+# --------------------------------------------------------------------------- ranges
+
+#: Every row whose value is a number, with its range: `_KEYS` is the table of ranges, read
+#: by the loader and walked here.
+RANGED = [row for row in _KEYS if isinstance(row.parse, (_Integer, _Duration))]
+#: Numbers bounded by a rule of their own: a file mode is octal, 0..0o777 (`_mode`).
+OTHER_NUMBERS = {("server", "socket_mode")}
+
+
+def _row_id(row: _Key) -> str:
+    return f"{row.section}.{row.key}"
+
+
+def test_every_number_has_a_range() -> None:
+    """A numeric field without a row in `RANGED` would take any value, up to one that
+    breaks the daemon's arithmetic after check-config passed it."""
+    numeric = {(row.section, row.key) for row in _KEYS
+               if get_type_hints(_SECTIONS[row.section])[row.field] in (int, float)}
+    assert numeric - OTHER_NUMBERS == {(row.section, row.key) for row in RANGED}
+
+
+def _outside(row: _Key) -> list[str]:
+    """TOML values just and far outside `row`'s range."""
+    huge = "1" + "0" * 400  # past a float's range: float() of it raises OverflowError
+    if isinstance(row.parse, _Integer):
+        return [str(row.parse.low - 1), str(row.parse.high + 1), "99999999999999999999", huge]
+    assert isinstance(row.parse, _Duration)
+    return ["0", str(row.parse.high + 1), "1e300", '"99999999999999999999999999d"', huge]
+
+
+@pytest.mark.parametrize(("row", "bad"), [(row, bad) for row in RANGED for bad in _outside(row)],
+                         ids=lambda v: _row_id(v) if isinstance(v, _Key)
+                         else v if len(v) <= 30 else f"{v[:3]}...{len(v)}-digits")
+def test_a_number_outside_its_range_is_one_line_naming_the_range(
+        tmp_path: Path, row: _Key, bad: str) -> None:
+    path = write(tmp_path, f"[{row.section}]\n{row.key} = {bad}\n")
+    assert isinstance(row.parse, (_Integer, _Duration))
+    with pytest.raises(ConfigError, match=rf"\[{row.section}\] {row.key}: expected .*"
+                                          rf"\b{row.parse.high}\b") as info:
+        load_config(path, environ={})
+    assert path in str(info.value) and "\n" not in str(info.value)
+
+
+def _at(bound: str) -> str:
+    """A file with every ranged key at its `bound` ("low" or "high"; a duration's low is
+    its smallest whole second)."""
+    sections: dict[str, list[str]] = {}
+    for row in RANGED:
+        value = getattr(row.parse, bound) if hasattr(row.parse, bound) else 1
+        sections.setdefault(row.section, []).append(f"{row.key} = {value}\n")
+    return "".join(f"[{name}]\n" + "".join(keys) for name, keys in sections.items())
+
+
+@pytest.mark.parametrize("bound", ["low", "high"])
+def test_every_number_at_its_bound_loads(tmp_path: Path, bound: str) -> None:
+    """The bounds agree with each other (max_inflight_bytes >= max_body_bytes, a share <=
+    its total) and each loads as itself."""
+    config = load_config(write(tmp_path, _at(bound)), environ={})
+    for row in RANGED:
+        expected = getattr(row.parse, bound) if hasattr(row.parse, bound) else 1
+        assert value(config, row.section, row.field) == expected, row
+
+
+@pytest.mark.parametrize("key", ["socket_group", "tcp_allow_groups", "tcp_allow_uids"])
+def test_ids_are_bounded_by_one_rule(tmp_path: Path, key: str) -> None:
+    """Uids and gids alike: 0..MAX_UID, as an integer or (a gid) a string of digits."""
+    def spelt(item: str) -> str:
+        return f"[{item}]" if key != "socket_group" else item
+
+    forms = [str(MAX_UID), "0"] + ([f'"{MAX_UID}"', '"0100"'] if key != "tcp_allow_uids" else [])
+    for form in forms:
+        load_config(write(tmp_path, f"[server]\n{key} = {spelt(form)}\n"), environ={})
+    for form in [str(MAX_UID + 1), "-1"] + ([f'"{MAX_UID + 1}"'] if key != "tcp_allow_uids"
+                                            else []):
+        with pytest.raises(ConfigError, match=rf"\[server\] {key}: expected"):
+            load_config(write(tmp_path, f"[server]\n{key} = {spelt(form)}\n"), environ={})
+
+
+async def test_the_longest_retention_is_one_the_ledger_keeps(tmp_path: Path) -> None:
+    """The ledger adds STALE_FACTOR x the retention to the clock in a SQLite integer. At the
+    maximum a publishing record is written and replayed; past it (10**20 seconds, whose
+    expiry overflowed SQLite and failed every publishing request) the file is refused."""
+    from buzzwire.contract import Status
+    from daemon.state.ledger import Fresh, Ledger, LedgerKey, Replay
+
+    text = (f"[state]\nledger_retention = {MAX_RETENTION_SECONDS}\n"
+            f"read_retention = {MAX_RETENTION_SECONDS}\n")
+    state = load_config(write(tmp_path, text), environ={}).state
+    ledger = Ledger.open(tmp_path / "ledger.db", retention_seconds=state.ledger_retention_seconds)
+    try:
+        key, digest = LedgerKey("a" * 64, "req-1"), bytes(32)
+        begun = await ledger.begin(key, digest)
+        assert isinstance(begun, Fresh)
+        try:
+            await ledger.record_pending(begun.ticket, b"signed work")
+            await ledger.finish(begun.ticket, b"{}", Status.SUCCEEDED,
+                                keep_seconds=state.read_retention_seconds)
+        finally:
+            ledger.release(begun.ticket)
+        assert await ledger.begin(key, digest) == Replay(b"{}", Status.SUCCEEDED)
+    finally:
+        ledger.close()
+    for key_name in ("ledger_retention", "read_retention"):
+        with pytest.raises(ConfigError, match=rf"\[state\] {key_name}: expected"):
+            load_config(write(tmp_path, f"[state]\n{key_name} = 100000000000000000000\n"),
+                        environ={})
 
 
 @pytest.mark.parametrize("key", ["runtimes", "providers", "models"])

@@ -1,8 +1,9 @@
 """The misconfigurations an operator makes, each through `check-config --deep` and `serve`, as
 an operator runs them (`python -m daemon.cli` subprocesses, the real SoftHSM token and
 LocalRelay): one line on stderr, `buzz-broker: ` and what names the key or the file, a
-non-zero exit that is not the internal-error one, no traceback, and `serve` leaves no socket
-behind (nor a state directory it made, where the fault is the file's).
+non-zero exit that is not the internal-error one (1 where the fault is the file's), no
+traceback, and `serve` leaves no socket behind (nor a state directory it made, where the
+fault is the file's).
 
 One table, `CASES`, iterated: a row makes the configuration in a temporary directory and
 says what each command's line must hold. A row's `check` is None where `check-config
@@ -102,6 +103,13 @@ def _unknown_key(s: Setup) -> list[str]:
 def _wrong_type(s: Setup) -> list[str]:
     path = s.write(server={"max_connections": "many"})
     return [f"config {path}: [server] max_connections: expected an integer", "'many'"]
+
+
+def _socket_group_past_gid_t(s: Setup) -> list[str]:
+    # Once passed by check-config, and `serve` then exited 70 (OverflowError in chown).
+    path = s.write(server={"socket_group": 99999999999999999999})
+    return [f"config {path}: [server] socket_group: expected a group name or numeric gid",
+            "99999999999999999999"]
 
 
 def _missing_pin(s: Setup) -> list[str]:
@@ -224,6 +232,7 @@ CASES = [
     Case("toml-syntax-error", _toml_syntax, file_fault=True),
     Case("unknown-key", _unknown_key, file_fault=True),
     Case("wrong-type", _wrong_type, file_fault=True),
+    Case("socket-group-past-gid-t", _socket_group_past_gid_t, file_fault=True),
     Case("pin-file-missing", _missing_pin),
     Case("pin-file-world-readable", _readable_pin),
     Case("wrong-token-label", _wrong_label),
@@ -308,3 +317,5 @@ def test_a_misconfiguration_is_one_line_through_check_config_and_serve(
         assert not s.socket.exists(), "serve left its socket behind"
     if case.file_fault:
         assert not s.state.exists(), "a configuration error made the state directory"
+        # docs/configuration.md: "one line naming the file and the key (exit 1)".
+        assert (checked.returncode, served.returncode) == (1, 1)
