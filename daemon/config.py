@@ -50,6 +50,7 @@ from urllib.parse import urlsplit
 
 from buzzwire.contract import ACTIONS, MAX_SCALAR_CHARS, scrub_line, trim
 from buzzwire.loopback import LOOPBACK_NAMES, is_loopback_host
+from custody import MAX_CACHE_ENTRIES, MAX_CACHE_SECONDS
 from daemon.loopback_tcp import ListenerKind, address_text
 from daemon.relay.pool import DEFAULT_LIVE_SUBSCRIPTIONS, DEFAULT_RESULT_BYTES, MAX_QUERY_BYTES
 from daemon.relay.windows import DEFAULT_WINDOW_BYTES
@@ -689,11 +690,11 @@ _KEYS: tuple[_Key, ...] = (
     _Key("pkcs11", "pin_file", "pin_file", _optional_path, ""),
     _Key("pkcs11", "kek_label", "kek_label", _text, "buzz-broker-kek"),
     _Key("pkcs11", "seal", "seal", _one_of("auto", "gcm", "etm"), "auto"),
-    # Bounds as custody's CachePolicy (custody/_records.py): 64 Ki keys, an hour.
+    # custody's CachePolicy's own bounds (custody/_records.py): 64 Ki keys, an hour.
     _Key("pkcs11", "unsealed_cache_entries", "unsealed_cache_entries",
-         _Integer(0, 65536), 0),
+         _Integer(0, MAX_CACHE_ENTRIES), 0),
     _Key("pkcs11", "unsealed_cache_seconds", "unsealed_cache_seconds",
-         _Duration(3600), 30),
+         _Duration(int(MAX_CACHE_SECONDS)), 30),
         # No default: a placeholder relay would only fail later, far from the config file.
     _Key("relay", "url", "url", _relay_url, None),
     _Key("relay", "connect_timeout", "connect_timeout", _Duration(MAX_WAIT_SECONDS), 10),
