@@ -4,6 +4,9 @@
   the eighteen shapes, the limits, the status/code table. Bytes in, values or bytes out.
 - `buzzwire.nostr`: public Nostr data: event values, the NIP-01 id, BIP-340 verification,
   the NIP-OA owner-tag check. Nothing here touches a secret.
+- `buzzwire.threads`: which channel (`in_channel`) and which thread (`declared_thread`,
+  `in_thread`) an event is in, from its signed tags: the one rule the broker's channel.read
+  and message.reply and the contract's echo check all apply.
 
 Rules: no I/O, no clock, no randomness, no logging; stdlib and coincurve only. The daemon,
 custody and the agent-side client import it; it imports none of them, so an agent installs

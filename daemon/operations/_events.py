@@ -14,20 +14,20 @@ Rules:
   yet, so `failed` is honest.
 - Replaceable events (kind 0, kind 30177) get `next_created_at`: strictly after the version
   they replace (design.md, "Replaceable events in one second").
-- Which channel an event is in (`in_channel`) and which thread (`declared_thread`) is read
-  from its signed tags here, once, for what a read delivers and what a reply builds on
-  (NIP-BA: "Ancestry and mentions come from signed tags").
+- Which channel an event is in (`in_channel`) and which thread (`declared_thread`,
+  `in_thread`) is read from its signed tags by one rule each in `buzzwire.threads`, for
+  what a read delivers, what a reply or a reaction builds on, and what the agent-side
+  client's echo check accepts (NIP-BA: "Ancestry and mentions come from signed tags").
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Literal
 
 from buzzwire.contract import ErrorCode
 from buzzwire.nostr import SignedEvent, UnsignedEvent, verify_signed
+from buzzwire.threads import in_channel
 from daemon.operations._base import Context, OperationRefused
 from daemon.relay.pool import RelayRefused, RelayUnavailable
 
@@ -40,10 +40,6 @@ __all__ = [
     "tag_value",
     "fetch",
     "fetch_in_channel",
-    "in_channel",
-    "Ancestry",
-    "declared_thread",
-    "in_thread",
     "verified",
     "sign_all",
     "check_builds_on_latest",
@@ -183,94 +179,6 @@ async def fetch_in_channel(ctx: Context, event_id: str, channel_id: str, *, what
     if not in_channel(event.tags, channel_id):
         raise OperationRefused(ErrorCode.ACTION_FAILED, f"{what} is not in this channel")
     return event
-
-
-def in_channel(tags: Iterable[Sequence[str]], channel_id: str) -> bool:
-    """The one rule for "this event is in that channel", for what a read delivers and for
-    what a reply or a reaction builds on: its `h` values are exactly {channel_id}.
-
-    Why the whole set and not the first `h` tag: an event carrying two channels' `h` tags
-    would otherwise be in whichever channel its author listed first, so a credential of
-    one channel could reply or react to an event also filed in another, depending on the
-    order of its tags alone, while a read of either channel never returns it.
-    """
-    return {tag[1] for tag in tags if len(tag) >= 2 and tag[0] == "h"} == {channel_id}
-
-
-#: NIP-10 markers an `e` tag may carry here; `mention` cites without threading.
-_E_MARKERS = frozenset({"root", "reply", "mention"})
-#: The markers that name the thread, in the order they are read: `root`, else `reply`
-#: (Buzz's direct reply to a root carries only a `reply`-marked tag).
-_THREAD_MARKERS = ("root", "reply")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Ancestry:
-    """The thread an event's signed `e` tags declare (`declared_thread`).
-
-    Attributes:
-        root: the root they name; None when they name none (the event is a root) or when
-            they cannot be read.
-        unreadable: why they cannot be read, else None. "positional": an `e` tag without
-            a NIP-10 marker (or with one not in `_E_MARKERS`): NIP-10's deprecated form,
-            where `["e", R]` may mean "reply to R", so taking the event for a root, or R
-            for its root, would each be a guess. "several": two different values under
-            the marker that decides: picking one would be a silent choice.
-        detail: for the operator log only (the tag or the count at fault); relay text,
-            never shown to an agent.
-    """
-
-    root: str | None = None
-    unreadable: Literal["positional", "several"] | None = None
-    detail: str = ""
-
-    def __post_init__(self) -> None:
-        if self.root is not None and self.unreadable is not None:
-            raise ValueError("an unreadable ancestry names no root")
-
-
-def declared_thread(tags: Iterable[Sequence[str]]) -> Ancestry:
-    """The one rule for "which thread is this event in", read from its signed tags alone
-    (NIP-10 marked `e` tags, as Buzz writes them): the value of its `e` tag marked `root`,
-    else of its `e` tag marked `reply`, else none (it is a root). `mention` tags are
-    ignored. A positional tag or two different deciding values make it unreadable
-    (`Ancestry`).
-
-    message.reply refuses to build on an unreadable parent; channel.read (`in_thread`)
-    leaves such an event out of every thread. Neither raises here: each caller decides
-    what an unreadable thread means for it.
-    """
-    named: dict[str, set[str]] = {marker: set() for marker in _THREAD_MARKERS}
-    for tag in tags:
-        if not tag or tag[0] != "e":  # a relay's event may hold an empty tag
-            continue
-        marker = tag[3] if len(tag) >= 4 else ""
-        if marker not in _E_MARKERS:
-            return Ancestry(unreadable="positional", detail=f"tag {list(tag)[:4]!r:.200}")
-        if marker in named:
-            named[marker].add(tag[1])
-    for marker in _THREAD_MARKERS:
-        values = named[marker]
-        if len(values) > 1:
-            return Ancestry(unreadable="several", detail=f"{len(values)} {marker} values")
-        if values:
-            return Ancestry(root=next(iter(values)))
-    return Ancestry()
-
-
-def in_thread(event_id: str, tags: Iterable[Sequence[str]], root_event_id: str) -> bool:
-    """The event is in the thread of `root_event_id`: it is that event, or the root its
-    signed tags declare (`declared_thread`) is it. An event whose thread is unreadable is
-    in no thread, and citing the root (a `mention`, or a reply elsewhere naming it) is
-    not being in its thread (NIP-BA: "All returned messages MUST satisfy the requested
-    channel/thread/mention filters").
-
-    A root that is itself a reply: the event is its own thread's only certain member.
-    Its replies written as Buzz writes them name the outer root (message.reply's step 4),
-    so they are in that thread, not this one; only an event declaring this one its root
-    is added (another client's claim, in its own signed tags).
-    """
-    return event_id == root_event_id or declared_thread(tags).root == root_event_id
 
 
 async def sign_all(ctx: Context, drafts: Sequence[tuple[str, int, Sequence[Tag], str, int]]

@@ -18,7 +18,7 @@ Decisions (each documented here because Buzz leaves them to the host):
   it also returns events that merely cite the root: a `mention`-marked `e` tag, a reply
   in another thread naming it, a positional (unmarked) tag. Each event the relay sends is
   kept only if it is the root or the root its signed tags declare is this one
-  (`_events.in_thread`, on the rule message.reply reads a parent's thread by); the rest
+  (`buzzwire.threads.in_thread`, on the rule message.reply reads a parent's thread by); the rest
   are dropped as `off_thread` (NIP-BA: "All returned messages MUST satisfy the requested
   channel/thread/mention filters. Ancestry and mentions come from signed tags"). A root
   that is itself a reply reads as that event alone (plus any event declaring it its
@@ -79,6 +79,7 @@ from dataclasses import dataclass, replace
 
 from buzzwire import kinds
 from buzzwire.nostr import verify_event
+from buzzwire.threads import in_channel, in_thread
 from buzzwire.contract import (
     ChannelReadArgs,
     ContractError,
@@ -91,7 +92,6 @@ from buzzwire.contract import (
 from daemon.relay.cursor import CursorScope, InvalidCursor, Position
 from daemon.fault_log import FaultLogs
 from daemon.operations._base import Context
-from daemon.operations._events import in_channel, in_thread
 from daemon.relay.paging import RELAY_MAX_LIMIT, Page, RelayMisbehaved, matches, read_page
 from daemon.relay.pool import RelayRefused, RelayUnavailable, decoded_size
 from daemon.relay.windows import Served, WindowCache, WindowKey

@@ -3,7 +3,7 @@
 Steps (buzz-on-the-relay.md, "Replies"; NIP-BA "Channel and messages"):
 1. Fetch the parent by id. Missing, unverifiable, or in another channel → `action_failed`.
 2. Read the root its tags name (`declared_root`, on the one rule
-   `daemon.operations._events.declared_thread` that channel.read's thread check uses
+   `buzzwire.threads.declared_thread` that channel.read's thread check uses
    too): its `e` tag marked `root`, else its `e` tag marked `reply` (Buzz's direct reply
    to a root carries only that one), else none: the parent is the root.
 3. A root other than the parent is fetched in the channel too, and must be a root itself.
@@ -29,8 +29,9 @@ from collections.abc import Mapping
 
 from buzzwire.contract import ErrorCode, MessageReplyArgs, PublishOutcome
 from buzzwire.nostr import SignedEvent, is_hex64
+from buzzwire.threads import declared_thread
 from daemon.operations._base import Context, OperationRefused, Plan
-from daemon.operations._events import declared_thread, fetch_in_channel, mention_tags, sign
+from daemon.operations._events import fetch_in_channel, mention_tags, sign
 from daemon.operations.message_post import KIND_STREAM_MESSAGE
 
 #: Why an event's ancestry is refused -> what the agent is told; `{what}` is our fixed
