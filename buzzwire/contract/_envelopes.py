@@ -52,7 +52,7 @@ from ._args import (
     TypingSetArgs,
 )
 from ._codes import MESSAGES, PAIRING, ContractError, ErrorCode, Status
-from ._echoes import REQUESTER, Echo, Identity
+from ._echoes import REQUESTER, Echo, Identity, Membership
 from ._ids import any_string, fault, is_request_id
 from ._json import JsonSyntaxError, escape_token, is_object, parse, repeated_keys
 from ._rules import Rule
@@ -195,11 +195,14 @@ def _spec(name: str, args: type[Args], outcome: type[Outcome], *, publishing: bo
 ACTIONS: Mapping[str, ActionSpec] = MappingProxyType({
     s.name: s for s in (
         _spec("channel.read", ChannelReadArgs, ReadOutcome, publishing=False, echoes=(
-            # The host reads with `#h`, `#e` and `#p` (buzz-on-the-relay.md channel.read), so
-            # every returned event carries what was asked for in its signed tags.
-            Echo(outcome="messages[].h", source="channelId", identity=Identity.CHANNEL),
+            # The host reads with `#h`, `#e` and `#p` (buzz-on-the-relay.md channel.read),
+            # then keeps only the events in the channel and the thread by the rules of
+            # buzzwire.threads: every returned event is in them by its signed tags, not
+            # merely tagged with them (a mention of the root is not in its thread).
+            Echo(outcome="messages[].h", source="channelId", identity=Identity.CHANNEL,
+                 membership=Membership.CHANNEL),
             Echo(outcome="messages[].e", source="rootEventId", identity=Identity.HEX,
-                 or_event_id=True),
+                 membership=Membership.THREAD),
             Echo(outcome="messages[].p", source=REQUESTER, identity=Identity.HEX,
                  when="mentionsOnly"),
         )),
