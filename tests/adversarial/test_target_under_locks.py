@@ -10,7 +10,9 @@ locks are taken again with it.
 
 Proven here: the update lands on the agent the name means once the locks are held (the
 outcome names it, its 30177 is the one published), and the second taking of the locks
-covers it; the agent the name meant before is untouched.
+covers it; the agent the name meant before is untouched. A target removed while the
+request waits is refused by that second authorization (unauthorized), and nothing is
+published for it.
 """
 
 from __future__ import annotations
@@ -70,3 +72,36 @@ async def test_a_target_renamed_before_the_locks_is_the_one_acted_on(
     records = await trio.to_thread.run_sync(
         nostr_fetch, broker.relay_url, [{"kinds": [30177], "authors": [owner]}])
     assert [tag[1] for r in records for tag in r["tags"] if tag[0] == "d"] == [second]
+
+
+@pytest.mark.broker_config(policy={"models": ["m-2"]})
+async def test_a_target_removed_before_the_locks_is_refused_not_updated(
+    broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    owner = await broker.human_owned_agent("owner")
+    kid = await _kid(broker, owner, "kid")
+    cred = broker.credential(owner, [CHANNEL])
+
+    real_hold_all = broker_module._AgentLocks.hold_all
+    taken: list[frozenset[str]] = []
+
+    @asynccontextmanager
+    async def hold_all(self: broker_module._AgentLocks, agents: Iterable[str]
+                       ) -> AsyncIterator[None]:
+        agents = frozenset(agents)
+        taken.append(agents)
+        if len(taken) == 1:
+            # While the request waits for its locks, its target is removed from custody.
+            await broker.app.custody.destroy_agent(kid)
+        async with real_hold_all(self, agents):
+            yield
+
+    monkeypatch.setattr(broker_module._AgentLocks, "hold_all", hold_all)
+    answer = await broker.call(cred, "agents.update", {"target": {"pubkey": kid}, "model": "m-2"})
+    assert answer["status"] == "failed", answer
+    assert answer["error"]["code"] == "unauthorized", answer
+    assert taken == [{owner, kid}]  # refused under the first locks, not taken again
+
+    records = await trio.to_thread.run_sync(
+        nostr_fetch, broker.relay_url, [{"kinds": [30177], "authors": [owner]}])
+    assert records == []
