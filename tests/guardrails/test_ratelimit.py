@@ -332,6 +332,34 @@ def test_disabled_and_clock_steps(tmp_path: Path, principals: tuple[Principal, P
     limiter.close()
 
 
+def test_an_idle_bucket_banks_one_burst_and_no_more(
+    tmp_path: Path, principals: tuple[Principal, Principal]
+) -> None:
+    a, _ = principals
+    limiter = RateLimiter.open(tmp_path, rate_config_from_table({"publish": "30/min"}))
+    assert limiter.take(a, "message.post", NOON) is None
+    # An hour idle refills the bucket to its count, 30, not to an hour's worth of units.
+    later = [limiter.take(a, "message.post", NOON + 3600) for _ in range(31)]
+    assert later[:30] == [None] * 30
+    assert refused(later[30])[:3] == ("rate limit", "publish", "30/min")
+    limiter.close()
+
+
+def test_a_clock_stepped_back_refills_nothing_twice(
+    tmp_path: Path, principals: tuple[Principal, Principal]
+) -> None:
+    a, _ = principals
+    limiter = RateLimiter.open(tmp_path, rate_config_from_table({"publish": "2/min"}))
+    assert limiter.take(a, "message.post", NOON) is None  # one unit left
+    # The clock steps back a minute: no refill, and the last unit is taken.
+    assert limiter.take(a, "message.post", NOON - 60) is None
+    # Back at NOON no time has passed since the bucket was last there: still empty. The
+    # bucket's time stayed at NOON; had it moved back, the minute would refill it twice.
+    assert refused(limiter.take(a, "message.post", NOON))[1:3] == ("publish", "2/min")
+    assert limiter.take(a, "message.post", NOON + 31) is None  # one unit per 30 s, from NOON
+    limiter.close()
+
+
 def test_the_limits_table_names_each_classs_actions() -> None:
     """docs/configuration.md's [limits] rows name the actions each class counts, as
     ratelimit.CLASSES (from the contract's table) has them: the rows had drifted to two
