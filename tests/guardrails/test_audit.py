@@ -195,6 +195,31 @@ def test_last_record_edit_and_tail_truncation(log_dir: Path) -> None:
     assert not cut.ok and cut.records == 999
 
 
+#: The last line rewritten so that it parses to the same object (its digest still
+#: matches) but reads otherwise: only the canonical-form check stands in the way.
+RESERIALISED = {
+    # json keeps the last of two members: a reader of the bytes sees another action.
+    "duplicate_member": lambda line: line.replace(
+        b'{"action":', b'{"action":"agents.delete","action":', 1),
+    "spaces": lambda line: line.replace(b'","', b'", "'),
+    "escaped": lambda line: line.replace(b'"action"', b'"\\u0061ction"', 1),
+}
+
+
+@pytest.mark.parametrize("how", RESERIALISED)
+def test_a_last_line_in_another_form_of_the_same_object_is_caught(log_dir: Path,
+                                                                  how: str) -> None:
+    last = audit_files(log_dir)[-1][1]
+    lines = last.read_bytes().splitlines(keepends=True)
+    changed = RESERIALISED[how](lines[-1][:-1])
+    assert changed != lines[-1][:-1]
+    assert json.loads(changed) == json.loads(lines[-1])  # the same object, the same digest
+    last.write_bytes(b"".join(lines[:-1]) + changed + b"\n")
+    result = verify(log_dir)
+    assert not result.ok
+    assert (result.file, result.line, result.records) == (str(last), len(lines), 999)
+
+
 def test_missing_files_are_named(log_dir: Path) -> None:
     files = audit_files(log_dir)
     files[1][1].unlink()
@@ -210,6 +235,26 @@ def test_single_file_verifies_on_its_own(log_dir: Path) -> None:
     assert one.ok and one.records == files[1][1].read_bytes().count(b"\n")
     edit_file(files[1][1], lambda lines: lines[:3] + lines[4:])
     assert verify(files[1][1]).line == 4
+
+
+@pytest.mark.parametrize("archived", [False, True])
+def test_a_partial_line_in_a_file_before_the_last_is_a_fault(log_dir: Path,
+                                                             archived: bool) -> None:
+    files = audit_files(log_dir)
+    if archived:
+        archive = log_dir.parent / "archive"
+        archive.mkdir()
+        files[0][1].rename(archive / files[0][1].name)
+        files = files[1:]
+    assert len(files) >= 2
+    middle = files[0][1]
+    count = middle.read_bytes().count(b"\n")
+    with open(middle, "ab") as handle:
+        handle.write(b'{"action":"message.post","agent":"ab')  # bytes without a newline
+    # Only the last file may end torn (a crash mid-write); anywhere else it breaks the chain.
+    result = verify(log_dir, archived=archived)
+    assert not result.ok and not result.torn_tail
+    assert (result.file, result.line) == (str(middle), count + 1)
 
 
 async def test_restart_continues_the_chain_and_drops_a_torn_tail(
@@ -566,3 +611,26 @@ def test_an_archived_head_of_the_series_verifies_only_when_said(log_dir: Path) -
     # What the anchor still catches: the newest file gone.
     files[-1][1].unlink()
     assert not verify(log_dir, archived=True, anchor=(1000, whole.head)).ok
+
+
+def test_a_head_before_the_first_record_checked_is_not_vouched_for(log_dir: Path) -> None:
+    files = audit_files(log_dir)
+    first_line = files[0][1].read_bytes().splitlines()[0]
+    record_1 = (1, hashlib.sha256(first_line).hexdigest())
+    assert verify(log_dir, contains=record_1).ok
+    archive = log_dir.parent / "archive"
+    archive.mkdir()
+    files[0][1].rename(archive / files[0][1].name)
+    lone = files[-1][1]
+    # Record 1 is archived away (or not in a lone later file): nothing here can vouch for it.
+    for path, archived in ((log_dir, True), (lone, False)):
+        for given in ({"contains": record_1}, {"anchor": record_1}):
+            result = verify(path, archived=archived, **given)
+            assert not result.ok and result.file is None, (path, given)
+    # The record just before the first one present: its hash is that record's prev, and
+    # another hash is refused, not taken on trust.
+    kept = json.loads(files[1][1].read_bytes().splitlines()[0])
+    before = kept["seq"] - 1
+    assert verify(log_dir, archived=True, contains=(before, kept["prev"])).ok
+    refused = verify(log_dir, archived=True, contains=(before, "cd" * 32))
+    assert not refused.ok and refused.file is None
