@@ -3,8 +3,9 @@
 Each test states one promise a window must keep so that a cached poll is never less true
 than a cold read: another client's post appears, a deletion or a removal takes events or
 the window away, the relay's CLOSED drops it, one agent's window never answers another's
-read, a revoked credential is refused with a warm window, and the windows stay within
-`read_window_bytes`. No timing is asserted: a test that waits for the relay's live event
+read, a revoked credential is refused with a warm window, the windows stay within
+`read_window_bytes`, and a relay flooding a window being opened costs at most `depth`
+judgements and a page's bytes before the window ends. No timing is asserted: a test that waits for the relay's live event
 polls until it is seen, with a generous deadline only as the failure bound.
 """
 
@@ -840,3 +841,91 @@ async def test_a_relay_that_refuses_every_window_costs_the_log_one_line(
     lines = [r for r in caplog.records
              if getattr(r, "buzz_event", None) == "read.window_dropped"]
     assert len(lines) == 1 and cache.dropped.total == 50
+
+
+# --- what a relay can make a window being opened cost (before its page is in) --------
+
+
+def _filling_window(cache: WindowCache, *, depth: int, max_page_bytes: int,
+                    size_of: Callable[[Any], int], judged: list[str]) -> Any:
+    """A Window of `cache` not filled yet, whose judge accepts every event and records
+    each item it was asked to judge (each a signature check in channel_read's judge)."""
+    from daemon.relay.windows import Window
+
+    from buzzwire.contract import Event
+
+    def accept(item: Any) -> Event | None:
+        judged.append(str(item["id"]))
+        return Event.from_json_obj(item)
+
+    return Window(cache, WindowKey(TestKey().pubkey, new_channel(), False), accept, depth,
+                  max_page_bytes, size_of, depth)
+
+
+def test_a_filling_window_judges_at_most_depth_items() -> None:
+    """A window of depth 3 fed a fourth item before its page is in ends ("too many
+    events while filling"): that item is not judged, and the page is not kept."""
+    from daemon.relay.paging import Page
+
+    events = _events(4)
+    judged: list[str] = []
+    cache = WindowCache(None, depth=3, keep=3)  # type: ignore[arg-type]
+    window = _filling_window(cache, depth=3, max_page_bytes=1 << 20, size_of=lambda e: 1,
+                             judged=judged)
+    for event in events[:3]:
+        window.event(event.to_json_obj(), live=False)
+    assert window.valid and len(judged) == 3
+    window.event(events[3].to_json_obj(), live=False)
+    assert not window.valid and cache.dropped.total == 1
+    assert judged == [e.id for e in events[:3]], "the item past depth was not judged"
+    window.event(TestKey().sign(9, "later", [["h", window.key.channel_id]], NOW), live=True)
+    assert len(judged) == 3, "an ended window judges nothing more"
+    assert not window.fill(Page(items=tuple(events[:3]), next_position=None, rounds=1))
+
+
+def test_a_filling_window_holds_at_most_max_page_bytes() -> None:
+    """Items that arrive before the page, within `depth` but together past
+    `max_page_bytes`, end the window: what it holds meanwhile stays within a page."""
+    from daemon.relay.paging import Page
+
+    events = _events(3)
+    judged: list[str] = []
+    cache = WindowCache(None, depth=10, keep=10)  # type: ignore[arg-type]
+    window = _filling_window(cache, depth=10, max_page_bytes=100, size_of=lambda e: 50,
+                             judged=judged)
+    window.event(events[0].to_json_obj(), live=False)
+    window.event(events[1].to_json_obj(), live=False)
+    assert window.valid, "100 bytes pending: at the bound, not past it"
+    window.event(events[2].to_json_obj(), live=False)
+    assert not window.valid and cache.dropped.total == 1
+    assert not window.fill(Page(items=tuple(events), next_position=None, rounds=1))
+
+
+async def test_a_relay_ignoring_the_live_limit_is_answered_cold_and_no_window_is_kept(
+        scripted_relay: Callable[[Script], Awaitable[ScriptedRelay]], tmp_path: Path,
+        nursery: trio.Nursery, caplog: pytest.LogCaptureFixture) -> None:
+    """The scripted relay answers the window's live REQ (`limit` 1) with every event it
+    holds, before EOSE: past `depth` (3) of them the window ends while filling, the read
+    is answered from the relay as a cold read, and nothing is kept."""
+    relay = await scripted_relay(Script(challenge_at_connect=True, require_auth=True))
+    reader, author = TestKey(), TestKey()
+    channel = new_channel()
+    queries: Counter[str] = Counter()
+    pool = _pool(relay.url, reader, author, queries=queries)
+    pool.windows = WindowCache(pool, depth=3, keep=3)
+    await nursery.start(pool.run)
+    posted = [author.sign(9, f"m{n}", [["h", channel]], NOW - 50 + n) for n in range(4)]
+    for ev in posted:
+        assert isinstance(await pool.publish(author.pubkey, signed(ev)), Accepted)
+    ctx = context(pool, principal_for(tmp_path, reader.pubkey, [channel]),
+                  CursorCodec.open(str(tmp_path)))
+    caplog.set_level(logging.INFO, logger="buzz_broker.read")
+    verdict = await channel_read.execute(ctx, ChannelReadArgs(channel_id=channel, limit=3))
+    assert _ids(verdict) == [ev["id"] for ev in reversed(posted)][:3]
+    assert len(pool.windows) == 0
+    dropped = [getattr(r, "buzz_fields")["reason"] for r in caplog.records
+               if getattr(r, "buzz_event", None) == "read.window_dropped"]
+    assert dropped == ["too many events while filling"]
+    # The live subscription was closed with the window: nothing holds the connection.
+    conn = pool._connections[reader.pubkey]
+    assert conn.live == 0
