@@ -4,7 +4,9 @@ tests/relay/ proves the relay client maps each fault; here the same faults go th
 whole daemon - HTTP on the Unix socket, sessions, ledger, operations, relay pool - and we
 check the verdict envelope the agent receives:
 
-    OK false                  -> failed + action_failed, quoting the relay's reason (final)
+    OK false                  -> failed + action_failed, quoting the relay's reason (final);
+                                 a hostile reason is quoted to the agent and the operator
+                                 log bounded and printable
     no OK / dropped after EVENT -> indeterminate + outcome_unknown; the identical retry, once
                                  the relay behaves, -> succeeded with the SAME eventId, and
                                  the relay holds the event once
@@ -26,6 +28,7 @@ Every relay timeout is 1 s; each request must be answered within its timeout plu
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import time
 import uuid
@@ -39,6 +42,7 @@ import pytest
 import trio
 
 from custody import TokenConfig
+from daemon.pipeline.publisher import MAX_REASON_CHARS
 from daemon.state.directory import AgentDirectory
 from daemon.wiring import running
 from daemon.config import load_config
@@ -151,6 +155,22 @@ async def test_ok_false_is_failed_action_failed_with_the_reason(
     replay, _, _ = await r.call(action, {}, body=body)
     assert replay == {**answer, "replayed": True}
     assert len([m for m in r.relay.received if m[0] == "EVENT"]) == sent == 1
+
+
+async def test_a_hostile_reason_is_quoted_bounded_and_printable(
+        rig: Any, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="buzz_broker")
+    # Terminal escapes, a bidi override, NUL and a line break around a reason far past
+    # what is quoted: each unprintable character becomes a space, then the quote is cut.
+    hostile = "blocked: \x1b[2J\u202e\x00" + "x" * 5000 + "\r\n"
+    r: Rig = await rig(Script(default_event=EventReply.REJECT, reject_reason=hostile))
+    answer, _, _ = await r.call("message.post", _post_args())
+    assert _code(answer) == ("failed", "action_failed")
+    quoted = "blocked:  [2J  " + "x" * (MAX_REASON_CHARS - 15)
+    assert answer["error"]["message"] == f"the relay did not accept the event: {quoted}"
+    logged = [getattr(rec, "buzz_fields")["reason"] for rec in caplog.records
+              if getattr(rec, "buzz_event", None) == "relay.not_accepted"]
+    assert logged == [quoted]
 
 
 @pytest.mark.parametrize("action,args", _ACCEPTANCE_ROWS, ids=[a for a, _ in _ACCEPTANCE_ROWS])
