@@ -102,6 +102,20 @@ async def test_reads_expire_first_and_an_expired_read_runs_again(tmp_path: Path)
         ledger.close()
 
 
+async def test_a_keep_longer_than_retention_expires_at_retention(tmp_path: Path) -> None:
+    clock = Clock()
+    ledger = Ledger.open(tmp_path / "ledger.db", retention_seconds=3600, clock=clock)
+    try:
+        await _record(ledger, "long", b'{"page":1}', keep=7200)
+        clock.t += 3600 + 1
+        assert await ledger.sweep(int(clock.t)) == 1  # retention bounds every record
+        again = await ledger.begin(LedgerKey(AGENT, "long"), digest(b"long"))
+        assert isinstance(again, Fresh)
+        ledger.release(again.ticket)
+    finally:
+        ledger.close()
+
+
 async def test_the_cap_refuses_new_records_only(tmp_path: Path) -> None:
     clock = Clock()
     cap = 10 * ROW_BYTES
@@ -138,6 +152,24 @@ async def test_the_cap_refuses_new_records_only(tmp_path: Path) -> None:
         assert reopened.usage(AGENT) == ROW_BYTES + 1
     finally:
         reopened.close()
+
+
+async def test_usage_exactly_at_the_cap_is_full(tmp_path: Path) -> None:
+    # Each record of a one-byte response costs ROW_BYTES + 1: three of them fill the cap to
+    # the byte, and a share that is used up is full, not one byte short of it.
+    cap = 3 * (ROW_BYTES + 1)
+    ledger = Ledger.open(tmp_path / "ledger.db", retention_seconds=3600,
+                         max_bytes_per_principal=cap, clock=Clock())
+    try:
+        for i in range(2):
+            await _record(ledger, f"r{i}", b"x")
+        assert ledger.usage(AGENT) == cap - (ROW_BYTES + 1)
+        await _record(ledger, "r2", b"x")  # one record short of the cap: still taken
+        assert ledger.usage(AGENT) == cap
+        full = await ledger.begin(LedgerKey(AGENT, "one-more"), digest(b"one-more"))
+        assert isinstance(full, Full)
+    finally:
+        ledger.close()
 
 
 OLD_SUCCESS = encode_response("old-final", Verdict.succeeded(
