@@ -7,9 +7,11 @@ Invariants:
   answers a REQ with more fails that query (RelayUnavailable, so the read is `failed` +
   `action_failed`) instead of being buffered, and the pool keeps serving the next query on
   the same connection. (Before: only the count was bounded, 5,000 events of up to 1 MiB.)
+  The count still holds on its own: at most `daemon.relay.pool.MAX_EVENTS_PER_QUERY`
+  events, however small (what bounds the signature checks of one read).
 - One frame holds at most `daemon.relay.pool.MAX_FRAME_CHARS` characters (past it the
-  connection is closed with 1009), so at most `MAX_FRAME_BYTES` bytes on the wire and in
-  memory: a character is up to four.
+  connection is closed with 1009), to the character, so at most `MAX_FRAME_BYTES` bytes
+  on the wire and in memory: a character is up to four.
 - One read page holds at most `max_bytes` of events: past it the page ends early with a
   cursor, and following the cursors still yields every event exactly once, in the declared
   order (the exactness the paging driver promises holds under the byte cut too).
@@ -116,6 +118,31 @@ async def test_query_past_its_byte_bound_fails_and_the_pool_serves_on() -> None:
         nursery.cancel_scope.cancel()
 
 
+async def test_query_past_its_event_count_fails_and_the_pool_serves_on() -> None:
+    """The count bound on its own (issue 22: channel_read's signature checks per read are
+    bounded by it): MAX_EVENTS_PER_QUERY + 1 tiny events, far under MAX_QUERY_BYTES
+    together, fail the query; MAX_EVENTS_PER_QUERY of them are read in full."""
+    from daemon.relay.pool import MAX_EVENTS_PER_QUERY, decoded_size
+
+    relay = FloodRelay()
+    port = free_port()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(relay.serve, port)
+        pool = RelayPool(f"ws://127.0.0.1:{port}", _no_auth,
+                         timeouts=RelayTimeouts(connect=5, ok=5, eose=30))
+        await nursery.start(pool.run)
+        relay.count, relay.content = MAX_EVENTS_PER_QUERY + 1, 1
+        one = decoded_size(json.loads(relay.frames("q")[0])[2])
+        assert relay.count * one < MAX_QUERY_BYTES, "only the count can stop this reply"
+        with pytest.raises(RelayUnavailable, match="events"):
+            await pool.query(AGENT, [{"kinds": [9]}])
+        assert pool.result_bytes_held == 0, "a failed query gives its bytes back"
+        relay.count = MAX_EVENTS_PER_QUERY
+        events = await pool.query(AGENT, [{"kinds": [9]}])
+        assert len(events) == MAX_EVENTS_PER_QUERY
+        nursery.cancel_scope.cancel()
+
+
 #: U+1F41D (a bee): four bytes of UTF-8 (RFC 3629 §3) and one character to trio-websocket.
 WIDE_CHAR = "\U0001F41D"
 
@@ -168,6 +195,50 @@ async def test_a_frame_past_its_byte_bound_in_four_byte_characters_closes_the_co
         events = await pool.query(AGENT, [{"kinds": [9]}])
         assert len(events) == 1 and len(relay.frame) == MAX_FRAME_CHARS
         assert 3 * MAX_FRAME_CHARS < len(relay.frame.encode()) <= MAX_FRAME_BYTES
+        nursery.cancel_scope.cancel()
+
+
+class AsciiFrameRelay(_ReqRelay):
+    """Answers every REQ with one event whose frame is exactly `chars` ASCII characters
+    (so as many bytes): a frame aimed at MAX_FRAME_CHARS to the character."""
+
+    def __init__(self) -> None:
+        self.chars = 0
+        self.frame = ""
+        self.close_codes = []
+
+    def frames(self, sub: str) -> list[str]:
+        def text(content: str) -> str:
+            event = {"id": "e" * 64, "pubkey": "b" * 64, "created_at": 1_700_000_000,
+                     "kind": 9, "tags": [["h", CHANNEL]], "content": content, "sig": "c" * 128}
+            return json.dumps(["EVENT", sub, event], separators=(",", ":"))
+
+        self.frame = text("x" * (self.chars - len(text(""))))
+        return [self.frame]
+
+
+async def test_an_ascii_frame_one_character_past_the_bound_closes_the_connection() -> None:
+    """MAX_FRAME_CHARS exactly: a frame of MAX_FRAME_CHARS + 1 ASCII characters is
+    refused (the connection closed with 1009 Message Too Big, the query failed), and one
+    of MAX_FRAME_CHARS is read."""
+    relay = AsciiFrameRelay()
+    port = free_port()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(relay.serve, port)
+        pool = RelayPool(f"ws://127.0.0.1:{port}", _no_auth,
+                         timeouts=RelayTimeouts(connect=5, ok=5, eose=10))
+        await nursery.start(pool.run)
+        relay.chars = MAX_FRAME_CHARS + 1
+        with pytest.raises(RelayUnavailable):
+            await pool.query(AGENT, [{"kinds": [9]}])
+        assert len(relay.frame) == len(relay.frame.encode()) == MAX_FRAME_CHARS + 1
+        with trio.fail_after(10):
+            while not relay.close_codes:
+                await trio.sleep(0.01)
+        assert relay.close_codes == [1009]
+        relay.chars = MAX_FRAME_CHARS
+        events = await pool.query(AGENT, [{"kinds": [9]}])
+        assert len(events) == 1 and len(relay.frame) == MAX_FRAME_CHARS
         nursery.cancel_scope.cancel()
 
 
