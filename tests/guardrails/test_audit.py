@@ -624,9 +624,9 @@ def test_a_head_before_the_first_record_checked_is_not_vouched_for(log_dir: Path
     lone = files[-1][1]
     # Record 1 is archived away (or not in a lone later file): nothing here can vouch for it.
     for path, archived in ((log_dir, True), (lone, False)):
-        for given in ({"contains": record_1}, {"anchor": record_1}):
-            result = verify(path, archived=archived, **given)
-            assert not result.ok and result.file is None, (path, given)
+        for result in (verify(path, archived=archived, contains=record_1),
+                       verify(path, archived=archived, anchor=record_1)):
+            assert not result.ok and result.file is None, (path, result)
     # The record just before the first one present: its hash is that record's prev, and
     # another hash is refused, not taken on trust.
     kept = json.loads(files[1][1].read_bytes().splitlines()[0])
