@@ -54,6 +54,13 @@ def test_one_to_256_frames(count: int) -> None:
     assert len(args.frames) == count
 
 
+def test_the_frame_bound_is_nip_bas_256() -> None:
+    # NIP-BA's number written out: the tests above take it from MAX_FRAMES, so they would
+    # follow a changed constant; this one holds the contract to the spec's "1-256 frames".
+    assert len(read("observer.emit", frames(*[("k", "p")] * 256)).request.args.frames) == 256
+    assert fault("observer.emit", frames(*[("k", "p")] * 257)) == "/args/frames"
+
+
 @pytest.mark.parametrize(("args", "pointer"), [
     ({"frames": []}, "/args/frames"),                                  # NIP-BA: never empty
     (frames(*[("k", "p")] * (MAX_FRAMES + 1)), "/args/frames"),
