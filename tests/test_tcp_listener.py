@@ -48,6 +48,7 @@ from daemon.loopback_tcp import (HELD_BY_SYSTEMD, MEMBERSHIP_STALE, MEMBERSHIP_T
 from daemon.metrics import SCRAPE_LIMITS, Metrics, scrape_routes
 from daemon.state.audit import AUDIT_DIRNAME, audit_files
 from daemon.state.sessions import SessionStore
+from daemon import tcp_peer
 from daemon.tcp_peer import peer_uid
 from tests.adversarial._daemon import DaemonProcess, post, request_body, setup_state
 from tests.fixtures.broker import write_config
@@ -867,6 +868,63 @@ def test_peer_uid_of_a_client_that_already_closed_is_unknown(
     conn, _ = loopback_listener.accept()
     with conn:
         assert peer_uid(conn) is None
+
+
+def _sock_diag(conn: socket.socket) -> tuple[bytes, bytes]:
+    """The kernel's own answer to the lookup `peer_uid` makes for `conn`, and the sockid it
+    asks for: what `tcp_peer._uid_from` reads, from the real socket table."""
+    request = tcp_peer._request(conn.family, conn.getsockname()[:2], conn.getpeername()[:2])
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM,
+                       tcp_peer.NETLINK_SOCK_DIAG) as netlink:
+        netlink.settimeout(tcp_peer.LOOKUP_TIMEOUT)
+        netlink.sendto(request, (0, 0))
+        answer = netlink.recv(8192)
+    return answer, request[tcp_peer._NLMSGHDR.size + tcp_peer._REQ_HEAD.size:]
+
+
+def test_an_answer_for_another_socket_names_no_uid(loopback_listener: socket.socket) -> None:
+    """The kernel's answer is read only for the 4-tuple asked about: the answer for one
+    connection, checked against another's socket id, names nobody."""
+    address = loopback_listener.getsockname()[:2]
+    with socket.create_connection(address) as _a, socket.create_connection(address) as _b:
+        conn_a, _ = loopback_listener.accept()
+        conn_b, _ = loopback_listener.accept()
+        with conn_a, conn_b:
+            answer_a, sockid_a = _sock_diag(conn_a)
+            _, sockid_b = _sock_diag(conn_b)
+            assert sockid_a != sockid_b
+            assert tcp_peer._uid_from(answer_a, sockid_a, conn_a.family) == os.getuid()
+            assert tcp_peer._uid_from(answer_a, sockid_b, conn_a.family) is None
+
+
+def _own_address() -> str | None:
+    """This machine's address on its default route (not loopback), or None. A UDP connect
+    sends nothing; it only picks the source address."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1 (RFC 5737)
+        except OSError:
+            return None
+        host: str = probe.getsockname()[0]
+    return None if host.startswith("127.") or host == "0.0.0.0" else host
+
+
+def test_peer_uid_of_a_peer_off_loopback_is_unknown() -> None:
+    """Only a loopback peer is looked up. A client of this very machine that reaches us by
+    another address has a socket the kernel would name (the control), and still has no
+    uid: the listener refuses it."""
+    host = _own_address()
+    if host is None:
+        pytest.skip("no address but loopback on this machine")
+    with socket.socket(socket.AF_INET) as listener:
+        listener.bind((host, 0))
+        listener.listen()
+        with socket.create_connection(listener.getsockname()[:2]):
+            conn, _ = listener.accept()
+            with conn:
+                answer, sockid = _sock_diag(conn)
+                assert tcp_peer._uid_from(answer, sockid, conn.family) == os.getuid()
+                assert peer_uid(conn) is None
 
 
 async def test_status_says_which_rule_holds_the_port(tcp_host: Host) -> None:
