@@ -168,6 +168,77 @@ async def test_auth_refused_after_event_refusal_is_rejected(
     assert isinstance(result, Rejected) and result.reason.startswith("auth-required:")
 
 
+#: Fresh connections (agents) in the test below: whichever order the scheduler wakes
+#: the requests waiting at the gate and the one whose AUTH was refused, each round.
+REFUSED_ROUNDS = 12
+
+
+async def test_nothing_waiting_behind_a_refused_auth_is_sent(
+    scripted_relay: Start, nursery: trio.Nursery
+) -> None:
+    # The relay challenges at connect, needs AUTH for everything and refuses our AUTH. A
+    # burst of publishes and queries waits at the gates (the AUTH held until all of them
+    # are there); the AUTH is refused. The refusal opens no gate: the requests behind it
+    # find the challenge spent and fail without sending (NotSent, RelayRefused), and the
+    # relay receives nothing on that connection after the AUTH. (The probes may have left
+    # before the challenge arrived: one EVENT and one REQ, refused auth-required.)
+    relay = await scripted_relay(Script(challenge_at_connect=True, require_auth=True,
+                                        accept_auth=False))
+    keys = [TestKey() for _ in range(REFUSED_ROUNDS)]
+    signers = {key.pubkey: HeldSigner(key) for key in keys}
+
+    async def sign(agent: str, url: str, challenge: str, created_at: int) -> Any:
+        return await signers[agent](agent, url, challenge, created_at)
+
+    pool = RelayPool(relay.url, sign, timeouts=RelayTimeouts(connect=2, ok=2, eose=2))
+    await nursery.start(pool.run)
+    for key in keys:
+        published: list[object] = []
+        queried: list[object] = []
+
+        async def publish(text: str) -> None:
+            published.append(await pool.publish(key.pubkey, signed(key.sign(1, text))))
+
+        async def query() -> None:
+            try:
+                queried.append(await pool.query(key.pubkey, [{"kinds": [1]}]))
+            except (RelayRefused, RelayUnavailable) as exc:
+                queried.append(exc)
+
+        async with trio.open_nursery() as burst:
+            for i in range(5):
+                burst.start_soon(publish, f"m{i}")
+                burst.start_soon(query)
+            await trio.testing.wait_all_tasks_blocked()
+            signers[key.pubkey].release.set()
+        log = relay.connections[-1]
+        verbs = [m[0] for m in log.received]
+        assert verbs.count("AUTH") == 1 and log.authed == set()
+        after = verbs[verbs.index("AUTH") + 1:]
+        assert after == [], "sent after the refused AUTH as if authenticated"
+        assert sum(isinstance(r, NotSent) for r in published) >= 4, published
+        assert all(isinstance(r, (NotSent, Rejected)) for r in published), published
+        assert all(isinstance(r, RelayRefused) for r in queried), queried
+    assert len(relay.connections) == REFUSED_ROUNDS
+
+
+async def test_a_refused_auth_opens_neither_gate() -> None:
+    # The rule the test above shows through the scheduler, whichever task it wakes first:
+    # the relay's OK false to our AUTH leaves both gates shut; its OK true opens both.
+    from daemon.relay.pool import _Connection, _ResultBudget
+    from daemon.relay.protocol import Ok
+
+    pool = RelayPool("ws://127.0.0.1:1", auth_signer_for(TestKey()))
+    conn = _Connection("a" * 64, _ResultBudget(1 << 30), pool._notices)
+    conn.alive = True
+    conn.auth_pending = "ab" * 32
+    conn.dispatch(Ok(event_id="ab" * 32, accepted=False, message="restricted: not you"))
+    assert not conn.write_gate.is_open and not conn.read_gate.is_open
+    conn.auth_pending = "cd" * 32
+    conn.dispatch(Ok(event_id="cd" * 32, accepted=True, message=""))
+    assert conn.write_gate.is_open and conn.read_gate.is_open
+
+
 async def test_wrong_relay_tag_is_refused_by_a_strict_relay(
     scripted_relay: Start, nursery: trio.Nursery
 ) -> None:
