@@ -79,7 +79,8 @@ CHECKPOINTS: Final = ("before_pending", "after_pending", "before_verdict", "afte
 #: The refusal of an agents.create whose mint reference exists without its ledger record.
 MINT_REF_TAKEN: Final = ("this requestId already made an agent here and its record is gone; "
                          "use a new requestId")
-#: Longest relay reason quoted back to an agent; the rest goes to the operator log only.
+#: Longest relay reason quoted back to an agent, and to the operator log (the same cut:
+#: past it a hostile relay would choose how much of either it fills).
 MAX_REASON_CHARS: Final = 200
 
 #: A publishing operation's `prepare`: (Context, its own argument type) -> plan or verdict.
