@@ -7,8 +7,10 @@
   every length up to it with nostr-sdk.
 - On tests/scripted_relay.py (an archival relay that also serves what a replacing relay
   would have dropped, and a hostile one): head selection among rival and malformed heads,
-  the tombstone, the clock-poisoned head, and a relay that cannot be read (`failed`,
-  never `{}`).
+  the tombstone, the clock-poisoned head, versions by another key at the agent's address
+  (never the head, never what a put is dated after), a relay replaying more versions than
+  MAX_CANDIDATES (that many decrypted, no more), and a relay that cannot be read
+  (`failed`, never `{}`).
 """
 
 from __future__ import annotations
@@ -264,6 +266,68 @@ async def test_an_unreadable_relay_is_failed_never_empty(rig: Rig) -> None:
                          ("storage.put", {"slug": "mem/x", "value": "v"})):
         answer = await rig.harness.call(cred, action, args)
         assert (answer["status"], answer["error"]["code"]) == ("failed", "action_failed"), action
+
+
+async def test_a_relay_replaying_every_version_costs_at_most_max_candidates_decrypts(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relay that ignores the query's `limit` and serves every version of the record
+    (one more than MAX_CANDIDATES, each valid) gets one custody decrypt per candidate kept,
+    the newest MAX_CANDIDATES, not one per version it sent; the head is still the newest."""
+    from daemon.operations._memory import MAX_CANDIDATES
+
+    _agent_pk, cred, d = await _memo_in(rig)
+    t = 1_700_000_000
+    for n in range(MAX_CANDIDATES + 1):
+        rig.serve(_version(t + n, json.dumps({"slug": "mem/x", "value": f"v{n}"}), d=d))
+    custody = type(rig.harness.custody)
+    decrypted: list[int] = []
+    real_decrypt = custody.decrypt_from_owner_pair
+
+    async def counting(self: Any, agent: str, payloads: Any) -> Any:
+        decrypted.append(len(payloads))
+        return await real_decrypt(self, agent, payloads)
+
+    monkeypatch.setattr(custody, "decrypt_from_owner_pair", counting)
+    got = _succeeded(await rig.harness.call(cred, "storage.get", {"slug": "mem/x"}), "storage.get")
+    assert got == {"value": f"v{MAX_CANDIDATES}"}
+    assert decrypted == [MAX_CANDIDATES]
+
+
+def _signed_by(secret: str, created_at: int, body: str, *, d: str) -> dict[str, Any]:
+    """A version at the agent's address by another key: `secret`'s, NIP-44 to the agent."""
+    content = str(nostr_sdk.nip44_encrypt(nostr_sdk.SecretKey.parse(secret),
+                                          nostr_sdk.PublicKey.parse(AGENT_KEY.pubkey), body,
+                                          nostr_sdk.Nip44Version.V2))
+    return TestKey(bytes.fromhex(secret)).sign(KIND, content, [["d", d], ["p", PUB_2]],
+                                               created_at)
+
+
+async def test_another_authors_future_version_at_the_address_does_not_block_a_put(
+        rig: Rig) -> None:
+    """A relay that serves, at the agent's address, an event by another key dated a day
+    ahead: a relay files it under that author, not the agent, so it is no version of the
+    record. The put is neither refused as clock-poisoned nor dated after it."""
+    _agent_pk, cred, d = await _memo_in(rig)
+    ahead = int(time.time()) + 86_400
+    rig.serve(TestKey().sign(KIND, "x", [["d", d], ["p", PUB_2]], ahead))
+    put = _succeeded(await rig.harness.call(cred, "storage.put", {"slug": "mem/x", "value": "new"}),
+                     "storage.put")
+    assert put["createdAt"] < ahead
+
+
+async def test_a_version_the_owner_signs_at_the_address_is_never_the_head(rig: Rig) -> None:
+    """The owner holds the pair's key too, so a body it writes decrypts and is valid in
+    every rule but the author's (NIP-AE rule 1: pubkey the agent). Newer than the agent's
+    own version, it is still not the head, and a put is not dated after it."""
+    _agent_pk, cred, d = await _memo_in(rig)
+    rig.serve(_version(1_700_000_000, '{"slug":"mem/x","value":"mine"}', d=d))
+    ahead = int(time.time()) + 300  # within the clock-poison bound
+    rig.serve(_signed_by(SECRET_2, ahead, '{"slug":"mem/x","value":"the owner\'s"}', d=d))
+    got = _succeeded(await rig.harness.call(cred, "storage.get", {"slug": "mem/x"}), "storage.get")
+    assert got == {"value": "mine"}
+    put = _succeeded(await rig.harness.call(cred, "storage.put", {"slug": "mem/x", "value": "new"}),
+                     "storage.put")
+    assert put["createdAt"] < ahead
 
 
 async def test_the_protocol_examples_run_as_written(broker: BrokerHarness) -> None:
