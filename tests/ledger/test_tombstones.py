@@ -174,3 +174,26 @@ async def test_a_tombstone_costs_tens_of_bytes(tmp_path: Path) -> None:
     ledger.close()
     print(f"\ndisk per tombstone: {per_tombstone:.1f} bytes ({n} tombstones)")
     assert per_tombstone <= TOMBSTONE_BYTES
+
+
+async def test_a_credentials_refusal_share_is_full_at_exactly_its_cap(tmp_path: Path) -> None:
+    # The share used up to the byte is full, not one byte short of it (a mutation review:
+    # `>=` as `>` passed every test).
+    async def refuse(ledger: Ledger, request_id: str) -> None:
+        begun = await ledger.begin(LedgerKey(AGENT, request_id), digest(b"x"),
+                                   credential="narrow")
+        assert isinstance(begun, Fresh)
+        await ledger.finish(begun.ticket, b"\x00invalid_request", Status.FAILED,
+                            ErrorCode.INVALID_REQUEST, refusal_of="narrow")
+
+    probe = open_ledger(tmp_path / "probe.db", Clock())
+    await refuse(probe, "bad-0")
+    one = probe.refusal_usage(AGENT, "narrow")
+    probe.close()
+    ledger = open_ledger(tmp_path / "l.db", Clock(), max_refusal_bytes_per_credential=3 * one)
+    for i in range(3):
+        await refuse(ledger, f"bad-{i}")
+    assert ledger.refusal_usage(AGENT, "narrow") == 3 * one
+    full = await ledger.begin(LedgerKey(AGENT, "bad-3"), digest(b"x"), credential="narrow")
+    assert full == Full(credential=True)
+    ledger.close()
