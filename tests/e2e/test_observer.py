@@ -7,7 +7,8 @@ What is proven here (docs/protocol.md, "observer.emit" and "liveness.ping"):
 - the 65,535-byte NIP-44 bound on the wrapped plaintext, at the byte;
 - a replay answers the recorded count and enqueues nothing again;
 - a flood from one credential stays within its share of the queue, and another
-  credential's frames still get through to the relay;
+  credential's frames still get through to the relay; a nearly full share signs only what
+  it admits, and a full one costs custody and the seq store nothing;
 - liveness.ping is `unsupported` for valid arguments, `invalid_request` for invalid ones,
   `unauthorized` outside the credential's channel.
 
@@ -367,6 +368,39 @@ async def test_a_nearly_full_share_signs_only_what_it_admits(small_queue: Broker
     assert custody.encrypted <= envelope["outcome"]["accepted"]
     assert held[1:] == [size]
     assert reserved == held  # what was reserved is what the events then took, to the byte
+
+
+async def test_a_full_share_costs_custody_and_the_seq_store_nothing(
+        small_queue: BrokerHarness) -> None:
+    """With the credential's share already full, observer.emit answers `accepted` 0
+    before any work: nothing is encrypted or signed, and no seq numbers are taken (every
+    BLOCK of them is a committed ceiling, and a client could send full requests as fast
+    as it likes): the next number handed out is still the agent's first."""
+    harness = small_queue
+    broker = harness.app
+    intake = broker._observer
+    assert intake is not None
+    queue = intake.queue
+    agent = await owned_agent(harness, TestKey(), "full")
+    credential = harness.credential(agent, [CHANNEL])
+    credential_id = harness.app.sessions.authenticate(f"Bearer {credential}", None, int(time.time())).credential_id  # type: ignore[union-attr]
+    filler = object()
+    signer, custody = _CountingSigner(broker.signer), _CountingCustody(broker._custody)
+    try:
+        # Filled to the byte, held under a key of its own and never settled, so the pacer
+        # does not drain it meanwhile.
+        assert all(queue.hold(filler, credential_id, agent, _held_bytes(agent, _SHARE)))
+        assert queue.room(credential_id) == 0
+        broker.signer, broker._custody = signer, custody  # type: ignore[assignment]
+        envelope = await harness.call(credential, "observer.emit",
+                                      {"frames": [{"kind": "k", "payload": "p"}] * 256})
+    finally:
+        broker.signer, broker._custody = signer.inner, custody.inner  # type: ignore[assignment]
+        queue.settle(filler, keep=False)
+    assert envelope["status"] == "succeeded", envelope
+    assert envelope["outcome"] == {"accepted": 0}
+    assert (signer.signed, custody.encrypted) == (0, 0)
+    assert list(await intake.seq.take(agent, 1)) == [1]
 
 
 def test_the_payload_length_observer_emit_charges_is_nip44s() -> None:
