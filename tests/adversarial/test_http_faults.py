@@ -10,6 +10,9 @@ Invariants:
   served by the real pipeline (token, ledger, relay), gets its envelope.
 - Repeating the same fault many times writes one log line for its cause, not one per
   attempt (logs are a disk a client could fill), and no traceback.
+- A client that never reads its answer holds its connection only until the write
+  deadline (``request_timeout``): the connection is closed and its slot freed for the
+  next client.
 
 The real `Broker` (the `broker` fixture: SoftHSM token, LocalRelay) answers every request
 that is not the injected one; the injection wraps it, so the fault sits exactly at the
@@ -37,6 +40,11 @@ CHANNEL = "0b6f6a1e-0000-4000-8000-00000000000b"
 MARKER = b'"slug":"mem/inject"'
 #: Times each fault is repeated: the log must still say it once.
 REPEATS = 20
+#: An answer far larger than a Unix socket's buffers take in (a few hundred KiB), so its
+#: write waits on a client that does not read.
+LARGE_ANSWER = 16 * 1024 * 1024
+#: Only a bound for a failing test: the write deadline under test is 1 s.
+DEADLINE = 20.0
 
 
 class FaultyApp:
@@ -53,6 +61,8 @@ class FaultyApp:
             if self.mode == "answer_unwritable":
                 # A content type that is not ASCII cannot become a header: the write fails.
                 return HttpAnswer(200, b"{}", content_type="application/jsön")
+            if self.mode == "large_answer":
+                return HttpAnswer(200, b'{"pad":"' + b"x" * LARGE_ANSWER + b'"}')
         answer: HttpAnswer = await self.inner.handle(request)  # type: ignore[attr-defined]
         return answer
 
@@ -164,6 +174,39 @@ async def test_injected_fault_ends_one_connection_and_the_next_client_is_served(
     assert faults[0]["exception"] == exception
     assert "Traceback" not in captured_log.getvalue()
     assert credential not in captured_log.getvalue()
+
+
+async def test_a_client_that_never_reads_its_answer_loses_the_connection_at_the_deadline(
+    broker: BrokerHarness, captured_log: io.StringIO,
+) -> None:
+    # One connection slot (max_connections = 1), held by a client that sends a request
+    # whose answer is 16 MiB and never reads: the write deadline (request_timeout, 1 s)
+    # closes that connection and frees the slot, and the next client, waiting in the
+    # listen backlog meanwhile, is served. The stalled client then finds the part of its
+    # answer the socket buffers held, and the end of the stream.
+    agent = await broker.human_owned_agent()
+    credential = broker.credential(agent, [CHANNEL])
+    socket = broker.socket.with_name("stalled.sock")
+    injected = request_body("storage.address", {"slug": "mem/inject"})
+    async with trio.open_nursery() as nursery:
+        control = await nursery.start(
+            serve, action_routes(FaultyApp(broker.app, "large_answer")), str(socket),
+            HttpLimits(request_timeout=1.0, shutdown_grace=2.0, max_connections=1))
+        stalled = await trio.open_unix_socket(str(socket))
+        async with stalled:
+            await stalled.send_all(_request_bytes(injected, credential))
+            with trio.fail_after(DEADLINE):
+                await _served(broker, socket, credential)
+            received = 0
+            with trio.fail_after(DEADLINE):
+                try:
+                    while chunk := await stalled.receive_some(1 << 20):
+                        received += len(chunk)
+                except trio.BrokenResourceError:
+                    pass
+        assert 0 < received < LARGE_ANSWER
+        control.stop()
+    assert "Traceback" not in captured_log.getvalue()
 
 
 def _request_bytes(body: bytes, credential: str) -> bytes:
