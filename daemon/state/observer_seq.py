@@ -8,8 +8,12 @@ Rules (NIP-AO "Decrypted Payload": `seq` is monotonically increasing, for drop d
   `BLOCK` numbers at a time. A restart starts at the stored ceiling, so numbers reserved
   but never used before a crash are skipped: a gap, never a repeat. A gap is what NIP-AO's
   drop detection should see anyway: frames queued at a crash are lost.
-- Numbers of frames the queue did not admit (their share was full, or too big for
-  NIP-44) are not reused either: the owner sees the gap where frames were dropped.
+- Numbers of frames the queue did not admit (their share filled during the request, or
+  too big for NIP-44) are not reused either: the owner sees the gap where frames were
+  dropped. A request that finds its share already full takes no numbers at all
+  (observer_emit's shortcut): frames dropped so leave no gap, and the owner learns of
+  them only as the agent does, from `accepted`
+  (tests/e2e/test_observer.py::test_a_full_share_costs_custody_and_the_seq_store_nothing).
 - One writer: the daemon (its run lock). The commit runs in a worker thread under a trio
   lock, so the event loop never waits on the fsync and two requests never race a ceiling.
 
