@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from buzzwire import jsonvalues as _jsonvalues
+from buzzwire import kinds
 from custody.custodian import intents, messages
 
 PK = "ab" * 32
@@ -151,6 +152,27 @@ def test_a_length_over_the_bound_is_refused_before_the_body() -> None:
         messages.frame_length(messages.HEADER.pack(messages.MAX_FRAME + 1))
 
 
+def test_each_decoder_bounds_a_body_handed_to_it_whole() -> None:
+    """The length is checked at the header (`frame_length`), and again by each decoder: a
+    body handed to one whole, however it was read, is not parsed past MAX_FRAME."""
+    for decode, key in ((messages.decode_reply, b'"ok"'), (messages.decode_request, b'"x"')):
+        body = b'{"v":2,' + key + b':"' + b"x" * messages.MAX_FRAME + b'"}'
+        with pytest.raises(messages.BadMessage, match="frame over the bound"):
+            decode(body)
+
+
+def test_an_error_answer_carries_a_code_of_the_table() -> None:
+    """The client maps each of ERROR_CODES to one exception: an answer with any other code
+    is no answer of the table (BadMessage), not an error the client would have to guess."""
+    for code in messages.ERROR_CODES:
+        frame = messages.reply_error(code, "m")
+        assert messages.decode_reply(frame[messages.HEADER.size:]) == (False, (code, "m"))
+    for code in ("ok", "", "BAD_MESSAGE", "refused ", "timeout"):
+        body = json.dumps({"v": messages.VERSION, "error": {"code": code, "message": "m"}})
+        with pytest.raises(messages.BadMessage, match="not an answer of the table"):
+            messages.decode_reply(body.encode())
+
+
 def _mutations() -> st.SearchStrategy[bytes]:
     goods = [json.dumps({"v": messages.VERSION, "op": op, "args": args}).encode() for op, args in GOOD.items()]
     json_values = st.recursive(
@@ -253,3 +275,90 @@ def test_a_put_user_gives_only_the_role_agents_create_gives() -> None:
     assert fault(("role", "admin")) == "kind 9000: tag 'role' must be 'bot'"
     assert fault(("role", "bot"), ("role", "owner")) == "kind 9000: tag 'role' twice"
     assert fault() == "kind 9000 needs the tags ['role']"
+
+
+OWNER, AGENT, OTHER = "a" * 64, "b" * 64, "c" * 64
+
+#: One intent per row of `intents.KINDS` that fits it, (signer, tags, content), signed as
+#: its action signs it: AGENT is a live agent held here, recorded under OWNER.
+FITS: dict[int, tuple[str, tuple[tuple[str, ...], ...], str]] = {
+    kinds.METADATA: (AGENT, (), '{"name":"n"}'),
+    kinds.DELETION: (OWNER, (("a", f"{kinds.MANAGED_AGENT}:{OWNER}:{AGENT}"),
+                             ("k", str(kinds.MANAGED_AGENT))), ""),
+    kinds.REACTION: (AGENT, (("e", OTHER), ("h", "chan")), "+"),
+    kinds.STREAM_MESSAGE: (AGENT, (("h", "chan"), ("e", OTHER, "", "root"), ("p", OTHER)), "hi"),
+    kinds.PUT_USER: (OWNER, (("h", "chan"), ("p", AGENT), ("role", kinds.PUT_USER_ROLE)), ""),
+    kinds.PRESENCE: (AGENT, (), "online"),
+    kinds.TYPING: (AGENT, (("h", "chan"),), ""),
+    kinds.OBSERVER_FRAME: (AGENT, (("p", OWNER), ("agent", AGENT), ("frame", "telemetry")), "x"),
+    kinds.MEMORY: (AGENT, (("d", "f" * 64), ("p", OWNER)), "sealed"),
+    kinds.MANAGED_AGENT: (OWNER, (("d", AGENT),), '{"name":"n"}'),
+}
+
+
+def _owner_of(pubkey: str) -> str | None:
+    return {AGENT: OWNER}.get(pubkey)
+
+
+def _fault(kind: int, tags: tuple[tuple[str, ...], ...], content: str | None = None) -> str | None:
+    """`intents.check` of FITS[kind] with `tags` (and `content`) in its place."""
+    signer, _, fitting = FITS[kind]
+    return intents.check(signer, kind, tags, fitting if content is None else content, _owner_of)
+
+
+def _with_values(kind: int, name: str, count: int) -> tuple[tuple[str, ...], ...]:
+    """FITS[kind]'s tags with one `name` tag of `count` values (its fitting ones first)."""
+    fitting = FITS[kind][1]
+    given = next((tag[1:] for tag in fitting if tag[0] == name), ())
+    values = (given + ("x",) * count)[:count]
+    return ((name, *values), *(tag for tag in fitting if tag[0] != name))
+
+
+def test_every_row_has_an_intent_that_fits_it() -> None:
+    assert FITS.keys() == intents.KINDS.keys()
+    for kind, (_, tags, _) in FITS.items():
+        assert _fault(kind, tags) is None, kind
+
+
+def test_every_tag_holds_only_its_rows_number_of_values() -> None:
+    """Each row's (fewest, most) values after a tag's name, one past each side refused by
+    that rule. NIP-29 reads a put-user's roles from the `p` tag's values after the pubkey:
+    `["p", agent, "admin"]` under the owner's key would make its agent an admin of the group
+    although the `role` tag says `bot`."""
+    assert _fault(kinds.PUT_USER, (("h", "chan"), ("p", AGENT, "admin"),
+                                   ("role", kinds.PUT_USER_ROLE))) == (
+        "kind 9000: tag 'p' has 2 values")
+    for kind, shape in intents.KINDS.items():
+        for name, (fewest, most) in shape.tags.items():
+            for count in {fewest - 1, most + 1} - {-1}:
+                assert _fault(kind, _with_values(kind, name, count)) == (
+                    f"kind {kind}: tag {name!r} has {count} values"), (kind, name, count)
+            for count in (fewest, most):  # and at each bound, no count refusal
+                assert _fault(kind, _with_values(kind, name, count)) != (
+                    f"kind {kind}: tag {name!r} has {count} values"), (kind, name, count)
+
+
+def test_a_deletion_names_only_the_signers_own_30177_of_its_agent() -> None:
+    """Kind 5 is signed with the owner's key: its `a` coordinate must be a managed-agent
+    record (30177) of the signer's own, about an agent recorded under it, and its `k` must
+    say 30177 too: the owner's key signs no deletion of any other record."""
+    record = str(kinds.MANAGED_AGENT)
+    refusal = "kind 5 is signed only by the recorded owner of the agent it names"
+    for a, k in ((f"{record}:{OTHER}:{AGENT}", record),          # another author's record
+                 (f"{kinds.MEMORY}:{OWNER}:{AGENT}", record),    # not a managed-agent record
+                 (f"{record}:{OWNER}:{AGENT}", str(kinds.MEMORY)),  # `k` names another kind
+                 (f"{record}:{OWNER}:{AGENT}:x", record), (f"{record}:{OWNER}", record),
+                 (f"{record}:{OWNER}:{OTHER}", record)):          # an agent not under it
+        assert _fault(kinds.DELETION, (("a", a), ("k", k))) == refusal, (a, k)
+
+
+def test_json_content_is_one_object_nothing_else() -> None:
+    """The rows whose content is JSON (a profile, a managed-agent record) take an object:
+    readers index into it, and an array, a number, a string or null read as no record."""
+    rows = [kind for kind, shape in intents.KINDS.items() if shape.json_content]
+    assert rows == [kinds.METADATA, kinds.MANAGED_AGENT]
+    for kind in rows:
+        assert _fault(kind, FITS[kind][1], "{}") is None
+        for content in ("[]", "1", '"x"', "null", "true", "", "not json", "{"):
+            assert _fault(kind, FITS[kind][1], content) == (
+                f"kind {kind}: content is not a JSON object"), (kind, content)
