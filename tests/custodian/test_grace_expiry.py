@@ -39,6 +39,22 @@ def test_a_copy_past_its_grace_is_purged_at_the_next_keep_and_at_start(tmp_path:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_copies_are_the_custodians_alone_whatever_the_umask(tmp_path: Path) -> None:
+    """A copy is a sealed key: the directory is made 0700 and each copy 0600, with an open
+    umask too (no reader but the custodian's uid, even of what it cannot unseal)."""
+    import stat
+
+    old = os.umask(0)
+    try:
+        Graveyard(tmp_path / "destroyed", GRACE).keep("a" * 64, b"sealed a")
+    finally:
+        os.umask(old)
+    copies = tmp_path / "destroyed"
+    assert stat.S_IMODE(copies.stat().st_mode) == 0o700
+    assert [(p.name, stat.S_IMODE(p.stat().st_mode)) for p in copies.iterdir()] == [
+        ("a" * 64 + ".sealed", 0o600)]
+
+
 async def test_past_the_grace_period_recover_finds_no_copy(
         custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path) -> None:
     log_dir = tmp_path / "log"

@@ -22,7 +22,7 @@ from custody import KeyRecord, TokenConfig
 from custody._signer import OWNER_TAG_CONDITIONS
 from custody.custodian import messages
 from custody.custodian.client import CustodianClient
-from custody.custodian.ledger import verify_chain
+from custody.custodian.ledger import MAX_AGENTS, RateBound, verify_chain
 from custody.custodian.server import MAX_RECORDS, record_obj
 from tests.custodian.test_refusals import ask, held, human, intent, refused
 from tests.fixtures.custodian import CustodianProcess, running_custodian
@@ -166,3 +166,26 @@ def test_at_most_max_records_the_largest_records_fit_the_agents_answer() -> None
     assert ok and isinstance(records, list) and len(records) == MAX_RECORDS
     with pytest.raises(messages.BadMessage):  # and a few more would not fit
         messages.reply_ok([record_obj(worst)] * (MAX_RECORDS + 8))
+
+
+def test_an_idle_agents_bucket_holds_one_minutes_burst_not_its_idle_time() -> None:
+    """The bucket refills at `signatures_per_minute` up to that many: an hour idle gives
+    one minute's signatures at once, not sixty."""
+    now = [0.0]
+    bound = RateBound(PER_MINUTE, clock=lambda: now[0])
+    assert bound.take("a" * 64, PER_MINUTE)
+    now[0] = 3600.0
+    assert bound.take("a" * 64, PER_MINUTE)
+    assert not bound.take("a" * 64, 1)
+
+
+@pytest.mark.parametrize(("others", "dropped"), [(MAX_AGENTS - 1, False), (MAX_AGENTS, True)])
+def test_at_most_max_agents_buckets_the_oldest_dropped(others: int, dropped: bool) -> None:
+    """Memory holds MAX_AGENTS buckets: one more drops the least recently used, which only
+    gives that agent a full bucket again (docs of custody/custodian/ledger.py)."""
+    bound = RateBound(1, clock=lambda: 0.0)  # no refill: a spent bucket stays spent
+    assert bound.take("a" * 64, 1)
+    for n in range(others):
+        assert bound.take(f"{n:064x}", 1)
+    assert bound.take("a" * 64, 1) is dropped
+

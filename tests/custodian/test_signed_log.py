@@ -152,3 +152,50 @@ async def test_a_request_that_changes_nothing_writes_no_line(
     for said in (f"minted agent {agent}", f"NIP-OA tag to agent {agent}",
                  f"destroyed the key of agent {agent}"):
         assert stderr.count(said) == 1, (said, stderr[-2000:])
+
+
+def _three_lines(path: Path) -> list[str]:
+    from custody.custodian.ledger import SignLog
+
+    log = SignLog(path, 1 << 20, clock=lambda: 1_700_000_000)
+    for n in "123":
+        log.append([{"op": "sign", "agent": "a" * 64, "kind": 9, "id": n * 64}])
+    log.close()
+    return path.read_text().splitlines()
+
+
+@pytest.mark.token_independent
+@pytest.mark.parametrize(("kept", "broken"), [
+    pytest.param((1, 2), 1, id="the first line cut"),  # the second names it as `prev`
+    pytest.param((0, 2), 2, id="a middle line cut"),
+    pytest.param((1, 0, 2), 1, id="two lines swapped"),
+])
+def test_each_line_chains_to_the_line_before_it(tmp_path: Path, kept: tuple[int, ...],
+                                                broken: int) -> None:
+    """A line's own hash is not enough: its `prev` must be the hash of the line before it
+    (GENESIS, or the `start` given, for the first), so lines cut or moved break the chain
+    although every line is whole."""
+    path = tmp_path / "signed.jsonl"
+    lines = _three_lines(path)
+    assert verify_chain(path) == 3
+    path.write_text("".join(lines[i] + "\n" for i in kept))
+    with pytest.raises(ValueError, match=f"line {broken} breaks the chain"):
+        verify_chain(path)
+    # the same lines from where they were cut: what a moved-away older file leaves
+    path.write_text("".join(line + "\n" for line in lines[1:]))
+    assert verify_chain(path, start=json.loads(lines[0])["hash"]) == 2
+
+
+@pytest.mark.token_independent
+def test_the_log_directory_is_the_custodians_alone(tmp_path: Path) -> None:
+    """The log's directory (`destroyed/` sits in it too) is made 0700 whatever the umask."""
+    import os
+    import stat
+
+    old = os.umask(0)
+    try:
+        _three_lines(tmp_path / "log" / "signed.jsonl")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "log").stat().st_mode) == 0o700
+
