@@ -1,9 +1,10 @@
 """agents.delete: remove a managed agent the requester owns.
 
 On the relay: an owner-signed kind 5 with `["a", "30177:<owner>:<agent>"]` and
-`["k", "30177"]`. Once the relay accepted it, the key is destroyed in custody (the public
-record stays as a tombstone) and the agent's credentials stop working — the `commit`
-housekeeping, which the pipeline runs again if a crash came between the two.
+`["k", "30177"]`. Once the relay accepted it, the agent's credentials stop working and the
+key is destroyed in custody (the public record stays as a tombstone) — the `commit`
+housekeeping, which the identical retry runs again if a crash or a fault came between the
+two (a fault answers `indeterminate`, daemon/pipeline/publisher.py).
 """
 
 from __future__ import annotations

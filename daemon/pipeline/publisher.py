@@ -29,9 +29,14 @@ any refusal is `indeterminate` + `outcome_unknown` and no rollback runs: rolling
 and `failed` would promise that nothing happened. Only an acceptance (`duplicate:`
 included) tells the retry what the relay holds.
 
-Cleanup steps run in order, each safe to run twice; a fault in one is logged and the
-verdict stands (the relay has already answered). An agents.create that ends `failed`
-leaves no key behind (`destroy_minted`).
+Cleanup steps run in order, each safe to run twice; a fault in one is logged. A
+`commit` step that faults makes the answer `indeterminate` + `internal` instead of
+`succeeded` and leaves the record pending: the relay has the events, the host's own part
+(agents.delete: the credentials revoked, the key destroyed) is not done, and a final
+`succeeded` would leave it undone for good; the identical retry re-sends the events
+(`duplicate:`) and runs the steps again. A `rollback` step that faults leaves the stored
+`failed` standing; an agents.create that ends `failed` leaves no key behind
+(`destroy_minted`).
 
 WARNING: `CHECKPOINTS` names the steps the crash tests kill at; keep it in step with the
 `checkpoint(...)` calls here and in daemon/pipeline/broker.py.
@@ -232,7 +237,16 @@ class Publisher:
                 ErrorCode.OUTCOME_UNKNOWN,
                 f"the relay accepted {accepted} of {len(pending.events)} events and refused "
                 f"the next ({reason}); retry the identical request to finish")
-        await self.cleanup(pending.commit)
+        if not await self.cleanup(pending.commit):
+            # The relay has the events, but the host's own part did not finish (agents.delete:
+            # the key destroyed, the credentials revoked). `succeeded` would promise what the
+            # host has not done, final: no retry would ever run the steps again. The record
+            # stays pending; the identical retry re-sends the events (the relay answers
+            # `duplicate:`) and runs the steps again, each safe twice.
+            return Verdict.indeterminate(
+                ErrorCode.INTERNAL,
+                "the relay accepted the events but this host could not finish its own part; "
+                "retry the identical request to finish")
         return None
 
     async def _roll_back(self, facts: Facts, pending: Pending, progress: Progress,
@@ -252,11 +266,12 @@ class Publisher:
         await self.cleanup(pending.rollback)
         return verdict
 
-    async def cleanup(self, steps: tuple[Cleanup, ...]) -> None:
-        """Run cleanup steps in order; each is safe to run twice.
+    async def cleanup(self, steps: tuple[Cleanup, ...]) -> bool:
+        """Run cleanup steps in order; each is safe to run twice. False when one faulted.
 
-        A fault here cannot change the verdict (the relay has already answered), so it is
-        logged for the operator and the verdict stands.
+        A fault is logged for the operator. What it means is the caller's: a commit's
+        (`_publish_events`) leaves the record pending, a rollback's leaves the stored
+        `failed` standing (agents.create's minted key is `destroy_minted`'s to find).
         """
         try:
             for step in steps:
@@ -264,13 +279,16 @@ class Publisher:
         except Exception as exc:  # noqa: BLE001 - CustodyError, sqlite3.Error or worse
             log_event(_log, "housekeeping.failed", level=logging.ERROR,
                       work=steps_named(steps), error=type(exc).__name__, where=where(exc))
+            return False
+        return True
 
     async def _destroy_agent(self, step: Cleanup) -> None:
         assert isinstance(step, DestroyAgent)
+        # Credentials first, off the event loop (a commit's fsync, issue 22 L6): if custody
+        # then fails, the deleted agent can no longer act while the key waits for the retry.
+        await trio.to_thread.run_sync(self._sessions.revoke_agent, step.pubkey)
         if self._custody.agent(step.pubkey) is not None:
             await self._custody.destroy_agent(step.pubkey)
-        # Off the event loop: a commit's fsync (issue 22, L6).
-        await trio.to_thread.run_sync(self._sessions.revoke_agent, step.pubkey)
 
     async def _rename_agent(self, step: Cleanup) -> None:
         assert isinstance(step, RenameAgent)

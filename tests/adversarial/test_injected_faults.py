@@ -104,7 +104,11 @@ STEPS: dict[str, Step] = {
 _READ_RAN = {"channel.read": {"relay_subscribe", "relay_read", "count_read"},
              "storage.address": {"memory_address", "count_read"},
              "storage.get": {"relay_read", "count_read"}}
-_AFTER_RELAY = {"destroy", "rename", "runtime_record", "audit_verdict"}
+#: The host's own part of an action, run after the relay accepted its events (the plan's
+#: `commit` cleanup): a fault there leaves the record pending, `indeterminate`, and the
+#: identical retry runs it again (a final `succeeded` left agents.delete's key live).
+_COMMIT_STEPS = {"destroy", "rename", "runtime_record"}
+_AFTER_RELAY = {"audit_verdict"}
 #: Effects held until the verdict is recorded (observer.emit's intake,
 #: daemon/pipeline/observer.py): judged like a read here, nothing reaches the relay first.
 _HELD_UNTIL_RECORDED = {"observer.emit"}
@@ -191,7 +195,7 @@ async def _args_for(broker: BrokerHarness, action: str, owner_cred: str, channel
 def _expected(action: str, step: str, trace: list[str]) -> tuple[str, str | None]:
     if not ACTIONS[action].publishing or action in _HELD_UNTIL_RECORDED:
         return ("failed", "internal")
-    if step in ("publish", "finish"):
+    if step in ("publish", "finish") or step in _COMMIT_STEPS:
         return ("indeterminate", "internal")
     if step in _AFTER_RELAY:
         return ("succeeded", None)
@@ -534,3 +538,35 @@ async def test_a_refusal_whose_rollback_cannot_be_stored_is_not_rolled_back(
     assert again is not None and again["status"] == "succeeded", again
     assert again["outcome"]["agentPubkey"] == kept.pubkey
     assert [i for i, _k, _r in relay.take()][0] == refused[0]  # the same signed events
+
+
+async def test_a_delete_whose_key_custody_cannot_destroy_is_not_succeeded(
+    broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by review: the relay accepted the kind 5, custody then failed to destroy the
+    # key, and `succeeded` was recorded final: the deleted agent kept its key and its
+    # credentials, and the identical retry only replayed. Now the credentials go first,
+    # the answer is `indeterminate`, and the retry finishes the deletion.
+    channel = str(uuid.uuid4())
+    owner = await broker.human_owned_agent("owner")
+    owner_cred = broker.credential(owner, [channel])
+    made = await broker.call(owner_cred, "agents.create", {
+        "channelId": channel, "displayName": "doomed", "systemPrompt": "p"})
+    kid = made["outcome"]["agentPubkey"]
+    kid_cred = broker.credential(kid, [channel])
+    assert (await broker.call(kid_cred, "storage.address", {"slug": "core"}))["status"] \
+        == "succeeded"
+    seams = Seams(monkeypatch)
+    seams.arm("destroy")
+    body = request_body("agents.delete", {"target": {"pubkey": kid}}, request_id="delete-1")
+    status, answer = await broker.post(body, owner_cred)
+    assert seams.failed and status == 200 and answer is not None
+    assert (answer["status"], answer["error"]["code"]) == ("indeterminate", "internal"), answer
+    assert broker.app.custody.agent(kid) is not None  # the key waits for the retry...
+    refused = await broker.call(kid_cred, "storage.address", {"slug": "core"})
+    assert (refused["status"], refused["error"]["code"]) == ("failed", "unauthenticated")
+    seams.arm(None)
+    status, again = await broker.post(body, owner_cred)
+    assert status == 200 and again is not None
+    assert again["status"] == "succeeded" and "replayed" not in again, again
+    assert broker.app.custody.agent(kid) is None  # ...and the retry destroyed it
