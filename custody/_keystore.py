@@ -169,12 +169,13 @@ def _prepare_dir(state_dir: Path) -> Path:
         if stat.S_IMODE(state_dir.stat().st_mode) & 0o077:
             os.chmod(state_dir, 0o700)
         path = state_dir / KEYSTORE_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        # O_EXCL, never an open and close of an existing file: closing any descriptor of a
+        # SQLite file drops this process's POSIX locks on it (daemon/state/_sqlite.py).
         try:
-            if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
-                os.fchmod(fd, 0o600)
-        finally:
-            os.close(fd)
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+        except FileExistsError:
+            if stat.S_IMODE(path.stat().st_mode) & 0o077:
+                os.chmod(path, 0o600)
     except OSError as exc:
         raise CustodyError(f"cannot prepare keystore in {state_dir}: {exc.strerror}") from None
     return path

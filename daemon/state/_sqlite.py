@@ -2,7 +2,8 @@
 
 Rules:
 - Every database the broker keeps is private to its user: the file is created 0600 before
-  SQLite touches it, and the WAL and shared-memory side files are tightened to 0600 as
+  SQLite touches it (and an existing one is never opened by a descriptor of ours:
+  `create_private`), and the WAL and shared-memory side files are tightened to 0600 as
   well (SQLite copies the main file's mode onto them, but a umask or an older file could
   leave them wider; we do not rely on it).
 - WAL journal mode, so a reader (the CLI listing credentials, an audit) never blocks the
@@ -26,7 +27,7 @@ import os
 import sqlite3
 from pathlib import Path
 
-__all__ = ["open_private_db", "FILE_MODE", "BUSY_TIMEOUT_MS"]
+__all__ = ["open_private_db", "create_private", "FILE_MODE", "BUSY_TIMEOUT_MS"]
 
 #: Owner read/write only: these files hold credential hashes and signed pending events.
 FILE_MODE = 0o600
@@ -49,6 +50,24 @@ def _tighten(path: Path) -> None:
             continue
 
 
+def create_private(path: Path) -> None:
+    """Create `path` empty with FILE_MODE if it does not exist; never open an existing one.
+
+    With the final mode atomically, so there is no moment at which a freshly created
+    database is readable by others. Only with O_EXCL: SQLite's locks are POSIX locks, held
+    per process, and closing *any* descriptor of the file drops every one of them (SQLite's
+    "How To Corrupt" §2.2). A plain open-and-close here, from a second connection to a
+    database this process already had open (the sessions store's last-use writer), left
+    the daemon's connection without its read lock: a CLI closing the database then
+    checkpointed and deleted the WAL under it, and the daemon went on reading a stale
+    index (revocations unseen) and at its stop wrote an old image over the file.
+    """
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE))
+    except FileExistsError:
+        pass
+
+
 def open_private_db(path: Path, schema: str) -> sqlite3.Connection:
     """Open (creating if needed) a private WAL database and apply `schema`.
 
@@ -65,10 +84,7 @@ def open_private_db(path: Path, schema: str) -> sqlite3.Connection:
     """
     if path.is_dir():
         raise ValueError(f"expected a database file, got a directory: {path}")
-    # Create the file with the final mode atomically, so there is no moment at which a
-    # freshly created database is readable by others.
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
-    os.close(fd)
+    create_private(path)
     conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
     try:
         conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
