@@ -7,8 +7,11 @@ nothing signed, stored, logged or spent.
   later. The pipeline's own client cannot send one: its encoder refuses it first, as
   in-process custody does (ValueError).
 - A refusal is one short line: a tag name it names is cut, not echoed whole.
+- Each bound of the table on one request (events, tags, values in a tag, content, the AUTH
+  strings), a duplicate member and `true` where an integer belongs, one past: `bad_message`.
 - Memory: bounded by the in-flight budget, the values bound and one `agents` answer at a
-  time, not by connections (peak RSS, VmHWM, reset before each part).
+  time, not by connections (peak RSS, VmHWM, reset before each part); a `chain` answer
+  by MAX_CHAIN, even over a cycle of owners.
 """
 
 from __future__ import annotations
@@ -98,6 +101,63 @@ async def test_the_pipelines_own_client_cannot_send_a_lone_surrogate(
     assert log.read_text() == lines
     event = await client.sign_auth(agent, local_relay, "\U0001f600", 1_700_000_000)
     assert event.kind == 22242
+    await client.aclose()
+
+
+async def test_one_past_each_bound_of_the_table_is_bad_message_and_changes_nothing(
+        bounded: CustodianProcess, local_relay: str) -> None:
+    """What the table bounds a request by, each one past its bound, is refused at parse:
+    nothing signed, stored, logged or spent, where without the bound a frame would be signed,
+    rate-limited, or refused only later by `intents`. Each is next to the frame at its bound,
+    which parses."""
+    client = await CustodianClient.open(bounded.socket)
+    agent = await held(client, human())
+    log = bounded.config.parent / "state" / "custodian" / "signed.jsonl"
+    lines, version = log.read_text(), client.records_version()
+    post = intent(agent, 9, [["h", "c"]], "hi")
+
+    def sign(**changes: object) -> bytes:
+        return spelled("sign", {"events": [{**post, **changes}]})
+
+    def auth(**changes: object) -> bytes:
+        return spelled("sign_auth", {"agent": agent, "relay_url": local_relay, "challenge": "c",
+                                     "created_at": 1_700_000_000, **changes})
+
+    def twice(body: bytes, member: str, first: str) -> bytes:
+        """`body` with `member` spelled twice, `first` the one before its own value."""
+        key = f'"{member}": '
+        return body.replace(key.encode(), f"{key}{first}, {key}".encode(), 1)
+
+    values = messages.MAX_TAG_VALUES
+    #: what: (the frame at the bound, the frame one past it)
+    frames: dict[str, tuple[bytes, bytes]] = {
+        "MAX_EVENTS": (spelled("sign", {"events": [post] * messages.MAX_EVENTS}),
+                       spelled("sign", {"events": [post] * (messages.MAX_EVENTS + 1)})),
+        "MAX_TAGS": (sign(tags=[["h", "c"]] * messages.MAX_TAGS),
+                     sign(tags=[["h", "c"]] * (messages.MAX_TAGS + 1))),
+        "MAX_TAG_VALUES": (sign(tags=[["h"] + ["c"] * (values - 1)]),
+                           sign(tags=[["h"] + ["c"] * values])),
+        "a tag holds its name": (sign(tags=[["h"]]), sign(tags=[[]])),
+        "MAX_CONTENT": (sign(content="x" * messages.MAX_CONTENT),
+                        sign(content="x" * (messages.MAX_CONTENT + 1))),
+        # the sign_auth row's own bounds (messages.OPS)
+        "relay_url": (auth(relay_url="r" * 2048), auth(relay_url="r" * 2049)),
+        "challenge": (auth(challenge="c" * 1024), auth(challenge="c" * 1025)),
+        "true is no integer": (auth(created_at=1), auth(created_at=True)),
+        "true is no kind": (sign(kind=1), sign(kind=True)),
+        "a member twice (frame)": (spelled("records_version", {}),
+                                   twice(spelled("records_version", {}), "op", '"agents"')),
+        "a member twice (args)": (auth(), twice(auth(), "agent", json.dumps(human()))),
+        "a member twice (intent)": (sign(), twice(sign(), "signer", json.dumps(human()))),
+    }
+    for what, (fits, breaks) in frames.items():
+        messages.decode_request(fits)
+        ok, value = send_raw(bounded.socket, breaks)
+        assert not ok and isinstance(value, tuple) and value[0] == "bad_message", (what, value)
+    assert log.read_text() == lines
+    assert client.records_version() == version
+    ok, signed = send_raw(bounded.socket, spelled("sign", {"events": [post] * PER_MINUTE}))
+    assert ok and isinstance(signed, list) and len(signed) == PER_MINUTE
     await client.aclose()
 
 
@@ -220,3 +280,36 @@ async def test_a_peer_that_closes_with_its_answer_unread_ends_only_its_connectio
     ok, _ = send_raw(bounded.socket, messages.request("records_version")[messages.HEADER.size:])
     assert ok and bounded.proc is not None and bounded.proc.poll() is None
     assert "Traceback" not in bounded.stderr.read_text()
+
+
+async def test_the_chain_answer_is_bounded_even_over_a_cycle(tmp_path: Path) -> None:
+    """`chain` walks from an agent to its owner's record and on. Records can form a cycle
+    (two keys imported each under the other, the second with the first's own NIP-OA tag):
+    the walk stops at MAX_CHAIN records, one bounded answer. In-process, over records that
+    are a cycle of two."""
+    import os
+
+    from custody import KeyRecord
+    from custody.custodian.server import MAX_CHAIN, Custodian, Settings
+
+    a, b = human(), human()
+    records = {key: KeyRecord(pubkey=key, owner=owner, auth_tag=None, created_at=1,
+                              deleted_at=None) for key, owner in ((a, b), (b, a))}
+
+    class Cycle:
+        lookups = 0
+
+        def agent(self, pubkey: str, include_deleted: bool = False) -> KeyRecord | None:
+            self.lookups += 1
+            assert self.lookups <= 2 * MAX_CHAIN, "the walk has no end"
+            return records.get(pubkey)
+
+    custodian = Custodian(Cycle(), Settings(  # type: ignore[arg-type]
+        socket=tmp_path / "unused.sock", pipeline_uid=os.getuid(), relay_url="wss://r.example",
+        log_path=tmp_path / "log" / "signed.jsonl"))
+    frame = await custodian.answer(messages.Request("chain", {"pubkey": a}))
+    custodian.log.close()
+    ok, chain = messages.decode_reply(frame[messages.HEADER.size:])
+    assert ok and isinstance(chain, list)
+    assert [record["pubkey"] for record in chain] == [a, b] * (MAX_CHAIN // 2)
+
