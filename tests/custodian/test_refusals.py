@@ -202,6 +202,59 @@ def test_a_peer_of_another_uid_is_refused(open_socket_custodian: CustodianProces
     assert seen == repr((False, ("refused", "peer uid refused")))
 
 
+def test_past_max_connections_a_connection_is_refused(custodian: CustodianProcess) -> None:
+    """The pipeline's client keeps a few connections: MAX_CONNECTIONS open at once is
+    already a fault, and each one past them is answered `refused` and closed before a byte
+    of it is read. Those held are still answered."""
+    from custody.custodian.server import MAX_CONNECTIONS
+
+    held: list[socket.socket] = []
+    try:
+        for _ in range(MAX_CONNECTIONS):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            held.append(sock)
+            sock.settimeout(10)
+            sock.connect(str(custodian.socket))
+            sock.sendall(messages.request("records_version"))
+            assert _answer(sock)[0]  # answered: the custodian counts it open
+        assert ask(custodian.socket, "records_version") == (
+            False, ("refused", "too many connections"))
+        for sock in held:
+            sock.sendall(messages.request("records_version"))
+            assert _answer(sock)[0]
+    finally:
+        for sock in held:
+            sock.close()
+
+
+async def test_a_fault_is_answered_internal_and_logged_by_its_type_alone(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An exception other than custody's own is the custodian's fault: answered `internal`
+    with a fixed message, and logged by its type's name only, since its text can carry an
+    argument (a secret among them: it is not the custodian's code that raised it)."""
+    import logging
+
+    from custody.custodian.server import Custodian, Settings
+
+    text = "nsec1-an-argument-in-the-text"
+
+    class Faulty:
+        def records_version(self) -> int:
+            raise RuntimeError(text)
+
+    custodian = Custodian(Faulty(), Settings(  # type: ignore[arg-type]
+        socket=tmp_path / "unused.sock", pipeline_uid=os.getuid(), relay_url="wss://r.example",
+        log_path=tmp_path / "log" / "signed.jsonl"))
+    caplog.set_level(logging.INFO, logger="buzz_broker")
+    frame = await custodian.answer(messages.Request("records_version", {}))
+    custodian.log.close()
+    assert messages.decode_reply(frame[messages.HEADER.size:]) == (
+        False, ("internal", "custodian fault"))
+    assert [record.getMessage() for record in caplog.records] == [
+        "custodian fault in records_version: RuntimeError (0 not logged)"]
+    assert text not in caplog.text
+
+
 async def test_a_destroyed_key_is_recoverable_within_the_grace_period(
         custodian: CustodianProcess) -> None:
     """A compromised pipeline's destroy is not key loss: the custodian kept the sealed copy,

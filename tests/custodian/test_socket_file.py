@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from custody import TokenConfig
 from tests.fixtures.custodian import running_custodian
 
@@ -54,3 +56,41 @@ def test_a_second_custodian_on_a_served_socket_refuses_and_takes_nothing(
         assert "Traceback" not in second.stderr
         assert process.socket.stat().st_ino == inode, "the running one's socket is untouched"
         assert ask(process.socket, "records_version")[0], "and it still answers"
+
+
+async def test_the_socket_is_never_more_open_than_0600_before_its_mode_is_set(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between bind and chmod the socket file has the mode the umask gave it: bound under
+    umask 0177 it is 0600 (the custodian's uid alone) until chmod sets `socket_mode`,
+    whatever the process's own umask. In-process: serve() with a custodian that is never
+    asked anything, os.chmod watched."""
+    import os
+    import stat
+
+    import trio
+
+    from custody.custodian.server import Custodian, Settings, serve
+
+    path = tmp_path / "c.sock"
+    custodian = Custodian(object(), Settings(  # type: ignore[arg-type]
+        socket=path, pipeline_uid=os.getuid(), relay_url="wss://r.example",
+        log_path=tmp_path / "log" / "signed.jsonl"))
+    before_chmod: list[int] = []
+    chmod = os.chmod
+
+    def watched(target: object, mode: int, *args: object, **kwargs: object) -> None:
+        if Path(str(target)) == path:
+            before_chmod.append(stat.S_IMODE(os.stat(path).st_mode))
+        chmod(target, mode, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "chmod", watched)
+    umask = os.umask(0)  # the process's own: as open as it gets
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve, custodian)
+            assert stat.S_IMODE(path.stat().st_mode) == custodian.settings.socket_mode
+            nursery.cancel_scope.cancel()
+    finally:
+        os.umask(umask)
+    assert before_chmod == [0o600]
+
