@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import re
 from pathlib import Path
 
 import pytest
@@ -204,21 +205,40 @@ async def test_keys_init_reports_what_the_token_offers_and_the_seal_it_uses(
 # --- keys the operator made (a TPM cannot generate them through PKCS#11) ------------------
 
 async def _plant_pair(config: TokenConfig, *, mac_flags: MechanismFlag,
-                      mac_changes: dict[Attribute, object] | None = None) -> None:
-    """What `tpm2_ptool addkey --algorithm=aes256` / `hmac:sha256` leave: two keys by label."""
+                      mac_changes: dict[Attribute, object] | None = None,
+                      mac_later: dict[Attribute, object] | None = None) -> None:
+    """What `tpm2_ptool addkey --algorithm=aes256` / `hmac:sha256` leave: two keys by label.
+
+    `mac_changes` are attributes the HMAC key is made with; `mac_later` are set after it
+    was made, so that ALWAYS_SENSITIVE or NEVER_EXTRACTABLE records the value it once had:
+    the key is made MODIFIABLE under a scratch label, changed, and copied to its label
+    unmodifiable (C_CopyObject), the scratch key destroyed.
+    """
     def plant() -> None:
         key, shared = token_module._acquire_session(config)
         try:
-            shared.session.generate_key(
+            session = shared.session
+            session.generate_key(
                 KeyType.AES, 256, label=config.kek_label, store=True,
                 capabilities=MechanismFlag.ENCRYPT | MechanismFlag.DECRYPT,
                 template=kekinit_module.KEK_TEMPLATE)
-            shared.session.generate_key(
-                KeyType.GENERIC_SECRET, 256, label=token_module.mac_label(config.kek_label),
-                store=True, capabilities=mac_flags,
-                template={Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: False,
-                          Attribute.PRIVATE: True, Attribute.MODIFIABLE: False,
-                          **(mac_changes or {})})
+            label = token_module.mac_label(config.kek_label)
+            template: dict[Attribute, object] = {
+                Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: False,
+                Attribute.PRIVATE: True, Attribute.MODIFIABLE: False, **(mac_changes or {})}
+            if not mac_later:
+                session.generate_key(KeyType.GENERIC_SECRET, 256, label=label, store=True,
+                                     capabilities=mac_flags, template=template)
+                return
+            scratch = session.generate_key(
+                KeyType.GENERIC_SECRET, 256, label="scratch-" + label, store=True,
+                capabilities=mac_flags, template=template | {Attribute.MODIFIABLE: True})
+            try:
+                for attribute, value in mac_later.items():
+                    scratch[attribute] = value
+                scratch.copy({Attribute.LABEL: label, Attribute.MODIFIABLE: False})
+            finally:
+                scratch.destroy()
         finally:
             token_module._release_session(key)
 
@@ -237,24 +257,121 @@ async def test_keys_init_finds_operator_made_keys_by_label_and_makes_none(
     await opened.aclose()
 
 
+_SIGNS = MechanismFlag.SIGN | MechanismFlag.VERIFY
+#: `MAC_REQUIRED` row -> an HMAC key right in every way but that row: (capabilities, the
+#: attributes it is made with, those set after it was made).
+_MAC_WRONG: dict[Attribute, tuple[MechanismFlag, dict[Attribute, object],
+                                  dict[Attribute, object]]] = {
+    Attribute.EXTRACTABLE: (_SIGNS, {Attribute.EXTRACTABLE: True}, {}),
+    # Not sensitive means never always-sensitive either: refused by the first, by name.
+    Attribute.SENSITIVE: (_SIGNS, {Attribute.SENSITIVE: False}, {}),
+    # Readable once, sensitive now: its value may be known outside the token.
+    Attribute.ALWAYS_SENSITIVE: (_SIGNS, {Attribute.SENSITIVE: False},
+                                 {Attribute.SENSITIVE: True}),
+    # Extractable once, locked now: it may have been wrapped out meanwhile.
+    Attribute.NEVER_EXTRACTABLE: (_SIGNS, {Attribute.EXTRACTABLE: True},
+                                  {Attribute.EXTRACTABLE: False}),
+    Attribute.PRIVATE: (_SIGNS, {Attribute.PRIVATE: False}, {}),
+    # A session object: it lives only while the `custody` fixture holds the session open.
+    Attribute.TOKEN: (_SIGNS, {Attribute.TOKEN: False}, {}),
+    Attribute.SIGN: (MechanismFlag.VERIFY, {}, {}),
+    Attribute.ENCRYPT: (_SIGNS | MechanismFlag.ENCRYPT, {}, {}),
+    Attribute.DECRYPT: (_SIGNS | MechanismFlag.DECRYPT, {}, {}),
+    Attribute.DERIVE: (_SIGNS | MechanismFlag.DERIVE, {}, {}),
+    Attribute.WRAP: (_SIGNS | MechanismFlag.WRAP, {}, {}),
+    Attribute.UNWRAP: (_SIGNS | MechanismFlag.UNWRAP, {}, {}),
+    Attribute.MODIFIABLE: (_SIGNS, {Attribute.MODIFIABLE: True}, {}),
+}
+#: Every row of `MAC_REQUIRED`, then any planted above that it lacks: a row added there
+#: with no key planted here fails, and so does a row dropped there (its key is accepted).
+_MAC_ROWS = [*token_module.MAC_REQUIRED,
+             *(row for row in _MAC_WRONG if row not in token_module.MAC_REQUIRED)]
+
+
 @pytest.mark.token_offers("GENERATE_KEY")
-@pytest.mark.parametrize(("wrong", "flags", "changes"), [
-    ("EXTRACTABLE", MechanismFlag.SIGN | MechanismFlag.VERIFY, {Attribute.EXTRACTABLE: True}),
-    ("SENSITIVE", MechanismFlag.SIGN | MechanismFlag.VERIFY, {Attribute.SENSITIVE: False}),
-    ("ENCRYPT", MechanismFlag.SIGN | MechanismFlag.ENCRYPT, {}),
-    ("SIGN", MechanismFlag.VERIFY, {}),
-    ("MODIFIABLE", MechanismFlag.SIGN | MechanismFlag.VERIFY, {Attribute.MODIFIABLE: True}),
-])
+@pytest.mark.parametrize("wrong", _MAC_ROWS, ids=lambda row: row.name)
 async def test_an_operator_made_hmac_key_wrong_in_one_attribute_is_refused_by_name(
-    softhsm_token: SoftHsmToken, tmp_path: Path, wrong: str, flags: MechanismFlag,
-    changes: dict[Attribute, object], caplog: pytest.LogCaptureFixture,
+    softhsm_token: SoftHsmToken, tmp_path: Path, wrong: Attribute, custody: Custody,
 ) -> None:
-    config = config_for(softhsm_token, "etm", f"bad-{wrong}-{tmp_path.name}"[:60])
-    await _plant_pair(config, mac_flags=flags, mac_changes=changes)
-    with pytest.raises(CustodyError, match=f"KEK HMAC key .*: {wrong} is"):
+    assert wrong in _MAC_WRONG, f"MAC_REQUIRED has a row {wrong.name} no test plants a key for"
+    flags, made_with, set_later = _MAC_WRONG[wrong]
+    config = config_for(softhsm_token, "etm", f"bad-{wrong.name}-{tmp_path.name}"[:60])
+    await _plant_pair(config, mac_flags=flags, mac_changes=made_with, mac_later=set_later)
+    # Every MAC_REQUIRED refusal starts with the attribute's name; ": " tells SENSITIVE
+    # from ALWAYS_SENSITIVE.
+    refusal = re.escape(f"refusing KEK HMAC key {token_module.mac_label(config.kek_label)!r}: "
+                        f"{wrong.name} is")
+    with pytest.raises(CustodyError, match=refusal):
         await init_keys(config)
-    with pytest.raises(CustodyError, match=f"{wrong} is"):
+    with pytest.raises(CustodyError, match=refusal):
         await Custody.open(config, tmp_path / "state")
+
+
+@pytest.mark.token_offers("CREATE_AES_KEY")
+async def test_an_imported_hmac_key_is_refused_as_once_readable(
+    softhsm_token: SoftHsmToken, tmp_path: Path
+) -> None:
+    """An HMAC key made with C_CreateObject from a value its maker chose (and so knows),
+    right in every attribute that can be set: the token marks it neither ALWAYS_SENSITIVE
+    nor NEVER_EXTRACTABLE, and it is refused for that."""
+    config = config_for(softhsm_token, "etm", f"imported-{tmp_path.name}"[:60])
+    label = token_module.mac_label(config.kek_label)
+
+    def plant() -> tuple[object, object]:
+        key, shared = token_module._acquire_session(config)
+        try:
+            shared.session.generate_key(
+                KeyType.AES, 256, label=config.kek_label, store=True,
+                capabilities=MechanismFlag.ENCRYPT | MechanismFlag.DECRYPT,
+                template=kekinit_module.KEK_TEMPLATE)
+            imported = shared.session.create_object(
+                {Attribute.CLASS: ObjectClass.SECRET_KEY,
+                 Attribute.KEY_TYPE: KeyType.GENERIC_SECRET, Attribute.VALUE: bytes(range(32)),
+                 Attribute.LABEL: label, Attribute.SIGN: True, Attribute.VERIFY: True}
+                | kekinit_module.MAC_KEY_TEMPLATE | {Attribute.TOKEN: True})
+            return imported[Attribute.ALWAYS_SENSITIVE], imported[Attribute.NEVER_EXTRACTABLE]
+        finally:
+            token_module._release_session(key)
+
+    assert await in_token_worker(plant) == (False, False)
+    once_readable = re.escape(f"refusing KEK HMAC key {label!r}: ") + (
+        "(ALWAYS_SENSITIVE|NEVER_EXTRACTABLE) is false")
+    with pytest.raises(CustodyError, match=once_readable):
+        await init_keys(config)
+    with pytest.raises(CustodyError, match=once_readable):
+        await Custody.open(config, tmp_path / "state")
+
+
+@pytest.mark.token_offers("GENERATE_KEY")
+async def test_an_aes_key_under_the_hmac_label_is_not_the_hmac_half(
+    softhsm_token: SoftHsmToken, tmp_path: Path
+) -> None:
+    """The HMAC half is looked up only among MAC_KEY_TYPES: an AES key labelled `L-mac`,
+    right in every MAC_REQUIRED row (it may SIGN: AES-CMAC), is not found as L's HMAC key.
+    `keys init` then makes the HMAC half beside it, and L opens."""
+    config = config_for(softhsm_token, "etm", f"aesmac-{tmp_path.name}"[:60])
+    label = token_module.mac_label(config.kek_label)
+
+    def plant() -> None:
+        key, shared = token_module._acquire_session(config)
+        try:
+            shared.session.generate_key(
+                KeyType.AES, 256, label=config.kek_label, store=True,
+                capabilities=MechanismFlag.ENCRYPT | MechanismFlag.DECRYPT,
+                template=kekinit_module.KEK_TEMPLATE)
+            shared.session.generate_key(KeyType.AES, 256, label=label, store=True,
+                                        capabilities=_SIGNS,
+                                        template=kekinit_module.MAC_KEY_TEMPLATE)
+        finally:
+            token_module._release_session(key)
+
+    await in_token_worker(plant)
+    with pytest.raises(CustodyError, match=re.escape(
+            f"has the AES key {config.kek_label!r} but not its HMAC key {label!r}")):
+        await Custody.open(config, tmp_path / "state")
+    assert (await init_keys(config)).created == (label,)
+    opened = await Custody.open(config, tmp_path / "state")
+    await opened.aclose()
 
 
 async def test_a_forced_seal_the_token_lacks_is_refused_at_init_and_open(
