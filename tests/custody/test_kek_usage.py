@@ -4,15 +4,26 @@ a KEK usable without login (PRIVATE false).
 Security review: `_check_kek` looked only at whether the key could leave the token, so a
 planted or hand-made key that may DERIVE, WRAP or UNWRAP, or is MODIFIABLE, was used. Each
 row plants a key under its own label that is right in every way but one.
+
+A mutation review then found the rows about the key itself unguarded: one that is, or once
+was, readable or extractable (SENSITIVE, ALWAYS_SENSITIVE, NEVER_EXTRACTABLE; a key
+imported with C_CreateObject), a session object (TOKEN), an AES-128 key (VALUE_LEN). Those
+are `_MATERIAL`; between them the two tables plant a key for every row of `KEK_REQUIRED`
+and `GCM_REQUIRED`, and a test says so.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+from pkcs11 import Attribute, KeyType, MechanismFlag, ObjectClass
 
-from custody import Custody, CustodyError, init_kek
+import custody._kekinit as kekinit_module
+import custody._token as token_module
+from custody import Custody, CustodyError, TokenConfig, init_kek
+from custody._worker import in_token_worker
 from tests.fixtures.token import SoftHsmToken, plant_aes_key
 
 #: The one wrong attribute -> (capabilities, template changes) that make it wrong.
@@ -82,3 +93,105 @@ async def test_a_refused_twin_kek_search_leaves_the_shared_session_usable(
     finally:
         gc.enable()
         await held.aclose()
+
+
+#: The rows about the key itself rather than its usage: the one wrong attribute -> (bits,
+#: attributes it is made with, attributes set after it was made, what the refusal says).
+#: A key changed after it was made is copied to its label unmodifiable (C_CopyObject), so
+#: ALWAYS_SENSITIVE and NEVER_EXTRACTABLE keep the value it once had.
+_MATERIAL: dict[str, tuple[int, dict[str, bool], dict[str, bool], str]] = {
+    "EXTRACTABLE": (256, {"EXTRACTABLE": True}, {}, "EXTRACTABLE is true"),
+    # Not sensitive means never always-sensitive either: refused by the first, by name.
+    "SENSITIVE": (256, {"SENSITIVE": False}, {}, "SENSITIVE is false"),
+    # Readable once, sensitive now: its value may be known outside the token.
+    "ALWAYS_SENSITIVE": (256, {"SENSITIVE": False}, {"SENSITIVE": True},
+                         "ALWAYS_SENSITIVE is false"),
+    # Extractable once, locked now: it may have been wrapped out meanwhile.
+    "NEVER_EXTRACTABLE": (256, {"EXTRACTABLE": True}, {"EXTRACTABLE": False},
+                          "NEVER_EXTRACTABLE is false"),
+    # A session object: it lives only while the `custody` fixture holds the session open.
+    "TOKEN": (256, {"TOKEN": False}, {}, "TOKEN is false"),
+    "VALUE_LEN": (128, {}, {}, "it is not a 256-bit key"),
+}
+
+
+@pytest.mark.token_independent
+def test_every_kek_row_has_a_key_planted_wrong_in_it() -> None:
+    rows = token_module.KEK_REQUIRED | token_module.GCM_REQUIRED
+    assert {row.name for row in rows} == _WRONG.keys() | _MATERIAL.keys()
+
+
+async def _plant(config: TokenConfig, bits: int, made_with: dict[str, bool],
+                 set_later: dict[str, bool]) -> None:
+    """An AES key labelled `config.kek_label`, as `keys init` makes one but for `made_with`
+    and `set_later`."""
+    def plant() -> None:
+        key, shared = token_module._acquire_session(config)
+        try:
+            template = kekinit_module.KEK_TEMPLATE | {
+                Attribute[name]: value for name, value in made_with.items()}
+            flags = MechanismFlag.ENCRYPT | MechanismFlag.DECRYPT
+            if not set_later:
+                shared.session.generate_key(KeyType.AES, bits, label=config.kek_label,
+                                            store=True, capabilities=flags, template=template)
+                return
+            scratch = shared.session.generate_key(
+                KeyType.AES, bits, label="scratch-" + config.kek_label, store=True,
+                capabilities=flags, template=template | {Attribute.MODIFIABLE: True})
+            try:
+                for name, value in set_later.items():
+                    scratch[Attribute[name]] = value
+                scratch.copy({Attribute.LABEL: config.kek_label, Attribute.MODIFIABLE: False})
+            finally:
+                scratch.destroy()
+        finally:
+            token_module._release_session(key)
+
+    await in_token_worker(plant)
+
+
+@pytest.mark.token_offers("GENERATE_KEY")
+@pytest.mark.parametrize("wrong", list(_MATERIAL))
+async def test_a_kek_that_is_or_was_readable_or_is_not_aes_256_is_refused_by_name(
+    softhsm_token: SoftHsmToken, tmp_path: Path, wrong: str, custody: Custody
+) -> None:
+    config = softhsm_token.config(kek_label=f"material-{wrong.lower()}")
+    bits, made_with, set_later, says = _MATERIAL[wrong]
+    await _plant(config, bits, made_with, set_later)
+    refusal = re.escape(f"refusing KEK {config.kek_label!r}: {says}")
+    with pytest.raises(CustodyError, match=refusal):
+        opened = await Custody.open(config, tmp_path / "state")
+        await opened.aclose()
+    with pytest.raises(CustodyError, match=refusal):
+        await init_kek(config)
+
+
+@pytest.mark.token_offers("CREATE_AES_KEY")
+async def test_an_imported_kek_is_refused_as_once_readable(
+    softhsm_token: SoftHsmToken, tmp_path: Path
+) -> None:
+    """A KEK made with C_CreateObject from a value its maker chose (and so knows), right
+    in every attribute that can be set: the token marks it neither ALWAYS_SENSITIVE nor
+    NEVER_EXTRACTABLE, and it is refused for that."""
+    config = softhsm_token.config(kek_label="material-imported")
+
+    def plant() -> tuple[object, object]:
+        key, shared = token_module._acquire_session(config)
+        try:
+            imported = shared.session.create_object(
+                {Attribute.CLASS: ObjectClass.SECRET_KEY, Attribute.KEY_TYPE: KeyType.AES,
+                 Attribute.VALUE: bytes(range(32)), Attribute.LABEL: config.kek_label,
+                 Attribute.TOKEN: True, Attribute.ENCRYPT: True, Attribute.DECRYPT: True}
+                | kekinit_module.KEK_TEMPLATE)
+            return imported[Attribute.ALWAYS_SENSITIVE], imported[Attribute.NEVER_EXTRACTABLE]
+        finally:
+            token_module._release_session(key)
+
+    assert await in_token_worker(plant) == (False, False)
+    once_readable = re.escape(f"refusing KEK {config.kek_label!r}: ") + (
+        "(ALWAYS_SENSITIVE|NEVER_EXTRACTABLE) is false")
+    with pytest.raises(CustodyError, match=once_readable):
+        opened = await Custody.open(config, tmp_path / "state")
+        await opened.aclose()
+    with pytest.raises(CustodyError, match=once_readable):
+        await init_kek(config)
