@@ -7,9 +7,10 @@ the wipe is missing. A positive control in each test shows the spied object did 
 secret while it was in use, so a test cannot pass by watching the wrong buffer.
 
 Sites: `seal()`'s plaintext copy; libsecp256k1's keypair and ECDH intermediates; the
-AES-GCM plaintext the token returns; a backup's plaintext (the export's buffer and the
-bytes handed to age, the restore's decrypted bytes and the buffer `BackupContents` holds);
-the PIN buffer read at login.
+AES-GCM plaintext the token returns; the encrypt-then-MAC keystream, sealing and opening;
+the Secret `unseal()` filled before a defence refused it; a backup's plaintext (the
+export's buffer and the bytes handed to age, the restore's decrypted bytes and the buffer
+`BackupContents` holds); the PIN buffer read at login.
 """
 
 from __future__ import annotations
@@ -25,7 +26,16 @@ import custody._secp256k1 as curve_module
 import custody._sealed as sealed_module
 import custody._token as token_module
 from custody import Custody, export_backup, open_backup
-from tests.custody._sealing import SEAL_KINDS, event, held_custody, secret_of
+from tests.custody._sealing import (
+    SEAL_KINDS,
+    blob_of,
+    event,
+    held_custody,
+    put_blob,
+    refused_by,
+    seal_as,
+    secret_of,
+)
 from tests.custody._secrets import PUB_2, SECRET_1, SECRET_2
 from tests.fixtures.token import SoftHsmToken
 
@@ -116,6 +126,55 @@ async def test_the_gcm_plaintext_is_wiped_after_each_unseal(
         await held.custody.sign_event(held.a[1], event(held.a[1]))
     assert [during for _, during in returned] == [bytes.fromhex(SECRET_1)]
     assert all(_zero(plaintext) for plaintext, _ in returned)
+
+
+async def test_the_etm_keystream_is_wiped_after_each_seal_and_each_unseal(
+    softhsm_token: SoftHsmToken, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Keystream XOR the blob's ciphertext is the key: as secret as the plaintext.
+    returned: list[tuple[bytes, bytes]] = []
+    real = token_module.Token.keystream
+
+    def spy(self: Any, *args: Any) -> bytes:
+        stream: bytes = real(self, *args)
+        returned.append((stream, bytes(bytearray(stream))))
+        return stream
+
+    monkeypatch.setattr(token_module.Token, "keystream", spy)
+    async with held_custody(softhsm_token, "etm", tmp_path / "state", "wipe-keystream") as held:
+        await held.custody.sign_event(held.a[1], event(held.a[1]))  # A sealed, B sealed, A opened
+        blob = blob_of(held.state, held.a[1])
+    # Positive control: A's seal and A's unseal asked for the same keystream (one nonce),
+    # and it turns A's ciphertext into A's key.
+    assert len(returned) == 3 and returned[0][1] == returned[2][1]
+    ciphertext = blob[-64:-32]
+    assert bytes(c ^ k for c, k in zip(ciphertext, returned[2][1])) == bytes.fromhex(SECRET_1)
+    assert all(_zero(stream) for stream, _ in returned)
+
+
+@pytest.mark.parametrize("kind", SEAL_KINDS)
+async def test_a_key_opened_then_refused_is_wiped(
+    softhsm_token: SoftHsmToken, tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A's key sealed with B's AAD, on B's record, gets past the format, KEK and
+    authentication defences and opens; the pubkey defence refuses it. The Secret it was
+    opened into held A's key, and is zero once refused."""
+    checked: list[tuple[Any, bytes]] = []
+    real = sealed_module.xonly_pubkey
+
+    def spy(secret: Any) -> bytes:
+        checked.append((secret, bytes(secret.cdata)))
+        return real(secret)
+
+    async with held_custody(softhsm_token, kind, tmp_path / "state",
+                            f"wipe-refused-{kind}") as held:
+        b = held.b[1]
+        put_blob(held.state, b, await seal_as(held, held.a[0], b))
+        monkeypatch.setattr(sealed_module, "xonly_pubkey", spy)
+        assert await refused_by(held, b, caplog) == "pubkey"
+    assert [during for _, during in checked] == [bytes.fromhex(SECRET_1)]
+    assert all(_zero(bytes(secret.cdata)) for secret, _ in checked)
 
 
 async def test_a_backups_plaintext_is_wiped_on_export_and_on_open(
