@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
+import coincurve
 import nostr_sdk
 import pytest
 
@@ -89,6 +91,34 @@ def test_our_owner_tags_verify() -> None:
 def test_owner_cannot_own_itself() -> None:
     with secret(SECRET_1) as owner, pytest.raises(ValueError):
         make_owner_tag(owner, PUB_1, PUB_1)
+
+
+def _signed(owner_secret: str, digest: bytes) -> str:
+    with secret(owner_secret) as owner:
+        return schnorr_sign(owner, digest, bytes(32)).hex()
+
+
+#: A NIP-OA tag wrong in one way, around a valid signature by its owner PUB_1 -> (the tag
+#: around the signature, the agent it is checked for, the agent and conditions signed).
+_WRONG_OWNER_TAGS: dict[str, tuple[Callable[[str], list[object]], str, str, str]] = {
+    # NIP-OA: the owner is not the agent; an agent vouching for itself vouches for nothing.
+    "owner is the agent": (lambda sig: ["auth", PUB_1, "", sig], PUB_1, PUB_1, ""),
+    "not named auth": (lambda sig: ["delegation", PUB_1, "", sig], PUB_2, PUB_2, ""),
+    # The digest formats whatever it is given: 0 would be taken as the conditions "0".
+    "conditions not a string": (lambda sig: ["auth", PUB_1, 0, sig], PUB_2, PUB_2, "0"),
+    "a fifth item": (lambda sig: ["auth", PUB_1, "", sig, ""], PUB_2, PUB_2, ""),
+    "no conditions": (lambda sig: ["auth", PUB_1, sig], PUB_2, PUB_2, ""),
+}
+
+
+@pytest.mark.parametrize("wrong", list(_WRONG_OWNER_TAGS))
+def test_a_validly_signed_owner_tag_wrong_in_one_way_does_not_verify(wrong: str) -> None:
+    tag_around, agent, signed_agent, signed_conditions = _WRONG_OWNER_TAGS[wrong]
+    digest = owner_tag_digest(signed_agent, signed_conditions)
+    sig = _signed(SECRET_1, digest)
+    # Positive control: the signature is PUB_1's, valid over what it signed.
+    assert coincurve.PublicKeyXOnly(bytes.fromhex(PUB_1)).verify(bytes.fromhex(sig), digest)
+    assert not verify_owner_tag(tag_around(sig), agent)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("secret_hex", [SECRET_1, SECRET_2, SECRET_X])
