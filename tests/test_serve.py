@@ -1,8 +1,10 @@
 """`buzz-broker serve`: readiness, watchdog, SIGHUP reload, SIGTERM drain, startup faults.
 
 The application is a small fake injected through `run_server`'s factory, so these tests
-exercise the daemon's edges (socket, systemd protocols, signals) on their own. One test
-runs the daemon as a real child process with a socket passed through LISTEN_FDS.
+exercise the daemon's edges (socket, systemd protocols, signals) on their own. Some run
+the daemon as a real child process: one with a socket passed through LISTEN_FDS, and the
+signal tests whose failure is the process dying (a signal with its default action would
+end the test process itself in-process). The last ones run the real broker.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -19,9 +22,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -31,11 +36,15 @@ from custody import TokenConfig
 from daemon.cli import main
 from daemon.cli import serve as serve_cli
 from daemon.cli._common import CliError
-from daemon.cli.serve import MemoryLock, ReloadableApplication, run_server
+from daemon.cli.serve import EXIT_STOPPED, MemoryLock, ReloadableApplication, run_server
 from daemon.config import Config, load_config
 from daemon.http import HttpAnswer, HttpRequest, ServerControl, bind_unix_socket
-from daemon.log import setup_logging
+from daemon.log import log_event, setup_logging
+from daemon.state.audit import AUDIT_DIRNAME, audit_files
+from tests.adversarial._daemon import DaemonProcess, envelope, post, request_body, setup_state
+from tests.fixtures.broker import write_config as broker_config
 from tests.fixtures.relay import free_port
+from tests.scripted_relay import Script, ScriptedRelay
 from tests.test_http import Reader, req
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,6 +76,24 @@ def fake_factory(app: FakeApp) -> serve_cli.AppFactory:
             yield app
         finally:
             app.closed = True
+
+    return factory
+
+
+def gated_start_factory(app: FakeApp, gate: str) -> serve_cli.AppFactory:
+    """As `fake_factory`, but the start (the token login, in production) lasts until the
+    file `gate` exists; a start cancelled meanwhile logs ``test.start_cancelled``."""
+
+    @asynccontextmanager
+    async def factory(config: Config) -> AsyncIterator[ReloadableApplication]:
+        try:
+            while not os.path.exists(gate):
+                await trio.sleep(0.01)
+        except trio.Cancelled:
+            log_event(logging.getLogger("buzz_broker.test"), "test.start_cancelled")
+            raise
+        async with fake_factory(app)(config) as opened:
+            yield opened
 
     return factory
 
@@ -673,3 +700,239 @@ def test_real_broker_socket_activated(
     print(f"process start to READY=1 with the real broker: {ready_after * 1000:.0f} ms")
     assert "tok-serve-secret" not in log
     assert not os.path.exists(os.path.join(sockdir, "never-bound.sock"))
+
+
+# --------------------------------------------------------------------------- signals, a real process
+
+#: `serve`'s startup as it runs, binding its own socket (so the file is the daemon's to
+#: remove), with the fake application of `gated_start_factory(argv[2])`.
+GATED_START_CHILD = """
+import functools, sys
+import trio
+from daemon.config import load_config
+from daemon.log import setup_logging
+from daemon.cli.serve import run_server
+from tests.test_serve import FakeApp, gated_start_factory, no_lock
+config = load_config(sys.argv[1])
+setup_logging(config.log.level)
+factory = gated_start_factory(FakeApp(), sys.argv[2])
+sys.exit(trio.run(functools.partial(run_server, config, factory, memory_lock=no_lock)))
+"""
+
+
+async def until_logged(log_path: Path, proc: trio.Process | subprocess.Popen[bytes],
+                       event: str) -> None:
+    """Until the daemon logged `event` (its stderr is in `log_path`); fails at once if the
+    process exited first."""
+    with trio.fail_after(20):
+        while f'"event":"{event}"' not in log_path.read_text():
+            assert proc.poll() is None, (f"exited {proc.returncode} before logging {event}: "
+                                         f"{log_path.read_text()[-1500:]}")
+            await trio.sleep(0.01)
+
+
+class Child:
+    """A daemon child process, its stderr (the JSON log) in a file."""
+
+    def __init__(self, proc: trio.Process, log_path: Path) -> None:
+        self.proc = proc
+        self.log_path = log_path
+
+    def events(self) -> list[str]:
+        return [json.loads(line)["event"] for line in self.log_path.read_text().splitlines()
+                if line.startswith("{")]
+
+
+@asynccontextmanager
+async def gated_start_child(sockdir: str, dgrams: Datagrams) -> AsyncIterator[Child]:
+    config = write_config(sockdir)
+    log_path = Path(sockdir) / "child.log"
+    env = dict(os.environ, NOTIFY_SOCKET=dgrams.path)
+    env.pop("BUZZ_BROKER_CONFIG", None)
+    with open(log_path, "wb") as log:
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-c", GATED_START_CHILD, config.source or "",
+             os.path.join(sockdir, "gate")],
+            cwd=ROOT, env=env, stdout=log, stderr=log)
+    try:
+        yield Child(proc, log_path)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+async def test_a_stop_while_starting_abandons_the_start(sockdir: str, stop: signal.Signals
+                                                        ) -> None:
+    """SIGTERM or SIGINT before READY=1 (a slow token login): the start is cancelled, the
+    socket file removed, exit 0. It used to kill the process (no receiver was open yet:
+    -15, the socket file left) or raise KeyboardInterrupt out of the start."""
+    dgrams = Datagrams(os.path.join(sockdir, "notify"))
+    await dgrams.bind()
+    async with gated_start_child(sockdir, dgrams) as child:
+        # Sent once the socket is bound, as the application's start begins.
+        await dgrams.until("STATUS=opening the token, the stores and the relay pool", timeout=15)
+        socket_path = os.path.join(sockdir, "b.sock")
+        assert os.path.exists(socket_path)
+        child.proc.send_signal(stop)
+        with trio.fail_after(15):
+            code = await child.proc.wait()
+        assert code == EXIT_STOPPED == 0, child.log_path.read_text()[-1500:]
+        assert not os.path.exists(socket_path), "the socket file it bound is removed"
+        events = child.events()
+    await dgrams.until("STOPPING=1")  # sent before it exited: waiting in our socket
+    assert "serve.ready" not in events
+    assert [e for e in events if e.startswith(("serve.start_abandoned", "test.", "serve.stopped"))
+            ] == ["serve.start_abandoned", "test.start_cancelled", "serve.stopped"]
+    assert not any("READY=1" in m.split("\n") for m in dgrams.seen)
+
+
+async def test_a_reload_asked_while_starting_runs_once_serving(sockdir: str) -> None:
+    """SIGHUP before READY=1 is kept: the reload runs right after READY=1. It used to end
+    the process (SIGHUP's default action, no receiver open yet)."""
+    dgrams = Datagrams(os.path.join(sockdir, "notify"))
+    await dgrams.bind()
+    async with gated_start_child(sockdir, dgrams) as child:
+        await dgrams.until("STATUS=opening the token, the stores and the relay pool", timeout=15)
+        child.proc.send_signal(signal.SIGHUP)
+        child.proc.send_signal(signal.SIGHUP)
+        await until_logged(child.log_path, child.proc, "serve.reload_deferred")
+        Path(sockdir, "gate").touch()  # the start completes
+        ready = (await dgrams.until("READY=1"))[-1].split("\n")
+        assert ready[1].startswith("STATUS=serving on ")
+        await dgrams.until("RELOADING=1")
+        reloaded = (await dgrams.until("READY=1"))[-1].split("\n")
+        assert reloaded[1].endswith("; reloaded")
+        child.proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(15):
+            code = await child.proc.wait()
+        events = child.events()
+    assert code == EXIT_STOPPED
+    served = events[events.index("serve.ready"):]
+    assert served.count("serve.reloaded") == 1  # two SIGHUPs, one reload: both were before it
+    assert served.index("serve.reloaded") < served.index("serve.stopping")
+    assert "serve.stopped" in events
+
+
+class HoldingRelay(ScriptedRelay):
+    """A scripted relay that keeps back its OK to the EVENT whose content is `HELD` until
+    `release()`: a request held at the relay, as a slow relay holds one."""
+
+    HELD = "held at the relay"
+
+    def __init__(self) -> None:
+        super().__init__(Script())
+        #: Set once the held EVENT has arrived: its request is with the relay.
+        self.holding = trio.Event()
+        self._released = trio.Event()
+        self._held_id: str | None = None
+
+    def release(self) -> None:
+        self._released.set()
+
+    async def _handle(self, request: Any) -> None:
+        relay = self
+
+        class HoldingSocket:
+            def __init__(self, ws: Any) -> None:
+                self._ws = ws
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self._ws, name)
+
+            async def get_message(self) -> str:
+                message: str = await self._ws.get_message()
+                frame = json.loads(message)
+                if frame[0] == "EVENT" and frame[1].get("content") == relay.HELD:
+                    relay._held_id = frame[1]["id"]
+                return message
+
+            async def send_message(self, message: str) -> None:
+                frame = json.loads(message)
+                if frame[0] == "OK" and frame[1] == relay._held_id:
+                    relay.holding.set()
+                    await relay._released.wait()
+                await self._ws.send_message(message)
+
+        class HoldingRequest:
+            async def accept(self) -> HoldingSocket:
+                return HoldingSocket(await request.accept())
+
+        await super()._handle(HoldingRequest())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("first, second", [
+    (signal.SIGTERM, signal.SIGTERM),
+    (signal.SIGTERM, signal.SIGHUP),
+    (signal.SIGINT, signal.SIGINT),
+], ids=["term-term", "term-hup", "int-int"])
+async def test_a_second_signal_during_the_drain_lets_the_stop_finish(
+    custody_state: tuple[TokenConfig, Path], sockdir: str, nursery: trio.Nursery,
+    first: signal.Signals, second: signal.Signals,
+) -> None:
+    """The real broker, a message.post held at the relay: SIGTERM (or SIGINT) starts the
+    drain; a second signal meanwhile is logged and changes nothing; released, the request
+    is answered and the stop finishes: the application's close writes the counted reads,
+    the socket file is removed, `serve.stopped`, exit 0.
+
+    It used to end the process when the drain ended (the signal left queued in a closed
+    receiver got its default action: -15, -1), with none of the closes run; a second
+    SIGINT raised KeyboardInterrupt there."""
+    token, state_dir = custody_state
+    relay = HoldingRelay()
+    await nursery.start(relay.serve, free_port())
+    channel = str(uuid.uuid4())
+    agent = await setup_state(token, state_dir, [channel])
+    sock = Path(sockdir) / "b.sock"
+    # Neither the relay's timeouts nor the grace end the held request: only `release`.
+    config = broker_config(Path(sockdir) / "broker.toml", token=token, state_dir=state_dir,
+                           socket=sock, relay_url=relay.url, relay_timeout=60,
+                           sections={"server": {"shutdown_grace": 60}})
+    daemon = await DaemonProcess.start(config, sock)
+    try:
+        reads = 3  # counted in memory, written to the audit log by the application's close
+        for _ in range(reads):
+            read = request_body("storage.address", {"slug": "mem/x"})
+            assert envelope(await post(sock, read, agent.credential))["status"] == "succeeded"
+        answers: list[Any] = []
+
+        async def held_post() -> None:
+            body = request_body("message.post", {"channelId": channel, "content": relay.HELD})
+            answers.append(await post(sock, body, agent.credential))
+
+        async with trio.open_nursery() as requests:
+            requests.start_soon(held_post)
+            with trio.fail_after(20):
+                await relay.holding.wait()
+            os.kill(daemon.pid, first)
+            await until_logged(daemon.log_path, daemon.proc, "serve.stopping")
+            # Still held when the second signal is sent: it lands during the drain. (Not
+            # waiting for its log line first: the old code logged nothing, it kept the
+            # signal queued and died of it once the drain was over.)
+            assert answers == []
+            os.kill(daemon.pid, second)
+            relay.release()
+        code = await daemon.wait_exit(30)
+        socket_left = sock.exists()  # before `kill`, which removes a dead daemon's socket
+    finally:
+        daemon.kill()
+    assert code == EXIT_STOPPED, daemon.log()[-2000:]
+    assert envelope(answers[0])["status"] == "succeeded"
+    assert not socket_left
+    events = daemon.log_events()
+    [stopping] = [e for e in events if e.get("event") == "serve.stopping"]
+    assert (stopping["signal"], stopping["in_flight"]) == (first.name, 1)
+    [ignored] = [e for e in events if e.get("event") == "serve.signal_ignored"]
+    assert ignored["signal"] == second.name
+    assert events[-1]["event"] == "serve.stopped"
+    counted = [json.loads(line) for _n, path in audit_files(state_dir / AUDIT_DIRNAME)
+               for line in path.read_bytes().splitlines()
+               if b'"phase":"reads"' in line and b'"storage.address"' in line]
+    assert sum(line["count"] for line in counted) == reads
+
+
+def test_every_signal_has_a_row_in_every_phase() -> None:
+    assert set(serve_cli._ON_SIGNAL) == {(phase, ask) for phase in serve_cli._Phase
+                                         for ask in serve_cli._Ask}
+    assert set(serve_cli._ASKS) == {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}

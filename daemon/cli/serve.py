@@ -14,19 +14,38 @@ Startup, in order (each fault is one line on stderr and a non-zero exit, no trac
    clients that connect early wait in the backlog, and a socket fault is reported before a
    slow token login;
 4. open the application (`daemon.wiring.running`: custody logs into the token and
-   finds the KEK, the stores and the relay pool open) - `StartupError` is one line;
+   finds the KEK, the stores and the relay pool open) - `StartupError` is one line, and a
+   stop signal meanwhile abandons the start (Signals, below);
 5. bind the [metrics] socket (if set; a taken one is one line),
    serve HTTP on every socket with `daemon.http.serve` (agents: `action_routes`; metrics:
    `daemon.metrics.scrape_routes` under its `SCRAPE_LIMITS`), then send ``READY=1`` and a
    ``STATUS=`` line; ping ``WATCHDOG=1`` from the event loop at half of
    ``WATCHDOG_USEC`` (a wedged loop stops the pings and systemd restarts us).
 
-Signals: SIGTERM/SIGINT -> ``STOPPING=1``, the socket and every TCP listener stop
-accepting and drain their in-flight requests within one [server] shutdown_grace, exit 0.
-SIGHUP -> ``RELOADING=1`` (with ``MONOTONIC_USEC``, which
-systemd 253's Type=notify-reload requires; 252 ignores it), ``app.reload()`` (credentials
-and policy) while connections stay open, then ``READY=1``; a failed reload is logged and
-the running state kept (READY=1 still follows: the daemon serves on).
+Signals: one receiver for SIGTERM, SIGINT and SIGHUP is open for all of `run_server`,
+from before the socket is bound until after it is removed, and one task (`_Signals.take`)
+reads it; what a signal does depends on the phase (`_ON_SIGNAL`):
+
+- serving: SIGTERM/SIGINT -> ``STOPPING=1``, the socket and every TCP listener stop
+  accepting and drain their in-flight requests within one [server] shutdown_grace, then
+  the application closes (its flushes, the ledger anchor, the stores) and the socket is
+  removed. SIGHUP -> ``RELOADING=1`` (with ``MONOTONIC_USEC``, which systemd 253's
+  Type=notify-reload requires; 252 ignores it), ``app.reload()`` (credentials and policy)
+  while connections stay open, then ``READY=1``; a failed reload is logged and the running
+  state kept (READY=1 still follows: the daemon serves on).
+- starting (before ``READY=1``: the token login may take a while): SIGTERM/SIGINT ->
+  ``STOPPING=1``, ``serve.start_abandoned``, the start is cancelled (what it opened is
+  closed) and the socket removed. SIGHUP -> kept, and the reload runs once serving.
+- stopping: every signal is logged (``serve.signal_ignored``) and changes nothing: the
+  drain is already bounded by shutdown_grace, and what follows it (the application's
+  close) must run to its end. The service manager's SIGKILL remains the way to cut it.
+
+Either way a stop asked by SIGTERM or SIGINT exits `EXIT_STOPPED` (0), also when the
+grace cut requests (logged ``drain_deadline``): the stop was the one asked for and nothing
+is left open. Why one receiver: trio re-raises, when a receiver closes, every signal still
+queued in it with the handler that was there before (SIG_DFL for SIGTERM and SIGHUP), so a
+receiver closed right after the first stop signal turned a second one during the drain
+into a kill before anything was closed.
 
 One daemon per state directory: `run_server` holds an exclusive flock on
 ``<state>/serve.lock`` (holding its pid) while it runs; a second `serve` is refused, and
@@ -60,6 +79,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import enum
 import errno
 import functools
 import logging
@@ -71,7 +91,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 import trio
 
@@ -98,6 +118,7 @@ from daemon.state.runlock import RunLock, RunLockHeld
 
 __all__ = [
     "HELP",
+    "EXIT_STOPPED",
     "add_arguments",
     "run",
     "run_server",
@@ -117,6 +138,11 @@ MCL_ONFAULT = 4
 
 #: CAP_IPC_LOCK's bit in /proc/self/status CapEff (linux/capability.h).
 _CAP_IPC_LOCK = 14
+
+#: `serve`'s status once SIGTERM or SIGINT stopped it in order: drained (or cut at
+#: [server] shutdown_grace), or its start abandoned. SIGINT too: for a daemon Ctrl-C is
+#: the stop it asked for, not an interruption (docs/operations.md, "Exit codes").
+EXIT_STOPPED: Final = 0
 
 
 class ReloadableApplication(Protocol):
@@ -344,44 +370,57 @@ async def run_server(
     memory_lock: Callable[[], MemoryLock] = lock_memory,
     task_status: trio.TaskStatus[ServerControl] = trio.TASK_STATUS_IGNORED,
 ) -> int:
-    """Run the daemon until SIGTERM/SIGINT; returns the exit status (0 after a clean drain).
+    """Run the daemon until SIGTERM/SIGINT; returns `EXIT_STOPPED` once stopped in order.
 
     Args:
         config: the loaded configuration.
         app_factory: opens the application (`daemon.wiring.running` in production).
         environ: the environment for the systemd protocols (the process's unless given).
         memory_lock: locks memory; tests pass a fake so the test process is not locked.
-        task_status: ``started(control)`` once READY=1 has been sent.
+        task_status: ``started(control)`` once READY=1 has been sent; never, when a stop
+            signal abandons the start (the call then returns `EXIT_STOPPED`).
+
+    Returns:
+        `EXIT_STOPPED`: stopped by SIGTERM or SIGINT, the drain done or cut at [server]
+        shutdown_grace (``drain_deadline``), or the start abandoned; the application
+        closed and the socket removed either way.
 
     Raises:
-        CliError: the socket could not be taken, or the application failed to start.
+        CliError: the socket could not be taken (raised as it is), or the application or
+            the metrics socket failed to start (inside an exception group: `run` looks
+            through it).
 
     Signals:
-        Installs SIGTERM, SIGINT and SIGHUP handlers for its duration (main thread only).
+        Owns SIGTERM, SIGINT and SIGHUP for its whole duration, through one receiver
+        (main thread only): see the module docstring.
     """
     env = os.environ if environ is None else environ
     started_at = time.monotonic()
-    # With a custodian the daemon opens no PIN, whatever [pkcs11] still names.
-    pin = ("none: the custodian holds the keys" if config.custody.custodian_socket
-           else config.pkcs11.pin_origin)
-    log_event(_log, "serve.starting", pid=os.getpid(), config=config.source or "built-in defaults",
-              config_origin=config.origin, pin=pin)
+    # Open before anything is bound and closed after everything is removed: see `_Signals`.
+    with trio.open_signal_receiver(*_ASKS) as received:
+        # With a custodian the daemon opens no PIN, whatever [pkcs11] still names.
+        pin = ("none: the custodian holds the keys" if config.custody.custodian_socket
+               else config.pkcs11.pin_origin)
+        log_event(_log, "serve.starting", pid=os.getpid(),
+                  config=config.source or "built-in defaults", config_origin=config.origin,
+                  pin=pin)
 
-    lock = memory_lock()
-    if lock.locked:
-        log_event(_log, "serve.mlock", locked=True)
-    else:
-        log_event(_log, "serve.mlock_skipped", level=logging.WARNING, reason=lock.reason)
+        lock = memory_lock()
+        if lock.locked:
+            log_event(_log, "serve.mlock", locked=True)
+        else:
+            log_event(_log, "serve.mlock_skipped", level=logging.WARNING, reason=lock.reason)
 
-    # Before the socket: a second daemon must not even bind (or unlink) the first one's.
-    try:
-        run_lock = RunLock.acquire(config.state.dir)
-    except RunLockHeld as exc:
-        raise CliError(str(exc)) from None
-    try:
-        return await _run_locked(config, app_factory, env, started_at, task_status)
-    finally:
-        run_lock.release()
+        # Before the socket: a second daemon must not even bind (or unlink) the first one's.
+        try:
+            run_lock = RunLock.acquire(config.state.dir)
+        except RunLockHeld as exc:
+            raise CliError(str(exc)) from None
+        try:
+            return await _run_locked(config, app_factory, env, started_at, received,
+                                     task_status)
+        finally:
+            run_lock.release()
 
 
 async def _run_locked(
@@ -389,6 +428,7 @@ async def _run_locked(
     app_factory: AppFactory,
     env: MutableMapping[str, str],
     started_at: float,
+    received: AsyncIterator[int],
     task_status: trio.TaskStatus[ServerControl],
 ) -> int:
     server = config.server
@@ -448,12 +488,25 @@ async def _run_locked(
         raise CliError(f"watchdog: {exc}") from None
     admission = TcpAdmission(server.tcp_allow_uids, server.tcp_allow_groups)
 
+    # Everything above is synchronous: a signal that came meanwhile waits in `received`
+    # for the task below (its first checkpoint is inside the application's start).
+    signals = _Signals(env)
     try:
-        _send(env, notify.status("opening the token, the stores and the relay pool"))
-        async with app_factory(config) as app:
-            await _serve_until_signalled(app, raw, limits, env, watchdog, where, started_at,
-                                         task_status, config.metrics.socket, scrape, tcp,
-                                         admission, server.max_connections_per_credential)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(signals.take, received)
+            try:
+                with signals.start_scope:
+                    _send(env, notify.status("opening the token, the stores and the relay pool"))
+                    async with app_factory(config) as app:
+                        await _serve_until_stopped(app, raw, limits, env, watchdog, where,
+                                                   started_at, task_status, signals,
+                                                   config.metrics.socket, scrape, tcp,
+                                                   admission,
+                                                   server.max_connections_per_credential)
+            finally:
+                # Only now: the application has closed (its last flushes ran), and every
+                # signal until here was taken by the task and logged, not left queued.
+                nursery.cancel_scope.cancel()
     finally:
         raw.close()
         for sock, _ in held:
@@ -463,10 +516,10 @@ async def _run_locked(
         if bound_path is not None:
             unlink_if_ours(bound_path, bound_inode)
     log_event(_log, "serve.stopped")
-    return 0
+    return EXIT_STOPPED
 
 
-async def _serve_until_signalled(
+async def _serve_until_stopped(
     app: ReloadableApplication,
     raw: socket.socket,
     limits: HttpLimits,
@@ -475,12 +528,14 @@ async def _serve_until_signalled(
     where: str,
     started_at: float,
     task_status: trio.TaskStatus[ServerControl],
+    signals: _Signals,
     metrics_socket: str | None = None,
     scrape: Listener | None = None,
     tcp: list[Listener] | None = None,
     admission: TcpAdmission | None = None,
     per_credential: int | None = None,
 ) -> None:
+    """Serve every listener until a stop signal has stopped them and they have drained."""
     # An application with a metrics registry (the broker) gets the connection gauge and
     # the [metrics] listeners that are configured; a test application has neither.
     metrics: Metrics | None = getattr(app, "metrics", None)
@@ -500,65 +555,194 @@ async def _serve_until_signalled(
 
     on_connections = gauge(0)
 
-    # The receiver is open before READY=1, so a SIGTERM right after readiness is not lost.
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-        async with trio.open_nursery() as nursery:
-            if metrics is not None:
-                await _start_metrics(nursery, metrics, metrics_socket, scrape)
+    async with trio.open_nursery() as nursery:
+        if metrics is not None:
+            await _start_metrics(nursery, metrics, metrics_socket, scrape)
 
-            async def serve_then_finish(task_status: trio.TaskStatus[list[ServerControl]]
-                                        ) -> None:
-                # Every listener of the action API in a nursery of its own, which ends only
-                # once the last of them has drained: a request in flight on a TCP listener
-                # must not be cut because the socket happened to be idle.
-                async with trio.open_nursery() as servers:
-                    started: list[ServerControl] = [await servers.start(functools.partial(
-                        serve, action_routes(app), raw, limits, on_connections=on_connections))]
-                    # Its re-checks in the outer nursery, cancelled once the listeners drained.
-                    gate = (AdmissionGate(admission, nursery=nursery) if admission is not None
-                            else _nobody)
-                    for index, (sock, _described) in enumerate(tcp or (), start=1):
-                        # The same bounds as the socket, each listener with its own shares.
-                        tcp_limits = dataclasses.replace(
-                            limits, max_connections_per_credential=per_credential)
-                        started.append(await servers.start(functools.partial(
-                            serve, action_routes(app), sock, tcp_limits,
-                            on_connections=gauge(index), admit=gate)))
-                    task_status.started(started)
-                nursery.cancel_scope.cancel()  # drained: stop the watchdog and signal tasks
+        async def serve_then_finish(task_status: trio.TaskStatus[list[ServerControl]]
+                                    ) -> None:
+            # Every listener of the action API in a nursery of its own, which ends only
+            # once the last of them has drained: a request in flight on a TCP listener
+            # must not be cut because the socket happened to be idle.
+            async with trio.open_nursery() as servers:
+                started: list[ServerControl] = [await servers.start(functools.partial(
+                    serve, action_routes(app), raw, limits, on_connections=on_connections))]
+                # Its re-checks in the outer nursery, cancelled once the listeners drained.
+                gate = (AdmissionGate(admission, nursery=nursery) if admission is not None
+                        else _nobody)
+                for index, (sock, _described) in enumerate(tcp or (), start=1):
+                    # The same bounds as the socket, each listener with its own shares.
+                    tcp_limits = dataclasses.replace(
+                        limits, max_connections_per_credential=per_credential)
+                    started.append(await servers.start(functools.partial(
+                        serve, action_routes(app), sock, tcp_limits,
+                        on_connections=gauge(index), admit=gate)))
+                task_status.started(started)
+            nursery.cancel_scope.cancel()  # drained: stop the watchdog and metrics tasks
 
-            controls: list[ServerControl] = await nursery.start(serve_then_finish)
-            control = controls[0]  # the agents' socket's, handed to our own caller
-            _send(env, notify.READY, notify.status(f"serving on {where}"))
-            log_event(
-                _log,
-                "serve.ready",
-                socket=where,
-                startup_ms=round((time.monotonic() - started_at) * 1000, 1),
-                watchdog_seconds=watchdog,
-            )
-            if watchdog is not None:
-                nursery.start_soon(_watchdog, env, watchdog / 2)
-            task_status.started(control)
-            async for signum in signals:
-                if signum == signal.SIGHUP:
-                    _reload(app, env, where)
-                    continue
-                name = signal.Signals(signum).name
-                in_flight = sum(c.in_flight for c in controls)
-                _send(
-                    env,
-                    notify.STOPPING,
-                    notify.status(f"stopping ({name}): draining {in_flight} request(s)"),
-                )
-                log_event(_log, "serve.stopping", signal=name, in_flight=in_flight,
-                          connections=sum(c.connections for c in controls))
-                # All in one step: their grace periods run from the same instant, and
-                # serve_then_finish waits for the last one before cancelling anything.
-                for each in controls:
-                    each.stop()
-                break
-            # serve_then_finish cancels the nursery once every listener has drained.
+        controls: list[ServerControl] = await nursery.start(serve_then_finish)
+        if signals.stop_asked:
+            # Taken at the checkpoint just passed, while starting: the start scope is
+            # cancelled, and the nursery's end cancels the listeners. No READY=1.
+            return
+        _send(env, notify.READY, notify.status(f"serving on {where}"))
+        log_event(
+            _log,
+            "serve.ready",
+            socket=where,
+            startup_ms=round((time.monotonic() - started_at) * 1000, 1),
+            watchdog_seconds=watchdog,
+        )
+        if watchdog is not None:
+            nursery.start_soon(_watchdog, env, watchdog / 2)
+        task_status.started(controls[0])  # the agents' socket's, handed to our own caller
+        # No checkpoint since `stop_asked` was read: no signal was taken in between, and
+        # from here a stop drains `controls` (serve_then_finish then ends this nursery).
+        signals.serving(app, controls, where)
+
+
+class _Phase(enum.Enum):
+    """Where the daemon is in its life, as far as its signals are concerned."""
+
+    #: From before the socket is bound until READY=1: the token login, the stores, the
+    #: relay pool, the listeners starting.
+    STARTING = "starting"
+    #: READY=1 was sent: serving until a stop signal.
+    SERVING = "serving"
+    #: A stop signal was taken: draining (or abandoning the start), then closing.
+    STOPPING = "stopping"
+
+
+class _Ask(enum.Enum):
+    """What a signal asks of the daemon."""
+
+    STOP = "stop"
+    RELOAD = "reload"
+
+
+#: The signals the daemon owns, and what each asks: systemd stops with SIGTERM
+#: (KillSignal=) and reloads with SIGHUP (the unit's ExecReload=); a terminal's Ctrl-C
+#: is SIGINT. The receiver `run_server` opens takes exactly these.
+_ASKS: Final[Mapping[signal.Signals, _Ask]] = {
+    signal.SIGTERM: _Ask.STOP,
+    signal.SIGINT: _Ask.STOP,
+    signal.SIGHUP: _Ask.RELOAD,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _Serving:
+    """What a signal acts on once READY=1 was sent."""
+
+    app: ReloadableApplication
+    controls: list[ServerControl]
+    where: str
+
+    @property
+    def in_flight(self) -> int:
+        return sum(c.in_flight for c in self.controls)
+
+
+class _Signals:
+    """The daemon's one owner of SIGTERM, SIGINT and SIGHUP, for all of `run_server`.
+
+    `run_server` opens the one receiver before anything is bound; `take`, a task of the
+    nursery around the application, reads every signal and does what `_ON_SIGNAL` says
+    for the phase; the task is cancelled only once the application has closed. The
+    phase moves STARTING -> SERVING (`serving`, when READY=1 is sent) -> STOPPING (a stop
+    signal), or STARTING -> STOPPING.
+
+    WARNING - why nothing else may read or close the receiver: when a trio signal
+    receiver closes, every signal still queued in it is raised again with the handler
+    that was there before - SIG_DFL for SIGTERM and SIGHUP, which ends the process on the
+    spot, and trio's KeyboardInterrupt for SIGINT. A signal queued and never read is
+    therefore a kill wherever the receiver closes. Only a signal in the last instant,
+    after the task is cancelled, still meets the default action: when the receiver
+    closes, once the application is closed, the socket removed and ``serve.stopped``
+    logged - the exit status is then the signal's, with nothing left to close.
+    """
+
+    def __init__(self, env: MutableMapping[str, str]) -> None:
+        self._env = env
+        self._phase = _Phase.STARTING
+        self._serving: _Serving | None = None
+        self._reload_asked = False
+        #: Around the application's start *and* its serving (cancel scopes must nest with
+        #: the application's own nursery, so it cannot end at READY=1); cancelled only by
+        #: a stop while starting. Made here, so a stop taken before the start enters it
+        #: still counts: a scope cancelled before it is entered is cancelled on entry.
+        self.start_scope = trio.CancelScope()
+
+    @property
+    def stop_asked(self) -> bool:
+        return self._phase is _Phase.STOPPING
+
+    def serving(self, app: ReloadableApplication, controls: list[ServerControl],
+                where: str) -> None:
+        """READY=1 was sent: a stop now drains `controls`, and SIGHUP reloads `app`."""
+        if self._phase is not _Phase.STARTING:
+            raise AssertionError(f"serving() while {self._phase.value}")
+        self._phase = _Phase.SERVING
+        self._serving = _Serving(app, controls, where)
+        if self._reload_asked:
+            self._reload_asked = False
+            _reload(app, self._env, where)
+
+    async def take(self, received: AsyncIterator[int]) -> None:
+        """Act on every signal until cancelled (a nursery task)."""
+        async for signum in received:
+            sig = signal.Signals(signum)
+            _ON_SIGNAL[self._phase, _ASKS[sig]](self, sig.name)
+
+    def _abandon_start(self, name: str) -> None:
+        self._phase = _Phase.STOPPING
+        _send(self._env, notify.STOPPING, notify.status(f"stopping ({name}) before ready"))
+        log_event(_log, "serve.start_abandoned", signal=name)
+        self.start_scope.cancel()
+
+    def _reload_when_serving(self, name: str) -> None:
+        # The configuration was read before the start: a change the sender meant to
+        # apply would be lost if this were dropped. Many SIGHUPs make one reload.
+        self._reload_asked = True
+        log_event(_log, "serve.reload_deferred", signal=name)
+
+    def _drain(self, name: str) -> None:
+        serving = self._serving
+        assert serving is not None  # SERVING has it
+        self._phase = _Phase.STOPPING
+        in_flight = serving.in_flight
+        _send(self._env, notify.STOPPING,
+              notify.status(f"stopping ({name}): draining {in_flight} request(s)"))
+        log_event(_log, "serve.stopping", signal=name, in_flight=in_flight,
+                  connections=sum(c.connections for c in serving.controls))
+        # All in one step: their grace periods run from the same instant, and
+        # serve_then_finish waits for the last one before cancelling anything.
+        for each in serving.controls:
+            each.stop()
+
+    def _reload_now(self, _name: str) -> None:
+        serving = self._serving
+        assert serving is not None  # SERVING has it
+        _reload(serving.app, self._env, serving.where)
+
+    def _ignore(self, name: str) -> None:
+        # Not "a second stop cuts the drain": the grace is the operator's bound already,
+        # and a second SIGTERM is as often a script's or supervisor's as an impatient
+        # person's; cutting would turn requests that were about to finish into
+        # indeterminate ones. Nor a reload: the application is closing.
+        log_event(_log, "serve.signal_ignored", level=logging.WARNING, signal=name,
+                  in_flight=0 if self._serving is None else self._serving.in_flight)
+
+
+#: What each signal does in each phase (`_Signals`): every pair has its row.
+_ON_SIGNAL: Final[Mapping[tuple[_Phase, _Ask], Callable[[_Signals, str], None]]] = {
+    (_Phase.STARTING, _Ask.STOP): _Signals._abandon_start,
+    (_Phase.STARTING, _Ask.RELOAD): _Signals._reload_when_serving,
+    (_Phase.SERVING, _Ask.STOP): _Signals._drain,
+    (_Phase.SERVING, _Ask.RELOAD): _Signals._reload_now,
+    (_Phase.STOPPING, _Ask.STOP): _Signals._ignore,
+    (_Phase.STOPPING, _Ask.RELOAD): _Signals._ignore,
+}
 
 
 async def _nobody(_uid: int | None) -> bool:
