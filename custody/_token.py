@@ -130,6 +130,7 @@ KEK_REQUIRED: dict[Attribute, tuple[object, str]] = {
 GCM_REQUIRED: dict[Attribute, tuple[object, str]] = {
     Attribute.DECRYPT: (True, "DECRYPT is false: the key cannot open sealed agent keys"),
 }
+MAC_KEY_BITS = 256
 #: The HMAC half of an encrypt-then-MAC KEK.
 MAC_REQUIRED: dict[Attribute, tuple[object, str]] = {
     Attribute.EXTRACTABLE: KEK_REQUIRED[Attribute.EXTRACTABLE],
@@ -138,6 +139,9 @@ MAC_REQUIRED: dict[Attribute, tuple[object, str]] = {
     Attribute.NEVER_EXTRACTABLE: KEK_REQUIRED[Attribute.NEVER_EXTRACTABLE],
     Attribute.PRIVATE: KEK_REQUIRED[Attribute.PRIVATE],
     Attribute.TOKEN: KEK_REQUIRED[Attribute.TOKEN],
+    # HMAC-SHA256's strength is its key's; an operator-made short key was accepted, and
+    # only a token that refuses short HMAC keys at the first seal (SoftHSM) failed closed.
+    Attribute.VALUE_LEN: (MAC_KEY_BITS // 8, "VALUE_LEN is not 32 bytes: not a 256-bit key"),
     Attribute.SIGN: (True, "SIGN is false: the key cannot compute the seal's HMAC"),
     Attribute.ENCRYPT: (False, "ENCRYPT is true: an HMAC key must not also encrypt"),
     Attribute.DECRYPT: (False, "DECRYPT is true: an HMAC key must not also decrypt"),
@@ -150,7 +154,6 @@ MAC_REQUIRED: dict[Attribute, tuple[object, str]] = {
 #: tpm2-pkcs11 its own CKK_SHA256_HMAC.
 MAC_KEY_TYPES = (KeyType.GENERIC_SECRET, KeyType.SHA256_HMAC)
 AES_KEY_TYPES = (KeyType.AES,)
-MAC_KEY_BITS = 256
 MAC_LABEL_SUFFIX = "-mac"
 #: A KEK label is written into every blob with a one-byte length (`_sealed`).
 MAX_KEK_LABEL = 255

@@ -166,7 +166,7 @@ async def test_a_kek_that_is_or_was_readable_or_is_not_aes_256_is_refused_by_nam
         await init_kek(config)
 
 
-@pytest.mark.token_offers("CREATE_AES_KEY")
+@pytest.mark.token_offers("CREATE_AES_KEY", "MARKS_IMPORTED_KEYS")
 async def test_an_imported_kek_is_refused_as_once_readable(
     softhsm_token: SoftHsmToken, tmp_path: Path
 ) -> None:

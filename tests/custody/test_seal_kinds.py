@@ -274,6 +274,7 @@ _MAC_WRONG: dict[Attribute, tuple[MechanismFlag, dict[Attribute, object],
     Attribute.PRIVATE: (_SIGNS, {Attribute.PRIVATE: False}, {}),
     # A session object: it lives only while the `custody` fixture holds the session open.
     Attribute.TOKEN: (_SIGNS, {Attribute.TOKEN: False}, {}),
+    Attribute.VALUE_LEN: (_SIGNS, {Attribute.VALUE_LEN: 16}, {}),  # a 128-bit key
     Attribute.SIGN: (MechanismFlag.VERIFY, {}, {}),
     Attribute.ENCRYPT: (_SIGNS | MechanismFlag.ENCRYPT, {}, {}),
     Attribute.DECRYPT: (_SIGNS | MechanismFlag.DECRYPT, {}, {}),
@@ -307,7 +308,7 @@ async def test_an_operator_made_hmac_key_wrong_in_one_attribute_is_refused_by_na
         await Custody.open(config, tmp_path / "state")
 
 
-@pytest.mark.token_offers("CREATE_AES_KEY")
+@pytest.mark.token_offers("CREATE_AES_KEY", "MARKS_IMPORTED_KEYS")
 async def test_an_imported_hmac_key_is_refused_as_once_readable(
     softhsm_token: SoftHsmToken, tmp_path: Path
 ) -> None:

@@ -90,14 +90,15 @@ def _lib_paths(*relative: str) -> tuple[str, ...]:
 
 
 #: CKM_AES_GCM with a host IV, CKM_AES_ECB, CKM_SHA256_HMAC, C_GenerateKey of an AES key,
-#: C_CreateObject of an AES key of a known value (a test's known-answer key).
+#: C_CreateObject of an AES key of a known value (a test's known-answer key), and whether
+#: such a key is marked as once readable (probe.py).
 KINDS: dict[str, Kind] = {
     "softhsm": Kind(
         "softhsm",
         ("/usr/lib/softhsm/libsofthsm2.so", *_lib_paths("softhsm/libsofthsm2.so")),
         ("softhsm2",),
         {"AES_GCM": True, "AES_ECB": True, "SHA256_HMAC": True, "GENERATE_KEY": True,
-         "CREATE_AES_KEY": True},
+         "CREATE_AES_KEY": True, "MARKS_IMPORTED_KEYS": True},
         0.10,
     ),
     "tpm": Kind(
@@ -106,15 +107,16 @@ KINDS: dict[str, Kind] = {
         ("swtpm", "swtpm-tools", "tpm2-tools", "tpm2-abrmd", "libtss2-tcti-tabrmd0",
          "libtpm2-pkcs11-1", "libtpm2-pkcs11-tools", "dbus"),
         {"AES_GCM": False, "AES_ECB": True, "SHA256_HMAC": True, "GENERATE_KEY": False,
-         "CREATE_AES_KEY": False},
+         "CREATE_AES_KEY": False, "MARKS_IMPORTED_KEYS": False},
         15.0,
     ),
     "opencryptoki": Kind(
         "opencryptoki",
         _lib_paths("opencryptoki/libopencryptoki.so.0", "pkcs11/libopencryptoki.so"),
         ("opencryptoki", "util-linux"),
+        # An imported key reads back ALWAYS_SENSITIVE and NEVER_EXTRACTABLE true.
         {"AES_GCM": False, "AES_ECB": True, "SHA256_HMAC": True, "GENERATE_KEY": True,
-         "CREATE_AES_KEY": True},
+         "CREATE_AES_KEY": True, "MARKS_IMPORTED_KEYS": False},
         0.08,
     ),
     "p11kit": Kind(
@@ -122,7 +124,7 @@ KINDS: dict[str, Kind] = {
         _lib_paths("pkcs11/p11-kit-client.so"),
         ("p11-kit", "p11-kit-modules", "softhsm2"),
         {"AES_GCM": False, "AES_ECB": True, "SHA256_HMAC": True, "GENERATE_KEY": True,
-         "CREATE_AES_KEY": True},
+         "CREATE_AES_KEY": True, "MARKS_IMPORTED_KEYS": True},
         0.45,
     ),
 }

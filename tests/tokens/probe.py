@@ -15,6 +15,9 @@ mechanism and refuse it (p11-kit 0.24's client drops every AES mechanism with a 
   a round trip is the check).
 - SHA256_HMAC: sign and verify with a SHA256-HMAC (TPM) or generic-secret key.
 - CREATE_AES_KEY: C_CreateObject of a session AES key of a known value that encrypts.
+- MARKS_IMPORTED_KEYS: such a key, made sensitive and non-extractable, reads back
+  ALWAYS_SENSITIVE and NEVER_EXTRACTABLE false: its value was known outside the token, and
+  custody's KEK checks can only refuse an imported KEK on a token that says so.
 Where the token cannot generate keys (TPM), the probe's keys come from `tpm2_ptool addkey`.
 """
 
@@ -104,8 +107,16 @@ def _operations(session: Any, aes_label: str, mac_label: str) -> dict[str, bool]
         })
         return len(known.encrypt(bytes(16), mechanism=Mechanism.AES_ECB)) == 16
 
+    def marks_imported() -> bool:
+        known = session.create_object({
+            Attribute.CLASS: ObjectClass.SECRET_KEY, Attribute.KEY_TYPE: KeyType.AES,
+            Attribute.VALUE: bytes(32), Attribute.ENCRYPT: True, Attribute.TOKEN: False,
+            Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: False,
+        })
+        return not known[Attribute.ALWAYS_SENSITIVE] and not known[Attribute.NEVER_EXTRACTABLE]
+
     return {"AES_GCM": _works(gcm), "AES_ECB": _works(ecb), "SHA256_HMAC": _works(hmac),
-            "CREATE_AES_KEY": _works(create)}
+            "CREATE_AES_KEY": _works(create), "MARKS_IMPORTED_KEYS": _works(marks_imported)}
 
 
 if __name__ == "__main__":
