@@ -18,7 +18,7 @@ published for it.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 
 import coincurve
@@ -37,15 +37,10 @@ async def _kid(broker: BrokerHarness, owner: str, name: str) -> str:
     return await broker.hold(secret, owner=owner, name=name)
 
 
-@pytest.mark.broker_config(policy={"models": ["m-2"]})  # the model it names, declared
-async def test_a_target_renamed_before_the_locks_is_the_one_acted_on(
-    broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    owner = await broker.human_owned_agent("owner")
-    first = await _kid(broker, owner, "kid")
-    second = await _kid(broker, owner, "other")
-    cred = broker.credential(owner, [CHANNEL])
-
+def _before_the_first_locks(monkeypatch: pytest.MonkeyPatch,
+                            meanwhile: Callable[[], Awaitable[None]]) -> list[frozenset[str]]:
+    """Run `meanwhile` while the request waits for its first locks; the agents of every
+    taking of the locks are appended to the list returned."""
     real_hold_all = broker_module._AgentLocks.hold_all
     taken: list[frozenset[str]] = []
 
@@ -55,13 +50,28 @@ async def test_a_target_renamed_before_the_locks_is_the_one_acted_on(
         agents = frozenset(agents)
         taken.append(agents)
         if len(taken) == 1:
-            # While the request waits for its locks, "kid" comes to mean the other agent.
-            broker.app.directory.rename(first, "was-kid")
-            broker.app.directory.rename(second, "kid")
+            await meanwhile()
         async with real_hold_all(self, agents):
             yield
 
     monkeypatch.setattr(broker_module._AgentLocks, "hold_all", hold_all)
+    return taken
+
+
+@pytest.mark.broker_config(policy={"models": ["m-2"]})  # the model it names, declared
+async def test_a_target_renamed_before_the_locks_is_the_one_acted_on(
+    broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    owner = await broker.human_owned_agent("owner")
+    first = await _kid(broker, owner, "kid")
+    second = await _kid(broker, owner, "other")
+    cred = broker.credential(owner, [CHANNEL])
+
+    async def swap_names() -> None:  # "kid" comes to mean the other agent
+        broker.app.directory.rename(first, "was-kid")
+        broker.app.directory.rename(second, "kid")
+
+    taken = _before_the_first_locks(monkeypatch, swap_names)
     answer = await broker.call(cred, "agents.update",
                                {"target": {"name": "kid"}, "model": "m-2"})
     assert answer["status"] == "succeeded", answer
@@ -82,21 +92,10 @@ async def test_a_target_removed_before_the_locks_is_refused_not_updated(
     kid = await _kid(broker, owner, "kid")
     cred = broker.credential(owner, [CHANNEL])
 
-    real_hold_all = broker_module._AgentLocks.hold_all
-    taken: list[frozenset[str]] = []
+    async def remove_target() -> None:
+        await broker.app.custody.destroy_agent(kid)
 
-    @asynccontextmanager
-    async def hold_all(self: broker_module._AgentLocks, agents: Iterable[str]
-                       ) -> AsyncIterator[None]:
-        agents = frozenset(agents)
-        taken.append(agents)
-        if len(taken) == 1:
-            # While the request waits for its locks, its target is removed from custody.
-            await broker.app.custody.destroy_agent(kid)
-        async with real_hold_all(self, agents):
-            yield
-
-    monkeypatch.setattr(broker_module._AgentLocks, "hold_all", hold_all)
+    taken = _before_the_first_locks(monkeypatch, remove_target)
     answer = await broker.call(cred, "agents.update", {"target": {"pubkey": kid}, "model": "m-2"})
     assert answer["status"] == "failed", answer
     assert answer["error"]["code"] == "unauthorized", answer
