@@ -26,13 +26,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 import trio
 import trio_websocket
 
+from buzzwire.nostr import SignedEvent
 from daemon.relay.cursor import Position
 from daemon.relay.paging import Page, order_key, read_page
 from daemon.relay.pool import (MAX_FRAME_BYTES, MAX_FRAME_CHARS, MAX_QUERY_BYTES, RelayPool,
@@ -95,18 +97,35 @@ class FloodRelay(_ReqRelay):
         return texts
 
 
-async def _no_auth(*_args: object) -> Mapping[str, Any]:
+async def _no_auth(*_args: object) -> SignedEvent:
     raise AssertionError("this relay never asks for AUTH")
 
 
-async def test_query_past_its_byte_bound_fails_and_the_pool_serves_on() -> None:
-    relay = FloodRelay()
+@asynccontextmanager
+async def _pool_against(relay: _ReqRelay, *, eose: float = 10,
+                        **options: Any) -> AsyncIterator[RelayPool]:
+    """A pool reading from `relay`, both running until the block ends."""
     port = free_port()
     async with trio.open_nursery() as nursery:
         await nursery.start(relay.serve, port)
         pool = RelayPool(f"ws://127.0.0.1:{port}", _no_auth,
-                         timeouts=RelayTimeouts(connect=5, ok=5, eose=10))
+                         timeouts=RelayTimeouts(connect=5, ok=5, eose=eose), **options)
         await nursery.start(pool.run)
+        yield pool
+        nursery.cancel_scope.cancel()
+
+
+async def _closed_with(relay: _ReqRelay, code: int) -> None:
+    """The relay saw its connection closed by the pool, with `code` (1009: too big)."""
+    with trio.fail_after(10):
+        while not relay.close_codes:
+            await trio.sleep(0.01)
+    assert relay.close_codes == [code]
+
+
+async def test_query_past_its_byte_bound_fails_and_the_pool_serves_on() -> None:
+    relay = FloodRelay()
+    async with _pool_against(relay) as pool:
         relay.count, relay.content = MAX_QUERY_BYTES // FLOOD_CONTENT + 3, FLOOD_CONTENT
         with pytest.raises(RelayUnavailable, match="bytes"):
             await pool.query(AGENT, [{"kinds": [9]}])
@@ -115,7 +134,6 @@ async def test_query_past_its_byte_bound_fails_and_the_pool_serves_on() -> None:
         relay.count, relay.content = 10, 100
         events = await pool.query(AGENT, [{"kinds": [9]}])
         assert len(events) == 10
-        nursery.cancel_scope.cancel()
 
 
 async def test_query_past_its_event_count_fails_and_the_pool_serves_on() -> None:
@@ -125,12 +143,7 @@ async def test_query_past_its_event_count_fails_and_the_pool_serves_on() -> None
     from daemon.relay.pool import MAX_EVENTS_PER_QUERY, decoded_size
 
     relay = FloodRelay()
-    port = free_port()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(relay.serve, port)
-        pool = RelayPool(f"ws://127.0.0.1:{port}", _no_auth,
-                         timeouts=RelayTimeouts(connect=5, ok=5, eose=30))
-        await nursery.start(pool.run)
+    async with _pool_against(relay, eose=30) as pool:
         relay.count, relay.content = MAX_EVENTS_PER_QUERY + 1, 1
         one = decoded_size(json.loads(relay.frames("q")[0])[2])
         assert relay.count * one < MAX_QUERY_BYTES, "only the count can stop this reply"
@@ -140,11 +153,17 @@ async def test_query_past_its_event_count_fails_and_the_pool_serves_on() -> None
         relay.count = MAX_EVENTS_PER_QUERY
         events = await pool.query(AGENT, [{"kinds": [9]}])
         assert len(events) == MAX_EVENTS_PER_QUERY
-        nursery.cancel_scope.cancel()
 
 
 #: U+1F41D (a bee): four bytes of UTF-8 (RFC 3629 §3) and one character to trio-websocket.
 WIDE_CHAR = "\U0001F41D"
+
+
+def _one_event(sub: str, content: str) -> str:
+    """An EVENT frame of one event holding `content`, its characters sent as they are."""
+    event = {"id": "e" * 64, "pubkey": "b" * 64, "created_at": 1_700_000_000,
+             "kind": 9, "tags": [["h", CHANNEL]], "content": content, "sig": "c" * 128}
+    return json.dumps(["EVENT", sub, event], separators=(",", ":"), ensure_ascii=False)
 
 
 class WideCharRelay(_ReqRelay):
@@ -159,12 +178,7 @@ class WideCharRelay(_ReqRelay):
         self.close_codes = []
 
     def frames(self, sub: str) -> list[str]:
-        def text(content: str) -> str:
-            event = {"id": "e" * 64, "pubkey": "b" * 64, "created_at": 1_700_000_000,
-                     "kind": 9, "tags": [["h", CHANNEL]], "content": content, "sig": "c" * 128}
-            return json.dumps(["EVENT", sub, event], separators=(",", ":"), ensure_ascii=False)
-
-        self.frame = text(WIDE_CHAR * self.wide_for(len(text(""))))
+        self.frame = _one_event(sub, WIDE_CHAR * self.wide_for(len(_one_event(sub, ""))))
         return [self.frame]
 
 
@@ -176,26 +190,17 @@ async def test_a_frame_past_its_byte_bound_in_four_byte_characters_closes_the_co
     (the connection closed with 1009 Message Too Big, the query failed), and the largest
     frame the character limit lets through fits MAX_FRAME_BYTES, and is read."""
     relay = WideCharRelay()
-    port = free_port()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(relay.serve, port)
-        pool = RelayPool(f"ws://127.0.0.1:{port}", _no_auth,
-                         timeouts=RelayTimeouts(connect=5, ok=5, eose=10))
-        await nursery.start(pool.run)
+    async with _pool_against(relay) as pool:
         relay.wide_for = lambda ascii: (MAX_FRAME_BYTES - ascii) // len(WIDE_CHAR.encode()) + 1
         with pytest.raises(RelayUnavailable):
             await pool.query(AGENT, [{"kinds": [9]}])
         assert len(relay.frame.encode()) > MAX_FRAME_BYTES
-        with trio.fail_after(10):
-            while not relay.close_codes:
-                await trio.sleep(0.01)
-        assert relay.close_codes == [1009]
+        await _closed_with(relay, 1009)
         # The most characters a frame may have, nearly all of them four bytes.
         relay.wide_for = lambda ascii: MAX_FRAME_CHARS - ascii
         events = await pool.query(AGENT, [{"kinds": [9]}])
         assert len(events) == 1 and len(relay.frame) == MAX_FRAME_CHARS
         assert 3 * MAX_FRAME_CHARS < len(relay.frame.encode()) <= MAX_FRAME_BYTES
-        nursery.cancel_scope.cancel()
 
 
 class AsciiFrameRelay(_ReqRelay):
@@ -208,12 +213,7 @@ class AsciiFrameRelay(_ReqRelay):
         self.close_codes = []
 
     def frames(self, sub: str) -> list[str]:
-        def text(content: str) -> str:
-            event = {"id": "e" * 64, "pubkey": "b" * 64, "created_at": 1_700_000_000,
-                     "kind": 9, "tags": [["h", CHANNEL]], "content": content, "sig": "c" * 128}
-            return json.dumps(["EVENT", sub, event], separators=(",", ":"))
-
-        self.frame = text("x" * (self.chars - len(text(""))))
+        self.frame = _one_event(sub, "x" * (self.chars - len(_one_event(sub, ""))))
         return [self.frame]
 
 
@@ -222,24 +222,15 @@ async def test_an_ascii_frame_one_character_past_the_bound_closes_the_connection
     refused (the connection closed with 1009 Message Too Big, the query failed), and one
     of MAX_FRAME_CHARS is read."""
     relay = AsciiFrameRelay()
-    port = free_port()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(relay.serve, port)
-        pool = RelayPool(f"ws://127.0.0.1:{port}", _no_auth,
-                         timeouts=RelayTimeouts(connect=5, ok=5, eose=10))
-        await nursery.start(pool.run)
+    async with _pool_against(relay) as pool:
         relay.chars = MAX_FRAME_CHARS + 1
         with pytest.raises(RelayUnavailable):
             await pool.query(AGENT, [{"kinds": [9]}])
         assert len(relay.frame) == len(relay.frame.encode()) == MAX_FRAME_CHARS + 1
-        with trio.fail_after(10):
-            while not relay.close_codes:
-                await trio.sleep(0.01)
-        assert relay.close_codes == [1009]
+        await _closed_with(relay, 1009)
         relay.chars = MAX_FRAME_CHARS
         events = await pool.query(AGENT, [{"kinds": [9]}])
         assert len(events) == 1 and len(relay.frame) == MAX_FRAME_CHARS
-        nursery.cancel_scope.cancel()
 
 
 def _event(n: int, created_at: int, size: int) -> dict[str, object]:
@@ -346,12 +337,7 @@ async def test_a_tag_flood_is_bounded_by_its_decoded_size_not_its_frame() -> Non
     import tracemalloc
 
     relay = TagFloodRelay(count=16)
-    port = free_port()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(relay.serve, port)
-        pool = RelayPool(f"ws://127.0.0.1:{port}", _no_auth,
-                         timeouts=RelayTimeouts(connect=5, ok=5, eose=60))
-        await nursery.start(pool.run)
+    async with _pool_against(relay, eose=60) as pool:
         tracemalloc.start()
         try:
             with pytest.raises(RelayUnavailable, match="decoded bytes"):
@@ -375,7 +361,6 @@ async def test_a_tag_flood_is_bounded_by_its_decoded_size_not_its_frame() -> Non
         assert len(answer) == 1 and pool.result_bytes_held >= one_event
         del answer
         assert pool.result_bytes_held == 0
-        nursery.cancel_scope.cancel()
 
 
 async def test_every_query_together_is_held_to_max_result_bytes(
@@ -386,12 +371,7 @@ async def test_every_query_together_is_held_to_max_result_bytes(
     # query refused meanwhile was a log line; an agent's refusals are one a minute.
     caplog.set_level(logging.INFO, logger="buzz_broker.relay")
     relay = TagFloodRelay(count=1)
-    port = free_port()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(relay.serve, port)
-        pool = RelayPool(f"ws://127.0.0.1:{port}", _no_auth, max_result_bytes=MAX_QUERY_BYTES,
-                         timeouts=RelayTimeouts(connect=5, ok=5, eose=60))
-        await nursery.start(pool.run)
+    async with _pool_against(relay, eose=60, max_result_bytes=MAX_QUERY_BYTES) as pool:
         first = await pool.query(AGENT, [{"kinds": [9]}])
         held = pool.result_bytes_held
         assert len(first) == 1 and held > MAX_QUERY_BYTES // 2
@@ -406,7 +386,6 @@ async def test_every_query_together_is_held_to_max_result_bytes(
         assert pool.result_bytes_held == 0, "a dropped answer gives its bytes back"
         second = await pool.query("e" * 64, [{"kinds": [9]}])
         assert len(second) == 1
-        nursery.cancel_scope.cancel()
 
 
 def test_the_result_budget_must_hold_one_query() -> None:
