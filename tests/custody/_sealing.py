@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import sqlite3
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,3 +176,33 @@ async def seal_under_unchecked(held: Held, label: str, hex_secret: str, agent: s
             del token._keks[(label, held.kind)]
 
     return await in_token_worker(work)
+
+
+#: What `keys init` gives a KEK's AES half.
+KEK_FLAGS = MechanismFlag.ENCRYPT | MechanismFlag.DECRYPT
+
+
+def make_key(session: Any, key_type: KeyType, bits: int, label: str,
+             capabilities: MechanismFlag, template: dict[Attribute, object],
+             set_later: dict[Attribute, object] | None = None) -> Any:
+    """A token key as an operator's tool leaves it, made with `template`. With `set_later`
+    it is made MODIFIABLE under a scratch label, changed, and copied to `label` unmodifiable
+    (C_CopyObject), the scratch key destroyed: ALWAYS_SENSITIVE and NEVER_EXTRACTABLE then
+    record the value it once had. Run in the token worker."""
+    if not set_later:
+        return session.generate_key(key_type, bits, label=label, store=True,
+                                    capabilities=capabilities, template=template)
+    scratch = session.generate_key(key_type, bits, label="scratch-" + label, store=True,
+                                   capabilities=capabilities,
+                                   template=template | {Attribute.MODIFIABLE: True})
+    try:
+        for attribute, value in set_later.items():
+            scratch[attribute] = value
+        return scratch.copy({Attribute.LABEL: label, Attribute.MODIFIABLE: False})
+    finally:
+        scratch.destroy()
+
+
+def make_aes_kek(session: Any, label: str) -> Any:
+    """A KEK's AES half as `keys init` makes it. Run in the token worker."""
+    return make_key(session, KeyType.AES, 256, label, KEK_FLAGS, kekinit_module.KEK_TEMPLATE)

@@ -18,12 +18,13 @@ import re
 from pathlib import Path
 
 import pytest
-from pkcs11 import Attribute, KeyType, MechanismFlag, ObjectClass
+from pkcs11 import Attribute, KeyType, ObjectClass
 
 import custody._kekinit as kekinit_module
 import custody._token as token_module
 from custody import Custody, CustodyError, TokenConfig, init_kek
 from custody._worker import in_token_worker
+from tests.custody._sealing import KEK_FLAGS, make_key
 from tests.fixtures.token import SoftHsmToken, plant_aes_key
 
 #: The one wrong attribute -> (capabilities, template changes) that make it wrong.
@@ -128,22 +129,10 @@ async def _plant(config: TokenConfig, bits: int, made_with: dict[str, bool],
     def plant() -> None:
         key, shared = token_module._acquire_session(config)
         try:
-            template = kekinit_module.KEK_TEMPLATE | {
-                Attribute[name]: value for name, value in made_with.items()}
-            flags = MechanismFlag.ENCRYPT | MechanismFlag.DECRYPT
-            if not set_later:
-                shared.session.generate_key(KeyType.AES, bits, label=config.kek_label,
-                                            store=True, capabilities=flags, template=template)
-                return
-            scratch = shared.session.generate_key(
-                KeyType.AES, bits, label="scratch-" + config.kek_label, store=True,
-                capabilities=flags, template=template | {Attribute.MODIFIABLE: True})
-            try:
-                for name, value in set_later.items():
-                    scratch[Attribute[name]] = value
-                scratch.copy({Attribute.LABEL: config.kek_label, Attribute.MODIFIABLE: False})
-            finally:
-                scratch.destroy()
+            make_key(shared.session, KeyType.AES, bits, config.kek_label, KEK_FLAGS,
+                     kekinit_module.KEK_TEMPLATE
+                     | {Attribute[name]: value for name, value in made_with.items()},
+                     {Attribute[name]: value for name, value in set_later.items()})
         finally:
             token_module._release_session(key)
 

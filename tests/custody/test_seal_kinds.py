@@ -23,6 +23,8 @@ from custody._worker import in_token_worker
 from tests.custody._sealing import (
     SEAL_KINDS,
     blob_of,
+    make_aes_kek,
+    make_key,
     config_for,
     event,
     held_custody,
@@ -217,28 +219,12 @@ async def _plant_pair(config: TokenConfig, *, mac_flags: MechanismFlag,
     def plant() -> None:
         key, shared = token_module._acquire_session(config)
         try:
-            session = shared.session
-            session.generate_key(
-                KeyType.AES, 256, label=config.kek_label, store=True,
-                capabilities=MechanismFlag.ENCRYPT | MechanismFlag.DECRYPT,
-                template=kekinit_module.KEK_TEMPLATE)
-            label = token_module.mac_label(config.kek_label)
+            make_aes_kek(shared.session, config.kek_label)
             template: dict[Attribute, object] = {
                 Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: False,
                 Attribute.PRIVATE: True, Attribute.MODIFIABLE: False, **(mac_changes or {})}
-            if not mac_later:
-                session.generate_key(KeyType.GENERIC_SECRET, 256, label=label, store=True,
-                                     capabilities=mac_flags, template=template)
-                return
-            scratch = session.generate_key(
-                KeyType.GENERIC_SECRET, 256, label="scratch-" + label, store=True,
-                capabilities=mac_flags, template=template | {Attribute.MODIFIABLE: True})
-            try:
-                for attribute, value in mac_later.items():
-                    scratch[attribute] = value
-                scratch.copy({Attribute.LABEL: label, Attribute.MODIFIABLE: False})
-            finally:
-                scratch.destroy()
+            make_key(shared.session, KeyType.GENERIC_SECRET, 256,
+                     token_module.mac_label(config.kek_label), mac_flags, template, mac_later)
         finally:
             token_module._release_session(key)
 
@@ -321,10 +307,7 @@ async def test_an_imported_hmac_key_is_refused_as_once_readable(
     def plant() -> tuple[object, object]:
         key, shared = token_module._acquire_session(config)
         try:
-            shared.session.generate_key(
-                KeyType.AES, 256, label=config.kek_label, store=True,
-                capabilities=MechanismFlag.ENCRYPT | MechanismFlag.DECRYPT,
-                template=kekinit_module.KEK_TEMPLATE)
+            make_aes_kek(shared.session, config.kek_label)
             imported = shared.session.create_object(
                 {Attribute.CLASS: ObjectClass.SECRET_KEY,
                  Attribute.KEY_TYPE: KeyType.GENERIC_SECRET, Attribute.VALUE: bytes(range(32)),
@@ -356,10 +339,7 @@ async def test_an_aes_key_under_the_hmac_label_is_not_the_hmac_half(
     def plant() -> None:
         key, shared = token_module._acquire_session(config)
         try:
-            shared.session.generate_key(
-                KeyType.AES, 256, label=config.kek_label, store=True,
-                capabilities=MechanismFlag.ENCRYPT | MechanismFlag.DECRYPT,
-                template=kekinit_module.KEK_TEMPLATE)
+            make_aes_kek(shared.session, config.kek_label)
             shared.session.generate_key(KeyType.AES, 256, label=label, store=True,
                                         capabilities=_SIGNS,
                                         template=kekinit_module.MAC_KEY_TEMPLATE)
