@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from coincurve._libsecp256k1 import ffi
-from pkcs11 import Attribute, KeyType, MechanismFlag
+from pkcs11 import Attribute, KeyType, MechanismFlag, ObjectClass
 
 import custody._sealed as sealed_module
 import custody._kekinit as kekinit_module
@@ -206,3 +206,15 @@ def make_key(session: Any, key_type: KeyType, bits: int, label: str,
 def make_aes_kek(session: Any, label: str) -> Any:
     """A KEK's AES half as `keys init` makes it. Run in the token worker."""
     return make_key(session, KeyType.AES, 256, label, KEK_FLAGS, kekinit_module.KEK_TEMPLATE)
+
+
+def import_key(session: Any, key_type: KeyType, label: str,
+               template: dict[Attribute, object]) -> tuple[object, object]:
+    """A token key made with C_CreateObject from a value its maker chose (and so knows),
+    with `template`; returns what the token says of it: (ALWAYS_SENSITIVE,
+    NEVER_EXTRACTABLE). Run in the token worker."""
+    imported = session.create_object(
+        {Attribute.CLASS: ObjectClass.SECRET_KEY, Attribute.KEY_TYPE: key_type,
+         Attribute.VALUE: bytes(range(32)), Attribute.LABEL: label} | template
+        | {Attribute.TOKEN: True})
+    return imported[Attribute.ALWAYS_SENSITIVE], imported[Attribute.NEVER_EXTRACTABLE]

@@ -18,13 +18,13 @@ import re
 from pathlib import Path
 
 import pytest
-from pkcs11 import Attribute, KeyType, ObjectClass
+from pkcs11 import Attribute, KeyType
 
 import custody._kekinit as kekinit_module
 import custody._token as token_module
 from custody import Custody, CustodyError, TokenConfig, init_kek
 from custody._worker import in_token_worker
-from tests.custody._sealing import KEK_FLAGS, make_key
+from tests.custody._sealing import KEK_FLAGS, import_key, make_key
 from tests.fixtures.token import SoftHsmToken, plant_aes_key
 
 #: The one wrong attribute -> (capabilities, template changes) that make it wrong.
@@ -167,12 +167,9 @@ async def test_an_imported_kek_is_refused_as_once_readable(
     def plant() -> tuple[object, object]:
         key, shared = token_module._acquire_session(config)
         try:
-            imported = shared.session.create_object(
-                {Attribute.CLASS: ObjectClass.SECRET_KEY, Attribute.KEY_TYPE: KeyType.AES,
-                 Attribute.VALUE: bytes(range(32)), Attribute.LABEL: config.kek_label,
-                 Attribute.TOKEN: True, Attribute.ENCRYPT: True, Attribute.DECRYPT: True}
-                | kekinit_module.KEK_TEMPLATE)
-            return imported[Attribute.ALWAYS_SENSITIVE], imported[Attribute.NEVER_EXTRACTABLE]
+            return import_key(shared.session, KeyType.AES, config.kek_label,
+                              {Attribute.ENCRYPT: True, Attribute.DECRYPT: True}
+                              | kekinit_module.KEK_TEMPLATE)
         finally:
             token_module._release_session(key)
 

@@ -23,6 +23,7 @@ from custody._worker import in_token_worker
 from tests.custody._sealing import (
     SEAL_KINDS,
     blob_of,
+    import_key,
     make_aes_kek,
     make_key,
     config_for,
@@ -308,12 +309,9 @@ async def test_an_imported_hmac_key_is_refused_as_once_readable(
         key, shared = token_module._acquire_session(config)
         try:
             make_aes_kek(shared.session, config.kek_label)
-            imported = shared.session.create_object(
-                {Attribute.CLASS: ObjectClass.SECRET_KEY,
-                 Attribute.KEY_TYPE: KeyType.GENERIC_SECRET, Attribute.VALUE: bytes(range(32)),
-                 Attribute.LABEL: label, Attribute.SIGN: True, Attribute.VERIFY: True}
-                | kekinit_module.MAC_KEY_TEMPLATE | {Attribute.TOKEN: True})
-            return imported[Attribute.ALWAYS_SENSITIVE], imported[Attribute.NEVER_EXTRACTABLE]
+            return import_key(shared.session, KeyType.GENERIC_SECRET, label,
+                              {Attribute.SIGN: True, Attribute.VERIFY: True}
+                              | kekinit_module.MAC_KEY_TEMPLATE)
         finally:
             token_module._release_session(key)
 
