@@ -99,11 +99,13 @@ def _recipients(texts: Sequence[str]) -> list[pyrage.x25519.Recipient]:
     if not texts:
         raise CustodyError("a backup needs at least one age recipient (age1…)")
     recipients = []
-    for text in texts:
+    for number, text in enumerate(texts, 1):
         try:
             recipients.append(pyrage.x25519.Recipient.from_str(text.strip()))
         except (pyrage.RecipientError, ValueError, TypeError):
-            raise CustodyError(f"{text!r} is not an age X25519 recipient (age1…)") from None
+            # Never quoted: an age identity given by mistake opens every backup.
+            raise CustodyError(f"recipient {number} is not an age X25519 recipient (age1…); "
+                               "not shown, as it may be an identity (a secret)") from None
     return recipients
 
 

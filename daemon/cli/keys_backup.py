@@ -100,9 +100,11 @@ def _recipients(texts: list[str]) -> tuple[str, ...]:
     if len(texts) > MAX_KEY_RECIPIENTS:
         raise CliError(f"at most {MAX_KEY_RECIPIENTS} recipients")
     recipients = tuple(text.strip() for text in texts)
-    for text in recipients:
+    for number, text in enumerate(recipients, 1):
         if AGE_RECIPIENT_RE.fullmatch(text) is None:
-            raise CliError(f"{clip(text, 80)!r} is not an age X25519 recipient (age1…)")
+            # Never quoted: an age identity given by mistake opens every backup.
+            raise CliError(f"--recipient {number} is not an age X25519 recipient (age1…); "
+                           "not shown, as it may be an identity (a secret)")
     return recipients
 
 

@@ -160,6 +160,22 @@ def test_a_backup_table_that_is_not_whole_is_refused_at_start(
         load(str(base))
 
 
+def test_an_identity_given_as_a_recipient_is_refused_unquoted(
+        tmp_path: Path, identity: tuple[Path, str]) -> None:
+    # An age identity opens every backup: the refusal (the unit's stderr, the journal)
+    # names its place, never the text.
+    [secret] = [line for line in identity[0].read_text().splitlines()
+                if line.startswith("AGE-SECRET-KEY-")]
+    base = write_custodian_config(tmp_path / "c.toml", token=TokenConfig("m", "t", None),
+                                  state_dir=tmp_path, socket=tmp_path / "s", relay_url="wss://r")
+    base.write_text(base.read_text() + f'[backup]\nrecipients = ["{identity[1]}", "{secret}"]\n'
+                    'dir = "b"\n')
+    with pytest.raises(ConfigError) as refused:
+        load(str(base))
+    assert "recipient 2 is not an age X25519 recipient" in str(refused.value)
+    assert secret.lower() not in str(refused.value).lower()
+
+
 async def test_the_backup_row_takes_no_recipient_or_path(
         backing_custodian: CustodianProcess, custody_state: tuple[TokenConfig, Path],
         local_relay: str, identity: tuple[Path, str], tmp_path: Path) -> None:
