@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from buzzwire.contract import printable
+from custody import harden_process
 from daemon.cli._common import (
     CliError,
     config_from_args,
@@ -164,6 +165,11 @@ def _run_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Every command may hold a secret: serve holds agents' credentials and the plaintexts it
+    # answers (with a custodian it never opens custody, which hardened it before), agent
+    # import a key read from stdin, credential issue the new credential. No core file, no
+    # same-uid ptrace or /proc/PID/mem, freed heap overwritten: before anything is read.
+    harden_process()
     arguments = list(sys.argv[1:] if argv is None else argv)
     parser = _parser(_selected(arguments))
     args = parser.parse_args(arguments)

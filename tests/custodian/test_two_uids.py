@@ -363,3 +363,16 @@ def test_a_peer_of_another_uid_is_refused(layout: Layout) -> None:
     ok, value = ask(layout.custodian_socket, "records_version")
     assert not ok and value[0] == "refused", value  # type: ignore[index]
     assert re.search(r"uid", str(value[1]))  # type: ignore[index]
+
+
+def test_the_pipeline_is_hardened_in_either_layout(layout: Layout) -> None:
+    # With a custodian the daemon never opens custody, which is what hardened it (found by
+    # a secrets review: its core held agents' credentials and decrypted memory). Now every
+    # buzz-broker process hardens itself first: no core file, and undumpable (its /proc
+    # entries pass to root, so same-uid peers cannot read its memory).
+    limits = Path(f"/proc/{layout.daemon_pid}/limits").read_text()
+    [core] = [line.split()[4:6] for line in limits.splitlines()
+              if line.startswith("Max core file size")]
+    assert core == ["0", "0"], (layout.name, core)
+    assert layout.daemon_uid != 0
+    assert Path(f"/proc/{layout.daemon_pid}/environ").stat().st_uid == 0, layout.name
