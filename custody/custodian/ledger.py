@@ -9,7 +9,9 @@ this one is written only by the process that holds the keys, under its uid.
   pubkeys, counts. Disk is bounded by `max_bytes`: past it the file moves to `.1`
   (replacing the older one) and the chain continues in the new file from the last hash.
   The head moves only once a write has fully succeeded (a failed one is cut off again);
-  a last line a crash left without its newline is cut at open, and logged.
+  a last line a crash left without its newline is cut at open, and logged. Lines of an
+  effect already made (a key minted, destroyed...) whose write failed are owed: held in
+  memory and written first, before any later line (the server refuses effects meanwhile).
 - `RateBound`: a token bucket per agent (signatures per minute, burst the same); memory
   bounded by `MAX_AGENTS` buckets (the oldest dropped, which only gives that agent a full
   bucket again). Only a live agent held here gets one (the server checks before it
@@ -27,7 +29,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Final
+from typing import BinaryIO, Final
 
 __all__ = ["SignLog", "RateBound", "GENESIS", "verify_chain"]
 
@@ -58,17 +60,31 @@ class SignLog:
         last = _last_line(path)
         if last is not None:
             self.head, self.seq = str(last["hash"]), int(str(last["seq"]))
-        self._file = open(path, "ab", buffering=0)  # noqa: SIM115 - held open
+        self._file: BinaryIO | None = open(path, "ab", buffering=0)  # noqa: SIM115 - held open
+        self._owed: list[dict[str, object]] = []
 
-    def append(self, entries: list[dict[str, object]]) -> None:
-        """Write `entries` (one line each) before the answer leaves. Unbuffered, and the
-        head moves only once every byte is written: a failed write is cut off and raises, so
-        the next line chains to the last one on disk."""
+    def append(self, entries: list[dict[str, object]], *, done: bool = False) -> None:
+        """Write the lines owed, then `entries` (one line each), before the answer leaves.
+        Unbuffered, and the head moves only once every byte is written: a failed write is
+        cut off and raises, so the next line chains to the last one on disk. `done`: their
+        effect stands whatever the write does, so a failed write leaves them owed."""
+        at = int(self._clock())  # the effect's time, even for a line written late
+        todo = self._owed + [{"at": at, **entry} for entry in entries]
+        try:
+            self._write(todo)
+        except BaseException:
+            if done:
+                self._owed = todo
+            raise
+        self._owed = []
+
+    def _write(self, entries: list[dict[str, object]]) -> None:
+        if self._file is None:  # after a move, or an open that failed: retried at each line
+            self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - held open
         head, seq, lines = self.head, self.seq, []
         for entry in entries:
             seq += 1
-            body, head = _hashed(head, {"seq": seq, "at": int(self._clock()), "prev": head,
-                                        **entry})
+            body, head = _hashed(head, {"seq": seq, "prev": head, **entry})
             lines.append(f'{body[:-1]},"hash":"{head}"}}\n')  # one encoding, not two
         data = memoryview("".join(lines).encode("utf-8"))
         start = self._file.seek(0, os.SEEK_END)
@@ -80,13 +96,20 @@ class SignLog:
                 self._file.truncate(start)
             raise
         self.head, self.seq = head, seq
-        if self._file.tell() > self._max:
-            self._file.close()
-            os.replace(self.path, self.path.with_name(self.path.name + ".1"))
-            self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115
+        if self._file.tell() > self._max:  # written: a move that fails fails no line, and
+            file, self._file = self._file, None  # the next line tries it again
+            with contextlib.suppress(OSError):
+                file.close()
+                os.replace(self.path, self.path.with_name(self.path.name + ".1"))
 
     def close(self) -> None:
-        self._file.close()
+        with contextlib.suppress(OSError):  # the owed lines' last try, else the journal's
+            self.append([])
+        for entry in self._owed:
+            log.error("signed log %s: a line owed, never written: %s", self.path,
+                      json.dumps(entry, sort_keys=True))
+        if self._file is not None:
+            self._file.close()
 
 
 def _cut_torn_tail(path: Path) -> int:

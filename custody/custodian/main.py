@@ -7,11 +7,11 @@ records of keys destroyed past it (custody/custodian/forget.py, likewise).
 `... FILE keys init|rotate|migrate ...` runs a KEK command with the custodian stopped
 (custody/custodian/keys.py, imported only then: the serving process never loads either).
 
-Opens custody (token login, KEK check, keystore), then serves the message table on its
-socket until SIGTERM/SIGINT: the socket systemd passed (buzz-custodian.socket: the
-daemon's first request activates it) or, without one, a socket it binds itself. A fault opening is one line on stderr and exit 1. Under
-systemd, `Restart=always` brings it back after a crash; the pipeline's client reconnects
-on its next request (custody/custodian/client.py).
+Opens custody (token login, KEK check, keystore), then serves the message table until
+SIGTERM/SIGINT (SIGHUP: one line, no reload), on the socket systemd passed
+(buzz-custodian.socket: the daemon's first request activates it) or else one it binds.
+A fault opening is one line on stderr and exit 1. Under systemd, `Restart=always` brings
+it back after a crash; the pipeline's client reconnects (custody/custodian/client.py).
 """
 
 from __future__ import annotations
@@ -54,11 +54,15 @@ async def run(config_path: str) -> None:
     custody = await Custody.open(config.token, config.state_dir, config.cache)
     try:
         custodian = Custodian(custody, config.settings)
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(functools.partial(serve, custodian, inherited=inherited))
                 print("custodian: listening", flush=True)
-                async for _ in signals:
+                async for signum in signals:
+                    if signum == signal.SIGHUP:  # the daemon's reload signal: not a stop here
+                        logging.getLogger("buzz_broker.custodian").warning(
+                            "no reload: restart the custodian to apply its configuration")
+                        continue
                     nursery.cancel_scope.cancel()
                     break
     finally:

@@ -19,12 +19,15 @@ Theory of operation:
   NIP-44, AUTH only for the configured relay, per-agent rate bounds and the hash-chained
   log (`ledger`).
 - Error handling: custody's errors become their codes; anything else is `internal`, logged
-  here by type name only (an exception's text could carry an argument).
+  here by type name (and an OSError's errno name) only: its text could carry an argument.
+- A change made whose log line failed is owed (`SignLog`): until it is written every row
+  but the lookups is refused (`custody`), so nothing more happens unrecorded.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -59,6 +62,8 @@ _PEERCRED = struct.Struct("3i")
 #: a compromised pipeline could flood the unit's journal past its rate limit, which then
 #: drops the lines that matter (the unseal door's warnings among them).
 LINE_SECONDS: Final = 60.0
+#: Rows that neither change a key nor sign, nor write a line: answered while a line is owed.
+LOOKUPS: Final = frozenset({"records_version", "agent", "agents", "chain", "memory_address"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -209,7 +214,7 @@ class Custodian:
             record = await self.custody.mint_agent(owner=args["owner"], mint_ref=args["mint_ref"])
         if not again:
             self.log.append([{"op": "mint", "agent": record.pubkey, "owner": record.owner,
-                              **signed}])
+                              **signed}], done=True)
         return record_obj(record)
 
     async def import_(self, args: Mapping[str, Any]) -> object:
@@ -225,7 +230,8 @@ class Custodian:
             record = await self.custody.import_agent(args["secret"], owner=args["owner"],
                                                      auth_tag=args["auth_tag"],
                                                      held_owner=HeldOwner.REFUSE)
-        self.log.append([{"op": "import", "agent": record.pubkey, "owner": record.owner}])
+        self.log.append([{"op": "import", "agent": record.pubkey, "owner": record.owner}],
+                        done=True)
         return record_obj(record)
 
     async def destroy(self, args: Mapping[str, Any]) -> object:
@@ -236,14 +242,14 @@ class Custodian:
             except UnknownAgent:  # destroyed already (answered its tombstone), or never held
                 return record_obj(await self.custody.destroy_agent(args["pubkey"]))
             record = await self.custody.destroy_agent(args["pubkey"])
-        self.log.append([{"op": "destroy", "agent": record.pubkey}])
+        self.log.append([{"op": "destroy", "agent": record.pubkey}], done=True)
         return record_obj(record)
 
     async def attach_auth(self, args: Mapping[str, Any]) -> object:
         before = self.custody.agent(args["pubkey"])
         record = await self.custody.attach_auth_tag(args["pubkey"], args["tag"])
         if before is None or before.auth_tag != record.auth_tag:  # the same tag again: no line
-            self.log.append([{"op": "attach_auth", "agent": record.pubkey}])
+            self.log.append([{"op": "attach_auth", "agent": record.pubkey}], done=True)
         return record_obj(record)
 
     async def sign(self, args: Mapping[str, Any]) -> object:
@@ -302,7 +308,7 @@ class Custodian:
                 {e["pubkey"]: {"name": e["name"], "creator": e["creator"]} for e in args["names"]},
                 self.settings.backup_bounds, time.time())
         self.log.append([{"op": "backup", "file": written.path.name, "sha256": written.sha256,
-                          "count": len(written.agents)}])
+                          "count": len(written.agents)}], done=True)
         return {"file": str(written.path), "sha256": written.sha256,
                 "agents": list(written.agents),
                 "recipients": list(self.settings.backup_recipients)}
@@ -314,9 +320,21 @@ class Custodian:
         "encrypt": encrypt, "decrypt": decrypt, "backup": backup,
     }
 
+    def _owed_first(self, op: str) -> None:
+        """The log's owed lines written before a row that may add one, else it is refused."""
+        try:
+            self.log.append([])
+        except OSError as exc:
+            if (quiet := self._quiet(op, "fault")) is not None:
+                log.error("custodian refused %s: its log cannot be written: %s (%d not logged)",
+                          op, _name(exc), quiet)
+            raise CustodyError(f"the custodian's log cannot be written: {_name(exc)}") from None
+
     async def answer(self, request: messages.Request) -> bytes:
         """The answer frame to one checked request; never raises for custody's faults."""
         try:
+            if request.op not in LOOKUPS:
+                self._owed_first(request.op)
             return messages.reply_ok(await self.HANDLERS[request.op](self, request.args))
         except Refused as exc:
             if (quiet := self._quiet(request.op, "refused")) is not None:
@@ -336,13 +354,18 @@ class Custodian:
             return messages.reply_error("invalid", str(exc))
         except Exception as exc:  # noqa: BLE001 - one answer, the process stays up
             if (quiet := self._quiet(request.op, "fault")) is not None:
-                log.error("custodian fault in %s: %s (%d not logged)", request.op,
-                          type(exc).__name__, quiet)
+                log.error("custodian fault in %s: %s (%d not logged)", request.op, _name(exc),
+                          quiet)
             return messages.reply_error("internal", "custodian fault")
 
 
 class _RateLimited(Exception):
     pass
+
+
+def _name(exc: Exception) -> str:  # never its text: it could carry an argument
+    code = errno.errorcode.get(exc.errno or 0) if isinstance(exc, OSError) else None
+    return type(exc).__name__ if code is None else f"{type(exc).__name__} {code}"
 
 
 class Budget:

@@ -22,6 +22,7 @@ while it is gone, and carries on once it is back, with no restart of its own.
 
 from __future__ import annotations
 
+import signal
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -144,6 +145,21 @@ async def test_the_pipeline_answers_internal_until_the_custodian_is_back(
     envelope = await broker.call(credential, "message.post",
                                  {"channelId": channel, "content": "after"})
     assert envelope["status"] == "succeeded", envelope
+
+
+def test_a_sighup_is_one_line_and_the_custodian_goes_on_serving(
+        custodian: CustodianProcess) -> None:
+    """An operator used to the daemon's reload sends the custodian SIGHUP: it says it
+    reloads nothing, and answers on. (A review: SIGHUP's default action killed it, with no
+    line, its socket file left.)"""
+    from tests.custodian.test_refusals import ask
+
+    assert custodian.proc is not None
+    custodian.proc.send_signal(signal.SIGHUP)
+    assert ask(custodian.socket, "records_version")[0]
+    assert custodian.proc.poll() is None
+    stderr = custodian.stop()
+    assert stderr.count("no reload: restart the custodian to apply its configuration") == 1
 
 
 def _under(broker: BrokerHarness, mint_ref: str) -> list[KeyRecord]:

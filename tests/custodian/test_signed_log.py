@@ -16,13 +16,14 @@ import pytest
 
 from custody.custodian.client import CustodianClient
 from custody.custodian.ledger import verify_chain
+from tests.custodian.test_refusals import intent
 from tests.fixtures.custodian import CustodianProcess
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _sign_one(socket: Path, agent: str) -> None:
-    from tests.custodian.test_refusals import ask, intent
+    from tests.custodian.test_refusals import ask
 
     ok, signed = ask(socket, "sign", events=[intent(agent, 9, [["h", "c"]], "hi")])
     assert ok, signed
@@ -199,3 +200,100 @@ def test_the_log_directory_is_the_custodians_alone(tmp_path: Path) -> None:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "log").stat().st_mode) == 0o700
 
+
+
+async def test_an_effect_whose_line_fails_is_owed_and_refuses_more_until_written(
+        custodian: CustodianProcess) -> None:
+    """The log at the custodian's file-size limit (RLIMIT_FSIZE, as a full disk): a destroy
+    is done but its line cannot be written. That line is owed: the retry, a sign and a mint
+    are refused naming the log's fault, lookups still answer, and once the log can be
+    written the line is, before any other. (A review: the retry answered the record, as for
+    a key destroyed before, and the destroy never had a line; a compromised pipeline
+    filling the disk could arrange that at will.)"""
+    import resource
+
+    from custody.custodian.ledger import SignLog
+    from tests.custodian.test_refusals import ask, human
+
+    client = await CustodianClient.open(custodian.socket)
+    owner = human()
+    victim, other = [(await client.import_agent(
+        bytearray(coincurve.PrivateKey().secret.hex().encode()), owner=owner)).pubkey
+        for _ in range(2)]
+    await client.aclose()
+    custodian.stop()
+    log = custodian.config.parent / "state" / "custodian" / "signed.jsonl"
+    filler = SignLog(log, 1 << 30)  # 1 MiB of lines: the keystore's files stay below it
+    filler.append([{"op": "decrypt", "agent": other, "count": 0}] * 10_000)
+    filler.close()
+    custodian.start()
+    assert custodian.proc is not None
+    full = (log.stat().st_size, resource.RLIM_INFINITY)
+    resource.prlimit(custodian.proc.pid, resource.RLIMIT_FSIZE, full)
+
+    assert ask(custodian.socket, "destroy", pubkey=victim) == (False, ("internal",
+                                                                      "custodian fault"))
+    ok, record = ask(custodian.socket, "agent", pubkey=victim, include_deleted=True)
+    assert ok and isinstance(record, dict) and record["deleted_at"] is not None
+    refusal = (False, ("custody", "the custodian's log cannot be written: OSError EFBIG"))
+    assert ask(custodian.socket, "destroy", pubkey=victim) == refusal
+    assert ask(custodian.socket, "mint", owner=owner, mint_ref=None) == refusal
+    assert ask(custodian.socket, "sign", events=[intent(other, 9, [["h", "c"]])]) == refusal
+    assert ask(custodian.socket, "agent", pubkey=other, include_deleted=False)[0]
+
+    resource.prlimit(custodian.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+    assert ask(custodian.socket, "sign", events=[intent(other, 9, [["h", "c"]])])[0]
+    *_, destroyed, signed = [json.loads(line) for line in log.read_text().splitlines()]
+    assert (destroyed["op"], destroyed["agent"], signed["op"]) == ("destroy", victim, "sign")
+    assert verify_chain(log) == 10_004
+
+    # A stop while a line is still owed: it goes to the journal, the process's stderr.
+    resource.prlimit(custodian.proc.pid, resource.RLIMIT_FSIZE,
+                     (log.stat().st_size, resource.RLIM_INFINITY))
+    assert not ask(custodian.socket, "destroy", pubkey=other)[0]
+    stderr = custodian.stop()
+    assert "custodian fault in destroy: OSError EFBIG" in stderr, stderr[-2000:]
+    assert f'a line owed, never written: {{"agent": "{other}"' in stderr, stderr[-2000:]
+
+
+#: In a child process: a log bound at two lines, the second written with no descriptor left
+#: (RLIMIT_NOFILE), so the file the move to `.1` leaves to open cannot be opened; the
+#: fourth with descriptors again. Prints what each append did.
+_MOVE = textwrap.dedent("""
+    import json, resource, sys
+    from pathlib import Path
+    from custody.custodian.ledger import SignLog
+    log = SignLog(Path(sys.argv[1]), 500)
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    done = []
+    for n in "1234":
+        if n in "24":  # descriptors 0-2 only, then as before
+            resource.setrlimit(resource.RLIMIT_NOFILE, (3, limits[1]) if n == "2" else limits)
+        try:
+            log.append([{"op": "sign", "agent": "a" * 64, "kind": 9, "id": n * 64}])
+            done.append("ok")
+        except Exception as exc:
+            done.append(f"{type(exc).__name__} {getattr(exc, 'errno', None)}")
+    log.close()
+    print(json.dumps(done))
+""")
+
+
+@pytest.mark.token_independent
+def test_a_new_file_the_move_cannot_open_is_opened_at_a_later_line(tmp_path: Path) -> None:
+    """The log moves to `.1` past its bound; opening the new file fails (no descriptor,
+    no inode left): the next line's write fails, and a later one opens it. (A review: the
+    log kept the closed file, and every later line failed with ValueError, answered
+    `invalid`, until a restart.)"""
+    import errno
+
+    path = tmp_path / "signed.jsonl"
+    done = subprocess.run([sys.executable, "-c", _MOVE, str(path)], capture_output=True,
+                          text=True, cwd=REPO, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == ["ok", "ok", f"OSError {errno.EMFILE}", "ok"]
+    moved = path.with_name("signed.jsonl.1")
+    assert verify_chain(moved) == 2
+    last = json.loads(moved.read_text().splitlines()[-1])
+    assert verify_chain(path, start=last["hash"]) == 1
+    assert json.loads(path.read_text())["id"] == "4" * 64
