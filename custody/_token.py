@@ -186,6 +186,10 @@ class TokenConfig:
     kek_label: str = "buzz-broker-kek"
     seal: str = "auto"
 
+    def __post_init__(self) -> None:  # said where it is written, not at the token's open
+        if self.seal not in SEAL_CHOICES:
+            raise ValueError(f"seal must be one of {', '.join(SEAL_CHOICES)}, not {self.seal!r}")
+
 
 class KekRefused(CustodyError):
     """The KEK a blob names is not in the token, or fails its checks (one safe line)."""

@@ -4,6 +4,7 @@
 
 - a file that is not UTF-8 text, or not a regular file (a FIFO blocked the custodian for
   ever: it waited for a writer), or missing (one line, not Python's errno text);
+- a `seal` that is none of "auto", "gcm", "etm";
 - a NUL character in any string value (a path holding one cannot be opened or bound);
 - a `socket` path longer than sockaddr_un holds (107 bytes and its NUL: the daemon's rule
   for its own socket, daemon/http.py `MAX_SOCKET_PATH_BYTES`).
@@ -78,6 +79,17 @@ def test_a_path_that_is_no_regular_file_is_one_line(tmp_path: Path, entry: str,
     config = tmp_path / "custodian.toml"
     make(config)
     _one_line(_run(entry, config), str(config), said)
+
+
+@pytest.mark.token_independent
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_an_unknown_seal_is_one_line_naming_the_key(tmp_path: Path, entry: str) -> None:
+    # It was said at the token's open, as "unknown seal", naming neither file nor key.
+    config = write_custodian_config(tmp_path / "custodian.toml",
+                                    token=TokenConfig("m", "t", None), state_dir=tmp_path,
+                                    socket=tmp_path / "s", relay_url="wss://r")
+    config.write_text(config.read_text().replace('seal = "auto"', 'seal = "bogus"'))
+    _one_line(_run(entry, config), str(config), "[pkcs11] seal must be one of auto, gcm, etm")
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
