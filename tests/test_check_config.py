@@ -8,6 +8,7 @@ proven to read it there (no pin_file in the config at all).
 
 from __future__ import annotations
 
+import grp
 import os
 import re
 import shutil
@@ -131,6 +132,42 @@ def test_deep_broken_kek_and_broken_relay_each_named(
 
 
 @pytest.mark.token_offers("GENERATE_KEY")  # keys rotate without --new-kek-label makes one
+def test_deep_names_a_socket_group_that_does_not_exist_and_a_tcp_group_that_admits_nobody(
+    custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path,
+    softhsm_token: SoftHsmToken,
+) -> None:
+    """A socket group `serve` could not find fails the deep check at its own step (the file
+    check passes it: a config is often checked on another machine); a TCP group that does
+    not exist is said and passes, as `serve` admits its members once it is made."""
+    token, _state = custody_state
+    env = {"CREDENTIALS_DIRECTORY": str(_credentials(tmp_path, softhsm_token.pin_file))}
+    missing = "bb-no-such-group"
+    assert all(g.gr_name != missing for g in grp.getgrall())
+    root_group = grp.getgrgid(0).gr_name
+
+    def config(name: str, server: dict[str, object]) -> Path:
+        no_pin = TokenConfig(module=token.module, token_label=token.token_label,
+                             pin_file=None, kek_label=token.kek_label)
+        return write_config(tmp_path / name, token=no_pin, state_dir=tmp_path / "state",
+                            socket=tmp_path / "b.sock", relay_url=local_relay,
+                            sections={"server": server})
+
+    bad = config("bad.toml", {"socket_group": missing})
+    assert _run("--config", str(bad), "check-config").returncode == 0
+    done = _run("--config", str(bad), "check-config", "--deep", env=env)
+    assert done.returncode == 1 and done.stdout.splitlines()[-1].startswith("state: ")
+    assert done.stderr == (f"buzz-broker: check-config --deep: groups: [server] socket_group "
+                           f"{missing!r} does not exist: serve would refuse to bind its socket\n")
+
+    good = config("good.toml", {"socket_group": root_group,
+                                "tcp_allow_groups": [missing, "0"]})
+    done = _run("--config", str(good), "check-config", "--deep", env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-2:] == [
+        f"groups: socket_group {root_group!r} is gid 0; tcp_allow_groups '0' is gid 0; "
+        f"tcp_allow_groups {missing!r} does not exist: admits nobody until it does", "ok"]
+
+
 def test_deep_after_keys_rotate_checks_the_kek_the_keystore_records(
     softhsm_token: SoftHsmToken, local_relay: str, tmp_path: Path,
 ) -> None:

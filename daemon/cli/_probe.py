@@ -20,11 +20,16 @@ Rules:
   it (one is made and removed at once: the real answer, whatever permission bits,
   capabilities or mounts say), or, where it does not exist yet, in the directory `serve`
   would make it in. `check-config --deep` only: `status` reads the state as it is.
+- The groups check (only where `[server] socket_group` or `tcp_allow_groups` names a
+  group) asks the user database for each name, as `serve` will: a socket group that does
+  not exist fails it (`serve` refuses to bind its socket); a TCP group that does not exist
+  is said but passes, as `serve` admits its members once it exists (daemon/loopback_tcp.py).
 - Details never carry the PIN (custody's messages name files, never their content).
 """
 
 from __future__ import annotations
 
+import grp
 import os
 import pwd
 import ssl
@@ -38,7 +43,7 @@ import trio_websocket
 from daemon.cli._common import CliError, refuse_foreign_state
 from daemon.config import Config
 
-__all__ = ["Check", "check_token_and_kek", "check_relay", "check_state"]
+__all__ = ["Check", "check_token_and_kek", "check_relay", "check_state", "check_groups"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,3 +160,31 @@ async def check_state(config: Config) -> Check:
         return Check("state", False, f"{directory}: cannot create a file there "
                      f"({exc.strerror}): {remedy}")
     return Check("state", True, f"{directory}: {_user()} can write it")
+
+
+def _gid_of(group: str) -> int | None:
+    if group.isdigit():  # a gid needs no entry: chown(2) and the TCP check take it as is
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        return None
+
+
+async def check_groups(config: Config) -> Check | None:
+    """Do the groups ``[server]`` names exist? None where it names none (module docstring)."""
+    server = config.server
+    if server.socket_group is None and not server.tcp_allow_groups:
+        return None
+    said = []
+    if server.socket_group is not None:
+        gid = _gid_of(server.socket_group)
+        if gid is None:
+            return Check("groups", False, f"[server] socket_group {server.socket_group!r} "
+                         "does not exist: serve would refuse to bind its socket")
+        said.append(f"socket_group {server.socket_group!r} is gid {gid}")
+    for group in sorted(server.tcp_allow_groups):
+        gid = _gid_of(group)
+        said.append(f"tcp_allow_groups {group!r} " + (
+            "does not exist: admits nobody until it does" if gid is None else f"is gid {gid}"))
+    return Check("groups", True, "; ".join(said))

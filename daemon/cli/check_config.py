@@ -10,9 +10,9 @@ Rules:
 - Without --deep it checks the file only (a config is often checked on another machine):
   ``ok`` last on stdout, exit 0; or the one-line `ConfigError` on stderr, exit 1.
 - With --deep it also logs in to the token, finds and checks the KEK, opens a
-  WebSocket to the relay, and checks that this user can make files in the state directory
-  (daemon/cli/_probe.py), one line each; any failure is the one-line
-  error on stderr (naming the step) and exit 1. Run it as the daemon runs (the
+  WebSocket to the relay, checks that this user can make files in the state directory
+  and that the groups ``[server]`` names exist (daemon/cli/_probe.py), one line each;
+  any failure is the one-line error on stderr (naming the step) and exit 1. Run it as the daemon runs (the
   `buzz-broker-admin` wrapper), so the PIN credential and the token files are its own.
 
 WARNING: the output lines and the exit codes are documented in docs/configuration.md and
@@ -115,10 +115,12 @@ def run(args: argparse.Namespace) -> int:
     if (metrics := describe_metrics(config)) is not None:
         print(metrics)
     if getattr(args, "deep", False):
-        from daemon.cli._probe import check_relay, check_state, check_token_and_kek
+        from daemon.cli._probe import check_groups, check_relay, check_state, check_token_and_kek
 
-        for check in (check_token_and_kek, check_relay, check_state):
+        for check in (check_token_and_kek, check_relay, check_state, check_groups):
             result = trio.run(check, config)
+            if result is None:  # nothing of the kind configured
+                continue
             if not result.ok:
                 raise CliError(f"check-config --deep: {result.name}: {result.detail}")
             print(f"{result.name}: {result.detail}")
