@@ -37,7 +37,8 @@ Decisions (each documented here because Buzz leaves them to the host):
   relay holds; the relay's reply itself is bounded by `daemon.relay.pool.MAX_QUERY_BYTES`.
 * Every event the relay sends is checked before it is delivered: exactly the seven
   canonical members (contract `Event`), a valid id and BIP-340 signature, then in the
-  order of `_CHECKS` the channel's `h` tag and no other `h` tag, a match with the
+  order of `_CHECKS` no empty tag (NIP-01; Buzz's SDK refuses a page holding one), the
+  channel's `h` tag and no other `h` tag, a match with the
   filter asked, and on a thread read its declared root. A failing event is dropped and
   logged (event id and the check's name; no content; `ReadLog`) and never counted in the
   page. The first two are shared process-wide (`_JudgedCache`): a fleet's agents each
@@ -298,6 +299,13 @@ def _signature_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bo
     return verify_event(item) is True
 
 
+def _tags_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bool:
+    # NIP-01: a tag holds one or more strings. The wire contract lets `[]` through, but
+    # Buzz's SDK (rust-nostr) refuses such an event, and with it the whole page: one
+    # member's event would stop every agent reading the channel.
+    return all(event.tags)
+
+
 def _channel_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bool:
     return in_channel(event.tags, judge.channel_id)
 
@@ -315,6 +323,7 @@ def _thread_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bool:
 #: The checks after the canonical-shape parse, in order; the name is what the log says.
 #: The shape and "bad_signature" come first, in `_Judge.__call__` (shared: `_JudgedCache`).
 _CHECKS: tuple[tuple[str, Callable[[_Judge, Mapping[str, object], Event], bool]], ...] = (
+    ("empty_tag", _tags_ok),
     ("wrong_channel", _channel_ok),
     ("off_filter", _filter_ok),
     ("off_thread", _thread_ok),

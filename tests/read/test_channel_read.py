@@ -80,9 +80,12 @@ async def test_undeliverable_events_are_dropped_and_logged(tmp_path: Path, reade
     foreign = alice.sign(9, "foreign", [["h", other]], NOW - 101)
     extra_member = {**alice.sign(9, "extra", [["h", channel]], NOW - 101), "relay": "x"}
     wrong_kind = alice.sign(1, "kind 1", [["h", channel]], NOW - 101)
+    # Validly signed, but NIP-01 tags hold one or more strings: Buzz's SDK (rust-nostr)
+    # refuses the event, and with it the whole page it came in.
+    empty_tag = alice.sign(9, "empty tag", [["h", channel], []], NOW - 101)
     pool = PoolLike(good)
     # A misbehaving relay sends all of these whatever the filter says.
-    pool.extra = [forged, bad_sig, no_h, foreign, extra_member, wrong_kind]
+    pool.extra = [forged, bad_sig, no_h, foreign, extra_member, wrong_kind, empty_tag]
     caplog.set_level(logging.INFO, logger="buzz_broker.read")
     ctx = context(pool, principal_for(tmp_path, reader.pubkey, [channel]), CursorCodec.open(tmp_path))
     got, _ = await read_through(ctx, channel_id=channel, limit=4)
@@ -90,11 +93,12 @@ async def test_undeliverable_events_are_dropped_and_logged(tmp_path: Path, reade
     # One line per check that dropped (the first event it dropped), every drop counted.
     dropped = {"bad_signature": {forged["id"], bad_sig["id"]},
                "wrong_channel": {no_h["id"], foreign["id"]},
-               "not_canonical": {extra_member["id"]}, "off_filter": {wrong_kind["id"]}}
+               "not_canonical": {extra_member["id"]}, "off_filter": {wrong_kind["id"]},
+               "empty_tag": {empty_tag["id"]}}
     shown = fields(caplog, "read.event_dropped")
     assert sorted(f["reason"] for f in shown) == sorted(dropped)
     assert all(f["event_id"] in dropped[f["reason"]] for f in shown)
-    assert ctx.read_log.total("read.event_dropped") >= 6
+    assert ctx.read_log.total("read.event_dropped") >= 7
     # No content of any event reached the log, nor the host's cursor key in any spelling.
     assert "tampered" not in caplog.text and "forged" not in caplog.text
     key = (tmp_path / KEY_FILE_NAME).read_bytes()
