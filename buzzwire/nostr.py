@@ -43,6 +43,9 @@ __all__ = [
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX128 = re.compile(r"[0-9a-f]{128}")
+#: A NIP-OA clause, its decimal canonical (no sign, no leading zero), and each name's most.
+_CLAUSE = re.compile(r"(kind=|created_at<|created_at>)(0|[1-9][0-9]{0,9})")
+_CLAUSE_MAX = {"kind=": 65535, "created_at<": 2**32 - 1, "created_at>": 2**32 - 1}
 MAX_KIND = kinds.MAX
 OWNER_TAG_PREFIX = "nostr:agent-auth:"
 
@@ -226,11 +229,15 @@ def owner_tag_digest(agent_pubkey: str, conditions: str) -> bytes:
 
 def verify_owner_tag(tag: Iterable[str], agent_pubkey: str) -> bool:
     """True iff `tag` is `["auth", owner, conditions, sig]` with a valid owner signature for
-    `agent_pubkey`, and owner != agent (NIP-OA)."""
+    `agent_pubkey`, owner != agent, and conditions `""` or `&`-joined clauses (NIP-OA).
+    Whether an event meets the clauses is its caller's check."""
     items = tuple(tag)
     if len(items) != 4 or not all(isinstance(item, str) for item in items) or items[0] != "auth":
         return False
     _, owner, conditions, sig = items
     if not is_hex64(owner) or not _HEX128.fullmatch(sig) or owner == agent_pubkey:
+        return False
+    clauses = [_CLAUSE.fullmatch(c) for c in conditions.split("&")] if conditions else []
+    if not all(m and int(m[2]) <= _CLAUSE_MAX[m[1]] for m in clauses):
         return False
     return _schnorr_verify(owner, sig, owner_tag_digest(agent_pubkey, conditions))

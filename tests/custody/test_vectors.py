@@ -121,6 +121,27 @@ def test_a_validly_signed_owner_tag_wrong_in_one_way_does_not_verify(wrong: str)
     assert not verify_owner_tag(tag_around(sig), agent)  # type: ignore[arg-type]
 
 
+#: NIP-OA's conditions grammar: `""` or `&`-joined `kind=N` (0..65535), `created_at<T`,
+#: `created_at>T` (0..2^32-1), decimals canonical, no whitespace; its invalid vectors first.
+_CONDITIONS = {
+    "kind=1&": False, "kind=01": False, "&kind=1": False, "kind=1&&kind=2": False,
+    " kind=1": False, "kind=1 ": False, "Kind=1": False, "kind= 1": False, "kind=+1": False,
+    "kind=-1": False, "foo=1": False, "kind<1": False, "kind=65536": False,
+    "created_at<4294967296": False, "created_at>99999999999": False, "kind=": False,
+    "kind=١": False, "&": False,
+    "": True, "kind=0": True, "kind=65535": True, "created_at>0": True,
+    "created_at<4294967295": True, "kind=1&kind=1&created_at>5": True,
+}
+
+
+@pytest.mark.parametrize("conditions", list(_CONDITIONS))
+def test_an_owner_tag_verifies_only_with_conditions_nip_oa_can_read(conditions: str) -> None:
+    """NIP-OA: verifiers MUST reject an unsupported clause or a malformed decimal, whatever
+    the signature says; the signature here is valid over the conditions as written."""
+    sig = _signed(SECRET_1, owner_tag_digest(PUB_2, conditions))
+    assert verify_owner_tag(["auth", PUB_1, conditions, sig], PUB_2) is _CONDITIONS[conditions]
+
+
 @pytest.mark.parametrize("secret_hex", [SECRET_1, SECRET_2, SECRET_X])
 def test_secret_text_forms_agree(secret_hex: str) -> None:
     nsec = nostr_sdk.SecretKey.parse(secret_hex).to_bech32()
