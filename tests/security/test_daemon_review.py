@@ -191,6 +191,57 @@ def test_client_credential_never_shows(tmp_path: Path) -> None:
     assert cred.authorization() == b"Bearer " + token.encode()
 
 
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_call_timed_out_by_its_caller_keeps_the_credential_out_of_traceback_locals(
+    backend: str,
+) -> None:
+    # asyncio.wait_for / anyio.fail_after around a call to a host that never answers: the
+    # TimeoutError's traceback runs through the transport's receive wait, and whatever
+    # renders it with locals (traceback's capture_locals, pytest --showlocals, Sentry) must
+    # not show the Authorization header, nor the request head that carried it.
+    import asyncio
+    import shutil
+    import traceback
+
+    import anyio
+
+    from tests.client.scripted_host import ScriptedHost, socket_dir, stall
+
+    token = "bzb_" + "S3cr3t" * 7 + "Q"
+    directory = socket_dir()
+    host = ScriptedHost(path=f"{directory}/broker.sock", script=[stall()])
+
+    async def timed_call(client: AsyncBrokerClient) -> BaseException:
+        # The traceback starts in this frame: only the client (redacted) is in its locals.
+        call = client.message_post("5df7dfa8-e919-43df-8efd-f1dcb8af7071", "hi")
+        try:
+            if backend == "asyncio":
+                await asyncio.wait_for(call, 0.5)
+            else:
+                with anyio.fail_after(0.5):
+                    await call
+        except TimeoutError as exc:
+            return exc
+        raise AssertionError("the call was not timed out")
+
+    async def main() -> BaseException:
+        async with anyio.create_task_group() as tg:
+            await tg.start(host.serve)
+            try:
+                return await timed_call(AsyncBrokerClient(host.path, token))
+            finally:
+                tg.cancel_scope.cancel()
+
+    try:
+        exc = anyio.run(main, backend=backend)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert len(host.received) == 1  # the request left: the wait was for the answer
+    rendered = "".join(traceback.TracebackException.from_exception(exc, capture_locals=True).format())
+    assert "_exchange_on" in rendered  # the timeout landed in the receive wait
+    assert token not in rendered and token[4:20] not in rendered and "Bearer" not in rendered
+
+
 # ---------------------------------------------------------------------------------------
 # Logs: a plain record with an exception keeps only the exception's type name
 # ---------------------------------------------------------------------------------------
