@@ -40,7 +40,7 @@ import errno
 import ipaddress
 import os
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
@@ -247,7 +247,7 @@ async def _connect(endpoint: Endpoint) -> anyio.abc.ByteStream:
 
 async def exchange(
     endpoint: Endpoint, credential: Credential, body: bytes, *,
-    max_body: int = MAX_RESPONSE_BYTES,
+    max_body: int = MAX_RESPONSE_BYTES, connected: Callable[[], None] | None = None,
 ) -> HttpReply:
     """POST `body` verbatim to /v1/action and read the whole response.
 
@@ -256,6 +256,8 @@ async def exchange(
         credential: sent only as `Authorization: Bearer …`.
         body: the frozen request bytes; sent unchanged.
         max_body: the most response body bytes read; past it, `TransportFailure`.
+        connected: called once the connect succeeded, before the first byte is sent:
+            from then on the request may reach the host, whatever happens next.
 
     Returns:
         The status code and body of the final (non-1xx) response.
@@ -276,6 +278,8 @@ async def exchange(
     except OSError as exc:
         raise ConnectFailure(_connect_kind(exc)) from None
     async with stream:
+        if connected is not None:
+            connected()
         try:
             return await _exchange_on(stream, endpoint, credential, body,
                                       min(max_body, MAX_RESPONSE_BYTES))

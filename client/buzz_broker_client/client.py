@@ -29,7 +29,11 @@ Theory of operation (spec §Conformance [C1], invariants I2–I6):
    change (`unauthenticated`, `unauthorized`, `request_id_conflict`) and goes on after
    the others. Otherwise a credential expiring, a permission lost, between two attempts
    would read as "nothing happened" and invite a second request. A `replayed` `failed`
-   is the host's record of the request: final.
+   is the host's record of the request: final. A caller's own cancellation (a timeout
+   around the call) is re-raised unchanged, with no answer to carry the request back:
+   once an attempt may have reached the host, one warning names its request id, "fate
+   unknown". A caller who cancels keeps the frozen request itself (`freeze`, then
+   `send`) and re-sends it with a `prior` (docs/agents.md §2).
 5. Bound. Each action's answer has a byte bound and a bound on its JSON values
    (`_bounds`), checked before a JSON object is built; a larger body is no answer. A
    large body is judged on a worker thread inside the attempt's deadline, never on the
@@ -774,7 +778,39 @@ class AsyncBrokerClient:
     async def _send(
         self, request: Request, outcome_type: type[O], prior: FateUnknown | None = None
     ) -> Answer[O]:
+        """Every operation's one path: serialize once, retry, answer (points 1-4).
+
+        A cancellation from the caller (an outer timeout, a cancel scope, a cancelled
+        task) goes through unchanged; once an attempt may have reached the host, one
+        warning first names the request whose fate it leaves unknown.
+        """
         body = encode_request(request)  # the one serialization (I3)
+        # True once an attempt's connect succeeded (or an earlier call sent the request):
+        # from then on a cancellation by the caller leaves the request's fate unknown.
+        reached = prior is not None
+
+        def connected() -> None:
+            nonlocal reached
+            reached = True
+
+        try:
+            return await self._attempts(request, body, outcome_type, prior, connected)
+        except anyio.get_cancelled_exc_class():
+            if reached:
+                # The caller's cancellation is theirs to see, unchanged; what it cost them
+                # (this request id, with no answer to hand back) is only said here.
+                _log.warning(
+                    "call cancelled by the caller after an attempt may have reached the "
+                    "host, fate unknown: request_id=%s action=%s",
+                    request.request_id, request.action,
+                )
+            raise
+
+    async def _attempts(
+        self, request: Request, body: bytes, outcome_type: type[O], prior: FateUnknown | None,
+        connected: Callable[[], None],
+    ) -> Answer[O]:
+        """`_send`'s retry loop (point 4 of the module docstring)."""
         policy = self._retry
         deadline = anyio.current_time() + policy.total_seconds
         delay = policy.first_delay
@@ -790,7 +826,7 @@ class AsyncBrokerClient:
         while True:
             attempt += 1
             answer, replayed, connect = await self._attempt(
-                request, body, outcome_type, attempt, deadline)
+                request, body, outcome_type, attempt, deadline, connected)
             nothing_sent = nothing_sent and connect in SETUP_PROBLEMS
             if unknown is not None and _fate_blind(answer, replayed):
                 assert isinstance(answer, (Failed, Unsupported))
@@ -840,7 +876,8 @@ class AsyncBrokerClient:
         return SETUP_PROBLEMS[connect](self._endpoint.describe())
 
     async def _attempt(
-        self, request: Request, body: bytes, outcome_type: type[O], attempt: int, deadline: float
+        self, request: Request, body: bytes, outcome_type: type[O], attempt: int, deadline: float,
+        connected: Callable[[], None],
     ) -> tuple[Answer[O], bool, ConnectKind | None]:
         """One attempt: its answer, whether the host said `replayed`, and how its connect
         failed, when it did (None otherwise).
@@ -858,7 +895,7 @@ class AsyncBrokerClient:
         with anyio.move_on_after(budget):
             try:
                 reply = await exchange(self._endpoint, self._credential, body,
-                                       max_body=response_bytes(request))
+                                       max_body=response_bytes(request), connected=connected)
             except ConnectFailure as exc:
                 detail, connect = exc.detail, exc.kind
             except TransportFailure as exc:

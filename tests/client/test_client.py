@@ -1159,6 +1159,52 @@ async def test_a_resend_with_its_prior_raises_no_setup_error() -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+async def _cancelled_by_the_caller(loop_backend: str, call: Any) -> None:
+    """Run `call` under the caller's own timeout, the loop's native one: it must time out."""
+    with pytest.raises(TimeoutError):  # the cancellation, passed through unchanged
+        if loop_backend == "asyncio":
+            await asyncio.wait_for(call, 0.3)
+        else:
+            with anyio.fail_after(0.3):
+                await call
+
+
+async def test_a_call_its_caller_cancels_after_sending_logs_its_fate_unknown_and_resends_once(
+        host: ScriptedHost, loop_backend: str, caplog: pytest.LogCaptureFixture) -> None:
+    # The host did it, but its answer is later than the caller's timeout. The client cannot
+    # answer (the cancellation is the caller's), so it says in the log which request's fate
+    # is unknown; the documented resume (docs/agents.md §2) sends that same request again,
+    # and the host replays its record instead of posting twice.
+    caplog.set_level(logging.INFO, logger="buzz_broker.client")
+    host.script = [stall(), succeeded(None, publish_outcome(), replayed=True)]
+    c = client(host)
+    request = c.freeze("message.post", {"channelId": CHANNEL, "content": "deploy done"})
+    await _cancelled_by_the_caller(loop_backend, c.send(request))
+    [line] = [r.getMessage() for r in caplog.records if "cancelled" in r.getMessage()]
+    assert "fate unknown" in line and request.request_id in line and "message.post" in line
+    assert CREDENTIAL not in caplog.text
+    lost = NoAnswer(request_id=request.request_id, action=request.action, attempts=1,
+                    request=request, reason=NoAnswerReason.TRANSPORT,
+                    detail="cancelled by the caller")
+    again = await c.send(request, prior=lost)
+    assert isinstance(again, Succeeded) and again.replayed
+    assert_identical_retries(host, 2)  # one request id, one set of bytes: no second post
+
+
+async def test_a_call_cancelled_before_a_byte_left_logs_nothing(
+        loop_backend: str, caplog: pytest.LogCaptureFixture) -> None:
+    # No socket: every attempt failed to connect, so the cancelled call sent nothing.
+    caplog.set_level(logging.INFO, logger="buzz_broker.client")
+    directory = socket_dir()
+    try:
+        c = AsyncBrokerClient(f"{directory}/broker.sock", CREDENTIAL, retry=RetryPolicy(
+            max_attempts=100, first_delay=0.05, max_delay=0.05, total_seconds=30.0))
+        await _cancelled_by_the_caller(loop_backend, c.message_post(CHANNEL, "hi"))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert "retrying" in caplog.text and "fate unknown" not in caplog.text
+
+
 def test_a_prior_of_another_request_is_refused() -> None:
     c = AsyncBrokerClient("/tmp/bbc-nonexistent/broker.sock", CREDENTIAL, retry=FAST)
     request = c.freeze("message.post", {"channelId": CHANNEL, "content": "hi"})
