@@ -425,7 +425,8 @@ def _fate_blind(answer: Result, replayed: bool) -> bool:
     effects. Clients with earlier uncertainty MUST retain it." So once an attempt may
     have reached the host, every `failed` (and best-effort `unsupported`) is about this
     attempt alone, unless the host says it comes from its record of the request
-    (`replayed`): that is its real verdict on the request.
+    (`replayed`): that is its real verdict on the request. An `unauthenticated` refusal is
+    never such a record (`_judge` reads its `replayed` as absent).
     """
     return isinstance(answer, (Failed, Unsupported)) and not replayed
 
@@ -559,7 +560,11 @@ def _judge(
                          replayed=response.replayed, envelope=reply.body), response.replayed
 
     assert response.code is not None and response.message is not None  # parse_response's shape rule
-    replayed = response.replayed
+    # A host's records are per authenticated principal: a request it could not
+    # authenticate has no record to replay, so `replayed` on that refusal is read as absent
+    # (else, after a lost attempt, a wrong host's word would turn "fate unknown" into
+    # CredentialRefused, "nothing happened").
+    replayed = response.replayed and response.code is not ErrorCode.UNAUTHENTICATED
     if response.status is Status.FAILED:
         if response.code is ErrorCode.UNSUPPORTED and ACTIONS[request.action].best_effort:
             return Unsupported(request_id=rid, action=action, attempts=attempt,

@@ -1113,6 +1113,35 @@ async def test_a_replayed_refusal_after_a_drop_is_the_recorded_verdict(
     assert isinstance(answer, Failed) and answer.code.value == code and answer.attempts == 2
 
 
+@pytest.mark.parametrize("with_prior", [False, True], ids=["after_a_drop", "with_prior"])
+async def test_a_replayed_unauthenticated_is_no_recorded_verdict(
+        host: ScriptedHost, with_prior: bool) -> None:
+    # A host's records are per authenticated principal: an unauthenticated request has
+    # none to replay, so `replayed` on that refusal is read as absent. After an attempt
+    # that may have reached the host it says nothing of that attempt: fate unknown, never
+    # CredentialRefused ("nothing happened").
+    refused = errored("failed", "unauthenticated", replayed=True)
+    host.script = [drop(), drop(), drop(), refused] if with_prior else [drop(), refused]
+    c = client(host)
+    if with_prior:
+        first = await c.message_post(CHANNEL, "hi")
+        assert isinstance(first, NoAnswer)
+        answer = await c.send(first.request, prior=first)
+        assert answer.attempts == 1
+    else:
+        answer = await c.message_post(CHANNEL, "hi")
+        assert answer.attempts == 2
+    assert isinstance(answer, NoAnswer) and answer.reason is NoAnswerReason.TRANSPORT
+    assert_identical_retries(host, 4 if with_prior else 2)
+
+
+async def test_a_replayed_unauthenticated_first_answer_is_still_credential_refused(
+        host: ScriptedHost) -> None:
+    host.script = [errored("failed", "unauthenticated", replayed=True)]
+    with pytest.raises(CredentialRefused):
+        await client(host).message_post(CHANNEL, "hi")
+
+
 @pytest.mark.parametrize("code", STOPPING_CODES + ["action_failed"])
 async def test_a_resend_with_its_prior_fate_unknown_keeps_it(host: ScriptedHost, code: str) -> None:
     host.script = [drop(), drop(), drop()]
