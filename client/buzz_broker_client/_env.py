@@ -11,7 +11,8 @@ Rules:
   caller can warn; it is not refused (the file may live on a mount that cannot express
   modes). Error messages name the file and the fix, never its contents, and never a
   "path" that looks like a credential itself (`_shown_path`): a harness that put the token
-  where its file goes would otherwise see it in a message it logs.
+  where its file goes would otherwise see it in a message it logs. The socket address is
+  shown through the same guard (`_transport.Endpoint.describe`).
 """
 
 from __future__ import annotations

@@ -51,6 +51,8 @@ import h11
 
 from buzzwire.loopback import LOOPBACK_NAMES, is_loopback_host
 
+from ._env import _shown_path
+
 __all__ = [
     "Credential",
     "Endpoint",
@@ -169,9 +171,15 @@ class Credential:
         raise TypeError("a Credential cannot be pickled")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True, repr=False)
 class Endpoint:
-    """Where the host listens: a Unix socket path, or a loopback TCP address."""
+    """Where the host listens: a Unix socket path, or a loopback TCP address.
+
+    Shown (`describe`, its repr) with a path that looks like a credential left out, as
+    `_env` leaves out such a credential file path: a harness that put the token where the
+    socket goes would otherwise see it in every repr and setup error it logs. The path is
+    still the one connected to.
+    """
 
     kind: Literal["unix", "tcp"]
     path: str | None = None
@@ -224,9 +232,13 @@ class Endpoint:
     def describe(self) -> str:
         """A human form for logs and messages."""
         if self.kind == "unix":
-            return f"unix:{self.path}"
+            assert self.path is not None
+            return f"unix:{_shown_path(self.path)}"
         host = f"[{self.host}]" if self.host and ":" in self.host else self.host
         return f"http://{host}:{self.port}"
+
+    def __repr__(self) -> str:
+        return f"Endpoint({self.describe()!r})"
 
 
 @dataclass(frozen=True, slots=True)

@@ -907,6 +907,27 @@ def test_a_credential_where_its_file_goes_is_never_echoed(
     assert TOKEN[4:24] not in message
 
 
+@pytest.mark.parametrize("where", ["environment", "argument"])
+@pytest.mark.parametrize("mistake", [TOKEN, f" {TOKEN}\n", f"Bearer {TOKEN}", TOKEN[:30]],
+                         ids=["token", "padded", "header", "truncated"])
+async def test_a_credential_where_the_socket_goes_is_never_echoed(
+    clean_env: pytest.MonkeyPatch, where: str, mistake: str
+) -> None:
+    # The same swap for the address (BUZZ_BROKER_SOCKET or address=): a path is still
+    # tried, but neither the client's repr nor the setup error it ends in carries the token.
+    if where == "environment":
+        clean_env.setenv("BUZZ_BROKER_SOCKET", mistake)
+    address = mistake if where == "argument" else None
+    c = AsyncBrokerClient(address, CREDENTIAL, retry=RetryPolicy(max_attempts=1))
+    with pytest.raises(SocketMissing) as missing:
+        await c.message_post(CHANNEL, "hi")
+    shown = [repr(c), repr(c.__dict__), repr(BrokerClient(address, CREDENTIAL)),
+             str(missing.value), missing.value.where]
+    assert not any(TOKEN[4:24] in s for s in shown), shown
+    assert "looks like a credential" in str(missing.value)
+    assert "BUZZ_BROKER_SOCKET" in str(missing.value)
+
+
 def test_the_credential_shape_the_client_hides_is_the_one_the_host_issues() -> None:
     # The client cannot import the daemon: its pattern is its own, held to the host's here.
     import secrets
