@@ -79,6 +79,11 @@ MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 #: Bound on the response head, h11's own default (16 KiB, what common servers accept).
 MAX_HEADER_BYTES = 16 * 1024
 
+#: The longest Unix socket path, in bytes: sockaddr_un's sun_path holds 108 with the
+#: terminating NUL (the host's own bound, daemon/http.py, not imported: the client stands
+#: alone).
+MAX_SOCKET_PATH_BYTES = 107
+
 #: Read size per receive call.
 _RECEIVE_CHUNK = 64 * 1024
 
@@ -171,6 +176,33 @@ class Credential:
         raise TypeError("a Credential cannot be pickled")
 
 
+def _socket_path(path: str) -> str:
+    """`path` made absolute, when a Unix socket can be there.
+
+    A path no socket can have could only ever fail to connect, with nothing sent: refused
+    here, where the address is read, rather than answered as a call's "fate unknown".
+    The message never quotes the path (it may be a credential put in the wrong place).
+
+    Raises:
+        ValueError: the absolute path is longer than `MAX_SOCKET_PATH_BYTES` in the file
+            system's encoding, holds a NUL, or cannot be encoded.
+    """
+    if "\x00" in path:
+        raise ValueError("broker socket path holds a NUL byte: no file path can")
+    absolute = os.path.abspath(path)
+    try:
+        size = len(os.fsencode(absolute))
+    except UnicodeEncodeError:
+        raise ValueError("broker socket path cannot be encoded as a file name") from None
+    if size > MAX_SOCKET_PATH_BYTES:
+        raise ValueError(
+            f"broker socket path is {size} bytes made absolute; a Unix socket's is at most "
+            f"{MAX_SOCKET_PATH_BYTES} bytes (sockaddr_un): use a shorter path to it (a "
+            "symlink to the socket works)"
+        )
+    return absolute
+
+
 @dataclass(frozen=True, slots=True, kw_only=True, repr=False)
 class Endpoint:
     """Where the host listens: a Unix socket path, or a loopback TCP address.
@@ -192,18 +224,19 @@ class Endpoint:
 
         Raises:
             ValueError: anything else — `https://` or another scheme, a host that is not
-                loopback, a path or query after the authority.
+                loopback, a path or query after the authority; a socket path no socket
+                can have (`_socket_path`).
         """
         if not isinstance(address, str) or not address:
             raise ValueError("broker address is empty")
         if address.startswith("unix://"):
             raise ValueError("write a Unix socket as unix:/path (or just the path), not unix://")
         if address.startswith("unix:"):
-            return cls(kind="unix", path=os.path.abspath(address[len("unix:") :]))
+            return cls(kind="unix", path=_socket_path(address[len("unix:") :]))
         if "://" not in address:
             # A path, relative ones included (`--socket broker.sock` from the state dir):
             # made absolute now, so a later chdir cannot change which socket is meant.
-            return cls(kind="unix", path=os.path.abspath(address))
+            return cls(kind="unix", path=_socket_path(address))
         parts = urllib.parse.urlsplit(address)
         if parts.scheme != "http":
             raise ValueError(

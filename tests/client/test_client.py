@@ -721,6 +721,37 @@ def test_loopback_and_sockets_are_accepted(address: str) -> None:
     AsyncBrokerClient(address, CREDENTIAL)
 
 
+#: The longest socket path sockaddr_un holds: 107 bytes and its NUL.
+LONGEST_SOCKET = "/tmp/" + "x" * 97 + ".sock"
+
+
+@pytest.mark.parametrize("address", [
+    LONGEST_SOCKET[:-5] + "x.sock", "unix:" + LONGEST_SOCKET[:-5] + "x.sock",
+    "/tmp/" + "é" * 50 + ".sock", "x" * 100 + ".sock", "/tmp/a\x00b.sock",
+], ids=["108-bytes", "unix-108-bytes", "108-bytes-of-utf8", "relative-made-long", "nul"])
+def test_a_socket_path_no_socket_can_have_is_refused_at_construction(
+        address: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # It could only ever fail to connect, and nothing would have left: refused where it is
+    # read, as a setup error saying why, rather than a call's "fate unknown" (NoAnswer).
+    monkeypatch.chdir("/tmp")  # a relative path is measured as the absolute one it becomes
+    assert len(LONGEST_SOCKET.encode()) == 107
+    AsyncBrokerClient(LONGEST_SOCKET, CREDENTIAL)
+    AsyncBrokerClient("unix:" + LONGEST_SOCKET, CREDENTIAL)
+    with pytest.raises(ValueError) as refused:
+        AsyncBrokerClient(address, CREDENTIAL)
+    message = str(refused.value)
+    assert address.strip("/").split("/")[-1][:20] not in message  # the path is not echoed
+    assert ("107 bytes" in message) if "\x00" not in address else ("NUL" in message)
+
+
+def test_the_socket_path_bound_is_the_hosts() -> None:
+    # The client cannot import the daemon: its bound is its own, held to the host's here.
+    from buzz_broker_client import _transport
+    from daemon import config, http
+
+    assert _transport.MAX_SOCKET_PATH_BYTES == http.MAX_SOCKET_PATH_BYTES == config.MAX_SOCKET_PATH_BYTES
+
+
 @pytest.mark.parametrize("bad", ["", "has space", "new\nline", "é" * 3, "x" * 2000])
 def test_malformed_credential_refused_without_quoting_it(bad: str) -> None:
     with pytest.raises(ValueError) as info:
