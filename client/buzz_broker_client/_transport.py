@@ -21,7 +21,7 @@ Rules:
 - The credential is only ever written into the Authorization header. It is validated at
   construction (`Credential`) so h11, whose errors quote a bad header value, never sees
   an invalid one, and it has a redacting repr. The head that carries it is built and sent
-  in its own frame (`_send_head`), which has returned before the wait for the answer: a
+  in its own frame (`_send_request`), which has returned before the wait for the answer: a
   caller's timeout or cancel lands in that wait, and a traceback rendered with its locals
   (traceback's capture_locals, pytest --showlocals, an error tracker) never shows it.
 
@@ -335,30 +335,34 @@ async def exchange(
             raise TransportFailure("connection broken") from None
 
 
-async def _send_head(
+async def _send_request(
     stream: anyio.abc.ByteStream, conn: h11.Connection, endpoint: Endpoint,
-    credential: Credential, length: int,
+    credential: Credential, body: bytes,
 ) -> None:
-    """Write the request head: the one place the credential is on the wire.
+    """Write the whole request, in one write: the one place the credential is on the wire.
 
-    Its own frame, returned before `_exchange_on` sends the body and waits for the answer:
-    a caller's timeout or cancel lands in that wait, and whatever renders the traceback
-    with its locals must find neither the header nor bytes holding it. While this frame
-    is alive the head is held only as a memoryview (whose repr is its address), never as
-    a named `bytes` or `h11.Request`.
+    Its own frame, returned before `_exchange_on` waits for the answer: a caller's timeout
+    or cancel lands in that wait, and whatever renders the traceback with its locals must
+    find neither the header nor bytes holding it. While this frame is alive the request is
+    held only as a memoryview (whose repr is its address), never as a named `bytes` or
+    `h11.Request`.
     """
     host = _UNIX_HOST if endpoint.kind == "unix" else endpoint.describe()[len("http://") :].encode()
-    wire = memoryview(conn.send(h11.Request(
-        method=b"POST",
-        target=ACTION_PATH,
-        headers=[
-            (b"Host", host),
-            (b"Authorization", credential.authorization()),
-            (b"Content-Type", b"application/json"),
-            (b"Content-Length", str(length).encode("ascii")),
-            (b"Connection", b"close"),
-        ],
-    )) or b"")
+    wire = memoryview(b"".join(part for part in (
+        conn.send(h11.Request(
+            method=b"POST",
+            target=ACTION_PATH,
+            headers=[
+                (b"Host", host),
+                (b"Authorization", credential.authorization()),
+                (b"Content-Type", b"application/json"),
+                (b"Content-Length", str(len(body)).encode("ascii")),
+                (b"Connection", b"close"),
+            ],
+        )),
+        conn.send(h11.Data(data=body)),
+        conn.send(h11.EndOfMessage()),
+    ) if part is not None))
     await stream.send(wire)  # type: ignore[arg-type]  # any bytes-like is sent
 
 
@@ -367,11 +371,7 @@ async def _exchange_on(
     max_body: int,
 ) -> HttpReply:
     conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEADER_BYTES)
-    await _send_head(stream, conn, endpoint, credential, len(body))
-    await stream.send(b"".join(
-        part for part in (conn.send(h11.Data(data=body)), conn.send(h11.EndOfMessage()))
-        if part is not None
-    ))
+    await _send_request(stream, conn, endpoint, credential, body)
 
     status: int | None = None
     chunks: list[bytes] = []
