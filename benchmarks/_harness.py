@@ -254,7 +254,8 @@ def daemon_process(config: Path, workdir: Path, *, environ: dict[str, str] | Non
     """`buzz-broker serve` with a NOTIFY_SOCKET of ours; yields once READY=1 arrived.
 
     `command`: how to start another build of the daemon (a pinned commit's, for
-    benchmarks/fleet.py and benchmarks/read_disk.py)."""
+    benchmarks/fleet.py and benchmarks/read_disk.py); such a build also needs its own
+    `environ`, `pinned_environ()`, or the caller's PYTHONPATH picks its code."""
     notify_path = workdir / f"notify-{uuid.uuid4().hex[:8]}.sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     listener.bind(str(notify_path))
@@ -386,3 +387,35 @@ def pinned_build(commit: str) -> tuple[Path, str]:
                         str(home / "src")], check=True)
         (home / "built").write_text(full + "\n")
     return home, full
+
+
+#: Environment variables that can change which code a Python process imports (or where it
+#: looks first): a pinned build run with the caller's PYTHONPATH naming this checkout
+#: imports the checkout's `daemon`, and a "ratio to baseline" is then the code against itself.
+IMPORT_REDIRECTS = ("PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONSTARTUP",
+                    "PYTHONPLATLIBDIR", "PYTHONEXECUTABLE", "VIRTUAL_ENV")
+
+
+def pinned_environ(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a pinned build (its setup and its daemon) runs in: the caller's
+    (default os.environ, so the token's SOFTHSM2_CONF stays) without anything that could
+    redirect its imports, and without the user's site-packages."""
+    env = {k: v for k, v in (os.environ if environ is None else environ).items()
+           if k not in IMPORT_REDIRECTS}
+    env["PYTHONNOUSERSITE"] = "1"
+    return env
+
+
+def check_pinned_imports(python: str | Path, home: Path, environ: dict[str, str]) -> Path:
+    """Where the pinned build's `python` imports `daemon` from, run as its daemon is (that
+    environment, a working directory holding no package); SystemExit unless it lies under
+    the build's own `home`. Called before anything is measured."""
+    done = subprocess.run([str(python), "-c", "import daemon; print(daemon.__file__)"],
+                          cwd=home, env=environ, capture_output=True, text=True, check=False,
+                          timeout=60)
+    where = Path(done.stdout.strip()).resolve() if done.returncode == 0 else None
+    if where is None or not where.is_relative_to(Path(home).resolve()):
+        raise SystemExit(f"the pinned build at {home} imports daemon from "
+                         f"{where or done.stderr.strip().splitlines()[-1:]}, not its own tree: "
+                         "its figures would not be the baseline's")
+    return where

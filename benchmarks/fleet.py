@@ -13,7 +13,9 @@ What runs (loopback and Unix sockets only, one temporary directory, removed afte
      polling work), built once into a cache outside the checkout (`git archive` of the
      commit, and a venv with it installed): $BUZZ_BROKER_BENCH_CACHE, else
      $XDG_CACHE_HOME/buzz-broker-bench, else ~/.cache/buzz-broker-bench. A later run reuses
-     it;
+     it. Its setup and its daemon run without the caller's PYTHONPATH (and the rest of
+     _harness.IMPORT_REDIRECTS), and before its daemon starts, the check that its `daemon`
+     is imported from under its own cache home (_harness.check_pinned_imports);
   3. per relay (the null relay, benchmarks/null_relay.py, and nostr-sdk's LocalRelay): one
      relay process; M channels, each holding 100 signed events before the load (canned
      for the null relay; posted through the daemon for LocalRelay), so every default window
@@ -134,6 +136,14 @@ class Build:
     broker: str
     src: Path
     over_tcp: bool
+    #: A pinned build's cache home: its setup and daemon then run in H.pinned_environ(),
+    #: never with the caller's PYTHONPATH (which would import this checkout's code).
+    home: Path | None = None
+
+    def environ(self) -> dict[str, str] | None:
+        """The environment its processes get, taken when they start (make_token sets
+        SOFTHSM2_CONF after the builds are listed); None: the caller's."""
+        return None if self.home is None else H.pinned_environ()
 
 
 # ------------------------------------------------------------------ the baseline build
@@ -143,7 +153,8 @@ def baseline_build(commit: str) -> Build:
     """The pinned commit, built once into the benchmark cache (benchmarks/_harness.py)."""
     home, full = H.pinned_build(commit)
     return Build(f"baseline {full[:7]}", str(home / "venv" / "bin" / "python"),
-                 str(home / "venv" / "bin" / "buzz-broker"), home / "src", over_tcp=False)
+                 str(home / "venv" / "bin" / "buzz-broker"), home / "src", over_tcp=False,
+                 home=home)
 
 
 def this_build() -> Build:
@@ -160,7 +171,8 @@ def make_state(build: Build, token: Any, state_dir: Path, n: int, channels: Sequ
            "state_dir": str(state_dir), "agents": n, "channels": list(channels),
            "uid": os.getuid(), "out": str(out)}
     done = subprocess.run([build.python, "-c", SETUP], input=json.dumps(job), text=True,
-                          cwd=build.src, capture_output=True, check=False, timeout=600)
+                          cwd=build.src, env=build.environ(), capture_output=True, check=False,
+                          timeout=600)
     if done.returncode != 0:
         raise SystemExit(f"fleet: state setup for {build.label} failed: "
                          f"{done.stderr.strip().splitlines()[-1:]}")
@@ -194,7 +206,11 @@ def serve(build: Build, token: Any, tmp: Path, name: str, relay_url: str,
                            relay_url=relay_url, relay_timeout=10.0,
                            sections={"server": server, "log": {"level": log_level},
                                      "limits": {"enabled": False}})
-    with H.daemon_process(config, tmp, command=[build.broker]) as daemon:
+    environ = build.environ()
+    if build.home is not None and environ is not None:
+        # Before anything is measured: the baseline's daemon is the baseline's code.
+        H.check_pinned_imports(build.python, build.home, environ)
+    with H.daemon_process(config, tmp, command=[build.broker], environ=environ) as daemon:
         base = f"http://localhost:{port}" if build.over_tcp else f"unix:{sock}"
         yield Served(daemon, base, state, set(), name)
 

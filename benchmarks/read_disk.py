@@ -30,8 +30,9 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._harness import (daemon_process, import_agents, make_token, pinned_build,  # noqa: E402
-                                 relay_process, workdir, write_config)
+from benchmarks._harness import (check_pinned_imports, daemon_process, import_agents,  # noqa: E402
+                                 make_token, pinned_build, pinned_environ, relay_process,
+                                 workdir, write_config)
 from daemon.state.audit import AUDIT_DIRNAME, audit_files  # noqa: E402
 from daemon.state.sessions import SessionStore  # noqa: E402
 from tests.adversarial._daemon import envelope, post, request_body  # noqa: E402
@@ -75,11 +76,12 @@ async def poll(sock: Path, creds: list[tuple[str, list[str]]], rounds: int) -> i
 
 
 def run(label: str, state: Path, config: Path, tmp: Path, command: list[str] | None,
-        creds: list[tuple[str, list[str]]], rounds: int) -> None:
-    with daemon_process(config, tmp, command=command) as daemon:
+        creds: list[tuple[str, list[str]]], rounds: int,
+        environ: dict[str, str] | None = None) -> None:
+    with daemon_process(config, tmp, command=command, environ=environ) as daemon:
         trio.run(poll, daemon.socket, creds, 1)  # warm-up: tables, files, relay connections
     base = sizes(state)
-    with daemon_process(config, tmp, command=command) as daemon:
+    with daemon_process(config, tmp, command=command, environ=environ) as daemon:
         reads = trio.run(poll, daemon.socket, creds, rounds)
     after = sizes(state)
     ledger, audit, records, lines = (a - b for a, b in zip(after, base))
@@ -118,17 +120,21 @@ def main() -> None:
         finally:
             store.close()
         with relay_process("local") as (url, _proc):
-            # The pinned commit's own build (cached): its code on a copy of the same state.
+            # The pinned commit's own build (cached): its code on a copy of the same state,
+            # run without the caller's PYTHONPATH (which would import this checkout's
+            # daemon), and checked to import its own before anything is measured.
             home, _full = pinned_build(args.before)
-            plans: list[tuple[str, list[str] | None]] = [
-                (f"before ({args.before})", [str(home / "venv" / "bin" / "buzz-broker")]),
-                ("after", None)]
-            for label, command in plans:
+            pinned = pinned_environ()
+            check_pinned_imports(home / "venv" / "bin" / "python", home, pinned)
+            plans: list[tuple[str, list[str] | None, dict[str, str] | None]] = [
+                (f"before ({args.before})", [str(home / "venv" / "bin" / "buzz-broker")], pinned),
+                ("after", None, None)]
+            for label, command, environ in plans:
                 state = tmp / label.split()[0]
                 shutil.copytree(seed, state)
                 config = write_config(tmp / f"{label.split()[0]}.toml", token, state,
                                       tmp / f"{label.split()[0]}.sock", url)
-                run(label, state, config, tmp, command, creds, args.rounds)
+                run(label, state, config, tmp, command, creds, args.rounds, environ)
 
 
 if __name__ == "__main__":

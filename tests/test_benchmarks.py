@@ -122,6 +122,47 @@ BENCHMARKS = [
 ]
 
 
+def test_a_pinned_build_runs_without_the_callers_import_path(monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    """fleet.py's and read_disk.py's baseline: with PYTHONPATH naming this checkout (as a
+    shell or a test runner may set it), a pinned build's daemon imported the checkout's
+    `daemon`, and its "ratio to baseline" was the code against itself."""
+    from benchmarks import _harness as H
+    from benchmarks import fleet
+
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("PYTHONHOME", str(tmp_path))
+    monkeypatch.setenv("PYTHONUSERBASE", str(tmp_path))
+    monkeypatch.setenv("SOFTHSM2_CONF", str(tmp_path / "softhsm2.conf"))
+    env = H.pinned_environ()
+    assert not set(H.IMPORT_REDIRECTS) & set(env), env.keys()
+    assert env["PYTHONNOUSERSITE"] == "1"
+    assert env["SOFTHSM2_CONF"] == str(tmp_path / "softhsm2.conf")  # the token stays
+    # fleet.py's baseline build (its pip build replaced by a directory: no network here)
+    # gives its setup and its daemon that environment; this checkout keeps the caller's.
+    monkeypatch.setattr(H, "pinned_build", lambda commit: (tmp_path, "0" * 40))
+    baseline = fleet.baseline_build("HEAD")
+    assert baseline.environ() == env
+    assert fleet.this_build().environ() is None
+
+
+def test_a_pinned_build_that_imports_the_checkouts_daemon_is_refused(tmp_path: Path) -> None:
+    """The check fleet.py and read_disk.py run before measuring a pinned build."""
+    from benchmarks import _harness as H
+
+    home = tmp_path / "home"
+    (home / "lib" / "daemon").mkdir(parents=True)
+    (home / "lib" / "daemon" / "__init__.py").write_text("")
+    # This venv's python finds the checkout's daemon: not the tree at `home`.
+    with pytest.raises(SystemExit, match="not its own tree"):
+        H.check_pinned_imports(sys.executable, home, {**H.pinned_environ(),
+                                                      "PYTHONPATH": str(REPO)})
+    # A daemon that lies under `home` passes (PYTHONPATH here only stands in for a venv).
+    found = H.check_pinned_imports(sys.executable, home, {**H.pinned_environ(),
+                                                          "PYTHONPATH": str(home / "lib")})
+    assert found == (home / "lib" / "daemon" / "__init__.py").resolve()
+
+
 def _in_history(commit: str) -> bool:
     return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet",
                            f"{commit}^{{commit}}"], capture_output=True).returncode == 0
