@@ -99,15 +99,21 @@ def make_token(directory: Path) -> TokenConfig:
 
 
 def write_config(path: Path, token: TokenConfig, state_dir: Path, sock: Path, relay_url: str,
-                 *, log_level: str = "info") -> Path:
+                 *, log_level: str = "info", relay: dict[str, object] | None = None,
+                 custody: dict[str, object] | None = None) -> Path:
     # Rate limits off: the benchmark measures capacity, and one agent posting hundreds per
     # second would be refused by the default 60/min (docs/configuration.md). Relay timeouts
-    # stay at the daemon's defaults.
+    # stay at the daemon's defaults. `relay`, `custody`: more keys of those sections (a
+    # read window off, a custodian's socket).
+    sections: dict[str, dict[str, object]] = {"server": {"max_connections": 4096},
+                                              "log": {"level": log_level},
+                                              "limits": {"enabled": False}}
+    if relay:
+        sections["relay"] = dict(relay)
+    if custody:
+        sections["custody"] = dict(custody)
     return broker_config(path, token=token, state_dir=state_dir, socket=sock,
-                         relay_url=relay_url, relay_timeout=10.0,
-                         sections={"server": {"max_connections": 4096},
-                                   "log": {"level": log_level},
-                                   "limits": {"enabled": False}})
+                         relay_url=relay_url, relay_timeout=10.0, sections=sections)
 
 
 def _owner() -> str:

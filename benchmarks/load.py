@@ -2,7 +2,7 @@
 
     python benchmarks/load.py [--relay null|local] [--agents 64] [--mix post=8,read=2]
                               (--concurrency C | --rate R) [--duration 10] [--requests N]
-                              [--procs 1] [--read-events 100] [--no-floor]
+                              [--procs 1] [--read-events 100] [--no-floor] [--no-read-baseline]
 
 What runs (all on loopback / Unix sockets, all in one temporary directory):
   1. a fresh SoftHSM2 token, `keys init`, --agents agents imported through custody, one
@@ -16,7 +16,13 @@ What runs (all on loopback / Unix sockets, all in one temporary directory):
   4. `buzz-broker serve` as its own process, ready when it sends READY=1;
   5. a warm-up: every agent posts once (relay connection + AUTH), reads once;
   6. --procs generator processes (this file with --worker), each speaking HTTP/1.1 (h11)
-     over the Unix socket with keep-alive connections, one agent per connection.
+     over the Unix socket with keep-alive connections, one agent per connection;
+  7. when the mix reads (and without --no-read-baseline): the read's same-run baseline,
+     the same runs again against a second daemon on the same state and relay with
+     `[relay] read_window_bytes = 0` (no read windows: every read is answered from the
+     relay, cold, as before windows), then the ratio of reads/s (windows on / off).
+     With windows on, a read of an unchanged channel is answered from the daemon's
+     window; the null relay never changes a channel, so that is every read but the first.
 
 Modes:
   closed loop (--concurrency C): C connections in total, each sends its next request as
@@ -33,6 +39,11 @@ Operations in --mix (weights): post = message.post (new requestId, a new event);
   ledger, `replayed: true`); read = channel.read, limit 100, of the agent's channel;
   storage = storage.address (no relay I/O).
 
+Each read's answer is checked for its message count (`wrong_message_count` otherwise):
+against the null relay exactly min(100, --read-events), what the channel holds (it
+stores nothing posted; with posts in the mix, at least that); against LocalRelay at
+least min(100, the channel's warm-up posts), as the load's posts add to it.
+
 Reported (one JSON line per run, then a readable summary): requests/s, p50/p90/p99/max
 latency in ms, errors by code (`http_<status>`, `transport:<Error>`, or the verdict code;
 a replay not marked replayed is `not_replayed`), the daemon's RSS and CPU (cores used,
@@ -46,6 +57,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -146,6 +158,8 @@ class AgentState:
     conn: Conn
     busy: bool = False
     posted: list[bytes] = field(default_factory=list)  # bodies of earlier posts (for replay)
+    read_expect: int = -1  # messages a read must return (at least; exactly if read_exact)
+    read_exact: bool = False
 
 
 @dataclass
@@ -191,6 +205,13 @@ async def one(st: AgentState, op: str, seq: int, res: Results, origin: float) ->
         res.errors[code] += 1
     elif expect_replay and not answer.get("replayed"):
         res.errors["not_replayed"] += 1
+    elif op == "read" and st.read_expect >= 0:
+        count = len(((answer.get("outcome") or {}).get("messages")) or ())
+        if count < st.read_expect or (st.read_exact and count != st.read_expect):
+            if not res.errors["wrong_message_count"]:
+                print(f"read: {count} messages, expected {'' if st.read_exact else 'at least '}"
+                      f"{st.read_expect}", file=sys.stderr)
+            res.errors["wrong_message_count"] += 1
 
 
 def choose(mix: dict[str, int], rng: random.Random) -> str:
@@ -230,7 +251,8 @@ async def open_loop(states: list[AgentState], args: argparse.Namespace, res: Res
             if st.busy:  # the agent's connection is in use: this arrival gets its own
                 conn = Conn(args.socket, st.agent.credential)
                 extra.append(conn)
-                await one(AgentState(st.agent, conn, posted=st.posted), op, seq, res, intended)
+                await one(AgentState(st.agent, conn, posted=st.posted, read_expect=st.read_expect,
+                                     read_exact=st.read_exact), op, seq, res, intended)
                 await conn.close()
             else:
                 st.busy = True
@@ -263,7 +285,8 @@ async def worker(args: argparse.Namespace) -> None:
     agents = H.read_agents(args.agents_file)
     part, parts = args.slice
     mine = agents[part::parts] or agents
-    states = [AgentState(a, Conn(args.socket, a.credential)) for a in mine]
+    states = [AgentState(a, Conn(args.socket, a.credential), read_expect=args.read_expect,
+                         read_exact=args.read_exact) for a in mine]
     res = Results()
     cpu0 = time.process_time()
     if args.rate:
@@ -286,7 +309,10 @@ def spawn_workers(args: argparse.Namespace, agents_file: Path, socket_path: Path
         argv = [sys.executable, __file__, "--worker", "--agents-file", str(agents_file),
                 "--socket", str(socket_path), "--slice", f"{i}/{n}", "--seed", str(args.seed + i),
                 "--duration", str(args.duration), "--requests", str(max(1, args.requests // n)),
-                "--mix", str(s["mix"]), "--max-outstanding", str(args.max_outstanding)]
+                "--mix", str(s["mix"]), "--max-outstanding", str(args.max_outstanding),
+                "--read-expect", str(args.read_expect)]
+        if args.read_exact:
+            argv.append("--read-exact")
         if s["rate"]:
             argv += ["--rate", str(float(s["rate"]) / n)]
         else:
@@ -435,12 +461,24 @@ async def warm_up(socket_path: Path, agents: list[H.Agent]) -> None:
             nursery.start_soon(limited, agent)
 
 
+def read_expectation(args: argparse.Namespace, channels: int) -> tuple[int, bool]:
+    """(messages a read of limit 100 must return, whether exactly): what the channel holds."""
+    if args.relay == "null":  # the canned events, whatever is posted (nothing is stored)
+        return min(100, args.read_events), "post" not in args.mix and "replay" not in args.mix
+    return min(100, args.agents // channels), False  # LocalRelay: at least the warm-up posts
+
+
+def reads_per_s(summary: dict[str, Any]) -> float:
+    return float(summary["by_op"].get("read", 0) / max(1e-9, summary["answered"]) * summary["rps"])
+
+
 def orchestrate(args: argparse.Namespace) -> None:
     print(json.dumps({"machine": H.machine()}), flush=True)
     with H.workdir() as tmp:
         token = H.make_token(tmp / "token")
         state = tmp / "state"
         channels = [H.new_channel() for _ in range(max(1, args.agents // 16))]
+        args.read_expect, args.read_exact = read_expectation(args, len(channels))
         pubkeys = trio.run(H.import_agents, token, state, args.agents)
         agents = H.issue_credentials(state, pubkeys, channels)
         agents_file = H.write_agents(tmp / "agents.json", agents)
@@ -458,6 +496,7 @@ def orchestrate(args: argparse.Namespace) -> None:
                                   else "nostr-sdk LocalRelay (tests.devrelay --auth)",
                                   "daemon_rss_mb": round(H.proc_stat(daemon.pid).rss_bytes / 2**20, 1)}), flush=True)
                 trio.run(warm_up, daemon.socket, agents)
+                warm: list[dict[str, Any]] = []
                 for rep in range(args.repeat):
                     summary = run_load(args, agents_file, daemon, f"load#{rep + 1}", relay.pid)
                     if floor:
@@ -469,6 +508,26 @@ def orchestrate(args: argparse.Namespace) -> None:
                         print(f"  ratio posts/s to custody floor: sign_event {posts / floor['sign_event_per_s']:.2f}, "
                               f"sign_events(64) {posts / floor['sign_events64_per_s']:.2f}, "
                               f"coincurve {posts / floor['coincurve_per_s']:.3f}", flush=True)
+                    warm.append(summary)
+            if "read" in args.mix and not args.no_read_baseline:
+                # The reads' baseline, same run, same state and relay: no read windows.
+                cold_config = H.write_config(tmp / "cold.toml", token, state, tmp / "broker.sock", url,
+                                             relay={"read_window_bytes": 0})
+                with H.daemon_process(cold_config, tmp) as daemon:
+                    trio.run(warm_up, daemon.socket, agents)
+                    cold = [run_load(args, agents_file, daemon, f"windows-off#{rep + 1}", relay.pid)
+                            for rep in range(args.repeat)]
+                on = [reads_per_s(s) for s in warm]
+                off = [reads_per_s(s) for s in cold]
+                print(f"  reads/s, windows on (default) {' / '.join(f'{x:.0f}' for x in on)}; "
+                      f"windows off (read_window_bytes = 0, every read cold) "
+                      f"{' / '.join(f'{x:.0f}' for x in off)}; errors on {[s['errors'] for s in warm]}, "
+                      f"off {[s['errors'] for s in cold]}", flush=True)
+                print(f"  ratio reads/s windows on / off (same run): "
+                      f"{statistics.median(on) / max(1e-9, statistics.median(off)):.2f} "
+                      f"(medians of {len(on)} runs each); p50 ms of the runs, on "
+                      f"{' / '.join(str(s['p50_ms']) for s in warm)}, off "
+                      f"{' / '.join(str(s['p50_ms']) for s in cold)}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -486,6 +545,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs against the same daemon")
     parser.add_argument("--max-outstanding", type=int, default=1024, help="open loop: in-flight cap per process")
     parser.add_argument("--no-floor", action="store_true", help="skip the custody floor baseline")
+    parser.add_argument("--no-read-baseline", action="store_true",
+                        help="skip the reads' baseline (the same runs with read windows off)")
     parser.add_argument("--floor-seconds", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--profile", metavar="PREFIX", help="py-spy the daemon during each run (collapsed stacks to PREFIX.<run>.txt)")
@@ -493,6 +554,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--agents-file", help=argparse.SUPPRESS)
     parser.add_argument("--socket", help=argparse.SUPPRESS)
     parser.add_argument("--slice", type=lambda s: tuple(int(x) for x in s.split("/")), default=(0, 1), help=argparse.SUPPRESS)
+    parser.add_argument("--read-expect", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--read-exact", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name in ("agents", "duration", "requests", "procs"):
         if getattr(args, name) <= 0:

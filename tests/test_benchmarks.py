@@ -88,7 +88,10 @@ BENCHMARKS = [
                       "--floor-seconds", "0.05", "--mix", "post=4,replay=1,read=1,storage=1"),
           (r'^\{"custody_floor": \{"sign_event_per_s"',
            r'"run": "load#1".*"errors": \{\}',
-           r"^ +ratio posts/s to custody floor: sign_event \d")),
+           r"^ +ratio posts/s to custody floor: sign_event \d",
+           # the reads' same-run baseline: the same runs with read windows off
+           r'"run": "windows-off#1".*"errors": \{\}',
+           r"^ +ratio reads/s windows on / off \(same run\): \d")),
     # --requests 200: CPU time moves in 10 ms ticks, and a cached poll costs ~0.5 ms.
     Bench("poll.py", ("--events", "20", "--requests", "200"),
           (r"^ +cached poll +[\d.]+ ms daemon CPU per request$",
