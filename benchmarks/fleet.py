@@ -48,7 +48,9 @@ What runs (loopback and Unix sockets only, one temporary directory, removed afte
 
 Printed per run: polls/s achieved (answered `succeeded`) against polls/s scheduled (the
 agents' timer ticks: a tick whose poll of that channel is still in flight is skipped, so a
-slow host lowers the fleet's own load; the nominal rate N×M/interval is printed too), poll
+slow host lowers the fleet's own load; the nominal rate N×M/interval is printed too), and
+both shares: achieved/scheduled (what the issue's "≥ 99 % of scheduled polls" counts) and
+achieved/nominal (lower when the generators' timers fell behind the nominal rate), poll
 latency p50/p99 counted from the tick, every other answer by action and code, the daemon's
 CPU-seconds per request and cores (from /proc/<pid>/stat), durable growth of the ledger and
 the audit log per hour (before and after the window: the ledger's logical size, pages x
@@ -387,6 +389,11 @@ def run_fleet(args: argparse.Namespace, served: Served, rows: list[dict[str, str
         "polls_per_s_nominal": round(n * len(channels) / (args.interval_ms / 1000), 1),
         "polls_per_s_scheduled": round(sum(p["scheduled"] for p in parts) / duration, 1),
         "polls_per_s_achieved": round(polls_ok / duration, 1),
+        # The issue's target counts achieved of scheduled; scheduled falls below nominal
+        # when the generators' timers fall behind, so achieved of nominal is printed too.
+        "achieved_of_scheduled": round(polls_ok / max(1, sum(p["scheduled"] for p in parts)), 3),
+        "achieved_of_nominal": round(polls_ok / max(1e-9, n * len(channels) * duration
+                                                    / (args.interval_ms / 1000)), 3),
         "ticks_skipped": sum(p["skipped"] for p in parts),
         "p50_ms": round(percentile(latencies, 0.50) * 1000, 1),
         "p99_ms": round(percentile(latencies, 0.99) * 1000, 1),
@@ -495,7 +502,8 @@ def show(summary: dict[str, Any]) -> None:
     print(f"  {s['run']}: {s['agents']} agents x {s['channels']} channels every {s['interval_ms']} ms "
           f"(timers from {s['timer_origin']}): "
           f"{s['polls_per_s_achieved']} polls/s achieved of {s['polls_per_s_scheduled']} scheduled "
-          f"({s['polls_per_s_nominal']} nominal), p50 {s['p50_ms']} ms, p99 {s['p99_ms']} ms "
+          f"({s['polls_per_s_nominal']} nominal; achieved/scheduled {s['achieved_of_scheduled']:.3f}, "
+          f"achieved/nominal {s['achieved_of_nominal']:.3f}), p50 {s['p50_ms']} ms, p99 {s['p99_ms']} ms "
           f"(on the wire: p50 {s['wire_p50_ms']} ms, p99 {s['wire_p99_ms']} ms); "
           f"daemon {s['daemon_cores']} cores, {s['daemon_cpu_ms_per_request']} ms CPU per request; "
           f"ledger {s['ledger_bytes_per_hour'] / 1e6:.1f} MB/h, audit {s['audit_bytes_per_hour'] / 1e6:.1f} MB/h "

@@ -74,7 +74,8 @@ BENCHMARKS = [
     Bench("fleet.py", ("--no-baseline", "--no-search", "--relay", "null", "--procs", "1",
                        "--agents", "2", "--channels", "1", "--duration", "1", "--warmup", "0.5"),
           (r'"run": "this checkout".*"polls_per_s_achieved"',
-           r"^ +this checkout: 2 agents x 1 channels .* polls/s achieved",
+           r"^ +this checkout: 2 agents x 1 channels .* polls/s achieved .*"
+           r"achieved/scheduled [\d.]+, achieved/nominal [\d.]+\)",
            r"^ +sequential, fleet stopped: unchanged-window poll .* validation refusal")),
     Bench("http_transport.py", ("--connections", "2", "--rate", "50", "--duration", "0.3",
                                 "--warmup", "0.1", "--rounds", "1"),
