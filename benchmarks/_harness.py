@@ -301,6 +301,33 @@ def _socket_of(config: Path) -> Path:
     raise ValueError("config has no [server] socket")
 
 
+@contextmanager
+def custodian_process(token: TokenConfig, state_dir: Path, relay_url: str,
+                      workdir: Path) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
+    """The custodian (`python -m custody.custodian`), the process an installed daemon signs
+    through (docs/install.md), over the same token and state; yields (its socket, process).
+    A daemon uses it with write_config(..., custody={"custodian_socket": str(socket)})."""
+    sock = workdir / "custodian.sock"
+    config = workdir / "custodian.toml"
+    config.write_text(
+        f'[custodian]\nsocket = "{sock}"\nstate_dir = "{state_dir}"\n'
+        f'relay_url = "{relay_url}"\nsignatures_per_minute = 1000000\n'
+        f'[pkcs11]\nmodule = "{token.module}"\ntoken_label = "{token.token_label}"\n'
+        f'pin_file = "{token.pin_file}"\nkek_label = "{token.kek_label}"\n')
+    err_path = workdir / "custodian.err"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "custody.custodian", str(config)],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if "listening" not in line:
+            raise SystemExit(f"the custodian did not start: {err_path.read_text()[-500:]}")
+        yield sock, proc
+    finally:
+        stop(proc)
+
+
 @dataclass(frozen=True)
 class ProcStat:
     rss_bytes: int

@@ -3,6 +3,7 @@
     python benchmarks/load.py [--relay null|local] [--agents 64] [--mix post=8,read=2]
                               (--concurrency C | --rate R) [--duration 10] [--requests N]
                               [--procs 1] [--read-events 100] [--no-floor] [--no-read-baseline]
+                              [--custodian]
 
 What runs (all on loopback / Unix sockets, all in one temporary directory):
   1. a fresh SoftHSM2 token, `keys init`, --agents agents imported through custody, one
@@ -33,6 +34,12 @@ Modes:
       coordinated omission). At most --max-outstanding requests are in flight per
       process; arrivals beyond that are counted as `generator_saturated`, not sent.
   Both stop at --duration seconds or --requests requests, whichever comes first.
+
+Custody: every daemon here holds custody in its own process (`[custody]` without
+`custodian_socket`), unless --custodian: then each of --repeat rounds runs the load twice,
+against a daemon with custody in process and against one signing through the custodian
+(`python -m custody.custodian`, the layout docs/install.md installs), same token, state,
+relay and generator, alternating, and prints posts/s custodian / in process (medians).
 
 Operations in --mix (weights): post = message.post (new requestId, a new event);
   replay = the identical bytes of a post this agent already made (answered from the
@@ -490,6 +497,9 @@ def orchestrate(args: argparse.Namespace) -> None:
         events_file.write_text(json.dumps([e for c in channels for e in canned_events(c, args.read_events)]))
         with H.relay_process(args.relay, events_file=events_file) as (url, relay):
             config = H.write_config(tmp / "broker.toml", token, state, tmp / "broker.sock", url)
+            if args.custodian:
+                custody_modes(args, tmp, token, state, url, relay.pid, config, agents, agents_file)
+                return
             with H.daemon_process(config, tmp) as daemon:
                 print(json.dumps({"daemon_ready_s": round(daemon.ready_seconds, 3),
                                   "relay": "null relay (benchmarks/null_relay.py, TCP_NODELAY)" if args.relay == "null"
@@ -530,6 +540,31 @@ def orchestrate(args: argparse.Namespace) -> None:
                       f"{' / '.join(str(s['p50_ms']) for s in cold)}", flush=True)
 
 
+def custody_modes(args: argparse.Namespace, tmp: Path, token: Any, state: Path, url: str,
+                  relay_pid: int, config: Path, agents: list[H.Agent], agents_file: Path) -> None:
+    """--custodian: the same load against custody in process and through the custodian,
+    alternating round by round, one run each per round."""
+    with H.custodian_process(token, state, url, tmp) as (csock, custodian):
+        via = H.write_config(tmp / "via-custodian.toml", token, state, tmp / "broker.sock", url,
+                             custody={"custodian_socket": str(csock)})
+        rates: dict[str, list[float]] = {"in-process": [], "custodian": []}
+        for rep in range(args.repeat):
+            for mode, cfg in (("in-process", config), ("custodian", via)):
+                with H.daemon_process(cfg, tmp) as daemon:
+                    trio.run(warm_up, daemon.socket, agents)
+                    c0 = H.proc_stat(custodian.pid).cpu_seconds
+                    summary = run_load(args, agents_file, daemon, f"{mode}#{rep + 1}", relay_pid)
+                    spent = H.proc_stat(custodian.pid).cpu_seconds - c0
+                posts = summary["by_op"].get("post", 0) / max(1e-9, summary["answered"]) * summary["rps"]
+                rates[mode].append(posts)
+                print(f"  custody {mode:10s} round {rep + 1}: {summary['rps']:.0f} req/s ({posts:.0f} posts/s), "
+                      f"p50 {summary['p50_ms']} ms, p99 {summary['p99_ms']} ms; errors {summary['errors'] or 'none'}; "
+                      f"daemon {summary['daemon_cores']} cores; custodian {spent:.2f} CPU-s", flush=True)
+    print(f"  ratio posts/s custodian / in process (same run, medians of {args.repeat}): "
+          f"{statistics.median(rates['custodian']) / max(1e-9, statistics.median(rates['in-process'])):.2f}",
+          flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group()
@@ -545,6 +580,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs against the same daemon")
     parser.add_argument("--max-outstanding", type=int, default=1024, help="open loop: in-flight cap per process")
     parser.add_argument("--no-floor", action="store_true", help="skip the custody floor baseline")
+    parser.add_argument("--custodian", action="store_true",
+                        help="alternate custody in the daemon's process and through the custodian")
     parser.add_argument("--no-read-baseline", action="store_true",
                         help="skip the reads' baseline (the same runs with read windows off)")
     parser.add_argument("--floor-seconds", type=float, default=2.0)

@@ -93,6 +93,11 @@ BENCHMARKS = [
            # the reads' same-run baseline: the same runs with read windows off
            r'"run": "windows-off#1".*"errors": \{\}',
            r"^ +ratio reads/s windows on / off \(same run\): \d")),
+    # The same load with custody in process and through the custodian, alternating.
+    Bench("load.py", ("--agents", "2", "--concurrency", "2", "--requests", "40", "--duration", "3",
+                      "--no-floor", "--custodian"),
+          (r'"run": "in-process#1".*"errors": \{\}', r'"run": "custodian#1".*"errors": \{\}',
+           r"^ +ratio posts/s custodian / in process \(same run, medians of 1\): \d")),
     # --requests 200: CPU time moves in 10 ms ticks, and a cached poll costs ~0.5 ms.
     Bench("poll.py", ("--events", "20", "--requests", "200"),
           (r"^ +cached poll +[\d.]+ ms daemon CPU per request$",
