@@ -317,8 +317,9 @@ def spawn_workers(args: argparse.Namespace, agents_file: Path, socket_path: Path
                 "--socket", str(socket_path), "--slice", f"{i}/{n}", "--seed", str(args.seed + i),
                 "--duration", str(args.duration), "--requests", str(max(1, args.requests // n)),
                 "--mix", str(s["mix"]), "--max-outstanding", str(args.max_outstanding),
-                "--read-expect", str(args.read_expect)]
-        if args.read_exact:
+                # callers that build their own Namespace (e2e.py) check no read counts
+                "--read-expect", str(getattr(args, "read_expect", -1))]
+        if getattr(args, "read_exact", False):
             argv.append("--read-exact")
         if s["rate"]:
             argv += ["--rate", str(float(s["rate"]) / n)]
