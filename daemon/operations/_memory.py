@@ -22,8 +22,9 @@ Rules (block/buzz NIP-AE, "Head selection", "Bodies", "Writing"):
   names the head's; taking every signed version as well means the write is also newer
   than a malformed version a relay keeps as the addressable event (else that relay would
   keep it over ours). A T
-  more than CLOCK_POISON_SECONDS ahead of now is NIP-AE's clock-poisoned head: the put is
-  refused (`action_failed`), never published into the future.
+  whose T + 1 (what the put would be dated) is more than CLOCK_POISON_SECONDS ahead of now
+  is NIP-AE's clock-poisoned head ("the resulting created_at"): the put is refused
+  (`action_failed`), never published into the future.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ MEMORY_KIND = kinds.MEMORY
 #: version on a replacing relay; archival relays keep a few more. 64 covers any honest
 #: relay many times over and bounds what a hostile one can make custody do.
 MAX_CANDIDATES = 64
-#: How far ahead of the host's clock a record's newest version may be before NIP-AE's
-#: clock-poisoned rule refuses the write: 15 minutes, what common relays allow for
+#: How far ahead of the host's clock a put may be dated (its head's created_at + 1) before
+#: NIP-AE's clock-poisoned rule refuses it: 15 minutes, what common relays allow for
 #: created_at in the future (strfry's and nostr-rs-relay's defaults are of that order).
 CLOCK_POISON_SECONDS = 900
 
