@@ -1091,6 +1091,8 @@ def test_the_client_distribution_imports_only_its_declared_dependencies(folder: 
 LIVE_CALLS = [
     ("presence.set", lambda c: c.presence_set(" away "), 20001),
     ("typing.set", lambda c: c.typing_set(CHANNEL.upper()), 20002),
+    # This host answers it unsupported, but NIP-BA lets another offer it: NIP-AO telemetry.
+    ("liveness.ping", lambda c: c.liveness_ping(CHANNEL, " turn-1 "), 24200),
 ]
 
 
@@ -1103,7 +1105,8 @@ async def test_live_signals_check_the_kind_and_carry_on_after_unsupported(
     assert isinstance(ok, Succeeded) and ok.outcome.kind == kind
     sent = host.received[-1].json()
     assert sent["action"] == action
-    assert sent["args"] in ({"status": "away"}, {"channelId": CHANNEL.lower()})
+    assert sent["args"] in ({"status": "away"}, {"channelId": CHANNEL.lower()},
+                            {"channelId": CHANNEL, "turnId": "turn-1"})
     # A Published outcome of another kind is not an answer to this request (NIP-BA: a
     # client checks the kind per action); the client retries, then reports no answer.
     host.script = [succeeded(None, publish_outcome(9))] * 4

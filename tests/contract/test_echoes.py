@@ -39,6 +39,7 @@ def e(event_id: str, marker: str) -> tuple[str, ...]:
 #: the fixed sentences of a broken page (`_MEMBERSHIPS`)
 NOT_IN_CHANNEL = "an event of the page is not in exactly the channel of the request's channelId"
 NOT_IN_THREAD = "an event of the page is not in the thread of the request's rootEventId"
+NOT_MENTIONED = "an event of the page has no p tag echoing the request's @requester"
 
 H = ("h", CHANNEL)
 R = EVENT_ID  # the thread read's root
@@ -155,3 +156,13 @@ def test_mentions_only_needs_a_p_tag_naming_the_requester() -> None:
     assert mismatch(args, event(("h", CHANNEL), ("p", "ef" * 32))) is not None
     # Without mentionsOnly the p tag is not asked for, so none is needed.
     assert mismatch(ChannelReadArgs(channel_id=CHANNEL), event(("h", CHANNEL))) is None
+
+
+@pytest.mark.parametrize("tag", [("e", ME), ("q", ME), ("auth", ME, "", "01" * 64), ("P", ME)],
+                         ids=["e", "q", "auth", "capital-P"])
+def test_the_requester_under_another_tag_is_no_mention(tag: tuple[str, ...]) -> None:
+    # Only a `p` tag mentions: the requester's key as an `e`/`q` value, or as the NIP-OA
+    # `auth` tag an owned agent's event carries (naming its owner), is no mention of it.
+    args = ChannelReadArgs(channel_id=CHANNEL, mentions_only=True)
+    assert mismatch(args, event(H, tag)) == NOT_MENTIONED
+    assert mismatch(args, event(H, tag, ("p", ME.upper()))) is None

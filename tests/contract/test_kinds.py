@@ -1,5 +1,6 @@
 """Each Nostr kind is written once, in buzzwire/kinds.py: no module of ours binds a kind
-name to a number of its own (a constant written twice drifts)."""
+name to a number of its own (a constant written twice drifts), and each action publishes
+the kind NIP-BA names (tests/conformance/_spec.py's transcription)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 from buzzwire import kinds
 from buzzwire.contract import ACTIONS
+from tests.conformance._spec import NIP_BA_KINDS
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = (REPO / "daemon", REPO / "custody", REPO / "buzzwire",
@@ -46,3 +48,11 @@ def test_every_published_kind_is_in_the_table() -> None:
     table = {v for k, v in vars(kinds).items() if k.isupper()}
     assert len(table) == len([k for k in vars(kinds) if k.isupper()]), "a number named twice"
     assert {spec.published_kind for spec in ACTIONS.values()} - {None} <= table
+
+
+def test_each_action_publishes_the_kind_nip_ba_names() -> None:
+    # The client checks a Published outcome's kind per action, so a wrong entry (24200 for
+    # liveness.ping, NIP-AO telemetry, which this host does not offer) refuses a right answer.
+    published = {name: spec.published_kind for name, spec in ACTIONS.items()
+                 if spec.published_kind is not None}
+    assert published == NIP_BA_KINDS

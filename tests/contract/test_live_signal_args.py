@@ -107,6 +107,14 @@ def test_escapes_count_as_the_compact_encoding_writes_them() -> None:
         assert fault("observer.emit", frames(("k", payload + "y"))) == "/args", unit
 
 
+@pytest.mark.parametrize("char", ["a", "é"])
+def test_a_payload_over_its_own_bound_is_refused_at_the_payload(char: str) -> None:
+    # A payload's own bound (65,535 bytes, not a post's 65,536) names the payload; the
+    # whole-body rule would refuse it too, but at /args, so only the pointer shows it.
+    over = char * (MAX_OBSERVER_BYTES // len(char.encode()) + 1)
+    assert fault("observer.emit", frames(("k", over))) == "/args/frames/0/payload"
+
+
 def test_the_size_counts_kinds_as_trimmed() -> None:
     fill = MAX_OBSERVER_BYTES - _overhead()
     assert read("observer.emit", frames(("  k  ", "x" * fill))).error is None

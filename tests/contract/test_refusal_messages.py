@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 from buzzwire.contract import (
-    MAX_SHOWN_POINTER_CHARS, MESSAGES, ContractError, ErrorCode, Rule, build_request,
-    parse_response, printable, read_request,
+    MAX_SHOWN_POINTER_CHARS, MESSAGES, ContractError, ErrorCode, Event, Rule, build_request,
+    parse_response, printable, read_request, refusal_message,
 )
 from tests.contract.vectors import (
     CHANNEL, EVENT, PK1, REQUEST_ID, VALID_ARGS, VALID_OUTCOMES, Pairs, body, envelope,
@@ -211,6 +211,27 @@ def test_the_shown_pointer_is_bounded_however_deep() -> None:
     assert error.rule is Rule.NULL and SECRET not in error.message
     assert len(error.message) <= MAX_SHOWN_POINTER_CHARS + 2 + len(Rule.NULL.value)
     assert error.message.startswith("/args/<member 2>/<member 1>/<member 1>")
+
+
+def test_a_pointer_is_cut_at_exactly_the_bound() -> None:
+    # The documented bound, to the character: a pointer of MAX_SHOWN_POINTER_CHARS is shown
+    # whole, and a longer one is cut to that many characters, its "…" included.
+    at = "/" + "a" * (MAX_SHOWN_POINTER_CHARS - 1)
+    assert refusal_message(at, "why") == f"{at}: why"
+    over = at + "a"
+    assert refusal_message(over, "why") == f"{over[:MAX_SHOWN_POINTER_CHARS - 1]}…: why"
+
+
+def test_an_error_no_reader_has_shown_hides_every_segment() -> None:
+    # Event.from_json_obj refuses before any reader could tell the host's names from the
+    # sender's, so every segment is hidden: a chosen name (a pasted token) is never echoed.
+    with pytest.raises(ContractError) as chosen:
+        Event.from_json_obj({**EVENT, SECRET: 1})
+    assert chosen.value.shown is None
+    assert chosen.value.message == "/<member>: unknown member"
+    with pytest.raises(ContractError) as deep:
+        Event.from_json_obj({**EVENT, "tags": [["h", 7]]})
+    assert deep.value.message == "/<member>/<member>/<member>: expected a string"
 
 
 def test_the_other_codes_keep_their_fixed_message() -> None:

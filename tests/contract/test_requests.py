@@ -10,8 +10,9 @@ import coincurve
 import pytest
 
 from buzzwire.contract import (
-    ACTIONS, DEFAULT_LIMIT, RESERVED_NAMES, AgentTarget, ContractError, ErrorCode,
-    MessagePostArgs, build_request, encode_request, normalize_channel_id, read_request,
+    ACTIONS, DEFAULT_LIMIT, MAX_MEMORY_BODY_BYTES, RESERVED_NAMES, AgentTarget,
+    ChannelReadArgs, ContractError, ErrorCode, MessagePostArgs, ProfileSetArgs, Request,
+    build_request, encode_request, normalize_channel_id, read_request,
 )
 from tests.contract.vectors import (
     CHANNEL, EVENT_ID, PK1, PK2, PK3, REQUEST_ID, VALID_ARGS, Pairs, body, envelope,
@@ -119,6 +120,7 @@ def test_precedence_order() -> None:
 
 @pytest.mark.parametrize("request_id", [
     None, 5, True, "", " a", "a b", "a\tb", "é", "x" * 129, ["a"], {"a": "b"},
+    "a\x7fb",  # DEL may stand raw in a JSON string, but it is a control, not visible ASCII
 ])
 def test_unusable_request_id_is_uncorrelated(request_id: Any) -> None:
     reading = read_request(body(envelope(requestId=request_id)))
@@ -286,7 +288,8 @@ def test_trimmed_fields_cannot_be_blank() -> None:
 def test_cursor_is_opaque_and_bounded() -> None:
     read = {"channelId": CHANNEL}
     assert args_of("channel.read", **read, cursor="~" * 256).cursor == "~" * 256
-    for bad in ("~" * 257, "", " abc", "abc ", "a b", "é", "a\n"):
+    # DEL ("a\x7f") is a control, not the visible ASCII a cursor is made of.
+    for bad in ("~" * 257, "", " abc", "abc ", "a b", "é", "a\n", "a\x7f"):
         assert args_fault("channel.read", {**read, "cursor": bad}) == "/args/cursor"
 
 
@@ -308,6 +311,15 @@ def test_mentions_only_is_boolean_and_false_by_default() -> None:
         assert args_fault("channel.read", {**read, "mentionsOnly": bad}) == "/args/mentionsOnly"
 
 
+def test_mentions_only_is_a_boolean_at_construction_too() -> None:
+    # 0 == False in Python, and False is the absent value: construction must still refuse
+    # what the wire refuses, or a built request would say something no reader accepts.
+    assert ChannelReadArgs(channel_id=CHANNEL, mentions_only=False).mentions_only is False
+    for not_a_bool in (0, 0.0):
+        with pytest.raises(ValueError):
+            ChannelReadArgs(channel_id=CHANNEL, mentions_only=not_a_bool)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("slug", [
     "core", "mem/a", "mem/slice-c", "mem/notes/2026-05-12", "mem/a_b/c-d/0",
     "mem/" + "a" * 64, "mem/" + "/".join(["a" * 63] * 3) + "/" + "b" * 58, " core ",
@@ -320,6 +332,7 @@ def test_legal_slugs(slug: str) -> None:
 @pytest.mark.parametrize("slug", [
     "", "Core", "mem", "mem/", "mem/a/", "mem//a", "mem/-a", "mem/_a", "mem/A", "mem/a.b",
     "mem/" + "a" * 65, "mem/" + "/".join(["a" * 63] * 4), "core/x", "mem/é", "mem/a b",
+    "mem/a//b", "mem/notes//x/y",  # an empty segment after the first, too
 ])
 def test_illegal_slugs(slug: str) -> None:
     assert args_fault("storage.address", {"slug": slug}) == "/args/slug"
@@ -331,6 +344,14 @@ def test_slug_byte_bound_exactly() -> None:
     ok = "mem/" + "/".join(["a" * 50] * 4) + "/" + "b" * 47  # 4 + 203 + 1 + 47 = 255
     assert len(ok) == 255 and args_of("storage.address", slug=ok).slug == ok
     assert args_fault("storage.address", {"slug": ok + "b"}) == "/args/slug"
+
+
+@pytest.mark.parametrize("char", ["a", "é"])
+def test_a_memory_value_over_its_own_bound_is_refused_at_the_value(char: str) -> None:
+    # The value's own bound (65,535 bytes, NIP-BA's body) names the value; the whole-body
+    # rule would also refuse it, but at /args, so only the pointer shows the member's bound.
+    over = char * (MAX_MEMORY_BODY_BYTES // len(char.encode()) + 1)
+    assert args_fault("storage.put", {"slug": "mem/x", "value": over}) == "/args/value"
 
 
 def test_at_least_one_rules() -> None:
@@ -382,6 +403,26 @@ def test_build_request_applies_the_wire_rules(args: dict[str, Any], pointer: str
     with pytest.raises(ContractError) as err:
         build_request("message.post", args, request_id=REQUEST_ID)
     assert (err.value.code, err.value.pointer) == (I, pointer)
+
+
+@pytest.mark.parametrize("text", ["Ada\ud800", "Ada\udfff"])
+@pytest.mark.parametrize("member", ["display_name", "about"])
+def test_construction_refuses_a_lone_surrogate_in_trimmed_text(member: str, text: str) -> None:
+    # The reader refuses a lone surrogate before any checker runs; built directly, only the
+    # checkers stand between it and a request no UTF-8 body can carry.
+    ProfileSetArgs(**{member: "Ada"})
+    with pytest.raises(ValueError):
+        ProfileSetArgs(**{member: text})
+
+
+def test_a_request_is_built_only_with_the_integer_version_one() -> None:
+    # True == 1 in Python: a built Request must hold the integer NIP-BA's actionVersion is.
+    args = MessagePostArgs(channel_id=CHANNEL, content="x")
+    Request(request_id=REQUEST_ID, action="message.post", action_version=1, args=args)
+    for version in (True, 1.0):
+        with pytest.raises(ValueError):
+            Request(request_id=REQUEST_ID, action="message.post",
+                    action_version=version, args=args)  # type: ignore[arg-type]
 
 
 def test_build_request_versions_and_request_id() -> None:

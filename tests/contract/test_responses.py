@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 
 from buzzwire.contract import (
-    ACTIONS, MESSAGES, PAIRING, ContractError, ErrorCode, Event, Response, Status, Verdict,
+    ACTIONS, MESSAGES, PAIRING, AgentsCreateOutcome, ContractError, ErrorCode, Event,
+    Response, Rule, Status, StorageAddressOutcome, StorageGetOutcome, Verdict,
     encode_response, mark_replayed, parse_response,
 )
 from buzzwire.contract._shapes import SHAPES
-from tests.contract.vectors import EVENT, REQUEST_ID, VALID_OUTCOMES, Pairs, body
+from tests.contract.vectors import CHANNEL, EVENT, PK2, REQUEST_ID, VALID_OUTCOMES, Pairs, body
 
 # The eighteen member sets, transcribed from spec §Operations and wire-schema.md by hand
 # (tests/contract/test_wire_schema.py checks this transcription against wire-schema.md): (args required,
@@ -228,6 +229,9 @@ def test_events_are_held_to_seven_members() -> None:
         ({**EVENT, "kind": 70000}, "/outcome/messages/1/kind"),
         ({**EVENT, "created_at": 1.5}, "/outcome/messages/1/created_at"),
         ({**EVENT, "sig": "ab" * 32}, "/outcome/messages/1/sig"),
+        # a Schnorr signature is exactly 128 hex digits: one short or one over is no event
+        ({**EVENT, "sig": "ab" * 63 + "a"}, "/outcome/messages/1/sig"),
+        ({**EVENT, "sig": "ab" * 64 + "a"}, "/outcome/messages/1/sig"),
     ]:
         with pytest.raises(ContractError) as err:
             parse_response(body({**wire, "outcome": {"messages": [EVENT, bad]}}))
@@ -266,6 +270,44 @@ def test_outcome_identities_are_canonical() -> None:
             "status": "succeeded", "action": "agents.create", "outcome": outcome}
     assert parse_response(body(wire)).outcome == parse_response(
         body({**wire, "outcome": VALID_OUTCOMES["agents.create"]})).outcome
+
+
+#: 64 hex digits that are no x-only point: x >= the field prime, and x = 5 (5**3 + 7 is no
+#: square mod p).
+NOT_POINTS = ["f" * 64, "00" * 31 + "05"]
+
+
+@pytest.mark.parametrize("not_a_point", NOT_POINTS, ids=["past-p", "no-y"])
+def test_storage_address_author_must_be_a_point(not_a_point: str) -> None:
+    # Like every outcome pubkey, authorPubkey is a secp256k1 point: 64 hex digits alone
+    # would let a host name an author no key can sign as.
+    wire = {"type": "broker_result", "protocolVersion": 1, "requestId": REQUEST_ID,
+            "status": "succeeded", "action": "storage.address",
+            "outcome": VALID_OUTCOMES["storage.address"]}
+    assert parse_response(body(wire)).outcome is not None
+    with pytest.raises(ContractError) as err:
+        parse_response(body({**wire, "outcome": {**VALID_OUTCOMES["storage.address"],
+                                                  "authorPubkey": not_a_point}}))
+    assert (err.value.pointer, err.value.rule) == ("/outcome/authorPubkey", Rule.PUBKEY)
+    with pytest.raises(ValueError):
+        StorageAddressOutcome(author_pubkey=not_a_point, kind=30174, d_tag="ab" * 32)
+
+
+@pytest.mark.parametrize("build", [
+    pytest.param(lambda s: AgentsCreateOutcome(agent_pubkey=PK2, display_name=s,
+                                               channel_id=CHANNEL), id="agents.create"),
+    pytest.param(lambda s: StorageGetOutcome(value=s), id="storage.get"),
+    pytest.param(lambda s: Event(id=EVENT["id"], pubkey=EVENT["pubkey"],
+                                 created_at=EVENT["created_at"], kind=EVENT["kind"], tags=(),
+                                 content=s, sig=EVENT["sig"]), id="event"),
+])
+@pytest.mark.parametrize("lone", ["\ud800", "\udfff"])
+def test_an_outcome_holding_a_lone_surrogate_cannot_be_built(build: Any, lone: str) -> None:
+    # The reader refuses it on the wire before any checker runs; built directly (a host's
+    # verdict, a test double), only the checkers keep out text no UTF-8 response can carry.
+    build("Ada")
+    with pytest.raises(ValueError):
+        build(f"Ada{lone}")
 
 
 def test_encode_response_refuses_an_uncorrelated_id() -> None:

@@ -1,5 +1,6 @@
 """The strict JSON reader, seen through read_request: which bodies are uncorrelated
-(syntax), which are correlated invalid_request (strictness), and the pointer named."""
+(syntax), which are correlated invalid_request (strictness), and the pointer named; and,
+where a field's own rule would give the same pointer, the reader's rule (parse_json)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import time
 
 import pytest
 
-from buzzwire.contract import ErrorCode, read_request
-from tests.contract.vectors import REQUEST_ID, Pairs, body, dump, envelope
+from buzzwire.contract import (
+    ContractError, ErrorCode, Rule, parse_json, parse_response, read_request,
+)
+from tests.contract.vectors import (
+    CHANNEL, REQUEST_ID, VALID_OUTCOMES, Pairs, body, dump, envelope,
+)
 
 VALID = body(envelope())
 
@@ -139,6 +144,50 @@ def test_largest_integer_is_read_then_judged_by_its_field() -> None:
     # The reader takes it (it fits 64 bits); the field refuses it: a version is a u16 (NIP-BA).
     assert reading.error is not None and reading.error.code is ErrorCode.INVALID_REQUEST
     assert reading.error.pointer == "/protocolVersion"
+
+
+#: The reader's integer range: signed 64 bits (NIP-BA "Wire and normalization").
+I64_MAX, I64_MIN = 2**63 - 1, -(2**63)
+
+
+@pytest.mark.parametrize("number", [I64_MAX, I64_MIN, 10**18, -(10**18)])
+def test_every_signed_64_bit_integer_is_read(number: int) -> None:
+    # Both ends of the range are data, not faults: the tests above can only show the top end
+    # through protocolVersion, whose own u16 rule would refuse it anyway.
+    assert parse_json(f'{{"n":{number}}}'.encode()) == ({"n": number}, None)
+
+
+@pytest.mark.parametrize("digits", [
+    "9223372036854775808",   # 2**63: 19 digits, past the short-literal path's 18
+    "9999999999999999999",
+    "-9223372036854775809",  # one below -(2**63)
+])
+def test_one_past_signed_64_bits_is_named_as_such(digits: str) -> None:
+    # The rule itself, not just the pointer: a value no i64 holds never reaches a field.
+    assert parse_json(f'{{"n":{digits}}}'.encode())[1] == ("/n", Rule.INTEGER_PAST_64_BITS)
+
+
+def test_a_created_at_past_64_bits_is_no_response() -> None:
+    # createdAt takes 0..2**63 - 1, so only the reader's 64-bit rule keeps a host's 2**63
+    # from a client as a timestamp no signed 64-bit field can hold.
+    wire = {"type": "broker_result", "protocolVersion": 1, "requestId": REQUEST_ID,
+            "status": "succeeded", "action": "message.post"}
+    outcome = VALID_OUTCOMES["message.post"]
+    at_max = {**wire, "outcome": {**outcome, "createdAt": I64_MAX}}
+    assert parse_response(body(at_max)).outcome.created_at == I64_MAX  # type: ignore[union-attr]
+    with pytest.raises(ContractError) as err:
+        parse_response(body({**wire, "outcome": {**outcome, "createdAt": I64_MAX + 1}}))
+    assert (err.value.pointer, err.value.rule) == ("/outcome/createdAt", Rule.INTEGER_PAST_64_BITS)
+
+
+@pytest.mark.parametrize("escape", [b"\\ud800", b"\\udbff", b"\\udc00", b"\\udfff", b"\\uDC00"])
+def test_a_lone_surrogate_of_either_half_is_named_by_its_rule(escape: bytes) -> None:
+    # A field's checker refuses a surrogate at the same pointer, so only the rule shows the
+    # reader found it: its search must cover the low halves (\udc00-\udfff), in either case.
+    raw = body(envelope("typing.set", {"channelId": CHANNEL}))
+    reading = read_request(raw.replace(CHANNEL.encode(), CHANNEL.encode() + escape))
+    assert reading.error is not None
+    assert (reading.error.pointer, reading.error.rule) == ("/args/channelId", Rule.LONE_SURROGATE)
 
 
 def test_null_anywhere_is_named() -> None:
