@@ -8,9 +8,12 @@
 - On tests/scripted_relay.py (an archival relay that also serves what a replacing relay
   would have dropped, and a hostile one): head selection among rival and malformed heads,
   the tombstone, the clock-poisoned head, versions by another key at the agent's address
-  (never the head, never what a put is dated after), a relay replaying more versions than
-  MAX_CANDIDATES (that many decrypted, no more), and a relay that cannot be read
-  (`failed`, never `{}`).
+  (never the head, never what a put is dated after), a version a relay files under another
+  address (its first `d`), the query itself (`#p` the owner, `limit` 64), a relay replaying
+  more versions than MAX_CANDIDATES (that many decrypted, no more), and a relay that
+  cannot be read (`failed`, never `{}`).
+- Without a relay: the clock-poison edge to the second (docs/protocol.md), and an agent
+  custody stopped holding after authentication (`action_failed`).
 """
 
 from __future__ import annotations
@@ -18,13 +21,19 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from types import SimpleNamespace
 from typing import Any
 
 import nostr_sdk
 import pytest
 import trio
 
-from buzzwire.contract import StoragePutArgs
+from buzzwire.contract import ErrorCode, StoragePutArgs
+from buzzwire.nostr import SignedEvent
+from daemon.operations._base import OperationRefused
+from daemon.operations._memory import (
+    CLOCK_POISON_SECONDS, MAX_CANDIDATES, address_of, write_created_at,
+)
 from tests.adversarial.test_relay_substitution import Rig, rig  # noqa: F401 - the fixture
 from tests.custody._secrets import PUB_2, SECRET_2, SECRET_X
 from tests.fixtures.broker import BrokerHarness
@@ -197,6 +206,12 @@ async def test_head_selection_among_rival_and_malformed_heads(rig: Rig) -> None:
         _version(t + 9, '{"slug":"mem/x","value":"two p"}', d=d,
                  tags=[["d", d], ["p", PUB_2], ["p", PUB_2]]),
         _version(t + 9, '{"slug":"mem/x","value":"no p"}', d=d, tags=[["d", d]]),
+        _version(t + 9, '{"slug":"mem/x","value":"p not the owner"}', d=d,
+                 tags=[["d", d], ["p", TestKey().pubkey]]),
+        # NaN and Infinity are no JSON (rule 3), even in a member readers ignore:
+        _version(t + 9, '{"slug":"mem/x","value":"NaN aside","n":NaN}', d=d),
+        _version(t + 9, '{"slug":"mem/x","value":"Infinity aside","n":[1,{"m":Infinity}]}', d=d),
+        _version(t + 9, '{"slug":"mem/x","value":"-Infinity aside","n":-Infinity}', d=d),
         {**_version(t + 9, '{"slug":"mem/x","value":"bad sig"}', d=d), "sig": "00" * 64},
         TestKey().sign(KIND, "x", [["d", d], ["p", PUB_2]], t + 9),  # another author
     ]
@@ -230,6 +245,18 @@ async def test_a_put_is_later_than_a_malformed_version_the_relay_files_at_the_ad
     assert put["createdAt"] == ahead + 1
 
 
+async def test_the_query_names_the_owner_and_the_decrypt_bound(rig: Rig) -> None:
+    """NIP-AE's query, as the module doc has it: kinds, authors, `#d`, `#p` the owner, and
+    the decrypt bound (64) as its `limit`, so an honest relay returns only versions
+    encrypted to the owner, and no more of them than are decrypted."""
+    agent, cred, d = await _memo_in(rig)
+    before = len(rig.relay.received)
+    _succeeded(await rig.harness.call(cred, "storage.get", {"slug": "mem/x"}), "storage.get")
+    filters = [f for m in rig.relay.received[before:] if m[0] == "REQ" for f in m[2:]]
+    assert {"kinds": [KIND], "authors": [agent], "#d": [d], "#p": [PUB_2],
+            "limit": 64} in filters, filters
+
+
 async def test_a_tombstone_head_is_empty_and_an_empty_string_is_kept(rig: Rig) -> None:
     _agent_pk, cred, d = await _memo_in(rig)
     t = 1_700_000_000
@@ -253,6 +280,54 @@ async def test_a_clock_poisoned_head_is_refused_not_overwritten(rig: Rig) -> Non
     refused = await rig.harness.call(cred, "storage.put", {"slug": "mem/x", "value": "now"})
     assert (refused["status"], refused["error"]["code"]) == ("failed", "action_failed")
     assert len([m for m in rig.relay.received if m[0] == "EVENT"]) == before
+
+
+#: Any fixed "now": write_created_at is given the host's clock.
+NOW = 1_800_000_000
+
+
+def _head_at(created_at: int) -> SignedEvent:
+    return SignedEvent.from_json_obj(AGENT_KEY.sign(KIND, "x", [["d", "ab" * 32], ["p", PUB_2]],
+                                                    created_at))
+
+
+@pytest.mark.parametrize(("ahead", "dated"), [(0, NOW + 1), (898, NOW + 899), (899, NOW + 900)])
+def test_a_put_may_be_dated_up_to_900_s_ahead(ahead: int, dated: int) -> None:
+    # docs/protocol.md "Clock-poisoned head": a put is dated its head + 1, up to 900 s ahead.
+    assert write_created_at(NOW, [_head_at(NOW + ahead)]) == dated
+
+
+@pytest.mark.parametrize("ahead", [900, 901, 86_400])
+def test_a_put_that_would_be_dated_more_than_900_s_ahead_is_refused(ahead: int) -> None:
+    # The exact edge of the rule above: a head 900 s ahead would date the put 901 s ahead,
+    # so it is refused (the e2e test shows a day ahead only).
+    with pytest.raises(OperationRefused) as refused:
+        write_created_at(NOW, [_head_at(NOW + ahead)])
+    assert refused.value.code is ErrorCode.ACTION_FAILED
+
+
+def test_the_documented_threshold_and_decrypt_bound_are_the_constants() -> None:
+    # docs/protocol.md publishes both as this host's own numbers; the tests here read
+    # MAX_CANDIDATES from the code, so only this holds the code to what is published.
+    from tests.docs.snippets import REPO
+
+    text = " ".join((REPO / "docs" / "protocol.md").read_text().split())
+    assert "dated 900 s (15 minutes) or more ahead" in text and CLOCK_POISON_SECONDS == 900
+    assert "At most 64 versions are decrypted per read" in text and MAX_CANDIDATES == 64
+
+
+async def test_an_agent_removed_after_authentication_is_action_failed() -> None:
+    """Custody no longer holding the agent (removed between admission and execution) is a
+    refusal that says nothing happened, `action_failed`, never an internal fault."""
+    async def memory_address(agent: str, slug: str) -> Any:
+        return SimpleNamespace(d_tag="ab" * 32)
+
+    ctx: Any = SimpleNamespace(
+        principal=SimpleNamespace(agent=AGENT_KEY.pubkey),
+        custody=SimpleNamespace(agent=lambda _agent: None, memory_address=memory_address))
+    with pytest.raises(OperationRefused) as refused:
+        await address_of(ctx, "mem/x")
+    assert refused.value.code is ErrorCode.ACTION_FAILED
 
 
 async def test_an_unreadable_relay_is_failed_never_empty(rig: Rig) -> None:
@@ -310,6 +385,19 @@ async def test_another_authors_future_version_at_the_address_does_not_block_a_pu
     _agent_pk, cred, d = await _memo_in(rig)
     ahead = int(time.time()) + 86_400
     rig.serve(TestKey().sign(KIND, "x", [["d", d], ["p", PUB_2]], ahead))
+    put = _succeeded(await rig.harness.call(cred, "storage.put", {"slug": "mem/x", "value": "new"}),
+                     "storage.put")
+    assert put["createdAt"] < ahead
+
+
+async def test_a_version_filed_under_another_first_d_does_not_block_a_put(rig: Rig) -> None:
+    """Its second `d` tag is this address, so it matches the query's `#d`, but a relay files
+    an addressable event by its first `d`: it is another record's version. A day ahead, it
+    neither makes the put clock-poisoned nor dates it."""
+    _agent_pk, cred, d = await _memo_in(rig)
+    ahead = int(time.time()) + 86_400
+    rig.serve(_version(ahead, '{"slug":"mem/x","value":"elsewhere"}', d=d,
+                       tags=[["d", "cd" * 32], ["d", d], ["p", PUB_2]]))
     put = _succeeded(await rig.harness.call(cred, "storage.put", {"slug": "mem/x", "value": "new"}),
                      "storage.put")
     assert put["createdAt"] < ahead
