@@ -3,12 +3,14 @@
 What is proven here (docs/protocol.md, "observer.emit" and "liveness.ping"):
 - each accepted frame reaches the relay as a kind 24200 event signed by the agent, with one
   `p` = the owner, `agent`, `frame` = telemetry, whose content nostr-sdk decrypts with the
-  owner's key into the host-built ObserverEvent (seq, timestamp, kind, channelId, payload);
+  owner's key into the host-built ObserverEvent (seq, timestamp with three millisecond
+  digits, kind, channelId, payload: JSON spliced in, other text a string kept literal);
 - the 65,535-byte NIP-44 bound on the wrapped plaintext, at the byte;
 - a replay answers the recorded count and enqueues nothing again;
 - a flood from one credential stays within its share of the queue, and another
   credential's frames still get through to the relay; a nearly full share signs only what
-  it admits, and a full one costs custody and the seq store nothing;
+  it admits, and a full one costs custody and the seq store nothing, as do frames none of
+  which can be admitted;
 - liveness.ping is `unsupported` for valid arguments, `invalid_request` for invalid ones,
   `unauthorized` outside the credential's channel.
 
@@ -38,7 +40,7 @@ from daemon.http import HttpLimits, action_routes, serve
 from buzzwire.nostr import SignedEvent
 from custody import _nip44 as nip44
 from daemon.operations.liveness_ping import UNBOUND_TURNS
-from daemon.operations.observer_emit import observer_event
+from daemon.operations.observer_emit import observer_event, rfc3339_millis
 from daemon.relay.protocol import encode_event
 from daemon.wiring import running
 from tests.docs.snippets import REPO, blocks
@@ -64,6 +66,14 @@ def tags_of(event: dict[str, Any], name: str) -> list[list[str]]:
 
 
 _RFC3339_MILLIS = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
+
+
+@pytest.mark.parametrize(("fraction", "millis"), [
+    (0.0, "000"), (0.0055, "005"), (0.05, "050"), (0.5, "500"), (0.9999, "999")])
+def test_the_timestamp_keeps_three_millisecond_digits(fraction: float, millis: str) -> None:
+    # NIP-AO's timestamp: 5 ms is ".005", never ".5" (500 ms to a reader); the e2e check of
+    # the pattern sees a short one only when the clock is in a second's first 100 ms.
+    assert rfc3339_millis(1_796_158_841 + fraction) == f"2026-12-01T21:00:41.{millis}Z"
 
 
 async def test_each_frame_reaches_the_relay_as_24200_the_owner_decrypts(broker: BrokerHarness) -> None:
@@ -112,6 +122,21 @@ async def test_payload_is_spliced_byte_for_byte(broker: BrokerHarness) -> None:
     plain = nostr_sdk.nip44_decrypt(nostr_sdk.SecretKey.parse(owner.secret_hex),
                                     nostr_sdk.PublicKey.parse(agent), event["content"])
     assert plain.endswith(f',"payload":{acp}}}')
+
+
+async def test_a_string_payload_keeps_its_characters_literal(broker: BrokerHarness) -> None:
+    # A payload carried as a JSON string keeps non-ASCII as UTF-8, not \u escapes: what the
+    # owner reads is the agent's text, and the 65,535-byte cap measures the payload's bytes.
+    owner = TestKey()
+    agent = await owned_agent(broker, owner, "literal")
+    credential = broker.credential(agent, [CHANNEL])
+    payload = "café \u2014 not JSON 🐝"
+    async with OwnerWatch(broker.relay_url, owner, want=1) as watch:
+        await broker.call(credential, "observer.emit", {"frames": [{"kind": "k", "payload": payload}]})
+        [event] = await watch.collected()
+    plain = nostr_sdk.nip44_decrypt(nostr_sdk.SecretKey.parse(owner.secret_hex),
+                                    nostr_sdk.PublicKey.parse(agent), event["content"])
+    assert plain.endswith(f',"payload":"{payload}"}}')
 
 
 def _fill(target: int) -> int:
@@ -261,29 +286,35 @@ async def test_a_flood_stays_in_its_share_and_others_still_get_through(small_que
 
 
 class _CountingSigner:
-    """The broker's signer, counting the events it is asked to sign."""
+    """The broker's signer, counting the events it is asked to sign and the calls (hops),
+    empty ones included."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.signed = 0
+        self.hops = 0
 
     async def sign(self, requests: Any) -> Any:
         self.signed += len(requests)
+        self.hops += 1
         return await self.inner.sign(requests)
 
 
 class _CountingCustody:
-    """The broker's custody, counting the plaintexts it is asked to encrypt."""
+    """The broker's custody, counting the plaintexts it is asked to encrypt and the calls
+    (hops), empty ones included."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.encrypted = 0
+        self.hops = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     async def encrypt_to_owner(self, agent: str, plaintexts: Any) -> Any:
         self.encrypted += len(plaintexts)
+        self.hops += 1
         return await self.inner.encrypt_to_owner(agent, plaintexts)
 
 
@@ -401,6 +432,27 @@ async def test_a_full_share_costs_custody_and_the_seq_store_nothing(
     assert envelope["outcome"] == {"accepted": 0}
     assert (signer.signed, custody.encrypted) == (0, 0)
     assert list(await intake.seq.take(agent, 1)) == [1]
+
+
+async def test_frames_none_of_which_can_be_admitted_cost_no_custody_hop(
+        broker: BrokerHarness) -> None:
+    """A request whose every frame is refused at intake (here each ObserverEvent is one
+    byte over NIP-44's 65,535-byte plaintext cap) answers `accepted` 0 without a custody
+    or signer call, not even an empty one: a client can send such requests at will."""
+    app = broker.app
+    agent = await owned_agent(broker, TestKey(), "oversized")
+    credential = broker.credential(agent, [CHANNEL])
+    over = "x" * _fill(65_536)
+    signer, custody = _CountingSigner(app.signer), _CountingCustody(app._custody)
+    try:
+        app.signer, app._custody = signer, custody  # type: ignore[assignment]
+        envelope = await broker.call(credential, "observer.emit",
+                                     {"frames": [{"kind": "k", "payload": over}]})
+    finally:
+        app.signer, app._custody = signer.inner, custody.inner  # type: ignore[assignment]
+    assert envelope["status"] == "succeeded", envelope
+    assert envelope["outcome"] == {"accepted": 0}
+    assert (signer.hops, custody.hops) == (0, 0)
 
 
 def test_the_payload_length_observer_emit_charges_is_nip44s() -> None:

@@ -154,6 +154,25 @@ async def test_reaction_and_profile(broker: BrokerHarness) -> None:
     assert [r["content"] for r in reactions] == ["👍"]
 
 
+async def test_a_corrupt_profile_is_replaced_by_a_strictly_later_version(
+        broker: BrokerHarness) -> None:
+    """A current kind 0 whose content is no JSON object is replaced, and the new version is
+    still dated after it: a relay keeps the newer replaceable event, so a replacement dated
+    before the corrupt one would be dropped and the corrupt profile kept."""
+    agent, cred = await _agent_in(broker, str(uuid.uuid4()), "corrupted")
+    ahead = int(time.time()) + 60  # written by the agent's runtime, its clock a minute fast
+    corrupt = await broker.custody.sign_event(agent, UnsignedEvent(
+        pubkey=agent, created_at=ahead, kind=0, tags=(), content="not a JSON object"))
+    assert await trio.to_thread.run_sync(nostr_publish, broker.relay_url,
+                                         dict(corrupt.to_json_obj()))
+    answer = _succeeded(await broker.call(cred, "profile.set", {"displayName": "Ada"}),
+                        "profile.set")
+    assert answer["createdAt"] == ahead + 1
+    [kept] = await _fetch(broker, {"kinds": [0], "authors": [agent]})
+    assert kept["id"] == answer["eventId"]
+    assert json.loads(kept["content"]) == {"display_name": "Ada", "name": "Ada"}
+
+
 async def test_storage_address_matches_the_nip_ae_vector(broker: BrokerHarness) -> None:
     owner = "c6047f9441ed7d6d3045406e95c07cd85c778e4b8cef3ca7abac09b95c709ee5"
     secret = bytearray(b"00" * 31 + b"01")
