@@ -33,7 +33,7 @@ Theory of operation (spec §Conformance [C1], invariants I2–I6):
    around the call) is re-raised unchanged, with no answer to carry the request back:
    once an attempt may have reached the host, one warning names its request id, "fate
    unknown". A caller who cancels keeps the frozen request itself (`freeze`, then
-   `send`) and re-sends it with a `prior` (docs/agents.md §2).
+   `send`) and re-sends it with `prior=NoAnswer.cancelled(request)` (docs/agents.md §2).
 5. Bound. Each action's answer has a byte bound and a bound on its JSON values
    (`_bounds`), checked before a JSON object is built; a larger body is no answer. A
    large body is judged on a worker thread inside the attempt's deadline, never on the
@@ -291,6 +291,24 @@ class NoAnswer(FateUnknown):
 
     reason: NoAnswerReason
     detail: str
+
+    @classmethod
+    def cancelled(cls, request: Request) -> NoAnswer:
+        """The `prior` for re-sending `request` after you cancelled a call that sent it.
+
+        A call cancelled by its caller returns nothing, and the host may have done it: the
+        re-send, `client.send(request, prior=NoAnswer.cancelled(request))`, keeps that
+        uncertainty, so a refusal of it is not read as "nothing happened" (docs/agents.md §2).
+
+        Args:
+            request: the frozen request whose call was cancelled (`freeze`).
+
+        Returns:
+            A `NoAnswer` for one attempt, reason `TRANSPORT`, "cancelled by the caller".
+        """
+        return cls(request_id=request.request_id, action=request.action, attempts=1,
+                   request=request, reason=NoAnswerReason.TRANSPORT,
+                   detail="cancelled by the caller")
 
 
 #: What a typed method returns: a `Succeeded` whose outcome has that operation's shape,

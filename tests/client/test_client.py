@@ -1267,9 +1267,9 @@ async def test_a_call_its_caller_cancels_after_sending_logs_its_fate_unknown_and
     [line] = [r.getMessage() for r in caplog.records if "cancelled" in r.getMessage()]
     assert "fate unknown" in line and request.request_id in line and "message.post" in line
     assert CREDENTIAL not in caplog.text
-    lost = NoAnswer(request_id=request.request_id, action=request.action, attempts=1,
-                    request=request, reason=NoAnswerReason.TRANSPORT,
-                    detail="cancelled by the caller")
+    lost = NoAnswer.cancelled(request)
+    assert (lost.request, lost.request_id, lost.action, lost.reason) == (
+        request, request.request_id, request.action, NoAnswerReason.TRANSPORT)
     again = await c.send(request, prior=lost)
     assert isinstance(again, Succeeded) and again.replayed
     assert_identical_retries(host, 2)  # one request id, one set of bytes: no second post
