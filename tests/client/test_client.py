@@ -9,7 +9,9 @@ runs twice, on asyncio and on trio (`any_loop`, tests/client/conftest.py).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -18,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 from dataclasses import replace
@@ -1038,6 +1041,48 @@ def test_blocking_client_inside_a_running_event_loop(host: ScriptedHost, runner:
             answer = trio.run(agent)
     assert isinstance(answer, Succeeded) and answer.replayed and answer.attempts == 2
     assert_identical_retries(host, 2)
+
+
+def test_close_cancels_a_call_waiting_in_another_thread(host: ScriptedHost) -> None:
+    """`BrokerClient.close`'s promise: a call still waiting (here on a host that never
+    answers) gets `CancelledError` in its own thread, at once, not at its deadline."""
+    host.default = stall()
+    sync = BrokerClient(host.path, CREDENTIAL, retry=RetryPolicy(
+        max_attempts=1, attempt_seconds=60.0, total_seconds=60.0))
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            sync.message_post(CHANNEL, "never answered")
+        except BaseException as exc:  # noqa: BLE001 - what the waiting thread saw is the test
+            raised.append(exc)
+
+    with served_elsewhere(host):
+        waiting = threading.Thread(target=call)
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while not host.received and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert host.received  # the call is in its wait for the answer
+        sync.close()
+        waiting.join(timeout=10)
+    assert not waiting.is_alive()
+    assert len(raised) == 1 and isinstance(raised[0], concurrent.futures.CancelledError)
+
+
+def test_an_unclosed_blocking_clients_loop_stops_when_it_is_collected(host: ScriptedHost) -> None:
+    """The module's promise: a client dropped without `close()` does not leave its loop's
+    thread running for the life of the process."""
+    host.default = succeeded(None, publish_outcome())
+    with served_elsewhere(host):
+        sync = BrokerClient(host.path, CREDENTIAL, retry=FAST)
+        assert isinstance(sync.message_post(CHANNEL, "hi"), Succeeded)
+        loop_thread = sync._loop._thread
+        assert loop_thread is not None and loop_thread.is_alive()
+        del sync
+        gc.collect()
+        loop_thread.join(timeout=10)
+    assert not loop_thread.is_alive()
 
 
 def test_blocking_client_raises_what_the_async_one_raises() -> None:
