@@ -111,31 +111,29 @@ async def test_each_frame_reaches_the_relay_as_24200_the_owner_decrypts(broker: 
     assert opened[3]["payload"] == "NaN"  # not RFC 8259 JSON
 
 
-async def test_payload_is_spliced_byte_for_byte(broker: BrokerHarness) -> None:
+async def _plaintext_of_one_frame(broker: BrokerHarness, name: str, payload: str) -> str:
+    """Emit one frame as a new agent `name` and return the NIP-44 plaintext its owner reads."""
     owner = TestKey()
-    agent = await owned_agent(broker, owner, "verbatim")
+    agent = await owned_agent(broker, owner, name)
     credential = broker.credential(agent, [CHANNEL])
-    acp = '{"b":1,  "a":[1.0,1e3]}'
     async with OwnerWatch(broker.relay_url, owner, want=1) as watch:
-        await broker.call(credential, "observer.emit", {"frames": [{"kind": "k", "payload": acp}]})
+        await broker.call(credential, "observer.emit", {"frames": [{"kind": "k", "payload": payload}]})
         [event] = await watch.collected()
-    plain = nostr_sdk.nip44_decrypt(nostr_sdk.SecretKey.parse(owner.secret_hex),
-                                    nostr_sdk.PublicKey.parse(agent), event["content"])
+    return str(nostr_sdk.nip44_decrypt(nostr_sdk.SecretKey.parse(owner.secret_hex),
+                                       nostr_sdk.PublicKey.parse(agent), event["content"]))
+
+
+async def test_payload_is_spliced_byte_for_byte(broker: BrokerHarness) -> None:
+    acp = '{"b":1,  "a":[1.0,1e3]}'
+    plain = await _plaintext_of_one_frame(broker, "verbatim", acp)
     assert plain.endswith(f',"payload":{acp}}}')
 
 
 async def test_a_string_payload_keeps_its_characters_literal(broker: BrokerHarness) -> None:
     # A payload carried as a JSON string keeps non-ASCII as UTF-8, not \u escapes: what the
     # owner reads is the agent's text, and the 65,535-byte cap measures the payload's bytes.
-    owner = TestKey()
-    agent = await owned_agent(broker, owner, "literal")
-    credential = broker.credential(agent, [CHANNEL])
     payload = "café \u2014 not JSON 🐝"
-    async with OwnerWatch(broker.relay_url, owner, want=1) as watch:
-        await broker.call(credential, "observer.emit", {"frames": [{"kind": "k", "payload": payload}]})
-        [event] = await watch.collected()
-    plain = nostr_sdk.nip44_decrypt(nostr_sdk.SecretKey.parse(owner.secret_hex),
-                                    nostr_sdk.PublicKey.parse(agent), event["content"])
+    plain = await _plaintext_of_one_frame(broker, "literal", payload)
     assert plain.endswith(f',"payload":"{payload}"}}')
 
 
