@@ -25,12 +25,18 @@ query, the count) is run afresh by its identical retry; one that faulted before 
 ledger, authorization, rate limits) is a refusal, recorded and replayed.
 For agents.create the key minted for a request that ends `failed` is gone, and the one
 whose request ends `indeterminate` is the same one the retry completes with.
+
+Beside the table, faults the table's single first-call fault cannot reach: one on a
+success's replay, one escaping the pipeline after the relay took the event, a rolled-back
+retry whose finish fails again, and a minted key custody cannot destroy (on the refused
+create's rollback, and on a create whose mint answer was lost).
 """
 
 from __future__ import annotations
 
 import inspect
 import itertools
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -570,3 +576,168 @@ async def test_a_delete_whose_key_custody_cannot_destroy_is_not_succeeded(
     assert status == 200 and again is not None
     assert again["status"] == "succeeded" and "replayed" not in again, again
     assert broker.app.custody.agent(kid) is None  # ...and the retry destroyed it
+
+
+async def test_a_fault_replaying_a_success_is_not_failed(
+    broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A recorded success is never turned into `failed`: a fault on the replay's way out
+    (the ledger's anchor raising what the recorder does not contain) is `indeterminate` +
+    `internal`, and the replay answers the success again once the fault is gone."""
+    channel = str(uuid.uuid4())
+    agent = await broker.human_owned_agent("poster")
+    cred = broker.credential(agent, [channel])
+    body = request_body("message.post", {"channelId": channel, "content": "once"})
+    _, first = await broker.post(body, cred)
+    assert first is not None and first["status"] == "succeeded", first
+
+    async def broken_anchor(*_: Any, **__: Any) -> None:
+        raise Injected("anchor")
+    with monkeypatch.context() as patch:
+        patch.setattr(Ledger, "anchor", broken_anchor)
+        _, replay = await broker.post(body, cred)
+    assert replay is not None
+    assert (replay["status"], replay["error"]["code"]) == ("indeterminate", "internal"), replay
+    _, again = await broker.post(body, cred)
+    assert again == {**first, "replayed": True}
+
+
+async def test_a_fault_that_escapes_after_an_accepted_publish_is_indeterminate(
+    broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`Broker.handle`'s last resort answers `indeterminate` once events were handed to the
+    relay: here the relay took the post and the pipeline dies at `before_verdict`;
+    `failed` would promise the post away. The identical retry resumes the same event."""
+    from daemon.pipeline.broker import Broker
+
+    channel = str(uuid.uuid4())
+    agent = await broker.human_owned_agent("poster")
+    cred = broker.credential(agent, [channel])
+    relay = RelaySpy(monkeypatch)
+    passed = Broker._passed
+
+    def dies(self: Broker, step: str) -> None:
+        if step == "before_verdict":
+            raise Injected("the pipeline died here")
+        passed(self, step)
+    monkeypatch.setattr(Broker, "_passed", dies)
+    body = request_body("message.post", {"channelId": channel, "content": "taken"})
+    _, first = await broker.post(body, cred)
+    assert first is not None
+    assert (first["status"], first["error"]["code"]) == ("indeterminate", "internal"), first
+    [(event_id, _kind, _result)] = relay.take()
+    monkeypatch.setattr(Broker, "_passed", passed)
+    _, again = await broker.post(body, cred)
+    assert again is not None and again["status"] == "succeeded", again
+    assert again["outcome"]["eventId"] == event_id
+
+
+async def test_a_rolled_back_retry_the_ledger_cannot_finish_still_answers_its_failed(
+    broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The `failed` a rolled-back record stores is answered even when the retry's finish
+    fails again (recorder: the one verdict answered unrecorded is the stored one): the
+    retry of a refused post replays it, never turns it `indeterminate`, sends nothing."""
+    import sqlite3
+
+    channel = str(uuid.uuid4())
+    agent = await broker.human_owned_agent("poster")
+    cred = broker.credential(agent, [channel])
+    relay = RelaySpy(monkeypatch, refuse=1)
+
+    async def cannot_finish(*_: Any, **__: Any) -> Any:
+        raise sqlite3.OperationalError("disk I/O error")
+    finish = Ledger.finish
+    monkeypatch.setattr(Ledger, "finish", cannot_finish)
+    body = request_body("message.post", {"channelId": channel, "content": "refused"})
+    _, first = await broker.post(body, cred)
+    assert first is not None
+    assert (first["status"], first["error"]["code"]) == ("failed", "action_failed"), first
+    _, second = await broker.post(body, cred)  # rolled back; the finish fails again
+    assert second is not None
+    assert second.get("replayed") is True and second["error"] == first["error"], second
+    monkeypatch.setattr(Ledger, "finish", finish)
+    _, third = await broker.post(body, cred)
+    assert third == second
+    assert [type(r).__name__ for _i, _k, r in relay.take()] == ["Rejected"]
+
+
+async def test_a_rollback_whose_key_custody_cannot_destroy_is_retried_until_it_is(
+    broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refused agents.create whose minted key custody cannot destroy is not made final:
+    the retry (a rolled-back record: no key of its own in hand) looks the record's key up
+    by its mint reference and stays `indeterminate` + `internal` while it cannot destroy
+    it, then destroys it and replays the stored `failed`. Final too early, the key would
+    outlive its record, unreachable through the API."""
+    from daemon.state.ledger import LEDGER_FILENAME, State, read_record
+
+    channel = str(uuid.uuid4())
+    owner = await broker.human_owned_agent("owner")
+    cred = broker.credential(owner, [channel])
+    relay = RelaySpy(monkeypatch, refuse=1)
+    destroy = Custody.destroy_agent
+    broken = True
+
+    async def maybe_destroy(self: Custody, *args: Any, **kwargs: Any) -> Any:
+        if broken:  # the rollback's step and destroy_minted's, every time
+            raise Injected("token busy")
+        return await destroy(self, *args, **kwargs)
+    monkeypatch.setattr(Custody, "destroy_agent", maybe_destroy)
+    request_id = f"undestroyable-{next(_counter)}"
+    body = request_body("agents.create", {"channelId": channel, "displayName": "kid",
+                                          "systemPrompt": "p"}, request_id=request_id)
+    for attempt in range(2):
+        _, answer = await broker.post(body, cred)
+        assert answer is not None
+        assert (answer["status"], answer["error"]["code"]) == ("indeterminate", "internal"), \
+            (attempt, answer)
+        [kept] = _minted(broker, owner, request_id)
+        assert broker.custody.agent(kept.pubkey) is not None  # custody could not destroy it
+        record = read_record(broker.state_dir / LEDGER_FILENAME, owner, request_id)
+        assert record is not None and record[0] is not State.FINAL, (attempt, record)
+    broken = False
+    _, third = await broker.post(body, cred)
+    assert third is not None
+    assert (third["status"], third["error"]["code"]) == ("failed", "action_failed"), third
+    assert _destroyed(broker, owner, request_id)
+    assert [type(r).__name__ for _i, _k, r in relay.take()] == ["Rejected"]  # sent once
+
+
+async def test_a_minted_key_custody_cannot_destroy_is_destroyed_and_revoked_on_retry(
+    broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed agents.create whose key custody cannot destroy is `indeterminate` +
+    `internal` (never `failed` beside a live key); the retry, refused by policy meanwhile,
+    destroys the record's key and revokes every credential issued for it."""
+    channel = str(uuid.uuid4())
+    owner = await broker.human_owned_agent("owner")
+    cred = broker.credential(owner, [channel])
+    seams = Seams(monkeypatch)
+    mint = Custody.mint_agent
+
+    async def answer_lost(self: Custody, *args: Any, **kwargs: Any) -> Any:
+        from custody.custodian.client import CustodianUnavailable
+        await mint(self, *args, **kwargs)  # custody made the key; its answer never came
+        raise CustodianUnavailable("answered after the deadline")
+    request_id = f"kept-{next(_counter)}"
+    body = request_body("agents.create", {"channelId": channel, "displayName": "kid",
+                                          "systemPrompt": "p"}, request_id=request_id)
+    with monkeypatch.context() as patch:
+        patch.setattr(Custody, "mint_agent", answer_lost)
+        seams.arm("destroy")
+        _, first = await broker.post(body, cred)
+    assert seams.failed and first is not None
+    assert (first["status"], first["error"]["code"]) == ("indeterminate", "internal"), first
+    [kid] = _minted(broker, owner, request_id)
+    kid_cred = broker.credential(kid.pubkey, [channel])
+
+    seams.arm(None)
+    broker.reconfigure('[policy]\ndisabled_actions = ["agents.create"]\n')
+    _, again = await broker.post(body, cred)
+    assert again is not None
+    assert (again["status"], again["error"]["code"]) == ("failed", "unsupported"), again
+    assert _destroyed(broker, owner, request_id)
+    # Revoked, not only refused by liveness (its agent is gone): the store holds it no more.
+    assert broker.app.sessions.authenticate(f"Bearer {kid_cred}", None,
+                                            int(time.time())) is None

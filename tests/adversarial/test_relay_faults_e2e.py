@@ -6,7 +6,7 @@ check the verdict envelope the agent receives:
 
     OK false                  -> failed + action_failed, quoting the relay's reason (final);
                                  a hostile reason is quoted to the agent and the operator
-                                 log bounded and printable
+                                 log bounded (200 characters) and printable
     no OK / dropped after EVENT -> indeterminate + outcome_unknown; the identical retry, once
                                  the relay behaves, -> succeeded with the SAME eventId, and
                                  the relay holds the event once
@@ -17,6 +17,8 @@ check the verdict envelope the agent receives:
     agents.create refused at its first event -> failed, the minted key destroyed (rollback)
     agents.create silent at its second event -> indeterminate; retry -> succeeded, the
                                  relay holds each of the three events once, one agent
+    agents.create refused at its second event -> indeterminate (the first is on the
+                                 relay), the key kept; retry -> succeeded
     a resumed agents.create refused at its first event -> indeterminate (an earlier
                                  attempt's event may be on the relay), the key kept;
                                  the next retry -> succeeded
@@ -173,6 +175,15 @@ async def test_a_hostile_reason_is_quoted_bounded_and_printable(
     assert logged == [quoted]
 
 
+async def test_the_quote_is_cut_at_200_characters(rig: Any) -> None:
+    # Pins the cut itself (the test above reads it from MAX_REASON_CHARS): a longer one
+    # would let a hostile relay fill more of the agent's answer and the operator log.
+    r: Rig = await rig(Script(default_event=EventReply.REJECT, reject_reason="y" * 5000))
+    answer, _, _ = await r.call("message.post", _post_args())
+    assert _code(answer) == ("failed", "action_failed")
+    assert answer["error"]["message"] == "the relay did not accept the event: " + "y" * 200
+
+
 @pytest.mark.parametrize("action,args", _ACCEPTANCE_ROWS, ids=[a for a, _ in _ACCEPTANCE_ROWS])
 @pytest.mark.parametrize("fault", [EventReply.SILENT, EventReply.DROP])
 async def test_no_ok_is_indeterminate_then_the_retry_succeeds_with_the_same_event(
@@ -266,6 +277,28 @@ async def test_create_silent_midway_is_indeterminate_then_finished_once(rig: Any
     assert sorted(e["kind"] for e in stored) == [0, 9000, 30177]
     first_ids = [m[1]["id"] for m in r.relay.received if m[0] == "EVENT"][:2]
     assert set(first_ids) <= set(r.relay.stored)  # the retry re-sent the same events
+
+
+async def test_create_refused_after_an_accepted_event_is_indeterminate_and_keeps_its_key(
+        rig: Any) -> None:
+    # A fresh plan refused at its second event, the first already on the relay: partial
+    # effects exist, so `failed` would lie (and would destroy the key the stored put-user
+    # names). `indeterminate` + `outcome_unknown`, the key kept; the retry finishes it.
+    r: Rig = await rig(Script(events=(EventReply.ACCEPT, EventReply.REJECT),
+                              reject_reason="rate-limited: slow down"))
+    first, _, body = await r.call("agents.create", {
+        "channelId": CHANNEL, "displayName": "Halfway", "systemPrompt": "x"})
+    assert _code(first) == ("indeterminate", "outcome_unknown"), first
+    assert "rate-limited: slow down" in first["error"]["message"]
+    [put_user] = r.relay.stored.values()
+    [minted] = _minted(r.state_dir, r.agent)
+    assert minted.live and put_user["kind"] == 9000
+    retried, _, _ = await r.call("agents.create", {}, body=body)
+    assert retried["status"] == "succeeded" and "replayed" not in retried, retried
+    assert retried["outcome"]["agentPubkey"] == minted.pubkey
+    assert sorted(e["kind"] for e in r.relay.stored.values()) == [0, 9000, 30177]
+    first_ids = [m[1]["id"] for m in r.relay.received if m[0] == "EVENT"][:2]
+    assert set(first_ids) <= set(r.relay.stored)  # the same signed events, re-sent
 
 
 async def test_resumed_create_refused_at_its_first_event_stays_indeterminate(rig: Any) -> None:

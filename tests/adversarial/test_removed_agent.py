@@ -12,6 +12,8 @@ with the operator's CLI as a separate process:
   keystore written by another process) is refused at authentication all the same:
   liveness is checked per request, and an answer the daemon keeps is dropped as soon as
   the keystore changes;
+- a keystore that cannot be read at that check lets nothing through: `failed` +
+  `internal`, nothing published;
 - `agent remove` without `--yes` asks, and anything but `yes` removes nothing.
 """
 
@@ -29,7 +31,9 @@ from typing import Any
 import pytest
 import trio
 
+from custody import CustodyError
 from tests.fixtures.broker import BrokerHarness
+from tests.fixtures.relay import nostr_fetch
 
 CHANNEL = str(uuid.uuid4())
 
@@ -98,6 +102,31 @@ async def test_an_agent_removed_by_another_path_authenticates_nothing(
     # The credential itself was never revoked: the refusal is the liveness check's.
     assert all(info.revoked_at is None for info in broker.app.sessions.list()
                if info.agent == agent)
+
+
+async def test_a_keystore_fault_at_the_liveness_check_lets_nothing_through(
+    broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Liveness fails closed: a keystore that cannot be read says nothing about whether the
+    # agent still exists, so the request is `failed` + `internal` and nothing is published.
+    agent = await broker.human_owned_agent("unknown")
+    channel = str(uuid.uuid4())
+    credential = broker.credential(agent, [channel])
+
+    def unreadable(*_: Any) -> int:
+        raise CustodyError("the keystore cannot be read")
+    with monkeypatch.context() as patch:
+        patch.setattr(type(broker.custody), "records_version", unreadable)
+        for action, args in (("storage.address", {"slug": "mem/x"}),
+                             ("message.post", {"channelId": channel, "content": "blind"})):
+            assert _code(await broker.call(credential, action, args)) == ("failed", "internal")
+    mine = [{"authors": [agent]}]
+    assert await trio.to_thread.run_sync(nostr_fetch, broker.relay_url, mine) == []
+    # Mended, the same credential is served (and the relay read above would have seen it).
+    posted = await broker.call(credential, "message.post", {"channelId": channel, "content": "ok"})
+    assert _code(posted) == ("succeeded", None)
+    assert [e["id"] for e in await trio.to_thread.run_sync(nostr_fetch, broker.relay_url, mine)
+            ] == [posted["outcome"]["eventId"]]
 
 
 async def test_agent_remove_asks_first(broker: BrokerHarness) -> None:
