@@ -156,8 +156,10 @@ class Host:
 
 
 async def start_daemon(custody_state: tuple[TokenConfig, Path], relay: str, tmp_path: Path,
-                       allowed: list[int]) -> tuple[DaemonProcess, int, Path]:
-    """The daemon, with a TCP listener on a free port and `allowed` uids: (it, port, socket)."""
+                       allowed: list[int], **server: object) -> tuple[DaemonProcess, int, Path]:
+    """The daemon, with a TCP listener on a free port and `allowed` uids: (it, port, socket).
+
+    `server` adds [server] keys."""
     token, state_dir = custody_state
     port = free_port()
     socket_path = tmp_path / "broker.sock"
@@ -167,7 +169,7 @@ async def start_daemon(custody_state: tuple[TokenConfig, Path], relay: str, tmp_
         sections={"server": {"listen_tcp": [f"127.0.0.1:{port}"],
                              # a free port the test picked: nobody holds it for the daemon
                              "listen_tcp_accept_squatting_risk": True,
-                             "tcp_allow_uids": allowed}})
+                             "tcp_allow_uids": allowed, **server}})
     return await DaemonProcess.start(config, socket_path), port, socket_path
 
 
@@ -252,6 +254,23 @@ async def test_credential_without_uid_refused_over_tcp(tcp_host: Host) -> None:
     assert status == 200 and outcome(body) == ("failed", "unauthenticated")
     answer = await post(tcp_host.socket, storage_address(), tcp_host.unbound)
     assert answer is not None and outcome(answer.body)[0] == "succeeded", answer
+
+
+@needs_root
+async def test_credential_without_uid_accepted_over_tcp_when_allowed(
+        custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path) -> None:
+    """tcp_allow_credentials_without_uid = true is the operator's opt-in: a credential
+    issued without `--uid` then authenticates over TCP as it does on the socket."""
+    token, state_dir = custody_state
+    agent = await setup_state(token, state_dir, [CHANNEL])
+    daemon, port, _socket = await start_daemon(custody_state, local_relay, tmp_path, [0],
+                                               tcp_allow_credentials_without_uid=True)
+    try:
+        status, _, body = await as_uid(0, port, http_request(port, storage_address(),
+                                                             agent.credential))
+        assert status == 200 and outcome(body) == ("succeeded", None), body
+    finally:
+        await daemon.stop()
 
 
 BROWSER_LIKE = [

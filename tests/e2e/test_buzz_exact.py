@@ -5,7 +5,9 @@
   absent, from the hand transcription the conformance tests use, which
   tests/contract/test_wire_schema.py pins to the file) and passes the contract's echo table.
 - A 30177 republish keeps every member read that the host does not set (`persona_id`,
-  `respond_to_allowlist`, `parallelism`, a member of a later Buzz) and carries no `runtime`.
+  `respond_to_allowlist`, `parallelism`, a member of a later Buzz) and carries no `runtime`;
+  the members Buzz requires are there even when the record read had them empty
+  (`respond_to`) or there was none (`name`).
 - A reaction to an event of another channel is refused.
 """
 
@@ -127,6 +129,57 @@ async def test_a_30177_republish_keeps_what_it_read_and_never_carries_runtime(
     assert broker.app.runtimes.get(kid) == "codex"
     again = await trio.to_thread.run_sync(nostr_fetch, broker.relay_url, [flt])
     assert max(e["created_at"] for e in again) == newest["created_at"]
+
+
+@pytest.mark.parametrize("empty", ["", None], ids=["empty-string", "null"])
+async def test_a_30177_read_with_an_empty_respond_to_is_republished_with_the_default(
+    broker: BrokerHarness, empty: object,
+) -> None:
+    """Buzz reads `respond_to` as required: one read empty or null (not only absent) is
+    republished as the default, "owner-only"."""
+    channel = str(uuid.uuid4())
+    owner = await broker.human_owned_agent("owner")
+    cred = broker.credential(owner, [channel])
+    created = await broker.call(cred, "agents.create", {
+        "channelId": channel, "displayName": "Kid", "systemPrompt": "p"})
+    kid = created["outcome"]["agentPubkey"]
+    flt = {"kinds": [30177], "authors": [owner], "#d": [kid]}
+    [first] = await trio.to_thread.run_sync(nostr_fetch, broker.relay_url, [flt])
+    edited = {"name": "Kid", "system_prompt": "p", "parallelism": 1, "respond_to": empty}
+    signed = await broker.custody.sign_event(owner, UnsignedEvent(
+        pubkey=owner, created_at=first["created_at"] + 1, kind=30177, tags=(("d", kid),),
+        content=json.dumps(edited)))
+    assert await trio.to_thread.run_sync(nostr_publish, broker.relay_url,
+                                         dict(signed.to_json_obj()))
+    updated = await broker.call(cred, "agents.update",
+                                {"target": {"pubkey": kid}, "systemPrompt": "q"})
+    assert updated["status"] == "succeeded", updated
+    records = await trio.to_thread.run_sync(nostr_fetch, broker.relay_url, [flt])
+    newest = max(records, key=lambda e: e["created_at"])
+    assert json.loads(newest["content"]) == {**edited, "system_prompt": "q",
+                                             "respond_to": "owner-only"}
+
+
+async def test_an_update_of_an_agent_with_no_30177_publishes_its_name(
+    broker: BrokerHarness,
+) -> None:
+    """Buzz reads `name` as required: an agent the relay holds no record for (imported with
+    `agent import --owner`) gets its directory name in the record its update publishes."""
+    import coincurve
+
+    channel = str(uuid.uuid4())
+    owner = await broker.human_owned_agent("owner")
+    cred = broker.credential(owner, [channel])
+    secret = bytearray(coincurve.PrivateKey().secret.hex().encode("ascii"))
+    kid = await broker.hold(secret, owner=owner, name="imported kid")
+    updated = await broker.call(cred, "agents.update", {
+        "target": {"pubkey": kid}, "systemPrompt": "be brief"})
+    assert updated["status"] == "succeeded", updated
+    assert updated["outcome"]["updatedFields"] == ["systemPrompt"]
+    [record] = await trio.to_thread.run_sync(
+        nostr_fetch, broker.relay_url, [{"kinds": [30177], "authors": [owner], "#d": [kid]}])
+    content = json.loads(record["content"])
+    assert content["name"] == "imported kid" and content["system_prompt"] == "be brief"
 
 
 async def test_a_reaction_to_another_channels_event_is_refused(broker: BrokerHarness) -> None:

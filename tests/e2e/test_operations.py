@@ -242,6 +242,34 @@ async def test_agents_create_update_delete(broker: BrokerHarness) -> None:
     assert (after["status"], after["error"]["code"]) == ("failed", "unauthenticated")
 
 
+async def test_a_created_agent_names_its_creator(broker: BrokerHarness) -> None:
+    """The directory records who created the agent (`creator`, listed by `agent list` and
+    carried by `keys backup`), not only its owner."""
+    channel = str(uuid.uuid4())
+    owner, cred = await _agent_in(broker, channel, "parent")
+    made = _succeeded(await broker.call(cred, "agents.create", {
+        "channelId": channel, "displayName": "kid", "systemPrompt": "p"}), "agents.create")
+    kid = broker.app.directory.agent(made["agentPubkey"])
+    assert kid is not None and kid.owner == owner and kid.creator == owner
+    assert kid.to_json_obj()["creator"] == owner
+
+
+async def test_a_runtime_changed_with_a_record_member_is_recorded(broker: BrokerHarness) -> None:
+    """With a 30177 change the runtime is a commit step (run once the relay took the
+    record), not written at once as when it changes alone: both must land."""
+    channel = str(uuid.uuid4())
+    _owner, cred = await _agent_in(broker, channel, "owner")
+    made = _succeeded(await broker.call(cred, "agents.create", {
+        "channelId": channel, "displayName": "kid", "systemPrompt": "p", "runtime": "goose"}),
+        "agents.create")
+    kid = made["agentPubkey"]
+    updated = _succeeded(await broker.call(cred, "agents.update", {
+        "target": {"pubkey": kid}, "displayName": "kid 2", "runtime": "codex"}), "agents.update")
+    assert updated["updatedFields"] == ["displayName", "runtime"]
+    assert broker.app.runtimes.get(kid) == "codex"
+    assert broker.app.directory.agent(kid).name == "kid 2"
+
+
 async def test_agents_policy_refusals(broker: BrokerHarness) -> None:
     channel = str(uuid.uuid4())
     owner, cred = await _agent_in(broker, channel, "owner")

@@ -72,6 +72,11 @@ def test_every_step_round_trips_in_order(name: str) -> None:
     {"commit": {"destroy_agent": A}},
     {"events": [{"id": "x"}]},
     {"success": 5},
+    # Version 2 always writes both arrays: one null (as a missing one reads) is not empty.
+    {"rollback": None},
+    {"commit": None},
+    # A step is an object; a list of pairs only looks like one to dict().
+    {"rollback": [[["step", "destroy_agent"], ["pubkey", A]]]},
 ])
 def test_a_record_that_is_not_what_its_version_says_is_refused(change: dict[str, object]) -> None:
     record = json.loads(Pending.decode(V1).encode())
@@ -84,5 +89,15 @@ def test_a_record_that_is_not_what_its_version_says_is_refused(change: dict[str,
 def test_a_bad_version_1_record_is_refused(steps: object) -> None:
     record = json.loads(V1)
     record["commit"] = steps
+    with pytest.raises(ValueError):
+        Pending.decode(json.dumps(record).encode())
+
+
+def test_a_version_1_layout_under_v_true_is_refused() -> None:
+    # JSON `true` is not the version 1 (Python's True == 1 would read it as one): here the
+    # layout is version 1's, so only the version check itself can refuse it.
+    record = json.loads(V1)
+    Pending.decode(json.dumps(record).encode())  # the layout itself is read
+    record["v"] = True
     with pytest.raises(ValueError):
         Pending.decode(json.dumps(record).encode())
