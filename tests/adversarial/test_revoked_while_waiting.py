@@ -92,6 +92,12 @@ async def _while_joined(broker: BrokerHarness, body: bytes, owner: str, waiter: 
     return answers
 
 
+#: How long a later request of the agent may wait for the record: the refused waiter must
+#: have released its ticket, and a regression that keeps it should fail here, not stall
+#: the suite.
+RECORD_FREE_SECONDS = 30
+
+
 @pytest.mark.parametrize("lose", [_revoke, _remove_agent], ids=["revoked", "agent_removed"])
 async def test_a_waiter_that_lost_its_credential_is_not_handed_the_outcome(
     broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch, lose: Loss
@@ -118,7 +124,8 @@ async def test_a_waiter_that_lost_its_credential_is_not_handed_the_outcome(
         assert _code(answers["owner"]) == ("succeeded", None, False)
         # The record is untouched: another live credential of the agent replays it.
         later = broker.credential(agent, [CHANNEL])
-        _, replay = await broker.post(body, later)
+        with trio.fail_after(RECORD_FREE_SECONDS):  # a ticket the waiter kept hangs it
+            _, replay = await broker.post(body, later)
         assert replay == {**answers["owner"], "replayed": True}
     assert _code(answers["waiter"]) == ("failed", "unauthenticated", False)
     assert "outcome" not in answers["waiter"]
@@ -154,6 +161,7 @@ async def test_a_revoked_waiter_does_not_resume_what_the_owner_left_pending(
     assert len(asked) == 1, "the revoked waiter re-sent the pending events"
     # The pending record is left for the agent's live credentials: the retry resumes it,
     # re-sending exactly the same signed event.
-    _, resumed = await broker.post(body, owner)
+    with trio.fail_after(RECORD_FREE_SECONDS):  # a ticket the waiter kept hangs it
+        _, resumed = await broker.post(body, owner)
     assert _code(resumed) == ("succeeded", None, False)
     assert asked == [asked[0], asked[0]]
