@@ -132,13 +132,14 @@ def test_deep_broken_kek_and_broken_relay_each_named(
 
 
 @pytest.mark.token_offers("GENERATE_KEY")  # keys rotate without --new-kek-label makes one
-def test_deep_names_a_socket_group_that_does_not_exist_and_a_tcp_group_that_admits_nobody(
+def test_deep_says_what_a_group_that_does_not_exist_does(
     custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path,
     softhsm_token: SoftHsmToken,
 ) -> None:
-    """A socket group `serve` could not find fails the deep check at its own step (the file
-    check passes it: a config is often checked on another machine); a TCP group that does
-    not exist is said and passes, as `serve` admits its members once it is made."""
+    """Each group `[server]` names is looked up as `serve` will. One that does not exist is
+    said, with what it does, and passes: a socket group stops a `serve` that binds its own
+    socket but is not read under socket activation (the installed layout), which only the
+    start knows; a TCP group admits its members once it is made."""
     token, _state = custody_state
     env = {"CREDENTIALS_DIRECTORY": str(_credentials(tmp_path, softhsm_token.pin_file))}
     missing = "bb-no-such-group"
@@ -152,20 +153,33 @@ def test_deep_names_a_socket_group_that_does_not_exist_and_a_tcp_group_that_admi
                             socket=tmp_path / "b.sock", relay_url=local_relay,
                             sections={"server": server})
 
-    bad = config("bad.toml", {"socket_group": missing})
-    assert _run("--config", str(bad), "check-config").returncode == 0
-    done = _run("--config", str(bad), "check-config", "--deep", env=env)
-    assert done.returncode == 1 and done.stdout.splitlines()[-1].startswith("state: ")
-    assert done.stderr == (f"buzz-broker: check-config --deep: groups: [server] socket_group "
-                           f"{missing!r} does not exist: serve would refuse to bind its socket\n")
+    absent = config("absent.toml", {"socket_group": missing})
+    done = _run("--config", str(absent), "check-config", "--deep", env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-2:] == [
+        f"groups: socket_group {missing!r} does not exist: a serve that binds its own socket "
+        "refuses to start (under buzz-broker.socket, SocketGroup= applies and this key is "
+        "not read)", "ok"]
 
-    good = config("good.toml", {"socket_group": root_group,
-                                "tcp_allow_groups": [missing, "0"]})
-    done = _run("--config", str(good), "check-config", "--deep", env=env)
+    present = config("present.toml", {"socket_group": root_group,
+                                      "tcp_allow_groups": [missing, "0"]})
+    done = _run("--config", str(present), "check-config", "--deep", env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-2:] == [
         f"groups: socket_group {root_group!r} is gid 0; tcp_allow_groups '0' is gid 0; "
         f"tcp_allow_groups {missing!r} does not exist: admits nobody until it does", "ok"]
+
+
+def test_serve_binding_its_own_socket_refuses_a_socket_group_that_does_not_exist(
+    tmp_path: Path,
+) -> None:
+    """What the groups line promises for a `serve` not given its socket by systemd: it
+    refuses to start, naming the group (daemon/http.py `bind_unix_socket`)."""
+    from daemon.http import ListenError, bind_unix_socket
+
+    with pytest.raises(ListenError, match="socket group 'bb-no-such-group' does not exist"):
+        bind_unix_socket(str(tmp_path / "b.sock"), group="bb-no-such-group")
+    assert not (tmp_path / "b.sock").exists()
 
 
 def test_deep_after_keys_rotate_checks_the_kek_the_keystore_records(

@@ -21,9 +21,12 @@ Rules:
   capabilities or mounts say), or, where it does not exist yet, in the directory `serve`
   would make it in. `check-config --deep` only: `status` reads the state as it is.
 - The groups check (only where `[server] socket_group` or `tcp_allow_groups` names a
-  group) asks the user database for each name, as `serve` will: a socket group that does
-  not exist fails it (`serve` refuses to bind its socket); a TCP group that does not exist
-  is said but passes, as `serve` admits its members once it exists (daemon/loopback_tcp.py).
+  group) asks the user database for each name, as `serve` will, and says what each case
+  does rather than failing: a socket group that does not exist stops a `serve` that binds
+  its own socket, but under socket activation (`buzz-broker.socket`, the installed
+  layout) the unit's SocketGroup= applies and the key is not read, and which of the two
+  runs is known only at start (as for `tcp:` above); a TCP group that does not exist
+  admits its members once it exists (daemon/loopback_tcp.py).
 - Details never carry the PIN (custody's messages name files, never their content).
 """
 
@@ -179,10 +182,10 @@ async def check_groups(config: Config) -> Check | None:
     said = []
     if server.socket_group is not None:
         gid = _gid_of(server.socket_group)
-        if gid is None:
-            return Check("groups", False, f"[server] socket_group {server.socket_group!r} "
-                         "does not exist: serve would refuse to bind its socket")
-        said.append(f"socket_group {server.socket_group!r} is gid {gid}")
+        said.append(f"socket_group {server.socket_group!r} " + (
+            f"is gid {gid}" if gid is not None else "does not exist: a serve that binds its "
+            "own socket refuses to start (under buzz-broker.socket, SocketGroup= applies "
+            "and this key is not read)"))
     for group in sorted(server.tcp_allow_groups):
         gid = _gid_of(group)
         said.append(f"tcp_allow_groups {group!r} " + (

@@ -11,7 +11,7 @@ Rules:
   ``ok`` last on stdout, exit 0; or the one-line `ConfigError` on stderr, exit 1.
 - With --deep it also logs in to the token, finds and checks the KEK, opens a
   WebSocket to the relay, checks that this user can make files in the state directory
-  and that the groups ``[server]`` names exist (daemon/cli/_probe.py), one line each;
+  and looks up the groups ``[server]`` names (daemon/cli/_probe.py), one line each;
   any failure is the one-line error on stderr (naming the step) and exit 1. Run it as the daemon runs (the
   `buzz-broker-admin` wrapper), so the PIN credential and the token files are its own.
 
