@@ -26,7 +26,7 @@ from custody import Custody, TokenConfig, UnsealFailed, UnsignedEvent, init_kek
 from custody._secret import Secret
 from custody._worker import in_token_worker
 from tests.custody._secrets import PUB_1, PUB_2, SECRET_1, SECRET_2
-from tests.fixtures.token import SoftHsmToken
+from tests.fixtures.token import SoftHsmToken, in_session
 
 #: Every seal kind custody writes; each defence test runs for each the session token offers.
 SEAL_KINDS = (pytest.param("gcm", marks=pytest.mark.token_offers("AES_GCM")), "etm")
@@ -137,22 +137,18 @@ def counting_keystream() -> Iterator[list[int]]:
 async def plant_unsafe_kek(config: TokenConfig, label: str, kind: str) -> None:
     """A KEK (both halves for etm) labelled `label` that is right in every way but one:
     its AES key is EXTRACTABLE."""
-    def plant() -> None:
-        key, shared = token_module._acquire_session(config)
-        try:
-            template = dict(kekinit_module.KEK_TEMPLATE) | {Attribute.EXTRACTABLE: True}
-            shared.session.generate_key(KeyType.AES, 256, label=label, store=True,
-                                        capabilities=MechanismFlag.ENCRYPT
-                                        | MechanismFlag.DECRYPT, template=template)
-            if kind == "etm":
-                shared.session.generate_key(
-                    KeyType.GENERIC_SECRET, 256, label=token_module.mac_label(label),
-                    store=True, capabilities=MechanismFlag.SIGN | MechanismFlag.VERIFY,
-                    template=kekinit_module.MAC_KEY_TEMPLATE)
-        finally:
-            token_module._release_session(key)
+    def plant(session: Any) -> None:
+        template = dict(kekinit_module.KEK_TEMPLATE) | {Attribute.EXTRACTABLE: True}
+        session.generate_key(KeyType.AES, 256, label=label, store=True,
+                             capabilities=MechanismFlag.ENCRYPT
+                             | MechanismFlag.DECRYPT, template=template)
+        if kind == "etm":
+            session.generate_key(
+                KeyType.GENERIC_SECRET, 256, label=token_module.mac_label(label),
+                store=True, capabilities=MechanismFlag.SIGN | MechanismFlag.VERIFY,
+                template=kekinit_module.MAC_KEY_TEMPLATE)
 
-    await in_token_worker(plant)
+    await in_session(config, plant)
 
 
 async def seal_under_unchecked(held: Held, label: str, hex_secret: str, agent: str) -> bytes:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pkcs11 import Attribute, KeyType
@@ -23,9 +24,8 @@ from pkcs11 import Attribute, KeyType
 import custody._kekinit as kekinit_module
 import custody._token as token_module
 from custody import Custody, CustodyError, TokenConfig, init_kek
-from custody._worker import in_token_worker
 from tests.custody._sealing import KEK_FLAGS, import_key, make_key
-from tests.fixtures.token import SoftHsmToken, plant_aes_key
+from tests.fixtures.token import SoftHsmToken, in_session, plant_aes_key
 
 #: The one wrong attribute -> (capabilities, template changes) that make it wrong.
 _WRONG: dict[str, tuple[tuple[str, ...], dict[str, bool]]] = {
@@ -126,17 +126,13 @@ async def _plant(config: TokenConfig, bits: int, made_with: dict[str, bool],
                  set_later: dict[str, bool]) -> None:
     """An AES key labelled `config.kek_label`, as `keys init` makes one but for `made_with`
     and `set_later`."""
-    def plant() -> None:
-        key, shared = token_module._acquire_session(config)
-        try:
-            make_key(shared.session, KeyType.AES, bits, config.kek_label, KEK_FLAGS,
-                     kekinit_module.KEK_TEMPLATE
-                     | {Attribute[name]: value for name, value in made_with.items()},
-                     {Attribute[name]: value for name, value in set_later.items()})
-        finally:
-            token_module._release_session(key)
+    def plant(session: Any) -> None:
+        make_key(session, KeyType.AES, bits, config.kek_label, KEK_FLAGS,
+                 kekinit_module.KEK_TEMPLATE
+                 | {Attribute[name]: value for name, value in made_with.items()},
+                 {Attribute[name]: value for name, value in set_later.items()})
 
-    await in_token_worker(plant)
+    await in_session(config, plant)
 
 
 @pytest.mark.token_offers("GENERATE_KEY")
@@ -164,16 +160,12 @@ async def test_an_imported_kek_is_refused_as_once_readable(
     NEVER_EXTRACTABLE, and it is refused for that."""
     config = softhsm_token.config(kek_label="material-imported")
 
-    def plant() -> tuple[object, object]:
-        key, shared = token_module._acquire_session(config)
-        try:
-            return import_key(shared.session, KeyType.AES, config.kek_label,
-                              {Attribute.ENCRYPT: True, Attribute.DECRYPT: True}
-                              | kekinit_module.KEK_TEMPLATE)
-        finally:
-            token_module._release_session(key)
+    def plant(session: Any) -> tuple[object, object]:
+        return import_key(session, KeyType.AES, config.kek_label,
+                          {Attribute.ENCRYPT: True, Attribute.DECRYPT: True}
+                          | kekinit_module.KEK_TEMPLATE)
 
-    assert await in_token_worker(plant) == (False, False)
+    assert await in_session(config, plant) == (False, False)
     once_readable = re.escape(f"refusing KEK {config.kek_label!r}: ") + (
         "(ALWAYS_SENSITIVE|NEVER_EXTRACTABLE) is false")
     with pytest.raises(CustodyError, match=once_readable):

@@ -23,6 +23,7 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,11 +40,10 @@ from custody import (
     verify_event,
 )
 from custody._statelock import StateLock
-from custody._worker import in_token_worker
 from tests.custody._sealing import HUMAN, SEAL_KINDS, blob_of, config_for, event, put_blob
 from tests.custody._secrets import PUB_1, PUB_2, SECRET_1, SECRET_2, SECRET_X
 from tests.fixtures.broker import write_config
-from tests.fixtures.token import REPO, SoftHsmToken, make_token
+from tests.fixtures.token import REPO, SoftHsmToken, in_session, make_token
 
 BUZZ_BROKER = REPO / ".venv" / "bin" / "buzz-broker"
 SECOND_TOKEN = "buzz-test-2"
@@ -53,15 +53,11 @@ ANY_KEK_TYPE = (*token_module.AES_KEY_TYPES, *token_module.MAC_KEY_TYPES)
 
 
 async def _labels_present(config: TokenConfig, *labels: str) -> set[str]:
-    def find() -> set[str]:
-        key, shared = token_module._acquire_session(config)
-        try:
-            return {label for label in labels
-                    if token_module._find_key(shared.session, config.token_label, label, ANY_KEK_TYPE)}
-        finally:
-            token_module._release_session(key)
+    def find(session: Any) -> set[str]:
+        return {label for label in labels
+                if token_module._find_key(session, config.token_label, label, ANY_KEK_TYPE)}
 
-    return await in_token_worker(find)
+    return await in_session(config, find)
 
 
 async def _populate(config: TokenConfig, state: Path) -> list[str]:

@@ -9,6 +9,7 @@ import hashlib
 import hmac
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -33,7 +34,7 @@ from tests.custody._sealing import (
     secret_of,
 )
 from tests.custody._secrets import PUB_2, SECRET_2
-from tests.fixtures.token import SoftHsmToken
+from tests.fixtures.token import SoftHsmToken, in_session
 from tests.tokens.kinds import KINDS
 
 _KEY = bytes(range(32))
@@ -48,24 +49,20 @@ async def test_the_token_keystream_is_aes_ctr_byte_for_byte(softhsm_token: SoftH
     blocks) equals `cryptography`'s AES-CTR from nonce||0^32, under one known key."""
     config = softhsm_token.config()
 
-    def ecb() -> bytes:
-        key, shared = token_module._acquire_session(config)
+    def ecb(session: Any) -> bytes:
+        known = session.create_object({  # a session object: gone at logout
+            Attribute.CLASS: ObjectClass.SECRET_KEY, Attribute.KEY_TYPE: KeyType.AES,
+            Attribute.VALUE: _KEY, Attribute.ENCRYPT: True, Attribute.TOKEN: False,
+        })
         try:
-            known = shared.session.create_object({  # a session object: gone at logout
-                Attribute.CLASS: ObjectClass.SECRET_KEY, Attribute.KEY_TYPE: KeyType.AES,
-                Attribute.VALUE: _KEY, Attribute.ENCRYPT: True, Attribute.TOKEN: False,
-            })
-            try:
-                result: bytes = known.encrypt(sealed_module._counter_blocks(_NONCE),
-                                              mechanism=Mechanism.AES_ECB)
-                return result
-            finally:
-                known.destroy()
+            result: bytes = known.encrypt(sealed_module._counter_blocks(_NONCE),
+                                          mechanism=Mechanism.AES_ECB)
+            return result
         finally:
-            token_module._release_session(key)
+            known.destroy()
 
     reference = Cipher(algorithms.AES(_KEY), modes.CTR(_NONCE + bytes(4))).encryptor()
-    assert await in_token_worker(ecb) == reference.update(bytes(32))
+    assert await in_session(config, ecb) == reference.update(bytes(32))
 
 
 class _ReferenceToken:
@@ -217,19 +214,15 @@ async def _plant_pair(config: TokenConfig, *, mac_flags: MechanismFlag,
     the key is made MODIFIABLE under a scratch label, changed, and copied to its label
     unmodifiable (C_CopyObject), the scratch key destroyed.
     """
-    def plant() -> None:
-        key, shared = token_module._acquire_session(config)
-        try:
-            make_aes_kek(shared.session, config.kek_label)
-            template: dict[Attribute, object] = {
-                Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: False,
-                Attribute.PRIVATE: True, Attribute.MODIFIABLE: False, **(mac_changes or {})}
-            make_key(shared.session, KeyType.GENERIC_SECRET, 256,
-                     token_module.mac_label(config.kek_label), mac_flags, template, mac_later)
-        finally:
-            token_module._release_session(key)
+    def plant(session: Any) -> None:
+        make_aes_kek(session, config.kek_label)
+        template: dict[Attribute, object] = {
+            Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: False,
+            Attribute.PRIVATE: True, Attribute.MODIFIABLE: False, **(mac_changes or {})}
+        make_key(session, KeyType.GENERIC_SECRET, 256,
+                 token_module.mac_label(config.kek_label), mac_flags, template, mac_later)
 
-    await in_token_worker(plant)
+    await in_session(config, plant)
 
 
 @pytest.mark.token_offers("GENERATE_KEY")
@@ -305,17 +298,13 @@ async def test_an_imported_hmac_key_is_refused_as_once_readable(
     config = config_for(softhsm_token, "etm", f"imported-{tmp_path.name}"[:60])
     label = token_module.mac_label(config.kek_label)
 
-    def plant() -> tuple[object, object]:
-        key, shared = token_module._acquire_session(config)
-        try:
-            make_aes_kek(shared.session, config.kek_label)
-            return import_key(shared.session, KeyType.GENERIC_SECRET, label,
-                              {Attribute.SIGN: True, Attribute.VERIFY: True}
-                              | kekinit_module.MAC_KEY_TEMPLATE)
-        finally:
-            token_module._release_session(key)
+    def plant(session: Any) -> tuple[object, object]:
+        make_aes_kek(session, config.kek_label)
+        return import_key(session, KeyType.GENERIC_SECRET, label,
+                          {Attribute.SIGN: True, Attribute.VERIFY: True}
+                          | kekinit_module.MAC_KEY_TEMPLATE)
 
-    assert await in_token_worker(plant) == (False, False)
+    assert await in_session(config, plant) == (False, False)
     once_readable = re.escape(f"refusing KEK HMAC key {label!r}: ") + (
         "(ALWAYS_SENSITIVE|NEVER_EXTRACTABLE) is false")
     with pytest.raises(CustodyError, match=once_readable):
@@ -334,17 +323,13 @@ async def test_an_aes_key_under_the_hmac_label_is_not_the_hmac_half(
     config = config_for(softhsm_token, "etm", f"aesmac-{tmp_path.name}"[:60])
     label = token_module.mac_label(config.kek_label)
 
-    def plant() -> None:
-        key, shared = token_module._acquire_session(config)
-        try:
-            make_aes_kek(shared.session, config.kek_label)
-            shared.session.generate_key(KeyType.AES, 256, label=label, store=True,
-                                        capabilities=_SIGNS,
-                                        template=kekinit_module.MAC_KEY_TEMPLATE)
-        finally:
-            token_module._release_session(key)
+    def plant(session: Any) -> None:
+        make_aes_kek(session, config.kek_label)
+        session.generate_key(KeyType.AES, 256, label=label, store=True,
+                             capabilities=_SIGNS,
+                             template=kekinit_module.MAC_KEY_TEMPLATE)
 
-    await in_token_worker(plant)
+    await in_session(config, plant)
     with pytest.raises(CustodyError, match=re.escape(
             f"has the AES key {config.kek_label!r} but not its HMAC key {label!r}")):
         await Custody.open(config, tmp_path / "state")
