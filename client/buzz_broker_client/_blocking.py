@@ -127,7 +127,12 @@ class BrokerClient:
         self._finalizer = weakref.finalize(self, self._loop.stop)
 
     def __repr__(self) -> str:
-        return f"BrokerClient({self._client._endpoint.describe()!r}, credential=<redacted>)"
+        # An `__init__` that raised leaves no `_client`, and a crash reporter that renders
+        # traceback locals calls this on the half-built `self` in that frame: raising here
+        # would cost the agent that report.
+        client: AsyncBrokerClient | None = getattr(self, "_client", None)
+        where = repr(client._endpoint.describe()) if client is not None else "<not constructed>"
+        return f"BrokerClient({where}, credential=<redacted>)"
 
     def close(self) -> None:
         """Stop the private loop (it starts again on the next call).

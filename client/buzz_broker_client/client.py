@@ -709,7 +709,10 @@ class AsyncBrokerClient:
         self._new_request_id = new_request_id
 
     def __repr__(self) -> str:
-        return f"AsyncBrokerClient({self._endpoint.describe()!r}, credential=<redacted>)"
+        # Never raises, on a half-built `self` either: see `BrokerClient.__repr__`.
+        endpoint: Endpoint | None = getattr(self, "_endpoint", None)
+        where = repr(endpoint.describe()) if endpoint is not None else "<not constructed>"
+        return f"AsyncBrokerClient({where}, credential=<redacted>)"
 
     # ----- the generic door
 

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from typing import Any
 from dataclasses import replace
@@ -1091,6 +1092,24 @@ def test_blocking_client_raises_what_the_async_one_raises() -> None:
             sync.message_post(CHANNEL, "hi")
         with pytest.raises(ContractError):
             sync.message_post("not-a-uuid", "hi")
+
+
+@pytest.mark.parametrize("cls", [AsyncBrokerClient, BrokerClient])
+@pytest.mark.parametrize("refused", [{"address": "http://example.org:8080"},
+                                     {"agent_pubkey": "npub1notahexkey"}],
+                         ids=["remote-address", "agent-pubkey"])
+def test_a_client_that_failed_to_construct_still_renders_with_its_locals(
+    cls: type[AsyncBrokerClient | BrokerClient], refused: dict[str, str]
+) -> None:
+    # A crash reporter that renders traceback locals (Sentry, pytest --showlocals,
+    # traceback's capture_locals) calls repr on the half-built `self` in the failed
+    # `__init__`'s frame; a repr that raised there would lose the agent's report.
+    with pytest.raises(ValueError) as info:
+        cls(refused.get("address", "/run/b.sock"), CREDENTIAL,
+            agent_pubkey=refused.get("agent_pubkey"))
+    rendered = "".join(
+        traceback.TracebackException.from_exception(info.value, capture_locals=True).format())
+    assert f"self = {cls.__name__}(" in rendered and "credential=<redacted>)" in rendered
 
 
 # ------------------------------------------------------------------ installable alone
