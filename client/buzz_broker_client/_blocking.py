@@ -119,10 +119,14 @@ class BrokerClient:
         agent_pubkey: str | None = None,
         new_request_id: Callable[[], str] = _new_request_id,
     ) -> None:
-        self._client = AsyncBrokerClient(
-            address, credential, credential_file=credential_file, retry=retry, events=events,
-            agent_pubkey=agent_pubkey, new_request_id=new_request_id,
-        )
+        try:
+            self._client = AsyncBrokerClient(
+                address, credential, credential_file=credential_file, retry=retry,
+                events=events, agent_pubkey=agent_pubkey, new_request_id=new_request_id,
+            )
+        finally:
+            # This frame is on the traceback of what that raises: see its own `__init__`.
+            del credential
         self._loop = _Loop()
         self._finalizer = weakref.finalize(self, self._loop.stop)
 

@@ -13,6 +13,15 @@ Rules:
   "path" that looks like a credential itself (`_shown_path`): a harness that put the token
   where its file goes would otherwise see it in a message it logs. The socket address is
   shown through the same guard (`_transport.Endpoint.describe`).
+- No frame of this package on the traceback of an error raised while the client is built
+  or its credential read holds the credential: crash reporters render every frame's
+  locals (Sentry, `pytest --showlocals`, traceback's `capture_locals`), and an agent that
+  handed over only a file or the environment has the token in no frame of its own. So
+  what can be checked without the credential is checked before it is read; a problem with
+  it is decided by a helper that returns only a message (`_content_problem`,
+  `_transport.credential_problem`); the secret is dropped (`del`) before the raise; and
+  the environment is read one variable at a time (`_variable`), never bound to a name
+  (`os.environ` holds `$BUZZ_BROKER_CREDENTIAL`).
 """
 
 from __future__ import annotations
@@ -20,7 +29,6 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ._errors import CREDENTIAL_ENV, CREDENTIAL_FILE_ENV, SOCKET_ENV, NotConfigured
@@ -94,30 +102,40 @@ def read_credential_file(path: str) -> CredentialFile:
                             "be owned by (and readable only by) the agent's user, mode 0400") from None
     except OSError as exc:
         raise NotConfigured(f"cannot read credential file {shown}: {exc.strerror}") from None
-    if len(raw) > MAX_CREDENTIAL_FILE_BYTES:
-        raise NotConfigured(f"credential file {shown} is too large to be a credential")
-    try:
-        value = raw.decode("ascii").strip()
-    except UnicodeDecodeError:
-        raise NotConfigured(f"credential file {shown} does not hold an ASCII credential") from None
-    if not value:
-        raise NotConfigured(f"credential file {shown} is empty")
+    problem = _content_problem(raw)
+    if problem is not None:
+        del raw  # before the raise (module docstring)
+        raise NotConfigured(f"credential file {shown} {problem}")
     loose = stat.S_IMODE(mode) if mode & (stat.S_IRWXG | stat.S_IRWXO) else None
-    return CredentialFile(value=value, loose_mode=loose)
+    return CredentialFile(value=raw.decode("ascii").strip(), loose_mode=loose)
 
 
-def resolve_address(address: str | None, environ: Mapping[str, str] = os.environ) -> str:
+def _content_problem(raw: bytes) -> str | None:
+    """What makes a credential file's bytes unusable, as the rest of a sentence that names
+    the file, or None. Only a message: the caller drops the bytes before it raises."""
+    if len(raw) > MAX_CREDENTIAL_FILE_BYTES:
+        return "is too large to be a credential"
+    if not raw.isascii():
+        return "does not hold an ASCII credential"
+    if not raw.decode("ascii").strip():
+        return "is empty"
+    return None
+
+
+def _variable(name: str) -> str:
+    """The environment variable `name`, trimmed ("" when unset)."""
+    return os.environ.get(name, "").strip()
+
+
+def resolve_address(address: str | None) -> str:
     """The broker address: `address`, else `$BUZZ_BROKER_SOCKET`, else the default socket."""
     if address is not None:
         return address
-    from_env = environ.get(SOCKET_ENV, "").strip()
-    return from_env if from_env else DEFAULT_SOCKET
+    return _variable(SOCKET_ENV) or DEFAULT_SOCKET
 
 
 def resolve_credential(
-    credential: str | None,
-    credential_file: str | None,
-    environ: Mapping[str, str] = os.environ,
+    credential: str | None, credential_file: str | None
 ) -> tuple[str, CredentialFile | None]:
     """The credential, and the file it came from when it came from one.
 
@@ -125,22 +143,24 @@ def resolve_credential(
         NotConfigured: none given and none in the environment; both given; both variables
             set; or the file cannot be used (see `read_credential_file`).
     """
-    if credential is not None and credential_file is not None:
-        raise NotConfigured("pass credential= or credential_file=, not both")
     if credential is not None:
+        if credential_file is not None:
+            del credential  # before the raise (module docstring)
+            raise NotConfigured("pass credential= or credential_file=, not both")
         return credential, None
     if credential_file is not None:
         read = read_credential_file(credential_file)
         return read.value, read
-    value = environ.get(CREDENTIAL_ENV, "").strip()
-    path = environ.get(CREDENTIAL_FILE_ENV, "").strip()
-    if value and path:
+    # Both variables set is decided before the credential's is read (module docstring).
+    path = _variable(CREDENTIAL_FILE_ENV)
+    if path and _variable(CREDENTIAL_ENV):
         raise NotConfigured(f"both ${CREDENTIAL_ENV} and ${CREDENTIAL_FILE_ENV} are set; "
                             "set only one")
-    if value:
-        return value, None
     if path:
         read = read_credential_file(path)
         return read.value, read
+    value = _variable(CREDENTIAL_ENV)
+    if value:
+        return value, None
     raise NotConfigured(f"no credential: set ${CREDENTIAL_FILE_ENV} to the file the operator "
                         f"handed this agent (or ${CREDENTIAL_ENV}), or pass credential_file=")

@@ -19,11 +19,12 @@ Rules:
   before a byte can leave. There is no TLS here: an `https://` address is refused rather
   than silently downgraded.
 - The credential is only ever written into the Authorization header. It is validated at
-  construction (`Credential`) so h11, whose errors quote a bad header value, never sees
-  an invalid one, and it has a redacting repr. The head that carries it is built and sent
-  in its own frame (`_send_request`), which has returned before the wait for the answer: a
-  caller's timeout or cancel lands in that wait, and a traceback rendered with its locals
-  (traceback's capture_locals, pytest --showlocals, an error tracker) never shows it.
+  construction (`Credential`, `credential_problem`) so h11, whose errors quote a bad
+  header value, never sees an invalid one, and it has a redacting repr. The head that
+  carries it is built and sent in its own frame (`_send_request`), which has returned
+  before the wait for the answer: a caller's timeout or cancel lands in that wait, and a
+  traceback rendered with its locals (traceback's capture_locals, pytest --showlocals, an
+  error tracker) never shows it.
 
 One request per connection: the client opens a fresh connection for each attempt and
 closes it after the response. A retry therefore never inherits a half-read response
@@ -55,6 +56,7 @@ from ._env import _shown_path
 
 __all__ = [
     "Credential",
+    "credential_problem",
     "Endpoint",
     "HttpReply",
     "TransportFailure",
@@ -141,6 +143,21 @@ def _connect_kind(exc: OSError) -> ConnectKind:
     return "other"
 
 
+def credential_problem(value: str) -> str | None:
+    """What makes `value` unusable as the bearer credential, or None when nothing does.
+
+    Only a message, which never quotes the value: a caller drops the value before it
+    raises, so that no frame on the error's traceback holds it (`_env`'s docstring).
+    """
+    if not value:
+        return "credential is empty"
+    if len(value) > MAX_CREDENTIAL_BYTES:
+        return f"credential is longer than {MAX_CREDENTIAL_BYTES} bytes"
+    if not all("\x21" <= c <= "\x7e" for c in value):
+        return "credential must be visible ASCII with no spaces"
+    return None
+
+
 class Credential:
     """The bearer credential: opaque, held privately, never shown.
 
@@ -152,14 +169,15 @@ class Credential:
     __slots__ = ("__value",)
 
     def __init__(self, value: str) -> None:
+        # This frame stays on the traceback of what it raises: the value is dropped first
+        # (the rule in `_env`'s docstring).
         if not isinstance(value, str):
+            del value
             raise TypeError("credential must be a str")
-        if not value:
-            raise ValueError("credential is empty")
-        if len(value) > MAX_CREDENTIAL_BYTES:
-            raise ValueError(f"credential is longer than {MAX_CREDENTIAL_BYTES} bytes")
-        if not all("\x21" <= c <= "\x7e" for c in value):
-            raise ValueError("credential must be visible ASCII with no spaces")
+        problem = credential_problem(value)
+        if problem is not None:
+            del value
+            raise ValueError(problem)
         self.__value = value
 
     def authorization(self) -> bytes:

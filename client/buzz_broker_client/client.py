@@ -126,7 +126,8 @@ from ._bounds import response_bytes, response_values
 from ._env import resolve_address, resolve_credential
 from ._errors import SETUP_PROBLEMS, CredentialRefused, SetupError
 from ._transport import (
-    ConnectFailure, ConnectKind, Credential, Endpoint, HttpReply, TransportFailure, exchange,
+    ConnectFailure, ConnectKind, Credential, Endpoint, HttpReply, TransportFailure,
+    credential_problem, exchange,
 )
 
 __all__ = [
@@ -694,17 +695,28 @@ class AsyncBrokerClient:
         agent_pubkey: str | None = None,
         new_request_id: Callable[[], str] = _new_request_id,
     ) -> None:
-        self._endpoint = Endpoint.parse(resolve_address(address))
-        secret, read = resolve_credential(credential, credential_file)
+        # No frame of the package on the traceback of what this raises holds the credential
+        # (the rule in `_env`'s docstring): the other arguments are checked before it is
+        # read, `credential` (perhaps the only name the caller's value has) is dropped on
+        # every way out, and a bad one is judged by a helper before the raise.
+        try:
+            self._endpoint = Endpoint.parse(resolve_address(address))
+            me = normalize_hex64(agent_pubkey) if agent_pubkey is not None else None
+            if agent_pubkey is not None and me is None:
+                raise ValueError("agent_pubkey must be 64 hex characters")
+            secret, read = resolve_credential(credential, credential_file)
+        finally:
+            del credential
+        problem = credential_problem(secret)
+        if problem is not None:
+            del secret, read  # the file's record holds it too (its repr does not show it)
+            raise ValueError(problem)
         if read is not None and read.loose_mode is not None:
             _log.warning("credential file is readable by others (mode %04o); make it 0400",
                          read.loose_mode)
         self._credential = Credential(secret)
         self._retry = retry
         self._events = events
-        me = normalize_hex64(agent_pubkey) if agent_pubkey is not None else None
-        if agent_pubkey is not None and me is None:
-            raise ValueError("agent_pubkey must be 64 hex characters")
         self._me = me
         self._new_request_id = new_request_id
 

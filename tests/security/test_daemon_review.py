@@ -242,6 +242,83 @@ def test_a_call_timed_out_by_its_caller_keeps_the_credential_out_of_traceback_lo
     assert token not in rendered and token[4:20] not in rendered and "Bearer" not in rendered
 
 
+#: A token shaped like those the broker issues (`bzb_` and 43 base64url characters).
+_TOKEN = "bzb_" + "Zq9" * 14 + "x"
+
+#: Errors the client raises at construction or reading its credential -> (the credential
+#: file's bytes, or None for no file; the environment; keyword arguments). In the file and
+#: environment rows the agent's own frames never held the token; in the argument rows it
+#: may not have either (`credential=path.read_text()` keeps no name for it).
+_CONSTRUCTION_ERRORS: dict[str, tuple[bytes | None, dict[str, str], dict[str, str]]] = {
+    "file-agent-pubkey-typo": (_TOKEN.encode() + b"\n", {}, {"agent_pubkey": "npub1notahexkey"}),
+    "file-utf8-bom": (b"\xef\xbb\xbf" + _TOKEN.encode() + b"\n", {}, {}),
+    "file-bearer-prefix": (b"Bearer " + _TOKEN.encode() + b"\n", {}, {}),
+    "file-no-break-space-tail": (_TOKEN.encode() + "\u00a0".encode(), {}, {}),
+    "file-too-large": (_TOKEN.encode() + b"\n" + b"#" * 5000, {}, {}),
+    "environment-both-variables": (
+        None, {"BUZZ_BROKER_CREDENTIAL": _TOKEN,
+               "BUZZ_BROKER_CREDENTIAL_FILE": "/run/agent/credential"}, {}),
+    "environment-bearer-prefix": (None, {"BUZZ_BROKER_CREDENTIAL": "Bearer " + _TOKEN}, {}),
+    "environment-agent-pubkey-typo": (
+        None, {"BUZZ_BROKER_CREDENTIAL": _TOKEN}, {"agent_pubkey": "npub1notahexkey"}),
+    "argument-trailing-newline": (None, {}, {"credential": _TOKEN + "\n"}),
+    "argument-and-file": (_TOKEN.encode(), {}, {"credential": _TOKEN}),
+    "argument-agent-pubkey-typo": (None, {}, {"credential": _TOKEN,
+                                              "agent_pubkey": "npub1notahexkey"}),
+    "argument-remote-address": (None, {}, {"credential": _TOKEN,
+                                           "address": "http://example.org:8080"}),
+}
+
+
+def _client_locals(exc: BaseException) -> list[str]:
+    """Every local of every frame of the client package on `exc`'s traceback, and on those
+    of its causes and contexts (suppressed or not), as a crash reporter renders them."""
+    import traceback
+
+    import buzz_broker_client
+
+    package = Path(buzz_broker_client.__file__).parent
+    shown: list[str] = []
+    pending = [traceback.TracebackException.from_exception(exc, capture_locals=True)]
+    "".join(pending[0].format())  # renders at all (a repr that raises would stop it)
+    while pending:
+        report = pending.pop()
+        for frame in report.stack:
+            if Path(frame.filename).is_relative_to(package):
+                shown.extend(f"{frame.name}: {name} = {value}"
+                             for name, value in (frame.locals or {}).items())
+        pending.extend(chained for chained in (report.__cause__, report.__context__)
+                       if chained is not None)
+    return shown
+
+
+@pytest.mark.parametrize("blocking", [False, True], ids=["async", "blocking"])
+@pytest.mark.parametrize("case", sorted(_CONSTRUCTION_ERRORS))
+def test_a_client_construction_error_keeps_the_credential_out_of_traceback_locals(
+    case: str, blocking: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Sentry, pytest --showlocals and traceback's capture_locals render every frame's
+    # locals: no frame of the client's may hold the token, whatever it refuses.
+    from buzz_broker_client import BrokerClient
+
+    content, environment, arguments = _CONSTRUCTION_ERRORS[case]
+    for name in ("BUZZ_BROKER_SOCKET", "BUZZ_BROKER_CREDENTIAL", "BUZZ_BROKER_CREDENTIAL_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    kwargs: dict[str, Any] = {"address": "/run/b.sock", **arguments}
+    if content is not None:
+        path = tmp_path / "credential"
+        path.write_bytes(content)
+        path.chmod(0o400)
+        kwargs["credential_file"] = str(path)
+    with pytest.raises(ValueError) as refused:  # NotConfigured is a ValueError too
+        (BrokerClient if blocking else AsyncBrokerClient)(**kwargs)
+    shown = _client_locals(refused.value)
+    assert any(line.startswith("__init__: self = ") for line in shown)  # the frames are there
+    assert not [line for line in shown if _TOKEN[4:24] in line]
+
+
 # ---------------------------------------------------------------------------------------
 # Logs: a plain record with an exception keeps only the exception's type name
 # ---------------------------------------------------------------------------------------
