@@ -756,7 +756,18 @@ _SECTIONS: dict[str, type] = {
 }
 
 
+#: A URL's user information (RFC 3986 §3.2.1): from `scheme://` or a bare `//` (after any
+#: padding) to the authority's last `@`, where urlsplit splits it too.
+_USER_INFORMATION = re.compile(r"^(\s*(?:[A-Za-z][A-Za-z0-9+.-]*:)?//)[^/?#]*@")
+
+
 def _shown(value: object) -> str:
+    """`value` as a refusal quotes it: its repr, cut at 60 characters, with a URL's user
+    information replaced. That is where a password goes (`wss://user:password@host`,
+    refused in `[relay] url`), and the refusal goes to stderr: under systemd the journal,
+    often readable more widely than the configuration (0640)."""
+    if isinstance(value, str):
+        value = _USER_INFORMATION.sub(r"\1<user information removed>@", value)
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 

@@ -535,6 +535,36 @@ def test_plain_ws_refused_off_loopback(tmp_path: Path, url: str) -> None:
         load_config(write(tmp_path, f'[relay]\nurl = "{url}"\n'), environ={})
 
 
+#: A password written into a relay URL's user information (RFC 3986 §3.2.1).
+_URL_PASSWORD = "Pw-7f3a9c2e5b1d8f40"
+_REMOVED = "<user information removed>"
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    (f"wss://buzz:{_URL_PASSWORD}@relay.example.org", f"'wss://{_REMOVED}@relay.example.org'"),
+    (f"wss://:{_URL_PASSWORD}@relay.example.org/r", f"'wss://{_REMOVED}@relay.example.org/r'"),
+    (f"wss://{_URL_PASSWORD}@relay.example.org", f"'wss://{_REMOVED}@relay.example.org'"),
+    (f"wss://buzz:{_URL_PASSWORD}@x@relay.example.org", f"'wss://{_REMOVED}@relay.example.org'"),
+    (f" wss://buzz:{_URL_PASSWORD}@relay.example.org", f"' wss://{_REMOVED}@relay.example.org'"),
+    (f"ws://buzz:{_URL_PASSWORD}@10.0.0.1:7777", f"'ws://{_REMOVED}@10.0.0.1:7777'"),
+    (f"//buzz:{_URL_PASSWORD}@relay.example.org", f"'//{_REMOVED}@relay.example.org'"),
+    (f"wss://buzz:{_URL_PASSWORD}@relay.{'sub.' * 20}example.org", f"'wss://{_REMOVED}@relay."),
+], ids=["user-password", "password-only", "user-only", "unescaped-at", "padded", "plain-ws",
+        "no-scheme", "long"])
+@pytest.mark.parametrize("command", ["check-config", "status", "serve"])
+def test_a_relay_url_with_user_information_is_refused_without_quoting_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], url: str, shown: str, command: str
+) -> None:
+    # Refused, and the refusal names what it refused with the user information (most
+    # likely a password) replaced: it goes to stderr, under systemd the journal, which is
+    # often readable more widely than the 0640 configuration.
+    path = write(tmp_path, f'[relay]\nurl = "{url}"\n')
+    assert main(["--config", path, command]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and _URL_PASSWORD not in err and "buzz:" not in err
+    assert "[relay] url: expected " in err and f"got {shown}" in err
+
+
 #: Relay URLs at the edges of the loopback rule and the pool's other rules (issue 16): a
 #: name only /etc/hosts calls loopback, another case, a trailing dot, a fragment.
 _EDGE_URLS = ["ws://ip6-localhost:7777", "ws://LOCALHOST:7777", "ws://localhost.:7777",
