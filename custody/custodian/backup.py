@@ -7,8 +7,9 @@ file's name is chosen here: `agents-<UTC time>-<random>.age`, written first as
 `.<name>.partial`, created new (O_EXCL, O_NOFOLLOW, mode 0600) before anything is
 unsealed, and linked to its name once whole and fsynced (link, not rename: an existing
 file is never overwritten or followed; a crash leaves no torn backup, and the next write
-removes its partial file). Custody encrypts in memory (custody/_backup.py: only
-ciphertext leaves it); the directory is fsynced, and on any fault the file is removed.
+removes its partial file: `write_synced`, which `keys backup --out` shares). Custody
+encrypts in memory (custody/_backup.py: only ciphertext leaves it); the directory is
+fsynced, and on any fault the file is removed.
 What the pipeline learns: the file's path, its sha256, the agents in it and the (public)
 recipients, for the operator's key-event log. The file restores with `keys restore` like
 any other backup.
@@ -38,7 +39,8 @@ import trio
 from custody import Custody, CustodyError
 from custody._backup import export_backup
 
-__all__ = ["Bounds", "Held", "TooSoon", "Written", "admit_at", "held", "write_backup"]
+__all__ = ["Bounds", "Held", "TooSoon", "Written", "admit_at", "held", "write_backup",
+           "write_synced"]
 
 #: `[backup] max_files`: 100 backups of 1,000 agents take 32 to 52 MB (measured: 0.32 KB
 #: an agent, 0.52 with a NIP-OA tag; docs/custodian.md). At most 10,000: each request
@@ -144,12 +146,14 @@ def _partial(path: Path) -> Path:
     return path.with_name(f".{path.name}.partial")
 
 
-def _write_synced(fd: int, path: Path, data: bytes) -> None:
+def write_synced(fd: int, partial: Path, path: Path, data: bytes) -> None:
+    """`data` into `fd` (the new file `partial`), fsynced, linked to `path` (an existing
+    one raises FileExistsError, left alone), the directory fsynced: whole or not there."""
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
     os.fsync(fd)
-    os.link(_partial(path), path)  # an existing `path` (not ours) raises, left alone
+    os.link(partial, path)
     try:
         dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -178,7 +182,8 @@ async def write_backup(custody: Custody, directory: Path, recipients: Sequence[s
     try:
         exported = await export_backup(custody, recipients, public)
         try:
-            await trio.to_thread.run_sync(_write_synced, fd, path, exported.ciphertext)
+            await trio.to_thread.run_sync(write_synced, fd, _partial(path), path,
+                                           exported.ciphertext)
         except OSError as exc:
             raise CustodyError(f"cannot write the backup {path.name}: {exc.strerror}") from None
         return Written(path=path, sha256=hashlib.sha256(exported.ciphertext).hexdigest(),

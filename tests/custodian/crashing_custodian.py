@@ -20,14 +20,14 @@ from tests.fixtures.kill import kill_at
 
 
 def _arm_mid_write() -> None:
-    write, checkpoint = backup._write_synced, kill_at("custodian", "backup-write")
+    write, checkpoint = backup.write_synced, kill_at("custodian", "backup-write")
 
     def half_then_killed(fd: int, *args: Any) -> None:
         os.write(fd, args[-1][:len(args[-1]) // 2])
         checkpoint("backup-write")
         write(fd, *args)  # pragma: no cover - killed above
 
-    backup._write_synced = half_then_killed  # type: ignore[assignment]
+    backup.write_synced = half_then_killed  # type: ignore[assignment]
 
 
 def _arm(op: str) -> None:
