@@ -1,10 +1,18 @@
 """`buzz-broker keys backup` and `keys restore`: every live agent to an offline age key and back.
 
 Rules:
-- backup: `--recipient age1…` (one or more) and `--out FILE`. FILE is created with O_EXCL
-  and mode 0600 before anything is unsealed (an existing file is never overwritten or
-  followed), receives the age ciphertext only (custody encrypts in memory:
-  `custody.export_backup`), and is fsynced with its directory. On any fault it is removed.
+- backup: `--recipient age1…` (one or more) and `--out FILE`. An existing FILE is refused
+  before anything is unsealed, and is never overwritten or followed. The age ciphertext
+  (custody encrypts in memory: `custody.export_backup`) is written first to
+  `.FILE.<random>.partial` beside FILE, created with O_EXCL and mode 0600 before anything
+  is unsealed, then fsynced, linked to FILE once whole, and the directory fsynced
+  (`write_synced`, shared with the custodian's backup row: custody/custodian/backup.py).
+  On any fault the partial file is removed. A run killed midway (SIGKILL, the OOM killer,
+  a power cut) leaves only its partial file and never a FILE; the next backup to FILE
+  removes it and says so on stderr
+  (tests/backup/test_backup.py::test_a_backup_killed_midway_leaves_nothing_under_its_name_and_the_rerun_writes_it).
+  The partial's name is random, so a run that removes a leftover can never link another
+  run's unfinished file to FILE: a run whose partial was removed fails and leaves nothing.
 - restore: `--identity FILE` (an `age-keygen` identity, mode 0600 or stricter, never a
   symlink) and the backup file. Custody decrypts and checks every entry (secret derives
   its pubkey, NIP-OA tag verifies against its owner) before anything is shown; the command
@@ -51,6 +59,8 @@ import argparse
 import hashlib
 import json
 import os
+import re
+import secrets
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -69,6 +79,8 @@ if TYPE_CHECKING:
 
 #: Answers that confirm a restore at the prompt.
 _YES = frozenset({"y", "yes"})
+#: A backup's partial file after its `.FILE.`: `secrets.token_hex(4)`, then `.partial`.
+_PARTIAL = re.compile(r"[0-9a-f]{8}\.partial")
 
 
 def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -108,20 +120,29 @@ def _recipients(texts: list[str]) -> tuple[str, ...]:
     return recipients
 
 
-def _create_exclusive(path: Path) -> int:
+def _create_partial(out: Path) -> tuple[Path, int]:
+    """Refuse an existing `out`; remove the partial files of earlier runs to `out` (killed
+    before theirs was whole: said on stderr); create this run's partial file, new."""
+    if os.path.lexists(out):
+        raise _exists(out)
+    prefix = f".{out.name}."
+    partial = out.with_name(f"{prefix}{secrets.token_hex(4)}.partial")
     try:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                       0o600)
-    except FileExistsError:
-        raise CliError(f"{path} exists; a backup never overwrites a file") from None
+        with os.scandir(out.parent) as entries:
+            left = [Path(e.path) for e in entries
+                    if e.name.startswith(prefix) and _PARTIAL.fullmatch(e.name[len(prefix):])]
+        for path in left:
+            path.unlink(missing_ok=True)
+            print(f"removed {path}: left by a backup to {out} that did not finish",
+                  file=sys.stderr)
+        return partial, os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                                | os.O_CLOEXEC, 0o600)
     except OSError as exc:
-        raise CliError(f"cannot create {path}: {exc.strerror}") from None
+        raise CliError(f"cannot create {out}: {exc.strerror}") from None
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+def _exists(out: Path) -> CliError:
+    return CliError(f"{out} exists; a backup never overwrites a file")
 
 
 def _backup(args: argparse.Namespace, config: Config) -> int:
@@ -140,15 +161,16 @@ def _backup(args: argparse.Namespace, config: Config) -> int:
 
 def _write_backup(config: Config, recipients: tuple[str, ...], out: Path,
                   trail: KeyTrail) -> tuple[tuple[str, ...], str]:
-    """Create `out`, unseal and encrypt every live agent into it, record the outcome.
+    """Unseal and encrypt every live agent into a partial file, link it to `out` once whole,
+    record the outcome.
 
-    The file is removed on any fault, including an outcome that cannot be recorded: a
-    backup the key-event log does not name (by sha256) is not left behind.
+    The partial file is removed on any fault, and `out` too if the outcome cannot be
+    recorded: a backup the key-event log does not name (by sha256) is not left behind.
     """
     from custody import Custody, CustodyError, export_backup
+    from custody.custodian.backup import write_synced
 
-    fd = _create_exclusive(out)
-    done = False
+    partial, fd = _create_partial(out)
     try:
         async def main() -> tuple[bytes, tuple[str, ...]]:
             async with await Custody.open(config.pkcs11.token(), Path(config.state.dir)) as custody:
@@ -160,22 +182,20 @@ def _write_backup(config: Config, recipients: tuple[str, ...], out: Path,
         except CustodyError as exc:
             raise CliError(str(exc)) from None
         try:
-            _write_all(fd, ciphertext)
-            os.fsync(fd)
-            dir_fd = os.open(out.parent if str(out.parent) else Path("."), os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            write_synced(fd, partial, out, ciphertext)
+        except FileExistsError:  # made since `_create_partial` looked: not ours, left alone
+            raise _exists(out) from None
         except OSError as exc:
             raise CliError(f"cannot write {out}: {exc.strerror}") from None
         digest = hashlib.sha256(ciphertext).hexdigest()
-        trail.done(agents=len(agents), pubkeys=agents, sha256=digest)
-        done = True
+        try:
+            trail.done(agents=len(agents), pubkeys=agents, sha256=digest)
+        except BaseException:
+            out.unlink(missing_ok=True)
+            raise
     finally:
         os.close(fd)
-        if not done:
-            out.unlink(missing_ok=True)
+        partial.unlink(missing_ok=True)  # linked to `out` once whole, else a fault's
     return agents, digest
 
 

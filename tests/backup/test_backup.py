@@ -10,8 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import stat
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from daemon.state.key_events import KEY_EVENTS_DIRNAME
 from tests.custody._sealing import SEAL_KINDS, blob_of
 from tests.custody._secrets import PUB_1, PUB_2, PUB_3, SECRET_1, SECRET_X, assert_no_secrets
 from tests.custody.test_cli import Cli
-from tests.fixtures.token import SoftHsmToken
+from tests.fixtures.token import REPO, SoftHsmToken
 
 SLUGS = ("core", "mem/plans")
 
@@ -294,6 +296,48 @@ def test_backup_never_overwrites_and_identity_must_be_private(
     done = target("keys", "restore", "--identity", str(loose), str(out), "--yes")
     assert done.returncode == 1 and "readable by group or others" in done.stderr
     assert target.agents() == []
+
+
+@pytest.mark.parametrize("step", ["export", "write"])
+def test_a_backup_killed_midway_leaves_nothing_under_its_name_and_the_rerun_writes_it(
+    softhsm_token: SoftHsmToken, tmp_path: Path, step: str
+) -> None:
+    """SIGKILLed (no `finally` runs: the OOM killer, a power cut) once every agent is
+    encrypted, or halfway through the file's bytes (tests/backup/crashing_backup.py), the
+    command leaves no file under `--out`: an empty or torn 0600 file there passed for a
+    backup, and the rerun refused its name. Only the killed run's partial file is left
+    beside it, which the rerun removes before it writes the backup."""
+    host = Host(softhsm_token, tmp_path / "host")
+    pubkey = host("agent", "import", "--owner", PUB_2, stdin=SECRET_X).stdout.strip()
+    identity, backups = tmp_path / "identity.txt", tmp_path / "backups"
+    backups.mkdir()
+    out, recipient = backups / "agents.age", age_identity(identity)
+    argv = ("keys", "backup", "--recipient", recipient, "--out", str(out))
+    killed = subprocess.run(
+        [sys.executable, "-m", "tests.backup.crashing_backup", step, "--config",
+         str(host.cli.config), *argv],
+        capture_output=True, text=True, timeout=60, cwd=REPO, env=dict(os.environ))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert f"crashing_backup.kill step={step}" in killed.stderr
+    assert not os.path.lexists(out)
+    [partial] = backups.iterdir()
+    assert partial.name.startswith(".agents.age.") and partial.name.endswith(".partial")
+    assert [(e["event"], e["stage"]) for e in key_events(host.cli.state)] == [
+        ("backup", "intent")]  # killed: an intent without an outcome
+
+    again = host(*argv)
+    assert again.returncode == 0, again.stderr
+    assert [p.name for p in backups.iterdir()] == ["agents.age"]  # the partial is gone,
+    assert str(partial) in again.stderr  # and said
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+    secret = next(line for line in identity.read_text().splitlines()
+                  if line.startswith("AGE-SECRET-KEY-"))
+    plaintext = pyrage.decrypt(out.read_bytes(), [pyrage.x25519.Identity.from_str(secret)])
+    assert plaintext.startswith(b"buzz-broker-backup/v2 ") and pubkey.encode() in plaintext
+    events = key_events(host.cli.state)
+    assert [(e["event"], e["stage"]) for e in events] == [
+        ("backup", "intent"), ("backup", "intent"), ("backup", "done")]
+    assert events[2]["sha256"] == hashlib.sha256(out.read_bytes()).hexdigest()
 
 
 def _rewrite(made: Made, tmp_path: Path, format_line: bytes | None, edit: object) -> Path:
