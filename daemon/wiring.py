@@ -35,7 +35,8 @@ from daemon.state.directory import AgentDirectory, DirectoryError
 from daemon.state.audit import AUDIT_DIRNAME, AuditLog, AuditUnavailable
 from daemon.pipeline.broker import Broker
 from daemon.config import Config, ConfigError, require_relay
-from daemon.relay.cursor import CursorCodec, CursorKeyError
+from daemon.hostkey import HostKeyError
+from daemon.relay.cursor import CursorCodec
 from daemon.state.ledger import Ledger
 from daemon.log import log_event
 from daemon.metrics import Metrics
@@ -178,7 +179,7 @@ async def running(
             stack.callback(observer_seq.close)
             watermarks = SignWatermarks.open(state_dir)
             stack.callback(watermarks.close)
-        except (OSError, sqlite3.Error, CursorKeyError) as exc:
+        except (OSError, sqlite3.Error, HostKeyError) as exc:
             raise StartupError(f"state directory {state_dir}: {exc}") from None
         try:
             audit = AuditLog.open(state_dir / AUDIT_DIRNAME, anchor=ledger.audit_anchor)

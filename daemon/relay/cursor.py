@@ -13,8 +13,8 @@ Rules (agent-broker.md "channel.read"; design.md "Reads and cursors"):
    about who it was issued to. The agent (not the credential) is bound, so a cursor
    survives a credential rotation for the same agent.
 4. HMAC-SHA256 under a 32-byte host key in `<state_dir>/cursor-mac.key` (0600, created
-   once, atomically), so a cursor stays valid after a restart. MACs are compared only
-   with `hmac.compare_digest`.
+   once, atomically, refused when unusable: daemon/hostkey.py), so a cursor stays
+   valid after a restart. MACs are compared only with `hmac.compare_digest`.
 5. Every failure of untrusted input — bad shape, bad base64, wrong length, unknown
    version, bad MAC, foreign scope, expired, issued in the future — raises the one opaque
    `InvalidCursor`, with no message and no fields (as Fernet's InvalidToken), so neither
@@ -47,19 +47,17 @@ import base64
 import binascii
 import hashlib
 import hmac
-import os
-import secrets
-import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+from daemon.hostkey import HOST_KEY_BYTES, load_or_create
 
 __all__ = [
     "CURSOR_TTL_SECONDS",
     "MAX_CLOCK_SKEW_SECONDS",
     "KEY_FILE_NAME",
     "CursorCodec",
-    "CursorKeyError",
     "CursorScope",
     "InvalidCursor",
     "Position",
@@ -73,8 +71,7 @@ CURSOR_TTL_SECONDS = 24 * 60 * 60
 MAX_CLOCK_SKEW_SECONDS = 60
 #: The host MAC key's file name under the state directory.
 KEY_FILE_NAME = "cursor-mac.key"
-#: 32 bytes: RFC 2104 §3 asks for a key at least as long as the hash output (L = 32).
-_KEY_LEN = 32
+_KEY_LEN = HOST_KEY_BYTES
 
 _VERSION = 1
 #: version, issued_at, created_at, id
@@ -99,10 +96,6 @@ class InvalidCursor(Exception):
 
     def __init__(self) -> None:
         super().__init__()
-
-
-class CursorKeyError(Exception):
-    """The host MAC key file is unusable (operator error); the message names the file."""
 
 
 def _require_hex64(name: str, value: str) -> None:
@@ -193,18 +186,14 @@ class CursorCodec:
     def open(cls, state_dir: Path | str) -> CursorCodec:
         """Load the host MAC key from `<state_dir>/cursor-mac.key`, creating it on first use.
 
-        Creation is atomic (write a private temporary file, then hard-link it into place),
-        so two processes racing on first use end up with one key and no half-written file.
+        Creation is atomic, so two processes racing on first use end up with one key and no
+        half-written file (daemon/hostkey.py).
 
         Raises:
-            CursorKeyError: the file exists but has the wrong size, is not a regular file,
+            HostKeyError: the file exists but has the wrong size, is not a regular file,
                 or is readable by group/other; or the directory cannot be written.
         """
-        directory = Path(state_dir)
-        path = directory / KEY_FILE_NAME
-        if not path.exists():
-            _create_key_file(directory, path)
-        return cls(_read_key_file(path))
+        return cls(load_or_create(state_dir, KEY_FILE_NAME, what="cursor MAC key"))
 
     def encode(self, position: Position, scope: CursorScope, *, now: int) -> str:
         """The cursor for `position`, bound to `scope`, issued at `now` (seconds)."""
@@ -234,39 +223,3 @@ class CursorCodec:
 
     def _mac(self, body: bytes, scope: CursorScope) -> bytes:
         return hmac.new(self._key, _DOMAIN + body + scope.to_bytes(), hashlib.sha256).digest()
-
-
-def _create_key_file(directory: Path, path: Path) -> None:
-    tmp = directory / f".{KEY_FILE_NAME}.{secrets.token_hex(8)}.tmp"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except OSError as exc:
-        raise CursorKeyError(f"cannot create the cursor MAC key in {directory}: {exc.strerror}") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(secrets.token_bytes(_KEY_LEN))
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass  # another process won the race; use its key
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _read_key_file(path: Path) -> bytes:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as exc:
-        raise CursorKeyError(f"cannot open the cursor MAC key {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise CursorKeyError(f"the cursor MAC key {path} is not a regular file")
-        if info.st_mode & 0o077:
-            raise CursorKeyError(f"the cursor MAC key {path} is readable by others; chmod 600 it")
-        key = f.read(_KEY_LEN + 1)
-    if len(key) != _KEY_LEN:
-        raise CursorKeyError(f"the cursor MAC key {path} must hold exactly {_KEY_LEN} bytes")
-    return key

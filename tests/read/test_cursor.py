@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from daemon.hostkey import HostKeyError
 from daemon.relay.cursor import (
     CURSOR_TTL_SECONDS,
     KEY_FILE_NAME,
     MAX_CLOCK_SKEW_SECONDS,
     CursorCodec,
-    CursorKeyError,
     CursorScope,
     InvalidCursor,
     Position,
@@ -126,11 +126,11 @@ def test_unusable_key_files_are_refused_with_the_path(tmp_path: Path) -> None:
     key = tmp_path / KEY_FILE_NAME
     key.write_bytes(b"short")
     os.chmod(key, 0o600)
-    with pytest.raises(CursorKeyError, match=KEY_FILE_NAME):
+    with pytest.raises(HostKeyError, match=KEY_FILE_NAME):
         CursorCodec.open(tmp_path)
     key.write_bytes(b"k" * 32)
     os.chmod(key, 0o644)
-    with pytest.raises(CursorKeyError, match="readable by others"):
+    with pytest.raises(HostKeyError, match="readable by others"):
         CursorCodec.open(tmp_path)
 
 
