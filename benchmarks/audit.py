@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import trio  # noqa: E402
 
 from buzzwire.contract import Status  # noqa: E402
-from daemon.state.audit import AuditLog, AuditRecord, Phase  # noqa: E402
+from daemon.state.audit import AuditLog, AuditRecord, BodyDigest, Phase  # noqa: E402
 from daemon.state.ratelimit import DEFAULT_RATE_CONFIG, RateLimiter  # noqa: E402
 
 AGENT = "ab" * 32
@@ -39,7 +39,7 @@ def make_record(n: int) -> AuditRecord:
     return AuditRecord(
         phase=Phase.VERDICT, at=time.time(), credential_id=CRED, agent=AGENT,
         action="message.post", request_id=f"bench-{n}",
-        body_sha256=hashlib.sha256(b"%d" % n).hexdigest(), status=Status.SUCCEEDED,
+        body=BodyDigest.mac(hashlib.sha256(b"%d" % n).hexdigest()), status=Status.SUCCEEDED,
         code=None, events=(hashlib.sha256(b"e%d" % n).hexdigest(),),
     )
 

@@ -2,8 +2,9 @@
 
 Rules:
 - A host key is `HOST_KEY_BYTES` random bytes in `<state_dir>/<name>`, mode 0600. Its
-  user: the read-cursor MAC key (`cursor-mac.key`, daemon/relay/cursor.py). Each user
-  names its own file; this module only makes and reads one.
+  users: the read-cursor MAC key (`cursor-mac.key`, daemon/relay/cursor.py) and the audit
+  log's body MAC key (`audit-mac.key`, daemon/state/audit_mac.py). Each user names its
+  own file; this module only makes and reads one.
 - Made once, atomically: written and fsynced under a private temporary name (created
   0600 with O_EXCL, so there is no window in which it is readable), then hard-linked
   into place. Two processes racing on first use end up with one key (the loser's
@@ -13,12 +14,13 @@ Rules:
   not waited on), is readable by group or other, or does not hold exactly
   `HOST_KEY_BYTES` bytes is refused with `HostKeyError`, whose one-line message names
   the file and the fix. It is never repaired or replaced: a key that changed silently
-  would turn every cursor invalid.
+  would turn every cursor invalid, and give a retry another audit MAC than its first
+  attempt's.
 - The key never reaches a message, a log or a repr (the callers hold it in objects whose
   `__repr__` redacts it).
 
-WARNING: docs/install.md ("What a file backup of the host holds") lists the key files;
-keep it in step with the users.
+WARNING: docs/install.md ("What a file backup of the host holds") and
+docs/operations.md ("The body MAC") list the key files; keep them in step with the users.
 """
 
 from __future__ import annotations

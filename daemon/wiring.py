@@ -37,6 +37,7 @@ from daemon.pipeline.broker import Broker
 from daemon.config import Config, ConfigError, require_relay
 from daemon.hostkey import HostKeyError
 from daemon.relay.cursor import CursorCodec
+from daemon.state.audit_mac import BodyMac
 from daemon.state.ledger import Ledger
 from daemon.log import log_event
 from daemon.metrics import Metrics
@@ -173,6 +174,7 @@ async def running(
             limiter = RateLimiter.open(state_dir, config.limits)
             stack.callback(limiter.close)
             cursors = CursorCodec.open(state_dir)
+            body_mac = BodyMac.open(state_dir)
             runtimes = RuntimeStore.open(state_dir)
             stack.callback(runtimes.close)
             observer_seq = ObserverSeq.open(state_dir)
@@ -213,6 +215,7 @@ async def running(
             cursors=cursors,
             limiter=limiter,
             audit=audit,
+            body_mac=body_mac,
             runtimes=runtimes,
             config_loader=config_loader,
             metrics=metrics,

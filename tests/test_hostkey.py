@@ -1,10 +1,10 @@
-"""daemon/hostkey: the state directory's host keys, for their user.
+"""daemon/hostkey: the state directory's host keys, for both of their users.
 
-The read-cursor MAC key (`cursor-mac.key`, daemon/relay/cursor.py) is made and read by
-this module: made once, 0600 whatever the umask, never remade; a file of the wrong size, a
-file group or other can read, anything but a regular file, or a directory where none can
-be made is refused with one `HostKeyError` naming the key and its path, and the file is
-left as it was.
+The read-cursor MAC key (`cursor-mac.key`, daemon/relay/cursor.py) and the audit log's body
+MAC key (`audit-mac.key`, daemon/state/audit_mac.py) are made and read by the one module:
+made once, 0600 whatever the umask, never remade; a file of the wrong size, a file group
+or other can read, anything but a regular file, or a directory where none can be made is
+refused with one `HostKeyError` naming the key and its path, and the file is left as it was.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ import pytest
 from custody import TokenConfig
 from daemon.hostkey import HOST_KEY_BYTES, HostKeyError, load_or_create
 from daemon.relay import cursor
+from daemon.state import audit_mac
 
 #: (how the daemon opens it, its file name, what its messages call it)
 USERS = [
     pytest.param(cursor.CursorCodec.open, cursor.KEY_FILE_NAME, "cursor MAC key", id="cursor"),
+    pytest.param(audit_mac.BodyMac.open, audit_mac.KEY_FILE_NAME, "audit MAC key", id="audit"),
 ]
 
 
@@ -42,6 +44,18 @@ def test_made_once_private_and_kept(tmp_path: Path, opener: Callable[[Path], obj
     first = key.read_bytes()
     opener(tmp_path)
     assert key.read_bytes() == first  # read again, not made again
+
+
+def test_the_two_keys_are_two_files_and_the_body_mac_is_stable(tmp_path: Path) -> None:
+    cursor.CursorCodec.open(tmp_path)
+    body_mac = audit_mac.BodyMac.open(tmp_path)
+    keys = {name: (tmp_path / name).read_bytes()
+            for name in (cursor.KEY_FILE_NAME, audit_mac.KEY_FILE_NAME)}
+    assert len(set(keys.values())) == 2
+    again = audit_mac.BodyMac.open(tmp_path)  # a restart: same bytes, same MAC
+    assert again.of(b"{}") == body_mac.of(b"{}") != body_mac.of(b"{} ")
+    key = keys[audit_mac.KEY_FILE_NAME]
+    assert key.hex() not in repr(body_mac) and "redacted" in repr(body_mac)
 
 
 def _short(path: Path) -> None:
@@ -151,13 +165,14 @@ def test_racing_first_uses_end_with_one_key(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == ["race.key"]
 
 
-@pytest.mark.parametrize(("name", "what"), [(cursor.KEY_FILE_NAME, "cursor MAC key")],
-                         ids=["cursor"])
+@pytest.mark.parametrize(("name", "what"), [
+    (cursor.KEY_FILE_NAME, "cursor MAC key"), (audit_mac.KEY_FILE_NAME, "audit MAC key")],
+    ids=["cursor", "audit"])
 async def test_an_unusable_key_stops_the_start_with_one_line(
     custody_state: tuple[TokenConfig, Path], tmp_path: Path, name: str, what: str,
 ) -> None:
-    """The daemon opens its host keys at start (daemon/wiring.py): a refused one is its
-    one line for the operator, before anything is served."""
+    """The daemon opens both keys at start (daemon/wiring.py): a refused one is its one
+    line for the operator, before anything is served."""
     from daemon.config import load_config
     from daemon.wiring import StartupError, running
     from tests.fixtures.broker import write_config

@@ -87,6 +87,7 @@ if TYPE_CHECKING:  # the facade loads the PKCS#11 binding: not where a custodian
     from custody import Custody
 from daemon.state.directory import AgentDirectory
 from daemon.state.audit import AuditLog
+from daemon.state.audit_mac import BodyMac
 from daemon.config import Config, PolicyConfig
 from daemon.relay.cursor import CursorCodec
 from daemon.http import HttpAnswer, HttpRequest
@@ -202,6 +203,7 @@ class Broker:
         cursors: CursorCodec,
         limiter: RateLimiter,
         audit: AuditLog,
+        body_mac: BodyMac,
         runtimes: RuntimeStore,
         clock: Callable[[], float] = time.time,
         config_loader: Callable[[], Config] | None = None,
@@ -223,6 +225,7 @@ class Broker:
         self._judged = JudgedCache(JUDGED_CACHE_BYTES)
         self._limiter = limiter
         self._audit = audit
+        self._body_mac = body_mac
         self._runtimes = runtimes
         self.signer = SigningBatcher(custody)
         self._clock = clock
@@ -319,10 +322,12 @@ class Broker:
         if not isinstance(principal, Principal):
             return self._unauthenticated(request, reading, principal, started)
         # ledger
+        # The ledger's digest is unkeyed (design.md: it never leaves the state directory);
+        # the audit log's is the body's MAC (daemon/state/audit_mac.py: the log does leave).
         digest = hashlib.sha256(request.body).digest()
         facts = Facts(credential_id=principal.credential_id, agent=principal.agent,
                       action=_action_of(reading), request_id=request_id,
-                      body_sha256=digest.hex())
+                      body_mac=self._body_mac.of(request.body))
         key = LedgerKey(principal=_ledger_principal(principal, reading, request.body),
                         request_id=request_id)
         joins = self._ledger.joins(key)

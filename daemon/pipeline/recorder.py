@@ -43,7 +43,7 @@ from pathlib import Path
 from buzzwire.contract import (ACTIONS, ErrorCode, Status, Verdict, encode_response,
                                mark_replayed)
 from daemon.fault_log import FaultLog, FaultLogs
-from daemon.state.audit import AuditLog, AuditRecord, AuditUnavailable, Phase
+from daemon.state.audit import AuditLog, AuditRecord, AuditUnavailable, BodyDigest, Phase
 from daemon.http import HttpAnswer
 from daemon.state.ledger import Ledger, Ticket
 from daemon.log import log_event
@@ -127,7 +127,9 @@ class Facts:
     agent: str
     action: str | None
     request_id: str
-    body_sha256: str
+    #: the body's MAC under the host's audit key (daemon/state/audit_mac.py), never an
+    #: unkeyed digest: the audit log leaves the host, the key does not
+    body_mac: str
     #: the NIP-AE d tag a memory action touches (never its slug), once known
     d_tag: str | None = None
     #: the channel a channel.read reads, once admitted (its read count's target)
@@ -138,7 +140,7 @@ class Facts:
                replayed: bool = False) -> AuditRecord:
         return AuditRecord(phase=phase, at=at, credential_id=self.credential_id,
                            agent=self.agent, action=self.action, request_id=self.request_id,
-                           body_sha256=self.body_sha256, status=status, code=code,
+                           body=BodyDigest.mac(self.body_mac), status=status, code=code,
                            events=events, replayed=replayed, d_tag=self.d_tag)
 
 

@@ -3,9 +3,14 @@
 Rules (issue 10):
 - One record per verdict after authentication, and one *intent* record before a
   publishing operation sends anything. A record holds facts only: time, credential id,
-  agent pubkey, action, requestId, the body's sha256, status, code, event ids, and
+  agent pubkey, action, requestId, the body's MAC, status, code, event ids, and
   whether it was a replay. Never argument content, credentials or secrets: `AuditRecord`
   has no field that could carry them, and validates every field's shape in construction.
+- The body is named by `bodyMac`, HMAC-SHA256 under the host's audit MAC key
+  (daemon/state/audit_mac.py), never by an unkeyed digest: a body is mostly what its
+  sender can rebuild, so a sha256 beside the requestId confirmed a guessed value offline.
+  Lines written before carry `bodySha256` instead; they are read, shown and verified as
+  ever (a log spans upgrades), and `append` refuses to write one (`BodyDigest`).
 - Each line is canonical JSON (sorted keys, compact separators, ASCII only) ending in
   `\\n`. It carries `seq` (1, 2, 3, ... across all files), `prev` — the sha256 of the
   previous line's exact bytes without its newline (`GENESIS` for the very first record) —
@@ -65,9 +70,10 @@ Lock wait: the daemon opens with `lock_wait=0` (a second daemon fails at once); 
 commands wait a bounded time for each other (`open(lock_wait=...)`), so two at once take
 turns instead of one failing or both forking the chain.
 
-WARNING: `_FIELDS` / `_REFUSAL_FIELDS` / `_READ_FIELDS` / `_REANCHOR_FIELDS` /
-`_KEY_FIELDS`, the entry classes, `_content`, their `from_json_obj`, the field tables in
-docs/operations.md and "The key-event log" in docs/install.md must be kept in sync.
+WARNING: `_FIELDS` / `_BODY_MEMBERS` / `_REFUSAL_FIELDS` / `_READ_FIELDS` /
+`_REANCHOR_FIELDS` / `_KEY_FIELDS`, the entry classes, `_content`, their `from_json_obj`,
+the field tables in docs/operations.md and "The key-event log" in docs/install.md must be
+kept in sync.
 """
 
 from __future__ import annotations
@@ -111,6 +117,8 @@ __all__ = [
     "AGE_RECIPIENT_RE",
     "text_fits",
     "Entry",
+    "BodyDigest",
+    "BodyKind",
     "AuditUnavailable",
     "Phase",
     "VerifyResult",
@@ -244,6 +252,45 @@ def _check_who(kind: str, times: tuple[float, ...], credential_id: str, agent: s
         raise ValueError(f"{kind}.action must be a wire action name or None")
 
 
+class BodyKind(enum.Enum):
+    """How a line names the request body; the value is the line member that holds it."""
+
+    #: HMAC-SHA256 of the body bytes under the host's audit MAC key
+    #: (daemon/state/audit_mac.py): what every line is written with
+    MAC = "bodyMac"
+    #: sha256 of the body bytes, unkeyed: only in lines older versions wrote; read and
+    #: verified, never written again
+    SHA256 = "bodySha256"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BodyDigest:
+    """A line's digest of the request body, and which kind it is.
+
+    Fields:
+        kind: `BodyKind.MAC` for every line written now; `SHA256` read from an old line.
+        hex: 64 lowercase hex.
+    """
+
+    kind: BodyKind
+    hex: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, BodyKind):
+            raise TypeError("BodyDigest.kind must be a BodyKind")
+        if not isinstance(self.hex, str) or not _HEX64.fullmatch(self.hex):
+            raise ValueError("BodyDigest.hex must be 64 lowercase hex")
+
+    @classmethod
+    def mac(cls, hex_mac: str) -> BodyDigest:
+        """The body's MAC (`BodyMac.of`): what the pipeline records."""
+        return cls(kind=BodyKind.MAC, hex=hex_mac)
+
+
+#: The body members a line may carry, exactly one of them (`AuditRecord.from_json_obj`).
+_BODY_MEMBERS: Final[Mapping[str, BodyKind]] = {kind.value: kind for kind in BodyKind}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AuditRecord:
     """What one audit line says (without its chain fields). Validated in construction.
@@ -255,7 +302,8 @@ class AuditRecord:
         agent: 64 lowercase hex, the acting agent's pubkey.
         action: the wire action name, or None when the body named no valid action.
         request_id: the envelope's requestId (1-128 visible ASCII bytes).
-        body_sha256: 64 lowercase hex, sha256 of the request body bytes.
+        body: the request body's digest: its MAC (`bodyMac`) in every record written
+            now; a record read from an older line may hold its sha256 (`bodySha256`).
         status: the verdict's status (VERDICT); None for INTENT.
         code: the verdict's error code, or None.
         events: event ids (64 hex): about to be published (INTENT) or published (VERDICT).
@@ -271,7 +319,7 @@ class AuditRecord:
     agent: str
     action: str | None
     request_id: str
-    body_sha256: str
+    body: BodyDigest
     status: Status | None
     code: ErrorCode | None
     events: tuple[str, ...] = ()
@@ -290,8 +338,8 @@ class AuditRecord:
         _check_who("AuditRecord", (self.at,), self.credential_id, self.agent, self.action)
         if not is_request_id(self.request_id):
             raise ValueError("AuditRecord.request_id must be a valid requestId")
-        if not isinstance(self.body_sha256, str) or not _HEX64.fullmatch(self.body_sha256):
-            raise ValueError("AuditRecord.body_sha256 must be 64 lowercase hex")
+        if not isinstance(self.body, BodyDigest):
+            raise TypeError("AuditRecord.body must be a BodyDigest")
         if not isinstance(self.events, tuple) or len(self.events) > MAX_EVENTS or not all(
             isinstance(e, str) and _HEX64.fullmatch(e) for e in self.events
         ):
@@ -319,7 +367,12 @@ class AuditRecord:
         Raises:
             ValueError: a field is missing, extra or malformed (message names the field).
         """
-        if set(obj) != _FIELDS and set(obj) != _FIELDS | {"dTag"}:
+        body_members = [name for name in _BODY_MEMBERS if name in obj]
+        if len(body_members) != 1:
+            raise ValueError("fields (bodyMac or bodySha256, exactly one)")
+        [body_member] = body_members
+        rest = set(obj) - {body_member}
+        if rest != _FIELDS and rest != _FIELDS | {"dTag"}:
             raise ValueError("fields")
         if obj["v"] != FORMAT:
             raise ValueError("v")
@@ -340,7 +393,8 @@ class AuditRecord:
                 agent=_member(obj, "agent", str),
                 action=_optional(obj, "action", str),
                 request_id=_member(obj, "requestId", str),
-                body_sha256=_member(obj, "bodySha256", str),
+                body=BodyDigest(kind=_BODY_MEMBERS[body_member],
+                                hex=_member(obj, body_member, str)),
                 status=status,
                 code=code,
                 events=tuple(events),
@@ -351,10 +405,11 @@ class AuditRecord:
             raise ValueError(str(exc)) from None
 
 
-#: Every member of a line, exactly (docs/operations.md has the table).
+#: Every member of a line, exactly, but its one body member (`_BODY_MEMBERS`) and the
+#: memory actions' `dTag` (docs/operations.md has the table).
 _FIELDS: Final = frozenset({
     "v", "seq", "prev", "digest", "time", "phase", "credential", "agent", "action",
-    "requestId", "bodySha256", "status", "code", "events", "replayed",
+    "requestId", "status", "code", "events", "replayed",
 })
 
 
@@ -842,7 +897,7 @@ def _content(entry: Entry) -> dict[str, object]:
         "agent": entry.agent,
         "action": entry.action,
         "requestId": entry.request_id,
-        "bodySha256": entry.body_sha256,
+        entry.body.kind.value: entry.body.hex,
         "status": None if entry.status is None else entry.status.value,
         "code": None if entry.code is None else entry.code.value,
         "events": list(entry.events),
@@ -1296,11 +1351,15 @@ class AuditLog:
 
         Raises:
             AuditUnavailable: it could not be written; it is not in the log.
+            ValueError: a bug: an `AuditRecord` naming its body by anything but its MAC
+                (lines are never written with an unkeyed digest again; module rules).
 
         Cancellation: a cancelled caller stops waiting, but its record may still be
         written by the batch it joined (the flush itself is shielded, because the other
         callers' durability depends on it).
         """
+        if isinstance(record, AuditRecord) and record.body.kind is not BodyKind.MAC:
+            raise ValueError("an audit record is written with its body's MAC (bodyMac)")
         if self._closed:
             raise AuditUnavailable("the audit log is closed")
         await self._group.submit(record)

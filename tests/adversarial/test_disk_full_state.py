@@ -30,7 +30,8 @@ import trio
 from buzzwire.contract import ACTIONS, ErrorCode, Status
 from daemon import wiring
 from daemon.metrics import Metrics
-from daemon.state.audit import AuditLog, AuditRecord, AuditUnavailable, Phase, read_records, verify
+from daemon.state.audit import (AuditLog, AuditRecord, AuditUnavailable, BodyDigest, Phase,
+                                 read_records, verify)
 from daemon.state.ledger import Fresh, Ledger, LedgerKey
 from tests.adversarial.test_resources import _fill, small_disk  # noqa: F401 - the fixture
 
@@ -82,7 +83,7 @@ async def test_a_full_disk_at_the_ledger_sweep_is_logged_and_tried_again(
 def _record(i: int) -> AuditRecord:
     return AuditRecord(phase=Phase.VERDICT, at=time.time(), credential_id="cred_" + "0" * 16,
                        agent=AGENT, action="channel.read", request_id=f"req-{i}",
-                       body_sha256=hashlib.sha256(b"%d" % i).hexdigest(),
+                       body=BodyDigest.mac(hashlib.sha256(b"%d" % i).hexdigest()),
                        status=Status.SUCCEEDED, code=None)
 
 

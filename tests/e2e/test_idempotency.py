@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import time
@@ -56,6 +58,57 @@ async def test_another_principal_reusing_a_request_id_gets_its_own_verdict(
     events = await trio.to_thread.run_sync(nostr_fetch, broker.relay_url,
                                            [{"kinds": [9], "#h": [channel]}])
     assert {(e["pubkey"], e["content"]) for e in events} == {(alice, "A"), (bob, "B")}
+
+
+async def test_a_retry_has_the_same_body_mac_and_a_conflict_another(
+    broker: BrokerHarness,
+) -> None:
+    """The audit lines' `bodyMac` still tells a retry from another body (docs/operations.md,
+    "Fields"): the same bytes give the same MAC on this host, a request_id_conflict's body
+    another; each is HMAC-SHA256 under the host's key, and no line holds a body's sha256."""
+    from daemon.state.audit import AUDIT_DIRNAME, verify
+
+    channel = str(uuid.uuid4())
+    agent = await broker.human_owned_agent()
+    cred = broker.credential(agent, [channel])
+    request_id = str(uuid.uuid4())
+    body = request_body("message.post", {"channelId": channel, "content": "said once"},
+                        request_id=request_id)
+    other = request_body("message.post", {"channelId": channel, "content": "said otherwise"},
+                         request_id=request_id)
+    answers = []
+    for sent in (body, body, other):
+        status, answer = await broker.post(sent, cred)
+        assert status == 200 and answer is not None
+        answers.append((answer["status"], answer.get("error", {}).get("code"),
+                        answer.get("replayed", False)))
+    assert answers == [("succeeded", None, False), ("succeeded", None, True),
+                       ("failed", "request_id_conflict", False)]
+
+    audit_dir = broker.state_dir / AUDIT_DIRNAME
+    assert verify(audit_dir).ok
+    written = b"".join(p.read_bytes() for p in sorted(audit_dir.iterdir()))
+    mine = [line for line in map(json.loads, written.splitlines())
+            if line.get("requestId") == request_id]
+    assert [sorted({"bodyMac", "bodySha256"} & set(line)) for line in mine] == [["bodyMac"]] * 4
+    for sent in (body, other):
+        assert hashlib.sha256(sent).hexdigest().encode() not in written
+
+    from daemon.state.audit_mac import KEY_FILE_NAME
+
+    key = (broker.state_dir / KEY_FILE_NAME).read_bytes()
+
+    def mac(data: bytes) -> str:
+        return hmac.new(key, data, hashlib.sha256).hexdigest()
+
+    assert [(line["phase"], line["status"], line["code"], line["replayed"], line["bodyMac"])
+            for line in mine] == [
+        ("intent", None, None, False, mac(body)),
+        ("verdict", "succeeded", None, False, mac(body)),
+        ("verdict", "succeeded", None, True, mac(body)),
+        ("verdict", "failed", "request_id_conflict", False, mac(other)),
+    ]
+    assert mac(body) != mac(other)
 
 
 async def test_bad_tokens_are_unauthenticated(broker: BrokerHarness) -> None:

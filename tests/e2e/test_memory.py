@@ -511,3 +511,53 @@ async def test_audit_lines_carry_the_d_tag_never_the_slug(broker: BrokerHarness)
     for path in audit_dir.iterdir():
         if path.is_file():
             assert slug.encode() not in path.read_bytes()
+
+
+async def test_the_audit_log_alone_confirms_no_guessed_memory_value(
+        broker: BrokerHarness) -> None:
+    """A reviewer's attack, kept: whoever reads only the audit files (shipped to collectors,
+    copied into backups) rebuilds candidate bodies byte for byte with the client's `freeze`
+    and the requestId the line carries in clear. Against an unkeyed `bodySha256` it
+    recovered ("mem/bank", "card PIN 4821") in 0.6 s; against `bodyMac` no line equals any
+    candidate's digest, and the true body's sha256 is nowhere in the audit directory.
+    Only the host's key (`<state>/audit-mac.key`, never under audit/) confirms a body."""
+    import hashlib
+    import hmac
+
+    from buzz_broker_client import AsyncBrokerClient, Succeeded
+    from buzzwire.contract import encode_request
+    from daemon.state.audit import AUDIT_DIRNAME
+
+    slug, value = "mem/bank", "card PIN 4821"  # what an agent remembers for its owner
+    _agent_pk, cred = await _agent(broker)
+    client = AsyncBrokerClient(str(broker.socket), cred)
+    assert isinstance(await client.storage_put(slug, value), Succeeded)
+
+    # --- the attacker: the audit directory's bytes, nothing else -------------------------
+    audit_dir = broker.state_dir / AUDIT_DIRNAME
+    written = b"".join(p.read_bytes() for p in sorted(audit_dir.rglob("*")) if p.is_file())
+    puts = [ln for ln in map(json.loads, written.splitlines())
+            if ln.get("action") == "storage.put"]
+    assert {ln["phase"] for ln in puts} == {"intent", "verdict"}
+    [request_id] = {ln["requestId"] for ln in puts}
+
+    def body(guess_slug: str, guess: str) -> bytes:
+        return encode_request(client.freeze("storage.put", {"slug": guess_slug, "value": guess},
+                                            request_id=request_id))
+
+    truth = hashlib.sha256(body(slug, value)).hexdigest()
+    guesses = {hashlib.sha256(body(s, f"card PIN {n:04d}")).hexdigest()
+               for s in ("core", "mem/notes", "mem/bank", "mem/home") for n in range(10_000)}
+    assert truth in guesses  # the dictionary holds the answer: a miss below means something
+    confirmed = [(ln["phase"], name) for ln in puts for name, member in ln.items()
+                 if isinstance(member, str) and member in guesses]
+    assert confirmed == [], confirmed
+    assert truth.encode() not in written
+
+    # --- the host, holding its key, does confirm it (the line does name this body) ---------
+    from daemon.state.audit_mac import KEY_FILE_NAME
+
+    key = (broker.state_dir / KEY_FILE_NAME).read_bytes()
+    assert {ln["bodyMac"] for ln in puts} == {
+        hmac.new(key, body(slug, value), hashlib.sha256).hexdigest()}
+    assert not any(p.name == KEY_FILE_NAME for p in audit_dir.rglob("*"))

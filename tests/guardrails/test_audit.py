@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -22,6 +23,8 @@ from daemon.state.audit import (
     AuditLog,
     AuditRecord,
     AuditUnavailable,
+    BodyDigest,
+    BodyKind,
     Phase,
     Reanchor,
     RefusalCount,
@@ -30,6 +33,7 @@ from daemon.state.audit import (
     verify,
 )
 from buzzwire.contract import ErrorCode, Status
+from daemon.state.audit_mac import BodyMac
 from daemon.state.sessions import SessionStore
 
 AGENT = "ab" * 32
@@ -46,7 +50,7 @@ def record(i: int, *, phase: Phase = Phase.VERDICT, agent: str = AGENT,
     status, code = verdicts[i % 3] if phase is Phase.VERDICT else (None, None)
     return AuditRecord(
         phase=phase, at=NOON + i, credential_id=cred, agent=agent, action=action,
-        request_id=f"req-{i:05d}", body_sha256=hashlib.sha256(b"%d" % i).hexdigest(),
+        request_id=f"req-{i:05d}", body=BodyDigest.mac(hashlib.sha256(b"%d" % i).hexdigest()),
         status=status, code=code,
         events=(hashlib.sha256(b"e%d" % i).hexdigest(),) if status is not Status.FAILED else (),
         replayed=phase is Phase.VERDICT and i % 7 == 0,
@@ -426,7 +430,8 @@ async def test_no_argument_content_credential_or_secret(tmp_path: Path) -> None:
                        "action": "message.post", "args": {"content": content}}).encode()
     log = AuditLog.open(tmp_path / "audit")
     common = dict(at=NOON, credential_id=cred, agent=AGENT, action="message.post",
-                  request_id="r-secret-test", body_sha256=hashlib.sha256(body).hexdigest())
+                  request_id="r-secret-test",
+                  body=BodyDigest.mac(BodyMac.open(tmp_path).of(body)))
     await log.append(AuditRecord(phase=Phase.INTENT, status=None, code=None,
                                  events=("ef" * 32,), **common))  # type: ignore[arg-type]
     await log.append(AuditRecord(phase=Phase.VERDICT, status=Status.SUCCEEDED, code=None,
@@ -434,12 +439,74 @@ async def test_no_argument_content_credential_or_secret(tmp_path: Path) -> None:
     await log.aclose()
     written = b"".join(p.read_bytes() for _, p in audit_files(tmp_path / "audit"))
     token_hash = hashlib.sha256(token.encode()).hexdigest()
-    for needle in (token, token[4:], token_hash, content, "hunter2", body.decode()):
+    # Nor the body's unkeyed sha256, with which a guessed body is confirmed offline.
+    for needle in (token, token[4:], token_hash, content, "hunter2", body.decode(),
+                   hashlib.sha256(body).hexdigest()):
         assert needle.encode() not in written
     for line in written.splitlines():
         assert set(json.loads(line)) == {
             "v", "seq", "prev", "digest", "time", "phase", "credential", "agent", "action",
-            "requestId", "bodySha256", "status", "code", "events", "replayed"}
+            "requestId", "bodyMac", "status", "code", "events", "replayed"}
+
+
+#: Lines the version before body MACs wrote (`bodySha256`); vectors/README.md says how.
+_GONE = object()  # a member a case removes
+OLD_LINES = (Path(__file__).parent / "vectors" / "audit_before_body_mac.jsonl").read_bytes()
+
+
+def _resealed(obj: dict[str, object]) -> bytes:
+    """`obj` as a well-formed line: canonical JSON with its digest recomputed (an edit no
+    digest catches, so what refuses it is the member rule alone)."""
+    body = {k: v for k, v in obj.items() if k != "digest"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    obj = {**body, "digest": hashlib.sha256(canonical.encode()).hexdigest()}
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+@pytest.mark.parametrize(("change", "kind"), [
+    ({}, BodyKind.SHA256),  # as the version before wrote it
+    ({"bodySha256": _GONE, "bodyMac": "5a" * 32}, BodyKind.MAC),  # as this one writes it
+    ({"bodyMac": "5a" * 32}, None),  # both
+    ({"bodySha256": _GONE}, None),  # neither
+    ({"bodySha256": _GONE, "bodyMac": "5A" * 32}, None),  # not lowercase hex
+    ({"bodySha256": _GONE, "bodyMac": "5a" * 31}, None),
+    ({"bodySha256": _GONE, "bodyMac": ["5a" * 32]}, None),
+    ({"bodySha256": _GONE, "bodyHmac": "5a" * 32}, None),  # a name of neither kind
+    ({"dTag": _GONE, "bodySha256": _GONE, "bodyMac": "5a" * 32}, BodyKind.MAC),  # no dTag: fine
+], ids=["old", "new", "both", "neither", "uppercase", "short", "list", "other-name",
+        "new-without-dTag"])
+def test_a_line_names_its_body_once_by_mac_or_old_sha256(
+    tmp_path: Path, change: dict[str, object], kind: BodyKind | None,
+) -> None:
+    """The reader takes exactly one of `bodyMac` (written now) and `bodySha256` (written
+    before), each 64 lowercase hex, and no other body member (docs/operations.md, "Fields")."""
+    obj = json.loads(OLD_LINES.splitlines()[0])
+    obj.update(change)
+    obj = {k: v for k, v in obj.items() if v is not _GONE}
+    (tmp_path / "audit-000001.jsonl").write_bytes(_resealed(obj) + b"\n")
+    result = verify(tmp_path)
+    if kind is None:
+        assert not result.ok and result.line == 1 and "malformed record" in str(result.reason)
+        assert [entry.record for entry in read_records(tmp_path)] == [None]
+        return
+    assert result.ok, result.reason
+    [entry] = read_records(tmp_path)
+    assert isinstance(entry.record, AuditRecord) and entry.record.body.kind is kind
+
+
+async def test_a_record_is_never_written_with_an_unkeyed_digest(tmp_path: Path) -> None:
+    """`append` refuses a record naming its body by sha256 (a bug: the pipeline records
+    MACs), and writes nothing of it; the old kind is for reading old lines only."""
+    log = AuditLog.open(tmp_path)
+    old = dataclasses.replace(record(0), body=BodyDigest(kind=BodyKind.SHA256, hex="ab" * 32))
+    with pytest.raises(ValueError, match="bodyMac"):
+        await log.append(old)
+    await log.append(record(1))
+    await log.aclose()
+    lines = [json.loads(line) for _, path in audit_files(tmp_path)
+             for line in path.read_bytes().splitlines()]
+    assert [(line["requestId"], "bodyMac" in line, "bodySha256" in line) for line in lines] == [
+        ("req-00001", True, False)]
 
 
 def test_records_validate_in_construction() -> None:
@@ -449,12 +516,16 @@ def test_records_validate_in_construction() -> None:
                    {"status": Status.FAILED, "code": ErrorCode.OUTCOME_UNKNOWN},
                    {"status": Status.FAILED, "code": None},
                    {"agent": "AB" * 32}, {"credential_id": "bzb_token"},
-                   {"request_id": "has space"}, {"body_sha256": "00"},
+                   {"request_id": "has space"}, {"body": "00" * 32},
                    {"events": ("zz",)}, {"action": "Message Post"}, {"at": -1.0}):
         fields = {f: getattr(good, f) for f in good.__dataclass_fields__}
         fields.update(change)
         with pytest.raises((ValueError, TypeError)):
             AuditRecord(**fields)
+    for kind, hex_ in ((BodyKind.MAC, "00"), (BodyKind.SHA256, "AB" * 32),
+                       ("bodyMac", "ab" * 32)):
+        with pytest.raises((ValueError, TypeError)):
+            BodyDigest(kind=kind, hex=hex_)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         AuditLog.open("/nonexistent-never", rotate_bytes=10)
 

@@ -19,6 +19,8 @@ from daemon.cli.audit import EXIT_BROKEN
 from .test_audit import AGENT, record
 
 OTHER = "cd" * 32
+#: Lines the version before body MACs wrote (`bodySha256`); vectors/README.md says how.
+OLD_LOG = Path(__file__).parent / "vectors" / "audit_before_body_mac.jsonl"
 
 
 def buzz(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -209,3 +211,56 @@ def test_a_remembered_head_still_verifies_after_the_log_has_grown(tmp_path: Path
     # A bare hash for --head is a usage error that names the form and --ends-at.
     bare = buzz("audit", "verify", str(log), "--head", digest)
     assert bare.returncode == 2 and "--ends-at" in bare.stderr
+
+
+def test_a_log_begun_before_body_macs_continues_verifies_and_shows(tmp_path: Path) -> None:
+    """A log spans upgrades: the daemon continues a chain whose lines name their body by
+    `bodySha256`, writes its own with `bodyMac`, and `verify`, `show` and `show --json`
+    read both (docs/operations.md, "Fields")."""
+    import dataclasses
+    import shutil
+
+    from daemon.state.audit import AuditRecord, BodyDigest, BodyKind, read_records
+    from daemon.state.audit_mac import BodyMac
+
+    state = tmp_path / "state"
+    (state / "audit").mkdir(parents=True, mode=0o700)
+    shutil.copyfile(OLD_LOG, state / "audit" / "audit-000001.jsonl")
+    before = buzz("audit", "verify", str(state / "audit"))
+    assert before.returncode == 0 and before.stdout.startswith("ok 4 records; head 4:"), before
+    old_head = before.stdout.split()[-1]
+
+    async def upgraded() -> None:
+        log = AuditLog.open(state / "audit")  # reads the old tail back and chains on from it
+        body_mac = BodyMac.open(state)
+        for i in range(3):
+            await log.append(dataclasses.replace(
+                record(i), body=BodyDigest.mac(body_mac.of(b"body %d" % i))))
+        await log.aclose()
+
+    trio.run(upgraded)
+    log = state / "audit"
+    ok = buzz("audit", "verify", str(log), "--head", old_head)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.stdout.startswith("ok 7 records; head 7:")
+
+    shown = buzz("audit", "show", "--path", str(log), "--json")
+    assert (shown.returncode, shown.stderr) == (0, "")
+    assert shown.stdout == (log / "audit-000001.jsonl").read_text()  # the stored lines
+    members = [sorted({"bodyMac", "bodySha256"} & set(json.loads(line)))
+               for line in shown.stdout.splitlines()]
+    assert members == [["bodySha256"], ["bodySha256"], [], ["bodySha256"],
+                       ["bodyMac"], ["bodyMac"], ["bodyMac"]]
+
+    table = buzz("audit", "show", "--path", str(log))
+    assert (table.returncode, table.stderr) == (0, "")
+    rows = table.stdout.splitlines()[1:]
+    assert [row.split()[2] for row in rows] == [
+        "intent", "verdict", "refusals", "verdict", "verdict", "verdict", "verdict"]
+    assert [row.split()[6] for row in rows] == [
+        "old-put-1", "old-post-2", "3", "old-put-1", "req-00000", "req-00001", "req-00002"]
+
+    kinds = [entry.record.body.kind for entry in read_records(log)
+             if isinstance(entry.record, AuditRecord)]
+    assert kinds == [BodyKind.SHA256] * 3 + [BodyKind.MAC] * 3
+
