@@ -11,11 +11,12 @@ Secrets in play: a memory record's value and slug (storage.put/get: the value is
 only in the answers that return it; the ledger keeps the storage.get verdict sealed),
 the token's user and SO PINs, three agent secret keys imported (one by
 hex, one by nsec, one through the CLI), one deliberately invalid secret, every bearer
-credential issued (in-process and by the CLI), and the cursor MAC key.
+credential issued (in-process and by the CLI), and the host's two MAC keys (read cursors,
+audit bodies).
 
 Designated holders are exempt for their own secret only: the PIN files hold the PINs, the
-`credential issue` stdout and the agent's credential file carry that one token, and the
-MAC key file holds the MAC key. Positive controls check the scan finds a secret where it
+`credential issue` stdout and the agent's credential file carry that one token, and each
+MAC key file holds its MAC key. Positive controls check the scan finds a secret where it
 must be, so an empty result means something.
 """
 
@@ -194,9 +195,12 @@ async def test_no_secret_leaks_anywhere(broker: BrokerHarness, softhsm_token: So
     assert _code(await run.call(cred_d, "liveness.ping", {
         "channelId": channel, "turnId": payload_secret})) == "unsupported"
 
-    # The cursor MAC key exists now; it is a secret too.
+    # The cursor MAC key exists now; it is a secret too, and so is the audit MAC key
+    # (with it a body is confirmed against the audit log's bodyMac).
     mac_key_path = broker.state_dir / "cursor-mac.key"
     scan.add(raw_secret("cursor MAC key", mac_key_path.read_bytes()))
+    audit_key_path = broker.state_dir / "audit-mac.key"
+    scan.add(raw_secret("audit MAC key", audit_key_path.read_bytes()))
 
     # --- bad inputs, each answered without echoing what it carried ------------------------
     wrong = cred_a[:-1] + ("A" if cred_a[-1] != "A" else "B")
@@ -297,6 +301,7 @@ async def test_no_secret_leaks_anywhere(broker: BrokerHarness, softhsm_token: So
     leaks += scan.findings(captured.out, "captured stdout")
     leaks += scan.findings(captured.err, "captured stderr")
     holders = {mac_key_path.resolve(): {"cursor MAC key"},
+               audit_key_path.resolve(): {"audit MAC key"},
                cred_file.resolve(): {"credential C (CLI issued)"},
                Path(softhsm_token.pin_file).resolve(): {"token user PIN"},
                Path(softhsm_token.so_pin_file).resolve(): {"token SO PIN"}}
@@ -309,6 +314,7 @@ async def test_no_secret_leaks_anywhere(broker: BrokerHarness, softhsm_token: So
 
     # Positive controls: each designated holder really holds its secret.
     assert scan.contains(mac_key_path.read_bytes(), "cursor MAC key")
+    assert scan.contains(audit_key_path.read_bytes(), "audit MAC key")
     assert scan.contains(Path(softhsm_token.pin_file).read_bytes(), "token user PIN")
     assert scan.contains(cred_file.read_bytes(), "credential C (CLI issued)")
     assert len(caplog.records) >= 20  # the daemon really logged what it did
