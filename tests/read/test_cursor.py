@@ -145,3 +145,16 @@ def test_invalid_cursor_carries_nothing(codec: CursorCodec) -> None:
     with pytest.raises(InvalidCursor) as info:
         codec.decode("A" * 108, SCOPE, now=NOW)
     assert str(info.value) == "" and info.value.args == ()
+
+
+def test_scopes_whose_fields_run_together_are_still_different_scopes(codec: CursorCodec) -> None:
+    # The scope's fields are length-prefixed: a channel id that ends where another scope's
+    # mentionsOnly flag and rootEventId begin must not read as that scope.
+    root = "0" * 63 + "1"
+    threaded = CursorScope(agent="a" * 64, channel_id="x", mentions_only=True, root_event_id=root)
+    lookalike = CursorScope(agent="a" * 64, channel_id="x1" + root[:63], mentions_only=True,
+                            root_event_id=None)
+    token = codec.encode(POS, threaded, now=NOW)
+    assert codec.decode(token, threaded, now=NOW) == POS
+    with pytest.raises(InvalidCursor):
+        codec.decode(token, lookalike, now=NOW)

@@ -929,3 +929,44 @@ async def test_a_relay_ignoring_the_live_limit_is_answered_cold_and_no_window_is
     # The live subscription was closed with the window: nothing holds the connection.
     conn = pool._connections[reader.pubkey]
     assert conn.live == 0
+
+
+def _newer(window: Any, count: int) -> list[dict[str, Any]]:
+    author = TestKey()
+    return [author.sign(9, f"live{n}", [["h", window.key.channel_id]], NOW + 1 + n)
+            for n in range(count)]
+
+
+def test_live_events_keep_a_window_within_keep() -> None:
+    # `keep` bounds one window's events: each live event above the bottom pushes the
+    # bottom one out (a cursor is due from there on), however many a relay sends.
+    cache = WindowCache(None, depth=3, keep=3)  # type: ignore[arg-type]
+    window, _ = _bare_window(cache, _events(3), keep=3)
+    live = _newer(window, 5)
+    for item in live:
+        window.event(item, live=True)
+    assert window.valid
+    served = window.serve(3)
+    assert served is not None and [e.id for e in served.messages] == [e["id"] for e in live[::-1][:3]]
+    assert served.next_position is not None
+    assert len(window._held) == 3  # white box: nothing kept below the page
+
+
+def test_a_deletion_with_a_malformed_e_tag_does_not_break_the_reader() -> None:
+    # Window.event runs in the connection's reader task and must not raise: a live
+    # deletion whose "e" value is not a string (a list, an object) names nothing.
+    cache = WindowCache(None, depth=2, keep=10)  # type: ignore[arg-type]
+    window, bottom = _bare_window(cache, _events(2))
+    for value in (["x"], {"x": 1}):
+        window.event({"kind": 5, "tags": [["e", value]], "id": "00" * 32}, live=True)
+    assert window.valid
+
+
+def test_what_a_check_notes_is_bounded_by_keep() -> None:
+    # The ids that arrive live while a check is read are noted, at most `keep` of them.
+    cache = WindowCache(None, depth=2, keep=4)  # type: ignore[arg-type]
+    window, _ = _bare_window(cache, _events(2), keep=4)
+    window.begin_check()
+    for item in _newer(window, 10):
+        window.event(item, live=True)
+    assert len(window._arrived) <= 4  # white box: the set a relay's flood would grow

@@ -10,6 +10,7 @@ WebSocket, which is all the reader asks of it; the windows fed are the read path
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import pytest
@@ -19,7 +20,16 @@ from buzzwire.contract import Event
 from daemon.operations import channel_read
 from daemon.relay import pool as pool_module
 from daemon.relay.paging import Page
-from daemon.relay.pool import RelayPool, _Connection, _Live, _ResultBudget, _Subscription
+from daemon.relay.pool import (
+    MAX_EVENTS_PER_QUERY,
+    RelayPool,
+    _Connection,
+    _EventBodies,
+    _Live,
+    _ResultBudget,
+    _Subscription,
+    decoded_size,
+)
 from daemon.relay.protocol import EventMessage, parse_relay_message, split_event_frame
 from daemon.relay.windows import Window, WindowCache, WindowKey
 from tests.fixtures.relay import TestKey, auth_signer_for
@@ -170,3 +180,98 @@ def test_a_cached_body_parses_to_the_event_a_full_parse_gives(content: str) -> N
         assert parts is not None
         assert parse_relay_message(f'["EVENT","q9",{parts[1]}') == EventMessage(
             subscription_id="q9", event=ev)
+
+
+async def test_a_live_subscription_tells_stored_events_from_live_ones() -> None:
+    # The window reads live=False as history its page already reflects (a stored
+    # deletion must not end it); only events after EOSE are live.
+    pool = _pool()
+    author = TestKey()
+    stored, fresh = (author.sign(9, text, [["h", "x"]], NOW) for text in ("old", "new"))
+    seen: list[tuple[str, bool]] = []
+
+    class Sink(_Sink):
+        def event(self, event: dict[str, Any], *, live: bool) -> None:
+            seen.append((event["content"], live))
+
+    conn = _Connection("a", _ResultBudget(1 << 30), pool._notices)
+    conn.alive = True
+    sub_id, _ = conn.open_live(Sink())
+    await _read(pool, conn, [_frame(sub_id, stored), f'["EOSE","{sub_id}"]', _frame(sub_id, fresh)])
+    assert seen == [("old", False), ("new", True)]
+
+
+async def test_what_a_relay_sends_after_eose_does_not_change_a_query() -> None:
+    # A query is the events until EOSE: an EVENT after it is not part of the answer, and
+    # a CLOSED after it does not turn a complete answer into a refusal.
+    pool = _pool()
+    author = TestKey()
+    first, late = (author.sign(9, text, [["h", "x"]], NOW) for text in ("first", "late"))
+    conn = _Connection("a", _ResultBudget(1 << 30), pool._notices)
+    conn.alive = True
+    sub_id, sub = conn.open_subscription()
+    assert isinstance(sub, _Subscription)
+    await _read(pool, conn, [_frame(sub_id, first), f'["EOSE","{sub_id}"]', _frame(sub_id, late),
+                             f'["CLOSED","{sub_id}","error: shutting down"]'])
+    assert sub.events == [first]
+    assert sub.closed is None and sub.complete
+
+
+def test_a_query_past_its_event_bound_ends_at_once_and_holds_nothing() -> None:
+    # Past MAX_EVENTS_PER_QUERY the query fails now (not at the relay's EOSE, which a
+    # hostile relay never sends) and its bytes go back to the pool's budget at once,
+    # before the querying task even runs (other queries' events arrive meanwhile).
+    budget = _ResultBudget(1 << 30)
+    sub = _Subscription(budget)
+    for i in range(MAX_EVENTS_PER_QUERY):
+        sub.on_event({"n": i})
+    assert not sub.done.is_set() and budget.used > 0
+    sub.on_event({"n": -1})
+    assert sub.done.is_set() and sub.overflow == "query"
+    assert budget.used == 0 and sub.events == []
+
+
+def test_the_result_budget_admits_exactly_its_total() -> None:
+    budget = _ResultBudget(100)
+    assert budget.take(100)
+    assert not budget.take(1)
+    budget.give_back(100)
+    assert budget.used == 0
+
+
+async def test_a_dropped_connection_ends_an_established_live_subscription() -> None:
+    # A window whose connection dropped must hear it (`ended`), or it keeps answering
+    # reads from a subscription that no longer receives anything.
+    pool = _pool()
+    ended: list[str] = []
+
+    class Sink(_Sink):
+        def ended(self, reason: str) -> None:
+            ended.append(reason)
+
+    conn = _Connection("a", _ResultBudget(1 << 30), pool._notices)
+    conn.alive = True
+    sub_id, live = conn.open_live(Sink())
+    await _read(pool, conn, [f'["EOSE","{sub_id}"]'])
+    conn.mark_dead()
+    assert ended == ["connection dropped"]
+    conn.mark_dead()  # once only
+    assert ended == ["connection dropped"]
+
+
+def test_parsed_event_bodies_stay_within_their_bound() -> None:
+    # EVENT_BODIES_BYTES is a bound on what the kept parses hold, whatever the mix of
+    # sizes a relay sends: one large body evicts as many small ones as it takes.
+    author = TestKey()
+    small = [author.sign(9, str(i), [["h", "x"]], NOW) for i in range(20)]
+    large = author.sign(9, "y" * 4000, [["h", "x"]], NOW)
+    costs = [sys.getsizeof(f"rest{i}") + decoded_size(ev) for i, ev in enumerate(small)]
+    bodies = _EventBodies(max_bytes=sum(costs))
+    for i, ev in enumerate(small):
+        bodies.put(f"rest{i}", ev)
+    assert bodies.bytes == bodies.max_bytes  # full
+    assert sys.getsizeof("large") + decoded_size(large) > 2 * max(costs)  # takes several
+    bodies.put("large", large)
+    assert bodies.bytes <= bodies.max_bytes
+    assert bodies.get("large") is large
+    assert bodies.bytes == sum(cost for _, cost in bodies._entries.values())

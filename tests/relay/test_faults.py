@@ -17,7 +17,9 @@ import pytest
 import trio
 import trio.testing
 
+from daemon.relay.gate import AuthGate
 from daemon.relay.pool import (
+    MAX_QUERY_BYTES,
     Accepted,
     AuthNotSigned,
     NotSent,
@@ -607,3 +609,151 @@ async def test_backoff_stays_bounded_however_long_the_relay_is_down(nursery: tri
         assert isinstance(await pool.publish(key.pubkey, event), NotSent)
     with pytest.raises(RelayUnavailable):
         await pool.query(key.pubkey, [{"kinds": [1]}])
+
+
+async def test_a_query_that_never_sees_eose_gives_its_result_bytes_back(
+    scripted_relay: Start, nursery: trio.Nursery
+) -> None:
+    # The relay sends its events and never EOSE: the query fails at its timeout, and what
+    # it collected is given back to max_result_bytes. Kept, each such read would leak its
+    # bytes for the daemon's life, until every read fails with "max_result_bytes".
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(default_req=ReqReply.NEVER_EOSE))
+    assert isinstance(await pool.publish(key.pubkey, signed(key.sign(1, "x" * 1000))), Accepted)
+    for _ in range(3):
+        with bounded():
+            with pytest.raises(RelayUnavailable):
+                await pool.query(key.pubkey, [{"kinds": [1]}])
+    assert pool.result_bytes_held == 0
+
+
+async def test_a_waiter_at_the_gate_sleeps_until_its_turn() -> None:
+    # While a probe is out, the others wait on an event, not in a loop: a waiter that
+    # spins costs a core for as long as the probe takes (up to timeouts.ok).
+    gate = AuthGate()
+    steps = collections.Counter[str]()
+
+    class Count(trio.abc.Instrument):
+        def before_task_step(self, task: trio.lowlevel.Task) -> None:
+            steps[task.name] += 1
+
+    async def wait(name: str, hold: float) -> None:
+        async with gate.passage(5.0) as through:
+            assert through
+            await trio.sleep(hold)
+
+    trio.lowlevel.add_instrument(Count())
+    async with trio.open_nursery() as inner:
+        inner.start_soon(wait, "A", 0.05, name="A")
+        await trio.testing.wait_all_tasks_blocked()
+        inner.start_soon(wait, "B", 0.2, name="B")
+        inner.start_soon(wait, "C", 0.0, name="C")
+    assert steps["C"] < 50, steps
+
+
+def test_timeouts_and_pool_limits_are_checked_where_they_are_built() -> None:
+    for bad in (0, -1, float("nan")):
+        with pytest.raises(ValueError):
+            RelayTimeouts(ok=bad)
+    with pytest.raises(ValueError):
+        RelayTimeouts(backoff_initial=2.0, backoff_max=1.0)
+    signer = auth_signer_for(TestKey())
+    with pytest.raises(ValueError):
+        RelayPool("ws://127.0.0.1:1", signer, max_result_bytes=MAX_QUERY_BYTES - 1)
+    with pytest.raises(ValueError):
+        RelayPool("ws://127.0.0.1:1", signer, max_live_subscriptions=-1)
+
+
+async def test_an_unanswered_event_leaves_nothing_behind_on_its_connection(
+    scripted_relay: Start, nursery: trio.Nursery
+) -> None:
+    # A relay that never answers OK costs each publish its timeout (Unknown), not a
+    # waiter entry kept for the warm connection's life.
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(default_event=EventReply.SILENT))
+    for i in range(3):
+        with bounded():
+            assert isinstance(await pool.publish(key.pubkey, signed(key.sign(1, str(i)))), Unknown)
+    conn = pool._connections[key.pubkey]  # white box: the connection is still warm
+    assert conn.alive and conn.ok_waiters == {}
+
+
+async def test_an_auth_required_answer_to_our_event_keeps_the_write_gate_shut() -> None:
+    # OK false "auth-required:" to an EVENT we sent shows the relay does not take our
+    # writes yet: opening the gate would release a burst that draws one challenge each.
+    from daemon.relay.pool import _Connection, _ResultBudget
+    from daemon.relay.protocol import Ok
+
+    pool = RelayPool("ws://127.0.0.1:1", auth_signer_for(TestKey()))
+    conn = _Connection("a" * 64, _ResultBudget(1 << 30), pool._notices)
+    conn.alive = True
+    waiter = conn.expect_ok("ab" * 32)
+    conn.dispatch(Ok(event_id="ab" * 32, accepted=False, message="auth-required: who are you"))
+    assert waiter.done.is_set() and not conn.write_gate.is_open and not conn.read_gate.is_open
+    conn.expect_ok("cd" * 32)
+    conn.dispatch(Ok(event_id="cd" * 32, accepted=False, message="blocked: not here"))
+    assert conn.write_gate.is_open and not conn.read_gate.is_open
+
+
+class _NullSink:
+    def event(self, event: dict[str, Any], *, live: bool) -> None:
+        pass
+
+    def ended(self, reason: str) -> None:
+        pass
+
+
+async def test_a_subscription_whose_connection_drops_before_eose_is_not_established(
+    scripted_relay: Start, nursery: trio.Nursery
+) -> None:
+    # No EOSE, the connection gone: there is no live subscription to hand a window (it
+    # would never hear of the drop, and answer reads from nothing).
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(reqs=(ReqReply.DROP,)))
+    with bounded():
+        with pytest.raises(RelayUnavailable):
+            await pool.subscribe(key.pubkey, [{"kinds": [1]}], _NullSink())
+
+
+async def test_refused_subscriptions_do_not_use_up_the_connections_slots(
+    scripted_relay: Start, nursery: trio.Nursery
+) -> None:
+    relay = await scripted_relay(Script(default_req=ReqReply.RESTRICTED))
+    key = TestKey()
+    pool = RelayPool(relay.url, auth_signer_for(key), timeouts=SHORT, max_live_subscriptions=1)
+    await nursery.start(pool.run)
+    for _ in range(3):
+        with bounded():
+            with pytest.raises(RelayRefused):
+                await pool.subscribe(key.pubkey, [{"kinds": [1]}], _NullSink())
+
+
+async def test_no_new_challenge_means_no_second_auth_for_the_old_one(nursery: trio.Nursery) -> None:
+    # NIP-42: one AUTH per challenge. A relay that accepted our AUTH and still answers
+    # "auth-required:" without a new challenge gets a refusal from us, not the same AUTH again.
+    import trio_websocket
+
+    received: list[list[Any]] = []
+
+    async def handle(request: trio_websocket.WebSocketRequest) -> None:
+        ws = await request.accept()
+        await ws.send_message(json.dumps(["AUTH", "only-challenge"]))
+        try:
+            while True:
+                msg = json.loads(await ws.get_message())
+                received.append(msg)
+                if msg[0] == "AUTH":
+                    await ws.send_message(json.dumps(["OK", msg[1]["id"], True, ""]))
+                elif msg[0] == "EVENT" and [m[0] for m in received].count("EVENT") == 1:
+                    await ws.send_message(json.dumps(["OK", msg[1]["id"], True, ""]))
+                elif msg[0] == "EVENT":
+                    await ws.send_message(json.dumps(["OK", msg[1]["id"], False, "auth-required: again"]))
+        except trio_websocket.ConnectionClosed:
+            pass
+
+    port = free_port()
+    await nursery.start(trio_websocket.serve_websocket, handle, "127.0.0.1", port, None)
+    key = TestKey()
+    pool = await _pool(nursery, f"ws://127.0.0.1:{port}", key)
+    with bounded():
+        assert isinstance(await pool.publish(key.pubkey, signed(key.sign(1, "x"))), Accepted)
+        result = await pool.publish(key.pubkey, signed(key.sign(1, "y")))
+    assert isinstance(result, Rejected) and "no new AUTH challenge" in result.reason, result
+    assert sorted(m[0] for m in received) == ["AUTH", "EVENT", "EVENT"], received

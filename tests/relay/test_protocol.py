@@ -141,3 +141,21 @@ def test_relay_url_accepted(url: str, host: str, port: int, resource: str, secur
 def test_relay_url_refused(url: str) -> None:
     with pytest.raises(ValueError):
         check_relay_url(url)
+
+
+def test_encode_req_refuses_a_subscription_id_nip01_does_not_allow() -> None:
+    # NIP-01: 1..64 characters. Ours are q<n>; a bug making one otherwise must not reach
+    # the relay (which would CLOSE it or drop the connection).
+    with pytest.raises(ValueError):
+        encode_req("", [{"kinds": [9]}])
+    with pytest.raises(ValueError):
+        encode_req("q" * 65, [{"kinds": [9]}])
+    assert encode_req("q" * 64, [{"kinds": [9]}]).startswith('["REQ","' + "q" * 64)
+
+
+def test_a_prefix_needs_its_colon_and_tolerates_spaces() -> None:
+    # NIP-01's machine prefix is the word *and* the colon: a bare "auth-required" (or
+    # "duplicate") is human text, and must not make us AUTH (or report a duplicate).
+    assert machine_prefix("auth-required") is None
+    assert machine_prefix("duplicate") is None
+    assert machine_prefix(" duplicate : have it") is Prefix.DUPLICATE
