@@ -8,10 +8,13 @@ this one is written only by the process that holds the keys, under its uid.
   last `hash` = SHA-256(prev || the line without `hash`). Nothing secret goes in: ids, kinds,
   pubkeys, counts. Disk is bounded by `max_bytes`: past it the file moves to `.1`
   (replacing the older one) and the chain continues in the new file from the last hash.
-  The head moves only once a write has fully succeeded (a failed one is cut off again);
-  a last line a crash left without its newline is cut at open, and logged. Lines of an
-  effect already made (a key minted, destroyed...) whose write failed are owed: held in
-  memory and written first, before any later line (the server refuses effects meanwhile).
+  The head moves only once a write is written and on disk (fdatasync: once per append,
+  so a batch of lines costs one; a failed one is cut off again), so no answer leaves
+  before its line would survive a power cut; a last line a crash left without its newline
+  is cut at open, and logged; a last whole line that is not one of these refuses the open
+  (`BrokenLog`), before anything is written. Lines of an effect already made (a key
+  minted, destroyed...) whose write failed are owed: held in memory and written first,
+  before any later line (the server refuses effects meanwhile).
 - `RateBound`: a token bucket per agent (signatures per minute, burst the same); memory
   bounded by `MAX_AGENTS` buckets (the oldest dropped, which only gives that agent a full
   bucket again). Only a live agent held here gets one (the server checks before it
@@ -25,18 +28,24 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, Final
 
-__all__ = ["SignLog", "RateBound", "GENESIS", "verify_chain"]
+__all__ = ["SignLog", "BrokenLog", "RateBound", "GENESIS", "chain_head", "verify_chain"]
 
 log = logging.getLogger("buzz_broker.custodian")
 
 GENESIS: Final = "0" * 64
 MAX_AGENTS: Final = 65536
+_HEX64: Final = re.compile(r"[0-9a-f]{64}")
+
+
+class BrokenLog(Exception):
+    """The log's last whole line is not one of its lines: the chain cannot go on from it."""
 
 
 def _hashed(prev: str, entry: dict[str, object]) -> tuple[str, str]:
@@ -52,22 +61,20 @@ class SignLog:
         self._max = max_bytes
         self._clock = clock
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.head, self.seq = chain_head(path)  # before the cut: a broken log is left as is
         cut = _cut_torn_tail(path)
         if cut:
             log.warning("signed log %s: cut a torn last line (%d bytes, a write a crash left "
                         "unfinished); the chain continues from the last whole line", path, cut)
-        self.head, self.seq = GENESIS, 0
-        last = _last_line(path)
-        if last is not None:
-            self.head, self.seq = str(last["hash"]), int(str(last["seq"]))
-        self._file: BinaryIO | None = open(path, "ab", buffering=0)  # noqa: SIM115 - held open
+        self._file: BinaryIO | None = _open(path)
         self._owed: list[dict[str, object]] = []
 
-    def append(self, entries: list[dict[str, object]], *, done: bool = False) -> None:
-        """Write the lines owed, then `entries` (one line each), before the answer leaves.
-        Unbuffered, and the head moves only once every byte is written: a failed write is
-        cut off and raises, so the next line chains to the last one on disk. `done`: their
-        effect stands whatever the write does, so a failed write leaves them owed."""
+    def append(self, entries: list[dict[str, object]], *, done: bool = False) -> int:
+        """Write the lines owed, then `entries` (one line each), before the answer leaves;
+        the `seq` of the last line. The head moves only once every byte is on disk: a
+        failed write or sync is cut off and raises, so the next line chains to the last one
+        on disk. `done`: their effect stands whatever the write does, so a failed write
+        leaves them owed."""
         at = int(self._clock())  # the effect's time, even for a line written late
         todo = self._owed + [{"at": at, **entry} for entry in entries]
         try:
@@ -77,10 +84,13 @@ class SignLog:
                 self._owed = todo
             raise
         self._owed = []
+        return self.seq
 
     def _write(self, entries: list[dict[str, object]]) -> None:
         if self._file is None:  # after a move, or an open that failed: retried at each line
-            self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - held open
+            self._file = _open(self.path)
+        if not entries:  # nothing owed: no write, and no sync to wait for
+            return
         head, seq, lines = self.head, self.seq, []
         for entry in entries:
             seq += 1
@@ -91,6 +101,7 @@ class SignLog:
         try:
             while data:
                 data = data[self._file.write(data):]
+            os.fdatasync(self._file.fileno())
         except BaseException:
             with contextlib.suppress(OSError):  # else the next open cuts the torn line
                 self._file.truncate(start)
@@ -112,6 +123,18 @@ class SignLog:
             self._file.close()
 
 
+def _open(path: Path) -> BinaryIO:
+    """`path` opened to append, and its directory synced: a file made here, or the move to
+    `.1` before it, is on disk before its first line is."""
+    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        file = open(path, "ab", buffering=0)  # noqa: SIM115 - held open
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+    return file
+
+
 def _cut_torn_tail(path: Path) -> int:
     """Truncate `path` after its last newline if it does not end with one; the bytes cut.
     A line is far under 64 KiB: a tail with no newline at all is no torn line, left alone."""
@@ -130,20 +153,33 @@ def _cut_torn_tail(path: Path) -> int:
         return 0
 
 
-def _last_line(path: Path) -> dict[str, object] | None:
+def chain_head(path: Path) -> tuple[str, int]:
+    """(hash, seq) of the last whole line, in `path` or else its `.1`; GENESIS and 0 for
+    none. Reads only (a line still being written is not whole, so not read). Raises
+    BrokenLog if that line is not a JSON object with a 64-hex `hash` and an int `seq`:
+    going on from GENESIS would fork the chain, and a traceback says nothing."""
     for candidate in (path, path.with_name(path.name + ".1")):
         try:
             with open(candidate, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 65536))
-                lines = f.read().splitlines()
+                start = f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+                tail = f.read()
         except FileNotFoundError:
             continue
-        if lines:
-            value = json.loads(lines[-1])
-            if isinstance(value, dict):
-                return value
-    return None
+        whole = tail[:tail.rfind(b"\n") + 1]  # a torn tail is no line: the open cuts it
+        if whole or (tail and start):  # 64 KiB and no newline: no line, nor a torn one
+            try:
+                last = json.loads(whole.splitlines()[-1])
+                head, seq = last["hash"], last["seq"]
+            except (ValueError, TypeError, KeyError, IndexError):
+                head = seq = None
+            if not (isinstance(head, str) and _HEX64.fullmatch(head) and type(seq) is int):
+                raise BrokenLog(
+                    f"signed log {candidate}: its last line is not a line of this log (a JSON "
+                    "object with its seq and hash), so the chain cannot go on from it; nothing "
+                    "was written: set the file aside, or put back its last line, and start "
+                    "again")
+            return head, seq
+    return GENESIS, 0
 
 
 def verify_chain(path: Path, start: str = GENESIS) -> int:
@@ -151,11 +187,15 @@ def verify_chain(path: Path, start: str = GENESIS) -> int:
     names the first line that breaks the chain."""
     prev = start
     count = 0
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         for count, line in enumerate(f, 1):
-            entry = json.loads(line)
-            claimed = entry.pop("hash")
-            if entry["prev"] != prev or _hashed(prev, entry)[1] != claimed:
+            try:  # a line that is no JSON object, or lacks a member, breaks it too
+                entry = json.loads(line)
+                claimed = entry.pop("hash")
+                whole = entry["prev"] == prev and _hashed(prev, entry)[1] == claimed
+            except (ValueError, TypeError, KeyError, AttributeError):
+                whole = False
+            if not whole:
                 raise ValueError(f"line {count} breaks the chain")
             prev = claimed
     return count

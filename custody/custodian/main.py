@@ -10,8 +10,9 @@ records of keys destroyed past it (custody/custodian/forget.py, likewise).
 Opens custody (token login, KEK check, keystore), then serves the message table until
 SIGTERM/SIGINT (SIGHUP: one line, no reload), on the socket systemd passed
 (buzz-custodian.socket: the daemon's first request activates it) or else one it binds.
-A fault opening is one line on stderr and exit 1. Under systemd, `Restart=always` brings
-it back after a crash; the pipeline's client reconnects (custody/custodian/client.py).
+A fault opening (a signed log whose last line is not its own among them) is one line on
+stderr and exit 1. Under systemd, `Restart=always` brings it back after a crash; the
+pipeline's client reconnects (custody/custodian/client.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import trio
 from custody import Custody, CustodyError, harden_process
 from custody.custodian.activation import ActivationError, inherited_socket
 from custody.custodian.config import ConfigError, CustodianConfig, load
+from custody.custodian.ledger import BrokenLog, chain_head
 from custody.custodian.server import Custodian, refuse_if_served, serve
 
 __all__ = ["main", "run"]
@@ -50,6 +52,7 @@ async def run(config_path: str) -> None:
                 parent.chmod(0o750)
         except OSError as exc:
             raise ConfigError(f"socket directory {parent}: {exc.strerror}") from None
+    chain_head(config.settings.log_path)  # a log it cannot go on: refused before the token
     harden_process()
     custody = await Custody.open(config.token, config.state_dir, config.cache)
     try:
@@ -133,7 +136,7 @@ def main(argv: list[str]) -> int:
     try:
         refuse_foreign_state(load(args[0]))  # before any command writes, serving too
         trio.run(work)
-    except (ConfigError, ActivationError, CustodyError) as exc:
+    except (ConfigError, ActivationError, CustodyError, BrokenLog) as exc:
         print(f"custodian: {exc}", file=sys.stderr)
         return 1
     return 0
