@@ -20,6 +20,10 @@ Theory of operation:
   log (`ledger`).
 - Error handling: custody's errors become their codes; anything else is `internal`, logged
   here by type name (and an OSError's errno name) only: its text could carry an argument.
+- Write-ahead: a keystore change (mint, import, destroy, attach_auth) is an `intent` line,
+  on disk, before custody is asked, then its outcome line naming the intent's seq: the
+  change's own line, or `failed` (`_change`). A death between them leaves the intent, so
+  no change is ever without a line; a request that changes nothing writes neither.
 - A change made whose log line failed is owed (`SignLog`): until it is written every row
   but the lookups is refused (`custody`), so nothing more happens unrecorded.
 """
@@ -193,6 +197,22 @@ class Custodian:
             record = self.custody.agent(record.owner, include_deleted=True)
         return chain
 
+    async def _change(self, intent: dict[str, object], change: Callable[[], Awaitable[KeyRecord]],
+                      line: Callable[[KeyRecord], dict[str, object]]) -> KeyRecord:
+        """`change()` between its intent line (on disk first: a write that fails asks
+        nothing) and its outcome: `line(record)`, or `failed` and the fault's type if it
+        raises. The outcome names the intent's seq (lines of other rows come between)."""
+        seq = self.log.append([{"op": "intent", **intent}])
+        try:
+            record = await change()
+        except Exception as exc:
+            with contextlib.suppress(OSError):  # owed then; the answer is the refusal's
+                self.log.append([{"op": "failed", "intent": seq, "fault": _name(exc)}],
+                                done=True)
+            raise
+        self.log.append([{**line(record), "intent": seq}], done=True)
+        return record
+
     def _room(self) -> None:
         # A mint-destroy loop would otherwise grow the keystore, the grace copies and the
         # `agents` answer (one frame) without end: destroyed records count.
@@ -211,10 +231,14 @@ class Custodian:
             signed = {} if again or self.custody.agent(args["owner"]) is None else {
                 "signed_by": args["owner"]}
             self._spend(list(signed.values()))
-            record = await self.custody.mint_agent(owner=args["owner"], mint_ref=args["mint_ref"])
-        if not again:
-            self.log.append([{"op": "mint", "agent": record.pubkey, "owner": record.owner,
-                              **signed}], done=True)
+            mint = functools.partial(self.custody.mint_agent, owner=args["owner"],
+                                     mint_ref=args["mint_ref"])
+            if again:
+                return record_obj(await mint())
+            # The key does not exist yet: the intent names what is known.
+            record = await self._change(
+                {"for": "mint", "owner": args["owner"], "mint_ref": args["mint_ref"]}, mint,
+                lambda r: {"op": "mint", "agent": r.pubkey, "owner": r.owner, **signed})
         return record_obj(record)
 
     async def import_(self, args: Mapping[str, Any]) -> object:
@@ -227,29 +251,37 @@ class Custodian:
                           "import under it needs the owner's own NIP-OA tag; mint one instead")
         async with self._record_lock:
             self._room()
-            record = await self.custody.import_agent(args["secret"], owner=args["owner"],
-                                                     auth_tag=args["auth_tag"],
-                                                     held_owner=HeldOwner.REFUSE)
-        self.log.append([{"op": "import", "agent": record.pubkey, "owner": record.owner}],
-                        done=True)
+            # Its pubkey is in the secret, which only custody parses: the intent names the owner.
+            record = await self._change(
+                {"for": "import", "owner": args["owner"]},
+                functools.partial(self.custody.import_agent, args["secret"], owner=args["owner"],
+                                  auth_tag=args["auth_tag"], held_owner=HeldOwner.REFUSE),
+                lambda r: {"op": "import", "agent": r.pubkey, "owner": r.owner})
         return record_obj(record)
 
     async def destroy(self, args: Mapping[str, Any]) -> object:
-        async with self._record_lock:  # the copy, the destroy and its line: one at a time
+        pubkey = args["pubkey"]
+        async with self._record_lock:  # the copy, the destroy and its lines: one at a time
             try:
                 # The copy is on disk before the key goes: a destroy is undone in the grace.
-                self.graveyard.keep(args["pubkey"], await self.custody.sealed_copy(args["pubkey"]))
+                self.graveyard.keep(pubkey, await self.custody.sealed_copy(pubkey))
             except UnknownAgent:  # destroyed already (answered its tombstone), or never held
-                return record_obj(await self.custody.destroy_agent(args["pubkey"]))
-            record = await self.custody.destroy_agent(args["pubkey"])
-        self.log.append([{"op": "destroy", "agent": record.pubkey}], done=True)
+                return record_obj(await self.custody.destroy_agent(pubkey))
+            record = await self._change(
+                {"for": "destroy", "agent": pubkey},
+                functools.partial(self.custody.destroy_agent, pubkey),
+                lambda r: {"op": "destroy", "agent": r.pubkey})
         return record_obj(record)
 
     async def attach_auth(self, args: Mapping[str, Any]) -> object:
-        before = self.custody.agent(args["pubkey"])
-        record = await self.custody.attach_auth_tag(args["pubkey"], args["tag"])
-        if before is None or before.auth_tag != record.auth_tag:  # the same tag again: no line
-            self.log.append([{"op": "attach_auth", "agent": record.pubkey}], done=True)
+        pubkey, attach = args["pubkey"], functools.partial(
+            self.custody.attach_auth_tag, args["pubkey"], args["tag"])
+        async with self._record_lock:  # the check and the change: no twin slips between
+            before = self.custody.agent(pubkey)
+            if before is None or before.auth_tag == tuple(args["tag"]):  # no change to make:
+                return record_obj(await attach())  # its record, or custody's refusal; no line
+            record = await self._change({"for": "attach_auth", "agent": pubkey}, attach,
+                                        lambda r: {"op": "attach_auth", "agent": r.pubkey})
         return record_obj(record)
 
     async def sign(self, args: Mapping[str, Any]) -> object:

@@ -4,6 +4,9 @@ answers: the worst moment for the pipeline, the effect done and no word of it.
     python -m tests.custodian.crashing_custodian CONFIG OP
 
 OP `backup-write`: killed instead halfway through writing a backup's bytes to disk.
+OP `mint:intent` (`import`, `destroy`, `attach_auth` likewise): killed once the row's
+intent line is on disk, before custody is asked; `mint:changed`: once custody's change
+returned, before its outcome line (the write-ahead's two windows, server.py `_change`).
 """
 
 from __future__ import annotations
@@ -13,10 +16,16 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from custody import Custody
 from custody.custodian import backup
+from custody.custodian.ledger import SignLog
 from custody.custodian.main import main
 from custody.custodian.server import Custodian
 from tests.fixtures.kill import kill_at
+
+#: A row that changes the keystore -> the Custody call that makes its change.
+CHANGES = {"mint": "mint_agent", "import": "import_agent", "destroy": "destroy_agent",
+           "attach_auth": "attach_auth_tag"}
 
 
 def _arm_mid_write() -> None:
@@ -30,9 +39,35 @@ def _arm_mid_write() -> None:
     backup.write_synced = half_then_killed  # type: ignore[assignment]
 
 
+def _arm_intent(op: str) -> None:
+    append, checkpoint = SignLog.append, kill_at("custodian", f"{op}:intent")
+
+    def then_killed(self: SignLog, entries: list[dict[str, object]], **kw: bool) -> int:
+        seq = append(self, entries, **kw)
+        if entries and entries[0].get("for") == op:
+            checkpoint(f"{op}:intent")
+        return seq
+
+    SignLog.append = then_killed  # type: ignore[method-assign]
+
+
+def _arm_changed(op: str) -> None:
+    change, checkpoint = getattr(Custody, CHANGES[op]), kill_at("custodian", f"{op}:changed")
+
+    async def then_killed(self: Custody, *args: Any, **kw: Any) -> object:
+        record = await change(self, *args, **kw)
+        checkpoint(f"{op}:changed")
+        return record
+
+    setattr(Custody, CHANGES[op], then_killed)
+
+
 def _arm(op: str) -> None:
     if op == "backup-write":
         return _arm_mid_write()
+    row, _, point = op.partition(":")
+    if point:
+        return {"intent": _arm_intent, "changed": _arm_changed}[point](row)
     handler = Custodian.HANDLERS[op]
     checkpoint = kill_at("custodian", op)
 

@@ -149,7 +149,10 @@ async def test_a_request_that_changes_nothing_writes_no_line(
     stderr = custodian.stop()
     log = custodian.config.parent / "state" / "custodian" / "signed.jsonl"
     entries = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [e["op"] for e in entries if e.get("agent") == agent] == [
+    assert [(e["op"], e.get("for")) for e in entries if e.get("agent") == agent] == [
+        ("mint", None), ("intent", "attach_auth"), ("attach_auth", None),
+        ("intent", "destroy"), ("destroy", None)]
+    assert [e.get("for") for e in entries if e["op"] == "intent"] == [
         "mint", "attach_auth", "destroy"]
     for said in (f"minted agent {agent}", f"NIP-OA tag to agent {agent}",
                  f"destroyed the key of agent {agent}"):
@@ -205,15 +208,18 @@ def test_the_log_directory_is_the_custodians_alone(tmp_path: Path) -> None:
 
 async def test_an_effect_whose_line_fails_is_owed_and_refuses_more_until_written(
         custodian: CustodianProcess) -> None:
-    """The log at the custodian's file-size limit (RLIMIT_FSIZE, as a full disk): a destroy
-    is done but its line cannot be written. That line is owed: the retry, a sign and a mint
-    are refused naming the log's fault, lookups still answer, and once the log can be
-    written the line is, before any other. (A review: the retry answered the record, as for
-    a key destroyed before, and the destroy never had a line; a compromised pipeline
-    filling the disk could arrange that at will.)"""
+    """The log at the custodian's file-size limit (RLIMIT_FSIZE, as a full disk). With no
+    room for a destroy's intent line custody is not asked: the key stays. With room for
+    the intent only, the destroy is done but its line cannot be written. That line is
+    owed: the retry, a sign and a mint are refused naming the log's fault, lookups still
+    answer, and once the log can be written the line is, before any other. (A review: the
+    retry answered the record, as for a key destroyed before, and the destroy never had a
+    line; a compromised pipeline filling the disk could arrange that at will.)"""
     import resource
 
-    from custody.custodian.ledger import SignLog
+    import time
+
+    from custody.custodian.ledger import SignLog, _hashed
     from tests.custodian.test_refusals import ask, human
 
     client = await CustodianClient.open(custodian.socket)
@@ -229,11 +235,22 @@ async def test_an_effect_whose_line_fails_is_owed_and_refuses_more_until_written
     filler.close()
     custodian.start()
     assert custodian.proc is not None
-    full = (log.stat().st_size, resource.RLIM_INFINITY)
-    resource.prlimit(custodian.proc.pid, resource.RLIMIT_FSIZE, full)
+    pid = custodian.proc.pid
 
-    assert ask(custodian.socket, "destroy", pubkey=victim) == (False, ("internal",
-                                                                      "custodian fault"))
+    def room_for_intent(agent: str) -> None:  # the file-size limit: the intent's line fits
+        last = json.loads(log.read_text().splitlines()[-1])
+        body, _ = _hashed(last["hash"], {"seq": last["seq"] + 1, "prev": last["hash"],
+                                         "at": int(time.time()), "op": "intent",
+                                         "for": "destroy", "agent": agent})
+        room = log.stat().st_size + len(body) + len(',"hash":""\n') + 64
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (room, resource.RLIM_INFINITY))
+
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (log.stat().st_size, resource.RLIM_INFINITY))
+    internal = (False, ("internal", "custodian fault"))
+    assert ask(custodian.socket, "destroy", pubkey=victim) == internal
+    assert ask(custodian.socket, "agent", pubkey=victim, include_deleted=False)[0]
+    room_for_intent(victim)
+    assert ask(custodian.socket, "destroy", pubkey=victim) == internal
     ok, record = ask(custodian.socket, "agent", pubkey=victim, include_deleted=True)
     assert ok and isinstance(record, dict) and record["deleted_at"] is not None
     refusal = (False, ("custody", "the custodian's log cannot be written: OSError EFBIG"))
@@ -244,13 +261,14 @@ async def test_an_effect_whose_line_fails_is_owed_and_refuses_more_until_written
 
     resource.prlimit(custodian.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
     assert ask(custodian.socket, "sign", events=[intent(other, 9, [["h", "c"]])])[0]
-    *_, destroyed, signed = [json.loads(line) for line in log.read_text().splitlines()]
-    assert (destroyed["op"], destroyed["agent"], signed["op"]) == ("destroy", victim, "sign")
-    assert verify_chain(log) == 10_004
+    *_, began, destroyed, signed = [json.loads(line) for line in log.read_text().splitlines()]
+    assert (began["op"], began["for"], began["agent"]) == ("intent", "destroy", victim)
+    assert (destroyed["op"], destroyed["agent"], destroyed["intent"], signed["op"]) == (
+        "destroy", victim, began["seq"], "sign")
+    assert verify_chain(log) == 10_007  # the two imports: intent and outcome each
 
     # A stop while a line is still owed: it goes to the journal, the process's stderr.
-    resource.prlimit(custodian.proc.pid, resource.RLIMIT_FSIZE,
-                     (log.stat().st_size, resource.RLIM_INFINITY))
+    room_for_intent(other)
     assert not ask(custodian.socket, "destroy", pubkey=other)[0]
     stderr = custodian.stop()
     assert "custodian fault in destroy: OSError EFBIG" in stderr, stderr[-2000:]
