@@ -16,7 +16,7 @@ from custody import _kekinit
 from custody._activekek import recorded_kek
 from custody._kekinit import TokenReport
 from custody._process import harden_process
-from custody._rotation import RotationReport, rotate
+from custody._rotation import Journal, RotationReport, rotate
 from custody._token import Token, TokenConfig
 from custody._worker import in_token_worker
 
@@ -55,12 +55,13 @@ async def rotate_keys(
     target: TokenConfig | None = None,
     new_kek_label: str | None = None,
     checkpoint: Callable[[str], None] | None = None,
+    journal: Journal | None = None,
 ) -> RotationReport:
     """`keys rotate` (target None: a new KEK in the same token) and `keys migrate` (the
     token `target` names). See `_rotation` for the steps and the crash guarantees.
 
     `checkpoint` is a test seam (the crash tests kill the process there); production
-    passes None.
+    passes None. `journal` records the run while the state lock is held (`_rotation`).
 
     Raises:
         CustodyError: custody in use (the daemon runs), a wrong token, a blob that does
@@ -69,7 +70,8 @@ async def rotate_keys(
     harden_process()
 
     return await in_token_worker(
-        lambda: rotate(source, target or source, Path(state_dir), new_kek_label, checkpoint))
+        lambda: rotate(source, target or source, Path(state_dir), new_kek_label, checkpoint,
+                       journal))
 
 
 async def check_token(token: TokenConfig, state_dir: Path | None = None) -> str:

@@ -30,7 +30,9 @@ operator names another with --new-kek-label (a warning names the planned one, un
 
 Rules:
 - It holds the state directory's lock EXCLUSIVELY (`_statelock`): the daemon and every
-  other custody command must be stopped, and cannot start while it runs.
+  other custody command must be stopped, and cannot start while it runs. A `Journal`
+  records the run under that lock: a record written after its release would race a
+  process starting then (the custodian's log would fork).
 - Nothing is destroyed before the swap has committed, and only a KEK the keystore records
   as retiring (never the active one).
 - A blob that does not open (any defence) stops the run before anything changes, naming
@@ -51,6 +53,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 import sqlite3
 from pathlib import Path
 
@@ -74,7 +77,7 @@ from custody._statelock import StateLock
 from custody._token import Token, TokenConfig, require_kek_label
 from custody._worker import require_lock
 
-__all__ = ["CHECKPOINTS", "ROTATION_CHECKPOINTS", "RotationReport", "rotate"]
+__all__ = ["CHECKPOINTS", "ROTATION_CHECKPOINTS", "Journal", "RotationReport", "rotate"]
 
 log = logging.getLogger("buzz_broker.custody")
 
@@ -92,6 +95,15 @@ class RotationReport:
     destroyed: tuple[str, ...]
     #: "rotated", or "finished" (an interrupted run's last step was all that was left).
     outcome: str
+
+
+class Journal(Protocol):
+    """Records a run; each call is made holding the state lock. `begun` before anything
+    changes (raising stops the run there), then `done` or `failed` with what ended it."""
+
+    def begun(self) -> None: ...
+    def done(self, report: RotationReport) -> None: ...
+    def failed(self, fault: Exception) -> None: ...
 
 
 class _Staging(Keystore):
@@ -169,14 +181,16 @@ def _write_meta(db: sqlite3.Connection, values: dict[str, str | None]) -> None:
 
 def rotate(source: TokenConfig, target: TokenConfig, state_dir: Path,
            new_kek: str | None = None,
-           checkpoint: Callable[[str], None] | None = None) -> RotationReport:
+           checkpoint: Callable[[str], None] | None = None,
+           journal: Journal | None = None) -> RotationReport:
     """Reseal every live agent from `source`'s active KEK to a new KEK in `target`'s token.
 
     `target` is `source` for a rotation. `new_kek` names the new KEK (required where the
     token cannot generate keys and the operator made them); else an interrupted run's
     planned KEK is used again, else a rotation makes `<kek_label>-<8 hex>` and a migration
     uses `target.kek_label`. `checkpoint(name)` is
-    called after each step (tests kill the process there).
+    called after each step (tests kill the process there). `journal`, if given, records
+    the run under the lock (`Journal`).
 
     Raises:
         CustodyError: custody in use, a configuration that names the wrong token, a blob
@@ -188,7 +202,17 @@ def rotate(source: TokenConfig, target: TokenConfig, state_dir: Path,
     try:
         keystore = _Staging.open(state_dir)
         try:
-            return _rotate(keystore, source, target, new_kek, checkpoint or (lambda _: None))
+            if journal is not None:
+                journal.begun()
+            try:
+                report = _rotate(keystore, source, target, new_kek, checkpoint or (lambda _: None))
+            except Exception as fault:
+                if journal is not None:
+                    journal.failed(fault)
+                raise
+            if journal is not None:
+                journal.done(report)
+            return report
         finally:
             keystore.close()
     finally:

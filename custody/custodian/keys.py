@@ -18,8 +18,11 @@ Rules:
   rotation destroys: `rotate` and `migrate` refuse while any is held, naming how many
   and both ways on (`--recover` each first, or `--abandon-destroyed`, which gives them up:
   their copies are deleted once the rotation is done, and the log line counts them).
-- Each rotation or migration is a line in the custodian's own hash-chained log (ledger.py),
-  before the answer is printed: op, the old and new token and KEK labels, the agent count.
+- Each rotation or migration is in the custodian's own hash-chained log (ledger.py),
+  written while the state lock is held (a custodian starting once it is free reads the
+  chain's head after them): an `intent` line before anything changes (so a run killed
+  anywhere has a line), then its outcome naming the intent's seq: op, the old and new
+  token and KEK labels, the agent count; or `failed`.
 - `restore --identity ID [--yes] [--names-out NAMES] BACKUP` restores an age backup into
   the custodian's keystore and token, with custody's checks (custody/_restore.py: every
   entry checked before anything is shown; an agent held for another owner, removed here,
@@ -45,6 +48,7 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -53,6 +57,7 @@ from pathlib import Path
 
 from custody._errors import CustodyError
 from custody._keys import init_keys, rotate_keys
+from custody._rotation import RotationReport
 from custody._keystore import KEYSTORE_FILE, ReadIndex
 from custody.custodian.config import ConfigError, CustodianConfig, load
 from custody.custodian.grace import Graveyard
@@ -127,21 +132,55 @@ async def run(config: CustodianConfig, words: list[str]) -> None:
             f"{len(held)} destroyed key(s) can still be recovered, sealed under the KEK "
             f"`keys {command}` destroys: recover each first (`buzz-broker custodian FILE "
             "--recover PUBKEY`), or pass --abandon-destroyed to give them up")
-    report = await rotate_keys(config.token, config.state_dir, target=target,
-                               new_kek_label=options.get("--new-kek-label"))
+    report = await rotate_keys(
+        config.token, config.state_dir, target=target,
+        new_kek_label=options.get("--new-kek-label"),
+        journal=_Journal(config, command, len(held), {
+            "old_token": config.token.token_label,
+            "new_token": (target or config.token).token_label}))
     for pubkey in held if report.destroyed else ():  # their KEK is gone: no way back
         graveyard.forget(pubkey)
-    log = SignLog(config.settings.log_path, config.settings.log_max_bytes)
-    try:
-        log.append([{"op": command, "agents": report.agents, "outcome": report.outcome,
-                     "abandoned": len(held),
-                     "old_token": report.old.token_label, "old_kek": report.old.kek_label,
-                     "new_token": report.new.token_label, "new_kek": report.new.kek_label}])
-    finally:
-        log.close()
     print(f"custodian: {report.agents} agents under KEK {report.new.kek_label!r} in token "
           f"{report.new.token_label!r} ({report.outcome}); destroyed: "
           f"{', '.join(report.destroyed) or 'none'}", flush=True)
+
+
+class _Journal:
+    """A rotation's lines in the custodian's log, by `rotate` under the state lock
+    (custody/_rotation.py `Journal`): the log is opened there too, as the chain's head
+    read before the lock could be stale by then. The intent names what is known."""
+
+    def __init__(self, config: CustodianConfig, op: str, abandoned: int,
+                 known: dict[str, str]) -> None:
+        self._config, self._op, self._abandoned, self._known = config, op, abandoned, known
+        self._seq = 0
+
+    def _line(self, entry: dict[str, object], what: str) -> int:
+        try:
+            log = SignLog(self._config.settings.log_path, self._config.settings.log_max_bytes)
+            try:
+                return log.append([entry])
+            finally:
+                log.close()
+        except OSError as exc:
+            raise CustodyError(f"the custodian's log cannot be written ({exc.strerror}): "
+                               f"{what}") from None
+
+    def begun(self) -> None:
+        self._seq = self._line({"op": "intent", "for": self._op, **self._known,
+                                "abandoned": self._abandoned}, "nothing was changed")
+
+    def done(self, report: RotationReport) -> None:
+        self._line({"op": self._op, "agents": report.agents, "outcome": report.outcome,
+                    "abandoned": self._abandoned,
+                    "old_token": report.old.token_label, "old_kek": report.old.kek_label,
+                    "new_token": report.new.token_label, "new_kek": report.new.kek_label,
+                    "intent": self._seq},
+                   f"`keys {self._op}` is done, and its intent line stands for it")
+
+    def failed(self, fault: Exception) -> None:
+        with contextlib.suppress(CustodyError):  # the fault that ended the run is the one said
+            self._line({"op": "failed", "intent": self._seq, "fault": type(fault).__name__}, "")
 
 
 def _confirmed(count: int, yes: bool) -> bool:

@@ -1,23 +1,30 @@
 """The custodian, killed (SIGKILL) after it has done one request of `op` and before it
 answers: the worst moment for the pipeline, the effect done and no word of it.
 
-    python -m tests.custodian.crashing_custodian CONFIG OP
+    python -m tests.custodian.crashing_custodian CONFIG OP [ARGUMENTS...]
 
 OP `backup-write`: killed instead halfway through writing a backup's bytes to disk.
 OP `mint:intent` (`import`, `destroy`, `attach_auth` likewise): killed once the row's
 intent line is on disk, before custody is asked; `mint:changed`: once custody's change
 returned, before its outcome line (the write-ahead's two windows, server.py `_change`).
+ARGUMENTS: the custodian's command instead of serving (`keys rotate`): OP is then one of
+`custody.ROTATION_CHECKPOINTS` (killed there), or `released`: stopped (SIGSTOP) once the
+rotation has let the state lock go, so the test can start a custodian in that window.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import signal
 import sys
 from collections.abc import Mapping
 from typing import Any
 
 from custody import Custody
+from custody._statelock import StateLock
 from custody.custodian import backup
+from custody.custodian import keys as key_commands
 from custody.custodian.ledger import SignLog
 from custody.custodian.main import main
 from custody.custodian.server import Custodian
@@ -62,6 +69,21 @@ def _arm_changed(op: str) -> None:
     setattr(Custody, CHANGES[op], then_killed)
 
 
+def _arm_rotation(step: str) -> None:
+    if step != "released":
+        rotate = key_commands.__dict__["rotate_keys"]
+        setattr(key_commands, "rotate_keys",
+                functools.partial(rotate, checkpoint=kill_at("custodian", step)))
+        return
+    release, stop = StateLock.release, kill_at("custodian", step, signal.SIGSTOP)
+
+    def then_stopped(self: StateLock) -> None:
+        release(self)
+        stop(step)
+
+    StateLock.release = then_stopped  # type: ignore[method-assign]
+
+
 def _arm(op: str) -> None:
     if op == "backup-write":
         return _arm_mid_write()
@@ -80,5 +102,8 @@ def _arm(op: str) -> None:
 
 
 if __name__ == "__main__":
-    _arm(sys.argv[2])
-    sys.exit(main([sys.argv[1]]))
+    if sys.argv[3:]:
+        _arm_rotation(sys.argv[2])
+    else:
+        _arm(sys.argv[2])
+    sys.exit(main([sys.argv[1], *sys.argv[3:]]))

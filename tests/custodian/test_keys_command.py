@@ -4,7 +4,8 @@ custodian stopped").
 
 - `keys init` makes the KEK from FILE's `[pkcs11]`; run again, it checks it.
 - `keys rotate` reseals every agent: the custodian starts afterwards on the new KEK, the
-  key signs, and the rotation is a line of the custodian's hash-chained log.
+  key signs, and the rotation is an intent and its outcome in the custodian's
+  hash-chained log.
 - While the custodian runs, `keys rotate` refuses (the state lock) and changes nothing.
 - A word the command does not take is a usage line, exit 1.
 """
@@ -65,9 +66,11 @@ async def test_init_then_rotate_from_the_custodians_file(
     assert "1 agents under KEK" in rotated.stdout and token.kek_label in rotated.stdout
     log = state / "custodian" / "signed.jsonl"
     lines = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [line["op"] for line in lines] == ["rotate"]
-    assert lines[0]["old_kek"] == token.kek_label != lines[0]["new_kek"]
-    assert verify_chain(log) == 1
+    assert [(line["op"], line.get("for")) for line in lines] == [("intent", "rotate"),
+                                                                  ("rotate", None)]
+    assert lines[1]["old_kek"] == token.kek_label != lines[1]["new_kek"]
+    assert lines[1]["intent"] == lines[0]["seq"]
+    assert verify_chain(log) == 2
 
     running.start()  # the custodian opens under the new KEK the keystore records
     running.stop()

@@ -8,11 +8,22 @@ change, then its outcome naming the intent's seq.
   and the request retried, as the pipeline does. (A review: killed after a destroy, the
   retry answered the tombstone and wrote no line, and the chain still verified: the
   destroy had no line, ever.)
+- `test_a_rotation_killed_after_its_swap_keeps_its_line_and_its_rerun_closes_it`: the
+  same for `keys rotate`.
+- `test_a_custodian_started_once_the_rotation_lets_its_lock_go_keeps_the_chain`: the
+  rotation's lines are written before its state lock is let go. (A review: written after,
+  a custodian started in that window read the old head, and both wrote a line after it:
+  two lines of one seq, and the chain broken from there, as tampering would leave it.)
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import coincurve
@@ -26,6 +37,9 @@ from custody.custodian.server import record_obj
 from tests.custodian.test_refusals import ask
 from tests.custody._sealing import HUMAN
 from tests.fixtures.custodian import CustodianProcess, write_custodian_config
+from tests.fixtures.token import SoftHsmToken
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _lines(state: Path) -> list[dict[str, object]]:
@@ -95,3 +109,77 @@ async def test_a_change_killed_on_either_side_of_the_keystore_keeps_its_line(
         assert [outcomes[e["seq"]] for e in retried] == (["failed"] if op == "import" else [])
     assert [e["op"] for e in lines].count(op) == (1 if point == "intent" else 0)
 
+
+def _run(config: Path, *words: str, kill: str | None = None) -> subprocess.Popen[str]:
+    """`custodian CONFIG WORDS...`, or the crash program's, stopped or killed at `kill`."""
+    env = dict(os.environ)
+    env.pop("CREDENTIALS_DIRECTORY", None)
+    program = ["custody.custodian", str(config)] if kill is None else [
+        "tests.custodian.crashing_custodian", str(config), kill]
+    return subprocess.Popen([sys.executable, "-m", *program, *words], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _with_a_key(softhsm_token: SoftHsmToken, tmp_path: Path, name: str) -> tuple[Path, Path]:
+    token = softhsm_token.config(kek_label=f"{name}-{tmp_path.name}"[:50])
+    state = tmp_path / "state"
+    config = write_custodian_config(tmp_path / "custodian.toml", token=token, state_dir=state,
+                                    socket=tmp_path / "c.sock", relay_url="ws://127.0.0.1:1")
+    assert _run(config, "keys", "init").wait(120) == 0
+    running = CustodianProcess(config, tmp_path / "c.sock")
+    running.start()
+    try:
+        assert ask(running.socket, "import", tail=f"{7:064x}".encode(), secret_bytes=64,
+                   owner=HUMAN, auth_tag=None)[0]
+    finally:
+        running.stop()
+    return config, state
+
+
+@pytest.mark.token_offers("GENERATE_KEY")
+def test_a_rotation_killed_after_its_swap_keeps_its_line_and_its_rerun_closes_it(
+        softhsm_token: SoftHsmToken, tmp_path: Path) -> None:
+    config, state = _with_a_key(softhsm_token, tmp_path, "walrot")
+    killed = _run(config, "keys", "rotate", kill="swapped")
+    assert killed.wait(120) == -signal.SIGKILL
+    assert "custodian.kill step=swapped" in killed.communicate()[1]
+    began = _lines(state)[-1]
+    assert (began["op"], began["for"]) == ("intent", "rotate")  # before: no line at all
+    rerun = _run(config, "keys", "rotate")
+    assert rerun.wait(120) == 0, rerun.communicate()
+    *_, again, finished = _lines(state)
+    assert (again["op"], again["for"], finished["op"], finished["outcome"]) == (
+        "intent", "rotate", "rotate", "finished")
+    assert finished["intent"] == again["seq"]
+
+
+@pytest.mark.token_offers("GENERATE_KEY")
+def test_a_custodian_started_once_the_rotation_lets_its_lock_go_keeps_the_chain(
+        softhsm_token: SoftHsmToken, tmp_path: Path) -> None:
+    config, state = _with_a_key(softhsm_token, tmp_path, "walfork")
+    rotation = _run(config, "keys", "rotate", kill="released")
+    try:
+        for _ in range(1200):  # SIGSTOPped once its lock is let go
+            if Path(f"/proc/{rotation.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
+                break
+            assert rotation.poll() is None, rotation.communicate()
+            time.sleep(0.1)
+        else:
+            pytest.fail("the rotation never let its lock go")
+        running = CustodianProcess(config, tmp_path / "c.sock")
+        running.start()  # the lock is free: it starts, and reads the chain's head
+        try:
+            os.kill(rotation.pid, signal.SIGCONT)
+            assert rotation.wait(120) == 0, rotation.communicate()
+            ok, minted = ask(running.socket, "mint", owner=HUMAN, mint_ref=None)
+            assert ok, minted
+        finally:
+            running.stop()
+    finally:
+        if rotation.poll() is None:
+            rotation.kill()
+        rotation.communicate()
+    # before: the rotation's line and the mint's intent both followed the same head
+    ops = [(e["op"], e.get("for")) for e in _lines(state)]
+    assert ops[-4:] == [("intent", "rotate"), ("rotate", None), ("intent", "mint"),
+                        ("mint", None)]
