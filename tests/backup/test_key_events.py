@@ -268,9 +268,19 @@ def _keystore(host: Host) -> dict[str, list[tuple[object, ...]]]:
 
 @pytest.mark.parametrize("obstacle", ["a file", "a symlinked log file"])
 def test_an_intent_that_cannot_be_written_stops_the_command_before_anything_moves(
-    softhsm_token: SoftHsmToken, logged: Logged, tmp_path: Path, obstacle: str
+    softhsm_token: SoftHsmToken, logged: Logged, tmp_path: Path, obstacle: str,
+    request: pytest.FixtureRequest,
 ) -> None:
     host = Host(softhsm_token, tmp_path / "host")
+    # The migration target: a second token beside the session's (SoftHSM), so the migrate
+    # below is one that would move every agent if it got past its intent. A kind with one
+    # token names its own: the command stops before any token either way, and backup,
+    # restore and rotate still run there (the fixture would skip the whole test).
+    other = (request.getfixturevalue("second_token") if softhsm_token.kind == "softhsm"
+             else softhsm_token.label)
+    target = tmp_path / "target.toml"
+    target.write_text(host.cli.config.read_text().replace(
+        f'token_label = "{softhsm_token.label}"', f'token_label = "{other}"'))
     assert host("agent", "import", "--owner", PUB_2, stdin=SECRET_X).returncode == 0
     log_dir = host.cli.state / KEY_EVENTS_DIRNAME
     if obstacle == "a file":
@@ -286,7 +296,8 @@ def test_an_intent_that_cannot_be_written_stops_the_command_before_anything_move
     for argv in (("keys", "backup", "--recipient", RECIPIENT, "--out", str(out)),
                  ("keys", "restore", "--identity", str(logged.identity), str(logged.out),
                   "--yes"),
-                 ("keys", "rotate", "--new-kek-label", "never-made")):
+                 ("keys", "rotate", "--new-kek-label", "never-made"),
+                 ("keys", "migrate", "--to-config", str(target))):
         done = host(*argv)
         assert done.returncode == 1 and done.stdout == ""
         assert done.stderr.count("\n") == 1
