@@ -3,9 +3,11 @@
 Each case runs the daemon as its own process (`tests/adversarial/_daemon.py`) on a real
 SoftHSM2 token and edits the audit files the way an attacker with the daemon's file access
 would:
-- rename the live file away, or delete it: the next request that must be audited is
-  answered `failed` + `internal`, the operator log says `audit.unavailable`, and nothing
-  was written into the moved file;
+- rename the live file away, delete it, hard-link it, or replace it (another file put at
+  its path over it, or beside it after a rename: then only the inode tells them apart):
+  the next request that must be audited is answered `failed` + `internal`, the operator
+  log says `audit.unavailable`, and nothing was written into the moved file nor into the
+  one now at its path;
 - cut records off the tail while the daemon is stopped: `serve` refuses to start,
   `audit verify` exits non-zero (the log no longer reaches the head anchored in the state
   database), and `audit reanchor --yes` (for a restore from backup) is the way on: it
@@ -110,7 +112,8 @@ async def _served(daemon: DaemonProcess, credential: str, count: int) -> None:
         assert answer["status"] == "succeeded", (answer, daemon.log()[-2000:])
 
 
-@pytest.mark.parametrize("how", ["rename", "delete", "hard_link"])
+@pytest.mark.parametrize("how", ["rename", "delete", "hard_link", "replace",
+                                 "rename_aside_then_create"])
 async def test_a_moved_or_deleted_live_file_fails_closed(scene: Scene, how: str) -> None:
     agent = await setup_state(scene.token, scene.state_dir, [str(uuid.uuid4())])
     daemon = await scene.start()
@@ -123,8 +126,18 @@ async def test_a_moved_or_deleted_live_file_fails_closed(scene: Scene, how: str)
             live.rename(aside)
         elif how == "delete":
             live.unlink()
-        else:
+        elif how == "hard_link":
             os.link(live, aside)  # a second name someone could later swap in
+        elif how == "replace":
+            # The same name, another file: a copy whose tail the editor controls.
+            copy = scene.state_dir / "copy.jsonl"
+            shutil.copy(live, copy)
+            os.replace(copy, live)
+        else:
+            # The open file keeps its one link under another name and a copy takes the
+            # path: only the (device, inode) comparison tells the two apart.
+            live.rename(aside)
+            shutil.copy(aside, live)
         answer = envelope(await post(daemon.socket, refused(), agent.credential))
         assert (answer["status"], answer["error"]["code"]) == ("failed", "internal")
         # The log failed its last write: a read is no longer counted, it needs a line of
@@ -140,8 +153,10 @@ async def test_a_moved_or_deleted_live_file_fails_closed(scene: Scene, how: str)
         assert events and "replaced" in json.dumps(events), daemon.log()[-2000:]
         by_logger = collections.Counter(e.get("logger") for e in events)
         assert set(by_logger.values()) == {1}, events
-        if how != "delete":
+        if how in ("rename", "hard_link", "rename_aside_then_create"):
             assert aside.stat().st_size == size  # nothing reached the moved file
+        if how in ("replace", "rename_aside_then_create"):
+            assert live.stat().st_size == size  # nor the file that took its path
         if how == "rename":
             # Put back where it belongs, the same chain goes on.
             aside.rename(live)
