@@ -1,11 +1,14 @@
-"""Rate limits and daily quotas: real credentials, a real limits.db, an injected clock."""
+"""Rate limits and daily quotas: real credentials, a real limits.db, an injected clock; the
+rule that a replay costs nothing belongs to the pipeline, so its test drives the whole
+daemon in process (the `broker` fixture: real token, relay and ledger)."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import stat
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,13 +16,11 @@ import pytest
 
 import trio
 
-from buzzwire.contract import Status
-
 from buzzwire.contract import ACTIONS, ErrorCode
-from daemon.state.ledger import Fresh, Ledger, LedgerKey, Replay
 from daemon.state.ratelimit import (
     CLASSES,
     DEFAULT_RATE_CONFIG,
+    FLUSH_INTERVAL_SECONDS,
     LIMITS_FILENAME,
     LIVE_ACTIONS,
     PUBLISH_ACTIONS,
@@ -33,6 +34,7 @@ from daemon.state.ratelimit import (
     rate_config_from_table,
 )
 from daemon.state.sessions import Principal, SessionStore
+from tests.fixtures.broker import BrokerHarness
 
 CHANNEL = "123e4567-e89b-12d3-a456-426614174000"
 #: 2026-11-30 12:00:00 UTC: noon, so the UTC day has 43,200 s left.
@@ -239,18 +241,25 @@ async def test_periodic_flush_and_crash_window(
     tmp_path: Path, principals: tuple[Principal, Principal], autojump_clock: trio.abc.Clock
 ) -> None:
     a, _ = principals
+    assert FLUSH_INTERVAL_SECONDS == 5.0  # the crash window docs/operations.md states
     limiter = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
     async with trio.open_nursery() as nursery:
-        await nursery.start(limiter.flush_periodically, 5.0)
+        await nursery.start(limiter.flush_periodically)  # as daemon/wiring.py starts it
         for _ in range(7):
             assert limiter.take(a, "message.post", NOON) is None
-        # Before the first flush, another process reading the file sees nothing: the
+        await trio.sleep(FLUSH_INTERVAL_SECONDS - 0.5)
+        # Until the first flush, another process reading the file sees nothing: the
         # window a crash may lose (docs/operations.md).
         peek = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
         assert peek.used_today(a.credential_id, "publish", NOON) == 0
         peek.close()
-        while limiter.flushes == 0:  # the flush runs in a thread; virtual time races ahead
+        # The flush runs in a thread, so virtual time races ahead while it writes: the
+        # wait is bounded in real time.
+        deadline = time.monotonic() + 10
+        while limiter.flushes == 0:
+            assert time.monotonic() < deadline, "no flush"
             await trio.sleep(1)
+        assert limiter.flushes == 1  # the first one, one interval in, wrote all seven
         peek = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
         assert peek.used_today(a.credential_id, "publish", NOON) == 7
         peek.close()
@@ -291,29 +300,34 @@ def test_overrides_durable_and_seen_across_processes(
             a.credential_id, [("sign", Rule(count=1, window=Window.SECOND))])
 
 
-async def test_replay_never_costs_quota(
-    tmp_path: Path, principals: tuple[Principal, Principal]
-) -> None:
-    """The pipeline's rule, exercised with the real ledger: take() only for Fresh."""
-    a, _ = principals
-    limiter = RateLimiter.open(tmp_path, rate_config_from_table({"publish_daily": 2}))
-    ledger = Ledger.open(tmp_path / "ledger.db", retention_seconds=3600)
-    answered = []
-    body = b'{"requestId":"r1"}'
-    for attempt in range(5):  # the agent retries the same request five times
-        begun = await ledger.begin(LedgerKey(principal=a.agent, request_id="r1"),
-                                   hashlib.sha256(body).digest())
-        if isinstance(begun, Replay):
-            answered.append("replayed")
-            continue
-        assert isinstance(begun, Fresh) and attempt == 0
-        assert limiter.take(a, "message.post", NOON) is None
-        await ledger.finish(begun.ticket, b"verdict", Status.SUCCEEDED)
-        answered.append("fresh")
-    assert answered == ["fresh"] + ["replayed"] * 4
-    assert limiter.used_today(a.credential_id, "publish", NOON) == 1
-    ledger.close()
-    limiter.close()
+@pytest.mark.broker_config(limits={"publish_daily": 2})
+async def test_replay_never_costs_quota(broker: BrokerHarness) -> None:
+    """The pipeline's rule, through the real daemon (its ledger rules out a replay before
+    the limiter is asked): a request sent five times costs one unit of a quota of two."""
+    channel = str(uuid.uuid4())
+    credential = broker.credential(await broker.human_owned_agent(), [channel])
+
+    async def post(content: str) -> dict[str, object]:
+        return await broker.call(credential, "message.post",
+                                 {"channelId": channel, "content": content},
+                                 request_id=f"replay-{content}")
+
+    first = [await post("first") for _ in range(5)]
+    assert [(e["status"], e.get("replayed", False)) for e in first] == \
+        [("succeeded", False)] + [("succeeded", True)] * 4
+    event_id = first[0]["outcome"]["eventId"]  # type: ignore[index]
+    assert all(e["outcome"] == first[0]["outcome"] for e in first)  # published once
+    # The four replays took nothing: the quota's second unit is still there...
+    second = await post("second")
+    assert second["status"] == "succeeded", second
+    # ... and then it is spent: the quota is real.
+    third = await post("third")
+    assert third["status"] == "failed", third
+    assert "daily quota publish 2/day reached" in third["error"]["message"]  # type: ignore[index]
+    # Over the limit, a replay is still answered, from the ledger.
+    again = await post("first")
+    assert (again["status"], again["replayed"], again["outcome"]["eventId"]) == (  # type: ignore[index]
+        "succeeded", True, event_id)
 
 
 def test_disabled_and_clock_steps(tmp_path: Path, principals: tuple[Principal, Principal]) -> None:
