@@ -12,6 +12,7 @@ custodian stopped").
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -24,6 +25,7 @@ from buzzwire.nostr import verify_signed
 from custody import Custody, UnsignedEvent
 from custody.custodian.ledger import verify_chain
 from tests.custody._sealing import HUMAN
+from tests.custody.test_rotation import second_token  # noqa: F401  (a fixture)
 from tests.fixtures.custodian import CustodianProcess, write_custodian_config
 from tests.fixtures.token import SoftHsmToken
 
@@ -140,4 +142,54 @@ async def test_rotate_refuses_while_a_destroyed_key_is_recoverable_unless_given_
     assert gone.returncode == 1 and "no sealed copy" in gone.stderr, gone.stderr
     async with await Custody.open(token, state) as custody:  # the recovered key signs
         signed = await custody.sign_event(kept, UnsignedEvent(kept, 1, 1, (), "after"))
+    assert verify_signed(signed)
+
+
+@pytest.mark.token_offers("GENERATE_KEY")  # the migration makes its KEK in the target
+async def test_migrate_refuses_while_a_destroyed_key_is_recoverable_unless_given_up(
+        softhsm_token: SoftHsmToken, second_token: str, tmp_path: Path  # noqa: F811
+) -> None:
+    """`migrate` destroys the source token's KEK, which a grace copy is sealed under, as
+    `rotate` does: it refuses the same way, changes nothing, and `--abandon-destroyed`
+    gives the copy up, counted in its log line, while the live key moves and signs."""
+    from tests.custodian.test_refusals import ask
+
+    token = softhsm_token.config(kek_label=f"custmig-{tmp_path.name}"[:50])
+    state = tmp_path / "state"
+    config = write_custodian_config(tmp_path / "custodian.toml", token=token, state_dir=state,
+                                    socket=tmp_path / "c.sock", relay_url="ws://127.0.0.1:1")
+    moved = dataclasses.replace(token, token_label=second_token)
+    target = write_custodian_config(tmp_path / "target.toml", token=moved, state_dir=state,
+                                    socket=tmp_path / "c.sock", relay_url="ws://127.0.0.1:1")
+    assert _keys(config, "init").returncode == 0
+    running = CustodianProcess(config, tmp_path / "c.sock")
+    running.start()
+    try:
+        agents = []
+        for n in range(2):
+            ok, record = ask(running.socket, "import", tail=f"{n + 1:064x}".encode(),
+                             secret_bytes=64, owner=HUMAN, auth_tag=None)
+            assert ok, record
+            agents.append(record["pubkey"])  # type: ignore[index]
+        assert ask(running.socket, "destroy", pubkey=agents[1])[0]
+    finally:
+        running.stop()
+    live, destroyed = agents
+    log = state / "custodian" / "signed.jsonl"
+    before = log.read_text()
+    refused = _keys(config, "migrate", "--to-config", str(target))
+    assert refused.returncode == 1, refused.stderr
+    assert "1 destroyed key(s) can still be recovered" in refused.stderr, refused.stderr
+    assert "--abandon-destroyed" in refused.stderr
+    assert log.read_text() == before, "refused before anything changed"
+    migrated = _keys(config, "migrate", "--to-config", str(target), "--abandon-destroyed")
+    assert migrated.returncode == 0, migrated.stderr
+    last = json.loads(log.read_text().splitlines()[-1])
+    assert last["op"] == "migrate" and last["abandoned"] == 1 and last["agents"] == 1
+    assert last["new_token"] == second_token
+    assert verify_chain(log) == len(log.read_text().splitlines())
+    gone = _recover(target, destroyed)
+    assert gone.returncode == 1 and "no sealed copy" in gone.stderr, gone.stderr
+    async with await Custody.open(moved, state) as custody:  # the live key signs there
+        signed = await custody.sign_event(live, UnsignedEvent(live, 1, 1, (), "moved"))
     assert verify_signed(signed)
