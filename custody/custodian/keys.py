@@ -28,11 +28,16 @@ Rules:
   entry checked before anything is shown; an agent held for another owner, removed here,
   a mint reference taken, an ownership cycle refuse the whole restore). It opens custody
   with the state lock held exclusively, so it refuses beside a running custodian (whose
-  records, version and log would not see the restore), and lists the backup's agents on
-  stdout, asks on the terminal unless `--yes` (no terminal and no `--yes`: refused), seals,
-  writes the custodian's log (one line per agent sealed, then the counts, the file's path
-  and sha256), then prints the daemon's `keys restore` summary on stderr. ID is read only if
-  it is a regular file, not a symlink, mode 0600 or stricter.
+  records, version and log would not see the restore), then the custodian's log (a log
+  whose last line is not its own refuses the restore there, `BrokenLog`: nothing listed
+  or restored), lists the backup's agents on stdout, asks on the terminal unless `--yes`
+  (no terminal and no `--yes`: refused), and, when there is anything to seal, writes its
+  `intent` line (the backup's sha256, the count to seal) on disk before sealing; then one
+  line per agent sealed and the counts, the file's path and sha256, naming the intent's
+  seq; or `failed` if the sealing raised. A run killed between leaves its intent with no
+  outcome: run again, it seals the rest under an intent of its own, or, all held, writes
+  its counts alone. Then it prints the daemon's `keys restore` summary on stderr. ID is
+  read only if it is a regular file, not a symlink, mode 0600 or stricter.
 - Names are the daemon's directory's, not the custodian's: `--names-out NAMES` writes a
   new file (O_EXCL, 0600; removed if the restore fails), for `buzz-broker agent
   import-names < NAMES` under the daemon's uid: a first line `{"restore": {"file",
@@ -54,6 +59,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from custody._errors import CustodyError
 from custody._keys import init_keys, rotate_keys
@@ -62,6 +68,10 @@ from custody._keystore import KEYSTORE_FILE, ReadIndex
 from custody.custodian.config import ConfigError, CustodianConfig, load
 from custody.custodian.grace import Graveyard
 from custody.custodian.ledger import SignLog
+
+if TYPE_CHECKING:  # imported by `restore` alone, when it runs
+    from custody._facade import Custody
+    from custody._restore import BackupContents, RestoreResult
 
 __all__ = ["USAGE", "run"]
 
@@ -145,6 +155,27 @@ async def run(config: CustodianConfig, words: list[str]) -> None:
           f"{', '.join(report.destroyed) or 'none'}", flush=True)
 
 
+def _log_fault(exc: OSError, what: str) -> CustodyError:
+    return CustodyError(f"the custodian's log cannot be written ({exc.strerror}): {what}")
+
+
+def _open_log(config: CustodianConfig, what: str) -> SignLog:
+    """The custodian's log, opened to append: BrokenLog (its last line not its own) as is,
+    any other fault a CustodyError ending with `what` (what it leaves done)."""
+    try:
+        return SignLog(config.settings.log_path, config.settings.log_max_bytes)
+    except OSError as exc:
+        raise _log_fault(exc, what) from None
+
+
+def _append(log: SignLog, entries: list[dict[str, object]], what: str) -> int:
+    """`entries` on disk (SignLog.append: synced); the last one's seq."""
+    try:
+        return log.append(entries)
+    except OSError as exc:
+        raise _log_fault(exc, what) from None
+
+
 class _Journal:
     """A rotation's lines in the custodian's log, by `rotate` under the state lock
     (custody/_rotation.py `Journal`): the log is opened there too, as the chain's head
@@ -156,15 +187,11 @@ class _Journal:
         self._seq = 0
 
     def _line(self, entry: dict[str, object], what: str) -> int:
+        log = _open_log(self._config, what)
         try:
-            log = SignLog(self._config.settings.log_path, self._config.settings.log_max_bytes)
-            try:
-                return log.append([entry])
-            finally:
-                log.close()
-        except OSError as exc:
-            raise CustodyError(f"the custodian's log cannot be written ({exc.strerror}): "
-                               f"{what}") from None
+            return _append(log, [entry], what)
+        finally:
+            log.close()
 
     def begun(self) -> None:
         self._seq = self._line({"op": "intent", "for": self._op, **self._known,
@@ -214,12 +241,46 @@ def _names_text(backup: str, digest: str, entries: list[tuple[str, str | None, o
               "restored": pubkey in restored}) for pubkey, name, creator in entries)
 
 
-async def _restore(config: CustodianConfig, options: dict[str, str]) -> None:
+async def _sealed(custody: Custody, contents: BackupContents, log: SignLog,
+                  digest: str, count: int) -> tuple[RestoreResult, int]:
+    """`restore_backup` after its intent line, on disk first (a write that fails restores
+    nothing); if it raises, a `failed` line naming the fault's type (server.py `_change`,
+    for a restore). The caller writes the outcome. The result and the intent's seq."""
+    from custody._restore import restore_backup
+
+    seq = _append(log, [{"op": "intent", "for": "restore", "sha256": digest,
+                         "agents": count}], "nothing restored")
+    try:
+        return await restore_backup(custody, contents), seq
+    except Exception as exc:
+        with contextlib.suppress(CustodyError):  # the fault that ended it is the one said
+            _append(log, [{"op": "failed", "intent": seq, "fault": type(exc).__name__}], "")
+        raise
+
+
+def _listed(contents: BackupContents, held: set[str]) -> list[tuple[str, str | None, object]]:
+    """Each backup agent on stdout, as the daemon's `keys restore` lists them; each one's
+    pubkey, name (None if it has none) and creator."""
     from buzzwire.contract import printable_json
+
+    entries: list[tuple[str, str | None, object]] = []
+    for record in contents.records:
+        public = contents.public(record.pubkey)
+        name = public.get("name")
+        # printable_json: a hostile backup's name cannot reach the terminal raw.
+        print(f"{record.pubkey}  owner={record.owner}  "
+              f"{'auth-tag' if record.auth_tag else '-'}  "
+              f"{'already held' if record.pubkey in held else 'restore'}  "
+              f"{printable_json(name) if isinstance(name, str) else '-'}", flush=True)
+        entries.append((record.pubkey, name if isinstance(name, str) else None,
+                        public.get("creator")))
+    return entries
+
+
+async def _restore(config: CustodianConfig, options: dict[str, str]) -> None:
     from custody._facade import Custody
     from custody._files import read_bounded
-    from custody._restore import (MAX_BACKUP_BYTES, MAX_IDENTITY_BYTES, RestoreResult,
-                                  open_backup, restore_backup, restore_plan)
+    from custody._restore import MAX_BACKUP_BYTES, MAX_IDENTITY_BYTES, open_backup, restore_plan
 
     backup = Path(options["BACKUP"])
     ciphertext = bytes(read_bounded(backup, MAX_BACKUP_BYTES, "backup", private=False))
@@ -227,7 +288,6 @@ async def _restore(config: CustodianConfig, options: dict[str, str]) -> None:
     identity = read_bounded(Path(options["--identity"]), MAX_IDENTITY_BYTES,
                              "identity file", private=True)
     names_path = Path(options["--names-out"]) if "--names-out" in options else None
-    entries: list[tuple[str, str | None, object]] = []  # pubkey, name, creator
     fd: int | None = None
     try:
         contents = open_backup(ciphertext, identity)  # zeroes `identity`
@@ -238,48 +298,46 @@ async def _restore(config: CustodianConfig, options: dict[str, str]) -> None:
         # see the restore (and the log would fork): stop it first, as for rotate.
         async with await Custody.open(config.token, config.state_dir, config.cache,
                                       exclusive=True) as custody:
-            plan = restore_plan(custody, contents)
-            held = set(plan.already_held)
-            for record in contents.records:
-                public = contents.public(record.pubkey)
-                name = public.get("name")
-                # printable_json: a hostile backup's name cannot reach the terminal raw.
-                print(f"{record.pubkey}  owner={record.owner}  "
-                      f"{'auth-tag' if record.auth_tag else '-'}  "
-                      f"{'already held' if record.pubkey in held else 'restore'}  "
-                      f"{printable_json(name) if isinstance(name, str) else '-'}", flush=True)
-                entries.append((record.pubkey, name if isinstance(name, str) else None,
-                                public.get("creator")))
-            result: RestoreResult = plan
-            if plan.restored:
-                if not _confirmed(len(plan.restored), "--yes" in options):
-                    raise CustodyError("restore not confirmed; nothing restored")
-                fd = None if names_path is None else _names_file(names_path)
-                try:
-                    result = await restore_backup(custody, contents)
-                except BaseException:
-                    if fd is not None:
-                        os.close(fd)
-                        names_path.unlink(missing_ok=True)  # type: ignore[union-attr]
-                    raise
-            elif names_path is not None:
-                fd = _names_file(names_path)
-            if fd is not None:
-                with os.fdopen(fd, "w", encoding="utf-8") as out:
-                    out.write(_names_text(str(backup), digest, entries, set(result.restored)))
-                    out.flush()
-                    os.fsync(out.fileno())
-            log = SignLog(config.settings.log_path, config.settings.log_max_bytes)
+            # The log next, under the lock, so no custodian starting meanwhile forks the
+            # chain; one whose last line is not its own (BrokenLog) refuses the restore
+            # here, before anything is listed, asked or restored.
+            log = _open_log(config, "nothing restored")
             try:
-                # Under the lock, so no custodian starting meanwhile forks the chain. One
-                # line per agent: one naming thousands would outgrow the log's tail read.
+                plan = restore_plan(custody, contents)
+                entries = _listed(contents, set(plan.already_held))
+                result: RestoreResult = plan
+                intent: dict[str, object] = {}  # nothing to restore: no intent to name
+                if plan.restored:
+                    if not _confirmed(len(plan.restored), "--yes" in options):
+                        raise CustodyError("restore not confirmed; nothing restored")
+                    fd = None if names_path is None else _names_file(names_path)
+                    try:
+                        result, seq = await _sealed(custody, contents, log, digest,
+                                                    len(plan.restored))
+                    except BaseException:
+                        if fd is not None:
+                            os.close(fd)
+                            names_path.unlink(missing_ok=True)  # type: ignore[union-attr]
+                        raise
+                    intent = {"intent": seq}
+                elif names_path is not None:
+                    fd = _names_file(names_path)
+                if fd is not None:
+                    with os.fdopen(fd, "w", encoding="utf-8") as out:
+                        out.write(_names_text(str(backup), digest, entries,
+                                              set(result.restored)))
+                        out.flush()
+                        os.fsync(out.fileno())
+                # One line per agent: one naming thousands would outgrow the log's tail
+                # read. A run killed before them leaves its intent, with no outcome.
                 lines: list[dict[str, object]] = [
                     {"op": "restore", "agent": pubkey, "sha256": digest}
                     for pubkey in result.restored]
                 lines.append({"op": "restore", "agents": len(result.restored),
                               "held": len(result.already_held), "sha256": digest,
-                              "file": str(backup)})
-                log.append(lines)
+                              "file": str(backup), **intent})
+                _append(log, lines, "the restore is done, and its intent line stands for it"
+                        if intent else "nothing was restored")
             finally:
                 log.close()
     if names_path is not None:

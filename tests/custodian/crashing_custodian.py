@@ -7,9 +7,11 @@ OP `backup-write`: killed instead halfway through writing a backup's bytes to di
 OP `mint:intent` (`import`, `destroy`, `attach_auth` likewise): killed once the row's
 intent line is on disk, before custody is asked; `mint:changed`: once custody's change
 returned, before its outcome line (the write-ahead's two windows, server.py `_change`).
-ARGUMENTS: the custodian's command instead of serving (`keys rotate`): OP is then one of
+ARGUMENTS: the custodian's command instead of serving. `keys rotate`: OP is then one of
 `custody.ROTATION_CHECKPOINTS` (killed there), or `released`: stopped (SIGSTOP) once the
 rotation has let the state lock go, so the test can start a custodian in that window.
+`keys restore`: OP `restore:intent` or `restore:changed`, the same two windows around
+`restore_backup` (custody/custodian/keys.py `_sealed`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from custody import Custody
+from custody import _restore as restoring
 from custody._statelock import StateLock
 from custody.custodian import backup
 from custody.custodian import keys as key_commands
@@ -30,9 +33,12 @@ from custody.custodian.main import main
 from custody.custodian.server import Custodian
 from tests.fixtures.kill import kill_at
 
-#: A row that changes the keystore -> the Custody call that makes its change.
-CHANGES = {"mint": "mint_agent", "import": "import_agent", "destroy": "destroy_agent",
-           "attach_auth": "attach_auth_tag"}
+#: A row that changes the keystore (and `keys restore`) -> where the call that makes its
+#: change is looked up when called, and its name there.
+CHANGES: dict[str, tuple[object, str]] = {
+    "mint": (Custody, "mint_agent"), "import": (Custody, "import_agent"),
+    "destroy": (Custody, "destroy_agent"), "attach_auth": (Custody, "attach_auth_tag"),
+    "restore": (restoring, "restore_backup")}
 
 
 def _arm_mid_write() -> None:
@@ -59,14 +65,15 @@ def _arm_intent(op: str) -> None:
 
 
 def _arm_changed(op: str) -> None:
-    change, checkpoint = getattr(Custody, CHANGES[op]), kill_at("custodian", f"{op}:changed")
+    owner, name = CHANGES[op]
+    change, checkpoint = getattr(owner, name), kill_at("custodian", f"{op}:changed")
 
-    async def then_killed(self: Custody, *args: Any, **kw: Any) -> object:
-        record = await change(self, *args, **kw)
+    async def then_killed(*args: Any, **kw: Any) -> object:  # a method's self among them
+        record = await change(*args, **kw)
         checkpoint(f"{op}:changed")
         return record
 
-    setattr(Custody, CHANGES[op], then_killed)
+    setattr(owner, name, then_killed)
 
 
 def _arm_rotation(step: str) -> None:
@@ -102,7 +109,7 @@ def _arm(op: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[3:]:
+    if sys.argv[3:] and ":" not in sys.argv[2]:
         _arm_rotation(sys.argv[2])
     else:
         _arm(sys.argv[2])

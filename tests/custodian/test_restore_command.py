@@ -14,21 +14,32 @@ with the custodian stopped"; docs/install.md, "Restore").
   backup's path and sha256, the agents restored; a stranger in the file is not), writes
   the names into the directory (seen through `agent list`, the records the custodian's),
   the log verifies, and the restored key signs through the custodian.
+- Write-ahead (docs/custodian.md, "A change's lines"): the log is opened first, so one
+  whose last line is not its own refuses the restore before anything is listed or
+  restored; an `intent` line is on disk before anything is sealed, so a restore
+  SIGKILLed on either side of the sealing keeps a line, and its rerun writes its own
+  (`test_a_restore_killed_on_either_side_of_its_sealing_keeps_its_intent_line`,
+  `test_a_log_whose_last_line_is_not_its_own_refuses_the_restore_before_it_restores`).
 Under one uid here (the test's): nothing is separated but the processes.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import resource
+import signal
 import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import coincurve
+import pytest
 import trio
 
 from buzzwire.nostr import verify_signed
@@ -45,16 +56,22 @@ from tests.fixtures.custodian import CustodianProcess, write_custodian_config
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _run(*argv: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+def _run(*argv: str, stdin: str = "",
+         file_size: int | None = None) -> subprocess.CompletedProcess[str]:
+    """`python ARGV...`; `file_size`: its RLIMIT_FSIZE (a write past it fails, EFBIG: a
+    full disk for the files it grows)."""
     env = {k: v for k, v in os.environ.items() if k != "CREDENTIALS_DIRECTORY"}
+    limit = None if file_size is None else functools.partial(
+        resource.setrlimit, resource.RLIMIT_FSIZE, (file_size, resource.RLIM_INFINITY))
     done = subprocess.run([sys.executable, *argv], cwd=REPO, env=env, input=stdin,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, preexec_fn=limit)
     assert "Traceback" not in done.stderr, done.stderr
     return done
 
 
-def _keys(config: Path, *words: str) -> subprocess.CompletedProcess[str]:
-    return _run("-m", "custody.custodian", str(config), "keys", *words)
+def _keys(config: Path, *words: str,
+          file_size: int | None = None) -> subprocess.CompletedProcess[str]:
+    return _run("-m", "custody.custodian", str(config), "keys", *words, file_size=file_size)
 
 
 def _cli(config: Path, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
@@ -120,7 +137,10 @@ def test_restore_under_the_custodians_config_then_names_to_the_directory(
     assert {e.get("agent") for e in lines if e["op"] == "restore"} >= set(agents)
     assert (lines[-1]["agents"], lines[-1]["held"]) == (2, 0)
     assert (lines[-1]["sha256"], lines[-1]["file"]) == (digest, str(backup))
-    assert verify_chain(log) == 3
+    assert lines[0] == {**lines[0], "op": "intent", "for": "restore", "sha256": digest,
+                        "agents": 2}  # on disk before anything was sealed
+    assert lines[-1]["intent"] == lines[0]["seq"]
+    assert verify_chain(log) == 4
 
     names_again = tmp_path / "names-again.jsonl"
     again = _keys(config, "restore", "--identity", str(identity), "--yes", "--names-out",
@@ -129,6 +149,9 @@ def test_restore_under_the_custodians_config_then_names_to_the_directory(
     assert "already held" in again.stdout
     assert [json.loads(line).get("restored") for line in
             names_again.read_text().splitlines()] == [None, False, False]
+    *_, nothing = [json.loads(line) for line in log.read_text().splitlines()]
+    assert (nothing["op"], nothing["agents"], nothing["held"]) == ("restore", 0, 2)
+    assert "intent" not in nothing  # nothing to restore: no intent line, none named
 
     # The daemon's side, as the pipeline's uid: no [pkcs11] needed, a state dir of its own.
     running.start()
@@ -205,6 +228,141 @@ def test_restore_under_the_custodians_config_then_names_to_the_directory(
     leaks += scan.findings(key_event_bytes(pipeline_state), "the daemon's key-event log")
     leaks += scan.findings(stderr, "the custodian's stderr")
     assert not leaks, leaks
+
+
+def _backup(token: TokenConfig, source_state: Path, tmp_path: Path, count: int = 2,
+            name: str = "agents.age") -> tuple[list[str], Path, Path]:
+    """`count` agents more in `source_state`, then a backup of every agent it holds: the
+    new agents' pubkeys, the backup, its identity (made once, at tmp_path/backup.key)."""
+    identity = tmp_path / "backup.key"
+    recipient = age_identity(identity) if not identity.exists() else (
+        subprocess.run(["age-keygen", "-y", str(identity)], capture_output=True, text=True,
+                       check=True, timeout=30).stdout.strip())
+
+    async def make_backup() -> list[str]:
+        async with await Custody.open(token, source_state) as custody:
+            agents = [(await custody.import_agent(
+                bytearray(coincurve.PrivateKey().secret.hex().encode()), owner=HUMAN)).pubkey
+                for _ in range(count)]
+            exported = await export_backup(custody, [recipient], {})
+        (tmp_path / name).write_bytes(exported.ciphertext)
+        return agents
+
+    return trio.run(make_backup), tmp_path / name, identity
+
+
+def _lines(log: Path) -> list[dict[str, Any]]:
+    """The log's lines, once its chain verifies whole."""
+    text = log.read_text()
+    assert verify_chain(log) == len(text.splitlines())
+    return [json.loads(line) for line in text.splitlines()]
+
+
+@pytest.mark.parametrize("point", ["intent", "changed"])
+def test_a_restore_killed_on_either_side_of_its_sealing_keeps_its_intent_line(
+        point: str, custody_state: tuple[TokenConfig, Path], tmp_path: Path) -> None:
+    """SIGKILLed once its intent is on disk (nothing sealed yet), and once `restore_backup`
+    returned (every agent sealed, no line after the intent). Before, the log was opened
+    only after the sealing: either kill left no line at all, and after the second the
+    rerun counted the agents "already held" and wrote no line for them, ever."""
+    token, source_state = custody_state
+    agents, backup, identity = _backup(token, source_state, tmp_path)
+    state = tmp_path / "custodian-state"
+    config = write_custodian_config(tmp_path / "custodian.toml", token=token, state_dir=state,
+                                    socket=tmp_path / "c.sock", relay_url="ws://127.0.0.1:1")
+    log = state / "custodian" / "signed.jsonl"
+    restore = ("keys", "restore", "--identity", str(identity), "--yes", str(backup))
+    digest = hashlib.sha256(backup.read_bytes()).hexdigest()
+
+    killed = subprocess.run(
+        [sys.executable, "-m", "tests.custodian.crashing_custodian", str(config),
+         f"restore:{point}", *restore], cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "CREDENTIALS_DIRECTORY"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert f"custodian.kill step=restore:{point}" in killed.stderr
+    (intent,) = _lines(log)  # the chain verifies, and the intent is its one line
+    assert {k: intent[k] for k in ("op", "for", "sha256", "agents")} == {
+        "op": "intent", "for": "restore", "sha256": digest, "agents": 2}
+
+    # The rerun: sealed by the killed run, the agents are "already held", and this run
+    # changes nothing, so it writes its summary alone; killed before, it restores them
+    # under an intent of its own. Either way the killed intent stands with no outcome.
+    rerun = _keys(config, *restore[1:])
+    assert rerun.returncode == 0, rerun.stderr
+    after = _lines(log)[1:]
+    assert {e.get("intent") for e in after} <= {None, *(e["seq"] for e in after)}
+    *sealed, summary = after
+    if point == "changed":
+        assert "restored 0 agents; 2 already held" in rerun.stderr
+        assert sealed == [] and "intent" not in summary
+        assert (summary["agents"], summary["held"], summary["sha256"]) == (0, 2, digest)
+    else:
+        assert "restored 2 agents; 0 already held" in rerun.stderr
+        again, *each = sealed
+        assert (again["op"], again["for"], again["agents"]) == ("intent", "restore", 2)
+        assert sorted(e["agent"] for e in each) == sorted(agents)
+        assert (summary["agents"], summary["held"], summary["intent"]) == (2, 0, again["seq"])
+
+
+def test_a_log_whose_last_line_is_not_its_own_refuses_the_restore_before_it_restores(
+        custody_state: tuple[TokenConfig, Path], tmp_path: Path) -> None:
+    """Before, the restore sealed every agent and wrote the names file, and only then
+    opened the log and was refused: the agents were restored with no line."""
+    token, source_state = custody_state
+    _, backup, identity = _backup(token, source_state, tmp_path)
+    state = tmp_path / "custodian-state"
+    config = write_custodian_config(tmp_path / "custodian.toml", token=token, state_dir=state,
+                                    socket=tmp_path / "c.sock", relay_url="ws://127.0.0.1:1")
+    log = state / "custodian" / "signed.jsonl"
+    log.parent.mkdir(parents=True, mode=0o700)
+    log.write_text('{"op": "restore"}\n')  # no seq, no hash: no line of this log
+    names = tmp_path / "names.jsonl"
+    restore = ("restore", "--identity", str(identity), "--yes", "--names-out", str(names),
+               str(backup))
+
+    refused = _keys(config, *restore)
+    assert refused.returncode == 1
+    opened, fault = refused.stderr.splitlines()  # custody's own info line, then the fault
+    assert opened.startswith("custodian: custody open: ")
+    assert "its last line is not a line of this log" in fault
+    assert refused.stdout == "" and not names.exists()  # nothing listed, nothing written
+    assert log.read_text() == '{"op": "restore"}\n'
+
+    log.rename(log.with_name("set-aside.jsonl"))  # as the line says: nothing was restored
+    done = _keys(config, *restore)
+    assert done.returncode == 0 and "restored 2 agents; 0 already held" in done.stderr
+
+
+def test_a_restore_the_keystore_cannot_take_has_its_failed_line(
+        custody_state: tuple[TokenConfig, Path], tmp_path: Path) -> None:
+    """The keystore's write fails partway (the file-size limit, as a full disk): the intent
+    stands, then `failed` naming it and the fault's type; the operator is told the fault
+    itself. Run again without the limit, it restores the rest. Before, nothing was written:
+    the agents sealed before the fault had no line, and the rerun held them unsaid."""
+    token, source_state = custody_state
+    _, first, identity = _backup(token, source_state, tmp_path)
+    _, more, _ = _backup(token, source_state, tmp_path, 20, "more.age")  # 22 agents
+    state = tmp_path / "custodian-state"
+    config = write_custodian_config(tmp_path / "custodian.toml", token=token, state_dir=state,
+                                    socket=tmp_path / "c.sock", relay_url="ws://127.0.0.1:1")
+    log = state / "custodian" / "signed.jsonl"
+    assert _keys(config, "restore", "--identity", str(identity), "--yes",
+                 str(first)).returncode == 0  # the keystore made, and two agents in it
+    before = len(_lines(log))
+
+    # 32 KiB: the keystore's WAL index (-shm) is made that size at open, the log stays far
+    # below it, and the WAL outgrows it within the first commits (each a 4 KiB page or more).
+    failed = _keys(config, "restore", "--identity", str(identity), "--yes", str(more),
+                   file_size=32 * 1024)
+    assert failed.returncode == 1 and "keystore write failed" in failed.stderr, failed.stderr
+    intent, fault = _lines(log)[before:]
+    assert (intent["op"], intent["for"], intent["agents"]) == ("intent", "restore", 20)
+    assert fault == {**fault, "op": "failed", "intent": intent["seq"], "fault": "CustodyError"}
+
+    rerun = _keys(config, "restore", "--identity", str(identity), "--yes", str(more))
+    assert rerun.returncode == 0, rerun.stderr
+    *_, summary = _lines(log)
+    assert summary["agents"] + summary["held"] == 22 and summary["held"] >= 2
 
 
 def test_restore_usage_lines(tmp_path: Path) -> None:
