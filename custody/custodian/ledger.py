@@ -4,11 +4,11 @@ Why its own: a compromised pipeline can write its own ledger and audit log as it
 this one is written only by the process that holds the keys, under its uid.
 
 - `SignLog`: one JSON line per answered request (op, agent, kind and event id for a
-  signature, a count for NIP-44; a key change has an `intent` line before: server.py),
-  each carrying `prev`, the hash of the line before, and last `hash` = SHA-256(prev ||
-  the line without `hash`). Nothing secret goes in: ids, kinds, pubkeys, counts. Disk is
-  bounded by `max_bytes`: past it the file moves to `.1` (replacing the older one) and
-  the chain continues in the new file from the last hash.
+  signature, a count for NIP-44; a key change has an `intent` line before: server.py,
+  keys.py), each carrying `prev`, the hash of the line before, and last `hash` =
+  SHA-256(prev || the line without `hash`). Nothing secret goes in: ids, kinds, pubkeys,
+  counts. Disk is bounded by `max_bytes`: past it the file moves to `.1` (replacing the
+  older one) and the chain continues in the new file from the last hash.
   The head moves only once a write is written and on disk (fdatasync: once per append,
   so a batch of lines costs one; a failed one is cut off again), so no answer leaves
   before its line would survive a power cut; a last line a crash left without its newline
