@@ -230,6 +230,21 @@ def _names_file(path: Path) -> int:
         raise CustodyError(f"cannot create --names-out {path}: {exc.strerror}") from None
 
 
+def _write_names(fd: int, path: Path, text: str) -> None:
+    """`text` into the new `--names-out` file `fd` (`path`), synced; a fault removes it and
+    is one line: the restore and its log lines are done by then."""
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+    except OSError as exc:
+        path.unlink(missing_ok=True)
+        raise CustodyError(f"cannot write --names-out {path}: {exc.strerror}; the restore is "
+                           "done and in the custodian's log: run it again with another "
+                           "--names-out (every agent then already held)") from None
+
+
 def _names_text(backup: str, digest: str, entries: list[tuple[str, str | None, object]],
                 restored: set[str]) -> str:
     """The `--names-out` file: the restore's header, then one line per backup agent."""
@@ -311,23 +326,11 @@ async def _restore(config: CustodianConfig, options: dict[str, str]) -> None:
                     if not _confirmed(len(plan.restored), "--yes" in options):
                         raise CustodyError("restore not confirmed; nothing restored")
                     fd = None if names_path is None else _names_file(names_path)
-                    try:
-                        result, seq = await _sealed(custody, contents, log, digest,
-                                                    len(plan.restored))
-                    except BaseException:
-                        if fd is not None:
-                            os.close(fd)
-                            names_path.unlink(missing_ok=True)  # type: ignore[union-attr]
-                        raise
+                    result, seq = await _sealed(custody, contents, log, digest,
+                                                len(plan.restored))
                     intent = {"intent": seq}
                 elif names_path is not None:
                     fd = _names_file(names_path)
-                if fd is not None:
-                    with os.fdopen(fd, "w", encoding="utf-8") as out:
-                        out.write(_names_text(str(backup), digest, entries,
-                                              set(result.restored)))
-                        out.flush()
-                        os.fsync(out.fileno())
                 # One line per agent: one naming thousands would outgrow the log's tail
                 # read. A run killed before them leaves its intent, with no outcome.
                 lines: list[dict[str, object]] = [
@@ -338,8 +341,15 @@ async def _restore(config: CustodianConfig, options: dict[str, str]) -> None:
                               "file": str(backup), **intent})
                 _append(log, lines, "the restore is done, and its intent line stands for it"
                         if intent else "nothing was restored")
+                if fd is not None and names_path is not None:  # after the lines: a names
+                    names_fd, fd = fd, None  # file that fails loses none of them
+                    _write_names(names_fd, names_path, _names_text(
+                        str(backup), digest, entries, set(result.restored)))
             finally:
                 log.close()
+                if fd is not None:  # refused or failed before its names were written
+                    os.close(fd)
+                    names_path.unlink(missing_ok=True)  # type: ignore[union-attr]
     if names_path is not None:
         print(f"custodian: the backup's names and this restore's summary are in "
               f"{names_path}; give them to the daemon's directory and key-event log: "

@@ -26,6 +26,7 @@ Under one uid here (the test's): nothing is separated but the processes.
 from __future__ import annotations
 
 import functools
+import contextlib
 import hashlib
 import json
 import os
@@ -363,6 +364,45 @@ def test_a_restore_the_keystore_cannot_take_has_its_failed_line(
     assert rerun.returncode == 0, rerun.stderr
     *_, summary = _lines(log)
     assert summary["agents"] + summary["held"] == 22 and summary["held"] >= 2
+
+
+def test_a_names_file_the_disk_cannot_take_is_one_line_after_the_lines(
+        custody_state: tuple[TokenConfig, Path], tmp_path: Path) -> None:
+    """`--names-out` on a full filesystem (a real one: a tmpfs filled to its last byte):
+    the restore is done and its lines are in the log, so the fault is one line saying
+    so, and no torn names file is left. Before, the names were written first: the write
+    raised a traceback and the restore's lines were never written."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root")
+    token, source_state = custody_state
+    agents, backup, identity = _backup(token, source_state, tmp_path)
+    state = tmp_path / "custodian-state"
+    config = write_custodian_config(tmp_path / "custodian.toml", token=token, state_dir=state,
+                                    socket=tmp_path / "c.sock", relay_url="ws://127.0.0.1:1")
+    log = state / "custodian" / "signed.jsonl"
+    full = tmp_path / "full"
+    full.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(full)],
+                             capture_output=True, text=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        with open(full / "filler", "wb", buffering=0) as out:
+            with contextlib.suppress(OSError):
+                while True:
+                    out.write(b"\0" * 4096)
+        names = full / "names.jsonl"
+        done = _keys(config, "restore", "--identity", str(identity), "--yes",
+                     "--names-out", str(names), str(backup))
+        assert not names.exists()
+    finally:
+        subprocess.run(["umount", "-l", str(full)], check=False)
+    assert done.returncode == 1
+    fault = done.stderr.strip().splitlines()[-1]
+    assert "cannot write --names-out" in fault and "the restore is done" in fault, done.stderr
+    intent, *each, summary = _lines(log)
+    assert (intent["op"], summary["intent"]) == ("intent", intent["seq"])
+    assert sorted(e["agent"] for e in each) == sorted(agents)
 
 
 def test_restore_usage_lines(tmp_path: Path) -> None:
