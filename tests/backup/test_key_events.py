@@ -274,10 +274,11 @@ def test_an_intent_that_cannot_be_written_stops_the_command_before_anything_move
     host = Host(softhsm_token, tmp_path / "host")
     # The migration target: a second token beside the session's (SoftHSM), so the migrate
     # below is one that would move every agent if it got past its intent. A kind with one
-    # token names its own: the command stops before any token either way, and backup,
-    # restore and rotate still run there (the fixture would skip the whole test).
+    # token names another label, which no token has: the command must stop before any
+    # token either way (its own token is refused as "the same token" before the intent),
+    # and backup, restore and rotate still run there (the fixture would skip the test).
     other = (request.getfixturevalue("second_token") if softhsm_token.kind == "softhsm"
-             else softhsm_token.label)
+             else f"{softhsm_token.label}-none")
     target = tmp_path / "target.toml"
     target.write_text(host.cli.config.read_text().replace(
         f'token_label = "{softhsm_token.label}"', f'token_label = "{other}"'))
