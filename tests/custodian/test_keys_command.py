@@ -106,26 +106,11 @@ async def test_rotate_refuses_while_a_destroyed_key_is_recoverable_unless_given_
     silently made every such destroy final. `rotate` (and `migrate`) refuse while one is
     held, naming both ways on; a key recovered first is resealed with the rest, and
     `--abandon-destroyed` gives the others up, counted in the custodian's log."""
-    from tests.custodian.test_refusals import ask
-
     token = softhsm_token.config(kek_label=f"custgrace-{tmp_path.name}"[:50])
     state = tmp_path / "state"
     config = write_custodian_config(tmp_path / "custodian.toml", token=token, state_dir=state,
                                     socket=tmp_path / "c.sock", relay_url="ws://127.0.0.1:1")
-    assert _keys(config, "init").returncode == 0
-    running = CustodianProcess(config, tmp_path / "c.sock")
-    running.start()
-    try:
-        agents = []
-        for n in range(2):
-            ok, record = ask(running.socket, "import", tail=f"{n + 1:064x}".encode(),
-                             secret_bytes=64, owner=HUMAN, auth_tag=None)
-            assert ok, record
-            agents.append(record["pubkey"])  # type: ignore[index]
-            assert ask(running.socket, "destroy", pubkey=agents[-1])[0]
-    finally:
-        running.stop()
-    kept, given_up = agents
+    kept, given_up = _two_agents(config, tmp_path / "c.sock", destroyed=2)
     log = state / "custodian" / "signed.jsonl"
     refused = _keys(config, "rotate")
     assert refused.returncode == 1 and "2 destroyed key(s) can still be recovered" in refused.stderr
@@ -145,24 +130,13 @@ async def test_rotate_refuses_while_a_destroyed_key_is_recoverable_unless_given_
     assert verify_signed(signed)
 
 
-@pytest.mark.token_offers("GENERATE_KEY")  # the migration makes its KEK in the target
-async def test_migrate_refuses_while_a_destroyed_key_is_recoverable_unless_given_up(
-        softhsm_token: SoftHsmToken, second_token: str, tmp_path: Path  # noqa: F811
-) -> None:
-    """`migrate` destroys the source token's KEK, which a grace copy is sealed under, as
-    `rotate` does: it refuses the same way, changes nothing, and `--abandon-destroyed`
-    gives the copy up, counted in its log line, while the live key moves and signs."""
+def _two_agents(config: Path, socket: Path, *, destroyed: int) -> tuple[str, str]:
+    """`keys init`, then a custodian that imports two agents and destroys the last
+    `destroyed` of them (each kept as a grace copy), stopped again: their pubkeys."""
     from tests.custodian.test_refusals import ask
 
-    token = softhsm_token.config(kek_label=f"custmig-{tmp_path.name}"[:50])
-    state = tmp_path / "state"
-    config = write_custodian_config(tmp_path / "custodian.toml", token=token, state_dir=state,
-                                    socket=tmp_path / "c.sock", relay_url="ws://127.0.0.1:1")
-    moved = dataclasses.replace(token, token_label=second_token)
-    target = write_custodian_config(tmp_path / "target.toml", token=moved, state_dir=state,
-                                    socket=tmp_path / "c.sock", relay_url="ws://127.0.0.1:1")
     assert _keys(config, "init").returncode == 0
-    running = CustodianProcess(config, tmp_path / "c.sock")
+    running = CustodianProcess(config, socket)
     running.start()
     try:
         agents = []
@@ -170,11 +144,29 @@ async def test_migrate_refuses_while_a_destroyed_key_is_recoverable_unless_given
             ok, record = ask(running.socket, "import", tail=f"{n + 1:064x}".encode(),
                              secret_bytes=64, owner=HUMAN, auth_tag=None)
             assert ok, record
-            agents.append(record["pubkey"])  # type: ignore[index]
-        assert ask(running.socket, "destroy", pubkey=agents[1])[0]
+            agents.append(str(record["pubkey"]))  # type: ignore[index]
+        for pubkey in agents[2 - destroyed:]:
+            assert ask(running.socket, "destroy", pubkey=pubkey)[0]
     finally:
         running.stop()
-    live, destroyed = agents
+    return agents[0], agents[1]
+
+
+@pytest.mark.token_offers("GENERATE_KEY")  # the migration makes its KEK in the target
+async def test_migrate_refuses_while_a_destroyed_key_is_recoverable_unless_given_up(
+        softhsm_token: SoftHsmToken, second_token: str, tmp_path: Path  # noqa: F811
+) -> None:
+    """`migrate` destroys the source token's KEK, which a grace copy is sealed under, as
+    `rotate` does: it refuses the same way, changes nothing, and `--abandon-destroyed`
+    gives the copy up, counted in its log line, while the live key moves and signs."""
+    token = softhsm_token.config(kek_label=f"custmig-{tmp_path.name}"[:50])
+    state = tmp_path / "state"
+    config = write_custodian_config(tmp_path / "custodian.toml", token=token, state_dir=state,
+                                    socket=tmp_path / "c.sock", relay_url="ws://127.0.0.1:1")
+    moved = dataclasses.replace(token, token_label=second_token)
+    target = write_custodian_config(tmp_path / "target.toml", token=moved, state_dir=state,
+                                    socket=tmp_path / "c.sock", relay_url="ws://127.0.0.1:1")
+    live, destroyed = _two_agents(config, tmp_path / "c.sock", destroyed=1)
     log = state / "custodian" / "signed.jsonl"
     before = log.read_text()
     refused = _keys(config, "migrate", "--to-config", str(target))
