@@ -756,9 +756,11 @@ _SECTIONS: dict[str, type] = {
 }
 
 
-#: A URL's user information (RFC 3986 §3.2.1): from `scheme://` or a bare `//` (after any
-#: padding) to the authority's last `@`, where urlsplit splits it too.
-_USER_INFORMATION = re.compile(r"^(\s*(?:[A-Za-z][A-Za-z0-9+.-]*:)?//)[^/?#]*@")
+#: What may be a URL's user information (RFC 3986 §3.2.1): from after any scheme and `//`
+#: to the value's LAST `@`, past any `/`, `?` or `#`: a password may hold those (base64
+#: does), and a value refused as no URL at all may still hold one. Hiding too much of a
+#: refused value costs a word of a message; too little, a password in the journal.
+_USER_INFORMATION = re.compile(r"^(\s*(?:[A-Za-z][A-Za-z0-9+.-]*:)?(?://)?).*@", re.DOTALL)
 
 
 def _shown(value: object) -> str:

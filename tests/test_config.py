@@ -549,8 +549,14 @@ _REMOVED = "<user information removed>"
     (f"ws://buzz:{_URL_PASSWORD}@10.0.0.1:7777", f"'ws://{_REMOVED}@10.0.0.1:7777'"),
     (f"//buzz:{_URL_PASSWORD}@relay.example.org", f"'//{_REMOVED}@relay.example.org'"),
     (f"wss://buzz:{_URL_PASSWORD}@relay.{'sub.' * 20}example.org", f"'wss://{_REMOVED}@relay."),
+    (f"wss://buzz:Pw/{_URL_PASSWORD}@relay.example.org", f"'wss://{_REMOVED}@relay.example.org'"),
+    (f"wss://buzz:Pw#{_URL_PASSWORD}@relay.example.org", f"'wss://{_REMOVED}@relay.example.org'"),
+    (f"wss://buzz:Pw?{_URL_PASSWORD}@relay.example.org", f"'wss://{_REMOVED}@relay.example.org'"),
+    (f"wss:buzz:{_URL_PASSWORD}@relay.example.org", f"'wss:{_REMOVED}@relay.example.org'"),
+    (f"{_URL_PASSWORD}@relay.example.org", f"'{_REMOVED}@relay.example.org'"),
 ], ids=["user-password", "password-only", "user-only", "unescaped-at", "padded", "plain-ws",
-        "no-scheme", "long"])
+        "no-scheme", "long", "slash-in-password", "hash-in-password", "query-in-password",
+        "no-slashes", "no-scheme-no-slashes"])
 @pytest.mark.parametrize("command", ["check-config", "status", "serve"])
 def test_a_relay_url_with_user_information_is_refused_without_quoting_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], url: str, shown: str, command: str
