@@ -143,12 +143,14 @@ def _connect_kind(exc: OSError) -> ConnectKind:
     return "other"
 
 
-def credential_problem(value: str) -> str | None:
+def credential_problem(value: object) -> str | None:
     """What makes `value` unusable as the bearer credential, or None when nothing does.
 
     Only a message, which never quotes the value: a caller drops the value before it
     raises, so that no frame on the error's traceback holds it (`_env`'s docstring).
     """
+    if not isinstance(value, str):  # bytes read in binary mode, say: no comparison below
+        return "credential must be a str"
     if not value:
         return "credential is empty"
     if len(value) > MAX_CREDENTIAL_BYTES:
@@ -171,13 +173,11 @@ class Credential:
     def __init__(self, value: str) -> None:
         # This frame stays on the traceback of what it raises: the value is dropped first
         # (the rule in `_env`'s docstring).
-        if not isinstance(value, str):
-            del value
-            raise TypeError("credential must be a str")
         problem = credential_problem(value)
         if problem is not None:
+            kind = ValueError if isinstance(value, str) else TypeError
             del value
-            raise ValueError(problem)
+            raise kind(problem)
         self.__value = value
 
     def authorization(self) -> bytes:

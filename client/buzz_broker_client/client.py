@@ -709,8 +709,9 @@ class AsyncBrokerClient:
             del credential
         problem = credential_problem(secret)
         if problem is not None:
+            kind = ValueError if isinstance(secret, str) else TypeError
             del secret, read  # the file's record holds it too (its repr does not show it)
-            raise ValueError(problem)
+            raise kind(problem)
         if read is not None and read.loose_mode is not None:
             _log.warning("credential file is readable by others (mode %04o); make it 0400",
                          read.loose_mode)

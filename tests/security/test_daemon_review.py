@@ -267,6 +267,8 @@ _CONSTRUCTION_ERRORS: dict[str, tuple[bytes | None, dict[str, str], dict[str, st
                                               "agent_pubkey": "npub1notahexkey"}),
     "argument-remote-address": (None, {}, {"credential": _TOKEN,
                                            "address": "http://example.org:8080"}),
+    # A token read in binary mode: a TypeError that says so, not a failed comparison.
+    "argument-bytes": (None, {}, {"credential": _TOKEN.encode()}),
 }
 
 
@@ -312,8 +314,9 @@ def test_a_client_construction_error_keeps_the_credential_out_of_traceback_local
         path.write_bytes(content)
         path.chmod(0o400)
         kwargs["credential_file"] = str(path)
-    with pytest.raises(ValueError) as refused:  # NotConfigured is a ValueError too
+    with pytest.raises((ValueError, TypeError)) as refused:  # NotConfigured: a ValueError
         (BrokerClient if blocking else AsyncBrokerClient)(**kwargs)
+    assert type(refused.value) is not TypeError or str(refused.value) == "credential must be a str"
     shown = _client_locals(refused.value)
     assert any(line.startswith("__init__: self = ") for line in shown)  # the frames are there
     assert not [line for line in shown if _TOKEN[4:24] in line]
