@@ -99,11 +99,14 @@ class RotationReport:
 
 class Journal(Protocol):
     """Records a run; each call is made holding the state lock. `begun` before anything
-    changes (raising stops the run there), then `done` or `failed` with what ended it."""
+    changes (raising stops the run there), then `done` or `failed` with what ended it and
+    whether the swap stands by then (`swapped`: True, every agent is sealed under the new
+    KEK and the keystore names it active, the old one yet to go: a rerun finishes; False,
+    nothing changed; None, the keystore could not say)."""
 
     def begun(self) -> None: ...
     def done(self, report: RotationReport) -> None: ...
-    def failed(self, fault: Exception) -> None: ...
+    def failed(self, fault: Exception, *, swapped: bool | None) -> None: ...
 
 
 class _Staging(Keystore):
@@ -208,7 +211,7 @@ def rotate(source: TokenConfig, target: TokenConfig, state_dir: Path,
                 report = _rotate(keystore, source, target, new_kek, checkpoint or (lambda _: None))
             except Exception as fault:
                 if journal is not None:
-                    journal.failed(fault)
+                    journal.failed(fault, swapped=_swapped(keystore))
                 raise
             if journal is not None:
                 journal.done(report)
@@ -217,6 +220,15 @@ def rotate(source: TokenConfig, target: TokenConfig, state_dir: Path,
             keystore.close()
     finally:
         lock.release()
+
+
+def _swapped(keystore: _Staging) -> bool | None:
+    """Whether the keystore records a retiring KEK: the swap has committed (this run's or
+    an earlier one's) and the old KEK is not destroyed yet. None if it cannot be read."""
+    try:
+        return RETIRING_KEK in keystore.meta()
+    except (sqlite3.Error, CustodyError):
+        return None
 
 
 def _rotate(keystore: _Staging, source: TokenConfig, target: TokenConfig,

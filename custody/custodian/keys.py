@@ -17,7 +17,7 @@ Rules:
 - Destroyed keys still within their grace period (grace.py) are sealed under the KEK a
   rotation destroys: `rotate` and `migrate` refuse while any is held, naming how many
   and both ways on (`--recover` each first, or `--abandon-destroyed`, which gives them up:
-  their copies are deleted once the rotation is done, and the log line counts them).
+  their copies are deleted once the old KEK is, before the log line that counts them).
 - Each rotation or migration is in the custodian's own hash-chained log (ledger.py),
   written while the state lock is held (a custodian starting once it is free reads the
   chain's head after them): an `intent` line before anything changes (so a run killed
@@ -145,11 +145,9 @@ async def run(config: CustodianConfig, words: list[str]) -> None:
     report = await rotate_keys(
         config.token, config.state_dir, target=target,
         new_kek_label=options.get("--new-kek-label"),
-        journal=_Journal(config, command, len(held), {
+        journal=_Journal(config, command, held, graveyard, {
             "old_token": config.token.token_label,
             "new_token": (target or config.token).token_label}))
-    for pubkey in held if report.destroyed else ():  # their KEK is gone: no way back
-        graveyard.forget(pubkey)
     print(f"custodian: {report.agents} agents under KEK {report.new.kek_label!r} in token "
           f"{report.new.token_label!r} ({report.outcome}); destroyed: "
           f"{', '.join(report.destroyed) or 'none'}", flush=True)
@@ -181,9 +179,10 @@ class _Journal:
     (custody/_rotation.py `Journal`): the log is opened there too, as the chain's head
     read before the lock could be stale by then. The intent names what is known."""
 
-    def __init__(self, config: CustodianConfig, op: str, abandoned: int,
-                 known: dict[str, str]) -> None:
-        self._config, self._op, self._abandoned, self._known = config, op, abandoned, known
+    def __init__(self, config: CustodianConfig, op: str, abandoned: list[str],
+                 graveyard: Graveyard, known: dict[str, str]) -> None:
+        self._config, self._op, self._known = config, op, known
+        self._abandoned, self._graveyard = abandoned, graveyard
         self._seq = 0
 
     def _line(self, entry: dict[str, object], what: str) -> int:
@@ -195,19 +194,24 @@ class _Journal:
 
     def begun(self) -> None:
         self._seq = self._line({"op": "intent", "for": self._op, **self._known,
-                                "abandoned": self._abandoned}, "nothing was changed")
+                                "abandoned": len(self._abandoned)}, "nothing was changed")
 
     def done(self, report: RotationReport) -> None:
+        # Their KEK is gone: no way back. Before the line, so a line that cannot be
+        # written leaves no copy a later run would call recoverable.
+        for pubkey in self._abandoned if report.destroyed else ():
+            self._graveyard.forget(pubkey)
         self._line({"op": self._op, "agents": report.agents, "outcome": report.outcome,
-                    "abandoned": self._abandoned,
+                    "abandoned": len(self._abandoned),
                     "old_token": report.old.token_label, "old_kek": report.old.kek_label,
                     "new_token": report.new.token_label, "new_kek": report.new.kek_label,
                     "intent": self._seq},
                    f"`keys {self._op}` is done, and its intent line stands for it")
 
-    def failed(self, fault: Exception) -> None:
+    def failed(self, fault: Exception, *, swapped: bool | None) -> None:
         with contextlib.suppress(CustodyError):  # the fault that ended the run is the one said
-            self._line({"op": "failed", "intent": self._seq, "fault": type(fault).__name__}, "")
+            self._line({"op": "failed", "intent": self._seq, "fault": type(fault).__name__,
+                        "swapped": swapped}, "")
 
 
 def _confirmed(count: int, yes: bool) -> bool:

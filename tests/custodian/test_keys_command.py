@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from buzzwire.nostr import verify_signed
-from custody import Custody, UnsignedEvent
+from custody import Custody, CustodyError, UnsignedEvent
 from custody.custodian.ledger import verify_chain
 from tests.custody._sealing import HUMAN
 from tests.custody.test_rotation import second_token  # noqa: F401  (a fixture)
@@ -185,3 +185,41 @@ async def test_migrate_refuses_while_a_destroyed_key_is_recoverable_unless_given
     async with await Custody.open(moved, state) as custody:  # the live key signs there
         signed = await custody.sign_event(live, UnsignedEvent(live, 1, 1, (), "moved"))
     assert verify_signed(signed)
+
+
+@pytest.mark.token_offers("GENERATE_KEY")  # rotate makes its KEK
+async def test_abandoned_copies_are_forgotten_before_the_rotation_line(
+        softhsm_token: SoftHsmToken, tmp_path: Path) -> None:
+    """The copies `--abandon-destroyed` gives up are sealed under the KEK the rotation has
+    destroyed: forgotten before its outcome line, so a line the disk cannot take leaves no
+    copy a later run would call recoverable (a review: forgotten after it, the next
+    rotate refused, naming a `--recover` that could no longer open them)."""
+    import errno
+
+    from custody.custodian import keys as key_commands
+    from custody.custodian.config import load
+    from custody.custodian.ledger import SignLog
+
+    token = softhsm_token.config(kek_label=f"custowed-{tmp_path.name}"[:50])
+    config = write_custodian_config(tmp_path / "custodian.toml", token=token,
+                                    state_dir=tmp_path / "state", socket=tmp_path / "c.sock",
+                                    relay_url="ws://127.0.0.1:1")
+    _, destroyed = _two_agents(config, tmp_path / "c.sock", destroyed=1)
+    append = SignLog.append
+
+    def full_for_the_outcome(self: SignLog, entries: list[dict[str, object]],
+                             **kw: bool) -> int:
+        if entries and entries[0]["op"] == "rotate":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return append(self, entries, **kw)
+
+    SignLog.append = full_for_the_outcome  # type: ignore[method-assign]
+    try:
+        with pytest.raises(CustodyError, match="is done, and its intent line stands"):
+            await key_commands.run(load(str(config)), ["rotate", "--abandon-destroyed"])
+    finally:
+        SignLog.append = append  # type: ignore[method-assign]
+    again = _keys(config, "rotate")
+    assert again.returncode == 0 and "can still be recovered" not in again.stderr, again.stderr
+    gone = _recover(config, destroyed)
+    assert gone.returncode == 1 and "no sealed copy" in gone.stderr, gone.stderr

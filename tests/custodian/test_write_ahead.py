@@ -154,6 +154,41 @@ def test_a_rotation_killed_after_its_swap_keeps_its_line_and_its_rerun_closes_it
 
 
 @pytest.mark.token_offers("GENERATE_KEY")
+@pytest.mark.parametrize(("step", "swapped"), [("planned", False), ("swapped", True)])
+async def test_a_rotation_that_fails_says_whether_its_swap_stands(
+        softhsm_token: SoftHsmToken, tmp_path: Path, step: str, swapped: bool) -> None:
+    """A fault before the swap changes nothing; one after it (the old KEK's destroy
+    refused by the token, say) leaves every agent sealed under the new KEK, named active:
+    its `failed` line says which (`swapped`), and the rerun finishes. (A review: both were
+    a bare `failed`, which the docs said claims no change.)"""
+    import functools
+
+    from custody.custodian import keys as key_commands
+    from custody.custodian.config import load
+
+    config, state = _with_a_key(softhsm_token, tmp_path, f"walfail{int(swapped)}")
+
+    def refused(at: str) -> None:  # the token refusing the step after `step`
+        if at == step:
+            raise CustodyError("the token refused (a test)")
+
+    rotate = key_commands.rotate_keys
+    key_commands.rotate_keys = functools.partial(rotate, checkpoint=refused)  # type: ignore[assignment]
+    try:
+        with pytest.raises(CustodyError, match="the token refused"):
+            await key_commands.run(load(str(config)), ["rotate"])
+    finally:
+        key_commands.rotate_keys = rotate  # type: ignore[assignment]
+    *_, began, failed = _lines(state)
+    assert (began["op"], began["for"]) == ("intent", "rotate")
+    assert failed == {**failed, "op": "failed", "intent": began["seq"],
+                      "fault": "CustodyError", "swapped": swapped}
+    rerun = _run(config, "keys", "rotate")
+    assert rerun.wait(120) == 0, rerun.communicate()
+    assert _lines(state)[-1]["outcome"] == ("finished" if swapped else "rotated")
+
+
+@pytest.mark.token_offers("GENERATE_KEY")
 def test_a_custodian_started_once_the_rotation_lets_its_lock_go_keeps_the_chain(
         softhsm_token: SoftHsmToken, tmp_path: Path) -> None:
     config, state = _with_a_key(softhsm_token, tmp_path, "walfork")
