@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import trio
+import trio.testing
 
 from daemon.fault_log import FaultLog
 from daemon.peer_shares import ByteBudget, ConnectionCounts
@@ -111,3 +112,60 @@ def test_fault_log_forgets_a_quiet_cause_when_its_table_is_full(
     assert lines[-2]["kind"] == "e" and "suppressed" not in lines[-2]
     assert lines[-1]["kind"] == "b" and lines[-1]["suppressed"] == 1
     assert faults.total == 6
+
+
+async def test_a_reservation_of_the_whole_budget_fits_an_empty_budget() -> None:
+    """max_inflight_bytes may equal max_body_bytes (the config allows it): a body of that
+    size must fit the empty budget, else it waits until its 408 every time."""
+    budget = ByteBudget(100)
+    with trio.fail_after(1):
+        await budget.reserve(1, 100)
+    assert budget.used == 100 and budget.held(1) == 100
+    assert not budget.fits(2, 1)
+
+
+async def test_a_uid_holding_nothing_takes_a_request_larger_than_its_share() -> None:
+    """A uid holding nothing may always take one reservation that fits in what is free, so
+    a share smaller than one request never wedges it."""
+    budget = ByteBudget(1000)
+    await budget.reserve(2, 100)
+    await budget.reserve(3, 100)
+    assert budget.share(1) == 250
+    with trio.fail_after(1):
+        await budget.reserve(1, 600)
+    assert budget.held(1) == 600
+    # Holding something, it is held to its share again.
+    assert not budget.fits(1, 1)
+
+
+def test_connection_counts_forget_a_key_with_nothing_open() -> None:
+    """Credential keys are digests of whatever a client sends: a key whose last connection
+    closed is dropped, so the table is bounded by the connections open, not by the keys
+    ever seen."""
+    counts = ConnectionCounts(2)
+    for key in range(1000):
+        assert counts.try_open(key)
+        counts.close(key)
+    assert counts._open == {}
+
+
+async def test_a_uid_holding_nothing_still_waits_when_the_budget_is_spent() -> None:
+    """The total is a hard bound: a uid holding nothing gets in at once only if its
+    reservation fits in what is free; else it waits like any other."""
+    budget = ByteBudget(1000)
+    await budget.reserve(1, 500)
+    await budget.reserve(2, 400)
+    got = trio.Event()
+
+    async def third() -> None:
+        await budget.reserve(3, 200)
+        got.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(third)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not got.is_set() and budget.used == 900
+        budget.release(2, 400)
+        with trio.fail_after(1):
+            await got.wait()
+    assert budget.used == 700 <= budget.total
