@@ -245,3 +245,37 @@ def test_issue_refuses_bad_scope(store: SessionStore, overrides: dict[str, objec
     with pytest.raises(ValueError):
         issue(store, **overrides)
     assert store.list() == []
+
+
+def _last_used(store: SessionStore, cid: str) -> int | None:
+    return next(c.last_used_at for c in store.list() if c.credential_id == cid)
+
+
+def test_a_late_last_use_write_never_moves_last_use_back(store: SessionStore) -> None:
+    """Two writers (the daemon's flush thread, a retried flush, the CLI) may write out of
+    order: the later second stays."""
+    cid, _token = issue(store)
+    store.write_last_use({cid: NOW + 200})
+    store.write_last_use({cid: NOW + 100})  # an older flush, retried late
+    assert _last_used(store, cid) == NOW + 200
+
+
+def test_a_failed_flush_put_back_loses_no_later_use(store: SessionStore) -> None:
+    """keep_last_use after a failed write: a use noted meanwhile is later and wins."""
+    cid, token = issue(store)
+    assert store.authenticate(f"Bearer {token}", None, NOW + 1) is not None
+    noted = store.take_last_use()
+    assert noted == {cid: NOW + 1}
+    assert store.authenticate(f"Bearer {token}", None, NOW + 5) is not None  # meanwhile
+    store.keep_last_use(noted)  # the write of `noted` failed
+    assert store.take_last_use() == {cid: NOW + 5}
+
+
+def test_grant_refuses_an_expired_credential(store: SessionStore) -> None:
+    """grant adds actions only to an active credential: an expired one is "no such
+    credential" (None), and nothing is written."""
+    cid, _token = issue(store, ttl_seconds=10)
+    assert store.grant(cid, frozenset({"reaction.add"}), now=NOW + 10) is None
+    assert next(c.actions for c in store.list() if c.credential_id == cid) == (
+        "channel.read", "message.post")
+    assert store.grant(cid, frozenset({"reaction.add"}), now=NOW + 9) == ("reaction.add",)
