@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import sqlite3
 import stat
 import time
 import uuid
@@ -382,3 +383,109 @@ def test_the_limits_table_names_each_classs_actions() -> None:
     for scope, actions in CLASSES.items():
         row = next(line for line in doc.splitlines() if line.startswith(f"| `{scope}` |"))
         assert set(re.findall(r"`([a-z]+\.[a-z]+)`", row)) == actions, scope
+
+
+def test_both_exhausted_names_the_limit_that_frees_up_last(
+    tmp_path: Path, principals: tuple[Principal, Principal]
+) -> None:
+    """When a bucket and the daily quota are both empty, the refusal names the day (its
+    wait is the longer one), not the bucket that frees up within seconds. (The existing
+    test_daily_quota_and_the_longest_wait never empties the bucket: a refused request
+    takes nothing.)"""
+    a, _ = principals
+    cfg = rate_config_from_table({"publish": "10/min", "publish_daily": 10})
+    limiter = RateLimiter.open(tmp_path, cfg)
+    assert all(limiter.take(a, "message.post", NOON) is None for _ in range(10))
+    kind, scope, rule, seconds = refused(limiter.take(a, "message.post", NOON))
+    assert (kind, scope, rule, seconds) == ("daily quota", "publish", "10/day", 43200)
+    limiter.close()
+
+
+def test_yesterdays_count_survives_a_clock_stepped_back_over_midnight(
+    tmp_path: Path, principals: tuple[Principal, Principal]
+) -> None:
+    """Yesterday's counters are kept a day: a clock that steps back over 00:00 UTC finds
+    the day's quota still used, and does not hand out a second one."""
+    a, _ = principals
+    cfg = rate_config_from_table({"publish": "100/s", "publish_daily": 5})
+    limiter = RateLimiter.open(tmp_path, cfg)
+    midnight = NOON + 43200
+    assert sum(limiter.take(a, "message.post", midnight - 10 + i / 10) is None
+               for i in range(10)) == 5
+    assert limiter.take(a, "message.post", midnight + 1) is None  # a new day
+    # NTP steps the clock back 3 s: it is yesterday again, whose quota is spent.
+    kind, *_ = refused(limiter.take(a, "message.post", midnight - 2))
+    assert kind == "daily quota"
+    limiter.close()
+
+
+async def test_a_failed_periodic_flush_is_written_by_the_next_one(
+    tmp_path: Path, principals: tuple[Principal, Principal], autojump_clock: trio.abc.Clock,
+) -> None:
+    """A flush that fails (disk full, locked) keeps its counts for the next flush: they
+    reach the file once the disk takes them, and are not lost to a later restart."""
+    a, _ = principals
+    limiter = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
+    real_write = limiter._write
+    failures = [1]
+
+    def failing_once(snap: object) -> None:
+        if failures[0]:
+            failures[0] -= 1
+            raise sqlite3.OperationalError("database or disk is full")
+        real_write(snap)  # type: ignore[arg-type]
+
+    limiter._write = failing_once  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(limiter.flush_periodically, 5.0)
+        for _ in range(7):
+            assert limiter.take(a, "message.post", NOON) is None
+        # Virtual time races ahead of the flush thread: bound the wait in real time.
+        deadline = time.monotonic() + 10
+        while limiter.flushes == 0:
+            assert time.monotonic() < deadline, "the failed flush's counts were never written"
+            await trio.sleep(1)
+        assert failures == [0]
+        peek = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
+        assert peek.used_today(a.credential_id, "publish", NOON) == 7
+        peek.close()
+        nursery.cancel_scope.cancel()
+    limiter.close()
+
+
+def test_reload_reads_a_credentials_overrides_again(
+    tmp_path: Path, principals: tuple[Principal, Principal]
+) -> None:
+    """SIGHUP (`reload`) forgets the overrides read so far: rules written by another
+    process for a credential this one has already seen apply from the next request."""
+    a, _ = principals
+    daemon_side = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
+    assert daemon_side.take(a, "message.post", NOON) is None  # a's (no) overrides cached
+    cli_side = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
+    cli_side.set_overrides(a.credential_id, [parse_rate("daily=2")])
+    cli_side.close()
+    daemon_side.reload()
+    assert daemon_side.take(a, "message.post", NOON + 1) is None
+    kind, scope, rule, _ = refused(daemon_side.take(a, "message.post", NOON + 2))
+    assert (kind, scope, rule) == ("daily quota", "publish", "2/day")
+    daemon_side.close()
+
+
+def test_old_days_are_deleted_from_the_file(
+    tmp_path: Path, principals: tuple[Principal, Principal]
+) -> None:
+    """limits.db keeps today's and yesterday's counters only: a flush deletes older days,
+    so the file (and what a restart loads) does not grow with the daemon's age."""
+    a, _ = principals
+    limiter = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
+    assert limiter.take(a, "message.post", NOON) is None
+    limiter.flush()
+    assert limiter.take(a, "message.post", NOON + 3 * 86400) is None
+    limiter.flush()
+    limiter.close()
+    conn = sqlite3.connect(tmp_path / LIMITS_FILENAME)
+    try:
+        days = {row[0] for row in conn.execute("SELECT day FROM daily")}
+    finally:
+        conn.close()
+    assert days == {int((NOON + 3 * 86400) // 86400)}
