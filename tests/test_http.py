@@ -6,6 +6,7 @@ the tests can do what well-behaved clients never do: pipeline, stall, flood, han
 
 from __future__ import annotations
 
+import gc
 import io
 import logging
 import os
@@ -20,16 +21,19 @@ import pytest
 import trio
 
 from daemon.http import (
+    HEAD_RECEIVE_SIZE,
     HttpAnswer,
     HttpLimits,
     HttpRequest,
     ListenError,
     Routes,
     ServerControl,
+    _Connection,
     action_routes,
     bind_tcp_socket,
     bind_unix_socket,
     serve,
+    unlink_if_ours,
 )
 from daemon.log import setup_logging
 
@@ -732,3 +736,146 @@ async def test_tcp_peer_uid_is_the_kernels_and_pid_unknown() -> None:
         assert (app.seen[0].peer_uid, app.seen[0].peer_pid) == (os.getuid(), None)
         assert app.seen[0].over_tcp
         control.stop()
+
+
+async def test_a_head_of_exactly_max_header_bytes_is_served(sockdir: str) -> None:
+    """The bound is "beyond max_header_bytes, 431": a head of exactly that size, measured
+    as sent, is served (an off-by-one would turn it away)."""
+    limit = 4096
+    base = req(b"{}", headers="X-Pad: \r\n")
+    head_len = base.index(b"\r\n\r\n") + 4
+    pad = "v" * (limit - head_len)
+    data = req(b"{}", headers=f"X-Pad: {pad}\r\n")
+    assert data.index(b"\r\n\r\n") + 4 == limit
+    async with served(EchoApp(), sockdir, max_header_bytes=limit) as (control, stream, reader):
+        await stream.send_all(data)
+        answer = await reader.next()
+        assert answer is not None and answer[0] == 200, answer
+    # One byte more is refused.
+    async with served(EchoApp(), sockdir, max_header_bytes=limit - 1) as (control, stream, reader):
+        await stream.send_all(data)
+        answer = await reader.next()
+        assert answer is not None and answer[0] == 431
+
+
+async def test_a_credential_left_on_a_kept_alive_connection_is_no_longer_counted(
+    sockdir: str,
+) -> None:
+    """A connection that moves to another credential stops counting under the first: else
+    every switch leaks one count (the first credential is locked out at its cap, and the
+    table grows by a key per credential a client cares to send)."""
+    path = os.path.join(sockdir, "b.sock")
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, EchoApp(), path, max_connections_per_credential=1)
+        first, first_reader = await connect(path)
+        await first.send_all(req(b"{}", headers="Authorization: Bearer A\r\n"))
+        assert (await first_reader.next() or (0,))[0] == 200
+        await first.send_all(req(b"{}", headers="Authorization: Bearer B\r\n"))
+        assert (await first_reader.next() or (0,))[0] == 200
+        # `first` is open and counted under B only: A's one slot is free.
+        second, second_reader = await connect(path)
+        await second.send_all(req(b"{}", headers="Authorization: Bearer A\r\n"))
+        answer = await second_reader.next()
+        assert answer is not None and answer[0] == 200, answer
+        await first.aclose()
+        await second.aclose()
+        await wait_until(lambda: control.connections == 0)
+        assert control.per_credential is not None and control.per_credential._open == {}
+        control.stop()
+
+
+async def test_a_chunked_body_reserves_max_body_bytes_of_the_uid_share(sockdir: str) -> None:
+    """A chunked body has no declared length, so it reserves max_body_bytes before one
+    byte of it is read (module docstring): else chunked bodies are read outside every
+    share, and max_inflight_bytes bounds nothing."""
+    path = os.path.join(sockdir, "b.sock")
+    app = GateApp()
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, app, path, max_body_bytes=4096, max_inflight_bytes=8192)
+        stream, reader = await connect(path)
+        await stream.send_all(b"POST /v1/action HTTP/1.1\r\nHost: b\r\n"
+                              b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n")
+        await wait_until(lambda: app.seen == 1)
+        assert control.budget.held(os.getuid()) == 4096
+        # And while it holds the share, a second body of the uid is not invited.
+        other, other_reader = await connect(path)
+        await other.send_all(req(b"", length=4096, headers="Expect: 100-continue\r\n"))
+        with trio.move_on_after(0.3) as waited:
+            await other_reader.next()
+        assert waited.cancelled_caught, "a body was invited past the uid's share"
+        app.gate.set()
+        answer = await reader.next()
+        assert answer is not None and answer[0] == 200
+        control.stop()
+
+
+async def test_each_body_read_asks_only_for_what_is_left_of_the_body(sockdir: str) -> None:
+    """Not only the first read of a body: once part of it has arrived, a read asks for the
+    rest and no more, so requests pipelined behind a large body stay in the kernel."""
+    path = os.path.join(sockdir, "b.sock")
+    app = GateApp()
+    size = 32768
+    async with trio.open_nursery() as nursery:
+        control = await start(nursery, app, path, max_body_bytes=65536)
+        stream, reader = await connect(path)
+        first = req(b"x" * size)
+        head = first[: len(first) - size]
+        await stream.send_all(head)
+        await wait_until(lambda: control.budget.used == size)
+        connection = next(o for o in gc.get_objects() if isinstance(o, _Connection))
+        await stream.send_all(b"x" * (size // 2))
+        await wait_until(lambda: connection.unread == size // 2)
+        await stream.send_all(b"x" * (size // 2) + req(b"y" * 1000) * 40)
+        await wait_until(lambda: app.seen == 1)
+        assert len(connection.h11.trailing_data[0]) <= HEAD_RECEIVE_SIZE
+        app.gate.set()
+        for _ in range(41):
+            answer = await reader.next()
+            assert answer is not None and answer[0] == 200
+        control.stop()
+
+
+@pytest.mark.parametrize(("method", "target", "status"),
+                         [("POST", "/other", 404), ("PUT", "/v1/action", 405)])
+async def test_a_refused_request_with_a_body_closes_the_connection(
+    sockdir: str, caplog: pytest.LogCaptureFixture, method: str, target: str, status: int,
+) -> None:
+    """Routing refuses a request that carries a body without reading it, so the
+    connection cannot go on (the rest of the body would be taken for the next request):
+    the refusal says ``Connection: close`` and the connection ends, with no fault logged."""
+    app = EchoApp()
+    caplog.set_level(logging.DEBUG, logger="buzz_broker")
+    async with served(app, sockdir) as (control, stream, reader):
+        await stream.send_all(req(b'{"a": 1}', method=method, target=target))
+        answer = await reader.next()
+        assert answer is not None and answer[0] == status and answer[2] == b""
+        assert answer[1].get("connection") == "close"
+        assert await reader.eof()
+    assert "connection_fault" not in caplog.text
+    assert app.seen == []
+
+
+def test_unlink_if_ours_leaves_another_daemons_socket(sockdir: str) -> None:
+    """A socket file replaced by a newer daemon (a restart racing our exit) stays: only
+    the inode we bound is removed."""
+    path = os.path.join(sockdir, "b.sock")
+    ours = bind_unix_socket(path)
+    inode = os.stat(path).st_ino
+    os.unlink(path)  # ours stays open (its inode too) while the newer daemon binds
+    theirs = bind_unix_socket(path)
+    try:
+        assert os.stat(path).st_ino != inode
+        unlink_if_ours(path, inode)
+        assert os.path.exists(path), "the newer daemon's socket was removed"
+        unlink_if_ours(path, os.stat(path).st_ino)
+        assert not os.path.exists(path)
+    finally:
+        theirs.close()
+        ours.close()
+
+
+def test_limits_refuse_a_negative_body_or_an_empty_head_bound() -> None:
+    with pytest.raises(ValueError):
+        HttpLimits(max_body_bytes=-1)
+    with pytest.raises(ValueError):
+        HttpLimits(max_header_bytes=0)
