@@ -1280,3 +1280,185 @@ def port_holder_for(port: int, *, held: bool = False) -> str | None:
 
     return port_holder(port, held=held, accept_risk=False,
                        opt_in="listen_tcp_accept_squatting_risk")
+
+
+@pytest.mark.parametrize("host", [b"0.0.0.0:8080", b"0.0.0.0", b"127.0.0.2:8080",
+                                  b"[::ffff:127.0.0.1]:8080", b"localhost.:8080"])
+def test_only_the_three_loopback_names_are_a_listeners_host(host: bytes) -> None:
+    """`0.0.0.0` reaches loopback from a browser ("0.0.0.0 day"), and other spellings of
+    loopback are no name an agent uses: none of them is the listener's Host."""
+    assert loopback_tcp.browser_safe([(b"host", host)], 8080) is False
+    assert loopback_tcp.browser_safe([(b"host", host)], 80) is False
+
+
+def test_the_first_unprivileged_port_is_not_privileged(monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    """ip_unprivileged_port_start is the lowest port any user may bind: that port itself is
+    squattable, the one below it is not."""
+    sysctl = tmp_path / "ip_unprivileged_port_start"
+    sysctl.write_text("1024\n")
+    monkeypatch.setattr(loopback_tcp, "_SYSCTL", str(sysctl))
+    assert port_holder_for(1024) is None
+    assert port_holder_for(1023) == loopback_tcp.PRIVILEGED_PORT
+
+
+async def test_a_refusal_is_kept_only_for_its_ttl() -> None:
+    """A uid added to an allowed group is admitted within MEMBERSHIP_TTL: a refusal is
+    never served stale (only an admission is, while its re-check is pending)."""
+    directory = _Directory(set())
+    now = [100.0]
+    async with _gate(directory, clock=lambda: now[0]) as gate:
+        assert not await gate(0)
+        directory.members.add(0)  # the operator adds the agent's user to the group
+        now[0] += MEMBERSHIP_TTL - 0.1
+        assert not await gate(0) and directory.asked == [0]  # still fresh: not asked again
+        now[0] += 0.2
+        assert await gate(0)
+        assert directory.asked == [0, 0]
+
+
+class _ScriptedDirectory(TcpAdmission):
+    """Answers each lookup from `script` in order; a `None` entry blocks until `release`,
+    then admits."""
+
+    def __init__(self, script: list[bool | None]) -> None:
+        super().__init__(frozenset(), frozenset({"agents"}))
+        object.__setattr__(self, "script", list(script))
+        object.__setattr__(self, "release", threading.Event())
+        object.__setattr__(self, "calls", [0])
+
+    def admits(self, uid: int | None) -> bool:
+        step = self.script.pop(0)
+        self.calls[0] += 1
+        if step is None:
+            self.release.wait(30)
+            return True
+        return step
+
+
+async def test_a_late_recheck_answer_does_not_override_a_later_refusal() -> None:
+    """A background re-check asked before a lookup but answering after it must not win:
+    the later question's verdict (a refusal) stands."""
+    directory = _ScriptedDirectory([True, None, False])
+    now = [100.0]
+    async with _gate(directory, clock=lambda: now[0]) as gate:
+        try:
+            assert await gate(0)                       # asked at 100: admitted
+            now[0] += MEMBERSHIP_TTL + 0.1
+            assert await gate(0)                       # stale: served, re-check starts
+            with trio.fail_after(10):
+                while directory.calls[0] < 2:
+                    await trio.sleep(0.01)
+            now[0] += MEMBERSHIP_STALE                 # past the bound: a fresh lookup
+            assert not await gate(0)                   # removed from the group
+            directory.release.set()                    # the old re-check now says "member"
+            with trio.fail_after(10):
+                while gate._refreshing:
+                    await trio.sleep(0.01)
+            assert not await gate(0), "an answer to an older question replaced a newer one"
+        finally:
+            directory.release.set()
+
+
+class _RaisingDirectory(TcpAdmission):
+    """A user database whose second answer is an exception (a directory client's bug or
+    an unexpected error type), not a refusal."""
+
+    def __init__(self) -> None:
+        super().__init__(frozenset(), frozenset({"agents"}))
+        object.__setattr__(self, "calls", [0])
+
+    def admits(self, uid: int | None) -> bool:
+        self.calls[0] += 1
+        if self.calls[0] == 2:
+            raise RuntimeError("directory client fault")
+        return True
+
+
+async def test_a_recheck_that_raises_is_logged_and_ends_nothing() -> None:
+    """A background re-check runs in the gate's nursery (the serving one): an exception
+    there is recorded and the admission ages out; it must not end serving."""
+    directory = _RaisingDirectory()
+    now = [100.0]
+    async with _gate(directory, clock=lambda: now[0]) as gate:
+        assert await gate(0)
+        now[0] += MEMBERSHIP_TTL + 0.1
+        assert await gate(0)  # stale: served, its re-check starts and raises
+        with trio.fail_after(10):
+            while directory.calls[0] < 2 or gate._refreshing:
+                await trio.sleep(0.01)
+        assert gate.recheck_faults.total == 1
+        assert await gate(0)  # still served within its stale window (re-checked again)
+        now[0] += MEMBERSHIP_STALE
+        assert await gate(0) and directory.calls[0] >= 3  # and the gate goes on working
+
+
+async def test_connections_waiting_on_a_uids_lookup_share_its_refusal() -> None:
+    """A uid's connections that arrive while its lookup is under way wait for that lookup
+    and get its verdict: a refused uid opening two connections at once is refused twice."""
+    directory = _Directory(set(), hang_on_misses=True)
+    async with _gate(directory, clock=lambda: 100.0) as gate:
+        try:
+            verdicts: list[bool] = []
+
+            async def connect() -> None:
+                verdicts.append(await gate(4242))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(connect)
+                nursery.start_soon(connect)
+                with trio.fail_after(10):
+                    while not directory.asked:
+                        await trio.sleep(0.01)
+                await trio.testing.wait_all_tasks_blocked()
+                directory.release.set()
+            assert verdicts == [False, False]
+            assert directory.asked == [4242], "one lookup for both connections"
+        finally:
+            directory.release.set()
+
+
+async def test_an_admission_is_rechecked_every_ttl_not_only_once() -> None:
+    """After its first background re-check, an admitted uid's verdict is re-checked again
+    at its next TTL: a group left later still counts within MEMBERSHIP_TTL (plus the
+    re-check's own time) while the database answers."""
+    directory = _Directory({0})
+    now = [100.0]
+    async with _gate(directory, clock=lambda: now[0]) as gate:
+        assert await gate(0)
+        for rechecks in (1, 2):
+            now[0] += MEMBERSHIP_TTL + 0.1
+            assert await gate(0)
+            with trio.fail_after(10):
+                while directory.asked.count(0) < 1 + rechecks or gate._refreshing:
+                    await trio.sleep(0.01)
+        directory.members.clear()  # uid 0 leaves the group
+        now[0] += MEMBERSHIP_TTL + 0.1
+        with trio.fail_after(10):
+            while await gate(0):  # served while its third re-check is under way
+                await trio.sleep(0.01)
+        assert directory.asked == [0, 0, 0, 0]
+
+
+def test_a_failed_netlink_lookup_names_no_uid(loopback_listener: socket.socket,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails closed: where sock_diag cannot be asked (AF_NETLINK not allowed by the unit's
+    RestrictAddressFamilies=, a seccomp filter, no memory), the peer's uid is unknown
+    (None, refused), never a made-up one such as root's 0."""
+    client = socket.create_connection(loopback_listener.getsockname()[:2])
+    conn, _ = loopback_listener.accept()
+    try:
+        assert peer_uid(conn) == os.getuid()
+        real = socket.socket
+
+        def refused(family: int = -1, *args: Any, **kwargs: Any) -> socket.socket:
+            if family == socket.AF_NETLINK:
+                raise PermissionError(errno.EAFNOSUPPORT, "address family not allowed")
+            return real(family, *args, **kwargs)
+
+        monkeypatch.setattr(tcp_peer.socket, "socket", refused)
+        assert peer_uid(conn) is None
+    finally:
+        monkeypatch.undo()
+        conn.close()
+        client.close()
