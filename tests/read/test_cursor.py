@@ -158,3 +158,56 @@ def test_scopes_whose_fields_run_together_are_still_different_scopes(codec: Curs
     assert codec.decode(token, threaded, now=NOW) == POS
     with pytest.raises(InvalidCursor):
         codec.decode(token, lookalike, now=NOW)
+
+
+@pytest.mark.parametrize("fields, error", [
+    ({"agent": "A" * 64}, ValueError),          # the contract's spelling is lowercase
+    ({"agent": "a" * 63}, ValueError),
+    ({"channel_id": ""}, ValueError),
+    ({"mentions_only": 1}, TypeError),           # 1 would MAC as True's "1"
+    ({"root_event_id": "E" * 64}, ValueError),
+    ({"root_event_id": ""}, ValueError),         # "" would MAC as no root at all
+])
+def test_a_scope_in_another_spelling_is_a_programmer_error(fields: dict[str, object],
+                                                           error: type[Exception]) -> None:
+    # A cursor is bound to its scope's exact bytes: a scope built from an un-normalized
+    # value (uppercase hex, a truthy int, an empty root) is our bug, refused at once,
+    # never a cursor bound to a spelling no other read uses.
+    base: dict[str, object] = {"agent": SCOPE.agent, "channel_id": SCOPE.channel_id,
+                               "mentions_only": False, "root_event_id": None}
+    with pytest.raises(error):
+        CursorScope(**{**base, **fields})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("created_at", [-1, 2**64, True])
+def test_a_position_out_of_a_cursors_range_is_a_programmer_error(created_at: object) -> None:
+    with pytest.raises(ValueError):
+        Position(created_at=created_at, event_id="0" * 64)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        Position(created_at=1, event_id="A" * 64)
+
+
+@pytest.mark.parametrize("now", [-1, 2**64, True, 1.0])
+def test_an_issue_time_out_of_range_is_a_programmer_error(now: object) -> None:
+    codec = CursorCodec(b"k" * 32)
+    with pytest.raises(ValueError):
+        codec.encode(POS, SCOPE, now=now)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("key", [b"", b"k" * 31, b"k" * 33, "k" * 32, bytearray(b"k" * 32)])
+def test_a_mac_key_of_another_size_or_type_is_refused(key: object) -> None:
+    with pytest.raises(ValueError):
+        CursorCodec(key)  # type: ignore[arg-type]
+
+
+def test_the_lifetime_and_the_skew_are_the_documented_ones() -> None:
+    # docs/protocol.md: "24 hours from issue ...; 60 s of clock skew tolerated". The
+    # expiry test reads both from the module's constants, so it cannot see them change.
+    codec = CursorCodec(b"k" * 32)
+    token = codec.encode(POS, SCOPE, now=NOW)
+    assert codec.decode(token, SCOPE, now=NOW + 24 * 3600) == POS
+    with pytest.raises(InvalidCursor):
+        codec.decode(token, SCOPE, now=NOW + 24 * 3600 + 1)
+    assert codec.decode(token, SCOPE, now=NOW - 60) == POS
+    with pytest.raises(InvalidCursor):
+        codec.decode(token, SCOPE, now=NOW - 61)
