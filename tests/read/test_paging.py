@@ -221,3 +221,168 @@ async def read_all_from(relay: FakeRelay, after: Position, limit: int) -> tuple[
 def test_limit_out_of_range_is_our_bug() -> None:
     with pytest.raises(ValueError):
         trio.run(lambda: read_page(FakeRelay([], cap=5, seed=0).query, [BASE], after=None, limit=0, accept=keep))
+
+
+class _SmallIdsLast(FakeRelay):
+    """A relay that cuts inside a second at the worst place for the reader: ties are
+    sent largest id first, so a reply cut inside a second lacks that second's smallest
+    ids (the first ones in the declared order)."""
+
+    async def query(self, filters: list[dict[str, object]]) -> list[object]:
+        self.requests.append(filters)
+        reply: list[object] = []
+        for flt in filters:
+            hits = [ev for ev in self.events if matches(ev, flt)]
+            hits.sort(key=lambda ev: (-int(ev["created_at"]), [-ord(c) for c in str(ev["id"])]))  # type: ignore[call-overload]
+            limit = flt.get("limit", self.cap)
+            assert isinstance(limit, int)
+            reply.extend(hits[: min(limit, self.cap)])
+        return reply
+
+
+async def _read_all(query, limit: int) -> list[str]:  # type: ignore[no-untyped-def]
+    ids: list[str] = []
+    after: Position | None = None
+    for _ in range(100):
+        page = await read_page(query, [BASE], after=after, limit=limit, accept=keep)
+        ids.extend(str(i["id"]) for i in page.items)
+        if page.next_position is None:
+            return ids
+        after = page.next_position
+    raise AssertionError("paging did not end")
+
+
+@pytest.mark.parametrize("bad", [{"created_at": True}, {"created_at": -1}, {"created_at": 1.5},
+                                 {"created_at": "1"}, {"id": "ab"}, {"id": "Z" * 64},
+                                 {"id": "AB" * 32}], ids=repr)
+async def test_an_item_without_a_usable_created_at_or_id_cannot_place_the_boundary(bad: dict[str, object]) -> None:
+    # Five events a second; a page of 6 asks the main query for 8, so the reply is cut
+    # inside its second-newest second (3 of its 5 events, the largest ids). One more item
+    # that matches the filter but whose created_at is not an int in 0..MAX_CREATED_AT
+    # (a bool, a negative, a float, a string), or whose id is not 64 lowercase hex, must
+    # be counted as malformed, never placed:
+    # placed, it is the "oldest" event of the reply and makes the cut second look
+    # complete, so the two smallest ids of that second are never delivered.
+    events = [make_event(n, 1_700_000_000 - n // 5) for n in range(20)]
+    relay = _SmallIdsLast(events, cap=500, seed=0)
+    bogus = {**make_event(999, 0), **bad}
+
+    async def query(filters: list[dict[str, object]]) -> list[object]:
+        return [*(await relay.query(filters)), bogus]
+
+    assert await _read_all(query, 6) == declared_order(events)
+    page = await read_page(query, [BASE], after=None, limit=6, accept=keep)
+    assert page.malformed == page.rounds  # the bogus item, once per reply
+    assert all(item is not bogus for item in page.items)
+
+
+def test_matches_is_nip01_for_the_members_the_read_path_builds() -> None:
+    # `matches` is both paging's attribution and channel_read's "off_filter" check (a
+    # relay's event outside the read's filter is dropped), and the fake relay's oracle,
+    # so the property tests above cannot see it change: its semantics are pinned here.
+    event = {**make_event(1, 1_700_000_000, mention=True), "kind": 9}
+    assert matches(event, BASE)
+    assert matches(event, {**BASE, "#p": ["a" * 64]})
+    # A bool is not a kind (True == 1 in Python).
+    assert not matches({**event, "kind": True}, {"kinds": [1]})
+    assert not matches({**event, "kind": False}, {"kinds": [0]})
+    # A tag value matches only under its own letter.
+    assert not matches(event, {**BASE, "#e": ["a" * 64]})
+    assert not matches(event, {**BASE, "#h": ["another-channel"]})
+    # A member whose wanted values are not a list matches nothing.
+    assert not matches(event, {"kinds": 9})
+    assert not matches(event, {"ids": str(event["id"])})
+    # since/until are inclusive.
+    assert matches(event, {"since": 1_700_000_000, "until": 1_700_000_000})
+    assert not matches(event, {"since": 1_700_000_001})
+    assert not matches(event, {"until": 1_699_999_999})
+    # An unsupported member is our bug, never a silent match.
+    for member in ("search", "#hh"):
+        with pytest.raises(ValueError):
+            matches(event, {member: ["x"]})
+
+
+class _LooseKinds(FakeRelay):
+    """A relay that does not apply `kinds` (a relay's matching is its own): its replies
+    hold events no filter of the read matches, and its limits counted them."""
+
+    async def query(self, filters: list[dict[str, object]]) -> list[object]:
+        return await super().query([{k: v for k, v in f.items() if k != "kinds"} for f in filters])
+
+
+async def test_items_no_filter_matches_still_count_against_the_limit() -> None:
+    # Every other event is of a kind the read does not ask for; the relay counts them in
+    # its limit anyway. Read as "complete" because too few of them match, a full reply
+    # would end the channel early with no cursor: the rest would never be read.
+    events = [make_event(n, 1_700_000_000 - n, kind=9 if n % 2 else 7) for n in range(30)]
+    relay = _LooseKinds(events, cap=500, seed=1)
+
+    def accept(item: Mapping[str, object]) -> Mapping[str, object] | None:
+        return item if matches(item, BASE) else None  # as channel_read's "off_filter"
+
+    ids: list[str] = []
+    after: Position | None = None
+    for _ in range(100):
+        page = await read_page(relay.query, [BASE], after=after, limit=3, accept=accept)
+        ids.extend(str(i["id"]) for i in page.items)
+        if page.next_position is None:
+            break
+        after = page.next_position
+    assert ids == declared_order([ev for ev in events if ev["kind"] == 9])
+
+
+async def test_with_two_filters_the_newest_cut_bounds_what_is_complete() -> None:
+    # A thread read has two filters, each cut by the relay on its own. Filter A's reply
+    # (10 events in one second, 7 sent: the largest ids) is cut at that second; filter B's
+    # (older, sparse) is cut far below. Only what is newer than the NEWEST cut is known
+    # whole: taken down to B's cut, A's second would count as complete and its smallest
+    # ids would never be read.
+    t = 1_700_000_000
+    events = [make_event(n, t) for n in range(10)] + [
+        make_event(100 + n, t - 100 - n, kind=40002) for n in range(10)]
+    relay = _SmallIdsLast(events, cap=500, seed=0)
+    bases = [{"kinds": [9], "#h": [CHANNEL]}, {"kinds": [40002], "#h": [CHANNEL]}]
+    ids: list[str] = []
+    after: Position | None = None
+    for _ in range(100):
+        page = await read_page(relay.query, bases, after=after, limit=5, accept=keep)
+        ids.extend(str(i["id"]) for i in page.items)
+        if page.next_position is None:
+            break
+        after = page.next_position
+    assert ids == declared_order(events)
+
+
+async def test_an_event_the_relay_sends_twice_is_delivered_once() -> None:
+    events = [make_event(n, 1_700_000_000 - n // 3) for n in range(12)]
+    relay = FakeRelay(events, cap=500, seed=2)
+
+    async def twice(filters: list[dict[str, object]]) -> list[object]:
+        reply = await relay.query(filters)
+        return [*reply, *reply]
+
+    ids: list[str] = []
+    after: Position | None = None
+    for _ in range(100):
+        page = await read_page(twice, [BASE], after=after, limit=4, accept=keep)
+        ids.extend(str(i["id"]) for i in page.items)
+        if page.next_position is None:
+            break
+        after = page.next_position
+    assert ids == declared_order(events)
+
+
+async def test_a_page_may_fill_its_byte_bound_exactly() -> None:
+    # max_bytes is a bound the page may reach: the item that would cross it is cut, the
+    # one that reaches it exactly is not (as the window cuts it: bisect_right).
+    events = [make_event(n, 1_700_000_000 - n) for n in range(6)]
+    page = await read_page(FakeRelay(events, cap=500, seed=0).query, [BASE], after=None,
+                           limit=5, accept=keep, max_bytes=3, size_of=lambda item: 1)
+    assert len(page.items) == 3 and page.cut_by_bytes and page.next_position is not None
+
+
+def test_a_limit_past_the_relay_cap_is_our_bug() -> None:
+    # Past the cap, a full page would need the relay to send more than it ever does.
+    with pytest.raises(ValueError):
+        trio.run(lambda: read_page(FakeRelay([], cap=5, seed=0).query, [BASE], after=None,
+                                   limit=6, accept=keep, cap=5))
