@@ -25,6 +25,7 @@ import trio
 from buzzwire.contract import (
     ChannelReadArgs,
     ErrorCode,
+    Event,
     ReadOutcome,
     Status,
     Verdict,
@@ -32,9 +33,10 @@ from buzzwire.contract import (
 )
 from daemon.operations import channel_read
 from daemon.operations._base import Context
-from daemon.relay.cursor import CursorCodec
+from daemon.relay.cursor import CursorCodec, Position
+from daemon.relay.paging import Page
 from daemon.relay.pool import Accepted, AuthNotSigned, RelayPool, RelayTimeouts
-from daemon.relay.windows import WindowCache, WindowKey
+from daemon.relay.windows import Window, WindowCache, WindowKey
 from tests.fixtures.broker import BrokerHarness
 from tests.fixtures.relay import TestKey, auth_signer_for, signed
 from tests.read._support import NOW, context, new_channel, principal_for
@@ -970,3 +972,290 @@ def test_what_a_check_notes_is_bounded_by_keep() -> None:
     for item in _newer(window, 10):
         window.event(item, live=True)
     assert len(window._arrived) <= 4  # white box: the set a relay's flood would grow
+
+
+def _window(cache: WindowCache, depth: int = 3, keep: int = 10) -> Any:
+    return Window(cache, WindowKey(TestKey().pubkey, new_channel(), False), Event.from_json_obj,
+                  depth, 1 << 20, lambda e: 1, keep)
+
+
+def _at(event: Any) -> Position:
+    return Position(created_at=event.created_at, event_id=event.id)
+
+
+def test_a_page_with_an_overflowing_second_is_not_kept() -> None:
+    """A page paging could not read exactly (a second holding the relay's cap or more) is
+    the cold read's answer once, never a window every later poll is answered from."""
+    events = _events(3)
+    cache = WindowCache(None, depth=3, keep=10)  # type: ignore[arg-type]
+    window = _window(cache)
+    assert not window.fill(Page(items=tuple(events), next_position=None, rounds=1,
+                                overflow_seconds=(events[0].created_at,)))
+    window = _window(cache)
+    assert window.fill(Page(items=tuple(events), next_position=None, rounds=1))
+    window.end("test")
+
+
+def test_a_page_that_delivered_nothing_but_has_a_cursor_is_not_kept() -> None:
+    """A cold page that stopped at its round bound before delivering anything (no events,
+    a cursor) says nothing of the channel's newest events: no window is kept from it (it
+    could never answer, and would hold a subscription slot and its bytes)."""
+    events = _events(2)
+    cache = WindowCache(None, depth=3, keep=10)  # type: ignore[arg-type]
+    window = _window(cache)
+    assert not window.fill(Page(items=(), next_position=_at(events[0]), rounds=8))
+    # An empty channel (no events, no cursor) is a window.
+    window = _window(cache)
+    assert window.fill(Page(items=(), next_position=None, rounds=1))
+    window.end("test")
+
+
+def test_a_check_whose_newest_second_overflowed_confirms_nothing() -> None:
+    """The check's page must be exact to vouch for the window: one with an overflowing
+    second (the relay's cap reached inside one second) does not confirm it."""
+    events = _events(4)
+    cache = WindowCache(None, depth=3, keep=10)  # type: ignore[arg-type]
+    window = _window(cache)
+    assert window.fill(Page(items=tuple(events[:3]), next_position=_at(events[2]), rounds=1))
+    check = Page(items=tuple(events[:2]), next_position=_at(events[1]), rounds=1)
+    window.begin_check()
+    assert window.confirms(check)
+    window.begin_check()
+    assert not window.confirms(Page(items=check.items, next_position=check.next_position,
+                                    rounds=1, overflow_seconds=(events[0].created_at,)))
+    window.end("test")
+
+
+def test_a_check_finding_older_events_a_complete_window_lacks_does_not_confirm_it() -> None:
+    """A window that holds the whole channel (nothing below it) answers its last page with
+    no cursor. If the relay's fresh page runs past the window's bottom, the relay holds
+    events the window does not know (an agent re-admitted, a window that missed them): the
+    window is not confirmed, or every later poll would end the channel early."""
+    events = _events(4)
+    cache = WindowCache(None, depth=3, keep=10)  # type: ignore[arg-type]
+    window = _window(cache)
+    assert window.fill(Page(items=tuple(events[:2]), next_position=None, rounds=1))
+    window.begin_check()
+    assert not window.confirms(Page(items=tuple(events[:3]), next_position=_at(events[2]), rounds=1))
+    window.end("test")
+
+
+def test_a_continuation_page_with_an_overflowing_second_is_not_kept() -> None:
+    """As for the first page: a continuation page paging could not read exactly answers
+    its own read only; the window is not extended by it."""
+    events = _events(6)
+    cache = WindowCache(None, depth=2, keep=10)  # type: ignore[arg-type]
+    window, bottom = _bare_window(cache, events[:2])
+    mark = window.continuation(bottom)
+    assert mark is not None
+    window.extend(mark, Page(items=tuple(events[2:4]), next_position=_at(events[3]), rounds=1,
+                             overflow_seconds=(events[3].created_at,)))
+    assert window.serve(2, bottom) is None, "the overflowing page was not kept"
+    mark = window.continuation(bottom)
+    assert mark is not None
+    window.extend(mark, Page(items=tuple(events[2:4]), next_position=_at(events[3]), rounds=1))
+    served = window.serve(2, bottom)
+    assert served is not None and [e.id for e in served.messages] == [e.id for e in events[2:4]]
+    window.end("test")
+
+
+def test_a_continuation_keeps_a_window_within_keep() -> None:
+    """`keep` bounds a window's events whatever fills it: a continuation page that takes
+    it past `keep` drops its bottom events again (a cursor is due from there on)."""
+    events = _events(6)
+    cache = WindowCache(None, depth=2, keep=3)  # type: ignore[arg-type]
+    window, bottom = _bare_window(cache, events[:2], keep=3)
+    mark = window.continuation(bottom)
+    assert mark is not None
+    window.extend(mark, Page(items=tuple(events[2:4]), next_position=None, rounds=1))
+    assert len(window._held) == 3  # white box: nothing kept past `keep`
+    served = window.serve(2, bottom)
+    assert served is None, "the page runs past the window's bottom, the relay holds the rest"
+    window.end("test")
+
+
+async def test_a_window_not_served_for_idle_seconds_is_closed(autojump_clock: Any) -> None:
+    """A window no read has asked for in `idle_seconds` is closed at the next read of any
+    window (its subscription and bytes given back), while one served meanwhile stays."""
+    cache = WindowCache(None, depth=2, keep=10, idle_seconds=300)  # type: ignore[arg-type]
+    idle, _ = _bare_window(cache, _events(2))
+    busy, _ = _bare_window(cache, _events(2))
+    cache._keep(idle)  # white box: as `open` keeps a window it filled
+    cache._keep(busy)
+    await trio.sleep(200)
+    assert cache.get(busy.key) is busy
+    await trio.sleep(200)
+    assert cache.get(busy.key) is busy
+    assert not idle.valid and cache.get(idle.key) is None and len(cache) == 1
+    busy.end("test")
+    assert cache.bytes == 0
+
+
+class _CountingPool:
+    """A stand-in for RelayPool.subscribe: counts the live subscriptions opened."""
+
+    def __init__(self) -> None:
+        self.opened = 0
+        self.closed = 0
+
+    async def subscribe(self, agent: str, filters: Any, sink: Any) -> Any:
+        self.opened += 1
+        await trio.sleep(1)
+        pool = self
+
+        class _Sub:
+            def close(self) -> None:
+                pool.closed += 1
+
+        return _Sub()
+
+
+async def test_reads_racing_to_open_one_window_open_one_subscription(autojump_clock: Any) -> None:
+    """Two reads of one (agent, channel, mentionsOnly) with no window yet: the first opens
+    the window, the other is a plain read, never a second subscription for the same key
+    (each one a slot of the agent's connection, under the relay's cap)."""
+    events = _events(2)
+    pool = _CountingPool()
+    cache = WindowCache(pool, depth=2, keep=10)  # type: ignore[arg-type]
+    key = WindowKey(TestKey().pubkey, new_channel(), False)
+
+    async def read() -> Page[Any]:
+        await trio.sleep(1)
+        return Page(items=tuple(events), next_position=None, rounds=1)
+
+    async def one() -> None:
+        await cache.open(key, [{"kinds": [9], "#h": [key.channel_id]}], Event.from_json_obj, read,
+                         max_page_bytes=1 << 20, size_of=lambda e: 1)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(one)
+        nursery.start_soon(one)
+    assert pool.opened == 1
+    assert len(cache) == 1
+    cache.close()
+
+
+async def test_a_failed_cold_read_closes_the_window_subscription(autojump_clock: Any) -> None:
+    """The window's live subscription is opened before its page is read: when that read
+    fails (relay refused, garbled, unavailable) the subscription is closed with it, or
+    each failed poll would hold one more slot of the agent's connection."""
+    pool = _CountingPool()
+    cache = WindowCache(pool, depth=2, keep=10)  # type: ignore[arg-type]
+    key = WindowKey(TestKey().pubkey, new_channel(), False)
+
+    async def read() -> Page[Any]:
+        raise RuntimeError("relay refused")
+
+    with pytest.raises(RuntimeError):
+        await cache.open(key, [{"kinds": [9], "#h": [key.channel_id]}], Event.from_json_obj, read,
+                         max_page_bytes=1 << 20, size_of=lambda e: 1)
+    assert (pool.opened, pool.closed) == (1, 1)
+    assert len(cache) == 0 and cache.bytes == 0
+
+
+async def test_a_window_too_large_to_keep_is_not_returned_to_answer_the_read(autojump_clock: Any) -> None:
+    """A window that ends as it is kept (alone above read_window_bytes) is not handed to
+    the read: served from its emptied lists, a channel it held whole would read as empty.
+    The read is answered from the page instead."""
+    events = _events(2)
+    pool = _CountingPool()
+    cache = WindowCache(pool, max_bytes=1000, depth=2, keep=10)  # type: ignore[arg-type]
+    key = WindowKey(TestKey().pubkey, new_channel(), False)
+
+    async def read() -> Page[Any]:
+        return Page(items=tuple(events), next_position=None, rounds=1)
+
+    page, window = await cache.open(key, [{"kinds": [9], "#h": [key.channel_id]}],
+                                    Event.from_json_obj, read, max_page_bytes=1 << 20,
+                                    size_of=lambda e: 1)
+    assert [e.id for e in page.items] == [e.id for e in events]
+    assert window is None
+    assert (pool.opened, pool.closed) == (1, 1) and len(cache) == 0
+
+
+async def test_one_eviction_pass_brings_the_windows_back_within_their_bytes(autojump_clock: Any) -> None:
+    """read_window_bytes holds after every change, however many least recently used
+    windows it takes: not one eviction per change."""
+    cache = WindowCache(None, max_bytes=1 << 30, depth=2, keep=10)  # type: ignore[arg-type]
+    windows = []
+    for _ in range(4):
+        window, _ = _bare_window(cache, _events(2))
+        cache._keep(window)  # white box: as `open` keeps a window it filled
+        windows.append(window)
+    one = cache.bytes // 4
+    cache.max_bytes = one + one // 2  # room for one window only
+    cache.resized(windows[-1])
+    assert cache.bytes <= cache.max_bytes
+    assert [w.valid for w in windows] == [False, False, False, True]
+    cache.close()
+    assert cache.bytes == 0
+
+
+async def test_a_windows_check_age_is_jittered_down_never_up(autojump_clock: Any) -> None:
+    """`max_age` bounds how long a window answers before it is checked against the relay
+    (what a relay dropping a member silently can leave in it): the jitter spreads checks
+    out below it, never past it."""
+    cache = WindowCache(None, depth=2, keep=10, max_age=60.0)  # type: ignore[arg-type]
+    window, _ = _bare_window(cache, _events(2))
+    ages = []
+    for _ in range(200):
+        cache.renew(window)
+        ages.append(window.max_age)
+    assert all(45.0 <= age <= 60.0 for age in ages), (min(ages), max(ages))
+    assert max(ages) - min(ages) > 5.0, "the checks are spread out"
+    window.end("test")
+
+
+async def test_an_ended_window_leaves_no_trace_in_the_cache(autojump_clock: Any) -> None:
+    """Every ended window gives back its entry in the cache's bookkeeping: nothing grows
+    with the number of (agent, channel) pairs ever read."""
+    cache = WindowCache(None, depth=2, keep=10)  # type: ignore[arg-type]
+    for _ in range(3):
+        window, _ = _bare_window(cache, _events(2))
+        cache._keep(window)  # white box: as `open` keeps a window it filled
+        window.end("test")
+    assert len(cache) == 0 and cache.bytes == 0
+    assert cache._served_at == {} and cache._held == {}  # white box
+
+
+def test_a_cache_keeping_fewer_events_than_its_page_is_a_programmer_error() -> None:
+    with pytest.raises(ValueError):
+        WindowCache(None, depth=10, keep=5)  # type: ignore[arg-type]
+    for bad in ({"max_bytes": -1}, {"depth": 0}, {"max_age": 0}, {"idle_seconds": 0}):
+        with pytest.raises(ValueError):
+            WindowCache(None, **bad)  # type: ignore[arg-type]
+
+
+async def test_a_window_the_relay_no_longer_confirms_does_not_answer_the_read(
+        world: World, local_relay: str, nursery: trio.Nursery) -> None:
+    """A due window whose check fails is dropped and the read is answered afresh from the
+    relay: never from the dropped window (emptied, it would answer a channel it held whole
+    as empty, with no cursor)."""
+    pool = _pool(local_relay, world.reader)
+    windows = WindowCache(pool, depth=10, keep=10)
+    pool.windows = windows
+    await nursery.start(pool.run)
+    ctx = context(pool, world.ctx.principal, world.ctx.cursors)
+    first = await world.read(ctx, limit=10)
+    assert len(_ids(first)) == 5 and first.outcome.next_cursor is None  # the window holds it all
+    window = windows.get(WindowKey(world.reader.pubkey, world.channel, False))
+    assert window is not None
+    # What the relay will not confirm: an event the window holds that the relay never had.
+    never = Event.from_json_obj(world.author.sign(9, "never published", [["h", world.channel]], NOW))
+    window._place(never)  # white box
+    window.filled_at -= window.max_age  # white box: due, with no clock to wait on
+    again = await world.read(ctx, limit=10)
+    assert not window.valid
+    assert _ids(again) == _ids(first)
+
+
+async def test_a_read_deeper_than_the_window_is_a_cold_read(
+        world: World, local_relay: str, nursery: trio.Nursery) -> None:
+    """A window answers limits up to its depth; a read with a larger limit is the cold
+    read, every event the limit asks for, not the window's shorter page with a cursor."""
+    pool = _pool(local_relay, world.reader)
+    pool.windows = WindowCache(pool, depth=2, keep=10)
+    await nursery.start(pool.run)
+    ctx = context(pool, world.ctx.principal, world.ctx.cursors)
+    deep = await world.read(ctx, limit=5)
+    assert len(_ids(deep)) == 5 and deep.outcome.next_cursor is None
