@@ -252,6 +252,15 @@ def _backup(token: TokenConfig, source_state: Path, tmp_path: Path, count: int =
     return trio.run(make_backup), tmp_path / name, identity
 
 
+def _restoring_custodian(token: TokenConfig, tmp_path: Path) -> tuple[Path, Path]:
+    """A custodian's configuration with a keystore of its own, empty so far (no relay: a
+    restore needs none): the file, and where its signed log will be."""
+    state = tmp_path / "custodian-state"
+    config = write_custodian_config(tmp_path / "custodian.toml", token=token, state_dir=state,
+                                    socket=tmp_path / "c.sock", relay_url="ws://127.0.0.1:1")
+    return config, state / "custodian" / "signed.jsonl"
+
+
 def _lines(log: Path) -> list[dict[str, Any]]:
     """The log's lines, once its chain verifies whole."""
     text = log.read_text()
@@ -268,10 +277,7 @@ def test_a_restore_killed_on_either_side_of_its_sealing_keeps_its_intent_line(
     rerun counted the agents "already held" and wrote no line for them, ever."""
     token, source_state = custody_state
     agents, backup, identity = _backup(token, source_state, tmp_path)
-    state = tmp_path / "custodian-state"
-    config = write_custodian_config(tmp_path / "custodian.toml", token=token, state_dir=state,
-                                    socket=tmp_path / "c.sock", relay_url="ws://127.0.0.1:1")
-    log = state / "custodian" / "signed.jsonl"
+    config, log = _restoring_custodian(token, tmp_path)
     restore = ("keys", "restore", "--identity", str(identity), "--yes", str(backup))
     digest = hashlib.sha256(backup.read_bytes()).hexdigest()
 
@@ -311,10 +317,7 @@ def test_a_log_whose_last_line_is_not_its_own_refuses_the_restore_before_it_rest
     opened the log and was refused: the agents were restored with no line."""
     token, source_state = custody_state
     _, backup, identity = _backup(token, source_state, tmp_path)
-    state = tmp_path / "custodian-state"
-    config = write_custodian_config(tmp_path / "custodian.toml", token=token, state_dir=state,
-                                    socket=tmp_path / "c.sock", relay_url="ws://127.0.0.1:1")
-    log = state / "custodian" / "signed.jsonl"
+    config, log = _restoring_custodian(token, tmp_path)
     log.parent.mkdir(parents=True, mode=0o700)
     log.write_text('{"op": "restore"}\n')  # no seq, no hash: no line of this log
     names = tmp_path / "names.jsonl"
@@ -343,10 +346,7 @@ def test_a_restore_the_keystore_cannot_take_has_its_failed_line(
     token, source_state = custody_state
     _, first, identity = _backup(token, source_state, tmp_path)
     _, more, _ = _backup(token, source_state, tmp_path, 20, "more.age")  # 22 agents
-    state = tmp_path / "custodian-state"
-    config = write_custodian_config(tmp_path / "custodian.toml", token=token, state_dir=state,
-                                    socket=tmp_path / "c.sock", relay_url="ws://127.0.0.1:1")
-    log = state / "custodian" / "signed.jsonl"
+    config, log = _restoring_custodian(token, tmp_path)
     assert _keys(config, "restore", "--identity", str(identity), "--yes",
                  str(first)).returncode == 0  # the keystore made, and two agents in it
     before = len(_lines(log))
@@ -376,10 +376,7 @@ def test_a_names_file_the_disk_cannot_take_is_one_line_after_the_lines(
         pytest.skip("mounting a small filesystem needs root")
     token, source_state = custody_state
     agents, backup, identity = _backup(token, source_state, tmp_path)
-    state = tmp_path / "custodian-state"
-    config = write_custodian_config(tmp_path / "custodian.toml", token=token, state_dir=state,
-                                    socket=tmp_path / "c.sock", relay_url="ws://127.0.0.1:1")
-    log = state / "custodian" / "signed.jsonl"
+    config, log = _restoring_custodian(token, tmp_path)
     full = tmp_path / "full"
     full.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(full)],
