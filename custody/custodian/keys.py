@@ -67,7 +67,7 @@ from custody._rotation import RotationReport
 from custody._keystore import KEYSTORE_FILE, ReadIndex
 from custody.custodian.config import ConfigError, CustodianConfig, load
 from custody.custodian.grace import Graveyard
-from custody.custodian.ledger import SignLog
+from custody.custodian.ledger import SignLog, failed_line
 
 if TYPE_CHECKING:  # imported by `restore` alone, when it runs
     from custody._facade import Custody
@@ -210,8 +210,7 @@ class _Journal:
 
     def failed(self, fault: Exception, *, swapped: bool | None) -> None:
         with contextlib.suppress(CustodyError):  # the fault that ended the run is the one said
-            self._line({"op": "failed", "intent": self._seq, "fault": type(fault).__name__,
-                        "swapped": swapped}, "")
+            self._line({**failed_line(self._seq, fault), "swapped": swapped}, "")
 
 
 def _confirmed(count: int, yes: bool) -> bool:
@@ -273,7 +272,7 @@ async def _sealed(custody: Custody, contents: BackupContents, log: SignLog,
         return await restore_backup(custody, contents), seq
     except Exception as exc:
         with contextlib.suppress(CustodyError):  # the fault that ended it is the one said
-            _append(log, [{"op": "failed", "intent": seq, "fault": type(exc).__name__}], "")
+            _append(log, [failed_line(seq, exc)], "")
         raise
 
 

@@ -25,6 +25,7 @@ this one is written only by the process that holds the keys, under its uid.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -36,7 +37,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, Final
 
-__all__ = ["SignLog", "BrokenLog", "RateBound", "GENESIS", "chain_head", "verify_chain"]
+__all__ = ["SignLog", "BrokenLog", "RateBound", "GENESIS", "chain_head", "failed_line",
+           "fault_name", "verify_chain"]
 
 log = logging.getLogger("buzz_broker.custodian")
 
@@ -47,6 +49,18 @@ _HEX64: Final = re.compile(r"[0-9a-f]{64}")
 
 class BrokenLog(Exception):
     """The log's last whole line is not one of its lines: the chain cannot go on from it."""
+
+
+def fault_name(exc: BaseException) -> str:
+    """An exception as a log may name it: its type, and an OSError's errno name; never its
+    text, which could carry an argument."""
+    code = errno.errorcode.get(exc.errno or 0) if isinstance(exc, OSError) else None
+    return type(exc).__name__ if code is None else f"{type(exc).__name__} {code}"
+
+
+def failed_line(intent: int, exc: BaseException) -> dict[str, object]:
+    """The outcome line of a change that raised after its `intent` line (every writer's)."""
+    return {"op": "failed", "intent": intent, "fault": fault_name(exc)}
 
 
 def _hashed(prev: str, entry: dict[str, object]) -> tuple[str, str]:

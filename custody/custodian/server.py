@@ -31,7 +31,6 @@ Theory of operation:
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import logging
 import os
@@ -51,7 +50,7 @@ from custody._signer import OWNER_TAG_CONDITIONS
 from custody.custodian import intents, messages
 from custody.custodian.backup import Bounds, TooSoon, write_backup
 from custody.custodian.grace import Graveyard
-from custody.custodian.ledger import RateBound, SignLog
+from custody.custodian.ledger import RateBound, SignLog, failed_line, fault_name
 
 __all__ = ["Settings", "Custodian", "serve", "record_obj"]
 
@@ -207,7 +206,7 @@ class Custodian:
             record = await change()
         except Exception as exc:
             with contextlib.suppress(OSError):  # owed then; the answer is the refusal's
-                self.log.append([{"op": "failed", "intent": seq, "fault": _name(exc)}],
+                self.log.append([failed_line(seq, exc)],
                                 done=True)
             raise
         self.log.append([{**line(record), "intent": seq}], done=True)
@@ -359,8 +358,9 @@ class Custodian:
         except OSError as exc:
             if (quiet := self._quiet(op, "fault")) is not None:
                 log.error("custodian refused %s: its log cannot be written: %s (%d not logged)",
-                          op, _name(exc), quiet)
-            raise CustodyError(f"the custodian's log cannot be written: {_name(exc)}") from None
+                          op, fault_name(exc), quiet)
+            raise CustodyError(
+                f"the custodian's log cannot be written: {fault_name(exc)}") from None
 
     async def answer(self, request: messages.Request) -> bytes:
         """The answer frame to one checked request; never raises for custody's faults."""
@@ -386,18 +386,13 @@ class Custodian:
             return messages.reply_error("invalid", str(exc))
         except Exception as exc:  # noqa: BLE001 - one answer, the process stays up
             if (quiet := self._quiet(request.op, "fault")) is not None:
-                log.error("custodian fault in %s: %s (%d not logged)", request.op, _name(exc),
+                log.error("custodian fault in %s: %s (%d not logged)", request.op, fault_name(exc),
                           quiet)
             return messages.reply_error("internal", "custodian fault")
 
 
 class _RateLimited(Exception):
     pass
-
-
-def _name(exc: Exception) -> str:  # never its text: it could carry an argument
-    code = errno.errorcode.get(exc.errno or 0) if isinstance(exc, OSError) else None
-    return type(exc).__name__ if code is None else f"{type(exc).__name__} {code}"
 
 
 class Budget:
