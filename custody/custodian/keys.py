@@ -325,15 +325,13 @@ async def _restore(config: CustodianConfig, options: dict[str, str]) -> None:
                 entries = _listed(contents, set(plan.already_held))
                 result: RestoreResult = plan
                 intent: dict[str, object] = {}  # nothing to restore: no intent to name
+                if plan.restored and not _confirmed(len(plan.restored), "--yes" in options):
+                    raise CustodyError("restore not confirmed; nothing restored")
+                fd = None if names_path is None else _names_file(names_path)
                 if plan.restored:
-                    if not _confirmed(len(plan.restored), "--yes" in options):
-                        raise CustodyError("restore not confirmed; nothing restored")
-                    fd = None if names_path is None else _names_file(names_path)
                     result, seq = await _sealed(custody, contents, log, digest,
                                                 len(plan.restored))
                     intent = {"intent": seq}
-                elif names_path is not None:
-                    fd = _names_file(names_path)
                 # One line per agent: one naming thousands would outgrow the log's tail
                 # read. A run killed before them leaves its intent, with no outcome.
                 lines: list[dict[str, object]] = [
