@@ -18,8 +18,9 @@ Rules:
   locals (Sentry, `pytest --showlocals`, traceback's `capture_locals`), and an agent that
   handed over only a file or the environment has the token in no frame of its own. So
   what can be checked without the credential is checked before it is read; a problem with
-  it is decided by a helper that returns only a message (`_content_problem`,
-  `_transport.credential_problem`); the secret is dropped (`del`) before the raise; and
+  it is decided by a helper that returns only a message or an error to raise
+  (`_content_problem`, `_transport.credential_refusal`); the secret is dropped (`del`)
+  before the raise; and
   the environment is read one variable at a time (`_variable`), never bound to a name
   (`os.environ` holds `$BUZZ_BROKER_CREDENTIAL`).
 """

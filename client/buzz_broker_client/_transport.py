@@ -19,7 +19,7 @@ Rules:
   before a byte can leave. There is no TLS here: an `https://` address is refused rather
   than silently downgraded.
 - The credential is only ever written into the Authorization header. It is validated at
-  construction (`Credential`, `credential_problem`) so h11, whose errors quote a bad
+  construction (`Credential`, `credential_refusal`) so h11, whose errors quote a bad
   header value, never sees an invalid one, and it has a redacting repr. The head that
   carries it is built and sent in its own frame (`_send_request`), which has returned
   before the wait for the answer: a caller's timeout or cancel lands in that wait, and a
@@ -56,7 +56,7 @@ from ._env import _shown_path
 
 __all__ = [
     "Credential",
-    "credential_problem",
+    "credential_refusal",
     "Endpoint",
     "HttpReply",
     "TransportFailure",
@@ -143,20 +143,20 @@ def _connect_kind(exc: OSError) -> ConnectKind:
     return "other"
 
 
-def credential_problem(value: object) -> str | None:
-    """What makes `value` unusable as the bearer credential, or None when nothing does.
+def credential_refusal(value: object) -> TypeError | ValueError | None:
+    """The error that refuses `value` as the bearer credential, or None when nothing does.
 
-    Only a message, which never quotes the value: a caller drops the value before it
-    raises, so that no frame on the error's traceback holds it (`_env`'s docstring).
+    Made here, raised by the caller, whose frame drops the value first, so that no frame on
+    the error's traceback holds it (`_env`'s docstring); its message never quotes it.
     """
     if not isinstance(value, str):  # bytes read in binary mode, say: no comparison below
-        return "credential must be a str"
+        return TypeError("credential must be a str")
     if not value:
-        return "credential is empty"
+        return ValueError("credential is empty")
     if len(value) > MAX_CREDENTIAL_BYTES:
-        return f"credential is longer than {MAX_CREDENTIAL_BYTES} bytes"
+        return ValueError(f"credential is longer than {MAX_CREDENTIAL_BYTES} bytes")
     if not all("\x21" <= c <= "\x7e" for c in value):
-        return "credential must be visible ASCII with no spaces"
+        return ValueError("credential must be visible ASCII with no spaces")
     return None
 
 
@@ -164,6 +164,7 @@ class Credential:
     """The bearer credential: opaque, held privately, never shown.
 
     Raises:
+        TypeError: not a str.
         ValueError: empty, too long, or not visible ASCII (RFC 9110 token68-ish: the
             value must survive as a header field unchanged). The message never quotes it.
     """
@@ -173,11 +174,10 @@ class Credential:
     def __init__(self, value: str) -> None:
         # This frame stays on the traceback of what it raises: the value is dropped first
         # (the rule in `_env`'s docstring).
-        problem = credential_problem(value)
-        if problem is not None:
-            kind = ValueError if isinstance(value, str) else TypeError
+        refusal = credential_refusal(value)
+        if refusal is not None:
             del value
-            raise kind(problem)
+            raise refusal
         self.__value = value
 
     def authorization(self) -> bytes:

@@ -127,7 +127,7 @@ from ._env import resolve_address, resolve_credential
 from ._errors import SETUP_PROBLEMS, CredentialRefused, SetupError
 from ._transport import (
     ConnectFailure, ConnectKind, Credential, Endpoint, HttpReply, TransportFailure,
-    credential_problem, exchange,
+    credential_refusal, exchange,
 )
 
 __all__ = [
@@ -707,11 +707,10 @@ class AsyncBrokerClient:
             secret, read = resolve_credential(credential, credential_file)
         finally:
             del credential
-        problem = credential_problem(secret)
-        if problem is not None:
-            kind = ValueError if isinstance(secret, str) else TypeError
+        refusal = credential_refusal(secret)
+        if refusal is not None:
             del secret, read  # the file's record holds it too (its repr does not show it)
-            raise kind(problem)
+            raise refusal
         if read is not None and read.loose_mode is not None:
             _log.warning("credential file is readable by others (mode %04o); make it 0400",
                          read.loose_mode)
