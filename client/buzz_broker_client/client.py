@@ -1266,6 +1266,7 @@ class AsyncBrokerClient:
         """
         args = _wire(channelId=channel_id)
         return await self._send(self.freeze("typing.set", args, request_id), PublishOutcome)
+
     async def storage_get(
         self, slug: str, *, request_id: str | None = None
     ) -> Answer[StorageGetOutcome]:
