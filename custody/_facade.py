@@ -227,10 +227,11 @@ class Custody:
         self._check_open()
         return self._index.version()
 
-    def minted(self, mint_ref: str) -> KeyRecord | None:
-        """The record a mint with `mint_ref` made, destroyed or not; None if none did."""
+    def minted(self, mint_ref: str, owner: str) -> KeyRecord | None:
+        """The record a mint with `mint_ref` made for `owner`, destroyed or not; None if
+        none did. Raises CustodyError if it was made for another owner."""
         self._check_open()
-        return self._index.by_mint_ref(mint_ref)
+        return _made_for(self._index.by_mint_ref(mint_ref), owner)
 
     def _live(self, pubkey: str) -> KeyRecord:
         require_pubkey("agent", pubkey)
@@ -421,12 +422,10 @@ class Custody:
             raise ValueError("mint_ref must be a non-empty str or None")
 
         def work() -> KeyRecord:
-            if mint_ref is not None:
-                existing = self._keystore.by_mint_ref(mint_ref)
-                if existing is not None:
-                    if existing.owner != owner:
-                        raise CustodyError(f"mint_ref {mint_ref!r} was used for another owner")
-                    return existing  # made before: nothing to say again
+            existing = None if mint_ref is None else _made_for(
+                self._keystore.by_mint_ref(mint_ref), owner)
+            if existing is not None:
+                return existing  # made before: nothing to say again
             with random_secret() as secret:
                 made = self._store(secret, owner=owner, mint_ref=mint_ref, auth_tag=None)
             log.info("minted agent %s for owner %s", made.pubkey, owner)
@@ -654,6 +653,13 @@ def _cache_for(policy: CachePolicy) -> UnsealedCache | None:
     from custody._cache import UnsealedCache
 
     return UnsealedCache(policy)
+
+
+def _made_for(minted: KeyRecord | None, owner: str) -> KeyRecord | None:
+    """`minted`, the record a mint_ref made, if it was made for `owner`."""
+    if minted is not None and minted.owner != owner:
+        raise CustodyError(f"mint_ref {minted.mint_ref!r} was used for another owner")
+    return minted
 
 
 def _open_or_none(key: bytes, payload: str) -> bytes | None:

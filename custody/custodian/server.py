@@ -223,20 +223,22 @@ class Custodian:
     async def mint(self, args: Mapping[str, Any]) -> object:
         async with self._record_lock:
             self._room()
-            # A mint_ref used before answers its record again: nothing is made, so no line.
-            again = args["mint_ref"] is not None and self.custody.minted(args["mint_ref"])
+            # A mint_ref used before answers its record again, from this read: nothing is
+            # made, so no line. Never through `mint_agent`, whose hop would make a key with
+            # no line if `--forget-destroyed` dropped the record meanwhile.
+            if args["mint_ref"] is not None and (
+                    again := self.custody.minted(args["mint_ref"], args["owner"])) is not None:
+                return record_obj(again)
             # Under an owner held here the new key's NIP-OA tag is the owner's signature: paid
             # from its bound, and said in the line.
-            signed = {} if again or self.custody.agent(args["owner"]) is None else {
+            signed = {} if self.custody.agent(args["owner"]) is None else {
                 "signed_by": args["owner"]}
             self._spend(list(signed.values()))
-            mint = functools.partial(self.custody.mint_agent, owner=args["owner"],
-                                     mint_ref=args["mint_ref"])
-            if again:
-                return record_obj(await mint())
             # The key does not exist yet: the intent names what is known.
             record = await self._change(
-                {"for": "mint", "owner": args["owner"], "mint_ref": args["mint_ref"]}, mint,
+                {"for": "mint", "owner": args["owner"], "mint_ref": args["mint_ref"]},
+                functools.partial(self.custody.mint_agent, owner=args["owner"],
+                                  mint_ref=args["mint_ref"]),
                 lambda r: {"op": "mint", "agent": r.pubkey, "owner": r.owner, **signed})
         return record_obj(record)
 
@@ -262,10 +264,17 @@ class Custodian:
         pubkey = args["pubkey"]
         async with self._record_lock:  # the copy, the destroy and its lines: one at a time
             try:
-                # The copy is on disk before the key goes: a destroy is undone in the grace.
-                self.graveyard.keep(pubkey, await self.custody.sealed_copy(pubkey))
-            except UnknownAgent:  # destroyed already (answered its tombstone), or never held
-                return record_obj(await self.custody.destroy_agent(pubkey))
+                copy = await self.custody.sealed_copy(pubkey)
+            except UnknownAgent:  # destroyed already, or never held: answered from the record
+                # alone, never by a call that changes one: a `--recover` may have revived
+                # the key since, and only this custodian's destroys tombstone it again.
+                if (held := self.custody.agent(pubkey, include_deleted=True)) is None:
+                    raise
+                if not held.live:
+                    return record_obj(held)
+                copy = await self.custody.sealed_copy(pubkey)
+            # The copy is on disk before the key goes: a destroy is undone in the grace.
+            self.graveyard.keep(pubkey, copy)
             record = await self._change(
                 {"for": "destroy", "agent": pubkey},
                 functools.partial(self.custody.destroy_agent, pubkey),
@@ -277,8 +286,12 @@ class Custodian:
             self.custody.attach_auth_tag, args["pubkey"], args["tag"])
         async with self._record_lock:  # the check and the change: no twin slips between
             before = self.custody.agent(pubkey)
-            if before is None or before.auth_tag == tuple(args["tag"]):  # no change to make:
-                return record_obj(await attach())  # its record, or custody's refusal; no line
+            # No change to make, so no line: answered from this read, not by `attach`, which
+            # would change a key a `--recover` revived meanwhile, with no line.
+            if before is None:
+                raise UnknownAgent(pubkey)
+            if before.auth_tag == tuple(args["tag"]):
+                return record_obj(before)
             record = await self._change({"for": "attach_auth", "agent": pubkey}, attach,
                                         lambda r: {"op": "attach_auth", "agent": r.pubkey})
         return record_obj(record)
