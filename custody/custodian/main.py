@@ -55,6 +55,10 @@ async def run(config_path: str) -> None:
     chain_head(config.settings.log_path)  # a log it cannot go on: refused before the token
     harden_process()
     custody = await Custody.open(config.token, config.state_dir, config.cache)
+    # Every change is a line of the signed log; custody's own line for each (no change but
+    # `sign` is rate-bounded) would let a pipeline flood the unit's journal past its rate
+    # limit, which then drops the lines that matter, the unseal door's warnings among them.
+    logging.getLogger("buzz_broker.custody").setLevel(logging.WARNING)
     try:
         custodian = Custodian(custody, config.settings)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:

@@ -99,6 +99,21 @@ async def test_a_flood_of_refusals_costs_the_custodians_log_a_line(
         "custodian refused sign", "custodian refused sign_auth"], lines
 
 
+def test_a_flood_of_changes_costs_the_custodians_journal_no_line_each(
+        custodian: CustodianProcess) -> None:
+    """Each change is a line of the signed log; custody's own INFO line for each reached the
+    unit's journal too, and only `sign` is rate-bounded, so a compromised pipeline minting
+    and destroying (or swapping an agent's NIP-OA tag) at will pushed the journal past its
+    rate limit, as refusals did (a red-team review: 800 lines a second). The custodian
+    keeps custody's warnings, and its opening line, and drops its line per change."""
+    for _ in range(50):
+        ok, made = ask(custodian.socket, "mint", owner=human(), mint_ref=None)
+        assert ok and ask(custodian.socket, "destroy", pubkey=made["pubkey"])[0]  # type: ignore[index]
+    lines = custodian.stop().splitlines()
+    assert not [line for line in lines if "minted" in line or "destroyed the key" in line], lines
+    assert [line for line in lines if "custody open" in line], lines
+
+
 async def test_a_30177_for_an_agent_of_another_owner_is_refused(
         custodian: CustodianProcess) -> None:
     client = await CustodianClient.open(custodian.socket)

@@ -154,9 +154,9 @@ async def test_a_request_that_changes_nothing_writes_no_line(
         ("intent", "destroy"), ("destroy", None)]
     assert [e.get("for") for e in entries if e["op"] == "intent"] == [
         "mint", "attach_auth", "destroy"]
-    for said in (f"minted agent {agent}", f"NIP-OA tag to agent {agent}",
-                 f"destroyed the key of agent {agent}"):
-        assert stderr.count(said) == 1, (said, stderr[-2000:])
+    # Changes are lines of the signed log only, not of the journal (test_refusals.py,
+    # `test_a_flood_of_changes_costs_the_custodians_journal_no_line_each`).
+    assert agent not in stderr, stderr[-2000:]
 
 
 def _three_lines(path: Path) -> list[str]:
