@@ -16,6 +16,10 @@ this one is written only by the process that holds the keys, under its uid.
   (`BrokenLog`), before anything is written. Lines of an effect already made (a key
   minted, destroyed...) whose write failed are owed: held in memory and written first,
   before any later line (the server refuses effects meanwhile).
+  Writers: the serving custodian and the commands beside it (`--recover`,
+  `--forget-destroyed`). Each append holds an exclusive `flock` on the file from the head's
+  check to its sync (and a move to `.1`); a file not as this writer left it (inode, size)
+  has its head read again and a torn tail cut under that lock: one chain, no line cut.
 - `RateBound`: a token bucket per agent (signatures per minute, burst the same); memory
   bounded by `MAX_AGENTS` buckets (the oldest dropped, which only gives that agent a full
   bucket again). Only a live agent held here gets one (the server checks before it
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -33,7 +38,7 @@ import os
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO, Final
 
@@ -76,13 +81,19 @@ class SignLog:
         self._max = max_bytes
         self._clock = clock
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.head, self.seq = chain_head(path)  # before the cut: a broken log is left as is
-        cut = _cut_torn_tail(path)
-        if cut:
-            log.warning("signed log %s: cut a torn last line (%d bytes, a write a crash left "
-                        "unfinished); the chain continues from the last whole line", path, cut)
-        self._file: BinaryIO | None = _open(path)
+        self.head, self.seq = GENESIS, 0
+        self._file: BinaryIO | None = None
+        self._inode = 0  # of `_file`
+        self._left: tuple[int, int] | None = None  # (inode, size) as this writer left it
         self._owed: list[dict[str, object]] = []
+        self._reopen()
+        try:
+            with self._held():  # the head read and a torn tail cut, as before each line
+                pass
+        except BaseException:
+            if self._file is not None:
+                self._file.close()
+            raise
 
     def append(self, entries: list[dict[str, object]], *, done: bool = False) -> int:
         """Write the lines owed, then `entries` (one line each), before the answer leaves;
@@ -101,41 +112,82 @@ class SignLog:
         self._owed = []
         return self.seq
 
+    def _reopen(self) -> None:
+        self._file = _open(self.path)
+        self._inode = os.fstat(self._file.fileno()).st_ino
+
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[BinaryIO]:
+        """The file at `path`, under an exclusive flock (every writer's, around each
+        append), its last whole line the head: read again, and a torn tail cut, if the file
+        is not as this writer left it (another process wrote, cut or moved it)."""
+        try:
+            while True:
+                assert self._file is not None
+                fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
+                with contextlib.suppress(FileNotFoundError):
+                    if (now := os.stat(self.path)).st_ino == self._inode:
+                        break
+                file, self._file = self._file, None  # moved to `.1` by another writer
+                file.close()  # since it was opened here
+                self._reopen()
+            if (now.st_ino, now.st_size) != self._left:
+                self.head, self.seq = chain_head(self.path)  # before the cut: a broken
+                cut = _cut_torn_tail(self.path)  # log is left as it is
+                if cut:
+                    log.warning("signed log %s: cut a torn last line (%d bytes, a write a "
+                                "crash left unfinished); the chain continues from the last "
+                                "whole line", self.path, cut)
+                self._left = (now.st_ino, now.st_size - cut)
+            yield self._file
+        finally:
+            if self._file is not None:  # None: moved and closed, which let it go
+                with contextlib.suppress(OSError):
+                    fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+
     def _write(self, entries: list[dict[str, object]]) -> None:
         if self._file is None:  # after a move, or an open that failed: retried at each line
-            self._file = _open(self.path)
-        if not entries:  # nothing owed: no write, and no sync to wait for
+            self._reopen()
+        if not entries:  # nothing owed: no write, no lock, and no sync to wait for
             return
+        with self._held() as file:
+            self._locked_write(file, entries)
+
+    def _locked_write(self, file: BinaryIO, entries: list[dict[str, object]]) -> None:
         head, seq, lines = self.head, self.seq, []
         for entry in entries:
             seq += 1
             body, head = _hashed(head, {"seq": seq, "prev": head, **entry})
             lines.append(f'{body[:-1]},"hash":"{head}"}}\n')  # one encoding, not two
         data = memoryview("".join(lines).encode("utf-8"))
-        start = self._file.seek(0, os.SEEK_END)
+        start = file.seek(0, os.SEEK_END)
         try:
             while data:
-                data = data[self._file.write(data):]
-            os.fdatasync(self._file.fileno())
+                data = data[file.write(data):]
+            os.fdatasync(file.fileno())
         except BaseException:
-            with contextlib.suppress(OSError):  # else the next open cuts the torn line
-                self._file.truncate(start)
+            self._left = None  # as it is: read again at the next line
+            with contextlib.suppress(OSError):  # else the next line's check cuts it
+                file.truncate(start)
             raise
         self.head, self.seq = head, seq
-        if self._file.tell() > self._max:  # written: a move that fails fails no line, and
-            file, self._file = self._file, None  # the next line tries it again
+        self._left = (self._inode, file.tell())
+        if self._left[1] > self._max:  # written: a move that fails fails no line, and the
+            self._file = None  # next line tries it again. Moved while locked: a writer
+            with contextlib.suppress(OSError):  # waiting for it finds it moved
+                os.replace(self.path, self.path.with_name(self.path.name + ".1"))
             with contextlib.suppress(OSError):
                 file.close()
-                os.replace(self.path, self.path.with_name(self.path.name + ".1"))
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):  # the owed lines' last try, else the journal's
-            self.append([])
+        with contextlib.suppress(OSError, BrokenLog):  # the owed lines' last try, else the
+            self.append([])  # journal's
         for entry in self._owed:
             log.error("signed log %s: a line owed, never written: %s", self.path,
                       json.dumps(entry, sort_keys=True))
         if self._file is not None:
-            self._file.close()
+            file, self._file = self._file, None
+            file.close()
 
 
 def _open(path: Path) -> BinaryIO:

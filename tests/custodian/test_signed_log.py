@@ -6,6 +6,7 @@ append leaves the file and the head as they were, so the chain goes on verifying
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -396,3 +397,139 @@ def test_a_log_whose_last_line_is_not_its_own_refuses_the_start_in_one_line(
     assert stderr.splitlines() == [stderr.strip()] and "Traceback" not in stderr, stderr
     assert stderr.startswith(f"custodian: signed log {path}: its last line is not a line")
     assert path.read_bytes() == written
+
+
+#: In a child process: `count` appends of one to three lines each on the log at argv[1]
+#: (bound argv[2] bytes), as one writer of several; prints the seqs it was given.
+_WRITER = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from custody.custodian.ledger import SignLog
+    log = SignLog(Path(sys.argv[1]), int(sys.argv[2]))
+    seqs = []
+    for n in range(int(sys.argv[3])):
+        seqs.append(log.append([{"op": "sign", "agent": sys.argv[4] * 64, "kind": 9,
+                                 "id": f"{n:064x}"}] * (1 + n % 3)))
+    log.close()
+    print(json.dumps(seqs))
+""")
+
+
+def _chained_across_the_move(path: Path) -> list[dict[str, object]]:
+    """The lines of `.1` then of `path`, each checked against the line before it (the
+    first of `.1` against the `prev` it names: older lines are gone)."""
+    moved = path.with_name(path.name + ".1")
+    older = [json.loads(line) for line in moved.read_text().splitlines()] \
+        if moved.exists() else []
+    start = older[0]["prev"] if older else "0" * 64
+    if older:
+        assert verify_chain(moved, start=start) == len(older)
+        start = older[-1]["hash"]
+    newer = [json.loads(line) for line in path.read_text().splitlines()]
+    assert verify_chain(path, start=start) == len(newer)
+    return older + newer
+
+
+@pytest.mark.token_independent
+@pytest.mark.parametrize("bound", [pytest.param(1 << 30, id="one file"),
+                                   pytest.param(20_000, id="moved to .1 many times")])
+def test_writers_in_several_processes_keep_one_chain(tmp_path: Path, bound: int) -> None:
+    """The serving custodian and `--recover` or `--forget-destroyed` beside it append to
+    one log: four processes appending at once give every line its own seq, each chained
+    to the line before it, across the moves to `.1` too. (A review: each writer chained to
+    the head it held in memory, so a second writer's lines took seqs already written and
+    the chain broke, as tampering would leave it; so the commands wrote no line at all.)"""
+    path = tmp_path / "signed.jsonl"
+    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, str(path), str(bound), "150",
+                                 name], cwd=REPO, stdout=subprocess.PIPE, text=True)
+               for name in "abcd"]
+    given = [json.loads(w.communicate(timeout=120)[0]) for w in writers]
+    assert [w.returncode for w in writers] == [0] * 4
+    total = 4 * sum(1 + n % 3 for n in range(150))
+    lines = _chained_across_the_move(path)
+    assert [e["seq"] for e in lines] == list(range(total - len(lines) + 1, total + 1))
+    assert len({seq for seqs in given for seq in seqs}) == 4 * 150  # no seq given twice
+    if bound == 1 << 30:  # nothing moved away
+        assert len(lines) == total and {e["agent"][0] for e in lines} == set("abcd")
+
+
+#: In a child process: the log opened and one line appended, while the test holds the
+#: log's lock with part of a line written, as another writer between its write and its sync.
+_LATE = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from custody.custodian.ledger import SignLog
+    log = SignLog(Path(sys.argv[1]), 1 << 20)
+    log.append([{"op": "intent", "for": "recover", "agent": "b" * 64}])
+    log.close()
+""")
+
+
+@pytest.mark.token_independent
+def test_a_writer_opening_while_another_writes_cuts_no_line_of_it(tmp_path: Path) -> None:
+    """A log opened while another process is half way through its append (its line not
+    yet whole) waits for that append, and cuts nothing: the torn-tail cut is for what a
+    crash left, and only a writer holding the lock may tell the two apart. (A review: the
+    open cut the other writer's unfinished line, which the other then finished as a line
+    without its start.)"""
+    import fcntl
+    import time
+
+    from custody.custodian.ledger import GENESIS, _hashed
+
+    path = tmp_path / "signed.jsonl"
+    body, digest = _hashed(GENESIS, {"seq": 1, "prev": GENESIS, "at": 1_700_000_000,
+                                     "op": "sign", "agent": "a" * 64, "kind": 9,
+                                     "id": "1" * 64})
+    line = f'{body[:-1]},"hash":"{digest}"}}\n'.encode()
+    with open(path, "ab", buffering=0) as writer:
+        fcntl.flock(writer.fileno(), fcntl.LOCK_EX)
+        writer.write(line[:40])
+        late = subprocess.Popen([sys.executable, "-c", _LATE, str(path)], cwd=REPO,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            time.sleep(1.0)
+            assert late.poll() is None, late.communicate()  # waiting for the lock
+            assert path.read_bytes() == line[:40]  # before: cut to nothing at its open
+            writer.write(line[40:])
+            os.fdatasync(writer.fileno())
+            fcntl.flock(writer.fileno(), fcntl.LOCK_UN)
+            _, stderr = late.communicate(timeout=60)
+        finally:
+            if late.poll() is None:
+                late.kill()
+                late.communicate()
+    assert late.returncode == 0 and "cut a torn" not in stderr, stderr
+    assert verify_chain(path) == 2
+    assert [json.loads(x)["seq"] for x in path.read_bytes().splitlines()] == [1, 2]
+
+
+@pytest.mark.token_independent
+def test_owed_lines_are_chained_after_another_writers_lines(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A line owed (its effect made, its write failed) is written at a later append after
+    whatever another writer appended meanwhile, chained to that: seqs are given when the
+    lines are written, under the lock, not when they were first asked for."""
+    import errno
+
+    from custody.custodian.ledger import SignLog
+
+    path = tmp_path / "signed.jsonl"
+    server, command = SignLog(path, 1 << 20), SignLog(path, 1 << 20)
+    real = os.fdatasync
+
+    def failing(fd: int) -> None:
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    with pytest.raises(OSError):
+        server.append([{"op": "destroy", "agent": "a" * 64, "intent": 0}], done=True)
+    monkeypatch.setattr(os, "fdatasync", real)
+    assert command.append([{"op": "intent", "for": "recover", "agent": "b" * 64}]) == 1
+    assert command.append([{"op": "recover", "agent": "b" * 64, "intent": 1}]) == 2
+    assert server.append([{"op": "sign", "agent": "c" * 64, "kind": 9, "id": "3" * 64}]) == 4
+    server.close()
+    command.close()
+    assert verify_chain(path) == 4
+    assert [json.loads(x)["op"] for x in path.read_bytes().splitlines()] == [
+        "intent", "recover", "destroy", "sign"]
