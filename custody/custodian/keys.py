@@ -65,6 +65,7 @@ from custody._errors import CustodyError
 from custody._keys import init_keys, rotate_keys
 from custody._rotation import RotationReport
 from custody._keystore import KEYSTORE_FILE, ReadIndex
+from custody.custodian.changes import append, open_log
 from custody.custodian.config import ConfigError, CustodianConfig, load
 from custody.custodian.grace import Graveyard
 from custody.custodian.ledger import SignLog, failed_line
@@ -153,27 +154,6 @@ async def run(config: CustodianConfig, words: list[str]) -> None:
           f"{', '.join(report.destroyed) or 'none'}", flush=True)
 
 
-def _log_fault(exc: OSError, what: str) -> CustodyError:
-    return CustodyError(f"the custodian's log cannot be written ({exc.strerror}): {what}")
-
-
-def _open_log(config: CustodianConfig, what: str) -> SignLog:
-    """The custodian's log, opened to append: BrokenLog (its last line not its own) as is,
-    any other fault a CustodyError ending with `what` (what it leaves done)."""
-    try:
-        return SignLog(config.settings.log_path, config.settings.log_max_bytes)
-    except OSError as exc:
-        raise _log_fault(exc, what) from None
-
-
-def _append(log: SignLog, entries: list[dict[str, object]], what: str) -> int:
-    """`entries` on disk (SignLog.append: synced); the last one's seq."""
-    try:
-        return log.append(entries)
-    except OSError as exc:
-        raise _log_fault(exc, what) from None
-
-
 class _Journal:
     """A rotation's lines in the custodian's log, by `rotate` under the state lock
     (custody/_rotation.py `Journal`): the log is opened there too, as the chain's head
@@ -186,9 +166,9 @@ class _Journal:
         self._seq = 0
 
     def _line(self, entry: dict[str, object], what: str) -> int:
-        log = _open_log(self._config, what)
+        log = open_log(self._config, what)
         try:
-            return _append(log, [entry], what)
+            return append(log, [entry], what)
         finally:
             log.close()
 
@@ -266,13 +246,13 @@ async def _sealed(custody: Custody, contents: BackupContents, log: SignLog,
     for a restore). The caller writes the outcome. The result and the intent's seq."""
     from custody._restore import restore_backup
 
-    seq = _append(log, [{"op": "intent", "for": "restore", "sha256": digest,
+    seq = append(log, [{"op": "intent", "for": "restore", "sha256": digest,
                          "agents": count}], "nothing restored")
     try:
         return await restore_backup(custody, contents), seq
     except Exception as exc:
         with contextlib.suppress(CustodyError):  # the fault that ended it is the one said
-            _append(log, [failed_line(seq, exc)], "")
+            append(log, [failed_line(seq, exc)], "")
         raise
 
 
@@ -319,7 +299,7 @@ async def _restore(config: CustodianConfig, options: dict[str, str]) -> None:
             # The log next, under the lock, so no custodian starting meanwhile forks the
             # chain; one whose last line is not its own (BrokenLog) refuses the restore
             # here, before anything is listed, asked or restored.
-            log = _open_log(config, "nothing restored")
+            log = open_log(config, "nothing restored")
             try:
                 plan = restore_plan(custody, contents)
                 entries = _listed(contents, set(plan.already_held))
@@ -340,7 +320,7 @@ async def _restore(config: CustodianConfig, options: dict[str, str]) -> None:
                 lines.append({"op": "restore", "agents": len(result.restored),
                               "held": len(result.already_held), "sha256": digest,
                               "file": str(backup), **intent})
-                _append(log, lines, "the restore is done, and its intent line stands for it"
+                append(log, lines, "the restore is done, and its intent line stands for it"
                         if intent else "nothing was restored")
                 if fd is not None and names_path is not None:  # after the lines: a names
                     names_fd, fd = fd, None  # file that fails loses none of them
