@@ -14,6 +14,13 @@ copy is gone too, custody/custodian/grace.py), unless a record kept here names i
 What forgetting gives up, said where the operator runs it (docs/custodian.md): this host
 no longer knows the key was held, so an `import` or a restore of that key from an old
 backup is no longer refused as a destroyed one.
+
+It changes the keystore, so it is in the custodian's log (changes.py `logged_change`): an
+`intent` line (`for` forget, `before`: the destroy time at or before which a record may
+go) on disk before the transaction, then one `forget` line per record forgotten (`agent`)
+and one with the count (`agents`, `intent`), or `failed`. A run that forgets nothing
+writes its intent and a count of 0: whether any would go is known only inside the
+transaction.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from pathlib import Path
 from custody._errors import CustodyError
 from custody._keystore import KEYSTORE_FILE, Keystore
 from custody._statelock import StateLock
+from custody.custodian.changes import logged_change, open_log
 from custody.custodian.config import load
 from custody.custodian.grace import Graveyard
 
@@ -32,20 +40,26 @@ __all__ = ["forget", "forget_destroyed"]
 
 #: A record goes once nothing kept names it as owner: leaves first, up the chains.
 _LEAVES = """DELETE FROM keys WHERE deleted_at IS NOT NULL AND deleted_at <= ?
-              AND pubkey NOT IN (SELECT owner FROM keys)"""
+              AND pubkey NOT IN (SELECT owner FROM keys) RETURNING pubkey"""
 
 
-def forget_destroyed(keystore: Keystore, destroyed_before: int) -> int:
+def forget_destroyed(keystore: Keystore, destroyed_before: int) -> list[str]:
     """Delete every record destroyed at or before `destroyed_before` that no remaining
-    record names as owner; how many went. One transaction: all of them or none."""
-    forgotten = 0
+    record names as owner; the pubkeys that went. One transaction: all of them or none."""
+    forgotten: list[str] = []
     try:
         with keystore._transaction() as db:
-            while (gone := db.execute(_LEAVES, (destroyed_before,)).rowcount) > 0:
+            while gone := [pubkey for (pubkey,) in db.execute(_LEAVES, (destroyed_before,))]:
                 forgotten += gone
     except sqlite3.Error as exc:
         raise CustodyError(f"keystore write failed: {exc}") from None
     return forgotten
+
+
+def _lines(forgotten: list[str], intent: int) -> list[dict[str, object]]:
+    # One line per record: one naming thousands would outgrow the log's tail read.
+    lines: list[dict[str, object]] = [{"op": "forget", "agent": p} for p in forgotten]
+    return [*lines, {"op": "forget", "agents": len(forgotten), "intent": intent}]
 
 
 async def forget(config_path: str) -> None:
@@ -58,10 +72,20 @@ async def forget(config_path: str) -> None:
     try:
         keystore = Keystore.open(Path(config.state_dir))
         try:
-            forgotten = forget_destroyed(keystore, int(time.time()) - grace)
+            log = open_log(config, "nothing was forgotten")
+            try:
+                before = int(time.time()) - grace
+
+                async def change() -> list[str]:
+                    return forget_destroyed(keystore, before)
+
+                forgotten = await logged_change(log, {"for": "forget", "before": before},
+                                                change, _lines)
+            finally:
+                log.close()
         finally:
             keystore.close()
     finally:
         lock.release()
-    print(f"custodian: forgot {forgotten} records of keys destroyed more than {grace} s ago",
-          flush=True)
+    print(f"custodian: forgot {len(forgotten)} records of keys destroyed more than {grace} s "
+          "ago", flush=True)

@@ -11,10 +11,18 @@ process.
 The copy is left where it is, for the grace period's purge (or `keys rotate`, which
 drops the copies of live keys) to delete: deleting it here would race a destroy the
 running custodian answers meanwhile, whose own copy of the key it would delete.
+
+It is a key change, so it is in the custodian's log as the server's are (changes.py
+`logged_change`): an `intent` line (`for` recover, the `agent`) on disk before the
+keystore is asked, then `recover` (`agent`, `intent`), or `failed` (a copy that does not
+open as that agent: `UnsealFailed`). A run that asks nothing (no copy within the grace
+period, the agent held) writes no line. The log's lock (ledger.py) keeps the serving
+custodian's chain and these lines one chain.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from custody._errors import CustodyError, UnknownAgent
@@ -22,6 +30,7 @@ from buzzwire.nostr import require_pubkey
 from custody._facade import Custody
 from custody._records import KeyRecord
 from custody._sealed import seal, unseal
+from custody.custodian.changes import logged_change, open_log
 from custody.custodian.config import load
 from custody.custodian.grace import Graveyard
 
@@ -64,5 +73,12 @@ async def recover(config_path: str, pubkey: str) -> None:
     async with await Custody.open(config.token, config.state_dir, config.cache) as custody:
         if custody.agent(pubkey) is not None:  # recovered already: the copy is left (above)
             raise CustodyError(f"agent {pubkey} is held: nothing to recover")
-        await revive_agent(custody, pubkey, blob)
+        log = open_log(config, "nothing was recovered")
+        try:  # revive_agent looked up now: the tests' kill point replaces it
+            await logged_change(log, {"for": "recover", "agent": pubkey},
+                                functools.partial(revive_agent, custody, pubkey, blob),
+                                lambda record, seq: [{"op": "recover", "agent": record.pubkey,
+                                                      "intent": seq}])
+        finally:
+            log.close()
     print(f"custodian: agent {pubkey} recovered", flush=True)

@@ -11,7 +11,8 @@ ARGUMENTS: the custodian's command instead of serving. `keys rotate`: OP is then
 `custody.ROTATION_CHECKPOINTS` (killed there), or `released`: stopped (SIGSTOP) once the
 rotation has let the state lock go, so the test can start a custodian in that window.
 `keys restore`: OP `restore:intent` or `restore:changed`, the same two windows around
-`restore_backup` (custody/custodian/keys.py `_sealed`).
+`restore_backup` (custody/custodian/keys.py `_sealed`). `--recover PUBKEY`: OP
+`recover:intent` or `recover:changed`, around `revive_agent` (custody/custodian/recover.py).
 """
 
 from __future__ import annotations
@@ -28,17 +29,18 @@ from custody import _restore as restoring
 from custody._statelock import StateLock
 from custody.custodian import backup
 from custody.custodian import keys as key_commands
+from custody.custodian import recover as recovering
 from custody.custodian.ledger import SignLog
 from custody.custodian.main import main
 from custody.custodian.server import Custodian
 from tests.fixtures.kill import kill_at
 
-#: A row that changes the keystore (and `keys restore`) -> where the call that makes its
-#: change is looked up when called, and its name there.
+#: A row that changes the keystore (and `keys restore`, `--recover`) -> where the call that
+#: makes its change is looked up when called, and its name there.
 CHANGES: dict[str, tuple[object, str]] = {
     "mint": (Custody, "mint_agent"), "import": (Custody, "import_agent"),
     "destroy": (Custody, "destroy_agent"), "attach_auth": (Custody, "attach_auth_tag"),
-    "restore": (restoring, "restore_backup")}
+    "restore": (restoring, "restore_backup"), "recover": (recovering, "revive_agent")}
 
 
 def _arm_mid_write() -> None:

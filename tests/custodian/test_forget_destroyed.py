@@ -4,20 +4,25 @@ way back under `[custodian] max_records`, which counts destroyed records.
 Against a running custodian: records destroyed past the grace period go, unless a kept
 record names them as owner (a chain of them goes leaves first); a record destroyed within
 the grace period stays; the running custodian's answers and its bound see the change; and
-what forgetting gives up (the key is no longer refused as a destroyed one) is shown.
+what forgetting gives up (the key is no longer refused as a destroyed one) is shown. Each
+run is in the custodian's log (its intent, a line per record forgotten, the count), and
+the custodian's own lines go on after it in one chain.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import coincurve
 
 from custody import TokenConfig
 from custody.custodian.client import CustodianClient
+from custody.custodian.ledger import verify_chain
 from tests.custodian.test_refusals import ask, human
 from tests.fixtures.custodian import running_custodian
 
@@ -64,6 +69,12 @@ async def test_forget_destroyed_drops_what_no_kept_record_needs(
         done = _forget(process.config)
         assert done.returncode == 0, done.stderr
         assert "forgot 3 records" in done.stdout
+        # In the custodian's log, beside the lines it writes: before, none at all.
+        began, *gone, counted = _lines(log_dir)[-5:]
+        assert (began["op"], began["for"], counted["op"], counted["agents"]) == (
+            "intent", "forget", "forget", 3)
+        assert counted["intent"] == began["seq"] and began["before"] <= time.time() - GRACE
+        assert sorted(e["agent"] for e in gone) == sorted([alone, top, below])
 
         assert _listed(process.socket) == {parent: False, child: True, recent: False}
         assert sorted(p.name for p in log_dir.glob("**/*.sealed")) == [f"{recent}.sealed"]
@@ -74,7 +85,19 @@ async def test_forget_destroyed_drops_what_no_kept_record_needs(
         assert _listed(process.socket)[alone]
         # Run again, nothing more goes: the rest are kept or within their grace.
         assert "forgot 0 records" in _forget(process.config).stdout
+        assert await _mint_ok(process.socket)  # the custodian's lines go on after it
         await client.aclose()
+    *_, began, counted, intent, minted = _lines(log_dir)
+    assert (began["for"], counted["agents"], counted["intent"]) == ("forget", 0, began["seq"])
+    assert (intent["for"], minted["op"], minted["intent"]) == ("mint", "mint", intent["seq"])
+
+
+def _lines(log_dir: Path) -> list[dict[str, Any]]:
+    """The custodian's log, its whole chain checked by the log's own verifier."""
+    path = log_dir / "signed.jsonl"
+    text = path.read_text()
+    assert verify_chain(path) == len(text.splitlines())
+    return [json.loads(line) for line in text.splitlines()]
 
 
 async def _mint_ok(socket: Path) -> bool:

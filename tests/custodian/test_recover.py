@@ -5,12 +5,20 @@ interrupted rotation (a review's two ways to lose a key the docs said could come
   `--recover` no longer deletes afterwards: the key can come back again.
 - A key recovered while a rotation is interrupted after its swap is sealed again under the
   active KEK, so the rotation's rerun, which destroys the retiring KEK, leaves it usable.
+
+And its lines in the custodian's log, written beside the serving custodian's own in one
+chain: its intent and `recover` (or `failed`), none for a run that asks nothing, and the
+intent alone when it is killed between them.
 """
 
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,10 +28,13 @@ from custody import Custody, UnsignedEvent, init_kek
 from custody._keys import rotate_keys
 from custody.custodian import recover as command
 from custody.custodian.client import CustodianClient
-from tests.custodian.test_refusals import ask, held, human
+from custody.custodian.ledger import verify_chain
+from tests.custodian.test_refusals import ask, held, human, intent
 from tests.custody._sealing import HUMAN
 from tests.fixtures.custodian import CustodianProcess
 from tests.fixtures.token import SoftHsmToken
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _recover(config: Path, pubkey: str) -> subprocess.CompletedProcess[str]:
@@ -85,3 +96,122 @@ async def test_a_key_recovered_within_an_interrupted_rotation_survives_its_rerun
         for agent in (kept, gone):  # before: `gone` failed to unseal, its KEK destroyed
             signed = await custody.sign_event(agent, UnsignedEvent(agent, 1, 1, (), "after"))
             assert verify_signed(signed)
+
+
+def _log(custodian: CustodianProcess) -> list[dict[str, object]]:
+    """The custodian's log, checked end to end by the chain's own verifier."""
+    path = custodian.config.parent / "state" / "custodian" / "signed.jsonl"
+    text = path.read_text()
+    assert verify_chain(path) == len(text.splitlines())
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def _signs(socket: Path, agent: str, seconds: float = 10.0) -> None:
+    """`agent` signs once the custodian sees it held (within its records' recheck)."""
+    deadline = time.monotonic() + seconds
+    while not (answer := ask(socket, "sign", events=[intent(agent, 9, [["h", "c"]], "x")]))[0]:
+        assert time.monotonic() < deadline, answer
+        time.sleep(0.05)
+
+
+async def test_recovers_beside_a_serving_custodian_are_in_its_log_and_its_chain_goes_on(
+        custodian: CustodianProcess) -> None:
+    """Three `--recover` runs while the custodian signs for another agent as fast as it is
+    asked: each has its intent and its `recover` line naming the agent, the custodian's
+    lines go on between and after them, and the whole log verifies. (A review: `--recover`
+    wrote no line, so a security engineer reading the log never saw a destroyed key come
+    back; it could not append beside the serving custodian without forking the chain.)"""
+    client = await CustodianClient.open(custodian.socket)
+    busy = await held(client, human())
+    agents = [await held(client, human()) for _ in range(3)]
+    await client.aclose()
+    for agent in agents:
+        assert ask(custodian.socket, "destroy", pubkey=agent)[0]
+    stop, signed = threading.Event(), [0]
+
+    def signing() -> None:
+        while not stop.is_set():
+            assert ask(custodian.socket, "sign", events=[intent(busy, 9, [["h", "c"]])])[0]
+            signed[0] += 1
+
+    signer = threading.Thread(target=signing)
+    signer.start()
+    try:
+        for agent in agents:
+            done = _recover(custodian.config, agent)
+            assert done.returncode == 0, done.stderr
+    finally:
+        stop.set()
+        signer.join(60)
+    for agent in agents:
+        _signs(custodian.socket, agent)
+    custodian.stop()
+    lines = _log(custodian)
+    assert signed[0] > 0
+    for agent in agents:
+        began, back = [e for e in lines if e.get("agent") == agent and (
+            e.get("for") == "recover" or e["op"] == "recover")]
+        assert (began["op"], began["for"], back["op"], back["intent"]) == (
+            "intent", "recover", "recover", began["seq"])
+        assert lines[-1]["seq"] > back["seq"]  # the custodian's lines go on after it
+    first = min(e["seq"] for e in lines if e.get("for") == "recover")
+    assert any(e["op"] == "sign" and e["agent"] == busy and e["seq"] > first for e in lines)
+
+
+async def test_a_recover_that_asks_nothing_writes_nothing_and_one_that_fails_writes_failed(
+        custodian: CustodianProcess) -> None:
+    """No copy within the grace period: refused before custody is opened, no line. A copy
+    that does not open as that agent (here another destroyed agent's, under its name):
+    its intent, then `failed` naming `UnsealFailed`, and the key stays destroyed."""
+    client = await CustodianClient.open(custodian.socket)
+    agent, other = await held(client, human()), await held(client, human())
+    never = human()
+    await client.aclose()
+    for pubkey in (agent, other):
+        assert ask(custodian.socket, "destroy", pubkey=pubkey)[0]
+    before = _log(custodian)
+    done = _recover(custodian.config, never)
+    assert done.returncode == 1 and "no sealed copy" in done.stderr, done.stderr
+    assert _log(custodian) == before
+    copies = custodian.config.parent / "state" / "custodian" / "destroyed"
+    (copies / f"{agent}.sealed").write_bytes((copies / f"{other}.sealed").read_bytes())
+    done = _recover(custodian.config, agent)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    began, failed = _log(custodian)[len(before):]
+    assert (began["op"], began["for"], began["agent"]) == ("intent", "recover", agent)
+    assert failed == {**failed, "op": "failed", "intent": began["seq"],
+                      "fault": "UnsealFailed"}
+    ok, record = ask(custodian.socket, "agent", pubkey=agent, include_deleted=True)
+    assert ok and isinstance(record, dict) and record["deleted_at"] is not None
+
+
+@pytest.mark.parametrize("point", ["intent", "changed"])
+async def test_a_recover_killed_between_its_intent_and_its_outcome_keeps_its_intent(
+        custodian: CustodianProcess, point: str) -> None:
+    """SIGKILLed once its intent is on disk (nothing asked yet) or once the keystore took
+    the key back (its outcome not written): the intent stands without an outcome, the
+    custodian goes on signing after it, and a rerun recovers the key under an intent of its
+    own (killed before the change) or finds it held and writes nothing (after)."""
+    client = await CustodianClient.open(custodian.socket)
+    agent, busy = await held(client, human()), await held(client, human())
+    await client.aclose()
+    assert ask(custodian.socket, "destroy", pubkey=agent)[0]
+    killed = subprocess.run(
+        [sys.executable, "-m", "tests.custodian.crashing_custodian", str(custodian.config),
+         f"recover:{point}", "--recover", agent], capture_output=True, text=True, timeout=120,
+        cwd=REPO)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert f"custodian.kill step=recover:{point}" in killed.stderr
+    _signs(custodian.socket, busy)
+    rerun = _recover(custodian.config, agent)
+    assert rerun.returncode == (0 if point == "intent" else 1), rerun.stderr
+    _signs(custodian.socket, agent)
+    custodian.stop()
+    lines = _log(custodian)
+    intents = [e for e in lines if e.get("for") == "recover"]
+    outcomes = {e["intent"]: e["op"] for e in lines if "intent" in e}
+    assert intents[0]["agent"] == agent and intents[0]["seq"] not in outcomes  # before: none
+    assert [outcomes[e["seq"]] for e in intents[1:]] == (["recover"] if point == "intent"
+                                                          else [])
+    assert any(e["op"] == "sign" and e["agent"] == busy and e["seq"] > intents[0]["seq"]
+               for e in lines)
