@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import coincurve
 import pytest
@@ -415,7 +416,7 @@ _WRITER = textwrap.dedent("""
 """)
 
 
-def _chained_across_the_move(path: Path) -> list[dict[str, object]]:
+def _chained_across_the_move(path: Path) -> list[dict[str, Any]]:
     """The lines of `.1` then of `path`, each checked against the line before it (the
     first of `.1` against the `prev` it names: older lines are gone)."""
     moved = path.with_name(path.name + ".1")
@@ -459,6 +460,7 @@ _LATE = textwrap.dedent("""
     import sys
     from pathlib import Path
     from custody.custodian.ledger import SignLog
+    print("opening", flush=True)
     log = SignLog(Path(sys.argv[1]), 1 << 20)
     log.append([{"op": "intent", "for": "recover", "agent": "b" * 64}])
     log.close()
@@ -486,9 +488,10 @@ def test_a_writer_opening_while_another_writes_cuts_no_line_of_it(tmp_path: Path
         fcntl.flock(writer.fileno(), fcntl.LOCK_EX)
         writer.write(line[:40])
         late = subprocess.Popen([sys.executable, "-c", _LATE, str(path)], cwd=REPO,
-                                stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            time.sleep(1.0)
+            assert late.stdout is not None and late.stdout.readline() == "opening\n"
+            time.sleep(1.0)  # its open, then its append, well under way
             assert late.poll() is None, late.communicate()  # waiting for the lock
             assert path.read_bytes() == line[:40]  # before: cut to nothing at its open
             writer.write(line[40:])
