@@ -117,7 +117,7 @@ async def test_a_mint_of_a_used_mint_ref_forgotten_meanwhile_makes_no_key_withou
     def forget() -> None:
         keystore = Keystore.open(state)
         try:
-            assert forget_destroyed(keystore, 2**40) == 1
+            assert len(forget_destroyed(keystore, 2**40)) == 1
         finally:
             keystore.close()
 
