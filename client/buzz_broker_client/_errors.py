@@ -8,7 +8,8 @@ Rules:
   a connect that failed with "missing", "permission" or "refused" on *every* attempt
   (so not one byte reached a host), or the host's verdict `failed` + `unauthenticated`.
 - Messages name paths and environment variables, never the credential (which they
-  cannot reach: the exceptions are built from the endpoint's description and fixed text).
+  cannot reach: the exceptions are built from the endpoint's description, the directory
+  above the socket that refused this user when one did, and fixed text).
 
 WARNING: docs/agents.md ("When it cannot work at all") lists these types and their
 messages' advice; change both together.
@@ -16,11 +17,13 @@ messages' advice; change both together.
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ._transport import ClosedDirectory
     from .client import Failed
 
 __all__ = [
@@ -81,15 +84,40 @@ class NothingListening(BrokerUnreachable):
 
 
 class SocketPermissionDenied(SetupError):
-    """The socket exists but this user may not open it."""
+    """The socket exists but this user may not open it, or may not reach it.
 
-    def __init__(self, where: str) -> None:
-        super().__init__(
-            f"permission denied on the broker socket {where}: this user may not open it; "
-            "add the agent's user to the socket's group (server.socket_group in the broker's "
-            "config) and start a new login session, or ask the broker's operator"
-        )
+    `closed` is the directory above the socket that stops this user, when one does
+    (`_transport.closed_directory`): then the message names it, since the socket's group
+    cannot open a directory. Without it, the socket's own mode is the cause.
+    """
+
+    def __init__(self, where: str, closed: ClosedDirectory | None = None) -> None:
+        super().__init__(f"permission denied on the broker socket {where}: "
+                         + (_SOCKET_ITSELF if closed is None else _closed_advice(closed)))
         self.where = where
+
+
+_SOCKET_ITSELF = (
+    "this user may not open it; add the agent's user to the socket's group "
+    "(server.socket_group in the broker's config) and start a new login session, or ask "
+    "the broker's operator"
+)
+
+
+def _closed_advice(closed: ClosedDirectory) -> str:
+    """What to do about a directory above the socket that this user cannot pass through.
+
+    A directory whose group may pass lets the agent in once its user joins that group; one
+    whose group may not (0700, say) lets no group in, whatever the socket's own group is.
+    """
+    where = f"the directory {closed.path} above it (mode {closed.mode:04o}, owner " \
+            f"{closed.owner}, group {closed.group}) does not let this user through"
+    if closed.mode & stat.S_IXGRP:
+        return (f"{where}; add the agent's user to group {closed.group} and start a new "
+                "login session, or ask the broker's operator")
+    return (f"{where}, nor any group: its mode, not the socket's group, is the problem; the "
+            "broker's operator must open it to the socket's group (chgrp, chmod 0750) or put "
+            "server.socket in a directory the agent's user can reach")
 
 
 class CredentialRefused(SetupError):

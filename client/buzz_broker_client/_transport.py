@@ -38,8 +38,11 @@ and in `AsyncBrokerClient`'s docstring.
 from __future__ import annotations
 
 import errno
+import grp
 import ipaddress
 import os
+import pwd
+import stat
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -63,6 +66,8 @@ __all__ = [
     "ConnectFailure",
     "ConnectKind",
     "CONNECT_KINDS",
+    "ClosedDirectory",
+    "closed_directory",
     "exchange",
     "MAX_RESPONSE_BYTES",
     "MAX_HEADER_BYTES",
@@ -290,6 +295,61 @@ class Endpoint:
 
     def __repr__(self) -> str:
         return f"Endpoint({self.describe()!r})"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClosedDirectory:
+    """A directory above the socket that this user may not pass through (no search
+    permission), as `SocketPermissionDenied` names it: its path, mode, owner and group
+    (names where they resolve, else the numbers)."""
+
+    path: str
+    mode: int
+    owner: str
+    group: str
+
+
+def closed_directory(endpoint: Endpoint) -> ClosedDirectory | None:
+    """The first directory on the socket's path this user cannot search, or None.
+
+    A connect refused with EACCES may be the socket's own mode or a directory above it
+    that this user may not pass through; the advice differs (the socket's group cannot
+    open a directory). Only `access` (as the real uid: an agent is not set-uid) and `stat`
+    are used: neither opens anything, so a hostile file on the path (a FIFO, a device)
+    cannot hang on or be touched by it. None for a TCP
+    address, a path that is not shown (`Endpoint.describe`: its directories are not shown
+    either), or when every directory lets this user through (then the socket is the cause).
+    """
+    path = endpoint.path
+    if endpoint.kind != "unix" or path is None or _shown_path(path) != path:
+        return None
+    chain = [os.path.dirname(path)]
+    while os.path.dirname(chain[-1]) != chain[-1]:
+        chain.append(os.path.dirname(chain[-1]))
+    for directory in reversed(chain):  # from / down: the first closed one is the cause
+        if os.access(directory, os.X_OK):
+            continue
+        try:
+            st = os.stat(directory)
+        except OSError:
+            return None
+        return ClosedDirectory(path=directory, mode=stat.S_IMODE(st.st_mode),
+                               owner=_user_name(st.st_uid), group=_group_name(st.st_gid))
+    return None
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
 
 
 @dataclass(frozen=True, slots=True)

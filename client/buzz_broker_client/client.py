@@ -124,10 +124,10 @@ from buzzwire.nostr import verify_event
 
 from ._bounds import response_bytes, response_values
 from ._env import resolve_address, resolve_credential
-from ._errors import SETUP_PROBLEMS, CredentialRefused, SetupError
+from ._errors import SETUP_PROBLEMS, CredentialRefused, SetupError, SocketPermissionDenied
 from ._transport import (
     ConnectFailure, ConnectKind, Credential, Endpoint, HttpReply, TransportFailure,
-    credential_refusal, exchange,
+    closed_directory, credential_refusal, exchange,
 )
 
 __all__ = [
@@ -911,7 +911,12 @@ class AsyncBrokerClient:
             delay = min(delay * policy.multiplier, policy.max_delay)
 
     def _setup_error(self, connect: ConnectKind) -> SetupError:
-        return SETUP_PROBLEMS[connect](self._endpoint.describe())
+        where = self._endpoint.describe()
+        if connect == "permission":
+            # Which fix helps depends on what refused: the socket, or a directory above it
+            # that no group of the socket's opens. Only this error looks at the path.
+            return SocketPermissionDenied(where, closed_directory(self._endpoint))
+        return SETUP_PROBLEMS[connect](where)
 
     async def _attempt(
         self, request: Request, body: bytes, outcome_type: type[O], attempt: int, deadline: float,

@@ -12,9 +12,11 @@ import asyncio
 import concurrent.futures
 import contextlib
 import gc
+import grp
 import json
 import logging
 import os
+import pwd
 import shutil
 import socket
 import subprocess
@@ -687,6 +689,56 @@ def test_socket_permission_problem_is_its_own_error(tmp_path: Path) -> None:
     assert done.returncode == 3, done.stderr
     assert f"permission denied on the broker socket unix:{path}" in done.stdout
     assert "server.socket_group" in done.stdout and CREDENTIAL not in done.stdout + done.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a directory owned by another user needs root to make")
+@pytest.mark.parametrize("mode", [0o700, 0o750])
+def test_a_closed_directory_above_the_socket_is_named_not_the_socket_group(
+        tmp_path: Path, mode: int) -> None:
+    """A real EACCES from a directory above a socket the user could open (0660, its own):
+    the demo's run/ as root (0700), or /run/buzz-broker (0750, group buzz-agents). The
+    message names that directory and the fix its mode allows; the client runs without the
+    root capabilities that would bypass it, and the directory belongs to another user."""
+    nobody = pwd.getpwnam("nobody")
+    group = grp.getgrgid(nobody.pw_gid).gr_name
+    closed = f"{socket_dir()}/closed"
+    os.mkdir(closed)
+    path = f"{closed}/broker.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen()
+    os.chmod(path, 0o660)
+    os.chown(closed, nobody.pw_uid, nobody.pw_gid)
+    os.chmod(closed, mode)
+    script = tmp_path / "agent.py"
+    script.write_text(
+        "import sys\n"
+        "from buzz_broker_client import BrokerClient, SocketPermissionDenied\n"
+        f"client = BrokerClient({path!r}, {CREDENTIAL!r})\n"
+        "try:\n"
+        f"    client.message_post({CHANNEL!r}, 'hi')\n"
+        "except SocketPermissionDenied as exc:\n"
+        "    print(exc)\n"
+        "    sys.exit(3)\n"
+    )
+    try:
+        done = subprocess.run(["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--",
+                               sys.executable, str(script)], capture_output=True, text=True,
+                              timeout=60, check=False)
+    finally:
+        listener.close()
+        shutil.rmtree(os.path.dirname(closed))
+    assert done.returncode == 3, done.stderr
+    said = done.stdout
+    assert said.startswith(f"permission denied on the broker socket unix:{path}: "
+                           f"the directory {closed} above it (mode {mode:04o}, owner nobody, "
+                           f"group {group}) does not let this user through"), said
+    if mode == 0o700:
+        assert "its mode, not the socket's group, is the problem" in said
+        assert "server.socket_group" not in said and "start a new login session" not in said
+    else:
+        assert f"add the agent's user to group {group} and start a new login session" in said
+    assert CREDENTIAL not in done.stdout + done.stderr
 
 
 async def test_contract_violation_raises_and_sends_nothing(host: ScriptedHost) -> None:
