@@ -136,9 +136,17 @@ def resolve_address(address: str | None) -> str:
 
 
 def resolve_credential(
-    credential: str | None, credential_file: str | None
+    credential: str | None, credential_file: str | None, *,
+    file_option: str = "credential_file=",
 ) -> tuple[str, CredentialFile | None]:
     """The credential, and the file it came from when it came from one.
+
+    Args:
+        credential: the credential itself, when the caller was handed it.
+        credential_file: the file holding it, when the caller was handed that.
+        file_option: how the caller's own user passes `credential_file`, as the "no
+            credential" message names it: this keyword for Python, a flag for a command
+            line (`buzz-broker call` passes `--credential-file FILE`).
 
     Raises:
         NotConfigured: none given and none in the environment; both given; both variables
@@ -164,4 +172,4 @@ def resolve_credential(
     if value:
         return value, None
     raise NotConfigured(f"no credential: set ${CREDENTIAL_FILE_ENV} to the file the operator "
-                        f"handed this agent (or ${CREDENTIAL_ENV}), or pass credential_file=")
+                        f"handed this agent (or ${CREDENTIAL_ENV}), or pass {file_option}")

@@ -61,6 +61,10 @@ EXIT_UNSUPPORTED = 4
 EXIT_INDETERMINATE = 5
 EXIT_NO_ANSWER = 6
 
+#: The flag that names the credential file; the client's "no credential" message names it
+#: too, so an operator at the shell is told this, not the Python keyword.
+CREDENTIAL_FILE_FLAG = "--credential-file"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", metavar="ACTION", help="operation wire name, e.g. message.post")
@@ -69,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='the operation\'s arguments as a JSON object, e.g. \'{"channelId":"…","content":"hi"}\'',
     )
     parser.add_argument(
-        "--credential-file", metavar="FILE",
+        CREDENTIAL_FILE_FLAG, metavar="FILE",
         help="file holding the session credential "
              "(default: $BUZZ_BROKER_CREDENTIAL or $BUZZ_BROKER_CREDENTIAL_FILE)",
     )
@@ -119,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
 
     address = args.socket or os.environ.get(SOCKET_ENV, "").strip() or config_from_args(args).server.socket
     try:
-        credential, read = resolve_credential(None, args.credential_file)
+        credential, read = resolve_credential(None, args.credential_file,
+                                              file_option=f"{CREDENTIAL_FILE_FLAG} FILE")
         if read is not None and read.loose_mode is not None:
             # Like ssh with a private key, but a warning: the file may be on a mount that
             # cannot express modes. The guide asks for 0400.

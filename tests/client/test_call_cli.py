@@ -155,10 +155,14 @@ async def test_no_credential_is_a_clear_error(
     tmp_path: Path,
 ) -> None:
     monkeypatch.delenv("BUZZ_BROKER_CREDENTIAL", raising=False)
+    monkeypatch.delenv("BUZZ_BROKER_CREDENTIAL_FILE", raising=False)
     args = ["call", "message.post", "--args", json.dumps({"channelId": CHANNEL, "content": "x"}),
             "--socket", host.path]
     assert await run_cli(args) == EXIT_CANNOT_RUN
-    assert "BUZZ_BROKER_CREDENTIAL" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "BUZZ_BROKER_CREDENTIAL" in err
+    # The shell's own way, not the Python keyword: `call` takes no `credential_file=`.
+    assert err.rstrip().endswith("or pass --credential-file FILE") and "credential_file=" not in err
     assert await run_cli([*args, "--credential-file", str(tmp_path / "missing")]) == EXIT_CANNOT_RUN
     assert "cannot read credential file" in capsys.readouterr().err
     assert host.received == []

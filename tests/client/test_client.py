@@ -956,7 +956,8 @@ def test_address_defaults_to_the_brokers_default_socket(clean_env: pytest.Monkey
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
-        ({}, "no credential: set $BUZZ_BROKER_CREDENTIAL_FILE"),
+        ({}, "no credential: set $BUZZ_BROKER_CREDENTIAL_FILE to the file the operator handed "
+             "this agent (or $BUZZ_BROKER_CREDENTIAL), or pass credential_file="),
         ({"BUZZ_BROKER_CREDENTIAL": CREDENTIAL, "BUZZ_BROKER_CREDENTIAL_FILE": "/x"}, "set only one"),
         ({"BUZZ_BROKER_CREDENTIAL_FILE": "/tmp/bbc-nonexistent/credential"},
          "cannot read credential file /tmp/bbc-nonexistent/credential: there is no such file"),
