@@ -767,6 +767,25 @@ def test_check_config_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
                    "\nok\n")
 
 
+def test_check_config_says_a_pin_file_that_is_not_there(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The shallow check reads the file only, so a missing [pkcs11] pin_file is said on the
+    pin: line (the deep check and `serve` refuse it), and the check still ends `ok`."""
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY", raising=False)
+    pin = tmp_path / "token-pin"
+    path = write(tmp_path, f'[relay]\nurl = "wss://relay.example.org"\n'
+                           f'[pkcs11]\npin_file = "{pin}"\n')
+    assert main(["check-config", path]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.splitlines()[1:] == [
+        f"pin: {pin} ([pkcs11] pin_file; missing: `check-config --deep` and `serve` will "
+        "refuse)", "ok"]
+    pin.write_text("1234\n")
+    assert main(["check-config", path]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == [f"pin: {pin} ([pkcs11] pin_file)", "ok"]
+
+
 def test_check_config_error_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write(tmp_path, "[policy]\nmax_agent_depth = \"three\"\n")
     assert main(["check-config", path]) == 1

@@ -5,7 +5,8 @@ Rules:
   else /etc/buzz-broker/broker.toml if it exists, else the built-in defaults (checked like
   a file). The first line on stdout names what was read and why (``config: <file>
   (check-config PATH)``, ``(--config)``, ... or ``config: built-in defaults (no file ...)``); the second where the PIN
-  will come from. No silent default.
+  will come from, and that a ``[pkcs11] pin_file`` with nothing at its path is missing.
+  No silent default.
 - ``[relay] url`` must be set (there is no default relay): the daemon would refuse to start.
 - Without --deep it checks the file only (a config is often checked on another machine):
   ``ok`` last on stdout, exit 0; or the one-line `ConfigError` on stderr, exit 1.
@@ -67,7 +68,24 @@ def describe_pin(config: Config) -> str:
     if pkcs11.pin_file is None:
         return ("pin: none here (no $CREDENTIALS_DIRECTORY/token-pin and no [pkcs11] "
                 "pin_file; under the unit, LoadCredential= provides it)")
+    if _nothing_at(pkcs11.pin_file):
+        # Said, not refused: the shallow check reads the file only, often on another
+        # machine than the one the PIN file lives on (as `pin: none here` above).
+        return (f"pin: {pkcs11.pin_file} ({pkcs11.pin_origin}; missing: "
+                "`check-config --deep` and `serve` will refuse)")
     return f"pin: {pkcs11.pin_file} ({pkcs11.pin_origin})"
+
+
+def _nothing_at(path: str) -> bool:
+    """Nothing at `path` at all (not followed: the token refuses a link anyway). A path
+    this user may not look into is not said to be missing: the daemon's user may see it."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def describe_tcp(config: Config) -> list[str]:
