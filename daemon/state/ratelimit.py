@@ -6,9 +6,10 @@ Rules (issue 10):
   and the long-run rate is `count` per window); `1000/day` is a daily quota (a plain
   counter per UTC calendar day, reset at 00:00 UTC). A rule applies to a *scope*: one
   wire action name (`message.post`), or a class: `publish` (every publishing action,
-  counted together), `read` (channel.read, storage.address) or `live` (NIP-BA's live
-  signals, presence.set and typing.set: counted apart from `publish` so a runtime's
-  renewals cannot use up the allowance its messages need).
+  counted together), `read` (channel.read, storage.address, storage.get) or `live`
+  (NIP-BA's live signals, presence.set, typing.set, observer.emit and liveness.ping:
+  counted apart from `publish` so a runtime's renewals cannot use up the allowance its
+  messages need). Which action is in which class is the contract's `rate_class` (`CLASSES`).
 - The written form, one string per rule, is the same for the host and for a credential:
   `<scope>=<count>/<window>`, e.g. `message.post=30/min`, `publish=60/min`,
   `publish=1000/day`; `daily=<count>` is shorthand for `publish=<count>/day`.
