@@ -49,6 +49,7 @@ import fcntl
 import io
 import json
 import os
+import pwd
 import secrets
 import shlex
 import signal
@@ -276,6 +277,16 @@ def _dies_with(parent: int) -> Callable[[], None]:
         if os.getppid() != parent:
             os.kill(os.getpid(), signal.SIGTERM)
     return preexec
+
+
+def _who() -> str:
+    """This process's user as the demo names it: `name, uid N` (the number alone when the
+    uid has no name)."""
+    uid = os.getuid()
+    try:
+        return f"{pwd.getpwuid(uid).pw_name}, uid {uid}"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def _free_port() -> int:
@@ -506,10 +517,11 @@ def main() -> int:
         custodian = _start_custodian(run_dir, cli, env)
         children["custodian"] = custodian
         _record_children(run_dir, children)
+        # Whoever runs it: `make run` as root is as common as without, and runs both as root.
         print(f"custodian (the keys, in their own process): {run_dir / 'custodian.sock'} "
-              f"(pid {custodian.pid}). Under one uid (yours, no root) NOTHING IS SEPARATED "
-              "here but the process: the daemon could read the PIN file and the token "
-              "itself. Two uids: docs/install.md step 6b.")
+              f"(pid {custodian.pid}). It and the daemon run under one uid, yours "
+              f"({_who()}): NOTHING IS SEPARATED here but the process: the daemon could "
+              "read the PIN file and the token itself. Two uids: docs/install.md step 6b.")
         agent = _demo_agent(run_dir, cli, env)
         channel_file = run_dir / "channel"
         if not channel_file.exists():
