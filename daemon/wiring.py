@@ -152,6 +152,12 @@ async def running(
         except CustodyError as exc:
             raise StartupError(str(exc)) from None
         stack.push_async_callback(_shielded(custody.aclose))
+        if isinstance(custody, CustodianClient):
+            try:
+                await custody.require_relay(relay_url)
+            except CustodyError as exc:
+                raise StartupError(f"custodian at {config.custody.custodian_socket}: "
+                                   f"{exc}") from None
         # With a custodian the key records are its answers: the keystore is not ours to open.
         directory = AgentDirectory.open(
             state_dir, custody.records if isinstance(custody, CustodianClient) else None)

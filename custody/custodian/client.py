@@ -81,7 +81,6 @@ _OP_NAMES: Final = {"sign": "sign", "sign_auth": "sign_auth", "memory_address": 
                     "encrypt": "encrypt_to_owner", "decrypt": "decrypt_from_owner_pair",
                     "mint": "mint", "import": "import", "destroy": "destroy",
                     "attach_auth": "attach_auth"}
-_LOOKUPS: Final = frozenset({"records_version", "agent", "agents", "chain", "memory_address"})
 #: The rows that change a record: the snapshot is asked again after each (records.py).
 _LIFECYCLE: Final = frozenset({"mint", "import", "destroy", "attach_auth"})
 
@@ -282,7 +281,7 @@ class CustodianClient:
                             self._drop()  # all of them lead to the same (dead) process
                             self.records.expire()
                             if attempt == 1 and (isinstance(exc, _NotDelivered)
-                                                 or op in _LOOKUPS):
+                                                 or op in messages.LOOKUPS):
                                 continue
                             raise CustodianUnavailable("the custodian is not answering") from None
                         raise
@@ -428,6 +427,17 @@ class CustodianClient:
             return []
         value = await self._call("sign", events=intents)
         return [SignedEvent.from_json_obj(e) for e in value]  # type: ignore[attr-defined]
+
+    async def require_relay(self, relay_url: str) -> None:
+        """Raise CustodyError unless the custodian signs AUTH for `relay_url` (its
+        `[custodian] relay_url` and the daemon's `[relay] url` are two files' keys: one
+        edited alone refuses every AUTH, which a relay that asks for it shows as a refused
+        publish, the cause only in the custodian's journal)."""
+        signs_for = await self._call("relay")
+        if signs_for != relay_url:
+            raise CustodyError(f"it signs AUTH only for {signs_for!r}, and [relay] url is "
+                               f"{relay_url!r}: every AUTH would be refused; make them the "
+                               "same ([custodian] relay_url in the custodian's file)")
 
     async def sign_auth(self, agent: str, relay_url: str, challenge: str, created_at: int
                         ) -> SignedEvent:

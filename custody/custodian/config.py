@@ -34,6 +34,7 @@ import stat
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from custody import CachePolicy, CustodyError, TokenConfig
 from custody._backup import check_recipients
@@ -122,6 +123,17 @@ def load(path: str) -> CustodianConfig:
             raise ConfigError(f"{path}: [custodian] {key} must be {low} to {high}, not {value}")
     base = Path(path).resolve().parent
     c, p, b = data["custodian"], data["pkcs11"], data.get("backup", {})
+    # The `relay` row answers it to the pipeline, which says it where a daemon refuses to
+    # start against another: never a password (not said here either).
+    try:
+        relay = urlsplit(c["relay_url"])
+        fits = relay.scheme in ("ws", "wss") and bool(relay.hostname) and "@" not in \
+            relay.netloc and c["relay_url"] == c["relay_url"].strip()
+    except ValueError:  # urlsplit's: brackets that hold no IPv6 address
+        fits = False
+    if not fits:
+        raise ConfigError(f"{path}: [custodian] relay_url must be a ws:// or wss:// URL with "
+                          "a host and no user information, as the daemon's [relay] url")
     recipients = tuple(b.get("recipients", ()))
     if b and not (b.keys() >= {"recipients", "dir"} and 0 < len(recipients) <= MAX_RECIPIENTS
                   and all(isinstance(r, str) for r in recipients)):

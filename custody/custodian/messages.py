@@ -4,9 +4,9 @@ Theory of operation (OpenSSH's monitor.c, in our own words): the process that ho
 keys answers a fixed table of requests and nothing else. Each row names an operation and
 the exact members of its arguments with their types; a request is one frame:
 
-    u32 big-endian length N, then N bytes of UTF-8 JSON {"v": 2, "op": <name>, "args": {...}}
+    u32 big-endian length N, then N bytes of UTF-8 JSON {"v": 3, "op": <name>, "args": {...}}
 
-and its answer one frame `{"v": 2, "ok": <value>}` or `{"v": 2, "error": {"code", "message"}}`.
+and its answer one frame `{"v": 3, "ok": <value>}` or `{"v": 3, "error": {"code", "message"}}`.
 
 A row in `TAILS` carries a secret, never in the JSON (a JSON string becomes an immutable
 `str` in both processes, which nothing can wipe): its request names a length, and that
@@ -38,14 +38,15 @@ from buzzwire.jsonvalues import values_at_most
 
 __all__ = [
     "VERSION", "MAX_FRAME", "MAX_VALUES", "MAX_EVENTS", "MAX_PAYLOADS", "MAX_SECRET_BYTES", "MAX_BACKUP_NAMES",
-    "OPS", "TAILS",
+    "OPS", "TAILS", "LOOKUPS",
     "ERROR_CODES", "HEADER",
     "BadMessage", "Request", "encode", "frame_length", "decode_request", "decode_reply",
     "request", "reply_ok", "reply_error", "b64", "unb64",
 ]
 
-#: The table's version: bumped with any row (2: import's secret left the JSON; backup).
-VERSION: Final = 2
+#: The table's version: bumped with any row (2: import's secret left the JSON; backup;
+#: 3: relay).
+VERSION: Final = 3
 #: Bytes in one frame at most. The largest request the fifteen actions make is
 #: observer.emit's: 256 frames (NIP-BA) of up to 65,535 bytes each, base64 in JSON
 #: (4/3): 22.4 MB. The bound is the custodian's, checked before a byte of the body is read.
@@ -180,6 +181,8 @@ OPS: Final[Mapping[str, Mapping[str, Spec]]] = MappingProxyType({
     "agent": {"pubkey": _hex64, "include_deleted": _bool},
     "agents": {"include_deleted": _bool},
     "chain": {"pubkey": _hex64},
+    # the relay AUTH is signed for: the daemon refuses to start against another
+    "relay": {},
     # lifecycle
     "mint": {"owner": _hex64, "mint_ref": _nullable(_str(512))},
     # the secret text (64 hex digits or nsec1...) follows the frame: `secret_bytes` bytes
@@ -202,6 +205,10 @@ OPS: Final[Mapping[str, Mapping[str, Spec]]] = MappingProxyType({
     # public entries the backup carries (name, creator), as `keys backup` gives them.
     "backup": {"names": _list(_NAME, 0, MAX_BACKUP_NAMES)},
 })
+#: Rows that change nothing and sign nothing: answered while the custodian owes a log
+#: line (server.py), and asked again on a fresh connection when one breaks (client.py).
+LOOKUPS: Final = frozenset({"records_version", "agent", "agents", "chain", "relay",
+                            "memory_address"})
 
 
 #: op -> the member naming how many raw bytes follow its request frame (a secret).

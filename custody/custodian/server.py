@@ -65,8 +65,6 @@ _PEERCRED = struct.Struct("3i")
 #: a compromised pipeline could flood the unit's journal past its rate limit, which then
 #: drops the lines that matter (the unseal door's warnings among them).
 LINE_SECONDS: Final = 60.0
-#: Rows that neither change a key nor sign, nor write a line: answered while a line is owed.
-LOOKUPS: Final = frozenset({"records_version", "agent", "agents", "chain", "memory_address"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -196,6 +194,9 @@ class Custodian:
             record = self.custody.agent(record.owner, include_deleted=True)
         return chain
 
+    async def relay(self, args: Mapping[str, Any]) -> object:
+        return self.settings.relay_url
+
     async def _change(self, intent: dict[str, object], change: Callable[[], Awaitable[KeyRecord]],
                       line: Callable[[KeyRecord], dict[str, object]]) -> KeyRecord:
         """`change()` between its intent line (on disk first: a write that fails asks
@@ -316,7 +317,8 @@ class Custodian:
 
     async def sign_auth(self, args: Mapping[str, Any]) -> object:
         if args["relay_url"] != self.settings.relay_url:
-            raise Refused("AUTH is signed only for the relay the custodian is configured with")
+            raise Refused(f"AUTH is signed only for {self.settings.relay_url}, the relay the "
+                          f"custodian is configured with, not {args['relay_url']}")
         self._not_ahead(args["created_at"])
         self._spend([args["agent"]])
         event = await self.custody.sign_auth(args["agent"], self.settings.relay_url,
@@ -359,6 +361,7 @@ class Custodian:
 
     HANDLERS: Mapping[str, Handler] = {
         "records_version": records_version, "agent": agent, "agents": agents, "chain": chain,
+        "relay": relay,
         "mint": mint, "import": import_, "destroy": destroy, "attach_auth": attach_auth,
         "sign": sign, "sign_auth": sign_auth, "memory_address": memory_address,
         "encrypt": encrypt, "decrypt": decrypt, "backup": backup,
@@ -378,7 +381,7 @@ class Custodian:
     async def answer(self, request: messages.Request) -> bytes:
         """The answer frame to one checked request; never raises for custody's faults."""
         try:
-            if request.op not in LOOKUPS:
+            if request.op not in messages.LOOKUPS:
                 self._owed_first(request.op)
             return messages.reply_ok(await self.HANDLERS[request.op](self, request.args))
         except Refused as exc:

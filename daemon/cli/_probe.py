@@ -63,7 +63,7 @@ async def check_token_and_kek(config: Config) -> Check:
     holds the keys, ask it instead (it listens only once it has logged in and found the
     KEK, and this process has neither the PIN nor the token's files)."""
     if config.custody.custodian_socket:
-        return await _check_custodian(Path(config.custody.custodian_socket))
+        return await _check_custodian(Path(config.custody.custodian_socket), config.relay.url)
     from custody import CustodyError, check_token  # loads the PKCS#11 binding: not above
 
     pkcs11 = config.pkcs11
@@ -81,7 +81,7 @@ async def check_token_and_kek(config: Config) -> Check:
                  f"{pkcs11.pin_origin}); KEK {active!r} found and checked{rotated}")
 
 
-async def _check_custodian(path: Path) -> Check:
+async def _check_custodian(path: Path, relay_url: str | None) -> Check:
     from custody import CustodyError
     from custody.custodian.client import CustodianClient
 
@@ -90,6 +90,8 @@ async def _check_custodian(path: Path) -> Check:
     except CustodyError as exc:
         return Check("token", False, f"custodian at {path}: {exc}")
     try:
+        if relay_url is not None:  # none: the relay check says so
+            await client.require_relay(relay_url)
         held = len(client.agents())
     except CustodyError as exc:
         return Check("token", False, f"custodian at {path}: {exc}")

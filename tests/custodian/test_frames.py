@@ -244,7 +244,7 @@ async def test_memory_is_bounded_by_the_in_flight_budget_not_by_connections(
     frames = peak_rss(bounded) - before
     # one frame of 8 million empty objects (3 bytes of frame each, 72 parsed)
     n = (messages.MAX_FRAME - 100) // 3
-    flood = b'{"v":2,"op":"sign","args":{"events":[' + b"{}," * n + b'{}]}}'
+    flood = b'{"v":3,"op":"sign","args":{"events":[' + b"{}," * n + b'{}]}}'
     before = peak_rss(bounded, reset=True)
     answer = send_raw(bounded.socket, flood)
     flooded = peak_rss(bounded) - before

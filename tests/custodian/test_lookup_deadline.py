@@ -30,7 +30,7 @@ from custody.custodian.client import CustodianClient, CustodianUnavailable
 #: The shortened LOOKUP_TIMEOUT, and the pause before each byte of the answer (inside it).
 DEADLINE = 0.5
 PAUSE = 0.2
-BODY = b'{"v":2,"ok":7}'
+BODY = b'{"v":3,"ok":7}'
 
 
 @pytest.fixture

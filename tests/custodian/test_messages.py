@@ -22,6 +22,7 @@ GOOD: dict[str, dict[str, object]] = {
     "agent": {"pubkey": PK, "include_deleted": False},
     "agents": {"include_deleted": True},
     "chain": {"pubkey": PK},
+    "relay": {},
     "mint": {"owner": PK, "mint_ref": None},
     "import": {"secret_bytes": 64, "owner": PK, "auth_tag": None},
     "destroy": {"pubkey": PK},
@@ -46,17 +47,17 @@ def test_every_row_has_a_good_example_and_it_parses() -> None:
 
 
 @pytest.mark.parametrize("body", [
-    b"", b"[]", b"{}", b"\xff", b'{"v":2,"op":"sign","args":{}}',
+    b"", b"[]", b"{}", b"\xff", b'{"v":3,"op":"sign","args":{}}',
     b'{"v":1,"op":"records_version","args":{}}',  # the version before this one
     b'{"v":true,"op":"records_version","args":{}}',
-    b'{"v":2,"op":"records_version","args":{},"x":1}',
-    b'{"v":2,"op":"records_version","op":"agents","args":{}}',
-    b'{"v":2,"op":"agent","args":{"pubkey":"' + PK.encode() + b'","include_deleted":0}}',
-    b'{"v":2,"op":"sign_auth","args":{"agent":"' + PK.encode()
+    b'{"v":3,"op":"records_version","args":{},"x":1}',
+    b'{"v":3,"op":"records_version","op":"agents","args":{}}',
+    b'{"v":3,"op":"agent","args":{"pubkey":"' + PK.encode() + b'","include_deleted":0}}',
+    b'{"v":3,"op":"sign_auth","args":{"agent":"' + PK.encode()
     + b'","relay_url":"r","challenge":"c","created_at":1.5}}',
-    b'{"v":2,"op":"memory_address","args":{"agent":"' + PK.upper().encode()
+    b'{"v":3,"op":"memory_address","args":{"agent":"' + PK.upper().encode()
     + b'","slug":"s"}}',
-    b'{"v":2,"op":"encrypt","args":{"agent":"' + PK.encode() + b'","peer":"' + PK.encode()
+    b'{"v":3,"op":"encrypt","args":{"agent":"' + PK.encode() + b'","peer":"' + PK.encode()
     + b'","plaintexts":["not base64!"]}}',
     b'{"v":NaN}', b"[" * 100_000,
 ])
@@ -67,7 +68,7 @@ def test_a_frame_that_breaks_the_table_is_bad_message(body: bytes) -> None:
 
 @pytest.mark.parametrize("digits", [21, 4_301, 100_000])
 def test_a_number_past_64_bits_is_named_as_such(digits: int) -> None:
-    body = json.dumps({"v": 2, "op": "sign_auth",
+    body = json.dumps({"v": messages.VERSION, "op": "sign_auth",
                        "args": {**GOOD["sign_auth"], "created_at": "@"}})
     body = body.replace('"@"', "9" * digits)
     with pytest.raises(messages.BadMessage, match="a number past 64 bits"):
@@ -81,7 +82,7 @@ def test_a_number_past_64_bits_is_named_as_such(digits: int) -> None:
 def test_a_lone_surrogate_is_bad_message_a_pair_is_text(escaped: str, text: bool) -> None:
     for op, member in (("memory_address", "slug"), ("mint", "mint_ref")):
         args = json.dumps({**GOOD[op], member: "@"}).replace("@", escaped)
-        body = f'{{"v":2,"op":"{op}","args":{args}}}'.encode("ascii")
+        body = f'{{"v":3,"op":"{op}","args":{args}}}'.encode("ascii")
         if text:
             assert messages.decode_request(body).args[member] == "\U0001f600"
         else:
@@ -95,7 +96,7 @@ def test_values_are_bounded_before_the_parse_and_counted_outside_strings() -> No
     names = [{"pubkey": PK, "name": "n", "creator": None}] * messages.MAX_BACKUP_NAMES
     largest = messages.request("backup", names=names)[messages.HEADER.size:]
     assert len(messages.decode_request(largest).args["names"]) == messages.MAX_BACKUP_NAMES  # type: ignore[arg-type]
-    over = b'{"v":2,"op":"sign","args":{"events":[' + b"0," * messages.MAX_VALUES + b"0]}}"
+    over = b'{"v":3,"op":"sign","args":{"events":[' + b"0," * messages.MAX_VALUES + b"0]}}"
     with pytest.raises(messages.BadMessage, match="values in one frame"):
         messages.decode_request(over)
     content = ",:[{" * (messages.MAX_VALUES // 2)  # 2 * MAX_VALUES of them, in one string
@@ -156,7 +157,7 @@ def test_each_decoder_bounds_a_body_handed_to_it_whole() -> None:
     """The length is checked at the header (`frame_length`), and again by each decoder: a
     body handed to one whole, however it was read, is not parsed past MAX_FRAME."""
     for decode, key in ((messages.decode_reply, b'"ok"'), (messages.decode_request, b'"x"')):
-        body = b'{"v":2,' + key + b':"' + b"x" * messages.MAX_FRAME + b'"}'
+        body = b'{"v":3,' + key + b':"' + b"x" * messages.MAX_FRAME + b'"}'
         with pytest.raises(messages.BadMessage, match="frame over the bound"):
             decode(body)
 
