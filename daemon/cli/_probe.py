@@ -122,14 +122,30 @@ async def check_relay(config: Config) -> Check:
         # trio-websocket wraps a refused or failed TCP connect in HandshakeError too.
         cause = exc.__cause__ or exc.__context__
         if isinstance(cause, OSError):
-            return Check("relay", False,
-                         f"{url}: cannot connect ({cause.strerror or type(cause).__name__})")
+            return Check("relay", False, f"{url}: cannot connect ({_why(cause)})")
         return Check("relay", False, f"{url}: WebSocket handshake failed ({type(exc).__name__})")
     except (OSError, ssl.SSLError, trio.BrokenResourceError) as exc:
-        reason = getattr(exc, "strerror", None) or type(exc).__name__
-        return Check("relay", False, f"{url}: cannot connect ({reason})")
+        return Check("relay", False, f"{url}: cannot connect ({_why(exc)})")
     elapsed = (time.monotonic() - started) * 1000
     return Check("relay", True, f"{url}: WebSocket opened in {elapsed:.0f} ms")
+
+
+def _why(exc: BaseException) -> str:
+    """The first errno text among `exc` and its causes, else its type's name. trio raises
+    a failed connect as an OSError with no errno, its cause a group of one error per
+    address tried ("Connection refused" is there): the operator's answer."""
+    queue, seen = [exc], set[int]()
+    while queue and len(seen) < 64:  # a chain is short; a cycle or a huge group is not read
+        current = queue.pop(0)
+        seen.add(id(current))
+        if isinstance(current, ssl.SSLError):  # its errno is OpenSSL's, not the kernel's
+            return str(current.strerror or current.reason or type(current).__name__)
+        if isinstance(current, OSError) and current.errno:  # trio's text repeats the address
+            return os.strerror(current.errno)
+        below = [*(current.exceptions if isinstance(current, BaseExceptionGroup) else ()),
+                 current.__cause__ or current.__context__]
+        queue += [e for e in below if e is not None and id(e) not in seen]
+    return type(exc).__name__
 
 
 def _user() -> str:
