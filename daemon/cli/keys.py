@@ -21,6 +21,13 @@ Rules:
 - `migrate --to-config OTHER` reads only OTHER's [pkcs11] table: the token the agents move
   to. Afterwards this configuration's [pkcs11] must name that token (the daemon refuses to
   start with the old one, saying so).
+- With a custodian (`[custody] custodian_socket`), `init`, `rotate`, `migrate` and `restore`
+  are refused here before anything is read or written, exit 2, in one line naming the
+  custodian's own command (`CUSTODIAN_COMMANDS`): the token, its PIN and the keystore are
+  the custodian's uid's alone (docs/custodian.md, "Who can do what"), so advice to give this
+  uid the PIN, or a rotation of a keystore this uid can open, would undo the layout
+  (tests/custodian/test_restore_command.py::test_the_daemons_key_commands_name_the_custodians_under_a_custodian).
+  `backup` asks the custodian instead (keys_backup.py).
 
 WARNING: README.md ("The command line") and docs/install.md ("rotate", "move to another
 token") show these commands; keep them in step with `add_arguments`.
@@ -45,6 +52,24 @@ if TYPE_CHECKING:
     from custody import RotationReport, TokenConfig, TokenReport
 
 HELP = "create, check, rotate or move the key-encryption key in the PKCS#11 token"
+
+#: Subcommand -> what it does and the custodian's own command for it (custody/custodian/
+#: keys.py `USAGE`), where `[custody] custodian_socket` is set: what follows `keys`, then
+#: what the operator does after it. The one table of these refusals (`backup` is not in it:
+#: it asks the custodian's `backup` row).
+CUSTODIAN_COMMANDS = {
+    "init": ("the KEK is made and checked", "init", ""),
+    "rotate": ("the KEK is rotated",
+               "rotate [--new-kek-label LABEL] [--abandon-destroyed]",
+               ", with the custodian stopped"),
+    "migrate": ("the agents move to another token",
+                "migrate --to-config FILE2 [--new-kek-label LABEL] [--abandon-destroyed]",
+                ", FILE2 a copy of its file naming the target token, with the custodian "
+                "stopped"),
+    "restore": ("the keys are restored",
+                "restore --identity ID --names-out NAMES BACKUP",
+                ", with the custodian stopped, then buzz-broker agent import-names < NAMES"),
+}
 
 #: Seal kind -> how `keys init` names it.
 SEAL_NAMES = {
@@ -76,12 +101,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.keys_command in keys_backup.SUBCOMMANDS:
-        return keys_backup.run(args)
     config = config_from_args(args)
+    if config.custody.custodian_socket and args.keys_command in CUSTODIAN_COMMANDS:
+        raise _custodians(args.keys_command)
+    if args.keys_command in keys_backup.SUBCOMMANDS:
+        return keys_backup.run(args, config)
     if args.keys_command == "init":
         return _init(config.pkcs11.token(), Path(config.state.dir))
     return rotate(args)
+
+
+def _custodians(command: str) -> CliError:
+    """The refusal of `command` where a custodian holds the keys: its command instead."""
+    what, words, after = CUSTODIAN_COMMANDS[command]
+    return CliError(f"with a custodian ([custody] custodian_socket) {what} under its uid, "
+                    f"which alone opens the token, its PIN and the keystore: "
+                    f"buzz-custodian-admin keys {words} (buzz-broker custodian FILE keys "
+                    f"{command}){after}", exit_code=2)
 
 
 def _init(token: TokenConfig, state_dir: Path) -> int:

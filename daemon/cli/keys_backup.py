@@ -36,8 +36,9 @@ Rules:
   (name, creator) to carry, and restore writes the restored agents' entries back into the
   directory (`AgentDirectory.enroll`; an entry that is not a valid name is skipped and
   said, the key is restored either way). Depth is derived again from the owners.
-- With a custodian, restore is refused here (this uid opens neither the token nor the
-  keystore): `buzz-broker custodian FILE keys restore` restores under the custodian's uid
+- With a custodian, restore is refused before it gets here (this uid opens neither the
+  token nor the keystore; keys.py `CUSTODIAN_COMMANDS`, the one table of these refusals):
+  `buzz-broker custodian FILE keys restore` restores under the custodian's uid
   (custody/custodian/keys.py) and writes the names to a file; `agent import-names` reads
   it into the directory through `enroll_restored` and records that restore in the
   key-event log (`custodian-restore`; daemon/cli/agent.py).
@@ -69,7 +70,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from buzzwire.contract import printable_json
-from daemon.cli._common import CliError, agent_directory, config_from_args
+from daemon.cli._common import CliError, agent_directory
 from daemon.cli._key_trail import KeyTrail, clip, recorded
 from daemon.state.audit import KeyAction
 
@@ -274,13 +275,6 @@ def _confirm(count: int, yes: bool) -> bool:
 def _restore(args: argparse.Namespace, config: Config) -> int:
     from custody import MAX_BACKUP_BYTES
 
-    if config.custody.custodian_socket:
-        # The keystore and token are the custodian's: this uid opens neither.
-        raise CliError("with a custodian ([custody] custodian_socket) the keys are restored "
-                       "under its uid: buzz-custodian-admin keys restore --identity ID "
-                       "--names-out NAMES BACKUP (buzz-broker custodian FILE keys restore), "
-                       "then buzz-broker agent import-names < NAMES", exit_code=2)
-
     ciphertext = bytes(_read_bounded(args.backup, MAX_BACKUP_BYTES, "backup", private=False))
     with recorded(Path(config.state.dir), KeyAction.RESTORE, file=clip(str(args.backup)),
                   sha256=hashlib.sha256(ciphertext).hexdigest()) as trail:
@@ -347,5 +341,5 @@ def _restore_keys(args: argparse.Namespace, config: Config, ciphertext: bytes,
 SUBCOMMANDS = {"backup": _backup, "restore": _restore}
 
 
-def run(args: argparse.Namespace) -> int:
-    return SUBCOMMANDS[args.keys_command](args, config_from_args(args))
+def run(args: argparse.Namespace, config: Config) -> int:
+    return SUBCOMMANDS[args.keys_command](args, config)

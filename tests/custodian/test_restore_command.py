@@ -252,6 +252,53 @@ def _backup(token: TokenConfig, source_state: Path, tmp_path: Path, count: int =
     return trio.run(make_backup), tmp_path / name, identity
 
 
+#: The daemon's key commands a custodian's layout refuses, with arguments each would take.
+_KEY_COMMANDS = {
+    "init": (),
+    "rotate": ("--new-kek-label", "rotated"),
+    "migrate": ("--to-config", "{config}"),  # this very file: only the refusal may answer
+    "restore": ("--identity", "{tmp}/id", "--yes", "{tmp}/agents.age"),
+}
+
+
+@pytest.mark.parametrize("command", sorted(_KEY_COMMANDS))
+def test_the_daemons_key_commands_name_the_custodians_under_a_custodian(
+        custody_state: tuple[TokenConfig, Path], tmp_path: Path, command: str) -> None:
+    """Under a custodian's layout the daemon's `keys init|rotate|migrate|restore` is one
+    line, exit 2, naming the custodian's command, and the state directory is as it was.
+
+    One uid here, the worst case: this configuration's [pkcs11] names a token whose PIN it
+    can read, over a state directory holding an agent. Before, `init` made or checked the
+    KEK (or, without the PIN, said to give this uid the PIN), and `rotate` resealed the
+    keystore and wrote its lines to this state's key-event log, not the custodian's log.
+    """
+    token, state = custody_state
+
+    async def hold_an_agent() -> None:
+        async with await Custody.open(token, state) as custody:
+            await custody.import_agent(bytearray(coincurve.PrivateKey().secret.hex().encode()),
+                                       owner=HUMAN)
+
+    trio.run(hold_an_agent)
+    config = write_config(tmp_path / "broker.toml", token=token, state_dir=state,
+                          socket=tmp_path / "broker.sock", relay_url="ws://127.0.0.1:1",
+                          sections={"custody": {"custodian_socket": str(tmp_path / "c.sock")}})
+
+    def contents() -> dict[str, tuple[bytes, int]]:
+        return {str(p.relative_to(state)): (p.read_bytes() if p.is_file() else b"",
+                                            p.stat().st_mtime_ns) for p in state.rglob("*")}
+
+    before = contents()
+    words = [w.format(config=config, tmp=tmp_path) for w in _KEY_COMMANDS[command]]
+    refused = _cli(config, "keys", command, *words)
+    assert refused.returncode == 2, refused.stderr
+    assert f"buzz-custodian-admin keys {command}" in refused.stderr
+    assert f"(buzz-broker custodian FILE keys {command})" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and not refused.stdout
+    assert "pin_file" not in refused.stderr and "token-pin" not in refused.stderr
+    assert contents() == before  # no key-event log, nothing resealed, nothing opened
+
+
 def _restoring_custodian(token: TokenConfig, tmp_path: Path) -> tuple[Path, Path]:
     """A custodian's configuration with a keystore of its own, empty so far (no relay: a
     restore needs none): the file, and where its signed log will be."""
