@@ -1,5 +1,6 @@
-"""`buzz-broker custodian FILE --forget-destroyed`: drop the records of keys destroyed past
-their grace period, so a long-lived host stays under `[custodian] max_records`.
+"""`buzz-broker custodian FILE --forget-destroyed [PUBKEY ...]`: drop the records of keys
+destroyed past their grace period, or those named, so a host stays under `[custodian]
+max_records`.
 
 Why a command: destroyed records count toward `max_records` (a compromised pipeline's
 mint-destroy loop must stop somewhere, docs/custodian.md), so a host that creates and
@@ -15,20 +16,36 @@ What forgetting gives up, said where the operator runs it (docs/custodian.md): t
 no longer knows the key was held, so an `import` or a restore of that key from an old
 backup is no longer refused as a destroyed one.
 
+Named (`--forget-destroyed PUBKEY ...`): exactly those records go, whatever their age, so an
+operator who destroyed an intruder's mints gets under `max_records` now rather than a
+grace period later, without giving up legitimate keys' grace copies. The same rule holds
+(never a live record; never one a kept record names as owner; a chain of named ones goes
+leaves first), and all of them go or none: each named one that cannot go is said on
+stderr, one line each (`STAYS`), and nothing is forgotten. That is looked at before the
+intent line (a refused run writes none) and held again inside the transaction (the
+running custodian may change a record between). Their sealed copies (grace.py) are
+deleted once the transaction commits, before the count line: the copy of a key with no
+record could only be misread later. Deleting them first was the other order; it would
+lose a copy whenever the transaction then refused.
+
 It changes the keystore, so it is in the custodian's log (changes.py `logged_change`): an
 `intent` line (`for` forget, `before`: the destroy time at or before which a record may
-go) on disk before the transaction, then one `forget` line per record forgotten (`agent`)
-and one with the count (`agents`, `intent`), or `failed`. A run that forgets nothing
-writes its intent and a count of 0: whether any would go is known only inside the
-transaction.
+go; or `named`: the keys named, at most MAX_NAMED) on disk before the transaction, then
+one `forget` line per record forgotten (`agent`) and one with the count (`agents`,
+`intent`), or `failed`. A run that forgets nothing writes its intent and a count of 0:
+whether any would go is known only inside the transaction.
 """
 
 from __future__ import annotations
 
+import json
 import sqlite3
+import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
+from buzzwire.nostr import is_hex64
 from custody._errors import CustodyError
 from custody._keystore import KEYSTORE_FILE, Keystore
 from custody._statelock import StateLock
@@ -36,11 +53,69 @@ from custody.custodian.changes import logged_change, open_log
 from custody.custodian.config import load
 from custody.custodian.grace import Graveyard
 
-__all__ = ["forget", "forget_destroyed"]
+__all__ = ["MAX_NAMED", "STAYS", "NotForgotten", "forget", "forget_destroyed", "forget_named"]
 
 #: A record goes once nothing kept names it as owner: leaves first, up the chains.
 _LEAVES = """DELETE FROM keys WHERE deleted_at IS NOT NULL AND deleted_at <= ?
               AND pubkey NOT IN (SELECT owner FROM keys) RETURNING pubkey"""
+#: The named records that may go: destroyed (at any time), and no record names them as owner.
+_NAMED_LEAVES = """DELETE FROM keys WHERE deleted_at IS NOT NULL
+                   AND pubkey IN (SELECT value FROM json_each(?))
+                   AND pubkey NOT IN (SELECT owner FROM keys) RETURNING pubkey"""
+#: A named record that stays: why, by what the keystore holds for it.
+_WHY = """SELECT CASE WHEN deleted_at IS NULL THEN 'live' ELSE 'owner' END
+          FROM keys WHERE pubkey = ?"""
+
+#: Keys one named run takes: its intent line names them all (write-ahead: a run killed
+#: before its count leaves the keystore to say which went), 256 of 67 bytes is ~17 KiB, far
+#: under the 64 KiB a line of the log must stay under (ledger.py `_cut_torn_tail`). More:
+#: run it again for the rest.
+MAX_NAMED = 256
+
+#: Why a named record cannot go -> how it is said.
+STAYS = {
+    "unknown": "no record of this key here",
+    "live": "a live key: only a destroyed one is forgotten (remove it first)",
+    "owner": "a record kept here names it as owner (name that one too, once destroyed)",
+}
+
+
+class NotForgotten(CustodyError):
+    """Named records that cannot go (`stays`: pubkey -> a key of STAYS); nothing went."""
+
+    def __init__(self, stays: dict[str, str]) -> None:
+        super().__init__(f"nothing was forgotten: {len(stays)} of the keys named cannot go")
+        self.stays = stays
+
+
+def forget_named(keystore: Keystore, pubkeys: Sequence[str], *, commit: bool = True) -> list[str]:
+    """Delete the destroyed records `pubkeys` names, whatever their age, leaves first; the
+    pubkeys that went. One transaction: all of them or none (NotForgotten, naming each that
+    stays and why). `commit=False`: the same look, rolled back whatever it finds.
+
+    Raises:
+        NotForgotten: a named record is unknown, live, or a kept record's owner.
+        CustodyError: the keystore write failed.
+    """
+    named = sorted(set(pubkeys))
+    forgotten: list[str] = []
+    try:
+        with keystore._transaction() as db:
+            db.execute("SAVEPOINT look")
+            while gone := [p for (p,) in db.execute(_NAMED_LEAVES, (json.dumps(named),))]:
+                forgotten += gone
+            stays: dict[str, str] = {}
+            for pubkey in (p for p in named if p not in forgotten):
+                row = db.execute(_WHY, (pubkey,)).fetchone()
+                stays[pubkey] = row[0] if row else "unknown"
+            if stays or not commit:
+                db.execute("ROLLBACK TO look")
+            db.execute("RELEASE look")
+    except sqlite3.Error as exc:
+        raise CustodyError(f"keystore write failed: {exc}") from None
+    if stays:
+        raise NotForgotten(stays)
+    return forgotten
 
 
 def forget_destroyed(keystore: Keystore, destroyed_before: int) -> list[str]:
@@ -62,30 +137,54 @@ def _lines(forgotten: list[str], intent: int) -> list[dict[str, object]]:
     return [*lines, {"op": "forget", "agents": len(forgotten), "intent": intent}]
 
 
-async def forget(config_path: str) -> None:
+async def forget(config_path: str, pubkeys: Sequence[str] = ()) -> None:
+    """Forget past the grace period, or exactly `pubkeys` (named); prints what went."""
+    for number, text in enumerate(pubkeys, 1):
+        if not is_hex64(text):  # never echoed: a secret key pasted by mistake is hex too
+            raise CustodyError(f"key {number} named is not a pubkey (64 lowercase hex); not "
+                               "shown; nothing was forgotten")
+    if len(set(pubkeys)) > MAX_NAMED:
+        raise CustodyError(f"at most {MAX_NAMED} keys named in one run (its intent line names "
+                           "them all); name the rest in another; nothing was forgotten")
     config = load(config_path)
     grace = config.settings.destroy_grace_seconds
     if not (Path(config.state_dir) / KEYSTORE_FILE).is_file():  # a host with none yet
         raise CustodyError(f"no keystore in {config.state_dir}: nothing to forget")
-    Graveyard.beside(config.settings.log_path, grace)  # purges past-grace copies
+    graveyard = Graveyard.beside(config.settings.log_path, grace)  # purges past-grace copies
     lock = StateLock.shared(Path(config.state_dir))  # never during a rotation
     try:
         keystore = Keystore.open(Path(config.state_dir))
         try:
-            log = open_log(config, "nothing was forgotten")
-            try:
+            intent: dict[str, object]
+            if pubkeys:
+                forget_named(keystore, pubkeys, commit=False)  # a refusal writes no line
+                intent = {"for": "forget", "named": sorted(set(pubkeys))}
+
+                async def change() -> list[str]:
+                    gone = forget_named(keystore, pubkeys)
+                    for pubkey in gone:
+                        graveyard.forget(pubkey)
+                    return gone
+            else:
                 before = int(time.time()) - grace
+                intent = {"for": "forget", "before": before}
 
                 async def change() -> list[str]:
                     return forget_destroyed(keystore, before)
 
-                forgotten = await logged_change(log, {"for": "forget", "before": before},
-                                                change, _lines)
+            log = open_log(config, "nothing was forgotten")
+            try:
+                forgotten = await logged_change(log, intent, change, _lines)
             finally:
                 log.close()
         finally:
             keystore.close()
+    except NotForgotten as exc:
+        for pubkey, why in exc.stays.items():
+            print(f"custodian: {pubkey}: not forgotten: {STAYS[why]}", file=sys.stderr)
+        raise
     finally:
         lock.release()
-    print(f"custodian: forgot {len(forgotten)} records of keys destroyed more than {grace} s "
-          "ago", flush=True)
+    what = "named (their sealed copies deleted)" if pubkeys else \
+        f"of keys destroyed more than {grace} s ago"
+    print(f"custodian: forgot {len(forgotten)} records {what}", flush=True)

@@ -2,8 +2,8 @@
 
 `... FILE --recover PUBKEY` instead brings back a key destroyed within the grace period
 (custody/custodian/grace.py), beside a running custodian, under the custodian's uid, and exits
-(custody/custodian/recover.py, imported only then); `... FILE --forget-destroyed` drops the
-records of keys destroyed past it (custody/custodian/forget.py, likewise).
+(custody/custodian/recover.py, imported only then); `... FILE --forget-destroyed [PUBKEY ...]`
+drops the records of keys destroyed past it, or those named (custody/custodian/forget.py).
 `... FILE keys init|rotate|migrate ...` runs a KEK command with the custodian stopped
 (custody/custodian/keys.py, imported only then: the serving process never loads either).
 
@@ -83,10 +83,10 @@ async def recover(config_path: str, pubkey: str) -> None:
     await command.recover(config_path, pubkey)
 
 
-async def forget(config_path: str) -> None:
+async def forget(config_path: str, pubkeys: list[str]) -> None:
     from custody.custodian import forget as command
 
-    await command.forget(config_path)
+    await command.forget(config_path, pubkeys)
 
 
 async def keys(config_path: str, words: list[str]) -> None:
@@ -126,15 +126,15 @@ def main(argv: list[str]) -> int:
     work: Callable[[], Awaitable[None]]
     if len(args) == 3 and args[1] == "--recover":
         work = functools.partial(recover, args[0], args[2])
-    elif len(args) == 2 and args[1] == "--forget-destroyed":
-        work = functools.partial(forget, args[0])
+    elif len(args) >= 2 and args[1] == "--forget-destroyed":
+        work = functools.partial(forget, args[0], args[2:])
     elif len(args) >= 2 and args[1] == "keys":
         work = functools.partial(keys, args[0], args[2:])
     elif len(args) == 1:
         work = functools.partial(run, args[0])
     else:
-        print("usage: buzz-broker custodian FILE [--recover PUBKEY | --forget-destroyed | "
-              "keys SUBCOMMAND ...]", file=sys.stderr)
+        print("usage: buzz-broker custodian FILE [--recover PUBKEY | --forget-destroyed "
+              "[PUBKEY ...] | keys SUBCOMMAND ...]", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="custodian: %(message)s", stream=sys.stderr)
     try:

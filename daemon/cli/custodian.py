@@ -24,8 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recover", metavar="PUBKEY",
                         help="bring back a key destroyed within the grace period, and exit")
     parser.add_argument("--forget-destroyed", action="store_true",
-                        help="drop the records of keys destroyed past the grace period "
-                             "(none that a kept record names as owner), and exit")
+                        help="drop the records of keys destroyed past the grace period, "
+                             "or, given PUBKEY ... after it, exactly those destroyed keys at "
+                             "once, with their grace copies (none that a kept record names "
+                             "as owner), and exit")
     parser.add_argument("words", nargs=argparse.REMAINDER, metavar="keys ...",
                         help="the KEK commands and restoring a backup, with the custodian "
                              "stopped, under its uid: `buzz-broker custodian FILE keys --help` "
@@ -37,7 +39,7 @@ def _usage() -> str:
     options."""
     from custody.custodian.keys import USAGE
 
-    forms = ["", " --recover PUBKEY", " --forget-destroyed",
+    forms = ["", " --recover PUBKEY", " --forget-destroyed [PUBKEY ...]",
              *(f" {form}" for form in USAGE.split(" | "))]
     return "\n".join(f"{'usage:' if i == 0 else '      '} buzz-broker custodian FILE{form}"
                      for i, form in enumerate(forms))

@@ -7,6 +7,12 @@ the grace period stays; the running custodian's answers and its bound see the ch
 what forgetting gives up (the key is no longer refused as a destroyed one) is shown. Each
 run is in the custodian's log (its intent, a line per record forgotten, the count), and
 the custodian's own lines go on after it in one chain.
+
+Named (`--forget-destroyed PUBKEY ...`), the way back from a compromised pipeline's mints
+that filled `max_records`: exactly the named destroyed records go at once, within their
+grace period, with their sealed copies; a legitimate key's copy stays; a mint then
+succeeds. A live, unknown, malformed or still-owning key named is said, and nothing is
+forgotten, no line written.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import coincurve
 
 from custody import TokenConfig
 from custody.custodian.client import CustodianClient
+from custody.custodian.forget import MAX_NAMED
 from custody.custodian.ledger import verify_chain
 from tests.custodian.test_refusals import ask, human
 from tests.fixtures.custodian import running_custodian
@@ -31,9 +38,10 @@ from tests.fixtures.custodian import running_custodian
 GRACE = 3
 
 
-def _forget(config: Path) -> subprocess.CompletedProcess[str]:
+def _forget(config: Path, *named: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "daemon.cli", "custodian", str(config),
-                           "--forget-destroyed"], capture_output=True, text=True, timeout=60)
+                           "--forget-destroyed", *named], capture_output=True, text=True,
+                          timeout=60)
 
 
 def _listed(socket: Path) -> dict[str, bool]:
@@ -121,3 +129,100 @@ def test_a_host_with_no_keystore_is_told_so_and_left_as_it_was(tmp_path: Path) -
     assert done.returncode == 1 and "no keystore in" in done.stderr
     assert "Traceback" not in done.stderr and sorted(p.name for p in tmp_path.iterdir()) == [
         "custodian.toml"]
+
+
+#: The bound the intruder fills: a legitimate live key and a legitimately destroyed one, and
+#: three mints of its own (one owning another).
+SMALL_BOUND = 5
+
+
+async def test_an_intruders_mints_named_are_forgotten_now_and_a_mint_succeeds(
+        custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path) -> None:
+    log_dir = tmp_path / "log"
+    with running_custodian(custody_state, local_relay, tmp_path,
+                           settings={"log_dir": str(log_dir), "max_records": SMALL_BOUND}
+                           ) as process:
+        client = await CustodianClient.open(process.socket)
+        kept = (await client.mint_agent(owner=human())).pubkey
+        mistake = (await client.mint_agent(owner=human())).pubkey
+        await client.destroy_agent(mistake)  # the operator's own: its grace copy must stay
+        # The compromised pipeline's: mints up to the bound, one under another of its own.
+        first = (await client.mint_agent(owner=human())).pubkey
+        under = (await client.mint_agent(owner=first)).pubkey
+        last = (await client.mint_agent(owner=human())).pubkey
+        assert not await _mint_ok(process.socket)  # at max_records: agents.create refused
+        for pubkey in (under, first, last):  # the operator destroys the intruder's agents
+            await client.destroy_agent(pubkey)
+        assert not await _mint_ok(process.socket)  # tombstones count
+        # Unnamed, nothing goes: every tombstone is within its grace period.
+        assert "forgot 0 records" in _forget(process.config).stdout
+        assert not await _mint_ok(process.socket)
+        lines_before = len(_lines(log_dir))
+
+        done = _forget(process.config, first, under, last)
+        assert done.returncode == 0, done.stderr
+        assert "forgot 3 records named" in done.stdout
+        assert _listed(process.socket) == {kept: True, mistake: False}
+        assert sorted(p.name for p in log_dir.glob("**/*.sealed")) == [f"{mistake}.sealed"]
+        began, *gone, counted = _lines(log_dir)[lines_before:]  # the chain verifies whole
+        assert (began["op"], began["for"], began["named"]) == (
+            "intent", "forget", sorted([first, under, last]))  # which may go, ahead
+        assert "before" not in began
+        assert sorted(e["agent"] for e in gone) == sorted([first, under, last])
+        assert (counted["op"], counted["agents"], counted["intent"]) == (
+            "forget", 3, began["seq"])
+        assert await _mint_ok(process.socket)  # back under the bound, at once
+        # The operator's own destroyed key is still recoverable: its copy was not touched.
+        back = subprocess.run([sys.executable, "-m", "daemon.cli", "custodian",
+                               str(process.config), "--recover", mistake],
+                              capture_output=True, text=True, timeout=60)
+        assert back.returncode == 0, back.stderr
+        assert _listed(process.socket)[mistake]
+        await client.aclose()
+    _lines(log_dir)  # the custodian's lines go on after the command's, one chain
+
+
+async def test_a_named_key_that_cannot_be_forgotten_is_said_and_nothing_changes(
+        custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path) -> None:
+    log_dir = tmp_path / "log"
+    with running_custodian(custody_state, local_relay, tmp_path,
+                           settings={"log_dir": str(log_dir)}) as process:
+        client = await CustodianClient.open(process.socket)
+        live = (await client.mint_agent(owner=human())).pubkey
+        owner = (await client.mint_agent(owner=human())).pubkey
+        child = (await client.mint_agent(owner=owner)).pubkey  # lives on: owner is needed
+        gone = (await client.mint_agent(owner=human())).pubkey
+        for pubkey in (owner, gone):
+            await client.destroy_agent(pubkey)
+        await client.aclose()
+        unknown = coincurve.PrivateKey().public_key_xonly.format().hex()
+        records, log, copies = (_listed(process.socket), (log_dir / "signed.jsonl").read_bytes(),
+                                sorted(log_dir.glob("**/*.sealed")))
+        assert len(copies) == 2
+
+        for named, said in (([gone, live], {live: "a live key"}),
+                            ([gone, unknown], {unknown: "no record of this key here"}),
+                            ([gone, owner, live], {owner: "names it as owner",
+                                                   live: "a live key"})):
+            refused = _forget(process.config, *named)
+            assert refused.returncode == 1 and "Traceback" not in refused.stderr
+            for pubkey, why in said.items():  # each that cannot go, one line each
+                assert any(line.startswith(f"custodian: {pubkey}: not forgotten: ")
+                           and why in line for line in refused.stderr.splitlines()), (
+                    refused.stderr)
+            assert gone not in refused.stderr  # the one that could go is not said
+            assert "nothing was forgotten" in refused.stderr.splitlines()[-1]
+            assert len(refused.stderr.splitlines()) == len(said) + 1
+            assert (_listed(process.socket), (log_dir / "signed.jsonl").read_bytes(),
+                    sorted(log_dir.glob("**/*.sealed"))) == (records, log, copies)
+        # Not a pubkey (a secret key pasted by mistake is 64 hex too, but this is not even
+        # that): refused before anything, and never echoed.
+        pasted = "nsec1" + "q" * 58
+        malformed = _forget(process.config, gone, pasted)
+        assert malformed.returncode == 1 and pasted not in malformed.stderr
+        assert "key 2 named is not a pubkey" in malformed.stderr
+        too_many = _forget(process.config, *(f"{n:064x}" for n in range(MAX_NAMED + 1)))
+        assert too_many.returncode == 1 and f"at most {MAX_NAMED} keys" in too_many.stderr
+        assert _listed(process.socket) == records
+        assert (log_dir / "signed.jsonl").read_bytes() == log
+        assert child in records
