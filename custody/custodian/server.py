@@ -219,7 +219,8 @@ class Custodian:
         if len(self.custody.agents(include_deleted=True)) >= self.settings.max_records:
             raise CustodyError(f"the custodian holds max_records ({self.settings.max_records}) "
                                "records, destroyed ones included: raise [custodian] max_records"
-                               " or run `custodian FILE --forget-destroyed`")
+                               " or run `custodian FILE --forget-destroyed` (past their grace; "
+                               "naming keys, those now)")
 
     async def mint(self, args: Mapping[str, Any]) -> object:
         async with self._record_lock:

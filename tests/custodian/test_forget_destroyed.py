@@ -154,6 +154,9 @@ async def test_an_intruders_mints_named_are_forgotten_now_and_a_mint_succeeds(
         for pubkey in (under, first, last):  # the operator destroys the intruder's agents
             await client.destroy_agent(pubkey)
         assert not await _mint_ok(process.socket)  # tombstones count
+        # ... and the refusal says the way out this test takes.
+        full = ask(process.socket, "mint", owner=human(), mint_ref=None)
+        assert "--forget-destroyed` (past their grace; naming keys, those now)" in str(full), full
         # Unnamed, nothing goes: every tombstone is within its grace period.
         assert "forgot 0 records" in _forget(process.config).stdout
         assert not await _mint_ok(process.socket)
