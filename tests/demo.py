@@ -511,9 +511,11 @@ def main() -> int:
               f"(pid {relay.pid})")
 
         config = _write_config(run_dir, token, relay_url)
-        _write_custodian_config(run_dir, token, relay_url)
+        custodian_config = _write_custodian_config(run_dir, token, relay_url)
         cli = [_bin("buzz-broker"), "--config", str(config)]
-        _run([*cli, "keys", "init"], env)  # opens the token itself, before the custodian
+        # The KEK is the custodian's: its own command makes it, before it serves (the
+        # daemon's `keys init` refuses where a custodian holds the keys).
+        _run([cli[0], "custodian", str(custodian_config), "keys", "init"], env)
         custodian = _start_custodian(run_dir, cli, env)
         children["custodian"] = custodian
         _record_children(run_dir, children)
