@@ -458,3 +458,19 @@ def test_restore_usage_lines(tmp_path: Path) -> None:
                   ("restore", "--identity", "id", "--out", "x", "b.age")):
         done = _keys(config, *words)
         assert done.returncode == 1 and "usage" in done.stderr, (words, done.stderr)
+
+
+def test_the_options_each_refusal_names_are_the_custodians_own() -> None:
+    """The refusals spell the custodian's command with its options (daemon/cli/keys.py
+    `CUSTODIAN_COMMANDS`); the custodian parses them from its own tables
+    (custody/custodian/keys.py). Every option a refusal names is one its command takes,
+    so a renamed option fails here, not in an operator's terminal."""
+    from custody.custodian import keys as custodians
+    from daemon.cli.keys import CUSTODIAN_COMMANDS
+
+    assert set(CUSTODIAN_COMMANDS) == set(custodians._OPTIONS)
+    for command, (_what, words, _after) in CUSTODIAN_COMMANDS.items():
+        named = {w.strip("[]") for w in words.split() if w.strip("[]").startswith("--")}
+        takes = {*custodians._OPTIONS[command], *custodians._FLAGS.get(command, ())}
+        assert words.split()[0] == command and named <= takes, (command, named - takes)
+        assert set(custodians._REQUIRED.get(command, ())) <= named, command
