@@ -310,15 +310,16 @@ class Keystore(_PublicReads):
 
     def revive(self, pubkey: str, sealed: bytes, now: int) -> KeyRecord | None:
         """Put a destroyed agent's sealed key back (the custodian's grace period, issue 26).
-        None if no tombstone has that key. The caller has checked the blob opens as it."""
+        None if no tombstone has that key, revived by another process meanwhile included:
+        only the run whose update took it says it did. The caller has checked the blob."""
         try:
             with self._transaction() as db:
-                db.execute("UPDATE keys SET sealed = ?, deleted_at = NULL, updated_at = ? "
-                           "WHERE pubkey = ? AND deleted_at IS NOT NULL", (sealed, now, pubkey))
+                revived = db.execute(
+                    "UPDATE keys SET sealed = ?, deleted_at = NULL, updated_at = ? "
+                    "WHERE pubkey = ? AND deleted_at IS NOT NULL", (sealed, now, pubkey)).rowcount
         except sqlite3.Error as exc:
             raise CustodyError(f"keystore write failed: {exc}") from None
-        record = self.get(pubkey)
-        return record if record is not None and record.live else None
+        return self.get(pubkey) if revived == 1 else None
 
     def _checkpoint_truncate(self) -> None:
         """Move the WAL into the database file and truncate it: the frames that held a

@@ -11,9 +11,11 @@ next destroy, and at start), and the destroy is final. A copy is sealed under th
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 __all__ = ["Graveyard"]
@@ -33,6 +35,18 @@ class Graveyard:
         """The custodian's own: `destroyed/` beside its signed log."""
         return cls(log_path.parent / "destroyed", grace_seconds)
 
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The copies changed by one process at a time (an exclusive flock on the directory):
+        a command's purge beside the custodian must not find a copy past its grace, then
+        delete the fresh one a destroy put in its place meanwhile (a review: a key lost)."""
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
     def _path(self, pubkey: str) -> Path:
         return self.directory / f"{pubkey}.sealed"  # pubkey: 64 hex, checked by the table
 
@@ -48,13 +62,14 @@ class Graveyard:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, self._path(pubkey))
-        directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
-        self.purge()
+        with self._locked():
+            os.replace(tmp, self._path(pubkey))
+            directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+            self._purge()
 
     def take(self, pubkey: str) -> bytes | None:
         """The copy of `pubkey`'s sealed key, if still within its grace period."""
@@ -67,10 +82,15 @@ class Graveyard:
             return None
 
     def forget(self, pubkey: str) -> None:
-        self._path(pubkey).unlink(missing_ok=True)
+        with self._locked():
+            self._path(pubkey).unlink(missing_ok=True)
 
     def purge(self) -> list[str]:
         """Delete the copies past the grace period; the pubkeys of those kept."""
+        with self._locked():
+            return self._purge()
+
+    def _purge(self) -> list[str]:
         now, kept = self._clock(), []
         for path in sorted(self.directory.glob("*.sealed")):
             try:

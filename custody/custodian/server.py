@@ -232,16 +232,16 @@ class Custodian:
                     again := self.custody.minted(args["mint_ref"], args["owner"])) is not None:
                 return record_obj(again)
             # Under an owner held here the new key's NIP-OA tag is the owner's signature: paid
-            # from its bound, and said in the line.
-            signed = {} if self.custody.agent(args["owner"]) is None else {
-                "signed_by": args["owner"]}
-            self._spend(list(signed.values()))
+            # from its bound, and said in the line: by the record, which says what custody
+            # did (a `--recover` of the owner may land between this read and the hop).
+            self._spend([] if self.custody.agent(args["owner"]) is None else [args["owner"]])
             # The key does not exist yet: the intent names what is known.
             record = await self._change(
                 {"for": "mint", "owner": args["owner"], "mint_ref": args["mint_ref"]},
                 functools.partial(self.custody.mint_agent, owner=args["owner"],
                                   mint_ref=args["mint_ref"]),
-                lambda r: {"op": "mint", "agent": r.pubkey, "owner": r.owner, **signed})
+                lambda r: {"op": "mint", "agent": r.pubkey, "owner": r.owner,
+                           **({"signed_by": r.owner} if r.auth_tag else {})})
         return record_obj(record)
 
     async def import_(self, args: Mapping[str, Any]) -> object:

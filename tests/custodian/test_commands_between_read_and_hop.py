@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from custody import Custody
+from custody import Custody, TokenConfig, UnknownAgent
 from custody._keystore import Keystore
 from custody.custodian import messages
 from custody.custodian.forget import forget_destroyed
@@ -34,6 +36,9 @@ from custody.custodian.ledger import verify_chain
 from custody.custodian.recover import revive_agent
 from custody.custodian.server import Custodian, Settings
 from tests.custodian.test_refusals import human
+from tests.fixtures.custodian import write_custodian_config
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _custodian(custody: Custody, tmp_path: Path) -> Custodian:
@@ -127,4 +132,62 @@ async def test_a_mint_of_a_used_mint_ref_forgotten_meanwhile_makes_no_key_withou
     keys = {record.pubkey for record in custody.agents(include_deleted=True)}
     logged = {line["agent"] for line in _lines(custodian) if line["op"] == "mint"}
     assert keys <= logged, f"keys made with no line: {keys - logged}"
+    custodian.log.close()
+
+
+def _beside(custody_state: tuple[TokenConfig, Path], custodian: Custodian, tmp_path: Path,
+            *command: str) -> Callable[[], subprocess.CompletedProcess[str]]:
+    """The operator's real command (its own process) on the custodian's state and log."""
+    token, state = custody_state
+    config = write_custodian_config(
+        tmp_path / "custodian.toml", token=token, state_dir=state, socket=custodian.settings.socket,
+        relay_url=custodian.settings.relay_url,
+        settings={"log_dir": str(custodian.settings.log_path.parent)})
+    return lambda: subprocess.run([sys.executable, "-m", "custody.custodian", str(config),
+                                   *command], capture_output=True, text=True, timeout=120,
+                                  cwd=REPO, check=True)
+
+
+async def test_a_mint_under_an_owner_recovered_meanwhile_says_the_owner_signed(
+        custody: Custody, custody_state: tuple[TokenConfig, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mint's read finds its owner destroyed; `--recover` of the owner lands before the
+    hop, which then signs the new key's NIP-OA tag with the owner's key: the line says
+    `signed_by`, from the record custody made (before: from the read, so not said)."""
+    custodian = _custodian(custody, tmp_path)
+    ok, made = await _ask(custodian, "mint", owner=human(), mint_ref=None)
+    owner = made["pubkey"]
+    assert (await _ask(custodian, "destroy", pubkey=owner))[0]
+    ran = _then(monkeypatch, "agent", _beside(custody_state, custodian, tmp_path,
+                                              "--recover", owner))
+    ok, child = await _ask(custodian, "mint", owner=owner, mint_ref=None)
+    assert ran and ok and child["auth_tag"] is not None, child
+    [line] = [line for line in _lines(custodian) if line["op"] == "mint"
+              and line["agent"] == child["pubkey"]]
+    assert line.get("signed_by") == owner, line
+    custodian.log.close()
+
+
+async def test_a_recover_of_a_key_another_recovered_meanwhile_claims_no_recovery(
+        custody: Custody, custody_state: tuple[TokenConfig, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two operators (or one re-running a command that seemed to hang): this `--recover`
+    reads the key destroyed, the other's commits before this one's keystore write. One
+    `recover` line, this run's intent closed `failed` (before: a second `recover` line, for
+    a change this run did not make)."""
+    from custody.custodian import recover as command
+
+    custodian = _custodian(custody, tmp_path)
+    ok, made = await _ask(custodian, "mint", owner=human(), mint_ref=None)
+    agent = made["pubkey"]
+    assert (await _ask(custodian, "destroy", pubkey=agent))[0]
+    other = _beside(custody_state, custodian, tmp_path, "--recover", agent)
+    ran = _then(monkeypatch, "agent", other)
+    with pytest.raises(UnknownAgent):
+        await command.recover(str(tmp_path / "custodian.toml"), agent)
+    assert ran
+    lines = [line for line in _lines(custodian) if line.get("agent") == agent
+             or line["op"] == "failed"]
+    assert [(line["op"], line.get("for")) for line in lines][-4:] == [
+        ("intent", "recover"), ("recover", None), ("intent", "recover"), ("failed", None)], lines
     custodian.log.close()

@@ -9,8 +9,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+import pytest
 
 from custody import TokenConfig
 from custody.custodian.client import CustodianClient
@@ -74,3 +77,61 @@ async def test_past_the_grace_period_recover_finds_no_copy(
         assert ask(process.socket, "destroy", pubkey=await held(client, human()))[0]
         assert not copies[0].exists()
         await client.aclose()
+
+
+def _waits_for_a_lock(pid: int, path: Path) -> bool:
+    """Whether process `pid` is blocked on a flock of `path` (/proc/locks: a "->" line)."""
+    inode = path.stat().st_ino
+    for line in Path("/proc/locks").read_text().splitlines():
+        words = line.split()
+        if "->" in words and "FLOCK" in words:
+            holder, device = words[words.index("->") + 4:words.index("->") + 6]
+            if int(holder) == pid and int(device.rsplit(":", 1)[1]) == inode:
+                return True
+    return False
+
+
+async def test_a_commands_purge_never_deletes_the_copy_a_destroy_puts_in_its_place(
+        custody_state: tuple[TokenConfig, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy past its grace (`--recover` leaves the copy it used, recover.py) is purged by
+    an operator's command, in its own process (every `--forget-destroyed` and `--recover`
+    purges first), while the custodian destroys that key again and puts a fresh copy at
+    the same path. The purge found the old copy past its grace, then deleted the fresh one
+    (a race review: the destroy logged, the key lost for good). Now the two take the
+    directory's lock: here the destroy is sent once the purge has read the old copy's age,
+    and answered only after the purge, its copy in place."""
+    with running_custodian(custody_state, "wss://r.example", tmp_path) as process:
+        client = await CustodianClient.open(process.socket)
+        agent = await held(client, human())
+        await client.aclose()
+        assert ask(process.socket, "destroy", pubkey=agent)[0]
+        [copy] = (tmp_path / "state").glob(f"**/destroyed/{agent}.sealed")
+        recovered = subprocess.run([sys.executable, "-m", "custody.custodian",
+                                    str(process.config), "--recover", agent],
+                                   capture_output=True, text=True, timeout=60)
+        assert recovered.returncode == 0 and copy.is_file(), recovered.stderr
+        _age(copy, 8 * 86400)  # past the default grace of 7 days
+        answers: list[tuple[bool, object]] = []
+        destroy = threading.Thread(
+            target=lambda: answers.append(ask(process.socket, "destroy", pubkey=agent)))
+        stat = Path.stat
+
+        def the_destroy_lands_after_the_age_is_read(self: Path, **kwargs: bool) -> os.stat_result:
+            result = stat(self, **kwargs)
+            if self == copy and not destroy.is_alive() and not answers:
+                destroy.start()  # answered at once unless the purge holds the lock
+                while destroy.is_alive() and not _waits_for_a_lock(
+                        process.proc.pid, copy.parent):
+                    time.sleep(0.01)
+            return result
+
+        monkeypatch.setattr(Path, "stat", the_destroy_lands_after_the_age_is_read)
+        Graveyard(copy.parent, 7 * 86400)  # the command's: it purges as it is made
+        monkeypatch.undo()
+        destroy.join(30)
+        assert answers and answers[0][0], answers
+        assert copy.is_file() and time.time() - copy.stat().st_mtime < 60, "the fresh copy is gone"
+        again = subprocess.run([sys.executable, "-m", "custody.custodian", str(process.config),
+                                "--recover", agent], capture_output=True, text=True, timeout=60)
+        assert again.returncode == 0, again.stderr
