@@ -318,8 +318,9 @@ class Custodian:
 
     async def sign_auth(self, args: Mapping[str, Any]) -> object:
         if args["relay_url"] != self.settings.relay_url:
-            raise Refused(f"AUTH is signed only for {self.settings.relay_url}, the relay the "
-                          f"custodian is configured with, not {args['relay_url']}")
+            # repr: the URL asked is the pipeline's text, and this line reaches the journal
+            raise Refused(f"AUTH is signed only for {self.settings.relay_url!r}, the relay the "
+                          f"custodian is configured with, not {args['relay_url']!r}")
         self._not_ahead(args["created_at"])
         self._spend([args["agent"]])
         event = await self.custody.sign_auth(args["agent"], self.settings.relay_url,

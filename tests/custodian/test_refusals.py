@@ -170,6 +170,11 @@ async def test_auth_is_signed_only_for_the_configured_relay(custodian: Custodian
     assert refused(other)
     # Both named: the operator whose two files disagree reads which is which.
     assert local_relay in str(other[1]) and "wss://relay.example" in str(other[1]), other
+    # The URL asked is the pipeline's text, said in the journal: escaped, never a new line.
+    forged = ask(custodian.socket, "sign_auth", agent=agent,
+                 relay_url="wss://r\ncustodian: forged line\x1b[2J", challenge="c",
+                 created_at=1_700_000_000)
+    assert refused(forged) and "\n" not in str(forged[1]) and "\x1b" not in str(forged[1])
     await client.aclose()
 
 
