@@ -174,7 +174,8 @@ async def test_auth_is_signed_only_for_the_configured_relay(custodian: Custodian
     forged = ask(custodian.socket, "sign_auth", agent=agent,
                  relay_url="wss://r\ncustodian: forged line\x1b[2J", challenge="c",
                  created_at=1_700_000_000)
-    assert refused(forged) and "\n" not in str(forged[1]) and "\x1b" not in str(forged[1])
+    message = forged[1][1]  # type: ignore[index]
+    assert refused(forged) and "\n" not in message and "\x1b" not in message, message
     await client.aclose()
 
 
