@@ -5,9 +5,10 @@ Rules:
   coincurve's cffi (`ffi.new`), which libsecp256k1 reads directly. It is zeroed by
   `wipe()`, on leaving a `with` block, and its repr never shows the bytes.
 - Text that encodes a secret (64 hex digits or `nsec1…`) is read into a `bytearray`
-  (`read_limited`: `os.readv` straight into it) and decoded character by character into
-  a `Secret` (`parse_secret_text`), so no `str` or `bytes` copy of it is made; the
-  bytearray is zeroed afterwards.
+  (`read_limited`: `os.readv` straight into it, then copied through views into one of
+  the size read, the first zeroed on every way out) and decoded character by character
+  into a `Secret` (`parse_secret_text`), so no `str` or `bytes` copy of it is made; the
+  bytearray is zeroed afterwards (tests/custody/test_secret_reads.py).
 - Fresh secrets come from the OS CSPRNG read straight into the C buffer (`random_secret`):
   see its docstring for why not the token's generator.
 
@@ -135,26 +136,33 @@ def random_secret() -> Secret:
 
 
 def read_limited(fd: int, limit: int) -> bytearray | None:
-    """At most `limit` bytes from `fd`, read straight into one bytearray (no other copy).
+    """At most `limit` bytes from `fd`, in a bytearray of the size read: the caller zeroes
+    it. The buffer read into is zeroed before it is let go, however the read ends.
 
-    Returns None, with the buffer zeroed, if `fd` holds more than `limit` bytes.
+    Returns None if `fd` holds more than `limit` bytes.
     Used for every secret read from a file or stdin (PIN, secret text, age identity).
     """
     buf = bytearray(limit + 1)
     filled = 0
-    while filled < len(buf):
-        with memoryview(buf) as whole, whole[filled:] as chunk:
-            got = os.readv(fd, [chunk])
-        if got == 0:
-            break
-        filled += got
-    if filled > limit:
+    try:
+        while filled < len(buf):
+            with memoryview(buf) as whole, whole[filled:] as chunk:
+                got = os.readv(fd, [chunk])
+            if got == 0:
+                break
+            filled += got
+        if filled > limit:
+            return None
+        # Copied into a bytearray of the size read, through views (no bytes object): a cut
+        # (`del buf[filled:]`) lets CPython's allocator move a small buffer to a smaller
+        # block and free the old one unwiped, the secret in it (a review found 56 of 64 hex
+        # digits there after an import).
+        out = bytearray(filled)
+        with memoryview(out) as into, memoryview(buf) as whole, whole[:filled] as part:
+            into[:] = part
+        return out
+    finally:  # every way out, an interrupted read (Ctrl-C after the line) included
         _zero(buf)
-        return None
-    # Zero the unused tail before cutting it off (del keeps the bytes in this one object).
-    buf[filled:] = bytes(len(buf) - filled)
-    del buf[filled:]
-    return buf
 
 
 # --- decoding secret text without making str/bytes copies ---------------------------
