@@ -12,6 +12,7 @@ import grp
 import os
 import re
 import shutil
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from custody import TokenConfig
+from daemon.cli._probe import _why
 from tests.fixtures.broker import write_config
 from tests.fixtures.relay import free_port
 from tests.fixtures.token import SoftHsmToken
@@ -249,3 +251,22 @@ def test_deep_through_a_custodian_after_its_own_keys_rotate(
         custodian.stop()
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"token: the custodian at {socket} answers" in done.stdout
+
+
+# Additions for tests/test_check_config.py (the imports below are the new ones).
+
+
+
+def test_a_tls_failure_is_said_by_openssl_not_as_a_kernel_errno() -> None:
+    """An SSLError's errno is OpenSSL's (1 for most), not the kernel's: "cannot connect
+    (Operation not permitted)" would send the operator after permissions, not the
+    relay's certificate."""
+    exc = ssl.SSLCertVerificationError(
+        1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: self-signed "
+           "certificate (_ssl.c:1006)")
+    wrapped = OSError("all attempts to connect to relay.example:443 failed")
+    wrapped.__cause__ = exc
+    for raised in (exc, wrapped):
+        said = _why(raised)
+        assert "CERTIFICATE_VERIFY_FAILED" in said, said
+        assert os.strerror(1) not in said

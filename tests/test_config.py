@@ -1,6 +1,7 @@
 """daemon/config and `check-config`: the schema table, every key, every kind of fault."""
 
 from __future__ import annotations
+import errno
 
 import os
 import threading
@@ -10,6 +11,7 @@ from typing import get_type_hints
 import pytest
 
 from daemon.cli import main
+from daemon.cli import check_config
 import daemon.config
 from daemon.config import (
     _KEYS,
@@ -926,3 +928,47 @@ def _check_metrics(tmp_path: Path, capsys: pytest.CaptureFixture[str], metrics: 
     return code, out, err
 
 
+# Additions for tests/test_config.py (uses its `write` and `main`; the imports below are
+# the new ones).
+
+
+
+MISSING = "missing: `check-config --deep` and `serve` will refuse"
+
+
+def _pin_line(tmp_path: Path, pin: str, capsys: pytest.CaptureFixture[str]) -> str:
+    path = write(tmp_path, f'[relay]\nurl = "wss://relay.example.org"\n'
+                           f'[pkcs11]\npin_file = "{pin}"\n')
+    assert main(["check-config", path]) == 0
+    return capsys.readouterr().out.splitlines()[1]
+
+
+def test_check_config_says_a_pin_file_below_a_file_is_missing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pin_file path through a regular file (ENOTDIR) has nothing at it either."""
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY", raising=False)
+    (tmp_path / "secrets").write_text("a file where the directory was meant")
+    assert MISSING in _pin_line(tmp_path, str(tmp_path / "secrets" / "token-pin"), capsys)
+
+
+def test_check_config_does_not_call_a_dangling_link_or_an_unreadable_path_missing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Something is at a dangling link (not followed: the token refuses a link, and says
+    so); a path this user may not look into may hold the daemon user's PIN: neither is
+    said to be missing."""
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY", raising=False)
+    link = tmp_path / "token-pin"
+    link.symlink_to(tmp_path / "nowhere")
+    assert MISSING not in _pin_line(tmp_path, str(link), capsys)
+    hidden = str(tmp_path / "daemon-only" / "token-pin")
+    real = os.lstat
+
+    def lstat(path, *args, **kwargs):
+        if str(path) == hidden:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(check_config.os, "lstat", lstat)
+    assert MISSING not in _pin_line(tmp_path, hidden, capsys)

@@ -21,6 +21,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -39,6 +40,8 @@ from buzz_broker_client import (
     NotConfigured,
     NothingListening,
     SocketMissing,
+    SocketPermissionDenied,
+    _transport,
 )
 from buzz_broker_client.client import (
     _ECHO_CHECKS,
@@ -1503,3 +1506,94 @@ async def test_non_canonical_host_output_is_no_answer(host: ScriptedHost) -> Non
         host.default = succeeded(None, outcome)
         created = await c.agents_create(CHANNEL, "Scout", "Be brief.")
         assert isinstance(created, NoAnswer) and created.reason is NoAnswerReason.MISMATCH, outcome
+
+
+# Additions for tests/client/test_client.py (the imports below are the new ones).
+
+
+
+
+def test_a_socket_path_not_shown_has_none_of_its_directories_named(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A socket path that looks like a credential (the token put where the socket goes) is
+    left out of every message; the directory above it that refused this user is part of
+    that path, so it is not named either: the socket-group advice stands instead."""
+    looks_like_a_credential = "bzb_" + "Q7xk2" * 6
+    base = Path(tempfile.mkdtemp(prefix="bb-"))  # short: a socket path's bound
+    closed = base / looks_like_a_credential
+    closed.mkdir()
+    endpoint = _transport.Endpoint.parse(str(closed / "broker.sock"))
+    assert looks_like_a_credential not in endpoint.describe()
+    real = os.access
+    # As the agent's user sees it (the tests run as root, which passes any directory).
+    monkeypatch.setattr(_transport.os, "access",
+                        lambda path, mode: False if path == str(closed) else real(path, mode))
+    assert _transport.closed_directory(endpoint) is None
+    said = str(SocketPermissionDenied(endpoint.describe(), _transport.closed_directory(endpoint)))
+    monkeypatch.undo()
+    shutil.rmtree(base)
+    assert looks_like_a_credential not in said and "server.socket_group" in said
+
+
+def _closed_for_this_user(monkeypatch: pytest.MonkeyPatch, closed: set[str],
+                          readable: bool = True) -> None:
+    """os.access as an agent's user sees it (the tests run as root, which passes any
+    directory): no search (X_OK) in `closed`; read (R_OK) only where `readable`."""
+    real = os.access
+
+    def access(path: str, mode: int) -> bool:
+        if path in closed:
+            return False
+        if mode == os.R_OK and not readable:
+            return False
+        return real(path, mode)
+
+    monkeypatch.setattr(_transport.os, "access", access)
+
+
+def test_of_two_closed_directories_the_one_nearest_the_root_is_named(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first directory from / down that this user cannot pass is the cause: opening
+    one below it would change nothing, so that is the one named (and a closed grandparent
+    is found, not only the socket's own directory)."""
+    base = Path(tempfile.mkdtemp(prefix="bb-"))
+    outer, inner = base / "run", base / "run" / "broker"
+    inner.mkdir(parents=True)
+    endpoint = _transport.Endpoint.parse(str(inner / "broker.sock"))
+    try:
+        _closed_for_this_user(monkeypatch, {str(outer), str(inner)})
+        both = _transport.closed_directory(endpoint)
+        _closed_for_this_user(monkeypatch, {str(outer)})
+        grandparent = _transport.closed_directory(endpoint)
+    finally:
+        monkeypatch.undo()
+        shutil.rmtree(base)
+    assert both is not None and both.path == str(outer), both
+    assert grandparent is not None and grandparent.path == str(outer), grandparent
+
+
+def test_a_directory_this_user_may_search_but_not_list_is_not_the_cause(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Passing through a directory needs search (x), not read (r): a 0711 directory lets
+    the agent reach the socket, so the socket's own mode is the cause."""
+    base = Path(tempfile.mkdtemp(prefix="bb-"))
+    endpoint = _transport.Endpoint.parse(str(base / "broker.sock"))
+    try:
+        _closed_for_this_user(monkeypatch, set(), readable=False)
+        found = _transport.closed_directory(endpoint)
+    finally:
+        monkeypatch.undo()
+        shutil.rmtree(base)
+    assert found is None, found
+
+
+def test_a_directory_whose_group_may_list_but_not_search_lets_no_group_through() -> None:
+    """0740: its group reads the names but cannot pass through: joining that group would
+    not help, so the advice is its mode, not a group to join."""
+    closed = _transport.ClosedDirectory(path="/run/b", mode=0o740, owner="root", group="agents")
+    said = str(SocketPermissionDenied("unix:/run/b/broker.sock", closed))
+    assert "its mode, not the socket's group, is the problem" in said, said
+    assert "add the agent's user to group agents" not in said
+    passable = _transport.ClosedDirectory(path="/run/b", mode=0o710, owner="root", group="agents")
+    said = str(SocketPermissionDenied("unix:/run/b/broker.sock", passable))
+    assert "add the agent's user to group agents" in said, said

@@ -10,10 +10,11 @@ destroy, so the key could be lost for good); a mint of a used mint_ref minted a 
 with no line once `--forget-destroyed` had dropped the record. The reviewer hit both
 through the socket by flooding the token worker; here the command's commit is put in the
 window itself, by running the real command's own function where the row's read returns,
-so each test shows it on every run. (The third, an attach_auth of a key not held, calling
-custody to be refused, had two reads on the event loop between which a revive could land:
-it is now answered from the row's own read, `unknown_agent`, with no test that can put a
-commit between two reads that no await separates.)
+so each test shows it on every run. The third, an attach_auth of a key not held, asked
+custody to be refused: two reads on the event loop, between which another process's
+revive can land; it is now answered from the row's own read, `unknown_agent`. A mutation
+review added the tests that hold each row's answer to its own read (a revive right after
+the read the row answers from, for destroy and attach_auth).
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+import coincurve
 
 import pytest
+from buzzwire.nostr import owner_tag_digest
 
 from custody import Custody, TokenConfig, UnknownAgent
 from custody._keystore import Keystore
@@ -190,4 +194,132 @@ async def test_a_recover_of_a_key_another_recovered_meanwhile_claims_no_recovery
              or line["op"] == "failed"]
     assert [(line["op"], line.get("for")) for line in lines][-4:] == [
         ("intent", "recover"), ("recover", None), ("intent", "recover"), ("failed", None)], lines
+    custodian.log.close()
+
+
+# Additions for tests/custodian/test_commands_between_read_and_hop.py (uses its _custodian,
+# _ask, _lines and _then helpers; the imports below are the new ones).
+
+
+
+
+def _revive_from_another_process(custody: Custody, agent: str, copy: bytes):
+    """`--recover`'s commit as another process makes it: its own keystore connection, the
+    grace copy (sealed under the same KEK) put back; synchronous, so it can land between
+    two reads on the event loop that no await separates."""
+    state = custody._keystore.path.parent
+
+    def recover() -> None:
+        keystore = Keystore.open(state)
+        try:
+            assert keystore.revive(agent, copy, int(time.time())) is not None
+        finally:
+            keystore.close()
+
+    return recover
+
+
+async def test_a_destroy_answered_from_a_tombstone_read_never_destroys_the_key_revived_after_it(
+        custody: Custody, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The destroy reads a tombstone (no live key, the record a destroyed one): its answer
+    is that record. `--recover` commits right after that read: the key it brought back
+    stays live, since the answer changed nothing (answered through custody's destroy
+    instead, the key would be destroyed again with no line and no fresh grace copy)."""
+    custodian = _custodian(custody, tmp_path)
+    ok, made = await _ask(custodian, "mint", owner=human(), mint_ref=None)
+    agent = made["pubkey"]
+    assert (await _ask(custodian, "destroy", pubkey=agent))[0]
+    copy = custodian.graveyard.take(agent)
+    assert copy is not None
+    # After the row's own read of the record (include_deleted), not the liveness check
+    # inside custody's sealed_copy (which calls `agent` too: the case tested above).
+    revive, ran, read = _revive_from_another_process(custody, agent, copy), [], Custody.agent
+
+    def agent_then_revive(self: Custody, pubkey: str, *, include_deleted: bool = False):
+        try:
+            return read(self, pubkey, include_deleted=include_deleted)
+        finally:
+            if include_deleted and not ran:
+                ran.append(None)
+                revive()
+
+    monkeypatch.setattr(Custody, "agent", agent_then_revive)
+    ok, answer = await _ask(custodian, "destroy", pubkey=agent)
+    assert ran and ok and answer["deleted_at"] is not None, answer  # the tombstone read
+    monkeypatch.undo()
+    assert custody.agent(agent) is not None, "the revived key was destroyed with no line"
+    destroys = [line for line in _lines(custodian)
+                if line.get("for") == "destroy" or line["op"] == "destroy"]
+    assert [line["op"] for line in destroys] == ["intent", "destroy"], destroys
+    custodian.log.close()
+
+
+async def test_an_attach_auth_of_a_key_not_held_never_attaches_to_a_key_revived_after_its_read(
+        custody: Custody, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """attach_auth reads no live key: `unknown_agent`, from that read. `--recover` commits
+    right after it: the revived key gets no tag (asked of custody instead, it would be
+    changed with no intent and no line)."""
+    custodian = _custodian(custody, tmp_path)
+    owner = coincurve.PrivateKey()
+    owner_pubkey = owner.public_key_xonly.format().hex()
+    ok, made = await _ask(custodian, "mint", owner=owner_pubkey, mint_ref=None)
+    agent = made["pubkey"]
+    assert (await _ask(custodian, "destroy", pubkey=agent))[0]
+    copy = custodian.graveyard.take(agent)
+    assert copy is not None
+    tag = ["auth", owner_pubkey, "", owner.sign_schnorr(owner_tag_digest(agent, "")).hex()]
+    ran = _then(monkeypatch, "agent", _revive_from_another_process(custody, agent, copy))
+
+    ok, answer = await _ask(custodian, "attach_auth", pubkey=agent, tag=tag)
+    assert ran and not ok and answer[0] == "unknown_agent", answer
+    monkeypatch.undo()
+    revived = custody.agent(agent)
+    assert revived is not None and revived.auth_tag is None, revived
+    assert not [line for line in _lines(custodian) if line.get("for") == "attach_auth"
+                or line["op"] == "attach_auth"]
+    custodian.log.close()
+
+
+async def test_while_a_line_is_owed_the_lookups_and_relay_answer_and_changes_are_refused(
+        custody: Custody, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A line owed (the log's disk failing): every LOOKUPS row still answers, `relay` (the
+    daemon's start asks it) and `memory_address` among them, while a change is refused
+    naming the log's fault."""
+    import errno
+    import os
+
+    custodian = _custodian(custody, tmp_path)
+    ok, made = await _ask(custodian, "mint", owner=human(), mint_ref=None)
+    agent = made["pubkey"]
+
+    def failing(fd: int) -> None:
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    with pytest.raises(OSError):
+        custodian.log.append([{"op": "destroy", "agent": "a" * 64, "intent": 0}], done=True)
+    assert (await _ask(custodian, "relay")) == (True, "wss://r.example")
+    ok, address = await _ask(custodian, "memory_address", agent=agent, slug="core")
+    assert ok, address
+    assert (await _ask(custodian, "chain", pubkey=agent))[0]
+    assert (await _ask(custodian, "mint", owner=human(), mint_ref=None)) == (
+        False, ("custody", "the custodian's log cannot be written: OSError EIO"))
+    monkeypatch.undo()
+    custodian.log.close()
+
+
+async def test_a_mint_ref_used_for_another_owner_is_refused_not_answered_its_record(
+        custody: Custody, tmp_path: Path) -> None:
+    """The mint row answers a used mint_ref from its own read (`Custody.minted`): only for
+    the owner it was used for. Another owner naming it is refused, and is never handed the
+    first owner's agent (nor a key made, nor a line)."""
+    custodian = _custodian(custody, tmp_path)
+    first_owner, other_owner = human(), human()
+    ok, first = await _ask(custodian, "mint", owner=first_owner, mint_ref="ref-1")
+    assert ok
+    before = _lines(custodian)
+    ok, answer = await _ask(custodian, "mint", owner=other_owner, mint_ref="ref-1")
+    assert not ok and answer[0] == "custody" and "another owner" in answer[1], answer
+    assert _lines(custodian) == before
+    assert [r.pubkey for r in custody.agents(include_deleted=True)] == [first["pubkey"]]
     custodian.log.close()

@@ -12,6 +12,7 @@ hostile peer on the socket does). LOOKUP_TIMEOUT is shortened so the test takes 
 """
 
 from __future__ import annotations
+import json
 
 import shutil
 import socket
@@ -23,8 +24,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from buzzwire.nostr import UnsignedEvent
 
 from custody.custodian import client as client_module
+from custody.custodian import messages
 from custody.custodian.client import CustodianClient, CustodianUnavailable
 
 #: The shortened LOOKUP_TIMEOUT, and the pause before each byte of the answer (inside it).
@@ -88,3 +91,71 @@ def test_a_custodian_trickling_its_answer_is_cut_off_at_the_deadline(
     finally:
         client.close()
         server.close()
+
+
+# Additions for tests/custodian/test_lookup_deadline.py (uses its short_dir fixture; the
+# imports below are the new ones, beside its own).
+
+
+
+
+def _drop_the_first(server: socket.socket, asked: list[str]) -> None:
+    """Read one request per connection; close the first with no answer (a custodian that
+    died after the request reached it), answer the others `"wss://r"`."""
+    while True:
+        try:
+            conn, _ = server.accept()
+        except OSError:
+            return
+        with conn:
+            try:
+                header = conn.recv(4, socket.MSG_WAITALL)
+                body = conn.recv(struct.unpack(">I", header)[0], socket.MSG_WAITALL)
+                asked.append(json.loads(body)["op"])
+                if len(asked) > 1:
+                    conn.sendall(messages.reply_ok("wss://r"))
+            except OSError:
+                pass
+
+
+def _serve(path: Path, asked: list[str]) -> socket.socket:
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(4)
+    threading.Thread(target=_drop_the_first, args=(server, asked), daemon=True).start()
+    return server
+
+
+async def test_a_lookup_row_whose_connection_breaks_after_delivery_is_asked_again(
+        short_dir: Path) -> None:  # noqa: F811
+    """`relay` (a LOOKUPS row, asked at the daemon's start) reached a custodian that died
+    before answering: asked again on a fresh connection, since it changes nothing."""
+    asked: list[str] = []
+    server = _serve(short_dir / "c.sock", asked)
+    client = CustodianClient(short_dir / "c.sock")
+    try:
+        await client.require_relay("wss://r")
+    finally:
+        server.close()
+        await client.aclose()
+    assert asked == ["relay", "relay"]
+
+
+async def test_a_sign_whose_connection_breaks_after_delivery_is_not_asked_again(
+        short_dir: Path) -> None:  # noqa: F811
+    """A `sign` that reached the custodian may have been signed and logged: never sent a
+    second time (a second signature, a second line, the bucket spent twice); the caller
+    is told the custodian is not answering."""
+    asked: list[str] = []
+    server = _serve(short_dir / "c.sock", asked)
+    client = CustodianClient(short_dir / "c.sock")
+    agent = "a" * 64
+    try:
+        with pytest.raises(CustodianUnavailable):
+            await client.sign_event(agent, UnsignedEvent(
+                pubkey=agent, created_at=1_700_000_000, kind=9, tags=[("h", "c")],
+                content="x"))
+    finally:
+        server.close()
+        await client.aclose()
+    assert asked == ["sign"]

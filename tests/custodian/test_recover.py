@@ -13,23 +13,29 @@ intent alone when it is killed between them.
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import trio
 
 from buzzwire.nostr import verify_signed
-from custody import Custody, UnsignedEvent, init_kek
+from custody import Custody, CustodyError, UnknownAgent, UnsignedEvent, init_kek
 from custody._keys import rotate_keys
+from custody.custodian import changes
 from custody.custodian import recover as command
 from custody.custodian.client import CustodianClient
-from custody.custodian.ledger import verify_chain
+from custody.custodian.ledger import SignLog, verify_chain
 from tests.custodian.test_refusals import ask, held, human, intent
 from tests.custody._sealing import HUMAN
 from tests.fixtures.custodian import CustodianProcess
@@ -215,3 +221,89 @@ async def test_a_recover_killed_between_its_intent_and_its_outcome_keeps_its_int
                                                           else [])
     assert any(e["op"] == "sign" and e["agent"] == busy and e["seq"] > intents[0]["seq"]
                for e in lines)
+
+
+# Additions for tests/custodian/test_recover.py (its command, held, human, ask imports;
+# the ones below are the new ones). The first three are changes.py's, every command's.
+
+
+
+
+def _sync_fails_from(monkeypatch: pytest.MonkeyPatch, call: int) -> None:
+    """os.fdatasync fails (EIO) from its `call`-th call on: the disk going bad mid-command."""
+    real, calls = os.fdatasync, [0]
+
+    def fdatasync(fd: int) -> None:
+        calls[0] += 1
+        if calls[0] >= call:
+            raise OSError(errno.EIO, "injected")
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+
+
+@pytest.mark.token_independent
+@pytest.mark.parametrize("outcome", ["made", "raised"])
+async def test_a_commands_outcome_line_the_disk_refuses_is_owed_then_said_at_close(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        outcome: str) -> None:
+    """The intent is on disk; the change is made (or raised); the disk then refuses the
+    outcome (or `failed`) line. That line is owed, so the log's close says it on stderr,
+    and a change that raised is reported as its own fault, not the log's."""
+    log = SignLog(tmp_path / "signed.jsonl", 1 << 20)
+    _sync_fails_from(monkeypatch, 2)
+
+    async def change() -> str:
+        if outcome == "raised":
+            raise UnknownAgent("c" * 64)
+        return "done"
+
+    expected = CustodyError if outcome == "made" else UnknownAgent
+    with pytest.raises(expected) as raised:
+        await changes.logged_change(log, {"for": "recover", "agent": "c" * 64}, change,
+                                    lambda result, seq: [{"op": "recover", "agent": "c" * 64,
+                                                          "intent": seq}])
+    assert type(raised.value) is expected
+    with caplog.at_level(logging.ERROR, logger="buzz_broker.custodian"):
+        log.close()
+    said = [r.getMessage() for r in caplog.records if "a line owed, never written" in r.getMessage()]
+    op = '"op": "recover"' if outcome == "made" else '"op": "failed"'
+    assert len(said) == 1 and op in said[0], said
+    assert verify_chain(tmp_path / "signed.jsonl") == 1  # the intent alone
+
+
+@pytest.mark.token_independent
+def test_a_log_a_command_cannot_open_is_one_line_saying_what_it_left_done(tmp_path: Path) -> None:
+    """The log's directory cannot be made (a file where it would be): one CustodyError
+    naming the fault and what the command leaves done, no traceback."""
+    (tmp_path / "log").write_text("a file, not a directory")
+    config = SimpleNamespace(settings=SimpleNamespace(log_path=tmp_path / "log" / "signed.jsonl",
+                                                      log_max_bytes=1 << 20))
+    with pytest.raises(CustodyError, match=r"cannot be written \(.*\): nothing was recovered"):
+        changes.open_log(config, "nothing was recovered")  # type: ignore[arg-type]
+
+
+async def test_a_recover_whose_outcome_line_the_disk_refuses_says_it_on_stderr(
+        custodian: CustodianProcess, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The key is back; the disk refuses the `recover` line. The command fails in one line
+    saying the change stands, and closes its log, which says the owed line (the journal is
+    then the only record of it)."""
+    client = await CustodianClient.open(custodian.socket)
+    agent = await held(client, human())
+    await client.aclose()
+    assert ask(custodian.socket, "destroy", pubkey=agent)[0]
+    revive = command.revive_agent
+
+    async def revived_then_the_disk_fails(custody: Custody, pubkey: str, blob: bytes) -> object:
+        record = await revive(custody, pubkey, blob)
+        _sync_fails_from(monkeypatch, 1)
+        return record
+
+    monkeypatch.setattr(command, "revive_agent", revived_then_the_disk_fails)
+    with caplog.at_level(logging.ERROR, logger="buzz_broker.custodian"):
+        with pytest.raises(CustodyError, match="the change is made"):
+            await command.recover(str(custodian.config), agent)
+    monkeypatch.undo()
+    said = [r.getMessage() for r in caplog.records if "a line owed, never written" in r.getMessage()]
+    assert len(said) == 1 and '"op": "recover"' in said[0] and agent in said[0], said

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sqlite3
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -433,3 +434,27 @@ async def test_keys_not_held_here_spend_no_bucket_and_evict_none(custody: Custod
         assert await auth(secrets.token_hex(32)) == "unknown_agent"
     assert await auth(agent) == "rate_limited"
     custodian.log.close()
+
+
+# Additions for tests/custodian/test_refusals.py (its ask, human, held, intent helpers;
+# the imports below are the new ones).
+
+
+
+async def test_custodys_warnings_still_reach_the_custodians_journal(
+        custodian: CustodianProcess, custody_state: tuple[TokenConfig, Path]) -> None:
+    """Custody's logger is held at WARNING in the serving custodian to keep a line per
+    change out of the journal; a warning still gets there: the unseal door's refusal of
+    a blob swapped into another agent's row (what the security engineer looks for)."""
+    _, state_dir = custody_state
+    client = await CustodianClient.open(custodian.socket)
+    owner = human()
+    victim, donor = [await held(client, owner) for _ in range(2)]
+    await client.aclose()
+    with sqlite3.connect(state_dir / "keystore.db") as db:
+        (blob,) = db.execute("SELECT sealed FROM keys WHERE pubkey = ?", (donor,)).fetchone()
+        db.execute("UPDATE keys SET sealed = ? WHERE pubkey = ?", (blob, victim))
+    ok, _ = ask(custodian.socket, "sign", events=[intent(victim, 9, [["h", "c"]])])
+    assert not ok
+    stderr = custodian.stop()
+    assert f"unseal refused for agent {victim}" in stderr, stderr[-2000:]

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from custody import TokenConfig
+from custody import CustodyError, TokenConfig
+from custody.custodian.client import CustodianClient
 from tests.custodian.test_config_faults import ENTRY_POINTS, _one_line, _run
+from tests.custodian.test_refusals import ask
 from tests.fixtures.custodian import CustodianProcess, write_custodian_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,3 +74,26 @@ def test_a_relay_url_the_custodian_could_never_match_is_one_line_at_load(
     done = _run(entry, config)
     _one_line(done, str(config), "[custodian] relay_url must be a ws:// or wss:// URL")
     assert "hunter2" not in done.stderr
+
+
+# Additions for tests/custodian/test_relay_agreement.py (the imports below are the new ones).
+
+
+
+async def test_the_relay_agreement_is_the_exact_url_sign_auth_compares(
+        custodian: CustodianProcess, local_relay: str) -> None:
+    """The start's check agrees with sign_auth, which compares the URL as written: one
+    differing by a trailing slash alone is refused at the start too, since every AUTH
+    for it would be."""
+    other = local_relay.rstrip("/") + "/"
+    assert other != local_relay
+    refused = ask(custodian.socket, "sign_auth", agent="a" * 64, relay_url=other,
+                  challenge="c", created_at=1_700_000_000)
+    assert refused[0] is False and refused[1][0] == "refused", refused
+    client = await CustodianClient.open(custodian.socket)
+    try:
+        await client.require_relay(local_relay)
+        with pytest.raises(CustodyError, match="every AUTH would be refused"):
+            await client.require_relay(other)
+    finally:
+        await client.aclose()

@@ -536,3 +536,141 @@ def test_owed_lines_are_chained_after_another_writers_lines(
     assert verify_chain(path) == 4
     assert [json.loads(x)["op"] for x in path.read_bytes().splitlines()] == [
         "intent", "recover", "destroy", "sign"]
+
+
+# Additions for tests/custodian/test_signed_log.py (its imports: json, Path, pytest,
+# verify_chain, _chained_across_the_move are already there).
+
+
+
+
+@pytest.mark.token_independent
+def test_a_log_moved_by_another_writer_is_read_again_even_at_the_size_this_writer_left(
+        tmp_path: Path) -> None:
+    """The file is not as this writer left it when either its inode or its size differs:
+    another writer moved it to `.1` and wrote a new file that happens to end at the very
+    size this writer's own file had. Compared by size alone, the head held in memory (seq
+    1) would be taken for the file's, and the next line would fork the chain."""
+    from custody.custodian.ledger import SignLog
+
+    path = tmp_path / "signed.jsonl"
+    entry = {"op": "sign", "agent": "a" * 64, "kind": 9, "id": "1" * 64}
+    server = SignLog(path, 1 << 20, clock=lambda: 1_700_000_000)
+    assert server.append([entry]) == 1
+    one_line = path.stat().st_size
+    # A command beside it whose bound one line fits under and two do not: its first line
+    # moves the file (seq 1, 2) to `.1`, its second is a new file of one line (seq 3).
+    command = SignLog(path, one_line + 1, clock=lambda: 1_700_000_000)
+    assert command.append([entry]) == 2
+    assert command.append([entry]) == 3
+    command.close()
+    assert path.stat().st_size == one_line  # the size the server left, another inode
+    assert server.append([entry]) == 4
+    server.close()
+    moved = path.with_name(path.name + ".1")
+    older = [json.loads(x) for x in moved.read_text().splitlines()]
+    newer = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [e["seq"] for e in older + newer] == [1, 2, 3, 4]
+    assert verify_chain(moved) == 2
+    assert verify_chain(path, start=older[-1]["hash"]) == 2
+
+
+def _torn(path: Path) -> bytes:
+    """One whole line of this log, then the start of another (a crash mid-write)."""
+    from custody.custodian.ledger import GENESIS, _hashed
+
+    body, digest = _hashed(GENESIS, {"seq": 1, "prev": GENESIS, "at": 1_700_000_000,
+                                     "op": "sign", "agent": "a" * 64, "kind": 9,
+                                     "id": "1" * 64})
+    whole = f'{body[:-1]},"hash":"{digest}"}}\n'.encode()
+    path.write_bytes(whole + b'{"seq":2,"prev":"')
+    return whole
+
+
+@pytest.mark.token_independent
+def test_a_torn_tail_is_cut_and_said_when_the_log_is_opened(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Opened, before any line: the torn tail a crash left is cut and said then (the
+    custodian's start, where the operator looks), not at some later first line."""
+    from custody.custodian.ledger import SignLog
+
+    path = tmp_path / "signed.jsonl"
+    whole = _torn(path)
+    with caplog.at_level("WARNING", logger="buzz_broker.custodian"):
+        log = SignLog(path, 1 << 20)
+    try:
+        assert path.read_bytes() == whole
+        assert log.seq == 1
+        assert any("cut a torn last line" in r.getMessage() for r in caplog.records)
+    finally:
+        log.close()
+
+
+@pytest.mark.token_independent
+def test_a_broken_last_line_refuses_the_open_and_leaves_even_a_torn_tail_as_it_was(
+        tmp_path: Path) -> None:
+    """BrokenLog says "nothing was written": the file is the operator's evidence, left
+    byte for byte, its torn tail included (the head is read before any cut)."""
+    from custody.custodian.ledger import BrokenLog, SignLog
+
+    path = tmp_path / "signed.jsonl"
+    path.write_bytes(b'{"not": "a line of this log"}\n{"seq":2,"pr')
+    before = path.read_bytes()
+    with pytest.raises(BrokenLog):
+        SignLog(path, 1 << 20)
+    assert path.read_bytes() == before
+
+
+@pytest.mark.token_independent
+def test_close_writes_the_lines_still_owed(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A line owed (its effect made, its write failed) gets its last try at close: once
+    the disk takes it again it is in the log, not only in the journal."""
+    import errno
+
+    from custody.custodian.ledger import SignLog
+
+    path = tmp_path / "signed.jsonl"
+    log = SignLog(path, 1 << 20)
+    real = os.fdatasync
+
+    def failing(fd: int) -> None:
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    with pytest.raises(OSError):
+        log.append([{"op": "recover", "agent": "b" * 64, "intent": 0}], done=True)
+    monkeypatch.setattr(os, "fdatasync", real)
+    log.close()
+    assert verify_chain(path) == 1
+    assert json.loads(path.read_text())["op"] == "recover"
+
+
+@pytest.mark.token_independent
+def test_close_says_the_owed_lines_of_a_log_broken_meanwhile_and_raises_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """close runs in `finally` blocks (changes.py's commands): a log whose last line was
+    made foreign meanwhile gives BrokenLog at the owed lines' last try, which close must
+    not raise over the fault being raised; the lines go to the journal instead."""
+    import errno
+
+    from custody.custodian.ledger import SignLog
+
+    path = tmp_path / "signed.jsonl"
+    log = SignLog(path, 1 << 20)
+    real = os.fdatasync
+
+    def failing(fd: int) -> None:
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    with pytest.raises(OSError):
+        log.append([{"op": "recover", "agent": "b" * 64, "intent": 0}], done=True)
+    monkeypatch.setattr(os, "fdatasync", real)
+    with open(path, "ab") as other:
+        other.write(b"not a line of this log\n")
+    with caplog.at_level("ERROR", logger="buzz_broker.custodian"):
+        log.close()
+    assert any("a line owed, never written" in r.getMessage() and "b" * 64 in r.getMessage()
+               for r in caplog.records)
