@@ -26,7 +26,9 @@ intent line (a refused run writes none) and held again inside the transaction (t
 running custodian may change a record between). Their sealed copies (grace.py) are
 deleted once the transaction commits, before the count line: the copy of a key with no
 record could only be misread later. Deleting them first was the other order; it would
-lose a copy whenever the transaction then refused.
+lose a copy whenever the transaction then refused. A copy the disk refuses to delete
+leaves the forget standing (its records are gone): said on stderr after its lines, and
+deleted by the grace period's purge.
 
 It changes the keystore, so it is in the custodian's log (changes.py `logged_change`): an
 `intent` line (`for` forget, `before`: the destroy time at or before which a record may
@@ -52,6 +54,7 @@ from custody._statelock import StateLock
 from custody.custodian.changes import logged_change, open_log
 from custody.custodian.config import load
 from custody.custodian.grace import Graveyard
+from custody.custodian.ledger import fault_name
 
 __all__ = ["MAX_NAMED", "STAYS", "NotForgotten", "forget", "forget_destroyed", "forget_named"]
 
@@ -156,6 +159,7 @@ async def forget(config_path: str, pubkeys: Sequence[str] = ()) -> None:
         keystore = Keystore.open(Path(config.state_dir))
         try:
             intent: dict[str, object]
+            stuck: dict[str, str] = {}  # a named key's copy not deleted -> the fault's name
             if pubkeys:
                 forget_named(keystore, pubkeys, commit=False)  # a refusal writes no line
                 intent = {"for": "forget", "named": sorted(set(pubkeys))}
@@ -163,7 +167,10 @@ async def forget(config_path: str, pubkeys: Sequence[str] = ()) -> None:
                 async def change() -> list[str]:
                     gone = forget_named(keystore, pubkeys)
                     for pubkey in gone:
-                        graveyard.forget(pubkey)
+                        try:
+                            graveyard.forget(pubkey)
+                        except OSError as exc:  # the records are gone: the change stands
+                            stuck[pubkey] = fault_name(exc)
                     return gone
             else:
                 before = int(time.time()) - grace
@@ -188,3 +195,6 @@ async def forget(config_path: str, pubkeys: Sequence[str] = ()) -> None:
     what = "named (their sealed copies deleted)" if pubkeys else \
         f"of keys destroyed more than {grace} s ago"
     print(f"custodian: forgot {len(forgotten)} records {what}", flush=True)
+    for pubkey, fault in stuck.items():  # said after the lines: the forget is done
+        print(f"custodian: {pubkey}: its sealed copy stays ({fault}); the grace period's "
+              "purge deletes it", file=sys.stderr)

@@ -224,13 +224,14 @@ class Custodian:
 
     async def mint(self, args: Mapping[str, Any]) -> object:
         async with self._record_lock:
-            self._room()
-            # A mint_ref used before answers its record again, from this read: nothing is
-            # made, so no line. Never through `mint_agent`, whose hop would make a key with
-            # no line if `--forget-destroyed` dropped the record meanwhile.
+            # A mint_ref used before answers its record again, from this read (at
+            # max_records too: a retry is no new record): nothing is made, so no line.
+            # Never through `mint_agent`, whose hop would make a key with no line if
+            # `--forget-destroyed` dropped the record meanwhile.
             if args["mint_ref"] is not None and (
                     again := self.custody.minted(args["mint_ref"], args["owner"])) is not None:
                 return record_obj(again)
+            self._room()
             # Under an owner held here the new key's NIP-OA tag is the owner's signature: paid
             # from its bound, and said in the line: by the record, which says what custody
             # did (a `--recover` of the owner may land between this read and the hop).

@@ -17,6 +17,7 @@ forgotten, no line written.
 
 from __future__ import annotations
 
+import errno
 import json
 import subprocess
 import sys
@@ -25,10 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import coincurve
+import pytest
 
 from custody import TokenConfig
+from custody.custodian import forget as command
 from custody.custodian.client import CustodianClient
 from custody.custodian.forget import MAX_NAMED
+from custody.custodian.grace import Graveyard
 from custody.custodian.ledger import verify_chain
 from tests.custodian.test_refusals import ask, human
 from tests.fixtures.custodian import running_custodian
@@ -229,3 +233,31 @@ async def test_a_named_key_that_cannot_be_forgotten_is_said_and_nothing_changes(
         assert _listed(process.socket) == records
         assert (log_dir / "signed.jsonl").read_bytes() == log
         assert child in records
+
+
+async def test_a_named_forget_whose_copy_cannot_be_deleted_stands_and_says_so(
+        custody_state: tuple[TokenConfig, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The records went in their transaction; a grace copy the disk then refuses to delete
+    is said on stderr, after the forget's lines, which say what was done (a mutation
+    review: `failed` was written for a forget that stood, and the command ended in a
+    traceback)."""
+    with running_custodian(custody_state, "wss://r.example", tmp_path) as process:
+        ok, made = ask(process.socket, "mint", owner=human(), mint_ref=None)
+        agent = made["pubkey"]  # type: ignore[index]
+        assert ok and ask(process.socket, "destroy", pubkey=agent)[0]
+
+        def refused(self: Graveyard, pubkey: str) -> None:
+            raise PermissionError(errno.EACCES, "refused", pubkey)
+
+        monkeypatch.setattr(Graveyard, "forget", refused)
+        await command.forget(str(process.config), [agent])
+        said = capsys.readouterr()
+        log = tmp_path / "state" / "custodian" / "signed.jsonl"
+        lines = [json.loads(line) for line in log.read_text().splitlines()]
+        assert [(e["op"], e.get("agent"), e.get("agents")) for e in lines[-2:]] == [
+            ("forget", agent, None), ("forget", None, 1)], lines[-3:]
+        assert verify_chain(log) == len(lines)
+        assert f"{agent}: its sealed copy stays (PermissionError EACCES)" in said.err, said
+        assert ask(process.socket, "agent", pubkey=agent, include_deleted=True) == (True, None)
+

@@ -144,6 +144,10 @@ async def test_past_max_records_mint_and_import_are_refused(bounded: CustodianPr
     for ref in ("m1", "m2"):
         assert ask(bounded.socket, "mint", owner=owner, mint_ref=ref)[0]
     assert records_full(ask(bounded.socket, "mint", owner=owner, mint_ref="m3"))
+    # A retry of the mint that took the last place is no new record: its record again (a
+    # mutation review: refused, the bound checked before the replay).
+    ok, again = ask(bounded.socket, "mint", owner=owner, mint_ref="m2")
+    assert ok and again["mint_ref"] == "m2", again  # type: ignore[index]
     assert ask(bounded.socket, "destroy", pubkey=first)[0]
     assert records_full(ask(bounded.socket, "mint", owner=owner, mint_ref="m4"))
     with pytest.raises(Exception, match="max_records"):
