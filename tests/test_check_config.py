@@ -12,6 +12,7 @@ import grp
 import os
 import re
 import shutil
+import socket
 import ssl
 import subprocess
 import sys
@@ -253,10 +254,6 @@ def test_deep_through_a_custodian_after_its_own_keys_rotate(
     assert f"token: the custodian at {socket} answers" in done.stdout
 
 
-# Additions for tests/test_check_config.py (the imports below are the new ones).
-
-
-
 def test_a_tls_failure_is_said_by_openssl_not_as_a_kernel_errno() -> None:
     """An SSLError's errno is OpenSSL's (1 for most), not the kernel's: "cannot connect
     (Operation not permitted)" would send the operator after permissions, not the
@@ -270,3 +267,15 @@ def test_a_tls_failure_is_said_by_openssl_not_as_a_kernel_errno() -> None:
         said = _why(raised)
         assert "CERTIFICATE_VERIFY_FAILED" in said, said
         assert os.strerror(1) not in said
+
+
+
+def test_a_name_that_does_not_resolve_is_said_by_getaddrinfo_not_as_a_kernel_errno() -> None:
+    """A failed lookup's code is getaddrinfo's (EAI_NONAME, -2), not the kernel's: it read
+    "cannot connect (Unknown error -2)" for a mistyped relay host (a review of the change
+    that read errnos from trio's group of connect errors)."""
+    exc = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    wrapped = OSError("all attempts to connect to no-such-host.invalid:443 failed")
+    wrapped.__cause__ = exc
+    for raised in (exc, wrapped):
+        assert _why(raised) == "Name or service not known"

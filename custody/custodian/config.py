@@ -133,7 +133,7 @@ def load(path: str) -> CustodianConfig:
         fits = False
     if not fits:
         raise ConfigError(f"{path}: [custodian] relay_url must be a ws:// or wss:// URL with "
-                          "a host and no user information, as the daemon's [relay] url")
+                          "a host and no user information: the daemon's [relay] url, exactly")
     recipients = tuple(b.get("recipients", ()))
     if b and not (b.keys() >= {"recipients", "dir"} and 0 < len(recipients) <= MAX_RECIPIENTS
                   and all(isinstance(r, str) for r in recipients)):

@@ -188,7 +188,11 @@ async def forget(config_path: str, pubkeys: Sequence[str] = ()) -> None:
             keystore.close()
     except NotForgotten as exc:
         for pubkey, why in exc.stays.items():
-            print(f"custodian: {pubkey}: not forgotten: {STAYS[why]}", file=sys.stderr)
+            # A key with no record here may be a secret pasted by mistake (64 hex too): said
+            # by its place among those named, never by its value.
+            who = pubkey if why != "unknown" else \
+                f"key {list(pubkeys).index(pubkey) + 1} named (not shown)"
+            print(f"custodian: {who}: not forgotten: {STAYS[why]}", file=sys.stderr)
         raise
     finally:
         lock.release()

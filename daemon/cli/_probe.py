@@ -35,6 +35,7 @@ from __future__ import annotations
 import grp
 import os
 import pwd
+import socket
 import ssl
 import time
 from dataclasses import dataclass
@@ -138,8 +139,9 @@ def _why(exc: BaseException) -> str:
     while queue and len(seen) < 64:  # a chain is short; a cycle or a huge group is not read
         current = queue.pop(0)
         seen.add(id(current))
-        if isinstance(current, ssl.SSLError):  # its errno is OpenSSL's, not the kernel's
-            return str(current.strerror or current.reason or type(current).__name__)
+        if isinstance(current, (ssl.SSLError, socket.gaierror)):  # their codes are OpenSSL's
+            return str(current.strerror or getattr(current, "reason", None)  # getaddrinfo's
+                       or type(current).__name__)
         if isinstance(current, OSError) and current.errno:  # trio's text repeats the address
             return os.strerror(current.errno)
         below = [*(current.exceptions if isinstance(current, BaseExceptionGroup) else ()),
