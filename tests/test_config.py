@@ -1,8 +1,8 @@
 """daemon/config and `check-config`: the schema table, every key, every kind of fault."""
 
 from __future__ import annotations
-import errno
 
+import errno
 import os
 import threading
 from pathlib import Path
@@ -926,11 +926,6 @@ def _check_metrics(tmp_path: Path, capsys: pytest.CaptureFixture[str], metrics: 
     code = main(["check-config", path])
     out, err = capsys.readouterr()
     return code, out, err
-
-
-# Additions for tests/test_config.py (uses its `write` and `main`; the imports below are
-# the new ones).
-
 
 
 MISSING = "missing: `check-config --deep` and `serve` will refuse"

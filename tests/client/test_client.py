@@ -1508,11 +1508,6 @@ async def test_non_canonical_host_output_is_no_answer(host: ScriptedHost) -> Non
         assert isinstance(created, NoAnswer) and created.reason is NoAnswerReason.MISMATCH, outcome
 
 
-# Additions for tests/client/test_client.py (the imports below are the new ones).
-
-
-
-
 def test_a_socket_path_not_shown_has_none_of_its_directories_named(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A socket path that looks like a credential (the token put where the socket goes) is

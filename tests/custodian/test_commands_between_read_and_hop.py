@@ -19,6 +19,7 @@ the read the row answers from, for destroy and attach_auth).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -197,12 +198,6 @@ async def test_a_recover_of_a_key_another_recovered_meanwhile_claims_no_recovery
     custodian.log.close()
 
 
-# Additions for tests/custodian/test_commands_between_read_and_hop.py (uses its _custodian,
-# _ask, _lines and _then helpers; the imports below are the new ones).
-
-
-
-
 def _revive_from_another_process(custody: Custody, agent: str, copy: bytes):
     """`--recover`'s commit as another process makes it: its own keystore connection, the
     grace copy (sealed under the same KEK) put back; synchronous, so it can land between
@@ -285,9 +280,6 @@ async def test_while_a_line_is_owed_the_lookups_and_relay_answer_and_changes_are
     """A line owed (the log's disk failing): every LOOKUPS row still answers, `relay` (the
     daemon's start asks it) and `memory_address` among them, while a change is refused
     naming the log's fault."""
-    import errno
-    import os
-
     custodian = _custodian(custody, tmp_path)
     ok, made = await _ask(custodian, "mint", owner=human(), mint_ref=None)
     agent = made["pubkey"]

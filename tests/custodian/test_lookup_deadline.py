@@ -12,8 +12,8 @@ hostile peer on the socket does). LOOKUP_TIMEOUT is shortened so the test takes 
 """
 
 from __future__ import annotations
-import json
 
+import json
 import shutil
 import socket
 import struct
@@ -91,12 +91,6 @@ def test_a_custodian_trickling_its_answer_is_cut_off_at_the_deadline(
     finally:
         client.close()
         server.close()
-
-
-# Additions for tests/custodian/test_lookup_deadline.py (uses its short_dir fixture; the
-# imports below are the new ones, beside its own).
-
-
 
 
 def _drop_the_first(server: socket.socket, asked: list[str]) -> None:

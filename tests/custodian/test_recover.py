@@ -223,12 +223,6 @@ async def test_a_recover_killed_between_its_intent_and_its_outcome_keeps_its_int
                for e in lines)
 
 
-# Additions for tests/custodian/test_recover.py (its command, held, human, ask imports;
-# the ones below are the new ones). The first three are changes.py's, every command's.
-
-
-
-
 def _sync_fails_from(monkeypatch: pytest.MonkeyPatch, call: int) -> None:
     """os.fdatasync fails (EIO) from its `call`-th call on: the disk going bad mid-command."""
     real, calls = os.fdatasync, [0]

@@ -436,11 +436,6 @@ async def test_keys_not_held_here_spend_no_bucket_and_evict_none(custody: Custod
     custodian.log.close()
 
 
-# Additions for tests/custodian/test_refusals.py (its ask, human, held, intent helpers;
-# the imports below are the new ones).
-
-
-
 async def test_custodys_warnings_still_reach_the_custodians_journal(
         custodian: CustodianProcess, custody_state: tuple[TokenConfig, Path]) -> None:
     """Custody's logger is held at WARNING in the serving custodian to keep a line per

@@ -76,10 +76,6 @@ def test_a_relay_url_the_custodian_could_never_match_is_one_line_at_load(
     assert "hunter2" not in done.stderr
 
 
-# Additions for tests/custodian/test_relay_agreement.py (the imports below are the new ones).
-
-
-
 async def test_the_relay_agreement_is_the_exact_url_sign_auth_compares(
         custodian: CustodianProcess, local_relay: str) -> None:
     """The start's check agrees with sign_auth, which compares the URL as written: one

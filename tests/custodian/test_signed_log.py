@@ -538,12 +538,6 @@ def test_owed_lines_are_chained_after_another_writers_lines(
         "intent", "recover", "destroy", "sign"]
 
 
-# Additions for tests/custodian/test_signed_log.py (its imports: json, Path, pytest,
-# verify_chain, _chained_across_the_move are already there).
-
-
-
-
 @pytest.mark.token_independent
 def test_a_log_moved_by_another_writer_is_read_again_even_at_the_size_this_writer_left(
         tmp_path: Path) -> None:
