@@ -26,7 +26,7 @@ import functools
 import logging
 
 from custody._errors import CustodyError, UnknownAgent
-from buzzwire.nostr import require_pubkey
+from buzzwire.nostr import is_hex64, require_pubkey
 from custody._facade import Custody
 from custody._records import KeyRecord
 from custody._sealed import seal, unseal
@@ -65,11 +65,17 @@ async def revive_agent(custody: Custody, pubkey: str, blob: bytes) -> KeyRecord:
 
 
 async def recover(config_path: str, pubkey: str) -> None:
+    # The key named is said only once it is known here: an unknown one may be a secret
+    # pasted by mistake (64 hex too), and a path must never reach the copies' directory.
+    if not is_hex64(pubkey):
+        raise CustodyError("the key named is not a pubkey (64 lowercase hex); not shown; "
+                           "nothing was recovered")
     config = load(config_path)
     graveyard = Graveyard.beside(config.settings.log_path, config.settings.destroy_grace_seconds)
     blob = graveyard.take(pubkey)
     if blob is None:
-        raise CustodyError(f"no sealed copy of {pubkey} within the grace period")
+        raise CustodyError("no sealed copy of the key named within the grace period (not "
+                           "shown: it may be a secret pasted by mistake); nothing was recovered")
     async with await Custody.open(config.token, config.state_dir, config.cache) as custody:
         if custody.agent(pubkey) is not None:  # recovered already: the copy is left (above)
             raise CustodyError(f"agent {pubkey} is held: nothing to recover")

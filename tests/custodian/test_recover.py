@@ -178,6 +178,13 @@ async def test_a_recover_that_asks_nothing_writes_nothing_and_one_that_fails_wri
     before = _log(custodian)
     done = _recover(custodian.config, never)
     assert done.returncode == 1 and "no sealed copy" in done.stderr, done.stderr
+    # A key with no copy here may be a secret pasted by mistake, and a path must not reach
+    # the copies' directory: neither is said, nor looked up (a review: it was echoed).
+    assert never not in done.stderr
+    for pasted in ("nsec1" + "q" * 58, "../../" + "a" * 58, agent.upper()):
+        refused = _recover(custodian.config, pasted)
+        assert refused.returncode == 1 and pasted not in refused.stderr, refused.stderr
+        assert "not a pubkey" in refused.stderr and "Traceback" not in refused.stderr
     assert _log(custodian) == before
     copies = custodian.config.parent / "state" / "custodian" / "destroyed"
     (copies / f"{agent}.sealed").write_bytes((copies / f"{other}.sealed").read_bytes())
