@@ -5,6 +5,7 @@ append leaves the file and the head as they were, so the chain goes on verifying
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 
 from custody import TokenConfig
 from custody.custodian.client import CustodianClient
-from custody.custodian.ledger import verify_chain
+from custody.custodian.ledger import SignLog, verify_chain
 from tests.custodian.test_refusals import intent
 from tests.fixtures.custodian import CustodianProcess
 
@@ -615,16 +616,8 @@ def test_a_broken_last_line_refuses_the_open_and_leaves_even_a_torn_tail_as_it_w
     assert path.read_bytes() == before
 
 
-@pytest.mark.token_independent
-def test_close_writes_the_lines_still_owed(tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """A line owed (its effect made, its write failed) gets its last try at close: once
-    the disk takes it again it is in the log, not only in the journal."""
-    import errno
-
-    from custody.custodian.ledger import SignLog
-
-    path = tmp_path / "signed.jsonl"
+def _owing_a_recover_line(path: Path, monkeypatch: pytest.MonkeyPatch) -> SignLog:
+    """A log at `path` owing one line: its effect made, its write failed (the disk's sync)."""
     log = SignLog(path, 1 << 20)
     real = os.fdatasync
 
@@ -635,6 +628,16 @@ def test_close_writes_the_lines_still_owed(tmp_path: Path,
     with pytest.raises(OSError):
         log.append([{"op": "recover", "agent": "b" * 64, "intent": 0}], done=True)
     monkeypatch.setattr(os, "fdatasync", real)
+    return log
+
+
+@pytest.mark.token_independent
+def test_close_writes_the_lines_still_owed(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A line owed (its effect made, its write failed) gets its last try at close: once
+    the disk takes it again it is in the log, not only in the journal."""
+    path = tmp_path / "signed.jsonl"
+    log = _owing_a_recover_line(path, monkeypatch)
     log.close()
     assert verify_chain(path) == 1
     assert json.loads(path.read_text())["op"] == "recover"
@@ -647,21 +650,8 @@ def test_close_says_the_owed_lines_of_a_log_broken_meanwhile_and_raises_nothing(
     """close runs in `finally` blocks (changes.py's commands): a log whose last line was
     made foreign meanwhile gives BrokenLog at the owed lines' last try, which close must
     not raise over the fault being raised; the lines go to the journal instead."""
-    import errno
-
-    from custody.custodian.ledger import SignLog
-
     path = tmp_path / "signed.jsonl"
-    log = SignLog(path, 1 << 20)
-    real = os.fdatasync
-
-    def failing(fd: int) -> None:
-        raise OSError(errno.EIO, "injected")
-
-    monkeypatch.setattr(os, "fdatasync", failing)
-    with pytest.raises(OSError):
-        log.append([{"op": "recover", "agent": "b" * 64, "intent": 0}], done=True)
-    monkeypatch.setattr(os, "fdatasync", real)
+    log = _owing_a_recover_line(path, monkeypatch)
     with open(path, "ab") as other:
         other.write(b"not a line of this log\n")
     with caplog.at_level("ERROR", logger="buzz_broker.custodian"):
