@@ -64,6 +64,15 @@ def _lines(custodian: Custodian) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines()]
 
 
+async def _destroyed(custodian: Custodian, owner: str) -> tuple[str, bytes]:
+    """A key minted for `owner` and destroyed through the row; its grace copy."""
+    ok, made = await _ask(custodian, "mint", owner=owner, mint_ref=None)
+    assert ok and (await _ask(custodian, "destroy", pubkey=made["pubkey"]))[0]
+    copy = custodian.graveyard.take(made["pubkey"])
+    assert copy is not None
+    return made["pubkey"], copy
+
+
 def _then(monkeypatch: pytest.MonkeyPatch, name: str, command: Callable[[], Any]) -> list[None]:
     """`Custody.<name>`, a read, runs `command` once right after its first call returns
     or raises: the other process's commit landing in that window (awaited if a read is)."""
@@ -96,11 +105,7 @@ async def test_a_destroy_of_a_tombstone_recovered_meanwhile_copies_and_logs_it(
     key is live again, so the destroy is a destroy (intent, line, a fresh copy), never a
     tombstone made by the "destroyed already" answer."""
     custodian = _custodian(custody, tmp_path)
-    ok, made = await _ask(custodian, "mint", owner=human(), mint_ref=None)
-    agent = made["pubkey"]
-    assert (await _ask(custodian, "destroy", pubkey=agent))[0]
-    copy = custodian.graveyard.take(agent)
-    assert copy is not None
+    agent, copy = await _destroyed(custodian, human())
     (held := custodian.graveyard.directory / f"{agent}.sealed").unlink()
     ran = _then(monkeypatch, "sealed_copy", lambda: revive_agent(custody, agent, copy))
 
@@ -221,11 +226,7 @@ async def test_a_destroy_answered_from_a_tombstone_read_never_destroys_the_key_r
     stays live, since the answer changed nothing (answered through custody's destroy
     instead, the key would be destroyed again with no line and no fresh grace copy)."""
     custodian = _custodian(custody, tmp_path)
-    ok, made = await _ask(custodian, "mint", owner=human(), mint_ref=None)
-    agent = made["pubkey"]
-    assert (await _ask(custodian, "destroy", pubkey=agent))[0]
-    copy = custodian.graveyard.take(agent)
-    assert copy is not None
+    agent, copy = await _destroyed(custodian, human())
     # After the row's own read of the record (include_deleted), not the liveness check
     # inside custody's sealed_copy (which calls `agent` too: the case tested above).
     revive, ran, read = _revive_from_another_process(custody, agent, copy), [], Custody.agent
@@ -257,11 +258,7 @@ async def test_an_attach_auth_of_a_key_not_held_never_attaches_to_a_key_revived_
     custodian = _custodian(custody, tmp_path)
     owner = coincurve.PrivateKey()
     owner_pubkey = owner.public_key_xonly.format().hex()
-    ok, made = await _ask(custodian, "mint", owner=owner_pubkey, mint_ref=None)
-    agent = made["pubkey"]
-    assert (await _ask(custodian, "destroy", pubkey=agent))[0]
-    copy = custodian.graveyard.take(agent)
-    assert copy is not None
+    agent, copy = await _destroyed(custodian, owner_pubkey)
     tag = ["auth", owner_pubkey, "", owner.sign_schnorr(owner_tag_digest(agent, "")).hex()]
     ran = _then(monkeypatch, "agent", _revive_from_another_process(custody, agent, copy))
 
