@@ -670,17 +670,7 @@ def test_socket_permission_problem_is_its_own_error(tmp_path: Path) -> None:
     listener.bind(path)
     listener.listen()
     os.chmod(path, 0)
-    script = tmp_path / "agent.py"
-    script.write_text(
-        "import sys\n"
-        "from buzz_broker_client import BrokerClient, SocketPermissionDenied\n"
-        f"client = BrokerClient({path!r}, {CREDENTIAL!r})\n"
-        "try:\n"
-        f"    client.message_post({CHANNEL!r}, 'hi')\n"
-        "except SocketPermissionDenied as exc:\n"
-        "    print(exc)\n"
-        "    sys.exit(3)\n"
-    )
+    script = _permission_agent(tmp_path, path)
     prefix = (["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
               if os.geteuid() == 0 else [])
     try:
@@ -692,6 +682,22 @@ def test_socket_permission_problem_is_its_own_error(tmp_path: Path) -> None:
     assert done.returncode == 3, done.stderr
     assert f"permission denied on the broker socket unix:{path}" in done.stdout
     assert "server.socket_group" in done.stdout and CREDENTIAL not in done.stdout + done.stderr
+
+
+def _permission_agent(tmp_path: Path, path: str) -> Path:
+    """An agent script posting over `path` that prints a SocketPermissionDenied, exit 3."""
+    script = tmp_path / "agent.py"
+    script.write_text(
+        "import sys\n"
+        "from buzz_broker_client import BrokerClient, SocketPermissionDenied\n"
+        f"client = BrokerClient({path!r}, {CREDENTIAL!r})\n"
+        "try:\n"
+        f"    client.message_post({CHANNEL!r}, 'hi')\n"
+        "except SocketPermissionDenied as exc:\n"
+        "    print(exc)\n"
+        "    sys.exit(3)\n"
+    )
+    return script
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a directory owned by another user needs root to make")
@@ -713,17 +719,7 @@ def test_a_closed_directory_above_the_socket_is_named_not_the_socket_group(
     os.chmod(path, 0o660)
     os.chown(closed, nobody.pw_uid, nobody.pw_gid)
     os.chmod(closed, mode)
-    script = tmp_path / "agent.py"
-    script.write_text(
-        "import sys\n"
-        "from buzz_broker_client import BrokerClient, SocketPermissionDenied\n"
-        f"client = BrokerClient({path!r}, {CREDENTIAL!r})\n"
-        "try:\n"
-        f"    client.message_post({CHANNEL!r}, 'hi')\n"
-        "except SocketPermissionDenied as exc:\n"
-        "    print(exc)\n"
-        "    sys.exit(3)\n"
-    )
+    script = _permission_agent(tmp_path, path)
     try:
         done = subprocess.run(["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--",
                                sys.executable, str(script)], capture_output=True, text=True,
