@@ -718,7 +718,10 @@ class Token:
                 tries again.
         """
         shared = _PROCESS.sessions[self._key]
-        if shared.session is None or shared.generation == self._generation:
+        # Another `Token` of the process may have logged in again for this generation:
+        # then only the KEK is found again here, and the journal says one login.
+        logs_in = shared.session is None or shared.generation == self._generation
+        if logs_in:
             # The old session's handle is dead: closing it would only raise. Log in anew.
             shared.session = None
             pin = _read_pin(self._config)
@@ -738,8 +741,9 @@ class Token:
             )
         self._keks = {(self.active, self.seal): kek}
         self._generation = shared.generation
-        log.warning("token %r: logged in again; KEK found and checked",
-                    self._config.token_label)
+        if logs_in:
+            log.warning("token %r: logged in again; KEK found and checked",
+                        self._config.token_label)
 
     def close(self) -> None:
         require_lock()
