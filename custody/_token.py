@@ -730,6 +730,9 @@ class Token:
                 # and SoftHSM, after its token store vanished and came back, answers
                 # GeneralError until it is.
                 shared.session = _login(self._config, pin, may_restart=True)
+                # The PIN read now is the session's (the file may hold a changed one): the
+                # next `Token.open` in the process is held to it, not to the one it replaced.
+                shared.pin_mac = hmac.digest(_PROCESS.pin_mac_key, pin, hashlib.sha256)
             finally:
                 pin[:] = bytes(len(pin))
             shared.generation += 1

@@ -10,6 +10,7 @@ said "logged in again" once per `Token`, though only the first logged in).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -17,11 +18,12 @@ from typing import Any
 import pytest
 
 from buzzwire.nostr import UnsignedEvent, verify_event
-from custody import Custody, TokenConfig
+from custody import Custody, CustodyError, TokenConfig
 from custody import _token
 from custody._token import _PROCESS
 from custody._worker import in_token_worker
 from tests.custody._sealing import HUMAN
+from tests.fixtures.token import SoftHsmToken
 
 
 async def _close_the_session_under(custody: Custody) -> None:
@@ -65,3 +67,47 @@ async def test_a_session_the_token_dropped_is_logged_in_again_once_and_the_call_
     assert [m for m in said if "logged in again" in m] == [
         f"token {custody._token._config.token_label!r}: logged in again; KEK found and checked"
     ], said
+
+
+async def test_after_a_login_again_with_a_changed_pin_the_process_holds_openings_to_it(
+        softhsm_token: SoftHsmToken, custody_state: tuple[TokenConfig, Path],
+        tmp_path: Path) -> None:
+    """The operator changes the token's PIN and its file; the token drops the session;
+    custody logs in again with the PIN it reads now. A later opening in the process is
+    held to that PIN, the one the token has: before, the session kept the replaced PIN's
+    MAC, so an opening with the new PIN was refused as wrong and one with the old PIN,
+    which the token no longer takes, joined the session."""
+    if softhsm_token.kind != "softhsm":
+        pytest.skip("the PIN is changed (C_SetPIN) on the SoftHSM token only")
+    token, state = custody_state
+    old = Path(token.pin_file).read_bytes()
+    new = b"changed-" + old.strip() + b"\n"
+
+    def pin_file(name: str, content: bytes) -> TokenConfig:
+        path = tmp_path / name
+        path.write_bytes(content)
+        path.chmod(0o600)
+        return dataclasses.replace(token, pin_file=str(path))
+
+    config = pin_file("pin", old)
+    async with await Custody.open(config, state) as custody:
+        agent = (await custody.mint_agent(owner=HUMAN)).pubkey
+
+        async def set_pin(before: bytes, after: bytes) -> None:
+            def change() -> None:
+                _PROCESS.sessions[custody._token._key].session.set_pin(
+                    before.strip().decode(), after.strip().decode())
+
+            await in_token_worker(change)
+
+        await set_pin(old, new)
+        try:
+            config = pin_file("pin", new)
+            await _close_the_session_under(custody)
+            assert await _signs(custody, agent)  # logged in again, with the new PIN
+            async with await Custody.open(config, state) as beside:
+                assert await _signs(beside, agent)
+            with pytest.raises(CustodyError, match="wrong PIN"):
+                await Custody.open(pin_file("old-pin", old), state)
+        finally:
+            await set_pin(new, old)
