@@ -514,21 +514,10 @@ def test_owed_lines_are_chained_after_another_writers_lines(
     """A line owed (its effect made, its write failed) is written at a later append after
     whatever another writer appended meanwhile, chained to that: seqs are given when the
     lines are written, under the lock, not when they were first asked for."""
-    import errno
-
-    from custody.custodian.ledger import SignLog
-
     path = tmp_path / "signed.jsonl"
-    server, command = SignLog(path, 1 << 20), SignLog(path, 1 << 20)
-    real = os.fdatasync
-
-    def failing(fd: int) -> None:
-        raise OSError(errno.EIO, "injected")
-
-    monkeypatch.setattr(os, "fdatasync", failing)
-    with pytest.raises(OSError):
-        server.append([{"op": "destroy", "agent": "a" * 64, "intent": 0}], done=True)
-    monkeypatch.setattr(os, "fdatasync", real)
+    server = _owing(SignLog(path, 1 << 20), {"op": "destroy", "agent": "a" * 64, "intent": 0},
+                    monkeypatch)
+    command = SignLog(path, 1 << 20)
     assert command.append([{"op": "intent", "for": "recover", "agent": "b" * 64}]) == 1
     assert command.append([{"op": "recover", "agent": "b" * 64, "intent": 1}]) == 2
     assert server.append([{"op": "sign", "agent": "c" * 64, "kind": 9, "id": "3" * 64}]) == 4
@@ -616,9 +605,8 @@ def test_a_broken_last_line_refuses_the_open_and_leaves_even_a_torn_tail_as_it_w
     assert path.read_bytes() == before
 
 
-def _owing_a_recover_line(path: Path, monkeypatch: pytest.MonkeyPatch) -> SignLog:
-    """A log at `path` owing one line: its effect made, its write failed (the disk's sync)."""
-    log = SignLog(path, 1 << 20)
+def _owing(log: SignLog, line: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> SignLog:
+    """`log`, owing `line`: its effect made, its write failed (the disk's sync)."""
     real = os.fdatasync
 
     def failing(fd: int) -> None:
@@ -626,9 +614,12 @@ def _owing_a_recover_line(path: Path, monkeypatch: pytest.MonkeyPatch) -> SignLo
 
     monkeypatch.setattr(os, "fdatasync", failing)
     with pytest.raises(OSError):
-        log.append([{"op": "recover", "agent": "b" * 64, "intent": 0}], done=True)
+        log.append([line], done=True)
     monkeypatch.setattr(os, "fdatasync", real)
     return log
+
+
+_RECOVERED = {"op": "recover", "agent": "b" * 64, "intent": 0}
 
 
 @pytest.mark.token_independent
@@ -637,7 +628,7 @@ def test_close_writes_the_lines_still_owed(tmp_path: Path,
     """A line owed (its effect made, its write failed) gets its last try at close: once
     the disk takes it again it is in the log, not only in the journal."""
     path = tmp_path / "signed.jsonl"
-    log = _owing_a_recover_line(path, monkeypatch)
+    log = _owing(SignLog(path, 1 << 20), _RECOVERED, monkeypatch)
     log.close()
     assert verify_chain(path) == 1
     assert json.loads(path.read_text())["op"] == "recover"
@@ -651,7 +642,7 @@ def test_close_says_the_owed_lines_of_a_log_broken_meanwhile_and_raises_nothing(
     made foreign meanwhile gives BrokenLog at the owed lines' last try, which close must
     not raise over the fault being raised; the lines go to the journal instead."""
     path = tmp_path / "signed.jsonl"
-    log = _owing_a_recover_line(path, monkeypatch)
+    log = _owing(SignLog(path, 1 << 20), _RECOVERED, monkeypatch)
     with open(path, "ab") as other:
         other.write(b"not a line of this log\n")
     with caplog.at_level("ERROR", logger="buzz_broker.custodian"):
