@@ -50,6 +50,9 @@ def test_a_daemon_of_another_relay_is_refused_at_start_and_by_the_deep_check(
     assert deep.returncode == 1 and deep.stderr.startswith(
         f"buzz-broker: check-config --deep: token: custodian at {custodian.socket}: "), deep
     assert local_relay in deep.stderr and OTHER in deep.stderr, deep.stderr
+    status = _daemon("--config", str(config), "status")
+    [token] = [line for line in status.stdout.splitlines() if line.startswith("token:")]
+    assert status.returncode != 0 and "FAILED" in token and local_relay in token and OTHER in token
     served = _daemon("--config", str(config), "serve")
     fault = served.stderr.strip().splitlines()[-1]
     assert served.returncode == 1 and "Traceback" not in served.stderr, served.stderr
