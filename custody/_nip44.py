@@ -174,12 +174,13 @@ def decrypt(conv_key: bytes, payload: str) -> bytes:
     """The plaintext of a NIP-44 v2 `payload` under `conv_key`.
 
     Raises:
-        UnsupportedVersion: a '#' encoding or a version byte other than 2.
+        UnsupportedVersion: an empty payload or a '#' encoding (NIP-44's `decode_payload`:
+            "unknown version"), or a version byte other than 2.
         DecryptFailed: anything else about the payload (length, base64, MAC, padding).
     """
     if not isinstance(payload, str):
         raise DecryptFailed()
-    if payload.startswith("#"):
+    if not payload or payload.startswith("#"):
         raise UnsupportedVersion()
     if not _MIN_PAYLOAD_CHARS <= len(payload) <= _MAX_PAYLOAD_CHARS:
         raise DecryptFailed()

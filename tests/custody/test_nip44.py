@@ -117,6 +117,15 @@ def test_decrypt_refusals(case: dict[str, str]) -> None:
 
 
 @pytest.mark.token_independent
+@pytest.mark.parametrize("payload", ["", "#", "#AgAAAA"])
+def test_an_empty_or_hash_payload_is_an_unknown_version_as_nip44_decodes_it(payload: str) -> None:
+    # NIP-44's decode_payload: `if plen == 0 or payload[0] == '#': raise 'unknown version'`
+    # (a review found the empty one said as any other failure).
+    with pytest.raises(UnsupportedVersion):
+        decrypt(bytes(32), payload)
+
+
+@pytest.mark.token_independent
 def test_unsupported_version_is_also_a_decrypt_failure() -> None:
     # Callers that only care "does it open" catch one class.
     assert issubclass(UnsupportedVersion, DecryptFailed)
