@@ -54,6 +54,7 @@ Rules:
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -65,13 +66,12 @@ from custody._errors import CustodyError
 from custody._keys import init_keys, rotate_keys
 from custody._rotation import RotationReport
 from custody._keystore import KEYSTORE_FILE, ReadIndex
-from custody.custodian.changes import append, open_log
+from custody.custodian.changes import append, logged_change, open_log
 from custody.custodian.config import ConfigError, CustodianConfig, load
 from custody.custodian.grace import Graveyard
-from custody.custodian.ledger import SignLog, failed_line
+from custody.custodian.ledger import failed_line
 
 if TYPE_CHECKING:  # imported by `restore` alone, when it runs
-    from custody._facade import Custody
     from custody._restore import BackupContents, RestoreResult
 
 __all__ = ["USAGE", "run"]
@@ -239,21 +239,16 @@ def _names_text(backup: str, digest: str, entries: list[tuple[str, str | None, o
               "restored": pubkey in restored}) for pubkey, name, creator in entries)
 
 
-async def _sealed(custody: Custody, contents: BackupContents, log: SignLog,
-                  digest: str, count: int) -> tuple[RestoreResult, int]:
-    """`restore_backup` after its intent line, on disk first (a write that fails restores
-    nothing); if it raises, a `failed` line naming the fault's type (server.py `_change`,
-    for a restore). The caller writes the outcome. The result and the intent's seq."""
-    from custody._restore import restore_backup
-
-    seq = append(log, [{"op": "intent", "for": "restore", "sha256": digest,
-                         "agents": count}], "nothing restored")
-    try:
-        return await restore_backup(custody, contents), seq
-    except Exception as exc:
-        with contextlib.suppress(CustodyError):  # the fault that ended it is the one said
-            append(log, [failed_line(seq, exc)], "")
-        raise
+def _restored_lines(result: RestoreResult, digest: str, backup: Path,
+                    intent: int | None) -> list[dict[str, object]]:
+    """A restore's outcome: one line per agent sealed (one naming thousands would outgrow
+    the log's tail read), then the counts, naming the intent's seq when it had one."""
+    lines: list[dict[str, object]] = [{"op": "restore", "agent": pubkey, "sha256": digest}
+                                      for pubkey in result.restored]
+    lines.append({"op": "restore", "agents": len(result.restored),
+                  "held": len(result.already_held), "sha256": digest, "file": str(backup),
+                  **({} if intent is None else {"intent": intent})})
+    return lines
 
 
 def _listed(contents: BackupContents, held: set[str]) -> list[tuple[str, str | None, object]]:
@@ -276,6 +271,7 @@ def _listed(contents: BackupContents, held: set[str]) -> list[tuple[str, str | N
 
 
 async def _restore(config: CustodianConfig, options: dict[str, str]) -> None:
+    from custody import _restore as restoring  # restore_backup looked up when it runs
     from custody._facade import Custody
     from custody._files import read_bounded
     from custody._restore import MAX_BACKUP_BYTES, MAX_IDENTITY_BYTES, open_backup, restore_plan
@@ -304,24 +300,18 @@ async def _restore(config: CustodianConfig, options: dict[str, str]) -> None:
                 plan = restore_plan(custody, contents)
                 entries = _listed(contents, set(plan.already_held))
                 result: RestoreResult = plan
-                intent: dict[str, object] = {}  # nothing to restore: no intent to name
                 if plan.restored and not _confirmed(len(plan.restored), "--yes" in options):
                     raise CustodyError("restore not confirmed; nothing restored")
                 fd = None if names_path is None else _names_file(names_path)
-                if plan.restored:
-                    result, seq = await _sealed(custody, contents, log, digest,
-                                                len(plan.restored))
-                    intent = {"intent": seq}
-                # One line per agent: one naming thousands would outgrow the log's tail
-                # read. A run killed before them leaves its intent, with no outcome.
-                lines: list[dict[str, object]] = [
-                    {"op": "restore", "agent": pubkey, "sha256": digest}
-                    for pubkey in result.restored]
-                lines.append({"op": "restore", "agents": len(result.restored),
-                              "held": len(result.already_held), "sha256": digest,
-                              "file": str(backup), **intent})
-                append(log, lines, "the restore is done, and its intent line stands for it"
-                        if intent else "nothing was restored")
+                if plan.restored:  # write-ahead, as every change (changes.py): a run killed
+                    # before its outcome leaves its intent
+                    result = await logged_change(
+                        log, {"for": "restore", "sha256": digest, "agents": len(plan.restored)},
+                        functools.partial(restoring.restore_backup, custody, contents),
+                        lambda done, seq: _restored_lines(done, digest, backup, seq))
+                else:  # nothing to seal: no intent to name, its counts alone
+                    append(log, _restored_lines(plan, digest, backup, None),
+                           "nothing was restored")
                 if fd is not None and names_path is not None:  # after the lines: a names
                     names_fd, fd = fd, None  # file that fails loses none of them
                     _write_names(names_fd, names_path, _names_text(

@@ -11,8 +11,9 @@ ARGUMENTS: the custodian's command instead of serving. `keys rotate`: OP is then
 `custody.ROTATION_CHECKPOINTS` (killed there), or `released`: stopped (SIGSTOP) once the
 rotation has let the state lock go, so the test can start a custodian in that window.
 `keys restore`: OP `restore:intent` or `restore:changed`, the same two windows around
-`restore_backup` (custody/custodian/keys.py `_sealed`). `--recover PUBKEY`: OP
-`recover:intent` or `recover:changed`, around `revive_agent` (custody/custodian/recover.py).
+`restore_backup` (custody/custodian/keys.py, through changes.py `logged_change`).
+`--recover PUBKEY`: OP `recover:intent` or `recover:changed`, around `revive_agent`
+(custody/custodian/recover.py).
 """
 
 from __future__ import annotations
