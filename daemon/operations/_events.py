@@ -18,6 +18,11 @@ Rules:
   `in_thread`) is read from its signed tags by one rule each in `buzzwire.threads`, for
   what a read delivers, what a reply or a reaction builds on, and what the agent-side
   client's echo check accepts (NIP-BA: "Ancestry and mentions come from signed tags").
+- What a reply or a reaction builds on (`fetch_in_channel`: a parent, a thread root, a
+  target) is a channel message: one of the kinds channel.read returns (its `READ_KINDS`,
+  the one table of them). NIP-BA reuses NIP-10's marked root/reply "for Buzz kind 9";
+  any other event carrying the channel's `h` tag (a NIP-29 moderation event, an app
+  record) would otherwise root a thread no read of the channel shows.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from buzzwire.contract import ErrorCode
 from buzzwire.nostr import SignedEvent, UnsignedEvent, verify_signed
 from buzzwire.threads import in_channel
 from daemon.operations._base import Context, OperationRefused
+from daemon.operations.channel_read import READ_KINDS
 from daemon.relay.pool import RelayRefused, RelayUnavailable
 
 __all__ = [
@@ -165,12 +171,14 @@ def verified(events: Iterable[Mapping[str, object]]) -> list[SignedEvent]:
 
 async def fetch_in_channel(ctx: Context, event_id: str, channel_id: str, *, what: str
                            ) -> SignedEvent:
-    """The verified event `event_id`, which must be in `channel_id` (`in_channel`).
+    """The verified event `event_id`, a channel message (`READ_KINDS`) in `channel_id`
+    (`in_channel`).
 
     Raises:
-      OperationRefused(action_failed): not found (or unverifiable), in another channel, or
-        the relay could not be read. `what` names it in the agent's message ("the message
-        replied to"); it is our fixed text, never the agent's.
+      OperationRefused(action_failed): not found (or unverifiable), in another channel, not
+        of a kind channel.read returns, or the relay could not be read. `what` names it in
+        the agent's message ("the message replied to"); it is our fixed text, never the
+        agent's.
     """
     found = await fetch(ctx, {"ids": [event_id], "limit": 1})
     event = next((e for e in found if e.id == event_id), None)
@@ -178,6 +186,9 @@ async def fetch_in_channel(ctx: Context, event_id: str, channel_id: str, *, what
         raise OperationRefused(ErrorCode.ACTION_FAILED, f"{what} was not found")
     if not in_channel(event.tags, channel_id):
         raise OperationRefused(ErrorCode.ACTION_FAILED, f"{what} is not in this channel")
+    if event.kind not in READ_KINDS:
+        raise OperationRefused(ErrorCode.ACTION_FAILED, f"{what} is not a channel message",
+                               detail=f"event {event.id} is kind {event.kind}")
     return event
 
 

@@ -9,7 +9,9 @@ Decisions (each documented here because Buzz leaves them to the host):
 
 * Kinds 9 and 40002 only, as the issue states. Buzz clients also read 40008, 45001 and
   45003, but the contract calls the page "messages" and says nothing of those kinds'
-  meaning; adding one is one edit of READ_KINDS (and then its tag rules, if any).
+  meaning; adding one is one edit of READ_KINDS (and then its tag rules, if any). The
+  same table says what a reply or a reaction may build on (`_events.fetch_in_channel`):
+  a parent, root or target channel.read would never show is refused.
 * A thread read includes its root. A Buzz thread is shown as the root plus the events
   tagging it; a page of replies without the message they answer would make every agent
   issue a second lookup. The root must itself pass every other narrowing (channel, kind,

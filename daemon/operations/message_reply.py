@@ -1,12 +1,14 @@
 """message.reply: a reply in a channel thread, with NIP-10 markers as Buzz writes them.
 
 Steps (buzz-on-the-relay.md, "Replies"; NIP-BA "Channel and messages"):
-1. Fetch the parent by id. Missing, unverifiable, or in another channel → `action_failed`.
+1. Fetch the parent by id. Missing, unverifiable, in another channel, or not a channel
+   message (a kind channel.read does not return) → `action_failed`.
 2. Read the root its tags name (`declared_root`, on the one rule
    `buzzwire.threads.declared_thread` that channel.read's thread check uses
    too): its `e` tag marked `root`, else its `e` tag marked `reply` (Buzz's direct reply
    to a root carries only that one), else none: the parent is the root.
-3. A root other than the parent is fetched in the channel too, and must be a root itself.
+3. A root other than the parent is fetched in the channel too (a channel message as
+   well), and must be a root itself.
 4. root == parent: one tag `["e", parent, "", "reply"]`; otherwise `["e", root, "", "root"]`
    then `["e", parent, "", "reply"]` — between the `h` tag and the `p` tags.
 

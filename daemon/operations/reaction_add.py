@@ -4,8 +4,10 @@ On the relay: kind 7, content = the reaction, `["e", target]`. Buzz's own client
 neither `h` nor `p`; we add `["h", channel]` (the relay spec calls it the host's choice and
 harmless) so that a relay fanning out by channel sees the reaction where the message is.
 
-The target is fetched first, like a reply's parent: a target that cannot be found, or that
-is in another channel than the request's, is `action_failed`. Without that check a
+The target is fetched first, like a reply's parent: a target that cannot be found, that
+is in another channel than the request's, or that is not a channel message (a kind
+channel.read does not return: NIP-BA, "Reaction targets likewise MUST belong to the
+channel") is `action_failed`. Without that check a
 credential bound to channel A could react to an event of channel B, acting outside its
 channels and labelling the reaction `["h", A]` for every Buzz reader. A host that switches
 reactions off answers `unsupported` from policy, before this runs.

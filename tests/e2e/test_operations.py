@@ -15,7 +15,7 @@ import trio
 
 from custody import UnsignedEvent, verify_owner_tag
 from tests.fixtures.broker import BrokerHarness, request_body
-from tests.fixtures.relay import nostr_fetch, nostr_publish, nostr_verify
+from tests.fixtures.relay import TestKey, nostr_fetch, nostr_publish, nostr_verify
 
 
 def _fetch(harness: BrokerHarness, flt: dict[str, Any]) -> Any:
@@ -127,6 +127,56 @@ async def test_a_reply_needs_the_parents_real_root_in_the_channel(broker: Broker
     mine = await _fetch(broker, {"kinds": [9], "#h": [channel], "authors": [agent]})
     assert {e["id"] for e in mine} == {root, parent, reply["eventId"], *refused}, (
         "a refused reply reached the relay")
+
+
+async def test_a_reply_or_reaction_builds_only_on_a_channel_message(
+        broker: BrokerHarness) -> None:
+    """NIP-BA reuses NIP-10's marked root/reply "for Buzz kind 9": a parent, a derived
+    root and a reaction target must be kinds channel.read returns. An outside key's
+    NIP-29 moderation event (9000) and app record (30078), both carrying the channel's
+    `h` tag, are refused as each, `action_failed`, and nothing reaches the relay; before
+    the fix each was built on, rooting a thread no read of the channel shows."""
+    channel = str(uuid.uuid4())
+    agent, cred = await _agent_in(broker, channel)
+    outsider = TestKey()
+
+    async def outside(kind: int, tags: list[list[str]]) -> str:
+        event = outsider.sign(kind, "written elsewhere", tags)
+        assert await trio.to_thread.run_sync(nostr_publish, broker.relay_url, event,
+                                             outsider.secret_hex)
+        return str(event["id"])
+
+    not_messages = {
+        "a NIP-29 put-user": await outside(9000, [["h", channel], ["p", agent]]),
+        "an app record": await outside(30078, [["h", channel], ["d", "x"]]),
+    }
+    naming: list[str] = []
+    answered: dict[str, tuple[str, str | None]] = {}
+    for why, other in not_messages.items():
+        # A kind 9 whose tags name it as the thread root: the derived root is refused too.
+        naming.append(await _publish_as(broker, agent, [["h", channel],
+                                                        ["e", other, "", "root"]]))
+        attempts = {
+            "as parent": ("message.reply", {"channelId": channel, "replyToEventId": other,
+                                            "content": "x"}),
+            "as root": ("message.reply", {"channelId": channel, "replyToEventId": naming[-1],
+                                          "content": "x"}),
+            "as target": ("reaction.add", {"channelId": channel, "targetEventId": other,
+                                           "reaction": "+"}),
+        }
+        for how, (action, args) in attempts.items():
+            answer = await broker.call(cred, action, args)
+            answered[f"{why} {how}"] = (answer["status"], answer.get("error", {}).get("code"))
+    assert answered == {attempt: ("failed", "action_failed") for attempt in answered}, answered
+    # Control: the same outside key's kind 9 in the channel is built on, both ways.
+    message = await outside(9, [["h", channel]])
+    reply = _succeeded(await broker.call(cred, "message.reply", {
+        "channelId": channel, "replyToEventId": message, "content": "x"}), "message.reply")
+    reaction = _succeeded(await broker.call(cred, "reaction.add", {
+        "channelId": channel, "targetEventId": message, "reaction": "+"}), "reaction.add")
+    mine = await _fetch(broker, {"authors": [agent]})
+    assert {e["id"] for e in mine} == {*naming, reply["eventId"], reaction["eventId"]}, (
+        "a refused reply or reaction reached the relay")
 
 
 async def test_reaction_and_profile(broker: BrokerHarness) -> None:
