@@ -163,9 +163,12 @@ def keeping(facts: Facts, judged: Judged, progress: Progress, short_seconds: int
     """The one rule (issue 22 M1, issue 23 item 7, issue 24 item 3), first match wins:
 
     1. A refusal reached before execution (validate, authorize, rate limits) claimed
-       nothing (NIP-BA claims K after those checks): it is charged to its credential's
+       nothing (NIP-BA: "After authentication and permission checks, the host MUST
+       atomically claim an unused K"), so it needs no tombstone: nothing ran to be
+       re-executed, and once it expires the id runs (docs/protocol.md §6). Keeping it
+       is a convenience (its identical retry is replayed): charged to its credential's
        refusal share, and one validation refused is kept only `short_seconds` (the same
-       bytes are refused the same way again; replaying it is a convenience).
+       bytes are refused the same way again).
     2. A read that ran (an action that is not `publishing`: channel.read,
        storage.address, storage.get), whatever its verdict: None, no ledger record at
        all. It has no effects, so an identical retry runs it again (docs/protocol.md,

@@ -10,6 +10,9 @@
 - A mint reference whose ledger record is gone altogether (a lost ledger file, records
   swept before tombstones existed) is refused `request_id_conflict`: the create never
   adopts, re-publishes or destroys the agent that reference made.
+- A refusal decided before anything ran is no claim of its requestId (NIP-BA claims K
+  "After authentication and permission checks"): it is kept for its retention only as a
+  convenience (replayed), then forgotten without a tombstone, and the id runs then.
 - M1: a narrow credential's refusals fill its own share, not its agent's: the agent's
   other credentials keep working.
 
@@ -26,11 +29,13 @@ import uuid
 from typing import Any
 
 import pytest
+import trio
 
 from daemon.pipeline.broker import REFUSALS_FULL
 from daemon.state.ledger import LEDGER_FILENAME
 from daemon.state.refusal_audit import BURST
 from tests.fixtures.broker import BrokerHarness, request_body
+from tests.fixtures.relay import nostr_fetch
 
 CREATE_ID = "create-1"
 
@@ -103,6 +108,58 @@ async def test_after_retention_the_requestid_is_a_tombstone_not_new(
     assert status == 200 and same is not None
     assert (same["status"], same["error"]["code"]) == ("indeterminate", "outcome_unknown"), same
     await _assert_child_whole(broker, channel, wide, child, child_cred)
+
+
+@pytest.mark.broker_config(policy={"disabled_actions": ["message.post"]})
+async def test_a_refusal_before_execution_claims_nothing_and_its_id_runs_later(
+    broker: BrokerHarness,
+) -> None:
+    """NIP-BA: "After authentication and permission checks, the host MUST atomically claim
+    an unused K": a request refused before it ran made no record, so its tombstone rule
+    ("prevent re-execution") has nothing to protect. This host keeps the refusal for its
+    retention (a convenience: replayed), then forgets it, and the id runs once, as on a
+    NIP-BA host that never recorded it; from then on the id is an effect's, for good."""
+    channel = str(uuid.uuid4())
+    agent = await broker.human_owned_agent()
+    cred = broker.credential(agent, [channel])
+    body = request_body("message.post", {"channelId": channel, "content": "once"},
+                        request_id="refused-first")
+    status, first = await broker.post(body, cred)  # refused by policy: unsupported
+    assert status == 200 and first is not None
+    assert (first["status"], first["error"]["code"]) == ("failed", "unsupported"), first
+    invalid = request_body("message.post", {"channelId": channel, "content": " "},
+                           request_id="invalid-first")
+    status, bad = await broker.post(invalid, cred)  # refused by validation
+    assert bad is not None and bad["error"]["code"] == "invalid_request", bad
+    config = broker.config_path.read_text()
+    broker.config_path.write_text(config.replace('["message.post"]', "[]"))
+    broker.app.reload()  # message.post is offered from now on
+    later = {"channelId": channel, "content": "later"}
+    # While kept: the identical retry is replayed, another body is a conflict.
+    status, kept = await broker.post(body, cred)
+    assert kept is not None and kept.get("replayed") is True and kept["error"] == first["error"]
+    other = await broker.call(cred, "message.post", later, request_id="invalid-first")
+    assert (other["status"], other["error"]["code"]) == ("failed", "request_id_conflict"), other
+    ledger = broker.app._ledger  # white box: sweep as if the ledger's retention had passed
+    assert await ledger.sweep(int(time.time()) + 8 * 86400) == 2
+    assert await ledger.tombstones() == 0, "a refusal before execution left a tombstone"
+    # Forgotten: the identical bytes are judged afresh and run; the other id is new too.
+    status, ran = await broker.post(body, cred)
+    assert ran is not None and ran["status"] == "succeeded" and "replayed" not in ran, ran
+    fresh = await broker.call(cred, "message.post", later, request_id="invalid-first")
+    assert fresh["status"] == "succeeded", fresh
+    # Now each id stands for an effect: replayed, and after the retention a tombstone.
+    status, again = await broker.post(body, cred)
+    assert again is not None and again.get("replayed") is True
+    assert again["outcome"] == ran["outcome"]
+    published = await trio.to_thread.run_sync(
+        nostr_fetch, broker.relay_url, [{"kinds": [9], "authors": [agent]}])
+    assert sorted(e["id"] for e in published) == sorted(
+        [ran["outcome"]["eventId"], fresh["outcome"]["eventId"]]), "an id ran twice"
+    assert await ledger.sweep(int(time.time()) + 16 * 86400) == 2
+    status, late = await broker.post(body, cred)
+    assert late is not None
+    assert (late["status"], late["error"]["code"]) == ("indeterminate", "outcome_unknown"), late
 
 
 @pytest.mark.broker_config(policy={"models": ["m-2"]})  # _assert_child_whole names it
