@@ -246,24 +246,14 @@ class RateConfig:
             raise ValueError("RateConfig: two rules of one kind for one scope")
 
 
-#: Defaults a chat agent never meets but that stop a loop within a minute (issue 10):
-#: a person-paced agent posts a few messages a minute; reads page through history faster.
-DEFAULT_RULES: Final[tuple[tuple[str, Rule], ...]] = _merge([
-    ("publish", Rule(count=60, window=Window.MINUTE)),
-    ("publish", Rule(count=1000, window=Window.DAY)),
-    ("read", Rule(count=600, window=Window.MINUTE)),
-    ("read", Rule(count=50000, window=Window.DAY)),
-    # Live signals (docs/operations.md "Live signals"): a runtime renews typing every few
-    # seconds in each channel it is answering, and sets presence at start, stop and on
-    # idle. 120/min covers four channels renewing every 2 s; 50,000 a day is about seven
-    # hours of that. Neither touches the `publish` allowance.
-    ("live", Rule(count=120, window=Window.MINUTE)),
-    ("live", Rule(count=50000, window=Window.DAY)),
-])
-
-DEFAULT_RATE_CONFIG: Final = RateConfig(enabled=True, rules=DEFAULT_RULES)
-
-#: `[limits]` keys and their defaults, as written in TOML (docs/operations.md lists them).
+#: `[limits]` keys and their defaults, as written in TOML (docs/operations.md lists them):
+#: the one table of the shipped limits, `DEFAULT_RATE_CONFIG` is read from it.
+#: Defaults a chat agent never meets but that stop a loop within a minute (issue 10): a
+#: person-paced agent posts a few messages a minute; reads page through history faster.
+#: Live signals (docs/operations.md "Live signals"): a runtime renews typing every few
+#: seconds in each channel it is answering, and sets presence at start, stop and on idle.
+#: 120/min covers four channels renewing every 2 s; 50,000 a day is about seven hours of
+#: that. Neither touches the `publish` allowance.
 LIMITS_TABLE_KEYS: Final[Mapping[str, object]] = {
     "enabled": True,
     "publish": "60/min",
@@ -325,6 +315,10 @@ def rate_config_from_table(table: Mapping[str, object]) -> RateConfig:
         except ValueError as exc:
             raise ValueError(f"[limits] rules: {exc}") from None
     return RateConfig(enabled=enabled, rules=_merge(rules, parsed))
+
+
+#: The shipped limits: `LIMITS_TABLE_KEYS` read as an empty `[limits]` table is.
+DEFAULT_RATE_CONFIG: Final = rate_config_from_table({})
 
 
 class _Who(Protocol):
