@@ -246,22 +246,26 @@ class RateConfig:
             raise ValueError("RateConfig: two rules of one kind for one scope")
 
 
-#: `[limits]` keys and their defaults, as written in TOML (docs/operations.md lists them):
-#: the one table of the shipped limits, `DEFAULT_RATE_CONFIG` is read from it.
-#: Defaults a chat agent never meets but that stop a loop within a minute (issue 10): a
-#: person-paced agent posts a few messages a minute; reads page through history faster.
-#: Live signals (docs/operations.md "Live signals"): a runtime renews typing every few
-#: seconds in each channel it is answering, and sets presence at start, stop and on idle.
-#: 120/min covers four channels renewing every 2 s; 50,000 a day is about seven hours of
-#: that. Neither touches the `publish` allowance.
+#: `[limits]` keys and their defaults, as written in TOML: the one table of the shipped
+#: limits (`DEFAULT_RATE_CONFIG` is read from it; docs/configuration.md and docs/operations.md
+#: quote it, tests/docs/test_limits_defaults.py holds them to it). The reasoning, with the
+#: tests that hold each figure to Buzz's documented traffic, is docs/operations.md "Defaults":
+#: - publish: a person-paced agent never meets 60/min; a loop stops for the day at 1,000.
+#: - read: Buzz's runtime polls each channel every 1 s (100 ms at the least) all day, and a
+#:   refused poll is a mention it does not hear. 1,800/min carries 2 channels at 100 ms (20
+#:   polls a second) plus 5 other reads a second; the day is that bucket's 30 a second for
+#:   24 h, so the day never refuses a steady reader the bucket lets through.
+#: - live: 180/min carries typing renewals and each turn's observer.emit in four channels at
+#:   once; the day stays below the bucket's on purpose: a live signal is a ledger record in
+#:   its agent's share, and 50,000 a day is a runtime answering one channel all day.
 LIMITS_TABLE_KEYS: Final[Mapping[str, object]] = {
     "enabled": True,
     "publish": "60/min",
     "publish_daily": 1000,
-    "read": "600/min",
-    "read_daily": 50000,
-    "live": "120/min",
-    "live_daily": 50000,
+    "read": "1800/min",
+    "read_daily": 2_592_000,
+    "live": "180/min",
+    "live_daily": 50_000,
     "rules": [],
 }
 

@@ -4,6 +4,7 @@ daemon in process (the `broker` fixture: real token, relay and ledger)."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sqlite3
@@ -91,8 +92,10 @@ def test_limits_table() -> None:
     rules = dict(((s, r.daily), r) for s, r in DEFAULT_RATE_CONFIG.rules)
     assert rules[("publish", False)] == Rule(count=60, window=Window.MINUTE)
     assert rules[("publish", True)] == Rule(count=1000, window=Window.DAY)
-    assert rules[("read", False)] == Rule(count=600, window=Window.MINUTE)
-    assert rules[("read", True)] == Rule(count=50000, window=Window.DAY)
+    assert rules[("read", False)] == Rule(count=1800, window=Window.MINUTE)
+    assert rules[("read", True)] == Rule(count=2_592_000, window=Window.DAY)
+    assert rules[("live", False)] == Rule(count=180, window=Window.MINUTE)
+    assert rules[("live", True)] == Rule(count=50_000, window=Window.DAY)
     cfg = rate_config_from_table({"publish": "10/s", "read_daily": 7,
                                   "rules": ["message.post=3/min", "read=1/h"]})
     got = dict(((s, r.daily), r) for s, r in cfg.rules)
@@ -126,16 +129,16 @@ def test_live_signals_count_apart_from_publish(tmp_path: Path) -> None:
     p = store.authenticate(f"Bearer {token}", None, int(NOON))
     assert p is not None
     limiter = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
-    # A burst of typing and presence signals, all in one second: the live bucket's 120.
+    # A burst of typing and presence signals, all in one second: the live bucket's 180.
     signals = [limiter.take(p, "typing.set" if i % 4 else "presence.set", NOON)
-               for i in range(130)]
-    assert signals[:120] == [None] * 120
-    assert {refused(r)[1:3] for r in signals[120:]} == {("live", "120/min")}
+               for i in range(190)]
+    assert signals[:180] == [None] * 180
+    assert {refused(r)[1:3] for r in signals[180:]} == {("live", "180/min")}
     # Posts are untouched: the host's whole 60/min publish bucket is still there.
     posts = [limiter.take(p, "message.post", NOON) for _ in range(61)]
     assert posts[:60] == [None] * 60 and refused(posts[60])[1:3] == ("publish", "60/min")
     assert limiter.used_today(p.credential_id, "publish", NOON) == 60
-    assert limiter.used_today(p.credential_id, "live", NOON) == 120
+    assert limiter.used_today(p.credential_id, "live", NOON) == 180
     # The class is configurable like the others, per host and per credential.
     cfg = rate_config_from_table({"live": "10/s", "live_daily": 7})
     assert ("live", Rule(count=10, window=Window.SECOND)) in cfg.rules
@@ -143,6 +146,161 @@ def test_live_signals_count_apart_from_publish(tmp_path: Path) -> None:
     assert parse_rate("live=5/min") == ("live", Rule(count=5, window=Window.MINUTE))
     limiter.close()
     store.close()
+
+
+#: Buzz's runtime (shared/spec/buzz-client.md): every BUZZ_BROKER_POLL_INTERVAL_MS, default
+#: 1000 and minimum 100, one channel.read per configured channel, all day; a refusal is
+#: logged and polling goes on, so a refused poll is a mention the agent does not hear.
+#: What the shipped limits promise it (docs/operations.md, "Defaults"): (channels, interval).
+_BUZZ_POLLING = {"8 channels at the default 1 s": (8, 1.0),
+                 "2 channels at the 100 ms minimum": (2, 0.1)}
+#: ... and, on top of the polls, what an agent reads besides: its start calls, then a
+#: burst of this many reads (memory, history pages) once a minute, 5 a second on average.
+_EXTRA_READS_PER_MINUTE = 300
+#: The UTC day the simulations run through: 2026-12-01, 00:00 to 24:00.
+_MIDNIGHT = NOON + 43200
+
+
+def _read_day(limiter: RateLimiter, who: Principal, channels: int, interval: float,
+              extra_per_minute: int) -> tuple[int, list[tuple[float, str]]]:
+    """One UTC day of Buzz's polling (ticks of `interval`, `channels` reads each) plus
+    `extra_per_minute` more reads at the top of each minute: (reads allowed, the first
+    refusals as (seconds after 00:00, message))."""
+    take = limiter.take
+    per_minute = round(60 / interval)
+    allowed = 0
+    refusals: list[tuple[float, str]] = []
+    actions = ["storage.address", "storage.get"]  # the runtime's start calls
+    for tick in range(round(86400 / interval)):
+        now = _MIDNIGHT + tick * interval
+        if tick % per_minute == 0:
+            actions += ["storage.get", "channel.read"] * (extra_per_minute // 2)
+        actions += ["channel.read"] * channels
+        for action in actions:
+            result = take(who, action, now)
+            if result is None:
+                allowed += 1
+            elif len(refusals) < 5:
+                refusals.append((now - _MIDNIGHT, result.message))
+        actions = []
+    return allowed, refusals
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pattern", sorted(_BUZZ_POLLING))
+def test_a_day_of_buzz_polling_is_never_refused_by_the_shipped_limits(
+    tmp_path: Path, principals: tuple[Principal, Principal], pattern: str
+) -> None:
+    """The shipped [limits] (LIMITS_TABLE_KEYS, every read rule in it) against a whole UTC
+    day of Buzz's documented polling plus 5 other reads a second: nothing is refused. The
+    defaults were 600/min and 50,000 a day: one channel at 1 s was deaf from 13.9 h UTC."""
+    channels, interval = _BUZZ_POLLING[pattern]
+    config = rate_config_from_table({})
+    read_rules = {(s, r.daily) for s, r in config.rules if s == "read"}
+    assert read_rules == {("read", False), ("read", True)}  # both kinds are in the run
+    a, _ = principals
+    limiter = RateLimiter.open(tmp_path, config)
+    allowed, refusals = _read_day(limiter, a, channels, interval, _EXTRA_READS_PER_MINUTE)
+    assert refusals == []
+    expected = 2 + round(86400 / interval) * channels + 1440 * _EXTRA_READS_PER_MINUTE
+    assert allowed == expected
+    assert limiter.used_today(a.credential_id, "read", _MIDNIGHT) == expected
+    limiter.close()
+
+
+def test_the_daily_read_quota_is_the_read_bucket_all_day() -> None:
+    """A daily cap below what the bucket lets through in a day would refuse a client that
+    never exceeds the bucket (a steady poller): the shipped read day holds the bucket's
+    sustained rate for 24 hours, so the bucket is what bounds a reader."""
+    rules = {(s, r.daily): r for s, r in DEFAULT_RATE_CONFIG.rules}
+    bucket, day = rules[("read", False)], rules[("read", True)]
+    assert day.count >= bucket.count * 86400 // bucket.window.seconds
+
+
+def test_a_client_polling_far_above_buzz_is_still_refused(
+    tmp_path: Path, principals: tuple[Principal, Principal]
+) -> None:
+    """A runaway reader (ten channels at the 100 ms minimum, 100 reads a second, five
+    times what the defaults promise Buzz) is refused by the read bucket within its first
+    minute and held to the bucket's rate after; another credential is untouched."""
+    a, b = principals
+    limiter = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
+    bucket = dict(((s, r.daily), r) for s, r in DEFAULT_RATE_CONFIG.rules)[("read", False)]
+    per_second = bucket.count / bucket.window.seconds
+    allowed, first_refused = 0, None
+    for tick in range(6000):  # ten minutes of ticks every 100 ms
+        now = NOON + tick / 10
+        for _ in range(10):
+            result = limiter.take(a, "channel.read", now)
+            if result is None:
+                allowed += 1
+                continue
+            if first_refused is None:
+                first_refused = now - NOON
+            assert refused(result)[:3] == ("rate limit", "read", str(bucket))
+    assert first_refused is not None and first_refused < 60
+    # At most a full bucket and its refill over the ten minutes: a third of what was asked.
+    assert allowed <= bucket.count + per_second * 600 + 1
+    assert allowed < 60000 / 2
+    assert limiter.take(b, "channel.read", NOON + 600) is None
+    limiter.close()
+
+
+def _turns(channels: int, until: float) -> list[tuple[float, str]]:
+    """Buzz's live signals while it answers without pause in `channels` channels at once
+    (docs/operations.md, "Live signals"): presence.set at start and stop; back-to-back 30 s
+    turns, each opening with an observer.emit (tests/fleet/buzz_agent.py) and a typing.set
+    renewed every 2 s through the turn, in step in every channel (the bucket's worst case).
+    liveness.ping is left out: it is refused `unsupported` before the limits."""
+    signals = [(_MIDNIGHT, "presence.set")]
+    for turn in range(int(until // 30)):
+        start = _MIDNIGHT + turn * 30
+        for _ in range(channels):
+            signals.append((start, "observer.emit"))
+        for renewal in range(15):
+            signals += [(start + renewal * 2, "typing.set")] * channels
+    signals.append((_MIDNIGHT + until - 1, "presence.set"))
+    return signals
+
+
+def test_a_day_of_buzz_typing_in_one_channel_is_never_refused_by_the_shipped_limits(
+    tmp_path: Path, principals: tuple[Principal, Principal]
+) -> None:
+    """A runtime answering in one channel all day long, without a pause, stays inside the
+    shipped `live` limits: 46,082 signals of the 50,000 a day."""
+    a, _ = principals
+    limiter = RateLimiter.open(tmp_path, rate_config_from_table({}))
+    signals = _turns(1, 86400)
+    assert [r for t, act in signals if (r := limiter.take(a, act, t)) is not None] == []
+    assert limiter.used_today(a.credential_id, "live", _MIDNIGHT) == len(signals) == 46082
+    limiter.close()
+
+
+def test_typing_in_four_channels_at_once_meets_the_live_day_not_the_bucket(
+    tmp_path: Path, principals: tuple[Principal, Principal]
+) -> None:
+    """Four channels answered at once, without a pause, fit the `live` bucket all day
+    (2.13 signals a second, 2 of them renewals); they meet the day's 50,000 after about
+    six and a half hours. From then on every live signal is refused `unauthorized`, naming
+    the day and the wait to 00:00 UTC, and the agent's posts and polls are untouched."""
+    a, _ = principals
+    limiter = RateLimiter.open(tmp_path, rate_config_from_table({}))
+    first = None
+    for t, action in _turns(4, 86400):
+        result = limiter.take(a, action, t)
+        if result is None:
+            assert first is None, "allowed again after the day's quota"
+            continue
+        kind, scope, rule, seconds = refused(result)
+        assert (kind, scope, rule) == ("daily quota", "live", "50000/day")
+        assert seconds == math.ceil(_MIDNIGHT + 86400 - t)
+        if first is None:
+            first = t - _MIDNIGHT
+            assert limiter.take(a, "message.post", t) is None
+            assert limiter.take(a, "channel.read", t) is None
+    assert first is not None and 6 * 3600 < first < 7 * 3600
+    assert limiter.used_today(a.credential_id, "live", _MIDNIGHT) == 50000
+    limiter.close()
 
 
 def test_loop_of_200_posts(tmp_path: Path, principals: tuple[Principal, Principal]) -> None:
