@@ -20,6 +20,9 @@ this one is written only by the process that holds the keys, under its uid.
   `--forget-destroyed`). Each append holds an exclusive `flock` on the file from the head's
   check to its sync (and a move to `.1`); a file not as this writer left it (inode, size)
   has its head read again and a torn tail cut under that lock: one chain, no line cut.
+  A command waits for the lock; the serving custodian's log (`wait=False`) does not, so
+  a writer stopped holding it (SIGSTOP) never blocks its event loop: the append raises
+  BlockingIOError, nothing written, and server.py waits for it without blocking.
 - `RateBound`: a token bucket per agent (signatures per minute, burst the same); memory
   bounded by `MAX_AGENTS` buckets (the oldest dropped, which only gives that agent a full
   bucket again). Only a live agent held here gets one (the server checks before it
@@ -76,10 +79,15 @@ def _hashed(prev: str, entry: dict[str, object]) -> tuple[str, str]:
 class SignLog:
     """An append-only, hash-chained JSON-lines file."""
 
-    def __init__(self, path: Path, max_bytes: int, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, path: Path, max_bytes: int, clock: Callable[[], float] = time.time,
+                 *, wait: bool = True) -> None:
+        """`wait=False`: an append that finds another writer holding the lock raises
+        BlockingIOError (an OSError) at once, nothing written (with `done`, its lines owed).
+        The open's own look at the head always waits: nothing is served yet."""
         self.path = path
         self._max = max_bytes
         self._clock = clock
+        self._lock = fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.head, self.seq = GENESIS, 0
         self._file: BinaryIO | None = None
@@ -88,7 +96,7 @@ class SignLog:
         self._owed: list[dict[str, object]] = []
         self._reopen()
         try:
-            with self._held():  # the head read and a torn tail cut, as before each line
+            with self._held(fcntl.LOCK_EX):  # the head read and a torn tail cut, as at each line
                 pass
         except BaseException:
             if self._file is not None:
@@ -117,14 +125,15 @@ class SignLog:
         self._inode = os.fstat(self._file.fileno()).st_ino
 
     @contextlib.contextmanager
-    def _held(self) -> Iterator[BinaryIO]:
+    def _held(self, lock: int) -> Iterator[BinaryIO]:
         """The file at `path`, under an exclusive flock (every writer's, around each
-        append), its last whole line the head: read again, and a torn tail cut, if the file
-        is not as this writer left it (another process wrote, cut or moved it)."""
+        append; `lock`: its flags), its last whole line the head: read again, and a torn
+        tail cut, if the file is not as this writer left it (another process wrote, cut or
+        moved it)."""
         try:
             while True:
                 assert self._file is not None
-                fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
+                fcntl.flock(self._file.fileno(), lock)
                 with contextlib.suppress(FileNotFoundError):
                     if (now := os.stat(self.path)).st_ino == self._inode:
                         break
@@ -150,7 +159,7 @@ class SignLog:
             self._reopen()
         if not entries:  # nothing owed: no write, no lock, and no sync to wait for
             return
-        with self._held() as file:
+        with self._held(self._lock) as file:
             self._locked_write(file, entries)
 
     def _locked_write(self, file: BinaryIO, entries: list[dict[str, object]]) -> None:

@@ -26,6 +26,9 @@ Theory of operation:
   no change is ever without a line; a request that changes nothing writes neither.
 - A change made whose log line failed is owed (`SignLog`): until it is written every row
   but the lookups is refused (`custody`), so nothing more happens unrecorded.
+- The log's lock is never waited for on the event loop (`appended`): a command beside it
+  that is stopped holding the lock holds the rows that write a line, up to
+  LOCK_WAIT_SECONDS each, never the lookups, a new connection or a SIGTERM.
 """
 
 from __future__ import annotations
@@ -65,6 +68,12 @@ _PEERCRED = struct.Struct("3i")
 #: a compromised pipeline could flood the unit's journal past its rate limit, which then
 #: drops the lines that matter (the unseal door's warnings among them).
 LINE_SECONDS: Final = 60.0
+#: Seconds a row waits for the log's lock, which a command beside the custodian holds for
+#: one append (milliseconds) unless it was stopped holding it: past this the row answers
+#: `internal`, before the pipeline's own deadline (client.py CALL_TIMEOUT, 10 s) ends it.
+LOCK_WAIT_SECONDS: Final = 5.0
+#: Seconds between tries meanwhile (one flock call each).
+LOCK_POLL_SECONDS: Final = 0.01
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -128,7 +137,7 @@ class Custodian:
     def __init__(self, custody: Custody, settings: Settings) -> None:
         self.custody = custody
         self.settings = settings
-        self.log = SignLog(settings.log_path, settings.log_max_bytes)
+        self.log = SignLog(settings.log_path, settings.log_max_bytes, wait=False)
         self.bound = RateBound(settings.signatures_per_minute)
         self.graveyard = Graveyard.beside(settings.log_path, settings.destroy_grace_seconds)
         self._backup_lock = trio.Lock()  # the row's bound check and its write are one step
@@ -202,15 +211,14 @@ class Custodian:
         """`change()` between its intent line (on disk first: a write that fails asks
         nothing) and its outcome: `line(record)`, or `failed` and the fault's type if it
         raises. The outcome names the intent's seq (lines of other rows come between)."""
-        seq = self.log.append([{"op": "intent", **intent}])
+        seq = await appended(self.log, [{"op": "intent", **intent}])
         try:
             record = await change()
         except Exception as exc:
             with contextlib.suppress(OSError):  # owed then; the answer is the refusal's
-                self.log.append([failed_line(seq, exc)],
-                                done=True)
+                await appended(self.log, [failed_line(seq, exc)], done=True)
             raise
-        self.log.append([{**line(record), "intent": seq}], done=True)
+        await appended(self.log, [{**line(record), "intent": seq}], done=True)
         return record
 
     def _room(self) -> None:
@@ -313,8 +321,8 @@ class Custodian:
                                                   content=intent["content"])))
         self._spend([signer for signer, _ in planned])
         signed = await self.custody.sign_events(planned)
-        self.log.append([{"op": "sign", "agent": e.pubkey, "kind": e.kind, "id": e.id}
-                         for e in signed])
+        await appended(self.log, [{"op": "sign", "agent": e.pubkey, "kind": e.kind,
+                                   "id": e.id} for e in signed])
         return [e.to_json_obj() for e in signed]
 
     async def sign_auth(self, args: Mapping[str, Any]) -> object:
@@ -326,8 +334,8 @@ class Custodian:
         self._spend([args["agent"]])
         event = await self.custody.sign_auth(args["agent"], self.settings.relay_url,
                                              args["challenge"], args["created_at"])
-        self.log.append([{"op": "sign_auth", "agent": event.pubkey, "kind": event.kind,
-                          "id": event.id}])
+        await appended(self.log, [{"op": "sign_auth", "agent": event.pubkey,
+                                   "kind": event.kind, "id": event.id}])
         return event.to_json_obj()
 
     async def memory_address(self, args: Mapping[str, Any]) -> object:
@@ -338,13 +346,15 @@ class Custodian:
     async def encrypt(self, args: Mapping[str, Any]) -> object:
         self._pair(args["agent"], args["peer"])
         payloads = await self.custody.encrypt_to_owner(args["agent"], args["plaintexts"])
-        self.log.append([{"op": "encrypt", "agent": args["agent"], "count": len(payloads)}])
+        await appended(self.log, [{"op": "encrypt", "agent": args["agent"],
+                                   "count": len(payloads)}])
         return list(payloads)
 
     async def decrypt(self, args: Mapping[str, Any]) -> object:
         self._pair(args["agent"], args["peer"])
         opened = await self.custody.decrypt_from_owner_pair(args["agent"], args["payloads"])
-        self.log.append([{"op": "decrypt", "agent": args["agent"], "count": len(opened)}])
+        await appended(self.log, [{"op": "decrypt", "agent": args["agent"],
+                                   "count": len(opened)}])
         return [None if p is None else messages.b64(p) for p in opened]
 
     async def backup(self, args: Mapping[str, Any]) -> object:
@@ -356,8 +366,9 @@ class Custodian:
                 self.custody, self.settings.backup_dir, self.settings.backup_recipients,
                 {e["pubkey"]: {"name": e["name"], "creator": e["creator"]} for e in args["names"]},
                 self.settings.backup_bounds, time.time())
-        self.log.append([{"op": "backup", "file": written.path.name, "sha256": written.sha256,
-                          "count": len(written.agents)}], done=True)
+        await appended(self.log, [{"op": "backup", "file": written.path.name,
+                                   "sha256": written.sha256, "count": len(written.agents)}],
+                       done=True)
         return {"file": str(written.path), "sha256": written.sha256,
                 "agents": list(written.agents),
                 "recipients": list(self.settings.backup_recipients)}
@@ -370,10 +381,10 @@ class Custodian:
         "encrypt": encrypt, "decrypt": decrypt, "backup": backup,
     }
 
-    def _owed_first(self, op: str) -> None:
+    async def _owed_first(self, op: str) -> None:
         """The log's owed lines written before a row that may add one, else it is refused."""
         try:
-            self.log.append([])
+            await appended(self.log, [])
         except OSError as exc:
             if (quiet := self._quiet(op, "fault")) is not None:
                 log.error("custodian refused %s: its log cannot be written: %s (%d not logged)",
@@ -385,7 +396,7 @@ class Custodian:
         """The answer frame to one checked request; never raises for custody's faults."""
         try:
             if request.op not in messages.LOOKUPS:
-                self._owed_first(request.op)
+                await self._owed_first(request.op)
             return messages.reply_ok(await self.HANDLERS[request.op](self, request.args))
         except Refused as exc:
             if (quiet := self._quiet(request.op, "refused")) is not None:
@@ -412,6 +423,30 @@ class Custodian:
 
 class _RateLimited(Exception):
     pass
+
+
+async def appended(log: SignLog, entries: list[dict[str, object]], *,
+                   done: bool = False) -> int:
+    """`log.append(entries, done=done)` (a log opened with `wait=False`), tried again every
+    LOCK_POLL_SECONDS while another writer holds its lock, so the event loop goes on
+    meanwhile. The first try is made before any checkpoint: with the lock free, nothing
+    (a cancellation) comes between a change and its line.
+
+    Raises:
+        BlockingIOError: the lock was still held after LOCK_WAIT_SECONDS; with `done` the
+            lines are owed (`SignLog.append`), as for any write that fails.
+        OSError: the write failed.
+    """
+    deadline = trio.current_time() + LOCK_WAIT_SECONDS
+    while True:
+        try:
+            return log.append(entries, done=done)
+        except BlockingIOError:
+            if trio.current_time() >= deadline:
+                raise
+            if done:  # owed now: each try writes them first
+                entries = []
+        await trio.sleep(LOCK_POLL_SECONDS)
 
 
 class Budget:

@@ -16,10 +16,13 @@ from typing import Any
 
 import coincurve
 import pytest
+import trio
+import trio.testing
 
 from custody import TokenConfig
 from custody.custodian.client import CustodianClient
 from custody.custodian.ledger import SignLog, verify_chain
+from custody.custodian.messages import BadMessage
 from tests.custodian.test_refusals import intent
 from tests.fixtures.custodian import CustodianProcess
 
@@ -526,6 +529,107 @@ def test_owed_lines_are_chained_after_another_writers_lines(
     assert verify_chain(path) == 4
     assert [json.loads(x)["op"] for x in path.read_bytes().splitlines()] == [
         "intent", "recover", "destroy", "sign"]
+
+
+def test_a_writer_stopped_holding_the_lock_holds_no_lookup_and_no_stop(
+        custodian: CustodianProcess) -> None:
+    """A command beside the custodian (`--recover`, `--forget-destroyed`, under its uid)
+    stopped (SIGSTOP, Ctrl-Z) while it holds the log's flock, which this test holds for
+    it: a `sign` waits for the lock, meanwhile the lookups answer, and once it is let go
+    the sign is answered after its line is written. Held again, a SIGTERM ends the
+    custodian at once, exit 0, a waiting sign unanswered. The chain verifies. (A review:
+    the flock was waited for on the event loop, so once one row waited nothing else was
+    answered, not even the SIGTERM, until the writer went on.)"""
+    import fcntl
+    import signal
+    import threading
+    import time
+
+    from tests.custodian.test_refusals import ask, human
+
+    ok, made = ask(custodian.socket, "mint", owner=human(), mint_ref=None)
+    assert ok and isinstance(made, dict)
+    agent = made["pubkey"]
+    log = custodian.config.parent / "state" / "custodian" / "signed.jsonl"
+    answers: list[tuple[bool, object]] = []
+
+    def sign() -> None:
+        try:
+            answers.append(ask(custodian.socket, "sign",
+                               events=[intent(agent, 9, [["h", "c"]], "held")]))
+        except (OSError, BadMessage):  # closed with no answer (an empty frame)
+            answers.append((False, "closed"))
+
+    with open(log, "ab") as writer:
+        fcntl.flock(writer.fileno(), fcntl.LOCK_EX)
+        waiting = threading.Thread(target=sign)
+        waiting.start()
+        try:
+            time.sleep(0.5)  # the sign signed, its line waiting for the lock
+            began = time.monotonic()
+            ok, version = ask(custodian.socket, "records_version")
+            assert ok and isinstance(version, int)
+            ok, record = ask(custodian.socket, "agent", pubkey=agent, include_deleted=False)
+            assert ok and isinstance(record, dict) and record["pubkey"] == agent
+            assert time.monotonic() - began < 1.0  # before: no answer at all
+            assert answers == [] and waiting.is_alive()  # no answer before its line
+        finally:
+            fcntl.flock(writer.fileno(), fcntl.LOCK_UN)
+            waiting.join(15)
+    assert len(answers) == 1 and answers[0][0], answers
+    assert json.loads(log.read_bytes().splitlines()[-1])["op"] == "sign"
+
+    with open(log, "ab") as writer:
+        fcntl.flock(writer.fileno(), fcntl.LOCK_EX)
+        waiting = threading.Thread(target=sign)
+        waiting.start()
+        try:
+            time.sleep(0.5)
+            assert custodian.proc is not None
+            custodian.proc.send_signal(signal.SIGTERM)
+            assert custodian.proc.wait(3) == 0  # before: still running, the lock held
+            waiting.join(15)
+        finally:
+            fcntl.flock(writer.fileno(), fcntl.LOCK_UN)
+    assert answers[1:] == [(False, "closed")]  # the second sign: unanswered, no line
+    lines = verify_chain(log)
+    assert json.loads(log.read_bytes().splitlines()[-1])["op"] == "sign" and lines > 1
+
+
+@pytest.mark.token_independent
+async def test_a_row_waits_for_the_lock_a_bounded_time_and_its_done_lines_stay_owed(
+        tmp_path: Path, autojump_clock: trio.testing.MockClock) -> None:
+    """The serving custodian's log (`wait=False`) waits for another writer's lock by
+    trying again (server.py `appended`), the event loop free meanwhile, for up to
+    LOCK_WAIT_SECONDS: then BlockingIOError (answered `internal`), nothing written, a
+    change's lines owed. Once the lock is let go, the owed lines are written first, once."""
+    import fcntl
+
+    from custody.custodian.server import LOCK_WAIT_SECONDS, appended
+
+    path = tmp_path / "signed.jsonl"
+    log = SignLog(path, 1 << 20, wait=False)
+    await appended(log, [{"op": "sign", "agent": "a" * 64, "kind": 9, "id": "1" * 64}])
+    with open(path, "ab") as other:  # another open file: another writer, to flock
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX)
+        began = trio.current_time()
+        with pytest.raises(BlockingIOError):
+            await appended(log, [{"op": "destroy", "agent": "b" * 64, "intent": 1}], done=True)
+        assert trio.current_time() - began >= LOCK_WAIT_SECONDS
+        with pytest.raises(BlockingIOError):  # a row's own line, not owed
+            await appended(log, [{"op": "sign", "agent": "a" * 64, "kind": 9, "id": "2" * 64}])
+
+        async def let_go() -> None:
+            await trio.sleep(1)
+            fcntl.flock(other.fileno(), fcntl.LOCK_UN)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(let_go)
+            await appended(log, [{"op": "sign", "agent": "a" * 64, "kind": 9, "id": "3" * 64}])
+    log.close()
+    assert verify_chain(path) == 3
+    assert [(e["op"], e.get("id", "")[:1]) for e in map(json.loads, path.read_bytes().splitlines())
+            ] == [("sign", "1"), ("destroy", ""), ("sign", "3")]
 
 
 @pytest.mark.token_independent
