@@ -13,12 +13,15 @@ rotation has let the state lock go, so the test can start a custodian in that wi
 `keys restore`: OP `restore:intent` or `restore:changed`, the same two windows around
 `restore_backup` (custody/custodian/keys.py, through changes.py `logged_change`).
 `--recover PUBKEY`: OP `recover:intent` or `recover:changed`, around `revive_agent`
-(custody/custodian/recover.py).
+(custody/custodian/recover.py). `--forget-destroyed` (past the grace period): OP
+`forget:intent` or `forget:changed`, around `forget_destroyed`'s committed transaction
+(custody/custodian/forget.py).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import signal
 import sys
@@ -29,6 +32,7 @@ from custody import Custody
 from custody import _restore as restoring
 from custody._statelock import StateLock
 from custody.custodian import backup
+from custody.custodian import forget as forgetting
 from custody.custodian import keys as key_commands
 from custody.custodian import recover as recovering
 from custody.custodian.ledger import SignLog
@@ -36,12 +40,13 @@ from custody.custodian.main import main
 from custody.custodian.server import Custodian
 from tests.fixtures.kill import kill_at
 
-#: A row that changes the keystore (and `keys restore`, `--recover`) -> where the call that
-#: makes its change is looked up when called, and its name there.
+#: A row that changes the keystore (and `keys restore`, `--recover`, `--forget-destroyed`)
+#: -> where the call that makes its change is looked up when called, and its name there.
 CHANGES: dict[str, tuple[object, str]] = {
     "mint": (Custody, "mint_agent"), "import": (Custody, "import_agent"),
     "destroy": (Custody, "destroy_agent"), "attach_auth": (Custody, "attach_auth_tag"),
-    "restore": (restoring, "restore_backup"), "recover": (recovering, "revive_agent")}
+    "restore": (restoring, "restore_backup"), "recover": (recovering, "revive_agent"),
+    "forget": (forgetting, "forget_destroyed")}
 
 
 def _arm_mid_write() -> None:
@@ -76,7 +81,12 @@ def _arm_changed(op: str) -> None:
         checkpoint(f"{op}:changed")
         return record
 
-    setattr(owner, name, then_killed)
+    def then_killed_now(*args: Any, **kw: Any) -> object:  # forget's plain transaction
+        result = change(*args, **kw)
+        checkpoint(f"{op}:changed")
+        return result
+
+    setattr(owner, name, then_killed if inspect.iscoroutinefunction(change) else then_killed_now)
 
 
 def _arm_rotation(step: str) -> None:

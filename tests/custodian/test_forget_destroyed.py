@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -34,9 +35,10 @@ from custody.custodian.client import CustodianClient
 from custody.custodian.forget import MAX_NAMED
 from custody.custodian.grace import Graveyard
 from custody.custodian.ledger import verify_chain
-from tests.custodian.test_refusals import ask, human
+from tests.custodian.test_refusals import ask, human, intent
 from tests.fixtures.custodian import running_custodian
 
+REPO = Path(__file__).resolve().parents[2]
 #: Long enough that a destroy made just before the command is surely within it (records
 #: carry whole seconds), short enough to wait out once.
 GRACE = 3
@@ -102,6 +104,51 @@ async def test_forget_destroyed_drops_what_no_kept_record_needs(
     *_, began, counted, intent, minted = _lines(log_dir)
     assert (began["for"], counted["agents"], counted["intent"]) == ("forget", 0, began["seq"])
     assert (intent["for"], minted["op"], minted["intent"]) == ("mint", "mint", intent["seq"])
+
+
+@pytest.mark.parametrize("point", ["intent", "changed"])
+async def test_a_forget_killed_between_its_intent_and_its_outcome_keeps_its_intent(
+        custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path,
+        point: str) -> None:
+    """SIGKILLed once its intent is on disk (nothing forgotten yet) or once the keystore's
+    transaction committed (its lines not written): the intent stands without an outcome,
+    the keystore says which (the records still there, or gone), the custodian goes on
+    signing after it, and a rerun forgets them under an intent of its own (killed before)
+    or finds none left and writes its count of 0 (after): no line claims them twice."""
+    log_dir = tmp_path / "log"
+    with running_custodian(custody_state, local_relay, tmp_path,
+                           settings={"destroy_grace_seconds": GRACE,
+                                     "log_dir": str(log_dir)}) as process:
+        client = await CustodianClient.open(process.socket)
+        gone = [(await client.mint_agent(owner=human())).pubkey for _ in range(2)]
+        busy = (await client.mint_agent(owner=human())).pubkey
+        for pubkey in gone:
+            await client.destroy_agent(pubkey)
+        await client.aclose()
+        time.sleep(GRACE + 1.5)
+        killed = subprocess.run(
+            [sys.executable, "-m", "tests.custodian.crashing_custodian", str(process.config),
+             f"forget:{point}", "--forget-destroyed"], capture_output=True, text=True,
+            timeout=60, cwd=REPO)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        assert f"custodian.kill step=forget:{point}" in killed.stderr
+        held = _listed(process.socket)
+        assert [p in held for p in gone] == [point == "intent"] * 2  # the keystore says
+        assert ask(process.socket, "sign", events=[intent(busy, 9, [["h", "c"]], "x")])[0]
+        rerun = _forget(process.config)
+        assert rerun.returncode == 0, rerun.stderr
+        assert f"forgot {2 if point == 'intent' else 0} records" in rerun.stdout
+        assert not set(gone) & set(_listed(process.socket))
+    lines = _lines(log_dir)
+    intents = [e for e in lines if e.get("for") == "forget"]
+    outcomes = {e["intent"]: e for e in lines if "intent" in e}
+    assert intents[0]["seq"] not in outcomes  # the killed run's: its intent alone
+    assert [outcomes[e["seq"]]["agents"] for e in intents[1:]] == [
+        2 if point == "intent" else 0]
+    assert sorted(e["agent"] for e in lines if e["op"] == "forget" and "agent" in e) == (
+        sorted(gone) if point == "intent" else [])
+    assert any(e["op"] == "sign" and e["agent"] == busy and e["seq"] > intents[0]["seq"]
+               for e in lines)
 
 
 def _lines(log_dir: Path) -> list[dict[str, Any]]:
