@@ -255,6 +255,21 @@ def test_custodian_admin_wrapper_matches_the_unit() -> None:
     assert subprocess.run(["sh", "-n", str(UNITS / "buzz-custodian-admin")]).returncode == 0
 
 
+def test_custodian_admin_usage_offers_every_custodian_command() -> None:
+    """The wrapper's usage line offers exactly the commands `buzz-broker custodian FILE`
+    takes besides serving (custody/custodian/main.py's usage), in the same spelling, so a
+    command added there cannot be left out here. (A review: `--forget-destroyed` was
+    missing from the wrapper's.)"""
+    wrapper = (UNITS / "buzz-custodian-admin").read_text()
+    [ours] = re.findall(r'^\s*echo "usage: buzz-custodian-admin (.*)" >&2$', wrapper, re.M)
+    done = subprocess.run([sys.executable, "-m", "custody.custodian"], capture_output=True,
+                          text=True, cwd=REPO, timeout=60)
+    assert done.returncode == 2, done.stderr
+    main = re.fullmatch(r"usage: buzz-broker custodian FILE \[(.*)\]\n", done.stderr)
+    assert main is not None, done.stderr
+    assert ours.split(" | ") == main.group(1).split(" | ")
+
+
 def test_each_configuration_directory_is_made_with_its_units_mode() -> None:
     """docs/install.md makes /etc/NAME before the unit first starts, and systemd (>= 247)
     keeps an existing configuration directory's mode, logging at every start where it

@@ -134,7 +134,7 @@ def main(argv: list[str]) -> int:
         work = functools.partial(run, args[0])
     else:
         print("usage: buzz-broker custodian FILE [--recover PUBKEY | --forget-destroyed "
-              "[PUBKEY ...] | keys SUBCOMMAND ...]", file=sys.stderr)
+              "[PUBKEY ...] | keys init|rotate|migrate|restore ...]", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="custodian: %(message)s", stream=sys.stderr)
     try:

@@ -10,7 +10,8 @@ the outsider cannot reach the socket; the metrics scrape; `systemd-analyze secur
 running and a stopped daemon; the custodian (both units, two uids, the token and the KEK
 made under the custodian's uid from the start: the first request activates both, the
 daemon has no PIN, no token access, cannot open the keystore, maps no module, lists the
-custodian's agents; a SIGKILLed custodian is restarted by systemd); a host installed with
+custodian's agents; a SIGKILLed custodian is restarted by systemd; `--recover` and
+`--forget-destroyed` as root through buzz-custodian-admin beside it); a host installed with
 custody in the daemon moving its keys to the custodian by step 6b's block; upgrade and
 uninstall.
 
@@ -88,6 +89,8 @@ TEST_ONLY = {
                   "custodian (the token made as buzz-broker under /var/lib/buzz-broker, "
                   "[pkcs11] instead of [custody], keys init and the agent as the daemon's "
                   "user), and after the move the custodian stopped as after a reboot",
+    "spare-agent": "an agent `spare` (a throwaway owner) created, removed, recovered, removed "
+                   "again and forgotten by name, for step 5's --recover and --forget-destroyed",
     "faults": "a drop-in pointing BUZZ_BROKER_CONFIG at a config whose custodian socket is "
               "missing (failed start), SIGKILL, SIGSTOP/SIGCONT (watchdog), the scout credential copied "
               "to scout2 (uid binding), and a SIGKILL of the custodian",
@@ -590,6 +593,48 @@ def test_the_custodian_step_then_the_first_request_activates_both(installed: Ins
     assert match, out[-2000:]
     print(f"systemd-analyze security of the custodian on systemd 252: {match.group(1)}")
     assert float(match.group(1)) <= 1.5, out[-2000:]
+
+
+def test_the_custodians_recover_and_forget_run_through_its_admin_wrapper(
+        installed: Installed) -> None:
+    """docs/install.md step 5's `--recover` and `--forget-destroyed` rows and the
+    `max_records` runbook's named forget (docs/custodian.md), as root through
+    buzz-custodian-admin beside the running custodian: a removed agent comes back, then,
+    removed again, is forgotten by name; each command's lines are in the custodian's log,
+    which stays the custodian's, its chain one."""
+    inst = installed
+    custodian = _main_pid(inst, "buzz-custodian.service")
+    # TEST_ONLY["spare-agent"]
+    spare = inst.sh(f"buzz-broker-admin agent create --owner {TestKey().pubkey} "
+                    "--name spare").stdout.strip()
+    assert re.fullmatch(r"[0-9a-f]{64}", spare), spare
+
+    def records() -> dict[str, bool]:  # pubkey -> live, tombstones too
+        return {a["pubkey"]: a["deletedAt"] is None for a in map(json.loads, inst.sh(
+            "buzz-broker-admin agent list --all --json").stdout.splitlines())}
+
+    inst.sh(f"buzz-broker-admin agent remove {spare} --yes >/dev/null")
+    assert records()[spare] is False
+    usage = inst.sh("buzz-custodian-admin", check=False)
+    assert usage.returncode == 2 and "--forget-destroyed [PUBKEY ...]" in usage.stderr, usage.text()
+    inst.sh(f"buzz-custodian-admin --recover {spare}", what="buzz-custodian-admin --recover")
+    inst.wait_for("the recovered agent live", lambda: records().get(spare) is True)
+    inst.sh(f"buzz-broker-admin agent remove {spare} --yes >/dev/null")
+    forgot = inst.sh(f"buzz-custodian-admin --forget-destroyed {spare}",
+                     what="buzz-custodian-admin --forget-destroyed").stdout
+    assert "custodian: forgot 1 records named" in forgot, forgot
+    inst.wait_for("the forgotten record gone", lambda: spare not in records())
+    assert _main_pid(inst, "buzz-custodian.service") == custodian  # beside it, never stopped
+    log = "/var/lib/buzz-custodian/log/signed.jsonl"
+    assert inst.sh(f"stat -c %U {log}").stdout.strip() == "buzz-custodian"
+    lines = [json.loads(line) for line in inst.sh(f"cat {log}").stdout.splitlines()]
+    assert [e["seq"] for e in lines] == list(range(1, len(lines) + 1))
+    assert all(b["prev"] == a["hash"] for a, b in zip(lines, lines[1:]))
+    ops = [(e["op"], e.get("for"), e.get("agent")) for e in lines if spare in json.dumps(e)]
+    assert ops == [("mint", None, spare), ("intent", "destroy", spare), ("destroy", None, spare),
+                   ("intent", "recover", spare), ("recover", None, spare),
+                   ("intent", "destroy", spare), ("destroy", None, spare),
+                   ("intent", "forget", None), ("forget", None, spare)], ops
 
 
 def _agent_pubkeys(inst: Installed) -> list[str]:
