@@ -13,6 +13,7 @@ Modules, one job each:
   _shapes     table-driven strict objects (read, re-check in construction, write)
   _args       the argument shapes (the nine, then NIP-BA's additions)
   _outcomes   the outcome shapes and the seven-member Event
+  _page       a read page's size: `page_bytes`, its bound, and the JSON values that bounds
   _echoes     the identities an outcome echoes from its request (I5), as data, and the check
   _envelopes  request/response envelopes, ActionSpec and ACTIONS (every fixed fact of an
               action), read/encode/parse/build
@@ -47,8 +48,9 @@ from ._limits import (
     MAX_DISPLAY_NAME_CHARS, MAX_JSON_INT, MAX_KIND, MAX_LIMIT, MAX_MENTIONS, MAX_NESTING,
     MAX_PICTURE_CHARS, MAX_REACTION_CHARS, MAX_REQUEST_ID_BYTES, MAX_SCALAR_CHARS,
     MAX_MEMORY_BODY_BYTES, MAX_SLUG_BYTES, MAX_SYSTEM_PROMPT_CHARS, MIN_JSON_INT, MIN_LIMIT,
-    PROTOCOL_VERSION, MAX_FRAMES, MAX_OBSERVER_BYTES, MAX_U32,
+    PROTOCOL_VERSION, MAX_FRAMES, MAX_OBSERVER_BYTES, MAX_PAGE_BYTES, MAX_U32,
 )
+from ._page import MAX_PAGE_VALUES, page_bytes, values_in
 from ._text import WHITE_SPACE, printable, printable_json, printable_json_text, scrub_line, trim
 from ._outcomes import (
     AgentsCreateOutcome, AgentsDeleteOutcome, AgentsUpdateOutcome, Event, ObserverEmitOutcome,
@@ -72,6 +74,8 @@ __all__ = [
     "Verdict", "encode_response", "mark_replayed", "parse_response", "Response", "Outcome",
     "Event", "PublishOutcome", "ReadOutcome", "StorageAddressOutcome", "AgentsCreateOutcome",
     "AgentsUpdateOutcome", "AgentsDeleteOutcome", "StorageGetOutcome", "ObserverEmitOutcome",
+    # a read page's size (the host cuts by it; the client bounds its answers' values by it)
+    "page_bytes", "values_in", "MAX_PAGE_VALUES",
     # strict JSON (the wire's reader, for tools that read JSON as the host does)
     "parse_json", "JsonSyntaxError",
     # identities
@@ -84,5 +88,5 @@ __all__ = [
     "MAX_DISPLAY_NAME_CHARS", "MAX_ABOUT_CHARS", "MAX_PICTURE_CHARS", "MAX_SYSTEM_PROMPT_CHARS",
     "MAX_SCALAR_CHARS", "MAX_REACTION_CHARS", "MAX_SLUG_BYTES", "MAX_NESTING", "MIN_JSON_INT",
     "MAX_JSON_INT", "MAX_KIND", "MAX_MEMORY_BODY_BYTES", "MAX_FRAMES", "MAX_OBSERVER_BYTES",
-    "MAX_U32",
+    "MAX_U32", "MAX_PAGE_BYTES",
 ]

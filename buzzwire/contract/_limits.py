@@ -18,7 +18,7 @@ __all__ = [
     "MAX_PICTURE_CHARS", "MAX_SYSTEM_PROMPT_CHARS", "MAX_SCALAR_CHARS", "MAX_REACTION_CHARS",
     "MAX_SLUG_BYTES", "MAX_NESTING", "MIN_JSON_INT", "MAX_JSON_INT", "MAX_KIND",
     "PROTOCOL_VERSION", "ACTION_VERSION", "MAX_MEMORY_BODY_BYTES", "MAX_FRAMES",
-    "MAX_OBSERVER_BYTES", "MAX_U32", "MAX_U16",
+    "MAX_OBSERVER_BYTES", "MAX_U32", "MAX_U16", "MAX_PAGE_BYTES",
 ]
 
 #: spec §Request: the envelope version this module speaks.
@@ -54,6 +54,11 @@ MAX_SLUG_BYTES = 255
 #: NIP-BA storage.put / NIP-AE Writing: the compact UTF-8 body {"slug":s,"value":v} (or
 #: core's {"slug":"core","profile":v}) is at most 65,535 bytes, the NIP-44 plaintext cap.
 MAX_MEMORY_BODY_BYTES = 65_535
+#: Our bound on one channel.read page, in `page_bytes` (contract `_page`: content and tag
+#: strings, and a fixed allowance for the rest): 500 events of 8 KiB each, or 64 of the
+#: largest content (64 KiB). Past it the host ends the page early with a `nextCursor`, as
+#: the spec allows; the agent client's bound on an answer's JSON values derives from it.
+MAX_PAGE_BYTES = 4 * 1024 * 1024
 #: Our bound on container nesting. The deepest legal document is a read response:
 #: top / outcome / messages / event / tags / tag = 6 levels. 16 leaves room and keeps a
 #: hostile 10,000-deep body far from the C decoder's recursion.

@@ -32,11 +32,17 @@ Decisions (each documented here because Buzz leaves them to the host):
 * A cursor that fails for any reason (forged, truncated, foreign principal / channel /
   filter, expired, another host's key) -> `failed` + `invalid_request` with one fixed
   message: no oracle for which check failed.
-* A page is held to MAX_PAGE_BYTES (the events' content and tags, plus a fixed allowance
-  per event for the other members): past it the page ends early with a `nextCursor`, which
-  the contract allows (a page is at most `limit`, and `nextCursor` says more exists). So
-  one read answer - and the read verdict the ledger stores - stays bounded whatever the
-  relay holds; the relay's reply itself is bounded by `daemon.relay.pool.MAX_QUERY_BYTES`.
+* A page is held to MAX_PAGE_BYTES (the contract's `page_bytes`: the events' content and
+  tags, plus a fixed allowance per event for the other members): past it the page ends
+  early with a `nextCursor`, which the contract allows (a page is at most `limit`, and
+  `nextCursor` says more exists). So one read answer - and the read verdict the ledger
+  stores - stays bounded whatever the relay holds; the relay's reply itself is bounded by
+  `daemon.relay.pool.MAX_QUERY_BYTES`. The agent client bounds the JSON values of an
+  answer by what such a page holds (contract `MAX_PAGE_VALUES`), so both the bound and
+  its count live in the contract, not here.
+* An event is not refused for how many tags it has: Buzz's own client shows a message of
+  2,000 tags, and the page's byte bound already bounds its values (each tag value is
+  charged 3 bytes beyond its own, contract `_page`).
 * Every event the relay sends is checked before it is delivered: exactly the seven
   canonical members (contract `Event`), a valid id and BIP-340 signature, then in the
   order of `_CHECKS` no empty tag (NIP-01; Buzz's SDK refuses a page holding one), the
@@ -84,6 +90,7 @@ from buzzwire import kinds
 from buzzwire.nostr import verify_event
 from buzzwire.threads import in_channel, in_thread
 from buzzwire.contract import (
+    MAX_PAGE_BYTES,
     ChannelReadArgs,
     ContractError,
     ErrorCode,
@@ -91,6 +98,7 @@ from buzzwire.contract import (
     ReadOutcome,
     Status,
     Verdict,
+    page_bytes,
 )
 from daemon.relay.cursor import CursorScope, InvalidCursor, Position
 from daemon.fault_log import FaultLogs
@@ -109,24 +117,11 @@ READ_KINDS: tuple[int, ...] = (kinds.STREAM_MESSAGE, kinds.STREAM_MESSAGE_V2)
 
 _log = logging.getLogger("buzz_broker.read")
 
-#: The bytes one page may hold (see the module docstring): 500 events of 8 KiB each, or
-#: 64 of the largest (64 KiB content).
-MAX_PAGE_BYTES = 4 * 1024 * 1024
 #: Events a due read window is confirmed by (its newest, read afresh from the relay under
 #: the agent's AUTH; daemon/relay/windows.py "Kept true"). A few, not a page: measured on
 #: the fleet at full size, re-reading 256 windows' pages within seconds stalled
 #: LocalRelay (answers of 10-28 s); a relay that no longer serves the agent answers none.
 CONFIRM_EVENTS = 5
-#: What an event's fixed members (id, pubkey, sig, kind, created_at, JSON punctuation)
-#: add to its content and tags.
-_EVENT_OVERHEAD = 300
-
-
-def _event_bytes(event: Event) -> int:
-    """An event's size as the page counts it: UTF-8 content, tag strings, fixed members."""
-    tag_bytes = sum(len(value.encode("utf-8")) + 3 for tag in event.tags for value in tag)
-    return len(event.content.encode("utf-8")) + tag_bytes + _EVENT_OVERHEAD
-
 #: Fixed agent-facing messages (style.md rule 12): never built from an exception's text.
 _BAD_CURSOR = "the cursor is not valid for this read; start again without one"
 _RELAY_DOWN = "the relay could not be read; nothing happened, the read may be retried"
@@ -241,7 +236,7 @@ _JUDGED_OVERHEAD = 400
 
 def _judged_cost(obj: Mapping[str, object]) -> int:
     """Bytes one entry holds, over-counted: its JSON members as objects, twice (the dict
-    and the `Event`'s tuples beside it). Not the page's `_event_bytes`, which counts a tag
+    and the `Event`'s tuples beside it). Not the page's `page_bytes`, which counts a tag
     value's characters: an event of 80,000 one-letter tags is 0.5 MB of JSON but over
     10 MB of objects, and a relay may send as many such events as it likes."""
     return 2 * decoded_size(obj) + _JUDGED_OVERHEAD
@@ -304,7 +299,9 @@ def _signature_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bo
 def _tags_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bool:
     # NIP-01: a tag holds one or more strings. The wire contract lets `[]` through, but
     # Buzz's SDK (rust-nostr) refuses such an event, and with it the whole page: one
-    # member's event would stop every agent reading the channel.
+    # member's event would stop every agent reading the channel. The contract's
+    # MAX_PAGE_VALUES, which the agent client reads answers by, counts on it too: an empty
+    # tag is two JSON values for no bytes of `page_bytes`.
     return all(event.tags)
 
 
@@ -367,7 +364,7 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
             accept=judge,
             cap=RELAY_MAX_LIMIT,
             max_bytes=MAX_PAGE_BYTES,
-            size_of=_event_bytes,
+            size_of=page_bytes,
         )
 
     # getattr: a stand-in for the pool (tests, benchmarks) may have no windows at all.
@@ -406,7 +403,7 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
                     key, filters,
                     _Judge(args.channel_id, filters, "window", ctx.read_log, ctx.judged,
                            max_forged=None),
-                    lambda: cold(depth), max_page_bytes=MAX_PAGE_BYTES, size_of=_event_bytes)
+                    lambda: cold(depth), max_page_bytes=MAX_PAGE_BYTES, size_of=page_bytes)
                 served = window.serve(limit) if window is not None else None
                 if served is not None:
                     return _served(ctx, served, scope, now)

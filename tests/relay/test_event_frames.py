@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import trio_websocket
 
-from buzzwire.contract import Event
+from buzzwire.contract import Event, page_bytes
 from daemon.operations import channel_read
 from daemon.relay import pool as pool_module
 from daemon.relay.paging import Page
@@ -141,7 +141,7 @@ async def test_a_forged_copy_of_a_known_event_is_judged_and_refused() -> None:
         filters = [{"kinds": [9, 40002], "#h": [channel]}]
         judge = channel_read._Judge(channel, filters, "window", drops, judged)
         window = Window(cache, WindowKey(agent, channel, False), judge, 10, 1 << 20,
-                        channel_read._event_bytes, 10)
+                        page_bytes, 10)
         assert window.fill(Page(items=(), next_position=None, rounds=1))
         _, live = conn.open_live(window)
         live.on_eose()
