@@ -13,35 +13,53 @@ The bounds are derived from what an honest answer to the request can hold:
   for operators: `SMALL_ANSWER_BYTES`, `SMALL_ANSWER_VALUES`.
 - `storage.get`: the record's value, at most 65,535 bytes of UTF-8, which JSON escaping
   can grow six times (`\\u0001`).
-- `channel.read`: its effective limit (the `limit` sent, else 100) times what one event
-  may take, `EVENT_BYTES` (the largest relay frame the host reads, 1 MiB: docs/
-  configuration.md `max_result_bytes`) and `EVENT_VALUES` (an event's seven members and
-  its tags: a Buzz message has a channel tag, thread tags and at most 50 mentions; 1,024
-  on average over the page leaves several times that), never past `MAX_RESPONSE_BYTES`.
+- `channel.read` bytes: its effective limit (the `limit` sent, else 100) times what one
+  event may take, `EVENT_BYTES` (the largest relay frame the host reads, 1 MiB: docs/
+  configuration.md `max_result_bytes`), never past `MAX_RESPONSE_BYTES`.
+- `channel.read` values: what the host's page can hold, not an allowance per event. The
+  host cuts a page at the contract's MAX_PAGE_BYTES, and the contract derives from it the
+  values such a page's events hold, `MAX_PAGE_VALUES` (about 2.8 million; a lone event past
+  the page bound, as a page always holds one, is at most `EVENT_BYTES` of JSON, which
+  holds fewer). So a page the host serves is always read, however its events spend their
+  bytes (an average per event refused 18 events of 2,000 one-letter tags, which Buzz's own
+  client shows), and never more than the byte bound itself can hold (`values_in`): at
+  limit 1 the byte bound is the tighter. What a hostile host can make the client build is
+  then bounded by that page: ~2.8 million values (measured: 400 MiB of objects at the peak,
+  6 s of CPU), not the 44 million that 64 MiB of `[],` holds.
 
 The value count is the shared one (buzzwire.jsonvalues `values_at_most`), which the
 custodian's frames and a backup's lines are counted by too.
+
+Held by tests/client/test_client.py
+`::test_the_value_bound_holds_the_densest_page_the_host_serves_at_every_limit` and
+`::test_a_page_of_more_json_values_than_events_hold_is_no_answer`, and against the real
+host and relay by tests/e2e/test_client_e2e.py (pages of 2,000-tag messages, limit 1 and
+limit 100); the contract's derivation by tests/contract/test_page_size.py.
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-from buzzwire.contract import MAX_MEMORY_BODY_BYTES, ChannelReadArgs, Request
+from buzzwire.contract import (
+    MAX_MEMORY_BODY_BYTES, MAX_PAGE_VALUES, ChannelReadArgs, Request, values_in,
+)
 
 from ._transport import MAX_RESPONSE_BYTES
 
 __all__ = [
     "MAX_RESPONSE_BYTES", "SMALL_ANSWER_BYTES", "SMALL_ANSWER_VALUES", "EVENT_BYTES",
-    "EVENT_VALUES", "response_bytes", "response_values",
+    "PAGE_VALUES", "response_bytes", "response_values",
 ]
 
 #: An answer of any action but channel.read and storage.get.
 SMALL_ANSWER_BYTES: Final = 64 * 1024
 SMALL_ANSWER_VALUES: Final = 1024
-#: One event on a page: bytes of its JSON, and JSON values on average over the page.
+#: One event on a page: bytes of its JSON.
 EVENT_BYTES: Final = 1024 * 1024
-EVENT_VALUES: Final = 1024
+#: The JSON values of a page's events: what the host's page holds (contract
+#: MAX_PAGE_VALUES), or a lone event past the page bound (at most EVENT_BYTES of JSON).
+PAGE_VALUES: Final = max(MAX_PAGE_VALUES, values_in(EVENT_BYTES))
 #: The envelope around a page (its members, a cursor of at most 256 bytes).
 _ENVELOPE_BYTES: Final = 64 * 1024
 _ENVELOPE_VALUES: Final = 64
@@ -61,5 +79,5 @@ def response_bytes(request: Request) -> int:
 def response_values(request: Request) -> int:
     """The most JSON values (member names included) an answer to `request` may hold."""
     if isinstance(request.args, ChannelReadArgs):
-        return request.args.effective_limit * EVENT_VALUES + _ENVELOPE_VALUES
+        return min(values_in(response_bytes(request)), PAGE_VALUES + _ENVELOPE_VALUES)
     return SMALL_ANSWER_VALUES

@@ -524,7 +524,8 @@ def judge(
         A verdict (`Succeeded`, `Failed`, `Unsupported`, `Indeterminate`) only when the
         envelope parses and passes every I5 check; otherwise `NoAnswer`. A body larger,
         or holding more JSON values, than an answer to this request can
-        (`_bounds.response_bytes`, `response_values`) is `NoAnswer` unparsed.
+        (`_bounds.response_bytes`, `response_values`; a page: the values any page the host
+        serves can hold, `buzzwire.contract.MAX_PAGE_VALUES`) is `NoAnswer` unparsed.
     """
     return _judge(request, reply, outcome_type, attempt=attempt, verification=verification,
                   me=me)[0]

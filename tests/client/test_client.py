@@ -43,6 +43,7 @@ from buzz_broker_client import (
     SocketPermissionDenied,
     _transport,
 )
+from buzz_broker_client._bounds import response_bytes, response_values
 from buzz_broker_client.client import (
     _ECHO_CHECKS,
     AsyncBrokerClient,
@@ -60,14 +61,21 @@ from buzz_broker_client.client import (
 )
 from buzzwire.contract import (
     ACTIONS,
+    MAX_PAGE_BYTES,
     AgentsCreateOutcome,
     ContractError,
     ErrorCode,
+    Event,
     PublishOutcome,
     ReadOutcome,
+    Verdict,
+    build_request,
     encode_request,
+    encode_response,
+    page_bytes,
     parse_response,
 )
+from buzzwire.jsonvalues import values_at_most
 from tests.client.scripted_host import (
     HttpAnswer,
     Received,
@@ -1430,14 +1438,50 @@ async def test_an_answer_larger_than_its_action_can_be_is_no_answer(host: Script
 
 
 async def test_a_page_of_more_json_values_than_events_hold_is_no_answer(host: ScriptedHost) -> None:
-    # 200,000 empty tags in one event: 600 KB, well inside a page's bytes, but ~35 MB of
-    # objects to build, check and verify. Refused from a count of the raw bytes.
+    # 1,500,000 empty tags in one event: 4.5 MB, well inside the bytes of a page of 10
+    # (10 MiB), but 3 million values, more than any page the host serves holds
+    # (MAX_PAGE_VALUES): ~500 MB of objects to build, check and verify. Refused from a
+    # count of the raw bytes.
     event = Signer().event(content="x", tags=[["h", CHANNEL]])
-    event["tags"] = [["h", CHANNEL]] + [[]] * 200_000
+    event["tags"] = [["h", CHANNEL]] + [[]] * 1_500_000
     host.default = succeeded(None, page([event]))
     answer = await client(host).channel_read(CHANNEL, limit=10)
     assert isinstance(answer, NoAnswer) and answer.reason is NoAnswerReason.NO_ENVELOPE
     assert "JSON values" in answer.detail
+    assert len(host.received) == FAST.max_attempts
+
+
+def test_the_value_bound_holds_the_densest_page_the_host_serves_at_every_limit() -> None:
+    # The host cuts a page at MAX_PAGE_BYTES of `page_bytes`; the densest page it serves
+    # within that (tests/contract/test_page_size.py) passes the client's count at every
+    # limit whose byte bound it fits, and a page of events of 2,000 one-letter tags (which
+    # Buzz's own client shows) at every limit it has events for. An allowance per event
+    # refused both.
+    def counted(events: list[Event]) -> tuple[int, int]:
+        body = encode_response("r", Verdict.succeeded("channel.read", ReadOutcome(
+            messages=tuple(events), next_cursor="c" * 256)))
+        return len(body), values_at_most(body, 0, len(body))
+
+    def event(tags: list[list[str]]) -> Event:
+        return Event(id="0" * 64, pubkey="1" * 64, created_at=0, kind=9,
+                     tags=tuple(map(tuple, tags)), content="", sig="2" * 128)
+
+    # Each as many events as the host's page holds before MAX_PAGE_BYTES cuts it.
+    dense = event([["h", CHANNEL]] + [[""]] * 60_000)
+    tagged = event([["h", CHANNEL]] + [["t", "x"]] * 1999)
+    pages = {e: [e] * (MAX_PAGE_BYTES // page_bytes(e)) for e in (dense, tagged)}
+    assert len(pages[dense]) == 23 and len(pages[tagged]) == 256
+    counts = {}
+    for limit in (1, 2, 18, 100, 500):
+        request = build_request("channel.read", {"channelId": CHANNEL, "limit": limit},
+                                request_id="r")
+        for e, full in pages.items():
+            events = full[:limit]
+            if (e, len(events)) not in counts:
+                counts[e, len(events)] = counted(events)
+            size, values = counts[e, len(events)]
+            if size <= response_bytes(request):
+                assert values <= response_values(request), (limit, len(events))
 
 
 async def test_judging_a_page_holds_neither_the_loop_nor_past_the_deadline(

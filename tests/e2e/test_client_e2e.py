@@ -7,13 +7,16 @@ verdict, never as "no answer".
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
 import trio
 
 from buzz_broker_client import AsyncBrokerClient, BrokerClient, Failed, ReadEnd, Succeeded, Unsupported
+from daemon.relay.windows import WindowKey
 from tests.fixtures.broker import BrokerHarness
+from tests.fixtures.relay import TestKey, nostr_publish
 
 
 @pytest.mark.broker_config(policy={"models": ["m-2"]})  # the model it names, declared
@@ -87,3 +90,67 @@ async def test_the_synchronous_client_from_a_thread(broker: BrokerHarness) -> No
     client = BrokerClient(str(broker.socket), broker.credential(agent, [channel]))
     answer = await trio.to_thread.run_sync(client.message_post, channel, "from plain code")
     assert isinstance(answer, Succeeded), answer
+
+
+# ------------------------------------------------------------------ pages of many tags
+# A channel member may post an ordinary signed message with thousands of tags; the relay
+# keeps it, the host serves it, and Buzz's own client shows it. The client's bound on an
+# answer's JSON values is the host's page (contract MAX_PAGE_VALUES), so such a page is
+# read, at any limit (an allowance of 1,024 values an event refused it: the agent was
+# blind to the channel while the events were in its newest page).
+
+#: 2,000 one-letter tags: 24 KB of JSON, ~6,000 JSON values.
+_MANY_TAGS = [["t", "x"]] * 1999
+
+
+async def _post_many_tags(broker: BrokerHarness, channel: str, count: int) -> list[str]:
+    member, now = TestKey(), int(time.time())
+    ids = []
+    for i in range(count):
+        event = member.sign(9, f"tags {i}", [["h", channel]] + _MANY_TAGS, now + 1 + i)
+        assert await trio.to_thread.run_sync(nostr_publish, broker.relay_url, event,
+                                             member.secret_hex)
+        ids.append(event["id"])
+    return ids[::-1]  # newest first, as a page is
+
+
+def _tag_counts(answer: object) -> list[int]:
+    assert isinstance(answer, Succeeded), answer
+    return [len(m.tags) for m in answer.outcome.messages]
+
+
+async def test_a_message_of_2000_tags_reads_through_the_client_at_limit_1(
+        broker: BrokerHarness) -> None:
+    channel = str(uuid.uuid4())
+    agent = await broker.human_owned_agent()
+    client = AsyncBrokerClient(str(broker.socket), broker.credential(agent, [channel]),
+                               agent_pubkey=agent)
+    posted = await client.message_post(channel, "hello")
+    assert isinstance(posted, Succeeded), posted
+    [tagged] = await _post_many_tags(broker, channel, 1)
+    newest = await client.channel_read(channel, limit=1)
+    assert _tag_counts(newest) == [2000]
+    assert newest.outcome.messages[0].id == tagged and newest.outcome.next_cursor
+    both = await client.channel_read(channel, limit=100)
+    assert _tag_counts(both) == [2000, 1]
+    assert [m.id for m in both.outcome.messages] == [tagged, posted.outcome.event_id]
+
+
+async def test_a_poll_over_twenty_messages_of_2000_tags_reads_through_the_client(
+        broker: BrokerHarness) -> None:
+    # Buzz's poll: limit 100, the newest page. The first read opens the agent's read window
+    # (a cold read of the relay); the second is answered from the window.
+    channel = str(uuid.uuid4())
+    agent = await broker.human_owned_agent()
+    client = AsyncBrokerClient(str(broker.socket), broker.credential(agent, [channel]),
+                               agent_pubkey=agent)
+    posted = await client.message_post(channel, "hello")
+    assert isinstance(posted, Succeeded), posted
+    tagged = await _post_many_tags(broker, channel, 20)
+    windows = broker.app._relay.windows  # the daemon's own pool
+    assert windows is not None
+    for _ in range(2):
+        poll = await client.channel_read(channel, limit=100)
+        assert _tag_counts(poll) == [2000] * 20 + [1]
+        assert [m.id for m in poll.outcome.messages] == tagged + [posted.outcome.event_id]
+        assert windows.get(WindowKey(agent=agent, channel_id=channel, mentions_only=False))
