@@ -186,6 +186,20 @@ def test_service_has(key: str) -> None:
     assert SERVICE_REQUIRED[key] in _directives(SERVICE).get(key, []), key
 
 
+#: The allocator settings both services run under, in order: two arenas (locked memory),
+#: then every free overwritten (PYTHONMALLOC: CPython's small objects to glibc; tcache
+#: off: no freed chunk skips M_PERTURB), so a plaintext or credential does not outlive its
+#: request in freed memory (tests/security/test_plaintext_lifetime.py, under these lines).
+ALLOCATOR = ("MALLOC_ARENA_MAX=2", "PYTHONMALLOC=malloc",
+             "GLIBC_TUNABLES=glibc.malloc.tcache_count=0")
+
+
+@pytest.mark.parametrize("unit", ["buzz-broker.service", "buzz-custodian.service"])
+def test_the_allocator_overwrites_every_free(unit: str) -> None:
+    environment = _directives(UNITS / unit)["Environment"]
+    assert [e for e in environment if e in ALLOCATOR] == list(ALLOCATOR), environment
+
+
 @pytest.mark.parametrize("key", sorted(SOCKET_REQUIRED))
 def test_socket_has(key: str) -> None:
     assert _directives(SOCKET).get(key) == [SOCKET_REQUIRED[key]], key
