@@ -303,10 +303,12 @@ def _socket_of(config: Path) -> Path:
 
 @contextmanager
 def custodian_process(token: TokenConfig, state_dir: Path, relay_url: str,
-                      workdir: Path) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
+                      workdir: Path, *, environ: dict[str, str] | None = None
+                      ) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
     """The custodian (`python -m custody.custodian`), the process an installed daemon signs
     through (docs/install.md), over the same token and state; yields (its socket, process).
-    A daemon uses it with write_config(..., custody={"custodian_socket": str(socket)})."""
+    A daemon uses it with write_config(..., custody={"custodian_socket": str(socket)}).
+    `environ`: its environment (default this process's)."""
     sock = workdir / "custodian.sock"
     config = workdir / "custodian.toml"
     config.write_text(
@@ -317,7 +319,8 @@ def custodian_process(token: TokenConfig, state_dir: Path, relay_url: str,
     err_path = workdir / "custodian.err"
     with open(err_path, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "custody.custodian", str(config)],
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True,
+                                env=environ)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()

@@ -3,7 +3,7 @@
     python benchmarks/load.py [--relay null|local] [--agents 64] [--mix post=8,read=2]
                               (--concurrency C | --rate R) [--duration 10] [--requests N]
                               [--procs 1] [--read-events 100] [--no-floor] [--no-read-baseline]
-                              [--custodian]
+                              [--custodian] [--allocator]
 
 What runs (all on loopback / Unix sockets, all in one temporary directory):
   1. a fresh SoftHSM2 token, `keys init`, --agents agents imported through custody, one
@@ -41,6 +41,13 @@ against a daemon with custody in process and against one signing through the cus
 (`python -m custody.custodian`, the layout docs/install.md installs), same token, state,
 relay and generator, alternating, and prints posts/s custodian / in process (medians).
 
+Allocator (--allocator): each of --repeat rounds runs the load twice, against a daemon
+(and with --custodian, a custodian) in this process's environment and against one under
+its systemd unit's `Environment=` lines as well (tests/fixtures/units.py reads them:
+PYTHONMALLOC=malloc, no glibc tcache, two arenas), alternating, and prints posts/s and
+daemon CPU per request, units / default (the median of the rounds' ratios): what
+overwriting every free costs.
+
 Operations in --mix (weights): post = message.post (new requestId, a new event);
   replay = the identical bytes of a post this agent already made (answered from the
   ledger, `replayed: true`); read = channel.read, limit 100, of the agent's channel;
@@ -63,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -70,6 +78,7 @@ import sys
 import time
 import uuid
 from collections import Counter
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +89,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _harness as H  # noqa: E402
+from tests.fixtures.units import BROKER_UNIT, CUSTODIAN_UNIT, unit_environment  # noqa: E402
 
 OPS = ("post", "replay", "read", "storage")
 RECEIVE = 65536
@@ -498,6 +508,9 @@ def orchestrate(args: argparse.Namespace) -> None:
         events_file.write_text(json.dumps([e for c in channels for e in canned_events(c, args.read_events)]))
         with H.relay_process(args.relay, events_file=events_file) as (url, relay):
             config = H.write_config(tmp / "broker.toml", token, state, tmp / "broker.sock", url)
+            if args.allocator:
+                allocator_modes(args, tmp, token, state, url, relay.pid, agents, agents_file)
+                return
             if args.custodian:
                 custody_modes(args, tmp, token, state, url, relay.pid, config, agents, agents_file)
                 return
@@ -566,6 +579,50 @@ def custody_modes(args: argparse.Namespace, tmp: Path, token: Any, state: Path, 
           flush=True)
 
 
+def allocator_modes(args: argparse.Namespace, tmp: Path, token: Any, state: Path, url: str,
+                    relay_pid: int, agents: list[H.Agent], agents_file: Path) -> None:
+    """--allocator: the same load with the daemon (and custodian) in this process's
+    environment and under their units' environment, alternating round by round."""
+    broker, custodian_unit = unit_environment(BROKER_UNIT), unit_environment(CUSTODIAN_UNIT)
+    # default: without the units' settings, even where this process has them.
+    default = {k: v for k, v in os.environ.items() if k not in broker | custodian_unit}
+    environs = {"default": default, "units": default | broker}
+    custodian_environs = {"default": default, "units": default | custodian_unit}
+    rates: dict[str, list[float]] = {mode: [] for mode in environs}
+    cpu_ms: dict[str, list[float]] = {mode: [] for mode in environs}
+    for rep in range(args.repeat):
+        for mode, environ in environs.items():
+            with ExitStack() as stack:
+                custody: dict[str, object] = {}
+                custodian = None
+                if args.custodian:
+                    csock, custodian = stack.enter_context(H.custodian_process(
+                        token, state, url, tmp, environ=custodian_environs[mode]))
+                    custody = {"custodian_socket": str(csock)}
+                cfg = H.write_config(tmp / f"allocator-{rep}.toml", token, state,
+                                     tmp / "broker.sock", url, custody=custody or None)
+                daemon = stack.enter_context(H.daemon_process(cfg, tmp, environ=environ))
+                trio.run(warm_up, daemon.socket, agents)
+                c0 = H.proc_stat(custodian.pid).cpu_seconds if custodian else 0.0
+                summary = run_load(args, agents_file, daemon, f"{mode}#{rep + 1}", relay_pid)
+                spent = H.proc_stat(custodian.pid).cpu_seconds - c0 if custodian else 0.0
+            posts = summary["by_op"].get("post", 0) / max(1e-9, summary["answered"]) * summary["rps"]
+            rates[mode].append(posts)
+            per_request = summary["daemon_cores"] / max(1e-9, summary["rps"]) * 1e3
+            cpu_ms[mode].append(per_request)
+            print(f"  allocator {mode:8s} round {rep + 1}: {summary['rps']:.0f} req/s ({posts:.0f} posts/s), "
+                  f"p50 {summary['p50_ms']} ms, p99 {summary['p99_ms']} ms; errors {summary['errors'] or 'none'}; "
+                  f"daemon {summary['daemon_cores']} cores ({per_request:.3f} CPU-ms a request), "
+                  f"{summary['daemon_rss_mb']} MB"
+                  + (f"; custodian {spent:.2f} CPU-s" if custodian else ""), flush=True)
+    # Each round's pair ran back to back: the median of the rounds' ratios, so a machine
+    # that got busier between rounds (shared cores) moves both sides of a ratio alike.
+    def ratio(by_mode: dict[str, list[float]]) -> float:
+        return statistics.median(u / max(1e-9, d) for u, d in zip(by_mode["units"], by_mode["default"]))
+    print(f"  ratio units / default (same run, median of {args.repeat} rounds' ratios): "
+          f"posts/s {ratio(rates):.2f}, daemon CPU-ms a request {ratio(cpu_ms):.2f}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group()
@@ -583,6 +640,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-floor", action="store_true", help="skip the custody floor baseline")
     parser.add_argument("--custodian", action="store_true",
                         help="alternate custody in the daemon's process and through the custodian")
+    parser.add_argument("--allocator", action="store_true",
+                        help="alternate the default allocator and the systemd units' settings")
     parser.add_argument("--no-read-baseline", action="store_true",
                         help="skip the reads' baseline (the same runs with read windows off)")
     parser.add_argument("--floor-seconds", type=float, default=2.0)
