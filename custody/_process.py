@@ -26,7 +26,11 @@ a scan of the custodian found both there after the calls returned
 frees it, except a chunk it keeps in its per-thread cache (1032 usable bytes or fewer), so
 custody asks for a larger buffer (`_token.OUTPUT_BUFFER_BYTES`). Rejected: C_Decrypt through
 ctypes into a buffer of ours (more hazmat: python-pkcs11's mechanism code, twice). Cost: a
-memset of each malloc'd block (not CPython's small objects) at malloc and at free.
+memset of each malloc'd block (not CPython's small objects) at malloc and at free. The
+systemd units close the two gaps for everything else (plaintexts, credentials): with
+PYTHONMALLOC=malloc and GLIBC_TUNABLES=glibc.malloc.tcache_count=0 every free is filled
+(tests/security/test_plaintext_lifetime.py); an allocator is chosen at interpreter start,
+so this function cannot do it.
 """
 
 from __future__ import annotations

@@ -98,6 +98,11 @@ BENCHMARKS = [
                       "--no-floor", "--custodian"),
           (r'"run": "in-process#1".*"errors": \{\}', r'"run": "custodian#1".*"errors": \{\}',
            r"^ +ratio posts/s custodian / in process \(same run, medians of 1\): \d")),
+    # The same load under the default allocator and the units' (through the custodian).
+    Bench("load.py", ("--agents", "2", "--concurrency", "2", "--requests", "40", "--duration", "3",
+                      "--no-floor", "--allocator", "--custodian"),
+          (r'"run": "default#1".*"errors": \{\}', r'"run": "units#1".*"errors": \{\}',
+           r"^ +ratio units / default \(same run, median of 1 rounds' ratios\): posts/s \d")),
     # --requests 200: CPU time moves in 10 ms ticks, and a cached poll costs ~0.5 ms.
     Bench("poll.py", ("--events", "20", "--requests", "200"),
           (r"^ +cached poll +[\d.]+ ms daemon CPU per request$",

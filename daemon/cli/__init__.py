@@ -168,7 +168,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Every command may hold a secret: serve holds agents' credentials and the plaintexts it
     # answers (with a custodian it never opens custody, which hardened it before), agent
     # import a key read from stdin, credential issue the new credential. No core file, no
-    # same-uid ptrace or /proc/PID/mem, freed heap overwritten: before anything is read.
+    # same-uid ptrace or /proc/PID/mem, freed glibc chunks overwritten (M_PERTURB): before
+    # anything is read. M_PERTURB alone leaves CPython's small objects and glibc's tcache
+    # unfilled, where request bodies and parsed strings live; every free is overwritten
+    # only under the systemd unit's PYTHONMALLOC=malloc and tcache_count=0
+    # (tests/security/test_plaintext_lifetime.py; docs/custodian.md, "What stays in the
+    # custodian's memory"). Without them a plaintext outlives its request in freed memory.
     harden_process()
     arguments = list(sys.argv[1:] if argv is None else argv)
     parser = _parser(_selected(arguments))
