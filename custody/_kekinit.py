@@ -46,7 +46,7 @@ from custody._token import (
 )
 
 __all__ = ["KEK_TEMPLATE", "MAC_KEY_TEMPLATE", "TokenReport", "destroy_kek", "init_kek",
-           "kek_obtainable"]
+           "kek_obtainable", "kek_present"]
 
 log = logging.getLogger("buzz_broker.custody")
 
@@ -151,6 +151,12 @@ def kek_obtainable(config: TokenConfig, label: str) -> bool:
     with _logged_in(config) as session:
         return (_find_key(session, config.token_label, label, AES_KEY_TYPES) is not None
                 or _can_generate(session))
+
+
+def kek_present(config: TokenConfig, label: str) -> bool:
+    """Whether the token holds KEK `label`'s AES key (its checks are `Token.open`'s)."""
+    with _logged_in(config) as session:
+        return _find_key(session, config.token_label, label, AES_KEY_TYPES) is not None
 
 
 def destroy_kek(config: TokenConfig, label: str) -> tuple[str, ...]:

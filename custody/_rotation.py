@@ -33,6 +33,8 @@ Rules:
   other custody command must be stopped, and cannot start while it runs. A `Journal`
   records the run under that lock: a record written after its release would race a
   process starting then (the custodian's log would fork).
+- Nothing is recorded or made before the source KEK (the one the agents are sealed under)
+  has opened: a mistyped `[pkcs11] kek_label` leaves no plan and no new key (`_open_source`).
 - Nothing is destroyed before the swap has committed, and only a KEK the keystore records
   as retiring (never the active one).
 - A blob that does not open (any defence) stops the run before anything changes, naming
@@ -69,7 +71,7 @@ from custody._activekek import (
     require_configured,
 )
 from custody._errors import CustodyError, UnsealFailed
-from custody._kekinit import destroy_kek, init_kek, kek_obtainable
+from custody._kekinit import destroy_kek, init_kek, kek_obtainable, kek_present
 from custody._keystore import Keystore
 from custody._sealed import seal, unseal
 from custody._secret import Secret
@@ -254,13 +256,14 @@ def _rotate(keystore: _Staging, source: TokenConfig, target: TokenConfig,
         log.warning("an interrupted run planned KEK %r in token %r; moving to %r instead "
                     "(the planned key, if it was made, is unused: remove it from the token)",
                     meta[PLAN_KEK], meta.get(PLAN_TOKEN), label)
-    keystore.set_meta({PLAN_TOKEN: target.token_label, PLAN_KEK: label})
-    checkpoint("planned")
-    init_kek(target, label)
-    checkpoint("new_kek")
-
-    source_token = Token.open(source, current.kek_label)
+    # The source KEK is opened before anything is recorded or made: a mistyped
+    # [pkcs11] kek_label must leave no plan in the keystore and no new key in the token.
+    source_token = _open_source(source, current)
     try:
+        keystore.set_meta({PLAN_TOKEN: target.token_label, PLAN_KEK: label})
+        checkpoint("planned")
+        init_kek(target, label)
+        checkpoint("new_kek")
         target_token = Token.open(target, label)
         try:
             originals = _stage_resealed(keystore, (source_token,), target_token, checkpoint)
@@ -278,6 +281,18 @@ def _rotate(keystore: _Staging, source: TokenConfig, target: TokenConfig,
     checkpoint("swapped")
     destroyed = _destroy_retiring(keystore, source, current, checkpoint)
     return RotationReport(len(originals), current, new, seal_kind, destroyed, "rotated")
+
+
+def _open_source(source: TokenConfig, current: ActiveKek) -> Token:
+    """The KEK the agents are sealed under, opened; refused, naming the label, when the
+    token has none by it: `keys init` (Token.open's remedy) would make an empty one there."""
+    require_kek_label(current.kek_label)
+    if not kek_present(source, current.kek_label):
+        raise CustodyError(
+            f"token {source.token_label!r} has no KEK labelled {current.kek_label!r} to "
+            "rotate from: check [pkcs11] kek_label (the agents' keys are sealed under the "
+            "KEK it names); nothing was changed")
+    return Token.open(source, current.kek_label)
 
 
 def _stage_resealed(keystore: _Staging, sources: tuple[Token, ...], target: Token,

@@ -22,10 +22,11 @@ from pathlib import Path
 import pytest
 
 from buzzwire.nostr import verify_signed
-from custody import Custody, CustodyError, UnsignedEvent
+from custody import Custody, CustodyError, UnsignedEvent, init_kek
 from custody.custodian.ledger import verify_chain
 from tests.custody._sealing import HUMAN
-from tests.custody.test_rotation import second_token  # noqa: F401  (a fixture)
+from tests.custody.test_rotation import keystore_meta, second_token  # noqa: F401 (a fixture)
+from tests.custody.test_rotation import token_objects
 from tests.fixtures.custodian import CustodianProcess, write_custodian_config
 from tests.fixtures.token import SoftHsmToken
 
@@ -79,6 +80,28 @@ async def test_init_then_rotate_from_the_custodians_file(
     async with await Custody.open(token, state) as custody:  # and the resealed key signs
         signed = await custody.sign_event(agent, UnsignedEvent(agent, 1, 1, (), "after"))
     assert verify_signed(signed)
+
+
+@pytest.mark.token_offers("GENERATE_KEY")  # the old code made the new KEK before refusing
+async def test_rotate_with_a_mistyped_kek_label_refuses_and_changes_nothing(
+        softhsm_token: SoftHsmToken, tmp_path: Path) -> None:
+    """As the daemon's `keys rotate` (tests/custody/test_rotation.py): no plan recorded, no
+    key made, one line and exit 1, when [pkcs11] kek_label names no KEK in the token."""
+    token = softhsm_token.config(kek_label=f"custtypo-{tmp_path.name}"[:50])
+    state = tmp_path / "state"
+    config = write_custodian_config(
+        tmp_path / "custodian.toml", token=dataclasses.replace(token, kek_label="custtypo-x"),
+        state_dir=state, socket=tmp_path / "c.sock", relay_url="ws://127.0.0.1:1")
+    await init_kek(token)
+    async with await Custody.open(token, state) as custody:
+        await custody.import_agent(bytearray(SECRET.encode()), owner=HUMAN)
+    objects, meta = await token_objects(token), keystore_meta(state)
+    refused = _keys(config, "rotate")
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    assert await token_objects(token) == objects
+    assert keystore_meta(state) == meta
+    assert "no KEK labelled 'custtypo-x' to rotate from" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr
 
 
 def test_a_word_it_does_not_take_is_a_usage_line(tmp_path: Path) -> None:

@@ -181,6 +181,46 @@ async def test_a_blob_that_does_not_open_stops_the_rotation_before_anything_chan
     assert report.new.kek_label == planned and report.agents == 2
 
 
+async def token_objects(config: TokenConfig) -> list[str]:
+    """Every object's label in `config`'s token, sorted (twins listed twice)."""
+    def listing(session: Any) -> list[str]:
+        return sorted(str(o[token_module.Attribute.LABEL]) for o in session.get_objects())
+
+    return await in_session(config, listing)
+
+
+def keystore_meta(state: Path) -> dict[str, str]:
+    """custody_meta as it stands, read-only."""
+    db = sqlite3.connect(f"file:{state / 'keystore.db'}?mode=ro", uri=True)
+    try:
+        return dict(db.execute("SELECT name, value FROM custody_meta").fetchall())
+    finally:
+        db.close()
+
+
+@pytest.mark.token_offers("GENERATE_KEY")  # the old code made the new KEK before refusing
+async def test_a_mistyped_kek_label_refuses_the_rotation_and_changes_nothing(
+    softhsm_token: SoftHsmToken, tmp_path: Path
+) -> None:
+    """`keys rotate` with a [pkcs11] kek_label naming no KEK: one line, exit 1, and the
+    token's objects and custody_meta exactly as before. The old code recorded a plan and
+    made `TYPO-xxxxxxxx` first, and its remedy (`keys init`) would make an empty KEK."""
+    config = softhsm_token.config(kek_label=f"typo-{tmp_path.name}"[:50])
+    state = tmp_path / "state"
+    agents = await _populate(config, state)
+    typo = dataclasses.replace(config, kek_label=config.kek_label + "x")
+    path = write_config(tmp_path / "typo.toml", token=typo, state_dir=state,
+                        socket=tmp_path / "unused.sock", relay_url="ws://127.0.0.1:1")
+    objects, meta = await token_objects(config), keystore_meta(state)
+    refused = _cli(path, "rotate")
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    assert await token_objects(config) == objects
+    assert keystore_meta(state) == meta
+    assert f"no KEK labelled {typo.kek_label!r} to rotate from" in refused.stderr
+    assert "keys init" not in refused.stderr
+    assert await _check_here(config, state) == dict.fromkeys(agents, True)
+
+
 # --- crash points -------------------------------------------------------------------------
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
