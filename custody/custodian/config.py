@@ -5,8 +5,8 @@ is signed for or the uid the socket answers. The daemon's config keeps one key a
 ``[custody] custodian_socket``.
 
 Keys (a key or table not listed is an error naming it):
-- ``[custodian]`` ``socket`` (path), ``pipeline_uid`` (int, default: the custodian's own
-  uid: then nothing is separated, as under ``make run``), ``state_dir`` (the keystore's),
+- ``[custodian]`` ``socket`` (path), ``pipeline_uid`` (int, 0 to `MAX_UID`, default: the
+  custodian's own uid: then nothing is separated, as under ``make run``), ``state_dir`` (the keystore's),
   ``relay_url`` (AUTH is signed for this URL only), ``signatures_per_minute`` (per agent,
   default 6000, 1 to 1,000,000), ``log_dir`` (default ``<state_dir>/custodian``),
   ``log_max_bytes`` (default 64 MiB, 4 KiB to 1 TiB), ``destroy_grace_seconds`` (default
@@ -16,9 +16,14 @@ Keys (a key or table not listed is an error naming it):
   its most the `agents` answer of the largest records still fits one frame),
   ``max_inflight_bytes`` (default 32 MiB, `messages.MAX_FRAME` to 1 TiB: bytes of frames
   held at once, each from its header until its answer is sent; docs/custodian.md).
-- ``[pkcs11]`` as the daemon's: ``module``, ``token_label``, ``pin_file``, ``kek_label``,
-  ``seal``, ``unsealed_cache_entries``, ``unsealed_cache_seconds``. The PIN file is
-  ``$CREDENTIALS_DIRECTORY/token-pin`` when that exists (the unit's credential).
+- ``[pkcs11]`` as the daemon's: ``module``, ``token_label``, ``pin_file``, ``kek_label``
+  (1 to 255 printable ASCII, the label a blob can name: custody/_token.py `kek_label_ok`),
+  ``seal``, ``unsealed_cache_entries``, ``unsealed_cache_seconds`` (above 0, at most an
+  hour: no NaN, no infinity). The PIN file is ``$CREDENTIALS_DIRECTORY/token-pin`` when that
+  exists (the unit's credential).
+- Every relative path (``socket``, ``state_dir``, ``log_dir``, ``pin_file``, a ``module``
+  holding a slash, ``[backup] dir``) is resolved against FILE's directory, never the
+  working directory.
 - ``[backup]`` (optional; without it the `backup` row is refused): ``recipients`` (a list
   of age X25519 recipients, ``age1…``: the only ones a backup is ever encrypted to) and
   ``dir`` (where the custodian writes each backup, a new file named by itself), required;
@@ -38,6 +43,8 @@ from urllib.parse import urlsplit
 
 from custody import CachePolicy, CustodyError, TokenConfig
 from custody._backup import check_recipients
+from custody._records import MAX_CACHE_SECONDS
+from custody._token import MAX_KEK_LABEL, kek_label_ok
 from custody.custodian.backup import Bounds
 from custody.custodian.messages import MAX_FRAME
 from custody.custodian.server import MAX_RECORDS, Settings
@@ -55,13 +62,17 @@ _KEYS: dict[str, dict[str, type]] = {
 #: Most recipients one backup names (the key-event log's bound, daemon/state/audit.py).
 MAX_RECIPIENTS = 64
 _REQUIRED = {"custodian": ("socket", "state_dir", "relay_url"), "pkcs11": ("module", "token_label")}
-#: [custodian] integers outside these are refused: 0 signatures a minute would refuse
+#: The largest uid a process can have: (uid_t) -1 means "no uid" to the kernel. The
+#: daemon's rule for its uids (daemon/config.py `MAX_UID`, `is_uid`); custody imports
+#: nothing of the daemon, so the figure is said again here.
+MAX_UID = 2**32 - 2
+#: [custodian] integers outside these are refused: a uid as the daemon's; 0 signatures a minute would refuse
 #: every one; a negative grace is none (0 says so plainly), and past a year destroyed keys'
 #: sealed copies are kept beyond any use; a log under 4 KiB holds a handful of lines; an
 #: in-flight budget under one frame would never read the largest.
 _RANGES = {"signatures_per_minute": (1, 1_000_000), "destroy_grace_seconds": (0, 366 * 86400),
            "log_max_bytes": (4096, 1 << 40), "max_records": (1, MAX_RECORDS),
-           "max_inflight_bytes": (MAX_FRAME, 1 << 40)}
+           "max_inflight_bytes": (MAX_FRAME, 1 << 40), "pipeline_uid": (0, MAX_UID)}
 
 
 class ConfigError(Exception):
@@ -94,12 +105,17 @@ def _read(path: str) -> bytes:
 
 
 def load(path: str) -> CustodianConfig:
+    text = _read(path)
     try:
-        data = tomllib.loads(_read(path).decode("utf-8"))
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        data = tomllib.loads(text.decode("utf-8"))
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    except ValueError:  # tomllib's int(): a literal past Python's 4,300-digit limit
+        raise ConfigError(f"{path}: an integer too long to read") from None
+    except RecursionError:  # tomllib recurses once per nested array or inline table
+        raise ConfigError(f"{path}: arrays or tables nested too deeply") from None
     for table, members in data.items():
         if table not in _KEYS or not isinstance(members, dict):
             raise ConfigError(f"{path}: unknown table [{table}]")
@@ -146,27 +162,38 @@ def load(path: str) -> CustodianConfig:
         raise ConfigError(f"{path}: [backup] recipients: {exc}") from None
     except ValueError as exc:
         raise ConfigError(f"{path}: [backup] {exc}") from None
+    kek_label = p.get("kek_label", "buzz-broker-kek")
+    if not kek_label_ok(kek_label):
+        raise ConfigError(f"{path}: [pkcs11] kek_label must be 1 to {MAX_KEK_LABEL} printable "
+                          f"ASCII characters, not {kek_label[:64]!r}")
+    seconds = p.get("unsealed_cache_seconds", 30)
+    # Compared before float(): an integer past a float's range would raise OverflowError
+    # there. NaN fails the comparison, infinity the bound (the daemon's `_Duration`).
+    if not 0 < seconds <= MAX_CACHE_SECONDS:
+        raise ConfigError(f"{path}: [pkcs11] unsealed_cache_seconds must be above 0 and at "
+                          f"most {MAX_CACHE_SECONDS:g}")
     state_dir = base / c["state_dir"]
     credential = Path(os.environ.get("CREDENTIALS_DIRECTORY", "/nonexistent"), "token-pin")
-    pin_file = str(credential) if credential.is_file() else p.get("pin_file")
+    pin_file = str(credential) if credential.is_file() else (
+        str(base / p["pin_file"]) if p.get("pin_file") else p.get("pin_file"))
     module = p["module"] if "/" not in p["module"] else str(base / p["module"])
     socket = base / c["socket"]  # bind() takes 107 bytes and a NUL (sockaddr_un's sun_path)
     if len(os.fsencode(socket)) > 107:
         raise ConfigError(f"{path}: [custodian] socket: {socket}: longer than 107 bytes")
     settings = Settings(
-        socket=socket, pipeline_uid=c.get("pipeline_uid", os.getuid()),
-        relay_url=c["relay_url"],
+        socket=socket, relay_url=c["relay_url"],
         log_path=base / c.get("log_dir", str(state_dir / "custodian")) / "signed.jsonl",
-        # The ranged integers' defaults are Settings' own: one place says them.
-        **{key: c[key] for key in _RANGES if key in c},
+        # The ranged integers' defaults are Settings' own (one place says them), but the
+        # uid's: the custodian's own.
+        **{"pipeline_uid": os.getuid(), **{key: c[key] for key in _RANGES if key in c}},
         backup_recipients=tuple(r.strip() for r in recipients),
         backup_dir=base / b["dir"] if b else None, backup_bounds=bounds)
     try:
         token = TokenConfig(module=module, token_label=p["token_label"], pin_file=pin_file,
-                            kek_label=p.get("kek_label", "buzz-broker-kek"),
+                            kek_label=kek_label,
                             seal=p.get("seal", "auto"))
         cache = CachePolicy(p.get("unsealed_cache_entries", 0),
-                            float(p.get("unsealed_cache_seconds", 30.0)))
+                            float(seconds))
     except ValueError as exc:
         raise ConfigError(f"{path}: [pkcs11] {exc}") from None
     return CustodianConfig(settings=settings, token=token, cache=cache, state_dir=state_dir)

@@ -233,7 +233,8 @@ def chain_head(path: Path) -> tuple[str, int]:
     """(hash, seq) of the last whole line, in `path` or else its `.1`; GENESIS and 0 for
     none. Reads only (a line still being written is not whole, so not read). Raises
     BrokenLog if that line is not a JSON object with a 64-hex `hash` and an int `seq`:
-    going on from GENESIS would fork the chain, and a traceback says nothing."""
+    going on from GENESIS would fork the chain, and a traceback says nothing; and if a file
+    there cannot be read (any OSError but its absence), naming it and why."""
     for candidate in (path, path.with_name(path.name + ".1")):
         try:
             with open(candidate, "rb") as f:
@@ -241,6 +242,9 @@ def chain_head(path: Path) -> tuple[str, int]:
                 tail = f.read()
         except FileNotFoundError:
             continue
+        except OSError as exc:  # log_dir a file, a log it may not read, a name too long
+            raise BrokenLog(f"signed log {candidate}: cannot read it ({exc.strerror}); "
+                            "nothing was written") from None
         whole = tail[:tail.rfind(b"\n") + 1]  # a torn tail is no line: the open cuts it
         if whole or (tail and start):  # 64 KiB and no newline: no line, nor a torn one
             try:

@@ -101,6 +101,13 @@ def refuse_foreign_state(config: CustodianConfig) -> None:
     (the daemon's rule for its own state, daemon/cli/_common.py `refuse_foreign_state`)."""
     if os.geteuid() != 0:
         return
+    try:
+        _refuse_foreign_state(config)
+    except OSError as exc:  # a path too long, a directory it may not look in
+        raise ConfigError(f"{exc.filename or config.state_dir}: {exc.strerror}") from None
+
+
+def _refuse_foreign_state(config: CustodianConfig) -> None:
     conf = Path(os.environ.get("SOFTHSM2_CONF", "/etc/softhsm/softhsm2.conf"))
     lines = conf.read_text("utf-8", "replace").splitlines() \
         if "softhsm" in config.token.module and conf.is_file() else []
@@ -142,5 +149,9 @@ def main(argv: list[str]) -> int:
         trio.run(work)
     except (ConfigError, ActivationError, CustodyError, BrokenLog) as exc:
         print(f"custodian: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a file mistake no step above names: still one line, no traceback
+        print(f"custodian: {exc.filename or args[0]}: {exc.strerror or type(exc).__name__}",
+              file=sys.stderr)
         return 1
     return 0

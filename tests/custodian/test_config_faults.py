@@ -7,7 +7,12 @@
 - a `seal` that is none of "auto", "gcm", "etm";
 - a NUL character in any string value (a path holding one cannot be opened or bound);
 - a `socket` path longer than sockaddr_un holds (107 bytes and its NUL: the daemon's rule
-  for its own socket, daemon/http.py `MAX_SOCKET_PATH_BYTES`).
+  for its own socket, daemon/http.py `MAX_SOCKET_PATH_BYTES`);
+- file mistakes (`FILE_MISTAKES`): a `log_dir` naming a regular file, a signed log that is
+  a directory, a name longer than NAME_MAX, an integer past tomllib's 4,300 digits, arrays
+  nested past the interpreter's recursion limit, a uid, a cache lifetime or a KEK label
+  outside the daemon's rules: each named, with the path and the system's reason where a
+  file is at fault.
 
 And a socket directory the custodian makes itself (no systemd socket unit) is 0750, as
 buzz-custodian.socket's DirectoryMode= and the daemon's own socket directory: the
@@ -23,6 +28,7 @@ import os
 import stat
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -146,3 +152,74 @@ def test_a_socket_directory_it_cannot_make_is_one_line(
     socket = tmp_path / "file" / "run" / "c.sock"
     _one_line(_run(entry, _config(custody_state, tmp_path, socket)),
               f"socket directory {socket.parent}")
+
+
+def _lines(custodian: str = "", pkcs11: str = "") -> Callable[[Path], None]:
+    """Add TOML lines to [custodian] and [pkcs11] of a configuration naming no token."""
+    def edit(config: Path) -> None:
+        text = config.read_text().replace("[pkcs11]\n", f"{custodian}[pkcs11]\n")
+        config.write_text(text + pkcs11)
+    return edit
+
+
+def _kek_label(label: str) -> Callable[[Path], None]:
+    def edit(config: Path) -> None:
+        text = config.read_text()
+        config.write_text(text.replace('kek_label = "buzz-broker-kek"', f"kek_label = {label!r}"))
+    return edit
+
+
+def _signed_log_a_directory(config: Path) -> None:
+    (config.parent / "custodian" / "signed.jsonl").mkdir(parents=True)
+
+
+def _log_dir_a_file(config: Path) -> None:
+    (config.parent / "afile").write_text("not a directory")
+    _lines('log_dir = "afile"\n')(config)
+
+
+#: A mistake in FILE or what it names -> how it is made, and what the one line says. Each
+#: was a traceback (`python -m custody.custodian`) or "internal error" (`buzz-broker
+#: custodian`) before.
+FILE_MISTAKES: dict[str, tuple[Callable[[Path], None], str]] = {
+    "log_dir a regular file": (_log_dir_a_file, "Not a directory"),
+    "the signed log a directory": (_signed_log_a_directory, "Is a directory"),
+    "a log_dir name past NAME_MAX": (_lines(f'log_dir = "{"a" * 300}"\n'),
+                                     "File name too long"),
+    "an integer past 4,300 digits": (_lines(f"max_records = 1{'0' * 5000}\n"),
+                                     "an integer too long to read"),
+    "arrays nested 5,000 deep": (
+        _lines(pkcs11=f"unsealed_cache_entries = {'[' * 5000}{']' * 5000}\n"),
+        "nested too deeply"),
+    "pipeline_uid -1": (_lines("pipeline_uid = -1\n"),
+                        "[custodian] pipeline_uid must be 0 to 4294967294, not -1"),
+    "pipeline_uid 10**20": (_lines(f"pipeline_uid = {10**20}\n"),
+                            "[custodian] pipeline_uid must be 0 to 4294967294"),
+    "unsealed_cache_seconds inf": (_lines(pkcs11="unsealed_cache_seconds = inf\n"),
+                                   "[pkcs11] unsealed_cache_seconds must be above 0"),
+    "unsealed_cache_seconds past a float": (
+        _lines(pkcs11=f"unsealed_cache_seconds = 1{'0' * 400}\n"),
+        "[pkcs11] unsealed_cache_seconds must be above 0"),
+    "an empty kek_label": (_kek_label(""),
+                           "[pkcs11] kek_label must be 1 to 255 printable ASCII"),
+}
+
+
+@pytest.mark.token_independent
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_file_mistakes_are_one_line_naming_the_cause(tmp_path: Path, entry: str) -> None:
+    wrong = []
+    for case, (make, said) in FILE_MISTAKES.items():
+        where = tmp_path / case.replace(" ", "-").replace(",", "")
+        where.mkdir()
+        config = write_custodian_config(where / "custodian.toml",
+                                        token=TokenConfig("m", "t", None), state_dir=where,
+                                        socket=where / "s", relay_url="ws://127.0.0.1:1")
+        config.write_text(config.read_text().replace(f'"{where}/', '"'))  # relative paths
+        make(config)
+        done = _run(entry, config)
+        try:
+            _one_line(done, said)
+        except AssertionError:
+            wrong.append(f"{case}: {done.returncode} {done.stderr.strip()[-160:]!r}")
+    assert not wrong, "\n".join(wrong)

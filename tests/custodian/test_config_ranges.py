@@ -4,6 +4,7 @@ the token is opened."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -56,3 +57,54 @@ def test_the_bounds_themselves_load(tmp_path: Path, line: str) -> None:
     key, value = line.split(" = ")
     settings = load(str(_config(tmp_path, line))).settings
     assert getattr(settings, key) == int(value)
+
+
+@pytest.mark.token_independent
+@pytest.mark.parametrize("line, fault", [
+    ("pipeline_uid = -1", "[custodian] pipeline_uid must be 0 to 4294967294, not -1"),
+    ("pipeline_uid = 4294967295",  # (uid_t) -1: "no uid" to the kernel
+     "[custodian] pipeline_uid must be 0 to 4294967294, not 4294967295"),
+    (f"pipeline_uid = {10**20}", "[custodian] pipeline_uid must be 0 to 4294967294"),
+    ("[pkcs11]\nunsealed_cache_seconds = inf", "[pkcs11] unsealed_cache_seconds must be above 0"),
+    ("[pkcs11]\nunsealed_cache_seconds = nan", "[pkcs11] unsealed_cache_seconds must be above 0"),
+    ("[pkcs11]\nunsealed_cache_seconds = 0", "[pkcs11] unsealed_cache_seconds must be above 0"),
+    ("[pkcs11]\nunsealed_cache_seconds = 3600.5",
+     "[pkcs11] unsealed_cache_seconds must be above 0 and at most 3600"),
+])
+def test_the_daemons_uid_and_cache_rules_hold_here_too(
+        tmp_path: Path, line: str, fault: str) -> None:
+    path = _config(tmp_path, "")
+    table, _, member = line.rpartition("\n")
+    text = path.read_text()
+    path.write_text(text.replace("[pkcs11]\n", f"[pkcs11]\n{member}\n") if table
+                    else text.replace("[pkcs11]\n", f"{member}\n[pkcs11]\n"))
+    with pytest.raises(ConfigError, match=re.escape(fault)):
+        load(str(path))
+
+
+@pytest.mark.token_independent
+@pytest.mark.parametrize("label", ["", "a\tb", "é", "k" * 256])
+def test_a_kek_label_no_blob_could_name_is_refused_at_load(tmp_path: Path, label: str) -> None:
+    """As custody refuses it at the token (custody/_token.py `kek_label_ok`): "" once made
+    `keys rotate` label its new KEK '-xxxxxxxx'."""
+    path = _config(tmp_path, "")
+    path.write_text(path.read_text().replace('kek_label = "buzz-broker-kek"',
+                                             f"kek_label = {json.dumps(label)}"))
+    with pytest.raises(ConfigError, match=re.escape("[pkcs11] kek_label must be 1 to 255")):
+        load(str(path))
+
+
+@pytest.mark.token_independent
+def test_uid_bounds_and_a_relative_pin_file_load(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pin_file is resolved against FILE's directory as every other custodian path (and
+    the daemon's pin_file), not against the working directory."""
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY", raising=False)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    for uid in (0, 4294967294):
+        path = _config(tmp_path, f"pipeline_uid = {uid}")
+        assert load(str(path)).settings.pipeline_uid == uid
+    path.write_text(path.read_text().replace('pin_file = ""', 'pin_file = "pins/token-pin"'))
+    assert load(str(path)).token.pin_file == str(tmp_path / "pins" / "token-pin")
