@@ -12,6 +12,10 @@ Rules:
   key first and then write the name (an agent imported without one is listed under the
   first 12 hex digits of its pubkey); `name PUBKEY NAME` sets it later. The name is this
   host's only: nothing is published (agents.update renames a managed agent on the relay).
+  A name is checked before a key is made or a secret read (`_checked_name`): 1 to 256
+  characters the directory can store (no argv byte that is not UTF-8) and one line by the
+  contract's name rule; refused, it is one line, exit 1, and no key is made
+  (tests/cli/test_operator_mistakes.py::test_a_name_that_cannot_be_kept_is_refused_before_a_key_is_made).
 - `attach-auth` stores an owner-signed NIP-OA tag after creation (daemon/cli/agent_auth.py).
 - `list` prints public records (table, or `--json`: one JSON object per line, the
   convention of every `--json`); it needs no token.
@@ -57,7 +61,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
-from buzzwire.contract import printable
+from buzzwire.contract import printable, scrub_line
 from daemon.cli import agent_auth
 from daemon.cli._common import (CliError, agent_directory, config_from_args, open_keys,
                                 print_json_line)
@@ -136,14 +140,24 @@ def _with_custody(config: Config, action: Callable[[Custody], Awaitable[T]]) -> 
 
 
 def _checked_name(name: str, flag: str) -> str:
-    """`name` if the directory keeps it; checked before a key is made or a secret read, so
-    a refused name leaves no key behind without its pubkey printed."""
+    """`name` if the directory keeps it and it is a name an agent could have chosen;
+    checked before a key is made or a secret read, so a refused name leaves no key behind
+    without its pubkey printed.
+
+    The character rule is the contract's for names (`TextKind.LINE`, which agents.create
+    applies; `scrub_line` changes exactly the characters it refuses), not credential labels'
+    `str.isprintable()`: that would also refuse the ZWJ and ZWNJ that emoji sequences and
+    Persian or Indic names need, which an agent's own name may hold.
+    """
     from daemon.state.directory import check_name
 
     try:
         check_name(name)
     except ValueError as exc:
         raise CliError(f"{flag}: {exc}") from None
+    if scrub_line(name) != name:
+        raise CliError(f"{flag}: name must be one line, without control, line-separator "
+                       "or bidi-control characters")
     return name
 
 
@@ -180,8 +194,9 @@ def _enroll(config: Config, pubkey: str, name: str) -> None:
 
 def _name(args: argparse.Namespace, config: Config) -> int:
     pubkey = _pubkey(args.pubkey, "PUBKEY")
+    name = _checked_name(args.name, "NAME")
     with agent_directory(config) as directory:
-        record = directory.rename(pubkey, _checked_name(args.name, "NAME"))
+        record = directory.rename(pubkey, name)
     if record is None:
         raise CliError(f"no live agent {pubkey} is held here")
     print(f"{record.pubkey} is named '{printable(record.name)}' on this host (not published)",

@@ -64,10 +64,20 @@ MAX_NAME_CHARS = 256
 
 
 def check_name(name: object) -> None:
-    """ValueError unless `name` is one the directory keeps (1 to MAX_NAME_CHARS characters):
-    what a command checks before it makes the key the name is for."""
+    """ValueError unless `name` is one the directory can keep (1 to MAX_NAME_CHARS
+    characters, all of them storable): what a command checks before it makes the key the
+    name is for.
+
+    Storable: SQLite holds UTF-8, and a lone surrogate has no UTF-8 form. One reaches here
+    from an argv byte that is not UTF-8 (Python decodes it as U+DC80-U+DCFF) or from a
+    backup's JSON escape; refused here, not as a UnicodeEncodeError inside the write.
+    """
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
         raise ValueError(f"name must be 1 to {MAX_NAME_CHARS} characters")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("name must be text (a byte that is not UTF-8 cannot be stored)") from None
 
 
 #: How many hex digits of its pubkey name an agent that was given no name.
@@ -272,7 +282,8 @@ class AgentDirectory:
         None if custody holds no live key `pubkey`.
 
         Raises:
-            ValueError: an empty or overlong name, a malformed pubkey or creator.
+            ValueError: an empty, overlong or unstorable name (`check_name`), a malformed
+                pubkey or creator.
             DirectoryError: the file could not be written.
         """
         return self._write(pubkey, name, creator, now, " ON CONFLICT (pubkey) DO NOTHING")
@@ -281,7 +292,8 @@ class AgentDirectory:
         """Set a live agent's public name. None if no live agent has that key.
 
         Raises:
-            ValueError: an empty or overlong name, or a malformed pubkey.
+            ValueError: an empty, overlong or unstorable name (`check_name`), or a
+                malformed pubkey.
             DirectoryError: the file could not be written.
         """
         return self._write(pubkey, name, None, now, " ON CONFLICT (pubkey) DO UPDATE SET"

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from custody import TokenConfig
+from tests.custody._secrets import PUB_2, SECRET_1
 from tests.fixtures.broker import write_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,9 +34,13 @@ def _env() -> dict[str, str]:
                          "BUZZ_BROKER_CREDENTIAL_FILE", "CREDENTIALS_DIRECTORY")}
 
 
-def _run(*argv: str, prefix: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+def _run(*argv: str, prefix: list[str] | None = None,
+         stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     command = [*(prefix or []), sys.executable, "-m", "daemon.cli", *argv]
     try:
+        if stdin is not None:
+            return subprocess.run(command, cwd=REPO, env=_env(), capture_output=True,
+                                  text=True, input=stdin, timeout=60)
         return subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True,
                               stdin=subprocess.DEVNULL, timeout=60)
     except subprocess.TimeoutExpired:
@@ -124,3 +129,48 @@ def test_an_empty_new_kek_label_is_refused_before_anything_changes(
     done = _run("--config", str(config), "keys", *words, "--new-kek-label", "")
     _one_line(done, 2, "--new-kek-label is empty")
     assert not state.exists(), "the refused command made the state directory"
+
+
+#: What a shell passes for `--name $'a\xffb'`: a byte that is not UTF-8, which Python's argv
+#: decoding turns into a lone surrogate (U+DCFF) that SQLite cannot store.
+NOT_UTF8 = os.fsdecode(b"a\xffb")
+
+
+@pytest.mark.parametrize("words, stdin", [
+    (["create", "--owner", PUB_2, "--name", NOT_UTF8], None),
+    (["create", "--owner", PUB_2, "--name", os.fsdecode(b"\xff\xfe")], None),
+    (["import", "--owner", PUB_2, "--name", os.fsdecode(b"\xff")], SECRET_1),
+    (["create", "--owner", PUB_2, "--name", "Bob\x1b[2J"], None),
+    (["import", "--owner", PUB_2, "--name", "Bob\u202e"], SECRET_1),
+], ids=["create-not-utf8", "create-only-not-utf8", "import-not-utf8", "create-escape",
+        "import-bidi-override"])
+def test_a_name_that_cannot_be_kept_is_refused_before_a_key_is_made(
+    words: list[str], stdin: str | None, tmp_path: Path,
+    custody_state: tuple[TokenConfig, Path],
+) -> None:
+    # It was minted first, then the name's write raised UnicodeEncodeError: exit 70, the
+    # pubkey never printed, and a retry minted a second key.
+    token, state = custody_state
+    config = write_config(tmp_path / "broker.toml", token=token, state_dir=state,
+                          socket=tmp_path / "b.sock", relay_url="ws://127.0.0.1:1")
+    done = _run("--config", str(config), "agent", *words, stdin=stdin)
+    _one_line(done, 1, "--name: name must be")
+    assert done.stdout == ""
+    listed = _run("--config", str(config), "agent", "list", "--all", "--json")
+    assert (listed.returncode, listed.stdout) == (0, ""), listed.stderr  # no key made
+
+
+def test_agent_name_refuses_a_name_that_cannot_be_kept(
+    tmp_path: Path, custody_state: tuple[TokenConfig, Path],
+) -> None:
+    token, state = custody_state
+    config = write_config(tmp_path / "broker.toml", token=token, state_dir=state,
+                          socket=tmp_path / "b.sock", relay_url="ws://127.0.0.1:1")
+    made = _run("--config", str(config), "agent", "create", "--owner", PUB_2, "--name", "x")
+    assert made.returncode == 0, made.stderr
+    pubkey = made.stdout.strip()
+    for name in (os.fsdecode(b"\xff\xfe"), "x\ny"):
+        _one_line(_run("--config", str(config), "agent", "name", pubkey, name), 1,
+                  "NAME: name must be")
+    listed = _run("--config", str(config), "agent", "list", "--json")
+    assert json.loads(listed.stdout)["name"] == "x"  # unchanged
