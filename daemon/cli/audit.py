@@ -15,7 +15,8 @@ Rules:
   grown passes). `--ends-at HASH` is stricter: the log must end at that hash, nothing added
   since. Either applies to the audit log (or PATH), not the key-event log. Without PATH the
   audit log must also reach the anchor the state database holds
-  (`<state>/ledger.db`); a missing log with an anchor is broken too. `--archived`: the
+  (`<state>/ledger.db`); a missing log with an anchor, or with `--head`/`--ends-at`, is
+  broken too. `--archived`: the
   oldest files were moved away (docs/operations.md, "Retention and archiving").
 - `reanchor [--yes]` is for an operator who restored a disk from an older backup: the log
   (which must verify on its own) is accepted as it is. It writes a `reanchor` record
@@ -102,7 +103,11 @@ def _audit_dir(args: argparse.Namespace, given: str | None) -> Path:
         path = Path(given)
     else:
         path = Path(config_from_args(args).state.dir) / AUDIT_DIRNAME
-    if not path.exists():
+    try:
+        present = path.exists()
+    except OSError as exc:  # a name too long for the system, a component too deep
+        raise CliError(f"cannot use {path}: {exc.strerror}") from None
+    if not present:
         raise CliError(f"no audit log at {path}")
     return path
 
@@ -166,6 +171,12 @@ def _verify(args: argparse.Namespace) -> int:
     has_keys = keys.exists() or keys.is_symlink() or (path.parent / HEAD_FILE).exists()
     if not path.exists() and anchor is not None and anchor[0] > 0:
         print(f"audit log: broken: {path} is missing, but the anchor is record {anchor[0]} "
+              f"(the log was deleted)")
+        code = EXIT_BROKEN
+    elif not path.exists() and (args.head is not None or args.ends_at is not None):
+        # A remembered head is the operator's evidence that the log existed: without the
+        # log it cannot be held, whatever the rest of the state says.
+        print(f"audit log: broken: {path} is missing, but it must hold the head given "
               f"(the log was deleted)")
         code = EXIT_BROKEN
     elif not path.exists() and has_keys:

@@ -264,3 +264,35 @@ def test_a_log_begun_before_body_macs_continues_verifies_and_shows(tmp_path: Pat
              if isinstance(entry.record, AuditRecord)]
     assert kinds == [BodyKind.SHA256] * 3 + [BodyKind.MAC] * 3
 
+
+
+def test_a_head_given_for_a_missing_audit_log_is_broken(tmp_path: Path) -> None:
+    """The key-event log present, the audit log gone (deleted by whoever cut it): the head
+    the operator remembered cannot be held, so `--head`/`--ends-at` report it broken.
+    Before, "none at … (the daemon has not run here)" and exit 0: the cut passed."""
+    from daemon.cli._key_trail import recorded
+    from daemon.state.audit import KeyAction
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    with recorded(state, KeyAction.CUSTODIAN_RESTORE, file="agents.age",
+                  sha256="ab" * 32) as trail:
+        trail.done(agents=0, pubkeys=(), held=0)
+    config = tmp_path / "broker.toml"
+    config.write_text(f'[state]\ndir = "{state}"\n')
+    plain = buzz("--config", str(config), "audit", "verify")
+    assert plain.returncode == 0 and "audit log: none at" in plain.stdout, plain.stdout
+    for remembered in (["--head", "30:" + "0f" * 32], ["--ends-at", "0f" * 32]):
+        done = buzz("--config", str(config), "audit", "verify", *remembered)
+        assert done.returncode == EXIT_BROKEN, done.stdout + done.stderr
+        assert "audit log: broken:" in done.stdout and "the head given" in done.stdout
+        assert "key-event log: ok" in done.stdout
+
+
+@pytest.mark.parametrize("argv", [["show", "--path"], ["verify"]], ids=["show", "verify"])
+def test_a_path_too_long_for_the_system_is_one_line(argv: list[str], tmp_path: Path) -> None:
+    done = buzz("audit", *argv, str(tmp_path / ("x" * 300)))
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("buzz-broker: cannot use "), lines
+    assert "File name too long" in lines[0]
