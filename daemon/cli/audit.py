@@ -105,6 +105,8 @@ def _audit_dir(args: argparse.Namespace, given: str | None) -> Path:
         path = Path(config_from_args(args).state.dir) / AUDIT_DIRNAME
     try:
         present = path.exists()
+    except PermissionError:
+        raise  # main's permission_denied names the state directory's user
     except OSError as exc:  # a name too long for the system, a component too deep
         raise CliError(f"cannot use {path}: {exc.strerror}") from None
     if not present:
