@@ -13,7 +13,8 @@ Rules:
   environment variables each command documents.
 - A command in `STATE_COMMANDS` opens files under ``[state] dir``. Run as root on a state
   directory another user owns (the daemon's), it is refused before it starts: it would
-  leave root-owned files the daemon cannot open (`_common.refuse_foreign_state`).
+  leave root-owned files the daemon cannot open (`_common.refuse_foreign_state`). One that
+  exists and is not a directory is refused too, by every user (`_common.refuse_unusable_state`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from daemon.cli._common import (
     config_from_args,
     permission_denied,
     refuse_foreign_state,
+    refuse_unusable_state,
 )
 
 __all__ = ["main", "CliError", "COMMANDS", "STATE_COMMANDS"]
@@ -156,6 +158,7 @@ def _run_command(args: argparse.Namespace) -> int:
         if args.command in STATE_COMMANDS:
             config = config_from_args(args)
             state_dir = config.state.dir
+            refuse_unusable_state(config)
             refuse_foreign_state(config)
         code: int = args._run(args)
         sys.stdout.flush()  # a closed pipe shows here, inside main's handlers

@@ -11,6 +11,11 @@ daemon's user could no longer open them, and the service would fail at its next 
 Refusing (and naming the way to run as that user) is simpler and safer than chowning
 after the fact.
 
+`refuse_unusable_state`: a ``[state] dir`` that exists and is not a directory (a file, a
+FIFO, a symlink to a device, or a path through a file) is refused in one line. Left to the
+stores, it read as "no agents, no credentials": `Path.exists()` is False under ENOTDIR,
+so every lister found nothing and every writer gave a remedy for another fault.
+
 `agent_directory`: the public agent directory for one command, closed after, its faults
 one CliError line.
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -78,6 +84,25 @@ def refuse_foreign_state(config: Config, *, euid: int | None = None) -> None:
         f"user, and files root creates there would be unreadable to it; run the command as "
         f"that user: {ADMIN_WRAPPER} <command> (or runuser -u {name} -- buzz-broker <command>)"
     )
+
+
+def refuse_unusable_state(config: Config) -> None:
+    """CliError if ``[state] dir`` exists and is not a directory (see the module docstring).
+
+    A missing directory is fine (serve and keys init make it); a PermissionError is left
+    to `permission_denied`, which names the daemon's user.
+    """
+    directory = config.state.dir
+    try:
+        mode = os.stat(directory).st_mode  # follows a symlink: its target is what is used
+    except FileNotFoundError:
+        return
+    except PermissionError:
+        raise
+    except OSError as exc:  # ENOTDIR (a file on the way), ENAMETOOLONG, ELOOP
+        raise CliError(f"[state] dir {directory}: {exc.strerror}") from None
+    if not stat.S_ISDIR(mode):
+        raise CliError(f"[state] dir {directory} is not a directory")
 
 
 def permission_denied(exc: PermissionError, command: str, state_dir: str | None) -> CliError:

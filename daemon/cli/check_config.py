@@ -9,7 +9,9 @@ Rules:
   No silent default.
 - ``[relay] url`` must be set (there is no default relay): the daemon would refuse to start.
 - Without --deep it checks the file only (a config is often checked on another machine):
-  ``ok`` last on stdout, exit 0; or the one-line `ConfigError` on stderr, exit 1.
+  ``ok`` last on stdout, exit 0; or the one-line `ConfigError` on stderr, exit 1. A
+  ``[state] dir`` that exists here and is not a directory is that line too (every state
+  command refuses it: `_common.refuse_unusable_state`).
 - With --deep it also logs in to the token, finds and checks the KEK, opens a
   WebSocket to the relay, checks that this user can make files in the state directory
   and looks up the groups ``[server]`` names (daemon/cli/_probe.py), one line each;
@@ -27,7 +29,7 @@ import os
 
 import trio
 
-from daemon.cli._common import CliError
+from daemon.cli._common import CliError, refuse_unusable_state
 from daemon.loopback_tcp import address_text
 from daemon.config import (ACTION_TCP, METRICS_TCP, SYSTEM_CONFIG, Config, ConfigError,
                            load_config, require_relay)
@@ -126,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         require_relay(config)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
+    refuse_unusable_state(config)  # what every state command would refuse, said here first
     print(describe(config))
     print(describe_pin(config))
     for line in describe_tcp(config):

@@ -319,3 +319,44 @@ def test_a_misconfiguration_is_one_line_through_check_config_and_serve(
         assert not s.state.exists(), "a configuration error made the state directory"
         # docs/configuration.md: "one line naming the file and the key (exit 1)".
         assert (checked.returncode, served.returncode) == (1, 1)
+
+
+def _state_file(path: Path) -> None:
+    path.write_text("not a directory\n")
+
+
+def _state_fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def _state_device(path: Path) -> None:
+    path.symlink_to("/dev/zero")
+
+
+@pytest.mark.parametrize("make", [_state_file, _state_fifo, _state_device],
+                         ids=["regular-file", "fifo", "symlink-to-dev-zero"])
+def test_a_state_dir_that_is_not_a_directory_is_one_line_for_every_state_command(
+    make: Callable[[Path], None], tmp_path: Path, custody_state: tuple[TokenConfig, Path],
+) -> None:
+    # It read as an empty host: `agent list` and `credential list` printed nothing and
+    # exited 0, check-config said ok, `status` and `agent create` named other remedies.
+    s = Setup(tmp_path, custody_state[0], "ws://127.0.0.1:1")
+    s.write()
+    make(s.state)
+    for command in (["agent", "list"], ["credential", "list"], ["status"], ["check-config"],
+                    ["agent", "create", "--owner", "ab" * 32, "--name", "x"],
+                    ["audit", "verify"]):
+        _the_one_line(_run(s, *command), [f"[state] dir {s.state} is not a directory"])
+    assert s.state.is_symlink() or not s.state.is_dir()  # left as it was
+
+
+def test_a_state_dir_under_a_file_is_one_line(tmp_path: Path,
+                                              custody_state: tuple[TokenConfig, Path]) -> None:
+    s = Setup(tmp_path, custody_state[0], "ws://127.0.0.1:1")
+    (tmp_path / "file").write_text("")
+    path = write_config(tmp_path / "broker.toml", token=s.token, state_dir=tmp_path / "file" / "state",
+                        socket=s.socket, relay_url=s.relay)
+    s.before = ["--config", str(path)]
+    for command in (["agent", "list"], ["check-config"]):
+        _the_one_line(_run(s, *command), [f"[state] dir {tmp_path / 'file' / 'state'}",
+                                          "Not a directory"])
