@@ -179,9 +179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # custodian's memory"). Without them a plaintext outlives its request in freed memory.
     harden_process()
     arguments = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser(_selected(arguments))
-    args = parser.parse_args(arguments)
     try:
+        # Inside the handlers: building the parser imports the command's module, which takes
+        # long enough for a Ctrl-C to land there (it printed a traceback).
+        args = _parser(_selected(arguments)).parse_args(arguments)
         return _run_command(args)
     # A reader that went away (`| head`) ends the output quietly, whatever the command was
     # doing with the write that found it: some commands wrap their reads and writes in one

@@ -9,8 +9,10 @@ Rules:
 - `create` mints a new key for `--owner` and prints its pubkey alone on stdout; when the
   owner is a person (not held here), stderr says exactly what the owner must sign.
 - A name is the directory's, never custody's: `create --name` and `import --name` seal the
-  key first and then write the name (an agent imported without one is listed under the
-  first 12 hex digits of its pubkey); `name PUBKEY NAME` sets it later. The name is this
+  key first, print its pubkey, and then write the name, so a fault or Ctrl-C there never
+  leaves a key held whose pubkey was not printed (tests/cli/test_operator_mistakes.py::
+  test_ctrl_c_during_the_name_write_leaves_no_key_whose_pubkey_was_not_printed). An agent
+  imported without a name is listed under the first 12 hex digits of its pubkey; `name PUBKEY NAME` sets it later. The name is this
   host's only: nothing is published (agents.update renames a managed agent on the relay).
   A name is checked before a key is made or a secret read (`_checked_name`): 1 to 256
   characters the directory can store (no argv byte that is not UTF-8) and one line by the
@@ -179,9 +181,11 @@ def _import(args: argparse.Namespace, config: Config) -> int:
         # import_agent zeroes it on every path, but custody may refuse before that call
         # (wrong PIN, no KEK, unreadable keystore): zero it here too.
         secret_text[:] = bytes(len(secret_text))
+    # The pubkey first: whatever stops the name's write (a fault, a Ctrl-C), the key held
+    # is never one the operator was not shown.
+    print(record.pubkey, flush=True)
     if args.name is not None:
         _enroll(config, record.pubkey, args.name)
-    print(record.pubkey)
     return 0
 
 
@@ -234,8 +238,8 @@ def _create(args: argparse.Namespace, config: Config) -> int:
     owner = _pubkey(args.owner, "--owner")
     _checked_name(args.name, "--name")
     record: KeyRecord = _with_custody(config, lambda c: c.mint_agent(owner=owner))
+    print(record.pubkey, flush=True)  # before the name's write, as in `_import`
     _enroll(config, record.pubkey, args.name)
-    print(record.pubkey)
     if record.auth_tag is None:
         print(agent_auth.request_text(record.pubkey, record.owner), file=sys.stderr)
     return 0

@@ -174,3 +174,50 @@ def test_agent_name_refuses_a_name_that_cannot_be_kept(
                   "NAME: name must be")
     listed = _run("--config", str(config), "agent", "list", "--json")
     assert json.loads(listed.stdout)["name"] == "x"  # unchanged
+
+
+def test_ctrl_c_while_the_command_module_loads_is_exit_130_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The kill point: SIGINT lands while `_parser` imports the command's module (~0.3 s of
+    # `agent import`); it was outside main's handlers and printed a traceback.
+    import importlib
+
+    from daemon.cli import main
+
+    def interrupted(name: str) -> object:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib, "import_module", interrupted)
+    try:
+        code = main(["agent", "list"])
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C escaped main: Python prints its traceback")
+    assert code == 130
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_ctrl_c_during_the_name_write_leaves_no_key_whose_pubkey_was_not_printed(
+    tmp_path: Path, custody_state: tuple[TokenConfig, Path],
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The kill point: SIGINT after the key is minted, during the name's write. The pubkey
+    # was printed after that write, so the operator never saw the key left held.
+    from daemon.cli import main
+    from daemon.state.directory import AgentDirectory
+
+    token, state = custody_state
+    config = write_config(tmp_path / "broker.toml", token=token, state_dir=state,
+                          socket=tmp_path / "b.sock", relay_url="ws://127.0.0.1:1")
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(AgentDirectory, "enroll", interrupted)
+    assert main(["--config", str(config), "agent", "create", "--owner", PUB_2,
+                 "--name", "x"]) == 130
+    printed = capsys.readouterr().out.split()
+    monkeypatch.undo()
+    listed = _run("--config", str(config), "agent", "list", "--json")
+    held = [json.loads(line)["pubkey"] for line in listed.stdout.splitlines()]
+    assert len(held) == 1 and printed == held
