@@ -928,6 +928,14 @@ def load_config(path: str | None, environ: Mapping[str, str] = os.environ,
         raise ConfigError(f"{where}: not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{where}: invalid TOML: {exc}") from None
+    # What tomllib lets escape as other exceptions: an integer past Python's digit limit
+    # for int() (a plain ValueError; its text names a Python setting, not the file's
+    # fault), and arrays or inline tables nested past the recursion limit.
+    except ValueError:
+        raise ConfigError(f"{where}: invalid TOML: a value too large to read (an integer "
+                          "of thousands of digits)") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: invalid TOML: arrays or tables nested too deeply") from None
     return _build(tree, where, file.parent, str(file), origin, environ)
 
 

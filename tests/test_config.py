@@ -637,6 +637,18 @@ def test_duplicate_key_is_bad_toml(tmp_path: Path) -> None:
         load_config(write(tmp_path, "[log]\nlevel = \"info\"\nlevel = \"debug\"\n"), environ={})
 
 
+@pytest.mark.parametrize("text", [
+    "[server]\nmax_connections = " + "9" * 4301 + "\n",  # tomllib: a plain ValueError
+    "x = " + "[" * 100_000 + "]" * 100_000 + "\n",  # tomllib: RecursionError
+], ids=["integer-over-4300-digits", "arrays-nested-too-deep"])
+def test_toml_that_tomllib_cannot_hold_is_the_one_line(tmp_path: Path, text: str) -> None:
+    # Both escaped as other exceptions than TOMLDecodeError: exit 70 on every command.
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match="invalid TOML") as info:
+        load_config(path, environ={})
+    assert "\n" not in str(info.value) and path in str(info.value)
+
+
 def test_not_utf8(tmp_path: Path) -> None:
     path = tmp_path / "latin1.toml"
     path.write_bytes(b'[pkcs11]\ntoken_label = "caf\xe9"\n')
