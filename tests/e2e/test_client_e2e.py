@@ -114,6 +114,18 @@ async def _post_many_tags(broker: BrokerHarness, channel: str, count: int) -> li
     return ids[::-1]  # newest first, as a page is
 
 
+async def _agent_who_posted(broker: BrokerHarness
+                            ) -> tuple[str, str, AsyncBrokerClient, Succeeded]:
+    """A fresh channel, an agent's client bound to it, and the agent's one message there."""
+    channel = str(uuid.uuid4())
+    agent = await broker.human_owned_agent()
+    client = AsyncBrokerClient(str(broker.socket), broker.credential(agent, [channel]),
+                               agent_pubkey=agent)
+    posted = await client.message_post(channel, "hello")
+    assert isinstance(posted, Succeeded), posted
+    return channel, agent, client, posted
+
+
 def _tag_counts(answer: object) -> list[int]:
     assert isinstance(answer, Succeeded), answer
     return [len(m.tags) for m in answer.outcome.messages]
@@ -121,12 +133,7 @@ def _tag_counts(answer: object) -> list[int]:
 
 async def test_a_message_of_2000_tags_reads_through_the_client_at_limit_1(
         broker: BrokerHarness) -> None:
-    channel = str(uuid.uuid4())
-    agent = await broker.human_owned_agent()
-    client = AsyncBrokerClient(str(broker.socket), broker.credential(agent, [channel]),
-                               agent_pubkey=agent)
-    posted = await client.message_post(channel, "hello")
-    assert isinstance(posted, Succeeded), posted
+    channel, agent, client, posted = await _agent_who_posted(broker)
     [tagged] = await _post_many_tags(broker, channel, 1)
     newest = await client.channel_read(channel, limit=1)
     assert _tag_counts(newest) == [2000]
@@ -140,12 +147,7 @@ async def test_a_poll_over_twenty_messages_of_2000_tags_reads_through_the_client
         broker: BrokerHarness) -> None:
     # Buzz's poll: limit 100, the newest page. The first read opens the agent's read window
     # (a cold read of the relay); the second is answered from the window.
-    channel = str(uuid.uuid4())
-    agent = await broker.human_owned_agent()
-    client = AsyncBrokerClient(str(broker.socket), broker.credential(agent, [channel]),
-                               agent_pubkey=agent)
-    posted = await client.message_post(channel, "hello")
-    assert isinstance(posted, Succeeded), posted
+    channel, agent, client, posted = await _agent_who_posted(broker)
     tagged = await _post_many_tags(broker, channel, 20)
     windows = broker.app._relay.windows  # the daemon's own pool
     assert windows is not None
