@@ -33,9 +33,19 @@ the next item would cross it, the page ends there with a cursor from its last it
 as when the round bound is hit. A page holds at least one item, so a single item larger
 than the bound still gets through (alone): paging never stalls.
 
+Answers too large: a relay answer past the pool's per-query bound (pool.AnswerTooLarge:
+MAX_QUERY_BYTES of decoded objects; a channel member's messages of 2,000 one-letter tags
+are ~361 KB each there, so 46 of them filled it) is asked again with half the main
+query's `ask` (down to 1), then half the sweep's limit (down to 1); the smaller sizes hold
+for the rest of the page. A smaller `ask` only moves the main part's boundary up (a reply
+that fills its ask is cut, as any), so the page ends sooner, with a cursor from its frontier,
+and nothing is skipped or concluded from it. A sweep smaller than the relay's cap that comes
+back full may be missing part of its second: it counts as an overflow second, below.
+Past limit 1 on both, the read fails as before.
+
 The one case that cannot page exactly: a second holding at least the relay's per-filter
 cap (RELAY_MAX_LIMIT, 500 on Buzz) matching events — the sweep can only see a cap-sized
-subset. It is detected (`Page.overflow_seconds`) for the caller to log; paging goes on.
+subset (or, its answer too large, a sweep limit smaller than the cap). It is detected (`Page.overflow_seconds`) for the caller to log; paging goes on.
 
 Everything the relay returns is judged here only structurally (an `id` of 64 hex, an int
 `created_at` in 0..MAX_CREATED_AT, within the window). Whether an event may be delivered
@@ -57,13 +67,14 @@ in operations/channel_read.py means adding it here.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
 import trio
 
 from buzzwire.contract import MAX_JSON_INT
 from daemon.relay.cursor import Position
+from daemon.relay.pool import AnswerTooLarge
 
 __all__ = [
     "ACCEPTS_PER_CHECKPOINT",
@@ -198,13 +209,25 @@ def _has_tag(item: Mapping[str, object], letter: str, wanted: object) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class _Round:
-    """What one round asks: a sweep of second `sweep` (ids > `sweep_after` count) and a
-    main query with `until = upper` (None: unbounded; -1: nothing below) and `ask`."""
+    """What one round asks: a sweep of second `sweep` (ids > `sweep_after` count, at most
+    `sweep_limit` events) and a main query with `until = upper` (None: unbounded; -1:
+    nothing below) and `ask`."""
 
     sweep: int | None
     sweep_after: str | None
     upper: int | None
     ask: int
+    sweep_limit: int
+
+    def smaller(self) -> _Round | None:
+        """The same round asking less, for an answer past the relay pool's per-query
+        bound: the main part's ask halved first (a smaller ask stays exact), then the
+        sweep's limit; None when both are 1 already."""
+        if self.has_main and self.ask > 1:
+            return replace(self, ask=self.ask // 2)
+        if self.sweep is not None and self.sweep_limit > 1:
+            return replace(self, sweep_limit=self.sweep_limit // 2)
+        return None
 
     @property
     def has_main(self) -> bool:
@@ -215,7 +238,8 @@ def _round_filters(bases: Sequence[Filter], rnd: _Round, cap: int) -> list[dict[
     filters: list[dict[str, object]] = []
     for base in bases:
         if rnd.sweep is not None:
-            filters.append({**base, "since": rnd.sweep, "until": rnd.sweep, "limit": cap})
+            filters.append({**base, "since": rnd.sweep, "until": rnd.sweep,
+                            "limit": rnd.sweep_limit})
         if rnd.has_main:
             main: dict[str, object] = {**base, "limit": rnd.ask}
             if rnd.upper is not None:
@@ -280,7 +304,9 @@ def _absorb(items: Sequence[object], bases: Sequence[Filter], rnd: _Round, cap: 
                 result.sweep_part.append((key, item))
         else:
             result.main_part.append((key, item))
-    result.overflow = any(count >= cap for count in sweep_counts)
+    # A full sweep may be cut: at the relay's cap, or at a limit made smaller for an
+    # answer too large (`_Round.smaller`).
+    result.overflow = any(count >= min(cap, rnd.sweep_limit) for count in sweep_counts)
     if rnd.has_main:
         boundaries: list[int] = []
         fallback = min((-k[0] for k, _ in result.main_part), default=None)
@@ -344,21 +370,36 @@ async def read_page(
     placed: set[str] = set()
     overflow: list[int] = []
     malformed = 0
+    # The most a main query and a sweep ask for: lowered for the rest of the page when an
+    # answer was too large (`_Round.smaller`), so each size is tried too large once.
+    max_ask, max_sweep = cap, cap
     if after is None:
-        rnd = _Round(sweep=None, sweep_after=None, upper=None, ask=min(cap, limit + 1 + READ_AHEAD))
+        rnd = _Round(sweep=None, sweep_after=None, upper=None, ask=min(cap, limit + 1 + READ_AHEAD),
+                     sweep_limit=cap)
     else:
         rnd = _Round(
             sweep=after.created_at,
             sweep_after=after.event_id,
             upper=after.created_at - 1,
             ask=min(cap, limit + 1 + READ_AHEAD),
+            sweep_limit=cap,
         )
     rounds = 0
     exhausted = False
     accepted = 0
     while True:
         rounds += 1
-        reply = await query(_round_filters(bases, rnd, cap))
+        while True:
+            try:
+                reply = await query(_round_filters(bases, rnd, cap))
+                break
+            except AnswerTooLarge:
+                smaller = rnd.smaller()
+                if smaller is None:
+                    raise
+                rnd = smaller
+                max_ask = min(max_ask, rnd.ask)
+                max_sweep = min(max_sweep, rnd.sweep_limit)
         absorbed = _absorb(reply, bases, rnd, cap)
         malformed += absorbed.malformed
         if absorbed.overflow and rnd.sweep is not None:
@@ -390,7 +431,8 @@ async def read_page(
         if rounds >= max_rounds:
             break
         wanted = limit + 1 - len(out)
-        rnd = _Round(sweep=cut, sweep_after=None, upper=cut - 1, ask=min(cap, wanted + READ_AHEAD))
+        rnd = _Round(sweep=cut, sweep_after=None, upper=cut - 1,
+                     ask=min(cap, wanted + READ_AHEAD, max_ask), sweep_limit=max_sweep)
     items = tuple(value for _, value in out[:limit])
     next_position: Position | None = None
     if len(out) > limit:

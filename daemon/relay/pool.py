@@ -156,6 +156,7 @@ from daemon.relay.protocol import (
 
 __all__ = [
     "Accepted",
+    "AnswerTooLarge",
     "AuthNotSigned",
     "PublishedMark",
     "PublishedVersions",
@@ -202,8 +203,9 @@ MAX_EVENTS_PER_QUERY = 5_000
 #: Bytes of EVENT frames one query may collect before the relay is treated as broken:
 #: without it a relay could fill MAX_EVENTS_PER_QUERY events of MAX_FRAME_CHARS each (5 G
 #: characters) into one read. An honest page is far smaller
-#: (daemon/operations/channel_read.py cuts a page at MAX_PAGE_BYTES); a read past this
-#: bound fails with action_failed, logged.
+#: (daemon/operations/channel_read.py cuts a page at MAX_PAGE_BYTES), but a member's
+#: tag-heavy messages are not: a query past it raises AnswerTooLarge, and paging asks again
+#: with a smaller `limit` (daemon/relay/paging.py "Answers too large").
 MAX_QUERY_BYTES = 16 * 1024 * 1024
 #: Default of ``[relay] max_result_bytes``: decoded bytes every query of the pool may hold
 #: together. Without it the per-query bound multiplies by the concurrent reads the HTTP
@@ -328,6 +330,13 @@ class RelayError(Exception):
 
 class RelayUnavailable(RelayError):
     """Unreachable, dropped, timed out, or broke the protocol: a retry may succeed."""
+
+
+class AnswerTooLarge(RelayUnavailable):
+    """The relay's answer to one query passed MAX_EVENTS_PER_QUERY events or
+    MAX_QUERY_BYTES decoded bytes: the same query with a smaller `limit` may fit
+    (daemon/relay/paging.py `read_page` asks again so; a member's tag-heavy messages
+    must not fail every read of a channel)."""
 
 
 class RelayRefused(RelayError):
@@ -1419,7 +1428,7 @@ class RelayPool:
             if sub.dropped:
                 raise RelayUnavailable("connection dropped before EOSE")
             if sub.overflow == "query":
-                raise RelayUnavailable(
+                raise AnswerTooLarge(
                     f"relay sent more than {MAX_EVENTS_PER_QUERY} events or "
                     f"{MAX_QUERY_BYTES} decoded bytes for one query"
                 )
