@@ -45,7 +45,8 @@ Past limit 1 on both, the read fails as before.
 
 The one case that cannot page exactly: a second holding at least the relay's per-filter
 cap (RELAY_MAX_LIMIT, 500 on Buzz) matching events — the sweep can only see a cap-sized
-subset (or, its answer too large, a sweep limit smaller than the cap). It is detected (`Page.overflow_seconds`) for the caller to log; paging goes on.
+subset (or, its answer too large, a sweep limit smaller than the cap). It is detected
+(`Page.overflow_seconds`) for the caller to log; paging goes on.
 
 Everything the relay returns is judged here only structurally (an `id` of 64 hex, an int
 `created_at` in 0..MAX_CREATED_AT, within the window). Whether an event may be delivered
