@@ -63,7 +63,7 @@ from buzzwire.nostr import SignedEvent
 from daemon.config import ObserverConfig
 from daemon.fault_log import FaultLogs
 from daemon.relay.pool import Accepted, PublishResult
-from daemon.relay.protocol import encode_event
+from daemon.relay.protocol import encode_event, quote_reason
 from daemon.state.observer_seq import ObserverSeq
 
 __all__ = ["ObserverQueue", "ObserverIntake", "HoldKey", "KIND_OBSERVER_FRAME", "frame_bytes"]
@@ -328,7 +328,7 @@ class ObserverQueue:
                 outcome = type(result).__name__.lower()
                 self._lines.record("observer.dropped", item.agent, outcome, agent=item.agent,
                                    event_id=item.event.id, result=outcome,
-                                   reason=getattr(result, "reason", "")[:200])
+                                   reason=quote_reason(getattr(result, "reason", "")))
                 self.counts.failed += 1
         finally:
             self._release(item)

@@ -66,10 +66,11 @@ from daemon.pipeline.pending import (Cleanup, DestroyAgent, Pending, RenameAgent
                                       steps_named)
 from daemon.pipeline.recorder import Facts, Judged, Progress, Recorder, where
 from daemon.relay.pool import Accepted, RelayPool, Unknown
+from daemon.relay.protocol import quote_reason
 from daemon.state.runtimes import RuntimeStore
 from daemon.state.sessions import SessionStore
 
-__all__ = ["Publisher", "CHECKPOINTS", "MAX_REASON_CHARS", "Prepare", "MINT_REF_TAKEN"]
+__all__ = ["Publisher", "CHECKPOINTS", "Prepare", "MINT_REF_TAKEN"]
 
 _log = logging.getLogger("buzz_broker.publisher")
 
@@ -84,10 +85,6 @@ CHECKPOINTS: Final = ("before_pending", "after_pending", "before_verdict", "afte
 #: The refusal of an agents.create whose mint reference exists without its ledger record.
 MINT_REF_TAKEN: Final = ("this requestId already made an agent here and its record is gone; "
                          "use a new requestId")
-#: Longest relay reason quoted back to an agent, and to the operator log (the same cut:
-#: past it a hostile relay would choose how much of either it fills).
-MAX_REASON_CHARS: Final = 200
-
 #: A publishing operation's `prepare`: (Context, its own argument type) -> plan or verdict.
 Prepare = Callable[..., Awaitable[Plan | Verdict]]
 
@@ -95,11 +92,6 @@ Prepare = Callable[..., Awaitable[Plan | Verdict]]
 def _mint_ref(facts: Facts) -> str:
     """The custody mint reference of an agents.create: one per (requester, requestId)."""
     return f"{facts.agent}/{facts.request_id}"
-
-
-def _quote_reason(reason: str) -> str:
-    printable = "".join(ch if ch.isprintable() else " " for ch in reason).strip()
-    return printable[:MAX_REASON_CHARS] or "no reason given"
 
 
 class Publisher:
@@ -215,7 +207,9 @@ class Publisher:
             if isinstance(result, Accepted):
                 accepted += 1
                 continue
-            reason = _quote_reason(getattr(result, "reason", ""))
+            # The relay's reason, quoted back to the agent and to the operator log with
+            # the cut every relay text gets (daemon/relay/protocol.py `quote_reason`).
+            reason = quote_reason(getattr(result, "reason", ""))
             log_event(_log, "relay.not_accepted", agent=facts.agent,
                       request_id=facts.request_id, event_id=event.id,
                       result=type(result).__name__, reason=reason,

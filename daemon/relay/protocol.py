@@ -15,6 +15,10 @@ Rules:
 - `machine_prefix` reads the NIP-01 machine-readable prefix of an OK/CLOSED message
   (``duplicate:``, ``auth-required:``, ``restricted:``, ...). An unknown prefix is
   `None`, not an error: relays add their own.
+- `quote_reason` is the one cut of a relay's free text (an OK's or CLOSED's message, a
+  NOTICE) wherever we keep or show it: printable, at most MAX_REASON_CHARS characters.
+  A message may be a whole frame (1 Mi characters); what the relay writes must not
+  choose how much of an exception, a log line or an agent's answer it fills.
 - `check_relay_url` is the transport rule: ``ws://`` only to a loopback host
   (`buzzwire.loopback`, the one rule), ``wss://`` otherwise.
 
@@ -59,6 +63,8 @@ __all__ = [
     "encode_event",
     "encode_req",
     "machine_prefix",
+    "MAX_REASON_CHARS",
+    "quote_reason",
     "parse_relay_message",
     "split_event_frame",
     "subscription_id",
@@ -110,6 +116,16 @@ class Prefix(enum.Enum):
 
 _PREFIXES: Mapping[str, Prefix] = {p.value: p for p in Prefix}
 
+#: Longest relay text (an OK's or CLOSED's message, a NOTICE) kept in an exception or a
+#: result, written to the operator log, or quoted back to an agent: the same cut for all
+#: (past it a hostile relay would choose how much of each it fills). 200 characters hold
+#: every reason Buzz's relay and the NIP-01 examples give, prefix and all.
+MAX_REASON_CHARS = 200
+#: Characters of relay text `quote_reason` reads: room for leading blanks and controls
+#: before the MAX_REASON_CHARS it keeps, and no more (a character-by-character pass over a
+#: whole 1 Mi-character message would cost ~0.1 s of the event loop per message).
+_QUOTE_SCAN = 4 * MAX_REASON_CHARS
+
 
 def machine_prefix(message: str) -> Prefix | None:
     """The NIP-01 prefix of an OK/CLOSED message, or None when there is none we know."""
@@ -117,6 +133,16 @@ def machine_prefix(message: str) -> Prefix | None:
     if not sep:
         return None
     return _PREFIXES.get(word.strip())
+
+
+def quote_reason(reason: str) -> str:
+    """`reason`, relay text, as we keep and show it: of its first _QUOTE_SCAN characters,
+    each one `str.isprintable` refuses (controls, line and paragraph separators, bidi
+    controls) becomes a space, the ends are stripped, and the rest is cut at
+    MAX_REASON_CHARS; "no reason given" when nothing is left. The NIP-01 prefix
+    (`machine_prefix`) of the quote is the message's own."""
+    printable = "".join(ch if ch.isprintable() else " " for ch in reason[:_QUOTE_SCAN]).strip()
+    return printable[:MAX_REASON_CHARS] or "no reason given"
 
 
 # --- relay → client ---------------------------------------------------------------

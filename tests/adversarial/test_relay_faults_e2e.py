@@ -44,7 +44,7 @@ import pytest
 import trio
 
 from custody import TokenConfig
-from daemon.pipeline.publisher import MAX_REASON_CHARS
+from daemon.relay.protocol import MAX_REASON_CHARS
 from daemon.state.directory import AgentDirectory
 from daemon.wiring import running
 from daemon.config import load_config
