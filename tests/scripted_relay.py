@@ -9,6 +9,9 @@ connection or a new one with every refusal (``challenge_every_refusal``). It sto
 and answers a REQ with every stored event (filters are not interpreted: the fault tests
 only need "what was stored comes back").
 
+What it says when it refuses can be scripted per answer (``restricted_reason``,
+``auth_refusal``): a hostile relay's message may fill a whole frame, and be new every time.
+
 It checks AUTH events for real (kind 22242, id, BIP-340 signature, ``challenge`` tag, and
 a ``relay`` tag equal to ``expected_relay_tag``, which is the URL it serves unless the
 script says otherwise), because a client that signs a wrong AUTH must fail here as it
@@ -24,12 +27,21 @@ import enum
 import hashlib
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import coincurve
 import trio
 import trio_websocket
+
+
+def _not_a_member(_n: int) -> str:
+    return "restricted: not a member"
+
+
+def _bad_auth(_n: int) -> str:
+    return "auth-required: bad AUTH"
 
 
 class EventReply(enum.Enum):
@@ -80,6 +92,12 @@ class Script:
     #: Frames sent as they are the moment a connection is accepted, before anything else
     #: (a hostile relay's unsolicited answers: OKs and EOSEs for nothing we sent).
     greeting: tuple[str, ...] = ()
+    #: The message of the relay's n-th ``restricted:`` CLOSED (n counts from 1 over the
+    #: relay's life), sent as it is (``ensure_ascii=False``: escaped, non-ASCII text would
+    #: grow up to 6x, past the client's frame cap).
+    restricted_reason: Callable[[int], str] = _not_a_member
+    #: The message of the relay's n-th refused AUTH (OK false), sent as it is.
+    auth_refusal: Callable[[int], str] = _bad_auth
 
 
 def _event_id(ev: dict[str, Any]) -> str:
@@ -120,6 +138,9 @@ class ScriptedRelay:
         self.connections: list[ConnectionLog] = []
         self._events = list(script.events)
         self._reqs = list(script.reqs)
+        #: How many ``restricted:`` CLOSEDs and AUTH refusals the relay sent.
+        self.restricted_sent = 0
+        self.auth_refused = 0
         #: (connection, subscription id) of every REQ answered with EOSE and not CLOSEd
         self.open_reqs: list[tuple[trio_websocket.WebSocketConnection, str]] = []
 
@@ -220,9 +241,10 @@ class ScriptedRelay:
                         log.authed.add(ev["pubkey"])
                         await ws.send_message(json.dumps(["OK", ev["id"], True, ""]))
                     else:
-                        await ws.send_message(
-                            json.dumps(["OK", ev["id"], False, "auth-required: bad AUTH"])
-                        )
+                        self.auth_refused += 1
+                        await ws.send_message(json.dumps(
+                            ["OK", ev["id"], False, self.script.auth_refusal(self.auth_refused)],
+                            ensure_ascii=False))
                 elif verb == "EVENT":
                     ev = msg[1]
                     if needs_auth(msg):
@@ -252,9 +274,10 @@ class ScriptedRelay:
                     if req is ReqReply.DROP:
                         return
                     if req is ReqReply.RESTRICTED:
+                        self.restricted_sent += 1
+                        reason = self.script.restricted_reason(self.restricted_sent)
                         await ws.send_message(
-                            json.dumps(["CLOSED", sub_id, "restricted: not a member"])
-                        )
+                            json.dumps(["CLOSED", sub_id, reason], ensure_ascii=False))
                         continue
                     for ev in list(self.stored.values()):
                         await ws.send_message(json.dumps(["EVENT", sub_id, ev]))

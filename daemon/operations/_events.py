@@ -150,8 +150,11 @@ async def fetch(ctx: Context, query_filter: Mapping[str, object]) -> list[Signed
     try:
         events = await ctx.relay.query(ctx.principal.agent, [dict(query_filter)])
     except (RelayUnavailable, RelayRefused) as exc:
+        # The reason, not repr(exc): it is bounded where the pool took the relay's text
+        # (`quote_reason`), and repr would escape it again, longer.
         raise OperationRefused(
-            ErrorCode.ACTION_FAILED, "the relay could not be read", detail=repr(exc)
+            ErrorCode.ACTION_FAILED, "the relay could not be read",
+            detail=f"{type(exc).__name__}: {exc.reason}"
         ) from None
     return verified(events)
 

@@ -72,7 +72,11 @@ Decisions (each documented here because Buzz leaves them to the host):
   a minute per event and cause, then a count. A relay that is down, refuses, garbles or
   sends bad events does so to every poll of a fleet (256 reads a second), and a cursor
   an agent forges is refused as often as it likes: a line each was a flood of the
-  journal (the same reason as the verdict lines', daemon/pipeline/recorder.py).
+  journal (the same reason as the verdict lines', daemon/pipeline/recorder.py). A relay
+  failure's line is kept apart by the exception and the NIP-01 prefix of the relay's
+  message (`restricted`, `auth-required`, ...; `_relay_cause`), never by the message
+  itself: a relay that words each refusal anew would otherwise get a line for each, and
+  the reason the line carries is cut where the pool took it (`quote_reason`).
 
 WARNING: the filters built by `_base_filters` may only use the members
 `daemon.relay.paging.matches` implements.
@@ -104,7 +108,8 @@ from daemon.relay.cursor import CursorScope, InvalidCursor, Position
 from daemon.fault_log import FaultLogs
 from daemon.operations._base import Context
 from daemon.relay.paging import RELAY_MAX_LIMIT, Page, RelayMisbehaved, matches, read_page
-from daemon.relay.pool import RelayRefused, RelayUnavailable, decoded_size
+from daemon.relay.pool import RelayError, RelayRefused, RelayUnavailable, decoded_size
+from daemon.relay.protocol import machine_prefix
 from daemon.relay.windows import Served, WindowCache, WindowKey
 
 __all__ = ["ACTION", "DROP_LINES", "JUDGED_CACHE_BYTES", "JudgedCache", "MAX_FORGED_EVENTS",
@@ -145,8 +150,8 @@ def _base_filters(args: ChannelReadArgs, requester: str) -> list[dict[str, objec
     return [{**base, "#e": [args.root_event_id]}, {**base, "ids": [args.root_event_id]}]
 
 
-#: Causes each event of `ReadLog` keeps apart (the relay's reasons are its own text);
-#: past them, one line a minute for the rest (`FaultLog`'s "other").
+#: Causes each event of `ReadLog` keeps apart (a dropped event's check, a relay failure's
+#: prefix: `_relay_cause`); past them, one line a minute for the rest (`FaultLog`'s "other").
 DROP_LINES = 16
 
 #: What reads log, at what level: every line a read writes is one of these.
@@ -411,12 +416,12 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
         else:
             page = await cold()
     except RelayUnavailable as exc:
-        ctx.read_log.record("read.relay_unavailable", exc.reason, request_id=ctx.request_id,
-                            reason=exc.reason)
+        ctx.read_log.record("read.relay_unavailable", _relay_cause(exc),
+                            request_id=ctx.request_id, reason=exc.reason)
         return Verdict.failed(ErrorCode.ACTION_FAILED, _RELAY_DOWN)
     except RelayRefused as exc:
-        ctx.read_log.record("read.relay_refused", exc.reason, request_id=ctx.request_id,
-                            reason=exc.reason)
+        ctx.read_log.record("read.relay_refused", _relay_cause(exc),
+                            request_id=ctx.request_id, reason=exc.reason)
         return Verdict.failed(ErrorCode.ACTION_FAILED, _RELAY_REFUSED)
     except RelayMisbehaved as exc:
         ctx.read_log.record("read.relay_garbled", exc.reason, request_id=ctx.request_id,
@@ -437,6 +442,14 @@ async def execute(ctx: Context, args: ChannelReadArgs) -> Verdict:
     if page.next_position is not None:
         next_cursor = ctx.cursors.encode(page.next_position, scope, now=now)
     return Verdict.succeeded(ACTION, ReadOutcome(messages=page.items, next_cursor=next_cursor))
+
+
+def _relay_cause(exc: RelayError) -> str:
+    """What a relay failure's read line is kept apart by (module docstring): the NIP-01
+    prefix of its reason (a CLOSED's message leads it), or "none" when it has no prefix
+    we know. One of a dozen words, whatever text the relay chose."""
+    prefix = machine_prefix(exc.reason)
+    return "none" if prefix is None else prefix.value
 
 
 def _first(page: Page[Event], limit: int) -> Page[Event]:

@@ -65,6 +65,12 @@ Rules:
   per agent and event: a relay that refuses every AUTH, or breaks every connection,
   costs each request a connection, and one that forgets every AUTH costs each request
   an AUTH.
+- Relay text we keep or show (a CLOSED's message, an AUTH refusal, a NOTICE, a protocol
+  error's detail) is cut where it enters, by `daemon.relay.protocol.quote_reason`: at
+  most MAX_REASON_CHARS printable characters in a RelayRefused's or RelayUnavailable's
+  reason, on a connection, or in a log line, however long the relay's message (a frame
+  may be 1 Mi characters). An OK's message reaches `Rejected`/`Accepted` whole: the
+  publisher quotes it the same way before it shows it (daemon/pipeline/publisher.py).
 - A relay that breaks NIP-01 (a frame `parse_relay_message` refuses) loses its
   connection: everything waiting on it resolves at once (Unknown / RelayUnavailable)
   instead of waiting for a timeout that a broken peer makes meaningless.
@@ -150,6 +156,7 @@ from daemon.relay.protocol import (
     encode_event,
     encode_req,
     parse_relay_message,
+    quote_reason,
     split_event_frame,
     subscription_id,
 )
@@ -321,7 +328,9 @@ PublishResult = Union[Accepted, Rejected, NotSent, Unknown]
 
 
 class RelayError(Exception):
-    """Remote error from a query; ``reason`` is operator text (may quote the relay)."""
+    """Remote error from a query; ``reason`` is operator text. Where it quotes the relay
+    (a CLOSED's message, an AUTH refusal) the quote is `quote_reason`'s, so a reason holds
+    at most a few hundred characters whatever the relay sent."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -787,7 +796,9 @@ class _Connection:
                 if sub is not None:
                     if msg.prefix is not Prefix.AUTH_REQUIRED:
                         self.read_gate.open()
-                    sub.on_closed(message)
+                    # Cut here, where the relay's text enters: it becomes a RelayRefused's
+                    # reason (`_after_closed`) and the read's log line.
+                    sub.on_closed(quote_reason(message))
             case AuthChallenge(challenge=challenge):
                 # A new challenge supersedes the old; NIP-42 says the latest is valid.
                 if challenge != self.challenge:
@@ -796,7 +807,7 @@ class _Connection:
                 self.challenge_seen.set()
                 self.challenge_seen = trio.Event()
             case Notice(message=message):
-                self.notices.record((self.agent,), agent=self.agent, notice=message[:200])
+                self.notices.record((self.agent,), agent=self.agent, notice=quote_reason(message))
 
     async def send(self, frame: _Frame) -> None:
         """Write `frame` whole, after every frame asked for before it.
@@ -1150,7 +1161,7 @@ class RelayPool:
                 msg = parse_relay_message(frame)
             except RelayProtocolError as exc:
                 self._lines.record("relay_protocol_error", conn.agent, agent=conn.agent,
-                                   code=exc.code, detail=exc.detail[:200])
+                                   code=exc.code, detail=quote_reason(exc.detail))
                 return f"protocol error ({exc.code})"
             if parts is not None and live and isinstance(msg, EventMessage):
                 self._bodies.put(parts[1], msg.event)
@@ -1189,12 +1200,15 @@ class RelayPool:
                 if superseded and answer < _AUTH_ANSWERS:
                     self._lines.record("relay_auth_superseded", conn.agent, agent=conn.agent)
                     continue
+                # The relay's text, cut where it enters (`quote_reason`): it is kept on
+                # the connection, logged, and the reason of every request it fails.
+                refusal = quote_reason(ok.message)
                 self._lines.record("relay_auth_refused", conn.agent, agent=conn.agent,
-                                   reason=ok.message[:200])
+                                   reason=refusal)
                 if not superseded:
-                    conn.refused = ok.message
+                    conn.refused = refusal
                 self._retire(conn)
-                raise _AuthFailed(f"AUTH refused: {ok.message}", refused=True)
+                raise _AuthFailed(f"AUTH refused: {refusal}", refused=True)
             raise AssertionError("unreachable: the last answer returns or raises")  # pragma: no cover
 
     async def _answer_challenge(self, conn: _Connection) -> tuple[str, Ok]:
@@ -1473,7 +1487,8 @@ class RelayPool:
     async def _after_closed(self, conn: _Connection, sub_id: str, message: str,
                             generation: int, attempt: int) -> None:
         """A REQ was CLOSED: authenticate for the one retry a first `auth-required:`
-        earns (then return), or raise RelayRefused / RelayUnavailable."""
+        earns (then return), or raise RelayRefused / RelayUnavailable. `message` was cut
+        when it arrived (`_Connection.dispatch`)."""
         closed = Closed(subscription_id=sub_id, message=message)
         if closed.prefix is Prefix.AUTH_REQUIRED and attempt == 0:
             try:

@@ -13,6 +13,10 @@ check the verdict envelope the agent receives:
     relay down                -> failed + action_failed (publish and read)
     CLOSED auth-required      -> the daemon authenticates and retries once -> succeeded
     CLOSED restricted         -> failed + action_failed
+    a CLOSED or an AUTH refusal a whole frame long, new with every answer -> every log
+                                 line stays short (the relay's text cut where the pool
+                                 takes it) and a read's line is one a minute however
+                                 the relay words it (kept apart by the NIP-01 prefix)
     never EOSE on channel.read -> failed + action_failed
     agents.create refused at its first event -> failed, the minted key destroyed (rollback)
     agents.create silent at its second event -> indeterminate; retry -> succeeded, the
@@ -31,6 +35,7 @@ Every relay timeout is 1 s; each request must be answered within its timeout plu
 from __future__ import annotations
 
 import logging
+import re
 import tempfile
 import time
 import uuid
@@ -44,6 +49,8 @@ import pytest
 import trio
 
 from custody import TokenConfig
+from daemon.log import format_record
+from daemon.relay.pool import MAX_FRAME_CHARS
 from daemon.relay.protocol import MAX_REASON_CHARS
 from daemon.state.directory import AgentDirectory
 from daemon.wiring import running
@@ -230,6 +237,76 @@ async def test_restricted_read_is_failed_action_failed(rig: Any) -> None:
     read, took, _ = await r.call("channel.read", {"channelId": CHANNEL})
     assert _code(read) == ("failed", "action_failed")
     assert took < TIMEOUT + MARGIN
+
+
+#: Longest log line a relay's text may make (a line with a MAX_REASON_CHARS quote and its
+#: fields is ~500 bytes; a whole frame of text escaped was 6 MB).
+MAX_LINE_BYTES = 1024
+#: Requests each hostile-text test makes: more than one, so a line per distinct message
+#: would show as more than one line.
+HOSTILE_REQUESTS = 6
+
+
+def _frame_long(prefix: str) -> Callable[[int], str]:
+    """The n-th answer's message: `prefix`, n (so every answer is new), then line
+    separators up to a whole frame (1 Mi characters less the frame's own; each is 3 bytes
+    on the wire and 6 in a JSON log line, `printable_json`)."""
+    def reason(n: int) -> str:
+        head = f"{prefix} {n} "
+        return head + "\u2028" * (MAX_FRAME_CHARS - 100 - len(head))
+    return reason
+
+
+def _log_lines(caplog: pytest.LogCaptureFixture) -> list[bytes]:
+    """Every line the daemon wrote, as its log handler writes it (`format_record`)."""
+    return [format_record(rec).encode("utf-8") for rec in caplog.records
+            if rec.name.startswith("buzz_broker")]
+
+
+def _assert_short(lines: list[bytes]) -> None:
+    longest = max(lines, key=len)
+    assert len(longest) <= MAX_LINE_BYTES, longest[:300]
+
+
+async def test_a_frame_long_closed_new_each_time_costs_the_log_one_short_line(
+        rig: Any, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="buzz_broker")
+    r: Rig = await rig(Script(default_req=ReqReply.RESTRICTED,
+                              restricted_reason=_frame_long("restricted:")))
+    for _ in range(HOSTILE_REQUESTS):
+        read, _, _ = await r.call("channel.read", {"channelId": CHANNEL})
+        assert _code(read) == ("failed", "action_failed")
+    # A publishing action reads first (its target): the same CLOSED, in its refusal's line.
+    reacted, _, _ = await r.call("reaction.add", {
+        "channelId": CHANNEL, "targetEventId": "ab" * 32, "reaction": "+"})
+    assert _code(reacted) == ("failed", "action_failed")
+    assert r.relay.restricted_sent > HOSTILE_REQUESTS  # each answer new, each a frame
+    lines = _log_lines(caplog)
+    _assert_short(lines)
+    # One line for every read refused: they share the prefix `restricted`, whatever the
+    # text after it (a line per distinct text was a line per read, each 6 MB).
+    refused = [line for line in lines if b'"event":"read.relay_refused"' in line]
+    assert len(refused) == 1, refused
+    assert re.search(rb'"reason":"restricted: \d+"', refused[0]), refused[0]  # the quote
+    assert [line for line in lines if b'"event":"operation.refused"' in line]
+
+
+async def test_a_frame_long_auth_refusal_new_each_time_costs_the_log_short_lines(
+        rig: Any, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="buzz_broker")
+    r: Rig = await rig(Script(require_auth=True, accept_auth=False,
+                              auth_refusal=_frame_long("blocked:")))
+    for _ in range(HOSTILE_REQUESTS):
+        read, _, _ = await r.call("channel.read", {"channelId": CHANNEL})
+        assert _code(read) == ("failed", "action_failed")
+    posted, _, _ = await r.call("message.post", _post_args())
+    assert _code(posted) == ("failed", "action_failed")
+    assert r.relay.auth_refused > HOSTILE_REQUESTS
+    lines = _log_lines(caplog)
+    _assert_short(lines)
+    refused = [line for line in lines if b'"event":"read.relay_refused"' in line]
+    assert len(refused) == 1, refused
+    assert re.search(rb"\(AUTH refused: blocked: \d+\)", refused[0]), refused[0]
 
 
 async def test_never_eose_read_fails_within_the_eose_timeout(rig: Any) -> None:
