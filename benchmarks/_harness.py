@@ -43,8 +43,10 @@ import coincurve
 import trio
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+# First, always: a script's own folder leads sys.path, and there `custody` is
+# benchmarks/custody.py, not the package (with the repository on PYTHONPATH too, as a
+# clone's tests run, a check for it already there left the folder first).
+sys.path.insert(0, str(REPO))
 
 from custody import Custody, TokenConfig, init_kek  # noqa: E402
 from daemon.state.sessions import SessionStore  # noqa: E402

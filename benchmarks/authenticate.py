@@ -26,8 +26,10 @@ import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+# First, always: a script's own folder leads sys.path, and there `custody` is
+# benchmarks/custody.py, not the package (with the repository on PYTHONPATH too, as a
+# clone's tests run, a check for it already there left the folder first).
+sys.path.insert(0, str(REPO))
 
 import trio  # noqa: E402
 

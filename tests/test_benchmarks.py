@@ -184,10 +184,15 @@ def _in_history(commit: str) -> bool:
 
 def _environment() -> dict[str, str]:
     """This process's environment without the test session's token or daemon: each
-    benchmark makes its own, as it does when run from a shell."""
-    return {k: v for k, v in os.environ.items()
-            if k not in ("SOFTHSM2_CONF", "BUZZ_BROKER_CONFIG", "NOTIFY_SOCKET")
-            and not k.startswith("BUZZ_TEST_TOKEN_")}
+    benchmark makes its own, as it does when run from a shell. The repository is on
+    PYTHONPATH, as a clone's runs put it: a script must still import the `custody`
+    package, not benchmarks/custody.py beside it (authenticate.py once did not)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SOFTHSM2_CONF", "BUZZ_BROKER_CONFIG", "NOTIFY_SOCKET")
+           and not k.startswith("BUZZ_TEST_TOKEN_")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
+    return env
 
 
 def test_every_benchmark_has_a_row_or_a_reason() -> None:
