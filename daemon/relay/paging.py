@@ -36,12 +36,14 @@ than the bound still gets through (alone): paging never stalls.
 Answers too large: a relay answer past the pool's per-query bound (pool.AnswerTooLarge:
 MAX_QUERY_BYTES of decoded objects; a channel member's messages of 2,000 one-letter tags
 are ~361 KB each there, so 46 of them filled it) is asked again with half the main
-query's `ask` (down to 1), then half the sweep's limit (down to 1); the smaller sizes hold
-for the rest of the page. A smaller `ask` only moves the main part's boundary up (a reply
-that fills its ask is cut, as any), so the page ends sooner, with a cursor from its frontier,
-and nothing is skipped or concluded from it. A sweep smaller than the relay's cap that comes
-back full may be missing part of its second: it counts as an overflow second, below.
-Past limit 1 on both, the read fails as before.
+query's `ask` (down to 1), then half the sweep's limit (down to 1). The smaller `ask`
+holds for the rest of the page: it only moves the main part's boundary up (a reply that
+fills its ask is cut, as any), so the page ends sooner, with a cursor from its frontier,
+and nothing is skipped or concluded from it. A smaller sweep limit holds for that second
+alone: a sweep smaller than the relay's cap that comes back full may be missing part of
+its second, which counts as an overflow second (below), and a later second swept so small
+would lose events for no cause of its own (a review: a member's tag-heavy second cut an
+ordinary one below it). Past limit 1 on both, the read fails as before.
 
 The one case that cannot page exactly: a second holding at least the relay's per-filter
 cap (RELAY_MAX_LIMIT, 500 on Buzz) matching events — the sweep can only see a cap-sized
@@ -371,9 +373,10 @@ async def read_page(
     placed: set[str] = set()
     overflow: list[int] = []
     malformed = 0
-    # The most a main query and a sweep ask for: lowered for the rest of the page when an
-    # answer was too large (`_Round.smaller`), so each size is tried too large once.
-    max_ask, max_sweep = cap, cap
+    # The most a main query asks for: lowered for the rest of the page when an answer was
+    # too large (`_Round.smaller`), so each size is tried too large once. A sweep's limit
+    # starts at `cap` each round (module docstring, "Answers too large").
+    max_ask = cap
     if after is None:
         rnd = _Round(sweep=None, sweep_after=None, upper=None, ask=min(cap, limit + 1 + READ_AHEAD),
                      sweep_limit=cap)
@@ -400,7 +403,6 @@ async def read_page(
                     raise
                 rnd = smaller
                 max_ask = min(max_ask, rnd.ask)
-                max_sweep = min(max_sweep, rnd.sweep_limit)
         absorbed = _absorb(reply, bases, rnd, cap)
         malformed += absorbed.malformed
         if absorbed.overflow and rnd.sweep is not None:
@@ -433,7 +435,7 @@ async def read_page(
             break
         wanted = limit + 1 - len(out)
         rnd = _Round(sweep=cut, sweep_after=None, upper=cut - 1,
-                     ask=min(cap, wanted + READ_AHEAD, max_ask), sweep_limit=max_sweep)
+                     ask=min(cap, wanted + READ_AHEAD, max_ask), sweep_limit=cap)
     items = tuple(value for _, value in out[:limit])
     next_position: Position | None = None
     if len(out) > limit:

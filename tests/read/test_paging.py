@@ -13,12 +13,14 @@ from hypothesis import strategies as st
 from daemon.relay.cursor import Position
 from daemon.relay.paging import (
     MAX_ROUNDS,
+    RELAY_MAX_LIMIT,
     Page,
     RelayMisbehaved,
     matches,
     order_key,
     read_page,
 )
+from daemon.relay.pool import AnswerTooLarge
 from tests.read.fake_relay import FakeRelay
 
 CHANNEL = "0b7b2f0e-1c5e-4f6a-9d3c-2a1b0c9d8e7f"
@@ -386,3 +388,37 @@ def test_a_limit_past_the_relay_cap_is_our_bug() -> None:
     with pytest.raises(ValueError):
         trio.run(lambda: read_page(FakeRelay([], cap=5, seed=0).query, [BASE], after=None,
                                    limit=6, accept=keep, cap=5))
+
+
+class _BoundedRelay(FakeRelay):
+    """A FakeRelay whose answer fails as too large (the pool's AnswerTooLarge) when it
+    holds more than `heavy_bound` of the events in `heavy`: a member's tag-heavy messages
+    against MAX_QUERY_BYTES."""
+
+    def __init__(self, events: Sequence[Mapping[str, object]], heavy: set[str],
+                 heavy_bound: int) -> None:
+        super().__init__(events, cap=RELAY_MAX_LIMIT, seed=3)
+        self.heavy, self.heavy_bound = heavy, heavy_bound
+
+    async def query(self, filters: list[dict[str, object]]) -> list[object]:
+        reply = await super().query(filters)
+        held = {str(e["id"]) for e in reply if isinstance(e, Mapping)} & self.heavy
+        if len(held) > self.heavy_bound:
+            raise AnswerTooLarge("too large")
+        return reply
+
+
+async def test_a_sweep_cut_for_a_heavy_second_cuts_no_later_second() -> None:
+    # 50 heavy messages in one second (an answer holds 20 of them at most), then an
+    # ordinary second of 40 and an older one of 5. The heavy second is read in part and
+    # said (an overflow second, as a second past the relay's cap is); the sweep's smaller
+    # limit once held for the rest of the page, and cut the ordinary second to 15.
+    heavy = [make_event(n, 1_700_000_000) for n in range(50)]
+    ordinary = [make_event(100 + n, 1_699_999_990) for n in range(40)]
+    older = [make_event(200 + n, 1_699_999_980) for n in range(5)]
+    relay = _BoundedRelay(heavy + ordinary + older, {str(e["id"]) for e in heavy}, 20)
+    ids, pages = await read_all(relay, [BASE], 100, RELAY_MAX_LIMIT)
+    assert set(declared_order(ordinary + older)) <= set(ids)
+    assert len(ids) == len(set(ids))
+    assert ids == [i for i in declared_order(heavy + ordinary + older) if i in set(ids)]
+    assert {s for p in pages for s in p.overflow_seconds} == {1_700_000_000}
