@@ -553,7 +553,11 @@ async def _exchange(custodian: Custodian, stream: trio.SocketStream, header: byt
 
 
 def refuse_if_served(path: Path) -> None:
-    """A socket file at `path` that someone answers on is another custodian's: never take it."""
+    """A socket file at `path` that someone answers on is another custodian's: never take it.
+    Nor anything there that is no socket (a bind would fail, inside the nursery, unsaid)."""
+    if path.exists() and not path.is_socket():
+        raise CustodyError(f"{path} exists and is not a socket: move it, or name another "
+                           "[custodian] socket")
     if path.is_socket():
         with stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM) as probe:
             if probe.connect_ex(str(path)) == 0:

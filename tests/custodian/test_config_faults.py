@@ -11,8 +11,8 @@
 - file mistakes (`FILE_MISTAKES`): a `log_dir` naming a regular file, a signed log that is
   a directory, a name longer than NAME_MAX, an integer past tomllib's 4,300 digits, arrays
   nested past the interpreter's recursion limit, a uid, a cache lifetime or a KEK label
-  outside the daemon's rules: each named, with the path and the system's reason where a
-  file is at fault.
+  outside the daemon's rules, a socket path where a file that is no socket lies: each
+  named, with the path and the system's reason where a file is at fault.
 
 And a socket directory the custodian makes itself (no systemd socket unit) is 0750, as
 buzz-custodian.socket's DirectoryMode= and the daemon's own socket directory: the
@@ -178,6 +178,10 @@ def _log_dir_a_file(config: Path) -> None:
     _lines('log_dir = "afile"\n')(config)
 
 
+def _socket_a_file(config: Path) -> None:
+    (config.parent / "s").write_text("not a socket")
+
+
 #: A mistake in FILE or what it names -> how it is made, and what the one line says. Each
 #: was a traceback (`python -m custody.custodian`) or "internal error" (`buzz-broker
 #: custodian`) before.
@@ -200,6 +204,7 @@ FILE_MISTAKES: dict[str, tuple[Callable[[Path], None], str]] = {
     "unsealed_cache_seconds past a float": (
         _lines(pkcs11=f"unsealed_cache_seconds = 1{'0' * 400}\n"),
         "[pkcs11] unsealed_cache_seconds must be above 0"),
+    "the socket path a regular file": (_socket_a_file, "exists and is not a socket"),
     "an empty kek_label": (_kek_label(""),
                            "[pkcs11] kek_label must be 1 to 255 printable ASCII"),
 }
