@@ -50,7 +50,7 @@ from ._limits import (
     MAX_MEMORY_BODY_BYTES, MAX_SLUG_BYTES, MAX_SYSTEM_PROMPT_CHARS, MIN_JSON_INT, MIN_LIMIT,
     PROTOCOL_VERSION, MAX_FRAMES, MAX_OBSERVER_BYTES, MAX_PAGE_BYTES, MAX_U32,
 )
-from ._page import MAX_PAGE_VALUES, page_bytes, values_in
+from ._page import MAX_PAGE_VALUES, event_values_in, page_bytes, page_values, values_in
 from ._text import WHITE_SPACE, printable, printable_json, printable_json_text, scrub_line, trim
 from ._outcomes import (
     AgentsCreateOutcome, AgentsDeleteOutcome, AgentsUpdateOutcome, Event, ObserverEmitOutcome,
@@ -75,7 +75,7 @@ __all__ = [
     "Event", "PublishOutcome", "ReadOutcome", "StorageAddressOutcome", "AgentsCreateOutcome",
     "AgentsUpdateOutcome", "AgentsDeleteOutcome", "StorageGetOutcome", "ObserverEmitOutcome",
     # a read page's size (the host cuts by it; the client bounds its answers' values by it)
-    "page_bytes", "values_in", "MAX_PAGE_VALUES",
+    "page_bytes", "page_values", "event_values_in", "values_in", "MAX_PAGE_VALUES",
     # strict JSON (the wire's reader, for tools that read JSON as the host does)
     "parse_json", "JsonSyntaxError",
     # identities

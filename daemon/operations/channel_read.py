@@ -42,7 +42,8 @@ Decisions (each documented here because Buzz leaves them to the host):
   its count live in the contract, not here.
 * An event is not refused for how many tags it has: Buzz's own client shows a message of
   2,000 tags, and the page's byte bound already bounds its values (each tag value is
-  charged 3 bytes beyond its own, contract `_page`).
+  charged 20 bytes beyond its own, contract `_page`: such pages end sooner, with a
+  `nextCursor`).
 * Every event the relay sends is checked before it is delivered: exactly the seven
   canonical members (contract `Event`), a valid id and BIP-340 signature, then in the
   order of `_CHECKS` no empty tag (NIP-01; Buzz's SDK refuses a page holding one), the

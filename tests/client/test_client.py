@@ -43,7 +43,7 @@ from buzz_broker_client import (
     SocketPermissionDenied,
     _transport,
 )
-from buzz_broker_client._bounds import response_bytes, response_values
+from buzz_broker_client._bounds import PAGE_VALUES, response_bytes, response_values
 from buzz_broker_client.client import (
     _ECHO_CHECKS,
     AsyncBrokerClient,
@@ -81,6 +81,7 @@ from tests.client.scripted_host import (
     Received,
     ScriptedHost,
     Signer,
+    Step,
     drop,
     errored,
     publish_outcome,
@@ -1438,16 +1439,35 @@ async def test_an_answer_larger_than_its_action_can_be_is_no_answer(host: Script
 
 
 async def test_a_page_of_more_json_values_than_events_hold_is_no_answer(host: ScriptedHost) -> None:
-    # 1,500,000 empty tags in one event: 4.5 MB, well inside the bytes of a page of 10
-    # (10 MiB), but 3 million values, more than any page the host serves holds
-    # (MAX_PAGE_VALUES): ~500 MB of objects to build, check and verify. Refused from a
-    # count of the raw bytes.
-    event = Signer().event(content="x", tags=[["h", CHANNEL]])
-    event["tags"] = [["h", CHANNEL]] + [[]] * 1_500_000
-    host.default = succeeded(None, page([event]))
-    answer = await client(host).channel_read(CHANNEL, limit=10)
-    assert isinstance(answer, NoAnswer) and answer.reason is NoAnswerReason.NO_ENVELOPE
-    assert "JSON values" in answer.detail
+    # One-value tags in one event, inside the bytes of a page of 10 (10 MiB), but one value
+    # more than any page the host serves holds (PAGE_VALUES, and the envelope's): refused
+    # from a count of the raw bytes, before an object is built. At the bound exactly, it
+    # is parsed (and then fails its signature: its tags were changed after signing).
+    request = build_request("channel.read", {"channelId": CHANNEL, "limit": 10}, request_id="r")
+    bound = response_values(request)
+    assert bound == PAGE_VALUES + 64 == 419_495
+
+    def answer_of(values: int) -> Step:
+        # The envelope the host sends, counted with another requestId: a string is one.
+        event = Signer().event(content="x", tags=[["h", CHANNEL]])
+        outcome = page([event])
+        envelope = {"type": "broker_result", "protocolVersion": 1, "requestId": "r",
+                    "status": "succeeded", "action": "channel.read", "outcome": outcome}
+        extra = values - values_at_most(dumps(envelope), 0, 1 << 30)
+        # A `[""]` tag adds two values, a `["",""]` tag three.
+        event["tags"] = ([["h", CHANNEL]] + [[""]] * (extra // 2 - extra % 2)
+                         + [["", ""]] * (extra % 2))
+        body = dumps(envelope)
+        assert values_at_most(body, 0, 1 << 30) == values and len(body) < 2 * 1024 * 1024
+        return succeeded(None, outcome)
+
+    for values, reason in ((bound, NoAnswerReason.UNVERIFIED_EVENT),
+                           (bound + 1, NoAnswerReason.NO_ENVELOPE)):
+        host.received.clear()
+        host.default = answer_of(values)
+        answer = await client(host).channel_read(CHANNEL, limit=10)
+        assert isinstance(answer, NoAnswer) and answer.reason is reason, (values, answer)
+        assert ("JSON values" in answer.detail) is (values > bound)
     assert len(host.received) == FAST.max_attempts
 
 
@@ -1466,11 +1486,14 @@ def test_the_value_bound_holds_the_densest_page_the_host_serves_at_every_limit()
         return Event(id="0" * 64, pubkey="1" * 64, created_at=0, kind=9,
                      tags=tuple(map(tuple, tags)), content="", sig="2" * 128)
 
-    # Each as many events as the host's page holds before MAX_PAGE_BYTES cuts it.
-    dense = event([["h", CHANNEL]] + [[""]] * 60_000)
+    # Each as many events as the host's page holds before MAX_PAGE_BYTES cuts it, and the
+    # densest lone event one relay frame (1 MiB) holds, which the host serves alone.
+    dense = event([["h", CHANNEL]] + [[""]] * 5_000)
     tagged = event([["h", CHANNEL]] + [["t", "x"]] * 1999)
-    pages = {e: [e] * (MAX_PAGE_BYTES // page_bytes(e)) for e in (dense, tagged)}
-    assert len(pages[dense]) == 23 and len(pages[tagged]) == 256
+    lone = event([["h", CHANNEL]] + [[""]] * ((1024 * 1024 - 400) // 5))
+    pages = {e: [e] * max(1, MAX_PAGE_BYTES // page_bytes(e)) for e in (dense, tagged, lone)}
+    assert [len(pages[e]) for e in (dense, tagged, lone)] == [41, 49, 1]
+    assert counted(pages[dense])[1] > 0.97 * PAGE_VALUES
     counts = {}
     for limit in (1, 2, 18, 100, 500):
         request = build_request("channel.read", {"channelId": CHANNEL, "limit": limit},

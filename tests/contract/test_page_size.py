@@ -4,9 +4,13 @@ The host cuts a page by `page_bytes` at MAX_PAGE_BYTES; the agent client bounds 
 JSON values by MAX_PAGE_VALUES, derived from that bound. These tests hold the derivation:
 - any JSON text of n bytes holds at most `values_in(n)` values as `values_at_most` counts
   them, and the densest text reaches it;
-- the events of any page the host can serve (no empty tag: the host drops those) hold at
-  most `values_in` of their `page_bytes`, so a page at the bound is within MAX_PAGE_VALUES,
-  and the densest such page comes close to it (the bound is not slack).
+- the events of any page the host can serve (no empty tag: the host drops those) hold
+  fewer than `page_values` of their `page_bytes` (a tenth of a byte each), so a page at the
+  bound is within MAX_PAGE_VALUES, and the densest such page comes close to it (the bound
+  is not slack);
+- a lone event past the page bound holds fewer than `event_values_in` of its JSON's bytes,
+  and the densest reaches it;
+- an honest Buzz message still fits 100 to a page.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from buzzwire.contract import (
-    MAX_PAGE_BYTES, MAX_PAGE_VALUES, Event, ReadOutcome, Verdict, encode_response, page_bytes,
-    values_in,
+    MAX_PAGE_BYTES, MAX_PAGE_VALUES, Event, ReadOutcome, Verdict, encode_response,
+    event_values_in, page_bytes, page_values, values_in,
 )
 from buzzwire.jsonvalues import values_at_most
 from tests.contract.vectors import CHANNEL, REQUEST_ID
@@ -43,6 +47,11 @@ def _event(tags: list[list[str]], content: str = "", created_at: int = 0, kind: 
 def _events_values(events: list[Event]) -> int:
     """The values the events add to a page's answer (the envelope is the reader's)."""
     return _count(_body(events)) - _count(_body([]))
+
+
+def _events_json_bytes(events: list[Event]) -> int:
+    """The bytes the events add to a page's answer."""
+    return len(_body(events)) - len(_body([]))
 
 
 # ------------------------------------------------------------------ JSON text
@@ -88,34 +97,79 @@ _STRING = st.text(st.characters(blacklist_categories=("Cs",)), max_size=6) | st.
 _TAG = st.lists(_STRING, min_size=1, max_size=5)  # never empty: the host drops `[]`
 
 
+_EVENTS = st.lists(st.tuples(st.lists(_TAG, max_size=12), _STRING,
+                             st.integers(0, 2**40), st.integers(0, 65535)), max_size=6)
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.lists(_TAG, max_size=12), _STRING,
-                          st.integers(0, 2**40), st.integers(0, 65535)), max_size=6))
-def test_a_pages_events_hold_at_most_values_in_their_page_bytes(
+@given(_EVENTS)
+def test_a_pages_events_hold_fewer_than_page_values_of_their_page_bytes(
         specs: list[tuple[list[list[str]], str, int, int]]) -> None:
     events = [_event(tags, content, created_at, kind) for tags, content, created_at, kind in specs]
-    assert _events_values(events) < values_in(sum(map(page_bytes, events)))
+    charged = sum(map(page_bytes, events))
+    assert _events_values(events) < page_values(charged)
+    assert 10 * _events_values(events) <= charged  # the least charge a counted value: 10
+
+
+@settings(max_examples=300, deadline=None)
+@given(_EVENTS)
+def test_events_hold_fewer_than_event_values_in_their_json_bytes(
+        specs: list[tuple[list[list[str]], str, int, int]]) -> None:
+    events = [_event(tags, content, created_at, kind) for tags, content, created_at, kind in specs]
+    assert _events_values(events) < event_values_in(_events_json_bytes(events))
+
+
+def test_max_page_values_is_a_tenth_of_the_page_bound() -> None:
+    # A one-value tag is charged 20 bytes and holds two counted values (its `[` and the `,`
+    # after it): 10 bytes a value, the least any event's value is charged.
+    assert MAX_PAGE_VALUES == MAX_PAGE_BYTES // 10 + 1 == 419_431
+    assert page_bytes(_event([[""]])) - page_bytes(_event([])) == 20
+
+
+def _densest_page(tags_per_event: int) -> list[Event]:
+    """One-value tags of the empty string (20 bytes charged, two values each), in events of
+    `tags_per_event`, until the next would cross MAX_PAGE_BYTES (where the host cuts)."""
+    event = _event([["h", CHANNEL]] + [[""]] * tags_per_event)
+    return [event] * (MAX_PAGE_BYTES // page_bytes(event))
 
 
 def test_the_densest_page_the_host_serves_is_within_max_page_values_and_near_it() -> None:
-    # One-value tags of the empty string: three bytes charged, two values each. Events as
-    # large as a relay frame allows, until the next would cross MAX_PAGE_BYTES (where the
-    # host cuts the page).
-    events: list[Event] = []
-    total = 0
-    while True:
-        event = _event([["h", CHANNEL]] + [[""]] * 60_000)
-        if total + page_bytes(event) > MAX_PAGE_BYTES:
-            break
-        events.append(event)
-        total += page_bytes(event)
-    held = _events_values(events)
-    assert held <= MAX_PAGE_VALUES
-    assert held > 0.95 * MAX_PAGE_VALUES
+    for tags in (1_000, 5_000, 60_000):
+        events = _densest_page(tags)
+        held = _events_values(events)
+        assert held <= MAX_PAGE_VALUES
+        assert held > (0.85 if tags == 60_000 else 0.95) * MAX_PAGE_VALUES, tags
 
 
-def test_the_reviewers_page_of_many_tags_is_far_within_max_page_values() -> None:
-    # The reported case: 18 members' events of 2,000 one-letter tags (Buzz shows them).
+def test_the_densest_lone_event_is_within_event_values_in_and_reaches_it() -> None:
+    # As many one-value tags as one relay frame's 1 MiB of JSON holds. The host serves an
+    # event past the page bound alone, and the client's bound must hold it (PAGE_VALUES);
+    # the densest is charged just the page bound: 20 a tag value is where the two meet.
+    frame = 1024 * 1024
+    event = _event([["h", CHANNEL]] + [[""]] * ((frame - 400) // 5))
+    size = _events_json_bytes([event])
+    assert frame - 100 < size <= frame
+    assert abs(page_bytes(event) - MAX_PAGE_BYTES) < 2_000
+    held = _events_values([event])
+    assert held < event_values_in(size)
+    assert held > 0.999 * event_values_in(size)
+    assert event_values_in(frame) == MAX_PAGE_VALUES  # where the charge of 20 was chosen
+
+
+def test_an_honest_buzz_message_still_fits_100_to_a_page() -> None:
+    # A Buzz message of a few KB of content (multi-byte characters among them) and 55 tags
+    # of 64-hex ids, each with a relay and a marker: 100 fit one page.
+    ids = [f"{i:064x}" for i in range(55)]
+    tags = [["h", CHANNEL]] + [["e", value, "wss://relay.buzz.example.com", "mention"]
+                               for value in ids]
+    event = _event(tags, "é" * 2_000 + "x" * 4_000)
+    assert 2 * 100 * page_bytes(event) <= MAX_PAGE_BYTES  # with room to spare: ~18 KB each
+
+
+def test_a_message_of_2000_one_letter_tags_is_charged_like_its_objects_not_its_text() -> None:
+    # The reported case: 18 members' events of 2,000 one-letter tags (Buzz shows them) are
+    # one page; 49 such events fill it, each ~84 KB charged for ~24 KB of JSON.
     events = [_event([["h", CHANNEL]] + [["t", "x"]] * 1999, f"tags {i}") for i in range(18)]
     assert sum(map(page_bytes, events)) < MAX_PAGE_BYTES
-    assert 100_000 < _events_values(events) < values_in(sum(map(page_bytes, events)))
+    assert 100_000 < _events_values(events) < page_values(sum(map(page_bytes, events)))
+    assert MAX_PAGE_BYTES // page_bytes(events[0]) == 49
