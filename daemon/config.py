@@ -52,7 +52,8 @@ from buzzwire.contract import ACTIONS, MAX_SCALAR_CHARS, scrub_line, trim
 from buzzwire.loopback import LOOPBACK_NAMES, is_loopback_host
 from custody import MAX_CACHE_ENTRIES, MAX_CACHE_SECONDS
 from daemon.loopback_tcp import ListenerKind, address_text
-from daemon.relay.pool import DEFAULT_LIVE_SUBSCRIPTIONS, DEFAULT_RESULT_BYTES, MAX_QUERY_BYTES
+from daemon.relay.pool import (DEFAULT_LIVE_SUBSCRIPTIONS, DEFAULT_RECEIVE_BYTES,
+                               DEFAULT_RESULT_BYTES, MAX_FRAME_BYTES, MAX_QUERY_BYTES)
 from daemon.relay.windows import DEFAULT_WINDOW_BYTES
 from daemon.relay.protocol import check_relay_url
 from daemon.state.ratelimit import DEFAULT_RATE_CONFIG, RateConfig, rate_config_from_table
@@ -204,6 +205,9 @@ class RelayConfig:
     read_window_bytes: int = DEFAULT_WINDOW_BYTES
     #: Live subscriptions (read windows) one agent's relay connection holds at most.
     max_live_subscriptions: int = DEFAULT_LIVE_SUBSCRIPTIONS
+    #: Bytes of relay frames every connection holds together while they arrive
+    #: (daemon/relay/pool.py `_ReceiveSlots`).
+    max_receive_bytes: int = DEFAULT_RECEIVE_BYTES
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -710,6 +714,9 @@ _KEYS: tuple[_Key, ...] = (
     # 0 keeps no live subscription at all (no windows either); 256 is far past any relay's cap.
     _Key("relay", "max_live_subscriptions", "max_live_subscriptions", _Integer(0, 256),
          DEFAULT_LIVE_SUBSCRIPTIONS),
+    # At least one frame at its worst, or no connection could ever receive one.
+    _Key("relay", "max_receive_bytes", "max_receive_bytes", _Integer(MAX_FRAME_BYTES, MAX_BYTES),
+         DEFAULT_RECEIVE_BYTES),
     _Key("policy", "disabled_actions", "disabled_actions", _string_set(ACTION_NAMES), []),
     _Key("policy", "max_agent_depth", "max_agent_depth", _Integer(0, 64), 3),
     # The runtime names Buzz's clients use (shared/spec/buzz-on-the-relay.md). Providers and

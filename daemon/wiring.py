@@ -87,7 +87,8 @@ def relay_pool(config: Config, custody: Custody | CustodianClient,
         raise ValueError("[relay] url is not set")
     pool = RelayPool(config.relay.url, sign_auth, timeouts=timeouts, observer=observer,
                      max_result_bytes=config.relay.max_result_bytes,
-                     max_live_subscriptions=config.relay.max_live_subscriptions)
+                     max_live_subscriptions=config.relay.max_live_subscriptions,
+                     max_receive_bytes=config.relay.max_receive_bytes)
     if config.relay.read_window_bytes > 0 and config.relay.max_live_subscriptions > 0:
         pool.windows = WindowCache(pool, max_bytes=config.relay.read_window_bytes,
                                    idle_seconds=config.relay.idle_seconds)

@@ -74,6 +74,7 @@ idle_seconds = 30
 max_result_bytes = 33554432
 read_window_bytes = 1048576
 max_live_subscriptions = 4
+max_receive_bytes = 8388608
 
 [policy]
 disabled_actions = ["agents.delete", "profile.set"]
@@ -138,6 +139,7 @@ EXPECTED: dict[tuple[str, str], object] = {
     ("relay", "max_result_bytes"): 33554432,
     ("relay", "read_window_bytes"): 1048576,
     ("relay", "max_live_subscriptions"): 4,
+    ("relay", "max_receive_bytes"): 8388608,
     ("policy", "disabled_actions"): frozenset({"agents.delete", "profile.set"}),
     ("policy", "max_agent_depth"): 1,
     ("policy", "runtimes"): frozenset({"goose"}),
@@ -192,6 +194,7 @@ DEFAULTS: dict[tuple[str, str], object] = {
     ("relay", "max_result_bytes"): 67108864,
     ("relay", "read_window_bytes"): 67108864,
     ("relay", "max_live_subscriptions"): 8,
+    ("relay", "max_receive_bytes"): 33554432,
     ("policy", "disabled_actions"): frozenset(),
     ("policy", "max_agent_depth"): 3,
     ("policy", "runtimes"): frozenset({"goose", "claude", "codex", "buzz-agent", "buzz-acp"}),
@@ -340,6 +343,7 @@ def test_wrong_type_names_key_and_file(tmp_path: Path, row: object) -> None:
         ("relay", "url", '"wss://"'),
         ("relay", "url", '"wss://user:pw@relay.example.com"'),
         ("relay", "url", '"wss://relay.example.com:99999"'),
+        ("relay", "max_receive_bytes", "4194303"),  # one frame at its worst must fit
         ("policy", "disabled_actions", '["sign"]'),
         ("policy", "disabled_actions", '"message.post"'),
         ("policy", "runtimes", '["goose", ""]'),

@@ -48,10 +48,21 @@ Rules:
   ``auth-required:``) -> RelayRefused.
   Events are returned as the relay sent them (parsed dicts); the read path verifies them.
 - Memory a relay can make us hold: one frame <= MAX_FRAME_CHARS characters, which is
-  MAX_FRAME_BYTES (4 MiB: a character is up to 4 bytes); one connection's queue
-  <= _MESSAGE_QUEUE frames; one query <= MAX_EVENTS_PER_QUERY events and MAX_QUERY_BYTES
-  bytes of *decoded* events (`decoded_size`: what the parsed dicts take, not the frame's
-  characters: a 1 MiB frame of 170,000 one-letter tags decodes to ~16 MiB); and every
+  MAX_FRAME_BYTES (4 MiB: a character is up to 4 bytes). Frames on their way in, every
+  connection together, <= ``max_receive_bytes`` (`_ReceiveSlots`): a connection holding
+  bytes of a message trio-websocket has not handed to our reader holds a slot, one
+  frame's worst case, and one that has bytes to take and no slot waits for one without
+  reading (TCP holds the relay back); trio-websocket keeps no finished frame queued
+  (_MESSAGE_QUEUE 0), so a connection without a slot holds at most the chunk it read
+  (4 KiB) and what wsproto made of the chunk before (another 4 KiB). Our reader drops
+  each frame before it waits for the next (`_take`). No setting bounds the connections
+  (one per agent in use, `idle_seconds`), so this bound is pool-wide, not per connection.
+  A message must arrive whole within the larger of ``timeouts.ok`` and ``timeouts.eose``
+  of taking its slot, or its connection ends (`_MeteredStream`): a connection stopped
+  mid-frame gives its slot back.
+  One query <= MAX_EVENTS_PER_QUERY events and MAX_QUERY_BYTES bytes of *decoded*
+  events (`decoded_size`: what the parsed dicts take, not the frame's characters: a
+  1 MiB frame of 170,000 one-letter tags decodes to ~16 MiB); and every
   query of the pool together <= ``max_result_bytes`` decoded bytes (`_ResultBudget`),
   counted from the first event until the caller drops the list `query` returned. Past
   either bound the query fails (RelayUnavailable) and what it had collected is dropped at
@@ -228,10 +239,21 @@ DEFAULT_LIVE_SUBSCRIPTIONS = 8
 #: kept parsed (`_EventBodies`): a fleet's 64 copies of one post arrive within
 #: milliseconds of each other, so a few thousand events' worth is plenty.
 EVENT_BODIES_BYTES = 4 * 1024 * 1024
-#: Frames buffered between trio-websocket's reader and ours; a burst of EVENTs should
-#: not stall the socket reader on every frame. Times MAX_FRAME_BYTES, this is what one
-#: relay connection may hold in its queue (64 MiB; 16 MiB of ASCII), so it is kept small.
-_MESSAGE_QUEUE = 16
+#: Frames trio-websocket may hold finished between its reader and ours: none. Its reader
+#: hands each frame to ours and waits until ours takes it, reading nothing meanwhile, so
+#: a relay that sends faster than we parse is held back by TCP, not queued here. With 16,
+#: a flood of NOTICEs of 1 Mi four-byte characters held ~13 MiB per agent's connection
+#: (64 connections: 44 -> 858 MiB RSS), up to 16 x MAX_FRAME_BYTES each. Measured with
+#: benchmarks/relay_connections.py, 0 costs honest traffic nothing we could see: frames
+#: arrive whole and ours takes each at once (docs/performance.md, "Relay frames").
+_MESSAGE_QUEUE = 0
+#: Default of ``[relay] max_receive_bytes``: bytes of relay frames every connection
+#: together may hold while they arrive, counted at their worst (`_ReceiveSlots`): eight
+#: connections receive a frame at once, the rest wait their turn with the relay's bytes
+#: left in the kernel. Honest frames arrive whole in one or two reads and are taken at
+#: once, so a turn lasts microseconds; 32 MiB is what eight connections flooded with the
+#: largest frames hold, instead of what every agent's connection does.
+DEFAULT_RECEIVE_BYTES = 8 * MAX_FRAME_BYTES
 #: AUTHs one authentication may send: the first, and one for the newest challenge when
 #: the relay replaced the first before refusing it (`RelayPool._authenticate`). No more:
 #: a relay that replaces its challenge every time does not keep us answering.
@@ -419,6 +441,100 @@ class _QuickAckStream(trio.abc.HalfCloseableStream):
         return bytes(data)
 
     async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class _ReceiveSlots:
+    """Frames on their way in from the relay, every connection together (module docstring,
+    "Memory a relay can make us hold"): ``max_receive_bytes`` // MAX_FRAME_BYTES slots,
+    each one connection receiving one message, whatever its size (a slot is what the
+    largest takes; counting a frame's bytes as they come could deadlock, each connection
+    halfway through a frame waiting for bytes another holds). Taken in turn (trio's
+    Semaphore is FIFO)."""
+
+    __slots__ = ("total", "_free")
+
+    def __init__(self, max_bytes: int) -> None:
+        self.total = max_bytes // MAX_FRAME_BYTES
+        self._free = trio.Semaphore(self.total)
+
+    @property
+    def held(self) -> int:
+        """Slots taken now."""
+        return self.total - self._free.value
+
+    async def acquire(self) -> None:
+        await self._free.acquire()
+
+    def release(self) -> None:
+        self._free.release()
+
+
+class _MeteredStream(trio.abc.HalfCloseableStream):
+    """The stream trio-websocket reads (TLS or plain, `_QuickAckStream` below), holding a
+    `_ReceiveSlots` slot while trio-websocket holds any part of a message of this
+    connection that our reader has not taken.
+
+    Only trio-websocket's reader task calls `receive_some`, and with no finished frame
+    queued (_MESSAGE_QUEUE 0) it calls it holding a message's beginning or nothing:
+    ``ws._message_size`` tells which (trio_websocket/_impl.py `_handle_message_event`,
+    0.12.2: the characters of the message being assembled, 0 between messages). It is
+    private: without it every connection fails at its first read, and if its meaning
+    changed tests/adversarial/test_relay_bounds.py::test_frames_held_stay_within_max_receive_bytes_however_many_connections
+    fails. Holding nothing, the connection gives its slot back before it waits for the
+    network: a ping, the handshake, an idle connection hold none. Bytes arriving without
+    a slot wait for one before trio-websocket sees them. Our reader gives the slot back
+    as it takes a message (`release`), so a connection the relay keeps busy takes its
+    turn again behind the others.
+
+    A message must arrive whole within `frame_seconds` of its slot: a relay (or a
+    half-open TCP connection) that stops in the middle of a frame would otherwise keep
+    the slot for the connection's life, and every slot so held is one the other agents'
+    connections never get back. Past it the read fails as a broken socket does, and
+    trio-websocket ends the connection (its requests: RelayUnavailable / Unknown).
+    """
+
+    def __init__(self, inner: trio.abc.HalfCloseableStream, slots: _ReceiveSlots,
+                 frame_seconds: float) -> None:
+        self._inner = inner
+        self._slots = slots
+        self._frame_seconds = frame_seconds
+        #: Set once the handshake is done; before it, nothing is a message.
+        self.ws: trio_websocket.WebSocketConnection | None = None
+        self._holding = False
+        self._due = 0.0
+
+    def release(self) -> None:
+        """Give the slot back (idempotent): the message is ours, or the connection ended."""
+        if self._holding:
+            self._holding = False
+            self._slots.release()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        if self.ws is None or self.ws._message_size == 0:
+            self.release()
+        if self._holding:
+            with trio.move_on_at(self._due):
+                return await self._inner.receive_some(max_bytes)
+            raise trio.BrokenResourceError(
+                f"no whole frame within {self._frame_seconds}s of its first bytes")
+        data = await self._inner.receive_some(max_bytes)
+        if data:
+            await self._slots.acquire()
+            self._holding, self._due = True, trio.current_time() + self._frame_seconds
+        return data
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self._inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._inner.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self._inner.send_eof()
+
+    async def aclose(self) -> None:
+        self.release()
         await self._inner.aclose()
 
 
@@ -677,6 +793,8 @@ class _Connection:
         #: The pool's NOTICE log: a relay may send NOTICEs without end.
         self.notices = notices
         self.ws: trio_websocket.WebSocketConnection | None = None
+        #: What `ws` reads from; our reader gives its `_ReceiveSlots` slot back there.
+        self.stream: _MeteredStream | None = None
         self.scope: trio.CancelScope | None = None
         self.alive = False
         #: Frames take turns here, each written whole before the next starts (`send`).
@@ -901,10 +1019,14 @@ class RelayPool:
             first event until the caller drops the returned list (module docstring).
         max_live_subscriptions: live subscriptions (`subscribe`) one agent's connection
             may hold; past it `subscribe` raises SubscriptionsFull.
+        max_receive_bytes: bytes of relay frames every connection together may hold
+            while they arrive, each connection receiving one counted as MAX_FRAME_BYTES
+            (module docstring); at least MAX_FRAME_BYTES.
 
     Raises:
-        ValueError: a URL the transport rule refuses, a signer that is not callable, or
-            a `max_result_bytes` below MAX_QUERY_BYTES (one query at its bound must fit).
+        ValueError: a URL the transport rule refuses, a signer that is not callable,
+            a `max_result_bytes` below MAX_QUERY_BYTES (one query at its bound must fit),
+            or a `max_receive_bytes` below MAX_FRAME_BYTES (one frame must fit).
     """
 
     def __init__(
@@ -917,6 +1039,7 @@ class RelayPool:
         observer: Callable[[str, str, float], None] | None = None,
         max_result_bytes: int = DEFAULT_RESULT_BYTES,
         max_live_subscriptions: int = DEFAULT_LIVE_SUBSCRIPTIONS,
+        max_receive_bytes: int = DEFAULT_RECEIVE_BYTES,
     ) -> None:
         self._url: RelayUrl = check_relay_url(url)
         if max_live_subscriptions < 0:
@@ -927,6 +1050,9 @@ class RelayPool:
         if max_result_bytes < MAX_QUERY_BYTES:
             raise ValueError(f"max_result_bytes must be >= {MAX_QUERY_BYTES}")
         self._budget = _ResultBudget(max_result_bytes)
+        if max_receive_bytes < MAX_FRAME_BYTES:
+            raise ValueError(f"max_receive_bytes must be >= {MAX_FRAME_BYTES}")
+        self._receiving = _ReceiveSlots(max_receive_bytes)
         #: Where each replaceable event published is remembered (the guard operations
         #: check before they merge, daemon/state/sign_watermarks.py); set by the wiring
         #: once the state directory is open. None: nothing remembered.
@@ -958,6 +1084,12 @@ class RelayPool:
     @property
     def url(self) -> str:
         return self._url.text
+
+    @property
+    def frames_receiving(self) -> int:
+        """Connections holding part of a relay frame now (`_ReceiveSlots`), at most
+        ``max_receive_bytes`` // MAX_FRAME_BYTES."""
+        return self._receiving.held
 
     @property
     def result_bytes_held(self) -> int:
@@ -1096,7 +1228,8 @@ class RelayPool:
         self, conn: _Connection, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """One connection's life: connect, hand it over, read until it ends, clean up."""
-        stream = await self._open_stream()
+        stream = _MeteredStream(await self._open_stream(), self._receiving,
+                                max(self._timeouts.ok, self._timeouts.eose))
         reason = "closed"
         try:
             with trio.CancelScope() as scope:
@@ -1112,6 +1245,7 @@ class RelayPool:
                         max_message_size=MAX_FRAME_CHARS,
                     )
                     conn.ws, conn.scope, conn.alive = ws, scope, True
+                    conn.stream, stream.ws = stream, ws
                     task_status.started()
                     reason = await self._read(conn, ws)
                     nursery.cancel_scope.cancel()
@@ -1138,6 +1272,9 @@ class RelayPool:
                 if conn.ws is not None and not conn.aborted:
                     await conn.ws.aclose()
                 await stream.aclose()
+            # Also when the close above ran out of time before `stream.aclose`: nobody
+            # reads this connection any more, and a slot kept would be lost for good.
+            stream.release()
             if conn.ws is not None:
                 self._lines.record("relay_disconnected", conn.agent, agent=conn.agent,
                                    reason=reason)
@@ -1148,24 +1285,37 @@ class RelayPool:
                 frame = await ws.get_message()
             except trio_websocket.ConnectionClosed as exc:
                 return f"connection closed ({exc.reason.code if exc.reason else 'no close frame'})"
-            # A live subscription's EVENT whose rest is one parsed lately: that event
-            # (`_EventBodies`); any other frame is parsed in full.
-            parts = split_event_frame(frame) if isinstance(frame, str) else None
-            live = parts is not None and isinstance(conn.subscriptions.get(parts[0]), _Live)
-            if parts is not None and live:
-                event = self._bodies.get(parts[1])
-                if event is not None:
-                    conn.dispatch(EventMessage(subscription_id=parts[0], event=event))
-                    continue
-            try:
-                msg = parse_relay_message(frame)
-            except RelayProtocolError as exc:
-                self._lines.record("relay_protocol_error", conn.agent, agent=conn.agent,
-                                   code=exc.code, detail=quote_reason(exc.detail))
-                return f"protocol error ({exc.code})"
-            if parts is not None and live and isinstance(msg, EventMessage):
-                self._bodies.put(parts[1], msg.event)
-            conn.dispatch(msg)
+            if conn.stream is not None:
+                conn.stream.release()  # the frame is ours now: trio-websocket holds none of it
+            ended = self._take(conn, frame)
+            # Not held while we wait for the next: the frame and what `_take` made of it
+            # (a NOTICE's text) would otherwise stay with each idle connection.
+            del frame
+            if ended is not None:
+                return ended
+
+    def _take(self, conn: _Connection, frame: str | bytes) -> str | None:
+        """Parse one frame and apply it to `conn`; why the connection ends, or None.
+        Synchronous: one frame is parsed at a time in the whole pool."""
+        # A live subscription's EVENT whose rest is one parsed lately: that event
+        # (`_EventBodies`); any other frame is parsed in full.
+        parts = split_event_frame(frame) if isinstance(frame, str) else None
+        live = parts is not None and isinstance(conn.subscriptions.get(parts[0]), _Live)
+        if parts is not None and live:
+            event = self._bodies.get(parts[1])
+            if event is not None:
+                conn.dispatch(EventMessage(subscription_id=parts[0], event=event))
+                return None
+        try:
+            msg = parse_relay_message(frame)
+        except RelayProtocolError as exc:
+            self._lines.record("relay_protocol_error", conn.agent, agent=conn.agent,
+                               code=exc.code, detail=quote_reason(exc.detail))
+            return f"protocol error ({exc.code})"
+        if parts is not None and live and isinstance(msg, EventMessage):
+            self._bodies.put(parts[1], msg.event)
+        conn.dispatch(msg)
+        return None
 
     # AUTH -------------------------------------------------------------------------------
 

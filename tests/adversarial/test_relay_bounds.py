@@ -12,6 +12,14 @@ Invariants:
 - One frame holds at most `daemon.relay.pool.MAX_FRAME_CHARS` characters (past it the
   connection is closed with 1009), to the character, so at most `MAX_FRAME_BYTES` bytes
   on the wire and in memory: a character is up to four.
+- Frames on their way in hold at most `[relay] max_receive_bytes` (`max_receive_bytes` //
+  `MAX_FRAME_BYTES` connections receiving one at a time, each counted at a frame's worst),
+  however many agents' connections the relay floods: trio-websocket keeps no finished
+  frame queued (before: 16 per connection, ~13 MiB an agent's connection under a flood of
+  four-byte NOTICEs), and a connection without its turn leaves the relay's bytes in the
+  kernel. Measured as the peak memory of the pool in a process of its own. A connection
+  stopped in the middle of a frame keeps its turn for at most its frame deadline (the
+  larger of the OK and EOSE timeouts), then ends: the other agents' connections are served.
 - One read page holds at most `max_bytes` of events: past it the page ends early with a
   cursor, and following the cursors still yields every event exactly once, in the declared
   order (the exactness the paging driver promises holds under the byte cut too).
@@ -26,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import sys
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -33,12 +42,14 @@ from typing import Any
 import pytest
 import trio
 import trio_websocket
+import wsproto.events
 
 from buzzwire.nostr import SignedEvent
 from daemon.relay.cursor import Position
 from daemon.relay.paging import Page, order_key, read_page
 from daemon.relay.pool import (MAX_FRAME_BYTES, MAX_FRAME_CHARS, MAX_QUERY_BYTES, RelayPool,
                                RelayTimeouts, RelayUnavailable)
+from tests.adversarial._daemon import REPO
 from tests.fixtures.relay import free_port
 from tests.read.fake_relay import FakeRelay
 
@@ -351,10 +362,10 @@ async def test_a_tag_flood_is_bounded_by_its_decoded_size_not_its_frame() -> Non
         one_event = decoded_size(json.loads(
             json.dumps({"tags": [["a"]] * TAG_FLOOD_TAGS})))
         assert one_event * 16 > 8 * MAX_QUERY_BYTES, "the flood must exceed the bound many times"
-        # What stays: the query's bound, one frame being parsed, the connection's queue of
-        # raw frames (16 of at most MAX_FRAME_CHARS ASCII characters, a byte each), and the
-        # relay's own frame text (this process).
-        assert peak < MAX_QUERY_BYTES + one_event + 16 * MAX_FRAME_CHARS + 8 * 1024 * 1024
+        # What stays: the query's bound, one frame being parsed, the frame trio-websocket
+        # holds for our reader and the one arriving (`max_receive_bytes`: MAX_FRAME_CHARS
+        # ASCII characters each, a byte each), and the relay's own frame text (this process).
+        assert peak < MAX_QUERY_BYTES + one_event + 2 * MAX_FRAME_CHARS + 8 * 1024 * 1024
         assert pool.result_bytes_held == 0, "a failed query gives its bytes back"
         relay.count = 1
         answer = await pool.query(AGENT, [{"kinds": [9]}])
@@ -391,3 +402,147 @@ async def test_every_query_together_is_held_to_max_result_bytes(
 def test_the_result_budget_must_hold_one_query() -> None:
     with pytest.raises(ValueError, match="max_result_bytes"):
         RelayPool("ws://127.0.0.1:1", _no_auth, max_result_bytes=MAX_QUERY_BYTES - 1)
+
+
+#: A NOTICE as large as a frame may be, in four-byte characters: 4 MiB on the wire and in
+#: memory, and as slow to parse as a frame gets.
+FLOOD_NOTICE = json.dumps(["NOTICE", "\U0001F600" * (MAX_FRAME_CHARS - 20)], ensure_ascii=False)
+#: Seconds each flooded pool runs: enough for the flood to fill whatever the pool lets it.
+FLOOD_SECONDS = 2.0
+#: Connections receiving a frame at once in the flood test (`max_receive_bytes`).
+FLOOD_SLOTS = 2
+
+
+class NoticeFloodRelay:
+    """Answers each connection's first REQ with EOSE; once `connections` have, sends each
+    of them FLOOD_NOTICE without end (as fast as the pool takes them: TCP's pace)."""
+
+    def __init__(self, connections: int) -> None:
+        self.connections = connections
+        self.answered = 0
+        self.sent = 0
+        self._all_open = trio.Event()
+
+    async def serve(self, port: int, *, task_status: trio.TaskStatus[Any]
+                    = trio.TASK_STATUS_IGNORED) -> None:
+        await trio_websocket.serve_websocket(self._handle, "127.0.0.1", port, None,
+                                             task_status=task_status)
+
+    async def _handle(self, request: trio_websocket.WebSocketRequest) -> None:
+        ws = await request.accept()
+        try:
+            frame = json.loads(await ws.get_message())
+            await ws.send_message(json.dumps(["EOSE", frame[1]]))
+            self.answered += 1
+            if self.answered == self.connections:
+                self._all_open.set()
+            await self._all_open.wait()
+            while True:
+                await ws.send_message(FLOOD_NOTICE)
+                self.sent += 1
+        except trio_websocket.ConnectionClosed:
+            pass
+
+
+async def _flooded_pool(agents: int) -> tuple[int, int, int]:
+    """(peak memory growth under the flood in KiB, frames the relay sent, connections
+    receiving at the end) of a pool with `agents` connections, run as its own process."""
+    relay = NoticeFloodRelay(agents)
+    port = free_port()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(relay.serve, port)
+        done = await trio.run_process(
+            [sys.executable, "-m", "tests.adversarial.flooded_pool", f"ws://127.0.0.1:{port}",
+             str(agents), str(FLOOD_SECONDS), str(FLOOD_SLOTS * MAX_FRAME_BYTES)],
+            cwd=REPO, capture_stdout=True, capture_stderr=True, check=False)
+        nursery.cancel_scope.cancel()
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    connected, flooded = (json.loads(line) for line in done.stdout.decode().splitlines())
+    return flooded["hwm_kib"] - connected["hwm_kib"], relay.sent, flooded["receiving"]
+
+
+async def test_frames_held_stay_within_max_receive_bytes_however_many_connections() -> None:
+    few, many = FLOOD_SLOTS, 5 * FLOOD_SLOTS
+    grown_few, sent_few, _ = await _flooded_pool(few)
+    grown_many, sent_many, receiving = await _flooded_pool(many)
+    mib = 1024
+    # The flood was real: the relay got more frames out than the slots and a frame per
+    # connection hold (the rest wait in the kernel's buffers, or were parsed).
+    assert sent_many > FLOOD_SLOTS + many, sent_many
+    assert receiving <= FLOOD_SLOTS
+    # What the pool holds is the frames arriving (FLOOD_SLOTS, each up to twice its size
+    # while trio-websocket joins its parts), the one being parsed and what parsing makes
+    # of it (the NOTICE's text): not a frame or more per connection. Before: 16 frames
+    # queued per connection, ~13 MiB an agent's (here +135 MiB for 10 connections).
+    bound = (2 * FLOOD_SLOTS + 3) * MAX_FRAME_BYTES // 1024 + 8 * mib
+    assert grown_many <= bound, (grown_few, grown_many, bound)
+    # and five times the connections do not hold five times the frames.
+    assert grown_many <= grown_few + 2 * MAX_FRAME_BYTES // 1024, (grown_few, grown_many)
+
+
+def test_the_receive_budget_must_hold_one_frame() -> None:
+    with pytest.raises(ValueError, match="max_receive_bytes"):
+        RelayPool("ws://127.0.0.1:1", _no_auth, max_receive_bytes=MAX_FRAME_BYTES - 1)
+
+
+class MidFrameRelay:
+    """To the first connection's REQ sends the first fragment of a message and never the
+    rest (a relay stopped mid-frame, or a TCP connection gone half-open); answers every
+    later connection's REQ with EOSE."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.stalled = trio.Event()
+
+    async def serve(self, port: int, *, task_status: trio.TaskStatus[Any]
+                    = trio.TASK_STATUS_IGNORED) -> None:
+        await trio_websocket.serve_websocket(self._handle, "127.0.0.1", port, None,
+                                             task_status=task_status)
+
+    async def _handle(self, request: trio_websocket.WebSocketRequest) -> None:
+        ws = await request.accept()
+        self.connections += 1
+        first = self.connections == 1
+        try:
+            while True:
+                frame = json.loads(await ws.get_message())
+                if frame[0] != "REQ":
+                    continue
+                if first:
+                    # A text frame without FIN: the message goes on in frames never sent.
+                    await ws._send(wsproto.events.TextMessage(
+                        data='["NOTICE","' + "x" * 1000, message_finished=False))
+                    self.stalled.set()
+                else:
+                    await ws.send_message(json.dumps(["EOSE", frame[1]]))
+        except trio_websocket.ConnectionClosed:
+            pass
+
+
+async def test_a_connection_stopped_mid_frame_gives_its_turn_back() -> None:
+    relay = MidFrameRelay()
+    port = free_port()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(relay.serve, port)
+        # One turn to receive, taken by the stalled connection; each deadline one second.
+        pool = RelayPool(f"ws://127.0.0.1:{port}", _no_auth,
+                         timeouts=RelayTimeouts(connect=10, ok=1, eose=1),
+                         max_receive_bytes=MAX_FRAME_BYTES)
+        await nursery.start(pool.run)
+
+        async def stalled_read() -> None:
+            with pytest.raises(RelayUnavailable):
+                await pool.query("a" * 64, [{"kinds": [1]}])
+
+        nursery.start_soon(stalled_read)
+        with trio.fail_after(5):
+            await relay.stalled.wait()
+        # Another agent's connection needs the turn for its handshake and its EOSE: it
+        # gets it once the stalled one's frame is past its deadline (1 s), well before
+        # its own connect timeout (10 s). Before the deadline it waited until then.
+        began = trio.current_time()
+        with trio.fail_after(5):
+            assert await pool.query("b" * 64, [{"kinds": [1]}]) == []
+        assert trio.current_time() - began < 3
+        assert pool.frames_receiving == 0
+        nursery.cancel_scope.cancel()
