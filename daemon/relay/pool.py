@@ -49,17 +49,16 @@ Rules:
   Events are returned as the relay sent them (parsed dicts); the read path verifies them.
 - Memory a relay can make us hold: one frame <= MAX_FRAME_CHARS characters, which is
   MAX_FRAME_BYTES (4 MiB: a character is up to 4 bytes). Frames on their way in, every
-  connection together, <= ``max_receive_bytes`` (`_ReceiveSlots`): a connection holding
-  bytes of a message trio-websocket has not handed to our reader holds a slot, one
-  frame's worst case, and one that has bytes to take and no slot waits for one without
-  reading (TCP holds the relay back); trio-websocket keeps no finished frame queued
-  (_MESSAGE_QUEUE 0), so a connection without a slot holds at most the chunk it read
-  (4 KiB) and what wsproto made of the chunk before (another 4 KiB). Our reader drops
-  each frame before it waits for the next (`_take`). No setting bounds the connections
-  (one per agent in use, `idle_seconds`), so this bound is pool-wide, not per connection.
-  A message must arrive whole within the larger of ``timeouts.ok`` and ``timeouts.eose``
-  of taking its slot, or its connection ends (`_MeteredStream`): a connection stopped
-  mid-frame gives its slot back.
+  connection together, <= ``max_receive_bytes`` plus _UNMETERED_BYTES and a 4 KiB chunk
+  per connection (`_ReceiveSlots`): a connection whose message trio-websocket is still
+  assembling grows past _UNMETERED_BYTES (16 KiB) holds a slot, one frame's worst case,
+  until our reader takes the message; without a slot it waits for one without reading
+  (TCP holds the relay back). trio-websocket keeps no finished frame queued
+  (_MESSAGE_QUEUE 0), and our reader drops each frame before it waits for the next
+  (`_take`). No setting bounds the connections (one per agent in use, `idle_seconds`),
+  so the bound is pool-wide, not per connection. A message must arrive whole within the
+  larger of ``timeouts.ok`` and ``timeouts.eose`` of taking its slot, or its connection
+  ends (`_MeteredStream`): a connection stopped mid-frame gives its slot back.
   One query <= MAX_EVENTS_PER_QUERY events and MAX_QUERY_BYTES bytes of *decoded*
   events (`decoded_size`: what the parsed dicts take, not the frame's characters: a
   1 MiB frame of 170,000 one-letter tags decodes to ~16 MiB); and every
@@ -244,8 +243,10 @@ EVENT_BODIES_BYTES = 4 * 1024 * 1024
 #: a relay that sends faster than we parse is held back by TCP, not queued here. With 16,
 #: a flood of NOTICEs of 1 Mi four-byte characters held ~13 MiB per agent's connection
 #: (64 connections: 44 -> 858 MiB RSS), up to 16 x MAX_FRAME_BYTES each. Measured with
-#: benchmarks/relay_connections.py, 0 costs honest traffic nothing we could see: frames
-#: arrive whole and ours takes each at once (docs/performance.md, "Relay frames").
+#: benchmarks/relay_connections.py and read.py, 0 costs honest traffic nothing above the
+#: noise; the pool's CPU, at most ~2 us a frame, the hand-over between the two tasks
+#: (docs/performance.md, "Relay frames"). A queue of 1 or more would hold finished frames
+#: `_MeteredStream` cannot see, so its slots would no longer bound them.
 _MESSAGE_QUEUE = 0
 #: Default of ``[relay] max_receive_bytes``: bytes of relay frames every connection
 #: together may hold while they arrive, counted at their worst (`_ReceiveSlots`): eight
@@ -254,6 +255,13 @@ _MESSAGE_QUEUE = 0
 #: once, so a turn lasts microseconds; 32 MiB is what eight connections flooded with the
 #: largest frames hold, instead of what every agent's connection does.
 DEFAULT_RECEIVE_BYTES = 8 * MAX_FRAME_BYTES
+#: Bytes of a message a connection receives without a turn (`_MeteredStream`): NIP-01's
+#: answers (OK, EOSE, CLOSED, AUTH), the WebSocket handshake and most events are far
+#: smaller, and must not wait behind other connections' 4 MiB frames (with every message
+#: taking a turn, a relay flooding 60 connections held each new connection's handshake
+#: and EOSE seconds apart: 64 connections took minutes to open). Per connection without
+#: a turn, this and the chunk being read (4 KiB) is all it holds.
+_UNMETERED_BYTES = 16 * 1024
 #: AUTHs one authentication may send: the first, and one for the newest challenge when
 #: the relay replaced the first before refusing it (`RelayPool._authenticate`). No more:
 #: a relay that replaces its challenge every time does not keep us answering.
@@ -447,10 +455,10 @@ class _QuickAckStream(trio.abc.HalfCloseableStream):
 class _ReceiveSlots:
     """Frames on their way in from the relay, every connection together (module docstring,
     "Memory a relay can make us hold"): ``max_receive_bytes`` // MAX_FRAME_BYTES slots,
-    each one connection receiving one message, whatever its size (a slot is what the
-    largest takes; counting a frame's bytes as they come could deadlock, each connection
-    halfway through a frame waiting for bytes another holds). Taken in turn (trio's
-    Semaphore is FIFO)."""
+    each one connection receiving one message past _UNMETERED_BYTES, whatever its size (a
+    slot is what the largest takes; counting a frame's bytes as they come could
+    deadlock, each connection halfway through a frame waiting for bytes another holds).
+    Taken in turn (trio's Semaphore is FIFO)."""
 
     __slots__ = ("total", "_free")
 
@@ -482,10 +490,11 @@ class _MeteredStream(trio.abc.HalfCloseableStream):
     private: without it every connection fails at its first read, and if its meaning
     changed tests/adversarial/test_relay_bounds.py::test_frames_held_stay_within_max_receive_bytes_however_many_connections
     fails. Holding nothing, the connection gives its slot back before it waits for the
-    network: a ping, the handshake, an idle connection hold none. Bytes arriving without
-    a slot wait for one before trio-websocket sees them. Our reader gives the slot back
-    as it takes a message (`release`), so a connection the relay keeps busy takes its
-    turn again behind the others.
+    network: a ping, the handshake, an idle connection hold none. Bytes that would make
+    the message being assembled larger than _UNMETERED_BYTES (counted at four bytes a
+    character) wait for a slot before trio-websocket sees them; a smaller message needs
+    none. Our reader gives the slot back as it takes a message (`release`), so a
+    connection the relay keeps busy takes its turn again behind the others.
 
     A message must arrive whole within `frame_seconds` of its slot: a relay (or a
     half-open TCP connection) that stops in the middle of a frame would otherwise keep
@@ -511,15 +520,16 @@ class _MeteredStream(trio.abc.HalfCloseableStream):
             self._slots.release()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        if self.ws is None or self.ws._message_size == 0:
+        held = 0 if self.ws is None else _MAX_BYTES_PER_CHAR * self.ws._message_size
+        if held == 0:
             self.release()
         if self._holding:
             with trio.move_on_at(self._due):
                 return await self._inner.receive_some(max_bytes)
             raise trio.BrokenResourceError(
-                f"no whole frame within {self._frame_seconds}s of its first bytes")
+                f"no whole frame within {self._frame_seconds}s of its turn")
         data = await self._inner.receive_some(max_bytes)
-        if data:
+        if held + len(data) > _UNMETERED_BYTES:
             await self._slots.acquire()
             self._holding, self._due = True, trio.current_time() + self._frame_seconds
         return data

@@ -485,10 +485,15 @@ def test_the_receive_budget_must_hold_one_frame() -> None:
         RelayPool("ws://127.0.0.1:1", _no_auth, max_receive_bytes=MAX_FRAME_BYTES - 1)
 
 
+#: Characters of the messages the mid-frame test's relay sends: past what a connection
+#: receives without a turn (16 KiB counted at four bytes a character), so each needs one.
+TURN_CHARS = 20_000
+
+
 class MidFrameRelay:
     """To the first connection's REQ sends the first fragment of a message and never the
     rest (a relay stopped mid-frame, or a TCP connection gone half-open); answers every
-    later connection's REQ with EOSE."""
+    later connection's REQ with a NOTICE of TURN_CHARS, then EOSE."""
 
     def __init__(self) -> None:
         self.connections = 0
@@ -511,9 +516,10 @@ class MidFrameRelay:
                 if first:
                     # A text frame without FIN: the message goes on in frames never sent.
                     await ws._send(wsproto.events.TextMessage(
-                        data='["NOTICE","' + "x" * 1000, message_finished=False))
+                        data='["NOTICE","' + "x" * TURN_CHARS, message_finished=False))
                     self.stalled.set()
                 else:
+                    await ws.send_message(json.dumps(["NOTICE", "y" * TURN_CHARS]))
                     await ws.send_message(json.dumps(["EOSE", frame[1]]))
         except trio_websocket.ConnectionClosed:
             pass
@@ -524,9 +530,10 @@ async def test_a_connection_stopped_mid_frame_gives_its_turn_back() -> None:
     port = free_port()
     async with trio.open_nursery() as nursery:
         await nursery.start(relay.serve, port)
-        # One turn to receive, taken by the stalled connection; each deadline one second.
+        # One turn to receive, taken by the stalled connection; a frame's deadline is
+        # the larger of the OK and EOSE timeouts: 2 s.
         pool = RelayPool(f"ws://127.0.0.1:{port}", _no_auth,
-                         timeouts=RelayTimeouts(connect=10, ok=1, eose=1),
+                         timeouts=RelayTimeouts(connect=10, ok=1, eose=2),
                          max_receive_bytes=MAX_FRAME_BYTES)
         await nursery.start(pool.run)
 
@@ -537,12 +544,12 @@ async def test_a_connection_stopped_mid_frame_gives_its_turn_back() -> None:
         nursery.start_soon(stalled_read)
         with trio.fail_after(5):
             await relay.stalled.wait()
-        # Another agent's connection needs the turn for its handshake and its EOSE: it
-        # gets it once the stalled one's frame is past its deadline (1 s), well before
-        # its own connect timeout (10 s). Before the deadline it waited until then.
-        began = trio.current_time()
+        await trio.sleep(1)
+        # Another agent's read is answered with a message that needs the turn: it gets it
+        # once the stalled frame is past its deadline (1 s from now), within its own EOSE
+        # timeout (2 s). Without the deadline the stalled connection kept the turn, and
+        # the read failed at its timeout (and every later one).
         with trio.fail_after(5):
             assert await pool.query("b" * 64, [{"kinds": [1]}]) == []
-        assert trio.current_time() - began < 3
         assert pool.frames_receiving == 0
         nursery.cancel_scope.cancel()
