@@ -480,8 +480,8 @@ class _ReceiveSlots:
 
 class _MeteredStream(trio.abc.HalfCloseableStream):
     """The stream trio-websocket reads (TLS or plain, `_QuickAckStream` below), holding a
-    `_ReceiveSlots` slot while trio-websocket holds any part of a message of this
-    connection that our reader has not taken.
+    `_ReceiveSlots` slot while trio-websocket holds more than _UNMETERED_BYTES of a
+    message of this connection that our reader has not taken.
 
     Only trio-websocket's reader task calls `receive_some`, and with no finished frame
     queued (_MESSAGE_QUEUE 0) it calls it holding a message's beginning or nothing:
