@@ -127,6 +127,7 @@ without it there would hang until its timeout after a drop.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import sqlite3
 import ssl
@@ -499,39 +500,49 @@ class _MeteredStream(trio.abc.HalfCloseableStream):
     A message must arrive whole within `frame_seconds` of its slot: a relay (or a
     half-open TCP connection) that stops in the middle of a frame would otherwise keep
     the slot for the connection's life, and every slot so held is one the other agents'
-    connections never get back. Past it the read fails as a broken socket does, and
-    trio-websocket ends the connection (its requests: RelayUnavailable / Unknown).
+    connections never get back. The deadline is the connection's cancel scope's
+    (`scope`), not a read's: trio-websocket's reader may be waiting elsewhere holding
+    the slot (writing a pong to a relay that stopped reading, or its close reply), and
+    the deadline must end the connection there too (its requests: RelayUnavailable /
+    Unknown). Giving the slot back lifts it, so a deadline never outlives its slot.
     """
 
     def __init__(self, inner: trio.abc.HalfCloseableStream, slots: _ReceiveSlots,
                  frame_seconds: float) -> None:
         self._inner = inner
         self._slots = slots
-        self._frame_seconds = frame_seconds
+        self.frame_seconds = frame_seconds
         #: Set once the handshake is done; before it, nothing is a message.
         self.ws: trio_websocket.WebSocketConnection | None = None
+        #: The scope around the connection's tasks (trio-websocket's reader and ours),
+        #: set with `ws`: a slot's deadline is its deadline.
+        self.scope: trio.CancelScope | None = None
         self._holding = False
-        self._due = 0.0
+
+    @property
+    def overdue(self) -> bool:
+        """A slot is held past its deadline: why the connection's scope was cancelled."""
+        return (self._holding and self.scope is not None
+                and trio.current_time() >= self.scope.deadline)
 
     def release(self) -> None:
         """Give the slot back (idempotent): the message is ours, or the connection ended."""
         if self._holding:
             self._holding = False
             self._slots.release()
+            if self.scope is not None:
+                self.scope.deadline = math.inf
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         held = 0 if self.ws is None else _MAX_BYTES_PER_CHAR * self.ws._message_size
         if held == 0:
             self.release()
-        if self._holding:
-            with trio.move_on_at(self._due):
-                return await self._inner.receive_some(max_bytes)
-            raise trio.BrokenResourceError(
-                f"no whole frame within {self._frame_seconds}s of its turn")
         data = await self._inner.receive_some(max_bytes)
-        if held + len(data) > _UNMETERED_BYTES:
+        if not self._holding and held + len(data) > _UNMETERED_BYTES:
+            assert self.scope is not None, "a message before the handshake was done"
             await self._slots.acquire()
-            self._holding, self._due = True, trio.current_time() + self._frame_seconds
+            self._holding = True
+            self.scope.deadline = trio.current_time() + self.frame_seconds
         return data
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
@@ -546,6 +557,22 @@ class _MeteredStream(trio.abc.HalfCloseableStream):
     async def aclose(self) -> None:
         self.release()
         await self._inner.aclose()
+
+
+def _check_message_size() -> None:
+    """Refuse a trio-websocket without the private ``_message_size`` `_MeteredStream` reads
+    (an int, 0 on a new connection): at the pool's start, not as every connection failing
+    at its first read. Its meaning (the characters of the message being assembled) is
+    pinned by tests/adversarial/test_relay_bounds.py::test_trio_websocket_counts_the_message_being_assembled,
+    and pyproject.toml keeps trio-websocket to the versions that test passed on.
+    """
+    probe = trio_websocket.WebSocketConnection(
+        cast(trio.SocketStream, None), wsproto.WSConnection(wsproto.ConnectionType.CLIENT),
+        host="relay.invalid", path="/")
+    if getattr(probe, "_message_size", None) != 0:
+        raise RuntimeError(
+            f"trio-websocket {trio_websocket.__version__} has no _message_size as 0.12 has: "
+            "the relay pool cannot bound the frames it receives (pyproject.toml)")
 
 
 # --- one connection -------------------------------------------------------------------
@@ -1062,6 +1089,7 @@ class RelayPool:
         self._budget = _ResultBudget(max_result_bytes)
         if max_receive_bytes < MAX_FRAME_BYTES:
             raise ValueError(f"max_receive_bytes must be >= {MAX_FRAME_BYTES}")
+        _check_message_size()
         self._receiving = _ReceiveSlots(max_receive_bytes)
         #: Where each replaceable event published is remembered (the guard operations
         #: check before they merge, daemon/state/sign_watermarks.py); set by the wiring
@@ -1255,12 +1283,14 @@ class RelayPool:
                         max_message_size=MAX_FRAME_CHARS,
                     )
                     conn.ws, conn.scope, conn.alive = ws, scope, True
-                    conn.stream, stream.ws = stream, ws
+                    conn.stream, stream.ws, stream.scope = stream, ws, scope
                     task_status.started()
                     reason = await self._read(conn, ws)
                     nursery.cancel_scope.cancel()
             if conn.aborted:
                 reason = "a frame's write was cut off"
+            elif stream.overdue:
+                reason = f"no whole frame within {stream.frame_seconds}s of its turn"
             elif scope.cancelled_caught:
                 reason = "closed by the pool"
         except Exception as exc:
@@ -1273,6 +1303,9 @@ class RelayPool:
             self._lines.record("relay_connection_error", conn.agent, agent=conn.agent,
                                error=type(exc).__name__)
         finally:
+            # First: the connection's tasks have ended, nobody reads it any more, and the
+            # close below may wait (a relay that does not read), holding a slot meanwhile.
+            stream.release()
             conn.mark_dead()
             if self._connections.get(conn.agent) is conn:
                 del self._connections[conn.agent]
@@ -1282,9 +1315,6 @@ class RelayPool:
                 if conn.ws is not None and not conn.aborted:
                     await conn.ws.aclose()
                 await stream.aclose()
-            # Also when the close above ran out of time before `stream.aclose`: nobody
-            # reads this connection any more, and a slot kept would be lost for good.
-            stream.release()
             if conn.ws is not None:
                 self._lines.record("relay_disconnected", conn.agent, agent=conn.agent,
                                    reason=reason)
