@@ -711,3 +711,80 @@ def test_a_trio_websocket_without_message_size_stops_the_pool_at_start(
     monkeypatch.setattr(trio_websocket, "WebSocketConnection", Renamed)
     with pytest.raises(RuntimeError, match="_message_size"):
         RelayPool("ws://127.0.0.1:1", _no_auth)
+
+
+#: Four-byte characters of a message begun and never finished: 18,000 bytes, past the
+#: 16 KiB a connection receives without a turn, though only 4,500 characters (what
+#: trio-websocket counts), and ending within one 4 KiB read of the 16 KiB mark.
+PAST_UNMETERED_CHARS = 4_500
+
+
+async def test_a_message_past_16_kib_in_four_byte_characters_takes_a_turn() -> None:
+    """The unmetered allowance is bytes (four a character), and the chunk that crosses it
+    takes the turn: a message of 18,000 bytes, 4,500 characters, held unfinished, holds
+    one. Counted in characters, or only from the read after the crossing, it held none."""
+    started = trio.Event()
+
+    async def handle(request: trio_websocket.WebSocketRequest) -> None:
+        ws = await request.accept()
+        try:
+            frame = json.loads(await ws.get_message())
+            await ws.send_message(json.dumps(["EOSE", frame[1]]))
+            await ws._send(wsproto.events.TextMessage(
+                data="\U0001F600" * PAST_UNMETERED_CHARS, message_finished=False))
+            started.set()
+            await trio.sleep_forever()
+        except trio_websocket.ConnectionClosed:
+            pass
+
+    port = free_port()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(trio_websocket.serve_websocket, handle, "127.0.0.1", port, None)
+        pool = RelayPool(f"ws://127.0.0.1:{port}", _no_auth,
+                         timeouts=RelayTimeouts(connect=10, ok=10, eose=10, idle_seconds=120),
+                         max_receive_bytes=MAX_FRAME_BYTES)
+        await nursery.start(pool.run)
+        assert await pool.query("a" * 64, [{"kinds": [1]}]) == []
+        with trio.fail_after(5):
+            await started.wait()
+        with trio.move_on_after(3):
+            while pool.frames_receiving == 0:
+                await trio.sleep(0.02)
+        assert pool.frames_receiving == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_turn_given_back_takes_its_deadline_with_it() -> None:
+    """A message past 16 KiB takes a turn and its deadline (the larger of the OK and EOSE
+    timeouts); taken whole, the turn is given back and so is the deadline: the connection
+    lives on past it. Left on the connection's scope, the old deadline ended a healthy
+    connection a few seconds after any large message."""
+    connections = 0
+
+    async def handle(request: trio_websocket.WebSocketRequest) -> None:
+        nonlocal connections
+        ws = await request.accept()
+        connections += 1
+        try:
+            while True:
+                frame = json.loads(await ws.get_message())
+                if frame[0] != "REQ":
+                    continue
+                await ws.send_message(json.dumps(["NOTICE", "y" * 20_000]))
+                await ws.send_message(json.dumps(["EOSE", frame[1]]))
+        except trio_websocket.ConnectionClosed:
+            pass
+
+    port = free_port()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(trio_websocket.serve_websocket, handle, "127.0.0.1", port, None)
+        pool = RelayPool(f"ws://127.0.0.1:{port}", _no_auth,
+                         timeouts=RelayTimeouts(connect=10, ok=0.5, eose=1, idle_seconds=120),
+                         max_receive_bytes=MAX_FRAME_BYTES)
+        await nursery.start(pool.run)
+        assert await pool.query("a" * 64, [{"kinds": [1]}]) == []
+        assert pool.frames_receiving == 0
+        await trio.sleep(2)  # twice the frame deadline
+        assert await pool.query("a" * 64, [{"kinds": [1]}]) == []
+        assert connections == 1
+        nursery.cancel_scope.cancel()

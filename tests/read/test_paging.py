@@ -422,3 +422,38 @@ async def test_a_sweep_cut_for_a_heavy_second_cuts_no_later_second() -> None:
     assert len(ids) == len(set(ids))
     assert ids == [i for i in declared_order(heavy + ordinary + older) if i in set(ids)]
     assert {s for p in pages for s in p.overflow_seconds} == {1_700_000_000}
+
+
+class _CountingBoundedRelay(_BoundedRelay):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.queries = 0
+
+    async def query(self, filters: list[dict[str, object]]) -> list[object]:
+        self.queries += 1
+        return await super().query(filters)
+
+
+async def test_a_second_whose_every_event_is_too_large_but_one_is_swept_one_at_a_time() -> None:
+    # Three messages in one second, each alone the most an answer holds: the main part's
+    # ask goes down to 1, then the sweep's limit down to 1 (not 2, which still holds two),
+    # and the read goes on past the second (said an overflow second, as documented)
+    # instead of failing.
+    heavy = [make_event(n, 1_700_000_000) for n in range(3)]
+    ordinary = [make_event(100 + n, 1_699_999_990 - n) for n in range(5)]
+    relay = _BoundedRelay(heavy + ordinary, {str(e["id"]) for e in heavy}, 1)
+    # cap 256: halving passes through 2 (from 500 it goes 3 -> 1 and never meets it).
+    ids, pages = await read_all(relay, [BASE], 100, 256)
+    assert set(declared_order(ordinary)) <= set(ids)
+    assert ids == [i for i in declared_order(heavy + ordinary) if i in set(ids)]
+    assert 1_700_000_000 in {s for p in pages for s in p.overflow_seconds}
+
+
+async def test_an_answer_too_large_is_asked_again_at_half_the_size() -> None:
+    # 50 heavy messages, 20 at most an answer: halving `ask` from the relay's cap (500)
+    # reaches a size that fits in a handful of tries, not hundreds of 16 MiB answers.
+    heavy = [make_event(n, 1_700_000_000 - n) for n in range(50)]
+    relay = _CountingBoundedRelay(heavy, {str(e["id"]) for e in heavy}, 20)
+    ids, _ = await read_all(relay, [BASE], 100, RELAY_MAX_LIMIT)
+    assert ids == declared_order(heavy)
+    assert relay.queries <= 20, relay.queries
