@@ -418,8 +418,29 @@ class _AuthFailed(Exception):
 # --- the socket ---------------------------------------------------------------------
 
 
-class _QuickAckStream(trio.abc.HalfCloseableStream):
+class _Wrapped(trio.abc.HalfCloseableStream):
+    """A stream that sends, half-closes and closes through `_inner`: what the two below
+    share (each changes how it receives)."""
+
+    _inner: trio.abc.HalfCloseableStream
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self._inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._inner.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self._inner.send_eof()
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class _QuickAckStream(_Wrapped):
     """A SocketStream that re-arms TCP_QUICKACK after every read (Linux; see module doc)."""
+
+    _inner: trio.SocketStream
 
     def __init__(self, inner: trio.SocketStream, quickack: bool) -> None:
         self._inner = inner
@@ -435,22 +456,10 @@ class _QuickAckStream(trio.abc.HalfCloseableStream):
                 # The socket is closing; the next read will report it.
                 pass
 
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self._inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self._inner.wait_send_all_might_not_block()
-
-    async def send_eof(self) -> None:
-        await self._inner.send_eof()
-
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         data = await self._inner.receive_some(max_bytes)
         self._rearm()
         return bytes(data)
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
 
 
 class _ReceiveSlots:
@@ -479,7 +488,7 @@ class _ReceiveSlots:
         self._free.release()
 
 
-class _MeteredStream(trio.abc.HalfCloseableStream):
+class _MeteredStream(_Wrapped):
     """The stream trio-websocket reads (TLS or plain, `_QuickAckStream` below), holding a
     `_ReceiveSlots` slot while trio-websocket holds more than _UNMETERED_BYTES of a
     message of this connection that our reader has not taken.
@@ -545,18 +554,9 @@ class _MeteredStream(trio.abc.HalfCloseableStream):
             self.scope.deadline = trio.current_time() + self.frame_seconds
         return data
 
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self._inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self._inner.wait_send_all_might_not_block()
-
-    async def send_eof(self) -> None:
-        await self._inner.send_eof()
-
     async def aclose(self) -> None:
         self.release()
-        await self._inner.aclose()
+        await super().aclose()
 
 
 def _check_message_size() -> None:
