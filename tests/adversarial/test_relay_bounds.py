@@ -417,7 +417,19 @@ FLOOD_SECONDS = 2.0
 FLOOD_SLOTS = 2
 
 
-class NoticeFloodRelay:
+class _HandledRelay:
+    """A relay of one handler per connection (`_handle`), served on a port."""
+
+    async def serve(self, port: int, *, task_status: trio.TaskStatus[Any]
+                    = trio.TASK_STATUS_IGNORED) -> None:
+        await trio_websocket.serve_websocket(self._handle, "127.0.0.1", port, None,
+                                             task_status=task_status)
+
+    async def _handle(self, request: trio_websocket.WebSocketRequest) -> None:
+        raise NotImplementedError
+
+
+class NoticeFloodRelay(_HandledRelay):
     """Answers each connection's first REQ with EOSE; once `connections` have, sends each
     of them FLOOD_NOTICE without end (as fast as the pool takes them: TCP's pace)."""
 
@@ -426,11 +438,6 @@ class NoticeFloodRelay:
         self.answered = 0
         self.sent = 0
         self._all_open = trio.Event()
-
-    async def serve(self, port: int, *, task_status: trio.TaskStatus[Any]
-                    = trio.TASK_STATUS_IGNORED) -> None:
-        await trio_websocket.serve_websocket(self._handle, "127.0.0.1", port, None,
-                                             task_status=task_status)
 
     async def _handle(self, request: trio_websocket.WebSocketRequest) -> None:
         ws = await request.accept()
@@ -494,7 +501,7 @@ def test_the_receive_budget_must_hold_one_frame() -> None:
 TURN_CHARS = 20_000
 
 
-class MidFrameRelay:
+class MidFrameRelay(_HandledRelay):
     """To the first connection's REQ sends the first fragment of a message and never the
     rest (a relay stopped mid-frame, or a TCP connection gone half-open); answers every
     later connection's REQ with a NOTICE of TURN_CHARS, then EOSE."""
@@ -502,11 +509,6 @@ class MidFrameRelay:
     def __init__(self) -> None:
         self.connections = 0
         self.stalled = trio.Event()
-
-    async def serve(self, port: int, *, task_status: trio.TaskStatus[Any]
-                    = trio.TASK_STATUS_IGNORED) -> None:
-        await trio_websocket.serve_websocket(self._handle, "127.0.0.1", port, None,
-                                             task_status=task_status)
 
     async def _handle(self, request: trio_websocket.WebSocketRequest) -> None:
         ws = await request.accept()
@@ -713,6 +715,20 @@ def test_a_trio_websocket_without_message_size_stops_the_pool_at_start(
         RelayPool("ws://127.0.0.1:1", _no_auth)
 
 
+@asynccontextmanager
+async def _pool_served_by(handle: Callable[[trio_websocket.WebSocketRequest], Any],
+                          timeouts: RelayTimeouts) -> AsyncIterator[RelayPool]:
+    """A pool of one receive turn on a relay `handle` answers, running until the block ends."""
+    port = free_port()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(trio_websocket.serve_websocket, handle, "127.0.0.1", port, None)
+        pool = RelayPool(f"ws://127.0.0.1:{port}", _no_auth, timeouts=timeouts,
+                         max_receive_bytes=MAX_FRAME_BYTES)
+        await nursery.start(pool.run)
+        yield pool
+        nursery.cancel_scope.cancel()
+
+
 #: Four-byte characters of a message begun and never finished: 18,000 bytes, past the
 #: 16 KiB a connection receives without a turn, though only 4,500 characters (what
 #: trio-websocket counts), and ending within one 4 KiB read of the 16 KiB mark.
@@ -737,13 +753,8 @@ async def test_a_message_past_16_kib_in_four_byte_characters_takes_a_turn() -> N
         except trio_websocket.ConnectionClosed:
             pass
 
-    port = free_port()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(trio_websocket.serve_websocket, handle, "127.0.0.1", port, None)
-        pool = RelayPool(f"ws://127.0.0.1:{port}", _no_auth,
-                         timeouts=RelayTimeouts(connect=10, ok=10, eose=10, idle_seconds=120),
-                         max_receive_bytes=MAX_FRAME_BYTES)
-        await nursery.start(pool.run)
+    timeouts = RelayTimeouts(connect=10, ok=10, eose=10, idle_seconds=120)
+    async with _pool_served_by(handle, timeouts) as pool:
         assert await pool.query("a" * 64, [{"kinds": [1]}]) == []
         with trio.fail_after(5):
             await started.wait()
@@ -751,7 +762,6 @@ async def test_a_message_past_16_kib_in_four_byte_characters_takes_a_turn() -> N
             while pool.frames_receiving == 0:
                 await trio.sleep(0.02)
         assert pool.frames_receiving == 1
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_turn_given_back_takes_its_deadline_with_it() -> None:
@@ -775,16 +785,10 @@ async def test_a_turn_given_back_takes_its_deadline_with_it() -> None:
         except trio_websocket.ConnectionClosed:
             pass
 
-    port = free_port()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(trio_websocket.serve_websocket, handle, "127.0.0.1", port, None)
-        pool = RelayPool(f"ws://127.0.0.1:{port}", _no_auth,
-                         timeouts=RelayTimeouts(connect=10, ok=0.5, eose=1, idle_seconds=120),
-                         max_receive_bytes=MAX_FRAME_BYTES)
-        await nursery.start(pool.run)
+    timeouts = RelayTimeouts(connect=10, ok=0.5, eose=1, idle_seconds=120)
+    async with _pool_served_by(handle, timeouts) as pool:
         assert await pool.query("a" * 64, [{"kinds": [1]}]) == []
         assert pool.frames_receiving == 0
         await trio.sleep(2)  # twice the frame deadline
         assert await pool.query("a" * 64, [{"kinds": [1]}]) == []
         assert connections == 1
-        nursery.cancel_scope.cancel()
