@@ -7,6 +7,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import trio
+
 from daemon.config import PolicyConfig
 from buzzwire.contract import ChannelReadArgs, Event, ReadOutcome, Status, Verdict
 from daemon.relay.cursor import CursorCodec
@@ -15,7 +17,9 @@ from daemon.operations import channel_read
 from daemon.operations._base import Context
 from daemon.operations.channel_read import JUDGED_CACHE_BYTES, JudgedCache, ReadLog
 from daemon.relay.paging import order_key
+from daemon.relay.pool import Accepted, RelayPool
 from daemon.state.sessions import Principal, SessionStore
+from tests.fixtures.relay import signed
 
 NOW = 1_787_675_388
 POLICY = PolicyConfig(disabled_actions=frozenset(), max_agent_depth=1, runtimes=frozenset())
@@ -71,3 +75,24 @@ async def read_through(ctx: Context, *, max_pages: int = 2000, **args: Any) -> t
             return events, verdicts
         cursor = outcome.next_cursor
     raise AssertionError("paging did not end")
+
+
+#: Publishes in flight at once while filling (two agents, a connection each). Any number
+#: is safe against LocalRelay's AUTH: the pool's AUTH gate sends one request on a fresh
+#: connection until it is authenticated (daemon/relay/gate.py; the burst it fixed is
+#: tests/relay/test_auth_burst.py). This one only keeps the fill from holding 1,000 tasks.
+PUBLISHES_IN_FLIGHT = 32
+
+
+async def publish_all(pool: RelayPool, events: list[dict[str, Any]]) -> None:
+    """Publish `events` (made by tests.fixtures.relay.TestKey) through `pool`, each Accepted."""
+    limiter = trio.CapacityLimiter(PUBLISHES_IN_FLIGHT)
+
+    async def one(ev: dict[str, Any]) -> None:
+        async with limiter:
+            result = await pool.publish(ev["pubkey"], signed(ev))
+        assert isinstance(result, Accepted), result
+
+    async with trio.open_nursery() as nursery:
+        for ev in events:
+            nursery.start_soon(one, ev)

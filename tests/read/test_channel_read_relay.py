@@ -20,9 +20,9 @@ import trio
 from buzzwire.contract import ChannelReadArgs, ErrorCode, Status
 from daemon.relay.cursor import CursorCodec
 from daemon.operations import channel_read
-from daemon.relay.pool import Accepted, RelayPool, RelayTimeouts
+from daemon.relay.pool import RelayPool, RelayTimeouts
 from tests.fixtures.relay import TestKey, auth_signer_for, signed, nostr_verify
-from tests.read._support import NOW, context, declared_order, new_channel, principal_for, read_through
+from tests.read._support import NOW, context, declared_order, new_channel, principal_for, publish_all, read_through
 
 TIMEOUTS = RelayTimeouts(connect=10, ok=10, eose=10, idle_seconds=60)
 #: The second 300 messages share.
@@ -40,26 +40,6 @@ class World:
     mentions: list[dict[str, Any]]
     thread: list[dict[str, Any]]
     not_delivered: list[dict[str, Any]]
-
-
-#: Publishes in flight at once while filling (two agents, a connection each). Any number
-#: is safe against LocalRelay's AUTH: the pool's AUTH gate sends one request on a fresh
-#: connection until it is authenticated (daemon/relay/gate.py; the burst it fixed is
-#: tests/relay/test_auth_burst.py). This one only keeps the fill from holding 1,000 tasks.
-PUBLISHES_IN_FLIGHT = 32
-
-
-async def _publish_all(pool: RelayPool, events: list[dict[str, Any]]) -> None:
-    limiter = trio.CapacityLimiter(PUBLISHES_IN_FLIGHT)
-
-    async def one(ev: dict[str, Any]) -> None:
-        async with limiter:
-            result = await pool.publish(ev["pubkey"], signed(ev))
-        assert isinstance(result, Accepted), result
-
-    async with trio.open_nursery() as nursery:
-        for ev in events:
-            nursery.start_soon(one, ev)
 
 
 @pytest.fixture
@@ -92,7 +72,7 @@ async def world(local_relay: str) -> AsyncIterator[World]:
     ]
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
-        await _publish_all(pool, readable + not_delivered)
+        await publish_all(pool, readable + not_delivered)
         yield World(pool, reader, channel, other, root, readable, mentions, thread, not_delivered)
         nursery.cancel_scope.cancel()
 
@@ -175,7 +155,7 @@ async def threads(local_relay: str) -> AsyncIterator[Threads]:
     ]
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
-        await _publish_all(pool, [r, s, direct, nested, *cites_r])
+        await publish_all(pool, [r, s, direct, nested, *cites_r])
         yield Threads(pool, reader, channel, r, s, direct, nested, in_r=[r, direct, nested],
                       in_s=[s, in_s], cites_r=cites_r)
         nursery.cancel_scope.cancel()

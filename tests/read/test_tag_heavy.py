@@ -24,10 +24,10 @@ import trio
 from buzzwire.contract import ChannelReadArgs, ReadOutcome, Status
 from daemon.operations import channel_read
 from daemon.relay.cursor import CursorCodec
-from daemon.relay.pool import MAX_QUERY_BYTES, Accepted, RelayPool, RelayTimeouts, decoded_size
+from daemon.relay.pool import MAX_QUERY_BYTES, RelayPool, RelayTimeouts, decoded_size
 from daemon.relay.windows import WindowCache
-from tests.fixtures.relay import TestKey, auth_signer_for, signed
-from tests.read._support import NOW, context, declared_order, new_channel, principal_for, read_through
+from tests.fixtures.relay import TestKey, auth_signer_for
+from tests.read._support import NOW, context, declared_order, new_channel, principal_for, publish_all, read_through
 
 TIMEOUTS = RelayTimeouts(connect=10, ok=10, eose=10, idle_seconds=60)
 #: Tags of one heavy message: the shape of the finding.
@@ -72,16 +72,7 @@ async def heavy_channel(local_relay: str) -> AsyncIterator[Channel]:
     assert HEAVY * heavy_size > 1.2 * MAX_QUERY_BYTES
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
-        limiter = trio.CapacityLimiter(16)
-
-        async def publish(ev: dict[str, Any]) -> None:
-            async with limiter:
-                result = await pool.publish(ev["pubkey"], signed(ev))
-            assert isinstance(result, Accepted), result
-
-        async with trio.open_nursery() as publishing:
-            for ev in events:
-                publishing.start_soon(publish, ev)
+        await publish_all(pool, events)
         yield Channel(pool, reader, channel, events)
         nursery.cancel_scope.cancel()
 
