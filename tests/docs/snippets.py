@@ -25,3 +25,11 @@ def block(path: Path, label: str) -> str:
     found = [body for _, name, body in blocks(path) if name == label]
     assert len(found) == 1, f"{path.name}: expected one block labelled {label!r}, found {len(found)}"
     return found[0]
+
+
+def passage(path: Path, pattern: str) -> str:
+    """What `pattern`'s group captures in the one passage of `path` it matches (re.S, re.M):
+    a doc's list, read out to be compared with the table it describes."""
+    found = re.findall(pattern, path.read_text(encoding="utf-8"), re.S | re.M)
+    assert len(found) == 1, f"expected one passage matching {pattern!r}, found {len(found)}"
+    return str(found[0])

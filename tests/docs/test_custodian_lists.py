@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from custody.custodian.messages import LOOKUPS, OPS
-from tests.docs.snippets import REPO
+from tests.docs.snippets import REPO, passage
 
 CUSTODIAN_MD = REPO / "docs" / "custodian.md"
 _ROW = re.compile(r"`([a-z_]+)`")
@@ -20,10 +20,7 @@ _ROW = re.compile(r"`([a-z_]+)`")
 
 def _rows(pattern: str) -> set[str]:
     """The row names in backticks inside the one passage `pattern` captures."""
-    text = CUSTODIAN_MD.read_text(encoding="utf-8")
-    found = re.findall(pattern, text, re.S | re.M)
-    assert len(found) == 1, f"expected one passage matching {pattern!r}, found {len(found)}"
-    return {name for name in _ROW.findall(found[0]) if name in OPS}
+    return {name for name in _ROW.findall(passage(CUSTODIAN_MD, pattern)) if name in OPS}
 
 
 def test_the_rows_answered_while_a_line_is_owed_are_the_lookups() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from buzzwire.contract import ACTIONS, PublishOutcome
-from tests.docs.snippets import REPO
+from tests.docs.snippets import REPO, passage
 
 PROTOCOL_MD = REPO / "docs" / "protocol.md"
 _NAME = re.compile(r"`([a-z]+\.[a-z]+)`")
@@ -20,10 +20,7 @@ _NAME = re.compile(r"`([a-z]+\.[a-z]+)`")
 
 def _named(pattern: str) -> set[str]:
     """The action names in backticks inside the one passage `pattern` captures."""
-    text = PROTOCOL_MD.read_text(encoding="utf-8")
-    found = re.findall(pattern, text, re.S | re.M)
-    assert len(found) == 1, f"expected one passage matching {pattern!r}, found {len(found)}"
-    return set(_NAME.findall(found[0]))
+    return set(_NAME.findall(passage(PROTOCOL_MD, pattern)))
 
 
 def test_the_unsupported_row_lists_every_best_effort_action() -> None:
