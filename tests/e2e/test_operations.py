@@ -429,3 +429,25 @@ async def test_renaming_an_agent_waits_for_that_agents_own_profile_write(
     profiles = await _fetch(broker, {"kinds": [0], "authors": [agent]})
     newest = max(profiles, key=lambda e: e["created_at"])
     assert json.loads(newest["content"])["display_name"] == "After"
+
+
+async def test_a_reply_and_a_reaction_build_on_a_kind_40002_message(
+        broker: BrokerHarness) -> None:
+    """Every kind channel.read returns (`READ_KINDS`: 9 and 40002) may be replied to and
+    reacted to: the kind check refuses what a read never shows, not Buzz's second form of
+    a channel message."""
+    channel = str(uuid.uuid4())
+    agent, cred = await _agent_in(broker, channel)
+    author = TestKey()
+    event = author.sign(40002, "a message in Buzz's second form", [["h", channel]])
+    assert await trio.to_thread.run_sync(nostr_publish, broker.relay_url, event,
+                                         author.secret_hex)
+    read = _succeeded(await broker.call(cred, "channel.read", {"channelId": channel}),
+                      "channel.read")
+    assert [m["id"] for m in read["messages"]] == [event["id"]]
+    reply = _succeeded(await broker.call(cred, "message.reply", {
+        "channelId": channel, "replyToEventId": event["id"], "content": "x"}), "message.reply")
+    reaction = _succeeded(await broker.call(cred, "reaction.add", {
+        "channelId": channel, "targetEventId": event["id"], "reaction": "+"}), "reaction.add")
+    mine = await _fetch(broker, {"authors": [agent]})
+    assert {e["id"] for e in mine} == {reply["eventId"], reaction["eventId"]}

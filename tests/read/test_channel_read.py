@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from buzzwire.contract import ChannelReadArgs, ErrorCode, Status
+from buzzwire.contract import MAX_PAGE_BYTES, ChannelReadArgs, ErrorCode, ReadOutcome, Status
 from daemon.relay.cursor import CURSOR_TTL_SECONDS, KEY_FILE_NAME, CursorCodec
 from daemon.operations import channel_read
-from daemon.relay.pool import RelayRefused, RelayUnavailable
+from daemon.relay.pool import AnswerTooLarge, RelayRefused, RelayUnavailable
 from tests.fixtures.relay import TestKey
 from tests.read._support import NOW, context, declared_order, new_channel, principal_for, read_through
 from tests.read.fake_relay import FakeRelay
@@ -210,3 +210,74 @@ def test_a_judged_event_is_reused_only_for_an_exact_copy() -> None:
     small = JudgedCache(1)
     small.remember(event)
     assert small.known(item) is None
+
+
+async def test_a_relay_failure_worded_anew_each_read_is_still_one_line(
+        tmp_path: Path, reader: TestKey, caplog: pytest.LogCaptureFixture) -> None:
+    # A RelayUnavailable may quote the relay: an `auth-required:` CLOSED whose AUTH then
+    # fails without a refusal (`_after_closed`). A relay wording each one anew made a
+    # line per read when the line was kept apart by the reason; it is kept apart by the
+    # reason's NIP-01 prefix (`_relay_cause`).
+    channel = new_channel()
+    pool = PoolLike([])
+    caplog.set_level(logging.INFO, logger="buzz_broker.read")
+    ctx = context(pool, principal_for(tmp_path, reader.pubkey, [channel]),
+                  CursorCodec.open(tmp_path))
+    for n in range(50):
+        pool.fail = RelayUnavailable(
+            f"auth-required: attempt {n} (the relay sent no AUTH challenge)")
+        await channel_read.execute(ctx, ChannelReadArgs(channel_id=channel))
+    assert len(fields(caplog, "read.relay_unavailable")) == 1
+    assert ctx.read_log.total("read.relay_unavailable") == 50
+
+
+async def test_relay_refusals_with_different_prefixes_are_kept_apart(
+        tmp_path: Path, reader: TestKey, caplog: pytest.LogCaptureFixture) -> None:
+    # The operator tells "not a member" (restricted:) from "AUTH refused" (blocked:, ...)
+    # in the log: each prefix its own line, whatever the words after it.
+    channel = new_channel()
+    pool = PoolLike([])
+    caplog.set_level(logging.INFO, logger="buzz_broker.read")
+    ctx = context(pool, principal_for(tmp_path, reader.pubkey, [channel]),
+                  CursorCodec.open(tmp_path))
+    for reason in ("restricted: not a member 1", "restricted: not a member 2",
+                   "blocked: banned 1", "blocked: banned 2"):
+        pool.fail = RelayRefused(reason)
+        await channel_read.execute(ctx, ChannelReadArgs(channel_id=channel))
+    assert [f["reason"] for f in fields(caplog, "read.relay_refused")] == [
+        "restricted: not a member 1", "blocked: banned 1"]
+
+
+async def test_an_answer_too_large_even_at_limit_one_fails_the_read_as_unavailable(
+        tmp_path: Path, reader: TestKey, caplog: pytest.LogCaptureFixture) -> None:
+    # One event can pass MAX_QUERY_BYTES decoded (170,000 one-letter tags in a 1 MiB frame):
+    # paging asks again down to limit 1 and then gives up. The read fails as any relay
+    # failure does (AnswerTooLarge is a RelayUnavailable), not with an unhandled error.
+    channel = new_channel()
+    pool = PoolLike([], fail=AnswerTooLarge("relay sent more than ... for one query"))
+    caplog.set_level(logging.INFO, logger="buzz_broker.read")
+    ctx = context(pool, principal_for(tmp_path, reader.pubkey, [channel]),
+                  CursorCodec.open(tmp_path))
+    verdict = await channel_read.execute(ctx, ChannelReadArgs(channel_id=channel))
+    assert verdict.status is Status.FAILED and verdict.code is ErrorCode.ACTION_FAILED
+    assert len(pool.agents) > 1  # asked again, smaller, before giving up
+    assert ctx.read_log.total("read.relay_unavailable") == 1
+
+
+async def test_a_page_of_large_messages_ends_at_max_page_bytes_with_a_cursor(
+        tmp_path: Path, reader: TestKey) -> None:
+    # 100 messages of 60,000 characters are ~6 MB: the page holds what fits in
+    # MAX_PAGE_BYTES (contract `page_bytes`) and says there is more; the next page goes on.
+    channel = new_channel()
+    alice = TestKey()
+    events = [alice.sign(9, f"{i:05d}" + "z" * 60_000, [["h", channel]], NOW - 100 - i)
+              for i in range(100)]
+    ctx = context(PoolLike(events), principal_for(tmp_path, reader.pubkey, [channel]),
+                  CursorCodec.open(tmp_path))
+    verdict = await channel_read.execute(ctx, ChannelReadArgs(channel_id=channel, limit=100))
+    assert verdict.status is Status.SUCCEEDED
+    page = verdict.outcome
+    assert isinstance(page, ReadOutcome)
+    held = len(page.messages)
+    assert MAX_PAGE_BYTES // 70_000 < held < 100, held
+    assert page.next_cursor is not None

@@ -457,3 +457,43 @@ async def test_an_answer_too_large_is_asked_again_at_half_the_size() -> None:
     ids, _ = await read_all(relay, [BASE], 100, RELAY_MAX_LIMIT)
     assert ids == declared_order(heavy)
     assert relay.queries <= 20, relay.queries
+
+
+class _RefusalCountingRelay(_BoundedRelay):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.too_large = 0
+
+    async def query(self, filters: list[dict[str, object]]) -> list[object]:
+        try:
+            return await super().query(filters)
+        except AnswerTooLarge:
+            self.too_large += 1
+            raise
+
+
+async def test_a_heavy_main_part_shrinks_the_ask_not_the_sweep_of_an_ordinary_second() -> None:
+    # A page that starts inside an ordinary second of 150 messages (a cursor after the
+    # first 100) sweeps its 50 left, while the main part below meets 60 heavy messages
+    # (20 at most an answer). The main part's ask is halved first: the sweep keeps the
+    # relay's cap and reads the second whole. Halving the sweep first took it down to 1,
+    # said the second an overflow second, and lost 49 of its messages.
+    ordinary = [make_event(n, 1_700_000_000) for n in range(150)]
+    heavy = [make_event(1000 + n, 1_699_999_000 - n) for n in range(60)]
+    relay = _BoundedRelay(ordinary + heavy, {str(e["id"]) for e in heavy}, 20)
+    ids, pages = await read_all(relay, [BASE], 100, RELAY_MAX_LIMIT)
+    assert ids == declared_order(ordinary + heavy)
+    assert not [s for p in pages for s in p.overflow_seconds]
+
+
+async def test_each_too_large_size_is_asked_once_a_page() -> None:
+    # The smaller ask holds for the rest of the page (`max_ask`): a page of 100 heavy
+    # messages, 20 at most an answer, meets "too large" only on the way down from the
+    # first ask (102 -> 51 -> 25 -> 12: three), not again in each of its rounds.
+    heavy = [make_event(n, 1_700_000_000 - n) for n in range(200)]
+    relay = _RefusalCountingRelay(heavy, {str(e["id"]) for e in heavy}, 20)
+    page = await read_page(relay.query, [BASE], after=None, limit=100, accept=keep,
+                           cap=RELAY_MAX_LIMIT)
+    assert [str(e["id"]) for e in page.items] == declared_order(heavy)[:len(page.items)]
+    assert len(page.items) > 20
+    assert relay.too_large == 3, relay.too_large

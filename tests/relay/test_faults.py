@@ -30,6 +30,7 @@ from daemon.relay.pool import (
     RelayUnavailable,
     Unknown,
 )
+from daemon.relay.protocol import MAX_REASON_CHARS
 from tests.fixtures.relay import TestKey, auth_signer_for, signed, free_port
 from tests.relay._support import HeldSigner
 from tests.scripted_relay import EventReply, ReqReply, Script, ScriptedRelay
@@ -757,3 +758,61 @@ async def test_no_new_challenge_means_no_second_auth_for_the_old_one(nursery: tr
         result = await pool.publish(key.pubkey, signed(key.sign(1, "y")))
     assert isinstance(result, Rejected) and "no new AUTH challenge" in result.reason, result
     assert sorted(m[0] for m in received) == ["AUTH", "EVENT", "EVENT"], received
+
+
+async def test_a_protocol_error_quoting_a_frame_long_key_is_logged_cut(
+    scripted_relay: Start, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A duplicate key is quoted in the parser's detail (`_no_duplicate_keys`): a relay
+    # choosing a key of 200,000 characters chose a 200 kB log line, before the cut.
+    key_text = "k" * 200_000
+    frame = '["NOTICE", {"%s": 1, "%s": 2}]' % (key_text, key_text)
+    caplog.set_level(logging.INFO, logger="buzz_broker.relay")
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(greeting=(frame,)))
+    await pool.publish(key.pubkey, signed(key.sign(1, "x")))
+    lines = [getattr(r, "buzz_fields") for r in caplog.records
+             if getattr(r, "buzz_event", None) == "relay_protocol_error"]
+    assert lines and all(f["code"] == "not_json" for f in lines), lines
+    assert all(len(f["detail"]) <= MAX_REASON_CHARS for f in lines), [len(f["detail"]) for f in lines]
+
+
+async def test_a_frame_long_notice_is_logged_cut_and_printable(
+    scripted_relay: Start, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A NOTICE may be a whole frame: its line quotes at most MAX_REASON_CHARS printable
+    # characters of it (`quote_reason`), as every relay text we keep.
+    notice = json.dumps(["NOTICE", "slow down \x1b[2J" + "\u2028" * 500_000],
+                        ensure_ascii=False)
+    caplog.set_level(logging.INFO, logger="buzz_broker.relay")
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(greeting=(notice,)))
+    assert isinstance(await pool.publish(key.pubkey, signed(key.sign(1, "x"))), Accepted)
+    lines = [getattr(r, "buzz_fields") for r in caplog.records
+             if getattr(r, "buzz_event", None) == "relay_notice"]
+    assert [f["notice"] for f in lines] == ["slow down  [2J"]
+
+
+async def test_requests_waiting_on_a_refused_auth_quote_the_refusal_cut(
+    scripted_relay: Start, nursery: trio.Nursery
+) -> None:
+    # Reads in flight on one connection when its AUTH is refused fail with the refusal
+    # kept on the connection (`conn.refused`): the cut quote, like the first's, not the
+    # relay's frame-long text in every request's reason and read line.
+    def refusal(n: int) -> str:
+        return f"blocked: {n} " + "\u2028" * 500_000
+
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(
+        require_auth=True, accept_auth=False, auth_refusal=refusal))
+    reasons: list[str] = []
+
+    async def read() -> None:
+        try:
+            await pool.query(key.pubkey, [{"kinds": [9]}])
+        except RelayRefused as exc:
+            reasons.append(exc.reason)
+
+    with bounded():
+        async with trio.open_nursery() as readers:
+            for _ in range(4):
+                readers.start_soon(read)
+    assert len(reasons) == 4 and relay.auth_refused == 1, (len(reasons), relay.auth_refused)
+    assert all(len(r) <= 3 * MAX_REASON_CHARS for r in reasons), [len(r) for r in reasons]

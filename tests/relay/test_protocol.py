@@ -10,6 +10,7 @@ import pytest
 from buzzwire.nostr import SignedEvent
 
 from daemon.relay.protocol import (
+    MAX_REASON_CHARS,
     AuthChallenge,
     Closed,
     EndOfStoredEvents,
@@ -25,6 +26,7 @@ from daemon.relay.protocol import (
     encode_req,
     machine_prefix,
     parse_relay_message,
+    quote_reason,
     subscription_id,
 )
 
@@ -159,3 +161,25 @@ def test_a_prefix_needs_its_colon_and_tolerates_spaces() -> None:
     assert machine_prefix("auth-required") is None
     assert machine_prefix("duplicate") is None
     assert machine_prefix(" duplicate : have it") is Prefix.DUPLICATE
+
+
+@pytest.mark.parametrize("blank", ["", "   ", "\x00\x1b\r\n", "\u2028\u202e \t"])
+def test_a_blank_relay_reason_is_quoted_as_no_reason_given(blank: str) -> None:
+    # An agent's answer and the operator's line say "no reason given", never end in a
+    # run of blanks or in nothing.
+    assert quote_reason(blank) == "no reason given"
+
+
+def test_a_quote_is_stripped_and_keeps_its_prefix() -> None:
+    quoted = quote_reason(" \x00\r\n restricted: not a member\u2028 \r\n")
+    assert quoted == "restricted: not a member"
+    assert machine_prefix(quoted) is machine_prefix("restricted: not a member")
+
+
+def test_a_quote_reads_only_the_head_of_a_frame_long_reason() -> None:
+    # Leading blanks are room for (a scan of 4 x MAX_REASON_CHARS), no more: past it the
+    # text is not read at all (a pass over a 1 Mi-character message costs the event loop
+    # ~0.1 s), so a reason whose head is blank is "no reason given".
+    assert quote_reason(" " * (2 * MAX_REASON_CHARS) + "y" * 5 * MAX_REASON_CHARS) == (
+        "y" * MAX_REASON_CHARS)
+    assert quote_reason(" " * (4 * MAX_REASON_CHARS) + "x" * 1_000_000) == "no reason given"
