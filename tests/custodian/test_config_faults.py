@@ -33,7 +33,8 @@ from pathlib import Path
 
 import pytest
 
-from custody import TokenConfig
+from custody import CustodyError, TokenConfig
+from custody.custodian.server import refuse_if_served
 from tests.fixtures.custodian import CustodianProcess, write_custodian_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -228,3 +229,18 @@ def test_file_mistakes_are_one_line_naming_the_cause(tmp_path: Path, entry: str)
         except AssertionError:
             wrong.append(f"{case}: {done.returncode} {done.stderr.strip()[-160:]!r}")
     assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.token_independent
+@pytest.mark.parametrize("make", ["directory", "fifo", "file"])
+def test_anything_at_the_socket_path_that_is_no_socket_is_refused_naming_it(
+        tmp_path: Path, make: str) -> None:
+    """server.py `refuse_if_served`: not only a regular file, but a directory or a FIFO at
+    `[custodian] socket` is refused in one line before the token is opened (a bind there
+    fails inside the nursery, unsaid)."""
+
+    path = tmp_path / "s"
+    {"directory": path.mkdir, "fifo": lambda: os.mkfifo(path),
+     "file": lambda: path.write_text("x")}[make]()
+    with pytest.raises(CustodyError, match="exists and is not a socket"):
+        refuse_if_served(path)

@@ -108,3 +108,19 @@ def test_uid_bounds_and_a_relative_pin_file_load(
         assert load(str(path)).settings.pipeline_uid == uid
     path.write_text(path.read_text().replace('pin_file = ""', 'pin_file = "pins/token-pin"'))
     assert load(str(path)).token.pin_file == str(tmp_path / "pins" / "token-pin")
+
+
+@pytest.mark.token_independent
+def test_a_relative_module_path_is_resolved_against_the_files_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `module` holding a slash is a path, resolved against FILE's directory as every
+    other custodian path (config.py docstring); a bare name is left to dlopen's search."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    path = _config(tmp_path, "")
+    text = path.read_text()
+    path.write_text(re.sub(r'module = "[^"]*"', 'module = "lib/libsofthsm2.so"', text))
+    assert load(str(path)).token.module == str(tmp_path / "lib" / "libsofthsm2.so")
+    path.write_text(re.sub(r'module = "[^"]*"', 'module = "libsofthsm2.so"', text))
+    assert load(str(path)).token.module == "libsofthsm2.so"

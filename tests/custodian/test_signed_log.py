@@ -6,11 +6,15 @@ append leaves the file and the head as they were, so the chain goes on verifying
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +24,11 @@ import trio
 import trio.testing
 
 from custody import TokenConfig
-from custody.custodian.client import CustodianClient
+from custody.custodian import server
+from custody.custodian.client import CALL_TIMEOUT, CustodianClient
 from custody.custodian.ledger import SignLog, verify_chain
 from custody.custodian.messages import BadMessage
+from custody.custodian.server import LOCK_POLL_SECONDS, LOCK_WAIT_SECONDS, Custodian, appended
 from tests.custodian.test_refusals import intent
 from tests.fixtures.custodian import CustodianProcess
 
@@ -753,3 +759,218 @@ def test_close_says_the_owed_lines_of_a_log_broken_meanwhile_and_raises_nothing(
         log.close()
     assert any("a line owed, never written" in r.getMessage() and "b" * 64 in r.getMessage()
                for r in caplog.records)
+
+
+@pytest.mark.token_independent
+async def test_a_line_whose_lock_is_free_is_written_even_when_the_row_is_being_cancelled(
+        tmp_path: Path) -> None:
+    """server.py `appended` makes its first try before any checkpoint: a change already
+    made (a destroy, a signature) gets its line even when a cancellation (a SIGTERM's, a
+    closed connection's) is pending at that moment, so no change is left unrecorded. Only
+    a held lock makes it wait (and only then can a cancellation land)."""
+
+    path = tmp_path / "signed.jsonl"
+    log = SignLog(path, 1 << 20, wait=False)
+    with trio.CancelScope() as scope:
+        scope.cancel()  # pending: the next checkpoint would raise Cancelled
+        seq = await appended(log, [{"op": "destroy", "agent": "b" * 64, "intent": 1}],
+                             done=True)
+        assert seq == 1
+    log.close()
+    assert verify_chain(path) == 1
+    assert json.loads(path.read_bytes().splitlines()[0])["op"] == "destroy"
+
+
+@pytest.mark.token_independent
+def test_the_serving_logs_open_waits_for_a_writer_holding_the_lock(tmp_path: Path) -> None:
+    """`SignLog(wait=False)` refuses to wait only at an append (server.py `appended` waits
+    for it off the event loop); its open's look at the head waits, as nothing is served yet:
+    a custodian started while `--recover` appends one line starts, it does not fail."""
+
+    path = tmp_path / "signed.jsonl"
+    first = SignLog(path, 1 << 20)
+    first.append([{"op": "sign", "agent": "a" * 64, "kind": 9, "id": "1" * 64}])
+    first.close()
+    with open(path, "ab") as other:
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX)
+        threading.Timer(0.3, fcntl.flock, (other.fileno(), fcntl.LOCK_UN)).start()
+        began = time.monotonic()
+        log = SignLog(path, 1 << 20, wait=False)  # waits for the lock, then reads the head
+        assert time.monotonic() - began >= 0.2
+    assert log.seq == 1
+    log.close()
+
+
+@pytest.mark.token_independent
+async def test_a_failed_write_is_answered_at_once_only_a_held_lock_is_waited_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        autojump_clock: trio.testing.MockClock) -> None:
+    """`appended` tries again only while another writer holds the lock (BlockingIOError):
+    a write that fails (EIO, ENOSPC) raises at once, its `done` lines owed, so a full disk
+    refuses each row at once instead of holding every row LOCK_WAIT_SECONDS."""
+
+    path = tmp_path / "signed.jsonl"
+    log = SignLog(path, 1 << 20, wait=False)
+
+    def failing(fd: int) -> None:
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    began = trio.current_time()
+    with pytest.raises(OSError) as raised:
+        await appended(log, [{"op": "destroy", "agent": "b" * 64, "intent": 1}], done=True)
+    assert raised.value.errno == errno.EIO
+    assert trio.current_time() == began  # no retry, no wait
+    monkeypatch.undo()
+    await appended(log, [])  # the owed line, written once
+    log.close()
+    assert verify_chain(path) == 1
+
+
+@pytest.mark.token_independent
+async def test_owed_lines_wait_for_a_held_lock_before_a_row_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        autojump_clock: trio.testing.MockClock) -> None:
+    """`_owed_first` writes the owed lines through `appended`: while a command beside the
+    custodian holds the lock for an append, a row that would add a line waits (up to
+    LOCK_WAIT_SECONDS) and is then served, the owed line written first, not refused."""
+
+    path = tmp_path / "signed.jsonl"
+    log = SignLog(path, 1 << 20, wait=False)
+
+    def failing(fd: int) -> None:
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    with pytest.raises(OSError):
+        log.append([{"op": "destroy", "agent": "b" * 64, "intent": 1}], done=True)
+    monkeypatch.undo()  # owed now
+    row = Custodian.__new__(Custodian)  # only its log and its line throttle are used
+    row.log, row._lines = log, {}
+    with open(path, "ab") as other:
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX)
+
+        async def let_go() -> None:
+            await trio.sleep(1)
+            fcntl.flock(other.fileno(), fcntl.LOCK_UN)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(let_go)
+            await row._owed_first("sign")  # before: refused at once, CustodyError
+    log.close()
+    assert verify_chain(path) == 1
+    assert json.loads(path.read_bytes().splitlines()[0])["op"] == "destroy"
+
+
+@pytest.mark.token_independent
+@pytest.mark.parametrize("fails", [False, True])
+@pytest.mark.parametrize("held", [1, 6])
+async def test_a_changes_intent_and_outcome_wait_for_a_held_lock_and_stay_owed_past_it(
+        tmp_path: Path, autojump_clock: trio.testing.MockClock, fails: bool,
+        held: int) -> None:
+    """`_change` writes its intent, its outcome and a `failed` line through `appended`: a
+    lock held a moment by a command beside the custodian delays the change (its intent
+    first) and its outcome line, neither refused at once; held past LOCK_WAIT_SECONDS
+    (5 s), the outcome (a change made) stays owed and is written at the next append."""
+
+    path = tmp_path / "signed.jsonl"
+    log = SignLog(path, 1 << 20, wait=False)
+    row = Custodian.__new__(Custodian)  # only its log is used
+    row.log = log
+    other = open(path, "ab")
+
+    async def let_go(seconds: float) -> None:
+        await trio.sleep(seconds)
+        fcntl.flock(other.fileno(), fcntl.LOCK_UN)
+
+    async with trio.open_nursery() as nursery:
+
+        async def change() -> object:
+            fcntl.flock(other.fileno(), fcntl.LOCK_EX)  # held when the outcome is due
+            nursery.start_soon(let_go, held)
+            if fails:
+                raise RuntimeError("refused by the token")
+            return "record"
+
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX)  # held when the intent is due
+        nursery.start_soon(let_go, 1)
+        raised = RuntimeError if fails else BlockingIOError if held > 5 else None
+        if raised is not None:
+            with pytest.raises(raised):
+                await row._change({"for": "destroy", "agent": "b" * 64}, change,
+                                  lambda record: {"op": "destroy"})
+        else:
+            await row._change({"for": "destroy", "agent": "b" * 64}, change,
+                              lambda record: {"op": "destroy"})
+    await appended(log, [])  # what is owed, once the lock is free
+    other.close()
+    log.close()
+    assert verify_chain(path) == 2
+    ops = [json.loads(x)["op"] for x in path.read_bytes().splitlines()]
+    assert ops == ["intent", "failed" if fails else "destroy"]
+
+
+@pytest.mark.token_independent
+def test_a_row_gives_up_on_the_lock_before_the_pipelines_deadline() -> None:
+    """A row answers `internal` after LOCK_WAIT_SECONDS, before the pipeline's own call
+    deadline (client.py CALL_TIMEOUT) ends the call with no answer (server.py's comment)."""
+
+    assert 0 < LOCK_POLL_SECONDS < LOCK_WAIT_SECONDS <= CALL_TIMEOUT / 2
+
+
+@pytest.mark.token_independent
+async def test_a_backup_written_while_the_lock_stays_held_keeps_its_line_owed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        autojump_clock: trio.testing.MockClock) -> None:
+    """A backup file, once written, stands: its `backup` line is `done`, so a lock held
+    past LOCK_WAIT_SECONDS leaves it owed (written at the next append), never dropped."""
+
+    async def wrote(*args: object) -> object:
+        return types.SimpleNamespace(path=tmp_path / "backup-1.age", sha256="5" * 64,
+                                     agents=("a" * 64,))
+
+    monkeypatch.setattr(server, "write_backup", wrote)
+    path = tmp_path / "signed.jsonl"
+    log = SignLog(path, 1 << 20, wait=False)
+    row = Custodian.__new__(Custodian)  # its log, settings and backup lock are used
+    row.log, row._backup_lock, row.custody = log, trio.Lock(), None
+    row.settings = types.SimpleNamespace(backup_dir=tmp_path, backup_recipients=("age1x",),
+                                         backup_bounds=None)
+    with open(path, "ab") as other:
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX)
+        with pytest.raises(BlockingIOError):
+            await row.backup({"names": []})
+    await appended(log, [])
+    log.close()
+    assert [json.loads(x)["op"] for x in path.read_bytes().splitlines()] == ["backup"]
+
+
+@pytest.mark.token_independent
+@pytest.mark.parametrize("op", ["encrypt", "decrypt"])
+async def test_an_encrypt_or_decrypt_waits_for_a_lock_held_a_moment(
+        tmp_path: Path, autojump_clock: trio.testing.MockClock, op: str) -> None:
+    """Each row's line goes through `appended`: a lock a command beside the custodian holds
+    for a moment delays the answer, it does not turn the row into `internal` at once."""
+
+    async def two(agent: str, texts: list[object]) -> list[object]:
+        return [b"x" for _ in texts]
+
+    path = tmp_path / "signed.jsonl"
+    log = SignLog(path, 1 << 20, wait=False)
+    row = Custodian.__new__(Custodian)  # its log, and custody's two calls stubbed
+    row.log = log
+    row.custody = types.SimpleNamespace(encrypt_to_owner=two, decrypt_from_owner_pair=two)
+    row._pair = lambda agent, peer: None
+    args = {"agent": "a" * 64, "peer": "b" * 64, "plaintexts": ["p"], "payloads": ["q"]}
+    with open(path, "ab") as other:
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX)
+
+        async def let_go() -> None:
+            await trio.sleep(1)
+            fcntl.flock(other.fileno(), fcntl.LOCK_UN)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(let_go)
+            await getattr(row, op)(args)
+    log.close()
+    assert [json.loads(x)["op"] for x in path.read_bytes().splitlines()] == [op]
