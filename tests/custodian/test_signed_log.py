@@ -5,6 +5,7 @@ append leaves the file and the head as they were, so the chain goes on verifying
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -15,6 +16,7 @@ import textwrap
 import threading
 import time
 import types
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -609,10 +611,6 @@ async def test_a_row_waits_for_the_lock_a_bounded_time_and_its_done_lines_stay_o
     trying again (server.py `appended`), the event loop free meanwhile, for up to
     LOCK_WAIT_SECONDS: then BlockingIOError (answered `internal`), nothing written, a
     change's lines owed. Once the lock is let go, the owed lines are written first, once."""
-    import fcntl
-
-    from custody.custodian.server import LOCK_WAIT_SECONDS, appended
-
     path = tmp_path / "signed.jsonl"
     log = SignLog(path, 1 << 20, wait=False)
     await appended(log, [{"op": "sign", "agent": "a" * 64, "kind": 9, "id": "1" * 64}])
@@ -827,6 +825,22 @@ async def test_a_failed_write_is_answered_at_once_only_a_held_lock_is_waited_for
     assert verify_chain(path) == 1
 
 
+@contextlib.asynccontextmanager
+async def _held_for_a_second(path: Path) -> AsyncIterator[None]:
+    """Another writer's flock on the log at `path`, let go a second after the block starts:
+    what the block does meanwhile waits for it, as a row beside a command's append does."""
+    with open(path, "ab") as other:
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX)
+
+        async def let_go() -> None:
+            await trio.sleep(1)
+            fcntl.flock(other.fileno(), fcntl.LOCK_UN)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(let_go)
+            yield
+
+
 @pytest.mark.token_independent
 async def test_owed_lines_wait_for_a_held_lock_before_a_row_is_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -847,16 +861,8 @@ async def test_owed_lines_wait_for_a_held_lock_before_a_row_is_refused(
     monkeypatch.undo()  # owed now
     row = Custodian.__new__(Custodian)  # only its log and its line throttle are used
     row.log, row._lines = log, {}
-    with open(path, "ab") as other:
-        fcntl.flock(other.fileno(), fcntl.LOCK_EX)
-
-        async def let_go() -> None:
-            await trio.sleep(1)
-            fcntl.flock(other.fileno(), fcntl.LOCK_UN)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(let_go)
-            await row._owed_first("sign")  # before: refused at once, CustodyError
+    async with _held_for_a_second(path):
+        await row._owed_first("sign")  # before: refused at once, CustodyError
     log.close()
     assert verify_chain(path) == 1
     assert json.loads(path.read_bytes().splitlines()[0])["op"] == "destroy"
@@ -962,15 +968,7 @@ async def test_an_encrypt_or_decrypt_waits_for_a_lock_held_a_moment(
     row.custody = types.SimpleNamespace(encrypt_to_owner=two, decrypt_from_owner_pair=two)
     row._pair = lambda agent, peer: None
     args = {"agent": "a" * 64, "peer": "b" * 64, "plaintexts": ["p"], "payloads": ["q"]}
-    with open(path, "ab") as other:
-        fcntl.flock(other.fileno(), fcntl.LOCK_EX)
-
-        async def let_go() -> None:
-            await trio.sleep(1)
-            fcntl.flock(other.fileno(), fcntl.LOCK_UN)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(let_go)
-            await getattr(row, op)(args)
+    async with _held_for_a_second(path):
+        await getattr(row, op)(args)
     log.close()
     assert [json.loads(x)["op"] for x in path.read_bytes().splitlines()] == [op]
