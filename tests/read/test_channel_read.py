@@ -13,6 +13,7 @@ import pytest
 from buzzwire.contract import MAX_PAGE_BYTES, ChannelReadArgs, ErrorCode, ReadOutcome, Status
 from daemon.relay.cursor import CURSOR_TTL_SECONDS, KEY_FILE_NAME, CursorCodec
 from daemon.operations import channel_read
+from daemon.operations._base import Context
 from daemon.relay.pool import AnswerTooLarge, RelayRefused, RelayUnavailable
 from tests.fixtures.relay import TestKey
 from tests.read._support import NOW, context, declared_order, new_channel, principal_for, read_through
@@ -36,6 +37,12 @@ class PoolLike:
         return [*reply, *self.extra]  # type: ignore[list-item]
 
 
+def _reading(tmp_path: Path, reader: TestKey, channel: str, pool: PoolLike) -> Context:
+    """A read's context: `reader`, bound to `channel`, reading through `pool`."""
+    return context(pool, principal_for(tmp_path, reader.pubkey, [channel]),
+                   CursorCodec.open(tmp_path))
+
+
 def fields(caplog: pytest.LogCaptureFixture, event: str) -> list[Mapping[str, Any]]:
     return [r.buzz_fields for r in caplog.records if getattr(r, "buzz_event", None) == event]  # type: ignore[attr-defined]
 
@@ -53,7 +60,7 @@ async def test_reads_as_the_requester_and_pages_exactly(tmp_path: Path, reader: 
     channel = new_channel()
     events = channel_events(TestKey(), channel, 60, per_second=12)
     pool = PoolLike(events)
-    ctx = context(pool, principal_for(tmp_path, reader.pubkey, [channel]), CursorCodec.open(tmp_path))
+    ctx = _reading(tmp_path, reader, channel, pool)
     got, verdicts = await read_through(ctx, channel_id=channel, limit=5)
     assert [e.id for e in got] == declared_order(events)
     assert set(pool.agents) == {reader.pubkey}
@@ -63,7 +70,7 @@ async def test_reads_as_the_requester_and_pages_exactly(tmp_path: Path, reader: 
 async def test_default_limit_is_one_hundred(tmp_path: Path, reader: TestKey) -> None:
     channel = new_channel()
     events = channel_events(TestKey(), channel, 150, per_second=30)
-    ctx = context(PoolLike(events), principal_for(tmp_path, reader.pubkey, [channel]), CursorCodec.open(tmp_path))
+    ctx = _reading(tmp_path, reader, channel, PoolLike(events))
     verdict = await channel_read.execute(ctx, ChannelReadArgs(channel_id=channel))
     assert len(verdict.outcome.messages) == 100 and verdict.outcome.next_cursor is not None  # type: ignore[union-attr]
 
@@ -87,7 +94,7 @@ async def test_undeliverable_events_are_dropped_and_logged(tmp_path: Path, reade
     # A misbehaving relay sends all of these whatever the filter says.
     pool.extra = [forged, bad_sig, no_h, foreign, extra_member, wrong_kind, empty_tag]
     caplog.set_level(logging.INFO, logger="buzz_broker.read")
-    ctx = context(pool, principal_for(tmp_path, reader.pubkey, [channel]), CursorCodec.open(tmp_path))
+    ctx = _reading(tmp_path, reader, channel, pool)
     got, _ = await read_through(ctx, channel_id=channel, limit=4)
     assert [e.id for e in got] == declared_order(good)
     # One line per check that dropped (the first event it dropped), every drop counted.
@@ -114,7 +121,7 @@ async def test_undeliverable_events_are_dropped_and_logged(tmp_path: Path, reade
 async def test_relay_faults_are_failed_action_failed(tmp_path: Path, reader: TestKey, caplog: pytest.LogCaptureFixture, failure: Exception, event: str) -> None:
     channel = new_channel()
     caplog.set_level(logging.INFO, logger="buzz_broker.read")
-    ctx = context(PoolLike([], fail=failure), principal_for(tmp_path, reader.pubkey, [channel]), CursorCodec.open(tmp_path))
+    ctx = _reading(tmp_path, reader, channel, PoolLike([], fail=failure))
     verdict = await channel_read.execute(ctx, ChannelReadArgs(channel_id=channel))
     assert verdict.status is Status.FAILED and verdict.code is ErrorCode.ACTION_FAILED
     # the relay's reason is for the operator log, never the agent
@@ -136,8 +143,7 @@ async def test_a_fault_at_every_read_is_one_line_not_one_per_read(
                     if event == "read.relay_unavailable" else None)
     pool.extra = [forged]
     caplog.set_level(logging.INFO, logger="buzz_broker.read")
-    ctx = context(pool, principal_for(tmp_path, reader.pubkey, [channel]),
-                  CursorCodec.open(tmp_path))
+    ctx = _reading(tmp_path, reader, channel, pool)
     for _ in range(50):
         await channel_read.execute(ctx, ChannelReadArgs(
             channel_id=channel, cursor="forged" if event == "read.cursor_refused" else None))
@@ -149,7 +155,7 @@ async def test_garbage_relay_is_failed(tmp_path: Path, reader: TestKey) -> None:
     channel = new_channel()
     pool = PoolLike([])
     pool.extra = [{"not": "an event"}] * 200
-    ctx = context(pool, principal_for(tmp_path, reader.pubkey, [channel]), CursorCodec.open(tmp_path))
+    ctx = _reading(tmp_path, reader, channel, pool)
     verdict = await channel_read.execute(ctx, ChannelReadArgs(channel_id=channel, limit=5))
     assert verdict.status is Status.FAILED and verdict.code is ErrorCode.ACTION_FAILED
 
@@ -181,7 +187,7 @@ async def test_second_over_the_relay_cap_is_logged(tmp_path: Path, reader: TestK
     channel = new_channel()
     events = channel_events(TestKey(), channel, 30, per_second=30)
     caplog.set_level(logging.INFO, logger="buzz_broker.read")
-    ctx = context(PoolLike(events, cap=20), principal_for(tmp_path, reader.pubkey, [channel]), CursorCodec.open(tmp_path))
+    ctx = _reading(tmp_path, reader, channel, PoolLike(events, cap=20))
     got, _ = await read_through(ctx, channel_id=channel, limit=5)
     assert len({e.id for e in got}) == len(got)
     assert fields(caplog, "read.second_overflow")
@@ -221,8 +227,7 @@ async def test_a_relay_failure_worded_anew_each_read_is_still_one_line(
     channel = new_channel()
     pool = PoolLike([])
     caplog.set_level(logging.INFO, logger="buzz_broker.read")
-    ctx = context(pool, principal_for(tmp_path, reader.pubkey, [channel]),
-                  CursorCodec.open(tmp_path))
+    ctx = _reading(tmp_path, reader, channel, pool)
     for n in range(50):
         pool.fail = RelayUnavailable(
             f"auth-required: attempt {n} (the relay sent no AUTH challenge)")
@@ -238,8 +243,7 @@ async def test_relay_refusals_with_different_prefixes_are_kept_apart(
     channel = new_channel()
     pool = PoolLike([])
     caplog.set_level(logging.INFO, logger="buzz_broker.read")
-    ctx = context(pool, principal_for(tmp_path, reader.pubkey, [channel]),
-                  CursorCodec.open(tmp_path))
+    ctx = _reading(tmp_path, reader, channel, pool)
     for reason in ("restricted: not a member 1", "restricted: not a member 2",
                    "blocked: banned 1", "blocked: banned 2"):
         pool.fail = RelayRefused(reason)
@@ -256,8 +260,7 @@ async def test_an_answer_too_large_even_at_limit_one_fails_the_read_as_unavailab
     channel = new_channel()
     pool = PoolLike([], fail=AnswerTooLarge("relay sent more than ... for one query"))
     caplog.set_level(logging.INFO, logger="buzz_broker.read")
-    ctx = context(pool, principal_for(tmp_path, reader.pubkey, [channel]),
-                  CursorCodec.open(tmp_path))
+    ctx = _reading(tmp_path, reader, channel, pool)
     verdict = await channel_read.execute(ctx, ChannelReadArgs(channel_id=channel))
     assert verdict.status is Status.FAILED and verdict.code is ErrorCode.ACTION_FAILED
     assert len(pool.agents) > 1  # asked again, smaller, before giving up
@@ -272,8 +275,7 @@ async def test_a_page_of_large_messages_ends_at_max_page_bytes_with_a_cursor(
     alice = TestKey()
     events = [alice.sign(9, f"{i:05d}" + "z" * 60_000, [["h", channel]], NOW - 100 - i)
               for i in range(100)]
-    ctx = context(PoolLike(events), principal_for(tmp_path, reader.pubkey, [channel]),
-                  CursorCodec.open(tmp_path))
+    ctx = _reading(tmp_path, reader, channel, PoolLike(events))
     verdict = await channel_read.execute(ctx, ChannelReadArgs(channel_id=channel, limit=100))
     assert verdict.status is Status.SUCCEEDED
     page = verdict.outcome
