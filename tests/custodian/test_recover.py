@@ -49,12 +49,18 @@ def _recover(config: Path, pubkey: str) -> subprocess.CompletedProcess[str]:
                            pubkey], capture_output=True, text=True, timeout=120)
 
 
-async def test_a_destroy_answered_while_recover_runs_keeps_its_copy(
-        custodian: CustodianProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+async def _one_destroyed(custodian: CustodianProcess) -> str:
+    """A new agent's pubkey, its key destroyed through the custodian (a copy kept)."""
     client = await CustodianClient.open(custodian.socket)
     agent = await held(client, human())
     await client.aclose()
     assert ask(custodian.socket, "destroy", pubkey=agent)[0]
+    return agent
+
+
+async def test_a_destroy_answered_while_recover_runs_keeps_its_copy(
+        custodian: CustodianProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    agent = await _one_destroyed(custodian)
     revive = command.revive_agent
 
     async def revived_then_destroyed(custody: Custody, pubkey: str, blob: bytes) -> object:
@@ -290,10 +296,7 @@ async def test_a_recover_whose_outcome_line_the_disk_refuses_says_it_on_stderr(
     """The key is back; the disk refuses the `recover` line. The command fails in one line
     saying the change stands, and closes its log, which says the owed line (the journal is
     then the only record of it)."""
-    client = await CustodianClient.open(custodian.socket)
-    agent = await held(client, human())
-    await client.aclose()
-    assert ask(custodian.socket, "destroy", pubkey=agent)[0]
+    agent = await _one_destroyed(custodian)
     revive = command.revive_agent
 
     async def revived_then_the_disk_fails(custody: Custody, pubkey: str, blob: bytes) -> object:
