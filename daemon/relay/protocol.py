@@ -139,8 +139,10 @@ def quote_reason(reason: str) -> str:
     """`reason`, relay text, as we keep and show it: of its first _QUOTE_SCAN characters,
     each one `str.isprintable` refuses (controls, line and paragraph separators, bidi
     controls) becomes a space, the ends are stripped, and the rest is cut at
-    MAX_REASON_CHARS; "no reason given" when nothing is left. The NIP-01 prefix
-    (`machine_prefix`) of the quote is the message's own."""
+    MAX_REASON_CHARS; "no reason given" when nothing is left. A prefix at the message's
+    start (`machine_prefix`) stays the quote's; one a relay puts behind controls or past the
+    scan may read differently, which changes only how its own messages are grouped in the
+    log (channel_read `_relay_cause`), never what an agent is answered."""
     printable = "".join(ch if ch.isprintable() else " " for ch in reason[:_QUOTE_SCAN]).strip()
     return printable[:MAX_REASON_CHARS] or "no reason given"
 
