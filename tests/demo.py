@@ -66,6 +66,7 @@ from typing import NoReturn
 import coincurve
 
 from tests.fixtures.stop import terminate_then_kill
+from tests.fixtures.units import BROKER_UNIT, CUSTODIAN_UNIT, unit_environment
 
 REPO = Path(__file__).resolve().parent.parent
 #: How long the relay and the daemon get to come up before the demo gives up.
@@ -516,7 +517,9 @@ def main() -> int:
         # The KEK is the custodian's: its own command makes it, before it serves (the
         # daemon's `keys init` refuses where a custodian holds the keys).
         _run([cli[0], "custodian", str(custodian_config), "keys", "init"], env)
-        custodian = _start_custodian(run_dir, cli, env)
+        # Both run with their units' environment (the allocator settings that overwrite
+        # every free: docs/custodian.md, "Plaintexts and credentials"), as installed.
+        custodian = _start_custodian(run_dir, cli, env | unit_environment(CUSTODIAN_UNIT))
         children["custodian"] = custodian
         _record_children(run_dir, children)
         # Whoever runs it: `make run` as root is as common as without, and runs both as root.
@@ -538,7 +541,8 @@ def main() -> int:
         with log_path.open("ab") as log:
             # The daemon's JSON log lines go to a file, so the terminal shows the request and
             # its answer; `tail -f run/broker.log` follows the daemon as journald would.
-            daemon = subprocess.Popen([*cli, "serve"], env=env, stderr=log,
+            daemon = subprocess.Popen([*cli, "serve"], env=env | unit_environment(BROKER_UNIT),
+                                      stderr=log,
                                       preexec_fn=_dies_with(os.getpid()))
         children["daemon"] = daemon
         _record_children(run_dir, children)

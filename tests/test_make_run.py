@@ -24,14 +24,26 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.units import BROKER_UNIT, CUSTODIAN_UNIT, unit_environment
+
 REPO = Path(__file__).resolve().parent.parent
 needs_curl = pytest.mark.skipif(not Path("/usr/bin/curl").exists(),
                                 reason="make run needs curl (the Makefile installs it)")
 
 
+#: What the units set: a shell running `make run` has none of it (the demo must add it).
+UNITS = unit_environment(BROKER_UNIT) | unit_environment(CUSTODIAN_UNIT)
+
+
 def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items()
-            if k not in ("SOFTHSM2_CONF", "BUZZ_BROKER_CONFIG") and not k.startswith("BUZZ_BROKER_")}
+            if k not in ("SOFTHSM2_CONF", "BUZZ_BROKER_CONFIG", *UNITS)
+            and not k.startswith("BUZZ_BROKER_")}
+
+
+def _environ(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
 
 
 def _demo(run_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -184,6 +196,11 @@ def test_make_stop_ends_the_demo(tmp_path: Path) -> None:
         started = [int(pid) for line in lines for pid in re.findall(r"\(pid (\d+)\)", line)]
         started.append(int((run_dir / "state" / "serve.lock").read_text()))
         assert len(started) == 3, lines
+        # The custodian and the daemon run with their units' environment (the allocator
+        # that overwrites every free, docs/custodian.md), though the shell had none of it.
+        _relay, custodian, daemon = started
+        for pid, unit in ((custodian, CUSTODIAN_UNIT), (daemon, BROKER_UNIT)):
+            assert unit_environment(unit).items() <= _environ(pid).items(), unit.name
         stopped = _demo(run_dir, "--stop")
         assert stopped.returncode == 0 and "stopped the demo" in stopped.stdout
         assert demo.wait(timeout=30) == 0
