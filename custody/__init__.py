@@ -76,7 +76,7 @@ _SURFACE: dict[str, str] = {
     **dict.fromkeys(("check_token", "init_kek", "init_keys", "rotate_keys"), "custody._keys"),
     "KeyIndex": "custody._keyindex",
     **dict.fromkeys(("CachePolicy", "KeyRecord", "MemoryAddress", "MAX_CACHE_ENTRIES",
-                     "MAX_CACHE_SECONDS"), "custody._records"),
+                     "MAX_CACHE_SECONDS", "MAX_UID"), "custody._records"),
     **dict.fromkeys(("SignedEvent", "UnsignedEvent", "compute_event_id", "owner_tag_digest",
                      "verify_event", "verify_owner_tag"), "buzzwire.nostr"),
     "harden_process": "custody._process",
@@ -120,7 +120,7 @@ if TYPE_CHECKING:  # the same surface for type checkers (`X as X`: re-exported n
     from custody._keyindex import KeyIndex as KeyIndex
     from custody._records import CachePolicy as CachePolicy, KeyRecord as KeyRecord
     from custody._records import MAX_CACHE_ENTRIES as MAX_CACHE_ENTRIES, MemoryAddress as MemoryAddress
-    from custody._records import MAX_CACHE_SECONDS as MAX_CACHE_SECONDS
+    from custody._records import MAX_CACHE_SECONDS as MAX_CACHE_SECONDS, MAX_UID as MAX_UID
     from custody._process import harden_process as harden_process
     from custody._rotation import ROTATION_CHECKPOINTS as ROTATION_CHECKPOINTS
     from custody._rotation import RotationReport as RotationReport

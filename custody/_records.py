@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MAX_CACHE_ENTRIES", "MAX_CACHE_SECONDS", "CachePolicy", "KeyRecord", "MemoryAddress"]
+__all__ = ["MAX_CACHE_ENTRIES", "MAX_CACHE_SECONDS", "MAX_UID", "CachePolicy", "KeyRecord",
+           "MemoryAddress"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,10 @@ class MemoryAddress:
 #: Bounds the configuration accepts: 64 Ki keys (2 MiB locked), an hour.
 MAX_CACHE_ENTRIES = 65536
 MAX_CACHE_SECONDS = 3600.0
+#: The largest uid (or gid) a configuration may name: (uid_t) -1 means "no uid" to the
+#: kernel, and chown(2) reads (gid_t) -1 as "leave the group unchanged". The custodian's
+#: `pipeline_uid` and the daemon's uids and gids alike (daemon/config.py).
+MAX_UID = 2**32 - 2
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,7 +50,7 @@ from urllib.parse import urlsplit
 
 from buzzwire.contract import ACTIONS, MAX_SCALAR_CHARS, scrub_line, trim
 from buzzwire.loopback import LOOPBACK_NAMES, is_loopback_host
-from custody import MAX_CACHE_ENTRIES, MAX_CACHE_SECONDS
+from custody import MAX_CACHE_ENTRIES, MAX_CACHE_SECONDS, MAX_UID
 from daemon.loopback_tcp import ListenerKind, address_text
 from daemon.relay.pool import (DEFAULT_LIVE_SUBSCRIPTIONS, DEFAULT_RECEIVE_BYTES,
                                DEFAULT_RESULT_BYTES, MAX_FRAME_BYTES, MAX_QUERY_BYTES)
@@ -556,11 +556,6 @@ def _bool(value: object, _base: Path | None) -> object:
     if not isinstance(value, bool):
         raise _Bad("true or false")
     return value
-
-
-#: The largest uid a process can have: (uid_t) -1 means "no uid" to the kernel. Gids too
-#: (`_group`): gid_t is as wide, and chown(2) reads (gid_t) -1 as "leave the group unchanged".
-MAX_UID = 2**32 - 2
 
 
 def is_uid(value: object) -> bool:

@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 
 from custody import CachePolicy, CustodyError, TokenConfig
 from custody._backup import check_recipients
-from custody._records import MAX_CACHE_SECONDS
+from custody._records import MAX_CACHE_SECONDS, MAX_UID
 from custody._token import MAX_KEK_LABEL, kek_label_ok
 from custody.custodian.backup import Bounds
 from custody.custodian.messages import MAX_FRAME
@@ -62,10 +62,6 @@ _KEYS: dict[str, dict[str, type]] = {
 #: Most recipients one backup names (the key-event log's bound, daemon/state/audit.py).
 MAX_RECIPIENTS = 64
 _REQUIRED = {"custodian": ("socket", "state_dir", "relay_url"), "pkcs11": ("module", "token_label")}
-#: The largest uid a process can have: (uid_t) -1 means "no uid" to the kernel. The
-#: daemon's rule for its uids (daemon/config.py `MAX_UID`, `is_uid`); custody imports
-#: nothing of the daemon, so the figure is said again here.
-MAX_UID = 2**32 - 2
 #: [custodian] integers outside these are refused: a uid as the daemon's; 0 signatures a minute would refuse
 #: every one; a negative grace is none (0 says so plainly), and past a year destroyed keys'
 #: sealed copies are kept beyond any use; a log under 4 KiB holds a handful of lines; an
