@@ -18,7 +18,7 @@ Rules:
 - Strict: a length over `MAX_FRAME` or more than `MAX_VALUES` values, bytes that are not
   UTF-8 JSON, a string holding a lone surrogate, a duplicate member, a float, NaN, a
   member not in the row, a missing one or one of the wrong type is one `BadMessage`,
-  never anything else (tests/custodian/test_messages.py fuzzes this).
+  never anything else (tests/custodian/test_messages_fuzz.py fuzzes this, row by row).
 - `VERSION` changes whenever a row changes; a request of another version is refused.
 """
 
