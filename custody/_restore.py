@@ -299,8 +299,19 @@ def _parse(plaintext: bytearray) -> tuple[tuple[_Entry, ...], int]:
         entries.append(entry)
         position = end + 1
     if len(entries) != count:
-        raise CustodyError(f"the backup says {count} agents but holds {len(entries)}")
+        raise CustodyError(f"the backup says {_said(count)} agents but holds {len(entries)}")
     return tuple(entries), created_at
+
+
+#: Digits of a header's count a refusal quotes, at most: a 64-bit count's. A hostile
+#: file's count runs to 4,300 (json's int() bound), and the refusal is one line.
+_QUOTED_DIGITS = 20
+
+
+def _said(count: int) -> str:
+    """`count`, the header's, as a refusal quotes it: past 64 bits only its length."""
+    digits = str(count)
+    return digits if len(digits) <= _QUOTED_DIGITS else f"a {len(digits)}-digit number of"
 
 
 def _check_secret(plaintext: bytearray, entry: _Entry, number: int) -> None:

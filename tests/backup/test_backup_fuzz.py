@@ -115,3 +115,17 @@ def test_json_nested_past_the_interpreters_depth_is_refused(where: str) -> None:
 def test_a_file_over_the_bound_is_refused_before_decrypting() -> None:
     with pytest.raises(CustodyError, match="larger than"):
         open_backup(b"\0" * (MAX_BACKUP_BYTES + 1), bytearray(str(IDENTITY).encode()))
+
+
+@pytest.mark.parametrize(("count", "said"), [
+    (2, "says 2 agents"), (2**64, f"says {2**64} agents"),
+    (10**4299, "says a 4300-digit number of agents"),  # json's int() stops at 4,300 digits
+])
+def test_a_header_count_that_does_not_match_is_quoted_short(count: int, said: str) -> None:
+    """The refusal quotes the hostile file's count only as far as 64 bits go; past them it
+    says how long the number is (before, all 4,300 digits of it went into the line)."""
+    plaintext = VALID.replace(b'"agents":1', b'"agents":%d' % count)
+    with pytest.raises(CustodyError) as refused:
+        open_backup(pyrage.encrypt(plaintext, [IDENTITY.to_public()]),
+                    bytearray(str(IDENTITY).encode()))
+    assert str(refused.value) == f"the backup {said} but holds 1"
