@@ -99,15 +99,18 @@ def _public(version: str, record: dict[str, object]) -> dict[str, object] | None
     return public
 
 
-def expected(version: str, header: object, lines: list[tuple[str, object]]
-             ) -> list[tuple[tuple[object, ...], Mapping[str, object]]] | None:
+Opened = list[tuple[tuple[object, ...], Mapping[str, object]]]
+
+
+def expected(version: str, header: object, lines: list[tuple[str, object]]) -> Opened | None:
     """Each agent's (pubkey, owner, authTag, createdAt, mintRef) and public entry, in the
     backup's order, if the backup opens; None if it is refused."""
     if version not in EXTRA or not isinstance(header, dict):
         return None
     if not (_count(header.get("agents")) and _count(header.get("createdAt"))):
         return None
-    opened, mint_refs = [], set()
+    opened: Opened = []
+    mint_refs: set[str] = set()
     for secret, record in lines:
         if not isinstance(record, dict) or record.keys() != FIELDS | EXTRA[version]:
             return None
@@ -117,11 +120,11 @@ def expected(version: str, header: object, lines: list[tuple[str, object]]
         created_at, mint_ref = record["createdAt"], record["mintRef"]
         if type(pubkey) is not str or AGENTS.get(pubkey) != secret:
             return None
-        if not _a_key(owner) or owner == pubkey:
+        if not isinstance(owner, str) or not _a_key(owner) or owner == pubkey:
             return None
-        if tag is not None and tag != TAGS.get((pubkey, owner)):  # type: ignore[arg-type]
+        if tag is not None and tag != TAGS.get((pubkey, owner)):
             return None
-        if not (_count(created_at) and created_at <= 2**63 - 1):  # type: ignore[operator]
+        if not (type(created_at) is int and 0 <= created_at <= 2**63 - 1):
             return None
         if mint_ref is not None and not (type(mint_ref) is str and 1 <= len(mint_ref) <= 512):
             return None

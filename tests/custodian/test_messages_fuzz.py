@@ -270,7 +270,7 @@ class Obj:
 
     members: Mapping[str, Kind]
 
-    def fitting(self) -> st.SearchStrategy[object]:
+    def fitting(self) -> st.SearchStrategy[Members]:
         names = sorted(self.members)
         return st.permutations(names).flatmap(lambda order: st.tuples(
             *(st.tuples(st.just(n), self.members[n].fitting()) for n in order))).map(Members)
