@@ -1,19 +1,19 @@
 """docs/install.md on real systemd: a Debian 12 container with systemd as PID 1 (issue 14).
 
 What it proves, as an agent user in `buzz-agents`, a second agent user and an outsider:
-the doc's marked blocks run as written; the agent's first request starts the service
-(socket activation); Type=notify readiness, and a start that fails before READY=1 fails
-the job; `systemctl reload` keeps the PID; restart; SIGKILL and Restart=on-failure; the
-watchdog restarts a stopped event loop; a uid-bound credential is refused for another uid;
-the outsider cannot reach the socket; the metrics scrape; `systemd-analyze security` <= 1.5;
-`journalctl -p warning` finds the daemon's warnings (the `<N>` prefix); `status` on a
-running and a stopped daemon; the custodian (both units, two uids, the token and the KEK
-made under the custodian's uid from the start: the first request activates both, the
-daemon has no PIN, no token access, cannot open the keystore, maps no module, lists the
-custodian's agents; a SIGKILLed custodian is restarted by systemd; `--recover` and
-`--forget-destroyed` as root through buzz-custodian-admin beside it); a host installed with
-custody in the daemon moving its keys to the custodian by step 6b's block; upgrade and
-uninstall.
+the doc's marked blocks run as written; step 3's token block run again changes nothing;
+the agent's first request starts the service (socket activation); Type=notify readiness,
+and a start that fails before READY=1 fails the job; `systemctl reload` keeps the PID;
+restart; SIGKILL and Restart=on-failure; the watchdog restarts a stopped event loop; a
+uid-bound credential is refused for another uid; the outsider cannot reach the socket; the
+metrics scrape; `systemd-analyze security` <= 1.5; `journalctl -p warning` finds the
+daemon's warnings (the `<N>` prefix); `status` on a running and a stopped daemon; the
+custodian (both units, two uids, the token and the KEK made under the custodian's uid from
+the start: the first request activates both, the daemon has no PIN, no token access,
+cannot open the keystore, maps no module, lists the custodian's agents; a SIGKILLed
+custodian is restarted by systemd; `--recover` and `--forget-destroyed` as root through
+buzz-custodian-admin beside it); a host installed with custody in the daemon moving its
+keys to the custodian by step 6b's block; upgrade and uninstall.
 
 Rules:
 - The doc is the script: `install_blocks()` takes every fenced block that follows an
@@ -84,6 +84,8 @@ TEST_ONLY = {
     "reboot": "buzz-custodian.service stopped before step 7, its socket kept (as after a "
               "reboot: step 6's commands started it), so the first request activates both",
     "watchdog": "a drop-in buzz-broker.service.d/test-watchdog.conf with WatchdogSec=3s",
+    "token-again": "step 3's token block run a second time right after the first, as an "
+                   "operator unsure it ran would (it must change nothing)",
     "old-layout": "for step 6b's move: the custodian's units, drop-in, configuration and "
                   "state removed and the daemon's state emptied, then the install before the "
                   "custodian (the token made as buzz-broker under /var/lib/buzz-broker, "
@@ -184,15 +186,15 @@ class Installed:
     facts: dict[str, str]
     env: dict[str, str]
 
-    def block(self, block: Block) -> None:
+    def block(self, block: Block, *, check: bool = True) -> guest_mod.Done | None:
         text = block.text
         for name, value in self.placeholders.items():
             text = text.replace(name, value)
         if block.file is not None:
             (self.guest.root / block.file.lstrip("/")).write_text(text + "\n")
-            return
+            return None
         user = None if block.user == "root" else USERS[block.user]
-        self.sh(text, user=user, what=f"docs/install.md step {block.step}")
+        return self.sh(text, user=user, what=f"docs/install.md step {block.step}", check=check)
 
     def sh(self, script: str, *, user: str | None = None, what: str = "",
            check: bool = True) -> guest_mod.Done:
@@ -259,6 +261,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
             if step == "move-custody":
                 continue  # a fresh install has nothing to move: its own test runs it
             inst.block(blocks[step])
+            if step == "token":
+                _token_block_again(inst, blocks[step])
             if step == "units":
                 # TEST_ONLY["watchdog"]: a short watchdog, so its test takes seconds.
                 inst.sh("mkdir -p /etc/systemd/system/buzz-broker.service.d && printf "
@@ -283,6 +287,23 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
         yield inst
 
 
+#: What the token block's PIN files are: the PIN file it writes, and what it leaves behind.
+_TOKEN_FILES = ("sha256sum /etc/buzz-broker/token-pin; "
+                "ls -A /var/lib/buzz-custodian/softhsm; ls -A /var/lib/buzz-custodian/softhsm/tokens")
+
+
+def _token_block_again(inst: Installed, block: Block) -> None:
+    """TEST_ONLY["token-again"]: docs/install.md step 3's token block, run a second time;
+    what it did goes to `inst.facts` for test_the_token_block_run_again_changes_nothing."""
+    before = inst.sh(_TOKEN_FILES).stdout
+    again = inst.block(block, check=False)
+    assert again is not None
+    inst.facts["token-again-rc"] = str(again.returncode)
+    inst.facts["token-again-stderr"] = again.stderr
+    inst.facts["token-again-same-files"] = str(inst.sh(_TOKEN_FILES).stdout == before)
+    inst.facts["token-again-left"] = inst.sh("ls -A /var/lib/buzz-custodian/softhsm").stdout
+
+
 # --------------------------------------------------------------------------- the checks
 
 
@@ -297,6 +318,19 @@ def test_socket_activation_by_the_agents_first_request(installed: Installed) -> 
     # The service's start did not re-own the directory (RuntimeDirectory= would have).
     assert installed.sh("stat -c '%U:%G' /run/buzz-broker").stdout.strip() == \
         "buzz-broker:buzz-agents"
+
+
+def test_the_token_block_run_again_changes_nothing(installed: Installed) -> None:
+    """docs/install.md step 3's token block run twice: the second run stops at make-token
+    (exit 1, its one line), writes no PIN file and leaves the token's PIN file as it was.
+    That PIN still opens the token: every later step (keys init, the first request) logs in
+    with it."""
+    facts = installed.facts
+    lines = facts["token-again-stderr"].splitlines()
+    assert facts["token-again-rc"] == "1", lines
+    assert len(lines) == 1 and lines[0].startswith("make-token: "), lines
+    assert facts["token-again-same-files"] == "True"
+    assert facts["token-again-left"].split() == ["softhsm2.conf", "tokens"]
 
 
 def test_type_notify_readiness_and_a_failed_start_fails_the_job(installed: Installed) -> None:
