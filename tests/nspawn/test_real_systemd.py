@@ -84,8 +84,9 @@ TEST_ONLY = {
     "reboot": "buzz-custodian.service stopped before step 7, its socket kept (as after a "
               "reboot: step 6's commands started it), so the first request activates both",
     "watchdog": "a drop-in buzz-broker.service.d/test-watchdog.conf with WatchdogSec=3s",
-    "token-again": "step 3's token block run a second time right after the first, as an "
-                   "operator unsure it ran would (it must change nothing)",
+    "token-again": "step 3's token block run a second time once the SO PIN's block has "
+                   "removed both PIN files, as an operator unsure it ran would (it must "
+                   "change nothing)",
     "old-layout": "for step 6b's move: the custodian's units, drop-in, configuration and "
                   "state removed and the daemon's state emptied, then the install before the "
                   "custodian (the token made as buzz-broker under /var/lib/buzz-broker, "
@@ -125,7 +126,7 @@ def install_blocks(text: str | None = None) -> list[Block]:
 
 
 #: The steps this test drives, in the doc's order.
-STEPS = ("packages", "program", "units", "agent-group", "custodian", "token",
+STEPS = ("packages", "program", "units", "agent-group", "custodian", "token", "so-pin",
          "custodian-config", "config", "check-config", "keys", "agent", "move-custody", "start",
          "first-request", "check", "metrics", "tcp", "upgrade", "uninstall")
 
@@ -261,8 +262,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
             if step == "move-custody":
                 continue  # a fresh install has nothing to move: its own test runs it
             inst.block(blocks[step])
-            if step == "token":
-                _token_block_again(inst, blocks[step])
+            if step == "so-pin":  # both PIN files gone, as the doc leaves them
+                _token_block_again(inst, blocks["token"])
             if step == "units":
                 # TEST_ONLY["watchdog"]: a short watchdog, so its test takes seconds.
                 inst.sh("mkdir -p /etc/systemd/system/buzz-broker.service.d && printf "
