@@ -31,7 +31,11 @@ Rules:
   revokes every credential of the agent; the running daemon refuses them from its next
   request (it also refuses any credential whose agent is not live, however it was
   removed). It asks for confirmation — the word `yes` on stdin, prompted on stderr — unless
-  `--yes` is given. Running it again on a removed agent revokes what is left.
+  `--yes` is given. Running it again on a removed agent revokes what is left. Its question
+  and its result line say what becomes of the key (`_KEY_FATES`): in-process custody
+  destroys it for good; a custodian keeps a sealed copy for its grace period, which its
+  `--recover` brings back and its `--forget-destroyed PUBKEY` deletes now
+  (tests/custodian/test_commands.py::test_agent_remove_says_the_custodian_keeps_a_copy_and_how_to_end_it).
 - `import-names` reads on stdin the names file a custodian's `keys restore --names-out`
   wrote (at most `MAX_NAMES_BYTES`: a `{"restore": {"file", "sha256"}}` line, then one
   `{"pubkey", "name", "creator", "restored"}` a backup agent; custody/custodian/keys.py),
@@ -264,9 +268,52 @@ def _list(args: argparse.Namespace, config: Config) -> int:
 CONFIRM_WORD = "yes"
 
 
-def _confirmed(pubkey: str) -> bool:
-    print(f"remove agent {pubkey}: its key is destroyed for good and its credentials "
-          f"revoked. Type {CONFIRM_WORD!r} to go on:", file=sys.stderr, flush=True)
+@dataclass(frozen=True, slots=True)
+class _KeyFate:
+    """What `agent remove` does to the key, said in its question and again in its result
+    line: the operator decides on it, so it must be the truth for who holds the keys."""
+
+    #: the question's clause, after "remove agent PUBKEY: "
+    asked: str
+    #: the result line's last clause, after "removed PUBKEY (tombstone kept); revoked N
+    #: credential(s); "
+    done: str
+
+
+#: Is a custodian set (`[custody] custodian_socket`)? -> what removing a key does to it
+#: (docs/operations.md, "Removing an agent ends its authority"). In-process custody deletes the sealed
+#: blob (a tombstone stays, and a restore refuses the key here: custody/_restore.py). A
+#: custodian keeps a sealed copy for its grace period first (custody/custodian/grace.py),
+#: which its `--recover` brings back; its length, `destroy_grace_seconds`, is in the
+#: custodian's own file, and no row of its table tells the daemon, so none is quoted here.
+#: `--forget-destroyed PUBKEY` deletes that copy at once (docs/custodian.md).
+_KEY_FATES: dict[bool, _KeyFate] = {
+    False: _KeyFate(asked="its key is destroyed for good and its credentials revoked",
+                    done="its key is destroyed for good"),
+    True: _KeyFate(
+        asked="its credentials are revoked and the custodian destroys its key, but keeps a "
+              "sealed copy for its grace period (destroy_grace_seconds in the custodian's "
+              "file), from which the custodian's --recover {pubkey} brings it back; to "
+              "destroy that copy now: {forget}",
+        done="the custodian keeps a sealed copy of its key for its grace period "
+             "(recoverable with its --recover {pubkey}); to destroy the copy now: {forget}"),
+}
+#: The custodian's command that deletes a destroyed key's copy (its installed wrapper, then
+#: the command it runs: docs/custodian.md, "--forget-destroyed PUBKEY ...").
+_FORGET = ("buzz-custodian-admin --forget-destroyed {pubkey} "
+           "(buzz-broker custodian FILE --forget-destroyed {pubkey})")
+
+
+def _key_fate(config: Config, pubkey: str) -> _KeyFate:
+    fate = _KEY_FATES[bool(config.custody.custodian_socket)]
+    forget = _FORGET.format(pubkey=pubkey)
+    return _KeyFate(asked=fate.asked.format(pubkey=pubkey, forget=forget),
+                    done=fate.done.format(pubkey=pubkey, forget=forget))
+
+
+def _confirmed(pubkey: str, fate: _KeyFate) -> bool:
+    print(f"remove agent {pubkey}: {fate.asked}. Type {CONFIRM_WORD!r} to go on:",
+          file=sys.stderr, flush=True)
     # One short line is all that is read: stdin may be anything.
     answer = sys.stdin.readline(len(CONFIRM_WORD) + 2)
     return answer.strip() == CONFIRM_WORD
@@ -276,7 +323,8 @@ def _remove(args: argparse.Namespace, config: Config) -> int:
     from daemon.state.sessions import SessionStore
 
     pubkey = _pubkey(args.pubkey, "PUBKEY")
-    if not args.yes and not _confirmed(pubkey):
+    fate = _key_fate(config, pubkey)
+    if not args.yes and not _confirmed(pubkey, fate):
         raise CliError("not confirmed; nothing removed (pass --yes to skip the question)")
     record: KeyRecord = _with_custody(config, lambda c: c.destroy_agent(pubkey))
     try:
@@ -292,8 +340,8 @@ def _remove(args: argparse.Namespace, config: Config) -> int:
             f"removed {record.pubkey}, but its credentials could not be revoked: "
             f"{type(exc).__name__}; run agent remove again"
         ) from None
-    print(f"removed {record.pubkey} (tombstone kept); revoked {revoked} credential(s)",
-          file=sys.stderr)
+    print(f"removed {record.pubkey} (tombstone kept); revoked {revoked} credential(s); "
+          f"{fate.done}", file=sys.stderr)
     return 0
 
 

@@ -106,3 +106,49 @@ def test_attach_auth_goes_through_the_custodian(
            (state_dir / "custodian" / "signed.jsonl").read_text().splitlines()]
     assert any(e.get("op") == "attach_auth" and e.get("agent") == agent for e in log)
     assert any(e.get("agent") == agent and e.get("kind") == 0 for e in log), log[-3:]
+
+
+def _custodian_command(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "custody.custodian", str(config), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_agent_remove_says_the_custodian_keeps_a_copy_and_how_to_end_it(
+        custodian: CustodianProcess, custody_state: tuple[TokenConfig, Path], local_relay: str,
+        tmp_path: Path) -> None:
+    """Under a custodian `agent remove` asked "its key is destroyed for good", and the key
+    came back with the custodian's `--recover` right after. The question and the result
+    line now say a sealed copy is kept for the grace period and name the command that
+    deletes it; both halves are then shown true: `--recover` brings the key back, and after
+    the command named, `--recover` finds nothing."""
+    _, state_dir = custody_state
+    config = tmp_path / "broker.toml"
+    config.write_text(
+        f'[server]\nsocket = "{tmp_path / "broker.sock"}"\n[state]\ndir = "{state_dir}"\n'
+        f'[custody]\ncustodian_socket = "{custodian.socket}"\n'
+        f'[relay]\nurl = "{local_relay}"\n')
+    owner = coincurve.PrivateKey().public_key_xonly.format().hex()
+    made = _cli(config, "agent", "create", "--owner", owner, "--name", "comes-back")
+    assert made.returncode == 0, made.stderr
+    agent = made.stdout.strip()
+    forget = f"--forget-destroyed {agent}"
+
+    removed = _cli(config, "agent", "remove", agent, stdin="yes\n")
+    assert removed.returncode == 0, removed.stderr
+    question, result = removed.stderr.strip().splitlines()
+    for said in (question, result):
+        assert "for good" not in said and "grace period" in said, said
+        assert f"--recover {agent}" in said and forget in said, said
+    assert f"buzz-custodian-admin {forget}" in question, question
+
+    back = _custodian_command(custodian.config, "--recover", agent)
+    assert back.returncode == 0, back.stderr
+    assert agent in _cli(config, "agent", "list", "--json").stdout  # live again
+
+    again = _cli(config, "agent", "remove", agent, "--yes")
+    assert again.returncode == 0 and forget in again.stderr, again.stderr
+    forgotten = _custodian_command(custodian.config, *forget.split())
+    assert forgotten.returncode == 0, forgotten.stderr
+    gone = _custodian_command(custodian.config, "--recover", agent)
+    assert gone.returncode != 0, gone.stdout + gone.stderr
+    assert agent not in _cli(config, "agent", "list", "--json").stdout

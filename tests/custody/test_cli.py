@@ -117,6 +117,21 @@ def test_agent_lifecycle_and_faults(cli: Cli, tmp_path: Path) -> None:
     assert_no_secrets(cli.transcript + (cli.state / "keystore.db").read_bytes())
 
 
+def test_agent_remove_in_process_says_the_key_is_destroyed_for_good(cli: Cli) -> None:
+    """Custody in this process deletes the sealed blob: the question and the result line
+    say "for good", and name no custodian's command (under a custodian they say a copy is
+    kept: tests/custodian/test_commands.py)."""
+    assert cli("keys", "init").returncode == 0
+    agent = cli("agent", "create", "--owner", PUB_2, "--name", "gone").stdout.strip()
+    removed = cli("agent", "remove", agent, stdin="yes\n")
+    assert removed.returncode == 0, removed.stderr
+    question, result = removed.stderr.strip().splitlines()
+    for said in (question, result):
+        assert "destroyed for good" in said and "custodian" not in said, said
+    assert agent in cli("agent", "list", "--all").stdout
+    assert agent not in cli("agent", "list").stdout
+
+
 def test_import_buffer_is_zeroed_when_custody_never_opens(
     cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
