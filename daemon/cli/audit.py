@@ -18,6 +18,9 @@ Rules:
   (`<state>/ledger.db`); a missing log with an anchor, or with `--head`/`--ends-at`, is
   broken too. `--archived`: the
   oldest files were moved away (docs/operations.md, "Retention and archiving").
+  A PATH that is not an audit log by name (a directory without `audit-NNNNNN.jsonl`
+  files, a file of another name such as the custodian's `signed.jsonl`) is a fault,
+  exit 1, never a verdict (`_given_log`).
 - `reanchor [--yes]` is for an operator who restored a disk from an older backup: the log
   (which must verify on its own) is accepted as it is. It writes a `reanchor` record
   naming the anchor given up, then anchors the new head. It asks first unless `--yes`,
@@ -161,10 +164,45 @@ def _seq_and_hash(text: str) -> tuple[int, str]:
     return int(seq), digest.lower()
 
 
+#: Said when PATH holds no log of the daemon's: where the other log an operator may point it
+#: at, the custodian's (`<log_dir>/signed.jsonl`, another chain in another format), is
+#: verified instead (docs/custodian.md).
+_CUSTODIANS_LOG: Final = ("the custodian's log (signed.jsonl) is verified by its own command: "
+                          "buzz-broker custodian FILE --verify-log")
+
+
+def _given_log(args: argparse.Namespace) -> Path:
+    """PATH, if it is an audit log by name: a directory holding audit files, or one of them.
+
+    Refused (a fault, exit 1), not verified: a directory with none (an empty or failed
+    archive copy, the state directory itself) verified as "ok 0 records", a pass for a
+    copy that holds nothing; a file of another name (the custodian's log) was read as
+    audit records and reported "broken ... (the line was edited)", a false tamper alarm.
+    Without PATH an empty `<state>/audit` stays "ok 0 records": the state's anchor is what
+    says whether records are missing there.
+    """
+    from daemon.state.audit import audit_files, is_audit_file_name
+
+    path = _audit_dir(args, args.path)
+    try:
+        if path.is_dir() and not path.is_symlink() and not audit_files(path):
+            raise CliError(f"no audit files (audit-NNNNNN.jsonl) in {path}: nothing verified; "
+                           f"give the audit directory itself (<state>/audit, "
+                           f"<state>/key-events) or one of its files; {_CUSTODIANS_LOG}")
+    except PermissionError:
+        raise  # main's permission_denied names the state directory's user
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror}") from None
+    if path.is_file() and not is_audit_file_name(path.name):
+        raise CliError(f"{path} is not an audit file by its name (audit-NNNNNN.jsonl): not "
+                       f"verified; {_CUSTODIANS_LOG}")
+    return path
+
+
 def _verify(args: argparse.Namespace) -> int:
     """PATH: that one log, unlabelled. Else the audit log and the key-event log, labelled."""
     if args.path is not None:
-        return _verify_one(_audit_dir(args, args.path), label="", anchor=None, head=args.head,
+        return _verify_one(_given_log(args), label="", anchor=None, head=args.head,
                            ends_at=args.ends_at, archived=args.archived)
     from daemon.state.key_events import HEAD_FILE, KEY_EVENTS_DIRNAME, LEGACY_FILE
 

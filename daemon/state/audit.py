@@ -130,6 +130,7 @@ __all__ = [
     "FORMAT",
     "DEFAULT_ROTATE_BYTES",
     "audit_files",
+    "is_audit_file_name",
 ]
 
 _log = logging.getLogger("buzz_broker.audit")
@@ -951,6 +952,11 @@ def _check_line(line: bytes) -> tuple[dict[str, object] | None, str | None]:
     if digest != _sha256(_canonical(body)):
         return None, "digest does not match the record (the record was edited)"
     return obj, None
+
+
+def is_audit_file_name(name: str) -> bool:
+    """Is `name` an audit file's (`audit-NNNNNN.jsonl`), as this module writes them?"""
+    return _FILE_RE.fullmatch(name) is not None
 
 
 def audit_files(directory: Path) -> list[tuple[int, Path]]:

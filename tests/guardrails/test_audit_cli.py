@@ -296,3 +296,43 @@ def test_a_path_too_long_for_the_system_is_one_line(argv: list[str], tmp_path: P
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("buzz-broker: cannot use "), lines
     assert "File name too long" in lines[0]
+
+
+def test_a_path_without_the_daemons_audit_files_is_a_fault_not_a_verdict(
+        tmp_path: Path) -> None:
+    """`audit verify PATH` where PATH holds no audit file said "ok 0 records", exit 0: an
+    auditor checking an archive copy that failed got a pass. Pointed at the custodian's
+    log (written here by its own writer) it said "broken: ... not in canonical form (the
+    line was edited)", exit 3: a false tamper alarm. Each is now one line, exit 1, saying
+    what it looks for, and naming the custodian's own command for its log."""
+    from custody.custodian.ledger import SignLog
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    trio.run(make_log, state)
+    log_dir = tmp_path / "custodian"
+    log_dir.mkdir(mode=0o700)
+    custodians = SignLog(log_dir / "signed.jsonl", 1 << 20)
+    custodians.append([{"op": "mint", "agent": AGENT}, {"op": "sign", "agent": AGENT,
+                                                        "kind": 1, "id": "ab" * 32}])
+    custodians.close()
+    empty = tmp_path / "copy-that-failed"
+    empty.mkdir()
+    renamed = tmp_path / "audit-copy.jsonl"
+    renamed.write_bytes(audit_files(state / "audit")[0][1].read_bytes())
+
+    for path, says in ((empty, "no audit files"), (state, "no audit files"),
+                       (log_dir, "no audit files"),
+                       (log_dir / "signed.jsonl", "is not an audit file by its name"),
+                       (renamed, "is not an audit file by its name")):
+        done = buzz("audit", "verify", str(path))
+        assert done.returncode == 1, (path, done.stdout, done.stderr)
+        assert done.stdout == "" and "broken" not in done.stderr, done.stderr
+        lines = done.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("buzz-broker: "), lines
+        assert says in lines[0] and "audit-NNNNNN.jsonl" in lines[0], lines[0]
+        assert "buzz-broker custodian FILE --verify-log" in lines[0], lines[0]
+    # Controls: the daemon's own logs by the same command, a directory and one file.
+    assert buzz("audit", "verify", str(state / "audit")).returncode == 0
+    first = audit_files(state / "audit")[0][1]
+    assert buzz("audit", "verify", str(first)).returncode == 0
