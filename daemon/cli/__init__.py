@@ -4,9 +4,10 @@ Rules:
 - Each command lives in `daemon/cli/<name>.py` and exposes `HELP: str`,
   `add_arguments(parser)` and `run(args) -> int`. `COMMANDS` below is the only list of them.
 - A command reports a fault by raising `CliError` with one clear line; `main` prints it
-  on stderr and exits non-zero. No traceback reaches an operator: anything else that
-  escapes is reported as an internal error with its type name only (the text of an
-  unexpected exception could carry a secret). A PermissionError is not unexpected (the
+  on stderr and exits non-zero: 1, or `EXIT_USAGE` for a malformed argument
+  (`_common.UsageError`, the code argparse gives its own refusals). No traceback reaches
+  an operator: anything else that escapes is reported as an internal error with its type
+  name only (the text of an unexpected exception could carry a secret). A PermissionError is not unexpected (the
   wrong user, most often on the state directory): one line naming the file, exit 1
   (`_common.permission_denied`).
 - Secrets (PINs, credentials, secret keys) never come from argv: files, stdin, or the
@@ -30,6 +31,7 @@ from typing import NoReturn
 from buzzwire.contract import printable
 from custody import harden_process
 from daemon.cli._common import (
+    EXIT_USAGE,
     CliError,
     config_from_args,
     permission_denied,
@@ -37,7 +39,7 @@ from daemon.cli._common import (
     refuse_unusable_state,
 )
 
-__all__ = ["main", "CliError", "COMMANDS", "STATE_COMMANDS"]
+__all__ = ["main", "CliError", "COMMANDS", "STATE_COMMANDS", "EXIT_USAGE"]
 
 #: command name -> (module under daemon.cli, one-line help). A command's module is imported
 #: only when that command runs, so one command's dependencies never slow down or break another.
@@ -57,7 +59,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
 #: files even to read). `call` and `check-config` do not.
 STATE_COMMANDS = frozenset({"serve", "keys", "agent", "credential", "audit", "status"})
 
-EXIT_USAGE = 2
 EXIT_INTERNAL = 70  # EX_SOFTWARE
 #: 128 + SIGPIPE: what a shell reports for a command whose reader went away (`| head`).
 EXIT_CLOSED_PIPE = 141

@@ -1,9 +1,14 @@
 """Helpers shared by the commands: the one error type and the configuration they run with.
 
 Rules: a command reports every fault as one `CliError` line (never a traceback, never a
-secret in the text); `config_from_args` is the only way a command reads its configuration,
-so `--config`, `$BUZZ_BROKER_CONFIG`, /etc/buzz-broker/broker.toml and the defaults mean
-the same everywhere (daemon/config.py states the precedence).
+secret in the text); a malformed argument, one refused by a check that reads nothing
+(no file, no store, no token), as a `UsageError` line, exit `EXIT_USAGE` as argparse's own
+refusals, before anything is read or changed; an argument well formed but refused by what
+is held (an unknown agent, a credential id not active) stays a `CliError`, exit 1
+(docs/operations.md, "Exit codes: every command"). `config_from_args` is the only way a
+command reads its configuration, so `--config`, `$BUZZ_BROKER_CONFIG`,
+/etc/buzz-broker/broker.toml and the defaults mean the same everywhere (daemon/config.py
+states the precedence).
 
 `refuse_foreign_state`: root must not create files in the daemon's state directory. SQLite
 databases, their -wal/-shm files and SoftHSM objects made by root are 0600 root: the
@@ -54,6 +59,20 @@ class CliError(Exception):
     def __init__(self, message: str, exit_code: int = 1) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+#: A usage error: argparse's own code for an unknown flag or a value its type refuses, and
+#: ours for a malformed argument (`UsageError`).
+EXIT_USAGE = 2
+
+
+class UsageError(CliError):
+    """A malformed argument, said as one line and exit `EXIT_USAGE`: the command line is
+    wrong, not the host's state (see the module docstring), and nothing was read or
+    changed. Raised before the command opens anything."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, EXIT_USAGE)
 
 
 #: What an operator runs instead (systemd/buzz-broker-admin, installed by docs/install.md).

@@ -16,7 +16,8 @@ Rules:
   host's only: nothing is published (agents.update renames a managed agent on the relay).
   A name is checked before a key is made or a secret read (`_checked_name`): 1 to 256
   characters the directory can store (no argv byte that is not UTF-8) and one line by the
-  contract's name rule; refused, it is one line, exit 1, and no key is made
+  contract's name rule; refused, it is one line, exit 2 (a malformed argument, as every
+  other: `UsageError`, daemon/cli/_common.py), and no key is made
   (tests/cli/test_operator_mistakes.py::test_a_name_that_cannot_be_kept_is_refused_before_a_key_is_made).
 - `attach-auth` stores an owner-signed NIP-OA tag after creation (daemon/cli/agent_auth.py).
 - `list` prints public records (table, or `--json`: one JSON object per line, the
@@ -69,8 +70,8 @@ import trio
 
 from buzzwire.contract import printable, scrub_line
 from daemon.cli import agent_auth
-from daemon.cli._common import (CliError, agent_directory, config_from_args, open_keys,
-                                print_json_line)
+from daemon.cli._common import (CliError, UsageError, agent_directory, config_from_args,
+                                open_keys, print_json_line)
 
 if TYPE_CHECKING:
     from custody import Custody, KeyRecord
@@ -124,7 +125,19 @@ def _pubkey(value: str, what: str) -> str:
     from buzzwire.nostr import is_hex64
 
     if not is_hex64(value):
-        raise CliError(f"{what} must be 64 lowercase hex characters")
+        raise UsageError(f"{what} must be 64 lowercase hex characters")
+    return value
+
+
+def _owner(value: str) -> str:
+    """`--owner`: a pubkey that is a curve point. Custody refuses any other too (it signs
+    the owner's NIP-OA tag and is its NIP-AE peer), but that was exit 1 after custody
+    opened; a value that is no key is the command line's fault, said before."""
+    from buzzwire.contract import is_valid_pubkey
+
+    if not is_valid_pubkey(_pubkey(value, "--owner")):
+        raise UsageError(f"--owner: {value} is not a secp256k1 x-only public key (no curve "
+                         "point has this x)")
     return value
 
 
@@ -160,15 +173,15 @@ def _checked_name(name: str, flag: str) -> str:
     try:
         check_name(name)
     except ValueError as exc:
-        raise CliError(f"{flag}: {exc}") from None
+        raise UsageError(f"{flag}: {exc}") from None
     if scrub_line(name) != name:
-        raise CliError(f"{flag}: name must be one line, without control, line-separator "
-                       "or bidi-control characters")
+        raise UsageError(f"{flag}: name must be one line, without control, line-separator "
+                         "or bidi-control characters")
     return name
 
 
 def _import(args: argparse.Namespace, config: Config) -> int:
-    owner = _pubkey(args.owner, "--owner")
+    owner = _owner(args.owner)
     if args.name is not None:
         _checked_name(args.name, "--name")
     auth_tag = None if args.auth_tag is None else agent_auth.parse_tag(args.auth_tag, "--auth-tag")
@@ -239,7 +252,7 @@ def _read_secret(fd: int) -> bytearray:
 
 
 def _create(args: argparse.Namespace, config: Config) -> int:
-    owner = _pubkey(args.owner, "--owner")
+    owner = _owner(args.owner)
     _checked_name(args.name, "--name")
     record: KeyRecord = _with_custody(config, lambda c: c.mint_agent(owner=owner))
     print(record.pubkey, flush=True)  # before the name's write, as in `_import`

@@ -28,12 +28,14 @@ import argparse
 import json
 import sys
 import time
-from buzzwire import kinds
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import trio
 
-from daemon.cli._common import CliError, agent_directory, open_keys
+from buzzwire import kinds
+from buzzwire.nostr import is_hex64
+from daemon.cli._common import CliError, UsageError, agent_directory, open_keys
 
 if TYPE_CHECKING:
     from custody import Custody, KeyRecord
@@ -82,16 +84,24 @@ def parse_tag(text: str, flag: str) -> list[str]:
     try:
         tag = json.loads(text)
     except (ValueError, RecursionError):
-        raise CliError(f"{flag} is not JSON") from None
+        raise UsageError(f"{flag} is not JSON") from None
     if not isinstance(tag, list) or not all(isinstance(x, str) for x in tag):
-        raise CliError(f'{flag} must be a JSON array of strings: ["auth", owner, conditions, sig]')
+        raise UsageError(f'{flag} must be a JSON array of strings: '
+                         '["auth", owner, conditions, sig]')
     return tag
 
 
-def _tag_from_args(args: argparse.Namespace, owner: str) -> list[str]:
+def _tag_from_args(args: argparse.Namespace) -> Callable[[str], list[str]]:
+    """The tag the arguments give, as a function of the agent's recorded owner (known once
+    custody is open); their shape checked now, before anything is opened. Whether the
+    signature verifies is custody's to say."""
     if args.tag is not None:
-        return parse_tag(args.tag, "--tag")
-    return ["auth", owner, args.conditions, args.sig.strip().lower()]
+        tag = parse_tag(args.tag, "--tag")
+        return lambda _owner: tag
+    sig = args.sig.strip().lower()
+    if len(sig) != 128 or not is_hex64(sig[:64]) or not is_hex64(sig[64:]):
+        raise UsageError("--sig must be the owner's BIP-340 signature: 128 hex characters")
+    return lambda owner: ["auth", owner, args.conditions, sig]
 
 
 async def _republish_profile(config: Config, custody: Custody, record: KeyRecord, name: str
@@ -151,12 +161,12 @@ async def _publish_profile(pool: RelayPool, custody: Custody, record: KeyRecord,
 
 
 def attach(args: argparse.Namespace, config: Config) -> int:
-    from buzzwire.nostr import is_hex64
     from custody import CustodyError
 
     agent = args.agent.strip().lower()
     if not is_hex64(agent):
-        raise CliError("--agent must be 64 hex characters")
+        raise UsageError("--agent must be 64 hex characters")
+    tag_for = _tag_from_args(args)
 
     async def main() -> tuple[KeyRecord, str]:
         # With a custodian its `attach_auth` row checks the tag, and the profile is
@@ -168,7 +178,7 @@ def attach(args: argparse.Namespace, config: Config) -> int:
             record = custody.agent(agent)
             if record is None or listed is None:
                 raise CliError(f"no live agent {agent} is held here")
-            stored = await custody.attach_auth_tag(agent, _tag_from_args(args, record.owner))
+            stored = await custody.attach_auth_tag(agent, tag_for(record.owner))
             return stored, await _republish_profile(config, custody, stored, listed.name)
         finally:
             await custody.aclose()

@@ -31,7 +31,8 @@ Rules:
   relative to now (`90s`, `30m`, `1h`, `7d`). `show` does not check the chain — `verify`
   does — but marks any line it cannot read (on stderr).
 - The audit log holds no secrets, so everything in it may be printed.
-- Faults (missing path, unreadable file, bad filter) are one-line CliErrors.
+- Faults (missing path, unreadable file) are one-line CliErrors; a malformed filter
+  (`--since`/`--until` TIME, `--agent`) a UsageError, exit 2, checked before any path.
 
 WARNING: `EXIT_BROKEN`, the `ok …`/`broken: …` lines and the TIME grammar are documented in
 docs/operations.md ("Verifying", "Reading"); keep them in step.
@@ -48,7 +49,7 @@ from pathlib import Path
 from typing import Final
 
 from buzzwire.contract import printable
-from daemon.cli._common import CliError, config_from_args
+from daemon.cli._common import CliError, UsageError, config_from_args
 
 HELP = "verify the audit log's hash chain, or show its records"
 
@@ -126,7 +127,7 @@ def parse_time(text: str, now: float) -> float:
     try:
         when = datetime.datetime.fromisoformat(text)
     except ValueError:
-        raise CliError(
+        raise UsageError(
             f"bad time {text[:40]!r}: expected ISO-8601 (2026-11-30T15:00:00Z) or 30m, 1h, 7d"
         ) from None
     if when.tzinfo is None:
@@ -349,17 +350,18 @@ def _reanchor(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     from daemon.state.audit import read_records
 
-    path = _audit_dir(args, args.path)
-    if not path.is_dir():
-        raise CliError(f"{path} is not a directory")
+    # The filters first: a malformed one is the command line's fault, said before any path.
     now = time.time()
     since = parse_time(args.since, now) if args.since else None
     until = parse_time(args.until, now) if args.until else None
     agent = None
     if args.agent is not None:
         if not _HEX64_RE.fullmatch(args.agent):
-            raise CliError("--agent: expected 64 hex characters")
+            raise UsageError("--agent: expected 64 hex characters")
         agent = args.agent.lower()
+    path = _audit_dir(args, args.path)
+    if not path.is_dir():
+        raise CliError(f"{path} is not a directory")
     rows: list[tuple[str, ...]] = []
     try:
         for entry in read_records(path):

@@ -27,7 +27,9 @@ Rules:
   uid would be the wrong one.
 - `list` shows label, agent, actions, channels, uid, expiry and last use (last use as the
   daemon last wrote it: up to `LAST_USE_FLUSH_SECONDS` behind, see daemon/state/sessions).
-- Faults raise CliError with one line that never holds a token.
+- Faults raise CliError with one line that never holds a token; a malformed argument
+  (`--agent`, `--channel`, `--action`, `--ttl`, `--uid`, `--label`, `--rate`, `ID`) a
+  UsageError, exit 2, before anything is read (tests/test_exit_codes.py).
 - The running daemon sees a new or revoked credential on its next request (it checks
   the database's change counter per request; see daemon/state/sessions), so no SIGHUP needed.
 
@@ -47,7 +49,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from daemon.cli._common import CliError, agent_directory, config_from_args, print_json_line
+from daemon.cli._common import (CliError, UsageError, agent_directory, config_from_args,
+                                print_json_line)
 from daemon.config import MAX_UID, is_uid
 
 if TYPE_CHECKING:
@@ -84,27 +87,32 @@ NO_UID_WARNING: Final = (
 
 
 def parse_duration(text: str) -> int:
-    """`30m` -> 1800. Raises CliError naming the accepted forms."""
+    """`30m` -> 1800. Raises UsageError naming the accepted forms."""
     match = _DURATION_RE.fullmatch(text.strip())
     if match is None:
-        raise CliError("--ttl: expected a duration like 30s, 30m, 12h or 7d, or never")
+        raise UsageError("--ttl: expected a duration like 30s, 30m, 12h or 7d, or never")
     return int(match.group(1)) * _UNITS[match.group(2)]
 
 
 def parse_uid(text: str) -> int:
     """`--uid`: a non-negative number, or the name of a local user (its uid).
 
-    Raises CliError; the text is not echoed (like `--channel`, it may be a mis-paste).
+    Raises UsageError for a number no uid can be, or text no user name can be (a NUL);
+    CliError (exit 1) for a name no local user has: this host's users are its state. The
+    text is not echoed (like `--channel`, it may be a mis-paste).
     """
     text = text.strip()
     if text.isascii() and text.isdigit():  # str.isdigit alone takes "²" and other digits
         if len(text) <= len(str(MAX_UID)) and is_uid(int(text)):
             return int(text)
-        raise CliError(f"--uid: a uid is at most {MAX_UID}")
+        raise UsageError(f"--uid: a uid is at most {MAX_UID}")
+    refused = "--uid: expected a non-negative uid or the name of a local user"
     try:
         return pwd.getpwnam(text).pw_uid
-    except (KeyError, ValueError):
-        raise CliError("--uid: expected a non-negative uid or the name of a local user") from None
+    except KeyError:
+        raise CliError(refused) from None
+    except ValueError:
+        raise UsageError(refused) from None
 
 
 def parse_ttl(text: str) -> int | None:
@@ -209,7 +217,7 @@ def _chosen_actions(args: argparse.Namespace) -> frozenset[str]:
     actions = frozenset(args.action)
     unknown = sorted(actions - frozenset(ACTIONS))
     if unknown:
-        raise CliError(
+        raise UsageError(
             f"--action: unknown action {unknown[0]!r}; expected one of {', '.join(sorted(ACTIONS))}"
         )
     return actions
@@ -243,13 +251,13 @@ def _issue(args: argparse.Namespace) -> int:
 
     agent = normalize_hex64(args.agent)
     if agent is None:
-        raise CliError("--agent: expected the agent's public key as 64 hex characters")
+        raise UsageError("--agent: expected the agent's public key as 64 hex characters")
     channels: set[str] = set()
     for raw in args.channel:
         channel = normalize_channel_id(raw)
         if channel is None:
             # The value is not echoed: a mis-pasted token must not land in a terminal log.
-            raise CliError("--channel: expected a channel UUID")
+            raise UsageError("--channel: expected a channel UUID")
         channels.add(channel)
     # argparse makes --action, --preset and --all-actions exclusive and one required.
     actions = _chosen_actions(args)
@@ -260,13 +268,13 @@ def _issue(args: argparse.Namespace) -> int:
     try:
         check_label(label)
     except ValueError as exc:
-        raise CliError(f"--label: {exc}") from None
+        raise UsageError(f"--label: {exc}") from None
     rules = []
     for text in args.rate or ():
         try:
             rules.append(parse_rate(text))
         except ValueError as exc:
-            raise CliError(f"--rate: {exc}") from None
+            raise UsageError(f"--rate: {exc}") from None
 
     config = config_from_args(args)
     with agent_directory(config) as directory:
@@ -361,7 +369,7 @@ def _when(at: int | None, absent: str) -> str:
 def _grant(args: argparse.Namespace) -> int:
     if _CREDENTIAL_ID_RE.fullmatch(args.credential_id) is None:
         # Not echoed: an operator who pastes a token here must not see it printed back.
-        raise CliError("expected a credential id (cred_ followed by 16 hex characters)")
+        raise UsageError("ID: expected a credential id (cred_ followed by 16 hex characters)")
     actions = _chosen_actions(args)
     if not actions:
         raise CliError("nothing to grant: this build offers none of those actions")
@@ -382,7 +390,7 @@ def _grant(args: argparse.Namespace) -> int:
 def _revoke(args: argparse.Namespace) -> int:
     if _CREDENTIAL_ID_RE.fullmatch(args.credential_id) is None:
         # Not echoed: an operator who pastes a token here must not see it printed back.
-        raise CliError("expected a credential id (cred_ followed by 16 hex characters)")
+        raise UsageError("ID: expected a credential id (cred_ followed by 16 hex characters)")
     store = _store(args)
     try:
         revoked = store.revoke(args.credential_id, now=int(time.time()))

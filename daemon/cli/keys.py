@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from daemon.cli import keys_backup
-from daemon.cli._common import CliError, config_from_args
+from daemon.cli._common import CliError, UsageError, config_from_args
 from daemon.cli._key_trail import clip, recorded
 from daemon.config import ConfigError, load_config
 from daemon.state.audit import MAX_KEY_LABEL, KeyAction
@@ -114,10 +114,10 @@ def run(args: argparse.Namespace) -> int:
 def _custodians(command: str) -> CliError:
     """The refusal of `command` where a custodian holds the keys: its command instead."""
     what, words, after = CUSTODIAN_COMMANDS[command]
-    return CliError(f"with a custodian ([custody] custodian_socket) {what} under its uid, "
-                    f"which alone opens the token, its PIN and the keystore: "
-                    f"buzz-custodian-admin keys {words} (buzz-broker custodian FILE keys "
-                    f"{command}){after}", exit_code=2)
+    return UsageError(f"with a custodian ([custody] custodian_socket) {what} under its uid, "
+                      f"which alone opens the token, its PIN and the keystore: "
+                      f"buzz-custodian-admin keys {words} (buzz-broker custodian FILE keys "
+                      f"{command}){after}")
 
 
 def _init(token: TokenConfig, state_dir: Path) -> int:
@@ -154,8 +154,8 @@ def rotate(args: argparse.Namespace, checkpoint: Callable[[str], None] | None = 
     from custody import CustodyError, rotate_keys
 
     if args.new_kek_label == "":  # `--new-kek-label "$UNSET"`: never fall back to a default
-        raise CliError("--new-kek-label is empty: give the new KEK's label, or leave "
-                       "--new-kek-label out for the default", exit_code=2)
+        raise UsageError("--new-kek-label is empty: give the new KEK's label, or leave "
+                         "--new-kek-label out for the default")
     config = config_from_args(args)
     source = config.pkcs11.token()
     target = None

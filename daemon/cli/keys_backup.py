@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from buzzwire.contract import printable_json
-from daemon.cli._common import CliError, agent_directory
+from daemon.cli._common import CliError, UsageError, agent_directory
 from daemon.cli._key_trail import KeyTrail, clip, recorded
 from daemon.state.audit import KeyAction
 
@@ -111,12 +111,12 @@ def _recipients(texts: list[str]) -> tuple[str, ...]:
     from daemon.state.audit import AGE_RECIPIENT_RE, MAX_KEY_RECIPIENTS
 
     if len(texts) > MAX_KEY_RECIPIENTS:
-        raise CliError(f"at most {MAX_KEY_RECIPIENTS} recipients")
+        raise UsageError(f"at most {MAX_KEY_RECIPIENTS} recipients")
     recipients = tuple(text.strip() for text in texts)
     for number, text in enumerate(recipients, 1):
         if AGE_RECIPIENT_RE.fullmatch(text) is None:
             # Never quoted: an age identity given by mistake opens every backup.
-            raise CliError(f"--recipient {number} is not an age X25519 recipient (age1…); "
+            raise UsageError(f"--recipient {number} is not an age X25519 recipient (age1…); "
                            "not shown, as it may be an identity (a secret)")
     return recipients
 
@@ -150,7 +150,7 @@ def _backup(args: argparse.Namespace, config: Config) -> int:
     if config.custody.custodian_socket:
         return _backup_by_custodian(args, config, Path(config.custody.custodian_socket))
     if not args.recipient or args.out is None:
-        raise CliError("keys backup needs --recipient age1… and --out FILE", exit_code=2)
+        raise UsageError("keys backup needs --recipient age1… and --out FILE")
     recipients = _recipients(args.recipient)
     out: Path = args.out
     with recorded(Path(config.state.dir), KeyAction.BACKUP, file=clip(str(out)),
@@ -212,9 +212,9 @@ def _backup_by_custodian(args: argparse.Namespace, config: Config, socket: Path)
     from custody.custodian.client import BackupWritten, CustodianClient
 
     if args.recipient or args.out is not None:
-        raise CliError("with a custodian ([custody] custodian_socket) a backup goes to its own "
-                       "recipients and directory ([backup] in the custodian's file); drop "
-                       "--recipient and --out", exit_code=2)
+        raise UsageError("with a custodian ([custody] custodian_socket) a backup goes to its "
+                         "own recipients and directory ([backup] in the custodian's file); "
+                         "drop --recipient and --out")
     with recorded(Path(config.state.dir), KeyAction.BACKUP) as trail:
         async def main() -> BackupWritten:
             client = CustodianClient(socket)

@@ -281,12 +281,12 @@ def test_backup_never_overwrites_and_identity_must_be_private(
     done = source("keys", "backup", "--recipient", recipient, "--out", str(out))
     assert done.returncode == 1 and "exists" in done.stderr and out.read_bytes() == before
     bad = source("keys", "backup", "--recipient", "age1notakey", "--out", str(tmp_path / "x.age"))
-    assert bad.returncode == 1 and "not an age X25519 recipient" in bad.stderr
+    assert bad.returncode == 2 and "not an age X25519 recipient" in bad.stderr  # usage
     # The identity given where a recipient belongs (it opens every backup) is not quoted.
     [secret] = [line for line in made.identity.read_text().splitlines()
                 if line.startswith("AGE-SECRET-KEY-")]
     mistaken = source("keys", "backup", "--recipient", secret, "--out", str(tmp_path / "x.age"))
-    assert mistaken.returncode == 1 and "--recipient 1 is not an age" in mistaken.stderr
+    assert mistaken.returncode == 2 and "--recipient 1 is not an age" in mistaken.stderr
     assert secret not in mistaken.stdout + mistaken.stderr
     assert secret.lower() not in (mistaken.stdout + mistaken.stderr).lower()
     assert not (tmp_path / "x.age").exists()  # removed: nothing half-written stays

@@ -154,7 +154,7 @@ def test_a_name_that_cannot_be_kept_is_refused_before_a_key_is_made(
     config = write_config(tmp_path / "broker.toml", token=token, state_dir=state,
                           socket=tmp_path / "b.sock", relay_url="ws://127.0.0.1:1")
     done = _run("--config", str(config), "agent", *words, stdin=stdin)
-    _one_line(done, 1, "--name: name must be")
+    _one_line(done, 2, "--name: name must be")  # a malformed argument: usage
     assert done.stdout == ""
     listed = _run("--config", str(config), "agent", "list", "--all", "--json")
     assert (listed.returncode, listed.stdout) == (0, ""), listed.stderr  # no key made
@@ -170,7 +170,7 @@ def test_agent_name_refuses_a_name_that_cannot_be_kept(
     assert made.returncode == 0, made.stderr
     pubkey = made.stdout.strip()
     for name in (os.fsdecode(b"\xff\xfe"), "x\ny"):
-        _one_line(_run("--config", str(config), "agent", "name", pubkey, name), 1,
+        _one_line(_run("--config", str(config), "agent", "name", pubkey, name), 2,
                   "NAME: name must be")
     listed = _run("--config", str(config), "agent", "list", "--json")
     assert json.loads(listed.stdout)["name"] == "x"  # unchanged

@@ -9,7 +9,8 @@ from pathlib import Path
 import nostr_sdk
 import pytest
 
-from tests.custody._secrets import PUB_1, PUB_2, SECRET_1, SECRET_2, SECRET_X, assert_no_secrets
+from tests.custody._secrets import (PUB_1, PUB_2, PUB_3, SECRET_1, SECRET_2, SECRET_X,
+                                    assert_no_secrets)
 from tests.fixtures.token import REPO, SoftHsmToken, ensure_operator_keys
 from tests.json_lines import json_lines
 
@@ -84,29 +85,33 @@ def test_agent_lifecycle_and_faults(cli: Cli, tmp_path: Path) -> None:
     assert helper not in cli("agent", "list").stdout
     assert helper in cli("agent", "list", "--all").stdout
 
+    # (argv, stdin, exit code, what the line says): 2 for a malformed argument (usage),
+    # 1 for input or state that refuses a well-formed one (docs/operations.md, exit codes).
     faults = [
-        (("agent", "import", "--owner", PUB_1), SECRET_1, "cannot own itself"),
-        (("agent", "import", "--owner", PUB_2), "0123", "malformed secret"),
-        (("agent", "import", "--owner", "XYZ"), SECRET_2, "--owner"),
-        (("agent", "import", "--owner", "b" * 64), SECRET_2, "not a secp256k1"),
-        (("agent", "create", "--owner", "b" * 64, "--name", "x"), "", "not a secp256k1"),
-        (("agent", "import", "--owner", PUB_2), nsec, "already held"),
-        (("agent", "import", "--owner", PUB_2, "--auth-tag", "[1,"), SECRET_2, "not JSON"),
-        (("agent", "remove", "--yes", "b" * 64), "", "unknown agent"),
-        (("agent", "name", helper, "ghost"), "", "no live agent"),
-        (("agent", "name", owner, ""), "", "NAME: name must be 1 to 256 characters"),
-        (("agent", "import", "--owner", PUB_2, "--name", ""), SECRET_2, "1 to 256 characters"),
+        (("agent", "import", "--owner", PUB_1), SECRET_1, 1, "cannot own itself"),
+        (("agent", "import", "--owner", PUB_2), "0123", 1, "malformed secret"),
+        (("agent", "import", "--owner", "XYZ"), SECRET_2, 2, "--owner"),
+        (("agent", "import", "--owner", "b" * 64), SECRET_2, 2, "not a secp256k1"),
+        (("agent", "create", "--owner", "b" * 64, "--name", "x"), "", 2, "not a secp256k1"),
+        (("agent", "import", "--owner", PUB_2), nsec, 1, "already held"),
+        (("agent", "import", "--owner", PUB_2, "--auth-tag", "[1,"), SECRET_2, 2, "not JSON"),
+        (("agent", "remove", "--yes", PUB_3), "", 1, "unknown agent"),
+        (("agent", "name", helper, "ghost"), "", 1, "no live agent"),
+        (("agent", "name", owner, ""), "", 2, "NAME: name must be 1 to 256 characters"),
+        (("agent", "import", "--owner", PUB_2, "--name", ""), SECRET_2, 2,
+         "1 to 256 characters"),
         # A name the directory refuses is refused before a key is made or a secret read:
         # it was made first, then the command ended "internal error" without its pubkey.
-        (("agent", "create", "--owner", owner, "--name", "x" * 257), "", "1 to 256 characters"),
-        (("agent", "import", "--owner", PUB_2, "--name", "x" * 257), SECRET_2,
+        (("agent", "create", "--owner", owner, "--name", "x" * 257), "", 2,
+         "1 to 256 characters"),
+        (("agent", "import", "--owner", PUB_2, "--name", "x" * 257), SECRET_2, 2,
          "--name: name must be 1 to 256 characters"),
-        (("agent", "name", owner, "x" * 257), "", "1 to 256 characters"),
+        (("agent", "name", owner, "x" * 257), "", 2, "1 to 256 characters"),
     ]
     held = cli("agent", "list", "--all").stdout
-    for args, stdin, message in faults:
+    for args, stdin, code, message in faults:
         done = cli(*args, stdin=stdin)
-        assert done.returncode == 1 and message in done.stderr and done.stdout == "", done
+        assert (done.returncode, done.stdout) == (code, "") and message in done.stderr, done
     assert cli("agent", "list", "--all").stdout == held  # no key made by any of them
     wrong_pin = tmp_path / "wrong"
     wrong_pin.write_text("nope\n")

@@ -81,12 +81,13 @@ def test_verify_and_show(tmp_path: Path) -> None:
     assert buzz("audit", "verify", str(state / "audit"), "--head", f"30:{'0' * 64}"
                 ).returncode == EXIT_BROKEN
 
-    # Faults are one line, no traceback.
-    for argv in (("audit", "verify", str(tmp_path / "nothing")),
-                 ("audit", "show", "--path", str(state / "audit"), "--since", "yesterday"),
-                 ("audit", "show", "--path", str(state / "audit"), "--agent", "xyz")):
+    # Faults are one line, no traceback: 1 for a path with no log, 2 for a malformed filter.
+    for argv, code in ((("audit", "verify", str(tmp_path / "nothing")), 1),
+                       (("audit", "show", "--path", str(state / "audit"), "--since",
+                         "yesterday"), 2),
+                       (("audit", "show", "--path", str(state / "audit"), "--agent", "xyz"), 2)):
         fault = buzz(*argv)
-        assert fault.returncode == 1
+        assert fault.returncode == code, (argv, fault.stderr)
         assert fault.stderr.count("\n") == 1 and "Traceback" not in fault.stderr
 
 
