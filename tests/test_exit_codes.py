@@ -2,7 +2,8 @@
 
 Every `EXIT_*` a command module defines has its row (under the command's name; the entry
 point's under "every command"), and every row names a code a constant defines, or one the
-entry point returns by rule (1 for a CliError, 130 for Ctrl-C)."""
+entry point returns by rule (1 for a CliError, 130 for Ctrl-C). `custodian` hands its
+words to the custodian's own entry point, whose modules (`CUSTODIAN`) define its codes."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ REPO = Path(__file__).resolve().parent.parent
 EVERY = "every command"
 #: Codes the entry point gives by rule rather than by a named constant.
 BY_RULE = {(EVERY, 0), (EVERY, 1), (EVERY, 130)}
+#: The custodian's command line (custody/custodian/main.py) and the module of the one
+#: form with a code of its own (`--verify-log`).
+CUSTODIAN = ("custody.custodian.main", "custody.custodian.verify")
 
 
 def _table() -> set[tuple[str, int]]:
@@ -37,6 +41,10 @@ def _constants() -> set[tuple[str, int]]:
     for command, (module_name, _help) in cli.COMMANDS.items():
         module = importlib.import_module(f"daemon.cli.{module_name}")
         found |= {(command, value) for name, value in vars(module).items()
+                  if name.startswith("EXIT_") and isinstance(value, int)}
+    for module_name in CUSTODIAN:
+        found |= {("custodian", value) for name, value in
+                  vars(importlib.import_module(module_name)).items()
                   if name.startswith("EXIT_") and isinstance(value, int)}
     return found
 

@@ -12,7 +12,8 @@ Parts, one job each:
 - `backup`: the backup row's file, to the custodian's own recipients and directory.
 - `server`: the socket, the peer-uid check, one handler per table row.
 - `config`, `main`: its own configuration file and entry point; `keys`: the KEK commands
-  run with it stopped, `recover`: `--recover` beside it (neither loaded by the serving process).
+  run with it stopped, `recover`: `--recover` beside it, `verify`: `--verify-log`, its log's
+  chain checked (none loaded by the serving process).
 - `client`: the pipeline's side, the only part the daemon imports (it never imports the
   PKCS#11 binding), with `records`, its snapshot of the public key records.
 The unseal door, the curve operations, NIP-44/NIP-AE and the token are `custody`'s

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import BinaryIO, Final
 
 __all__ = ["SignLog", "BrokenLog", "RateBound", "GENESIS", "chain_head", "failed_line",
-           "fault_name", "verify_chain"]
+           "fault_name"]
 
 log = logging.getLogger("buzz_broker.custodian")
 
@@ -260,25 +260,6 @@ def chain_head(path: Path) -> tuple[str, int]:
                     "again")
             return head, seq
     return GENESIS, 0
-
-
-def verify_chain(path: Path, start: str = GENESIS) -> int:
-    """Check every line's hash against the one before; the number of lines. ValueError
-    names the first line that breaks the chain."""
-    prev = start
-    count = 0
-    with open(path, "rb") as f:
-        for count, line in enumerate(f, 1):
-            try:  # a line that is no JSON object, or lacks a member, breaks it too
-                entry = json.loads(line)
-                claimed = entry.pop("hash")
-                whole = entry["prev"] == prev and _hashed(prev, entry)[1] == claimed
-            except (ValueError, TypeError, KeyError, AttributeError):
-                whole = False
-            if not whole:
-                raise ValueError(f"line {count} breaks the chain")
-            prev = claimed
-    return count
 
 
 class RateBound:

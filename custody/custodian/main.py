@@ -3,7 +3,8 @@
 `... FILE --recover PUBKEY` instead brings back a key destroyed within the grace period
 (custody/custodian/grace.py), beside a running custodian, under the custodian's uid, and exits
 (custody/custodian/recover.py, imported only then); `... FILE --forget-destroyed [PUBKEY ...]`
-drops the records of keys destroyed past it, or those named (custody/custodian/forget.py).
+drops the records of keys destroyed past it, or those named (custody/custodian/forget.py);
+`... FILE --verify-log` checks the signed log's chain, reading only (custody/custodian/verify.py).
 `... FILE keys init|rotate|migrate ...` runs a KEK command with the custodian stopped
 (custody/custodian/keys.py, imported only then: the serving process never loads either).
 
@@ -130,6 +131,10 @@ def _refuse_foreign_state(config: CustodianConfig) -> None:
 
 def main(argv: list[str]) -> int:
     args = [a for a in argv if a != "--config"]
+    if args[1:] == ["--verify-log"]:  # reads only, and needs no token: root may run it too
+        from custody.custodian import verify
+
+        return verify.main(args[0])
     work: Callable[[], Awaitable[None]]
     if len(args) == 3 and args[1] == "--recover":
         work = functools.partial(recover, args[0], args[2])
@@ -141,7 +146,8 @@ def main(argv: list[str]) -> int:
         work = functools.partial(run, args[0])
     else:
         print("usage: buzz-broker custodian FILE [--recover PUBKEY | --forget-destroyed "
-              "[PUBKEY ...] | keys init|rotate|migrate|restore ...]", file=sys.stderr)
+              "[PUBKEY ...] | --verify-log | keys init|rotate|migrate|restore ...]",
+              file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="custodian: %(message)s", stream=sys.stderr)
     try:

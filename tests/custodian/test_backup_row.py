@@ -27,7 +27,7 @@ import pytest
 from custody import TokenConfig, open_backup
 from custody.custodian.client import CustodianClient
 from custody.custodian.config import ConfigError, load
-from custody.custodian.ledger import verify_chain
+from custody.custodian.verify import verify_chain
 from daemon.state.directory import AgentDirectory
 from tests.adversarial._secrets import SecretScan, key_secret
 from tests.backup.test_backup import age_identity, key_event_bytes, key_events

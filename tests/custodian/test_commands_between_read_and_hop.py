@@ -37,7 +37,7 @@ from custody import Custody, TokenConfig, UnknownAgent
 from custody._keystore import Keystore
 from custody.custodian import messages
 from custody.custodian.forget import forget_destroyed
-from custody.custodian.ledger import verify_chain
+from custody.custodian.verify import verify_chain
 from custody.custodian.recover import revive_agent
 from custody.custodian.server import Custodian, Settings
 from tests.custodian.test_refusals import human

@@ -34,7 +34,7 @@ from custody.custodian import forget as command
 from custody.custodian.client import CustodianClient
 from custody.custodian.forget import MAX_NAMED
 from custody.custodian.grace import Graveyard
-from custody.custodian.ledger import verify_chain
+from custody.custodian.verify import verify_chain
 from tests.custodian.test_refusals import ask, human, intent
 from tests.fixtures.custodian import running_custodian
 

@@ -23,7 +23,7 @@ import pytest
 
 from buzzwire.nostr import verify_signed
 from custody import Custody, CustodyError, UnsignedEvent, init_kek
-from custody.custodian.ledger import verify_chain
+from custody.custodian.verify import verify_chain
 from tests.custody._sealing import HUMAN
 from tests.custody.test_rotation import keystore_meta, second_token  # noqa: F401 (a fixture)
 from tests.custody.test_rotation import token_objects

@@ -37,7 +37,7 @@ from tests.e2e.test_operations import (
 )
 from custody import KeyIndex
 from custody._keystore import KEYSTORE_FILE
-from custody.custodian.ledger import verify_chain
+from custody.custodian.verify import verify_chain
 from tests.fixtures.broker import BrokerHarness
 from tests.fixtures.custodian import CustodianProcess
 

@@ -35,7 +35,8 @@ from custody._keys import rotate_keys
 from custody.custodian import changes
 from custody.custodian import recover as command
 from custody.custodian.client import CustodianClient
-from custody.custodian.ledger import SignLog, verify_chain
+from custody.custodian.ledger import SignLog
+from custody.custodian.verify import verify_chain
 from tests.custodian.test_refusals import ask, held, human, intent
 from tests.custody._sealing import HUMAN
 from tests.fixtures.custodian import CustodianProcess

@@ -46,7 +46,7 @@ import trio
 from buzzwire.nostr import verify_signed
 from custody import Custody, TokenConfig, UnsignedEvent, export_backup
 from custody.custodian.client import CustodianClient
-from custody.custodian.ledger import verify_chain
+from custody.custodian.verify import verify_chain
 from daemon.state.key_events import KEY_EVENTS_DIRNAME
 from tests.adversarial._secrets import SecretScan, key_secret
 from tests.backup.test_backup import age_identity, key_event_bytes, key_events

@@ -28,7 +28,8 @@ import trio.testing
 from custody import TokenConfig
 from custody.custodian import server
 from custody.custodian.client import CALL_TIMEOUT, CustodianClient
-from custody.custodian.ledger import SignLog, verify_chain
+from custody.custodian.ledger import SignLog
+from custody.custodian.verify import verify_chain
 from custody.custodian.messages import BadMessage
 from custody.custodian.server import LOCK_POLL_SECONDS, LOCK_WAIT_SECONDS, Custodian, appended
 from tests.custodian.test_refusals import intent
