@@ -48,7 +48,8 @@ Rules:
   cannot write that log. Without `--names-out` the names stay in the backup, the agents
   are listed under their pubkey's first 12 hex digits until named, and only this
   custodian's log records the restore.
-- Prints public lines only; a fault is one line on stderr and exit 1 (main.py).
+- Prints public lines only; a fault is one line on stderr and exit 1, words it does not
+  take its usage line and exit 2, before FILE is read (`parse`, main.py).
 """
 
 from __future__ import annotations
@@ -70,11 +71,12 @@ from custody.custodian.changes import append, logged_change, open_log
 from custody.custodian.config import ConfigError, CustodianConfig, load
 from custody.custodian.grace import Graveyard
 from custody.custodian.ledger import failed_line
+from custody.custodian.main import UsageError
 
 if TYPE_CHECKING:  # imported by `restore` alone, when it runs
     from custody._restore import BackupContents, RestoreResult
 
-__all__ = ["USAGE", "run"]
+__all__ = ["USAGE", "parse", "run"]
 
 USAGE = ("keys init | keys rotate [--new-kek-label LABEL] [--abandon-destroyed] | "
          "keys migrate --to-config FILE2 [--new-kek-label LABEL] [--abandon-destroyed] | "
@@ -92,8 +94,15 @@ _FLAGS = {"rotate": ("--abandon-destroyed",), "migrate": ("--abandon-destroyed",
 _YES = frozenset({"y", "yes"})
 
 
+def parse(words: list[str]) -> tuple[str, dict[str, str]]:
+    """The subcommand `words` name and its options (BACKUP and each flag's too, flags as
+    ""). Raises UsageError: words it does not take, a required option missing."""
+    command = words[0] if words else ""
+    return command, _options(command, words[1:])
+
+
 def _options(command: str, words: list[str]) -> dict[str, str]:
-    usage = ConfigError(f"usage: buzz-broker custodian FILE {USAGE}")
+    usage = UsageError(f"usage: buzz-broker custodian FILE {USAGE}")
     if command not in _OPTIONS:
         raise usage
     flags = [w for w in words if w in _FLAGS.get(command, ())]
@@ -116,9 +125,9 @@ def _options(command: str, words: list[str]) -> dict[str, str]:
 
 
 async def run(config: CustodianConfig, words: list[str]) -> None:
-    """Run `keys WORDS...` for `config`. Raises ConfigError (usage, FILE2) or CustodyError."""
-    command = words[0] if words else ""
-    options = _options(command, words[1:])
+    """Run `keys WORDS...` for `config`. Raises UsageError, ConfigError (FILE2) or
+    CustodyError."""
+    command, options = parse(words)
     if command == "restore":
         await _restore(config, options)
         return

@@ -7,6 +7,7 @@ drops the records of keys destroyed past it, or those named (custody/custodian/f
 `... FILE --verify-log` checks the signed log's chain, reading only (custody/custodian/verify.py).
 `... FILE keys init|rotate|migrate ...` runs a KEK command with the custodian stopped
 (custody/custodian/keys.py, imported only then: the serving process never loads either).
+Words none of these forms take are the usage line on stderr and exit 2, before FILE is read.
 
 Opens custody (token login, KEK check, keystore), then serves the message table until
 SIGTERM/SIGINT (SIGHUP: one line, no reload), on the socket systemd passed
@@ -35,7 +36,16 @@ from custody.custodian.config import ConfigError, CustodianConfig, load
 from custody.custodian.ledger import BrokenLog, chain_head
 from custody.custodian.server import Custodian, refuse_if_served, serve
 
-__all__ = ["main", "run"]
+__all__ = ["EXIT_USAGE", "USAGE", "UsageError", "main", "run"]
+
+#: Exit status of a command line none of the forms takes (docs/operations.md).
+EXIT_USAGE = 2
+USAGE = ("usage: buzz-broker custodian FILE [--recover PUBKEY | --forget-destroyed [PUBKEY ...] "
+         "| --verify-log | keys init|rotate|migrate|restore ...]")
+
+
+class UsageError(Exception):
+    """Words none of the command's forms take: its usage line (keys.py raises it too)."""
 
 
 async def run(config_path: str) -> None:
@@ -129,26 +139,33 @@ def _refuse_foreign_state(config: CustodianConfig) -> None:
                 f"-- buzz-broker custodian FILE ARGUMENTS)")
 
 
+def _work(args: list[str]) -> Callable[[], Awaitable[None]]:
+    """The form `args` name, to run once FILE is read. Raises UsageError."""
+    if len(args) == 3 and args[1] == "--recover":
+        return functools.partial(recover, args[0], args[2])
+    if len(args) >= 2 and args[1] == "--forget-destroyed":
+        return functools.partial(forget, args[0], args[2:])
+    if len(args) >= 2 and args[1] == "keys":
+        from custody.custodian.keys import parse
+
+        parse(args[2:])
+        return functools.partial(keys, args[0], args[2:])
+    if len(args) == 1:
+        return functools.partial(run, args[0])
+    raise UsageError(USAGE)
+
+
 def main(argv: list[str]) -> int:
     args = [a for a in argv if a != "--config"]
     if args[1:] == ["--verify-log"]:  # reads only, and needs no token: root may run it too
         from custody.custodian import verify
 
         return verify.main(args[0])
-    work: Callable[[], Awaitable[None]]
-    if len(args) == 3 and args[1] == "--recover":
-        work = functools.partial(recover, args[0], args[2])
-    elif len(args) >= 2 and args[1] == "--forget-destroyed":
-        work = functools.partial(forget, args[0], args[2:])
-    elif len(args) >= 2 and args[1] == "keys":
-        work = functools.partial(keys, args[0], args[2:])
-    elif len(args) == 1:
-        work = functools.partial(run, args[0])
-    else:
-        print("usage: buzz-broker custodian FILE [--recover PUBKEY | --forget-destroyed "
-              "[PUBKEY ...] | --verify-log | keys init|rotate|migrate|restore ...]",
-              file=sys.stderr)
-        return 2
+    try:
+        work = _work(args)
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_USAGE
     logging.basicConfig(level=logging.INFO, format="custodian: %(message)s", stream=sys.stderr)
     try:
         refuse_foreign_state(load(args[0]))  # before any command writes, serving too

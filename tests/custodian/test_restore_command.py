@@ -457,7 +457,7 @@ def test_restore_usage_lines(tmp_path: Path) -> None:
                   ("restore", "--identity", "id", "--identity", "id2", "b.age"),
                   ("restore", "--identity", "id", "--out", "x", "b.age")):
         done = _keys(config, *words)
-        assert done.returncode == 1 and "usage" in done.stderr, (words, done.stderr)
+        assert done.returncode == 2 and "usage" in done.stderr, (words, done.stderr)
 
 
 def test_the_options_each_refusal_names_are_the_custodians_own() -> None:

@@ -1,0 +1,49 @@
+"""The custodian's command line: words none of its forms take are a usage error, exit 2
+(docs/operations.md, "Exit codes: every command"), its usage line on stderr, said before
+FILE is read, from both entry points (`buzz-broker custodian` and `python -m
+custody.custodian`). Before, a mistake inside `keys` (a misspelt option, a missing
+subcommand or BACKUP) exited 1, as a fault does, and only once FILE had been read.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from custody.custodian.keys import USAGE as KEYS_USAGE
+from custody.custodian.main import EXIT_USAGE, USAGE
+
+REPO = Path(__file__).resolve().parents[2]
+ENTRY_POINTS = {"buzz-broker custodian": ["daemon.cli", "custodian"],
+                "python -m custody.custodian": ["custody.custodian"]}
+#: Words after FILE -> the usage line said.
+MISTAKES: dict[tuple[str, ...], str] = {
+    ("--bogus",): USAGE,
+    ("--verify-log", "extra"): USAGE,
+    ("--recover", "a" * 64, "extra"): USAGE,
+    ("serve",): USAGE,
+    ("keys",): f"usage: buzz-broker custodian FILE {KEYS_USAGE}",
+    ("keys", "spin"): f"usage: buzz-broker custodian FILE {KEYS_USAGE}",
+    ("keys", "rotate", "--new-kek-labl", "foo"): f"usage: buzz-broker custodian FILE {KEYS_USAGE}",
+    ("keys", "init", "--yes"): f"usage: buzz-broker custodian FILE {KEYS_USAGE}",
+    ("keys", "migrate"): f"usage: buzz-broker custodian FILE {KEYS_USAGE}",
+    ("keys", "restore", "--identity", "id"): f"usage: buzz-broker custodian FILE {KEYS_USAGE}",
+}
+
+
+@pytest.mark.token_independent
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("words", MISTAKES, ids=" ".join)
+def test_a_mistake_is_its_usage_line_and_exit_2_before_file_is_read(
+        tmp_path: Path, entry: str, words: tuple[str, ...]) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "CREDENTIALS_DIRECTORY"}
+    missing = tmp_path / "no-such-custodian.toml"  # never read: the words are wrong first
+    done = subprocess.run([sys.executable, "-m", *ENTRY_POINTS[entry], str(missing), *words],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (EXIT_USAGE, ""), (done.returncode, done.stderr)
+    assert done.stderr == f"{MISTAKES[words]}\n", done.stderr
+    assert list(tmp_path.iterdir()) == []
