@@ -358,9 +358,11 @@ class Custodian:
         return [None if p is None else messages.b64(p) for p in opened]
 
     async def backup(self, args: Mapping[str, Any]) -> object:
-        # Recipients and directory are this process's configuration only: not in the row.
+        # Recipients and directory are this process's configuration only (read at start,
+        # never again: a file changed since is not what it runs): not in the row.
         if self.settings.backup_dir is None or not self.settings.backup_recipients:
-            raise Refused("no backup is configured for the custodian ([backup] in its file)")
+            raise Refused("no backup is configured in the running custodian: it reads [backup] "
+                          "from its file at start only; restart it after adding [backup]")
         async with self._backup_lock:
             written = await write_backup(
                 self.custody, self.settings.backup_dir, self.settings.backup_recipients,

@@ -145,6 +145,43 @@ async def test_keys_backup_asks_the_custodian_and_the_file_restores(
     assert not leaks, leaks
 
 
+async def test_backup_added_to_a_running_custodians_file_is_refused_until_it_restarts(
+        custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path,
+        identity: tuple[Path, str]) -> None:
+    """The custodian reads its file at start only. An operator who adds `[backup]` to the
+    file of a custodian that runs is told it is the running custodian's configuration
+    that has none, and to restart it (docs/install.md, "Back up"); restarted, it backs
+    up. (A runbook walk: the refusal said to put `[backup]` in its file, which held it.)"""
+    token, state_dir = custody_state
+    pipeline_state = tmp_path / "pipeline-state"
+    pipeline_state.mkdir(mode=0o700)
+    with running_custodian(custody_state, local_relay, tmp_path) as process:
+        client = CustodianClient(process.socket)
+        agent = (await client.mint_agent(owner=human())).pubkey
+        await client.aclose()
+        config = write_config(tmp_path / "broker.toml", token=token, state_dir=pipeline_state,
+                              socket=tmp_path / "b.sock", relay_url=local_relay,
+                              sections={"custody": {"custodian_socket": str(process.socket)}})
+        write_custodian_config(process.config, token=token, state_dir=state_dir,
+                               socket=process.socket, relay_url=local_relay,
+                               backup={"recipients": [identity[1]],
+                                       "dir": str(tmp_path / "backups")})
+        assert "[backup]" in process.config.read_text()
+        refused = _cli(config, "keys", "backup")
+        assert refused.returncode == 1, refused.stderr
+        assert refused.stderr.splitlines()[-1] == (
+            "buzz-broker: custodian: no backup is configured in the running custodian: it "
+            "reads [backup] from its file at start only; restart it after adding [backup]")
+        assert not (tmp_path / "backups").exists()
+        process.start()  # the restart (systemctl restart buzz-custodian.service)
+        done = _cli(config, "keys", "backup")
+        assert done.returncode == 0, done.stderr
+        [written] = (tmp_path / "backups").iterdir()
+        assert f"backed up 1 agents to {written}" in done.stdout
+        with open_backup(written.read_bytes(), bytearray(identity[0].read_bytes())) as contents:
+            assert {r.pubkey for r in contents.records} == {agent}
+
+
 @pytest.mark.parametrize("table, fault", [
     ('[backup]\nrecipients = ["age1notakey"]\ndir = "b"\n', "is not an age X25519 recipient"),
     ('[backup]\nrecipients = []\ndir = "b"\n', "needs dir and 1 to 64 recipients"),
