@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,8 +52,19 @@ async def test_init_then_rotate_from_the_custodians_file(
                                     socket=tmp_path / "c.sock", relay_url="ws://127.0.0.1:1")
     first = _keys(config, "init")
     assert first.returncode == 0, first.stderr
+    # What docs/install.md ("Seal and KEK") shows: one line on stdout, and one on stderr
+    # per key created (the daemon's `keys init` lines are not the custodian's).
+    made = [token.kek_label] + [f"{token.kek_label}-mac"] * ("seal etm;" in first.stdout)
+    said = re.escape(f"custodian: KEK {token.kek_label!r} in token {token.token_label!r}, ")
+    assert re.fullmatch(rf"{said}seal (gcm|etm); keys created: {re.escape(', '.join(made))}\n",
+                        first.stdout), first.stdout
+    assert [line for line in first.stderr.splitlines() if "created key" in line] == [
+        f"custodian: created key {label!r} in token {token.token_label!r}" for label in made]
     again = _keys(config, "init")
-    assert again.returncode == 0 and "present and checked" in again.stdout, again.stdout
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == (f"custodian: KEK {token.kek_label!r} in token "
+                            f"{token.token_label!r}, seal {first.stdout.split('seal ')[1][:3]}; "
+                            "keys created: none (present and checked)\n"), again.stdout
     async with await Custody.open(token, state) as custody:
         agent = (await custody.import_agent(bytearray(SECRET.encode()), owner=HUMAN)).pubkey
 
