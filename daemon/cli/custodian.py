@@ -28,10 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or, given PUBKEY ... after it, exactly those destroyed keys at "
                              "once, with their grace copies (none that a kept record names "
                              "as owner), and exit")
-    parser.add_argument("words", nargs=argparse.REMAINDER, metavar="keys ...",
-                        help="the KEK commands and restoring a backup, with the custodian "
-                             "stopped, under its uid: `buzz-broker custodian FILE keys --help` "
-                             "lists them (docs/custodian.md)")
+    words = parser.add_argument(
+        "words", nargs=argparse.REMAINDER, metavar="keys ... | --verify-log",
+        help="the KEK commands and restoring a backup, with the custodian stopped, under its "
+             "uid: `buzz-broker custodian FILE keys --help` lists them (docs/custodian.md); "
+             "or --verify-log, the signed log's chain checked")
+    # argparse counts a REMAINDER positional as required, so without FILE its line named
+    # `keys ...` required too: none of these words is (`custodian FILE` serves).
+    words.required = False
 
 
 def _usage() -> str:
@@ -39,7 +43,7 @@ def _usage() -> str:
     options."""
     from custody.custodian.keys import USAGE
 
-    forms = ["", " --recover PUBKEY", " --forget-destroyed [PUBKEY ...]",
+    forms = ["", " --recover PUBKEY", " --forget-destroyed [PUBKEY ...]", " --verify-log",
              *(f" {form}" for form in USAGE.split(" | "))]
     return "\n".join(f"{'usage:' if i == 0 else '      '} buzz-broker custodian FILE{form}"
                      for i, form in enumerate(forms))

@@ -47,3 +47,14 @@ def test_a_mistake_is_its_usage_line_and_exit_2_before_file_is_read(
     assert (done.returncode, done.stdout) == (EXIT_USAGE, ""), (done.returncode, done.stderr)
     assert done.stderr == f"{MISTAKES[words]}\n", done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.token_independent
+def test_no_file_is_argparse_line_naming_file_alone() -> None:
+    """`buzz-broker custodian` with nothing after it: FILE is what is missing, not the
+    words after it (which `custodian FILE` does without: it serves)."""
+    done = subprocess.run([sys.executable, "-m", "daemon.cli", "custodian"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == EXIT_USAGE, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        "buzz-broker custodian: error: the following arguments are required: FILE")
