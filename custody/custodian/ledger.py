@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import BinaryIO, Final
 
 __all__ = ["SignLog", "BrokenLog", "RateBound", "GENESIS", "chain_head", "failed_line",
-           "fault_name"]
+           "fault_name", "hashed_line"]
 
 log = logging.getLogger("buzz_broker.custodian")
 
@@ -71,7 +71,9 @@ def failed_line(intent: int, exc: BaseException) -> dict[str, object]:
     return {"op": "failed", "intent": intent, "fault": fault_name(exc)}
 
 
-def _hashed(prev: str, entry: dict[str, object]) -> tuple[str, str]:
+def hashed_line(prev: str, entry: dict[str, object]) -> tuple[str, str]:
+    """The line's text without `hash`, and its hash chained to `prev` (the writer's and
+    `--verify-log`'s one rule: custody/custodian/verify.py)."""
     body = json.dumps(entry, separators=(",", ":"), sort_keys=True)
     return body, hashlib.sha256(bytes.fromhex(prev) + body.encode("utf-8")).hexdigest()
 
@@ -166,7 +168,7 @@ class SignLog:
         head, seq, lines = self.head, self.seq, []
         for entry in entries:
             seq += 1
-            body, head = _hashed(head, {"seq": seq, "prev": head, **entry})
+            body, head = hashed_line(head, {"seq": seq, "prev": head, **entry})
             lines.append(f'{body[:-1]},"hash":"{head}"}}\n')  # one encoding, not two
         data = memoryview("".join(lines).encode("utf-8"))
         start = file.seek(0, os.SEEK_END)

@@ -8,7 +8,7 @@ way, and calls every line of this log edited. main.py imports this module for
 
 What is checked: the one older file a move keeps (`signed.jsonl.1`, ledger.py `max_bytes`),
 if any, then `signed.jsonl`, as one chain. Each line must be a JSON object whose `hash` is
-SHA-256(prev || the line without `hash`) (ledger.py `_hashed`, the writer's own), whose
+SHA-256(prev || the line without `hash`) (ledger.py `hashed_line`, the writer's own), whose
 `prev` is the hash of the line before it and whose `seq` is one more than that line's. The
 first line read chains to GENESIS when its `seq` is 1; a later one's `prev` is taken as
 given, since the files before it were replaced by moves. What this cannot show (there is
@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import BinaryIO, Final
 
 from custody.custodian.config import ConfigError, load
-from custody.custodian.ledger import GENESIS, _hashed
+from custody.custodian.ledger import GENESIS, hashed_line
 
 __all__ = ["EXIT_BROKEN", "Broken", "Checked", "check_log", "main", "verify_chain"]
 
@@ -95,7 +95,7 @@ def _why(line: bytes, at: _Head) -> tuple[str | None, _Head]:
     try:  # a line that is no JSON object, or lacks a member, breaks it too
         entry = json.loads(line)
         claimed, prev, seq = entry.pop("hash"), entry["prev"], entry["seq"]
-        own = _hashed(prev, entry)[1]
+        own = hashed_line(prev, entry)[1]
     except (ValueError, TypeError, KeyError, AttributeError):
         return _NOT_A_LINE, at
     if type(seq) is not int or not isinstance(claimed, str):

@@ -234,7 +234,7 @@ async def test_an_effect_whose_line_fails_is_owed_and_refuses_more_until_written
 
     import time
 
-    from custody.custodian.ledger import SignLog, _hashed
+    from custody.custodian.ledger import SignLog, hashed_line
     from tests.custodian.test_refusals import ask, human
 
     client = await CustodianClient.open(custodian.socket)
@@ -254,7 +254,7 @@ async def test_an_effect_whose_line_fails_is_owed_and_refuses_more_until_written
 
     def room_for_intent(agent: str) -> None:  # the file-size limit: the intent's line fits
         last = json.loads(log.read_text().splitlines()[-1])
-        body, _ = _hashed(last["hash"], {"seq": last["seq"] + 1, "prev": last["hash"],
+        body, _ = hashed_line(last["hash"], {"seq": last["seq"] + 1, "prev": last["hash"],
                                          "at": int(time.time()), "op": "intent",
                                          "for": "destroy", "agent": agent})
         room = log.stat().st_size + len(body) + len(',"hash":""\n') + 64
@@ -490,10 +490,10 @@ def test_a_writer_opening_while_another_writes_cuts_no_line_of_it(tmp_path: Path
     import fcntl
     import time
 
-    from custody.custodian.ledger import GENESIS, _hashed
+    from custody.custodian.ledger import GENESIS, hashed_line
 
     path = tmp_path / "signed.jsonl"
-    body, digest = _hashed(GENESIS, {"seq": 1, "prev": GENESIS, "at": 1_700_000_000,
+    body, digest = hashed_line(GENESIS, {"seq": 1, "prev": GENESIS, "at": 1_700_000_000,
                                      "op": "sign", "agent": "a" * 64, "kind": 9,
                                      "id": "1" * 64})
     line = f'{body[:-1]},"hash":"{digest}"}}\n'.encode()
@@ -670,9 +670,9 @@ def test_a_log_moved_by_another_writer_is_read_again_even_at_the_size_this_write
 
 def _torn(path: Path) -> bytes:
     """One whole line of this log, then the start of another (a crash mid-write)."""
-    from custody.custodian.ledger import GENESIS, _hashed
+    from custody.custodian.ledger import GENESIS, hashed_line
 
-    body, digest = _hashed(GENESIS, {"seq": 1, "prev": GENESIS, "at": 1_700_000_000,
+    body, digest = hashed_line(GENESIS, {"seq": 1, "prev": GENESIS, "at": 1_700_000_000,
                                      "op": "sign", "agent": "a" * 64, "kind": 9,
                                      "id": "1" * 64})
     whole = f'{body[:-1]},"hash":"{digest}"}}\n'.encode()

@@ -30,7 +30,7 @@ import pytest
 
 from custody import TokenConfig
 from custody.custodian.client import CustodianClient
-from custody.custodian.ledger import GENESIS, SignLog, _hashed
+from custody.custodian.ledger import GENESIS, SignLog, hashed_line
 from custody.custodian.verify import EXIT_BROKEN, BrokenAt, check_log
 from tests.custodian.test_refusals import ask, held, human, intent
 from tests.fixtures.custodian import CustodianProcess, running_custodian, write_custodian_config
@@ -186,11 +186,11 @@ def test_no_log_directory_is_one_line(tmp_path: Path, entry: str) -> None:
 
 
 def _lines(seqs: list[int], prev: str = GENESIS) -> str:
-    """Lines as SignLog writes them (ledger.py `_hashed`, `hash` last), numbered `seqs`,
+    """Lines as SignLog writes them (ledger.py `hashed_line`, `hash` last), numbered `seqs`,
     the first chained to `prev`: each whole, whatever its numbering."""
     out = []
     for seq in seqs:
-        body, prev = _hashed(prev, {"seq": seq, "prev": prev, "at": 1_700_000_000,
+        body, prev = hashed_line(prev, {"seq": seq, "prev": prev, "at": 1_700_000_000,
                                     "op": "sign", "agent": "a" * 64, "kind": 9})
         out.append(f'{body[:-1]},"hash":"{prev}"}}\n')
     return "".join(out)
