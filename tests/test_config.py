@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import threading
 from pathlib import Path
 from typing import get_type_hints
@@ -983,3 +984,60 @@ def test_check_config_does_not_call_a_dangling_link_or_an_unreadable_path_missin
 
     monkeypatch.setattr(check_config.os, "lstat", lstat)
     assert MISSING not in _pin_line(tmp_path, hidden, capsys)
+
+
+@pytest.mark.parametrize("inflight, loads", [(4096, True), (4095, False)])
+def test_inflight_budget_of_exactly_one_body_loads_and_one_byte_less_does_not(
+        tmp_path: Path, inflight: int, loads: bool) -> None:
+    path = write(tmp_path, f"[server]\nmax_body_bytes = 4096\nmax_inflight_bytes = {inflight}\n")
+    if loads:
+        assert load_config(path, environ={}).server.max_inflight_bytes == inflight
+    else:
+        with pytest.raises(ConfigError, match=r"\[server\] max_inflight_bytes"):
+            load_config(path, environ={})
+
+
+@pytest.mark.parametrize("share, loads", [(100000, True), (100001, False)])
+def test_an_observer_share_of_the_whole_total_loads_and_one_byte_more_does_not(
+        tmp_path: Path, share: int, loads: bool) -> None:
+    path = write(tmp_path, "[observer]\nmax_queued_bytes = 100000\n"
+                           f"max_queued_bytes_per_credential = {share}\n")
+    if loads:
+        assert load_config(path, environ={}).observer.max_queued_bytes_per_credential == share
+    else:
+        with pytest.raises(ConfigError, match="max_queued_bytes_per_credential"):
+            load_config(path, environ={})
+
+
+@pytest.mark.parametrize("port, loads", [(65535, True), (65536, False)])
+def test_listen_tcp_takes_the_last_port_and_refuses_one_past_it(
+        tmp_path: Path, port: int, loads: bool) -> None:
+    path = write(tmp_path, f'[server]\nlisten_tcp = ["127.0.0.1:{port}"]\n'
+                           "tcp_allow_uids = [1000]\n")
+    if loads:
+        assert load_config(path, environ={}).server.listen_tcp == (("127.0.0.1", port),)
+    else:
+        with pytest.raises(ConfigError, match=r"\[server\] listen_tcp"):
+            load_config(path, environ={})
+
+
+def test_a_pin_credential_that_is_a_dangling_link_is_still_the_credential(
+        tmp_path: Path) -> None:
+    """The unit's credential wins whenever it is there (daemon/config.py, "The token PIN"):
+    one that cannot be read is not silently replaced by [pkcs11] pin_file."""
+    credentials = tmp_path / "credentials"
+    credentials.mkdir()
+    (credentials / "token-pin").symlink_to(tmp_path / "gone")
+    path = write(tmp_path, f'[pkcs11]\npin_file = "{tmp_path / "pin"}"\n')
+    config = load_config(path, environ={"CREDENTIALS_DIRECTORY": str(credentials)})
+    assert (config.pkcs11.pin_file, config.pkcs11.pin_origin) == (
+        str(credentials / "token-pin"), "systemd credential")
+
+
+@pytest.mark.parametrize("section, key", [("pkcs11", "token_label"), ("pkcs11", "kek_label"),
+                                          ("state", "dir"), ("pkcs11", "module")])
+def test_a_nul_in_a_text_value_is_one_line_naming_the_key(
+        tmp_path: Path, section: str, key: str) -> None:
+    path = write(tmp_path, f'[{section}]\n{key} = "a\\u0000b"\n')
+    with pytest.raises(ConfigError, match=re.escape(f"[{section}] {key}")):
+        load_config(path, environ={})

@@ -435,3 +435,72 @@ async def test_a_backup_with_the_daemon_up_is_recorded_and_both_logs_verify(
     assert "audit log: ok " in checked.stdout and "key-event log: ok 2 records" in checked.stdout
     done = events_of(state)[-1]
     assert (done["stage"], done["pubkeys"]) == ("done", [agent.agent])
+
+
+@pytest.mark.token_independent
+def test_an_outcome_the_disk_refused_once_is_never_followed_by_a_failed_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`done` was called: the command did what it did. If its DONE line cannot be written,
+    the command fails saying so, and no FAILED line is written after it (the log would
+    say a finished rotation failed): the intent without an outcome is the one to look at."""
+    state = tmp_path / "state"
+    write = key_events.write
+    refused: list[str] = []
+
+    def done_refused_once(where: Path, events: object, **kwargs: object) -> object:
+        stages = [e.stage for e in events]  # type: ignore[attr-defined]
+        if KeyStage.DONE in stages and not refused:
+            refused.append("done")
+            raise AuditUnavailable("EIO key-events", busy=False)
+        return write(where, events, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(key_events, "write", done_refused_once)
+    with pytest.raises(CliError, match="cannot write the key-event log"):
+        with recorded(state, KeyAction.BACKUP, recipients=(RECIPIENT,)) as trail:
+            trail.done(agents=1)
+    assert refused == ["done"]
+    assert [e["stage"] for e in events_of(state)] == ["intent"]
+
+
+@pytest.mark.token_independent
+@pytest.mark.parametrize("raised", [KeyboardInterrupt(), RuntimeError("a-secret-in-the-text")])
+def test_a_command_stopped_by_anything_else_writes_failed_naming_only_the_type(
+        tmp_path: Path, raised: BaseException) -> None:
+    """^C, or an exception nothing named, leaving the block: a FAILED line still follows
+    the intent, its fault the exception's type name only (its text could carry a secret)."""
+    state = tmp_path / "state"
+    with pytest.raises(type(raised)):
+        with recorded(state, KeyAction.BACKUP, recipients=(RECIPIENT,)):
+            raise raised
+    intent, failed = events_of(state)
+    assert (intent["stage"], failed["stage"]) == ("intent", "failed")
+    assert failed["fault"] == f"stopped by {type(raised).__name__}"
+    assert b"a-secret-in-the-text" not in key_event_bytes(state)
+
+
+@pytest.mark.token_independent
+def test_a_fault_longer_than_a_key_event_holds_is_recorded_clipped(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with pytest.raises(CliError, match="^x{5000}$"):
+        with recorded(state, KeyAction.BACKUP, recipients=(RECIPIENT,)):
+            raise CliError("x" * 5000)
+    intent, failed = events_of(state)
+    assert failed["stage"] == "failed"
+    assert failed["fault"].startswith("xxx") and failed["fault"].endswith("…")
+
+
+@pytest.mark.token_independent
+def test_a_failure_that_cannot_be_recorded_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = tmp_path / "state"
+    write = key_events.write
+
+    def failed_refused(where: Path, events: object, **kwargs: object) -> object:
+        if any(e.stage is KeyStage.FAILED for e in events):  # type: ignore[attr-defined]
+            raise AuditUnavailable("EIO key-events")
+        return write(where, events, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(key_events, "write", failed_refused)
+    with pytest.raises(CliError, match="^the token said no; and its failure was not recorded"):
+        with recorded(state, KeyAction.BACKUP, recipients=(RECIPIENT,)):
+            raise CliError("the token said no")

@@ -221,3 +221,71 @@ def test_ctrl_c_during_the_name_write_leaves_no_key_whose_pubkey_was_not_printed
     listed = _run("--config", str(config), "agent", "list", "--json")
     held = [json.loads(line)["pubkey"] for line in listed.stdout.splitlines()]
     assert len(held) == 1 and printed == held
+
+
+def test_ctrl_c_during_an_imports_name_write_leaves_no_key_whose_pubkey_was_not_printed(
+    tmp_path: Path, custody_state: tuple[TokenConfig, Path],
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # `agent import --name` as `agent create --name` above: the key is sealed, its pubkey
+    # printed, then the name written; a Ctrl-C in that write leaves a key the operator saw.
+    from daemon.cli import main
+    from daemon.state.directory import AgentDirectory
+
+    token, state = custody_state
+    config = write_config(tmp_path / "broker.toml", token=token, state_dir=state,
+                          socket=tmp_path / "b.sock", relay_url="ws://127.0.0.1:1")
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET_1 + "\n")
+    with secret.open() as stdin:  # the secret on stdin, as an operator pipes it
+        monkeypatch.setattr(sys, "stdin", stdin)
+        monkeypatch.setattr(AgentDirectory, "enroll", interrupted)
+        code = main(["--config", str(config), "agent", "import", "--owner", PUB_2,
+                     "--name", "x"])
+    assert code == 130
+    printed = capsys.readouterr().out.split()
+    monkeypatch.undo()
+    listed = _run("--config", str(config), "agent", "list", "--json")
+    held = [json.loads(line)["pubkey"] for line in listed.stdout.splitlines()]
+    assert len(held) == 1 and printed == held
+
+
+def test_a_names_file_past_its_bound_is_refused_not_read_in_part(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # `agent import-names` reads at most MAX_NAMES_BYTES + 1 bytes: a longer file is
+    # refused whole, never cut at the bound and its first lines taken (here the cut falls
+    # on a line's end, so what was read parses).
+    from daemon.cli import agent, main
+
+    header = json.dumps({"restore": {"file": "agents.age", "sha256": "0" * 64}}) + "\n"
+    entry = json.dumps({"pubkey": PUB_2, "name": "x", "creator": PUB_2,
+                        "restored": True}) + "\n"
+    names = tmp_path / "names"
+    names.write_text(header + entry + entry.replace('"x"', '"y"'))
+    monkeypatch.setattr(agent, "MAX_NAMES_BYTES", len(header + entry) - 1)
+    config = _minimal_config(tmp_path, tmp_path / "state")
+    with names.open() as stdin:
+        monkeypatch.setattr(sys, "stdin", stdin)
+        code = main(["--config", str(config), "agent", "import-names"])
+    assert code == 1
+    assert "the names file is larger than" in capsys.readouterr().err
+    assert not (tmp_path / "state" / "key-events").exists()  # nothing recorded
+
+
+def test_remove_reads_one_short_line_of_any_stdin(tmp_path: Path) -> None:
+    # "One short line is all that is read: stdin may be anything" (agent.py `_confirmed`):
+    # an endless stdin with no newline is refused at once, not read into memory (the run
+    # is capped at 2 GB of address space so an unbounded read fails fast, not the host).
+    config = _minimal_config(tmp_path, tmp_path / "state")
+    with open("/dev/zero", "rb") as zeros:
+        done = subprocess.run(
+            ["prlimit", "--as=2000000000", "--", sys.executable, "-m", "daemon.cli",
+             "--config", str(config), "agent", "remove", PUB_2],
+            cwd=REPO, env=_env(), capture_output=True, text=True, stdin=zeros, timeout=60)
+    assert done.returncode == 1 and "not confirmed; nothing removed" in done.stderr, (
+        done.returncode, done.stderr[-300:])

@@ -5,13 +5,15 @@ the token is opened."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
+import pyrage
 import pytest
 
 from custody import TokenConfig
-from custody.custodian.config import ConfigError, load
+from custody.custodian.config import MAX_RECIPIENTS, ConfigError, load
 from custody.custodian.messages import MAX_FRAME
 from custody.custodian.server import MAX_RECORDS
 from tests.fixtures.custodian import write_custodian_config
@@ -124,3 +126,81 @@ def test_a_relative_module_path_is_resolved_against_the_files_directory(
     assert load(str(path)).token.module == str(tmp_path / "lib" / "libsofthsm2.so")
     path.write_text(re.sub(r'module = "[^"]*"', 'module = "libsofthsm2.so"', text))
     assert load(str(path)).token.module == "libsofthsm2.so"
+
+
+@pytest.mark.token_independent
+@pytest.mark.parametrize("table, key", [("custodian", "relay_url"), ("custodian", "socket"),
+                                        ("custodian", "state_dir"), ("pkcs11", "module"),
+                                        ("pkcs11", "token_label")])
+def test_a_required_key_left_out_is_a_config_error_naming_it(
+        tmp_path: Path, table: str, key: str) -> None:
+    path = _config(tmp_path, "")
+    path.write_text("".join(line + "\n" for line in path.read_text().splitlines()
+                            if not line.startswith(f"{key} = ")))
+    with pytest.raises(ConfigError, match=re.escape(f"[{table}] {key} is required")):
+        load(str(path))
+
+
+@pytest.mark.token_independent
+@pytest.mark.parametrize("name", ["custodian", "pkcs11", "backup"])
+def test_a_known_table_name_given_a_value_is_a_config_error(tmp_path: Path, name: str) -> None:
+    """`custodian = 1` (a value where the table goes) is one line naming it, not a
+    traceback from reading it as a table."""
+    path = _config(tmp_path, "")
+    path.write_text(f"{name} = 1\n" + _without_table(path.read_text(), name))
+    with pytest.raises(ConfigError, match=re.escape(f"unknown table [{name}]")):
+        load(str(path))
+
+
+def _without_table(text: str, name: str) -> str:
+    out, skipping = [], False
+    for line in text.splitlines():
+        if line.startswith("["):
+            skipping = line == f"[{name}]"
+        if not skipping:
+            out.append(line + "\n")
+    return "".join(out)
+
+
+@pytest.mark.token_independent
+def test_a_socket_path_one_byte_past_sockaddr_un_is_refused_at_load(tmp_path: Path) -> None:
+    """107 bytes and a NUL is all sun_path holds: 108 is refused here, before the token."""
+    for size, loads in ((107, True), (108, False)):
+        socket = tmp_path / ("s" * (size - len(os.fsencode(tmp_path / "s")) + 1))
+        assert len(os.fsencode(socket)) == size
+        path = write_custodian_config(tmp_path / "c.toml", token=TokenConfig("m", "t", None),
+                                      state_dir=tmp_path, socket=socket, relay_url="wss://r")
+        if loads:
+            assert load(str(path)).settings.socket == socket
+        else:
+            with pytest.raises(ConfigError, match="longer than 107 bytes"):
+                load(str(path))
+
+
+@pytest.mark.token_independent
+def test_at_most_max_recipients_recipients(tmp_path: Path) -> None:
+    many = [str(pyrage.x25519.Identity.generate().to_public())
+            for _ in range(MAX_RECIPIENTS + 1)]
+    for count, loads in ((MAX_RECIPIENTS, True), (MAX_RECIPIENTS + 1, False)):
+        path = _config(tmp_path, "")
+        path.write_text(path.read_text() + "[backup]\nrecipients = "
+                        + json.dumps(many[:count]) + '\ndir = "b"\n')
+        if loads:
+            assert len(load(str(path)).settings.backup_recipients) == count
+        else:
+            with pytest.raises(ConfigError, match=f"1 to {MAX_RECIPIENTS} recipients"):
+                load(str(path))
+
+
+@pytest.mark.token_independent
+def test_a_relative_backup_dir_is_resolved_against_the_files_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As every relative path of the file (the docstring's list names [backup] dir), never
+    against the working directory."""
+    recipient = str(pyrage.x25519.Identity.generate().to_public())
+    (tmp_path / "etc").mkdir()
+    path = _config(tmp_path / "etc", "")
+    path.write_text(path.read_text() + f'[backup]\nrecipients = ["{recipient}"]\n'
+                    'dir = "backups"\n')
+    monkeypatch.chdir(tmp_path)
+    assert load(str(path)).settings.backup_dir == tmp_path / "etc" / "backups"

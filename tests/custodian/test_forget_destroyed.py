@@ -29,14 +29,17 @@ from typing import Any
 import coincurve
 import pytest
 
-from custody import TokenConfig
+from custody import Custody, CustodyError, TokenConfig
+from custody._keystore import Keystore
+from custody._statelock import StateLock
 from custody.custodian import forget as command
 from custody.custodian.client import CustodianClient
-from custody.custodian.forget import MAX_NAMED
+from custody.custodian.forget import MAX_NAMED, NotForgotten, forget_destroyed, forget_named
 from custody.custodian.grace import Graveyard
 from custody.custodian.verify import verify_chain
 from tests.custodian.test_refusals import ask, human, intent
-from tests.fixtures.custodian import running_custodian
+from tests.custody._sealing import HUMAN
+from tests.fixtures.custodian import running_custodian, write_custodian_config
 
 REPO = Path(__file__).resolve().parents[2]
 #: Long enough that a destroy made just before the command is surely within it (records
@@ -310,3 +313,81 @@ async def test_a_named_forget_whose_copy_cannot_be_deleted_stands_and_says_so(
         assert f"{agent}: its sealed copy stays (PermissionError EACCES)" in said.err, said
         assert ask(process.socket, "agent", pubkey=agent, include_deleted=True) == (True, None)
 
+
+async def _one_live_one_destroyed(custody_state: tuple[TokenConfig, Path]) -> tuple[str, str]:
+    """(live, destroyed): two imported keys, the second destroyed (no grace copy kept:
+    custody's own destroy, not the custodian's)."""
+    token, state = custody_state
+    async with await Custody.open(token, state) as custody:
+        live = (await custody.import_agent(bytearray(b"a5".rjust(64, b"0")), owner=HUMAN)).pubkey
+        gone = (await custody.import_agent(bytearray(b"b6".rjust(64, b"0")), owner=HUMAN)).pubkey
+        await custody.destroy_agent(gone)
+    return live, gone
+
+
+async def test_a_named_key_that_cannot_go_inside_the_transaction_keeps_every_named_one(
+        custody_state: tuple[TokenConfig, Path]) -> None:
+    """All or none is held again inside the transaction (the running custodian may change a
+    record between the look and the change): a live key named beside a destroyed one
+    refuses the run, and the destroyed one's record stays too."""
+    live, gone = await _one_live_one_destroyed(custody_state)
+    keystore = Keystore.open(custody_state[1])
+    try:
+        with pytest.raises(NotForgotten) as refused:
+            forget_named(keystore, [gone, live])  # commit=True: the transaction's own look
+        assert refused.value.stays == {live: "live"}
+        assert keystore.get(gone) is not None, "a refused named run forgot a record"
+    finally:
+        keystore.close()
+
+
+async def test_forget_destroyed_takes_a_record_destroyed_at_the_bound_itself(
+        custody_state: tuple[TokenConfig, Path]) -> None:
+    """`destroyed_before` is "at or before" (forget.py): a record destroyed in that very
+    second goes, one destroyed a second later stays."""
+    _, gone = await _one_live_one_destroyed(custody_state)
+    keystore = Keystore.open(custody_state[1])
+    try:
+        record = keystore.get(gone)
+        assert record is not None and record.deleted_at is not None
+        assert forget_destroyed(keystore, record.deleted_at - 1) == []
+        assert forget_destroyed(keystore, record.deleted_at) == [gone]
+    finally:
+        keystore.close()
+
+
+def _config(custody_state: tuple[TokenConfig, Path], tmp_path: Path) -> Path:
+    token, state = custody_state
+    return write_custodian_config(tmp_path / "custodian.toml", token=token, state_dir=state,
+                                  socket=tmp_path / "custodian.sock", relay_url="wss://r.example")
+
+
+async def test_a_forget_during_a_rotation_is_refused_and_forgets_nothing(
+        custody_state: tuple[TokenConfig, Path], tmp_path: Path) -> None:
+    """`keys rotate` holds custody's state lock exclusively; a forget beside it (its own
+    process, the custodian stopped) must refuse, not change the keystore under it."""
+    _, gone = await _one_live_one_destroyed(custody_state)
+    config = _config(custody_state, tmp_path)
+    rotation = StateLock.exclusive(custody_state[1])  # a rotation, as far as forget can tell
+    try:
+        with pytest.raises(CustodyError, match="rotation or migration is running"):
+            await command.forget(str(config), [gone])
+    finally:
+        rotation.release()
+    keystore = Keystore.open(custody_state[1])
+    try:
+        assert keystore.get(gone) is not None
+    finally:
+        keystore.close()
+
+
+async def test_a_named_key_with_no_copy_left_is_forgotten_without_a_word_about_its_copy(
+        custody_state: tuple[TokenConfig, Path], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A destroyed key whose grace copy is already gone (purged, or never kept) is forgotten
+    quietly: no stderr line claims its sealed copy stays."""
+    _, gone = await _one_live_one_destroyed(custody_state)
+    await command.forget(str(_config(custody_state, tmp_path)), [gone])
+    said = capsys.readouterr()
+    assert "forgot 1 records named" in said.out, said
+    assert "sealed copy stays" not in said.err, said.err

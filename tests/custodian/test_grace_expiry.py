@@ -135,3 +135,17 @@ async def test_a_commands_purge_never_deletes_the_copy_a_destroy_puts_in_its_pla
         again = subprocess.run([sys.executable, "-m", "custody.custodian", str(process.config),
                                 "--recover", agent], capture_output=True, text=True, timeout=60)
         assert again.returncode == 0, again.stderr
+
+
+def test_the_purge_keeps_a_copy_within_its_grace_and_drops_one_just_past_it(
+        tmp_path: Path) -> None:
+    """The purge's bound is the grace period itself: half a second either side of it
+    (the test above ages by grace + 1 s at a grace of 1 s, which a bound of twice the grace
+    would still pass)."""
+    graves = Graveyard(tmp_path, 10)
+    graves.keep("a" * 64, b"sealed a")
+    graves.keep("b" * 64, b"sealed b")
+    _age(tmp_path / ("a" * 64 + ".sealed"), 10.5)
+    _age(tmp_path / ("b" * 64 + ".sealed"), 9.5)
+    assert graves.purge() == ["b" * 64]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b" * 64 + ".sealed"]

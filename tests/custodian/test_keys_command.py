@@ -258,3 +258,17 @@ async def test_abandoned_copies_are_forgotten_before_the_rotation_line(
     assert again.returncode == 0 and "can still be recovered" not in again.stderr, again.stderr
     gone = _recover(config, destroyed)
     assert gone.returncode == 1 and "no sealed copy" in gone.stderr, gone.stderr
+
+
+def test_words_after_recovers_pubkey_are_a_usage_line_not_ignored(tmp_path: Path) -> None:
+    """`custodian FILE --recover PUBKEY keys rotate` (two commands run together) is a
+    usage error, exit 2, nothing run: never a recover that silently drops the rest."""
+    config = tmp_path / "custodian.toml"
+    config.write_text('[custodian]\nsocket = "s"\nstate_dir = "st"\nrelay_url = "ws://x"\n'
+                      '[pkcs11]\nmodule = "/nonexistent.so"\ntoken_label = "t"\n')
+    for extra in (["keys", "rotate"], ["extra"]):
+        done = subprocess.run([sys.executable, "-m", "custody.custodian", str(config),
+                               "--recover", "ab" * 32, *extra], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "usage" in done.stderr, (extra, done.stderr)
+        assert not (tmp_path / "st").exists()  # nothing read or made

@@ -9,6 +9,7 @@ from pathlib import Path
 import nostr_sdk
 import pytest
 
+from buzzwire.nostr import owner_tag_digest
 from tests.custody._secrets import (PUB_1, PUB_2, PUB_3, SECRET_1, SECRET_2, SECRET_X,
                                     assert_no_secrets)
 from tests.fixtures.token import REPO, SoftHsmToken, ensure_operator_keys
@@ -276,3 +277,34 @@ def test_keys_rotate_refuses_while_the_daemon_holds_custody(cli: Cli) -> None:
         assert holder.stdout is not None
         holder.stdout.close()
     assert cli("keys", "rotate").returncode == 0
+
+
+def test_create_for_a_person_says_what_the_owner_must_sign_and_for_a_held_owner_nothing(
+        cli: Cli) -> None:
+    """`agent create --owner` for an owner not held here (a person) leaves the agent with no
+    NIP-OA tag: stderr says what the owner signs (the preimage's sha256) and the command
+    that attaches it. For an owner held here the host signs the tag itself: no such text."""
+    assert cli("keys", "init").returncode == 0
+    person = cli("agent", "create", "--owner", PUB_2, "--name", "for-a-person")
+    assert person.returncode == 0, person.stderr
+    agent = person.stdout.strip()
+    assert "has no NIP-OA tag" in person.stderr
+    assert owner_tag_digest(agent, "").hex() in person.stderr
+    assert f"buzz-broker agent attach-auth --agent {agent} --sig" in person.stderr
+    held = cli("agent", "create", "--owner", agent, "--name", "for-an-agent")
+    assert held.returncode == 0, held.stderr
+    assert "NIP-OA" not in held.stderr and "sha256" not in held.stderr, held.stderr
+
+
+def test_migrate_to_a_token_of_the_same_label_in_another_module_is_not_the_same_token(
+        cli: Cli, tmp_path: Path) -> None:
+    """A token is its module and its label: moving from SoftHSM's "buzz" to another
+    module's "buzz" is a migration, not "the same token" (it goes on to open the target,
+    which here does not exist)."""
+    assert cli("keys", "init").returncode == 0
+    other = tmp_path / "other.toml"
+    other.write_text(f'[pkcs11]\nmodule = "{tmp_path / "libother-pkcs11.so"}"\n'
+                     f'token_label = "{cli.token.label}"\npin_file = "{cli.token.pin_file}"\n')
+    done = cli("keys", "migrate", "--to-config", str(other))
+    assert done.returncode == 1
+    assert "names the same token" not in done.stderr, done.stderr

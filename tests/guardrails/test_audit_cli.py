@@ -337,3 +337,137 @@ def test_a_path_without_the_daemons_audit_files_is_a_fault_not_a_verdict(
     assert buzz("audit", "verify", str(state / "audit")).returncode == 0
     first = audit_files(state / "audit")[0][1]
     assert buzz("audit", "verify", str(first)).returncode == 0
+
+
+def test_a_damaged_key_event_anchor_is_broken_not_an_internal_error(tmp_path: Path) -> None:
+    """`key-events.head` edited into something that is not one `seq sha256` line: verify
+    says the key-event log is broken (exit EXIT_BROKEN), one line, no traceback."""
+    from daemon.cli._key_trail import recorded
+    from daemon.state.audit import KeyAction
+    from daemon.state.key_events import HEAD_FILE
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    with recorded(state, KeyAction.CUSTODIAN_RESTORE, file="agents.age",
+                  sha256="ab" * 32) as trail:
+        trail.done(agents=0, pubkeys=(), held=0)
+    (state / HEAD_FILE).write_text("1 not-a-hash\n")
+    config = tmp_path / "broker.toml"
+    config.write_text(f'[state]\ndir = "{state}"\n')
+    done = buzz("--config", str(config), "audit", "verify")
+    assert done.returncode == EXIT_BROKEN, done.stdout + done.stderr
+    assert "key-event log: broken:" in done.stdout and "damaged or edited" in done.stdout
+    assert "Traceback" not in done.stderr and "internal error" not in done.stderr
+
+
+def test_reanchor_refuses_a_log_that_does_not_verify_on_its_own(tmp_path: Path) -> None:
+    """Re-anchoring accepts a log cut short by a restore, never an edited one: a log whose
+    own chain is broken is refused, nothing appended, the anchor kept."""
+    from daemon.state.ledger import read_anchor, write_anchor
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    trio.run(make_log, state)
+    first = audit_files(state / "audit")[0][1]
+    text = first.read_text()
+    assert "message.post" in text
+    first.write_text(text.replace("message.post", "message.pots", 1))  # an edit
+    write_anchor(state / "ledger.db", (99, "ef" * 32))
+    before = [p.read_bytes() for _, p in audit_files(state / "audit")]
+    config = tmp_path / "broker.toml"
+    config.write_text(f'[state]\ndir = "{state}"\n')
+    done = buzz("--config", str(config), "audit", "reanchor", "--yes")
+    assert done.returncode == 1 and "the audit log itself is broken" in done.stderr, (
+        done.stdout + done.stderr)
+    assert read_anchor(state / "ledger.db") == (99, "ef" * 32)
+    assert [p.read_bytes() for _, p in audit_files(state / "audit")] == before
+
+
+def test_an_audit_directory_that_is_a_symlink_is_broken(tmp_path: Path) -> None:
+    """`<state>/audit` replaced by a link to another chain is not the daemon's log."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    trio.run(make_log, elsewhere)
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    (state / "audit").symlink_to(elsewhere / "audit")
+    config = tmp_path / "broker.toml"
+    config.write_text(f'[state]\ndir = "{state}"\n')
+    done = buzz("--config", str(config), "audit", "verify")
+    assert done.returncode == EXIT_BROKEN, done.stdout + done.stderr
+    assert "audit log: broken:" in done.stdout
+
+
+def test_reanchor_of_a_log_that_reaches_its_anchor_changes_nothing(tmp_path: Path) -> None:
+    from daemon.state.audit import verify
+    from daemon.state.ledger import read_anchor, write_anchor
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    trio.run(make_log, state)
+    whole = verify(state / "audit")
+    write_anchor(state / "ledger.db", (whole.seq, whole.head))
+    before = [p.read_bytes() for _, p in audit_files(state / "audit")]
+    config = tmp_path / "broker.toml"
+    config.write_text(f'[state]\ndir = "{state}"\n')
+    done = buzz("--config", str(config), "audit", "reanchor", "--yes")
+    assert done.returncode == 0 and "nothing to do" in done.stdout, done.stdout + done.stderr
+    assert [p.read_bytes() for _, p in audit_files(state / "audit")] == before
+    assert read_anchor(state / "ledger.db") == (whole.seq, whole.head)
+
+
+def test_a_remembered_head_in_upper_case_hex_is_the_same_head(tmp_path: Path) -> None:
+    """`--head`/`--ends-at` take 64 hex of either case (a hash pasted from another tool):
+    the same head, compared as the log prints it."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    trio.run(make_log, state)
+    config = tmp_path / "broker.toml"
+    config.write_text(f'[state]\ndir = "{state}"\n')
+    seq, head = buzz("--config", str(config), "audit", "verify").stdout.split()[-1].split(":")
+    for given in (["--head", f"{seq}:{head.upper()}"], ["--ends-at", head.upper()]):
+        done = buzz("--config", str(config), "audit", "verify", *given)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_broken_chain_exits_3_as_documented(tmp_path: Path) -> None:
+    """docs/operations.md: `audit verify` "exits 3 when a chain is broken" (scripts test
+    for 3; 1 is a fault, 2 a usage error)."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    trio.run(make_log, state)
+    first = audit_files(state / "audit")[0][1]
+    first.write_text(first.read_text().replace("message.post", "message.pots", 1))
+    config = tmp_path / "broker.toml"
+    config.write_text(f'[state]\ndir = "{state}"\n')
+    done = buzz("--config", str(config), "audit", "verify")
+    assert done.returncode == 3 and "audit log: broken:" in done.stdout, done.stdout
+
+
+def test_a_time_without_a_zone_is_utc_whatever_the_local_zone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import datetime
+
+    from daemon.cli.audit import parse_time
+
+    monkeypatch.setenv("TZ", "XST-5:30")  # a POSIX zone string: no tzdata needed
+    time.tzset()
+    try:
+        assert parse_time("2026-11-30T15:00:00", 0.0) == datetime.datetime(
+            2026, 11, 30, 15, tzinfo=datetime.timezone.utc).timestamp()
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
+def test_verify_where_there_is_no_log_of_either_kind_is_a_fault_not_ok(tmp_path: Path) -> None:
+    """No audit log, no key-event log, no anchor: a state directory the daemon never used
+    (a mistyped `[state] dir`, another host's config) is "no audit log at …", exit 1, never
+    "ok"-like exit 0. "none at … (the daemon has not run here)" is only said beside a
+    key-event log."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    config = tmp_path / "broker.toml"
+    config.write_text(f'[state]\ndir = "{state}"\n')
+    done = buzz("--config", str(config), "audit", "verify")
+    assert done.returncode == 1 and "no audit log at" in done.stderr, done.stdout + done.stderr
