@@ -76,7 +76,8 @@ _SURFACE: dict[str, str] = {
     **dict.fromkeys(("check_token", "init_kek", "init_keys", "rotate_keys"), "custody._keys"),
     "KeyIndex": "custody._keyindex",
     **dict.fromkeys(("CachePolicy", "KeyRecord", "MemoryAddress", "MAX_CACHE_ENTRIES",
-                     "MAX_CACHE_SECONDS", "MAX_UID"), "custody._records"),
+                     "MAX_CACHE_SECONDS", "MAX_KEK_LABEL", "MAX_UID", "kek_label_ok"),
+                    "custody._records"),
     **dict.fromkeys(("SignedEvent", "UnsignedEvent", "compute_event_id", "owner_tag_digest",
                      "verify_event", "verify_owner_tag"), "buzzwire.nostr"),
     "harden_process": "custody._process",
@@ -121,6 +122,7 @@ if TYPE_CHECKING:  # the same surface for type checkers (`X as X`: re-exported n
     from custody._records import CachePolicy as CachePolicy, KeyRecord as KeyRecord
     from custody._records import MAX_CACHE_ENTRIES as MAX_CACHE_ENTRIES, MemoryAddress as MemoryAddress
     from custody._records import MAX_CACHE_SECONDS as MAX_CACHE_SECONDS, MAX_UID as MAX_UID
+    from custody._records import MAX_KEK_LABEL as MAX_KEK_LABEL, kek_label_ok as kek_label_ok
     from custody._process import harden_process as harden_process
     from custody._rotation import ROTATION_CHECKPOINTS as ROTATION_CHECKPOINTS
     from custody._rotation import RotationReport as RotationReport

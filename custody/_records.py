@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MAX_CACHE_ENTRIES", "MAX_CACHE_SECONDS", "MAX_UID", "CachePolicy", "KeyRecord",
-           "MemoryAddress"]
+__all__ = ["MAX_CACHE_ENTRIES", "MAX_CACHE_SECONDS", "MAX_KEK_LABEL", "MAX_UID", "CachePolicy",
+           "KeyRecord", "MemoryAddress", "kek_label_ok"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +46,14 @@ MAX_CACHE_SECONDS = 3600.0
 #: kernel, and chown(2) reads (gid_t) -1 as "leave the group unchanged". The custodian's
 #: `pipeline_uid` and the daemon's uids and gids alike (daemon/config.py).
 MAX_UID = 2**32 - 2
+#: A KEK label is written into every blob with a one-byte length (custody/_sealed.py); the
+#: daemon's and the custodian's configurations refuse any other at load.
+MAX_KEK_LABEL = 255
+
+
+def kek_label_ok(label: str) -> bool:
+    """Whether `label` can name a KEK in a blob: 1..MAX_KEK_LABEL printable ASCII."""
+    return 0 < len(label) <= MAX_KEK_LABEL and all(0x20 <= ord(c) <= 0x7E for c in label)
 
 
 @dataclass(frozen=True, slots=True)

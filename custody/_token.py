@@ -71,6 +71,7 @@ from pkcs11 import Attribute, KeyType, Mechanism, ObjectClass
 from pkcs11.mechanisms import GCMParams
 
 from custody._errors import CustodyError
+from custody._records import MAX_KEK_LABEL, kek_label_ok
 from custody._secret import read_limited
 from custody._worker import require_lock
 
@@ -155,8 +156,6 @@ MAC_REQUIRED: dict[Attribute, tuple[object, str]] = {
 MAC_KEY_TYPES = (KeyType.GENERIC_SECRET, KeyType.SHA256_HMAC)
 AES_KEY_TYPES = (KeyType.AES,)
 MAC_LABEL_SUFFIX = "-mac"
-#: A KEK label is written into every blob with a one-byte length (`_sealed`).
-MAX_KEK_LABEL = 255
 
 #: Seal kind -> the mechanisms it needs in the token.
 SEAL_MECHANISMS: dict[str, tuple[Mechanism, ...]] = {
@@ -485,11 +484,6 @@ def _check_key(key: Any, what: str, label: str,
             value = None
         if value != wanted:
             raise CustodyError(f"refusing {what} {label!r}: {fault}")
-
-
-def kek_label_ok(label: str) -> bool:
-    """Whether `label` can name a KEK in a blob: 1..MAX_KEK_LABEL printable ASCII."""
-    return 0 < len(label) <= MAX_KEK_LABEL and all(0x20 <= ord(c) <= 0x7E for c in label)
 
 
 def require_kek_label(label: str) -> None:

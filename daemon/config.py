@@ -50,7 +50,7 @@ from urllib.parse import urlsplit
 
 from buzzwire.contract import ACTIONS, MAX_SCALAR_CHARS, scrub_line, trim
 from buzzwire.loopback import LOOPBACK_NAMES, is_loopback_host
-from custody import MAX_CACHE_ENTRIES, MAX_CACHE_SECONDS, MAX_UID
+from custody import MAX_CACHE_ENTRIES, MAX_CACHE_SECONDS, MAX_KEK_LABEL, MAX_UID, kek_label_ok
 from daemon.loopback_tcp import ListenerKind, address_text
 from daemon.relay.pool import (DEFAULT_LIVE_SUBSCRIPTIONS, DEFAULT_RECEIVE_BYTES,
                                DEFAULT_RESULT_BYTES, MAX_FRAME_BYTES, MAX_QUERY_BYTES)
@@ -395,6 +395,14 @@ def _text(value: object, _base: Path | None) -> object:
     return value
 
 
+def _kek_label(value: object, base: Path | None) -> object:
+    """A label a sealed blob can name (custody's rule): `keys init` would refuse another."""
+    text = _text(value, base)
+    if not isinstance(text, str) or not kek_label_ok(text):
+        raise _Bad(f"1 to {MAX_KEK_LABEL} printable ASCII characters (every sealed key names it)")
+    return text
+
+
 def _path(value: object, base: Path | None) -> object:
     text = _text(value, base)
     assert isinstance(text, str)
@@ -687,7 +695,7 @@ _KEYS: tuple[_Key, ...] = (
     # "": no file; the PIN comes from the systemd credential `PIN_CREDENTIAL` (the unit's
     # LoadCredential=). A default naming the root-only original would only fail with EACCES.
     _Key("pkcs11", "pin_file", "pin_file", _optional_path, ""),
-    _Key("pkcs11", "kek_label", "kek_label", _text, "buzz-broker-kek"),
+    _Key("pkcs11", "kek_label", "kek_label", _kek_label, "buzz-broker-kek"),
     _Key("pkcs11", "seal", "seal", _one_of("auto", "gcm", "etm"), "auto"),
     # custody's CachePolicy's own bounds (custody/_records.py): 64 Ki keys, an hour.
     _Key("pkcs11", "unsealed_cache_entries", "unsealed_cache_entries",

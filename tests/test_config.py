@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import threading
@@ -1041,3 +1042,17 @@ def test_a_nul_in_a_text_value_is_one_line_naming_the_key(
     path = write(tmp_path, f'[{section}]\n{key} = "a\\u0000b"\n')
     with pytest.raises(ConfigError, match=re.escape(f"[{section}] {key}")):
         load_config(path, environ={})
+
+
+@pytest.mark.parametrize("label, loads", [("k" * 255, True), (" ~", True), ("k" * 256, False),
+                                          ("café-kek", False), ("kek\t", False)])
+def test_a_kek_label_no_sealed_key_can_name_is_refused_at_load(
+        tmp_path: Path, label: str, loads: bool) -> None:
+    """custody's rule for a label a blob can name (custody/_records.py `kek_label_ok`):
+    check-config once passed "café-kek", and `keys init` then refused it."""
+    path = write(tmp_path, f"[pkcs11]\nkek_label = {json.dumps(label)}\n")
+    if loads:
+        assert load_config(path, environ={}).pkcs11.kek_label == label
+    else:
+        with pytest.raises(ConfigError, match=r"\[pkcs11\] kek_label"):
+            load_config(path, environ={})

@@ -17,7 +17,7 @@ Keys (a key or table not listed is an error naming it):
   ``max_inflight_bytes`` (default 32 MiB, `messages.MAX_FRAME` to 1 TiB: bytes of frames
   held at once, each from its header until its answer is sent; docs/custodian.md).
 - ``[pkcs11]`` as the daemon's: ``module``, ``token_label``, ``pin_file``, ``kek_label``
-  (1 to 255 printable ASCII, the label a blob can name: custody/_token.py `kek_label_ok`),
+  (1 to 255 printable ASCII, the label a blob can name: custody/_records.py `kek_label_ok`),
   ``seal``, ``unsealed_cache_entries``, ``unsealed_cache_seconds`` (above 0, at most an
   hour: no NaN, no infinity). The PIN file is ``$CREDENTIALS_DIRECTORY/token-pin`` when that
   exists (the unit's credential).

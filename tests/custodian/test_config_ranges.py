@@ -87,7 +87,7 @@ def test_the_daemons_uid_and_cache_rules_hold_here_too(
 @pytest.mark.token_independent
 @pytest.mark.parametrize("label", ["", "a\tb", "é", "k" * 256])
 def test_a_kek_label_no_blob_could_name_is_refused_at_load(tmp_path: Path, label: str) -> None:
-    """As custody refuses it at the token (custody/_token.py `kek_label_ok`): "" once made
+    """As custody refuses it at the token (custody/_records.py `kek_label_ok`): "" once made
     `keys rotate` label its new KEK '-xxxxxxxx'."""
     path = _config(tmp_path, "")
     path.write_text(path.read_text().replace('kek_label = "buzz-broker-kek"',
