@@ -197,38 +197,14 @@ def test_ctrl_c_while_the_command_module_loads_is_exit_130_without_a_traceback(
     assert "Traceback" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["create", "import"])
 def test_ctrl_c_during_the_name_write_leaves_no_key_whose_pubkey_was_not_printed(
-    tmp_path: Path, custody_state: tuple[TokenConfig, Path],
+    tmp_path: Path, custody_state: tuple[TokenConfig, Path], command: str,
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    # The kill point: SIGINT after the key is minted, during the name's write. The pubkey
-    # was printed after that write, so the operator never saw the key left held.
-    from daemon.cli import main
-    from daemon.state.directory import AgentDirectory
-
-    token, state = custody_state
-    config = write_config(tmp_path / "broker.toml", token=token, state_dir=state,
-                          socket=tmp_path / "b.sock", relay_url="ws://127.0.0.1:1")
-
-    def interrupted(*args: object, **kwargs: object) -> None:
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(AgentDirectory, "enroll", interrupted)
-    assert main(["--config", str(config), "agent", "create", "--owner", PUB_2,
-                 "--name", "x"]) == 130
-    printed = capsys.readouterr().out.split()
-    monkeypatch.undo()
-    listed = _run("--config", str(config), "agent", "list", "--json")
-    held = [json.loads(line)["pubkey"] for line in listed.stdout.splitlines()]
-    assert len(held) == 1 and printed == held
-
-
-def test_ctrl_c_during_an_imports_name_write_leaves_no_key_whose_pubkey_was_not_printed(
-    tmp_path: Path, custody_state: tuple[TokenConfig, Path],
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-) -> None:
-    # `agent import --name` as `agent create --name` above: the key is sealed, its pubkey
-    # printed, then the name written; a Ctrl-C in that write leaves a key the operator saw.
+    # The kill point: SIGINT after the key is minted (or sealed, for an import: its secret
+    # on stdin, as an operator pipes it), during the name's write. The pubkey was printed
+    # after that write, so the operator never saw the key left held.
     from daemon.cli import main
     from daemon.state.directory import AgentDirectory
 
@@ -241,10 +217,10 @@ def test_ctrl_c_during_an_imports_name_write_leaves_no_key_whose_pubkey_was_not_
 
     secret = tmp_path / "secret"
     secret.write_text(SECRET_1 + "\n")
-    with secret.open() as stdin:  # the secret on stdin, as an operator pipes it
+    with secret.open() as stdin:
         monkeypatch.setattr(sys, "stdin", stdin)
         monkeypatch.setattr(AgentDirectory, "enroll", interrupted)
-        code = main(["--config", str(config), "agent", "import", "--owner", PUB_2,
+        code = main(["--config", str(config), "agent", command, "--owner", PUB_2,
                      "--name", "x"])
     assert code == 130
     printed = capsys.readouterr().out.split()

@@ -29,6 +29,15 @@ def _cli(config: Path, *args: str, stdin: str = "") -> subprocess.CompletedProce
                           timeout=120)
 
 
+def _through(custodian: CustodianProcess, state_dir: Path, relay: str, tmp_path: Path) -> Path:
+    """The daemon's file with a custodian and no [pkcs11]: every key command goes through it."""
+    config = tmp_path / "broker.toml"
+    config.write_text(
+        f'[server]\nsocket = "{tmp_path / "broker.sock"}"\n[state]\ndir = "{state_dir}"\n'
+        f'[custody]\ncustodian_socket = "{custodian.socket}"\n[relay]\nurl = "{relay}"\n')
+    return config
+
+
 def test_agent_create_remove_and_check_config_go_through_the_custodian(
         custodian: CustodianProcess, custody_state: tuple[TokenConfig, Path], local_relay: str,
         tmp_path: Path) -> None:
@@ -71,11 +80,7 @@ def test_attach_auth_goes_through_the_custodian(
     from buzzwire.nostr import owner_tag_digest
 
     _, state_dir = custody_state
-    config = tmp_path / "broker.toml"
-    config.write_text(
-        f'[server]\nsocket = "{tmp_path / "broker.sock"}"\n[state]\ndir = "{state_dir}"\n'
-        f'[custody]\ncustodian_socket = "{custodian.socket}"\n'
-        f'[relay]\nurl = "{local_relay}"\n')
+    config = _through(custodian, state_dir, local_relay, tmp_path)
     owner = coincurve.PrivateKey()
     owner_pub = owner.public_key_xonly.format().hex()
     made = _cli(config, "agent", "create", "--owner", owner_pub, "--name", "tag-me")
@@ -122,11 +127,7 @@ def test_agent_remove_says_the_custodian_keeps_a_copy_and_how_to_end_it(
     deletes it; both halves are then shown true: `--recover` brings the key back, and after
     the command named, `--recover` finds nothing."""
     _, state_dir = custody_state
-    config = tmp_path / "broker.toml"
-    config.write_text(
-        f'[server]\nsocket = "{tmp_path / "broker.sock"}"\n[state]\ndir = "{state_dir}"\n'
-        f'[custody]\ncustodian_socket = "{custodian.socket}"\n'
-        f'[relay]\nurl = "{local_relay}"\n')
+    config = _through(custodian, state_dir, local_relay, tmp_path)
     owner = coincurve.PrivateKey().public_key_xonly.format().hex()
     made = _cli(config, "agent", "create", "--owner", owner, "--name", "comes-back")
     assert made.returncode == 0, made.stderr
