@@ -45,13 +45,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO, Final
 
-__all__ = ["SignLog", "BrokenLog", "RateBound", "GENESIS", "chain_head", "failed_line",
-           "fault_name", "hashed_line"]
+__all__ = ["SignLog", "BrokenLog", "RateBound", "GENESIS", "MAX_LINE", "chain_head",
+           "failed_line", "fault_name", "hashed_line"]
 
 log = logging.getLogger("buzz_broker.custodian")
 
 GENESIS: Final = "0" * 64
 MAX_AGENTS: Final = 65536
+#: A line of the log is far under this: a tail this long with no newline holds no line.
+MAX_LINE: Final = 65536
 _HEX64: Final = re.compile(r"[0-9a-f]{64}")
 
 
@@ -215,11 +217,11 @@ def _open(path: Path) -> BinaryIO:
 
 def _cut_torn_tail(path: Path) -> int:
     """Truncate `path` after its last newline if it does not end with one; the bytes cut.
-    A line is far under 64 KiB: a tail with no newline at all is no torn line, left alone."""
+    A tail of MAX_LINE bytes with no newline at all is no torn line: left alone."""
     try:
         with open(path, "r+b") as f:
             size = f.seek(0, os.SEEK_END)
-            start = f.seek(max(0, size - 65536))
+            start = f.seek(max(0, size - MAX_LINE))
             tail = f.read()
             newline = tail.rfind(b"\n")
             if tail.endswith(b"\n") or not tail or (newline < 0 and start > 0):
@@ -240,7 +242,7 @@ def chain_head(path: Path) -> tuple[str, int]:
     for candidate in (path, path.with_name(path.name + ".1")):
         try:
             with open(candidate, "rb") as f:
-                start = f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+                start = f.seek(max(0, f.seek(0, os.SEEK_END) - MAX_LINE))
                 tail = f.read()
         except FileNotFoundError:
             continue
@@ -248,7 +250,7 @@ def chain_head(path: Path) -> tuple[str, int]:
             raise BrokenLog(f"signed log {candidate}: cannot read it ({exc.strerror}); "
                             "nothing was written") from None
         whole = tail[:tail.rfind(b"\n") + 1]  # a torn tail is no line: the open cuts it
-        if whole or (tail and start):  # 64 KiB and no newline: no line, nor a torn one
+        if whole or (tail and start):  # MAX_LINE, no newline: no line, nor a torn one
             try:
                 last = json.loads(whole.splitlines()[-1])
                 head, seq = last["hash"], last["seq"]

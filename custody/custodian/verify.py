@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import BinaryIO, Final
 
 from custody.custodian.config import ConfigError, load
-from custody.custodian.ledger import GENESIS, hashed_line
+from custody.custodian.ledger import GENESIS, MAX_LINE, hashed_line
 
 __all__ = ["EXIT_BROKEN", "Broken", "Checked", "check_log", "main", "verify_chain"]
 
@@ -53,8 +53,6 @@ EXIT_BROKEN: Final = 3
 #: Reads of the pair a move may interrupt before it gives up: a move takes `log_max_bytes`
 #: (4 KiB at least) of synced lines, so two in a row are already unlikely.
 MAX_TRIES: Final = 5
-#: Longest line read: a line of the log is far under 64 KiB (ledger.py `_cut_torn_tail`).
-MAX_LINE: Final = 65536
 
 
 class Broken(ValueError):
