@@ -12,9 +12,17 @@ what each member's checker accepts, as JSON Schema (`VALUES`, by wire name, and
 new member cannot ship without its schema; tests/docs/test_protocol_doc.py holds the files
 to this script.
 
-The schemas describe what a conforming client sends and a conforming host answers. They
-are necessary, not sufficient: JSON Schema cannot say that a pubkey is a point on
-secp256k1, that content is at most 65,536 UTF-8 *bytes*, or that a trimmed field is
+The request schema describes what a conforming client may send: the contract's readers
+trim and accept several spellings, and so does it. The response schema describes exactly
+what a host sends: every outcome value in the canonical form the contract's outcome classes
+hold it in (`check_instance` refuses any other), so ids and pubkeys are 64 lowercase hex, a
+channel is lowercase hyphenated, a name is already trimmed and holds nothing a name may
+not (`OUTPUT_VALUES`), and each action's `kind` is the one it reports (`_reported_kind`).
+The client's reader is looser than that (it forgives the spelling of an identity,
+docs/protocol.md §7); the response schema is the host's promise, not the reader.
+
+They are necessary, not sufficient: JSON Schema cannot say that a pubkey is a point on
+secp256k1, that content is at most 65,536 UTF-8 *bytes*, or that a trimmed request field is
 trimmed before it is measured (a member padded with spaces may pass the host and fail
 `maxLength`). The host's checks are the contract's; docs/protocol.md says so too.
 """
@@ -31,6 +39,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # buzzwire/ is at the top, its own distribution
 
+from buzzwire import kinds  # noqa: E402
 from buzzwire.contract import (  # noqa: E402
     ACTIONS, MAX_ABOUT_CHARS, MAX_CONTENT_BYTES, MAX_CURSOR_BYTES, MAX_DISPLAY_NAME_CHARS,
     MAX_JSON_INT, MAX_KIND, MAX_LIMIT, MAX_MENTIONS, MAX_PICTURE_CHARS, MAX_REACTION_CHARS,
@@ -38,11 +47,13 @@ from buzzwire.contract import (  # noqa: E402
     MAX_SYSTEM_PROMPT_CHARS, MIN_LIMIT, PAIRING, PROTOCOL_VERSION, ACTION_VERSION, RESPOND_TO,
     PRESENCE_STATUSES, AgentsUpdateArgs, AgentTarget, ErrorCode, Event, ProfileSetArgs, Status,
     StoragePutArgs, MAX_FRAMES, MAX_OBSERVER_BYTES, MAX_U32, ObserverEmitArgs, ObserverFrame,
+    ActionSpec, StorageAddressOutcome,
 )
 from buzzwire.contract import REQUEST_MEMBERS, WHITE_SPACE  # noqa: E402
 from buzzwire.contract._envelopes import _ERROR_MEMBERS, _SUCCEEDED_MEMBERS  # noqa: E402
 from buzzwire.contract._ids import _SLUG  # noqa: E402
 from buzzwire.contract._shapes import SHAPES, Shape  # noqa: E402
+from buzzwire.contract._text import _REFUSED, TextKind, refused_in  # noqa: E402
 
 OUT = REPO / "docs" / "schema"
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -52,8 +63,16 @@ _UUID_HYPHENATED = f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}
 # NIP-BA's four channel spellings (contract/_ids.py).
 _UUID = (f"(?:{_UUID_HYPHENATED}|{_HEX}{{32}}|\\{{{_UUID_HYPHENATED}\\}}"
          f"|urn:uuid:{_UUID_HYPHENATED})")
+
+
+def _escaped(chars: str) -> str:
+    """Characters of a class as \\uXXXX (a `-` between two is a range and stays)."""
+    return "".join(c if c == "-" else f"\\u{ord(c):04x}" for c in chars)
+
+
 # Unicode White_Space exactly (ECMA-262's \s differs: it holds U+FEFF, not U+0085).
-_WS = "[" + "".join(f"\\u{ord(c):04x}" for c in WHITE_SPACE) + "]*"
+_WHITE_SPACE = _escaped(WHITE_SPACE)
+_WS = f"[{_WHITE_SPACE}]*"
 _VISIBLE = "[\\x21-\\x7e]"
 
 
@@ -70,13 +89,30 @@ def _text(max_chars: int) -> dict[str, object]:
     return _string("\\S", maxLength=max_chars)
 
 
+def _name(max_chars: int) -> dict[str, object]:
+    # A name as a host writes it (contract `text`, LINE): trimmed, not empty, nothing a
+    # name may not hold. Without lookaround, which not every JSON Schema engine has (so
+    # under Python's `$`, see _exact, one final "\n" still passes).
+    refused = _escaped(_REFUSED[TextKind.LINE].pattern[1:-1])
+    trimmed = _escaped("".join(c for c in WHITE_SPACE if not refused_in(c, TextKind.LINE)))
+    inner, end = f"[^{refused}]", f"[^{refused}{trimmed}]"
+    return _string(f"^{end}(?:{inner}*{end})?$", maxLength=max_chars)
+
+
+def _exact(pattern: str, width: int) -> dict[str, object]:
+    # A fixed-width value as a host writes it. maxLength as well: ECMA-262's `$` is the end
+    # of input, but Python's re (the jsonschema package) also matches it before a final
+    # "\n", so the pattern alone would let "<64 hex>\n" through there.
+    return _string(f"^{pattern}$", maxLength=width)
+
+
 def _integer(low: int, high: int = MAX_JSON_INT) -> dict[str, object]:
     return {"type": "integer", "minimum": low, "maximum": high}
 
 
 CHANNEL_ID = _string(f"^{_WS}{_UUID}{_WS}$")
 HEX64 = _string(f"^{_WS}{_HEX}{{64}}{_WS}$")
-LOWER_HEX64 = _string("^[0-9a-f]{64}$")
+LOWER_HEX64 = _exact("[0-9a-f]{64}", 64)
 CURSOR = _string(f"^{_VISIBLE}{{1,{MAX_CURSOR_BYTES}}}$")
 NAME = _text(MAX_DISPLAY_NAME_CHARS)
 SCALAR = _text(MAX_SCALAR_CHARS)
@@ -138,6 +174,32 @@ SHAPE_VALUES: Mapping[type, Mapping[str, dict[str, object]]] = {
     ObserverFrame: {"kind": SCALAR},
 }
 
+#: Response side: wire name -> what a host writes, where that is narrower than what the
+#: reader accepts (`VALUES`). An outcome holds each value as its checker returns it, so the
+#: host never writes a spelling the reader would have to normalize.
+OUTPUT_VALUES: Mapping[str, dict[str, object]] = {
+    "eventId": LOWER_HEX64,
+    "dTag": LOWER_HEX64,
+    "authorPubkey": LOWER_HEX64,
+    "agentPubkey": LOWER_HEX64,
+    # The canonical spelling, whichever of NIP-BA's four the request used (agent-broker.md
+    # §Identities: "H's canonical echo"; the client compares the echo parsed, §7).
+    "channelId": _exact("[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", 36),
+    "displayName": _name(MAX_DISPLAY_NAME_CHARS),
+    # The wire names of the members the update supplied that changed (agents_update.py),
+    # each once: never `target`, which names the agent rather than changing it.
+    "updatedFields": {"type": "array", "uniqueItems": True, "items": {"enum": sorted(
+        f.wire for f in SHAPES[AgentsUpdateArgs].fields if f.wire != "target")}},
+    # At most the frames sent (NIP-BA; the client checks it), and a request sends at most
+    # MAX_FRAMES.
+    "accepted": _integer(0, MAX_FRAMES),
+}
+
+#: Outcomes whose `kind` is fixed by the outcome, not by a published event: NIP-BA's
+#: storage.address "returns the agent's author pubkey, kind 30174" (the client's check and
+#: custody's address name the same constant).
+OUTCOME_KINDS: Mapping[type, int] = {StorageAddressOutcome: kinds.MEMORY}
+
 #: The signed event is verbatim relay data: its own spellings (NIP-01), exact case.
 EVENT_VALUES: Mapping[str, dict[str, object]] = {
     "id": LOWER_HEX64,
@@ -146,7 +208,7 @@ EVENT_VALUES: Mapping[str, dict[str, object]] = {
     "kind": KIND,
     "tags": {"type": "array", "items": {"type": "array", "items": {"type": "string"}}},
     "content": {"type": "string"},
-    "sig": _string("^[0-9a-f]{128}$"),
+    "sig": _exact("[0-9a-f]{128}", 128),
 }
 
 #: The cross-member rules of the shapes that have one (`Shape.rule`), as JSON Schema.
@@ -162,8 +224,8 @@ OBJECT_RULES: Mapping[type, dict[str, object]] = {
 }
 
 
-def _object(shape: Shape[object]) -> dict[str, object]:
-    values = EVENT_VALUES if shape.cls is Event else VALUES
+def _object(shape: Shape[object], values: Mapping[str, dict[str, object]]) -> dict[str, object]:
+    values = EVENT_VALUES if shape.cls is Event else values
     if shape.rule is not None and shape.cls not in OBJECT_RULES:
         raise KeyError(f"{shape.cls.__name__} has a cross-member rule with no schema")
     out: dict[str, object] = {
@@ -177,14 +239,41 @@ def _object(shape: Shape[object]) -> dict[str, object]:
     return out
 
 
-def _document(title: str, variants: list[dict[str, object]], classes: list[type]) -> dict[str, object]:
+def _document(title: str, variants: list[dict[str, object]], classes: list[type],
+              values: Mapping[str, dict[str, object]]) -> dict[str, object]:
     """One schema file: any one of `variants`, with the shapes they refer to under $defs."""
     return {
         "$schema": DIALECT,
         "title": title,
         "oneOf": variants,
-        "$defs": {cls.__name__: _object(SHAPES[cls]) for cls in dict.fromkeys(classes)},
+        "$defs": {cls.__name__: _object(SHAPES[cls], values) for cls in dict.fromkeys(classes)},
     }
+
+
+def _reported_kind(spec: ActionSpec) -> int | None:
+    """The one kind `spec`'s outcome reports, from the contract's tables; None if none."""
+    kind = spec.published_kind if spec.published_kind is not None else OUTCOME_KINDS.get(
+        spec.outcome_type)
+    if kind is None and "kind" in spec.outcome_members.all:
+        raise KeyError(f"{spec.name}'s outcome reports a kind no table names")
+    return kind
+
+
+def _outcome(spec: ActionSpec) -> dict[str, object]:
+    out: dict[str, object] = {"$ref": f"#/$defs/{spec.outcome_type.__name__}"}
+    kind = _reported_kind(spec)
+    if kind is not None:  # beside the $ref: the shape's members, and this one value
+        out["properties"] = {"kind": {"const": kind}}
+    return out
+
+
+def _patterns(node: object) -> list[str]:
+    if isinstance(node, dict):
+        own = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+        return own + [p for child in node.values() for p in _patterns(child)]
+    if isinstance(node, list):
+        return [p for child in node for p in _patterns(child)]
+    return []
 
 
 def _envelope(members: dict[str, object], order: tuple[str, ...] | frozenset[str],
@@ -211,7 +300,8 @@ def request_schema() -> dict[str, object]:
         assert tuple(members) == REQUEST_MEMBERS
         variants.append(_envelope(members, REQUEST_MEMBERS))
     return _document("broker_request (agent-broker.md §Request, §Operations; NIP-BA)", variants,
-                     [spec.args_type for spec in ACTIONS.values()] + [AgentTarget, ObserverFrame])
+                     [spec.args_type for spec in ACTIONS.values()] + [AgentTarget, ObserverFrame],
+                     VALUES)
 
 
 def response_schema() -> dict[str, object]:
@@ -226,7 +316,7 @@ def response_schema() -> dict[str, object]:
     variants = []
     for name, spec in ACTIONS.items():
         members = {**common, "status": {"const": Status.SUCCEEDED.value}, "action": {"const": name},
-                   "outcome": {"$ref": f"#/$defs/{spec.outcome_type.__name__}"}, **replayed}
+                   "outcome": _outcome(spec), **replayed}
         assert set(members) - {"replayed"} == _SUCCEEDED_MEMBERS
         variants.append(_envelope(members, _SUCCEEDED_MEMBERS))
     for status in (Status.FAILED, Status.INDETERMINATE):
@@ -236,8 +326,16 @@ def response_schema() -> dict[str, object]:
         members = {**common, "status": {"const": status.value}, "error": error, **replayed}
         assert set(members) - {"replayed"} == _ERROR_MEMBERS
         variants.append(_envelope(members, _ERROR_MEMBERS))
-    return _document("broker_result (agent-broker.md §Results and errors, §Operations; NIP-BA)",
-                     variants, [spec.outcome_type for spec in ACTIONS.values()] + [Event])
+    document = _document("broker_result (agent-broker.md §Results and errors, §Operations; NIP-BA)",
+                         variants, [spec.outcome_type for spec in ACTIONS.values()] + [Event],
+                         {**VALUES, **OUTPUT_VALUES})
+    # A host writes canonical values only: a trimming, mixed-case or untrimmed-text pattern
+    # here means a new outcome member took its request-side schema (give it an
+    # OUTPUT_VALUES row).
+    loose = [p for p in _patterns(document) if _WS in p or _HEX in p or p == "\\S"]
+    if loose:
+        raise AssertionError(f"response patterns that accept a non-canonical value: {loose}")
+    return document
 
 
 def render() -> dict[str, str]:

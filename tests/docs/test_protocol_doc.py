@@ -26,10 +26,12 @@ import jsonschema
 import pytest
 import trio
 
+from buzzwire import kinds
 from buzzwire.contract import (
-    ACTIONS, ContractError, Status, Verdict, encode_request, encode_response, mark_replayed, parse_response,
+    ACTIONS, MAX_FRAMES, ContractError, Status, Verdict, encode_request, encode_response, mark_replayed, parse_response,
     read_request,
 )
+from buzzwire.contract._shapes import SHAPES
 from buzzwire.nostr import verify_event
 from tests.client.scripted_host import Received, ScriptedHost, Signer, publish_outcome, socket_dir, succeeded
 from tests.docs.node_deps import MIN_NODE, node_modules, node_version
@@ -128,6 +130,112 @@ def test_schemas_refuse_what_the_contract_refuses(kind: str, mutate: Any) -> Non
     else:
         with pytest.raises(ContractError):
             parse_response(body)
+
+
+_HEX = "603ffc2a2402e5a5d3657b67778185bbf83e9555fb9d1f76b7fdc5fc7a65985a"
+_CHANNEL = "5df7dfa8-e919-43df-8efd-f1dcb8af7071"
+
+
+@pytest.mark.parametrize(
+    ("action", "member", "value"),
+    [
+        # The reader trims and lowercases identities (§7 forgives spelling); a broker only
+        # ever writes them canonical, so the schema of what it sends does not.
+        pytest.param("message.post", "eventId", "\u2028 " + "AB" * 32 + "\n", id="eventId-padded-upper"),
+        pytest.param("message.post", "eventId", " " + _HEX, id="eventId-padded"),
+        pytest.param("message.post", "eventId", _HEX.upper(), id="eventId-upper"),
+        pytest.param("storage.address", "dTag", _HEX.upper(), id="dTag-upper"),
+        pytest.param("storage.address", "authorPubkey", _HEX + "\t", id="authorPubkey-padded"),
+        pytest.param("agents.create", "agentPubkey", _HEX[:63], id="agentPubkey-63"),
+        pytest.param("agents.update", "agentPubkey", _HEX.upper(), id="agentPubkey-upper"),
+        pytest.param("agents.create", "channelId", _CHANNEL.upper(), id="channelId-upper"),
+        pytest.param("agents.create", "channelId", _CHANNEL.replace("-", ""), id="channelId-bare"),
+        pytest.param("agents.create", "channelId", "{" + _CHANNEL + "}", id="channelId-braced"),
+        pytest.param("agents.create", "channelId", "urn:uuid:" + _CHANNEL, id="channelId-urn"),
+        pytest.param("agents.create", "channelId", " " + _CHANNEL, id="channelId-padded"),
+        # A name in an outcome is trimmed and holds nothing a name may not (outcome_name).
+        pytest.param("agents.delete", "displayName", " Scout Jr", id="displayName-padded"),
+        pytest.param("agents.delete", "displayName", "Scout\u3000", id="displayName-ideographic-space"),
+        pytest.param("agents.update", "displayName", "\x1b]0;owned\x07Bob", id="displayName-escape"),
+        pytest.param("agents.update", "displayName", "Scout\u202eJr", id="displayName-bidi"),
+        # updatedFields: the update's own member names, each once.
+        pytest.param("agents.update", "updatedFields", ["secretKey"], id="updatedFields-unknown"),
+        pytest.param("agents.update", "updatedFields", ["target"], id="updatedFields-target"),
+        pytest.param("agents.update", "updatedFields", ["model", "model"], id="updatedFields-twice"),
+        # accepted counts frames sent, and one request sends at most MAX_FRAMES.
+        pytest.param("observer.emit", "accepted", MAX_FRAMES + 1, id="accepted-beyond-frames"),
+    ],
+)
+def test_the_response_schema_refuses_what_a_broker_never_sends(
+    action: str, member: str, value: object
+) -> None:
+    envelope = json.loads(_examples("response")[f"response-{action}"])
+    assert _validator("response").is_valid(envelope)
+    envelope["outcome"][member] = value
+    assert not _validator("response").is_valid(envelope)
+
+
+def _holds(action: str, outcome: dict[str, Any]) -> bool:
+    """Whether the contract's outcome class can hold this wire outcome as it is: it
+    refuses any value not already in its checker's canonical form (check_instance)."""
+    shape = SHAPES[ACTIONS[action].outcome_type]
+    try:
+        shape.cls(**{f.attr: tuple(v) if isinstance(v := outcome[f.wire], list) else v
+                     for f in shape.fields if f.wire in outcome})
+    except ValueError:
+        return False
+    return True
+
+
+_NAMES = [
+    "Scout Jr", "A", "x" * 120, "x" * 121, " Scout", "Scout ", "\u3000Scout", "Scout\u00a0",
+    "Sc\u00a0out", "\u200cزهره", "\U0001f469\u200d\U0001f4bb dev", "\ufeffBob", "\x1bBob",
+    "\x1cBob", "Bob\u0085", "Bob\u2028x", "Bob\u202ex", "Bo\tb", "\tBob", "", "   ",
+]
+_IDS = [_HEX, _HEX.upper(), " " + _HEX, _HEX + "\u2028", _HEX + "\n", _HEX[:63], _HEX + "0"]
+_CHANNELS = [_CHANNEL, _CHANNEL.upper(), _CHANNEL.replace("-", ""), "{" + _CHANNEL + "}",
+             "urn:uuid:" + _CHANNEL, _CHANNEL + "\n"]
+
+
+@pytest.mark.parametrize(
+    ("action", "member", "value"),
+    [("agents.delete", "displayName", name) for name in _NAMES]
+    + [("message.post", "eventId", v) for v in _IDS]
+    + [("storage.address", "dTag", v) for v in _IDS]
+    + [("agents.create", "channelId", v) for v in _CHANNELS],
+)
+def test_the_response_schema_accepts_exactly_what_an_outcome_can_hold(
+    action: str, member: str, value: str
+) -> None:
+    """Names, ids and channels: the schema and the contract's outcome classes agree on
+    every row, both ways (so it refuses nothing a broker sends). A pubkey's curve check
+    and the host rules on `updatedFields` and `accepted` are beyond the classes."""
+    envelope = json.loads(_examples("response")[f"response-{action}"])
+    envelope["outcome"][member] = value
+    assert _validator("response").is_valid(envelope) is _holds(action, envelope["outcome"])
+
+
+def _reported_kinds() -> dict[str, int]:
+    """action -> the kind its example's outcome reports (those that report one)."""
+    out = {}
+    for action in ACTIONS:
+        outcome = json.loads(_examples("response")[f"response-{action}"]).get("outcome", {})
+        if "kind" in outcome:
+            out[action] = outcome["kind"]
+    return out
+
+
+@pytest.mark.parametrize("action", sorted(_reported_kinds()))
+def test_the_response_schema_ties_each_outcomes_kind_to_its_action(action: str) -> None:
+    """Every kind another action reports, and a kind no action does, in this action's
+    outcome: refused (the client's check of the kind, client.py `_echo_check`)."""
+    own = _reported_kinds()[action]
+    others = (set(_reported_kinds().values()) | {kinds.MANAGED_AGENT}) - {own}
+    assert others
+    for kind in sorted(others):
+        envelope = json.loads(_examples("response")[f"response-{action}"])
+        envelope["outcome"]["kind"] = kind
+        assert not _validator("response").is_valid(envelope), (action, kind)
 
 
 def _node_with_typescript() -> tuple[str, str]:
