@@ -11,6 +11,8 @@ Rules:
   on bytes this principal already sent under that requestId — never on a first sending.
   Then NIP-BA's own result rules for all fifteen actions (`_nip_ba.result_problems`: every
   outcome member's type and bound, the kind per action, the echoes a client checks).
+  Then the published response schema (docs/schema/response.schema.json, docs/protocol.md
+  §9): it states exactly what a host sends, so every real answer must validate.
 - Every checked exchange is appended to `Wire.log` (and the module's `ALL_ENVELOPES`), so
   a test can also scan the whole run.
 - A body without a usable requestId is sent with `send_uncorrelated`, which expects no
@@ -30,11 +32,17 @@ from typing import Any
 
 import coincurve
 import h11
+import jsonschema
 import trio
 
 from tests.conformance import _nip_ba, _spec
 from tests.fixtures.broker import BrokerHarness, read_response
 from tests.fixtures.relay import TestKey, nostr_fetch
+
+_REPO = Path(__file__).resolve().parents[2]
+#: The schema as published (the generated file, not the generator): what integrators check.
+RESPONSE_SCHEMA = jsonschema.Draft202012Validator(json.loads(
+    (_REPO / "docs" / "schema" / "response.schema.json").read_text(encoding="utf-8")))
 
 __all__ = ["HttpReply", "Exchange", "Wire", "exchange", "envelope_body", "strict_loads",
            "ALL_ENVELOPES", "Principal", "owner_tag", "fetch", "known_agent"]
@@ -191,6 +199,8 @@ def check_envelope(body: bytes, reply: HttpReply, *, first_sending: bool,
     if isinstance(request, dict):
         problems = _nip_ba.result_problems(request, env, me)
         assert not problems, (problems, env)
+    schema_errors = [e.message for e in RESPONSE_SCHEMA.iter_errors(env)]
+    assert not schema_errors, (schema_errors, env)
     ALL_ENVELOPES.append(env)
     return env
 
