@@ -159,11 +159,12 @@ async def running(
             except CustodyError as exc:
                 raise StartupError(f"custodian at {config.custody.custodian_socket}: "
                                    f"{exc}") from None
-        # With a custodian the key records are its answers: the keystore is not ours to open.
-        directory = AgentDirectory.open(
-            state_dir, custody.records if isinstance(custody, CustodianClient) else None)
-        stack.callback(directory.close)
         try:
+            # With a custodian the key records are its answers: the keystore is not ours to
+            # open. Without, a version-1 keystore's names are taken into the directory here.
+            directory = AgentDirectory.open(
+                state_dir, custody.records if isinstance(custody, CustodianClient) else None)
+            stack.callback(directory.close)
             live = directory.agents()  # read now: an unreadable directory stops the start
         except DirectoryError as exc:
             raise StartupError(f"agent directory: {exc}") from None

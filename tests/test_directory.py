@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
+import os
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +29,9 @@ from daemon.state.directory import (
     child_depth,
 )
 
+REPO = Path(__file__).resolve().parents[1]
 HUMAN = "a" * 64
+NOBODY = 65534
 SECRET = "11" * 32
 #: What only the directory may hold; custody's record and table must have none of it.
 PUBLIC_ONLY = {"name", "creator", "depth"}
@@ -141,24 +147,40 @@ PRAGMA user_version=1;
 """
 
 
-async def test_a_version_1_keystore_is_read_upgraded_and_its_names_carried_over(
-    custody_state: tuple[TokenConfig, Path],
-) -> None:
-    config, state_dir = custody_state
+async def _version_1_keystore(config: TokenConfig, state_dir: Path) -> str:
+    """A version-1 keystore in `state_dir` holding one agent named `old-<4 hex>`; its pubkey."""
     async with await Custody.open(config, state_dir) as opened:
         agent = (await opened.import_agent(bytearray(SECRET.encode()), owner=HUMAN)).pubkey
     db = sqlite3.connect(state_dir / "keystore.db", isolation_level=None)
     db.executescript(TO_VERSION_1)
     db.close()
+    return agent
+
+
+def _directory_rows(state_dir: Path) -> list[tuple[str, str]]:
+    db = sqlite3.connect(state_dir / DIRECTORY_FILE)
+    try:
+        return db.execute("SELECT pubkey, name FROM names").fetchall()
+    finally:
+        db.close()
+
+
+async def test_a_version_1_keystore_is_read_upgraded_and_its_names_carried_over(
+    custody_state: tuple[TokenConfig, Path],
+) -> None:
+    config, state_dir = custody_state
+    agent = await _version_1_keystore(config, state_dir)
     old_name = f"old-{agent[:4]}"
 
-    # Before custody upgrades it: the directory reads the old table, and writes nothing.
+    # Before custody upgrades it: the directory reads the old table, and takes its names
+    # into its own file at once (`AgentDirectory.open`).
     directory = AgentDirectory.open(state_dir)
     try:
         assert [(r.pubkey, r.name, r.depth) for r in directory.agents()] == [(agent, old_name, 1)]
     finally:
         directory.close()
-    assert not (state_dir / DIRECTORY_FILE).exists()
+    assert _directory_rows(state_dir) == [(agent, old_name)]
+    (state_dir / DIRECTORY_FILE).unlink()  # as a host whose directory was never opened
 
     async with await Custody.open(config, state_dir) as opened:  # upgrades, in one transaction
         tables = {row[0] for row in sqlite3.connect(state_dir / "keystore.db").execute(
@@ -175,9 +197,7 @@ async def test_a_version_1_keystore_is_read_upgraded_and_its_names_carried_over(
         # The directory's first write makes its file and takes the old names with it.
         renamed = directory.rename(agent, "new")
         assert renamed is not None and renamed.name == "new"
-        names = sqlite3.connect(state_dir / DIRECTORY_FILE).execute(
-            "SELECT pubkey, name FROM names").fetchall()
-        assert names == [(agent, "new")]
+        assert _directory_rows(state_dir) == [(agent, "new")]
         assert (state_dir / DIRECTORY_FILE).stat().st_mode & 0o777 == 0o600
     finally:
         directory.close()
@@ -202,3 +222,83 @@ async def test_an_unreadable_directory_stops_the_start_with_one_line(
     message = str(raised.value)
     assert message.startswith("agent directory: ") and DIRECTORY_FILE in message
     assert "\n" not in message
+
+
+async def test_the_daemon_takes_a_version_1_keystores_names_into_the_directory_at_start(
+    custody_state: tuple[TokenConfig, Path], tmp_path: Path
+) -> None:
+    """Opened the way serve opens it, a state directory from before names left custody has
+    its directory file at once, names copied: it no longer waits for a first name written,
+    which a host moving its keystore to a custodian (docs/install.md 6b) might never have."""
+    from daemon.config import load_config
+    from daemon.wiring import running
+    from tests.fixtures.broker import write_config
+
+    token, state_dir = custody_state
+    agent = await _version_1_keystore(token, state_dir)
+    config = load_config(str(write_config(
+        tmp_path / "broker.toml", token=token, state_dir=state_dir,
+        socket=tmp_path / "broker.sock", relay_url="ws://127.0.0.1:9")))
+    async with running(config):
+        assert _directory_rows(state_dir) == [(agent, f"old-{agent[:4]}")]
+    assert (state_dir / DIRECTORY_FILE).stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the rule is about commands run as root")
+async def test_root_opening_the_daemons_directory_creates_nothing(
+    custody_state: tuple[TokenConfig, Path],
+) -> None:
+    """The names are taken only by the state directory's owner (the daemon's user): root's
+    `agent list` on the daemon's directory must not leave a file, root's 0600, that the
+    daemon could not open; it reads them from the keystore, as before."""
+    token, state_dir = custody_state
+    agent = await _version_1_keystore(token, state_dir)
+    os.chown(state_dir, NOBODY, NOBODY)
+    directory = AgentDirectory.open(state_dir)
+    try:
+        assert directory.agent(agent).name == f"old-{agent[:4]}"  # type: ignore[union-attr]
+    finally:
+        directory.close()
+    assert not (state_dir / DIRECTORY_FILE).exists()
+
+
+def _cli(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CREDENTIALS_DIRECTORY", "BUZZ_BROKER_CONFIG")}
+    return subprocess.run([sys.executable, "-m", "daemon.cli", "--config", str(config), *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+async def test_names_from_before_version_2_survive_the_move_to_a_custodian(
+    custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path
+) -> None:
+    """docs/install.md 6b on a host whose keystore is still version 1 (today's daemon never
+    started there): the move block's first line, `agent list` as the daemon's user, takes
+    the names into directory.db; the keystore then moves to a custodian, whose records
+    carry no names, and `agent list` through it still shows them. The block itself runs on
+    real systemd in tests/nspawn/test_real_systemd.py::
+    test_a_host_that_ran_custody_in_the_daemon_moves_its_keys."""
+    from tests.fixtures.broker import write_config
+    from tests.fixtures.custodian import running_custodian
+
+    token, state_dir = custody_state
+    agent = await _version_1_keystore(token, state_dir)
+    old_name = f"old-{agent[:4]}"
+    in_process = write_config(tmp_path / "broker.toml", token=token, state_dir=state_dir,
+                              socket=tmp_path / "broker.sock", relay_url=local_relay)
+    before = _cli(in_process, "agent", "list")
+    assert before.returncode == 0 and before.stdout.split()[-1] == old_name, before.stderr
+
+    keys = tmp_path / "custodian" / "keys"
+    keys.mkdir(mode=0o700, parents=True)
+    for moved in state_dir.glob("keystore.db*"):  # the block's mv
+        moved.rename(keys / moved.name)
+    through = tmp_path / "through.toml"
+    with running_custodian((token, keys), local_relay, tmp_path / "custodian") as custodian:
+        through.write_text(
+            f'[server]\nsocket = "{tmp_path / "broker.sock"}"\n[state]\ndir = "{state_dir}"\n'
+            f'[custody]\ncustodian_socket = "{custodian.socket}"\n[relay]\nurl = "{local_relay}"\n')
+        after = _cli(through, "agent", "list", "--json")
+    assert after.returncode == 0, after.stderr
+    assert [(r["pubkey"], r["name"]) for r in map(json.loads, after.stdout.splitlines())] == [
+        (agent, old_name)]

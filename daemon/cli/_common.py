@@ -183,14 +183,18 @@ def agent_directory(config: Config, fault: str = "{}") -> Iterator[AgentDirector
         from custody.custodian.client import CustodianClient
 
         client = CustodianClient(Path(socket))
-    directory = AgentDirectory.open(config.state.dir, None if client is None else client.records)
+    directory = None
     try:
+        # Without a custodian, opening takes a version-1 keystore's names (directory.py).
+        directory = AgentDirectory.open(config.state.dir,
+                                        None if client is None else client.records)
         yield directory
     except DirectoryError as exc:
         raise CliError(fault.format(exc)) from None
     except CustodyError as exc:  # the custodian's lookups: CustodianUnavailable
         raise CliError(fault.format(f"custodian at {socket}: {exc}")) from None
     finally:
-        directory.close()
+        if directory is not None:
+            directory.close()
         if client is not None:
             client.close()

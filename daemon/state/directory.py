@@ -23,21 +23,24 @@ Rules:
   import` all read it from the owner chain custody keeps.
 - A name is this file's row for the agent; else, for a state directory from before names
   left custody, the name custody's schema upgrade set aside (`KeyIndex.v1_names`, copied
-  into this file when the file is made); else the first 12 hex digits of the pubkey (an
-  agent imported without a name, or a key minted by an agents.create that crashed before
-  its name was written: the identical retry writes it).
+  into this file when the file is made: by `open` over the keystore file, at once, so the
+  names stay when the keystore later moves to a custodian, whose records carry none);
+  else the first 12 hex digits of the pubkey (an agent imported without a name, or a key
+  minted by an agents.create that crashed before its name was written: the identical
+  retry writes it).
 - Two writes, each one short transaction on its own connection (`_sqlite.open_private_db`:
   0600, WAL, synchronous=FULL, busy timeout; and secure_delete): `enroll` names a key that has no name here yet (a replayed
   agents.create never undoes a later rename), `rename` sets a live agent's name. Both
   refuse a key custody does not hold live, and answer None.
-- Reads go through one read-only connection, made when the file exists: a reader (`agent
-  list` as root, `status`) creates nothing; with no file yet, names come from the
-  version-1 fallback alone.
+- Reads go through one read-only connection, made when the file exists: a reader run as
+  a user other than the state directory's (`agent list` as root) creates nothing; with
+  no file yet, names come from the version-1 fallback alone.
 - Faults are `DirectoryError`, whose message names the file and never a row's content.
 """
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
@@ -187,9 +190,33 @@ class AgentDirectory:
     @classmethod
     def open(cls, state_dir: Path | str, keys: KeySource | None = None) -> AgentDirectory:
         """The directory of `state_dir`; its key records from `keys` (a custodian's), else
-        from the keystore file in `state_dir`."""
-        return cls(Path(state_dir) / DIRECTORY_FILE,
-                   KeyIndex.open(state_dir) if keys is None else keys)
+        from the keystore file in `state_dir`, whose version-1 names are then taken into
+        this file at once (`_take_v1_names`).
+
+        Raises:
+            DirectoryError: the version-1 names could not be read or written.
+        """
+        directory = cls(Path(state_dir) / DIRECTORY_FILE,
+                        KeyIndex.open(state_dir) if keys is None else keys)
+        if keys is None:
+            try:
+                directory._take_v1_names()
+            except BaseException:
+                directory.close()
+                raise
+        return directory
+
+    def _take_v1_names(self) -> None:
+        """Make this file now, the version-1 names copied in (`_writer`), when the keystore
+        holds some and the file is not there yet. Left to the first name written, they were
+        lost when the keystore moved to a custodian first (docs/install.md 6b), whose
+        records carry none. Only where this user makes the state directory's files: run as
+        another (root's `agent list` on the daemon's directory), a reader creates nothing."""
+        state_dir = self._path.parent
+        if self._path.exists() or not _ours(state_dir) or not _call(self._keys.v1_names):
+            return
+        with self._writer():
+            pass
 
     # --- reads ---------------------------------------------------------------------
 
@@ -348,6 +375,14 @@ class AgentDirectory:
                 self._db.close()
                 self._db = None
         self._keys.close()
+
+
+def _ours(state_dir: Path) -> bool:
+    """Whether this user owns `state_dir`: files it makes there are the daemon's to open."""
+    try:
+        return state_dir.stat().st_uid == os.geteuid()
+    except OSError:
+        return False
 
 
 def _call(read: Callable[[], T]) -> T:
