@@ -14,7 +14,9 @@ Rules:
 - It never connects to the agents' socket: under socket activation a connection starts
   the service, and status must not change what it reports on.
 - It creates nothing: a missing keystore, credential store or audit log reads as none.
-  Run it as the daemon's user (the `buzz-broker-admin` wrapper): the state directory is
+  (The one file it may write, as the daemon's user, is the directory's copy of a version-1
+  keystore's names, which every opener of the directory makes: daemon/state/directory.py;
+  no count changes.) Run it as the daemon's user (the `buzz-broker-admin` wrapper): the state directory is
   0700 and the PIN is the unit's credential.
 - Exit status: 0 running and every check ok; 1 running but a check failed (or the
   configuration is unusable); 3 not running (LSB "program is not running"; under socket
