@@ -38,6 +38,8 @@ Schema versions (`PRAGMA user_version`):
      again; the directory reads it for agents it has no name of its own for), and
      `agents` is dropped (secure_delete zeroes its freed pages). Depth is not kept: the
      directory derives it from the owner chain.
+  Any other version (a newer build's) is refused by the writer and every reader alike, in
+  one message (`_readable_version`): read as if empty, it would list no keys.
 
 Destroying a key, and what is beyond reach:
 - `PRAGMA secure_delete=ON` at open: SQLite zeroes the bytes of deleted or shrunk content
@@ -144,6 +146,17 @@ def _record(row: Row) -> KeyRecord:
                      deleted_at=deleted_at, mint_ref=mint_ref)
 
 
+def _readable_version(db: sqlite3.Connection, path: Path) -> int:
+    """The file's schema version; CustodyError (`db` closed) if this build does not read it.
+    Every opener asks here: a newer build's file would otherwise read as holding no keys."""
+    version = int(db.execute("PRAGMA user_version").fetchone()[0])
+    if version not in (0, 1, SCHEMA_VERSION):
+        db.close()
+        raise CustodyError(f"keystore {path} has schema version {version}; this build reads "
+                           f"up to {SCHEMA_VERSION} (a newer build's keystore needs that build)")
+    return version
+
+
 def _upgrade_from_1(db: sqlite3.Connection) -> bool:
     """Version 1 -> 2 in one transaction (module docstring). False if another process
     upgraded it first (the table is gone once we hold the write lock)."""
@@ -224,10 +237,7 @@ class Keystore(_PublicReads):
             db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             # Zero deleted content in pages (a destroyed key's blob); see the module docstring.
             db.execute("PRAGMA secure_delete=ON")
-            version = db.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, 1, SCHEMA_VERSION):
-                db.close()
-                raise CustodyError(f"keystore {path} has unknown schema version {version}")
+            version = _readable_version(db, path)
             upgraded = version == 1 and _upgrade_from_1(db)
             db.executescript(_SCHEMA)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
@@ -386,8 +396,10 @@ class ReadIndex(_PublicReads):
                 if not self.path.exists():
                     return []
                 try:
-                    self._db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True,
-                                               check_same_thread=False)
+                    db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True,
+                                         check_same_thread=False)
+                    _readable_version(db, self.path)
+                    self._db = db
                 except sqlite3.Error as exc:
                     raise CustodyError(f"cannot open keystore {self.path}: {exc}") from None
             for sql in queries:
@@ -429,6 +441,7 @@ def read_meta(state_dir: Path) -> dict[str, str]:
     try:
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
+            _readable_version(db, path)
             return dict(db.execute("SELECT name, value FROM custody_meta").fetchall())
         finally:
             db.close()
