@@ -31,7 +31,9 @@ Theory of operation:
   send itself failed) or is a lookup (no effect).
 - Errors: unknown_agent -> UnknownAgent, unseal_failed -> UnsealFailed, custody and
   refused and rate_limited -> CustodyError (refused: `IntentRefused`), invalid ->
-  ValueError, bad_message and internal -> CustodianUnavailable.
+  ValueError, bad_message and internal -> CustodianUnavailable. An answer of another
+  table version is CustodianUnavailable naming both versions: a custodian not restarted
+  after an upgrade, not a broken table.
 """
 
 from __future__ import annotations
@@ -157,6 +159,10 @@ def _raise(code: str, message: str) -> None:
 def _unwrap(body: bytes) -> object:
     try:
         ok, value = messages.decode_reply(body)
+    except messages.OtherVersion as exc:  # not tampering: a custodian of another build
+        raise CustodianUnavailable(
+            f"the custodian speaks table version {exc.version}, this build {messages.VERSION}: "
+            "restart the custodian after an upgrade (docs/install.md, 11)") from None
     except messages.BadMessage:
         raise CustodianUnavailable("the custodian's answer broke the table") from None
     if not ok:

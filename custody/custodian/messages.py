@@ -40,7 +40,7 @@ __all__ = [
     "VERSION", "MAX_FRAME", "MAX_VALUES", "MAX_EVENTS", "MAX_PAYLOADS", "MAX_SECRET_BYTES", "MAX_BACKUP_NAMES",
     "OPS", "TAILS", "LOOKUPS",
     "ERROR_CODES", "HEADER",
-    "BadMessage", "Request", "encode", "frame_length", "decode_request", "decode_reply",
+    "BadMessage", "OtherVersion", "Request", "encode", "frame_length", "decode_request", "decode_reply",
     "request", "reply_ok", "reply_error", "b64", "unb64",
 ]
 
@@ -82,6 +82,15 @@ ERROR_CODES: Final = frozenset({
 
 class BadMessage(Exception):
     """A frame that breaks the table. The message names the rule, never a value."""
+
+
+class OtherVersion(BadMessage):
+    """A message of another table version, `version` (an integer, as every build's `v`):
+    a peer of another build, such as a custodian not restarted after an upgrade."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"a version {version} message, not {VERSION}")
+        self.version = version
 
 
 Spec = Callable[[object], object]
@@ -265,7 +274,10 @@ def _parse(body: bytes | bytearray) -> dict[str, object]:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise BadMessage("not UTF-8 JSON") from None
-    if not isinstance(value, dict) or value.get("v") != VERSION or isinstance(value.get("v"), bool):
+    version = value.get("v") if isinstance(value, dict) else None
+    if type(version) is int and version != VERSION:  # type(): a bool is no version
+        raise OtherVersion(version)
+    if not isinstance(value, dict) or version != VERSION or isinstance(version, bool):
         raise BadMessage(f"not a version {VERSION} message")
     return value
 
