@@ -16,8 +16,8 @@ Rules:
 - It creates nothing: a missing keystore, credential store or audit log reads as none.
   (The one file it may write, as the daemon's user, is the directory's copy of a version-1
   keystore's names, which every opener of the directory makes: daemon/state/directory.py;
-  no count changes.) Run it as the daemon's user (the `buzz-broker-admin` wrapper): the state directory is
-  0700 and the PIN is the unit's credential.
+  no count changes.) Run it as the daemon's user (the `buzz-broker-admin` wrapper): the
+  state directory is 0700 and the PIN is the unit's credential.
 - Exit status: 0 running and every check ok; 1 running but a check failed (or the
   configuration is unusable); 3 not running (LSB "program is not running"; under socket
   activation that is normal until the first request).
