@@ -15,7 +15,7 @@ What runs (loopback only; nothing is written outside a temporary directory):
      by `bind_tcp_socket`, the daemon's action-API shape - `action_routes`, the [server]
      defaults of `HttpLimits` with the TCP listener's per-credential cap, an `AdmissionGate`
      that admits our uid (no user-database lookup), so every request passes the browser
-     rule (`daemon.loopback_tcp.browser_safe`) - and an application that answers every
+     rule (`daemon.loopback_tcp.browser_refusal`) - and an application that answers every
      request with the same 158-byte JSON envelope at once;
   3. one load-generator process (plain non-blocking sockets and epoll, no trio: its own
      cost stays small and off the server's loop): --connections keep-alive connections,

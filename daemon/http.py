@@ -22,10 +22,11 @@ Theory of operation:
   another method is 405 with ``Allow`` listing the path's methods; any other target is
   404. Neither has a body (on the agents' socket: no envelope, the request was never
   judged). Other transport faults are likewise bodiless: 400 (malformed HTTP), 408 (too
-  slow), 403 (a TCP peer or request refused, below), 413 (body too large), 431 (headers
-  too large), 500 (the handler raised), 505 (an
+  slow), 413 (body too large), 431 (headers too large), 500 (the handler raised), 505 (an
   HTTP version other than 1.0 and 1.1, which h11 would otherwise treat as 1.1; the
-  connection is closed). A HEAD
+  connection is closed). The one exception is 403 (a TCP peer or request refused, below):
+  its ``text/plain`` body is the fixed line of `daemon.loopback_tcp.Refusal` naming the
+  rule, since the rule is one an ordinary HTTP client can break (Node's fetch). A HEAD
   request is answered with its handler's status and headers (the real Content-Length)
   and no body, as HTTP requires; only a table that lists HEAD routes it.
 
@@ -74,10 +75,10 @@ Loopback TCP listeners (the action API's [server] listen_tcp, the metrics listen
 peer's uid comes from the kernel for the exact connection (`daemon.tcp_peer`; None when
 unknown) and is the key of the per-uid bounds as SO_PEERCRED's is on a Unix socket. The
 action API passes ``admit`` (its allow-list): a uid it refuses, unknown included, gets a
-bodiless 403 before a byte is read. Every request on a TCP listener must pass
-`daemon.loopback_tcp.browser_safe` (its Host is the listener's own loopback literal; no
-Origin, Sec-Fetch-* or Upgrade) before routing, else a bodiless 403 and the connection is
-closed: no handler sees it. No CORS header is ever written.
+403 (`Refusal.UID`) before a byte is read. Every request on a TCP listener must pass
+`daemon.loopback_tcp.browser_refusal` (its Host is the listener's own loopback literal; no
+Origin, Sec-Fetch-* or Upgrade) before routing, else a 403 whose body names the rule
+broken and the connection is closed: no handler sees it. No CORS header is ever written.
 
 Credentials: the value of the single ``Authorization`` header is handed over as received
 (decoded as ASCII). Two or more Authorization headers, or a non-ASCII value, are handed
@@ -131,7 +132,7 @@ import trio
 
 from daemon.fault_log import FaultLog
 from daemon.log import log_event
-from daemon.loopback_tcp import browser_safe
+from daemon.loopback_tcp import Refusal, browser_refusal
 from daemon.peer_shares import ByteBudget, ConnectionCounts
 from daemon.tcp_peer import peer_uid
 
@@ -223,7 +224,10 @@ _TOO_MANY_FROM_UID = (
 )
 #: What a TCP connection whose peer uid is unknown or not allowed gets, before a byte of
 #: its request is read ([server] tcp_allow_uids / tcp_allow_groups).
-_NOT_ADMITTED = b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+_NOT_ADMITTED = (
+    b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
+    b"Connection: close\r\n\r\n%s" % (len(Refusal.UID.value), Refusal.UID.value)
+)
 #: How long that answer may take to write before the connection is simply closed.
 _REFUSE_WRITE_SECONDS = 1.0
 
@@ -745,14 +749,16 @@ class _Connection:
         if event.http_version not in _VERSIONS:
             await self._respond(505, None, close=True)
             raise _Closed
-        # 0b. On TCP, what a browser could have sent goes no further (daemon/loopback_tcp.py):
-        # no handler, no envelope, no audit record; the connection is closed.
-        if self.tcp_port is not None and not browser_safe(headers, self.tcp_port):
-            self.control.tcp_refusals.record(("browser",), reason="host/origin/sec-fetch/upgrade",
-                                             peer_uid=self.peer_uid)
-            await self._respond(403, None, close=True)
-            raise _Closed
         self.head = event.method == b"HEAD"
+        # 0b. On TCP, what a browser could have sent goes no further (daemon/loopback_tcp.py):
+        # no handler, no envelope, no audit record; the connection is closed. The answer's
+        # body names the rule broken, in fixed words (`Refusal`).
+        refusal = browser_refusal(headers, self.tcp_port) if self.tcp_port is not None else None
+        if refusal is not None:
+            self.control.tcp_refusals.record(("browser", refusal.name), reason=refusal.name.lower(),
+                                             peer_uid=self.peer_uid)
+            await self._respond(403, refusal.value, "text/plain", close=True)
+            raise _Closed
         # 1. Route. No refusal carries a body, so a bodiless request keeps its connection.
         route = self.routes.find(event.method, event.target)
         length_text = next((v for n, v in headers if n == b"content-length"), None)
@@ -911,8 +917,8 @@ async def serve(
         admit: on a TCP listener, which peer uids (daemon/tcp_peer.py; None = unknown) may
             connect, asked in the connection's task (so a slow user database holds up only
             that connection); a refused one, or one not decided within
-            ``limits.request_timeout``, gets a bodiless 403 before a byte is read. None admits
-            every peer (the metrics listener). Every TCP listener also refuses what a
+            ``limits.request_timeout``, gets a 403 (`Refusal.UID`) before a byte is read.
+            None admits every peer (the metrics listener). Every TCP listener also refuses what a
             browser could send (daemon/loopback_tcp.py).
         task_status: ``started(control)`` once the socket is listening.
 

@@ -23,9 +23,17 @@ API there too, under these rules (docs/configuration.md, docs/install.md):
   ``[::1]:P`` or ``localhost:P`` for the port it arrived on (a DNS-rebinding page names
   its own host; on port 80, the port an HTTP client leaves out, the name alone too), and
   none of ``Origin``, ``Sec-Fetch-*``, ``Upgrade`` (every browser sends one of them on a
-  cross-site request; no agent does). Anything else is a bodiless 403 before routing:
-  never judged, never audited; no CORS header is ever sent. The metrics TCP listener has
-  the same rule.
+  cross-site request; no agent does, but Node's built-in ``fetch`` sends
+  ``Sec-Fetch-Mode`` on every request, so it cannot be used here). Anything else is a 403
+  before routing: never judged, never audited; no CORS header is ever sent. The metrics
+  TCP listener has the same rule.
+- **What a 403 says.** Its ``text/plain`` body is one fixed line of ours naming the rule
+  that refused (`Refusal`): an integrator whose HTTP client adds a browser's header learns
+  which rule to read instead of seeing an empty answer it may take for a lost one and
+  retry for ever. Nothing the client sent is echoed (no Host, no Origin). Which page can
+  read it: a cross-origin one cannot (no CORS header); a DNS-rebinding page, same-origin
+  with its own 403, can, and learns only which of these fixed lines applied, which the
+  rule's public documentation says already.
 
 Pure functions over values, plus the two lookups they need (the user database for group
 membership, the sysctl for the privileged port range). The user database may be a network
@@ -36,6 +44,7 @@ to `MEMBERSHIP_STALE` more while it is asked again in the background.
 
 from __future__ import annotations
 
+import enum
 import grp
 import logging
 import os
@@ -55,7 +64,8 @@ __all__ = [
     "AdmissionGate",
     "MEMBERSHIP_TTL",
     "MEMBERSHIP_STALE",
-    "browser_safe",
+    "Refusal",
+    "browser_refusal",
     "HTTP_DEFAULT_PORT",
     "unprivileged_port_start",
     "port_holder",
@@ -113,15 +123,33 @@ def _accepted_hosts(port: int) -> frozenset[bytes]:
     return frozenset(with_port | _DEFAULT_PORT_SPELLINGS.get(port, frozenset()))
 
 
-def browser_safe(headers: Sequence[tuple[bytes, bytes]], port: int) -> bool:
-    """True when a request's headers (lowercase names, as h11 gives them) pass the rule."""
+class Refusal(enum.Enum):
+    """Why a loopback TCP listener answered 403; each value is that answer's whole
+    ``text/plain`` body (docs/protocol.md §1 quotes them). Fixed words, never a byte the
+    client sent."""
+
+    #: The peer's uid is not in ``tcp_allow_uids``/``tcp_allow_groups``, or is unknown.
+    UID = b"refused: this user may not connect to this listener\n"
+    #: No Host (HTTP/1.0; h11 answers 400 to HTTP/1.1 without one, or to two), or one
+    #: that is not the listener's own loopback name and port.
+    HOST = (b"refused: Host is not this listener's "
+            b"(127.0.0.1:PORT, [::1]:PORT or localhost:PORT)\n")
+    #: An ``Origin``, ``Sec-Fetch-*`` or ``Upgrade`` header. Node's built-in fetch (undici)
+    #: sends ``Sec-Fetch-Mode: cors`` on every request, so the line names it.
+    BROWSER = (b"refused: a browser's request (Origin, Sec-Fetch-* or Upgrade header; "
+               b"Node's built-in fetch always sends Sec-Fetch-Mode)\n")
+
+
+def browser_refusal(headers: Sequence[tuple[bytes, bytes]], port: int) -> Refusal | None:
+    """Which rule a request's headers (lowercase names, as h11 gives them) break, if any:
+    the Host rule first (a rebound page breaks it whatever else it sends), then the
+    browser headers."""
     hosts = [value for name, value in headers if name == b"host"]
-    if len(hosts) != 1:
-        return False
-    if hosts[0].lower() not in _accepted_hosts(port):
-        return False
-    return not any(name in _BROWSER_HEADERS or name.startswith(_BROWSER_PREFIX)
-                   for name, _ in headers)
+    if len(hosts) != 1 or hosts[0].lower() not in _accepted_hosts(port):
+        return Refusal.HOST
+    if any(name in _BROWSER_HEADERS or name.startswith(_BROWSER_PREFIX) for name, _ in headers):
+        return Refusal.BROWSER
+    return None
 
 
 def unprivileged_port_start() -> int:

@@ -273,18 +273,27 @@ async def test_credential_without_uid_accepted_over_tcp_when_allowed(
         await daemon.stop()
 
 
+#: Node's global fetch (undici 6, node 20) as it sends a POST, header for header: the
+#: Sec-Fetch-Mode it always adds is the browser rule's.
+NODE_FETCH = ("connection: keep-alive\r\naccept: */*\r\naccept-language: *\r\n"
+              "sec-fetch-mode: cors\r\nuser-agent: node\r\naccept-encoding: gzip, deflate\r\n")
+
 BROWSER_LIKE = [
-    pytest.param({"extra": "Origin: http://evil.example\r\n"}, id="origin"),
-    pytest.param({"extra": "Origin: null\r\n"}, id="origin-null"),
-    pytest.param({"extra": "Sec-Fetch-Site: cross-site\r\nSec-Fetch-Mode: no-cors\r\n"},
-                 id="sec-fetch"),
-    pytest.param({"extra": "Upgrade: websocket\r\nConnection: Upgrade\r\n"}, id="upgrade"),
-    pytest.param({"host": "evil.example"}, id="rebound-host"),
-    pytest.param({"host": "evil.example:{port}"}, id="rebound-host-port"),
-    pytest.param({"host": "127.0.0.1"}, id="no-port"),
-    pytest.param({"host": "127.0.0.1:1"}, id="other-port"),
-    pytest.param({"host": "127.0.0.2:{port}"}, id="other-loopback"),
-    # h11 refuses two Host headers itself (400), before this layer sees the request.
+    pytest.param({"extra": "Origin: http://evil.example\r\n", "rule": "BROWSER"}, id="origin"),
+    pytest.param({"extra": "Origin: null\r\n", "rule": "BROWSER"}, id="origin-null"),
+    pytest.param({"extra": "Sec-Fetch-Site: cross-site\r\nSec-Fetch-Mode: no-cors\r\n",
+                  "rule": "BROWSER"}, id="sec-fetch"),
+    pytest.param({"extra": NODE_FETCH, "rule": "BROWSER"}, id="node-fetch"),
+    pytest.param({"extra": "Upgrade: websocket\r\nConnection: Upgrade\r\n", "rule": "BROWSER"},
+                 id="upgrade"),
+    pytest.param({"host": "evil.example", "rule": "HOST"}, id="rebound-host"),
+    pytest.param({"host": "evil.example:{port}", "extra": "Origin: http://evil.example\r\n",
+                  "rule": "HOST"}, id="rebound-host-port"),
+    pytest.param({"host": "127.0.0.1", "rule": "HOST"}, id="no-port"),
+    pytest.param({"host": "127.0.0.1:1", "rule": "HOST"}, id="other-port"),
+    pytest.param({"host": "127.0.0.2:{port}", "rule": "HOST"}, id="other-loopback"),
+    # h11 refuses two Host headers itself (400, malformed HTTP), before this layer sees the
+    # request: a bare 400, like every malformed request's.
     pytest.param({"host": "127.0.0.1:{port}\r\nHost: evil.example", "status": "400"},
                  id="two-hosts"),
 ]
@@ -295,16 +304,21 @@ BROWSER_LIKE = [
 async def test_browser_requests_refused_without_reaching_the_pipeline(
         tcp_host: Host, variant: dict[str, str]) -> None:
     """What a page could send (an Origin, Sec-Fetch-*, Upgrade, or a Host other than the
-    listener's own loopback literal) is a bodiless 403, no CORS header, and nothing in the
-    audit log - though the credential is valid and the same request, sent as an agent
-    sends it, succeeds and is audited."""
+    listener's own loopback literal) is a 403 whose text/plain body is the fixed line
+    naming the rule broken (nothing the request held: no Host, Origin, credential or
+    requestId), no CORS header, and nothing in the audit log - though the credential is
+    valid and the same request, sent as an agent sends it, succeeds and is audited."""
     port = tcp_host.port
     refused_id = f"browser-{uuid.uuid4()}"
     host = variant.get("host", "").replace("{port}", str(port)) or None
     request = http_request(port, storage_address(refused_id), tcp_host.root_bound, host=host,
                            extra=variant.get("extra", ""))
     status, headers, body = await as_uid(0, port, request)
-    assert (status, body) == (int(variant.get("status", "403")), b"")
+    if "rule" in variant:
+        expected = loopback_tcp.Refusal[variant["rule"]].value
+        assert (status, body, headers.get("content-type")) == (403, expected, "text/plain")
+    else:
+        assert (status, body) == (int(variant["status"]), b"")
     assert not [h for h in headers if h.startswith("access-control-")]
     assert headers.get("connection") == "close"
     accepted_id = f"agent-{uuid.uuid4()}"
@@ -323,6 +337,57 @@ async def test_browser_requests_refused_without_reaching_the_pipeline(
     assert refused_id.encode() not in audit
 
 
+#: Node's global fetch, then node:http with the same bytes, against the TCP listener:
+#: what each got, as JSON. The credential comes from a file, never argv.
+NODE_BOTH_WAYS = r"""
+const http = require("node:http"); const fs = require("node:fs");
+const [port, credentialFile, requestId, channel] = process.argv.slice(1);
+const credential = fs.readFileSync(credentialFile, "utf8").trim();
+const body = Buffer.from(JSON.stringify({type: "broker_request", protocolVersion: 1, requestId,
+  actionVersion: 1, action: "storage.address", args: {slug: "core"}}));
+const headers = {Authorization: `Bearer ${credential}`, "Content-Type": "application/json"};
+(async () => {
+  const res = await fetch(`http://127.0.0.1:${port}/v1/action`, {method: "POST", body, headers});
+  const fetched = {status: res.status, contentType: res.headers.get("content-type"),
+    cors: [...res.headers.keys()].filter((k) => k.startsWith("access-control-")), body: await res.text()};
+  const viaHttp = await new Promise((resolve, reject) => {
+    const req = http.request({host: "127.0.0.1", port: Number(port), path: "/v1/action", method: "POST",
+      headers: {...headers, "Content-Length": body.length}}, (r) => {
+      const chunks = []; r.on("data", (c) => chunks.push(c));
+      r.on("end", () => resolve({status: r.statusCode, body: Buffer.concat(chunks).toString("utf8")}));
+    });
+    req.on("error", reject); req.end(body);
+  });
+  console.log(JSON.stringify({fetched, viaHttp}));
+})();
+"""
+
+
+@needs_root
+async def test_nodes_fetch_is_refused_by_name_and_node_http_is_served(tcp_host: Host,
+                                                                      tmp_path: Path) -> None:
+    """Node's built-in fetch always sends Sec-Fetch-Mode: the listener answers it 403 with
+    the browser rule's fixed line (an empty 403 read as "no answer" would be retried for
+    ever), and node:http, which adds no such header, is served the same bytes' envelope:
+    the way docs/protocol.md §1 sends a Node agent."""
+    node = shutil.which("node")
+    assert node is not None, "node is missing: `make deps` installs nodejs"
+    credential = tmp_path / "credential"
+    credential.write_text(tcp_host.root_bound)
+    credential.chmod(0o600)
+    request_id = f"node-{uuid.uuid4()}"
+    done = await trio.run_process([node, "-e", NODE_BOTH_WAYS, str(tcp_host.port), str(credential),
+                                   request_id, CHANNEL], capture_stdout=True, capture_stderr=True,
+                                  check=False)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    got = json.loads(done.stdout)
+    assert got["fetched"] == {"status": 403, "contentType": "text/plain", "cors": [],
+                              "body": loopback_tcp.Refusal.BROWSER.value.decode()}
+    assert got["viaHttp"]["status"] == 200
+    envelope = json.loads(got["viaHttp"]["body"])
+    assert (envelope["requestId"], envelope["status"]) == (request_id, "succeeded")
+
+
 async def test_uid_not_allowed_refused_before_a_byte(
         custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path) -> None:
     """A peer uid not in tcp_allow_uids/tcp_allow_groups gets 403 before it sends anything."""
@@ -331,7 +396,9 @@ async def test_uid_not_allowed_refused_before_a_byte(
     daemon, port, _socket = await start_daemon(custody_state, local_relay, tmp_path, [0])
     try:
         status, headers, body = await as_uid(NOBODY, port, b"")  # sends no byte at all
-        assert (status, body, headers.get("connection")) == (403, b"", "close")
+        assert (status, body, headers.get("connection")) == (403, loopback_tcp.Refusal.UID.value,
+                                                             "close")
+        assert headers.get("content-type") == "text/plain"
         # uid 0 is allowed: the same listener answers it (a route refusal, not a 403).
         status, _, _ = await as_uid(0, port, f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
                                              "Connection: close\r\n\r\n".encode())
@@ -571,18 +638,29 @@ async def _open(path: str, credential: str, scheme: str = "Bearer"
 
 async def test_per_credential_connection_cap(sockdir: str) -> None:
     """Past max_connections_per_credential, one more connection carrying that credential is
-    503 and closed; another credential of the same uid is still served; a closed
-    connection frees its place."""
+    503 and closed, with no body and no Retry-After, and its request never reaches the
+    application (docs/protocol.md §1: never acted on); another credential of the same uid
+    is still served; a closed connection frees its place."""
+    seen: list[HttpRequest] = []
+
+    class Counting:
+        async def handle(self, request: HttpRequest) -> HttpAnswer:
+            seen.append(request)
+            return HttpAnswer(200, b"{}")
+
     path = os.path.join(sockdir, "cap.sock")
     limits = HttpLimits(max_connections_per_credential=2, request_timeout=5)
     async with trio.open_nursery() as nursery:
-        control = await nursery.start(serve, action_routes(_Echo()), path, limits)
+        control = await nursery.start(serve, action_routes(Counting()), path, limits)
         first, a = await _open(path, "same")
         second, b = await _open(path, "same")
         third, c = await _open(path, "same")
         other, d = await _open(path, "other")
         assert a.startswith(b"HTTP/1.1 200 ") and b.startswith(b"HTTP/1.1 200 ")
         assert c.startswith(b"HTTP/1.1 503 ") and d.startswith(b"HTTP/1.1 200 ")
+        assert c.endswith(b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        assert b"retry-after" not in c.lower()
+        assert len(seen) == 3  # a, b and d: the refused one was never handed over
         await first.aclose()
         await trio.sleep(0.1)  # the server notices the close and releases the place
         again, e = await _open(path, "same")
@@ -677,7 +755,8 @@ async def test_another_uid_cannot_use_up_a_credentials_share() -> None:
 @pytest.mark.parametrize("extra", ["Origin: http://a.example\r\n", "Sec-Fetch-Mode: cors\r\n",
                                    "Upgrade: websocket\r\n"])
 async def test_metrics_listener_refuses_browsers(extra: str) -> None:
-    """[metrics] listen has the same browser rule: only its own Host, no browser headers."""
+    """[metrics] listen has the same browser rule: only its own Host, no browser headers;
+    its 403 names the rule as the action API's does, and a HEAD gets the headers alone."""
     tcp = bind_tcp_socket("127.0.0.1", 0)
     port = tcp.getsockname()[1]
 
@@ -692,9 +771,17 @@ async def test_metrics_listener_refuses_browsers(extra: str) -> None:
         ok = await scrape(f"GET /metrics HTTP/1.1\r\nHost: localhost:{port}\r\n\r\n")
         assert ok.startswith(b"HTTP/1.1 200 ")
         refused = await scrape(f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{extra}\r\n")
-        assert refused.startswith(b"HTTP/1.1 403 ") and refused.endswith(b"\r\n\r\n")
+        browser = loopback_tcp.Refusal.BROWSER.value
+        assert refused.startswith(b"HTTP/1.1 403 ")
+        assert refused.endswith(b"\r\n\r\n" + browser)
+        assert b"\r\nContent-Type: text/plain\r\n" in refused
+        assert b"access-control-" not in refused.lower()
+        head = await scrape(f"HEAD /metrics HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{extra}\r\n")
+        assert head.startswith(b"HTTP/1.1 403 ")
+        assert head.endswith(b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(browser))
         rebound = await scrape("GET /metrics HTTP/1.1\r\nHost: evil.example\r\n\r\n")
         assert rebound.startswith(b"HTTP/1.1 403 ")
+        assert rebound.endswith(b"\r\n\r\n" + loopback_tcp.Refusal.HOST.value)
         nursery.cancel_scope.cancel()
 
 
@@ -729,9 +816,11 @@ def test_host_without_port_names_only_a_port_80_listener(host: bytes, port: int,
     """curl and Buzz's own transport, given ``http://127.0.0.1/``, send ``Host: 127.0.0.1``:
     a listener on port 80 takes the three loopback names bare, any other port refuses
     them, and a rebinding page's own name is refused on both."""
-    assert loopback_tcp.browser_safe([(b"host", host)], port) is accepted
+    refused = None if accepted else loopback_tcp.Refusal.HOST
+    assert loopback_tcp.browser_refusal([(b"host", host)], port) is refused
     with_origin = [(b"host", host), (b"origin", b"http://evil.example")]
-    assert loopback_tcp.browser_safe(with_origin, port) is False
+    assert loopback_tcp.browser_refusal(with_origin, port) is (
+        loopback_tcp.Refusal.BROWSER if accepted else loopback_tcp.Refusal.HOST)
 
 
 @pytest.mark.parametrize("whole", [True, False], ids=["head-whole", "head-never-ends"])
@@ -1082,7 +1171,8 @@ async def test_a_lookup_that_never_answers_admits_nobody() -> None:
                                                   admit=AdmissionGate(directory, nursery=nursery)))
             with trio.fail_after(10):
                 refused = await _answer(port)
-            assert refused.startswith(b"HTTP/1.1 403 ") and refused.endswith(b"\r\n\r\n")
+            assert refused.startswith(b"HTTP/1.1 403 ")
+            assert refused.endswith(b"\r\n\r\n" + loopback_tcp.Refusal.UID.value)
             nursery.cancel_scope.cancel()
     finally:
         directory.release.set()
@@ -1287,8 +1377,8 @@ def port_holder_for(port: int, *, held: bool = False) -> str | None:
 def test_only_the_three_loopback_names_are_a_listeners_host(host: bytes) -> None:
     """`0.0.0.0` reaches loopback from a browser ("0.0.0.0 day"), and other spellings of
     loopback are no name an agent uses: none of them is the listener's Host."""
-    assert loopback_tcp.browser_safe([(b"host", host)], 8080) is False
-    assert loopback_tcp.browser_safe([(b"host", host)], 80) is False
+    assert loopback_tcp.browser_refusal([(b"host", host)], 8080) is loopback_tcp.Refusal.HOST
+    assert loopback_tcp.browser_refusal([(b"host", host)], 80) is loopback_tcp.Refusal.HOST
 
 
 def test_the_first_unprivileged_port_is_not_privileged(monkeypatch: pytest.MonkeyPatch,

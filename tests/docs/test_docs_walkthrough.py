@@ -293,6 +293,10 @@ READING_ORDER: list[tuple[str, str, Step | str]] = [
      "tests/docs/test_agents_doc.py (against buzz-client.md, and as shell that sets them)"),
     ("protocol.md", "POST /v1/action",
      "the exchange's form, with placeholders; curl, httpx and TypeScript below are its instances"),
+    ("protocol.md", "tcp-refusals",
+     "a loopback TCP listener's 403 bodies, to read: tests/docs/test_protocol_lists.py::"
+     "test_the_403_lines_are_the_listeners_own, and the daemon sends them in "
+     "tests/test_tcp_listener.py::test_browser_requests_refused_without_reaching_the_pipeline"),
     *[("protocol.md", label, step) for label, step in list[tuple[str, Step | str]]([
         ("request-message.post", _sent("request-message.post")),
         ("response-message.post", _checked_with("request-message.post")),

@@ -5,6 +5,9 @@ becomes best effort, or takes the shared publish outcome, cannot leave the prose
 - §5, the `unsupported` row: the best-effort actions (`ActionSpec.best_effort`), on which a
   client carries on.
 - §4's opening: the actions whose outcome is the published event (`PublishOutcome`).
+- §1: the answers without an envelope are every status the transport writes besides 200
+  (`daemon.http`'s reason table), and the 403 lines quoted are the listener's own
+  (`daemon.loopback_tcp.Refusal`).
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ from __future__ import annotations
 import re
 
 from buzzwire.contract import ACTIONS, PublishOutcome
-from tests.docs.snippets import REPO, passage
+from daemon import http
+from daemon.loopback_tcp import Refusal
+from tests.docs.snippets import REPO, block, passage
 
 PROTOCOL_MD = REPO / "docs" / "protocol.md"
 _NAME = re.compile(r"`([a-z]+\.[a-z]+)`")
@@ -32,3 +37,17 @@ def test_the_shared_publish_outcome_lists_every_action_that_has_it() -> None:
     listed = _named(r"The actions that publish one event of their own \((.*?)\) share one outcome")
     assert listed == {name for name, spec in ACTIONS.items()
                       if spec.outcome_type is PublishOutcome}
+
+
+def test_the_no_envelope_table_has_every_status_the_transport_writes() -> None:
+    table = passage(PROTOCOL_MD, r"^\| status \(no envelope\) \|.*?\n\|---[^\n]*\n(.*?)\n\n")
+    # A row opening with a status is the broker's; "anything else" (a proxy's) is not.
+    cells = [row.split("|")[1].strip() for row in table.splitlines()]
+    listed = {int(code) for cell in cells if cell.startswith("`")
+              for code in re.findall(r"`(\d{3})`", cell)}
+    assert listed == set(http._REASONS) - {200}
+
+
+def test_the_403_lines_are_the_listeners_own() -> None:
+    quoted = block(PROTOCOL_MD, "tcp-refusals").encode().splitlines(keepends=True)
+    assert quoted == [refusal.value for refusal in Refusal]
