@@ -38,7 +38,8 @@ from typing import TypeGuard
 
 from ._codes import ContractError, ErrorCode
 from ._rules import Rule
-from ._limits import MAX_CURSOR_BYTES, MAX_JSON_INT, MAX_REQUEST_ID_BYTES, MAX_SLUG_BYTES
+from ._limits import (MAX_CURSOR_BYTES, MAX_JSON_INT, MAX_REQUEST_ID_BYTES, MAX_SLUG_BYTES,
+                      MAX_SLUG_SEGMENT_CHARS)
 from ._text import TextKind, is_blank, refused_in, trim
 
 __all__ = [
@@ -60,8 +61,20 @@ _UUID = re.compile(
 )
 # requestId and cursor: printable ASCII without space, 0x21-0x7E.
 _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
-# NIP-AE slug grammar (spec buzz-on-the-relay.md, "Encrypted memory address").
-_SLUG = re.compile(r"core|mem/[a-z0-9][a-z0-9_-]{0,63}(?:/[a-z0-9][a-z0-9_-]{0,63})*")
+# NIP-AE slug grammar (spec buzz-on-the-relay.md, "Encrypted memory address"):
+# core, or ^mem/[a-z0-9][a-z0-9_-]{0,63}(/[a-z0-9][a-z0-9_-]{0,63})*$, at most 255 bytes.
+# This pattern alone decides what is accepted; `_SLUG_FAULTS` only says why a refused one is.
+_SLUG_SEGMENT = rf"[a-z0-9][a-z0-9_-]{{0,{MAX_SLUG_SEGMENT_CHARS - 1}}}"
+_SLUG = re.compile(rf"core|mem/{_SLUG_SEGMENT}(?:/{_SLUG_SEGMENT})*")
+_SLUG_ALPHABET = re.compile(r"[a-z0-9_-]*")
+#: Which part of the grammar a ``mem/`` slug's segments break, asked in this order (the
+#: first that any segment breaks is the one the agent is told). The shape itself (the
+#: prefix, no empty segment) and the byte bound are asked before and after (`_slug_fault`).
+_SLUG_FAULTS: tuple[tuple[Callable[[str], bool], Rule], ...] = (
+    (lambda segment: _SLUG_ALPHABET.fullmatch(segment) is None, Rule.SLUG_CHARACTER),
+    (lambda segment: segment[0] in "_-", Rule.SLUG_SEGMENT_START),
+    (lambda segment: len(segment) > MAX_SLUG_SEGMENT_CHARS, Rule.SLUG_SEGMENT_LONG),
+)
 
 #: TextKind -> the rule its refusal names.
 _REFUSED_RULE: dict[TextKind, Rule] = {
@@ -209,9 +222,24 @@ def cursor(value: object, pointer: str) -> str:
 
 def slug(value: object, pointer: str) -> str:
     string = trim(_string(value, pointer))
-    if len(string) > MAX_SLUG_BYTES or _SLUG.fullmatch(string) is None:
-        raise fault(pointer, Rule.SLUG)
-    return string
+    if len(string) <= MAX_SLUG_BYTES and _SLUG.fullmatch(string) is not None:
+        return string
+    # `max` fills BYTES's template; the slug rules' own have no placeholder.
+    raise fault(pointer, _slug_fault(string), max=MAX_SLUG_BYTES)
+
+
+def _slug_fault(string: str) -> Rule:
+    """Which rule a slug the grammar refused breaks: the one an agent can fix it by."""
+    if not string.startswith("mem/"):
+        return Rule.SLUG
+    segments = string[len("mem/"):].split("/")
+    if "" in segments:
+        return Rule.SLUG
+    for broken, rule in _SLUG_FAULTS:
+        if any(broken(segment) for segment in segments):
+            return rule
+    # Every segment is grammatical, so the slug is ASCII: its length is its bytes.
+    return Rule.BYTES
 
 
 def boolean(value: object, pointer: str) -> bool:

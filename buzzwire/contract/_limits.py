@@ -16,7 +16,7 @@ __all__ = [
     "MAX_REQUEST_ID_BYTES", "MAX_CURSOR_BYTES", "MAX_CONTENT_BYTES", "MAX_MENTIONS",
     "MIN_LIMIT", "MAX_LIMIT", "DEFAULT_LIMIT", "MAX_DISPLAY_NAME_CHARS", "MAX_ABOUT_CHARS",
     "MAX_PICTURE_CHARS", "MAX_SYSTEM_PROMPT_CHARS", "MAX_SCALAR_CHARS", "MAX_REACTION_CHARS",
-    "MAX_SLUG_BYTES", "MAX_NESTING", "MIN_JSON_INT", "MAX_JSON_INT", "MAX_KIND",
+    "MAX_SLUG_BYTES", "MAX_SLUG_SEGMENT_CHARS", "MAX_NESTING", "MIN_JSON_INT", "MAX_JSON_INT", "MAX_KIND",
     "PROTOCOL_VERSION", "ACTION_VERSION", "MAX_MEMORY_BODY_BYTES", "MAX_FRAMES",
     "MAX_OBSERVER_BYTES", "MAX_U32", "MAX_U16", "MAX_PAGE_BYTES",
 ]
@@ -51,6 +51,9 @@ MAX_SCALAR_CHARS = 300
 MAX_REACTION_CHARS = 66
 #: spec storage.address / NIP-AE: a slug is at most 255 bytes (ASCII grammar: bytes == chars).
 MAX_SLUG_BYTES = 255
+#: NIP-AE's slug grammar (buzz-on-the-relay.md "Encrypted memory address"): each segment
+#: after ``mem/`` is ``[a-z0-9][a-z0-9_-]{0,63}``, at most 64 characters.
+MAX_SLUG_SEGMENT_CHARS = 64
 #: NIP-BA storage.put / NIP-AE Writing: the compact UTF-8 body {"slug":s,"value":v} (or
 #: core's {"slug":"core","profile":v}) is at most 65,535 bytes, the NIP-44 plaintext cap.
 MAX_MEMORY_BODY_BYTES = 65_535

@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 from typing import Final
 
-from ._limits import MAX_MEMORY_BODY_BYTES, MAX_OBSERVER_BYTES, MAX_SLUG_BYTES
+from ._limits import MAX_MEMORY_BODY_BYTES, MAX_OBSERVER_BYTES, MAX_SLUG_SEGMENT_CHARS
 
 __all__ = ["Rule", "MAX_SHOWN_POINTER_CHARS", "refusal_message"]
 
@@ -66,7 +66,12 @@ class Rule(enum.Enum):
     HEX64 = "expected 64 hex characters"
     PUBKEY = "not an x-only point on secp256k1"
     VISIBLE_ASCII = "expected 1-{max} bytes of printable ASCII without spaces"
-    SLUG = f"expected core or a mem/... slug of at most {MAX_SLUG_BYTES} bytes"
+    #: NIP-AE's slug grammar, one rule per part of it (`_ids.slug`); a slug over its byte
+    #: bound is `BYTES`.
+    SLUG = "expected core, or mem/ then one or more segments separated by single /"
+    SLUG_CHARACTER = "a segment holds a character other than a-z, 0-9, _ and -"
+    SLUG_SEGMENT_START = "a segment starts with _ or -, not a-z or 0-9"
+    SLUG_SEGMENT_LONG = f"a segment is longer than {MAX_SLUG_SEGMENT_CHARS} characters"
     BLANK = "empty or whitespace-only"
     CHARS = "longer than {max} characters"
     BYTES = "longer than {max} bytes"

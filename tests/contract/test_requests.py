@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import re
 from typing import Any
 
 import coincurve
@@ -11,7 +13,7 @@ import pytest
 
 from buzzwire.contract import (
     ACTIONS, DEFAULT_LIMIT, MAX_MEMORY_BODY_BYTES, RESERVED_NAMES, AgentTarget,
-    ChannelReadArgs, ContractError, ErrorCode, MessagePostArgs, ProfileSetArgs, Request,
+    ChannelReadArgs, ContractError, ErrorCode, MessagePostArgs, ProfileSetArgs, Request, Rule,
     build_request, encode_request, normalize_channel_id, read_request,
 )
 from tests.contract.vectors import (
@@ -329,13 +331,29 @@ def test_legal_slugs(slug: str) -> None:
     assert args_of("storage.address", slug=slug).slug == slug.strip()
 
 
-@pytest.mark.parametrize("slug", [
-    "", "Core", "mem", "mem/", "mem/a/", "mem//a", "mem/-a", "mem/_a", "mem/A", "mem/a.b",
-    "mem/" + "a" * 65, "mem/" + "/".join(["a" * 63] * 4), "core/x", "mem/é", "mem/a b",
-    "mem/a//b", "mem/notes//x/y",  # an empty segment after the first, too
-])
-def test_illegal_slugs(slug: str) -> None:
-    assert args_fault("storage.address", {"slug": slug}) == "/args/slug"
+#: (slug, the rule its refusal names): the agent is told which part of NIP-AE's grammar it
+#: broke, so a 65-character segment is not reported as a slug over 255 bytes.
+ILLEGAL_SLUGS = [
+    ("", Rule.SLUG), ("Core", Rule.SLUG), ("mem", Rule.SLUG), ("mem/", Rule.SLUG),
+    ("mem/a/", Rule.SLUG), ("mem//a", Rule.SLUG), ("core/x", Rule.SLUG),
+    ("mem/a//b", Rule.SLUG), ("mem/notes//x/y", Rule.SLUG),  # an empty segment after the first
+    ("mem/-a", Rule.SLUG_SEGMENT_START), ("mem/_a", Rule.SLUG_SEGMENT_START),
+    ("mem/ok/-a", Rule.SLUG_SEGMENT_START),
+    ("mem/A", Rule.SLUG_CHARACTER), ("mem/a.b", Rule.SLUG_CHARACTER),
+    ("mem/é", Rule.SLUG_CHARACTER), ("mem/a b", Rule.SLUG_CHARACTER),
+    ("mem/_A", Rule.SLUG_CHARACTER),  # two faults: the character is told first
+    ("mem/" + "a" * 65, Rule.SLUG_SEGMENT_LONG),
+    ("mem/ok/" + "a" * 65, Rule.SLUG_SEGMENT_LONG),
+    ("mem/" + "/".join(["a" * 63] * 4), Rule.BYTES),
+]
+
+
+@pytest.mark.parametrize(("slug", "rule"), ILLEGAL_SLUGS)
+def test_illegal_slugs(slug: str, rule: Rule) -> None:
+    reading = read_request(body(envelope("storage.address", {"slug": slug})))
+    assert reading.error is not None
+    assert (reading.error.code, reading.error.pointer, reading.error.rule) == (
+        I, "/args/slug", rule)
 
 
 def test_slug_byte_bound_exactly() -> None:
@@ -343,7 +361,35 @@ def test_slug_byte_bound_exactly() -> None:
     assert args_fault("storage.address", {"slug": at}) == "/args/slug"
     ok = "mem/" + "/".join(["a" * 50] * 4) + "/" + "b" * 47  # 4 + 203 + 1 + 47 = 255
     assert len(ok) == 255 and args_of("storage.address", slug=ok).slug == ok
-    assert args_fault("storage.address", {"slug": ok + "b"}) == "/args/slug"
+    over = read_request(body(envelope("storage.address", {"slug": ok + "b"}))).error
+    assert over is not None and (over.pointer, over.rule) == ("/args/slug", Rule.BYTES)
+
+
+#: buzz-on-the-relay.md "Encrypted memory address", verbatim: the one grammar.
+SPEC_SLUG = re.compile(r"^mem/[a-z0-9][a-z0-9_-]{0,63}(/[a-z0-9][a-z0-9_-]{0,63})*$")
+
+
+def test_slug_acceptance_is_the_specs_grammar_and_every_refusal_names_a_part_of_it() -> None:
+    # Every string over a small alphabet, up to 5 characters, behind "mem/", and a few
+    # around each length bound: accepted exactly when the spec's grammar (and its 255
+    # bytes) says so, and each refusal names the part that fails.
+    alphabet = "a0_-/A."
+    tails = ["".join(t) for n in range(6) for t in itertools.product(alphabet, repeat=n)]
+    tails += [s * n for s in ("a", "a/", "ab/") for n in (63, 64, 65, 84, 85, 86, 127, 128)]
+    for tail in tails:
+        slug = "mem/" + tail
+        reading = read_request(body(envelope("storage.address", {"slug": slug})))
+        legal = SPEC_SLUG.fullmatch(slug) is not None and len(slug.encode()) <= 255
+        assert (reading.error is None) is legal, slug
+        if reading.error is None:
+            continue
+        segments = tail.split("/")
+        expected = (Rule.SLUG if "" in segments
+                    else Rule.SLUG_CHARACTER if re.search(r"[^a-z0-9_/-]", tail)
+                    else Rule.SLUG_SEGMENT_START if any(s[0] in "_-" for s in segments)
+                    else Rule.SLUG_SEGMENT_LONG if any(len(s) > 64 for s in segments)
+                    else Rule.BYTES)
+        assert reading.error.rule is expected, slug
 
 
 @pytest.mark.parametrize("char", ["a", "é"])
