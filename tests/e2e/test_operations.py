@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from custody import UnsignedEvent, verify_owner_tag
+from tests.conformance._wire import owner_tag
 from tests.fixtures.broker import BrokerHarness, request_body
 from tests.fixtures.relay import TestKey, nostr_fetch, nostr_publish, nostr_verify
 
@@ -343,6 +344,57 @@ async def test_agents_policy_refusals(broker: BrokerHarness) -> None:
     foreign = await broker.call(stranger_cred, "agents.delete", {
         "target": {"pubkey": depth2["agentPubkey"]}})
     assert (foreign["status"], foreign["error"]["code"]) == ("failed", "unauthorized")
+
+
+#: nostr-sdk LocalRelay's default cap on one event's JSON, the test relay's: an event of
+#: this many bytes is stored, one byte more is refused "event size ... exceeds".
+RELAY_EVENT_BYTES = 65_536
+#: What a kind-9 event adds to its content's JSON (docs/protocol.md message.post): 386 bytes
+#: (id, pubkey, signature, a 10-digit created_at, kind, the `h` tag, the member names), 73
+#: a mention, 84 a reply's `e` tag (167 for a nested reply's two), 210 the owner's NIP-OA
+#: `auth` tag.
+POST_OVERHEAD = {"post": 386, "post with a mention": 386 + 73, "reply": 386 + 84,
+                 "nested reply": 386 + 167, "post of an agent with an auth tag": 386 + 210}
+
+
+@pytest.mark.parametrize("shape", list(POST_OVERHEAD))
+async def test_the_largest_content_a_64_kib_relay_takes(broker: BrokerHarness,
+                                                        shape: str) -> None:
+    """The contract allows 65,536 bytes of content; the relay judges the whole signed
+    event. Content of exactly RELAY_EVENT_BYTES - overhead is published (the stored event
+    is RELAY_EVENT_BYTES of JSON), one byte more is `action_failed` with the relay's size
+    reason and nothing is published: the figures protocol.md gives an agent splitting text."""
+    channel = str(uuid.uuid4())
+    if shape == "post of an agent with an auth tag":
+        owner, key = TestKey(), TestKey()
+        agent = await broker.hold(bytearray(key.secret_hex.encode("ascii")), owner=owner.pubkey,
+                                  name="tagged", auth_tag=owner_tag(owner, key.pubkey))
+        cred = broker.credential(agent, [channel])
+    else:
+        agent, cred = await _agent_in(broker, channel)
+    args: dict[str, Any] = {"channelId": channel}
+    action = "message.post"
+    if shape == "post with a mention":
+        args["mentions"] = [TestKey().pubkey]
+    if shape in ("reply", "nested reply"):
+        action = "message.reply"
+        root = _succeeded(await broker.call(cred, "message.post",
+                                            {"channelId": channel, "content": "root"}),
+                          "message.post")
+        args["replyToEventId"] = root["eventId"]
+        if shape == "nested reply":
+            args["replyToEventId"] = _succeeded(await broker.call(cred, "message.reply", {
+                **args, "content": "first"}), "message.reply")["eventId"]
+    largest = RELAY_EVENT_BYTES - POST_OVERHEAD[shape]
+    fits = _succeeded(await broker.call(cred, action, {**args, "content": "x" * largest}), action)
+    [event] = await _fetch(broker, {"ids": [fits["eventId"]]})
+    assert len(json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode()) \
+        == RELAY_EVENT_BYTES
+    over = await broker.call(cred, action, {**args, "content": "x" * (largest + 1)})
+    assert (over["status"], over["error"]["code"]) == ("failed", "action_failed"), over
+    assert "size" in over["error"]["message"]
+    published = await _fetch(broker, {"kinds": [9], "#h": [channel]})
+    assert all(len(e["content"]) <= largest for e in published)
 
 
 async def test_order_of_judgement_and_replay(broker: BrokerHarness) -> None:
