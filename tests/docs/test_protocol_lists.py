@@ -5,6 +5,9 @@ becomes best effort, or takes the shared publish outcome, cannot leave the prose
 - §5, the `unsupported` row: the best-effort actions (`ActionSpec.best_effort`), on which a
   client carries on.
 - §4's opening: the actions whose outcome is the published event (`PublishOutcome`).
+- §5 "What a `message` says": the `invalid_request` refusals decided outside the contract's
+  rules (policy's undeclared choices, channel.read's bad cursor) are each quoted, and the
+  rate-limit format is the limiter's own two templates.
 - §1: the answers without an envelope are every status the transport writes besides 200
   (`daemon.http`'s reason table), and the 403 lines quoted are the listener's own
   (`daemon.loopback_tcp.Refusal`).
@@ -14,8 +17,11 @@ from __future__ import annotations
 
 import re
 
-from buzzwire.contract import ACTIONS, PublishOutcome
+from buzzwire.contract import ACTIONS, ErrorCode, PublishOutcome
 from daemon import http
+from daemon.operations import channel_read
+from daemon.pipeline.policy import REFUSALS
+from daemon.state import ratelimit
 from daemon.loopback_tcp import Refusal
 from tests.docs.snippets import REPO, block, passage
 
@@ -51,3 +57,19 @@ def test_the_no_envelope_table_has_every_status_the_transport_writes() -> None:
 def test_the_403_lines_are_the_listeners_own() -> None:
     quoted = block(PROTOCOL_MD, "tcp-refusals").encode().splitlines(keepends=True)
     assert quoted == [refusal.value for refusal in Refusal]
+
+
+def test_the_message_section_quotes_every_invalid_request_outside_the_rules() -> None:
+    section = passage(PROTOCOL_MD, r"^### What a `message` says\n(.*?)^### ")
+    outside = {r.message for r in REFUSALS.values() if r.code is ErrorCode.INVALID_REQUEST}
+    outside.add(channel_read._BAD_CURSOR)
+    assert len(outside) == 4
+    assert [m for m in sorted(outside) if f"`{m}`" not in section] == []
+
+
+def test_the_message_section_gives_the_limiters_own_format() -> None:
+    section = passage(PROTOCOL_MD, r"^### What a `message` says\n(.*?)^### ")
+    flat = " ".join(section.split())
+    shown = {"scope": "<scope>", "seconds": "<N>"}
+    assert f"`{ratelimit._BUCKET_TEMPLATE.format(rule='<count>/<window>', **shown)}`" in flat
+    assert f"`{ratelimit._DAILY_TEMPLATE.format(rule='<count>/day', **shown)}`" in flat
