@@ -8,6 +8,7 @@ becomes best effort, or takes the shared publish outcome, cannot leave the prose
 - §5 "What a `message` says": the `invalid_request` refusals decided outside the contract's
   rules (policy's undeclared choices, channel.read's bad cursor) are each quoted, and the
   rate-limit format is the limiter's own two templates.
+- §4 agents.update: the refusals of a target quoted are policy's own (`REFUSALS`).
 - §1: the answers without an envelope are every status the transport writes besides 200
   (`daemon.http`'s reason table), and the 403 lines quoted are the listener's own
   (`daemon.loopback_tcp.Refusal`).
@@ -73,3 +74,10 @@ def test_the_message_section_gives_the_limiters_own_format() -> None:
     shown = {"scope": "<scope>", "seconds": "<N>"}
     assert f"`{ratelimit._BUCKET_TEMPLATE.format(rule='<count>/<window>', **shown)}`" in flat
     assert f"`{ratelimit._DAILY_TEMPLATE.format(rule='<count>/day', **shown)}`" in flat
+
+
+def test_the_target_refusals_quoted_are_policys_own() -> None:
+    table = passage(PROTOCOL_MD, r"^\| `target` \| answer \|\n(.*?)\n\n")
+    for reason in ("not_owned", "no_such_name", "ambiguous"):
+        refusal = REFUSALS[reason]
+        assert f"`{refusal.code.value}`, \"{refusal.message}\"" in table, reason
