@@ -313,6 +313,22 @@ def test_mentions_only_is_boolean_and_false_by_default() -> None:
         assert args_fault("channel.read", {**read, "mentionsOnly": bad}) == "/args/mentionsOnly"
 
 
+@pytest.mark.parametrize(("action", "member", "value"), [
+    ("profile.set", "picture", "not a url at all"),
+    ("profile.set", "picture", "javascript:alert(1)"),
+    ("reaction.add", "reaction", "lgtm"),
+    ("reaction.add", "reaction", ":no-such-shortcode-anywhere:"),
+    ("reaction.add", "reaction", "+"),
+])
+def test_picture_and_reaction_are_bounded_text_not_a_url_or_an_emoji(
+        action: str, member: str, value: str) -> None:
+    # docs/protocol.md profile.set and reaction.add: the host checks length and the
+    # one-line character rule only (NIP-BA: picture is "a bounded string, not a promise
+    # that its URL is safe to fetch"; a host MAY restrict reactions, this one does not).
+    args = {**VALID_ARGS[action], member: value}
+    assert getattr(args_of(action, **args), member) == value
+
+
 def test_mentions_only_is_a_boolean_at_construction_too() -> None:
     # 0 == False in Python, and False is the absent value: construction must still refuse
     # what the wire refuses, or a built request would say something no reader accepts.
