@@ -219,6 +219,18 @@ def test_tcp_socket_is_loopback_and_feeds_the_service() -> None:
     assert TCP_SOCKET.name in _directives(SERVICE)["After"][0].split()
 
 
+@pytest.mark.parametrize("unit", ["buzz-broker.service", "buzz-custodian.service"])
+def test_started_after_time_sync(unit: str) -> None:
+    """Both services run on the wall clock (rate limits, the ledger's sweep, the intents'
+    created_at bound): on a host that waits for time sync they start after it, not on a
+    bad RTC. Ordering only: neither pulls the target in, so a host without a wait service
+    starts them as before."""
+    d = _directives(UNITS / unit)
+    assert "time-sync.target" in " ".join(d["After"]).split()
+    for pull in ("Wants", "Requires", "BindsTo"):
+        assert "time-sync.target" not in " ".join(d.get(pull, [])).split(), pull
+
+
 def test_runtime_directory_is_not_the_services() -> None:
     """RuntimeDirectory= re-owns /run/buzz-broker and broker.sock to the service's user and
     group at every start (seen on systemd 252): agents in buzz-agents would get EACCES.

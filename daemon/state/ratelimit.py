@@ -24,6 +24,20 @@ Rules (issue 10):
 - The caller asks only for *fresh* requests: the pipeline calls `take()` after the
   ledger has said the request is not a replay, so a replayed request (same requestId and
   bytes) never costs quota. This module cannot see replays; that rule lives in the caller.
+- The clock is the wall clock (`now` is handed in), and it can step: NTP setting it right,
+  a VM resumed, a bad RTC corrected after boot. A bucket stamped after `now` is read as
+  stamped `now`: the step refills nothing and starves nothing (the bucket refills from
+  `now`, so its refusal's wait is true). That holds for a bucket loaded from limits.db
+  dated ahead (a clock ahead, then a restart): the first request after the load restamps
+  every such bucket. Daily counters are kept for yesterday, today and tomorrow of the
+  clock's day, and for the day the clock last left (`_kept_days`; after a load, the
+  newest day in the file). So a step back over midnight, or out to another day and back,
+  finds every count it made: no step hands out a second quota for a day, and a clock
+  flapping over midnight gains nothing. A day the clock left that is not next to it goes
+  at the next change of day; what that can hand a client is the count made on it (a
+  clock days ahead for a while, then set right), one day's quota at most. A clock a day
+  or two ahead for a while charges its counts to that day when it comes, one day's quota
+  at most. A step back of days re-lives them, each its quota once, at the clock's pace.
 
 Theory of operation — the hot path and durability:
 `take()` is synchronous and touches only dicts (the daemon targets >= 2,500 posts/s).
@@ -99,6 +113,12 @@ MAX_RULE_CHARS: Final = 64
 MAX_RULES: Final = 40
 
 _DAY_SECONDS: Final = 86400
+
+#: Days kept around the clock's day, as offsets: yesterday (a clock a little behind still
+#: finds it), today, tomorrow (a clock stepped back over midnight finds it when it gets
+#: there again: no second quota). With the day the clock last left, every other day's
+#: counter is dropped (module docstring: clock steps).
+_AROUND_TODAY: Final = (-1, 0, 1)
 
 PUBLISH_ACTIONS: Final = frozenset(
     name for name, spec in ACTIONS.items() if spec.rate_class is RateClass.PUBLISH)
@@ -370,7 +390,11 @@ _DayKey = tuple[str, str, int]  # (credential_id, scope, UTC day number)
 class _Snapshot:
     buckets: tuple[tuple[str, str, float, float], ...]
     daily: tuple[tuple[str, str, int, int], ...]
-    oldest_day: int
+    #: the days whose counters the file keeps (`_kept_days`); empty before the first
+    #: request, when the clock's day is not known yet: then nothing is dropped.
+    kept_days: frozenset[int]
+    #: buckets stamped before this are forgotten (`_new_day`); None before the first request
+    idle_before: float | None
 
 
 class RateLimiter:
@@ -389,6 +413,8 @@ class RateLimiter:
         self._overrides: dict[str, tuple[tuple[str, Rule], ...]] = {}
         self._plans: dict[tuple[str, str], tuple[tuple[str, Rule], ...]] = {}
         self._today = -1
+        #: the clock's day before its last change of day (-1: none)
+        self._left = -1
         self._closed = False
         #: how many flush transactions committed (tests and the benchmark read it).
         self.flushes = 0
@@ -415,6 +441,9 @@ class RateLimiter:
                 "SELECT credential_id, scope, day, used FROM daily"
             ):
                 self._daily[(str(cid), str(scope), int(day))] = int(used)
+            # The day the last run left is not known: the newest it counted on stands for
+            # it (the last run's today, or the day it left if further ahead).
+            self._left = max((k[2] for k in self._daily), default=-1)
 
     # ------------------------------------------------------------------ configuration
 
@@ -515,7 +544,7 @@ class RateLimiter:
         cid = principal.credential_id
         day = int(now // _DAY_SECONDS)
         if day != self._today:
-            self._new_day(day)
+            self._new_day(day, now)
         plan = self._plan(cid, action)
 
         worst: tuple[float, str, Rule] | None = None
@@ -534,9 +563,8 @@ class RateLimiter:
                 level = float(rule.count)
                 bucket = _Bucket(level, now)
             else:
-                # A clock that stepped back refills nothing (never a negative refill).
-                elapsed = max(0.0, now - bucket.at)
-                level = min(float(rule.count), bucket.level + elapsed * per_second)
+                self._restamp(key, bucket, now)
+                level = min(float(rule.count), bucket.level + (now - bucket.at) * per_second)
             if level < 1.0:
                 worst = _longer(worst, (1.0 - level) / per_second, scope, rule)
             fills.append((key, bucket, level))
@@ -550,7 +578,7 @@ class RateLimiter:
             )
         for key, bucket, level in fills:
             bucket.level = level - 1.0
-            bucket.at = max(now, bucket.at)
+            bucket.at = now
             self._buckets[key] = bucket
             self._dirty_buckets.add(key)
         for scope, rule in plan:
@@ -564,13 +592,40 @@ class RateLimiter:
         """How many units of `scope`'s daily quota the credential used on `now`'s UTC day."""
         return self._daily.get((credential_id, scope, int(now // _DAY_SECONDS)), 0)
 
-    def _new_day(self, day: int) -> None:
-        # Yesterday's counters are kept one day (a clock a little behind still finds them);
-        # older ones are dropped here and from the database at the next flush.
+    def _restamp(self, key: _Key, bucket: _Bucket, now: float) -> None:
+        # A bucket stamped after `now` was stamped by a clock since set back. Left so, it
+        # would refill nothing until the clock passed that time again (a 1 h step back
+        # starved a steady reader for the hour, each refusal saying "retry in 1 s"). Read
+        # as stamped now it keeps its level: the step refills nothing and starves nothing.
+        # (Keeping the later time, the other way, is what starved; moving the stamp back
+        # lets a clock stepped back and forward again refill the gap, at most the
+        # bucket's count, as any idle time does.)
+        if bucket.at > now:
+            bucket.at = now
+            self._dirty_buckets.add(key)
+
+    def _kept_days(self) -> frozenset[int]:
+        if self._today < 0:
+            return frozenset()
+        around = frozenset(self._today + d for d in _AROUND_TODAY)
+        return around | {self._left} if self._left >= 0 else around
+
+    def _new_day(self, day: int, now: float) -> None:
+        # The clock's day changed: by midnight, by a step, or this is the first request
+        # since the load. Counters outside `_kept_days` are dropped here and from the
+        # database at the next flush (module docstring: clock steps).
+        if self._today >= 0:
+            self._left = self._today
         self._today = day
-        for key in [k for k in self._daily if k[2] < day - 1]:
+        kept = self._kept_days()
+        for key in [k for k in self._daily if k[2] not in kept]:
             del self._daily[key]
             self._dirty_daily.discard(key)
+        # Every bucket dated ahead, loaded or touched before a step, is restamped (it is
+        # also done at each touch: a step within one day does not come here), so limits.db
+        # keeps no time the clock has not reached.
+        for bkey, bucket in self._buckets.items():
+            self._restamp(bkey, bucket, now)
         # A bucket untouched for a day is full again under any window up to an hour, which
         # is what a missing bucket means: forget it (revoked credentials stop costing memory).
         idle = (day - 1) * _DAY_SECONDS
@@ -592,7 +647,8 @@ class RateLimiter:
         )
         self._dirty_buckets.clear()
         self._dirty_daily.clear()
-        return _Snapshot(buckets, daily, self._today - 1)
+        idle = None if self._today < 0 else float((self._today - 1) * _DAY_SECONDS)
+        return _Snapshot(buckets, daily, self._kept_days(), idle)
 
     def _write(self, snap: _Snapshot) -> None:
         with self._db_lock:
@@ -610,8 +666,12 @@ class RateLimiter:
                     "ON CONFLICT (credential_id, scope, day) DO UPDATE SET used = excluded.used",
                     snap.daily,
                 )
-                conn.execute("DELETE FROM daily WHERE day < ?", (snap.oldest_day,))
-                conn.execute("DELETE FROM buckets WHERE at < ?", (snap.oldest_day * _DAY_SECONDS,))
+                if snap.kept_days:
+                    days = sorted(snap.kept_days)
+                    marks = ", ".join("?" * len(days))
+                    conn.execute(f"DELETE FROM daily WHERE day NOT IN ({marks})", days)
+                if snap.idle_before is not None:
+                    conn.execute("DELETE FROM buckets WHERE at < ?", (snap.idle_before,))
                 conn.execute("COMMIT")
             except BaseException:
                 conn.execute("ROLLBACK")

@@ -498,8 +498,13 @@ def test_disabled_and_clock_steps(tmp_path: Path, principals: tuple[Principal, P
         {"publish": "2/min"}))
     assert limiter.take(a, "profile.set", NOON) is None
     assert limiter.take(a, "profile.set", NOON) is None
-    # The clock stepped back an hour: no refill, no negative level, a sane wait.
-    assert 1 <= refused(limiter.take(a, "profile.set", NOON - 3600))[3] <= 30
+    # The clock stepped back an hour: no refill, no negative level, and a wait that is
+    # true: one unit in 30 s by the clock as it now reads. (It said so before, and the
+    # bucket, stamped at NOON, stayed empty for the hour the clock took to get back there.)
+    seconds = refused(limiter.take(a, "profile.set", NOON - 3600))[3]
+    assert seconds == 30
+    assert refused(limiter.take(a, "profile.set", NOON - 3600 + seconds - 1))[3] == 1
+    assert limiter.take(a, "profile.set", NOON - 3600 + seconds) is None
     with pytest.raises(ValueError):
         limiter.take(a, "sign", NOON)
     limiter.close()
@@ -521,16 +526,185 @@ def test_an_idle_bucket_banks_one_burst_and_no_more(
 def test_a_clock_stepped_back_refills_nothing_twice(
     tmp_path: Path, principals: tuple[Principal, Principal]
 ) -> None:
+    """A step back refills nothing, nor does a second one: the bucket keeps its level and
+    is read as stamped at the time the clock now reads, from which it refills at its rate
+    (::test_a_clock_stepped_back_refills_from_where_it_reads)."""
+    a, _ = principals
+    limiter = RateLimiter.open(tmp_path, rate_config_from_table({"publish": "2/min"}))
+    assert limiter.take(a, "message.post", NOON) is None  # one unit left
+    assert limiter.take(a, "message.post", NOON - 60) is None  # the last one: no refill
+    assert refused(limiter.take(a, "message.post", NOON - 120))[1:] == ("publish", "2/min", 30)
+    assert refused(limiter.take(a, "message.post", NOON - 91))[3] == 1
+    assert limiter.take(a, "message.post", NOON - 90) is None
+    limiter.close()
+
+
+def test_a_clock_stepped_back_refills_from_where_it_reads(
+    tmp_path: Path, principals: tuple[Principal, Principal]
+) -> None:
+    """A bucket stamped after the clock's time is read as stamped now (the module's rule
+    for clock steps): the step refills nothing, and the bucket refills from there at its
+    rate. A clock stepped back and then forward again refills the time it lived twice, at
+    most the bucket's count, as any idle time does. (Before: the bucket kept its later
+    stamp and refilled nothing until the clock passed it again.)"""
     a, _ = principals
     limiter = RateLimiter.open(tmp_path, rate_config_from_table({"publish": "2/min"}))
     assert limiter.take(a, "message.post", NOON) is None  # one unit left
     # The clock steps back a minute: no refill, and the last unit is taken.
     assert limiter.take(a, "message.post", NOON - 60) is None
-    # Back at NOON no time has passed since the bucket was last there: still empty. The
-    # bucket's time stayed at NOON; had it moved back, the minute would refill it twice.
-    assert refused(limiter.take(a, "message.post", NOON))[1:3] == ("publish", "2/min")
-    assert limiter.take(a, "message.post", NOON + 31) is None  # one unit per 30 s, from NOON
+    assert refused(limiter.take(a, "message.post", NOON - 60))[1:] == ("publish", "2/min", 30)
+    # One unit per 30 s, from the time the clock now reads.
+    assert limiter.take(a, "message.post", NOON - 30) is None
+    assert refused(limiter.take(a, "message.post", NOON - 30))[3] == 30
+    # Stepped forward an hour: a full bucket, two units, and no more.
+    assert [limiter.take(a, "message.post", NOON + 3600) is None for _ in range(3)] == [
+        True, True, False]
     limiter.close()
+
+
+def _poll(limiter: RateLimiter, who: Principal, start: float, seconds: int,
+          per_second: int = 8) -> list[float]:
+    """A Buzz runtime's reads, `per_second` each second of the clock from `start`; the
+    clock times of the refused ones."""
+    refusals = []
+    for tick in range(seconds * per_second):
+        at = start + tick / per_second
+        if limiter.take(who, "channel.read", at) is not None:
+            refusals.append(at)
+    return refusals
+
+
+def test_a_steady_reader_is_not_starved_by_a_clock_stepped_back(
+    tmp_path: Path, principals: tuple[Principal, Principal]
+) -> None:
+    """A runtime polling 8 reads a second (the shipped `read` bucket is 1,800/min) and NTP
+    stepping the clock back an hour: not one read refused. (Before: its bucket, stamped an
+    hour ahead, refilled nothing; from ~224 s after the step every read but the odd one
+    was refused for the rest of the hour, each refusal saying "retry in 1 s".)"""
+    a, _ = principals
+    limiter = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
+    assert _poll(limiter, a, NOON, 600) == []
+    assert _poll(limiter, a, NOON + 600 - 3600, 3700) == []
+    limiter.close()
+
+
+def test_a_bucket_dated_ahead_in_the_file_is_restamped_at_load(
+    tmp_path: Path, principals: tuple[Principal, Principal]
+) -> None:
+    """A clock two days ahead for a minute (a bad time source), a restart, the clock set
+    right: the buckets written under the wrong clock starve nobody, and the file keeps no
+    time the clock has not reached. (Before: the loaded bucket, dated two days ahead,
+    refilled nothing for two days.)"""
+    a, _ = principals
+    limiter = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
+    assert _poll(limiter, a, NOON + 2 * 86400, 60) == []
+    limiter.close()
+    limiter = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
+    assert _poll(limiter, a, NOON + 60, 1800) == []
+    limiter.flush()
+    conn = sqlite3.connect(tmp_path / LIMITS_FILENAME)
+    try:
+        stamps = [row[0] for row in conn.execute("SELECT at FROM buckets")]
+    finally:
+        conn.close()
+    assert stamps and max(stamps) <= NOON + 60 + 1800
+    limiter.close()
+
+
+def test_a_bucket_a_step_left_untouched_is_restamped_at_the_next_day(
+    tmp_path: Path, principals: tuple[Principal, Principal]
+) -> None:
+    """A credential used while the clock read a day ahead and not since: its bucket is
+    restamped when the clock's day changes (here, the first request after the clock is set
+    right, by another credential), so the file does not keep the wrong time until the
+    clock reaches it."""
+    a, b = principals
+    limiter = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
+    assert limiter.take(a, "message.post", NOON + 86400) is None
+    assert limiter.take(b, "message.post", NOON) is None
+    limiter.close()
+    conn = sqlite3.connect(tmp_path / LIMITS_FILENAME)
+    try:
+        assert max(row[0] for row in conn.execute("SELECT at FROM buckets")) == NOON
+    finally:
+        conn.close()
+
+
+def test_daily_counts_across_clock_steps(
+    tmp_path: Path, principals: tuple[Principal, Principal]
+) -> None:
+    """Yesterday, today and tomorrow of the clock's day are kept, and the day the clock
+    last left (the module's rule for clock steps). A step back over midnight resets
+    neither day: back at tomorrow the clock finds tomorrow's count, so a clock flapping
+    over midnight gains nothing. A clock three days ahead for a while and then set right
+    finds today's count still spent, across a restart too (before: the step out dropped
+    today's count, and the day was whole again); the count it made out there is dropped
+    at the next change of day, so that far day is whole when it comes (before: it stayed
+    in limits.db and refused that day)."""
+    a, _ = principals
+    cfg = rate_config_from_table({"publish": "100/s", "publish_daily": 5})
+    limiter = RateLimiter.open(tmp_path, cfg)
+    midnight = NOON + 43200
+    assert [limiter.take(a, "message.post", midnight - 5 + i) is None for i in range(5)] == [
+        True] * 5
+    assert [limiter.take(a, "message.post", midnight + i) is None for i in range(6)] == [
+        True] * 5 + [False]
+    # Stepped back over midnight: yesterday is spent; back at tomorrow, so is tomorrow.
+    assert refused(limiter.take(a, "message.post", midnight - 1))[0] == "daily quota"
+    assert refused(limiter.take(a, "message.post", midnight + 10))[0] == "daily quota"
+    # Three days ahead for a while, then set right, then a restart: today is still spent.
+    away = midnight + 3 * 86400
+    assert [limiter.take(a, "message.post", away + i) is None for i in range(5)] == [True] * 5
+    assert refused(limiter.take(a, "message.post", midnight + 20))[0] == "daily quota"
+    limiter.close()
+    limiter = RateLimiter.open(tmp_path, cfg)
+    assert refused(limiter.take(a, "message.post", midnight + 30))[0] == "daily quota"
+    # The next midnight: the far day's count goes, from memory and from the file.
+    assert limiter.take(a, "message.post", midnight + 86400) is None
+    limiter.close()
+    conn = sqlite3.connect(tmp_path / LIMITS_FILENAME)
+    try:
+        days = {row[0] for row in conn.execute("SELECT day FROM daily")}
+    finally:
+        conn.close()
+    assert days == {int(midnight // 86400), int(midnight // 86400) + 1}
+    limiter = RateLimiter.open(tmp_path, cfg)
+    assert [limiter.take(a, "message.post", away + 10 + i) is None for i in range(6)] == [
+        True] * 5 + [False]
+    limiter.close()
+
+
+@pytest.mark.broker_config(limits={"read": "6/min"})
+async def test_a_clock_stepped_back_starves_no_credential_through_the_daemon(
+    broker: BrokerHarness,
+) -> None:
+    """The whole daemon, its pipeline's wall clock stepped back an hour: a credential that
+    used its read bucket is let through again after the refusal's wait, as the refusal
+    says, and every 5 minutes after. (Before: refused for the hour, "retry in 10 s".)"""
+    channel = str(uuid.uuid4())
+    cred = broker.credential(await broker.human_owned_agent(), [channel],
+                             actions=["storage.address"])
+    now = [time.time()]
+    broker.app._clock = lambda: now[0]  # white box: the pipeline's wall clock
+
+    async def read() -> dict[str, object]:
+        return await broker.call(cred, "storage.address", {"slug": "core"})
+
+    assert [(await read())["status"] for _ in range(7)] == ["succeeded"] * 6 + ["failed"]
+    now[0] -= 3600  # NTP steps the clock back an hour
+    refusal = await read()
+    assert refusal["status"] == "failed"
+    error = refusal["error"]
+    assert isinstance(error, dict) and error["code"] == "unauthorized", refusal
+    match = _REFUSED.fullmatch(error["message"])
+    assert match is not None, refusal
+    seconds = int(match.group(4))
+    assert seconds == 10
+    now[0] += seconds
+    assert (await read())["status"] == "succeeded"
+    for _ in range(12):
+        now[0] += 300
+        assert (await read())["status"] == "succeeded"
 
 
 def test_the_limits_table_names_each_classs_actions() -> None:
@@ -632,13 +806,17 @@ def test_reload_reads_a_credentials_overrides_again(
 def test_old_days_are_deleted_from_the_file(
     tmp_path: Path, principals: tuple[Principal, Principal]
 ) -> None:
-    """limits.db keeps today's and yesterday's counters only: a flush deletes older days,
-    so the file (and what a restart loads) does not grow with the daemon's age."""
+    """limits.db keeps the counters of the days around the clock's and of the day it last
+    left only: a flush deletes the others, so the file (and what a restart loads) does
+    not grow with the daemon's age. (The day left is kept until the next change of day:
+    a clock stepped out and back finds it; tests/guardrails/test_ratelimit.py
+    ::test_daily_counts_across_clock_steps.)"""
     a, _ = principals
     limiter = RateLimiter.open(tmp_path, DEFAULT_RATE_CONFIG)
     assert limiter.take(a, "message.post", NOON) is None
     limiter.flush()
     assert limiter.take(a, "message.post", NOON + 3 * 86400) is None
+    assert limiter.take(a, "message.post", NOON + 4 * 86400) is None
     limiter.flush()
     limiter.close()
     conn = sqlite3.connect(tmp_path / LIMITS_FILENAME)
@@ -646,4 +824,4 @@ def test_old_days_are_deleted_from_the_file(
         days = {row[0] for row in conn.execute("SELECT day FROM daily")}
     finally:
         conn.close()
-    assert days == {int((NOON + 3 * 86400) // 86400)}
+    assert days == {int((NOON + 3 * 86400) // 86400), int((NOON + 4 * 86400) // 86400)}
