@@ -39,6 +39,7 @@ from daemon.hostkey import HostKeyError
 from daemon.relay.cursor import CursorCodec
 from daemon.state.audit_mac import BodyMac
 from daemon.state.ledger import Ledger
+from daemon.state.sweep_clock import HOLD_SECONDS, SweepClock
 from daemon.log import log_event
 from daemon.metrics import Metrics
 from daemon.pipeline.observer import ObserverIntake, ObserverQueue
@@ -270,13 +271,24 @@ async def running(
 
 
 async def _sweep_forever(ledger: Ledger, metrics: Metrics) -> None:
+    # The wall clock is believed only where a steady one would be (a clock read days
+    # ahead would sweep records that have not expired): daemon/state/sweep_clock.py.
+    clock = SweepClock(ledger.newest_record_time, wall=time.time)
     while True:
+        reading = clock.read()
+        if reading.hold_began:
+            # Once per hold. The first round after a start measures from the newest record,
+            # so a downtime looks the same: not a warning then.
+            log_event(_log, "ledger.sweep_held",
+                      level=logging.INFO if reading.since_open else logging.WARNING,
+                      ahead=reading.held, believed_after=HOLD_SECONDS,
+                      since="newest_record" if reading.since_open else "last_sweep")
         # A full disk, a lock held past the busy timeout or a damaged file fails this
         # round only: the requests still get their envelopes (docs/reliability.md), so the
         # daemon must not end over housekeeping. One line per round: the interval bounds
         # the rate, and the next round tries again.
         try:
-            removed = await ledger.sweep(int(time.time()))
+            removed = await ledger.sweep(reading.now)
             if removed:
                 log_event(_log, "ledger.swept", removed=removed)
             metrics.set_ledger_size(await ledger.count())

@@ -63,12 +63,15 @@ while SQLite rebuilds its shared index, and the event loop must not stall for lo
 Retention: every record carries the time it `expires`: a final verdict `retention_seconds`
 after it was recorded (or the shorter `keep_seconds` the caller passes: reads), a
 pending/indeterminate one `STALE_FACTOR` x retention after its last write. `sweep(now)`
-deletes what has expired. Keys in flight are never swept. Tombstones (issue 23 item 7,
-NIP-BA's retry protection): a record that may stand for an effect — pending work, an
-indeterminate verdict, a `reserve`d key, or a final verdict the caller marks `tombstone`
-(an action with effects that ran) — writes (K, 16 bytes of D) into `tombstones` in the same
-transaction; the sweep never deletes them, so such a requestId is never new again. A record
-without one (a refusal before execution, a read) is forgotten: a retry that late runs.
+deletes what has expired by `now`. Keys in flight are never swept. Which `now` the daemon
+may believe is daemon/state/sweep_clock.py's question (a wall clock read ahead would sweep
+what has not expired); `newest_record_time`, read at open, is its reference. Tombstones
+(issue 23 item 7, NIP-BA's retry protection): a record that may stand for an effect —
+pending work, an indeterminate verdict, a `reserve`d key, or a final verdict the caller
+marks `tombstone` (an action with effects that ran) — writes (K, 16 bytes of D) into
+`tombstones` in the same transaction; the sweep never deletes them, so such a requestId is
+never new again. A record without one (a refusal before execution, a read) is forgotten: a
+retry that late runs.
 
 Disk (issue 13): a record is stored compactly. The principal is a small integer
 (`principals` table), the requestId its 16-byte `request_key` (sha256, truncated: the key
@@ -448,11 +451,24 @@ class Ledger:
             conn.execute("SELECT principal, id FROM principals").fetchall())
         self._names: dict[int, str] = {pid: name for name, pid in self._pids.items()}
         self._usage: dict[str, int] = {}
-        for pid, charge, size in conn.execute(
-                f"SELECT pid, charge, total({_SIZE_SQL}) FROM entries GROUP BY pid, charge"
+        written: list[int] = []
+        # The same scan reads when the newest record was written, from its expiry: a final
+        # one expires at most the retention after (reads and refusals may keep less, so
+        # this can only be early), a pending/indeterminate one exactly STALE_FACTOR x it.
+        for pid, charge, size, newest in conn.execute(
+                f"SELECT pid, charge, total({_SIZE_SQL}),"
+                " max(expires - CASE state WHEN ? THEN ? ELSE ? END)"
+                " FROM entries GROUP BY pid, charge",
+                (State.FINAL.value, retention_seconds, STALE_FACTOR * retention_seconds),
         ).fetchall():
             account = self._account(int(pid), None if charge is None else int(charge))
             self._usage[account] = self._usage.get(account, 0) + int(size)
+            written.append(int(newest))
+        #: When the newest record was written, as of opening (None: no record): never
+        #: later than that, perhaps earlier (unless the retention was shortened since: then
+        #: later, and the sweep's clock believes the wall clock at once, as it always did).
+        #: daemon/state/sweep_clock.py starts from it.
+        self.newest_record_time: int | None = max(written, default=None)
         for pid, count in conn.execute(
                 "SELECT pid, count(*) FROM tombstones GROUP BY pid").fetchall():
             account = self._account(int(pid), None)
