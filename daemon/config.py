@@ -16,6 +16,10 @@ Rules:
 - Every key lives in `_KEYS`, one row per key: section, key, parser, default. That table is
   the schema: a key not in it is an error naming the key, a section not in it is an error
   naming the section, and docs/configuration.md documents exactly its rows.
+- When a key takes effect is its row's `reloaded`: SIGHUP applies [policy] (and [limits],
+  whole); every other row is read once at start, and a reload that finds one changed names
+  it (`restart_only_changes`) instead of applying it. docs/configuration.md marks exactly
+  `RELOADED_SECTIONS` "(reloaded on SIGHUP)".
 - Every number is bounded at both ends, by its row's parser (`_Integer`, `_Duration`), so
   `_KEYS` is also the table of ranges: a value that loads is one `serve` can run with.
   Uids and gids share one rule (`is_uid`).
@@ -63,6 +67,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "load_config",
+    "restart_only_changes",
+    "Reread",
+    "RELOADED_SECTIONS",
     "is_uid",
     "MAX_UID",
     "require_relay",
@@ -655,6 +662,11 @@ class _Key:
     parse: _Parser
     # A raw TOML value, parsed like a file's (so defaults are checked too); None: no default.
     default: object
+    # True: SIGHUP applies a changed value (daemon/pipeline/broker.py `Broker.reload`).
+    # False: read once at start; a reload that finds it changed says "restart to apply"
+    # (`restart_only_changes`). A section's rows agree (docs/configuration.md marks whole
+    # sections "(reloaded on SIGHUP)": tests/test_config.py holds the marks to these rows).
+    reloaded: bool = False
 
 
 _KEYS: tuple[_Key, ...] = (
@@ -720,16 +732,17 @@ _KEYS: tuple[_Key, ...] = (
     # At least one frame at its worst, or no connection could ever receive one.
     _Key("relay", "max_receive_bytes", "max_receive_bytes", _Integer(MAX_FRAME_BYTES, MAX_BYTES),
          DEFAULT_RECEIVE_BYTES),
-    _Key("policy", "disabled_actions", "disabled_actions", _string_set(ACTION_NAMES), []),
-    _Key("policy", "max_agent_depth", "max_agent_depth", _Integer(0, 64), 3),
+    _Key("policy", "disabled_actions", "disabled_actions", _string_set(ACTION_NAMES), [],
+         reloaded=True),
+    _Key("policy", "max_agent_depth", "max_agent_depth", _Integer(0, 64), 3, reloaded=True),
     # The runtime names Buzz's clients use (shared/spec/buzz-on-the-relay.md). Providers and
     # models have no such shared vocabulary (free text "the host interprets"; Buzz's runtime
     # never sends them), and what one names is signed into the owner's public kind 30177
     # record: none is accepted until the operator declares the ones this host runs.
     _Key("policy", "runtimes", "runtimes", _choices,
-         ["goose", "claude", "codex", "buzz-agent", "buzz-acp"]),
-    _Key("policy", "providers", "providers", _choices, []),
-    _Key("policy", "models", "models", _choices, []),
+         ["goose", "claude", "codex", "buzz-agent", "buzz-acp"], reloaded=True),
+    _Key("policy", "providers", "providers", _choices, [], reloaded=True),
+    _Key("policy", "models", "models", _choices, [], reloaded=True),
     _Key("log", "level", "level", _level, "info"),
     _Key("metrics", "socket", "socket", _socket_path(_optional_path), ""),
     _Key("metrics", "listen", "listen", _loopback_listen, ""),
@@ -751,7 +764,13 @@ _KEYS: tuple[_Key, ...] = (
 )
 
 #: The one section that is not rows of `_KEYS`: rate-limit rules (docs/operations.md).
+#: SIGHUP applies it whole (`Broker.reload`: `RateLimiter.reconfigure`).
 _LIMITS_SECTION = "limits"
+
+#: The sections SIGHUP applies: those whose `_KEYS` rows are `reloaded`, and [limits].
+#: Every other one is read once at start.
+RELOADED_SECTIONS: frozenset[str] = frozenset(
+    {row.section for row in _KEYS if row.reloaded} | {_LIMITS_SECTION})
 
 _SECTIONS: dict[str, type] = {
     "server": ServerConfig,
@@ -947,6 +966,37 @@ def load_config(path: str | None, environ: Mapping[str, str] = os.environ,
     except RecursionError:
         raise ConfigError(f"{where}: invalid TOML: arrays or tables nested too deeply") from None
     return _build(tree, where, file.parent, str(file), origin, environ)
+
+
+def restart_only_changes(running: Config, reread: Config) -> tuple[str, ...]:
+    """The settings a reload found changed that only a restart applies, as ``[relay] url``.
+
+    Args:
+        running: the configuration the daemon started with (what it still runs on for
+            every row that is not `reloaded`).
+        reread: the file as SIGHUP read it again.
+
+    Returns:
+        The names of the rows not `reloaded` whose values differ, in `_KEYS` order; () when
+        a reload applies everything that changed. Names only: a value is never returned.
+    """
+    return tuple(
+        f"[{row.section}] {row.key}" for row in _KEYS
+        if not row.reloaded and (getattr(getattr(running, row.section), row.field)
+                                 != getattr(getattr(reread, row.section), row.field)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reread:
+    """What a reload (SIGHUP) made of the configuration file, for `serve` to report.
+
+    `rejected`: the file no longer loads: its `ConfigError` line, and nothing of the file
+    was applied. Else `waiting`: the changed settings only a restart applies
+    (`restart_only_changes`), read and not applied; () when everything changed was applied.
+    """
+
+    rejected: str | None = None
+    waiting: tuple[str, ...] = ()
 
 
 def require_relay(config: Config) -> str:

@@ -26,9 +26,11 @@ from daemon.config import (
     MAX_RETENTION_SECONDS,
     MAX_UID,
     PIN_CREDENTIAL,
+    RELOADED_SECTIONS,
     Config,
     ConfigError,
     load_config,
+    restart_only_changes,
 )
 
 #: A value for every key that differs from its default, and what it must load as.
@@ -257,6 +259,45 @@ def test_documentation_lists_every_key() -> None:
     doc = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
     for row in _KEYS:
         assert f"`{row.key}`" in doc and f"[{row.section}]" in doc, row
+
+
+#: A section heading of docs/configuration.md: ``## `[policy]` — host policy (reloaded on SIGHUP)``.
+SECTION_HEADING = re.compile(r"^## `\[([a-z0-9_]+)\]`(.*)$", re.MULTILINE)
+
+
+def test_documentation_marks_exactly_the_sections_sighup_applies() -> None:
+    """docs/configuration.md's "(reloaded on SIGHUP)" marks are the schema's `reloaded`
+    rows (and [limits]): one fact, one table, and the page follows it. A section's rows
+    agree, since the page marks whole sections."""
+    doc = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    headings = dict(SECTION_HEADING.findall(doc))
+    assert set(headings) == set(_SECTIONS) | {"limits"}
+    marked = {name for name, rest in headings.items() if "(reloaded on SIGHUP)" in rest}
+    assert marked == RELOADED_SECTIONS == {"policy", "limits"}
+    for section in _SECTIONS:
+        assert {row.reloaded for row in _KEYS if row.section == section} in ({True}, {False})
+
+
+def test_a_reload_names_the_changes_only_a_restart_applies(tmp_path: Path) -> None:
+    """`restart_only_changes`: every row not `reloaded` whose value a reload found changed,
+    by name (never its value); the sections SIGHUP applies are not named."""
+    running = load_config(write(tmp_path, EVERY_KEY), environ={})
+    assert restart_only_changes(running, running) == ()
+    edits = {'url = "ws://127.0.0.1:7777"': 'url = "ws://127.0.0.1:7778"',
+             'level = "debug"': 'level = "warning"',
+             "max_agent_depth = 1": "max_agent_depth = 2"}
+    edited = EVERY_KEY
+    for old, new in edits.items():
+        assert edited.count(old) == 1, old
+        edited = edited.replace(old, new)
+    reread = load_config(write(tmp_path, edited + '[limits]\npublish = "1/h"\n', "edited.toml"),
+                         environ={})
+    assert reread.policy.max_agent_depth == 2 and reread.limits != running.limits
+    assert restart_only_changes(running, reread) == ("[relay] url", "[log] level")
+    # Every row not reloaded is compared: EVERY_KEY differs from the defaults in each one.
+    defaults = load_config(None, environ={})
+    assert set(restart_only_changes(running, defaults)) == {
+        f"[{row.section}] {row.key}" for row in _KEYS if not row.reloaded}
 
 
 def test_relative_paths_resolve_against_the_file(tmp_path: Path) -> None:

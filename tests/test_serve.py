@@ -37,7 +37,7 @@ from daemon.cli import main
 from daemon.cli import serve as serve_cli
 from daemon.cli._common import CliError
 from daemon.cli.serve import EXIT_STOPPED, MemoryLock, ReloadableApplication, run_server
-from daemon.config import Config, load_config
+from daemon.config import Config, Reread, load_config
 from daemon.http import HttpAnswer, HttpRequest, ServerControl, bind_unix_socket
 from daemon.log import log_event, setup_logging
 from daemon.state.audit import AUDIT_DIRNAME, audit_files
@@ -64,8 +64,9 @@ class FakeApp:
             await trio.sleep(0.5)
         return HttpAnswer(200, b'{"echo":' + json.dumps(request.body.decode()).encode() + b"}")
 
-    def reload(self) -> None:
+    def reload(self) -> Reread:
         self.reloads += 1
+        return Reread()
 
 
 def fake_factory(app: FakeApp) -> serve_cli.AppFactory:
@@ -440,7 +441,7 @@ async def test_failed_reload_keeps_serving(sockdir: str) -> None:
     config = write_config(sockdir)
 
     class BadReload(FakeApp):
-        def reload(self) -> None:
+        def reload(self) -> Reread:
             raise RuntimeError("store unreadable")
 
     app = BadReload()
@@ -700,6 +701,82 @@ def test_real_broker_socket_activated(
     print(f"process start to READY=1 with the real broker: {ready_after * 1000:.0f} ms")
     assert "tok-serve-secret" not in log
     assert not os.path.exists(os.path.join(sockdir, "never-bound.sock"))
+
+
+def test_real_broker_reload_says_what_it_did_not_apply(
+    custody_state: tuple[TokenConfig, Path], sockdir: str
+) -> None:
+    """`systemctl reload` then `journalctl -p warning` (docs/install.md step 9) is the
+    operator's check: a file the reload rejected, and a setting only a restart applies, each
+    show there, and in the STATUS= line `systemctl status` shows. Both used to be INFO lines
+    (`reload.config_rejected` followed by `serve.reloaded`; `reload.done` with no word of
+    `[relay] url`), and the status said "reloaded" either way."""
+    token, state_dir = custody_state
+    config_path = Path(sockdir) / "broker.toml"
+    good = (f'[server]\nsocket = "b.sock"\nshutdown_grace = 5\n'
+            f'[state]\ndir = "{state_dir}"\n'
+            f'[pkcs11]\nmodule = "{token.module}"\ntoken_label = "{token.token_label}"\n'
+            f'pin_file = "{token.pin_file}"\nkek_label = "{token.kek_label}"\n'
+            f'[relay]\nurl = "ws://127.0.0.1:{free_port()}"\n')
+    config_path.write_text(good)
+    notify_path = os.path.join(sockdir, "notify")
+    log_path = Path(sockdir) / "daemon.log"
+    env = dict(os.environ, NOTIFY_SOCKET=notify_path)
+    env.pop("BUZZ_BROKER_CONFIG", None)
+
+    def warnings() -> list[dict[str, Any]]:
+        return [line for line in map(json.loads, log_path.read_text().splitlines())
+                if line["level"] in ("warning", "error")]
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as dgram, open(log_path, "wb") as log:
+        dgram.bind(notify_path)
+        dgram.settimeout(30)
+
+        def ready() -> str:
+            """The STATUS= sent with the next READY=1."""
+            while True:
+                lines = dgram.recv(4096).decode().split("\n")
+                if "READY=1" in lines:
+                    return next(line for line in lines if line.startswith("STATUS="))
+
+        def reload_with(text: str) -> str:
+            config_path.write_text(text)
+            proc.send_signal(signal.SIGHUP)
+            return ready()
+
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "daemon.cli", "--config", str(config_path), "serve"],
+            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        try:
+            ready()
+            assert warnings() == []
+            # A file that no longer loads: a warning with its one line, and the status says so.
+            status = reload_with(good + '[limits]\npublish = "banana"\n')
+            assert status.endswith("; reload rejected the config file (still on the previous "
+                                   "one; see the journal)"), status
+            [rejected] = warnings()
+            assert rejected["event"] == "reload.config_rejected", rejected
+            assert "[limits] publish" in rejected["detail"] and "\n" not in rejected["detail"]
+            # A restart-only edit beside a policy one: the policy is applied, the relay named.
+            edited = good.replace("[relay]\nurl = \"ws://127.0.0.1:", "[relay]\nurl = \"ws://[::1]:")
+            status = reload_with(edited + '[policy]\ndisabled_actions = ["reaction.add"]\n')
+            assert status.endswith("; reloaded; restart to apply [relay] url"), status
+            [_, waiting] = warnings()
+            assert (waiting["event"], waiting["setting"], waiting["detail"]) == (
+                "reload.restart_needed", "[relay] url", "[relay] url changed: restart to apply")
+            # The file as the daemon started with it: nothing to say.
+            assert reload_with(good).endswith("; reloaded")
+            assert len(warnings()) == 2
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=15) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    reloads = [line for line in map(json.loads, log_path.read_text().splitlines())
+               if line["event"] == "serve.reloaded"]
+    assert [(r["config"], r["restart_needed"]) for r in reloads] == [
+        ("rejected", []), ("applied", ["[relay] url"]), ("applied", [])]
 
 
 # --------------------------------------------------------------------------- signals, a real process

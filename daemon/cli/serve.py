@@ -31,8 +31,10 @@ reads it; what a signal does depends on the phase (`_ON_SIGNAL`):
   the application closes (its flushes, the ledger anchor, the stores) and the socket is
   removed. SIGHUP -> ``RELOADING=1`` (with ``MONOTONIC_USEC``, which systemd 253's
   Type=notify-reload requires; 252 ignores it), ``app.reload()`` (credentials and policy)
-  while connections stay open, then ``READY=1``; a failed reload is logged and the running
-  state kept (READY=1 still follows: the daemon serves on).
+  while connections stay open, then ``READY=1`` with a ``STATUS=`` line saying what became
+  of the file (`_reloaded`: reloaded; reloaded, restart to apply the settings named; or
+  rejected); a failed reload is logged and the running state kept (READY=1 still follows:
+  the daemon serves on).
 - starting (before ``READY=1``: the token login may take a while): SIGTERM/SIGINT ->
   ``STOPPING=1``, ``serve.start_abandoned``, the start is cancelled (what it opened is
   closed) and the socket removed. SIGHUP -> kept, and the reload runs once serving.
@@ -97,7 +99,7 @@ import trio
 
 from daemon import notify
 from daemon.cli._common import CliError, config_from_args
-from daemon.config import (ACTION_TCP, METRICS_TCP, Config, ConfigError, load_config,
+from daemon.config import (ACTION_TCP, METRICS_TCP, Config, ConfigError, Reread, load_config,
                            require_relay)
 from daemon.loopback_tcp import AdmissionGate, ListenerKind, TcpAdmission, address_text
 from daemon.http import (
@@ -150,7 +152,7 @@ class ReloadableApplication(Protocol):
 
     async def handle(self, request: HttpRequest) -> HttpAnswer: ...
 
-    def reload(self) -> None: ...
+    def reload(self) -> Reread: ...
 
 
 AppFactory = Callable[[Config], AbstractAsyncContextManager[ReloadableApplication]]
@@ -775,17 +777,29 @@ async def _start_metrics(
         log_event(_log, "serve.metrics", listen=described)
 
 
+def _reloaded(reread: Reread) -> str:
+    """The STATUS= words for a reload that ran: `systemctl status` shows them until the
+    next one, and `systemctl reload` cannot fail for a file the daemon refused (ExecReload=
+    only sends the signal), so this line and the journal's warnings are where it shows."""
+    if reread.rejected is not None:
+        return "reload rejected the config file (still on the previous one; see the journal)"
+    if reread.waiting:
+        return "reloaded; restart to apply " + ", ".join(reread.waiting)
+    return "reloaded"
+
+
 def _reload(app: ReloadableApplication, env: MutableMapping[str, str], where: str) -> None:
     # systemd shows the unit "reloading" from RELOADING=1 until READY=1.
     _send(env, notify.RELOADING, notify.monotonic_usec(), notify.status("reloading"))
     try:
-        app.reload()
+        reread = app.reload()
     except Exception as exc:  # noqa: BLE001 - keep serving with the state we have
         log_event(_log, "serve.reload_failed", level=logging.ERROR, error=type(exc).__name__)
         _send(env, notify.READY, notify.status(f"serving on {where}; last reload failed"))
         return
-    log_event(_log, "serve.reloaded")
-    _send(env, notify.READY, notify.status(f"serving on {where}; reloaded"))
+    log_event(_log, "serve.reloaded", config="rejected" if reread.rejected is not None
+              else "applied", restart_needed=list(reread.waiting))
+    _send(env, notify.READY, notify.status(f"serving on {where}; {_reloaded(reread)}"))
 
 
 async def _watchdog(env: MutableMapping[str, str], every: float) -> None:
@@ -806,8 +820,11 @@ async def _broker_factory(config: Config) -> AsyncIterator[ReloadableApplication
     source = config.source
 
     def reload_config() -> Config:
-        # SIGHUP re-reads the same file (policy); the environment is not consulted again.
-        return load_config(source, environ={})
+        # SIGHUP re-reads the same file. The environment as at the start: of it only
+        # $CREDENTIALS_DIRECTORY is read once a file is named (the PIN's origin), and with
+        # it the reread compares with the running config key by key (restart_only_changes):
+        # without it every reload under systemd read as "[pkcs11] pin_file changed".
+        return load_config(source)
 
     try:
         async with running(config, config_loader=reload_config if source else None) as app:

@@ -88,7 +88,7 @@ if TYPE_CHECKING:  # the facade loads the PKCS#11 binding: not where a custodian
 from daemon.state.directory import AgentDirectory
 from daemon.state.audit import AuditLog
 from daemon.state.audit_mac import BodyMac
-from daemon.config import Config, PolicyConfig
+from daemon.config import Config, ConfigError, PolicyConfig, Reread, restart_only_changes
 from daemon.relay.cursor import CursorCodec
 from daemon.http import HttpAnswer, HttpRequest
 from daemon.pipeline.judgement import Admission, judge
@@ -265,20 +265,44 @@ class Broker:
         """The host's own record of each managed agent's runtime (for the CLI and tests)."""
         return self._runtimes
 
-    def reload(self) -> None:
-        """SIGHUP: credentials and policy again from disk, without dropping connections."""
+    def reload(self) -> Reread:
+        """SIGHUP: credentials and policy again from disk, without dropping connections.
+
+        What the file changed beyond the sections SIGHUP applies ([policy], [limits]: the
+        rows `reloaded` in daemon/config.py) is named at WARNING, one line per setting
+        ("restart to apply"), and so is a file that no longer loads: the operator's check
+        after `systemctl reload` is `journalctl -p warning` (docs/install.md step 9).
+
+        Returns:
+            What became of the file, for `serve`'s STATUS= line.
+        """
         self._sessions.reload()
         self._limiter.reload()
-        if self._config_loader is not None:
-            try:
-                config = self._config_loader()
-            except Exception as exc:  # noqa: BLE001 - a bad file keeps the running policy
-                log_event(_log, "reload.config_rejected", error=type(exc).__name__,
-                          detail=str(exc))
-                return
-            self._policy = config.policy
-            self._limiter.reconfigure(config.limits)
-        log_event(_log, "reload.done")
+        if self._config_loader is None:
+            log_event(_log, "reload.done")
+            return Reread()
+        try:
+            config = self._config_loader()
+        except ConfigError as exc:  # a bad file keeps the running policy
+            # Its one line names the file and key, and quotes no secret (daemon/config.py).
+            log_event(_log, "reload.config_rejected", level=logging.WARNING,
+                      error=type(exc).__name__, detail=str(exc))
+            return Reread(rejected=str(exc))
+        except Exception as exc:  # noqa: BLE001 - nor does a loader's bug end the daemon
+            # Not str(exc): only a ConfigError's text is known to be fit for the log.
+            log_event(_log, "reload.config_rejected", level=logging.WARNING,
+                      error=type(exc).__name__)
+            return Reread(rejected=type(exc).__name__)
+        self._policy = config.policy
+        self._limiter.reconfigure(config.limits)
+        # Against the configuration the daemon started with: that is what it still runs on
+        # for these, so an edit not yet applied is named at every reload until the restart.
+        waiting = restart_only_changes(self._config, config)
+        for setting in waiting:
+            log_event(_log, "reload.restart_needed", level=logging.WARNING, setting=setting,
+                      detail=f"{setting} changed: restart to apply")
+        log_event(_log, "reload.done", restart_needed=list(waiting))
+        return Reread(waiting=waiting)
 
     def _passed(self, step: str) -> None:
         if self._checkpoint is not None:
