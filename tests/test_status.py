@@ -60,7 +60,9 @@ def test_status_running_then_stopped(custody_state: tuple[TokenConfig, Path], lo
     config = write_config(tmp_path / "broker.toml", token=token, state_dir=state,
                           socket=socket_path, relay_url=local_relay,
                           sections={"metrics": {"listen": metrics,
-                                                "listen_accept_squatting_risk": True}})
+                                                "listen_accept_squatting_risk": True,
+                                                "socket": str(tmp_path / "admin.sock")}})
+    admin = tmp_path / "admin.sock"
     channel = str(uuid.uuid4())
     agent = _cli(config, "agent", "create", "--owner", TestKey().pubkey, "--name", "s")
     assert agent.returncode == 0, agent.stderr
@@ -104,9 +106,9 @@ def test_status_running_then_stopped(custody_state: tuple[TokenConfig, Path], lo
         assert credential.stdout.strip() not in running.stdout
         # What the running daemon serves [metrics] listen under (its note, as for tcp).
         unheld = "unheld: the operator accepted the squatting risk (listen_accept_squatting_risk)"
-        assert facts["metrics"] == {"ok": True, "listen": metrics,
+        assert facts["metrics"] == {"ok": True, "socket": str(admin), "listen": metrics,
                                     "serving": f"{metrics} ({unheld})",
-                                    "detail": f"serving {metrics} ({unheld})"}
+                                    "detail": f"socket {admin}; serving {metrics} ({unheld})"}
         text = _cli(config, "status")
         assert re.search(rf"^daemon: +running \(pid {daemon.pid}\)$", text.stdout, re.M)
     assert daemon.returncode == 0
@@ -121,8 +123,33 @@ def test_status_running_then_stopped(custody_state: tuple[TokenConfig, Path], lo
     assert facts["agents"]["live"] == 1  # the stores are read without the daemon
     assert facts["token"]["detail"].startswith("logged in")
     # Stopped: which squatting rule [metrics] listen will be under, as for listen_tcp.
-    assert facts["metrics"] == {"ok": True, "listen": metrics, "detail": (
-        f"{metrics}: held by systemd (socket activation) if passed, else {unheld}")}
+    assert facts["metrics"] == {"ok": True, "socket": str(admin), "listen": metrics, "detail": (
+        f"socket {admin}; {metrics}: held by systemd (socket activation) if passed, else {unheld}")}
+
+
+def test_status_names_the_metrics_socket(custody_state: tuple[TokenConfig, Path],
+                                         tmp_path: Path) -> None:
+    """Metrics served on [metrics] socket alone are not "off": status used to say
+    `metrics: off ([metrics] listen is empty)`, and --json the same, for a daemon serving
+    them on its admin socket."""
+    from tests.fixtures.relay import free_port
+
+    token, state = custody_state
+    admin = tmp_path / "admin.sock"
+    config = write_config(tmp_path / "broker.toml", token=token, state_dir=state,
+                          socket=tmp_path / "b.sock", relay_url=f"ws://127.0.0.1:{free_port()}",
+                          relay_timeout=1.0, sections={"metrics": {"socket": str(admin)}})
+    facts = json.loads(_cli(config, "status", "--json").stdout)
+    assert facts["metrics"] == {"ok": True, "detail": f"socket {admin}", "socket": str(admin)}
+    text = _cli(config, "status").stdout
+    assert re.search(rf"^metrics: +socket {re.escape(str(admin))}$", text, re.M), text
+    # Neither: off, and the line names both keys.
+    config = write_config(tmp_path / "broker.toml", token=token, state_dir=state,
+                          socket=tmp_path / "b.sock", relay_url=f"ws://127.0.0.1:{free_port()}",
+                          relay_timeout=1.0)
+    facts = json.loads(_cli(config, "status", "--json").stdout)
+    assert facts["metrics"] == {"ok": True,
+                                "detail": "off ([metrics] socket and listen are empty)"}
 
 
 def test_status_with_a_broken_relay_is_degraded_not_a_crash(

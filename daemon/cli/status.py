@@ -4,7 +4,7 @@ Rules:
 - One line per fact, in this order: config (which file, by which rule), daemon (running
   with its pid, or stopped: from the run lock, daemon/state/runlock.py), socket (the configured
   path: a socket? its mode and owner), tcp ([server] listen_tcp and the squatting rule
-  each port is under), metrics ([metrics] listen and its rule), token (login and KEK,
+  each port is under), metrics ([metrics] socket's path, [metrics] listen and its rule), token (login and KEK,
   daemon/cli/_probe.py), relay
   (WebSocket reachable), agents (live / deleted), credentials (active / revoked or
   expired), audit (records and head hash, verified). ``--json`` prints the same facts as
@@ -172,11 +172,23 @@ def _tcp(config: Config, state_dir: Path, running: bool) -> Fact:
 
 
 def _metrics(config: Config, state_dir: Path, running: bool) -> Fact:
+    """Where the metrics are served: [metrics] socket (its path), then [metrics] listen
+    (`_metrics_listen`); "off" only when both are empty."""
+    path, listen = config.metrics.socket, _metrics_listen(config, state_dir, running)
+    on_socket = Fact(True, f"socket {path}", {"socket": path}) if path else None
+    served = [fact for fact in (on_socket, listen) if fact is not None]
+    if not served:
+        return Fact(True, "off ([metrics] socket and listen are empty)")
+    return Fact(all(fact.ok for fact in served), "; ".join(fact.detail for fact in served),
+                {key: value for fact in served for key, value in fact.data.items()})
+
+
+def _metrics_listen(config: Config, state_dir: Path, running: bool) -> Fact | None:
     """[metrics] listen: what the running daemon serves it under (its note), else the
-    config's rule, as for `tcp`."""
+    config's rule, as for `tcp`; None when it is empty."""
     listen, line = config.metrics.listen, describe_metrics(config)
     if listen is None or line is None:
-        return Fact(True, "off ([metrics] listen is empty)")
+        return None
     facts = {"listen": address_text(*listen)}
     if running:
         try:
