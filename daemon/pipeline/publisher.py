@@ -14,6 +14,11 @@ record (`Ledger.roll_back`) *before* the `rollback` cleanup runs; no
 would lie: `indeterminate` + `outcome_unknown`, and the identical retry re-sends the same
 events (accepted ones come back `duplicate:`) until the relay takes the rest.
 
+Each event not accepted is an INFO `relay.not_accepted` line of its request. One whose
+outcome is unknown is also a WARNING `relay.outcome_unknown`, one line a minute per cause
+(the pool's reason) with the count of those not shown (`daemon.fault_log.FaultLog`): a
+stalled relay leaves every publish so, and must show where a relay down does.
+
 Rolled back means never resumed: from the `roll_back` commit on, the record's events are
 never sent again (a retry gets `RolledBack`: `finish_rollback` runs the rollback again and
 the stored `failed` is recorded final), so a crash or a ledger fault after the rollback
@@ -59,6 +64,7 @@ if TYPE_CHECKING:  # the facade loads the PKCS#11 binding: not where a custodian
     from custody import Custody
 from daemon.state.directory import AgentDirectory
 from daemon.state.ledger import Ledger, RolledBack, Ticket
+from daemon.fault_log import FaultLog
 from daemon.log import log_event
 from daemon.operations import Context, Plan
 from daemon.operations._base import OperationRefused
@@ -94,6 +100,11 @@ def _mint_ref(facts: Facts) -> str:
     return f"{facts.agent}/{facts.request_id}"
 
 
+#: Causes `relay.outcome_unknown` keeps apart: the pool's own words for an Unknown (no OK
+#: within the timeout, the connection dropped before it or while sending), a handful.
+UNKNOWN_CAUSES = 8
+
+
 class Publisher:
     """Owns a publishing request from its signed plan to its cleanup (module docstring)."""
 
@@ -110,6 +121,12 @@ class Publisher:
         self._recorder = recorder
         self._clock = clock
         self._checkpoint = checkpoint
+        # Each publish the relay left unanswered is an INFO `relay.not_accepted` of its own
+        # request; a relay that stalls leaves every one so, and the operator's filter
+        # (`journalctl -p warning`) must show it as a read's `read.relay_unavailable` shows
+        # a relay down: at WARNING, one line a minute per cause, the next with the count.
+        self._unknown = FaultLog(_log, "relay.outcome_unknown", level=logging.WARNING,
+                                 max_causes=UNKNOWN_CAUSES)
         #: cleanup step type -> how it runs (a table, not an if-chain: daemon/pipeline/pending.py
         #: names the types, this names what each does).
         self._cleanups: dict[type[Cleanup], Callable[[Cleanup], Awaitable[None]]] = {
@@ -215,6 +232,8 @@ class Publisher:
                       result=type(result).__name__, reason=reason,
                       accepted_before=accepted, resumed=resumed)
             if isinstance(result, Unknown):
+                self._unknown.record((result.reason,), agent=facts.agent,
+                                     request_id=facts.request_id, reason=reason)
                 return Verdict.indeterminate(
                     ErrorCode.OUTCOME_UNKNOWN,
                     "the relay did not confirm the event; retry the identical request")

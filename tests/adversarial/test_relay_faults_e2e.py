@@ -212,6 +212,29 @@ async def test_no_ok_is_indeterminate_then_the_retry_succeeds_with_the_same_even
     assert replay == {**retried, "replayed": True}
 
 
+async def test_publishes_left_unanswered_are_a_warning_a_minute_not_one_each(
+        rig: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A stalled relay (no OK to any EVENT) showed at warning level not at all: each publish
+    was an INFO `relay.not_accepted` only. Now its first is a WARNING `relay.outcome_unknown`
+    as well, and the rest are counted into the next one (a minute on), as a read's
+    `read.relay_unavailable` is."""
+    caplog.set_level(logging.INFO, logger="buzz_broker")
+    r: Rig = await rig(Script(default_event=EventReply.SILENT))
+    posts = 3
+    for n in range(posts):
+        posted, _, _ = await r.call("message.post", _post_args(f"unanswered {n}"))
+        assert _code(posted) == ("indeterminate", "outcome_unknown")
+
+    def lines(event: str) -> list[logging.LogRecord]:
+        return [rec for rec in caplog.records if getattr(rec, "buzz_event", None) == event]
+
+    assert len(lines("relay.not_accepted")) == posts  # each request's own line stays
+    assert all(rec.levelno == logging.INFO for rec in lines("relay.not_accepted"))
+    [warning] = lines("relay.outcome_unknown")
+    assert warning.levelno == logging.WARNING
+    assert getattr(warning, "buzz_fields")["reason"] == f"no OK within {TIMEOUT}s"
+
+
 async def test_relay_down_fails_publish_and_read_within_the_connect_timeout(rig: Any) -> None:
     r: Rig = await rig(Script(), relay_down=True)
     posted, took, _ = await r.call("message.post", _post_args())
