@@ -428,6 +428,44 @@ async def test_reconnects_after_the_relay_comes_back(scripted_relay: Start, nurs
         assert isinstance(await pool.publish(key.pubkey, signed(key.sign(1, "y"))), Accepted)
 
 
+async def test_a_relay_back_waits_for_the_backoff_then_the_next_request_connects(
+    nursery: trio.Nursery,
+) -> None:
+    """docs/reliability.md, "Relay away and back": the pool does not try a relay that came
+    back before the backoff its last failed connect set has run out. Until the next attempt
+    is within the connect timeout, a request is answered at once, "relay unreachable; next
+    attempt in N s"; the next one waits for the attempt, which connects. So the first
+    success comes `backoff_max` at most after the last failed connect (the daemon's: 30 s),
+    not at the relay's return. Scaled down: a 3 s backoff, a 1 s connect timeout."""
+    backoff, connect = 3.0, 1.0
+    timeouts = RelayTimeouts(connect=connect, ok=1.0, eose=1.0, idle_seconds=30,
+                             backoff_initial=backoff, backoff_max=backoff)
+    port = free_port()
+    key = TestKey()
+    pool = await _pool(nursery, f"ws://127.0.0.1:{port}", key, timeouts=timeouts)
+    assert isinstance(await pool.publish(key.pubkey, signed(key.sign(1, "down"))), NotSent)
+    failed_at = trio.current_time()
+    relay = ScriptedRelay(Script())
+    await nursery.start(relay.serve, port)  # back at once
+    early = await pool.publish(key.pubkey, signed(key.sign(1, "early")))
+    assert isinstance(early, NotSent) and "relay unreachable; next attempt in" in early.reason
+    assert relay.connections == []  # not tried: the backoff holds it off
+    refused = 1
+    with trio.fail_after(backoff + CEILING):
+        while True:
+            result = await pool.publish(key.pubkey, signed(key.sign(1, "later")))
+            if not isinstance(result, NotSent):
+                break
+            assert "next attempt in" in result.reason
+            refused += 1
+            await trio.sleep(0.1)
+    assert isinstance(result, Accepted)
+    took = trio.current_time() - failed_at
+    # Not before the backoff ran out, and at most a scheduling margin after it.
+    assert backoff - 0.1 <= took <= backoff + 1.0, took
+    assert refused > 1  # answered at once until the attempt came within `connect`
+
+
 async def test_concurrent_publishes_are_matched_by_event_id(
     scripted_relay: Start, nursery: trio.Nursery
 ) -> None:
