@@ -580,11 +580,21 @@ class Custody:
         log.info("attached the owner's NIP-OA tag to agent %s", pubkey)
         return updated
 
+    async def check_token(self) -> str:
+        """Does the token work now? One hop of `Token.check` (no agent key touched); the
+        active KEK's label. The custodian's `token` row, which bounds how often it asks.
+
+        Raises:
+            CustodyError: the token, its login or its KEK fails now; the message says which.
+        """
+        self._check_open()
+        return await self._hop("check_token", self._token.check)
+
     def observe_token_calls(self, observer: Callable[[str, float], None] | None) -> None:
         """Call `observer(op, seconds)` after every token worker hop (for metrics).
 
         `op` is one of sign, sign_auth, memory_address, encrypt_to_owner,
-        decrypt_from_owner_pair, mint, import, destroy, attach_auth; the
+        decrypt_from_owner_pair, mint, import, destroy, attach_auth, check_token; the
         observer sees names and durations only, never an argument.
         """
         self._observer = observer

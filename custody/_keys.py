@@ -75,7 +75,8 @@ async def rotate_keys(
 
 
 async def check_token(token: TokenConfig, state_dir: Path | None = None) -> str:
-    """`check-config --deep` and `status`: log in, find and check the KEK, log out.
+    """`check-config --deep` and `status`: log in, find and check the KEK, use it
+    (`Token.check`, the check the custodian's `token` row makes), log out.
 
     With `state_dir`, the KEK is the one its keystore records as active (after a rotation),
     and a keystore whose keys are in another token is refused, as for `init_keys`. Writes
@@ -91,7 +92,11 @@ async def check_token(token: TokenConfig, state_dir: Path | None = None) -> str:
         label = recorded_kek(token, Path(state_dir)).kek_label
 
     def work() -> None:
-        Token.open(token, label).close()
+        opened = Token.open(token, label)
+        try:
+            opened.check()
+        finally:
+            opened.close()
 
     await in_token_worker(work)
     return label

@@ -564,6 +564,14 @@ def _load_kek(session: Any, config: TokenConfig, label: str, seal: str) -> _Kek 
     return _Kek(aes, mac)
 
 
+def _use_handles(kek: _Kek) -> None:
+    """One attribute read through each KEK handle (`Token.check`): the call is the check;
+    the value was checked when the handle was found, and MODIFIABLE false keeps it so."""
+    for half in (kek.aes, kek.mac):
+        if half is not None:
+            half[Attribute.SENSITIVE]
+
+
 class Token:
     """An open token: the seal mechanisms of its KEKs, by label.
 
@@ -741,6 +749,25 @@ class Token:
         if logs_in:
             log.warning("token %r: logged in again; KEK found and checked",
                         self._config.token_label)
+
+    def check(self) -> str:
+        """Does the token work now? The active KEK's handles are used as a seal uses them
+        (`_retrying_once`: stale handles log in again first), by an attribute read: the
+        cheapest call needing the login and the handle, which SoftHSM answers
+        ObjectHandleInvalid once its files are gone or unreadable (a search by label
+        answers "none"). No key material, nothing written. Returns the KEK's label.
+
+        Raises:
+            CustodyError: what the next seal would meet (no token, the PIN refused, the
+                KEK gone), or the token's error's name.
+        """
+        require_lock()
+        try:
+            self._retrying_once(self.active, self.seal, _use_handles)
+        except pkcs11.PKCS11Error as exc:
+            raise CustodyError(f"token {self._config.token_label!r} refused a call on KEK "
+                               f"{self.active!r} ({type(exc).__name__})") from None
+        return self.active
 
     def close(self) -> None:
         require_lock()

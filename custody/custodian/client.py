@@ -445,6 +445,15 @@ class CustodianClient:
                                f"{relay_url!r}: every AUTH would be refused; make them the "
                                "same ([custodian] relay_url in the custodian's file)")
 
+    async def check_token(self) -> str:
+        """The custodian's token works now (its `token` row: an answer at most a second
+        old); the active KEK's label. CustodyError: why it does not, as custody says it."""
+        value = await self._call("token")
+        kek = value.get("kek") if isinstance(value, dict) else None
+        if not isinstance(kek, str):
+            raise CustodianUnavailable("the custodian's answer broke the table")
+        return kek
+
     async def sign_auth(self, agent: str, relay_url: str, challenge: str, created_at: int
                         ) -> SignedEvent:
         value = await self._call("sign_auth", agent=agent, relay_url=relay_url,

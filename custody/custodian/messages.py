@@ -4,9 +4,9 @@ Theory of operation (OpenSSH's monitor.c, in our own words): the process that ho
 keys answers a fixed table of requests and nothing else. Each row names an operation and
 the exact members of its arguments with their types; a request is one frame:
 
-    u32 big-endian length N, then N bytes of UTF-8 JSON {"v": 3, "op": <name>, "args": {...}}
+    u32 big-endian length N, then N bytes of UTF-8 JSON {"v": 4, "op": <name>, "args": {...}}
 
-and its answer one frame `{"v": 3, "ok": <value>}` or `{"v": 3, "error": {"code", "message"}}`.
+and its answer one frame `{"v": 4, "ok": <value>}` or `{"v": 4, "error": {"code", "message"}}`.
 
 A row in `TAILS` carries a secret, never in the JSON (a JSON string becomes an immutable
 `str` in both processes, which nothing can wipe): its request names a length, and that
@@ -45,8 +45,8 @@ __all__ = [
 ]
 
 #: The table's version: bumped with any row (2: import's secret left the JSON; backup;
-#: 3: relay).
-VERSION: Final = 3
+#: 3: relay; 4: token).
+VERSION: Final = 4
 #: Bytes in one frame at most. The largest request the fifteen actions make is
 #: observer.emit's: 256 frames (NIP-BA) of up to 65,535 bytes each, base64 in JSON
 #: (4/3): 22.4 MB. The bound is the custodian's, checked before a byte of the body is read.
@@ -192,6 +192,8 @@ OPS: Final[Mapping[str, Mapping[str, Spec]]] = MappingProxyType({
     "chain": {"pubkey": _hex64},
     # the relay AUTH is signed for: the daemon refuses to start against another
     "relay": {},
+    # does its token work now? (a token hop, at most one a second: server.py)
+    "token": {},
     # lifecycle
     "mint": {"owner": _hex64, "mint_ref": _nullable(_str(512))},
     # the secret text (64 hex digits or nsec1...) follows the frame: `secret_bytes` bytes
@@ -217,7 +219,7 @@ OPS: Final[Mapping[str, Mapping[str, Spec]]] = MappingProxyType({
 #: Rows that change nothing and sign nothing: answered while the custodian owes a log
 #: line (server.py), and asked again on a fresh connection when one breaks (client.py).
 LOOKUPS: Final = frozenset({"records_version", "agent", "agents", "chain", "relay",
-                            "memory_address"})
+                            "token", "memory_address"})
 
 
 #: op -> the member naming how many raw bytes follow its request frame (a secret).

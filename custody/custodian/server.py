@@ -18,6 +18,8 @@ Theory of operation:
   kinds and shapes (`intents`), the NIP-OA tag (custody adds it), the agent-owner pair for
   NIP-44, AUTH only for the configured relay, per-agent rate bounds and the hash-chained
   log (`ledger`).
+- `token`: custody's check that the token works now (a hop), at most once per
+  TOKEN_CHECK_SECONDS; the asks between get its answer.
 - Error handling: custody's errors become their codes; anything else is `internal`, logged
   here by type name (and an OSError's errno name) only: its text could carry an argument.
 - Write-ahead: a keystore change (mint, import, destroy, attach_auth) is an `intent` line,
@@ -74,6 +76,10 @@ LINE_SECONDS: Final = 60.0
 LOCK_WAIT_SECONDS: Final = 5.0
 #: Seconds between tries meanwhile (one flock call each).
 LOCK_POLL_SECONDS: Final = 0.01
+#: Seconds a `token` answer is given again, not asked anew: its hop queues beside the
+#: signatures (with the token gone, ~0.6 s of logins: custody/_token.py LOGIN_ATTEMPTS),
+#: so asks without end cost one a second; `status` reads an answer at most this old.
+TOKEN_CHECK_SECONDS: Final = 1.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -144,6 +150,9 @@ class Custodian:
         self._record_lock = trio.Lock()  # so is the record bound's check and its new record
         self.budget = Budget(settings.max_inflight_bytes)
         self.listing = trio.Lock()  # an `agents` answer (up to MAX_FRAME) built and sent
+        self._token_lock = trio.Lock()  # one token check at a time; its waiters share it
+        #: the last token check: (when, it worked, the KEK label or the fault's message)
+        self._token_checked: tuple[float, bool, str] | None = None
         self._lines: dict[tuple[str, str], tuple[float, int]] = {}  # bounded by the table
 
     def _quiet(self, op: str, kind: str) -> int | None:
@@ -205,6 +214,21 @@ class Custodian:
 
     async def relay(self, args: Mapping[str, Any]) -> object:
         return self.settings.relay_url
+
+    async def token(self, args: Mapping[str, Any]) -> object:
+        async with self._token_lock:
+            checked = self._token_checked
+            if checked is None or trio.current_time() - checked[0] >= TOKEN_CHECK_SECONDS:
+                try:
+                    works, said = True, await self.custody.check_token()
+                except CustodyError as exc:  # custody's message: names no secret
+                    works, said = False, str(exc)
+                # Timed from its end: the asks that waited on it get it, however long it took.
+                checked = self._token_checked = (trio.current_time(), works, said)
+        _, works, said = checked
+        if not works:
+            raise CustodyError(said)
+        return {"kek": said}
 
     async def _change(self, intent: dict[str, object], change: Callable[[], Awaitable[KeyRecord]],
                       line: Callable[[KeyRecord], dict[str, object]]) -> KeyRecord:
@@ -377,7 +401,7 @@ class Custodian:
 
     HANDLERS: Mapping[str, Handler] = {
         "records_version": records_version, "agent": agent, "agents": agents, "chain": chain,
-        "relay": relay,
+        "relay": relay, "token": token,
         "mint": mint, "import": import_, "destroy": destroy, "attach_auth": attach_auth,
         "sign": sign, "sign_auth": sign_auth, "memory_address": memory_address,
         "encrypt": encrypt, "decrypt": decrypt, "backup": backup,

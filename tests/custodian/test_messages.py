@@ -23,6 +23,7 @@ GOOD: dict[str, dict[str, object]] = {
     "agents": {"include_deleted": True},
     "chain": {"pubkey": PK},
     "relay": {},
+    "token": {},
     "mint": {"owner": PK, "mint_ref": None},
     "import": {"secret_bytes": 64, "owner": PK, "auth_tag": None},
     "destroy": {"pubkey": PK},

@@ -6,7 +6,7 @@ Why beside tests/custodian/test_messages.py: its fuzz mutates bytes, and nearly 
 mutant stops at the JSON parse or the version, so a row's member checks were hardly
 reached (a review found its structured frames written in another version: refused
 before any row was read). Here each frame is built member by member from `ROWS`, this
-file's own statement of version 3's table; the reader's table (`messages.OPS`) is never
+file's own statement of version 4's table; the reader's table (`messages.OPS`) is never
 read but for its names, so a member left unchecked there (a `created_at` of any value, an
 `agent` any string, `plaintexts` not decoded) makes the two disagree.
 
@@ -311,10 +311,10 @@ class Obj:
         return {n: self.members[n].expect(v) for n, v in pairs}
 
 
-# --- version 3's table, restated ---------------------------------------------------------
+# --- version 4's table, restated ---------------------------------------------------------
 #: The version whose rows ROWS states: a row that changes changes VERSION (messages.py's
 #: rule), and then this statement with it.
-ROWS_VERSION = 3
+ROWS_VERSION = 4
 #: Characters of an event's content and of each tag value: 1 MiB.
 _CONTENT = 1024 * 1024
 _TIME = Int(0, 2**40)
@@ -332,6 +332,7 @@ ROWS: Mapping[str, Obj] = {
     "agents": Obj({"include_deleted": Bool()}),
     "chain": Obj({"pubkey": Hex()}),
     "relay": Obj({}),
+    "token": Obj({}),
     "mint": Obj({"owner": Hex(), "mint_ref": Nullable(Text(512))}),
     "import": Obj({"secret_bytes": Int(1, 256), "owner": Hex(), "auth_tag": Nullable(_AUTH_TAG)}),
     "destroy": Obj({"pubkey": Hex()}),
@@ -413,7 +414,7 @@ def _same(got: object, want: object) -> bool:
 
 
 def test_rows_restates_this_version_of_the_table() -> None:
-    """ROWS is version 3's table: once VERSION moves on, a row changed, and so must ROWS."""
+    """ROWS is version 4's table: once VERSION moves on, a row changed, and so must ROWS."""
     assert messages.VERSION == ROWS_VERSION
     assert ROWS.keys() == messages.OPS.keys()
     for op, row in ROWS.items():

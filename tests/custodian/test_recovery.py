@@ -57,6 +57,8 @@ async def _exercise(client: CustodianClient, op: str, agent: str, owner: coincur
         return client.lookup(op, include_deleted=False)
     if op == "relay":
         return await client.require_relay(relay_url)
+    if op == "token":
+        return await client.check_token()
     if op == "mint":
         return await client.mint_agent(owner=agent, mint_ref=str(uuid.uuid4()))
     if op == "import":
