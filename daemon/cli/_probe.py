@@ -10,7 +10,10 @@ Rules:
   `keys rotate` it is not ``[pkcs11] kek_label``), the configured one only where no
   keystore or no rotation is recorded yet; a keystore whose keys `keys migrate` moved to
   another token fails the check, saying to point [pkcs11] at that token. It creates
-  nothing: no KEK (that is `keys init`), no keystore.
+  nothing: no KEK (that is `keys init`), no keystore. Under a custodian it is the
+  custodian's `token` row: custody's same check of the token it is logged in to, made
+  now (or within the last second), so a token that went away since it started fails here
+  as every signature fails.
 - The relay check opens a WebSocket to ``[relay] url`` within ``connect_timeout`` and
   closes it: the relay is reachable and speaks WebSocket. It sends no event and no AUTH
   (no agent key is touched), so a relay that refuses unauthenticated REQs still passes.
@@ -84,7 +87,7 @@ async def check_token_and_kek(config: Config) -> Check:
 
 async def _check_custodian(path: Path, relay_url: str | None) -> Check:
     from custody import CustodyError
-    from custody.custodian.client import CustodianClient
+    from custody.custodian.client import CustodianClient, CustodianUnavailable
 
     try:
         client = await CustodianClient.open(path)
@@ -94,13 +97,20 @@ async def _check_custodian(path: Path, relay_url: str | None) -> Check:
         if relay_url is not None:  # none: the relay check says so
             await client.require_relay(relay_url)
         held = len(client.agents())
+        try:
+            kek = await client.check_token()
+        except CustodianUnavailable:  # not the token's fault: said below as the others
+            raise
+        except CustodyError as exc:  # it answers, and says why its token does not work
+            return Check("token", False, f"the custodian at {path} answers, but its token "
+                         f"does not work now: {exc}")
     except CustodyError as exc:
         return Check("token", False, f"custodian at {path}: {exc}")
     finally:
         await client.aclose()
-    return Check("token", True, f"the custodian at {path} answers (it holds the token login "
-                 f"and the KEK under its own uid; {held} live agent "
-                 f"key{'' if held == 1 else 's'})")
+    return Check("token", True, f"the custodian at {path} answers, and its token works (KEK "
+                 f"{kek!r} used within the last second, under the custodian's own uid; "
+                 f"{held} live agent key{'' if held == 1 else 's'})")
 
 
 async def check_relay(config: Config) -> Check:

@@ -1,6 +1,14 @@
 """The custodian's `token` row: does the token it is logged in to work now?
 (custody/custodian/server.py `Custodian.token`, custody `Token.check`)
 
+- `test_status_and_the_deep_check_fail_on_the_custodians_token_until_it_is_back`: a real
+  custodian on a private SoftHSM token, the daemon serving through it. The token's
+  directory moved away (what SoftHSM shows for token files gone or unreadable: the KEK's
+  handle answers ObjectHandleInvalid, and logging in again finds no such token): `status`
+  exits 1, its token line saying the custodian's token does not work and naming it,
+  `check-config --deep` exits 1 saying the same; moved back, both pass again, nothing
+  restarted. Before, both said "the custodian ... answers" and exited 0 while every
+  signature failed (`_check_custodian` made no token call).
 - `test_a_flood_of_token_asks_makes_one_hop_a_second`: however many ask at once or in a
   row, the row makes at most one token hop per TOKEN_CHECK_SECONDS (counted by custody's
   own hop observer); the asks between are given its answer.
@@ -134,6 +142,37 @@ def _token_line(done: subprocess.CompletedProcess[str]) -> str:
 def _past_the_last_check() -> None:
     """Wait out the row's answer kept from the last check."""
     time.sleep(server.TOKEN_CHECK_SECONDS + 0.1)
+
+
+@pytest.mark.token_independent  # its own token
+def test_status_and_the_deep_check_fail_on_the_custodians_token_until_it_is_back(
+        layout: Layout) -> None:
+    with _running(layout), _serving(layout):
+        healthy = _cli(layout, "status")
+        assert healthy.returncode == 0, healthy.stdout + healthy.stderr
+        assert f"its token works (KEK {layout.token.kek_label!r}" in _token_line(healthy)
+        _past_the_last_check()
+        with layout.token_gone():
+            gone = _cli(layout, "status")
+            deep = _cli(layout, "check-config", "--deep")
+        assert gone.returncode == 1, gone.stdout + gone.stderr
+        line = _token_line(gone)
+        assert line.startswith(f"token:       FAILED: the custodian at {layout.socket} "
+                               "answers, but its token does not work now: "), line
+        assert repr(LABEL) in line  # custody's message names the token (no such token now)
+        assert deep.returncode == 1, deep.stdout + deep.stderr
+        assert deep.stderr.startswith("buzz-broker: check-config --deep: token: the custodian "
+                                      f"at {layout.socket} answers, but its token does not "
+                                      "work now: "), deep.stderr
+        assert repr(LABEL) in deep.stderr
+        _past_the_last_check()  # back: the next check logs in again, nothing restarted
+        again = _cli(layout, "status")
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert "its token works" in _token_line(again)
+        assert _cli(layout, "check-config", "--deep").returncode == 0
+    pin = Path(layout.token.pin_file or "").read_text().strip()
+    for done in (healthy, gone, deep, again):
+        assert pin not in done.stdout + done.stderr
 
 
 async def test_a_flood_of_token_asks_makes_one_hop_a_second(
