@@ -93,3 +93,12 @@ def test_a_version_that_is_no_integer_still_breaks_the_table(v: object) -> None:
     with pytest.raises(messages.BadMessage) as raised:
         messages.decode_reply(body)
     assert not isinstance(raised.value, messages.OtherVersion)
+
+
+def test_the_upgrade_table_states_this_builds_version() -> None:
+    """docs/install.md 11's table of state formats gives the message table's version: the
+    one this build speaks (it said 3 after the `token` row made it 4)."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "install.md").read_text()
+    row = next(line for line in text.splitlines()
+               if line.startswith("| the custodian's message table"))
+    assert f'`"v"` {messages.VERSION} in every frame' in row
