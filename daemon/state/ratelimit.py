@@ -30,14 +30,20 @@ Rules (issue 10):
   `now`, so its refusal's wait is true). That holds for a bucket loaded from limits.db
   dated ahead (a clock ahead, then a restart): the first request after the load restamps
   every such bucket. Daily counters are kept for yesterday, today and tomorrow of the
-  clock's day, and for the day the clock last left (`_kept_days`; after a load, the
-  newest day in the file). So a step back over midnight, or out to another day and back,
-  finds every count it made: no step hands out a second quota for a day, and a clock
-  flapping over midnight gains nothing. A day the clock left that is not next to it goes
-  at the next change of day; what that can hand a client is the count made on it (a
-  clock days ahead for a while, then set right), one day's quota at most. A clock a day
-  or two ahead for a while charges its counts to that day when it comes, one day's quota
-  at most. A step back of days re-lives them, each its quota once, at the clock's pace.
+  clock's day, and for the day the clock last left (`_kept_days`). limits.db's `clock`
+  row keeps those two days across a restart, written in the flush that writes the counts
+  they keep (a file from a build before the row takes its newest day as the day left).
+  So a step back over midnight, or out to another day and back, finds every count it
+  made, also across a restart made while the clock was out: no such step hands out a
+  second quota for a day, and a clock flapping over midnight gains nothing. One day left
+  is remembered, not more (each would hold every credential's counters): a clock that
+  wanders among three or more days far apart, out to one, on to another and back to the
+  first, finds the first whole again, one day's quota per return at most. A day the
+  clock left that is not next to it goes at the next change of day; what that can hand a
+  client is the count made on it (a clock days ahead for a while, then set right), one
+  day's quota at most. A clock a day or two ahead for a while charges its counts to that
+  day when it comes, one day's quota at most. A step back of days re-lives them, each its
+  quota once, at the clock's pace.
 
 Theory of operation — the hot path and durability:
 `take()` is synchronous and touches only dicts (the daemon targets >= 2,500 posts/s).
@@ -51,7 +57,8 @@ another process) and read lazily, the first time this process sees a credential 
 `reload()` (SIGHUP) forgets what was read.
 
 WARNING: `PUBLISH_ACTIONS`/`READ_ACTIONS`/`LIVE_ACTIONS` must cover exactly the wire actions
-(`buzzwire.contract.ACTIONS`, split on `ActionSpec.rate_class`); `_SCHEMA` is read by `_load`.
+(`buzzwire.contract.ACTIONS`, split on `ActionSpec.rate_class`); `_SCHEMA` is read by `_load`
+and written by `_write` (the `clock` row with the counts, in one transaction).
 """
 
 from __future__ import annotations
@@ -379,6 +386,11 @@ CREATE TABLE IF NOT EXISTS buckets (
     level         REAL NOT NULL,
     at            REAL NOT NULL,
     PRIMARY KEY (credential_id, scope)
+);
+CREATE TABLE IF NOT EXISTS clock (
+    one      INTEGER PRIMARY KEY CHECK (one = 1),
+    today    INTEGER NOT NULL,
+    left_day INTEGER NOT NULL
 )
 """
 
@@ -395,6 +407,10 @@ class _Snapshot:
     kept_days: frozenset[int]
     #: buckets stamped before this are forgotten (`_new_day`); None before the first request
     idle_before: float | None
+    #: (today, the day last left) for the `clock` row, written with the counts they keep;
+    #: None before the first request (a process that counted nothing, such as the CLI
+    #: setting overrides, leaves the daemon's row alone)
+    days: tuple[int, int] | None
 
 
 class RateLimiter:
@@ -415,6 +431,11 @@ class RateLimiter:
         self._today = -1
         #: the clock's day before its last change of day (-1: none)
         self._left = -1
+        #: the last run's today from limits.db's `clock` row, until the first request
+        #: (-1: none, or a file from a build before the row)
+        self._resumed_today = -1
+        #: the day changed since the last flush (the `clock` row is due)
+        self._days_dirty = False
         self._closed = False
         #: how many flush transactions committed (tests and the benchmark read it).
         self.flushes = 0
@@ -441,8 +462,16 @@ class RateLimiter:
                 "SELECT credential_id, scope, day, used FROM daily"
             ):
                 self._daily[(str(cid), str(scope), int(day))] = int(used)
-            # The day the last run left is not known: the newest it counted on stands for
-            # it (the last run's today, or the day it left if further ahead).
+            row = self._conn.execute("SELECT today, left_day FROM clock").fetchone()
+        if row is not None:
+            # The last run's days, as flushed with its counts: the first request goes on
+            # from them as if the process had never stopped.
+            self._resumed_today, self._left = int(row[0]), int(row[1])
+        else:
+            # A file from a build before the `clock` row: the day the last run left is not
+            # known, and the newest day it counted on stands for it (the last run's today,
+            # or the day it left if further ahead). Wrong after a restart made while the
+            # clock read a day ahead (that day is the newest): the reason for the row.
             self._left = max((k[2] for k in self._daily), default=-1)
 
     # ------------------------------------------------------------------ configuration
@@ -613,10 +642,14 @@ class RateLimiter:
     def _new_day(self, day: int, now: float) -> None:
         # The clock's day changed: by midnight, by a step, or this is the first request
         # since the load. Counters outside `_kept_days` are dropped here and from the
-        # database at the next flush (module docstring: clock steps).
-        if self._today >= 0:
-            self._left = self._today
+        # database at the next flush (module docstring: clock steps). The first request
+        # after a load goes on from the last run's today (the `clock` row): a restart is
+        # no change of day, and a day the clock left before it is still the day left.
+        last = self._today if self._today >= 0 else self._resumed_today
+        if last >= 0 and last != day:
+            self._left = last
         self._today = day
+        self._days_dirty = True
         kept = self._kept_days()
         for key in [k for k in self._daily if k[2] not in kept]:
             del self._daily[key]
@@ -647,8 +680,11 @@ class RateLimiter:
         )
         self._dirty_buckets.clear()
         self._dirty_daily.clear()
-        idle = None if self._today < 0 else float((self._today - 1) * _DAY_SECONDS)
-        return _Snapshot(buckets, daily, self._kept_days(), idle)
+        self._days_dirty = False
+        if self._today < 0:
+            return _Snapshot(buckets, daily, frozenset(), None, None)
+        idle = float((self._today - 1) * _DAY_SECONDS)
+        return _Snapshot(buckets, daily, self._kept_days(), idle, (self._today, self._left))
 
     def _write(self, snap: _Snapshot) -> None:
         with self._db_lock:
@@ -672,6 +708,13 @@ class RateLimiter:
                     conn.execute(f"DELETE FROM daily WHERE day NOT IN ({marks})", days)
                 if snap.idle_before is not None:
                     conn.execute("DELETE FROM buckets WHERE at < ?", (snap.idle_before,))
+                if snap.days is not None:
+                    conn.execute(
+                        "INSERT INTO clock (one, today, left_day) VALUES (1, ?, ?) "
+                        "ON CONFLICT (one) DO UPDATE SET "
+                        "today = excluded.today, left_day = excluded.left_day",
+                        snap.days,
+                    )
                 conn.execute("COMMIT")
             except BaseException:
                 conn.execute("ROLLBACK")
@@ -681,6 +724,8 @@ class RateLimiter:
     def _requeue(self, snap: _Snapshot) -> None:
         self._dirty_buckets.update((c, s) for c, s, _, _ in snap.buckets)
         self._dirty_daily.update((c, s, d) for c, s, d, _ in snap.daily)
+        if snap.days is not None:
+            self._days_dirty = True
 
     def flush(self) -> None:
         """Write changed counts now, on this thread (close() and tests use it).
@@ -709,8 +754,9 @@ class RateLimiter:
         task_status.started()
         while True:
             await trio.sleep(interval)
+            due = self._days_dirty
             snap = self._snapshot()
-            if not snap.buckets and not snap.daily:
+            if not snap.buckets and not snap.daily and not due:
                 continue
             try:
                 # Shielded: a half-abandoned write would leave the lock held by a thread.

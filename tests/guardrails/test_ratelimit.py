@@ -674,6 +674,79 @@ def test_daily_counts_across_clock_steps(
     limiter.close()
 
 
+def test_a_restart_while_the_clock_reads_ahead_keeps_the_days_count(
+    tmp_path: Path, principals: tuple[Principal, Principal]
+) -> None:
+    """A bad time source puts the clock three days ahead, the daemon restarts while it
+    still reads so, then NTP sets it right: the day's quota, spent before the step, is
+    still spent. limits.db's `clock` row says which day the last run left; a CLI process
+    setting overrides meanwhile leaves that row alone. (Before: the day left was taken
+    as the newest day in the file, the far day itself, so the real day's count was
+    dropped at the first request and its quota handed out a second time.)"""
+    a, b = principals
+    cfg = rate_config_from_table({"publish": "100/s", "publish_daily": 5})
+    limiter = RateLimiter.open(tmp_path, cfg)
+    assert sum(limiter.take(a, "message.post", NOON + i) is None for i in range(10)) == 5
+    away = NOON + 3 * 86400
+    assert limiter.take(a, "message.post", away) is None
+    limiter.close()
+    cli_side = RateLimiter.open(tmp_path, cfg)
+    cli_side.set_overrides(b.credential_id, [parse_rate("daily=9")])
+    cli_side.close()
+    limiter = RateLimiter.open(tmp_path, cfg)
+    assert limiter.take(a, "message.post", away + 1) is None
+    # Set right: the same UTC day as the five granted before the step.
+    assert refused(limiter.take(a, "message.post", NOON + 100))[0] == "daily quota"
+    assert limiter.used_today(a.credential_id, "publish", NOON) == 5
+    limiter.close()
+    # And a restart made after the clock was set right still finds it spent.
+    limiter = RateLimiter.open(tmp_path, cfg)
+    assert refused(limiter.take(a, "message.post", NOON + 200))[0] == "daily quota"
+    limiter.close()
+
+
+def test_a_file_without_the_clock_row_takes_its_newest_day_as_the_day_left(
+    tmp_path: Path, principals: tuple[Principal, Principal]
+) -> None:
+    """A limits.db from a build before the `clock` row: the newest day it counted on
+    stands for the day the last run left, so a clock out three days and set right before
+    the restart finds today's count still spent."""
+    a, _ = principals
+    cfg = rate_config_from_table({"publish": "100/s", "publish_daily": 5})
+    limiter = RateLimiter.open(tmp_path, cfg)
+    assert sum(limiter.take(a, "message.post", NOON + i) is None for i in range(5)) == 5
+    assert limiter.take(a, "message.post", NOON + 3 * 86400) is None
+    limiter.close()
+    conn = sqlite3.connect(tmp_path / LIMITS_FILENAME)
+    try:
+        conn.execute("DROP TABLE clock")
+        conn.commit()
+    finally:
+        conn.close()
+    limiter = RateLimiter.open(tmp_path, cfg)
+    assert refused(limiter.take(a, "message.post", NOON + 100))[0] == "daily quota"
+    limiter.close()
+
+
+def test_a_clock_wandering_among_three_far_days_gains_one_days_quota_per_return(
+    tmp_path: Path, principals: tuple[Principal, Principal]
+) -> None:
+    """The limit of the promise, as docs/operations.md states it: one day left is
+    remembered, so a clock out to one far day, on to another and back finds the first
+    whole again; what it hands out is that day's quota once per return, no more."""
+    a, _ = principals
+    cfg = rate_config_from_table({"publish": "100/s", "publish_daily": 5})
+    limiter = RateLimiter.open(tmp_path, cfg)
+    granted = []
+    for visit in range(3):
+        for day in (0, 10, 20):
+            at = NOON + day * 86400 + visit * 60
+            granted.append(sum(limiter.take(a, "message.post", at + i) is None
+                               for i in range(10)))
+    assert granted == [5] * 9
+    limiter.close()
+
+
 @pytest.mark.broker_config(limits={"read": "6/min"})
 async def test_a_clock_stepped_back_starves_no_credential_through_the_daemon(
     broker: BrokerHarness,
