@@ -10,6 +10,9 @@ a real ledger, the wall and monotonic clocks injected.
   stopped for three weeks (what had expired by the newest record at once, the rest after
   the day's hold). A clock stepped back is believed at once; one ahead for longer than the
   hold is believed then.
+- A wall clock gaining under the slack at every sweep adds up against the steady clock:
+  held once past it, and never believed while it gains. NTP's drift, set right by steps,
+  never holds; small forward steps again and again hold once they pass the slack in all.
 - Through the daemon's sweeper (daemon/wiring.py), the wall clock it reads 15 days ahead:
   one `ledger.sweep_held` line, and the records are kept.
 """
@@ -233,6 +236,76 @@ async def test_a_clock_ahead_for_longer_than_the_hold_is_believed(tmp_path: Path
         assert await _sweep(ledger, sweeps) == 2
     finally:
         ledger.close()
+
+
+async def test_a_clock_gaining_under_the_slack_at_every_sweep_is_held(tmp_path: Path) -> None:
+    """A wall clock that gains 50 minutes every hour (a review's reproduction; the daemon's
+    first round at start added). Each reading is within the slack of the one before, but
+    the gains add up against the steady clock: held from the second hour, one hold line,
+    and never believed while it gains, so the final record goes no earlier than the slack
+    before its retention by the true time. (Before: each reading became the reference, the
+    hold never began, and the record went after 3.8 days.)"""
+    clocks = Clocks()
+    ledger = Ledger.open(tmp_path / "ledger.db", retention_seconds=RETENTION,
+                         clock=lambda: clocks.wall)
+    try:
+        begun = await ledger.begin(LedgerKey(AGENT, "done"), digest(b"x"))
+        assert isinstance(begun, Fresh)
+        await ledger.finish(begun.ticket, b'{"eventId":"e"}', Status.SUCCEEDED, tombstone=True)
+        sweeps = clocks.sweep_clock(ledger)
+        assert await _sweep(ledger, sweeps) == 0  # the round at start
+        holds, elapsed = 0, 0
+        while True:
+            clocks.pass_time(HOUR)
+            clocks.wall += 50 * 60
+            elapsed += HOUR
+            reading = sweeps.read()
+            holds += reading.hold_began
+            assert elapsed < 2 * HOUR or reading.held > 0
+            if await ledger.sweep(reading.now):
+                break
+        assert holds == 1
+        assert elapsed >= RETENTION - SLACK_SECONDS
+    finally:
+        ledger.close()
+
+
+def test_ntp_drift_set_right_by_steps_never_holds() -> None:
+    """60 days of hourly sweeps, the wall clock gaining 2 s an hour on the monotonic one
+    (far beyond NTP's 500 ppm slew), set right by NTP: not for the first 30 days, then by a
+    step back each day. No reading is held, and none is ahead of the true (monotonic) time
+    by more than the slack."""
+    clocks = Clocks()
+    sweeps = SweepClock(T0, wall=lambda: clocks.wall, monotonic=lambda: clocks.mono)
+    start_mono = clocks.mono
+    for hour in range(1, 60 * 24 + 1):
+        clocks.pass_time(HOUR)
+        clocks.wall += 2
+        true_time = T0 + (clocks.mono - start_mono)
+        if hour == 30 * 24 or (hour > 30 * 24 and hour % 24 == 0):
+            clocks.wall = true_time  # NTP steps it back
+        reading = sweeps.read()
+        assert (reading.held, reading.hold_began) == (0, False), hour
+        assert true_time <= reading.now <= true_time + SLACK_SECONDS, hour
+
+
+def test_small_forward_steps_add_up_to_one_hold() -> None:
+    """The limit: a wall clock stepped forward 2 s every hour against the monotonic one (a
+    VM losing ticks, set right by NTP steps) reads past the slack after 75 days; it is
+    held then, and believed a day later (its lead moved 48 s, within the slack), so 160
+    days hold twice, a day each time."""
+    clocks = Clocks()
+    sweeps = SweepClock(T0, wall=lambda: clocks.wall, monotonic=lambda: clocks.mono)
+    began, held = [], 0
+    for hour in range(1, 160 * 24 + 1):
+        clocks.pass_time(HOUR)
+        clocks.wall += 2
+        reading = sweeps.read()
+        if reading.hold_began:
+            began.append(hour)
+        held += reading.held > 0
+    assert began == [1801, 2 * 1801 + 24]
+    assert held == 2 * 24
 
 
 async def test_the_daemons_sweeper_holds_a_clock_read_ahead(
