@@ -37,7 +37,7 @@ from daemon.cli import main
 from daemon.cli import serve as serve_cli
 from daemon.cli._common import CliError
 from daemon.cli.serve import EXIT_STOPPED, MemoryLock, ReloadableApplication, run_server
-from daemon.config import Config, Reread, load_config
+from daemon.config import PIN_CREDENTIAL, Config, Reread, load_config
 from daemon.http import HttpAnswer, HttpRequest, ServerControl, bind_unix_socket
 from daemon.log import log_event, setup_logging
 from daemon.state.audit import AUDIT_DIRNAME, audit_files
@@ -777,6 +777,67 @@ def test_real_broker_reload_says_what_it_did_not_apply(
                if line["event"] == "serve.reloaded"]
     assert [(r["config"], r["restart_needed"]) for r in reloads] == [
         ("rejected", []), ("applied", ["[relay] url"]), ("applied", [])]
+
+
+def test_real_broker_reload_under_a_systemd_credential_restarts_nothing(
+    custody_state: tuple[TokenConfig, Path], sockdir: str
+) -> None:
+    """Under systemd the PIN is the credential in `$CREDENTIALS_DIRECTORY` (`token-pin`,
+    daemon/config.py `PIN_CREDENTIAL`) and the file names no `pin_file`. A reload re-reads
+    the file in the daemon's own environment, so the PIN resolves as it did at the start:
+    the status says "reloaded", and no setting waits for a restart. (Before: the reread
+    passed no environment, every reload under systemd said "restart to apply [pkcs11]
+    pin_file", and a warning went to the journal.)"""
+    token, state_dir = custody_state
+    credentials = Path(sockdir) / "credentials"
+    credentials.mkdir(mode=0o700)
+    assert token.pin_file is not None
+    pin = credentials / PIN_CREDENTIAL
+    pin.write_bytes(Path(token.pin_file).read_bytes())
+    pin.chmod(0o400)  # as systemd's LoadCredential= hands it over
+    config_path = Path(sockdir) / "broker.toml"
+    good = (f'[server]\nsocket = "b.sock"\nshutdown_grace = 5\n'
+            f'[state]\ndir = "{state_dir}"\n'
+            f'[pkcs11]\nmodule = "{token.module}"\ntoken_label = "{token.token_label}"\n'
+            f'kek_label = "{token.kek_label}"\n'
+            f'[relay]\nurl = "ws://127.0.0.1:{free_port()}"\n')
+    config_path.write_text(good)
+    notify_path = os.path.join(sockdir, "notify")
+    log_path = Path(sockdir) / "daemon.log"
+    env = dict(os.environ, NOTIFY_SOCKET=notify_path, CREDENTIALS_DIRECTORY=str(credentials))
+    env.pop("BUZZ_BROKER_CONFIG", None)
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as dgram, open(log_path, "wb") as log:
+        dgram.bind(notify_path)
+        dgram.settimeout(30)
+
+        def ready() -> str:
+            """The STATUS= sent with the next READY=1."""
+            while True:
+                lines = dgram.recv(4096).decode().split("\n")
+                if "READY=1" in lines:
+                    return next(line for line in lines if line.startswith("STATUS="))
+
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "daemon.cli", "--config", str(config_path), "serve"],
+            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        try:
+            ready()
+            proc.send_signal(signal.SIGHUP)  # the file as the daemon started with it
+            assert ready().endswith("; reloaded"), log_path.read_text()
+            config_path.write_text(good + '[policy]\ndisabled_actions = ["reaction.add"]\n')
+            proc.send_signal(signal.SIGHUP)  # a policy edit, applied
+            assert ready().endswith("; reloaded"), log_path.read_text()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=15) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    lines = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert [line for line in lines if line["level"] in ("warning", "error")] == []
+    assert [(r["config"], r["restart_needed"]) for r in lines
+            if r["event"] == "serve.reloaded"] == [("applied", []), ("applied", [])]
 
 
 # --------------------------------------------------------------------------- signals, a real process

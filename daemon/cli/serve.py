@@ -820,10 +820,14 @@ async def _broker_factory(config: Config) -> AsyncIterator[ReloadableApplication
     source = config.source
 
     def reload_config() -> Config:
-        # SIGHUP re-reads the same file. The environment as at the start: of it only
-        # $CREDENTIALS_DIRECTORY is read once a file is named (the PIN's origin), and with
-        # it the reread compares with the running config key by key (restart_only_changes):
-        # without it every reload under systemd read as "[pkcs11] pin_file changed".
+        # SIGHUP re-reads the same file, in the process environment as it is now
+        # (`os.environ`, load_config's default: the daemon only removes systemd's LISTEN_*
+        # variables from it, so what a config reads is as at the start). Of it only
+        # $CREDENTIALS_DIRECTORY is read once a file is named (the PIN's origin), and with it
+        # the reread compares with the running config key by key (restart_only_changes):
+        # read with no environment, every reload under systemd said "[pkcs11] pin_file
+        # changed" (tests/test_serve.py
+        # ::test_real_broker_reload_under_a_systemd_credential_restarts_nothing).
         return load_config(source)
 
     try:
