@@ -13,7 +13,8 @@ Surface:
   its recorded owner, one unseal per call), mint_agent, import_agent, destroy_agent), `init_keys`/`init_kek` (keys
   init), `rotate_keys` (keys rotate, keys migrate; `ROTATION_CHECKPOINTS`) and
   `check_token` (log in and check the KEK only: check-config --deep, status).
-- Values: `TokenConfig`, `CachePolicy`, `TokenReport`, `RotationReport`, `UnsignedEvent`,
+- Values: `TokenConfig`, `CachePolicy`, `RecordBound` (how many key records mints and
+  imports may make, `DEFAULT_MAX_RECORDS` unless configured), `TokenReport`, `RotationReport`, `UnsignedEvent`,
   `SignedEvent`, `KeyRecord` (an agent key's public facts: owner, NIP-OA tag, mint
   reference, when made and destroyed), `MemoryAddress`.
 - `KeyIndex`: those records read-only, without the token (the daemon's directory).
@@ -76,7 +77,8 @@ _SURFACE: dict[str, str] = {
     **dict.fromkeys(("check_token", "init_kek", "init_keys", "rotate_keys"), "custody._keys"),
     "KeyIndex": "custody._keyindex",
     **dict.fromkeys(("CachePolicy", "KeyRecord", "MemoryAddress", "MAX_CACHE_ENTRIES",
-                     "MAX_CACHE_SECONDS", "MAX_KEK_LABEL", "MAX_UID", "kek_label_ok"),
+                     "MAX_CACHE_SECONDS", "MAX_KEK_LABEL", "MAX_UID", "kek_label_ok",
+                     "DEFAULT_MAX_RECORDS", "RecordBound"),
                     "custody._records"),
     **dict.fromkeys(("SignedEvent", "UnsignedEvent", "compute_event_id", "owner_tag_digest",
                      "verify_event", "verify_owner_tag"), "buzzwire.nostr"),
@@ -123,6 +125,8 @@ if TYPE_CHECKING:  # the same surface for type checkers (`X as X`: re-exported n
     from custody._records import MAX_CACHE_ENTRIES as MAX_CACHE_ENTRIES, MemoryAddress as MemoryAddress
     from custody._records import MAX_CACHE_SECONDS as MAX_CACHE_SECONDS, MAX_UID as MAX_UID
     from custody._records import MAX_KEK_LABEL as MAX_KEK_LABEL, kek_label_ok as kek_label_ok
+    from custody._records import DEFAULT_MAX_RECORDS as DEFAULT_MAX_RECORDS
+    from custody._records import RecordBound as RecordBound
     from custody._process import harden_process as harden_process
     from custody._rotation import ROTATION_CHECKPOINTS as ROTATION_CHECKPOINTS
     from custody._rotation import RotationReport as RotationReport

@@ -52,7 +52,7 @@ from custody._nip44 import (
     encrypt,
 )
 from custody._ownership import owned_through
-from custody._records import CachePolicy
+from custody._records import CachePolicy, RecordBound
 from buzzwire.nostr import SignedEvent, UnsignedEvent, is_hex64, require_pubkey
 from custody._process import harden_process
 from custody._activekek import active_kek, interrupted, recorded_kek
@@ -108,14 +108,16 @@ class Custody:
     """Sealed agent keys under a PKCS#11 token. Create with `await Custody.open(...)`."""
 
     __slots__ = ("_token", "_keystore", "_index", "_closed", "_now", "_observer", "_lock",
-                 "_cache")
+                 "_cache", "_bound")
 
     def __init__(self, token: Token, keystore: Keystore, lock: StateLock,
-                 cache: UnsealedCache | None, *, _factory: object = None) -> None:
+                 cache: UnsealedCache | None, records: RecordBound, *,
+                 _factory: object = None) -> None:
         if _factory is not _FACTORY:
             raise TypeError("use `await Custody.open(token_config, state_dir)`")
         self._token = token
         self._keystore = keystore
+        self._bound = records
         #: the public reads' own read-only connection (see _keystore: never the writer's lock)
         self._index = ReadIndex(keystore.path)
         self._lock = lock
@@ -128,9 +130,11 @@ class Custody:
 
     @classmethod
     async def open(cls, token: TokenConfig, state_dir: Path,
-                   cache: CachePolicy = CachePolicy(), *, exclusive: bool = False) -> Custody:
+                   cache: CachePolicy = CachePolicy(), *, exclusive: bool = False,
+                   records: RecordBound = RecordBound()) -> Custody:
         """Log in, find and check the KEK (refusing one that could leave the token), open
-        the keystore under `state_dir`. `cache` turns the unsealed-key cache on (`_cache`).
+        the keystore under `state_dir`. `cache` turns the unsealed-key cache on (`_cache`);
+        `records` bounds the records mints and imports may make (`room`).
         `exclusive` holds the state lock alone (a command that must run with the custodian
         stopped: custody/custodian/keys.py's restore), so it refuses beside any other user.
 
@@ -167,7 +171,7 @@ class Custody:
             except BaseException:
                 opened.close()
                 raise
-            return cls(opened, keystore, lock, _cache_for(cache), _factory=_FACTORY)
+            return cls(opened, keystore, lock, _cache_for(cache), records, _factory=_FACTORY)
 
         custody = await in_token_worker(work)
         log.info("custody open: token %r, keystore %s", token.token_label, custody._keystore.path)
@@ -226,6 +230,17 @@ class Custody:
         for as long as it stays the same. Costs no disk read."""
         self._check_open()
         return self._index.version()
+
+    def room(self) -> None:
+        """CustodyError, naming the bound and its way out, if the keystore holds `most`
+        records (`RecordBound`), destroyed ones included. `_store` asks it in the hop; the
+        custodian first, before its intent line. Another process's insert meanwhile (an
+        `agent create` beside the daemon) can pass it by that one record."""
+        self._check_open()
+        bound = self._bound
+        if self._index.count() >= bound.most:
+            raise CustodyError(f"the keystore holds max_records ({bound.most}) records, "
+                               f"destroyed ones included: {bound.remedy}")
 
     def minted(self, mint_ref: str, owner: str) -> KeyRecord | None:
         """The record a mint with `mint_ref` made for `owner`, destroyed or not; None if
@@ -412,7 +427,8 @@ class Custody:
 
         Raises:
             CustodyError: an owner that is no curve point; mint_ref already used for another
-                owner; token or keystore faults.
+                owner; the record bound reached (`room`; a mint_ref made before is answered
+                first); token or keystore faults.
             ValueError: a malformed owner or mint_ref.
         """
         self._check_open()
@@ -454,7 +470,8 @@ class Custody:
                 agent, an ownership cycle (the agent already owns the owner, directly or
                 through its agents), agent already held (or
                 tombstoned), an auth tag that does not verify, an owner held here under
-                `HeldOwner.REFUSE`; token or keystore faults.
+                `HeldOwner.REFUSE`, the record bound reached (`room`); token or keystore
+                faults.
             ValueError: a malformed owner.
         """
         # Zeroed on every way out, the early refusals included (the worker hop is never
@@ -630,6 +647,7 @@ class Custody:
         mint_ref: str | None,
         auth_tag: OwnerTag | None,
     ) -> KeyRecord:
+        self.room()  # in the hop: this process's mints and imports pass it one at a time
         agent = xonly_pubkey(secret).hex()
         if agent == owner:
             raise CustodyError("owner equals the agent: an agent cannot own itself")

@@ -415,6 +415,11 @@ class ReadIndex(_PublicReads):
     def _rows(self, where: str, args: tuple[object, ...] = ()) -> list[Row]:
         return self._first((f"SELECT {_PUBLIC_COLUMNS} FROM keys {where}",), args)
 
+    def count(self) -> int:
+        """Records held, destroyed ones included (0 while no keystore exists)."""
+        rows = self._first(("SELECT count(*) FROM keys",))
+        return int(rows[0][0]) if rows else 0
+
     def version(self) -> int:
         """Changes whenever a key record may have changed: a commit by any other connection,
         custody's own writer and other processes included (SQLite's data_version, read

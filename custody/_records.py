@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MAX_CACHE_ENTRIES", "MAX_CACHE_SECONDS", "MAX_KEK_LABEL", "MAX_UID", "CachePolicy",
-           "KeyRecord", "MemoryAddress", "kek_label_ok"]
+__all__ = ["DEFAULT_MAX_RECORDS", "MAX_CACHE_ENTRIES", "MAX_CACHE_SECONDS", "MAX_KEK_LABEL",
+           "MAX_UID", "OWNER_TAG_CONDITIONS", "CachePolicy", "KeyRecord", "MemoryAddress",
+           "RecordBound", "kek_label_ok"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,30 @@ class KeyRecord:
     @property
     def live(self) -> bool:
         return self.deleted_at is None
+
+
+#: Buzz signs NIP-OA tags with empty conditions (buzz-on-the-relay.md); custody makes and
+#: takes no others (custody/_signer.py), so a record's tag is fixed in size.
+OWNER_TAG_CONDITIONS = ""
+#: Key records, destroyed ones included, past which a mint or an import is refused unless
+#: configured otherwise: the daemon's `[custody] max_records` and the custodian's
+#: `[custodian] max_records` both default to this one number.
+DEFAULT_MAX_RECORDS = 5_000
+
+
+@dataclass(frozen=True, slots=True)
+class RecordBound:
+    """Key records held at most, destroyed ones (tombstones) included, before a mint or an
+    import is refused (`Custody.room`), and the refusal's way out for the operator. The
+    configurations keep `most` within 1 to `MAX_RECORDS` (custody/custodian/messages.py)."""
+
+    most: int = DEFAULT_MAX_RECORDS
+    #: what to do, as the refusal says it: the configuration key to raise, a command
+    remedy: str = "raise max_records"
+
+    def __post_init__(self) -> None:
+        if self.most < 1:
+            raise ValueError("a record bound allows at least one record")
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,7 +50,8 @@ from custody._keystore import KeyRecord
 from custody._secp256k1 import is_xonly_pubkey, xonly_pubkey
 from custody._sealed import seal
 from custody._secret import Secret, parse_secret_text, wipe_bytes
-from custody._signer import CONDITIONS_FAULT, OWNER_TAG_CONDITIONS, owner_tag_fault
+from custody._records import OWNER_TAG_CONDITIONS
+from custody._signer import CONDITIONS_FAULT, owner_tag_fault
 from buzzwire.nostr import is_hex64
 
 if TYPE_CHECKING:

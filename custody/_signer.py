@@ -31,6 +31,7 @@ from buzzwire import kinds
 from buzzwire.nostr import (
     SignedEvent, Tags, UnsignedEvent, compute_event_id, owner_tag_digest, verify_owner_tag,
 )
+from custody._records import OWNER_TAG_CONDITIONS
 from custody._secp256k1 import schnorr_sign
 from custody._secret import Secret
 
@@ -39,8 +40,6 @@ __all__ = ["AUTH_KIND", "auth_event", "make_owner_tag", "owner_tag_fault", "sign
 
 #: NIP-42 client authentication event kind.
 AUTH_KIND = kinds.AUTH
-#: Buzz signs NIP-OA tags with empty conditions (buzz-on-the-relay.md).
-OWNER_TAG_CONDITIONS = ""
 
 OwnerTag = tuple[str, str, str, str]
 

@@ -54,7 +54,9 @@ from urllib.parse import urlsplit
 
 from buzzwire.contract import ACTIONS, MAX_SCALAR_CHARS, scrub_line, trim
 from buzzwire.loopback import LOOPBACK_NAMES, is_loopback_host
-from custody import MAX_CACHE_ENTRIES, MAX_CACHE_SECONDS, MAX_KEK_LABEL, MAX_UID, kek_label_ok
+from custody import (DEFAULT_MAX_RECORDS, MAX_CACHE_ENTRIES, MAX_CACHE_SECONDS, MAX_KEK_LABEL,
+                     MAX_UID, kek_label_ok)
+from custody.custodian.messages import MAX_RECORDS
 from daemon.loopback_tcp import ListenerKind, address_text
 from daemon.relay.pool import (DEFAULT_LIVE_SUBSCRIPTIONS, DEFAULT_RECEIVE_BYTES,
                                DEFAULT_RESULT_BYTES, MAX_FRAME_BYTES, MAX_QUERY_BYTES)
@@ -63,7 +65,7 @@ from daemon.relay.protocol import check_relay_url
 from daemon.state.ratelimit import DEFAULT_RATE_CONFIG, RateConfig, rate_config_from_table
 
 if TYPE_CHECKING:
-    from custody import CachePolicy, TokenConfig
+    from custody import CachePolicy, RecordBound, TokenConfig
 
 __all__ = [
     "load_config",
@@ -250,6 +252,21 @@ class CustodyConfig:
     #: The custodian's socket (custody/custodian/, docs/custodian.md): the pipeline signs through
     #: it and never opens the token. None = custody in this process ([pkcs11]).
     custodian_socket: str | None = None
+    #: Key records, removed agents' included, past which custody in this process refuses a
+    #: mint or an import (agents.create, `agent create`/`import`). With a custodian its own
+    #: file's [custodian] max_records rules instead: this is not read.
+    max_records: int = DEFAULT_MAX_RECORDS
+
+    def records(self) -> RecordBound:
+        """The record bound custody opens with in this process: the one mapping from
+        [custody] max_records to `custody.RecordBound`, its refusal naming the key."""
+        from custody import RecordBound
+
+        return RecordBound(self.max_records, remedy=IN_PROCESS_REMEDY)
+
+
+#: What a refusal at [custody] max_records tells the operator to do.
+IN_PROCESS_REMEDY = f"raise [custody] max_records (at most {MAX_RECORDS:,})"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -761,6 +778,9 @@ _KEYS: tuple[_Key, ...] = (
     # 65,536 bytes of event JSON, one more is refused); raise it for a relay that takes more.
     _Key("observer", "max_event_bytes", "max_event_bytes", _Integer(4096, MAX_BYTES), 65_536),
     _Key("custody", "custodian_socket", "custodian_socket", _socket_path(_optional_path), ""),
+    # The custodian's own range ([custodian] max_records): a keystore past MAX_RECORDS could
+    # not be served by a custodian later, whose `agents` answer carries every record.
+    _Key("custody", "max_records", "max_records", _Integer(1, MAX_RECORDS), DEFAULT_MAX_RECORDS),
 )
 
 #: The one section that is not rows of `_KEYS`: rate-limit rules (docs/operations.md).

@@ -150,7 +150,8 @@ async def running(
                 from custody import Custody  # loads the PKCS#11 binding: only when used
 
                 custody = await Custody.open(config.pkcs11.token(), state_dir,
-                                             config.pkcs11.cache())
+                                             config.pkcs11.cache(),
+                                             records=config.custody.records())
         except CustodyError as exc:
             raise StartupError(str(exc)) from None
         stack.push_async_callback(_shielded(custody.aclose))

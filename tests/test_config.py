@@ -104,6 +104,7 @@ max_event_bytes = 131072
 
 [custody]
 custodian_socket = "/run/bb/custodian.sock"
+max_records = 7000
 """
 
 EXPECTED: dict[tuple[str, str], object] = {
@@ -159,6 +160,7 @@ EXPECTED: dict[tuple[str, str], object] = {
     ("observer", "max_in_flight"): 2,
     ("observer", "max_event_bytes"): 131_072,
     ("custody", "custodian_socket"): "/run/bb/custodian.sock",
+    ("custody", "max_records"): 7000,
 }
 
 DEFAULTS: dict[tuple[str, str], object] = {
@@ -216,6 +218,7 @@ DEFAULTS: dict[tuple[str, str], object] = {
     ("observer", "max_in_flight"): 8,
     ("observer", "max_event_bytes"): 65_536,
     ("custody", "custodian_socket"): None,
+    ("custody", "max_records"): 5000,
 }
 
 

@@ -11,7 +11,7 @@ Keys (a key or table not listed is an error naming it):
   default 6000, 1 to 1,000,000), ``log_dir`` (default ``<state_dir>/custodian``),
   ``log_max_bytes`` (default 64 MiB, 4 KiB to 1 TiB), ``destroy_grace_seconds`` (default
   7 days, 0 to 366 days: custody/custodian/grace.py), ``max_records`` (default 5,000, 1
-  to `server.MAX_RECORDS`, 7,161: the keystore's records, live and destroyed, past which
+  to `messages.MAX_RECORDS`, 7,161: the keystore's records, live and destroyed, past which
   `mint` and `import` are refused; it bounds the keystore and the grace copies, and at
   its most the `agents` answer of the largest records still fits one frame),
   ``max_inflight_bytes`` (default 32 MiB, `messages.MAX_FRAME` to 1 TiB: bytes of frames
@@ -46,8 +46,8 @@ from custody._backup import check_recipients
 from custody._records import MAX_CACHE_SECONDS, MAX_UID
 from custody._token import MAX_KEK_LABEL, kek_label_ok
 from custody.custodian.backup import Bounds
-from custody.custodian.messages import MAX_FRAME
-from custody.custodian.server import MAX_RECORDS, Settings
+from custody.custodian.messages import MAX_FRAME, MAX_RECORDS
+from custody.custodian.server import Settings
 
 __all__ = ["CustodianConfig", "ConfigError", "load"]
 

@@ -34,7 +34,7 @@ from custody import Custody, CustodyError, harden_process
 from custody.custodian.activation import ActivationError, inherited_socket
 from custody.custodian.config import ConfigError, CustodianConfig, load
 from custody.custodian.ledger import BrokenLog, chain_head
-from custody.custodian.server import Custodian, refuse_if_served, serve
+from custody.custodian.server import Custodian, record_bound, refuse_if_served, serve
 
 __all__ = ["EXIT_USAGE", "USAGE", "UsageError", "main", "run"]
 
@@ -65,7 +65,8 @@ async def run(config_path: str) -> None:
             raise ConfigError(f"socket directory {parent}: {exc.strerror}") from None
     chain_head(config.settings.log_path)  # a log it cannot go on: refused before the token
     harden_process()
-    custody = await Custody.open(config.token, config.state_dir, config.cache)
+    custody = await Custody.open(config.token, config.state_dir, config.cache,
+                                 records=record_bound(config.settings))
     # Every change is a line of the signed log; custody's own line for each (no change but
     # `sign` is rate-bounded) would let a pipeline flood the unit's journal past its rate
     # limit, which then drops the lines that matter, the unseal door's warnings among them.

@@ -35,13 +35,14 @@ from types import MappingProxyType
 from typing import Final
 
 from buzzwire.jsonvalues import values_at_most
+from custody._records import OWNER_TAG_CONDITIONS, KeyRecord
 
 __all__ = [
     "VERSION", "MAX_FRAME", "MAX_VALUES", "MAX_EVENTS", "MAX_PAYLOADS", "MAX_SECRET_BYTES", "MAX_BACKUP_NAMES",
     "OPS", "TAILS", "LOOKUPS",
     "ERROR_CODES", "HEADER",
     "BadMessage", "OtherVersion", "Request", "encode", "frame_length", "decode_request", "decode_reply",
-    "request", "reply_ok", "reply_error", "b64", "unb64",
+    "request", "reply_ok", "reply_error", "b64", "unb64", "record_obj", "MAX_RECORDS",
 ]
 
 #: The table's version: bumped with any row (2: import's secret left the JSON; backup;
@@ -345,3 +346,30 @@ def b64(data: bytes) -> str:
 
 def unb64(text: str) -> bytes:
     return base64.b64decode(text, validate=True)
+
+
+def record_obj(record: KeyRecord | None) -> dict[str, object] | None:
+    """A key record as the record rows answer it (`agent`, `agents`, `chain`, `mint`...)."""
+    if record is None:
+        return None
+    return {"pubkey": record.pubkey, "owner": record.owner,
+            "auth_tag": None if record.auth_tag is None else list(record.auth_tag),
+            "created_at": record.created_at, "deleted_at": record.deleted_at,
+            "mint_ref": record.mint_ref}
+
+
+def _most_records() -> int:
+    # The `agents` answer is every record in one frame. A record is at its largest with a
+    # 512-character mint_ref (the table's bound) of characters JSON writes as \u00XX and a
+    # NIP-OA tag, fixed in size once custody has checked it (empty conditions).
+    worst = record_obj(KeyRecord(pubkey="f" * 64, owner="f" * 64, created_at=2**40,
+                                 mint_ref="\x00" * 512, deleted_at=2**40,
+                                 auth_tag=("auth", "f" * 64, OWNER_TAG_CONDITIONS, "f" * 128)))
+    empty = len(reply_ok([]))
+    return (MAX_FRAME + HEADER.size - empty) // (len(reply_ok([worst])) - empty + 1)
+
+
+#: The most records a `max_records` may allow ([custodian]'s, and [custody]'s in the
+#: daemon, whose keystore a custodian may serve later): that many of the largest still fit
+#: the `agents` answer's one frame (7,161 with today's bounds).
+MAX_RECORDS: Final = _most_records()

@@ -51,13 +51,14 @@ import trio
 
 from buzzwire.nostr import UnsignedEvent
 from custody import Custody, CustodyError, HeldOwner, KeyRecord, UnknownAgent, UnsealFailed
-from custody._signer import OWNER_TAG_CONDITIONS
+from custody._records import DEFAULT_MAX_RECORDS, RecordBound
 from custody.custodian import intents, messages
 from custody.custodian.backup import Bounds, TooSoon, write_backup
 from custody.custodian.grace import Graveyard
 from custody.custodian.ledger import RateBound, SignLog, failed_line, fault_name
+from custody.custodian.messages import record_obj
 
-__all__ = ["Settings", "Custodian", "serve", "record_obj"]
+__all__ = ["Settings", "Custodian", "serve", "record_bound"]
 
 log = logging.getLogger("buzz_broker.custodian")
 
@@ -93,8 +94,9 @@ class Settings:
     socket_mode: int = 0o660
     #: destroyed keys stay recoverable this long (custody/custodian/grace.py); 7 days
     destroy_grace_seconds: int = 7 * 86400
-    #: records (live and destroyed) past which mint and import are refused (<= MAX_RECORDS)
-    max_records: int = 5_000
+    #: records (live and destroyed) past which mint and import are refused: custody's
+    #: bound, given to it at open (`record_bound`; <= messages.MAX_RECORDS)
+    max_records: int = DEFAULT_MAX_RECORDS
     #: bytes of frames held at once, from header to answer (`Budget`; >= messages.MAX_FRAME)
     max_inflight_bytes: int = 32 * 1024 * 1024
     #: the `backup` row's recipients and directory ([backup]); none: the row is refused
@@ -104,37 +106,19 @@ class Settings:
     backup_bounds: Bounds = Bounds()
 
 
+def record_bound(settings: Settings) -> RecordBound:
+    """Custody's record bound in the custodian (`Custody.open`), its refusal saying the way
+    back here: this file's key, or forgetting destroyed records (custody/custodian/forget.py)."""
+    return RecordBound(settings.max_records, remedy=(
+        "raise [custodian] max_records or run `custodian FILE --forget-destroyed` (past "
+        "their grace; naming keys, those now)"))
+
+
 class Refused(Exception):
     """An intent outside what the custodian signs (answered `refused`)."""
 
 
-def _most_records() -> int:
-    # The `agents` answer is every record in one frame. A record is at its largest with a
-    # 512-character mint_ref (the table's bound) of characters JSON writes as \u00XX and a
-    # NIP-OA tag, fixed in size once custody has checked it (empty conditions).
-    worst = record_obj(KeyRecord(pubkey="f" * 64, owner="f" * 64, created_at=2**40,
-                                 mint_ref="\x00" * 512, deleted_at=2**40,
-                                 auth_tag=("auth", "f" * 64, OWNER_TAG_CONDITIONS, "f" * 128)))
-    empty = len(messages.reply_ok([]))
-    return (messages.MAX_FRAME + messages.HEADER.size - empty) // (
-        len(messages.reply_ok([worst])) - empty + 1)
-
-
-def record_obj(record: KeyRecord | None) -> dict[str, object] | None:
-    if record is None:
-        return None
-    return {"pubkey": record.pubkey, "owner": record.owner,
-            "auth_tag": None if record.auth_tag is None else list(record.auth_tag),
-            "created_at": record.created_at, "deleted_at": record.deleted_at,
-            "mint_ref": record.mint_ref}
-
-
 Handler = Callable[["Custodian", Mapping[str, Any]], Awaitable[object]]
-
-
-#: The most records `max_records` may allow: that many of the largest still fit the
-#: `agents` answer's one frame (7,161 with today's bounds).
-MAX_RECORDS: Final = _most_records()
 
 
 class Custodian:
@@ -247,12 +231,9 @@ class Custodian:
 
     def _room(self) -> None:
         # A mint-destroy loop would otherwise grow the keystore, the grace copies and the
-        # `agents` answer (one frame) without end: destroyed records count.
-        if len(self.custody.agents(include_deleted=True)) >= self.settings.max_records:
-            raise CustodyError(f"the custodian holds max_records ({self.settings.max_records}) "
-                               "records, destroyed ones included: raise [custodian] max_records"
-                               " or run `custodian FILE --forget-destroyed` (past their grace; "
-                               "naming keys, those now)")
+        # `agents` answer (one frame) without end. Custody's own rule (`Custody.room`, which
+        # its hop asks again), asked here first so a refusal writes no intent line.
+        self.custody.room()
 
     async def mint(self, args: Mapping[str, Any]) -> object:
         async with self._record_lock:

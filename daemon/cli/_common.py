@@ -164,7 +164,8 @@ async def open_keys(config: Config) -> Custody:
 
         return await CustodianClient.open(  # type: ignore[return-value]
             Path(config.custody.custodian_socket))
-    return await Custody.open(config.pkcs11.token(), Path(config.state.dir))
+    return await Custody.open(config.pkcs11.token(), Path(config.state.dir),
+                              records=config.custody.records())
 
 
 @contextmanager

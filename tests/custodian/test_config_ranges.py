@@ -15,7 +15,7 @@ import pytest
 from custody import TokenConfig
 from custody.custodian.config import MAX_RECIPIENTS, ConfigError, load
 from custody.custodian.messages import MAX_FRAME
-from custody.custodian.server import MAX_RECORDS
+from custody.custodian.messages import MAX_RECORDS
 from tests.fixtures.custodian import write_custodian_config
 
 

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 
 from custody import KeyRecord, TokenConfig
-from custody._signer import OWNER_TAG_CONDITIONS
+from custody._records import OWNER_TAG_CONDITIONS
 from custody.custodian import messages
 from custody.custodian.client import CustodianClient
 from custody.custodian.ledger import MAX_AGENTS, RateBound
 from custody.custodian.verify import verify_chain
-from custody.custodian.server import MAX_RECORDS, record_obj
+from custody.custodian.messages import MAX_RECORDS, record_obj
 from tests.custodian.test_refusals import ask, held, human, intent, refused
 from tests.fixtures.custodian import CustodianProcess, running_custodian
 

@@ -67,8 +67,8 @@ class Custody:
             return None
         return KeyRecord(pubkey=pubkey, owner=OWNER, auth_tag=None, created_at=1, deleted_at=None)
 
-    def agents(self, include_deleted: bool = False) -> list[KeyRecord]:
-        return []
+    def room(self) -> None:
+        """The record bound (`Custody.room`): none held here, so room for one more."""
 
     async def import_agent(self, secret: bytearray, **_: object) -> KeyRecord:
         self.saw_secret = secret == SECRET

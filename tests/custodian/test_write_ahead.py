@@ -33,7 +33,7 @@ from buzzwire.nostr import owner_tag_digest
 from custody import CustodyError, TokenConfig
 from custody.custodian.client import CustodianClient, CustodianUnavailable
 from custody.custodian.verify import verify_chain
-from custody.custodian.server import record_obj
+from custody.custodian.messages import record_obj
 from tests.custodian.test_refusals import ask
 from tests.custody._sealing import HUMAN
 from tests.fixtures.custodian import CustodianProcess, write_custodian_config
