@@ -56,7 +56,8 @@ Rules:
   (TCP holds the relay back). trio-websocket keeps no finished frame queued
   (_MESSAGE_QUEUE 0), and our reader drops each frame before it waits for the next
   (`_take`). No setting bounds the connections (one per agent in use, `idle_seconds`),
-  so the bound is pool-wide, not per connection. A message must arrive whole within the
+  so the bound is pool-wide, not per connection. An agent's connect lock lives only while
+  a task connects it or waits to (`_forget_lock`), so an idle pool holds none. A message must arrive whole within the
   larger of ``timeouts.ok`` and ``timeouts.eose`` of taking its slot, or its connection
   ends (`_MeteredStream`): a connection stopped mid-frame gives its slot back.
   One query <= MAX_EVENTS_PER_QUERY events and MAX_QUERY_BYTES bytes of *decoded*
@@ -1206,33 +1207,51 @@ class RelayPool:
         if conn is not None and conn.alive:
             return conn
         lock = self._connect_locks.setdefault(agent, trio.Lock())
-        async with lock:
-            conn = self._connections.get(agent)
-            if conn is not None and conn.alive:
-                return conn
-            wait = self._retry_at - trio.current_time()
-            if wait > self._timeouts.connect:
-                raise _Unreachable(f"relay unreachable; next attempt in {wait:.1f}s")
-            if wait > 0:
-                await trio.sleep(wait)
-            conn = _Connection(agent, self._budget, self._notices)
-            try:
-                with trio.fail_after(self._timeouts.connect):
-                    await nursery.start(self._serve_connection, conn)
-            except trio.TooSlowError:
-                self._connect_failed(agent, f"no connection within {self._timeouts.connect}s")
-            except Exception as exc:
-                # The handshake runs inside the connection's nursery, so its errors may
-                # arrive wrapped in an ExceptionGroup; anything else is a bug and rises.
-                reason = _connect_error(exc)
-                if reason is None:
-                    raise
-                self._connect_failed(agent, reason)
-            self._failures = 0
-            self._retry_at = 0.0
-            self._connections[agent] = conn
-            self._lines.record("relay_connected", agent, agent=agent, url=self._url.text)
+        try:
+            async with lock:
+                return await self._connect(agent, nursery)
+        finally:
+            self._forget_lock(agent, lock)
+
+    def _forget_lock(self, agent: str, lock: trio.Lock) -> None:
+        """Drop `agent`'s connect lock once nobody holds it or waits for it (trio hands a
+        released lock straight to its next waiter): otherwise a lock per agent ever
+        connected stays for the daemon's life, one more per agents.create. Whoever comes
+        next makes a new one; a task holding this one got it before any other task ran."""
+        held = lock.statistics()
+        if held.owner is None and not held.tasks_waiting and \
+                self._connect_locks.get(agent) is lock:
+            del self._connect_locks[agent]
+
+    async def _connect(self, agent: str, nursery: trio.Nursery) -> _Connection:
+        """`agent`'s connection, opened unless another task opened it first; under the
+        agent's connect lock (`_connection`)."""
+        conn = self._connections.get(agent)
+        if conn is not None and conn.alive:
             return conn
+        wait = self._retry_at - trio.current_time()
+        if wait > self._timeouts.connect:
+            raise _Unreachable(f"relay unreachable; next attempt in {wait:.1f}s")
+        if wait > 0:
+            await trio.sleep(wait)
+        conn = _Connection(agent, self._budget, self._notices)
+        try:
+            with trio.fail_after(self._timeouts.connect):
+                await nursery.start(self._serve_connection, conn)
+        except trio.TooSlowError:
+            self._connect_failed(agent, f"no connection within {self._timeouts.connect}s")
+        except Exception as exc:
+            # The handshake runs inside the connection's nursery, so its errors may
+            # arrive wrapped in an ExceptionGroup; anything else is a bug and rises.
+            reason = _connect_error(exc)
+            if reason is None:
+                raise
+            self._connect_failed(agent, reason)
+        self._failures = 0
+        self._retry_at = 0.0
+        self._connections[agent] = conn
+        self._lines.record("relay_connected", agent, agent=agent, url=self._url.text)
+        return conn
 
     def _connect_failed(self, agent: str, reason: str) -> None:
         delay = min(

@@ -114,3 +114,28 @@ async def test_relay_killed_and_restarted(caplog: pytest.LogCaptureFixture) -> N
     # Nothing the relay client logs carries key material.
     everything = caplog.text + repr([r.__dict__ for r in caplog.records])
     assert alice.secret_hex not in everything
+
+
+async def test_an_idle_pool_holds_no_connection_and_no_connect_lock(local_relay: str) -> None:
+    """Agents that connected (several requests at once each: tasks waiting on the agent's
+    connect lock) and then went idle past `idle_seconds` leave nothing in the pool: before,
+    each agent ever connected left its connect lock until the daemon restarted, one more
+    per agents.create of a create-delete loop."""
+    keys = [TestKey() for _ in range(5)]
+    timeouts = RelayTimeouts(connect=10, ok=10, eose=10, idle_seconds=0.3)
+    pool = RelayPool(local_relay, auth_signer_for(*keys), timeouts=timeouts)
+    results: list[object] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+
+        async def publish(key: TestKey, n: int) -> None:
+            results.append(await pool.publish(key.pubkey, signed(key.sign(1, f"idle #{n}"))))
+
+        async with trio.open_nursery() as inner:
+            for key in keys:
+                for n in range(3):
+                    inner.start_soon(publish, key, n)
+        assert len(results) == 15 and all(isinstance(r, Accepted) for r in results), results
+        await trio.sleep(1.5)  # past idle_seconds, and the idle closer's next round
+        assert (pool._connections, pool._connect_locks) == ({}, {})
+        nursery.cancel_scope.cancel()
