@@ -7,7 +7,8 @@ the daemon in this process (real token, real LocalRelay, real socket) by recordi
 thread each write ran in, for every path that makes one: agents.create (the runtime, after
 publishing), agents.update with only a new runtime (written by the operation itself),
 agents.update with a new name and runtime (after publishing), and agents.delete (the
-revocation), with the watermark of every kind 0 and 30177 they publish. Then each write is
+revocation, and the deleted key's watermarks dropped), with the watermark of every kind 0
+and 30177 they publish. Then each write is
 checked to have happened. And the minute's last-use write, with the database locked by
 another writer: the loop goes on answering while it waits. And the watermark write with
 watermarks.db locked: storage.put and profile.set answer `succeeded` (the relay took the
@@ -56,9 +57,16 @@ async def test_runtime_and_revocation_writes_run_in_worker_threads(
         marks.append((agent, kind, threading.get_ident() == loop_thread))
         real_record(self, agent, kind, *args)
 
+    real_prune = SignWatermarks.prune
+
+    def prune_spy(self: SignWatermarks, *args: Any) -> int:
+        writes.append(("prune", threading.get_ident() == loop_thread))
+        return real_prune(self, *args)
+
     monkeypatch.setattr(RuntimeStore, "set", set_spy)
     monkeypatch.setattr(SessionStore, "revoke_agent", revoke_spy)
     monkeypatch.setattr(SignWatermarks, "record", record_spy)
+    monkeypatch.setattr(SignWatermarks, "prune", prune_spy)
 
     channel = str(uuid.uuid4())
     owner = await broker.human_owned_agent("owner")
@@ -78,16 +86,19 @@ async def test_runtime_and_revocation_writes_run_in_worker_threads(
     await ok("agents.update", {"target": {"pubkey": kid}, "displayName": "kid2",
                                "runtime": "goose"})
     assert broker.app.runtimes.get(kid) == "goose"
+    store = broker.app._relay.watermarks
+    assert store is not None and store.get(owner, 30177, kid) is not None
     await ok("agents.delete", {"target": {"pubkey": kid}})
 
-    assert [name for name, _ in writes] == ["runtime", "runtime", "runtime", "revoke"]
-    assert [on_loop for _, on_loop in writes] == [False] * 4, writes
+    # agents.delete: the revocation, then the kid's watermarks go with its key (`prune`).
+    assert [name for name, _ in writes] == ["runtime", "runtime", "runtime", "revoke",
+                                            "prune"]
+    assert [on_loop for _, on_loop in writes] == [False] * 5, writes
     # create: the kid's kind 0 and the owner's 30177; update with a name: both again.
     assert sorted((a, k) for a, k, _ in marks) == sorted(
         [(kid, 0), (owner, 30177)] * 2), marks
     assert not any(on_loop for _, _, on_loop in marks), marks
-    store = broker.app._relay.watermarks
-    assert store is not None and store.get(owner, 30177, kid) is not None
+    assert store.get(owner, 30177, kid) is None and store.get(kid, 0, "") is None
     # The revocation, written on another connection, holds from the next request on.
     refused = await broker.call(kid_cred, "storage.address", {"slug": "core"})
     assert (refused["status"], refused["error"]["code"]) == ("failed", "unauthenticated")

@@ -18,7 +18,9 @@ from daemon.state.sign_watermarks import (
     WATERMARKS_DB,
     SignWatermarks,
     Watermark,
+    signers,
 )
+from custody import KeyRecord
 
 AGENT = "a" * 64
 
@@ -103,6 +105,46 @@ def test_the_default_cap_bounds_an_author_whatever_its_distinct_d_tags(tmp_path:
     assert [store.get(AGENT, 30177, f"{i:064x}") for i in range(5)] == [None] * 5
     assert store.get(AGENT, 30177, f"{5:064x}") is not None
     store.close()
+
+
+def test_prune_drops_the_rows_of_keys_not_kept_by_author_and_by_the_managed_agent(
+        tmp_path: Path) -> None:
+    owner, kept, gone = "a" * 64, "b" * 64, "c" * 64
+    store = SignWatermarks.open(tmp_path)
+    for agent in (owner, kept, gone):
+        store.record(agent, kinds.METADATA, "", 1, agent)
+    store.record(owner, kinds.MANAGED_AGENT, kept, 2, "1" * 64)
+    store.record(owner, kinds.MANAGED_AGENT, gone, 3, "2" * 64)  # the owner's, about `gone`
+    locked: list[bool] = []
+
+    def kept_keys() -> set[str]:
+        # Asked inside the prune's write transaction: no row can be recorded meanwhile.
+        other = sqlite3.connect(tmp_path / WATERMARKS_DB, timeout=0)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            locked.append("locked" in str(exc))
+        finally:
+            other.close()
+        return {owner, kept}
+
+    assert store.prune(kept_keys) == 2 and locked == [True]
+    assert _rows(tmp_path) == [(owner, 0, "", 1), (owner, kinds.MANAGED_AGENT, kept, 2),
+                               (kept, 0, "", 1)]
+    assert store.prune(lambda: {kept}) == 2  # the owner gone: its rows, both kinds
+    assert store.prune(set) == 1 and _rows(tmp_path) == []
+    store.close()
+
+
+def _key(pubkey: str, *, destroyed: bool) -> KeyRecord:
+    return KeyRecord(pubkey=pubkey, owner="f" * 64, auth_tag=None, created_at=1,
+                     deleted_at=2 if destroyed else None)
+
+
+def test_a_destroyed_key_is_kept_only_where_a_custodian_may_recover_it() -> None:
+    records = [_key("a" * 64, destroyed=False), _key("b" * 64, destroyed=True)]
+    assert signers(records, custodian=False) == {"a" * 64}
+    assert signers(records, custodian=True) == {"a" * 64, "b" * 64}
 
 
 def test_every_kind_an_operation_guards_is_kept() -> None:

@@ -28,8 +28,9 @@ Rules:
   A live agent without a NIP-OA tag shows `NO-AUTH-TAG` (`"authTagMissing": true`).
 - `import` refuses an ownership cycle (the agent already owns `--owner`, directly or
   through its agents): custody checks it where the agent's pubkey is first known.
-- `remove PUBKEY` destroys the sealed key (the public record stays as a tombstone) and
-  revokes every credential of the agent; the running daemon refuses them from its next
+- `remove PUBKEY` destroys the sealed key (the public record stays as a tombstone), drops
+  the relay watermarks of keys that cannot sign here again, as the daemon does after a
+  destroy (daemon/state/sign_watermarks.py), and revokes every credential of the agent; the running daemon refuses them from its next
   request (it also refuses any credential whose agent is not live, however it was
   removed). It asks for confirmation — the word `yes` on stdin, prompted on stderr — unless
   `--yes` is given. Running it again on a removed agent revokes what is left. Its question
@@ -340,6 +341,7 @@ def _remove(args: argparse.Namespace, config: Config) -> int:
     if not args.yes and not _confirmed(pubkey, fate):
         raise CliError("not confirmed; nothing removed (pass --yes to skip the question)")
     record: KeyRecord = _with_custody(config, lambda c: c.destroy_agent(pubkey))
+    _prune_watermarks(config)
     try:
         store = SessionStore.open(Path(config.state.dir))
         try:
@@ -356,6 +358,29 @@ def _remove(args: argparse.Namespace, config: Config) -> int:
     print(f"removed {record.pubkey} (tombstone kept); revoked {revoked} credential(s); "
           f"{fate.done}", file=sys.stderr)
     return 0
+
+
+def _prune_watermarks(config: Config) -> None:
+    """After a destroy, as the daemon does: the relay watermarks of keys that cannot sign
+    here again go (daemon/state/sign_watermarks.py). A fault is one line: the daemon drops
+    them after its next destroy or at its next start."""
+    import sqlite3
+
+    from custody import CustodyError
+    from daemon.state.sign_watermarks import SignWatermarks, signers
+
+    custodian = bool(config.custody.custodian_socket)
+    try:
+        with agent_directory(config) as directory:
+            store = SignWatermarks.open(Path(config.state.dir))
+            try:
+                store.prune(lambda: signers(directory.agents(include_deleted=True),
+                                            custodian=custodian))
+            finally:
+                store.close()
+    except (OSError, sqlite3.Error, CustodyError, CliError) as exc:
+        print(f"its relay watermarks stay for now ({type(exc).__name__}); the daemon drops "
+              "them after its next destroy or at its next start", file=sys.stderr)
 
 
 #: A names file of 100,000 agents is about 20 MB; more is refused unread.

@@ -110,6 +110,7 @@ from daemon.state.read_audit import ReadAudit
 from daemon.state.refusal_audit import RefusalAudit
 from daemon.relay.pool import RelayPool
 from daemon.state.runtimes import RuntimeStore
+from daemon.state.sign_watermarks import SignWatermarks
 from daemon.state.sessions import AuthCause, Principal, Refused, SessionStore
 from daemon.pipeline.signing import SigningBatcher
 from daemon.state.verdict_store import expanded_form
@@ -205,6 +206,7 @@ class Broker:
         audit: AuditLog,
         body_mac: BodyMac,
         runtimes: RuntimeStore,
+        watermarks: SignWatermarks,
         clock: Callable[[], float] = time.time,
         config_loader: Callable[[], Config] | None = None,
         metrics: Metrics | None = None,
@@ -243,6 +245,7 @@ class Broker:
                                   metrics=self.metrics, clock=clock,
                                   read_retention_seconds=config.state.read_retention_seconds)
         self._publisher = Publisher(custody=custody, directory=directory, sessions=sessions, runtimes=runtimes,
+                                    watermarks=watermarks,
                                     relay=relay, ledger=ledger, recorder=self._recorder,
                                     clock=clock, checkpoint=self._passed)
 

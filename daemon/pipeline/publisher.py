@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Final
 import trio
 
 from buzzwire.contract import ErrorCode, Request, Status, Verdict, encode_response
-from custody import KeyRecord
+from custody import CustodyError, KeyRecord
 from custody.custodian.client import CustodianClient, CustodianUnavailable
 
 if TYPE_CHECKING:  # the facade loads the PKCS#11 binding: not where a custodian holds the keys
@@ -75,6 +75,7 @@ from daemon.relay.pool import Accepted, RelayPool, Unknown
 from daemon.relay.protocol import quote_reason
 from daemon.state.runtimes import RuntimeStore
 from daemon.state.sessions import SessionStore
+from daemon.state.sign_watermarks import SignWatermarks, signers
 
 __all__ = ["Publisher", "CHECKPOINTS", "Prepare", "MINT_REF_TAKEN"]
 
@@ -109,13 +110,14 @@ class Publisher:
     """Owns a publishing request from its signed plan to its cleanup (module docstring)."""
 
     def __init__(self, *, custody: Custody | CustodianClient, directory: AgentDirectory, sessions: SessionStore,
-                 runtimes: RuntimeStore,
+                 runtimes: RuntimeStore, watermarks: SignWatermarks,
                  relay: RelayPool, ledger: Ledger, recorder: Recorder,
                  clock: Callable[[], float], checkpoint: Callable[[str], None]) -> None:
         self._custody = custody
         self._directory = directory
         self._sessions = sessions
         self._runtimes = runtimes
+        self._watermarks = watermarks
         self._relay = relay
         self._ledger = ledger
         self._recorder = recorder
@@ -302,6 +304,19 @@ class Publisher:
         await trio.to_thread.run_sync(self._sessions.revoke_agent, step.pubkey)
         if self._custody.agent(step.pubkey) is not None:
             await self._custody.destroy_agent(step.pubkey)
+        await self._prune_watermarks()
+
+    async def _prune_watermarks(self) -> None:
+        """After a destroy: the relay watermarks of keys that cannot sign here again go
+        (daemon/state/sign_watermarks.py). Housekeeping only: a fault is logged, and the
+        next destroy, or the next start, drops them."""
+        custodian = isinstance(self._custody, CustodianClient)
+        try:
+            await trio.to_thread.run_sync(self._watermarks.prune, lambda: signers(
+                self._custody.agents(include_deleted=True), custodian=custodian))
+        except (OSError, sqlite3.Error, CustodyError) as exc:
+            log_event(_log, "watermarks.unpruned", level=logging.WARNING,
+                      error=type(exc).__name__, where=where(exc))
 
     async def _rename_agent(self, step: Cleanup) -> None:
         assert isinstance(step, RenameAgent)
@@ -389,6 +404,7 @@ class Publisher:
                 return judged
             await self._custody.destroy_agent(pubkey)
             await trio.to_thread.run_sync(self._sessions.revoke_agent, pubkey)
+            await self._prune_watermarks()
         except Exception as exc:  # noqa: BLE001 - the key may survive: say so, do not lie
             self._recorder.fault("destroy_minted", facts.agent, facts.request_id,
                                  facts.action, exc)

@@ -22,12 +22,20 @@ Rules:
   `d` the client picks (the slug), would otherwise add a row per slug for good. Rows left
   by older versions of other kinds are deleted when the store opens.
 - Bounded by what the host holds, not by what a client sends: a kind 0 row per agent
-  (d ""), a 30177 row per managed agent (d = its pubkey, under its owner), so about two
-  rows per agent ever held here, as the directory keeps a tombstone per agent ever held.
+  (d ""), a 30177 row per managed agent (d = its pubkey, under its owner), so at most
+  two rows per key that can still sign here. A key's rows go once it cannot (`prune`,
+  run when the daemon starts and after each destroy: agents.delete, a failed
+  agents.create's key, `agent remove`), and a watermark guards nothing for a key that
+  never signs again: with custody in the daemon that is when the key is destroyed (its
+  tombstone refuses it back, an import or a restore alike); a custodian's `--recover`
+  brings a destroyed key back within its grace period, which the daemon is not told, so
+  there its rows stay while the custodian keeps its record, and go once that is forgotten
+  (`--forget-destroyed`): bounded by `[custodian] max_records` as the records are. A
+  30177 row goes with the managed agent it describes (its `d`) as well as with its author.
   Beyond that, `MAX_ROWS_PER_AGENT` caps one author's rows: past it, the author's rows
   with the oldest created_at are evicted. An evicted row costs what a lost write costs
-  (below), for the record published longest ago (a deleted agent's, most likely).
-- `record` blocks for a commit's fsync (synchronous=FULL) and up to the busy timeout
+  (below), for the record published longest ago.
+- `record` and `prune` block for a commit's fsync (synchronous=FULL) and up to the busy timeout
   behind another writer (an operator's sqlite3, a backup), so the daemon runs it in a
   worker thread, never on the event loop; it writes on a connection of its own opened in
   that thread (as `daemon.state.runtimes.RuntimeStore.set`). The store's own connection
@@ -45,15 +53,19 @@ Rules:
 
 from __future__ import annotations
 
+import json
 import sqlite3
+from collections.abc import Callable, Collection, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from buzzwire import kinds
 from daemon.state._sqlite import open_private_db
 
 __all__ = ["SignWatermarks", "Watermark", "WATERMARKS_DB", "GUARDED_KINDS",
-           "MAX_ROWS_PER_AGENT"]
+           "MAX_ROWS_PER_AGENT", "signers"]
 
 #: File name inside the state directory.
 WATERMARKS_DB = "watermarks.db"
@@ -76,6 +88,21 @@ CREATE TABLE IF NOT EXISTS watermarks (
     PRIMARY KEY (agent, kind, d)
 ) STRICT;
 """
+
+
+class _Held(Protocol):
+    """A key record as custody or the directory gives it (`KeyRecord`, `AgentRecord`)."""
+
+    @property
+    def pubkey(self) -> str: ...
+    @property
+    def live(self) -> bool: ...
+
+
+def signers(records: Iterable[_Held], *, custodian: bool) -> set[str]:
+    """The keys whose rows are kept (module docstring): the live ones; with a custodian,
+    every one it has a record of, since its `--recover` may bring a destroyed one back."""
+    return {r.pubkey for r in records if custodian or r.live}
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,24 +158,49 @@ class SignWatermarks:
         """
         if kind not in GUARDED_KINDS:
             return
+        with self._writing() as writer:
+            writer.execute(
+                "INSERT INTO watermarks (agent, kind, d, created_at, event_id) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (agent, kind, d) DO UPDATE SET "
+                "created_at = excluded.created_at, event_id = excluded.event_id "
+                "WHERE excluded.created_at > watermarks.created_at",
+                (agent, kind, d, created_at, event_id),
+            )
+            # The author's oldest-published rows past the cap (ties: the lower rowid,
+            # the earlier row written, goes first).
+            writer.execute(
+                "DELETE FROM watermarks WHERE rowid IN (SELECT rowid FROM watermarks "
+                "WHERE agent = ? ORDER BY created_at DESC, rowid DESC LIMIT -1 OFFSET ?)",
+                (agent, self._max_rows),
+            )
+
+    def prune(self, kept: Callable[[], Collection[str]]) -> int:
+        """Delete the rows of keys not in `kept()` (`signers`): a row whose author is not,
+        or a 30177 row whose `d`, the managed agent it describes, is not; how many went.
+
+        `kept` is read inside the write transaction: a key's rows are recorded only once
+        the daemon holds the key (it published for it), so a row written before the
+        transaction began is of a key `kept()`, read after, knows. Blocking, as `record`.
+
+        Raises:
+            sqlite3.Error / OSError: the write failed; the rows are as they were.
+        """
+        with self._writing() as writer:
+            keys = json.dumps(sorted(kept()))
+            return writer.execute(
+                "DELETE FROM watermarks WHERE agent NOT IN (SELECT value FROM json_each(?))"
+                " OR (kind = ? AND d NOT IN (SELECT value FROM json_each(?)))",
+                (keys, kinds.MANAGED_AGENT, keys)).rowcount
+
+    @contextmanager
+    def _writing(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction, on a connection of its own opened in the calling thread
+        (a connection one thread uses needs no lock); rolled back if the block raises."""
         writer = self._db if self._path is None else open_private_db(self._path, "")
         try:
             writer.execute("BEGIN IMMEDIATE")
             try:
-                writer.execute(
-                    "INSERT INTO watermarks (agent, kind, d, created_at, event_id) "
-                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT (agent, kind, d) DO UPDATE SET "
-                    "created_at = excluded.created_at, event_id = excluded.event_id "
-                    "WHERE excluded.created_at > watermarks.created_at",
-                    (agent, kind, d, created_at, event_id),
-                )
-                # The author's oldest-published rows past the cap (ties: the lower rowid,
-                # the earlier row written, goes first).
-                writer.execute(
-                    "DELETE FROM watermarks WHERE rowid IN (SELECT rowid FROM watermarks "
-                    "WHERE agent = ? ORDER BY created_at DESC, rowid DESC LIMIT -1 OFFSET ?)",
-                    (agent, self._max_rows),
-                )
+                yield writer
                 writer.execute("COMMIT")
             except BaseException:
                 if writer.in_transaction:

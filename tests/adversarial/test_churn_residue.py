@@ -1,0 +1,107 @@
+"""What an agent's create and delete leave behind besides its key record, which
+`max_records` bounds (tests/adversarial/test_record_bound.py), wherever the keys are held.
+
+- Relay watermarks (daemon/state/sign_watermarks.py): the deleted agent's own kind 0 row
+  and its owner's kind 30177 row about it go once its key cannot sign here again: with
+  custody in the daemon at the destroy (agents.delete, `agent remove`), and at the next
+  start for a key destroyed before; with a custodian, whose `--recover` may bring the key
+  back, they stay while it keeps the record.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import coincurve
+import pytest
+
+from custody import Custody, TokenConfig
+from daemon.config import load_config
+from daemon.state.sign_watermarks import WATERMARKS_DB, SignWatermarks
+from daemon.wiring import running
+from tests.fixtures.broker import BrokerHarness, write_config
+from tests.fixtures.custodian import running_custodian
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(params=["custody", "custodian"])
+def broker_custody(request: pytest.FixtureRequest, custody_state: tuple[TokenConfig, Path],
+                   local_relay: str, tmp_path: Path
+                   ) -> Iterator[Mapping[str, Mapping[str, object]]]:
+    """The `broker` fixture's keys held in its own process, or by a custodian."""
+    if request.param == "custody":
+        yield {}
+        return
+    with running_custodian(custody_state, local_relay, tmp_path) as process:
+        yield {"custody": {"custodian_socket": str(process.socket)}}
+
+
+def _about(state_dir: Path, agent: str) -> list[tuple[str, int, str]]:
+    """The watermark rows by `agent`, or about it (a 30177 whose d is it)."""
+    db = sqlite3.connect(f"file:{state_dir / WATERMARKS_DB}?mode=ro", uri=True)
+    try:
+        return db.execute("SELECT agent, kind, d FROM watermarks WHERE agent = ? OR d = ? "
+                          "ORDER BY agent, kind", (agent, agent)).fetchall()
+    finally:
+        db.close()
+
+
+async def _created(broker: BrokerHarness, credential: str, channel: str, name: str) -> str:
+    made = await broker.call(credential, "agents.create", {
+        "channelId": channel, "displayName": name, "systemPrompt": "p"})
+    assert made["status"] == "succeeded", made
+    return str(made["outcome"]["agentPubkey"])
+
+
+@pytest.mark.broker_config(limits={"enabled": False})
+async def test_a_deleted_agents_watermarks_go_unless_a_custodian_may_bring_it_back(
+        broker: BrokerHarness, request: pytest.FixtureRequest) -> None:
+    in_process = request.node.callspec.params["broker_custody"] == "custody"
+    channel = str(uuid.uuid4())
+    owner = await broker.human_owned_agent("owner")
+    credential = broker.credential(owner, [channel], actions=["agents.create", "agents.delete"])
+    deleted = await _created(broker, credential, channel, "deleted")
+    removed = await _created(broker, credential, channel, "removed")
+    kept = await _created(broker, credential, channel, "kept")
+    rows = {a: _about(broker.state_dir, a) for a in (deleted, removed, kept)}
+    for agent, held in rows.items():
+        assert held == sorted([(agent, 0, ""), (owner, 30177, agent)]), held
+
+    gone = await broker.call(credential, "agents.delete", {"target": {"pubkey": deleted}})
+    assert gone["status"] == "succeeded", gone
+    done = subprocess.run([sys.executable, "-m", "daemon.cli", "--config",
+                           str(broker.config_path), "agent", "remove", removed, "--yes"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for agent in (deleted, removed):
+        assert _about(broker.state_dir, agent) == ([] if in_process else rows[agent])
+    assert _about(broker.state_dir, kept) == rows[kept]
+
+
+async def test_a_start_drops_the_watermarks_a_destroy_left_before(
+        custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path) -> None:
+    """A state directory from before this version: a destroyed key's rows, left then, go
+    when the daemon starts; a live key's stay."""
+    token, state_dir = custody_state
+    owner = coincurve.PrivateKey().public_key_xonly.format().hex()
+    async with await Custody.open(token, state_dir) as custody:
+        live = (await custody.mint_agent(owner=owner)).pubkey
+        destroyed = (await custody.mint_agent(owner=live)).pubkey
+        await custody.destroy_agent(destroyed)
+    store = SignWatermarks.open(state_dir)
+    for agent in (live, destroyed):
+        store.record(agent, 0, "", 1, "1" * 64)
+    store.record(live, 30177, destroyed, 1, "2" * 64)
+    store.close()
+    config = load_config(str(write_config(tmp_path / "broker.toml", token=token,
+                                          state_dir=state_dir, socket=tmp_path / "b.sock",
+                                          relay_url=local_relay)))
+    async with running(config):
+        assert _about(state_dir, destroyed) == []
+        assert _about(state_dir, live) == [(live, 0, "")]
