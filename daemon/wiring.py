@@ -48,7 +48,8 @@ from daemon.state.ratelimit import RateLimiter
 from daemon.relay.pool import AuthNotSigned, RelayPool, RelayTimeouts
 from daemon.relay.windows import WindowCache
 from daemon.state.runtimes import RuntimeStore
-from daemon.state.sign_watermarks import SignWatermarks, signers
+from daemon.state import leftovers
+from daemon.state.sign_watermarks import SignWatermarks
 from daemon.state.sessions import LAST_USE_FLUSH_SECONDS, SessionStore
 
 __all__ = ["running", "relay_pool", "StartupError", "SWEEP_INTERVAL_SECONDS"]
@@ -193,7 +194,7 @@ async def running(
             stack.callback(watermarks.close)
         except (OSError, sqlite3.Error, HostKeyError) as exc:
             raise StartupError(f"state directory {state_dir}: {exc}") from None
-        _prune_watermarks(watermarks, custody)
+        _prune_leftovers(directory, watermarks, custody)
         try:
             audit = AuditLog.open(state_dir / AUDIT_DIRNAME, anchor=ledger.audit_anchor)
         except AuditUnavailable as exc:
@@ -273,16 +274,15 @@ async def running(
                 nursery.cancel_scope.cancel()
 
 
-def _prune_watermarks(watermarks: SignWatermarks, custody: Custody | CustodianClient) -> None:
-    """At start: the relay watermarks of keys that cannot sign here again go (those a
-    destroy before this version left, or one whose prune faulted). A fault is logged: the
-    next destroy prunes them (daemon/state/sign_watermarks.py)."""
-    custodian = isinstance(custody, CustodianClient)
+def _prune_leftovers(directory: AgentDirectory, watermarks: SignWatermarks,
+                     custody: Custody | CustodianClient) -> None:
+    """At start: what the daemon keeps of keys that are gone goes, as after each destroy
+    (daemon/state/leftovers.py): what an older version or a prune that faulted left. A
+    fault is logged: the next destroy prunes."""
     try:
-        watermarks.prune(lambda: signers(custody.agents(include_deleted=True),
-                                         custodian=custodian))
-    except (OSError, sqlite3.Error, CustodyError) as exc:
-        log_event(_log, "watermarks.unpruned", level=logging.WARNING,
+        leftovers.prune(directory, watermarks, custodian=isinstance(custody, CustodianClient))
+    except (OSError, sqlite3.Error, DirectoryError) as exc:
+        log_event(_log, "leftovers.unpruned", level=logging.WARNING,
                   error=type(exc).__name__, detail=str(exc))
 
 

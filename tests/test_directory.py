@@ -21,9 +21,12 @@ import pytest
 
 import custody
 from custody import Custody, KeyRecord, TokenConfig
+from custody._keystore import Keystore
+from custody.custodian.forget import forget_named
 from daemon.state.directory import (
     DIRECTORY_FILE,
     HUMAN_OWNED_DEPTH,
+    PRUNE_AFTER_SECONDS,
     AgentDirectory,
     AgentRecord,
     child_depth,
@@ -105,6 +108,48 @@ async def test_names_and_depth_live_in_the_directory(
             directory.rename("not-a-key", "x")
         with pytest.raises(ValueError):
             directory.enroll(kid.pubkey, "x", creator="nope")
+    finally:
+        directory.close()
+        await opened.aclose()
+
+
+def _names(state_dir: Path) -> set[str]:
+    db = sqlite3.connect(state_dir / DIRECTORY_FILE)
+    try:
+        return {pubkey for (pubkey,) in db.execute("SELECT pubkey FROM names")}
+    finally:
+        db.close()
+
+
+async def test_a_name_stays_with_its_record_and_goes_once_custody_has_none(
+    custody_state: tuple[TokenConfig, Path],
+) -> None:
+    """A removed agent keeps its name (its tombstone is listed by it); a key whose record
+    custody no longer has (a custodian's `--forget-destroyed`, beside the daemon) loses it
+    at the next prune, unless the name is too recent for a custodian's records to be sure."""
+    config, state_dir = custody_state
+    opened = await Custody.open(config, state_dir)
+    directory = AgentDirectory.open(state_dir)
+    try:
+        live, removed, forgotten, young = [
+            (await opened.mint_agent(owner=HUMAN)).pubkey for _ in range(4)]
+        now = 1_900_000_000
+        for pubkey in (live, removed, forgotten):
+            directory.enroll(pubkey, "n", now=now - PRUNE_AFTER_SECONDS - 1)
+        directory.enroll(young, "n", now=now)
+        for pubkey in (removed, forgotten, young):
+            await opened.destroy_agent(pubkey)
+        keystore = Keystore.open(state_dir)
+        try:
+            assert sorted(forget_named(keystore, [forgotten, young])) == sorted(
+                [forgotten, young])
+        finally:
+            keystore.close()
+        assert directory.prune(now) == 1
+        assert _names(state_dir) == {live, removed, young}
+        assert directory.get(removed).name == "n"  # type: ignore[union-attr]
+        assert directory.prune(now + PRUNE_AFTER_SECONDS + 1) == 1
+        assert _names(state_dir) == {live, removed}
     finally:
         directory.close()
         await opened.aclose()

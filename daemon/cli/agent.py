@@ -29,8 +29,8 @@ Rules:
 - `import` refuses an ownership cycle (the agent already owns `--owner`, directly or
   through its agents): custody checks it where the agent's pubkey is first known.
 - `remove PUBKEY` destroys the sealed key (the public record stays as a tombstone), drops
-  the relay watermarks of keys that cannot sign here again, as the daemon does after a
-  destroy (daemon/state/sign_watermarks.py), and revokes every credential of the agent; the running daemon refuses them from its next
+  what the daemon keeps of keys that are gone, as the daemon does after a destroy
+  (daemon/state/leftovers.py), and revokes every credential of the agent; the running daemon refuses them from its next
   request (it also refuses any credential whose agent is not live, however it was
   removed). It asks for confirmation — the word `yes` on stdin, prompted on stderr — unless
   `--yes` is given. Running it again on a removed agent revokes what is left. Its question
@@ -341,7 +341,7 @@ def _remove(args: argparse.Namespace, config: Config) -> int:
     if not args.yes and not _confirmed(pubkey, fate):
         raise CliError("not confirmed; nothing removed (pass --yes to skip the question)")
     record: KeyRecord = _with_custody(config, lambda c: c.destroy_agent(pubkey))
-    _prune_watermarks(config)
+    _prune_leftovers(config)
     try:
         store = SessionStore.open(Path(config.state.dir))
         try:
@@ -360,27 +360,26 @@ def _remove(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-def _prune_watermarks(config: Config) -> None:
-    """After a destroy, as the daemon does: the relay watermarks of keys that cannot sign
-    here again go (daemon/state/sign_watermarks.py). A fault is one line: the daemon drops
-    them after its next destroy or at its next start."""
+def _prune_leftovers(config: Config) -> None:
+    """After a destroy, as the daemon does: what it keeps of keys that are gone goes
+    (daemon/state/leftovers.py). A fault is one line: the daemon prunes after its next
+    destroy or at its next start."""
     import sqlite3
 
-    from custody import CustodyError
-    from daemon.state.sign_watermarks import SignWatermarks, signers
+    from daemon.state import leftovers
+    from daemon.state.sign_watermarks import SignWatermarks
 
-    custodian = bool(config.custody.custodian_socket)
     try:
         with agent_directory(config) as directory:
             store = SignWatermarks.open(Path(config.state.dir))
             try:
-                store.prune(lambda: signers(directory.agents(include_deleted=True),
-                                            custodian=custodian))
+                leftovers.prune(directory, store,
+                                custodian=bool(config.custody.custodian_socket))
             finally:
                 store.close()
-    except (OSError, sqlite3.Error, CustodyError, CliError) as exc:
-        print(f"its relay watermarks stay for now ({type(exc).__name__}); the daemon drops "
-              "them after its next destroy or at its next start", file=sys.stderr)
+    except (OSError, sqlite3.Error, CliError) as exc:
+        print(f"what the daemon keeps of removed keys stays for now ({type(exc).__name__}); "
+              "it prunes after its next destroy or at its next start", file=sys.stderr)
 
 
 #: A names file of 100,000 agents is about 20 MB; more is refused unread.

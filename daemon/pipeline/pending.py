@@ -50,7 +50,7 @@ PENDING_FORMAT: Final = 2
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DestroyAgent:
     """Destroy the agent's sealed key (its record stays a tombstone); revoke its credentials;
-    drop the watermarks of keys that cannot sign here again (sign_watermarks.py)."""
+    drop what the daemon keeps of keys that are gone (daemon/state/leftovers.py)."""
 
     pubkey: str
 

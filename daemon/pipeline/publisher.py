@@ -49,6 +49,7 @@ WARNING: `CHECKPOINTS` names the steps the crash tests kill at; keep it in step 
 
 from __future__ import annotations
 
+import functools
 import logging
 import sqlite3
 from collections.abc import Awaitable, Callable
@@ -57,12 +58,12 @@ from typing import TYPE_CHECKING, Final
 import trio
 
 from buzzwire.contract import ErrorCode, Request, Status, Verdict, encode_response
-from custody import CustodyError, KeyRecord
+from custody import KeyRecord
 from custody.custodian.client import CustodianClient, CustodianUnavailable
 
 if TYPE_CHECKING:  # the facade loads the PKCS#11 binding: not where a custodian holds the keys
     from custody import Custody
-from daemon.state.directory import AgentDirectory
+from daemon.state.directory import AgentDirectory, DirectoryError
 from daemon.state.ledger import Ledger, RolledBack, Ticket
 from daemon.fault_log import FaultLog
 from daemon.log import log_event
@@ -75,7 +76,8 @@ from daemon.relay.pool import Accepted, RelayPool, Unknown
 from daemon.relay.protocol import quote_reason
 from daemon.state.runtimes import RuntimeStore
 from daemon.state.sessions import SessionStore
-from daemon.state.sign_watermarks import SignWatermarks, signers
+from daemon.state import leftovers
+from daemon.state.sign_watermarks import SignWatermarks
 
 __all__ = ["Publisher", "CHECKPOINTS", "Prepare", "MINT_REF_TAKEN"]
 
@@ -304,18 +306,18 @@ class Publisher:
         await trio.to_thread.run_sync(self._sessions.revoke_agent, step.pubkey)
         if self._custody.agent(step.pubkey) is not None:
             await self._custody.destroy_agent(step.pubkey)
-        await self._prune_watermarks()
+        await self._prune_leftovers()
 
-    async def _prune_watermarks(self) -> None:
-        """After a destroy: the relay watermarks of keys that cannot sign here again go
-        (daemon/state/sign_watermarks.py). Housekeeping only: a fault is logged, and the
-        next destroy, or the next start, drops them."""
-        custodian = isinstance(self._custody, CustodianClient)
+    async def _prune_leftovers(self) -> None:
+        """After a destroy: what the daemon keeps of keys that are gone goes
+        (daemon/state/leftovers.py). Housekeeping only: a fault is logged, and the next
+        destroy, or the next start, prunes them."""
         try:
-            await trio.to_thread.run_sync(self._watermarks.prune, lambda: signers(
-                self._custody.agents(include_deleted=True), custodian=custodian))
-        except (OSError, sqlite3.Error, CustodyError) as exc:
-            log_event(_log, "watermarks.unpruned", level=logging.WARNING,
+            await trio.to_thread.run_sync(functools.partial(
+                leftovers.prune, self._directory, self._watermarks,
+                custodian=isinstance(self._custody, CustodianClient)))
+        except (OSError, sqlite3.Error, DirectoryError) as exc:
+            log_event(_log, "leftovers.unpruned", level=logging.WARNING,
                       error=type(exc).__name__, where=where(exc))
 
     async def _rename_agent(self, step: Cleanup) -> None:
@@ -404,7 +406,7 @@ class Publisher:
                 return judged
             await self._custody.destroy_agent(pubkey)
             await trio.to_thread.run_sync(self._sessions.revoke_agent, pubkey)
-            await self._prune_watermarks()
+            await self._prune_leftovers()
         except Exception as exc:  # noqa: BLE001 - the key may survive: say so, do not lie
             self._recorder.fault("destroy_minted", facts.agent, facts.request_id,
                                  facts.action, exc)

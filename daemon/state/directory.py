@@ -32,6 +32,13 @@ Rules:
   0600, WAL, synchronous=FULL, busy timeout; and secure_delete): `enroll` names a key that has no name here yet (a replayed
   agents.create never undoes a later rename), `rename` sets a live agent's name. Both
   refuse a key custody does not hold live, and answer None.
+- A name stays while custody keeps the key's record, a removed agent's tombstone included:
+  `agent list --all` lists it by name, and a custodian's `--recover` brings the key back
+  under it. Names are not unique, so none is held against reuse. So the names are bounded
+  as the records are, by `max_records` (`[custody]`, or the custodian's `[custodian]`):
+  one row per record. A record can go without the daemon being told (a custodian's
+  `--forget-destroyed`, under its own uid): `prune` drops the names of keys custody has no
+  record of, when the daemon starts and after each destroy, so the bound holds there too.
 - Reads go through one read-only connection, made when the file exists: a reader run as
   a user other than the state directory's (`agent list` as root) creates nothing; with
   no file yet, names come from the version-1 fallback alone.
@@ -40,6 +47,7 @@ Rules:
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import threading
@@ -55,7 +63,7 @@ from custody import CustodyError, KeyIndex, KeyRecord
 from daemon.state._sqlite import open_private_db
 
 __all__ = ["AgentDirectory", "AgentRecord", "DirectoryError", "DIRECTORY_FILE",
-           "HUMAN_OWNED_DEPTH", "KeySource", "check_name", "child_depth"]
+           "HUMAN_OWNED_DEPTH", "KeySource", "PRUNE_AFTER_SECONDS", "check_name", "child_depth"]
 
 T = TypeVar("T")
 
@@ -83,6 +91,11 @@ def check_name(name: object) -> None:
         raise ValueError("name must be text (a byte that is not UTF-8 cannot be stored)") from None
 
 
+#: A name written this recently is never pruned: with a custodian the pipeline's copy of
+#: its records (custody/custodian/records.py) may not have seen a key an operator's command
+#: made a moment ago, and checks a few times a second, longer while the custodian does not
+#: answer. An orphan that young goes at the next prune.
+PRUNE_AFTER_SECONDS = 60
 #: How many hex digits of its pubkey name an agent that was given no name.
 DEFAULT_NAME_DIGITS = 12
 SCHEMA_VERSION = 1
@@ -340,6 +353,24 @@ class AgentDirectory:
             db.execute("INSERT INTO names (pubkey, name, creator, updated_at)"
                        " VALUES (?, ?, ?, ?)" + conflict, (pubkey, name, creator, stamp))
         return self.agent(pubkey)
+
+    def prune(self, now: int | None = None) -> int:
+        """Delete the names of keys custody has no record of (module docstring), but those
+        written in the last PRUNE_AFTER_SECONDS; how many went. The records are read inside
+        the write transaction: no name can be enrolled meanwhile.
+
+        Raises:
+            DirectoryError: the file could not be written, or custody's records read.
+        """
+        stamp = int(time.time()) if now is None else now
+        if not self._path.exists():
+            return 0  # no names yet: nothing made here
+        with self._writer() as db:
+            held = json.dumps(sorted(k.pubkey for k in _call(
+                lambda: self._keys.all(include_deleted=True))))
+            return db.execute("DELETE FROM names WHERE updated_at < ? AND pubkey NOT IN "
+                              "(SELECT value FROM json_each(?))",
+                              (stamp - PRUNE_AFTER_SECONDS, held)).rowcount
 
     @contextmanager
     def _writer(self) -> Iterator[sqlite3.Connection]:

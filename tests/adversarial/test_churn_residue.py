@@ -6,6 +6,9 @@
   custody in the daemon at the destroy (agents.delete, `agent remove`), and at the next
   start for a key destroyed before; with a custodian, whose `--recover` may bring the key
   back, they stay while it keeps the record.
+- Names (daemon/state/directory.py): a deleted agent is listed by its name while its
+  record stays (one name per record, bounded as the records are); a record a custodian's
+  `--forget-destroyed` drops loses its name at the daemon's next destroy.
 """
 
 from __future__ import annotations
@@ -19,27 +22,34 @@ from pathlib import Path
 
 import coincurve
 import pytest
+import trio
 
 from custody import Custody, TokenConfig
 from daemon.config import load_config
+from daemon.state import directory as directory_module
+from daemon.state.directory import DIRECTORY_FILE
 from daemon.state.sign_watermarks import WATERMARKS_DB, SignWatermarks
 from daemon.wiring import running
 from tests.fixtures.broker import BrokerHarness, write_config
-from tests.fixtures.custodian import running_custodian
+from tests.fixtures.custodian import CustodianProcess, running_custodian
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(params=["custody", "custodian"])
-def broker_custody(request: pytest.FixtureRequest, custody_state: tuple[TokenConfig, Path],
-                   local_relay: str, tmp_path: Path
-                   ) -> Iterator[Mapping[str, Mapping[str, object]]]:
-    """The `broker` fixture's keys held in its own process, or by a custodian."""
+def home(request: pytest.FixtureRequest, custody_state: tuple[TokenConfig, Path],
+         local_relay: str, tmp_path: Path) -> Iterator[CustodianProcess | None]:
+    """Who holds the `broker` fixture's keys: its own process (None), or this custodian."""
     if request.param == "custody":
-        yield {}
+        yield None
         return
     with running_custodian(custody_state, local_relay, tmp_path) as process:
-        yield {"custody": {"custodian_socket": str(process.socket)}}
+        yield process
+
+
+@pytest.fixture
+def broker_custody(home: CustodianProcess | None) -> Mapping[str, Mapping[str, object]]:
+    return {} if home is None else {"custody": {"custodian_socket": str(home.socket)}}
 
 
 def _about(state_dir: Path, agent: str) -> list[tuple[str, int, str]]:
@@ -61,8 +71,8 @@ async def _created(broker: BrokerHarness, credential: str, channel: str, name: s
 
 @pytest.mark.broker_config(limits={"enabled": False})
 async def test_a_deleted_agents_watermarks_go_unless_a_custodian_may_bring_it_back(
-        broker: BrokerHarness, request: pytest.FixtureRequest) -> None:
-    in_process = request.node.callspec.params["broker_custody"] == "custody"
+        broker: BrokerHarness, home: CustodianProcess | None) -> None:
+    in_process = home is None
     channel = str(uuid.uuid4())
     owner = await broker.human_owned_agent("owner")
     credential = broker.credential(owner, [channel], actions=["agents.create", "agents.delete"])
@@ -105,3 +115,40 @@ async def test_a_start_drops_the_watermarks_a_destroy_left_before(
     async with running(config):
         assert _about(state_dir, destroyed) == []
         assert _about(state_dir, live) == [(live, 0, "")]
+
+
+def _named(state_dir: Path) -> set[str]:
+    db = sqlite3.connect(f"file:{state_dir / DIRECTORY_FILE}?mode=ro", uri=True)
+    try:
+        return {pubkey for (pubkey,) in db.execute("SELECT pubkey FROM names")}
+    finally:
+        db.close()
+
+
+@pytest.mark.broker_config(limits={"enabled": False})
+async def test_a_deleted_agents_name_stays_with_its_record_and_goes_once_it_is_forgotten(
+        broker: BrokerHarness, home: CustodianProcess | None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A name is kept from pruning for a minute (a custodian's records may lag an operator's
+    # command); here the test's own names are old enough once a second has passed.
+    monkeypatch.setattr(directory_module, "PRUNE_AFTER_SECONDS", 0)
+    channel = str(uuid.uuid4())
+    owner = await broker.human_owned_agent("owner")
+    credential = broker.credential(owner, [channel], actions=["agents.create", "agents.delete"])
+    first = await _created(broker, credential, channel, "first")
+    gone = await broker.call(credential, "agents.delete", {"target": {"pubkey": first}})
+    assert gone["status"] == "succeeded", gone
+    listed = broker.app.directory.get(first)
+    assert listed is not None and not listed.live and listed.name == "first"
+    assert _named(broker.state_dir) == {owner, first}
+    if home is None:
+        return  # custody in the daemon forgets no record
+    forgot = subprocess.run([sys.executable, "-m", "daemon.cli", "custodian", str(home.config),
+                             "--forget-destroyed", first], cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
+    assert forgot.returncode == 0, forgot.stderr
+    await trio.sleep(1.1)
+    second = await _created(broker, credential, channel, "second")
+    gone = await broker.call(credential, "agents.delete", {"target": {"pubkey": second}})
+    assert gone["status"] == "succeeded", gone
+    assert _named(broker.state_dir) == {owner, second}
