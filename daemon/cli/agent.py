@@ -365,18 +365,19 @@ def _prune_leftovers(config: Config) -> None:
     (daemon/state/leftovers.py). A fault is one line: the daemon prunes after its next
     destroy or at its next start."""
     import sqlite3
+    from contextlib import closing
 
     from daemon.state import leftovers
+    from daemon.state.runtimes import RuntimeStore
     from daemon.state.sign_watermarks import SignWatermarks
 
+    state_dir = Path(config.state.dir)
     try:
-        with agent_directory(config) as directory:
-            store = SignWatermarks.open(Path(config.state.dir))
-            try:
-                leftovers.prune(directory, store,
-                                custodian=bool(config.custody.custodian_socket))
-            finally:
-                store.close()
+        with agent_directory(config) as directory, \
+                closing(SignWatermarks.open(state_dir)) as watermarks, \
+                closing(RuntimeStore.open(state_dir)) as runtimes:
+            leftovers.prune(directory, watermarks, runtimes,
+                            custodian=bool(config.custody.custodian_socket))
     except (OSError, sqlite3.Error, CliError) as exc:
         print(f"what the daemon keeps of removed keys stays for now ({type(exc).__name__}); "
               "it prunes after its next destroy or at its next start", file=sys.stderr)

@@ -314,7 +314,7 @@ class Publisher:
         destroy, or the next start, prunes them."""
         try:
             await trio.to_thread.run_sync(functools.partial(
-                leftovers.prune, self._directory, self._watermarks,
+                leftovers.prune, self._directory, self._watermarks, self._runtimes,
                 custodian=isinstance(self._custody, CustodianClient)))
         except (OSError, sqlite3.Error, DirectoryError) as exc:
             log_event(_log, "leftovers.unpruned", level=logging.WARNING,

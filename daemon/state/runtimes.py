@@ -6,7 +6,9 @@ that never carries runtime fields (shared/spec/wire-schema.md), so the runtime a
 
 Rules:
 - One row per agent (`pubkey`, `runtime`); writing is idempotent (the pipeline's
-  housekeeping may run twice after a crash), so `set` is an upsert.
+  housekeeping may run twice after a crash), so `set` is an upsert. A row goes with its
+  key, as its relay watermarks do (`prune`, daemon/state/leftovers.py): kept while the key
+  can sign here (agents.update reads it), so bounded by `max_records`.
 - Public data only: a runtime name, never a key or credential.
 - Faults are `sqlite3.Error`; the pipeline turns them into `internal` verdicts or
   housekeeping log lines like every other store fault.
@@ -18,7 +20,9 @@ Rules:
 
 from __future__ import annotations
 
+import json
 import sqlite3
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from daemon.state._sqlite import open_private_db
@@ -69,6 +73,24 @@ class RuntimeStore:
             )
         finally:
             writer.close()
+
+    def prune(self, kept: Callable[[], Collection[str]]) -> int:
+        """Delete the rows of agents not in `kept()`, read inside the write transaction (a
+        row is written only for a key the daemon holds); how many went. Blocking."""
+        writer = open_private_db(self._path, "")
+        try:
+            writer.execute("BEGIN IMMEDIATE")
+            try:
+                gone = writer.execute(
+                    "DELETE FROM runtimes WHERE pubkey NOT IN (SELECT value FROM json_each(?))",
+                    (json.dumps(sorted(kept())),)).rowcount
+                writer.execute("COMMIT")
+            except BaseException:
+                writer.execute("ROLLBACK")
+                raise
+        finally:
+            writer.close()
+        return gone
 
     def close(self) -> None:
         self._db.close()

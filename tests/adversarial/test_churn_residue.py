@@ -2,7 +2,8 @@
 `max_records` bounds (tests/adversarial/test_record_bound.py), wherever the keys are held.
 
 - Relay watermarks (daemon/state/sign_watermarks.py): the deleted agent's own kind 0 row
-  and its owner's kind 30177 row about it go once its key cannot sign here again: with
+  and its owner's kind 30177 row about it, and its runtime (daemon/state/runtimes.py),
+  go once its key cannot sign here again: with
   custody in the daemon at the destroy (agents.delete, `agent remove`), and at the next
   start for a key destroyed before; with a custodian, whose `--recover` may bring the key
   back, they stay while it keeps the record.
@@ -28,6 +29,7 @@ from custody import Custody, TokenConfig
 from daemon.config import load_config
 from daemon.state import directory as directory_module
 from daemon.state.directory import DIRECTORY_FILE
+from daemon.state.runtimes import RUNTIMES_DB, RuntimeStore
 from daemon.state.sign_watermarks import WATERMARKS_DB, SignWatermarks
 from daemon.wiring import running
 from tests.fixtures.broker import BrokerHarness, write_config
@@ -64,13 +66,21 @@ def _about(state_dir: Path, agent: str) -> list[tuple[str, int, str]]:
 
 async def _created(broker: BrokerHarness, credential: str, channel: str, name: str) -> str:
     made = await broker.call(credential, "agents.create", {
-        "channelId": channel, "displayName": name, "systemPrompt": "p"})
+        "channelId": channel, "displayName": name, "systemPrompt": "p", "runtime": "goose"})
     assert made["status"] == "succeeded", made
     return str(made["outcome"]["agentPubkey"])
 
 
 @pytest.mark.broker_config(limits={"enabled": False})
-async def test_a_deleted_agents_watermarks_go_unless_a_custodian_may_bring_it_back(
+def _runtimes(state_dir: Path) -> set[str]:
+    db = sqlite3.connect(f"file:{state_dir / RUNTIMES_DB}?mode=ro", uri=True)
+    try:
+        return {pubkey for (pubkey,) in db.execute("SELECT pubkey FROM runtimes")}
+    finally:
+        db.close()
+
+
+async def test_a_deleted_agents_watermarks_and_runtime_go_unless_a_custodian_may_bring_it_back(
         broker: BrokerHarness, home: CustodianProcess | None) -> None:
     in_process = home is None
     channel = str(uuid.uuid4())
@@ -82,6 +92,7 @@ async def test_a_deleted_agents_watermarks_go_unless_a_custodian_may_bring_it_ba
     rows = {a: _about(broker.state_dir, a) for a in (deleted, removed, kept)}
     for agent, held in rows.items():
         assert held == sorted([(agent, 0, ""), (owner, 30177, agent)]), held
+    assert _runtimes(broker.state_dir) == {deleted, removed, kept}
 
     gone = await broker.call(credential, "agents.delete", {"target": {"pubkey": deleted}})
     assert gone["status"] == "succeeded", gone
@@ -92,9 +103,11 @@ async def test_a_deleted_agents_watermarks_go_unless_a_custodian_may_bring_it_ba
     for agent in (deleted, removed):
         assert _about(broker.state_dir, agent) == ([] if in_process else rows[agent])
     assert _about(broker.state_dir, kept) == rows[kept]
+    assert _runtimes(broker.state_dir) == (
+        {kept} if in_process else {deleted, removed, kept})
 
 
-async def test_a_start_drops_the_watermarks_a_destroy_left_before(
+async def test_a_start_drops_the_watermarks_and_runtime_a_destroy_left_before(
         custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path) -> None:
     """A state directory from before this version: a destroyed key's rows, left then, go
     when the daemon starts; a live key's stay."""
@@ -109,12 +122,17 @@ async def test_a_start_drops_the_watermarks_a_destroy_left_before(
         store.record(agent, 0, "", 1, "1" * 64)
     store.record(live, 30177, destroyed, 1, "2" * 64)
     store.close()
+    runtimes = RuntimeStore.open(state_dir)
+    for agent in (live, destroyed):
+        runtimes.set(agent, "goose", 1)
+    runtimes.close()
     config = load_config(str(write_config(tmp_path / "broker.toml", token=token,
                                           state_dir=state_dir, socket=tmp_path / "b.sock",
                                           relay_url=local_relay)))
     async with running(config):
         assert _about(state_dir, destroyed) == []
         assert _about(state_dir, live) == [(live, 0, "")]
+        assert _runtimes(state_dir) == {live}
 
 
 def _named(state_dir: Path) -> set[str]:
