@@ -18,6 +18,8 @@ Surface:
   `SignedEvent`, `KeyRecord` (an agent key's public facts: owner, NIP-OA tag, mint
   reference, when made and destroyed), `MemoryAddress`.
 - `KeyIndex`: those records read-only, without the token (the daemon's directory).
+- `forget_removed` (`_forget`: drop destroyed records, named, without the token; refused
+  as a whole with `NotForgotten`): `agent forget`, the way back under the record bound.
 - Backups: `export_backup` (`_backup`: every live agent encrypted in memory to age
   recipients, with the caller's public entry for each), `open_backup` (`_restore`:
   decrypt and check one), `restore_plan`, `restore_backup`.
@@ -39,7 +41,8 @@ _token (PKCS#11: login, KEKs, mechanisms, the seal choice), _sealed (blob format
 seals and the one unseal door with its named defences), _cache (the unsealed-key cache,
 off by default), _records (the public values), _keystore (SQLite), _keyindex (it read
 without custody open: the daemon's), _statelock (who may use the state directory),
-_activekek (the token and KEK the keystore records), _facade (Custody). Run only with the
+_activekek (the token and KEK the keystore records), _forget (forgetting destroyed records:
+the custodian's and `agent forget`'s rule), _facade (Custody). Run only with the
 daemon stopped or beside it, never by a serving process: _keys (keys init, rotate,
 migrate; the token check), _kekinit (making and destroying KEKs), _rotation, _files (an
 operator's bounded file or input: the restore commands' backup and identity, `agent
@@ -76,6 +79,7 @@ _SURFACE: dict[str, str] = {
     **dict.fromkeys(("Custody", "HeldOwner"), "custody._facade"),
     **dict.fromkeys(("check_token", "init_kek", "init_keys", "rotate_keys"), "custody._keys"),
     "KeyIndex": "custody._keyindex",
+    **dict.fromkeys(("NotForgotten", "forget_removed"), "custody._forget"),
     **dict.fromkeys(("CachePolicy", "KeyRecord", "MemoryAddress", "MAX_CACHE_ENTRIES",
                      "MAX_CACHE_SECONDS", "MAX_KEK_LABEL", "MAX_UID", "kek_label_ok",
                      "DEFAULT_MAX_RECORDS", "RecordBound"),
@@ -121,6 +125,7 @@ if TYPE_CHECKING:  # the same surface for type checkers (`X as X`: re-exported n
     from custody._keys import check_token as check_token, init_kek as init_kek
     from custody._keys import init_keys as init_keys, rotate_keys as rotate_keys
     from custody._keyindex import KeyIndex as KeyIndex
+    from custody._forget import NotForgotten as NotForgotten, forget_removed as forget_removed
     from custody._records import CachePolicy as CachePolicy, KeyRecord as KeyRecord
     from custody._records import MAX_CACHE_ENTRIES as MAX_CACHE_ENTRIES, MemoryAddress as MemoryAddress
     from custody._records import MAX_CACHE_SECONDS as MAX_CACHE_SECONDS, MAX_UID as MAX_UID

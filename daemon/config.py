@@ -266,7 +266,9 @@ class CustodyConfig:
 
 
 #: What a refusal at [custody] max_records tells the operator to do.
-IN_PROCESS_REMEDY = f"raise [custody] max_records (at most {MAX_RECORDS:,})"
+IN_PROCESS_REMEDY = (f"raise [custody] max_records (at most {MAX_RECORDS:,}) or forget "
+                     "removed agents' records: buzz-broker agent forget PUBKEY ... "
+                     "(agent list --all lists them)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

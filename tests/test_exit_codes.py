@@ -79,6 +79,7 @@ MALFORMED: tuple[tuple[tuple[str, ...], str], ...] = (
     (("agent", "name", "XYZ", "scout"), "PUBKEY"),
     (("agent", "name", "AGENT", "two\nlines"), "NAME"),
     (("agent", "remove", "XYZ", "--yes"), "PUBKEY"),
+    (("agent", "forget", "AGENT", "XYZ"), "key 2 named is not a pubkey"),
     (("agent", "attach-auth", "--agent", "xyz", "--sig", "ab" * 64), "--agent"),
     (("agent", "attach-auth", "--agent", "AGENT", "--sig", "zz"), "--sig"),
     (("agent", "attach-auth", "--agent", "AGENT", "--tag", "{"), "--tag"),
@@ -121,8 +122,8 @@ def test_a_malformed_argument_is_a_usage_error_and_changes_nothing(
         assert named in lines[0], (argv, named, lines[0])
         assert _snapshot(tmp_path) == before, argv
 
-    for words in (("agent", "remove", PUB_3, "--yes"), ("credential", "revoke",
-                                                         "cred_" + "0" * 16)):
+    for words in (("agent", "remove", PUB_3, "--yes"), ("agent", "forget", PUB_3),
+                  ("credential", "revoke", "cred_" + "0" * 16)):
         refused = _cli(config, *words)
         assert refused.returncode == 1, (words, refused.stderr)  # unknown here: state's
 

@@ -40,8 +40,6 @@ whether any would go is known only inside the transaction.
 
 from __future__ import annotations
 
-import json
-import sqlite3
 import sys
 import time
 from collections.abc import Sequence
@@ -49,6 +47,7 @@ from pathlib import Path
 
 from buzzwire.nostr import is_hex64
 from custody._errors import CustodyError
+from custody._forget import STAYS, NotForgotten, forget_destroyed, forget_named
 from custody._keystore import KEYSTORE_FILE, Keystore
 from custody._statelock import StateLock
 from custody.custodian.changes import logged_change, open_log
@@ -58,80 +57,11 @@ from custody.custodian.ledger import fault_name
 
 __all__ = ["MAX_NAMED", "STAYS", "NotForgotten", "forget", "forget_destroyed", "forget_named"]
 
-#: A record goes once nothing kept names it as owner: leaves first, up the chains.
-_LEAVES = """DELETE FROM keys WHERE deleted_at IS NOT NULL AND deleted_at <= ?
-              AND pubkey NOT IN (SELECT owner FROM keys) RETURNING pubkey"""
-#: The named records that may go: destroyed (at any time), and no record names them as owner.
-_NAMED_LEAVES = """DELETE FROM keys WHERE deleted_at IS NOT NULL
-                   AND pubkey IN (SELECT value FROM json_each(?))
-                   AND pubkey NOT IN (SELECT owner FROM keys) RETURNING pubkey"""
-#: A named record that stays: why, by what the keystore holds for it.
-_WHY = """SELECT CASE WHEN deleted_at IS NULL THEN 'live' ELSE 'owner' END
-          FROM keys WHERE pubkey = ?"""
-
 #: Keys one named run takes: its intent line names them all (write-ahead: a run killed
 #: before its count leaves the keystore to say which went), 256 of 67 bytes is ~17 KiB, far
 #: under the 64 KiB a line of the log must stay under (ledger.py `_cut_torn_tail`). More:
 #: run it again for the rest.
 MAX_NAMED = 256
-
-#: Why a named record cannot go -> how it is said.
-STAYS = {
-    "unknown": "no record of this key here",
-    "live": "a live key: only a destroyed one is forgotten (remove it first)",
-    "owner": "a record kept here names it as owner (name that one too, once destroyed)",
-}
-
-
-class NotForgotten(CustodyError):
-    """Named records that cannot go (`stays`: pubkey -> a key of STAYS); nothing went."""
-
-    def __init__(self, stays: dict[str, str]) -> None:
-        super().__init__(f"nothing was forgotten: {len(stays)} of the keys named cannot go")
-        self.stays = stays
-
-
-def forget_named(keystore: Keystore, pubkeys: Sequence[str], *, commit: bool = True) -> list[str]:
-    """Delete the destroyed records `pubkeys` names, whatever their age, leaves first; the
-    pubkeys that went. One transaction: all of them or none (NotForgotten, naming each that
-    stays and why). `commit=False`: the same look, rolled back whatever it finds.
-
-    Raises:
-        NotForgotten: a named record is unknown, live, or a kept record's owner.
-        CustodyError: the keystore write failed.
-    """
-    named = sorted(set(pubkeys))
-    forgotten: list[str] = []
-    try:
-        with keystore._transaction() as db:
-            db.execute("SAVEPOINT look")
-            while gone := [p for (p,) in db.execute(_NAMED_LEAVES, (json.dumps(named),))]:
-                forgotten += gone
-            stays: dict[str, str] = {}
-            for pubkey in (p for p in named if p not in forgotten):
-                row = db.execute(_WHY, (pubkey,)).fetchone()
-                stays[pubkey] = row[0] if row else "unknown"
-            if stays or not commit:
-                db.execute("ROLLBACK TO look")
-            db.execute("RELEASE look")
-    except sqlite3.Error as exc:
-        raise CustodyError(f"keystore write failed: {exc}") from None
-    if stays:
-        raise NotForgotten(stays)
-    return forgotten
-
-
-def forget_destroyed(keystore: Keystore, destroyed_before: int) -> list[str]:
-    """Delete every record destroyed at or before `destroyed_before` that no remaining
-    record names as owner; the pubkeys that went. One transaction: all of them or none."""
-    forgotten: list[str] = []
-    try:
-        with keystore._transaction() as db:
-            while gone := [pubkey for (pubkey,) in db.execute(_LEAVES, (destroyed_before,))]:
-                forgotten += gone
-    except sqlite3.Error as exc:
-        raise CustodyError(f"keystore write failed: {exc}") from None
-    return forgotten
 
 
 def _lines(forgotten: list[str], intent: int) -> list[dict[str, object]]:

@@ -1,4 +1,4 @@
-"""`buzz-broker agent import|create|name|list|remove`: the operator's side of the keystore
+"""`buzz-broker agent import|create|name|list|remove|forget`: the operator's side of the keystore
 and of the public directory (daemon/state/directory.py).
 
 Rules:
@@ -38,6 +38,12 @@ Rules:
   destroys it for good; a custodian keeps a sealed copy for its grace period, which its
   `--recover` brings back and its `--forget-destroyed PUBKEY` deletes now
   (tests/custodian/test_commands.py::test_agent_remove_says_the_custodian_keeps_a_copy_and_how_to_end_it).
+- `forget PUBKEY ...` (custody in the daemon; with a custodian, exit 2 naming its
+  `--forget-destroyed`) drops the records of the removed agents named, so new ones fit
+  under `[custody] max_records` again, and then what the daemon keeps of them (their
+  names): all of them or none, never a live one nor one a kept record names as owner
+  (custody/_forget.py). What it gives up is said: the host no longer refuses those keys
+  as removed ones.
 - `import-names` reads on stdin the names file a custodian's `keys restore --names-out`
   wrote (at most `MAX_NAMES_BYTES`: a `{"restore": {"file", "sha256"}}` line, then one
   `{"pubkey", "name", "creator", "restored"}` a backup agent; custody/custodian/keys.py),
@@ -118,6 +124,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     sub.add_parser("import-names", help="write into the directory the names a custodian's "
                    "`keys restore --names-out` wrote (the file on stdin)")
+
+    p = sub.add_parser("forget", help="drop removed agents' records, named (custody in the "
+                       "daemon): the way back under [custody] max_records")
+    p.add_argument("pubkey", metavar="PUBKEY", nargs="+")
 
     agent_auth.add_arguments(sub)
 
@@ -462,6 +472,44 @@ def _import_names(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+#: What `agent forget` says where a custodian holds the keys: its records are its own.
+_FORGET_WITH_CUSTODIAN = ("with a custodian ([custody] custodian_socket) its records are "
+                          "forgotten under its uid: buzz-custodian-admin --forget-destroyed "
+                          "PUBKEY ... (buzz-broker custodian FILE --forget-destroyed PUBKEY ...)")
+
+
+def _forget(args: argparse.Namespace, config: Config) -> int:
+    """Drop the records of removed agents named, so new ones fit under [custody]
+    max_records again (custody/_forget.py: never a live one, never a kept record's owner;
+    all of them or none). What it gives up is said: the host no longer refuses those keys
+    as removed ones."""
+    from custody import CustodyError, NotForgotten, forget_removed
+    from buzzwire.nostr import is_hex64
+
+    if config.custody.custodian_socket:
+        raise UsageError(_FORGET_WITH_CUSTODIAN)
+    for number, text in enumerate(args.pubkey, 1):
+        if not is_hex64(text):  # never echoed: a secret key pasted by mistake is hex too
+            raise UsageError(f"key {number} named is not a pubkey (64 lowercase hex); not "
+                             "shown; nothing was forgotten")
+    try:
+        gone = forget_removed(Path(config.state.dir), args.pubkey)
+    except NotForgotten as exc:
+        for pubkey, why in exc.stays.items():
+            # A key with no record here may be a secret pasted by mistake (64 hex too):
+            # said by its place among those named, never by its value.
+            who = pubkey if why != "unknown" else \
+                f"key {args.pubkey.index(pubkey) + 1} named (not shown)"
+            print(f"{who}: not forgotten: {exc.why(pubkey)}", file=sys.stderr)
+        raise CliError(str(exc)) from None
+    except CustodyError as exc:
+        raise CliError(str(exc)) from None
+    _prune_leftovers(config)  # their names (custody has no record of them now)
+    print(f"forgot {len(gone)} removed agents' records: this host no longer refuses those "
+          "keys as removed ones (an import or a restore of one is taken)", file=sys.stderr)
+    return 0
+
+
 _SUBCOMMANDS: dict[str, Callable[[argparse.Namespace, "Config"], int]] = {
     "import": _import,
     "create": _create,
@@ -470,6 +518,7 @@ _SUBCOMMANDS: dict[str, Callable[[argparse.Namespace, "Config"], int]] = {
     "remove": _remove,
     "attach-auth": agent_auth.attach,
     "import-names": _import_names,
+    "forget": _forget,
 }
 
 

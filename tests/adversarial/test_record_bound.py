@@ -5,7 +5,9 @@ wherever the keys are held (docs/custodian.md, "Records are bounded").
 - Custody in the daemon (`[custody] max_records`) and a custodian (`[custodian]
   max_records`) answer the loop's agents.create alike, `failed` + `internal` (a custody
   fault, its text for the operator's log only), and the operator's `agent create` and
-  `agent import` say one line naming the key of the file that rules.
+  `agent import` say one line naming the key of the file that rules. The way back it
+  names: the removed agents' records forgotten, by `agent forget` in the daemon's home,
+  by the custodian's `--forget-destroyed` in its (where `agent forget` names that one).
 - The rule is custody's (`Custody.room`): destroyed records count; a mint reference made
   before is answered again at the bound (a retry is no new record); and two mints racing
   for the last place in one process get one record between them (it is asked again inside
@@ -28,7 +30,7 @@ import trio
 from custody import Custody, CustodyError, RecordBound, TokenConfig
 from custody._keystore import KEYSTORE_FILE
 from tests.fixtures.broker import BrokerHarness
-from tests.fixtures.custodian import running_custodian
+from tests.fixtures.custodian import CustodianProcess, running_custodian
 
 REPO = Path(__file__).resolve().parents[2]
 #: Records the tests allow: the first agent's, and two more.
@@ -48,37 +50,47 @@ def _records(state_dir: Path) -> int:
 
 
 @pytest.fixture(params=["custody", "custodian"])
-def broker_custody(request: pytest.FixtureRequest, custody_state: tuple[TokenConfig, Path],
-                   local_relay: str, tmp_path: Path
-                   ) -> Iterator[Mapping[str, Mapping[str, object]]]:
-    """The `broker` fixture's keys held in its own process, bounded by [custody]
-    max_records, or by a custodian bounded by its [custodian] max_records."""
+def home(request: pytest.FixtureRequest, custody_state: tuple[TokenConfig, Path],
+         local_relay: str, tmp_path: Path) -> Iterator[CustodianProcess | None]:
+    """Who holds the `broker` fixture's keys: its own process (None), or this custodian,
+    each bounded at BOUND records."""
     if request.param == "custody":
-        yield {"custody": {"max_records": BOUND}}
+        yield None
         return
     with running_custodian(custody_state, local_relay, tmp_path,
                            settings={"max_records": BOUND}) as process:
-        yield {"custody": {"custodian_socket": str(process.socket)}}
+        yield process
 
 
-def _cli(config: Path, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "daemon.cli", "--config", str(config), *args],
+@pytest.fixture
+def broker_custody(home: CustodianProcess | None) -> Mapping[str, Mapping[str, object]]:
+    if home is None:
+        return {"custody": {"max_records": BOUND}}
+    return {"custody": {"custodian_socket": str(home.socket)}}
+
+
+def _cli(config: Path, *args: str, stdin: str = "", custodian: bool = False
+         ) -> subprocess.CompletedProcess[str]:
+    """`buzz-broker --config FILE ...`, or with `custodian` `buzz-broker custodian FILE ...`."""
+    words = ["custodian", str(config)] if custodian else ["--config", str(config)]
+    return subprocess.run([sys.executable, "-m", "daemon.cli", *words, *args],
                           cwd=REPO, input=stdin, capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.broker_config(limits={"enabled": False})
 async def test_a_create_delete_loop_stops_at_max_records_answered_alike_in_both_homes(
-        broker: BrokerHarness, request: pytest.FixtureRequest) -> None:
-    home = request.node.callspec.params["broker_custody"]
+        broker: BrokerHarness, home: CustodianProcess | None) -> None:
+    table = "custody" if home is None else "custodian"
     channel = str(uuid.uuid4())
     owner = await broker.human_owned_agent("owner")
     credential = broker.credential(owner, [channel], actions=["agents.create", "agents.delete"])
+    removed = []
     for n in range(BOUND - 1):
         made = await broker.call(credential, "agents.create", {
             "channelId": channel, "displayName": f"k{n}", "systemPrompt": "p"})
         assert made["status"] == "succeeded", made
-        gone = await broker.call(credential, "agents.delete",
-                                 {"target": {"pubkey": made["outcome"]["agentPubkey"]}})
+        removed.append(made["outcome"]["agentPubkey"])
+        gone = await broker.call(credential, "agents.delete", {"target": {"pubkey": removed[-1]}})
         assert gone["status"] == "succeeded", gone
     assert _records(broker.state_dir) == BOUND  # one live agent, the rest tombstones
     refused = await broker.call(credential, "agents.create", {
@@ -92,8 +104,23 @@ async def test_a_create_delete_loop_stops_at_max_records_answered_alike_in_both_
         done = _cli(broker.config_path, *args, stdin=stdin)
         line = done.stderr.strip()
         assert (done.returncode, done.stdout, line.count("\n")) == (1, "", 0), done
-        assert f"[{home}] max_records" in line and f"max_records ({BOUND})" in line, line
+        assert f"[{table}] max_records" in line and f"max_records ({BOUND})" in line, line
+        assert ("buzz-broker agent forget" if home is None else "--forget-destroyed") in line
     assert _records(broker.state_dir) == BOUND
+    # The way back the refusal names: the removed agents' records forgotten by the operator.
+    done = _cli(broker.config_path, "agent", "forget", *removed)
+    if home is None:
+        assert done.returncode == 0, done.stderr
+        assert "forgot 2 removed agents' records" in done.stderr, done.stderr
+    else:  # the custodian's records are its own: its command, under its uid
+        assert done.returncode == 2 and "--forget-destroyed" in done.stderr, done
+        assert _records(broker.state_dir) == BOUND
+        done = _cli(home.config, "--forget-destroyed", *removed, custodian=True)
+        assert done.returncode == 0, done.stderr
+    assert _records(broker.state_dir) == 1
+    made = await broker.call(credential, "agents.create", {
+        "channelId": channel, "displayName": "room again", "systemPrompt": "p"})
+    assert made["status"] == "succeeded", made
 
 
 async def test_destroyed_records_count_and_a_mint_ref_made_before_is_answered_at_the_bound(
@@ -136,3 +163,24 @@ async def test_two_mints_racing_for_the_last_place_make_one_record(
             nursery.start_soon(mint)
         assert sorted(outcomes) == ["made", "refused"]
         assert len(custody.agents(include_deleted=True)) == 2
+
+
+@pytest.mark.parametrize("home", ["custody"], indirect=True)
+async def test_agent_forget_forgets_all_the_named_or_none_and_echoes_no_malformed_key(
+        broker: BrokerHarness, home: None) -> None:
+    owner = await broker.human_owned_agent("owner")
+    removed = (await broker.custody.mint_agent(owner=owner)).pubkey
+    await broker.custody.destroy_agent(removed)
+    nsec = "nsec1" + "q" * 58
+    done = _cli(broker.config_path, "agent", "forget", removed, nsec)
+    assert done.returncode == 2 and nsec not in done.stderr, done
+    assert "key 2 named is not a pubkey" in done.stderr
+    # A secret key is 64 hex too: one named by mistake has no record, and is not echoed.
+    secret = coincurve.PrivateKey().secret.hex()
+    done = _cli(broker.config_path, "agent", "forget", removed, owner, secret)
+    assert done.returncode == 1 and secret not in done.stderr, done
+    assert f"{owner}: not forgotten: a live key" in done.stderr
+    assert "key 3 named (not shown): not forgotten: no record" in done.stderr
+    assert _records(broker.state_dir) == 2  # all or none: the removed one stays too
+    assert _cli(broker.config_path, "agent", "forget", removed).returncode == 0
+    assert _records(broker.state_dir) == 1
