@@ -23,8 +23,8 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -703,6 +703,54 @@ def test_real_broker_socket_activated(
     assert not os.path.exists(os.path.join(sockdir, "never-bound.sock"))
 
 
+@contextmanager
+def _real_serve(config_path: Path, sockdir: str,
+                **environ: str) -> Iterator[tuple[subprocess.Popen[bytes], Callable[[], str], Path]]:
+    """`buzz-broker serve` on `config_path` as systemd runs it (`NOTIFY_SOCKET`, and
+    `environ` beside the test's own environment), its log in a file: yields the process,
+    `ready()` (the STATUS= sent with the next READY=1) and the log's path, once it is
+    serving; on leaving, SIGTERM and exit 0."""
+    notify_path = os.path.join(sockdir, "notify")
+    log_path = Path(sockdir) / "daemon.log"
+    env = dict(os.environ, NOTIFY_SOCKET=notify_path, **environ)
+    env.pop("BUZZ_BROKER_CONFIG", None)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as dgram, open(log_path, "wb") as log:
+        dgram.bind(notify_path)
+        dgram.settimeout(30)
+
+        def ready() -> str:
+            while True:
+                lines = dgram.recv(4096).decode().split("\n")
+                if "READY=1" in lines:
+                    return next(line for line in lines if line.startswith("STATUS="))
+
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "daemon.cli", "--config", str(config_path), "serve"],
+            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        try:
+            ready()
+            yield proc, ready, log_path
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=15) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _log_lines(log_path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log_path.read_text().splitlines()]
+
+
+def _config_text(token: TokenConfig, state_dir: Path, *, pin_file: bool = True) -> str:
+    pin = f'pin_file = "{token.pin_file}"\n' if pin_file else ""
+    return (f'[server]\nsocket = "b.sock"\nshutdown_grace = 5\n'
+            f'[state]\ndir = "{state_dir}"\n'
+            f'[pkcs11]\nmodule = "{token.module}"\ntoken_label = "{token.token_label}"\n'
+            f'{pin}kek_label = "{token.kek_label}"\n'
+            f'[relay]\nurl = "ws://127.0.0.1:{free_port()}"\n')
+
+
 def test_real_broker_reload_says_what_it_did_not_apply(
     custody_state: tuple[TokenConfig, Path], sockdir: str
 ) -> None:
@@ -713,68 +761,37 @@ def test_real_broker_reload_says_what_it_did_not_apply(
     `[relay] url`), and the status said "reloaded" either way."""
     token, state_dir = custody_state
     config_path = Path(sockdir) / "broker.toml"
-    good = (f'[server]\nsocket = "b.sock"\nshutdown_grace = 5\n'
-            f'[state]\ndir = "{state_dir}"\n'
-            f'[pkcs11]\nmodule = "{token.module}"\ntoken_label = "{token.token_label}"\n'
-            f'pin_file = "{token.pin_file}"\nkek_label = "{token.kek_label}"\n'
-            f'[relay]\nurl = "ws://127.0.0.1:{free_port()}"\n')
+    good = _config_text(token, state_dir)
     config_path.write_text(good)
-    notify_path = os.path.join(sockdir, "notify")
-    log_path = Path(sockdir) / "daemon.log"
-    env = dict(os.environ, NOTIFY_SOCKET=notify_path)
-    env.pop("BUZZ_BROKER_CONFIG", None)
+    with _real_serve(config_path, sockdir) as (proc, ready, log_path):
 
-    def warnings() -> list[dict[str, Any]]:
-        return [line for line in map(json.loads, log_path.read_text().splitlines())
-                if line["level"] in ("warning", "error")]
-
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as dgram, open(log_path, "wb") as log:
-        dgram.bind(notify_path)
-        dgram.settimeout(30)
-
-        def ready() -> str:
-            """The STATUS= sent with the next READY=1."""
-            while True:
-                lines = dgram.recv(4096).decode().split("\n")
-                if "READY=1" in lines:
-                    return next(line for line in lines if line.startswith("STATUS="))
+        def warnings() -> list[dict[str, Any]]:
+            return [line for line in _log_lines(log_path) if line["level"] in ("warning", "error")]
 
         def reload_with(text: str) -> str:
             config_path.write_text(text)
             proc.send_signal(signal.SIGHUP)
             return ready()
 
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", "--config", str(config_path), "serve"],
-            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-        try:
-            ready()
-            assert warnings() == []
-            # A file that no longer loads: a warning with its one line, and the status says so.
-            status = reload_with(good + '[limits]\npublish = "banana"\n')
-            assert status.endswith("; reload rejected the config file (still on the previous "
-                                   "one; see the journal)"), status
-            [rejected] = warnings()
-            assert rejected["event"] == "reload.config_rejected", rejected
-            assert "[limits] publish" in rejected["detail"] and "\n" not in rejected["detail"]
-            # A restart-only edit beside a policy one: the policy is applied, the relay named.
-            edited = good.replace("[relay]\nurl = \"ws://127.0.0.1:", "[relay]\nurl = \"ws://[::1]:")
-            status = reload_with(edited + '[policy]\ndisabled_actions = ["reaction.add"]\n')
-            assert status.endswith("; reloaded; restart to apply [relay] url"), status
-            [_, waiting] = warnings()
-            assert (waiting["event"], waiting["setting"], waiting["detail"]) == (
-                "reload.restart_needed", "[relay] url", "[relay] url changed: restart to apply")
-            # The file as the daemon started with it: nothing to say.
-            assert reload_with(good).endswith("; reloaded")
-            assert len(warnings()) == 2
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=15) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    reloads = [line for line in map(json.loads, log_path.read_text().splitlines())
-               if line["event"] == "serve.reloaded"]
+        assert warnings() == []
+        # A file that no longer loads: a warning with its one line, and the status says so.
+        status = reload_with(good + '[limits]\npublish = "banana"\n')
+        assert status.endswith("; reload rejected the config file (still on the previous "
+                               "one; see the journal)"), status
+        [rejected] = warnings()
+        assert rejected["event"] == "reload.config_rejected", rejected
+        assert "[limits] publish" in rejected["detail"] and "\n" not in rejected["detail"]
+        # A restart-only edit beside a policy one: the policy is applied, the relay named.
+        edited = good.replace("[relay]\nurl = \"ws://127.0.0.1:", "[relay]\nurl = \"ws://[::1]:")
+        status = reload_with(edited + '[policy]\ndisabled_actions = ["reaction.add"]\n')
+        assert status.endswith("; reloaded; restart to apply [relay] url"), status
+        [_, waiting] = warnings()
+        assert (waiting["event"], waiting["setting"], waiting["detail"]) == (
+            "reload.restart_needed", "[relay] url", "[relay] url changed: restart to apply")
+        # The file as the daemon started with it: nothing to say.
+        assert reload_with(good).endswith("; reloaded")
+        assert len(warnings()) == 2
+    reloads = [line for line in _log_lines(log_path) if line["event"] == "serve.reloaded"]
     assert [(r["config"], r["restart_needed"]) for r in reloads] == [
         ("rejected", []), ("applied", ["[relay] url"]), ("applied", [])]
 
@@ -796,45 +813,16 @@ def test_real_broker_reload_under_a_systemd_credential_restarts_nothing(
     pin.write_bytes(Path(token.pin_file).read_bytes())
     pin.chmod(0o400)  # as systemd's LoadCredential= hands it over
     config_path = Path(sockdir) / "broker.toml"
-    good = (f'[server]\nsocket = "b.sock"\nshutdown_grace = 5\n'
-            f'[state]\ndir = "{state_dir}"\n'
-            f'[pkcs11]\nmodule = "{token.module}"\ntoken_label = "{token.token_label}"\n'
-            f'kek_label = "{token.kek_label}"\n'
-            f'[relay]\nurl = "ws://127.0.0.1:{free_port()}"\n')
+    good = _config_text(token, state_dir, pin_file=False)
     config_path.write_text(good)
-    notify_path = os.path.join(sockdir, "notify")
-    log_path = Path(sockdir) / "daemon.log"
-    env = dict(os.environ, NOTIFY_SOCKET=notify_path, CREDENTIALS_DIRECTORY=str(credentials))
-    env.pop("BUZZ_BROKER_CONFIG", None)
-
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as dgram, open(log_path, "wb") as log:
-        dgram.bind(notify_path)
-        dgram.settimeout(30)
-
-        def ready() -> str:
-            """The STATUS= sent with the next READY=1."""
-            while True:
-                lines = dgram.recv(4096).decode().split("\n")
-                if "READY=1" in lines:
-                    return next(line for line in lines if line.startswith("STATUS="))
-
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", "--config", str(config_path), "serve"],
-            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-        try:
-            ready()
-            proc.send_signal(signal.SIGHUP)  # the file as the daemon started with it
-            assert ready().endswith("; reloaded"), log_path.read_text()
-            config_path.write_text(good + '[policy]\ndisabled_actions = ["reaction.add"]\n')
-            proc.send_signal(signal.SIGHUP)  # a policy edit, applied
-            assert ready().endswith("; reloaded"), log_path.read_text()
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=15) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    lines = [json.loads(line) for line in log_path.read_text().splitlines()]
+    with _real_serve(config_path, sockdir, CREDENTIALS_DIRECTORY=str(credentials)) as (
+            proc, ready, log_path):
+        proc.send_signal(signal.SIGHUP)  # the file as the daemon started with it
+        assert ready().endswith("; reloaded"), log_path.read_text()
+        config_path.write_text(good + '[policy]\ndisabled_actions = ["reaction.add"]\n')
+        proc.send_signal(signal.SIGHUP)  # a policy edit, applied
+        assert ready().endswith("; reloaded"), log_path.read_text()
+    lines = _log_lines(log_path)
     assert [line for line in lines if line["level"] in ("warning", "error")] == []
     assert [(r["config"], r["restart_needed"]) for r in lines
             if r["event"] == "serve.reloaded"] == [("applied", []), ("applied", [])]
