@@ -704,8 +704,8 @@ def test_real_broker_socket_activated(
 
 
 @contextmanager
-def _real_serve(config_path: Path, sockdir: str,
-                **environ: str) -> Iterator[tuple[subprocess.Popen[bytes], Callable[[], str], Path]]:
+def _real_serve(config_path: Path, sockdir: str, **environ: str
+                ) -> Iterator[tuple[subprocess.Popen[bytes], Callable[[], str], Path]]:
     """`buzz-broker serve` on `config_path` as systemd runs it (`NOTIFY_SOCKET`, and
     `environ` beside the test's own environment), its log in a file: yields the process,
     `ready()` (the STATUS= sent with the next READY=1) and the log's path, once it is

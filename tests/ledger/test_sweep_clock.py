@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,22 @@ INDETERMINATE = LedgerKey(AGENT, "post-1")
 FINISHED = LedgerKey(AGENT, "post-2")
 
 
+#: The test's clocks, and a ledger whose records they date (`clocked`).
+Clocked = tuple[Clocks, Ledger]
+
+
+@pytest.fixture
+def clocked(tmp_path: Path) -> Iterator[Clocked]:
+    """Test clocks, and a ledger whose records they date."""
+    clocks = Clocks()
+    ledger = Ledger.open(tmp_path / "ledger.db", retention_seconds=RETENTION,
+                         clock=lambda: clocks.wall)
+    try:
+        yield clocks, ledger
+    finally:
+        ledger.close()
+
+
 async def _publish_two(ledger: Ledger) -> None:
     """An indeterminate publish holding its signed event, and a finished one."""
     begun = await ledger.begin(INDETERMINATE, digest(b"1"))
@@ -92,76 +109,61 @@ async def _sweep(ledger: Ledger, clock: SweepClock) -> int:
     return await ledger.sweep(clock.read().now)
 
 
-async def test_a_clock_read_ahead_sweeps_nothing_early(tmp_path: Path) -> None:
-    clocks = Clocks()
-    ledger = Ledger.open(tmp_path / "ledger.db", retention_seconds=RETENTION,
-                         clock=lambda: clocks.wall)
-    try:
-        await _publish_two(ledger)
-        sweeps = clocks.sweep_clock(ledger)
-        assert await _sweep(ledger, sweeps) == 0
-        # An hour later the clock reads 15 days ahead, and stays so for 23 hours: requests
-        # are recorded by it meanwhile, and the hourly sweeps run.
+async def test_a_clock_read_ahead_sweeps_nothing_early(clocked: Clocked) -> None:
+    clocks, ledger = clocked
+    await _publish_two(ledger)
+    sweeps = clocks.sweep_clock(ledger)
+    assert await _sweep(ledger, sweeps) == 0
+    # An hour later the clock reads 15 days ahead, and stays so for 23 hours: requests
+    # are recorded by it meanwhile, and the hourly sweeps run.
+    clocks.pass_time(HOUR)
+    clocks.wall += 15 * DAY
+    first = sweeps.read()
+    assert first.hold_began and not first.since_open
+    assert first.now == T0 + HOUR + SLACK_SECONDS
+    assert first.held == 15 * DAY - SLACK_SECONDS
+    assert await ledger.sweep(first.now) == 0
+    for i in range(22):
+        later = await ledger.begin(LedgerKey(AGENT, f"during-{i}"), digest(b"%d" % i))
+        assert isinstance(later, Fresh)
+        await ledger.finish(later.ticket, b'{"eventId":"x"}', Status.SUCCEEDED,
+                            tombstone=True)
         clocks.pass_time(HOUR)
-        clocks.wall += 15 * DAY
-        first = sweeps.read()
-        assert first.hold_began and not first.since_open
-        assert first.now == T0 + HOUR + SLACK_SECONDS
-        assert first.held == 15 * DAY - SLACK_SECONDS
-        assert await ledger.sweep(first.now) == 0
-        for i in range(22):
-            later = await ledger.begin(LedgerKey(AGENT, f"during-{i}"), digest(b"%d" % i))
-            assert isinstance(later, Fresh)
-            await ledger.finish(later.ticket, b'{"eventId":"x"}', Status.SUCCEEDED,
-                                tombstone=True)
-            clocks.pass_time(HOUR)
-            reading = sweeps.read()
-            assert not reading.hold_began and reading.held > 0
-            assert await ledger.sweep(reading.now) == 0
-        # Set right: the identical retries, a minute later by the true clock.
-        clocks.wall -= 15 * DAY
-        clocks.pass_time(60)
-        assert await _sweep(ledger, sweeps) == 0
-        assert await _retries(ledger) == ("Resume", "Replay")
-    finally:
-        ledger.close()
+        reading = sweeps.read()
+        assert not reading.hold_began and reading.held > 0
+        assert await ledger.sweep(reading.now) == 0
+    # Set right: the identical retries, a minute later by the true clock.
+    clocks.wall -= 15 * DAY
+    clocks.pass_time(60)
+    assert await _sweep(ledger, sweeps) == 0
+    assert await _retries(ledger) == ("Resume", "Replay")
 
 
-async def test_without_the_clock_the_same_sweep_loses_both(tmp_path: Path) -> None:
+async def test_without_the_clock_the_same_sweep_loses_both(clocked: Clocked) -> None:
     """The control: `sweep(now)` itself deletes what expired by the `now` it is given (a
     review's reproduction, as the daemon's sweeper ran it before); what keeps the daemon
     from giving it a wrong one is the sweeper's clock above."""
-    clocks = Clocks()
-    ledger = Ledger.open(tmp_path / "ledger.db", retention_seconds=RETENTION,
-                         clock=lambda: clocks.wall)
-    try:
-        await _publish_two(ledger)
-        assert await ledger.sweep(T0 + 15 * DAY) == 2
-        clocks.pass_time(60)
-        assert await _retries(ledger) == ("Forgotten", "Forgotten")
-    finally:
-        ledger.close()
+    clocks, ledger = clocked
+    await _publish_two(ledger)
+    assert await ledger.sweep(T0 + 15 * DAY) == 2
+    clocks.pass_time(60)
+    assert await _retries(ledger) == ("Forgotten", "Forgotten")
 
 
-async def test_a_steady_clock_sweeps_on_schedule(tmp_path: Path) -> None:
+async def test_a_steady_clock_sweeps_on_schedule(clocked: Clocked) -> None:
     """Hourly sweeps under a steady clock delete each record within the hour after it
     expires: the final one after the retention, the indeterminate one after twice it."""
-    clocks = Clocks()
-    ledger = Ledger.open(tmp_path / "ledger.db", retention_seconds=RETENTION,
-                         clock=lambda: clocks.wall)
-    try:
-        await _publish_two(ledger)
-        sweeps = clocks.sweep_clock(ledger)
-        swept: dict[int, int] = {}
-        for hour in range(2 * 7 * 24 + 2):
-            removed = await _sweep(ledger, sweeps)
-            if removed:
-                swept[hour] = removed
-            clocks.pass_time(HOUR)
-        assert swept == {7 * 24 + 1: 1, 2 * 7 * 24 + 1: 1}
-        assert await ledger.count() == 0
-    finally:
-        ledger.close()
+    clocks, ledger = clocked
+    await _publish_two(ledger)
+    sweeps = clocks.sweep_clock(ledger)
+    swept: dict[int, int] = {}
+    for hour in range(2 * 7 * 24 + 2):
+        removed = await _sweep(ledger, sweeps)
+        if removed:
+            swept[hour] = removed
+        clocks.pass_time(HOUR)
+    assert swept == {7 * 24 + 1: 1, 2 * 7 * 24 + 1: 1}
+    assert await ledger.count() == 0
 
 
 async def test_a_daemon_stopped_for_three_weeks_still_sweeps(tmp_path: Path) -> None:
@@ -197,77 +199,62 @@ async def test_a_daemon_stopped_for_three_weeks_still_sweeps(tmp_path: Path) -> 
         ledger.close()
 
 
-async def test_a_clock_stepped_back_is_believed_at_once(tmp_path: Path) -> None:
-    clocks = Clocks()
-    ledger = Ledger.open(tmp_path / "ledger.db", retention_seconds=RETENTION,
-                         clock=lambda: clocks.wall)
-    try:
-        await _publish_two(ledger)
-        sweeps = clocks.sweep_clock(ledger)
-        clocks.pass_time(HOUR)
-        clocks.wall -= 2 * DAY
-        reading = sweeps.read()
-        assert (reading.now, reading.held) == (int(clocks.wall), 0)
-        assert await ledger.sweep(reading.now) == 0
-        # From there it runs steady: the final record goes once the clock reaches its
-        # expiry, two days later than the true time.
-        clocks.pass_time(RETENTION + 2 * DAY)
-        assert await _sweep(ledger, sweeps) == 1
-    finally:
-        ledger.close()
+async def test_a_clock_stepped_back_is_believed_at_once(clocked: Clocked) -> None:
+    clocks, ledger = clocked
+    await _publish_two(ledger)
+    sweeps = clocks.sweep_clock(ledger)
+    clocks.pass_time(HOUR)
+    clocks.wall -= 2 * DAY
+    reading = sweeps.read()
+    assert (reading.now, reading.held) == (int(clocks.wall), 0)
+    assert await ledger.sweep(reading.now) == 0
+    # From there it runs steady: the final record goes once the clock reaches its
+    # expiry, two days later than the true time.
+    clocks.pass_time(RETENTION + 2 * DAY)
+    assert await _sweep(ledger, sweeps) == 1
 
 
-async def test_a_clock_ahead_for_longer_than_the_hold_is_believed(tmp_path: Path) -> None:
+async def test_a_clock_ahead_for_longer_than_the_hold_is_believed(clocked: Clocked) -> None:
     """The limit: a wall clock that stays ahead for a day of monotonic time is the host's
     time from then on (a clock set right forward, a VM resumed after a long pause)."""
-    clocks = Clocks()
-    ledger = Ledger.open(tmp_path / "ledger.db", retention_seconds=RETENTION,
-                         clock=lambda: clocks.wall)
-    try:
-        await _publish_two(ledger)
-        sweeps = clocks.sweep_clock(ledger)
-        assert await _sweep(ledger, sweeps) == 0
-        clocks.wall += 15 * DAY
-        assert sweeps.read().hold_began
-        clocks.pass_time(HOLD_SECONDS - 1)
-        assert sweeps.read().held > 0
-        clocks.pass_time(1)
-        assert sweeps.read().held == 0
-        assert await _sweep(ledger, sweeps) == 2
-    finally:
-        ledger.close()
+    clocks, ledger = clocked
+    await _publish_two(ledger)
+    sweeps = clocks.sweep_clock(ledger)
+    assert await _sweep(ledger, sweeps) == 0
+    clocks.wall += 15 * DAY
+    assert sweeps.read().hold_began
+    clocks.pass_time(HOLD_SECONDS - 1)
+    assert sweeps.read().held > 0
+    clocks.pass_time(1)
+    assert sweeps.read().held == 0
+    assert await _sweep(ledger, sweeps) == 2
 
 
-async def test_a_clock_gaining_under_the_slack_at_every_sweep_is_held(tmp_path: Path) -> None:
+async def test_a_clock_gaining_under_the_slack_at_every_sweep_is_held(clocked: Clocked) -> None:
     """A wall clock that gains 50 minutes every hour (a review's reproduction; the daemon's
     first round at start added). Each reading is within the slack of the one before, but
     the gains add up against the steady clock: held from the second hour, one hold line,
     and never believed while it gains, so the final record goes no earlier than the slack
     before its retention by the true time. (Before: each reading became the reference, the
     hold never began, and the record went after 3.8 days.)"""
-    clocks = Clocks()
-    ledger = Ledger.open(tmp_path / "ledger.db", retention_seconds=RETENTION,
-                         clock=lambda: clocks.wall)
-    try:
-        begun = await ledger.begin(LedgerKey(AGENT, "done"), digest(b"x"))
-        assert isinstance(begun, Fresh)
-        await ledger.finish(begun.ticket, b'{"eventId":"e"}', Status.SUCCEEDED, tombstone=True)
-        sweeps = clocks.sweep_clock(ledger)
-        assert await _sweep(ledger, sweeps) == 0  # the round at start
-        holds, elapsed = 0, 0
-        while True:
-            clocks.pass_time(HOUR)
-            clocks.wall += 50 * 60
-            elapsed += HOUR
-            reading = sweeps.read()
-            holds += reading.hold_began
-            assert elapsed < 2 * HOUR or reading.held > 0
-            if await ledger.sweep(reading.now):
-                break
-        assert holds == 1
-        assert elapsed >= RETENTION - SLACK_SECONDS
-    finally:
-        ledger.close()
+    clocks, ledger = clocked
+    begun = await ledger.begin(LedgerKey(AGENT, "done"), digest(b"x"))
+    assert isinstance(begun, Fresh)
+    await ledger.finish(begun.ticket, b'{"eventId":"e"}', Status.SUCCEEDED, tombstone=True)
+    sweeps = clocks.sweep_clock(ledger)
+    assert await _sweep(ledger, sweeps) == 0  # the round at start
+    holds, elapsed = 0, 0
+    while True:
+        clocks.pass_time(HOUR)
+        clocks.wall += 50 * 60
+        elapsed += HOUR
+        reading = sweeps.read()
+        holds += reading.hold_began
+        assert elapsed < 2 * HOUR or reading.held > 0
+        if await ledger.sweep(reading.now):
+            break
+    assert holds == 1
+    assert elapsed >= RETENTION - SLACK_SECONDS
 
 
 def test_ntp_drift_set_right_by_steps_never_holds() -> None:
