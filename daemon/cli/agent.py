@@ -65,6 +65,7 @@ subcommands and flags; keep them in step with `add_arguments`.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import termios
@@ -83,6 +84,10 @@ from daemon.cli._common import (CliError, UsageError, agent_directory, config_fr
 if TYPE_CHECKING:
     from custody import Custody, KeyRecord
     from daemon.config import Config
+
+# A command has no operator log: `_prune_leftovers` says a refused prune in its own line,
+# not through logging's last resort.
+logging.getLogger("buzz_broker.leftovers").addHandler(logging.NullHandler())
 
 HELP = "import, create, list, remove agents held in custody, and attach owners' NIP-OA tags"
 
@@ -373,7 +378,8 @@ def _remove(args: argparse.Namespace, config: Config) -> int:
 def _prune_leftovers(config: Config) -> None:
     """After a destroy, as the daemon does: what it keeps of keys that are gone goes
     (daemon/state/leftovers.py). A fault is one line: the daemon prunes after its next
-    destroy or at its next start."""
+    destroy or at its next start; so is a key source that holds none of the agents the
+    stores keep (its log line is the daemon's: a command has no operator log)."""
     import sqlite3
     from contextlib import closing
 
@@ -386,11 +392,14 @@ def _prune_leftovers(config: Config) -> None:
         with agent_directory(config) as directory, \
                 closing(SignWatermarks.open(state_dir)) as watermarks, \
                 closing(RuntimeStore.open(state_dir)) as runtimes:
-            leftovers.prune(directory, watermarks, runtimes,
-                            custodian=bool(config.custody.custodian_socket))
+            pruned = leftovers.prune(directory, watermarks, runtimes,
+                                     custodian=bool(config.custody.custodian_socket))
     except (OSError, sqlite3.Error, CliError) as exc:
         print(f"what the daemon keeps of removed keys stays for now ({type(exc).__name__}); "
               "it prunes after its next destroy or at its next start", file=sys.stderr)
+        return
+    if pruned.unmatched:
+        print(f"{leftovers.UNMATCHED} ({leftovers.UNMATCHED_FIX})", file=sys.stderr)
 
 
 #: A names file of 100,000 agents is about 20 MB; more is refused unread.

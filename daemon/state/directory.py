@@ -261,6 +261,11 @@ class AgentDirectory:
         names = self._names(None)
         return [self._join(k, names, depths[k.pubkey]) for k in listed]
 
+    def named(self) -> set[str]:
+        """The pubkeys this file has a name for, whether or not custody has their record
+        (what `leftovers.prune` matches against custody's records)."""
+        return {pubkey for pubkey, _, _ in self._read(None) or ()}
+
     def _chain(self, pubkey: str) -> list[KeyRecord]:
         """The key and its owners held here, nearest first; stops at a loop."""
         chain: list[KeyRecord] = []

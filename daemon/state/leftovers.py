@@ -14,29 +14,80 @@ or with its record, or the loop would still grow it:
 faulted, left) and after each destroy (the DestroyAgent step, a failed agents.create's key,
 `agent remove`): a loop destroys, so what it leaves goes as it goes. Blocking (each store
 commits with an fsync): the daemon calls it from a worker thread after a destroy.
+What went is one `leftovers.pruned` line (how many rows each store dropped; no pubkey).
+
+A key source that lists none of the keys the stores hold is taken for a wrong one, not
+for every agent gone: a daemon pointed at a custodian serving an empty or another
+keystore (a rebuilt host's new custodian started before its `keys restore`, a wrong
+`state_dir`) would otherwise drop every agent's name, watermarks and runtime at its
+start. Then nothing is pruned and one `leftovers.unmatched` WARNING says so
+(tests/adversarial/test_churn_residue.py::
+test_a_key_source_holding_none_of_the_agents_prunes_nothing_and_says_so). The cost: once
+every agent this daemon kept state for is really forgotten (`--forget-destroyed`, under
+the custodian's uid), their rows stay, bounded by what was there, and the warning comes
+at each start until an agent made since shares the stores with them (then they go) or the
+operator deletes them.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
+from daemon.log import log_event
 from daemon.state.directory import AgentDirectory
 from daemon.state.runtimes import RuntimeStore
 from daemon.state.sign_watermarks import SignWatermarks, signers
 
-__all__ = ["prune"]
+__all__ = ["UNMATCHED", "UNMATCHED_FIX", "Pruned", "prune"]
+
+_log = logging.getLogger("buzz_broker.leftovers")
+
+#: What the `leftovers.unmatched` warning says, and what to do.
+UNMATCHED = ("the key source holds none of the agents this daemon keeps state for: "
+              "nothing was pruned")
+UNMATCHED_FIX = ("check [custody] custodian_socket (the custodian's keystore: restored?) "
+                  "and [state] dir; once every agent was really forgotten this repeats at "
+                  "each start, and the rows stay, bounded by what was there")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pruned:
+    """What one prune did: the rows each store dropped; `unmatched`: none, since the key
+    source lists none of the keys the stores hold (module docstring)."""
+
+    names: int = 0
+    watermarks: int = 0
+    runtimes: int = 0
+    unmatched: bool = False
 
 
 def prune(directory: AgentDirectory, watermarks: SignWatermarks, runtimes: RuntimeStore, *,
-          custodian: bool) -> None:
-    """Drop what the daemon keeps of keys that are gone (module docstring); `custodian`:
-    a custodian holds the keys (`[custody] custodian_socket`).
+          custodian: bool) -> Pruned:
+    """Drop what the daemon keeps of keys that are gone (module docstring), unless the key
+    source shares no key with the stores; `custodian`: a custodian holds the keys
+    (`[custody] custodian_socket`). Logs what went, or the refusal.
 
     Raises:
         DirectoryError, sqlite3.Error, OSError: a store could not be read or written; what
             it holds stays for the next prune.
     """
+    held = directory.named() | watermarks.agents() | runtimes.agents()
+    records = {r.pubkey for r in directory.agents(include_deleted=True)}
+    if held and not held & records:
+        log_event(_log, "leftovers.unmatched", level=logging.WARNING, agents=len(held),
+                  records=len(records), detail=UNMATCHED, fix=UNMATCHED_FIX)
+        return Pruned(unmatched=True)
+
     def kept() -> set[str]:
         return signers(directory.agents(include_deleted=True), custodian=custodian)
 
-    watermarks.prune(kept)
-    runtimes.prune(kept)
-    directory.prune()
+    return _said(Pruned(watermarks=watermarks.prune(kept), runtimes=runtimes.prune(kept),
+                        names=directory.prune()))
+
+
+def _said(pruned: Pruned) -> Pruned:
+    if pruned.names or pruned.watermarks or pruned.runtimes:
+        log_event(_log, "leftovers.pruned", names=pruned.names,
+                  watermarks=pruned.watermarks, runtimes=pruned.runtimes)
+    return pruned

@@ -74,6 +74,14 @@ class RuntimeStore:
         finally:
             writer.close()
 
+    def agents(self) -> frozenset[str]:
+        """The pubkeys that have a row. Blocking (a connection of its own, as `prune`)."""
+        reader = open_private_db(self._path, "")
+        try:
+            return frozenset(p for (p,) in reader.execute("SELECT pubkey FROM runtimes"))
+        finally:
+            reader.close()
+
     def prune(self, kept: Callable[[], Collection[str]]) -> int:
         """Delete the rows of agents not in `kept()`, read inside the write transaction (a
         row is written only for a key the daemon holds); how many went. Blocking."""

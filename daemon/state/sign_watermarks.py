@@ -174,6 +174,18 @@ class SignWatermarks:
                 (agent, self._max_rows),
             )
 
+    def agents(self) -> set[str]:
+        """The keys rows are kept for: their authors, and the managed agents 30177 rows
+        describe. Blocking (a connection of its own, as `prune`)."""
+        reader = self._db if self._path is None else open_private_db(self._path, "")
+        try:
+            return {key for (key,) in reader.execute(
+                "SELECT agent FROM watermarks UNION SELECT d FROM watermarks WHERE kind = ?",
+                (kinds.MANAGED_AGENT,))}
+        finally:
+            if reader is not self._db:
+                reader.close()
+
     def prune(self, kept: Callable[[], Collection[str]]) -> int:
         """Delete the rows of keys not in `kept()` (`signers`): a row whose author is not,
         or a 30177 row whose `d`, the managed agent it describes, is not; how many went.

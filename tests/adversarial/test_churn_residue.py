@@ -10,10 +10,13 @@
 - Names (daemon/state/directory.py): a deleted agent is listed by its name while its
   record stays (one name per record, bounded as the records are); a record a custodian's
   `--forget-destroyed` drops loses its name at the daemon's next destroy.
+- A key source that lists none of the keys the stores hold is taken for a wrong one (an
+  empty custodian), not for every agent gone: nothing is pruned, and a warning says so.
 """
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import subprocess
 import sys
@@ -108,7 +111,8 @@ async def test_a_deleted_agents_watermarks_and_runtime_go_unless_a_custodian_may
 
 
 async def test_a_start_drops_the_watermarks_and_runtime_a_destroy_left_before(
-        custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path) -> None:
+        custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
     """A state directory from before this version: a destroyed key's rows, left then, go
     when the daemon starts; a live key's stay."""
     token, state_dir = custody_state
@@ -129,10 +133,59 @@ async def test_a_start_drops_the_watermarks_and_runtime_a_destroy_left_before(
     config = load_config(str(write_config(tmp_path / "broker.toml", token=token,
                                           state_dir=state_dir, socket=tmp_path / "b.sock",
                                           relay_url=local_relay)))
+    caplog.set_level(logging.INFO, logger="buzz_broker.leftovers")
     async with running(config):
         assert _about(state_dir, destroyed) == []
         assert _about(state_dir, live) == [(live, 0, "")]
         assert _runtimes(state_dir) == {live}
+    # What went is said, counted per store (no pubkey: the rows are the agents' business).
+    assert _logged(caplog, "leftovers.pruned") == [
+        (logging.INFO, {"names": 0, "watermarks": 2, "runtimes": 1})]
+
+
+def _logged(caplog: pytest.LogCaptureFixture, name: str) -> list[tuple[int, dict[str, object]]]:
+    """The level and fields of each `name` line logged (daemon/log.py `log_event`)."""
+    return [(r.levelno, getattr(r, "buzz_fields")) for r in caplog.records
+            if getattr(r, "buzz_event", None) == name]
+
+
+async def test_a_key_source_holding_none_of_the_agents_prunes_nothing_and_says_so(
+        custody_state: tuple[TokenConfig, Path], local_relay: str, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A daemon started against a custodian whose keystore is empty (a rebuilt host's new
+    custodian before its `keys restore`): before, its start dropped every agent's name,
+    watermarks and runtime, and said nothing."""
+    token, state_dir = custody_state
+    owner = coincurve.PrivateKey().public_key_xonly.format().hex()
+    async with await Custody.open(token, state_dir) as custody:
+        agent = (await custody.mint_agent(owner=owner)).pubkey
+    directory = directory_module.AgentDirectory.open(state_dir)
+    directory.enroll(agent, "payments-bot", now=1)  # long past the custodian-lag grace
+    directory.close()
+    store = SignWatermarks.open(state_dir)
+    store.record(agent, 0, "", 1, "1" * 64)
+    store.close()
+    runtimes = RuntimeStore.open(state_dir)
+    runtimes.set(agent, "goose", 1)
+    runtimes.close()
+    (tmp_path / "custodian").mkdir()
+    caplog.set_level(logging.INFO, logger="buzz_broker.leftovers")
+    with running_custodian((token, tmp_path / "empty"), local_relay,
+                           tmp_path / "custodian") as empty:
+        config = load_config(str(write_config(
+            tmp_path / "broker.toml", token=token, state_dir=state_dir,
+            socket=tmp_path / "b.sock", relay_url=local_relay,
+            sections={"custody": {"custodian_socket": str(empty.socket)}})))
+        async with running(config):
+            pass
+    assert _named(state_dir) == {agent}
+    assert _about(state_dir, agent) == [(agent, 0, "")]
+    assert _runtimes(state_dir) == {agent}
+    [(level, warned)] = _logged(caplog, "leftovers.unmatched")
+    assert (level, warned["agents"], warned["records"]) == (logging.WARNING, 1, 0)
+    assert "holds none of the agents" in str(warned["detail"])
+    assert "nothing was pruned" in str(warned["detail"])
+    assert _logged(caplog, "leftovers.pruned") == []
 
 
 def _named(state_dir: Path) -> set[str]:
