@@ -40,9 +40,11 @@ Rules:
   (tests/custodian/test_commands.py::test_agent_remove_says_the_custodian_keeps_a_copy_and_how_to_end_it).
 - `forget PUBKEY ...` (custody in the daemon; with a custodian, exit 2 naming its
   `--forget-destroyed`) drops the records of the removed agents named, so new ones fit
-  under `[custody] max_records` again, and then what the daemon keeps of them (their
-  names): all of them or none, never a live one nor one a kept record names as owner
-  (custody/_forget.py). What it gives up is said: the host no longer refuses those keys
+  under `[custody] max_records` again, and then, at once, what the daemon keeps of them
+  (names, watermarks, runtimes: `leftovers.forget`, a name written in the last minute
+  too, so a re-import takes its new `--name`: tests/adversarial/test_record_bound.py::
+  test_forget_then_reimport_takes_the_new_name): all of them or none, never a live one
+  nor one a kept record names as owner (custody/_forget.py). What it gives up is said: the host no longer refuses those keys
   as removed ones.
 - `import-names` reads on stdin the names file a custodian's `keys restore --names-out`
   wrote (at most `MAX_NAMES_BYTES`: a `{"restore": {"file", "sha256"}}` line, then one
@@ -84,6 +86,13 @@ from daemon.cli._common import (CliError, UsageError, agent_directory, config_fr
 if TYPE_CHECKING:
     from custody import Custody, KeyRecord
     from daemon.config import Config
+    from daemon.state.directory import AgentDirectory
+    from daemon.state.leftovers import Pruned
+    from daemon.state.runtimes import RuntimeStore
+    from daemon.state.sign_watermarks import SignWatermarks
+
+    #: What `_on_leftovers` hands its action: the stores of what the daemon keeps per key.
+    _Stores = tuple[AgentDirectory, SignWatermarks, RuntimeStore]
 
 # A command has no operator log: `_prune_leftovers` says a refused prune in its own line,
 # not through logging's last resort.
@@ -375,15 +384,43 @@ def _remove(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+#: What the daemon keeps of a key, and the command that drops some -> what a fault says
+#: (the daemon's next destroy or start prunes what stays).
+_LEFTOVERS_STAY = {
+    "prune": "what the daemon keeps of removed keys stays for now",
+    "forget": "what the daemon keeps of the keys forgotten stays for now",
+}
+
+
 def _prune_leftovers(config: Config) -> None:
     """After a destroy, as the daemon does: what it keeps of keys that are gone goes
     (daemon/state/leftovers.py). A fault is one line: the daemon prunes after its next
     destroy or at its next start; so is a key source that holds none of the agents the
     stores keep (its log line is the daemon's: a command has no operator log)."""
+    from daemon.state import leftovers
+
+    pruned = _on_leftovers(config, "prune", lambda stores: leftovers.prune(
+        *stores, custodian=bool(config.custody.custodian_socket)))
+    if pruned is not None and pruned.unmatched:
+        print(f"{leftovers.UNMATCHED} ({leftovers.UNMATCHED_FIX})", file=sys.stderr)
+
+
+def _forget_leftovers(config: Config, gone: list[str]) -> None:
+    """After `agent forget`: what the daemon keeps of exactly the keys forgotten goes now
+    (`leftovers.forget`), a name written in the last minute too, so an import of one
+    takes the name it is given (enroll keeps a name already set)."""
+    from daemon.state import leftovers
+
+    _on_leftovers(config, "forget", lambda stores: leftovers.forget(*stores, gone))
+
+
+def _on_leftovers(config: Config, command: str,
+                  run: Callable[[_Stores], Pruned]) -> Pruned | None:
+    """`run` on the directory, watermarks and runtimes of the state directory; None, and
+    one line (`_LEFTOVERS_STAY`), if a store could not be opened, read or written."""
     import sqlite3
     from contextlib import closing
 
-    from daemon.state import leftovers
     from daemon.state.runtimes import RuntimeStore
     from daemon.state.sign_watermarks import SignWatermarks
 
@@ -392,14 +429,11 @@ def _prune_leftovers(config: Config) -> None:
         with agent_directory(config) as directory, \
                 closing(SignWatermarks.open(state_dir)) as watermarks, \
                 closing(RuntimeStore.open(state_dir)) as runtimes:
-            pruned = leftovers.prune(directory, watermarks, runtimes,
-                                     custodian=bool(config.custody.custodian_socket))
+            return run((directory, watermarks, runtimes))
     except (OSError, sqlite3.Error, CliError) as exc:
-        print(f"what the daemon keeps of removed keys stays for now ({type(exc).__name__}); "
-              "it prunes after its next destroy or at its next start", file=sys.stderr)
-        return
-    if pruned.unmatched:
-        print(f"{leftovers.UNMATCHED} ({leftovers.UNMATCHED_FIX})", file=sys.stderr)
+        print(f"{_LEFTOVERS_STAY[command]} ({type(exc).__name__}); the daemon drops it after "
+              "its next destroy or at its next start", file=sys.stderr)
+        return None
 
 
 #: A names file of 100,000 agents is about 20 MB; more is refused unread.
@@ -513,7 +547,7 @@ def _forget(args: argparse.Namespace, config: Config) -> int:
         raise CliError(str(exc)) from None
     except CustodyError as exc:
         raise CliError(str(exc)) from None
-    _prune_leftovers(config)  # their names (custody has no record of them now)
+    _forget_leftovers(config, gone)
     print(f"forgot {len(gone)} removed agents' records: this host no longer refuses those "
           "keys as removed ones (an import or a restore of one is taken)", file=sys.stderr)
     return 0

@@ -52,7 +52,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -376,6 +376,20 @@ class AgentDirectory:
             return db.execute("DELETE FROM names WHERE updated_at < ? AND pubkey NOT IN "
                               "(SELECT value FROM json_each(?))",
                               (stamp - PRUNE_AFTER_SECONDS, held)).rowcount
+
+    def forget(self, pubkeys: Collection[str]) -> int:
+        """Delete the names of `pubkeys`, whose records custody has just deleted (`agent
+        forget`), however recently written: the PRUNE_AFTER_SECONDS grace is for a
+        custodian's records, which may lag; these are known gone. How many went.
+
+        Raises:
+            DirectoryError: the file could not be written.
+        """
+        if not self._path.exists():
+            return 0
+        with self._writer() as db:
+            return db.execute("DELETE FROM names WHERE pubkey IN (SELECT value FROM "
+                              "json_each(?))", (json.dumps(sorted(pubkeys)),)).rowcount
 
     @contextmanager
     def _writer(self) -> Iterator[sqlite3.Connection]:

@@ -26,12 +26,14 @@ test_a_key_source_holding_none_of_the_agents_prunes_nothing_and_says_so). The co
 every agent this daemon kept state for is really forgotten (`--forget-destroyed`, under
 the custodian's uid), their rows stay, bounded by what was there, and the warning comes
 at each start until an agent made since shares the stores with them (then they go) or the
-operator deletes them.
+operator deletes them. `agent forget` never leaves them: it drops the rows of exactly the
+keys it forgot (`forget`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from daemon.log import log_event
@@ -39,7 +41,7 @@ from daemon.state.directory import AgentDirectory
 from daemon.state.runtimes import RuntimeStore
 from daemon.state.sign_watermarks import SignWatermarks, signers
 
-__all__ = ["UNMATCHED", "UNMATCHED_FIX", "Pruned", "prune"]
+__all__ = ["UNMATCHED", "UNMATCHED_FIX", "Pruned", "forget", "prune"]
 
 _log = logging.getLogger("buzz_broker.leftovers")
 
@@ -84,6 +86,20 @@ def prune(directory: AgentDirectory, watermarks: SignWatermarks, runtimes: Runti
 
     return _said(Pruned(watermarks=watermarks.prune(kept), runtimes=runtimes.prune(kept),
                         names=directory.prune()))
+
+
+def forget(directory: AgentDirectory, watermarks: SignWatermarks, runtimes: RuntimeStore,
+           pubkeys: Collection[str]) -> Pruned:
+    """Drop what the daemon keeps of `pubkeys`, whose records `agent forget` just deleted:
+    at once, a name written in the last PRUNE_AFTER_SECONDS too (that grace is for a
+    custodian's records, which may lag; these are gone here), so an import of one takes
+    the name it is given. Logs what went.
+
+    Raises:
+        DirectoryError, sqlite3.Error, OSError: a store could not be written.
+    """
+    return _said(Pruned(watermarks=watermarks.forget(pubkeys),
+                        runtimes=runtimes.forget(pubkeys), names=directory.forget(pubkeys)))
 
 
 def _said(pruned: Pruned) -> Pruned:

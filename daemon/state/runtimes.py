@@ -100,5 +100,16 @@ class RuntimeStore:
             writer.close()
         return gone
 
+    def forget(self, pubkeys: Collection[str]) -> int:
+        """Delete the rows of `pubkeys` (keys whose records were forgotten); how many
+        went. Blocking."""
+        writer = open_private_db(self._path, "")
+        try:
+            return writer.execute(
+                "DELETE FROM runtimes WHERE pubkey IN (SELECT value FROM json_each(?))",
+                (json.dumps(sorted(pubkeys)),)).rowcount
+        finally:
+            writer.close()
+
     def close(self) -> None:
         self._db.close()

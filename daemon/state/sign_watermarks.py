@@ -204,6 +204,16 @@ class SignWatermarks:
                 " OR (kind = ? AND d NOT IN (SELECT value FROM json_each(?)))",
                 (keys, kinds.MANAGED_AGENT, keys)).rowcount
 
+    def forget(self, pubkeys: Collection[str]) -> int:
+        """Delete the rows by `pubkeys` or about them (a 30177 whose `d` is one): keys whose
+        records were forgotten; how many went. Blocking, as `record`."""
+        with self._writing() as writer:
+            keys = json.dumps(sorted(pubkeys))
+            return writer.execute(
+                "DELETE FROM watermarks WHERE agent IN (SELECT value FROM json_each(?))"
+                " OR (kind = ? AND d IN (SELECT value FROM json_each(?)))",
+                (keys, kinds.MANAGED_AGENT, keys)).rowcount
+
     @contextmanager
     def _writing(self) -> Iterator[sqlite3.Connection]:
         """One write transaction, on a connection of its own opened in the calling thread

@@ -16,6 +16,7 @@ wherever the keys are held (docs/custodian.md, "Records are bounded").
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import subprocess
 import sys
@@ -29,6 +30,7 @@ import trio
 
 from custody import Custody, CustodyError, RecordBound, TokenConfig
 from custody._keystore import KEYSTORE_FILE
+from daemon.state.directory import DIRECTORY_FILE
 from tests.fixtures.broker import BrokerHarness
 from tests.fixtures.custodian import CustodianProcess, running_custodian
 
@@ -184,3 +186,34 @@ async def test_agent_forget_forgets_all_the_named_or_none_and_echoes_no_malforme
     assert _records(broker.state_dir) == 2  # all or none: the removed one stays too
     assert _cli(broker.config_path, "agent", "forget", removed).returncode == 0
     assert _records(broker.state_dir) == 1
+
+
+@pytest.mark.parametrize("home", ["custody"], indirect=True)
+async def test_forget_then_reimport_takes_the_new_name(broker: BrokerHarness, home: None) -> None:
+    """`agent forget` drops the name of each key it forgot at once, one written a moment
+    ago too (the prune's minute of grace is for a custodian's lagging records): before,
+    the name stayed, and a re-import (whose name write keeps a name already set) kept it."""
+    human, secret = _human(), coincurve.PrivateKey()
+    pubkey = secret.public_key_xonly.format().hex()
+    done = _cli(broker.config_path, "agent", "import", "--owner", human, "--name", "old-name",
+                stdin=secret.secret.hex() + "\n")
+    assert done.returncode == 0, done.stderr
+    assert _cli(broker.config_path, "agent", "remove", pubkey, "--yes").returncode == 0
+    done = _cli(broker.config_path, "agent", "forget", pubkey)
+    assert done.returncode == 0, done.stderr
+    assert _names(broker.state_dir, pubkey) == []
+    done = _cli(broker.config_path, "agent", "import", "--owner", human, "--name", "new-name",
+                stdin=secret.secret.hex() + "\n")
+    assert done.returncode == 0, done.stderr
+    listed = _cli(broker.config_path, "agent", "list", "--json")
+    assert [row["name"] for row in map(json.loads, listed.stdout.splitlines())
+            if row["pubkey"] == pubkey] == ["new-name"]
+
+
+def _names(state_dir: Path, pubkey: str) -> list[str]:
+    db = sqlite3.connect(f"file:{state_dir / DIRECTORY_FILE}?mode=ro", uri=True)
+    try:
+        return [name for (name,) in db.execute("SELECT name FROM names WHERE pubkey = ?",
+                                                (pubkey,))]
+    finally:
+        db.close()
