@@ -44,8 +44,11 @@ Rules:
   (names, watermarks, runtimes: `leftovers.forget`, a name written in the last minute
   too, so a re-import takes its new `--name`: tests/adversarial/test_record_bound.py::
   test_forget_then_reimport_takes_the_new_name): all of them or none, never a live one
-  nor one a kept record names as owner (custody/_forget.py). What it gives up is said: the host no longer refuses those keys
-  as removed ones.
+  nor one a kept record names as owner (custody/_forget.py). What it gives up is said:
+  the host no longer refuses those keys as removed ones. It is recorded in the key-event
+  log (daemon/cli/_key_trail.py: event `forget`; done: the records that went; failed: the
+  refusal's line), as the custodian's `--forget-destroyed` is in its own log
+  (tests/adversarial/test_record_bound.py::test_agent_forget_is_recorded_in_the_key_event_log).
 - `import-names` reads on stdin the names file a custodian's `keys restore --names-out`
   wrote (at most `MAX_NAMES_BYTES`: a `{"restore": {"file", "sha256"}}` line, then one
   `{"pubkey", "name", "creator", "restored"}` a backup agent; custody/custodian/keys.py),
@@ -526,8 +529,10 @@ def _forget(args: argparse.Namespace, config: Config) -> int:
     max_records again (custody/_forget.py: never a live one, never a kept record's owner;
     all of them or none). What it gives up is said: the host no longer refuses those keys
     as removed ones."""
-    from custody import CustodyError, NotForgotten, forget_removed
     from buzzwire.nostr import is_hex64
+    from custody import CustodyError, NotForgotten, forget_removed
+    from daemon.cli._key_trail import recorded
+    from daemon.state.audit import KeyAction
 
     if config.custody.custodian_socket:
         raise UsageError(_FORGET_WITH_CUSTODIAN)
@@ -535,18 +540,23 @@ def _forget(args: argparse.Namespace, config: Config) -> int:
         if not is_hex64(text):  # never echoed: a secret key pasted by mistake is hex too
             raise UsageError(f"key {number} named is not a pubkey (64 lowercase hex); not "
                              "shown; nothing was forgotten")
-    try:
-        gone = forget_removed(Path(config.state.dir), args.pubkey)
-    except NotForgotten as exc:
-        for pubkey, why in exc.stays.items():
-            # A key with no record here may be a secret pasted by mistake (64 hex too):
-            # said by its place among those named, never by its value.
-            who = pubkey if why != "unknown" else \
-                f"key {args.pubkey.index(pubkey) + 1} named (not shown)"
-            print(f"{who}: not forgotten: {exc.why(pubkey)}", file=sys.stderr)
-        raise CliError(str(exc)) from None
-    except CustodyError as exc:
-        raise CliError(str(exc)) from None
+    # Recorded as `keys restore` is (daemon/cli/_key_trail.py): the intent before any record
+    # goes, the outcome naming those that went, or the refusal's one line. The custodian's
+    # `--forget-destroyed` writes its own signed log instead.
+    with recorded(Path(config.state.dir), KeyAction.FORGET) as trail:
+        try:
+            gone = forget_removed(Path(config.state.dir), args.pubkey)
+        except NotForgotten as exc:
+            for pubkey, why in exc.stays.items():
+                # A key with no record here may be a secret pasted by mistake (64 hex
+                # too): said by its place among those named, never by its value.
+                who = pubkey if why != "unknown" else \
+                    f"key {args.pubkey.index(pubkey) + 1} named (not shown)"
+                print(f"{who}: not forgotten: {exc.why(pubkey)}", file=sys.stderr)
+            raise CliError(str(exc)) from None
+        except CustodyError as exc:
+            raise CliError(str(exc)) from None
+        trail.done(agents=len(gone), pubkeys=gone)
     _forget_leftovers(config, gone)
     print(f"forgot {len(gone)} removed agents' records: this host no longer refuses those "
           "keys as removed ones (an import or a restore of one is taken)", file=sys.stderr)

@@ -624,6 +624,9 @@ class KeyAction(enum.Enum):
     #: side from the custodian's names file (`agent import-names`): not a command of this
     #: uid's, so its intent comes after the keys were sealed (daemon/cli/agent.py)
     CUSTODIAN_RESTORE = "custodian-restore"
+    #: `agent forget`: removed agents' records deleted (custody in the daemon; a
+    #: custodian's `--forget-destroyed` writes its own log): the outcome names them
+    FORGET = "forget"
 
 
 class KeyStage(enum.Enum):
@@ -659,6 +662,7 @@ _KEY_FACTS: Final[Mapping[KeyAction, frozenset[str]]] = {
     KeyAction.CUSTODIAN_RESTORE: frozenset({"agents", "pubkeys", "held", "file", "sha256"}),
     KeyAction.ROTATE: frozenset({"agents", "old_token", "old_kek", "new_token", "new_kek"}),
     KeyAction.MIGRATE: frozenset({"agents", "old_token", "old_kek", "new_token", "new_kek"}),
+    KeyAction.FORGET: frozenset({"agents", "pubkeys"}),
 }
 #: Facts only an outcome knows: what was moved.
 _KEY_DONE_ONLY: Final = frozenset({"agents", "pubkeys", "held"})
@@ -695,7 +699,8 @@ class KeyEvent:
 
     The commands that move agent keys across custody's edge (`keys backup`, `keys
     restore`, `keys rotate`, `keys migrate`) write one INTENT before anything is unsealed
-    or sealed, then a DONE or FAILED line with the same `op`. Facts only, never a secret:
+    or sealed, then a DONE or FAILED line with the same `op`; so does `agent forget`
+    before it deletes removed agents' records (its outcome: the records that went). Facts only, never a secret:
     there is no field that could hold one (an identity file's contents, a PIN, a key).
 
     Fields:

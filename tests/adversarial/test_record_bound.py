@@ -31,6 +31,7 @@ import trio
 from custody import Custody, CustodyError, RecordBound, TokenConfig
 from custody._keystore import KEYSTORE_FILE
 from daemon.state.directory import DIRECTORY_FILE
+from tests.backup.test_backup import key_events
 from tests.fixtures.broker import BrokerHarness
 from tests.fixtures.custodian import CustodianProcess, running_custodian
 
@@ -208,6 +209,26 @@ async def test_forget_then_reimport_takes_the_new_name(broker: BrokerHarness, ho
     listed = _cli(broker.config_path, "agent", "list", "--json")
     assert [row["name"] for row in map(json.loads, listed.stdout.splitlines())
             if row["pubkey"] == pubkey] == ["new-name"]
+
+
+@pytest.mark.parametrize("home", ["custody"], indirect=True)
+async def test_agent_forget_is_recorded_in_the_key_event_log(broker: BrokerHarness,
+                                                             home: None) -> None:
+    """As a custodian's `--forget-destroyed` is in its signed log: an intent, then the
+    records that went, or the refusal's line (before, nothing was written)."""
+    owner = await broker.human_owned_agent("owner")
+    removed = (await broker.custody.mint_agent(owner=owner)).pubkey
+    await broker.custody.destroy_agent(removed)
+    assert _cli(broker.config_path, "agent", "forget", removed, owner).returncode == 1
+    assert _cli(broker.config_path, "agent", "forget", removed).returncode == 0
+    events = key_events(broker.state_dir)  # its chain verified whole
+    assert [(e["event"], e["stage"], e["agents"], e["pubkeys"]) for e in events] == [
+        ("forget", "intent", None, []),
+        ("forget", "failed", None, []),
+        ("forget", "intent", None, []),
+        ("forget", "done", 1, [removed])]
+    assert events[0]["op"] == events[1]["op"] != events[2]["op"] == events[3]["op"]
+    assert "nothing was forgotten" in str(events[1]["fault"])
 
 
 def _names(state_dir: Path, pubkey: str) -> list[str]:
