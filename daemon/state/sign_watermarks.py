@@ -30,7 +30,9 @@ Rules:
   tombstone refuses it back, an import or a restore alike); a custodian's `--recover`
   brings a destroyed key back within its grace period, which the daemon is not told, so
   there its rows stay while the custodian keeps its record, and go once that is forgotten
-  (`--forget-destroyed`): bounded by `[custodian] max_records` as the records are. A
+  (`--forget-destroyed`): bounded by `[custodian] max_records` as the records are
+  (tests/adversarial/test_churn_residue.py::
+  test_a_deleted_agents_watermarks_and_runtime_go_once_the_custodian_forgets_its_record). A
   30177 row goes with the managed agent it describes (its `d`) as well as with its author.
   Beyond that, `MAX_ROWS_PER_AGENT` caps one author's rows: past it, the author's rows
   with the oldest created_at are evicted. An evicted row costs what a lost write costs

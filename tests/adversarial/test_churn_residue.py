@@ -74,7 +74,6 @@ async def _created(broker: BrokerHarness, credential: str, channel: str, name: s
     return str(made["outcome"]["agentPubkey"])
 
 
-@pytest.mark.broker_config(limits={"enabled": False})
 def _runtimes(state_dir: Path) -> set[str]:
     db = sqlite3.connect(f"file:{state_dir / RUNTIMES_DB}?mode=ro", uri=True)
     try:
@@ -83,6 +82,7 @@ def _runtimes(state_dir: Path) -> set[str]:
         db.close()
 
 
+@pytest.mark.broker_config(limits={"enabled": False})
 async def test_a_deleted_agents_watermarks_and_runtime_go_unless_a_custodian_may_bring_it_back(
         broker: BrokerHarness, home: CustodianProcess | None) -> None:
     in_process = home is None
@@ -108,6 +108,32 @@ async def test_a_deleted_agents_watermarks_and_runtime_go_unless_a_custodian_may
     assert _about(broker.state_dir, kept) == rows[kept]
     assert _runtimes(broker.state_dir) == (
         {kept} if in_process else {deleted, removed, kept})
+
+
+@pytest.mark.parametrize("home", ["custodian"], indirect=True)
+@pytest.mark.broker_config(limits={"enabled": False})
+async def test_a_deleted_agents_watermarks_and_runtime_go_once_the_custodian_forgets_its_record(
+        broker: BrokerHarness, home: CustodianProcess) -> None:
+    """The other half of the custodian's case: kept while its `--recover` could bring the
+    key back, the rows go at the daemon's next destroy once `--forget-destroyed` has
+    dropped the record."""
+    channel = str(uuid.uuid4())
+    owner = await broker.human_owned_agent("owner")
+    credential = broker.credential(owner, [channel], actions=["agents.create", "agents.delete"])
+    deleted = await _created(broker, credential, channel, "deleted")
+    later = await _created(broker, credential, channel, "later")
+    gone = await broker.call(credential, "agents.delete", {"target": {"pubkey": deleted}})
+    assert gone["status"] == "succeeded", gone
+    assert _about(broker.state_dir, deleted) == sorted([(deleted, 0, ""), (owner, 30177, deleted)])
+    forgot = subprocess.run([sys.executable, "-m", "daemon.cli", "custodian", str(home.config),
+                             "--forget-destroyed", deleted], cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
+    assert forgot.returncode == 0, forgot.stderr
+    gone = await broker.call(credential, "agents.delete", {"target": {"pubkey": later}})
+    assert gone["status"] == "succeeded", gone
+    assert _about(broker.state_dir, deleted) == []
+    assert _about(broker.state_dir, later) == sorted([(later, 0, ""), (owner, 30177, later)])
+    assert _runtimes(broker.state_dir) == {later}
 
 
 async def test_a_start_drops_the_watermarks_and_runtime_a_destroy_left_before(
@@ -213,7 +239,14 @@ async def test_a_deleted_agents_name_stays_with_its_record_and_goes_once_it_is_f
     assert listed is not None and not listed.live and listed.name == "first"
     assert _named(broker.state_dir) == {owner, first}
     if home is None:
-        return  # custody in the daemon forgets no record
+        # Custody in the daemon: `agent forget` drops the record, and the name with it.
+        forgot = subprocess.run([sys.executable, "-m", "daemon.cli", "--config",
+                                 str(broker.config_path), "agent", "forget", first], cwd=REPO,
+                                capture_output=True, text=True, timeout=60)
+        assert forgot.returncode == 0, forgot.stderr
+        assert _named(broker.state_dir) == {owner}
+        assert broker.app.directory.get(first) is None
+        return
     forgot = subprocess.run([sys.executable, "-m", "daemon.cli", "custodian", str(home.config),
                              "--forget-destroyed", first], cwd=REPO, capture_output=True,
                             text=True, timeout=60)
