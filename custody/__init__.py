@@ -10,13 +10,14 @@ command line, the tests and the benchmarks. `custody` imports nothing from `daem
 Surface:
 - `Custody` (async facade: open/aclose, agent/agents, sign_event/sign_events/sign_auth,
   memory_address, encrypt_to_owner/decrypt_from_owner_pair (NIP-44 v2 between an agent and
-  its recorded owner, one unseal per call), mint_agent, import_agent, destroy_agent), `init_keys`/`init_kek` (keys
-  init), `rotate_keys` (keys rotate, keys migrate; `ROTATION_CHECKPOINTS`) and
-  `check_token` (log in and check the KEK only: check-config --deep, status).
+  its recorded owner, one unseal per call), mint_agent, import_agent, destroy_agent),
+  `init_keys`/`init_kek` (keys init), `rotate_keys` (keys rotate, keys migrate;
+  `ROTATION_CHECKPOINTS`) and `check_token` (log in and check the KEK only: check-config
+  --deep, status).
 - Values: `TokenConfig`, `CachePolicy`, `RecordBound` (how many key records mints and
-  imports may make, `DEFAULT_MAX_RECORDS` unless configured), `TokenReport`, `RotationReport`, `UnsignedEvent`,
-  `SignedEvent`, `KeyRecord` (an agent key's public facts: owner, NIP-OA tag, mint
-  reference, when made and destroyed), `MemoryAddress`.
+  imports may make, `DEFAULT_MAX_RECORDS` unless configured), `TokenReport`,
+  `RotationReport`, `UnsignedEvent`, `SignedEvent`, `KeyRecord` (an agent key's public
+  facts: owner, NIP-OA tag, mint reference, when made and destroyed), `MemoryAddress`.
 - `KeyIndex`: those records read-only, without the token (the daemon's directory).
 - `forget_removed` (`_forget`: drop destroyed records, named, without the token; refused
   as a whole with `NotForgotten`): `agent forget`, the way back under the record bound.

@@ -41,8 +41,9 @@ __all__ = [
     "VERSION", "MAX_FRAME", "MAX_VALUES", "MAX_EVENTS", "MAX_PAYLOADS", "MAX_SECRET_BYTES", "MAX_BACKUP_NAMES",
     "OPS", "TAILS", "LOOKUPS",
     "ERROR_CODES", "HEADER",
-    "BadMessage", "OtherVersion", "Request", "encode", "frame_length", "decode_request", "decode_reply",
-    "request", "reply_ok", "reply_error", "b64", "unb64", "record_obj", "MAX_RECORDS",
+    "BadMessage", "OtherVersion", "Request", "encode", "frame_length", "decode_request",
+    "decode_reply", "request", "reply_ok", "reply_error", "b64", "unb64", "record_obj",
+    "MAX_RECORDS",
 ]
 
 #: The table's version: bumped with any row (2: import's secret left the JSON; backup;

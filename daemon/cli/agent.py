@@ -30,13 +30,13 @@ Rules:
   through its agents): custody checks it where the agent's pubkey is first known.
 - `remove PUBKEY` destroys the sealed key (the public record stays as a tombstone), drops
   what the daemon keeps of keys that are gone, as the daemon does after a destroy
-  (daemon/state/leftovers.py), and revokes every credential of the agent; the running daemon refuses them from its next
-  request (it also refuses any credential whose agent is not live, however it was
-  removed). It asks for confirmation — the word `yes` on stdin, prompted on stderr — unless
-  `--yes` is given. Running it again on a removed agent revokes what is left. Its question
-  and its result line say what becomes of the key (`_KEY_FATES`): in-process custody
-  destroys it for good; a custodian keeps a sealed copy for its grace period, which its
-  `--recover` brings back and its `--forget-destroyed PUBKEY` deletes now
+  (daemon/state/leftovers.py), and revokes every credential of the agent; the running daemon
+  refuses them from its next request (it also refuses any credential whose agent is not
+  live, however it was removed). It asks for confirmation — the word `yes` on stdin,
+  prompted on stderr — unless `--yes` is given. Running it again on a removed agent revokes
+  what is left. Its question and its result line say what becomes of the key (`_KEY_FATES`):
+  in-process custody destroys it for good; a custodian keeps a sealed copy for its grace
+  period, which its `--recover` brings back and its `--forget-destroyed PUBKEY` deletes now
   (tests/custodian/test_commands.py::test_agent_remove_says_the_custodian_keeps_a_copy_and_how_to_end_it).
 - `forget PUBKEY ...` (custody in the daemon; with a custodian, exit 2 naming its
   `--forget-destroyed`) drops the records of the removed agents named, so new ones fit

@@ -1,16 +1,16 @@
 """`buzz-broker status [--json]`: is the daemon running, and is everything it needs in order?
 
 Rules:
-- One line per fact, in this order: config (which file, by which rule), daemon (running
-  with its pid, or stopped: from the run lock, daemon/state/runlock.py), socket (the configured
-  path: a socket? its mode and owner), tcp ([server] listen_tcp and the squatting rule
-  each port is under), metrics ([metrics] socket's path, [metrics] listen and its rule), token (login and KEK,
-  daemon/cli/_probe.py), relay
-  (WebSocket reachable), agents (live / deleted), credentials (active / revoked or
-  expired), audit (records and head hash, verified). ``--json`` prints the same facts as
-  one JSON object, each fact an object of typed members: always `ok` (bool) and `detail`
-  (the line's text), then its own (`pid`, `mode`, `live`, `records`, …; absent when
-  unknown, never null), with `running`, `ok` and `exit` at the top.
+- One line per fact, in this order: config (which file, by which rule), daemon (running with
+  its pid, or stopped: from the run lock, daemon/state/runlock.py), socket (the configured
+  path: a socket? its mode and owner), tcp ([server] listen_tcp and the squatting rule each
+  port is under), metrics ([metrics] socket's path, [metrics] listen and its rule), token
+  (login and KEK, daemon/cli/_probe.py), relay (WebSocket reachable), agents (live /
+  deleted), credentials (active / revoked or expired), audit (records and head hash,
+  verified). ``--json`` prints the same facts as one JSON object, each fact an object of
+  typed members: always `ok` (bool) and `detail` (the line's text), then its own (`pid`,
+  `mode`, `live`, `records`, …; absent when unknown, never null), with `running`, `ok` and
+  `exit` at the top.
 - It never connects to the agents' socket: under socket activation a connection starts
   the service, and status must not change what it reports on.
 - It creates nothing: a missing keystore, credential store or audit log reads as none.

@@ -49,17 +49,17 @@ Rules:
   Events are returned as the relay sent them (parsed dicts); the read path verifies them.
 - Memory a relay can make us hold: one frame <= MAX_FRAME_CHARS characters, which is
   MAX_FRAME_BYTES (4 MiB: a character is up to 4 bytes). Frames on their way in, every
-  connection together, <= ``max_receive_bytes`` plus _UNMETERED_BYTES and a 4 KiB chunk
-  per connection (`_ReceiveSlots`): a connection whose message trio-websocket is still
+  connection together, <= ``max_receive_bytes`` plus _UNMETERED_BYTES and a 4 KiB chunk per
+  connection (`_ReceiveSlots`): a connection whose message trio-websocket is still
   assembling grows past _UNMETERED_BYTES (16 KiB) holds a slot, one frame's worst case,
-  until our reader takes the message; without a slot it waits for one without reading
-  (TCP holds the relay back). trio-websocket keeps no finished frame queued
-  (_MESSAGE_QUEUE 0), and our reader drops each frame before it waits for the next
-  (`_take`). No setting bounds the connections (one per agent in use, `idle_seconds`),
-  so the bound is pool-wide, not per connection. An agent's connect lock lives only while
-  a task connects it or waits to (`_forget_lock`), so an idle pool holds none. A message must arrive whole within the
-  larger of ``timeouts.ok`` and ``timeouts.eose`` of taking its slot, or its connection
-  ends (`_MeteredStream`): a connection stopped mid-frame gives its slot back.
+  until our reader takes the message; without a slot it waits for one without reading (TCP
+  holds the relay back). trio-websocket keeps no finished frame queued (_MESSAGE_QUEUE 0),
+  and our reader drops each frame before it waits for the next (`_take`). No setting bounds
+  the connections (one per agent in use, `idle_seconds`), so the bound is pool-wide, not per
+  connection. An agent's connect lock lives only while a task connects it or waits to
+  (`_forget_lock`), so an idle pool holds none. A message must arrive whole within the
+  larger of ``timeouts.ok`` and ``timeouts.eose`` of taking its slot, or its connection ends
+  (`_MeteredStream`): a connection stopped mid-frame gives its slot back.
   One query <= MAX_EVENTS_PER_QUERY events and MAX_QUERY_BYTES bytes of *decoded*
   events (`decoded_size`: what the parsed dicts take, not the frame's characters: a
   1 MiB frame of 170,000 one-letter tags decodes to ~16 MiB); and every

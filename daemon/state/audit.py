@@ -697,11 +697,12 @@ class KeyFacts(TypedDict, total=False):
 class KeyEvent:
     """One line of the key-event log: a key-custody command's intent or its outcome.
 
-    The commands that move agent keys across custody's edge (`keys backup`, `keys
-    restore`, `keys rotate`, `keys migrate`) write one INTENT before anything is unsealed
-    or sealed, then a DONE or FAILED line with the same `op`; so does `agent forget`
-    before it deletes removed agents' records (its outcome: the records that went). Facts only, never a secret:
-    there is no field that could hold one (an identity file's contents, a PIN, a key).
+    The commands that move agent keys across custody's edge (`keys backup`, `keys restore`,
+    `keys rotate`, `keys migrate`) write one INTENT before anything is unsealed or sealed,
+    then a DONE or FAILED line with the same `op`; so does `agent forget` before it deletes
+    removed agents' records (its outcome: the records that went). Facts only, never a
+    secret: there is no field that could hold one (an identity file's contents, a PIN, a
+    key).
 
     Fields:
         at: seconds since the epoch. op: 16 lowercase hex, one per command run (pairs the
