@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["DEFAULT_MAX_RECORDS", "MAX_CACHE_ENTRIES", "MAX_CACHE_SECONDS", "MAX_KEK_LABEL",
-           "MAX_UID", "OWNER_TAG_CONDITIONS", "CachePolicy", "KeyRecord", "MemoryAddress",
+           "MAX_RECORDS", "MAX_UID", "OWNER_TAG_CONDITIONS", "CachePolicy", "KeyRecord", "MemoryAddress",
            "RecordBound", "kek_label_ok"]
 
 
@@ -38,6 +38,10 @@ OWNER_TAG_CONDITIONS = ""
 #: configured otherwise: the daemon's `[custody] max_records` and the custodian's
 #: `[custodian] max_records` both default to this one number.
 DEFAULT_MAX_RECORDS = 5_000
+#: Key records a keystore may hold at most, whatever the configuration: that many of the
+#: largest fit the custodian's `agents` answer, one frame. WARNING: custody/custodian/
+#: messages.py computes it (`MAX_RECORDS`) from the frame; a test holds the two equal.
+MAX_RECORDS = 7_161
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,10 @@ Rules:
   its mint reference names another agent, or it would close an ownership cycle (the rule
   `import_agent` checks with `_ownership.owned_through`, here for all the backup's agents
   at once). An agent already held with the same owner is left as it is ("already held").
+  It refuses too a restore that would take the keystore past `MAX_RECORDS` records
+  (custody/_records.py), destroyed ones included: past it the custodian's `agents` answer
+  (every record in one frame) may not fit; the daemon could neither start nor refresh.
+  `max_records` (the configured, softer bound on mints and imports) it does not ask.
 - Errors are `CustodyError` with one line that never quotes a secret. pyrage's own error
   text is not passed on (only "does not decrypt with this identity").
 - pyrage returns immutable `bytes`: the plaintext exists once as a `bytes` object, zeroed
@@ -50,7 +54,7 @@ from custody._keystore import KeyRecord
 from custody._secp256k1 import is_xonly_pubkey, xonly_pubkey
 from custody._sealed import seal
 from custody._secret import Secret, parse_secret_text, wipe_bytes
-from custody._records import OWNER_TAG_CONDITIONS
+from custody._records import MAX_RECORDS, OWNER_TAG_CONDITIONS
 from custody._signer import CONDITIONS_FAULT, owner_tag_fault
 from buzzwire.nostr import is_hex64
 
@@ -427,8 +431,9 @@ def restore_plan(custody: Custody, contents: BackupContents) -> RestoreResult:
 
     Raises:
         CustodyError: an agent held here under another owner, removed here, a mint
-            reference used by another agent here, or an ownership cycle (with the agents
-            held here and the backup's others together: the check `import_agent` makes).
+            reference used by another agent here, an ownership cycle (with the agents
+            held here and the backup's others together: the check `import_agent` makes),
+            or more records than MAX_RECORDS once restored.
     """
     in_backup = contents._by_pubkey
 
@@ -464,6 +469,14 @@ def restore_plan(custody: Custody, contents: BackupContents) -> RestoreResult:
                                f"owner {record.owner}, directly or through its agents; "
                                "nothing restored")
         restored.append(record.pubkey)
+    records = custody._index.count()  # destroyed ones included, as the `agents` answer
+    if restored and records + len(restored) > MAX_RECORDS:
+        raise CustodyError(
+            f"the keystore holds {records} records, destroyed ones included, and the backup "
+            f"adds {len(restored)}: past {MAX_RECORDS}, the most the custodian's `agents` "
+            "answer carries; forget destroyed agents' records first (`buzz-broker custodian "
+            "FILE --forget-destroyed`; custody in the daemon: `buzz-broker agent forget "
+            "PUBKEY ...`); nothing restored")
     return RestoreResult(restored=tuple(restored), already_held=tuple(held))
 
 

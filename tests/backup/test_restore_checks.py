@@ -16,12 +16,17 @@ on the second, so "nothing restored" is what each test checks besides the refusa
   restore with a raw OverflowError, the agents before it written.
 - The plan checked again inside the token hop: an agent imported after the caller looked
   at the plan and before the hop ran.
+- A restore that would take the keystore past `messages.MAX_RECORDS` records, tombstones
+  included: past it the custodian's `agents` answer (one frame) could fail, and the daemon
+  could then neither start nor refresh; before, every agent of the backup was sealed.
 """
 
 from __future__ import annotations
 
 import json
+import sqlite3
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import coincurve
@@ -30,6 +35,7 @@ import pytest
 
 from custody import Custody, CustodyError, open_backup, restore_backup, restore_plan
 from custody._restore import BackupContents
+from custody.custodian.messages import MAX_RECORDS
 
 PERSON = coincurve.PrivateKey().public_key_xonly.format().hex()
 
@@ -176,3 +182,37 @@ async def test_restore_checks_its_plan_again_inside_the_token_hop(
     assert _held(custody) == before
     record = custody.agent(late)
     assert record is not None and record.owner == other_owner
+
+
+def tombstones(keystore: Path, count: int) -> None:
+    """`count` destroyed agents' records written straight into `keystore` in one
+    transaction: a tombstone holds no sealed key, so thousands need no token."""
+    db = sqlite3.connect(keystore)
+    try:
+        with db:
+            db.executemany("INSERT INTO keys (pubkey, owner, created_at, updated_at, deleted_at)"
+                           " VALUES (?, ?, 1, 1, 1)", [(f"{n:064x}", PERSON) for n in range(count)])
+    finally:
+        db.close()
+
+
+async def test_a_restore_past_max_records_is_refused_before_any_write(custody: Custody) -> None:
+    """MAX_RECORDS is the most records the custodian's `agents` answer carries in its one
+    frame; a keystore past it (measured: 40 more of the largest records) answers it
+    `internal` and the pipeline's client cannot open. Up to it a restore is taken whatever
+    `max_records` says; one more record and it is refused whole, naming the counts and the
+    way out (the daemon's `keys restore` and the custodian's both plan here)."""
+    tombstones(custody._keystore.path, MAX_RECORDS - 2)
+    agents = [_key() for _ in range(3)]
+    contents = _backup([(secret, pubkey, PERSON, None) for secret, pubkey in agents])
+    with contents, pytest.raises(CustodyError) as refused:
+        await restore_backup(custody, contents)
+    message = str(refused.value)
+    assert f"holds {MAX_RECORDS - 2} records" in message and "adds 3" in message
+    assert str(MAX_RECORDS) in message and "--forget-destroyed" in message
+    assert message.endswith("nothing restored") and "\n" not in message
+    assert _held(custody) == set() and custody._index.count() == MAX_RECORDS - 2
+    with _backup([(secret, pubkey, PERSON, None) for secret, pubkey in agents[:2]]) as fits:
+        result = await restore_backup(custody, fits)
+    assert set(result.restored) == {pubkey for _, pubkey in agents[:2]} == _held(custody)
+    assert custody._index.count() == MAX_RECORDS

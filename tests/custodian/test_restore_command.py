@@ -46,10 +46,13 @@ import trio
 from buzzwire.nostr import verify_signed
 from custody import Custody, TokenConfig, UnsignedEvent, export_backup
 from custody.custodian.client import CustodianClient
+from custody.custodian.messages import MAX_RECORDS
+from custody._keystore import KEYSTORE_FILE, ReadIndex
 from custody.custodian.verify import verify_chain
 from daemon.state.key_events import KEY_EVENTS_DIRNAME
 from tests.adversarial._secrets import SecretScan, key_secret
 from tests.backup.test_backup import age_identity, key_event_bytes, key_events
+from tests.backup.test_restore_checks import tombstones
 from tests.custody._sealing import HUMAN
 from tests.fixtures.broker import write_config
 from tests.fixtures.custodian import CustodianProcess, write_custodian_config
@@ -411,6 +414,35 @@ def test_a_restore_the_keystore_cannot_take_has_its_failed_line(
     assert rerun.returncode == 0, rerun.stderr
     *_, summary = _lines(log)
     assert summary["agents"] + summary["held"] == 22 and summary["held"] >= 2
+
+
+def test_a_restore_past_max_records_is_one_line_and_writes_nothing(
+        custody_state: tuple[TokenConfig, Path], tmp_path: Path) -> None:
+    """A restore that would take the custodian's keystore past MAX_RECORDS (its `agents`
+    answer's one frame) is refused before its intent line, its names file or any agent:
+    one line naming the counts and `--forget-destroyed`. Before, it sealed them all."""
+    token, source_state = custody_state
+    _, first, identity = _backup(token, source_state, tmp_path)
+    _, more, _ = _backup(token, source_state, tmp_path, 2, "more.age")  # 2 agents new to it
+    config, log = _restoring_custodian(token, tmp_path)
+    assert _keys(config, "restore", "--identity", str(identity), "--yes",
+                 str(first)).returncode == 0  # the keystore made, and two agents in it
+    keystore = tmp_path / "custodian-state" / KEYSTORE_FILE
+    tombstones(keystore, MAX_RECORDS - 3)
+    before, names = log.read_text(), tmp_path / "names.jsonl"
+
+    refused = _keys(config, "restore", "--identity", str(identity), "--yes",
+                    "--names-out", str(names), str(more))
+    assert refused.returncode == 1 and refused.stdout == ""
+    fault = refused.stderr.splitlines()[-1]
+    assert f"holds {MAX_RECORDS - 1} records" in fault and "adds 2" in fault, fault
+    assert "--forget-destroyed" in fault and fault.endswith("nothing restored")
+    assert log.read_text() == before and not names.exists()
+    index = ReadIndex(keystore)
+    try:
+        assert index.count() == MAX_RECORDS - 1
+    finally:
+        index.close()
 
 
 def test_a_names_file_the_disk_cannot_take_is_one_line_after_the_lines(
