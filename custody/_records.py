@@ -39,8 +39,10 @@ OWNER_TAG_CONDITIONS = ""
 #: `[custodian] max_records` both default to this one number.
 DEFAULT_MAX_RECORDS = 5_000
 #: Key records a keystore may hold at most, whatever the configuration: that many of the
-#: largest fit the custodian's `agents` answer, one frame. WARNING: custody/custodian/
-#: messages.py computes it (`MAX_RECORDS`) from the frame; a test holds the two equal.
+#: largest (a 512-character mint_ref JSON writes 6-fold, a tombstone, a NIP-OA tag) fit the
+#: custodian's `agents` answer, one frame, and a few more would not (custody/custodian/
+#: messages.py re-exports it; tests/custodian/test_log_and_rate_bounds.py
+#: ::test_at_most_max_records_the_largest_records_fit_the_agents_answer builds that frame).
 MAX_RECORDS = 7_161
 
 

@@ -35,7 +35,7 @@ from types import MappingProxyType
 from typing import Final
 
 from buzzwire.jsonvalues import values_at_most
-from custody._records import OWNER_TAG_CONDITIONS, KeyRecord
+from custody._records import MAX_RECORDS as _MOST_RECORDS, KeyRecord
 
 __all__ = [
     "VERSION", "MAX_FRAME", "MAX_VALUES", "MAX_EVENTS", "MAX_PAYLOADS", "MAX_SECRET_BYTES", "MAX_BACKUP_NAMES",
@@ -359,18 +359,9 @@ def record_obj(record: KeyRecord | None) -> dict[str, object] | None:
             "mint_ref": record.mint_ref}
 
 
-def _most_records() -> int:
-    # The `agents` answer is every record in one frame. A record is at its largest with a
-    # 512-character mint_ref (the table's bound) of characters JSON writes as \u00XX and a
-    # NIP-OA tag, fixed in size once custody has checked it (empty conditions).
-    worst = record_obj(KeyRecord(pubkey="f" * 64, owner="f" * 64, created_at=2**40,
-                                 mint_ref="\x00" * 512, deleted_at=2**40,
-                                 auth_tag=("auth", "f" * 64, OWNER_TAG_CONDITIONS, "f" * 128)))
-    empty = len(reply_ok([]))
-    return (MAX_FRAME + HEADER.size - empty) // (len(reply_ok([worst])) - empty + 1)
-
-
 #: The most records a `max_records` may allow ([custodian]'s, and [custody]'s in the
-#: daemon, whose keystore a custodian may serve later): that many of the largest still fit
-#: the `agents` answer's one frame (7,161 with today's bounds).
-MAX_RECORDS: Final = _most_records()
+#: daemon, whose keystore a custodian may serve later), custody's one number
+#: (custody/_records.py): that many of the largest still fit the `agents` answer's one
+#: frame, and a few more would not
+#: (tests/custodian/test_log_and_rate_bounds.py::test_at_most_max_records_the_largest_records_fit_the_agents_answer).
+MAX_RECORDS: Final = _MOST_RECORDS
