@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["DEFAULT_MAX_RECORDS", "MAX_CACHE_ENTRIES", "MAX_CACHE_SECONDS", "MAX_KEK_LABEL",
-           "MAX_RECORDS", "MAX_UID", "OWNER_TAG_CONDITIONS", "CachePolicy", "KeyRecord", "MemoryAddress",
-           "RecordBound", "kek_label_ok"]
+           "MAX_RECORDS", "MAX_UID", "OWNER_TAG_CONDITIONS", "CachePolicy", "KeyRecord",
+           "MemoryAddress", "RecordBound", "kek_label_ok"]
 
 
 @dataclass(frozen=True, slots=True)
