@@ -104,8 +104,6 @@ def forget_destroyed(keystore: Keystore, destroyed_before: int) -> list[str]:
     return forgotten
 
 
-
-
 def forget_removed(state_dir: Path, pubkeys: Sequence[str]) -> list[str]:
     """`forget_named` on the keystore in `state_dir`, beside a running daemon or not (its
     lock taken shared: never during a rotation); the pubkeys that went.

@@ -194,7 +194,9 @@ async def running(
             stack.callback(watermarks.close)
         except (OSError, sqlite3.Error, HostKeyError) as exc:
             raise StartupError(f"state directory {state_dir}: {exc}") from None
-        _prune_leftovers(directory, watermarks, runtimes, custody)
+        # What an older version or a prune that faulted left goes, as after each destroy.
+        leftovers.housekeep(directory, watermarks, runtimes,
+                            custodian=isinstance(custody, CustodianClient))
         try:
             audit = AuditLog.open(state_dir / AUDIT_DIRNAME, anchor=ledger.audit_anchor)
         except AuditUnavailable as exc:
@@ -272,19 +274,6 @@ async def running(
                 yield broker
             finally:
                 nursery.cancel_scope.cancel()
-
-
-def _prune_leftovers(directory: AgentDirectory, watermarks: SignWatermarks,
-                     runtimes: RuntimeStore, custody: Custody | CustodianClient) -> None:
-    """At start: what the daemon keeps of keys that are gone goes, as after each destroy
-    (daemon/state/leftovers.py): what an older version or a prune that faulted left. A
-    fault is logged: the next destroy prunes."""
-    try:
-        leftovers.prune(directory, watermarks, runtimes,
-                        custodian=isinstance(custody, CustodianClient))
-    except (OSError, sqlite3.Error, DirectoryError) as exc:
-        log_event(_log, "leftovers.unpruned", level=logging.WARNING,
-                  error=type(exc).__name__, detail=str(exc))
 
 
 async def _sweep_forever(ledger: Ledger, metrics: Metrics) -> None:

@@ -63,7 +63,7 @@ from custody.custodian.client import CustodianClient, CustodianUnavailable
 
 if TYPE_CHECKING:  # the facade loads the PKCS#11 binding: not where a custodian holds the keys
     from custody import Custody
-from daemon.state.directory import AgentDirectory, DirectoryError
+from daemon.state.directory import AgentDirectory
 from daemon.state.ledger import Ledger, RolledBack, Ticket
 from daemon.fault_log import FaultLog
 from daemon.log import log_event
@@ -312,13 +312,9 @@ class Publisher:
         """After a destroy: what the daemon keeps of keys that are gone goes
         (daemon/state/leftovers.py). Housekeeping only: a fault is logged, and the next
         destroy, or the next start, prunes them."""
-        try:
-            await trio.to_thread.run_sync(functools.partial(
-                leftovers.prune, self._directory, self._watermarks, self._runtimes,
-                custodian=isinstance(self._custody, CustodianClient)))
-        except (OSError, sqlite3.Error, DirectoryError) as exc:
-            log_event(_log, "leftovers.unpruned", level=logging.WARNING,
-                      error=type(exc).__name__, where=where(exc))
+        await trio.to_thread.run_sync(functools.partial(
+            leftovers.housekeep, self._directory, self._watermarks, self._runtimes,
+            custodian=isinstance(self._custody, CustodianClient)))
 
     async def _rename_agent(self, step: Cleanup) -> None:
         assert isinstance(step, RenameAgent)

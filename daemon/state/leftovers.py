@@ -33,15 +33,16 @@ keys it forgot (`forget`).
 from __future__ import annotations
 
 import logging
+import sqlite3
 from collections.abc import Collection
 from dataclasses import dataclass
 
 from daemon.log import log_event
-from daemon.state.directory import AgentDirectory
+from daemon.state.directory import AgentDirectory, DirectoryError
 from daemon.state.runtimes import RuntimeStore
 from daemon.state.sign_watermarks import SignWatermarks, signers
 
-__all__ = ["UNMATCHED", "UNMATCHED_FIX", "Pruned", "forget", "prune"]
+__all__ = ["UNMATCHED", "UNMATCHED_FIX", "Pruned", "forget", "prune", "housekeep"]
 
 _log = logging.getLogger("buzz_broker.leftovers")
 
@@ -86,6 +87,18 @@ def prune(directory: AgentDirectory, watermarks: SignWatermarks, runtimes: Runti
 
     return _said(Pruned(watermarks=watermarks.prune(kept), runtimes=runtimes.prune(kept),
                         names=directory.prune()))
+
+
+def housekeep(directory: AgentDirectory, watermarks: SignWatermarks, runtimes: RuntimeStore,
+              *, custodian: bool) -> None:
+    """`prune` as the daemon runs it, at start and after each destroy: housekeeping, so a
+    fault is one WARNING `leftovers.unpruned` (its type, and the store's own words: a
+    file, never a row), not raised; what stays goes at the next destroy or start."""
+    try:
+        prune(directory, watermarks, runtimes, custodian=custodian)
+    except (OSError, sqlite3.Error, DirectoryError) as exc:
+        log_event(_log, "leftovers.unpruned", level=logging.WARNING,
+                  error=type(exc).__name__, detail=str(exc))
 
 
 def forget(directory: AgentDirectory, watermarks: SignWatermarks, runtimes: RuntimeStore,
