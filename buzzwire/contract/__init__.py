@@ -50,6 +50,7 @@ from ._limits import (
     MAX_MEMORY_BODY_BYTES, MAX_SLUG_BYTES, MAX_SLUG_SEGMENT_CHARS, MAX_SYSTEM_PROMPT_CHARS,
     MIN_JSON_INT, MIN_LIMIT,
     PROTOCOL_VERSION, MAX_FRAMES, MAX_OBSERVER_BYTES, MAX_PAGE_BYTES, MAX_U32,
+    MAX_ENCODED_EVENT_BYTES,
 )
 from ._page import MAX_PAGE_VALUES, event_values_in, page_bytes, page_values, values_in
 from ._text import WHITE_SPACE, printable, printable_json, printable_json_text, scrub_line, trim
@@ -90,5 +91,5 @@ __all__ = [
     "MAX_SCALAR_CHARS", "MAX_REACTION_CHARS", "MAX_SLUG_BYTES", "MAX_SLUG_SEGMENT_CHARS",
     "MAX_NESTING", "MIN_JSON_INT",
     "MAX_JSON_INT", "MAX_KIND", "MAX_MEMORY_BODY_BYTES", "MAX_FRAMES", "MAX_OBSERVER_BYTES",
-    "MAX_U32", "MAX_PAGE_BYTES",
+    "MAX_U32", "MAX_PAGE_BYTES", "MAX_ENCODED_EVENT_BYTES",
 ]

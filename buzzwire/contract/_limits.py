@@ -18,7 +18,7 @@ __all__ = [
     "MAX_PICTURE_CHARS", "MAX_SYSTEM_PROMPT_CHARS", "MAX_SCALAR_CHARS", "MAX_REACTION_CHARS",
     "MAX_SLUG_BYTES", "MAX_SLUG_SEGMENT_CHARS", "MAX_NESTING", "MIN_JSON_INT", "MAX_JSON_INT",
     "MAX_KIND", "PROTOCOL_VERSION", "ACTION_VERSION", "MAX_MEMORY_BODY_BYTES", "MAX_FRAMES",
-    "MAX_OBSERVER_BYTES", "MAX_U32", "MAX_U16", "MAX_PAGE_BYTES",
+    "MAX_OBSERVER_BYTES", "MAX_U32", "MAX_U16", "MAX_PAGE_BYTES", "MAX_ENCODED_EVENT_BYTES",
 ]
 
 #: spec §Request: the envelope version this module speaks.
@@ -62,6 +62,13 @@ MAX_MEMORY_BODY_BYTES = 65_535
 #: largest content (64 KiB). Past it the host ends the page early with a `nextCursor`, as
 #: the spec allows; the agent client's bound on an answer's JSON values derives from it.
 MAX_PAGE_BYTES = 4 * 1024 * 1024
+#: The largest event a channel.read answer carries, as its compact UTF-8 JSON is sent (no
+#: escape but JSON's own). Buzz's SDK refuses a whole read answer holding one larger
+#: message (buzz-sdk `MAX_ENCODED_MESSAGE_BYTES`), the size of a frame on Buzz's relay
+#: (../shared/spec/buzz-on-the-relay.md "Relay-side limits": frames up to 512 KiB). A
+#: channel member can still publish a larger event to some relay; the host drops it from
+#: reads (daemon/operations/channel_read.py `_size_ok`) so the channel stays readable.
+MAX_ENCODED_EVENT_BYTES = 512 * 1024
 #: Our bound on container nesting. The deepest legal document is a read response:
 #: top / outcome / messages / event / tags / tag = 6 levels. 16 leaves room and keeps a
 #: hostile 10,000-deep body far from the C decoder's recursion.

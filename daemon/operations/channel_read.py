@@ -46,8 +46,11 @@ Decisions (each documented here because Buzz leaves them to the host):
   `nextCursor`).
 * Every event the relay sends is checked before it is delivered: exactly the seven
   canonical members (contract `Event`), a valid id and BIP-340 signature, then in the
-  order of `_CHECKS` no empty tag (NIP-01; Buzz's SDK refuses a page holding one), the
-  channel's `h` tag and no other `h` tag, a match with the
+  order of `_CHECKS` no empty tag (NIP-01; Buzz's SDK refuses a page holding one), a
+  content of at most MAX_CONTENT_BYTES (NIP-BA's post bound, UTF-8 bytes) and at most
+  MAX_ENCODED_EVENT_BYTES of JSON as sent (Buzz's SDK refuses a page holding a larger
+  one too; NIP-BA bounds only what a host publishes, so any member can put one on the
+  relay), the channel's `h` tag and no other `h` tag, a match with the
   filter asked, and on a thread read its declared root. A failing event is dropped and
   logged (event id and the check's name; no content; `ReadLog`) and never counted in the
   page. The first two are shared process-wide (`_JudgedCache`): a fleet's agents each
@@ -95,6 +98,8 @@ from buzzwire import kinds
 from buzzwire.nostr import verify_event
 from buzzwire.threads import in_channel, in_thread
 from buzzwire.contract import (
+    MAX_CONTENT_BYTES,
+    MAX_ENCODED_EVENT_BYTES,
     MAX_PAGE_BYTES,
     ChannelReadArgs,
     ContractError,
@@ -111,7 +116,7 @@ from daemon.operations._base import Context
 from daemon.relay.paging import RELAY_MAX_LIMIT, Page, RelayMisbehaved, matches, read_page
 from daemon.relay.pool import RelayError, RelayRefused, RelayUnavailable, decoded_size
 from daemon.relay.protocol import machine_prefix
-from daemon.relay.windows import Served, WindowCache, WindowKey
+from daemon.relay.windows import Served, WindowCache, WindowKey, encode_event
 
 __all__ = ["ACTION", "DROP_LINES", "JUDGED_CACHE_BYTES", "JudgedCache", "MAX_FORGED_EVENTS",
            "MAX_PAGE_BYTES", "READ_KINDS", "ReadLog", "execute"]
@@ -311,6 +316,49 @@ def _tags_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bool:
     return all(event.tags)
 
 
+def _size_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bool:
+    # Buzz's SDK refuses a whole read answer holding one message whose content is past
+    # NIP-BA's post bound (UTF-8 bytes) or whose JSON as sent is past
+    # MAX_ENCODED_EVENT_BYTES. NIP-BA bounds only what a host publishes, so any member can
+    # put a larger event on the relay, and every agent polling the channel would read
+    # nothing until 100 newer messages pushed it out. Encoding a Buzz message costs
+    # ~0.2 ms, every event of every cold read: only one whose cheap bound is past the
+    # limit is encoded.
+    return (_content_fits(event.content)
+            and (_json_bytes_at_most(event) <= MAX_ENCODED_EVENT_BYTES
+                 or len(encode_event(event)) <= MAX_ENCODED_EVENT_BYTES))
+
+
+def _content_fits(content: str) -> bool:
+    # A character is one to four UTF-8 bytes: only a content between the two is encoded.
+    if len(content) <= MAX_CONTENT_BYTES // 4:
+        return True
+    return len(content) <= MAX_CONTENT_BYTES and len(content.encode("utf-8")) <= MAX_CONTENT_BYTES
+
+
+#: The most JSON bytes one character of a string takes as sent (`\u0001`; a character
+#: written verbatim is at most four UTF-8 bytes).
+_JSON_BYTES_PER_CHAR = 6
+#: The most an event's JSON holds beyond its strings' characters and their punctuation:
+#: member names, ids, signature and braces are 333 bytes with one-digit numbers (contract
+#: `_page`), and created_at and kind are at most 20 characters each.
+_EVENT_JSON_FRAME = 400
+#: A tag's `[`, `]` and the `,` after it; a tag value's two quotes and the `,` after it.
+_TAG_JSON_BYTES = 3
+_TAG_VALUE_JSON_BYTES = 3
+
+
+def _json_bytes_at_most(event: Event) -> int:
+    """Bytes `encode_event(event)` cannot exceed, without encoding it."""
+    chars = len(event.content)
+    values = 0
+    for tag in event.tags:
+        values += len(tag)
+        chars += sum(map(len, tag))
+    return (_EVENT_JSON_FRAME + _JSON_BYTES_PER_CHAR * chars
+            + _TAG_JSON_BYTES * len(event.tags) + _TAG_VALUE_JSON_BYTES * values)
+
+
 def _channel_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bool:
     return in_channel(event.tags, judge.channel_id)
 
@@ -329,6 +377,7 @@ def _thread_ok(judge: _Judge, item: Mapping[str, object], event: Event) -> bool:
 #: The shape and "bad_signature" come first, in `_Judge.__call__` (shared: `_JudgedCache`).
 _CHECKS: tuple[tuple[str, Callable[[_Judge, Mapping[str, object], Event], bool]], ...] = (
     ("empty_tag", _tags_ok),
+    ("oversized", _size_ok),
     ("wrong_channel", _channel_ok),
     ("off_filter", _filter_ok),
     ("off_thread", _thread_ok),

@@ -21,15 +21,15 @@ Theory of operation:
   than `depth` items judged before the page is in (kept or dropped: a relay ignoring
   `limit`, or flooding forged events), and the page answers this read but is not kept. A
   window that ends before `subscribe` returns closes its subscription then (`attach`).
-* Kept true: every live message event is judged (shape, id, signature, channel, filter)
-  once, then placed in declared order; the window holds the newest events down to its
-  bottom (at most `keep`), or all of them when the channel has fewer. A live deletion
+* Kept true: every live message event is judged (shape, id, signature, size, channel,
+  filter) once, then placed in declared order; the window holds the newest events down to
+  its bottom (at most `keep`), or all of them when the channel has fewer. A live deletion
   (kind 5, NIP-29 kind 9005) naming an event of the window, a live NIP-29 removal (kind
   9001) of the agent, the relay's CLOSED, or a dropped connection takes the whole window
   away: the next read is cold and the relay says what is true. A window is also checked
-  against the relay once it is `max_age` old (jittered down by up to a quarter, so windows
-  opened together are not checked together), which bounds what a relay that drops a
-  member silently (no CLOSED, no 9001) can leave in it: the channel's newest few events
+  against the relay once it is `max_age` old (jittered down by up to a quarter, so
+  windows opened together are not checked together), which bounds what a relay that drops
+  a member silently (no CLOSED, no 9001) can leave in it: the channel's newest few events
   are read afresh under the agent's AUTH (channel_read.CONFIRM_EVENTS), and the window is
   kept (continuation pages included) only when they are its own first events
   (`Window.confirms`), else dropped and opened anew. A relay that no longer serves the
@@ -105,6 +105,7 @@ __all__ = [
     "Window",
     "WindowCache",
     "WindowKey",
+    "encode_event",
 ]
 
 _log = logging.getLogger("buzz_broker.read")
@@ -165,9 +166,10 @@ def _event_cost(event: Event, encoded: bytes) -> int:
     return decoded_size(event.to_json_obj()) + 2 * len(encoded)
 
 
-def _encode(event: Event) -> bytes:
-    # The canonical form (contract _envelopes._dumps) of one event: a page's messages are
-    # these joined by commas, exactly as the list's own dumps would write them.
+def encode_event(event: Event) -> bytes:
+    """One event as an answer carries it: the canonical form (contract
+    _envelopes._dumps). A page's messages are these joined by commas, exactly as the
+    list's own dumps would write them; channel_read measures an event by it too."""
     return json.dumps(event.to_json_obj(), separators=(",", ":"), ensure_ascii=False,
                       allow_nan=False).encode("utf-8")
 
@@ -179,7 +181,7 @@ class _Held:
 
     def __init__(self, event: Event) -> None:
         self.event = event
-        self.encoded = _encode(event)
+        self.encoded = encode_event(event)
         self.cost = _event_cost(event, self.encoded)
         self.refs = 0
         self._sized_by: Callable[[Event], int] | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -10,11 +11,16 @@ from typing import Any
 
 import pytest
 
-from buzzwire.contract import MAX_PAGE_BYTES, ChannelReadArgs, ErrorCode, ReadOutcome, Status
+from buzzwire.contract import (
+    MAX_CONTENT_BYTES, MAX_ENCODED_EVENT_BYTES, MAX_PAGE_BYTES, ChannelReadArgs, ErrorCode, Event,
+    ReadOutcome, Status,
+)
 from daemon.relay.cursor import CURSOR_TTL_SECONDS, KEY_FILE_NAME, CursorCodec
 from daemon.operations import channel_read
 from daemon.operations._base import Context
+from daemon.relay.paging import MAX_ROUNDS, READ_AHEAD
 from daemon.relay.pool import AnswerTooLarge, RelayRefused, RelayUnavailable
+from daemon.relay.windows import encode_event
 from tests.fixtures.relay import TestKey
 from tests.read._support import NOW, context, declared_order, new_channel, principal_for, read_through
 from tests.read.fake_relay import FakeRelay
@@ -56,6 +62,20 @@ def channel_events(author: TestKey, channel: str, n: int, *, per_second: int) ->
     return [author.sign(9, f"m{i}", [["h", channel]], NOW - 100 - i // per_second) for i in range(n)]
 
 
+def encoded_size(event: Mapping[str, Any]) -> int:
+    """The event's bytes as an answer carries it: compact JSON, UTF-8, nothing escaped
+    that need not be (contract `encode_response`), as Buzz's SDK measures it."""
+    return len(json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode())
+
+
+def encoded_exactly(author: TestKey, channel: str, size: int, created_at: int) -> dict[str, Any]:
+    """A message of short content whose `t` tag pads its encoded JSON to exactly `size`."""
+    draft = author.sign(9, "short", [["h", channel], ["t", ""]], created_at)
+    event = author.sign(9, "short", [["h", channel], ["t", "x" * (size - encoded_size(draft))]], created_at)
+    assert encoded_size(event) == size
+    return event
+
+
 async def test_reads_as_the_requester_and_pages_exactly(tmp_path: Path, reader: TestKey) -> None:
     channel = new_channel()
     events = channel_events(TestKey(), channel, 60, per_second=12)
@@ -90,9 +110,27 @@ async def test_undeliverable_events_are_dropped_and_logged(tmp_path: Path, reade
     # Validly signed, but NIP-01 tags hold one or more strings: Buzz's SDK (rust-nostr)
     # refuses the event, and with it the whole page it came in.
     empty_tag = alice.sign(9, "empty tag", [["h", channel], []], NOW - 101)
+    # Validly signed and in the channel, but past what Buzz's SDK takes in a read answer:
+    # content over NIP-BA's post bound in UTF-8 bytes (not characters: 16,385 of a 4-byte
+    # character), or the event's JSON over 512 KiB with small content (its escapes count:
+    # U+0001 is six bytes as sent). Any one refuses the whole page (`_size_ok`).
+    half = MAX_CONTENT_BYTES // 2
+    too_long = [alice.sign(9, "x" * (MAX_CONTENT_BYTES + 1), [["h", channel]], NOW - 101),
+                alice.sign(9, "é" * half + "x", [["h", channel]], NOW - 101),
+                alice.sign(9, "\U0001f440" * (MAX_CONTENT_BYTES // 4 + 1), [["h", channel]], NOW - 101),
+                encoded_exactly(alice, channel, MAX_ENCODED_EVENT_BYTES + 1, NOW - 101),
+                alice.sign(9, "s", [["h", channel], ["t", "\x01" * (MAX_ENCODED_EVENT_BYTES // 6 + 1)]],
+                           NOW - 101)]
+    # At the bounds exactly: delivered (a 65,536-byte content in 1-, 2- and 4-byte
+    # characters, and an event of exactly 512 KiB of JSON).
+    at_bounds = [alice.sign(9, "x" * MAX_CONTENT_BYTES, [["h", channel]], NOW - 99),
+                 alice.sign(9, "é" * half, [["h", channel]], NOW - 99),
+                 alice.sign(9, "\U0001f440" * (MAX_CONTENT_BYTES // 4), [["h", channel]], NOW - 99),
+                 encoded_exactly(alice, channel, MAX_ENCODED_EVENT_BYTES, NOW - 99)]
+    good = at_bounds + good
     pool = PoolLike(good)
     # A misbehaving relay sends all of these whatever the filter says.
-    pool.extra = [forged, bad_sig, no_h, foreign, extra_member, wrong_kind, empty_tag]
+    pool.extra = [forged, bad_sig, no_h, foreign, extra_member, wrong_kind, empty_tag, *too_long]
     caplog.set_level(logging.INFO, logger="buzz_broker.read")
     ctx = _reading(tmp_path, reader, channel, pool)
     got, _ = await read_through(ctx, channel_id=channel, limit=4)
@@ -101,17 +139,35 @@ async def test_undeliverable_events_are_dropped_and_logged(tmp_path: Path, reade
     dropped = {"bad_signature": {forged["id"], bad_sig["id"]},
                "wrong_channel": {no_h["id"], foreign["id"]},
                "not_canonical": {extra_member["id"]}, "off_filter": {wrong_kind["id"]},
-               "empty_tag": {empty_tag["id"]}}
+               "empty_tag": {empty_tag["id"]}, "oversized": {e["id"] for e in too_long}}
     shown = fields(caplog, "read.event_dropped")
     assert sorted(f["reason"] for f in shown) == sorted(dropped)
     assert all(f["event_id"] in dropped[f["reason"]] for f in shown)
-    assert ctx.read_log.total("read.event_dropped") >= 7
+    assert ctx.read_log.total("read.event_dropped") >= 12
     # No content of any event reached the log, nor the host's cursor key in any spelling.
-    assert "tampered" not in caplog.text and "forged" not in caplog.text
+    assert "tampered" not in caplog.text and "forged" not in caplog.text and "x" * 100 not in caplog.text
     key = (tmp_path / KEY_FILE_NAME).read_bytes()
     logged = caplog.text + repr([getattr(r, "buzz_fields", None) for r in caplog.records])
     for spelling in (key.hex(), base64.b64encode(key).decode(), base64.urlsafe_b64encode(key).decode(), repr(key)):
         assert spelling not in logged
+
+
+async def test_pages_of_only_dropped_events_still_move_on(tmp_path: Path, reader: TestKey) -> None:
+    # A member's oversized messages, more than one page's rounds reach (MAX_ROUNDS of
+    # limit + READ_AHEAD + 1 each), above older ordinary ones: the first pages deliver
+    # nothing, each with a cursor past what it dropped, and following them reaches every
+    # ordinary message once; the read never loops on the same events.
+    channel = new_channel()
+    alice = TestKey()
+    limit = 4
+    oversized = [alice.sign(9, "x" * (MAX_CONTENT_BYTES + 1), [["h", channel]], NOW - 10 - i)
+                 for i in range(MAX_ROUNDS * (limit + READ_AHEAD + 1) + 12)]
+    ordinary = [alice.sign(9, f"m{i}", [["h", channel]], NOW - 1_000 - i) for i in range(6)]
+    ctx = _reading(tmp_path, reader, channel, PoolLike(oversized + ordinary))
+    got, verdicts = await read_through(ctx, channel_id=channel, limit=limit, max_pages=20)
+    assert [e.id for e in got] == declared_order(ordinary)
+    first = verdicts[0].outcome
+    assert isinstance(first, ReadOutcome) and first.messages == () and first.next_cursor is not None
 
 
 @pytest.mark.parametrize(
@@ -283,3 +339,25 @@ async def test_a_page_of_large_messages_ends_at_max_page_bytes_with_a_cursor(
     held = len(page.messages)
     assert MAX_PAGE_BYTES // 70_000 < held < 100, held
     assert page.next_cursor is not None
+
+
+@pytest.mark.parametrize(("content", "tags", "created_at"), [
+    ("", [], 0),
+    ("\x01\x1f\"\\", [["h", "\x00" * 50]], 2**63 - 1),
+    ("\U0001f440é" * 3_000, [["t", "\U0001f440"]] * 500, NOW),
+    ("s", [[""]] * 20_000 + [["", "", ""]] * 5_000, NOW),
+])
+def test_the_cheap_json_bound_is_never_below_the_encoding(
+        content: str, tags: list[list[str]], created_at: int) -> None:
+    # `_size_ok` encodes an event only when this bound is past MAX_ENCODED_EVENT_BYTES: a
+    # bound below the real size would let a too-large event through unencoded.
+    event = Event.from_json_obj(TestKey().sign(65_535, content, tags, created_at))
+    assert channel_read._json_bytes_at_most(event) >= len(encode_event(event))
+
+
+def test_an_honest_buzz_message_is_judged_by_its_bound_alone() -> None:
+    # 8 KB of content in 2-byte characters and 55 tags of an id, a relay and a marker: far
+    # under the bound, so a cold read never encodes it to judge its size.
+    tags = [["h", new_channel()]] + [["e", "a" * 64, "wss://relay.example", "reply"]] * 55
+    event = Event.from_json_obj(TestKey().sign(9, "é" * 4_000, tags, NOW))
+    assert channel_read._json_bytes_at_most(event) < MAX_ENCODED_EVENT_BYTES // 4

@@ -23,6 +23,8 @@ import pytest
 import trio
 
 from buzzwire.contract import (
+    MAX_CONTENT_BYTES,
+    MAX_ENCODED_EVENT_BYTES,
     ChannelReadArgs,
     ErrorCode,
     Event,
@@ -777,9 +779,11 @@ async def test_a_hostile_relay_cannot_put_bad_events_in_a_window_nor_flood_the_l
         scripted_relay: Callable[[Script], Awaitable[ScriptedRelay]], tmp_path: Path,
         nursery: trio.Nursery, caplog: pytest.LogCaptureFixture) -> None:
     # On the window's live subscription the relay sends forged events (ids that do not
-    # hash, so no signature holds), a valid event of another channel and a valid one off
-    # the read's filter (kind 1): none reaches a poll; the one good event does. Each drop
-    # was a warning line, as many as the relay cared to send.
+    # hash, so no signature holds), a valid event of another channel, a valid one off
+    # the read's filter (kind 1), and valid ones too large for Buzz's SDK (content past
+    # 64 KiB, JSON past 512 KiB: it would refuse every poll's whole page): none reaches a
+    # poll; the one good event does. Each drop was a warning line, as many as the relay
+    # cared to send.
     w = await _scripted_window(scripted_relay, tmp_path, nursery)
     relay, author, channel = w.relay, w.author, w.channel
     caplog.set_level(logging.INFO, logger="buzz_broker.read")
@@ -788,8 +792,10 @@ async def test_a_hostile_relay_cannot_put_bad_events_in_a_window_nor_flood_the_l
         assert await relay.push({**template, "id": f"{n:064x}"}) >= 1
     elsewhere = author.sign(9, "elsewhere", [["h", new_channel()]], NOW - 30)
     off_filter = author.sign(1, "kind 1", [["h", channel]], NOW - 30)
+    long_content = author.sign(9, "x" * (MAX_CONTENT_BYTES + 1), [["h", channel]], NOW - 30)
+    long_json = author.sign(9, "s", [["h", channel], ["t", "x" * MAX_ENCODED_EVENT_BYTES]], NOW - 30)
     good = author.sign(9, "good", [["h", channel]], NOW - 20)
-    for event in (elsewhere, off_filter, good):
+    for event in (elsewhere, off_filter, long_content, long_json, good):
         await relay.push(event)
     reads = len(relay.received)
 
