@@ -3,13 +3,16 @@ the JSON values a page within that bound can hold.
 
 The host cuts a page before the event that would take the sum of `page_bytes` over its
 events past MAX_PAGE_BYTES (daemon/relay/paging.py, daemon/relay/windows.py; a page holds
-at least one event, so a lone larger event still gets through, alone). The agent client
-bounds the JSON values it will parse in an answer by what such a page holds,
-MAX_PAGE_VALUES (buzz_broker_client._bounds). Both read the one number here: a page the
-host serves is a page the client reads, however its events spend their bytes (2,000
-one-letter tags each, say), and what a hostile host can make the client build stays
-bounded by that page, not by the client's far larger byte bound (64 MiB: 44 million
-values as `[],` repeated).
+at least one event, so a lone larger event would still get through, alone). No event the
+host serves is that large: it drops one whose content is past MAX_CONTENT_BYTES or whose
+JSON is past MAX_ENCODED_EVENT_BYTES (daemon/operations/channel_read.py `_size_ok`:
+Buzz's SDK refuses a whole answer holding one), and 512 KiB of JSON is charged at most
+20/3 of its bytes (below), 3.3 MiB. The agent client bounds the JSON values it will parse
+in an answer by what such a page holds, MAX_PAGE_VALUES (buzz_broker_client._bounds).
+Both read the one number here: a page the host serves is a page the client reads, however
+its events spend their bytes (2,000 one-letter tags each, say), and what a hostile host
+can make the client build stays bounded by that page, not by the client's far larger byte
+bound (64 MiB: 44 million values as `[],` repeated).
 
 Why page bytes bound values (counted as `buzzwire.jsonvalues.values_at_most` counts them:
 the larger of one more than the `,:[{` outside strings, and the strings):
@@ -28,11 +31,15 @@ the larger of one more than the `,:[{` outside strings, and the strings):
   daemon.relay.pool `decoded_size`: ~98 bytes a value of `["t","x"]` tags, ~146 a `[""]`
   tag, before the client's `Event` tuples), so no charge a page of honest messages can
   carry reaches it; 20 is where the page's bound meets a lone event's. A page always holds
-  one event, so the client must also read one event the host serves past MAX_PAGE_BYTES,
-  alone: at most a relay frame, 1 MiB of JSON, where a tag of n values takes at least
-  3n + 2 bytes (`[""],` for n = 1) for its n + 1 counted, and the fixed members 334 for
-  16: two counted values in five bytes at most, `event_values_in`, 419,431 for 1 MiB.
+  one event, so the client also reads one event past MAX_PAGE_BYTES, alone (which this
+  host no longer serves, above; the client's bound keeps that margin): at most a relay
+  frame, 1 MiB of JSON, where a tag of n values takes at least 3n + 2 bytes (`[""],` for
+  n = 1) for its n + 1 counted, and the fixed members 334 for 16: two counted values in
+  five bytes at most, `event_values_in`, 419,431 for 1 MiB.
   A larger charge would cut honest tag-heavy pages sooner and lower no client's bound.
+  Per byte of JSON an event is charged most by a tag of many empty values: `"",` is three
+  bytes charged 20, so an event the host serves (at most MAX_ENCODED_EVENT_BYTES of JSON)
+  is charged less than 20/3 of that, within MAX_PAGE_BYTES.
   An honest Buzz message (8 KB of content, 55 tags of a 64-hex id, a relay and a marker)
   is charged ~18 KB: 100 fit a page twice over (tests/contract/test_page_size.py).
 - JSON text at large holds more: each counted byte needs an uncounted one (a `[` or `{` its
@@ -42,8 +49,9 @@ the larger of one more than the `,:[{` outside strings, and the strings):
 
 WARNING: the page bound holds only for events with no empty tag (`[]` is two counted values
 for no bytes charged, and three bytes of JSON): the host drops such events before they reach
-a page (daemon/operations/channel_read.py `_tags_ok`). tests/contract/test_page_size.py holds
-each bound, with the densest events the host serves.
+a page (daemon/operations/channel_read.py `_tags_ok`), as it drops oversized ones
+(`_size_ok`). tests/contract/test_page_size.py holds each bound, with the densest events
+the host serves.
 """
 
 from __future__ import annotations

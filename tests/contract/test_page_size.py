@@ -10,6 +10,8 @@ JSON values by MAX_PAGE_VALUES, derived from that bound. These tests hold the de
   is not slack);
 - a lone event past the page bound holds fewer than `event_values_in` of its JSON's bytes,
   and the densest reaches it;
+- no event the host serves (at most MAX_ENCODED_EVENT_BYTES of JSON) is charged past the
+  page bound;
 - an honest Buzz message still fits 100 to a page.
 """
 
@@ -22,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from buzzwire.contract import (
-    MAX_PAGE_BYTES, MAX_PAGE_VALUES, Event, ReadOutcome, Verdict, encode_response,
+    MAX_ENCODED_EVENT_BYTES, MAX_PAGE_BYTES, MAX_PAGE_VALUES, Event, ReadOutcome, Verdict, encode_response,
     event_values_in, page_bytes, page_values, values_in,
 )
 from buzzwire.jsonvalues import values_at_most
@@ -154,6 +156,19 @@ def test_the_densest_lone_event_is_within_event_values_in_and_reaches_it() -> No
     assert held < event_values_in(size)
     assert held > 0.999 * event_values_in(size)
     assert event_values_in(frame) == MAX_PAGE_VALUES  # where the charge of 20 was chosen
+
+
+def test_no_event_the_host_serves_is_charged_past_the_page_bound() -> None:
+    # The host drops an event past MAX_ENCODED_EVENT_BYTES of JSON (channel_read
+    # `_size_ok`). The most charged per byte is a tag of many empty values (`"",`: three
+    # bytes charged 20); at the size bound it is charged within MAX_PAGE_BYTES, so a page
+    # the host serves never holds one event past the page bound alone.
+    one_valued = _event([["h", CHANNEL]] + [[""]] * ((MAX_ENCODED_EVENT_BYTES - 400) // 5))
+    assert _events_json_bytes([one_valued]) <= MAX_ENCODED_EVENT_BYTES
+    assert page_bytes(one_valued) < MAX_PAGE_BYTES
+    many = _event([["h", CHANNEL], [""] * ((MAX_ENCODED_EVENT_BYTES - 400) // 3)])
+    assert MAX_ENCODED_EVENT_BYTES - 100 < _events_json_bytes([many]) <= MAX_ENCODED_EVENT_BYTES
+    assert 0.99 * MAX_ENCODED_EVENT_BYTES * 20 / 3 < page_bytes(many) < MAX_PAGE_BYTES
 
 
 def test_an_honest_buzz_message_still_fits_100_to_a_page() -> None:
