@@ -207,7 +207,9 @@ EVENT_VALUES: Mapping[str, dict[str, object]] = {
     "created_at": TIMESTAMP,
     "kind": KIND,
     "tags": {"type": "array", "items": {"type": "array", "items": {"type": "string"}}},
-    "content": {"type": "string"},
+    # The host drops a read event whose content is past NIP-BA's post bound in UTF-8 bytes
+    # (channel_read `_size_ok`: Buzz's SDK refuses the page), which characters approximate.
+    "content": _string(maxLength=MAX_CONTENT_BYTES),
     "sig": _exact("[0-9a-f]{128}", 128),
 }
 
