@@ -96,6 +96,24 @@ def test_a_lone_surrogate_is_bad_message_a_pair_is_text(escaped: str, text: bool
                 messages.decode_request(body)
 
 
+@pytest.mark.parametrize(("escaped", "text"), [
+    ("\\ud800", False), ("x\\udfff", False), ("\\ude00\\ud83d", False),
+    ("\\ud83d\\ude00", True),
+])
+def test_an_answer_holding_a_lone_surrogate_is_bad_message_a_pair_is_text(
+        escaped: str, text: bool) -> None:
+    """The same rule as a request's, in an `ok` value, where no row types the strings:
+    at the top, deep in a list or object, and as a member name (the daemon writes these
+    answers to agents as UTF-8, where a lone surrogate would raise UnicodeEncodeError)."""
+    for ok in ('"@"', '{"address":["a","@"]}', '{"@":1}'):
+        body = f'{{"v":{messages.VERSION},"ok":{ok.replace("@", escaped)}}}'.encode("ascii")
+        if text:
+            assert "\U0001f600" in json.dumps(messages.decode_reply(body), ensure_ascii=False)
+        else:
+            with pytest.raises(messages.BadMessage, match="surrogate"):
+                messages.decode_reply(body)
+
+
 def test_values_are_bounded_before_the_parse_and_counted_outside_strings() -> None:
     """MAX_VALUES: the largest request (a backup of MAX_BACKUP_NAMES names) parses; one more
     value than the bound is refused unparsed; `,:[{` inside strings are not values."""
