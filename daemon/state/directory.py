@@ -42,6 +42,9 @@ Rules:
 - Reads go through one read-only connection, made when the file exists: a reader run as
   a user other than the state directory's (`agent list` as root) creates nothing; with
   no file yet, names come from the version-1 fallback alone.
+- A file of a schema version this build does not know (a newer build's `PRAGMA
+  user_version`) is refused by every read and write, in one line naming both versions:
+  read, its rows would pass for this build's; written, it would be marked version 1 again.
 - Faults are `DirectoryError`, whose message names the file and never a row's content.
 """
 
@@ -98,6 +101,7 @@ def check_name(name: object) -> None:
 PRUNE_AFTER_SECONDS = 60
 #: How many hex digits of its pubkey name an agent that was given no name.
 DEFAULT_NAME_DIGITS = 12
+#: `PRAGMA user_version` of the file this build writes (0: made, not yet marked).
 SCHEMA_VERSION = 1
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS names (
@@ -307,10 +311,16 @@ class AgentDirectory:
                 if not self._path.exists():
                     return None
                 try:
-                    self._db = sqlite3.connect(f"file:{self._path}?mode=ro", uri=True,
-                                               check_same_thread=False)
+                    db = sqlite3.connect(f"file:{self._path}?mode=ro", uri=True,
+                                         check_same_thread=False)
+                    try:
+                        _readable_version(db, self._path)
+                    except BaseException:
+                        db.close()
+                        raise
                 except sqlite3.Error as exc:
                     raise DirectoryError(f"cannot open {self._path}: {exc}") from None
+                self._db = db
             try:
                 return self._db.execute(
                     f"SELECT pubkey, name, creator FROM names {where}", args).fetchall()
@@ -396,12 +406,15 @@ class AgentDirectory:
         """One transaction on a short read-write connection. The file's first writer also
         copies in the version-1 names, in the transaction that marks them copied."""
         try:
-            db = open_private_db(self._path, _SCHEMA)
+            # The schema only once the version is known: never a table into a newer file.
+            db = open_private_db(self._path, "")
             try:
                 db.execute("PRAGMA secure_delete=ON")
                 db.execute("BEGIN IMMEDIATE")
                 try:
-                    if db.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:
+                    version = _readable_version(db, self._path)
+                    db.execute(_SCHEMA)
+                    if version != SCHEMA_VERSION:
                         db.executemany(
                             "INSERT OR IGNORE INTO names (pubkey, name, creator, updated_at)"
                             " VALUES (?, ?, ?, 0)",
@@ -425,6 +438,18 @@ class AgentDirectory:
                 self._db.close()
                 self._db = None
         self._keys.close()
+
+
+def _readable_version(db: sqlite3.Connection, path: Path) -> int:
+    """The file's schema version; DirectoryError if this build does not read it. A newer
+    build's file would otherwise be read as this one's, and its first write here would
+    copy the version-1 names in again and mark it version 1 (the keystore's openers refuse
+    a newer keystore alike: custody/_keystore.py)."""
+    version = int(db.execute("PRAGMA user_version").fetchone()[0])
+    if version not in (0, SCHEMA_VERSION):
+        raise DirectoryError(f"directory {path} has schema version {version}; this build reads "
+                             f"up to {SCHEMA_VERSION} (a newer build's directory needs that build)")
+    return version
 
 
 def _ours(state_dir: Path) -> bool:
