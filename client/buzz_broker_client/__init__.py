@@ -24,7 +24,8 @@ from ._blocking import BrokerClient
 from ._env import DEFAULT_SOCKET
 from ._errors import (
     CREDENTIAL_ENV, CREDENTIAL_FILE_ENV, SOCKET_ENV, BrokerUnreachable, CredentialRefused,
-    NothingListening, NotConfigured, SetupError, SocketMissing, SocketPermissionDenied,
+    ListenerRefused, NothingListening, NotConfigured, SetupError, SocketMissing,
+    SocketPermissionDenied,
 )
 from .client import (
     Answer, AsyncBrokerClient, EventVerification, Failed, FateUnknown, Indeterminate, NoAnswer,
@@ -40,6 +41,7 @@ __all__ = [
     # errors
     "ContractError", "ErrorCode", "SetupError", "NotConfigured", "BrokerUnreachable",
     "SocketMissing", "NothingListening", "SocketPermissionDenied", "CredentialRefused",
+    "ListenerRefused",
     # environment
     "SOCKET_ENV", "CREDENTIAL_ENV", "CREDENTIAL_FILE_ENV", "DEFAULT_SOCKET",
 ]

@@ -6,7 +6,11 @@ Rules:
   request provably had no effect, and each of whose messages says what to do.
 - Which is which is a table (`SETUP_PROBLEMS`), read by the client and by the tests:
   a connect that failed with "missing", "permission" or "refused" on *every* attempt
-  (so not one byte reached a host), or the host's verdict `failed` + `unauthenticated`.
+  (so not one byte reached a host), a loopback TCP listener's 403 naming the rule the
+  request broke (`LISTENER_REFUSALS`: refused before any handler saw it), or the host's
+  verdict `failed` + `unauthenticated`. The table also says which are retried first: a
+  missing socket may appear (a restarting broker); a permission or a listener's rule
+  does not change by waiting, and is raised at the first attempt.
 - Messages name paths and environment variables, never the credential (which they
   cannot reach: the exceptions are built from the endpoint's description, the directory
   above the socket that refused this user when one did, and fixed text).
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import stat
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -34,7 +40,10 @@ __all__ = [
     "NothingListening",
     "SocketPermissionDenied",
     "CredentialRefused",
+    "ListenerRefused",
+    "SetupProblem",
     "SETUP_PROBLEMS",
+    "LISTENER_REFUSALS",
     "SOCKET_ENV",
     "CREDENTIAL_ENV",
     "CREDENTIAL_FILE_ENV",
@@ -135,10 +144,52 @@ class CredentialRefused(SetupError):
         self.answer = answer
 
 
-#: connect kind (transport `CONNECT_KINDS`) -> the setup error it becomes when every
-#: attempt failed that way. "other" connect failures stay "no answer".
-SETUP_PROBLEMS: Mapping[str, Callable[[str], SetupError]] = MappingProxyType({
-    "missing": SocketMissing,
-    "refused": NothingListening,
-    "permission": SocketPermissionDenied,
+class ListenerRefused(SetupError):
+    """A loopback TCP listener's rule refused the request: nothing happened; not retried.
+
+    A 403 whose body is one fixed line naming the rule (`LISTENER_REFUSALS`: your user,
+    the `Host` header, a browser's header), sent before any handler saw the request. The
+    same request is refused again, so it is raised at once. `line` is the listener's line.
+    """
+
+    def __init__(self, where: str, line: str) -> None:
+        super().__init__(f"the broker's listener at {where} refused the request before "
+                         f"judging it, and refuses it again if sent again: {line} "
+                         "(docs/protocol.md section 1, \"On loopback TCP\")")
+        self.where = where
+        self.line = line
+
+
+#: The loopback TCP listener's 403 bodies, each one fixed line naming the rule the request
+#: broke: daemon/loopback_tcp.py `Refusal`, which this client, standing alone, does not
+#: import (tests/client/test_listener_refusal.py holds the two equal). A 403 with any
+#: other body (a proxy's page) is no answer, as any status without an envelope.
+LISTENER_REFUSALS: frozenset[bytes] = frozenset({
+    b"refused: this user may not connect to this listener\n",
+    b"refused: Host is not this listener's (127.0.0.1:PORT, [::1]:PORT or localhost:PORT)\n",
+    b"refused: a browser's request (Origin, Sec-Fetch-* or Upgrade header; Node's built-in "
+    b"fetch always sends Sec-Fetch-Mode)\n",
+})
+
+
+@dataclass(frozen=True, slots=True)
+class SetupProblem:
+    """What an attempt turned away before the host acted on it becomes."""
+
+    #: the error, from the endpoint's description (`Endpoint.describe`)
+    error: Callable[[str], SetupError]
+    #: retried first (raised only when every attempt of the call was turned away so);
+    #: False: raised at once, as waiting cannot change it
+    retried: bool
+
+
+#: How an attempt was turned away -> its setup problem: a connect kind (transport
+#: `CONNECT_KINDS`; "other" connect failures stay "no answer"), or a listener's line
+#: (`LISTENER_REFUSALS`, without its newline).
+SETUP_PROBLEMS: Mapping[str, SetupProblem] = MappingProxyType({
+    "missing": SetupProblem(SocketMissing, retried=True),
+    "refused": SetupProblem(NothingListening, retried=True),
+    "permission": SetupProblem(SocketPermissionDenied, retried=False),
+    **{line: SetupProblem(partial(ListenerRefused, line=line), retried=False)
+       for line in (body.decode("ascii").rstrip("\n") for body in LISTENER_REFUSALS)},
 })

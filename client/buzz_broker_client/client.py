@@ -60,10 +60,13 @@ caller must reconcile (read state) or retry later *with the same request id and 
 
 Setup problems raise instead (`buzz_broker_client._errors`, table `SETUP_PROBLEMS`): a
 connect that failed as "missing", "refused" or "permission" on every attempt of a call
-(nothing was sent; permission is not retried), and the verdict `failed` + `unauthenticated`
-before any attempt may have reached the host (`CredentialRefused`, carrying that `Failed`).
-Each is "nothing happened" with a message saying what to fix; an agent cannot usefully go
-on without fixing it.
+(nothing was sent; permission is not retried), a loopback TCP listener's `403` naming its
+rule (`ListenerRefused`: refused before routing; not retried, the same bytes get the same
+`403`), and the verdict `failed` + `unauthenticated` before any attempt may have reached
+the host (`CredentialRefused`, carrying that `Failed`). Each is "nothing happened" with a
+message saying what to fix; an agent cannot usefully go on without fixing it. One that is
+not retried, after an attempt that may have reached the host, ends the call with that
+attempt's fate-unknown answer instead.
 
 Rules:
 - The credential is held inside a `Credential` (redacting repr), written only into the
@@ -124,7 +127,9 @@ from buzzwire.nostr import verify_event
 
 from ._bounds import response_bytes, response_values
 from ._env import resolve_address, resolve_credential
-from ._errors import SETUP_PROBLEMS, CredentialRefused, SetupError, SocketPermissionDenied
+from ._errors import (
+    LISTENER_REFUSALS, SETUP_PROBLEMS, CredentialRefused, SetupError, SocketPermissionDenied,
+)
 from ._transport import (
     ConnectFailure, ConnectKind, Credential, Endpoint, HttpReply, TransportFailure,
     closed_directory, credential_refusal, exchange,
@@ -493,6 +498,15 @@ def _as_answer(unknown: FateUnknown) -> Indeterminate | NoAnswer:
 #: `_bounds.SMALL_ANSWER_BYTES`), a millisecond at most; larger ones (pages of events,
 #: a memory record) on a worker thread.
 _JUDGE_INLINE_BYTES = 64 * 1024
+
+
+def _listener_refusal(reply: HttpReply) -> str | None:
+    """A loopback TCP listener's refusal line (`LISTENER_REFUSALS`, without its newline)
+    when `reply` is one, else None. Judged as any reply without an envelope, it is no
+    answer; `_attempts` reads this to stop, since the same bytes get the same 403."""
+    if reply.status == 403 and reply.body in LISTENER_REFUSALS:
+        return reply.body.decode("ascii").rstrip("\n")
+    return None
 
 
 def _no_answer(request: Request, attempt: int, reason: NoAnswerReason, detail: str) -> NoAnswer:
@@ -864,9 +878,9 @@ class AsyncBrokerClient:
         unknown: FateUnknown | None = prior
         while True:
             attempt += 1
-            answer, replayed, connect = await self._attempt(
+            answer, replayed, turned = await self._attempt(
                 request, body, outcome_type, attempt, deadline, connected)
-            nothing_sent = nothing_sent and connect in SETUP_PROBLEMS
+            nothing_sent = nothing_sent and turned in SETUP_PROBLEMS
             if unknown is not None and _fate_blind(answer, replayed):
                 assert isinstance(answer, (Failed, Unsupported))
                 code = answer.code if isinstance(answer, Failed) else ErrorCode.UNSUPPORTED
@@ -887,18 +901,28 @@ class AsyncBrokerClient:
                 raise CredentialRefused(answer)
             if not isinstance(answer, FateUnknown):
                 return answer
+            if turned is not None and turned in SETUP_PROBLEMS and not SETUP_PROBLEMS[turned].retried:
+                # Retrying cannot grant a permission or change a listener's rule: raised
+                # now, or, once an earlier attempt may have reached the host, its fate.
+                if nothing_sent:
+                    raise self._setup_error(turned)
+                assert unknown is not None  # set by the attempt that may have reached it
+                _log.warning(
+                    "retry turned away after an attempt that may have reached the host, "
+                    "fate unknown: request_id=%s action=%s attempts=%d by=%s",
+                    request.request_id, request.action, attempt, turned,
+                )
+                return _as_answer(replace(unknown, attempts=attempt))
             if not nothing_sent:
                 unknown = answer
-            if nothing_sent and connect == "permission":
-                raise self._setup_error(connect)  # retrying cannot grant a permission
             reason = answer.reason.value if isinstance(answer, NoAnswer) else "indeterminate"
             if attempt >= policy.max_attempts or anyio.current_time() + delay >= deadline:
-                if nothing_sent and connect is not None:
+                if nothing_sent and turned is not None:
                     _log.warning(
                         "broker unreachable, nothing sent: request_id=%s action=%s attempts=%d connect=%s",
-                        request.request_id, request.action, attempt, connect,
+                        request.request_id, request.action, attempt, turned,
                     )
-                    raise self._setup_error(connect)
+                    raise self._setup_error(turned)
                 _log.warning(
                     "fate unknown after retries: request_id=%s action=%s attempts=%d reason=%s",
                     request.request_id, request.action, attempt, reason,
@@ -911,20 +935,21 @@ class AsyncBrokerClient:
             await anyio.sleep(delay)
             delay = min(delay * policy.multiplier, policy.max_delay)
 
-    def _setup_error(self, connect: ConnectKind) -> SetupError:
+    def _setup_error(self, turned: str) -> SetupError:
         where = self._endpoint.describe()
-        if connect == "permission":
+        if turned == "permission":
             # Which fix helps depends on what refused: the socket, or a directory above it
             # that no group of the socket's opens. Only this error looks at the path.
             return SocketPermissionDenied(where, closed_directory(self._endpoint))
-        return SETUP_PROBLEMS[connect](where)
+        return SETUP_PROBLEMS[turned].error(where)
 
     async def _attempt(
         self, request: Request, body: bytes, outcome_type: type[O], attempt: int, deadline: float,
         connected: Callable[[], None],
-    ) -> tuple[Answer[O], bool, ConnectKind | None]:
-        """One attempt: its answer, whether the host said `replayed`, and how its connect
-        failed, when it did (None otherwise).
+    ) -> tuple[Answer[O], bool, str | None]:
+        """One attempt: its answer, whether the host said `replayed`, and how it was turned
+        away before the host acted on it, when it was (a key of `SETUP_PROBLEMS`: how its
+        connect failed, or a loopback TCP listener's refusal line; None otherwise).
 
         The attempt's deadline covers judging too. A large body is judged on a worker
         thread, so parsing it and verifying its events never holds the caller's event
@@ -958,7 +983,8 @@ class AsyncBrokerClient:
                     judged = await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
         if judged is None:
             return _no_answer(request, attempt, NoAnswerReason.TRANSPORT, detail), False, connect
-        return judged[0], judged[1], None
+        assert reply is not None  # judged
+        return judged[0], judged[1], _listener_refusal(reply)
 
     # ----- one method per operation (spec §Operations; wire names in the mapping)
 
