@@ -7,7 +7,8 @@ drops the records of keys destroyed past it, or those named (custody/custodian/f
 `... FILE --verify-log` checks the signed log's chain, reading only (custody/custodian/verify.py).
 `... FILE keys init|rotate|migrate ...` runs a KEK command with the custodian stopped
 (custody/custodian/keys.py, imported only then: the serving process never loads either).
-Words none of these forms take are the usage line on stderr and exit 2, before FILE is read.
+Words none of these forms take (a `-` word where FILE goes among them) are the usage line on
+stderr and exit 2, before FILE is read; `-h`/`--help` anywhere is that line on stdout, exit 0.
 
 Opens custody (token login, KEK check, keystore), then serves the message table until
 SIGTERM/SIGINT (SIGHUP: one line, no reload), on the socket systemd passed
@@ -158,6 +159,12 @@ def _work(args: list[str]) -> Callable[[], Awaitable[None]]:
 
 def main(argv: list[str]) -> int:
     args = [a for a in argv if a != "--config"]
+    if {"-h", "--help"} & set(args):  # as the daemon's `custodian`: nothing read or opened
+        print(USAGE)
+        return 0
+    if args[:1] and args[0].startswith("-"):  # a word, not a file to read
+        print(USAGE, file=sys.stderr)
+        return EXIT_USAGE
     if args[1:] == ["--verify-log"]:  # reads only, and needs no token: root may run it too
         from custody.custodian import verify
 

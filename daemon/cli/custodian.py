@@ -5,9 +5,9 @@ the custodian package is imported here: nothing of the daemon's pipeline loads i
 process that holds the keys.
 
 The words after FILE are the custodian's (custody/custodian/main.py parses them, not
-argparse), so `--help` among them is answered here: the usage on stdout, exit 0, from
-custody/custodian/keys.py's `USAGE` (imported only then: the serving process never loads it),
-with nothing read or opened.
+argparse), so `--help` among them (or as FILE, after `--`) is answered here: the usage on
+stdout, exit 0, from custody/custodian/keys.py's `USAGE` (imported only then: the serving
+process never loads it), with nothing read or opened.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _usage() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if _HELP & set(args.words) or args.recover in _HELP:
+    if _HELP & {args.file, args.recover, *args.words}:  # `-- --help` puts it in FILE
         print(_usage())
         return 0
     from custody.custodian.main import main

@@ -58,3 +58,41 @@ def test_no_file_is_argparse_line_naming_file_alone() -> None:
     assert done.returncode == EXIT_USAGE, done.stderr
     assert done.stderr.splitlines()[-1] == (
         "buzz-broker custodian: error: the following arguments are required: FILE")
+
+
+#: Words asking for help, FILE among them or not -> exit 0, the usage on stdout.
+HELP_WORDS = [("--help",), ("-h",), ("--", "--help"), ("--", "-h"), ("FILE", "--help"),
+              ("FILE", "keys", "-h"), ("FILE", "--recover", "--help")]
+
+
+@pytest.mark.token_independent
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("words", HELP_WORDS, ids=" ".join)
+def test_help_where_file_goes_is_the_usage_and_exit_0(
+        tmp_path: Path, entry: str, words: tuple[str, ...]) -> None:
+    """Before, `python -m custody.custodian --help` (and `buzz-broker custodian -- --help`)
+    read `--help` as FILE: a file error, exit 1. Asking reads nothing, opens no token.
+    (`buzz-broker custodian --help` before FILE is argparse's, tests/cli/test_help.py.)"""
+    missing = str(tmp_path / "no-such-custodian.toml")
+    argv = [missing if w == "FILE" else w for w in words]
+    done = subprocess.run([sys.executable, "-m", *ENTRY_POINTS[entry], *argv], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (0, ""), (done.returncode, done.stderr)
+    assert done.stdout.startswith("usage: buzz-broker custodian "), done.stdout
+    assert "FILE" in done.stdout, done.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.token_independent
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("words", [("--bogus",), ("--", "--bogus"), ("-x", "--verify-log"),
+                                   ("--", "-", "--recover", "a" * 64)], ids=" ".join)
+def test_a_flag_where_file_goes_is_a_usage_line_not_a_file_error(
+        entry: str, words: tuple[str, ...]) -> None:
+    """A flag-like FILE that is not a help flag: the usage line, exit 2, not a file error."""
+    if entry == "buzz-broker custodian" and words[0] != "--":
+        pytest.skip("argparse's own: an option it does not take before FILE")
+    done = subprocess.run([sys.executable, "-m", *ENTRY_POINTS[entry], *words], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (EXIT_USAGE, ""), (done.returncode, done.stderr)
+    assert done.stderr == f"{USAGE}\n", done.stderr
