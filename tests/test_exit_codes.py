@@ -85,6 +85,8 @@ MALFORMED: tuple[tuple[tuple[str, ...], str], ...] = (
     (("agent", "attach-auth", "--agent", "AGENT", "--tag", "{"), "--tag"),
     (("audit", "show", "--since", "yesterday"), "bad time"),
     (("audit", "show", "--agent", "xyz"), "--agent"),
+    (("audit", "show", "--credential", "cred_XYZ"), "--credential"),
+    (("audit", "show", "--action", "typo.set"), "--action"),
     (("keys", "backup", "--recipient", "not-age", "--out", "OUT"), "--recipient 1"),
     (("keys", "rotate", "--new-kek-label", ""), "--new-kek-label"),
 )

@@ -32,7 +32,8 @@ Rules:
   does — but marks any line it cannot read (on stderr).
 - The audit log holds no secrets, so everything in it may be printed.
 - Faults (missing path, unreadable file) are one-line CliErrors; a malformed filter
-  (`--since`/`--until` TIME, `--agent`) a UsageError, exit 2, checked before any path.
+  (`--since`/`--until` TIME, `--agent`, a `--credential` not of the shape the daemon issues,
+  an `--action` not in the contract's ACTIONS) a UsageError, exit 2, checked before any path.
 
 WARNING: `EXIT_BROKEN`, the `ok …`/`broken: …` lines and the TIME grammar are documented in
 docs/operations.md ("Verifying", "Reading"); keep them in step.
@@ -348,7 +349,9 @@ def _reanchor(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
+    from buzzwire.contract import ACTIONS
     from daemon.state.audit import read_records
+    from daemon.state.sessions import CREDENTIAL_ID_RE
 
     # The filters first: a malformed one is the command line's fault, said before any path.
     now = time.time()
@@ -359,6 +362,14 @@ def _show(args: argparse.Namespace) -> int:
         if not _HEX64_RE.fullmatch(args.agent):
             raise UsageError("--agent: expected 64 hex characters")
         agent = args.agent.lower()
+    # Checked, not just compared: a typo matched nothing and read as "no such records".
+    if args.credential is not None and not CREDENTIAL_ID_RE.fullmatch(args.credential):
+        # Not echoed: an operator who pastes a token here must not see it printed back.
+        raise UsageError("--credential: expected a credential id (cred_ followed by 16 hex "
+                         "characters)")
+    if args.action is not None and args.action not in ACTIONS:
+        raise UsageError(f"--action: unknown action {args.action[:40]!r}; expected one of "
+                         f"{', '.join(sorted(ACTIONS))}")
     path = _audit_dir(args, args.path)
     if not path.is_dir():
         raise CliError(f"{path} is not a directory")

@@ -72,7 +72,6 @@ PRESETS: Final[dict[str, tuple[str, ...]]] = {
 #: Duration suffix -> seconds.
 _UNITS: Final = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _DURATION_RE: Final = re.compile(r"([1-9][0-9]{0,8})([smhd])")
-_CREDENTIAL_ID_RE: Final = re.compile(r"cred_[0-9a-f]{16}")
 
 #: `--ttl` when none is given (see the module docstring for why 30 days).
 DEFAULT_TTL: Final = "30d"
@@ -367,7 +366,9 @@ def _when(at: int | None, absent: str) -> str:
 
 
 def _grant(args: argparse.Namespace) -> int:
-    if _CREDENTIAL_ID_RE.fullmatch(args.credential_id) is None:
+    from daemon.state.sessions import CREDENTIAL_ID_RE
+
+    if CREDENTIAL_ID_RE.fullmatch(args.credential_id) is None:
         # Not echoed: an operator who pastes a token here must not see it printed back.
         raise UsageError("ID: expected a credential id (cred_ followed by 16 hex characters)")
     actions = _chosen_actions(args)
@@ -388,7 +389,9 @@ def _grant(args: argparse.Namespace) -> int:
 
 
 def _revoke(args: argparse.Namespace) -> int:
-    if _CREDENTIAL_ID_RE.fullmatch(args.credential_id) is None:
+    from daemon.state.sessions import CREDENTIAL_ID_RE
+
+    if CREDENTIAL_ID_RE.fullmatch(args.credential_id) is None:
         # Not echoed: an operator who pastes a token here must not see it printed back.
         raise UsageError("ID: expected a credential id (cred_ followed by 16 hex characters)")
     store = _store(args)

@@ -99,6 +99,7 @@ from daemon.state._group_commit import Failed, GroupCommit
 from buzzwire.contract import PAIRING, ErrorCode, Status, is_request_id
 from daemon.fault_log import FaultLog
 from daemon.log import log_event
+from daemon.state.sessions import CREDENTIAL_ID_RE
 
 __all__ = [
     "AuditLog",
@@ -166,7 +167,6 @@ FILE_MODE: Final = 0o600
 
 _FILE_RE: Final = re.compile(r"audit-([0-9]{6,})\.jsonl")
 _HEX64: Final = re.compile(r"[0-9a-f]{64}")
-_CREDENTIAL_RE: Final = re.compile(r"cred_[0-9a-f]{16}")
 _ACTION_RE: Final = re.compile(r"[a-z]+\.[a-z]+")
 _TIME_RE: Final = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{3}Z")
 
@@ -245,7 +245,7 @@ def _check_who(kind: str, times: tuple[float, ...], credential_id: str, agent: s
                action: str | None) -> None:
     """The shape of the facts every per-credential line carries (a local error: our bug)."""
     _check_times(kind, times)
-    if not isinstance(credential_id, str) or not _CREDENTIAL_RE.fullmatch(credential_id):
+    if not isinstance(credential_id, str) or not CREDENTIAL_ID_RE.fullmatch(credential_id):
         raise ValueError(f"{kind}.credential_id must be cred_ + 16 hex")
     if not isinstance(agent, str) or not _HEX64.fullmatch(agent):
         raise ValueError(f"{kind}.agent must be 64 lowercase hex")

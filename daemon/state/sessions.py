@@ -83,6 +83,7 @@ from daemon.state._sqlite import open_private_db
 
 __all__ = [
     "AuthCause",
+    "CREDENTIAL_ID_RE",
     "Refused",
     "LAST_USE_FLUSH_SECONDS",
     "GENERATION_COLUMNS",
@@ -125,7 +126,9 @@ _CHANNEL_RE: Final = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4
 #: Action names are the spec's wire names (`channel.read`, ...); the store checks shape,
 #: the CLI checks membership in the nine.
 _ACTION_RE: Final = re.compile(r"[a-z]+\.[a-z]+")
-_CREDENTIAL_ID_RE: Final = re.compile(r"cred_[0-9a-f]{16}")
+#: A credential id as `issue` makes it (`cred_` + `token_hex(8)`): the one shape, which the
+#: commands that take an id and the audit log's lines are checked against.
+CREDENTIAL_ID_RE: Final = re.compile(r"cred_[0-9a-f]{16}")
 
 #: How often the daemon writes the last-use seconds it noted (see the module docstring):
 #: `credential list` may lag by this much.
@@ -653,7 +656,7 @@ class SessionStore:
         """
         if not actions or not all(isinstance(a, str) and _ACTION_RE.fullmatch(a) for a in actions):
             raise ValueError("actions must be one or more action names")
-        if not isinstance(credential_id, str) or _CREDENTIAL_ID_RE.fullmatch(credential_id) is None:
+        if not isinstance(credential_id, str) or CREDENTIAL_ID_RE.fullmatch(credential_id) is None:
             return None
         self._conn.execute("BEGIN IMMEDIATE")
         try:
@@ -681,7 +684,7 @@ class SessionStore:
 
     def revoke(self, credential_id: str, *, now: int | None = None) -> bool:
         """Revoke one credential. Returns False if it is unknown or already revoked."""
-        if not isinstance(credential_id, str) or _CREDENTIAL_ID_RE.fullmatch(credential_id) is None:
+        if not isinstance(credential_id, str) or CREDENTIAL_ID_RE.fullmatch(credential_id) is None:
             return False
         at = int(time.time()) if now is None else now
         changed = self._conn.execute(

@@ -14,6 +14,7 @@ import trio
 
 from daemon.state.audit import AuditLog, audit_files
 from daemon.cli import EXIT_CLOSED_PIPE
+from daemon.cli._common import EXIT_USAGE
 from daemon.cli.audit import EXIT_BROKEN
 
 from .test_audit import AGENT, record
@@ -471,3 +472,32 @@ def test_verify_where_there_is_no_log_of_either_kind_is_a_fault_not_ok(tmp_path:
     config.write_text(f'[state]\ndir = "{state}"\n')
     done = buzz("--config", str(config), "audit", "verify")
     assert done.returncode == 1 and "no audit log at" in done.stderr, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(("flag", "value", "allowed"), [
+    ("--credential", "cred_XYZ", "cred_ followed by 16 hex"),
+    ("--credential", "0123456789abcdef", "cred_ followed by 16 hex"),
+    ("--credential", "cred_0123456789ABCDEF", "cred_ followed by 16 hex"),
+    ("--action", "message.pots", "message.post"),
+    ("--action", "keys.backup", "channel.read"),
+    ("--action", "", "liveness.ping"),
+])
+def test_a_malformed_credential_or_action_filter_is_a_usage_line(
+        tmp_path: Path, flag: str, value: str, allowed: str) -> None:
+    """Before, `show --credential`/`--action` took any word and matched nothing, exit 0: a
+    typo read as "no such records". The credential id's shape is the one the daemon issues
+    (daemon/state/sessions.py), the actions the contract's table: refused before any path."""
+    done = buzz("audit", "show", "--path", str(tmp_path / "nothing"), flag, value)
+    assert (done.returncode, done.stdout) == (EXIT_USAGE, ""), (done.returncode, done.stderr)
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"buzz-broker: {flag}: ") and allowed in line, line
+
+
+def test_a_well_formed_filter_that_matches_nothing_is_an_empty_table(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    trio.run(make_log, state)
+    for flag, value in (("--credential", "cred_" + "f" * 16), ("--action", "typing.set")):
+        done = buzz("audit", "show", "--path", str(state / "audit"), flag, value)
+        assert (done.returncode, done.stderr) == (0, ""), (flag, done.stderr)
+        assert done.stdout.splitlines()[1:] == [], done.stdout
