@@ -49,13 +49,13 @@ import json
 import os
 import sys
 
-from daemon.cli._common import CliError, config_from_args
+from daemon.cli._common import EXIT_USAGE, CliError, config_from_args
 
 HELP = "perform one operation through the broker as an agent, and print the verdict"
 
 EXIT_SUCCEEDED = 0
 EXIT_CANNOT_RUN = 1
-EXIT_USAGE = 2
+# EXIT_USAGE (2) is the package's one, imported above: `call`'s table of codes names it.
 EXIT_FAILED = 3
 EXIT_UNSUPPORTED = 4
 EXIT_INDETERMINATE = 5

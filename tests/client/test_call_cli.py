@@ -287,3 +287,20 @@ async def test_a_credential_given_as_the_credential_file_is_not_printed(
     out, err = capsys.readouterr()
     assert out == "" and "looks like a credential" in err and token not in err
     assert host.received == []
+
+
+def test_the_usage_code_is_the_packages_one_not_a_copy() -> None:
+    """One table per fact: `call`'s EXIT_USAGE is daemon/cli/_common.py's, imported, so the
+    two cannot drift (call.py kept its own `EXIT_USAGE = 2`)."""
+    import ast
+    import inspect
+
+    from daemon.cli import call
+
+    tree = ast.parse(inspect.getsource(call))
+    assigned = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                for target in node.targets if isinstance(target, ast.Name)}
+    assigned |= {node.target.id for node in ast.walk(tree)
+                 if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+    assert "EXIT_USAGE" not in assigned
+    assert EXIT_USAGE == cli.EXIT_USAGE
