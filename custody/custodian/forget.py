@@ -54,8 +54,10 @@ from custody.custodian.changes import logged_change, open_log
 from custody.custodian.config import load
 from custody.custodian.grace import Graveyard
 from custody.custodian.ledger import fault_name
+from custody.custodian.main import UsageError
 
-__all__ = ["MAX_NAMED", "STAYS", "NotForgotten", "forget", "forget_destroyed", "forget_named"]
+__all__ = ["MAX_NAMED", "STAYS", "NotForgotten", "check_named", "forget", "forget_destroyed",
+           "forget_named"]
 
 #: Keys one named run takes: its intent line names them all (write-ahead: a run killed
 #: before its count leaves the keystore to say which went), 256 of 67 bytes is ~17 KiB, far
@@ -70,12 +72,17 @@ def _lines(forgotten: list[str], intent: int) -> list[dict[str, object]]:
     return [*lines, {"op": "forget", "agents": len(forgotten), "intent": intent}]
 
 
-async def forget(config_path: str, pubkeys: Sequence[str] = ()) -> None:
-    """Forget past the grace period, or exactly `pubkeys` (named); prints what went."""
+def check_named(pubkeys: Sequence[str]) -> None:
+    """Raises UsageError: one of `pubkeys` is not one (main.py asks before FILE is read)."""
     for number, text in enumerate(pubkeys, 1):
         if not is_hex64(text):  # never echoed: a secret key pasted by mistake is hex too
-            raise CustodyError(f"key {number} named is not a pubkey (64 lowercase hex); not "
-                               "shown; nothing was forgotten")
+            raise UsageError(f"custodian: key {number} named is not a pubkey (64 lowercase "
+                             "hex); not shown; nothing was forgotten")
+
+
+async def forget(config_path: str, pubkeys: Sequence[str] = ()) -> None:
+    """Forget past the grace period, or exactly `pubkeys` (named); prints what went."""
+    check_named(pubkeys)
     if len(set(pubkeys)) > MAX_NAMED:
         raise CustodyError(f"at most {MAX_NAMED} keys named in one run (its intent line names "
                            "them all); name the rest in another; nothing was forgotten")

@@ -144,8 +144,14 @@ def _refuse_foreign_state(config: CustodianConfig) -> None:
 def _work(args: list[str]) -> Callable[[], Awaitable[None]]:
     """The form `args` name, to run once FILE is read. Raises UsageError."""
     if len(args) == 3 and args[1] == "--recover":
+        from custody.custodian.recover import check_named
+
+        check_named(args[2])
         return functools.partial(recover, args[0], args[2])
     if len(args) >= 2 and args[1] == "--forget-destroyed":
+        from custody.custodian.forget import check_named as check_all_named
+
+        check_all_named(args[2:])
         return functools.partial(forget, args[0], args[2:])
     if len(args) >= 2 and args[1] == "keys":
         from custody.custodian.keys import parse

@@ -33,8 +33,9 @@ from custody._sealed import seal, unseal
 from custody.custodian.changes import logged_change, open_log
 from custody.custodian.config import load
 from custody.custodian.grace import Graveyard
+from custody.custodian.main import UsageError
 
-__all__ = ["recover", "revive_agent"]
+__all__ = ["check_named", "recover", "revive_agent"]
 
 log = logging.getLogger("buzz_broker.custody")
 
@@ -64,12 +65,17 @@ async def revive_agent(custody: Custody, pubkey: str, blob: bytes) -> KeyRecord:
     return record
 
 
-async def recover(config_path: str, pubkey: str) -> None:
+def check_named(pubkey: str) -> None:
+    """Raises UsageError: `pubkey` is not one (main.py asks before FILE is read)."""
     # The key named is said only once it is known here: an unknown one may be a secret
     # pasted by mistake (64 hex too), and a path must never reach the copies' directory.
     if not is_hex64(pubkey):
-        raise CustodyError("the key named is not a pubkey (64 lowercase hex); not shown; "
-                           "nothing was recovered")
+        raise UsageError("custodian: the key named is not a pubkey (64 lowercase hex); not "
+                         "shown; nothing was recovered")
+
+
+async def recover(config_path: str, pubkey: str) -> None:
+    check_named(pubkey)
     config = load(config_path)
     graveyard = Graveyard.beside(config.settings.log_path, config.settings.destroy_grace_seconds)
     blob = graveyard.take(pubkey)

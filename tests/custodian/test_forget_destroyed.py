@@ -36,6 +36,7 @@ from custody.custodian import forget as command
 from custody.custodian.client import CustodianClient
 from custody.custodian.forget import MAX_NAMED, NotForgotten, forget_destroyed, forget_named
 from custody.custodian.grace import Graveyard
+from custody.custodian.main import EXIT_USAGE
 from custody.custodian.verify import verify_chain
 from tests.custodian.test_refusals import ask, human, intent
 from tests.custody._sealing import HUMAN
@@ -278,7 +279,9 @@ async def test_a_named_key_that_cannot_be_forgotten_is_said_and_nothing_changes(
         # that): refused before anything, and never echoed.
         pasted = "nsec1" + "q" * 58
         malformed = _forget(process.config, gone, pasted)
-        assert malformed.returncode == 1 and pasted not in malformed.stderr
+        # A malformed argument: a usage error, one line (before, exit 1 as a fault).
+        assert malformed.returncode == EXIT_USAGE and pasted not in malformed.stderr
+        assert malformed.stderr.count("\n") == 1, malformed.stderr
         assert "key 2 named is not a pubkey" in malformed.stderr
         too_many = _forget(process.config, *(f"{n:064x}" for n in range(MAX_NAMED + 1)))
         assert too_many.returncode == 1 and f"at most {MAX_NAMED} keys" in too_many.stderr

@@ -96,3 +96,29 @@ def test_a_flag_where_file_goes_is_a_usage_line_not_a_file_error(
                           capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout) == (EXIT_USAGE, ""), (done.returncode, done.stderr)
     assert done.stderr == f"{USAGE}\n", done.stderr
+
+
+#: A PUBKEY not 64 lowercase hex -> what its line says (the words themselves never echoed:
+#: a secret key pasted by mistake is hex too).
+MALFORMED_PUBKEYS: dict[tuple[str, ...], str] = {
+    ("--recover", "nsec1" + "q" * 58): "custodian: the key named is not a pubkey",
+    ("--recover", "A" * 64): "custodian: the key named is not a pubkey",
+    ("--forget-destroyed", "a" * 64, "../" + "b" * 61): "custodian: key 2 named is not a pubkey",
+}
+
+
+@pytest.mark.token_independent
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("words", MALFORMED_PUBKEYS, ids=lambda w: w[0])
+def test_a_malformed_pubkey_is_a_usage_line_before_file_is_read(
+        tmp_path: Path, entry: str, words: tuple[str, ...]) -> None:
+    """Before, `--recover`/`--forget-destroyed` with a malformed PUBKEY exited 1, a fault's
+    code, and only once FILE had been read; a malformed argument is a usage error."""
+    missing = tmp_path / "no-such-custodian.toml"  # never read: the words are wrong first
+    done = subprocess.run([sys.executable, "-m", *ENTRY_POINTS[entry], str(missing), *words],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (EXIT_USAGE, ""), (done.returncode, done.stderr)
+    [line] = done.stderr.splitlines()
+    assert line.startswith(MALFORMED_PUBKEYS[words]), line
+    assert not any(word in line for word in words[1:]), line
+    assert list(tmp_path.iterdir()) == []
