@@ -228,6 +228,14 @@ _NOT_ADMITTED = (
     b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
     b"Connection: close\r\n\r\n%s" % (len(Refusal.UID.value), Refusal.UID.value)
 )
+#: What a TCP connection whose uid the user database did not decide within
+#: `request_timeout` gets: not the refusal's 403, which a client rightly never retries, as
+#: the same uid is admitted once a lookup of it answers. Fixed words, as the 403 lines.
+UNDECIDED_BODY = b"unavailable: the user database did not answer in time; try again\n"
+_UNDECIDED = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
+    b"Connection: close\r\n\r\n%s" % (len(UNDECIDED_BODY), UNDECIDED_BODY)
+)
 #: How long that answer may take to write before the connection is simply closed.
 _REFUSE_WRITE_SECONDS = 1.0
 
@@ -916,8 +924,9 @@ async def serve(
             (the metrics gauge).
         admit: on a TCP listener, which peer uids (daemon/tcp_peer.py; None = unknown) may
             connect, asked in the connection's task (so a slow user database holds up only
-            that connection); a refused one, or one not decided within
-            ``limits.request_timeout``, gets a 403 (`Refusal.UID`) before a byte is read.
+            that connection); a refused one gets a 403 (`Refusal.UID`) before a byte is
+            read, one not decided within ``limits.request_timeout`` a 503 (`UNDECIDED_BODY`:
+            the same uid is admitted once its lookup answers, so a client may retry it).
             None admits every peer (the metrics listener). Every TCP listener also refuses what a
             browser could send (daemon/loopback_tcp.py).
         task_status: ``started(control)`` once the socket is listening.
@@ -963,10 +972,11 @@ async def serve(
                         control.refusals.record(("uid", uid), peer_uid=uid,
                                                 cap=limits.max_connections_per_uid)
                         await refuse(stream, _TOO_MANY_FROM_UID)
-                    elif not await admitted(uid):
-                        control.tcp_refusals.record(("uid", uid), reason="not allowed",
-                                                    peer_uid=uid)
-                        await refuse(stream, _NOT_ADMITTED)
+                    elif not (verdict := await admitted(uid)):
+                        control.tcp_refusals.record(
+                            ("uid", uid), peer_uid=uid,
+                            reason="not allowed" if verdict is False else "undecided")
+                        await refuse(stream, _NOT_ADMITTED if verdict is False else _UNDECIDED)
                     else:
                         port = stream.socket.getsockname()[1] if tcp else None
                         await _Connection(stream, routes, limits, control, peer, port).run()
@@ -977,7 +987,8 @@ async def serve(
                     control._closed()
                     slots.release()
 
-            async def admitted(uid: int | None) -> bool:
+            async def admitted(uid: int | None) -> bool | None:
+                """The allow-list's verdict; None: not decided within request_timeout."""
                 if not tcp or admit is None:
                     return True
                 # The allow-list may need the user database, which can block: it is asked
@@ -986,7 +997,7 @@ async def serve(
                     with trio.fail_after(limits.request_timeout):
                         return await admit(uid)
                 except trio.TooSlowError:
-                    return False  # a user database that does not answer admits nobody
+                    return None  # a user database that does not answer admits nobody
 
             async def refuse(stream: trio.SocketStream, answer: bytes) -> None:
                 try:

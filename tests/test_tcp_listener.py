@@ -42,7 +42,7 @@ from daemon.cli.serve import METRICS_NOTE
 from daemon.config import METRICS_TCP, load_config
 from daemon.http import (HttpAnswer, HttpLimits, HttpRequest, action_routes, bind_tcp_socket,
                          bind_unix_socket, serve)
-from daemon import loopback_tcp
+from daemon import http, loopback_tcp
 from daemon.loopback_tcp import (HELD_BY_SYSTEMD, MEMBERSHIP_STALE, MEMBERSHIP_TTL, AdmissionGate,
                                  TcpAdmission)
 from daemon.metrics import SCRAPE_LIMITS, Metrics, scrape_routes
@@ -1160,7 +1160,10 @@ async def test_one_uids_burst_of_connections_is_one_lookup() -> None:
 
 
 async def test_a_lookup_that_never_answers_admits_nobody() -> None:
-    """A lookup still pending at request_timeout is a bodiless 403: fail closed."""
+    """A lookup still pending at request_timeout admits nobody (fail closed), and says so
+    with a 503 naming the user database, not the refusal's 403: the same uid is admitted
+    once a lookup answers, so a client retries it (the agent client never retries a 403
+    naming a rule: tests/client/test_listener_refusal.py)."""
     directory = _StalledDirectory(frozenset({"root"}), stalls=1)
     tcp = bind_tcp_socket("127.0.0.1", 0)
     port = tcp.getsockname()[1]
@@ -1171,8 +1174,9 @@ async def test_a_lookup_that_never_answers_admits_nobody() -> None:
                                                   admit=AdmissionGate(directory, nursery=nursery)))
             with trio.fail_after(10):
                 refused = await _answer(port)
-            assert refused.startswith(b"HTTP/1.1 403 ")
-            assert refused.endswith(b"\r\n\r\n" + loopback_tcp.Refusal.UID.value)
+            assert refused.startswith(b"HTTP/1.1 503 ")
+            assert refused.endswith(b"\r\n\r\n" + http.UNDECIDED_BODY)
+            assert http.UNDECIDED_BODY not in {r.value for r in loopback_tcp.Refusal}
             nursery.cancel_scope.cancel()
     finally:
         directory.release.set()
