@@ -12,7 +12,8 @@ Rules:
   promise ("pending is durable BEFORE any side effect") rests on this; the sessions store
   uses it too because a revocation must survive a crash.
 - Autocommit at the driver level (`isolation_level=None`): callers open transactions
-  themselves with explicit BEGIN/COMMIT, so it is visible where one fsync covers many writes.
+  themselves, with `transaction` (BEGIN IMMEDIATE … COMMIT), so it is visible where one
+  fsync covers many writes; a statement outside one commits alone.
 - `check_same_thread=False`: the ledger hands its one connection to trio worker threads,
   one at a time under a CapacityLimiter(1); the limiter, not sqlite3's thread check, is
   what keeps the connection single-user.
@@ -25,9 +26,11 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["open_private_db", "create_private", "FILE_MODE", "BUSY_TIMEOUT_MS"]
+__all__ = ["open_private_db", "create_private", "transaction", "FILE_MODE", "BUSY_TIMEOUT_MS"]
 
 #: Owner read/write only: these files hold credential hashes and signed pending events.
 FILE_MODE = 0o600
@@ -48,6 +51,35 @@ def _tighten(path: Path) -> None:
                 os.chmod(p, FILE_MODE)
         except FileNotFoundError:
             continue
+
+
+@contextmanager
+def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """One write transaction around the block: committed when it ends, rolled back when it
+    raises anything, the trio cancellation and KeyboardInterrupt included, and re-raised.
+
+    IMMEDIATE: the write lock is taken at BEGIN, under the busy timeout, so a transaction
+    that reads before it writes never fails half-way for another writer's lock.
+    The ROLLBACK only while one is open: SQLite ends a transaction by itself on some
+    errors (SQLITE_FULL, IOERR), and "no transaction is active" must not replace the
+    error that matters; a COMMIT that fails (a deferred constraint, a lock) leaves it
+    open, and it is rolled back here.
+
+    Raises:
+        ValueError: `conn` is not in driver autocommit (`isolation_level=None`, as
+            `open_private_db` opens it): sqlite3 would begin transactions of its own
+            before DML, and the block would not be the whole transaction.
+    """
+    if conn.isolation_level is not None:
+        raise ValueError("transaction needs a connection with isolation_level=None")
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
 
 
 def create_private(path: Path) -> None:
@@ -92,15 +124,10 @@ def open_private_db(path: Path, schema: str) -> sqlite3.Connection:
         if str(mode).lower() != "wal":
             raise sqlite3.OperationalError(f"cannot enable WAL on {path} (got {mode})")
         conn.execute("PRAGMA synchronous=FULL")
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with transaction(conn):
             for statement in schema.split(";"):
                 if statement.strip():
                     conn.execute(statement)
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
     except BaseException:
         conn.close()
         raise
