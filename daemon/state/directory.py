@@ -63,7 +63,7 @@ from typing import Protocol, TypeVar
 
 from buzzwire.nostr import is_hex64
 from custody import CustodyError, KeyIndex, KeyRecord
-from daemon.state._sqlite import open_private_db
+from daemon.state._sqlite import open_private_db, transaction
 
 __all__ = ["AgentDirectory", "AgentRecord", "DirectoryError", "DIRECTORY_FILE",
            "HUMAN_OWNED_DEPTH", "KeySource", "PRUNE_AFTER_SECONDS", "check_name", "child_depth"]
@@ -410,8 +410,7 @@ class AgentDirectory:
             db = open_private_db(self._path, "")
             try:
                 db.execute("PRAGMA secure_delete=ON")
-                db.execute("BEGIN IMMEDIATE")
-                try:
+                with transaction(db):
                     version = _readable_version(db, self._path)
                     db.execute(_SCHEMA)
                     if version != SCHEMA_VERSION:
@@ -421,10 +420,6 @@ class AgentDirectory:
                             [(p, n, c) for p, (n, c) in _call(self._keys.v1_names).items()])
                         db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
                     yield db
-                except BaseException:
-                    db.execute("ROLLBACK")
-                    raise
-                db.execute("COMMIT")
             finally:
                 db.close()
         except sqlite3.Error as exc:

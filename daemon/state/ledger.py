@@ -115,7 +115,7 @@ import trio
 
 from buzzwire.contract import ErrorCode, Status
 from daemon.state._group_commit import Failed, GroupCommit
-from daemon.state._sqlite import open_private_db
+from daemon.state._sqlite import open_private_db, transaction
 from daemon.state.verdict_store import verdict_of
 
 __all__ = [
@@ -1012,8 +1012,7 @@ def _migrate_v1(conn: sqlite3.Connection, retention: int) -> bool:
         return False
     conn.create_function("request_key", 1, lambda text: request_key(str(text)),
                          deterministic=True)
-    conn.execute("BEGIN IMMEDIATE")
-    try:
+    with transaction(conn):
         conn.execute("INSERT OR IGNORE INTO principals (principal)"
                      " SELECT DISTINCT principal FROM ledger")
         conn.execute(
@@ -1023,10 +1022,6 @@ def _migrate_v1(conn: sqlite3.Connection, retention: int) -> bool:
             " FROM ledger AS l JOIN principals AS p ON p.principal = l.principal",
             (State.FINAL.value, retention, STALE_FACTOR * retention))
         conn.execute("DROP TABLE ledger")
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
     return True
 
 
@@ -1040,8 +1035,7 @@ def _migrate_verdict_columns(conn: sqlite3.Connection, *, backfill: bool) -> Non
     columns = {row[1] for row in conn.execute("PRAGMA table_info(entries)").fetchall()}
     if "status" in columns and not backfill:
         return
-    conn.execute("BEGIN IMMEDIATE")
-    try:
+    with transaction(conn):
         if "status" not in columns:
             conn.execute("ALTER TABLE entries ADD COLUMN status TEXT")
             conn.execute("ALTER TABLE entries ADD COLUMN code TEXT")
@@ -1051,10 +1045,6 @@ def _migrate_verdict_columns(conn: sqlite3.Connection, *, backfill: bool) -> Non
             status, code = verdict_of(bytes(response))
             conn.execute("UPDATE entries SET status = ?, code = ? WHERE pid = ? AND rid = ?",
                          (status.value, None if code is None else code.value, pid, rid))
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
 
 
 def _migrate_charge_column(conn: sqlite3.Connection) -> None:
@@ -1086,11 +1076,11 @@ def write_anchor(path: Path | str, head: tuple[int, str]) -> None:
     """Set the audit anchor (`audit reanchor`; the daemon must not be running)."""
     conn = open_private_db(Path(path), _SCHEMA)
     try:
-        conn.execute("BEGIN IMMEDIATE")
-        conn.execute(
-            "INSERT INTO audit_anchor (id, seq, head) VALUES (1, ?, ?)"
-            " ON CONFLICT (id) DO UPDATE SET seq = excluded.seq, head = excluded.head", head)
-        conn.execute("COMMIT")
+        with transaction(conn):
+            conn.execute(
+                "INSERT INTO audit_anchor (id, seq, head) VALUES (1, ?, ?)"
+                " ON CONFLICT (id) DO UPDATE SET seq = excluded.seq, head = excluded.head",
+                head)
     finally:
         conn.close()
 

@@ -77,7 +77,7 @@ from typing import Final, Protocol
 
 import trio
 
-from daemon.state._sqlite import open_private_db
+from daemon.state._sqlite import open_private_db, transaction
 from buzzwire.contract import ACTIONS, ErrorCode, RateClass
 from daemon.log import log_event
 from daemon.pipeline.policy import Refusal
@@ -689,8 +689,7 @@ class RateLimiter:
     def _write(self, snap: _Snapshot) -> None:
         with self._db_lock:
             conn = self._conn
-            conn.execute("BEGIN IMMEDIATE")
-            try:
+            with transaction(conn):
                 conn.executemany(
                     "INSERT INTO buckets (credential_id, scope, level, at) VALUES (?, ?, ?, ?) "
                     "ON CONFLICT (credential_id, scope) DO UPDATE SET "
@@ -715,10 +714,6 @@ class RateLimiter:
                         "today = excluded.today, left_day = excluded.left_day",
                         snap.days,
                     )
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
             self.flushes += 1
 
     def _requeue(self, snap: _Snapshot) -> None:

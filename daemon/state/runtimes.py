@@ -25,7 +25,7 @@ import sqlite3
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from daemon.state._sqlite import open_private_db
+from daemon.state._sqlite import open_private_db, transaction
 
 __all__ = ["RuntimeStore", "RUNTIMES_DB"]
 
@@ -87,15 +87,10 @@ class RuntimeStore:
         row is written only for a key the daemon holds); how many went. Blocking."""
         writer = open_private_db(self._path, "")
         try:
-            writer.execute("BEGIN IMMEDIATE")
-            try:
+            with transaction(writer):
                 gone = writer.execute(
                     "DELETE FROM runtimes WHERE pubkey NOT IN (SELECT value FROM json_each(?))",
                     (json.dumps(sorted(kept())),)).rowcount
-                writer.execute("COMMIT")
-            except BaseException:
-                writer.execute("ROLLBACK")
-                raise
         finally:
             writer.close()
         return gone

@@ -79,7 +79,7 @@ from dataclasses import InitVar, dataclass
 from pathlib import Path
 from typing import Final
 
-from daemon.state._sqlite import open_private_db
+from daemon.state._sqlite import open_private_db, transaction
 
 __all__ = [
     "AuthCause",
@@ -296,30 +296,19 @@ def _upgrade(conn: sqlite3.Connection) -> None:
                     raise
     # After the columns: the trigger names them. One transaction, so no opener sees the
     # row without its triggers.
-    conn.execute("BEGIN IMMEDIATE")
-    try:
+    with transaction(conn):
         for statement in _GENERATION_DDL:
             conn.execute(statement)
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
 
 
 def _write_last_use(conn: sqlite3.Connection, noted: dict[str, int]) -> None:
     # Never moves a last use back: a CLI or an older flush may have written a later one.
-    conn.execute("BEGIN")
-    try:
+    with transaction(conn):
         conn.executemany(
             "UPDATE credentials SET last_used_at = ? WHERE credential_id = ?"
             " AND (last_used_at IS NULL OR last_used_at < ?)",
             [(at, cid, at) for cid, at in noted.items()],
         )
-        conn.execute("COMMIT")
-    except BaseException:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise
 
 
 def check_label(label: str | None) -> None:
@@ -658,15 +647,13 @@ class SessionStore:
             raise ValueError("actions must be one or more action names")
         if not isinstance(credential_id, str) or CREDENTIAL_ID_RE.fullmatch(credential_id) is None:
             return None
-        self._conn.execute("BEGIN IMMEDIATE")
-        try:
+        with transaction(self._conn):
             row = self._conn.execute(
                 "SELECT actions FROM credentials WHERE credential_id = ? AND revoked_at IS NULL"
                 " AND (expires_at IS NULL OR expires_at > ?)", (credential_id, now),
             ).fetchone()
             if row is None:
-                self._conn.execute("ROLLBACK")
-                return None
+                return None  # nothing written: the commit ends a read, as a rollback would
             held = frozenset(json.loads(str(row[0])))
             added = tuple(sorted(actions - held))
             if added:
@@ -674,11 +661,6 @@ class SessionStore:
                     "UPDATE credentials SET actions = ? WHERE credential_id = ?",
                     (json.dumps(sorted(held | actions)), credential_id),
                 )
-            self._conn.execute("COMMIT")
-        except BaseException:
-            if self._conn.in_transaction:
-                self._conn.execute("ROLLBACK")
-            raise
         self.reload()
         return added
 

@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Protocol
 
 from buzzwire import kinds
-from daemon.state._sqlite import open_private_db
+from daemon.state._sqlite import open_private_db, transaction
 
 __all__ = ["SignWatermarks", "Watermark", "WATERMARKS_DB", "GUARDED_KINDS",
            "MAX_ROWS_PER_AGENT", "signers"]
@@ -222,14 +222,8 @@ class SignWatermarks:
         (a connection one thread uses needs no lock); rolled back if the block raises."""
         writer = self._db if self._path is None else open_private_db(self._path, "")
         try:
-            writer.execute("BEGIN IMMEDIATE")
-            try:
+            with transaction(writer):
                 yield writer
-                writer.execute("COMMIT")
-            except BaseException:
-                if writer.in_transaction:
-                    writer.execute("ROLLBACK")
-                raise
         finally:
             if writer is not self._db:
                 writer.close()
