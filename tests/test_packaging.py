@@ -10,6 +10,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement  # pytest's own dependency
+from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,3 +59,33 @@ def test_a_build_prints_no_warning(project: str, tmp_path: Path) -> None:
     present, absent = WHEELS[project]
     assert set(present) <= set(files), files
     assert not [f for f in files if f.startswith(absent)], files
+
+
+def _lower_bounds() -> dict[str, dict[str, str]]:
+    """Each dependency's lower bound, by distribution name, then by the pyproject.toml
+    (relative to the repository) that names it: `>=`, `==`, `~=` or `>` gives it, none is
+    "none"."""
+    bounds: dict[str, dict[str, str]] = {}
+    for path in sorted(REPO.glob("**/pyproject.toml")):
+        if {".venv", "build", "node_modules"} & set(path.relative_to(REPO).parts):
+            continue
+        project = tomllib.loads(path.read_text(encoding="utf-8"))["project"]
+        named = [*project.get("dependencies", []),
+                 *(r for extra in project.get("optional-dependencies", {}).values() for r in extra)]
+        for line in named:
+            req = Requirement(line)
+            lower = [s.version for s in req.specifier if s.operator in (">=", "==", "~=", ">")]
+            bounds.setdefault(canonicalize_name(req.name), {})[
+                str(path.relative_to(REPO))] = ",".join(sorted(lower)) or "none"
+    return bounds
+
+
+def test_a_shared_dependency_has_one_lower_bound() -> None:
+    """A dependency two distributions name has the same lower bound in each: the client
+    accepted h11 0.14, whose bare ValueError on a 5,000-digit Content-Length the daemon's
+    `h11>=0.16` was raised to keep out (its fix reached one pyproject.toml of three)."""
+    bounds = _lower_bounds()
+    assert len({p for named in bounds.values() for p in named}) == 3, bounds  # all found
+    shared = {name: named for name, named in bounds.items() if len(named) > 1}
+    assert {"h11", "anyio", "coincurve"} <= set(shared), shared
+    assert {name: named for name, named in shared.items() if len(set(named.values())) > 1} == {}
