@@ -25,9 +25,12 @@ def test_version_is_the_projects() -> None:
 
 #: Each distribution's folder -> files its wheel must hold, and files it must not: the
 #: shared wire module (buzzwire/) is its own distribution, which the client depends on
-#: instead of carrying a copy; the daemon's packs it, for itself and the custodian.
+#: instead of carrying a copy; the daemon's packs it, for itself and the custodian, and the
+#: client, for `buzz-broker call` (so neither of the two belongs in the daemon's venv:
+#: docs/install.md, step 1).
 WHEELS = {
-    ".": (("buzzwire/nostr.py", "custody/custodian/server.py", "daemon/cli/__init__.py"), ()),
+    ".": (("buzzwire/nostr.py", "buzz_broker_client/client.py", "custody/custodian/server.py",
+           "daemon/cli/__init__.py"), ()),
     "client": (("buzz_broker_client/client.py",), ("buzzwire/", "custody/", "daemon/")),
     "buzzwire": (("buzzwire/nostr.py", "buzzwire/kinds.py", "buzzwire/contract/_json.py"),
                  ("buzz_broker_client/", "custody/", "daemon/")),
