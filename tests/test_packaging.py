@@ -3,9 +3,12 @@ our own (`make run` showed about 45 lines of setuptools deprecation warnings).""
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tomllib
 from pathlib import Path
 
@@ -23,6 +26,15 @@ def test_version_is_the_projects() -> None:
     assert (done.returncode, done.stdout) == (0, f"buzz-broker {version}\n")
 
 
+def _clean_copy(dest: Path) -> Path:
+    """The checkout as a clean clone holds it: no venv, no earlier build/ or egg-info (an
+    egg-info's stale SOURCES.txt feeds the next sdist), no caches."""
+    shutil.copytree(REPO, dest, symlinks=True, ignore=shutil.ignore_patterns(
+        ".venv", ".git", "__pycache__", "*.egg-info", "build", "run", ".mypy_cache",
+        ".pytest_cache", ".hypothesis", "node_modules"))
+    return dest
+
+
 #: Each distribution's folder -> files its wheel must hold, and files it must not: the
 #: shared wire module (buzzwire/) is its own distribution, which the client depends on
 #: instead of carrying a copy; the daemon's packs it, for itself and the custodian, and the
@@ -30,7 +42,7 @@ def test_version_is_the_projects() -> None:
 #: docs/install.md, step 1).
 WHEELS = {
     ".": (("buzzwire/nostr.py", "buzz_broker_client/client.py", "custody/custodian/server.py",
-           "daemon/cli/__init__.py"), ()),
+           "daemon/cli/__init__.py"), ("buzzwire/pyproject.toml", "buzzwire/LICENSE")),
     "client": (("buzz_broker_client/client.py",), ("buzzwire/", "custody/", "daemon/")),
     "buzzwire": (("buzzwire/nostr.py", "buzzwire/kinds.py", "buzzwire/contract/_json.py"),
                  ("buzz_broker_client/", "custody/", "daemon/")),
@@ -39,13 +51,10 @@ WHEELS = {
 
 @pytest.mark.parametrize("project", list(WHEELS), ids=["daemon", "client", "buzzwire"])
 def test_a_build_prints_no_warning(project: str, tmp_path: Path) -> None:
-    source = REPO / project
-    if project != ".":
-        # From a copy: pip builds in the source tree, and buzzwire/ is the package itself,
-        # so a build/ left there would sit inside the package the checkout imports.
-        source = tmp_path / "src" / project
-        shutil.copytree(REPO / project, source,
-                        ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
+    # From a clean copy: pip builds in the source tree, whose build/ keeps every file an
+    # earlier build copied (and buzzwire/ is the package itself, so a build/ left there would
+    # sit inside the package the checkout imports).
+    source = _clean_copy(tmp_path / "src") / project
     wheels = tmp_path / "wheels"
     done = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(wheels), str(source)],
@@ -92,3 +101,49 @@ def test_a_shared_dependency_has_one_lower_bound() -> None:
     shared = {name: named for name, named in bounds.items() if len(named) > 1}
     assert {"h11", "anyio", "coincurve"} <= set(shared), shared
     assert {name: named for name, named in shared.items() if len(set(named.values())) > 1} == {}
+
+
+INSTALL_MD = REPO / "docs" / "install.md"
+#: Where install.md puts the source (a clone, or an unpacked release: the sdist).
+SOURCE = "/opt/buzz-broker/src/"
+
+
+def _taken_from_the_source(text: str) -> set[str]:
+    """The paths install.md takes from the source folder: each file it names under it (not
+    what it removes there), each folder `pip install ./a ./b` builds, and the tree's own
+    pyproject.toml (`pip install /opt/buzz-broker/src`)."""
+    lines = [line for line in text.splitlines() if not line.lstrip().startswith("rm ")]
+    named = set(re.findall(re.escape(SOURCE) + r"([\w./-]+)", "\n".join(lines)))
+    folders = {f for args in re.findall(r"pip install ((?:\./\w+ ?)+)", text)
+               for f in args.split()}
+    return named | {f"{f[2:]}/pyproject.toml" for f in folders} | {"pyproject.toml"}
+
+
+def _sdist_files(tmp_path: Path) -> set[str]:
+    """The daemon's sdist, built from a clean copy of the checkout by the setuptools its
+    pyproject.toml's build-system requires (the venv's may be older)."""
+    tree = _clean_copy(tmp_path / "tree")
+    backend = tmp_path / "backend"
+    requires = tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]["requires"]
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                    str(backend), *requires], check=True, capture_output=True, timeout=120)
+    out = tmp_path / "sdist"
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, setuptools.build_meta as b; "
+         "print(b.build_sdist(sys.argv[1]))", str(out)],
+        cwd=tree, env={**os.environ, "PYTHONPATH": str(backend)},
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with tarfile.open(out / done.stdout.split()[-1]) as sdist:
+        return {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
+
+
+def test_the_sdist_holds_what_install_md_takes_from_it(tmp_path: Path) -> None:
+    """install.md installs units, wrappers and make-token from "an unpacked release": the
+    sdist carries each of them. It carries no tests: they need the checkout's fixtures,
+    tokens and relays, which a release leaves out, so a half could not run."""
+    files = _sdist_files(tmp_path)
+    taken = _taken_from_the_source(INSTALL_MD.read_text(encoding="utf-8"))
+    assert {"systemd/buzz-broker.service", "softhsm/make-token", "client/pyproject.toml"} <= taken
+    assert sorted(taken - files) == []
+    assert sorted(f for f in files if f.startswith("tests/")) == []
