@@ -110,13 +110,21 @@ SOURCE = "/opt/buzz-broker/src/"
 
 def _taken_from_the_source(text: str) -> set[str]:
     """The paths install.md takes from the source folder: each file it names under it (not
-    what it removes there), each folder `pip install ./a ./b` builds, and the tree's own
-    pyproject.toml (`pip install /opt/buzz-broker/src`)."""
+    what it removes there), what each folder `pip install ./a ./b` builds reads, and the
+    tree's own pyproject.toml (`pip install /opt/buzz-broker/src`)."""
     lines = [line for line in text.splitlines() if not line.lstrip().startswith("rm ")]
     named = set(re.findall(re.escape(SOURCE) + r"([\w./-]+)", "\n".join(lines)))
     folders = {f for args in re.findall(r"pip install ((?:\./\w+ ?)+)", text)
                for f in args.split()}
-    return named | {f"{f[2:]}/pyproject.toml" for f in folders} | {"pyproject.toml"}
+    return named | {"pyproject.toml"} | {f"{f[2:]}/{name}" for f in folders
+                                         for name in _files_its_build_reads(REPO / f[2:])}
+
+
+def _files_its_build_reads(folder: Path) -> list[str]:
+    """A distribution folder's pyproject.toml and the files it names (readme, licence)."""
+    project = tomllib.loads((folder / "pyproject.toml").read_text())["project"]
+    return ["pyproject.toml", *project.get("license-files", []),
+            *([project["readme"]] if "readme" in project else [])]
 
 
 def _sdist_files(tmp_path: Path) -> set[str]:
@@ -147,3 +155,11 @@ def test_the_sdist_holds_what_install_md_takes_from_it(tmp_path: Path) -> None:
     assert {"systemd/buzz-broker.service", "softhsm/make-token", "client/pyproject.toml"} <= taken
     assert sorted(taken - files) == []
     assert sorted(f for f in files if f.startswith("tests/")) == []
+
+
+@pytest.mark.parametrize("project", list(WHEELS), ids=["daemon", "client", "buzzwire"])
+def test_each_distribution_has_a_readme(project: str) -> None:
+    """Its sdist and index page carry a description (without one setuptools warns and the
+    metadata says nothing); the file is the folder's own."""
+    readme = tomllib.loads((REPO / project / "pyproject.toml").read_text())["project"].get("readme")
+    assert readme is not None and (REPO / project / readme).is_file(), readme
