@@ -35,8 +35,10 @@ log") and docs/operations.md ("Exit codes: every command"); keep them in step.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import stat
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -157,10 +159,23 @@ class BrokenAt(Exception):
 
 
 def _open(path: Path) -> BinaryIO | None:
+    """`path` to read, None if absent. Root may run this in a directory the custodian's
+    user owns: a link there must not make root read another file, nor a FIFO hang it.
+
+    Raises:
+        OSError: a symbolic link (ELOOP), or not a regular file.
+    """
     try:
-        return open(path, "rb")  # noqa: SIM115 - closed by the caller's stack
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return os.fdopen(fd, "rb")  # closed by the caller's stack
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _inode(path: Path) -> int | None:

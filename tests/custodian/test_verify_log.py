@@ -275,3 +275,30 @@ def test_a_move_between_the_two_opens_is_read_again_not_called_a_break(
     assert moves[0] == 2 and checked.files == (older, path)
     lines = older.read_text().splitlines() + path.read_text().splitlines()
     assert (checked.lines, checked.head) == (len(lines), json.loads(lines[-1])["hash"])
+
+
+@pytest.mark.token_independent
+@pytest.mark.parametrize("name", ["signed.jsonl", "signed.jsonl.1"])
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_a_link_or_fifo_in_the_log_directory_is_refused_unread(
+        tmp_path: Path, name: str, planted: str) -> None:
+    """Root may verify a log in a directory the custodian's user owns: a link planted
+    there must not make root read another file (its verdict would tell something of it),
+    nor a FIFO hang the command. Either is one line, exit 1, with nothing read."""
+    config = write_custodian_config(
+        tmp_path / "custodian.toml",
+        token=TokenConfig(module="/nonexistent.so", token_label="t", pin_file=None),
+        state_dir=tmp_path / "state", socket=tmp_path / "s", relay_url="ws://127.0.0.1:1")
+    log = tmp_path / "state" / "custodian"
+    log.mkdir(parents=True)
+    other = tmp_path / "root-only"
+    other.write_text(_lines([1, 2]))  # a log's lines: followed, it would verify "ok"
+    if name == "signed.jsonl.1":
+        (log / "signed.jsonl").write_text(_lines([3], prev="0" * 64))
+    if planted == "symlink":
+        (log / name).symlink_to(other)
+    else:
+        os.mkfifo(log / name)
+    done = verify(config)
+    assert done.returncode == 1 and done.stdout == "", (done.returncode, done.stdout)
+    assert done.stderr.count("\n") == 1 and str(log / name) in done.stderr, done.stderr
