@@ -38,6 +38,7 @@ Theory of operation:
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import socket
 import threading
@@ -56,7 +57,8 @@ from custody.custodian import messages
 from custody.custodian.records import CustodianUnavailable, RecordCache
 
 __all__ = ["BackupWritten", "CustodianClient", "CustodianUnavailable", "IntentRefused", "POOL",
-           "CALL_TIMEOUT", "BACKUP_TIMEOUT", "DEADLINES", "LOOKUP_TIMEOUT"]
+           "CALL_TIMEOUT", "BACKUP_TIMEOUT", "DEADLINES", "LOOKUP_TIMEOUT",
+           "request", "decode_reply", "unb64"]
 
 #: Connections at once for async calls: the signing batcher makes one hop at a time, and
 #: NIP-44 and lifecycle calls rarely overlap more than this.
@@ -156,9 +158,33 @@ def _raise(code: str, message: str) -> None:
     raise CustodianUnavailable(f"custodian: {message}")
 
 
+# The pipeline's half of the table (custody/custodian/messages.py): the custodian never
+# sends a request nor reads an answer, so these live here, out of its process; an answer
+# is read by the same `messages.parse` as a request, with the same rules.
+def request(op: str, **args: object) -> bytes:
+    return messages.encode({"v": messages.VERSION, "op": op, "args": args})
+
+
+def decode_reply(body: bytes) -> tuple[bool, object]:
+    """(True, value) for an ok answer; (False, (code, message)) for an error answer."""
+    value = messages.parse(body)
+    if value.keys() == {"v", "ok"}:
+        return True, value["ok"]
+    error = value.get("error")
+    if (value.keys() == {"v", "error"} and isinstance(error, dict)
+            and error.keys() == {"code", "message"} and error["code"] in messages.ERROR_CODES
+            and isinstance(error["message"], str)):
+        return False, (error["code"], error["message"])
+    raise messages.BadMessage("not an answer of the table")
+
+
+def unb64(text: str) -> bytes:
+    return base64.b64decode(text, validate=True)
+
+
 def _unwrap(body: bytes) -> object:
     try:
-        ok, value = messages.decode_reply(body)
+        ok, value = decode_reply(body)
     except messages.OtherVersion as exc:  # not tampering: a custodian of another build
         raise CustodianUnavailable(
             f"the custodian speaks table version {exc.version}, this build {messages.VERSION}: "
@@ -243,7 +269,7 @@ class CustodianClient:
     async def _call(self, op: str, *, tail: bytearray | None = None, **args: object) -> object:
         if self._closed:
             raise CustodyError("custody is closed")
-        frame = messages.request(op, **args)
+        frame = request(op, **args)
         started = time.monotonic()
         try:
             body = await self._round_trip(op, frame, tail)
@@ -306,7 +332,7 @@ class CustodianClient:
         Only `records` calls it, under its lock: one request at a time."""
         if self._closed:
             raise CustodyError("custody is closed")
-        frame = messages.request(op, **args)
+        frame = request(op, **args)
         for attempt in (1, 2):
             try:
                 with trio.fail_after(LOOKUP_TIMEOUT):
@@ -344,7 +370,7 @@ class CustodianClient:
             raise CustodyError("custody is closed")
         if op not in ("records_version", "agent", "agents", "chain"):
             raise ValueError(f"{op} is not a record lookup")
-        frame = messages.request(op, **args)
+        frame = request(op, **args)
         with self._sync_lock:
             for attempt in (1, 2):
                 deadline = time.monotonic() + LOOKUP_TIMEOUT
@@ -485,7 +511,7 @@ class CustodianClient:
             return ()
         value = await self._call("decrypt", agent=agent, peer=self._owner(agent),
                                  payloads=list(items))
-        return tuple(None if p is None else messages.unb64(p) for p in value)  # type: ignore[attr-defined]
+        return tuple(None if p is None else unb64(p) for p in value)  # type: ignore[attr-defined]
 
     async def mint_agent(self, *, owner: str, mint_ref: str | None = None) -> KeyRecord:
         return _record(await self._call("mint", owner=owner, mint_ref=mint_ref))  # type: ignore[return-value]

@@ -14,7 +14,8 @@ many raw bytes follow the frame, which each side keeps in a bytearray it zeroes 
 
 Rules:
 - Pure: bytes in, values out; no socket, no clock, no logging. The server and the
-  pipeline's client (custody/custodian/client.py) both speak through `encode` and `decode_*`.
+  pipeline's client (custody/custodian/client.py) both read through `parse` and write
+  through `encode`; the request's half is here, the answer's in the client.
 - Strict: a length over `MAX_FRAME` or more than `MAX_VALUES` values, bytes that are not
   UTF-8 JSON, a string holding a lone surrogate, a duplicate member, a float, NaN, a
   member not in the row, a missing one or one of the wrong type is one `BadMessage`,
@@ -41,8 +42,8 @@ __all__ = [
     "VERSION", "MAX_FRAME", "MAX_VALUES", "MAX_EVENTS", "MAX_PAYLOADS", "MAX_SECRET_BYTES", "MAX_BACKUP_NAMES",
     "OPS", "TAILS", "LOOKUPS",
     "ERROR_CODES", "HEADER",
-    "BadMessage", "OtherVersion", "Request", "encode", "frame_length", "decode_request",
-    "decode_reply", "request", "reply_ok", "reply_error", "b64", "unb64", "record_obj",
+    "BadMessage", "OtherVersion", "Request", "encode", "parse", "frame_length", "decode_request",
+    "reply_ok", "reply_error", "b64", "record_obj",
     "MAX_RECORDS",
 ]
 
@@ -280,7 +281,9 @@ def _text_only(value: object) -> None:
             raise BadMessage("a string holds a lone surrogate, which is no text")
 
 
-def _parse(body: bytes | bytearray) -> dict[str, object]:
+def parse(body: bytes | bytearray) -> dict[str, object]:
+    """A frame body as a message of this version, by every rule above: the one reader of
+    requests and answers alike."""
     if len(body) > MAX_FRAME:
         raise BadMessage("frame over the bound")
     if values_at_most(body, MAX_VALUES, MAX_VALUES) > MAX_VALUES:
@@ -315,24 +318,11 @@ def frame_length(header: bytes | bytearray) -> int:
 
 def decode_request(body: bytes | bytearray) -> Request:
     """The request a frame body spells, checked against its row."""
-    value = _parse(body)
+    value = parse(body)
     op, args = value.get("op"), value.get("args")
     if value.keys() != {"v", "op", "args"} or not isinstance(op, str) or op not in OPS:
         raise BadMessage("not a request of the table")
     return Request(op, _object(OPS[op])(args))  # type: ignore[arg-type]
-
-
-def decode_reply(body: bytes) -> tuple[bool, object]:
-    """(True, value) for an ok answer; (False, (code, message)) for an error answer."""
-    value = _parse(body)
-    if value.keys() == {"v", "ok"}:
-        return True, value["ok"]
-    error = value.get("error")
-    if (value.keys() == {"v", "error"} and isinstance(error, dict)
-            and error.keys() == {"code", "message"} and error["code"] in ERROR_CODES
-            and isinstance(error["message"], str)):
-        return False, (error["code"], error["message"])
-    raise BadMessage("not an answer of the table")
 
 
 def encode(value: Mapping[str, object]) -> bytes:
@@ -342,10 +332,6 @@ def encode(value: Mapping[str, object]) -> bytes:
     if len(body) > MAX_FRAME:
         raise BadMessage("frame over the bound")
     return HEADER.pack(len(body)) + body
-
-
-def request(op: str, **args: object) -> bytes:
-    return encode({"v": VERSION, "op": op, "args": args})
 
 
 def reply_ok(value: object) -> bytes:
@@ -360,10 +346,6 @@ def reply_error(code: str, message: str) -> bytes:
 
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
-
-
-def unb64(text: str) -> bytes:
-    return base64.b64decode(text, validate=True)
 
 
 def record_obj(record: KeyRecord | None) -> dict[str, object] | None:

@@ -22,6 +22,7 @@ import pytest
 
 from custody import TokenConfig
 from custody.custodian import messages
+from custody.custodian.client import request
 from tests.custodian.test_refusals import ask
 from tests.fixtures.custodian import write_custodian_config
 from tests.fixtures.stop import terminate_then_kill
@@ -85,7 +86,7 @@ def test_a_passed_socket_that_is_not_the_configured_one_is_one_line_and_exit_1(
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(10)
             sock.connect(str(socket_path))
-            sock.sendall(messages.request("records_version"))
+            sock.sendall(request("records_version"))
             try:  # closed unanswered: the custodian refused to serve it
                 assert sock.recv(16) == b""
             except ConnectionResetError:

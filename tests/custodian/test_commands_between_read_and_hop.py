@@ -36,6 +36,7 @@ from buzzwire.nostr import owner_tag_digest
 from custody import Custody, TokenConfig, UnknownAgent
 from custody._keystore import Keystore
 from custody.custodian import messages
+from custody.custodian.client import decode_reply
 from custody.custodian.forget import forget_destroyed
 from custody.custodian.verify import verify_chain
 from custody.custodian.recover import revive_agent
@@ -54,7 +55,7 @@ def _custodian(custody: Custody, tmp_path: Path) -> Custodian:
 
 async def _ask(custodian: Custodian, op: str, **args: object) -> tuple[bool, Any]:
     frame = await custodian.answer(messages.Request(op, args))
-    return messages.decode_reply(frame[messages.HEADER.size:])
+    return decode_reply(frame[messages.HEADER.size:])
 
 
 def _lines(custodian: Custodian) -> list[dict[str, Any]]:

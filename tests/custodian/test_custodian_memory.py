@@ -49,6 +49,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
 
 from custody import CachePolicy, init_kek
 from custody.custodian import messages
+from custody.custodian.client import unb64
 from tests.custody._sealing import SEAL_KINDS
 from tests.custodian.test_refusals import ask, intent
 from tests.fixtures.custodian import CustodianProcess, write_custodian_config
@@ -118,7 +119,7 @@ def _use_one_key(socket: Path, relay_url: str, state: Path) -> Key:
     assert ok and opened == [messages.b64(b"a note for the owner")], opened
     shared_x = coincurve.PublicKey(b"\x02" + bytes.fromhex(owner)).multiply(raw).format()[1:]
     conversation_key = hmac.digest(b"nip44-v2", shared_x, hashlib.sha256)
-    nonce = messages.unb64(payloads[0])[1:33]  # type: ignore[index]
+    nonce = unb64(payloads[0])[1:33]  # type: ignore[index]
     message_keys = HKDFExpand(SHA256(), 76, nonce).derive(conversation_key)
     keystream = bytes(c ^ k for c, k in zip(_sealed_ciphertext(state, agent), raw, strict=True))
     return Key(agent, {

@@ -26,7 +26,7 @@ import pytest
 
 from custody import TokenConfig
 from custody.custodian import messages
-from custody.custodian.client import CustodianClient
+from custody.custodian.client import CustodianClient, decode_reply, request
 from tests.custodian.test_refusals import _answer, held, human, intent
 from tests.fixtures.custodian import CustodianProcess, running_custodian
 
@@ -273,11 +273,11 @@ async def test_a_peer_that_closes_with_its_answer_unread_ends_only_its_connectio
     for _ in range(3):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.connect(str(bounded.socket))
-            sock.sendall(messages.request("records_version"))
+            sock.sendall(request("records_version"))
             # The answer arrives and stays unread; the close then resets the custodian's end.
             sock.settimeout(30)
             assert sock.recv(1, socket.MSG_PEEK)
-    ok, _ = send_raw(bounded.socket, messages.request("records_version")[messages.HEADER.size:])
+    ok, _ = send_raw(bounded.socket, request("records_version")[messages.HEADER.size:])
     assert ok and bounded.proc is not None and bounded.proc.poll() is None
     assert "Traceback" not in bounded.stderr.read_text()
 
@@ -309,7 +309,7 @@ async def test_the_chain_answer_is_bounded_even_over_a_cycle(tmp_path: Path) -> 
         log_path=tmp_path / "log" / "signed.jsonl"))
     frame = await custodian.answer(messages.Request("chain", {"pubkey": a}))
     custodian.log.close()
-    ok, chain = messages.decode_reply(frame[messages.HEADER.size:])
+    ok, chain = decode_reply(frame[messages.HEADER.size:])
     assert ok and isinstance(chain, list)
     assert [record["pubkey"] for record in chain] == [a, b] * (MAX_CHAIN // 2)
 

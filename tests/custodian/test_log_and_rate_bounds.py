@@ -21,7 +21,7 @@ import pytest
 from custody import KeyRecord, TokenConfig
 from custody._records import OWNER_TAG_CONDITIONS
 from custody.custodian import messages
-from custody.custodian.client import CustodianClient
+from custody.custodian.client import CustodianClient, decode_reply
 from custody.custodian.ledger import MAX_AGENTS, RateBound
 from custody.custodian.verify import verify_chain
 from custody.custodian.messages import MAX_RECORDS, record_obj
@@ -168,7 +168,7 @@ def test_at_most_max_records_the_largest_records_fit_the_agents_answer() -> None
                       auth_tag=("auth", "f" * 64, OWNER_TAG_CONDITIONS, "f" * 128))
     frame = messages.reply_ok([record_obj(worst)] * MAX_RECORDS)
     assert messages.frame_length(frame[:messages.HEADER.size]) == len(frame) - 4
-    ok, records = messages.decode_reply(frame[messages.HEADER.size:])
+    ok, records = decode_reply(frame[messages.HEADER.size:])
     assert ok and isinstance(records, list) and len(records) == MAX_RECORDS
     with pytest.raises(messages.BadMessage):  # and a few more would not fit
         messages.reply_ok([record_obj(worst)] * (MAX_RECORDS + 8))

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from buzzwire import jsonvalues as _jsonvalues
 from buzzwire import kinds
 from custody.custodian import intents, messages
+from custody.custodian.client import decode_reply, request
 
 PK = "ab" * 32
 
@@ -41,7 +42,7 @@ GOOD: dict[str, dict[str, object]] = {
 def test_every_row_has_a_good_example_and_it_parses() -> None:
     assert GOOD.keys() == messages.OPS.keys()
     for op, args in GOOD.items():
-        frame = messages.request(op, **args)
+        frame = request(op, **args)
         body = frame[messages.HEADER.size:]
         assert messages.frame_length(frame[:4]) == len(body)
         assert messages.decode_request(body).op == op
@@ -108,24 +109,24 @@ def test_an_answer_holding_a_lone_surrogate_is_bad_message_a_pair_is_text(
     for ok in ('"@"', '{"address":["a","@"]}', '{"@":1}'):
         body = f'{{"v":{messages.VERSION},"ok":{ok.replace("@", escaped)}}}'.encode("ascii")
         if text:
-            assert "\U0001f600" in json.dumps(messages.decode_reply(body), ensure_ascii=False)
+            assert "\U0001f600" in json.dumps(decode_reply(body), ensure_ascii=False)
         else:
             with pytest.raises(messages.BadMessage, match="surrogate"):
-                messages.decode_reply(body)
+                decode_reply(body)
 
 
 def test_values_are_bounded_before_the_parse_and_counted_outside_strings() -> None:
     """MAX_VALUES: the largest request (a backup of MAX_BACKUP_NAMES names) parses; one more
     value than the bound is refused unparsed; `,:[{` inside strings are not values."""
     names = [{"pubkey": PK, "name": "n", "creator": None}] * messages.MAX_BACKUP_NAMES
-    largest = messages.request("backup", names=names)[messages.HEADER.size:]
+    largest = request("backup", names=names)[messages.HEADER.size:]
     assert len(messages.decode_request(largest).args["names"]) == messages.MAX_BACKUP_NAMES  # type: ignore[arg-type]
     over = b'{"v":3,"op":"sign","args":{"events":[' + b"0," * messages.MAX_VALUES + b"0]}}"
     with pytest.raises(messages.BadMessage, match="values in one frame"):
         messages.decode_request(over)
     content = ",:[{" * (messages.MAX_VALUES // 2)  # 2 * MAX_VALUES of them, in one string
     event = {"signer": PK, "kind": 9, "created_at": 1, "tags": [["h", "c"]], "content": content}
-    body = messages.request("sign", events=[event, event, event])[messages.HEADER.size:]
+    body = request("sign", events=[event, event, event])[messages.HEADER.size:]
     assert messages.decode_request(body).args["events"][2]["content"] == content  # type: ignore[index]
 
 
@@ -169,7 +170,7 @@ def test_a_secret_never_rides_in_the_json() -> None:
                  {"secret_bytes": 0, "owner": PK, "auth_tag": None},
                  {"secret_bytes": MAX_SECRET_TEXT + 1, "owner": PK, "auth_tag": None}):
         with pytest.raises(messages.BadMessage):
-            messages.decode_request(messages.request("import", **args)[messages.HEADER.size:])
+            messages.decode_request(request("import", **args)[messages.HEADER.size:])
 
 
 def test_a_length_over_the_bound_is_refused_before_the_body() -> None:
@@ -180,7 +181,7 @@ def test_a_length_over_the_bound_is_refused_before_the_body() -> None:
 def test_each_decoder_bounds_a_body_handed_to_it_whole() -> None:
     """The length is checked at the header (`frame_length`), and again by each decoder: a
     body handed to one whole, however it was read, is not parsed past MAX_FRAME."""
-    for decode, key in ((messages.decode_reply, b'"ok"'), (messages.decode_request, b'"x"')):
+    for decode, key in ((decode_reply, b'"ok"'), (messages.decode_request, b'"x"')):
         body = b'{"v":3,' + key + b':"' + b"x" * messages.MAX_FRAME + b'"}'
         with pytest.raises(messages.BadMessage, match="frame over the bound"):
             decode(body)
@@ -191,11 +192,11 @@ def test_an_error_answer_carries_a_code_of_the_table() -> None:
     is no answer of the table (BadMessage), not an error the client would have to guess."""
     for code in messages.ERROR_CODES:
         frame = messages.reply_error(code, "m")
-        assert messages.decode_reply(frame[messages.HEADER.size:]) == (False, (code, "m"))
+        assert decode_reply(frame[messages.HEADER.size:]) == (False, (code, "m"))
     for code in ("ok", "", "BAD_MESSAGE", "refused ", "timeout"):
         body = json.dumps({"v": messages.VERSION, "error": {"code": code, "message": "m"}})
         with pytest.raises(messages.BadMessage, match="not an answer of the table"):
-            messages.decode_reply(body.encode())
+            decode_reply(body.encode())
 
 
 def _mutations() -> st.SearchStrategy[bytes]:

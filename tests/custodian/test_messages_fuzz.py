@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from custody.custodian import messages
+from custody.custodian.client import decode_reply, request
 from tests.adversarial import scaled
 
 #: Examples for each member and each row: `make test`, and the long mode
@@ -459,7 +460,7 @@ def test_a_list_past_the_most_names_is_refused() -> None:
     """The one list too long to build one past its bound in every fuzzed example."""
     name = {"pubkey": PK, "name": "n", "creator": None}
     for count, refused in ((65_536, False), (65_537, True)):
-        body = messages.request("backup", names=[name] * count)[messages.HEADER.size:]
+        body = request("backup", names=[name] * count)[messages.HEADER.size:]
         if refused:
             with pytest.raises(messages.BadMessage):
                 messages.decode_request(body)
@@ -504,7 +505,7 @@ def test_every_reply_is_an_answer_of_the_table_or_bad_message(
           and type(value["message"]) is str):
         want = (False, (value["code"], value["message"]))
     try:
-        got = messages.decode_reply(body)
+        got = decode_reply(body)
     except messages.BadMessage:
         assert want is None, body[:300]
         return

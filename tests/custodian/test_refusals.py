@@ -19,7 +19,7 @@ import pytest
 
 from custody import Custody, TokenConfig
 from custody.custodian import messages
-from custody.custodian.client import CustodianClient
+from custody.custodian.client import CustodianClient, decode_reply, request
 from tests.fixtures.custodian import CustodianProcess, write_custodian_config
 
 NOBODY = 65534
@@ -31,7 +31,7 @@ def ask(path: Path, op: str, /, tail: bytes = b"", **args: object) -> tuple[bool
         sock.settimeout(10)
         sock.connect(str(path))
         try:
-            sock.sendall(messages.request(op, **args) + tail)
+            sock.sendall(request(op, **args) + tail)
         except (BrokenPipeError, ConnectionResetError):
             pass  # a refused peer is answered and closed at once: its answer is still there
         return _answer(sock)
@@ -44,7 +44,7 @@ def _answer(sock: socket.socket) -> tuple[bool, object]:
         if not chunk:
             break
         data += chunk
-    return messages.decode_reply(data[4:])
+    return decode_reply(data[4:])
 
 
 def human() -> str:
@@ -240,12 +240,12 @@ def test_past_max_connections_a_connection_is_refused(custodian: CustodianProces
             held.append(sock)
             sock.settimeout(10)
             sock.connect(str(custodian.socket))
-            sock.sendall(messages.request("records_version"))
+            sock.sendall(request("records_version"))
             assert _answer(sock)[0]  # answered: the custodian counts it open
         assert ask(custodian.socket, "records_version") == (
             False, ("refused", "too many connections"))
         for sock in held:
-            sock.sendall(messages.request("records_version"))
+            sock.sendall(request("records_version"))
             assert _answer(sock)[0]
     finally:
         for sock in held:
@@ -273,7 +273,7 @@ async def test_a_fault_is_answered_internal_and_logged_by_its_type_alone(
     caplog.set_level(logging.INFO, logger="buzz_broker")
     frame = await custodian.answer(messages.Request("records_version", {}))
     custodian.log.close()
-    assert messages.decode_reply(frame[messages.HEADER.size:]) == (
+    assert decode_reply(frame[messages.HEADER.size:]) == (
         False, ("internal", "custodian fault"))
     assert [record.getMessage() for record in caplog.records] == [
         "custodian fault in records_version: RuntimeError (0 not logged)"]
@@ -426,7 +426,7 @@ async def test_keys_not_held_here_spend_no_bucket_and_evict_none(custody: Custod
         frame = await custodian.answer(messages.Request("sign_auth", {
             "agent": pubkey, "relay_url": "wss://r.example", "challenge": "c",
             "created_at": 1_700_000_000}))
-        ok, value = messages.decode_reply(frame[messages.HEADER.size:])
+        ok, value = decode_reply(frame[messages.HEADER.size:])
         return "ok" if ok else str(value[0])  # type: ignore[index]
 
     assert [await auth(agent), await auth(agent)] == ["ok", "rate_limited"]

@@ -11,6 +11,7 @@ from pathlib import Path
 import coincurve
 import pytest
 
+from custody.custodian import client as pipeline_client
 from custody.custodian import messages
 from custody.custodian.client import CustodianClient
 from tests.adversarial._secrets import SecretScan, key_secret, text_secret
@@ -63,14 +64,14 @@ async def test_an_import_sends_its_secret_only_as_the_frames_tail(
     secret = coincurve.PrivateKey()
     scan.add(key_secret("agent", secret.secret.hex()))
     frames: list[bytes] = []
-    real = messages.request
+    real = pipeline_client.request
 
     def recording(op: str, **args: object) -> bytes:
         frame = real(op, **args)
         frames.append(frame)
         return frame
 
-    monkeypatch.setattr(messages, "request", recording)
+    monkeypatch.setattr(pipeline_client, "request", recording)
     client = CustodianClient(custodian.socket)
     text = bytearray(secret.secret.hex().encode())
     record = await client.import_agent(text, owner=human())

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from custody.custodian import messages
-from custody.custodian.client import CustodianClient, CustodianUnavailable
+from custody.custodian.client import CustodianClient, CustodianUnavailable, decode_reply
 
 #: A build's table version before this one, and one after.
 OTHERS = (messages.VERSION - 1, messages.VERSION + 1)
@@ -91,7 +91,7 @@ async def test_the_daemons_first_snapshot_names_both_versions(
 def test_a_version_that_is_no_integer_still_breaks_the_table(v: object) -> None:
     body = json.dumps({"v": v, "ok": 0}).encode()
     with pytest.raises(messages.BadMessage) as raised:
-        messages.decode_reply(body)
+        decode_reply(body)
     assert not isinstance(raised.value, messages.OtherVersion)
 
 

@@ -19,13 +19,14 @@ import trio
 
 from custody import CustodyError, KeyRecord
 from custody.custodian import messages, server
+from custody.custodian.client import decode_reply, request
 
 OWNER, HELD_OWNER = "cd" * 32, "ef" * 32
 SECRET = b"ab" * 32  # 64 hex digits, the import's secret text
 
 
 def _import(owner: str) -> bytes:
-    return messages.request("import", secret_bytes=len(SECRET), owner=owner, auth_tag=None)
+    return request("import", secret_bytes=len(SECRET), owner=owner, auth_tag=None)
 
 
 class Peer:
@@ -107,7 +108,7 @@ async def test_the_tail_is_zeroed_once_answered_whatever_the_answer(
     peer = Peer(_import(owner) + SECRET)
     assert await _exchange(custodian, peer) is True
     custodian.log.close()
-    ok, value = messages.decode_reply(peer.sent[messages.HEADER.size:])
+    ok, value = decode_reply(peer.sent[messages.HEADER.size:])
     assert (None if ok else value[0]) == code, value  # type: ignore[index]
     assert custody.saw_secret is handed
     tail = peer.buffers[-1]
