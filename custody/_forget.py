@@ -73,7 +73,7 @@ def forget_named(keystore: Keystore, pubkeys: Sequence[str], *, commit: bool = T
     named = sorted(set(pubkeys))
     forgotten: list[str] = []
     try:
-        with keystore._transaction() as db:
+        with keystore.transaction() as db:
             db.execute("SAVEPOINT look")
             while gone := [p for (p,) in db.execute(_NAMED_LEAVES, (json.dumps(named),))]:
                 forgotten += gone
@@ -96,7 +96,7 @@ def forget_destroyed(keystore: Keystore, destroyed_before: int) -> list[str]:
     record names as owner; the pubkeys that went. One transaction: all of them or none."""
     forgotten: list[str] = []
     try:
-        with keystore._transaction() as db:
+        with keystore.transaction() as db:
             while gone := [pubkey for (pubkey,) in db.execute(_LEAVES, (destroyed_before,))]:
                 forgotten += gone
     except sqlite3.Error as exc:

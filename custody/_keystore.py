@@ -252,7 +252,8 @@ class Keystore(_PublicReads):
         return keystore
 
     @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction under the writer's lock: committed whole, or rolled back."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -282,7 +283,7 @@ class Keystore(_PublicReads):
         """
         tag = json.dumps(list(record.auth_tag)) if record.auth_tag is not None else None
         try:
-            with self._transaction() as db:
+            with self.transaction() as db:
                 db.execute(
                     "INSERT INTO keys (pubkey, owner, auth_tag, mint_ref, created_at, updated_at,"
                     " deleted_at, sealed) VALUES (?, ?, ?, ?, ?, ?, NULL, ?)",
@@ -304,7 +305,7 @@ class Keystore(_PublicReads):
     def _update_live(self, assignments: str, values: tuple[object, ...], pubkey: str) -> None:
         """One UPDATE of a live agent's row (`assignments` is ours, never an agent's text)."""
         try:
-            with self._transaction() as db:
+            with self.transaction() as db:
                 db.execute(
                     f"UPDATE keys SET {assignments} WHERE pubkey = ? AND deleted_at IS NULL",
                     (*values, pubkey),
@@ -317,19 +318,6 @@ class Keystore(_PublicReads):
         self._update_live("sealed = NULL, deleted_at = ?, updated_at = ?", (now, now), pubkey)
         self._checkpoint_truncate()
         return self.get(pubkey)
-
-    def revive(self, pubkey: str, sealed: bytes, now: int) -> KeyRecord | None:
-        """Put a destroyed agent's sealed key back (the custodian's grace period, issue 26).
-        None if no tombstone has that key, revived by another process meanwhile included:
-        only the run whose update took it says it did. The caller has checked the blob."""
-        try:
-            with self._transaction() as db:
-                revived = db.execute(
-                    "UPDATE keys SET sealed = ?, deleted_at = NULL, updated_at = ? "
-                    "WHERE pubkey = ? AND deleted_at IS NOT NULL", (sealed, now, pubkey)).rowcount
-        except sqlite3.Error as exc:
-            raise CustodyError(f"keystore write failed: {exc}") from None
-        return self.get(pubkey) if revived == 1 else None
 
     def _checkpoint_truncate(self) -> None:
         """Move the WAL into the database file and truncate it: the frames that held a

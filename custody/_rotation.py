@@ -121,7 +121,7 @@ class _Staging(Keystore):
     def set_meta(self, values: dict[str, str | None]) -> None:
         """Set (a str) or clear (None) each name, all in one transaction."""
         try:
-            with self._transaction() as db:
+            with self.transaction() as db:
                 _write_meta(db, values)
         except sqlite3.Error as exc:
             raise CustodyError(f"keystore write failed: {exc}") from None
@@ -135,7 +135,7 @@ class _Staging(Keystore):
     def stage(self, blobs: list[tuple[str, bytes]]) -> None:
         """Replace the staging table's contents with `blobs`, in one transaction."""
         try:
-            with self._transaction() as db:
+            with self.transaction() as db:
                 db.execute("DELETE FROM reseal")
                 db.executemany("INSERT INTO reseal (pubkey, sealed) VALUES (?, ?)", blobs)
         except sqlite3.Error as exc:
@@ -155,7 +155,7 @@ class _Staging(Keystore):
             CustodyError: the keystore changed since staging, or the write failed.
         """
         try:
-            with self._transaction() as db:
+            with self.transaction() as db:
                 live = db.execute("SELECT pubkey, sealed FROM keys WHERE deleted_at IS NULL"
                                   " ORDER BY pubkey").fetchall()
                 if [(p, bytes(b)) for p, b in live] != expected:

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import sqlite3
 
 from custody._errors import CustodyError, UnknownAgent
 from buzzwire.nostr import is_hex64, require_pubkey
 from custody._facade import Custody
+from custody._keystore import Keystore
 from custody._records import KeyRecord
 from custody._sealed import seal, unseal
 from custody.custodian.changes import logged_change, open_log
@@ -35,9 +37,24 @@ from custody.custodian.config import load
 from custody.custodian.grace import Graveyard
 from custody.custodian.main import UsageError
 
-__all__ = ["check_named", "recover", "revive_agent"]
+__all__ = ["check_named", "recover", "revive_agent", "revive_tombstone"]
 
 log = logging.getLogger("buzz_broker.custody")
+
+
+def revive_tombstone(keystore: Keystore, pubkey: str, sealed: bytes, now: int
+                     ) -> KeyRecord | None:
+    """Put a destroyed agent's sealed key back (the custodian's grace period, issue 26).
+    None if no tombstone has that key, revived by another process meanwhile included:
+    only the run whose update took it says it did. The caller has checked the blob."""
+    try:
+        with keystore.transaction() as db:
+            revived = db.execute(
+                "UPDATE keys SET sealed = ?, deleted_at = NULL, updated_at = ? "
+                "WHERE pubkey = ? AND deleted_at IS NOT NULL", (sealed, now, pubkey)).rowcount
+    except sqlite3.Error as exc:
+        raise CustodyError(f"keystore write failed: {exc}") from None
+    return keystore.get(pubkey) if revived == 1 else None
 
 
 async def revive_agent(custody: Custody, pubkey: str, blob: bytes) -> KeyRecord:
@@ -56,7 +73,7 @@ async def revive_agent(custody: Custody, pubkey: str, blob: bytes) -> KeyRecord:
     def work() -> KeyRecord | None:
         with unseal(custody._token, blob, pubkey) as secret:  # compared to pubkey, wiped
             fresh = seal(custody._token, secret, pubkey)
-        return custody._keystore.revive(pubkey, fresh, custody._now())
+        return revive_tombstone(custody._keystore, pubkey, fresh, custody._now())
 
     record = await custody._hop("import", work)
     if record is None:

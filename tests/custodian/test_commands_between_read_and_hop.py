@@ -39,7 +39,7 @@ from custody.custodian import messages
 from custody.custodian.client import decode_reply
 from custody.custodian.forget import forget_destroyed
 from custody.custodian.verify import verify_chain
-from custody.custodian.recover import revive_agent
+from custody.custodian.recover import revive_agent, revive_tombstone
 from custody.custodian.server import Custodian, Settings
 from tests.custodian.test_refusals import human
 from tests.fixtures.custodian import write_custodian_config
@@ -213,7 +213,7 @@ def _revive_from_another_process(custody: Custody, agent: str, copy: bytes):
     def recover() -> None:
         keystore = Keystore.open(state)
         try:
-            assert keystore.revive(agent, copy, int(time.time())) is not None
+            assert revive_tombstone(keystore, agent, copy, int(time.time())) is not None
         finally:
             keystore.close()
 
