@@ -56,8 +56,8 @@ from custody.custodian.grace import Graveyard
 from custody.custodian.ledger import fault_name
 from custody.custodian.main import UsageError
 
-__all__ = ["MAX_NAMED", "STAYS", "NotForgotten", "check_named", "forget", "forget_destroyed",
-           "forget_named"]
+__all__ = ["MAX_NAMED", "STAYS", "NotForgotten", "check_named", "forget", "forget_copy",
+           "forget_destroyed", "forget_named"]
 
 #: Keys one named run takes: its intent line names them all (write-ahead: a run killed
 #: before its count leaves the keystore to say which went), 256 of 67 bytes is ~17 KiB, far
@@ -78,6 +78,13 @@ def check_named(pubkeys: Sequence[str]) -> None:
         if not is_hex64(text):  # never echoed: a secret key pasted by mistake is hex too
             raise UsageError(f"custodian: key {number} named is not a pubkey (64 lowercase "
                              "hex); not shown; nothing was forgotten")
+
+
+def forget_copy(graveyard: Graveyard, pubkey: str) -> None:
+    """Delete `pubkey`'s grace copy, if any, under the copies' lock (grace.py `locked`);
+    the commands' alone: this one's named forget and `keys rotate`'s abandoned keys."""
+    with graveyard.locked():
+        graveyard.path(pubkey).unlink(missing_ok=True)
 
 
 async def forget(config_path: str, pubkeys: Sequence[str] = ()) -> None:
@@ -105,7 +112,7 @@ async def forget(config_path: str, pubkeys: Sequence[str] = ()) -> None:
                     gone = forget_named(keystore, pubkeys)
                     for pubkey in gone:
                         try:
-                            graveyard.forget(pubkey)
+                            forget_copy(graveyard, pubkey)
                         except OSError as exc:  # the records are gone: the change stands
                             stuck[pubkey] = fault_name(exc)
                     return gone

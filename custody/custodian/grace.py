@@ -3,10 +3,12 @@
 Why: `destroy` is in the message table, so a compromised pipeline could destroy every
 key. Before the custodian destroys one, it keeps a copy of the sealed blob (sealed under
 the token's KEK, so no secret in the clear) here for `grace_seconds`; the operator brings
-it back with `buzz-broker custodian FILE --recover PUBKEY` (recover.py's `revive_agent`
-checks it through the unseal door first). Past the grace period a copy is deleted (at the
-next destroy, and at start), and the destroy is final. A copy is sealed under the KEK that
-`keys rotate` destroys: it refuses while one is kept, unless told (custody/custodian/keys.py).
+it back with `buzz-broker custodian FILE --recover PUBKEY` (recover.py reads it with
+`kept_copy`, and `revive_agent` checks it through the unseal door first). Past the grace
+period a copy is deleted (at the next destroy, and at start), and the destroy is final. A
+copy is sealed under the KEK that `keys rotate` destroys: it refuses while one is kept,
+unless told (custody/custodian/keys.py). The commands delete one with forget.py's
+`forget_copy`. This module is what the serving custodian needs: keep, and purge.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class Graveyard:
                  clock: Callable[[], float] = time.time) -> None:
         self.directory = directory
         self.grace = grace_seconds
-        self._clock = clock
+        self.clock = clock
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.purge()
 
@@ -36,7 +38,7 @@ class Graveyard:
         return cls(log_path.parent / "destroyed", grace_seconds)
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def locked(self) -> Iterator[None]:
         """The copies changed by one process at a time (an exclusive flock on the directory):
         a command's purge beside the custodian must not find a copy past its grace, then
         delete the fresh one a destroy put in its place meanwhile (a review: a key lost)."""
@@ -47,7 +49,7 @@ class Graveyard:
         finally:
             os.close(fd)
 
-    def _path(self, pubkey: str) -> Path:
+    def path(self, pubkey: str) -> Path:
         return self.directory / f"{pubkey}.sealed"  # pubkey: 64 hex, checked by the table
 
     def keep(self, pubkey: str, blob: bytes) -> None:
@@ -62,8 +64,8 @@ class Graveyard:
             os.fsync(fd)
         finally:
             os.close(fd)
-        with self._locked():
-            os.replace(tmp, self._path(pubkey))
+        with self.locked():
+            os.replace(tmp, self.path(pubkey))
             directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 os.fsync(directory)
@@ -71,27 +73,13 @@ class Graveyard:
                 os.close(directory)
             self._purge()
 
-    def take(self, pubkey: str) -> bytes | None:
-        """The copy of `pubkey`'s sealed key, if still within its grace period."""
-        path = self._path(pubkey)
-        try:
-            if self._clock() - path.stat().st_mtime > self.grace:
-                return None
-            return path.read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def forget(self, pubkey: str) -> None:
-        with self._locked():
-            self._path(pubkey).unlink(missing_ok=True)
-
     def purge(self) -> list[str]:
         """Delete the copies past the grace period; the pubkeys of those kept."""
-        with self._locked():
+        with self.locked():
             return self._purge()
 
     def _purge(self) -> list[str]:
-        now, kept = self._clock(), []
+        now, kept = self.clock(), []
         for path in sorted(self.directory.glob("*.sealed")):
             try:
                 if now - path.stat().st_mtime > self.grace:

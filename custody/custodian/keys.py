@@ -69,6 +69,7 @@ from custody._rotation import RotationReport
 from custody._keystore import KEYSTORE_FILE, ReadIndex
 from custody.custodian.changes import append, logged_change, open_log
 from custody.custodian.config import ConfigError, CustodianConfig, load
+from custody.custodian.forget import forget_copy
 from custody.custodian.grace import Graveyard
 from custody.custodian.ledger import failed_line
 from custody.custodian.main import UsageError
@@ -189,7 +190,7 @@ class _Journal:
         # Their KEK is gone: no way back. Before the line, so a line that cannot be
         # written leaves no copy a later run would call recoverable.
         for pubkey in self._abandoned if report.destroyed else ():
-            self._graveyard.forget(pubkey)
+            forget_copy(self._graveyard, pubkey)
         self._line({"op": self._op, "agents": report.agents, "outcome": report.outcome,
                     "abandoned": len(self._abandoned),
                     "old_token": report.old.token_label, "old_kek": report.old.kek_label,

@@ -37,9 +37,21 @@ from custody.custodian.config import load
 from custody.custodian.grace import Graveyard
 from custody.custodian.main import UsageError
 
-__all__ = ["check_named", "recover", "revive_agent", "revive_tombstone"]
+__all__ = ["check_named", "kept_copy", "recover", "revive_agent", "revive_tombstone"]
 
 log = logging.getLogger("buzz_broker.custody")
+
+
+def kept_copy(graveyard: Graveyard, pubkey: str) -> bytes | None:
+    """The copy of `pubkey`'s sealed key, if still within its grace period. Read without
+    the copies' lock: a copy is replaced whole (grace.py `keep`), never written in place."""
+    path = graveyard.path(pubkey)
+    try:
+        if graveyard.clock() - path.stat().st_mtime > graveyard.grace:
+            return None
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
 
 
 def revive_tombstone(keystore: Keystore, pubkey: str, sealed: bytes, now: int
@@ -95,7 +107,7 @@ async def recover(config_path: str, pubkey: str) -> None:
     check_named(pubkey)
     config = load(config_path)
     graveyard = Graveyard.beside(config.settings.log_path, config.settings.destroy_grace_seconds)
-    blob = graveyard.take(pubkey)
+    blob = kept_copy(graveyard, pubkey)
     if blob is None:
         raise CustodyError("no sealed copy of the key named within the grace period (not "
                            "shown: it may be a secret pasted by mistake); nothing was recovered")

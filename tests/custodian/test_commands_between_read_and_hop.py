@@ -39,7 +39,7 @@ from custody.custodian import messages
 from custody.custodian.client import decode_reply
 from custody.custodian.forget import forget_destroyed
 from custody.custodian.verify import verify_chain
-from custody.custodian.recover import revive_agent, revive_tombstone
+from custody.custodian.recover import kept_copy, revive_agent, revive_tombstone
 from custody.custodian.server import Custodian, Settings
 from tests.custodian.test_refusals import human
 from tests.fixtures.custodian import write_custodian_config
@@ -69,7 +69,7 @@ async def _destroyed(custodian: Custodian, owner: str) -> tuple[str, bytes]:
     """A key minted for `owner` and destroyed through the row; its grace copy."""
     ok, made = await _ask(custodian, "mint", owner=owner, mint_ref=None)
     assert ok and (await _ask(custodian, "destroy", pubkey=made["pubkey"]))[0]
-    copy = custodian.graveyard.take(made["pubkey"])
+    copy = kept_copy(custodian.graveyard, made["pubkey"])
     assert copy is not None
     return made["pubkey"], copy
 

@@ -302,10 +302,10 @@ async def test_a_named_forget_whose_copy_cannot_be_deleted_stands_and_says_so(
         agent = made["pubkey"]  # type: ignore[index]
         assert ok and ask(process.socket, "destroy", pubkey=agent)[0]
 
-        def refused(self: Graveyard, pubkey: str) -> None:
+        def refused(graveyard: Graveyard, pubkey: str) -> None:
             raise PermissionError(errno.EACCES, "refused", pubkey)
 
-        monkeypatch.setattr(Graveyard, "forget", refused)
+        monkeypatch.setattr(command, "forget_copy", refused)
         await command.forget(str(process.config), [agent])
         said = capsys.readouterr()
         log = tmp_path / "state" / "custodian" / "signed.jsonl"

@@ -18,6 +18,8 @@ import pytest
 from custody import TokenConfig
 from custody.custodian.client import CustodianClient
 from custody.custodian.grace import Graveyard
+from custody.custodian.forget import forget_copy
+from custody.custodian.recover import kept_copy
 from tests.custodian.test_refusals import ask, held, human
 from tests.fixtures.custodian import running_custodian
 
@@ -32,9 +34,9 @@ def _age(path: Path, seconds: float) -> None:
 def test_a_copy_past_its_grace_is_purged_at_the_next_keep_and_at_start(tmp_path: Path) -> None:
     graves = Graveyard(tmp_path, GRACE)
     graves.keep("a" * 64, b"sealed a")
-    assert graves.take("a" * 64) == b"sealed a"
+    assert kept_copy(graves, "a" * 64) == b"sealed a"
     _age(tmp_path / ("a" * 64 + ".sealed"), GRACE + 1)
-    assert graves.take("a" * 64) is None  # past its grace, never handed back
+    assert kept_copy(graves, "a" * 64) is None  # past its grace, never handed back
     graves.keep("b" * 64, b"sealed b")  # the next destroy purges the old copy
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b" * 64 + ".sealed"]
     _age(tmp_path / ("b" * 64 + ".sealed"), GRACE + 1)
@@ -149,3 +151,18 @@ def test_the_purge_keeps_a_copy_within_its_grace_and_drops_one_just_past_it(
     _age(tmp_path / ("b" * 64 + ".sealed"), 9.5)
     assert graves.purge() == ["b" * 64]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b" * 64 + ".sealed"]
+
+
+def test_a_commands_delete_of_a_copy_waits_for_the_copies_lock(tmp_path: Path) -> None:
+    """forget.py's `forget_copy` (a named forget, `keys rotate`'s abandoned keys) deletes
+    under the same lock as the custodian's `keep` and `purge`: while another holds it, the
+    copy stays; once it is released, the copy goes."""
+    graves = Graveyard(tmp_path, GRACE)
+    graves.keep("a" * 64, b"sealed a")
+    with graves.locked():  # another open of the directory: as another process's flock
+        deleting = threading.Thread(target=forget_copy, args=(graves, "a" * 64))
+        deleting.start()
+        deleting.join(0.3)
+        assert deleting.is_alive() and graves.path("a" * 64).is_file()
+    deleting.join(10)
+    assert not deleting.is_alive() and not graves.path("a" * 64).exists()

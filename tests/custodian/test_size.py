@@ -32,7 +32,7 @@ TARGET_LINES = 3000
 #: The closure's count today. It was worked down to 5,185 lines once the code only commands
 #: and the in-process daemon run left; since then it has risen only with fixes, each named
 #: in the commit that raised this number (`git log -- tests/custodian/test_size.py`).
-CEILING_LINES = 6288
+CEILING_LINES = 6276
 #: Parsers facing agents and the relay that must never load where the keys are.
 NEVER = ("daemon", "h11", "wsproto", "buzz_broker_client", "buzzwire.contract")
 
