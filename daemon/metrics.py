@@ -229,7 +229,11 @@ class Metrics:
             ("op",), TOKEN_BUCKETS,
         )
         self._ledger = _Family(
-            _PREFIX + "ledger_size", "gauge", "Records in the idempotency ledger.", ()
+            # Counted by the sweeper (daemon/wiring.py), not at scrape: the ledger keeps a
+            # running count of bytes, not of records, and a count is a query on its writer.
+            _PREFIX + "ledger_size", "gauge",
+            "Records in the idempotency ledger, counted at start and after each hourly sweep.",
+            (),
         )
         self._connections = _Family(
             _PREFIX + "open_connections", "gauge", "Agent connections open now.", ()

@@ -330,3 +330,32 @@ def test_tcp_port_taken_is_one_line() -> None:
         assert str(info.value) == f"127.0.0.1:{port}: Address already in use"
     finally:
         taken.close()
+
+
+async def test_the_ledger_size_is_counted_at_start_and_says_it_is_hourly(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Not read at scrape (the ledger keeps a running count of bytes, not of records; a
+    # count is a query on its writer): the sweeper sets it at its first round, when the
+    # daemon starts, and then once an interval, and the help text says so.
+    from buzzwire.contract import Status
+    from daemon import wiring
+    from daemon.state.ledger import Fresh, Ledger, LedgerKey
+
+    assert wiring.SWEEP_INTERVAL_SECONDS == 3600  # what "hourly" below means
+    ledger = Ledger.open(tmp_path / "ledger.db", retention_seconds=3600)
+    for i in range(3):
+        begun = await ledger.begin(LedgerKey("a" * 64, f"r-{i}"), bytes(32))
+        assert isinstance(begun, Fresh)
+        await ledger.finish(begun.ticket, b"{}", Status.SUCCEEDED)
+    m = Metrics(actions=ACTIONS)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wiring._sweep_forever, ledger, m)
+            with trio.fail_after(10):
+                while parse(m.render())[1][("buzz_broker_ledger_size", ())] != 3:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    finally:
+        ledger.close()
+    kind, help_text = parse(m.render())[0]["buzz_broker_ledger_size"]
+    assert kind == "gauge" and "hourly" in help_text and "start" in help_text
