@@ -76,7 +76,9 @@ retry that late runs.
 Disk (issue 13): a record is stored compactly. The principal is a small integer
 (`principals` table), the requestId its 16-byte `request_key` (sha256, truncated: the key
 must be exact, the text is not needed — the caller holds it on every lookup, and the
-audit log has it), and one index (by expiry) beside the primary key. A refusal's response
+audit log has it), and one index (by expiry) beside the primary key. `entries` is a rowid
+table (`_ENTRIES_DDL`: a WITHOUT ROWID row over ~1 KB took a 4 KiB overflow page of its
+own, and a published record is often that). A refusal's response
 is whatever compact bytes the caller hands in (daemon/state/verdict_store.py). Per account,
 the ledger counts `ROW_BYTES` + its blobs for every record; at `max_bytes_per_principal` a
 request that would add a record gets `Full()` (the pipeline refuses it, unrecorded). The
@@ -93,17 +95,19 @@ in every transaction, when it has moved, so the verdict and the audit record it 
 become durable together. The audit log at start must reach it (daemon/state/audit.py).
 
 Migrations: `_migrate_v1` moves the first layout's table in; `_migrate_verdict_columns`
-adds `status` and `code` to a file made before they were columns.
+adds `status` and `code` to a file made before they were columns; `_migrate_rowid` moves a
+WITHOUT ROWID `entries` into the rowid one (last: it copies every column the others add).
 
 WARNING: one process owns a ledger file. The in-flight map is per process; a second daemon
 on the same file would not see the first one's owners. Keep `TRANSITIONS`, the `State`
-values stored in SQLite, `_SCHEMA` and `_migrate_v1` in sync.
+values stored in SQLite, `_SCHEMA`, `_ENTRIES_COLUMNS` and `_migrate_v1` in sync.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
+import re
 import sqlite3
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -375,12 +379,14 @@ class _Row:
     code: str | None
 
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS principals (
-    id          INTEGER PRIMARY KEY,
-    principal   TEXT    NOT NULL UNIQUE
-);
-CREATE TABLE IF NOT EXISTS entries (
+#: The records. An ordinary rowid table, (pid, rid) unique through its primary-key index:
+#: SQLite keeps a row of up to ~4 KB in a rowid table's leaf page, but at most ~1 KB of a
+#: WITHOUT ROWID one's (an index b-tree's local limit), the rest in a 4 KiB overflow page
+#: of its own, so a published record (pending events and a verdict, often over 1 KB) cost
+#: 2-4x the bytes the cap counts (`_migrate_rowid` moves that layout's records in).
+#: `{name}`: the table's name (the migration builds it under another, then renames it).
+_ENTRIES_DDL: Final = """
+CREATE TABLE IF NOT EXISTS {name} (
     pid         INTEGER NOT NULL,
     rid         BLOB    NOT NULL,
     digest      BLOB    NOT NULL,
@@ -392,8 +398,21 @@ CREATE TABLE IF NOT EXISTS entries (
     expires     INTEGER NOT NULL,
     charge      INTEGER,
     PRIMARY KEY (pid, rid)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS entries_by_expiry ON entries (expires);
+)"""
+
+#: Every column of `entries`, in its order (what `_migrate_rowid` copies).
+_ENTRIES_COLUMNS: Final = ("pid, rid, digest, state, pending, response, status, code,"
+                           " expires, charge")
+
+_EXPIRY_INDEX_DDL: Final = "CREATE INDEX IF NOT EXISTS entries_by_expiry ON entries (expires)"
+
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS principals (
+    id          INTEGER PRIMARY KEY,
+    principal   TEXT    NOT NULL UNIQUE
+);
+{_ENTRIES_DDL.format(name="entries")};
+{_EXPIRY_INDEX_DDL};
 CREATE TABLE IF NOT EXISTS tombstones (
     pid         INTEGER NOT NULL,
     rid         BLOB    NOT NULL,
@@ -527,6 +546,7 @@ class Ledger:
             moved = _migrate_v1(conn, retention_seconds)
             _migrate_verdict_columns(conn, backfill=moved)
             _migrate_charge_column(conn)
+            _migrate_rowid(conn)
             reader = _open_reader(Path(path))
         except BaseException:
             conn.close()
@@ -1053,6 +1073,33 @@ def _migrate_charge_column(conn: sqlite3.Connection) -> None:
     columns = {row[1] for row in conn.execute("PRAGMA table_info(entries)").fetchall()}
     if "charge" not in columns:
         conn.execute("ALTER TABLE entries ADD COLUMN charge INTEGER")
+
+
+#: How SQLite keeps the statement that made a WITHOUT ROWID table (`sqlite_master.sql`).
+_WITHOUT_ROWID = re.compile(r"\)\s*WITHOUT\s+ROWID\s*$", re.IGNORECASE)
+
+
+def _migrate_rowid(conn: sqlite3.Connection) -> None:
+    """Make a WITHOUT ROWID `entries` (every build before the rowid layout) a rowid table.
+
+    One transaction: the records copied byte for byte into the new table, the old one and
+    its expiry index dropped, the new one renamed and indexed; a crash leaves the old
+    layout whole, and the next open runs it again. The file does not shrink: the old
+    table's pages become free pages that new records reuse (VACUUM would rewrite the whole
+    file at every upgrade's first start, with as much free disk beside it). Read from the
+    schema's text, not `PRAGMA table_list`, which SQLite before 3.37 does not have.
+    """
+    row = conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table'"
+                       " AND name = 'entries'").fetchone()
+    if row is None or not _WITHOUT_ROWID.search(str(row[0])):
+        return
+    with transaction(conn):
+        conn.execute(_ENTRIES_DDL.format(name="entries_rowid"))
+        conn.execute(f"INSERT INTO entries_rowid ({_ENTRIES_COLUMNS})"
+                     f" SELECT {_ENTRIES_COLUMNS} FROM entries")
+        conn.execute("DROP TABLE entries")
+        conn.execute("ALTER TABLE entries_rowid RENAME TO entries")
+        conn.execute(_EXPIRY_INDEX_DDL)
 
 
 def read_anchor(path: Path | str) -> tuple[int, str] | None:

@@ -24,12 +24,17 @@ from buzzwire.contract import (
 )
 from daemon.state.audit import AuditLog, RefusalCount, read_records
 from daemon.state.ledger import (
+    _SCHEMA,
     ROW_BYTES,
+    TOMBSTONE_BYTES,
+    Conflict,
+    Forgotten,
     Fresh,
     Full,
     Ledger,
     LedgerKey,
     Replay,
+    Resume,
     read_anchor,
     read_record,
     request_key,
@@ -402,3 +407,190 @@ async def test_a_batch_sqlite_rolled_back_whole_commits_none_of_it(
         assert reopened.usage(other) == ROW_BYTES + len(b"verdict")
     finally:
         reopened.close()
+
+
+def _file_bytes(path: Path) -> int:
+    """Bytes of the file in use after a checkpoint (free pages, which SQLite reuses, not)."""
+    conn = sqlite3.connect(str(path))
+    try:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        free = conn.execute("PRAGMA freelist_count").fetchone()[0]
+        page = conn.execute("PRAGMA page_size").fetchone()[0]
+        return int((pages - free) * page)
+    finally:
+        conn.close()
+
+
+def _blob(seed: str, size: int) -> bytes:
+    # Incompressible-looking text of the size a signed event batch has (SQLite does not
+    # compress, but nothing here should look like a run of one byte either).
+    return (hashlib.sha256(seed.encode()).hexdigest() * (size // 64 + 1))[:size].encode()
+
+
+#: Published records as the pipeline writes them: the pending work (signed events in the
+#: `Pending` encoding: ~800 bytes of event, signature and stored answer around the content)
+#: and a `Published` verdict. name -> pending bytes.
+_PUBLISHED_SHAPES: dict[str, int] = {
+    "short post (~100 characters) or live signal": 900,
+    "post of ~1.3 KB": 2_100,
+    "observer.emit batch": 3_600,
+}
+
+
+async def test_a_published_record_costs_on_disk_about_what_the_cap_counts(
+        tmp_path: Path) -> None:
+    """Disk per record, measured on the file after a checkpoint, against what `usage` counts
+    for it (ROW_BYTES + its blobs + its tombstone): the figures of docs/operations.md's
+    sizing table. A row SQLite cannot keep in its b-tree page costs a 4 KiB overflow page
+    besides (the WITHOUT ROWID layout, whose limit is ~1 KB: 3.5x for a short post).
+    A rowid leaf page holds whole rows, so a row just over half a page has one to itself:
+    2x is the bound, reached only there (1.6x for the 1.3 KB post)."""
+    n = 300
+    measured: dict[str, tuple[float, float]] = {}
+    for shape, pending_size in _PUBLISHED_SHAPES.items():
+        path = tmp_path / f"{len(measured)}.db"
+        ledger = Ledger.open(path, retention_seconds=3600, clock=Clock())
+        try:
+            await _record(ledger, "warm-up", b"{}")  # the tables and the principal exist
+            before, counted_before = _file_bytes(path), ledger.usage(AGENT)
+            for i in range(n):
+                request_id = f"r-{i}"
+                begun = await ledger.begin(LedgerKey(AGENT, request_id),
+                                           digest(request_id.encode()))
+                assert isinstance(begun, Fresh)
+                await ledger.record_pending(begun.ticket, _blob(request_id, pending_size))
+                answer = encode_response(request_id, Verdict.succeeded(
+                    "message.post", PublishOutcome(event_id=digest(request_id.encode()).hex(),
+                                                   kind=9, created_at=T0)))
+                await ledger.finish(begun.ticket, answer, Status.SUCCEEDED, tombstone=True)
+            counted = (ledger.usage(AGENT) - counted_before) / n
+        finally:
+            ledger.close()
+        measured[shape] = ((_file_bytes(path) - before) / n, counted)
+    for shape, (disk, counted) in measured.items():
+        print(f"\n{shape}: {disk:.0f} bytes of file a record, {counted:.0f} counted"
+              f" ({disk / counted:.2f}x)")
+    assert all(disk < 2 * counted for disk, counted in measured.values()), measured
+
+
+#: `entries` as every build before the rowid layout made it (issue 13 to issue 22 M1).
+_WITHOUT_ROWID_ENTRIES = """
+    CREATE TABLE principals (id INTEGER PRIMARY KEY, principal TEXT NOT NULL UNIQUE);
+    CREATE TABLE entries (pid INTEGER NOT NULL, rid BLOB NOT NULL, digest BLOB NOT NULL,
+        state TEXT NOT NULL, pending BLOB, response BLOB, status TEXT, code TEXT,
+        expires INTEGER NOT NULL, charge INTEGER, PRIMARY KEY (pid, rid)) WITHOUT ROWID;
+    CREATE INDEX entries_by_expiry ON entries (expires);
+    CREATE TABLE tombstones (pid INTEGER NOT NULL, rid BLOB NOT NULL, digest BLOB NOT NULL,
+        PRIMARY KEY (pid, rid)) WITHOUT ROWID;
+    CREATE TABLE audit_anchor (id INTEGER PRIMARY KEY CHECK (id = 1),
+        seq INTEGER NOT NULL, head TEXT NOT NULL);
+"""
+
+
+def _rows(path: Path) -> list[tuple[object, ...]]:
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute(
+            "SELECT pid, rid, digest, state, pending, response, status, code, expires, charge"
+            " FROM entries ORDER BY pid, rid").fetchall()
+    finally:
+        conn.close()
+
+
+def _without_rowid(path: Path) -> bool:
+    conn = sqlite3.connect(path)
+    try:
+        return bool(conn.execute("SELECT wr FROM pragma_table_list WHERE name = 'entries'"
+                                 ).fetchone()[0])
+    finally:
+        conn.close()
+
+
+async def test_a_without_rowid_ledger_becomes_a_rowid_one_keeping_every_record(
+        tmp_path: Path) -> None:
+    # The layout before (a row over ~1 KB spilled to a 4 KiB overflow page): pending,
+    # final, a credential's refusal and a tombstone whose record was swept open with the
+    # new code, keep every byte and verdict, and replay as they did.
+    path = tmp_path / "ledger.db"
+    refusal = b"\x00unauthorized"
+    far = T0 + 10**6
+    old = sqlite3.connect(path)
+    old.executescript(_WITHOUT_ROWID_ENTRIES)
+    old.executemany("INSERT INTO principals VALUES (?, ?)",
+                    [(1, AGENT), (2, f"{AGENT}/narrow")])
+    old.executemany("INSERT INTO entries VALUES (1, ?, ?, ?, ?, ?, ?, ?, ?, ?)", [
+        (request_key(rid), digest(rid.encode()), state, pending, response, status, code,
+         far, charge)
+        for rid, state, pending, response, status, code, charge in [
+            ("p-1", "pending", _blob("p-1", 2_000), None, None, None, None),
+            ("f-1", "final", None, OLD_SUCCESS, "succeeded", None, None),
+            ("f-2", "final", _blob("f-2", 900), OLD_SUCCESS, "succeeded", None, None),
+            ("r-1", "final", None, refusal, "failed", "unauthorized", 2),
+        ]])
+    old.executemany("INSERT INTO tombstones VALUES (1, ?, ?)", [
+        (request_key(rid), digest(rid.encode())[:16]) for rid in ("p-1", "f-2", "gone")])
+    old.commit()
+    old.close()
+    before = _rows(path)
+    assert _without_rowid(path)
+
+    ledger = Ledger.open(path, retention_seconds=3600, clock=Clock())
+    try:
+        usage = ledger.usage(AGENT), ledger.refusal_usage(AGENT, "narrow")
+        resume = await ledger.begin(LedgerKey(AGENT, "p-1"), digest(b"p-1"))
+        assert isinstance(resume, Resume) and resume.pending == _blob("p-1", 2_000)
+        ledger.release(resume.ticket)
+        assert await ledger.begin(LedgerKey(AGENT, "f-1"), digest(b"f-1")) == (
+            Replay(OLD_SUCCESS, Status.SUCCEEDED))
+        assert await ledger.begin(LedgerKey(AGENT, "r-1"), digest(b"r-1")) == (
+            Replay(refusal, Status.FAILED, ErrorCode.UNAUTHORIZED))
+        assert isinstance(await ledger.begin(LedgerKey(AGENT, "gone"), digest(b"gone")),
+                          Forgotten)
+        assert isinstance(await ledger.begin(LedgerKey(AGENT, "f-1"), digest(b"other")),
+                          Conflict)
+    finally:
+        ledger.close()
+    assert not _without_rowid(path)
+    assert _rows(path) == before
+    # Idempotent: a second open finds the new layout and changes nothing; the usage it
+    # counts is the one the first open counted from the old table.
+    again = Ledger.open(path, retention_seconds=3600, clock=Clock())
+    try:
+        assert (again.usage(AGENT), again.refusal_usage(AGENT, "narrow")) == usage
+        assert usage[0] == (3 * ROW_BYTES + 2_000 + 900 + 2 * len(OLD_SUCCESS)
+                            + 3 * TOMBSTONE_BYTES)
+        resumed = await again.begin(LedgerKey(AGENT, "p-1"), digest(b"p-1"))
+        assert isinstance(resumed, Resume)
+        await again.finish(resumed.ticket, OLD_SUCCESS, Status.SUCCEEDED, tombstone=True)
+        assert await again.begin(LedgerKey(AGENT, "p-1"), digest(b"p-1")) == (
+            Replay(OLD_SUCCESS, Status.SUCCEEDED))
+        assert await again.sweep(far + 1) == 4
+        assert await again.count() == 0 and await again.tombstones() == 3
+    finally:
+        again.close()
+    assert _rows(path) == []
+
+
+def test_the_hot_queries_search_an_index() -> None:
+    # begin's lookup and every write find a record by (pid, rid), the sweep by expiry:
+    # each a search of a b-tree keyed so, never a scan of the table.
+    conn = sqlite3.connect(":memory:")
+    conn.executescript(_SCHEMA)
+    by_key = "(pid=? AND rid=?)"
+    plans = {sql: (" ".join(row[3] for row in conn.execute(f"EXPLAIN QUERY PLAN {sql}",
+                                                            params).fetchall()), searched)
+             for sql, params, searched in [
+                 ("SELECT digest, state, pending, response, status, code FROM entries"
+                  " WHERE pid = ? AND rid = ?", (1, b"k"), by_key),
+                 ("SELECT 1 FROM entries AS e JOIN principals AS p ON p.id = e.pid"
+                  " WHERE p.principal = ? AND e.rid = ?", ("a", b"k"), by_key),
+                 ("SELECT pid, rid, charge FROM entries WHERE expires < ?", (1,),
+                  "entries_by_expiry (expires<?)"),
+                 ("DELETE FROM entries WHERE pid = ? AND rid = ?", (1, b"k"), by_key),
+                 ("UPDATE entries SET state = 'final' WHERE pid = ? AND rid = ?", (1, b"k"),
+                  by_key),
+             ]}
+    conn.close()
+    for sql, (plan, searched) in plans.items():
+        assert "SCAN entries" not in plan and searched in plan, (sql, plan)
