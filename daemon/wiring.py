@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
@@ -38,7 +38,7 @@ from daemon.config import Config, ConfigError, require_relay
 from daemon.hostkey import HostKeyError
 from daemon.relay.cursor import CursorCodec
 from daemon.state.audit_mac import BodyMac
-from daemon.state.ledger import Ledger
+from daemon.state.ledger import KeptLayout, KeptReason, Ledger
 from daemon.state.sweep_clock import HOLD_SECONDS, SweepClock
 from daemon.log import log_event
 from daemon.metrics import Metrics
@@ -182,6 +182,8 @@ async def running(
                     config.state.ledger_max_refusal_bytes_per_credential),
             )
             stack.callback(ledger.close)
+            if ledger.layout_kept is not None:
+                _log_layout_kept(ledger.layout_kept)
             limiter = RateLimiter.open(state_dir, config.limits)
             stack.callback(limiter.close)
             cursors = CursorCodec.open(state_dir)
@@ -274,6 +276,24 @@ async def running(
                 yield broker
             finally:
                 nursery.cancel_scope.cancel()
+
+
+#: What `ledger.layout_kept` says for each reason the old layout stayed at start.
+_LAYOUT_KEPT_WHY: Final[Mapping[KeptReason, str]] = {
+    KeptReason.TOO_MANY_RECORDS: "too many records to move at start",
+    KeptReason.NOT_ENOUGH_FREE_DISK: "not enough free disk to move the records",
+}
+
+
+def _log_layout_kept(kept: KeptLayout) -> None:
+    """One WARNING at start: the ledger kept its WITHOUT ROWID table (daemon/state/ledger.py,
+    `_migrate_rowid`), why, what that costs, and that a later start may still move it."""
+    log_event(_log, "ledger.layout_kept", level=logging.WARNING, reason=kept.reason.value,
+              records=kept.records, move_bytes=kept.move_bytes, free_bytes=kept.free_bytes,
+              detail=(f"{_LAYOUT_KEPT_WHY[kept.reason]}: the ledger keeps its old table, which"
+                      " works as before, a record over ~1 KB taking a 4 KiB page of its own;"
+                      " it holds only records within retention, so a later start may move it"
+                      " once fewer are kept"))
 
 
 async def _sweep_forever(ledger: Ledger, metrics: Metrics) -> None:

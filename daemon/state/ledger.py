@@ -78,7 +78,8 @@ Disk (issue 13): a record is stored compactly. The principal is a small integer
 must be exact, the text is not needed — the caller holds it on every lookup, and the
 audit log has it), and one index (by expiry) beside the primary key. `entries` is a rowid
 table (`_ENTRIES_DDL`: a WITHOUT ROWID row over ~1 KB took a 4 KiB overflow page of its
-own, and a published record is often that). A refusal's response
+own, and a published record is often that; a file made before keeps that table while
+it is too big to move at open, `_migrate_rowid`). A refusal's response
 is whatever compact bytes the caller hands in (daemon/state/verdict_store.py). Per account,
 the ledger counts `ROW_BYTES` + its blobs for every record; at `max_bytes_per_principal` a
 request that would add a record gets `Full()` (the pipeline refuses it, unrecorded). The
@@ -96,7 +97,10 @@ become durable together. The audit log at start must reach it (daemon/state/audi
 
 Migrations: `_migrate_v1` moves the first layout's table in; `_migrate_verdict_columns`
 adds `status` and `code` to a file made before they were columns; `_migrate_rowid` moves a
-WITHOUT ROWID `entries` into the rowid one (last: it copies every column the others add).
+WITHOUT ROWID `entries` into the rowid one (last: it copies every column the others add),
+only when that is cheap and the disk has room (`MOVE_AT_OPEN_MAX_BYTES`,
+`MOVE_FREE_DISK_FACTOR`): otherwise the old table stays, read and written by the same
+queries, and `Ledger.layout_kept` says why (the daemon logs it; this module does not log).
 
 WARNING: one process owns a ledger file. The in-flight map is per process; a second daemon
 on the same file would not see the first one's owners. Keep `TRANSITIONS`, the `State`
@@ -107,6 +111,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import os
 import re
 import sqlite3
 import time
@@ -148,6 +153,12 @@ __all__ = [
     "read_anchor",
     "write_anchor",
     "read_record",
+    "KeptLayout",
+    "KeptReason",
+    "MOVE_AT_OPEN_MAX_BYTES",
+    "MOVE_FREE_DISK_FACTOR",
+    "OLD_ROW_BYTES",
+    "free_disk_bytes",
 ]
 
 #: The file name under the state directory (design.md: `<state>/ledger.db`).
@@ -179,6 +190,24 @@ TOMBSTONE_DIGEST_BYTES: Final = 16
 #: Bytes of sha256(requestId) kept as the key: 128 bits, so two requestIds of one
 #: principal collide only by a ~2^64 effort of that principal against itself.
 REQUEST_KEY_BYTES: Final = 16
+
+#: The most `_migrate_rowid` moves at open, as its estimate counts it (`OLD_ROW_BYTES` a
+#: record plus its blobs: an upper bound on the old table's pages it reads, and on the new
+#: table it writes). Measured under load, 944 MB of old table moved in 30 s (~31 MB/s), so
+#: this is ~8 s of the 60 s systemd gives the start (TimeoutStartSec, READY after the ledger
+#: opens): a bigger move could be killed mid-way at every start, rolled back each time.
+MOVE_AT_OPEN_MAX_BYTES: Final = 256 * 1024 * 1024
+
+#: What one WITHOUT ROWID record may take beyond its blobs: a 4 KiB overflow page it only
+#: partly fills (a row over ~1 KB keeps the rest in pages of its own) and its key, digest,
+#: expiry and index entry (ROW_BYTES). The measured 944 MB of 200,000 records of ~1.2 KB
+#: is 4.7 KB a record; the estimate counts 5.5 KB for one (4,256 bytes and ~1.2 KB of blobs).
+OLD_ROW_BYTES: Final = 4096 + ROW_BYTES
+
+#: Free disk the move needs, in estimates: the new table is written beside the old one, and
+#: the old one's pages go through the WAL again as they are freed (SQLite built with
+#: secure_delete zeroes each; measured: a 1.23 GB WAL for the 944 MB table) until the commit.
+MOVE_FREE_DISK_FACTOR: Final = 2
 
 #: How long `begin`'s read on the event-loop thread may wait for SQLite's shared index
 #: (module docstring); beyond that the read fails like any database fault.
@@ -349,6 +378,34 @@ class Forgotten:
 Begin: TypeAlias = Fresh | Resume | RolledBack | Replay | Conflict | Full | Forgotten
 
 
+class KeptReason(enum.Enum):
+    """Why `_migrate_rowid` left the WITHOUT ROWID `entries` as it was at this open."""
+
+    #: the estimate is over MOVE_AT_OPEN_MAX_BYTES: the move could outlast the start.
+    TOO_MANY_RECORDS = "too_many_records"
+    #: the ledger's file system has less free than MOVE_FREE_DISK_FACTOR x the estimate.
+    NOT_ENOUGH_FREE_DISK = "not_enough_free_disk"
+
+
+@dataclass(frozen=True, slots=True)
+class KeptLayout:
+    """The old layout stays (`Ledger.layout_kept`): why, and the figures that decided it.
+
+    `move_bytes` is the estimate (None when the count alone was over the bound: the sum of
+    the blobs was not read); `free_bytes` is None when the disk was not asked."""
+
+    reason: KeptReason
+    records: int
+    move_bytes: int | None
+    free_bytes: int | None
+
+
+def free_disk_bytes(directory: Path) -> int:
+    """Bytes an unprivileged writer may still use on `directory`'s file system."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
 def request_key(request_id: str) -> bytes:
     """The stored form of a requestId (module docstring: why a hash)."""
     return hashlib.sha256(request_id.encode("utf-8")).digest()[:REQUEST_KEY_BYTES]
@@ -445,6 +502,7 @@ class Ledger:
         max_bytes_per_principal: int | None,
         max_refusal_bytes_per_credential: int | None,
         clock: Callable[[], float],
+        layout_kept: KeptLayout | None = None,
     ) -> None:
         # Private: use Ledger.open(). Both connections are ours alone: `conn` writes from
         # worker threads, `reader` serves begin()'s lookup on the event-loop thread.
@@ -499,6 +557,10 @@ class Ledger:
         # The audit head to anchor (daemon/state/audit.py), and the one the database holds.
         self._head_source: Callable[[], tuple[int, str]] | None = None
         self._anchored = self._read_anchor(conn)
+        #: None: `entries` is the rowid table. Else the WITHOUT ROWID one stayed at this
+        #: open, and why (the daemon's start logs it once): it works as before, a record
+        #: over ~1 KB still taking a 4 KiB page of its own, and a later open may move it.
+        self.layout_kept = layout_kept
 
     @classmethod
     def open(
@@ -509,6 +571,7 @@ class Ledger:
         max_bytes_per_principal: int | None = None,
         max_refusal_bytes_per_credential: int | None = None,
         clock: Callable[[], float] = time.time,
+        free_bytes: Callable[[Path], int] = free_disk_bytes,
     ) -> Ledger:
         """Open or create the ledger database file (normally `<state>/ledger.db`).
 
@@ -522,6 +585,8 @@ class Ledger:
                 records, kept apart from its agent's account (config
                 `state.ledger_max_refusal_bytes_per_credential`); None = no cap.
             clock: seconds since the epoch, for the records' timestamps (tests inject it).
+            free_bytes: free bytes on a directory's file system, asked of the file's
+                directory before moving an old layout (`_migrate_rowid`; tests inject it).
 
         Raises:
             ValueError: bad retention or cap, or `path` is a directory.
@@ -546,7 +611,7 @@ class Ledger:
             moved = _migrate_v1(conn, retention_seconds)
             _migrate_verdict_columns(conn, backfill=moved)
             _migrate_charge_column(conn)
-            _migrate_rowid(conn)
+            kept = _migrate_rowid(conn, lambda: free_bytes(Path(path).parent))
             reader = _open_reader(Path(path))
         except BaseException:
             conn.close()
@@ -555,7 +620,7 @@ class Ledger:
             return cls(conn, reader, retention_seconds=retention_seconds,
                        max_bytes_per_principal=max_bytes_per_principal,
                        max_refusal_bytes_per_credential=max_refusal_bytes_per_credential,
-                       clock=clock)
+                       clock=clock, layout_kept=kept)
         except BaseException:
             reader.close()
             conn.close()
@@ -1079,12 +1144,21 @@ def _migrate_charge_column(conn: sqlite3.Connection) -> None:
 _WITHOUT_ROWID = re.compile(r"\)\s*WITHOUT\s+ROWID\s*$", re.IGNORECASE)
 
 
-def _migrate_rowid(conn: sqlite3.Connection) -> None:
-    """Make a WITHOUT ROWID `entries` (every build before the rowid layout) a rowid table.
+def _migrate_rowid(conn: sqlite3.Connection, free_bytes: Callable[[], int]
+                   ) -> KeptLayout | None:
+    """Make a WITHOUT ROWID `entries` (every build before the rowid layout) a rowid table,
+    when that is cheap and has room; else keep it and say why (None: moved, or nothing to).
 
-    One transaction: the records copied byte for byte into the new table, the old one and
-    its expiry index dropped, the new one renamed and indexed; a crash leaves the old
-    layout whole, and the next open runs it again. The file does not shrink: the old
+    Cheap: its estimate (OLD_ROW_BYTES a record plus its blobs) is at most
+    MOVE_AT_OPEN_MAX_BYTES. The count comes first (it reads the expiry index only); the
+    blobs' lengths are summed only under the bound (`length()` reads a row's header, not
+    its overflow pages). Room: `free_bytes()` is at least MOVE_FREE_DISK_FACTOR x it. Every
+    query of this module reads and writes both layouts alike, so keeping one loses only
+    disk; `entries` holds the records within retention, so a later open may find it small.
+
+    The move is one transaction: the records copied byte for byte into the new table, the
+    old one and its expiry index dropped, the new one renamed and indexed; a crash leaves
+    the old layout whole, and the next open runs it again. The file does not shrink: the old
     table's pages become free pages that new records reuse (VACUUM would rewrite the whole
     file at every upgrade's first start, with as much free disk beside it). Read from the
     schema's text, not `PRAGMA table_list`, which SQLite before 3.37 does not have.
@@ -1092,7 +1166,18 @@ def _migrate_rowid(conn: sqlite3.Connection) -> None:
     row = conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table'"
                        " AND name = 'entries'").fetchone()
     if row is None or not _WITHOUT_ROWID.search(str(row[0])):
-        return
+        return None
+    records = int(conn.execute("SELECT count(*) FROM entries").fetchone()[0])
+    if records * OLD_ROW_BYTES > MOVE_AT_OPEN_MAX_BYTES:
+        return KeptLayout(KeptReason.TOO_MANY_RECORDS, records, None, None)
+    blobs = conn.execute("SELECT total(length(pending)) + total(length(response))"
+                         " FROM entries").fetchone()[0]
+    estimate = records * OLD_ROW_BYTES + int(blobs)
+    if estimate > MOVE_AT_OPEN_MAX_BYTES:
+        return KeptLayout(KeptReason.TOO_MANY_RECORDS, records, estimate, None)
+    free = free_bytes()
+    if free < MOVE_FREE_DISK_FACTOR * estimate:
+        return KeptLayout(KeptReason.NOT_ENOUGH_FREE_DISK, records, estimate, free)
     with transaction(conn):
         conn.execute(_ENTRIES_DDL.format(name="entries_rowid"))
         conn.execute(f"INSERT INTO entries_rowid ({_ENTRIES_COLUMNS})"
@@ -1100,6 +1185,7 @@ def _migrate_rowid(conn: sqlite3.Connection) -> None:
         conn.execute("DROP TABLE entries")
         conn.execute("ALTER TABLE entries_rowid RENAME TO entries")
         conn.execute(_EXPIRY_INDEX_DDL)
+    return None
 
 
 def read_anchor(path: Path | str) -> tuple[int, str] | None:

@@ -28,9 +28,12 @@ from daemon.state.ledger import (
     ROW_BYTES,
     TOMBSTONE_BYTES,
     Conflict,
+    MOVE_AT_OPEN_MAX_BYTES,
+    OLD_ROW_BYTES,
     Forgotten,
     Fresh,
     Full,
+    KeptReason,
     Ledger,
     LedgerKey,
     Replay,
@@ -537,6 +540,7 @@ async def test_a_without_rowid_ledger_becomes_a_rowid_one_keeping_every_record(
 
     ledger = Ledger.open(path, retention_seconds=3600, clock=Clock())
     try:
+        assert ledger.layout_kept is None
         usage = ledger.usage(AGENT), ledger.refusal_usage(AGENT, "narrow")
         resume = await ledger.begin(LedgerKey(AGENT, "p-1"), digest(b"p-1"))
         assert isinstance(resume, Resume) and resume.pending == _blob("p-1", 2_000)
@@ -570,6 +574,143 @@ async def test_a_without_rowid_ledger_becomes_a_rowid_one_keeping_every_record(
     finally:
         again.close()
     assert _rows(path) == []
+
+
+def _old_layout(path: Path, records: int) -> None:
+    """A WITHOUT ROWID ledger of `records` refusals and one pending record (`p-old`)."""
+    old = sqlite3.connect(path)
+    old.executescript(_WITHOUT_ROWID_ENTRIES)
+    old.execute("INSERT INTO principals VALUES (1, ?)", (AGENT,))
+    old.execute("INSERT INTO entries VALUES (1, ?, ?, 'pending', ?, NULL, NULL, NULL, ?, NULL)",
+                (request_key("p-old"), digest(b"p-old"), _blob("p-old", 2_000), T0 + 7200))
+    old.executemany(
+        "INSERT INTO entries VALUES (1, ?, ?, 'final', NULL, ?, 'failed', 'unauthorized', ?,"
+        " NULL)", ((request_key(f"r-{i}"), digest(f"r-{i}".encode()), b"\x00unauthorized",
+                    T0 + 60) for i in range(records - 1)))
+    old.execute("INSERT INTO tombstones VALUES (1, ?, ?)",
+                (request_key("p-old"), digest(b"p-old")[:16]))
+    old.commit()
+    old.close()
+
+
+async def _works_as_before(ledger: Ledger, records: int) -> None:
+    """The ledger's operations on whichever layout `entries` has: a fresh record pending
+    then final and replayed, an old pending record resumed and finished, a refusal
+    replayed, a conflict, the sweep of what expired and a forgotten key after it."""
+    begun = await ledger.begin(LedgerKey(AGENT, "new"), digest(b"new"))
+    assert isinstance(begun, Fresh)
+    await ledger.record_pending(begun.ticket, _blob("new", 2_500))
+    await ledger.finish(begun.ticket, OLD_SUCCESS, Status.SUCCEEDED, tombstone=True)
+    assert await ledger.begin(LedgerKey(AGENT, "new"), digest(b"new")) == (
+        Replay(OLD_SUCCESS, Status.SUCCEEDED))
+    resumed = await ledger.begin(LedgerKey(AGENT, "p-old"), digest(b"p-old"))
+    assert isinstance(resumed, Resume) and resumed.pending == _blob("p-old", 2_000)
+    await ledger.finish(resumed.ticket, OLD_SUCCESS, Status.SUCCEEDED, tombstone=True)
+    assert await ledger.begin(LedgerKey(AGENT, "r-0"), digest(b"r-0")) == (
+        Replay(b"\x00unauthorized", Status.FAILED, ErrorCode.UNAUTHORIZED))
+    assert isinstance(await ledger.begin(LedgerKey(AGENT, "r-0"), digest(b"x")), Conflict)
+    assert await ledger.count() == records + 1
+    assert await ledger.sweep(T0 + 61) == records - 1  # the refusals, not the two others
+    assert isinstance(await ledger.begin(LedgerKey(AGENT, "p-old"), digest(b"p-old")), Replay)
+    forgotten = await ledger.begin(LedgerKey(AGENT, "r-0"), digest(b"r-0"))
+    assert isinstance(forgotten, Fresh)  # a refusal leaves no tombstone: it runs again
+    ledger.release(forgotten.ticket)
+    assert await ledger.tombstones() == 2
+
+
+async def test_an_old_ledger_over_the_bound_stays_old_and_works_as_before(
+        tmp_path: Path) -> None:
+    # More records than MOVE_AT_OPEN_MAX_BYTES lets the start move (at OLD_ROW_BYTES each):
+    # the move could outlast systemd's start timeout, so the table stays and says why.
+    path = tmp_path / "ledger.db"
+    records = MOVE_AT_OPEN_MAX_BYTES // OLD_ROW_BYTES + 1
+    _old_layout(path, records)
+    asked: list[Path] = []
+
+    def free(directory: Path) -> int:
+        asked.append(directory)
+        return 2**60
+
+    ledger = Ledger.open(path, retention_seconds=3600, clock=Clock(), free_bytes=free)
+    try:
+        kept = ledger.layout_kept
+        assert kept is not None and kept.reason is KeptReason.TOO_MANY_RECORDS
+        assert kept.records == records and asked == []  # the count alone decided
+        await _works_as_before(ledger, records)
+    finally:
+        ledger.close()
+    assert _without_rowid(path)
+    # Fewer records within retention now: the next start moves them.
+    again = Ledger.open(path, retention_seconds=3600, clock=Clock(), free_bytes=free)
+    try:
+        assert again.layout_kept is None and asked == [tmp_path]
+        assert await again.count() == 2
+    finally:
+        again.close()
+    assert not _without_rowid(path)
+
+
+async def test_an_old_ledger_without_free_disk_for_the_move_stays_old_and_works(
+        tmp_path: Path) -> None:
+    # Room for the move's estimate but not twice it (the new table and the WAL of the old
+    # one's freed pages): the old table stays rather than the start failing "disk is full".
+    path = tmp_path / "ledger.db"
+    _old_layout(path, 10)
+    estimate = 10 * OLD_ROW_BYTES + 2_000 + 9 * len(b"\x00unauthorized")
+    ledger = Ledger.open(path, retention_seconds=3600, clock=Clock(),
+                         free_bytes=lambda _directory: 2 * estimate - 1)
+    try:
+        kept = ledger.layout_kept
+        assert kept is not None and kept.reason is KeptReason.NOT_ENOUGH_FREE_DISK
+        assert (kept.records, kept.move_bytes, kept.free_bytes) == (
+            10, estimate, 2 * estimate - 1)
+        await _works_as_before(ledger, 10)
+    finally:
+        ledger.close()
+    assert _without_rowid(path)
+    moved = Ledger.open(path, retention_seconds=3600, clock=Clock(),
+                        free_bytes=lambda _directory: 2 * estimate)
+    try:
+        assert moved.layout_kept is None
+    finally:
+        moved.close()
+    assert not _without_rowid(path)
+
+
+async def test_a_rowid_ledger_works_as_an_old_one_does(tmp_path: Path) -> None:
+    # The same operations on the new layout (the old file moved at open): one set of
+    # queries serves both.
+    path = tmp_path / "ledger.db"
+    _old_layout(path, 10)
+    ledger = Ledger.open(path, retention_seconds=3600, clock=Clock())
+    try:
+        assert ledger.layout_kept is None
+        await _works_as_before(ledger, 10)
+    finally:
+        ledger.close()
+    assert not _without_rowid(path)
+
+
+def test_the_start_says_once_why_the_old_layout_stayed(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from daemon.state.ledger import KeptLayout
+    from daemon.wiring import _log_layout_kept
+
+    for kept, why in [
+            (KeptLayout(KeptReason.TOO_MANY_RECORDS, 70_000, None, None),
+             "too many records to move at start"),
+            (KeptLayout(KeptReason.NOT_ENOUGH_FREE_DISK, 10, 43_000, 1_000),
+             "not enough free disk")]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="buzz_broker"):
+            _log_layout_kept(kept)
+        [line] = [r for r in caplog.records if getattr(r, "buzz_event", None)
+                  == "ledger.layout_kept"]
+        fields = getattr(line, "buzz_fields")
+        assert line.levelname == "WARNING" and fields["reason"] == kept.reason.value
+        assert fields["records"] == kept.records
+        assert why in fields["detail"] and "4 KiB page of its own" in fields["detail"]
+        assert "a later start may move it" in fields["detail"]
 
 
 def test_the_hot_queries_search_an_index() -> None:
