@@ -204,10 +204,12 @@ MOVE_AT_OPEN_MAX_BYTES: Final = 256 * 1024 * 1024
 #: is 4.7 KB a record; the estimate counts 5.5 KB for one (4,256 bytes and ~1.2 KB of blobs).
 OLD_ROW_BYTES: Final = 4096 + ROW_BYTES
 
-#: Free disk the move needs, in estimates: the new table is written beside the old one, and
-#: the old one's pages go through the WAL again as they are freed (SQLite built with
-#: secure_delete zeroes each; measured: a 1.23 GB WAL for the 944 MB table) until the commit.
-MOVE_FREE_DISK_FACTOR: Final = 2
+#: Free disk the move needs, in estimates: the new table is written to the WAL and the file,
+#: and the old one's pages go through the WAL again as they are freed (SQLite built with
+#: secure_delete zeroes each; measured: a 1.23 GB WAL for the 944 MB table) until the
+#: commit; a review measured up to 1.44x two estimates for records of 60 KB at the commit.
+#: A disk that fills anyway (SQLITE_FULL) keeps the old table too (`_migrate_rowid`).
+MOVE_FREE_DISK_FACTOR: Final = 3
 
 #: How long `begin`'s read on the event-loop thread may wait for SQLite's shared index
 #: (module docstring); beyond that the read fails like any database fault.
@@ -1178,13 +1180,23 @@ def _migrate_rowid(conn: sqlite3.Connection, free_bytes: Callable[[], int]
     free = free_bytes()
     if free < MOVE_FREE_DISK_FACTOR * estimate:
         return KeptLayout(KeptReason.NOT_ENOUGH_FREE_DISK, records, estimate, free)
-    with transaction(conn):
-        conn.execute(_ENTRIES_DDL.format(name="entries_rowid"))
-        conn.execute(f"INSERT INTO entries_rowid ({_ENTRIES_COLUMNS})"
-                     f" SELECT {_ENTRIES_COLUMNS} FROM entries")
-        conn.execute("DROP TABLE entries")
-        conn.execute("ALTER TABLE entries_rowid RENAME TO entries")
-        conn.execute(_EXPIRY_INDEX_DDL)
+    try:
+        with transaction(conn):
+            conn.execute(_ENTRIES_DDL.format(name="entries_rowid"))
+            conn.execute(f"INSERT INTO entries_rowid ({_ENTRIES_COLUMNS})"
+                         f" SELECT {_ENTRIES_COLUMNS} FROM entries")
+            conn.execute("DROP TABLE entries")
+            conn.execute("ALTER TABLE entries_rowid RENAME TO entries")
+            conn.execute(_EXPIRY_INDEX_DDL)
+    except sqlite3.OperationalError as exc:
+        # The estimate is not the peak (large records cost the WAL more): a disk that
+        # fills anyway keeps the old table, rolled back whole, rather than fail the start.
+        if exc.sqlite_errorcode != sqlite3.SQLITE_FULL:
+            raise
+        return KeptLayout(KeptReason.NOT_ENOUGH_FREE_DISK, records, estimate, free)
+    # The WAL grew to about the move's size: give that disk back now, not at a later
+    # checkpoint that may never truncate it.
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     return None
 
 

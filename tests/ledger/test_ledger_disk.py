@@ -29,6 +29,7 @@ from daemon.state.ledger import (
     TOMBSTONE_BYTES,
     Conflict,
     MOVE_AT_OPEN_MAX_BYTES,
+    MOVE_FREE_DISK_FACTOR,
     OLD_ROW_BYTES,
     Forgotten,
     Fresh,
@@ -652,26 +653,66 @@ async def test_an_old_ledger_over_the_bound_stays_old_and_works_as_before(
 
 async def test_an_old_ledger_without_free_disk_for_the_move_stays_old_and_works(
         tmp_path: Path) -> None:
-    # Room for the move's estimate but not twice it (the new table and the WAL of the old
-    # one's freed pages): the old table stays rather than the start failing "disk is full".
+    # Room for the move's estimate but not MOVE_FREE_DISK_FACTOR times it (the new table and
+    # the WAL of the old one's freed pages): the old table stays rather than the start
+    # failing "disk is full".
     path = tmp_path / "ledger.db"
     _old_layout(path, 10)
     estimate = 10 * OLD_ROW_BYTES + 2_000 + 9 * len(b"\x00unauthorized")
     ledger = Ledger.open(path, retention_seconds=3600, clock=Clock(),
-                         free_bytes=lambda _directory: 2 * estimate - 1)
+                         free_bytes=lambda _directory: MOVE_FREE_DISK_FACTOR * estimate - 1)
     try:
         kept = ledger.layout_kept
         assert kept is not None and kept.reason is KeptReason.NOT_ENOUGH_FREE_DISK
         assert (kept.records, kept.move_bytes, kept.free_bytes) == (
-            10, estimate, 2 * estimate - 1)
+            10, estimate, MOVE_FREE_DISK_FACTOR * estimate - 1)
         await _works_as_before(ledger, 10)
     finally:
         ledger.close()
     assert _without_rowid(path)
     moved = Ledger.open(path, retention_seconds=3600, clock=Clock(),
-                        free_bytes=lambda _directory: 2 * estimate)
+                        free_bytes=lambda _directory: MOVE_FREE_DISK_FACTOR * estimate)
     try:
         assert moved.layout_kept is None
+    finally:
+        moved.close()
+    assert not _without_rowid(path)
+
+
+async def test_a_move_the_disk_cannot_hold_keeps_the_old_layout_and_the_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The estimate is not the peak: a disk that fills during the move anyway (SQLITE_FULL,
+    # here a page cap on the ledger's connection) rolls it back whole and keeps the old
+    # table, instead of failing the open, which is the daemon's start, at every restart.
+    from daemon.state import ledger as ledger_module
+
+    path = tmp_path / "ledger.db"
+    _old_layout(path, 10)
+    real = ledger_module.open_private_db
+
+    def tight(db_path: Path, schema: str) -> sqlite3.Connection:
+        conn = real(db_path, schema)
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        conn.execute(f"PRAGMA max_page_count={pages}")
+        return conn
+
+    monkeypatch.setattr(ledger_module, "open_private_db", tight)
+    ledger = Ledger.open(path, retention_seconds=3600, clock=Clock(),
+                         free_bytes=lambda _directory: 2**60)
+    try:
+        kept = ledger.layout_kept
+        assert kept is not None and kept.reason is KeptReason.NOT_ENOUGH_FREE_DISK
+        assert kept.records == 10
+    finally:
+        ledger.close()
+    assert _without_rowid(path)
+    monkeypatch.setattr(ledger_module, "open_private_db", real)
+    moved = Ledger.open(path, retention_seconds=3600, clock=Clock())
+    try:
+        assert moved.layout_kept is None
+        # The WAL the move grew is given back at once, not at some later checkpoint.
+        assert (tmp_path / "ledger.db-wal").stat().st_size == 0
+        await _works_as_before(moved, 10)
     finally:
         moved.close()
     assert not _without_rowid(path)
