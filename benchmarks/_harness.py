@@ -161,7 +161,7 @@ def _bulk_agents_locked(token: TokenConfig, state_dir: Path, n: int, KeyRecord: 
             with random_secret() as secret:
                 pubkey = xonly_pubkey(secret).hex()
                 rows.append((pubkey, _owner(), now, now, seal(opened, secret, pubkey)))
-        with keystore._transaction() as db:
+        with keystore.transaction() as db:
             db.executemany(
                 "INSERT INTO keys (pubkey, owner, auth_tag, mint_ref, created_at, updated_at,"
                 " deleted_at, sealed) VALUES (?, ?, NULL, NULL, ?, ?, NULL, ?)",

@@ -145,6 +145,7 @@ async def cpu_per_request(custody: Any, agent: str, state_dir: Path, seconds: fl
     the intents checked, the log written, the answer encoded: `Custodian.answer`, no
     socket), which noise from other processes moves less than a rate does."""
     from custody.custodian import messages
+    from custody.custodian.client import decode_reply, request
     from custody.custodian.server import Custodian, Settings
 
     from custody import UnsignedEvent
@@ -160,11 +161,11 @@ async def cpu_per_request(custody: Any, agent: str, state_dir: Path, seconds: fl
                                    for k in range(100)])
 
     async def answered(i: int) -> None:
-        frame = messages.request("sign", events=[
+        frame = request("sign", events=[
             {"signer": agent, "kind": 9, "created_at": 1_700_000_000 + i + k,
              "tags": [["h", "bench"]], "content": f"m {i + k}"} for k in range(100)])
         answer = await custodian.answer(messages.decode_request(frame[messages.HEADER.size:]))
-        assert messages.decode_reply(answer[messages.HEADER.size:])[0], answer[:200]
+        assert decode_reply(answer[messages.HEADER.size:])[0], answer[:200]
 
     figures = []
     for fn in (facade, answered):

@@ -38,6 +38,7 @@ import trio
 
 from custody import Custody, TokenConfig
 from custody.custodian import messages, server
+from custody.custodian.client import decode_reply
 from custody.custodian.server import Custodian, Settings
 from tests.custodian.test_refusals import ask
 from tests.fixtures.custodian import CustodianProcess, write_custodian_config
@@ -186,7 +187,7 @@ async def test_a_flood_of_token_asks_makes_one_hop_a_second(
 
     async def asked() -> None:
         frame = await custodian.answer(messages.Request("token", {}))
-        answers.append(messages.decode_reply(frame[messages.HEADER.size:]))
+        answers.append(decode_reply(frame[messages.HEADER.size:]))
 
     async with trio.open_nursery() as nursery:  # 200 at once
         for _ in range(200):
