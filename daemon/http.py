@@ -973,9 +973,10 @@ async def serve(
                                                 cap=limits.max_connections_per_uid)
                         await refuse(stream, _TOO_MANY_FROM_UID)
                     elif not (verdict := await admitted(uid)):
-                        control.tcp_refusals.record(
-                            ("uid", uid), peer_uid=uid,
-                            reason="not allowed" if verdict is False else "undecided")
+                        # Keyed by the reason too: one must not hide the other for a minute.
+                        reason = "not allowed" if verdict is False else "undecided"
+                        control.tcp_refusals.record(("uid", uid, reason), peer_uid=uid,
+                                                    reason=reason)
                         await refuse(stream, _NOT_ADMITTED if verdict is False else _UNDECIDED)
                     else:
                         port = stream.socket.getsockname()[1] if tcp else None

@@ -60,6 +60,8 @@ EXIT_BROKEN: Final = 3
 _UNITS: Final = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _RELATIVE_RE: Final = re.compile(r"([0-9]{1,9})([smhd])")
 _HEX64_RE: Final = re.compile(r"[0-9a-fA-F]{64}")
+#: What an action name looks like (`channel.read`): an unknown one of this shape is echoed.
+_ACTION_SHAPE: Final = re.compile(r"[a-z]{1,20}\.[a-z]{1,20}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -368,7 +370,9 @@ def _show(args: argparse.Namespace) -> int:
         raise UsageError("--credential: expected a credential id (cred_ followed by 16 hex "
                          "characters)")
     if args.action is not None and args.action not in ACTIONS:
-        raise UsageError(f"--action: unknown action {args.action[:40]!r}; expected one of "
+        # Echoed only in an action's shape: a token pasted here must not be printed back.
+        said = repr(args.action) if _ACTION_SHAPE.fullmatch(args.action) else "(not shown)"
+        raise UsageError(f"--action: unknown action {said}; expected one of "
                          f"{', '.join(sorted(ACTIONS))}")
     path = _audit_dir(args, args.path)
     if not path.is_dir():

@@ -501,3 +501,14 @@ def test_a_well_formed_filter_that_matches_nothing_is_an_empty_table(tmp_path: P
         done = buzz("audit", "show", "--path", str(state / "audit"), flag, value)
         assert (done.returncode, done.stderr) == (0, ""), (flag, done.stderr)
         assert done.stdout.splitlines()[1:] == [], done.stdout
+
+
+def test_an_action_filter_that_is_no_action_is_not_echoed(tmp_path: Path) -> None:
+    """A credential pasted into `--action` by mistake must not be printed back: only a
+    value of an action's shape is quoted in the refusal."""
+    token = "bzb_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789EFGH"
+    done = buzz("audit", "show", "--path", str(tmp_path / "nothing"), "--action", token)
+    assert done.returncode == EXIT_USAGE and "(not shown)" in done.stderr, done.stderr
+    assert "AbCd" not in done.stdout + done.stderr
+    shaped = buzz("audit", "show", "--path", str(tmp_path / "nothing"), "--action", "message.pots")
+    assert "'message.pots'" in shaped.stderr, shaped.stderr
