@@ -91,13 +91,15 @@ def newest(events: Sequence[SignedEvent]) -> SignedEvent | None:
     """The version a relay would keep: highest created_at, then lowest id."""
     best: SignedEvent | None = None
     for ev in events:
-        if best is None or (ev.created_at, _neg(ev.id)) > (best.created_at, _neg(best.id)):
+        if best is None or _kept_order(ev.created_at, ev.id) > _kept_order(best.created_at, best.id):
             best = ev
     return best
 
 
-def _neg(event_id: str) -> tuple[int, ...]:
-    return tuple(-b for b in bytes.fromhex(event_id))
+def _kept_order(created_at: int, event_id: str) -> tuple[int, tuple[int, ...]]:
+    """NIP-01's order of a replaceable event's versions, the one a relay keeps last: the
+    later created_at, and within one second the lower id."""
+    return created_at, tuple(-b for b in bytes.fromhex(event_id))
 
 
 def json_object_or_none(text: str) -> dict[str, object] | None:
@@ -121,15 +123,19 @@ def check_builds_on_latest(ctx: Context, author: str, kind: int, d: str,
     The relay decides what "newest" is; a relay that withholds the latest version would
     otherwise have an older one merged and re-signed as new. The version this host last
     published (accepted, or sent with no answer: daemon/state/sign_watermarks.py) is the
-    floor: the relay's newest must be it, or later (another client's write).
+    floor: the relay's newest must be it, or one the relay keeps over it by NIP-01's rule
+    (`_kept_order`: a later created_at, or the same second and a lower id), another
+    client's write. The tie counts: a version of ours that lost a same-second tie (Buzz
+    answers it `OK true "duplicate:"`, and the pool records it) or was replaced by one
+    is not the relay's newest, and the winner was never withheld; a head it beats is.
 
     Raises:
       OperationRefused(action_failed): the relay answered nothing, or something older.
     """
     store = ctx.relay.watermarks
     mark = None if store is None else store.get(author, kind, d)
-    if mark is None or (previous is not None and (
-            previous.created_at > mark.created_at or previous.id == mark.event_id)):
+    if mark is None or (previous is not None and _kept_order(previous.created_at, previous.id)
+                        >= _kept_order(mark.created_at, mark.event_id)):
         return
     relay_has = "nothing" if previous is None else f"{previous.id} at {previous.created_at}"
     raise OperationRefused(

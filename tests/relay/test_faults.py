@@ -10,6 +10,8 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import time
+import types
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -17,6 +19,9 @@ import pytest
 import trio
 import trio.testing
 
+from buzzwire.nostr import SignedEvent
+from daemon.operations._base import OperationRefused
+from daemon.operations._events import check_builds_on_latest
 from daemon.relay.gate import AuthGate
 from daemon.relay.pool import (
     MAX_QUERY_BYTES,
@@ -33,6 +38,7 @@ from daemon.relay.pool import (
 from daemon.relay.protocol import MAX_REASON_CHARS
 from tests.fixtures.relay import TestKey, auth_signer_for, signed, free_port
 from tests.relay._support import HeldSigner
+from daemon.state.sign_watermarks import SignWatermarks
 from tests.scripted_relay import EventReply, ReqReply, Script, ScriptedRelay
 
 Start = Callable[[Script], Awaitable[ScriptedRelay]]
@@ -854,3 +860,32 @@ async def test_requests_waiting_on_a_refused_auth_quote_the_refusal_cut(
                 readers.start_soon(read)
     assert len(reasons) == 4 and relay.auth_refused == 1, (len(reasons), relay.auth_refused)
     assert all(len(r) <= 3 * MAX_REASON_CHARS for r in reasons), [len(r) for r in reasons]
+
+
+async def test_a_version_that_lost_a_same_second_tie_does_not_stop_the_next_build(
+    scripted_relay: Start, nursery: trio.Nursery, tmp_path: Any
+) -> None:
+    # Buzz answers a replaceable write that loses to the version it holds (the same second,
+    # a higher id) `OK true "duplicate:"` (buzz-db replace_addressable_event: not
+    # inserted). The pool records the watermark of what it sent, and the relay keeps
+    # serving its own head: NIP-01 keeps the lowest id of one second, so that head is not
+    # older than ours, and the next build on it must go ahead. A head that loses to the
+    # watermark by the same rule is still refused (the guard stands).
+    relay, key, pool = await _scripted(scripted_relay, nursery, Script(
+        default_event=EventReply.DUPLICATE))
+    pool.watermarks = SignWatermarks.open(tmp_path)
+    t = int(time.time())
+    head, middle, ours = sorted(
+        (key.sign(0, json.dumps({"name": n}), [], t) for n in ("other", "x", "ours")),
+        key=lambda e: e["id"])
+    result = await pool.publish(key.pubkey, signed(ours))
+    assert isinstance(result, Accepted) and result.duplicate
+    assert pool.watermarks.get(key.pubkey, 0, "") is not None
+    ctx: Any = types.SimpleNamespace(relay=pool)
+    check_builds_on_latest(ctx, key.pubkey, 0, "", SignedEvent.from_json_obj(head))
+    check_builds_on_latest(ctx, key.pubkey, 0, "", SignedEvent.from_json_obj(ours))
+    pool.watermarks.forget([key.pubkey])
+    await pool.publish(key.pubkey, signed(middle))  # now the watermark is the middle id
+    for loser in (ours, key.sign(0, "{}", [], t - 1)):
+        with pytest.raises(OperationRefused, match="older than the last one"):
+            check_builds_on_latest(ctx, key.pubkey, 0, "", SignedEvent.from_json_obj(loser))
