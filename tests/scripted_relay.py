@@ -51,6 +51,7 @@ class EventReply(enum.Enum):
     DUPLICATE = "duplicate"  #: OK true "duplicate: ..." whether or not stored
     REJECT = "reject"  #: OK false with Script.reject_reason
     SILENT = "silent"  #: no OK at all
+    LOST_OK = "lost_ok"  #: store it, and no OK (the answer lost on its way back)
     DROP = "drop"  #: close the TCP connection at once, no OK
 
 
@@ -76,6 +77,10 @@ class Script:
     reqs: tuple[ReqReply, ...] = ()
     default_req: ReqReply = ReqReply.EOSE
     reject_reason: str = "invalid: scripted refusal"
+    #: Buzz's reaction rule (ingest.rs): a kind 7 whose (author, target `e`, content) is
+    #: already active is refused `OK false "duplicate: reaction already exists"`, also when
+    #: it is the very event stored (Buzz's reactions upsert runs before its event insert).
+    buzz_reactions: bool = False
     expected_relay_tag: str | None = None
     #: The verbs `require_auth` covers: ``{"EVENT"}`` is a relay that lets anyone read
     #: and only authenticated pubkeys write.
@@ -158,6 +163,14 @@ class ScriptedRelay:
         for ws, sub_id in self.open_reqs:
             await ws.send_message(json.dumps(["EVENT", sub_id, event]))
         return len(self.open_reqs)
+
+    def _reaction_active(self, ev: dict[str, Any]) -> bool:
+        """A kind 7 of this author, target and content is stored (`Script.buzz_reactions`)."""
+        def key(e: dict[str, Any]) -> tuple[object, ...]:
+            target = next((t[1] for t in e.get("tags", []) if len(t) >= 2 and t[0] == "e"), None)
+            return e.get("pubkey"), target, e.get("content")
+        return ev.get("kind") == 7 and any(
+            e.get("kind") == 7 and key(e) == key(ev) for e in self.stored.values())
 
     def _next_event(self) -> EventReply:
         return self._events.pop(0) if self._events else self.script.default_event
@@ -258,6 +271,11 @@ class ScriptedRelay:
                         continue
                     if reply is EventReply.REJECT:
                         answer = ["OK", ev["id"], False, self.script.reject_reason]
+                    elif self.script.buzz_reactions and self._reaction_active(ev):
+                        answer = ["OK", ev["id"], False, "duplicate: reaction already exists"]
+                    elif reply is EventReply.LOST_OK:
+                        self.stored[ev["id"]] = ev
+                        continue
                     elif reply is EventReply.DUPLICATE or ev["id"] in self.stored:
                         answer = ["OK", ev["id"], True, "duplicate: already have this event"]
                     else:

@@ -32,7 +32,16 @@ the relay may hold any of them. A refusal now proves nothing about those (relays
 any refusal is `indeterminate` + `outcome_unknown` and no rollback runs: rolling back
 (agents.create: destroying the key) would leave the relay naming an agent that is gone,
 and `failed` would promise that nothing happened. Only an acceptance (`duplicate:`
-included) tells the retry what the relay holds.
+included) tells the retry what the relay holds, or a refusal `duplicate:` of an event the
+relay is then found to hold (`_relay_holds`, a read by id): Buzz answers the resend of a
+reaction it stored `OK false "duplicate: reaction already exists"` (its reactions upsert
+runs before its event insert), every time, so a reaction.add whose OK was lost would
+otherwise never finish. The event found is this attempt's own bytes, sent before.
+
+A fresh attempt's `duplicate:` refusal is no such case (its bytes were never sent), so it
+is `failed` as any first refusal, its message saying first what already exists
+(`DUPLICATE_REFUSED`: a reaction this agent already made on that target). NIP-BA names no
+other answer for reaction.add.
 
 Cleanup steps run in order, each safe to run twice; a fault in one is logged. A
 `commit` step that faults makes the answer `indeterminate` + `internal` instead of
@@ -57,7 +66,9 @@ from typing import TYPE_CHECKING, Final
 
 import trio
 
+from buzzwire import kinds
 from buzzwire.contract import ErrorCode, Request, Status, Verdict, encode_response
+from buzzwire.nostr import SignedEvent
 from custody import KeyRecord
 from custody.custodian.client import CustodianClient, CustodianUnavailable
 
@@ -72,14 +83,15 @@ from daemon.operations._base import OperationRefused
 from daemon.pipeline.pending import (Cleanup, DestroyAgent, Pending, RenameAgent, SetRuntime,
                                       steps_named)
 from daemon.pipeline.recorder import Facts, Judged, Progress, Recorder, where
-from daemon.relay.pool import Accepted, RelayPool, Unknown
-from daemon.relay.protocol import quote_reason
+from daemon.relay.pool import (Accepted, PublishResult, Rejected, RelayPool, RelayRefused,
+                               RelayUnavailable, Unknown)
+from daemon.relay.protocol import Prefix, machine_prefix, quote_reason
 from daemon.state.runtimes import RuntimeStore
 from daemon.state.sessions import SessionStore
 from daemon.state import leftovers
 from daemon.state.sign_watermarks import SignWatermarks
 
-__all__ = ["Publisher", "CHECKPOINTS", "Prepare", "MINT_REF_TAKEN"]
+__all__ = ["Publisher", "CHECKPOINTS", "Prepare", "MINT_REF_TAKEN", "DUPLICATE_REFUSED"]
 
 _log = logging.getLogger("buzz_broker.publisher")
 
@@ -94,6 +106,10 @@ CHECKPOINTS: Final = ("before_pending", "after_pending", "before_verdict", "afte
 #: The refusal of an agents.create whose mint reference exists without its ledger record.
 MINT_REF_TAKEN: Final = ("this requestId already made an agent here and its record is gone; "
                          "use a new requestId")
+#: A fresh attempt's first event refused `duplicate:`, by its kind: what already exists, said
+#: before the relay's words (which a relay may change). Buzz refuses a kind 7 whose author,
+#: target and content match a reaction still active.
+DUPLICATE_REFUSED: Final[dict[int, str]] = {kinds.REACTION: "the reaction already exists"}
 #: A publishing operation's `prepare`: (Context, its own argument type) -> plan or verdict.
 Prepare = Callable[..., Awaitable[Plan | Verdict]]
 
@@ -106,6 +122,14 @@ def _mint_ref(facts: Facts) -> str:
 #: Causes `relay.outcome_unknown` keeps apart: the pool's own words for an Unknown (no OK
 #: within the timeout, the connection dropped before it or while sending), a handful.
 UNKNOWN_CAUSES = 8
+
+
+def _refused(kind: int, reason: str) -> str:
+    """The agent's message for a fresh attempt refused with `reason` (already quoted):
+    a `duplicate:` refusal of a kind in `DUPLICATE_REFUSED` says first what exists."""
+    text = f"the relay did not accept the event: {reason}"
+    exists = DUPLICATE_REFUSED.get(kind) if machine_prefix(reason) is Prefix.DUPLICATE else None
+    return text if exists is None else f"{exists}: {text}"
 
 
 class Publisher:
@@ -225,7 +249,8 @@ class Publisher:
         for event in pending.events:
             progress.effects_possible = True
             result = await self._relay.publish(event.pubkey, event)
-            if isinstance(result, Accepted):
+            if isinstance(result, Accepted) or (
+                    resumed and await self._relay_holds(facts, event, result)):
                 accepted += 1
                 continue
             # The relay's reason, quoted back to the agent and to the operator log with
@@ -243,7 +268,8 @@ class Publisher:
                     "the relay did not confirm the event; retry the identical request")
             if accepted == 0 and not resumed:
                 assert ticket is not None, "a fresh attempt publishes under its ticket"
-                return await self._roll_back(facts, pending, progress, ticket, reason)
+                return await self._roll_back(facts, pending, progress, ticket,
+                                             _refused(event.kind, reason))
             if accepted == 0:
                 # `accepted` counts this attempt only; an earlier one may have been stored.
                 return Verdict.indeterminate(
@@ -266,13 +292,34 @@ class Publisher:
                 "retry the identical request to finish")
         return None
 
+    async def _relay_holds(self, facts: Facts, event: SignedEvent, result: PublishResult
+                           ) -> bool:
+        """A resumed attempt's refusal `duplicate:`: does the relay hold this very event?
+
+        Read by id as its author (Buzz answers a REQ by `ids` whatever its `p` gate). The
+        bytes were sent before (resumed), so an event of this id is what an earlier attempt
+        published. Any other refusal, or a read that fails, proves nothing: False, and the
+        refusal stands (module docstring)."""
+        if not isinstance(result, Rejected) or machine_prefix(result.reason) is not Prefix.DUPLICATE:
+            return False
+        try:
+            found = await self._relay.query(event.pubkey, [{"ids": [event.id], "limit": 1}])
+        except (RelayUnavailable, RelayRefused) as exc:
+            log_event(_log, "relay.duplicate_unchecked", agent=facts.agent,
+                      request_id=facts.request_id, event_id=event.id,
+                      error=type(exc).__name__, reason=exc.reason)
+            return False
+        held = any(e.get("id") == event.id for e in found)
+        log_event(_log, "relay.duplicate_checked", agent=facts.agent,
+                  request_id=facts.request_id, event_id=event.id, held=held)
+        return held
+
     async def _roll_back(self, facts: Facts, pending: Pending, progress: Progress,
-                         ticket: Ticket, reason: str) -> Verdict:
+                         ticket: Ticket, message: str) -> Verdict:
         """The first event of a fresh attempt was refused: `failed`, durable first, then
         the rollback (module docstring). The commit failed: nothing is rolled back and the
         record stays resumable, so `indeterminate` + `internal`."""
-        verdict = Verdict.failed(ErrorCode.ACTION_FAILED,
-                                 f"the relay did not accept the event: {reason}")
+        verdict = Verdict.failed(ErrorCode.ACTION_FAILED, message)
         try:
             await self._ledger.roll_back(ticket, encode_response(facts.request_id, verdict),
                                          verdict.status, verdict.code)

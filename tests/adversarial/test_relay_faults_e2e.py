@@ -26,6 +26,10 @@ check the verdict envelope the agent receives:
     a resumed agents.create refused at its first event -> indeterminate (an earlier
                                  attempt's event may be on the relay), the key kept;
                                  the next retry -> succeeded
+    Buzz's `OK false "duplicate: reaction already exists"` -> a resumed reaction.add the
+                                 relay holds (read by id) succeeded, one it does not
+                                 hold indeterminate; a fresh one failed, "the reaction
+                                 already exists"
 
 Every relay timeout is 1 s; each request must be answered within its timeout plus a margin
 (none waits past its timeout). The daemon runs in this process on a real socket
@@ -423,3 +427,65 @@ async def test_resumed_create_refused_at_its_first_event_stays_indeterminate(rig
     assert retried["outcome"]["agentPubkey"] == minted.pubkey
     assert [a.pubkey for a in _minted(r.state_dir, r.agent) if a.live] == [minted.pubkey]
     assert sorted(e["kind"] for e in r.relay.stored.values()) == [0, 9000, 30177]
+
+
+# --- Buzz refuses a reaction already active, its own resend included -----------------------
+
+
+async def _reaction_target(r: Rig) -> dict[str, Any]:
+    posted, _, _ = await r.call("message.post", _post_args("react to me"))
+    assert posted["status"] == "succeeded", posted
+    return {"channelId": CHANNEL, "targetEventId": posted["outcome"]["eventId"],
+            "reaction": "\U0001F44D"}
+
+
+async def test_a_resumed_reaction_the_relay_holds_succeeds_on_its_duplicate_refusal(
+        rig: Any) -> None:
+    # Attempt 1: Buzz stores the reaction and its OK is lost. The retry re-sends the same
+    # bytes and Buzz answers `OK false "duplicate: reaction already exists"` (its reactions
+    # upsert runs before its event insert), as it would to every later retry. The host
+    # looks the event up by id: the relay holds ours, so the reaction was added.
+    r: Rig = await rig(Script(events=(EventReply.ACCEPT, EventReply.LOST_OK),
+                              buzz_reactions=True))
+    args = await _reaction_target(r)
+    first, _, body = await r.call("reaction.add", args)
+    assert _code(first) == ("indeterminate", "outcome_unknown"), first
+    [reaction] = [e for e in r.relay.stored.values() if e["kind"] == 7]
+    retried, took, _ = await r.call("reaction.add", {}, body=body)
+    assert retried["status"] == "succeeded" and "replayed" not in retried, retried
+    assert retried["outcome"]["eventId"] == reaction["id"]
+    assert took < 2 * TIMEOUT + MARGIN
+    assert [e["id"] for e in r.relay.stored.values() if e["kind"] == 7] == [reaction["id"]]
+    replay, _, _ = await r.call("reaction.add", {}, body=body)
+    assert replay == {**retried, "replayed": True}
+
+
+async def test_a_resumed_reaction_the_relay_does_not_hold_stays_indeterminate(
+        rig: Any) -> None:
+    # The retry's `duplicate:` refusal names some other reaction (the relay holds none of
+    # ours: attempt 1 went unanswered and unstored): nothing proves ours was added.
+    r: Rig = await rig(Script(events=(EventReply.ACCEPT, EventReply.SILENT, EventReply.REJECT),
+                              reject_reason="duplicate: reaction already exists"))
+    args = await _reaction_target(r)
+    first, _, body = await r.call("reaction.add", args)
+    assert _code(first) == ("indeterminate", "outcome_unknown"), first
+    retried, _, _ = await r.call("reaction.add", {}, body=body)
+    assert _code(retried) == ("indeterminate", "outcome_unknown"), retried
+    assert "duplicate: reaction already exists" in retried["error"]["message"]
+    assert not [e for e in r.relay.stored.values() if e["kind"] == 7]
+
+
+async def test_a_fresh_reaction_already_active_fails_saying_the_reaction_exists(
+        rig: Any) -> None:
+    # A new request for a reaction this agent already made on that target: nothing of
+    # this request took hold, so `failed` (NIP-BA names no other answer), and the agent
+    # reads why.
+    r: Rig = await rig(Script(buzz_reactions=True))
+    args = await _reaction_target(r)
+    added, _, _ = await r.call("reaction.add", args)
+    assert added["status"] == "succeeded", added
+    again, _, _ = await r.call("reaction.add", args)
+    assert _code(again) == ("failed", "action_failed"), again
+    assert again["error"]["message"].startswith("the reaction already exists"), again
+    assert [e["id"] for e in r.relay.stored.values() if e["kind"] == 7] == [
+        added["outcome"]["eventId"]]
