@@ -26,6 +26,11 @@ Decisions (recorded here because the spec leaves them to the host):
   choices are host-declared and an unknown one MUST be refused, not silently substituted,
   so each is checked exactly against its `[policy]` list (`CHOICES`); an empty list offers
   none. A request that names none is not checked: it chooses nothing to substitute.
+- A reaction longer than `MAX_REACTION_CHARS` (64 characters) is `invalid_request`, as an
+  unoffered choice is: NIP-BA and the contract allow 66, but Buzz's relay refuses a kind 7
+  of more than 64 Unicode scalars (ingest.rs `MAX_REACTION_EMOJI_CHARS`), and NIP-BA lets a
+  host restrict the reaction vocabulary. Refused here, before the target is read or
+  anything signed, rather than `action_failed` by the relay after both.
 - agents.update/delete by pubkey answer `unauthorized` with one message whether the
   pubkey is unknown, deleted, or owned by someone else. Distinct answers would let any
   session probe which pubkeys this host holds and who owns them; ownership is the only
@@ -70,6 +75,7 @@ __all__ = [
     "RUNTIME_ACTIONS",
     "CHOICES",
     "CHOICE_ACTIONS",
+    "MAX_REACTION_CHARS",
     "TARGET_ACTIONS",
     "REFUSALS",
     "UNOFFERED",
@@ -160,6 +166,11 @@ CHOICE_ACTIONS: Final = {
 #: Actions whose arguments may carry `runtime`; "a host refuses a runtime it cannot resolve".
 RUNTIME_ACTIONS: Final = CHOICE_ACTIONS["runtime"]
 
+#: The longest reaction this host publishes, in characters (Unicode scalars, counted after
+#: the contract's trim): Buzz's relay refuses more (module docstring). The contract's bound
+#: (`buzzwire.contract.MAX_REACTION_CHARS`, NIP-BA's 66) stays the wire's.
+MAX_REACTION_CHARS: Final = 64
+
 #: Actions that act on an existing agent named by `target`: the requester must own it.
 TARGET_ACTIONS: Final = frozenset(n for n, spec in ACTIONS.items() if spec.targets_agent)
 
@@ -174,6 +185,9 @@ REFUSALS: Final = {
     "runtime": Refusal(ErrorCode.INVALID_REQUEST, "runtime is not offered by this host"),
     "provider": Refusal(ErrorCode.INVALID_REQUEST, "provider is not offered by this host"),
     "model": Refusal(ErrorCode.INVALID_REQUEST, "model is not offered by this host"),
+    "reaction": Refusal(ErrorCode.INVALID_REQUEST,
+                        f"reaction is longer than this host's relay takes "
+                        f"({MAX_REACTION_CHARS} characters)"),
     "not_owned": Refusal(ErrorCode.UNAUTHORIZED, "the target is not an agent this session owns"),
     "no_such_name": Refusal(ErrorCode.ACTION_FAILED, "no such agent"),
     "ambiguous": Refusal(
@@ -310,6 +324,14 @@ def _check_choices(
     return None
 
 
+def _check_reaction(
+    p: Principal, r: _Request, host: PolicyConfig, agents: _Dir
+) -> Refusal | None:
+    if r.action != "reaction.add" or len(getattr(r.args, "reaction")) <= MAX_REACTION_CHARS:
+        return None
+    return REFUSALS["reaction"]
+
+
 def _check_target(
     p: Principal, r: _Request, host: PolicyConfig, agents: _Dir
 ) -> Refusal | Authorized | None:
@@ -325,6 +347,7 @@ CHECKS: Final[tuple[tuple[str, _Check], ...]] = (
     ("credential", _check_credential),
     ("depth", _check_depth),
     ("choices", _check_choices),
+    ("reaction", _check_reaction),
     ("target", _check_target),
 )
 

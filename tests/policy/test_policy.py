@@ -399,3 +399,19 @@ def test_first_check_in_table_order_wins(store: SessionStore) -> None:
     assert isinstance(depth, Refusal) and "1" in depth.message
     host = dataclasses.replace(host, max_agent_depth=3)
     assert authorize(p, req, host, AGENTS) == REFUSALS["runtime"]
+
+
+@pytest.mark.parametrize(("reaction", "allowed"), [
+    ("\U0001F44D" * 64, True), ("a" * 64, True),
+    ("\U0001F44D" * 65, False), ("\U0001F44D\U0001F3FD" * 33, False),  # 66: NIP-BA's bound
+], ids=["64 emoji", "64 letters", "65", "66"])
+def test_a_reaction_longer_than_buzzs_relay_takes_is_refused_before_it_runs(
+        store: SessionStore, reaction: str, allowed: bool) -> None:
+    # NIP-BA and the contract allow 66 scalars; Buzz's relay refuses a kind 7 of more than
+    # 64 (ingest.rs MAX_REACTION_EMOJI_CHARS). NIP-BA lets a host restrict the vocabulary.
+    answer = authorize(principal(store), request("reaction.add", reaction=reaction), HOST, AGENTS)
+    if allowed:
+        assert answer == Authorized()
+    else:
+        assert answer == REFUSALS["reaction"] and answer.code is ErrorCode.INVALID_REQUEST
+        assert "64" in answer.message
