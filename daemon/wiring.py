@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Final
 import trio
 
 from buzzwire.contract import ACTIONS
-from buzzwire.nostr import SignedEvent
 from custody import CustodyError
 from custody.custodian.client import CustodianClient
 
@@ -45,7 +44,7 @@ from daemon.metrics import Metrics
 from daemon.pipeline.observer import ObserverIntake, ObserverQueue
 from daemon.state.observer_seq import ObserverSeq
 from daemon.state.ratelimit import RateLimiter
-from daemon.relay.pool import AuthNotSigned, RelayPool, RelayTimeouts
+from daemon.relay.pool import RelayPool, RelayTimeouts
 from daemon.relay.windows import WindowCache
 from daemon.state.runtimes import RuntimeStore
 from daemon.state import leftovers
@@ -68,16 +67,15 @@ def relay_pool(config: Config, custody: Custody | CustodianClient,
                observer: Callable[[str, str, float], None] | None = None) -> RelayPool:
     """The relay pool for `config`, authenticating each agent's connection through custody.
 
+    Custody signs each AUTH itself, and its fault (CustodyError: the custodian gone or
+    hung, the token not working) is not turned into the pool's `AuthNotSigned`: that would
+    make it a failed AUTH, the relay's answer (`action_failed`), when it is this host's.
+    It reaches the pool's caller as it is, and is answered as custody failing to sign the
+    event itself: `failed` + `internal` (daemon/pipeline/broker.py, publisher.py).
+
     Raises:
         ValueError: the relay URL is refused (see daemon.relay.protocol.check_relay_url).
     """
-
-    async def sign_auth(agent: str, relay_url: str, challenge: str, created_at: int
-                        ) -> SignedEvent:
-        try:
-            return await custody.sign_auth(agent, relay_url, challenge, created_at)
-        except CustodyError as exc:
-            raise AuthNotSigned(type(exc).__name__) from None
 
     timeouts = RelayTimeouts(
         connect=config.relay.connect_timeout,
@@ -87,7 +85,7 @@ def relay_pool(config: Config, custody: Custody | CustodianClient,
     )
     if config.relay.url is None:  # no default relay (daemon/config.py)
         raise ValueError("[relay] url is not set")
-    pool = RelayPool(config.relay.url, sign_auth, timeouts=timeouts, observer=observer,
+    pool = RelayPool(config.relay.url, custody.sign_auth, timeouts=timeouts, observer=observer,
                      max_result_bytes=config.relay.max_result_bytes,
                      max_live_subscriptions=config.relay.max_live_subscriptions,
                      max_receive_bytes=config.relay.max_receive_bytes)

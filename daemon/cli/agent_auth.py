@@ -143,6 +143,8 @@ async def _publish_profile(pool: RelayPool, custody: Custody, record: KeyRecord,
             {"kinds": [KIND_METADATA], "authors": [record.pubkey], "limit": 5}])
     except (RelayUnavailable, RelayRefused) as exc:
         return "", f"the relay could not be read ({type(exc).__name__})"
+    except CustodyError as exc:  # the AUTH to read with (daemon/wiring.py)
+        return "", f"the relay's AUTH could not be signed ({exc})"
     previous = newest([e for e in verified(found)
                        if e.pubkey == record.pubkey and e.kind == KIND_METADATA])
     content = (json_object_or_none(previous.content) if previous else None) or {
@@ -154,7 +156,10 @@ async def _publish_profile(pool: RelayPool, custody: Custody, record: KeyRecord,
             content=json.dumps(content, ensure_ascii=False, separators=(",", ":"))))
     except CustodyError as exc:
         return "", f"the profile could not be signed ({exc})"
-    result = await pool.publish(record.pubkey, signed)
+    try:
+        result = await pool.publish(record.pubkey, signed)
+    except CustodyError as exc:
+        return "", f"the relay's AUTH could not be signed ({exc})"
     if not isinstance(result, Accepted):
         return "", f"the relay did not accept the profile ({type(result).__name__})"
     return signed.id, None

@@ -548,8 +548,9 @@ class Broker:
                                    code=refused.code.value, detail=refused.detail)
             return Judged.of(request_id, Verdict.failed(refused.code, refused.message)), facts
         except CustodyError as exc:
-            # Raised before anything was published (signing and minting precede the pending
-            # record), so the fault is a known no-op: failed + internal, not recorded.
+            # Raised before anything was published (signing, minting and a read's relay AUTH
+            # precede the pending record; the publisher answers its own AUTH's), so the
+            # fault is a known no-op: failed + internal, not recorded.
             self._lines.record("custody.fault", type(exc).__name__, agent=principal.agent,
                                request_id=request_id, error=type(exc).__name__,
                                detail=str(exc))

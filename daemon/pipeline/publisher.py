@@ -12,7 +12,10 @@ record (`Ledger.roll_back`) *before* the `rollback` cleanup runs; no
 `OK` (timeout, dropped connection) → `indeterminate` + `outcome_unknown`; a refusal
 *after* an accepted event of a multi-event plan → partial effects exist, so `failed`
 would lie: `indeterminate` + `outcome_unknown`, and the identical retry re-sends the same
-events (accepted ones come back `duplicate:`) until the relay takes the rest.
+events (accepted ones come back `duplicate:`) until the relay takes the rest. An event
+whose NIP-42 AUTH custody could not sign (the custodian gone or hung) never reached the
+relay's store, and the fault is this host's: the same status, code `internal`, as when
+custody cannot sign the event itself.
 
 Each event not accepted is an INFO `relay.not_accepted` line of its request. One whose
 outcome is unknown is also a WARNING `relay.outcome_unknown`, one line a minute per cause
@@ -69,7 +72,7 @@ import trio
 from buzzwire import kinds
 from buzzwire.contract import ErrorCode, Request, Status, Verdict, encode_response
 from buzzwire.nostr import SignedEvent
-from custody import KeyRecord
+from custody import CustodyError, KeyRecord
 from custody.custodian.client import CustodianClient, CustodianUnavailable
 
 if TYPE_CHECKING:  # the facade loads the PKCS#11 binding: not where a custodian holds the keys
@@ -248,7 +251,19 @@ class Publisher:
         accepted = 0
         for event in pending.events:
             progress.effects_possible = True
-            result = await self._relay.publish(event.pubkey, event)
+            try:
+                result = await self._relay.publish(event.pubkey, event)
+            except CustodyError as exc:
+                # Custody could not sign the relay's AUTH (daemon/wiring.py): the event never
+                # reached the relay's store, and the fault is this host's, as when custody
+                # cannot sign an event: `internal`, with the status a refusal gets here.
+                self._recorder.fault("relay_auth", facts.agent, facts.request_id,
+                                     facts.action, exc)
+                if accepted == 0 and not resumed:
+                    assert ticket is not None, "a fresh attempt publishes under its ticket"
+                    return await self._roll_back(facts, pending, progress, ticket,
+                                                 Verdict.failed(ErrorCode.INTERNAL))
+                return Verdict.indeterminate(ErrorCode.INTERNAL)
             if isinstance(result, Accepted) or (
                     resumed and await self._relay_holds(facts, event, result)):
                 accepted += 1
@@ -268,8 +283,9 @@ class Publisher:
                     "the relay did not confirm the event; retry the identical request")
             if accepted == 0 and not resumed:
                 assert ticket is not None, "a fresh attempt publishes under its ticket"
-                return await self._roll_back(facts, pending, progress, ticket,
-                                             _refused(event.kind, reason))
+                return await self._roll_back(
+                    facts, pending, progress, ticket,
+                    Verdict.failed(ErrorCode.ACTION_FAILED, _refused(event.kind, reason)))
             if accepted == 0:
                 # `accepted` counts this attempt only; an earlier one may have been stored.
                 return Verdict.indeterminate(
@@ -304,10 +320,10 @@ class Publisher:
             return False
         try:
             found = await self._relay.query(event.pubkey, [{"ids": [event.id], "limit": 1}])
-        except (RelayUnavailable, RelayRefused) as exc:
+        except (RelayUnavailable, RelayRefused, CustodyError) as exc:  # custody: the AUTH
             log_event(_log, "relay.duplicate_unchecked", agent=facts.agent,
                       request_id=facts.request_id, event_id=event.id,
-                      error=type(exc).__name__, reason=exc.reason)
+                      error=type(exc).__name__, reason=getattr(exc, "reason", None))
             return False
         held = any(e.get("id") == event.id for e in found)
         log_event(_log, "relay.duplicate_checked", agent=facts.agent,
@@ -315,11 +331,11 @@ class Publisher:
         return held
 
     async def _roll_back(self, facts: Facts, pending: Pending, progress: Progress,
-                         ticket: Ticket, message: str) -> Verdict:
-        """The first event of a fresh attempt was refused: `failed`, durable first, then
-        the rollback (module docstring). The commit failed: nothing is rolled back and the
-        record stays resumable, so `indeterminate` + `internal`."""
-        verdict = Verdict.failed(ErrorCode.ACTION_FAILED, message)
+                         ticket: Ticket, verdict: Verdict) -> Verdict:
+        """The first event of a fresh attempt was refused (or its AUTH not signed):
+        `verdict`, durable first, then the rollback (module docstring). The commit failed:
+        nothing is rolled back and the record stays resumable, so `indeterminate` +
+        `internal`."""
         try:
             await self._ledger.roll_back(ticket, encode_response(facts.request_id, verdict),
                                          verdict.status, verdict.code)

@@ -14,7 +14,9 @@ Rules:
   connect (Buzz does) or only after refusing something with ``auth-required:``
   (nostr-sdk's LocalRelay does). A challenge already seen is answered before the next
   EVENT/REQ is sent; an ``auth-required:`` answer makes us authenticate and resend
-  *once*. The AUTH event's ``relay`` tag is the configured URL exactly as written.
+  *once*. The AUTH event's ``relay`` tag is the configured URL exactly as written. A
+  signer that cannot sign for its own reasons (custody down) is not the relay failing:
+  that fault reaches the caller as it is (`AuthNotSigned`).
 - One AUTH per challenge, and one EVENT (one REQ) in flight until the relay has answered
   one EVENT (one REQ) of ours without ``auth-required:``, or accepted our AUTH
   (`daemon.relay.gate.AuthGate`, one gate per kind: a burst on a fresh connection would
@@ -390,10 +392,13 @@ class SubscriptionsFull(RelayError):
 
 
 class AuthNotSigned(Exception):
-    """The AUTH signer could not sign the challenge (custody refused or failed).
+    """The AUTH signer declines to sign the challenge.
 
-    The signer raises this, and only this, to say so; the pool answers as it does for any
-    AUTH that did not succeed. `reason` names the cause's type, never its text.
+    The signer raises this to say so; the pool answers as it does for any AUTH that did
+    not succeed. `reason` names the cause's type, never its text. Anything else the signer
+    raises is the caller's own fault, not the relay's (the daemon's: custody gone or
+    failing, daemon/wiring.py): it reaches the caller of `publish`, `query` or
+    `subscribe` as it is, and nothing is sent.
     """
 
     def __init__(self, reason: str) -> None:
@@ -1495,6 +1500,7 @@ class RelayPool:
 
         Raises:
             TypeError: `event` is not a SignedEvent (our bug). RuntimeError: pool not running.
+            Whatever the AUTH signer raises other than AuthNotSigned (`AuthNotSigned`).
         """
         if not isinstance(event, SignedEvent):
             raise TypeError("publish needs a SignedEvent")
@@ -1607,6 +1613,7 @@ class RelayPool:
             RelayRefused: CLOSED (``restricted:`` or a second ``auth-required:``), AUTH refused.
             ValueError: no filters, or a filter that is not a mapping (our bug).
             RuntimeError: the pool is not running.
+            Whatever the AUTH signer raises other than AuthNotSigned (`AuthNotSigned`).
         """
         if not filters or not all(isinstance(f, Mapping) for f in filters):
             raise ValueError("query needs at least one filter, each a mapping")
@@ -1737,7 +1744,7 @@ class RelayPool:
         Raises:
             SubscriptionsFull: the agent's connection holds max_live_subscriptions already.
             RelayUnavailable / RelayRefused: as `query`.
-            ValueError / RuntimeError: as `query`.
+            ValueError, RuntimeError, the AUTH signer's own faults: as `query`.
         """
         if not filters or not all(isinstance(f, Mapping) for f in filters):
             raise ValueError("subscribe needs at least one filter, each a mapping")

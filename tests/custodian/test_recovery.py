@@ -266,3 +266,36 @@ async def test_a_create_whose_mint_is_made_after_its_lookup_is_not_failed(
     assert again["status"] == "succeeded", again
     assert again["outcome"]["agentPubkey"] == made.pubkey
     assert [r.pubkey for r in _under(broker, f"{requester}/{request_id}")] == [made.pubkey]
+
+
+async def test_an_auth_the_custodian_cannot_sign_is_internal_not_the_relays_refusal(
+        broker: BrokerHarness, custodian: CustodianProcess) -> None:
+    """The custodian dies while the daemon signs a relay's NIP-42 AUTH for an agent with no
+    relay session yet: that is the host's custody, as when it dies signing the event, so
+    `failed` + `internal` (before: `action_failed`, "the relay could not be read" for a
+    reply's parent lookup and "auth-required: ... (AUTH not signed: CustodianUnavailable)"
+    for a post), and a retry once it is back succeeds."""
+    channel = str(uuid.uuid4())
+    author = await broker.human_owned_agent("author")
+    posted = await broker.call(broker.credential(author, [channel]), "message.post",
+                               {"channelId": channel, "content": "parent"})
+    assert posted["status"] == "succeeded", posted
+    poster, replier = await broker.human_owned_agent("poster"), await broker.human_owned_agent("replier")
+    # Dies doing its first AUTH: the post's event is signed, its AUTH is not.
+    custodian.start(kill_after="sign_auth")
+    post_id = str(uuid.uuid4())
+    post_args = {"channelId": channel, "content": "fresh connection"}
+    post_credential = broker.credential(poster, [channel])
+    answers = [await broker.call(post_credential, "message.post", post_args,
+                                 request_id=post_id)]
+    assert "custodian.kill step=sign_auth" in custodian.stderr.read_text()
+    answers.append(await broker.call(
+        broker.credential(replier, [channel]), "message.reply",
+        {"channelId": channel, "replyToEventId": posted["outcome"]["eventId"],
+         "content": "fresh connection"}))
+    for envelope in answers:
+        assert (envelope["status"], envelope["error"]["code"]) == ("failed", "internal"), envelope
+    custodian.start()
+    again = await broker.call(post_credential, "message.post", post_args, request_id=post_id)
+    assert (again["status"], again["error"]["code"], again.get("replayed")) == (
+        "failed", "internal", True), again  # recorded, as a signing fault's is
