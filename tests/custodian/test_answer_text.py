@@ -6,57 +6,24 @@ custodian of this build never sends one (its encoder writes UTF-8)."""
 
 from __future__ import annotations
 
-import socket
-import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from custody.custodian import messages
 from custody.custodian.client import CustodianClient, CustodianUnavailable
+from tests.fixtures.custodian import answering_peer
 
 PK = "ab" * 32
 RECORD = ('{"pubkey":"%s","owner":"%s","auth_tag":null,"created_at":1,"deleted_at":null,'
           '"mint_ref":"ref@"}' % (PK, PK))
 
 
-@contextmanager
-def _peer(path: Path, body: bytes) -> Iterator[None]:
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(str(path))
-    server.listen()
-    server.settimeout(0.2)
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                peer, _ = server.accept()
-            except TimeoutError:
-                continue
-            with peer:
-                peer.settimeout(5)
-                header = peer.recv(messages.HEADER.size, socket.MSG_WAITALL)
-                if len(header) == messages.HEADER.size:
-                    peer.recv(messages.frame_length(header), socket.MSG_WAITALL)
-                    peer.sendall(messages.HEADER.pack(len(body)) + body)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-        server.close()
-
-
 @pytest.fixture
 def answering(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
     path = tmp_path / "custodian.sock"
-    with _peer(path, request.param):
+    with answering_peer(path, request.param):
         yield path
 
 

@@ -11,8 +11,6 @@ that fault, so no real one is started.
 from __future__ import annotations
 
 import json
-import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import pytest
 
 from custody.custodian import messages
 from custody.custodian.client import CustodianClient, CustodianUnavailable, decode_reply
+from tests.fixtures.custodian import answering_peer
 
 #: A build's table version before this one, and one after.
 OTHERS = (messages.VERSION - 1, messages.VERSION + 1)
@@ -30,35 +29,10 @@ def other_build(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tupl
     """The socket of a peer answering every request in table version `request.param`."""
     version: int = request.param
     path = tmp_path / "custodian.sock"
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(str(path))
-    server.listen()
-    server.settimeout(0.2)
-    stop = threading.Event()
     answer = json.dumps({"v": version, "error": {
         "code": "bad_message", "message": f"not a version {version} message"}}).encode()
-
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                peer, _ = server.accept()
-            except TimeoutError:
-                continue
-            with peer:
-                peer.settimeout(5)
-                header = peer.recv(messages.HEADER.size, socket.MSG_WAITALL)
-                if len(header) == messages.HEADER.size:
-                    peer.recv(messages.frame_length(header), socket.MSG_WAITALL)
-                    peer.sendall(messages.HEADER.pack(len(answer)) + answer)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
+    with answering_peer(path, answer):
         yield path, version
-    finally:
-        stop.set()
-        thread.join()
-        server.close()
 
 
 def _said(version: int) -> str:

@@ -413,7 +413,7 @@ async def test_a_batch_sqlite_rolled_back_whole_commits_none_of_it(
         reopened.close()
 
 
-def _file_bytes(path: Path) -> int:
+def file_bytes(path: Path) -> int:
     """Bytes of the file in use after a checkpoint (free pages, which SQLite reuses, not)."""
     conn = sqlite3.connect(str(path))
     try:
@@ -457,7 +457,7 @@ async def test_a_published_record_costs_on_disk_about_what_the_cap_counts(
         ledger = Ledger.open(path, retention_seconds=3600, clock=Clock())
         try:
             await _record(ledger, "warm-up", b"{}")  # the tables and the principal exist
-            before, counted_before = _file_bytes(path), ledger.usage(AGENT)
+            before, counted_before = file_bytes(path), ledger.usage(AGENT)
             for i in range(n):
                 request_id = f"r-{i}"
                 begun = await ledger.begin(LedgerKey(AGENT, request_id),
@@ -471,7 +471,7 @@ async def test_a_published_record_costs_on_disk_about_what_the_cap_counts(
             counted = (ledger.usage(AGENT) - counted_before) / n
         finally:
             ledger.close()
-        measured[shape] = ((_file_bytes(path) - before) / n, counted)
+        measured[shape] = ((file_bytes(path) - before) / n, counted)
     for shape, (disk, counted) in measured.items():
         print(f"\n{shape}: {disk:.0f} bytes of file a record, {counted:.0f} counted"
               f" ({disk / counted:.2f}x)")

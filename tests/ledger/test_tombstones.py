@@ -14,10 +14,10 @@
 from __future__ import annotations
 
 import hashlib
-import sqlite3
 from pathlib import Path
 
 from buzzwire.contract import ErrorCode, Status
+from tests.ledger.test_ledger_disk import file_bytes
 from daemon.state.ledger import (
     ROW_BYTES,
     STALE_FACTOR,
@@ -146,31 +146,20 @@ async def test_a_tombstone_costs_tens_of_bytes(tmp_path: Path) -> None:
     ledger = open_ledger(path, clock)
     n = 20_000
 
-    def size() -> int:
-        conn = sqlite3.connect(str(path))
-        try:
-            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            pages = conn.execute("PRAGMA page_count").fetchone()[0]
-            free = conn.execute("PRAGMA freelist_count").fetchone()[0]
-            page = conn.execute("PRAGMA page_size").fetchone()[0]
-            return int((pages - free) * page)
-        finally:
-            conn.close()
-
     for i in range(50):  # the tables and the principal exist
         begun = await ledger.begin(LedgerKey(AGENT, f"w-{i}"), digest(b"w"))
         assert isinstance(begun, Fresh)
         await ledger.finish(begun.ticket, b'{"ok":1}', Status.SUCCEEDED, tombstone=True)
     clock.t += RETENTION + 1
     await ledger.sweep(int(clock.t))
-    before = size()
+    before = file_bytes(path)
     for i in range(n):
         begun = await ledger.begin(LedgerKey(AGENT, f"post-{i}"), digest(str(i).encode()))
         assert isinstance(begun, Fresh)
         await ledger.finish(begun.ticket, b'{"ok":1}', Status.SUCCEEDED, tombstone=True)
     clock.t += RETENTION + 1
     assert await ledger.sweep(int(clock.t)) == n
-    per_tombstone = (size() - before) / n
+    per_tombstone = (file_bytes(path) - before) / n
     ledger.close()
     print(f"\ndisk per tombstone: {per_tombstone:.1f} bytes ({n} tombstones)")
     assert per_tombstone <= TOMBSTONE_BYTES
