@@ -287,6 +287,9 @@ class ObserverConfig:
     #: the largest signed event (its JSON) the relay takes: a frame whose event is larger
     #: is not counted
     max_event_bytes: int = 65_536
+    #: one agent's events handed to the relay per minute at most, evenly spaced: they
+    #: count against its own relay quotas, which its posts and live signals need too
+    publish_per_minute_per_agent: int = 30
 
 
 #: The [observer] defaults, as `_KEYS` spells them (kept equal by tests/test_config.py).
@@ -768,8 +771,8 @@ _KEYS: tuple[_Key, ...] = (
     _Key("metrics", METRICS_OPT_IN, METRICS_OPT_IN, _bool, False),
     # [observer] (issue 23): 32 MiB holds ~360 of the largest events (a 64 KiB payload is
     # ~88 KiB once encrypted, base64'd and signed); a share of 2 MiB lets sixteen agents
-    # flood at once before the total binds. 50 a second keeps telemetry well below what
-    # a relay's per-connection limits allow; 8 in flight hides one OK round trip.
+    # flood at once before the total binds. 50 a second is all agents together (each agent's
+    # own quotas are `publish_per_minute_per_agent`'s); 8 in flight hides one OK round trip.
     _Key("observer", "max_queued_bytes", "max_queued_bytes", _Integer(65536, MAX_BYTES),
          32 * 1024 * 1024),
     _Key("observer", "max_queued_bytes_per_credential", "max_queued_bytes_per_credential",
@@ -779,6 +782,14 @@ _KEYS: tuple[_Key, ...] = (
     # What strfry and nostr-sdk's LocalRelay accept by default (measured on LocalRelay:
     # 65,536 bytes of event JSON, one more is refused); raise it for a relay that takes more.
     _Key("observer", "max_event_bytes", "max_event_bytes", _Integer(4096, MAX_BYTES), 65_536),
+    # Buzz's relay counts every EVENT of a pubkey (kind 24200 included) against that
+    # pubkey's quotas: 120 a minute for an agent (RateLimitConfig
+    # agent_standard_messages_per_min) and 10 a second with its REQs (human_ws_events_per_sec,
+    # as 50 in any 5 s). Past them it answers a NOTICE and no OK. 30 a minute, one every
+    # 2 s, leaves 90 a minute and 9.5 a second of them to the agent's own posts, typing,
+    # presence and reads; a relay without such quotas can take more.
+    _Key("observer", "publish_per_minute_per_agent", "publish_per_minute_per_agent",
+         _Integer(1, 600_000), 30),
     _Key("custody", "custodian_socket", "custodian_socket", _socket_path(_optional_path), ""),
     # The custodian's own range ([custodian] max_records): a keystore past MAX_RECORDS could
     # not be served by a custodian later, whose `agents` answer carries every record.

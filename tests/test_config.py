@@ -101,6 +101,7 @@ max_queued_bytes_per_credential = 131072
 publish_per_second = 5
 max_in_flight = 2
 max_event_bytes = 131072
+publish_per_minute_per_agent = 12
 
 [custody]
 custodian_socket = "/run/bb/custodian.sock"
@@ -159,6 +160,7 @@ EXPECTED: dict[tuple[str, str], object] = {
     ("observer", "publish_per_second"): 5,
     ("observer", "max_in_flight"): 2,
     ("observer", "max_event_bytes"): 131_072,
+    ("observer", "publish_per_minute_per_agent"): 12,
     ("custody", "custodian_socket"): "/run/bb/custodian.sock",
     ("custody", "max_records"): 7000,
 }
@@ -217,6 +219,7 @@ DEFAULTS: dict[tuple[str, str], object] = {
     ("observer", "publish_per_second"): 50,
     ("observer", "max_in_flight"): 8,
     ("observer", "max_event_bytes"): 65_536,
+    ("observer", "publish_per_minute_per_agent"): 30,
     ("custody", "custodian_socket"): None,
     ("custody", "max_records"): 5000,
 }

@@ -20,7 +20,7 @@ import trio.testing
 from buzzwire.nostr import SignedEvent
 from daemon.config import ObserverConfig
 from daemon.pipeline.observer import ObserverQueue
-from daemon.relay.pool import Accepted, PublishResult, Rejected
+from daemon.relay.pool import Accepted, PublishResult, Rejected, Unknown
 from daemon.relay.protocol import encode_event
 from daemon.state.observer_seq import BLOCK, ObserverSeq
 from tests.fixtures.relay import TestKey, signed
@@ -36,19 +36,28 @@ SIZE = len(encode_event(event()).encode())
 
 
 def config(*, total: int, share: int, rate: int = 1000, in_flight: int = 4,
-           event_bytes: int = 65_536) -> ObserverConfig:
+           event_bytes: int = 65_536, per_agent: int = 60_000) -> ObserverConfig:
     return ObserverConfig(max_queued_bytes=total, max_queued_bytes_per_credential=share,
                           publish_per_second=rate, max_in_flight=in_flight,
-                          max_event_bytes=event_bytes)
+                          max_event_bytes=event_bytes,
+                          publish_per_minute_per_agent=per_agent)
 
 
 class Relay:
-    def __init__(self, answer: PublishResult = Accepted(duplicate=False, message="")) -> None:
+    def __init__(self, answer: PublishResult = Accepted(duplicate=False, message=""),
+                 silent: frozenset[str] = frozenset(), ok_timeout: float = 10.0) -> None:
         self.sent: list[tuple[str, str]] = []  # (agent, content)
+        self.at: list[tuple[str, float]] = []  # (agent, trio time handed over)
         self.answer = answer
+        #: agents whose frames get no OK (Buzz's rate-limit NOTICE): answered at the timeout
+        self.silent, self.ok_timeout = silent, ok_timeout
 
     async def publish(self, agent: str, ev: SignedEvent) -> PublishResult:
         self.sent.append((agent, ev.content))
+        self.at.append((agent, trio.current_time()))
+        if agent in self.silent:
+            await trio.sleep(self.ok_timeout)
+            return Unknown(reason="no OK")
         return self.answer
 
 
@@ -165,6 +174,52 @@ async def test_credentials_take_turns(autojump_clock: trio.testing.MockClock) ->
         nursery.cancel_scope.cancel()
     # The quiet credential's two events go out within the first rounds, not after 50.
     assert [c for _, c in relay.sent[:4]] == ["a0", "b0", "a1", "b1"]
+
+
+async def test_one_agent_never_gets_more_than_its_rate_and_others_go_on(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Buzz counts kind 24200 frames against their author's own quotas (120 events a minute
+    for an agent, 10 a second with its REQs): the pacer hands the relay one agent's frames
+    no faster than `publish_per_minute_per_agent`, evenly spaced, whatever its backlog,
+    and another agent's frames do not wait behind them."""
+    relay = Relay()
+    queue = ObserverQueue(config(total=10**6, share=10**6, rate=50, per_agent=30), relay.publish)
+    queue.hold(("a", "r"), "flood", "a", [event(f"a{i}") for i in range(100)])
+    queue.settle(("a", "r"), keep=True)
+    queue.hold(("b", "r"), "other", "b", [event(f"b{i}") for i in range(3)])
+    queue.settle(("b", "r"), keep=True)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        await trio.sleep(120)
+        nursery.cancel_scope.cancel()
+    a_times = [t for agent, t in relay.at if agent == "a"]
+    assert 59 <= len(a_times) <= 61  # two minutes at 30 a minute, not 100 at once
+    assert all(later - earlier >= 2.0 - 1e-9 for earlier, later in zip(a_times, a_times[1:]))
+    for start in a_times:  # no 60 s window holds more than the rate (and its edge)
+        assert sum(start <= t < start + 60 for t in a_times) <= 30
+    # The other agent's three frames went out at its own pace, not after agent a's backlog.
+    assert [t for agent, t in relay.at if agent == "b"][-1] <= 4.5
+
+
+async def test_an_agent_without_oks_holds_at_most_one_slot(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An agent over Buzz's quota gets a NOTICE and no OK, so its frame waits out the OK
+    timeout: it keeps one of `max_in_flight` slots at most, and the others' frames go on."""
+    relay = Relay(silent=frozenset({"a"}), ok_timeout=10.0)
+    queue = ObserverQueue(config(total=10**6, share=10**6, rate=50, in_flight=2, per_agent=600),
+                          relay.publish)
+    queue.hold(("a", "r"), "limited", "a", [event(f"a{i}") for i in range(20)])
+    queue.settle(("a", "r"), keep=True)
+    queue.hold(("b", "r"), "fine", "b", [event(f"b{i}") for i in range(10)])
+    queue.settle(("b", "r"), keep=True)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        await trio.sleep(5)
+        nursery.cancel_scope.cancel()
+    assert [c for agent, c in relay.sent if agent == "a"] == ["a0"]
+    assert len([c for agent, c in relay.sent if agent == "b"]) == 10
 
 
 async def test_a_refused_event_is_dropped_and_its_bytes_freed() -> None:

@@ -33,6 +33,14 @@ Theory of operation (NIP-BA "Live signals"; issue 23 item 3):
 - Paced and fair: `run` hands at most `publish_per_second` events a second to the relay,
   at most `max_in_flight` awaiting their OK at once, taking one event per credential in
   turn (round robin), so a credential with a deep queue waits its turn like the others.
+- Within its agent's relay quotas: a relay such as Buzz's counts these events against
+  their author's own quotas (every EVENT of the pubkey, its posts and typing too), and
+  answers one past them with a NOTICE and no OK. So one agent's events go out no faster
+  than `publish_per_minute_per_agent`, evenly spaced (`_Pace`), and with at most one of
+  them awaiting its OK: an agent whose frames get no OK keeps one `max_in_flight` slot,
+  not all of them, and the others' events go on. A credential whose next event's agent
+  must wait is passed over for the turn; its events wait in its share, and past the
+  share observer.emit admits no more (the rule above), nothing is dropped for the pace.
 - Best effort after intake: a relay refusal, no OK or no connection drops the event (an
   operator log line, no content, and a metric); nothing is retried. A relay that refuses
   every frame would make that `publish_per_second` lines a second: `_LINES`, one a
@@ -51,6 +59,7 @@ credential's share.
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -130,6 +139,7 @@ class ObserverQueue:
         self._reserved: dict[HoldKey, tuple[str, int]] = {}
         self._turns: deque[str] = deque()  # credentials with ready events, in turn order
         self._total = 0
+        self._pace = _Pace(60.0 / config.publish_per_minute_per_agent)
         self._wake = trio.Event()
         self.counts = _Counts()
         self._lines = FaultLogs(_log, _LINES)
@@ -280,12 +290,16 @@ class ObserverQueue:
         if not share.bytes and not share.ready:
             del self._shares[item.credential_id]
 
-    def _next(self) -> _Item | None:
-        """The next event in round-robin order over the credentials with events ready."""
-        while self._turns:
+    def _next(self, now: float = math.inf) -> _Item | None:
+        """The next event in round-robin order over the credentials with events ready,
+        passing over one whose next event's agent may not publish at `now` (`_Pace`)."""
+        for _ in range(len(self._turns)):
             credential_id = self._turns.popleft()
             share = self._shares.get(credential_id)
             if share is None or not share.ready:
+                continue
+            if not self._pace.may_publish(share.ready[0].agent, now):
+                self._turns.append(credential_id)  # its turn comes round again
                 continue
             item = share.ready.popleft()
             if share.ready:
@@ -302,12 +316,18 @@ class ObserverQueue:
         async with trio.open_nursery() as nursery:
             task_status.started()
             while True:
-                item = self._next()
+                now = trio.current_time()
+                item = self._next(now)
                 if item is None:
+                    # Woken by `settle`, by an OK that frees an agent, or when the next
+                    # agent's spacing has passed.
                     self._wake = trio.Event()
-                    await self._wake.wait()
+                    with trio.move_on_at(self._pace.next_due(now)):
+                        await self._wake.wait()
                     continue
                 await in_flight.acquire_on_behalf_of(item)
+                # Spaced from when it is handed over, after any wait for a slot.
+                self._pace.published(item.agent, trio.current_time())
                 nursery.start_soon(self._send, item, in_flight)
                 await trio.sleep(interval)
 
@@ -333,6 +353,37 @@ class ObserverQueue:
         finally:
             self._release(item)
             in_flight.release_on_behalf_of(item)
+            self._pace.answered(item.agent)
+            self._wake.set()
+
+
+class _Pace:
+    """Per agent: when its next event may go to the relay, and whether one awaits its OK.
+
+    Holds only agents with an event in flight or handed over within the last interval
+    (`next_due` forgets the others), so at most the agents publishing now."""
+
+    def __init__(self, interval: float) -> None:
+        self._interval = interval
+        self._due: dict[str, float] = {}  # agent -> earliest time of its next event
+        self._awaiting: set[str] = set()  # agents with an event awaiting its OK
+
+    def may_publish(self, agent: str, now: float) -> bool:
+        return agent not in self._awaiting and self._due.get(agent, -math.inf) <= now
+
+    def published(self, agent: str, now: float) -> None:
+        self._due[agent] = now + self._interval
+        self._awaiting.add(agent)
+
+    def answered(self, agent: str) -> None:
+        self._awaiting.discard(agent)
+
+    def next_due(self, now: float) -> float:
+        """The earliest time a paced agent may publish again (inf: none is waiting for
+        its spacing); forgets the agents whose spacing has passed."""
+        for agent in [a for a, due in self._due.items() if due <= now]:
+            del self._due[agent]
+        return min(self._due.values(), default=math.inf)
 
 
 @dataclass(frozen=True, slots=True)
