@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -160,13 +161,16 @@ async def test_held_events_never_reach_the_relay_until_settled() -> None:
     assert queue.queued_bytes == 0
 
 
+def _ready(queue: ObserverQueue, agent: str, credential: str, events: list[Any]) -> None:
+    """`events` of `agent` held under `credential` by one request, kept: ready to publish."""
+    queue.hold((agent, "r"), credential, agent, events)
+    queue.settle((agent, "r"), keep=True)
+
 async def test_credentials_take_turns(autojump_clock: trio.testing.MockClock) -> None:
     relay = Relay()
     queue = ObserverQueue(config(total=10**6, share=10**6, rate=10, in_flight=1), relay.publish)
-    queue.hold(("a", "r"), "flood", "a", [event(f"a{i}") for i in range(50)])
-    queue.settle(("a", "r"), keep=True)
-    queue.hold(("b", "r"), "quiet", "b", [event(f"b{i}") for i in range(2)])
-    queue.settle(("b", "r"), keep=True)
+    _ready(queue, "a", "flood", [event(f"a{i}") for i in range(50)])
+    _ready(queue, "b", "quiet", [event(f"b{i}") for i in range(2)])
     async with trio.open_nursery() as nursery:
         await nursery.start(queue.run)
         while len(relay.sent) < 6:
@@ -185,10 +189,8 @@ async def test_one_agent_never_gets_more_than_its_rate_and_others_go_on(
     and another agent's frames do not wait behind them."""
     relay = Relay()
     queue = ObserverQueue(config(total=10**6, share=10**6, rate=50, per_agent=30), relay.publish)
-    queue.hold(("a", "r"), "flood", "a", [event(f"a{i}") for i in range(100)])
-    queue.settle(("a", "r"), keep=True)
-    queue.hold(("b", "r"), "other", "b", [event(f"b{i}") for i in range(3)])
-    queue.settle(("b", "r"), keep=True)
+    _ready(queue, "a", "flood", [event(f"a{i}") for i in range(100)])
+    _ready(queue, "b", "other", [event(f"b{i}") for i in range(3)])
     async with trio.open_nursery() as nursery:
         await nursery.start(queue.run)
         await trio.sleep(120)
@@ -210,10 +212,8 @@ async def test_an_agent_without_oks_holds_at_most_one_slot(
     relay = Relay(silent=frozenset({"a"}), ok_timeout=10.0)
     queue = ObserverQueue(config(total=10**6, share=10**6, rate=50, in_flight=2, per_agent=600),
                           relay.publish)
-    queue.hold(("a", "r"), "limited", "a", [event(f"a{i}") for i in range(20)])
-    queue.settle(("a", "r"), keep=True)
-    queue.hold(("b", "r"), "fine", "b", [event(f"b{i}") for i in range(10)])
-    queue.settle(("b", "r"), keep=True)
+    _ready(queue, "a", "limited", [event(f"a{i}") for i in range(20)])
+    _ready(queue, "b", "fine", [event(f"b{i}") for i in range(10)])
     async with trio.open_nursery() as nursery:
         await nursery.start(queue.run)
         await trio.sleep(5)
@@ -225,8 +225,7 @@ async def test_an_agent_without_oks_holds_at_most_one_slot(
 async def test_a_refused_event_is_dropped_and_its_bytes_freed() -> None:
     relay = Relay(Rejected(reason="blocked: too many"))
     queue = ObserverQueue(config(total=10**6, share=10**6), relay.publish)
-    queue.hold(("a", "r"), "c", "a", [event()])
-    queue.settle(("a", "r"), keep=True)
+    _ready(queue, "a", "c", [event()])
     async with trio.open_nursery() as nursery:
         await nursery.start(queue.run)
         while not queue.counts.failed:
@@ -243,8 +242,7 @@ async def test_a_relay_that_refuses_every_frame_costs_the_log_a_line(
     caplog.set_level(logging.INFO, logger="buzz_broker.observer")
     relay = Relay(Rejected(reason="blocked: too many"))
     queue = ObserverQueue(config(total=10**6, share=10**6), relay.publish)
-    queue.hold(("a", "r"), "c", "a", [event() for _ in range(30)])
-    queue.settle(("a", "r"), keep=True)
+    _ready(queue, "a", "c", [event() for _ in range(30)])
     async with trio.open_nursery() as nursery:
         await nursery.start(queue.run)
         while queue.counts.failed < 30:
